@@ -1,0 +1,318 @@
+//! The engine lifecycle state machine: create -> load -> finalize -> forward / refit.
+//!
+//! Every wrong order is a `Status::State` error naming the call and the current phase.
+//! Everything the engine owns (weights, per-slot state) is allocated in [`Engine::create`]
+//! at its final address; later calls only write in place.
+
+use std::path::{Path, PathBuf};
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result, Status};
+use crate::reference::CpuBackend;
+use crate::weights::store::WeightStore;
+use crate::weights::{self, HostDtype};
+
+/// `numerics` create option (DESIGN.md §4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Numerics {
+    /// No precision simulation: parity with transformers in fp32.
+    Exact,
+    /// The official FP8/FP4 simulations (MODEL.md §3.4, §12).
+    Official,
+}
+
+/// `weight_format` create option (DESIGN.md §4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    AsStored,
+    Bf16,
+    Quantize,
+}
+
+/// `dsv4_load` format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadFormat {
+    /// Safetensors if `source` names a checkpoint, error otherwise.
+    Auto,
+    Safetensors,
+    /// Deterministic small values; no files read.
+    Dummy,
+}
+
+/// Where the model config comes from at create.
+#[derive(Clone, Debug)]
+pub enum ConfigSource {
+    /// A `config.json` file or a directory containing one.
+    Path(PathBuf),
+    /// The JSON text itself.
+    Json(String),
+    /// The embedded tiny demo model.
+    TinyDefault,
+}
+
+/// Capacities and options fixed at create.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// -1 = CPU reference backend, >= 0 = CUDA device ordinal.
+    pub device: i32,
+    pub max_num_seqs: usize,
+    pub max_num_tokens: usize,
+    pub max_seq_len: usize,
+    /// Worker threads of the CPU backend (0 = all cores).
+    pub num_threads: usize,
+    pub numerics: Numerics,
+    pub weight_format: WeightFormat,
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            device: -1,
+            max_num_seqs: 8,
+            max_num_tokens: 512,
+            max_seq_len: 4096,
+            num_threads: 0,
+            numerics: Numerics::Official,
+            weight_format: WeightFormat::AsStored,
+            cache_dir: None,
+        }
+    }
+}
+
+/// One named weight update (load_tensor / refit), from host memory.
+pub struct TensorUpdate<'a> {
+    pub name: &'a str,
+    pub dtype: HostDtype,
+    pub shape: &'a [usize],
+    pub data: &'a [u8],
+}
+
+/// Caller-owned logits output.
+pub enum LogitsOut<'a> {
+    F32(&'a mut [f32]),
+    /// bfloat16 bit patterns.
+    Bf16(&'a mut [u16]),
+}
+
+impl LogitsOut<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            LogitsOut::F32(v) => v.len(),
+            LogitsOut::Bf16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One forward step (DESIGN.md §3); host slices for the CPU backend.
+pub struct Batch<'a> {
+    pub token_ids: &'a [i32],
+    pub positions: &'a [i32],
+    pub seq_slots: &'a [i32],
+    /// `num_seqs + 1` offsets into the token arrays.
+    pub query_start: &'a [i32],
+    /// Rows that produce logits; None = every token.
+    pub logits_rows: Option<&'a [i32]>,
+    pub logits: LogitsOut<'a>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Created: buffers allocated, weights not (fully) loaded.
+    Created,
+    /// Every weight has a value; derived buffers may be stale.
+    Loaded,
+    /// Finalized: forward and refit allowed.
+    Ready,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Created => "created (weights not loaded)",
+            Phase::Loaded => "loaded (not finalized)",
+            Phase::Ready => "ready (finalized)",
+        }
+    }
+}
+
+pub struct Engine {
+    cfg: ModelConfig,
+    opts: EngineOptions,
+    weights: WeightStore,
+    /// Which weights have received a value (load, load_tensor or dummy).
+    loaded: Vec<bool>,
+    backend: CpuBackend,
+    phase: Phase,
+}
+
+impl Engine {
+    /// Parses the config, picks the backend and allocates everything at its final address.
+    pub fn create(source: ConfigSource, opts: EngineOptions) -> Result<Engine> {
+        let cfg = match &source {
+            ConfigSource::Path(p) => ModelConfig::from_path(p)?,
+            ConfigSource::Json(t) => ModelConfig::from_json_str(t)?,
+            ConfigSource::TinyDefault => ModelConfig::tiny_default(),
+        };
+        validate_options(&cfg, &opts)?;
+        if opts.device >= 0 {
+            // The CUDA backend is not built yet; report the device situation precisely.
+            crate::cuda::require_device(opts.device)?;
+            return Err(Error::new(
+                Status::Unsupported,
+                format!("device = {}: the CUDA backend is not available in this build yet; use device = -1 (CPU)", opts.device),
+            ));
+        }
+        if opts.numerics == Numerics::Official {
+            crate::log::warn("numerics = official is not implemented by the CPU reference yet; running exact math");
+        }
+        let weights = WeightStore::allocate(&cfg)?;
+        let loaded = vec![false; weights.len()];
+        let backend = CpuBackend::new(&cfg, &opts, &weights)?;
+        Ok(Engine { cfg, opts, weights, loaded, backend, phase: Phase::Created })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn options(&self) -> &EngineOptions {
+        &self.opts
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    pub fn weights(&self) -> &WeightStore {
+        &self.weights
+    }
+
+    pub fn backend(&self) -> &CpuBackend {
+        &self.backend
+    }
+
+    fn expect_phase(&self, call: &str, allowed: &[Phase]) -> Result<()> {
+        if allowed.contains(&self.phase) {
+            return Ok(());
+        }
+        let hint = match self.phase {
+            Phase::Created => "load weights and call dsv4_finalize first",
+            Phase::Loaded => "call dsv4_finalize first",
+            Phase::Ready => "the engine is finalized: use dsv4_refit to change weights",
+        };
+        Err(Error::new(Status::State, format!("{call} is not allowed: engine is {} ({hint})", self.phase.name())))
+    }
+
+    /// Loads every weight from a checkpoint directory/file, or fills dummy values.
+    pub fn load(&mut self, source: Option<&Path>, format: LoadFormat) -> Result<()> {
+        self.expect_phase("dsv4_load", &[Phase::Created, Phase::Loaded])?;
+        match format {
+            LoadFormat::Dummy => weights::dummy::fill_dummy(&mut self.weights, &self.cfg, 0x5EED_D5F4),
+            LoadFormat::Auto | LoadFormat::Safetensors => {
+                let path = source.ok_or_else(|| {
+                    Error::new(Status::NullPointer, "dsv4_load: `source` is NULL but the format needs a checkpoint path")
+                })?;
+                weights::load::load_checkpoint(&mut self.weights, &self.cfg, path)?;
+            }
+        }
+        self.loaded.iter_mut().for_each(|l| *l = true);
+        self.phase = Phase::Loaded;
+        Ok(())
+    }
+
+    /// Loads one named weight (streaming hosts). Allowed before finalize.
+    pub fn load_tensor(&mut self, update: &TensorUpdate) -> Result<()> {
+        self.expect_phase("dsv4_load_tensor", &[Phase::Created, Phase::Loaded])?;
+        let i = weights::load::write_update(&mut self.weights, update.name, update.dtype, update.shape, update.data)?;
+        self.loaded[i] = true;
+        if self.loaded.iter().all(|&l| l) {
+            self.phase = Phase::Loaded;
+        }
+        Ok(())
+    }
+
+    /// Rebuilds derived buffers and makes the engine runnable. Idempotent.
+    pub fn finalize(&mut self) -> Result<()> {
+        match self.phase {
+            Phase::Ready => return Ok(()),
+            Phase::Loaded => {}
+            Phase::Created => {
+                let missing = self.loaded.iter().position(|&l| !l);
+                let name = missing.map(|i| self.weights.tensor(i).spec.name.clone()).unwrap_or_default();
+                let count = self.loaded.iter().filter(|&&l| !l).count();
+                return Err(Error::new(
+                    Status::State,
+                    format!("dsv4_finalize: {count} weights have no value yet (first: `{name}`); call dsv4_load first"),
+                ));
+            }
+        }
+        self.backend.finalize(&self.weights)?;
+        self.phase = Phase::Ready;
+        Ok(())
+    }
+
+    /// Runs one batch; see DESIGN.md §3.
+    pub fn forward(&mut self, batch: &mut Batch) -> Result<()> {
+        self.expect_phase("dsv4_forward", &[Phase::Ready])?;
+        self.backend.forward(&self.weights, batch)
+    }
+
+    /// Replaces named weights in place. All entries are validated before any is written.
+    pub fn refit(&mut self, updates: &[TensorUpdate]) -> Result<()> {
+        self.expect_phase("dsv4_refit", &[Phase::Ready])?;
+        for (k, u) in updates.iter().enumerate() {
+            weights::load::check_update(&self.weights, u.name, u.dtype, u.shape, u.data)
+                .map_err(|e| e.context(format!("refit entry {k}")))?;
+        }
+        let mut seen = std::collections::HashSet::new();
+        for u in updates {
+            if !seen.insert(u.name) {
+                return Err(Error::new(Status::InvalidArgument, format!("refit names weight `{}` twice", u.name)));
+            }
+        }
+        for u in updates {
+            weights::load::write_update(&mut self.weights, u.name, u.dtype, u.shape, u.data)?;
+        }
+        self.backend.finalize(&self.weights)
+    }
+
+    /// Forgets the state of `slot`; its next sequence must start at position 0.
+    pub fn release_slot(&mut self, slot: i64) -> Result<()> {
+        if slot < 0 || slot as usize >= self.opts.max_num_seqs {
+            return Err(Error::new(
+                Status::InvalidArgument,
+                format!("slot {slot} is out of range [0, max_num_seqs = {})", self.opts.max_num_seqs),
+            ));
+        }
+        self.backend.release_slot(slot as usize);
+        Ok(())
+    }
+}
+
+fn validate_options(cfg: &ModelConfig, o: &EngineOptions) -> Result<()> {
+    let bad = |what: &str| Err(Error::new(Status::InvalidArgument, what.to_string()));
+    if o.max_num_seqs == 0 || o.max_num_seqs > 1 << 16 {
+        return bad(&format!("max_num_seqs = {} must be in [1, 65536]", o.max_num_seqs));
+    }
+    if o.max_num_tokens == 0 || o.max_num_tokens > 1 << 24 {
+        return bad(&format!("max_num_tokens = {} must be in [1, 2^24]", o.max_num_tokens));
+    }
+    if o.max_seq_len == 0 || o.max_seq_len > cfg.max_position_embeddings {
+        return bad(&format!(
+            "max_seq_len = {} must be in [1, max_position_embeddings = {}]",
+            o.max_seq_len, cfg.max_position_embeddings
+        ));
+    }
+    if o.max_seq_len > i32::MAX as usize {
+        return bad("max_seq_len must fit in int32");
+    }
+    if o.device < -1 {
+        return bad(&format!("device = {} must be -1 (CPU) or a CUDA ordinal >= 0", o.device));
+    }
+    Ok(())
+}

@@ -1,0 +1,19 @@
+//! dsv4: a DeepSeek-V4 inference engine behind a C ABI.
+//!
+//! Data flows one way: `ffi` -> `engine` -> (`reference` | `cuda`). The C ABI lives only in
+//! `ffi`; everything below it speaks Rust types and [`error::Error`].
+
+pub mod config;
+pub mod cuda;
+pub mod engine;
+pub mod error;
+pub mod ffi;
+pub mod log;
+pub mod model;
+pub mod reference;
+pub mod state;
+pub mod weights;
+
+pub use config::ModelConfig;
+pub use engine::{Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, TensorUpdate, WeightFormat};
+pub use error::{Error, Result, Status};

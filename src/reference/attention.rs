@@ -1,0 +1,210 @@
+//! One attention sub-block on the CPU (MODEL.md §6): q-LoRA + per-head q norm + RoPE,
+//! shared K=V window vector, compressors, lightning indexer, one softmax over window and
+//! compressed keys with a per-head sink, inverse RoPE, grouped output projection.
+//!
+//! Per sequence the order is: compress every token of the chunk into the slot's entry
+//! lists (entries become visible by the w < floor((p+1)/r) rule), attend for every token
+//! (window keys from the ring for past chunks, from this chunk otherwise), then move the
+//! chunk's last W window vectors into the ring.
+
+use super::compressor;
+use super::ops::{Threads, dot, linear, rms_norm, top_k};
+use crate::config::{AttnKind, ModelConfig};
+use crate::model::batch::SeqRange;
+use crate::model::rope;
+use crate::model::{CompressorWeights, LayerWeights};
+use crate::state::{CompressorState, SlotState};
+use crate::weights::store::WeightStore;
+
+/// Per-layer constants of the forward.
+pub struct AttnCtx<'a> {
+    pub cfg: &'a ModelConfig,
+    pub w: &'a WeightStore,
+    pub lw: &'a LayerWeights,
+    pub layer: usize,
+    /// Inverse RoPE frequencies of this layer's kind.
+    pub freqs: &'a [f32],
+    pub th: Threads,
+}
+
+/// Attention output [T, D] for attn-normed input `u` [T, D].
+pub fn attention(ctx: &AttnCtx, u: &[f32], positions: &[i32], seqs: &[SeqRange], slots: &mut [SlotState]) -> Vec<f32> {
+    let (cfg, w, lw, th) = (ctx.cfg, ctx.w, ctx.lw, ctx.th);
+    let d = cfg.hidden_size;
+    let (h, hd) = (cfg.num_heads, cfg.head_dim);
+    let t = u.len() / d;
+    let eps = cfg.rms_norm_eps;
+    let pos = |i: usize| positions[i] as usize;
+
+    // Query path: qr = q_norm(u wq_a), q = per-head unit RMS of (qr wq_b), RoPE.
+    let mut qr = linear(th, u, d, w.f32(lw.wq_a));
+    rms_norm(&mut qr, cfg.q_lora_rank, Some(w.f32(lw.q_norm)), eps);
+    let mut q = linear(th, &qr, cfg.q_lora_rank, w.f32(lw.wq_b));
+    rms_norm(&mut q, hd, None, eps);
+    for (i, qt) in q.chunks_exact_mut(h * hd).enumerate() {
+        qt.chunks_exact_mut(hd).for_each(|qh| rope::apply(qh, ctx.freqs, pos(i), 1.0));
+    }
+    // Window KV: one vector per token, used as key and value.
+    let mut kv = linear(th, u, d, w.f32(lw.wkv));
+    rms_norm(&mut kv, hd, Some(w.f32(lw.kv_norm)), eps);
+    for (i, row) in kv.chunks_exact_mut(hd).enumerate() {
+        rope::apply(row, ctx.freqs, pos(i), 1.0);
+    }
+    // Compressor inputs for the whole batch (projections are per token).
+    let comp_in = lw.compressor.map(|c| (linear(th, u, d, w.f32(c.wkv)), linear(th, u, d, w.f32(c.wgate))));
+    let indexer_in = lw.indexer.map(|ix| {
+        let (di, hi) = (cfg.index_head_dim, cfg.index_n_heads);
+        let a = linear(th, u, d, w.f32(ix.compressor.wkv));
+        let z = linear(th, u, d, w.f32(ix.compressor.wgate));
+        let mut qi = linear(th, &qr, cfg.q_lora_rank, w.f32(ix.wq_b));
+        for (i, qt) in qi.chunks_exact_mut(hi * di).enumerate() {
+            qt.chunks_exact_mut(di).for_each(|qh| rope::apply(qh, ctx.freqs, pos(i), 1.0));
+        }
+        let mut weights = linear(th, u, d, w.f32(ix.weights_proj));
+        let scale = 1.0 / ((di as f32).sqrt() * (hi as f32).sqrt());
+        weights.iter_mut().for_each(|v| *v *= scale);
+        (a, z, qi, weights)
+    });
+
+    let mut o = vec![0.0f32; t * h * hd];
+    let sink = w.f32(lw.sink);
+    let win = cfg.sliding_window;
+    for s in seqs {
+        let slot = &mut slots[s.slot];
+        let ls = &mut slot.layers[ctx.layer];
+        // 1. Compress this chunk's tokens into the slot's entry lists.
+        if let (Some(cw), Some((a, z))) = (&lw.compressor, &comp_in) {
+            let st = ls.compressor.as_mut().expect("compressed layer has compressor state");
+            compress_chunk(ctx, cw, st, a, z, s, positions, &mut ls.entries);
+        }
+        if let (Some(ix), Some((a, z, _, _))) = (&lw.indexer, &indexer_in) {
+            let st = ls.index_compressor.as_mut().expect("CSA layer has indexer state");
+            compress_chunk(ctx, &ix.compressor, st, a, z, s, positions, &mut ls.index_keys);
+        }
+        // 2. Attend for every token of the chunk.
+        let mut keys: Vec<&[f32]> = Vec::with_capacity(win + cfg.index_topk.max(1));
+        for i in s.token_start..s.token_start + s.len {
+            let p = pos(i);
+            keys.clear();
+            for kp in p.saturating_sub(win - 1)..=p {
+                if kp < s.first_pos {
+                    keys.push(&ls.window[(kp % win) * hd..(kp % win + 1) * hd]);
+                } else {
+                    let ti = s.token_start + (kp - s.first_pos);
+                    keys.push(&kv[ti * hd..(ti + 1) * hd]);
+                }
+            }
+            let ratio = lw.spec.ratio;
+            if ratio > 0 {
+                let visible = (p + 1) / ratio;
+                let entry = |e: usize| &ls.entries[e * hd..(e + 1) * hd];
+                match lw.spec.attn {
+                    AttnKind::Hca => (0..visible).for_each(|e| keys.push(entry(e))),
+                    AttnKind::Csa => {
+                        let (_, _, qi, iw) = indexer_in.as_ref().expect("CSA layer has indexer inputs");
+                        let chosen = select_entries(cfg, &ls.index_keys, visible, qi, iw, i);
+                        chosen.into_iter().for_each(|e| keys.push(entry(e)));
+                    }
+                    AttnKind::Sliding => {}
+                }
+            }
+            let ot = &mut o[i * h * hd..(i + 1) * h * hd];
+            for head in 0..h {
+                let qh = &q[(i * h + head) * hd..(i * h + head + 1) * hd];
+                let oh = &mut ot[head * hd..(head + 1) * hd];
+                attend_with_sink(qh, &keys, sink[head], oh);
+                rope::apply(oh, ctx.freqs, p, -1.0);
+            }
+        }
+        // 3. Keep the chunk's last W window vectors in the ring.
+        let keep = s.len.min(win);
+        for i in s.token_start + s.len - keep..s.token_start + s.len {
+            let r = pos(i) % win;
+            ls.window[r * hd..(r + 1) * hd].copy_from_slice(&kv[i * hd..(i + 1) * hd]);
+        }
+    }
+    output_projection(ctx, &o, t)
+}
+
+/// Runs the chunk's tokens through one compressor; each completed window's entry is
+/// RMS-normalised, rotated at the window's first position and stored at its index.
+#[allow(clippy::too_many_arguments)]
+fn compress_chunk(
+    ctx: &AttnCtx,
+    cw: &CompressorWeights,
+    st: &mut CompressorState,
+    a: &[f32],
+    z: &[f32],
+    s: &SeqRange,
+    positions: &[i32],
+    store: &mut [f32],
+) {
+    let width = st.width();
+    let (dc, r) = (st.dc, st.ratio);
+    let ape = ctx.w.f32(cw.ape);
+    let norm = ctx.w.f32(cw.norm);
+    let mut entry = vec![0.0f32; dc];
+    for i in s.token_start..s.token_start + s.len {
+        let p = positions[i] as usize;
+        let row = i * width..(i + 1) * width;
+        if compressor::push(st, ape, p, &a[row.clone()], &z[row], &mut entry) {
+            rms_norm(&mut entry, dc, Some(norm), ctx.cfg.rms_norm_eps);
+            let e = p / r;
+            rope::apply(&mut entry, ctx.freqs, e * r, 1.0);
+            store[e * dc..(e + 1) * dc].copy_from_slice(&entry);
+        }
+    }
+}
+
+/// Lightning indexer for token `i`: score every visible indexer key and keep the top
+/// min(index_topk, visible), ties toward the lower entry index.
+fn select_entries(cfg: &ModelConfig, keys: &[f32], visible: usize, qi: &[f32], iw: &[f32], i: usize) -> Vec<usize> {
+    let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
+    let qt = &qi[i * hi * di..(i + 1) * hi * di];
+    let wt = &iw[i * hi..(i + 1) * hi];
+    let scores: Vec<f32> = (0..visible)
+        .map(|e| {
+            let k = &keys[e * di..(e + 1) * di];
+            (0..hi).map(|hh| wt[hh] * dot(&qt[hh * di..(hh + 1) * di], k).max(0.0)).sum()
+        })
+        .collect();
+    top_k(&scores, cfg.index_topk.min(visible))
+}
+
+/// One head: softmax over keys (scale head_dim^-1/2) with the sink logit in the
+/// denominator only; values are the keys themselves.
+fn attend_with_sink(q: &[f32], keys: &[&[f32]], sink: f32, out: &mut [f32]) {
+    let scale = 1.0 / (q.len() as f32).sqrt();
+    let logits: Vec<f32> = keys.iter().map(|k| scale * dot(q, k)).collect();
+    let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let mut den = (sink - m).exp();
+    out.iter_mut().for_each(|v| *v = 0.0);
+    for (k, l) in keys.iter().zip(&logits) {
+        let p = (l - m).exp();
+        den += p;
+        out.iter_mut().zip(k.iter()).for_each(|(o, v)| *o += p * v);
+    }
+    out.iter_mut().for_each(|v| *v /= den);
+}
+
+/// Grouped output projection: heads grouped contiguously, group g through rows
+/// g*R..(g+1)*R of wo_a, then wo_b over the concatenated groups.
+fn output_projection(ctx: &AttnCtx, o: &[f32], t: usize) -> Vec<f32> {
+    let (cfg, w, lw) = (ctx.cfg, ctx.w, ctx.lw);
+    let (g, r) = (cfg.o_groups, cfg.o_lora_rank);
+    let gin = cfg.num_heads * cfg.head_dim / g;
+    let wo_a = w.f32(lw.wo_a);
+    let mut z = vec![0.0f32; t * g * r];
+    let mut og = vec![0.0f32; t * gin];
+    for gi in 0..g {
+        for ti in 0..t {
+            let src = ti * g * gin + gi * gin;
+            og[ti * gin..(ti + 1) * gin].copy_from_slice(&o[src..src + gin]);
+        }
+        let zg = linear(ctx.th, &og, gin, &wo_a[gi * r * gin..(gi + 1) * r * gin]);
+        for ti in 0..t {
+            z[ti * g * r + gi * r..ti * g * r + (gi + 1) * r].copy_from_slice(&zg[ti * r..(ti + 1) * r]);
+        }
+    }
+    linear(ctx.th, &z, g * r, w.f32(lw.wo_b))
+}
