@@ -207,11 +207,15 @@ impl ModelConfig {
         let num_heads = f.usize_req(&["num_attention_heads", "n_heads"])?;
         let hidden_size = f.usize_req(&["hidden_size", "dim"])?;
         let head_dim = f.usize_or(&["head_dim"], 512)?;
-        let rope_dim = match f.usize_opt(&["qk_rope_head_dim", "rope_head_dim"])? {
-            Some(r) => r,
-            None => match f.f64_opt(&["partial_rotary_factor"])? {
-                Some(p) => (p * head_dim as f64).round() as usize,
-                None => 64,
+        // transformers derives the rope width from `partial_rotary_factor` when present.
+        let rope_dim = match f.f64_opt(&["partial_rotary_factor"])? {
+            Some(p) if p > 0.0 && p <= 1.0 => (p * head_dim as f64) as usize,
+            Some(p) => {
+                return Err(cfg_err(format!("config field `partial_rotary_factor` = {p} must be in (0, 1]")));
+            }
+            None => match f.usize_opt(&["qk_rope_head_dim", "rope_head_dim"])? {
+                Some(r) => r,
+                None => head_dim * 64 / 512,
             },
         };
         if let Some(kv) = f.usize_opt(&["num_key_value_heads"])? {
@@ -448,8 +452,14 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<(AttnKind, usi
                 }),
             }
         };
-        let csa = rate("compressed_sparse_attention", 4)?;
-        let hca = rate("heavily_compressed_attention", 128)?;
+        let csa = match f.usize_opt(&["compress_rate_csa"])? {
+            Some(r) => r,
+            None => rate("compressed_sparse_attention", 4)?,
+        };
+        let hca = match f.usize_opt(&["compress_rate_hca"])? {
+            Some(r) => r,
+            None => rate("heavily_compressed_attention", 128)?,
+        };
         if csa != 4 {
             return Err(cfg_err(format!(
                 "config field `compress_rates.compressed_sparse_attention` = {csa} is unsupported: CSA layers use ratio 4 (overlapping compressor)"
@@ -473,9 +483,13 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<(AttnKind, usi
             })
             .collect();
     }
-    let (key, v) = f
-        .find(&["compress_ratios"])
-        .ok_or_else(|| cfg_err("config needs `layer_types` or `compress_ratios`".into()))?;
+    let Some((key, v)) = f.find(&["compress_ratios"]) else {
+        // transformers' default schedule (V4-Pro): two HCA layers, then CSA/HCA alternating.
+        let hca = f.usize_or(&["compress_rate_hca"], 128)?;
+        return Ok((0..num_layers)
+            .map(|i| if i >= 2 && i % 2 == 1 { (AttnKind::Csa, 4) } else { (AttnKind::Hca, hca) })
+            .collect());
+    };
     let list = v.as_array().ok_or_else(|| cfg_err(format!("config field `{key}` must be a list of integers")))?;
     // Upstream configs append one entry per MTP/draft layer after the decoder layers.
     if list.len() < num_layers {
@@ -518,12 +532,8 @@ fn parse_hash_layers(f: &Fields, num_layers: usize) -> Result<Vec<bool>> {
             })
             .collect();
     }
-    let n = f.usize_or(&["num_hash_layers", "n_hash_layers"], 0)?;
-    if n > num_layers {
-        return Err(cfg_err(format!(
-            "config field `num_hash_layers` = {n} must be <= num_hidden_layers = {num_layers}"
-        )));
-    }
+    // transformers' default: the first 3 layers are hash-routed.
+    let n = f.usize_or(&["num_hash_layers", "n_hash_layers"], 3)?.min(num_layers);
     Ok((0..num_layers).map(|i| i < n).collect())
 }
 
@@ -543,15 +553,13 @@ fn parse_rope(f: &Fields) -> Result<(f64, f64, Option<Yarn>)> {
             // {"main": {...}, "compress": {...}} (keys may name layer kinds).
             for (k, v) in rp {
                 let Some(sub) = v.as_object() else { continue };
+                // The nested per-rope-type dicts win over the top-level thetas (as in transformers).
                 let t = sub.get("rope_theta").and_then(Value::as_f64);
-                let is_compress = k.contains("compress");
-                if is_compress {
-                    ctheta = ctheta.or(t);
-                    if is_yarn(sub) {
-                        scaling = Some(sub);
-                    }
+                if k.contains("compress") {
+                    ctheta = t.or(ctheta);
+                    scaling = Some(sub);
                 } else {
-                    theta = theta.or(t);
+                    theta = t.or(theta);
                 }
             }
         } else {

@@ -228,8 +228,11 @@ impl Engine {
     /// Loads one named weight (streaming hosts). Allowed before finalize.
     pub fn load_tensor(&mut self, update: &TensorUpdate) -> Result<()> {
         self.expect_phase("dsv4_load_tensor", &[Phase::Created, Phase::Loaded])?;
-        let i = weights::load::write_update(&mut self.weights, update.name, update.dtype, update.shape, update.data)?;
-        self.loaded[i] = true;
+        // One update may fill several weights (HF-native fused experts) or none (`mtp.*`).
+        let touched = weights::load::write_update(&mut self.weights, update.name, update.dtype, update.shape, update.data)?;
+        for i in touched {
+            self.loaded[i] = true;
+        }
         if self.loaded.iter().all(|&l| l) {
             self.phase = Phase::Loaded;
         }
@@ -265,14 +268,22 @@ impl Engine {
     /// Replaces named weights in place. All entries are validated before any is written.
     pub fn refit(&mut self, updates: &[TensorUpdate]) -> Result<()> {
         self.expect_phase("dsv4_refit", &[Phase::Ready])?;
+        // Two entries may name one weight through different aliases: compare canonical weights.
+        let mut seen = std::collections::HashMap::new();
         for (k, u) in updates.iter().enumerate() {
-            weights::load::check_update(&self.weights, u.name, u.dtype, u.shape, u.data)
+            let touched = weights::load::check_update(&self.weights, u.name, u.dtype, u.shape, u.data)
                 .map_err(|e| e.context(format!("refit entry {k}")))?;
-        }
-        let mut seen = std::collections::HashSet::new();
-        for u in updates {
-            if !seen.insert(u.name) {
-                return Err(Error::new(Status::InvalidArgument, format!("refit names weight `{}` twice", u.name)));
+            for i in touched {
+                if let Some(prev) = seen.insert(i, u.name) {
+                    return Err(Error::new(
+                        Status::InvalidArgument,
+                        format!(
+                            "refit entries `{prev}` and `{}` both write weight `{}`",
+                            u.name,
+                            self.weights.tensor(i).spec.name
+                        ),
+                    ));
+                }
             }
         }
         for u in updates {

@@ -1,0 +1,292 @@
+//! `dsv4` command line: demo | run | eval | bench, over the library's engine API.
+//!
+//! - `dsv4 demo` runs the embedded tiny model (dummy weights): prefill + greedy decode of a
+//!   few sequences batched together, on CUDA when present, else on the CPU reference.
+//! - `dsv4 run --model DIR --prompt 1,2,3 [--max-new N]`: greedy generation from token ids.
+//! - `dsv4 eval --model DIR --fixture FILE`: max |dlogit| against an oracle file written by
+//!   tests/fixtures/make_fixtures.py.
+//! - `dsv4 bench [--model DIR] [--tokens N]`: prefill and decode timings as JSON.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use dsv4::{Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, Status};
+
+const USAGE: &str = "usage:
+  dsv4 demo [--device cpu|cuda[:N]]
+  dsv4 run --model DIR --prompt ID,ID,... [--max-new N] [--device ...]
+  dsv4 eval --model DIR --fixture ORACLE.safetensors
+  dsv4 bench [--model DIR] [--tokens N] [--decode-steps N] [--device ...]";
+
+struct Args {
+    cmd: String,
+    flags: Vec<(String, String)>,
+}
+
+impl Args {
+    fn parse() -> Result<Args, String> {
+        let mut it = std::env::args().skip(1);
+        let cmd = it.next().ok_or(USAGE)?;
+        let mut flags = vec![];
+        while let Some(k) = it.next() {
+            let key = k.strip_prefix("--").ok_or_else(|| format!("unexpected argument `{k}`\n{USAGE}"))?;
+            let v = it.next().ok_or_else(|| format!("flag --{key} needs a value"))?;
+            flags.push((key.to_string(), v));
+        }
+        Ok(Args { cmd, flags })
+    }
+
+    fn get(&self, k: &str) -> Option<&str> {
+        self.flags.iter().find(|(f, _)| f == k).map(|(_, v)| v.as_str())
+    }
+
+    fn num(&self, k: &str, default: usize) -> Result<usize, String> {
+        self.get(k).map_or(Ok(default), |v| v.parse().map_err(|_| format!("--{k} must be a number, got `{v}`")))
+    }
+}
+
+fn device(args: &Args) -> Result<i32, String> {
+    match args.get("device") {
+        None | Some("cpu") => Ok(-1),
+        Some("cuda") => Ok(0),
+        Some(d) => d
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| format!("--device must be cpu, cuda or cuda:N, got `{d}`")),
+    }
+}
+
+fn main() -> ExitCode {
+    let result = Args::parse().and_then(|a| match a.cmd.as_str() {
+        "demo" => demo(&a),
+        "run" => run(&a),
+        "eval" => eval(&a),
+        "bench" => bench(&a),
+        "-h" | "--help" | "help" => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        other => Err(format!("unknown command `{other}`\n{USAGE}")),
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dsv4: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn err(e: dsv4::Error) -> String {
+    e.to_string()
+}
+
+/// Creates an engine on `device`, falling back to the CPU reference when CUDA is absent
+/// (demo only) and saying so.
+fn create(source: ConfigSource, mut opts: EngineOptions, allow_fallback: bool) -> Result<(Engine, String), String> {
+    match Engine::create(source.clone(), opts.clone()) {
+        Ok(e) => {
+            let name = if opts.device < 0 { "CPU reference".to_string() } else { format!("CUDA device {}", opts.device) };
+            Ok((e, name))
+        }
+        Err(e) if allow_fallback && matches!(e.status, Status::NoDevice | Status::Unsupported) => {
+            println!("CUDA unavailable ({}); using the CPU reference backend", e.message);
+            opts.device = -1;
+            Engine::create(source, opts).map(|e| (e, "CPU reference".to_string())).map_err(err)
+        }
+        Err(e) => Err(err(e)),
+    }
+}
+
+/// Greedy decoding for several sequences batched in one engine; returns generated tokens.
+fn generate(e: &mut Engine, prompts: &[Vec<i32>], max_new: usize) -> Result<(Vec<Vec<i32>>, f64, f64, usize), String> {
+    let vocab = e.config().vocab_size;
+    let argmax = |row: &[f32]| row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as i32;
+    // Prefill: all prompts in one batch, logits of each last token only.
+    let (mut toks, mut pos, mut qs, mut rows) = (vec![], vec![], vec![0i32], vec![]);
+    for p in prompts {
+        toks.extend_from_slice(p);
+        pos.extend(0..p.len() as i32);
+        qs.push(toks.len() as i32);
+        rows.push(toks.len() as i32 - 1);
+    }
+    let slots: Vec<i32> = (0..prompts.len() as i32).collect();
+    let mut logits = vec![0f32; prompts.len() * vocab];
+    let t0 = Instant::now();
+    e.forward(&mut Batch {
+        token_ids: &toks,
+        positions: &pos,
+        seq_slots: &slots,
+        query_start: &qs,
+        logits_rows: Some(&rows),
+        logits: LogitsOut::F32(&mut logits),
+    })
+    .map_err(err)?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let mut out: Vec<Vec<i32>> = logits.chunks_exact(vocab).map(|r| vec![argmax(r)]).collect();
+    // Decode: one token per sequence per step.
+    let t1 = Instant::now();
+    for step in 1..max_new {
+        let toks: Vec<i32> = out.iter().map(|o| *o.last().unwrap()).collect();
+        let pos: Vec<i32> = prompts.iter().map(|p| (p.len() + step - 1) as i32).collect();
+        let qs: Vec<i32> = (0..=prompts.len() as i32).collect();
+        e.forward(&mut Batch {
+            token_ids: &toks,
+            positions: &pos,
+            seq_slots: &slots,
+            query_start: &qs,
+            logits_rows: None,
+            logits: LogitsOut::F32(&mut logits),
+        })
+        .map_err(err)?;
+        logits.chunks_exact(vocab).zip(&mut out).for_each(|(r, o)| o.push(argmax(r)));
+    }
+    Ok((out, prefill_s, t1.elapsed().as_secs_f64(), toks.len()))
+}
+
+fn demo(a: &Args) -> Result<(), String> {
+    let opts = EngineOptions { device: device(a)?, max_num_seqs: 4, max_num_tokens: 256, max_seq_len: 512, ..Default::default() };
+    let (mut e, backend) = create(ConfigSource::TinyDefault, opts, true)?;
+    e.load(None, LoadFormat::Dummy).map_err(err)?;
+    e.finalize().map_err(err)?;
+    let c = e.config();
+    println!(
+        "dsv4 demo: embedded tiny DeepSeek-V4 ({} layers, hidden {}, {} experts top-{}, vocab {}), dummy weights, backend: {backend}",
+        c.num_layers, c.hidden_size, c.n_routed_experts, c.experts_per_tok, c.vocab_size
+    );
+    let prompts: Vec<Vec<i32>> = [37usize, 20, 53]
+        .iter()
+        .enumerate()
+        .map(|(s, &n)| (0..n).map(|i| ((i * 31 + s * 97 + 7) % c.vocab_size) as i32).collect())
+        .collect();
+    let max_new = 24;
+    let (out, prefill_s, decode_s, prefill_tokens) = generate(&mut e, &prompts, max_new)?;
+    for (s, o) in out.iter().enumerate() {
+        println!("  seq {s}: prompt {} tokens -> {:?}", prompts[s].len(), o);
+    }
+    let decoded = (max_new - 1) * prompts.len();
+    println!(
+        "prefill: {prefill_tokens} tokens in {:.1} ms ({:.0} tok/s); decode: {decoded} tokens in {:.1} ms ({:.0} tok/s, batch {})",
+        prefill_s * 1e3,
+        prefill_tokens as f64 / prefill_s,
+        decode_s * 1e3,
+        decoded as f64 / decode_s,
+        prompts.len()
+    );
+    Ok(())
+}
+
+fn model_dir(a: &Args) -> Result<PathBuf, String> {
+    a.get("model").map(PathBuf::from).ok_or_else(|| format!("--model DIR is required\n{USAGE}"))
+}
+
+fn run(a: &Args) -> Result<(), String> {
+    let dir = model_dir(a)?;
+    let prompt: Vec<i32> = a
+        .get("prompt")
+        .ok_or("--prompt ID,ID,... is required")?
+        .split(',')
+        .map(|t| t.trim().parse().map_err(|_| format!("bad token id `{t}` in --prompt")))
+        .collect::<Result<_, _>>()?;
+    let max_new = a.num("max-new", 16)?;
+    let opts = EngineOptions {
+        device: device(a)?,
+        max_num_seqs: 1,
+        max_num_tokens: prompt.len().max(1),
+        max_seq_len: prompt.len() + max_new + 1,
+        ..Default::default()
+    };
+    let (mut e, backend) = create(ConfigSource::Path(dir.clone()), opts, false)?;
+    e.load(Some(&dir), LoadFormat::Auto).map_err(err)?;
+    e.finalize().map_err(err)?;
+    let (out, _, _, _) = generate(&mut e, &[prompt], max_new)?;
+    println!("backend: {backend}");
+    println!("{}", out[0].iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
+    Ok(())
+}
+
+fn eval(a: &Args) -> Result<(), String> {
+    let dir = model_dir(a)?;
+    let fixture = a.get("fixture").ok_or("--fixture FILE is required")?;
+    let bytes = std::fs::read(fixture).map_err(|e| format!("cannot read {fixture}: {e}"))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("{fixture}: {e}"))?;
+    let read = |n: &str| st.tensor(n).map(|t| t.data().to_vec()).map_err(|e| format!("{fixture}: {n}: {e}"));
+    let mut prompts = vec![];
+    let mut want = vec![];
+    while let Ok(p) = read(&format!("prompt.{}", prompts.len())) {
+        want.push(read(&format!("logits.{}", prompts.len()))?);
+        prompts.push(p.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap())).collect::<Vec<i32>>());
+    }
+    if prompts.is_empty() {
+        return Err(format!("{fixture} holds no prompt.0"));
+    }
+    let longest = prompts.iter().map(Vec::len).max().unwrap();
+    let opts = EngineOptions {
+        device: device(a)?,
+        max_num_seqs: 1,
+        max_num_tokens: longest,
+        max_seq_len: longest,
+        numerics: Numerics::Exact,
+        ..Default::default()
+    };
+    let (mut e, backend) = create(ConfigSource::Path(dir.clone()), opts, false)?;
+    e.load(Some(&dir), LoadFormat::Auto).map_err(err)?;
+    e.finalize().map_err(err)?;
+    let vocab = e.config().vocab_size;
+    let mut worst = 0f32;
+    for (p, w) in prompts.iter().zip(&want) {
+        let pos: Vec<i32> = (0..p.len() as i32).collect();
+        let mut out = vec![0f32; p.len() * vocab];
+        e.forward(&mut Batch {
+            token_ids: p,
+            positions: &pos,
+            seq_slots: &[0],
+            query_start: &[0, p.len() as i32],
+            logits_rows: None,
+            logits: LogitsOut::F32(&mut out),
+        })
+        .map_err(err)?;
+        let w: Vec<f32> = w.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+        worst = out.iter().zip(&w).map(|(x, y)| (x - y).abs()).fold(worst, f32::max);
+    }
+    println!("backend: {backend}; sequences: {}; max |dlogit| = {worst:.3e}", prompts.len());
+    Ok(())
+}
+
+fn bench(a: &Args) -> Result<(), String> {
+    let tokens = a.num("tokens", 256)?;
+    let steps = a.num("decode-steps", 16)?.max(1);
+    let batch = a.num("decode-batch", 4)?.max(1);
+    let opts = EngineOptions {
+        device: device(a)?,
+        max_num_seqs: batch,
+        max_num_tokens: tokens.max(batch),
+        max_seq_len: tokens + steps + 1,
+        ..Default::default()
+    };
+    let (mut e, backend) = match a.get("model") {
+        Some(d) => {
+            let (mut e, b) = create(ConfigSource::Path(d.into()), opts, false)?;
+            e.load(Some(std::path::Path::new(d)), LoadFormat::Auto).map_err(err)?;
+            (e, b)
+        }
+        None => {
+            let (mut e, b) = create(ConfigSource::TinyDefault, opts, false)?;
+            e.load(None, LoadFormat::Dummy).map_err(err)?;
+            (e, b)
+        }
+    };
+    e.finalize().map_err(err)?;
+    let vocab = e.config().vocab_size;
+    let prompts: Vec<Vec<i32>> = (0..batch)
+        .map(|s| (0..tokens / batch).map(|i| ((i * 13 + s * 7) % vocab) as i32).collect())
+        .collect();
+    let (_, prefill_s, decode_s, prefill_tokens) = generate(&mut e, &prompts, steps + 1)?;
+    println!(
+        "{{\"backend\": \"{backend}\", \"prefill_tokens\": {prefill_tokens}, \"prefill_ms\": {:.3}, \"decode_batch\": {batch}, \"decode_steps\": {steps}, \"decode_ms_per_step\": {:.3}}}",
+        prefill_s * 1e3,
+        decode_s * 1e3 / steps as f64
+    );
+    Ok(())
+}

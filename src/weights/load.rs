@@ -1,0 +1,1018 @@
+//! Loading weights into the [`WeightStore`]: whole checkpoints (`dsv4_load`) and single named
+//! host updates (`dsv4_load_tensor`, `dsv4_refit`).
+//!
+//! Both go through the same two steps. *Plan*: map each source tensor's name to canonical
+//! weights (`names.rs`), check its dtype class and shape against the weight table
+//! (`spec.rs`), pair quantised weights with their block scales, and turn it into a [`Job`]
+//! (validated source + the canonical tensors it writes). *Execute*: dequantise every job into
+//! the store's buffers in place. Every check happens in the plan, so a load that fails
+//! writes nothing, and the execute step cannot fail or panic on file contents.
+//!
+//! Accepted encodings of a float weight: F32/BF16/F16; FP8 e4m3 with a block scale
+//! (F8_E8M0 or F32, blocks of `quantization_config.weight_block_size`, default 128x128,
+//! ragged edges allowed); packed FP4 e2m1 (I8/U8, two per byte) with a 1x32 scale. Index
+//! tables (`tid2eid`) accept I8/U8/I16/I32/I64 with values in [0, n_routed_experts).
+//! HF-native fused experts (`mlp.experts.gate_up_proj`, `down_proj`) are split into the
+//! per-expert canonical tensors, in checkpoints and in host updates alike.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+use safetensors::Dtype;
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result, Status};
+use crate::weights::HostDtype;
+use crate::weights::dtype::{self, FloatDtype, IntDtype, ScaleDtype};
+use crate::weights::names::{Role, Target, classify};
+use crate::weights::safetensors_io::{Checkpoint, TensorEntry};
+use crate::weights::spec::ElemKind;
+use crate::weights::store::{TensorData, WeightStore};
+
+/// Block of the FP4 expert scales: one scale per 32 consecutive inputs of a row.
+const FP4_BLOCK: usize = 32;
+
+/// Loads every weight of `cfg` from a checkpoint directory, index file or safetensors file.
+///
+/// Every tensor must map to a weight of the model (`mtp.*` is skipped), have an accepted
+/// dtype and the exact shape, and every weight must be provided exactly once. All of it is
+/// checked before the first write.
+pub fn load_checkpoint(store: &mut WeightStore, cfg: &ModelConfig, path: &Path) -> Result<()> {
+    let ck = Checkpoint::open(path)?;
+    let block = cfg.quant.as_ref().map_or([128, 128], |q| q.weight_block);
+    let jobs = plan_checkpoint(store, &ck, block)?;
+    execute(store, jobs)
+}
+
+/// Validates one host update against the weight table without writing anything; returns
+/// the canonical weights it would write (several for a fused expert tensor, none for an
+/// ignored `mtp.*` name).
+pub fn check_update(
+    store: &WeightStore,
+    name: &str,
+    dtype: HostDtype,
+    shape: &[usize],
+    data: &[u8],
+) -> Result<Vec<usize>> {
+    Ok(plan_update(store, name, dtype, shape, data)?
+        .map(|j| j.dsts())
+        .unwrap_or_default())
+}
+
+/// Validates and writes one host update in place; returns the canonical weights written.
+pub fn write_update(
+    store: &mut WeightStore,
+    name: &str,
+    dtype: HostDtype,
+    shape: &[usize],
+    data: &[u8],
+) -> Result<Vec<usize>> {
+    let Some(job) = plan_update(store, name, dtype, shape, data)? else {
+        return Ok(Vec::new());
+    };
+    let dsts = job.dsts();
+    execute(store, vec![job])?;
+    Ok(dsts)
+}
+
+// ---------------------------------------------------------------------------------------
+// Plan
+// ---------------------------------------------------------------------------------------
+
+/// How a validated source is encoded.
+#[derive(Clone, Copy, Debug)]
+enum Encoding {
+    Float(FloatDtype),
+    Int(IntDtype),
+    /// FP8 e4m3 codes with `[rows, cols]` blocks of scales.
+    Fp8([usize; 2]),
+    /// Packed FP4 e2m1, two codes per byte, 1x32 scales.
+    Fp4,
+}
+
+/// A validated source tensor: its bytes match its logical shape and encoding exactly.
+///
+/// The logical shape is seen as a stack of matrices `[.., mat_rows, cols]` (a 1-D tensor is
+/// one row); "global row" g is row `g % mat_rows` of matrix `g / mat_rows`.
+struct Source<'a> {
+    enc: Encoding,
+    data: &'a [u8],
+    scale: Option<(&'a [u8], ScaleDtype)>,
+    mat_rows: usize,
+    cols: usize,
+}
+
+/// `rows` global rows of a source starting at `row0` fill canonical weight `dst` entirely.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    dst: usize,
+    row0: usize,
+    rows: usize,
+}
+
+struct Job<'a> {
+    src: Source<'a>,
+    pieces: Vec<Piece>,
+}
+
+impl Job<'_> {
+    fn dsts(&self) -> Vec<usize> {
+        self.pieces.iter().map(|p| p.dst).collect()
+    }
+}
+
+/// What a [`Target`] means in this model's weight table.
+struct Resolved {
+    /// Logical (dequantised) shape the source must have.
+    shape: Vec<usize>,
+    kind: ElemKind,
+    pieces: Vec<Piece>,
+    /// Exclusive upper bound of index-table values (number of routed experts).
+    index_bound: Option<usize>,
+}
+
+/// Canonical weight indices `[w1, w2, w3]` of every routed expert of layer `l`, in order.
+fn experts_of(store: &WeightStore, l: usize) -> Vec<[usize; 3]> {
+    let mut out = Vec::new();
+    loop {
+        let e = out.len();
+        let idx = |w: &str| store.index_of(&format!("layers.{l}.ffn.experts.{e}.{w}.weight"));
+        match (idx("w1"), idx("w2"), idx("w3")) {
+            (Some(a), Some(b), Some(c)) => out.push([a, b, c]),
+            _ => return out,
+        }
+    }
+}
+
+fn resolve(store: &WeightStore, target: &Target) -> Option<Resolved> {
+    match target {
+        Target::Tensor(name) => {
+            let i = store.index_of(name)?;
+            let spec = &store.tensor(i).spec;
+            let shape = spec.shape.clone();
+            let rows = rows_of(&shape);
+            let index_bound = (spec.kind == ElemKind::Index).then(|| {
+                // `layers.L.ffn.gate.tid2eid` holds expert ids of layer L.
+                let l = name
+                    .split('.')
+                    .nth(1)
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(usize::MAX);
+                experts_of(store, l).len()
+            });
+            Some(Resolved {
+                shape,
+                kind: spec.kind,
+                pieces: vec![Piece {
+                    dst: i,
+                    row0: 0,
+                    rows,
+                }],
+                index_bound,
+            })
+        }
+        Target::ExpertsGateUp(l) | Target::ExpertsDown(l) => {
+            let experts = experts_of(store, *l);
+            let first = experts.first()?;
+            let gate_up = matches!(target, Target::ExpertsGateUp(_));
+            let mut pieces = Vec::with_capacity(2 * experts.len());
+            let shape = if gate_up {
+                // [E, 2I, D]: expert e's rows are w1 (I rows) then w3 (I rows).
+                let [i, d] = dims2(&store.tensor(first[0]).spec.shape)?;
+                for (e, w) in experts.iter().enumerate() {
+                    pieces.push(Piece {
+                        dst: w[0],
+                        row0: e * 2 * i,
+                        rows: i,
+                    });
+                    pieces.push(Piece {
+                        dst: w[2],
+                        row0: e * 2 * i + i,
+                        rows: i,
+                    });
+                }
+                vec![experts.len(), 2 * i, d]
+            } else {
+                // [E, D, I]: expert e is w2.
+                let [d, i] = dims2(&store.tensor(first[1]).spec.shape)?;
+                for (e, w) in experts.iter().enumerate() {
+                    pieces.push(Piece {
+                        dst: w[1],
+                        row0: e * d,
+                        rows: d,
+                    });
+                }
+                vec![experts.len(), d, i]
+            };
+            Some(Resolved {
+                shape,
+                kind: ElemKind::Float,
+                pieces,
+                index_bound: None,
+            })
+        }
+    }
+}
+
+fn dims2(s: &[usize]) -> Option<[usize; 2]> {
+    match *s {
+        [a, b] => Some([a, b]),
+        _ => None,
+    }
+}
+
+/// Columns of the matrix view of a logical shape (last dim; 1 for a scalar).
+fn cols_of(shape: &[usize]) -> usize {
+    shape.last().copied().unwrap_or(1)
+}
+
+/// Global rows of the matrix view of a logical shape.
+fn rows_of(shape: &[usize]) -> usize {
+    let numel: usize = shape.iter().product();
+    numel.checked_div(cols_of(shape)).unwrap_or(0)
+}
+
+/// A tensor's stored description, from a checkpoint file or a host update.
+struct Stored<'a> {
+    dtype: Dtype,
+    shape: &'a [usize],
+    data: &'a [u8],
+}
+
+/// Builds a validated [`Source`] for a weight whose logical shape is `logical`.
+/// `who` describes the tensor for messages ("tensor `X` in file `F`"), the scale comes with
+/// its own description.
+fn validate_source<'a>(
+    who: &str,
+    canon: &str,
+    kind: ElemKind,
+    logical: &[usize],
+    w: Stored<'a>,
+    scale: Option<(Stored<'a>, String)>,
+    block: [usize; 2],
+) -> Result<Source<'a>> {
+    let tensor_err = |msg: String| Error::new(Status::Tensor, format!("{who}: {msg}"));
+    let shape_err = |got: &[usize], want: &[usize], what: &str| {
+        tensor_err(format!(
+            "{what}shape {got:?} does not match {want:?} expected for `{canon}`"
+        ))
+    };
+    let no_scale = |scale: &Option<(Stored, String)>| match scale {
+        Some((_, sname)) => Err(tensor_err(format!(
+            "scale tensor {sname} accompanies it, but it is not stored quantised (dtype {}); only F8_E4M3 and packed FP4 (I8/U8) weights take a scale",
+            w.dtype
+        ))),
+        None => Ok(()),
+    };
+    let (mat_rows, cols) = (
+        logical.len().checked_sub(2).map_or(1, |k| logical[k]),
+        cols_of(logical),
+    );
+
+    if kind == ElemKind::Index {
+        let Some(it) = IntDtype::from_dtype(w.dtype) else {
+            return Err(tensor_err(format!(
+                "dtype {} is not accepted for index table `{canon}` (expected I64 or I32)",
+                w.dtype
+            )));
+        };
+        no_scale(&scale)?;
+        if w.shape != logical {
+            return Err(shape_err(w.shape, logical, ""));
+        }
+        return Ok(Source {
+            enc: Encoding::Int(it),
+            data: w.data,
+            scale: None,
+            mat_rows,
+            cols,
+        });
+    }
+
+    if let Some(ft) = FloatDtype::from_dtype(w.dtype) {
+        no_scale(&scale)?;
+        if w.shape != logical {
+            return Err(shape_err(w.shape, logical, ""));
+        }
+        return Ok(Source {
+            enc: Encoding::Float(ft),
+            data: w.data,
+            scale: None,
+            mat_rows,
+            cols,
+        });
+    }
+
+    let (enc, stored_shape, scale_shape) = match w.dtype {
+        Dtype::F8_E4M3 | Dtype::I8 | Dtype::U8 if logical.len() < 2 => {
+            return Err(tensor_err(format!(
+                "dtype {} (quantised) is only accepted for matrices, but `{canon}` has shape {logical:?}",
+                w.dtype
+            )));
+        }
+        Dtype::F8_E4M3 => {
+            let [bo, bi] = block;
+            let mut s = logical[..logical.len() - 2].to_vec();
+            s.extend([mat_rows.div_ceil(bo), cols.div_ceil(bi)]);
+            (Encoding::Fp8(block), logical.to_vec(), s)
+        }
+        Dtype::I8 | Dtype::U8 => {
+            if cols % 2 != 0 {
+                return Err(tensor_err(format!(
+                    "packed FP4 needs an even column count, but `{canon}` has {cols} columns (shape {logical:?})"
+                )));
+            }
+            let lead = &logical[..logical.len() - 1];
+            let mut packed = lead.to_vec();
+            packed.push(cols / 2);
+            let mut s = lead.to_vec();
+            s.push(cols.div_ceil(FP4_BLOCK));
+            (Encoding::Fp4, packed, s)
+        }
+        other => {
+            return Err(tensor_err(format!(
+                "dtype {other} is not accepted for float weight `{canon}` (expected F32, BF16, F16, F8_E4M3 + scale, or packed FP4 I8/U8 + scale)"
+            )));
+        }
+    };
+    if w.shape != stored_shape.as_slice() {
+        let what = if matches!(enc, Encoding::Fp4) {
+            "packed FP4 "
+        } else {
+            ""
+        };
+        return Err(shape_err(w.shape, &stored_shape, what));
+    }
+    let Some((s, sname)) = scale else {
+        return Err(tensor_err(format!(
+            "stored quantised ({}) but no scale tensor accompanies it (expected `<name>.scale` or `<name>.weight_scale_inv`)",
+            w.dtype
+        )));
+    };
+    let sdt = ScaleDtype::from_dtype(s.dtype).ok_or_else(|| {
+        tensor_err(format!(
+            "its scale {sname} has dtype {}; expected F8_E8M0 or F32",
+            s.dtype
+        ))
+    })?;
+    if s.shape != scale_shape.as_slice() {
+        let blk = match enc {
+            Encoding::Fp8([bo, bi]) => format!("{bo}x{bi} blocks"),
+            _ => format!("1x{FP4_BLOCK} blocks"),
+        };
+        return Err(tensor_err(format!(
+            "its scale {sname} has shape {:?}, expected {scale_shape:?} ({blk} of logical shape {logical:?})",
+            s.shape
+        )));
+    }
+    Ok(Source {
+        enc,
+        data: w.data,
+        scale: Some((s.data, sdt)),
+        mat_rows,
+        cols,
+    })
+}
+
+/// Checks every index value of `src` lies in [0, bound).
+fn check_index_range(who: &str, canon: &str, src: &Source, bound: usize) -> Result<()> {
+    let Encoding::Int(it) = src.enc else {
+        return Ok(());
+    };
+    if let Some((i, v)) = dtype::find_out_of_range(it, src.data, 0, bound as i64) {
+        let (r, c) = (i / src.cols.max(1), i % src.cols.max(1));
+        crate::bail!(
+            Tensor,
+            "{who}: value {v} at [{r}, {c}] of `{canon}` is not an expert id in [0, {bound})"
+        );
+    }
+    Ok(())
+}
+
+fn plan_checkpoint<'a>(
+    store: &WeightStore,
+    ck: &'a Checkpoint,
+    block: [usize; 2],
+) -> Result<Vec<Job<'a>>> {
+    let file = |t: &TensorEntry| ck.path_of(t).display().to_string();
+    let who = |t: &TensorEntry| format!("tensor `{}` in file `{}`", t.name, file(t));
+
+    // 1. Names: sort every tensor into weights and scales by the canonical target.
+    let mut weights: BTreeMap<Target, &TensorEntry> = BTreeMap::new();
+    let mut scales: BTreeMap<Target, &TensorEntry> = BTreeMap::new();
+    let mut mtp = 0usize;
+    for t in ck.tensors() {
+        let (target, map) = match classify(&t.name) {
+            None => crate::bail!(Tensor, "unknown tensor `{}` in file `{}`", t.name, file(t)),
+            Some(Role::Mtp) => {
+                mtp += 1;
+                continue;
+            }
+            Some(Role::Weight(tg)) => (tg, &mut weights),
+            Some(Role::Scale(tg)) => (tg, &mut scales),
+        };
+        if let Some(prev) = map.get(&target) {
+            crate::bail!(
+                Tensor,
+                "duplicate tensor: `{}` in file `{}` and `{}` in file `{}` both provide `{}`",
+                prev.name,
+                file(prev),
+                t.name,
+                file(t),
+                target.describe()
+            );
+        }
+        map.insert(target, t);
+    }
+    for (target, s) in &scales {
+        if !weights.contains_key(target) {
+            crate::bail!(
+                Tensor,
+                "{} is a scale of `{}`, which the checkpoint does not contain",
+                who(s),
+                target.describe()
+            );
+        }
+    }
+
+    // 2. Each weight: target in this model, dtype/shape/scale, index values.
+    let mut writer: Vec<Option<&TensorEntry>> = vec![None; store.len()];
+    let mut jobs = Vec::with_capacity(weights.len());
+    // Keep file order (weights is keyed by name) so execution reads each file sequentially.
+    let mut ordered: Vec<(&Target, &&TensorEntry)> = weights.iter().collect();
+    ordered.sort_by_key(|(_, t)| (t.file, ck.data(t).as_ptr() as usize));
+    for (target, &t) in ordered {
+        let canon = target.describe();
+        let r = resolve(store, target).ok_or_else(|| {
+            Error::new(
+                Status::Tensor,
+                format!("unknown tensor `{}` in file `{}`: this model has no weight `{canon}` (check config.json)", t.name, file(t)),
+            )
+        })?;
+        let scale = scales.get(target).map(|s| {
+            (
+                Stored {
+                    dtype: s.dtype,
+                    shape: &s.shape,
+                    data: ck.data(s),
+                },
+                format!("`{}` in file `{}`", s.name, file(s)),
+            )
+        });
+        let stored = Stored {
+            dtype: t.dtype,
+            shape: &t.shape,
+            data: ck.data(t),
+        };
+        let src = validate_source(&who(t), &canon, r.kind, &r.shape, stored, scale, block)?;
+        if let Some(bound) = r.index_bound {
+            check_index_range(&who(t), &canon, &src, bound)?;
+        }
+        for p in &r.pieces {
+            if let Some(prev) = writer[p.dst].replace(t) {
+                crate::bail!(
+                    Tensor,
+                    "duplicate tensor: `{}` in file `{}` and `{}` in file `{}` both provide `{}`",
+                    prev.name,
+                    file(prev),
+                    t.name,
+                    file(t),
+                    store.tensor(p.dst).spec.name
+                );
+            }
+        }
+        jobs.push(Job {
+            src,
+            pieces: r.pieces,
+        });
+    }
+
+    // 3. Coverage: every weight of the model exactly once.
+    let missing: Vec<&str> = (0..store.len())
+        .filter(|&i| writer[i].is_none())
+        .map(|i| store.tensor(i).spec.name.as_str())
+        .collect();
+    if let Some(first) = missing.first() {
+        let more = if missing.len() > 1 {
+            format!(" (and {} more)", missing.len() - 1)
+        } else {
+            String::new()
+        };
+        crate::bail!(
+            Tensor,
+            "missing tensor `{first}`{more} in checkpoint `{}`",
+            ck.source.display()
+        );
+    }
+    if mtp > 0 {
+        crate::log::info(&format!(
+            "checkpoint `{}`: skipped {mtp} mtp.* tensors (MTP is not used)",
+            ck.source.display()
+        ));
+    }
+    Ok(jobs)
+}
+
+fn plan_update<'a>(
+    store: &WeightStore,
+    name: &str,
+    dtype: HostDtype,
+    shape: &'a [usize],
+    data: &'a [u8],
+) -> Result<Option<Job<'a>>> {
+    let who = format!("update `{name}`");
+    let target = match classify(name) {
+        None => crate::bail!(Tensor, "unknown weight `{name}`"),
+        Some(Role::Mtp) => {
+            crate::log::info(&format!("{who}: mtp.* weights are not used; ignored"));
+            return Ok(None);
+        }
+        Some(Role::Scale(t)) => crate::bail!(
+            Tensor,
+            "{who} names a block-scale tensor (of `{}`); send the weight's values as F32/BF16/F16 instead",
+            t.describe()
+        ),
+        Some(Role::Weight(t)) => t,
+    };
+    let canon = target.describe();
+    let r = resolve(store, &target).ok_or_else(|| {
+        Error::new(
+            Status::Tensor,
+            format!("unknown weight `{name}`: this model has no `{canon}`"),
+        )
+    })?;
+    let st_dtype = match (r.kind, dtype) {
+        (ElemKind::Float, HostDtype::F32) => Dtype::F32,
+        (ElemKind::Float, HostDtype::Bf16) => Dtype::BF16,
+        (ElemKind::Float, HostDtype::F16) => Dtype::F16,
+        (ElemKind::Index, HostDtype::I32) => Dtype::I32,
+        (ElemKind::Index, HostDtype::I64) => Dtype::I64,
+        (ElemKind::Float, _) => {
+            crate::bail!(
+                Tensor,
+                "{who}: dtype {} is not accepted for float weight `{canon}` (use F32, BF16 or F16)",
+                dtype.name()
+            )
+        }
+        (ElemKind::Index, _) => {
+            crate::bail!(
+                Tensor,
+                "{who}: dtype {} is not accepted for index table `{canon}` (use I32 or I64)",
+                dtype.name()
+            )
+        }
+    };
+    if shape != r.shape.as_slice() {
+        crate::bail!(
+            Tensor,
+            "{who}: shape {shape:?} does not match {:?} expected for `{canon}`",
+            r.shape
+        );
+    }
+    let want = shape
+        .iter()
+        .try_fold(dtype.size(), |a, &d| a.checked_mul(d));
+    if want != Some(data.len()) {
+        crate::bail!(
+            InvalidArgument,
+            "{who}: {} data bytes, but shape {shape:?} of {} needs {}",
+            data.len(),
+            dtype.name(),
+            want.map_or("more than usize::MAX".to_string(), |w| w.to_string())
+        );
+    }
+    let stored = Stored {
+        dtype: st_dtype,
+        shape,
+        data,
+    };
+    let src = validate_source(&who, &canon, r.kind, &r.shape, stored, None, [1, 1])?;
+    if let Some(bound) = r.index_bound {
+        check_index_range(&who, &canon, &src, bound)?;
+    }
+    Ok(Some(Job {
+        src,
+        pieces: r.pieces,
+    }))
+}
+
+// ---------------------------------------------------------------------------------------
+// Execute
+// ---------------------------------------------------------------------------------------
+
+/// A canonical weight's buffer, borrowed for writing.
+enum Dst<'s> {
+    F32(&'s mut [f32]),
+    I32(&'s mut [i32]),
+}
+
+/// Dequantises every job into the store, in parallel over jobs (each writes disjoint weights).
+fn execute(store: &mut WeightStore, jobs: Vec<Job>) -> Result<()> {
+    // Hand out each weight's buffer at most once; the plan guaranteed disjointness.
+    let mut bufs: Vec<Option<Dst>> = store
+        .tensors_mut()
+        .iter_mut()
+        .map(|t| {
+            Some(match &mut t.data {
+                TensorData::F32(v) => Dst::F32(v.as_mut_slice()),
+                TensorData::I32(v) => Dst::I32(v.as_mut_slice()),
+            })
+        })
+        .collect();
+    let mut work = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let mut outs = Vec::with_capacity(job.pieces.len());
+        for p in &job.pieces {
+            let d = bufs.get_mut(p.dst).and_then(Option::take);
+            let ok = match (&d, job.src.enc) {
+                (Some(Dst::I32(b)), Encoding::Int(_)) => b.len() == p.rows * job.src.cols,
+                (Some(Dst::F32(b)), Encoding::Float(_) | Encoding::Fp8(_) | Encoding::Fp4) => {
+                    b.len() == p.rows * job.src.cols
+                }
+                _ => false,
+            };
+            if !ok {
+                crate::bail!(Internal, "weight plan inconsistent for weight #{}", p.dst);
+            }
+            outs.push((*p, d.expect("checked above")));
+        }
+        work.push((job.src, outs));
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(16)
+        .min(work.len());
+    if threads <= 1 {
+        for (src, outs) in work {
+            run_job(&src, outs);
+        }
+        return Ok(());
+    }
+    let queue = Mutex::new(work.into_iter());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                loop {
+                    let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+                    let Some((src, outs)) = next else { break };
+                    run_job(&src, outs);
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+fn run_job(src: &Source, outs: Vec<(Piece, Dst)>) {
+    for (p, dst) in outs {
+        match dst {
+            Dst::F32(out) => decode_rows(src, p.row0, out),
+            Dst::I32(out) => {
+                if let Encoding::Int(it) = src.enc {
+                    let sz = it.size();
+                    let (a, b) = (p.row0 * src.cols * sz, (p.row0 + p.rows) * src.cols * sz);
+                    dtype::decode_int(it, &src.data[a..b], out);
+                }
+            }
+        }
+    }
+}
+
+/// Decodes `out.len() / cols` global rows of a float source starting at `row0`.
+fn decode_rows(src: &Source, row0: usize, out: &mut [f32]) {
+    let cols = src.cols;
+    if cols == 0 || out.is_empty() {
+        return;
+    }
+    let rows = out.len() / cols;
+    match src.enc {
+        Encoding::Float(ft) => {
+            let sz = ft.size();
+            dtype::decode_float(
+                ft,
+                &src.data[row0 * cols * sz..(row0 + rows) * cols * sz],
+                out,
+            );
+        }
+        Encoding::Int(_) => {}
+        Encoding::Fp8(block) => {
+            let Some((scale, sdt)) = src.scale else {
+                return;
+            };
+            let per_mat = src.mat_rows.div_ceil(block[0]) * cols.div_ceil(block[1]);
+            // A piece may cross matrix boundaries only for whole matrices; walk matrix by matrix.
+            let mut g = row0;
+            let mut out = out;
+            while !out.is_empty() {
+                let (m, r) = (g / src.mat_rows, g % src.mat_rows);
+                let n = (src.mat_rows - r).min(out.len() / cols);
+                let (head, tail) = out.split_at_mut(n * cols);
+                let s = &scale[m * per_mat * sdt.size()..(m + 1) * per_mat * sdt.size()];
+                dtype::dequant_fp8_rows(
+                    &src.data[g * cols..(g + n) * cols],
+                    s,
+                    sdt,
+                    r,
+                    cols,
+                    block,
+                    head,
+                );
+                g += n;
+                out = tail;
+            }
+        }
+        Encoding::Fp4 => {
+            let Some((scale, sdt)) = src.scale else {
+                return;
+            };
+            let sc = cols.div_ceil(FP4_BLOCK) * sdt.size();
+            let half = cols / 2;
+            dtype::dequant_fp4_rows(
+                &src.data[row0 * half..(row0 + rows) * half],
+                &scale[row0 * sc..(row0 + rows) * sc],
+                sdt,
+                cols,
+                out,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::safetensors_io::tests::TempDir;
+
+    /// A small config: one sliding layer with hash routing and one CSA layer with top-k.
+    const SMALL: &str = r#"{
+      "vocab_size": 16, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+      "head_dim": 32, "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_groups": 1, "o_lora_rank": 32,
+      "sliding_window": 4, "layer_types": ["sliding_attention", "compressed_sparse_attention"],
+      "mlp_layer_types": ["hash_moe", "moe"], "index_n_heads": 2, "index_head_dim": 16, "index_topk": 2,
+      "n_routed_experts": 3, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 40,
+      "hc_mult": 2
+    }"#;
+
+    fn small() -> (ModelConfig, WeightStore) {
+        let cfg = ModelConfig::from_json_str(SMALL).unwrap();
+        let store = WeightStore::allocate(&cfg).unwrap();
+        (cfg, store)
+    }
+
+    fn f32_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn update_plain_and_errors() {
+        let (_, mut store) = small();
+        let i = store.index_of("norm.weight").unwrap();
+        let vals: Vec<f32> = (0..64).map(|k| k as f32).collect();
+        let touched = write_update(
+            &mut store,
+            "model.norm.weight",
+            HostDtype::F32,
+            &[64],
+            &f32_bytes(&vals),
+        )
+        .unwrap();
+        assert_eq!(touched, vec![i]);
+        assert_eq!(store.f32(i), vals.as_slice());
+
+        let bf: Vec<u8> = vals
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
+            .collect();
+        write_update(&mut store, "norm.weight", HostDtype::Bf16, &[64], &bf).unwrap();
+        assert_eq!(store.f32(i), vals.as_slice());
+
+        let err = |r: Result<Vec<usize>>| r.unwrap_err();
+        let e = err(check_update(
+            &store,
+            "norm.weight",
+            HostDtype::F32,
+            &[63],
+            &f32_bytes(&vals[..63]),
+        ));
+        assert_eq!(e.status, Status::Tensor);
+        assert!(
+            e.message.contains("norm.weight") && e.message.contains("[63]"),
+            "{}",
+            e.message
+        );
+        let e = err(check_update(
+            &store,
+            "norm.weight",
+            HostDtype::F32,
+            &[64],
+            &[0; 8],
+        ));
+        assert_eq!(e.status, Status::InvalidArgument, "{}", e.message);
+        let e = err(check_update(
+            &store,
+            "norm.weight",
+            HostDtype::I32,
+            &[64],
+            &[0; 256],
+        ));
+        assert_eq!(e.status, Status::Tensor);
+        let e = err(check_update(
+            &store,
+            "layers.9.attn_norm.weight",
+            HostDtype::F32,
+            &[64],
+            &[0; 256],
+        ));
+        assert!(
+            e.status == Status::Tensor && e.message.contains("layers.9.attn_norm.weight"),
+            "{}",
+            e.message
+        );
+        let e = err(check_update(
+            &store,
+            "layers.0.attn.wq_a.scale",
+            HostDtype::F32,
+            &[1, 1],
+            &[0; 4],
+        ));
+        assert_eq!(e.status, Status::Tensor);
+        // Sliding layer 0 has no compressor.
+        let e = err(check_update(
+            &store,
+            "layers.0.attn.compressor.ape",
+            HostDtype::F32,
+            &[4, 32],
+            &[0; 512],
+        ));
+        assert_eq!(e.status, Status::Tensor);
+        assert_eq!(
+            check_update(&store, "mtp.0.enorm.weight", HostDtype::F32, &[1], &[0; 4]).unwrap(),
+            Vec::<usize>::new()
+        );
+    }
+
+    #[test]
+    fn update_tid2eid_range() {
+        let (_, mut store) = small();
+        let i = store.index_of("layers.0.ffn.gate.tid2eid").unwrap();
+        let ids: Vec<i64> = (0..32).map(|k| k % 3).collect();
+        let b: Vec<u8> = ids.iter().flat_map(|x| x.to_le_bytes()).collect();
+        write_update(
+            &mut store,
+            "model.layers.0.mlp.gate.tid2eid",
+            HostDtype::I64,
+            &[16, 2],
+            &b,
+        )
+        .unwrap();
+        assert_eq!(
+            store.i32(i),
+            ids.iter().map(|&x| x as i32).collect::<Vec<_>>().as_slice()
+        );
+        let mut bad = ids.clone();
+        bad[7] = 3;
+        let b: Vec<u8> = bad.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect();
+        let e = check_update(
+            &store,
+            "layers.0.ffn.gate.tid2eid",
+            HostDtype::I32,
+            &[16, 2],
+            &b,
+        )
+        .unwrap_err();
+        assert_eq!(e.status, Status::Tensor);
+        assert!(
+            e.message.contains("[3, 1]") && e.message.contains("tid2eid"),
+            "{}",
+            e.message
+        );
+        let e = check_update(
+            &store,
+            "layers.0.ffn.gate.tid2eid",
+            HostDtype::F32,
+            &[16, 2],
+            &b,
+        )
+        .unwrap_err();
+        assert_eq!(e.status, Status::Tensor);
+    }
+
+    #[test]
+    fn update_fused_experts_split() {
+        let (_, mut store) = small();
+        let (e, i, d) = (3, 40, 64);
+        let gu: Vec<f32> = (0..e * 2 * i * d).map(|k| k as f32).collect();
+        let touched = write_update(
+            &mut store,
+            "model.layers.1.mlp.experts.gate_up_proj",
+            HostDtype::F32,
+            &[e, 2 * i, d],
+            &f32_bytes(&gu),
+        )
+        .unwrap();
+        assert_eq!(touched.len(), 2 * e);
+        for x in 0..e {
+            let w1 = store.f32(
+                store
+                    .index_of(&format!("layers.1.ffn.experts.{x}.w1.weight"))
+                    .unwrap(),
+            );
+            let w3 = store.f32(
+                store
+                    .index_of(&format!("layers.1.ffn.experts.{x}.w3.weight"))
+                    .unwrap(),
+            );
+            assert_eq!(w1, &gu[x * 2 * i * d..(x * 2 + 1) * i * d]);
+            assert_eq!(w3, &gu[(x * 2 + 1) * i * d..(x + 1) * 2 * i * d]);
+        }
+        let dn: Vec<f32> = (0..e * d * i).map(|k| -(k as f32)).collect();
+        write_update(
+            &mut store,
+            "model.layers.1.mlp.experts.down_proj",
+            HostDtype::F32,
+            &[e, d, i],
+            &f32_bytes(&dn),
+        )
+        .unwrap();
+        for x in 0..e {
+            let w2 = store.f32(
+                store
+                    .index_of(&format!("layers.1.ffn.experts.{x}.w2.weight"))
+                    .unwrap(),
+            );
+            assert_eq!(w2, &dn[x * d * i..(x + 1) * d * i]);
+        }
+        let e2 = check_update(
+            &store,
+            "model.layers.1.mlp.experts.down_proj",
+            HostDtype::F32,
+            &[e, i, d],
+            &f32_bytes(&dn),
+        )
+        .unwrap_err();
+        assert_eq!(e2.status, Status::Tensor);
+        assert!(e2.message.contains("down_proj"), "{}", e2.message);
+    }
+
+    /// A checkpoint with one FP8 tensor whose scale is mis-shaped fails before writing anything.
+    #[test]
+    fn failed_load_writes_nothing() {
+        use safetensors::tensor::TensorView;
+        let (cfg, mut store) = small();
+        let dir = TempDir::new("load-nowrite");
+        let mut owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+        for t in store.tensors() {
+            let s = &t.spec;
+            match s.kind {
+                ElemKind::Index => owned.push((
+                    s.name.clone(),
+                    Dtype::I64,
+                    s.shape.clone(),
+                    vec![0; s.numel() * 8],
+                )),
+                ElemKind::Float if s.name == "layers.0.attn.wq_a.weight" => {
+                    owned.push((
+                        s.name.clone(),
+                        Dtype::F8_E4M3,
+                        s.shape.clone(),
+                        vec![0x38; s.numel()],
+                    ));
+                    owned.push((
+                        "layers.0.attn.wq_a.scale".into(),
+                        Dtype::F8_E8M0,
+                        vec![1, 2],
+                        vec![127; 2],
+                    ));
+                }
+                ElemKind::Float => owned.push((
+                    s.name.clone(),
+                    Dtype::F32,
+                    s.shape.clone(),
+                    f32_bytes(&vec![1.0; s.numel()]),
+                )),
+            }
+        }
+        let views: Vec<(String, TensorView)> = owned
+            .iter()
+            .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        std::fs::write(
+            dir.0.join("model.safetensors"),
+            safetensors::serialize(views, None).unwrap(),
+        )
+        .unwrap();
+        // wq_a is [32, 64]: 128x128 blocks -> scale [1, 1], not [1, 2].
+        let e = load_checkpoint(&mut store, &cfg, &dir.0).unwrap_err();
+        assert_eq!(e.status, Status::Tensor);
+        assert!(
+            e.message.contains("layers.0.attn.wq_a.scale") && e.message.contains("[1, 1]"),
+            "{}",
+            e.message
+        );
+        assert!(store.tensors().iter().all(|t| match &t.data {
+            TensorData::F32(v) => v.iter().all(|&x| x == 0.0),
+            TensorData::I32(v) => v.iter().all(|&x| x == 0),
+        }));
+    }
+}

@@ -1,0 +1,55 @@
+//! Shared helpers of the integration tests: fixture paths and the HF oracle file.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use safetensors::SafeTensors;
+
+pub fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// The oracle of one fixture model: prompts and fp32 logits recorded with transformers.
+pub struct Oracle {
+    pub prompts: Vec<Vec<i32>>,
+    /// One-shot logits per sequence, [len, vocab] row-major.
+    pub logits: Vec<Vec<f32>>,
+    /// HF prefill + token-by-token decode logits per sequence.
+    pub logits_decode: Vec<Vec<f32>>,
+    pub meta: HashMap<String, String>,
+}
+
+impl Oracle {
+    pub fn load(name: &str) -> Oracle {
+        let bytes = std::fs::read(fixture_dir(name).join("oracle.safetensors")).expect("oracle.safetensors");
+        let (_, meta) = SafeTensors::read_metadata(&bytes).expect("oracle header");
+        let st = SafeTensors::deserialize(&bytes).expect("oracle");
+        let ints = |n: &str| -> Vec<i32> {
+            st.tensor(n).unwrap().data().chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap())).collect()
+        };
+        let floats = |n: &str| -> Vec<f32> {
+            st.tensor(n).unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+        };
+        let mut o = Oracle {
+            prompts: vec![],
+            logits: vec![],
+            logits_decode: vec![],
+            meta: meta.metadata().clone().unwrap_or_default(),
+        };
+        let mut s = 0;
+        while st.tensor(&format!("prompt.{s}")).is_ok() {
+            o.prompts.push(ints(&format!("prompt.{s}")));
+            o.logits.push(floats(&format!("logits.{s}")));
+            o.logits_decode.push(floats(&format!("logits_decode.{s}")));
+            s += 1;
+        }
+        o
+    }
+}
+
+/// max |a - b| over two equally long slices.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
