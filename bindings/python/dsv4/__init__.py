@@ -1,0 +1,101 @@
+"""dsv4: DeepSeek-V4 inference engine, Python binding over its C ABI (ctypes + numpy).
+
+    import dsv4
+    with dsv4.Engine(load="dummy", max_seq_len=256) as eng:   # embedded tiny model
+        logits = eng.forward(token_ids=[1, 2, 3], positions=[0, 1, 2],
+                             seq_slots=[0], query_start=[0, 3])
+        print(logits.shape)                                   # (3, vocab_size)
+
+The shared library is found via ``$DSV4_LIBRARY``, else beside this package, else
+``$CARGO_TARGET_DIR/{release,debug}``, else ``<checkout>/target/{release,debug}``.
+Errors raise :class:`Error` (one subclass per status) with ``.status`` and ``.message``.
+"""
+
+from __future__ import annotations
+
+from . import _lib
+from ._errors import (
+    CapacityError,
+    ConfigError,
+    CudaError,
+    Error,
+    FormatError,
+    InternalError,
+    InvalidArgumentError,
+    IoError,
+    NoDeviceError,
+    NullPointerError,
+    StateError,
+    TensorError,
+    UnsupportedError,
+)
+from .engine import Engine
+
+__all__ = [
+    "Engine",
+    "Error",
+    "InvalidArgumentError",
+    "NullPointerError",
+    "StateError",
+    "ConfigError",
+    "IoError",
+    "FormatError",
+    "TensorError",
+    "CapacityError",
+    "NoDeviceError",
+    "CudaError",
+    "UnsupportedError",
+    "InternalError",
+    "abi_version",
+    "version",
+    "library_path",
+    "set_log_callback",
+]
+
+
+def abi_version() -> tuple[int, int]:
+    """(major, minor) ABI version of the loaded library."""
+    v = _lib.lib().dsv4_abi_version()
+    return v >> 16, v & 0xFFFF
+
+
+def version() -> str:
+    """Version string of the loaded library, e.g. ``"dsv4 0.1.0 (abi 1.0)"``."""
+    return _lib.lib().dsv4_version_string().decode()
+
+
+def library_path() -> str:
+    """Path of the loaded shared library."""
+    return _lib.lib().dsv4_path
+
+
+_log_callback = None  # keeps the ctypes trampoline alive while installed
+
+
+def set_log_callback(fn=None, level: str = "warn") -> None:
+    """Routes the library's log lines to ``fn(level: str, message: str)`` (None = stderr).
+
+    ``level`` ("error", "warn", "info", "debug") is the most verbose level delivered.
+    ``fn`` may be called from library worker threads; exceptions it raises are printed
+    and swallowed (they cannot cross the C boundary).
+    """
+    global _log_callback
+    lib = _lib.lib()
+    code = _lib.LOG_LEVELS.get(str(level).lower())
+    if code is None:
+        raise _lib.error_for(1, f"level must be one of {sorted(_lib.LOG_LEVELS)}, got {level!r}")
+    names = {v: k for k, v in _lib.LOG_LEVELS.items()}
+    if fn is None:
+        cb = _lib.LOG_CALLBACK()
+    else:
+        def trampoline(lvl, msg, _user):
+            try:
+                fn(names.get(lvl, str(lvl)), msg.decode("utf-8", "replace") if msg else "")
+            except Exception:  # never propagate into the library
+                import traceback
+
+                traceback.print_exc()
+
+        cb = _lib.LOG_CALLBACK(trampoline)
+    _lib.check(lib.dsv4_set_log_callback(cb, None, code))
+    _log_callback = cb if fn is not None else None

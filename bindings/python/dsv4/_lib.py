@@ -1,0 +1,233 @@
+"""ctypes view of include/dsv4.h: locating the library, struct layouts, prototypes.
+
+The library is found, in order, at ``$DSV4_LIBRARY``; beside this package
+(``dsv4/libdsv4.so``); ``$CARGO_TARGET_DIR/{release,debug}``; and
+``<checkout>/target/{release,debug}/libdsv4.so``. It is loaded on first use, so
+``import dsv4`` works without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from ctypes import (
+    CFUNCTYPE,
+    POINTER,
+    Structure,
+    c_char_p,
+    c_int32,
+    c_int64,
+    c_size_t,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+from pathlib import Path
+
+from ._errors import Error, error_for
+
+# The ABI this binding was written against (include/dsv4.h).
+ABI_MAJOR = 1
+ABI_MINOR = 0
+
+MAX_DIMS = 8
+
+STATUS_OK = 0
+
+DEVICE_CPU = -1
+NUMERICS = {"exact": 0, "official": 1}
+WEIGHT_FORMAT = {"as_stored": 0, "bf16": 1, "quantize": 2}
+LOAD = {"auto": 0, "safetensors": 1, "dummy": 2}
+DTYPE_F32, DTYPE_BF16, DTYPE_F16, DTYPE_I32, DTYPE_I64 = 0, 1, 2, 3, 4
+DTYPE_NAMES = {0: "f32", 1: "bf16", 2: "f16", 3: "i32", 4: "i64"}
+MEMORY_HOST, MEMORY_DEVICE = 0, 1
+LOGITS_F32, LOGITS_BF16 = 0, 1
+PHASES = {0: "created", 1: "loaded", 2: "ready"}
+LOG_LEVELS = {"error": 0, "warn": 1, "info": 2, "debug": 3}
+
+
+class CreateParams(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("config_path", c_char_p),
+        ("config_json", c_char_p),
+        ("use_tiny_default", c_int32),
+        ("device", c_int32),
+        ("max_num_seqs", c_int32),
+        ("max_num_tokens", c_int32),
+        ("max_seq_len", c_int32),
+        ("num_threads", c_int32),
+        ("numerics", c_int32),
+        ("weight_format", c_int32),
+        ("cache_dir", c_char_p),
+    ]
+
+
+class Tensor(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("name", c_char_p),
+        ("dtype", c_int32),
+        ("ndim", c_int32),
+        ("shape", c_int64 * MAX_DIMS),
+        ("data", c_void_p),
+        ("memory", c_int32),
+    ]
+
+
+class Batch(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("num_tokens", c_int32),
+        ("num_seqs", c_int32),
+        ("token_ids", c_void_p),
+        ("positions", c_void_p),
+        ("seq_slots", c_void_p),
+        ("query_start", c_void_p),
+        ("logits_rows", c_void_p),
+        ("num_logits", c_int32),
+        ("logits", c_void_p),
+        ("logits_dtype", c_int32),
+    ]
+
+
+class Info(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("vocab_size", c_int32),
+        ("hidden_size", c_int32),
+        ("num_layers", c_int32),
+        ("num_heads", c_int32),
+        ("head_dim", c_int32),
+        ("hc_mult", c_int32),
+        ("n_routed_experts", c_int32),
+        ("experts_per_tok", c_int32),
+        ("max_num_seqs", c_int32),
+        ("max_num_tokens", c_int32),
+        ("max_seq_len", c_int32),
+        ("device", c_int32),
+        ("numerics", c_int32),
+        ("weight_format", c_int32),
+        ("phase", c_int32),
+        ("num_weights", c_size_t),
+    ]
+
+
+class WeightDesc(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("name", c_char_p),
+        ("dtype", c_int32),
+        ("ndim", c_int32),
+        ("shape", c_int64 * MAX_DIMS),
+        ("data", c_void_p),
+        ("nbytes", c_uint64),
+        ("derived", c_int32),
+        ("device", c_int32),
+    ]
+
+
+LOG_CALLBACK = CFUNCTYPE(None, c_int32, c_char_p, c_void_p)
+
+_status = c_int32
+_engine_p = c_void_p
+
+_PROTOTYPES = {
+    "dsv4_abi_version": (c_uint32, []),
+    "dsv4_version_string": (c_char_p, []),
+    "dsv4_last_error": (c_char_p, []),
+    "dsv4_status_name": (c_char_p, [_status]),
+    "dsv4_create_params_default": (CreateParams, []),
+    "dsv4_tensor_default": (Tensor, []),
+    "dsv4_batch_default": (Batch, []),
+    "dsv4_create": (_status, [POINTER(CreateParams), POINTER(c_void_p)]),
+    "dsv4_destroy": (None, [_engine_p]),
+    "dsv4_load": (_status, [_engine_p, c_char_p, c_int32]),
+    "dsv4_load_tensor": (_status, [_engine_p, POINTER(Tensor)]),
+    "dsv4_finalize": (_status, [_engine_p, c_void_p]),
+    "dsv4_forward": (_status, [_engine_p, POINTER(Batch), c_void_p]),
+    "dsv4_refit": (_status, [_engine_p, POINTER(Tensor), c_size_t, c_void_p]),
+    "dsv4_release_slot": (_status, [_engine_p, c_int32]),
+    "dsv4_get_info": (_status, [_engine_p, POINTER(Info)]),
+    "dsv4_weight_count": (_status, [_engine_p, POINTER(c_size_t)]),
+    "dsv4_weight_info": (_status, [_engine_p, c_size_t, POINTER(WeightDesc)]),
+    "dsv4_set_log_callback": (_status, [LOG_CALLBACK, c_void_p, c_int32]),
+}
+
+_LIB = None
+_LIB_LOCK = threading.Lock()
+
+
+def candidate_paths() -> list[Path]:
+    """Where the library is looked for, in order."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parents[2]  # dsv4/ -> python/ -> bindings/ -> checkout
+    paths = []
+    env = os.environ.get("DSV4_LIBRARY")
+    if env:
+        paths.append(Path(env))
+    paths.append(here / "libdsv4.so")
+    target_dir = os.environ.get("CARGO_TARGET_DIR")
+    for profile in ("release", "debug"):
+        if target_dir:
+            paths.append(Path(target_dir) / profile / "libdsv4.so")
+    for profile in ("release", "debug"):
+        paths.append(checkout / "target" / profile / "libdsv4.so")
+    return paths
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library (loaded and checked on first call)."""
+    global _LIB
+    if _LIB is not None:
+        return _LIB
+    with _LIB_LOCK:
+        if _LIB is None:
+            _LIB = _load()
+    return _LIB
+
+
+def _load() -> ctypes.CDLL:
+    paths = candidate_paths()
+    explicit = os.environ.get("DSV4_LIBRARY")
+    if explicit and not Path(explicit).is_file():
+        raise error_for(5, f"DSV4_LIBRARY={explicit!r} is not a file")
+    path = next((p for p in paths if p.is_file()), None)
+    if path is None:
+        tried = ", ".join(str(p) for p in paths)
+        raise error_for(5, f"libdsv4.so not found (set DSV4_LIBRARY); tried: {tried}")
+    handle = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in _PROTOTYPES.items():
+        fn = getattr(handle, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    version = handle.dsv4_abi_version()
+    major, minor = version >> 16, version & 0xFFFF
+    if major != ABI_MAJOR or minor < ABI_MINOR:
+        raise Error(
+            11,
+            f"{path}: ABI {major}.{minor} is incompatible with this binding (needs {ABI_MAJOR}.>={ABI_MINOR})",
+        )
+    # The ctypes layouts must match the library's (struct_size of the defaults).
+    for fn, struct in (
+        (handle.dsv4_create_params_default, CreateParams),
+        (handle.dsv4_tensor_default, Tensor),
+        (handle.dsv4_batch_default, Batch),
+    ):
+        size = fn().struct_size
+        if size != ctypes.sizeof(struct):
+            raise Error(12, f"{path}: {struct.__name__} is {size} bytes in the library, {ctypes.sizeof(struct)} here")
+    handle.dsv4_path = str(path)
+    return handle
+
+
+def last_error() -> str:
+    msg = lib().dsv4_last_error()
+    return msg.decode("utf-8", "replace") if msg else ""
+
+
+def check(status: int) -> None:
+    """Raises the exception for a failed status, with the thread's last-error text."""
+    if status != STATUS_OK:
+        raise error_for(status, last_error())

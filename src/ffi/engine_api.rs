@@ -1,0 +1,756 @@
+//! The exported functions of the C ABI (except the log callback, in `logging.rs`).
+//!
+//! Each export is a thin shell: `ffi_boundary` (panic boundary + last error), pointer and
+//! enum validation naming the culprit, conversion to Rust types, one call into
+//! [`Engine`]. No model logic lives here, and nothing here may panic across the boundary.
+
+use std::ffi::{CString, c_char, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::ptr;
+
+use crate::engine::{Batch, Engine, LogitsOut, TensorUpdate};
+use crate::error::{Error, Result, Status};
+use crate::ffi::params::*;
+use crate::ffi::status::*;
+use crate::weights::store::{Tensor, TensorData};
+
+/// ABI major version: bumped on any incompatible change. A host must refuse a library
+/// whose major differs from the header's.
+pub const DSV4_ABI_VERSION_MAJOR: u32 = 1;
+/// ABI minor version: bumped when functions, enum values or trailing struct fields are
+/// added. A host built against minor M works with any library of the same major and
+/// minor >= M.
+pub const DSV4_ABI_VERSION_MINOR: u32 = 0;
+
+/// An engine: one model's weights, per-slot decode state and workspaces. Opaque; create
+/// with `dsv4_create`, free with `dsv4_destroy`.
+pub struct dsv4_engine {
+    engine: Engine,
+    /// NUL-terminated weight names handed out by `dsv4_weight_info` (valid until destroy).
+    names: Vec<CString>,
+    /// Set when a call that modifies the engine panicked or reported INTERNAL: its state is
+    /// unknown, so every later modifying call on it fails with INTERNAL.
+    poisoned: Option<String>,
+}
+
+impl dsv4_engine {
+    fn new(engine: Engine) -> Self {
+        let names = engine
+            .weights()
+            .tensors()
+            .iter()
+            .map(|t| CString::new(t.spec.name.replace('\0', "?")).unwrap_or_default())
+            .collect();
+        dsv4_engine {
+            engine,
+            names,
+            poisoned: None,
+        }
+    }
+
+    /// Runs a call that modifies the engine; a panic or an INTERNAL error poisons it.
+    fn run_mut<R>(&mut self, f: impl FnOnce(&mut Engine) -> Result<R>) -> Result<R> {
+        if let Some(why) = &self.poisoned {
+            return Err(Error::new(
+                Status::Internal,
+                format!(
+                    "the engine is unusable after an earlier internal error ({why}); destroy it"
+                ),
+            ));
+        }
+        match catch_unwind(AssertUnwindSafe(|| f(&mut self.engine))) {
+            Ok(Err(e)) if e.status == Status::Internal => {
+                self.poisoned = Some(e.message.clone());
+                Err(e)
+            }
+            Ok(r) => r,
+            Err(p) => {
+                let msg = format!("internal error (panic): {}", panic_message(&*p));
+                self.poisoned = Some(msg.clone());
+                Err(Error::new(Status::Internal, msg))
+            }
+        }
+    }
+}
+
+/// # Safety
+/// A non-NULL `p` must come from `dsv4_create` and not be destroyed or used concurrently.
+unsafe fn engine_mut<'a>(p: *mut dsv4_engine) -> Result<&'a mut dsv4_engine> {
+    // SAFETY: forwarded.
+    unsafe { non_null_mut(p, "engine") }
+}
+
+/// # Safety
+/// A non-NULL `p` must come from `dsv4_create` and not be destroyed.
+unsafe fn engine_ref<'a>(p: *const dsv4_engine) -> Result<&'a dsv4_engine> {
+    // SAFETY: forwarded.
+    unsafe { non_null(p, "engine") }
+}
+
+fn usize_to_i32(v: usize) -> i32 {
+    i32::try_from(v).unwrap_or(i32::MAX)
+}
+
+// ---------------------------------------------------------------------------------------
+// Versions, errors
+
+/// Run-time ABI version of the loaded library: `(major << 16) | minor`.
+/// Compare with DSV4_ABI_VERSION_MAJOR / _MINOR of the header (same major, library
+/// minor >= header minor). Thread-safe; never fails.
+#[unsafe(no_mangle)]
+pub extern "C" fn dsv4_abi_version() -> u32 {
+    (DSV4_ABI_VERSION_MAJOR << 16) | DSV4_ABI_VERSION_MINOR
+}
+
+/// Human-readable library version, e.g. "dsv4 0.1.0 (abi 1.0)". Static storage: never
+/// free it. Thread-safe; never fails.
+#[unsafe(no_mangle)]
+pub extern "C" fn dsv4_version_string() -> *const c_char {
+    const V: &str = concat!("dsv4 ", env!("CARGO_PKG_VERSION"), " (abi 1.0)\0");
+    const _: () = assert!(
+        DSV4_ABI_VERSION_MAJOR == 1 && DSV4_ABI_VERSION_MINOR == 0,
+        "update the version string"
+    );
+    V.as_ptr().cast()
+}
+
+/// Message of the most recent status-returning dsv4 call on the calling thread: it names
+/// the argument, field, tensor or file at fault; "" if that call succeeded (every
+/// status-returning call clears it on entry). Never NULL. Owned by the library: do not
+/// free; valid until the next dsv4 call on this thread. Thread-local, so concurrent
+/// threads never see each other's errors.
+#[unsafe(no_mangle)]
+pub extern "C" fn dsv4_last_error() -> *const c_char {
+    infallible("dsv4_last_error", c"".as_ptr(), last_error_ptr)
+}
+
+/// Static name of a status code without the prefix ("OK", "INVALID_ARGUMENT", ...;
+/// "UNKNOWN" for values this library does not define). Never NULL; never free it.
+#[unsafe(no_mangle)]
+pub extern "C" fn dsv4_status_name(status: dsv4_status) -> *const c_char {
+    status_cname(status).as_ptr()
+}
+
+// ---------------------------------------------------------------------------------------
+// Struct initializers
+
+/// Default `dsv4_create_params`: struct_size set; no config source chosen (set exactly one
+/// of config_path, config_json, use_tiny_default); device = DSV4_DEVICE_CPU;
+/// max_num_seqs = 8; max_num_tokens = 512; max_seq_len = 4096; num_threads = 0 (all
+/// cores); numerics = DSV4_NUMERICS_OFFICIAL; weight_format = DSV4_WEIGHT_FORMAT_AS_STORED;
+/// cache_dir = NULL (default location).
+#[unsafe(no_mangle)]
+pub extern "C" fn dsv4_create_params_default() -> dsv4_create_params {
+    create_params_default()
+}
+
+/// Default `dsv4_tensor`: struct_size set, name/data NULL, DSV4_DTYPE_F32, ndim 0,
+/// DSV4_MEMORY_HOST.
+#[unsafe(no_mangle)]
+pub extern "C" fn dsv4_tensor_default() -> dsv4_tensor {
+    tensor_default()
+}
+
+/// Default `dsv4_batch`: struct_size set, counts 0, pointers NULL, DSV4_LOGITS_F32.
+#[unsafe(no_mangle)]
+pub extern "C" fn dsv4_batch_default() -> dsv4_batch {
+    batch_default()
+}
+
+// ---------------------------------------------------------------------------------------
+// Lifecycle
+
+/// Creates an engine: parses the model config, picks the backend (params->device) and
+/// allocates every buffer at its final address (weights, per-slot state for
+/// max_num_seqs x max_seq_len, workspaces for max_num_tokens).
+///
+/// `params` is read during the call only. On success `*out` receives a new engine in phase
+/// DSV4_PHASE_CREATED, owned by the caller and freed with dsv4_destroy. On failure
+/// `*out` is set to NULL (if `out` is not NULL) and nothing is allocated.
+///
+/// Errors: NULL_POINTER (`params`, `out`), INVALID_ARGUMENT (struct_size, no or several
+/// config sources, a field out of range, a bad enum), IO (config file unreadable), CONFIG
+/// (malformed JSON or an invalid config field, named in the message), CAPACITY (allocation
+/// failed), NO_DEVICE / CUDA / UNSUPPORTED (device >= 0 not usable).
+///
+/// # Safety
+/// `params` must point to a dsv4_create_params whose strings are NUL-terminated or NULL;
+/// `out` must be writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_create(
+    params: *const dsv4_create_params,
+    out: *mut *mut dsv4_engine,
+) -> dsv4_status {
+    ffi_boundary("dsv4_create", || {
+        if out.is_null() {
+            return Err(null_error("out"));
+        }
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write_unaligned(ptr::null_mut()) };
+        // SAFETY: per the contract.
+        let p = unsafe { read_versioned(params, "params")? };
+        // SAFETY: per the contract.
+        let args = unsafe { create_args(&p)? };
+        let engine = Engine::create(args.source, args.options)?;
+        let handle = Box::into_raw(Box::new(dsv4_engine::new(engine)));
+        // SAFETY: as above.
+        unsafe { out.write_unaligned(handle) };
+        Ok(())
+    })
+}
+
+/// Frees an engine and everything it owns. NULL is a no-op. The handle and every pointer
+/// obtained from it (weight names, weight data) are invalid afterwards. Must not race with
+/// any other call on the same engine. Never fails.
+///
+/// # Safety
+/// `engine` must be NULL or come from dsv4_create and not be destroyed already.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_destroy(engine: *mut dsv4_engine) {
+    if engine.is_null() {
+        return;
+    }
+    infallible("dsv4_destroy", (), || {
+        // SAFETY: `engine` came from Box::into_raw in dsv4_create.
+        drop(unsafe { Box::from_raw(engine) });
+    })
+}
+
+/// Loads every weight. `format`: DSV4_LOAD_AUTO or DSV4_LOAD_SAFETENSORS read the
+/// checkpoint at `source` (a directory with a sharded index or one .safetensors file, or a
+/// single file); DSV4_LOAD_DUMMY fills deterministic small values and ignores `source`
+/// (may be NULL). Allowed in phases CREATED and LOADED (a second load overwrites);
+/// success moves the engine to DSV4_PHASE_LOADED. Call dsv4_finalize next.
+///
+/// Errors: NULL_POINTER (`engine`; `source` for a checkpoint format), INVALID_ARGUMENT
+/// (bad `format`), STATE (after dsv4_finalize), IO / FORMAT (file problems), TENSOR
+/// (an unknown, missing or mis-shaped tensor, named). After a failure the engine keeps
+/// its phase but weights may be partly overwritten: load again before finalizing.
+///
+/// # Safety
+/// `engine` from dsv4_create; `source` NULL or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_load(
+    engine: *mut dsv4_engine,
+    source: *const c_char,
+    format: i32,
+) -> dsv4_status {
+    ffi_boundary("dsv4_load", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_mut(engine)? };
+        let format = load_format_from_i32(format, "format")?;
+        // SAFETY: per the contract.
+        let source = unsafe { opt_cstr(source) };
+        let path = match (source, format) {
+            (_, crate::engine::LoadFormat::Dummy) => None,
+            (None, _) => {
+                return Err(Error::new(
+                    Status::NullPointer,
+                    "`source` is NULL but DSV4_LOAD_AUTO / DSV4_LOAD_SAFETENSORS need a checkpoint path",
+                ));
+            }
+            (Some(s), _) if s.is_empty() => return Err(invalid("`source` is an empty string")),
+            (Some(s), _) => Some(path_of(s)),
+        };
+        h.run_mut(|e| e.load(path.as_deref(), format))
+    })
+}
+
+/// Loads one named weight from host memory (streaming hosts): validates the name, dtype
+/// and shape against the engine's table, converts to the storage format and copies.
+/// Allowed in phases CREATED and LOADED; when every weight has been given a value the
+/// engine moves to DSV4_PHASE_LOADED. `tensor` and its data are read during the call only.
+///
+/// Errors: NULL_POINTER (`engine`, `tensor`, `tensor->name`, `tensor->data` with elements),
+/// INVALID_ARGUMENT (struct_size, dtype, ndim, negative extent), UNSUPPORTED
+/// (DSV4_MEMORY_DEVICE on the CPU backend), STATE (after finalize), TENSOR (unknown name,
+/// wrong shape or dtype). On failure the weight is unchanged.
+///
+/// # Safety
+/// `engine` from dsv4_create; `tensor` valid with `data` holding the described bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_load_tensor(
+    engine: *mut dsv4_engine,
+    tensor: *const dsv4_tensor,
+) -> dsv4_status {
+    ffi_boundary("dsv4_load_tensor", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_mut(engine)? };
+        // SAFETY: per the contract.
+        let t = unsafe { read_versioned(tensor, "tensor")? };
+        let device = h.engine.options().device;
+        // SAFETY: per the contract.
+        let a = unsafe { tensor_args(&t, "tensor", device)? };
+        let update = TensorUpdate {
+            name: a.name,
+            dtype: a.dtype,
+            shape: &a.shape,
+            data: a.data,
+        };
+        h.run_mut(|e| e.load_tensor(&update))
+    })
+}
+
+/// Makes the engine runnable: rebuilds every derived tensor in place, compiles and loads
+/// every kernel, warms up. Runs after every load format. Idempotent (a second call on a
+/// READY engine returns OK). `stream`: the CUstream to work on (CUDA backend; NULL is the
+/// legacy default stream); ignored by the CPU backend. Success moves the engine to
+/// DSV4_PHASE_READY; from then on no weight or state address changes.
+///
+/// Errors: NULL_POINTER (`engine`), STATE (weights not all loaded: the first missing one
+/// is named), CUDA. After a failure the engine stays in its phase.
+///
+/// # Safety
+/// `engine` from dsv4_create.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_finalize(
+    engine: *mut dsv4_engine,
+    stream: *mut c_void,
+) -> dsv4_status {
+    let _ = stream; // CPU backend: no stream.
+    ffi_boundary("dsv4_finalize", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_mut(engine)? };
+        h.run_mut(|e| e.finalize())
+    })
+}
+
+/// Runs one batch (prefill, chunked prefill and decode are the same call) and writes the
+/// logits of the requested rows into the caller's buffer. Only in DSV4_PHASE_READY.
+/// Each sequence's tokens continue its slot's state at consecutive positions; position 0
+/// starts a fresh sequence in that slot. The batch and its arrays are read during the call
+/// only; `batch->logits` is written. `stream`: the CUstream to launch on (CUDA backend);
+/// ignored by the CPU backend.
+///
+/// Errors (all detected before any state changes):
+/// NULL_POINTER (`engine`, `batch`, an array with a nonzero count: named),
+/// INVALID_ARGUMENT (struct_size, counts < 1, num_logits != num_tokens when logits_rows is
+/// NULL, misaligned arrays, bad logits_dtype, token id / slot / row out of range,
+/// inconsistent query_start or positions: the field and index are named),
+/// CAPACITY (num_tokens > max_num_tokens, num_seqs > max_num_seqs, a position >=
+/// max_seq_len), STATE (not finalized). After any of these the engine and every slot are
+/// unchanged. A CUDA error mid-run leaves the batch's slots undefined (release them);
+/// INTERNAL leaves the engine unusable (destroy it).
+///
+/// # Safety
+/// `engine` from dsv4_create; `batch` valid, with each array holding the number of
+/// int32 entries its count states and `logits` num_logits x vocab_size elements.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_forward(
+    engine: *mut dsv4_engine,
+    batch: *const dsv4_batch,
+    stream: *mut c_void,
+) -> dsv4_status {
+    let _ = stream; // CPU backend: no stream.
+    ffi_boundary("dsv4_forward", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_mut(engine)? };
+        // SAFETY: per the contract.
+        let b = unsafe { read_versioned(batch, "batch")? };
+        let opts = h.engine.options();
+        let vocab = h.engine.config().vocab_size;
+        let (max_tokens, max_seqs) = (opts.max_num_tokens, opts.max_num_seqs);
+
+        let count = |v: i32, what: &str, max: usize, max_name: &str| -> Result<usize> {
+            if v < 1 {
+                return Err(invalid(format!("`batch->{what}` = {v} must be >= 1")));
+            }
+            if v as usize > max {
+                return Err(Error::new(
+                    Status::Capacity,
+                    format!(
+                        "`batch->{what}` = {v} exceeds {max_name} = {max} (fixed at dsv4_create)"
+                    ),
+                ));
+            }
+            Ok(v as usize)
+        };
+        let t = count(b.num_tokens, "num_tokens", max_tokens, "max_num_tokens")?;
+        let s = count(b.num_seqs, "num_seqs", max_seqs, "max_num_seqs")?;
+        if b.num_logits < 0 {
+            return Err(invalid(format!(
+                "`batch->num_logits` = {} must be >= 0",
+                b.num_logits
+            )));
+        }
+        if b.num_logits as usize > max_tokens {
+            return Err(Error::new(
+                Status::Capacity,
+                format!(
+                    "`batch->num_logits` = {} exceeds max_num_tokens = {max_tokens}",
+                    b.num_logits
+                ),
+            ));
+        }
+        let rows = b.num_logits as usize;
+        if b.logits_rows.is_null() && rows != t {
+            return Err(invalid(format!(
+                "`batch->num_logits` = {rows} must equal batch->num_tokens = {t} when batch->logits_rows is NULL"
+            )));
+        }
+        let logits_bf16 = match b.logits_dtype {
+            DSV4_LOGITS_F32 => false,
+            DSV4_LOGITS_BF16 => true,
+            v => {
+                return Err(invalid(format!(
+                    "`batch->logits_dtype` = {v} is not DSV4_LOGITS_F32 (0) or DSV4_LOGITS_BF16 (1)"
+                )));
+            }
+        };
+
+        // Host arrays -> slices, after NULL and alignment checks (slices must be valid).
+        fn ints<'a>(p: *const i32, n: usize, what: &str) -> Result<&'a [i32]> {
+            if n == 0 {
+                return Ok(&[]);
+            }
+            if p.is_null() {
+                return Err(Error::new(
+                    Status::NullPointer,
+                    format!("`batch->{what}` is NULL but holds {n} entries"),
+                ));
+            }
+            if !p.is_aligned() {
+                return Err(invalid(format!("`batch->{what}` is not 4-byte aligned")));
+            }
+            // SAFETY: the host promises `n` readable int32 values at `p` for the call.
+            Ok(unsafe { std::slice::from_raw_parts(p, n) })
+        }
+        let token_ids = ints(b.token_ids, t, "token_ids")?;
+        let positions = ints(b.positions, t, "positions")?;
+        let seq_slots = ints(b.seq_slots, s, "seq_slots")?;
+        let query_start = ints(b.query_start, s + 1, "query_start")?;
+        let logits_rows = if b.logits_rows.is_null() {
+            None
+        } else {
+            Some(ints(b.logits_rows, rows, "logits_rows")?)
+        };
+        let n_out = rows.checked_mul(vocab).ok_or_else(|| {
+            invalid(format!(
+                "`batch->num_logits` = {rows} x vocab_size overflows"
+            ))
+        })?;
+        let logits = if n_out == 0 {
+            if logits_bf16 {
+                LogitsOut::Bf16(&mut [])
+            } else {
+                LogitsOut::F32(&mut [])
+            }
+        } else if b.logits.is_null() {
+            return Err(Error::new(
+                Status::NullPointer,
+                format!(
+                    "`batch->logits` is NULL but must hold num_logits x vocab_size = {rows} x {vocab} values"
+                ),
+            ));
+        } else if logits_bf16 {
+            let p = b.logits.cast::<u16>();
+            if !p.is_aligned() {
+                return Err(invalid("`batch->logits` is not 2-byte aligned (bf16)"));
+            }
+            // SAFETY: the host promises num_logits x vocab writable bf16 values.
+            LogitsOut::Bf16(unsafe { std::slice::from_raw_parts_mut(p, n_out) })
+        } else {
+            let p = b.logits.cast::<f32>();
+            if !p.is_aligned() {
+                return Err(invalid("`batch->logits` is not 4-byte aligned (float)"));
+            }
+            // SAFETY: the host promises num_logits x vocab writable floats.
+            LogitsOut::F32(unsafe { std::slice::from_raw_parts_mut(p, n_out) })
+        };
+        let mut batch = Batch {
+            token_ids,
+            positions,
+            seq_slots,
+            query_start,
+            logits_rows,
+            logits,
+        };
+        h.run_mut(|e| e.forward(&mut batch))
+    })
+}
+
+/// Replaces named weights in place after finalize (RL weight sync): `tensors` is an array
+/// of `n` entries (stride = tensors[0].struct_size; every entry must carry the same
+/// struct_size), each naming one weight with its full new value in BF16/F32/... host
+/// memory. ALL entries are validated before ANY is written, so a bad entry leaves the
+/// engine unchanged; then every derived tensor depending on a touched weight is rebuilt.
+/// Weight addresses do not change, so CUDA graphs captured before a refit replay with the
+/// new values. Only in DSV4_PHASE_READY. `n` = 0 changes nothing.
+/// `stream`: the CUstream to copy on (CUDA backend); ignored by the CPU backend.
+///
+/// Errors: NULL_POINTER (`engine`, `tensors` with n > 0, `tensors[k].name/data`),
+/// INVALID_ARGUMENT (struct_size, a bad dtype/ndim/extent in `tensors[k]`, a weight named
+/// twice), UNSUPPORTED (device memory on CPU), STATE (not finalized), TENSOR (unknown
+/// name, wrong shape or dtype: entry and weight named). On any of these nothing is written.
+///
+/// # Safety
+/// `engine` from dsv4_create; `tensors` NULL (n = 0) or `n` valid entries.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_refit(
+    engine: *mut dsv4_engine,
+    tensors: *const dsv4_tensor,
+    n: usize,
+    stream: *mut c_void,
+) -> dsv4_status {
+    let _ = stream; // CPU backend: no stream.
+    ffi_boundary("dsv4_refit", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_mut(engine)? };
+        if n > 0 && tensors.is_null() {
+            return Err(Error::new(
+                Status::NullPointer,
+                format!("`tensors` is NULL but n = {n}"),
+            ));
+        }
+        let device = h.engine.options().device;
+        let mut args = Vec::with_capacity(n.min(1 << 16));
+        let mut stride = 0usize;
+        for k in 0..n {
+            let what = format!("tensors[{k}]");
+            let p = if k == 0 {
+                tensors
+            } else {
+                // SAFETY: entry k lies within the host's array (k < n, stride checked).
+                unsafe { tensors.cast::<u8>().add(k * stride) }.cast::<dsv4_tensor>()
+            };
+            // SAFETY: per the contract.
+            let t = unsafe { read_versioned(p, &what)? };
+            if k == 0 {
+                stride = t.struct_size;
+                if stride
+                    .checked_mul(n)
+                    .is_none_or(|b| b > isize::MAX as usize)
+                {
+                    return Err(invalid(format!(
+                        "`n` = {n} entries of {stride} bytes overflow the address space"
+                    )));
+                }
+            } else if t.struct_size != stride {
+                return Err(invalid(format!(
+                    "`{what}.struct_size` = {} differs from tensors[0].struct_size = {stride} (all entries share one layout)",
+                    t.struct_size
+                )));
+            }
+            // SAFETY: per the contract.
+            args.push(unsafe { tensor_args(&t, &what, device)? });
+        }
+        let updates: Vec<TensorUpdate> = args
+            .iter()
+            .map(|a| TensorUpdate {
+                name: a.name,
+                dtype: a.dtype,
+                shape: &a.shape,
+                data: a.data,
+            })
+            .collect();
+        h.run_mut(|e| e.refit(&updates))
+    })
+}
+
+/// Forgets the state of sequence slot `slot` (in [0, max_num_seqs)); its next sequence must
+/// start at position 0. Allowed in every phase.
+///
+/// Errors: NULL_POINTER (`engine`), INVALID_ARGUMENT (slot out of range; nothing changes).
+///
+/// # Safety
+/// `engine` from dsv4_create.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_release_slot(engine: *mut dsv4_engine, slot: i32) -> dsv4_status {
+    ffi_boundary("dsv4_release_slot", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_mut(engine)? };
+        let max = h.engine.options().max_num_seqs;
+        if slot < 0 || slot as usize >= max {
+            return Err(invalid(format!(
+                "`slot` = {slot} is outside [0, max_num_seqs = {max})"
+            )));
+        }
+        h.run_mut(|e| e.release_slot(slot as i64))
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// Introspection (read-only: safe to call concurrently with other read-only calls)
+
+/// Fills `*out` with the model config and capacities in effect and the current phase.
+/// The caller sets out->struct_size = sizeof(dsv4_info) first; it is left unchanged, as
+/// are bytes past this library's layout. Allowed in every phase.
+///
+/// Errors: NULL_POINTER (`engine`, `out`), INVALID_ARGUMENT (out->struct_size too small;
+/// `*out` untouched).
+///
+/// # Safety
+/// `engine` from dsv4_create; `out` writable for out->struct_size bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_get_info(
+    engine: *const dsv4_engine,
+    out: *mut dsv4_info,
+) -> dsv4_status {
+    ffi_boundary("dsv4_get_info", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_ref(engine)? };
+        let (c, o) = (h.engine.config(), h.engine.options());
+        let info = dsv4_info {
+            struct_size: 0, // restored to the caller's value by write_versioned
+            vocab_size: usize_to_i32(c.vocab_size),
+            hidden_size: usize_to_i32(c.hidden_size),
+            num_layers: usize_to_i32(c.num_layers),
+            num_heads: usize_to_i32(c.num_heads),
+            head_dim: usize_to_i32(c.head_dim),
+            hc_mult: usize_to_i32(c.hc_mult),
+            n_routed_experts: usize_to_i32(c.n_routed_experts),
+            experts_per_tok: usize_to_i32(c.experts_per_tok),
+            max_num_seqs: usize_to_i32(o.max_num_seqs),
+            max_num_tokens: usize_to_i32(o.max_num_tokens),
+            max_seq_len: usize_to_i32(o.max_seq_len),
+            device: o.device,
+            numerics: numerics_to_i32(o.numerics),
+            weight_format: weight_format_to_i32(o.weight_format),
+            phase: phase_to_i32(h.engine.phase()),
+            num_weights: h.engine.weights().len(),
+        };
+        // SAFETY: per the contract.
+        unsafe { write_versioned(out, "out", info) }
+    })
+}
+
+/// Writes the number of weights (sources and derived) to `*out`. Allowed in every phase.
+///
+/// Errors: NULL_POINTER (`engine`, `out`).
+///
+/// # Safety
+/// `engine` from dsv4_create; `out` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_weight_count(
+    engine: *const dsv4_engine,
+    out: *mut usize,
+) -> dsv4_status {
+    ffi_boundary("dsv4_weight_count", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_ref(engine)? };
+        if out.is_null() {
+            return Err(null_error("out"));
+        }
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { out.write_unaligned(h.engine.weights().len()) };
+        Ok(())
+    })
+}
+
+/// Element type code and byte size of a weight's storage.
+fn storage_of(t: &Tensor) -> (i32, u64) {
+    let numel = t.spec.numel() as u64;
+    match &t.data {
+        TensorData::F32(_) => (DSV4_DTYPE_F32, numel * 4),
+        TensorData::I32(_) => (DSV4_DTYPE_I32, numel * 4),
+    }
+}
+
+/// Describes weight `index` (in [0, dsv4_weight_count)): name, storage dtype and shape,
+/// storage address (fixed from create to destroy, so hosts can check pointer stability),
+/// byte size, derived flag, and where it lives. The caller sets out->struct_size =
+/// sizeof(dsv4_weight_desc) first. `out->name` is owned by the engine and valid until
+/// dsv4_destroy. Allowed in every phase (values are meaningful after load).
+///
+/// Errors: NULL_POINTER (`engine`, `out`), INVALID_ARGUMENT (index out of range,
+/// out->struct_size too small; `*out` untouched).
+///
+/// # Safety
+/// `engine` from dsv4_create; `out` writable for out->struct_size bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_weight_info(
+    engine: *const dsv4_engine,
+    index: usize,
+    out: *mut dsv4_weight_desc,
+) -> dsv4_status {
+    ffi_boundary("dsv4_weight_info", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_ref(engine)? };
+        let w = h.engine.weights();
+        if index >= w.len() {
+            return Err(invalid(format!(
+                "`index` = {index} is outside [0, dsv4_weight_count = {})",
+                w.len()
+            )));
+        }
+        let t = w.tensor(index);
+        if t.spec.shape.len() > DSV4_MAX_DIMS {
+            return Err(Error::new(
+                Status::Internal,
+                format!(
+                    "weight `{}` has {} dimensions (> DSV4_MAX_DIMS)",
+                    t.spec.name,
+                    t.spec.shape.len()
+                ),
+            ));
+        }
+        let mut shape = [0i64; DSV4_MAX_DIMS];
+        for (dst, &d) in shape.iter_mut().zip(&t.spec.shape) {
+            *dst = d as i64;
+        }
+        let (dtype, nbytes) = storage_of(t);
+        let info = dsv4_weight_desc {
+            struct_size: 0, // restored to the caller's value by write_versioned
+            name: h.names[index].as_ptr(),
+            dtype,
+            ndim: t.spec.shape.len() as i32,
+            shape,
+            data: t.data.as_ptr().cast_mut().cast(),
+            nbytes,
+            derived: 0, // the weight table holds source weights only so far
+            device: h.engine.options().device, // CPU backend: -1, host memory
+        };
+        // SAFETY: per the contract.
+        unsafe { write_versioned(out, "out", info) }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{ConfigSource, EngineOptions};
+
+    fn handle() -> dsv4_engine {
+        let opts = EngineOptions {
+            max_num_seqs: 1,
+            max_num_tokens: 4,
+            max_seq_len: 8,
+            ..EngineOptions::default()
+        };
+        dsv4_engine::new(Engine::create(ConfigSource::TinyDefault, opts).expect("tiny engine"))
+    }
+
+    #[test]
+    fn panic_in_a_modifying_call_poisons_the_engine() {
+        let mut h = handle();
+        let e = h
+            .run_mut(|_| -> Result<()> { panic!("boom in forward") })
+            .unwrap_err();
+        assert_eq!(e.status, Status::Internal);
+        assert!(e.message.contains("boom in forward"), "{}", e.message);
+        let e = h.run_mut(|_| Ok(())).unwrap_err();
+        assert_eq!(e.status, Status::Internal);
+        assert!(
+            e.message.contains("unusable") && e.message.contains("boom in forward"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn internal_error_poisons_other_errors_do_not() {
+        let mut h = handle();
+        let e = h
+            .run_mut(|_| -> Result<()> { Err(Error::new(Status::State, "wrong phase")) })
+            .unwrap_err();
+        assert_eq!(e.status, Status::State);
+        assert!(h.run_mut(|_| Ok(())).is_ok());
+        let _ = h.run_mut(|_| -> Result<()> { Err(Error::new(Status::Internal, "table broken")) });
+        assert!(
+            h.run_mut(|_| Ok(()))
+                .unwrap_err()
+                .message
+                .contains("table broken")
+        );
+    }
+}

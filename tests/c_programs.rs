@@ -1,0 +1,214 @@
+//! Compiles the programs of `tests/c/` against `include/dsv4.h` and this build's cdylib,
+//! then runs them:
+//!
+//! - `abi_smoke.c` as C11 (`gcc -std=c11 -Wall -Wextra -Wpedantic -Werror`) and the same
+//!   file as C++17 (`g++ -std=c++17 -x c++ ...`);
+//! - `cpp_wrapper.cpp` (bindings/cpp/dsv4.hpp) as C++17, with and without
+//!   `DSV4_HPP_EXCEPTIONS`.
+//!
+//! Each program runs on the embedded tiny model with dummy weights and on the committed
+//! checkpoint fixture; the first logit must equal what the Rust API computes for the same
+//! batch (the C path adds nothing numerically). Says "skipped: no C compiler" only when
+//! gcc is absent.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use dsv4::{Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Directory holding this build's `libdsv4.so`. `cargo test` builds the cdylib next to the
+/// test binary (target/<profile>/deps/, from the same rustc run as the rlib this test links,
+/// so never stale); `cargo build` puts it in target/<profile>/. Last resort: the directory
+/// of `DSV4_LIBRARY`.
+fn library_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let deps = exe.parent().expect("target/<profile>/deps");
+    let profile = deps.parent().expect("target/<profile>");
+    for dir in [deps, profile] {
+        if dir.join("libdsv4.so").is_file() {
+            return dir.to_path_buf();
+        }
+    }
+    if let Some(lib) = std::env::var_os("DSV4_LIBRARY") {
+        let lib = PathBuf::from(lib);
+        if lib.is_file() {
+            return lib.parent().unwrap().to_path_buf();
+        }
+    }
+    panic!(
+        "libdsv4.so not found in {} or {} (cargo build builds it)",
+        deps.display(),
+        profile.display()
+    );
+}
+
+fn have(tool: &str) -> bool {
+    Command::new(tool)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Runs a command, panicking with its output on failure; returns stdout.
+fn run(cmd: &mut Command, what: &str) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    stdout
+}
+
+fn compile(compiler: &str, args: &[&str], output: &Path, lib_dir: &Path) {
+    let mut cmd = Command::new(compiler);
+    cmd.args(args)
+        .arg("-I")
+        .arg(root().join("include"))
+        .arg("-I")
+        .arg(root().join("bindings/cpp"))
+        .arg("-o")
+        .arg(output)
+        .arg(format!("-L{}", lib_dir.display()))
+        .arg("-ldsv4")
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .arg("-lm");
+    run(&mut cmd, &format!("{compiler} {}", args.join(" ")));
+}
+
+/// logits[3][0] of the abi_smoke prompt (tokens 1..=4 at positions 0..=3 in slot 0),
+/// computed through the Rust API with the programs' options.
+fn rust_logit0(config: &str, load: &str) -> f32 {
+    let source = if config == "tiny" {
+        ConfigSource::TinyDefault
+    } else {
+        ConfigSource::Path(root().join(config))
+    };
+    let opts = EngineOptions {
+        max_num_seqs: 2,
+        max_num_tokens: 16,
+        max_seq_len: 64,
+        num_threads: 2,
+        numerics: Numerics::Exact,
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::create(source, opts).expect("create");
+    if load == "dummy" {
+        e.load(None, LoadFormat::Dummy).expect("dummy load");
+    } else {
+        e.load(Some(&root().join(load)), LoadFormat::Auto)
+            .expect("checkpoint load");
+    }
+    e.finalize().expect("finalize");
+    let mut logits = vec![0.0f32; e.config().vocab_size];
+    let mut b = Batch {
+        token_ids: &[1, 2, 3, 4],
+        positions: &[0, 1, 2, 3],
+        seq_slots: &[0],
+        query_start: &[0, 4],
+        logits_rows: Some(&[3]),
+        logits: LogitsOut::F32(&mut logits),
+    };
+    e.forward(&mut b).expect("forward");
+    logits[0]
+}
+
+#[test]
+fn c_and_cpp_programs_compile_and_run() {
+    if !have("gcc") {
+        println!("skipped: no C compiler (gcc not found)");
+        return;
+    }
+    let lib_dir = library_dir();
+    let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("c_programs");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let smoke = root().join("tests/c/abi_smoke.c");
+    let smoke = smoke.to_str().unwrap();
+    let wrapper = root().join("tests/c/cpp_wrapper.cpp");
+    let wrapper = wrapper.to_str().unwrap();
+    let strict = ["-Wall", "-Wextra", "-Wpedantic", "-Werror"];
+
+    let mut programs: Vec<(String, PathBuf)> = Vec::new();
+    let c_bin = out_dir.join("abi_smoke_c11");
+    compile(
+        "gcc",
+        &[&["-std=c11"], &strict[..], &[smoke]].concat(),
+        &c_bin,
+        &lib_dir,
+    );
+    programs.push(("abi_smoke (C11)".into(), c_bin));
+    if have("g++") {
+        let cpp_bin = out_dir.join("abi_smoke_cpp17");
+        compile(
+            "g++",
+            &[
+                &["-std=c++17"],
+                &strict[..],
+                &["-x", "c++", smoke, "-x", "none"],
+            ]
+            .concat(),
+            &cpp_bin,
+            &lib_dir,
+        );
+        programs.push(("abi_smoke (C++17)".into(), cpp_bin));
+        for (tag, extra) in [
+            ("status", None),
+            ("exceptions", Some("-DDSV4_HPP_EXCEPTIONS")),
+        ] {
+            let bin = out_dir.join(format!("cpp_wrapper_{tag}"));
+            let mut args = vec!["-std=c++17"];
+            args.extend(strict);
+            args.extend(extra);
+            args.push(wrapper);
+            compile("g++", &args, &bin, &lib_dir);
+            programs.push((format!("cpp_wrapper ({tag})"), bin));
+        }
+    } else {
+        println!("skipped: no C++ compiler (g++ not found); C11 only");
+    }
+
+    for (config, load) in [
+        ("tiny", "dummy"),
+        ("tests/fixtures/tiny", "tests/fixtures/tiny"),
+    ] {
+        let expected = rust_logit0(config, load);
+        let (cfg_arg, load_arg) = if config == "tiny" {
+            (config.to_string(), load.to_string())
+        } else {
+            (
+                root().join(config).display().to_string(),
+                root().join(load).display().to_string(),
+            )
+        };
+        for (name, bin) in &programs {
+            let mut cmd = Command::new(bin);
+            cmd.arg(&cfg_arg).arg(&load_arg);
+            if name.starts_with("abi_smoke") {
+                // The C path must reproduce the Rust API's number (same library, same batch).
+                cmd.arg(format!("{expected:.9e}")).arg("1e-6");
+            }
+            let out = run(&mut cmd, &format!("{name} {cfg_arg} {load_arg}"));
+            println!(
+                "{name} [{config}, {load}]: {}",
+                out.lines()
+                    .filter(|l| l.starts_with("logit0"))
+                    .collect::<String>()
+            );
+            assert!(out.contains(": OK"), "{name}: {out}");
+            if name.starts_with("abi_smoke") {
+                assert!(
+                    out.contains(&format!("logit0 = {expected:.6}")),
+                    "{name}: {out} (expected {expected:.6})"
+                );
+            }
+        }
+    }
+}
