@@ -167,9 +167,6 @@ impl Engine {
                 format!("device = {}: the CUDA backend is not available in this build yet; use device = -1 (CPU)", opts.device),
             ));
         }
-        if opts.numerics == Numerics::Official {
-            crate::log::warn("numerics = official is not implemented by the CPU reference yet; running exact math");
-        }
         let weights = WeightStore::allocate(&cfg)?;
         let loaded = vec![false; weights.len()];
         let backend = CpuBackend::new(&cfg, &opts, &weights)?;

@@ -9,6 +9,7 @@
 
 use super::compressor;
 use super::ops::{Threads, dot, linear, rms_norm, top_k};
+use super::precision::Prec;
 use crate::config::{AttnKind, ModelConfig};
 use crate::model::batch::SeqRange;
 use crate::model::rope;
@@ -25,11 +26,12 @@ pub struct AttnCtx<'a> {
     /// Inverse RoPE frequencies of this layer's kind.
     pub freqs: &'a [f32],
     pub th: Threads,
+    pub prec: Prec,
 }
 
 /// Attention output [T, D] for attn-normed input `u` [T, D].
 pub fn attention(ctx: &AttnCtx, u: &[f32], positions: &[i32], seqs: &[SeqRange], slots: &mut [SlotState]) -> Vec<f32> {
-    let (cfg, w, lw, th) = (ctx.cfg, ctx.w, ctx.lw, ctx.th);
+    let (cfg, w, lw, th, prec) = (ctx.cfg, ctx.w, ctx.lw, ctx.th, ctx.prec);
     let d = cfg.hidden_size;
     let (h, hd) = (cfg.num_heads, cfg.head_dim);
     let t = u.len() / d;
@@ -37,30 +39,38 @@ pub fn attention(ctx: &AttnCtx, u: &[f32], positions: &[i32], seqs: &[SeqRange],
     let pos = |i: usize| positions[i] as usize;
 
     // Query path: qr = q_norm(u wq_a), q = per-head unit RMS of (qr wq_b), RoPE.
-    let mut qr = linear(th, u, d, w.f32(lw.wq_a));
+    let mut qr = prec.linear(th, w, lw.wq_a, u, d);
     rms_norm(&mut qr, cfg.q_lora_rank, Some(w.f32(lw.q_norm)), eps);
-    let mut q = linear(th, &qr, cfg.q_lora_rank, w.f32(lw.wq_b));
+    prec.bf16(&mut qr);
+    let mut q = prec.linear(th, w, lw.wq_b, &qr, cfg.q_lora_rank);
     rms_norm(&mut q, hd, None, eps);
+    prec.bf16(&mut q);
     for (i, qt) in q.chunks_exact_mut(h * hd).enumerate() {
         qt.chunks_exact_mut(hd).for_each(|qh| rope::apply(qh, ctx.freqs, pos(i), 1.0));
     }
+    prec.bf16(&mut q);
     // Window KV: one vector per token, used as key and value.
-    let mut kv = linear(th, u, d, w.f32(lw.wkv));
+    let mut kv = prec.linear(th, w, lw.wkv, u, d);
     rms_norm(&mut kv, hd, Some(w.f32(lw.kv_norm)), eps);
+    prec.bf16(&mut kv);
     for (i, row) in kv.chunks_exact_mut(hd).enumerate() {
         rope::apply(row, ctx.freqs, pos(i), 1.0);
     }
-    // Compressor inputs for the whole batch (projections are per token).
+    prec.bf16(&mut kv);
+    prec.kv_nope_sim(&mut kv, hd, cfg.nope_dim());
+    // Compressor inputs for the whole batch (projections are per token, f32 in both modes).
     let comp_in = lw.compressor.map(|c| (linear(th, u, d, w.f32(c.wkv)), linear(th, u, d, w.f32(c.wgate))));
     let indexer_in = lw.indexer.map(|ix| {
         let (di, hi) = (cfg.index_head_dim, cfg.index_n_heads);
         let a = linear(th, u, d, w.f32(ix.compressor.wkv));
         let z = linear(th, u, d, w.f32(ix.compressor.wgate));
-        let mut qi = linear(th, &qr, cfg.q_lora_rank, w.f32(ix.wq_b));
+        let mut qi = prec.linear(th, w, ix.wq_b, &qr, cfg.q_lora_rank);
         for (i, qt) in qi.chunks_exact_mut(hi * di).enumerate() {
             qt.chunks_exact_mut(di).for_each(|qh| rope::apply(qh, ctx.freqs, pos(i), 1.0));
         }
-        let mut weights = linear(th, u, d, w.f32(ix.weights_proj));
+        prec.bf16(&mut qi);
+        prec.index_sim(&mut qi, di);
+        let mut weights = prec.linear_bf16(th, w.f32(ix.weights_proj), u, d);
         let scale = 1.0 / ((di as f32).sqrt() * (hi as f32).sqrt());
         weights.iter_mut().for_each(|v| *v *= scale);
         (a, z, qi, weights)
@@ -75,11 +85,11 @@ pub fn attention(ctx: &AttnCtx, u: &[f32], positions: &[i32], seqs: &[SeqRange],
         // 1. Compress this chunk's tokens into the slot's entry lists.
         if let (Some(cw), Some((a, z))) = (&lw.compressor, &comp_in) {
             let st = ls.compressor.as_mut().expect("compressed layer has compressor state");
-            compress_chunk(ctx, cw, st, a, z, s, positions, &mut ls.entries);
+            compress_chunk(ctx, cw, st, a, z, s, positions, &mut ls.entries, EntryKind::Kv);
         }
         if let (Some(ix), Some((a, z, _, _))) = (&lw.indexer, &indexer_in) {
             let st = ls.index_compressor.as_mut().expect("CSA layer has indexer state");
-            compress_chunk(ctx, &ix.compressor, st, a, z, s, positions, &mut ls.index_keys);
+            compress_chunk(ctx, &ix.compressor, st, a, z, s, positions, &mut ls.index_keys, EntryKind::IndexKey);
         }
         // 2. Attend for every token of the chunk.
         let mut keys: Vec<&[f32]> = Vec::with_capacity(win + cfg.index_topk.max(1));
@@ -102,7 +112,7 @@ pub fn attention(ctx: &AttnCtx, u: &[f32], positions: &[i32], seqs: &[SeqRange],
                     AttnKind::Hca => (0..visible).for_each(|e| keys.push(entry(e))),
                     AttnKind::Csa => {
                         let (_, _, qi, iw) = indexer_in.as_ref().expect("CSA layer has indexer inputs");
-                        let chosen = select_entries(cfg, &ls.index_keys, visible, qi, iw, i);
+                        let chosen = select_entries(cfg, prec, &ls.index_keys, visible, qi, iw, i);
                         chosen.into_iter().for_each(|e| keys.push(entry(e)));
                     }
                     AttnKind::Sliding => {}
@@ -112,8 +122,9 @@ pub fn attention(ctx: &AttnCtx, u: &[f32], positions: &[i32], seqs: &[SeqRange],
             for head in 0..h {
                 let qh = &q[(i * h + head) * hd..(i * h + head + 1) * hd];
                 let oh = &mut ot[head * hd..(head + 1) * hd];
-                attend_with_sink(qh, &keys, sink[head], oh);
+                attend_with_sink(prec, qh, &keys, sink[head], oh);
                 rope::apply(oh, ctx.freqs, p, -1.0);
+                prec.bf16(oh);
             }
         }
         // 3. Keep the chunk's last W window vectors in the ring.
@@ -124,6 +135,14 @@ pub fn attention(ctx: &AttnCtx, u: &[f32], positions: &[i32], seqs: &[SeqRange],
         }
     }
     output_projection(ctx, &o, t)
+}
+
+/// What a compressor produces: main KV entries or indexer keys (they differ only in the
+/// official fake-quantisation).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum EntryKind {
+    Kv,
+    IndexKey,
 }
 
 /// Runs the chunk's tokens through one compressor; each completed window's entry is
@@ -138,7 +157,9 @@ fn compress_chunk(
     s: &SeqRange,
     positions: &[i32],
     store: &mut [f32],
+    kind: EntryKind,
 ) {
+    let prec = ctx.prec;
     let width = st.width();
     let (dc, r) = (st.dc, st.ratio);
     let ape = ctx.w.f32(cw.ape);
@@ -148,9 +169,16 @@ fn compress_chunk(
         let p = positions[i] as usize;
         let row = i * width..(i + 1) * width;
         if compressor::push(st, ape, p, &a[row.clone()], &z[row], &mut entry) {
+            prec.bf16(&mut entry);
             rms_norm(&mut entry, dc, Some(norm), ctx.cfg.rms_norm_eps);
+            prec.bf16(&mut entry);
             let e = p / r;
             rope::apply(&mut entry, ctx.freqs, e * r, 1.0);
+            prec.bf16(&mut entry);
+            match kind {
+                EntryKind::Kv => prec.kv_nope_sim(&mut entry, dc, ctx.cfg.nope_dim()),
+                EntryKind::IndexKey => prec.index_sim(&mut entry, dc),
+            }
             store[e * dc..(e + 1) * dc].copy_from_slice(&entry);
         }
     }
@@ -158,22 +186,26 @@ fn compress_chunk(
 
 /// Lightning indexer for token `i`: score every visible indexer key and keep the top
 /// min(index_topk, visible), ties toward the lower entry index.
-fn select_entries(cfg: &ModelConfig, keys: &[f32], visible: usize, qi: &[f32], iw: &[f32], i: usize) -> Vec<usize> {
+fn select_entries(cfg: &ModelConfig, prec: Prec, keys: &[f32], visible: usize, qi: &[f32], iw: &[f32], i: usize) -> Vec<usize> {
     let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
     let qt = &qi[i * hi * di..(i + 1) * hi * di];
     let wt = &iw[i * hi..(i + 1) * hi];
-    let scores: Vec<f32> = (0..visible)
+    let mut head = vec![0.0f32; hi];
+    let mut scores: Vec<f32> = (0..visible)
         .map(|e| {
             let k = &keys[e * di..(e + 1) * di];
-            (0..hi).map(|hh| wt[hh] * dot(&qt[hh * di..(hh + 1) * di], k).max(0.0)).sum()
+            head.iter_mut().enumerate().for_each(|(hh, s)| *s = dot(&qt[hh * di..(hh + 1) * di], k));
+            prec.bf16(&mut head);
+            (0..hi).map(|hh| wt[hh] * head[hh].max(0.0)).sum()
         })
         .collect();
+    prec.bf16(&mut scores);
     top_k(&scores, cfg.index_topk.min(visible))
 }
 
 /// One head: softmax over keys (scale head_dim^-1/2) with the sink logit in the
 /// denominator only; values are the keys themselves.
-fn attend_with_sink(q: &[f32], keys: &[&[f32]], sink: f32, out: &mut [f32]) {
+fn attend_with_sink(prec: Prec, q: &[f32], keys: &[&[f32]], sink: f32, out: &mut [f32]) {
     let scale = 1.0 / (q.len() as f32).sqrt();
     let logits: Vec<f32> = keys.iter().map(|k| scale * dot(q, k)).collect();
     let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
@@ -182,7 +214,9 @@ fn attend_with_sink(q: &[f32], keys: &[&[f32]], sink: f32, out: &mut [f32]) {
     for (k, l) in keys.iter().zip(&logits) {
         let p = (l - m).exp();
         den += p;
-        out.iter_mut().zip(k.iter()).for_each(|(o, v)| *o += p * v);
+        // Official: probabilities enter the P.V product as BF16; the denominator stays f32.
+        let pv = if prec.official { half::bf16::from_f32(p).to_f32() } else { p };
+        out.iter_mut().zip(k.iter()).for_each(|(o, v)| *o += pv * v);
     }
     out.iter_mut().for_each(|v| *v /= den);
 }
@@ -201,10 +235,10 @@ fn output_projection(ctx: &AttnCtx, o: &[f32], t: usize) -> Vec<f32> {
             let src = ti * g * gin + gi * gin;
             og[ti * gin..(ti + 1) * gin].copy_from_slice(&o[src..src + gin]);
         }
-        let zg = linear(ctx.th, &og, gin, &wo_a[gi * r * gin..(gi + 1) * r * gin]);
+        let zg = ctx.prec.linear_bf16(ctx.th, &wo_a[gi * r * gin..(gi + 1) * r * gin], &og, gin);
         for ti in 0..t {
             z[ti * g * r + gi * r..ti * g * r + (gi + 1) * r].copy_from_slice(&zg[ti * r..(ti + 1) * r]);
         }
     }
-    linear(ctx.th, &z, g * r, w.f32(lw.wo_b))
+    ctx.prec.linear(ctx.th, w, lw.wo_b, &z, g * r)
 }

@@ -9,9 +9,10 @@ pub mod compressor;
 pub mod mhc;
 pub mod moe;
 pub mod ops;
+pub mod precision;
 
 use crate::config::ModelConfig;
-use crate::engine::{Batch, EngineOptions, LogitsOut};
+use crate::engine::{Batch, EngineOptions, LogitsOut, Numerics};
 use crate::error::Result;
 use crate::model::{ModelWeights, batch, rope};
 use crate::state::SlotState;
@@ -19,6 +20,7 @@ use crate::weights::store::WeightStore;
 use attention::AttnCtx;
 use mhc::HcParams;
 use ops::{Threads, rms_norm};
+use precision::Prec;
 
 pub struct CpuBackend {
     cfg: ModelConfig,
@@ -28,6 +30,7 @@ pub struct CpuBackend {
     /// Inverse RoPE frequencies per layer.
     freqs: Vec<Vec<f32>>,
     threads: Threads,
+    prec: Prec,
 }
 
 impl CpuBackend {
@@ -44,6 +47,7 @@ impl CpuBackend {
             slots,
             freqs: cfg.layers.iter().map(|l| rope::inv_freq(cfg, l.attn)).collect(),
             threads: Threads(threads),
+            prec: Prec { official: opts.numerics == Numerics::Official },
         })
     }
 
@@ -71,7 +75,7 @@ impl CpuBackend {
         }
         let cfg = &self.cfg;
         let (n, d) = (cfg.hc_mult, cfg.hidden_size);
-        let th = self.threads;
+        let (th, prec) = (self.threads, self.prec);
         let t = b.token_ids.len();
         let hw = &self.handles;
 
@@ -84,18 +88,22 @@ impl CpuBackend {
         }
         let site = |s: &crate::model::HcSite| HcParams { proj: w.f32(s.proj), base: w.f32(s.base), scale: w.f32(s.scale) };
         for (l, lw) in hw.layers.iter().enumerate() {
-            let pre = mhc::hc_pre(th, &x, n, d, &site(&lw.hc_attn), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps);
-            let mut u = pre.u.clone();
-            rms_norm(&mut u, d, Some(w.f32(lw.attn_norm)), cfg.rms_norm_eps);
-            let ctx = AttnCtx { cfg, w, lw, layer: l, freqs: &self.freqs[l], th };
-            let a = attention::attention(&ctx, &u, b.positions, &seqs, &mut self.slots);
+            let mut pre = mhc::hc_pre(th, &x, n, d, &site(&lw.hc_attn), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps);
+            prec.bf16(&mut pre.u);
+            rms_norm(&mut pre.u, d, Some(w.f32(lw.attn_norm)), cfg.rms_norm_eps);
+            prec.bf16(&mut pre.u);
+            let ctx = AttnCtx { cfg, w, lw, layer: l, freqs: &self.freqs[l], th, prec };
+            let a = attention::attention(&ctx, &pre.u, b.positions, &seqs, &mut self.slots);
             mhc::hc_post(&mut x, &a, &pre, n, d);
+            prec.bf16(&mut x);
 
-            let pre = mhc::hc_pre(th, &x, n, d, &site(&lw.hc_ffn), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps);
-            let mut u = pre.u.clone();
-            rms_norm(&mut u, d, Some(w.f32(lw.ffn_norm)), cfg.rms_norm_eps);
-            let f = moe::moe(cfg, w, lw, th, &u, b.token_ids);
+            let mut pre = mhc::hc_pre(th, &x, n, d, &site(&lw.hc_ffn), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps);
+            prec.bf16(&mut pre.u);
+            rms_norm(&mut pre.u, d, Some(w.f32(lw.ffn_norm)), cfg.rms_norm_eps);
+            prec.bf16(&mut pre.u);
+            let f = moe::moe(cfg, w, lw, th, prec, &pre.u, b.token_ids);
             mhc::hc_post(&mut x, &f, &pre, n, d);
+            prec.bf16(&mut x);
         }
         for s in &seqs {
             self.slots[s.slot].len = s.first_pos + s.len;
@@ -113,7 +121,9 @@ impl CpuBackend {
         let mut xr = Vec::with_capacity(rows.len() * n * d);
         rows.iter().for_each(|&r| xr.extend_from_slice(&x[r as usize * n * d..(r as usize + 1) * n * d]));
         let mut y = mhc::hc_head(th, &xr, n, d, &site(&hw.hc_head), cfg.hc_eps, cfg.rms_norm_eps);
+        prec.bf16(&mut y);
         rms_norm(&mut y, d, Some(w.f32(hw.norm)), cfg.rms_norm_eps);
+        prec.bf16(&mut y);
         match &mut b.logits {
             LogitsOut::F32(out) => ops::matmul(th, &y, d, w.f32(hw.head), out),
             LogitsOut::Bf16(out) => {

@@ -1,7 +1,8 @@
 //! Mixture of experts on the CPU (MODEL.md §7): sqrtsoftplus router with selection bias
 //! or hash table, clamped SwiGLU experts, routed scaling, shared expert.
 
-use super::ops::{Threads, linear, matmul, silu, softplus, top_k};
+use super::ops::{Threads, linear, silu, softplus, top_k};
+use super::precision::Prec;
 use crate::config::{ModelConfig, ScoringFunc};
 use crate::model::{ExpertWeights, LayerWeights};
 use crate::weights::store::WeightStore;
@@ -50,12 +51,13 @@ pub fn route(cfg: &ModelConfig, w: &WeightStore, lw: &LayerWeights, th: Threads,
 }
 
 /// Clamped SwiGLU expert on rows x: [n, D] -> [n, D]:
-/// W2 (SiLU(min(W1 x, L)) * clamp(W3 x, -L, L)).
-fn expert(cfg: &ModelConfig, w: &WeightStore, ew: &ExpertWeights, th: Threads, x: &[f32]) -> Vec<f32> {
+/// W2 (route_w * SiLU(min(W1 x, L)) * clamp(W3 x, -L, L)); `route_w` holds one routing
+/// weight per row (applied before W2, as the official code does) or is None (shared expert).
+fn expert(cfg: &ModelConfig, w: &WeightStore, ew: &ExpertWeights, th: Threads, prec: Prec, x: &[f32], route_w: Option<&[f32]>) -> Vec<f32> {
     let (d, i) = (cfg.hidden_size, cfg.moe_inter);
     let limit = cfg.swiglu_limit;
-    let mut g = linear(th, x, d, w.f32(ew.w1));
-    let v = linear(th, x, d, w.f32(ew.w3));
+    let mut g = prec.linear(th, w, ew.w1, x, d);
+    let v = prec.linear(th, w, ew.w3, x, d);
     for (g, v) in g.iter_mut().zip(&v) {
         let (mut gv, mut vv) = (*g, *v);
         if limit > 0.0 {
@@ -64,21 +66,23 @@ fn expert(cfg: &ModelConfig, w: &WeightStore, ew: &ExpertWeights, th: Threads, x
         }
         *g = silu(gv) * vv;
     }
-    let mut y = vec![0.0; x.len()];
-    matmul(th, &g, i, w.f32(ew.w2), &mut y);
-    y
+    if let Some(rw) = route_w {
+        g.chunks_exact_mut(i).zip(rw).for_each(|(row, &wt)| row.iter_mut().for_each(|v| *v *= wt));
+    }
+    prec.bf16(&mut g);
+    prec.linear(th, w, ew.w2, &g, i)
 }
 
 /// MoE output [T, D] for ffn-normed input `x` [T, D].
-pub fn moe(cfg: &ModelConfig, w: &WeightStore, lw: &LayerWeights, th: Threads, x: &[f32], tokens: &[i32]) -> Vec<f32> {
+pub fn moe(cfg: &ModelConfig, w: &WeightStore, lw: &LayerWeights, th: Threads, prec: Prec, x: &[f32], tokens: &[i32]) -> Vec<f32> {
     let d = cfg.hidden_size;
     let k = cfg.experts_per_tok;
     let (ids, weights) = route(cfg, w, lw, th, x, tokens);
     let mut out = match &lw.shared {
-        Some(sw) => expert(cfg, w, sw, th, x),
+        Some(sw) => expert(cfg, w, sw, th, prec, x, None),
         None => vec![0.0; x.len()],
     };
-    // Gather the tokens of each expert, run it once, scatter-add with the routing weight.
+    // Gather the tokens of each expert, run it once (routing weight applied inside), add.
     for (e, ew) in lw.experts.iter().enumerate() {
         let rows: Vec<(usize, f32)> = ids
             .iter()
@@ -92,10 +96,12 @@ pub fn moe(cfg: &ModelConfig, w: &WeightStore, lw: &LayerWeights, th: Threads, x
         }
         let mut xe = Vec::with_capacity(rows.len() * d);
         rows.iter().for_each(|&(t, _)| xe.extend_from_slice(&x[t * d..(t + 1) * d]));
-        let ye = expert(cfg, w, ew, th, &xe);
-        for (r, &(t, wt)) in rows.iter().enumerate() {
-            out[t * d..(t + 1) * d].iter_mut().zip(&ye[r * d..(r + 1) * d]).for_each(|(o, v)| *o += wt * v);
+        let route_w: Vec<f32> = rows.iter().map(|&(_, wt)| wt).collect();
+        let ye = expert(cfg, w, ew, th, prec, &xe, Some(&route_w));
+        for (r, &(t, _)) in rows.iter().enumerate() {
+            out[t * d..(t + 1) * d].iter_mut().zip(&ye[r * d..(r + 1) * d]).for_each(|(o, v)| *o += v);
         }
     }
+    prec.bf16(&mut out);
     out
 }

@@ -609,6 +609,16 @@ enum Dst<'s> {
 
 /// Dequantises every job into the store, in parallel over jobs (each writes disjoint weights).
 fn execute(store: &mut WeightStore, jobs: Vec<Job>) -> Result<()> {
+    // Remember which weights arrive quantized: the official numerics quantize the
+    // activations of exactly those GEMMs.
+    for job in &jobs {
+        let quantized = matches!(job.src.enc, Encoding::Fp8(_) | Encoding::Fp4);
+        for p in &job.pieces {
+            if let Some(t) = store.tensors_mut().get_mut(p.dst) {
+                t.quantized = quantized;
+            }
+        }
+    }
     // Hand out each weight's buffer at most once; the plan guaranteed disjointness.
     let mut bufs: Vec<Option<Dst>> = store
         .tensors_mut()

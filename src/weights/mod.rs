@@ -5,6 +5,7 @@ pub mod dtype;
 pub mod dummy;
 pub mod load;
 pub mod names;
+pub mod quant;
 pub mod safetensors_io;
 pub mod spec;
 pub mod store;

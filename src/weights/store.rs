@@ -25,6 +25,8 @@ impl TensorData {
 pub struct Tensor {
     pub spec: TensorSpec,
     pub data: TensorData,
+    /// The values came from an FP8/FP4 source (they are exactly its dequantization).
+    pub quantized: bool,
 }
 
 pub struct WeightStore {
@@ -45,7 +47,7 @@ impl WeightStore {
                 ElemKind::Index => TensorData::I32(try_zeroed(n, &spec.name)?),
             };
             by_name.insert(spec.name.clone(), tensors.len());
-            tensors.push(Tensor { spec, data });
+            tensors.push(Tensor { spec, data, quantized: false });
         }
         Ok(WeightStore { tensors, by_name })
     }
@@ -92,6 +94,12 @@ impl WeightStore {
             TensorData::I32(v) => v,
             TensorData::F32(_) => panic!("weight `{}` is not an index tensor", self.tensors[i].spec.name),
         }
+    }
+
+    /// Whether weight `i` holds FP8/FP4-quantized values (its GEMMs quantize activations in
+    /// the official numerics).
+    pub fn is_quantized(&self, i: usize) -> bool {
+        self.tensors[i].quantized
     }
 
     /// Index of a weight the model requires; a missing one is an internal error.
