@@ -161,6 +161,18 @@
 #define DSV4_DTYPE_I64 4
 
 /**
+ * Storage type reported by `dsv4_weight_info` only: FP8 e4m3fn codes (one byte each) with
+ * f32 block scales at `scale`.
+ */
+#define DSV4_DTYPE_F8_E4M3 5
+
+/**
+ * Storage type reported by `dsv4_weight_info` only: FP4 e2m1 codes, two per byte (low
+ * nibble = even column, bit 3 = sign), with f32 1x32 block scales at `scale`.
+ */
+#define DSV4_DTYPE_FP4_E2M1 6
+
+/**
  * Tensor data lives in host memory.
  */
 #define DSV4_MEMORY_HOST 0
@@ -445,6 +457,19 @@ typedef struct dsv4_weight_desc {
      * DSV4_DEVICE_CPU (host memory) or the CUDA ordinal holding `data`.
      */
     int32_t device;
+    /**
+     * Block scales (f32, row-major over the block grid) when `dtype` is
+     * DSV4_DTYPE_F8_E4M3 or DSV4_DTYPE_FP4_E2M1, else NULL. Fixed address like `data`.
+     */
+    void *scale;
+    /**
+     * Bytes at `scale` (0 when NULL).
+     */
+    uint64_t scale_nbytes;
+    /**
+     * Rows and columns of the weight covered by one scale (0, 0 when unscaled).
+     */
+    int32_t scale_block[2];
 } dsv4_weight_desc;
 
 /**

@@ -11,6 +11,9 @@ cd "$(dirname "$0")/.."
 echo "== cargo build --release (cdylib + CLI)"
 cargo build --release --locked
 
+echo "== dsv4 demo (smoke)"
+target/release/dsv4 demo
+
 echo "== cargo test --release"
 cargo test --release --locked --all-targets
 
@@ -24,6 +27,3 @@ if [ -z "$py" ]; then
 fi
 echo "== pytest bindings/python"
 DSV4_LIBRARY="$PWD/target/release/libdsv4.so" "$py" -m pytest -q bindings/python/tests
-
-echo "== dsv4 demo"
-target/release/dsv4 demo

@@ -21,13 +21,7 @@ pub enum Numerics {
     Official,
 }
 
-/// `weight_format` create option (DESIGN.md §4).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WeightFormat {
-    AsStored,
-    Bf16,
-    Quantize,
-}
+pub use crate::weights::WeightFormat;
 
 /// `dsv4_load` format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -167,7 +161,7 @@ impl Engine {
                 format!("device = {}: the CUDA backend is not available in this build yet; use device = -1 (CPU)", opts.device),
             ));
         }
-        let weights = WeightStore::allocate(&cfg)?;
+        let weights = WeightStore::allocate_with(&cfg, opts.weight_format)?;
         let loaded = vec![false; weights.len()];
         let backend = CpuBackend::new(&cfg, &opts, &weights)?;
         Ok(Engine { cfg, opts, weights, loaded, backend, phase: Phase::Created })

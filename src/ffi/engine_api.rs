@@ -12,6 +12,7 @@ use crate::engine::{Batch, Engine, LogitsOut, TensorUpdate};
 use crate::error::{Error, Result, Status};
 use crate::ffi::params::*;
 use crate::ffi::status::*;
+use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
 use crate::weights::store::{Tensor, TensorData};
 
 /// ABI major version: bumped on any incompatible change. A host must refuse a library
@@ -637,12 +638,35 @@ pub unsafe extern "C" fn dsv4_weight_count(
     })
 }
 
-/// Element type code and byte size of a weight's storage.
-fn storage_of(t: &Tensor) -> (i32, u64) {
+/// A weight's storage as the ABI reports it.
+struct Storage {
+    dtype: i32,
+    nbytes: u64,
+    scale: *mut c_void,
+    scale_nbytes: u64,
+    scale_block: [i32; 2],
+}
+
+fn storage_of(t: &Tensor) -> Storage {
     let numel = t.spec.numel() as u64;
+    let plain = |dtype, nbytes| Storage { dtype, nbytes, scale: std::ptr::null_mut(), scale_nbytes: 0, scale_block: [0, 0] };
     match &t.data {
-        TensorData::F32(_) => (DSV4_DTYPE_F32, numel * 4),
-        TensorData::I32(_) => (DSV4_DTYPE_I32, numel * 4),
+        TensorData::F32(_) => plain(DSV4_DTYPE_F32, numel * 4),
+        TensorData::Bf16(_) => plain(DSV4_DTYPE_BF16, numel * 2),
+        TensorData::I32(_) => plain(DSV4_DTYPE_I32, numel * 4),
+        TensorData::Quant(q) => {
+            let (dtype, block) = match q.format {
+                QFormat::Fp8 { block } => (DSV4_DTYPE_F8_E4M3, [block[0] as i32, block[1] as i32]),
+                QFormat::Fp4 => (DSV4_DTYPE_FP4_E2M1, [1, FP4_BLOCK as i32]),
+            };
+            Storage {
+                dtype,
+                nbytes: q.codes.len() as u64,
+                scale: q.scales.as_ptr().cast_mut().cast(),
+                scale_nbytes: 4 * q.scales.len() as u64,
+                scale_block: block,
+            }
+        }
     }
 }
 
@@ -688,17 +712,20 @@ pub unsafe extern "C" fn dsv4_weight_info(
         for (dst, &d) in shape.iter_mut().zip(&t.spec.shape) {
             *dst = d as i64;
         }
-        let (dtype, nbytes) = storage_of(t);
+        let st = storage_of(t);
         let info = dsv4_weight_desc {
             struct_size: 0, // restored to the caller's value by write_versioned
             name: h.names[index].as_ptr(),
-            dtype,
+            dtype: st.dtype,
             ndim: t.spec.shape.len() as i32,
             shape,
             data: t.data.as_ptr().cast_mut().cast(),
-            nbytes,
+            nbytes: st.nbytes,
             derived: 0, // the weight table holds source weights only so far
             device: h.engine.options().device, // CPU backend: -1, host memory
+            scale: st.scale,
+            scale_nbytes: st.scale_nbytes,
+            scale_block: st.scale_block,
         };
         // SAFETY: per the contract.
         unsafe { write_versioned(out, "out", info) }

@@ -52,6 +52,12 @@ pub const DSV4_DTYPE_F16: i32 = 2;
 pub const DSV4_DTYPE_I32: i32 = 3;
 /// Element type of tensor data: int64.
 pub const DSV4_DTYPE_I64: i32 = 4;
+/// Storage type reported by `dsv4_weight_info` only: FP8 e4m3fn codes (one byte each) with
+/// f32 block scales at `scale`.
+pub const DSV4_DTYPE_F8_E4M3: i32 = 5;
+/// Storage type reported by `dsv4_weight_info` only: FP4 e2m1 codes, two per byte (low
+/// nibble = even column, bit 3 = sign), with f32 1x32 block scales at `scale`.
+pub const DSV4_DTYPE_FP4_E2M1: i32 = 6;
 
 /// Tensor data lives in host memory.
 pub const DSV4_MEMORY_HOST: i32 = 0;
@@ -223,6 +229,13 @@ pub struct dsv4_weight_desc {
     pub derived: i32,
     /// DSV4_DEVICE_CPU (host memory) or the CUDA ordinal holding `data`.
     pub device: i32,
+    /// Block scales (f32, row-major over the block grid) when `dtype` is
+    /// DSV4_DTYPE_F8_E4M3 or DSV4_DTYPE_FP4_E2M1, else NULL. Fixed address like `data`.
+    pub scale: *mut c_void,
+    /// Bytes at `scale` (0 when NULL).
+    pub scale_nbytes: u64,
+    /// Rows and columns of the weight covered by one scale (0, 0 when unscaled).
+    pub scale_block: [i32; 2],
 }
 
 /// A struct of the ABI whose first field is `struct_size`.

@@ -70,7 +70,7 @@ pub fn attention(ctx: &AttnCtx, u: &[f32], positions: &[i32], seqs: &[SeqRange],
         }
         prec.bf16(&mut qi);
         prec.index_sim(&mut qi, di);
-        let mut weights = prec.linear_bf16(th, w.f32(ix.weights_proj), u, d);
+        let mut weights = prec.linear_bf16(th, w, ix.weights_proj, 0, hi, u, d);
         let scale = 1.0 / ((di as f32).sqrt() * (hi as f32).sqrt());
         weights.iter_mut().for_each(|v| *v *= scale);
         (a, z, qi, weights)
@@ -227,7 +227,6 @@ fn output_projection(ctx: &AttnCtx, o: &[f32], t: usize) -> Vec<f32> {
     let (cfg, w, lw) = (ctx.cfg, ctx.w, ctx.lw);
     let (g, r) = (cfg.o_groups, cfg.o_lora_rank);
     let gin = cfg.num_heads * cfg.head_dim / g;
-    let wo_a = w.f32(lw.wo_a);
     let mut z = vec![0.0f32; t * g * r];
     let mut og = vec![0.0f32; t * gin];
     for gi in 0..g {
@@ -235,7 +234,7 @@ fn output_projection(ctx: &AttnCtx, o: &[f32], t: usize) -> Vec<f32> {
             let src = ti * g * gin + gi * gin;
             og[ti * gin..(ti + 1) * gin].copy_from_slice(&o[src..src + gin]);
         }
-        let zg = ctx.prec.linear_bf16(ctx.th, &wo_a[gi * r * gin..(gi + 1) * r * gin], &og, gin);
+        let zg = ctx.prec.linear_bf16(ctx.th, w, lw.wo_a, gi * r, r, &og, gin);
         for ti in 0..t {
             z[ti * g * r + gi * r..ti * g * r + (gi + 1) * r].copy_from_slice(&zg[ti * r..(ti + 1) * r]);
         }

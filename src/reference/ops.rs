@@ -1,6 +1,8 @@
 //! f32 primitives of the CPU reference: matmul against row-major weights, RMSNorm,
 //! activations and a deterministic top-k. Plain loops; threads only for matmul.
 
+use crate::weights::store::MatRef;
+
 /// Worker-thread budget of the CPU backend.
 #[derive(Clone, Copy, Debug)]
 pub struct Threads(pub usize);
@@ -66,6 +68,38 @@ fn matmul_cols(x: &[f32], k: usize, w: &[f32], c0: usize, c1: usize, y: &mut [f3
             y[ti * ldy + c] = dot(xr, &w[c * k..(c + 1) * k]);
         }
     }
+}
+
+/// `y[t, c] = x[t, :] . W[row0 + c, :]` for `c < n`, W in any stored format (rows are
+/// dequantized once per call, one at a time).
+pub fn matmul_mat(th: Threads, x: &[f32], k: usize, w: MatRef, row0: usize, n: usize, y: &mut [f32]) {
+    if let Some(f) = w.as_f32() {
+        return matmul(th, x, k, &f[row0 * k..(row0 + n) * k], y);
+    }
+    let t = x.len() / k;
+    let workers = if t * n * k < 1 << 16 { 1 } else { th.0.max(1).min(n) };
+    let per = n.div_ceil(workers);
+    let yp = SendPtr(y.as_mut_ptr());
+    let run = move |c0: usize, c1: usize| {
+        // SAFETY: callers give disjoint column ranges [c0, c1) of every row.
+        let y = unsafe { std::slice::from_raw_parts_mut(yp.get(), t * n) };
+        let mut row = vec![0.0f32; k];
+        for c in c0..c1 {
+            w.row_into(row0 + c, k, &mut row);
+            for (ti, xr) in x.chunks_exact(k).enumerate() {
+                y[ti * n + c] = dot(xr, &row);
+            }
+        }
+    };
+    if workers == 1 {
+        run(0, n);
+        return;
+    }
+    std::thread::scope(|s| {
+        for c0 in (0..n).step_by(per) {
+            s.spawn(move || run(c0, (c0 + per).min(n)));
+        }
+    });
 }
 
 /// Allocating convenience form of [`matmul`].

@@ -2,7 +2,7 @@
 //! `official` rounds to BF16 at the official boundaries, quantizes GEMM activations to FP8
 //! when the weight is quantized, and applies the KV / indexer fake-quantisation.
 
-use super::ops::{Threads, matmul};
+use super::ops::{Threads, matmul_mat};
 use crate::weights::quant::{fp4_sim, fp8_sim, round_bf16};
 use crate::weights::store::WeightStore;
 
@@ -48,23 +48,30 @@ impl Prec {
     /// quantisation, BF16 output) for quantized weights and `blinear` (BF16 output) for
     /// others in official mode; plain f32 in exact mode.
     pub fn linear(self, th: Threads, w: &WeightStore, idx: usize, x: &[f32], k: usize) -> Vec<f32> {
-        let wt = w.f32(idx);
-        let mut y = vec![0.0; x.len() / k * (wt.len() / k)];
+        let n = w.tensor(idx).spec.shape[0];
+        self.linear_rows(th, w, idx, 0, n, x, k)
+    }
+
+    /// [`Prec::linear`] against rows `[row0, row0 + n)` of weight `idx` (a group of wo_a).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_rows(self, th: Threads, w: &WeightStore, idx: usize, row0: usize, n: usize, x: &[f32], k: usize) -> Vec<f32> {
+        let mut y = vec![0.0; x.len() / k * n];
         if self.official && w.is_quantized(idx) {
             let mut xq = x.to_vec();
             xq.chunks_exact_mut(k).for_each(|r| fp8_sim(r, ACT_BLOCK));
-            matmul(th, &xq, k, wt, &mut y);
+            matmul_mat(th, &xq, k, w.matrix(idx), row0, n, &mut y);
         } else {
-            matmul(th, x, k, wt, &mut y);
+            matmul_mat(th, x, k, w.matrix(idx), row0, n, &mut y);
         }
         self.bf16(&mut y);
         y
     }
 
-    /// `blinear`: like [`Prec::linear`] but never quantizes activations (wo_a, weights_proj).
-    pub fn linear_bf16(self, th: Threads, w: &[f32], x: &[f32], k: usize) -> Vec<f32> {
-        let mut y = vec![0.0; x.len() / k * (w.len() / k)];
-        matmul(th, x, k, w, &mut y);
+    /// `blinear`: a BF16-output linear that never quantizes activations (wo_a, whose FP8
+    /// weight the official code dequantizes to BF16; weights_proj).
+    pub fn linear_bf16(self, th: Threads, w: &WeightStore, idx: usize, row0: usize, n: usize, x: &[f32], k: usize) -> Vec<f32> {
+        let mut y = vec![0.0; x.len() / k * n];
+        matmul_mat(th, x, k, w.matrix(idx), row0, n, &mut y);
         self.bf16(&mut y);
         y
     }

@@ -82,11 +82,11 @@ pub fn fill_dummy(store: &mut WeightStore, cfg: &ModelConfig, seed: u64) {
     for t in store.tensors_mut() {
         let mut rng = stream(seed, &t.spec.name);
         match &mut t.data {
-            TensorData::F32(v) => {
+            TensorData::F32(_) | TensorData::Bf16(_) | TensorData::Quant(_) => {
                 let (lo, hi) = range_of(&t.spec);
-                for x in v.iter_mut() {
-                    *x = half::bf16::from_f32(rng.uniform(lo, hi)).to_f32();
-                }
+                let values: Vec<f32> =
+                    (0..t.spec.numel()).map(|_| half::bf16::from_f32(rng.uniform(lo, hi)).to_f32()).collect();
+                t.data.set_from_f32(&values);
             }
             TensorData::I32(v) => {
                 // tid2eid [vocab, k]: each row a random k-subset of the experts (partial
@@ -122,6 +122,7 @@ mod tests {
             .map(|t| match &t.data {
                 TensorData::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
                 TensorData::I32(v) => v.iter().map(|&x| x as u32).collect(),
+                _ => panic!("the test config stores every weight as f32/i32"),
             })
             .collect()
     }
@@ -161,7 +162,8 @@ mod tests {
                         "{name} not bf16-exact"
                     );
                 }
-                TensorData::I32(v) => {
+TensorData::Bf16(_) | TensorData::Quant(_) => panic!("the test config stores every weight as f32/i32"),
+                                TensorData::I32(v) => {
                     let k = t.spec.shape[1];
                     assert_eq!(k, cfg.experts_per_tok);
                     for row in v.chunks(k) {

@@ -28,6 +28,7 @@ use crate::weights::dtype::{self, FloatDtype, IntDtype, ScaleDtype};
 use crate::weights::names::{Role, Target, classify};
 use crate::weights::safetensors_io::{Checkpoint, TensorEntry};
 use crate::weights::spec::ElemKind;
+use crate::weights::qmatrix::{QFormat, QMatrix};
 use crate::weights::store::{TensorData, WeightStore};
 
 /// Block of the FP4 expert scales: one scale per 32 consecutive inputs of a row.
@@ -604,18 +605,32 @@ fn plan_update<'a>(
 /// A canonical weight's buffer, borrowed for writing.
 enum Dst<'s> {
     F32(&'s mut [f32]),
+    Bf16(&'s mut [u16]),
+    Quant(&'s mut QMatrix),
     I32(&'s mut [i32]),
 }
 
 /// Dequantises every job into the store, in parallel over jobs (each writes disjoint weights).
 fn execute(store: &mut WeightStore, jobs: Vec<Job>) -> Result<()> {
-    // Remember which weights arrive quantized: the official numerics quantize the
-    // activations of exactly those GEMMs.
+    // Quantizing a non-finite value is meaningless: reject it, naming the weight, before
+    // anything is written (the engine stays unchanged).
     for job in &jobs {
-        let quantized = matches!(job.src.enc, Encoding::Fp8(_) | Encoding::Fp4);
+        if !matches!(job.src.enc, Encoding::Float(_)) {
+            continue;
+        }
         for p in &job.pieces {
-            if let Some(t) = store.tensors_mut().get_mut(p.dst) {
-                t.quantized = quantized;
+            if !matches!(store.tensor(p.dst).data, TensorData::Quant(_)) {
+                continue;
+            }
+            let mut tmp = vec![0.0f32; p.rows * job.src.cols];
+            decode_rows(&job.src, p.row0, &mut tmp);
+            if let Some(k) = tmp.iter().position(|v| !v.is_finite()) {
+                crate::bail!(
+                    Tensor,
+                    "weight `{}`: element {k} is {} and cannot be quantized to its FP8/FP4 storage",
+                    store.tensor(p.dst).spec.name,
+                    tmp[k]
+                );
             }
         }
     }
@@ -626,6 +641,8 @@ fn execute(store: &mut WeightStore, jobs: Vec<Job>) -> Result<()> {
         .map(|t| {
             Some(match &mut t.data {
                 TensorData::F32(v) => Dst::F32(v.as_mut_slice()),
+                TensorData::Bf16(v) => Dst::Bf16(v.as_mut_slice()),
+                TensorData::Quant(q) => Dst::Quant(q),
                 TensorData::I32(v) => Dst::I32(v.as_mut_slice()),
             })
         })
@@ -639,6 +656,12 @@ fn execute(store: &mut WeightStore, jobs: Vec<Job>) -> Result<()> {
                 (Some(Dst::I32(b)), Encoding::Int(_)) => b.len() == p.rows * job.src.cols,
                 (Some(Dst::F32(b)), Encoding::Float(_) | Encoding::Fp8(_) | Encoding::Fp4) => {
                     b.len() == p.rows * job.src.cols
+                }
+                (Some(Dst::Bf16(b)), Encoding::Float(_) | Encoding::Fp8(_) | Encoding::Fp4) => {
+                    b.len() == p.rows * job.src.cols
+                }
+                (Some(Dst::Quant(q)), Encoding::Float(_) | Encoding::Fp8(_) | Encoding::Fp4) => {
+                    q.rows * q.cols == p.rows * job.src.cols
                 }
                 _ => false,
             };
@@ -678,6 +701,12 @@ fn run_job(src: &Source, outs: Vec<(Piece, Dst)>) {
     for (p, dst) in outs {
         match dst {
             Dst::F32(out) => decode_rows(src, p.row0, out),
+            Dst::Bf16(out) => {
+                let mut tmp = vec![0.0f32; out.len()];
+                decode_rows(src, p.row0, &mut tmp);
+                out.iter_mut().zip(&tmp).for_each(|(o, v)| *o = half::bf16::from_f32(*v).to_bits());
+            }
+            Dst::Quant(q) => write_quantized(src, p, q),
             Dst::I32(out) => {
                 if let Encoding::Int(it) = src.enc {
                     let sz = it.size();
@@ -685,6 +714,34 @@ fn run_job(src: &Source, outs: Vec<(Piece, Dst)>) {
                     dtype::decode_int(it, &src.data[a..b], out);
                 }
             }
+        }
+    }
+}
+
+/// Writes piece `p` of `src` into a quantized weight: codes and scales are copied as they
+/// are when the source already has the weight's format (an FP4 expert, or an FP8 matrix
+/// with the same scale blocks); anything else is decoded and quantized.
+fn write_quantized(src: &Source, p: Piece, q: &mut QMatrix) {
+    let cols = src.cols;
+    match (src.enc, q.format, src.scale) {
+        (Encoding::Fp8(b), QFormat::Fp8 { block }, Some((scale, sdt)))
+            if b == block && p.row0 % src.mat_rows == 0 && p.rows == src.mat_rows =>
+        {
+            q.codes.copy_from_slice(&src.data[p.row0 * cols..(p.row0 + p.rows) * cols]);
+            let per_mat = q.scales.len();
+            let m = p.row0 / src.mat_rows;
+            q.scales.iter_mut().enumerate().for_each(|(i, s)| *s = sdt.get(scale, m * per_mat + i));
+        }
+        (Encoding::Fp4, QFormat::Fp4, Some((scale, sdt))) => {
+            let half = cols / 2;
+            q.codes.copy_from_slice(&src.data[p.row0 * half..(p.row0 + p.rows) * half]);
+            let sc = cols.div_ceil(FP4_BLOCK);
+            q.scales.iter_mut().enumerate().for_each(|(i, s)| *s = sdt.get(scale, p.row0 * sc + i));
+        }
+        _ => {
+            let mut tmp = vec![0.0f32; p.rows * cols];
+            decode_rows(src, p.row0, &mut tmp);
+            q.quantize_from(&tmp);
         }
     }
 }
@@ -1023,6 +1080,7 @@ mod tests {
         assert!(store.tensors().iter().all(|t| match &t.data {
             TensorData::F32(v) => v.iter().all(|&x| x == 0.0),
             TensorData::I32(v) => v.iter().all(|&x| x == 0),
+            _ => panic!("the test config stores every weight as f32/i32"),
         }));
     }
 }

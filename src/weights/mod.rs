@@ -5,10 +5,22 @@ pub mod dtype;
 pub mod dummy;
 pub mod load;
 pub mod names;
+pub mod qmatrix;
 pub mod quant;
 pub mod safetensors_io;
 pub mod spec;
 pub mod store;
+
+/// `weight_format` create option (DESIGN.md §4): how quantizable weights are held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// As the config declares: FP8/FP4 when it has a `quantization_config`, else f32.
+    AsStored,
+    /// BF16 (FP8/FP4 sources are dequantized, exactly).
+    Bf16,
+    /// FP8 dense / FP4 experts with UE8M0 scales, quantizing float sources on write.
+    Quantize,
+}
 
 /// Element type of host data handed to `load_tensor` / `refit` (mirrors `dsv4_dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -69,7 +69,7 @@ pub fn e2m1_encode(x: f32) -> u8 {
     let v = e2m1_round(x);
     let mag = v.abs();
     let code = (0u8..8).find(|&c| FP4_LUT[c as usize] == mag).expect("rounded value is an e2m1 code");
-    if v.is_sign_negative() && mag != 0.0 { code | 8 } else { code }
+    if v.is_sign_negative() { code | 8 } else { code }
 }
 
 /// UE8M0 scale for a block with max magnitude `amax` and format maximum `qmax`:

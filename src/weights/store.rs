@@ -5,28 +5,116 @@ use std::collections::HashMap;
 
 use crate::config::ModelConfig;
 use crate::error::{Result, Status};
-use crate::weights::spec::{ElemKind, TensorSpec, tensor_specs};
+use crate::weights::WeightFormat;
+use crate::weights::qmatrix::{QFormat, QMatrix};
+use crate::weights::spec::{ElemKind, StoredAs, TensorSpec, tensor_specs};
 
 /// Engine-side storage of one weight.
 pub enum TensorData {
     F32(Vec<f32>),
+    /// bfloat16 bit patterns (quantizable weights under `weight_format = bf16`).
+    Bf16(Vec<u16>),
+    /// FP8/FP4 codes with scales (quantizable weights under `as_stored` of a quantized
+    /// checkpoint, or `quantize`).
+    Quant(QMatrix),
     I32(Vec<i32>),
 }
 
 impl TensorData {
+    /// Address of the stored values (the codes, for quantized weights).
     pub fn as_ptr(&self) -> *const u8 {
         match self {
             TensorData::F32(v) => v.as_ptr().cast(),
+            TensorData::Bf16(v) => v.as_ptr().cast(),
+            TensorData::Quant(q) => q.codes.as_ptr(),
             TensorData::I32(v) => v.as_ptr().cast(),
         }
     }
 }
 
+impl TensorData {
+    /// Overwrites a float weight with `values` (rounded to BF16 or quantized as its
+    /// storage requires; quantized storage needs finite values). Index tables are untouched.
+    pub fn set_from_f32(&mut self, values: &[f32]) {
+        match self {
+            TensorData::F32(v) => v.copy_from_slice(values),
+            TensorData::Bf16(v) => v.iter_mut().zip(values).for_each(|(o, x)| *o = half::bf16::from_f32(*x).to_bits()),
+            TensorData::Quant(q) => q.quantize_from(values),
+            TensorData::I32(_) => {}
+        }
+    }
+}
+
+/// A read view of a 2-D weight matrix in whatever format it is stored.
+#[derive(Clone, Copy)]
+pub enum MatRef<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+    Quant(&'a QMatrix),
+}
+
+impl MatRef<'_> {
+    /// Row `r` of a matrix with `cols` columns as f32 (exact dequantization).
+    pub fn row_into(&self, r: usize, cols: usize, out: &mut [f32]) {
+        match self {
+            MatRef::F32(v) => out.copy_from_slice(&v[r * cols..(r + 1) * cols]),
+            MatRef::Bf16(v) => {
+                out.iter_mut().zip(&v[r * cols..(r + 1) * cols]).for_each(|(o, &b)| *o = half::bf16::from_bits(b).to_f32())
+            }
+            MatRef::Quant(q) => q.row(r, out),
+        }
+    }
+
+    /// The f32 slice, when the matrix is stored as f32 (lets hot loops skip the copy).
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        match self {
+            MatRef::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// The storage chosen for a weight: quantizable weights follow `weight_format`; everything
+/// else is f32 (or i32 for index tables) on the CPU backend.
+fn storage_for(spec: &TensorSpec, cfg: &ModelConfig, format: WeightFormat) -> Result<TensorData> {
+    let n = spec.numel();
+    if spec.kind == ElemKind::Index {
+        return Ok(TensorData::I32(try_zeroed(n, &spec.name)?));
+    }
+    let quantizable = spec.stored != StoredAs::Plain && spec.shape.len() == 2;
+    let quantize = match format {
+        WeightFormat::Quantize => true,
+        WeightFormat::AsStored => cfg.quant.is_some(),
+        WeightFormat::Bf16 => false,
+    };
+    if !quantizable {
+        return Ok(TensorData::F32(try_zeroed(n, &spec.name)?));
+    }
+    if format == WeightFormat::Bf16 {
+        return Ok(TensorData::Bf16(try_zeroed(n, &spec.name)?));
+    }
+    if !quantize {
+        return Ok(TensorData::F32(try_zeroed(n, &spec.name)?));
+    }
+    let block = cfg.quant.as_ref().map_or([128, 128], |q| q.weight_block);
+    let experts_fp8 = cfg.quant.as_ref().is_some_and(|q| q.expert_dtype == "fp8");
+    let qf = match spec.stored {
+        StoredAs::Fp4Expert if !experts_fp8 => QFormat::Fp4,
+        _ => QFormat::Fp8 { block },
+    };
+    let (rows, cols) = (spec.shape[0], spec.shape[1]);
+    if qf == QFormat::Fp4 && cols % 2 != 0 {
+        crate::bail!(Config, "weight `{}` has an odd input dimension {cols}: FP4 packs two values per byte", spec.name);
+    }
+    // Reserve first so a huge config fails cleanly instead of aborting.
+    let _probe: Vec<u8> = try_zeroed(rows * cols, &spec.name)?;
+    drop(_probe);
+    Ok(TensorData::Quant(QMatrix::zeros(qf, rows, cols)))
+}
+
 pub struct Tensor {
     pub spec: TensorSpec,
     pub data: TensorData,
-    /// The values came from an FP8/FP4 source (they are exactly its dequantization).
-    pub quantized: bool,
 }
 
 pub struct WeightStore {
@@ -35,19 +123,21 @@ pub struct WeightStore {
 }
 
 impl WeightStore {
-    /// Allocates every weight of `cfg` (zero-filled) at its final address.
+    /// Allocates every weight of `cfg` (zero-filled) at its final address, as stored in
+    /// the checkpoint the config declares.
     pub fn allocate(cfg: &ModelConfig) -> Result<Self> {
+        Self::allocate_with(cfg, WeightFormat::AsStored)
+    }
+
+    /// Allocates every weight with quantizable weights held per `format`.
+    pub fn allocate_with(cfg: &ModelConfig, format: WeightFormat) -> Result<Self> {
         let specs = tensor_specs(cfg);
         let mut tensors = Vec::with_capacity(specs.len());
         let mut by_name = HashMap::with_capacity(specs.len());
         for spec in specs {
-            let n = spec.numel();
-            let data = match spec.kind {
-                ElemKind::Float => TensorData::F32(try_zeroed(n, &spec.name)?),
-                ElemKind::Index => TensorData::I32(try_zeroed(n, &spec.name)?),
-            };
+            let data = storage_for(&spec, cfg, format)?;
             by_name.insert(spec.name.clone(), tensors.len());
-            tensors.push(Tensor { spec, data, quantized: false });
+            tensors.push(Tensor { spec, data });
         }
         Ok(WeightStore { tensors, by_name })
     }
@@ -80,26 +170,37 @@ impl WeightStore {
         &mut self.tensors
     }
 
-    /// f32 data of tensor `i`. Panics if it is an index table (a programming error).
+    /// f32 data of tensor `i`. Panics unless it is stored f32 (a programming error: only
+    /// non-quantizable weights are read this way; linears go through [`WeightStore::matrix`]).
     pub fn f32(&self, i: usize) -> &[f32] {
         match &self.tensors[i].data {
             TensorData::F32(v) => v,
-            TensorData::I32(_) => panic!("weight `{}` is not a float tensor", self.tensors[i].spec.name),
+            _ => panic!("weight `{}` is not stored as f32", self.tensors[i].spec.name),
         }
     }
 
-    /// i32 data of tensor `i`. Panics if it is a float tensor (a programming error).
+    /// i32 data of tensor `i`. Panics if it is not an index table (a programming error).
     pub fn i32(&self, i: usize) -> &[i32] {
         match &self.tensors[i].data {
             TensorData::I32(v) => v,
-            TensorData::F32(_) => panic!("weight `{}` is not an index tensor", self.tensors[i].spec.name),
+            _ => panic!("weight `{}` is not an index tensor", self.tensors[i].spec.name),
+        }
+    }
+
+    /// Read view of weight matrix `i` in its stored format.
+    pub fn matrix(&self, i: usize) -> MatRef<'_> {
+        match &self.tensors[i].data {
+            TensorData::F32(v) => MatRef::F32(v),
+            TensorData::Bf16(v) => MatRef::Bf16(v),
+            TensorData::Quant(q) => MatRef::Quant(q),
+            TensorData::I32(_) => panic!("weight `{}` is an index table, not a matrix", self.tensors[i].spec.name),
         }
     }
 
     /// Whether weight `i` holds FP8/FP4-quantized values (its GEMMs quantize activations in
     /// the official numerics).
     pub fn is_quantized(&self, i: usize) -> bool {
-        self.tensors[i].quantized
+        matches!(self.tensors[i].data, TensorData::Quant(_))
     }
 
     /// Index of a weight the model requires; a missing one is an internal error.
