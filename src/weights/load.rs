@@ -56,9 +56,12 @@ pub fn check_update(
     shape: &[usize],
     data: &[u8],
 ) -> Result<Vec<usize>> {
-    Ok(plan_update(store, name, dtype, shape, data)?
-        .map(|j| j.dsts())
-        .unwrap_or_default())
+    let Some(job) = plan_update(store, name, dtype, shape, data)? else {
+        return Ok(Vec::new());
+    };
+    let dsts = job.dsts();
+    check_quantizable(store, std::slice::from_ref(&job))?;
+    Ok(dsts)
 }
 
 /// Validates and writes one host update in place; returns the canonical weights written.
@@ -610,11 +613,10 @@ enum Dst<'s> {
     I32(&'s mut [i32]),
 }
 
-/// Dequantises every job into the store, in parallel over jobs (each writes disjoint weights).
-fn execute(store: &mut WeightStore, jobs: Vec<Job>) -> Result<()> {
-    // Quantizing a non-finite value is meaningless: reject it, naming the weight, before
-    // anything is written (the engine stays unchanged).
-    for job in &jobs {
+/// Quantizing a non-finite value is meaningless: rejects float sources with NaN/Inf headed
+/// for FP8/FP4 storage, naming the weight, before anything is written.
+fn check_quantizable(store: &WeightStore, jobs: &[Job]) -> Result<()> {
+    for job in jobs {
         if !matches!(job.src.enc, Encoding::Float(_)) {
             continue;
         }
@@ -634,6 +636,12 @@ fn execute(store: &mut WeightStore, jobs: Vec<Job>) -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// Dequantises every job into the store, in parallel over jobs (each writes disjoint weights).
+fn execute(store: &mut WeightStore, jobs: Vec<Job>) -> Result<()> {
+    check_quantizable(store, &jobs)?;
     // Hand out each weight's buffer at most once; the plan guaranteed disjointness.
     let mut bufs: Vec<Option<Dst>> = store
         .tensors_mut()

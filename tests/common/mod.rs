@@ -18,6 +18,8 @@ pub struct Oracle {
     /// HF prefill + token-by-token decode logits per sequence.
     pub logits_decode: Vec<Vec<f32>>,
     pub meta: HashMap<String, String>,
+    /// Fixture directory name.
+    pub model: String,
 }
 
 impl Oracle {
@@ -36,6 +38,7 @@ impl Oracle {
             logits: vec![],
             logits_decode: vec![],
             meta: meta.metadata().clone().unwrap_or_default(),
+            model: name.to_string(),
         };
         let mut s = 0;
         while st.tensor(&format!("prompt.{s}")).is_ok() {
@@ -45,6 +48,36 @@ impl Oracle {
             s += 1;
         }
         o
+    }
+}
+
+impl Oracle {
+    fn raw(name: &str) -> Vec<u8> {
+        std::fs::read(fixture_dir(name).join("oracle.safetensors")).expect("oracle.safetensors")
+    }
+}
+
+/// Extra per-sequence arrays of an oracle (e.g. `logits_official.{s}`), loaded on demand.
+pub trait OracleExtra {
+    fn extra(&self, prefix: &str) -> Vec<Vec<f32>>;
+    fn has(&self, name: &str) -> bool;
+}
+
+impl OracleExtra for Oracle {
+    fn extra(&self, prefix: &str) -> Vec<Vec<f32>> {
+        let bytes = Oracle::raw(&self.model);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        (0..self.prompts.len())
+            .map(|s| {
+                let t = st.tensor(&format!("{prefix}.{s}")).unwrap_or_else(|_| panic!("oracle lacks {prefix}.{s}"));
+                t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+            })
+            .collect()
+    }
+
+    fn has(&self, name: &str) -> bool {
+        let bytes = Oracle::raw(&self.model);
+        SafeTensors::deserialize(&bytes).unwrap().tensor(name).is_ok()
     }
 }
 
