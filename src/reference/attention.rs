@@ -8,7 +8,7 @@
 //! chunk's last W window vectors into the ring.
 
 use super::compressor;
-use super::ops::{Threads, dot, linear, rms_norm, top_k};
+use super::ops::{Threads, dot, exp, inv_sqrt, linear, rms_norm, sum, top_k};
 use super::precision::Prec;
 use crate::config::{AttnKind, ModelConfig};
 use crate::model::batch::SeqRange;
@@ -71,8 +71,8 @@ pub fn attention(ctx: &AttnCtx, u: &[f32], positions: &[i32], seqs: &[SeqRange],
         prec.bf16(&mut qi);
         prec.index_sim(&mut qi, di);
         let mut weights = prec.linear_bf16(th, w, ix.weights_proj, 0, hi, u, d);
-        let scale = 1.0 / ((di as f32).sqrt() * (hi as f32).sqrt());
-        weights.iter_mut().for_each(|v| *v *= scale);
+        let (s1, s2) = (inv_sqrt(di), inv_sqrt(hi));
+        weights.iter_mut().for_each(|v| *v = *v * s1 * s2);
         (a, z, qi, weights)
     });
 
@@ -123,6 +123,7 @@ pub fn attention(ctx: &AttnCtx, u: &[f32], positions: &[i32], seqs: &[SeqRange],
                 let qh = &q[(i * h + head) * hd..(i * h + head + 1) * hd];
                 let oh = &mut ot[head * hd..(head + 1) * hd];
                 attend_with_sink(prec, qh, &keys, sink[head], oh);
+                prec.bf16(oh);
                 rope::apply(oh, ctx.freqs, p, -1.0);
                 prec.bf16(oh);
             }
@@ -196,7 +197,7 @@ fn select_entries(cfg: &ModelConfig, prec: Prec, keys: &[f32], visible: usize, q
             let k = &keys[e * di..(e + 1) * di];
             head.iter_mut().enumerate().for_each(|(hh, s)| *s = dot(&qt[hh * di..(hh + 1) * di], k));
             prec.bf16(&mut head);
-            (0..hi).map(|hh| wt[hh] * head[hh].max(0.0)).sum()
+            sum((0..hi).map(|hh| head[hh].max(0.0) * wt[hh]))
         })
         .collect();
     prec.bf16(&mut scores);
@@ -206,19 +207,19 @@ fn select_entries(cfg: &ModelConfig, prec: Prec, keys: &[f32], visible: usize, q
 /// One head: softmax over keys (scale head_dim^-1/2) with the sink logit in the
 /// denominator only; values are the keys themselves.
 fn attend_with_sink(prec: Prec, q: &[f32], keys: &[&[f32]], sink: f32, out: &mut [f32]) {
-    let scale = 1.0 / (q.len() as f32).sqrt();
-    let logits: Vec<f32> = keys.iter().map(|k| scale * dot(q, k)).collect();
+    let scale = inv_sqrt(q.len());
+    let logits: Vec<f32> = keys.iter().map(|k| dot(q, k) * scale).collect();
     let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let mut den = (sink - m).exp();
-    out.iter_mut().for_each(|v| *v = 0.0);
-    for (k, l) in keys.iter().zip(&logits) {
-        let p = (l - m).exp();
-        den += p;
+    let e: Vec<f32> = logits.iter().map(|l| exp(l - m)).collect();
+    let den = sum(e.iter().copied()) + exp(sink - m);
+    // P.V accumulated in f64 (rounded once), like every reduction of the reference.
+    let mut acc = vec![0.0f64; out.len()];
+    for (k, &p) in keys.iter().zip(&e) {
         // Official: probabilities enter the P.V product as BF16; the denominator stays f32.
-        let pv = if prec.official { half::bf16::from_f32(p).to_f32() } else { p };
-        out.iter_mut().zip(k.iter()).for_each(|(o, v)| *o += pv * v);
+        let pv = if prec.official { half::bf16::from_f32(p).to_f32() } else { p } as f64;
+        acc.iter_mut().zip(k.iter()).for_each(|(o, &v)| *o += pv * v as f64);
     }
-    out.iter_mut().for_each(|v| *v /= den);
+    out.iter_mut().zip(&acc).for_each(|(o, &a)| *o = a as f32 / den);
 }
 
 /// Grouped output projection: heads grouped contiguously, group g through rows

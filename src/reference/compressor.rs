@@ -2,6 +2,7 @@
 //! `ratio` tokens per channel, with overlapping windows (previous window's A halves +
 //! current window's B halves) when the compressor has overlap (CSA, ratio 4).
 
+use super::ops::exp;
 use crate::state::CompressorState;
 
 /// Pushes the token at absolute position `pos` (`a` and raw gate logits `z`, each
@@ -36,16 +37,12 @@ pub fn push(st: &mut CompressorState, ape: &[f32], pos: usize, a: &[f32], z: &[f
     true
 }
 
-/// sum_s softmax_s(z) * a over (z, a) pairs of one channel.
+/// sum_s softmax_s(z) * a over (z, a) pairs of one channel: p_s = e_s / sum(e) in f32,
+/// both sums accumulated in f64 and rounded once.
 fn pool(slots: impl Iterator<Item = (f32, f32)> + Clone) -> f32 {
     let m = slots.clone().map(|(z, _)| z).fold(f32::NEG_INFINITY, f32::max);
-    let (mut num, mut den) = (0.0f32, 0.0f32);
-    for (z, a) in slots {
-        let e = (z - m).exp();
-        num += e * a;
-        den += e;
-    }
-    num / den
+    let den = slots.clone().map(|(z, _)| exp(z - m) as f64).sum::<f64>() as f32;
+    slots.map(|(z, a)| (exp(z - m) / den) as f64 * a as f64).sum::<f64>() as f32
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! Manifold-constrained hyper-connections (MODEL.md §5): hc_pre (flat RMS scale, mixing
 //! projection, sigmoid gates, Sinkhorn, collapse), hc_post and hc_head.
 
-use super::ops::{Threads, dot, matmul, sigmoid};
+use super::ops::{Threads, exp, matmul, rsqrt, sigmoid, sum};
 
 /// Parameters of one mHC site, borrowed from the weight store.
 pub struct HcParams<'a> {
@@ -20,7 +20,8 @@ fn mix_logits(th: Threads, x: &[f32], nd: usize, proj: &[f32], eps: f32) -> Vec<
     matmul(th, x, nd, proj, &mut m);
     for (ti, row) in m.chunks_exact_mut(m_dim).enumerate() {
         let xr = &x[ti * nd..(ti + 1) * nd];
-        let rho = 1.0 / (dot(xr, xr) / nd as f32 + eps).sqrt();
+        let ms = (xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / nd as f64) as f32;
+        let rho = rsqrt(ms + eps);
         row.iter_mut().for_each(|v| *v *= rho);
     }
     m
@@ -29,22 +30,23 @@ fn mix_logits(th: Threads, x: &[f32], nd: usize, proj: &[f32], eps: f32) -> Vec<
 /// The exact Sinkhorn iteration of the official kernel on an N x N logit matrix (in place):
 /// row softmax + eps, column normalise, then (iters - 1) x (row, column) normalisation.
 pub fn sinkhorn(c: &mut [f32], n: usize, iters: usize, eps: f32) {
+    // Sums in f64 rounded once (order-independent); eps added in f32 afterwards.
     for row in c.chunks_exact_mut(n) {
         let mx = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        row.iter_mut().for_each(|v| *v = (*v - mx).exp());
-        let s: f32 = row.iter().sum();
+        row.iter_mut().for_each(|v| *v = exp(*v - mx));
+        let s = sum(row.iter().copied());
         row.iter_mut().for_each(|v| *v = *v / s + eps);
     }
     let col_norm = |c: &mut [f32]| {
         for k in 0..n {
-            let s: f32 = (0..n).map(|j| c[j * n + k]).sum::<f32>() + eps;
+            let s = sum((0..n).map(|j| c[j * n + k])) + eps;
             (0..n).for_each(|j| c[j * n + k] /= s);
         }
     };
     col_norm(c);
     for _ in 1..iters {
         for row in c.chunks_exact_mut(n) {
-            let s: f32 = row.iter().sum::<f32>() + eps;
+            let s = sum(row.iter().copied()) + eps;
             row.iter_mut().for_each(|v| *v /= s);
         }
         col_norm(c);
@@ -83,9 +85,8 @@ pub fn hc_pre(th: Threads, x: &[f32], n: usize, d: usize, p: &HcParams, iters: u
         }
         sinkhorn(c, n, iters, hc_eps);
         let ur = &mut u[ti * d..(ti + 1) * d];
-        for (s, &w) in pre.iter().enumerate() {
-            let xs = &x[ti * nd + s * d..ti * nd + (s + 1) * d];
-            ur.iter_mut().zip(xs).for_each(|(o, v)| *o += w * v);
+        for (i, o) in ur.iter_mut().enumerate() {
+            *o = sum((0..n).map(|s| pre[s] * x[ti * nd + s * d + i]));
         }
     }
     HcPre { u, post, comb }
@@ -99,12 +100,11 @@ pub fn hc_post(x: &mut [f32], a: &[f32], pre: &HcPre, n: usize, d: usize) {
         let at = &a[ti * d..(ti + 1) * d];
         let c = &pre.comb[ti * n * n..(ti + 1) * n * n];
         for k in 0..n {
-            let o = &mut out[k * d..(k + 1) * d];
             let pk = pre.post[ti * n + k];
-            o.iter_mut().zip(at).for_each(|(o, v)| *o = pk * v);
-            for j in 0..n {
-                let cjk = c[j * n + k];
-                o.iter_mut().zip(&xt[j * d..(j + 1) * d]).for_each(|(o, v)| *o += cjk * v);
+            for i in 0..d {
+                // sum_j C[j,k] X[j] in f64 (rounded once), then post_k * a + mix in f32.
+                let mix = (0..n).map(|j| c[j * n + k] as f64 * xt[j * d + i] as f64).sum::<f64>() as f32;
+                out[k * d + i] = pk * at[i] + mix;
             }
         }
         xt.copy_from_slice(&out);
@@ -118,10 +118,9 @@ pub fn hc_head(th: Threads, x: &[f32], n: usize, d: usize, p: &HcParams, hc_eps:
     let m = mix_logits(th, x, nd, p.proj, rms_eps);
     let mut y = vec![0.0; t * d];
     for ti in 0..t {
-        let yr = &mut y[ti * d..(ti + 1) * d];
-        for s in 0..n {
-            let w = sigmoid(p.scale[0] * m[ti * n + s] + p.base[s]) + hc_eps;
-            yr.iter_mut().zip(&x[ti * nd + s * d..ti * nd + (s + 1) * d]).for_each(|(o, v)| *o += w * v);
+        let w: Vec<f32> = (0..n).map(|s| sigmoid(m[ti * n + s] * p.scale[0] + p.base[s]) + hc_eps).collect();
+        for (i, o) in y[ti * d..(ti + 1) * d].iter_mut().enumerate() {
+            *o = sum((0..n).map(|s| w[s] * x[ti * nd + s * d + i]));
         }
     }
     y

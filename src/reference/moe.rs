@@ -1,7 +1,7 @@
 //! Mixture of experts on the CPU (MODEL.md §7): sqrtsoftplus router with selection bias
 //! or hash table, clamped SwiGLU experts, routed scaling, shared expert.
 
-use super::ops::{Threads, linear, silu, softplus, top_k};
+use super::ops::{Threads, linear, silu, softplus, sum, top_k};
 use super::precision::Prec;
 use crate::config::{ModelConfig, ScoringFunc};
 use crate::model::{ExpertWeights, LayerWeights};
@@ -21,8 +21,8 @@ pub fn route(cfg: &ModelConfig, w: &WeightStore, lw: &LayerWeights, th: Threads,
             ScoringFunc::Sigmoid => l.iter().map(|&v| super::ops::sigmoid(v)).collect(),
             ScoringFunc::Softmax => {
                 let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                let ex: Vec<f32> = l.iter().map(|v| (v - m).exp()).collect();
-                let s: f32 = ex.iter().sum();
+                let ex: Vec<f32> = l.iter().map(|v| super::ops::exp(v - m)).collect();
+                let s = sum(ex.iter().copied());
                 ex.into_iter().map(|v| v / s).collect()
             }
         };
@@ -40,7 +40,7 @@ pub fn route(cfg: &ModelConfig, w: &WeightStore, lw: &LayerWeights, th: Threads,
         };
         let mut sel: Vec<f32> = chosen.iter().map(|&c| scores[c]).collect();
         if cfg.norm_topk_prob && cfg.scoring_func != ScoringFunc::Softmax {
-            let s: f32 = sel.iter().sum();
+            let s = sum(sel.iter().copied());
             sel.iter_mut().for_each(|v| *v /= s);
         }
         sel.iter_mut().for_each(|v| *v *= cfg.routed_scaling_factor);
@@ -78,8 +78,9 @@ pub fn moe(cfg: &ModelConfig, w: &WeightStore, lw: &LayerWeights, th: Threads, p
     let d = cfg.hidden_size;
     let k = cfg.experts_per_tok;
     let (ids, weights) = route(cfg, w, lw, th, x, tokens);
-    let mut out = match &lw.shared {
-        Some(sw) => expert(cfg, w, sw, th, prec, x, None),
+    // Expert outputs are summed in f64 and rounded once (order-independent).
+    let mut acc: Vec<f64> = match &lw.shared {
+        Some(sw) => expert(cfg, w, sw, th, prec, x, None).into_iter().map(f64::from).collect(),
         None => vec![0.0; x.len()],
     };
     // Gather the tokens of each expert, run it once (routing weight applied inside), add.
@@ -99,9 +100,10 @@ pub fn moe(cfg: &ModelConfig, w: &WeightStore, lw: &LayerWeights, th: Threads, p
         let route_w: Vec<f32> = rows.iter().map(|&(_, wt)| wt).collect();
         let ye = expert(cfg, w, ew, th, prec, &xe, Some(&route_w));
         for (r, &(t, _)) in rows.iter().enumerate() {
-            out[t * d..(t + 1) * d].iter_mut().zip(&ye[r * d..(r + 1) * d]).for_each(|(o, v)| *o += v);
+            acc[t * d..(t + 1) * d].iter_mut().zip(&ye[r * d..(r + 1) * d]).for_each(|(o, &v)| *o += v as f64);
         }
     }
+    let mut out: Vec<f32> = acc.into_iter().map(|v| v as f32).collect();
     prec.bf16(&mut out);
     out
 }

@@ -7,23 +7,32 @@ use crate::weights::store::MatRef;
 #[derive(Clone, Copy, Debug)]
 pub struct Threads(pub usize);
 
-/// Dot product with 8 independent accumulators (lets the compiler vectorise).
+/// Dot product accumulated in f64 and rounded once to f32: the correctly rounded value of
+/// the (practically) exact sum, independent of summation order. The reference uses this
+/// for every reduction so that its results do not depend on batch shape or threading, and
+/// so that it agrees with the Python oracles, which do the same.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let mut acc = [0.0f64; 4];
+    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
+        for i in 0..4 {
+            acc[i] += x[i] as f64 * y[i] as f64;
         }
     }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    let mut s = (acc[0] + acc[2]) + (acc[1] + acc[3]);
     for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
+        s += *x as f64 * *y as f64;
     }
-    s
+    s as f32
+}
+
+/// Sum accumulated in f64, rounded once to f32 (see [`dot`]).
+#[inline]
+pub fn sum(values: impl Iterator<Item = f32>) -> f32 {
+    values.map(f64::from).sum::<f64>() as f32
 }
 
 /// `y[t, n] = x[t, :] . w[n, :]` for x: [T, K], w: [N, K] (a linear layer without bias).
@@ -112,8 +121,8 @@ pub fn linear(th: Threads, x: &[f32], k: usize, w: &[f32]) -> Vec<f32> {
 /// In-place RMSNorm of every `dim`-row of `x`, with optional weight.
 pub fn rms_norm(x: &mut [f32], dim: usize, weight: Option<&[f32]>, eps: f32) {
     for row in x.chunks_exact_mut(dim) {
-        let ms = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
-        let r = 1.0 / (ms + eps).sqrt();
+        let ms = (row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / dim as f64) as f32;
+        let r = rsqrt(ms + eps);
         match weight {
             Some(w) => row.iter_mut().zip(w).for_each(|(v, g)| *v = *v * r * g),
             None => row.iter_mut().for_each(|v| *v *= r),
@@ -121,17 +130,39 @@ pub fn rms_norm(x: &mut [f32], dim: usize, weight: Option<&[f32]>, eps: f32) {
     }
 }
 
-pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+// Elementwise functions are evaluated in f64 and rounded once to f32 (correctly rounded
+// for practical purposes), so the reference does not depend on a libm's last-ulp choices
+// and agrees bit for bit with the Python oracles, which follow the same convention.
+
+/// e^x.
+pub fn exp(x: f32) -> f32 {
+    (x as f64).exp() as f32
 }
 
+/// 1 / (1 + e^-x).
+pub fn sigmoid(x: f32) -> f32 {
+    (1.0 / (1.0 + (-(x as f64)).exp())) as f32
+}
+
+/// x * sigmoid(x).
 pub fn silu(x: f32) -> f32 {
-    x * sigmoid(x)
+    let x = x as f64;
+    (x / (1.0 + (-x).exp())) as f32
 }
 
 /// torch's softplus (beta 1, threshold 20: linear above).
 pub fn softplus(x: f32) -> f32 {
-    if x > 20.0 { x } else { x.exp().ln_1p() }
+    if x > 20.0 { x } else { (x as f64).exp().ln_1p() as f32 }
+}
+
+/// 1 / sqrt(x).
+pub fn rsqrt(x: f32) -> f32 {
+    (1.0 / (x as f64).sqrt()) as f32
+}
+
+/// n^-1/2 as an f32 constant.
+pub fn inv_sqrt(n: usize) -> f32 {
+    (n as f64).powf(-0.5) as f32
 }
 
 /// Indices of the `k` largest values, ties broken toward the LOWER index (project rule);

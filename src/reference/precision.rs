@@ -77,23 +77,26 @@ impl Prec {
     }
 }
 
-/// Normalised Walsh–Hadamard transform (Sylvester order) in place; len must be a power of two.
+/// Normalised Walsh–Hadamard transform (Sylvester order) in place; len must be a power of
+/// two. The butterflies run in f64 (exact for these sizes) and each output is rounded once
+/// to f32 before the f32 scale `len^-1/2`, like the oracle's `f32(H x) * f32(n^-1/2)`.
 pub fn hadamard(x: &mut [f32]) {
     let n = x.len();
     debug_assert!(n.is_power_of_two());
+    let mut y: Vec<f64> = x.iter().map(|&v| v as f64).collect();
     let mut h = 1;
     while h < n {
         for i in (0..n).step_by(2 * h) {
             for j in i..i + h {
-                let (a, b) = (x[j], x[j + h]);
-                x[j] = a + b;
-                x[j + h] = a - b;
+                let (a, b) = (y[j], y[j + h]);
+                y[j] = a + b;
+                y[j + h] = a - b;
             }
         }
         h *= 2;
     }
-    let s = 1.0 / (n as f32).sqrt();
-    x.iter_mut().for_each(|v| *v *= s);
+    let s = super::ops::inv_sqrt(n);
+    x.iter_mut().zip(&y).for_each(|(o, &v)| *o = v as f32 * s);
 }
 
 #[cfg(test)]

@@ -1,17 +1,20 @@
 /*
  * abi_smoke.c - the C ABI end to end, from C11 and (the same file) from C++17.
  *
- *   abi_smoke CONFIG LOAD [EXPECTED [TOL]]
+ *   abi_smoke CONFIG LOAD [EXPECTED [TOL [TOKENS]]]
  *
  *   CONFIG    "tiny" (embedded demo model) or a model directory / config.json path
  *   LOAD      "dummy" or a checkpoint directory / .safetensors file
- *   EXPECTED  if given: logits[last row][0] of the prompt below must be within TOL
+ *   EXPECTED  if given: logits[last row][0] of the prompt must be within TOL
  *             (default 1e-3) of it
+ *   TOKENS    the prompt, comma-separated token ids (at most 48; default "1,2,3,4")
  *
- * Creates an engine, loads, finalizes, runs a 4-token prefill in slot 0 and one decode
- * step, prints "logit0 = <value>", checks error paths (NULL engine, bad enum, wrong
- * lifecycle order, struct_size too small) and that dsv4_last_error() names the culprit.
- * Exit status 0 on success; every failure prints what went wrong.
+ * Creates an engine (CPU, DSV4_NUMERICS_EXACT: parity with the fp32 transformers oracle),
+ * loads, finalizes, prefills the prompt in slot 0 from position 0 (logits of the last
+ * row only), prints "logit0 = <value>", runs one decode step, checks error paths (NULL
+ * engine, bad enum, wrong lifecycle order, struct_size too small, capacities) and that
+ * dsv4_last_error() names the culprit. Exit status 0 on success; every failure prints
+ * what went wrong.
  */
 #include "dsv4.h"
 
@@ -53,6 +56,30 @@ static void expect_status(dsv4_status got, dsv4_status want, const char *needle,
     }
 }
 #define CHECK(call, want, needle) expect_status((call), (want), (needle), __LINE__)
+#define MAX_PROMPT 48
+#define MAX_TOKENS 64 /* params.max_num_tokens and max_seq_len */
+
+/* Parses "a,b,c" into `out`; returns the count, or -1 if malformed or too long. */
+static int parse_tokens(const char *text, int32_t *out) {
+    int n = 0;
+    const char *p = text;
+    while (*p != '\0') {
+        char *end = NULL;
+        long v = strtol(p, &end, 10);
+        if (end == p || v < 0 || v > 0x7fffffffL || n == MAX_PROMPT) {
+            return -1;
+        }
+        out[n++] = (int32_t)v;
+        p = end;
+        if (*p == ',') {
+            p++;
+        } else if (*p != '\0') {
+            return -1;
+        }
+    }
+    return n;
+}
+
 #define MUST(call)                                                                             \
     do {                                                                                       \
         dsv4_status s_ = (call);                                                               \
@@ -65,11 +92,22 @@ static void expect_status(dsv4_status got, dsv4_status want, const char *needle,
 
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: %s CONFIG(tiny|dir) LOAD(dummy|checkpoint) [EXPECTED [TOL]]\n", argv[0]);
+        fprintf(stderr, "usage: %s CONFIG(tiny|dir) LOAD(dummy|checkpoint) [EXPECTED [TOL [TOKENS]]]\n",
+                argv[0]);
         return 2;
     }
     const char *config = argv[1];
     const char *load = argv[2];
+    int32_t tokens[MAX_PROMPT];
+    int32_t positions[MAX_PROMPT];
+    const int ntok = parse_tokens(argc >= 6 ? argv[5] : "1,2,3,4", tokens);
+    if (ntok < 1) {
+        fprintf(stderr, "bad TOKENS (comma-separated ids, 1..%d of them)\n", MAX_PROMPT);
+        return 2;
+    }
+    for (int k = 0; k < ntok; k++) {
+        positions[k] = k;
+    }
 
     /* Versions: the library must be compatible with this header. */
     uint32_t abi = dsv4_abi_version();
@@ -109,8 +147,8 @@ int main(int argc, char **argv) {
         params.config_path = config;
     }
     params.max_num_seqs = 2;
-    params.max_num_tokens = 16;
-    params.max_seq_len = 64;
+    params.max_num_tokens = MAX_TOKENS;
+    params.max_seq_len = MAX_TOKENS;
     params.num_threads = 2;
     params.numerics = DSV4_NUMERICS_EXACT;
     MUST(dsv4_create(&params, &engine));
@@ -121,8 +159,17 @@ int main(int argc, char **argv) {
     info.struct_size = sizeof info;
     MUST(dsv4_get_info(engine, &info));
     EXPECT(info.phase == DSV4_PHASE_CREATED, "phase %d", info.phase);
-    EXPECT(info.max_num_tokens == 16 && info.max_seq_len == 64, "capacities in effect");
+    EXPECT(info.max_num_tokens == MAX_TOKENS && info.max_seq_len == MAX_TOKENS, "capacities in effect");
+    EXPECT(info.numerics == DSV4_NUMERICS_EXACT, "numerics %d in effect, want DSV4_NUMERICS_EXACT",
+           info.numerics);
+    EXPECT(info.device == DSV4_DEVICE_CPU, "device %d", info.device);
     const int32_t vocab = info.vocab_size;
+    for (int k = 0; k < ntok; k++) {
+        if (tokens[k] >= vocab) {
+            fprintf(stderr, "TOKENS[%d] = %d is not below vocab_size %d\n", k, tokens[k], vocab);
+            return 2;
+        }
+    }
 
     /* Wrong order and bad enums on a live engine. */
     CHECK(dsv4_finalize(engine, NULL), DSV4_STATUS_STATE, "dsv4_load");
@@ -147,18 +194,16 @@ int main(int argc, char **argv) {
     EXPECT(w.name != NULL && w.name[0] != '\0' && w.data != NULL && w.nbytes > 0, "weight 0 info");
     CHECK(dsv4_weight_info(engine, nweights, &w), DSV4_STATUS_INVALID_ARGUMENT, "index");
 
-    /* Prefill 4 tokens in slot 0, logits of the last row only. */
-    int32_t tokens[4] = {1, 2, 3, 4};
-    int32_t positions[4] = {0, 1, 2, 3};
+    /* Prefill the prompt in slot 0, logits of the last row only. */
     int32_t slots[1] = {0};
-    int32_t query_start[2] = {0, 4};
-    int32_t rows[1] = {3};
+    int32_t query_start[2] = {0, ntok};
+    int32_t rows[1] = {ntok - 1};
     float *logits = (float *)malloc(sizeof(float) * (size_t)vocab);
     if (logits == NULL) {
         return 1;
     }
     dsv4_batch batch = dsv4_batch_default();
-    batch.num_tokens = 4;
+    batch.num_tokens = ntok;
     batch.num_seqs = 1;
     batch.token_ids = tokens;
     batch.positions = positions;
@@ -174,18 +219,21 @@ int main(int argc, char **argv) {
         finite &= isfinite(logits[v]) ? 1 : 0;
     }
     EXPECT(finite, "non-finite logits");
-    printf("logit0 = %.6f\n", (double)logit0);
+    printf("prompt: %d tokens, numerics: %s\n", ntok,
+           info.numerics == DSV4_NUMERICS_EXACT ? "exact" : "official");
+    printf("logit0 = %.9e\n", (double)logit0);
 
     if (argc >= 4) {
         double expected = atof(argv[3]);
         double tol = argc >= 5 ? atof(argv[4]) : 1e-3;
-        EXPECT(fabs((double)logit0 - expected) <= tol, "logit0 %.6f, expected %.6f (tol %g)",
-               (double)logit0, expected, tol);
+        double diff = fabs((double)logit0 - expected);
+        printf("expected = %.9e, |diff| = %.3e, tol = %g\n", expected, diff, tol);
+        EXPECT(diff <= tol, "logit0 %.9e, expected %.9e (tol %g)", (double)logit0, expected, tol);
     }
 
     /* One decode step continuing slot 0. */
     int32_t next[1] = {5};
-    int32_t pos4[1] = {4};
+    int32_t pos4[1] = {ntok};
     int32_t qs1[2] = {0, 1};
     batch.num_tokens = 1;
     batch.token_ids = next;
@@ -196,12 +244,12 @@ int main(int argc, char **argv) {
     MUST(dsv4_forward(engine, &batch, NULL));
 
     /* Capacity and validation errors leave the engine usable. */
-    batch.num_tokens = 17;
-    batch.num_logits = 17;
+    batch.num_tokens = MAX_TOKENS + 1;
+    batch.num_logits = MAX_TOKENS + 1;
     CHECK(dsv4_forward(engine, &batch, NULL), DSV4_STATUS_CAPACITY, "max_num_tokens");
     batch.num_tokens = 1;
     batch.num_logits = 1;
-    int32_t far[1] = {64};
+    int32_t far[1] = {MAX_TOKENS};
     batch.positions = far;
     CHECK(dsv4_forward(engine, &batch, NULL), DSV4_STATUS_CAPACITY, "max_seq_len");
     batch.token_ids = NULL;
@@ -211,6 +259,16 @@ int main(int argc, char **argv) {
     batch.token_ids = tokens;
     batch.positions = positions;
     MUST(dsv4_forward(engine, &batch, NULL)); /* slot 0 restarts at position 0 */
+
+    /* The whole prompt again from position 0 (restarting slot 0): the same logits, bit for bit. */
+    batch.num_tokens = ntok;
+    batch.query_start = query_start;
+    batch.logits_rows = rows;
+    batch.num_logits = 1;
+    logits[0] = NAN;
+    MUST(dsv4_forward(engine, &batch, NULL));
+    EXPECT(memcmp(&logits[0], &logit0, sizeof logit0) == 0, "rerun of the prompt: logit0 %.9e, first run %.9e",
+           (double)logits[0], (double)logit0);
 
     free(logits);
     dsv4_destroy(engine);

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use safetensors::SafeTensors;
 
 pub fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 /// The oracle of one fixture model: prompts and fp32 logits recorded with transformers.
@@ -24,14 +26,25 @@ pub struct Oracle {
 
 impl Oracle {
     pub fn load(name: &str) -> Oracle {
-        let bytes = std::fs::read(fixture_dir(name).join("oracle.safetensors")).expect("oracle.safetensors");
+        let bytes = std::fs::read(fixture_dir(name).join("oracle.safetensors"))
+            .expect("oracle.safetensors");
         let (_, meta) = SafeTensors::read_metadata(&bytes).expect("oracle header");
         let st = SafeTensors::deserialize(&bytes).expect("oracle");
         let ints = |n: &str| -> Vec<i32> {
-            st.tensor(n).unwrap().data().chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap())).collect()
+            st.tensor(n)
+                .unwrap()
+                .data()
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+                .collect()
         };
         let floats = |n: &str| -> Vec<f32> {
-            st.tensor(n).unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+            st.tensor(n)
+                .unwrap()
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect()
         };
         let mut o = Oracle {
             prompts: vec![],
@@ -69,20 +82,31 @@ impl OracleExtra for Oracle {
         let st = SafeTensors::deserialize(&bytes).unwrap();
         (0..self.prompts.len())
             .map(|s| {
-                let t = st.tensor(&format!("{prefix}.{s}")).unwrap_or_else(|_| panic!("oracle lacks {prefix}.{s}"));
-                t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+                let t = st
+                    .tensor(&format!("{prefix}.{s}"))
+                    .unwrap_or_else(|_| panic!("oracle lacks {prefix}.{s}"));
+                t.data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect()
             })
             .collect()
     }
 
     fn has(&self, name: &str) -> bool {
         let bytes = Oracle::raw(&self.model);
-        SafeTensors::deserialize(&bytes).unwrap().tensor(name).is_ok()
+        SafeTensors::deserialize(&bytes)
+            .unwrap()
+            .tensor(name)
+            .is_ok()
     }
 }
 
 /// max |a - b| over two equally long slices.
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
