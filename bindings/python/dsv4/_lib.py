@@ -40,7 +40,9 @@ NUMERICS = {"exact": 0, "official": 1}
 WEIGHT_FORMAT = {"as_stored": 0, "bf16": 1, "quantize": 2}
 LOAD = {"auto": 0, "safetensors": 1, "dummy": 2}
 DTYPE_F32, DTYPE_BF16, DTYPE_F16, DTYPE_I32, DTYPE_I64 = 0, 1, 2, 3, 4
-DTYPE_NAMES = {0: "f32", 1: "bf16", 2: "f16", 3: "i32", 4: "i64"}
+# Storage-only types reported by dsv4_weight_info (codes + f32 block scales at `scale`).
+DTYPE_F8_E4M3, DTYPE_FP4_E2M1 = 5, 6
+DTYPE_NAMES = {0: "f32", 1: "bf16", 2: "f16", 3: "i32", 4: "i64", 5: "f8_e4m3", 6: "fp4_e2m1"}
 MEMORY_HOST, MEMORY_DEVICE = 0, 1
 LOGITS_F32, LOGITS_BF16 = 0, 1
 PHASES = {0: "created", 1: "loaded", 2: "ready"}
@@ -125,6 +127,9 @@ class WeightDesc(Structure):
         ("nbytes", c_uint64),
         ("derived", c_int32),
         ("device", c_int32),
+        ("scale", c_void_p),
+        ("scale_nbytes", c_uint64),
+        ("scale_block", c_int32 * 2),
     ]
 
 
