@@ -7,6 +7,7 @@
 
 use crate::config::ModelConfig;
 use crate::weights::spec::TensorSpec;
+use crate::weights::qmatrix::{QFormat, QMatrix};
 use crate::weights::store::{TensorData, WeightStore};
 
 /// splitmix64: tiny, fast, and good enough to decorrelate per-weight streams.
@@ -78,11 +79,53 @@ fn range_of(spec: &TensorSpec) -> (f32, f32) {
 /// Fills every weight with deterministic small values; hash-routing tables get rows of
 /// distinct valid expert ids.
 pub fn fill_dummy(store: &mut WeightStore, cfg: &ModelConfig, seed: u64) {
+    // Weights are independent streams: fill them on all cores (real-size dummy models hold
+    // tens of GB).
+    let tensors = store.tensors_mut();
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(tensors.len().max(1));
+    let next = std::sync::Mutex::new(tensors.iter_mut());
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| {
+                loop {
+                    let t = next.lock().unwrap_or_else(|e| e.into_inner()).next();
+                    let Some(t) = t else { break };
+                    fill_one(t, cfg, seed);
+                }
+            });
+        }
+    });
+}
+
+/// Quantized storage is filled directly with random codes and power-of-two scales sized
+/// for the weight's range (quantizing random floats would be far slower at real sizes).
+fn fill_quantized(q: &mut QMatrix, hi: f32, rng: &mut SplitMix) {
+    let (qmax, nan_free): (f32, fn(u8) -> u8) = match q.format {
+        // 0x7f / 0xff are the e4m3fn NaNs: map them to the largest finite codes.
+        QFormat::Fp8 { .. } => (448.0, |b| if b & 0x7f == 0x7f { b - 1 } else { b }),
+        QFormat::Fp4 => (6.0, |b| b),
+    };
+    let scale = 2f32.powi((hi / qmax).log2().ceil() as i32);
+    let mut word = 0u64;
+    for (i, c) in q.codes.iter_mut().enumerate() {
+        if i % 8 == 0 {
+            word = rng.next_u64();
+        }
+        *c = nan_free((word >> (8 * (i % 8))) as u8);
+    }
+    q.scales.iter_mut().for_each(|s| *s = scale);
+}
+
+fn fill_one(t: &mut crate::weights::store::Tensor, cfg: &ModelConfig, seed: u64) {
     let n_experts = cfg.n_routed_experts.max(1);
-    for t in store.tensors_mut() {
+    {
         let mut rng = stream(seed, &t.spec.name);
         match &mut t.data {
-            TensorData::F32(_) | TensorData::Bf16(_) | TensorData::Quant(_) => {
+            TensorData::Quant(q) => {
+                let (_, hi) = range_of(&t.spec);
+                fill_quantized(q, hi, &mut rng);
+            }
+            TensorData::F32(_) | TensorData::Bf16(_) => {
                 let (lo, hi) = range_of(&t.spec);
                 let values: Vec<f32> =
                     (0..t.spec.numel()).map(|_| half::bf16::from_f32(rng.uniform(lo, hi)).to_f32()).collect();
