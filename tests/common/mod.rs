@@ -6,10 +6,13 @@ use std::path::PathBuf;
 
 use safetensors::SafeTensors;
 
+/// `tests/fixtures/<name>` of the checkout the test binary was built in, or of the current
+/// directory when the binary runs elsewhere (the GPU machine runs prebuilt binaries from a
+/// copy of the tree).
 pub fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let root = if built.is_dir() { built } else { PathBuf::from("tests/fixtures") };
+    root.join(name)
 }
 
 /// The oracle of one fixture model: prompts and fp32 logits recorded with transformers.
