@@ -4,7 +4,8 @@
 # then the Python binding tests. GPU-only tests print "skipped: no CUDA device" here.
 #
 # Python: uses $DSV4_PYTHON if set, else a venv at target/pyenv with numpy + pytest
-# (created on first use; needs network access to PyPI once).
+# (created on first use; needs network access to PyPI once). target/pyenv also holds NVRTC
+# (nvidia-cuda-nvrtc==13.0.88) for the kernel compile test, unless DSV4_NVRTC_LIB is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,15 +15,33 @@ cargo build --release --locked
 echo "== dsv4 demo (smoke)"
 target/release/dsv4 demo
 
+ensure_pyenv() {
+  if [ ! -x target/pyenv/bin/python ]; then
+    python3 -m venv target/pyenv
+    target/pyenv/bin/pip install --quiet --disable-pip-version-check numpy pytest
+  fi
+}
+
+# NVRTC for tests/kernels_compile.rs, which compiles every kernel to sm_90a CUBIN with no GPU:
+# pip's nvidia-cuda-nvrtc in target/pyenv, its lib directory (nvidia/cu13/lib) on
+# LD_LIBRARY_PATH. DSV4_NVRTC_LIB=<dir holding libnvrtc.so.13> uses an existing install.
+nvrtc_lib=${DSV4_NVRTC_LIB:-}
+if [ -z "$nvrtc_lib" ]; then
+  ensure_pyenv
+  if ! target/pyenv/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("nvidia-cuda-nvrtc") != "13.0.88")' 2>/dev/null; then
+    target/pyenv/bin/pip install --quiet --disable-pip-version-check nvidia-cuda-nvrtc==13.0.88
+  fi
+  nvrtc_lib=$(target/pyenv/bin/python -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+fi
+export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+echo "== NVRTC: $nvrtc_lib"
+
 echo "== cargo test --release"
 cargo test --release --locked --all-targets
 
 py=${DSV4_PYTHON:-}
 if [ -z "$py" ]; then
-  if [ ! -x target/pyenv/bin/python ]; then
-    python3 -m venv target/pyenv
-    target/pyenv/bin/pip install --quiet --disable-pip-version-check numpy pytest
-  fi
+  ensure_pyenv
   py=target/pyenv/bin/python
 fi
 echo "== pytest bindings/python"

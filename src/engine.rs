@@ -102,6 +102,29 @@ impl LogitsOut<'_> {
     }
 }
 
+/// One forward step of the CUDA backend: device addresses, read only by kernels on the
+/// host's stream (the host may capture the call in a CUDA graph). Counts are host integers.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceBatch {
+    pub num_tokens: usize,
+    pub num_seqs: usize,
+    pub token_ids: u64,
+    pub positions: u64,
+    pub seq_slots: u64,
+    pub query_start: u64,
+    /// 0 = every token produces logits.
+    pub logits_rows: u64,
+    pub num_logits: usize,
+    pub logits: u64,
+    pub logits_bf16: bool,
+}
+
+/// The backend an engine runs on.
+pub enum Backend {
+    Cpu(CpuBackend),
+    Cuda(Box<crate::cuda::backend::CudaBackend>),
+}
+
 /// One forward step (DESIGN.md §3); host slices for the CPU backend.
 pub struct Batch<'a> {
     pub token_ids: &'a [i32],
@@ -140,7 +163,7 @@ pub struct Engine {
     weights: WeightStore,
     /// Which weights have received a value (load, load_tensor or dummy).
     loaded: Vec<bool>,
-    backend: CpuBackend,
+    backend: Backend,
     phase: Phase,
 }
 
@@ -153,17 +176,14 @@ impl Engine {
             ConfigSource::TinyDefault => ModelConfig::tiny_default(),
         };
         validate_options(&cfg, &opts)?;
-        if opts.device >= 0 {
-            // The CUDA backend is not built yet; report the device situation precisely.
-            crate::cuda::require_device(opts.device)?;
-            return Err(Error::new(
-                Status::Unsupported,
-                format!("device = {}: the CUDA backend is not available in this build yet; use device = -1 (CPU)", opts.device),
-            ));
-        }
         let weights = WeightStore::allocate_with(&cfg, opts.weight_format)?;
         let loaded = vec![false; weights.len()];
-        let backend = CpuBackend::new(&cfg, &opts, &weights)?;
+        let backend = if opts.device >= 0 {
+            crate::cuda::require_device(opts.device)?;
+            Backend::Cuda(Box::new(crate::cuda::backend::CudaBackend::new(&cfg, &opts, &weights)?))
+        } else {
+            Backend::Cpu(CpuBackend::new(&cfg, &opts, &weights)?)
+        };
         Ok(Engine { cfg, opts, weights, loaded, backend, phase: Phase::Created })
     }
 
@@ -183,8 +203,13 @@ impl Engine {
         &self.weights
     }
 
-    pub fn backend(&self) -> &CpuBackend {
+    pub fn backend(&self) -> &Backend {
         &self.backend
+    }
+
+    /// True when the engine runs on a CUDA device (batch buffers are device pointers).
+    pub fn is_cuda(&self) -> bool {
+        matches!(self.backend, Backend::Cuda(_))
     }
 
     fn expect_phase(&self, call: &str, allowed: &[Phase]) -> Result<()> {
@@ -232,6 +257,11 @@ impl Engine {
 
     /// Rebuilds derived buffers and makes the engine runnable. Idempotent.
     pub fn finalize(&mut self) -> Result<()> {
+        self.finalize_on(std::ptr::null_mut())
+    }
+
+    /// [`Engine::finalize`] on the host's CUDA stream (ignored by the CPU backend).
+    pub fn finalize_on(&mut self, stream: *mut std::ffi::c_void) -> Result<()> {
         match self.phase {
             Phase::Ready => return Ok(()),
             Phase::Loaded => {}
@@ -245,19 +275,50 @@ impl Engine {
                 ));
             }
         }
-        self.backend.finalize(&self.weights)?;
+        self.finalize_backend(stream)?;
         self.phase = Phase::Ready;
         Ok(())
     }
 
-    /// Runs one batch; see DESIGN.md §3.
+    fn finalize_backend(&mut self, stream: *mut std::ffi::c_void) -> Result<()> {
+        match &mut self.backend {
+            Backend::Cpu(b) => b.finalize(&self.weights),
+            Backend::Cuda(b) => b.finalize(&self.weights, crate::cuda::stream::BorrowedStream::from_raw(stream)),
+        }
+    }
+
+    /// Runs one batch from host memory on the CPU backend; see DESIGN.md §3.
     pub fn forward(&mut self, batch: &mut Batch) -> Result<()> {
         self.expect_phase("dsv4_forward", &[Phase::Ready])?;
-        self.backend.forward(&self.weights, batch)
+        match &mut self.backend {
+            Backend::Cpu(b) => b.forward(&self.weights, batch),
+            Backend::Cuda(_) => Err(Error::new(
+                Status::InvalidArgument,
+                "this engine runs on CUDA: the batch must hold device pointers (forward_device)",
+            )),
+        }
+    }
+
+    /// Runs one batch from device memory on the CUDA backend, on `stream`: no host sync, no
+    /// allocation (capturable).
+    pub fn forward_device(&mut self, batch: &DeviceBatch, stream: *mut std::ffi::c_void) -> Result<()> {
+        self.expect_phase("dsv4_forward", &[Phase::Ready])?;
+        match &mut self.backend {
+            Backend::Cuda(b) => b.forward(batch, crate::cuda::stream::BorrowedStream::from_raw(stream)),
+            Backend::Cpu(_) => Err(Error::new(
+                Status::InvalidArgument,
+                "this engine runs on the CPU: the batch must hold host pointers",
+            )),
+        }
     }
 
     /// Replaces named weights in place. All entries are validated before any is written.
     pub fn refit(&mut self, updates: &[TensorUpdate]) -> Result<()> {
+        self.refit_on(updates, std::ptr::null_mut())
+    }
+
+    /// [`Engine::refit`] copying on the host's CUDA stream (ignored by the CPU backend).
+    pub fn refit_on(&mut self, updates: &[TensorUpdate], stream: *mut std::ffi::c_void) -> Result<()> {
         self.expect_phase("dsv4_refit", &[Phase::Ready])?;
         // Two entries may name one weight through different aliases: compare canonical weights.
         let mut seen = std::collections::HashMap::new();
@@ -277,10 +338,24 @@ impl Engine {
                 }
             }
         }
+        // Every entry is valid: write them, then refresh the backend's copies of the touched
+        // weights and every derived buffer.
+        let mut touched = vec![];
         for u in updates {
-            weights::load::write_update(&mut self.weights, u.name, u.dtype, u.shape, u.data)?;
+            touched.extend(weights::load::write_update(&mut self.weights, u.name, u.dtype, u.shape, u.data)?);
         }
-        self.backend.finalize(&self.weights)
+        match &mut self.backend {
+            Backend::Cpu(b) => b.finalize(&self.weights),
+            Backend::Cuda(b) => {
+                let st = crate::cuda::stream::BorrowedStream::from_raw(stream);
+                let _g = b.ctx.enter()?;
+                for i in touched {
+                    b.upload_weight(&self.weights, i, st)?;
+                }
+                b.rebuild_derived(st)?;
+                st.synchronize()
+            }
+        }
     }
 
     /// Forgets the state of `slot`; its next sequence must start at position 0.
@@ -291,7 +366,12 @@ impl Engine {
                 format!("slot {slot} is out of range [0, max_num_seqs = {})", self.opts.max_num_seqs),
             ));
         }
-        self.backend.release_slot(slot as usize);
+        match &mut self.backend {
+            Backend::Cpu(b) => b.release_slot(slot as usize),
+            // On the device a sequence starting at position 0 resets its slot's state inside
+            // forward, so releasing needs no device work (and no stream).
+            Backend::Cuda(_) => {}
+        }
         Ok(())
     }
 }

@@ -1,14 +1,54 @@
-//! CUDA runtime: device discovery for now. The CUDA backend (arena, kernel registry,
-//! borrowed stream) lands here; nothing in this module may be touched by `reference/`.
+//! CUDA runtime of the GPU backend, split by job:
+//!
+//! - [`context`]: the device's PRIMARY context (shared with the host, so its pointers and
+//!   streams are valid here), made current for every engine call.
+//! - [`stream`]: the host's `CUstream`, borrowed per call, and the typed kernel launch.
+//! - [`arena`]: the ONE device allocation made at create, carved into named regions, plus
+//!   host<->device copies and the pinned staging buffer used by loads.
+//! - [`registry`]: kernels/*.cu compiled with NVRTC to CUBIN for the device's exact arch,
+//!   cached on disk, loaded and resolved at finalize.
+//! - [`smoke`]: the runtime's own tiny kernel family (tests only).
+//! - [`kernels`]: the model's kernel families (one Rust wrapper per `kernels/<family>.cu`);
+//!   [`backend`] and [`forward`]: the CUDA backend built on the runtime above.
+//!
+//! Rules every file here follows: nothing allocates device memory after create except
+//! destroy; forward never synchronizes the host and launches only on the borrowed stream;
+//! nothing below `ffi/` sees C types. We use cudarc's `sys`/`result` layers only, never its
+//! safe `CudaContext`/`CudaStream` layer, so cudarc's event tracking (which records events
+//! around every access and would break graph capture of forward) is never involved.
+//!
+//! cudarc's dynamic loader panics when a library is absent: every entry point that may be
+//! the first to touch libcuda goes through [`device_count`], and NVRTC through
+//! [`registry::nvrtc_version`], which probe the libraries first.
+
+pub mod arena;
+pub mod backend;
+pub mod context;
+pub mod forward;
+pub mod kernels;
+pub mod registry;
+pub mod smoke;
+pub mod stream;
+
+pub use arena::{Arena, ArenaPlan, DevicePtr, PinnedStaging, Region};
+pub use context::{Context, CurrentGuard, DeviceInfo, arch_for};
+pub use registry::{
+    CacheOutcome, Kernel, KernelCache, KernelFn, KernelSource, Registry, RegistryStats,
+};
+pub use stream::{BorrowedStream, Dim3, KernelArgs, OwnedStream, launch};
 
 use crate::error::{Error, Result, Status};
+use cudarc::driver::result::DriverError;
 
 /// Number of CUDA devices, or an error saying why there are none usable.
 /// Never panics: cudarc's dynamic loader panics when libcuda is absent, so check first.
 pub fn device_count() -> Result<usize> {
     // SAFETY: only probes whether the shared library can be opened.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(Error::new(Status::NoDevice, "no CUDA driver library (libcuda.so) found on this machine"));
+        return Err(Error::new(
+            Status::NoDevice,
+            "no CUDA driver library (libcuda.so) found on this machine",
+        ));
     }
     let r = std::panic::catch_unwind(|| -> Result<usize> {
         cudarc::driver::result::init()
@@ -17,7 +57,12 @@ pub fn device_count() -> Result<usize> {
             .map_err(|e| Error::new(Status::NoDevice, format!("cuDeviceGetCount failed: {e:?}")))?;
         Ok(n.max(0) as usize)
     });
-    r.unwrap_or_else(|_| Err(Error::new(Status::NoDevice, "the CUDA driver library could not be initialised")))
+    r.unwrap_or_else(|_| {
+        Err(Error::new(
+            Status::NoDevice,
+            "the CUDA driver library could not be initialised",
+        ))
+    })
 }
 
 /// Ok if CUDA device `ordinal` exists, else `NoDevice` naming the reason.
@@ -30,4 +75,23 @@ pub fn require_device(ordinal: i32) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// A driver error as `Status::Cuda`, naming the call that failed:
+/// "cuMemAlloc(1024 bytes): CUDA_ERROR_OUT_OF_MEMORY: out of memory".
+pub(crate) fn driver_error(what: impl std::fmt::Display, e: DriverError) -> Error {
+    let name = e
+        .error_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", e.0));
+    let text = e
+        .error_string()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Error::new(Status::Cuda, format!("{what}: {name}: {text}"))
+}
+
+/// Turns a raw `CUresult` into our `Result`, naming the call (`what`) on failure.
+pub(crate) fn check(what: impl std::fmt::Display, r: cudarc::driver::sys::CUresult) -> Result<()> {
+    r.result().map_err(|e| driver_error(what, e))
 }

@@ -8,6 +8,7 @@ use std::ffi::{CString, c_char, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 
+use crate::engine::DeviceBatch;
 use crate::engine::{Batch, Engine, LogitsOut, TensorUpdate};
 use crate::error::{Error, Result, Status};
 use crate::ffi::params::*;
@@ -308,11 +309,10 @@ pub unsafe extern "C" fn dsv4_finalize(
     engine: *mut dsv4_engine,
     stream: *mut c_void,
 ) -> dsv4_status {
-    let _ = stream; // CPU backend: no stream.
     ffi_boundary("dsv4_finalize", || {
         // SAFETY: per the contract.
         let h = unsafe { engine_mut(engine)? };
-        h.run_mut(|e| e.finalize())
+        h.run_mut(|e| e.finalize_on(stream))
     })
 }
 
@@ -342,7 +342,6 @@ pub unsafe extern "C" fn dsv4_forward(
     batch: *const dsv4_batch,
     stream: *mut c_void,
 ) -> dsv4_status {
-    let _ = stream; // CPU backend: no stream.
     ffi_boundary("dsv4_forward", || {
         // SAFETY: per the contract.
         let h = unsafe { engine_mut(engine)? };
@@ -399,6 +398,31 @@ pub unsafe extern "C" fn dsv4_forward(
             }
         };
 
+        if h.engine.is_cuda() {
+            // Device buffers: only NULL checks here; the kernels read them on `stream`.
+            let dev = |p: *const i32, n: usize, what: &str| -> Result<u64> {
+                if n > 0 && p.is_null() {
+                    return Err(Error::new(
+                        Status::NullPointer,
+                        format!("`batch->{what}` is NULL but holds {n} entries"),
+                    ));
+                }
+                Ok(p as u64)
+            };
+            let db = DeviceBatch {
+                num_tokens: t,
+                num_seqs: s,
+                token_ids: dev(b.token_ids, t, "token_ids")?,
+                positions: dev(b.positions, t, "positions")?,
+                seq_slots: dev(b.seq_slots, s, "seq_slots")?,
+                query_start: dev(b.query_start, s + 1, "query_start")?,
+                logits_rows: b.logits_rows as u64,
+                num_logits: rows,
+                logits: dev(b.logits as *const i32, rows, "logits")?,
+                logits_bf16,
+            };
+            return h.run_mut(|e| e.forward_device(&db, stream));
+        }
         // Host arrays -> slices, after NULL and alignment checks (slices must be valid).
         fn ints<'a>(p: *const i32, n: usize, what: &str) -> Result<&'a [i32]> {
             if n == 0 {
@@ -493,7 +517,6 @@ pub unsafe extern "C" fn dsv4_refit(
     n: usize,
     stream: *mut c_void,
 ) -> dsv4_status {
-    let _ = stream; // CPU backend: no stream.
     ffi_boundary("dsv4_refit", || {
         // SAFETY: per the contract.
         let h = unsafe { engine_mut(engine)? };
@@ -544,7 +567,7 @@ pub unsafe extern "C" fn dsv4_refit(
                 data: a.data,
             })
             .collect();
-        h.run_mut(|e| e.refit(&updates))
+        h.run_mut(|e| e.refit_on(&updates, stream))
     })
 }
 

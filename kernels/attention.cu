@@ -1,0 +1,2 @@
+// attention kernel family: see kernels/SPEC.md.
+#include "common.cuh"

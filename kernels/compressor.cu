@@ -1,0 +1,2 @@
+// compressor kernel family: see kernels/SPEC.md.
+#include "common.cuh"

@@ -1,0 +1,2 @@
+// indexer kernel family: see kernels/SPEC.md.
+#include "common.cuh"

@@ -1,0 +1,2 @@
+// linear kernel family: see kernels/SPEC.md.
+#include "common.cuh"

@@ -1,0 +1,2 @@
+// mhc kernel family: see kernels/SPEC.md.
+#include "common.cuh"

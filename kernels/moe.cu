@@ -1,0 +1,2 @@
+// moe kernel family: see kernels/SPEC.md.
+#include "common.cuh"

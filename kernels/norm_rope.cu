@@ -1,0 +1,2 @@
+// norm_rope kernel family: see kernels/SPEC.md.
+#include "common.cuh"

@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# GPU check: the ONE script the GPU machine runs. It builds nothing: it runs the PREBUILT GPU
+# test binaries (tests/gpu_*.rs: gpu_runtime, and any later gpu_* test) with --nocapture, then
+# gpu_runtime under `compute-sanitizer --tool memcheck`, and writes logs and a summary JSON to
+# $OUT (default ./gpu-out). On the GPU machine "skipped: no CUDA device" counts as a FAILURE.
+#
+# 1. On the build machine (no GPU needed), from the repository root:
+#      cargo test --release --no-run                 # builds every test binary
+#      bash scripts/gpu-check.sh --stage             # copies the newest gpu_* binaries into
+#                                                    # target/gpu-bin/ (ignored by git), debug
+#                                                    # info stripped (~1.5 MB each)
+#    --stage looks in $CARGO_TARGET_DIR/release/deps (default target/release/deps); pass
+#    `--stage DIR` to copy elsewhere inside the repository.
+# 2. Carry target/gpu-bin to the GPU machine (with the repository) and run there, from the root:
+#      bash scripts/gpu-check.sh                     # OUT=/some/dir to choose where results go
+#    Binaries are looked up in $DSV4_GPU_BIN_DIR, else target/gpu-bin, else
+#    ${CARGO_TARGET_DIR:-target}/release/deps (newest per test name; *.d files excluded).
+#
+# NVRTC: the CUDA backend compiles kernels at run time, so libnvrtc.so.13 (and its builtins)
+# must be loadable. The script prepends the first directory that holds it to LD_LIBRARY_PATH:
+# $DSV4_NVRTC_LIB, python3's nvidia/cu13/lib (pip nvidia-cuda-nvrtc, e.g. PyTorch's), then
+# /usr/local/cuda/lib64 and /usr/local/cuda/targets/x86_64-linux/lib.
+#
+# Results in $OUT: gpu-check.log (everything, in order), memcheck.log, summary.json
+# ({"ok": bool, "tests": [{name, status: pass|fail|skipped|timeout, rc, seconds, result}],
+#  "memcheck": {...}}). Exit status 0 only if every test passed and memcheck found no error.
+# DSV4_GPU_TEST_TIMEOUT (seconds, default 480) bounds each binary; DSV4_SKIP_MEMCHECK=1 skips it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+newest_gpu_bins() { # DIR -> newest executable per gpu_* test name, one path a line
+  local dir=$1
+  [ -d "$dir" ] || return 0
+  find "$dir" -maxdepth 1 -type f -name 'gpu_*' ! -name '*.d' -perm -u+x -printf '%T@ %p\n' 2>/dev/null |
+    sort -rn | awk '{ p=$2; n=p; sub(/.*\//, "", n); sub(/-[0-9a-f]+$/, "", n); if (!(n in seen)) { seen[n]=1; print p } }'
+}
+
+if [ "${1:-}" = "--stage" ]; then
+  dest=${2:-target/gpu-bin}
+  src="${CARGO_TARGET_DIR:-target}/release/deps"
+  bins=$(newest_gpu_bins "$src")
+  if [ -z "$bins" ]; then
+    echo "no gpu_* test binaries in $src: run 'cargo test --release --no-run' first" >&2
+    exit 1
+  fi
+  rm -rf "$dest" && mkdir -p "$dest"
+  for b in $bins; do
+    out="$dest/$(basename "$b")"
+    # Debug info makes each binary ~18 MB; without it ~1.5 MB (symbols kept: backtraces still
+    # name functions). DSV4_STAGE_KEEP_DEBUG=1 copies them unchanged.
+    if [ "${DSV4_STAGE_KEEP_DEBUG:-}" != 1 ] && command -v strip >/dev/null; then
+      strip --strip-debug -o "$out" "$b"
+    else
+      cp -p "$b" "$out"
+    fi
+    echo "staged $(basename "$b") ($(du -h "$out" | cut -f1))"
+  done
+  echo "carry: $dest   (then run: bash scripts/gpu-check.sh)"
+  exit 0
+fi
+
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+LOG="$OUT/gpu-check.log"
+: >"$LOG"
+say() { echo "$*" | tee -a "$LOG"; }
+
+bindir=${DSV4_GPU_BIN_DIR:-}
+if [ -z "$bindir" ]; then
+  if [ -d target/gpu-bin ]; then bindir=target/gpu-bin; else bindir="${CARGO_TARGET_DIR:-target}/release/deps"; fi
+fi
+bins=$(newest_gpu_bins "$bindir")
+
+# --- NVRTC on the library path
+nvrtc_dir=""
+cands=("${DSV4_NVRTC_LIB:-}")
+if command -v python3 >/dev/null; then
+  cands+=("$(python3 -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null)")
+fi
+cands+=(/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib)
+for d in "${cands[@]}"; do
+  if [ -n "$d" ] && [ -e "$d/libnvrtc.so.13" ]; then nvrtc_dir=$d; break; fi
+done
+if [ -n "$nvrtc_dir" ]; then export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+
+say "== dsv4 gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+say "binaries from: $bindir"
+say "NVRTC lib dir: ${nvrtc_dir:-NOT FOUND (kernels cannot compile)}"
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$LOG"
+else
+  say "nvidia-smi: not found"
+fi
+gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
+
+json_str() { printf '"%s"' "$(printf '%s' "$1" | sed -e 's/\\/\\\\/g' -e 's/"/\\"/g' | tr -d '\n\r\t')"; }
+
+timeout_s=${DSV4_GPU_TEST_TIMEOUT:-480}
+tests_json=""
+ok=true
+if [ -z "$bins" ]; then
+  say "ERROR: no gpu_* test binaries in $bindir (build: cargo test --release --no-run; bash scripts/gpu-check.sh --stage)"
+  ok=false
+fi
+runtime_bin=""
+for b in $bins; do
+  name=$(basename "$b" | sed -E 's/-[0-9a-f]+$//')
+  [ "$name" = gpu_runtime ] && runtime_bin=$b
+  say ""
+  say "== $name ($b)"
+  tmp=$(mktemp)
+  t0=$(date +%s.%N)
+  timeout "$timeout_s" "$b" --nocapture --test-threads=1 >"$tmp" 2>&1
+  rc=$?
+  t1=$(date +%s.%N)
+  cat "$tmp" >>"$LOG"
+  tail -n 5 "$tmp"
+  result=$(grep -E '^test result:' "$tmp" | tail -1)
+  if [ $rc -eq 124 ]; then status=timeout
+  elif grep -q 'skipped: no CUDA device' "$tmp"; then status=skipped
+  elif [ $rc -eq 0 ]; then status=pass
+  else status=fail; fi
+  rm -f "$tmp"
+  [ "$status" = pass ] || ok=false
+  say "-> $name: $status (rc $rc)"
+  secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+  tests_json+="${tests_json:+,}{\"name\":$(json_str "$name"),\"binary\":$(json_str "$b"),\"status\":\"$status\",\"rc\":$rc,\"seconds\":$secs,\"result\":$(json_str "$result")}"
+done
+
+# --- compute-sanitizer memcheck on the runtime tests
+mc_json='{"status":"not run"}'
+sanitizer=$(command -v compute-sanitizer || true)
+for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+  [ -z "$sanitizer" ] && [ -x "$c" ] && sanitizer=$c
+done
+if [ "${DSV4_SKIP_MEMCHECK:-}" = 1 ]; then
+  mc_json='{"status":"skipped (DSV4_SKIP_MEMCHECK=1)"}'
+elif [ -z "$runtime_bin" ]; then
+  mc_json='{"status":"not run: no gpu_runtime binary"}'
+  ok=false
+elif [ -z "$sanitizer" ]; then
+  say "compute-sanitizer: not found"
+  mc_json='{"status":"not run: compute-sanitizer not found"}'
+  ok=false
+else
+  say ""
+  say "== $sanitizer --tool memcheck $runtime_bin"
+  DSV4_UNDER_SANITIZER=1 timeout "$timeout_s" "$sanitizer" --tool memcheck --leak-check full \
+    --error-exitcode 99 "$runtime_bin" --nocapture --test-threads=1 >"$OUT/memcheck.log" 2>&1
+  rc=$?
+  summary=$(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)
+  tail -n 5 "$OUT/memcheck.log" | tee -a "$LOG"
+  if [ $rc -eq 0 ]; then mstatus=pass; elif [ $rc -eq 124 ]; then mstatus=timeout; else mstatus=fail; fi
+  grep -q 'skipped: no CUDA device' "$OUT/memcheck.log" && mstatus=skipped
+  [ "$mstatus" = pass ] || ok=false
+  say "-> memcheck: $mstatus (rc $rc) $summary"
+  mc_json="{\"status\":\"$mstatus\",\"rc\":$rc,\"summary\":$(json_str "$summary"),\"log\":\"memcheck.log\"}"
+fi
+
+cat >"$OUT/summary.json" <<EOF
+{"ok":$ok,"date":"$(date -u +%Y-%m-%dT%H:%M:%SZ)","gpu":$(json_str "$gpu"),"nvrtc_dir":$(json_str "$nvrtc_dir"),"binaries":$(json_str "$bindir"),
+ "tests":[${tests_json}],
+ "memcheck":$mc_json}
+EOF
+say ""
+say "summary: $OUT/summary.json (ok: $ok)"
+$ok

@@ -1,0 +1,310 @@
+//! The host's stream, borrowed for one call, and the typed kernel launch over cuLaunchKernel.
+//!
+//! The engine never owns the stream forward runs on: the host passes its `CUstream` (a
+//! `cudaStream_t` is the same handle) with each call, and every launch and copy of that call
+//! is enqueued on it, so a host can capture forward in a CUDA graph. [`OwnedStream`] exists
+//! for tests and tools that play the host's part.
+//!
+//! Must never: synchronize the host inside forward; launch on any stream but the borrowed one;
+//! allocate device memory.
+
+use super::{check, driver_error};
+use crate::error::{Error, Result, Status};
+use cudarc::driver::sys;
+use std::ffi::c_void;
+
+/// A host-owned `CUstream`, borrowed for the duration of one engine call.
+///
+/// NULL means the LEGACY default stream (the driver API's NULL handle; it synchronizes with
+/// every other blocking stream of the context). A host that wants its thread's per-thread
+/// default stream passes `CU_STREAM_PER_THREAD` (handle value 2) explicitly; `CU_STREAM_LEGACY`
+/// (handle value 1) is accepted too. The engine never creates, destroys or synchronizes it
+/// during forward.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BorrowedStream(pub sys::CUstream);
+
+// SAFETY: a stream handle is just a name the driver resolves; the driver API is thread-safe.
+unsafe impl Send for BorrowedStream {}
+unsafe impl Sync for BorrowedStream {}
+
+impl BorrowedStream {
+    /// The legacy default stream (NULL handle).
+    pub const LEGACY_DEFAULT: BorrowedStream = BorrowedStream(std::ptr::null_mut());
+
+    /// Wraps a host's `cudaStream_t` / `CUstream` as passed through the C ABI (may be NULL).
+    pub fn from_raw(ptr: *mut c_void) -> BorrowedStream {
+        BorrowedStream(ptr as sys::CUstream)
+    }
+
+    pub fn raw(self) -> sys::CUstream {
+        self.0
+    }
+
+    pub fn is_legacy_default(self) -> bool {
+        self.0.is_null()
+    }
+
+    /// Blocks the host until the stream's work is done. For load/finalize/tests only: forward
+    /// must never call this.
+    pub fn synchronize(self) -> Result<()> {
+        // SAFETY: the host guarantees the stream is valid in the current context.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(self.0)
+        })
+    }
+}
+
+/// A stream the engine itself owns, for tests and tools standing in for a host
+/// (cuStreamCreate, non-blocking). Destroyed on drop; the context must be current.
+pub struct OwnedStream {
+    stream: sys::CUstream,
+    _ctx: super::Context,
+}
+
+impl OwnedStream {
+    pub fn new(ctx: &super::Context) -> Result<OwnedStream> {
+        let _g = ctx.enter()?;
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: writes one handle.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(
+                &mut stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+        })?;
+        Ok(OwnedStream {
+            stream,
+            _ctx: ctx.clone(),
+        })
+    }
+
+    pub fn borrow(&self) -> BorrowedStream {
+        BorrowedStream(self.stream)
+    }
+}
+
+impl Drop for OwnedStream {
+    fn drop(&mut self) {
+        if let Ok(_g) = self._ctx.enter() {
+            // SAFETY: created by us, destroyed once.
+            let _ = unsafe { sys::cuStreamDestroy_v2(self.stream) };
+        }
+    }
+}
+
+/// Grid or block dimensions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dim3 {
+    pub x: u32,
+    pub y: u32,
+    pub z: u32,
+}
+
+impl From<u32> for Dim3 {
+    fn from(x: u32) -> Dim3 {
+        Dim3 { x, y: 1, z: 1 }
+    }
+}
+
+impl From<(u32, u32)> for Dim3 {
+    fn from((x, y): (u32, u32)) -> Dim3 {
+        Dim3 { x, y, z: 1 }
+    }
+}
+
+impl From<(u32, u32, u32)> for Dim3 {
+    fn from((x, y, z): (u32, u32, u32)) -> Dim3 {
+        Dim3 { x, y, z }
+    }
+}
+
+/// Most parameters one kernel may take through [`KernelArgs`].
+pub const MAX_KERNEL_ARGS: usize = 32;
+
+/// Kernel parameters in declaration order, each a scalar of at most 8 bytes stored in its
+/// own 8-byte slot (the driver reads `sizeof(param)` bytes from the slot's start, which on
+/// little-endian hosts is the value). Fixed capacity: building args allocates nothing.
+///
+/// ```ignore
+/// let mut a = KernelArgs::new();
+/// a.ptr(out).ptr(inp).i32(n).f32(eps);
+/// ```
+#[derive(Clone)]
+pub struct KernelArgs {
+    slots: [u64; MAX_KERNEL_ARGS],
+    len: usize,
+}
+
+impl Default for KernelArgs {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl KernelArgs {
+    pub fn new() -> KernelArgs {
+        KernelArgs {
+            slots: [0; MAX_KERNEL_ARGS],
+            len: 0,
+        }
+    }
+
+    fn push(&mut self, v: u64) -> &mut Self {
+        assert!(
+            self.len < MAX_KERNEL_ARGS,
+            "more than {MAX_KERNEL_ARGS} kernel arguments"
+        );
+        self.slots[self.len] = v;
+        self.len += 1;
+        self
+    }
+
+    /// A device pointer (`T*` in the kernel).
+    pub fn ptr(&mut self, p: impl Into<u64>) -> &mut Self {
+        self.push(p.into())
+    }
+
+    /// `int` / `int32_t`.
+    pub fn i32(&mut self, v: i32) -> &mut Self {
+        self.push(v as u32 as u64)
+    }
+
+    /// `unsigned int` / `uint32_t`.
+    pub fn u32(&mut self, v: u32) -> &mut Self {
+        self.push(v as u64)
+    }
+
+    /// `float`.
+    pub fn f32(&mut self, v: f32) -> &mut Self {
+        self.push(v.to_bits() as u64)
+    }
+
+    /// `unsigned long long` / `uint64_t` / `size_t`.
+    pub fn u64(&mut self, v: u64) -> &mut Self {
+        self.push(v)
+    }
+
+    /// `long long` / `int64_t`.
+    pub fn i64(&mut self, v: i64) -> &mut Self {
+        self.push(v as u64)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Enqueues `kernel` on `stream` (cuLaunchKernel). Checks the dynamic shared memory against
+/// what the registry configured for the kernel and the block size against its limit.
+///
+/// # Safety
+/// The arguments are not type-checked against the kernel's signature: `args` must match it
+/// in number, order and size, and every pointer must be valid for what the kernel accesses.
+/// The context must be current ([`super::Context::enter`]).
+pub unsafe fn launch(
+    kernel: &super::Kernel,
+    grid: impl Into<Dim3>,
+    block: impl Into<Dim3>,
+    dynamic_smem: u32,
+    stream: BorrowedStream,
+    args: &KernelArgs,
+) -> Result<()> {
+    let (grid, block) = (grid.into(), block.into());
+    let threads = block.x as u64 * block.y as u64 * block.z as u64;
+    if threads == 0
+        || threads > kernel.max_threads_per_block as u64
+        || grid.x == 0
+        || grid.y == 0
+        || grid.z == 0
+    {
+        return Err(launch_error(
+            kernel,
+            grid,
+            block,
+            dynamic_smem,
+            "empty grid/block or block above the kernel's thread limit",
+        ));
+    }
+    if dynamic_smem > kernel.max_dynamic_smem {
+        return Err(launch_error(
+            kernel,
+            grid,
+            block,
+            dynamic_smem,
+            "dynamic shared memory above what the registry configured",
+        ));
+    }
+    let mut slots = args.slots;
+    let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_KERNEL_ARGS];
+    for (p, s) in ptrs.iter_mut().zip(slots.iter_mut()).take(args.len) {
+        *p = s as *mut u64 as *mut c_void;
+    }
+    // SAFETY: the caller guarantees the arguments match the kernel; `ptrs` points into
+    // `slots`, which outlives the call (cuLaunchKernel copies the values before returning).
+    let r = unsafe {
+        sys::cuLaunchKernel(
+            kernel.func,
+            grid.x,
+            grid.y,
+            grid.z,
+            block.x,
+            block.y,
+            block.z,
+            dynamic_smem,
+            stream.0,
+            ptrs.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    r.result().map_err(|e| {
+        let base = driver_error("cuLaunchKernel", e);
+        launch_error(kernel, grid, block, dynamic_smem, &base.message)
+    })
+}
+
+fn launch_error(k: &super::Kernel, grid: Dim3, block: Dim3, smem: u32, why: &str) -> Error {
+    Error::new(
+        Status::Cuda,
+        format!(
+            "launching {}::{} grid ({},{},{}) block ({},{},{}) smem {smem}: {why}",
+            k.family, k.name, grid.x, grid.y, grid.z, block.x, block.y, block.z
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_pack_values_little_endian() {
+        let mut a = KernelArgs::new();
+        a.ptr(0xdead_beef_u64)
+            .i32(-2)
+            .f32(1.5)
+            .u64(u64::MAX)
+            .u32(7)
+            .i64(-1);
+        assert_eq!(a.len(), 6);
+        assert_eq!(a.slots[0], 0xdead_beef);
+        assert_eq!(a.slots[1] as u32 as i32, -2);
+        assert_eq!(f32::from_bits(a.slots[2] as u32), 1.5);
+        assert_eq!(a.slots[3], u64::MAX);
+        assert_eq!(a.slots[4], 7);
+        assert_eq!(a.slots[5] as i64, -1);
+        // The first 4 bytes of a slot are the 32-bit value (what the driver copies).
+        let b = a.slots[1].to_ne_bytes();
+        assert_eq!(i32::from_ne_bytes([b[0], b[1], b[2], b[3]]), -2);
+    }
+
+    #[test]
+    fn null_stream_is_legacy_default() {
+        assert!(BorrowedStream::from_raw(std::ptr::null_mut()).is_legacy_default());
+        assert_eq!(BorrowedStream::LEGACY_DEFAULT.raw(), std::ptr::null_mut());
+    }
+}

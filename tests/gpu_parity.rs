@@ -1,0 +1,227 @@
+//! CUDA backend vs the CPU reference and the transformers oracles, whole model, through the
+//! engine: one-shot, chunked (sequences interleaved at different offsets) and prefill +
+//! batched decode, in exact and official numerics; plus "no device memory growth over 1,000
+//! forwards". Without a GPU this prints `skipped: no CUDA device`.
+
+mod common;
+
+use common::{Oracle, fixture_dir};
+use dsv4::cuda::arena::{Arena, DevicePtr, copy_to_device_sync, copy_to_host_sync};
+use dsv4::cuda::context::Context;
+use dsv4::cuda::stream::OwnedStream;
+use dsv4::engine::DeviceBatch;
+use dsv4::{Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, WeightFormat};
+
+fn gpu() -> bool {
+    match dsv4::cuda::device_count() {
+        Ok(n) if n > 0 => true,
+        _ => {
+            println!("skipped: no CUDA device");
+            false
+        }
+    }
+}
+
+fn engine(model: &str, device: i32, numerics: Numerics) -> Engine {
+    let dir = fixture_dir(model);
+    let opts = EngineOptions {
+        device,
+        max_num_seqs: 4,
+        max_num_tokens: 128,
+        max_seq_len: 64,
+        numerics,
+        weight_format: WeightFormat::AsStored,
+        num_threads: 4,
+        ..Default::default()
+    };
+    let mut e = Engine::create(ConfigSource::Path(dir.clone()), opts).expect("create");
+    e.load(Some(&dir), LoadFormat::Auto).expect("load");
+    e.finalize().expect("finalize");
+    e
+}
+
+/// A host playing the serving engine: device buffers for one batch and its stream.
+struct Host {
+    ctx: Context,
+    stream: OwnedStream,
+    buf: Arena,
+}
+
+impl Host {
+    fn new() -> Host {
+        let ctx = Context::retain(0).expect("context");
+        let stream = OwnedStream::new(&ctx).expect("stream");
+        let buf = Arena::new(&ctx, 64 << 20).expect("host buffers");
+        Host { ctx, stream, buf }
+    }
+
+    /// Runs one batch on the CUDA engine: copies the arrays in, forwards on the host's
+    /// stream, copies all logits out.
+    fn forward(&self, e: &mut Engine, toks: &[i32], pos: &[i32], slots: &[i32], qs: &[i32]) -> Vec<f32> {
+        let _g = self.ctx.enter().unwrap();
+        let st = self.stream.borrow();
+        let w = self.buf.whole();
+        let part = |i: usize| -> DevicePtr { w.slice(i << 20, 1 << 20).unwrap() };
+        copy_to_device_sync(part(0), toks, st).unwrap();
+        copy_to_device_sync(part(1), pos, st).unwrap();
+        copy_to_device_sync(part(2), slots, st).unwrap();
+        copy_to_device_sync(part(3), qs, st).unwrap();
+        let vocab = e.config().vocab_size;
+        let logits = w.slice(8 << 20, toks.len() * vocab * 4).unwrap();
+        let db = DeviceBatch {
+            num_tokens: toks.len(),
+            num_seqs: slots.len(),
+            token_ids: part(0).addr(),
+            positions: part(1).addr(),
+            seq_slots: part(2).addr(),
+            query_start: part(3).addr(),
+            logits_rows: 0,
+            num_logits: toks.len(),
+            logits: logits.addr(),
+            logits_bf16: false,
+        };
+        e.forward_device(&db, st.raw() as *mut _).expect("forward_device");
+        let mut out = vec![f32::NAN; toks.len() * vocab];
+        copy_to_host_sync(&mut out, logits, st).unwrap();
+        out
+    }
+}
+
+/// (tokens, positions, slots, query_start) of each step of a schedule over the oracle prompts.
+type Step = (Vec<i32>, Vec<i32>, Vec<i32>, Vec<i32>, Vec<(usize, usize, usize)>);
+
+fn schedule(o: &Oracle, size: impl Fn(usize, usize) -> usize) -> Vec<Step> {
+    let mut next = vec![0usize; o.prompts.len()];
+    let mut steps = vec![];
+    let mut k = 0;
+    while next.iter().zip(&o.prompts).any(|(n, p)| *n < p.len()) {
+        let (mut t, mut p, mut sl, mut qs, mut spans) = (vec![], vec![], vec![], vec![0i32], vec![]);
+        for (s, pr) in o.prompts.iter().enumerate() {
+            if next[s] >= pr.len() {
+                continue;
+            }
+            let n = size(s, k).min(pr.len() - next[s]).max(1);
+            t.extend_from_slice(&pr[next[s]..next[s] + n]);
+            p.extend(next[s] as i32..(next[s] + n) as i32);
+            sl.push(s as i32);
+            qs.push(t.len() as i32);
+            spans.push((s, next[s], n));
+            next[s] += n;
+        }
+        steps.push((t, p, sl, qs, spans));
+        k += 1;
+    }
+    steps
+}
+
+/// Runs a schedule on both engines; returns per-sequence logits (cpu, gpu).
+fn run_both(cpu: &mut Engine, gpu: &mut Engine, host: &Host, o: &Oracle, steps: &[Step]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let vocab = cpu.config().vocab_size;
+    let mut a: Vec<Vec<f32>> = o.prompts.iter().map(|p| vec![f32::NAN; p.len() * vocab]).collect();
+    let mut b = a.clone();
+    for (t, p, sl, qs, spans) in steps {
+        let mut out = vec![f32::NAN; t.len() * vocab];
+        cpu.forward(&mut Batch {
+            token_ids: t,
+            positions: p,
+            seq_slots: sl,
+            query_start: qs,
+            logits_rows: None,
+            logits: LogitsOut::F32(&mut out),
+        })
+        .unwrap();
+        let outg = host.forward(gpu, t, p, sl, qs);
+        let mut row = 0;
+        for &(s, start, n) in spans {
+            a[s][start * vocab..(start + n) * vocab].copy_from_slice(&out[row * vocab..(row + n) * vocab]);
+            b[s][start * vocab..(start + n) * vocab].copy_from_slice(&outg[row * vocab..(row + n) * vocab]);
+            row += n;
+        }
+    }
+    (a, b)
+}
+
+/// (max |d|, min per-row cosine, top-1 agreement) of two logit sets.
+fn compare(a: &[Vec<f32>], b: &[Vec<f32>], vocab: usize) -> (f32, f64, f64) {
+    let (mut md, mut mincos, mut agree, mut rows) = (0f32, 1f64, 0usize, 0usize);
+    for (x, y) in a.iter().zip(b) {
+        for (rx, ry) in x.chunks_exact(vocab).zip(y.chunks_exact(vocab)) {
+            md = rx.iter().zip(ry).map(|(p, q)| (p - q).abs()).fold(md, f32::max);
+            let dot: f64 = rx.iter().zip(ry).map(|(p, q)| *p as f64 * *q as f64).sum();
+            let nx: f64 = rx.iter().map(|p| (*p as f64).powi(2)).sum::<f64>().sqrt();
+            let ny: f64 = ry.iter().map(|p| (*p as f64).powi(2)).sum::<f64>().sqrt();
+            mincos = mincos.min(dot / (nx * ny));
+            let am = |r: &[f32]| r.iter().enumerate().fold((0, f32::NEG_INFINITY), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0;
+            agree += (am(rx) == am(ry)) as usize;
+            rows += 1;
+        }
+    }
+    (md, mincos, agree as f64 / rows as f64)
+}
+
+fn parity(model: &str, numerics: Numerics) {
+    let o = Oracle::load(model);
+    let host = Host::new();
+    let mut cpu = engine(model, -1, numerics);
+    let mut gpu = engine(model, 0, numerics);
+    let vocab = cpu.config().vocab_size;
+    let cases: [(&str, Box<dyn Fn(usize, usize) -> usize>); 3] = [
+        ("one-shot", Box::new(|_, _| 1 << 20)),
+        ("chunked", Box::new(|s, k| [[7, 3, 5, 1, 11], [2, 9, 1, 4, 6], [5, 1, 3, 8, 2]][s % 3][k % 5])),
+        ("prefill+decode", Box::new(|s, k| if k == 0 { [13, 9, 5][s % 3] } else { 1 })),
+    ];
+    for (name, size) in cases {
+        let steps = schedule(&o, size);
+        let (a, b) = run_both(&mut cpu, &mut gpu, &host, &o, &steps);
+        let (md, cos, top1) = compare(&a, &b, vocab);
+        let (md_oracle, _, _) = compare(&b, if numerics == Numerics::Exact { &o.logits } else { &a }, vocab);
+        println!("{model} {numerics:?} {name}: GPU vs CPU max |dlogit| = {md:.3e}, min cosine = {cos:.7}, top-1 = {:.2}%; GPU vs oracle max |dlogit| = {md_oracle:.3e}", top1 * 100.0);
+        assert!(cos >= 0.9999 && top1 == 1.0, "{model} {numerics:?} {name}: cosine {cos}, top-1 {top1}");
+        if numerics == Numerics::Exact {
+            assert!(md_oracle <= 1e-3, "{model} {name}: GPU vs HF oracle {md_oracle}");
+        }
+    }
+}
+
+#[test]
+fn gpu_matches_cpu_and_oracle_exact() {
+    if !gpu() {
+        return;
+    }
+    for m in ["tiny", "tiny_native", "tiny_fp8"] {
+        parity(m, Numerics::Exact);
+    }
+}
+
+#[test]
+fn gpu_matches_cpu_official() {
+    if !gpu() {
+        return;
+    }
+    for m in ["tiny", "tiny_fp8"] {
+        parity(m, Numerics::Official);
+    }
+}
+
+#[test]
+fn no_device_memory_growth_over_1000_forwards() {
+    if !gpu() {
+        return;
+    }
+    let o = Oracle::load("tiny");
+    let host = Host::new();
+    let mut e = engine("tiny", 0, Numerics::Official);
+    let steps = schedule(&o, |s, k| if k == 0 { [13, 9, 5][s % 3] } else { 1 });
+    let (free0, _) = host.ctx.mem_info().unwrap();
+    let mut n = 0;
+    while n < 1000 {
+        for (t, p, sl, qs, _) in &steps {
+            let out = host.forward(&mut e, t, p, sl, qs);
+            assert!(out.iter().all(|v| v.is_finite()));
+            n += 1;
+        }
+    }
+    let (free1, _) = host.ctx.mem_info().unwrap();
+    println!("device free memory before {free0} after {free1} ({n} forwards)");
+    assert_eq!(free0, free1, "device memory changed over {n} forwards");
+}

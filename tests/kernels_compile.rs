@@ -1,0 +1,223 @@
+//! Compiles EVERY kernel family of the registry with NVRTC to a CUBIN for sm_90a (H100/H200),
+//! no GPU needed, and checks the CUBIN cache. Part of the README test command: CI installs
+//! nvidia-cuda-nvrtc==13.0.88 into target/pyenv and puts its lib directory on
+//! LD_LIBRARY_PATH (scripts/test.sh).
+//!
+//! DSV4_DUMP_CUBIN_DIR=<dir> writes each family's CUBIN there (for cuobjdump / nvdisasm).
+//!
+//! Without NVRTC this prints `skipped: NVRTC not found ...` and passes, except when the
+//! environment variable CI is set: there a missing NVRTC is a failure.
+
+use dsv4::Status;
+use dsv4::cuda::registry::{
+    KernelCache, KernelFn, KernelSource, cubin_defines, families, nvrtc_version,
+};
+use dsv4::cuda::{CacheOutcome, arch_for};
+
+const ARCH: &str = "sm_90a";
+
+fn nvrtc_or_skip() -> bool {
+    match nvrtc_version() {
+        Ok((major, minor)) => {
+            println!("NVRTC {major}.{minor}");
+            true
+        }
+        Err(e) => {
+            if std::env::var_os("CI").is_some() {
+                panic!("CI is set, so NVRTC must be installed (scripts/test.sh does it): {e}");
+            }
+            println!(
+                "skipped: NVRTC not found (install nvidia-cuda-nvrtc==13.0.88 and put nvidia/cu13/lib on LD_LIBRARY_PATH)"
+            );
+            false
+        }
+    }
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let d = std::env::temp_dir().join(format!("dsv4-{tag}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// ELF machine number of NVIDIA CUDA objects.
+const EM_CUDA: u16 = 190;
+
+#[test]
+fn every_family_compiles_to_cubin_for_sm_90a() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    assert_eq!(arch_for(9, 0), ARCH);
+    assert!(!families().is_empty());
+    let mut failures = Vec::new();
+    for fam in families() {
+        let t = std::time::Instant::now();
+        match fam.compile(ARCH) {
+            Ok(cubin) => {
+                assert!(
+                    cubin.starts_with(b"\x7fELF"),
+                    "{}: not an ELF image",
+                    fam.family
+                );
+                let machine = u16::from_le_bytes([cubin[18], cubin[19]]);
+                assert_eq!(
+                    machine, EM_CUDA,
+                    "{}: ELF machine {machine}, not CUDA",
+                    fam.family
+                );
+                for f in fam.functions {
+                    assert!(
+                        cubin_defines(&cubin, f.name),
+                        "family `{}` lists `{}` but its CUBIN does not define it (missing extern \"C\"?)",
+                        fam.family,
+                        f.name
+                    );
+                }
+                if let Some(d) = std::env::var_os("DSV4_DUMP_CUBIN_DIR") {
+                    // For inspection with cuobjdump / nvdisasm on a machine that has them.
+                    let path =
+                        std::path::Path::new(&d).join(format!("{}-{ARCH}.cubin", fam.family));
+                    std::fs::write(&path, &cubin).unwrap();
+                }
+                println!(
+                    "compiled {:<12} for {ARCH}: {:>8} bytes CUBIN, {} entry points, {:.2} s",
+                    fam.family,
+                    cubin.len(),
+                    fam.functions.len(),
+                    t.elapsed().as_secs_f64()
+                );
+            }
+            Err(e) => failures.push(format!("{}: {e}", fam.family)),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "kernel families failed to compile:\n{}",
+        failures.join("\n\n")
+    );
+}
+
+#[test]
+fn cubin_cache_compiles_once_then_hits_and_replaces_corrupt_files() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let dir = TempDir::new("kcache");
+    let cache = KernelCache::new(Some(&dir.0));
+    let fam = &dsv4::cuda::smoke::SOURCE;
+
+    let (first, o1) = cache.cubin(fam, ARCH).unwrap();
+    assert_eq!(o1, CacheOutcome::Compiled);
+    let path = cache.path_for(fam, ARCH).unwrap().unwrap();
+    assert!(path.exists(), "cache file {} not written", path.display());
+    let name = path.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        name.starts_with("smoke-sm_90a-") && name.ends_with(".cubin"),
+        "{name}"
+    );
+    // No temp files left behind by the atomic write.
+    let entries: Vec<_> = std::fs::read_dir(&dir.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+
+    let (second, o2) = cache.cubin(fam, ARCH).unwrap();
+    assert_eq!(o2, CacheOutcome::Hit);
+    assert_eq!(first, second);
+
+    // Flip one byte in the middle of the CUBIN: the checksum catches it and we recompile.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    let (third, o3) = cache.cubin(fam, ARCH).unwrap();
+    assert_eq!(o3, CacheOutcome::Recompiled);
+    assert_eq!(third, first);
+    assert_eq!(
+        cache.cubin(fam, ARCH).unwrap().1,
+        CacheOutcome::Hit,
+        "the corrupt file was rewritten"
+    );
+
+    // Truncated and empty files too.
+    std::fs::write(&path, &bytes[..10]).unwrap();
+    assert_eq!(cache.cubin(fam, ARCH).unwrap().1, CacheOutcome::Recompiled);
+    std::fs::write(&path, b"").unwrap();
+    assert_eq!(cache.cubin(fam, ARCH).unwrap().1, CacheOutcome::Recompiled);
+
+    // Another arch is another key (another file).
+    assert_ne!(
+        cache.path_for(fam, "sm_80").unwrap(),
+        cache.path_for(fam, ARCH).unwrap()
+    );
+
+    // An unwritable cache directory costs a recompile, never a failure.
+    let blocker = dir.0.join("not-a-dir");
+    std::fs::write(&blocker, b"x").unwrap();
+    let bad = KernelCache::new(Some(&blocker.join("sub")));
+    assert_eq!(bad.cubin(fam, ARCH).unwrap().1, CacheOutcome::Compiled);
+    assert_eq!(bad.cubin(fam, ARCH).unwrap().1, CacheOutcome::Compiled);
+}
+
+#[test]
+fn compile_errors_name_the_family_and_the_first_error() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    const BROKEN: KernelSource = KernelSource {
+        family: "broken",
+        source: "#include \"common.cuh\"\nextern \"C\" __global__ void k(float* o) { o[0] = no_such_helper(1.0f); }\n",
+        functions: &[KernelFn::new("k")],
+    };
+    let e = BROKEN.compile(ARCH).unwrap_err();
+    assert_eq!(e.status, Status::Cuda, "{e}");
+    let first = e.message.lines().next().unwrap();
+    assert!(
+        first.contains("`broken`") && first.contains("no_such_helper") && first.contains("error"),
+        "{first}"
+    );
+
+    // Kernels must be header-free: a system header is not found.
+    const SYSTEM_HEADER: KernelSource = KernelSource {
+        family: "sysheader",
+        source: "#include <cuda_bf16.h>\nextern \"C\" __global__ void k() {}\n",
+        functions: &[],
+    };
+    let e = SYSTEM_HEADER.compile(ARCH).unwrap_err();
+    assert!(e.message.contains("`sysheader`"), "{e}");
+}
+
+#[test]
+fn sm_90a_enables_hopper_arch_specific_instructions() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    // wgmma exists only on the arch-specific target: it assembles for sm_90a, not sm_90. This
+    // proves the registry's options really select sm_90a (the MoE/attention GEMMs need it).
+    const WGMMA: KernelSource = KernelSource {
+        family: "wgmma_probe",
+        source: "extern \"C\" __global__ void k() { asm volatile(\"wgmma.fence.sync.aligned;\\n\" ::: \"memory\"); }\n",
+        functions: &[KernelFn::new("k")],
+    };
+    let cubin = WGMMA.compile(ARCH).unwrap_or_else(|e| panic!("{e}"));
+    assert!(cubin_defines(&cubin, "k"));
+    let e = WGMMA.compile("sm_90").unwrap_err();
+    assert!(e.message.contains("wgmma"), "{e}");
+}
