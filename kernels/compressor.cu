@@ -1,2 +1,207 @@
-// compressor kernel family: see kernels/SPEC.md.
+// compressor kernel family: see kernels/SPEC.md (compressor.cu) and MODEL.md §6.3, App. A.
+//
+// The token-streaming KV compressor of one layer (main KV entries or indexer keys), one block
+// per sequence, tokens in order. Reproduces src/reference/compressor.rs `push`/`pool` and
+// src/reference/attention.rs `compress_chunk` bit for bit: pooled -> bf16 -> RMSNorm -> bf16
+// -> RoPE at w*r -> bf16 -> fp8sim of the nope channels (KV) or Hadamard + fp4sim + bf16
+// (indexer key), the bf16/sim steps only in official mode. Sums are f64 in the reference's
+// order (sequential from -0.0, like Rust's f64 `Sum`); f32 arithmetic is explicitly rounded
+// (__fmul_rn & co.: no FMA contraction); exp/sin/cos/rsqrt in f64, rounded once.
 #include "common.cuh"
+
+// ops.rs `exp`.
+DSV4_INLINE float comp_exp_ref(float x) { return (float)exp((double)x); }
+
+// Rust's f32::clamp (NaN passes through).
+DSV4_INLINE float comp_clamp(float x, float lo, float hi) {
+  if (x < lo) x = lo;
+  if (x > hi) x = hi;
+  return x;
+}
+
+// quant.rs fp8_sim over one block of min(n, 64) values, in place, by one warp (all 32 lanes
+// call; two values per lane). amax is a max, so the butterfly order is immaterial; fmaxf
+// ignores NaN like the reference's f32::max fold from 0.
+DSV4_INLINE void comp_fp8_sim_warp(float* x, int n) {
+  const int lane = threadIdx.x & 31;
+  if (n > 64) n = 64;
+  float amax = 0.0f;
+  for (int i = lane; i < n; i += 32) amax = fmaxf(amax, fabsf(x[i]));
+  amax = fmaxf(warp_max(amax), 1e-4f);
+  const float s = ue8m0_scale(amax, DSV4_E4M3_MAX);
+  for (int i = lane; i < n; i += 32)
+    x[i] = __fmul_rn(e4m3_round(comp_clamp(__fdiv_rn(x[i], s), -DSV4_E4M3_MAX, DSV4_E4M3_MAX)), s);
+}
+
+// quant.rs fp4_sim over one block of min(n, 32) values, in place, by one warp.
+DSV4_INLINE void comp_fp4_sim_warp(float* x, int n) {
+  const int lane = threadIdx.x & 31;
+  if (n > 32) n = 32;
+  float amax = lane < n ? fabsf(x[lane]) : 0.0f;
+  amax = fmaxf(warp_max(amax), __fmul_rn(DSV4_E2M1_MAX, 1.17549435e-38f));  // 6 * f32::MIN_POSITIVE
+  const float s = ue8m0_scale(amax, DSV4_E2M1_MAX);
+  if (lane < n)
+    x[lane] = __fmul_rn(e2m1_round(comp_clamp(__fdiv_rn(x[lane], s), -DSV4_E2M1_MAX, DSV4_E2M1_MAX)), s);
+}
+
+// One block per sequence (blockDim a multiple of 32, at most 512). Dynamic shared memory: double hbuf[dc]
+// (Hadamard, indexer keys only) then float ent[dc].
+//
+// State per slot: pend_a/pend_z [slot][ratio][width] (width = 2*dc if overlap else dc),
+// prev_a/prev_z [slot][ratio][dc] and has_prev[slot] (overlap only; may be NULL otherwise),
+// entries [slot][maxe][dc]. Inputs a, z: [T][width] (z without ape). kind 0: KV entry (fp8sim
+// of channels [0, nope) in blocks of 64), 1: indexer key (Hadamard, fp4sim in blocks of 32).
+extern "C" __global__ void __launch_bounds__(512)
+    compress_kernel(const float* a, const float* z, const int* positions, const int* query_start,
+                    const int* seq_slots, int S, float* pend_a, float* pend_z, float* prev_a,
+                    float* prev_z, int* has_prev, const float* ape, const float* norm_w,
+                    const float* inv_freq, int half_rope, int ratio, int overlap, int dc, float eps,
+                    int kind, int nope, int official, float* entries, int maxe) {
+  extern __shared__ __align__(16) double comp_smem[];
+  __shared__ float rnorm_s;
+  const int sq = blockIdx.x;
+  if (sq >= S) return;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int warp = tid >> 5, nwarps = nt >> 5;
+  double* hbuf = comp_smem;
+  float* ent = (float*)(comp_smem + dc);
+  const int width = overlap ? 2 * dc : dc;
+  const int slot = seq_slots[sq];
+  const int ta = query_start[sq], tb = query_start[sq + 1];
+  const int p_first = positions[ta];
+  float* pa = pend_a + (long long)slot * ratio * width;
+  float* pz = pend_z + (long long)slot * ratio * width;
+  float* qa = overlap ? prev_a + (long long)slot * ratio * dc : 0;
+  float* qz = overlap ? prev_z + (long long)slot * ratio * dc : 0;
+  // A sequence starting at position 0 starts without a previous window.
+  int hp = (overlap && p_first != 0) ? has_prev[slot] : 0;
+  float* ent_slot = entries + (long long)slot * maxe * dc;
+  const int cur_off = overlap ? dc : 0;
+
+  // Tokens go window by window: a segment is this batch's tokens of one window (positions
+  // are consecutive), pushed together; the window is pooled when its last token is pushed.
+  for (int i = ta; i < tb;) {
+    const int r0 = positions[i] % ratio;
+    const int n = ratio - r0 < tb - i ? ratio - r0 : tb - i;
+    // push: pending row r0 + k = a, z + ape[r0 + k] (f32 add) for the segment's token i + k.
+    for (int x = tid; x < n * width; x += nt) {
+      const int k = x / width, c = x % width, row = r0 + k;
+      const long long src = (long long)(i + k) * width + c;
+      pa[row * width + c] = a[src];
+      pz[row * width + c] = __fadd_rn(z[src], ape[row * width + c]);
+    }
+    const int p = positions[i + n - 1];
+    i += n;
+    if (p % ratio != ratio - 1) continue;  // (only the sequence's last segment)
+    __syncthreads();  // the window's rows are complete
+
+    // pool, per channel j: slots = previous window's A halves (overlap, has_prev), then this
+    // window's B halves (overlap) or whole rows. The thread of channel j also shifts column j
+    // of the A halves into prev (it alone reads and writes those addresses).
+    for (int j = tid; j < dc; j += nt) {
+      const int np = (overlap && hp) ? ratio : 0;
+      float m = -DSV4_F32_INF;
+      for (int sl = 0; sl < np; ++sl) m = fmaxf(m, qz[sl * dc + j]);
+      for (int sl = 0; sl < ratio; ++sl) m = fmaxf(m, pz[sl * width + cur_off + j]);
+      // (Unrolled: the exps of consecutive slots are independent and overlap; the sums still
+      // add in slot order.)
+      double dacc = -0.0;
+#pragma unroll 4
+      for (int sl = 0; sl < np; ++sl) dacc += (double)comp_exp_ref(__fsub_rn(qz[sl * dc + j], m));
+#pragma unroll 4
+      for (int sl = 0; sl < ratio; ++sl)
+        dacc += (double)comp_exp_ref(__fsub_rn(pz[sl * width + cur_off + j], m));
+      const float den = (float)dacc;
+      double acc = -0.0;
+#pragma unroll 4
+      for (int sl = 0; sl < np; ++sl) {
+        const float e = comp_exp_ref(__fsub_rn(qz[sl * dc + j], m));
+        acc += (double)__fdiv_rn(e, den) * (double)qa[sl * dc + j];
+      }
+#pragma unroll 4
+      for (int sl = 0; sl < ratio; ++sl) {
+        const float e = comp_exp_ref(__fsub_rn(pz[sl * width + cur_off + j], m));
+        acc += (double)__fdiv_rn(e, den) * (double)pa[sl * width + cur_off + j];
+      }
+      float v = (float)acc;
+      ent[j] = official ? round_bf16(v) : v;
+      if (overlap) {
+        for (int sl = 0; sl < ratio; ++sl) {
+          qa[sl * dc + j] = pa[sl * width + j];
+          qz[sl * dc + j] = pz[sl * width + j];
+        }
+      }
+    }
+    if (overlap) hp = 1;
+    __syncthreads();
+
+    // RMSNorm: ms = f32(sum f64 v^2 / dc) (sequential), r = f32(1 / sqrt(f64(ms + eps))).
+    if (tid == 0) {
+      double acc = -0.0;
+      for (int c = 0; c < dc; ++c) acc += (double)ent[c] * (double)ent[c];
+      const float ms = (float)(acc / (double)dc);
+      rnorm_s = (float)(1.0 / sqrt((double)__fadd_rn(ms, eps)));
+    }
+    __syncthreads();
+    const float rn = rnorm_s;
+    for (int c = tid; c < dc; c += nt) {
+      float v = __fmul_rn(__fmul_rn(ent[c], rn), norm_w[c]);
+      ent[c] = official ? round_bf16(v) : v;
+    }
+    __syncthreads();
+
+    // RoPE of the trailing 2*half_rope channels at the window's first position w*r.
+    const int w = p / ratio;
+    const float fpos = (float)(w * ratio);
+    const int base = dc - 2 * half_rope;
+    for (int k = tid; k < half_rope; k += nt) {
+      const float th = __fmul_rn(fpos, inv_freq[k]);
+      double sd, cd;
+      sincos((double)th, &sd, &cd);
+      const float sn = (float)sd, cs = (float)cd;
+      const float x0 = ent[base + 2 * k], x1 = ent[base + 2 * k + 1];
+      float y0 = __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn));
+      float y1 = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
+      if (official) {
+        y0 = round_bf16(y0);
+        y1 = round_bf16(y1);
+      }
+      ent[base + 2 * k] = y0;
+      ent[base + 2 * k + 1] = y1;
+    }
+    __syncthreads();
+    if (official) {
+      if (kind == 0) {
+        // fp8sim of the nope channels, blocks of 64 (the last one may be short): a warp per block.
+        for (int b = warp; b * 64 < nope; b += nwarps) comp_fp8_sim_warp(ent + b * 64, nope - b * 64);
+      } else {
+        // Hadamard (Sylvester order, f64 butterflies, precision.rs `hadamard`), then
+        // f32(.) * f32(dc^-1/2), fp4sim in blocks of 32, bf16.
+        for (int c = tid; c < dc; c += nt) hbuf[c] = (double)ent[c];
+        __syncthreads();
+        for (int hh = 1; hh < dc; hh <<= 1) {
+          for (int q = tid; q < (dc >> 1); q += nt) {
+            const int i0 = (q / hh) * 2 * hh + (q % hh), i1 = i0 + hh;
+            const double x0 = hbuf[i0], x1 = hbuf[i1];
+            hbuf[i0] = x0 + x1;
+            hbuf[i1] = x0 - x1;
+          }
+          __syncthreads();
+        }
+        const float hs = (float)(1.0 / sqrt((double)dc));
+        for (int c = tid; c < dc; c += nt) ent[c] = __fmul_rn((float)hbuf[c], hs);
+        __syncthreads();
+        for (int b = warp; b * 32 < dc; b += nwarps) comp_fp4_sim_warp(ent + b * 32, dc - b * 32);
+        __syncthreads();
+        for (int c = tid; c < dc; c += nt) ent[c] = round_bf16(ent[c]);
+      }
+    }
+    __syncthreads();
+    if (w < maxe) {
+      float* dst = ent_slot + (long long)w * dc;
+      for (int c = tid; c < dc; c += nt) dst[c] = ent[c];
+    }
+    __syncthreads();
+  }
+  if (overlap && tid == 0) has_prev[slot] = hp;
+}

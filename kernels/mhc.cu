@@ -1,2 +1,245 @@
-// mhc kernel family: see kernels/SPEC.md.
+// mhc.cu — manifold-constrained hyper-connections (MODEL.md §5; kernels/SPEC.md "mhc.cu"):
+// hc_pre (flat RMS scale, mixing projection, sigmoid gates, Sinkhorn, collapse), hc_post and
+// hc_head, bit for bit as src/reference/mhc.rs:
+//   - every f32 operation is an explicit round-to-nearest intrinsic (no FMA contraction: the
+//     reference rounds every product);
+//   - the long reductions (mean of squares, mixing dot products) accumulate in f64 and round
+//     once; the short ones over the N streams (Sinkhorn sums, collapse, post mix) run in the
+//     reference's sequential order, starting from -0.0 like Rust's `Sum for f64`;
+//   - exp / sigmoid / rsqrt in double precision, rounded once to f32.
 #include "common.cuh"
+
+// Most residual streams (hc_mult) the kernels support; the wrappers check it.
+#define HC_MAX_N 8
+#define HC_MAX_MIX ((2 + HC_MAX_N) * HC_MAX_N)
+// Mixing logits accumulated per pass over a token's streams (registers per thread).
+#define HC_CHUNK 24
+
+// --------------------------------------------------------------------------------- helpers
+
+DSV4_INLINE double hc_warp_sum_f64(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = __dadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum of one double per thread over the block (size a multiple of 32); every thread gets it.
+// `scratch` is __shared__ double[32]; ends with a barrier.
+DSV4_INLINE double hc_block_sum_f64(double v, double* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = hc_warp_sum_f64(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    double w = lane < nwarps ? scratch[lane] : 0.0;
+    w = hc_warp_sum_f64(w);
+    if (lane == 0) scratch[0] = w;
+  }
+  __syncthreads();
+  const double r = scratch[0];
+  __syncthreads();
+  return r;
+}
+
+// ops.rs exp / sigmoid / rsqrt: f64 evaluation, one rounding.
+DSV4_INLINE float hc_exp(float x) { return (float)exp((double)x); }
+DSV4_INLINE float hc_sigmoid(float x) { return (float)__ddiv_rn(1.0, __dadd_rn(1.0, exp(-(double)x))); }
+DSV4_INLINE float hc_rsqrt(float x) { return (float)__ddiv_rn(1.0, __dsqrt_rn((double)x)); }
+
+// mhc.rs mix_logits for one token's flattened streams xt[nd]: m[j] = f32(Σ f64 proj[j]·xt) * rho
+// for j < mix, rho = rsqrt(f32(Σ f64 xt² / nd) + eps). Writes m (shared, `mix` floats); every
+// thread must call. red: __shared__ double[32 * HC_CHUNK]; scratch: __shared__ double[32].
+DSV4_INLINE void hc_mix_logits(const float* xt, long long nd, const float* proj, int mix, float rms_eps, float* m,
+                               double* red, double* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  double sq = 0.0;
+  for (int c0 = 0; c0 < mix; c0 += HC_CHUNK) {
+    const int cnt = min(HC_CHUNK, mix - c0);
+    double acc[HC_CHUNK];
+#pragma unroll
+    for (int j = 0; j < HC_CHUNK; ++j) acc[j] = 0.0;
+    const float* pj = proj + (long long)c0 * nd;
+    for (long long i = threadIdx.x; i < nd; i += blockDim.x) {
+      const double xv = (double)xt[i];
+      if (c0 == 0) sq = __dadd_rn(sq, __dmul_rn(xv, xv));
+#pragma unroll
+      for (int j = 0; j < HC_CHUNK; ++j)
+        if (j < cnt) acc[j] = __dadd_rn(acc[j], __dmul_rn((double)pj[(long long)j * nd + i], xv));
+    }
+#pragma unroll
+    for (int j = 0; j < HC_CHUNK; ++j)
+      if (j < cnt) {
+        const double w = hc_warp_sum_f64(acc[j]);
+        if (lane == 0) red[warp * HC_CHUNK + j] = w;
+      }
+    __syncthreads();
+    if (threadIdx.x < cnt) {
+      double s = 0.0;
+      for (int w = 0; w < nwarps; ++w) s = __dadd_rn(s, red[w * HC_CHUNK + threadIdx.x]);
+      m[c0 + threadIdx.x] = (float)s;  // the f32 dot product, scaled by rho below
+    }
+    __syncthreads();
+  }
+  const double ss = hc_block_sum_f64(sq, scratch);
+  const float ms = (float)__ddiv_rn(ss, (double)nd);
+  const float rho = hc_rsqrt(__fadd_rn(ms, rms_eps));
+  for (int j = threadIdx.x; j < mix; j += blockDim.x) m[j] = __fmul_rn(m[j], rho);
+  __syncthreads();
+}
+
+// Σ_j v_j in f64 in order, from -0.0 (Rust's `Sum for f64`), rounded once: ops.rs sum.
+// The N x N matrix c (shared), lane `me` owns row / column `me` (me < n).
+DSV4_INLINE float hc_row_sum(const float* c, int n, int row) {
+  double s = -0.0;
+  for (int k = 0; k < n; ++k) s = __dadd_rn(s, (double)c[row * n + k]);
+  return (float)s;
+}
+
+DSV4_INLINE float hc_col_sum(const float* c, int n, int col) {
+  double s = -0.0;
+  for (int j = 0; j < n; ++j) s = __dadd_rn(s, (double)c[j * n + col]);
+  return (float)s;
+}
+
+// mhc.rs sinkhorn on the n x n logits c (shared memory), run by the lanes of ONE warp (all 32
+// lanes call; lane i < n owns row i in row phases and column i in column phases). Every
+// value is computed by exactly the reference's operations in its order.
+DSV4_INLINE void hc_sinkhorn_warp(float* c, int n, int iters, float eps) {
+  const int me = threadIdx.x & 31;
+  // Row softmax + eps.
+  if (me < n) {
+    float* row = c + me * n;
+    float mx = -DSV4_F32_INF;
+    for (int k = 0; k < n; ++k) mx = fmaxf(mx, row[k]);
+    for (int k = 0; k < n; ++k) row[k] = hc_exp(__fsub_rn(row[k], mx));
+    const float s = hc_row_sum(c, n, me);
+    for (int k = 0; k < n; ++k) row[k] = __fadd_rn(__fdiv_rn(row[k], s), eps);
+  }
+  __syncwarp();
+  for (int it = 0; it < iters; ++it) {
+    if (it > 0) {  // row normalisation of rounds 1 .. iters-1
+      if (me < n) {
+        const float s = __fadd_rn(hc_row_sum(c, n, me), eps);
+        for (int k = 0; k < n; ++k) c[me * n + k] = __fdiv_rn(c[me * n + k], s);
+      }
+      __syncwarp();
+    }
+    // Column normalisation.
+    if (me < n) {
+      const float s = __fadd_rn(hc_col_sum(c, n, me), eps);
+      for (int j = 0; j < n; ++j) c[j * n + me] = __fdiv_rn(c[j * n + me], s);
+    }
+    __syncwarp();
+  }
+  if (iters <= 0) {
+    // The reference still normalises the columns once (its loop over 1..iters is empty).
+    if (me < n) {
+      const float s = __fadd_rn(hc_col_sum(c, n, me), eps);
+      for (int j = 0; j < n; ++j) c[j * n + me] = __fdiv_rn(c[j * n + me], s);
+    }
+    __syncwarp();
+  }
+}
+
+// -------------------------------------------------------------------------------- hc_pre
+
+// One block per token t (grid-stride) of x [T, N, D]: mixing logits m = rho * (Φ x̄) over the
+// flattened streams; pre_i = sigmoid(a0*m_i + base_i) + hc_eps, post_i = 2*sigmoid(a1*m_{N+i} +
+// base_{N+i}), comb logits a2*m_{2N+i} + base_{2N+i} -> Sinkhorn (iters rounds); u[t, i] =
+// f32(Σ_n f64(pre_n * x[t, n, i])) (products in f32), bf16 if round_u. Outputs u [T, D],
+// post [T, N], comb [T, N, N]. proj [(2+N)*N, N*D], base [(2+N)*N], scale [3]. N <= HC_MAX_N.
+extern "C" __global__ void hc_pre_kernel(const float* x, int T, int N, int D, const float* proj, const float* base,
+                                         const float* scale, int iters, float hc_eps, float rms_eps, int round_u,
+                                         float* u, float* post, float* comb) {
+  __shared__ float m[HC_MAX_MIX];
+  __shared__ float c[HC_MAX_N * HC_MAX_N];
+  __shared__ float pre[HC_MAX_N];
+  __shared__ double red[32 * HC_CHUNK];
+  __shared__ double scratch[32];
+  const long long nd = (long long)N * D;
+  const int mix = (2 + N) * N;
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    const float* xt = x + (long long)t * nd;
+    hc_mix_logits(xt, nd, proj, mix, rms_eps, m, red, scratch);
+    if (threadIdx.x < 32) {
+      const int me = threadIdx.x;
+      const float a0 = scale[0], a1 = scale[1], a2 = scale[2];
+      if (me < N) {
+        pre[me] = __fadd_rn(hc_sigmoid(__fadd_rn(__fmul_rn(a0, m[me]), base[me])), hc_eps);
+        post[(long long)t * N + me] = __fmul_rn(2.0f, hc_sigmoid(__fadd_rn(__fmul_rn(a1, m[N + me]), base[N + me])));
+      }
+      for (int i = me; i < N * N; i += 32) c[i] = __fadd_rn(__fmul_rn(a2, m[2 * N + i]), base[2 * N + i]);
+      __syncwarp();
+      hc_sinkhorn_warp(c, N, iters, hc_eps);
+      for (int i = me; i < N * N; i += 32) comb[(long long)t * N * N + i] = c[i];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      double s = -0.0;
+      for (int n = 0; n < N; ++n) s = __dadd_rn(s, (double)__fmul_rn(pre[n], xt[(long long)n * D + i]));
+      float v = (float)s;
+      if (round_u) v = round_bf16(v);
+      u[(long long)t * D + i] = v;
+    }
+    __syncthreads();  // shared m / c / pre are reused by the next token
+  }
+}
+
+// ------------------------------------------------------------------------------- hc_post
+
+// In place over x [T, N, D]: x'[t, k, i] = post[t, k] * a[t, i] + f32(Σ_j f64(C[t, j, k]) *
+// f64(x[t, j, i])) (the sum in order j = 0..N, from -0.0), bf16 if round_out. One thread per
+// (t, i): it reads all N streams before writing any, so in place is safe.
+extern "C" __global__ void hc_post_kernel(float* x, const float* a, const float* post, const float* comb, int T, int N,
+                                          int D, int round_out) {
+  const long long total = (long long)T * D;
+  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x) {
+    const long long t = e / D, i = e - t * D;
+    float* xt = x + t * N * D + i;
+    const float* ct = comb + t * N * N;
+    float xs[HC_MAX_N];
+#pragma unroll
+    for (int j = 0; j < HC_MAX_N; ++j) xs[j] = j < N ? xt[(long long)j * D] : 0.0f;
+    const float av = a[t * D + i];
+#pragma unroll
+    for (int k = 0; k < HC_MAX_N; ++k) {
+      if (k >= N) break;
+      double s = -0.0;
+#pragma unroll
+      for (int j = 0; j < HC_MAX_N; ++j)
+        if (j < N) s = __dadd_rn(s, __dmul_rn((double)ct[j * N + k], (double)xs[j]));
+      float v = __fadd_rn(__fmul_rn(post[t * N + k], av), (float)s);
+      if (round_out) v = round_bf16(v);
+      xt[(long long)k * D] = v;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------- hc_head
+
+// One block per row r (grid-stride) of x [R, N, D]: m = rho * (Φ x̄) with proj [N, N*D];
+// w_n = sigmoid(m_n*scale0 + base_n) + hc_eps; y[r, i] = f32(Σ_n f64(w_n * x[r, n, i]))
+// (products in f32, sum in order from -0.0), bf16 if round_out. y [R, D].
+extern "C" __global__ void hc_head_kernel(const float* x, int R, int N, int D, const float* proj, const float* base,
+                                          const float* scale, float hc_eps, float rms_eps, int round_out, float* y) {
+  __shared__ float m[HC_MAX_N];
+  __shared__ float w[HC_MAX_N];
+  __shared__ double red[32 * HC_CHUNK];
+  __shared__ double scratch[32];
+  const long long nd = (long long)N * D;
+  for (int r = blockIdx.x; r < R; r += gridDim.x) {
+    const float* xr = x + (long long)r * nd;
+    hc_mix_logits(xr, nd, proj, N, rms_eps, m, red, scratch);
+    if (threadIdx.x < N)
+      w[threadIdx.x] = __fadd_rn(hc_sigmoid(__fadd_rn(__fmul_rn(m[threadIdx.x], scale[0]), base[threadIdx.x])), hc_eps);
+    __syncthreads();
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      double s = -0.0;
+      for (int n = 0; n < N; ++n) s = __dadd_rn(s, (double)__fmul_rn(w[n], xr[(long long)n * D + i]));
+      float v = (float)s;
+      if (round_out) v = round_bf16(v);
+      y[(long long)r * D + i] = v;
+    }
+    __syncthreads();
+  }
+}

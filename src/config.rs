@@ -155,7 +155,10 @@ impl<'a> Fields<'a> {
         match self.find(names) {
             None => Ok(default),
             Some((k, v)) => v.as_bool().ok_or_else(|| {
-                Error::new(Status::Config, format!("config field `{k}` must be a boolean, got {v}"))
+                Error::new(
+                    Status::Config,
+                    format!("config field `{k}` must be a boolean, got {v}"),
+                )
             }),
         }
     }
@@ -164,14 +167,20 @@ impl<'a> Fields<'a> {
         match self.find(names) {
             None => Ok(None),
             Some((k, v)) => v.as_str().map(Some).ok_or_else(|| {
-                Error::new(Status::Config, format!("config field `{k}` must be a string, got {v}"))
+                Error::new(
+                    Status::Config,
+                    format!("config field `{k}` must be a string, got {v}"),
+                )
             }),
         }
     }
 }
 
 fn missing(names: &[&str]) -> Error {
-    Error::new(Status::Config, format!("config field `{}` is required but missing", names[0]))
+    Error::new(
+        Status::Config,
+        format!("config field `{}` is required but missing", names[0]),
+    )
 }
 
 fn cfg_err(msg: String) -> Error {
@@ -181,9 +190,16 @@ fn cfg_err(msg: String) -> Error {
 impl ModelConfig {
     /// Reads and validates `config.json` at `path` (a file, or a directory holding one).
     pub fn from_path(path: &std::path::Path) -> Result<Self> {
-        let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+        let file = if path.is_dir() {
+            path.join("config.json")
+        } else {
+            path.to_path_buf()
+        };
         let text = std::fs::read_to_string(&file).map_err(|e| {
-            Error::new(Status::Io, format!("cannot read config `{}`: {e}", file.display()))
+            Error::new(
+                Status::Io,
+                format!("cannot read config `{}`: {e}", file.display()),
+            )
         })?;
         Self::from_json_str(&text).map_err(|e| e.context(format!("config `{}`", file.display())))
     }
@@ -195,7 +211,9 @@ impl ModelConfig {
         // Composite configs (V4 text model inside a wrapper) keep the model under text_config.
         let obj = match value.get("text_config") {
             Some(Value::Object(m)) => m,
-            _ => value.as_object().ok_or_else(|| cfg_err("config must be a JSON object".into()))?,
+            _ => value
+                .as_object()
+                .ok_or_else(|| cfg_err("config must be a JSON object".into()))?,
         };
         let cfg = Self::parse(&Fields { map: obj })?;
         cfg.validate()?;
@@ -211,7 +229,9 @@ impl ModelConfig {
         let rope_dim = match f.f64_opt(&["partial_rotary_factor"])? {
             Some(p) if p > 0.0 && p <= 1.0 => (p * head_dim as f64) as usize,
             Some(p) => {
-                return Err(cfg_err(format!("config field `partial_rotary_factor` = {p} must be in (0, 1]")));
+                return Err(cfg_err(format!(
+                    "config field `partial_rotary_factor` = {p} must be in (0, 1]"
+                )));
             }
             None => match f.usize_opt(&["qk_rope_head_dim", "rope_head_dim"])? {
                 Some(r) => r,
@@ -236,7 +256,9 @@ impl ModelConfig {
 
         let (rope_theta, compress_rope_theta, yarn) = parse_rope(f)?;
 
-        let scoring = f.str_opt(&["scoring_func", "score_func"])?.unwrap_or("sqrtsoftplus");
+        let scoring = f
+            .str_opt(&["scoring_func", "score_func"])?
+            .unwrap_or("sqrtsoftplus");
         let scoring_func = match scoring {
             "sqrtsoftplus" => ScoringFunc::SqrtSoftplus,
             "softmax" => ScoringFunc::Softmax,
@@ -249,7 +271,9 @@ impl ModelConfig {
         };
         if let Some(act) = f.str_opt(&["hidden_act"])? {
             if act != "silu" {
-                return Err(cfg_err(format!("config field `hidden_act` must be \"silu\", got \"{act}\"")));
+                return Err(cfg_err(format!(
+                    "config field `hidden_act` must be \"silu\", got \"{act}\""
+                )));
             }
         }
 
@@ -286,8 +310,14 @@ impl ModelConfig {
             hc_eps: f.f64_or(&["hc_eps"], 1e-6)? as f32,
             rms_norm_eps: f.f64_or(&["rms_norm_eps", "norm_eps"], 1e-6)? as f32,
             max_position_embeddings: f.usize_or(&["max_position_embeddings"], 1 << 20)?,
-            bos_token_id: f.find(&["bos_token_id"]).and_then(|(_, v)| v.as_i64()).unwrap_or(0),
-            eos_token_id: f.find(&["eos_token_id"]).and_then(|(_, v)| v.as_i64()).unwrap_or(1),
+            bos_token_id: f
+                .find(&["bos_token_id"])
+                .and_then(|(_, v)| v.as_i64())
+                .unwrap_or(0),
+            eos_token_id: f
+                .find(&["eos_token_id"])
+                .and_then(|(_, v)| v.as_i64())
+                .unwrap_or(1),
             quant,
         })
     }
@@ -329,7 +359,9 @@ impl ModelConfig {
             ("num_hidden_layers", self.num_layers),
         ] {
             if v > huge {
-                return Err(cfg_err(format!("config field `{name}` = {v} is unreasonably large")));
+                return Err(cfg_err(format!(
+                    "config field `{name}` = {v} is unreasonably large"
+                )));
             }
         }
         if self.rope_dim % 2 != 0 || self.rope_dim > self.head_dim {
@@ -357,13 +389,21 @@ impl ModelConfig {
             )));
         }
         if self.hc_mult > 64 || self.hc_sinkhorn_iters > 1000 {
-            return Err(cfg_err("config fields `hc_mult` (<= 64) / `hc_sinkhorn_iters` (<= 1000) out of range".into()));
+            return Err(cfg_err(
+                "config fields `hc_mult` (<= 64) / `hc_sinkhorn_iters` (<= 1000) out of range"
+                    .into(),
+            ));
         }
         if !(self.hc_eps >= 0.0) || !(self.rms_norm_eps >= 0.0) {
-            return Err(cfg_err("config fields `hc_eps` and `rms_norm_eps` must be >= 0".into()));
+            return Err(cfg_err(
+                "config fields `hc_eps` and `rms_norm_eps` must be >= 0".into(),
+            ));
         }
         if self.swiglu_limit < 0.0 {
-            return Err(cfg_err(format!("config field `swiglu_limit` = {} must be >= 0", self.swiglu_limit)));
+            return Err(cfg_err(format!(
+                "config field `swiglu_limit` = {} must be >= 0",
+                self.swiglu_limit
+            )));
         }
         if self.layers.iter().any(|l| l.attn == AttnKind::Csa) {
             let d = self.index_head_dim;
@@ -374,14 +414,22 @@ impl ModelConfig {
                 )));
             }
             if self.index_n_heads == 0 || self.index_topk == 0 {
-                return Err(cfg_err("config fields `index_n_heads` and `index_topk` must be > 0".into()));
+                return Err(cfg_err(
+                    "config fields `index_n_heads` and `index_topk` must be > 0".into(),
+                ));
             }
         }
         if self.rope_theta <= 0.0 || self.compress_rope_theta <= 0.0 {
-            return Err(cfg_err("config fields `rope_theta` and `compress_rope_theta` must be > 0".into()));
+            return Err(cfg_err(
+                "config fields `rope_theta` and `compress_rope_theta` must be > 0".into(),
+            ));
         }
         if let Some(y) = self.yarn {
-            if y.factor < 1.0 || y.original_max_position <= 0.0 || y.beta_fast <= 0.0 || y.beta_slow <= 0.0 {
+            if y.factor < 1.0
+                || y.original_max_position <= 0.0
+                || y.beta_fast <= 0.0
+                || y.beta_slow <= 0.0
+            {
                 return Err(cfg_err(format!(
                     "config field `rope_scaling` (yarn) needs factor >= 1 and positive original_max_position_embeddings/beta_fast/beta_slow, got {y:?}"
                 )));
@@ -448,7 +496,9 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<(AttnKind, usi
             match rates.and_then(|r| r.get(name)) {
                 None => Ok(default),
                 Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| {
-                    cfg_err(format!("config field `compress_rates.{name}` must be a positive integer, got {v}"))
+                    cfg_err(format!(
+                        "config field `compress_rates.{name}` must be a positive integer, got {v}"
+                    ))
                 }),
             }
         };
@@ -487,10 +537,18 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<(AttnKind, usi
         // transformers' default schedule (V4-Pro): two HCA layers, then CSA/HCA alternating.
         let hca = f.usize_or(&["compress_rate_hca"], 128)?;
         return Ok((0..num_layers)
-            .map(|i| if i >= 2 && i % 2 == 1 { (AttnKind::Csa, 4) } else { (AttnKind::Hca, hca) })
+            .map(|i| {
+                if i >= 2 && i % 2 == 1 {
+                    (AttnKind::Csa, 4)
+                } else {
+                    (AttnKind::Hca, hca)
+                }
+            })
             .collect());
     };
-    let list = v.as_array().ok_or_else(|| cfg_err(format!("config field `{key}` must be a list of integers")))?;
+    let list = v
+        .as_array()
+        .ok_or_else(|| cfg_err(format!("config field `{key}` must be a list of integers")))?;
     // Upstream configs append one entry per MTP/draft layer after the decoder layers.
     if list.len() < num_layers {
         return Err(cfg_err(format!(
@@ -515,7 +573,9 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<(AttnKind, usi
 /// Which layers are hash-routed, from `mlp_layer_types` or `num_hash_layers`.
 fn parse_hash_layers(f: &Fields, num_layers: usize) -> Result<Vec<bool>> {
     if let Some((key, v)) = f.find(&["mlp_layer_types"]) {
-        let list = v.as_array().ok_or_else(|| cfg_err(format!("config field `{key}` must be a list of strings")))?;
+        let list = v
+            .as_array()
+            .ok_or_else(|| cfg_err(format!("config field `{key}` must be a list of strings")))?;
         if list.len() < num_layers {
             return Err(cfg_err(format!(
                 "config field `mlp_layer_types` has {} entries but num_hidden_layers = {num_layers}",
@@ -528,12 +588,16 @@ fn parse_hash_layers(f: &Fields, num_layers: usize) -> Result<Vec<bool>> {
             .map(|(i, t)| match t.as_str() {
                 Some("hash_moe") => Ok(true),
                 Some("moe") => Ok(false),
-                _ => Err(cfg_err(format!("config field `mlp_layer_types[{i}]` = {t} must be \"hash_moe\" or \"moe\""))),
+                _ => Err(cfg_err(format!(
+                    "config field `mlp_layer_types[{i}]` = {t} must be \"hash_moe\" or \"moe\""
+                ))),
             })
             .collect();
     }
     // transformers' default: the first 3 layers are hash-routed.
-    let n = f.usize_or(&["num_hash_layers", "n_hash_layers"], 3)?.min(num_layers);
+    let n = f
+        .usize_or(&["num_hash_layers", "n_hash_layers"], 3)?
+        .min(num_layers);
     Ok((0..num_layers).map(|i| i < n).collect())
 }
 
@@ -547,7 +611,9 @@ fn parse_rope(f: &Fields) -> Result<(f64, f64, Option<Yarn>)> {
         scaling = Some(rs);
     }
     if let Some((key, rp)) = f.find(&["rope_parameters"]) {
-        let rp = rp.as_object().ok_or_else(|| cfg_err(format!("config field `{key}` must be an object")))?;
+        let rp = rp
+            .as_object()
+            .ok_or_else(|| cfg_err(format!("config field `{key}` must be an object")))?;
         let nested = rp.values().any(|v| v.is_object());
         if nested {
             // {"main": {...}, "compress": {...}} (keys may name layer kinds).
@@ -574,7 +640,11 @@ fn parse_rope(f: &Fields) -> Result<(f64, f64, Option<Yarn>)> {
             let num = |k: &str, d: f64| -> Result<f64> {
                 match s.get(k) {
                     None | Some(Value::Null) => Ok(d),
-                    Some(v) => v.as_f64().ok_or_else(|| cfg_err(format!("config field `rope_scaling.{k}` must be a number, got {v}"))),
+                    Some(v) => v.as_f64().ok_or_else(|| {
+                        cfg_err(format!(
+                            "config field `rope_scaling.{k}` must be a number, got {v}"
+                        ))
+                    }),
                 }
             };
             Some(Yarn {
@@ -585,9 +655,15 @@ fn parse_rope(f: &Fields) -> Result<(f64, f64, Option<Yarn>)> {
             })
         }
         Some(s) => {
-            let kind = s.get("type").or_else(|| s.get("rope_type")).cloned().unwrap_or(Value::Null);
+            let kind = s
+                .get("type")
+                .or_else(|| s.get("rope_type"))
+                .cloned()
+                .unwrap_or(Value::Null);
             if kind.as_str() != Some("default") {
-                return Err(cfg_err(format!("config field `rope_scaling.type` = {kind} is unsupported (only \"yarn\")")));
+                return Err(cfg_err(format!(
+                    "config field `rope_scaling.type` = {kind} is unsupported (only \"yarn\")"
+                )));
             }
             None
         }
@@ -597,33 +673,57 @@ fn parse_rope(f: &Fields) -> Result<(f64, f64, Option<Yarn>)> {
 }
 
 fn is_yarn(m: &Map<String, Value>) -> bool {
-    let t = m.get("type").or_else(|| m.get("rope_type")).and_then(Value::as_str);
+    let t = m
+        .get("type")
+        .or_else(|| m.get("rope_type"))
+        .and_then(Value::as_str);
     t == Some("yarn")
 }
 
 fn parse_quant(f: &Fields) -> Result<Option<QuantConfig>> {
     let expert_dtype = f.str_opt(&["expert_dtype"])?.map(str::to_owned);
     let Some((key, q)) = f.find(&["quantization_config"]) else {
-        return Ok(expert_dtype.map(|e| QuantConfig { weight_block: [128, 128], expert_dtype: e }));
+        return Ok(expert_dtype.map(|e| QuantConfig {
+            weight_block: [128, 128],
+            expert_dtype: e,
+        }));
     };
-    let q = q.as_object().ok_or_else(|| cfg_err(format!("config field `{key}` must be an object")))?;
+    let q = q
+        .as_object()
+        .ok_or_else(|| cfg_err(format!("config field `{key}` must be an object")))?;
     let block = match q.get("weight_block_size") {
         None | Some(Value::Null) => [128, 128],
         Some(v) => {
-            let a = v.as_array().filter(|a| a.len() == 2).and_then(|a| Some([a[0].as_u64()? as usize, a[1].as_u64()? as usize]));
+            let a = v
+                .as_array()
+                .filter(|a| a.len() == 2)
+                .and_then(|a| Some([a[0].as_u64()? as usize, a[1].as_u64()? as usize]));
             match a {
                 Some(b) if b[0] > 0 && b[1] > 0 => b,
-                _ => return Err(cfg_err(format!("config field `quantization_config.weight_block_size` must be two positive integers, got {v}"))),
+                _ => {
+                    return Err(cfg_err(format!(
+                        "config field `quantization_config.weight_block_size` must be two positive integers, got {v}"
+                    )));
+                }
             }
         }
     };
     let expert = expert_dtype
-        .or_else(|| q.get("expert_dtype").and_then(Value::as_str).map(str::to_owned))
+        .or_else(|| {
+            q.get("expert_dtype")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
         .unwrap_or_else(|| "fp4".to_owned());
     if expert != "fp4" && expert != "fp8" {
-        return Err(cfg_err(format!("config field `expert_dtype` = \"{expert}\" must be \"fp4\" or \"fp8\"")));
+        return Err(cfg_err(format!(
+            "config field `expert_dtype` = \"{expert}\" must be \"fp4\" or \"fp8\""
+        )));
     }
-    Ok(Some(QuantConfig { weight_block: block, expert_dtype: expert }))
+    Ok(Some(QuantConfig {
+        weight_block: block,
+        expert_dtype: expert,
+    }))
 }
 
 #[cfg(test)]
@@ -634,8 +734,22 @@ mod tests {
     fn tiny_default_parses() {
         let c = ModelConfig::tiny_default();
         assert_eq!(c.num_layers, 4);
-        assert_eq!(c.layers[1], LayerSpec { attn: AttnKind::Csa, ratio: 4, hash: true });
-        assert_eq!(c.layers[2], LayerSpec { attn: AttnKind::Hca, ratio: 16, hash: false });
+        assert_eq!(
+            c.layers[1],
+            LayerSpec {
+                attn: AttnKind::Csa,
+                ratio: 4,
+                hash: true
+            }
+        );
+        assert_eq!(
+            c.layers[2],
+            LayerSpec {
+                attn: AttnKind::Hca,
+                ratio: 16,
+                hash: false
+            }
+        );
         assert!(c.yarn.is_some());
     }
 
@@ -646,7 +760,14 @@ mod tests {
             "window_size": 8, "compress_ratios": [0, 4, 128, 0], "n_hash_layers": 1,
             "n_routed_experts": 4, "n_activated_experts": 2, "moe_inter_dim": 128}"#;
         let c = ModelConfig::from_json_str(text).unwrap();
-        assert_eq!(c.layers[2], LayerSpec { attn: AttnKind::Hca, ratio: 128, hash: false });
+        assert_eq!(
+            c.layers[2],
+            LayerSpec {
+                attn: AttnKind::Hca,
+                ratio: 128,
+                hash: false
+            }
+        );
         assert!(c.layers[0].hash && !c.layers[1].hash);
         assert_eq!(c.sliding_window, 8);
     }
@@ -656,12 +777,24 @@ mod tests {
         let base: Value = serde_json::from_str(TINY_DEFAULT_JSON).unwrap();
         let cases: &[(&str, Value, &str)] = &[
             ("o_groups", Value::from(3), "o_groups"),
-            ("num_experts_per_tok", Value::from(99), "num_experts_per_tok"),
+            (
+                "num_experts_per_tok",
+                Value::from(99),
+                "num_experts_per_tok",
+            ),
             ("qk_rope_head_dim", Value::from(7), "qk_rope_head_dim"),
             ("hidden_size", Value::from(0), "hidden_size"),
             ("hidden_size", Value::from("big"), "hidden_size"),
-            ("layer_types", Value::from(vec!["sliding_attention"]), "layer_types"),
-            ("mlp_layer_types", serde_json::json!(["hash_moe", "dense", "moe", "moe"]), "mlp_layer_types[1]"),
+            (
+                "layer_types",
+                Value::from(vec!["sliding_attention"]),
+                "layer_types",
+            ),
+            (
+                "mlp_layer_types",
+                serde_json::json!(["hash_moe", "dense", "moe", "moe"]),
+                "mlp_layer_types[1]",
+            ),
             ("scoring_func", Value::from("relu"), "scoring_func"),
             ("index_head_dim", Value::from(96), "index_head_dim"),
             ("num_key_value_heads", Value::from(4), "num_key_value_heads"),
@@ -677,6 +810,9 @@ mod tests {
         v.as_object_mut().unwrap().remove("q_lora_rank");
         let e = ModelConfig::from_json_str(&v.to_string()).unwrap_err();
         assert!(e.message.contains("q_lora_rank"), "{}", e.message);
-        assert_eq!(ModelConfig::from_json_str("{not json").unwrap_err().status, Status::Config);
+        assert_eq!(
+            ModelConfig::from_json_str("{not json").unwrap_err().status,
+            Status::Config
+        );
     }
 }

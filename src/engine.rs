@@ -180,11 +180,20 @@ impl Engine {
         let loaded = vec![false; weights.len()];
         let backend = if opts.device >= 0 {
             crate::cuda::require_device(opts.device)?;
-            Backend::Cuda(Box::new(crate::cuda::backend::CudaBackend::new(&cfg, &opts, &weights)?))
+            Backend::Cuda(Box::new(crate::cuda::backend::CudaBackend::new(
+                &cfg, &opts, &weights,
+            )?))
         } else {
             Backend::Cpu(CpuBackend::new(&cfg, &opts, &weights)?)
         };
-        Ok(Engine { cfg, opts, weights, loaded, backend, phase: Phase::Created })
+        Ok(Engine {
+            cfg,
+            opts,
+            weights,
+            loaded,
+            backend,
+            phase: Phase::Created,
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -221,17 +230,28 @@ impl Engine {
             Phase::Loaded => "call dsv4_finalize first",
             Phase::Ready => "the engine is finalized: use dsv4_refit to change weights",
         };
-        Err(Error::new(Status::State, format!("{call} is not allowed: engine is {} ({hint})", self.phase.name())))
+        Err(Error::new(
+            Status::State,
+            format!(
+                "{call} is not allowed: engine is {} ({hint})",
+                self.phase.name()
+            ),
+        ))
     }
 
     /// Loads every weight from a checkpoint directory/file, or fills dummy values.
     pub fn load(&mut self, source: Option<&Path>, format: LoadFormat) -> Result<()> {
         self.expect_phase("dsv4_load", &[Phase::Created, Phase::Loaded])?;
         match format {
-            LoadFormat::Dummy => weights::dummy::fill_dummy(&mut self.weights, &self.cfg, 0x5EED_D5F4),
+            LoadFormat::Dummy => {
+                weights::dummy::fill_dummy(&mut self.weights, &self.cfg, 0x5EED_D5F4)
+            }
             LoadFormat::Auto | LoadFormat::Safetensors => {
                 let path = source.ok_or_else(|| {
-                    Error::new(Status::NullPointer, "dsv4_load: `source` is NULL but the format needs a checkpoint path")
+                    Error::new(
+                        Status::NullPointer,
+                        "dsv4_load: `source` is NULL but the format needs a checkpoint path",
+                    )
                 })?;
                 weights::load::load_checkpoint(&mut self.weights, &self.cfg, path)?;
             }
@@ -245,7 +265,13 @@ impl Engine {
     pub fn load_tensor(&mut self, update: &TensorUpdate) -> Result<()> {
         self.expect_phase("dsv4_load_tensor", &[Phase::Created, Phase::Loaded])?;
         // One update may fill several weights (HF-native fused experts) or none (`mtp.*`).
-        let touched = weights::load::write_update(&mut self.weights, update.name, update.dtype, update.shape, update.data)?;
+        let touched = weights::load::write_update(
+            &mut self.weights,
+            update.name,
+            update.dtype,
+            update.shape,
+            update.data,
+        )?;
         for i in touched {
             self.loaded[i] = true;
         }
@@ -267,11 +293,15 @@ impl Engine {
             Phase::Loaded => {}
             Phase::Created => {
                 let missing = self.loaded.iter().position(|&l| !l);
-                let name = missing.map(|i| self.weights.tensor(i).spec.name.clone()).unwrap_or_default();
+                let name = missing
+                    .map(|i| self.weights.tensor(i).spec.name.clone())
+                    .unwrap_or_default();
                 let count = self.loaded.iter().filter(|&&l| !l).count();
                 return Err(Error::new(
                     Status::State,
-                    format!("dsv4_finalize: {count} weights have no value yet (first: `{name}`); call dsv4_load first"),
+                    format!(
+                        "dsv4_finalize: {count} weights have no value yet (first: `{name}`); call dsv4_load first"
+                    ),
                 ));
             }
         }
@@ -283,7 +313,10 @@ impl Engine {
     fn finalize_backend(&mut self, stream: *mut std::ffi::c_void) -> Result<()> {
         match &mut self.backend {
             Backend::Cpu(b) => b.finalize(&self.weights),
-            Backend::Cuda(b) => b.finalize(&self.weights, crate::cuda::stream::BorrowedStream::from_raw(stream)),
+            Backend::Cuda(b) => b.finalize(
+                &self.weights,
+                crate::cuda::stream::BorrowedStream::from_raw(stream),
+            ),
         }
     }
 
@@ -301,10 +334,16 @@ impl Engine {
 
     /// Runs one batch from device memory on the CUDA backend, on `stream`: no host sync, no
     /// allocation (capturable).
-    pub fn forward_device(&mut self, batch: &DeviceBatch, stream: *mut std::ffi::c_void) -> Result<()> {
+    pub fn forward_device(
+        &mut self,
+        batch: &DeviceBatch,
+        stream: *mut std::ffi::c_void,
+    ) -> Result<()> {
         self.expect_phase("dsv4_forward", &[Phase::Ready])?;
         match &mut self.backend {
-            Backend::Cuda(b) => b.forward(batch, crate::cuda::stream::BorrowedStream::from_raw(stream)),
+            Backend::Cuda(b) => {
+                b.forward(batch, crate::cuda::stream::BorrowedStream::from_raw(stream))
+            }
             Backend::Cpu(_) => Err(Error::new(
                 Status::InvalidArgument,
                 "this engine runs on the CPU: the batch must hold host pointers",
@@ -318,13 +357,18 @@ impl Engine {
     }
 
     /// [`Engine::refit`] copying on the host's CUDA stream (ignored by the CPU backend).
-    pub fn refit_on(&mut self, updates: &[TensorUpdate], stream: *mut std::ffi::c_void) -> Result<()> {
+    pub fn refit_on(
+        &mut self,
+        updates: &[TensorUpdate],
+        stream: *mut std::ffi::c_void,
+    ) -> Result<()> {
         self.expect_phase("dsv4_refit", &[Phase::Ready])?;
         // Two entries may name one weight through different aliases: compare canonical weights.
         let mut seen = std::collections::HashMap::new();
         for (k, u) in updates.iter().enumerate() {
-            let touched = weights::load::check_update(&self.weights, u.name, u.dtype, u.shape, u.data)
-                .map_err(|e| e.context(format!("refit entry {k}")))?;
+            let touched =
+                weights::load::check_update(&self.weights, u.name, u.dtype, u.shape, u.data)
+                    .map_err(|e| e.context(format!("refit entry {k}")))?;
             for i in touched {
                 if let Some(prev) = seen.insert(i, u.name) {
                     return Err(Error::new(
@@ -342,7 +386,13 @@ impl Engine {
         // weights and every derived buffer.
         let mut touched = vec![];
         for u in updates {
-            touched.extend(weights::load::write_update(&mut self.weights, u.name, u.dtype, u.shape, u.data)?);
+            touched.extend(weights::load::write_update(
+                &mut self.weights,
+                u.name,
+                u.dtype,
+                u.shape,
+                u.data,
+            )?);
         }
         match &mut self.backend {
             Backend::Cpu(b) => b.finalize(&self.weights),
@@ -363,7 +413,10 @@ impl Engine {
         if slot < 0 || slot as usize >= self.opts.max_num_seqs {
             return Err(Error::new(
                 Status::InvalidArgument,
-                format!("slot {slot} is out of range [0, max_num_seqs = {})", self.opts.max_num_seqs),
+                format!(
+                    "slot {slot} is out of range [0, max_num_seqs = {})",
+                    self.opts.max_num_seqs
+                ),
             ));
         }
         match &mut self.backend {
@@ -379,10 +432,16 @@ impl Engine {
 fn validate_options(cfg: &ModelConfig, o: &EngineOptions) -> Result<()> {
     let bad = |what: &str| Err(Error::new(Status::InvalidArgument, what.to_string()));
     if o.max_num_seqs == 0 || o.max_num_seqs > 1 << 16 {
-        return bad(&format!("max_num_seqs = {} must be in [1, 65536]", o.max_num_seqs));
+        return bad(&format!(
+            "max_num_seqs = {} must be in [1, 65536]",
+            o.max_num_seqs
+        ));
     }
     if o.max_num_tokens == 0 || o.max_num_tokens > 1 << 24 {
-        return bad(&format!("max_num_tokens = {} must be in [1, 2^24]", o.max_num_tokens));
+        return bad(&format!(
+            "max_num_tokens = {} must be in [1, 2^24]",
+            o.max_num_tokens
+        ));
     }
     if o.max_seq_len == 0 || o.max_seq_len > cfg.max_position_embeddings {
         return bad(&format!(
@@ -394,7 +453,10 @@ fn validate_options(cfg: &ModelConfig, o: &EngineOptions) -> Result<()> {
         return bad("max_seq_len must fit in int32");
     }
     if o.device < -1 {
-        return bad(&format!("device = {} must be -1 (CPU) or a CUDA ordinal >= 0", o.device));
+        return bad(&format!(
+            "device = {} must be -1 (CPU) or a CUDA ordinal >= 0",
+            o.device
+        ));
     }
     Ok(())
 }

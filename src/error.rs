@@ -66,7 +66,10 @@ pub struct Error {
 
 impl Error {
     pub fn new(status: Status, message: impl Into<String>) -> Self {
-        Error { status, message: message.into() }
+        Error {
+            status,
+            message: message.into(),
+        }
     }
 
     /// Prefixes the message with context ("loading model.safetensors: ...").

@@ -15,5 +15,8 @@ pub mod state;
 pub mod weights;
 
 pub use config::ModelConfig;
-pub use engine::{Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, TensorUpdate, WeightFormat};
+pub use engine::{
+    Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, TensorUpdate,
+    WeightFormat,
+};
 pub use error::{Error, Result, Status};

@@ -19,7 +19,10 @@ struct Logger {
     max_level: Level,
 }
 
-static LOGGER: Mutex<Logger> = Mutex::new(Logger { sink: None, max_level: Level::Warn });
+static LOGGER: Mutex<Logger> = Mutex::new(Logger {
+    sink: None,
+    max_level: Level::Warn,
+});
 
 /// Installs (or with None removes) the host sink and the most verbose level it receives.
 pub fn set_sink(sink: Option<Sink>, max_level: Level) {

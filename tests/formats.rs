@@ -10,7 +10,10 @@ mod common;
 use common::{Oracle, OracleExtra, fixture_dir, max_abs_diff};
 use dsv4::weights::store::TensorData;
 use dsv4::weights::{HostDtype, WeightFormat};
-use dsv4::{Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, Status, TensorUpdate};
+use dsv4::{
+    Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, Status,
+    TensorUpdate,
+};
 
 fn engine(model: &str, numerics: Numerics, format: WeightFormat) -> Engine {
     let dir = fixture_dir(model);
@@ -60,23 +63,34 @@ fn one_shot(e: &mut Engine, o: &Oracle) -> Vec<Vec<f32>> {
 
 /// Prefill of the first 13/9/5 tokens, then one token per sequence per step.
 fn prefill_decode(e: &mut Engine, o: &Oracle) -> Vec<Vec<f32>> {
-    run_schedule(e, o, |s, step| if step == 0 { [13, 9, 5][s % 3] } else { 1 })
+    run_schedule(
+        e,
+        o,
+        |s, step| if step == 0 { [13, 9, 5][s % 3] } else { 1 },
+    )
 }
 
 /// Odd chunk sizes that differ per sequence, so sequences sit at different offsets.
 fn chunked(e: &mut Engine, o: &Oracle) -> Vec<Vec<f32>> {
-    run_schedule(e, o, |s, step| [[7, 3, 5, 1, 11], [2, 9, 1, 4, 6], [5, 1, 3, 8, 2]][s % 3][step % 5])
+    run_schedule(e, o, |s, step| {
+        [[7, 3, 5, 1, 11], [2, 9, 1, 4, 6], [5, 1, 3, 8, 2]][s % 3][step % 5]
+    })
 }
 
 /// Runs every oracle prompt in its own slot; at step k sequence s advances by `size(s, k)`
 /// tokens (clipped to what is left); all sequences with tokens left share each batch.
 fn run_schedule(e: &mut Engine, o: &Oracle, size: impl Fn(usize, usize) -> usize) -> Vec<Vec<f32>> {
     let vocab = e.config().vocab_size;
-    let mut res: Vec<Vec<f32>> = o.prompts.iter().map(|p| vec![f32::NAN; p.len() * vocab]).collect();
+    let mut res: Vec<Vec<f32>> = o
+        .prompts
+        .iter()
+        .map(|p| vec![f32::NAN; p.len() * vocab])
+        .collect();
     let mut next = vec![0usize; o.prompts.len()];
     let mut step = 0;
     while next.iter().zip(&o.prompts).any(|(n, p)| *n < p.len()) {
-        let (mut toks, mut pos, mut qs, mut slots, mut spans) = (vec![], vec![], vec![0i32], vec![], vec![]);
+        let (mut toks, mut pos, mut qs, mut slots, mut spans) =
+            (vec![], vec![], vec![0i32], vec![], vec![]);
         for (s, p) in o.prompts.iter().enumerate() {
             if next[s] >= p.len() {
                 continue;
@@ -102,7 +116,8 @@ fn run_schedule(e: &mut Engine, o: &Oracle, size: impl Fn(usize, usize) -> usize
         .expect("forward");
         let mut row = 0;
         for (s, start, n) in spans {
-            res[s][start * vocab..(start + n) * vocab].copy_from_slice(&out[row * vocab..(row + n) * vocab]);
+            res[s][start * vocab..(start + n) * vocab]
+                .copy_from_slice(&out[row * vocab..(row + n) * vocab]);
             row += n;
         }
     }
@@ -110,7 +125,10 @@ fn run_schedule(e: &mut Engine, o: &Oracle, size: impl Fn(usize, usize) -> usize
 }
 
 fn worst(got: &[Vec<f32>], want: &[Vec<f32>]) -> f32 {
-    got.iter().zip(want).map(|(g, w)| max_abs_diff(g, w)).fold(0.0, f32::max)
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| max_abs_diff(g, w))
+        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -123,7 +141,9 @@ fn exact_mode_on_upstream_fp8_fp4_checkpoint_matches_transformers() {
     let d1 = worst(&one_shot(&mut e, &o), &o.logits);
     let d2 = worst(&prefill_decode(&mut e, &o), &o.logits);
     let d3 = worst(&chunked(&mut e, &o), &o.logits);
-    println!("tiny_fp8 exact: one-shot max |dlogit| = {d1:.3e}, prefill+decode = {d2:.3e}, chunked = {d3:.3e}");
+    println!(
+        "tiny_fp8 exact: one-shot max |dlogit| = {d1:.3e}, prefill+decode = {d2:.3e}, chunked = {d3:.3e}"
+    );
     assert!(d1 <= 1e-3 && d2 <= 1e-3 && d3 <= 1e-3, "{d1} {d2} {d3}");
 }
 
@@ -135,15 +155,23 @@ fn official_mode_matches_the_official_simulation_oracle() {
     let got = one_shot(&mut e, &o);
     let d = worst(&got, &official);
     let bite = worst(&official, &o.logits);
-    println!("tiny_fp8 official: max |dlogit| vs official oracle = {d:.3e}; exact vs official oracle = {bite:.3e}");
+    println!(
+        "tiny_fp8 official: max |dlogit| vs official oracle = {d:.3e}; exact vs official oracle = {bite:.3e}"
+    );
     assert!(d <= 5e-3, "official mode vs oracle: {d}");
-    assert!(bite > 10.0 * d, "the simulations must bite: exact vs official {bite}");
+    assert!(
+        bite > 10.0 * d,
+        "the simulations must bite: exact vs official {bite}"
+    );
     if o.has("logits_official_decode.0") {
         let dec = o.extra("logits_official_decode");
         let d2 = worst(&prefill_decode(&mut e, &o), &dec);
         let d3 = worst(&chunked(&mut e, &o), &official);
         println!("tiny_fp8 official: prefill+decode max |dlogit| = {d2:.3e}, chunked = {d3:.3e}");
-        assert!(d2 <= 5e-3 && d3 <= 5e-3, "official decode {d2}, chunked {d3}");
+        assert!(
+            d2 <= 5e-3 && d3 <= 5e-3,
+            "official decode {d2}, chunked {d3}"
+        );
     }
 }
 
@@ -153,10 +181,26 @@ fn stored_bytes(e: &Engine) -> Vec<(String, Vec<u8>, Vec<u32>)> {
         .tensors()
         .iter()
         .map(|t| match &t.data {
-            TensorData::Quant(q) => (t.spec.name.clone(), q.codes.clone(), q.scales.iter().map(|s| s.to_bits()).collect()),
-            TensorData::F32(v) => (t.spec.name.clone(), vec![], v.iter().map(|s| s.to_bits()).collect()),
-            TensorData::Bf16(v) => (t.spec.name.clone(), vec![], v.iter().map(|&s| s as u32).collect()),
-            TensorData::I32(v) => (t.spec.name.clone(), vec![], v.iter().map(|&s| s as u32).collect()),
+            TensorData::Quant(q) => (
+                t.spec.name.clone(),
+                q.codes.clone(),
+                q.scales.iter().map(|s| s.to_bits()).collect(),
+            ),
+            TensorData::F32(v) => (
+                t.spec.name.clone(),
+                vec![],
+                v.iter().map(|s| s.to_bits()).collect(),
+            ),
+            TensorData::Bf16(v) => (
+                t.spec.name.clone(),
+                vec![],
+                v.iter().map(|&s| s as u32).collect(),
+            ),
+            TensorData::I32(v) => (
+                t.spec.name.clone(),
+                vec![],
+                v.iter().map(|&s| s as u32).collect(),
+            ),
         })
         .collect()
 }
@@ -170,11 +214,18 @@ fn quantize_on_load_equals_the_prequantized_checkpoint_bit_for_bit() {
         let (bq, bp) = (stored_bytes(&q), stored_bytes(&p));
         assert_eq!(bq.len(), bp.len());
         for (a, b) in bq.iter().zip(&bp) {
-            assert!(a == b, "{numerics:?}: weight `{}` differs between quantize(BF16) and the FP8/FP4 checkpoint", a.0);
+            assert!(
+                a == b,
+                "{numerics:?}: weight `{}` differs between quantize(BF16) and the FP8/FP4 checkpoint",
+                a.0
+            );
         }
         let (lq, lp) = (one_shot(&mut q, &o), one_shot(&mut p, &o));
         for (a, b) in lq.iter().zip(&lp) {
-            assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{numerics:?}: logits differ");
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{numerics:?}: logits differ"
+            );
         }
     }
 }
@@ -185,23 +236,63 @@ fn non_finite_refit_under_quantized_storage_is_rejected_and_engine_unchanged() {
     let mut e = engine("tiny", Numerics::Official, WeightFormat::Quantize);
     let before = one_shot(&mut e, &o);
     let name = "layers.1.attn.wq_b.weight";
-    let shape = e.weights().tensor(e.weights().index_of(name).unwrap()).spec.shape.clone();
+    let shape = e
+        .weights()
+        .tensor(e.weights().index_of(name).unwrap())
+        .spec
+        .shape
+        .clone();
     let n: usize = shape.iter().product();
-    let good_shape = e.weights().tensor(e.weights().index_of("norm.weight").unwrap()).spec.shape.clone();
-    let good: Vec<u8> = (0..good_shape[0]).flat_map(|i| half::bf16::from_f32(0.5 + i as f32 * 1e-3).to_bits().to_le_bytes()).collect();
+    let good_shape = e
+        .weights()
+        .tensor(e.weights().index_of("norm.weight").unwrap())
+        .spec
+        .shape
+        .clone();
+    let good: Vec<u8> = (0..good_shape[0])
+        .flat_map(|i| {
+            half::bf16::from_f32(0.5 + i as f32 * 1e-3)
+                .to_bits()
+                .to_le_bytes()
+        })
+        .collect();
     for bad_value in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-        let mut bad: Vec<u8> = (0..n).flat_map(|i| half::bf16::from_f32((i % 7) as f32 * 0.01).to_bits().to_le_bytes()).collect();
-        bad[2 * 1234..2 * 1234 + 2].copy_from_slice(&half::bf16::from_f32(bad_value).to_bits().to_le_bytes());
+        let mut bad: Vec<u8> = (0..n)
+            .flat_map(|i| {
+                half::bf16::from_f32((i % 7) as f32 * 0.01)
+                    .to_bits()
+                    .to_le_bytes()
+            })
+            .collect();
+        bad[2 * 1234..2 * 1234 + 2]
+            .copy_from_slice(&half::bf16::from_f32(bad_value).to_bits().to_le_bytes());
         let updates = [
-            TensorUpdate { name: "norm.weight", dtype: HostDtype::Bf16, shape: &good_shape, data: &good },
-            TensorUpdate { name, dtype: HostDtype::Bf16, shape: &shape, data: &bad },
+            TensorUpdate {
+                name: "norm.weight",
+                dtype: HostDtype::Bf16,
+                shape: &good_shape,
+                data: &good,
+            },
+            TensorUpdate {
+                name,
+                dtype: HostDtype::Bf16,
+                shape: &shape,
+                data: &bad,
+            },
         ];
         let err = e.refit(&updates).unwrap_err();
         assert_eq!(err.status, Status::Tensor, "{}", err.message);
-        assert!(err.message.contains(name) && err.message.contains("1234"), "{}", err.message);
+        assert!(
+            err.message.contains(name) && err.message.contains("1234"),
+            "{}",
+            err.message
+        );
         let after = one_shot(&mut e, &o);
         for (a, b) in before.iter().zip(&after) {
-            assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "engine changed by a rejected refit");
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "engine changed by a rejected refit"
+            );
         }
     }
 }
@@ -216,9 +307,16 @@ fn stored_weights_dequantize_like_the_python_reference() {
     let mut checked = 0;
     for (name, view) in st.tensors() {
         let canon = name.strip_prefix("deq.").expect("deq.<name>");
-        let i = e.weights().index_of(canon).unwrap_or_else(|| panic!("{canon}"));
+        let i = e
+            .weights()
+            .index_of(canon)
+            .unwrap_or_else(|| panic!("{canon}"));
         assert!(e.weights().is_quantized(i), "{canon} is not held quantized");
-        let want: Vec<u32> = view.data().chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().unwrap())).collect();
+        let want: Vec<u32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
         let cols = *view.shape().last().unwrap();
         let mut row = vec![0f32; cols];
         for r in 0..want.len() / cols {

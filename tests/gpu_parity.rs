@@ -10,7 +10,9 @@ use dsv4::cuda::arena::{Arena, DevicePtr, copy_to_device_sync, copy_to_host_sync
 use dsv4::cuda::context::Context;
 use dsv4::cuda::stream::OwnedStream;
 use dsv4::engine::DeviceBatch;
-use dsv4::{Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, WeightFormat};
+use dsv4::{
+    Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, WeightFormat,
+};
 
 fn gpu() -> bool {
     match dsv4::cuda::device_count() {
@@ -57,7 +59,14 @@ impl Host {
 
     /// Runs one batch on the CUDA engine: copies the arrays in, forwards on the host's
     /// stream, copies all logits out.
-    fn forward(&self, e: &mut Engine, toks: &[i32], pos: &[i32], slots: &[i32], qs: &[i32]) -> Vec<f32> {
+    fn forward(
+        &self,
+        e: &mut Engine,
+        toks: &[i32],
+        pos: &[i32],
+        slots: &[i32],
+        qs: &[i32],
+    ) -> Vec<f32> {
         let _g = self.ctx.enter().unwrap();
         let st = self.stream.borrow();
         let w = self.buf.whole();
@@ -80,7 +89,8 @@ impl Host {
             logits: logits.addr(),
             logits_bf16: false,
         };
-        e.forward_device(&db, st.raw() as *mut _).expect("forward_device");
+        e.forward_device(&db, st.raw() as *mut _)
+            .expect("forward_device");
         let mut out = vec![f32::NAN; toks.len() * vocab];
         copy_to_host_sync(&mut out, logits, st).unwrap();
         out
@@ -88,14 +98,21 @@ impl Host {
 }
 
 /// (tokens, positions, slots, query_start) of each step of a schedule over the oracle prompts.
-type Step = (Vec<i32>, Vec<i32>, Vec<i32>, Vec<i32>, Vec<(usize, usize, usize)>);
+type Step = (
+    Vec<i32>,
+    Vec<i32>,
+    Vec<i32>,
+    Vec<i32>,
+    Vec<(usize, usize, usize)>,
+);
 
 fn schedule(o: &Oracle, size: impl Fn(usize, usize) -> usize) -> Vec<Step> {
     let mut next = vec![0usize; o.prompts.len()];
     let mut steps = vec![];
     let mut k = 0;
     while next.iter().zip(&o.prompts).any(|(n, p)| *n < p.len()) {
-        let (mut t, mut p, mut sl, mut qs, mut spans) = (vec![], vec![], vec![], vec![0i32], vec![]);
+        let (mut t, mut p, mut sl, mut qs, mut spans) =
+            (vec![], vec![], vec![], vec![0i32], vec![]);
         for (s, pr) in o.prompts.iter().enumerate() {
             if next[s] >= pr.len() {
                 continue;
@@ -115,9 +132,19 @@ fn schedule(o: &Oracle, size: impl Fn(usize, usize) -> usize) -> Vec<Step> {
 }
 
 /// Runs a schedule on both engines; returns per-sequence logits (cpu, gpu).
-fn run_both(cpu: &mut Engine, gpu: &mut Engine, host: &Host, o: &Oracle, steps: &[Step]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+fn run_both(
+    cpu: &mut Engine,
+    gpu: &mut Engine,
+    host: &Host,
+    o: &Oracle,
+    steps: &[Step],
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let vocab = cpu.config().vocab_size;
-    let mut a: Vec<Vec<f32>> = o.prompts.iter().map(|p| vec![f32::NAN; p.len() * vocab]).collect();
+    let mut a: Vec<Vec<f32>> = o
+        .prompts
+        .iter()
+        .map(|p| vec![f32::NAN; p.len() * vocab])
+        .collect();
     let mut b = a.clone();
     for (t, p, sl, qs, spans) in steps {
         let mut out = vec![f32::NAN; t.len() * vocab];
@@ -133,8 +160,10 @@ fn run_both(cpu: &mut Engine, gpu: &mut Engine, host: &Host, o: &Oracle, steps: 
         let outg = host.forward(gpu, t, p, sl, qs);
         let mut row = 0;
         for &(s, start, n) in spans {
-            a[s][start * vocab..(start + n) * vocab].copy_from_slice(&out[row * vocab..(row + n) * vocab]);
-            b[s][start * vocab..(start + n) * vocab].copy_from_slice(&outg[row * vocab..(row + n) * vocab]);
+            a[s][start * vocab..(start + n) * vocab]
+                .copy_from_slice(&out[row * vocab..(row + n) * vocab]);
+            b[s][start * vocab..(start + n) * vocab]
+                .copy_from_slice(&outg[row * vocab..(row + n) * vocab]);
             row += n;
         }
     }
@@ -146,12 +175,24 @@ fn compare(a: &[Vec<f32>], b: &[Vec<f32>], vocab: usize) -> (f32, f64, f64) {
     let (mut md, mut mincos, mut agree, mut rows) = (0f32, 1f64, 0usize, 0usize);
     for (x, y) in a.iter().zip(b) {
         for (rx, ry) in x.chunks_exact(vocab).zip(y.chunks_exact(vocab)) {
-            md = rx.iter().zip(ry).map(|(p, q)| (p - q).abs()).fold(md, f32::max);
+            md = rx
+                .iter()
+                .zip(ry)
+                .map(|(p, q)| (p - q).abs())
+                .fold(md, f32::max);
             let dot: f64 = rx.iter().zip(ry).map(|(p, q)| *p as f64 * *q as f64).sum();
             let nx: f64 = rx.iter().map(|p| (*p as f64).powi(2)).sum::<f64>().sqrt();
             let ny: f64 = ry.iter().map(|p| (*p as f64).powi(2)).sum::<f64>().sqrt();
             mincos = mincos.min(dot / (nx * ny));
-            let am = |r: &[f32]| r.iter().enumerate().fold((0, f32::NEG_INFINITY), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0;
+            let am = |r: &[f32]| {
+                r.iter()
+                    .enumerate()
+                    .fold(
+                        (0, f32::NEG_INFINITY),
+                        |m, (i, &v)| if v > m.1 { (i, v) } else { m },
+                    )
+                    .0
+            };
             agree += (am(rx) == am(ry)) as usize;
             rows += 1;
         }
@@ -167,18 +208,41 @@ fn parity(model: &str, numerics: Numerics) {
     let vocab = cpu.config().vocab_size;
     let cases: [(&str, Box<dyn Fn(usize, usize) -> usize>); 3] = [
         ("one-shot", Box::new(|_, _| 1 << 20)),
-        ("chunked", Box::new(|s, k| [[7, 3, 5, 1, 11], [2, 9, 1, 4, 6], [5, 1, 3, 8, 2]][s % 3][k % 5])),
-        ("prefill+decode", Box::new(|s, k| if k == 0 { [13, 9, 5][s % 3] } else { 1 })),
+        (
+            "chunked",
+            Box::new(|s, k| [[7, 3, 5, 1, 11], [2, 9, 1, 4, 6], [5, 1, 3, 8, 2]][s % 3][k % 5]),
+        ),
+        (
+            "prefill+decode",
+            Box::new(|s, k| if k == 0 { [13, 9, 5][s % 3] } else { 1 }),
+        ),
     ];
     for (name, size) in cases {
         let steps = schedule(&o, size);
         let (a, b) = run_both(&mut cpu, &mut gpu, &host, &o, &steps);
         let (md, cos, top1) = compare(&a, &b, vocab);
-        let (md_oracle, _, _) = compare(&b, if numerics == Numerics::Exact { &o.logits } else { &a }, vocab);
-        println!("{model} {numerics:?} {name}: GPU vs CPU max |dlogit| = {md:.3e}, min cosine = {cos:.7}, top-1 = {:.2}%; GPU vs oracle max |dlogit| = {md_oracle:.3e}", top1 * 100.0);
-        assert!(cos >= 0.9999 && top1 == 1.0, "{model} {numerics:?} {name}: cosine {cos}, top-1 {top1}");
+        let (md_oracle, _, _) = compare(
+            &b,
+            if numerics == Numerics::Exact {
+                &o.logits
+            } else {
+                &a
+            },
+            vocab,
+        );
+        println!(
+            "{model} {numerics:?} {name}: GPU vs CPU max |dlogit| = {md:.3e}, min cosine = {cos:.7}, top-1 = {:.2}%; GPU vs oracle max |dlogit| = {md_oracle:.3e}",
+            top1 * 100.0
+        );
+        assert!(
+            cos >= 0.9999 && top1 == 1.0,
+            "{model} {numerics:?} {name}: cosine {cos}, top-1 {top1}"
+        );
         if numerics == Numerics::Exact {
-            assert!(md_oracle <= 1e-3, "{model} {name}: GPU vs HF oracle {md_oracle}");
+            assert!(
+                md_oracle <= 1e-3,
+                "{model} {name}: GPU vs HF oracle {md_oracle}"
+            );
         }
     }
 }

@@ -24,15 +24,35 @@ fn read(path: &Path) -> BTreeMap<String, Owned> {
     let st = SafeTensors::deserialize(&bytes).unwrap();
     st.tensors()
         .into_iter()
-        .map(|(n, t)| (n, Owned { dtype: t.dtype(), shape: t.shape().to_vec(), data: t.data().to_vec() }))
+        .map(|(n, t)| {
+            (
+                n,
+                Owned {
+                    dtype: t.dtype(),
+                    shape: t.shape().to_vec(),
+                    data: t.data().to_vec(),
+                },
+            )
+        })
         .collect()
 }
 
 fn write(dir: &Path, tensors: &BTreeMap<String, Owned>) {
     std::fs::create_dir_all(dir).unwrap();
-    std::fs::copy(fixture_dir("tiny").join("config.json"), dir.join("config.json")).unwrap();
-    let views: Vec<(String, TensorView)> =
-        tensors.iter().map(|(n, t)| (n.clone(), TensorView::new(t.dtype, t.shape.clone(), &t.data).unwrap())).collect();
+    std::fs::copy(
+        fixture_dir("tiny").join("config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(n, t)| {
+            (
+                n.clone(),
+                TensorView::new(t.dtype, t.shape.clone(), &t.data).unwrap(),
+            )
+        })
+        .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
 }
 
@@ -68,24 +88,63 @@ fn native_name(canon: &str) -> String {
         ("attn.wo_a.weight", "self_attn.o_a_proj.weight"),
         ("attn.wo_b.weight", "self_attn.o_b_proj.weight"),
         ("attn.attn_sink", "self_attn.sinks"),
-        ("attn.compressor.wkv.weight", "self_attn.compressor.kv_proj.weight"),
-        ("attn.compressor.wgate.weight", "self_attn.compressor.gate_proj.weight"),
-        ("attn.compressor.norm.weight", "self_attn.compressor.kv_norm.weight"),
+        (
+            "attn.compressor.wkv.weight",
+            "self_attn.compressor.kv_proj.weight",
+        ),
+        (
+            "attn.compressor.wgate.weight",
+            "self_attn.compressor.gate_proj.weight",
+        ),
+        (
+            "attn.compressor.norm.weight",
+            "self_attn.compressor.kv_norm.weight",
+        ),
         ("attn.compressor.ape", "self_attn.compressor.position_bias"),
-        ("attn.indexer.wq_b.weight", "self_attn.compressor.indexer.q_b_proj.weight"),
-        ("attn.indexer.weights_proj.weight", "self_attn.compressor.indexer.scorer.weights_proj.weight"),
-        ("attn.indexer.compressor.wkv.weight", "self_attn.compressor.indexer.kv_proj.weight"),
-        ("attn.indexer.compressor.wgate.weight", "self_attn.compressor.indexer.gate_proj.weight"),
-        ("attn.indexer.compressor.norm.weight", "self_attn.compressor.indexer.kv_norm.weight"),
-        ("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"),
+        (
+            "attn.indexer.wq_b.weight",
+            "self_attn.compressor.indexer.q_b_proj.weight",
+        ),
+        (
+            "attn.indexer.weights_proj.weight",
+            "self_attn.compressor.indexer.scorer.weights_proj.weight",
+        ),
+        (
+            "attn.indexer.compressor.wkv.weight",
+            "self_attn.compressor.indexer.kv_proj.weight",
+        ),
+        (
+            "attn.indexer.compressor.wgate.weight",
+            "self_attn.compressor.indexer.gate_proj.weight",
+        ),
+        (
+            "attn.indexer.compressor.norm.weight",
+            "self_attn.compressor.indexer.kv_norm.weight",
+        ),
+        (
+            "attn.indexer.compressor.ape",
+            "self_attn.compressor.indexer.position_bias",
+        ),
         ("ffn.gate.weight", "mlp.gate.weight"),
         ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
         ("ffn.gate.tid2eid", "mlp.gate.tid2eid"),
-        ("ffn.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight"),
-        ("ffn.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight"),
-        ("ffn.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight"),
+        (
+            "ffn.shared_experts.w1.weight",
+            "mlp.shared_experts.gate_proj.weight",
+        ),
+        (
+            "ffn.shared_experts.w2.weight",
+            "mlp.shared_experts.down_proj.weight",
+        ),
+        (
+            "ffn.shared_experts.w3.weight",
+            "mlp.shared_experts.up_proj.weight",
+        ),
     ];
-    let (_, n) = map.iter().find(|(c, _)| *c == tail).unwrap_or_else(|| panic!("no native name for {canon}"));
+    let (_, n) = map
+        .iter()
+        .find(|(c, _)| *c == tail)
+        .unwrap_or_else(|| panic!("no native name for {canon}"));
     format!("model.layers.{layer}.{n}")
 }
 
@@ -94,7 +153,14 @@ fn upstream(b: &BTreeMap<String, Owned>) -> BTreeMap<String, Owned> {
     b.iter()
         .map(|(n, t)| {
             let c = canonical_name(n).unwrap_or_else(|| panic!("{n} has no canonical name"));
-            (c, Owned { dtype: t.dtype, shape: t.shape.clone(), data: t.data.clone() })
+            (
+                c,
+                Owned {
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    data: t.data.clone(),
+                },
+            )
         })
         .collect()
 }
@@ -102,13 +168,26 @@ fn upstream(b: &BTreeMap<String, Owned>) -> BTreeMap<String, Owned> {
 /// Scheme (c): HF-native names, experts fused into gate_up_proj [E, 2I, D] / down_proj [E, D, I].
 fn native(a: &BTreeMap<String, Owned>, experts: usize) -> BTreeMap<String, Owned> {
     let mut out = BTreeMap::new();
-    let mut fused: BTreeMap<String, (Vec<u8>, Vec<u8>, Vec<usize>, Vec<usize>, Dtype)> = BTreeMap::new();
+    let mut fused: BTreeMap<String, (Vec<u8>, Vec<u8>, Vec<usize>, Vec<usize>, Dtype)> =
+        BTreeMap::new();
     for (c, t) in a {
-        if let Some((layer, _)) = c.strip_prefix("layers.").and_then(|r| r.split_once(".ffn.experts.")) {
-            fused.entry(layer.to_string()).or_insert_with(|| (vec![], vec![], vec![], vec![], t.dtype));
+        if let Some((layer, _)) = c
+            .strip_prefix("layers.")
+            .and_then(|r| r.split_once(".ffn.experts."))
+        {
+            fused
+                .entry(layer.to_string())
+                .or_insert_with(|| (vec![], vec![], vec![], vec![], t.dtype));
             continue;
         }
-        out.insert(native_name(c), Owned { dtype: t.dtype, shape: t.shape.clone(), data: t.data.clone() });
+        out.insert(
+            native_name(c),
+            Owned {
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                data: t.data.clone(),
+            },
+        );
     }
     for (layer, (gate_up, down, gu_shape, d_shape, dtype)) in fused.iter_mut() {
         for e in 0..experts {
@@ -121,14 +200,34 @@ fn native(a: &BTreeMap<String, Owned>, experts: usize) -> BTreeMap<String, Owned
             *d_shape = vec![experts, w2.shape[0], w2.shape[1]];
         }
         let p = format!("model.layers.{layer}.mlp.experts");
-        out.insert(format!("{p}.gate_up_proj"), Owned { dtype: *dtype, shape: gu_shape.clone(), data: std::mem::take(gate_up) });
-        out.insert(format!("{p}.down_proj"), Owned { dtype: *dtype, shape: d_shape.clone(), data: std::mem::take(down) });
+        out.insert(
+            format!("{p}.gate_up_proj"),
+            Owned {
+                dtype: *dtype,
+                shape: gu_shape.clone(),
+                data: std::mem::take(gate_up),
+            },
+        );
+        out.insert(
+            format!("{p}.down_proj"),
+            Owned {
+                dtype: *dtype,
+                shape: d_shape.clone(),
+                data: std::mem::take(down),
+            },
+        );
     }
     out
 }
 
 fn logits_of(dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
-    let opts = EngineOptions { max_num_seqs: 1, max_num_tokens: 64, max_seq_len: 64, numerics: Numerics::Exact, ..Default::default() };
+    let opts = EngineOptions {
+        max_num_seqs: 1,
+        max_num_tokens: 64,
+        max_seq_len: 64,
+        numerics: Numerics::Exact,
+        ..Default::default()
+    };
     let mut e = Engine::create(ConfigSource::Path(dir.to_path_buf()), opts).unwrap();
     e.load(Some(dir), LoadFormat::Auto).unwrap();
     e.finalize().unwrap();
@@ -176,8 +275,14 @@ fn three_schemes_give_bit_identical_weights_and_logits() {
     let (lb, wb) = logits_of(&fixture_dir("tiny"));
     let (la, wa) = logits_of(&da);
     let (lc, wc) = logits_of(&dc);
-    assert!(wa == wb, "upstream-named weights differ from save_pretrained-named ones");
-    assert!(wc == wb, "HF-native-named weights differ from save_pretrained-named ones");
+    assert!(
+        wa == wb,
+        "upstream-named weights differ from save_pretrained-named ones"
+    );
+    assert!(
+        wc == wb,
+        "HF-native-named weights differ from save_pretrained-named ones"
+    );
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&la), bits(&lb), "upstream vs save_pretrained logits");
     assert_eq!(bits(&lc), bits(&lb), "HF-native vs save_pretrained logits");

@@ -68,11 +68,23 @@ fn empty_like(o: &Oracle) -> Vec<Vec<f32>> {
 }
 
 fn report(name: &str, case: &str, o: &Oracle, got: &[Vec<f32>]) {
-    let worst = (0..o.prompts.len()).map(|s| max_abs_diff(&got[s], &o.logits[s])).fold(0.0, f32::max);
-    let worst_dec = (0..o.prompts.len()).map(|s| max_abs_diff(&got[s], &o.logits_decode[s])).fold(0.0, f32::max);
-    println!("{name} {case}: max |dlogit| vs HF one-shot = {worst:.3e}, vs HF decode = {worst_dec:.3e}");
-    assert!(worst <= TOL, "{name} {case}: max |dlogit| = {worst} > {TOL}");
-    assert!(worst_dec <= TOL, "{name} {case}: vs decode oracle {worst_dec} > {TOL}");
+    let worst = (0..o.prompts.len())
+        .map(|s| max_abs_diff(&got[s], &o.logits[s]))
+        .fold(0.0, f32::max);
+    let worst_dec = (0..o.prompts.len())
+        .map(|s| max_abs_diff(&got[s], &o.logits_decode[s]))
+        .fold(0.0, f32::max);
+    println!(
+        "{name} {case}: max |dlogit| vs HF one-shot = {worst:.3e}, vs HF decode = {worst_dec:.3e}"
+    );
+    assert!(
+        worst <= TOL,
+        "{name} {case}: max |dlogit| = {worst} > {TOL}"
+    );
+    assert!(
+        worst_dec <= TOL,
+        "{name} {case}: vs decode oracle {worst_dec} > {TOL}"
+    );
 }
 
 fn one_shot(name: &str) {
@@ -81,7 +93,17 @@ fn one_shot(name: &str) {
     // Each sequence alone.
     let mut got = empty_like(&o);
     for (s, p) in o.prompts.iter().enumerate() {
-        step(&mut e, &o, &[Piece { seq: s, slot: 0, start: 0, len: p.len() }], &mut got);
+        step(
+            &mut e,
+            &o,
+            &[Piece {
+                seq: s,
+                slot: 0,
+                start: 0,
+                len: p.len(),
+            }],
+            &mut got,
+        );
     }
     report(name, "one-shot, one sequence per call", &o, &got);
     // All sequences in one batch, in shuffled slots.
@@ -90,7 +112,12 @@ fn one_shot(name: &str) {
         .prompts
         .iter()
         .enumerate()
-        .map(|(s, p)| Piece { seq: s, slot: [2, 0, 3][s % 3], start: 0, len: p.len() })
+        .map(|(s, p)| Piece {
+            seq: s,
+            slot: [2, 0, 3][s % 3],
+            start: 0,
+            len: p.len(),
+        })
         .collect();
     step(&mut e, &o, &pieces, &mut got);
     report(name, "one-shot, all sequences in one batch", &o, &got);
@@ -102,7 +129,11 @@ fn chunked(name: &str) {
     let mut got = empty_like(&o);
     // Odd chunk sizes, each sequence advancing by a different schedule so that the
     // sequences sit at different offsets in every batch.
-    let sizes = [[7usize, 3, 5, 1, 11, 2, 13], [1, 6, 2, 9, 4, 3, 8], [3, 1, 1, 5, 2, 7, 4]];
+    let sizes = [
+        [7usize, 3, 5, 1, 11, 2, 13],
+        [1, 6, 2, 9, 4, 3, 8],
+        [3, 1, 1, 5, 2, 7, 4],
+    ];
     let mut next = vec![0usize; o.prompts.len()];
     let mut round = 0;
     while next.iter().zip(&o.prompts).any(|(n, p)| *n < p.len()) {
@@ -114,7 +145,12 @@ fn chunked(name: &str) {
                 continue;
             }
             let len = sizes[s % 3][round % 7].min(left);
-            pieces.push(Piece { seq: s, slot: s as i32 + 1, start: next[s], len });
+            pieces.push(Piece {
+                seq: s,
+                slot: s as i32 + 1,
+                start: next[s],
+                len,
+            });
             next[s] += len;
         }
         pieces.reverse();
@@ -131,14 +167,25 @@ fn prefill_then_decode(name: &str) {
     let mut e = engine(name);
     let mut got = empty_like(&o);
     let prefill = [13usize, 9, 5];
-    let pieces: Vec<Piece> =
-        (0..o.prompts.len()).map(|s| Piece { seq: s, slot: s as i32, start: 0, len: prefill[s % 3].min(o.prompts[s].len()) }).collect();
+    let pieces: Vec<Piece> = (0..o.prompts.len())
+        .map(|s| Piece {
+            seq: s,
+            slot: s as i32,
+            start: 0,
+            len: prefill[s % 3].min(o.prompts[s].len()),
+        })
+        .collect();
     step(&mut e, &o, &pieces, &mut got);
     let mut next: Vec<usize> = pieces.iter().map(|p| p.len).collect();
     loop {
         let pieces: Vec<Piece> = (0..o.prompts.len())
             .filter(|&s| next[s] < o.prompts[s].len())
-            .map(|s| Piece { seq: s, slot: s as i32, start: next[s], len: 1 })
+            .map(|s| Piece {
+                seq: s,
+                slot: s as i32,
+                start: next[s],
+                len: 1,
+            })
             .collect();
         if pieces.is_empty() {
             break;
@@ -201,7 +248,10 @@ fn logits_rows_bf16_and_slot_restart() {
     e.forward(&mut b).unwrap();
     for (k, &r) in rows.iter().enumerate() {
         let want = &o.logits[0][r as usize * vocab..(r as usize + 1) * vocab];
-        let got: Vec<f32> = out[k * vocab..(k + 1) * vocab].iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+        let got: Vec<f32> = out[k * vocab..(k + 1) * vocab]
+            .iter()
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect();
         let tol = want.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 128.0 + TOL;
         assert!(max_abs_diff(&got, want) <= tol, "row {r}");
     }

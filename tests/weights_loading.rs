@@ -655,7 +655,11 @@ fn assert_matches(m: &Model, store: &WeightStore, what: &str) {
         assert_eq!(wn, gn);
         if w != g {
             if let (Expected::F32(a), Expected::F32(b)) = (w, g) {
-                let k = a.iter().zip(b.iter()).position(|(x, y)| x != y).unwrap_or(0);
+                let k = a
+                    .iter()
+                    .zip(b.iter())
+                    .position(|(x, y)| x != y)
+                    .unwrap_or(0);
                 panic!(
                     "{what}: weight `{wn}` differs from the reference at element {k}: want {} got {}",
                     f32::from_bits(a[k]),
@@ -1135,15 +1139,25 @@ fn fp4_odd_columns() {
     ];
     let d = single("odd", &e);
     // FP4 storage of an odd input dimension is impossible: creating the store already fails.
-    let e1 = WeightStore::allocate(&cfg).err().expect("odd FP4 dimension must be rejected");
+    let e1 = WeightStore::allocate(&cfg)
+        .err()
+        .expect("odd FP4 dimension must be rejected");
     assert_eq!(e1.status, Status::Config);
-    assert!(e1.message.contains("layers.0.ffn.experts.0.w2.weight"), "{}", e1.message);
+    assert!(
+        e1.message.contains("layers.0.ffn.experts.0.w2.weight"),
+        "{}",
+        e1.message
+    );
     // With BF16 storage the loader itself rejects the odd FP4 source tensor.
     let mut store = WeightStore::allocate_with(&cfg, dsv4::WeightFormat::Bf16).unwrap();
     let e2 = load_checkpoint(&mut store, &cfg, &d.0).unwrap_err();
     assert_eq!(e2.status, Status::Tensor, "{}", e2.message);
     for n in ["layers.0.ffn.experts.0.w2.weight", "even"] {
-        assert!(e2.message.contains(n), "message lacks `{n}`: {}", e2.message);
+        assert!(
+            e2.message.contains(n),
+            "message lacks `{n}`: {}",
+            e2.message
+        );
     }
 }
 

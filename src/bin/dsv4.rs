@@ -30,19 +30,29 @@ impl Args {
         let cmd = it.next().ok_or(USAGE)?;
         let mut flags = vec![];
         while let Some(k) = it.next() {
-            let key = k.strip_prefix("--").ok_or_else(|| format!("unexpected argument `{k}`\n{USAGE}"))?;
-            let v = it.next().ok_or_else(|| format!("flag --{key} needs a value"))?;
+            let key = k
+                .strip_prefix("--")
+                .ok_or_else(|| format!("unexpected argument `{k}`\n{USAGE}"))?;
+            let v = it
+                .next()
+                .ok_or_else(|| format!("flag --{key} needs a value"))?;
             flags.push((key.to_string(), v));
         }
         Ok(Args { cmd, flags })
     }
 
     fn get(&self, k: &str) -> Option<&str> {
-        self.flags.iter().find(|(f, _)| f == k).map(|(_, v)| v.as_str())
+        self.flags
+            .iter()
+            .find(|(f, _)| f == k)
+            .map(|(_, v)| v.as_str())
     }
 
     fn num(&self, k: &str, default: usize) -> Result<usize, String> {
-        self.get(k).map_or(Ok(default), |v| v.parse().map_err(|_| format!("--{k} must be a number, got `{v}`")))
+        self.get(k).map_or(Ok(default), |v| {
+            v.parse()
+                .map_err(|_| format!("--{k} must be a number, got `{v}`"))
+        })
     }
 }
 
@@ -84,25 +94,131 @@ fn err(e: dsv4::Error) -> String {
 
 /// Creates an engine on `device`, falling back to the CPU reference when CUDA is absent
 /// (demo only) and saying so.
-fn create(source: ConfigSource, mut opts: EngineOptions, allow_fallback: bool) -> Result<(Engine, String), String> {
+fn create(
+    source: ConfigSource,
+    mut opts: EngineOptions,
+    allow_fallback: bool,
+) -> Result<(Engine, String), String> {
     match Engine::create(source.clone(), opts.clone()) {
         Ok(e) => {
-            let name = if opts.device < 0 { "CPU reference".to_string() } else { format!("CUDA device {}", opts.device) };
+            let name = if opts.device < 0 {
+                "CPU reference".to_string()
+            } else {
+                format!("CUDA device {}", opts.device)
+            };
             Ok((e, name))
         }
         Err(e) if allow_fallback && matches!(e.status, Status::NoDevice | Status::Unsupported) => {
-            println!("CUDA unavailable ({}); using the CPU reference backend", e.message);
+            println!(
+                "CUDA unavailable ({}); using the CPU reference backend",
+                e.message
+            );
             opts.device = -1;
-            Engine::create(source, opts).map(|e| (e, "CPU reference".to_string())).map_err(err)
+            Engine::create(source, opts)
+                .map(|e| (e, "CPU reference".to_string()))
+                .map_err(err)
         }
         Err(e) => Err(err(e)),
     }
 }
 
+/// Plays the host around an engine: host slices for the CPU backend; for the CUDA backend
+/// the batch arrays are copied into device buffers and forward runs on our own stream.
+struct Host {
+    cuda: Option<(
+        dsv4::cuda::context::Context,
+        dsv4::cuda::stream::OwnedStream,
+        dsv4::cuda::arena::Arena,
+    )>,
+}
+
+impl Host {
+    fn new(e: &Engine) -> Result<Host, String> {
+        if !e.is_cuda() {
+            return Ok(Host { cuda: None });
+        }
+        let ctx = dsv4::cuda::context::Context::retain(e.options().device).map_err(err)?;
+        let _g = ctx.enter().map_err(err)?;
+        let stream = dsv4::cuda::stream::OwnedStream::new(&ctx).map_err(err)?;
+        let bytes = 8 * (1 << 20) + e.options().max_num_tokens * e.config().vocab_size * 4;
+        let buf = dsv4::cuda::arena::Arena::new(&ctx, bytes).map_err(err)?;
+        drop(_g);
+        Ok(Host {
+            cuda: Some((ctx, stream, buf)),
+        })
+    }
+
+    /// One forward; `logits` receives `rows` (or every token) x vocab f32 values.
+    fn forward(
+        &self,
+        e: &mut Engine,
+        toks: &[i32],
+        pos: &[i32],
+        slots: &[i32],
+        qs: &[i32],
+        rows: Option<&[i32]>,
+        logits: &mut [f32],
+    ) -> Result<(), String> {
+        let Some((ctx, stream, buf)) = &self.cuda else {
+            return e
+                .forward(&mut Batch {
+                    token_ids: toks,
+                    positions: pos,
+                    seq_slots: slots,
+                    query_start: qs,
+                    logits_rows: rows,
+                    logits: LogitsOut::F32(logits),
+                })
+                .map_err(err);
+        };
+        use dsv4::cuda::arena::{copy_to_device_sync, copy_to_host_sync};
+        let _g = ctx.enter().map_err(err)?;
+        let st = stream.borrow();
+        let w = buf.whole();
+        let mb = 1usize << 20;
+        let part = |i: usize| w.slice(i * mb, mb).map_err(err);
+        copy_to_device_sync(part(0)?, toks, st).map_err(err)?;
+        copy_to_device_sync(part(1)?, pos, st).map_err(err)?;
+        copy_to_device_sync(part(2)?, slots, st).map_err(err)?;
+        copy_to_device_sync(part(3)?, qs, st).map_err(err)?;
+        if let Some(r) = rows {
+            copy_to_device_sync(part(4)?, r, st).map_err(err)?;
+        }
+        let out = w.slice(8 * mb, logits.len() * 4).map_err(err)?;
+        let db = dsv4::engine::DeviceBatch {
+            num_tokens: toks.len(),
+            num_seqs: slots.len(),
+            token_ids: part(0)?.addr(),
+            positions: part(1)?.addr(),
+            seq_slots: part(2)?.addr(),
+            query_start: part(3)?.addr(),
+            logits_rows: if rows.is_some() { part(4)?.addr() } else { 0 },
+            num_logits: rows.map_or(toks.len(), <[i32]>::len),
+            logits: out.addr(),
+            logits_bf16: false,
+        };
+        e.forward_device(&db, st.raw() as *mut _).map_err(err)?;
+        copy_to_host_sync(logits, out, st).map_err(err)
+    }
+}
+
 /// Greedy decoding for several sequences batched in one engine; returns generated tokens.
-fn generate(e: &mut Engine, prompts: &[Vec<i32>], max_new: usize) -> Result<(Vec<Vec<i32>>, f64, f64, usize), String> {
+fn generate(
+    e: &mut Engine,
+    prompts: &[Vec<i32>],
+    max_new: usize,
+) -> Result<(Vec<Vec<i32>>, f64, f64, usize), String> {
+    let host = Host::new(e)?;
     let vocab = e.config().vocab_size;
-    let argmax = |row: &[f32]| row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as i32;
+    let argmax = |row: &[f32]| {
+        row.iter()
+            .enumerate()
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+            )
+            .0 as i32
+    };
     // Prefill: all prompts in one batch, logits of each last token only.
     let (mut toks, mut pos, mut qs, mut rows) = (vec![], vec![], vec![0i32], vec![]);
     for p in prompts {
@@ -114,39 +230,46 @@ fn generate(e: &mut Engine, prompts: &[Vec<i32>], max_new: usize) -> Result<(Vec
     let slots: Vec<i32> = (0..prompts.len() as i32).collect();
     let mut logits = vec![0f32; prompts.len() * vocab];
     let t0 = Instant::now();
-    e.forward(&mut Batch {
-        token_ids: &toks,
-        positions: &pos,
-        seq_slots: &slots,
-        query_start: &qs,
-        logits_rows: Some(&rows),
-        logits: LogitsOut::F32(&mut logits),
-    })
-    .map_err(err)?;
+    host.forward(e, &toks, &pos, &slots, &qs, Some(&rows), &mut logits)?;
     let prefill_s = t0.elapsed().as_secs_f64();
-    let mut out: Vec<Vec<i32>> = logits.chunks_exact(vocab).map(|r| vec![argmax(r)]).collect();
+    let mut out: Vec<Vec<i32>> = logits
+        .chunks_exact(vocab)
+        .map(|r| vec![argmax(r)])
+        .collect();
     // Decode: one token per sequence per step.
     let t1 = Instant::now();
     for step in 1..max_new {
         let toks: Vec<i32> = out.iter().map(|o| *o.last().unwrap()).collect();
-        let pos: Vec<i32> = prompts.iter().map(|p| (p.len() + step - 1) as i32).collect();
+        let pos: Vec<i32> = prompts
+            .iter()
+            .map(|p| (p.len() + step - 1) as i32)
+            .collect();
         let qs: Vec<i32> = (0..=prompts.len() as i32).collect();
-        e.forward(&mut Batch {
-            token_ids: &toks,
-            positions: &pos,
-            seq_slots: &slots,
-            query_start: &qs,
-            logits_rows: None,
-            logits: LogitsOut::F32(&mut logits),
-        })
-        .map_err(err)?;
-        logits.chunks_exact(vocab).zip(&mut out).for_each(|(r, o)| o.push(argmax(r)));
+        host.forward(e, &toks, &pos, &slots, &qs, None, &mut logits)?;
+        logits
+            .chunks_exact(vocab)
+            .zip(&mut out)
+            .for_each(|(r, o)| o.push(argmax(r)));
     }
     Ok((out, prefill_s, t1.elapsed().as_secs_f64(), toks.len()))
 }
 
 fn demo(a: &Args) -> Result<(), String> {
-    let opts = EngineOptions { device: device(a)?, max_num_seqs: 4, max_num_tokens: 256, max_seq_len: 512, ..Default::default() };
+    // CUDA when a device is present, else the CPU reference (or as --device says).
+    let dev = match a.get("device") {
+        Some(_) => device(a)?,
+        None => match dsv4::cuda::device_count() {
+            Ok(n) if n > 0 => 0,
+            _ => -1,
+        },
+    };
+    let opts = EngineOptions {
+        device: dev,
+        max_num_seqs: 4,
+        max_num_tokens: 256,
+        max_seq_len: 512,
+        ..Default::default()
+    };
     let (mut e, backend) = create(ConfigSource::TinyDefault, opts, true)?;
     e.load(None, LoadFormat::Dummy).map_err(err)?;
     e.finalize().map_err(err)?;
@@ -158,7 +281,11 @@ fn demo(a: &Args) -> Result<(), String> {
     let prompts: Vec<Vec<i32>> = [37usize, 20, 53]
         .iter()
         .enumerate()
-        .map(|(s, &n)| (0..n).map(|i| ((i * 31 + s * 97 + 7) % c.vocab_size) as i32).collect())
+        .map(|(s, &n)| {
+            (0..n)
+                .map(|i| ((i * 31 + s * 97 + 7) % c.vocab_size) as i32)
+                .collect()
+        })
         .collect();
     let max_new = 24;
     let (out, prefill_s, decode_s, prefill_tokens) = generate(&mut e, &prompts, max_new)?;
@@ -178,7 +305,9 @@ fn demo(a: &Args) -> Result<(), String> {
 }
 
 fn model_dir(a: &Args) -> Result<PathBuf, String> {
-    a.get("model").map(PathBuf::from).ok_or_else(|| format!("--model DIR is required\n{USAGE}"))
+    a.get("model")
+        .map(PathBuf::from)
+        .ok_or_else(|| format!("--model DIR is required\n{USAGE}"))
 }
 
 fn run(a: &Args) -> Result<(), String> {
@@ -187,7 +316,11 @@ fn run(a: &Args) -> Result<(), String> {
         .get("prompt")
         .ok_or("--prompt ID,ID,... is required")?
         .split(',')
-        .map(|t| t.trim().parse().map_err(|_| format!("bad token id `{t}` in --prompt")))
+        .map(|t| {
+            t.trim()
+                .parse()
+                .map_err(|_| format!("bad token id `{t}` in --prompt"))
+        })
         .collect::<Result<_, _>>()?;
     let max_new = a.num("max-new", 16)?;
     let opts = EngineOptions {
@@ -202,7 +335,14 @@ fn run(a: &Args) -> Result<(), String> {
     e.finalize().map_err(err)?;
     let (out, _, _, _) = generate(&mut e, &[prompt], max_new)?;
     println!("backend: {backend}");
-    println!("{}", out[0].iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
+    println!(
+        "{}",
+        out[0]
+            .iter()
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    );
     Ok(())
 }
 
@@ -210,13 +350,22 @@ fn eval(a: &Args) -> Result<(), String> {
     let dir = model_dir(a)?;
     let fixture = a.get("fixture").ok_or("--fixture FILE is required")?;
     let bytes = std::fs::read(fixture).map_err(|e| format!("cannot read {fixture}: {e}"))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("{fixture}: {e}"))?;
-    let read = |n: &str| st.tensor(n).map(|t| t.data().to_vec()).map_err(|e| format!("{fixture}: {n}: {e}"));
+    let st =
+        safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("{fixture}: {e}"))?;
+    let read = |n: &str| {
+        st.tensor(n)
+            .map(|t| t.data().to_vec())
+            .map_err(|e| format!("{fixture}: {n}: {e}"))
+    };
     let mut prompts = vec![];
     let mut want = vec![];
     while let Ok(p) = read(&format!("prompt.{}", prompts.len())) {
         want.push(read(&format!("logits.{}", prompts.len()))?);
-        prompts.push(p.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap())).collect::<Vec<i32>>());
+        prompts.push(
+            p.chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+                .collect::<Vec<i32>>(),
+        );
     }
     if prompts.is_empty() {
         return Err(format!("{fixture} holds no prompt.0"));
@@ -247,10 +396,20 @@ fn eval(a: &Args) -> Result<(), String> {
             logits: LogitsOut::F32(&mut out),
         })
         .map_err(err)?;
-        let w: Vec<f32> = w.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
-        worst = out.iter().zip(&w).map(|(x, y)| (x - y).abs()).fold(worst, f32::max);
+        let w: Vec<f32> = w
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        worst = out
+            .iter()
+            .zip(&w)
+            .map(|(x, y)| (x - y).abs())
+            .fold(worst, f32::max);
     }
-    println!("backend: {backend}; sequences: {}; max |dlogit| = {worst:.3e}", prompts.len());
+    println!(
+        "backend: {backend}; sequences: {}; max |dlogit| = {worst:.3e}",
+        prompts.len()
+    );
     Ok(())
 }
 
@@ -281,7 +440,9 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
         None => create(ConfigSource::TinyDefault, opts, false)?,
     };
     match a.get("model") {
-        Some(d) => e.load(Some(std::path::Path::new(d)), LoadFormat::Auto).map_err(err)?,
+        Some(d) => e
+            .load(Some(std::path::Path::new(d)), LoadFormat::Auto)
+            .map_err(err)?,
         None => e.load(None, LoadFormat::Dummy).map_err(err)?,
     }
     e.finalize().map_err(err)?;
@@ -347,7 +508,10 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
         toks.len(),
         prefill_s * 1e3,
         sorted[sorted.len() / 2] * 1e3,
-        decode.iter().map(|x| (x * 1e6).round() / 1e3).collect::<Vec<_>>()
+        decode
+            .iter()
+            .map(|x| (x * 1e6).round() / 1e3)
+            .collect::<Vec<_>>()
     );
     Ok(())
 }
@@ -370,7 +534,8 @@ fn bench(a: &Args) -> Result<(), String> {
     let (mut e, backend) = match a.get("model") {
         Some(d) => {
             let (mut e, b) = create(ConfigSource::Path(d.into()), opts, false)?;
-            e.load(Some(std::path::Path::new(d)), LoadFormat::Auto).map_err(err)?;
+            e.load(Some(std::path::Path::new(d)), LoadFormat::Auto)
+                .map_err(err)?;
             (e, b)
         }
         None => {
@@ -382,7 +547,11 @@ fn bench(a: &Args) -> Result<(), String> {
     e.finalize().map_err(err)?;
     let vocab = e.config().vocab_size;
     let prompts: Vec<Vec<i32>> = (0..batch)
-        .map(|s| (0..tokens / batch).map(|i| ((i * 13 + s * 7) % vocab) as i32).collect())
+        .map(|s| {
+            (0..tokens / batch)
+                .map(|i| ((i * 13 + s * 7) % vocab) as i32)
+                .collect()
+        })
         .collect();
     let (_, prefill_s, decode_s, prefill_tokens) = generate(&mut e, &prompts, steps + 1)?;
     println!(

@@ -186,6 +186,12 @@ impl Arena {
         check("cuMemsetD8 (zeroing the arena)", unsafe {
             sys::cuMemsetD8_v2(base, 0, total)
         })?;
+        // cuMemsetD8 may return before the zeroing is done and runs on the legacy stream,
+        // which a host's non-blocking stream does not wait for: finish it here (create time),
+        // or a later upload on such a stream could be overwritten by the zeroing.
+        check("cuCtxSynchronize (after zeroing the arena)", unsafe {
+            sys::cuCtxSynchronize()
+        })?;
         Ok(arena)
     }
 

@@ -5,7 +5,9 @@
 //! launches kernels on the host's stream.
 
 use crate::config::{AttnKind, ModelConfig};
-use crate::cuda::arena::{Arena, ArenaPlan, DevicePtr, RegionId, copy_to_device_sync, memset_async};
+use crate::cuda::arena::{
+    Arena, ArenaPlan, DevicePtr, RegionId, copy_to_device_sync, memset_async,
+};
 use crate::cuda::context::Context;
 use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
@@ -15,28 +17,7 @@ use crate::model::{ModelWeights, rope};
 use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
 use crate::weights::store::{TensorData, WeightStore};
 
-/// Weight format codes of kernels/SPEC.md.
-pub const FMT_F32: i32 = 0;
-pub const FMT_BF16: i32 = 1;
-pub const FMT_FP8: i32 = 2;
-pub const FMT_FP4: i32 = 3;
-
-/// One weight on the device, in the same layout as the host store.
-#[derive(Clone, Copy, Debug)]
-pub struct DevWeight {
-    pub fmt: i32,
-    pub data: DevicePtr,
-    /// f32 block scales (FP8/FP4 only).
-    pub scales: Option<DevicePtr>,
-    /// Rows x columns covered by one scale.
-    pub block: [i32; 2],
-}
-
-impl DevWeight {
-    pub fn scales_or_null(&self) -> u64 {
-        self.scales.map_or(0, |s| s.addr())
-    }
-}
+pub use crate::cuda::kernels::linear::{DevWeight, WFormat};
 
 /// Per-layer device tables of expert weight addresses (derived: rebuilt at finalize).
 #[derive(Clone, Copy, Debug)]
@@ -122,7 +103,7 @@ pub struct Workspace {
 }
 
 /// Tile height of the grouped expert GEMMs (kernels/SPEC.md `moe_plan_kernel`).
-pub const MOE_TILE_ROWS: usize = 16;
+pub const MOE_TILE_ROWS: usize = crate::cuda::kernels::moe::TILE_ROWS;
 
 pub struct CudaBackend {
     pub ctx: Context,
@@ -149,22 +130,34 @@ fn f32s(n: usize) -> usize {
     n.max(1) * 4
 }
 
-/// Bytes and format of a weight's device copy (same layout as the host store).
-fn weight_layout(data: &TensorData) -> (i32, usize, Option<usize>, [i32; 2]) {
+/// Format, bytes, scale bytes and scale block of a weight's device copy (the host layout).
+fn weight_layout(data: &TensorData) -> (WFormat, usize, Option<usize>, [usize; 2]) {
     match data {
-        TensorData::F32(v) => (FMT_F32, v.len() * 4, None, [0, 0]),
-        TensorData::I32(v) => (FMT_F32, v.len() * 4, None, [0, 0]),
-        TensorData::Bf16(v) => (FMT_BF16, v.len() * 2, None, [0, 0]),
+        TensorData::F32(v) => (WFormat::F32, v.len() * 4, None, [0, 0]),
+        // Index tables are raw int32 words; only their address is used.
+        TensorData::I32(v) => (WFormat::F32, v.len() * 4, None, [0, 0]),
+        TensorData::Bf16(v) => (WFormat::Bf16, v.len() * 2, None, [0, 0]),
         TensorData::Quant(q) => match q.format {
-            QFormat::Fp8 { block } => (FMT_FP8, q.codes.len(), Some(q.scales.len() * 4), [block[0] as i32, block[1] as i32]),
-            QFormat::Fp4 => (FMT_FP4, q.codes.len(), Some(q.scales.len() * 4), [1, FP4_BLOCK as i32]),
+            QFormat::Fp8 { block } => {
+                (WFormat::Fp8, q.codes.len(), Some(q.scales.len() * 4), block)
+            }
+            QFormat::Fp4 => (
+                WFormat::Fp4,
+                q.codes.len(),
+                Some(q.scales.len() * 4),
+                [1, FP4_BLOCK],
+            ),
         },
     }
 }
 
 impl CudaBackend {
     /// Plans and allocates every device buffer for `cfg` and `opts` (create time).
-    pub fn new(cfg: &ModelConfig, opts: &EngineOptions, store: &WeightStore) -> Result<CudaBackend> {
+    pub fn new(
+        cfg: &ModelConfig,
+        opts: &EngineOptions,
+        store: &WeightStore,
+    ) -> Result<CudaBackend> {
         let ctx = Context::retain(opts.device)?;
         let _g = ctx.enter()?;
         let mut plan = ArenaPlan::new();
@@ -175,23 +168,30 @@ impl CudaBackend {
         let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
 
         // Weights.
-        let mut wids: Vec<(RegionId, Option<RegionId>, i32, [i32; 2])> = Vec::with_capacity(store.len());
-        for (idx, tns) in store.tensors().iter().enumerate() {
+        let mut wids = Vec::with_capacity(store.len());
+        for tns in store.tensors() {
             let (fmt, bytes, sbytes, block) = weight_layout(&tns.data);
             let r = plan.reserve(format!("weight:{}", tns.spec.name), bytes.max(1), ALIGN)?;
             let s = match sbytes {
-                Some(b) => Some(plan.reserve(format!("scale:{}", tns.spec.name), b.max(1), ALIGN)?),
+                Some(b) => {
+                    Some(plan.reserve(format!("scale:{}", tns.spec.name), b.max(1), ALIGN)?)
+                }
                 None => None,
             };
-            let _ = idx;
-            wids.push((r, s, fmt, block));
+            let cols = *tns.spec.shape.last().unwrap_or(&1);
+            let rows = tns.spec.numel() / cols.max(1);
+            wids.push((r, s, fmt, block, rows, cols));
         }
         // Derived expert tables.
         let mut eids = vec![];
         for l in 0..cfg.num_layers {
             let mut ids = [RegionId(0); 6];
             for (j, nm) in ["w1", "w2", "w3", "s1", "s2", "s3"].iter().enumerate() {
-                ids[j] = plan.reserve(format!("derived:layers.{l}.experts.{nm}_ptrs"), e * 8, ALIGN)?;
+                ids[j] = plan.reserve(
+                    format!("derived:layers.{l}.experts.{nm}_ptrs"),
+                    e * 8,
+                    ALIGN,
+                )?;
             }
             eids.push(ids);
         }
@@ -201,19 +201,39 @@ impl CudaBackend {
         for (l, spec) in cfg.layers.iter().enumerate() {
             let p = |x: &str| format!("state:layers.{l}.{x}");
             let ring = plan.reserve(p("ring"), f32s(slots * cfg.sliding_window * hd), ALIGN)?;
-            let inv = plan.reserve(format!("derived:layers.{l}.inv_freq"), f32s(cfg.rope_dim / 2), ALIGN)?;
-            let comp = |plan: &mut ArenaPlan, name: &str, dc: usize, overlap: bool| -> Result<[RegionId; 5]> {
+            let inv = plan.reserve(
+                format!("derived:layers.{l}.inv_freq"),
+                f32s(cfg.rope_dim / 2),
+                ALIGN,
+            )?;
+            let comp = |plan: &mut ArenaPlan,
+                        name: &str,
+                        dc: usize,
+                        overlap: bool|
+             -> Result<[RegionId; 5]> {
                 let c = if overlap { 2 } else { 1 };
                 let r = spec.ratio;
                 Ok([
-                    plan.reserve(p(&format!("{name}.pend_a")), f32s(slots * r * c * dc), ALIGN)?,
-                    plan.reserve(p(&format!("{name}.pend_z")), f32s(slots * r * c * dc), ALIGN)?,
+                    plan.reserve(
+                        p(&format!("{name}.pend_a")),
+                        f32s(slots * r * c * dc),
+                        ALIGN,
+                    )?,
+                    plan.reserve(
+                        p(&format!("{name}.pend_z")),
+                        f32s(slots * r * c * dc),
+                        ALIGN,
+                    )?,
                     plan.reserve(p(&format!("{name}.prev_a")), f32s(slots * r * dc), ALIGN)?,
                     plan.reserve(p(&format!("{name}.prev_z")), f32s(slots * r * dc), ALIGN)?,
                     plan.reserve(p(&format!("{name}.has_prev")), f32s(slots), ALIGN)?,
                 ])
             };
-            let maxe = if spec.ratio > 0 { opts.max_seq_len / spec.ratio } else { 0 };
+            let maxe = if spec.ratio > 0 {
+                opts.max_seq_len / spec.ratio
+            } else {
+                0
+            };
             let (c, ic, ent, ik) = match spec.attn {
                 AttnKind::Sliding => (None, None, None, None),
                 AttnKind::Hca => (
@@ -236,10 +256,21 @@ impl CudaBackend {
         }
         let slot_len = plan.reserve("state:slot_len", f32s(slots), ALIGN)?;
         // Workspace.
-        let qk_max = [d, cfg.q_lora_rank, cfg.o_groups * cfg.o_lora_rank, i, h * hd / cfg.o_groups].into_iter().max().unwrap();
-        let w = |plan: &mut ArenaPlan, name: &str, bytes: usize| plan.reserve(format!("workspace:{name}"), bytes.max(4), ALIGN);
+        let qk_max = [
+            d,
+            cfg.q_lora_rank,
+            cfg.o_groups * cfg.o_lora_rank,
+            i,
+            h * hd / cfg.o_groups,
+        ]
+        .into_iter()
+        .max()
+        .unwrap();
+        let w = |plan: &mut ArenaPlan, name: &str, bytes: usize| {
+            plan.reserve(format!("workspace:{name}"), bytes.max(4), ALIGN)
+        };
         let tk = t * k;
-        let max_tiles = tk.div_ceil(MOE_TILE_ROWS) + e;
+        let max_tiles = crate::cuda::kernels::moe::max_tiles(tk, MOE_TILE_ROWS, e);
         let topk = cfg.index_topk.max(1);
         let ws_ids = [
             w(&mut plan, "x", f32s(t * n * d))?,
@@ -297,7 +328,14 @@ impl CudaBackend {
         let arena = Arena::from_plan(&ctx, &plan)?;
         let weights = wids
             .iter()
-            .map(|&(r, s, fmt, block)| DevWeight { fmt, data: arena.region(r), scales: s.map(|s| arena.region(s)), block })
+            .map(|&(r, s, format, block, rows, cols)| DevWeight {
+                format,
+                data: arena.region(r),
+                scales: s.map(|s| arena.region(s)),
+                block,
+                rows,
+                cols,
+            })
             .collect();
         let experts = eids
             .iter()
@@ -415,7 +453,12 @@ impl CudaBackend {
     }
 
     /// Copies weight `i` of the host store to its device buffers.
-    pub fn upload_weight(&self, store: &WeightStore, i: usize, stream: BorrowedStream) -> Result<()> {
+    pub fn upload_weight(
+        &self,
+        store: &WeightStore,
+        i: usize,
+        stream: BorrowedStream,
+    ) -> Result<()> {
         let dw = self.weights[i];
         match &store.tensor(i).data {
             TensorData::F32(v) => copy_to_device_sync(dw.data, v, stream),
@@ -423,7 +466,9 @@ impl CudaBackend {
             TensorData::Bf16(v) => copy_to_device_sync(dw.data, v, stream),
             TensorData::Quant(q) => {
                 copy_to_device_sync(dw.data, &q.codes, stream)?;
-                let s = dw.scales.ok_or_else(|| Error::new(Status::Internal, "quantized weight without scale buffer"))?;
+                let s = dw.scales.ok_or_else(|| {
+                    Error::new(Status::Internal, "quantized weight without scale buffer")
+                })?;
                 copy_to_device_sync(s, &q.scales, stream)
             }
         }
@@ -433,15 +478,20 @@ impl CudaBackend {
     pub fn rebuild_derived(&self, stream: BorrowedStream) -> Result<()> {
         for (l, lw) in self.handles.layers.iter().enumerate() {
             let t = self.experts[l];
-            let addr = |f: &dyn Fn(&crate::model::ExpertWeights) -> usize, scale: bool| -> Vec<u64> {
-                lw.experts
-                    .iter()
-                    .map(|ew| {
-                        let dw = self.weights[f(ew)];
-                        if scale { dw.scales_or_null() } else { dw.data.addr() }
-                    })
-                    .collect()
-            };
+            let addr =
+                |f: &dyn Fn(&crate::model::ExpertWeights) -> usize, scale: bool| -> Vec<u64> {
+                    lw.experts
+                        .iter()
+                        .map(|ew| {
+                            let dw = self.weights[f(ew)];
+                            if scale {
+                                dw.scales.map_or(0, |p| p.addr())
+                            } else {
+                                dw.data.addr()
+                            }
+                        })
+                        .collect()
+                };
             copy_to_device_sync(t.w1, &addr(&|e| e.w1, false), stream)?;
             copy_to_device_sync(t.w2, &addr(&|e| e.w2, false), stream)?;
             copy_to_device_sync(t.w3, &addr(&|e| e.w3, false), stream)?;

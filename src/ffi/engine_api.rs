@@ -672,7 +672,13 @@ struct Storage {
 
 fn storage_of(t: &Tensor) -> Storage {
     let numel = t.spec.numel() as u64;
-    let plain = |dtype, nbytes| Storage { dtype, nbytes, scale: std::ptr::null_mut(), scale_nbytes: 0, scale_block: [0, 0] };
+    let plain = |dtype, nbytes| Storage {
+        dtype,
+        nbytes,
+        scale: std::ptr::null_mut(),
+        scale_nbytes: 0,
+        scale_block: [0, 0],
+    };
     match &t.data {
         TensorData::F32(_) => plain(DSV4_DTYPE_F32, numel * 4),
         TensorData::Bf16(_) => plain(DSV4_DTYPE_BF16, numel * 2),

@@ -23,7 +23,12 @@ fn invalid(msg: String) -> Error {
 
 /// Validates `batch` against capacities and the slots' current lengths (`slot_len[s]` =
 /// next position expected in slot s). Returns the sequences in batch order.
-pub fn plan(cfg: &ModelConfig, opts: &EngineOptions, slot_len: &[usize], batch: &Batch) -> Result<Vec<SeqRange>> {
+pub fn plan(
+    cfg: &ModelConfig,
+    opts: &EngineOptions,
+    slot_len: &[usize],
+    batch: &Batch,
+) -> Result<Vec<SeqRange>> {
     let t = batch.token_ids.len();
     if t == 0 {
         return Err(invalid("batch.num_tokens must be > 0".into()));
@@ -31,21 +36,38 @@ pub fn plan(cfg: &ModelConfig, opts: &EngineOptions, slot_len: &[usize], batch: 
     if t > opts.max_num_tokens {
         return Err(Error::new(
             Status::Capacity,
-            format!("batch.num_tokens = {t} exceeds max_num_tokens = {}", opts.max_num_tokens),
+            format!(
+                "batch.num_tokens = {t} exceeds max_num_tokens = {}",
+                opts.max_num_tokens
+            ),
         ));
     }
     if batch.positions.len() != t {
-        return Err(invalid(format!("batch.positions has {} entries, num_tokens = {t}", batch.positions.len())));
+        return Err(invalid(format!(
+            "batch.positions has {} entries, num_tokens = {t}",
+            batch.positions.len()
+        )));
     }
     let s = batch.seq_slots.len();
     if s == 0 || s > opts.max_num_seqs {
         return Err(Error::new(
-            if s == 0 { Status::InvalidArgument } else { Status::Capacity },
-            format!("batch.num_seqs = {s} must be in [1, max_num_seqs = {}]", opts.max_num_seqs),
+            if s == 0 {
+                Status::InvalidArgument
+            } else {
+                Status::Capacity
+            },
+            format!(
+                "batch.num_seqs = {s} must be in [1, max_num_seqs = {}]",
+                opts.max_num_seqs
+            ),
         ));
     }
     if batch.query_start.len() != s + 1 {
-        return Err(invalid(format!("batch.query_start has {} entries, expected num_seqs + 1 = {}", batch.query_start.len(), s + 1)));
+        return Err(invalid(format!(
+            "batch.query_start has {} entries, expected num_seqs + 1 = {}",
+            batch.query_start.len(),
+            s + 1
+        )));
     }
     if batch.query_start[0] != 0 || batch.query_start[s] as i64 != t as i64 {
         return Err(invalid(format!(
@@ -55,7 +77,10 @@ pub fn plan(cfg: &ModelConfig, opts: &EngineOptions, slot_len: &[usize], batch: 
     }
     for (i, &tok) in batch.token_ids.iter().enumerate() {
         if tok < 0 || tok as usize >= cfg.vocab_size {
-            return Err(invalid(format!("batch.token_ids[{i}] = {tok} is outside [0, vocab_size = {})", cfg.vocab_size)));
+            return Err(invalid(format!(
+                "batch.token_ids[{i}] = {tok} is outside [0, vocab_size = {})",
+                cfg.vocab_size
+            )));
         }
     }
     let mut seen = vec![false; opts.max_num_seqs];
@@ -63,15 +88,22 @@ pub fn plan(cfg: &ModelConfig, opts: &EngineOptions, slot_len: &[usize], batch: 
     for q in 0..s {
         let slot = batch.seq_slots[q];
         if slot < 0 || slot as usize >= opts.max_num_seqs {
-            return Err(invalid(format!("batch.seq_slots[{q}] = {slot} is outside [0, max_num_seqs = {})", opts.max_num_seqs)));
+            return Err(invalid(format!(
+                "batch.seq_slots[{q}] = {slot} is outside [0, max_num_seqs = {})",
+                opts.max_num_seqs
+            )));
         }
         let slot = slot as usize;
         if std::mem::replace(&mut seen[slot], true) {
-            return Err(invalid(format!("batch.seq_slots[{q}] = {slot} appears twice in one batch")));
+            return Err(invalid(format!(
+                "batch.seq_slots[{q}] = {slot} appears twice in one batch"
+            )));
         }
         let (a, b) = (batch.query_start[q], batch.query_start[q + 1]);
         if b <= a {
-            return Err(invalid(format!("batch.query_start must be strictly increasing (sequence {q} has {a} .. {b})")));
+            return Err(invalid(format!(
+                "batch.query_start must be strictly increasing (sequence {q} has {a} .. {b})"
+            )));
         }
         let (a, b) = (a as usize, b as usize);
         let first = batch.positions[a];
@@ -80,7 +112,10 @@ pub fn plan(cfg: &ModelConfig, opts: &EngineOptions, slot_len: &[usize], batch: 
             if p < 0 || p as usize >= opts.max_seq_len {
                 return Err(Error::new(
                     Status::Capacity,
-                    format!("batch.positions[{i}] = {p} is outside [0, max_seq_len = {})", opts.max_seq_len),
+                    format!(
+                        "batch.positions[{i}] = {p} is outside [0, max_seq_len = {})",
+                        opts.max_seq_len
+                    ),
                 ));
             }
             if p as i64 != first as i64 + (i - a) as i64 {
@@ -96,13 +131,20 @@ pub fn plan(cfg: &ModelConfig, opts: &EngineOptions, slot_len: &[usize], batch: 
                 slot_len[slot], slot_len[slot]
             )));
         }
-        seqs.push(SeqRange { slot, token_start: a, len: b - a, first_pos: first });
+        seqs.push(SeqRange {
+            slot,
+            token_start: a,
+            len: b - a,
+            first_pos: first,
+        });
     }
     let rows = match batch.logits_rows {
         Some(r) => {
             for (i, &row) in r.iter().enumerate() {
                 if row < 0 || row as usize >= t {
-                    return Err(invalid(format!("batch.logits_rows[{i}] = {row} is outside [0, num_tokens = {t})")));
+                    return Err(invalid(format!(
+                        "batch.logits_rows[{i}] = {row} is outside [0, num_tokens = {t})"
+                    )));
                 }
             }
             r.len()

@@ -129,9 +129,21 @@ impl ModelWeights {
                     _ => None,
                 },
                 gate: r(&p("ffn.gate.weight"))?,
-                gate_bias: if spec.hash { None } else { Some(r(&p("ffn.gate.bias"))?) },
-                tid2eid: if spec.hash { Some(r(&p("ffn.gate.tid2eid"))?) } else { None },
-                shared: if cfg.n_shared_experts > 0 { Some(expert("ffn.shared_experts")?) } else { None },
+                gate_bias: if spec.hash {
+                    None
+                } else {
+                    Some(r(&p("ffn.gate.bias"))?)
+                },
+                tid2eid: if spec.hash {
+                    Some(r(&p("ffn.gate.tid2eid"))?)
+                } else {
+                    None
+                },
+                shared: if cfg.n_shared_experts > 0 {
+                    Some(expert("ffn.shared_experts")?)
+                } else {
+                    None
+                },
                 experts: (0..cfg.n_routed_experts)
                     .map(|e| expert(&format!("ffn.experts.{e}")))
                     .collect::<Result<_>>()?,
@@ -141,7 +153,11 @@ impl ModelWeights {
             embed: r("embed.weight")?,
             head: r("head.weight")?,
             norm: r("norm.weight")?,
-            hc_head: HcSite { proj: r("hc_head_fn")?, base: r("hc_head_base")?, scale: r("hc_head_scale")? },
+            hc_head: HcSite {
+                proj: r("hc_head_fn")?,
+                base: r("hc_head_base")?,
+                scale: r("hc_head_scale")?,
+            },
             layers,
         })
     }

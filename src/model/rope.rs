@@ -20,12 +20,17 @@ fn base_freq(theta: f64, dim: usize, k: usize) -> f64 {
 }
 
 fn plain(theta: f64, dim: usize) -> Vec<f32> {
-    (0..dim / 2).map(|k| base_freq(theta, dim, k) as f32).collect()
+    (0..dim / 2)
+        .map(|k| base_freq(theta, dim, k) as f32)
+        .collect()
 }
 
 /// The YaRN correction range `[lo, hi]` of pair indices (15, 25 for the released config).
 pub fn yarn_range(theta: f64, dim: usize, y: Yarn) -> (f64, f64) {
-    let corr = |n: f64| dim as f64 * (y.original_max_position / (n * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
+    let corr = |n: f64| {
+        dim as f64 * (y.original_max_position / (n * 2.0 * std::f64::consts::PI)).ln()
+            / (2.0 * theta.ln())
+    };
     let lo = corr(y.beta_fast).floor().max(0.0);
     let hi = corr(y.beta_slow).ceil().min(dim as f64 - 1.0);
     (lo, hi)
@@ -66,7 +71,12 @@ mod tests {
 
     #[test]
     fn released_yarn_range_is_15_25() {
-        let y = Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 };
+        let y = Yarn {
+            factor: 16.0,
+            original_max_position: 65536.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        };
         assert_eq!(yarn_range(160000.0, 64, y), (15.0, 25.0));
         let f = yarn(160000.0, 64, y);
         // Pairs k <= 15 keep their frequency, k >= 25 are divided by the factor.

@@ -64,7 +64,16 @@ pub struct HcPre {
 }
 
 /// hc_pre over streams x: [T, N, D].
-pub fn hc_pre(th: Threads, x: &[f32], n: usize, d: usize, p: &HcParams, iters: usize, hc_eps: f32, rms_eps: f32) -> HcPre {
+pub fn hc_pre(
+    th: Threads,
+    x: &[f32],
+    n: usize,
+    d: usize,
+    p: &HcParams,
+    iters: usize,
+    hc_eps: f32,
+    rms_eps: f32,
+) -> HcPre {
     let nd = n * d;
     let t = x.len() / nd;
     let m = mix_logits(th, x, nd, p.proj, rms_eps);
@@ -75,7 +84,9 @@ pub fn hc_pre(th: Threads, x: &[f32], n: usize, d: usize, p: &HcParams, iters: u
     let mut comb = vec![0.0; t * n * n];
     for ti in 0..t {
         let mr = &m[ti * mix..(ti + 1) * mix];
-        let pre: Vec<f32> = (0..n).map(|i| sigmoid(a0 * mr[i] + p.base[i]) + hc_eps).collect();
+        let pre: Vec<f32> = (0..n)
+            .map(|i| sigmoid(a0 * mr[i] + p.base[i]) + hc_eps)
+            .collect();
         for i in 0..n {
             post[ti * n + i] = 2.0 * sigmoid(a1 * mr[n + i] + p.base[n + i]);
         }
@@ -103,7 +114,9 @@ pub fn hc_post(x: &mut [f32], a: &[f32], pre: &HcPre, n: usize, d: usize) {
             let pk = pre.post[ti * n + k];
             for i in 0..d {
                 // sum_j C[j,k] X[j] in f64 (rounded once), then post_k * a + mix in f32.
-                let mix = (0..n).map(|j| c[j * n + k] as f64 * xt[j * d + i] as f64).sum::<f64>() as f32;
+                let mix = (0..n)
+                    .map(|j| c[j * n + k] as f64 * xt[j * d + i] as f64)
+                    .sum::<f64>() as f32;
                 out[k * d + i] = pk * at[i] + mix;
             }
         }
@@ -112,13 +125,23 @@ pub fn hc_post(x: &mut [f32], a: &[f32], pre: &HcPre, n: usize, d: usize) {
 }
 
 /// hc_head: y = sum_n (sigmoid(alpha * m_n + beta_n) + eps) X[n], no Sinkhorn. Returns [T, D].
-pub fn hc_head(th: Threads, x: &[f32], n: usize, d: usize, p: &HcParams, hc_eps: f32, rms_eps: f32) -> Vec<f32> {
+pub fn hc_head(
+    th: Threads,
+    x: &[f32],
+    n: usize,
+    d: usize,
+    p: &HcParams,
+    hc_eps: f32,
+    rms_eps: f32,
+) -> Vec<f32> {
     let nd = n * d;
     let t = x.len() / nd;
     let m = mix_logits(th, x, nd, p.proj, rms_eps);
     let mut y = vec![0.0; t * d];
     for ti in 0..t {
-        let w: Vec<f32> = (0..n).map(|s| sigmoid(m[ti * n + s] * p.scale[0] + p.base[s]) + hc_eps).collect();
+        let w: Vec<f32> = (0..n)
+            .map(|s| sigmoid(m[ti * n + s] * p.scale[0] + p.base[s]) + hc_eps)
+            .collect();
         for (i, o) in y[ti * d..(ti + 1) * d].iter_mut().enumerate() {
             *o = sum((0..n).map(|s| w[s] * x[ti * nd + s * d + i]));
         }
@@ -149,7 +172,12 @@ mod tests {
         let e = |v: f32| v.exp();
         let r0 = [e(0.0) / (e(0.0) + e(1.0)), e(1.0) / (e(0.0) + e(1.0))];
         let r1 = [e(2.0) / (e(2.0) + e(3.0)), e(3.0) / (e(2.0) + e(3.0))];
-        let want = [r0[0] / (r0[0] + r1[0]), r0[1] / (r0[1] + r1[1]), r1[0] / (r0[0] + r1[0]), r1[1] / (r0[1] + r1[1])];
+        let want = [
+            r0[0] / (r0[0] + r1[0]),
+            r0[1] / (r0[1] + r1[1]),
+            r1[0] / (r0[0] + r1[0]),
+            r1[1] / (r0[1] + r1[1]),
+        ];
         for (a, b) in c.iter().zip(want) {
             assert!((a - b).abs() < 1e-6);
         }
@@ -158,7 +186,11 @@ mod tests {
     #[test]
     fn hc_post_contracts_over_first_index() {
         // N = 2, D = 1: X' [k] = post_k a + sum_j C[j,k] X[j].
-        let pre = HcPre { u: vec![], post: vec![0.5, 2.0], comb: vec![0.1, 0.2, 0.3, 0.4] };
+        let pre = HcPre {
+            u: vec![],
+            post: vec![0.5, 2.0],
+            comb: vec![0.1, 0.2, 0.3, 0.4],
+        };
         let mut x = vec![10.0, 100.0];
         hc_post(&mut x, &[1.0], &pre, 2, 1);
         assert!((x[0] - (0.5 + 0.1 * 10.0 + 0.3 * 100.0)).abs() < 1e-5);

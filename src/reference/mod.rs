@@ -35,9 +35,13 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     pub fn new(cfg: &ModelConfig, opts: &EngineOptions, weights: &WeightStore) -> Result<Self> {
-        let slots = (0..opts.max_num_seqs).map(|_| SlotState::new(cfg, opts.max_seq_len)).collect::<Result<_>>()?;
+        let slots = (0..opts.max_num_seqs)
+            .map(|_| SlotState::new(cfg, opts.max_seq_len))
+            .collect::<Result<_>>()?;
         let threads = match opts.num_threads {
-            0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            0 => std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
             n => n,
         };
         Ok(CpuBackend {
@@ -45,9 +49,15 @@ impl CpuBackend {
             opts: opts.clone(),
             handles: ModelWeights::resolve(cfg, weights)?,
             slots,
-            freqs: cfg.layers.iter().map(|l| rope::inv_freq(cfg, l.attn)).collect(),
+            freqs: cfg
+                .layers
+                .iter()
+                .map(|l| rope::inv_freq(cfg, l.attn))
+                .collect(),
             threads: Threads(threads),
-            prec: Prec { official: opts.numerics == Numerics::Official },
+            prec: Prec {
+                official: opts.numerics == Numerics::Official,
+            },
         })
     }
 
@@ -86,18 +96,48 @@ impl CpuBackend {
             let row = &embed[tok as usize * d..(tok as usize + 1) * d];
             (0..n).for_each(|s| x[(ti * n + s) * d..(ti * n + s + 1) * d].copy_from_slice(row));
         }
-        let site = |s: &crate::model::HcSite| HcParams { proj: w.f32(s.proj), base: w.f32(s.base), scale: w.f32(s.scale) };
+        let site = |s: &crate::model::HcSite| HcParams {
+            proj: w.f32(s.proj),
+            base: w.f32(s.base),
+            scale: w.f32(s.scale),
+        };
         for (l, lw) in hw.layers.iter().enumerate() {
-            let mut pre = mhc::hc_pre(th, &x, n, d, &site(&lw.hc_attn), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps);
+            let mut pre = mhc::hc_pre(
+                th,
+                &x,
+                n,
+                d,
+                &site(&lw.hc_attn),
+                cfg.hc_sinkhorn_iters,
+                cfg.hc_eps,
+                cfg.rms_norm_eps,
+            );
             prec.bf16(&mut pre.u);
             rms_norm(&mut pre.u, d, Some(w.f32(lw.attn_norm)), cfg.rms_norm_eps);
             prec.bf16(&mut pre.u);
-            let ctx = AttnCtx { cfg, w, lw, layer: l, freqs: &self.freqs[l], th, prec };
+            let ctx = AttnCtx {
+                cfg,
+                w,
+                lw,
+                layer: l,
+                freqs: &self.freqs[l],
+                th,
+                prec,
+            };
             let a = attention::attention(&ctx, &pre.u, b.positions, &seqs, &mut self.slots);
             mhc::hc_post(&mut x, &a, &pre, n, d);
             prec.bf16(&mut x);
 
-            let mut pre = mhc::hc_pre(th, &x, n, d, &site(&lw.hc_ffn), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps);
+            let mut pre = mhc::hc_pre(
+                th,
+                &x,
+                n,
+                d,
+                &site(&lw.hc_ffn),
+                cfg.hc_sinkhorn_iters,
+                cfg.hc_eps,
+                cfg.rms_norm_eps,
+            );
             prec.bf16(&mut pre.u);
             rms_norm(&mut pre.u, d, Some(w.f32(lw.ffn_norm)), cfg.rms_norm_eps);
             prec.bf16(&mut pre.u);
@@ -119,8 +159,17 @@ impl CpuBackend {
             }
         };
         let mut xr = Vec::with_capacity(rows.len() * n * d);
-        rows.iter().for_each(|&r| xr.extend_from_slice(&x[r as usize * n * d..(r as usize + 1) * n * d]));
-        let mut y = mhc::hc_head(th, &xr, n, d, &site(&hw.hc_head), cfg.hc_eps, cfg.rms_norm_eps);
+        rows.iter()
+            .for_each(|&r| xr.extend_from_slice(&x[r as usize * n * d..(r as usize + 1) * n * d]));
+        let mut y = mhc::hc_head(
+            th,
+            &xr,
+            n,
+            d,
+            &site(&hw.hc_head),
+            cfg.hc_eps,
+            cfg.rms_norm_eps,
+        );
         prec.bf16(&mut y);
         rms_norm(&mut y, d, Some(w.f32(hw.norm)), cfg.rms_norm_eps);
         prec.bf16(&mut y);
@@ -128,7 +177,9 @@ impl CpuBackend {
             LogitsOut::F32(out) => ops::matmul(th, &y, d, w.f32(hw.head), out),
             LogitsOut::Bf16(out) => {
                 let logits = ops::linear(th, &y, d, w.f32(hw.head));
-                out.iter_mut().zip(&logits).for_each(|(o, v)| *o = half::bf16::from_f32(*v).to_bits());
+                out.iter_mut()
+                    .zip(&logits)
+                    .for_each(|(o, v)| *o = half::bf16::from_f32(*v).to_bits());
             }
         }
         Ok(())

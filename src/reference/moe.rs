@@ -8,7 +8,14 @@ use crate::model::{ExpertWeights, LayerWeights};
 use crate::weights::store::WeightStore;
 
 /// Expert ids and combine weights per token: ([T, k], [T, k]).
-pub fn route(cfg: &ModelConfig, w: &WeightStore, lw: &LayerWeights, th: Threads, x: &[f32], tokens: &[i32]) -> (Vec<usize>, Vec<f32>) {
+pub fn route(
+    cfg: &ModelConfig,
+    w: &WeightStore,
+    lw: &LayerWeights,
+    th: Threads,
+    x: &[f32],
+    tokens: &[i32],
+) -> (Vec<usize>, Vec<f32>) {
     let (d, e, k) = (cfg.hidden_size, cfg.n_routed_experts, cfg.experts_per_tok);
     let logits = linear(th, x, d, w.f32(lw.gate));
     let t = x.len() / d;
@@ -29,7 +36,10 @@ pub fn route(cfg: &ModelConfig, w: &WeightStore, lw: &LayerWeights, th: Threads,
         let chosen: Vec<usize> = match (lw.tid2eid, lw.gate_bias) {
             (Some(table), _) => {
                 let row = tokens[ti] as usize * k;
-                w.i32(table)[row..row + k].iter().map(|&v| v as usize).collect()
+                w.i32(table)[row..row + k]
+                    .iter()
+                    .map(|&v| v as usize)
+                    .collect()
             }
             (None, Some(bias)) => {
                 let b = w.f32(bias);
@@ -53,7 +63,15 @@ pub fn route(cfg: &ModelConfig, w: &WeightStore, lw: &LayerWeights, th: Threads,
 /// Clamped SwiGLU expert on rows x: [n, D] -> [n, D]:
 /// W2 (route_w * SiLU(min(W1 x, L)) * clamp(W3 x, -L, L)); `route_w` holds one routing
 /// weight per row (applied before W2, as the official code does) or is None (shared expert).
-fn expert(cfg: &ModelConfig, w: &WeightStore, ew: &ExpertWeights, th: Threads, prec: Prec, x: &[f32], route_w: Option<&[f32]>) -> Vec<f32> {
+fn expert(
+    cfg: &ModelConfig,
+    w: &WeightStore,
+    ew: &ExpertWeights,
+    th: Threads,
+    prec: Prec,
+    x: &[f32],
+    route_w: Option<&[f32]>,
+) -> Vec<f32> {
     let (d, i) = (cfg.hidden_size, cfg.moe_inter);
     let limit = cfg.swiglu_limit;
     let mut g = prec.linear(th, w, ew.w1, x, d);
@@ -67,20 +85,33 @@ fn expert(cfg: &ModelConfig, w: &WeightStore, ew: &ExpertWeights, th: Threads, p
         *g = silu(gv) * vv;
     }
     if let Some(rw) = route_w {
-        g.chunks_exact_mut(i).zip(rw).for_each(|(row, &wt)| row.iter_mut().for_each(|v| *v *= wt));
+        g.chunks_exact_mut(i)
+            .zip(rw)
+            .for_each(|(row, &wt)| row.iter_mut().for_each(|v| *v *= wt));
     }
     prec.bf16(&mut g);
     prec.linear(th, w, ew.w2, &g, i)
 }
 
 /// MoE output [T, D] for ffn-normed input `x` [T, D].
-pub fn moe(cfg: &ModelConfig, w: &WeightStore, lw: &LayerWeights, th: Threads, prec: Prec, x: &[f32], tokens: &[i32]) -> Vec<f32> {
+pub fn moe(
+    cfg: &ModelConfig,
+    w: &WeightStore,
+    lw: &LayerWeights,
+    th: Threads,
+    prec: Prec,
+    x: &[f32],
+    tokens: &[i32],
+) -> Vec<f32> {
     let d = cfg.hidden_size;
     let k = cfg.experts_per_tok;
     let (ids, weights) = route(cfg, w, lw, th, x, tokens);
     // Expert outputs are summed in f64 and rounded once (order-independent).
     let mut acc: Vec<f64> = match &lw.shared {
-        Some(sw) => expert(cfg, w, sw, th, prec, x, None).into_iter().map(f64::from).collect(),
+        Some(sw) => expert(cfg, w, sw, th, prec, x, None)
+            .into_iter()
+            .map(f64::from)
+            .collect(),
         None => vec![0.0; x.len()],
     };
     // Gather the tokens of each expert, run it once (routing weight applied inside), add.
@@ -96,11 +127,15 @@ pub fn moe(cfg: &ModelConfig, w: &WeightStore, lw: &LayerWeights, th: Threads, p
             continue;
         }
         let mut xe = Vec::with_capacity(rows.len() * d);
-        rows.iter().for_each(|&(t, _)| xe.extend_from_slice(&x[t * d..(t + 1) * d]));
+        rows.iter()
+            .for_each(|&(t, _)| xe.extend_from_slice(&x[t * d..(t + 1) * d]));
         let route_w: Vec<f32> = rows.iter().map(|&(_, wt)| wt).collect();
         let ye = expert(cfg, w, ew, th, prec, &xe, Some(&route_w));
         for (r, &(t, _)) in rows.iter().enumerate() {
-            acc[t * d..(t + 1) * d].iter_mut().zip(&ye[r * d..(r + 1) * d]).for_each(|(o, &v)| *o += v as f64);
+            acc[t * d..(t + 1) * d]
+                .iter_mut()
+                .zip(&ye[r * d..(r + 1) * d])
+                .for_each(|(o, &v)| *o += v as f64);
         }
     }
     let mut out: Vec<f32> = acc.into_iter().map(|v| v as f32).collect();

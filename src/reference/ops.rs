@@ -81,12 +81,24 @@ fn matmul_cols(x: &[f32], k: usize, w: &[f32], c0: usize, c1: usize, y: &mut [f3
 
 /// `y[t, c] = x[t, :] . W[row0 + c, :]` for `c < n`, W in any stored format (rows are
 /// dequantized once per call, one at a time).
-pub fn matmul_mat(th: Threads, x: &[f32], k: usize, w: MatRef, row0: usize, n: usize, y: &mut [f32]) {
+pub fn matmul_mat(
+    th: Threads,
+    x: &[f32],
+    k: usize,
+    w: MatRef,
+    row0: usize,
+    n: usize,
+    y: &mut [f32],
+) {
     if let Some(f) = w.as_f32() {
         return matmul(th, x, k, &f[row0 * k..(row0 + n) * k], y);
     }
     let t = x.len() / k;
-    let workers = if t * n * k < 1 << 16 { 1 } else { th.0.max(1).min(n) };
+    let workers = if t * n * k < 1 << 16 {
+        1
+    } else {
+        th.0.max(1).min(n)
+    };
     let per = n.div_ceil(workers);
     let yp = SendPtr(y.as_mut_ptr());
     let run = move |c0: usize, c1: usize| {
@@ -152,7 +164,11 @@ pub fn silu(x: f32) -> f32 {
 
 /// torch's softplus (beta 1, threshold 20: linear above).
 pub fn softplus(x: f32) -> f32 {
-    if x > 20.0 { x } else { (x as f64).exp().ln_1p() as f32 }
+    if x > 20.0 {
+        x
+    } else {
+        (x as f64).exp().ln_1p() as f32
+    }
 }
 
 /// 1 / sqrt(x).
@@ -169,8 +185,19 @@ pub fn inv_sqrt(n: usize) -> f32 {
 /// NaN ranks below everything.
 pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..values.len()).collect();
-    let key = |i: usize| if values[i].is_nan() { f32::NEG_INFINITY } else { values[i] };
-    idx.sort_by(|&a, &b| key(b).partial_cmp(&key(a)).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+    let key = |i: usize| {
+        if values[i].is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            values[i]
+        }
+    };
+    idx.sort_by(|&a, &b| {
+        key(b)
+            .partial_cmp(&key(a))
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(&b))
+    });
     idx.truncate(k.min(values.len()));
     idx
 }
@@ -182,13 +209,19 @@ mod tests {
     #[test]
     fn matmul_matches_naive_threaded() {
         let (t, k, n) = (5, 67, 300);
-        let x: Vec<f32> = (0..t * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 53 % 97) as f32 - 48.0) / 48.0).collect();
+        let x: Vec<f32> = (0..t * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 48.0)
+            .collect();
         let mut y = vec![f32::NAN; t * n];
         matmul(Threads(3), &x, k, &w, &mut y);
         for ti in 0..t {
             for c in 0..n {
-                let r: f64 = (0..k).map(|j| x[ti * k + j] as f64 * w[c * k + j] as f64).sum();
+                let r: f64 = (0..k)
+                    .map(|j| x[ti * k + j] as f64 * w[c * k + j] as f64)
+                    .sum();
                 assert!((y[ti * n + c] as f64 - r).abs() < 1e-4, "{ti},{c}");
             }
         }

@@ -29,7 +29,8 @@ impl Prec {
     /// Nope channels `[0, nope)` of every `dim`-row: FP8 simulation in blocks of 64.
     pub fn kv_nope_sim(self, x: &mut [f32], dim: usize, nope: usize) {
         if self.official {
-            x.chunks_exact_mut(dim).for_each(|r| fp8_sim(&mut r[..nope], KV_BLOCK));
+            x.chunks_exact_mut(dim)
+                .for_each(|r| fp8_sim(&mut r[..nope], KV_BLOCK));
         }
     }
 
@@ -54,7 +55,16 @@ impl Prec {
 
     /// [`Prec::linear`] against rows `[row0, row0 + n)` of weight `idx` (a group of wo_a).
     #[allow(clippy::too_many_arguments)]
-    pub fn linear_rows(self, th: Threads, w: &WeightStore, idx: usize, row0: usize, n: usize, x: &[f32], k: usize) -> Vec<f32> {
+    pub fn linear_rows(
+        self,
+        th: Threads,
+        w: &WeightStore,
+        idx: usize,
+        row0: usize,
+        n: usize,
+        x: &[f32],
+        k: usize,
+    ) -> Vec<f32> {
         let mut y = vec![0.0; x.len() / k * n];
         if self.official && w.is_quantized(idx) {
             let mut xq = x.to_vec();
@@ -69,7 +79,16 @@ impl Prec {
 
     /// `blinear`: a BF16-output linear that never quantizes activations (wo_a, whose FP8
     /// weight the official code dequantizes to BF16; weights_proj).
-    pub fn linear_bf16(self, th: Threads, w: &WeightStore, idx: usize, row0: usize, n: usize, x: &[f32], k: usize) -> Vec<f32> {
+    pub fn linear_bf16(
+        self,
+        th: Threads,
+        w: &WeightStore,
+        idx: usize,
+        row0: usize,
+        n: usize,
+        x: &[f32],
+        k: usize,
+    ) -> Vec<f32> {
         let mut y = vec![0.0; x.len() / k * n];
         matmul_mat(th, x, k, w.matrix(idx), row0, n, &mut y);
         self.bf16(&mut y);

@@ -84,7 +84,13 @@ impl SlotState {
                     zeros(max_seq_len / spec.ratio * cfg.index_head_dim)?,
                 ),
             };
-            layers.push(LayerState { window: zeros(cfg.sliding_window * hd)?, compressor, index_compressor, entries, index_keys });
+            layers.push(LayerState {
+                window: zeros(cfg.sliding_window * hd)?,
+                compressor,
+                index_compressor,
+                entries,
+                index_keys,
+            });
         }
         Ok(SlotState { len: 0, layers })
     }
@@ -93,7 +99,10 @@ impl SlotState {
     pub fn reset(&mut self) {
         self.len = 0;
         for l in &mut self.layers {
-            for c in [&mut l.compressor, &mut l.index_compressor].into_iter().flatten() {
+            for c in [&mut l.compressor, &mut l.index_compressor]
+                .into_iter()
+                .flatten()
+            {
                 c.has_prev = false;
             }
         }
@@ -102,8 +111,12 @@ impl SlotState {
 
 fn zeros(n: usize) -> Result<Vec<f32>> {
     let mut v = Vec::new();
-    v.try_reserve_exact(n)
-        .map_err(|_| Error::new(Status::Capacity, format!("cannot allocate {n} floats of decode state")))?;
+    v.try_reserve_exact(n).map_err(|_| {
+        Error::new(
+            Status::Capacity,
+            format!("cannot allocate {n} floats of decode state"),
+        )
+    })?;
     v.resize(n, 0.0);
     Ok(v)
 }

@@ -6,8 +6,8 @@
 //! are rounded to BF16 so a BF16 device copy holds exactly what the f32 CPU reference uses.
 
 use crate::config::ModelConfig;
-use crate::weights::spec::TensorSpec;
 use crate::weights::qmatrix::{QFormat, QMatrix};
+use crate::weights::spec::TensorSpec;
 use crate::weights::store::{TensorData, WeightStore};
 
 /// splitmix64: tiny, fast, and good enough to decorrelate per-weight streams.
@@ -82,7 +82,9 @@ pub fn fill_dummy(store: &mut WeightStore, cfg: &ModelConfig, seed: u64) {
     // Weights are independent streams: fill them on all cores (real-size dummy models hold
     // tens of GB).
     let tensors = store.tensors_mut();
-    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(tensors.len().max(1));
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(tensors.len().max(1));
     let next = std::sync::Mutex::new(tensors.iter_mut());
     std::thread::scope(|s| {
         for _ in 0..workers {
@@ -127,8 +129,9 @@ fn fill_one(t: &mut crate::weights::store::Tensor, cfg: &ModelConfig, seed: u64)
             }
             TensorData::F32(_) | TensorData::Bf16(_) => {
                 let (lo, hi) = range_of(&t.spec);
-                let values: Vec<f32> =
-                    (0..t.spec.numel()).map(|_| half::bf16::from_f32(rng.uniform(lo, hi)).to_f32()).collect();
+                let values: Vec<f32> = (0..t.spec.numel())
+                    .map(|_| half::bf16::from_f32(rng.uniform(lo, hi)).to_f32())
+                    .collect();
                 t.data.set_from_f32(&values);
             }
             TensorData::I32(v) => {
@@ -205,8 +208,10 @@ mod tests {
                         "{name} not bf16-exact"
                     );
                 }
-TensorData::Bf16(_) | TensorData::Quant(_) => panic!("the test config stores every weight as f32/i32"),
-                                TensorData::I32(v) => {
+                TensorData::Bf16(_) | TensorData::Quant(_) => {
+                    panic!("the test config stores every weight as f32/i32")
+                }
+                TensorData::I32(v) => {
                     let k = t.spec.shape[1];
                     assert_eq!(k, cfg.experts_per_tok);
                     for row in v.chunks(k) {

@@ -26,9 +26,9 @@ use crate::error::{Error, Result, Status};
 use crate::weights::HostDtype;
 use crate::weights::dtype::{self, FloatDtype, IntDtype, ScaleDtype};
 use crate::weights::names::{Role, Target, classify};
+use crate::weights::qmatrix::{QFormat, QMatrix};
 use crate::weights::safetensors_io::{Checkpoint, TensorEntry};
 use crate::weights::spec::ElemKind;
-use crate::weights::qmatrix::{QFormat, QMatrix};
 use crate::weights::store::{TensorData, WeightStore};
 
 /// Block of the FP4 expert scales: one scale per 32 consecutive inputs of a row.
@@ -712,7 +712,9 @@ fn run_job(src: &Source, outs: Vec<(Piece, Dst)>) {
             Dst::Bf16(out) => {
                 let mut tmp = vec![0.0f32; out.len()];
                 decode_rows(src, p.row0, &mut tmp);
-                out.iter_mut().zip(&tmp).for_each(|(o, v)| *o = half::bf16::from_f32(*v).to_bits());
+                out.iter_mut()
+                    .zip(&tmp)
+                    .for_each(|(o, v)| *o = half::bf16::from_f32(*v).to_bits());
             }
             Dst::Quant(q) => write_quantized(src, p, q),
             Dst::I32(out) => {
@@ -735,16 +737,24 @@ fn write_quantized(src: &Source, p: Piece, q: &mut QMatrix) {
         (Encoding::Fp8(b), QFormat::Fp8 { block }, Some((scale, sdt)))
             if b == block && p.row0 % src.mat_rows == 0 && p.rows == src.mat_rows =>
         {
-            q.codes.copy_from_slice(&src.data[p.row0 * cols..(p.row0 + p.rows) * cols]);
+            q.codes
+                .copy_from_slice(&src.data[p.row0 * cols..(p.row0 + p.rows) * cols]);
             let per_mat = q.scales.len();
             let m = p.row0 / src.mat_rows;
-            q.scales.iter_mut().enumerate().for_each(|(i, s)| *s = sdt.get(scale, m * per_mat + i));
+            q.scales
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, s)| *s = sdt.get(scale, m * per_mat + i));
         }
         (Encoding::Fp4, QFormat::Fp4, Some((scale, sdt))) => {
             let half = cols / 2;
-            q.codes.copy_from_slice(&src.data[p.row0 * half..(p.row0 + p.rows) * half]);
+            q.codes
+                .copy_from_slice(&src.data[p.row0 * half..(p.row0 + p.rows) * half]);
             let sc = cols.div_ceil(FP4_BLOCK);
-            q.scales.iter_mut().enumerate().for_each(|(i, s)| *s = sdt.get(scale, p.row0 * sc + i));
+            q.scales
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, s)| *s = sdt.get(scale, p.row0 * sc + i));
         }
         _ => {
             let mut tmp = vec![0.0f32; p.rows * cols];

@@ -3,8 +3,8 @@
 //! (UE8M0 checkpoints give powers of two; F32-scaled checkpoints keep theirs exactly).
 //! Rows are dequantized on demand; writes quantize with the official rounding rules.
 
-use super::quant::{E2M1_MAX, E4M3_MAX, e2m1_encode, e4m3_encode, ue8m0_scale};
 use super::dtype::{E4M3_LUT, FP4_LUT};
+use super::quant::{E2M1_MAX, E4M3_MAX, e2m1_encode, e4m3_encode, ue8m0_scale};
 
 /// Scale block of FP4 experts along the input dimension.
 pub const FP4_BLOCK: usize = 32;
@@ -31,10 +31,19 @@ impl QMatrix {
     /// Zero matrix of the given format (all allocation happens here).
     pub fn zeros(format: QFormat, rows: usize, cols: usize) -> Self {
         let (ncodes, nscales) = match format {
-            QFormat::Fp8 { block } => (rows * cols, rows.div_ceil(block[0]) * cols.div_ceil(block[1])),
+            QFormat::Fp8 { block } => (
+                rows * cols,
+                rows.div_ceil(block[0]) * cols.div_ceil(block[1]),
+            ),
             QFormat::Fp4 => (rows * cols.div_ceil(2), rows * cols.div_ceil(FP4_BLOCK)),
         };
-        QMatrix { format, rows, cols, codes: vec![0; ncodes], scales: vec![1.0; nscales] }
+        QMatrix {
+            format,
+            rows,
+            cols,
+            codes: vec![0; ncodes],
+            scales: vec![1.0; nscales],
+        }
     }
 
     /// Scale-grid columns per scale row.
@@ -60,7 +69,11 @@ impl QMatrix {
                 let srow = &self.scales[r * self.scale_cols()..(r + 1) * self.scale_cols()];
                 let bytes = &self.codes[r * c.div_ceil(2)..(r + 1) * c.div_ceil(2)];
                 for j in 0..c {
-                    let nib = if j % 2 == 0 { bytes[j / 2] & 0xf } else { bytes[j / 2] >> 4 };
+                    let nib = if j % 2 == 0 {
+                        bytes[j / 2] & 0xf
+                    } else {
+                        bytes[j / 2] >> 4
+                    };
                     out[j] = FP4_LUT[nib as usize] * srow[j / FP4_BLOCK];
                 }
             }
@@ -82,13 +95,16 @@ impl QMatrix {
                         let c1 = ((bc + 1) * block[1]).min(cols);
                         let mut amax = 0.0f32;
                         for r in br * block[0]..r1 {
-                            src[r * cols + bc * block[1]..r * cols + c1].iter().for_each(|v| amax = amax.max(v.abs()));
+                            src[r * cols + bc * block[1]..r * cols + c1]
+                                .iter()
+                                .for_each(|v| amax = amax.max(v.abs()));
                         }
                         let (_, s) = ue8m0_scale(amax.max(1e-4), E4M3_MAX);
                         self.scales[br * scols + bc] = s;
                         for r in br * block[0]..r1 {
                             for j in bc * block[1]..c1 {
-                                self.codes[r * cols + j] = e4m3_encode((src[r * cols + j] / s).clamp(-E4M3_MAX, E4M3_MAX));
+                                self.codes[r * cols + j] =
+                                    e4m3_encode((src[r * cols + j] / s).clamp(-E4M3_MAX, E4M3_MAX));
                             }
                         }
                     }
@@ -100,13 +116,21 @@ impl QMatrix {
                     for bc in 0..scols {
                         let (c0, c1) = (bc * FP4_BLOCK, ((bc + 1) * FP4_BLOCK).min(cols));
                         let vals = &src[r * cols + c0..r * cols + c1];
-                        let amax = vals.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(E2M1_MAX * f32::MIN_POSITIVE);
+                        let amax = vals
+                            .iter()
+                            .fold(0.0f32, |m, v| m.max(v.abs()))
+                            .max(E2M1_MAX * f32::MIN_POSITIVE);
                         let (_, s) = ue8m0_scale(amax, E2M1_MAX);
                         self.scales[r * scols + bc] = s;
                         for j in c0..c1 {
-                            let nib = e2m1_encode((src[r * cols + j] / s).clamp(-E2M1_MAX, E2M1_MAX));
+                            let nib =
+                                e2m1_encode((src[r * cols + j] / s).clamp(-E2M1_MAX, E2M1_MAX));
                             let b = &mut self.codes[r * half + j / 2];
-                            *b = if j % 2 == 0 { (*b & 0xf0) | nib } else { (*b & 0x0f) | (nib << 4) };
+                            *b = if j % 2 == 0 {
+                                (*b & 0xf0) | nib
+                            } else {
+                                (*b & 0x0f) | (nib << 4)
+                            };
                         }
                     }
                 }
@@ -125,7 +149,12 @@ mod tests {
     use super::*;
 
     fn sample(n: usize) -> Vec<f32> {
-        (0..n).map(|i| (((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0) * if i % 7 == 0 { 30.0 } else { 1.0 }).collect()
+        (0..n)
+            .map(|i| {
+                (((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0)
+                    * if i % 7 == 0 { 30.0 } else { 1.0 }
+            })
+            .collect()
     }
 
     #[test]
@@ -143,14 +172,30 @@ mod tests {
                 let s = m.scales[(i / 128) * 2 + j / 128];
                 assert!(s.log2().fract() == 0.0, "scale is a power of two");
                 // e4m3 keeps 3 mantissa bits: relative error <= 2^-4 unless subnormal.
-                assert!((row[j] - src[i * c + j]).abs() <= src[i * c + j].abs() / 16.0 + s * 2f32.powi(-9), "{i},{j}");
+                assert!(
+                    (row[j] - src[i * c + j]).abs()
+                        <= src[i * c + j].abs() / 16.0 + s * 2f32.powi(-9),
+                    "{i},{j}"
+                );
             }
         }
         // Re-quantizing the dequantized values reproduces them exactly.
-        let deq: Vec<f32> = (0..r).flat_map(|i| { let mut v = vec![0.0; c]; m.row(i, &mut v); v }).collect();
+        let deq: Vec<f32> = (0..r)
+            .flat_map(|i| {
+                let mut v = vec![0.0; c];
+                m.row(i, &mut v);
+                v
+            })
+            .collect();
         let mut m2 = QMatrix::zeros(QFormat::Fp8 { block: [128, 128] }, r, c);
         m2.quantize_from(&deq);
-        let deq2: Vec<f32> = (0..r).flat_map(|i| { let mut v = vec![0.0; c]; m2.row(i, &mut v); v }).collect();
+        let deq2: Vec<f32> = (0..r)
+            .flat_map(|i| {
+                let mut v = vec![0.0; c];
+                m2.row(i, &mut v);
+                v
+            })
+            .collect();
         assert_eq!(deq, deq2);
     }
 
@@ -163,7 +208,11 @@ mod tests {
         src[c + 33] = 3.0; // second scale block of row 1
         let mut m = QMatrix::zeros(QFormat::Fp4, r, c);
         m.quantize_from(&src);
-        assert_eq!(m.codes[0], 0x7 | (0xa << 4), "6.0 = code 7 low, -1.0 = code 0xa high");
+        assert_eq!(
+            m.codes[0],
+            0x7 | (0xa << 4),
+            "6.0 = code 7 low, -1.0 = code 0xa high"
+        );
         assert_eq!(m.scales[0], 1.0);
         let mut row = vec![0.0; c];
         m.row(1, &mut row);

@@ -60,7 +60,9 @@ pub fn e4m3_encode(x: f32) -> u8 {
     // The rounded magnitude is exactly representable: find its code among the 127
     // non-negative finite codes (the table is increasing).
     let mag = v.abs();
-    let code = (0u8..0x7f).find(|&c| E4M3_LUT[c as usize] == mag).expect("rounded value is an e4m3 code");
+    let code = (0u8..0x7f)
+        .find(|&c| E4M3_LUT[c as usize] == mag)
+        .expect("rounded value is an e4m3 code");
     sign | code
 }
 
@@ -68,7 +70,9 @@ pub fn e4m3_encode(x: f32) -> u8 {
 pub fn e2m1_encode(x: f32) -> u8 {
     let v = e2m1_round(x);
     let mag = v.abs();
-    let code = (0u8..8).find(|&c| FP4_LUT[c as usize] == mag).expect("rounded value is an e2m1 code");
+    let code = (0u8..8)
+        .find(|&c| FP4_LUT[c as usize] == mag)
+        .expect("rounded value is an e2m1 code");
     if v.is_sign_negative() { code | 8 } else { code }
 }
 
@@ -91,7 +95,8 @@ pub fn fp8_sim(x: &mut [f32], block: usize) {
     for b in x.chunks_mut(block) {
         let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-4);
         let (_, s) = ue8m0_scale(amax, E4M3_MAX);
-        b.iter_mut().for_each(|v| *v = e4m3_round((*v / s).clamp(-E4M3_MAX, E4M3_MAX)) * s);
+        b.iter_mut()
+            .for_each(|v| *v = e4m3_round((*v / s).clamp(-E4M3_MAX, E4M3_MAX)) * s);
     }
 }
 
@@ -102,13 +107,15 @@ pub fn fp4_sim(x: &mut [f32], block: usize) {
     for b in x.chunks_mut(block) {
         let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(floor);
         let (_, s) = ue8m0_scale(amax, E2M1_MAX);
-        b.iter_mut().for_each(|v| *v = e2m1_round((*v / s).clamp(-E2M1_MAX, E2M1_MAX)) * s);
+        b.iter_mut()
+            .for_each(|v| *v = e2m1_round((*v / s).clamp(-E2M1_MAX, E2M1_MAX)) * s);
     }
 }
 
 /// Rounds every value to the nearest bfloat16 (ties to even), in place.
 pub fn round_bf16(x: &mut [f32]) {
-    x.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
+    x.iter_mut()
+        .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
 }
 
 #[cfg(test)]
@@ -117,7 +124,17 @@ mod tests {
 
     #[test]
     fn e2m1_rounding_matches_the_documented_ties() {
-        let cases = [(0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0), (7.0, 6.0), (-0.3, -0.5)];
+        let cases = [
+            (0.25, 0.0),
+            (0.75, 1.0),
+            (1.25, 1.0),
+            (1.75, 2.0),
+            (2.5, 2.0),
+            (3.5, 4.0),
+            (5.0, 4.0),
+            (7.0, 6.0),
+            (-0.3, -0.5),
+        ];
         for (x, want) in cases {
             assert_eq!(e2m1_round(x), want, "{x}");
         }
@@ -164,7 +181,9 @@ mod tests {
 
     #[test]
     fn fp8_sim_is_idempotent_and_bounded() {
-        let mut x: Vec<f32> = (0..200).map(|i| ((i * 7919) % 1000) as f32 / 37.0 - 13.0).collect();
+        let mut x: Vec<f32> = (0..200)
+            .map(|i| ((i * 7919) % 1000) as f32 / 37.0 - 13.0)
+            .collect();
         let orig = x.clone();
         fp8_sim(&mut x, 64);
         let once = x.clone();

@@ -43,7 +43,12 @@ impl TensorSpec {
 }
 
 fn float(name: String, shape: &[usize], stored: StoredAs) -> TensorSpec {
-    TensorSpec { name, shape: shape.to_vec(), kind: ElemKind::Float, stored }
+    TensorSpec {
+        name,
+        shape: shape.to_vec(),
+        kind: ElemKind::Float,
+        stored,
+    }
 }
 
 /// Every weight of the model in a fixed order (globals, then layer by layer).
@@ -67,35 +72,95 @@ pub fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
         s.push(float(p("attn_norm.weight"), &[d], Plain));
         s.push(float(p("ffn_norm.weight"), &[d], Plain));
         for site in ["attn", "ffn"] {
-            s.push(float(p(&format!("hc_{site}_fn")), &[cfg.hc_mix_dim(), n * d], Plain));
-            s.push(float(p(&format!("hc_{site}_base")), &[cfg.hc_mix_dim()], Plain));
+            s.push(float(
+                p(&format!("hc_{site}_fn")),
+                &[cfg.hc_mix_dim(), n * d],
+                Plain,
+            ));
+            s.push(float(
+                p(&format!("hc_{site}_base")),
+                &[cfg.hc_mix_dim()],
+                Plain,
+            ));
             s.push(float(p(&format!("hc_{site}_scale")), &[3], Plain));
         }
-        s.push(float(p("attn.wq_a.weight"), &[cfg.q_lora_rank, d], Fp8Block));
+        s.push(float(
+            p("attn.wq_a.weight"),
+            &[cfg.q_lora_rank, d],
+            Fp8Block,
+        ));
         s.push(float(p("attn.q_norm.weight"), &[cfg.q_lora_rank], Plain));
-        s.push(float(p("attn.wq_b.weight"), &[h * hd, cfg.q_lora_rank], Fp8Block));
+        s.push(float(
+            p("attn.wq_b.weight"),
+            &[h * hd, cfg.q_lora_rank],
+            Fp8Block,
+        ));
         s.push(float(p("attn.wkv.weight"), &[hd, d], Fp8Block));
         s.push(float(p("attn.kv_norm.weight"), &[hd], Plain));
-        s.push(float(p("attn.wo_a.weight"), &[cfg.o_groups * cfg.o_lora_rank, h * hd / cfg.o_groups], Fp8Block));
-        s.push(float(p("attn.wo_b.weight"), &[d, cfg.o_groups * cfg.o_lora_rank], Fp8Block));
+        s.push(float(
+            p("attn.wo_a.weight"),
+            &[cfg.o_groups * cfg.o_lora_rank, h * hd / cfg.o_groups],
+            Fp8Block,
+        ));
+        s.push(float(
+            p("attn.wo_b.weight"),
+            &[d, cfg.o_groups * cfg.o_lora_rank],
+            Fp8Block,
+        ));
         s.push(float(p("attn.attn_sink"), &[h], Plain));
         if layer.attn != AttnKind::Sliding {
             let c = if layer.attn == AttnKind::Csa { 2 } else { 1 };
             s.push(float(p("attn.compressor.wkv.weight"), &[c * hd, d], Plain));
-            s.push(float(p("attn.compressor.wgate.weight"), &[c * hd, d], Plain));
+            s.push(float(
+                p("attn.compressor.wgate.weight"),
+                &[c * hd, d],
+                Plain,
+            ));
             s.push(float(p("attn.compressor.norm.weight"), &[hd], Plain));
-            s.push(float(p("attn.compressor.ape"), &[layer.ratio, c * hd], Plain));
+            s.push(float(
+                p("attn.compressor.ape"),
+                &[layer.ratio, c * hd],
+                Plain,
+            ));
         }
         if layer.attn == AttnKind::Csa {
             let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
-            s.push(float(p("attn.indexer.wq_b.weight"), &[hi * di, cfg.q_lora_rank], Fp8Block));
-            s.push(float(p("attn.indexer.weights_proj.weight"), &[hi, d], Plain));
-            s.push(float(p("attn.indexer.compressor.wkv.weight"), &[2 * di, d], Plain));
-            s.push(float(p("attn.indexer.compressor.wgate.weight"), &[2 * di, d], Plain));
-            s.push(float(p("attn.indexer.compressor.norm.weight"), &[di], Plain));
-            s.push(float(p("attn.indexer.compressor.ape"), &[layer.ratio, 2 * di], Plain));
+            s.push(float(
+                p("attn.indexer.wq_b.weight"),
+                &[hi * di, cfg.q_lora_rank],
+                Fp8Block,
+            ));
+            s.push(float(
+                p("attn.indexer.weights_proj.weight"),
+                &[hi, d],
+                Plain,
+            ));
+            s.push(float(
+                p("attn.indexer.compressor.wkv.weight"),
+                &[2 * di, d],
+                Plain,
+            ));
+            s.push(float(
+                p("attn.indexer.compressor.wgate.weight"),
+                &[2 * di, d],
+                Plain,
+            ));
+            s.push(float(
+                p("attn.indexer.compressor.norm.weight"),
+                &[di],
+                Plain,
+            ));
+            s.push(float(
+                p("attn.indexer.compressor.ape"),
+                &[layer.ratio, 2 * di],
+                Plain,
+            ));
         }
-        s.push(float(p("ffn.gate.weight"), &[cfg.n_routed_experts, d], Plain));
+        s.push(float(
+            p("ffn.gate.weight"),
+            &[cfg.n_routed_experts, d],
+            Plain,
+        ));
         if layer.hash {
             s.push(TensorSpec {
                 name: p("ffn.gate.tid2eid"),
@@ -113,9 +178,21 @@ pub fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
             s.push(float(p("ffn.shared_experts.w3.weight"), &[i, d], Fp8Block));
         }
         for e in 0..cfg.n_routed_experts {
-            s.push(float(p(&format!("ffn.experts.{e}.w1.weight")), &[i, d], Fp4Expert));
-            s.push(float(p(&format!("ffn.experts.{e}.w2.weight")), &[d, i], Fp4Expert));
-            s.push(float(p(&format!("ffn.experts.{e}.w3.weight")), &[i, d], Fp4Expert));
+            s.push(float(
+                p(&format!("ffn.experts.{e}.w1.weight")),
+                &[i, d],
+                Fp4Expert,
+            ));
+            s.push(float(
+                p(&format!("ffn.experts.{e}.w2.weight")),
+                &[d, i],
+                Fp4Expert,
+            ));
+            s.push(float(
+                p(&format!("ffn.experts.{e}.w3.weight")),
+                &[i, d],
+                Fp4Expert,
+            ));
         }
     }
     s

@@ -38,7 +38,10 @@ impl TensorData {
     pub fn set_from_f32(&mut self, values: &[f32]) {
         match self {
             TensorData::F32(v) => v.copy_from_slice(values),
-            TensorData::Bf16(v) => v.iter_mut().zip(values).for_each(|(o, x)| *o = half::bf16::from_f32(*x).to_bits()),
+            TensorData::Bf16(v) => v
+                .iter_mut()
+                .zip(values)
+                .for_each(|(o, x)| *o = half::bf16::from_f32(*x).to_bits()),
             TensorData::Quant(q) => q.quantize_from(values),
             TensorData::I32(_) => {}
         }
@@ -58,9 +61,10 @@ impl MatRef<'_> {
     pub fn row_into(&self, r: usize, cols: usize, out: &mut [f32]) {
         match self {
             MatRef::F32(v) => out.copy_from_slice(&v[r * cols..(r + 1) * cols]),
-            MatRef::Bf16(v) => {
-                out.iter_mut().zip(&v[r * cols..(r + 1) * cols]).for_each(|(o, &b)| *o = half::bf16::from_bits(b).to_f32())
-            }
+            MatRef::Bf16(v) => out
+                .iter_mut()
+                .zip(&v[r * cols..(r + 1) * cols])
+                .for_each(|(o, &b)| *o = half::bf16::from_bits(b).to_f32()),
             MatRef::Quant(q) => q.row(r, out),
         }
     }
@@ -104,7 +108,11 @@ fn storage_for(spec: &TensorSpec, cfg: &ModelConfig, format: WeightFormat) -> Re
     };
     let (rows, cols) = (spec.shape[0], spec.shape[1]);
     if qf == QFormat::Fp4 && cols % 2 != 0 {
-        crate::bail!(Config, "weight `{}` has an odd input dimension {cols}: FP4 packs two values per byte", spec.name);
+        crate::bail!(
+            Config,
+            "weight `{}` has an odd input dimension {cols}: FP4 packs two values per byte",
+            spec.name
+        );
     }
     // Reserve first so a huge config fails cleanly instead of aborting.
     let _probe: Vec<u8> = try_zeroed(rows * cols, &spec.name)?;
@@ -175,7 +183,10 @@ impl WeightStore {
     pub fn f32(&self, i: usize) -> &[f32] {
         match &self.tensors[i].data {
             TensorData::F32(v) => v,
-            _ => panic!("weight `{}` is not stored as f32", self.tensors[i].spec.name),
+            _ => panic!(
+                "weight `{}` is not stored as f32",
+                self.tensors[i].spec.name
+            ),
         }
     }
 
@@ -183,7 +194,10 @@ impl WeightStore {
     pub fn i32(&self, i: usize) -> &[i32] {
         match &self.tensors[i].data {
             TensorData::I32(v) => v,
-            _ => panic!("weight `{}` is not an index tensor", self.tensors[i].spec.name),
+            _ => panic!(
+                "weight `{}` is not an index tensor",
+                self.tensors[i].spec.name
+            ),
         }
     }
 
@@ -193,7 +207,10 @@ impl WeightStore {
             TensorData::F32(v) => MatRef::F32(v),
             TensorData::Bf16(v) => MatRef::Bf16(v),
             TensorData::Quant(q) => MatRef::Quant(q),
-            TensorData::I32(_) => panic!("weight `{}` is an index table, not a matrix", self.tensors[i].spec.name),
+            TensorData::I32(_) => panic!(
+                "weight `{}` is an index table, not a matrix",
+                self.tensors[i].spec.name
+            ),
         }
     }
 
@@ -205,7 +222,8 @@ impl WeightStore {
 
     /// Index of a weight the model requires; a missing one is an internal error.
     pub fn require(&self, name: &str) -> Result<usize> {
-        self.index_of(name).ok_or_else(|| crate::err!(Internal, "weight table lacks `{name}`"))
+        self.index_of(name)
+            .ok_or_else(|| crate::err!(Internal, "weight table lacks `{name}`"))
     }
 }
 
@@ -213,7 +231,10 @@ impl WeightStore {
 fn try_zeroed<T: Default + Clone>(n: usize, name: &str) -> Result<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(n).map_err(|_| {
-        crate::error::Error::new(Status::Capacity, format!("cannot allocate {n} elements for weight `{name}`"))
+        crate::error::Error::new(
+            Status::Capacity,
+            format!("cannot allocate {n} elements for weight `{name}`"),
+        )
     })?;
     v.resize(n, T::default());
     Ok(v)

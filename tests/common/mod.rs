@@ -11,7 +11,11 @@ use safetensors::SafeTensors;
 /// copy of the tree).
 pub fn fixture_dir(name: &str) -> PathBuf {
     let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let root = if built.is_dir() { built } else { PathBuf::from("tests/fixtures") };
+    let root = if built.is_dir() {
+        built
+    } else {
+        PathBuf::from("tests/fixtures")
+    };
     root.join(name)
 }
 

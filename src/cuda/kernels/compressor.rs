@@ -1,6 +1,209 @@
-//! Rust side of the `compressor` kernel family (kernels/compressor.cu): typed launch wrappers. See kernels/SPEC.md.
+//! Rust side of the `compressor` kernel family (kernels/compressor.cu): typed launch wrappers.
+//! See kernels/SPEC.md. The token-streaming compressor of one layer (main KV entries or
+//! indexer keys), one block per sequence; the CPU reference is
+//! `reference::attention::compress_chunk` + `reference::compressor::push`.
 
-use crate::cuda::registry::KernelSource;
+use super::attention::BatchMeta;
+use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
+use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
+use crate::cuda::{Context, DevicePtr};
+use crate::error::{Error, Result, Status};
 
 /// The family as the registry compiles and loads it.
-pub const SOURCE: KernelSource = KernelSource { family: "compressor", source: include_str!("../../../kernels/compressor.cu"), functions: &[] };
+pub const SOURCE: KernelSource = KernelSource {
+    family: "compressor",
+    source: include_str!("../../../kernels/compressor.cu"),
+    functions: &[KernelFn::new("compress_kernel")],
+};
+
+const FAMILY: &str = "compressor";
+/// Threads per block: one channel each for d_c = 512 (latency of the f64 exps is what
+/// limits the pooling, so more warps help).
+const THREADS: u32 = 512;
+/// Largest d_c: shared memory holds d_c doubles + d_c floats within the default 48 KB.
+pub const MAX_DC: usize = 2048;
+
+/// What the compressor produces (they differ only in the official fake-quantisation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompressKind {
+    /// Main KV entry: nope channels fp8sim (official).
+    Kv = 0,
+    /// Indexer key: Hadamard + fp4sim (official).
+    IndexKey = 1,
+}
+
+/// One compressor's launch (kernels/SPEC.md `compress_kernel`).
+#[derive(Clone, Copy, Debug)]
+pub struct CompressArgs {
+    /// Inputs `a` and raw gate logits `z` (without ape): [T, width] f32,
+    /// width = 2 * dc with overlap, else dc.
+    pub a: DevicePtr,
+    pub z: DevicePtr,
+    /// State: pending rows [num_slots, ratio, width] x2; previous window's A halves
+    /// [num_slots, ratio, dc] x2 and has_prev int [num_slots] (overlap only).
+    pub pend_a: DevicePtr,
+    pub pend_z: DevicePtr,
+    pub prev_a: Option<DevicePtr>,
+    pub prev_z: Option<DevicePtr>,
+    pub has_prev: Option<DevicePtr>,
+    /// Weights: ape [ratio, width], RMSNorm weight [dc], inverse RoPE frequencies [rope_dim/2].
+    pub ape: DevicePtr,
+    pub norm_w: DevicePtr,
+    pub inv_freq: DevicePtr,
+    pub rope_dim: usize,
+    pub ratio: usize,
+    pub overlap: bool,
+    pub dc: usize,
+    pub eps: f32,
+    pub kind: CompressKind,
+    /// Leading channels fp8-simulated (Kv, official): head_dim - rope_dim.
+    pub nope: usize,
+    pub official: bool,
+    /// Output entries [num_slots, maxe, dc].
+    pub entries: DevicePtr,
+    pub maxe: usize,
+    pub num_slots: usize,
+}
+
+impl CompressArgs {
+    pub fn width(&self) -> usize {
+        if self.overlap { 2 * self.dc } else { self.dc }
+    }
+
+    /// Dynamic shared memory of the launch: d_c doubles (Hadamard) + d_c floats (the entry).
+    pub fn smem_bytes(&self) -> usize {
+        self.dc * 12
+    }
+}
+
+/// The compressor family's entry point, resolved from a loaded registry.
+pub struct Compressor {
+    compress: Kernel,
+}
+
+fn bad(msg: String) -> Error {
+    Error::new(Status::Internal, format!("{FAMILY}: {msg}"))
+}
+
+fn need(what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
+    if p.bytes() < bytes {
+        return Err(bad(format!(
+            "`{what}` holds {} bytes, needs {bytes}",
+            p.bytes()
+        )));
+    }
+    Ok(())
+}
+
+fn i32_of(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| bad(format!("{what} = {v} does not fit an int")))
+}
+
+impl Compressor {
+    pub fn new(reg: &Registry) -> Result<Compressor> {
+        Ok(Compressor {
+            compress: reg.get(FAMILY, "compress_kernel")?,
+        })
+    }
+
+    /// Pushes every token of the batch through the compressor of its sequence's slot, in
+    /// order; completed windows become entries `p / ratio`. Resets `has_prev` of sequences
+    /// that start at position 0.
+    pub fn compress(
+        &self,
+        ctx: &Context,
+        b: &BatchMeta,
+        x: &CompressArgs,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        b.check(FAMILY)?;
+        let (t, r, dc, w, slots) = (b.num_tokens, x.ratio, x.dc, x.width(), x.num_slots);
+        if r == 0 || dc == 0 || slots == 0 || x.maxe == 0 || dc > MAX_DC {
+            return Err(bad(format!(
+                "ratio {r}, dc {dc}, {slots} slots, maxe {} (dc <= {MAX_DC})",
+                x.maxe
+            )));
+        }
+        if !x.rope_dim.is_multiple_of(2) || x.rope_dim > dc {
+            return Err(bad(format!("rope_dim {} with dc {dc}", x.rope_dim)));
+        }
+        match x.kind {
+            CompressKind::Kv if x.nope > dc => {
+                return Err(bad(format!("nope {} above dc {dc}", x.nope)));
+            }
+            CompressKind::IndexKey if !dc.is_power_of_two() => {
+                return Err(bad(format!(
+                    "indexer keys need a power-of-two dc, got {dc}"
+                )));
+            }
+            _ => {}
+        }
+        need("a", x.a, t * w * 4)?;
+        need("z", x.z, t * w * 4)?;
+        need("pend_a", x.pend_a, slots * r * w * 4)?;
+        need("pend_z", x.pend_z, slots * r * w * 4)?;
+        need("ape", x.ape, r * w * 4)?;
+        need("norm_w", x.norm_w, dc * 4)?;
+        need("inv_freq", x.inv_freq, x.rope_dim / 2 * 4)?;
+        need("entries", x.entries, slots * x.maxe * dc * 4)?;
+        let (pa, pz, hp) = if x.overlap {
+            let (Some(pa), Some(pz), Some(hp)) = (x.prev_a, x.prev_z, x.has_prev) else {
+                return Err(bad(
+                    "an overlapping compressor needs prev_a, prev_z and has_prev".into(),
+                ));
+            };
+            need("prev_a", pa, slots * r * dc * 4)?;
+            need("prev_z", pz, slots * r * dc * 4)?;
+            need("has_prev", hp, slots * 4)?;
+            (pa.addr(), pz.addr(), hp.addr())
+        } else {
+            let a = |p: Option<DevicePtr>| p.map_or(0, |p| p.addr());
+            (a(x.prev_a), a(x.prev_z), a(x.has_prev))
+        };
+        let smem = x.smem_bytes();
+        if smem > self.compress.max_dynamic_smem as usize {
+            return Err(bad(format!(
+                "dc {dc} needs {smem} bytes of shared memory, above {}",
+                self.compress.max_dynamic_smem
+            )));
+        }
+        let _g = ctx.enter()?;
+        let mut a = KernelArgs::new();
+        a.ptr(x.a)
+            .ptr(x.z)
+            .ptr(b.positions)
+            .ptr(b.query_start)
+            .ptr(b.seq_slots)
+            .i32(i32_of("num_seqs", b.num_seqs)?)
+            .ptr(x.pend_a)
+            .ptr(x.pend_z)
+            .u64(pa)
+            .u64(pz)
+            .u64(hp)
+            .ptr(x.ape)
+            .ptr(x.norm_w)
+            .ptr(x.inv_freq)
+            .i32((x.rope_dim / 2) as i32)
+            .i32(i32_of("ratio", r)?)
+            .i32(x.overlap as i32)
+            .i32(dc as i32)
+            .f32(x.eps)
+            .i32(x.kind as i32)
+            .i32(x.nope as i32)
+            .i32(x.official as i32)
+            .ptr(x.entries)
+            .i32(i32_of("maxe", x.maxe)?);
+        // SAFETY: matches `compress_kernel` of kernels/compressor.cu in order and size; every
+        // buffer's size was checked above.
+        unsafe {
+            launch(
+                &self.compress,
+                b.num_seqs as u32,
+                THREADS,
+                smem as u32,
+                stream,
+                &a,
+            )
+        }
+    }
+}

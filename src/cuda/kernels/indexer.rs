@@ -1,6 +1,147 @@
-//! Rust side of the `indexer` kernel family (kernels/indexer.cu): typed launch wrappers. See kernels/SPEC.md.
+//! Rust side of the `indexer` kernel family (kernels/indexer.cu): typed launch wrappers.
+//! See kernels/SPEC.md. The lightning indexer's scores and top-k selection, one block per
+//! token; the CPU reference is `reference::attention::select_entries`.
 
-use crate::cuda::registry::KernelSource;
+use super::attention::BatchMeta;
+use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
+use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
+use crate::cuda::{Context, DevicePtr};
+use crate::error::{Error, Result, Status};
+
+/// Largest dynamic shared memory of `indexer_kernel` (q of every head and a tile of keys as
+/// f64, their per-head dots; afterwards the token's scores when they fit). 64 heads of 128
+/// need 87.3 KB.
+pub const INDEXER_MAX_SMEM: u32 = 96 * 1024;
 
 /// The family as the registry compiles and loads it.
-pub const SOURCE: KernelSource = KernelSource { family: "indexer", source: include_str!("../../../kernels/indexer.cu"), functions: &[] };
+pub const SOURCE: KernelSource = KernelSource {
+    family: "indexer",
+    source: include_str!("../../../kernels/indexer.cu"),
+    functions: &[KernelFn::with_smem("indexer_kernel", INDEXER_MAX_SMEM)],
+};
+
+const FAMILY: &str = "indexer";
+const THREADS: u32 = 256;
+/// IDX_TILE of kernels/indexer.cu.
+const TILE: usize = 16;
+
+/// One CSA layer's indexer launch (kernels/SPEC.md `indexer_kernel`).
+#[derive(Clone, Copy, Debug)]
+pub struct IndexerArgs {
+    /// Indexer queries [T, HI, DI] (after RoPE and the official quantisation).
+    pub qi: DevicePtr,
+    /// Head weights [T, HI], already scaled by DI^-1/2 * HI^-1/2.
+    pub iw: DevicePtr,
+    /// Indexer keys [num_slots, maxe, DI].
+    pub ikeys: DevicePtr,
+    pub heads: usize,
+    pub dim: usize,
+    pub ratio: usize,
+    pub topk: usize,
+    pub maxe: usize,
+    pub num_slots: usize,
+    pub official: bool,
+    /// Workspace [T, maxe]: the scores (bf16 values if official).
+    pub scores: DevicePtr,
+    /// Output [T, topk] int: selected entries, best first (ties: lower index), -1 padded.
+    pub selected: DevicePtr,
+    /// Output [T] int: min(topk, visible entries).
+    pub nsel: DevicePtr,
+}
+
+impl IndexerArgs {
+    /// Dynamic shared memory of the launch.
+    pub fn smem_bytes(&self) -> usize {
+        let st = self.dim.div_ceil(4) * 4 + 2;
+        let base = (self.heads + TILE) * st * 8 + (TILE * self.heads + self.heads) * 4;
+        // Room for every score too (the top-k then reads shared memory), when affordable.
+        base.max((self.maxe * 4).min(INDEXER_MAX_SMEM as usize))
+    }
+}
+
+/// The indexer family's entry point, resolved from a loaded registry.
+pub struct Indexer {
+    indexer: Kernel,
+}
+
+fn bad(msg: String) -> Error {
+    Error::new(Status::Internal, format!("{FAMILY}: {msg}"))
+}
+
+fn need(what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
+    if p.bytes() < bytes {
+        return Err(bad(format!(
+            "`{what}` holds {} bytes, needs {bytes}",
+            p.bytes()
+        )));
+    }
+    Ok(())
+}
+
+fn i32_of(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| bad(format!("{what} = {v} does not fit an int")))
+}
+
+impl Indexer {
+    pub fn new(reg: &Registry) -> Result<Indexer> {
+        Ok(Indexer {
+            indexer: reg.get(FAMILY, "indexer_kernel")?,
+        })
+    }
+
+    /// Scores every visible indexer key of each token's slot and selects the top
+    /// min(topk, visible).
+    pub fn select(
+        &self,
+        ctx: &Context,
+        b: &BatchMeta,
+        x: &IndexerArgs,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        b.check(FAMILY)?;
+        let (t, hi, di) = (b.num_tokens, x.heads, x.dim);
+        if hi == 0 || di == 0 || x.ratio == 0 || x.topk == 0 || x.maxe == 0 || x.num_slots == 0 {
+            return Err(bad(format!(
+                "{hi} heads of {di}, ratio {}, topk {}, maxe {}, {} slots",
+                x.ratio, x.topk, x.maxe, x.num_slots
+            )));
+        }
+        need("qi", x.qi, t * hi * di * 4)?;
+        need("iw", x.iw, t * hi * 4)?;
+        need("ikeys", x.ikeys, x.num_slots * x.maxe * di * 4)?;
+        need("scores", x.scores, t * x.maxe * 4)?;
+        need("selected", x.selected, t * x.topk * 4)?;
+        need("nsel", x.nsel, t * 4)?;
+        let smem = x.smem_bytes();
+        if smem > self.indexer.max_dynamic_smem as usize {
+            return Err(Error::new(
+                Status::Capacity,
+                format!(
+                    "indexer: {hi} heads of {di} need {smem} bytes of shared memory, above {}",
+                    self.indexer.max_dynamic_smem
+                ),
+            ));
+        }
+        let _g = ctx.enter()?;
+        let mut a = KernelArgs::new();
+        a.ptr(x.qi)
+            .ptr(x.iw)
+            .ptr(x.ikeys)
+            .ptr(b.positions)
+            .ptr(b.seq_of)
+            .ptr(b.seq_slots)
+            .i32(i32_of("num_tokens", t)?)
+            .i32(i32_of("heads", hi)?)
+            .i32(i32_of("dim", di)?)
+            .i32(i32_of("ratio", x.ratio)?)
+            .i32(i32_of("topk", x.topk)?)
+            .i32(i32_of("maxe", x.maxe)?)
+            .i32(x.official as i32)
+            .ptr(x.scores)
+            .ptr(x.selected)
+            .ptr(x.nsel);
+        // SAFETY: matches `indexer_kernel` of kernels/indexer.cu in order and size; every
+        // buffer's size was checked above.
+        unsafe { launch(&self.indexer, t as u32, THREADS, smem as u32, stream, &a) }
+    }
+}

@@ -1,6 +1,422 @@
-//! Rust side of the `linear` kernel family (kernels/linear.cu): typed launch wrappers. See kernels/SPEC.md.
+//! Rust side of the `linear` kernel family (kernels/linear.cu): typed launch wrappers. See
+//! kernels/SPEC.md.
+//!
+//! - [`Linear::linear`]: `y = x · Wᵀ` with W in any stored format ([`DevWeight`]), f64 sums in the
+//!   CPU reference's order (bit-identical to `ops::matmul_mat`), optional BF16 rounding, strided
+//!   x and y.
+//! - [`Linear::act_quant`]: the official per-token FP8 activation quantisation (`fp8_sim(·, 128)`).
+//!
+//! `Prec::linear` of the reference is `act_quant` (official mode, quantized weight) followed by
+//! `linear` with `round_out = official`.
 
-use crate::cuda::registry::KernelSource;
+use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
+use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
+use crate::cuda::{Context, DevicePtr};
+use crate::error::{Error, Result, Status};
+use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
 
 /// The family as the registry compiles and loads it.
-pub const SOURCE: KernelSource = KernelSource { family: "linear", source: include_str!("../../../kernels/linear.cu"), functions: &[] };
+pub const SOURCE: KernelSource = KernelSource {
+    family: "linear",
+    source: include_str!("../../../kernels/linear.cu"),
+    functions: &[
+        KernelFn::new("linear_kernel"),
+        KernelFn::new("act_quant_kernel"),
+    ],
+};
+
+/// Token rows per `linear_kernel` block on the tiled path (GT_BM).
+pub const TILE_T: usize = 32;
+/// Token rows per `linear_kernel` block on the skinny path (GS_MAXR).
+pub const SKINNY_T: usize = 8;
+/// Largest T that takes the skinny path (LIN_SKINNY_MAX_T).
+pub const SKINNY_MAX_T: usize = 16;
+/// Output columns per `linear_kernel` block on the tiled path (LIN_BN).
+pub const TILE_N: usize = 64;
+/// Threads of a `linear_kernel` block (GEMM_THREADS).
+pub const LINEAR_THREADS: u32 = 256;
+
+/// Output columns per `linear_kernel` block on the skinny path (GS_BN).
+pub const SKINNY_N: usize = 16;
+
+/// (token rows, output columns) per `linear_kernel` block for `t` rows: the kernel takes the
+/// skinny path when `t <= SKINNY_MAX_T`, the tiled one otherwise.
+pub fn block_tile(t: usize) -> (usize, usize) {
+    if t <= SKINNY_MAX_T {
+        (SKINNY_T, SKINNY_N)
+    } else {
+        (TILE_T, TILE_N)
+    }
+}
+/// Block of the activation quantisation along K (ACT_BLOCK).
+pub const ACT_BLOCK: usize = 128;
+
+/// Stored format of a weight matrix on the device: the `fmt` code of SPEC.md.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum WFormat {
+    /// `float[rows * cols]`.
+    F32 = 0,
+    /// `unsigned short[rows * cols]` (bfloat16 bit patterns).
+    Bf16 = 1,
+    /// e4m3fn codes `u8[rows * cols]`, scales `f32[ceil(rows/br) * ceil(cols/bc)]`.
+    Fp8 = 2,
+    /// e2m1 codes `u8[rows * ceil(cols/2)]` (low nibble = even column), scales
+    /// `f32[rows * ceil(cols/32)]`.
+    Fp4 = 3,
+}
+
+impl WFormat {
+    /// The `fmt` argument of the kernels.
+    pub fn code(self) -> i32 {
+        self as i32
+    }
+
+    /// The device format of a quantized CPU matrix.
+    pub fn of_qformat(q: QFormat) -> WFormat {
+        match q {
+            QFormat::Fp8 { .. } => WFormat::Fp8,
+            QFormat::Fp4 => WFormat::Fp4,
+        }
+    }
+
+    /// Bytes of the values (codes) of a `rows x cols` matrix.
+    pub fn data_bytes(self, rows: usize, cols: usize) -> usize {
+        match self {
+            WFormat::F32 => rows * cols * 4,
+            WFormat::Bf16 => rows * cols * 2,
+            WFormat::Fp8 => rows * cols,
+            WFormat::Fp4 => rows * cols.div_ceil(2),
+        }
+    }
+
+    /// Number of f32 scales of a `rows x cols` matrix (`block` = FP8 [br, bc]).
+    pub fn scale_count(self, rows: usize, cols: usize, block: [usize; 2]) -> usize {
+        match self {
+            WFormat::F32 | WFormat::Bf16 => 0,
+            WFormat::Fp8 => rows.div_ceil(block[0].max(1)) * cols.div_ceil(block[1].max(1)),
+            WFormat::Fp4 => rows * cols.div_ceil(FP4_BLOCK),
+        }
+    }
+
+    pub fn is_quantized(self) -> bool {
+        matches!(self, WFormat::Fp8 | WFormat::Fp4)
+    }
+}
+
+/// A `rows x cols` weight matrix in device memory, laid out exactly as the CPU store holds it
+/// (`TensorData::F32` / `Bf16` / `Quant`): `data` the values or codes, `scales` the f32 scales
+/// of quantized formats, `block` the FP8 scale block [br, bc] (ignored otherwise).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DevWeight {
+    pub format: WFormat,
+    pub data: DevicePtr,
+    pub scales: Option<DevicePtr>,
+    pub block: [usize; 2],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl DevWeight {
+    /// Checks that the buffers hold the whole matrix and the scales are present when needed.
+    pub fn validate(&self) -> Result<()> {
+        let what = format!("{:?} weight {}x{}", self.format, self.rows, self.cols);
+        need(
+            &what,
+            "data",
+            self.data,
+            self.format.data_bytes(self.rows, self.cols),
+        )?;
+        if self.format.is_quantized() {
+            let Some(s) = self.scales else {
+                return Err(internal(format!("{what}: quantized weight without scales")));
+            };
+            if self.format == WFormat::Fp8 && (self.block[0] == 0 || self.block[1] == 0) {
+                return Err(internal(format!(
+                    "{what}: FP8 scale block {:?}",
+                    self.block
+                )));
+            }
+            need(
+                &what,
+                "scales",
+                s,
+                4 * self.format.scale_count(self.rows, self.cols, self.block),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The sub-matrix of rows `[row0, row0 + n)` (pointers offset; for FP8, `row0` must be a
+    /// multiple of the scale block's rows, as SPEC.md requires).
+    pub fn rows(&self, row0: usize, n: usize) -> Result<DevWeight> {
+        if row0.checked_add(n).is_none_or(|e| e > self.rows) {
+            return Err(internal(format!(
+                "rows {row0}..{row0}+{n} of a {}-row weight",
+                self.rows
+            )));
+        }
+        let c = self.cols;
+        let (data, scales) = match self.format {
+            WFormat::F32 | WFormat::Bf16 => {
+                let es = if self.format == WFormat::F32 { 4 } else { 2 };
+                (self.data.slice(row0 * c * es, n * c * es)?, self.scales)
+            }
+            WFormat::Fp8 => {
+                let br = self.block[0].max(1);
+                if row0 % br != 0 {
+                    return Err(internal(format!(
+                        "FP8 weight row offset {row0} is not a multiple of the scale block {br}"
+                    )));
+                }
+                let sc = c.div_ceil(self.block[1].max(1));
+                let s = self
+                    .scales
+                    .ok_or_else(|| internal("FP8 weight without scales".into()))?;
+                (
+                    self.data.slice(row0 * c, n * c)?,
+                    Some(s.slice(row0 / br * sc * 4, n.div_ceil(br) * sc * 4)?),
+                )
+            }
+            WFormat::Fp4 => {
+                let (half, sc) = (c.div_ceil(2), c.div_ceil(FP4_BLOCK));
+                let s = self
+                    .scales
+                    .ok_or_else(|| internal("FP4 weight without scales".into()))?;
+                (
+                    self.data.slice(row0 * half, n * half)?,
+                    Some(s.slice(row0 * sc * 4, n * sc * 4)?),
+                )
+            }
+        };
+        Ok(DevWeight {
+            data,
+            scales,
+            rows: n,
+            ..*self
+        })
+    }
+}
+
+fn internal(msg: String) -> Error {
+    Error::new(Status::Internal, msg)
+}
+
+fn need(kernel: &str, what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
+    if p.bytes() < bytes {
+        return Err(internal(format!(
+            "{kernel}: `{what}` holds {} bytes, needs {bytes}",
+            p.bytes()
+        )));
+    }
+    Ok(())
+}
+
+fn to_i32(kernel: &str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| internal(format!("{kernel}: {what} = {v} does not fit an int")))
+}
+
+/// Bytes of a `rows x cols` f32 matrix with row stride `ld` (0 when empty).
+pub fn strided_bytes(rows: usize, cols: usize, ld: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        ((rows - 1) * ld + cols) * 4
+    }
+}
+
+/// The linear family's entry points, resolved from a loaded registry.
+pub struct Linear {
+    linear: Kernel,
+    act_quant: Kernel,
+}
+
+impl Linear {
+    pub fn new(reg: &Registry) -> Result<Linear> {
+        Ok(Linear {
+            linear: reg.get("linear", "linear_kernel")?,
+            act_quant: reg.get("linear", "act_quant_kernel")?,
+        })
+    }
+
+    /// `y[t*ldy + c] = f32(Σ_k f64(x[t*ldx + k]) * f64(W[c, k]))` for `t < rows`, `c < n`,
+    /// `k < w.cols`, then BF16-rounded if `round_out`. W is rows `[0, n)` of `w` (use
+    /// [`DevWeight::rows`] for an offset). `x` and `y` must not overlap.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear(
+        &self,
+        ctx: &Context,
+        x: DevicePtr,
+        ldx: usize,
+        rows: usize,
+        w: &DevWeight,
+        n: usize,
+        round_out: bool,
+        y: DevicePtr,
+        ldy: usize,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "linear_kernel";
+        let k = w.cols;
+        if ldx < k || ldy < n {
+            return Err(internal(format!(
+                "{K}: strides ldx {ldx} / ldy {ldy} below K {k} / N {n}"
+            )));
+        }
+        if n > w.rows {
+            return Err(internal(format!(
+                "{K}: {n} outputs from a {}-row weight",
+                w.rows
+            )));
+        }
+        w.validate()?;
+        need(K, "x", x, strided_bytes(rows, k, ldx))?;
+        need(K, "y", y, strided_bytes(rows, n, ldy))?;
+        let (t32, k32, n32) = (
+            to_i32(K, "rows", rows)?,
+            to_i32(K, "K", k)?,
+            to_i32(K, "N", n)?,
+        );
+        let (ldx32, ldy32) = (to_i32(K, "ldx", ldx)?, to_i32(K, "ldy", ldy)?);
+        let br = to_i32(K, "block rows", w.block[0])?;
+        let bc = to_i32(K, "block cols", w.block[1])?;
+        if rows == 0 || n == 0 {
+            return Ok(());
+        }
+        let (bt, bn) = block_tile(rows);
+        let gy = rows.div_ceil(bt);
+        if gy > 65_535 {
+            return Err(internal(format!("{K}: {rows} rows exceed the grid")));
+        }
+        let gx = n.div_ceil(bn) as u32;
+        let _g = ctx.enter()?;
+        let mut a = KernelArgs::new();
+        a.ptr(x)
+            .i32(ldx32)
+            .i32(t32)
+            .i32(k32)
+            .i32(n32)
+            .i32(w.format.code())
+            .ptr(w.data)
+            .ptr(w.scales.map_or(0, u64::from))
+            .i32(br)
+            .i32(bc)
+            .i32(round_out as i32)
+            .ptr(y)
+            .i32(ldy32);
+        // SAFETY: arguments match `linear_kernel(const float*, int, int, int, int, int, const void*,
+        // const float*, int, int, int, float*, int)`; every buffer's size was checked above.
+        unsafe { launch(&self.linear, (gx, gy as u32), LINEAR_THREADS, 0, stream, &a) }
+    }
+
+    /// `xq[r*k + c] = fp8_sim(x[r*ldx + ..k], 128)[c]` for `r < rows`: the official per-token
+    /// activation quantisation (`xq` contiguous `[rows, k]`; may equal `x` only when `ldx == k`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn act_quant(
+        &self,
+        ctx: &Context,
+        x: DevicePtr,
+        ldx: usize,
+        rows: usize,
+        k: usize,
+        xq: DevicePtr,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "act_quant_kernel";
+        if ldx < k {
+            return Err(internal(format!("{K}: ldx {ldx} below K {k}")));
+        }
+        if x.addr() == xq.addr() && ldx != k {
+            return Err(internal(format!(
+                "{K}: in place needs ldx == K ({ldx} != {k})"
+            )));
+        }
+        need(K, "x", x, strided_bytes(rows, k, ldx))?;
+        need(K, "xq", xq, rows * k * 4)?;
+        let (r32, k32, ld32) = (
+            to_i32(K, "rows", rows)?,
+            to_i32(K, "K", k)?,
+            to_i32(K, "ldx", ldx)?,
+        );
+        if rows == 0 || k == 0 {
+            return Ok(());
+        }
+        let gy = k.div_ceil(ACT_BLOCK);
+        if gy > 65_535 {
+            return Err(internal(format!("{K}: K = {k} exceeds the grid")));
+        }
+        let _g = ctx.enter()?;
+        let mut a = KernelArgs::new();
+        a.ptr(x).i32(ld32).i32(r32).i32(k32).ptr(xq);
+        // SAFETY: arguments match `act_quant_kernel(const float*, int, int, int, float*)`; sizes
+        // checked above.
+        unsafe {
+            launch(
+                &self.act_quant,
+                (r32 as u32, gy as u32),
+                ACT_BLOCK as u32,
+                0,
+                stream,
+                &a,
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dp(bytes: usize) -> DevicePtr {
+        // SAFETY: never dereferenced; only sizes are checked here.
+        unsafe { DevicePtr::from_raw(0x1000_0000, bytes) }
+    }
+
+    #[test]
+    fn sizes_of_each_format() {
+        assert_eq!(WFormat::F32.data_bytes(3, 5), 60);
+        assert_eq!(WFormat::Bf16.data_bytes(3, 5), 30);
+        assert_eq!(WFormat::Fp8.data_bytes(3, 5), 15);
+        assert_eq!(WFormat::Fp4.data_bytes(3, 5), 9);
+        assert_eq!(WFormat::Fp8.scale_count(130, 200, [128, 128]), 4);
+        assert_eq!(WFormat::Fp4.scale_count(3, 65, [0, 0]), 9);
+        assert_eq!(strided_bytes(3, 4, 10), (2 * 10 + 4) * 4);
+        assert_eq!(strided_bytes(0, 4, 10), 0);
+    }
+
+    #[test]
+    fn row_views_offset_codes_and_scales() {
+        let w = DevWeight {
+            format: WFormat::Fp8,
+            data: dp(256 * 100),
+            scales: Some(dp(4 * 4)),
+            block: [128, 64],
+            rows: 256,
+            cols: 100,
+        };
+        w.validate().unwrap();
+        let v = w.rows(128, 100).unwrap();
+        assert_eq!(v.data.addr(), 0x1000_0000 + 128 * 100);
+        assert_eq!(v.scales.unwrap().addr(), 0x1000_0000 + 2 * 4);
+        assert_eq!(v.rows, 100);
+        assert!(w.rows(64, 10).is_err(), "FP8 offset inside a scale block");
+        assert!(w.rows(200, 100).is_err(), "past the end");
+        let f4 = DevWeight {
+            format: WFormat::Fp4,
+            data: dp(10 * 33),
+            scales: Some(dp(10 * 3 * 4)),
+            block: [0, 0],
+            rows: 10,
+            cols: 65,
+        };
+        f4.validate().unwrap();
+        let v = f4.rows(3, 2).unwrap();
+        assert_eq!(v.data.addr(), 0x1000_0000 + 3 * 33);
+        assert_eq!(v.scales.unwrap().addr(), 0x1000_0000 + 3 * 3 * 4);
+        let short = DevWeight {
+            scales: Some(dp(10)),
+            ..f4
+        };
+        assert!(short.validate().is_err());
+    }
+}

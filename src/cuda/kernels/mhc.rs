@@ -1,6 +1,224 @@
-//! Rust side of the `mhc` kernel family (kernels/mhc.cu): typed launch wrappers. See kernels/SPEC.md.
+//! Rust side of the `mhc` kernel family (kernels/mhc.cu): manifold-constrained
+//! hyper-connections, hc_pre / hc_post / hc_head (MODEL.md §5). Contract in kernels/SPEC.md;
+//! bit-identical to src/reference/mhc.rs (tests/gpu_mhc.rs).
+//!
+//! Every launch function checks that each buffer holds what the kernel will touch, then
+//! enqueues on the borrowed stream (no host sync). Zero tokens launch nothing.
 
-use crate::cuda::registry::KernelSource;
+use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
+use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
+use crate::cuda::{Context, DevicePtr};
+use crate::error::{Error, Result, Status};
 
 /// The family as the registry compiles and loads it.
-pub const SOURCE: KernelSource = KernelSource { family: "mhc", source: include_str!("../../../kernels/mhc.cu"), functions: &[] };
+pub const SOURCE: KernelSource = KernelSource {
+    family: "mhc",
+    source: include_str!("../../../kernels/mhc.cu"),
+    functions: &[
+        KernelFn::new("hc_pre_kernel"),
+        KernelFn::new("hc_post_kernel"),
+        KernelFn::new("hc_head_kernel"),
+    ],
+};
+
+/// Most residual streams (hc_mult) the kernels support (`HC_MAX_N` in mhc.cu).
+pub const MAX_STREAMS: usize = 8;
+
+/// Threads per block of hc_pre / hc_head (one block per token) and hc_post.
+const THREADS: u32 = 256;
+/// Most blocks of a launch; the kernels loop (grid-stride) over the rest.
+const MAX_BLOCKS: usize = 1 << 20;
+
+fn err(msg: String) -> Error {
+    Error::new(Status::Internal, msg)
+}
+
+fn need(kernel: &str, what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
+    if p.bytes() < bytes {
+        return Err(err(format!(
+            "{kernel}: `{what}` holds {} bytes, needs {bytes}",
+            p.bytes()
+        )));
+    }
+    Ok(())
+}
+
+fn int(kernel: &str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| err(format!("{kernel}: {what} = {v} does not fit an int")))
+}
+
+fn check_shape(kernel: &str, n: usize, d: usize) -> Result<()> {
+    if n == 0 || n > MAX_STREAMS || d == 0 {
+        return Err(err(format!(
+            "{kernel}: N = {n} (1..={MAX_STREAMS}), D = {d}"
+        )));
+    }
+    int(kernel, "N*D", n * d).map(|_| ())
+}
+
+/// The f32 parameters of one mHC site on the device (`reference::mhc::HcParams`):
+/// `proj` [(2+N)*N, N*D] for a layer site or [N, N*D] for the head, `base` of the same
+/// leading size, `scale` [3] (layer) or [1] (head).
+#[derive(Clone, Copy, Debug)]
+pub struct HcSiteDev {
+    pub proj: DevicePtr,
+    pub base: DevicePtr,
+    pub scale: DevicePtr,
+}
+
+/// The mhc family's entry points, resolved from a loaded registry.
+pub struct Mhc {
+    pre: Kernel,
+    post: Kernel,
+    head: Kernel,
+}
+
+impl Mhc {
+    pub fn new(reg: &Registry) -> Result<Mhc> {
+        let f = SOURCE.family;
+        Ok(Mhc {
+            pre: reg.get(f, "hc_pre_kernel")?,
+            post: reg.get(f, "hc_post_kernel")?,
+            head: reg.get(f, "hc_head_kernel")?,
+        })
+    }
+
+    /// hc_pre over streams `x` [t, n, d] (`reference::mhc::hc_pre`): writes `u` [t, d] (bf16 if
+    /// `round_u`, i.e. with the official `prec.bf16(&mut pre.u)` folded in), `post` [t, n] and
+    /// `comb` [t, n, n] (f32). Sinkhorn runs `iters` rounds.
+    #[allow(clippy::too_many_arguments)]
+    pub fn hc_pre(
+        &self,
+        ctx: &Context,
+        x: DevicePtr,
+        t: usize,
+        n: usize,
+        d: usize,
+        site: HcSiteDev,
+        iters: usize,
+        hc_eps: f32,
+        rms_eps: f32,
+        round_u: bool,
+        u: DevicePtr,
+        post: DevicePtr,
+        comb: DevicePtr,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "hc_pre_kernel";
+        check_shape(K, n, d)?;
+        let mix = (2 + n) * n;
+        need(K, "x", x, t * n * d * 4)?;
+        need(K, "proj", site.proj, mix * n * d * 4)?;
+        need(K, "base", site.base, mix * 4)?;
+        need(K, "scale", site.scale, 3 * 4)?;
+        need(K, "u", u, t * d * 4)?;
+        need(K, "post", post, t * n * 4)?;
+        need(K, "comb", comb, t * n * n * 4)?;
+        if t == 0 {
+            return Ok(());
+        }
+        let _g = ctx.enter()?;
+        let mut a = KernelArgs::new();
+        a.ptr(x)
+            .i32(int(K, "T", t)?)
+            .i32(n as i32)
+            .i32(d as i32)
+            .ptr(site.proj)
+            .ptr(site.base)
+            .ptr(site.scale);
+        a.i32(int(K, "iters", iters)?)
+            .f32(hc_eps)
+            .f32(rms_eps)
+            .i32(round_u as i32)
+            .ptr(u)
+            .ptr(post)
+            .ptr(comb);
+        // SAFETY: matches `hc_pre_kernel(const float*, int, int, int, const float*, const
+        // float*, const float*, int, float, float, int, float*, float*, float*)`; sizes checked.
+        unsafe { launch(&self.pre, t.min(MAX_BLOCKS) as u32, THREADS, 0, stream, &a) }
+    }
+
+    /// hc_post in place over `x` [t, n, d] (`reference::mhc::hc_post`): `x'[k] = post_k * a +
+    /// Σ_j C[j, k] x[j]` with `a` [t, d], `post` [t, n], `comb` [t, n, n] from hc_pre; bf16 if
+    /// `round_out` (the official `prec.bf16(&mut x)` folded in).
+    #[allow(clippy::too_many_arguments)]
+    pub fn hc_post(
+        &self,
+        ctx: &Context,
+        x: DevicePtr,
+        a_in: DevicePtr,
+        post: DevicePtr,
+        comb: DevicePtr,
+        t: usize,
+        n: usize,
+        d: usize,
+        round_out: bool,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "hc_post_kernel";
+        check_shape(K, n, d)?;
+        need(K, "x", x, t * n * d * 4)?;
+        need(K, "a", a_in, t * d * 4)?;
+        need(K, "post", post, t * n * 4)?;
+        need(K, "comb", comb, t * n * n * 4)?;
+        if t == 0 {
+            return Ok(());
+        }
+        let _g = ctx.enter()?;
+        let mut a = KernelArgs::new();
+        a.ptr(x)
+            .ptr(a_in)
+            .ptr(post)
+            .ptr(comb)
+            .i32(int(K, "T", t)?)
+            .i32(n as i32)
+            .i32(d as i32)
+            .i32(round_out as i32);
+        let blocks = (t * d).div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS) as u32;
+        // SAFETY: matches `hc_post_kernel(float*, const float*, const float*, const float*,
+        // int, int, int, int)`; sizes checked above.
+        unsafe { launch(&self.post, blocks, THREADS, 0, stream, &a) }
+    }
+
+    /// hc_head over `x` [r, n, d] (`reference::mhc::hc_head`, no Sinkhorn): `y` [r, d], bf16 if
+    /// `round_out`. `site.proj` [n, n*d], `site.base` [n], `site.scale` [1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn hc_head(
+        &self,
+        ctx: &Context,
+        x: DevicePtr,
+        r: usize,
+        n: usize,
+        d: usize,
+        site: HcSiteDev,
+        hc_eps: f32,
+        rms_eps: f32,
+        round_out: bool,
+        y: DevicePtr,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "hc_head_kernel";
+        check_shape(K, n, d)?;
+        need(K, "x", x, r * n * d * 4)?;
+        need(K, "proj", site.proj, n * n * d * 4)?;
+        need(K, "base", site.base, n * 4)?;
+        need(K, "scale", site.scale, 4)?;
+        need(K, "y", y, r * d * 4)?;
+        if r == 0 {
+            return Ok(());
+        }
+        let _g = ctx.enter()?;
+        let mut a = KernelArgs::new();
+        a.ptr(x)
+            .i32(int(K, "R", r)?)
+            .i32(n as i32)
+            .i32(d as i32)
+            .ptr(site.proj)
+            .ptr(site.base)
+            .ptr(site.scale);
+        a.f32(hc_eps).f32(rms_eps).i32(round_out as i32).ptr(y);
+        // SAFETY: matches `hc_head_kernel(const float*, int, int, int, const float*, const
+        // float*, const float*, float, float, int, float*)`; sizes checked above.
+        unsafe { launch(&self.head, r.min(MAX_BLOCKS) as u32, THREADS, 0, stream, &a) }
+    }
+}

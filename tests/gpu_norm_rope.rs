@@ -1,0 +1,603 @@
+//! GPU op tests of the `norm_rope` kernel family (kernels/norm_rope.cu): every kernel on fresh
+//! random inputs, compared BIT FOR BIT with the CPU reference (ops::rms_norm, rope::apply with
+//! plain and YaRN inverse frequencies, Prec::kv_nope_sim / index_sim, quant::round_bf16,
+//! half's bf16 conversion, plain copies) in both numerics modes. Out-of-place outputs are
+//! poisoned with NaN first; in-place kernels must leave bytes outside their rows untouched.
+//!
+//! Without a CUDA device every device test prints `skipped: no CUDA device` and returns. The
+//! NVRTC compile check runs wherever NVRTC is installed (no GPU needed).
+
+use dsv4::ModelConfig;
+use dsv4::config::AttnKind;
+use dsv4::cuda::arena::{self, ArenaPlan, Pod};
+use dsv4::cuda::kernels::norm_rope::{self, NormRope};
+use dsv4::cuda::registry::{KernelCache, cubin_defines, nvrtc_version};
+use dsv4::cuda::{Arena, Context, DevicePtr, OwnedStream, Registry};
+use dsv4::model::rope;
+use dsv4::reference::ops::{inv_sqrt, rms_norm};
+use dsv4::reference::precision::Prec;
+use dsv4::weights::quant::{fp8_sim, round_bf16};
+use std::sync::OnceLock;
+
+// ------------------------------------------------------------------------------ harness
+
+/// The device context and a registry holding this family, shared by the tests of this binary.
+struct Gpu {
+    ctx: Context,
+    reg: Registry,
+}
+
+static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
+
+/// The shared device, or None after printing the skip line.
+fn gpu() -> Option<&'static Gpu> {
+    let g = GPU.get_or_init(|| {
+        match dsv4::cuda::device_count() {
+            Ok(n) if n > 0 => {}
+            _ => return None,
+        }
+        let ctx = Context::retain(0)
+            .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}"));
+        let reg = Registry::load_families(&ctx, &[&norm_rope::SOURCE], &KernelCache::disabled())
+            .unwrap_or_else(|e| panic!("{e}"));
+        Some(Gpu { ctx, reg })
+    });
+    if g.is_none() {
+        println!("skipped: no CUDA device");
+    }
+    g.as_ref()
+}
+
+/// One test's device state: its own stream and buffers.
+struct Dev {
+    g: &'static Gpu,
+    k: NormRope,
+    stream: OwnedStream,
+}
+
+impl Dev {
+    fn new(g: &'static Gpu) -> Dev {
+        Dev {
+            g,
+            k: NormRope::new(&g.reg).unwrap(),
+            stream: OwnedStream::new(&g.ctx).unwrap(),
+        }
+    }
+
+    fn ctx(&self) -> &Context {
+        &self.g.ctx
+    }
+
+    fn s(&self) -> dsv4::cuda::BorrowedStream {
+        self.stream.borrow()
+    }
+
+    /// One arena with a region per byte size.
+    fn alloc(&self, bytes: &[usize]) -> (Arena, Vec<DevicePtr>) {
+        let mut plan = ArenaPlan::new();
+        let ids: Vec<_> = bytes
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| plan.reserve(format!("buf{i}"), b.max(4), 256).unwrap())
+            .collect();
+        let a = Arena::from_plan(&self.g.ctx, &plan).unwrap();
+        let ptrs = ids.iter().map(|&i| a.region(i)).collect();
+        (a, ptrs)
+    }
+
+    fn put<T: Pod>(&self, p: DevicePtr, v: &[T]) {
+        let _g = self.ctx().enter().unwrap();
+        arena::copy_to_device_sync(p, v, self.s()).unwrap();
+    }
+
+    fn get<T: Pod + Default>(&self, p: DevicePtr, n: usize) -> Vec<T> {
+        let _g = self.ctx().enter().unwrap();
+        self.s().synchronize().unwrap();
+        let mut v = vec![T::default(); n];
+        arena::copy_to_host_sync(&mut v, p, self.s()).unwrap();
+        v
+    }
+
+    /// Fills the buffer with 0xff bytes (NaN as f32).
+    fn poison(&self, p: DevicePtr) {
+        let _g = self.ctx().enter().unwrap();
+        arena::memset_async(p, 0xff, self.s()).unwrap();
+    }
+}
+
+/// xorshift64* — deterministic per seed, different per test.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    fn u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f64 {
+        (self.u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.u64() % n as u64) as usize
+    }
+
+    /// Standard normal (Box–Muller).
+    fn normal(&mut self) -> f32 {
+        let u1 = self.unit().max(1e-300);
+        let u2 = self.unit();
+        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+    }
+
+    fn normals(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.normal() * scale).collect()
+    }
+}
+
+fn bf16_all(mut v: Vec<f32>) -> Vec<f32> {
+    round_bf16(&mut v);
+    v
+}
+
+/// Bit-exact comparison; on failure names the first mismatch (index and both values).
+fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut bad = 0usize;
+    let mut first = None;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        if g.to_bits() != w.to_bits() {
+            bad += 1;
+            first.get_or_insert(i);
+        }
+    }
+    if let Some(i) = first {
+        panic!(
+            "{what}: {bad} of {} values differ; first at index {i}: device {:e} ({:#010x}), reference {:e} ({:#010x})",
+            got.len(),
+            got[i],
+            got[i].to_bits(),
+            want[i],
+            want[i].to_bits()
+        );
+    }
+}
+
+fn assert_u16(what: &str, got: &[u16], want: &[u16]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        let bad = (0..got.len()).filter(|&i| got[i] != want[i]).count();
+        panic!(
+            "{what}: {bad} of {} values differ; first at index {i}: device {:#06x}, reference {:#06x}",
+            got.len(),
+            got[i],
+            want[i]
+        );
+    }
+}
+
+/// Rows of random values with a different magnitude per row (2^-12 .. 2^12), bf16-rounded
+/// when `official` (the model feeds these kernels BF16 values in that mode).
+fn rows_of(rng: &mut Rng, rows: usize, width: usize, official: bool) -> Vec<f32> {
+    let mut v = Vec::with_capacity(rows * width);
+    for _ in 0..rows {
+        let scale = 2f32.powi(rng.below(25) as i32 - 12);
+        v.extend(rng.normals(width, scale));
+    }
+    if official { bf16_all(v) } else { v }
+}
+
+/// Sentinel written into padding columns of strided rows: must survive every kernel.
+const PAD: f32 = -12345.678;
+
+/// `rows` rows of `width` values at stride `ld`, padding set to PAD.
+fn strided(vals: &[f32], rows: usize, width: usize, ld: usize) -> Vec<f32> {
+    let mut out = vec![PAD; rows * ld];
+    for r in 0..rows {
+        out[r * ld..r * ld + width].copy_from_slice(&vals[r * width..(r + 1) * width]);
+    }
+    out
+}
+
+// ------------------------------------------------------------------- NVRTC compile check
+
+#[test]
+fn norm_rope_family_compiles_for_sm_90a() {
+    if let Err(e) = nvrtc_version() {
+        println!("skipped: NVRTC not found ({e})");
+        return;
+    }
+    let cubin = norm_rope::SOURCE
+        .compile("sm_90a")
+        .unwrap_or_else(|e| panic!("{e}"));
+    for f in norm_rope::SOURCE.functions {
+        assert!(
+            cubin_defines(&cubin, f.name),
+            "{} missing from the CUBIN",
+            f.name
+        );
+    }
+    println!(
+        "norm_rope: {} bytes CUBIN, {} entry points",
+        cubin.len(),
+        norm_rope::SOURCE.functions.len()
+    );
+}
+
+/// The device computes f32(dim^-1/2) as f32(1 / sqrt(dim)) in f64; the reference uses
+/// powf(-0.5). They must agree for every power of two (index_sim) — no GPU needed.
+#[test]
+fn index_sim_scale_formula_matches_inv_sqrt() {
+    for k in 0..=20 {
+        let n = 1usize << k;
+        let dev = (1.0 / (n as f64).sqrt()) as f32;
+        assert_eq!(dev.to_bits(), inv_sqrt(n).to_bits(), "n = {n}");
+    }
+}
+
+// --------------------------------------------------------------------------------- RMSNorm
+
+#[test]
+fn rmsnorm_matches_reference_bit_for_bit() {
+    let Some(g) = gpu() else { return };
+    let d = Dev::new(g);
+    let mut rng = Rng::new(1);
+    // (rows, dim, ld, with weight): hidden sizes, per-head q norm (no weight), q_lora with a
+    // padded stride, the released hidden size.
+    let cases = [
+        (37, 256, 256, true),
+        (5, 4096, 4096, true),
+        (300, 128, 128, false),
+        (9, 1536, 1600, true),
+        (3, 7168, 7168, true),
+        (1, 64, 64, true),
+    ];
+    for official in [false, true] {
+        for &(rows, dim, ld, with_w) in &cases {
+            let x = rows_of(&mut rng, rows, dim, official);
+            let w: Vec<f32> = (0..dim).map(|_| 1.0 + 0.2 * rng.normal()).collect();
+            let eps = 1e-6f32;
+            let mut want = x.clone();
+            rms_norm(&mut want, dim, with_w.then_some(&w[..]), eps);
+            Prec { official }.bf16(&mut want);
+
+            let xs = strided(&x, rows, dim, ld);
+            let (_a, p) = d.alloc(&[xs.len() * 4, dim * 4]);
+            d.put(p[0], &xs);
+            d.put(p[1], &w);
+            d.k.rmsnorm(
+                d.ctx(),
+                p[0],
+                rows,
+                dim,
+                ld,
+                with_w.then_some(p[1]),
+                eps,
+                official,
+                d.s(),
+            )
+            .unwrap();
+            let got: Vec<f32> = d.get(p[0], xs.len());
+            let want_s = strided(&want, rows, dim, ld);
+            assert_bits(
+                &format!(
+                    "rmsnorm rows {rows} dim {dim} ld {ld} weight {with_w} official {official}"
+                ),
+                &got,
+                &want_s,
+            );
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------ RoPE
+
+#[test]
+fn rope_matches_reference_bit_for_bit() {
+    let Some(g) = gpu() else { return };
+    let d = Dev::new(g);
+    let mut rng = Rng::new(2);
+    let cfg = ModelConfig::tiny_default();
+    assert!(cfg.yarn.is_some(), "the tiny config has YaRN");
+    let freq_sets = [
+        ("plain", rope::inv_freq(&cfg, AttnKind::Sliding)),
+        ("yarn", rope::inv_freq(&cfg, AttnKind::Csa)),
+    ];
+    // (rows, heads, head_dim, ld): q heads, one kv / entry row per token, a padded stride,
+    // the released head size (512 with 64 rope channels), a head that is all rope.
+    let half = cfg.rope_dim / 2;
+    let cases = [
+        (13, 4, 128, 512),
+        (29, 1, 128, 128),
+        (7, 3, 128, 3 * 128 + 17),
+        (5, 8, 512, 8 * 512),
+        (11, 2, 2 * half, 4 * half),
+    ];
+    for (fname, freqs) in &freq_sets {
+        let (_f, fp) = d.alloc(&[freqs.len() * 4]);
+        d.put(fp[0], freqs);
+        for official in [false, true] {
+            for sign in [1.0f32, -1.0] {
+                for &(rows, heads, hd, ld) in &cases {
+                    let width = heads * hd;
+                    let x = rows_of(&mut rng, rows, width, official);
+                    // Positions: the first few, random up to 2^17, and a few large ones.
+                    let pos: Vec<i32> = (0..rows)
+                        .map(|r| match r {
+                            0..=2 => r as i32,
+                            3 => 1_000_000,
+                            4 => 65_535,
+                            _ => rng.below(1 << 17) as i32,
+                        })
+                        .collect();
+                    let mut want = x.clone();
+                    for (r, row) in want.chunks_exact_mut(width).enumerate() {
+                        for head in row.chunks_exact_mut(hd) {
+                            rope::apply(head, freqs, pos[r] as usize, sign);
+                            Prec { official }.bf16(head);
+                        }
+                    }
+                    let xs = strided(&x, rows, width, ld);
+                    let (_a, p) = d.alloc(&[xs.len() * 4, rows * 4]);
+                    d.put(p[0], &xs);
+                    d.put(p[1], &pos);
+                    d.k.rope(
+                        d.ctx(),
+                        p[0],
+                        rows,
+                        ld,
+                        heads,
+                        hd,
+                        p[1],
+                        fp[0],
+                        half,
+                        sign,
+                        official,
+                        d.s(),
+                    )
+                    .unwrap();
+                    let got: Vec<f32> = d.get(p[0], xs.len());
+                    assert_bits(
+                        &format!(
+                            "rope {fname} rows {rows} heads {heads} head_dim {hd} ld {ld} sign {sign} official {official}"
+                        ),
+                        &got,
+                        &strided(&want, rows, width, ld),
+                    );
+                }
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------ KV FP8 sim
+
+#[test]
+fn kv_sim_matches_reference_bit_for_bit() {
+    let Some(g) = gpu() else { return };
+    let d = Dev::new(g);
+    let mut rng = Rng::new(3);
+    // (rows, dim, nope, ld): released (512, 448), tiny (128, 64), a partial last block, a
+    // padded stride.
+    let cases = [
+        (50, 512, 448, 512),
+        (40, 128, 64, 128),
+        (20, 200, 100, 200),
+        (9, 128, 64, 160),
+    ];
+    for &(rows, dim, nope, ld) in &cases {
+        let mut x = rows_of(&mut rng, rows, dim, true);
+        // Tiny rows (amax below the 1e-4 floor), an all-zero block, a huge block.
+        x[..dim].iter_mut().for_each(|v| *v *= 1e-6);
+        if rows > 2 {
+            x[dim..dim + 64.min(nope)].iter_mut().for_each(|v| *v = 0.0);
+            x[2 * dim..3 * dim].iter_mut().for_each(|v| *v *= 3e4);
+        }
+        let mut want = x.clone();
+        if ld == dim {
+            Prec { official: true }.kv_nope_sim(&mut want, dim, nope);
+        } else {
+            want.chunks_exact_mut(dim)
+                .for_each(|r| fp8_sim(&mut r[..nope], 64));
+        }
+        let xs = strided(&x, rows, dim, ld);
+        let (_a, p) = d.alloc(&[xs.len() * 4]);
+        d.put(p[0], &xs);
+        d.k.kv_sim(d.ctx(), p[0], rows, ld, nope, d.s()).unwrap();
+        let got: Vec<f32> = d.get(p[0], xs.len());
+        assert_bits(
+            &format!("kv_sim rows {rows} dim {dim} nope {nope} ld {ld}"),
+            &got,
+            &strided(&want, rows, dim, ld),
+        );
+    }
+}
+
+// ------------------------------------------------------------------- indexer Hadamard sim
+
+#[test]
+fn index_sim_matches_reference_bit_for_bit() {
+    let Some(g) = gpu() else { return };
+    let d = Dev::new(g);
+    let mut rng = Rng::new(4);
+    for &(rows, dim) in &[
+        (33, 128),
+        (17, 64),
+        (5, 1024),
+        (9, 512),
+        (12, 32),
+        (6, 16),
+        (3, 1),
+    ] {
+        let mut x = rows_of(&mut rng, rows, dim, true);
+        x[..dim].iter_mut().for_each(|v| *v *= 1e-30); // the FP4 amax floor
+        let mut want = x.clone();
+        Prec { official: true }.index_sim(&mut want, dim);
+        let (_a, p) = d.alloc(&[x.len() * 4]);
+        d.put(p[0], &x);
+        d.k.index_sim(d.ctx(), p[0], rows, dim, d.s()).unwrap();
+        let got: Vec<f32> = d.get(p[0], x.len());
+        assert_bits(&format!("index_sim rows {rows} dim {dim}"), &got, &want);
+    }
+}
+
+// ----------------------------------------------------------------------------- elementwise
+
+/// Values that exercise rounding: every class of f32, ties, random bit patterns.
+fn probe_values(rng: &mut Rng) -> Vec<f32> {
+    let mut v: Vec<f32> = [
+        0.0f32,
+        -0.0,
+        1.0,
+        -1.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7f80_0001), // signalling NaN
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        1e-45,
+        f32::from_bits(0x3f80_8000), // exact bf16 tie, even below
+        f32::from_bits(0x3f81_8000), // exact bf16 tie, odd below
+        f32::from_bits(0x7f7f_ffff),
+    ]
+    .to_vec();
+    for _ in 0..200_000 {
+        let r = rng.u64();
+        v.push(f32::from_bits(r as u32));
+        v.push(rng.normal() * 2f32.powi((r >> 40) as i32 % 60 - 30));
+    }
+    v
+}
+
+#[test]
+fn elementwise_kernels_match_reference_bit_for_bit() {
+    let Some(g) = gpu() else { return };
+    let d = Dev::new(g);
+    let mut rng = Rng::new(5);
+    let x = probe_values(&mut rng);
+    let n = x.len();
+    let (_a, p) = d.alloc(&[n * 4, n * 2]);
+
+    // round_bf16
+    d.put(p[0], &x);
+    d.k.round_bf16(d.ctx(), p[0], n, d.s()).unwrap();
+    let got: Vec<f32> = d.get(p[0], n);
+    assert_bits("round_bf16", &got, &bf16_all(x.clone()));
+
+    // to_bf16 (output poisoned first)
+    d.put(p[0], &x);
+    d.poison(p[1]);
+    d.k.to_bf16(d.ctx(), p[0], p[1], n, d.s()).unwrap();
+    let got: Vec<u16> = d.get(p[1], n);
+    let want: Vec<u16> = x
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect();
+    assert_u16("to_bf16", &got, &want);
+
+    // scale2 with the indexer-weight constants, then with arbitrary ones
+    for (s1, s2) in [
+        (inv_sqrt(128), inv_sqrt(64)),
+        (inv_sqrt(7), 3.3f32),
+        (1e-20, 1e25),
+    ] {
+        d.put(p[0], &x);
+        d.k.scale2(d.ctx(), p[0], n, s1, s2, d.s()).unwrap();
+        let got: Vec<f32> = d.get(p[0], n);
+        let want: Vec<f32> = x.iter().map(|&v| v * s1 * s2).collect();
+        // NaN inputs: both sides NaN, payload bits are the hardware's; compare the rest.
+        let keep: Vec<usize> = (0..n).filter(|&i| !want[i].is_nan()).collect();
+        assert!(
+            (0..n).all(|i| want[i].is_nan() == got[i].is_nan()),
+            "scale2: NaN positions differ"
+        );
+        assert_bits(
+            &format!("scale2 {s1:e} {s2:e} (non-NaN)"),
+            &keep.iter().map(|&i| got[i]).collect::<Vec<_>>(),
+            &keep.iter().map(|&i| want[i]).collect::<Vec<_>>(),
+        );
+    }
+}
+
+// ----------------------------------------------------------------------------------- copies
+
+#[test]
+fn embed_and_gather_copy_rows_exactly() {
+    let Some(g) = gpu() else { return };
+    let d = Dev::new(g);
+    let mut rng = Rng::new(6);
+    let (vocab, dd, nstreams, t) = (1000usize, 256usize, 4usize, 37usize);
+    let table = bf16_all(rng.normals(vocab * dd, 0.05));
+    let tokens: Vec<i32> = (0..t).map(|_| rng.below(vocab) as i32).collect();
+    let (_a, p) = d.alloc(&[table.len() * 4, t * 4, t * nstreams * dd * 4]);
+    d.put(p[0], &table);
+    d.put(p[1], &tokens);
+    d.poison(p[2]);
+    d.k.embed(d.ctx(), p[1], t, p[0], dd, nstreams, p[2], d.s())
+        .unwrap();
+    let got: Vec<f32> = d.get(p[2], t * nstreams * dd);
+    let mut want = vec![0.0f32; t * nstreams * dd];
+    for (ti, &tok) in tokens.iter().enumerate() {
+        let row = &table[tok as usize * dd..(tok as usize + 1) * dd];
+        for s in 0..nstreams {
+            want[(ti * nstreams + s) * dd..(ti * nstreams + s + 1) * dd].copy_from_slice(row);
+        }
+    }
+    assert_bits("embed", &got, &want);
+
+    // gather_rows: explicit row list (with repeats), then the identity.
+    let (src_rows, row_len) = (50usize, 300usize);
+    let src = rng.normals(src_rows * row_len, 1.0);
+    let rows: Vec<i32> = (0..20).map(|_| rng.below(src_rows) as i32).collect();
+    let (_b, q) = d.alloc(&[src.len() * 4, rows.len() * 4, src.len() * 4]);
+    d.put(q[0], &src);
+    d.put(q[1], &rows);
+    d.poison(q[2]);
+    d.k.gather_rows(d.ctx(), q[0], row_len, Some(q[1]), rows.len(), q[2], d.s())
+        .unwrap();
+    let got: Vec<f32> = d.get(q[2], rows.len() * row_len);
+    let want: Vec<f32> = rows
+        .iter()
+        .flat_map(|&r| src[r as usize * row_len..(r as usize + 1) * row_len].to_vec())
+        .collect();
+    assert_bits("gather_rows (list)", &got, &want);
+    d.poison(q[2]);
+    d.k.gather_rows(d.ctx(), q[0], row_len, None, src_rows, q[2], d.s())
+        .unwrap();
+    let got: Vec<f32> = d.get(q[2], src.len());
+    assert_bits("gather_rows (identity)", &got, &src);
+}
+
+#[test]
+fn wrappers_reject_undersized_buffers() {
+    let Some(g) = gpu() else { return };
+    let d = Dev::new(g);
+    let (_a, p) = d.alloc(&[1024]);
+    let small = p[0];
+    // 256 floats fit; 257 do not.
+    assert!(
+        d.k.rmsnorm(d.ctx(), small, 2, 129, 129, None, 1e-6, false, d.s())
+            .is_err()
+    );
+    assert!(d.k.round_bf16(d.ctx(), small, 257, d.s()).is_err());
+    assert!(
+        d.k.index_sim(d.ctx(), small, 1, 96, d.s()).is_err(),
+        "not a power of two"
+    );
+    assert!(
+        d.k.kv_sim(d.ctx(), small, 2, 128, 200, d.s()).is_err(),
+        "nope > ld"
+    );
+    assert!(
+        d.k.round_bf16(d.ctx(), small, 0, d.s()).is_ok(),
+        "empty is a no-op"
+    );
+}
