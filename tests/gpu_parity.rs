@@ -289,3 +289,60 @@ fn no_device_memory_growth_over_1000_forwards() {
     println!("device free memory before {free0} after {free1} ({n} forwards)");
     assert_eq!(free0, free1, "device memory changed over {n} forwards");
 }
+
+/// logits_rows picks rows and BF16 output equals the CPU reference's BF16 output bit for bit.
+#[test]
+fn logits_rows_and_bf16_output_match_cpu() {
+    if !gpu() {
+        return;
+    }
+    let o = Oracle::load("tiny");
+    let host = Host::new();
+    let mut cpu = engine("tiny", -1, Numerics::Official);
+    let mut gpu = engine("tiny", 0, Numerics::Official);
+    let vocab = cpu.config().vocab_size;
+    let p = &o.prompts[0];
+    let pos: Vec<i32> = (0..p.len() as i32).collect();
+    let rows = [p.len() as i32 - 1, 0, 17, 17];
+    let qs = [0, p.len() as i32];
+    let mut want = vec![0u16; rows.len() * vocab];
+    cpu.forward(&mut Batch {
+        token_ids: p,
+        positions: &pos,
+        seq_slots: &[1],
+        query_start: &qs,
+        logits_rows: Some(&rows),
+        logits: LogitsOut::Bf16(&mut want),
+    })
+    .unwrap();
+    let _g = host.ctx.enter().unwrap();
+    let st = host.stream.borrow();
+    let w = host.buf.whole();
+    let part = |i: usize| -> DevicePtr { w.slice(i << 20, 1 << 20).unwrap() };
+    copy_to_device_sync(part(0), p, st).unwrap();
+    copy_to_device_sync(part(1), &pos, st).unwrap();
+    copy_to_device_sync(part(2), &[1i32], st).unwrap();
+    copy_to_device_sync(part(3), &qs, st).unwrap();
+    copy_to_device_sync(part(4), &rows, st).unwrap();
+    let out = w.slice(8 << 20, rows.len() * vocab * 2).unwrap();
+    let db = DeviceBatch {
+        num_tokens: p.len(),
+        num_seqs: 1,
+        token_ids: part(0).addr(),
+        positions: part(1).addr(),
+        seq_slots: part(2).addr(),
+        query_start: part(3).addr(),
+        logits_rows: part(4).addr(),
+        num_logits: rows.len(),
+        logits: out.addr(),
+        logits_bf16: true,
+    };
+    gpu.forward_device(&db, st.raw() as *mut _).unwrap();
+    let mut got = vec![0xffffu16; rows.len() * vocab];
+    copy_to_host_sync(&mut got, out, st).unwrap();
+    assert_eq!(
+        got, want,
+        "BF16 logits of rows {rows:?} differ between GPU and CPU"
+    );
+    println!("logits_rows {rows:?} with BF16 output: GPU == CPU bit for bit");
+}

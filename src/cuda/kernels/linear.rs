@@ -164,7 +164,7 @@ impl DevWeight {
             }
             WFormat::Fp8 => {
                 let br = self.block[0].max(1);
-                if row0 % br != 0 {
+                if !row0.is_multiple_of(br) {
                     return Err(internal(format!(
                         "FP8 weight row offset {row0} is not a multiple of the scale block {br}"
                     )));
