@@ -52,7 +52,10 @@ pub struct KernelSource {
 }
 
 /// Headers every family may `#include "<name>"`, injected into NVRTC (no include path).
-pub const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("../../kernels/common.cuh"))];
+pub const HEADERS: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../../kernels/common.cuh")),
+    ("gemm_core.cuh", include_str!("../../kernels/gemm_core.cuh")),
+];
 
 /// Every kernel family the library embeds: the runtime's `smoke` family, then the model's
 /// families (`cuda::kernels::MODEL_FAMILIES`). [`Registry::load`] compiles and loads all of them.
