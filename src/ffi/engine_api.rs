@@ -741,17 +741,26 @@ pub unsafe extern "C" fn dsv4_weight_info(
         for (dst, &d) in shape.iter_mut().zip(&t.spec.shape) {
             *dst = d as i64;
         }
-        let st = storage_of(t);
+        let mut st = storage_of(t);
+        // A CUDA engine reports its device copy (same layout as the host store).
+        let mut data: *mut c_void = t.data.as_ptr().cast_mut().cast();
+        if let crate::engine::Backend::Cuda(b) = h.engine.backend() {
+            let dw = b.weights[index];
+            data = dw.data.addr() as *mut c_void;
+            if let Some(s) = dw.scales {
+                st.scale = s.addr() as *mut c_void;
+            }
+        }
         let info = dsv4_weight_desc {
             struct_size: 0, // restored to the caller's value by write_versioned
             name: h.names[index].as_ptr(),
             dtype: st.dtype,
             ndim: t.spec.shape.len() as i32,
             shape,
-            data: t.data.as_ptr().cast_mut().cast(),
+            data,
             nbytes: st.nbytes,
             derived: 0, // the weight table holds source weights only so far
-            device: h.engine.options().device, // CPU backend: -1, host memory
+            device: h.engine.options().device, // -1: host memory; else the CUDA ordinal
             scale: st.scale,
             scale_nbytes: st.scale_nbytes,
             scale_block: st.scale_block,
