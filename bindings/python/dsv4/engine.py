@@ -152,6 +152,7 @@ class Engine:
         if load_code is not None and load_code != _lib.LOAD["dummy"] and model_dir is None:
             raise invalid(f"load={load!r} needs model_dir (the checkpoint to read)")
         p.device = _device_ordinal(device)
+        self._device = p.device
         for field, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_tokens", max_num_tokens),
@@ -214,6 +215,11 @@ class Engine:
         ``query_start``: ``num_seqs + 1`` offsets; ``logits_rows``: token rows that produce
         logits (None = all).
         """
+        if self._device != _lib.DEVICE_CPU:
+            # dsv4_forward on a CUDA engine reads device pointers; numpy arrays live on the host.
+            raise _lib.error_for(
+                11, "forward with numpy arrays needs a CPU engine: a CUDA engine reads batch buffers "
+                    "from device memory (pass device pointers through the C ABI)")
         tok = _int32_array(token_ids, "token_ids")
         pos = _int32_array(positions, "positions")
         slots = _int32_array(seq_slots, "seq_slots")
