@@ -209,6 +209,11 @@
 #define DSV4_PHASE_READY 2
 
 /**
+ * Engine phase: between dsv4_refit_begin and dsv4_refit_end (refit allowed, forward not).
+ */
+#define DSV4_PHASE_REFITTING 3
+
+/**
  * An engine: one model's weights, per-slot decode state and workspaces. Opaque; create
  * with `dsv4_create`, free with `dsv4_destroy`.
  */
@@ -713,7 +718,8 @@ dsv4_status dsv4_forward(struct dsv4_engine *engine, const struct dsv4_batch *ba
  * memory. ALL entries are validated before ANY is written, so a bad entry leaves the
  * engine unchanged; then every derived tensor depending on a touched weight is rebuilt.
  * Weight addresses do not change, so CUDA graphs captured before a refit replay with the
- * new values. Only in DSV4_PHASE_READY. `n` = 0 changes nothing.
+ * new values. In DSV4_PHASE_READY (derived buffers rebuilt now) or DSV4_PHASE_REFITTING
+ * (rebuilt at dsv4_refit_end). `n` = 0 changes nothing.
  * `stream`: the CUstream to copy on (CUDA backend); ignored by the CPU backend.
  *
  * Errors: NULL_POINTER (`engine`, `tensors` with n > 0, `tensors[k].name/data`),
@@ -728,6 +734,31 @@ dsv4_status dsv4_refit(struct dsv4_engine *engine,
                        const struct dsv4_tensor *tensors,
                        size_t n,
                        void *stream);
+
+/**
+ * Opens a chunked refit (RL weight sync in pieces): after it, any number of dsv4_refit calls
+ * (each all-or-nothing) write weights; dsv4_forward and dsv4_finalize are STATE errors until
+ * dsv4_refit_end rebuilds the derived buffers once. Moves DSV4_PHASE_READY to
+ * DSV4_PHASE_REFITTING. Allocates nothing.
+ *
+ * Errors: NULL_POINTER (`engine`), STATE (not READY: not finalized, or a refit already open).
+ *
+ * # Safety
+ * `engine` from dsv4_create.
+ */
+dsv4_status dsv4_refit_begin(struct dsv4_engine *engine);
+
+/**
+ * Closes a chunked refit: rebuilds every derived buffer from the current weights (on
+ * `stream` for the CUDA backend, waiting for it) and returns to DSV4_PHASE_READY. Weight
+ * addresses do not change: graphs captured before the refit replay with the new weights.
+ *
+ * Errors: NULL_POINTER (`engine`), STATE (no refit open), CUDA.
+ *
+ * # Safety
+ * `engine` from dsv4_create.
+ */
+dsv4_status dsv4_refit_end(struct dsv4_engine *engine, void *stream);
 
 /**
  * Forgets the state of sequence slot `slot` (in [0, max_num_seqs)); its next sequence must

@@ -145,6 +145,9 @@ pub enum Phase {
     Loaded,
     /// Finalized: forward and refit allowed.
     Ready,
+    /// Between dsv4_refit_begin and dsv4_refit_end: refit chunks allowed, forward not (the
+    /// weights may be half old, half new).
+    Refitting,
 }
 
 impl Phase {
@@ -153,6 +156,7 @@ impl Phase {
             Phase::Created => "created (weights not loaded)",
             Phase::Loaded => "loaded (not finalized)",
             Phase::Ready => "ready (finalized)",
+            Phase::Refitting => "refitting (between dsv4_refit_begin and dsv4_refit_end)",
         }
     }
 }
@@ -229,6 +233,7 @@ impl Engine {
             Phase::Created => "load weights and call dsv4_finalize first",
             Phase::Loaded => "call dsv4_finalize first",
             Phase::Ready => "the engine is finalized: use dsv4_refit to change weights",
+            Phase::Refitting => "a chunked refit is open: call dsv4_refit_end first",
         };
         Err(Error::new(
             Status::State,
@@ -290,6 +295,12 @@ impl Engine {
     pub fn finalize_on(&mut self, stream: *mut std::ffi::c_void) -> Result<()> {
         match self.phase {
             Phase::Ready => return Ok(()),
+            Phase::Refitting => {
+                return Err(Error::new(
+                    Status::State,
+                    "dsv4_finalize is not allowed during a chunked refit: call dsv4_refit_end",
+                ));
+            }
             Phase::Loaded => {}
             Phase::Created => {
                 let missing = self.loaded.iter().position(|&l| !l);
@@ -362,7 +373,7 @@ impl Engine {
         updates: &[TensorUpdate],
         stream: *mut std::ffi::c_void,
     ) -> Result<()> {
-        self.expect_phase("dsv4_refit", &[Phase::Ready])?;
+        self.expect_phase("dsv4_refit", &[Phase::Ready, Phase::Refitting])?;
         // Two entries may name one weight through different aliases: compare canonical weights.
         let mut seen = std::collections::HashMap::new();
         for (k, u) in updates.iter().enumerate() {
@@ -394,18 +405,59 @@ impl Engine {
                 u.data,
             )?);
         }
+        // Inside a chunked refit derived buffers are rebuilt once, at dsv4_refit_end.
+        let rebuild = self.phase == Phase::Ready;
         match &mut self.backend {
-            Backend::Cpu(b) => b.finalize(&self.weights),
+            Backend::Cpu(b) => {
+                if rebuild {
+                    b.finalize(&self.weights)?;
+                }
+                Ok(())
+            }
             Backend::Cuda(b) => {
                 let st = crate::cuda::stream::BorrowedStream::from_raw(stream);
                 let _g = b.ctx.enter()?;
                 for i in touched {
                     b.upload_weight(&self.weights, i, st)?;
                 }
-                b.rebuild_derived(st)?;
+                if rebuild {
+                    b.rebuild_derived(st)?;
+                }
                 st.synchronize()
             }
         }
+    }
+
+    /// Opens a chunked refit: any number of [`Engine::refit`] calls follow (each validated
+    /// all-or-nothing), forward is a STATE error until [`Engine::refit_end`].
+    pub fn refit_begin(&mut self) -> Result<()> {
+        self.expect_phase("dsv4_refit_begin", &[Phase::Ready])?;
+        self.phase = Phase::Refitting;
+        Ok(())
+    }
+
+    /// Closes a chunked refit: rebuilds every derived buffer once and makes the engine ready.
+    pub fn refit_end(&mut self, stream: *mut std::ffi::c_void) -> Result<()> {
+        if self.phase != Phase::Refitting {
+            return Err(Error::new(
+                Status::State,
+                format!(
+                    "dsv4_refit_end without dsv4_refit_begin: engine is {}",
+                    self.phase.name()
+                ),
+            ));
+        }
+        match &mut self.backend {
+            Backend::Cpu(b) => b.finalize(&self.weights)?,
+            Backend::Cuda(b) => {
+                let st = crate::cuda::stream::BorrowedStream::from_raw(stream);
+                let _g = b.ctx.enter()?;
+                b.rebuild_derived(st)?;
+                st.synchronize()?;
+            }
+        }
+        self.phase = Phase::Ready;
+        Ok(())
     }
 
     /// Forgets the state of `slot`; its next sequence must start at position 0.

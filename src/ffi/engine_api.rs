@@ -500,7 +500,8 @@ pub unsafe extern "C" fn dsv4_forward(
 /// memory. ALL entries are validated before ANY is written, so a bad entry leaves the
 /// engine unchanged; then every derived tensor depending on a touched weight is rebuilt.
 /// Weight addresses do not change, so CUDA graphs captured before a refit replay with the
-/// new values. Only in DSV4_PHASE_READY. `n` = 0 changes nothing.
+/// new values. In DSV4_PHASE_READY (derived buffers rebuilt now) or DSV4_PHASE_REFITTING
+/// (rebuilt at dsv4_refit_end). `n` = 0 changes nothing.
 /// `stream`: the CUstream to copy on (CUDA backend); ignored by the CPU backend.
 ///
 /// Errors: NULL_POINTER (`engine`, `tensors` with n > 0, `tensors[k].name/data`),
@@ -568,6 +569,44 @@ pub unsafe extern "C" fn dsv4_refit(
             })
             .collect();
         h.run_mut(|e| e.refit_on(&updates, stream))
+    })
+}
+
+/// Opens a chunked refit (RL weight sync in pieces): after it, any number of dsv4_refit calls
+/// (each all-or-nothing) write weights; dsv4_forward and dsv4_finalize are STATE errors until
+/// dsv4_refit_end rebuilds the derived buffers once. Moves DSV4_PHASE_READY to
+/// DSV4_PHASE_REFITTING. Allocates nothing.
+///
+/// Errors: NULL_POINTER (`engine`), STATE (not READY: not finalized, or a refit already open).
+///
+/// # Safety
+/// `engine` from dsv4_create.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_refit_begin(engine: *mut dsv4_engine) -> dsv4_status {
+    ffi_boundary("dsv4_refit_begin", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_mut(engine)? };
+        h.run_mut(|e| e.refit_begin())
+    })
+}
+
+/// Closes a chunked refit: rebuilds every derived buffer from the current weights (on
+/// `stream` for the CUDA backend, waiting for it) and returns to DSV4_PHASE_READY. Weight
+/// addresses do not change: graphs captured before the refit replay with the new weights.
+///
+/// Errors: NULL_POINTER (`engine`), STATE (no refit open), CUDA.
+///
+/// # Safety
+/// `engine` from dsv4_create.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_refit_end(
+    engine: *mut dsv4_engine,
+    stream: *mut c_void,
+) -> dsv4_status {
+    ffi_boundary("dsv4_refit_end", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_mut(engine)? };
+        h.run_mut(|e| e.refit_end(stream))
     })
 }
 

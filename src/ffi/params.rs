@@ -76,6 +76,8 @@ pub const DSV4_PHASE_CREATED: i32 = 0;
 pub const DSV4_PHASE_LOADED: i32 = 1;
 /// Engine phase: finalized; dsv4_forward and dsv4_refit allowed.
 pub const DSV4_PHASE_READY: i32 = 2;
+/// Engine phase: between dsv4_refit_begin and dsv4_refit_end (refit allowed, forward not).
+pub const DSV4_PHASE_REFITTING: i32 = 3;
 
 const _: () = {
     assert!(DSV4_DTYPE_F32 == HostDtype::F32 as i32);
@@ -465,6 +467,7 @@ pub(crate) fn phase_to_i32(p: Phase) -> i32 {
         Phase::Created => DSV4_PHASE_CREATED,
         Phase::Loaded => DSV4_PHASE_LOADED,
         Phase::Ready => DSV4_PHASE_READY,
+        Phase::Refitting => DSV4_PHASE_REFITTING,
     }
 }
 

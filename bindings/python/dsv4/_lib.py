@@ -45,7 +45,7 @@ DTYPE_F8_E4M3, DTYPE_FP4_E2M1 = 5, 6
 DTYPE_NAMES = {0: "f32", 1: "bf16", 2: "f16", 3: "i32", 4: "i64", 5: "f8_e4m3", 6: "fp4_e2m1"}
 MEMORY_HOST, MEMORY_DEVICE = 0, 1
 LOGITS_F32, LOGITS_BF16 = 0, 1
-PHASES = {0: "created", 1: "loaded", 2: "ready"}
+PHASES = {0: "created", 1: "loaded", 2: "ready", 3: "refitting"}
 LOG_LEVELS = {"error": 0, "warn": 1, "info": 2, "debug": 3}
 
 
@@ -153,6 +153,8 @@ _PROTOTYPES = {
     "dsv4_finalize": (_status, [_engine_p, c_void_p]),
     "dsv4_forward": (_status, [_engine_p, POINTER(Batch), c_void_p]),
     "dsv4_refit": (_status, [_engine_p, POINTER(Tensor), c_size_t, c_void_p]),
+    "dsv4_refit_begin": (_status, [_engine_p]),
+    "dsv4_refit_end": (_status, [_engine_p, c_void_p]),
     "dsv4_release_slot": (_status, [_engine_p, c_int32]),
     "dsv4_get_info": (_status, [_engine_p, POINTER(Info)]),
     "dsv4_weight_count": (_status, [_engine_p, POINTER(c_size_t)]),

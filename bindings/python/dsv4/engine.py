@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from typing import Iterable, Mapping
@@ -267,6 +268,22 @@ class Engine:
             keep.append(kept)
         self._call(self._lib.dsv4_refit, arr, len(items), stream)
         del keep
+
+    def refit_begin(self) -> None:
+        """Opens a chunked refit: refit/refit_many calls follow, forward raises StateError
+        until refit_end rebuilds the derived buffers once."""
+        self._call(self._lib.dsv4_refit_begin)
+
+    def refit_end(self, stream: int | None = None) -> None:
+        """Closes a chunked refit (rebuilds derived buffers; the engine is ready again)."""
+        self._call(self._lib.dsv4_refit_end, stream)
+
+    @contextlib.contextmanager
+    def refitting(self, stream: int | None = None):
+        """``with engine.refitting(): engine.refit(...); ...`` — begin, chunks, end."""
+        self.refit_begin()
+        yield self
+        self.refit_end(stream)
 
     # -- introspection ------------------------------------------------------------------
 

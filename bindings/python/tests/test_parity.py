@@ -97,3 +97,41 @@ def test_parity_one_shot_chunked_decode(model):
         worst = max(np.abs(g - w).max() for g, w in zip(got, want))
         print(f"{model}: chunked + decode max |dlogit| = {worst:.3e}")
         assert worst <= TOL, worst
+
+
+def test_chunked_refit_from_dummy_equals_load():
+    """RL flow: dummy engine, then sync the checkpoint's weights in two chunks."""
+    prompts, want = oracle("tiny")
+    d = str(FIXTURES / "tiny")
+    raw = read_safetensors_raw(FIXTURES / "tiny" / "model.safetensors")
+    with dsv4.Engine(d, device="cpu", load="dummy", max_num_seqs=1, max_num_tokens=64, max_seq_len=64,
+                     numerics="exact") as e:
+        names = sorted(raw)
+        with e.refitting():
+            with pytest.raises(dsv4.Error) as err:
+                e.forward(np.array([1], np.int32), np.array([0], np.int32), np.array([0], np.int32),
+                          np.array([0, 1], np.int32))
+            assert err.value.status == 3  # STATE
+            for chunk in (names[: len(names) // 2], names[len(names) // 2 :]):
+                e.refit_many({n: raw[n][0] for n in chunk if raw[n][1] != "BF16"})
+                e.refit_many({n: raw[n][0] for n in chunk if raw[n][1] == "BF16"}, dtype="bf16")
+        p = prompts[0]
+        got = e.forward(p, np.arange(len(p), dtype=np.int32), np.array([0], np.int32),
+                        np.array([0, len(p)], np.int32))
+        assert np.abs(got - want[0]).max() <= TOL
+
+
+def read_safetensors_raw(path):
+    """{name: (array, dtype)} with BF16 kept as uint16 bit patterns."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    dtypes = {"F32": np.float32, "I64": np.int64, "BF16": np.uint16}
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = info["data_offsets"]
+        arr = np.frombuffer(raw[8 + n + a : 8 + n + b], dtype=dtypes[info["dtype"]]).reshape(info["shape"])
+        out[name] = (arr, info["dtype"])
+    return out
