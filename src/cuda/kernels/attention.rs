@@ -3,6 +3,7 @@
 //! compressed keys with the per-head sink (o before the inverse RoPE), the window ring update
 //! and the slot lengths. The CPU reference is `reference::attention::attention_core`.
 
+use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
 use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
 use crate::cuda::{Context, DevicePtr};
@@ -47,7 +48,7 @@ impl BatchMeta {
         if t == 0 || s == 0 || s > t {
             return Err(bad(family, format!("batch of {t} tokens in {s} sequences")));
         }
-        i32_of(family, "num_tokens", t)?;
+        to_i32(family, "num_tokens", t)?;
         need(family, "positions", self.positions, t * 4)?;
         need(family, "query_start", self.query_start, (s + 1) * 4)?;
         need(family, "seq_slots", self.seq_slots, s * 4)?;
@@ -132,20 +133,6 @@ fn bad(family: &str, msg: String) -> Error {
     Error::new(Status::Internal, format!("{family}: {msg}"))
 }
 
-fn need(family: &str, what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
-    if p.bytes() < bytes {
-        return Err(bad(
-            family,
-            format!("`{what}` holds {} bytes, needs {bytes}", p.bytes()),
-        ));
-    }
-    Ok(())
-}
-
-fn i32_of(family: &str, what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| bad(family, format!("{what} = {v} does not fit an int")))
-}
-
 impl Attention {
     pub fn new(reg: &Registry) -> Result<Attention> {
         Ok(Attention {
@@ -159,7 +146,7 @@ impl Attention {
     /// `seq_of[t]` = the sequence of token t, from `query_start`.
     pub fn batch_meta(&self, ctx: &Context, b: &BatchMeta, stream: BorrowedStream) -> Result<()> {
         b.check(FAMILY)?;
-        let s = i32_of(FAMILY, "num_seqs", b.num_seqs)?;
+        let s = to_i32(FAMILY, "num_seqs", b.num_seqs)?;
         let _g = ctx.enter()?;
         let mut a = KernelArgs::new();
         a.ptr(b.query_start).i32(s).ptr(b.seq_of);
@@ -238,7 +225,7 @@ impl Attention {
             .ok()
             .filter(|&v| v <= i32::MAX as u32)
             .ok_or_else(|| bad(FAMILY, format!("{t} tokens x {h} heads: too many blocks")))?;
-        let i = |what: &str, v: usize| i32_of(FAMILY, what, v);
+        let i = |what: &str, v: usize| to_i32(FAMILY, what, v);
         let _g = ctx.enter()?;
         let mut a = KernelArgs::new();
         a.ptr(x.q)
@@ -299,9 +286,9 @@ impl Attention {
             .ptr(b.positions)
             .ptr(b.query_start)
             .ptr(b.seq_slots)
-            .i32(i32_of(FAMILY, "num_seqs", b.num_seqs)?)
+            .i32(to_i32(FAMILY, "num_seqs", b.num_seqs)?)
             .i32(w as i32)
-            .i32(i32_of(FAMILY, "head_dim", hd)?)
+            .i32(to_i32(FAMILY, "head_dim", hd)?)
             .ptr(x.ring);
         // SAFETY: matches `ring_update_kernel(const float*, const int*, const int*, const int*,
         // int, int, int, float*)`; sizes checked.
@@ -333,7 +320,7 @@ impl Attention {
         a.ptr(b.positions)
             .ptr(b.query_start)
             .ptr(b.seq_slots)
-            .i32(i32_of(FAMILY, "num_seqs", b.num_seqs)?)
+            .i32(to_i32(FAMILY, "num_seqs", b.num_seqs)?)
             .ptr(slot_len);
         let blocks = b.num_seqs.div_ceil(128).max(1) as u32;
         // SAFETY: matches `slot_len_kernel(const int*, const int*, const int*, int, int*)`.

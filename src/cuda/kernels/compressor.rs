@@ -4,6 +4,7 @@
 //! `reference::attention::compress_chunk` + `reference::compressor::push`.
 
 use super::attention::BatchMeta;
+use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
 use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
 use crate::cuda::{Context, DevicePtr};
@@ -85,20 +86,6 @@ fn bad(msg: String) -> Error {
     Error::new(Status::Internal, format!("{FAMILY}: {msg}"))
 }
 
-fn need(what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
-    if p.bytes() < bytes {
-        return Err(bad(format!(
-            "`{what}` holds {} bytes, needs {bytes}",
-            p.bytes()
-        )));
-    }
-    Ok(())
-}
-
-fn i32_of(what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| bad(format!("{what} = {v} does not fit an int")))
-}
-
 impl Compressor {
     pub fn new(reg: &Registry) -> Result<Compressor> {
         Ok(Compressor {
@@ -138,23 +125,23 @@ impl Compressor {
             }
             _ => {}
         }
-        need("a", x.a, t * w * 4)?;
-        need("z", x.z, t * w * 4)?;
-        need("pend_a", x.pend_a, slots * r * w * 4)?;
-        need("pend_z", x.pend_z, slots * r * w * 4)?;
-        need("ape", x.ape, r * w * 4)?;
-        need("norm_w", x.norm_w, dc * 4)?;
-        need("inv_freq", x.inv_freq, x.rope_dim / 2 * 4)?;
-        need("entries", x.entries, slots * x.maxe * dc * 4)?;
+        need(FAMILY, "a", x.a, t * w * 4)?;
+        need(FAMILY, "z", x.z, t * w * 4)?;
+        need(FAMILY, "pend_a", x.pend_a, slots * r * w * 4)?;
+        need(FAMILY, "pend_z", x.pend_z, slots * r * w * 4)?;
+        need(FAMILY, "ape", x.ape, r * w * 4)?;
+        need(FAMILY, "norm_w", x.norm_w, dc * 4)?;
+        need(FAMILY, "inv_freq", x.inv_freq, x.rope_dim / 2 * 4)?;
+        need(FAMILY, "entries", x.entries, slots * x.maxe * dc * 4)?;
         let (pa, pz, hp) = if x.overlap {
             let (Some(pa), Some(pz), Some(hp)) = (x.prev_a, x.prev_z, x.has_prev) else {
                 return Err(bad(
                     "an overlapping compressor needs prev_a, prev_z and has_prev".into(),
                 ));
             };
-            need("prev_a", pa, slots * r * dc * 4)?;
-            need("prev_z", pz, slots * r * dc * 4)?;
-            need("has_prev", hp, slots * 4)?;
+            need(FAMILY, "prev_a", pa, slots * r * dc * 4)?;
+            need(FAMILY, "prev_z", pz, slots * r * dc * 4)?;
+            need(FAMILY, "has_prev", hp, slots * 4)?;
             (pa.addr(), pz.addr(), hp.addr())
         } else {
             let a = |p: Option<DevicePtr>| p.map_or(0, |p| p.addr());
@@ -174,7 +161,7 @@ impl Compressor {
             .ptr(b.positions)
             .ptr(b.query_start)
             .ptr(b.seq_slots)
-            .i32(i32_of("num_seqs", b.num_seqs)?)
+            .i32(to_i32(FAMILY, "num_seqs", b.num_seqs)?)
             .ptr(x.pend_a)
             .ptr(x.pend_z)
             .u64(pa)
@@ -184,7 +171,7 @@ impl Compressor {
             .ptr(x.norm_w)
             .ptr(x.inv_freq)
             .i32((x.rope_dim / 2) as i32)
-            .i32(i32_of("ratio", r)?)
+            .i32(to_i32(FAMILY, "ratio", r)?)
             .i32(x.overlap as i32)
             .i32(dc as i32)
             .f32(x.eps)
@@ -192,7 +179,7 @@ impl Compressor {
             .i32(x.nope as i32)
             .i32(x.official as i32)
             .ptr(x.entries)
-            .i32(i32_of("maxe", x.maxe)?);
+            .i32(to_i32(FAMILY, "maxe", x.maxe)?);
         // SAFETY: matches `compress_kernel` of kernels/compressor.cu in order and size; every
         // buffer's size was checked above.
         unsafe {

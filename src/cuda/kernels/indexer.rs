@@ -3,6 +3,7 @@
 //! token; the CPU reference is `reference::attention::select_entries`.
 
 use super::attention::BatchMeta;
+use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
 use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
 use crate::cuda::{Context, DevicePtr};
@@ -68,20 +69,6 @@ fn bad(msg: String) -> Error {
     Error::new(Status::Internal, format!("{FAMILY}: {msg}"))
 }
 
-fn need(what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
-    if p.bytes() < bytes {
-        return Err(bad(format!(
-            "`{what}` holds {} bytes, needs {bytes}",
-            p.bytes()
-        )));
-    }
-    Ok(())
-}
-
-fn i32_of(what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| bad(format!("{what} = {v} does not fit an int")))
-}
-
 impl Indexer {
     pub fn new(reg: &Registry) -> Result<Indexer> {
         Ok(Indexer {
@@ -106,12 +93,12 @@ impl Indexer {
                 x.ratio, x.topk, x.maxe, x.num_slots
             )));
         }
-        need("qi", x.qi, t * hi * di * 4)?;
-        need("iw", x.iw, t * hi * 4)?;
-        need("ikeys", x.ikeys, x.num_slots * x.maxe * di * 4)?;
-        need("scores", x.scores, t * x.maxe * 4)?;
-        need("selected", x.selected, t * x.topk * 4)?;
-        need("nsel", x.nsel, t * 4)?;
+        need(FAMILY, "qi", x.qi, t * hi * di * 4)?;
+        need(FAMILY, "iw", x.iw, t * hi * 4)?;
+        need(FAMILY, "ikeys", x.ikeys, x.num_slots * x.maxe * di * 4)?;
+        need(FAMILY, "scores", x.scores, t * x.maxe * 4)?;
+        need(FAMILY, "selected", x.selected, t * x.topk * 4)?;
+        need(FAMILY, "nsel", x.nsel, t * 4)?;
         let smem = x.smem_bytes();
         if smem > self.indexer.max_dynamic_smem as usize {
             return Err(Error::new(
@@ -130,12 +117,12 @@ impl Indexer {
             .ptr(b.positions)
             .ptr(b.seq_of)
             .ptr(b.seq_slots)
-            .i32(i32_of("num_tokens", t)?)
-            .i32(i32_of("heads", hi)?)
-            .i32(i32_of("dim", di)?)
-            .i32(i32_of("ratio", x.ratio)?)
-            .i32(i32_of("topk", x.topk)?)
-            .i32(i32_of("maxe", x.maxe)?)
+            .i32(to_i32(FAMILY, "num_tokens", t)?)
+            .i32(to_i32(FAMILY, "heads", hi)?)
+            .i32(to_i32(FAMILY, "dim", di)?)
+            .i32(to_i32(FAMILY, "ratio", x.ratio)?)
+            .i32(to_i32(FAMILY, "topk", x.topk)?)
+            .i32(to_i32(FAMILY, "maxe", x.maxe)?)
             .i32(x.official as i32)
             .ptr(x.scores)
             .ptr(x.selected)

@@ -9,6 +9,7 @@
 //! `Prec::linear` of the reference is `act_quant` (official mode, quantized weight) followed by
 //! `linear` with `round_out = official`.
 
+use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
 use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
 use crate::cuda::{Context, DevicePtr};
@@ -200,20 +201,6 @@ impl DevWeight {
 
 fn internal(msg: String) -> Error {
     Error::new(Status::Internal, msg)
-}
-
-fn need(kernel: &str, what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
-    if p.bytes() < bytes {
-        return Err(internal(format!(
-            "{kernel}: `{what}` holds {} bytes, needs {bytes}",
-            p.bytes()
-        )));
-    }
-    Ok(())
-}
-
-fn to_i32(kernel: &str, what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| internal(format!("{kernel}: {what} = {v} does not fit an int")))
 }
 
 /// Bytes of a `rows x cols` f32 matrix with row stride `ld` (0 when empty).

@@ -5,6 +5,7 @@
 //! Every launch function checks that each buffer holds what the kernel will touch, then
 //! enqueues on the borrowed stream (no host sync). Zero tokens launch nothing.
 
+use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
 use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
 use crate::cuda::{Context, DevicePtr};
@@ -33,27 +34,13 @@ fn err(msg: String) -> Error {
     Error::new(Status::Internal, msg)
 }
 
-fn need(kernel: &str, what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
-    if p.bytes() < bytes {
-        return Err(err(format!(
-            "{kernel}: `{what}` holds {} bytes, needs {bytes}",
-            p.bytes()
-        )));
-    }
-    Ok(())
-}
-
-fn int(kernel: &str, what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| err(format!("{kernel}: {what} = {v} does not fit an int")))
-}
-
 fn check_shape(kernel: &str, n: usize, d: usize) -> Result<()> {
     if n == 0 || n > MAX_STREAMS || d == 0 {
         return Err(err(format!(
             "{kernel}: N = {n} (1..={MAX_STREAMS}), D = {d}"
         )));
     }
-    int(kernel, "N*D", n * d).map(|_| ())
+    to_i32(kernel, "N*D", n * d).map(|_| ())
 }
 
 /// The f32 parameters of one mHC site on the device (`reference::mhc::HcParams`):
@@ -120,13 +107,13 @@ impl Mhc {
         let _g = ctx.enter()?;
         let mut a = KernelArgs::new();
         a.ptr(x)
-            .i32(int(K, "T", t)?)
+            .i32(to_i32(K, "T", t)?)
             .i32(n as i32)
             .i32(d as i32)
             .ptr(site.proj)
             .ptr(site.base)
             .ptr(site.scale);
-        a.i32(int(K, "iters", iters)?)
+        a.i32(to_i32(K, "iters", iters)?)
             .f32(hc_eps)
             .f32(rms_eps)
             .i32(round_u as i32)
@@ -170,7 +157,7 @@ impl Mhc {
             .ptr(a_in)
             .ptr(post)
             .ptr(comb)
-            .i32(int(K, "T", t)?)
+            .i32(to_i32(K, "T", t)?)
             .i32(n as i32)
             .i32(d as i32)
             .i32(round_out as i32);
@@ -210,7 +197,7 @@ impl Mhc {
         let _g = ctx.enter()?;
         let mut a = KernelArgs::new();
         a.ptr(x)
-            .i32(int(K, "R", r)?)
+            .i32(to_i32(K, "R", r)?)
             .i32(n as i32)
             .i32(d as i32)
             .ptr(site.proj)

@@ -9,7 +9,30 @@ pub mod mhc;
 pub mod moe;
 pub mod norm_rope;
 
+use crate::cuda::arena::DevicePtr;
 use crate::cuda::registry::KernelSource;
+use crate::error::{Error, Result, Status};
+
+/// Size check every wrapper makes before a launch: `what` must hold `bytes` bytes.
+pub(crate) fn need(who: &str, what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
+    if p.bytes() < bytes {
+        return Err(Error::new(
+            Status::Internal,
+            format!("{who}: `{what}` holds {} bytes, needs {bytes}", p.bytes()),
+        ));
+    }
+    Ok(())
+}
+
+/// A size passed to a kernel as `int`.
+pub(crate) fn to_i32(who: &str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| {
+        Error::new(
+            Status::Internal,
+            format!("{who}: {what} = {v} does not fit an int"),
+        )
+    })
+}
 
 /// Every model family, in a fixed order.
 pub static MODEL_FAMILIES: &[&KernelSource] = &[

@@ -16,6 +16,7 @@
 
 use super::linear::{WFormat, strided_bytes};
 use crate::config::{ModelConfig, ScoringFunc};
+use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
 use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
 use crate::cuda::{Context, DevicePtr};
@@ -222,20 +223,6 @@ impl MoePlan {
 
 fn internal(msg: String) -> Error {
     Error::new(Status::Internal, msg)
-}
-
-fn need(kernel: &str, what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
-    if p.bytes() < bytes {
-        return Err(internal(format!(
-            "{kernel}: `{what}` holds {} bytes, needs {bytes}",
-            p.bytes()
-        )));
-    }
-    Ok(())
-}
-
-fn to_i32(kernel: &str, what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| internal(format!("{kernel}: {what} = {v} does not fit an int")))
 }
 
 /// Blocks of a grid-stride elementwise launch over `n` elements (256 threads each).

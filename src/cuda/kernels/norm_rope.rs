@@ -5,6 +5,7 @@
 //! Every launch function checks that each buffer holds what the kernel will touch, then
 //! enqueues on the borrowed stream (no host sync). Zero-sized work launches nothing.
 
+use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
 use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
 use crate::cuda::{Context, DevicePtr};
@@ -39,22 +40,6 @@ const MAX_BLOCKS: usize = 1 << 20;
 
 fn err(msg: String) -> Error {
     Error::new(Status::Internal, msg)
-}
-
-/// `p` must hold at least `bytes` bytes.
-fn need(kernel: &str, what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
-    if p.bytes() < bytes {
-        return Err(err(format!(
-            "{kernel}: `{what}` holds {} bytes, needs {bytes}",
-            p.bytes()
-        )));
-    }
-    Ok(())
-}
-
-/// A size as the kernels' `int`.
-fn int(kernel: &str, what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| err(format!("{kernel}: {what} = {v} does not fit an int")))
 }
 
 /// Bytes of `rows` f32 rows of `width` values at stride `ld` (values).
@@ -130,9 +115,9 @@ impl NormRope {
             return Ok(());
         }
         let (r32, d32, l32) = (
-            int(K, "rows", rows)?,
-            int(K, "dim", dim)?,
-            int(K, "ld", ld)?,
+            to_i32(K, "rows", rows)?,
+            to_i32(K, "dim", dim)?,
+            to_i32(K, "ld", ld)?,
         );
         let threads = if dim <= 128 { 128 } else { ROW_THREADS };
         let _g = ctx.enter()?;
@@ -181,13 +166,13 @@ impl NormRope {
         let _g = ctx.enter()?;
         let mut a = KernelArgs::new();
         a.ptr(x)
-            .i32(int(K, "rows", rows)?)
-            .i32(int(K, "ld", ld)?)
-            .i32(int(K, "heads", heads)?)
-            .i32(int(K, "head_dim", head_dim)?);
+            .i32(to_i32(K, "rows", rows)?)
+            .i32(to_i32(K, "ld", ld)?)
+            .i32(to_i32(K, "heads", heads)?)
+            .i32(to_i32(K, "head_dim", head_dim)?);
         a.ptr(pos)
             .ptr(inv_freq)
-            .i32(int(K, "half_rope", half_rope)?)
+            .i32(to_i32(K, "half_rope", half_rope)?)
             .f32(sign)
             .i32(round_out as i32);
         let threads = if heads * head_dim <= 128 {
@@ -222,9 +207,9 @@ impl NormRope {
         let _g = ctx.enter()?;
         let mut a = KernelArgs::new();
         a.ptr(x)
-            .i32(int(K, "rows", rows)?)
-            .i32(int(K, "ld", ld)?)
-            .i32(int(K, "nope", nope)?);
+            .i32(to_i32(K, "rows", rows)?)
+            .i32(to_i32(K, "ld", ld)?)
+            .i32(to_i32(K, "nope", nope)?);
         // SAFETY: matches `kv_sim_kernel(float*, int, int, int)`; sizes checked above.
         unsafe { launch(&self.kv_sim, row_blocks(rows), 128, 0, stream, &a) }
     }
@@ -251,7 +236,9 @@ impl NormRope {
         }
         let _g = ctx.enter()?;
         let mut a = KernelArgs::new();
-        a.ptr(x).i32(int(K, "rows", rows)?).i32(int(K, "dim", dim)?);
+        a.ptr(x)
+            .i32(to_i32(K, "rows", rows)?)
+            .i32(to_i32(K, "dim", dim)?);
         let threads = (dim as u32 / 2).clamp(32, ROW_THREADS);
         // SAFETY: matches `index_sim_kernel(float*, int, int)`; sizes checked above.
         unsafe { launch(&self.index_sim, row_blocks(rows), threads, 0, stream, &a) }
@@ -334,10 +321,10 @@ impl NormRope {
         let _g = ctx.enter()?;
         let mut a = KernelArgs::new();
         a.ptr(tokens)
-            .i32(int(K, "T", t_count)?)
+            .i32(to_i32(K, "T", t_count)?)
             .ptr(table)
-            .i32(int(K, "D", d)?)
-            .i32(int(K, "N", n)?)
+            .i32(to_i32(K, "D", d)?)
+            .i32(to_i32(K, "N", n)?)
             .ptr(x);
         // SAFETY: matches `embed_kernel(const int*, int, const float*, int, int, float*)`;
         // sizes checked above (token ids by the caller).
@@ -384,9 +371,9 @@ impl NormRope {
         let _g = ctx.enter()?;
         let mut a = KernelArgs::new();
         a.ptr(src)
-            .i32(int(K, "row_len", row_len)?)
+            .i32(to_i32(K, "row_len", row_len)?)
             .ptr(rows.map_or(0, |r| r.addr()))
-            .i32(int(K, "nrows", nrows)?)
+            .i32(to_i32(K, "nrows", nrows)?)
             .ptr(dst);
         // SAFETY: matches `gather_rows_kernel(const float*, int, const int*, int, float*)`;
         // sizes checked above (row ids by the caller).
