@@ -17,7 +17,7 @@ const USAGE: &str = "usage:
   dsv4 demo [--device cpu|cuda[:N]]
   dsv4 run --model DIR --prompt ID,ID,... [--max-new N] [--device ...]
   dsv4 eval --model DIR --fixture ORACLE.safetensors
-  dsv4 bench [--model DIR | --config FILE] [--tokens N] [--decode-steps N] [--decode-batch N] [--device ...]";
+  dsv4 bench [--model DIR | --config FILE] [--tokens N] [--decode-steps N] [--decode-batch N[,N...]] [--device ...]";
 
 struct Args {
     cmd: String,
@@ -415,6 +415,21 @@ fn eval(a: &Args) -> Result<(), String> {
 
 /// CUDA bench: `batch` sequences prefilled together (`tokens` in total, one forward), then
 /// `steps` batched decode steps; per-step wall times after stream synchronization.
+/// `--decode-batch` for the CUDA bench: one size or a comma list (`1,8`), each a separate case
+/// on ONE engine, so a large model is created and loaded once.
+fn decode_batches(a: &Args) -> Result<Vec<usize>, String> {
+    a.get("decode-batch")
+        .unwrap_or("8")
+        .split(',')
+        .map(|v| {
+            v.trim()
+                .parse::<usize>()
+                .map(|b| b.max(1))
+                .map_err(|_| format!("--decode-batch must be numbers separated by commas, got `{v}`"))
+        })
+        .collect()
+}
+
 fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
     use dsv4::cuda::arena::{Arena, copy_to_device_sync};
     use dsv4::cuda::context::Context;
@@ -422,16 +437,18 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
     use dsv4::engine::DeviceBatch;
     let tokens = a.num("tokens", 8192)?;
     let steps = a.num("decode-steps", 16)?.max(1);
-    let batch = a.num("decode-batch", 8)?.max(1);
-    let per = tokens / batch;
-    if per == 0 {
-        return Err("--tokens must be >= --decode-batch".into());
+    let batches = decode_batches(a)?;
+    let max_batch = *batches.iter().max().unwrap_or(&1);
+    let min_batch = *batches.iter().min().unwrap_or(&1);
+    if tokens < max_batch {
+        return Err("--tokens must be >= every --decode-batch".into());
     }
+    // Every case prefills `tokens` tokens as `batch` sequences of tokens / batch each.
     let opts = EngineOptions {
         device: dev,
-        max_num_seqs: batch,
-        max_num_tokens: per * batch,
-        max_seq_len: per + steps + 1,
+        max_num_seqs: max_batch,
+        max_num_tokens: tokens,
+        max_seq_len: tokens / min_batch + steps + 1,
         ..Default::default()
     };
     let t_create = Instant::now();
@@ -453,66 +470,70 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
     let stream = OwnedStream::new(&ctx).map_err(err)?;
     let st = stream.borrow();
     let mb = 1usize << 20;
-    let buf = Arena::new(&ctx, 8 * mb + batch * vocab * 4).map_err(err)?;
+    let buf = Arena::new(&ctx, 8 * mb + max_batch * vocab * 4).map_err(err)?;
     let w = buf.whole();
     let part = |i: usize| w.slice(i * mb, mb).unwrap();
-    let logits = w.slice(8 * mb, batch * vocab * 4).map_err(err)?;
-    let mut run = |toks: &[i32], pos: &[i32], qs: &[i32], rows: &[i32]| -> Result<f64, String> {
-        let slots: Vec<i32> = (0..batch as i32).collect();
-        copy_to_device_sync(part(0), toks, st).map_err(err)?;
-        copy_to_device_sync(part(1), pos, st).map_err(err)?;
-        copy_to_device_sync(part(2), &slots, st).map_err(err)?;
-        copy_to_device_sync(part(3), qs, st).map_err(err)?;
-        copy_to_device_sync(part(4), rows, st).map_err(err)?;
-        let db = DeviceBatch {
-            num_tokens: toks.len(),
-            num_seqs: batch,
-            token_ids: part(0).addr(),
-            positions: part(1).addr(),
-            seq_slots: part(2).addr(),
-            query_start: part(3).addr(),
-            logits_rows: part(4).addr(),
-            num_logits: rows.len(),
-            logits: logits.addr(),
-            logits_bf16: false,
+    let logits = w.slice(8 * mb, max_batch * vocab * 4).map_err(err)?;
+    for batch in batches {
+        let per = tokens / batch;
+        let mut run = |toks: &[i32], pos: &[i32], qs: &[i32], rows: &[i32]| -> Result<f64, String> {
+            let slots: Vec<i32> = (0..batch as i32).collect();
+            copy_to_device_sync(part(0), toks, st).map_err(err)?;
+            copy_to_device_sync(part(1), pos, st).map_err(err)?;
+            copy_to_device_sync(part(2), &slots, st).map_err(err)?;
+            copy_to_device_sync(part(3), qs, st).map_err(err)?;
+            copy_to_device_sync(part(4), rows, st).map_err(err)?;
+            let db = DeviceBatch {
+                num_tokens: toks.len(),
+                num_seqs: batch,
+                token_ids: part(0).addr(),
+                positions: part(1).addr(),
+                seq_slots: part(2).addr(),
+                query_start: part(3).addr(),
+                logits_rows: part(4).addr(),
+                num_logits: rows.len(),
+                logits: logits.addr(),
+                logits_bf16: false,
+            };
+            let t0 = Instant::now();
+            e.forward_device(&db, st.raw() as *mut _).map_err(err)?;
+            st.synchronize().map_err(err)?;
+            Ok(t0.elapsed().as_secs_f64())
         };
-        let t0 = Instant::now();
-        e.forward_device(&db, st.raw() as *mut _).map_err(err)?;
-        st.synchronize().map_err(err)?;
-        Ok(t0.elapsed().as_secs_f64())
-    };
-    let (mut toks, mut pos, mut qs, mut rows) = (vec![], vec![], vec![0i32], vec![]);
-    for sq in 0..batch {
-        toks.extend((0..per).map(|i| ((i * 131 + sq * 17) % vocab) as i32));
-        pos.extend(0..per as i32);
-        qs.push(toks.len() as i32);
-        rows.push(toks.len() as i32 - 1);
+        // Position 0 restarts every slot, so each case starts from fresh sequences.
+        let (mut toks, mut pos, mut qs, mut rows) = (vec![], vec![], vec![0i32], vec![]);
+        for sq in 0..batch {
+            toks.extend((0..per).map(|i| ((i * 131 + sq * 17) % vocab) as i32));
+            pos.extend(0..per as i32);
+            qs.push(toks.len() as i32);
+            rows.push(toks.len() as i32 - 1);
+        }
+        let prefill_s = run(&toks, &pos, &qs, &rows)?;
+        let mut decode = vec![];
+        for k in 0..steps {
+            let toks: Vec<i32> = (0..batch).map(|sq| ((k * 7 + sq) % vocab) as i32).collect();
+            let pos: Vec<i32> = vec![(per + k) as i32; batch];
+            let qs: Vec<i32> = (0..=batch as i32).collect();
+            let rows: Vec<i32> = (0..batch as i32).collect();
+            decode.push(run(&toks, &pos, &qs, &rows)?);
+        }
+        let mut sorted = decode.clone();
+        sorted.sort_by(|x, y| x.partial_cmp(y).unwrap());
+        let c = e.config();
+        println!(
+            "{{\"backend\": \"{backend}\", \"layers\": {}, \"hidden\": {}, \"experts\": {}, \"setup_s\": {setup_s:.1}, \"prefill_tokens\": {}, \"prefill_seqs\": {batch}, \"prefill_ms\": {:.3}, \"decode_batch\": {batch}, \"decode_steps\": {steps}, \"decode_ms_median\": {:.3}, \"decode_ms_per_step\": {:?}}}",
+            c.num_layers,
+            c.hidden_size,
+            c.n_routed_experts,
+            toks.len(),
+            prefill_s * 1e3,
+            sorted[sorted.len() / 2] * 1e3,
+            decode
+                .iter()
+                .map(|x| (x * 1e6).round() / 1e3)
+                .collect::<Vec<_>>()
+        );
     }
-    let prefill_s = run(&toks, &pos, &qs, &rows)?;
-    let mut decode = vec![];
-    for k in 0..steps {
-        let toks: Vec<i32> = (0..batch).map(|sq| ((k * 7 + sq) % vocab) as i32).collect();
-        let pos: Vec<i32> = vec![(per + k) as i32; batch];
-        let qs: Vec<i32> = (0..=batch as i32).collect();
-        let rows: Vec<i32> = (0..batch as i32).collect();
-        decode.push(run(&toks, &pos, &qs, &rows)?);
-    }
-    let mut sorted = decode.clone();
-    sorted.sort_by(|x, y| x.partial_cmp(y).unwrap());
-    let c = e.config();
-    println!(
-        "{{\"backend\": \"{backend}\", \"layers\": {}, \"hidden\": {}, \"experts\": {}, \"setup_s\": {setup_s:.1}, \"prefill_tokens\": {}, \"prefill_ms\": {:.3}, \"decode_batch\": {batch}, \"decode_steps\": {steps}, \"decode_ms_median\": {:.3}, \"decode_ms_per_step\": {:?}}}",
-        c.num_layers,
-        c.hidden_size,
-        c.n_routed_experts,
-        toks.len(),
-        prefill_s * 1e3,
-        sorted[sorted.len() / 2] * 1e3,
-        decode
-            .iter()
-            .map(|x| (x * 1e6).round() / 1e3)
-            .collect::<Vec<_>>()
-    );
     Ok(())
 }
 
