@@ -63,7 +63,7 @@
  * added. A host built against minor M works with any library of the same major and
  * minor >= M.
  */
-#define DSV4_ABI_VERSION_MINOR 0
+#define DSV4_ABI_VERSION_MINOR 1
 
 /**
  * Log level: errors only.
@@ -161,16 +161,31 @@
 #define DSV4_DTYPE_I64 4
 
 /**
- * Storage type reported by `dsv4_weight_info` only: FP8 e4m3fn codes (one byte each) with
- * f32 block scales at `scale`.
+ * FP8 e4m3fn codes, one byte each. `dsv4_weight_info` reports it with f32 block scales at
+ * `scale`; a `dsv4_refit` entry of this dtype (a weight in its stored format) must come with
+ * its block-scale entry (`<weight>.scale` or `<weight>_scale_inv`, DSV4_DTYPE_E8M0 or F32)
+ * in the same call.
  */
 #define DSV4_DTYPE_F8_E4M3 5
 
 /**
- * Storage type reported by `dsv4_weight_info` only: FP4 e2m1 codes, two per byte (low
- * nibble = even column, bit 3 = sign), with f32 1x32 block scales at `scale`.
+ * FP4 e2m1 codes, two per byte (low nibble = even column, bit 3 = sign). `shape` is the
+ * logical shape (last dimension even); the data holds numel / 2 bytes. `dsv4_weight_info`
+ * reports it with f32 1x32 block scales at `scale`; a `dsv4_refit` entry needs its scale
+ * entry as for DSV4_DTYPE_F8_E4M3.
  */
 #define DSV4_DTYPE_FP4_E2M1 6
+
+/**
+ * UE8M0 block-scale bytes (value 2^(b - 127)), for the scale entries of stored-format
+ * refits.
+ */
+#define DSV4_DTYPE_E8M0 7
+
+/**
+ * float64: reported by `dsv4_weight_info` for derived tensors only.
+ */
+#define DSV4_DTYPE_F64 8
 
 /**
  * Tensor data lives in host memory.
@@ -414,9 +429,32 @@ typedef struct dsv4_info {
      */
     int32_t phase;
     /**
-     * Number of weights (the valid range of dsv4_weight_info's index).
+     * Number of weights (the valid range of dsv4_weight_info's index): the source weights,
+     * then the derived tensors.
      */
     size_t num_weights;
+    /**
+     * Since ABI 1.1. The engine's fixed buffers by kind, each one contiguous span that never
+     * moves from dsv4_create to dsv4_destroy (device memory on CUDA; NULL / 0 on the CPU
+     * backend, whose buffers are separate host allocations): weights and their scales ...
+     */
+    void *weights_base;
+    uint64_t weights_nbytes;
+    /**
+     * ... derived tensors (rebuilt by finalize / refit) ...
+     */
+    void *derived_base;
+    uint64_t derived_nbytes;
+    /**
+     * ... per-slot decode state (KV windows, compressed entries, compressor state) ...
+     */
+    void *state_base;
+    uint64_t state_nbytes;
+    /**
+     * ... and the activation workspace of dsv4_forward.
+     */
+    void *workspace_base;
+    uint64_t workspace_nbytes;
 } dsv4_info;
 
 /**
@@ -569,7 +607,7 @@ extern "C" {
 uint32_t dsv4_abi_version(void);
 
 /**
- * Human-readable library version, e.g. "dsv4 0.1.0 (abi 1.0)". Static storage: never
+ * Human-readable library version, e.g. "dsv4 0.1.0 (abi 1.1)". Static storage: never
  * free it. Thread-safe; never fails.
  */
 const char *dsv4_version_string(void);

@@ -49,7 +49,10 @@ DSV4_INLINE float hc_rsqrt(float x) { return (float)__ddiv_rn(1.0, __dsqrt_rn((d
 // mhc.rs mix_logits for one token's flattened streams xt[nd]: m[j] = f32(Σ f64 proj[j]·xt) * rho
 // for j < mix, rho = rsqrt(f32(Σ f64 xt² / nd) + eps). Writes m (shared, `mix` floats); every
 // thread must call. red: __shared__ double[32 * HC_CHUNK]; scratch: __shared__ double[32].
-DSV4_INLINE void hc_mix_logits(const float* xt, long long nd, const float* proj, int mix, float rms_eps, float* m,
+// P is float (a site's stored projection) or double (layer 0's stream-folded projection, see
+// hc_pre_kernel): the products are formed in f64 either way.
+template <typename P>
+DSV4_INLINE void hc_mix_logits(const float* xt, long long nd, const P* proj, int mix, float rms_eps, float* m,
                                double* red, double* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   double sq = 0.0;
@@ -58,7 +61,7 @@ DSV4_INLINE void hc_mix_logits(const float* xt, long long nd, const float* proj,
     double acc[HC_CHUNK];
 #pragma unroll
     for (int j = 0; j < HC_CHUNK; ++j) acc[j] = 0.0;
-    const float* pj = proj + (long long)c0 * nd;
+    const P* pj = proj + (long long)c0 * nd;
     for (long long i = threadIdx.x; i < nd; i += blockDim.x) {
       const double xv = (double)xt[i];
       if (c0 == 0) sq = __dadd_rn(sq, __dmul_rn(xv, xv));
@@ -148,9 +151,12 @@ DSV4_INLINE void hc_sinkhorn_warp(float* c, int n, int iters, float eps) {
 // base_{N+i}), comb logits a2*m_{2N+i} + base_{2N+i} -> Sinkhorn (iters rounds); u[t, i] =
 // f32(Σ_n f64(pre_n * x[t, n, i])) (products in f32), bf16 if round_u. Outputs u [T, D],
 // post [T, N], comb [T, N, N]. proj [(2+N)*N, N*D], base [(2+N)*N], scale [3]. N <= HC_MAX_N.
+// fold: NULL, or (layer 0, where every stream holds the same embedding) the f64 projection
+// [(2+N)*N, D] with fold[j, i] = Σ_n proj[j, n*D + i]: the logits then read stream 0 only
+// (D instead of N*D columns) and equal the unfolded ones (f64 products and sums; see mhc.rs).
 extern "C" __global__ void hc_pre_kernel(const float* x, int T, int N, int D, const float* proj, const float* base,
-                                         const float* scale, int iters, float hc_eps, float rms_eps, int round_u,
-                                         float* u, float* post, float* comb) {
+                                         const float* scale, const double* fold, int iters, float hc_eps,
+                                         float rms_eps, int round_u, float* u, float* post, float* comb) {
   __shared__ float m[HC_MAX_MIX];
   __shared__ float c[HC_MAX_N * HC_MAX_N];
   __shared__ float pre[HC_MAX_N];
@@ -160,7 +166,10 @@ extern "C" __global__ void hc_pre_kernel(const float* x, int T, int N, int D, co
   const int mix = (2 + N) * N;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     const float* xt = x + (long long)t * nd;
-    hc_mix_logits(xt, nd, proj, mix, rms_eps, m, red, scratch);
+    if (fold != nullptr)
+      hc_mix_logits(xt, (long long)D, fold, mix, rms_eps, m, red, scratch);
+    else
+      hc_mix_logits(xt, nd, proj, mix, rms_eps, m, red, scratch);
     if (threadIdx.x < 32) {
       const int me = threadIdx.x;
       const float a0 = scale[0], a1 = scale[1], a2 = scale[2];

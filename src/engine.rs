@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result, Status};
 use crate::reference::CpuBackend;
+use crate::weights;
+use crate::weights::names::{Role, classify};
 use crate::weights::store::WeightStore;
-use crate::weights::{self, HostDtype};
 
 /// `numerics` create option (DESIGN.md §4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,12 +75,49 @@ impl Default for EngineOptions {
     }
 }
 
-/// One named weight update (load_tensor / refit), from host memory.
-pub struct TensorUpdate<'a> {
-    pub name: &'a str,
-    pub dtype: HostDtype,
-    pub shape: &'a [usize],
-    pub data: &'a [u8],
+/// One named weight update (load_tensor / refit), from host memory. A stored-format weight
+/// (F8_E4M3 / FP4_E2M1 codes) comes with its block-scale tensor as another entry of the same
+/// refit, named as checkpoints name it (`<weight>.scale`, `<weight>_scale_inv`).
+pub type TensorUpdate<'a> = crate::weights::HostTensor<'a>;
+
+/// Element type of a derived tensor as dsv4_weight_info reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DerivedDtype {
+    F32,
+    F64,
+    /// Device addresses.
+    U64,
+}
+
+impl DerivedDtype {
+    pub fn size(self) -> usize {
+        match self {
+            DerivedDtype::F32 => 4,
+            DerivedDtype::F64 | DerivedDtype::U64 => 8,
+        }
+    }
+}
+
+/// A tensor the engine builds from weights at finalize / refit (not loadable by name), at a
+/// fixed address: what dsv4_weight_info lists after the source weights.
+#[derive(Clone, Debug)]
+pub struct DerivedTensor {
+    pub name: String,
+    pub dtype: DerivedDtype,
+    pub shape: Vec<usize>,
+    /// Host address (CPU backend) or device address (CUDA backend).
+    pub addr: u64,
+    pub nbytes: usize,
+}
+
+/// Fixed spans of the engine's buffers, by kind (dsv4_get_info): `(address, bytes)`, device
+/// addresses on CUDA; (0, 0) where a backend has no such single span.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BufferSpans {
+    pub weights: (u64, u64),
+    pub derived: (u64, u64),
+    pub state: (u64, u64),
+    pub workspace: (u64, u64),
 }
 
 /// Caller-owned logits output.
@@ -374,12 +412,23 @@ impl Engine {
         stream: *mut std::ffi::c_void,
     ) -> Result<()> {
         self.expect_phase("dsv4_refit", &[Phase::Ready, Phase::Refitting])?;
+        let pairs = pair_scales(updates)?;
+        let block = self
+            .cfg
+            .quant
+            .as_ref()
+            .map_or([128, 128], |q| q.weight_block);
         // Two entries may name one weight through different aliases: compare canonical weights.
         let mut seen = std::collections::HashMap::new();
-        for (k, u) in updates.iter().enumerate() {
-            let touched =
-                weights::load::check_update(&self.weights, u.name, u.dtype, u.shape, u.data)
-                    .map_err(|e| e.context(format!("refit entry {k}")))?;
+        for &(k, scale) in &pairs {
+            let u = &updates[k];
+            let touched = weights::load::check_update_scaled(
+                &self.weights,
+                u,
+                scale.map(|j| &updates[j]),
+                block,
+            )
+            .map_err(|e| e.context(format!("refit entry {k}")))?;
             for i in touched {
                 if let Some(prev) = seen.insert(i, u.name) {
                     return Err(Error::new(
@@ -396,13 +445,12 @@ impl Engine {
         // Every entry is valid: write them, then refresh the backend's copies of the touched
         // weights and every derived buffer.
         let mut touched = vec![];
-        for u in updates {
-            touched.extend(weights::load::write_update(
+        for &(k, scale) in &pairs {
+            touched.extend(weights::load::write_update_scaled(
                 &mut self.weights,
-                u.name,
-                u.dtype,
-                u.shape,
-                u.data,
+                &updates[k],
+                scale.map(|j| &updates[j]),
+                block,
             )?);
         }
         // Inside a chunked refit derived buffers are rebuilt once, at dsv4_refit_end.
@@ -421,7 +469,7 @@ impl Engine {
                     b.upload_weight(&self.weights, i, st)?;
                 }
                 if rebuild {
-                    b.rebuild_derived(st)?;
+                    b.rebuild_derived(&self.weights, st)?;
                 }
                 st.synchronize()
             }
@@ -452,12 +500,68 @@ impl Engine {
             Backend::Cuda(b) => {
                 let st = crate::cuda::stream::BorrowedStream::from_raw(stream);
                 let _g = b.ctx.enter()?;
-                b.rebuild_derived(st)?;
+                b.rebuild_derived(&self.weights, st)?;
                 st.synchronize()?;
             }
         }
         self.phase = Phase::Ready;
         Ok(())
+    }
+
+    /// Tensors derived from the weights (rebuilt by finalize and refit), fixed addresses.
+    pub fn derived_tensors(&self) -> Vec<DerivedTensor> {
+        match &self.backend {
+            Backend::Cpu(b) => b.derived(),
+            Backend::Cuda(b) => b.derived(),
+        }
+    }
+
+    /// Spans of the weight, derived, state and workspace buffers (CUDA: device addresses
+    /// inside the create-time arena; CPU: none, its buffers are separate heap blocks).
+    pub fn buffer_spans(&self) -> BufferSpans {
+        match &self.backend {
+            Backend::Cpu(_) => BufferSpans::default(),
+            Backend::Cuda(b) => BufferSpans {
+                weights: b.span(&["weight:", "scale:"]),
+                derived: b.span(&["derived:"]),
+                state: b.span(&["state:"]),
+                workspace: b.span(&["workspace:"]),
+            },
+        }
+    }
+
+    /// Copies `nbytes` of device memory at `addr` (a DSV4_MEMORY_DEVICE update) to the host,
+    /// on `stream` so that it is ordered after the host's writes there, and waits for it.
+    /// UNSUPPORTED on the CPU backend. A bad address is a CUDA error; nothing changes.
+    pub fn stage_device_bytes(
+        &self,
+        addr: u64,
+        nbytes: usize,
+        stream: *mut std::ffi::c_void,
+        what: &str,
+    ) -> Result<Vec<u8>> {
+        match &self.backend {
+            Backend::Cpu(_) => Err(Error::new(
+                Status::Unsupported,
+                format!(
+                    "{what}: DSV4_MEMORY_DEVICE on the CPU backend (it reads host memory only)"
+                ),
+            )),
+            Backend::Cuda(b) => {
+                let mut out = vec![0u8; nbytes];
+                if nbytes == 0 {
+                    return Ok(out);
+                }
+                let _g = b.ctx.enter()?;
+                let st = crate::cuda::stream::BorrowedStream::from_raw(stream);
+                // SAFETY: the host promises `nbytes` readable device bytes at `addr` for the
+                // call; a wrong address fails in the driver (checked) without side effects.
+                let src = unsafe { crate::cuda::DevicePtr::from_raw(addr, nbytes) };
+                crate::cuda::arena::copy_to_host_sync(&mut out, src, st)
+                    .map_err(|e| e.context(what.to_string()))?;
+                Ok(out)
+            }
+        }
     }
 
     /// Forgets the state of `slot`; its next sequence must start at position 0.
@@ -511,4 +615,57 @@ fn validate_options(cfg: &ModelConfig, o: &EngineOptions) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Pairs each refit entry with its block-scale entry: `(entry, Some(scale entry))` for a
+/// weight whose scale was sent (by any naming scheme), `(entry, None)` otherwise. A scale
+/// entry without its weight in the same call, or two scales of one weight, is an error.
+fn pair_scales(updates: &[TensorUpdate]) -> Result<Vec<(usize, Option<usize>)>> {
+    let mut scales = std::collections::BTreeMap::new();
+    let mut weights = std::collections::BTreeMap::new();
+    for (k, u) in updates.iter().enumerate() {
+        match classify(u.name) {
+            Some(Role::Scale(t)) => {
+                if let Some(prev) = scales.insert(t.clone(), k) {
+                    return Err(Error::new(
+                        Status::InvalidArgument,
+                        format!(
+                            "refit entries `{}` and `{}` are both the scale of `{}`",
+                            updates[prev].name,
+                            u.name,
+                            t.describe()
+                        ),
+                    ));
+                }
+            }
+            Some(Role::Weight(t)) => {
+                weights.insert(t, k);
+            }
+            _ => {}
+        }
+    }
+    for (t, &k) in &scales {
+        if !weights.contains_key(t) {
+            return Err(Error::new(
+                Status::Tensor,
+                format!(
+                    "refit entry {k} `{}` is the scale of `{}`, which this refit call does not contain (send a quantized weight and its scale together)",
+                    updates[k].name,
+                    t.describe()
+                ),
+            ));
+        }
+    }
+    Ok(updates
+        .iter()
+        .enumerate()
+        .filter(|(_, u)| !matches!(classify(u.name), Some(Role::Scale(_))))
+        .map(|(k, u)| {
+            let scale = match classify(u.name) {
+                Some(Role::Weight(t)) => scales.get(&t).copied(),
+                _ => None,
+            };
+            (k, scale)
+        })
+        .collect())
 }

@@ -1176,9 +1176,11 @@ fn weight_info_is_complete_and_stable() {
         let esize = match w.dtype {
             DSV4_DTYPE_F32 | DSV4_DTYPE_I32 => 4,
             DSV4_DTYPE_BF16 | DSV4_DTYPE_F16 => 2,
-            DSV4_DTYPE_I64 => 8,
+            DSV4_DTYPE_I64 | DSV4_DTYPE_F64 => 8,
             d => panic!("weight `{name}` has dtype {d}"),
         };
+        // Derived tensors are listed after every source weight.
+        assert_eq!(w.derived != 0, name.starts_with("derived:"), "{name}");
         assert_eq!(w.nbytes, numel as u64 * esize, "{name}");
         assert!(!w.data.is_null(), "{name}");
         assert_eq!(w.device, DSV4_DEVICE_CPU);

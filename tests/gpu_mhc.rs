@@ -11,7 +11,7 @@ use dsv4::cuda::arena::{self, ArenaPlan, Pod};
 use dsv4::cuda::kernels::mhc::{self, HcSiteDev, Mhc};
 use dsv4::cuda::registry::{KernelCache, cubin_defines, nvrtc_version};
 use dsv4::cuda::{Arena, Context, DevicePtr, OwnedStream, Registry};
-use dsv4::reference::mhc::{HcParams, HcPre, hc_head, hc_post, hc_pre};
+use dsv4::reference::mhc::{HcParams, HcPre, fold_projection, hc_head, hc_post, hc_pre};
 use dsv4::reference::ops::Threads;
 use dsv4::weights::quant::round_bf16;
 use std::sync::OnceLock;
@@ -199,6 +199,7 @@ impl Site {
             proj: &self.proj,
             base: &self.base,
             scale: &self.scale,
+            fold: None,
         }
     }
 
@@ -218,6 +219,7 @@ impl Site {
                 proj: p[0],
                 base: p[1],
                 scale: p[2],
+                fold: None,
             },
         )
     }
@@ -313,6 +315,83 @@ fn hc_pre_matches_reference_bit_for_bit() {
     }
 }
 
+/// Layer 0's folded projection (the derived "broadcast weight"): with every stream equal, the
+/// GPU's folded hc_pre equals the CPU reference's folded hc_pre bit for bit, and both equal
+/// the unfolded hc_pre (the fold is exact in f64 for these inputs).
+#[test]
+fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
+    let Some(g) = gpu() else { return };
+    let d = Dev::new(g);
+    let mut rng = Rng::new(21);
+    let mix = (2 + N) * N;
+    for official in [false, true] {
+        for &(t, dd) in &[(7usize, 256usize), (3, 4096)] {
+            let what = format!("folded hc_pre T {t} D {dd} official {official}");
+            // One embedding row per token, copied into every stream (as layer 0 sees it).
+            let e = streams(&mut rng, t, dd, official);
+            let mut x = Vec::with_capacity(t * N * dd);
+            for ti in 0..t {
+                for _ in 0..N {
+                    x.extend_from_slice(&e[ti * N * dd..ti * N * dd + dd]);
+                }
+            }
+            let st = site(&mut rng, mix, dd, 3, 2.0);
+            let mut fold = vec![0.0f64; mix * dd];
+            fold_projection(&st.proj, N, dd, &mut fold);
+            let folded = HcParams {
+                fold: Some(&fold),
+                ..st.params()
+            };
+            let want = hc_pre(Threads(4), &x, N, dd, &folded, ITERS, HC_EPS, RMS_EPS);
+            let plain = hc_pre(Threads(4), &x, N, dd, &st.params(), ITERS, HC_EPS, RMS_EPS);
+            assert_bits(
+                &format!("{what}: CPU folded vs unfolded comb"),
+                &want.comb,
+                &plain.comb,
+            );
+            assert_bits(
+                &format!("{what}: CPU folded vs unfolded u"),
+                &want.u,
+                &plain.u,
+            );
+            let (_s, mut sp) = st.upload(&d);
+            let (_f, fp) = d.alloc(&[fold.len() * 8]);
+            let fbits: Vec<u64> = fold.iter().map(|v| v.to_bits()).collect();
+            d.put(fp[0], &fbits);
+            sp.fold = Some(fp[0]);
+            let (_a, p) = d.alloc(&[x.len() * 4, t * dd * 4, t * N * 4, t * N * N * 4]);
+            d.put(p[0], &x);
+            for &q in &p[1..] {
+                d.poison(q);
+            }
+            d.k.hc_pre(
+                d.ctx(),
+                p[0],
+                t,
+                N,
+                dd,
+                sp,
+                ITERS,
+                HC_EPS,
+                RMS_EPS,
+                false,
+                p[1],
+                p[2],
+                p[3],
+                d.s(),
+            )
+            .unwrap();
+            assert_bits(
+                &format!("{what}: comb"),
+                &d.get(p[3], t * N * N),
+                &want.comb,
+            );
+            assert_bits(&format!("{what}: post"), &d.get(p[2], t * N), &want.post);
+            assert_bits(&format!("{what}: u"), &d.get(p[1], t * dd), &want.u);
+        }
+    }
+}
+
 // -------------------------------------------------------------------------------- hc_post
 
 #[test]
@@ -400,6 +479,7 @@ fn wrappers_reject_bad_shapes() {
         proj: b,
         base: b,
         scale: b,
+        fold: None,
     };
     // Nine streams exceed the kernels' limit; proj too small for D = 256.
     assert!(

@@ -422,10 +422,9 @@ fn decode_batches(a: &Args) -> Result<Vec<usize>, String> {
         .unwrap_or("8")
         .split(',')
         .map(|v| {
-            v.trim()
-                .parse::<usize>()
-                .map(|b| b.max(1))
-                .map_err(|_| format!("--decode-batch must be numbers separated by commas, got `{v}`"))
+            v.trim().parse::<usize>().map(|b| b.max(1)).map_err(|_| {
+                format!("--decode-batch must be numbers separated by commas, got `{v}`")
+            })
         })
         .collect()
 }
@@ -476,30 +475,31 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
     let logits = w.slice(8 * mb, max_batch * vocab * 4).map_err(err)?;
     for batch in batches {
         let per = tokens / batch;
-        let mut run = |toks: &[i32], pos: &[i32], qs: &[i32], rows: &[i32]| -> Result<f64, String> {
-            let slots: Vec<i32> = (0..batch as i32).collect();
-            copy_to_device_sync(part(0), toks, st).map_err(err)?;
-            copy_to_device_sync(part(1), pos, st).map_err(err)?;
-            copy_to_device_sync(part(2), &slots, st).map_err(err)?;
-            copy_to_device_sync(part(3), qs, st).map_err(err)?;
-            copy_to_device_sync(part(4), rows, st).map_err(err)?;
-            let db = DeviceBatch {
-                num_tokens: toks.len(),
-                num_seqs: batch,
-                token_ids: part(0).addr(),
-                positions: part(1).addr(),
-                seq_slots: part(2).addr(),
-                query_start: part(3).addr(),
-                logits_rows: part(4).addr(),
-                num_logits: rows.len(),
-                logits: logits.addr(),
-                logits_bf16: false,
+        let mut run =
+            |toks: &[i32], pos: &[i32], qs: &[i32], rows: &[i32]| -> Result<f64, String> {
+                let slots: Vec<i32> = (0..batch as i32).collect();
+                copy_to_device_sync(part(0), toks, st).map_err(err)?;
+                copy_to_device_sync(part(1), pos, st).map_err(err)?;
+                copy_to_device_sync(part(2), &slots, st).map_err(err)?;
+                copy_to_device_sync(part(3), qs, st).map_err(err)?;
+                copy_to_device_sync(part(4), rows, st).map_err(err)?;
+                let db = DeviceBatch {
+                    num_tokens: toks.len(),
+                    num_seqs: batch,
+                    token_ids: part(0).addr(),
+                    positions: part(1).addr(),
+                    seq_slots: part(2).addr(),
+                    query_start: part(3).addr(),
+                    logits_rows: part(4).addr(),
+                    num_logits: rows.len(),
+                    logits: logits.addr(),
+                    logits_bf16: false,
+                };
+                let t0 = Instant::now();
+                e.forward_device(&db, st.raw() as *mut _).map_err(err)?;
+                st.synchronize().map_err(err)?;
+                Ok(t0.elapsed().as_secs_f64())
             };
-            let t0 = Instant::now();
-            e.forward_device(&db, st.raw() as *mut _).map_err(err)?;
-            st.synchronize().map_err(err)?;
-            Ok(t0.elapsed().as_secs_f64())
-        };
         // Position 0 restarts every slot, so each case starts from fresh sequences.
         let (mut toks, mut pos, mut qs, mut rows) = (vec![], vec![], vec![0i32], vec![]);
         for sq in 0..batch {

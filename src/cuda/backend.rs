@@ -11,9 +11,10 @@ use crate::cuda::arena::{
 use crate::cuda::context::Context;
 use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
-use crate::engine::EngineOptions;
+use crate::engine::{DerivedDtype, DerivedTensor, EngineOptions};
 use crate::error::{Error, Result, Status};
 use crate::model::{ModelWeights, rope};
+use crate::reference::HC0_FOLD_NAME;
 use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
 use crate::weights::store::{TensorData, WeightStore};
 
@@ -117,6 +118,9 @@ pub struct CudaBackend {
     pub experts: Vec<ExpertTables>,
     pub layers: Vec<LayerStateDev>,
     pub slot_len: DevicePtr,
+    /// Derived f64 [(2+N)*N, D]: layer 0's stream-folded hc_attn projection
+    /// (`reference::mhc::fold_projection`).
+    pub hc0_fold: DevicePtr,
     pub ws: Workspace,
     /// Max visible indexer entries per token (workspace width of `iscores`).
     pub max_index_entries: usize,
@@ -182,7 +186,8 @@ impl CudaBackend {
             let rows = tns.spec.numel() / cols.max(1);
             wids.push((r, s, fmt, block, rows, cols));
         }
-        // Derived expert tables.
+        // Derived tensors (rebuilt by finalize / refit from the weights), then per-slot state,
+        // then workspace: each kind is one contiguous span (dsv4_get_info reports the spans).
         let mut eids = vec![];
         for l in 0..cfg.num_layers {
             let mut ids = [RegionId(0); 6];
@@ -195,17 +200,24 @@ impl CudaBackend {
             }
             eids.push(ids);
         }
+        let inv_ids = (0..cfg.num_layers)
+            .map(|l| {
+                plan.reserve(
+                    format!("derived:layers.{l}.inv_freq"),
+                    f32s(cfg.rope_dim / 2),
+                    ALIGN,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mix = (2 + n) * n;
+        let hc0_fold = plan.reserve(HC0_FOLD_NAME, mix * d * 8, ALIGN)?;
         // Per-slot state.
         let mut lids = vec![];
         let mut max_index_entries = 1;
         for (l, spec) in cfg.layers.iter().enumerate() {
             let p = |x: &str| format!("state:layers.{l}.{x}");
             let ring = plan.reserve(p("ring"), f32s(slots * cfg.sliding_window * hd), ALIGN)?;
-            let inv = plan.reserve(
-                format!("derived:layers.{l}.inv_freq"),
-                f32s(cfg.rope_dim / 2),
-                ALIGN,
-            )?;
+            let inv = inv_ids[l];
             let comp = |plan: &mut ArenaPlan,
                         name: &str,
                         dc: usize,
@@ -416,6 +428,7 @@ impl CudaBackend {
             rows_all: r(38),
         };
         let slot_len = arena.region(slot_len);
+        let hc0_fold = arena.region(hc0_fold);
         drop(_g);
         Ok(CudaBackend {
             handles: ModelWeights::resolve(cfg, store)?,
@@ -428,6 +441,7 @@ impl CudaBackend {
             experts,
             layers,
             slot_len,
+            hc0_fold,
             ws,
             max_index_entries,
             kernels: None,
@@ -447,7 +461,7 @@ impl CudaBackend {
         for i in 0..store.len() {
             self.upload_weight(store, i, stream)?;
         }
-        self.rebuild_derived(stream)?;
+        self.rebuild_derived(store, stream)?;
         self.reset_state(stream)?;
         stream.synchronize()
     }
@@ -474,8 +488,15 @@ impl CudaBackend {
         }
     }
 
-    /// Derived tables: expert weight address tables and per-layer RoPE frequencies.
-    pub fn rebuild_derived(&self, stream: BorrowedStream) -> Result<()> {
+    /// Every derived tensor, from the host store (already uploaded): expert weight address
+    /// tables, per-layer RoPE frequencies and layer 0's folded mHC projection.
+    pub fn rebuild_derived(&self, store: &WeightStore, stream: BorrowedStream) -> Result<()> {
+        if let Some(l0) = self.handles.layers.first() {
+            let (n, d) = (self.cfg.hc_mult, self.cfg.hidden_size);
+            let mut fold = vec![0.0f64; self.hc0_fold.bytes() / 8];
+            crate::reference::mhc::fold_projection(store.f32(l0.hc_attn.proj), n, d, &mut fold);
+            copy_to_device_sync(self.hc0_fold, &fold, stream)?;
+        }
         for (l, lw) in self.handles.layers.iter().enumerate() {
             let t = self.experts[l];
             let addr =
@@ -531,5 +552,52 @@ impl CudaBackend {
     /// Named device regions (weights, derived, state, workspace) for dsv4_get_info.
     pub fn regions(&self) -> &[crate::cuda::arena::Region] {
         self.arena.regions()
+    }
+
+    /// The derived tensors (device addresses) for dsv4_weight_info, in arena order.
+    pub fn derived(&self) -> Vec<DerivedTensor> {
+        let (n, d, e) = (
+            self.cfg.hc_mult,
+            self.cfg.hidden_size,
+            self.cfg.n_routed_experts,
+        );
+        self.regions()
+            .iter()
+            .filter(|r| r.name.starts_with("derived:"))
+            .map(|r| {
+                let (dtype, shape) = if r.name == HC0_FOLD_NAME {
+                    (DerivedDtype::F64, vec![(2 + n) * n, d])
+                } else if r.name.ends_with("_ptrs") {
+                    (DerivedDtype::U64, vec![e])
+                } else {
+                    (DerivedDtype::F32, vec![self.cfg.rope_dim / 2])
+                };
+                DerivedTensor {
+                    name: r.name.clone(),
+                    dtype,
+                    nbytes: shape.iter().product::<usize>() * dtype.size(),
+                    shape,
+                    addr: r.ptr.addr(),
+                }
+            })
+            .collect()
+    }
+
+    /// The device span `(base, bytes)` covering every region whose name starts with `prefix`
+    /// ("weight:" also covers "scale:"), or (0, 0) if none.
+    pub fn span(&self, prefixes: &[&str]) -> (u64, u64) {
+        let mut lo = u64::MAX;
+        let mut hi = 0u64;
+        for r in self.regions() {
+            if prefixes.iter().any(|p| r.name.starts_with(p)) {
+                lo = lo.min(r.ptr.addr());
+                hi = hi.max(r.ptr.addr() + r.ptr.bytes() as u64);
+            }
+        }
+        if lo == u64::MAX {
+            (0, 0)
+        } else {
+            (lo, hi - lo)
+        }
     }
 }

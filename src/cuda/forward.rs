@@ -66,6 +66,7 @@ impl CudaBackend {
             proj: self.weights[s.proj].data,
             base: self.weights[s.base].data,
             scale: self.weights[s.scale].data,
+            fold: None,
         }
     }
 
@@ -138,7 +139,11 @@ impl CudaBackend {
             st,
         )?;
         for (l, lw) in self.handles.layers.iter().enumerate() {
-            let site = self.site(&lw.hc_attn);
+            // Layer 0's streams all hold the embedding: read the derived folded projection.
+            let site = HcSiteDev {
+                fold: (l == 0).then_some(self.hc0_fold),
+                ..self.site(&lw.hc_attn)
+            };
             k8.mhc.hc_pre(
                 &self.ctx,
                 ws.x,

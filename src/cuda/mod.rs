@@ -25,6 +25,7 @@ pub mod arena;
 pub mod backend;
 pub mod context;
 pub mod forward;
+pub mod graph;
 pub mod kernels;
 pub mod registry;
 pub mod smoke;

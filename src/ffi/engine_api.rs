@@ -22,7 +22,7 @@ pub const DSV4_ABI_VERSION_MAJOR: u32 = 1;
 /// ABI minor version: bumped when functions, enum values or trailing struct fields are
 /// added. A host built against minor M works with any library of the same major and
 /// minor >= M.
-pub const DSV4_ABI_VERSION_MINOR: u32 = 0;
+pub const DSV4_ABI_VERSION_MINOR: u32 = 1;
 
 /// An engine: one model's weights, per-slot decode state and workspaces. Opaque; create
 /// with `dsv4_create`, free with `dsv4_destroy`.
@@ -37,11 +37,14 @@ pub struct dsv4_engine {
 
 impl dsv4_engine {
     fn new(engine: Engine) -> Self {
+        // Source weights, then derived tensors (both lists are fixed at create).
         let names = engine
             .weights()
             .tensors()
             .iter()
-            .map(|t| CString::new(t.spec.name.replace('\0', "?")).unwrap_or_default())
+            .map(|t| t.spec.name.clone())
+            .chain(engine.derived_tensors().into_iter().map(|d| d.name))
+            .map(|n| CString::new(n.replace('\0', "?")).unwrap_or_default())
             .collect();
         dsv4_engine {
             engine,
@@ -104,13 +107,13 @@ pub extern "C" fn dsv4_abi_version() -> u32 {
     (DSV4_ABI_VERSION_MAJOR << 16) | DSV4_ABI_VERSION_MINOR
 }
 
-/// Human-readable library version, e.g. "dsv4 0.1.0 (abi 1.0)". Static storage: never
+/// Human-readable library version, e.g. "dsv4 0.1.0 (abi 1.1)". Static storage: never
 /// free it. Thread-safe; never fails.
 #[unsafe(no_mangle)]
 pub extern "C" fn dsv4_version_string() -> *const c_char {
-    const V: &str = concat!("dsv4 ", env!("CARGO_PKG_VERSION"), " (abi 1.0)\0");
+    const V: &str = concat!("dsv4 ", env!("CARGO_PKG_VERSION"), " (abi 1.1)\0");
     const _: () = assert!(
-        DSV4_ABI_VERSION_MAJOR == 1 && DSV4_ABI_VERSION_MINOR == 0,
+        DSV4_ABI_VERSION_MAJOR == 1 && DSV4_ABI_VERSION_MINOR == 1,
         "update the version string"
     );
     V.as_ptr().cast()
@@ -283,13 +286,9 @@ pub unsafe extern "C" fn dsv4_load_tensor(
         let device = h.engine.options().device;
         // SAFETY: per the contract.
         let a = unsafe { tensor_args(&t, "tensor", device)? };
-        let update = TensorUpdate {
-            name: a.name,
-            dtype: a.dtype,
-            shape: &a.shape,
-            data: a.data,
-        };
-        h.run_mut(|e| e.load_tensor(&update))
+        let staged = stage(&h.engine, std::slice::from_ref(&a), ptr::null_mut())?;
+        let updates = updates_of(std::slice::from_ref(&a), &staged);
+        h.run_mut(|e| e.load_tensor(&updates[0]))
     })
 }
 
@@ -559,17 +558,49 @@ pub unsafe extern "C" fn dsv4_refit(
             // SAFETY: per the contract.
             args.push(unsafe { tensor_args(&t, &what, device)? });
         }
-        let updates: Vec<TensorUpdate> = args
-            .iter()
-            .map(|a| TensorUpdate {
-                name: a.name,
-                dtype: a.dtype,
-                shape: &a.shape,
-                data: a.data,
-            })
-            .collect();
+        let staged = stage(&h.engine, &args, stream)?;
+        let updates = updates_of(&args, &staged);
         h.run_mut(|e| e.refit_on(&updates, stream))
     })
+}
+
+/// Host copies of the DSV4_MEMORY_DEVICE entries of `args` (None for host entries), read on
+/// `stream` after the host's pending work there. A copy failure names the entry.
+fn stage(
+    engine: &Engine,
+    args: &[TensorArgs],
+    stream: *mut c_void,
+) -> Result<Vec<Option<Vec<u8>>>> {
+    args.iter()
+        .map(|a| match a.data {
+            TensorBytes::Host(_) => Ok(None),
+            TensorBytes::Device { addr, nbytes } => engine
+                .stage_device_bytes(
+                    addr,
+                    nbytes,
+                    stream,
+                    &format!("device data of weight `{}`", a.name),
+                )
+                .map(Some),
+        })
+        .collect()
+}
+
+/// The engine's view of validated entries: host bytes, or their staged copies.
+fn updates_of<'a>(args: &'a [TensorArgs], staged: &'a [Option<Vec<u8>>]) -> Vec<TensorUpdate<'a>> {
+    args.iter()
+        .zip(staged)
+        .map(|(a, s)| TensorUpdate {
+            name: a.name,
+            dtype: a.dtype,
+            shape: &a.shape,
+            data: match (&a.data, s) {
+                (_, Some(v)) => v.as_slice(),
+                (TensorBytes::Host(h), None) => h,
+                (TensorBytes::Device { .. }, None) => &[],
+            },
+        })
+        .collect()
 }
 
 /// Opens a chunked refit (RL weight sync in pieces): after it, any number of dsv4_refit calls
@@ -653,6 +684,7 @@ pub unsafe extern "C" fn dsv4_get_info(
         // SAFETY: per the contract.
         let h = unsafe { engine_ref(engine)? };
         let (c, o) = (h.engine.config(), h.engine.options());
+        let spans = h.engine.buffer_spans();
         let info = dsv4_info {
             struct_size: 0, // restored to the caller's value by write_versioned
             vocab_size: usize_to_i32(c.vocab_size),
@@ -670,7 +702,15 @@ pub unsafe extern "C" fn dsv4_get_info(
             numerics: numerics_to_i32(o.numerics),
             weight_format: weight_format_to_i32(o.weight_format),
             phase: phase_to_i32(h.engine.phase()),
-            num_weights: h.engine.weights().len(),
+            num_weights: h.names.len(),
+            weights_base: spans.weights.0 as *mut c_void,
+            weights_nbytes: spans.weights.1,
+            derived_base: spans.derived.0 as *mut c_void,
+            derived_nbytes: spans.derived.1,
+            state_base: spans.state.0 as *mut c_void,
+            state_nbytes: spans.state.1,
+            workspace_base: spans.workspace.0 as *mut c_void,
+            workspace_nbytes: spans.workspace.1,
         };
         // SAFETY: per the contract.
         unsafe { write_versioned(out, "out", info) }
@@ -695,7 +735,7 @@ pub unsafe extern "C" fn dsv4_weight_count(
             return Err(null_error("out"));
         }
         // SAFETY: non-NULL and writable per the contract.
-        unsafe { out.write_unaligned(h.engine.weights().len()) };
+        unsafe { out.write_unaligned(h.names.len()) };
         Ok(())
     })
 }
@@ -738,6 +778,37 @@ fn storage_of(t: &Tensor) -> Storage {
     }
 }
 
+/// The descriptor of a derived tensor (no scale).
+fn derived_desc(
+    name: *const c_char,
+    d: &crate::engine::DerivedTensor,
+    device: i32,
+) -> dsv4_weight_desc {
+    use crate::engine::DerivedDtype;
+    let mut shape = [0i64; DSV4_MAX_DIMS];
+    for (dst, &x) in shape.iter_mut().zip(&d.shape) {
+        *dst = x as i64;
+    }
+    dsv4_weight_desc {
+        struct_size: 0, // restored to the caller's value by write_versioned
+        name,
+        dtype: match d.dtype {
+            DerivedDtype::F32 => DSV4_DTYPE_F32,
+            DerivedDtype::F64 => DSV4_DTYPE_F64,
+            DerivedDtype::U64 => DSV4_DTYPE_I64,
+        },
+        ndim: d.shape.len().min(DSV4_MAX_DIMS) as i32,
+        shape,
+        data: d.addr as *mut c_void,
+        nbytes: d.nbytes as u64,
+        derived: 1,
+        device,
+        scale: std::ptr::null_mut(),
+        scale_nbytes: 0,
+        scale_block: [0, 0],
+    }
+}
+
 /// Describes weight `index` (in [0, dsv4_weight_count)): name, storage dtype and shape,
 /// storage address (fixed from create to destroy, so hosts can check pointer stability),
 /// byte size, derived flag, and where it lives. The caller sets out->struct_size =
@@ -759,11 +830,22 @@ pub unsafe extern "C" fn dsv4_weight_info(
         // SAFETY: per the contract.
         let h = unsafe { engine_ref(engine)? };
         let w = h.engine.weights();
-        if index >= w.len() {
+        if index >= h.names.len() {
             return Err(invalid(format!(
                 "`index` = {index} is outside [0, dsv4_weight_count = {})",
-                w.len()
+                h.names.len()
             )));
+        }
+        let device = h.engine.options().device; // -1: host memory; else the CUDA ordinal
+        if index >= w.len() {
+            // A derived tensor (listed after the source weights).
+            let all = h.engine.derived_tensors();
+            let d = all.get(index - w.len()).ok_or_else(|| {
+                Error::new(Status::Internal, "derived tensor list changed since create")
+            })?;
+            return unsafe {
+                write_versioned(out, "out", derived_desc(h.names[index].as_ptr(), d, device))
+            };
         }
         let t = w.tensor(index);
         if t.spec.shape.len() > DSV4_MAX_DIMS {
@@ -798,8 +880,8 @@ pub unsafe extern "C" fn dsv4_weight_info(
             shape,
             data,
             nbytes: st.nbytes,
-            derived: 0, // the weight table holds source weights only so far
-            device: h.engine.options().device, // -1: host memory; else the CUDA ordinal
+            derived: 0,
+            device,
             scale: st.scale,
             scale_nbytes: st.scale_nbytes,
             scale_block: st.scale_block,

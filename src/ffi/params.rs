@@ -52,12 +52,21 @@ pub const DSV4_DTYPE_F16: i32 = 2;
 pub const DSV4_DTYPE_I32: i32 = 3;
 /// Element type of tensor data: int64.
 pub const DSV4_DTYPE_I64: i32 = 4;
-/// Storage type reported by `dsv4_weight_info` only: FP8 e4m3fn codes (one byte each) with
-/// f32 block scales at `scale`.
+/// FP8 e4m3fn codes, one byte each. `dsv4_weight_info` reports it with f32 block scales at
+/// `scale`; a `dsv4_refit` entry of this dtype (a weight in its stored format) must come with
+/// its block-scale entry (`<weight>.scale` or `<weight>_scale_inv`, DSV4_DTYPE_E8M0 or F32)
+/// in the same call.
 pub const DSV4_DTYPE_F8_E4M3: i32 = 5;
-/// Storage type reported by `dsv4_weight_info` only: FP4 e2m1 codes, two per byte (low
-/// nibble = even column, bit 3 = sign), with f32 1x32 block scales at `scale`.
+/// FP4 e2m1 codes, two per byte (low nibble = even column, bit 3 = sign). `shape` is the
+/// logical shape (last dimension even); the data holds numel / 2 bytes. `dsv4_weight_info`
+/// reports it with f32 1x32 block scales at `scale`; a `dsv4_refit` entry needs its scale
+/// entry as for DSV4_DTYPE_F8_E4M3.
 pub const DSV4_DTYPE_FP4_E2M1: i32 = 6;
+/// UE8M0 block-scale bytes (value 2^(b - 127)), for the scale entries of stored-format
+/// refits.
+pub const DSV4_DTYPE_E8M0: i32 = 7;
+/// float64: reported by `dsv4_weight_info` for derived tensors only.
+pub const DSV4_DTYPE_F64: i32 = 8;
 
 /// Tensor data lives in host memory.
 pub const DSV4_MEMORY_HOST: i32 = 0;
@@ -202,8 +211,23 @@ pub struct dsv4_info {
     pub weight_format: i32,
     /// DSV4_PHASE_* now.
     pub phase: i32,
-    /// Number of weights (the valid range of dsv4_weight_info's index).
+    /// Number of weights (the valid range of dsv4_weight_info's index): the source weights,
+    /// then the derived tensors.
     pub num_weights: usize,
+    /// Since ABI 1.1. The engine's fixed buffers by kind, each one contiguous span that never
+    /// moves from dsv4_create to dsv4_destroy (device memory on CUDA; NULL / 0 on the CPU
+    /// backend, whose buffers are separate host allocations): weights and their scales ...
+    pub weights_base: *mut c_void,
+    pub weights_nbytes: u64,
+    /// ... derived tensors (rebuilt by finalize / refit) ...
+    pub derived_base: *mut c_void,
+    pub derived_nbytes: u64,
+    /// ... per-slot decode state (KV windows, compressed entries, compressor state) ...
+    pub state_base: *mut c_void,
+    pub state_nbytes: u64,
+    /// ... and the activation workspace of dsv4_forward.
+    pub workspace_base: *mut c_void,
+    pub workspace_nbytes: u64,
 }
 
 /// One weight of the engine, filled by `dsv4_weight_info`. Set `struct_size` to
@@ -263,7 +287,8 @@ impl Versioned for dsv4_batch {
     const INIT_HINT: &'static str = "initialize it with dsv4_batch_default()";
 }
 impl Versioned for dsv4_info {
-    const V1_SIZE: usize = size_of::<Self>();
+    /// ABI 1.0 ended at `num_weights`; 1.1 appended the buffer spans.
+    const V1_SIZE: usize = std::mem::offset_of!(dsv4_info, weights_base);
     const INIT_HINT: &'static str = "set it to sizeof(dsv4_info)";
 }
 impl Versioned for dsv4_weight_desc {
@@ -313,17 +338,20 @@ pub(crate) unsafe fn read_versioned<T: Versioned>(p: *const T, what: &str) -> Re
     Ok(unsafe { ptr::read_unaligned(p) })
 }
 
-/// Writes an output struct's v1 fields after checking `struct_size`, which is preserved;
-/// bytes past v1 are left untouched.
+/// Writes an output struct after checking `struct_size`, which is preserved: as many of
+/// this library's fields as the caller's layout holds (an older host gets the prefix it
+/// knows); bytes past this library's layout are left untouched.
 ///
 /// # Safety
 /// A non-NULL `p` must point to a writable struct of at least its declared `struct_size`.
 pub(crate) unsafe fn write_versioned<T: Versioned>(p: *mut T, what: &str, value: T) -> Result<()> {
     // SAFETY: forwarded.
     let size = unsafe { checked_size(p, what)? };
-    // SAFETY: size_of::<T>() bytes are writable; then restore the caller's struct_size.
+    let n = size.min(size_of::<T>());
+    // SAFETY: `n` <= struct_size bytes are writable at `p`, and `value` has size_of::<T>()
+    // >= n readable bytes; then restore the caller's struct_size.
     unsafe {
-        ptr::write_unaligned(p, value);
+        ptr::copy_nonoverlapping((&value as *const T).cast::<u8>(), p.cast::<u8>(), n);
         ptr::write_unaligned(p.cast::<usize>(), size);
     }
     Ok(())
@@ -457,7 +485,7 @@ pub(crate) fn load_format_from_i32(v: i32, what: &str) -> Result<LoadFormat> {
 pub(crate) fn dtype_from_i32(v: i32, what: &str) -> Result<HostDtype> {
     HostDtype::from_i32(v).ok_or_else(|| {
         invalid(format!(
-            "`{what}` = {v} is not a dsv4 dtype (DSV4_DTYPE_F32 = 0, _BF16 = 1, _F16 = 2, _I32 = 3, _I64 = 4)"
+            "`{what}` = {v} is not a dsv4 tensor dtype (DSV4_DTYPE_F32 = 0, _BF16 = 1, _F16 = 2, _I32 = 3, _I64 = 4, _F8_E4M3 = 5, _FP4_E2M1 = 6, _E8M0 = 7)"
         ))
     })
 }
@@ -537,12 +565,23 @@ pub(crate) unsafe fn create_args(p: &dsv4_create_params) -> Result<CreateArgs> {
     Ok(CreateArgs { source, options })
 }
 
-/// A validated host tensor: name, dtype, shape and its bytes.
+/// Where a validated tensor's bytes are.
+pub(crate) enum TensorBytes<'a> {
+    Host(&'a [u8]),
+    /// DSV4_MEMORY_DEVICE: `nbytes` at a device address of the engine's device (staged to
+    /// the host by the caller, on the call's stream).
+    Device {
+        addr: u64,
+        nbytes: usize,
+    },
+}
+
+/// A validated tensor: name, dtype, shape and where its bytes are.
 pub(crate) struct TensorArgs<'a> {
     pub name: &'a str,
     pub dtype: HostDtype,
     pub shape: Vec<usize>,
-    pub data: &'a [u8],
+    pub data: TensorBytes<'a>,
 }
 
 /// Checks every field of a `dsv4_tensor` (called `what`, e.g. "tensors[3]").
@@ -562,8 +601,8 @@ pub(crate) unsafe fn tensor_args<'a>(
     let field = |f: &str| member(what, f);
     let dtype = dtype_from_i32(t.dtype, &field("dtype"))
         .map_err(|e| e.context(format!("weight `{name}`")))?;
-    match t.memory {
-        DSV4_MEMORY_HOST => {}
+    let on_device = match t.memory {
+        DSV4_MEMORY_HOST => false,
         DSV4_MEMORY_DEVICE if device < 0 => {
             return Err(Error::new(
                 crate::error::Status::Unsupported,
@@ -573,22 +612,14 @@ pub(crate) unsafe fn tensor_args<'a>(
                 ),
             ));
         }
-        DSV4_MEMORY_DEVICE => {
-            return Err(Error::new(
-                crate::error::Status::Unsupported,
-                format!(
-                    "`{}` = DSV4_MEMORY_DEVICE (weight `{name}`): device-memory updates are not supported by this build",
-                    field("memory")
-                ),
-            ));
-        }
+        DSV4_MEMORY_DEVICE => true,
         m => {
             return Err(invalid(format!(
                 "`{}` = {m} (weight `{name}`) is not DSV4_MEMORY_HOST (0) or DSV4_MEMORY_DEVICE (1)",
                 field("memory")
             )));
         }
-    }
+    };
     if t.ndim < 0 || t.ndim as usize > DSV4_MAX_DIMS {
         return Err(invalid(format!(
             "`{}` = {} (weight `{name}`) must be in [0, {DSV4_MAX_DIMS}]",
@@ -613,17 +644,23 @@ pub(crate) unsafe fn tensor_args<'a>(
         })?;
         shape.push(d);
     }
-    let nbytes = numel
-        .checked_mul(dtype.size())
+    let nbytes = dtype
+        .nbytes(&shape)
         .filter(|&n| n <= isize::MAX as usize)
         .ok_or_else(|| {
             invalid(format!(
-                "`{}` (weight `{name}`) has more bytes than fit in memory",
-                field("shape")
+                "`{}` = {shape:?} (weight `{name}`, {}) has more bytes than fit in memory{}",
+                field("shape"),
+                dtype.name(),
+                if dtype == HostDtype::Fp4E2M1 {
+                    ", or an odd last dimension (FP4 packs two codes per byte)"
+                } else {
+                    ""
+                }
             ))
         })?;
-    let data: &[u8] = if nbytes == 0 {
-        &[]
+    let data = if nbytes == 0 {
+        TensorBytes::Host(&[])
     } else if t.data.is_null() {
         return Err(Error::new(
             crate::error::Status::NullPointer,
@@ -632,9 +669,14 @@ pub(crate) unsafe fn tensor_args<'a>(
                 field("data")
             ),
         ));
+    } else if on_device {
+        TensorBytes::Device {
+            addr: t.data as u64,
+            nbytes,
+        }
     } else {
         // SAFETY: the caller promises `nbytes` readable bytes at `data` for 'a.
-        unsafe { std::slice::from_raw_parts(t.data.cast::<u8>(), nbytes) }
+        TensorBytes::Host(unsafe { std::slice::from_raw_parts(t.data.cast::<u8>(), nbytes) })
     };
     Ok(TensorArgs {
         name,

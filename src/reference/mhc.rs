@@ -9,6 +9,43 @@ pub struct HcParams<'a> {
     pub proj: &'a [f32],
     pub base: &'a [f32],
     pub scale: &'a [f32],
+    /// Layer 0's attention site only: [`fold_projection`] of `proj`, used instead of it
+    /// (every stream holds the same embedding there).
+    pub fold: Option<&'a [f64]>,
+}
+
+/// The derived "layer-0 mHC broadcast weight": at layer 0 every stream holds the embedding,
+/// so Φ·[e, e, .., e] = (Σ_n Φ_n)·e and mean(x²) over N*D equals mean(e²) over D. The fold
+/// [(2+N)*N, D] is kept in f64: a sum of N f32 values is exact there (for the usual exponent
+/// spread), and so are its products with f32 activations, so the folded logits equal the
+/// unfolded ones except where an f64 rounding error (~1e-16) straddles an f32 rounding
+/// boundary. The kernel reads D instead of N*D columns. Rebuilt whenever `proj` changes.
+pub fn fold_projection(proj: &[f32], n: usize, d: usize, out: &mut [f64]) {
+    let mix = proj.len() / (n * d);
+    debug_assert_eq!(out.len(), mix * d);
+    for j in 0..mix {
+        for i in 0..d {
+            out[j * d + i] = (0..n).map(|s| proj[j * n * d + s * d + i] as f64).sum();
+        }
+    }
+}
+
+/// [`mix_logits`] of tokens whose N streams are equal, from stream 0 and the fold.
+fn mix_logits_folded(x: &[f32], nd: usize, d: usize, fold: &[f64], eps: f32) -> Vec<f32> {
+    let t = x.len() / nd;
+    let m_dim = fold.len() / d;
+    let mut m = vec![0.0; t * m_dim];
+    for (ti, row) in m.chunks_exact_mut(m_dim).enumerate() {
+        let xr = &x[ti * nd..ti * nd + d];
+        for (j, o) in row.iter_mut().enumerate() {
+            let w = &fold[j * d..(j + 1) * d];
+            *o = xr.iter().zip(w).map(|(&a, &b)| a as f64 * b).sum::<f64>() as f32;
+        }
+        let ms = (xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64) as f32;
+        let rho = rsqrt(ms + eps);
+        row.iter_mut().for_each(|v| *v *= rho);
+    }
+    m
 }
 
 /// Per-token RMS scale rho = rsqrt(mean(x^2) + eps) over the flattened N*D streams,
@@ -76,7 +113,10 @@ pub fn hc_pre(
 ) -> HcPre {
     let nd = n * d;
     let t = x.len() / nd;
-    let m = mix_logits(th, x, nd, p.proj, rms_eps);
+    let m = match p.fold {
+        Some(f) => mix_logits_folded(x, nd, d, f, rms_eps),
+        None => mix_logits(th, x, nd, p.proj, rms_eps),
+    };
     let mix = (2 + n) * n;
     let (a0, a1, a2) = (p.scale[0], p.scale[1], p.scale[2]);
     let mut u = vec![0.0; t * d];

@@ -22,6 +22,9 @@ use mhc::HcParams;
 use ops::{Threads, rms_norm};
 use precision::Prec;
 
+/// dsv4_weight_info name of the derived layer-0 folded mHC projection (both backends).
+pub const HC0_FOLD_NAME: &str = "derived:layers.0.hc_attn_fn.stream_fold";
+
 pub struct CpuBackend {
     cfg: ModelConfig,
     opts: EngineOptions,
@@ -29,6 +32,9 @@ pub struct CpuBackend {
     slots: Vec<SlotState>,
     /// Inverse RoPE frequencies per layer.
     freqs: Vec<Vec<f32>>,
+    /// Derived: layer 0's stream-folded hc_attn projection (`mhc::fold_projection`),
+    /// allocated here at its final address, rebuilt by finalize / refit.
+    hc0_fold: Vec<f64>,
     threads: Threads,
     prec: Prec,
 }
@@ -54,6 +60,7 @@ impl CpuBackend {
                 .iter()
                 .map(|l| rope::inv_freq(cfg, l.attn))
                 .collect(),
+            hc0_fold: vec![0.0; (2 + cfg.hc_mult) * cfg.hc_mult * cfg.hidden_size],
             threads: Threads(threads),
             prec: Prec {
                 official: opts.numerics == Numerics::Official,
@@ -61,10 +68,26 @@ impl CpuBackend {
         })
     }
 
-    /// Rebuilds derived data after weights changed. The CPU backend reads the stored
-    /// weights directly, so there is nothing to rebuild yet.
-    pub fn finalize(&mut self, _weights: &WeightStore) -> Result<()> {
+    /// Rebuilds derived data after weights changed: layer 0's folded mHC projection (the
+    /// other weights are read as stored).
+    pub fn finalize(&mut self, weights: &WeightStore) -> Result<()> {
+        if let Some(l0) = self.handles.layers.first() {
+            let (n, d) = (self.cfg.hc_mult, self.cfg.hidden_size);
+            mhc::fold_projection(weights.f32(l0.hc_attn.proj), n, d, &mut self.hc0_fold);
+        }
         Ok(())
+    }
+
+    /// Derived tensors (host memory, fixed addresses) for dsv4_weight_info.
+    pub fn derived(&self) -> Vec<crate::engine::DerivedTensor> {
+        let (n, d) = (self.cfg.hc_mult, self.cfg.hidden_size);
+        vec![crate::engine::DerivedTensor {
+            name: HC0_FOLD_NAME.to_string(),
+            dtype: crate::engine::DerivedDtype::F64,
+            shape: vec![(2 + n) * n, d],
+            addr: self.hc0_fold.as_ptr() as u64,
+            nbytes: self.hc0_fold.len() * 8,
+        }]
     }
 
     pub fn release_slot(&mut self, slot: usize) {
@@ -100,14 +123,19 @@ impl CpuBackend {
             proj: w.f32(s.proj),
             base: w.f32(s.base),
             scale: w.f32(s.scale),
+            fold: None,
         };
         for (l, lw) in hw.layers.iter().enumerate() {
+            let attn_site = HcParams {
+                fold: (l == 0).then_some(self.hc0_fold.as_slice()),
+                ..site(&lw.hc_attn)
+            };
             let mut pre = mhc::hc_pre(
                 th,
                 &x,
                 n,
                 d,
-                &site(&lw.hc_attn),
+                &attn_site,
                 cfg.hc_sinkhorn_iters,
                 cfg.hc_eps,
                 cfg.rms_norm_eps,

@@ -23,13 +23,13 @@ use safetensors::Dtype;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result, Status};
-use crate::weights::HostDtype;
 use crate::weights::dtype::{self, FloatDtype, IntDtype, ScaleDtype};
 use crate::weights::names::{Role, Target, classify};
 use crate::weights::qmatrix::{QFormat, QMatrix};
 use crate::weights::safetensors_io::{Checkpoint, TensorEntry};
 use crate::weights::spec::ElemKind;
 use crate::weights::store::{TensorData, WeightStore};
+use crate::weights::{HostDtype, HostTensor};
 
 /// Block of the FP4 expert scales: one scale per 32 consecutive inputs of a row.
 const FP4_BLOCK: usize = 32;
@@ -56,12 +56,13 @@ pub fn check_update(
     shape: &[usize],
     data: &[u8],
 ) -> Result<Vec<usize>> {
-    let Some(job) = plan_update(store, name, dtype, shape, data)? else {
-        return Ok(Vec::new());
+    let u = HostTensor {
+        name,
+        dtype,
+        shape,
+        data,
     };
-    let dsts = job.dsts();
-    check_quantizable(store, std::slice::from_ref(&job))?;
-    Ok(dsts)
+    check_update_scaled(store, &u, None, [128, 128])
 }
 
 /// Validates and writes one host update in place; returns the canonical weights written.
@@ -72,12 +73,59 @@ pub fn write_update(
     shape: &[usize],
     data: &[u8],
 ) -> Result<Vec<usize>> {
-    let Some(job) = plan_update(store, name, dtype, shape, data)? else {
+    let u = HostTensor {
+        name,
+        dtype,
+        shape,
+        data,
+    };
+    write_update_scaled(store, &u, None, [128, 128])
+}
+
+/// [`check_update`] of a weight given in its stored format (F8_E4M3 or packed FP4 codes)
+/// with its block-scale tensor `scale` (E8M0 or F32; FP8 blocks are `block`), or of a
+/// float/index weight (`scale` None).
+pub fn check_update_scaled(
+    store: &WeightStore,
+    u: &HostTensor,
+    scale: Option<&HostTensor>,
+    block: [usize; 2],
+) -> Result<Vec<usize>> {
+    let packed = packed_shape(u);
+    let Some(job) = plan_update(store, u, &packed, scale, block)? else {
+        return Ok(Vec::new());
+    };
+    let dsts = job.dsts();
+    check_quantizable(store, std::slice::from_ref(&job))?;
+    Ok(dsts)
+}
+
+/// [`write_update`] with an optional scale, as [`check_update_scaled`].
+pub fn write_update_scaled(
+    store: &mut WeightStore,
+    u: &HostTensor,
+    scale: Option<&HostTensor>,
+    block: [usize; 2],
+) -> Result<Vec<usize>> {
+    let packed = packed_shape(u);
+    let Some(job) = plan_update(store, u, &packed, scale, block)? else {
         return Ok(Vec::new());
     };
     let dsts = job.dsts();
     execute(store, vec![job])?;
     Ok(dsts)
+}
+
+/// The byte shape of packed FP4 (last dimension halved, as checkpoints store it); the
+/// logical shape for every other dtype.
+fn packed_shape(u: &HostTensor) -> Vec<usize> {
+    let mut s = u.shape.to_vec();
+    if u.dtype == HostDtype::Fp4E2M1
+        && let Some(c) = s.last_mut()
+    {
+        *c /= 2;
+    }
+    s
 }
 
 // ---------------------------------------------------------------------------------------
@@ -238,9 +286,9 @@ fn rows_of(shape: &[usize]) -> usize {
 }
 
 /// A tensor's stored description, from a checkpoint file or a host update.
-struct Stored<'a> {
+struct Stored<'a, 's> {
     dtype: Dtype,
-    shape: &'a [usize],
+    shape: &'s [usize],
     data: &'a [u8],
 }
 
@@ -252,8 +300,8 @@ fn validate_source<'a>(
     canon: &str,
     kind: ElemKind,
     logical: &[usize],
-    w: Stored<'a>,
-    scale: Option<(Stored<'a>, String)>,
+    w: Stored<'a, '_>,
+    scale: Option<(Stored<'a, '_>, String)>,
     block: [usize; 2],
 ) -> Result<Source<'a>> {
     let tensor_err = |msg: String| Error::new(Status::Tensor, format!("{who}: {msg}"));
@@ -520,11 +568,12 @@ fn plan_checkpoint<'a>(
 
 fn plan_update<'a>(
     store: &WeightStore,
-    name: &str,
-    dtype: HostDtype,
-    shape: &'a [usize],
-    data: &'a [u8],
+    u: &HostTensor<'a>,
+    packed: &[usize],
+    scale: Option<&HostTensor<'a>>,
+    block: [usize; 2],
 ) -> Result<Option<Job<'a>>> {
+    let (name, dtype, shape, data) = (u.name, u.dtype, u.shape, u.data);
     let who = format!("update `{name}`");
     let target = match classify(name) {
         None => crate::bail!(Tensor, "unknown weight `{name}`"),
@@ -534,7 +583,7 @@ fn plan_update<'a>(
         }
         Some(Role::Scale(t)) => crate::bail!(
             Tensor,
-            "{who} names a block-scale tensor (of `{}`); send the weight's values as F32/BF16/F16 instead",
+            "{who} names a block-scale tensor (of `{}`) without its weight: send it in the same refit call as the weight's F8_E4M3 / FP4_E2M1 codes, or send the weight as F32/BF16/F16",
             t.describe()
         ),
         Some(Role::Weight(t)) => t,
@@ -550,12 +599,14 @@ fn plan_update<'a>(
         (ElemKind::Float, HostDtype::F32) => Dtype::F32,
         (ElemKind::Float, HostDtype::Bf16) => Dtype::BF16,
         (ElemKind::Float, HostDtype::F16) => Dtype::F16,
+        (ElemKind::Float, HostDtype::F8E4M3) => Dtype::F8_E4M3,
+        (ElemKind::Float, HostDtype::Fp4E2M1) => Dtype::U8,
         (ElemKind::Index, HostDtype::I32) => Dtype::I32,
         (ElemKind::Index, HostDtype::I64) => Dtype::I64,
         (ElemKind::Float, _) => {
             crate::bail!(
                 Tensor,
-                "{who}: dtype {} is not accepted for float weight `{canon}` (use F32, BF16 or F16)",
+                "{who}: dtype {} is not accepted for float weight `{canon}` (use F32, BF16, F16, or F8_E4M3 / FP4_E2M1 with a scale entry)",
                 dtype.name()
             )
         }
@@ -567,31 +618,72 @@ fn plan_update<'a>(
             )
         }
     };
-    if shape != r.shape.as_slice() {
-        crate::bail!(
-            Tensor,
-            "{who}: shape {shape:?} does not match {:?} expected for `{canon}`",
-            r.shape
-        );
-    }
-    let want = shape
-        .iter()
-        .try_fold(dtype.size(), |a, &d| a.checked_mul(d));
+    let want = dtype.nbytes(shape);
     if want != Some(data.len()) {
         crate::bail!(
             InvalidArgument,
             "{who}: {} data bytes, but shape {shape:?} of {} needs {}",
             data.len(),
             dtype.name(),
-            want.map_or("more than usize::MAX".to_string(), |w| w.to_string())
+            want.map_or(
+                "an even last dimension / fewer than usize::MAX bytes".to_string(),
+                |w| w.to_string()
+            )
+        );
+    }
+    // Stored-format entries are validated like checkpoint tensors: logical shape for FP8,
+    // the byte shape for packed FP4.
+    let stored_shape: &[usize] = if dtype == HostDtype::Fp4E2M1 {
+        packed
+    } else {
+        shape
+    };
+    if !matches!(dtype, HostDtype::F8E4M3 | HostDtype::Fp4E2M1) && shape != r.shape.as_slice() {
+        crate::bail!(
+            Tensor,
+            "{who}: shape {shape:?} does not match {:?} expected for `{canon}`",
+            r.shape
         );
     }
     let stored = Stored {
         dtype: st_dtype,
-        shape,
+        shape: stored_shape,
         data,
     };
-    let src = validate_source(&who, &canon, r.kind, &r.shape, stored, None, [1, 1])?;
+    let scale = match scale {
+        None => None,
+        Some(s) => {
+            let sdt = match s.dtype {
+                HostDtype::E8M0 => Dtype::F8_E8M0,
+                HostDtype::F32 => Dtype::F32,
+                other => crate::bail!(
+                    Tensor,
+                    "update `{}` (scale of `{canon}`): dtype {} is not a block-scale dtype (use E8M0 or F32)",
+                    s.name,
+                    other.name()
+                ),
+            };
+            if s.dtype.nbytes(s.shape) != Some(s.data.len()) {
+                crate::bail!(
+                    InvalidArgument,
+                    "update `{}`: {} data bytes do not match shape {:?} of {}",
+                    s.name,
+                    s.data.len(),
+                    s.shape,
+                    s.dtype.name()
+                );
+            }
+            Some((
+                Stored {
+                    dtype: sdt,
+                    shape: s.shape,
+                    data: s.data,
+                },
+                format!("`{}`", s.name),
+            ))
+        }
+    };
+    let src = validate_source(&who, &canon, r.kind, &r.shape, stored, scale, block)?;
     if let Some(bound) = r.index_bound {
         check_index_range(&who, &canon, &src, bound)?;
     }

@@ -31,17 +31,17 @@ pub enum HostDtype {
     F16 = 2,
     I32 = 3,
     I64 = 4,
+    /// FP8 e4m3fn codes, one per byte (a stored-format weight: its scale comes as a separate
+    /// entry of the same refit).
+    F8E4M3 = 5,
+    /// Packed FP4 e2m1 codes, two per byte (low nibble = even column); the shape is the
+    /// logical one, so the data holds numel / 2 bytes.
+    Fp4E2M1 = 6,
+    /// UE8M0 block-scale bytes (2^(b - 127)).
+    E8M0 = 7,
 }
 
 impl HostDtype {
-    pub fn size(self) -> usize {
-        match self {
-            HostDtype::F32 | HostDtype::I32 => 4,
-            HostDtype::Bf16 | HostDtype::F16 => 2,
-            HostDtype::I64 => 8,
-        }
-    }
-
     pub fn from_i32(v: i32) -> Option<Self> {
         Some(match v {
             0 => HostDtype::F32,
@@ -49,6 +49,9 @@ impl HostDtype {
             2 => HostDtype::F16,
             3 => HostDtype::I32,
             4 => HostDtype::I64,
+            5 => HostDtype::F8E4M3,
+            6 => HostDtype::Fp4E2M1,
+            7 => HostDtype::E8M0,
             _ => return None,
         })
     }
@@ -60,6 +63,33 @@ impl HostDtype {
             HostDtype::F16 => "F16",
             HostDtype::I32 => "I32",
             HostDtype::I64 => "I64",
+            HostDtype::F8E4M3 => "F8_E4M3",
+            HostDtype::Fp4E2M1 => "FP4_E2M1",
+            HostDtype::E8M0 => "E8M0",
         }
     }
+
+    /// Bytes of a tensor of this dtype and `shape`; None on overflow, or for packed FP4 with
+    /// an odd last dimension (two codes share a byte within a row).
+    pub fn nbytes(self, shape: &[usize]) -> Option<usize> {
+        let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+        match self {
+            HostDtype::F32 | HostDtype::I32 => numel.checked_mul(4),
+            HostDtype::Bf16 | HostDtype::F16 => numel.checked_mul(2),
+            HostDtype::I64 => numel.checked_mul(8),
+            HostDtype::F8E4M3 | HostDtype::E8M0 => Some(numel),
+            HostDtype::Fp4E2M1 => {
+                (shape.last().copied().unwrap_or(1) % 2 == 0).then_some(numel / 2)
+            }
+        }
+    }
+}
+
+/// One named tensor in host memory, as `load_tensor` / `refit` receive it.
+#[derive(Clone, Copy, Debug)]
+pub struct HostTensor<'a> {
+    pub name: &'a str,
+    pub dtype: HostDtype,
+    pub shape: &'a [usize],
+    pub data: &'a [u8],
 }

@@ -51,6 +51,9 @@ pub struct HcSiteDev {
     pub proj: DevicePtr,
     pub base: DevicePtr,
     pub scale: DevicePtr,
+    /// Layer 0's attention site only: the derived f64 stream-folded projection
+    /// [(2+N)*N, D] (`reference::mhc::fold_projection`), read instead of `proj`.
+    pub fold: Option<DevicePtr>,
 }
 
 /// The mhc family's entry points, resolved from a loaded registry.
@@ -98,6 +101,9 @@ impl Mhc {
         need(K, "proj", site.proj, mix * n * d * 4)?;
         need(K, "base", site.base, mix * 4)?;
         need(K, "scale", site.scale, 3 * 4)?;
+        if let Some(f) = site.fold {
+            need(K, "fold", f, mix * d * 8)?;
+        }
         need(K, "u", u, t * d * 4)?;
         need(K, "post", post, t * n * 4)?;
         need(K, "comb", comb, t * n * n * 4)?;
@@ -112,7 +118,8 @@ impl Mhc {
             .i32(d as i32)
             .ptr(site.proj)
             .ptr(site.base)
-            .ptr(site.scale);
+            .ptr(site.scale)
+            .u64(site.fold.map_or(0, |f| f.addr()));
         a.i32(to_i32(K, "iters", iters)?)
             .f32(hc_eps)
             .f32(rms_eps)
@@ -121,7 +128,8 @@ impl Mhc {
             .ptr(post)
             .ptr(comb);
         // SAFETY: matches `hc_pre_kernel(const float*, int, int, int, const float*, const
-        // float*, const float*, int, float, float, int, float*, float*, float*)`; sizes checked.
+        // float*, const float*, const double*, int, float, float, int, float*, float*,
+        // float*)`; sizes checked.
         unsafe { launch(&self.pre, t.min(MAX_BLOCKS) as u32, THREADS, 0, stream, &a) }
     }
 
