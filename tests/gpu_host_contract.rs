@@ -1,4 +1,4 @@
-//! The host contract through the C ABI (issue "CUDA-graph capture, in-place refit, dummy
+//! The host contract through the C ABI (part of the GPU suite; its CPU half runs everywhere) (issue "CUDA-graph capture, in-place refit, dummy
 //! load, pointer stability"): what a serving engine or an RL trainer relies on.
 //!
 //! Every test that makes sense on both backends runs on the CPU reference (always, so CI
@@ -188,7 +188,7 @@ impl DeviceHost {
         let ctx = Context::retain(0).expect("context");
         let _g = ctx.enter().unwrap();
         let stream = OwnedStream::new(&ctx).expect("stream");
-        let buf = Arena::new(&ctx, 16 * MB).expect("host buffers");
+        let buf = Arena::new(&ctx, 24 * MB).expect("host buffers");
         DeviceHost { ctx, stream, buf }
     }
 
