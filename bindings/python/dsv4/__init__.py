@@ -6,6 +6,17 @@
                              seq_slots=[0], query_start=[0, 3])
         print(logits.shape)                                   # (3, vocab_size)
 
+torch tensors work too (torch is optional and imported only by the caller): a CUDA engine
+takes int32 CUDA tensors and a caller-owned ``logits=`` tensor, runs on torch's current stream
+and can be captured with ``torch.cuda.graph``; refit/load_tensor take CPU or CUDA tensors:
+
+    eng = dsv4.Engine("ckpt/", device="cuda:0")
+    ids, pos = torch.tensor([1, 2, 3], dtype=torch.int32, device="cuda"), ...
+    out = torch.empty(3, eng.vocab_size, device="cuda")
+    eng.forward(ids, pos, slots, qstart, logits=out)          # no allocation, no sync
+    eng.refit_many({"layers.0.attn.wq_a.weight": codes_fp8,   # torch.float8_e4m3fn
+                    "layers.0.attn.wq_a.scale": scale_e8m0})  # torch.float8_e8m0fnu
+
 The shared library is found via ``$DSV4_LIBRARY``, else beside this package, else
 ``$CARGO_TARGET_DIR/{release,debug}``, else ``<checkout>/target/{release,debug}``.
 Errors raise :class:`Error` (one subclass per status) with ``.status`` and ``.message``.

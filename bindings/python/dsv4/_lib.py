@@ -27,9 +27,14 @@ from pathlib import Path
 
 from ._errors import Error, error_for
 
-# The ABI this binding was written against (include/dsv4.h).
+# The oldest ABI this binding works with (include/dsv4.h). Features of later minors are
+# used only when the loaded library has them (see abi_minor()).
 ABI_MAJOR = 1
 ABI_MINOR = 0
+# Minor 1 added: FP8/FP4/E8M0 tensor entries (stored-format load and refit), DEVICE memory
+# for tensor entries on the CUDA backend, the buffer ranges at the end of dsv4_info, and
+# derived tensors in the weight listing.
+ABI_MINOR_STORED_FORMATS = 1
 
 MAX_DIMS = 8
 
@@ -40,9 +45,18 @@ NUMERICS = {"exact": 0, "official": 1}
 WEIGHT_FORMAT = {"as_stored": 0, "bf16": 1, "quantize": 2}
 LOAD = {"auto": 0, "safetensors": 1, "dummy": 2}
 DTYPE_F32, DTYPE_BF16, DTYPE_F16, DTYPE_I32, DTYPE_I64 = 0, 1, 2, 3, 4
-# Storage-only types reported by dsv4_weight_info (codes + f32 block scales at `scale`).
-DTYPE_F8_E4M3, DTYPE_FP4_E2M1 = 5, 6
-DTYPE_NAMES = {0: "f32", 1: "bf16", 2: "f16", 3: "i32", 4: "i64", 5: "f8_e4m3", 6: "fp4_e2m1"}
+# Quantized types: reported by dsv4_weight_info (codes + f32 block scales at `scale`) and,
+# from ABI minor 1, accepted in tensor entries (codes, with the block scale as a separate
+# entry of dtype E8M0 or F32). FP4 entries carry the logical shape (two codes per byte).
+DTYPE_F8_E4M3, DTYPE_FP4_E2M1, DTYPE_E8M0 = 5, 6, 7
+DTYPE_NAMES = {0: "f32", 1: "bf16", 2: "f16", 3: "i32", 4: "i64", 5: "f8_e4m3", 6: "fp4_e2m1", 7: "e8m0"}
+# Explicit `dtype=` strings for stored formats that numpy/torch cannot name by themselves.
+STORED_DTYPES = {
+    "bf16": DTYPE_BF16, "bfloat16": DTYPE_BF16,
+    "fp8_e4m3": DTYPE_F8_E4M3, "f8_e4m3": DTYPE_F8_E4M3, "float8_e4m3fn": DTYPE_F8_E4M3,
+    "fp4_e2m1": DTYPE_FP4_E2M1, "fp4": DTYPE_FP4_E2M1, "float4_e2m1fn_x2": DTYPE_FP4_E2M1,
+    "e8m0": DTYPE_E8M0, "ue8m0": DTYPE_E8M0, "f8_e8m0": DTYPE_E8M0, "float8_e8m0fnu": DTYPE_E8M0,
+}
 MEMORY_HOST, MEMORY_DEVICE = 0, 1
 LOGITS_F32, LOGITS_BF16 = 0, 1
 PHASES = {0: "created", 1: "loaded", 2: "ready", 3: "refitting"}
@@ -113,7 +127,24 @@ class Info(Structure):
         ("weight_format", c_int32),
         ("phase", c_int32),
         ("num_weights", c_size_t),
+        # ABI minor 1: device address ranges of the engine's fixed buffers (CUDA backend;
+        # NULL/0 on the CPU). An older library leaves these bytes as we set them (zero).
+        ("weights_base", c_void_p),
+        ("weights_nbytes", c_uint64),
+        ("derived_base", c_void_p),
+        ("derived_nbytes", c_uint64),
+        ("state_base", c_void_p),
+        ("state_nbytes", c_uint64),
+        ("workspace_base", c_void_p),
+        ("workspace_nbytes", c_uint64),
     ]
+
+
+# Fields of Info that a library older than ABI minor 1 does not write.
+INFO_FIELDS_MINOR1 = (
+    "weights_base", "weights_nbytes", "derived_base", "derived_nbytes",
+    "state_base", "state_nbytes", "workspace_base", "workspace_nbytes",
+)
 
 
 class WeightDesc(Structure):
@@ -227,6 +258,11 @@ def _load() -> ctypes.CDLL:
             raise Error(12, f"{path}: {struct.__name__} is {size} bytes in the library, {ctypes.sizeof(struct)} here")
     handle.dsv4_path = str(path)
     return handle
+
+
+def abi_minor() -> int:
+    """ABI minor version of the loaded library (gates features added after minor 0)."""
+    return lib().dsv4_abi_version() & 0xFFFF
 
 
 def last_error() -> str:

@@ -48,7 +48,9 @@ def test_info_of_dummy_engine(engine):
     assert i["numerics"] == "exact"
     assert (i["max_num_seqs"], i["max_num_tokens"], i["max_seq_len"]) == (4, 32, 64)
     assert i["vocab_size"] == engine.vocab_size == 1024
-    assert i["num_weights"] == len(engine.weights())
+    # num_weights counts derived tensors too (ABI minor >= 1); weights() lists source weights.
+    assert i["num_weights"] == len(engine.weight_descs())
+    assert len(engine.weights()) == sum(not d["derived"] for d in engine.weight_descs())
 
 
 def test_forward_shapes_and_finite(engine):
@@ -220,3 +222,20 @@ def test_engines_in_threads_are_independent():
     for t in threads:
         t.join()
     np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_numpy_paths_never_import_torch():
+    """torch is optional: importing dsv4 and the numpy paths must not import it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np, dsv4\n"
+        "e = dsv4.Engine(load='dummy', max_num_seqs=1, max_num_tokens=8, max_seq_len=16, num_threads=1)\n"
+        "e.forward([1, 2], [0, 1], [0], [0, 2], stream=0)\n"
+        "e.refit('layers.1.ffn_norm.weight', e.weight_array('layers.1.ffn_norm.weight'))\n"
+        "assert 'torch' not in sys.modules, 'dsv4 imported torch'\n"
+    )
+    pkg = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run([sys.executable, "-c", code], cwd=pkg, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
