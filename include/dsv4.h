@@ -695,14 +695,18 @@ void dsv4_destroy(struct dsv4_engine *engine);
 dsv4_status dsv4_load(struct dsv4_engine *engine, const char *source, int32_t format);
 
 /**
- * Loads one named weight from host memory (streaming hosts): validates the name, dtype
- * and shape against the engine's table, converts to the storage format and copies.
+ * Loads one named weight (streaming hosts) from host memory, or from device memory of the
+ * engine's device (DSV4_MEMORY_DEVICE, CUDA backend: read on the legacy default stream):
+ * validates the name, dtype and shape against the engine's table, converts to the storage
+ * format and copies. Float / index values only: a stored-format weight needs its scale,
+ * which only dsv4_refit can pair with it.
  * Allowed in phases CREATED and LOADED; when every weight has been given a value the
  * engine moves to DSV4_PHASE_LOADED. `tensor` and its data are read during the call only.
  *
  * Errors: NULL_POINTER (`engine`, `tensor`, `tensor->name`, `tensor->data` with elements),
  * INVALID_ARGUMENT (struct_size, dtype, ndim, negative extent), UNSUPPORTED
- * (DSV4_MEMORY_DEVICE on the CPU backend), STATE (after finalize), TENSOR (unknown name,
+ * (DSV4_MEMORY_DEVICE on the CPU backend), CUDA (device data unreadable), STATE (after
+ * finalize), TENSOR (unknown name,
  * wrong shape or dtype). On failure the weight is unchanged.
  *
  * # Safety
@@ -752,9 +756,16 @@ dsv4_status dsv4_forward(struct dsv4_engine *engine, const struct dsv4_batch *ba
 /**
  * Replaces named weights in place after finalize (RL weight sync): `tensors` is an array
  * of `n` entries (stride = tensors[0].struct_size; every entry must carry the same
- * struct_size), each naming one weight with its full new value in BF16/F32/... host
- * memory. ALL entries are validated before ANY is written, so a bad entry leaves the
- * engine unchanged; then every derived tensor depending on a touched weight is rebuilt.
+ * struct_size), each naming one weight with its full new value, in host memory or (CUDA
+ * backend, DSV4_MEMORY_DEVICE) device memory of the engine's device, read on `stream`
+ * after the host's earlier work there. Values are F32/BF16/F16 (quantized on write when
+ * the engine stores FP8/FP4), I32/I64 for index tables, or the stored format: F8_E4M3 or
+ * FP4_E2M1 codes together with their block-scale entry (`<weight>.scale` /
+ * `<weight>_scale_inv`, E8M0 or F32) in the SAME call. ALL entries are validated (name,
+ * dtype, shape, finite values when quantizing) before ANY is written, so a bad entry
+ * leaves the engine unchanged; then every derived tensor depending on a touched weight is
+ * rebuilt (expert tables, layer 0's folded mHC projection, RoPE tables). No device memory
+ * is allocated; device-memory entries are staged through host memory.
  * Weight addresses do not change, so CUDA graphs captured before a refit replay with the
  * new values. In DSV4_PHASE_READY (derived buffers rebuilt now) or DSV4_PHASE_REFITTING
  * (rebuilt at dsv4_refit_end). `n` = 0 changes nothing.
@@ -762,8 +773,10 @@ dsv4_status dsv4_forward(struct dsv4_engine *engine, const struct dsv4_batch *ba
  *
  * Errors: NULL_POINTER (`engine`, `tensors` with n > 0, `tensors[k].name/data`),
  * INVALID_ARGUMENT (struct_size, a bad dtype/ndim/extent in `tensors[k]`, a weight named
- * twice), UNSUPPORTED (device memory on CPU), STATE (not finalized), TENSOR (unknown
- * name, wrong shape or dtype: entry and weight named). On any of these nothing is written.
+ * twice), UNSUPPORTED (device memory on CPU), CUDA (device data unreadable), STATE (not
+ * finalized), TENSOR (unknown name, wrong shape or dtype, a scale without its weight or a
+ * stored-format weight without its scale: entry and weight named). On any of these nothing
+ * is written.
  *
  * # Safety
  * `engine` from dsv4_create; `tensors` NULL (n = 0) or `n` valid entries.

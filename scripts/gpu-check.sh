@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # GPU check: the ONE script the GPU machine runs. It builds nothing: it runs the PREBUILT GPU
-# test binaries (tests/gpu_*.rs: gpu_runtime, and any later gpu_* test) with --nocapture, then
-# gpu_runtime under `compute-sanitizer --tool memcheck`, and writes logs and a summary JSON to
-# $OUT (default ./gpu-out). On the GPU machine "skipped: no CUDA device" counts as a FAILURE.
+# test binaries (tests/gpu_*.rs) with --nocapture; the Python binding's torch tests
+# (bindings/python/tests/test_torch_cuda.py, and pytest over bindings/python/tests when the
+# torch interpreter has pytest) against the staged libdsv4.so; then gpu_runtime and the
+# capture / refit tests of gpu_host_contract under `compute-sanitizer --tool memcheck`; and
+# writes logs and a summary JSON to $OUT (default ./gpu-out). On the GPU machine
+# "skipped: no CUDA device" counts as a FAILURE.
 #
 # 1. On the build machine (no GPU needed), from the repository root:
 #      cargo test --release --no-run                 # builds every test binary
 #      bash scripts/gpu-check.sh --stage             # copies the newest gpu_* binaries into
 #                                                    # target/gpu-bin/ (ignored by git), debug
-#                                                    # info stripped (~1.5 MB each)
+#                                                    # info stripped (~1.5 MB each), and
+#                                                    # target/release/libdsv4.so (cargo build
+#                                                    # --release) for the Python tests
 #    --stage looks in $CARGO_TARGET_DIR/release/deps (default target/release/deps); pass
 #    `--stage DIR` to copy elsewhere inside the repository.
 # 2. Carry target/gpu-bin to the GPU machine (with the repository) and run there, from the root:
@@ -21,7 +26,8 @@
 # $DSV4_NVRTC_LIB, python3's nvidia/cu13/lib (pip nvidia-cuda-nvrtc, e.g. PyTorch's), then
 # /usr/local/cuda/lib64 and /usr/local/cuda/targets/x86_64-linux/lib.
 #
-# Results in $OUT: gpu-check.log (everything, in order), memcheck.log, summary.json
+# Results in $OUT: gpu-check.log (everything, in order), python.log, pytest.log, memcheck.log,
+# memcheck_contract.log, summary.json
 # ({"ok": bool, "tests": [{name, status: pass|fail|skipped|timeout, rc, seconds, result}],
 #  "memcheck": {...}}). Exit status 0 only if every test passed and memcheck found no error.
 # DSV4_GPU_TEST_TIMEOUT (seconds, default 480) bounds each binary; DSV4_SKIP_MEMCHECK=1 skips it.
@@ -55,6 +61,13 @@ if [ "${1:-}" = "--stage" ]; then
     fi
     echo "staged $(basename "$b") ($(du -h "$out" | cut -f1))"
   done
+  lib="${CARGO_TARGET_DIR:-target}/release/libdsv4.so"
+  if [ -f "$lib" ]; then
+    if command -v strip >/dev/null; then strip --strip-debug -o "$dest/libdsv4.so" "$lib"; else cp -p "$lib" "$dest/"; fi
+    echo "staged libdsv4.so ($(du -h "$dest/libdsv4.so" | cut -f1))"
+  else
+    echo "note: $lib not built (cargo build --release): the Python GPU tests will not run" >&2
+  fi
   echo "carry: $dest   (then run: bash scripts/gpu-check.sh)"
   exit 0
 fi
@@ -127,6 +140,47 @@ for b in $bins; do
   tests_json+="${tests_json:+,}{\"name\":$(json_str "$name"),\"binary\":$(json_str "$b"),\"status\":\"$status\",\"rc\":$rc,\"seconds\":$secs,\"result\":$(json_str "$result")}"
 done
 
+# --- Python binding with torch (CUDA tensors, torch streams, torch.cuda.CUDAGraph)
+py_json='{"status":"not run"}'
+pylib="$bindir/libdsv4.so"
+[ -f "$pylib" ] || pylib="${CARGO_TARGET_DIR:-target}/release/libdsv4.so"
+torch_py=""
+for c in "${DSV4_TORCH_PYTHON:-}" /opt/torch/.venv/bin/python python3; do
+  if [ -n "$c" ] && command -v "$c" >/dev/null && "$c" -c 'import torch, numpy' 2>/dev/null; then torch_py=$c; break; fi
+done
+if [ ! -f "$pylib" ]; then
+  say "python: no libdsv4.so staged"
+  py_json='{"status":"not run: no libdsv4.so"}'
+  ok=false
+elif [ -z "$torch_py" ]; then
+  say "python: no interpreter with torch + numpy"
+  py_json='{"status":"not run: no torch"}'
+  ok=false
+else
+  pylib=$(cd "$(dirname "$pylib")" && pwd)/$(basename "$pylib")
+  say ""
+  say "== $torch_py bindings/python/tests/test_torch_cuda.py (DSV4_LIBRARY=$pylib)"
+  DSV4_LIBRARY="$pylib" timeout "$timeout_s" "$torch_py" bindings/python/tests/test_torch_cuda.py >"$OUT/python.log" 2>&1
+  rc=$?
+  tail -n 12 "$OUT/python.log" | tee -a "$LOG"
+  if [ $rc -eq 124 ]; then pstatus=timeout
+  elif grep -q 'skipped: no CUDA device' "$OUT/python.log"; then pstatus=skipped
+  elif [ $rc -eq 0 ]; then pstatus=pass
+  else pstatus=fail; fi
+  [ "$pstatus" = pass ] || ok=false
+  say "-> python torch CUDA: $pstatus (rc $rc)"
+  pt_status="not run: no pytest"
+  if "$torch_py" -c 'import pytest' 2>/dev/null; then
+    say "== pytest bindings/python/tests"
+    DSV4_LIBRARY="$pylib" timeout "$timeout_s" "$torch_py" -m pytest -q -rs bindings/python/tests >"$OUT/pytest.log" 2>&1
+    prc=$?
+    tail -n 6 "$OUT/pytest.log" | tee -a "$LOG"
+    if [ $prc -eq 0 ]; then pt_status=pass; else pt_status=fail; ok=false; fi
+    say "-> pytest: $pt_status (rc $prc)"
+  fi
+  py_json="{\"status\":\"$pstatus\",\"rc\":$rc,\"python\":$(json_str "$torch_py"),\"log\":\"python.log\",\"pytest\":$(json_str "$pt_status")}"
+fi
+
 # --- compute-sanitizer memcheck on the runtime tests
 mc_json='{"status":"not run"}'
 sanitizer=$(command -v compute-sanitizer || true)
@@ -152,6 +206,19 @@ else
   tail -n 5 "$OUT/memcheck.log" | tee -a "$LOG"
   if [ $rc -eq 0 ]; then mstatus=pass; elif [ $rc -eq 124 ]; then mstatus=timeout; else mstatus=fail; fi
   grep -q 'skipped: no CUDA device' "$OUT/memcheck.log" && mstatus=skipped
+  # Graph capture/replay and refit after capture (the soak would take too long under memcheck).
+  contract_bin=$(printf '%s\n' $bins | grep '/gpu_host_contract-' | head -1)
+  if [ -n "$contract_bin" ]; then
+    say "== memcheck $contract_bin captured old_graph dummy_then_sync"
+    DSV4_UNDER_SANITIZER=1 timeout "$timeout_s" "$sanitizer" --tool memcheck --leak-check full \
+      --error-exitcode 99 "$contract_bin" --nocapture --test-threads=1 captured old_graph dummy_then_sync \
+      >"$OUT/memcheck_contract.log" 2>&1
+    crc=$?
+    csum=$(grep -E 'ERROR SUMMARY' "$OUT/memcheck_contract.log" | tail -1)
+    tail -n 3 "$OUT/memcheck_contract.log" | tee -a "$LOG"
+    if [ $crc -ne 0 ]; then mstatus=fail; rc=$crc; fi
+    summary="$summary; host_contract: $csum"
+  fi
   [ "$mstatus" = pass ] || ok=false
   say "-> memcheck: $mstatus (rc $rc) $summary"
   mc_json="{\"status\":\"$mstatus\",\"rc\":$rc,\"summary\":$(json_str "$summary"),\"log\":\"memcheck.log\"}"
@@ -160,6 +227,7 @@ fi
 cat >"$OUT/summary.json" <<EOF
 {"ok":$ok,"date":"$(date -u +%Y-%m-%dT%H:%M:%SZ)","gpu":$(json_str "$gpu"),"nvrtc_dir":$(json_str "$nvrtc_dir"),"binaries":$(json_str "$bindir"),
  "tests":[${tests_json}],
+ "python":$py_json,
  "memcheck":$mc_json}
 EOF
 say ""

@@ -776,6 +776,78 @@ fn stored_format_refit_needs_its_scale_in_the_same_call() {
     r.refit(&[s, w], false);
 }
 
+#[test]
+fn stored_format_refit_rejects_malformed_entries() {
+    let ck = checkpoint("tiny_fp8");
+    let w = find(&ck, "layers.0.attn.wq_a.weight").clone();
+    let s = find(&ck, "layers.0.attn.wq_a.scale").clone();
+    let e1 = find(&ck, "layers.0.ffn.experts.0.w1.weight").clone();
+    let e1s = find(&ck, "layers.0.ffn.experts.0.w1.scale").clone();
+    let r = Rig::new(
+        "tiny_fp8",
+        -1,
+        Load::Checkpoint,
+        DSV4_WEIGHT_FORMAT_AS_STORED,
+        DSV4_NUMERICS_OFFICIAL,
+    );
+    let before = r.forward(&prefill());
+    let expect = |entries: Vec<Entry>, status: i32, words: &[&str]| {
+        assert_eq!(r.try_refit(&entries, false), status, "{}", last_error());
+        let msg = last_error();
+        for w in words {
+            assert!(msg.contains(w), "`{w}` not in: {msg}");
+        }
+    };
+    // A scale in a dtype that is not a scale dtype.
+    let mut bad_scale = s.clone();
+    bad_scale.dtype = DSV4_DTYPE_I32;
+    bad_scale.data = vec![0u8; s.data.len() * 4];
+    expect(
+        vec![w.clone(), bad_scale],
+        DSV4_STATUS_TENSOR,
+        &["wq_a", "E8M0"],
+    );
+    // The scale grid of another shape.
+    let mut grid = s.clone();
+    grid.shape = vec![grid.shape[0] + 1, grid.shape[1]];
+    grid.data.extend(vec![127u8; s.shape[1] as usize]);
+    expect(
+        vec![w.clone(), grid],
+        DSV4_STATUS_TENSOR,
+        &["wq_a", "scale"],
+    );
+    // Two scales for one weight (two names of the same scale).
+    let mut alias = s.clone();
+    alias.name = CString::new("layers.0.attn.wq_a.weight_scale_inv").unwrap();
+    expect(
+        vec![w.clone(), s.clone(), alias],
+        DSV4_STATUS_INVALID_ARGUMENT,
+        &["both the scale"],
+    );
+    // Packed FP4 with an odd logical column count cannot exist.
+    let mut odd = e1.clone();
+    *odd.shape.last_mut().unwrap() -= 1;
+    expect(
+        vec![odd, e1s.clone()],
+        DSV4_STATUS_INVALID_ARGUMENT,
+        &["odd"],
+    );
+    // FP4 codes sent for an FP8 weight: the packed shape cannot match.
+    let mut as_fp4 = w.clone();
+    as_fp4.dtype = DSV4_DTYPE_FP4_E2M1;
+    as_fp4.shape = vec![w.shape[0], w.shape[1] * 2];
+    expect(vec![as_fp4, s.clone()], DSV4_STATUS_TENSOR, &["wq_a"]);
+    // A scale-dtype value for a float weight without a scale role.
+    let mut norm = find(&ck, "layers.0.attn_norm.weight").clone();
+    norm.dtype = DSV4_DTYPE_E8M0;
+    norm.data = vec![127u8; norm.shape.iter().product::<i64>() as usize];
+    expect(vec![norm], DSV4_STATUS_TENSOR, &["attn_norm", "E8M0"]);
+    // None of it changed anything; a well-formed pair still works.
+    assert_eq!(bits(&r.forward(&prefill())), bits(&before));
+    r.refit(&[e1s, e1, s, w], false);
+    assert_eq!(bits(&r.forward(&prefill())), bits(&before));
+}
+
 // --------------------------------------------------------------------- CUDA graph capture
 
 /// Captures one forward of `s` (staged into buffer set `set`) on `r`'s stream.

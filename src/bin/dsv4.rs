@@ -17,7 +17,7 @@ const USAGE: &str = "usage:
   dsv4 demo [--device cpu|cuda[:N]]
   dsv4 run --model DIR --prompt ID,ID,... [--max-new N] [--device ...]
   dsv4 eval --model DIR --fixture ORACLE.safetensors
-  dsv4 bench [--model DIR | --config FILE] [--tokens N] [--decode-steps N] [--decode-batch N[,N...]] [--device ...]";
+  dsv4 bench [--model DIR | --config FILE] [--tokens N] [--decode-steps N] [--decode-batch N[,N...]] [--graph 0|1] [--device ...]";
 
 struct Args {
     cmd: String,
@@ -437,6 +437,8 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
     let tokens = a.num("tokens", 8192)?;
     let steps = a.num("decode-steps", 16)?.max(1);
     let batches = decode_batches(a)?;
+    // --graph 1: also time decode steps replayed from a captured CUDA graph.
+    let graph = a.num("graph", 0)? != 0;
     let max_batch = *batches.iter().max().unwrap_or(&1);
     let min_batch = *batches.iter().min().unwrap_or(&1);
     if tokens < max_batch {
@@ -447,7 +449,7 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
         device: dev,
         max_num_seqs: max_batch,
         max_num_tokens: tokens,
-        max_seq_len: tokens / min_batch + steps + 1,
+        max_seq_len: tokens / min_batch + 2 * steps + 1,
         ..Default::default()
     };
     let t_create = Instant::now();
@@ -475,15 +477,17 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
     let logits = w.slice(8 * mb, max_batch * vocab * 4).map_err(err)?;
     for batch in batches {
         let per = tokens / batch;
-        let mut run =
-            |toks: &[i32], pos: &[i32], qs: &[i32], rows: &[i32]| -> Result<f64, String> {
-                let slots: Vec<i32> = (0..batch as i32).collect();
+        let slots: Vec<i32> = (0..batch as i32).collect();
+        // The step's arrays go to fixed device buffers (outside the timed region), so a captured
+        // graph can replay later steps with new contents.
+        let stage =
+            |toks: &[i32], pos: &[i32], qs: &[i32], rows: &[i32]| -> Result<DeviceBatch, String> {
                 copy_to_device_sync(part(0), toks, st).map_err(err)?;
                 copy_to_device_sync(part(1), pos, st).map_err(err)?;
                 copy_to_device_sync(part(2), &slots, st).map_err(err)?;
                 copy_to_device_sync(part(3), qs, st).map_err(err)?;
                 copy_to_device_sync(part(4), rows, st).map_err(err)?;
-                let db = DeviceBatch {
+                Ok(DeviceBatch {
                     num_tokens: toks.len(),
                     num_seqs: batch,
                     token_ids: part(0).addr(),
@@ -494,12 +498,14 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
                     num_logits: rows.len(),
                     logits: logits.addr(),
                     logits_bf16: false,
-                };
-                let t0 = Instant::now();
-                e.forward_device(&db, st.raw() as *mut _).map_err(err)?;
-                st.synchronize().map_err(err)?;
-                Ok(t0.elapsed().as_secs_f64())
+                })
             };
+        let timed = |f: &mut dyn FnMut() -> Result<(), String>| -> Result<f64, String> {
+            let t0 = Instant::now();
+            f()?;
+            st.synchronize().map_err(err)?;
+            Ok(t0.elapsed().as_secs_f64())
+        };
         // Position 0 restarts every slot, so each case starts from fresh sequences.
         let (mut toks, mut pos, mut qs, mut rows) = (vec![], vec![], vec![0i32], vec![]);
         for sq in 0..batch {
@@ -508,30 +514,68 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
             qs.push(toks.len() as i32);
             rows.push(toks.len() as i32 - 1);
         }
-        let prefill_s = run(&toks, &pos, &qs, &rows)?;
+        let db = stage(&toks, &pos, &qs, &rows)?;
+        let prefill_s = timed(&mut || e.forward_device(&db, st.raw() as *mut _).map_err(err))?;
+        let decode_step = |k: usize| -> (Vec<i32>, Vec<i32>, Vec<i32>, Vec<i32>) {
+            (
+                (0..batch).map(|sq| ((k * 7 + sq) % vocab) as i32).collect(),
+                vec![(per + k) as i32; batch],
+                (0..=batch as i32).collect(),
+                (0..batch as i32).collect(),
+            )
+        };
         let mut decode = vec![];
         for k in 0..steps {
-            let toks: Vec<i32> = (0..batch).map(|sq| ((k * 7 + sq) % vocab) as i32).collect();
-            let pos: Vec<i32> = vec![(per + k) as i32; batch];
-            let qs: Vec<i32> = (0..=batch as i32).collect();
-            let rows: Vec<i32> = (0..batch as i32).collect();
-            decode.push(run(&toks, &pos, &qs, &rows)?);
+            let (t, p, q, r) = decode_step(k);
+            let db = stage(&t, &p, &q, &r)?;
+            decode.push(timed(&mut || {
+                e.forward_device(&db, st.raw() as *mut _).map_err(err)
+            })?);
         }
-        let mut sorted = decode.clone();
-        sorted.sort_by(|x, y| x.partial_cmp(y).unwrap());
+        // The next `steps` decode steps replayed from ONE captured graph (GLOBAL capture mode):
+        // same work without the per-launch host cost.
+        let mut graph_ms = vec![];
+        if graph {
+            let (t, p, q, r) = decode_step(steps);
+            let db = stage(&t, &p, &q, &r)?;
+            let g =
+                dsv4::cuda::graph::Graph::capture(st, || e.forward_device(&db, st.raw() as *mut _))
+                    .map_err(err)?;
+            for k in steps..2 * steps {
+                let (t, p, q, r) = decode_step(k);
+                stage(&t, &p, &q, &r)?;
+                graph_ms.push(timed(&mut || g.launch(st).map_err(err))?);
+            }
+        }
+        let median = |v: &[f64]| -> f64 {
+            let mut s = v.to_vec();
+            s.sort_by(|x, y| x.partial_cmp(y).unwrap());
+            s.get(s.len() / 2).copied().unwrap_or(f64::NAN) * 1e3
+        };
+        let ms = |v: &[f64]| {
+            v.iter()
+                .map(|x| (x * 1e6).round() / 1e3)
+                .collect::<Vec<_>>()
+        };
         let c = e.config();
+        let graph_json = if graph {
+            format!(
+                ", \"graph_decode_ms_median\": {:.3}, \"graph_decode_ms_per_step\": {:?}",
+                median(&graph_ms),
+                ms(&graph_ms)
+            )
+        } else {
+            String::new()
+        };
         println!(
-            "{{\"backend\": \"{backend}\", \"layers\": {}, \"hidden\": {}, \"experts\": {}, \"setup_s\": {setup_s:.1}, \"prefill_tokens\": {}, \"prefill_seqs\": {batch}, \"prefill_ms\": {:.3}, \"decode_batch\": {batch}, \"decode_steps\": {steps}, \"decode_ms_median\": {:.3}, \"decode_ms_per_step\": {:?}}}",
+            "{{\"backend\": \"{backend}\", \"layers\": {}, \"hidden\": {}, \"experts\": {}, \"setup_s\": {setup_s:.1}, \"prefill_tokens\": {}, \"prefill_seqs\": {batch}, \"prefill_ms\": {:.3}, \"decode_batch\": {batch}, \"decode_steps\": {steps}, \"decode_ms_median\": {:.3}, \"decode_ms_per_step\": {:?}{graph_json}}}",
             c.num_layers,
             c.hidden_size,
             c.n_routed_experts,
             toks.len(),
             prefill_s * 1e3,
-            sorted[sorted.len() / 2] * 1e3,
-            decode
-                .iter()
-                .map(|x| (x * 1e6).round() / 1e3)
-                .collect::<Vec<_>>()
+            median(&decode),
+            ms(&decode)
         );
     }
     Ok(())

@@ -49,6 +49,8 @@ DTYPE_F32, DTYPE_BF16, DTYPE_F16, DTYPE_I32, DTYPE_I64 = 0, 1, 2, 3, 4
 # from ABI minor 1, accepted in tensor entries (codes, with the block scale as a separate
 # entry of dtype E8M0 or F32). FP4 entries carry the logical shape (two codes per byte).
 DTYPE_F8_E4M3, DTYPE_FP4_E2M1, DTYPE_E8M0 = 5, 6, 7
+# Reported by dsv4_weight_info for derived tensors only (layer 0's folded mHC projection).
+DTYPE_F64 = 8
 DTYPE_NAMES = {0: "f32", 1: "bf16", 2: "f16", 3: "i32", 4: "i64", 5: "f8_e4m3", 6: "fp4_e2m1", 7: "e8m0"}
 # Explicit `dtype=` strings for stored formats that numpy/torch cannot name by themselves.
 STORED_DTYPES = {

@@ -29,7 +29,8 @@ _NP_DTYPES = {
 # quantized codes and E8M0 scales as raw bytes (FP4 packed two per byte).
 _STORAGE_NP = {_lib.DTYPE_F32: np.float32, _lib.DTYPE_I32: np.int32, _lib.DTYPE_F16: np.float16,
                _lib.DTYPE_I64: np.int64, _lib.DTYPE_BF16: np.uint16, _lib.DTYPE_F8_E4M3: np.uint8,
-               _lib.DTYPE_FP4_E2M1: np.uint8, _lib.DTYPE_E8M0: np.uint8}
+               _lib.DTYPE_FP4_E2M1: np.uint8, _lib.DTYPE_E8M0: np.uint8,
+               _lib.DTYPE_F64: np.float64}
 # Plain numpy conversion targets for `dtype=` spelled the way the C header does.
 _NP_ALIASES = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "i64": np.int64}
 _BYTES = (np.dtype(np.uint8), np.dtype(np.int8))
