@@ -110,7 +110,7 @@ def test_create_errors():
     # device 0: a runnable CUDA engine where there is a GPU, else NO_DEVICE / CUDA / UNSUPPORTED.
     try:
         with dsv4.Engine(load="dummy", device="cuda:0", **CAPS) as e:
-            assert e.info()["device"] == 0
+            assert e.info()["device"] == "cuda:0"
     except dsv4.Error as err:
         assert err.status in (9, 10, 11), err
 
