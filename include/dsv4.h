@@ -706,8 +706,7 @@ dsv4_status dsv4_load(struct dsv4_engine *engine, const char *source, int32_t fo
  * Errors: NULL_POINTER (`engine`, `tensor`, `tensor->name`, `tensor->data` with elements),
  * INVALID_ARGUMENT (struct_size, dtype, ndim, negative extent), UNSUPPORTED
  * (DSV4_MEMORY_DEVICE on the CPU backend), CUDA (device data unreadable), STATE (after
- * finalize), TENSOR (unknown name,
- * wrong shape or dtype). On failure the weight is unchanged.
+ * finalize), TENSOR (unknown name, wrong shape or dtype). On failure the weight is unchanged.
  *
  * # Safety
  * `engine` from dsv4_create; `tensor` valid with `data` holding the described bytes.

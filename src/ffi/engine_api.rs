@@ -272,8 +272,7 @@ pub unsafe extern "C" fn dsv4_load(
 /// Errors: NULL_POINTER (`engine`, `tensor`, `tensor->name`, `tensor->data` with elements),
 /// INVALID_ARGUMENT (struct_size, dtype, ndim, negative extent), UNSUPPORTED
 /// (DSV4_MEMORY_DEVICE on the CPU backend), CUDA (device data unreadable), STATE (after
-/// finalize), TENSOR (unknown name,
-/// wrong shape or dtype). On failure the weight is unchanged.
+/// finalize), TENSOR (unknown name, wrong shape or dtype). On failure the weight is unchanged.
 ///
 /// # Safety
 /// `engine` from dsv4_create; `tensor` valid with `data` holding the described bytes.
