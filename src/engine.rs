@@ -304,17 +304,20 @@ impl Engine {
         Ok(())
     }
 
+    /// FP8 block shape of stored-format updates: the config's, else the upstream 128x128.
+    fn quant_block(&self) -> [usize; 2] {
+        self.cfg
+            .quant
+            .as_ref()
+            .map_or([128, 128], |q| q.weight_block)
+    }
+
     /// Loads one named weight (streaming hosts). Allowed before finalize.
     pub fn load_tensor(&mut self, update: &TensorUpdate) -> Result<()> {
         self.expect_phase("dsv4_load_tensor", &[Phase::Created, Phase::Loaded])?;
         // One update may fill several weights (HF-native fused experts) or none (`mtp.*`).
-        let touched = weights::load::write_update(
-            &mut self.weights,
-            update.name,
-            update.dtype,
-            update.shape,
-            update.data,
-        )?;
+        let block = self.quant_block();
+        let touched = weights::load::write_update(&mut self.weights, update, None, block)?;
         for i in touched {
             self.loaded[i] = true;
         }
@@ -413,22 +416,14 @@ impl Engine {
     ) -> Result<()> {
         self.expect_phase("dsv4_refit", &[Phase::Ready, Phase::Refitting])?;
         let pairs = pair_scales(updates)?;
-        let block = self
-            .cfg
-            .quant
-            .as_ref()
-            .map_or([128, 128], |q| q.weight_block);
+        let block = self.quant_block();
         // Two entries may name one weight through different aliases: compare canonical weights.
         let mut seen = std::collections::HashMap::new();
         for &(k, scale) in &pairs {
             let u = &updates[k];
-            let touched = weights::load::check_update_scaled(
-                &self.weights,
-                u,
-                scale.map(|j| &updates[j]),
-                block,
-            )
-            .map_err(|e| e.context(format!("refit entry {k}")))?;
+            let touched =
+                weights::load::check_update(&self.weights, u, scale.map(|j| &updates[j]), block)
+                    .map_err(|e| e.context(format!("refit entry {k}")))?;
             for i in touched {
                 if let Some(prev) = seen.insert(i, u.name) {
                     return Err(Error::new(
@@ -446,7 +441,7 @@ impl Engine {
         // weights and every derived buffer.
         let mut touched = vec![];
         for &(k, scale) in &pairs {
-            touched.extend(weights::load::write_update_scaled(
+            touched.extend(weights::load::write_update(
                 &mut self.weights,
                 &updates[k],
                 scale.map(|j| &updates[j]),

@@ -134,6 +134,22 @@ fn perturbed_bf16(e: &Entry, factor: f32) -> Entry {
     Entry { data, ..e.clone() }
 }
 
+/// Host-memory `dsv4_tensor` entries pointing into `entries` (valid while they live).
+fn tensors(entries: &[Entry]) -> Vec<dsv4_tensor> {
+    entries
+        .iter()
+        .map(|e| {
+            let mut t = dsv4_tensor_default();
+            t.name = e.name.as_ptr();
+            t.dtype = e.dtype;
+            t.ndim = e.shape.len() as i32;
+            t.shape[..e.shape.len()].copy_from_slice(&e.shape);
+            t.data = e.data.as_ptr().cast();
+            t
+        })
+        .collect()
+}
+
 /// One forward step: tokens, positions, slots, query_start.
 #[derive(Clone, Debug)]
 struct Step {
@@ -224,6 +240,29 @@ enum Load {
 
 impl Rig {
     fn new(model: &str, dev: i32, load: Load, weight_format: i32, numerics: i32) -> Rig {
+        Rig::build(model, dev, load, weight_format, numerics, &[])
+    }
+
+    /// The `tiny` model with weights as stored and official numerics (most tests).
+    fn tiny(dev: i32, load: Load) -> Rig {
+        Rig::new(
+            "tiny",
+            dev,
+            load,
+            DSV4_WEIGHT_FORMAT_AS_STORED,
+            DSV4_NUMERICS_OFFICIAL,
+        )
+    }
+
+    /// create -> load -> `overrides` through dsv4_load_tensor -> finalize.
+    fn build(
+        model: &str,
+        dev: i32,
+        load: Load,
+        weight_format: i32,
+        numerics: i32,
+        overrides: &[Entry],
+    ) -> Rig {
         let dir = CString::new(fixture_dir(model).to_str().unwrap()).unwrap();
         let mut p = dsv4_create_params_default();
         p.config_path = dir.as_ptr();
@@ -240,6 +279,9 @@ impl Rig {
             match load {
                 Load::Checkpoint => ok(dsv4_load(e, dir.as_ptr(), DSV4_LOAD_AUTO)),
                 Load::Dummy => ok(dsv4_load(e, std::ptr::null(), DSV4_LOAD_DUMMY)),
+            }
+            for t in tensors(overrides) {
+                ok(dsv4_load_tensor(e, &t));
             }
         }
         let host = (dev >= 0).then(DeviceHost::new);
@@ -413,30 +455,19 @@ impl Rig {
             }
             _ => None,
         };
-        let mut off = 0usize;
-        let ts: Vec<dsv4_tensor> = entries
-            .iter()
-            .enumerate()
-            .map(|(k, e)| {
-                let mut t = dsv4_tensor_default();
-                t.name = e.name.as_ptr();
-                t.dtype = e.dtype;
-                t.ndim = e.shape.len() as i32;
-                t.shape[..e.shape.len()].copy_from_slice(&e.shape);
-                t.data = e.data.as_ptr().cast();
-                if let (Some(a), Some(h)) = (&staging, &self.host)
-                    && k % 2 == 1
-                {
-                    let _g = h.ctx.enter().unwrap();
-                    let dst = a.whole().slice(off, e.data.len()).unwrap();
-                    copy_to_device_sync(dst, &e.data, h.stream.borrow()).unwrap();
-                    off += e.data.len().next_multiple_of(256);
-                    t.data = dst.addr() as *const _;
-                    t.memory = DSV4_MEMORY_DEVICE;
-                }
-                t
-            })
-            .collect();
+        let mut ts = tensors(entries);
+        // With device memory: every other entry is copied to the device and sent from there.
+        if let (Some(a), Some(h)) = (&staging, &self.host) {
+            let _g = h.ctx.enter().unwrap();
+            let mut off = 0usize;
+            for (t, e) in ts.iter_mut().zip(entries).skip(1).step_by(2) {
+                let dst = a.whole().slice(off, e.data.len()).unwrap();
+                copy_to_device_sync(dst, &e.data, h.stream.borrow()).unwrap();
+                off += e.data.len().next_multiple_of(256);
+                t.data = dst.addr() as *const _;
+                t.memory = DSV4_MEMORY_DEVICE;
+            }
+        }
         unsafe { dsv4_refit(self.e, ts.as_ptr(), ts.len(), self.stream()) }
     }
 
@@ -460,13 +491,7 @@ fn prefill() -> Step {
 #[test]
 fn derived_tensors_and_buffer_spans_are_reported() {
     for dev in devices() {
-        let r = Rig::new(
-            "tiny",
-            dev,
-            Load::Checkpoint,
-            DSV4_WEIGHT_FORMAT_AS_STORED,
-            DSV4_NUMERICS_OFFICIAL,
-        );
+        let r = Rig::tiny(dev, Load::Checkpoint);
         let descs = r.descs();
         let info = r.info();
         assert_eq!(info.num_weights, descs.len());
@@ -538,13 +563,7 @@ fn derived_tensors_and_buffer_spans_are_reported() {
 fn finalize_twice_and_refit_twice_are_idempotent() {
     let ck = checkpoint("tiny");
     for dev in devices() {
-        let r = Rig::new(
-            "tiny",
-            dev,
-            Load::Checkpoint,
-            DSV4_WEIGHT_FORMAT_AS_STORED,
-            DSV4_NUMERICS_OFFICIAL,
-        );
+        let r = Rig::tiny(dev, Load::Checkpoint);
         let ptrs = r.pointers();
         let want = r.forward(&prefill());
         unsafe { ok(dsv4_finalize(r.e, r.stream())) };
@@ -567,58 +586,24 @@ fn finalize_twice_and_refit_twice_are_idempotent() {
 
 // ----------------------------------------------------------- refit rebuilds derived data
 
-/// A fresh engine: the checkpoint, with `changed` loaded over it before finalize.
-fn fresh_with(dev: i32, changed: &[Entry], numerics: i32) -> Rig {
-    let dir = CString::new(fixture_dir("tiny").to_str().unwrap()).unwrap();
-    let mut p = dsv4_create_params_default();
-    p.config_path = dir.as_ptr();
-    p.device = dev;
-    p.numerics = numerics;
-    p.max_num_seqs = 4;
-    p.max_num_tokens = 64;
-    p.max_seq_len = 96;
-    p.num_threads = 4;
-    let mut e = std::ptr::null_mut();
-    unsafe {
-        ok(dsv4_create(&p, &mut e));
-        ok(dsv4_load(e, dir.as_ptr(), DSV4_LOAD_AUTO));
-        for c in changed {
-            let mut t = dsv4_tensor_default();
-            t.name = c.name.as_ptr();
-            t.dtype = c.dtype;
-            t.ndim = c.shape.len() as i32;
-            t.shape[..c.shape.len()].copy_from_slice(&c.shape);
-            t.data = c.data.as_ptr().cast();
-            ok(dsv4_load_tensor(e, &t));
-        }
-    }
-    let host = (dev >= 0).then(DeviceHost::new);
-    let r = Rig {
-        e,
-        dev,
-        vocab: 256,
-        host,
-    };
-    unsafe { ok(dsv4_finalize(e, r.stream())) };
-    r
-}
-
 /// Refitting `changed` into a loaded engine gives exactly a fresh load with the change, and
 /// the change is visible.
 fn refit_equals_fresh_load(changed: &[Entry], what: &str) {
     for dev in devices() {
-        let r = Rig::new(
+        let r = Rig::tiny(dev, Load::Checkpoint);
+        let before = r.forward(&prefill());
+        let ptrs = r.pointers();
+        r.refit(changed, dev >= 0);
+        let got = r.forward(&prefill());
+        let want = Rig::build(
             "tiny",
             dev,
             Load::Checkpoint,
             DSV4_WEIGHT_FORMAT_AS_STORED,
             DSV4_NUMERICS_OFFICIAL,
-        );
-        let before = r.forward(&prefill());
-        let ptrs = r.pointers();
-        r.refit(changed, dev >= 0);
-        let got = r.forward(&prefill());
-        let want = fresh_with(dev, changed, DSV4_NUMERICS_OFFICIAL).forward(&prefill());
+            changed,
+        )
+        .forward(&prefill());
         assert_ne!(
             bits(&got),
             bits(&before),
@@ -674,13 +659,7 @@ fn a_bad_entry_among_good_ones_changes_nothing() {
     bad.shape[0] += 1;
     bad.data.extend(vec![0u8; row]);
     for dev in devices() {
-        let r = Rig::new(
-            "tiny",
-            dev,
-            Load::Checkpoint,
-            DSV4_WEIGHT_FORMAT_AS_STORED,
-            DSV4_NUMERICS_OFFICIAL,
-        );
+        let r = Rig::tiny(dev, Load::Checkpoint);
         let before = r.forward(&prefill());
         let descs = r.descs();
         let snapshot: Vec<Vec<u8>> = descs.iter().map(|d| r.read(d)).collect();
@@ -897,20 +876,8 @@ fn captured_decode_and_prefill_replay_equal_eager() {
     if !gpu() {
         return;
     }
-    let eager = Rig::new(
-        "tiny",
-        0,
-        Load::Checkpoint,
-        DSV4_WEIGHT_FORMAT_AS_STORED,
-        DSV4_NUMERICS_OFFICIAL,
-    );
-    let cap = Rig::new(
-        "tiny",
-        0,
-        Load::Checkpoint,
-        DSV4_WEIGHT_FORMAT_AS_STORED,
-        DSV4_NUMERICS_OFFICIAL,
-    );
+    let eager = Rig::tiny(0, Load::Checkpoint);
+    let cap = Rig::tiny(0, Load::Checkpoint);
     let p = prefill();
     assert_eq!(bits(&eager.forward(&p)), bits(&cap.forward(&p)));
 
@@ -963,13 +930,7 @@ fn old_graph_replays_with_refit_weights() {
         return;
     }
     let ck = checkpoint("tiny");
-    let r = Rig::new(
-        "tiny",
-        0,
-        Load::Dummy,
-        DSV4_WEIGHT_FORMAT_AS_STORED,
-        DSV4_NUMERICS_OFFICIAL,
-    );
+    let r = Rig::tiny(0, Load::Dummy);
     let p = prefill();
     let d = Step::of(&[(0, 13, tokens(3, 1)), (1, 9, tokens(4, 1))]);
     // One graph holding a prefill (restarting both slots) and a decode step.
@@ -986,13 +947,7 @@ fn old_graph_replays_with_refit_weights() {
     assert_eq!(r.pointers(), ptrs, "a pointer moved during the refit");
 
     let after = replay(&r, &g, &[(0, 22), (1, 2)]);
-    let fresh = Rig::new(
-        "tiny",
-        0,
-        Load::Checkpoint,
-        DSV4_WEIGHT_FORMAT_AS_STORED,
-        DSV4_NUMERICS_OFFICIAL,
-    );
+    let fresh = Rig::tiny(0, Load::Checkpoint);
     let want_p = fresh.forward(&p);
     let want_d = fresh.forward(&d);
     assert_ne!(bits(&before[0]), bits(&after[0]));
@@ -1030,20 +985,8 @@ fn soak_of_interleaved_forward_refit_release() {
             }
         })
         .collect();
-    let g = Rig::new(
-        "tiny",
-        0,
-        Load::Checkpoint,
-        DSV4_WEIGHT_FORMAT_AS_STORED,
-        DSV4_NUMERICS_OFFICIAL,
-    );
-    let m = Rig::new(
-        "tiny",
-        -1,
-        Load::Checkpoint,
-        DSV4_WEIGHT_FORMAT_AS_STORED,
-        DSV4_NUMERICS_OFFICIAL,
-    );
+    let g = Rig::tiny(0, Load::Checkpoint);
+    let m = Rig::tiny(-1, Load::Checkpoint);
     let ctx = &g.host.as_ref().unwrap().ctx;
     // Warm up (first forward may load lazily) before the memory baseline.
     g.forward(&prefill());

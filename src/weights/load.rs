@@ -48,44 +48,10 @@ pub fn load_checkpoint(store: &mut WeightStore, cfg: &ModelConfig, path: &Path) 
 
 /// Validates one host update against the weight table without writing anything; returns
 /// the canonical weights it would write (several for a fused expert tensor, none for an
-/// ignored `mtp.*` name).
+/// ignored `mtp.*` name). `scale`: the block scales (E8M0 or F32; FP8 blocks are `block`) of
+/// a weight given in its stored format (F8_E4M3 or packed FP4 codes); None for float / index
+/// values.
 pub fn check_update(
-    store: &WeightStore,
-    name: &str,
-    dtype: HostDtype,
-    shape: &[usize],
-    data: &[u8],
-) -> Result<Vec<usize>> {
-    let u = HostTensor {
-        name,
-        dtype,
-        shape,
-        data,
-    };
-    check_update_scaled(store, &u, None, [128, 128])
-}
-
-/// Validates and writes one host update in place; returns the canonical weights written.
-pub fn write_update(
-    store: &mut WeightStore,
-    name: &str,
-    dtype: HostDtype,
-    shape: &[usize],
-    data: &[u8],
-) -> Result<Vec<usize>> {
-    let u = HostTensor {
-        name,
-        dtype,
-        shape,
-        data,
-    };
-    write_update_scaled(store, &u, None, [128, 128])
-}
-
-/// [`check_update`] of a weight given in its stored format (F8_E4M3 or packed FP4 codes)
-/// with its block-scale tensor `scale` (E8M0 or F32; FP8 blocks are `block`), or of a
-/// float/index weight (`scale` None).
-pub fn check_update_scaled(
     store: &WeightStore,
     u: &HostTensor,
     scale: Option<&HostTensor>,
@@ -100,8 +66,9 @@ pub fn check_update_scaled(
     Ok(dsts)
 }
 
-/// [`write_update`] with an optional scale, as [`check_update_scaled`].
-pub fn write_update_scaled(
+/// Validates and writes one host update in place (as [`check_update`]); returns the
+/// canonical weights written.
+pub fn write_update(
     store: &mut WeightStore,
     u: &HostTensor,
     scale: Option<&HostTensor>,
@@ -919,6 +886,39 @@ fn decode_rows(src: &Source, row0: usize, out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A float / index update without scale (the form most tests need).
+    fn check_update(
+        store: &WeightStore,
+        name: &str,
+        dtype: HostDtype,
+        shape: &[usize],
+        data: &[u8],
+    ) -> Result<Vec<usize>> {
+        let u = HostTensor {
+            name,
+            dtype,
+            shape,
+            data,
+        };
+        super::check_update(store, &u, None, [128, 128])
+    }
+
+    fn write_update(
+        store: &mut WeightStore,
+        name: &str,
+        dtype: HostDtype,
+        shape: &[usize],
+        data: &[u8],
+    ) -> Result<Vec<usize>> {
+        let u = HostTensor {
+            name,
+            dtype,
+            shape,
+            data,
+        };
+        super::write_update(store, &u, None, [128, 128])
+    }
     use crate::weights::safetensors_io::tests::TempDir;
 
     /// A small config: one sliding layer with hash routing and one CSA layer with top-k.
