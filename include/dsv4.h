@@ -33,9 +33,12 @@
  *
  * - Versioned structs. Every struct starts with `struct_size`; obtain inputs from their
  *   *_default() function (or set struct_size = sizeof(struct)) so that fields can be added
- *   in later minor versions without breaking hosts. A struct_size smaller than the
- *   library's layout is rejected with DSV4_STATUS_INVALID_ARGUMENT; a larger one (a newer
- *   host) is accepted and the unknown trailing fields are ignored.
+ *   in later minor versions without breaking hosts. Every layout since ABI 1.0 is
+ *   accepted: a host built against an older minor passes its smaller struct_size, and the
+ *   library reads (or, for outputs such as dsv4_info, writes) only the fields that size
+ *   covers. A struct_size smaller than the ABI 1.0 layout is rejected with
+ *   DSV4_STATUS_INVALID_ARGUMENT; a larger one (a newer host) is accepted and the unknown
+ *   trailing fields are ignored (outputs: left unchanged).
  *
  * - Enums cross the ABI as int32_t and are validated (DSV4_STATUS_INVALID_ARGUMENT).
  *
@@ -63,7 +66,7 @@
  * added. A host built against minor M works with any library of the same major and
  * minor >= M.
  */
-#define DSV4_ABI_VERSION_MINOR 1
+#define DSV4_ABI_VERSION_MINOR 2
 
 /**
  * Log level: errors only.
@@ -209,6 +212,68 @@
 #define DSV4_LOGITS_BF16 1
 
 /**
+ * `seq_slots` value of a padding sequence: it reads and writes no slot state, its tokens
+ * may be any ids in range and its positions any values, and its logits rows are written as
+ * zeros. Hosts pad real batches up to the shapes of their captured graphs with it.
+ */
+#define DSV4_PAD_SLOT -1
+
+/**
+ * Batch field of a fault (`dsv4_batch_fault.field`): `batch->token_ids`.
+ */
+#define DSV4_FIELD_TOKEN_IDS 1
+
+/**
+ * `batch->positions`.
+ */
+#define DSV4_FIELD_POSITIONS 2
+
+/**
+ * `batch->seq_slots`.
+ */
+#define DSV4_FIELD_SEQ_SLOTS 3
+
+/**
+ * `batch->query_start`.
+ */
+#define DSV4_FIELD_QUERY_START 4
+
+/**
+ * `batch->logits_rows`.
+ */
+#define DSV4_FIELD_LOGITS_ROWS 5
+
+/**
+ * Rule a fault breaks (`dsv4_batch_fault.rule`): the value is outside [0, expected).
+ */
+#define DSV4_RULE_RANGE 1
+
+/**
+ * The slot is already used by sequence `expected` of the same batch.
+ */
+#define DSV4_RULE_DUPLICATE 2
+
+/**
+ * query_start[index] is not above query_start[index - 1] (= expected).
+ */
+#define DSV4_RULE_NOT_INCREASING 3
+
+/**
+ * query_start[0] must be 0 and query_start[num_seqs] num_tokens (= expected).
+ */
+#define DSV4_RULE_ENDPOINT 4
+
+/**
+ * A position is not the previous position + 1 (= expected).
+ */
+#define DSV4_RULE_NOT_CONSECUTIVE 5
+
+/**
+ * A sequence's first position is neither 0 nor its slot's length (= expected).
+ */
+#define DSV4_RULE_NOT_CONTINUING 6
+
+/**
  * Engine phase: created, weights not (all) loaded yet.
  */
 #define DSV4_PHASE_CREATED 0
@@ -294,7 +359,10 @@ typedef struct dsv4_create_params {
      */
     int32_t weight_format;
     /**
-     * Directory for the compiled-kernel cache; NULL = the default location.
+     * Directory for the CUDA backend's compiled-kernel (CUBIN) cache, created if missing.
+     * NULL = the default: `$DSV4_CACHE_DIR`, else `$XDG_CACHE_HOME/dsv4`, else
+     * `$HOME/.cache/dsv4`. With none of those set, or a directory that cannot be written,
+     * kernels are compiled at every dsv4_finalize (a warning is logged), never an error.
      */
     const char *cache_dir;
 } dsv4_create_params;
@@ -390,6 +458,47 @@ typedef struct dsv4_batch {
 } dsv4_batch;
 
 /**
+ * The first fault of a bad batch on a CUDA engine, as dsv4_device_error returns it. The
+ * same 32 bytes live in device memory at `dsv4_info.device_error`, where a host may copy
+ * them inside its own graph (status 0 = no fault recorded).
+ */
+typedef struct dsv4_batch_fault {
+    /**
+     * DSV4_STATUS_INVALID_ARGUMENT or DSV4_STATUS_CAPACITY (a position >= max_seq_len);
+     * DSV4_STATUS_OK when no fault is recorded.
+     */
+    int32_t status;
+    /**
+     * DSV4_FIELD_*: the batch array holding the bad value.
+     */
+    int32_t field;
+    /**
+     * Index into that array.
+     */
+    int32_t index;
+    /**
+     * The value found there.
+     */
+    int32_t value;
+    /**
+     * DSV4_RULE_*: the rule it breaks.
+     */
+    int32_t rule;
+    /**
+     * The rule's bound or expected value (see DSV4_RULE_*).
+     */
+    int32_t expected;
+    /**
+     * The sequence (index into seq_slots) the fault belongs to, or -1.
+     */
+    int32_t seq;
+    /**
+     * seq_slots[seq] when seq >= 0.
+     */
+    int32_t slot;
+} dsv4_batch_fault;
+
+/**
  * Configuration and capacities in effect, filled by `dsv4_get_info`. Set `struct_size`
  * to sizeof(dsv4_info) before the call.
  */
@@ -455,6 +564,13 @@ typedef struct dsv4_info {
      */
     void *workspace_base;
     uint64_t workspace_nbytes;
+    /**
+     * Since ABI 1.2. Device address of the engine's error record: a `dsv4_batch_fault`
+     * (32 bytes) that the first bad batch since it was last cleared fills in (CUDA; NULL on
+     * the CPU backend, which reports a bad batch from dsv4_forward). Read and clear it with
+     * dsv4_device_error, or copy it inside a graph.
+     */
+    void *device_error;
 } dsv4_info;
 
 /**
@@ -732,23 +848,46 @@ dsv4_status dsv4_finalize(struct dsv4_engine *engine, void *stream);
  * Runs one batch (prefill, chunked prefill and decode are the same call) and writes the
  * logits of the requested rows into the caller's buffer. Only in DSV4_PHASE_READY.
  * Each sequence's tokens continue its slot's state at consecutive positions; position 0
- * starts a fresh sequence in that slot. The batch and its arrays are read during the call
- * only; `batch->logits` is written. `stream`: the CUstream to launch on (CUDA backend);
- * ignored by the CPU backend.
+ * starts a fresh sequence in that slot. A sequence whose slot is DSV4_PAD_SLOT (-1) is
+ * padding: it reads and writes no state, its token ids must be in range but its positions
+ * may be anything, and its logits rows are zeros. `stream`: the CUstream to launch on (CUDA
+ * backend; NULL = the legacy default stream); ignored by the CPU backend.
  *
- * Errors (all detected before any state changes):
- * NULL_POINTER (`engine`, `batch`, an array with a nonzero count: named),
- * INVALID_ARGUMENT (struct_size, counts < 1, num_logits != num_tokens when logits_rows is
- * NULL, misaligned arrays, bad logits_dtype, token id / slot / row out of range,
- * inconsistent query_start or positions: the field and index are named),
- * CAPACITY (num_tokens > max_num_tokens, num_seqs > max_num_seqs, a position >=
- * max_seq_len), STATE (not finalized). After any of these the engine and every slot are
- * unchanged. A CUDA error mid-run leaves the batch's slots undefined (release them);
- * INTERNAL leaves the engine unusable (destroy it).
+ * The rules every batch value must follow, on every backend: token ids in [0, vocab_size);
+ * seq_slots in [0, max_num_seqs) or DSV4_PAD_SLOT, no slot twice; query_start starting at 0,
+ * strictly increasing, ending at num_tokens; a real sequence's positions in
+ * [0, max_seq_len), consecutive, starting at 0 or at its slot's current length; logits_rows
+ * in [0, num_tokens).
+ *
+ * CPU backend: the arrays are host memory, read during the call; `batch->logits` is
+ * written before it returns. A bad value is reported by the call itself (below), before any
+ * state changes.
+ *
+ * CUDA backend: the arrays are device memory and the call only enqueues work on `stream`:
+ * they are read, and `batch->logits` written, when the stream reaches this forward, so they
+ * must stay valid (and unchanged) until then; the logits are ready when work enqueued after
+ * the call on `stream` may run (an event or a stream sync tells the host). The call never
+ * syncs, so it cannot see the values: it checks only the counts and pointers listed below.
+ * A value that breaks a rule is caught on the device: the batch changes no slot's state and
+ * writes nothing outside `batch->logits`, whose rows are all NaN; the first such fault is
+ * kept in a sticky device record that dsv4_device_error returns (and clears), and whose
+ * address dsv4_get_info gives. No batch value can crash the host's CUDA context. The same
+ * holds when a captured graph replays the call with new array contents.
+ *
+ * Errors returned by the call (all detected before anything is enqueued or any state
+ * changes): NULL_POINTER (`engine`, `batch`, an array with a nonzero count: named),
+ * INVALID_ARGUMENT (struct_size, counts < 1, num_seqs > num_tokens, num_logits !=
+ * num_tokens when logits_rows is NULL, bad logits_dtype; on the CPU backend also misaligned
+ * arrays and every value rule above, naming the field and index), CAPACITY (num_tokens >
+ * max_num_tokens, num_seqs > max_num_seqs, num_logits > max_num_tokens; on the CPU backend a
+ * position >= max_seq_len), STATE (not finalized). After any of these the engine and every
+ * slot are unchanged. A CUDA error mid-run leaves the batch's slots undefined (release
+ * them); INTERNAL leaves the engine unusable (destroy it).
  *
  * # Safety
  * `engine` from dsv4_create; `batch` valid, with each array holding the number of
- * int32 entries its count states and `logits` num_logits x vocab_size elements.
+ * int32 entries its count states and `logits` num_logits x vocab_size elements (CUDA: for as
+ * long as the stream needs them, see above).
  */
 dsv4_status dsv4_forward(struct dsv4_engine *engine, const struct dsv4_batch *batch, void *stream);
 
@@ -820,6 +959,31 @@ dsv4_status dsv4_refit_end(struct dsv4_engine *engine, void *stream);
  * `engine` from dsv4_create.
  */
 dsv4_status dsv4_release_slot(struct dsv4_engine *engine, int32_t slot);
+
+/**
+ * Returns and clears the first fault of a bad batch that a CUDA engine's forwards met since
+ * the last call (DESIGN.md §3). On CUDA, dsv4_forward cannot read the batch's device arrays
+ * without a sync, so it checks them on the device: a bad batch leaves every slot unchanged,
+ * its logits rows are NaN, and its first fault lands in this sticky record.
+ *
+ * Waits for everything enqueued on `stream` (the CUstream the forwards ran on; NULL = the
+ * legacy default stream) to finish, so it is NOT for use inside a graph capture: to read the
+ * record inside a graph, copy the 32 bytes at `dsv4_info.device_error` instead.
+ *
+ * Returns DSV4_STATUS_OK when no fault is recorded (and always on the CPU backend, whose
+ * dsv4_forward reports a bad batch itself). Otherwise returns the fault's status
+ * (INVALID_ARGUMENT, or CAPACITY for a position >= max_seq_len), with dsv4_last_error()
+ * naming the field, index and value as the CPU backend's message does. `out` (may be NULL)
+ * receives the record, all zeros when there is none. Allowed in every phase.
+ *
+ * Errors of the call itself: NULL_POINTER (`engine`), CUDA.
+ *
+ * # Safety
+ * `engine` from dsv4_create; `out` NULL or writable.
+ */
+dsv4_status dsv4_device_error(struct dsv4_engine *engine,
+                              void *stream,
+                              struct dsv4_batch_fault *out);
 
 /**
  * Fills `*out` with the model config and capacities in effect and the current phase.

@@ -79,12 +79,17 @@ extern "C" __global__ void attention_kernel(const float* q, const float* kv, con
   double* qs = attn_smem;
   float* lg = (float*)(attn_smem + ((hd + 1) & ~1));
 
+  const int s = seq_of[t];
+  const int slot = seq_slots[s];
+  if (slot < 0) {  // padding (or a bad batch): no state is read, o is zero
+    float* orow = o + ((long long)t * H + h) * hd;
+    for (int c = tid; c < hd; c += nt) orow[c] = 0.0f;
+    return;
+  }
   const float* qrow = q + ((long long)t * H + h) * hd;
   for (int c = tid; c < hd; c += nt) qs[c] = (double)qrow[c];
 
   const int p = positions[t];
-  const int s = seq_of[t];
-  const int slot = seq_slots[s];
   const int t0 = query_start[s];
   const int p0 = positions[t0];
   const int lo = p - W + 1 > 0 ? p - W + 1 : 0;
@@ -198,6 +203,7 @@ extern "C" __global__ void ring_update_kernel(const float* kv, const int* positi
                                              int W, int hd, float* ring) {
   const int s = blockIdx.x, r = blockIdx.y;
   if (s >= S) return;
+  if (seq_slots[s] < 0) return;  // padding: writes no state
   const int a = query_start[s], b = query_start[s + 1];
   const int keep = b - a < W ? b - a : W;
   if (r >= keep) return;
@@ -208,9 +214,9 @@ extern "C" __global__ void ring_update_kernel(const float* kv, const int* positi
   for (int c = threadIdx.x; c < hd; c += blockDim.x) dst[c] = src[c];
 }
 
-// slot_len[seq_slots[s]] = last position of sequence s + 1.
+// slot_len[seq_slots[s]] = last position of sequence s + 1 (padding sequences: nothing).
 extern "C" __global__ void slot_len_kernel(const int* positions, const int* query_start,
                                           const int* seq_slots, int S, int* slot_len) {
   for (int s = blockIdx.x * blockDim.x + threadIdx.x; s < S; s += gridDim.x * blockDim.x)
-    slot_len[seq_slots[s]] = positions[query_start[s + 1] - 1] + 1;
+    if (seq_slots[s] >= 0) slot_len[seq_slots[s]] = positions[query_start[s + 1] - 1] + 1;
 }

@@ -67,6 +67,7 @@ extern "C" __global__ void __launch_bounds__(512)
   float* ent = (float*)(comp_smem + dc);
   const int width = overlap ? 2 * dc : dc;
   const int slot = seq_slots[sq];
+  if (slot < 0) return;  // padding (or a bad batch): reads and writes no state
   const int ta = query_start[sq], tb = query_start[sq + 1];
   const int p_first = positions[ta];
   float* pa = pend_a + (long long)slot * ratio * width;

@@ -82,6 +82,11 @@ extern "C" __global__ void indexer_kernel(const float* qi, const float* iw, cons
 
   const int p = positions[t];
   const int slot = seq_slots[seq_of[t]];
+  if (slot < 0) {  // padding (or a bad batch): no keys are read, nothing is selected
+    for (int r = tid; r < topk; r += nt) selected[(long long)t * topk + r] = -1;
+    if (tid == 0) nsel[t] = 0;
+    return;
+  }
   int visible = (p + 1) / ratio;
   if (visible > maxe) visible = maxe;
   const float* qrow = qi + (long long)t * HI * DI;

@@ -3,7 +3,8 @@
 # test binaries (tests/gpu_*.rs) with --nocapture; the Python binding's torch tests
 # (bindings/python/tests/test_torch_cuda.py, and pytest over bindings/python/tests when the
 # torch interpreter has pytest) against the staged libdsv4.so; then gpu_runtime and the
-# capture / refit tests of gpu_host_contract under `compute-sanitizer --tool memcheck`; and
+# capture / refit tests of gpu_host_contract and every case of gpu_bad_batch under
+# `compute-sanitizer --tool memcheck`; and
 # writes logs and a summary JSON to $OUT (default ./gpu-out). On the GPU machine
 # "skipped: no CUDA device" counts as a FAILURE.
 #
@@ -27,7 +28,7 @@
 # /usr/local/cuda/lib64 and /usr/local/cuda/targets/x86_64-linux/lib.
 #
 # Results in $OUT: gpu-check.log (everything, in order), python.log, pytest.log, memcheck.log,
-# memcheck_contract.log, summary.json
+# memcheck_contract.log, memcheck_bad_batch.log, summary.json
 # ({"ok": bool, "tests": [{name, status: pass|fail|skipped|timeout, rc, seconds, result}],
 #  "memcheck": {...}}). Exit status 0 only if every test passed and memcheck found no error.
 # DSV4_GPU_TEST_TIMEOUT (seconds, default 480) bounds each binary; DSV4_SKIP_MEMCHECK=1 skips it.
@@ -218,6 +219,21 @@ else
     tail -n 3 "$OUT/memcheck_contract.log" | tee -a "$LOG"
     if [ $crc -ne 0 ]; then mstatus=fail; rc=$crc; fi
     summary="$summary; host_contract: $csum"
+  fi
+  # Every bad-batch and padding case (eager and graph replays): no out-of-bounds access.
+  bad_bin=$(printf '%s\n' $bins | grep '/gpu_bad_batch-' | head -1)
+  if [ -n "$bad_bin" ]; then
+    say "== memcheck $bad_bin"
+    DSV4_UNDER_SANITIZER=1 timeout "$timeout_s" "$sanitizer" --tool memcheck --leak-check full \
+      --error-exitcode 99 "$bad_bin" --nocapture --test-threads=1 >"$OUT/memcheck_bad_batch.log" 2>&1
+    brc=$?
+    bsum=$(grep -E 'ERROR SUMMARY' "$OUT/memcheck_bad_batch.log" | tail -1)
+    tail -n 3 "$OUT/memcheck_bad_batch.log" | tee -a "$LOG"
+    if [ $brc -ne 0 ]; then mstatus=fail; rc=$brc; fi
+    summary="$summary; bad_batch: $bsum"
+  else
+    say "memcheck: no gpu_bad_batch binary"
+    mstatus=fail
   fi
   [ "$mstatus" = pass ] || ok=false
   say "-> memcheck: $mstatus (rc $rc) $summary"

@@ -118,6 +118,9 @@ pub struct BufferSpans {
     pub derived: (u64, u64),
     pub state: (u64, u64),
     pub workspace: (u64, u64),
+    /// The device error record (inside `state`), [`crate::model::batch::FAULT_RECORD_INTS`]
+    /// int32 words.
+    pub device_error: (u64, u64),
 }
 
 /// Caller-owned logits output.
@@ -521,7 +524,25 @@ impl Engine {
                 derived: b.span(&["derived:"]),
                 state: b.span(&["state:"]),
                 workspace: b.span(&["workspace:"]),
+                device_error: b.span(&[crate::cuda::backend::DEVICE_ERROR_NAME]),
             },
+        }
+    }
+
+    /// Returns and clears the first fault of a bad device batch since the last call
+    /// (DESIGN.md §3), after the work enqueued on `stream` has run. None when no batch was
+    /// bad; always None on the CPU backend, which reports a bad batch from dsv4_forward.
+    pub fn take_device_error(
+        &mut self,
+        stream: *mut std::ffi::c_void,
+    ) -> Result<Option<crate::model::batch::BatchFault>> {
+        match &self.backend {
+            Backend::Cpu(_) => Ok(None),
+            Backend::Cuda(b) => {
+                let rec =
+                    b.take_device_error(crate::cuda::stream::BorrowedStream::from_raw(stream))?;
+                crate::model::batch::BatchFault::from_record(&rec)
+            }
         }
     }
 

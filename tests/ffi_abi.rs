@@ -1052,7 +1052,7 @@ fn batch_validation_and_capacity() {
             vec!["seq_slots[0]", "max_num_seqs"],
         ),
         (
-            HostBatch::single(-1, 0, 1),
+            HostBatch::single(-2, 0, 1),
             DSV4_STATUS_INVALID_ARGUMENT,
             vec!["seq_slots[0]"],
         ),

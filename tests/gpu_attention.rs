@@ -478,6 +478,7 @@ fn run_layer(
         let mut seqs = Vec::new();
         for &(slot, first, len) in batch {
             seqs.push(SeqRange {
+                pad: false,
                 slot,
                 token_start: positions.len(),
                 len,

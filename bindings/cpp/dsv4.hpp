@@ -164,6 +164,21 @@ class Engine {
     }
     dsv4_status release_slot(int32_t slot) { return detail::check(dsv4_release_slot(ptr_.get(), slot)); }
 
+    /// dsv4_device_error: returns and clears the first fault of a bad batch that a CUDA
+    /// engine's forwards met since the last call. Syncs `stream` (never call it inside a
+    /// graph capture). DSV4_STATUS_OK with `out` zeroed when there is none (always on the
+    /// CPU backend); otherwise the fault's status, `out` holding field, index, value, rule,
+    /// and dsv4::last_error() the message. A fault is a report, not a failure of this call,
+    /// so it never throws; a failure of the call itself (e.g. DSV4_STATUS_CUDA) does when
+    /// DSV4_HPP_EXCEPTIONS is defined.
+    dsv4_status device_error(dsv4_batch_fault &out, void *stream = nullptr) {
+        const dsv4_status s = dsv4_device_error(ptr_.get(), stream, &out);
+        if (s != DSV4_STATUS_OK && out.status != s) {
+            return detail::check(s);
+        }
+        return s;
+    }
+
     dsv4_status info(dsv4_info &out) const {
         out.struct_size = sizeof(dsv4_info);
         return detail::check(dsv4_get_info(ptr_.get(), &out));

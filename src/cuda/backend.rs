@@ -18,7 +18,12 @@ use crate::reference::HC0_FOLD_NAME;
 use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
 use crate::weights::store::{TensorData, WeightStore};
 
+use crate::cuda::kernels::batch::CheckedBatch;
 pub use crate::cuda::kernels::linear::{DevWeight, WFormat};
+use crate::model::batch::FAULT_RECORD_INTS;
+
+/// Arena name of the device error record (dsv4_get_info reports its address).
+pub const DEVICE_ERROR_NAME: &str = "state:device_error";
 
 /// Per-layer device tables of expert weight addresses (derived: rebuilt at finalize).
 #[derive(Clone, Copy, Debug)]
@@ -122,6 +127,8 @@ pub struct CudaBackend {
     /// (`reference::mhc::fold_projection`).
     pub hc0_fold: DevicePtr,
     pub ws: Workspace,
+    /// The sanitized batch of the current forward and the device error record.
+    pub batch: CheckedBatch,
     /// Max visible indexer entries per token (workspace width of `iscores`).
     pub max_index_entries: usize,
     /// Kernel families, resolved at finalize.
@@ -267,6 +274,8 @@ impl CudaBackend {
             lids.push((ring, inv, c, ic, ent, ik, maxe));
         }
         let slot_len = plan.reserve("state:slot_len", f32s(slots), ALIGN)?;
+        // The device error record of bad batches: sticky across forwards, so it is state.
+        let record = plan.reserve(DEVICE_ERROR_NAME, FAULT_RECORD_INTS * 4, ALIGN)?;
         // Workspace.
         let qk_max = [
             d,
@@ -324,6 +333,14 @@ impl CudaBackend {
             w(&mut plan, "y", f32s(t * d))?,
             w(&mut plan, "logits_f32", f32s(t * cfg.vocab_size))?,
             w(&mut plan, "rows_all", f32s(t))?,
+            // batch_check_kernel's sanitized batch (kernels/batch.cu).
+            w(&mut plan, "batch.tokens", f32s(t))?,
+            w(&mut plan, "batch.positions", f32s(t))?,
+            w(&mut plan, "batch.seq_slots", f32s(slots))?,
+            w(&mut plan, "batch.query_start", f32s(slots + 1))?,
+            w(&mut plan, "batch.rows", f32s(t))?,
+            w(&mut plan, "batch.verdict", f32s(1))?,
+            w(&mut plan, "batch.claim", f32s(slots))?,
         ];
         let (free, _) = ctx.mem_info()?;
         if plan.total_bytes() > free {
@@ -427,6 +444,17 @@ impl CudaBackend {
             logits_f32: r(37),
             rows_all: r(38),
         };
+        let batch = CheckedBatch {
+            tokens: r(39),
+            positions: r(40),
+            seq_slots: r(41),
+            query_start: r(42),
+            rows: r(43),
+            verdict: r(44),
+            claim: r(45),
+            seq_of: ws.seq_of,
+            record: arena.region(record),
+        };
         let slot_len = arena.region(slot_len);
         let hc0_fold = arena.region(hc0_fold);
         drop(_g);
@@ -443,6 +471,7 @@ impl CudaBackend {
             slot_len,
             hc0_fold,
             ws,
+            batch,
             max_index_entries,
             kernels: None,
         })
@@ -547,6 +576,19 @@ impl CudaBackend {
             }
         }
         Ok(())
+    }
+
+    /// Reads the device error record once all work enqueued on `stream` has run, and clears
+    /// it (blocks the host: not for use inside a graph capture).
+    pub fn take_device_error(&self, stream: BorrowedStream) -> Result<[i32; FAULT_RECORD_INTS]> {
+        let _g = self.ctx.enter()?;
+        let mut rec = [0i32; FAULT_RECORD_INTS];
+        crate::cuda::arena::copy_to_host_sync(&mut rec, self.batch.record, stream)?;
+        if rec[0] != 0 {
+            memset_async(self.batch.record, 0, stream)?;
+            stream.synchronize()?;
+        }
+        Ok(rec)
     }
 
     /// Named device regions (weights, derived, state, workspace) for dsv4_get_info.

@@ -7,6 +7,7 @@
 use crate::cuda::arena::DevicePtr;
 use crate::cuda::backend::{CompressorDev, CudaBackend, DevWeight, LayerStateDev, MOE_TILE_ROWS};
 use crate::cuda::kernels::attention::{Attention, AttentionArgs, BatchMeta, RingArgs};
+use crate::cuda::kernels::batch::{BatchKernels, BatchLimits, RawBatch};
 use crate::cuda::kernels::compressor::{CompressArgs, CompressKind, Compressor};
 use crate::cuda::kernels::indexer::{Indexer, IndexerArgs};
 use crate::cuda::kernels::linear::Linear;
@@ -21,6 +22,7 @@ use crate::model::{CompressorWeights, HcSite, LayerWeights};
 
 /// Every kernel family, resolved once at finalize.
 pub struct Kernels {
+    pub batch: BatchKernels,
     pub linear: Linear,
     pub nr: NormRope,
     pub mhc: Mhc,
@@ -33,6 +35,7 @@ pub struct Kernels {
 impl Kernels {
     pub fn new(reg: &Registry) -> Result<Kernels> {
         Ok(Kernels {
+            batch: BatchKernels::new(reg)?,
             linear: Linear::new(reg)?,
             nr: NormRope::new(reg)?,
             mhc: Mhc::new(reg)?,
@@ -118,16 +121,35 @@ impl CudaBackend {
         let off = self.official();
         let eps = cfg.rms_norm_eps;
         let ws = self.ws;
-        let tokens = host_buf(b.token_ids, t * 4);
-        let meta = BatchMeta {
+        // First the device-side check (kernels/batch.cu): from here on every kernel reads the
+        // sanitized batch, never the host's arrays; a bad batch has become all padding.
+        let raw = RawBatch {
+            tokens: host_buf(b.token_ids, t * 4),
             positions: host_buf(b.positions, t * 4),
-            query_start: host_buf(b.query_start, (s + 1) * 4),
             seq_slots: host_buf(b.seq_slots, s * 4),
-            seq_of: ws.seq_of,
+            query_start: host_buf(b.query_start, (s + 1) * 4),
+            logits_rows: (b.logits_rows != 0).then(|| host_buf(b.logits_rows, b.num_logits * 4)),
+            num_tokens: t,
+            num_seqs: s,
+            num_logits: b.num_logits,
+        };
+        let limits = BatchLimits {
+            vocab: cfg.vocab_size,
+            max_seq_len: self.opts.max_seq_len,
+            num_slots: self.opts.max_num_seqs,
+            slot_len: self.slot_len,
+        };
+        let chk = self.batch;
+        k8.batch.check(&self.ctx, &raw, &limits, &chk, st)?;
+        let tokens = chk.tokens;
+        let meta = BatchMeta {
+            positions: chk.positions,
+            query_start: chk.query_start,
+            seq_slots: chk.seq_slots,
+            seq_of: chk.seq_of,
             num_tokens: t,
             num_seqs: s,
         };
-        k8.attn.batch_meta(&self.ctx, &meta, st)?;
         k8.nr.embed(
             &self.ctx,
             tokens,
@@ -215,13 +237,8 @@ impl CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        let row_list = if b.logits_rows == 0 {
-            None
-        } else {
-            Some(host_buf(b.logits_rows, rows * 4))
-        };
         k8.nr
-            .gather_rows(&self.ctx, ws.x, n * d, row_list, rows, ws.xr, st)?;
+            .gather_rows(&self.ctx, ws.x, n * d, Some(chk.rows), rows, ws.xr, st)?;
         let site = self.site(&self.handles.hc_head);
         k8.mhc.hc_head(
             &self.ctx, ws.xr, rows, n, d, site, cfg.hc_eps, eps, off, ws.y, st,
@@ -239,6 +256,8 @@ impl CudaBackend {
         )?;
         let v = cfg.vocab_size;
         let head = self.weights[self.handles.head];
+        let elem = if b.logits_bf16 { 2 } else { 4 };
+        let logits = host_buf(b.logits, rows * v * elem);
         if b.logits_bf16 {
             self.linear(
                 k8,
@@ -254,29 +273,14 @@ impl CudaBackend {
                 false,
                 st,
             )?;
-            k8.nr.to_bf16(
-                &self.ctx,
-                ws.logits_f32,
-                host_buf(b.logits, rows * v * 2),
-                rows * v,
-                st,
-            )
+            k8.nr
+                .to_bf16(&self.ctx, ws.logits_f32, logits, rows * v, st)?;
         } else {
-            self.linear(
-                k8,
-                ws.y,
-                d,
-                rows,
-                &head,
-                0,
-                v,
-                host_buf(b.logits, rows * v * 4),
-                v,
-                false,
-                false,
-                st,
-            )
+            self.linear(k8, ws.y, d, rows, &head, 0, v, logits, v, false, false, st)?;
         }
+        // Padding rows become zeros; every row of a bad batch NaN.
+        k8.batch
+            .finish_logits(&self.ctx, &chk, rows, v, b.logits_bf16, logits, st)
     }
 
     /// Attention sub-block of layer `l`: `ws.u` -> `ws.a` (reference/attention.rs).

@@ -22,7 +22,7 @@ pub const DSV4_ABI_VERSION_MAJOR: u32 = 1;
 /// ABI minor version: bumped when functions, enum values or trailing struct fields are
 /// added. A host built against minor M works with any library of the same major and
 /// minor >= M.
-pub const DSV4_ABI_VERSION_MINOR: u32 = 1;
+pub const DSV4_ABI_VERSION_MINOR: u32 = 2;
 
 /// An engine: one model's weights, per-slot decode state and workspaces. Opaque; create
 /// with `dsv4_create`, free with `dsv4_destroy`.
@@ -111,9 +111,9 @@ pub extern "C" fn dsv4_abi_version() -> u32 {
 /// free it. Thread-safe; never fails.
 #[unsafe(no_mangle)]
 pub extern "C" fn dsv4_version_string() -> *const c_char {
-    const V: &str = concat!("dsv4 ", env!("CARGO_PKG_VERSION"), " (abi 1.1)\0");
+    const V: &str = concat!("dsv4 ", env!("CARGO_PKG_VERSION"), " (abi 1.2)\0");
     const _: () = assert!(
-        DSV4_ABI_VERSION_MAJOR == 1 && DSV4_ABI_VERSION_MINOR == 1,
+        DSV4_ABI_VERSION_MAJOR == 1 && DSV4_ABI_VERSION_MINOR == 2,
         "update the version string"
     );
     V.as_ptr().cast()
@@ -321,23 +321,46 @@ pub unsafe extern "C" fn dsv4_finalize(
 /// Runs one batch (prefill, chunked prefill and decode are the same call) and writes the
 /// logits of the requested rows into the caller's buffer. Only in DSV4_PHASE_READY.
 /// Each sequence's tokens continue its slot's state at consecutive positions; position 0
-/// starts a fresh sequence in that slot. The batch and its arrays are read during the call
-/// only; `batch->logits` is written. `stream`: the CUstream to launch on (CUDA backend);
-/// ignored by the CPU backend.
+/// starts a fresh sequence in that slot. A sequence whose slot is DSV4_PAD_SLOT (-1) is
+/// padding: it reads and writes no state, its token ids must be in range but its positions
+/// may be anything, and its logits rows are zeros. `stream`: the CUstream to launch on (CUDA
+/// backend; NULL = the legacy default stream); ignored by the CPU backend.
 ///
-/// Errors (all detected before any state changes):
-/// NULL_POINTER (`engine`, `batch`, an array with a nonzero count: named),
-/// INVALID_ARGUMENT (struct_size, counts < 1, num_logits != num_tokens when logits_rows is
-/// NULL, misaligned arrays, bad logits_dtype, token id / slot / row out of range,
-/// inconsistent query_start or positions: the field and index are named),
-/// CAPACITY (num_tokens > max_num_tokens, num_seqs > max_num_seqs, a position >=
-/// max_seq_len), STATE (not finalized). After any of these the engine and every slot are
-/// unchanged. A CUDA error mid-run leaves the batch's slots undefined (release them);
-/// INTERNAL leaves the engine unusable (destroy it).
+/// The rules every batch value must follow, on every backend: token ids in [0, vocab_size);
+/// seq_slots in [0, max_num_seqs) or DSV4_PAD_SLOT, no slot twice; query_start starting at 0,
+/// strictly increasing, ending at num_tokens; a real sequence's positions in
+/// [0, max_seq_len), consecutive, starting at 0 or at its slot's current length; logits_rows
+/// in [0, num_tokens).
+///
+/// CPU backend: the arrays are host memory, read during the call; `batch->logits` is
+/// written before it returns. A bad value is reported by the call itself (below), before any
+/// state changes.
+///
+/// CUDA backend: the arrays are device memory and the call only enqueues work on `stream`:
+/// they are read, and `batch->logits` written, when the stream reaches this forward, so they
+/// must stay valid (and unchanged) until then; the logits are ready when work enqueued after
+/// the call on `stream` may run (an event or a stream sync tells the host). The call never
+/// syncs, so it cannot see the values: it checks only the counts and pointers listed below.
+/// A value that breaks a rule is caught on the device: the batch changes no slot's state and
+/// writes nothing outside `batch->logits`, whose rows are all NaN; the first such fault is
+/// kept in a sticky device record that dsv4_device_error returns (and clears), and whose
+/// address dsv4_get_info gives. No batch value can crash the host's CUDA context. The same
+/// holds when a captured graph replays the call with new array contents.
+///
+/// Errors returned by the call (all detected before anything is enqueued or any state
+/// changes): NULL_POINTER (`engine`, `batch`, an array with a nonzero count: named),
+/// INVALID_ARGUMENT (struct_size, counts < 1, num_seqs > num_tokens, num_logits !=
+/// num_tokens when logits_rows is NULL, bad logits_dtype; on the CPU backend also misaligned
+/// arrays and every value rule above, naming the field and index), CAPACITY (num_tokens >
+/// max_num_tokens, num_seqs > max_num_seqs, num_logits > max_num_tokens; on the CPU backend a
+/// position >= max_seq_len), STATE (not finalized). After any of these the engine and every
+/// slot are unchanged. A CUDA error mid-run leaves the batch's slots undefined (release
+/// them); INTERNAL leaves the engine unusable (destroy it).
 ///
 /// # Safety
 /// `engine` from dsv4_create; `batch` valid, with each array holding the number of
-/// int32 entries its count states and `logits` num_logits x vocab_size elements.
+/// int32 entries its count states and `logits` num_logits x vocab_size elements (CUDA: for as
+/// long as the stream needs them, see above).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn dsv4_forward(
     engine: *mut dsv4_engine,
@@ -401,7 +424,13 @@ pub unsafe extern "C" fn dsv4_forward(
         };
 
         if h.engine.is_cuda() {
-            // Device buffers: only NULL checks here; the kernels read them on `stream`.
+            // Device buffers: only counts and NULL checks here; the values are checked on the
+            // device by the forward's first kernel (kernels/batch.cu).
+            if s > t {
+                return Err(invalid(format!(
+                    "`batch->num_seqs` = {s} exceeds batch->num_tokens = {t}: every sequence needs at least one token"
+                )));
+            }
             let dev = |p: *const i32, n: usize, what: &str| -> Result<u64> {
                 if n > 0 && p.is_null() {
                     return Err(Error::new(
@@ -675,6 +704,63 @@ pub unsafe extern "C" fn dsv4_release_slot(engine: *mut dsv4_engine, slot: i32) 
     })
 }
 
+/// Returns and clears the first fault of a bad batch that a CUDA engine's forwards met since
+/// the last call (DESIGN.md §3). On CUDA, dsv4_forward cannot read the batch's device arrays
+/// without a sync, so it checks them on the device: a bad batch leaves every slot unchanged,
+/// its logits rows are NaN, and its first fault lands in this sticky record.
+///
+/// Waits for everything enqueued on `stream` (the CUstream the forwards ran on; NULL = the
+/// legacy default stream) to finish, so it is NOT for use inside a graph capture: to read the
+/// record inside a graph, copy the 32 bytes at `dsv4_info.device_error` instead.
+///
+/// Returns DSV4_STATUS_OK when no fault is recorded (and always on the CPU backend, whose
+/// dsv4_forward reports a bad batch itself). Otherwise returns the fault's status
+/// (INVALID_ARGUMENT, or CAPACITY for a position >= max_seq_len), with dsv4_last_error()
+/// naming the field, index and value as the CPU backend's message does. `out` (may be NULL)
+/// receives the record, all zeros when there is none. Allowed in every phase.
+///
+/// Errors of the call itself: NULL_POINTER (`engine`), CUDA.
+///
+/// # Safety
+/// `engine` from dsv4_create; `out` NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_device_error(
+    engine: *mut dsv4_engine,
+    stream: *mut c_void,
+    out: *mut dsv4_batch_fault,
+) -> dsv4_status {
+    ffi_boundary("dsv4_device_error", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_mut(engine)? };
+        if !out.is_null() {
+            // SAFETY: writable per the contract.
+            unsafe { out.write_unaligned(dsv4_batch_fault::default()) };
+        }
+        let fault = h.run_mut(|e| e.take_device_error(stream))?;
+        match fault {
+            None => Ok(()),
+            Some(f) => {
+                if !out.is_null() {
+                    let r = f.to_record();
+                    let rec = dsv4_batch_fault {
+                        status: r[0],
+                        field: r[1],
+                        index: r[2],
+                        value: r[3],
+                        rule: r[4],
+                        expected: r[5],
+                        seq: r[6],
+                        slot: r[7],
+                    };
+                    // SAFETY: writable per the contract.
+                    unsafe { out.write_unaligned(rec) };
+                }
+                Err(f.to_error())
+            }
+        }
+    })
+}
+
 // ---------------------------------------------------------------------------------------
 // Introspection (read-only: safe to call concurrently with other read-only calls)
 
@@ -723,6 +809,7 @@ pub unsafe extern "C" fn dsv4_get_info(
             state_nbytes: spans.state.1,
             workspace_base: spans.workspace.0 as *mut c_void,
             workspace_nbytes: spans.workspace.1,
+            device_error: spans.device_error.0 as *mut c_void,
         };
         // SAFETY: per the contract.
         unsafe { write_versioned(out, "out", info) }

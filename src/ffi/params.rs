@@ -79,6 +79,60 @@ pub const DSV4_LOGITS_F32: i32 = 0;
 /// Logits output element type: bfloat16 (bit patterns, round to nearest even).
 pub const DSV4_LOGITS_BF16: i32 = 1;
 
+/// `seq_slots` value of a padding sequence: it reads and writes no slot state, its tokens
+/// may be any ids in range and its positions any values, and its logits rows are written as
+/// zeros. Hosts pad real batches up to the shapes of their captured graphs with it.
+pub const DSV4_PAD_SLOT: i32 = -1;
+
+/// Batch field of a fault (`dsv4_batch_fault.field`): `batch->token_ids`.
+pub const DSV4_FIELD_TOKEN_IDS: i32 = 1;
+/// `batch->positions`.
+pub const DSV4_FIELD_POSITIONS: i32 = 2;
+/// `batch->seq_slots`.
+pub const DSV4_FIELD_SEQ_SLOTS: i32 = 3;
+/// `batch->query_start`.
+pub const DSV4_FIELD_QUERY_START: i32 = 4;
+/// `batch->logits_rows`.
+pub const DSV4_FIELD_LOGITS_ROWS: i32 = 5;
+
+/// Rule a fault breaks (`dsv4_batch_fault.rule`): the value is outside [0, expected).
+pub const DSV4_RULE_RANGE: i32 = 1;
+/// The slot is already used by sequence `expected` of the same batch.
+pub const DSV4_RULE_DUPLICATE: i32 = 2;
+/// query_start[index] is not above query_start[index - 1] (= expected).
+pub const DSV4_RULE_NOT_INCREASING: i32 = 3;
+/// query_start[0] must be 0 and query_start[num_seqs] num_tokens (= expected).
+pub const DSV4_RULE_ENDPOINT: i32 = 4;
+/// A position is not the previous position + 1 (= expected).
+pub const DSV4_RULE_NOT_CONSECUTIVE: i32 = 5;
+/// A sequence's first position is neither 0 nor its slot's length (= expected).
+pub const DSV4_RULE_NOT_CONTINUING: i32 = 6;
+
+/// The first fault of a bad batch on a CUDA engine, as dsv4_device_error returns it. The
+/// same 32 bytes live in device memory at `dsv4_info.device_error`, where a host may copy
+/// them inside its own graph (status 0 = no fault recorded).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct dsv4_batch_fault {
+    /// DSV4_STATUS_INVALID_ARGUMENT or DSV4_STATUS_CAPACITY (a position >= max_seq_len);
+    /// DSV4_STATUS_OK when no fault is recorded.
+    pub status: i32,
+    /// DSV4_FIELD_*: the batch array holding the bad value.
+    pub field: i32,
+    /// Index into that array.
+    pub index: i32,
+    /// The value found there.
+    pub value: i32,
+    /// DSV4_RULE_*: the rule it breaks.
+    pub rule: i32,
+    /// The rule's bound or expected value (see DSV4_RULE_*).
+    pub expected: i32,
+    /// The sequence (index into seq_slots) the fault belongs to, or -1.
+    pub seq: i32,
+    /// seq_slots[seq] when seq >= 0.
+    pub slot: i32,
+}
+
 /// Engine phase: created, weights not (all) loaded yet.
 pub const DSV4_PHASE_CREATED: i32 = 0;
 /// Engine phase: every weight has a value; dsv4_finalize not yet run.
@@ -126,7 +180,10 @@ pub struct dsv4_create_params {
     pub numerics: i32,
     /// DSV4_WEIGHT_FORMAT_AS_STORED (default), _BF16 or _QUANTIZE.
     pub weight_format: i32,
-    /// Directory for the compiled-kernel cache; NULL = the default location.
+    /// Directory for the CUDA backend's compiled-kernel (CUBIN) cache, created if missing.
+    /// NULL = the default: `$DSV4_CACHE_DIR`, else `$XDG_CACHE_HOME/dsv4`, else
+    /// `$HOME/.cache/dsv4`. With none of those set, or a directory that cannot be written,
+    /// kernels are compiled at every dsv4_finalize (a warning is logged), never an error.
     pub cache_dir: *const c_char,
 }
 
@@ -228,6 +285,11 @@ pub struct dsv4_info {
     /// ... and the activation workspace of dsv4_forward.
     pub workspace_base: *mut c_void,
     pub workspace_nbytes: u64,
+    /// Since ABI 1.2. Device address of the engine's error record: a `dsv4_batch_fault`
+    /// (32 bytes) that the first bad batch since it was last cleared fills in (CUDA; NULL on
+    /// the CPU backend, which reports a bad batch from dsv4_forward). Read and clear it with
+    /// dsv4_device_error, or copy it inside a graph.
+    pub device_error: *mut c_void,
 }
 
 /// One weight of the engine, filled by `dsv4_weight_info`. Set `struct_size` to

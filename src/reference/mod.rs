@@ -14,6 +14,7 @@ pub mod precision;
 use crate::config::ModelConfig;
 use crate::engine::{Batch, EngineOptions, LogitsOut, Numerics};
 use crate::error::Result;
+use crate::model::batch::SeqRange;
 use crate::model::{ModelWeights, batch, rope};
 use crate::state::SlotState;
 use crate::weights::store::WeightStore;
@@ -101,7 +102,61 @@ impl CpuBackend {
 
     pub fn forward(&mut self, w: &WeightStore, b: &mut Batch) -> Result<()> {
         let seqs = batch::plan(&self.cfg, &self.opts, &self.slot_lengths(), b)?;
-        for s in &seqs {
+        let real = RealTokens::new(&seqs, b);
+        let all: Vec<i32>;
+        let rows = match b.logits_rows {
+            Some(r) => r,
+            None => {
+                all = (0..b.token_ids.len() as i32).collect();
+                &all
+            }
+        };
+        // Logits rows of real tokens, as rows of the real-token batch.
+        let real_rows: Vec<i32> = rows
+            .iter()
+            .filter_map(|&r| real.row_of[r as usize].map(|c| c as i32))
+            .collect();
+        let logits = if real.tokens.is_empty() {
+            vec![]
+        } else {
+            self.forward_real(w, &real, &real_rows)
+        };
+        // Scatter: padding rows are zeros.
+        let v = self.cfg.vocab_size;
+        let mut next = logits.chunks_exact(v);
+        for (k, &r) in rows.iter().enumerate() {
+            let src = match real.row_of[r as usize] {
+                Some(_) => next.next(),
+                None => None,
+            };
+            match &mut b.logits {
+                LogitsOut::F32(out) => {
+                    let dst = &mut out[k * v..(k + 1) * v];
+                    match src {
+                        Some(src) => dst.copy_from_slice(src),
+                        None => dst.fill(0.0),
+                    }
+                }
+                LogitsOut::Bf16(out) => {
+                    let dst = &mut out[k * v..(k + 1) * v];
+                    match src {
+                        Some(src) => dst
+                            .iter_mut()
+                            .zip(src)
+                            .for_each(|(o, x)| *o = half::bf16::from_f32(*x).to_bits()),
+                        None => dst.fill(0),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The model over the batch's real tokens (padding removed): updates their slots and
+    /// returns the f32 logits of `rows` (rows of the real-token batch).
+    fn forward_real(&mut self, w: &WeightStore, b: &RealTokens, rows: &[i32]) -> Vec<f32> {
+        let seqs = &b.seqs;
+        for s in seqs {
             if s.first_pos == 0 {
                 self.slots[s.slot].reset();
             }
@@ -109,13 +164,13 @@ impl CpuBackend {
         let cfg = &self.cfg;
         let (n, d) = (cfg.hc_mult, cfg.hidden_size);
         let (th, prec) = (self.threads, self.prec);
-        let t = b.token_ids.len();
+        let t = b.tokens.len();
         let hw = &self.handles;
 
         // Embedding, copied into every residual stream.
         let embed = w.f32(hw.embed);
         let mut x = vec![0.0f32; t * n * d];
-        for (ti, &tok) in b.token_ids.iter().enumerate() {
+        for (ti, &tok) in b.tokens.iter().enumerate() {
             let row = &embed[tok as usize * d..(tok as usize + 1) * d];
             (0..n).for_each(|s| x[(ti * n + s) * d..(ti * n + s + 1) * d].copy_from_slice(row));
         }
@@ -152,7 +207,7 @@ impl CpuBackend {
                 th,
                 prec,
             };
-            let a = attention::attention(&ctx, &pre.u, b.positions, &seqs, &mut self.slots);
+            let a = attention::attention(&ctx, &pre.u, &b.positions, seqs, &mut self.slots);
             mhc::hc_post(&mut x, &a, &pre, n, d);
             prec.bf16(&mut x);
 
@@ -169,23 +224,15 @@ impl CpuBackend {
             prec.bf16(&mut pre.u);
             rms_norm(&mut pre.u, d, Some(w.f32(lw.ffn_norm)), cfg.rms_norm_eps);
             prec.bf16(&mut pre.u);
-            let f = moe::moe(cfg, w, lw, th, prec, &pre.u, b.token_ids);
+            let f = moe::moe(cfg, w, lw, th, prec, &pre.u, &b.tokens);
             mhc::hc_post(&mut x, &f, &pre, n, d);
             prec.bf16(&mut x);
         }
-        for s in &seqs {
+        for s in seqs {
             self.slots[s.slot].len = s.first_pos + s.len;
         }
 
         // Head collapse, final norm, logits for the requested rows.
-        let all: Vec<i32>;
-        let rows = match b.logits_rows {
-            Some(r) => r,
-            None => {
-                all = (0..t as i32).collect();
-                &all
-            }
-        };
         let mut xr = Vec::with_capacity(rows.len() * n * d);
         rows.iter()
             .for_each(|&r| xr.extend_from_slice(&x[r as usize * n * d..(r as usize + 1) * n * d]));
@@ -201,15 +248,41 @@ impl CpuBackend {
         prec.bf16(&mut y);
         rms_norm(&mut y, d, Some(w.f32(hw.norm)), cfg.rms_norm_eps);
         prec.bf16(&mut y);
-        match &mut b.logits {
-            LogitsOut::F32(out) => ops::matmul(th, &y, d, w.f32(hw.head), out),
-            LogitsOut::Bf16(out) => {
-                let logits = ops::linear(th, &y, d, w.f32(hw.head));
-                out.iter_mut()
-                    .zip(&logits)
-                    .for_each(|(o, v)| *o = half::bf16::from_f32(*v).to_bits());
+        ops::linear(th, &y, d, w.f32(hw.head))
+    }
+}
+
+/// The real (non-padding) tokens of a batch, in batch order, as a batch of their own: every op
+/// of the model is per token or per sequence, so their results equal the unpadded batch's.
+struct RealTokens {
+    tokens: Vec<i32>,
+    positions: Vec<i32>,
+    /// The real sequences, token ranges in this batch.
+    seqs: Vec<SeqRange>,
+    /// For each row of the original batch, its row here (None: padding).
+    row_of: Vec<Option<usize>>,
+}
+
+impl RealTokens {
+    fn new(seqs: &[SeqRange], b: &Batch) -> RealTokens {
+        let mut r = RealTokens {
+            tokens: vec![],
+            positions: vec![],
+            seqs: vec![],
+            row_of: vec![None; b.token_ids.len()],
+        };
+        for s in seqs.iter().filter(|s| !s.pad) {
+            let start = r.tokens.len();
+            for i in s.token_start..s.token_start + s.len {
+                r.row_of[i] = Some(r.tokens.len());
+                r.tokens.push(b.token_ids[i]);
+                r.positions.push(b.positions[i]);
             }
+            r.seqs.push(SeqRange {
+                token_start: start,
+                ..*s
+            });
         }
-        Ok(())
+        r
     }
 }

@@ -132,6 +132,27 @@ int main(int argc, char **argv) {
     EXPECT(moved && !engine, "move");
     EXPECT(moved.release_slot(1) == DSV4_STATUS_OK, "release_slot");
 
+    // Padding: a DSV4_PAD_SLOT sequence next to a real one gives zero logits rows.
+    dsv4::HostBatch padded;
+    padded.all_rows = false;
+    padded.add_sequence(DSV4_PAD_SLOT, 12345, {7, 8});
+    padded.add_sequence(0, 0, {9});
+    EXPECT(moved.forward(padded) == DSV4_STATUS_OK, "forward with padding");
+    // Rows: the padding sequence's last token, then the real one's.
+    bool zeros = true, real_nonzero = false;
+    for (int32_t k = 0; k < info.vocab_size; ++k) {
+        zeros = zeros && padded.logits[static_cast<std::size_t>(k)] == 0.0f;
+        const float r = padded.logits[static_cast<std::size_t>(info.vocab_size + k)];
+        real_nonzero = real_nonzero || (std::isfinite(r) && r != 0.0f);
+    }
+    EXPECT(zeros, "padding rows are zeros");
+    EXPECT(real_nonzero, "the real row has logits");
+
+    // The CPU backend reports a bad batch from forward: its device record stays empty.
+    dsv4_batch_fault fault{};
+    fault.status = -1;
+    EXPECT(moved.device_error(fault) == DSV4_STATUS_OK && fault.status == 0, "device_error on the CPU");
+
     if (failures != 0) {
         std::fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;

@@ -40,10 +40,13 @@ from ._errors import (
     TensorError,
     UnsupportedError,
 )
-from .engine import Engine
+from ._lib import PAD_SLOT
+from .engine import BatchFault, Engine
 
 __all__ = [
     "Engine",
+    "BatchFault",
+    "PAD_SLOT",
     "Error",
     "InvalidArgumentError",
     "NullPointerError",

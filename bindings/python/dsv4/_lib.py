@@ -35,6 +35,9 @@ ABI_MINOR = 0
 # for tensor entries on the CUDA backend, the buffer ranges at the end of dsv4_info, and
 # derived tensors in the weight listing.
 ABI_MINOR_STORED_FORMATS = 1
+# Minor 2 added: DSV4_PAD_SLOT padding sequences, the device error record (dsv4_device_error,
+# dsv4_info.device_error).
+ABI_MINOR_DEVICE_ERROR = 2
 
 MAX_DIMS = 8
 
@@ -61,6 +64,12 @@ STORED_DTYPES = {
 }
 MEMORY_HOST, MEMORY_DEVICE = 0, 1
 LOGITS_F32, LOGITS_BF16 = 0, 1
+# seq_slots value of a padding sequence (reads and writes no state; its logits rows are zeros).
+PAD_SLOT = -1
+# dsv4_batch_fault.field / .rule codes.
+FIELD_NAMES = {1: "token_ids", 2: "positions", 3: "seq_slots", 4: "query_start", 5: "logits_rows"}
+RULE_NAMES = {1: "range", 2: "duplicate", 3: "not_increasing", 4: "endpoint",
+              5: "not_consecutive", 6: "not_continuing"}
 PHASES = {0: "created", 1: "loaded", 2: "ready", 3: "refitting"}
 LOG_LEVELS = {"error": 0, "warn": 1, "info": 2, "debug": 3}
 
@@ -139,6 +148,8 @@ class Info(Structure):
         ("state_nbytes", c_uint64),
         ("workspace_base", c_void_p),
         ("workspace_nbytes", c_uint64),
+        # ABI minor 2: device address of the error record (CUDA; NULL on the CPU).
+        ("device_error", c_void_p),
     ]
 
 
@@ -147,6 +158,23 @@ INFO_FIELDS_MINOR1 = (
     "weights_base", "weights_nbytes", "derived_base", "derived_nbytes",
     "state_base", "state_nbytes", "workspace_base", "workspace_nbytes",
 )
+# Fields of Info that a library older than ABI minor 2 does not write.
+INFO_FIELDS_MINOR2 = ("device_error",)
+
+
+class BatchFault(Structure):
+    """dsv4_batch_fault: the first fault of a bad batch on a CUDA engine."""
+
+    _fields_ = [
+        ("status", c_int32),
+        ("field", c_int32),
+        ("index", c_int32),
+        ("value", c_int32),
+        ("rule", c_int32),
+        ("expected", c_int32),
+        ("seq", c_int32),
+        ("slot", c_int32),
+    ]
 
 
 class WeightDesc(Structure):
@@ -190,6 +218,8 @@ _PROTOTYPES = {
     "dsv4_refit_end": (_status, [_engine_p, c_void_p]),
     "dsv4_release_slot": (_status, [_engine_p, c_int32]),
     "dsv4_get_info": (_status, [_engine_p, POINTER(Info)]),
+    # ABI minor 2 (bound only when the library has it).
+    "dsv4_device_error?": (_status, [_engine_p, c_void_p, POINTER(BatchFault)]),
     "dsv4_weight_count": (_status, [_engine_p, POINTER(c_size_t)]),
     "dsv4_weight_info": (_status, [_engine_p, c_size_t, POINTER(WeightDesc)]),
     "dsv4_set_log_callback": (_status, [LOG_CALLBACK, c_void_p, c_int32]),
@@ -239,6 +269,10 @@ def _load() -> ctypes.CDLL:
         raise error_for(5, f"libdsv4.so not found (set DSV4_LIBRARY); tried: {tried}")
     handle = ctypes.CDLL(str(path))
     for name, (restype, argtypes) in _PROTOTYPES.items():
+        if name.endswith("?"):  # added in a later minor: optional
+            name = name[:-1]
+            if not hasattr(handle, name):
+                continue
         fn = getattr(handle, name)
         fn.restype = restype
         fn.argtypes = argtypes

@@ -7,13 +7,14 @@ numpy in, numpy out; torch tensors are accepted too (torch in, torch out) throug
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ctypes
 import threading
 from typing import Iterable, Mapping
 
 import numpy as np
 
-from . import _lib, _torch
+from . import _errors, _lib, _torch
 from ._errors import invalid
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -157,6 +158,27 @@ def _tensor_entry(name, value, dtype, engine_device: int):
     t.data = ptr
     t.memory = memory
     return t, (kept, bname), _torch.is_tensor(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchFault:
+    """The first fault of a bad batch on a CUDA engine (:meth:`Engine.device_error`).
+
+    ``status``: "INVALID_ARGUMENT" or "CAPACITY"; ``field``: the batch array ("token_ids",
+    "positions", "seq_slots", "query_start", "logits_rows"); ``index``/``value``: where and
+    what; ``rule``: "range", "duplicate", "not_increasing", "endpoint", "not_consecutive" or
+    "not_continuing"; ``expected``: the rule's bound or expected value; ``seq``/``slot``: the
+    sequence it belongs to (-1: none); ``message``: the text the CPU backend would raise."""
+
+    status: str
+    field: str
+    index: int
+    value: int
+    rule: str
+    expected: int
+    seq: int
+    slot: int
+    message: str
 
 
 class Engine:
@@ -462,6 +484,39 @@ class Engine:
         yield self
         self.refit_end(stream)
 
+    # -- bad batches on CUDA -------------------------------------------------------------
+
+    def device_error(self, stream=None) -> "BatchFault | None":
+        """Returns and clears the first fault of a bad batch since the last call, or None.
+
+        On a CUDA engine ``forward`` cannot see the batch's device values: a bad one changes
+        no slot, fills its logits with NaN and leaves its first fault in a sticky device
+        record, which this reads after the work on ``stream`` (default: the legacy default
+        stream; pass the forward's stream, e.g. torch's current one) has run. It syncs that
+        stream, so never call it inside a graph capture. Always None on the CPU backend,
+        whose ``forward`` raises for a bad batch."""
+        if _lib.abi_minor() < _lib.ABI_MINOR_DEVICE_ERROR:
+            return None
+        rec = _lib.BatchFault()
+        with self._lock:
+            status = self._lib.dsv4_device_error(self._h(), self._stream(stream), ctypes.byref(rec))
+            message = _lib.last_error()
+        if status == _lib.STATUS_OK:
+            return None
+        if rec.status != status:  # the call itself failed (e.g. a CUDA error)
+            _lib.check(status)
+        return BatchFault(
+            status=_errors.STATUS_NAMES.get(rec.status, str(rec.status)),
+            field=_lib.FIELD_NAMES.get(rec.field, str(rec.field)),
+            index=rec.index,
+            value=rec.value,
+            rule=_lib.RULE_NAMES.get(rec.rule, str(rec.rule)),
+            expected=rec.expected,
+            seq=rec.seq,
+            slot=rec.slot,
+            message=message.split(": ", 1)[-1],
+        )
+
     # -- introspection ------------------------------------------------------------------
 
     def info(self) -> dict:
@@ -472,9 +527,11 @@ class Engine:
         i.struct_size = ctypes.sizeof(_lib.Info)  # an older library writes only its prefix
         self._call(self._lib.dsv4_get_info, ctypes.byref(i))
         absent = _lib.INFO_FIELDS_MINOR1 if _lib.abi_minor() < _lib.ABI_MINOR_STORED_FORMATS else ()
+        if _lib.abi_minor() < _lib.ABI_MINOR_DEVICE_ERROR:
+            absent += _lib.INFO_FIELDS_MINOR2
         d = {name: getattr(i, name) for name, _ in _lib.Info._fields_
              if name != "struct_size" and name not in absent}
-        for name in _lib.INFO_FIELDS_MINOR1:
+        for name in _lib.INFO_FIELDS_MINOR1 + _lib.INFO_FIELDS_MINOR2:
             if name in d and d[name] is None:  # c_void_p reads NULL as None
                 d[name] = 0
         d["phase"] = _lib.PHASES.get(i.phase, str(i.phase))

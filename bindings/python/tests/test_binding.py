@@ -242,3 +242,25 @@ def test_numpy_paths_never_import_torch():
     pkg = str(Path(__file__).resolve().parents[1])
     r = subprocess.run([sys.executable, "-c", code], cwd=pkg, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_padding_slot_gives_zero_rows_and_touches_no_state():
+    """DSV4_PAD_SLOT sequences (any positions) beside real ones: the real rows equal the
+    unpadded batch bit for bit on a twin engine, the padding rows are zeros, and both
+    engines' slots continue identically afterwards."""
+    assert dsv4.PAD_SLOT == -1
+    with dsv4.Engine(load="dummy", **CAPS) as a, dsv4.Engine(load="dummy", **CAPS) as twin:
+        real = [5, 6, 7]
+        pad = [11, 12]
+        got = a.forward(token_ids=pad + real, positions=[2**30, -4, 0, 1, 2],
+                        seq_slots=[dsv4.PAD_SLOT, 0], query_start=[0, 2, 5])
+        want = twin.forward(token_ids=real, positions=[0, 1, 2], seq_slots=[0], query_start=[0, 3])
+        assert (got[:2] == 0).all()
+        assert got[2:].tobytes() == want.tobytes()
+        nxt = run_prompt(a, 0, [9], start=3)
+        assert nxt.tobytes() == run_prompt(twin, 0, [9], start=3).tobytes()
+        # Nothing is recorded on the CPU backend: forward raised or succeeded already.
+        assert a.device_error() is None
+        assert a.info()["device_error"] == 0
+        with pytest.raises(dsv4.InvalidArgumentError, match=r"seq_slots\[0\] = -2"):
+            a.forward(token_ids=[1], positions=[0], seq_slots=[-2], query_start=[0, 1])

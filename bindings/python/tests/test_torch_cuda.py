@@ -417,6 +417,47 @@ def test_cuda_argument_errors_name_the_argument():
         check_same(got, want, "after errors")
 
 
+# -- (f) bad device batches and padding -------------------------------------------------------
+
+
+def test_bad_device_batch_is_recorded_and_changes_nothing():
+    """A bad batch from CUDA tensors: forward returns (it cannot see device values), the logits
+    are NaN, device_error() names the field and index as the CPU engine's error does, the
+    record clears, and the engine then equals a twin that never saw the bad batch."""
+    if _lib.abi_minor() < _lib.ABI_MINOR_DEVICE_ERROR:
+        skip("the library predates the device error record")
+    with cuda_engine() as e, cuda_engine() as twin, cpu_engine() as cpu:
+        vocab = e.vocab_size
+        ok = ([1, 2, 3], [0, 1, 2], [0], [0, 3])
+        for eng in (e, twin):
+            eng.forward(*[dev(a) for a in ok], logits=poisoned(3, vocab))
+        cpu.forward(*ok)
+        bad = ([4, -5], [3, 4], [0], [0, 2])
+        try:
+            cpu.forward(*bad)
+            raise AssertionError("the CPU engine accepted a bad batch")
+        except dsv4.InvalidArgumentError as err:
+            cpu_message = err.message
+        out = poisoned(2, vocab)
+        out.fill_(1.0)
+        e.forward(*[dev(a) for a in bad], logits=out)
+        torch.cuda.synchronize()
+        assert torch.isnan(out).all(), "a bad batch's logits must be NaN"
+        f = e.device_error(stream=torch.cuda.current_stream())
+        assert f is not None and (f.field, f.index, f.value, f.rule) == ("token_ids", 1, -5, "range")
+        assert f.status == "INVALID_ARGUMENT" and f.message == cpu_message.split(": ", 1)[-1]
+        assert e.device_error() is None, "reading clears the record"
+        assert e.info()["device_error"] != 0
+        # Padding next to a real continuation, then both engines agree.
+        got, want = poisoned(3, vocab), poisoned(1, vocab)
+        e.forward(dev([7, 8, 9]), dev([-1, 99, 3]), dev([dsv4.PAD_SLOT, 0]), dev([0, 2, 3]), logits=got)
+        twin.forward(dev([9]), dev([3]), dev([0]), dev([0, 1]), logits=want)
+        torch.cuda.synchronize()
+        assert (got[:2] == 0).all()
+        check_same(got[2:], want, "real row beside padding")
+        assert e.device_error() is None
+
+
 # -- plain-script runner -------------------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 //! family with its `SOURCE` (compiled by the registry at finalize) and typed launch wrappers.
 
 pub mod attention;
+pub mod batch;
 pub mod compressor;
 pub mod indexer;
 pub mod linear;
@@ -36,6 +37,7 @@ pub(crate) fn to_i32(who: &str, what: &str, v: usize) -> Result<i32> {
 
 /// Every model family, in a fixed order.
 pub static MODEL_FAMILIES: &[&KernelSource] = &[
+    &batch::SOURCE,
     &linear::SOURCE,
     &norm_rope::SOURCE,
     &mhc::SOURCE,
