@@ -898,12 +898,19 @@ dsv4_status dsv4_forward(struct dsv4_engine *engine, const struct dsv4_batch *ba
  * backend, DSV4_MEMORY_DEVICE) device memory of the engine's device, read on `stream`
  * after the host's earlier work there. Values are F32/BF16/F16 (quantized on write when
  * the engine stores FP8/FP4), I32/I64 for index tables, or the stored format: F8_E4M3 or
- * FP4_E2M1 codes together with their block-scale entry (`<weight>.scale` /
- * `<weight>_scale_inv`, E8M0 or F32) in the SAME call. ALL entries are validated (name,
- * dtype, shape, finite values when quantizing) before ANY is written, so a bad entry
- * leaves the engine unchanged; then every derived tensor depending on a touched weight is
- * rebuilt (expert tables, layer 0's folded mHC projection, RoPE tables). No device memory
- * is allocated; device-memory entries are staged through host memory.
+ * FP4_E2M1 codes with their block-scale entry (`<weight>.scale` / `<weight>_scale_inv`,
+ * any naming scheme, E8M0 or F32). In DSV4_PHASE_READY the scale must be in the SAME call.
+ * Between dsv4_refit_begin and dsv4_refit_end the two may come in different calls, in
+ * either order (buckets, or checkpoint shards that split a pair): the half that comes first
+ * is validated as far as it can be alone (name, dtype, shape, or the scale's grid against
+ * the weight) and the engine keeps a host copy of it until its partner arrives (the host
+ * may free its buffer when the call returns); the pair is then validated and written as if
+ * sent in one call. Held halves cost host memory until paired.
+ * ALL entries are validated (name, dtype, shape, finite values when quantizing) before ANY
+ * is written, so a bad entry leaves the engine unchanged, held halves included; then every
+ * derived tensor depending on a touched weight is rebuilt (expert tables, layer 0's folded
+ * mHC projection, RoPE tables). No device memory is allocated; device-memory entries are
+ * staged through host memory.
  * Weight addresses do not change, so CUDA graphs captured before a refit replay with the
  * new values. In DSV4_PHASE_READY (derived buffers rebuilt now) or DSV4_PHASE_REFITTING
  * (rebuilt at dsv4_refit_end). `n` = 0 changes nothing.
@@ -911,10 +918,11 @@ dsv4_status dsv4_forward(struct dsv4_engine *engine, const struct dsv4_batch *ba
  *
  * Errors: NULL_POINTER (`engine`, `tensors` with n > 0, `tensors[k].name/data`),
  * INVALID_ARGUMENT (struct_size, a bad dtype/ndim/extent in `tensors[k]`, a weight named
- * twice), UNSUPPORTED (device memory on CPU), CUDA (device data unreadable), STATE (not
- * finalized), TENSOR (unknown name, wrong shape or dtype, a scale without its weight or a
+ * twice or two scales of one weight, counting held halves: both named), UNSUPPORTED (device
+ * memory on CPU), CUDA (device data unreadable), STATE (not finalized), TENSOR (unknown
+ * name, wrong shape or dtype; in DSV4_PHASE_READY also a scale without its weight or a
  * stored-format weight without its scale: entry and weight named). On any of these nothing
- * is written.
+ * is written and nothing is held.
  *
  * # Safety
  * `engine` from dsv4_create; `tensors` NULL (n = 0) or `n` valid entries.
@@ -927,8 +935,9 @@ dsv4_status dsv4_refit(struct dsv4_engine *engine,
 /**
  * Opens a chunked refit (RL weight sync in pieces): after it, any number of dsv4_refit calls
  * (each all-or-nothing) write weights; dsv4_forward and dsv4_finalize are STATE errors until
- * dsv4_refit_end rebuilds the derived buffers once. Moves DSV4_PHASE_READY to
- * DSV4_PHASE_REFITTING. Allocates nothing.
+ * dsv4_refit_end rebuilds the derived buffers once. A stored-format weight and its block
+ * scale may come in different dsv4_refit calls of the refit, in either order (see
+ * dsv4_refit). Moves DSV4_PHASE_READY to DSV4_PHASE_REFITTING. Allocates nothing.
  *
  * Errors: NULL_POINTER (`engine`), STATE (not READY: not finalized, or a refit already open).
  *
@@ -942,7 +951,11 @@ dsv4_status dsv4_refit_begin(struct dsv4_engine *engine);
  * `stream` for the CUDA backend, waiting for it) and returns to DSV4_PHASE_READY. Weight
  * addresses do not change: graphs captured before the refit replay with the new weights.
  *
- * Errors: NULL_POINTER (`engine`), STATE (no refit open), CUDA.
+ * Errors: NULL_POINTER (`engine`), STATE (no refit open), CUDA, TENSOR (a stored-format
+ * weight sent without its scale, or a scale without its weight, is still waiting for its
+ * partner: the message names every such entry). After TENSOR nothing has changed: the
+ * engine stays in DSV4_PHASE_REFITTING with those entries held, so the host can send the
+ * missing halves with dsv4_refit and call dsv4_refit_end again.
  *
  * # Safety
  * `engine` from dsv4_create.

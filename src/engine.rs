@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result, Status};
 use crate::reference::CpuBackend;
+use crate::refit_pairs::PendingPairs;
 use crate::weights;
-use crate::weights::names::{Role, classify};
 use crate::weights::store::WeightStore;
 
 /// `numerics` create option (DESIGN.md §4).
@@ -77,7 +77,8 @@ impl Default for EngineOptions {
 
 /// One named weight update (load_tensor / refit), from host memory. A stored-format weight
 /// (F8_E4M3 / FP4_E2M1 codes) comes with its block-scale tensor as another entry of the same
-/// refit, named as checkpoints name it (`<weight>.scale`, `<weight>_scale_inv`).
+/// refit, named as checkpoints name it (`<weight>.scale`, `<weight>_scale_inv`), or of another
+/// chunk of the same chunked refit.
 pub type TensorUpdate<'a> = crate::weights::HostTensor<'a>;
 
 /// Element type of a derived tensor as dsv4_weight_info reports it.
@@ -210,6 +211,9 @@ pub struct Engine {
     loaded: Vec<bool>,
     backend: Backend,
     phase: Phase,
+    /// Stored-format refit entries waiting for their partner (weight or scale) in a later
+    /// chunk of an open chunked refit; always empty outside one.
+    pending: PendingPairs,
 }
 
 impl Engine {
@@ -238,6 +242,7 @@ impl Engine {
             loaded,
             backend,
             phase: Phase::Created,
+            pending: PendingPairs::default(),
         })
     }
 
@@ -407,6 +412,8 @@ impl Engine {
     }
 
     /// Replaces named weights in place. All entries are validated before any is written.
+    /// Inside a chunked refit a stored-format weight and its scale may come in different
+    /// calls: the first is validated alone and held until the other arrives.
     pub fn refit(&mut self, updates: &[TensorUpdate]) -> Result<()> {
         self.refit_on(updates, std::ptr::null_mut())
     }
@@ -418,39 +425,24 @@ impl Engine {
         stream: *mut std::ffi::c_void,
     ) -> Result<()> {
         self.expect_phase("dsv4_refit", &[Phase::Ready, Phase::Refitting])?;
-        let pairs = pair_scales(updates)?;
         let block = self.quant_block();
-        // Two entries may name one weight through different aliases: compare canonical weights.
-        let mut seen = std::collections::HashMap::new();
-        for &(k, scale) in &pairs {
-            let u = &updates[k];
-            let touched =
-                weights::load::check_update(&self.weights, u, scale.map(|j| &updates[j]), block)
-                    .map_err(|e| e.context(format!("refit entry {k}")))?;
-            for i in touched {
-                if let Some(prev) = seen.insert(i, u.name) {
-                    return Err(Error::new(
-                        Status::InvalidArgument,
-                        format!(
-                            "refit entries `{prev}` and `{}` both write weight `{}`",
-                            u.name,
-                            self.weights.tensor(i).spec.name
-                        ),
-                    ));
-                }
-            }
-        }
+        // Pairs stored-format weights with their scales and validates every entry before
+        // anything is written. Inside a chunked refit a half whose partner has not come yet
+        // is held (a plain refit must be complete).
+        let chunked = self.phase == Phase::Refitting;
+        let (writes, held_change) = self.pending.plan(&self.weights, updates, block, chunked)?;
         // Every entry is valid: write them, then refresh the backend's copies of the touched
         // weights and every derived buffer.
         let mut touched = vec![];
-        for &(k, scale) in &pairs {
+        for w in &writes {
             touched.extend(weights::load::write_update(
                 &mut self.weights,
-                &updates[k],
-                scale.map(|j| &updates[j]),
+                &w.weight,
+                w.scale.as_ref(),
                 block,
             )?);
         }
+        self.pending.commit(held_change);
         // Inside a chunked refit derived buffers are rebuilt once, at dsv4_refit_end.
         let rebuild = self.phase == Phase::Ready;
         match &mut self.backend {
@@ -478,11 +470,17 @@ impl Engine {
     /// all-or-nothing), forward is a STATE error until [`Engine::refit_end`].
     pub fn refit_begin(&mut self) -> Result<()> {
         self.expect_phase("dsv4_refit_begin", &[Phase::Ready])?;
+        debug_assert!(
+            self.pending.is_empty(),
+            "held refit entries outside a refit"
+        );
         self.phase = Phase::Refitting;
         Ok(())
     }
 
     /// Closes a chunked refit: rebuilds every derived buffer once and makes the engine ready.
+    /// While a held stored-format weight or scale still lacks its partner it is a TENSOR
+    /// error naming each of them, and the refit stays open.
     pub fn refit_end(&mut self, stream: *mut std::ffi::c_void) -> Result<()> {
         if self.phase != Phase::Refitting {
             return Err(Error::new(
@@ -492,6 +490,12 @@ impl Engine {
                     self.phase.name()
                 ),
             ));
+        }
+        // A held weight without its scale (or a scale without its weight) has not been
+        // written: closing now would run a half-refit model. The refit stays open so that
+        // the host can send the missing entries and close again.
+        if let Some(e) = self.pending.unpaired_error() {
+            return Err(e);
         }
         match &mut self.backend {
             Backend::Cpu(b) => b.finalize(&self.weights)?,
@@ -631,57 +635,4 @@ fn validate_options(cfg: &ModelConfig, o: &EngineOptions) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-/// Pairs each refit entry with its block-scale entry: `(entry, Some(scale entry))` for a
-/// weight whose scale was sent (by any naming scheme), `(entry, None)` otherwise. A scale
-/// entry without its weight in the same call, or two scales of one weight, is an error.
-fn pair_scales(updates: &[TensorUpdate]) -> Result<Vec<(usize, Option<usize>)>> {
-    let mut scales = std::collections::BTreeMap::new();
-    let mut weights = std::collections::BTreeMap::new();
-    for (k, u) in updates.iter().enumerate() {
-        match classify(u.name) {
-            Some(Role::Scale(t)) => {
-                if let Some(prev) = scales.insert(t.clone(), k) {
-                    return Err(Error::new(
-                        Status::InvalidArgument,
-                        format!(
-                            "refit entries `{}` and `{}` are both the scale of `{}`",
-                            updates[prev].name,
-                            u.name,
-                            t.describe()
-                        ),
-                    ));
-                }
-            }
-            Some(Role::Weight(t)) => {
-                weights.insert(t, k);
-            }
-            _ => {}
-        }
-    }
-    for (t, &k) in &scales {
-        if !weights.contains_key(t) {
-            return Err(Error::new(
-                Status::Tensor,
-                format!(
-                    "refit entry {k} `{}` is the scale of `{}`, which this refit call does not contain (send a quantized weight and its scale together)",
-                    updates[k].name,
-                    t.describe()
-                ),
-            ));
-        }
-    }
-    Ok(updates
-        .iter()
-        .enumerate()
-        .filter(|(_, u)| !matches!(classify(u.name), Some(Role::Scale(_))))
-        .map(|(k, u)| {
-            let scale = match classify(u.name) {
-                Some(Role::Weight(t)) => scales.get(&t).copied(),
-                _ => None,
-            };
-            (k, scale)
-        })
-        .collect())
 }

@@ -11,6 +11,7 @@ pub mod ffi;
 pub mod log;
 pub mod model;
 pub mod reference;
+mod refit_pairs;
 pub mod state;
 pub mod weights;
 

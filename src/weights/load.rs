@@ -58,12 +58,85 @@ pub fn check_update(
     block: [usize; 2],
 ) -> Result<Vec<usize>> {
     let packed = packed_shape(u);
-    let Some(job) = plan_update(store, u, &packed, scale, block)? else {
+    let Some(job) = plan_update(store, u, &packed, HostScale::of(scale), block)? else {
         return Ok(Vec::new());
     };
     let dsts = job.dsts();
     check_quantizable(store, std::slice::from_ref(&job))?;
     Ok(dsts)
+}
+
+/// Validates a stored-format weight (F8_E4M3 / FP4_E2M1 codes) whose block scale will come
+/// later (a chunked refit holds it meanwhile) as far as it can be checked alone: name, dtype,
+/// byte count and stored shape. Returns the canonical weights it will write; [`check_update`]
+/// with the scale does the rest when the scale arrives.
+pub fn check_weight_awaiting_scale(
+    store: &WeightStore,
+    u: &HostTensor,
+    block: [usize; 2],
+) -> Result<Vec<usize>> {
+    if !matches!(u.dtype, HostDtype::F8E4M3 | HostDtype::Fp4E2M1) {
+        crate::bail!(
+            Internal,
+            "update `{}` ({}) is not in a stored format that waits for a scale",
+            u.name,
+            u.dtype.name()
+        );
+    }
+    let packed = packed_shape(u);
+    Ok(plan_update(store, u, &packed, HostScale::Later, block)?
+        .map(|job| job.dsts())
+        .unwrap_or_default())
+}
+
+/// Validates a block-scale entry whose weight will come later (a chunked refit holds it
+/// meanwhile) as far as it can be checked alone: it names the scale of a float matrix of this
+/// model, has a scale dtype (E8M0 / F32) and the bytes of its shape, and its shape is the scale
+/// grid of that weight for FP8 codes (`block` blocks) or for FP4 codes (1x32 blocks); which one
+/// is checked when the weight arrives.
+pub fn check_scale_awaiting_weight(
+    store: &WeightStore,
+    s: &HostTensor,
+    block: [usize; 2],
+) -> Result<()> {
+    let who = format!("update `{}`", s.name);
+    let Some(Role::Scale(target)) = classify(s.name) else {
+        crate::bail!(Internal, "{who} is not a block-scale name");
+    };
+    let canon = target.describe();
+    let r = resolve(store, &target).ok_or_else(|| {
+        Error::new(
+            Status::Tensor,
+            format!("{who} is the scale of `{canon}`, which this model does not have"),
+        )
+    })?;
+    host_scale(s, &canon)?;
+    if r.kind != ElemKind::Float || r.shape.len() < 2 {
+        crate::bail!(
+            Tensor,
+            "{who} is a block scale, but `{canon}` (shape {:?}) is not a matrix that can be stored quantised",
+            r.shape
+        );
+    }
+    let fp8 = scale_grid(Encoding::Fp8(block), &r.shape);
+    let fp4 = scale_grid(Encoding::Fp4, &r.shape);
+    // Packed FP4 needs an even column count: no FP4 grid otherwise.
+    let fp4_ok = cols_of(&r.shape).is_multiple_of(2);
+    if s.shape != fp8.as_slice() && !(fp4_ok && s.shape == fp4.as_slice()) {
+        let [bo, bi] = block;
+        crate::bail!(
+            Tensor,
+            "{who}: shape {:?} is not a scale grid of `{canon}` {:?}: expected {fp8:?} for F8_E4M3 codes ({bo}x{bi} blocks){}",
+            s.shape,
+            r.shape,
+            if fp4_ok {
+                format!(" or {fp4:?} for FP4_E2M1 codes (1x{FP4_BLOCK} blocks)")
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok(())
 }
 
 /// Validates and writes one host update in place (as [`check_update`]); returns the
@@ -75,7 +148,7 @@ pub fn write_update(
     block: [usize; 2],
 ) -> Result<Vec<usize>> {
     let packed = packed_shape(u);
-    let Some(job) = plan_update(store, u, &packed, scale, block)? else {
+    let Some(job) = plan_update(store, u, &packed, HostScale::of(scale), block)? else {
         return Ok(Vec::new());
     };
     let dsts = job.dsts();
@@ -259,6 +332,37 @@ struct Stored<'a, 's> {
     data: &'a [u8],
 }
 
+/// The block scale offered with a weight to [`validate_source`].
+enum ScaleSrc<'a, 's> {
+    /// No scale: a stored-format weight is an error.
+    Missing,
+    /// The scale tensor, with its description for messages.
+    Given(Stored<'a, 's>, String),
+    /// Not given yet: a chunked refit holds the weight until its scale arrives. The weight is
+    /// validated alone; the [`Source`] built has no scale and must never be executed.
+    Later,
+}
+
+/// Shape of the block-scale grid of a quantised source with logical shape `logical`: FP8
+/// `[.., ceil(rows / bo), ceil(cols / bi)]`, FP4 `[.., rows, ceil(cols / 32)]`.
+fn scale_grid(enc: Encoding, logical: &[usize]) -> Vec<usize> {
+    let cols = cols_of(logical);
+    match enc {
+        Encoding::Fp8([bo, bi]) => {
+            let k = logical.len().saturating_sub(2);
+            let mat_rows = logical.get(k).copied().unwrap_or(1);
+            let mut s = logical[..k].to_vec();
+            s.extend([mat_rows.div_ceil(bo), cols.div_ceil(bi)]);
+            s
+        }
+        _ => {
+            let mut s = logical[..logical.len().saturating_sub(1)].to_vec();
+            s.push(cols.div_ceil(FP4_BLOCK));
+            s
+        }
+    }
+}
+
 /// Builds a validated [`Source`] for a weight whose logical shape is `logical`.
 /// `who` describes the tensor for messages ("tensor `X` in file `F`"), the scale comes with
 /// its own description.
@@ -268,7 +372,7 @@ fn validate_source<'a>(
     kind: ElemKind,
     logical: &[usize],
     w: Stored<'a, '_>,
-    scale: Option<(Stored<'a, '_>, String)>,
+    scale: ScaleSrc<'a, '_>,
     block: [usize; 2],
 ) -> Result<Source<'a>> {
     let tensor_err = |msg: String| Error::new(Status::Tensor, format!("{who}: {msg}"));
@@ -277,12 +381,12 @@ fn validate_source<'a>(
             "{what}shape {got:?} does not match {want:?} expected for `{canon}`"
         ))
     };
-    let no_scale = |scale: &Option<(Stored, String)>| match scale {
-        Some((_, sname)) => Err(tensor_err(format!(
+    let no_scale = |scale: &ScaleSrc| match scale {
+        ScaleSrc::Given(_, sname) => Err(tensor_err(format!(
             "scale tensor {sname} accompanies it, but it is not stored quantised (dtype {}); only F8_E4M3 and packed FP4 (I8/U8) weights take a scale",
             w.dtype
         ))),
-        None => Ok(()),
+        ScaleSrc::Missing | ScaleSrc::Later => Ok(()),
     };
     let (mat_rows, cols) = (
         logical.len().checked_sub(2).map_or(1, |k| logical[k]),
@@ -323,31 +427,23 @@ fn validate_source<'a>(
         });
     }
 
-    let (enc, stored_shape, scale_shape) = match w.dtype {
+    let (enc, stored_shape) = match w.dtype {
         Dtype::F8_E4M3 | Dtype::I8 | Dtype::U8 if logical.len() < 2 => {
             return Err(tensor_err(format!(
                 "dtype {} (quantised) is only accepted for matrices, but `{canon}` has shape {logical:?}",
                 w.dtype
             )));
         }
-        Dtype::F8_E4M3 => {
-            let [bo, bi] = block;
-            let mut s = logical[..logical.len() - 2].to_vec();
-            s.extend([mat_rows.div_ceil(bo), cols.div_ceil(bi)]);
-            (Encoding::Fp8(block), logical.to_vec(), s)
-        }
+        Dtype::F8_E4M3 => (Encoding::Fp8(block), logical.to_vec()),
         Dtype::I8 | Dtype::U8 => {
             if cols % 2 != 0 {
                 return Err(tensor_err(format!(
                     "packed FP4 needs an even column count, but `{canon}` has {cols} columns (shape {logical:?})"
                 )));
             }
-            let lead = &logical[..logical.len() - 1];
-            let mut packed = lead.to_vec();
+            let mut packed = logical[..logical.len() - 1].to_vec();
             packed.push(cols / 2);
-            let mut s = lead.to_vec();
-            s.push(cols.div_ceil(FP4_BLOCK));
-            (Encoding::Fp4, packed, s)
+            (Encoding::Fp4, packed)
         }
         other => {
             return Err(tensor_err(format!(
@@ -363,12 +459,25 @@ fn validate_source<'a>(
         };
         return Err(shape_err(w.shape, &stored_shape, what));
     }
-    let Some((s, sname)) = scale else {
-        return Err(tensor_err(format!(
-            "stored quantised ({}) but no scale tensor accompanies it (expected `<name>.scale` or `<name>.weight_scale_inv`)",
-            w.dtype
-        )));
+    let (s, sname) = match scale {
+        ScaleSrc::Given(s, sname) => (s, sname),
+        ScaleSrc::Missing => {
+            return Err(tensor_err(format!(
+                "stored quantised ({}) but no scale tensor accompanies it (expected `<name>.scale` or `<name>.weight_scale_inv`)",
+                w.dtype
+            )));
+        }
+        ScaleSrc::Later => {
+            return Ok(Source {
+                enc,
+                data: w.data,
+                scale: None,
+                mat_rows,
+                cols,
+            });
+        }
     };
+    let scale_shape = scale_grid(enc, logical);
     let sdt = ScaleDtype::from_dtype(s.dtype).ok_or_else(|| {
         tensor_err(format!(
             "its scale {sname} has dtype {}; expected F8_E8M0 or F32",
@@ -469,16 +578,17 @@ fn plan_checkpoint<'a>(
                 format!("unknown tensor `{}` in file `{}`: this model has no weight `{canon}` (check config.json)", t.name, file(t)),
             )
         })?;
-        let scale = scales.get(target).map(|s| {
-            (
+        let scale = match scales.get(target) {
+            Some(s) => ScaleSrc::Given(
                 Stored {
                     dtype: s.dtype,
                     shape: &s.shape,
                     data: ck.data(s),
                 },
                 format!("`{}` in file `{}`", s.name, file(s)),
-            )
-        });
+            ),
+            None => ScaleSrc::Missing,
+        };
         let stored = Stored {
             dtype: t.dtype,
             shape: &t.shape,
@@ -533,11 +643,53 @@ fn plan_checkpoint<'a>(
     Ok(jobs)
 }
 
+/// The block scale of a host update, as [`ScaleSrc`] for host tensors.
+enum HostScale<'s, 'a> {
+    Missing,
+    Given(&'s HostTensor<'a>),
+    Later,
+}
+
+impl<'s, 'a> HostScale<'s, 'a> {
+    fn of(scale: Option<&'s HostTensor<'a>>) -> Self {
+        scale.map_or(HostScale::Missing, HostScale::Given)
+    }
+}
+
+/// A host scale entry's dtype and byte count, checked, as a [`Stored`] tensor.
+fn host_scale<'a, 's>(s: &'s HostTensor<'a>, canon: &str) -> Result<Stored<'a, 's>> {
+    let dtype = match s.dtype {
+        HostDtype::E8M0 => Dtype::F8_E8M0,
+        HostDtype::F32 => Dtype::F32,
+        other => crate::bail!(
+            Tensor,
+            "update `{}` (scale of `{canon}`): dtype {} is not a block-scale dtype (use E8M0 or F32)",
+            s.name,
+            other.name()
+        ),
+    };
+    if s.dtype.nbytes(s.shape) != Some(s.data.len()) {
+        crate::bail!(
+            InvalidArgument,
+            "update `{}`: {} data bytes do not match shape {:?} of {}",
+            s.name,
+            s.data.len(),
+            s.shape,
+            s.dtype.name()
+        );
+    }
+    Ok(Stored {
+        dtype,
+        shape: s.shape,
+        data: s.data,
+    })
+}
+
 fn plan_update<'a>(
     store: &WeightStore,
     u: &HostTensor<'a>,
     packed: &[usize],
-    scale: Option<&HostTensor<'a>>,
+    scale: HostScale<'_, 'a>,
     block: [usize; 2],
 ) -> Result<Option<Job<'a>>> {
     let (name, dtype, shape, data) = (u.name, u.dtype, u.shape, u.data);
@@ -618,37 +770,9 @@ fn plan_update<'a>(
         data,
     };
     let scale = match scale {
-        None => None,
-        Some(s) => {
-            let sdt = match s.dtype {
-                HostDtype::E8M0 => Dtype::F8_E8M0,
-                HostDtype::F32 => Dtype::F32,
-                other => crate::bail!(
-                    Tensor,
-                    "update `{}` (scale of `{canon}`): dtype {} is not a block-scale dtype (use E8M0 or F32)",
-                    s.name,
-                    other.name()
-                ),
-            };
-            if s.dtype.nbytes(s.shape) != Some(s.data.len()) {
-                crate::bail!(
-                    InvalidArgument,
-                    "update `{}`: {} data bytes do not match shape {:?} of {}",
-                    s.name,
-                    s.data.len(),
-                    s.shape,
-                    s.dtype.name()
-                );
-            }
-            Some((
-                Stored {
-                    dtype: sdt,
-                    shape: s.shape,
-                    data: s.data,
-                },
-                format!("`{}`", s.name),
-            ))
-        }
+        HostScale::Missing => ScaleSrc::Missing,
+        HostScale::Later => ScaleSrc::Later,
+        HostScale::Given(s) => ScaleSrc::Given(host_scale(s, &canon)?, format!("`{}`", s.name)),
     };
     let src = validate_source(&who, &canon, r.kind, &r.shape, stored, scale, block)?;
     if let Some(bound) = r.index_bound {

@@ -435,7 +435,8 @@ class Engine:
         (float values rounded to nearest even, or uint16 bit patterns); "fp8_e4m3", "e8m0"
         (uint8 codes / scale bytes) and "fp4_e2m1" (packed uint8/int8 [..., cols/2], sent
         with the logical shape [..., cols]). FP8/FP4/E8M0 need ABI minor >= 1; a quantized
-        weight's block scale is its own entry (e.g. ``layers.0.attn.wq_a.scale``, E8M0 or F32).
+        weight's block scale is its own entry (e.g. ``layers.0.attn.wq_a.scale``, E8M0 or F32),
+        in the same call, or inside :meth:`refitting` in any call of it (see there).
 
         torch tensors: CPU ones are host memory (made contiguous / converted on the host if
         needed); CUDA ones are device memory, read in place, so they must be contiguous, on
@@ -479,7 +480,14 @@ class Engine:
     @contextlib.contextmanager
     def refitting(self, stream=None):
         """``with engine.refitting(): engine.refit(...); ...`` — begin, chunks, end.
-        ``stream`` is refit_end's."""
+        ``stream`` is refit_end's.
+
+        Inside, a quantized weight (fp8_e4m3 / fp4_e2m1 codes) and its block scale may come
+        in different refit calls, in either order (e.g. one checkpoint shard per call): the
+        first is checked alone and kept (a host copy) until the other arrives. If one still
+        lacks its partner at the end, refit_end raises TensorError naming every such entry
+        and the engine stays refitting: send the missing entries, then call
+        :meth:`refit_end` again."""
         self.refit_begin()
         yield self
         self.refit_end(stream)
