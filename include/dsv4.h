@@ -404,9 +404,10 @@ typedef struct dsv4_tensor {
 
 /**
  * One forward step: `num_seqs` sequences with `num_tokens` tokens in all, each sequence's
- * tokens consecutive in the arrays. Initialize with `dsv4_batch_default()`. All arrays
- * are borrowed for the call only; on the CUDA backend they are device pointers (fixed
- * buffers a captured graph can replay), on the CPU backend host pointers.
+ * tokens consecutive in the arrays. Initialize with `dsv4_batch_default()`. On the CPU
+ * backend the arrays are host pointers, borrowed for the call only. On the CUDA backend
+ * they are device pointers (fixed buffers a captured graph can replay), read, and `logits`
+ * written, when the stream reaches the forward: keep them valid until then (dsv4_forward).
  */
 typedef struct dsv4_batch {
     /**
@@ -426,11 +427,13 @@ typedef struct dsv4_batch {
      */
     const int32_t *token_ids;
     /**
-     * [num_tokens] absolute position of each token in its sequence (< max_seq_len).
+     * [num_tokens] absolute position of each token in its sequence (< max_seq_len; any
+     * value in a padding sequence).
      */
     const int32_t *positions;
     /**
-     * [num_seqs] slot of each sequence, distinct, in [0, max_num_seqs).
+     * [num_seqs] slot of each sequence, distinct, in [0, max_num_seqs), or DSV4_PAD_SLOT
+     * for a padding sequence (any number of them).
      */
     const int32_t *seq_slots;
     /**
@@ -964,9 +967,15 @@ dsv4_status dsv4_refit_end(struct dsv4_engine *engine, void *stream);
 
 /**
  * Forgets the state of sequence slot `slot` (in [0, max_num_seqs)); its next sequence must
- * start at position 0. Allowed in every phase.
+ * start at position 0 (a batch continuing it is bad). Allowed in every phase.
  *
- * Errors: NULL_POINTER (`engine`), INVALID_ARGUMENT (slot out of range; nothing changes).
+ * CUDA backend: it first waits for all work queued on the engine's device (forwards on any
+ * stream may still read the slot), then clears the slot's length on the device; it blocks
+ * the host until done, so it must not be called inside a graph capture. (A sequence that
+ * simply starts again at position 0 needs no release.)
+ *
+ * Errors: NULL_POINTER (`engine`), INVALID_ARGUMENT (slot out of range; nothing changes),
+ * CUDA.
  *
  * # Safety
  * `engine` from dsv4_create.

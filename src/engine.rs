@@ -597,9 +597,9 @@ impl Engine {
         }
         match &mut self.backend {
             Backend::Cpu(b) => b.release_slot(slot as usize),
-            // On the device a sequence starting at position 0 resets its slot's state inside
-            // forward, so releasing needs no device work (and no stream).
-            Backend::Cuda(_) => {}
+            // The device slot length must read 0 too: the batch check refuses to continue a
+            // released slot, as the CPU backend does.
+            Backend::Cuda(b) => b.release_slot(slot as usize)?,
         }
         Ok(())
     }

@@ -568,22 +568,22 @@ fn every_bad_value_is_caught_and_changes_nothing() {
         let graph = (dev >= 0).then(|| p.a.capture(&p.base()));
         let n = cases(&p).len();
         assert!(n >= 30);
+        let modes: &[&str] = if dev >= 0 {
+            &["eager", "graph"]
+        } else {
+            &["eager"]
+        };
         for k in 0..n {
-            // Rebuilt from the current slot lengths (every probe moves them).
-            let (c, bad) = cases(&p).swap_remove(k);
-            let want = p.expected_fault(&bad);
-            assert!(
-                names_case(&want.message, &c),
-                "case `{}`: the rules report `{}`",
-                c.name,
-                want.message
-            );
-            let modes: &[&str] = if dev >= 0 {
-                &["eager", "graph"]
-            } else {
-                &["eager"]
-            };
             for &mode in modes {
+                // Rebuilt from the current slot lengths (every probe moves them).
+                let (c, bad) = cases(&p).swap_remove(k);
+                let want = p.expected_fault(&bad);
+                assert!(
+                    names_case(&want.message, &c),
+                    "case `{}`: the rules report `{}`",
+                    c.name,
+                    want.message
+                );
                 let ctx = format!("device {dev}, case `{}` ({mode})", c.name);
                 if dev < 0 {
                     let (st, _) = p.a.try_forward(&bad);
@@ -671,6 +671,8 @@ fn the_first_fault_is_sticky_until_read() {
         // A good forward leaves the (cleared) record empty.
         p.probe();
         assert_eq!(p.a.device_error().0, DSV4_STATUS_OK);
+        let mut second = p.base();
+        second.slots[1] = 99;
         // The record is readable at its device address too (a host may copy it in a graph).
         ok(p.a.try_forward(&second).0);
         let mut i: dsv4_info = unsafe { std::mem::zeroed() };
@@ -800,6 +802,42 @@ fn padding_gives_the_unpadded_logits_and_touches_no_state() {
         ]);
         let got = p.a.forward(&only);
         assert!(got.iter().all(|&x| x.to_bits() == 0), "device {dev}");
+        p.probe();
+    }
+}
+
+#[test]
+fn a_released_slot_cannot_be_continued() {
+    for dev in devices() {
+        let mut p = Pair::new(dev);
+        unsafe { ok(dsv4_release_slot(p.a.e, 0)) };
+        let cont = Step::of(&[(0, p.lens[0], tokens(5, 1))]);
+        // The rules with slot 0 holding nothing.
+        let mut released = Pair {
+            a: Rig::new(-1),
+            twin: Rig::new(-1),
+            lens: p.lens,
+            round: 0,
+        };
+        released.lens[0] = 0;
+        let want_released = released.expected_fault(&cont);
+        drop(released);
+        assert!(want_released.message.contains("slot 0 holds 0 tokens"));
+        let (st, logits) = p.a.try_forward(&cont);
+        if dev < 0 {
+            assert_eq!(st, want_released.status as i32);
+            assert!(last_error().ends_with(&want_released.message));
+        } else {
+            ok(st);
+            assert!(logits.iter().all(|v| v.is_nan()), "device {dev}");
+            let (st, _, msg) = p.a.device_error();
+            assert_eq!(st, want_released.status as i32);
+            assert!(msg.ends_with(&want_released.message), "device {dev}: {msg}");
+        }
+        // Restarting the released slot works; the twin restarts it too.
+        let restart = Step::of(&[(0, 0, tokens(6, 4))]);
+        p.both(&restart);
+        p.lens[0] = 4;
         p.probe();
     }
 }

@@ -565,9 +565,14 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Frees `slot`: its next sequence must start at position 0. Enqueued on `stream`.
-    pub fn release_slot(&self, slot: usize, stream: BorrowedStream) -> Result<()> {
+    /// Frees `slot`: its next sequence must start at position 0 (a batch continuing it is
+    /// then bad, as on the CPU backend). Waits for all work queued in the engine's context
+    /// (the host's forwards may still use the slot on any stream), then clears its length
+    /// and overlap flags; blocks the host (never inside a capture).
+    pub fn release_slot(&self, slot: usize) -> Result<()> {
         let _g = self.ctx.enter()?;
+        self.ctx.synchronize()?;
+        let stream = BorrowedStream::from_raw(std::ptr::null_mut());
         let len = self.slot_len.slice(slot * 4, 4)?;
         memset_async(len, 0, stream)?;
         for l in &self.layers {
@@ -575,7 +580,7 @@ impl CudaBackend {
                 memset_async(c.has_prev.slice(slot * 4, 4)?, 0, stream)?;
             }
         }
-        Ok(())
+        stream.synchronize()
     }
 
     /// Reads the device error record once all work enqueued on `stream` has run, and clears

@@ -696,9 +696,15 @@ pub unsafe extern "C" fn dsv4_refit_end(
 }
 
 /// Forgets the state of sequence slot `slot` (in [0, max_num_seqs)); its next sequence must
-/// start at position 0. Allowed in every phase.
+/// start at position 0 (a batch continuing it is bad). Allowed in every phase.
 ///
-/// Errors: NULL_POINTER (`engine`), INVALID_ARGUMENT (slot out of range; nothing changes).
+/// CUDA backend: it first waits for all work queued on the engine's device (forwards on any
+/// stream may still read the slot), then clears the slot's length on the device; it blocks
+/// the host until done, so it must not be called inside a graph capture. (A sequence that
+/// simply starts again at position 0 needs no release.)
+///
+/// Errors: NULL_POINTER (`engine`), INVALID_ARGUMENT (slot out of range; nothing changes),
+/// CUDA.
 ///
 /// # Safety
 /// `engine` from dsv4_create.

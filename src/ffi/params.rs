@@ -209,9 +209,10 @@ pub struct dsv4_tensor {
 }
 
 /// One forward step: `num_seqs` sequences with `num_tokens` tokens in all, each sequence's
-/// tokens consecutive in the arrays. Initialize with `dsv4_batch_default()`. All arrays
-/// are borrowed for the call only; on the CUDA backend they are device pointers (fixed
-/// buffers a captured graph can replay), on the CPU backend host pointers.
+/// tokens consecutive in the arrays. Initialize with `dsv4_batch_default()`. On the CPU
+/// backend the arrays are host pointers, borrowed for the call only. On the CUDA backend
+/// they are device pointers (fixed buffers a captured graph can replay), read, and `logits`
+/// written, when the stream reaches the forward: keep them valid until then (dsv4_forward).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct dsv4_batch {
@@ -223,9 +224,11 @@ pub struct dsv4_batch {
     pub num_seqs: i32,
     /// [num_tokens] token ids, each in [0, vocab_size).
     pub token_ids: *const i32,
-    /// [num_tokens] absolute position of each token in its sequence (< max_seq_len).
+    /// [num_tokens] absolute position of each token in its sequence (< max_seq_len; any
+    /// value in a padding sequence).
     pub positions: *const i32,
-    /// [num_seqs] slot of each sequence, distinct, in [0, max_num_seqs).
+    /// [num_seqs] slot of each sequence, distinct, in [0, max_num_seqs), or DSV4_PAD_SLOT
+    /// for a padding sequence (any number of them).
     pub seq_slots: *const i32,
     /// [num_seqs + 1] offsets of each sequence's tokens: 0 = query_start[0] < ... <
     /// query_start[num_seqs] = num_tokens.
