@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of dsv4 on this machine: Rust unit + integration tests (CPU reference
 # vs the transformers fixtures, the C ABI bad-input matrix, header drift, C/C++ programs),
-# then the Python binding tests. GPU-only tests print "skipped: no CUDA device" here.
+# then the Python binding tests and `pip install ./bindings/python` into a fresh venv.
+# GPU-only tests print "skipped: no CUDA device" here.
 #
 # Python: uses $DSV4_PYTHON if set, else a venv at target/pyenv with numpy + pytest
 # (created on first use; needs network access to PyPI once). target/pyenv also holds NVRTC
@@ -48,3 +49,19 @@ if [ -z "$py" ]; then
 fi
 echo "== pytest bindings/python"
 DSV4_LIBRARY="$PWD/target/release/libdsv4.so" "$py" -m pytest -q bindings/python/tests
+
+# The binding as a package, on a fresh venv (target/pkgenv, recreated each run; numpy from
+# PyPI or pip's cache): `pip install ./bindings/python`, then import it from outside the
+# checkout and check it loads the library DSV4_LIBRARY names.
+echo "== pip install ./bindings/python (fresh venv target/pkgenv)"
+python3 -m venv --clear target/pkgenv
+rm -rf bindings/python/build bindings/python/*.egg-info # setuptools' in-tree leftovers
+target/pkgenv/bin/pip install --quiet --disable-pip-version-check ./bindings/python
+rm -rf bindings/python/build bindings/python/*.egg-info
+root=$PWD
+(cd / && DSV4_LIBRARY="$root/target/release/libdsv4.so" "$root/target/pkgenv/bin/python" -c '
+import dsv4, os
+print(dsv4.library_path(), "|", dsv4.version())
+assert dsv4.library_path() == (os.environ["DSV4_LIBRARY"], "DSV4_LIBRARY")
+assert "site-packages" in dsv4.__file__, dsv4.__file__
+')
