@@ -1,8 +1,8 @@
 //! Compiles EVERY kernel family of the registry with NVRTC to a CUBIN for sm_90a (H100/H200),
 //! no GPU needed, and checks the CUBIN cache. Part of the README test command: CI installs
 //! nvidia-cuda-nvrtc==13.0.88 into target/pyenv and points DSV4_CUDA_LIB_DIR at its lib
-//! directory, with LD_LIBRARY_PATH unset (scripts/test.sh), so this also checks that the
-//! library finds NVRTC by itself (src/cuda/libs.rs).
+//! directory instead of putting it on LD_LIBRARY_PATH (scripts/test.sh), so this also checks
+//! that the library finds NVRTC by itself (src/cuda/libs.rs).
 //!
 //! DSV4_DUMP_CUBIN_DIR=<dir> writes each family's CUBIN there (for cuobjdump / nvdisasm).
 //!
@@ -64,8 +64,8 @@ impl Drop for TempDir {
 /// ELF machine number of NVIDIA CUDA objects.
 const EM_CUDA: u16 = 190;
 
-/// With DSV4_CUDA_LIB_DIR set (scripts/test.sh sets it and unsets LD_LIBRARY_PATH), NVRTC
-/// must come from there: the end-to-end check of src/cuda/libs.rs.
+/// With DSV4_CUDA_LIB_DIR set (scripts/test.sh sets it; NVRTC is not on LD_LIBRARY_PATH),
+/// NVRTC must come from there: the end-to-end check of src/cuda/libs.rs.
 #[test]
 fn nvrtc_comes_from_dsv4_cuda_lib_dir_when_set() {
     let Some(dirs) = std::env::var_os(LIB_DIR_ENV).filter(|d| !d.is_empty()) else {
