@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU check: the ONE script the GPU machine runs. It builds nothing: it runs the PREBUILT GPU
-# test binaries (tests/gpu_*.rs) with --nocapture; the Python binding's torch tests
+# test binaries (tests/gpu_*.rs) with --nocapture; the prebuilt `dsv4 demo --device cuda:0`
+# with LD_LIBRARY_PATH UNSET (the library must find libcuda and NVRTC by itself,
+# src/cuda/libs.rs; its output names the backend and where each library came from); the
+# Python binding's torch tests
 # (bindings/python/tests/test_torch_cuda.py, and pytest over bindings/python/tests when the
 # torch interpreter has pytest) against the staged libdsv4.so; then gpu_runtime and the
 # capture / refit tests of gpu_host_contract and every case of gpu_bad_batch under
@@ -13,8 +16,9 @@
 #      bash scripts/gpu-check.sh --stage             # copies the newest gpu_* binaries into
 #                                                    # target/gpu-bin/ (ignored by git), debug
 #                                                    # info stripped (~1.5 MB each), and
-#                                                    # target/release/libdsv4.so (cargo build
-#                                                    # --release) for the Python tests
+#                                                    # target/release/libdsv4.so and dsv4
+#                                                    # (cargo build --release) for the Python
+#                                                    # tests and the demo
 #    --stage looks in $CARGO_TARGET_DIR/release/deps (default target/release/deps); pass
 #    `--stage DIR` to copy elsewhere inside the repository.
 # 2. Carry target/gpu-bin to the GPU machine (with the repository) and run there, from the root:
@@ -23,14 +27,17 @@
 #    ${CARGO_TARGET_DIR:-target}/release/deps (newest per test name; *.d files excluded).
 #
 # NVRTC: the CUDA backend compiles kernels at run time, so libnvrtc.so.13 (and its builtins)
-# must be loadable. The script prepends the first directory that holds it to LD_LIBRARY_PATH:
-# $DSV4_NVRTC_LIB, python3's nvidia/cu13/lib (pip nvidia-cuda-nvrtc, e.g. PyTorch's), then
-# /usr/local/cuda/lib64 and /usr/local/cuda/targets/x86_64-linux/lib.
+# must be loadable. The library searches for it itself ($DSV4_CUDA_LIB_DIR, $CUDA_HOME,
+# /usr/local/cuda, ..., src/cuda/libs.rs); for the test binaries the script also prepends the
+# first directory that holds it to LD_LIBRARY_PATH: $DSV4_NVRTC_LIB, python3's nvidia/cu13/lib
+# (pip nvidia-cuda-nvrtc, e.g. PyTorch's), then /usr/local/cuda/lib64 and
+# /usr/local/cuda/targets/x86_64-linux/lib.
 #
-# Results in $OUT: gpu-check.log (everything, in order), python.log, pytest.log, memcheck.log,
-# memcheck_contract.log, memcheck_bad_batch.log, summary.json
+# Results in $OUT: gpu-check.log (everything, in order), demo.log, python.log, pytest.log,
+# memcheck.log, memcheck_contract.log, memcheck_bad_batch.log, summary.json
 # ({"ok": bool, "tests": [{name, status: pass|fail|skipped|timeout, rc, seconds, result}],
-#  "memcheck": {...}}). Exit status 0 only if every test passed and memcheck found no error.
+#  "demo": {status, rc, libraries}, "memcheck": {...}}). Exit status 0 only if every test and
+# the demo passed and memcheck found no error.
 # DSV4_GPU_TEST_TIMEOUT (seconds, default 480) bounds each binary; DSV4_SKIP_MEMCHECK=1 skips it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,6 +75,13 @@ if [ "${1:-}" = "--stage" ]; then
     echo "staged libdsv4.so ($(du -h "$dest/libdsv4.so" | cut -f1))"
   else
     echo "note: $lib not built (cargo build --release): the Python GPU tests will not run" >&2
+  fi
+  cli="${CARGO_TARGET_DIR:-target}/release/dsv4"
+  if [ -f "$cli" ]; then
+    if command -v strip >/dev/null; then strip --strip-debug -o "$dest/dsv4" "$cli"; else cp -p "$cli" "$dest/"; fi
+    echo "staged dsv4 ($(du -h "$dest/dsv4" | cut -f1))"
+  else
+    echo "note: $cli not built (cargo build --release): the demo will not run" >&2
   fi
   echo "carry: $dest   (then run: bash scripts/gpu-check.sh)"
   exit 0
@@ -140,6 +154,32 @@ for b in $bins; do
   secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
   tests_json+="${tests_json:+,}{\"name\":$(json_str "$name"),\"binary\":$(json_str "$b"),\"status\":\"$status\",\"rc\":$rc,\"seconds\":$secs,\"result\":$(json_str "$result")}"
 done
+
+# --- dsv4 demo on CUDA with LD_LIBRARY_PATH unset: the library finds libcuda and NVRTC itself
+demo_json='{"status":"not run"}'
+demo="$bindir/dsv4"
+[ -x "$demo" ] || demo="${CARGO_TARGET_DIR:-target}/release/dsv4"
+if [ ! -x "$demo" ]; then
+  say "demo: no dsv4 binary staged"
+  demo_json='{"status":"not run: no dsv4 binary"}'
+  ok=false
+else
+  say ""
+  say "== env -u LD_LIBRARY_PATH $demo demo --device cuda:0"
+  env -u LD_LIBRARY_PATH timeout "$timeout_s" "$demo" demo --device cuda:0 >"$OUT/demo.log" 2>&1
+  rc=$?
+  cat "$OUT/demo.log" >>"$LOG"
+  head -n 3 "$OUT/demo.log"
+  libs=$(grep -E '^CUDA libraries:' "$OUT/demo.log" | head -1)
+  say "$libs"
+  # Must have run on CUDA (the demo falls back to the CPU when CUDA is unavailable).
+  if [ $rc -eq 124 ]; then dstatus=timeout
+  elif [ $rc -eq 0 ] && grep -q 'backend: CUDA device 0' "$OUT/demo.log" && [ -n "$libs" ]; then dstatus=pass
+  else dstatus=fail; fi
+  [ "$dstatus" = pass ] || ok=false
+  say "-> demo without LD_LIBRARY_PATH: $dstatus (rc $rc)"
+  demo_json="{\"status\":\"$dstatus\",\"rc\":$rc,\"libraries\":$(json_str "$libs"),\"log\":\"demo.log\"}"
+fi
 
 # --- Python binding with torch (CUDA tensors, torch streams, torch.cuda.CUDAGraph)
 py_json='{"status":"not run"}'
@@ -243,6 +283,7 @@ fi
 cat >"$OUT/summary.json" <<EOF
 {"ok":$ok,"date":"$(date -u +%Y-%m-%dT%H:%M:%SZ)","gpu":$(json_str "$gpu"),"nvrtc_dir":$(json_str "$nvrtc_dir"),"binaries":$(json_str "$bindir"),
  "tests":[${tests_json}],
+ "demo":$demo_json,
  "python":$py_json,
  "memcheck":$mc_json}
 EOF

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Runs every test of dsv4 on this machine: Rust unit + integration tests (CPU reference
 # vs the transformers fixtures, the C ABI bad-input matrix, header drift, C/C++ programs),
-# then the Python binding tests. GPU-only tests print "skipped: no CUDA device" here.
+# then the Python binding tests and `pip install ./bindings/python` into a fresh venv.
+# GPU-only tests print "skipped: no CUDA device" here.
 #
 # Python: uses $DSV4_PYTHON if set, else a venv at target/pyenv with numpy + pytest
 # (created on first use; needs network access to PyPI once). target/pyenv also holds NVRTC
-# (nvidia-cuda-nvrtc==13.0.88) for the kernel compile test, unless DSV4_NVRTC_LIB is set.
+# (nvidia-cuda-nvrtc==13.0.88) for the kernel compile test, unless DSV4_CUDA_LIB_DIR is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,9 +24,11 @@ ensure_pyenv() {
 }
 
 # NVRTC for tests/kernels_compile.rs, which compiles every kernel to sm_90a CUBIN with no GPU:
-# pip's nvidia-cuda-nvrtc in target/pyenv, its lib directory (nvidia/cu13/lib) on
-# LD_LIBRARY_PATH. DSV4_NVRTC_LIB=<dir holding libnvrtc.so.13> uses an existing install.
-nvrtc_lib=${DSV4_NVRTC_LIB:-}
+# pip's nvidia-cuda-nvrtc in target/pyenv, its lib directory (nvidia/cu13/lib) given to the
+# library as DSV4_CUDA_LIB_DIR, NOT on LD_LIBRARY_PATH: the library finds it by itself
+# (src/cuda/libs.rs), and kernels_compile checks that it came from there. DSV4_CUDA_LIB_DIR
+# (or DSV4_NVRTC_LIB) = <dir holding libnvrtc.so.13> uses an existing install.
+nvrtc_lib=${DSV4_CUDA_LIB_DIR:-${DSV4_NVRTC_LIB:-}}
 if [ -z "$nvrtc_lib" ]; then
   ensure_pyenv
   if ! target/pyenv/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("nvidia-cuda-nvrtc") != "13.0.88")' 2>/dev/null; then
@@ -33,8 +36,8 @@ if [ -z "$nvrtc_lib" ]; then
   fi
   nvrtc_lib=$(target/pyenv/bin/python -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
 fi
-export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-echo "== NVRTC: $nvrtc_lib"
+export DSV4_CUDA_LIB_DIR="$nvrtc_lib"
+echo "== NVRTC: DSV4_CUDA_LIB_DIR=$nvrtc_lib"
 
 echo "== cargo test --release"
 cargo test --release --locked --all-targets
@@ -46,3 +49,19 @@ if [ -z "$py" ]; then
 fi
 echo "== pytest bindings/python"
 DSV4_LIBRARY="$PWD/target/release/libdsv4.so" "$py" -m pytest -q bindings/python/tests
+
+# The binding as a package, on a fresh venv (target/pkgenv, recreated each run; numpy from
+# PyPI or pip's cache): `pip install ./bindings/python`, then import it from outside the
+# checkout and check it loads the library DSV4_LIBRARY names.
+echo "== pip install ./bindings/python (fresh venv target/pkgenv)"
+python3 -m venv --clear target/pkgenv
+rm -rf bindings/python/build bindings/python/*.egg-info # setuptools' in-tree leftovers
+target/pkgenv/bin/pip install --quiet --disable-pip-version-check ./bindings/python
+rm -rf bindings/python/build bindings/python/*.egg-info
+root=$PWD
+(cd / && DSV4_LIBRARY="$root/target/release/libdsv4.so" "$root/target/pkgenv/bin/python" -c '
+import dsv4, os
+print(dsv4.library_path(), "|", dsv4.version())
+assert dsv4.library_path() == (os.environ["DSV4_LIBRARY"], "DSV4_LIBRARY")
+assert "site-packages" in dsv4.__file__, dsv4.__file__
+')

@@ -1,14 +1,17 @@
 //! Compiles EVERY kernel family of the registry with NVRTC to a CUBIN for sm_90a (H100/H200),
 //! no GPU needed, and checks the CUBIN cache. Part of the README test command: CI installs
-//! nvidia-cuda-nvrtc==13.0.88 into target/pyenv and puts its lib directory on
-//! LD_LIBRARY_PATH (scripts/test.sh).
+//! nvidia-cuda-nvrtc==13.0.88 into target/pyenv and points DSV4_CUDA_LIB_DIR at its lib
+//! directory instead of putting it on LD_LIBRARY_PATH (scripts/test.sh), so this also checks
+//! that the library finds NVRTC by itself (src/cuda/libs.rs).
 //!
 //! DSV4_DUMP_CUBIN_DIR=<dir> writes each family's CUBIN there (for cuobjdump / nvdisasm).
 //!
-//! Without NVRTC this prints `skipped: NVRTC not found ...` and passes, except when the
-//! environment variable CI is set: there a missing NVRTC is a failure.
+//! Without NVRTC this prints `skipped: NVRTC (libnvrtc.so.13) not found ...` (with every place
+//! searched) and passes, except when the environment variable CI is set: there a missing NVRTC
+//! is a failure.
 
 use dsv4::Status;
+use dsv4::cuda::libs::{CudaLib, LIB_DIR_ENV, loaded};
 use dsv4::cuda::registry::{
     KernelCache, KernelFn, KernelSource, cubin_defines, families, nvrtc_version,
 };
@@ -19,16 +22,19 @@ const ARCH: &str = "sm_90a";
 fn nvrtc_or_skip() -> bool {
     match nvrtc_version() {
         Ok((major, minor)) => {
-            println!("NVRTC {major}.{minor}");
+            let lib = loaded(CudaLib::Nvrtc).expect("loaded by nvrtc_version");
+            println!(
+                "NVRTC {major}.{minor}: {} [{}]",
+                lib.path.display(),
+                lib.source
+            );
             true
         }
         Err(e) => {
             if std::env::var_os("CI").is_some() {
                 panic!("CI is set, so NVRTC must be installed (scripts/test.sh does it): {e}");
             }
-            println!(
-                "skipped: NVRTC not found (install nvidia-cuda-nvrtc==13.0.88 and put nvidia/cu13/lib on LD_LIBRARY_PATH)"
-            );
+            println!("skipped: {e}");
             false
         }
     }
@@ -57,6 +63,30 @@ impl Drop for TempDir {
 
 /// ELF machine number of NVIDIA CUDA objects.
 const EM_CUDA: u16 = 190;
+
+/// With DSV4_CUDA_LIB_DIR set (scripts/test.sh sets it; NVRTC is not on LD_LIBRARY_PATH),
+/// NVRTC must come from there: the end-to-end check of src/cuda/libs.rs.
+#[test]
+fn nvrtc_comes_from_dsv4_cuda_lib_dir_when_set() {
+    let Some(dirs) = std::env::var_os(LIB_DIR_ENV).filter(|d| !d.is_empty()) else {
+        println!("skipped: {LIB_DIR_ENV} not set");
+        return;
+    };
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let lib = loaded(CudaLib::Nvrtc).unwrap();
+    let real = |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let file = real(&lib.path);
+    assert!(
+        std::env::split_paths(&dirs).any(|d| file.starts_with(real(&d))),
+        "NVRTC was loaded from {} [{}], not from {LIB_DIR_ENV}={}",
+        lib.path.display(),
+        lib.source,
+        dirs.to_string_lossy()
+    );
+    assert_eq!(lib.source, LIB_DIR_ENV);
+}
 
 #[test]
 fn every_family_compiles_to_cubin_for_sm_90a() {

@@ -278,6 +278,21 @@ fn demo(a: &Args) -> Result<(), String> {
         "dsv4 demo: embedded tiny DeepSeek-V4 ({} layers, hidden {}, {} experts top-{}, vocab {}), dummy weights, backend: {backend}",
         c.num_layers, c.hidden_size, c.n_routed_experts, c.experts_per_tok, c.vocab_size
     );
+    if e.options().device >= 0 {
+        // Where the CUDA libraries came from (src/cuda/libs.rs), e.g. to check a run with
+        // LD_LIBRARY_PATH unset.
+        use dsv4::cuda::libs::{CudaLib, loaded};
+        let show = |l: CudaLib| {
+            loaded(l).map_or("not loaded".into(), |x| {
+                format!("{} [{}]", x.path.display(), x.source)
+            })
+        };
+        println!(
+            "CUDA libraries: driver {}; NVRTC {}",
+            show(CudaLib::Driver),
+            show(CudaLib::Nvrtc)
+        );
+    }
     let prompts: Vec<Vec<i32>> = [37usize, 20, 53]
         .iter()
         .enumerate()

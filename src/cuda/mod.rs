@@ -5,6 +5,8 @@
 //! - [`stream`]: the host's `CUstream`, borrowed per call, and the typed kernel launch.
 //! - [`arena`]: the ONE device allocation made at create, carved into named regions, plus
 //!   host<->device copies and the pinned staging buffer used by loads.
+//! - [`libs`]: finds and loads libcuda and libnvrtc (no LD_LIBRARY_PATH needed) before
+//!   cudarc touches them.
 //! - [`registry`]: kernels/*.cu compiled with NVRTC to CUBIN for the device's exact arch,
 //!   cached on disk, loaded and resolved at finalize.
 //! - [`smoke`]: the runtime's own tiny kernel family (tests only).
@@ -19,7 +21,7 @@
 //!
 //! cudarc's dynamic loader panics when a library is absent: every entry point that may be
 //! the first to touch libcuda goes through [`device_count`], and NVRTC through
-//! [`registry::nvrtc_version`], which probe the libraries first.
+//! [`registry::nvrtc_version`], which load the libraries first with [`libs::load`].
 
 pub mod arena;
 pub mod backend;
@@ -27,6 +29,7 @@ pub mod context;
 pub mod forward;
 pub mod graph;
 pub mod kernels;
+pub mod libs;
 pub mod registry;
 pub mod smoke;
 pub mod stream;
@@ -44,13 +47,7 @@ use cudarc::driver::result::DriverError;
 /// Number of CUDA devices, or an error saying why there are none usable.
 /// Never panics: cudarc's dynamic loader panics when libcuda is absent, so check first.
 pub fn device_count() -> Result<usize> {
-    // SAFETY: only probes whether the shared library can be opened.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(Error::new(
-            Status::NoDevice,
-            "no CUDA driver library (libcuda.so) found on this machine",
-        ));
-    }
+    libs::load(libs::CudaLib::Driver)?;
     let r = std::panic::catch_unwind(|| -> Result<usize> {
         cudarc::driver::result::init()
             .map_err(|e| Error::new(Status::NoDevice, format!("cuInit failed: {e:?}")))?;

@@ -12,6 +12,7 @@
 //! `&<family>::SOURCE` to `MODEL_FAMILIES` (src/cuda/kernels/mod.rs), which [`families`]
 //! includes. tests/kernels_compile.rs then compiles it in CI.
 
+use super::libs::CudaLib;
 use super::{Context, check};
 use crate::error::{Error, Result, Status};
 use cudarc::driver::sys as cu;
@@ -84,39 +85,36 @@ pub fn nvrtc_options(arch: &str) -> Vec<String> {
     ]
 }
 
-/// NVRTC's (major, minor) version, probing for libnvrtc first (cudarc panics when it is
-/// missing). `Unsupported` with installation advice when it cannot be loaded.
+/// NVRTC's (major, minor) version, loading libnvrtc first ([`super::libs::load`]; cudarc
+/// panics when it is missing). `Unsupported` naming every place searched when it cannot be
+/// loaded.
 pub fn nvrtc_version() -> Result<(i32, i32)> {
-    static V: OnceLock<std::result::Result<(i32, i32), String>> = OnceLock::new();
+    static V: OnceLock<Result<(i32, i32)>> = OnceLock::new();
     V.get_or_init(|| {
-        // SAFETY: only tries to open the shared library.
-        if !unsafe { nv::is_culib_present() } {
-            return Err("NVRTC (libnvrtc.so.13) not found".into());
-        }
+        let lib = super::libs::load(CudaLib::Nvrtc)?;
         std::panic::catch_unwind(|| {
             let (mut major, mut minor) = (0, 0);
             // SAFETY: writes two ints.
             let r = unsafe { nv::nvrtcVersion(&mut major, &mut minor) };
             match r {
                 nv::nvrtcResult::NVRTC_SUCCESS => Ok((major, minor)),
-                e => Err(format!("nvrtcVersion failed: {e:?}")),
+                e => Err(Error::new(
+                    Status::Unsupported,
+                    format!("nvrtcVersion ({}) failed: {e:?}", lib.path.display()),
+                )),
             }
         })
         .unwrap_or_else(|_| {
-            Err("libnvrtc was found but could not be used (missing symbols?)".into())
+            Err(Error::new(
+                Status::Unsupported,
+                format!(
+                    "{} was found but could not be used (missing symbols?)",
+                    lib.path.display()
+                ),
+            ))
         })
     })
     .clone()
-    .map_err(|why| {
-        Error::new(
-            Status::Unsupported,
-            format!(
-                "{why}: the CUDA backend compiles its kernels at finalize with NVRTC; install it \
-                 (pip install nvidia-cuda-nvrtc==13.0.88, or the CUDA 13 toolkit) and put its lib \
-                 directory (site-packages/nvidia/cu13/lib) on LD_LIBRARY_PATH"
-            ),
-        )
-    })
 }
 
 struct Program(nv::nvrtcProgram);
@@ -212,8 +210,8 @@ impl KernelSource {
             return Err(Error::new(
                 Status::Unsupported,
                 format!(
-                    "kernel family `{fam}`: NVRTC could not load libnvrtc-builtins.so.13.0 ({r:?}); put the \
-                     directory holding libnvrtc.so.13 and its builtins on LD_LIBRARY_PATH\n{log}"
+                    "kernel family `{fam}`: NVRTC could not load libnvrtc-builtins.so.13.0 ({r:?}); set \
+                     DSV4_CUDA_LIB_DIR to the directory holding libnvrtc.so.13 and its builtins\n{log}"
                 ),
             ));
         }

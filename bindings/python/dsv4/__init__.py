@@ -17,14 +17,17 @@ and can be captured with ``torch.cuda.graph``; refit/load_tensor take CPU or CUD
     eng.refit_many({"layers.0.attn.wq_a.weight": codes_fp8,   # torch.float8_e4m3fn
                     "layers.0.attn.wq_a.scale": scale_e8m0})  # torch.float8_e8m0fnu
 
-The shared library is found via ``$DSV4_LIBRARY``, else beside this package, else
-``$CARGO_TARGET_DIR/{release,debug}``, else ``<checkout>/target/{release,debug}``.
+Install with ``pip install ./bindings/python`` (or ``pip install -e``). The shared library is
+found via ``$DSV4_LIBRARY``, else inside this package's directory, else
+``$CARGO_TARGET_DIR/{release,debug}``, else ``target/{release,debug}`` of the dsv4 checkout above
+the package; ``dsv4.library_path()`` says which file was loaded and how it was found.
 Errors raise :class:`Error` (one subclass per status) with ``.status`` and ``.message``.
 """
 
 from __future__ import annotations
 
 from . import _lib
+from ._lib import LibraryPath
 from ._errors import (
     CapacityError,
     ConfigError,
@@ -47,6 +50,7 @@ __all__ = [
     "Engine",
     "BatchFault",
     "PAD_SLOT",
+    "LibraryPath",
     "Error",
     "InvalidArgumentError",
     "NullPointerError",
@@ -78,9 +82,13 @@ def version() -> str:
     return _lib.lib().dsv4_version_string().decode()
 
 
-def library_path() -> str:
-    """Path of the loaded shared library."""
-    return _lib.lib().dsv4_path
+def library_path() -> LibraryPath:
+    """The loaded shared library (loading it if needed): ``(path, how)``, where ``how`` says how
+    it was found: ``"DSV4_LIBRARY"``, ``"package"`` (inside this package's directory),
+    ``"CARGO_TARGET_DIR"`` or ``"checkout"`` (``target/{release,debug}`` of the dsv4 checkout
+    above the package). ``os.fspath()`` of it is the path. Raises IoError naming every place
+    tried when the library is not found."""
+    return _lib.lib().dsv4_location
 
 
 _log_callback = None  # keeps the ctypes trampoline alive while installed

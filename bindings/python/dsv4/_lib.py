@@ -1,9 +1,11 @@
 """ctypes view of include/dsv4.h: locating the library, struct layouts, prototypes.
 
-The library is found, in order, at ``$DSV4_LIBRARY``; beside this package
-(``dsv4/libdsv4.so``); ``$CARGO_TARGET_DIR/{release,debug}``; and
-``<checkout>/target/{release,debug}/libdsv4.so``. It is loaded on first use, so
-``import dsv4`` works without it.
+The library is found, in order, at ``$DSV4_LIBRARY``; inside this package's directory
+(``dsv4/libdsv4.so``, e.g. site-packages/dsv4/ of an installed package);
+``$CARGO_TARGET_DIR/{release,debug}``; and ``target/{release,debug}/libdsv4.so`` of the dsv4
+checkout found by walking up from the package (an editable install or the source tree; a
+package installed elsewhere has none). It is loaded on first use, so ``import dsv4`` works
+without it; :func:`find` searches without loading.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Mapping
 from ctypes import (
     CFUNCTYPE,
     POINTER,
@@ -24,6 +27,7 @@ from ctypes import (
     c_void_p,
 )
 from pathlib import Path
+from typing import NamedTuple
 
 from ._errors import Error, error_for
 
@@ -229,22 +233,80 @@ _LIB = None
 _LIB_LOCK = threading.Lock()
 
 
-def candidate_paths() -> list[Path]:
-    """Where the library is looked for, in order."""
-    here = Path(__file__).resolve().parent
-    checkout = here.parents[2]  # dsv4/ -> python/ -> bindings/ -> checkout
-    paths = []
-    env = os.environ.get("DSV4_LIBRARY")
-    if env:
-        paths.append(Path(env))
-    paths.append(here / "libdsv4.so")
-    target_dir = os.environ.get("CARGO_TARGET_DIR")
-    for profile in ("release", "debug"):
-        if target_dir:
-            paths.append(Path(target_dir) / profile / "libdsv4.so")
-    for profile in ("release", "debug"):
-        paths.append(checkout / "target" / profile / "libdsv4.so")
-    return paths
+PACKAGE_DIR = Path(__file__).resolve().parent
+LIBRARY_NAME = "libdsv4.so"
+
+
+class LibraryPath(NamedTuple):
+    """Where the shared library is and how it was found, as returned by ``dsv4.library_path()``.
+
+    ``path`` is the file's absolute path; ``how`` is ``"DSV4_LIBRARY"`` (the environment
+    variable), ``"package"`` (``libdsv4.so`` inside the ``dsv4`` package directory),
+    ``"CARGO_TARGET_DIR"`` (``$CARGO_TARGET_DIR/{release,debug}``) or ``"checkout"``
+    (``target/{release,debug}`` of the dsv4 checkout above the package). Unpacks as
+    ``path, how = ...``; ``os.fspath()`` (so ``Path(...)``, ``open(...)``) gives the path.
+    """
+
+    path: str
+    how: str
+
+    def __fspath__(self) -> str:
+        return self.path
+
+
+def find_checkout(start: Path) -> Path | None:
+    """The nearest directory at or above ``start`` that is a dsv4 checkout (has Cargo.toml and
+    include/dsv4.h), or None."""
+    for d in (start, *start.parents):
+        if (d / "Cargo.toml").is_file() and (d / "include" / "dsv4.h").is_file():
+            return d
+    return None
+
+
+def candidates(env: Mapping[str, str] | None = None, here: Path | None = None) -> list[tuple[Path, str]]:
+    """Every place the library is looked for, in order, as ``(path, how)`` (see LibraryPath).
+    ``env`` defaults to ``os.environ`` and ``here`` to this package's directory."""
+    env = os.environ if env is None else env
+    here = PACKAGE_DIR if here is None else here
+    out = []
+    if env.get("DSV4_LIBRARY"):
+        out.append((Path(env["DSV4_LIBRARY"]), "DSV4_LIBRARY"))
+    out.append((here / LIBRARY_NAME, "package"))
+    if env.get("CARGO_TARGET_DIR"):
+        for profile in ("release", "debug"):
+            out.append((Path(env["CARGO_TARGET_DIR"]) / profile / LIBRARY_NAME, "CARGO_TARGET_DIR"))
+    checkout = find_checkout(here)
+    if checkout is not None:
+        for profile in ("release", "debug"):
+            out.append((checkout / "target" / profile / LIBRARY_NAME, "checkout"))
+    return out
+
+
+def find(env: Mapping[str, str] | None = None, here: Path | None = None) -> LibraryPath:
+    """The library :func:`lib` loads (the first of :func:`candidates` that is a file), without
+    loading it. Raises IoError naming every place tried when there is none, or when
+    ``DSV4_LIBRARY`` is set but is not a file."""
+    env = os.environ if env is None else env
+    here = PACKAGE_DIR if here is None else here
+    explicit = env.get("DSV4_LIBRARY")
+    if explicit and not Path(explicit).is_file():
+        raise error_for(5, f"DSV4_LIBRARY={explicit!r} is not a file")
+    cands = candidates(env, here)
+    for path, how in cands:
+        if path.is_file():
+            return LibraryPath(os.path.abspath(path), how)
+    lines = [f"{LIBRARY_NAME} not found; tried:"]
+    lines += [f"  {path} ({how})" for path, how in cands]
+    unset = [k for k in ("DSV4_LIBRARY", "CARGO_TARGET_DIR") if not env.get(k)]
+    if unset:
+        lines.append(f"  (not set: {', '.join(unset)})")
+    if find_checkout(here) is None:
+        lines.append(f"  (no dsv4 checkout at or above {here})")
+    lines.append(
+        "Set DSV4_LIBRARY to the library's path, copy it into the package directory, or build it "
+        "in the checkout (cargo build --release)."
+    )
+    raise error_for(5, "\n".join(lines))
 
 
 def lib() -> ctypes.CDLL:
@@ -259,14 +321,8 @@ def lib() -> ctypes.CDLL:
 
 
 def _load() -> ctypes.CDLL:
-    paths = candidate_paths()
-    explicit = os.environ.get("DSV4_LIBRARY")
-    if explicit and not Path(explicit).is_file():
-        raise error_for(5, f"DSV4_LIBRARY={explicit!r} is not a file")
-    path = next((p for p in paths if p.is_file()), None)
-    if path is None:
-        tried = ", ".join(str(p) for p in paths)
-        raise error_for(5, f"libdsv4.so not found (set DSV4_LIBRARY); tried: {tried}")
+    location = find()
+    path = location.path
     handle = ctypes.CDLL(str(path))
     for name, (restype, argtypes) in _PROTOTYPES.items():
         if name.endswith("?"):  # added in a later minor: optional
@@ -292,7 +348,7 @@ def _load() -> ctypes.CDLL:
         size = fn().struct_size
         if size != ctypes.sizeof(struct):
             raise Error(12, f"{path}: {struct.__name__} is {size} bytes in the library, {ctypes.sizeof(struct)} here")
-    handle.dsv4_path = str(path)
+    handle.dsv4_location = location
     return handle
 
 
