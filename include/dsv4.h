@@ -365,6 +365,14 @@ typedef struct dsv4_create_params {
      * kernels are compiled at every dsv4_finalize (a warning is logged), never an error.
      */
     const char *cache_dir;
+    /**
+     * Since ABI 1.2. The CUDA kernel set: "reference" (the f64 kernels, bit-identical to the
+     * CPU reference; the device oracle). NULL = the default: the fast set where one exists
+     * for the numerics, else "reference"; `numerics = exact` always runs "reference". A
+     * name this build lacks is DSV4_STATUS_CONFIG naming it. Ignored by the CPU backend,
+     * which accepts the same names.
+     */
+    const char *kernel_set;
 } dsv4_create_params;
 
 /**

@@ -13,16 +13,12 @@ use crate::refit_pairs::PendingPairs;
 use crate::weights;
 use crate::weights::store::WeightStore;
 
-/// `numerics` create option (DESIGN.md §4).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Numerics {
-    /// No precision simulation: parity with transformers in fp32.
-    Exact,
-    /// The official FP8/FP4 simulations (MODEL.md §3.4, §12).
-    Official,
-}
-
-pub use crate::weights::WeightFormat;
+use crate::backend::Backend;
+pub use crate::backend::{
+    Batch, BufferSpans, DerivedDtype, DerivedTensor, DeviceBatch, LogitsOut, StreamHandle,
+    WeightAddr,
+};
+pub use crate::options::{EngineOptions, KernelSetName, Numerics, WeightFormat};
 
 /// `dsv4_load` format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,139 +41,11 @@ pub enum ConfigSource {
     TinyDefault,
 }
 
-/// Capacities and options fixed at create.
-#[derive(Clone, Debug)]
-pub struct EngineOptions {
-    /// -1 = CPU reference backend, >= 0 = CUDA device ordinal.
-    pub device: i32,
-    pub max_num_seqs: usize,
-    pub max_num_tokens: usize,
-    pub max_seq_len: usize,
-    /// Worker threads of the CPU backend (0 = all cores).
-    pub num_threads: usize,
-    pub numerics: Numerics,
-    pub weight_format: WeightFormat,
-    pub cache_dir: Option<PathBuf>,
-}
-
-impl Default for EngineOptions {
-    fn default() -> Self {
-        EngineOptions {
-            device: -1,
-            max_num_seqs: 8,
-            max_num_tokens: 512,
-            max_seq_len: 4096,
-            num_threads: 0,
-            numerics: Numerics::Official,
-            weight_format: WeightFormat::AsStored,
-            cache_dir: None,
-        }
-    }
-}
-
 /// One named weight update (load_tensor / refit), from host memory. A stored-format weight
 /// (F8_E4M3 / FP4_E2M1 codes) comes with its block-scale tensor as another entry of the same
 /// refit, named as checkpoints name it (`<weight>.scale`, `<weight>_scale_inv`), or of another
 /// chunk of the same chunked refit.
 pub type TensorUpdate<'a> = crate::weights::HostTensor<'a>;
-
-/// Element type of a derived tensor as dsv4_weight_info reports it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DerivedDtype {
-    F32,
-    F64,
-    /// Device addresses.
-    U64,
-}
-
-impl DerivedDtype {
-    pub fn size(self) -> usize {
-        match self {
-            DerivedDtype::F32 => 4,
-            DerivedDtype::F64 | DerivedDtype::U64 => 8,
-        }
-    }
-}
-
-/// A tensor the engine builds from weights at finalize / refit (not loadable by name), at a
-/// fixed address: what dsv4_weight_info lists after the source weights.
-#[derive(Clone, Debug)]
-pub struct DerivedTensor {
-    pub name: String,
-    pub dtype: DerivedDtype,
-    pub shape: Vec<usize>,
-    /// Host address (CPU backend) or device address (CUDA backend).
-    pub addr: u64,
-    pub nbytes: usize,
-}
-
-/// Fixed spans of the engine's buffers, by kind (dsv4_get_info): `(address, bytes)`, device
-/// addresses on CUDA; (0, 0) where a backend has no such single span.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct BufferSpans {
-    pub weights: (u64, u64),
-    pub derived: (u64, u64),
-    pub state: (u64, u64),
-    pub workspace: (u64, u64),
-    /// The device error record (inside `state`), [`crate::model::batch::FAULT_RECORD_INTS`]
-    /// int32 words.
-    pub device_error: (u64, u64),
-}
-
-/// Caller-owned logits output.
-pub enum LogitsOut<'a> {
-    F32(&'a mut [f32]),
-    /// bfloat16 bit patterns.
-    Bf16(&'a mut [u16]),
-}
-
-impl LogitsOut<'_> {
-    pub fn len(&self) -> usize {
-        match self {
-            LogitsOut::F32(v) => v.len(),
-            LogitsOut::Bf16(v) => v.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-/// One forward step of the CUDA backend: device addresses, read only by kernels on the
-/// host's stream (the host may capture the call in a CUDA graph). Counts are host integers.
-#[derive(Clone, Copy, Debug)]
-pub struct DeviceBatch {
-    pub num_tokens: usize,
-    pub num_seqs: usize,
-    pub token_ids: u64,
-    pub positions: u64,
-    pub seq_slots: u64,
-    pub query_start: u64,
-    /// 0 = every token produces logits.
-    pub logits_rows: u64,
-    pub num_logits: usize,
-    pub logits: u64,
-    pub logits_bf16: bool,
-}
-
-/// The backend an engine runs on.
-pub enum Backend {
-    Cpu(CpuBackend),
-    Cuda(Box<crate::cuda::backend::CudaBackend>),
-}
-
-/// One forward step (DESIGN.md §3); host slices for the CPU backend.
-pub struct Batch<'a> {
-    pub token_ids: &'a [i32],
-    pub positions: &'a [i32],
-    pub seq_slots: &'a [i32],
-    /// `num_seqs + 1` offsets into the token arrays.
-    pub query_start: &'a [i32],
-    /// Rows that produce logits; None = every token.
-    pub logits_rows: Option<&'a [i32]>,
-    pub logits: LogitsOut<'a>,
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -209,7 +77,7 @@ pub struct Engine {
     weights: WeightStore,
     /// Which weights have received a value (load, load_tensor or dummy).
     loaded: Vec<bool>,
-    backend: Backend,
+    backend: Box<dyn Backend>,
     phase: Phase,
     /// Stored-format refit entries waiting for their partner (weight or scale) in a later
     /// chunk of an open chunked refit; always empty outside one.
@@ -227,13 +95,13 @@ impl Engine {
         validate_options(&cfg, &opts)?;
         let weights = WeightStore::allocate_with(&cfg, opts.weight_format)?;
         let loaded = vec![false; weights.len()];
-        let backend = if opts.device >= 0 {
+        let backend: Box<dyn Backend> = if opts.device >= 0 {
             crate::cuda::require_device(opts.device)?;
-            Backend::Cuda(Box::new(crate::cuda::backend::CudaBackend::new(
+            Box::new(crate::cuda::backend::CudaBackend::new(
                 &cfg, &opts, &weights,
-            )?))
+            )?)
         } else {
-            Backend::Cpu(CpuBackend::new(&cfg, &opts, &weights)?)
+            Box::new(CpuBackend::new(&cfg, &opts, &weights)?)
         };
         Ok(Engine {
             cfg,
@@ -262,13 +130,15 @@ impl Engine {
         &self.weights
     }
 
-    pub fn backend(&self) -> &Backend {
-        &self.backend
-    }
-
     /// True when the engine runs on a CUDA device (batch buffers are device pointers).
     pub fn is_cuda(&self) -> bool {
-        matches!(self.backend, Backend::Cuda(_))
+        self.backend.is_device()
+    }
+
+    /// Where weight `i` (a source weight, `i < weights().len()`) lives: the backend's copy
+    /// (device memory on CUDA), fixed from create to destroy.
+    pub fn weight_addr(&self, i: usize) -> WeightAddr {
+        self.backend.weight_addr(&self.weights, i)
     }
 
     fn expect_phase(&self, call: &str, allowed: &[Phase]) -> Result<()> {
@@ -341,7 +211,7 @@ impl Engine {
     }
 
     /// [`Engine::finalize`] on the host's CUDA stream (ignored by the CPU backend).
-    pub fn finalize_on(&mut self, stream: *mut std::ffi::c_void) -> Result<()> {
+    pub fn finalize_on(&mut self, stream: StreamHandle) -> Result<()> {
         match self.phase {
             Phase::Ready => return Ok(()),
             Phase::Refitting => {
@@ -370,45 +240,21 @@ impl Engine {
         Ok(())
     }
 
-    fn finalize_backend(&mut self, stream: *mut std::ffi::c_void) -> Result<()> {
-        match &mut self.backend {
-            Backend::Cpu(b) => b.finalize(&self.weights),
-            Backend::Cuda(b) => b.finalize(
-                &self.weights,
-                crate::cuda::stream::BorrowedStream::from_raw(stream),
-            ),
-        }
+    fn finalize_backend(&mut self, stream: StreamHandle) -> Result<()> {
+        self.backend.finalize(&self.weights, stream)
     }
 
     /// Runs one batch from host memory on the CPU backend; see DESIGN.md §3.
     pub fn forward(&mut self, batch: &mut Batch) -> Result<()> {
         self.expect_phase("dsv4_forward", &[Phase::Ready])?;
-        match &mut self.backend {
-            Backend::Cpu(b) => b.forward(&self.weights, batch),
-            Backend::Cuda(_) => Err(Error::new(
-                Status::InvalidArgument,
-                "this engine runs on CUDA: the batch must hold device pointers (forward_device)",
-            )),
-        }
+        self.backend.forward_host(&self.weights, batch)
     }
 
     /// Runs one batch from device memory on the CUDA backend, on `stream`: no host sync, no
     /// allocation (capturable).
-    pub fn forward_device(
-        &mut self,
-        batch: &DeviceBatch,
-        stream: *mut std::ffi::c_void,
-    ) -> Result<()> {
+    pub fn forward_device(&mut self, batch: &DeviceBatch, stream: StreamHandle) -> Result<()> {
         self.expect_phase("dsv4_forward", &[Phase::Ready])?;
-        match &mut self.backend {
-            Backend::Cuda(b) => {
-                b.forward(batch, crate::cuda::stream::BorrowedStream::from_raw(stream))
-            }
-            Backend::Cpu(_) => Err(Error::new(
-                Status::InvalidArgument,
-                "this engine runs on the CPU: the batch must hold host pointers",
-            )),
-        }
+        self.backend.forward_device(batch, stream)
     }
 
     /// Replaces named weights in place. All entries are validated before any is written.
@@ -419,11 +265,7 @@ impl Engine {
     }
 
     /// [`Engine::refit`] copying on the host's CUDA stream (ignored by the CPU backend).
-    pub fn refit_on(
-        &mut self,
-        updates: &[TensorUpdate],
-        stream: *mut std::ffi::c_void,
-    ) -> Result<()> {
+    pub fn refit_on(&mut self, updates: &[TensorUpdate], stream: StreamHandle) -> Result<()> {
         self.expect_phase("dsv4_refit", &[Phase::Ready, Phase::Refitting])?;
         let block = self.quant_block();
         // Pairs stored-format weights with their scales and validates every entry before
@@ -445,25 +287,8 @@ impl Engine {
         self.pending.commit(held_change);
         // Inside a chunked refit derived buffers are rebuilt once, at dsv4_refit_end.
         let rebuild = self.phase == Phase::Ready;
-        match &mut self.backend {
-            Backend::Cpu(b) => {
-                if rebuild {
-                    b.finalize(&self.weights)?;
-                }
-                Ok(())
-            }
-            Backend::Cuda(b) => {
-                let st = crate::cuda::stream::BorrowedStream::from_raw(stream);
-                let _g = b.ctx.enter()?;
-                for i in touched {
-                    b.upload_weight(&self.weights, i, st)?;
-                }
-                if rebuild {
-                    b.rebuild_derived(&self.weights, st)?;
-                }
-                st.synchronize()
-            }
-        }
+        self.backend
+            .apply_refit(&self.weights, &touched, rebuild, stream)
     }
 
     /// Opens a chunked refit: any number of [`Engine::refit`] calls follow (each validated
@@ -481,7 +306,7 @@ impl Engine {
     /// Closes a chunked refit: rebuilds every derived buffer once and makes the engine ready.
     /// While a held stored-format weight or scale still lacks its partner it is a TENSOR
     /// error naming each of them, and the refit stays open.
-    pub fn refit_end(&mut self, stream: *mut std::ffi::c_void) -> Result<()> {
+    pub fn refit_end(&mut self, stream: StreamHandle) -> Result<()> {
         if self.phase != Phase::Refitting {
             return Err(Error::new(
                 Status::State,
@@ -497,40 +322,20 @@ impl Engine {
         if let Some(e) = self.pending.unpaired_error() {
             return Err(e);
         }
-        match &mut self.backend {
-            Backend::Cpu(b) => b.finalize(&self.weights)?,
-            Backend::Cuda(b) => {
-                let st = crate::cuda::stream::BorrowedStream::from_raw(stream);
-                let _g = b.ctx.enter()?;
-                b.rebuild_derived(&self.weights, st)?;
-                st.synchronize()?;
-            }
-        }
+        self.backend.rebuild_derived(&self.weights, stream)?;
         self.phase = Phase::Ready;
         Ok(())
     }
 
     /// Tensors derived from the weights (rebuilt by finalize and refit), fixed addresses.
     pub fn derived_tensors(&self) -> Vec<DerivedTensor> {
-        match &self.backend {
-            Backend::Cpu(b) => b.derived(),
-            Backend::Cuda(b) => b.derived(),
-        }
+        self.backend.derived()
     }
 
     /// Spans of the weight, derived, state and workspace buffers (CUDA: device addresses
     /// inside the create-time arena; CPU: none, its buffers are separate heap blocks).
     pub fn buffer_spans(&self) -> BufferSpans {
-        match &self.backend {
-            Backend::Cpu(_) => BufferSpans::default(),
-            Backend::Cuda(b) => BufferSpans {
-                weights: b.span(&["weight:", "scale:"]),
-                derived: b.span(&["derived:"]),
-                state: b.span(&["state:"]),
-                workspace: b.span(&["workspace:"]),
-                device_error: b.span(&[crate::cuda::backend::DEVICE_ERROR_NAME]),
-            },
-        }
+        self.backend.spans()
     }
 
     /// Returns and clears the first fault of a bad device batch since the last call
@@ -538,16 +343,9 @@ impl Engine {
     /// bad; always None on the CPU backend, which reports a bad batch from dsv4_forward.
     pub fn take_device_error(
         &mut self,
-        stream: *mut std::ffi::c_void,
+        stream: StreamHandle,
     ) -> Result<Option<crate::model::batch::BatchFault>> {
-        match &self.backend {
-            Backend::Cpu(_) => Ok(None),
-            Backend::Cuda(b) => {
-                let rec =
-                    b.take_device_error(crate::cuda::stream::BorrowedStream::from_raw(stream))?;
-                crate::model::batch::BatchFault::from_record(&rec)
-            }
-        }
+        self.backend.take_device_error(stream)
     }
 
     /// Copies `nbytes` of device memory at `addr` (a DSV4_MEMORY_DEVICE update) to the host,
@@ -557,31 +355,10 @@ impl Engine {
         &self,
         addr: u64,
         nbytes: usize,
-        stream: *mut std::ffi::c_void,
+        stream: StreamHandle,
         what: &str,
     ) -> Result<Vec<u8>> {
-        match &self.backend {
-            Backend::Cpu(_) => Err(Error::new(
-                Status::Unsupported,
-                format!(
-                    "{what}: DSV4_MEMORY_DEVICE on the CPU backend (it reads host memory only)"
-                ),
-            )),
-            Backend::Cuda(b) => {
-                let mut out = vec![0u8; nbytes];
-                if nbytes == 0 {
-                    return Ok(out);
-                }
-                let _g = b.ctx.enter()?;
-                let st = crate::cuda::stream::BorrowedStream::from_raw(stream);
-                // SAFETY: the host promises `nbytes` readable device bytes at `addr` for the
-                // call; a wrong address fails in the driver (checked) without side effects.
-                let src = unsafe { crate::cuda::DevicePtr::from_raw(addr, nbytes) };
-                crate::cuda::arena::copy_to_host_sync(&mut out, src, st)
-                    .map_err(|e| e.context(what.to_string()))?;
-                Ok(out)
-            }
-        }
+        self.backend.stage_device_bytes(addr, nbytes, stream, what)
     }
 
     /// Forgets the state of `slot`; its next sequence must start at position 0.
@@ -595,13 +372,7 @@ impl Engine {
                 ),
             ));
         }
-        match &mut self.backend {
-            Backend::Cpu(b) => b.release_slot(slot as usize),
-            // The device slot length must read 0 too: the batch check refuses to continue a
-            // released slot, as the CPU backend does.
-            Backend::Cuda(b) => b.release_slot(slot as usize)?,
-        }
-        Ok(())
+        self.backend.release_slot(slot as usize)
     }
 }
 

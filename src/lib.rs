@@ -1,8 +1,11 @@
 //! dsv4: a DeepSeek-V4 inference engine behind a C ABI.
 //!
-//! Data flows one way: `ffi` -> `engine` -> (`reference` | `cuda`). The C ABI lives only in
-//! `ffi`; everything below it speaks Rust types and [`error::Error`].
+//! Data flows one way: `ffi` -> `engine` -> (`reference` | `cuda`) -> `backend` (the seam:
+//! the trait both backends implement and the types they share), `options`, `model`, `state`,
+//! `weights`. The C ABI lives only in `ffi`; everything below it speaks Rust types and
+//! [`error::Error`].
 
+pub mod backend;
 pub mod config;
 pub mod cuda;
 pub mod engine;
@@ -10,6 +13,7 @@ pub mod error;
 pub mod ffi;
 pub mod log;
 pub mod model;
+pub mod options;
 pub mod reference;
 mod refit_pairs;
 pub mod state;

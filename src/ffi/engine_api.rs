@@ -981,14 +981,12 @@ pub unsafe extern "C" fn dsv4_weight_info(
             *dst = d as i64;
         }
         let mut st = storage_of(t);
-        // A CUDA engine reports its device copy (same layout as the host store).
-        let mut data: *mut c_void = t.data.as_ptr().cast_mut().cast();
-        if let crate::engine::Backend::Cuda(b) = h.engine.backend() {
-            let dw = b.weights[index];
-            data = dw.data.addr() as *mut c_void;
-            if let Some(s) = dw.scales {
-                st.scale = s.addr() as *mut c_void;
-            }
+        // The backend's copy: the store itself on the CPU, the device copy on CUDA (same
+        // layout as the host store).
+        let addr = h.engine.weight_addr(index);
+        let data = addr.data as *mut c_void;
+        if addr.scales != 0 {
+            st.scale = addr.scales as *mut c_void;
         }
         let info = dsv4_weight_desc {
             struct_size: 0, // restored to the caller's value by write_versioned

@@ -12,7 +12,9 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::ptr;
 
-use crate::engine::{ConfigSource, EngineOptions, LoadFormat, Numerics, Phase, WeightFormat};
+use crate::engine::{
+    ConfigSource, EngineOptions, KernelSetName, LoadFormat, Numerics, Phase, WeightFormat,
+};
 use crate::error::{Error, Result};
 use crate::ffi::status::{invalid, null_error};
 use crate::weights::HostDtype;
@@ -185,6 +187,12 @@ pub struct dsv4_create_params {
     /// `$HOME/.cache/dsv4`. With none of those set, or a directory that cannot be written,
     /// kernels are compiled at every dsv4_finalize (a warning is logged), never an error.
     pub cache_dir: *const c_char,
+    /// Since ABI 1.2. The CUDA kernel set: "reference" (the f64 kernels, bit-identical to the
+    /// CPU reference; the device oracle). NULL = the default: the fast set where one exists
+    /// for the numerics, else "reference"; `numerics = exact` always runs "reference". A
+    /// name this build lacks is DSV4_STATUS_CONFIG naming it. Ignored by the CPU backend,
+    /// which accepts the same names.
+    pub kernel_set: *const c_char,
 }
 
 /// One named tensor handed to `dsv4_load_tensor` / `dsv4_refit`. Initialize with
@@ -340,7 +348,8 @@ pub(crate) trait Versioned: Copy {
 }
 
 impl Versioned for dsv4_create_params {
-    const V1_SIZE: usize = size_of::<Self>();
+    /// ABI 1.0 ended at `cache_dir`; 1.2 appended `kernel_set`.
+    const V1_SIZE: usize = std::mem::offset_of!(dsv4_create_params, kernel_set);
     const INIT_HINT: &'static str = "initialize it with dsv4_create_params_default()";
 }
 impl Versioned for dsv4_tensor {
@@ -398,9 +407,17 @@ unsafe fn checked_size<T: Versioned>(p: *const T, what: &str) -> Result<usize> {
 /// A non-NULL `p` must point to a struct of at least its declared `struct_size` bytes.
 pub(crate) unsafe fn read_versioned<T: Versioned>(p: *const T, what: &str) -> Result<T> {
     // SAFETY: forwarded.
-    unsafe { checked_size(p, what)? };
-    // SAFETY: struct_size >= size_of::<T>() bytes are readable.
-    Ok(unsafe { ptr::read_unaligned(p) })
+    let size = unsafe { checked_size(p, what)? };
+    // An older host's struct ends early: the fields it lacks stay zero (NULL / 0, which is
+    // every appended field's default).
+    let n = size.min(size_of::<T>());
+    // SAFETY: every dsv4 input struct is plain data (integers, pointers) for which all-zero
+    // bytes are a valid value; `n` <= struct_size bytes are readable at `p`.
+    unsafe {
+        let mut v = std::mem::MaybeUninit::<T>::zeroed();
+        ptr::copy_nonoverlapping(p.cast::<u8>(), v.as_mut_ptr().cast::<u8>(), n);
+        Ok(v.assume_init())
+    }
 }
 
 /// Writes an output struct after checking `struct_size`, which is preserved: as many of
@@ -439,6 +456,7 @@ pub(crate) fn create_params_default() -> dsv4_create_params {
         numerics: numerics_to_i32(o.numerics),
         weight_format: weight_format_to_i32(o.weight_format),
         cache_dir: ptr::null(),
+        kernel_set: ptr::null(),
     }
 }
 
@@ -576,11 +594,12 @@ pub(crate) struct CreateArgs {
 /// String fields that are non-NULL must be NUL-terminated.
 pub(crate) unsafe fn create_args(p: &dsv4_create_params) -> Result<CreateArgs> {
     // SAFETY: forwarded.
-    let (path, json, dir) = unsafe {
+    let (path, json, dir, kernel_set) = unsafe {
         (
             opt_cstr(p.config_path),
             opt_cstr(p.config_json),
             opt_cstr(p.cache_dir),
+            opt_cstr(p.kernel_set),
         )
     };
     let given = [path.is_some(), json.is_some(), p.use_tiny_default != 0];
@@ -624,6 +643,13 @@ pub(crate) unsafe fn create_args(p: &dsv4_create_params) -> Result<CreateArgs> {
                 ));
             }
             Some(d) => Some(path_of(d)),
+            None => None,
+        },
+        kernel_set: match kernel_set {
+            Some(k) => Some(
+                KernelSetName::parse(utf8(k, "params->kernel_set")?)
+                    .map_err(|e| e.context("`params->kernel_set`".to_string()))?,
+            ),
             None => None,
         },
     };

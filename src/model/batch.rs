@@ -6,9 +6,10 @@
 //! kernels/batch.cu applies the same rules on the device, in the same order, and records the
 //! first fault as a [`BatchFault`] record; [`BatchFault::message`] words both the same way.
 
+use crate::backend::Batch;
 use crate::config::ModelConfig;
-use crate::engine::{Batch, EngineOptions};
 use crate::error::{Error, Result, Status};
+use crate::options::EngineOptions;
 
 /// `seq_slots` value of a padding sequence (DSV4_PAD_SLOT): it reads and writes no state, its
 /// tokens' logits rows are zeros, and its positions may hold any values.

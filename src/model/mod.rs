@@ -2,6 +2,7 @@
 //! once to indices into the [`WeightStore`]) and the RoPE frequency tables.
 
 pub mod batch;
+pub mod hc_fold;
 pub mod rope;
 
 use crate::config::{AttnKind, LayerSpec, ModelConfig};

@@ -11,11 +11,17 @@ pub mod moe;
 pub mod ops;
 pub mod precision;
 
+use crate::backend::{
+    Backend, Batch, BufferSpans, DerivedDtype, DerivedTensor, DeviceBatch, LogitsOut, StreamHandle,
+    WeightAddr,
+};
 use crate::config::ModelConfig;
-use crate::engine::{Batch, EngineOptions, LogitsOut, Numerics};
 use crate::error::Result;
+use crate::error::{Error, Status};
+use crate::model::batch::BatchFault;
 use crate::model::batch::SeqRange;
 use crate::model::{ModelWeights, batch, rope};
+use crate::options::{EngineOptions, Numerics};
 use crate::state::SlotState;
 use crate::weights::store::WeightStore;
 use attention::AttnCtx;
@@ -23,8 +29,7 @@ use mhc::HcParams;
 use ops::{Threads, rms_norm};
 use precision::Prec;
 
-/// dsv4_weight_info name of the derived layer-0 folded mHC projection (both backends).
-pub const HC0_FOLD_NAME: &str = "derived:layers.0.hc_attn_fn.stream_fold";
+pub use crate::model::hc_fold::HC0_FOLD_NAME;
 
 pub struct CpuBackend {
     cfg: ModelConfig,
@@ -71,7 +76,7 @@ impl CpuBackend {
 
     /// Rebuilds derived data after weights changed: layer 0's folded mHC projection (the
     /// other weights are read as stored).
-    pub fn finalize(&mut self, weights: &WeightStore) -> Result<()> {
+    fn rebuild_fold(&mut self, weights: &WeightStore) -> Result<()> {
         if let Some(l0) = self.handles.layers.first() {
             let (n, d) = (self.cfg.hc_mult, self.cfg.hidden_size);
             mhc::fold_projection(weights.f32(l0.hc_attn.proj), n, d, &mut self.hc0_fold);
@@ -80,19 +85,15 @@ impl CpuBackend {
     }
 
     /// Derived tensors (host memory, fixed addresses) for dsv4_weight_info.
-    pub fn derived(&self) -> Vec<crate::engine::DerivedTensor> {
+    fn derived_list(&self) -> Vec<DerivedTensor> {
         let (n, d) = (self.cfg.hc_mult, self.cfg.hidden_size);
-        vec![crate::engine::DerivedTensor {
+        vec![DerivedTensor {
             name: HC0_FOLD_NAME.to_string(),
-            dtype: crate::engine::DerivedDtype::F64,
+            dtype: DerivedDtype::F64,
             shape: vec![(2 + n) * n, d],
             addr: self.hc0_fold.as_ptr() as u64,
             nbytes: self.hc0_fold.len() * 8,
         }]
-    }
-
-    pub fn release_slot(&mut self, slot: usize) {
-        self.slots[slot].reset();
     }
 
     /// Tokens currently held by each slot.
@@ -100,7 +101,7 @@ impl CpuBackend {
         self.slots.iter().map(|s| s.len).collect()
     }
 
-    pub fn forward(&mut self, w: &WeightStore, b: &mut Batch) -> Result<()> {
+    fn forward(&mut self, w: &WeightStore, b: &mut Batch) -> Result<()> {
         let seqs = batch::plan(&self.cfg, &self.opts, &self.slot_lengths(), b)?;
         let real = RealTokens::new(&seqs, b);
         let all: Vec<i32>;
@@ -249,6 +250,88 @@ impl CpuBackend {
         rms_norm(&mut y, d, Some(w.f32(hw.norm)), cfg.rms_norm_eps);
         prec.bf16(&mut y);
         ops::linear(th, &y, d, w.f32(hw.head))
+    }
+}
+
+impl Backend for CpuBackend {
+    fn device_name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn is_device(&self) -> bool {
+        false
+    }
+
+    fn finalize(&mut self, store: &WeightStore, _stream: StreamHandle) -> Result<()> {
+        self.rebuild_fold(store)
+    }
+
+    /// The weights ARE the store here: only derived data needs work.
+    fn apply_refit(
+        &mut self,
+        store: &WeightStore,
+        _touched: &[usize],
+        rebuild: bool,
+        _stream: StreamHandle,
+    ) -> Result<()> {
+        if rebuild {
+            self.rebuild_fold(store)?;
+        }
+        Ok(())
+    }
+
+    fn rebuild_derived(&mut self, store: &WeightStore, _stream: StreamHandle) -> Result<()> {
+        self.rebuild_fold(store)
+    }
+
+    fn forward_host(&mut self, store: &WeightStore, batch: &mut Batch) -> Result<()> {
+        self.forward(store, batch)
+    }
+
+    fn forward_device(&mut self, _batch: &DeviceBatch, _stream: StreamHandle) -> Result<()> {
+        Err(Error::new(
+            Status::InvalidArgument,
+            "this engine runs on the CPU: the batch must hold host pointers",
+        ))
+    }
+
+    fn release_slot(&mut self, slot: usize) -> Result<()> {
+        self.slots[slot].reset();
+        Ok(())
+    }
+
+    /// The CPU backend reports a bad batch from forward itself.
+    fn take_device_error(&mut self, _stream: StreamHandle) -> Result<Option<BatchFault>> {
+        Ok(None)
+    }
+
+    fn weight_addr(&self, store: &WeightStore, i: usize) -> WeightAddr {
+        WeightAddr {
+            data: store.tensor(i).data.as_ptr() as u64,
+            scales: 0,
+        }
+    }
+
+    fn derived(&self) -> Vec<DerivedTensor> {
+        self.derived_list()
+    }
+
+    /// Separate heap blocks: no single span per kind.
+    fn spans(&self) -> BufferSpans {
+        BufferSpans::default()
+    }
+
+    fn stage_device_bytes(
+        &self,
+        _addr: u64,
+        _nbytes: usize,
+        _stream: StreamHandle,
+        what: &str,
+    ) -> Result<Vec<u8>> {
+        Err(Error::new(
+            Status::Unsupported,
+            format!("{what}: DSV4_MEMORY_DEVICE on the CPU backend (it reads host memory only)"),
+        ))
     }
 }
 

@@ -1,11 +1,15 @@
-//! Per-slot decode state (MODEL.md §11.1): the sliding-window ring, the compressors'
+//! Per-slot decode state of the CPU backend (MODEL.md §11.1), laid out as [`layout`]
+//! says (the CUDA backend uses the same layout): the sliding-window ring, the compressors'
 //! partial windows and overlap halves, compressed KV entries and indexer keys.
 //!
 //! Allocated once at create for `max_num_seqs x max_seq_len`; restarting a sequence
 //! (position 0) only resets counters — stale rows are never read before being rewritten.
 
-use crate::config::{AttnKind, ModelConfig};
+pub mod layout;
+
+use crate::config::ModelConfig;
 use crate::error::{Error, Result, Status};
+use layout::CompressorLayout;
 
 /// One compressor's streaming state (main: d_c = head_dim, indexer: d_c = index_head_dim).
 pub struct CompressorState {
@@ -25,17 +29,17 @@ pub struct CompressorState {
 }
 
 impl CompressorState {
-    fn new(ratio: usize, overlap: bool, dc: usize) -> Result<Self> {
-        let c = if overlap { 2 } else { 1 };
-        let prev = if overlap { ratio * dc } else { 0 };
+    fn new(l: CompressorLayout) -> Result<Self> {
+        let [r, w] = l.pending();
+        let [pr, pd] = l.prev();
         Ok(CompressorState {
-            ratio,
-            overlap,
-            dc,
-            pending_a: zeros(ratio * c * dc)?,
-            pending_z: zeros(ratio * c * dc)?,
-            prev_a: zeros(prev)?,
-            prev_z: zeros(prev)?,
+            ratio: l.ratio,
+            overlap: l.overlap,
+            dc: l.dc,
+            pending_a: zeros(r * w)?,
+            pending_z: zeros(r * w)?,
+            prev_a: zeros(pr * pd)?,
+            prev_z: zeros(pr * pd)?,
             has_prev: false,
         })
     }
@@ -67,29 +71,14 @@ pub struct SlotState {
 impl SlotState {
     pub fn new(cfg: &ModelConfig, max_seq_len: usize) -> Result<Self> {
         let mut layers = Vec::with_capacity(cfg.num_layers);
-        for spec in &cfg.layers {
-            let hd = cfg.head_dim;
-            let (compressor, index_compressor, entries, index_keys) = match spec.attn {
-                AttnKind::Sliding => (None, None, Vec::new(), Vec::new()),
-                AttnKind::Hca => (
-                    Some(CompressorState::new(spec.ratio, false, hd)?),
-                    None,
-                    zeros(max_seq_len / spec.ratio * hd)?,
-                    Vec::new(),
-                ),
-                AttnKind::Csa => (
-                    Some(CompressorState::new(spec.ratio, true, hd)?),
-                    Some(CompressorState::new(spec.ratio, true, cfg.index_head_dim)?),
-                    zeros(max_seq_len / spec.ratio * hd)?,
-                    zeros(max_seq_len / spec.ratio * cfg.index_head_dim)?,
-                ),
-            };
+        for l in layout::layer_layouts(cfg, max_seq_len) {
+            let numel = |s: Option<[usize; 2]>| s.map_or(0, |[a, b]| a * b);
             layers.push(LayerState {
-                window: zeros(cfg.sliding_window * hd)?,
-                compressor,
-                index_compressor,
-                entries,
-                index_keys,
+                window: zeros(l.window[0] * l.window[1])?,
+                compressor: l.compressor.map(CompressorState::new).transpose()?,
+                index_compressor: l.index_compressor.map(CompressorState::new).transpose()?,
+                entries: zeros(numel(l.entries))?,
+                index_keys: zeros(numel(l.index_keys))?,
             });
         }
         Ok(SlotState { len: 0, layers })

@@ -31,10 +31,11 @@ from typing import NamedTuple
 
 from ._errors import Error, error_for
 
-# The oldest ABI this binding works with (include/dsv4.h). Features of later minors are
-# used only when the loaded library has them (see abi_minor()).
+# The oldest ABI this binding works with (include/dsv4.h): dsv4_create_params is passed by
+# value from dsv4_create_params_default(), so its layout (minor 2 appended `kernel_set`) must
+# be the library's. Features gated on abi_minor() below stay gated for clarity.
 ABI_MAJOR = 1
-ABI_MINOR = 0
+ABI_MINOR = 2
 # Minor 1 added: FP8/FP4/E8M0 tensor entries (stored-format load and refit), DEVICE memory
 # for tensor entries on the CUDA backend, the buffer ranges at the end of dsv4_info, and
 # derived tensors in the weight listing.
@@ -92,6 +93,8 @@ class CreateParams(Structure):
         ("numerics", c_int32),
         ("weight_format", c_int32),
         ("cache_dir", c_char_p),
+        # ABI minor 2.
+        ("kernel_set", c_char_p),
     ]
 
 

@@ -188,6 +188,8 @@ class Engine:
     ``load="auto"``). ``model_dir=None`` with ``load="dummy"`` uses the embedded tiny demo
     model. ``config_json`` (text) overrides the config source. ``load=None`` only creates
     the engine: stream weights with :meth:`load_tensor` and call :meth:`finalize`.
+    ``kernel_set`` picks the CUDA kernel set ("reference"; None = the default for the
+    numerics); a name the library lacks raises :class:`ConfigError`.
 
     Calls on one Engine are serialized by an internal lock (the C ABI requires it);
     distinct Engines run independently. Every failure raises :class:`dsv4.Error` (a
@@ -207,6 +209,7 @@ class Engine:
         num_threads: int = 0,
         weight_format: str = "as_stored",
         cache_dir: str | None = None,
+        kernel_set: str | None = None,
     ):
         self._handle = None
         self._lock = threading.RLock()
@@ -246,6 +249,10 @@ class Engine:
             c = str(cache_dir).encode("utf-8")
             keep.append(c)
             p.cache_dir = c
+        if kernel_set is not None:
+            k = str(kernel_set).encode("utf-8")
+            keep.append(k)
+            p.kernel_set = k
 
         handle = ctypes.c_void_p()
         _lib.check(lib.dsv4_create(ctypes.byref(p), ctypes.byref(handle)))

@@ -264,3 +264,12 @@ def test_padding_slot_gives_zero_rows_and_touches_no_state():
         assert a.info()["device_error"] == 0
         with pytest.raises(dsv4.InvalidArgumentError, match=r"seq_slots\[0\] = -2"):
             a.forward(token_ids=[1], positions=[0], seq_slots=[-2], query_start=[0, 1])
+
+
+def test_kernel_set_option():
+    """`reference` is accepted on every backend; a set the build lacks is a CONFIG error
+    naming it."""
+    with dsv4.Engine(load="dummy", kernel_set="reference", **CAPS) as e:
+        assert e.info()["phase"] == "ready"
+    with pytest.raises(dsv4.ConfigError, match=r"kernel_set = `warp9` does not exist.*reference"):
+        dsv4.Engine(load="dummy", kernel_set="warp9", **CAPS)

@@ -1,0 +1,172 @@
+//! The backend seam: what the engine asks of a backend, and the types both backends share.
+//!
+//! `engine` holds one `Box<dyn Backend>` and never matches on which one it is; `reference`
+//! (CPU) and `cuda` implement [`Backend`] and import only this module, `options`, `model`,
+//! `state` and `weights` from above them. Nothing here knows CUDA or C.
+
+use crate::error::Result;
+use crate::model::batch::BatchFault;
+use crate::weights::store::WeightStore;
+
+/// A host's CUDA stream (`CUstream`) as it crosses the seam; NULL is the legacy default
+/// stream. The CPU backend ignores it.
+pub type StreamHandle = *mut std::ffi::c_void;
+
+/// Caller-owned logits output.
+pub enum LogitsOut<'a> {
+    F32(&'a mut [f32]),
+    /// bfloat16 bit patterns.
+    Bf16(&'a mut [u16]),
+}
+
+impl LogitsOut<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            LogitsOut::F32(v) => v.len(),
+            LogitsOut::Bf16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One forward step (DESIGN.md §3); host slices for the CPU backend.
+pub struct Batch<'a> {
+    pub token_ids: &'a [i32],
+    pub positions: &'a [i32],
+    pub seq_slots: &'a [i32],
+    /// `num_seqs + 1` offsets into the token arrays.
+    pub query_start: &'a [i32],
+    /// Rows that produce logits; None = every token.
+    pub logits_rows: Option<&'a [i32]>,
+    pub logits: LogitsOut<'a>,
+}
+
+/// One forward step of the CUDA backend: device addresses, read only by kernels on the
+/// host's stream (the host may capture the call in a CUDA graph). Counts are host integers.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceBatch {
+    pub num_tokens: usize,
+    pub num_seqs: usize,
+    pub token_ids: u64,
+    pub positions: u64,
+    pub seq_slots: u64,
+    pub query_start: u64,
+    /// 0 = every token produces logits.
+    pub logits_rows: u64,
+    pub num_logits: usize,
+    pub logits: u64,
+    pub logits_bf16: bool,
+}
+
+/// Element type of a derived tensor as dsv4_weight_info reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DerivedDtype {
+    F32,
+    F64,
+    /// Device addresses.
+    U64,
+}
+
+impl DerivedDtype {
+    pub fn size(self) -> usize {
+        match self {
+            DerivedDtype::F32 => 4,
+            DerivedDtype::F64 | DerivedDtype::U64 => 8,
+        }
+    }
+}
+
+/// A tensor the engine builds from weights at finalize / refit (not loadable by name), at a
+/// fixed address: what dsv4_weight_info lists after the source weights.
+#[derive(Clone, Debug)]
+pub struct DerivedTensor {
+    pub name: String,
+    pub dtype: DerivedDtype,
+    pub shape: Vec<usize>,
+    /// Host address (CPU backend) or device address (CUDA backend).
+    pub addr: u64,
+    pub nbytes: usize,
+}
+
+/// Fixed spans of the engine's buffers, by kind (dsv4_get_info): `(address, bytes)`, device
+/// addresses on CUDA; (0, 0) where a backend has no such single span.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BufferSpans {
+    pub weights: (u64, u64),
+    pub derived: (u64, u64),
+    pub state: (u64, u64),
+    pub workspace: (u64, u64),
+    /// The device error record (inside `state`), [`crate::model::batch::FAULT_RECORD_INTS`]
+    /// int32 words.
+    pub device_error: (u64, u64),
+}
+
+/// Where a backend keeps weight `i`: its values and (quantized weights) block scales.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WeightAddr {
+    pub data: u64,
+    /// 0 when the weight has no scales.
+    pub scales: u64,
+}
+
+/// What the engine asks of a backend. Every buffer is allocated when the backend is made
+/// (at create) and keeps its address until it is dropped.
+pub trait Backend {
+    /// "cpu" or "cuda:N".
+    fn device_name(&self) -> String;
+
+    /// True when batches and refit sources live in device memory.
+    fn is_device(&self) -> bool;
+
+    /// Brings the backend's copy of every weight up to date with `store`, rebuilds every
+    /// derived tensor and resets the slots' state; compiles / loads what it runs. Idempotent.
+    fn finalize(&mut self, store: &WeightStore, stream: StreamHandle) -> Result<()>;
+
+    /// After a refit wrote weights `touched` of `store`: updates the backend's copies of
+    /// them; with `rebuild`, rebuilds every derived tensor (a chunked refit rebuilds once at
+    /// its end, [`Backend::rebuild_derived`]).
+    fn apply_refit(
+        &mut self,
+        store: &WeightStore,
+        touched: &[usize],
+        rebuild: bool,
+        stream: StreamHandle,
+    ) -> Result<()>;
+
+    /// Rebuilds every derived tensor from `store` (end of a chunked refit).
+    fn rebuild_derived(&mut self, store: &WeightStore, stream: StreamHandle) -> Result<()>;
+
+    /// One forward from host memory (the CPU backend; a device backend refuses it).
+    fn forward_host(&mut self, store: &WeightStore, batch: &mut Batch) -> Result<()>;
+
+    /// One forward from device memory, enqueued on `stream` (a host backend refuses it).
+    fn forward_device(&mut self, batch: &DeviceBatch, stream: StreamHandle) -> Result<()>;
+
+    /// Forgets `slot`'s state (`slot` < max_num_seqs, checked by the engine).
+    fn release_slot(&mut self, slot: usize) -> Result<()>;
+
+    /// Returns and clears the first fault of a bad device batch (None on a host backend).
+    fn take_device_error(&mut self, stream: StreamHandle) -> Result<Option<BatchFault>>;
+
+    /// Where weight `i` lives (the host store's own buffers on the CPU backend).
+    fn weight_addr(&self, store: &WeightStore, i: usize) -> WeightAddr;
+
+    /// Derived tensors, at fixed addresses.
+    fn derived(&self) -> Vec<DerivedTensor>;
+
+    /// The fixed spans of the engine's buffers by kind.
+    fn spans(&self) -> BufferSpans;
+
+    /// Copies `nbytes` at device address `addr` (a DSV4_MEMORY_DEVICE entry) to the host,
+    /// ordered after the host's work on `stream`. UNSUPPORTED on a host backend.
+    fn stage_device_bytes(
+        &self,
+        addr: u64,
+        nbytes: usize,
+        stream: StreamHandle,
+        what: &str,
+    ) -> Result<Vec<u8>>;
+}

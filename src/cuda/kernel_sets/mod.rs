@@ -1,0 +1,136 @@
+//! Kernel sets (DESIGN.md §4): the operations one CUDA forward is made of, at the
+//! granularity a fast set fuses at, and the sets that implement them.
+//!
+//! `cuda/forward.rs` is written once against [`KernelSet`]: it checks the batch on the
+//! device (every set's input, kernels/SPEC.md), then runs embed -> (boundary, attention,
+//! boundary, MoE) per layer -> slot commit -> head. Coarse ops (`attention`, `moe`,
+//! `boundary`: the post of one sub-block with the pre + norm of the next) are where a fast set
+//! fuses; the reference set runs today's f64 kernels, bit-identical to the CPU reference.
+//!
+//! A set declares, before anything is allocated, the NVRTC families it needs
+//! ([`families`]) and its workspace ([`reserve_workspace`]); only the chosen set is compiled
+//! and allocated. Adding an operation: its .cu kernel and declaration, a method here, and
+//! its implementation in every set (see `reference.rs`).
+
+pub mod reference;
+
+use crate::config::ModelConfig;
+use crate::cuda::arena::{Arena, DevicePtr};
+use crate::cuda::backend::DeviceModel;
+use crate::cuda::context::Context;
+use crate::cuda::kernels::attention::BatchMeta;
+use crate::cuda::memory_plan::MemoryPlan;
+use crate::cuda::registry::{KernelSource, Registry};
+use crate::cuda::stream::BorrowedStream;
+use crate::error::Result;
+use crate::options::{EngineOptions, KernelSetName};
+
+/// A sub-block of a layer: what a residual boundary comes out of or leads into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Branch {
+    Attention(usize),
+    Moe(usize),
+}
+
+/// Where the logits go: the caller's buffer, `rows x vocab` f32 or bf16.
+#[derive(Clone, Copy, Debug)]
+pub struct LogitsTarget {
+    pub ptr: DevicePtr,
+    pub rows: usize,
+    pub bf16: bool,
+}
+
+/// One forward as every set sees it: the engine's device model and the batch, already
+/// checked and sanitized (`meta`, `tokens`, `rows` are the checked copies; kernels/SPEC.md).
+pub struct Step<'a> {
+    pub ctx: &'a Context,
+    pub stream: BorrowedStream,
+    pub cfg: &'a ModelConfig,
+    pub opts: &'a EngineOptions,
+    pub model: &'a DeviceModel,
+    /// Sanitized positions, query_start, slots and seq_of; the token and sequence counts.
+    pub meta: BatchMeta,
+    /// Sanitized token ids [T].
+    pub tokens: DevicePtr,
+    /// Sanitized logits rows [num_logits].
+    pub rows: DevicePtr,
+}
+
+/// The operations of one forward (see the module doc for their order).
+pub trait KernelSet {
+    /// The create-option name of the set.
+    fn name(&self) -> &'static str;
+
+    /// Token embeddings into every residual stream.
+    fn embed(&self, s: &Step) -> Result<()>;
+
+    /// A residual boundary: the post of the sub-block that ran (`done`; None before layer
+    /// 0's attention), then the pre of `next` and its RMSNorm: `next`'s input.
+    fn boundary(&self, s: &Step, done: Option<Branch>, next: Branch) -> Result<()>;
+
+    /// The attention sub-block of layer `layer` (writes the window, compressor and indexer
+    /// state of real sequences).
+    fn attention(&self, s: &Step, layer: usize) -> Result<()>;
+
+    /// The MoE sub-block of layer `layer`: routing, routed and shared experts, combine.
+    fn moe(&self, s: &Step, layer: usize) -> Result<()>;
+
+    /// Commits the slots' new lengths (after every layer ran).
+    fn commit_slots(&self, s: &Step) -> Result<()>;
+
+    /// The post of the last sub-block (`done`; None for a model without layers), the head
+    /// collapse, the final norm and the LM head for the requested rows into `out` (the
+    /// forward then fixes padding / bad rows).
+    fn head(&self, s: &Step, done: Option<Branch>, out: &LogitsTarget) -> Result<()>;
+}
+
+/// The NVRTC families set `name` runs. Every set's list includes the `batch` family: the
+/// forward's check and logits fix-up are every set's.
+pub fn families(name: KernelSetName) -> &'static [&'static KernelSource] {
+    match name {
+        KernelSetName::Reference => reference::FAMILIES,
+    }
+}
+
+/// A set's workspace, declared in the memory plan at create.
+pub enum PlannedWorkspace {
+    Reference(reference::WorkspaceIds),
+}
+
+/// A set's workspace at its arena addresses (kept by the backend from create on).
+#[derive(Clone, Copy, Debug)]
+pub enum SetWorkspace {
+    Reference(reference::Workspace),
+}
+
+/// Declares set `name`'s workspace for `opts`' capacities.
+pub fn reserve_workspace(
+    name: KernelSetName,
+    plan: &mut MemoryPlan,
+    cfg: &ModelConfig,
+    opts: &EngineOptions,
+) -> Result<PlannedWorkspace> {
+    match name {
+        KernelSetName::Reference => Ok(PlannedWorkspace::Reference(reference::Workspace::reserve(
+            plan, cfg, opts,
+        )?)),
+    }
+}
+
+impl PlannedWorkspace {
+    /// The workspace at its addresses in `arena`.
+    pub fn resolve(&self, arena: &Arena) -> SetWorkspace {
+        match self {
+            PlannedWorkspace::Reference(ids) => {
+                SetWorkspace::Reference(reference::Workspace::resolve(ids, arena))
+            }
+        }
+    }
+}
+
+/// Resolves the set's kernels from a loaded registry (finalize).
+pub fn load(reg: &Registry, ws: &SetWorkspace) -> Result<Box<dyn KernelSet>> {
+    match ws {
+        SetWorkspace::Reference(w) => Ok(Box::new(reference::ReferenceSet::new(reg, *w)?)),
+    }
+}

@@ -1,0 +1,207 @@
+//! The CUDA backend's memory plan: every device buffer declared ONCE (name, kind, element
+//! type, shape), laid out in the single arena at create. The arena layout, the
+//! `dsv4_get_info` spans (by kind) and the derived tensors `dsv4_weight_info` lists (with
+//! their element type and shape) all come from these declarations.
+//!
+//! Buffers are declared kind by kind (weights, derived, state, workspace), so each kind is
+//! one contiguous span of the arena.
+
+use crate::backend::{DerivedDtype, DerivedTensor};
+use crate::cuda::arena::{Arena, ArenaPlan, DevicePtr, RegionId};
+use crate::error::{Error, Result, Status};
+
+/// What a buffer holds, which decides its span in `dsv4_get_info`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BufferKind {
+    /// Weights in their stored format (codes and block scales).
+    Weights,
+    /// Built from the weights by finalize / refit.
+    Derived,
+    /// Per-slot decode state (and the sticky device error record).
+    State,
+    /// Per-forward scratch of the kernel set.
+    Workspace,
+}
+
+/// Element type of a declared buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Elem {
+    F32,
+    F64,
+    I32,
+    /// Device addresses.
+    U64,
+    /// Raw bytes (weights in their stored format).
+    U8,
+}
+
+impl Elem {
+    pub fn size(self) -> usize {
+        match self {
+            Elem::U8 => 1,
+            Elem::F32 | Elem::I32 => 4,
+            Elem::F64 | Elem::U64 => 8,
+        }
+    }
+}
+
+/// One declared buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BufferDecl {
+    /// Region name (`weight:`, `scale:`, `derived:`, `state:` or `workspace:` prefixed).
+    pub name: String,
+    pub kind: BufferKind,
+    pub elem: Elem,
+    pub shape: Vec<usize>,
+}
+
+impl BufferDecl {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Bytes reserved: at least one element, so an empty buffer still has an address.
+    pub fn bytes(&self) -> usize {
+        self.numel().max(1) * self.elem.size()
+    }
+}
+
+/// Alignment of every buffer (256 B: TMA / vector-load friendly, and what cuMemAlloc gives).
+const ALIGN: usize = 256;
+
+/// The declarations of an engine, in arena order.
+#[derive(Default)]
+pub struct MemoryPlan {
+    arena: ArenaPlan,
+    decls: Vec<BufferDecl>,
+}
+
+impl MemoryPlan {
+    pub fn new() -> MemoryPlan {
+        MemoryPlan::default()
+    }
+
+    /// Declares a buffer; kinds must come in order (weights, derived, state, workspace) so
+    /// that each is one span.
+    pub fn declare(
+        &mut self,
+        kind: BufferKind,
+        name: impl Into<String>,
+        elem: Elem,
+        shape: &[usize],
+    ) -> Result<RegionId> {
+        let decl = BufferDecl {
+            name: name.into(),
+            kind,
+            elem,
+            shape: shape.to_vec(),
+        };
+        if let Some(last) = self.decls.last() {
+            if (last.kind as u8) > (kind as u8) {
+                return Err(Error::new(
+                    Status::Internal,
+                    format!(
+                        "memory plan: `{}` ({kind:?}) declared after a {:?} buffer",
+                        decl.name, last.kind
+                    ),
+                ));
+            }
+        }
+        let id = self.arena.reserve(decl.name.clone(), decl.bytes(), ALIGN)?;
+        self.decls.push(decl);
+        Ok(id)
+    }
+
+    /// Bytes the single allocation needs.
+    pub fn total_bytes(&self) -> usize {
+        self.arena.total_bytes()
+    }
+
+    pub fn decls(&self) -> &[BufferDecl] {
+        &self.decls
+    }
+
+    /// Bytes declared of one kind.
+    pub fn kind_bytes(&self, kind: BufferKind) -> usize {
+        self.decls
+            .iter()
+            .filter(|d| d.kind == kind)
+            .map(BufferDecl::bytes)
+            .sum()
+    }
+
+    pub fn arena_plan(&self) -> &ArenaPlan {
+        &self.arena
+    }
+}
+
+/// The allocated plan: the arena and what each of its regions is.
+pub struct Buffers {
+    pub arena: Arena,
+    decls: Vec<BufferDecl>,
+}
+
+impl Buffers {
+    pub fn new(arena: Arena, plan: MemoryPlan) -> Buffers {
+        Buffers {
+            arena,
+            decls: plan.decls,
+        }
+    }
+
+    pub fn ptr(&self, id: RegionId) -> DevicePtr {
+        self.arena.region(id)
+    }
+
+    /// Declarations and their device buffers, in arena order.
+    fn each(&self) -> impl Iterator<Item = (&BufferDecl, DevicePtr)> {
+        self.decls
+            .iter()
+            .zip(self.arena.regions())
+            .map(|(d, r)| (d, r.ptr))
+    }
+
+    /// `(base, bytes)` covering every buffer of `kind` ((0, 0) if none).
+    pub fn span(&self, kind: BufferKind) -> (u64, u64) {
+        self.span_of(|d| d.kind == kind)
+    }
+
+    /// `(base, bytes)` of the buffer named `name` ((0, 0) if none).
+    pub fn named(&self, name: &str) -> (u64, u64) {
+        self.span_of(|d| d.name == name)
+    }
+
+    fn span_of(&self, pick: impl Fn(&BufferDecl) -> bool) -> (u64, u64) {
+        let mut lo = u64::MAX;
+        let mut hi = 0u64;
+        for (d, p) in self.each().filter(|(d, _)| pick(d)) {
+            let _ = d;
+            lo = lo.min(p.addr());
+            hi = hi.max(p.addr() + p.bytes() as u64);
+        }
+        if lo == u64::MAX {
+            (0, 0)
+        } else {
+            (lo, hi - lo)
+        }
+    }
+
+    /// The derived buffers as dsv4_weight_info lists them (element type and shape as
+    /// declared).
+    pub fn derived(&self) -> Vec<DerivedTensor> {
+        self.each()
+            .filter(|(d, _)| d.kind == BufferKind::Derived)
+            .map(|(d, p)| DerivedTensor {
+                name: d.name.clone(),
+                dtype: match d.elem {
+                    Elem::F64 => DerivedDtype::F64,
+                    Elem::U64 => DerivedDtype::U64,
+                    _ => DerivedDtype::F32,
+                },
+                shape: d.shape.clone(),
+                addr: p.addr(),
+                nbytes: d.numel() * d.elem.size(),
+            })
+            .collect()
+    }
+}
