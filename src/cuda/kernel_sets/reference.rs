@@ -248,7 +248,7 @@ impl ReferenceSet {
     fn post(&self, s: &Step, done: Branch) -> Result<()> {
         let (cfg, ws) = (s.cfg, &self.ws);
         let (n, d) = (cfg.hc_mult, cfg.hidden_size);
-        let off = s.opts.numerics == Numerics::Official;
+        let official = s.opts.numerics == Numerics::Official;
         self.k.mhc.hc_post(
             s.ctx,
             ws.x,
@@ -258,7 +258,7 @@ impl ReferenceSet {
             s.meta.num_tokens,
             n,
             d,
-            off,
+            official,
             s.stream,
         )
     }
@@ -290,7 +290,7 @@ impl KernelSet for ReferenceSet {
         let r = self.run(s);
         let (cfg, ws) = (s.cfg, &self.ws);
         let (t, n, d) = (s.meta.num_tokens, cfg.hc_mult, cfg.hidden_size);
-        let off = r.official();
+        let official = r.official();
         let eps = cfg.rms_norm_eps;
         let (site, norm) = match next {
             // Layer 0's streams all hold the embedding: read the derived folded projection.
@@ -317,7 +317,7 @@ impl KernelSet for ReferenceSet {
             cfg.hc_sinkhorn_iters,
             cfg.hc_eps,
             eps,
-            off,
+            official,
             ws.u,
             ws.post,
             ws.comb,
@@ -331,7 +331,7 @@ impl KernelSet for ReferenceSet {
             d,
             Some(r.weights[norm].data),
             eps,
-            off,
+            official,
             s.stream,
         )
     }
@@ -371,14 +371,14 @@ impl KernelSet for ReferenceSet {
         let r = self.run(s);
         let (cfg, ws, st, k8) = (s.cfg, &self.ws, s.stream, &self.k);
         let (n, d) = (cfg.hc_mult, cfg.hidden_size);
-        let off = r.official();
+        let official = r.official();
         let eps = cfg.rms_norm_eps;
         let rows = out.rows;
         k8.nr
             .gather_rows(s.ctx, ws.x, n * d, Some(s.rows), rows, ws.xr, st)?;
         let site = r.site(&r.handles.hc_head);
         k8.mhc.hc_head(
-            s.ctx, ws.xr, rows, n, d, site, cfg.hc_eps, eps, off, ws.y, st,
+            s.ctx, ws.xr, rows, n, d, site, cfg.hc_eps, eps, official, ws.y, st,
         )?;
         k8.nr.rmsnorm(
             s.ctx,
@@ -388,7 +388,7 @@ impl KernelSet for ReferenceSet {
             d,
             Some(r.weights[r.handles.norm].data),
             eps,
-            off,
+            official,
             st,
         )?;
         let v = cfg.vocab_size;
@@ -428,9 +428,9 @@ struct Run<'a> {
     ws: Workspace,
 }
 
-/// Buffer from byte `off` to its end (a strided view's base).
-fn from(p: DevicePtr, off: usize) -> Result<DevicePtr> {
-    p.slice(off, p.bytes() - off)
+/// Buffer from byte `offset` to its end (a strided view's base).
+fn from(p: DevicePtr, offset: usize) -> Result<DevicePtr> {
+    p.slice(offset, p.bytes() - offset)
 }
 
 impl Run<'_> {
@@ -494,7 +494,7 @@ impl Run<'_> {
     ) -> Result<()> {
         let cfg = &self.cfg;
         let ws = self.ws;
-        let off = self.official();
+        let official = self.official();
         let t = meta.num_tokens;
         let (d, h, hd, ql) = (
             cfg.hidden_size,
@@ -508,7 +508,20 @@ impl Run<'_> {
         let pos = meta.positions;
         let w = |i: usize| self.weights[i];
         // Query path.
-        self.linear(k8, ws.u, d, t, &w(lw.wq_a), 0, ql, ws.qr, ql, off, off, st)?;
+        self.linear(
+            k8,
+            ws.u,
+            d,
+            t,
+            &w(lw.wq_a),
+            0,
+            ql,
+            ws.qr,
+            ql,
+            official,
+            official,
+            st,
+        )?;
         k8.nr.rmsnorm(
             &self.ctx,
             ws.qr,
@@ -517,7 +530,7 @@ impl Run<'_> {
             ql,
             Some(w(lw.q_norm).data),
             eps,
-            off,
+            official,
             st,
         )?;
         self.linear(
@@ -530,12 +543,12 @@ impl Run<'_> {
             h * hd,
             ws.q,
             h * hd,
-            off,
-            off,
+            official,
+            official,
             st,
         )?;
         k8.nr
-            .rmsnorm(&self.ctx, ws.q, t * h, hd, hd, None, eps, off, st)?;
+            .rmsnorm(&self.ctx, ws.q, t * h, hd, hd, None, eps, official, st)?;
         k8.nr.rope(
             &self.ctx,
             ws.q,
@@ -547,11 +560,24 @@ impl Run<'_> {
             ls.inv_freq,
             half,
             1.0,
-            off,
+            official,
             st,
         )?;
         // Window KV.
-        self.linear(k8, ws.u, d, t, &w(lw.wkv), 0, hd, ws.kv, hd, off, off, st)?;
+        self.linear(
+            k8,
+            ws.u,
+            d,
+            t,
+            &w(lw.wkv),
+            0,
+            hd,
+            ws.kv,
+            hd,
+            official,
+            official,
+            st,
+        )?;
         k8.nr.rmsnorm(
             &self.ctx,
             ws.kv,
@@ -560,7 +586,7 @@ impl Run<'_> {
             hd,
             Some(w(lw.kv_norm).data),
             eps,
-            off,
+            official,
             st,
         )?;
         k8.nr.rope(
@@ -574,10 +600,10 @@ impl Run<'_> {
             ls.inv_freq,
             half,
             1.0,
-            off,
+            official,
             st,
         )?;
-        if off {
+        if official {
             k8.nr.kv_sim(&self.ctx, ws.kv, t, hd, cfg.nope_dim(), st)?;
         }
         // Compressors (f32 projections), tokens in order per sequence.
@@ -620,8 +646,8 @@ impl Run<'_> {
                 hi * di,
                 ws.qi,
                 hi * di,
-                off,
-                off,
+                official,
+                official,
                 st,
             )?;
             k8.nr.rope(
@@ -635,10 +661,10 @@ impl Run<'_> {
                 ls.inv_freq,
                 half,
                 1.0,
-                off,
+                official,
                 st,
             )?;
-            if off {
+            if official {
                 k8.nr.index_sim(&self.ctx, ws.qi, t * hi, di, st)?;
             }
             self.linear(
@@ -652,7 +678,7 @@ impl Run<'_> {
                 ws.iw,
                 hi,
                 false,
-                off,
+                official,
                 st,
             )?;
             let s1 = (di as f64).powf(-0.5) as f32;
@@ -668,7 +694,7 @@ impl Run<'_> {
                 topk: cfg.index_topk,
                 maxe: ls.maxe,
                 num_slots: self.opts.max_num_seqs,
-                official: off,
+                official,
                 scores: ws.iscores,
                 selected: ws.selected,
                 nsel: ws.nsel,
@@ -691,7 +717,7 @@ impl Run<'_> {
             maxe: ls.maxe,
             topk: cfg.index_topk,
             num_slots: self.opts.max_num_seqs,
-            official: off,
+            official,
             o: ws.o,
         };
         k8.attn.attention(&self.ctx, meta, &args, st)?;
@@ -714,7 +740,7 @@ impl Run<'_> {
             ls.inv_freq,
             half,
             -1.0,
-            off,
+            official,
             st,
         )?;
         // Grouped output projection: heads of group g through rows g*R.. of wo_a, then wo_b.
@@ -734,11 +760,24 @@ impl Run<'_> {
                 zg,
                 g * r,
                 false,
-                off,
+                official,
                 st,
             )?;
         }
-        self.linear(k8, ws.z, g * r, t, &w(lw.wo_b), 0, d, ws.a, d, off, off, st)
+        self.linear(
+            k8,
+            ws.z,
+            g * r,
+            t,
+            &w(lw.wo_b),
+            0,
+            d,
+            ws.a,
+            d,
+            official,
+            official,
+            st,
+        )
     }
 
     /// One compressor (main KV or indexer keys) over the batch's tokens.
@@ -825,7 +864,7 @@ impl Run<'_> {
     ) -> Result<()> {
         let cfg = &self.cfg;
         let ws = self.ws;
-        let off = self.official();
+        let official = self.official();
         let (d, i, e, k) = (
             cfg.hidden_size,
             cfg.moe_inter,
@@ -887,7 +926,7 @@ impl Run<'_> {
             experts(tb.w2, tb.s2, w2),
             experts(tb.w3, tb.s3, w3),
         );
-        let xq = if off && w1.format.is_quantized() {
+        let xq = if official && w1.format.is_quantized() {
             k8.linear.act_quant(&self.ctx, ws.u, d, t, d, ws.xq, st)?;
             ws.xq
         } else {
@@ -901,37 +940,78 @@ impl Run<'_> {
             &e3,
             ws.rw,
             cfg.swiglu_limit,
-            off,
+            official,
             ws.h,
             st,
         )?;
-        let hq = if off && w2.format.is_quantized() {
+        let hq = if official && w2.format.is_quantized() {
             k8.linear
                 .act_quant(&self.ctx, ws.h, i, t * k, i, ws.hq, st)?;
             ws.hq
         } else {
             ws.h
         };
-        k8.moe.down(&self.ctx, &plan, hq, &e2, off, ws.ya, st)?;
+        k8.moe
+            .down(&self.ctx, &plan, hq, &e2, official, ws.ya, st)?;
         let ys = match &lw.shared {
             Some(sw) => {
-                self.linear(k8, ws.u, d, t, &proto(sw.w1), 0, i, ws.sg, i, off, off, st)?;
-                self.linear(k8, ws.u, d, t, &proto(sw.w3), 0, i, ws.sv, i, off, off, st)?;
+                self.linear(
+                    k8,
+                    ws.u,
+                    d,
+                    t,
+                    &proto(sw.w1),
+                    0,
+                    i,
+                    ws.sg,
+                    i,
+                    official,
+                    official,
+                    st,
+                )?;
+                self.linear(
+                    k8,
+                    ws.u,
+                    d,
+                    t,
+                    &proto(sw.w3),
+                    0,
+                    i,
+                    ws.sv,
+                    i,
+                    official,
+                    official,
+                    st,
+                )?;
                 k8.moe.swiglu(
                     &self.ctx,
                     ws.sg,
                     ws.sv,
                     t * i,
                     cfg.swiglu_limit,
-                    off,
+                    official,
                     ws.sh,
                     st,
                 )?;
-                self.linear(k8, ws.sh, i, t, &proto(sw.w2), 0, d, ws.ys, d, off, off, st)?;
+                self.linear(
+                    k8,
+                    ws.sh,
+                    i,
+                    t,
+                    &proto(sw.w2),
+                    0,
+                    d,
+                    ws.ys,
+                    d,
+                    official,
+                    official,
+                    st,
+                )?;
                 Some(ws.ys)
             }
             None => None,
         };
-        k8.moe.combine(&self.ctx, ws.ya, ys, t, k, d, off, ws.f, st)
+        k8.moe
+            .combine(&self.ctx, ws.ya, ys, t, k, d, official, ws.f, st)
     }
 }

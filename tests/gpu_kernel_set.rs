@@ -1,0 +1,88 @@
+//! The `kernel_set` create option (ABI 1.2) and the create-params layouts of older hosts,
+//! through the C ABI. CPU always; the CUDA half needs a device (compiles the chosen set).
+
+use std::ffi::{CStr, CString};
+
+use dsv4::ffi::*;
+
+fn last_error() -> String {
+    unsafe { CStr::from_ptr(dsv4_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn params(dev: i32) -> dsv4_create_params {
+    let mut p = dsv4_create_params_default();
+    p.use_tiny_default = 1;
+    p.device = dev;
+    p.max_num_seqs = 2;
+    p.max_num_tokens = 16;
+    p.max_seq_len = 32;
+    p
+}
+
+fn devices() -> Vec<i32> {
+    match dsv4::cuda::device_count() {
+        Ok(n) if n > 0 => vec![-1, 0],
+        _ => {
+            println!("skipped: no CUDA device (CUDA half; the CPU half ran)");
+            vec![-1]
+        }
+    }
+}
+
+/// create -> dummy load -> finalize; the status of the first failing step.
+fn build(p: &dsv4_create_params) -> (dsv4_status, String) {
+    let mut e = std::ptr::null_mut();
+    let mut st = unsafe { dsv4_create(p, &mut e) };
+    if st == DSV4_STATUS_OK {
+        st = unsafe { dsv4_load(e, std::ptr::null(), DSV4_LOAD_DUMMY) };
+    }
+    if st == DSV4_STATUS_OK {
+        st = unsafe { dsv4_finalize(e, std::ptr::null_mut()) };
+    }
+    let msg = last_error();
+    unsafe { dsv4_destroy(e) };
+    (st, msg)
+}
+
+#[test]
+fn reference_is_accepted_and_an_unknown_set_is_a_config_error_naming_it() {
+    for dev in devices() {
+        let reference = CString::new("reference").unwrap();
+        let mut p = params(dev);
+        p.kernel_set = reference.as_ptr();
+        let (st, msg) = build(&p);
+        assert_eq!(st, DSV4_STATUS_OK, "device {dev}: {msg}");
+
+        let bogus = CString::new("fast").unwrap();
+        p.kernel_set = bogus.as_ptr();
+        let (st, msg) = build(&p);
+        assert_eq!(st, DSV4_STATUS_CONFIG, "device {dev}");
+        assert!(
+            msg.contains("params->kernel_set")
+                && msg.contains("`fast`")
+                && msg.contains("reference"),
+            "device {dev}: {msg}"
+        );
+    }
+}
+
+#[test]
+fn a_host_built_against_abi_1_0_still_creates_engines() {
+    // ABI 1.0's dsv4_create_params ended at `cache_dir`: such a host passes the shorter
+    // struct_size, and the fields it lacks take their defaults (the default kernel set).
+    let v10 = std::mem::offset_of!(dsv4_create_params, kernel_set);
+    for dev in devices() {
+        let mut p = params(dev);
+        p.struct_size = v10;
+        // Bytes past the host's struct must not be read: poison them.
+        p.kernel_set = 0x1 as *const _;
+        let (st, msg) = build(&p);
+        assert_eq!(st, DSV4_STATUS_OK, "device {dev}: {msg}");
+        p.struct_size = v10 - 1;
+        let (st, msg) = build(&p);
+        assert_eq!(st, DSV4_STATUS_INVALID_ARGUMENT, "device {dev}: {msg}");
+        assert!(msg.contains("struct_size"), "{msg}");
+    }
+}
