@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use common::{Oracle, fixture_dir};
 use dsv4::ffi::*;
 use safetensors::SafeTensors;
+use common::TempDir;
 
 fn last_error() -> String {
     unsafe { CStr::from_ptr(dsv4_last_error()) }
@@ -500,24 +501,6 @@ fn split_pairs(shards: &[Vec<Entry>]) -> Vec<(String, String)> {
         }
     }
     out
-}
-
-/// A scratch directory, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("dsv4-refit-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// Writes the tensors of tiny_fp8 again as three shards of a checkpoint (sorted names, with
