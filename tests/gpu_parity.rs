@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::gpu::has_cuda;
 use common::{Oracle, fixture_dir};
 use dsv4::cuda::arena::{Arena, DevicePtr, copy_to_device_sync, copy_to_host_sync};
 use dsv4::cuda::context::Context;
@@ -13,16 +14,6 @@ use dsv4::engine::DeviceBatch;
 use dsv4::{
     Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, WeightFormat,
 };
-
-fn gpu() -> bool {
-    match dsv4::cuda::device_count() {
-        Ok(n) if n > 0 => true,
-        _ => {
-            println!("skipped: no CUDA device");
-            false
-        }
-    }
-}
 
 fn engine(model: &str, device: i32, numerics: Numerics) -> Engine {
     let dir = fixture_dir(model);
@@ -249,7 +240,7 @@ fn parity(model: &str, numerics: Numerics) {
 
 #[test]
 fn gpu_matches_cpu_and_oracle_exact() {
-    if !gpu() {
+    if !has_cuda() {
         return;
     }
     for m in ["tiny", "tiny_native", "tiny_fp8"] {
@@ -259,7 +250,7 @@ fn gpu_matches_cpu_and_oracle_exact() {
 
 #[test]
 fn gpu_matches_cpu_official() {
-    if !gpu() {
+    if !has_cuda() {
         return;
     }
     for m in ["tiny", "tiny_fp8"] {
@@ -269,7 +260,7 @@ fn gpu_matches_cpu_official() {
 
 #[test]
 fn no_device_memory_growth_over_1000_forwards() {
-    if !gpu() {
+    if !has_cuda() {
         return;
     }
     let o = Oracle::load("tiny");
@@ -293,7 +284,7 @@ fn no_device_memory_growth_over_1000_forwards() {
 /// logits_rows picks rows and BF16 output equals the CPU reference's BF16 output bit for bit.
 #[test]
 fn logits_rows_and_bf16_output_match_cpu() {
-    if !gpu() {
+    if !has_cuda() {
         return;
     }
     let o = Oracle::load("tiny");
