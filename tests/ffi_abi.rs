@@ -1747,7 +1747,7 @@ fn st_header(bytes: &[u8]) -> (usize, serde_json::Map<String, serde_json::Value>
 /// A safetensors file made of `header` (re-serialized, space-padded to 8 bytes) and `data`.
 fn st_bytes(header: &serde_json::Map<String, serde_json::Value>, data: &[u8]) -> Vec<u8> {
     let mut h = serde_json::to_vec(header).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();

@@ -191,13 +191,16 @@ fn compare(a: &[Vec<f32>], b: &[Vec<f32>], vocab: usize) -> (f32, f64, f64) {
     (md, mincos, agree as f64 / rows as f64)
 }
 
+/// Chunk size of sequence `s` in step `k` of a schedule.
+type ChunkSize = Box<dyn Fn(usize, usize) -> usize>;
+
 fn parity(model: &str, numerics: Numerics) {
     let o = Oracle::load(model);
     let host = Host::new();
     let mut cpu = engine(model, -1, numerics);
     let mut gpu = engine(model, 0, numerics);
     let vocab = cpu.config().vocab_size;
-    let cases: [(&str, Box<dyn Fn(usize, usize) -> usize>); 3] = [
+    let cases: [(&str, ChunkSize); 3] = [
         ("one-shot", Box::new(|_, _| 1 << 20)),
         (
             "chunked",
