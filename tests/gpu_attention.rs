@@ -11,6 +11,7 @@
 
 mod common;
 
+use common::rng::XorShift;
 use dsv4::config::{AttnKind, ModelConfig};
 use dsv4::cuda::arena::{self, Arena, ArenaPlan};
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta, RingArgs};
@@ -27,7 +28,6 @@ use dsv4::reference::ops::inv_sqrt;
 use dsv4::reference::precision::Prec;
 use dsv4::state::{CompressorState, SlotState};
 use std::sync::Mutex;
-use common::rng::XorShift;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 

@@ -250,7 +250,11 @@ fn a_bad_entry_among_good_ones_changes_nothing() {
                 CStr::from_ptr(d.name)
             });
         }
-        assert_eq!(bits(&r.forward_finite(&prefill())), bits(&before), "device {dev}");
+        assert_eq!(
+            bits(&r.forward_finite(&prefill())),
+            bits(&before),
+            "device {dev}"
+        );
     }
 }
 
@@ -415,7 +419,10 @@ fn captured_decode_and_prefill_replay_equal_eager() {
     let eager = tiny(0, Load::Checkpoint);
     let cap = tiny(0, Load::Checkpoint);
     let p = prefill();
-    assert_eq!(bits(&eager.forward_finite(&p)), bits(&cap.forward_finite(&p)));
+    assert_eq!(
+        bits(&eager.forward_finite(&p)),
+        bits(&cap.forward_finite(&p))
+    );
 
     // Decode: one token for each of the two sequences.
     let d1 = Step::of(&[(0, 13, tokens(3, 1)), (1, 9, tokens(4, 1))]);

@@ -10,6 +10,8 @@
 
 mod common;
 
+use common::assert_bits;
+use common::rng::Rng;
 use dsv4::cuda::arena::{self, ArenaPlan};
 use dsv4::cuda::kernels::linear::{self, DevWeight, Linear, WFormat};
 use dsv4::cuda::registry::{KernelCache, Registry};
@@ -21,8 +23,6 @@ use dsv4::weights::qmatrix::{QFormat, QMatrix};
 use dsv4::weights::quant::{fp8_sim, round_bf16};
 use dsv4::weights::store::{MatRef, TensorData, WeightStore};
 use std::sync::OnceLock;
-use common::rng::Rng;
-use common::assert_bits;
 
 const TH: Threads = Threads(4);
 const POISON: u32 = 0xffff_ffff;

@@ -9,15 +9,15 @@
 
 mod common;
 
+use common::assert_bits;
+use common::gpu::{FamilyGpu, family_gpu};
+use common::rng::Rng;
+use dsv4::cuda::Arena;
 use dsv4::cuda::kernels::mhc::{self, HcSiteDev, Mhc};
 use dsv4::cuda::registry::{cubin_defines, nvrtc_version};
-use dsv4::cuda::Arena;
 use dsv4::reference::mhc::{HcParams, HcPre, fold_projection, hc_head, hc_post, hc_pre};
 use dsv4::reference::ops::Threads;
 use dsv4::weights::quant::round_bf16;
-use common::gpu::{FamilyGpu, family_gpu};
-use common::rng::Rng;
-use common::assert_bits;
 
 // ------------------------------------------------------------------------------ harness
 

@@ -13,6 +13,8 @@
 
 mod common;
 
+use common::assert_bits;
+use common::rng::Rng;
 use dsv4::ModelConfig;
 use dsv4::cuda::arena::{self, ArenaPlan};
 use dsv4::cuda::kernels::linear::{self, DevWeight, Linear, WFormat};
@@ -29,8 +31,6 @@ use dsv4::weights::qmatrix::QFormat;
 use dsv4::weights::store::{TensorData, WeightStore};
 use serde_json::{Value, json};
 use std::sync::OnceLock;
-use common::rng::Rng;
-use common::assert_bits;
 
 const TH: Threads = Threads(4);
 

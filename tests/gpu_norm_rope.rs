@@ -9,6 +9,9 @@
 
 mod common;
 
+use common::gpu::{FamilyGpu, family_gpu};
+use common::rng::Rng;
+use common::{assert_bits, assert_u16};
 use dsv4::ModelConfig;
 use dsv4::config::AttnKind;
 use dsv4::cuda::kernels::norm_rope::{self, NormRope};
@@ -17,9 +20,6 @@ use dsv4::model::rope;
 use dsv4::reference::ops::{inv_sqrt, rms_norm};
 use dsv4::reference::precision::Prec;
 use dsv4::weights::quant::{fp8_sim, round_bf16};
-use common::gpu::{FamilyGpu, family_gpu};
-use common::rng::Rng;
-use common::{assert_bits, assert_u16};
 
 // ------------------------------------------------------------------------------ harness
 

@@ -8,12 +8,12 @@
 
 mod common;
 
+use common::TempDir;
 use dsv4::cuda::arena::{self, ArenaPlan};
 use dsv4::cuda::registry::{KernelCache, families};
 use dsv4::cuda::smoke::{self, ROUNDTRIP_COLS, ROUNDTRIP_COLUMNS, Smoke};
 use dsv4::cuda::{Arena, BorrowedStream, Context, DevicePtr, OwnedStream, PinnedStaging, Registry};
 use std::sync::Mutex;
-use common::TempDir;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 

@@ -12,13 +12,13 @@
 
 mod common;
 
+use common::TempDir;
 use dsv4::Status;
 use dsv4::cuda::libs::{CudaLib, LIB_DIR_ENV, loaded};
 use dsv4::cuda::registry::{
     KernelCache, KernelFn, KernelSource, cubin_defines, families, nvrtc_version,
 };
 use dsv4::cuda::{CacheOutcome, arch_for};
-use common::TempDir;
 
 const ARCH: &str = "sm_90a";
 

@@ -9,14 +9,14 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use common::TempDir;
+use common::rng::XorShift;
 use dsv4::weights::load::load_checkpoint;
 use dsv4::weights::spec::{ElemKind, StoredAs, TensorSpec, tensor_specs};
 use dsv4::weights::store::{TensorData, WeightStore};
 use dsv4::{ModelConfig, Status};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
-use common::rng::XorShift;
-use common::TempDir;
 
 /// 3 layers (sliding+hash, CSA+hash, HCA+top-k), 32x32 FP8 blocks: hidden 80 and q_lora 48
 /// leave partial blocks at the right and bottom edges; FP4 rows of 80 and 48 leave partial

@@ -114,9 +114,7 @@ pub fn report(label: &str, o: &Oracle, got: &[Vec<f32>]) {
     let worst_dec = (0..o.prompts.len())
         .map(|s| max_abs_diff(&got[s], &o.logits_decode[s]))
         .fold(0.0, f32::max);
-    println!(
-        "{label}: max |dlogit| vs HF one-shot = {worst:.3e}, vs HF decode = {worst_dec:.3e}"
-    );
+    println!("{label}: max |dlogit| vs HF one-shot = {worst:.3e}, vs HF decode = {worst_dec:.3e}");
     assert!(worst <= TOL, "{label}: max |dlogit| = {worst} > {TOL}");
     assert!(
         worst_dec <= TOL,
@@ -154,7 +152,11 @@ pub mod hf {
             })
             .collect();
         run_step(f, o, &pieces, &mut got, false);
-        report(&format!("{name} one-shot, all sequences in one batch"), o, &got);
+        report(
+            &format!("{name} one-shot, all sequences in one batch"),
+            o,
+            &got,
+        );
     }
 
     /// Odd chunk sizes, each sequence advancing by a different schedule so that the

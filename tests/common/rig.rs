@@ -248,10 +248,9 @@ impl Rig {
                 Load::Checkpoint => {
                     r.check(dsv4_load(e, dir.as_ptr(), DSV4_LOAD_AUTO), "dsv4_load")
                 }
-                Load::Dummy => r.check(
-                    dsv4_load(e, std::ptr::null(), DSV4_LOAD_DUMMY),
-                    "dsv4_load",
-                ),
+                Load::Dummy => {
+                    r.check(dsv4_load(e, std::ptr::null(), DSV4_LOAD_DUMMY), "dsv4_load")
+                }
             }
             for t in tensors(overrides) {
                 r.check(dsv4_load_tensor(e, &t), "dsv4_load_tensor");
@@ -515,7 +514,9 @@ impl Rig {
         }
         g.launch(h.stream.borrow()).unwrap();
         h.stream.borrow().synchronize().unwrap();
-        sets.iter().map(|&(set, rows)| self.fetch(set, rows)).collect()
+        sets.iter()
+            .map(|&(set, rows)| self.fetch(set, rows))
+            .collect()
     }
 
     /// dsv4_device_error: (status, record, message).
