@@ -104,10 +104,10 @@ impl<'a> Fields<'a> {
     /// First present key among `names` (aliases), or None.
     fn find(&self, names: &[&str]) -> Option<(&'a str, &'a Value)> {
         for n in names {
-            if let Some((k, v)) = self.map.get_key_value(*n) {
-                if !v.is_null() {
-                    return Some((k.as_str(), v));
-                }
+            if let Some((k, v)) = self.map.get_key_value(*n)
+                && !v.is_null()
+            {
+                return Some((k.as_str(), v));
             }
         }
         None
@@ -238,12 +238,12 @@ impl ModelConfig {
                 None => head_dim * 64 / 512,
             },
         };
-        if let Some(kv) = f.usize_opt(&["num_key_value_heads"])? {
-            if kv != 1 {
-                return Err(cfg_err(format!(
-                    "config field `num_key_value_heads` must be 1 (one shared K=V head), got {kv}"
-                )));
-            }
+        if let Some(kv) = f.usize_opt(&["num_key_value_heads"])?
+            && kv != 1
+        {
+            return Err(cfg_err(format!(
+                "config field `num_key_value_heads` must be 1 (one shared K=V head), got {kv}"
+            )));
         }
 
         let kinds = parse_layer_kinds(f, num_layers)?;
@@ -269,12 +269,12 @@ impl ModelConfig {
                 )));
             }
         };
-        if let Some(act) = f.str_opt(&["hidden_act"])? {
-            if act != "silu" {
-                return Err(cfg_err(format!(
-                    "config field `hidden_act` must be \"silu\", got \"{act}\""
-                )));
-            }
+        if let Some(act) = f.str_opt(&["hidden_act"])?
+            && act != "silu"
+        {
+            return Err(cfg_err(format!(
+                "config field `hidden_act` must be \"silu\", got \"{act}\""
+            )));
         }
 
         let quant = parse_quant(f)?;
@@ -364,13 +364,13 @@ impl ModelConfig {
                 )));
             }
         }
-        if self.rope_dim % 2 != 0 || self.rope_dim > self.head_dim {
+        if !self.rope_dim.is_multiple_of(2) || self.rope_dim > self.head_dim {
             return Err(cfg_err(format!(
                 "config field `qk_rope_head_dim` = {} must be even and <= head_dim = {}",
                 self.rope_dim, self.head_dim
             )));
         }
-        if self.num_heads % self.o_groups != 0 {
+        if !self.num_heads.is_multiple_of(self.o_groups) {
             return Err(cfg_err(format!(
                 "config field `o_groups` = {} must divide num_attention_heads = {}",
                 self.o_groups, self.num_heads
@@ -394,7 +394,9 @@ impl ModelConfig {
                     .into(),
             ));
         }
-        if !(self.hc_eps >= 0.0) || !(self.rms_norm_eps >= 0.0) {
+        // NaN fails too.
+        let bad = |x: f32| x.is_nan() || x < 0.0;
+        if bad(self.hc_eps) || bad(self.rms_norm_eps) {
             return Err(cfg_err(
                 "config fields `hc_eps` and `rms_norm_eps` must be >= 0".into(),
             ));
@@ -424,16 +426,15 @@ impl ModelConfig {
                 "config fields `rope_theta` and `compress_rope_theta` must be > 0".into(),
             ));
         }
-        if let Some(y) = self.yarn {
-            if y.factor < 1.0
+        if let Some(y) = self.yarn
+            && (y.factor < 1.0
                 || y.original_max_position <= 0.0
                 || y.beta_fast <= 0.0
-                || y.beta_slow <= 0.0
-            {
-                return Err(cfg_err(format!(
-                    "config field `rope_scaling` (yarn) needs factor >= 1 and positive original_max_position_embeddings/beta_fast/beta_slow, got {y:?}"
-                )));
-            }
+                || y.beta_slow <= 0.0)
+        {
+            return Err(cfg_err(format!(
+                "config field `rope_scaling` (yarn) needs factor >= 1 and positive original_max_position_embeddings/beta_fast/beta_slow, got {y:?}"
+            )));
         }
         Ok(())
     }

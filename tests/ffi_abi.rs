@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::ptr;
 use std::sync::Mutex;
 
+use common::abi::{check, last_error, status_name as name};
 use common::{Oracle, fixture_dir, max_abs_diff};
 use dsv4::ffi::*;
 use safetensors::tensor::TensorView;
@@ -21,44 +22,9 @@ use safetensors::{Dtype, SafeTensors};
 // ----------------------------------------------------------------------------------------
 // helpers
 
-fn last_error() -> String {
-    // SAFETY: dsv4_last_error never returns NULL and the text is NUL-terminated.
-    unsafe { CStr::from_ptr(dsv4_last_error()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-/// Asserts `got` is `want` and the last error mentions every needle.
-#[track_caller]
-fn check(got: dsv4_status, want: dsv4_status, needles: &[&str]) {
-    let msg = last_error();
-    assert_eq!(
-        got,
-        want,
-        "status {} (want {}), message: {msg}",
-        name(got),
-        name(want)
-    );
-    if want == DSV4_STATUS_OK {
-        assert_eq!(msg, "", "a successful call leaves dsv4_last_error empty");
-        return;
-    }
-    assert!(!msg.is_empty(), "failure without a message");
-    for n in needles {
-        assert!(msg.contains(n), "message does not name `{n}`: {msg}");
-    }
-}
-
 #[track_caller]
 fn ok(got: dsv4_status) {
     check(got, DSV4_STATUS_OK, &[]);
-}
-
-fn name(s: dsv4_status) -> String {
-    // SAFETY: static NUL-terminated string.
-    unsafe { CStr::from_ptr(dsv4_status_name(s)) }
-        .to_string_lossy()
-        .into_owned()
 }
 
 /// An engine destroyed on drop.
@@ -1781,7 +1747,7 @@ fn st_header(bytes: &[u8]) -> (usize, serde_json::Map<String, serde_json::Value>
 /// A safetensors file made of `header` (re-serialized, space-padded to 8 bytes) and `data`.
 fn st_bytes(header: &serde_json::Map<String, serde_json::Value>, data: &[u8]) -> Vec<u8> {
     let mut h = serde_json::to_vec(header).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();

@@ -9,6 +9,9 @@
 //! Without a CUDA device the GPU test prints `skipped: no CUDA device`; the NVRTC compile
 //! test runs wherever NVRTC is installed (else it prints its own skip line).
 
+mod common;
+
+use common::rng::XorShift;
 use dsv4::config::{AttnKind, ModelConfig};
 use dsv4::cuda::arena::{self, Arena, ArenaPlan};
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta, RingArgs};
@@ -35,19 +38,7 @@ fn lock() -> std::sync::MutexGuard<'static, ()> {
 const FAMILIES: [&KernelSource; 3] = [&attention::SOURCE, &compressor::SOURCE, &indexer::SOURCE];
 
 fn device_or_skip() -> Option<Context> {
-    match dsv4::cuda::device_count() {
-        Ok(n) if n > 0 => {}
-        Ok(_) => {
-            println!("skipped: no CUDA device");
-            return None;
-        }
-        Err(e) => {
-            println!("skipped: no CUDA device ({e})");
-            return None;
-        }
-    }
-    let ctx = Context::retain(0)
-        .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}"));
+    let ctx = common::gpu::device_or_skip()?;
     println!("device 0: {} ({})", ctx.info().name, ctx.info().arch);
     Some(ctx)
 }
@@ -189,35 +180,6 @@ fn long_script() -> Script {
         b.push(vec![(0, 2503 + k, 1), (1, 601 + k, 1)]);
     }
     b
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Uniform in [-scale, scale).
-    fn f(&mut self, scale: f32) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-    }
-
-    fn vec(&mut self, n: usize, scale: f32, bf16: bool) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let v = self.f(scale);
-                if bf16 {
-                    half::bf16::from_f32(v).to_f32()
-                } else {
-                    v
-                }
-            })
-            .collect()
-    }
 }
 
 /// Device buffers of one layer's run, carved from one arena.
@@ -424,7 +386,7 @@ fn run_layer(
     let s = stream.borrow();
     let d = dev_buffers(ctx, case, ratio);
     let _g = ctx.enter().unwrap();
-    let mut rng = Rng(seed);
+    let mut rng = XorShift(seed);
 
     // Weights.
     let freqs = rope::inv_freq(cfg, spec.attn);

@@ -20,12 +20,15 @@
 
 mod common;
 
-use std::ffi::{CStr, CString, c_void};
-
+use common::abi::{last_error, ok};
+use common::bits;
 use common::fixture_dir;
-use dsv4::cuda::arena::{copy_to_device_sync, copy_to_host_sync, memset_async};
+use common::gpu::devices;
+use common::rig::{Rig, RigOptions, Step};
+use common::rng::tokens;
+use dsv4::cuda::DevicePtr;
+use dsv4::cuda::arena::copy_to_host_sync;
 use dsv4::cuda::graph::Graph;
-use dsv4::cuda::{Arena, Context, DevicePtr, OwnedStream};
 use dsv4::engine::{Batch, EngineOptions, LogitsOut};
 use dsv4::ffi::*;
 use dsv4::model::batch::plan;
@@ -36,299 +39,30 @@ const SEQS: usize = 8;
 const TOKENS: usize = 64;
 const SEQ_LEN: usize = 256;
 
-fn last_error() -> String {
-    unsafe { CStr::from_ptr(dsv4_last_error()) }
-        .to_string_lossy()
-        .into_owned()
+/// The `tiny` model through the C ABI on `dev`, official numerics, with room for padding
+/// sequences. Logits are poisoned with a pattern that is neither NaN nor zero (0x01 bytes),
+/// so both the NaN and the zero rows are seen written. CUDA engines have a device error
+/// record, the CPU none.
+fn rig(dev: i32) -> Rig {
+    let mut o = RigOptions::new("tiny", dev);
+    o.max_num_seqs = SEQS as i32;
+    o.max_num_tokens = TOKENS as i32;
+    o.max_seq_len = SEQ_LEN as i32;
+    o.poison = 0x01;
+    let r = Rig::build(&o, &[]);
+    let i = r.info();
+    if dev >= 0 {
+        assert!(!i.device_error.is_null(), "CUDA: no device error record");
+    } else {
+        assert!(i.device_error.is_null());
+    }
+    r
 }
 
-fn ok(s: dsv4_status) {
-    assert_eq!(s, DSV4_STATUS_OK, "{}", last_error());
-}
-
-/// The CPU reference always; CUDA device 0 too when present.
-fn devices() -> Vec<i32> {
-    match dsv4::cuda::device_count() {
-        Ok(n) if n > 0 => vec![-1, 0],
-        _ => {
-            println!("skipped: no CUDA device (CUDA half; the CPU half ran)");
-            vec![-1]
-        }
-    }
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-/// A forward batch's host arrays. Counts: num_tokens = toks.len(), num_seqs = slots.len(),
-/// num_logits = rows.len() (or num_tokens without rows).
-#[derive(Clone, Debug)]
-struct Step {
-    toks: Vec<i32>,
-    pos: Vec<i32>,
-    slots: Vec<i32>,
-    qs: Vec<i32>,
-    rows: Option<Vec<i32>>,
-}
-
-impl Step {
-    /// Sequences `(slot, first position, tokens)` batched together.
-    fn of(seqs: &[(i32, i32, Vec<i32>)]) -> Step {
-        let mut s = Step {
-            toks: vec![],
-            pos: vec![],
-            slots: vec![],
-            qs: vec![0],
-            rows: None,
-        };
-        for (slot, p0, toks) in seqs {
-            s.slots.push(*slot);
-            s.pos
-                .extend((0..toks.len() as i32).map(|k| p0.wrapping_add(k)));
-            s.toks.extend(toks);
-            s.qs.push(s.toks.len() as i32);
-        }
-        s
-    }
-
-    fn num_logits(&self) -> usize {
-        self.rows.as_ref().map_or(self.toks.len(), |r| r.len())
-    }
-
-    /// The token row of each logits row.
-    fn logits_token_rows(&self) -> Vec<usize> {
-        match &self.rows {
-            Some(r) => r.iter().map(|&x| x as usize).collect(),
-            None => (0..self.toks.len()).collect(),
-        }
-    }
-}
-
-fn tokens(seed: u64, n: usize) -> Vec<i32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 256) as i32
-        })
-        .collect()
-}
-
-const MB: usize = 1 << 20;
-
-/// The host's side of a CUDA engine: its stream and one set of fixed device batch buffers.
-struct DeviceHost {
-    ctx: Context,
-    stream: OwnedStream,
-    buf: Arena,
-}
-
-impl DeviceHost {
-    fn new() -> DeviceHost {
-        let ctx = Context::retain(0).expect("context");
-        let _g = ctx.enter().unwrap();
-        let stream = OwnedStream::new(&ctx).expect("stream");
-        let buf = Arena::new(&ctx, 8 * MB).expect("host buffers");
-        DeviceHost { ctx, stream, buf }
-    }
-
-    /// Input array `i`: 0 tokens, 1 positions, 2 slots, 3 query_start, 4 logits_rows.
-    fn part(&self, i: usize) -> DevicePtr {
-        self.buf.whole().slice(i * MB / 4, MB / 4).unwrap()
-    }
-
-    fn logits(&self) -> DevicePtr {
-        self.buf.whole().slice(4 * MB, 4 * MB).unwrap()
-    }
-
-    /// Copies the arrays of `s` into the buffers and poisons the logits with a pattern that
-    /// is neither NaN nor zero (0x01 bytes), so both the NaN and the zero rows are written.
-    fn stage(&self, s: &Step) {
-        let _g = self.ctx.enter().unwrap();
-        let st = self.stream.borrow();
-        copy_to_device_sync(self.part(0), &s.toks, st).unwrap();
-        copy_to_device_sync(self.part(1), &s.pos, st).unwrap();
-        copy_to_device_sync(self.part(2), &s.slots, st).unwrap();
-        copy_to_device_sync(self.part(3), &s.qs, st).unwrap();
-        if let Some(r) = &s.rows {
-            copy_to_device_sync(self.part(4), r, st).unwrap();
-        }
-        memset_async(self.logits(), 0x01, st).unwrap();
-        st.synchronize().unwrap();
-    }
-
-    fn fetch(&self, n: usize) -> Vec<f32> {
-        let _g = self.ctx.enter().unwrap();
-        let mut out = vec![f32::NAN; n];
-        copy_to_host_sync(&mut out, self.logits(), self.stream.borrow()).unwrap();
-        out
-    }
-
-    /// A driver operation of the host's own: allocate, copy a pattern through the device,
-    /// read it back, free. Fails if the context was poisoned.
-    fn context_is_healthy(&self) {
-        let _g = self.ctx.enter().unwrap();
-        let a = Arena::new(&self.ctx, 4096).expect("cuMemAlloc after a bad batch");
-        let pattern: Vec<u32> = (0..1024).map(|i| i * 2654435761u32).collect();
-        copy_to_device_sync(a.whole(), &pattern, self.stream.borrow()).expect("copy in");
-        let mut back = vec![0u32; 1024];
-        copy_to_host_sync(&mut back, a.whole(), self.stream.borrow()).expect("copy out");
-        assert_eq!(back, pattern, "the device returned other bytes");
-        self.stream.borrow().synchronize().unwrap();
-    }
-}
-
-/// An engine driven through the C ABI, on either backend, with the slot lengths the test
-/// expects it to hold.
-struct Rig {
-    e: *mut dsv4_engine,
-    dev: i32,
-    vocab: usize,
-    host: Option<DeviceHost>,
-}
-
-impl Rig {
-    fn new(dev: i32) -> Rig {
-        let dir = CString::new(fixture_dir("tiny").to_str().unwrap()).unwrap();
-        let mut p = dsv4_create_params_default();
-        p.config_path = dir.as_ptr();
-        p.device = dev;
-        p.numerics = DSV4_NUMERICS_OFFICIAL;
-        p.max_num_seqs = SEQS as i32;
-        p.max_num_tokens = TOKENS as i32;
-        p.max_seq_len = SEQ_LEN as i32;
-        p.num_threads = 4;
-        let mut e = std::ptr::null_mut();
-        unsafe {
-            ok(dsv4_create(&p, &mut e));
-            ok(dsv4_load(e, dir.as_ptr(), DSV4_LOAD_AUTO));
-        }
-        let host = (dev >= 0).then(DeviceHost::new);
-        let mut r = Rig {
-            e,
-            dev,
-            vocab: 0,
-            host,
-        };
-        unsafe { ok(dsv4_finalize(e, r.stream())) };
-        let mut i: dsv4_info = unsafe { std::mem::zeroed() };
-        i.struct_size = std::mem::size_of::<dsv4_info>();
-        unsafe { ok(dsv4_get_info(r.e, &mut i)) };
-        r.vocab = i.vocab_size as usize;
-        if dev >= 0 {
-            assert!(!i.device_error.is_null(), "CUDA: no device error record");
-        } else {
-            assert!(i.device_error.is_null());
-        }
-        r
-    }
-
-    fn stream(&self) -> *mut c_void {
-        self.host
-            .as_ref()
-            .map_or(std::ptr::null_mut(), |h| h.stream.borrow().raw() as *mut _)
-    }
-
-    /// The batch struct of `s`: host arrays (CPU) or the staged device buffers (CUDA).
-    fn batch(&self, s: &Step, host_logits: &mut [f32]) -> dsv4_batch {
-        let mut b = dsv4_batch_default();
-        b.num_tokens = s.toks.len() as i32;
-        b.num_seqs = s.slots.len() as i32;
-        b.num_logits = s.num_logits() as i32;
-        b.logits_dtype = DSV4_LOGITS_F32;
-        match &self.host {
-            None => {
-                b.token_ids = s.toks.as_ptr();
-                b.positions = s.pos.as_ptr();
-                b.seq_slots = s.slots.as_ptr();
-                b.query_start = s.qs.as_ptr();
-                b.logits_rows = s.rows.as_ref().map_or(std::ptr::null(), |r| r.as_ptr());
-                b.logits = host_logits.as_mut_ptr().cast();
-            }
-            Some(h) => {
-                let p = |i| h.part(i).addr() as *const i32;
-                b.token_ids = p(0);
-                b.positions = p(1);
-                b.seq_slots = p(2);
-                b.query_start = p(3);
-                b.logits_rows = if s.rows.is_some() {
-                    p(4)
-                } else {
-                    std::ptr::null()
-                };
-                b.logits = h.logits().addr() as *mut _;
-            }
-        }
-        b
-    }
-
-    /// Eager forward: the call's status and the logits (poison where not written).
-    fn try_forward(&self, s: &Step) -> (dsv4_status, Vec<f32>) {
-        let n = s.num_logits() * self.vocab;
-        let mut host = vec![f32::from_bits(0x0101_0101); n];
-        if let Some(h) = &self.host {
-            h.stage(s);
-        }
-        let b = self.batch(s, &mut host);
-        let st = unsafe { dsv4_forward(self.e, &b, self.stream()) };
-        if let Some(h) = &self.host {
-            host = h.fetch(n);
-        }
-        (st, host)
-    }
-
-    fn forward(&self, s: &Step) -> Vec<f32> {
-        let (st, out) = self.try_forward(s);
-        ok(st);
-        out
-    }
-
-    /// Captures one forward over the device buffers with `s` staged (values of the capture
-    /// are irrelevant: the graph reads the buffers when it replays).
-    fn capture(&self, s: &Step) -> Graph {
-        let h = self.host.as_ref().expect("CUDA rig");
-        h.stage(s);
-        let _g = h.ctx.enter().unwrap();
-        let mut scratch = vec![];
-        let b = self.batch(s, &mut scratch);
-        Graph::capture(h.stream.borrow(), || {
-            let st = unsafe { dsv4_forward(self.e, &b, self.stream()) };
-            if st != DSV4_STATUS_OK {
-                return Err(dsv4::Error::new(dsv4::Status::Cuda, last_error()));
-            }
-            Ok(())
-        })
-        .expect("capture")
-    }
-
-    /// Stages `s` (same counts as the captured batch) and replays `g`.
-    fn replay(&self, g: &Graph, s: &Step) -> Vec<f32> {
-        let h = self.host.as_ref().expect("CUDA rig");
-        h.stage(s);
-        let _g = h.ctx.enter().unwrap();
-        g.launch(h.stream.borrow()).unwrap();
-        h.stream.borrow().synchronize().unwrap();
-        h.fetch(s.num_logits() * self.vocab)
-    }
-
-    /// dsv4_device_error: (status, record, message).
-    fn device_error(&self) -> (dsv4_status, dsv4_batch_fault, String) {
-        let mut rec = dsv4_batch_fault {
-            status: -7,
-            ..Default::default()
-        };
-        let st = unsafe { dsv4_device_error(self.e, self.stream(), &mut rec) };
-        (st, rec, last_error())
-    }
-}
-
-impl Drop for Rig {
-    fn drop(&mut self) {
-        unsafe { dsv4_destroy(self.e) };
-    }
+/// Stages `s` (same counts as the captured batch) into buffer set 0 and replays `g`.
+fn replay(r: &Rig, g: &Graph, s: &Step) -> Vec<f32> {
+    r.stage(s, 0);
+    r.replay(g, &[(0, s.num_logits())]).remove(0)
 }
 
 /// An engine and its twin that never sees a bad batch, with the slot lengths both hold.
@@ -342,8 +76,8 @@ struct Pair {
 impl Pair {
     fn new(dev: i32) -> Pair {
         let mut p = Pair {
-            a: Rig::new(dev),
-            twin: Rig::new(dev),
+            a: rig(dev),
+            twin: rig(dev),
             lens: [0; 4],
             round: 0,
         };
@@ -565,7 +299,7 @@ fn every_bad_value_is_caught_and_changes_nothing() {
         let mut p = Pair::new(dev);
         // The graph is captured once with the good base batch; each case overwrites its
         // buffers (same counts) before a replay.
-        let graph = (dev >= 0).then(|| p.a.capture(&p.base()));
+        let graph = (dev >= 0).then(|| p.a.capture(&[(&p.base(), 0)]));
         let n = cases(&p).len();
         assert!(n >= 30);
         let modes: &[&str] = if dev >= 0 {
@@ -603,7 +337,7 @@ fn every_bad_value_is_caught_and_changes_nothing() {
                             assert_eq!(st, DSV4_STATUS_OK, "{ctx}: {}", last_error());
                             l
                         }
-                        _ => p.a.replay(graph.as_ref().unwrap(), &bad),
+                        _ => replay(&p.a, graph.as_ref().unwrap(), &bad),
                     };
                     p.a.host.as_ref().unwrap().context_is_healthy();
                     assert!(
@@ -741,8 +475,8 @@ fn padding_gives_the_unpadded_logits_and_touches_no_state() {
                     "eager" => p.a.forward(&pad),
                     _ => {
                         // Captured with the padded shape, then restaged with this round's values.
-                        let g = p.a.capture(&pad);
-                        p.a.replay(&g, &pad)
+                        let g = p.a.capture(&[(&pad, 0)]);
+                        replay(&p.a, &g, &pad)
                     }
                 };
                 unpadded.rows = None;
@@ -814,8 +548,8 @@ fn a_released_slot_cannot_be_continued() {
         let cont = Step::of(&[(0, p.lens[0], tokens(5, 1))]);
         // The rules with slot 0 holding nothing.
         let mut released = Pair {
-            a: Rig::new(-1),
-            twin: Rig::new(-1),
+            a: rig(-1),
+            twin: rig(-1),
             lens: p.lens,
             round: 0,
         };

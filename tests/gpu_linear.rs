@@ -8,6 +8,10 @@
 //! outputs are poisoned with NaN first. Without a CUDA device every test prints
 //! `skipped: no CUDA device` and returns.
 
+mod common;
+
+use common::assert_bits;
+use common::rng::Rng;
 use dsv4::cuda::arena::{self, ArenaPlan};
 use dsv4::cuda::kernels::linear::{self, DevWeight, Linear, WFormat};
 use dsv4::cuda::registry::{KernelCache, Registry};
@@ -66,63 +70,6 @@ fn env() -> Option<&'static Env> {
     e.as_ref()
 }
 
-/// xorshift64*: fresh inputs each run, reproducible from the printed seed.
-struct Rng(u64);
-
-impl Rng {
-    fn new(tag: &str) -> Rng {
-        let seed = std::env::var("DSV4_TEST_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos() as u64
-            });
-        println!("{tag}: seed {seed} (DSV4_TEST_SEED={seed} repeats it)");
-        let mut r = Rng(seed ^ 0x9e37_79b9_7f4a_7c15);
-        r.next();
-        r
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * self.unit()
-    }
-
-    /// A value of wildly varying magnitude (2^-20 .. 2^12), random sign: makes the f64 sums
-    /// order-sensitive, so only the reference's exact order reproduces them.
-    fn wild(&mut self) -> f32 {
-        let m = 1.0 + self.unit();
-        let e = (self.next() % 33) as i32 - 20;
-        let s = if self.next() & 1 == 0 { 1.0 } else { -1.0 };
-        s * m * 2f32.powi(e)
-    }
-
-    fn values(&mut self, n: usize, wild: bool) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                if wild {
-                    self.wild()
-                } else {
-                    self.uniform(-1.0, 1.0)
-                }
-            })
-            .collect()
-    }
-}
-
 /// One arena holding `sizes.len()` buffers (each at least 4 bytes).
 fn alloc(ctx: &Context, sizes: &[usize]) -> (Arena, Vec<DevicePtr>) {
     let mut plan = ArenaPlan::new();
@@ -148,25 +95,6 @@ fn download_f32(p: DevicePtr, n: usize, s: BorrowedStream) -> Vec<f32> {
 
 fn poison(p: DevicePtr, s: BorrowedStream) {
     arena::memset_async(p, 0xff, s).unwrap();
-}
-
-/// Bit-exact comparison; on a mismatch names the first index and both values.
-fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let bad: Vec<usize> = (0..got.len())
-        .filter(|&i| got[i].to_bits() != want[i].to_bits())
-        .collect();
-    if let Some(&i) = bad.first() {
-        panic!(
-            "{what}: {} of {} values differ; first at index {i}: GPU {:e} ({:#010x}), CPU {:e} ({:#010x})",
-            bad.len(),
-            got.len(),
-            got[i],
-            got[i].to_bits(),
-            want[i],
-            want[i].to_bits()
-        );
-    }
 }
 
 // ------------------------------------------------------------------------------ weights
@@ -346,7 +274,7 @@ fn linear_matches_matmul_mat_bit_for_bit_in_every_format() {
     let Some(e) = env() else { return };
     let stream = OwnedStream::new(&e.ctx).unwrap();
     let s = stream.borrow();
-    let mut rng = Rng::new("linear");
+    let mut rng = Rng::from_env("linear");
     let case = |t, k, n, row0, ldx_pad, ldy_pad, wild| Case {
         t,
         k,
@@ -472,7 +400,7 @@ fn act_quant_matches_fp8_sim_bit_for_bit() {
     let Some(e) = env() else { return };
     let stream = OwnedStream::new(&e.ctx).unwrap();
     let s = stream.borrow();
-    let mut rng = Rng::new("act_quant");
+    let mut rng = Rng::from_env("act_quant");
     for (rows, k, pad) in [
         (1, 1, 0),
         (1, 128, 0),
@@ -542,7 +470,7 @@ fn prec_linear_matches_the_reference_in_both_modes() {
     let Some(e) = env() else { return };
     let stream = OwnedStream::new(&e.ctx).unwrap();
     let s = stream.borrow();
-    let mut rng = Rng::new("prec_linear");
+    let mut rng = Rng::from_env("prec_linear");
     let cfg = dsv4::ModelConfig::tiny_default();
     let names = [
         "layers.0.attn.wq_a.weight",
@@ -557,7 +485,7 @@ fn prec_linear_matches_the_reference_in_both_modes() {
         WeightFormat::Quantize,
     ] {
         let mut store = WeightStore::allocate_with(&cfg, format).unwrap();
-        dsv4::weights::dummy::fill_dummy(&mut store, &cfg, rng.next());
+        dsv4::weights::dummy::fill_dummy(&mut store, &cfg, rng.u64());
         for name in names {
             let idx = store.require(name).unwrap();
             let (n, k) = {
@@ -661,7 +589,7 @@ fn random_weight(
     let nb = format.data_bytes(rows, cols);
     let mut data = Vec::with_capacity(nb + 8);
     while data.len() < nb {
-        data.extend_from_slice(&rng.next().to_le_bytes());
+        data.extend_from_slice(&rng.u64().to_le_bytes());
     }
     data.truncate(nb);
     match format {
@@ -693,7 +621,7 @@ fn linear_throughput() {
     let Some(e) = env() else { return };
     let stream = OwnedStream::new(&e.ctx).unwrap();
     let s = stream.borrow();
-    let mut rng = Rng::new("bench");
+    let mut rng = Rng::from_env("bench");
     let time = |f: &mut dyn FnMut()| -> f64 {
         f();
         s.synchronize().unwrap();

@@ -7,129 +7,30 @@
 //! Without a CUDA device every device test prints `skipped: no CUDA device` and returns. The
 //! NVRTC compile check runs wherever NVRTC is installed (no GPU needed).
 
-use dsv4::cuda::arena::{self, ArenaPlan, Pod};
+mod common;
+
+use common::assert_bits;
+use common::gpu::{FamilyGpu, family_gpu};
+use common::rng::Rng;
+use dsv4::cuda::Arena;
 use dsv4::cuda::kernels::mhc::{self, HcSiteDev, Mhc};
-use dsv4::cuda::registry::{KernelCache, cubin_defines, nvrtc_version};
-use dsv4::cuda::{Arena, Context, DevicePtr, OwnedStream, Registry};
+use dsv4::cuda::registry::{cubin_defines, nvrtc_version};
 use dsv4::reference::mhc::{HcParams, HcPre, fold_projection, hc_head, hc_post, hc_pre};
 use dsv4::reference::ops::Threads;
 use dsv4::weights::quant::round_bf16;
-use std::sync::OnceLock;
 
 // ------------------------------------------------------------------------------ harness
 
-struct Gpu {
-    ctx: Context,
-    reg: Registry,
+type Dev = common::gpu::Dev<Mhc>;
+
+/// The shared device with this family loaded, or None after printing the skip line.
+fn gpu() -> Option<&'static FamilyGpu> {
+    family_gpu(&[&mhc::SOURCE])
 }
 
-static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
-
-/// The shared device, or None after printing the skip line.
-fn gpu() -> Option<&'static Gpu> {
-    let g = GPU.get_or_init(|| {
-        match dsv4::cuda::device_count() {
-            Ok(n) if n > 0 => {}
-            _ => return None,
-        }
-        let ctx = Context::retain(0)
-            .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}"));
-        let reg = Registry::load_families(&ctx, &[&mhc::SOURCE], &KernelCache::disabled())
-            .unwrap_or_else(|e| panic!("{e}"));
-        Some(Gpu { ctx, reg })
-    });
-    if g.is_none() {
-        println!("skipped: no CUDA device");
-    }
-    g.as_ref()
-}
-
-struct Dev {
-    g: &'static Gpu,
-    k: Mhc,
-    stream: OwnedStream,
-}
-
-impl Dev {
-    fn new(g: &'static Gpu) -> Dev {
-        Dev {
-            g,
-            k: Mhc::new(&g.reg).unwrap(),
-            stream: OwnedStream::new(&g.ctx).unwrap(),
-        }
-    }
-
-    fn ctx(&self) -> &Context {
-        &self.g.ctx
-    }
-
-    fn s(&self) -> dsv4::cuda::BorrowedStream {
-        self.stream.borrow()
-    }
-
-    fn alloc(&self, bytes: &[usize]) -> (Arena, Vec<DevicePtr>) {
-        let mut plan = ArenaPlan::new();
-        let ids: Vec<_> = bytes
-            .iter()
-            .enumerate()
-            .map(|(i, &b)| plan.reserve(format!("buf{i}"), b.max(4), 256).unwrap())
-            .collect();
-        let a = Arena::from_plan(&self.g.ctx, &plan).unwrap();
-        let ptrs = ids.iter().map(|&i| a.region(i)).collect();
-        (a, ptrs)
-    }
-
-    fn put<T: Pod>(&self, p: DevicePtr, v: &[T]) {
-        let _g = self.ctx().enter().unwrap();
-        arena::copy_to_device_sync(p, v, self.s()).unwrap();
-    }
-
-    fn get<T: Pod + Default>(&self, p: DevicePtr, n: usize) -> Vec<T> {
-        let _g = self.ctx().enter().unwrap();
-        self.s().synchronize().unwrap();
-        let mut v = vec![T::default(); n];
-        arena::copy_to_host_sync(&mut v, p, self.s()).unwrap();
-        v
-    }
-
-    fn poison(&self, p: DevicePtr) {
-        let _g = self.ctx().enter().unwrap();
-        arena::memset_async(p, 0xff, self.s()).unwrap();
-    }
-}
-
-/// xorshift64* — deterministic per seed.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-
-    fn u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn unit(&mut self) -> f64 {
-        (self.u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    fn range(&mut self, lo: f64, hi: f64) -> f32 {
-        (lo + (hi - lo) * self.unit()) as f32
-    }
-
-    fn normal(&mut self) -> f32 {
-        let u1 = self.unit().max(1e-300);
-        let u2 = self.unit();
-        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-    }
-
-    fn normals(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.normal() * scale).collect()
-    }
+/// One test's device state: the family's kernels, its own stream and buffers.
+fn dev(g: &'static FamilyGpu) -> Dev {
+    Dev::new(g, Mhc::new(&g.reg).unwrap())
 }
 
 fn bf16_if(official: bool, mut v: Vec<f32>) -> Vec<f32> {
@@ -137,29 +38,6 @@ fn bf16_if(official: bool, mut v: Vec<f32>) -> Vec<f32> {
         round_bf16(&mut v);
     }
     v
-}
-
-/// Bit-exact comparison; on failure names the first mismatch (index and both values).
-fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let mut bad = 0usize;
-    let mut first = None;
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        if g.to_bits() != w.to_bits() {
-            bad += 1;
-            first.get_or_insert(i);
-        }
-    }
-    if let Some(i) = first {
-        panic!(
-            "{what}: {bad} of {} values differ; first at index {i}: device {:e} ({:#010x}), reference {:e} ({:#010x})",
-            got.len(),
-            got[i],
-            got[i].to_bits(),
-            want[i],
-            want[i].to_bits()
-        );
-    }
 }
 
 const N: usize = 4;
@@ -255,7 +133,7 @@ fn mhc_family_compiles_for_sm_90a() {
 #[test]
 fn hc_pre_matches_reference_bit_for_bit() {
     let Some(g) = gpu() else { return };
-    let d = Dev::new(g);
+    let d = dev(g);
     let mut rng = Rng::new(11);
     let mix = (2 + N) * N;
     // (tokens, D, Sinkhorn iterations, logit magnitude): the tiny and the released hidden size
@@ -321,7 +199,7 @@ fn hc_pre_matches_reference_bit_for_bit() {
 #[test]
 fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
     let Some(g) = gpu() else { return };
-    let d = Dev::new(g);
+    let d = dev(g);
     let mut rng = Rng::new(21);
     let mix = (2 + N) * N;
     for official in [false, true] {
@@ -397,7 +275,7 @@ fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
 #[test]
 fn hc_post_matches_reference_bit_for_bit() {
     let Some(g) = gpu() else { return };
-    let d = Dev::new(g);
+    let d = dev(g);
     let mut rng = Rng::new(12);
     let mix = (2 + N) * N;
     for official in [false, true] {
@@ -435,7 +313,7 @@ fn hc_post_matches_reference_bit_for_bit() {
 #[test]
 fn hc_head_matches_reference_bit_for_bit() {
     let Some(g) = gpu() else { return };
-    let d = Dev::new(g);
+    let d = dev(g);
     let mut rng = Rng::new(13);
     for official in [false, true] {
         for &(r, dd) in &[(5usize, 256usize), (3, 4096), (1, 4096)] {
@@ -472,7 +350,7 @@ fn hc_head_matches_reference_bit_for_bit() {
 #[test]
 fn wrappers_reject_bad_shapes() {
     let Some(g) = gpu() else { return };
-    let d = Dev::new(g);
+    let d = dev(g);
     let (_a, p) = d.alloc(&[4096]);
     let b = p[0];
     let site = HcSiteDev {

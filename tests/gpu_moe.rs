@@ -11,6 +11,10 @@
 //! repeats one); outputs are poisoned with NaN first. Without a CUDA device every test prints
 //! `skipped: no CUDA device` and returns.
 
+mod common;
+
+use common::assert_bits;
+use common::rng::Rng;
 use dsv4::ModelConfig;
 use dsv4::cuda::arena::{self, ArenaPlan};
 use dsv4::cuda::kernels::linear::{self, DevWeight, Linear, WFormat};
@@ -81,38 +85,6 @@ fn env() -> Option<&'static Env> {
     e.as_ref()
 }
 
-/// xorshift64*: fresh inputs each run, reproducible from the printed seed.
-struct Rng(u64);
-
-impl Rng {
-    fn new(tag: &str) -> Rng {
-        let seed = std::env::var("DSV4_TEST_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos() as u64
-            });
-        println!("{tag}: seed {seed} (DSV4_TEST_SEED={seed} repeats it)");
-        let mut r = Rng(seed ^ 0x9e37_79b9_7f4a_7c15);
-        r.next();
-        r
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
-    }
-}
-
 /// Buffers in one arena, planned by name and size, uploaded after allocation.
 #[derive(Default)]
 struct Bufs {
@@ -167,25 +139,6 @@ fn down<T: arena::Pod + Default>(p: DevicePtr, n: usize, s: BorrowedStream) -> V
     let mut v = vec![T::default(); n];
     arena::copy_to_host_sync(&mut v, p, s).unwrap();
     v
-}
-
-/// Bit-exact comparison; on a mismatch names the first index and both values.
-fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let bad: Vec<usize> = (0..got.len())
-        .filter(|&i| got[i].to_bits() != want[i].to_bits())
-        .collect();
-    if let Some(&i) = bad.first() {
-        panic!(
-            "{what}: {} of {} values differ; first at index {i}: GPU {:e} ({:#010x}), CPU {:e} ({:#010x})",
-            bad.len(),
-            got.len(),
-            got[i],
-            got[i].to_bits(),
-            want[i],
-            want[i].to_bits()
-        );
-    }
 }
 
 // ------------------------------------------------------------------------------ the layer
@@ -631,12 +584,12 @@ fn moe_layer_matches_the_reference_bit_for_bit() {
     let Some(e) = env() else { return };
     let stream = OwnedStream::new(&e.ctx).unwrap();
     let s = stream.borrow();
-    let mut rng = Rng::new("moe");
+    let mut rng = Rng::from_env("moe");
     let mut runs = 0;
     for var in variants() {
         let cfg = config(&var.edits);
         let mut store = WeightStore::allocate_with(&cfg, var.format).unwrap();
-        dsv4::weights::dummy::fill_dummy(&mut store, &cfg, rng.next());
+        dsv4::weights::dummy::fill_dummy(&mut store, &cfg, rng.u64());
         let mw = ModelWeights::resolve(&cfg, &store).unwrap();
         for (l, lw) in mw.layers.iter().enumerate() {
             let dl = upload_layer(e, s, &cfg, &store, lw);
@@ -663,7 +616,7 @@ fn moe_layer_matches_the_reference_bit_for_bit() {
                         })
                         .collect();
                     let tokens: Vec<i32> = (0..t)
-                        .map(|_| (rng.next() % cfg.vocab_size as u64) as i32)
+                        .map(|_| (rng.u64() % cfg.vocab_size as u64) as i32)
                         .collect();
                     let g = run_gpu(e, s, &cfg, &dl, &x, &tokens, official);
 
@@ -783,7 +736,7 @@ fn moe_throughput() {
     let Some(e) = env() else { return };
     let stream = OwnedStream::new(&e.ctx).unwrap();
     let s = stream.borrow();
-    let mut rng = Rng::new("moe bench");
+    let mut rng = Rng::from_env("moe bench");
     let (ne, k, d, i, distinct) = (256usize, 6usize, 4096usize, 2048usize, 32usize);
     let tmax = 2048usize;
     let fmt = WFormat::Fp4;
@@ -791,7 +744,7 @@ fn moe_throughput() {
     let mut rand_bytes = |n: usize| -> Vec<u8> {
         let mut v = Vec::with_capacity(n + 8);
         while v.len() < n {
-            v.extend_from_slice(&rng.next().to_le_bytes());
+            v.extend_from_slice(&rng.u64().to_le_bytes());
         }
         v.truncate(n);
         v

@@ -7,179 +7,37 @@
 //! Without a CUDA device every device test prints `skipped: no CUDA device` and returns. The
 //! NVRTC compile check runs wherever NVRTC is installed (no GPU needed).
 
+mod common;
+
+use common::gpu::{FamilyGpu, family_gpu};
+use common::rng::Rng;
+use common::{assert_bits, assert_u16};
 use dsv4::ModelConfig;
 use dsv4::config::AttnKind;
-use dsv4::cuda::arena::{self, ArenaPlan, Pod};
 use dsv4::cuda::kernels::norm_rope::{self, NormRope};
-use dsv4::cuda::registry::{KernelCache, cubin_defines, nvrtc_version};
-use dsv4::cuda::{Arena, Context, DevicePtr, OwnedStream, Registry};
+use dsv4::cuda::registry::{cubin_defines, nvrtc_version};
 use dsv4::model::rope;
 use dsv4::reference::ops::{inv_sqrt, rms_norm};
 use dsv4::reference::precision::Prec;
 use dsv4::weights::quant::{fp8_sim, round_bf16};
-use std::sync::OnceLock;
 
 // ------------------------------------------------------------------------------ harness
 
-/// The device context and a registry holding this family, shared by the tests of this binary.
-struct Gpu {
-    ctx: Context,
-    reg: Registry,
+type Dev = common::gpu::Dev<NormRope>;
+
+/// The shared device with this family loaded, or None after printing the skip line.
+fn gpu() -> Option<&'static FamilyGpu> {
+    family_gpu(&[&norm_rope::SOURCE])
 }
 
-static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
-
-/// The shared device, or None after printing the skip line.
-fn gpu() -> Option<&'static Gpu> {
-    let g = GPU.get_or_init(|| {
-        match dsv4::cuda::device_count() {
-            Ok(n) if n > 0 => {}
-            _ => return None,
-        }
-        let ctx = Context::retain(0)
-            .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}"));
-        let reg = Registry::load_families(&ctx, &[&norm_rope::SOURCE], &KernelCache::disabled())
-            .unwrap_or_else(|e| panic!("{e}"));
-        Some(Gpu { ctx, reg })
-    });
-    if g.is_none() {
-        println!("skipped: no CUDA device");
-    }
-    g.as_ref()
-}
-
-/// One test's device state: its own stream and buffers.
-struct Dev {
-    g: &'static Gpu,
-    k: NormRope,
-    stream: OwnedStream,
-}
-
-impl Dev {
-    fn new(g: &'static Gpu) -> Dev {
-        Dev {
-            g,
-            k: NormRope::new(&g.reg).unwrap(),
-            stream: OwnedStream::new(&g.ctx).unwrap(),
-        }
-    }
-
-    fn ctx(&self) -> &Context {
-        &self.g.ctx
-    }
-
-    fn s(&self) -> dsv4::cuda::BorrowedStream {
-        self.stream.borrow()
-    }
-
-    /// One arena with a region per byte size.
-    fn alloc(&self, bytes: &[usize]) -> (Arena, Vec<DevicePtr>) {
-        let mut plan = ArenaPlan::new();
-        let ids: Vec<_> = bytes
-            .iter()
-            .enumerate()
-            .map(|(i, &b)| plan.reserve(format!("buf{i}"), b.max(4), 256).unwrap())
-            .collect();
-        let a = Arena::from_plan(&self.g.ctx, &plan).unwrap();
-        let ptrs = ids.iter().map(|&i| a.region(i)).collect();
-        (a, ptrs)
-    }
-
-    fn put<T: Pod>(&self, p: DevicePtr, v: &[T]) {
-        let _g = self.ctx().enter().unwrap();
-        arena::copy_to_device_sync(p, v, self.s()).unwrap();
-    }
-
-    fn get<T: Pod + Default>(&self, p: DevicePtr, n: usize) -> Vec<T> {
-        let _g = self.ctx().enter().unwrap();
-        self.s().synchronize().unwrap();
-        let mut v = vec![T::default(); n];
-        arena::copy_to_host_sync(&mut v, p, self.s()).unwrap();
-        v
-    }
-
-    /// Fills the buffer with 0xff bytes (NaN as f32).
-    fn poison(&self, p: DevicePtr) {
-        let _g = self.ctx().enter().unwrap();
-        arena::memset_async(p, 0xff, self.s()).unwrap();
-    }
-}
-
-/// xorshift64* — deterministic per seed, different per test.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-
-    fn u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.u64() % n as u64) as usize
-    }
-
-    /// Standard normal (Box–Muller).
-    fn normal(&mut self) -> f32 {
-        let u1 = self.unit().max(1e-300);
-        let u2 = self.unit();
-        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-    }
-
-    fn normals(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.normal() * scale).collect()
-    }
+/// One test's device state: the family's kernels, its own stream and buffers.
+fn dev(g: &'static FamilyGpu) -> Dev {
+    Dev::new(g, NormRope::new(&g.reg).unwrap())
 }
 
 fn bf16_all(mut v: Vec<f32>) -> Vec<f32> {
     round_bf16(&mut v);
     v
-}
-
-/// Bit-exact comparison; on failure names the first mismatch (index and both values).
-fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let mut bad = 0usize;
-    let mut first = None;
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        if g.to_bits() != w.to_bits() {
-            bad += 1;
-            first.get_or_insert(i);
-        }
-    }
-    if let Some(i) = first {
-        panic!(
-            "{what}: {bad} of {} values differ; first at index {i}: device {:e} ({:#010x}), reference {:e} ({:#010x})",
-            got.len(),
-            got[i],
-            got[i].to_bits(),
-            want[i],
-            want[i].to_bits()
-        );
-    }
-}
-
-fn assert_u16(what: &str, got: &[u16], want: &[u16]) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
-        let bad = (0..got.len()).filter(|&i| got[i] != want[i]).count();
-        panic!(
-            "{what}: {bad} of {} values differ; first at index {i}: device {:#06x}, reference {:#06x}",
-            got.len(),
-            got[i],
-            want[i]
-        );
-    }
 }
 
 /// Rows of random values with a different magnitude per row (2^-12 .. 2^12), bf16-rounded
@@ -246,7 +104,7 @@ fn index_sim_scale_formula_matches_inv_sqrt() {
 #[test]
 fn rmsnorm_matches_reference_bit_for_bit() {
     let Some(g) = gpu() else { return };
-    let d = Dev::new(g);
+    let d = dev(g);
     let mut rng = Rng::new(1);
     // (rows, dim, ld, with weight): hidden sizes, per-head q norm (no weight), q_lora with a
     // padded stride, the released hidden size.
@@ -301,7 +159,7 @@ fn rmsnorm_matches_reference_bit_for_bit() {
 #[test]
 fn rope_matches_reference_bit_for_bit() {
     let Some(g) = gpu() else { return };
-    let d = Dev::new(g);
+    let d = dev(g);
     let mut rng = Rng::new(2);
     let cfg = ModelConfig::tiny_default();
     assert!(cfg.yarn.is_some(), "the tiny config has YaRN");
@@ -381,7 +239,7 @@ fn rope_matches_reference_bit_for_bit() {
 #[test]
 fn kv_sim_matches_reference_bit_for_bit() {
     let Some(g) = gpu() else { return };
-    let d = Dev::new(g);
+    let d = dev(g);
     let mut rng = Rng::new(3);
     // (rows, dim, nope, ld): released (512, 448), tiny (128, 64), a partial last block, a
     // padded stride.
@@ -424,7 +282,7 @@ fn kv_sim_matches_reference_bit_for_bit() {
 #[test]
 fn index_sim_matches_reference_bit_for_bit() {
     let Some(g) = gpu() else { return };
-    let d = Dev::new(g);
+    let d = dev(g);
     let mut rng = Rng::new(4);
     for &(rows, dim) in &[
         (33, 128),
@@ -480,7 +338,7 @@ fn probe_values(rng: &mut Rng) -> Vec<f32> {
 #[test]
 fn elementwise_kernels_match_reference_bit_for_bit() {
     let Some(g) = gpu() else { return };
-    let d = Dev::new(g);
+    let d = dev(g);
     let mut rng = Rng::new(5);
     let x = probe_values(&mut rng);
     let n = x.len();
@@ -532,7 +390,7 @@ fn elementwise_kernels_match_reference_bit_for_bit() {
 #[test]
 fn embed_and_gather_copy_rows_exactly() {
     let Some(g) = gpu() else { return };
-    let d = Dev::new(g);
+    let d = dev(g);
     let mut rng = Rng::new(6);
     let (vocab, dd, nstreams, t) = (1000usize, 256usize, 4usize, 37usize);
     let table = bf16_all(rng.normals(vocab * dd, 0.05));
@@ -579,7 +437,7 @@ fn embed_and_gather_copy_rows_exactly() {
 #[test]
 fn wrappers_reject_undersized_buffers() {
     let Some(g) = gpu() else { return };
-    let d = Dev::new(g);
+    let d = dev(g);
     let (_a, p) = d.alloc(&[1024]);
     let small = p[0];
     // 256 floats fit; 257 do not.

@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::gpu::has_cuda;
 use common::{Oracle, fixture_dir};
 use dsv4::cuda::arena::{Arena, DevicePtr, copy_to_device_sync, copy_to_host_sync};
 use dsv4::cuda::context::Context;
@@ -13,16 +14,6 @@ use dsv4::engine::DeviceBatch;
 use dsv4::{
     Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, WeightFormat,
 };
-
-fn gpu() -> bool {
-    match dsv4::cuda::device_count() {
-        Ok(n) if n > 0 => true,
-        _ => {
-            println!("skipped: no CUDA device");
-            false
-        }
-    }
-}
 
 fn engine(model: &str, device: i32, numerics: Numerics) -> Engine {
     let dir = fixture_dir(model);
@@ -200,13 +191,16 @@ fn compare(a: &[Vec<f32>], b: &[Vec<f32>], vocab: usize) -> (f32, f64, f64) {
     (md, mincos, agree as f64 / rows as f64)
 }
 
+/// Chunk size of sequence `s` in step `k` of a schedule.
+type ChunkSize = Box<dyn Fn(usize, usize) -> usize>;
+
 fn parity(model: &str, numerics: Numerics) {
     let o = Oracle::load(model);
     let host = Host::new();
     let mut cpu = engine(model, -1, numerics);
     let mut gpu = engine(model, 0, numerics);
     let vocab = cpu.config().vocab_size;
-    let cases: [(&str, Box<dyn Fn(usize, usize) -> usize>); 3] = [
+    let cases: [(&str, ChunkSize); 3] = [
         ("one-shot", Box::new(|_, _| 1 << 20)),
         (
             "chunked",
@@ -249,7 +243,7 @@ fn parity(model: &str, numerics: Numerics) {
 
 #[test]
 fn gpu_matches_cpu_and_oracle_exact() {
-    if !gpu() {
+    if !has_cuda() {
         return;
     }
     for m in ["tiny", "tiny_native", "tiny_fp8"] {
@@ -259,7 +253,7 @@ fn gpu_matches_cpu_and_oracle_exact() {
 
 #[test]
 fn gpu_matches_cpu_official() {
-    if !gpu() {
+    if !has_cuda() {
         return;
     }
     for m in ["tiny", "tiny_fp8"] {
@@ -269,7 +263,7 @@ fn gpu_matches_cpu_official() {
 
 #[test]
 fn no_device_memory_growth_over_1000_forwards() {
-    if !gpu() {
+    if !has_cuda() {
         return;
     }
     let o = Oracle::load("tiny");
@@ -293,7 +287,7 @@ fn no_device_memory_growth_over_1000_forwards() {
 /// logits_rows picks rows and BF16 output equals the CPU reference's BF16 output bit for bit.
 #[test]
 fn logits_rows_and_bf16_output_match_cpu() {
-    if !gpu() {
+    if !has_cuda() {
         return;
     }
     let o = Oracle::load("tiny");

@@ -6,6 +6,9 @@
 //!
 //! Tests run one at a time (a lock): the free-memory check must not see another test allocate.
 
+mod common;
+
+use common::TempDir;
 use dsv4::cuda::arena::{self, ArenaPlan};
 use dsv4::cuda::registry::{KernelCache, families};
 use dsv4::cuda::smoke::{self, ROUNDTRIP_COLS, ROUNDTRIP_COLUMNS, Smoke};
@@ -16,19 +19,7 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 /// The device context, or None after printing the skip line.
 fn device_or_skip() -> Option<Context> {
-    match dsv4::cuda::device_count() {
-        Ok(n) if n > 0 => {}
-        Ok(_) => {
-            println!("skipped: no CUDA device");
-            return None;
-        }
-        Err(e) => {
-            println!("skipped: no CUDA device ({e})");
-            return None;
-        }
-    }
-    let ctx = Context::retain(0)
-        .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}"));
+    let ctx = common::gpu::device_or_skip()?;
     let i = ctx.info();
     println!(
         "device 0: {} (sm {}.{} -> {}), {:.1} GiB, {} SMs, driver {}",
@@ -45,27 +36,6 @@ fn device_or_skip() -> Option<Context> {
 
 fn under_sanitizer() -> bool {
     std::env::var_os("DSV4_UNDER_SANITIZER").is_some()
-}
-
-/// A fresh directory under the system temp dir, removed on drop.
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let d = std::env::temp_dir().join(format!("dsv4-{tag}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn lock() -> std::sync::MutexGuard<'static, ()> {

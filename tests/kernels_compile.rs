@@ -10,6 +10,9 @@
 //! searched) and passes, except when the environment variable CI is set: there a missing NVRTC
 //! is a failure.
 
+mod common;
+
+use common::TempDir;
 use dsv4::Status;
 use dsv4::cuda::libs::{CudaLib, LIB_DIR_ENV, loaded};
 use dsv4::cuda::registry::{
@@ -37,27 +40,6 @@ fn nvrtc_or_skip() -> bool {
             println!("skipped: {e}");
             false
         }
-    }
-}
-
-/// A fresh directory under the system temp dir, removed on drop.
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let d = std::env::temp_dir().join(format!("dsv4-{tag}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

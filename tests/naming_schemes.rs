@@ -166,10 +166,12 @@ fn upstream(b: &BTreeMap<String, Owned>) -> BTreeMap<String, Owned> {
 }
 
 /// Scheme (c): HF-native names, experts fused into gate_up_proj [E, 2I, D] / down_proj [E, D, I].
+/// A fused tensor being assembled: (codes, scales, code shape, scale shape, dtype).
+type Fused = (Vec<u8>, Vec<u8>, Vec<usize>, Vec<usize>, Dtype);
+
 fn native(a: &BTreeMap<String, Owned>, experts: usize) -> BTreeMap<String, Owned> {
     let mut out = BTreeMap::new();
-    let mut fused: BTreeMap<String, (Vec<u8>, Vec<u8>, Vec<usize>, Vec<usize>, Dtype)> =
-        BTreeMap::new();
+    let mut fused: BTreeMap<String, Fused> = BTreeMap::new();
     for (c, t) in a {
         if let Some((layer, _)) = c
             .strip_prefix("layers.")
@@ -241,7 +243,7 @@ fn logits_of(dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
             unsafe { std::slice::from_raw_parts(t.data.as_ptr(), n).to_vec() }
         })
         .collect();
-    let toks: Vec<i32> = (0..40).map(|i| (i * 37 % 256) as i32).collect();
+    let toks: Vec<i32> = (0..40).map(|i| i * 37 % 256).collect();
     let pos: Vec<i32> = (0..40).collect();
     let mut out = vec![0f32; 40 * e.config().vocab_size];
     e.forward(&mut Batch {

@@ -16,28 +16,10 @@ mod common;
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
 
-use common::{Oracle, fixture_dir};
+use common::abi::{Entry, fails, last_error, ok, shard_entries, shard_files, tensors};
+use common::{Oracle, TempDir, bits, fixture_dir};
 use dsv4::ffi::*;
 use safetensors::SafeTensors;
-
-fn last_error() -> String {
-    unsafe { CStr::from_ptr(dsv4_last_error()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn ok(s: dsv4_status) {
-    assert_eq!(s, DSV4_STATUS_OK, "{}", last_error());
-}
-
-/// Asserts `s` is `status` and the last error mentions every one of `words`.
-fn fails(s: dsv4_status, status: dsv4_status, words: &[&str]) {
-    let msg = last_error();
-    assert_eq!(s, status, "{msg}");
-    for w in words {
-        assert!(msg.contains(w), "`{w}` not in: {msg}");
-    }
-}
 
 #[derive(Clone, PartialEq)]
 enum Load {
@@ -112,10 +94,6 @@ fn prompt(model: &str) -> Vec<i32> {
     Oracle::load(model).prompts[0][..30].to_vec()
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
 fn phase(e: *mut dsv4_engine) -> i32 {
     let mut info: dsv4_info = unsafe { std::mem::zeroed() };
     info.struct_size = std::mem::size_of::<dsv4_info>();
@@ -125,96 +103,22 @@ fn phase(e: *mut dsv4_engine) -> i32 {
 
 // ------------------------------------------------------------------------ checkpoint entries
 
-/// One checkpoint tensor as a refit entry, in the dtype a host would send: BF16/F32/I64 as
-/// stored, F8_E4M3 codes, E8M0 scales, packed FP4 (I8 [r, c/2] sent with the logical shape
-/// [r, c]).
-#[derive(Clone)]
-struct Entry {
-    name: CString,
-    dtype: i32,
-    shape: Vec<i64>,
-    data: Vec<u8>,
-}
-
-impl Entry {
-    fn name(&self) -> &str {
-        self.name.to_str().unwrap()
-    }
-
-    /// The same tensor under another name (another naming scheme of the same weight).
-    fn renamed(&self, name: &str) -> Entry {
-        Entry {
-            name: CString::new(name).unwrap(),
-            ..self.clone()
-        }
-    }
-}
-
-/// The checkpoint shards of `dir`: every `*.safetensors` but the oracles, sorted by name.
-fn shard_files(dir: &Path) -> Vec<PathBuf> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            let n = p.file_name().unwrap().to_str().unwrap();
-            n.ends_with(".safetensors")
-                && !n.starts_with("oracle")
-                && !n.starts_with("quant_reference")
-        })
-        .collect();
-    files.sort();
-    files
-}
-
-/// The tensors of one safetensors file, as a host reading it would send them.
+/// The tensors of one safetensors file, sorted by name.
 fn read_shard(path: &Path) -> Vec<Entry> {
-    let bytes = std::fs::read(path).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut out: Vec<Entry> = st
-        .tensors()
-        .into_iter()
-        .map(|(name, t)| {
-            let mut shape: Vec<i64> = t.shape().iter().map(|&x| x as i64).collect();
-            let dtype = match t.dtype() {
-                safetensors::Dtype::BF16 => DSV4_DTYPE_BF16,
-                safetensors::Dtype::F32 => DSV4_DTYPE_F32,
-                safetensors::Dtype::I64 => DSV4_DTYPE_I64,
-                safetensors::Dtype::F8_E4M3 => DSV4_DTYPE_F8_E4M3,
-                safetensors::Dtype::F8_E8M0 => DSV4_DTYPE_E8M0,
-                safetensors::Dtype::I8 | safetensors::Dtype::U8 => {
-                    *shape.last_mut().unwrap() *= 2;
-                    DSV4_DTYPE_FP4_E2M1
-                }
-                d => panic!("unexpected dtype {d:?} in {}", path.display()),
-            };
-            Entry {
-                name: CString::new(name).unwrap(),
-                dtype,
-                shape,
-                data: t.data().to_vec(),
-            }
-        })
-        .collect();
+    let mut out = shard_entries(path);
     out.sort_by(|a, b| a.name.cmp(&b.name));
     out
 }
 
 /// Every tensor of a fixture checkpoint (all shards), sorted by name.
 fn checkpoint(model: &str) -> Vec<Entry> {
-    let mut all: Vec<Entry> = shard_files(&fixture_dir(model))
-        .iter()
-        .flat_map(|f| read_shard(f))
-        .collect();
+    let mut all = common::abi::checkpoint_file_order(model);
     all.sort_by(|a, b| a.name.cmp(&b.name));
     all
 }
 
 fn find(entries: &[Entry], name: &str) -> Entry {
-    entries
-        .iter()
-        .find(|e| e.name() == name)
-        .unwrap_or_else(|| panic!("no tensor `{name}` in the fixture"))
-        .clone()
+    common::abi::find(entries, name).clone()
 }
 
 /// `entries` without the named ones (each must be there).
@@ -226,22 +130,6 @@ fn without(entries: &[Entry], names: &[String]) -> Vec<Entry> {
         .iter()
         .filter(|e| !names.iter().any(|n| n == e.name()))
         .cloned()
-        .collect()
-}
-
-fn tensors(entries: &[Entry]) -> Vec<dsv4_tensor> {
-    entries
-        .iter()
-        .map(|e| {
-            let mut t = dsv4_tensor_default();
-            t.name = e.name.as_ptr();
-            t.dtype = e.dtype;
-            t.ndim = e.shape.len() as i32;
-            t.shape[..e.shape.len()].copy_from_slice(&e.shape);
-            t.data = e.data.as_ptr().cast();
-            t.memory = DSV4_MEMORY_HOST;
-            t
-        })
         .collect()
 }
 
@@ -500,24 +388,6 @@ fn split_pairs(shards: &[Vec<Entry>]) -> Vec<(String, String)> {
         }
     }
     out
-}
-
-/// A scratch directory, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("dsv4-refit-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// Writes the tensors of tiny_fp8 again as three shards of a checkpoint (sorted names, with

@@ -4,9 +4,13 @@
 //! packed FP4 experts, and must load bit-identically to values computed here independently.
 //! Then every error case must come back with its status and a message naming the culprit.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+mod common;
 
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::TempDir;
+use common::rng::XorShift;
 use dsv4::weights::load::load_checkpoint;
 use dsv4::weights::spec::{ElemKind, StoredAs, TensorSpec, tensor_specs};
 use dsv4::weights::store::{TensorData, WeightStore};
@@ -62,20 +66,6 @@ fn e2m1(n: u8) -> f32 {
     }
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 // ------------------------------------------------------------------------------------------
 // A random model in its stored encodings, and the values it must load to
 // ------------------------------------------------------------------------------------------
@@ -116,7 +106,7 @@ impl Model {
         let cfg = ModelConfig::from_json_str(cfg_json).unwrap();
         let block = cfg.quant.as_ref().map_or([128, 128], |q| q.weight_block);
         let specs = tensor_specs(&cfg);
-        let mut rng = Rng(seed);
+        let mut rng = XorShift(seed);
         let mut enc = BTreeMap::new();
         for s in &specs {
             let n = s.numel();
@@ -567,29 +557,6 @@ fn scheme_native(m: &Model) -> Vec<Entry> {
 // ------------------------------------------------------------------------------------------
 // Files and loading
 // ------------------------------------------------------------------------------------------
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let p = std::env::temp_dir().join(format!(
-            "dsv4-weights-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn serialize(entries: &[Entry]) -> Vec<u8> {
     let views: Vec<(String, TensorView)> = entries

@@ -149,6 +149,7 @@ impl Host {
     }
 
     /// One forward; `logits` receives `rows` (or every token) x vocab f32 values.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         e: &mut Engine,
@@ -202,12 +203,12 @@ impl Host {
     }
 }
 
+/// What `generate` returns: the generated tokens per sequence, prefill seconds, decode
+/// seconds and the number of prefill tokens.
+type Generated = (Vec<Vec<i32>>, f64, f64, usize);
+
 /// Greedy decoding for several sequences batched in one engine; returns generated tokens.
-fn generate(
-    e: &mut Engine,
-    prompts: &[Vec<i32>],
-    max_new: usize,
-) -> Result<(Vec<Vec<i32>>, f64, f64, usize), String> {
+fn generate(e: &mut Engine, prompts: &[Vec<i32>], max_new: usize) -> Result<Generated, String> {
     let host = Host::new(e)?;
     let vocab = e.config().vocab_size;
     let argmax = |row: &[f32]| {

@@ -26,7 +26,7 @@
 //! is that object too. So we dlopen the chosen file by its absolute path and never close it:
 //! cudarc's "libnvrtc.so.13" / "libcuda.so.1" then resolves to it. RTLD_LOCAL is enough for
 //! that (RTLD_GLOBAL would only let CUDA's symbols interpose in a host process). NVRTC finds
-//! its builtins the same way (a plain dlopen of "libnvrtc-builtins.so.13.<minor>", no
+//! its builtins the same way (a plain dlopen of `"libnvrtc-builtins.so.13.<minor>"`, no
 //! RUNPATH), so the builtins beside the libnvrtc in use are loaded too: without that, pip's
 //! NVRTC outside the loader path fails every compile with
 //! NVRTC_ERROR_BUILTIN_OPERATION_FAILURE.

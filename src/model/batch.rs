@@ -71,9 +71,9 @@ pub enum Rule {
     Range = 1,
     /// The slot is already used by sequence `expected` of this batch.
     Duplicate = 2,
-    /// query_start[index] is not above query_start[index - 1] = expected.
+    /// `query_start[index]` is not above `query_start[index - 1]` = expected.
     NotIncreasing = 3,
-    /// query_start[0] must be 0 and query_start[num_seqs] must be num_tokens (= expected).
+    /// `query_start[0]` must be 0 and `query_start[num_seqs]` must be num_tokens (= expected).
     Endpoint = 4,
     /// The position is not the previous one + 1 (= expected).
     NotConsecutive = 5,

@@ -127,7 +127,7 @@ pub fn attention(
     output_projection(ctx, &o, t)
 }
 
-/// A compressor's weights as plain slices: `ape` [ratio, width], `norm` [d_c].
+/// A compressor's weights as plain slices: `ape` [ratio, width], `norm` `[d_c]`.
 #[derive(Clone, Copy)]
 pub struct CompressorParams<'a> {
     pub ape: &'a [f32],
@@ -144,7 +144,7 @@ pub struct CoreParams<'a> {
     /// Inverse RoPE frequencies of this layer's kind.
     pub freqs: &'a [f32],
     pub prec: Prec,
-    /// Per-head sink logits [H].
+    /// Per-head sink logits `[H]`.
     pub sink: &'a [f32],
     /// Main compressor (HCA and CSA layers).
     pub compressor: Option<CompressorParams<'a>>,
@@ -246,8 +246,7 @@ pub fn attention_core(
                 }
             }
             let ratio = p.spec.ratio;
-            if ratio > 0 {
-                let visible = (pi + 1) / ratio;
+            if let Some(visible) = (pi + 1).checked_div(ratio) {
                 let entry = |e: usize| &ls.entries[e * hd..(e + 1) * hd];
                 match p.spec.attn {
                     AttnKind::Hca => (0..visible).for_each(|e| keys.push(entry(e))),
@@ -296,6 +295,7 @@ pub enum EntryKind {
 /// Runs the chunk's tokens through one compressor; each completed window's entry is
 /// RMS-normalised, rotated at the window's first position and stored at its index.
 #[allow(clippy::too_many_arguments)]
+#[allow(clippy::needless_range_loop)] // i indexes positions and the a/z rows together
 pub fn compress_chunk(
     p: &CoreParams,
     cw: &CompressorParams,

@@ -7,7 +7,8 @@ use crate::state::CompressorState;
 
 /// Pushes the token at absolute position `pos` (`a` and raw gate logits `z`, each
 /// `state.width()` wide; `ape` is [ratio, width]). When the token completes a window,
-/// writes the pooled (not yet normalised) entry into `entry` ([d_c]) and returns true.
+/// writes the pooled (not yet normalised) entry into `entry` (`[d_c]`) and returns true.
+#[allow(clippy::needless_range_loop)] // j indexes entry and the pooled slot columns together
 pub fn push(
     st: &mut CompressorState,
     ape: &[f32],

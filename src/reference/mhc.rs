@@ -87,6 +87,7 @@ pub struct HcPre {
 }
 
 /// hc_pre over streams x: [T, N, D].
+#[allow(clippy::too_many_arguments)]
 pub fn hc_pre(
     th: Threads,
     x: &[f32],
@@ -129,7 +130,7 @@ pub fn hc_pre(
     HcPre { u, post, comb }
 }
 
-/// hc_post in place: X'[k] = post_k * a + sum_j C[j, k] * X[j].
+/// hc_post in place: `X'[k] = post_k * a + sum_j C[j, k] * X[j]`.
 pub fn hc_post(x: &mut [f32], a: &[f32], pre: &HcPre, n: usize, d: usize) {
     let nd = n * d;
     let mut out = vec![0.0; nd];
@@ -150,7 +151,7 @@ pub fn hc_post(x: &mut [f32], a: &[f32], pre: &HcPre, n: usize, d: usize) {
     }
 }
 
-/// hc_head: y = sum_n (sigmoid(alpha * m_n + beta_n) + eps) X[n], no Sinkhorn. Returns [T, D].
+/// hc_head: `y = sum_n (sigmoid(alpha * m_n + beta_n) + eps) X[n]`, no Sinkhorn. Returns [T, D].
 pub fn hc_head(
     th: Threads,
     x: &[f32],

@@ -52,6 +52,7 @@ pub fn matmul(th: Threads, x: &[f32], k: usize, w: &[f32], y: &mut [f32]) {
     std::thread::scope(|s| {
         for c0 in (0..n).step_by(per) {
             let c1 = (c0 + per).min(n);
+            #[allow(clippy::redundant_locals)] // the closure captures the whole Send wrapper
             let yp = yp;
             s.spawn(move || {
                 // SAFETY: workers write disjoint column ranges [c0, c1) of every row.

@@ -79,6 +79,7 @@ impl Prec {
 
     /// `blinear`: a BF16-output linear that never quantizes activations (wo_a, whose FP8
     /// weight the official code dequantizes to BF16; weights_proj).
+    #[allow(clippy::too_many_arguments)]
     pub fn linear_bf16(
         self,
         th: Threads,

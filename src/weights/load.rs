@@ -3,7 +3,7 @@
 //!
 //! Both go through the same two steps. *Plan*: map each source tensor's name to canonical
 //! weights (`names.rs`), check its dtype class and shape against the weight table
-//! (`spec.rs`), pair quantised weights with their block scales, and turn it into a [`Job`]
+//! (`spec.rs`), pair quantised weights with their block scales, and turn it into a `Job`
 //! (validated source + the canonical tensors it writes). *Execute*: dequantise every job into
 //! the store's buffers in place. Every check happens in the plan, so a load that fails
 //! writes nothing, and the execute step cannot fail or panic on file contents.
@@ -918,7 +918,7 @@ fn write_quantized(src: &Source, p: Piece, q: &mut QMatrix) {
     let cols = src.cols;
     match (src.enc, q.format, src.scale) {
         (Encoding::Fp8(b), QFormat::Fp8 { block }, Some((scale, sdt)))
-            if b == block && p.row0 % src.mat_rows == 0 && p.rows == src.mat_rows =>
+            if b == block && p.row0.is_multiple_of(src.mat_rows) && p.rows == src.mat_rows =>
         {
             q.codes
                 .copy_from_slice(&src.data[p.row0 * cols..(p.row0 + p.rows) * cols]);

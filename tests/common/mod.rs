@@ -1,5 +1,18 @@
-//! Shared helpers of the integration tests: fixture paths and the HF oracle file.
+//! Shared helpers of the integration tests, written once: fixture paths and the HF oracle
+//! file, comparisons, scratch directories (here); random numbers ([`rng`]); the C ABI's
+//! status helpers and fixture checkpoints as refit entries ([`abi`]); CUDA skip helpers and
+//! the per-family kernel-test device ([`gpu`]); an engine driven through the C ABI on either
+//! backend, with host slices staged into fixed device buffers on CUDA ([`rig`]); the HF-oracle
+//! parity scenarios, backend-neutral ([`parity`]).
+//!
+//! Each test binary compiles all of it and uses a part, hence `dead_code` is allowed.
 #![allow(dead_code)]
+
+pub mod abi;
+pub mod gpu;
+pub mod parity;
+pub mod rig;
+pub mod rng;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -116,4 +129,77 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
+}
+
+/// The bit patterns of `v` (compare with `assert_eq!` for bit-for-bit equality).
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Bit-exact comparison; on failure names the first mismatch (index and both values).
+#[track_caller]
+pub fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut bad = 0usize;
+    let mut first = None;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        if g.to_bits() != w.to_bits() {
+            bad += 1;
+            first.get_or_insert(i);
+        }
+    }
+    if let Some(i) = first {
+        panic!(
+            "{what}: {bad} of {} values differ; first at index {i}: device {:e} ({:#010x}), reference {:e} ({:#010x})",
+            got.len(),
+            got[i],
+            got[i].to_bits(),
+            want[i],
+            want[i].to_bits()
+        );
+    }
+}
+
+/// Exact comparison of 16-bit codes; on failure names the first mismatch.
+#[track_caller]
+pub fn assert_u16(what: &str, got: &[u16], want: &[u16]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        let bad = (0..got.len()).filter(|&i| got[i] != want[i]).count();
+        panic!(
+            "{what}: {bad} of {} values differ; first at index {i}: device {:#06x}, reference {:#06x}",
+            got.len(),
+            got[i],
+            want[i]
+        );
+    }
+}
+
+/// A fresh directory under the system temp dir (`dsv4-<tag>-<pid>-<n>-<nanos>`), removed on
+/// drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let d = std::env::temp_dir().join(format!(
+            "dsv4-{tag}-{}-{}-{nanos}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

@@ -1,0 +1,137 @@
+//! CUDA helpers of the tests: "is there a device" with the skip line every GPU test prints
+//! without one (`skipped: no CUDA device`, which scripts/gpu-check.sh counts as a failure on
+//! the GPU machine), and the shared device of a kernel family's op tests.
+
+use std::sync::OnceLock;
+
+use dsv4::cuda::arena::{self, ArenaPlan, Pod};
+use dsv4::cuda::registry::{KernelCache, KernelSource, Registry};
+use dsv4::cuda::{Arena, BorrowedStream, Context, DevicePtr, OwnedStream};
+
+/// True when CUDA device 0 exists; otherwise prints the skip line and returns false.
+pub fn has_cuda() -> bool {
+    match dsv4::cuda::device_count() {
+        Ok(n) if n > 0 => true,
+        _ => {
+            println!("skipped: no CUDA device");
+            false
+        }
+    }
+}
+
+/// The CPU reference (-1) always; CUDA device 0 too when present (otherwise prints the skip
+/// line of the CUDA half).
+pub fn devices() -> Vec<i32> {
+    match dsv4::cuda::device_count() {
+        Ok(n) if n > 0 => vec![-1, 0],
+        _ => {
+            println!("skipped: no CUDA device (CUDA half; the CPU half ran)");
+            vec![-1]
+        }
+    }
+}
+
+/// Device 0's context, or None after printing the skip line (with the driver's reason when
+/// it gave one). A visible device whose context fails is a test failure.
+pub fn device_or_skip() -> Option<Context> {
+    match dsv4::cuda::device_count() {
+        Ok(n) if n > 0 => {}
+        Ok(_) => {
+            println!("skipped: no CUDA device");
+            return None;
+        }
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            return None;
+        }
+    }
+    Some(
+        Context::retain(0)
+            .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}")),
+    )
+}
+
+/// The device context and a registry holding the families of one test binary, shared by
+/// its tests.
+pub struct FamilyGpu {
+    pub ctx: Context,
+    pub reg: Registry,
+}
+
+/// The shared device with `families` compiled and loaded (on first use; a test binary
+/// passes the same families every time), or None after printing the skip line.
+pub fn family_gpu(families: &[&KernelSource]) -> Option<&'static FamilyGpu> {
+    static GPU: OnceLock<Option<FamilyGpu>> = OnceLock::new();
+    let g = GPU.get_or_init(|| {
+        match dsv4::cuda::device_count() {
+            Ok(n) if n > 0 => {}
+            _ => return None,
+        }
+        let ctx = Context::retain(0)
+            .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}"));
+        let reg = Registry::load_families(&ctx, families, &KernelCache::disabled())
+            .unwrap_or_else(|e| panic!("{e}"));
+        Some(FamilyGpu { ctx, reg })
+    });
+    if g.is_none() {
+        println!("skipped: no CUDA device");
+    }
+    g.as_ref()
+}
+
+/// One test's device state: the family's kernels `k`, its own stream and buffers.
+pub struct Dev<K> {
+    pub g: &'static FamilyGpu,
+    pub k: K,
+    pub stream: OwnedStream,
+}
+
+impl<K> Dev<K> {
+    pub fn new(g: &'static FamilyGpu, k: K) -> Dev<K> {
+        Dev {
+            g,
+            k,
+            stream: OwnedStream::new(&g.ctx).unwrap(),
+        }
+    }
+
+    pub fn ctx(&self) -> &Context {
+        &self.g.ctx
+    }
+
+    pub fn s(&self) -> BorrowedStream {
+        self.stream.borrow()
+    }
+
+    /// One arena with a region per byte size.
+    pub fn alloc(&self, bytes: &[usize]) -> (Arena, Vec<DevicePtr>) {
+        let mut plan = ArenaPlan::new();
+        let ids: Vec<_> = bytes
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| plan.reserve(format!("buf{i}"), b.max(4), 256).unwrap())
+            .collect();
+        let a = Arena::from_plan(&self.g.ctx, &plan).unwrap();
+        let ptrs = ids.iter().map(|&i| a.region(i)).collect();
+        (a, ptrs)
+    }
+
+    pub fn put<T: Pod>(&self, p: DevicePtr, v: &[T]) {
+        let _g = self.ctx().enter().unwrap();
+        arena::copy_to_device_sync(p, v, self.s()).unwrap();
+    }
+
+    pub fn get<T: Pod + Default>(&self, p: DevicePtr, n: usize) -> Vec<T> {
+        let _g = self.ctx().enter().unwrap();
+        self.s().synchronize().unwrap();
+        let mut v = vec![T::default(); n];
+        arena::copy_to_host_sync(&mut v, p, self.s()).unwrap();
+        v
+    }
+
+    /// Fills the buffer with 0xff bytes (NaN as f32).
+    pub fn poison(&self, p: DevicePtr) {
+        let _g = self.ctx().enter().unwrap();
+        arena::memset_async(p, 0xff, self.s()).unwrap();
+    }
+}
