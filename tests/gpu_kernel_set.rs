@@ -1,15 +1,13 @@
 //! The `kernel_set` create option (ABI 1.2) and the create-params layouts of older hosts,
 //! through the C ABI. CPU always; the CUDA half needs a device (compiles the chosen set).
 
-use std::ffi::{CStr, CString};
+mod common;
 
+use std::ffi::CString;
+
+use common::abi::last_error;
+use common::gpu::devices;
 use dsv4::ffi::*;
-
-fn last_error() -> String {
-    unsafe { CStr::from_ptr(dsv4_last_error()) }
-        .to_string_lossy()
-        .into_owned()
-}
 
 fn params(dev: i32) -> dsv4_create_params {
     let mut p = dsv4_create_params_default();
@@ -19,16 +17,6 @@ fn params(dev: i32) -> dsv4_create_params {
     p.max_num_tokens = 16;
     p.max_seq_len = 32;
     p
-}
-
-fn devices() -> Vec<i32> {
-    match dsv4::cuda::device_count() {
-        Ok(n) if n > 0 => vec![-1, 0],
-        _ => {
-            println!("skipped: no CUDA device (CUDA half; the CPU half ran)");
-            vec![-1]
-        }
-    }
 }
 
 /// create -> dummy load -> finalize; the status of the first failing step.
