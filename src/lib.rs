@@ -21,7 +21,7 @@ pub mod weights;
 
 pub use config::ModelConfig;
 pub use engine::{
-    Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, TensorUpdate,
-    WeightFormat,
+    Batch, ConfigSource, Engine, EngineOptions, KernelSetName, LoadFormat, LogitsOut, Numerics,
+    TensorUpdate, WeightFormat,
 };
 pub use error::{Error, Result, Status};

@@ -13,6 +13,7 @@ pub mod gpu;
 pub mod parity;
 pub mod rig;
 pub mod rng;
+pub mod sets;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -1,0 +1,59 @@
+//! Kernel sets under test and the tolerance each is held to (DESIGN.md §4): a test body runs
+//! once per set through [`for_each_set`], and compares with [`Tolerance::check`].
+#![allow(dead_code)]
+
+use dsv4::{KernelSetName, Numerics};
+
+/// How a kernel set's results must compare with the reference (the CPU backend or the
+/// reference set).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Tolerance {
+    /// Bit for bit: the reference set (f64 kernels, the CPU reference's arithmetic).
+    BitExact,
+    /// Per-row cosine and top-1 agreement floors: a fast set (FP8 tensor cores, f32
+    /// accumulation), with the bound its issue derives.
+    Close { min_cosine: f64, min_top1: f64 },
+}
+
+impl Tolerance {
+    /// Asserts that (max |d|, min per-row cosine, top-1 agreement) meet the tolerance.
+    pub fn check(&self, what: &str, max_abs: f32, cosine: f64, top1: f64) {
+        match *self {
+            Tolerance::BitExact => assert!(
+                max_abs == 0.0 && top1 == 1.0,
+                "{what}: must be bit-identical, max |d| = {max_abs:.3e}, top-1 {top1}"
+            ),
+            Tolerance::Close {
+                min_cosine,
+                min_top1,
+            } => assert!(
+                cosine >= min_cosine && top1 >= min_top1,
+                "{what}: cosine {cosine} (>= {min_cosine}), top-1 {top1} (>= {min_top1})"
+            ),
+        }
+    }
+}
+
+/// The tolerance of `set`.
+pub fn tolerance(set: KernelSetName) -> Tolerance {
+    match set {
+        KernelSetName::Reference => Tolerance::BitExact,
+    }
+}
+
+/// Every kernel set of this build that runs `numerics` (`exact`: the reference set only).
+pub fn sets_for(numerics: Numerics) -> Vec<KernelSetName> {
+    KernelSetName::ALL
+        .iter()
+        .map(|&(_, k)| k)
+        .filter(|&k| numerics == Numerics::Official || k == KernelSetName::Reference)
+        .collect()
+}
+
+/// Runs `body(set, tolerance)` once per kernel set that runs `numerics`.
+pub fn for_each_set(numerics: Numerics, mut body: impl FnMut(KernelSetName, Tolerance)) {
+    for set in sets_for(numerics) {
+        println!("kernel set `{}`", set.name());
+        body(set, tolerance(set));
+    }
+}
