@@ -50,7 +50,7 @@ impl Placement {
 /// Per-layer device tables of expert weight addresses (derived: rebuilt at finalize).
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertTables {
-    /// u64[E] each: code pointers of w1, w2, w3 and their scale pointers.
+    /// `u64[E]` each: code pointers of w1, w2, w3 and their scale pointers.
     pub w1: DevicePtr,
     pub w2: DevicePtr,
     pub w3: DevicePtr,
@@ -94,7 +94,7 @@ pub struct DeviceModel {
     pub weights: Vec<DevWeight>,
     pub experts: Vec<ExpertTables>,
     pub layers: Vec<LayerStateDev>,
-    /// int [num_slots]: tokens each slot holds.
+    /// `int[num_slots]`: tokens each slot holds.
     pub slot_len: DevicePtr,
     /// Derived f64 [(2+N)*N, D]: layer 0's stream-folded hc_attn projection.
     pub hc0_fold: DevicePtr,

@@ -13,6 +13,9 @@
 //! `#[repr(C)]` cross the boundary except behind the opaque `dsv4_engine` pointer.
 
 #![allow(non_camel_case_types)]
+// These doc comments are the C header's (cbindgen copies them): `[num_tokens]` there is an
+// array extent, not an intra-doc link.
+#![allow(rustdoc::broken_intra_doc_links)]
 
 // Declaration order is the order of the generated header: statuses, structs, functions.
 pub mod engine_api;

@@ -50,9 +50,9 @@ pub struct Step<'a> {
     pub model: &'a DeviceModel,
     /// Sanitized positions, query_start, slots and seq_of; the token and sequence counts.
     pub meta: BatchMeta,
-    /// Sanitized token ids [T].
+    /// Sanitized token ids `[T]`.
     pub tokens: DevicePtr,
-    /// Sanitized logits rows [num_logits].
+    /// Sanitized logits rows `[num_logits]`.
     pub rows: DevicePtr,
 }
 
