@@ -96,8 +96,8 @@ impl MemoryPlan {
             elem,
             shape: shape.to_vec(),
         };
-        if let Some(last) = self.decls.last() {
-            if (last.kind as u8) > (kind as u8) {
+        if let Some(last) = self.decls.last()
+            && (last.kind as u8) > (kind as u8) {
                 return Err(Error::new(
                     Status::Internal,
                     format!(
@@ -106,7 +106,6 @@ impl MemoryPlan {
                     ),
                 ));
             }
-        }
         let id = self.arena.reserve(decl.name.clone(), decl.bytes(), ALIGN)?;
         self.decls.push(decl);
         Ok(id)

@@ -57,11 +57,8 @@ pub fn layer_layouts(cfg: &ModelConfig, max_seq_len: usize) -> Vec<LayerLayout> 
     cfg.layers
         .iter()
         .map(|spec| {
-            let maxe = if spec.ratio > 0 {
-                max_seq_len / spec.ratio
-            } else {
-                0
-            };
+            // Sliding layers (ratio 0) keep no compressed entries.
+            let maxe = max_seq_len.checked_div(spec.ratio).unwrap_or(0);
             let comp = |overlap: bool, dc: usize| CompressorLayout {
                 ratio: spec.ratio,
                 overlap,

@@ -469,7 +469,7 @@ impl Run<'_> {
         let k = w.cols;
         let (x, ldx) = if quant_act && w.format.is_quantized() {
             k8.linear
-                .act_quant(&self.ctx, x, ldx, t, k, self.ws.xq, st)?;
+                .act_quant(self.ctx, x, ldx, t, k, self.ws.xq, st)?;
             (self.ws.xq, k)
         } else {
             (x, ldx)
@@ -480,7 +480,7 @@ impl Run<'_> {
             w.rows(row0, n)?
         };
         k8.linear
-            .linear(&self.ctx, x, ldx, t, &wr, n, round, y, ldy, st)
+            .linear(self.ctx, x, ldx, t, &wr, n, round, y, ldy, st)
     }
 
     /// Attention sub-block of layer `l`: `ws.u` -> `ws.a` (reference/attention.rs).
@@ -523,7 +523,7 @@ impl Run<'_> {
             st,
         )?;
         k8.nr.rmsnorm(
-            &self.ctx,
+            self.ctx,
             ws.qr,
             t,
             ql,
@@ -548,9 +548,9 @@ impl Run<'_> {
             st,
         )?;
         k8.nr
-            .rmsnorm(&self.ctx, ws.q, t * h, hd, hd, None, eps, official, st)?;
+            .rmsnorm(self.ctx, ws.q, t * h, hd, hd, None, eps, official, st)?;
         k8.nr.rope(
-            &self.ctx,
+            self.ctx,
             ws.q,
             t,
             h * hd,
@@ -579,7 +579,7 @@ impl Run<'_> {
             st,
         )?;
         k8.nr.rmsnorm(
-            &self.ctx,
+            self.ctx,
             ws.kv,
             t,
             hd,
@@ -590,7 +590,7 @@ impl Run<'_> {
             st,
         )?;
         k8.nr.rope(
-            &self.ctx,
+            self.ctx,
             ws.kv,
             t,
             hd,
@@ -604,7 +604,7 @@ impl Run<'_> {
             st,
         )?;
         if official {
-            k8.nr.kv_sim(&self.ctx, ws.kv, t, hd, cfg.nope_dim(), st)?;
+            k8.nr.kv_sim(self.ctx, ws.kv, t, hd, cfg.nope_dim(), st)?;
         }
         // Compressors (f32 projections), tokens in order per sequence.
         if let (Some(cw), Some(cs), Some(entries)) = (lw.compressor, ls.compressor, ls.entries) {
@@ -651,7 +651,7 @@ impl Run<'_> {
                 st,
             )?;
             k8.nr.rope(
-                &self.ctx,
+                self.ctx,
                 ws.qi,
                 t,
                 hi * di,
@@ -665,7 +665,7 @@ impl Run<'_> {
                 st,
             )?;
             if official {
-                k8.nr.index_sim(&self.ctx, ws.qi, t * hi, di, st)?;
+                k8.nr.index_sim(self.ctx, ws.qi, t * hi, di, st)?;
             }
             self.linear(
                 k8,
@@ -683,7 +683,7 @@ impl Run<'_> {
             )?;
             let s1 = (di as f64).powf(-0.5) as f32;
             let s2 = (hi as f64).powf(-0.5) as f32;
-            k8.nr.scale2(&self.ctx, ws.iw, t * hi, s1, s2, st)?;
+            k8.nr.scale2(self.ctx, ws.iw, t * hi, s1, s2, st)?;
             let args = IndexerArgs {
                 qi: ws.qi,
                 iw: ws.iw,
@@ -699,7 +699,7 @@ impl Run<'_> {
                 selected: ws.selected,
                 nsel: ws.nsel,
             };
-            k8.idx.select(&self.ctx, meta, &args, st)?;
+            k8.idx.select(self.ctx, meta, &args, st)?;
             selected = Some((ws.selected, ws.nsel));
         }
         // One softmax over window + compressed keys, with the per-head sink.
@@ -720,7 +720,7 @@ impl Run<'_> {
             official,
             o: ws.o,
         };
-        k8.attn.attention(&self.ctx, meta, &args, st)?;
+        k8.attn.attention(self.ctx, meta, &args, st)?;
         let ring = RingArgs {
             kv: ws.kv,
             ring: ls.ring,
@@ -728,9 +728,9 @@ impl Run<'_> {
             head_dim: hd,
             num_slots: self.opts.max_num_seqs,
         };
-        k8.attn.ring_update(&self.ctx, meta, &ring, st)?;
+        k8.attn.ring_update(self.ctx, meta, &ring, st)?;
         k8.nr.rope(
-            &self.ctx,
+            self.ctx,
             ws.o,
             t,
             h * hd,
@@ -849,7 +849,7 @@ impl Run<'_> {
             maxe: ls.maxe,
             num_slots: self.opts.max_num_seqs,
         };
-        k8.comp.compress(&self.ctx, meta, &args, st)
+        k8.comp.compress(self.ctx, meta, &args, st)
     }
 
     /// MoE sub-block: `ws.u` -> `ws.f` (reference/moe.rs).
@@ -883,7 +883,7 @@ impl Run<'_> {
         };
         let params = RouterParams::from_config(cfg);
         k8.moe.router(
-            &self.ctx,
+            self.ctx,
             ws.u,
             t,
             d,
@@ -904,7 +904,7 @@ impl Run<'_> {
             experts: e,
             tile_rows: MOE_TILE_ROWS,
         };
-        k8.moe.plan(&self.ctx, ws.ids, &plan, st)?;
+        k8.moe.plan(self.ctx, ws.ids, &plan, st)?;
         let tb = self.experts[l];
         let proto = |w: usize| self.weights[w];
         let experts = |ptrs: DevicePtr, scales: DevicePtr, w: DevWeight| DevExperts {
@@ -927,13 +927,13 @@ impl Run<'_> {
             experts(tb.w3, tb.s3, w3),
         );
         let xq = if official && w1.format.is_quantized() {
-            k8.linear.act_quant(&self.ctx, ws.u, d, t, d, ws.xq, st)?;
+            k8.linear.act_quant(self.ctx, ws.u, d, t, d, ws.xq, st)?;
             ws.xq
         } else {
             ws.u
         };
         k8.moe.up(
-            &self.ctx,
+            self.ctx,
             &plan,
             xq,
             &e1,
@@ -946,13 +946,13 @@ impl Run<'_> {
         )?;
         let hq = if official && w2.format.is_quantized() {
             k8.linear
-                .act_quant(&self.ctx, ws.h, i, t * k, i, ws.hq, st)?;
+                .act_quant(self.ctx, ws.h, i, t * k, i, ws.hq, st)?;
             ws.hq
         } else {
             ws.h
         };
         k8.moe
-            .down(&self.ctx, &plan, hq, &e2, official, ws.ya, st)?;
+            .down(self.ctx, &plan, hq, &e2, official, ws.ya, st)?;
         let ys = match &lw.shared {
             Some(sw) => {
                 self.linear(
@@ -984,7 +984,7 @@ impl Run<'_> {
                     st,
                 )?;
                 k8.moe.swiglu(
-                    &self.ctx,
+                    self.ctx,
                     ws.sg,
                     ws.sv,
                     t * i,
@@ -1012,6 +1012,6 @@ impl Run<'_> {
             None => None,
         };
         k8.moe
-            .combine(&self.ctx, ws.ya, ys, t, k, d, official, ws.f, st)
+            .combine(self.ctx, ws.ya, ys, t, k, d, official, ws.f, st)
     }
 }
