@@ -26,6 +26,7 @@
 pub mod arena;
 pub mod backend;
 pub mod context;
+pub mod decl;
 pub mod forward;
 pub mod graph;
 pub mod kernels;
