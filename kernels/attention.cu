@@ -52,8 +52,8 @@ extern "C" __global__ void batch_meta_kernel(const int* query_start, int S, int*
   for (int t = a + threadIdx.x; t < b; t += blockDim.x) seq_of[t] = s;
 }
 
-// Most f64 P.V accumulators per thread (channels tid, tid + blockDim, ...): hd <= 4 * blockDim.
-#define ATTN_MAX_CPT 4
+// ATTN_MAX_CPT (dsv4_consts.cuh): most f64 P.V accumulators per thread (channels tid,
+// tid + blockDim, ...), so hd <= ATTN_MAX_CPT * blockDim.
 
 // One block per (token, head): blockIdx.x = t * H + h. Dynamic shared memory: double q[hd]
 // (padded to 2), float logits[nk_max], then int sel[topk] (CSA), nk_max = W + (selected ?

@@ -51,7 +51,7 @@ DSV4_INLINE void comp_fp4_sim_warp(float* x, int n) {
 // prev_a/prev_z [slot][ratio][dc] and has_prev[slot] (overlap only; may be NULL otherwise),
 // entries [slot][maxe][dc]. Inputs a, z: [T][width] (z without ape). kind 0: KV entry (fp8sim
 // of channels [0, nope) in blocks of 64), 1: indexer key (Hadamard, fp4sim in blocks of 32).
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(COMP_THREADS)
     compress_kernel(const float* a, const float* z, const int* positions, const int* query_start,
                     const int* seq_slots, int S, float* pend_a, float* pend_z, float* prev_a,
                     float* prev_z, int* has_prev, const float* ape, const float* norm_w,

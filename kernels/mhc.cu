@@ -9,8 +9,8 @@
 //   - exp / sigmoid / rsqrt in double precision, rounded once to f32.
 #include "common.cuh"
 
-// Most residual streams (hc_mult) the kernels support; the wrappers check it.
-#define HC_MAX_N 8
+// HC_MAX_N (dsv4_consts.cuh): most residual streams (hc_mult) the kernels support; the wrappers
+// check it.
 #define HC_MAX_MIX ((2 + HC_MAX_N) * HC_MAX_N)
 // Mixing logits accumulated per pass over a token's streams (registers per thread).
 #define HC_CHUNK 24

@@ -140,8 +140,7 @@ extern "C" __global__ void kv_sim_kernel(float* x, int rows, int ld, int nope) {
 
 // ----------------------------------------------------------------------- indexer Hadamard sim
 
-// Largest row length of index_sim_kernel.
-#define NR_HADAMARD_MAX 1024
+// HADAMARD_MAX (dsv4_consts.cuh): largest row length of index_sim_kernel.
 
 // Per row of `dim` values (a power of two <= 1024, rows contiguous): normalised Sylvester
 // Walsh–Hadamard transform with f64 butterflies (the same butterfly network as
@@ -149,7 +148,7 @@ extern "C" __global__ void kv_sim_kernel(float* x, int rows, int ld, int nope) {
 // f32(Σ) * f32(dim^-1/2); then fp4sim(·, 32) (amax floor 6 * 2^-126, ue8m0(amax / 6),
 // e2m1(clamp(x / s, ±6)) * s); then bf16. One block per row.
 extern "C" __global__ void index_sim_kernel(float* x, int rows, int dim) {
-  __shared__ double y[NR_HADAMARD_MAX];
+  __shared__ double y[HADAMARD_MAX];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   // f32(dim^-1/2): dim is a power of two, so the f64 value is 2^-k or 2^-k * sqrt(1/2) up to
   // one f64 rounding, which rounds to the same f32 as the reference's powf(-0.5).

@@ -25,6 +25,7 @@
 
 pub mod arena;
 pub mod backend;
+pub mod consts;
 pub mod context;
 pub mod decl;
 pub mod forward;

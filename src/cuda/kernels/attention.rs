@@ -40,7 +40,7 @@ crate::kernel_family! {
 
 /// Threads per attention block; each thread accumulates at most 4 output channels.
 const ATTN_THREADS: u32 = 256;
-const ATTN_MAX_CHANNELS_PER_THREAD: usize = 4;
+pub(crate) const ATTN_MAX_CHANNELS_PER_THREAD: usize = 4;
 
 /// The batch's int32 metadata on the device (kernels/SPEC.md): `positions` [T],
 /// `query_start` [S+1], `seq_slots` [S], `seq_of` [T] (written by [`Attention::batch_meta`]).

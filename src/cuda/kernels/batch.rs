@@ -34,7 +34,7 @@ crate::kernel_family! {
 const FAMILY: &str = "batch";
 /// One block checks the whole batch (no grid-wide sync needed); its threads stride over
 /// tokens and sequences.
-const CHECK_THREADS: u32 = 1024;
+pub(crate) const CHECK_THREADS: u32 = 1024;
 const FINISH_THREADS: u32 = 256;
 
 /// The host's batch as the forward received it: device addresses nothing has checked yet.
@@ -193,54 +193,5 @@ impl BatchKernels {
         };
         self.finish
             .launch(rows as u32, FINISH_THREADS, 0, stream, args)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::error::Status;
-    use crate::model::batch::{Field, PAD_SLOT, Rule};
-
-    /// The numeric codes batch.cu defines by hand equal the Rust ones.
-    #[test]
-    fn codes_match_the_kernel_source() {
-        let src = super::SOURCE.source;
-        let define = |name: &str| -> i32 {
-            let line = src
-                .lines()
-                .find(|l| l.starts_with(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("batch.cu defines no {name}"));
-            let v = line.split_whitespace().nth(2).unwrap();
-            v.trim_matches(|c| c == '(' || c == ')').parse().unwrap()
-        };
-        assert_eq!(define("DSV4_PAD_SLOT"), PAD_SLOT);
-        assert_eq!(
-            define("BATCH_STATUS_INVALID_ARGUMENT"),
-            Status::InvalidArgument as i32
-        );
-        assert_eq!(define("BATCH_STATUS_CAPACITY"), Status::Capacity as i32);
-        for (n, f) in [
-            ("TOKEN_IDS", Field::TokenIds),
-            ("POSITIONS", Field::Positions),
-            ("SEQ_SLOTS", Field::SeqSlots),
-            ("QUERY_START", Field::QueryStart),
-            ("LOGITS_ROWS", Field::LogitsRows),
-        ] {
-            assert_eq!(define(&format!("BATCH_FIELD_{n}")), f as i32, "{n}");
-        }
-        for (n, r) in [
-            ("RANGE", Rule::Range),
-            ("DUPLICATE", Rule::Duplicate),
-            ("NOT_INCREASING", Rule::NotIncreasing),
-            ("ENDPOINT", Rule::Endpoint),
-            ("NOT_CONSECUTIVE", Rule::NotConsecutive),
-            ("NOT_CONTINUING", Rule::NotContinuing),
-        ] {
-            assert_eq!(define(&format!("BATCH_RULE_{n}")), r as i32, "{n}");
-        }
-        assert_eq!(
-            define("BATCH_RECORD_INTS") as usize,
-            crate::model::batch::FAULT_RECORD_INTS
-        );
     }
 }

@@ -29,7 +29,7 @@ crate::kernel_family! {
 const FAMILY: &str = "compressor";
 /// Threads per block: one channel each for d_c = 512 (latency of the f64 exps is what
 /// limits the pooling, so more warps help).
-const THREADS: u32 = 512;
+pub(crate) const THREADS: u32 = 512;
 /// Largest d_c: shared memory holds d_c doubles + d_c floats within the default 48 KB.
 pub const MAX_DC: usize = 2048;
 

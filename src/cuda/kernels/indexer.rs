@@ -30,8 +30,8 @@ crate::kernel_family! {
 
 const FAMILY: &str = "indexer";
 const THREADS: u32 = 256;
-/// IDX_TILE of kernels/indexer.cu.
-const TILE: usize = 16;
+/// Entries scored per tile (IDX_TILE in kernels/indexer.cu).
+pub(crate) const TILE: usize = 16;
 
 /// One CSA layer's indexer launch (kernels/SPEC.md `indexer_kernel`).
 #[derive(Clone, Copy, Debug)]

@@ -59,18 +59,18 @@ crate::kernel_family! {
     );
 }
 
-/// Rows per tile of the expert GEMMs (MOE_BM): the `tile_rows` to plan with. Other values work
+/// Rows per tile of the expert GEMMs (GT_BM): the `tile_rows` to plan with. Other values work
 /// (the kernels loop over row blocks) but waste or split blocks.
-pub const TILE_ROWS: usize = 32;
+pub const TILE_ROWS: usize = super::linear::TILE_T;
 /// Outputs per grid row of `moe_up_kernel` (MOE_UP_BNS) and `moe_down_kernel` (MOE_DOWN_BNS): the
 /// skinny path's block width (tiles of at most 8 rows); tiles of more rows are computed 64 outputs
 /// per block by every (64 / this)-th block row.
-pub const UP_GRID_N: usize = 8;
-pub const DOWN_GRID_N: usize = 16;
+pub const UP_GRID_N: usize = super::linear::SKINNY_N / 2;
+pub const DOWN_GRID_N: usize = super::linear::SKINNY_N;
 /// Tokens per `router_kernel` block (ROUTER_TOKENS).
 pub const ROUTER_TOKENS: usize = 4;
-/// Threads of an expert GEMM block (GEMM_THREADS).
-pub const GEMM_THREADS: u32 = 256;
+/// Threads of an expert GEMM block (GEMM_THREADS, shared with linear_kernel).
+pub const GEMM_THREADS: u32 = super::linear::LINEAR_THREADS;
 /// Threads (and warps) of the single `moe_plan_kernel` block.
 pub const PLAN_THREADS: u32 = 512;
 pub const PLAN_WARPS: usize = 16;
@@ -82,8 +82,8 @@ const SMEM_LIMIT: usize = 48 * 1024;
 const ROUTER_STATIC_SMEM: usize = ROUTER_TOKENS * 2 * MAX_TOPK * 4;
 const PLAN_STATIC_SMEM: usize = 32 * 4;
 
-/// `scoring` argument of `router_kernel` (SCORE_* in moe.cu).
-pub fn scoring_code(s: ScoringFunc) -> i32 {
+/// `scoring` argument of `router_kernel` (SCORE_* in dsv4_consts.cuh).
+pub const fn scoring_code(s: ScoringFunc) -> i32 {
     match s {
         ScoringFunc::SqrtSoftplus => 0,
         ScoringFunc::Softmax => 1,

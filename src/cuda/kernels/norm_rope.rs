@@ -35,7 +35,7 @@ crate::kernel_family! {
     fn to_bf16_kernel(src: *const f32, dst: *mut u16, n: i64);
 }
 
-/// Longest row of [`NormRope::index_sim`] (`NR_HADAMARD_MAX` in norm_rope.cu).
+/// Longest row of [`NormRope::index_sim`] (HADAMARD_MAX in dsv4_consts.cuh).
 pub const HADAMARD_MAX: usize = 1024;
 
 /// Threads per block of the per-row kernels (a multiple of 32).
