@@ -9,40 +9,7 @@
 //   - rsqrt, sin, cos are evaluated in double precision (correctly rounded sqrt and division,
 //     libdevice sin/cos) and rounded once to f32 — never the float / fast intrinsics.
 #include "common.cuh"
-
-// ------------------------------------------------------------------------------ helpers
-
-// Sum of one double per thread over a 1-D block (size a multiple of 32, at most 1024); every
-// thread gets the result. `scratch` is __shared__ double[32]; ends with a barrier. The order is
-// fixed by the thread layout (warp butterflies, then a butterfly over the warps), so results
-// are deterministic run to run.
-DSV4_INLINE double nr_block_sum_f64(double v, double* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = __dadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    double w = lane < nwarps ? scratch[lane] : 0.0;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) w = __dadd_rn(w, __shfl_xor_sync(0xffffffffu, w, o));
-    if (lane == 0) scratch[0] = w;
-  }
-  __syncthreads();
-  const double r = scratch[0];
-  __syncthreads();
-  return r;
-}
-
-// 1 / sqrt(x) evaluated in f64 and rounded once (ops.rs rsqrt).
-DSV4_INLINE float nr_rsqrt(float x) { return (float)__ddiv_rn(1.0, __dsqrt_rn((double)x)); }
-
-// Rust's f32::clamp: NaN passes through.
-DSV4_INLINE float nr_clamp(float v, float lo, float hi) {
-  if (v < lo) v = lo;
-  if (v > hi) v = hi;
-  return v;
-}
+#include "ref_math.cuh"
 
 // ---------------------------------------------------------------------------------- RMSNorm
 
@@ -59,9 +26,9 @@ extern "C" __global__ void rmsnorm_kernel(float* x, int rows, int dim, int ld, c
       const double v = (double)row[i];
       acc = __dadd_rn(acc, __dmul_rn(v, v));
     }
-    const double s = nr_block_sum_f64(acc, scratch);
+    const double s = ref_block_sum_f64(acc, scratch);
     const float ms = (float)__ddiv_rn(s, (double)dim);
-    const float rr = nr_rsqrt(__fadd_rn(ms, eps));
+    const float rr = ref_rsqrt(__fadd_rn(ms, eps));
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
       float v = __fmul_rn(row[i], rr);
       if (weight != nullptr) v = __fmul_rn(v, weight[i]);
@@ -132,8 +99,8 @@ extern "C" __global__ void kv_sim_kernel(float* x, int rows, int ld, int nope) {
       float amax = warp_max(fmaxf(fabsf(v0), fabsf(v1)));
       amax = fmaxf(amax, 1e-4f);
       const float s = ue8m0_scale(amax, DSV4_E4M3_MAX);
-      if (h0) row[i0] = __fmul_rn(e4m3_round(nr_clamp(__fdiv_rn(v0, s), -DSV4_E4M3_MAX, DSV4_E4M3_MAX)), s);
-      if (h1) row[i1] = __fmul_rn(e4m3_round(nr_clamp(__fdiv_rn(v1, s), -DSV4_E4M3_MAX, DSV4_E4M3_MAX)), s);
+      if (h0) row[i0] = ref_fp8_sim_value(v0, s);
+      if (h1) row[i1] = ref_fp8_sim_value(v1, s);
     }
   }
 }
@@ -152,22 +119,14 @@ extern "C" __global__ void index_sim_kernel(float* x, int rows, int dim) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   // f32(dim^-1/2): dim is a power of two, so the f64 value is 2^-k or 2^-k * sqrt(1/2) up to
   // one f64 rounding, which rounds to the same f32 as the reference's powf(-0.5).
-  const float sc = nr_rsqrt((float)dim);
+  const float sc = ref_rsqrt((float)dim);
   const float floor4 = DSV4_E2M1_MAX * __int_as_float(0x00800000);  // 6 * 2^-126, exact
   const int nblk = (dim + 31) / 32;
   for (int r = blockIdx.x; r < rows; r += gridDim.x) {
     float* row = x + (long long)r * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) y[i] = (double)row[i];
     __syncthreads();
-    for (int h = 1; h < dim; h <<= 1) {
-      for (int p = threadIdx.x; p < dim / 2; p += blockDim.x) {
-        const int j = (p / h) * 2 * h + (p % h);
-        const double a = y[j], b = y[j + h];
-        y[j] = __dadd_rn(a, b);
-        y[j + h] = __dsub_rn(a, b);
-      }
-      __syncthreads();
-    }
+    ref_hadamard_f64(y, dim);
     for (int b = warp; b < nblk; b += nwarps) {
       const int i = b * 32 + lane;
       const bool have = i < dim;
@@ -176,7 +135,7 @@ extern "C" __global__ void index_sim_kernel(float* x, int rows, int dim) {
       amax = fmaxf(amax, floor4);
       const float s = ue8m0_scale(amax, DSV4_E2M1_MAX);
       if (have) {
-        const float q = __fmul_rn(e2m1_round(nr_clamp(__fdiv_rn(v, s), -DSV4_E2M1_MAX, DSV4_E2M1_MAX)), s);
+        const float q = ref_fp4_sim_value(v, s);
         row[i] = round_bf16(q);
       }
     }
