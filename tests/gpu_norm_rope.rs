@@ -38,7 +38,7 @@ fn gpu() -> Option<&'static Gpu> {
         }
         let ctx = Context::retain(0)
             .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}"));
-        let reg = Registry::load_families(&ctx, &[&norm_rope::SOURCE], &KernelCache::disabled())
+        let reg = Registry::load_families(&ctx, &norm_rope::FAMILIES, &KernelCache::disabled())
             .unwrap_or_else(|e| panic!("{e}"));
         Some(Gpu { ctx, reg })
     });
@@ -213,21 +213,22 @@ fn norm_rope_family_compiles_for_sm_90a() {
         println!("skipped: NVRTC not found ({e})");
         return;
     }
-    let cubin = norm_rope::SOURCE
-        .compile("sm_90a")
-        .unwrap_or_else(|e| panic!("{e}"));
-    for f in norm_rope::SOURCE.functions {
-        assert!(
-            cubin_defines(&cubin, f.name),
-            "{} missing from the CUBIN",
-            f.name
+    for fam in norm_rope::FAMILIES {
+        let cubin = fam.compile("sm_90a").unwrap_or_else(|e| panic!("{e}"));
+        for f in fam.functions {
+            assert!(
+                cubin_defines(&cubin, f.name),
+                "{} missing from the CUBIN",
+                f.name
+            );
+        }
+        println!(
+            "{}: {} bytes CUBIN, {} entry points",
+            fam.family,
+            cubin.len(),
+            fam.functions.len()
         );
     }
-    println!(
-        "norm_rope: {} bytes CUBIN, {} entry points",
-        cubin.len(),
-        norm_rope::SOURCE.functions.len()
-    );
 }
 
 /// The device computes f32(dim^-1/2) as f32(1 / sqrt(dim)) in f64; the reference uses

@@ -1,32 +1,53 @@
-//! Rust side of the `norm_rope` kernel family (kernels/norm_rope.cu): RMSNorm, RoPE, the KV
-//! and indexer fake-quantisation, and small elementwise / copy kernels. Contract in
-//! kernels/SPEC.md; every kernel is bit-identical to its CPU reference (tests/gpu_norm_rope.rs).
+//! Rust side of four small kernel families, one job each: `norm` (kernels/norm.cu: RMSNorm),
+//! `rope` (kernels/rope.cu), `quant_sim` (kernels/quant_sim.cu: the KV and indexer
+//! fake-quantisation, bf16 rounding) and `elementwise` (kernels/elementwise.cu: scaling,
+//! embedding, row gathers, bf16 conversion). [`NormRope`] is the one facade the forward uses
+//! for all of them. Contract in kernels/SPEC.md; every kernel is bit-identical to its CPU
+//! reference (tests/gpu_norm_rope.rs).
 //!
 //! Every launch function checks that each buffer holds what the kernel will touch, then
 //! enqueues on the borrowed stream (no host sync). Zero-sized work launches nothing.
 
 use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::decl::Launcher;
-use crate::cuda::registry::Registry;
+use crate::cuda::registry::{KernelSource, Registry};
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
 
 crate::kernel_family! {
-    /// The family as the registry compiles and loads it.
-    pub const SOURCE = "norm_rope", include_str!("../../../kernels/norm_rope.cu");
+    /// RMSNorm.
+    pub const NORM_SOURCE = "norm", include_str!("../../../kernels/norm.cu");
 
     fn rmsnorm_kernel(
         x: *mut f32, rows: i32, dim: i32, ld: i32, weight: Option<*const f32>, eps: f32,
         round_out: bool,
     );
+}
+
+crate::kernel_family! {
+    /// RoPE.
+    pub const ROPE_SOURCE = "rope", include_str!("../../../kernels/rope.cu");
+
     fn rope_kernel(
         x: *mut f32, rows: i32, ld: i32, heads: i32, head_dim: i32, pos: *const i32,
         inv_freq: *const f32, half_rope: i32, sign: f32, round_out: bool,
     );
+}
+
+crate::kernel_family! {
+    /// The official precision simulations, in place.
+    pub const QUANT_SIM_SOURCE = "quant_sim", include_str!("../../../kernels/quant_sim.cu");
+
     fn kv_sim_kernel(x: *mut f32, rows: i32, ld: i32, nope: i32);
     fn index_sim_kernel(x: *mut f32, rows: i32, dim: i32);
     fn round_bf16_kernel(x: *mut f32, n: i64);
+}
+
+crate::kernel_family! {
+    /// Small elementwise and copy kernels.
+    pub const ELEMENTWISE_SOURCE = "elementwise", include_str!("../../../kernels/elementwise.cu");
+
     fn scale2_kernel(x: *mut f32, n: i64, s1: f32, s2: f32);
     fn embed_kernel(tokens: *const i32, t: i32, table: *const f32, d: i32, n: i32, x: *mut f32);
     fn gather_rows_kernel(
@@ -34,6 +55,14 @@ crate::kernel_family! {
     );
     fn to_bf16_kernel(src: *const f32, dst: *mut u16, n: i64);
 }
+
+/// The families behind [`NormRope`], as the registry compiles and loads them.
+pub const FAMILIES: [&KernelSource; 4] = [
+    &NORM_SOURCE,
+    &ROPE_SOURCE,
+    &QUANT_SIM_SOURCE,
+    &ELEMENTWISE_SOURCE,
+];
 
 /// Longest row of [`NormRope::index_sim`] (HADAMARD_MAX in dsv4_consts.cuh).
 pub const HADAMARD_MAX: usize = 1024;
@@ -66,7 +95,7 @@ fn flat_blocks(n: usize) -> u32 {
     n.div_ceil(FLAT_THREADS as usize).clamp(1, MAX_BLOCKS) as u32
 }
 
-/// The norm_rope family's entry points, resolved from a loaded registry.
+/// The entry points of the four families, resolved from a loaded registry.
 pub struct NormRope {
     rmsnorm: Launcher<rmsnorm_kernel::Args>,
     rope: Launcher<rope_kernel::Args>,
