@@ -7,6 +7,7 @@
 // P.V: per channel, keys in order, from +0.0), every f32 product/sum is explicitly rounded
 // (__fmul_rn & co., so no FMA contraction), exp in f64 rounded once.
 #include "common.cuh"
+#include "ref_math.cuh"
 
 // ops.rs `dot` of an f64 vector `a` (the query, converted once) and a float row `b`:
 // acc[0..4] over chunks of 4, s = (acc0 + acc2) + (acc1 + acc3), then the remainder added to
@@ -40,9 +41,6 @@ DSV4_INLINE float attn_dot_ref(const double* a, const float* b, int n) {
   return (float)s;
 }
 
-// ops.rs `exp`: e^x in f64, rounded once.
-DSV4_INLINE float attn_exp_ref(float x) { return (float)exp((double)x); }
-
 // seq_of[t] = s for every token t of sequence s (query_start[s] <= t < query_start[s+1]).
 // Grid: one block per sequence.
 extern "C" __global__ void batch_meta_kernel(const int* query_start, int S, int* seq_of) {
@@ -52,8 +50,8 @@ extern "C" __global__ void batch_meta_kernel(const int* query_start, int S, int*
   for (int t = a + threadIdx.x; t < b; t += blockDim.x) seq_of[t] = s;
 }
 
-// Most f64 P.V accumulators per thread (channels tid, tid + blockDim, ...): hd <= 4 * blockDim.
-#define ATTN_MAX_CPT 4
+// ATTN_MAX_CPT (dsv4_consts.cuh): most f64 P.V accumulators per thread (channels tid,
+// tid + blockDim, ...), so hd <= ATTN_MAX_CPT * blockDim.
 
 // One block per (token, head): blockIdx.x = t * H + h. Dynamic shared memory: double q[hd]
 // (padded to 2), float logits[nk_max], then int sel[topk] (CSA), nk_max = W + (selected ?
@@ -130,7 +128,7 @@ extern "C" __global__ void attention_kernel(const float* q, const float* kv, con
   const float m = block_max(mx, red);  // ends with a barrier: every lg[j] is written
 
   // e_j = exp(l_j - m), kept unrounded for the denominator.
-  for (int j = tid; j < nk; j += nt) lg[j] = attn_exp_ref(__fsub_rn(lg[j], m));
+  for (int j = tid; j < nk; j += nt) lg[j] = ref_exp(__fsub_rn(lg[j], m));
   __syncthreads();
 
   // o[c] = f32(sum_j f64(p_j) * f64(v_j[c])) / den, keys in order from +0.0 (reference P.V);
@@ -182,7 +180,7 @@ extern "C" __global__ void attention_kernel(const float* q, const float* kv, con
     }
   }
 #undef ATTN_KEY
-  if (tid == 0) den_s = __fadd_rn((float)dacc, attn_exp_ref(__fsub_rn(sinks[h], m)));
+  if (tid == 0) den_s = __fadd_rn((float)dacc, ref_exp(__fsub_rn(sinks[h], m)));
   __syncthreads();
   const float den = den_s;
   float* orow = o + ((long long)t * H + h) * hd;

@@ -9,34 +9,15 @@
 // or touch a slot's state; `logits_finish_kernel` then fills its logits rows with NaN.
 // Padding sequences (slot DSV4_PAD_SLOT) read and write no state; their logits rows are zeros.
 //
-// The numeric codes below are mirrored in src/cuda/kernels/batch.rs and src/model/batch.rs; a
-// unit test there checks them against this file.
+// The numeric codes (DSV4_PAD_SLOT, BATCH_STATUS_*, BATCH_FIELD_*, BATCH_RULE_*,
+// BATCH_RECORD_INTS) come from dsv4_consts.cuh, generated from src/model/batch.rs and
+// src/error.rs. Rules: RANGE value outside [0, expected); DUPLICATE slot already used by
+// sequence `expected`; NOT_INCREASING query_start[index] <= query_start[index-1] = expected;
+// ENDPOINT query_start[0] != 0 or query_start[S] != T (= expected); NOT_CONSECUTIVE position !=
+// expected; NOT_CONTINUING first position is neither 0 nor the slot's length (= expected).
+// Error record: BATCH_RECORD_INTS int32 at a fixed device address (dsv4_device_error): status,
+// field, index, value, rule, expected, seq (-1: none), slot (seq_slots[seq]).
 #include "common.cuh"
-
-#define DSV4_PAD_SLOT (-1)
-
-// dsv4_status values (src/error.rs Status).
-#define BATCH_STATUS_INVALID_ARGUMENT 1
-#define BATCH_STATUS_CAPACITY 8
-
-// Batch fields (DSV4_FIELD_*).
-#define BATCH_FIELD_TOKEN_IDS 1
-#define BATCH_FIELD_POSITIONS 2
-#define BATCH_FIELD_SEQ_SLOTS 3
-#define BATCH_FIELD_QUERY_START 4
-#define BATCH_FIELD_LOGITS_ROWS 5
-
-// Rules (DSV4_RULE_*).
-#define BATCH_RULE_RANGE 1            // value outside [0, expected)
-#define BATCH_RULE_DUPLICATE 2        // slot already used by sequence `expected`
-#define BATCH_RULE_NOT_INCREASING 3   // query_start[index] <= query_start[index-1] = expected
-#define BATCH_RULE_ENDPOINT 4         // query_start[0] != 0 or query_start[S] != T (= expected)
-#define BATCH_RULE_NOT_CONSECUTIVE 5  // position != expected
-#define BATCH_RULE_NOT_CONTINUING 6   // first position is neither 0 nor the slot's length (= expected)
-
-// Error record: 8 int32 at a fixed device address (dsv4_device_error): status, field, index,
-// value, rule, expected, seq (-1: none), slot (seq_slots[seq]).
-#define BATCH_RECORD_INTS 8
 
 // A fault is ordered by the key (stage, sequence, rule within the sequence, index): the smallest
 // key is the fault the CPU backend reports, since it checks in that order and stops at the first.
@@ -76,7 +57,7 @@ DSV4_INLINE void batch_check_position(const int* positions, int a, int i, int q,
 // rows_out [R]. For a good batch they equal the inputs, except that a padding sequence's
 // positions become 0, 1, ...; for a bad batch: tokens 0, every sequence padding with one token
 // (the last takes the rest), rows 0.
-extern "C" __global__ void __launch_bounds__(1024)
+extern "C" __global__ void __launch_bounds__(BATCH_CHECK_THREADS)
     batch_check_kernel(const int* tokens, const int* positions, const int* seq_slots,
                        const int* query_start, const int* logits_rows, int T, int S, int R,
                        int vocab, int max_seq_len, int num_slots, const int* slot_len, int* claim,

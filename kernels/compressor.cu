@@ -8,16 +8,7 @@
 // order (sequential from -0.0, like Rust's f64 `Sum`); f32 arithmetic is explicitly rounded
 // (__fmul_rn & co.: no FMA contraction); exp/sin/cos/rsqrt in f64, rounded once.
 #include "common.cuh"
-
-// ops.rs `exp`.
-DSV4_INLINE float comp_exp_ref(float x) { return (float)exp((double)x); }
-
-// Rust's f32::clamp (NaN passes through).
-DSV4_INLINE float comp_clamp(float x, float lo, float hi) {
-  if (x < lo) x = lo;
-  if (x > hi) x = hi;
-  return x;
-}
+#include "ref_math.cuh"
 
 // quant.rs fp8_sim over one block of min(n, 64) values, in place, by one warp (all 32 lanes
 // call; two values per lane). amax is a max, so the butterfly order is immaterial; fmaxf
@@ -30,7 +21,7 @@ DSV4_INLINE void comp_fp8_sim_warp(float* x, int n) {
   amax = fmaxf(warp_max(amax), 1e-4f);
   const float s = ue8m0_scale(amax, DSV4_E4M3_MAX);
   for (int i = lane; i < n; i += 32)
-    x[i] = __fmul_rn(e4m3_round(comp_clamp(__fdiv_rn(x[i], s), -DSV4_E4M3_MAX, DSV4_E4M3_MAX)), s);
+    x[i] = ref_fp8_sim_value(x[i], s);
 }
 
 // quant.rs fp4_sim over one block of min(n, 32) values, in place, by one warp.
@@ -41,7 +32,7 @@ DSV4_INLINE void comp_fp4_sim_warp(float* x, int n) {
   amax = fmaxf(warp_max(amax), __fmul_rn(DSV4_E2M1_MAX, 1.17549435e-38f));  // 6 * f32::MIN_POSITIVE
   const float s = ue8m0_scale(amax, DSV4_E2M1_MAX);
   if (lane < n)
-    x[lane] = __fmul_rn(e2m1_round(comp_clamp(__fdiv_rn(x[lane], s), -DSV4_E2M1_MAX, DSV4_E2M1_MAX)), s);
+    x[lane] = ref_fp4_sim_value(x[lane], s);
 }
 
 // One block per sequence (blockDim a multiple of 32, at most 512). Dynamic shared memory: double hbuf[dc]
@@ -51,7 +42,7 @@ DSV4_INLINE void comp_fp4_sim_warp(float* x, int n) {
 // prev_a/prev_z [slot][ratio][dc] and has_prev[slot] (overlap only; may be NULL otherwise),
 // entries [slot][maxe][dc]. Inputs a, z: [T][width] (z without ape). kind 0: KV entry (fp8sim
 // of channels [0, nope) in blocks of 64), 1: indexer key (Hadamard, fp4sim in blocks of 32).
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(COMP_THREADS)
     compress_kernel(const float* a, const float* z, const int* positions, const int* query_start,
                     const int* seq_slots, int S, float* pend_a, float* pend_z, float* prev_a,
                     float* prev_z, int* has_prev, const float* ape, const float* norm_w,
@@ -108,20 +99,20 @@ extern "C" __global__ void __launch_bounds__(512)
       // add in slot order.)
       double dacc = -0.0;
 #pragma unroll 4
-      for (int sl = 0; sl < np; ++sl) dacc += (double)comp_exp_ref(__fsub_rn(qz[sl * dc + j], m));
+      for (int sl = 0; sl < np; ++sl) dacc += (double)ref_exp(__fsub_rn(qz[sl * dc + j], m));
 #pragma unroll 4
       for (int sl = 0; sl < ratio; ++sl)
-        dacc += (double)comp_exp_ref(__fsub_rn(pz[sl * width + cur_off + j], m));
+        dacc += (double)ref_exp(__fsub_rn(pz[sl * width + cur_off + j], m));
       const float den = (float)dacc;
       double acc = -0.0;
 #pragma unroll 4
       for (int sl = 0; sl < np; ++sl) {
-        const float e = comp_exp_ref(__fsub_rn(qz[sl * dc + j], m));
+        const float e = ref_exp(__fsub_rn(qz[sl * dc + j], m));
         acc += (double)__fdiv_rn(e, den) * (double)qa[sl * dc + j];
       }
 #pragma unroll 4
       for (int sl = 0; sl < ratio; ++sl) {
-        const float e = comp_exp_ref(__fsub_rn(pz[sl * width + cur_off + j], m));
+        const float e = ref_exp(__fsub_rn(pz[sl * width + cur_off + j], m));
         acc += (double)__fdiv_rn(e, den) * (double)pa[sl * width + cur_off + j];
       }
       float v = (float)acc;
@@ -180,15 +171,7 @@ extern "C" __global__ void __launch_bounds__(512)
         // f32(.) * f32(dc^-1/2), fp4sim in blocks of 32, bf16.
         for (int c = tid; c < dc; c += nt) hbuf[c] = (double)ent[c];
         __syncthreads();
-        for (int hh = 1; hh < dc; hh <<= 1) {
-          for (int q = tid; q < (dc >> 1); q += nt) {
-            const int i0 = (q / hh) * 2 * hh + (q % hh), i1 = i0 + hh;
-            const double x0 = hbuf[i0], x1 = hbuf[i1];
-            hbuf[i0] = x0 + x1;
-            hbuf[i1] = x0 - x1;
-          }
-          __syncthreads();
-        }
+        ref_hadamard_f64(hbuf, dc);
         const float hs = (float)(1.0 / sqrt((double)dc));
         for (int c = tid; c < dc; c += nt) ent[c] = __fmul_rn((float)hbuf[c], hs);
         __syncthreads();

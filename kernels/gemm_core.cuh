@@ -10,26 +10,17 @@
 // columns K4..K-1 added to s in order; one rounding to f32. Products of two f32 values are exact
 // in f64, so fma(a, b, c) == c + a*b here.
 
-// Weight formats (`fmt`), as in SPEC.md and src/cuda/kernels/linear.rs WFormat.
-#define WFMT_F32 0
-#define WFMT_BF16 1
-#define WFMT_FP8 2
-#define WFMT_FP4 3
-// Block of the FP4 scales along K (qmatrix.rs FP4_BLOCK).
-#define FP4_SCALE_BLOCK 32
-
-#define GEMM_THREADS 256
+// From dsv4_consts.cuh (src/cuda/consts.rs): the weight formats WFMT_* (`fmt`, linear.rs
+// WFormat), FP4_SCALE_BLOCK (FP4 scales along K), GEMM_THREADS, GT_BM, GS_MAXR and GS_BN.
+//
 // Tiled path: GT_BM gathered rows x (32 * TN) outputs per matrix, GT_BK columns per stage; thread
 // (tx = lane, ty = warp) owns rows ty + 8 i (i < 4) and outputs tx + 32 j.
-#define GT_BM 32
 #define GT_BK 32
 #define GT_TM 4
 // Skinny path (at most GS_MAXR rows, decode): GS_BN / NMAT outputs of each of NMAT matrices,
 // GS_BK columns per stage (one column per thread when loading, so a stage is GS_BN * GS_BK weights
 // in flight per block); compute thread (n = tid / 4, l = tid % 4) owns lane l of output n for every
 // row. Stages are held as f32.
-#define GS_MAXR 8
-#define GS_BN 16
 #define GS_BK 256
 #define GS_LD (GS_BK + 4)  // padded row stride (floats): conflict-free lane reads
 // Shared memory (doubles) of each path.

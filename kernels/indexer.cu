@@ -53,8 +53,7 @@ DSV4_INLINE unsigned idx_dynamic_smem_bytes() {
   return v;
 }
 
-// Entries scored per tile (the wrapper sizes shared memory for it).
-#define IDX_TILE 16
+// IDX_TILE (dsv4_consts.cuh): entries scored per tile (the wrapper sizes shared memory for it).
 
 // Shared-memory row stride (doubles) of q heads and key rows: DI rounded up to 4, plus 2. Rows
 // stay 16-byte aligned, and consecutive rows start 16 bytes apart modulo 128, so the double2

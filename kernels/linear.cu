@@ -19,14 +19,11 @@
 #include "common.cuh"
 
 #include "gemm_core.cuh"
-// Rows per block of each path, and the largest T that takes the skinny path.
-#define LIN_SKINNY_MAX_T 16
-#define LIN_BN 64  // outputs per block on the tiled path (GS_BN on the skinny path)
+// LIN_SKINNY_MAX_T (the largest T that takes the skinny path), LIN_BN (outputs per block on the
+// tiled path; GS_BN on the skinny path) and ACT_BLOCK (block of act_quant along K) come from
+// dsv4_consts.cuh.
 #define LIN_SMEM_DOUBLES                                                                        \
   (GT_SMEM_DOUBLES(1, 2) > (GS_SMEM_FLOATS(1) + 1) / 2 ? GT_SMEM_DOUBLES(1, 2) : (GS_SMEM_FLOATS(1) + 1) / 2)
-
-// Block of act_quant along K.
-#define ACT_BLOCK 128
 
 template <int FMT>
 DSV4_INLINE void linear_body(double* smem, int* srow_s, const long long* xoff, bool skinny, int t0, int mrows, const float* x,

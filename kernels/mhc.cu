@@ -8,43 +8,15 @@
 //     reference's sequential order, starting from -0.0 like Rust's `Sum for f64`;
 //   - exp / sigmoid / rsqrt in double precision, rounded once to f32.
 #include "common.cuh"
+#include "ref_math.cuh"
 
-// Most residual streams (hc_mult) the kernels support; the wrappers check it.
-#define HC_MAX_N 8
+// HC_MAX_N (dsv4_consts.cuh): most residual streams (hc_mult) the kernels support; the wrappers
+// check it.
 #define HC_MAX_MIX ((2 + HC_MAX_N) * HC_MAX_N)
 // Mixing logits accumulated per pass over a token's streams (registers per thread).
 #define HC_CHUNK 24
 
 // --------------------------------------------------------------------------------- helpers
-
-DSV4_INLINE double hc_warp_sum_f64(double v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = __dadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-// Sum of one double per thread over the block (size a multiple of 32); every thread gets it.
-// `scratch` is __shared__ double[32]; ends with a barrier.
-DSV4_INLINE double hc_block_sum_f64(double v, double* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  v = hc_warp_sum_f64(v);
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    double w = lane < nwarps ? scratch[lane] : 0.0;
-    w = hc_warp_sum_f64(w);
-    if (lane == 0) scratch[0] = w;
-  }
-  __syncthreads();
-  const double r = scratch[0];
-  __syncthreads();
-  return r;
-}
-
-// ops.rs exp / sigmoid / rsqrt: f64 evaluation, one rounding.
-DSV4_INLINE float hc_exp(float x) { return (float)exp((double)x); }
-DSV4_INLINE float hc_sigmoid(float x) { return (float)__ddiv_rn(1.0, __dadd_rn(1.0, exp(-(double)x))); }
-DSV4_INLINE float hc_rsqrt(float x) { return (float)__ddiv_rn(1.0, __dsqrt_rn((double)x)); }
 
 // mhc.rs mix_logits for one token's flattened streams xt[nd]: m[j] = f32(Σ f64 proj[j]·xt) * rho
 // for j < mix, rho = rsqrt(f32(Σ f64 xt² / nd) + eps). Writes m (shared, `mix` floats); every
@@ -72,7 +44,7 @@ DSV4_INLINE void hc_mix_logits(const float* xt, long long nd, const P* proj, int
 #pragma unroll
     for (int j = 0; j < HC_CHUNK; ++j)
       if (j < cnt) {
-        const double w = hc_warp_sum_f64(acc[j]);
+        const double w = ref_warp_sum_f64(acc[j]);
         if (lane == 0) red[warp * HC_CHUNK + j] = w;
       }
     __syncthreads();
@@ -83,9 +55,9 @@ DSV4_INLINE void hc_mix_logits(const float* xt, long long nd, const P* proj, int
     }
     __syncthreads();
   }
-  const double ss = hc_block_sum_f64(sq, scratch);
+  const double ss = ref_block_sum_f64(sq, scratch);
   const float ms = (float)__ddiv_rn(ss, (double)nd);
-  const float rho = hc_rsqrt(__fadd_rn(ms, rms_eps));
+  const float rho = ref_rsqrt(__fadd_rn(ms, rms_eps));
   for (int j = threadIdx.x; j < mix; j += blockDim.x) m[j] = __fmul_rn(m[j], rho);
   __syncthreads();
 }
@@ -114,7 +86,7 @@ DSV4_INLINE void hc_sinkhorn_warp(float* c, int n, int iters, float eps) {
     float* row = c + me * n;
     float mx = -DSV4_F32_INF;
     for (int k = 0; k < n; ++k) mx = fmaxf(mx, row[k]);
-    for (int k = 0; k < n; ++k) row[k] = hc_exp(__fsub_rn(row[k], mx));
+    for (int k = 0; k < n; ++k) row[k] = ref_exp(__fsub_rn(row[k], mx));
     const float s = hc_row_sum(c, n, me);
     for (int k = 0; k < n; ++k) row[k] = __fadd_rn(__fdiv_rn(row[k], s), eps);
   }
@@ -174,8 +146,8 @@ extern "C" __global__ void hc_pre_kernel(const float* x, int T, int N, int D, co
       const int me = threadIdx.x;
       const float a0 = scale[0], a1 = scale[1], a2 = scale[2];
       if (me < N) {
-        pre[me] = __fadd_rn(hc_sigmoid(__fadd_rn(__fmul_rn(a0, m[me]), base[me])), hc_eps);
-        post[(long long)t * N + me] = __fmul_rn(2.0f, hc_sigmoid(__fadd_rn(__fmul_rn(a1, m[N + me]), base[N + me])));
+        pre[me] = __fadd_rn(ref_sigmoid(__fadd_rn(__fmul_rn(a0, m[me]), base[me])), hc_eps);
+        post[(long long)t * N + me] = __fmul_rn(2.0f, ref_sigmoid(__fadd_rn(__fmul_rn(a1, m[N + me]), base[N + me])));
       }
       for (int i = me; i < N * N; i += 32) c[i] = __fadd_rn(__fmul_rn(a2, m[2 * N + i]), base[2 * N + i]);
       __syncwarp();
@@ -240,7 +212,7 @@ extern "C" __global__ void hc_head_kernel(const float* x, int R, int N, int D, c
     const float* xr = x + (long long)r * nd;
     hc_mix_logits(xr, nd, proj, N, rms_eps, m, red, scratch);
     if (threadIdx.x < N)
-      w[threadIdx.x] = __fadd_rn(hc_sigmoid(__fadd_rn(__fmul_rn(m[threadIdx.x], scale[0]), base[threadIdx.x])), hc_eps);
+      w[threadIdx.x] = __fadd_rn(ref_sigmoid(__fadd_rn(__fmul_rn(m[threadIdx.x], scale[0]), base[threadIdx.x])), hc_eps);
     __syncthreads();
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
       double s = -0.0;

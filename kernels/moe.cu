@@ -13,18 +13,10 @@
 
 #define FULL_MASK 0xffffffffu
 
-// Router score functions (`scoring`), src/cuda/kernels/moe.rs scoring_code.
-#define SCORE_SQRTSOFTPLUS 0
-#define SCORE_SOFTMAX 1
-#define SCORE_SIGMOID 2
-// Largest experts_per_tok the router supports; tokens per router block.
-#define ROUTER_MAX_K 32
-#define ROUTER_TOKENS 4
-
-// Plan: one block of PLAN_THREADS threads (PLAN_WARPS warps, each owning a contiguous segment of
-// the assignments).
-#define PLAN_THREADS 512
-#define PLAN_WARPS 16
+// From dsv4_consts.cuh (src/cuda/kernels/moe.rs): the router score functions SCORE_* (`scoring`,
+// moe.rs scoring_code); ROUTER_MAX_K, the largest experts_per_tok the router supports;
+// ROUTER_TOKENS, tokens per router block; the plan's single block of PLAN_THREADS threads
+// (PLAN_WARPS warps, each owning a contiguous segment of the assignments).
 
 #include "gemm_core.cuh"
 // ------------------------------------------------------------------------ elementwise helpers
@@ -133,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(1024)
       float s;
       if (scoring == SCORE_SIGMOID) {
         s = (float)(1.0 / (1.0 + exp(-(double)l)));
-      } else {
+      } else {  // SCORE_SQRTSOFTPLUS
         const float sp = l > 20.0f ? l : (float)log1p(exp((double)l));
         s = sqrtf(sp);
       }
@@ -334,9 +326,9 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
 // per skinny block (GS_BN / 2 outputs for the up projection's two matrices, GS_BN for the down
 // projection), so only every MOE_BN / that -th block row works on a tile of the tiled path.
 // Shared memory of the two paths.
+// MOE_UP_BNS (= GS_BN / 2) and MOE_DOWN_BNS (= GS_BN) come from dsv4_consts.cuh (moe.rs
+// UP_GRID_N, DOWN_GRID_N).
 #define MOE_BN 64
-#define MOE_UP_BNS (GS_BN / 2)
-#define MOE_DOWN_BNS GS_BN
 #define MOE_UP_SMEM_DOUBLES                                                                      \
   (GT_SMEM_DOUBLES(2, 1) > (GS_SMEM_FLOATS(2) + 1) / 2 ? GT_SMEM_DOUBLES(2, 1) : (GS_SMEM_FLOATS(2) + 1) / 2)
 #define MOE_DOWN_SMEM_DOUBLES                                                                    \

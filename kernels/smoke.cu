@@ -24,8 +24,8 @@ extern "C" __global__ void smoke_fill(unsigned* out_u32, float* out_f32, unsigne
   }
 }
 
-// Number of output columns of smoke_roundtrip; the column order is SmokeCol in src/cuda/smoke.rs.
-#define SMOKE_COLS 16
+// SMOKE_COLS (dsv4_consts.cuh): number of output columns of smoke_roundtrip; the column order
+// is ROUNDTRIP_COLUMNS in src/cuda/smoke.rs.
 
 // Applies every number-format helper of common.cuh to element i: xf[i] is a float input,
 // xu[i] supplies bit patterns (low 16 bits: bf16; low 8: e4m3 / ue8m0 codes; low 4: e2m1).

@@ -27,7 +27,7 @@ type Dev = common::gpu::Dev<NormRope>;
 
 /// The shared device with this family loaded, or None after printing the skip line.
 fn gpu() -> Option<&'static FamilyGpu> {
-    family_gpu(&[&norm_rope::SOURCE])
+    family_gpu(&norm_rope::FAMILIES)
 }
 
 /// One test's device state: the family's kernels, its own stream and buffers.
@@ -71,21 +71,22 @@ fn norm_rope_family_compiles_for_sm_90a() {
         println!("skipped: NVRTC not found ({e})");
         return;
     }
-    let cubin = norm_rope::SOURCE
-        .compile("sm_90a")
-        .unwrap_or_else(|e| panic!("{e}"));
-    for f in norm_rope::SOURCE.functions {
-        assert!(
-            cubin_defines(&cubin, f.name),
-            "{} missing from the CUBIN",
-            f.name
+    for fam in norm_rope::FAMILIES {
+        let cubin = fam.compile("sm_90a").unwrap_or_else(|e| panic!("{e}"));
+        for f in fam.functions {
+            assert!(
+                cubin_defines(&cubin, f.name),
+                "{} missing from the CUBIN",
+                f.name
+            );
+        }
+        println!(
+            "{}: {} bytes CUBIN, {} entry points",
+            fam.family,
+            cubin.len(),
+            fam.functions.len()
         );
     }
-    println!(
-        "norm_rope: {} bytes CUBIN, {} entry points",
-        cubin.len(),
-        norm_rope::SOURCE.functions.len()
-    );
 }
 
 /// The device computes f32(dim^-1/2) as f32(1 / sqrt(dim)) in f64; the reference uses

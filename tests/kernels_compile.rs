@@ -196,7 +196,11 @@ fn compile_errors_name_the_family_and_the_first_error() {
     const BROKEN: KernelSource = KernelSource {
         family: "broken",
         source: "#include \"common.cuh\"\nextern \"C\" __global__ void k(float* o) { o[0] = no_such_helper(1.0f); }\n",
-        functions: &[KernelFn::new("k")],
+        functions: &[KernelFn {
+            name: "k",
+            dynamic_smem: 0,
+            params: &["float*"],
+        }],
     };
     let e = BROKEN.compile(ARCH).unwrap_err();
     assert_eq!(e.status, Status::Cuda, "{e}");
@@ -226,7 +230,11 @@ fn sm_90a_enables_hopper_arch_specific_instructions() {
     const WGMMA: KernelSource = KernelSource {
         family: "wgmma_probe",
         source: "extern \"C\" __global__ void k() { asm volatile(\"wgmma.fence.sync.aligned;\\n\" ::: \"memory\"); }\n",
-        functions: &[KernelFn::new("k")],
+        functions: &[KernelFn {
+            name: "k",
+            dynamic_smem: 0,
+            params: &[],
+        }],
     };
     let cubin = WGMMA.compile(ARCH).unwrap_or_else(|e| panic!("{e}"));
     assert!(cubin_defines(&cubin, "k"));

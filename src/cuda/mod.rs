@@ -25,7 +25,9 @@
 
 pub mod arena;
 pub mod backend;
+pub mod consts;
 pub mod context;
+pub mod decl;
 pub mod forward;
 pub mod graph;
 pub mod kernel_sets;

@@ -7,10 +7,18 @@
 //! system headers (kernels are header-free; `common.cuh` is injected as an NVRTC header).
 //!
 //! Adding a family: write `kernels/<family>.cu` (`#include "common.cuh"`, `extern "C"
-//! __global__` entry points), add `src/cuda/kernels/<family>.rs` with a `pub const SOURCE:
-//! KernelSource` listing the entry points (and dynamic shared memory above 48 KB), and add
-//! `&<family>::SOURCE` to `MODEL_FAMILIES` (src/cuda/kernels/mod.rs), which [`families`]
-//! includes. tests/kernels_compile.rs then compiles it in CI.
+//! __global__` entry points), add `src/cuda/kernels/<family>.rs` with a `kernel_family!`
+//! declaration (src/cuda/decl.rs: the family's `SOURCE` and every entry point's parameters
+//! and dynamic shared memory above 48 KB) and a wrapper struct holding one
+//! `Launcher<entry::Args>` per entry point, and add `&<family>::SOURCE` to `MODEL_FAMILIES`
+//! (src/cuda/kernels/mod.rs), which [`families`] includes. CI then compiles it with NVRTC
+//! (tests/kernels_compile.rs) and checks every declaration against the source's signatures
+//! (tests/kernel_decls.rs).
+//!
+//! Adding a kernel to a family: the `extern "C" __global__` function in the .cu file, one
+//! `fn name(param: Type, ...);` line in the family's `kernel_family!`, a `Launcher` field in
+//! the wrapper struct and a wrapper method that checks sizes (`need`) and launches with
+//! `name::Args { .. }`. No `unsafe` in the wrapper: the launch is typed by the declaration.
 
 use super::libs::CudaLib;
 use super::{Context, check};
@@ -21,7 +29,8 @@ use std::ffi::{CString, c_char};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-/// One `extern "C" __global__` entry point of a family.
+/// One `extern "C" __global__` entry point of a family, as its declaration
+/// ([`crate::kernel_family!`], src/cuda/decl.rs) describes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KernelFn {
     pub name: &'static str,
@@ -29,19 +38,9 @@ pub struct KernelFn {
     /// raises the kernel's limit (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES); 0 means
     /// the default allowance (48 KB minus static shared memory).
     pub dynamic_smem: u32,
-}
-
-impl KernelFn {
-    pub const fn new(name: &'static str) -> KernelFn {
-        KernelFn {
-            name,
-            dynamic_smem: 0,
-        }
-    }
-
-    pub const fn with_smem(name: &'static str, dynamic_smem: u32) -> KernelFn {
-        KernelFn { name, dynamic_smem }
-    }
+    /// The C type of every parameter in order, normalised as [`super::decl::Param::C`]
+    /// (tests/kernel_decls.rs checks them against the .cu source).
+    pub params: &'static [&'static str],
 }
 
 /// A kernel family: one .cu file and the entry points it defines.
@@ -52,11 +51,17 @@ pub struct KernelSource {
     pub functions: &'static [KernelFn],
 }
 
-/// Headers every family may `#include "<name>"`, injected into NVRTC (no include path).
-pub const HEADERS: &[(&str, &str)] = &[
-    ("common.cuh", include_str!("../../kernels/common.cuh")),
-    ("gemm_core.cuh", include_str!("../../kernels/gemm_core.cuh")),
-];
+/// Headers every family may `#include "<name>"`, injected into NVRTC (no include path):
+/// the files in kernels/ and `dsv4_consts.cuh`, generated from Rust ([`super::consts`]).
+/// Their contents are part of every family's cache key.
+pub fn headers() -> [(&'static str, &'static str); 4] {
+    [
+        (super::consts::HEADER_NAME, super::consts::header()),
+        ("common.cuh", include_str!("../../kernels/common.cuh")),
+        ("ref_math.cuh", include_str!("../../kernels/ref_math.cuh")),
+        ("gemm_core.cuh", include_str!("../../kernels/gemm_core.cuh")),
+    ]
+}
 
 /// Every kernel family the library embeds: the runtime's `smoke` family, then the model's
 /// families (`cuda::kernels::MODEL_FAMILIES`). [`Registry::load`] compiles and loads all of them.
@@ -175,11 +180,12 @@ impl KernelSource {
         };
         let src = cstr(self.source, "source")?;
         let name = cstr(&format!("{fam}.cu"), "name")?;
-        let hdr_src = HEADERS
+        let headers = headers();
+        let hdr_src = headers
             .iter()
             .map(|(_, s)| cstr(s, "header"))
             .collect::<Result<Vec<_>>>()?;
-        let hdr_name = HEADERS
+        let hdr_name = headers
             .iter()
             .map(|(n, _)| cstr(n, "header name"))
             .collect::<Result<Vec<_>>>()?;
@@ -198,7 +204,7 @@ impl KernelSource {
                 &mut prog.0,
                 src.as_ptr(),
                 name.as_ptr(),
-                HEADERS.len() as i32,
+                headers.len() as i32,
                 hdr_src_p.as_ptr(),
                 hdr_name_p.as_ptr(),
             )
@@ -254,7 +260,7 @@ impl KernelSource {
         h.field(&CACHE_FORMAT.to_le_bytes());
         h.field(self.family.as_bytes());
         h.field(self.source.as_bytes());
-        for (n, s) in HEADERS {
+        for (n, s) in headers() {
             h.field(n.as_bytes());
             h.field(s.as_bytes());
         }
@@ -746,9 +752,8 @@ mod tests {
             functions: &[],
         };
         const B: KernelSource = KernelSource {
-            family: "a",
             source: "y",
-            functions: &[],
+            ..A
         };
         let k = A.cache_key("sm_90a", (13, 0));
         assert_eq!(k, A.cache_key("sm_90a", (13, 0)));

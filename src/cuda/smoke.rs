@@ -2,23 +2,25 @@
 //! (NVRTC, cache, module loading, parameter passing, launches on a borrowed stream) and the
 //! helpers of kernels/common.cuh. Tests only: no model code may use it.
 //!
-//! This file is also the template of a family wrapper: the `SOURCE` table the registry
-//! compiles, and typed launch functions that check buffer sizes before launching.
+//! This file is also the template of a family wrapper: the family's declaration (the
+//! `SOURCE` the registry compiles and one typed `Args` per entry point), and launch functions
+//! that check buffer sizes before launching.
 
-use super::registry::{Kernel, KernelFn, KernelSource, Registry};
-use super::stream::{BorrowedStream, KernelArgs, launch};
+use super::decl::Launcher;
+use super::registry::Registry;
+use super::stream::BorrowedStream;
 use super::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
 
-pub const SOURCE: KernelSource = KernelSource {
-    family: "smoke",
-    source: include_str!("../../kernels/smoke.cu"),
-    functions: &[
-        KernelFn::new("smoke_fill"),
-        KernelFn::new("smoke_roundtrip"),
-        KernelFn::new("smoke_reduce"),
-    ],
-};
+crate::kernel_family! {
+    pub const SOURCE = "smoke", include_str!("../../kernels/smoke.cu");
+
+    fn smoke_fill(out_u32: *mut u32, out_f32: *mut f32, n: u64, seed: i32, scale: f32);
+    fn smoke_roundtrip(xf: *const f32, xu: *const u32, out: *mut u32, n: i32);
+    fn smoke_reduce(
+        x: *const f32, sums: *mut f32, maxs: *mut f32, warp_sums: *mut f32, agree: *mut u32,
+    );
+}
 
 /// Columns written per element by `smoke_roundtrip` (u32 bit patterns), in order.
 pub const ROUNDTRIP_COLS: usize = 16;
@@ -55,9 +57,9 @@ pub fn fill_u32_ref(i: u64, seed: i32) -> u32 {
 
 /// The smoke family's entry points, resolved from a loaded registry.
 pub struct Smoke {
-    fill: Kernel,
-    roundtrip: Kernel,
-    reduce: Kernel,
+    fill: Launcher<smoke_fill::Args>,
+    roundtrip: Launcher<smoke_roundtrip::Args>,
+    reduce: Launcher<smoke_reduce::Args>,
 }
 
 fn need(what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
@@ -73,9 +75,9 @@ fn need(what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
 impl Smoke {
     pub fn new(reg: &Registry) -> Result<Smoke> {
         Ok(Smoke {
-            fill: reg.get("smoke", "smoke_fill")?,
-            roundtrip: reg.get("smoke", "smoke_roundtrip")?,
-            reduce: reg.get("smoke", "smoke_reduce")?,
+            fill: Launcher::new(reg)?,
+            roundtrip: Launcher::new(reg)?,
+            reduce: Launcher::new(reg)?,
         })
     }
 
@@ -94,11 +96,15 @@ impl Smoke {
         need("out_u32", out_u32, n as usize * 4)?;
         need("out_f32", out_f32, n as usize * 4)?;
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(out_u32).ptr(out_f32).u64(n).i32(seed).f32(scale);
+        let args = smoke_fill::Args {
+            out_u32,
+            out_f32,
+            n,
+            seed,
+            scale,
+        };
         let blocks = n.div_ceil(256).clamp(1, 4096) as u32;
-        // SAFETY: arguments match `smoke_fill(unsigned*, float*, u64, int, float)`; sizes checked.
-        unsafe { launch(&self.fill, blocks, 256, 0, stream, &a) }
+        self.fill.launch(blocks, 256, 0, stream, args)
     }
 
     /// Applies every common.cuh helper to `n` elements: `xf` f32, `xu` u32, `out`
@@ -118,19 +124,14 @@ impl Smoke {
         let n32 = i32::try_from(n)
             .map_err(|_| Error::new(Status::Internal, "smoke_roundtrip: n above i32"))?;
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(xf).ptr(xu).ptr(out).i32(n32);
-        // SAFETY: arguments match `smoke_roundtrip(const float*, const unsigned*, unsigned*, int)`.
-        unsafe {
-            launch(
-                &self.roundtrip,
-                (n.div_ceil(256).max(1)) as u32,
-                256,
-                0,
-                stream,
-                &a,
-            )
-        }
+        let args = smoke_roundtrip::Args {
+            xf,
+            xu,
+            out,
+            n: n32,
+        };
+        self.roundtrip
+            .launch((n.div_ceil(256).max(1)) as u32, 256, 0, stream, args)
     }
 
     /// Block/warp reductions: `rows` rows of `threads` (multiple of 32, <= 1024) f32 in `x`;
@@ -161,10 +162,14 @@ impl Smoke {
         need("warp_sums", warp_sums, r * t / 32 * 4)?;
         need("agree", agree, r * 4)?;
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x).ptr(sums).ptr(maxs).ptr(warp_sums).ptr(agree);
-        // SAFETY: arguments match `smoke_reduce(const float*, float*, float*, float*, unsigned*)`.
-        unsafe { launch(&self.reduce, rows, threads, 0, stream, &a) }
+        let args = smoke_reduce::Args {
+            x,
+            sums,
+            maxs,
+            warp_sums,
+            agree,
+        };
+        self.reduce.launch(rows, threads, 0, stream, args)
     }
 }
 

@@ -4,8 +4,9 @@
 //! and the slot lengths. The CPU reference is `reference::attention::attention_core`.
 
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
-use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
+use crate::cuda::decl::Launcher;
+use crate::cuda::registry::Registry;
+use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
 
@@ -13,21 +14,33 @@ use crate::error::{Error, Result, Status};
 /// per key (window + top-k, or window + every entry of an HCA slot) and the CSA selection.
 pub const ATTENTION_MAX_SMEM: u32 = 96 * 1024;
 
-/// The family as the registry compiles and loads it.
-pub const SOURCE: KernelSource = KernelSource {
-    family: "attention",
-    source: include_str!("../../../kernels/attention.cu"),
-    functions: &[
-        KernelFn::new("batch_meta_kernel"),
-        KernelFn::with_smem("attention_kernel", ATTENTION_MAX_SMEM),
-        KernelFn::new("ring_update_kernel"),
-        KernelFn::new("slot_len_kernel"),
-    ],
-};
+crate::kernel_family! {
+    /// The family as the registry compiles and loads it.
+    pub const SOURCE = "attention", include_str!("../../../kernels/attention.cu");
+
+    fn batch_meta_kernel(query_start: *const i32, s: i32, seq_of: *mut i32);
+    /// `entries` NULL on window-only layers; `selected` / `nsel` NULL except on CSA layers.
+    #[smem(ATTENTION_MAX_SMEM)]
+    fn attention_kernel(
+        q: *const f32, kv: *const f32, ring: *const f32, entries: Option<*const f32>,
+        selected: Option<*const i32>, nsel: Option<*const i32>, positions: *const i32,
+        seq_of: *const i32, query_start: *const i32, seq_slots: *const i32, sinks: *const f32,
+        t: i32, h: i32, hd: i32, w: i32, ratio: i32, maxe: i32, topk: i32, official: bool,
+        o: *mut f32,
+    );
+    fn ring_update_kernel(
+        kv: *const f32, positions: *const i32, query_start: *const i32, seq_slots: *const i32,
+        s: i32, w: i32, hd: i32, ring: *mut f32,
+    );
+    fn slot_len_kernel(
+        positions: *const i32, query_start: *const i32, seq_slots: *const i32, s: i32,
+        slot_len: *mut i32,
+    );
+}
 
 /// Threads per attention block; each thread accumulates at most 4 output channels.
 const ATTN_THREADS: u32 = 256;
-const ATTN_MAX_CHANNELS_PER_THREAD: usize = 4;
+pub(crate) const ATTN_MAX_CHANNELS_PER_THREAD: usize = 4;
 
 /// The batch's int32 metadata on the device (kernels/SPEC.md): `positions` [T],
 /// `query_start` [S+1], `seq_slots` [S], `seq_of` [T] (written by [`Attention::batch_meta`]).
@@ -121,10 +134,10 @@ pub struct RingArgs {
 
 /// The attention family's entry points, resolved from a loaded registry.
 pub struct Attention {
-    batch_meta: Kernel,
-    attention: Kernel,
-    ring_update: Kernel,
-    slot_len: Kernel,
+    batch_meta: Launcher<batch_meta_kernel::Args>,
+    attention: Launcher<attention_kernel::Args>,
+    ring_update: Launcher<ring_update_kernel::Args>,
+    slot_len: Launcher<slot_len_kernel::Args>,
 }
 
 const FAMILY: &str = "attention";
@@ -136,10 +149,10 @@ fn bad(family: &str, msg: String) -> Error {
 impl Attention {
     pub fn new(reg: &Registry) -> Result<Attention> {
         Ok(Attention {
-            batch_meta: reg.get(FAMILY, "batch_meta_kernel")?,
-            attention: reg.get(FAMILY, "attention_kernel")?,
-            ring_update: reg.get(FAMILY, "ring_update_kernel")?,
-            slot_len: reg.get(FAMILY, "slot_len_kernel")?,
+            batch_meta: Launcher::new(reg)?,
+            attention: Launcher::new(reg)?,
+            ring_update: Launcher::new(reg)?,
+            slot_len: Launcher::new(reg)?,
         })
     }
 
@@ -148,10 +161,13 @@ impl Attention {
         b.check(FAMILY)?;
         let s = to_i32(FAMILY, "num_seqs", b.num_seqs)?;
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(b.query_start).i32(s).ptr(b.seq_of);
-        // SAFETY: matches `batch_meta_kernel(const int*, int, int*)`; sizes checked.
-        unsafe { launch(&self.batch_meta, b.num_seqs as u32, 128, 0, stream, &a) }
+        let args = batch_meta_kernel::Args {
+            query_start: b.query_start,
+            s,
+            seq_of: b.seq_of,
+        };
+        self.batch_meta
+            .launch(b.num_seqs as u32, 128, 0, stream, args)
     }
 
     /// One block per (token, head): o = softmax-with-sink over window + compressed keys.
@@ -195,9 +211,9 @@ impl Attention {
                 return Err(bad(FAMILY, "compressed layer with maxe = 0".into()));
             }
             need(FAMILY, "entries", e, x.num_slots * x.maxe * hd * 4)?;
-            e.addr()
+            Some(e)
         } else {
-            0
+            None
         };
         let (sel, nsel) = match (x.ratio, x.selected) {
             (r, Some((s, n))) if r > 0 => {
@@ -206,18 +222,19 @@ impl Attention {
                 }
                 need(FAMILY, "selected", s, t * x.topk * 4)?;
                 need(FAMILY, "nsel", n, t * 4)?;
-                (s.addr(), n.addr())
+                (Some(s), Some(n))
             }
-            _ => (0, 0),
+            _ => (None, None),
         };
         let smem = x.smem_bytes();
-        if smem > self.attention.max_dynamic_smem as usize {
+        let limit = self.attention.kernel().max_dynamic_smem;
+        if smem > limit as usize {
             return Err(Error::new(
                 Status::Capacity,
                 format!(
                     "attention: {} keys per query need {smem} bytes of shared memory, above {}",
                     x.max_keys(),
-                    self.attention.max_dynamic_smem
+                    limit
                 ),
             ));
         }
@@ -227,39 +244,31 @@ impl Attention {
             .ok_or_else(|| bad(FAMILY, format!("{t} tokens x {h} heads: too many blocks")))?;
         let i = |what: &str, v: usize| to_i32(FAMILY, what, v);
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x.q)
-            .ptr(x.kv)
-            .ptr(x.ring)
-            .u64(entries)
-            .u64(sel)
-            .u64(nsel)
-            .ptr(b.positions)
-            .ptr(b.seq_of)
-            .ptr(b.query_start)
-            .ptr(b.seq_slots)
-            .ptr(x.sinks)
-            .i32(i("num_tokens", t)?)
-            .i32(i("heads", h)?)
-            .i32(i("head_dim", hd)?)
-            .i32(i("window", w)?)
-            .i32(i("ratio", x.ratio)?)
-            .i32(i("maxe", x.maxe)?)
-            .i32(i("topk", x.topk)?)
-            .i32(x.official as i32)
-            .ptr(x.o);
-        // SAFETY: matches `attention_kernel` of kernels/attention.cu in order and size; every
-        // buffer's size was checked above; block size is a multiple of 32 (block_max).
-        unsafe {
-            launch(
-                &self.attention,
-                blocks,
-                ATTN_THREADS,
-                smem as u32,
-                stream,
-                &a,
-            )
-        }
+        let args = attention_kernel::Args {
+            q: x.q,
+            kv: x.kv,
+            ring: x.ring,
+            entries,
+            selected: sel,
+            nsel,
+            positions: b.positions,
+            seq_of: b.seq_of,
+            query_start: b.query_start,
+            seq_slots: b.seq_slots,
+            sinks: x.sinks,
+            t: i("num_tokens", t)?,
+            h: i("heads", h)?,
+            hd: i("head_dim", hd)?,
+            w: i("window", w)?,
+            ratio: i("ratio", x.ratio)?,
+            maxe: i("maxe", x.maxe)?,
+            topk: i("topk", x.topk)?,
+            official: x.official,
+            o: x.o,
+        };
+        // (ATTN_THREADS is a multiple of 32, as block_max needs.)
+        self.attention
+            .launch(blocks, ATTN_THREADS, smem as u32, stream, args)
     }
 
     /// `ring[slot][pos % W] = kv[i]` for the last min(len, W) tokens of every sequence.
@@ -281,27 +290,18 @@ impl Attention {
         need(FAMILY, "kv", x.kv, t * hd * 4)?;
         need(FAMILY, "ring", x.ring, x.num_slots * w * hd * 4)?;
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x.kv)
-            .ptr(b.positions)
-            .ptr(b.query_start)
-            .ptr(b.seq_slots)
-            .i32(to_i32(FAMILY, "num_seqs", b.num_seqs)?)
-            .i32(w as i32)
-            .i32(to_i32(FAMILY, "head_dim", hd)?)
-            .ptr(x.ring);
-        // SAFETY: matches `ring_update_kernel(const float*, const int*, const int*, const int*,
-        // int, int, int, float*)`; sizes checked.
-        unsafe {
-            launch(
-                &self.ring_update,
-                (b.num_seqs as u32, w as u32),
-                128,
-                0,
-                stream,
-                &a,
-            )
-        }
+        let args = ring_update_kernel::Args {
+            kv: x.kv,
+            positions: b.positions,
+            query_start: b.query_start,
+            seq_slots: b.seq_slots,
+            s: to_i32(FAMILY, "num_seqs", b.num_seqs)?,
+            w: w as i32,
+            hd: to_i32(FAMILY, "head_dim", hd)?,
+            ring: x.ring,
+        };
+        let grid = (b.num_seqs as u32, w as u32);
+        self.ring_update.launch(grid, 128, 0, stream, args)
     }
 
     /// `slot_len[seq_slots[s]] = last position of sequence s + 1` (`slot_len`: int [num_slots]).
@@ -316,14 +316,14 @@ impl Attention {
         b.check(FAMILY)?;
         need(FAMILY, "slot_len", slot_len, num_slots * 4)?;
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(b.positions)
-            .ptr(b.query_start)
-            .ptr(b.seq_slots)
-            .i32(to_i32(FAMILY, "num_seqs", b.num_seqs)?)
-            .ptr(slot_len);
+        let args = slot_len_kernel::Args {
+            positions: b.positions,
+            query_start: b.query_start,
+            seq_slots: b.seq_slots,
+            s: to_i32(FAMILY, "num_seqs", b.num_seqs)?,
+            slot_len,
+        };
         let blocks = b.num_seqs.div_ceil(128).max(1) as u32;
-        // SAFETY: matches `slot_len_kernel(const int*, const int*, const int*, int, int*)`.
-        unsafe { launch(&self.slot_len, blocks, 128, 0, stream, &a) }
+        self.slot_len.launch(blocks, 128, 0, stream, args)
     }
 }

@@ -3,26 +3,38 @@
 //! The rules and the fault record are `model::batch`'s; see kernels/SPEC.md "batch.cu".
 
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
-use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
+use crate::cuda::decl::Launcher;
+use crate::cuda::registry::Registry;
+use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
 use crate::model::batch::FAULT_RECORD_INTS;
+use std::ffi::c_void;
 
-/// The family as the registry compiles and loads it.
-pub const SOURCE: KernelSource = KernelSource {
-    family: "batch",
-    source: include_str!("../../../kernels/batch.cu"),
-    functions: &[
-        KernelFn::new("batch_check_kernel"),
-        KernelFn::new("logits_finish_kernel"),
-    ],
-};
+crate::kernel_family! {
+    /// The family as the registry compiles and loads it.
+    pub const SOURCE = "batch", include_str!("../../../kernels/batch.cu");
+
+    /// The host's arrays (`tokens` .. `logits_rows`, NULL: every token), the limits, then the
+    /// state it reads (`slot_len`) and every buffer it writes.
+    fn batch_check_kernel(
+        tokens: *const i32, positions: *const i32, seq_slots: *const i32,
+        query_start: *const i32, logits_rows: Option<*const i32>, t: i32, s: i32, r: i32,
+        vocab: i32, max_seq_len: i32, num_slots: i32, slot_len: *const i32, claim: *mut i32,
+        record: *mut i32, verdict: *mut i32, tok_out: *mut i32, pos_out: *mut i32,
+        slot_out: *mut i32, qs_out: *mut i32, seq_of: *mut i32, rows_out: *mut i32,
+    );
+    /// `logits` is f32, or bf16 when `bf16`.
+    fn logits_finish_kernel(
+        verdict: *const i32, rows: *const i32, seq_of: *const i32, seq_slots: *const i32,
+        r: i32, v: i32, bf16: bool, logits: *mut c_void,
+    );
+}
 
 const FAMILY: &str = "batch";
 /// One block checks the whole batch (no grid-wide sync needed); its threads stride over
 /// tokens and sequences.
-const CHECK_THREADS: u32 = 1024;
+pub(crate) const CHECK_THREADS: u32 = 1024;
 const FINISH_THREADS: u32 = 256;
 
 /// The host's batch as the forward received it: device addresses nothing has checked yet.
@@ -70,8 +82,8 @@ pub struct BatchLimits {
 
 /// The family's entry points, resolved from a loaded registry.
 pub struct BatchKernels {
-    check: Kernel,
-    finish: Kernel,
+    check: Launcher<batch_check_kernel::Args>,
+    finish: Launcher<logits_finish_kernel::Args>,
 }
 
 fn bad(msg: String) -> Error {
@@ -81,8 +93,8 @@ fn bad(msg: String) -> Error {
 impl BatchKernels {
     pub fn new(reg: &Registry) -> Result<BatchKernels> {
         Ok(BatchKernels {
-            check: reg.get(FAMILY, "batch_check_kernel")?,
-            finish: reg.get(FAMILY, "logits_finish_kernel")?,
+            check: Launcher::new(reg)?,
+            finish: Launcher::new(reg)?,
         })
     }
 
@@ -115,32 +127,32 @@ impl BatchKernels {
         need(FAMILY, "slot_len", lim.slot_len, lim.num_slots * 4)?;
         let i = |what: &str, v: usize| to_i32(FAMILY, what, v);
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(raw.tokens)
-            .ptr(raw.positions)
-            .ptr(raw.seq_slots)
-            .ptr(raw.query_start)
-            .u64(raw.logits_rows.map_or(0, |p| p.addr()))
-            .i32(i("num_tokens", t)?)
-            .i32(i("num_seqs", s)?)
-            .i32(i("num_logits", r)?)
-            .i32(i("vocab", lim.vocab)?)
-            .i32(i("max_seq_len", lim.max_seq_len)?)
-            .i32(i("num_slots", lim.num_slots)?)
-            .ptr(lim.slot_len)
-            .ptr(out.claim)
-            .ptr(out.record)
-            .ptr(out.verdict)
-            .ptr(out.tokens)
-            .ptr(out.positions)
-            .ptr(out.seq_slots)
-            .ptr(out.query_start)
-            .ptr(out.seq_of)
-            .ptr(out.rows);
-        // SAFETY: matches `batch_check_kernel` of kernels/batch.cu in order and type; the
-        // engine's buffers were size-checked above; the host's arrays hold the counts it
-        // stated (DESIGN.md §3), and the kernel reads them only below those counts.
-        unsafe { launch(&self.check, 1, CHECK_THREADS, 0, stream, &a) }
+        // The host's arrays hold the counts it stated (DESIGN.md §3); the kernel reads them
+        // only below those counts.
+        let args = batch_check_kernel::Args {
+            tokens: raw.tokens,
+            positions: raw.positions,
+            seq_slots: raw.seq_slots,
+            query_start: raw.query_start,
+            logits_rows: raw.logits_rows,
+            t: i("num_tokens", t)?,
+            s: i("num_seqs", s)?,
+            r: i("num_logits", r)?,
+            vocab: i("vocab", lim.vocab)?,
+            max_seq_len: i("max_seq_len", lim.max_seq_len)?,
+            num_slots: i("num_slots", lim.num_slots)?,
+            slot_len: lim.slot_len,
+            claim: out.claim,
+            record: out.record,
+            verdict: out.verdict,
+            tok_out: out.tokens,
+            pos_out: out.positions,
+            slot_out: out.seq_slots,
+            qs_out: out.query_start,
+            seq_of: out.seq_of,
+            rows_out: out.rows,
+        };
+        self.check.launch(1, CHECK_THREADS, 0, stream, args)
     }
 
     /// Overwrites the logits rows of padding tokens with zeros, or every row with NaN when
@@ -167,67 +179,19 @@ impl BatchKernels {
             rows * vocab * if bf16 { 2 } else { 4 },
         )?;
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(b.verdict)
-            .ptr(b.rows)
-            .ptr(b.seq_of)
-            .ptr(b.seq_slots)
-            .i32(to_i32(FAMILY, "rows", rows)?)
-            .i32(to_i32(FAMILY, "vocab", vocab)?)
-            .i32(bf16 as i32)
-            .ptr(logits);
-        // SAFETY: matches `logits_finish_kernel(const int*, const int*, const int*, const int*,
-        // int, int, int, void*)`; sizes checked; `rows`, `seq_of` and `seq_slots` hold the
-        // sanitized values batch_check_kernel wrote, all in range.
-        unsafe { launch(&self.finish, rows as u32, FINISH_THREADS, 0, stream, &a) }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::error::Status;
-    use crate::model::batch::{Field, PAD_SLOT, Rule};
-
-    /// The numeric codes batch.cu defines by hand equal the Rust ones.
-    #[test]
-    fn codes_match_the_kernel_source() {
-        let src = super::SOURCE.source;
-        let define = |name: &str| -> i32 {
-            let line = src
-                .lines()
-                .find(|l| l.starts_with(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("batch.cu defines no {name}"));
-            let v = line.split_whitespace().nth(2).unwrap();
-            v.trim_matches(|c| c == '(' || c == ')').parse().unwrap()
+        // `rows`, `seq_of` and `seq_slots` hold the sanitized values batch_check_kernel wrote,
+        // all in range.
+        let args = logits_finish_kernel::Args {
+            verdict: b.verdict,
+            rows: b.rows,
+            seq_of: b.seq_of,
+            seq_slots: b.seq_slots,
+            r: to_i32(FAMILY, "rows", rows)?,
+            v: to_i32(FAMILY, "vocab", vocab)?,
+            bf16,
+            logits,
         };
-        assert_eq!(define("DSV4_PAD_SLOT"), PAD_SLOT);
-        assert_eq!(
-            define("BATCH_STATUS_INVALID_ARGUMENT"),
-            Status::InvalidArgument as i32
-        );
-        assert_eq!(define("BATCH_STATUS_CAPACITY"), Status::Capacity as i32);
-        for (n, f) in [
-            ("TOKEN_IDS", Field::TokenIds),
-            ("POSITIONS", Field::Positions),
-            ("SEQ_SLOTS", Field::SeqSlots),
-            ("QUERY_START", Field::QueryStart),
-            ("LOGITS_ROWS", Field::LogitsRows),
-        ] {
-            assert_eq!(define(&format!("BATCH_FIELD_{n}")), f as i32, "{n}");
-        }
-        for (n, r) in [
-            ("RANGE", Rule::Range),
-            ("DUPLICATE", Rule::Duplicate),
-            ("NOT_INCREASING", Rule::NotIncreasing),
-            ("ENDPOINT", Rule::Endpoint),
-            ("NOT_CONSECUTIVE", Rule::NotConsecutive),
-            ("NOT_CONTINUING", Rule::NotContinuing),
-        ] {
-            assert_eq!(define(&format!("BATCH_RULE_{n}")), r as i32, "{n}");
-        }
-        assert_eq!(
-            define("BATCH_RECORD_INTS") as usize,
-            crate::model::batch::FAULT_RECORD_INTS
-        );
+        self.finish
+            .launch(rows as u32, FINISH_THREADS, 0, stream, args)
     }
 }

@@ -5,22 +5,31 @@
 
 use super::attention::BatchMeta;
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
-use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
+use crate::cuda::decl::Launcher;
+use crate::cuda::registry::Registry;
+use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
 
-/// The family as the registry compiles and loads it.
-pub const SOURCE: KernelSource = KernelSource {
-    family: "compressor",
-    source: include_str!("../../../kernels/compressor.cu"),
-    functions: &[KernelFn::new("compress_kernel")],
-};
+crate::kernel_family! {
+    /// The family as the registry compiles and loads it.
+    pub const SOURCE = "compressor", include_str!("../../../kernels/compressor.cu");
+
+    /// `prev_a`, `prev_z`, `has_prev` may be NULL without overlap; `kind` a [`CompressKind`].
+    fn compress_kernel(
+        a: *const f32, z: *const f32, positions: *const i32, query_start: *const i32,
+        seq_slots: *const i32, s: i32, pend_a: *mut f32, pend_z: *mut f32,
+        prev_a: Option<*mut f32>, prev_z: Option<*mut f32>, has_prev: Option<*mut i32>,
+        ape: *const f32, norm_w: *const f32, inv_freq: *const f32, half_rope: i32, ratio: i32,
+        overlap: bool, dc: i32, eps: f32, kind: i32, nope: i32, official: bool,
+        entries: *mut f32, maxe: i32,
+    );
+}
 
 const FAMILY: &str = "compressor";
 /// Threads per block: one channel each for d_c = 512 (latency of the f64 exps is what
 /// limits the pooling, so more warps help).
-const THREADS: u32 = 512;
+pub(crate) const THREADS: u32 = 512;
 /// Largest d_c: shared memory holds d_c doubles + d_c floats within the default 48 KB.
 pub const MAX_DC: usize = 2048;
 
@@ -79,7 +88,7 @@ impl CompressArgs {
 
 /// The compressor family's entry point, resolved from a loaded registry.
 pub struct Compressor {
-    compress: Kernel,
+    compress: Launcher<compress_kernel::Args>,
 }
 
 fn bad(msg: String) -> Error {
@@ -89,7 +98,7 @@ fn bad(msg: String) -> Error {
 impl Compressor {
     pub fn new(reg: &Registry) -> Result<Compressor> {
         Ok(Compressor {
-            compress: reg.get(FAMILY, "compress_kernel")?,
+            compress: Launcher::new(reg)?,
         })
     }
 
@@ -142,55 +151,45 @@ impl Compressor {
             need(FAMILY, "prev_a", pa, slots * r * dc * 4)?;
             need(FAMILY, "prev_z", pz, slots * r * dc * 4)?;
             need(FAMILY, "has_prev", hp, slots * 4)?;
-            (pa.addr(), pz.addr(), hp.addr())
+            (Some(pa), Some(pz), Some(hp))
         } else {
-            let a = |p: Option<DevicePtr>| p.map_or(0, |p| p.addr());
-            (a(x.prev_a), a(x.prev_z), a(x.has_prev))
+            (x.prev_a, x.prev_z, x.has_prev)
         };
         let smem = x.smem_bytes();
-        if smem > self.compress.max_dynamic_smem as usize {
+        let limit = self.compress.kernel().max_dynamic_smem;
+        if smem > limit as usize {
             return Err(bad(format!(
-                "dc {dc} needs {smem} bytes of shared memory, above {}",
-                self.compress.max_dynamic_smem
+                "dc {dc} needs {smem} bytes of shared memory, above {limit}"
             )));
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x.a)
-            .ptr(x.z)
-            .ptr(b.positions)
-            .ptr(b.query_start)
-            .ptr(b.seq_slots)
-            .i32(to_i32(FAMILY, "num_seqs", b.num_seqs)?)
-            .ptr(x.pend_a)
-            .ptr(x.pend_z)
-            .u64(pa)
-            .u64(pz)
-            .u64(hp)
-            .ptr(x.ape)
-            .ptr(x.norm_w)
-            .ptr(x.inv_freq)
-            .i32((x.rope_dim / 2) as i32)
-            .i32(to_i32(FAMILY, "ratio", r)?)
-            .i32(x.overlap as i32)
-            .i32(dc as i32)
-            .f32(x.eps)
-            .i32(x.kind as i32)
-            .i32(x.nope as i32)
-            .i32(x.official as i32)
-            .ptr(x.entries)
-            .i32(to_i32(FAMILY, "maxe", x.maxe)?);
-        // SAFETY: matches `compress_kernel` of kernels/compressor.cu in order and size; every
-        // buffer's size was checked above.
-        unsafe {
-            launch(
-                &self.compress,
-                b.num_seqs as u32,
-                THREADS,
-                smem as u32,
-                stream,
-                &a,
-            )
-        }
+        let args = compress_kernel::Args {
+            a: x.a,
+            z: x.z,
+            positions: b.positions,
+            query_start: b.query_start,
+            seq_slots: b.seq_slots,
+            s: to_i32(FAMILY, "num_seqs", b.num_seqs)?,
+            pend_a: x.pend_a,
+            pend_z: x.pend_z,
+            prev_a: pa,
+            prev_z: pz,
+            has_prev: hp,
+            ape: x.ape,
+            norm_w: x.norm_w,
+            inv_freq: x.inv_freq,
+            half_rope: (x.rope_dim / 2) as i32,
+            ratio: to_i32(FAMILY, "ratio", r)?,
+            overlap: x.overlap,
+            dc: dc as i32,
+            eps: x.eps,
+            kind: x.kind as i32,
+            nope: x.nope as i32,
+            official: x.official,
+            entries: x.entries,
+            maxe: to_i32(FAMILY, "maxe", x.maxe)?,
+        };
+        self.compress
+            .launch(b.num_seqs as u32, THREADS, smem as u32, stream, args)
     }
 }

@@ -4,8 +4,9 @@
 
 use super::attention::BatchMeta;
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
-use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
+use crate::cuda::decl::Launcher;
+use crate::cuda::registry::Registry;
+use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
 
@@ -14,17 +15,23 @@ use crate::error::{Error, Result, Status};
 /// need 87.3 KB.
 pub const INDEXER_MAX_SMEM: u32 = 96 * 1024;
 
-/// The family as the registry compiles and loads it.
-pub const SOURCE: KernelSource = KernelSource {
-    family: "indexer",
-    source: include_str!("../../../kernels/indexer.cu"),
-    functions: &[KernelFn::with_smem("indexer_kernel", INDEXER_MAX_SMEM)],
-};
+crate::kernel_family! {
+    /// The family as the registry compiles and loads it.
+    pub const SOURCE = "indexer", include_str!("../../../kernels/indexer.cu");
+
+    #[smem(INDEXER_MAX_SMEM)]
+    fn indexer_kernel(
+        qi: *const f32, iw: *const f32, ikeys: *const f32, positions: *const i32,
+        seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32, di: i32, ratio: i32,
+        topk: i32, maxe: i32, official: bool, scores: *mut f32, selected: *mut i32,
+        nsel: *mut i32,
+    );
+}
 
 const FAMILY: &str = "indexer";
 const THREADS: u32 = 256;
-/// IDX_TILE of kernels/indexer.cu.
-const TILE: usize = 16;
+/// Entries scored per tile (IDX_TILE in kernels/indexer.cu).
+pub(crate) const TILE: usize = 16;
 
 /// One CSA layer's indexer launch (kernels/SPEC.md `indexer_kernel`).
 #[derive(Clone, Copy, Debug)]
@@ -62,7 +69,7 @@ impl IndexerArgs {
 
 /// The indexer family's entry point, resolved from a loaded registry.
 pub struct Indexer {
-    indexer: Kernel,
+    indexer: Launcher<indexer_kernel::Args>,
 }
 
 fn bad(msg: String) -> Error {
@@ -72,7 +79,7 @@ fn bad(msg: String) -> Error {
 impl Indexer {
     pub fn new(reg: &Registry) -> Result<Indexer> {
         Ok(Indexer {
-            indexer: reg.get(FAMILY, "indexer_kernel")?,
+            indexer: Launcher::new(reg)?,
         })
     }
 
@@ -100,35 +107,35 @@ impl Indexer {
         need(FAMILY, "selected", x.selected, t * x.topk * 4)?;
         need(FAMILY, "nsel", x.nsel, t * 4)?;
         let smem = x.smem_bytes();
-        if smem > self.indexer.max_dynamic_smem as usize {
+        let limit = self.indexer.kernel().max_dynamic_smem;
+        if smem > limit as usize {
             return Err(Error::new(
                 Status::Capacity,
                 format!(
-                    "indexer: {hi} heads of {di} need {smem} bytes of shared memory, above {}",
-                    self.indexer.max_dynamic_smem
+                    "indexer: {hi} heads of {di} need {smem} bytes of shared memory, above {limit}"
                 ),
             ));
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x.qi)
-            .ptr(x.iw)
-            .ptr(x.ikeys)
-            .ptr(b.positions)
-            .ptr(b.seq_of)
-            .ptr(b.seq_slots)
-            .i32(to_i32(FAMILY, "num_tokens", t)?)
-            .i32(to_i32(FAMILY, "heads", hi)?)
-            .i32(to_i32(FAMILY, "dim", di)?)
-            .i32(to_i32(FAMILY, "ratio", x.ratio)?)
-            .i32(to_i32(FAMILY, "topk", x.topk)?)
-            .i32(to_i32(FAMILY, "maxe", x.maxe)?)
-            .i32(x.official as i32)
-            .ptr(x.scores)
-            .ptr(x.selected)
-            .ptr(x.nsel);
-        // SAFETY: matches `indexer_kernel` of kernels/indexer.cu in order and size; every
-        // buffer's size was checked above.
-        unsafe { launch(&self.indexer, t as u32, THREADS, smem as u32, stream, &a) }
+        let args = indexer_kernel::Args {
+            qi: x.qi,
+            iw: x.iw,
+            ikeys: x.ikeys,
+            positions: b.positions,
+            seq_of: b.seq_of,
+            seq_slots: b.seq_slots,
+            t: to_i32(FAMILY, "num_tokens", t)?,
+            hi: to_i32(FAMILY, "heads", hi)?,
+            di: to_i32(FAMILY, "dim", di)?,
+            ratio: to_i32(FAMILY, "ratio", x.ratio)?,
+            topk: to_i32(FAMILY, "topk", x.topk)?,
+            maxe: to_i32(FAMILY, "maxe", x.maxe)?,
+            official: x.official,
+            scores: x.scores,
+            selected: x.selected,
+            nsel: x.nsel,
+        };
+        self.indexer
+            .launch(t as u32, THREADS, smem as u32, stream, args)
     }
 }

@@ -10,21 +10,25 @@
 //! `linear` with `round_out = official`.
 
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
-use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
+use crate::cuda::decl::Launcher;
+use crate::cuda::registry::Registry;
+use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
 use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
+use std::ffi::c_void;
 
-/// The family as the registry compiles and loads it.
-pub const SOURCE: KernelSource = KernelSource {
-    family: "linear",
-    source: include_str!("../../../kernels/linear.cu"),
-    functions: &[
-        KernelFn::new("linear_kernel"),
-        KernelFn::new("act_quant_kernel"),
-    ],
-};
+crate::kernel_family! {
+    /// The family as the registry compiles and loads it.
+    pub const SOURCE = "linear", include_str!("../../../kernels/linear.cu");
+
+    /// `fmt` is a [`WFormat`] code; `scales` is NULL for unquantized formats.
+    fn linear_kernel(
+        x: *const f32, ldx: i32, t: i32, k: i32, n: i32, fmt: i32, w: *const c_void,
+        scales: Option<*const f32>, br: i32, bc: i32, round_out: bool, y: *mut f32, ldy: i32,
+    );
+    fn act_quant_kernel(x: *const f32, ldx: i32, rows: i32, k: i32, xq: *mut f32);
+}
 
 /// Token rows per `linear_kernel` block on the tiled path (GT_BM).
 pub const TILE_T: usize = 32;
@@ -214,15 +218,15 @@ pub fn strided_bytes(rows: usize, cols: usize, ld: usize) -> usize {
 
 /// The linear family's entry points, resolved from a loaded registry.
 pub struct Linear {
-    linear: Kernel,
-    act_quant: Kernel,
+    linear: Launcher<linear_kernel::Args>,
+    act_quant: Launcher<act_quant_kernel::Args>,
 }
 
 impl Linear {
     pub fn new(reg: &Registry) -> Result<Linear> {
         Ok(Linear {
-            linear: reg.get("linear", "linear_kernel")?,
-            act_quant: reg.get("linear", "act_quant_kernel")?,
+            linear: Launcher::new(reg)?,
+            act_quant: Launcher::new(reg)?,
         })
     }
 
@@ -277,23 +281,23 @@ impl Linear {
         }
         let gx = n.div_ceil(bn) as u32;
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x)
-            .i32(ldx32)
-            .i32(t32)
-            .i32(k32)
-            .i32(n32)
-            .i32(w.format.code())
-            .ptr(w.data)
-            .ptr(w.scales.map_or(0, u64::from))
-            .i32(br)
-            .i32(bc)
-            .i32(round_out as i32)
-            .ptr(y)
-            .i32(ldy32);
-        // SAFETY: arguments match `linear_kernel(const float*, int, int, int, int, int, const void*,
-        // const float*, int, int, int, float*, int)`; every buffer's size was checked above.
-        unsafe { launch(&self.linear, (gx, gy as u32), LINEAR_THREADS, 0, stream, &a) }
+        let args = linear_kernel::Args {
+            x,
+            ldx: ldx32,
+            t: t32,
+            k: k32,
+            n: n32,
+            fmt: w.format.code(),
+            w: w.data,
+            scales: w.scales,
+            br,
+            bc,
+            round_out,
+            y,
+            ldy: ldy32,
+        };
+        self.linear
+            .launch((gx, gy as u32), LINEAR_THREADS, 0, stream, args)
     }
 
     /// `xq[r*k + c] = fp8_sim(x[r*ldx + ..k], 128)[c]` for `r < rows`: the official per-token
@@ -333,20 +337,20 @@ impl Linear {
             return Err(internal(format!("{K}: K = {k} exceeds the grid")));
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x).i32(ld32).i32(r32).i32(k32).ptr(xq);
-        // SAFETY: arguments match `act_quant_kernel(const float*, int, int, int, float*)`; sizes
-        // checked above.
-        unsafe {
-            launch(
-                &self.act_quant,
-                (r32 as u32, gy as u32),
-                ACT_BLOCK as u32,
-                0,
-                stream,
-                &a,
-            )
-        }
+        let args = act_quant_kernel::Args {
+            x,
+            ldx: ld32,
+            rows: r32,
+            k: k32,
+            xq,
+        };
+        self.act_quant.launch(
+            (r32 as u32, gy as u32),
+            ACT_BLOCK as u32,
+            0,
+            stream,
+            args,
+        )
     }
 }
 

@@ -6,21 +6,31 @@
 //! enqueues on the borrowed stream (no host sync). Zero tokens launch nothing.
 
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
-use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
+use crate::cuda::decl::Launcher;
+use crate::cuda::registry::Registry;
+use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
 
-/// The family as the registry compiles and loads it.
-pub const SOURCE: KernelSource = KernelSource {
-    family: "mhc",
-    source: include_str!("../../../kernels/mhc.cu"),
-    functions: &[
-        KernelFn::new("hc_pre_kernel"),
-        KernelFn::new("hc_post_kernel"),
-        KernelFn::new("hc_head_kernel"),
-    ],
-};
+crate::kernel_family! {
+    /// The family as the registry compiles and loads it.
+    pub const SOURCE = "mhc", include_str!("../../../kernels/mhc.cu");
+
+    /// `fold`: layer 0's stream-folded projection (f64), NULL at other sites.
+    fn hc_pre_kernel(
+        x: *const f32, t: i32, n: i32, d: i32, proj: *const f32, base: *const f32,
+        scale: *const f32, fold: Option<*const f64>, iters: i32, hc_eps: f32, rms_eps: f32,
+        round_u: bool, u: *mut f32, post: *mut f32, comb: *mut f32,
+    );
+    fn hc_post_kernel(
+        x: *mut f32, a: *const f32, post: *const f32, comb: *const f32, t: i32, n: i32, d: i32,
+        round_out: bool,
+    );
+    fn hc_head_kernel(
+        x: *const f32, r: i32, n: i32, d: i32, proj: *const f32, base: *const f32,
+        scale: *const f32, hc_eps: f32, rms_eps: f32, round_out: bool, y: *mut f32,
+    );
+}
 
 /// Most residual streams (hc_mult) the kernels support (`HC_MAX_N` in mhc.cu).
 pub const MAX_STREAMS: usize = 8;
@@ -58,18 +68,17 @@ pub struct HcSiteDev {
 
 /// The mhc family's entry points, resolved from a loaded registry.
 pub struct Mhc {
-    pre: Kernel,
-    post: Kernel,
-    head: Kernel,
+    pre: Launcher<hc_pre_kernel::Args>,
+    post: Launcher<hc_post_kernel::Args>,
+    head: Launcher<hc_head_kernel::Args>,
 }
 
 impl Mhc {
     pub fn new(reg: &Registry) -> Result<Mhc> {
-        let f = SOURCE.family;
         Ok(Mhc {
-            pre: reg.get(f, "hc_pre_kernel")?,
-            post: reg.get(f, "hc_post_kernel")?,
-            head: reg.get(f, "hc_head_kernel")?,
+            pre: Launcher::new(reg)?,
+            post: Launcher::new(reg)?,
+            head: Launcher::new(reg)?,
         })
     }
 
@@ -111,26 +120,25 @@ impl Mhc {
             return Ok(());
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x)
-            .i32(to_i32(K, "T", t)?)
-            .i32(n as i32)
-            .i32(d as i32)
-            .ptr(site.proj)
-            .ptr(site.base)
-            .ptr(site.scale)
-            .u64(site.fold.map_or(0, |f| f.addr()));
-        a.i32(to_i32(K, "iters", iters)?)
-            .f32(hc_eps)
-            .f32(rms_eps)
-            .i32(round_u as i32)
-            .ptr(u)
-            .ptr(post)
-            .ptr(comb);
-        // SAFETY: matches `hc_pre_kernel(const float*, int, int, int, const float*, const
-        // float*, const float*, const double*, int, float, float, int, float*, float*,
-        // float*)`; sizes checked.
-        unsafe { launch(&self.pre, t.min(MAX_BLOCKS) as u32, THREADS, 0, stream, &a) }
+        let args = hc_pre_kernel::Args {
+            x,
+            t: to_i32(K, "T", t)?,
+            n: n as i32,
+            d: d as i32,
+            proj: site.proj,
+            base: site.base,
+            scale: site.scale,
+            fold: site.fold,
+            iters: to_i32(K, "iters", iters)?,
+            hc_eps,
+            rms_eps,
+            round_u,
+            u,
+            post,
+            comb,
+        };
+        self.pre
+            .launch(t.min(MAX_BLOCKS) as u32, THREADS, 0, stream, args)
     }
 
     /// hc_post in place over `x` [t, n, d] (`reference::mhc::hc_post`): `x'[k] = post_k * a +
@@ -160,19 +168,18 @@ impl Mhc {
             return Ok(());
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x)
-            .ptr(a_in)
-            .ptr(post)
-            .ptr(comb)
-            .i32(to_i32(K, "T", t)?)
-            .i32(n as i32)
-            .i32(d as i32)
-            .i32(round_out as i32);
+        let args = hc_post_kernel::Args {
+            x,
+            a: a_in,
+            post,
+            comb,
+            t: to_i32(K, "T", t)?,
+            n: n as i32,
+            d: d as i32,
+            round_out,
+        };
         let blocks = (t * d).div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS) as u32;
-        // SAFETY: matches `hc_post_kernel(float*, const float*, const float*, const float*,
-        // int, int, int, int)`; sizes checked above.
-        unsafe { launch(&self.post, blocks, THREADS, 0, stream, &a) }
+        self.post.launch(blocks, THREADS, 0, stream, args)
     }
 
     /// hc_head over `x` [r, n, d] (`reference::mhc::hc_head`, no Sinkhorn): `y` [r, d], bf16 if
@@ -203,17 +210,20 @@ impl Mhc {
             return Ok(());
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x)
-            .i32(to_i32(K, "R", r)?)
-            .i32(n as i32)
-            .i32(d as i32)
-            .ptr(site.proj)
-            .ptr(site.base)
-            .ptr(site.scale);
-        a.f32(hc_eps).f32(rms_eps).i32(round_out as i32).ptr(y);
-        // SAFETY: matches `hc_head_kernel(const float*, int, int, int, const float*, const
-        // float*, const float*, float, float, int, float*)`; sizes checked above.
-        unsafe { launch(&self.head, r.min(MAX_BLOCKS) as u32, THREADS, 0, stream, &a) }
+        let args = hc_head_kernel::Args {
+            x,
+            r: to_i32(K, "R", r)?,
+            n: n as i32,
+            d: d as i32,
+            proj: site.proj,
+            base: site.base,
+            scale: site.scale,
+            hc_eps,
+            rms_eps,
+            round_out,
+            y,
+        };
+        self.head
+            .launch(r.min(MAX_BLOCKS) as u32, THREADS, 0, stream, args)
     }
 }

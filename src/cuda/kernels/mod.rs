@@ -39,7 +39,10 @@ pub(crate) fn to_i32(who: &str, what: &str, v: usize) -> Result<i32> {
 pub static MODEL_FAMILIES: &[&KernelSource] = &[
     &batch::SOURCE,
     &linear::SOURCE,
-    &norm_rope::SOURCE,
+    &norm_rope::NORM_SOURCE,
+    &norm_rope::ROPE_SOURCE,
+    &norm_rope::QUANT_SIM_SOURCE,
+    &norm_rope::ELEMENTWISE_SOURCE,
     &mhc::SOURCE,
     &moe::SOURCE,
     &attention::SOURCE,

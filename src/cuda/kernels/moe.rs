@@ -17,37 +17,60 @@
 use super::linear::{WFormat, strided_bytes};
 use crate::config::{ModelConfig, ScoringFunc};
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
-use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
+use crate::cuda::decl::Launcher;
+use crate::cuda::registry::Registry;
+use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
 
-/// The family as the registry compiles and loads it.
-pub const SOURCE: KernelSource = KernelSource {
-    family: "moe",
-    source: include_str!("../../../kernels/moe.cu"),
-    functions: &[
-        KernelFn::new("router_kernel"),
-        KernelFn::new("moe_plan_kernel"),
-        KernelFn::new("moe_up_kernel"),
-        KernelFn::new("moe_down_kernel"),
-        KernelFn::new("swiglu_kernel"),
-        KernelFn::new("moe_combine_kernel"),
-    ],
-};
+crate::kernel_family! {
+    /// The family as the registry compiles and loads it.
+    pub const SOURCE = "moe", include_str!("../../../kernels/moe.cu");
 
-/// Rows per tile of the expert GEMMs (MOE_BM): the `tile_rows` to plan with. Other values work
+    /// Top-k selection (`bias` optional) or hash routing (`tid2eid` and `tokens`, both set).
+    fn router_kernel(
+        x: *const f32, t: i32, d: i32, e: i32, k: i32, gate: *const f32, bias: Option<*const f32>,
+        tid2eid: Option<*const i32>, tokens: Option<*const i32>, scoring: i32, renorm: bool,
+        route_scale: f32, ids: *mut i32, weights: *mut f32,
+    );
+    fn moe_plan_kernel(
+        ids: *const i32, t: i32, k: i32, e: i32, tile_rows: i32, offsets: *mut i32,
+        rows: *mut i32, tiles: *mut i32, ntiles: *mut i32,
+    );
+    /// `w1`, `w3`, `s1`, `s3`: arrays of per-expert device addresses (`s*` NULL when the
+    /// format has no scales).
+    fn moe_up_kernel(
+        xq: *const f32, d: i32, i: i32, rows: *const i32, tiles: *const i32,
+        ntiles: *const i32, k: i32, w1: *const u64, w3: *const u64, s1: Option<*const u64>,
+        s3: Option<*const u64>, fmt: i32, br: i32, bc: i32, weights: *const f32, limit: f32,
+        official: bool, h: *mut f32,
+    );
+    fn moe_down_kernel(
+        hq: *const f32, d: i32, i: i32, rows: *const i32, tiles: *const i32,
+        ntiles: *const i32, w2: *const u64, s2: Option<*const u64>, fmt: i32, br: i32, bc: i32,
+        official: bool, ya: *mut f32,
+    );
+    fn swiglu_kernel(
+        g: *const f32, v: *const f32, n: i64, limit: f32, official: bool, h: *mut f32,
+    );
+    fn moe_combine_kernel(
+        ya: *const f32, ys: Option<*const f32>, t: i32, k: i32, d: i32, round_out: bool,
+        out: *mut f32,
+    );
+}
+
+/// Rows per tile of the expert GEMMs (GT_BM): the `tile_rows` to plan with. Other values work
 /// (the kernels loop over row blocks) but waste or split blocks.
-pub const TILE_ROWS: usize = 32;
+pub const TILE_ROWS: usize = super::linear::TILE_T;
 /// Outputs per grid row of `moe_up_kernel` (MOE_UP_BNS) and `moe_down_kernel` (MOE_DOWN_BNS): the
 /// skinny path's block width (tiles of at most 8 rows); tiles of more rows are computed 64 outputs
 /// per block by every (64 / this)-th block row.
-pub const UP_GRID_N: usize = 8;
-pub const DOWN_GRID_N: usize = 16;
+pub const UP_GRID_N: usize = super::linear::SKINNY_N / 2;
+pub const DOWN_GRID_N: usize = super::linear::SKINNY_N;
 /// Tokens per `router_kernel` block (ROUTER_TOKENS).
 pub const ROUTER_TOKENS: usize = 4;
-/// Threads of an expert GEMM block (GEMM_THREADS).
-pub const GEMM_THREADS: u32 = 256;
+/// Threads of an expert GEMM block (GEMM_THREADS, shared with linear_kernel).
+pub const GEMM_THREADS: u32 = super::linear::LINEAR_THREADS;
 /// Threads (and warps) of the single `moe_plan_kernel` block.
 pub const PLAN_THREADS: u32 = 512;
 pub const PLAN_WARPS: usize = 16;
@@ -59,8 +82,8 @@ const SMEM_LIMIT: usize = 48 * 1024;
 const ROUTER_STATIC_SMEM: usize = ROUTER_TOKENS * 2 * MAX_TOPK * 4;
 const PLAN_STATIC_SMEM: usize = 32 * 4;
 
-/// `scoring` argument of `router_kernel` (SCORE_* in moe.cu).
-pub fn scoring_code(s: ScoringFunc) -> i32 {
+/// `scoring` argument of `router_kernel` (SCORE_* in dsv4_consts.cuh).
+pub const fn scoring_code(s: ScoringFunc) -> i32 {
     match s {
         ScoringFunc::SqrtSoftplus => 0,
         ScoringFunc::Softmax => 1,
@@ -151,11 +174,11 @@ impl DevExperts {
         Ok(())
     }
 
-    fn scale_ptr(&self) -> u64 {
+    fn scale_ptr(&self) -> Option<DevicePtr> {
         if self.format.is_quantized() {
-            self.scales.map_or(0, u64::from)
+            self.scales
         } else {
-            0
+            None
         }
     }
 }
@@ -232,23 +255,23 @@ fn stride_blocks(n: usize) -> u32 {
 
 /// The moe family's entry points, resolved from a loaded registry.
 pub struct Moe {
-    router: Kernel,
-    plan: Kernel,
-    up: Kernel,
-    down: Kernel,
-    swiglu: Kernel,
-    combine: Kernel,
+    router: Launcher<router_kernel::Args>,
+    plan: Launcher<moe_plan_kernel::Args>,
+    up: Launcher<moe_up_kernel::Args>,
+    down: Launcher<moe_down_kernel::Args>,
+    swiglu: Launcher<swiglu_kernel::Args>,
+    combine: Launcher<moe_combine_kernel::Args>,
 }
 
 impl Moe {
     pub fn new(reg: &Registry) -> Result<Moe> {
         Ok(Moe {
-            router: reg.get("moe", "router_kernel")?,
-            plan: reg.get("moe", "moe_plan_kernel")?,
-            up: reg.get("moe", "moe_up_kernel")?,
-            down: reg.get("moe", "moe_down_kernel")?,
-            swiglu: reg.get("moe", "swiglu_kernel")?,
-            combine: reg.get("moe", "moe_combine_kernel")?,
+            router: Launcher::new(reg)?,
+            plan: Launcher::new(reg)?,
+            up: Launcher::new(reg)?,
+            down: Launcher::new(reg)?,
+            swiglu: Launcher::new(reg)?,
+            combine: Launcher::new(reg)?,
         })
     }
 
@@ -290,7 +313,7 @@ impl Moe {
                 if let Some(b) = bias {
                     need(K, "bias", b, e * 4)?;
                 }
-                (bias.map_or(0, u64::from), 0, 0)
+                (bias, None, None)
             }
             Selection::Hash {
                 tid2eid,
@@ -299,7 +322,7 @@ impl Moe {
             } => {
                 need(K, "tid2eid", tid2eid, vocab * k * 4)?;
                 need(K, "tokens", tokens, t * 4)?;
-                (0, tid2eid.addr(), tokens.addr())
+                (None, Some(tid2eid), Some(tokens))
             }
         };
         let (t32, d32, e32, k32) = (
@@ -315,24 +338,24 @@ impl Moe {
         let threads = (4 * e).div_ceil(32).clamp(ROUTER_TOKENS, 32) as u32 * 32;
         let blocks = t.div_ceil(ROUTER_TOKENS) as u32;
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x)
-            .i32(t32)
-            .i32(d32)
-            .i32(e32)
-            .i32(k32)
-            .ptr(gate)
-            .ptr(bias)
-            .ptr(table)
-            .ptr(tokens)
-            .i32(scoring_code(p.scoring))
-            .i32(p.renorm as i32)
-            .f32(p.route_scale)
-            .ptr(ids)
-            .ptr(weights);
-        // SAFETY: arguments match `router_kernel(const float*, int, int, int, int, const float*,
-        // const float*, const int*, const int*, int, int, float, int*, float*)`; sizes checked.
-        unsafe { launch(&self.router, blocks, threads, smem as u32, stream, &a) }
+        let args = router_kernel::Args {
+            x,
+            t: t32,
+            d: d32,
+            e: e32,
+            k: k32,
+            gate,
+            bias,
+            tid2eid: table,
+            tokens,
+            scoring: scoring_code(p.scoring),
+            renorm: p.renorm,
+            route_scale: p.route_scale,
+            ids,
+            weights,
+        };
+        self.router
+            .launch(blocks, threads, smem as u32, stream, args)
     }
 
     /// Groups the assignments of `ids` (i32 `[plan.tokens, plan.k]`) by expert into `plan`'s
@@ -355,19 +378,20 @@ impl Moe {
             )));
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(ids)
-            .i32(plan.tokens as i32)
-            .i32(plan.k as i32)
-            .i32(plan.experts as i32)
-            .i32(to_i32(K, "tile_rows", plan.tile_rows)?)
-            .ptr(plan.offsets)
-            .ptr(plan.rows)
-            .ptr(plan.tiles)
-            .ptr(plan.ntiles);
-        // SAFETY: arguments match `moe_plan_kernel(const int*, int, int, int, int, int*, int*, int*,
-        // int*)`; buffer sizes checked by `validate`.
-        unsafe { launch(&self.plan, 1u32, PLAN_THREADS, smem as u32, stream, &a) }
+        // (`validate` checked the buffers and that tokens * k fits an int.)
+        let args = moe_plan_kernel::Args {
+            ids,
+            t: plan.tokens as i32,
+            k: plan.k as i32,
+            e: plan.experts as i32,
+            tile_rows: to_i32(K, "tile_rows", plan.tile_rows)?,
+            offsets: plan.offsets,
+            rows: plan.rows,
+            tiles: plan.tiles,
+            ntiles: plan.ntiles,
+        };
+        self.plan
+            .launch(1u32, PLAN_THREADS, smem as u32, stream, args)
     }
 
     /// Up projection of every assignment: `h[a, :]` (f32 `[T*k, I]`, I = `w1.rows`) from `xq`
@@ -421,39 +445,29 @@ impl Moe {
             return Err(internal(format!("{K}: I = {i} exceeds the grid")));
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(xq)
-            .i32(d32)
-            .i32(i32_)
-            .ptr(plan.rows)
-            .ptr(plan.tiles)
-            .ptr(plan.ntiles)
-            .i32(plan.k as i32)
-            .ptr(w1.ptrs)
-            .ptr(w3.ptrs)
-            .ptr(w1.scale_ptr())
-            .ptr(w3.scale_ptr())
-            .i32(w1.format.code())
-            .i32(br)
-            .i32(bc)
-            .ptr(weights)
-            .f32(limit)
-            .i32(official as i32)
-            .ptr(h);
-        // SAFETY: arguments match `moe_up_kernel(const float*, int, int, const int*, const int*,
-        // const int*, int, const u64*, const u64*, const u64*, const u64*, int, int, int,
-        // const float*, float, int, float*)`; sizes checked above (the expert buffers behind
-        // the pointer arrays are the caller's contract).
-        unsafe {
-            launch(
-                &self.up,
-                (plan.grid_tiles() as u32, gy as u32),
-                GEMM_THREADS,
-                0,
-                stream,
-                &a,
-            )
-        }
+        // (The expert buffers behind the pointer arrays are the caller's contract.)
+        let args = moe_up_kernel::Args {
+            xq,
+            d: d32,
+            i: i32_,
+            rows: plan.rows,
+            tiles: plan.tiles,
+            ntiles: plan.ntiles,
+            k: plan.k as i32,
+            w1: w1.ptrs,
+            w3: w3.ptrs,
+            s1: w1.scale_ptr(),
+            s3: w3.scale_ptr(),
+            fmt: w1.format.code(),
+            br,
+            bc,
+            weights,
+            limit,
+            official,
+            h,
+        };
+        let grid = (plan.grid_tiles() as u32, gy as u32);
+        self.up.launch(grid, GEMM_THREADS, 0, stream, args)
     }
 
     /// Down projection of every assignment: `ya[a, :]` (f32 `[T*k, D]`, D = `w2.rows`) from `hq`
@@ -495,32 +509,23 @@ impl Moe {
             return Err(internal(format!("{K}: D = {d} exceeds the grid")));
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(hq)
-            .i32(d32)
-            .i32(i32_)
-            .ptr(plan.rows)
-            .ptr(plan.tiles)
-            .ptr(plan.ntiles)
-            .ptr(w2.ptrs)
-            .ptr(w2.scale_ptr())
-            .i32(w2.format.code())
-            .i32(br)
-            .i32(bc)
-            .i32(official as i32)
-            .ptr(ya);
-        // SAFETY: arguments match `moe_down_kernel(const float*, int, int, const int*, const int*,
-        // const int*, const u64*, const u64*, int, int, int, int, float*)`; sizes checked above.
-        unsafe {
-            launch(
-                &self.down,
-                (plan.grid_tiles() as u32, gy as u32),
-                GEMM_THREADS,
-                0,
-                stream,
-                &a,
-            )
-        }
+        let args = moe_down_kernel::Args {
+            hq,
+            d: d32,
+            i: i32_,
+            rows: plan.rows,
+            tiles: plan.tiles,
+            ntiles: plan.ntiles,
+            w2: w2.ptrs,
+            s2: w2.scale_ptr(),
+            fmt: w2.format.code(),
+            br,
+            bc,
+            official,
+            ya,
+        };
+        let grid = (plan.grid_tiles() as u32, gy as u32);
+        self.down.launch(grid, GEMM_THREADS, 0, stream, args)
     }
 
     /// Shared-expert activation on `n` elements: `h = silu(min(g, L)) * clamp(v, ±L)` (no clamps
@@ -545,16 +550,16 @@ impl Moe {
             return Ok(());
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(g)
-            .ptr(v)
-            .i64(n as i64)
-            .f32(limit)
-            .i32(official as i32)
-            .ptr(h);
-        // SAFETY: arguments match `swiglu_kernel(const float*, const float*, long long, float, int,
-        // float*)`; sizes checked above.
-        unsafe { launch(&self.swiglu, stride_blocks(n), 256u32, 0, stream, &a) }
+        let args = swiglu_kernel::Args {
+            g,
+            v,
+            n: n as i64,
+            limit,
+            official,
+            h,
+        };
+        self.swiglu
+            .launch(stride_blocks(n), 256u32, 0, stream, args)
     }
 
     /// `out[t, :] = f32(f64 ys[t, :] + Σ_j f64 ya[t*k + j, :])` (ys: the shared expert's
@@ -583,17 +588,17 @@ impl Moe {
             return Ok(());
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(ya)
-            .ptr(ys.map_or(0, u64::from))
-            .i32(t32)
-            .i32(k32)
-            .i32(d32)
-            .i32(round_out as i32)
-            .ptr(out);
-        // SAFETY: arguments match `moe_combine_kernel(const float*, const float*, int, int, int,
-        // int, float*)`; sizes checked above.
-        unsafe { launch(&self.combine, stride_blocks(t * d), 256u32, 0, stream, &a) }
+        let args = moe_combine_kernel::Args {
+            ya,
+            ys,
+            t: t32,
+            k: k32,
+            d: d32,
+            round_out,
+            out,
+        };
+        self.combine
+            .launch(stride_blocks(t * d), 256u32, 0, stream, args)
     }
 }
 

@@ -1,34 +1,70 @@
-//! Rust side of the `norm_rope` kernel family (kernels/norm_rope.cu): RMSNorm, RoPE, the KV
-//! and indexer fake-quantisation, and small elementwise / copy kernels. Contract in
-//! kernels/SPEC.md; every kernel is bit-identical to its CPU reference (tests/gpu_norm_rope.rs).
+//! Rust side of four small kernel families, one job each: `norm` (kernels/norm.cu: RMSNorm),
+//! `rope` (kernels/rope.cu), `quant_sim` (kernels/quant_sim.cu: the KV and indexer
+//! fake-quantisation, bf16 rounding) and `elementwise` (kernels/elementwise.cu: scaling,
+//! embedding, row gathers, bf16 conversion). [`NormRope`] is the one facade the forward uses
+//! for all of them. Contract in kernels/SPEC.md; every kernel is bit-identical to its CPU
+//! reference (tests/gpu_norm_rope.rs).
 //!
 //! Every launch function checks that each buffer holds what the kernel will touch, then
 //! enqueues on the borrowed stream (no host sync). Zero-sized work launches nothing.
 
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::{Kernel, KernelFn, KernelSource, Registry};
-use crate::cuda::stream::{BorrowedStream, KernelArgs, launch};
+use crate::cuda::decl::Launcher;
+use crate::cuda::registry::{KernelSource, Registry};
+use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
 
-/// The family as the registry compiles and loads it.
-pub const SOURCE: KernelSource = KernelSource {
-    family: "norm_rope",
-    source: include_str!("../../../kernels/norm_rope.cu"),
-    functions: &[
-        KernelFn::new("rmsnorm_kernel"),
-        KernelFn::new("rope_kernel"),
-        KernelFn::new("kv_sim_kernel"),
-        KernelFn::new("index_sim_kernel"),
-        KernelFn::new("round_bf16_kernel"),
-        KernelFn::new("scale2_kernel"),
-        KernelFn::new("embed_kernel"),
-        KernelFn::new("gather_rows_kernel"),
-        KernelFn::new("to_bf16_kernel"),
-    ],
-};
+crate::kernel_family! {
+    /// RMSNorm.
+    pub const NORM_SOURCE = "norm", include_str!("../../../kernels/norm.cu");
 
-/// Longest row of [`NormRope::index_sim`] (`NR_HADAMARD_MAX` in norm_rope.cu).
+    fn rmsnorm_kernel(
+        x: *mut f32, rows: i32, dim: i32, ld: i32, weight: Option<*const f32>, eps: f32,
+        round_out: bool,
+    );
+}
+
+crate::kernel_family! {
+    /// RoPE.
+    pub const ROPE_SOURCE = "rope", include_str!("../../../kernels/rope.cu");
+
+    fn rope_kernel(
+        x: *mut f32, rows: i32, ld: i32, heads: i32, head_dim: i32, pos: *const i32,
+        inv_freq: *const f32, half_rope: i32, sign: f32, round_out: bool,
+    );
+}
+
+crate::kernel_family! {
+    /// The official precision simulations, in place.
+    pub const QUANT_SIM_SOURCE = "quant_sim", include_str!("../../../kernels/quant_sim.cu");
+
+    fn kv_sim_kernel(x: *mut f32, rows: i32, ld: i32, nope: i32);
+    fn index_sim_kernel(x: *mut f32, rows: i32, dim: i32);
+    fn round_bf16_kernel(x: *mut f32, n: i64);
+}
+
+crate::kernel_family! {
+    /// Small elementwise and copy kernels.
+    pub const ELEMENTWISE_SOURCE = "elementwise", include_str!("../../../kernels/elementwise.cu");
+
+    fn scale2_kernel(x: *mut f32, n: i64, s1: f32, s2: f32);
+    fn embed_kernel(tokens: *const i32, t: i32, table: *const f32, d: i32, n: i32, x: *mut f32);
+    fn gather_rows_kernel(
+        src: *const f32, row_len: i32, rows: Option<*const i32>, nrows: i32, dst: *mut f32,
+    );
+    fn to_bf16_kernel(src: *const f32, dst: *mut u16, n: i64);
+}
+
+/// The families behind [`NormRope`], as the registry compiles and loads them.
+pub const FAMILIES: [&KernelSource; 4] = [
+    &NORM_SOURCE,
+    &ROPE_SOURCE,
+    &QUANT_SIM_SOURCE,
+    &ELEMENTWISE_SOURCE,
+];
+
+/// Longest row of [`NormRope::index_sim`] (HADAMARD_MAX in dsv4_consts.cuh).
 pub const HADAMARD_MAX: usize = 1024;
 
 /// Threads per block of the per-row kernels (a multiple of 32).
@@ -59,32 +95,31 @@ fn flat_blocks(n: usize) -> u32 {
     n.div_ceil(FLAT_THREADS as usize).clamp(1, MAX_BLOCKS) as u32
 }
 
-/// The norm_rope family's entry points, resolved from a loaded registry.
+/// The entry points of the four families, resolved from a loaded registry.
 pub struct NormRope {
-    rmsnorm: Kernel,
-    rope: Kernel,
-    kv_sim: Kernel,
-    index_sim: Kernel,
-    round_bf16: Kernel,
-    scale2: Kernel,
-    embed: Kernel,
-    gather_rows: Kernel,
-    to_bf16: Kernel,
+    rmsnorm: Launcher<rmsnorm_kernel::Args>,
+    rope: Launcher<rope_kernel::Args>,
+    kv_sim: Launcher<kv_sim_kernel::Args>,
+    index_sim: Launcher<index_sim_kernel::Args>,
+    round_bf16: Launcher<round_bf16_kernel::Args>,
+    scale2: Launcher<scale2_kernel::Args>,
+    embed: Launcher<embed_kernel::Args>,
+    gather_rows: Launcher<gather_rows_kernel::Args>,
+    to_bf16: Launcher<to_bf16_kernel::Args>,
 }
 
 impl NormRope {
     pub fn new(reg: &Registry) -> Result<NormRope> {
-        let f = SOURCE.family;
         Ok(NormRope {
-            rmsnorm: reg.get(f, "rmsnorm_kernel")?,
-            rope: reg.get(f, "rope_kernel")?,
-            kv_sim: reg.get(f, "kv_sim_kernel")?,
-            index_sim: reg.get(f, "index_sim_kernel")?,
-            round_bf16: reg.get(f, "round_bf16_kernel")?,
-            scale2: reg.get(f, "scale2_kernel")?,
-            embed: reg.get(f, "embed_kernel")?,
-            gather_rows: reg.get(f, "gather_rows_kernel")?,
-            to_bf16: reg.get(f, "to_bf16_kernel")?,
+            rmsnorm: Launcher::new(reg)?,
+            rope: Launcher::new(reg)?,
+            kv_sim: Launcher::new(reg)?,
+            index_sim: Launcher::new(reg)?,
+            round_bf16: Launcher::new(reg)?,
+            scale2: Launcher::new(reg)?,
+            embed: Launcher::new(reg)?,
+            gather_rows: Launcher::new(reg)?,
+            to_bf16: Launcher::new(reg)?,
         })
     }
 
@@ -121,14 +156,17 @@ impl NormRope {
         );
         let threads = if dim <= 128 { 128 } else { ROW_THREADS };
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x).i32(r32).i32(d32).i32(l32);
-        a.ptr(weight.map_or(0, |w| w.addr()))
-            .f32(eps)
-            .i32(round_out as i32);
-        // SAFETY: matches `rmsnorm_kernel(float*, int, int, int, const float*, float, int)`;
-        // sizes checked above.
-        unsafe { launch(&self.rmsnorm, row_blocks(rows), threads, 0, stream, &a) }
+        let args = rmsnorm_kernel::Args {
+            x,
+            rows: r32,
+            dim: d32,
+            ld: l32,
+            weight,
+            eps,
+            round_out,
+        };
+        self.rmsnorm
+            .launch(row_blocks(rows), threads, 0, stream, args)
     }
 
     /// In-place RoPE of `rows` rows at stride `ld`, each holding `heads` heads of `head_dim`
@@ -164,25 +202,24 @@ impl NormRope {
             return Ok(());
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x)
-            .i32(to_i32(K, "rows", rows)?)
-            .i32(to_i32(K, "ld", ld)?)
-            .i32(to_i32(K, "heads", heads)?)
-            .i32(to_i32(K, "head_dim", head_dim)?);
-        a.ptr(pos)
-            .ptr(inv_freq)
-            .i32(to_i32(K, "half_rope", half_rope)?)
-            .f32(sign)
-            .i32(round_out as i32);
+        let args = rope_kernel::Args {
+            x,
+            rows: to_i32(K, "rows", rows)?,
+            ld: to_i32(K, "ld", ld)?,
+            heads: to_i32(K, "heads", heads)?,
+            head_dim: to_i32(K, "head_dim", head_dim)?,
+            pos,
+            inv_freq,
+            half_rope: to_i32(K, "half_rope", half_rope)?,
+            sign,
+            round_out,
+        };
         let threads = if heads * head_dim <= 128 {
             64
         } else {
             ROW_THREADS
         };
-        // SAFETY: matches `rope_kernel(float*, int, int, int, int, const int*, const float*,
-        // int, float, int)`; sizes checked above.
-        unsafe { launch(&self.rope, row_blocks(rows), threads, 0, stream, &a) }
+        self.rope.launch(row_blocks(rows), threads, 0, stream, args)
     }
 
     /// KV nope FP8 simulation in place: `fp8sim(x[r][0:nope], 64)` for `rows` rows at stride
@@ -205,13 +242,13 @@ impl NormRope {
             return Ok(());
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x)
-            .i32(to_i32(K, "rows", rows)?)
-            .i32(to_i32(K, "ld", ld)?)
-            .i32(to_i32(K, "nope", nope)?);
-        // SAFETY: matches `kv_sim_kernel(float*, int, int, int)`; sizes checked above.
-        unsafe { launch(&self.kv_sim, row_blocks(rows), 128, 0, stream, &a) }
+        let args = kv_sim_kernel::Args {
+            x,
+            rows: to_i32(K, "rows", rows)?,
+            ld: to_i32(K, "ld", ld)?,
+            nope: to_i32(K, "nope", nope)?,
+        };
+        self.kv_sim.launch(row_blocks(rows), 128, 0, stream, args)
     }
 
     /// Indexer query/key simulation in place over `rows` contiguous rows of `dim` values (a
@@ -235,13 +272,14 @@ impl NormRope {
             return Ok(());
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x)
-            .i32(to_i32(K, "rows", rows)?)
-            .i32(to_i32(K, "dim", dim)?);
+        let args = index_sim_kernel::Args {
+            x,
+            rows: to_i32(K, "rows", rows)?,
+            dim: to_i32(K, "dim", dim)?,
+        };
         let threads = (dim as u32 / 2).clamp(32, ROW_THREADS);
-        // SAFETY: matches `index_sim_kernel(float*, int, int)`; sizes checked above.
-        unsafe { launch(&self.index_sim, row_blocks(rows), threads, 0, stream, &a) }
+        self.index_sim
+            .launch(row_blocks(rows), threads, 0, stream, args)
     }
 
     /// `x = bf16(x)` for `n` f32 values.
@@ -257,19 +295,9 @@ impl NormRope {
             return Ok(());
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x).i64(n as i64);
-        // SAFETY: matches `round_bf16_kernel(float*, long long)`; size checked above.
-        unsafe {
-            launch(
-                &self.round_bf16,
-                flat_blocks(n),
-                FLAT_THREADS,
-                0,
-                stream,
-                &a,
-            )
-        }
+        let args = round_bf16_kernel::Args { x, n: n as i64 };
+        self.round_bf16
+            .launch(flat_blocks(n), FLAT_THREADS, 0, stream, args)
     }
 
     /// `x = x * s1 * s2` (f32, that order) for `n` values.
@@ -287,10 +315,14 @@ impl NormRope {
             return Ok(());
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(x).i64(n as i64).f32(s1).f32(s2);
-        // SAFETY: matches `scale2_kernel(float*, long long, float, float)`; size checked.
-        unsafe { launch(&self.scale2, flat_blocks(n), FLAT_THREADS, 0, stream, &a) }
+        let args = scale2_kernel::Args {
+            x,
+            n: n as i64,
+            s1,
+            s2,
+        };
+        self.scale2
+            .launch(flat_blocks(n), FLAT_THREADS, 0, stream, args)
     }
 
     /// Embedding into the residual streams: `x[t, s, :] = table[tokens[t], :]` for `t < t_count`
@@ -319,25 +351,17 @@ impl NormRope {
             return Ok(());
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(tokens)
-            .i32(to_i32(K, "T", t_count)?)
-            .ptr(table)
-            .i32(to_i32(K, "D", d)?)
-            .i32(to_i32(K, "N", n)?)
-            .ptr(x);
-        // SAFETY: matches `embed_kernel(const int*, int, const float*, int, int, float*)`;
-        // sizes checked above (token ids by the caller).
-        unsafe {
-            launch(
-                &self.embed,
-                flat_blocks(t_count * d),
-                FLAT_THREADS,
-                0,
-                stream,
-                &a,
-            )
-        }
+        // (Token ids are checked by the caller.)
+        let args = embed_kernel::Args {
+            tokens,
+            t: to_i32(K, "T", t_count)?,
+            table,
+            d: to_i32(K, "D", d)?,
+            n: to_i32(K, "N", n)?,
+            x,
+        };
+        self.embed
+            .launch(flat_blocks(t_count * d), FLAT_THREADS, 0, stream, args)
     }
 
     /// `dst[r, :] = src[rows[r], :]` for `r < nrows` (f32 rows of `row_len`; `rows` i32 per
@@ -369,24 +393,16 @@ impl NormRope {
             return Ok(());
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(src)
-            .i32(to_i32(K, "row_len", row_len)?)
-            .ptr(rows.map_or(0, |r| r.addr()))
-            .i32(to_i32(K, "nrows", nrows)?)
-            .ptr(dst);
-        // SAFETY: matches `gather_rows_kernel(const float*, int, const int*, int, float*)`;
-        // sizes checked above (row ids by the caller).
-        unsafe {
-            launch(
-                &self.gather_rows,
-                flat_blocks(nrows * row_len),
-                FLAT_THREADS,
-                0,
-                stream,
-                &a,
-            )
-        }
+        // (Row ids are checked by the caller.)
+        let args = gather_rows_kernel::Args {
+            src,
+            row_len: to_i32(K, "row_len", row_len)?,
+            rows,
+            nrows: to_i32(K, "nrows", nrows)?,
+            dst,
+        };
+        self.gather_rows
+            .launch(flat_blocks(nrows * row_len), FLAT_THREADS, 0, stream, args)
     }
 
     /// `dst[i] = bf16 bits of src[i]` (round to nearest even) for `n` values; `dst` u16.
@@ -404,10 +420,12 @@ impl NormRope {
             return Ok(());
         }
         let _g = ctx.enter()?;
-        let mut a = KernelArgs::new();
-        a.ptr(src).ptr(dst).i64(n as i64);
-        // SAFETY: matches `to_bf16_kernel(const float*, unsigned short*, long long)`; sizes
-        // checked above.
-        unsafe { launch(&self.to_bf16, flat_blocks(n), FLAT_THREADS, 0, stream, &a) }
+        let args = to_bf16_kernel::Args {
+            src,
+            dst,
+            n: n as i64,
+        };
+        self.to_bf16
+            .launch(flat_blocks(n), FLAT_THREADS, 0, stream, args)
     }
 }

@@ -1,0 +1,49 @@
+// rope.cu — rotary position embedding (kernels/SPEC.md "rope.cu"), bit for bit as
+// src/model/rope.rs apply (+ the reference's bf16 rounding): every f32 operation is an explicit
+// round-to-nearest intrinsic (no FMA contraction: the reference rounds every product); sin and
+// cos are evaluated in double precision (libdevice) and rounded once to f32 — never the float /
+// fast intrinsics.
+#include "common.cuh"
+
+// --------------------------------------------------------------------------------------- RoPE
+
+// Every row r (stride ld) holds `heads` heads of `head_dim` values; the last 2*half_rope
+// channels of each head rotate in interleaved pairs (k: channels 2k, 2k+1 of the tail):
+// θ = f32(pos[r]) * inv_freq[k] (f32), c = f32(cos(f64 θ)), s = sign * f32(sin(f64 θ)),
+// a' = a*c - b*s, b' = a*s + b*c (f32, every product rounded). With round_out the WHOLE head
+// (nope channels too) is then rounded to bf16, as the reference's `prec.bf16` after
+// `rope::apply` does (in the model the nope channels are already bf16 there, so this is a no-op
+// on them). One block per row (grid-stride).
+extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, int head_dim, const int* pos,
+                                       const float* inv_freq, int half_rope, float sign, int round_out) {
+  const int nope = head_dim - 2 * half_rope;
+  const int npairs = heads * half_rope;
+  for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+    float* row = x + (long long)r * ld;
+    const float p = __int2float_rn(pos[r]);
+    for (int q = threadIdx.x; q < npairs; q += blockDim.x) {
+      const int h = q / half_rope, k = q - h * half_rope;
+      float* t = row + (long long)h * head_dim + nope + 2 * k;
+      const float theta = __fmul_rn(p, inv_freq[k]);
+      const double td = (double)theta;
+      const float c = (float)cos(td);
+      const float s = __fmul_rn(sign, (float)sin(td));
+      const float a = t[0], b = t[1];
+      float a2 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+      float b2 = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+      if (round_out) {
+        a2 = round_bf16(a2);
+        b2 = round_bf16(b2);
+      }
+      t[0] = a2;
+      t[1] = b2;
+    }
+    if (round_out && nope > 0) {
+      for (int q = threadIdx.x; q < heads * nope; q += blockDim.x) {
+        const int h = q / nope, i = q - h * nope;
+        float* v = row + (long long)h * head_dim + i;
+        *v = round_bf16(*v);
+      }
+    }
+  }
+}

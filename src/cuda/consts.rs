@@ -1,0 +1,169 @@
+//! Constants the kernels share with Rust, defined once (here or in the Rust module named
+//! beside each) and generated into the NVRTC header `dsv4_consts.cuh`, which common.cuh
+//! includes. No .cu/.cuh file may `#define` one of these names by hand (a test checks it),
+//! so a value changed in Rust changes the kernels too (and, through the header text, the
+//! CUBIN cache key).
+
+use super::kernels::{attention, batch, compressor, indexer, linear, mhc, moe, norm_rope};
+use super::smoke;
+use crate::config::ScoringFunc;
+use crate::error::Status;
+use crate::model::batch::{FAULT_RECORD_INTS, Field, PAD_SLOT, Rule};
+use crate::weights::qmatrix::FP4_BLOCK;
+use crate::weights::quant::{E2M1_MAX, E4M3_MAX};
+use linear::WFormat;
+use std::sync::OnceLock;
+
+/// The name kernels include: `#include "dsv4_consts.cuh"` (common.cuh does).
+pub const HEADER_NAME: &str = "dsv4_consts.cuh";
+
+/// A constant's value as the kernels see it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Value {
+    /// An `int` literal (parenthesised when negative).
+    Int(i64),
+    /// A `float` literal (`448.0f`): the exact f32, printed round-trip.
+    F32(f32),
+}
+
+/// One shared constant: its CUDA name, value, and where Rust defines it (for the header's
+/// comment and for readers grepping either side).
+pub struct Shared {
+    pub name: &'static str,
+    pub value: Value,
+    pub rust: &'static str,
+}
+
+macro_rules! shared {
+    ($($name:literal = $kind:ident($v:expr) from $rust:literal;)*) => {
+        &[$(Shared { name: $name, value: Value::$kind($v), rust: $rust },)*]
+    };
+}
+
+/// Every shared constant, grouped by the kernel files that use them.
+pub const SHARED: &[Shared] = shared! {
+    // common.cuh: number formats.
+    "DSV4_E4M3_MAX" = F32(E4M3_MAX) from "weights::quant::E4M3_MAX";
+    "DSV4_E2M1_MAX" = F32(E2M1_MAX) from "weights::quant::E2M1_MAX";
+    // gemm_core.cuh, linear.cu, moe.cu: weight formats and GEMM tiling.
+    "WFMT_F32" = Int(WFormat::F32 as i64) from "linear::WFormat::F32";
+    "WFMT_BF16" = Int(WFormat::Bf16 as i64) from "linear::WFormat::Bf16";
+    "WFMT_FP8" = Int(WFormat::Fp8 as i64) from "linear::WFormat::Fp8";
+    "WFMT_FP4" = Int(WFormat::Fp4 as i64) from "linear::WFormat::Fp4";
+    "FP4_SCALE_BLOCK" = Int(FP4_BLOCK as i64) from "weights::qmatrix::FP4_BLOCK";
+    "GEMM_THREADS" = Int(linear::LINEAR_THREADS as i64) from "linear::LINEAR_THREADS";
+    "GT_BM" = Int(linear::TILE_T as i64) from "linear::TILE_T";
+    "GS_MAXR" = Int(linear::SKINNY_T as i64) from "linear::SKINNY_T";
+    "GS_BN" = Int(linear::SKINNY_N as i64) from "linear::SKINNY_N";
+    "LIN_SKINNY_MAX_T" = Int(linear::SKINNY_MAX_T as i64) from "linear::SKINNY_MAX_T";
+    "LIN_BN" = Int(linear::TILE_N as i64) from "linear::TILE_N";
+    "ACT_BLOCK" = Int(linear::ACT_BLOCK as i64) from "linear::ACT_BLOCK";
+    // moe.cu.
+    "SCORE_SQRTSOFTPLUS" = Int(moe::scoring_code(ScoringFunc::SqrtSoftplus) as i64)
+        from "moe::scoring_code";
+    "SCORE_SOFTMAX" = Int(moe::scoring_code(ScoringFunc::Softmax) as i64) from "moe::scoring_code";
+    "SCORE_SIGMOID" = Int(moe::scoring_code(ScoringFunc::Sigmoid) as i64) from "moe::scoring_code";
+    "ROUTER_MAX_K" = Int(moe::MAX_TOPK as i64) from "moe::MAX_TOPK";
+    "ROUTER_TOKENS" = Int(moe::ROUTER_TOKENS as i64) from "moe::ROUTER_TOKENS";
+    "PLAN_THREADS" = Int(moe::PLAN_THREADS as i64) from "moe::PLAN_THREADS";
+    "PLAN_WARPS" = Int(moe::PLAN_WARPS as i64) from "moe::PLAN_WARPS";
+    "MOE_UP_BNS" = Int(moe::UP_GRID_N as i64) from "moe::UP_GRID_N";
+    "MOE_DOWN_BNS" = Int(moe::DOWN_GRID_N as i64) from "moe::DOWN_GRID_N";
+    // attention.cu, compressor.cu, indexer.cu, mhc.cu.
+    "ATTN_MAX_CPT" = Int(attention::ATTN_MAX_CHANNELS_PER_THREAD as i64)
+        from "attention::ATTN_MAX_CHANNELS_PER_THREAD";
+    "COMP_THREADS" = Int(compressor::THREADS as i64) from "compressor::THREADS";
+    "IDX_TILE" = Int(indexer::TILE as i64) from "indexer::TILE";
+    "HC_MAX_N" = Int(mhc::MAX_STREAMS as i64) from "mhc::MAX_STREAMS";
+    // norm_rope.cu.
+    "HADAMARD_MAX" = Int(norm_rope::HADAMARD_MAX as i64) from "norm_rope::HADAMARD_MAX";
+    // batch.cu: the codes of the fault record (model::batch, error::Status).
+    "BATCH_CHECK_THREADS" = Int(batch::CHECK_THREADS as i64) from "batch::CHECK_THREADS";
+    "DSV4_PAD_SLOT" = Int(PAD_SLOT as i64) from "model::batch::PAD_SLOT";
+    "BATCH_STATUS_INVALID_ARGUMENT" = Int(Status::InvalidArgument as i64)
+        from "error::Status::InvalidArgument";
+    "BATCH_STATUS_CAPACITY" = Int(Status::Capacity as i64) from "error::Status::Capacity";
+    "BATCH_FIELD_TOKEN_IDS" = Int(Field::TokenIds as i64) from "model::batch::Field";
+    "BATCH_FIELD_POSITIONS" = Int(Field::Positions as i64) from "model::batch::Field";
+    "BATCH_FIELD_SEQ_SLOTS" = Int(Field::SeqSlots as i64) from "model::batch::Field";
+    "BATCH_FIELD_QUERY_START" = Int(Field::QueryStart as i64) from "model::batch::Field";
+    "BATCH_FIELD_LOGITS_ROWS" = Int(Field::LogitsRows as i64) from "model::batch::Field";
+    "BATCH_RULE_RANGE" = Int(Rule::Range as i64) from "model::batch::Rule";
+    "BATCH_RULE_DUPLICATE" = Int(Rule::Duplicate as i64) from "model::batch::Rule";
+    "BATCH_RULE_NOT_INCREASING" = Int(Rule::NotIncreasing as i64) from "model::batch::Rule";
+    "BATCH_RULE_ENDPOINT" = Int(Rule::Endpoint as i64) from "model::batch::Rule";
+    "BATCH_RULE_NOT_CONSECUTIVE" = Int(Rule::NotConsecutive as i64) from "model::batch::Rule";
+    "BATCH_RULE_NOT_CONTINUING" = Int(Rule::NotContinuing as i64) from "model::batch::Rule";
+    "BATCH_RECORD_INTS" = Int(FAULT_RECORD_INTS as i64) from "model::batch::FAULT_RECORD_INTS";
+    // smoke.cu.
+    "SMOKE_COLS" = Int(smoke::ROUNDTRIP_COLS as i64) from "smoke::ROUNDTRIP_COLS";
+};
+
+/// The text of `dsv4_consts.cuh`.
+pub fn header() -> &'static str {
+    static TEXT: OnceLock<String> = OnceLock::new();
+    TEXT.get_or_init(|| {
+        let mut s = String::from(
+            "// dsv4_consts.cuh — GENERATED from Rust (src/cuda/consts.rs) by the registry: the\n\
+             // constants kernels share with their Rust wrappers. Not a file on disk; edit the Rust.\n\
+             #pragma once\n",
+        );
+        for c in SHARED {
+            let v = match c.value {
+                Value::Int(v) if v < 0 => format!("({v})"),
+                Value::Int(v) => v.to_string(),
+                Value::F32(v) => format!("{v:?}f"),
+            };
+            s.push_str(&format!("#define {} {v}  // {}\n", c.name, c.rust));
+        }
+        s
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::registry::{families, headers};
+
+    #[test]
+    fn header_defines_each_constant_once_as_a_c_literal() {
+        let h = header();
+        assert!(h.contains("#define DSV4_PAD_SLOT (-1)  // model::batch::PAD_SLOT\n"));
+        assert!(h.contains("#define DSV4_E4M3_MAX 448.0f  //"));
+        assert!(h.contains("#define WFMT_FP4 3  //"));
+        let mut names = std::collections::HashSet::new();
+        for c in SHARED {
+            assert!(names.insert(c.name), "{} twice", c.name);
+        }
+    }
+
+    /// Every shared constant is used by some kernel, and none is still defined by hand.
+    #[test]
+    fn kernels_use_the_generated_constants_and_define_none() {
+        let mut texts: Vec<(String, &str)> = families()
+            .iter()
+            .map(|f| (format!("{}.cu", f.family), f.source))
+            .collect();
+        texts.extend(
+            headers()
+                .iter()
+                .filter(|(n, _)| *n != HEADER_NAME)
+                .map(|(n, s)| (n.to_string(), *s)),
+        );
+        for c in SHARED {
+            let define = format!("#define {} ", c.name);
+            for (file, text) in &texts {
+                assert!(
+                    !text.lines().any(|l| l.trim_start().starts_with(&define)),
+                    "{file} defines {} by hand; it comes from {HEADER_NAME}",
+                    c.name
+                );
+            }
+            assert!(
+                texts.iter().any(|(_, t)| t.contains(c.name)),
+                "no kernel uses {}",
+                c.name
+            );
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! Kernel declarations: the ONE place a kernel's signature is written on the Rust side.
+//!
+//! [`kernel_family!`](crate::kernel_family) declares a family (one `kernels/<family>.cu`) and,
+//! for every `extern "C" __global__` entry point, its parameters in kernel order with their
+//! Rust types and its dynamic shared memory limit. From that it generates
+//! - the registry entry (`KernelSource` with one [`KernelFn`] per entry point, carrying the C
+//!   type of every parameter, which tests/kernel_decls.rs checks against the .cu text), and
+//! - per entry point a module named like the kernel holding `Args`, a struct with one field
+//!   per parameter, packed in declaration order by [`Launcher::launch`].
+//!
+//! ```ignore
+//! kernel_family! {
+//!     pub const SOURCE = "linear", include_str!("../../../kernels/linear.cu");
+//!     /// y = x · Wᵀ (SPEC.md).
+//!     fn act_quant_kernel(x: *const f32, ldx: i32, rows: i32, k: i32, xq: *mut f32);
+//!     #[smem(ATTENTION_MAX_SMEM)]
+//!     fn attention_kernel(...);
+//! }
+//! // launch: fields by name, so argument order cannot be got wrong at the call site.
+//! self.act_quant.launch(grid, block, 0, stream, act_quant_kernel::Args { x, ldx, rows, k, xq })
+//! ```
+//!
+//! Parameter types ([`Param`]): `*const T` / `*mut T` take a [`DevicePtr`]; `Option<*const T>`
+//! / `Option<*mut T>` take an `Option<DevicePtr>` (None passes NULL: the kernel treats the
+//! pointer as optional); `i32`, `i64`, `u64`, `f32` take themselves; `bool` is a C `int` flag
+//! taking a Rust bool (0/1). `T` is `f32`, `f64`, `i32`, `u16`, `u32`, `u64`, `u8` or `c_void`.
+//!
+//! The `unsafe` launch lives in [`Launcher::launch`] only. What it relies on: the argument
+//! layout (guaranteed by the declaration, checked against the kernel source in CI), and the
+//! wrapper having checked every buffer's size with `need` before launching (the wrappers know
+//! the shapes; the declaration does not).
+
+use super::arena::DevicePtr;
+use super::registry::{Kernel, KernelFn, Registry};
+use super::stream::{BorrowedStream, Dim3, KernelArgs, launch};
+use crate::error::Result;
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+/// A Rust type that stands for one kernel parameter in a declaration.
+pub trait Param {
+    /// The parameter's C type as the .cu file spells it, normalised: one space between words,
+    /// `*` attached to the type (`const float*`, `unsigned long long*`, `long long`).
+    const C: &'static str;
+    /// What a launch passes for it.
+    type Arg: Copy + std::fmt::Debug;
+    /// The argument's 8-byte kernel-argument slot (see [`KernelArgs`]).
+    fn slot(a: Self::Arg) -> u64;
+}
+
+macro_rules! scalar_param {
+    ($($t:ty => $c:literal, |$v:ident| $slot:expr;)*) => {$(
+        impl Param for $t {
+            const C: &'static str = $c;
+            type Arg = $t;
+            fn slot($v: $t) -> u64 {
+                $slot
+            }
+        }
+    )*};
+}
+
+// Same encodings as KernelArgs::{i32, i64, u64, f32}.
+scalar_param! {
+    i32 => "int", |v| v as u32 as u64;
+    i64 => "long long", |v| v as u64;
+    u64 => "unsigned long long", |v| v;
+    f32 => "float", |v| v.to_bits() as u64;
+    bool => "int", |v| v as u32 as u64;
+}
+
+macro_rules! pointer_param {
+    ($($t:ty => $c:literal;)*) => {$(
+        impl Param for *const $t {
+            const C: &'static str = concat!("const ", $c, "*");
+            type Arg = DevicePtr;
+            fn slot(p: DevicePtr) -> u64 {
+                p.addr()
+            }
+        }
+        impl Param for *mut $t {
+            const C: &'static str = concat!($c, "*");
+            type Arg = DevicePtr;
+            fn slot(p: DevicePtr) -> u64 {
+                p.addr()
+            }
+        }
+        impl Param for Option<*const $t> {
+            const C: &'static str = <*const $t as Param>::C;
+            type Arg = Option<DevicePtr>;
+            fn slot(p: Option<DevicePtr>) -> u64 {
+                p.map_or(0, DevicePtr::addr)
+            }
+        }
+        impl Param for Option<*mut $t> {
+            const C: &'static str = <*mut $t as Param>::C;
+            type Arg = Option<DevicePtr>;
+            fn slot(p: Option<DevicePtr>) -> u64 {
+                p.map_or(0, DevicePtr::addr)
+            }
+        }
+    )*};
+}
+
+pointer_param! {
+    f32 => "float";
+    f64 => "double";
+    i32 => "int";
+    u8 => "unsigned char";
+    u16 => "unsigned short";
+    u32 => "unsigned";
+    u64 => "unsigned long long";
+    c_void => "void";
+}
+
+/// The arguments of one declared entry point (the `Args` struct `kernel_family!` generates).
+pub trait KernelDecl: Copy {
+    /// The family (kernels/<family>.cu) that defines the entry point.
+    const FAMILY: &'static str;
+    /// Its registry entry.
+    const FN: KernelFn;
+    /// Appends the arguments in kernel order.
+    fn pack(&self, args: &mut KernelArgs);
+}
+
+/// A resolved entry point that launches only with its declared arguments `A`.
+pub struct Launcher<A> {
+    kernel: Kernel,
+    _args: PhantomData<fn(A)>,
+}
+
+impl<A> Clone for Launcher<A> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<A> Copy for Launcher<A> {}
+
+impl<A: KernelDecl> Launcher<A> {
+    /// The entry point `A` declares, from a loaded registry.
+    pub fn new(reg: &Registry) -> Result<Launcher<A>> {
+        Ok(Launcher {
+            kernel: reg.get(A::FAMILY, A::FN.name)?,
+            _args: PhantomData,
+        })
+    }
+
+    /// The resolved kernel (limits, attributes).
+    pub fn kernel(&self) -> &Kernel {
+        &self.kernel
+    }
+
+    /// Enqueues the kernel on `stream` with `args` (the context must be current). Block size
+    /// and dynamic shared memory are checked against the kernel's limits. Every buffer `args`
+    /// points to must hold what the kernel touches: the wrapper's `need` checks say so.
+    pub fn launch(
+        &self,
+        grid: impl Into<Dim3>,
+        block: impl Into<Dim3>,
+        dynamic_smem: u32,
+        stream: BorrowedStream,
+        args: A,
+    ) -> Result<()> {
+        let mut a = KernelArgs::new();
+        args.pack(&mut a);
+        debug_assert_eq!(a.len(), A::FN.params.len());
+        // SAFETY: `A` was generated from the kernel's declaration, so `a` holds one slot per
+        // parameter in the kernel's order with the declared C types (tests/kernel_decls.rs
+        // checks each declaration against the `extern "C" __global__` signature in the .cu
+        // source); the pointers' extents were checked by the calling wrapper.
+        unsafe { launch(&self.kernel, grid, block, dynamic_smem, stream, &a) }
+    }
+}
+
+/// Declares a kernel family and its entry points; see the module documentation.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! kernel_family {
+    (
+        $(#[doc = $fdoc:literal])*
+        $vis:vis const $source:ident = $family:literal, $text:expr;
+        $(
+            $(#[doc = $doc:literal])*
+            $(#[smem($smem:expr)])?
+            fn $name:ident($($arg:ident: $ty:ty),* $(,)?);
+        )*
+    ) => {
+        $(#[doc = $fdoc])*
+        $vis const $source: $crate::cuda::registry::KernelSource =
+            $crate::cuda::registry::KernelSource {
+                family: $family,
+                source: $text,
+                functions: &[$($name::FN),*],
+            };
+        $(
+            $(#[doc = $doc])*
+            #[allow(dead_code)]
+            pub mod $name {
+                #[allow(unused_imports)]
+                use super::*;
+                use $crate::cuda::decl::Param;
+
+                /// The registry entry.
+                pub const FN: $crate::cuda::registry::KernelFn = $crate::cuda::registry::KernelFn {
+                    name: stringify!($name),
+                    dynamic_smem: $crate::kernel_family!(@smem $($smem)?),
+                    params: &[$(<$ty as Param>::C),*],
+                };
+                const _: () = assert!(
+                    FN.params.len() <= $crate::cuda::stream::MAX_KERNEL_ARGS,
+                    "more kernel parameters than KernelArgs holds"
+                );
+
+                /// The kernel's arguments, one field per parameter; packed in declaration
+                /// order.
+                #[derive(Clone, Copy, Debug)]
+                pub struct Args {
+                    $(pub $arg: <$ty as Param>::Arg,)*
+                }
+
+                impl $crate::cuda::decl::KernelDecl for Args {
+                    const FAMILY: &'static str = $family;
+                    const FN: $crate::cuda::registry::KernelFn = FN;
+                    fn pack(&self, a: &mut $crate::cuda::stream::KernelArgs) {
+                        $(a.u64(<$ty as Param>::slot(self.$arg));)*
+                    }
+                }
+            }
+        )*
+    };
+    (@smem) => { 0 };
+    (@smem $e:expr) => { $e };
+}
