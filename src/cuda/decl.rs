@@ -115,7 +115,7 @@ pointer_param! {
 
 /// The arguments of one declared entry point (the `Args` struct `kernel_family!` generates).
 pub trait KernelDecl: Copy {
-    /// The family (kernels/<family>.cu) that defines the entry point.
+    /// The family (`kernels/<family>.cu`) that defines the entry point.
     const FAMILY: &'static str;
     /// Its registry entry.
     const FN: KernelFn;

@@ -42,8 +42,8 @@ crate::kernel_family! {
 const ATTN_THREADS: u32 = 256;
 pub(crate) const ATTN_MAX_CHANNELS_PER_THREAD: usize = 4;
 
-/// The batch's int32 metadata on the device (kernels/SPEC.md): `positions` [T],
-/// `query_start` [S+1], `seq_slots` [S], `seq_of` [T] (written by [`Attention::batch_meta`]).
+/// The batch's int32 metadata on the device (kernels/SPEC.md): `positions` `[T]`,
+/// `query_start` `[S+1]`, `seq_slots` `[S]`, `seq_of` `[T]` (written by [`Attention::batch_meta`]).
 #[derive(Clone, Copy, Debug)]
 pub struct BatchMeta {
     pub positions: DevicePtr,
@@ -80,9 +80,9 @@ pub struct AttentionArgs {
     pub ring: DevicePtr,
     /// Compressed entries [num_slots, maxe, head_dim] (ratio > 0).
     pub entries: Option<DevicePtr>,
-    /// CSA: the indexer's `selected` [T, topk] and `nsel` [T]. None on HCA / sliding layers.
+    /// CSA: the indexer's `selected` `[T, topk]` and `nsel` `[T]`. None on HCA / sliding layers.
     pub selected: Option<(DevicePtr, DevicePtr)>,
-    /// Per-head sink logits [H].
+    /// Per-head sink logits `[H]`.
     pub sinks: DevicePtr,
     pub heads: usize,
     pub head_dim: usize,
@@ -304,7 +304,7 @@ impl Attention {
         self.ring_update.launch(grid, 128, 0, stream, args)
     }
 
-    /// `slot_len[seq_slots[s]] = last position of sequence s + 1` (`slot_len`: int [num_slots]).
+    /// `slot_len[seq_slots[s]] = last position of sequence s + 1` (`slot_len`: int `[num_slots]`).
     pub fn slot_len(
         &self,
         ctx: &Context,

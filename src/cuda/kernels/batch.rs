@@ -55,7 +55,7 @@ pub struct RawBatch {
 #[derive(Clone, Copy, Debug)]
 pub struct CheckedBatch {
     /// Sanitized copies, the only batch values later kernels read: tokens, positions and
-    /// seq_of [T], seq_slots [S], query_start [S+1], logits rows [R].
+    /// seq_of `[T]`, seq_slots `[S]`, query_start `[S+1]`, logits rows `[R]`.
     pub tokens: DevicePtr,
     pub positions: DevicePtr,
     pub seq_of: DevicePtr,
@@ -64,7 +64,7 @@ pub struct CheckedBatch {
     pub rows: DevicePtr,
     /// int: 1 when the batch passed, 0 when it was bad (and became all padding).
     pub verdict: DevicePtr,
-    /// Scratch int [num_slots].
+    /// Scratch int `[num_slots]`.
     pub claim: DevicePtr,
     /// The sticky error record, int [FAULT_RECORD_INTS] (state: survives forwards).
     pub record: DevicePtr,
@@ -76,7 +76,7 @@ pub struct BatchLimits {
     pub vocab: usize,
     pub max_seq_len: usize,
     pub num_slots: usize,
-    /// slot_len [num_slots]: the slots' current lengths (state).
+    /// slot_len `[num_slots]`: the slots' current lengths (state).
     pub slot_len: DevicePtr,
 }
 

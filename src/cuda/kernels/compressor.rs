@@ -50,13 +50,13 @@ pub struct CompressArgs {
     pub a: DevicePtr,
     pub z: DevicePtr,
     /// State: pending rows [num_slots, ratio, width] x2; previous window's A halves
-    /// [num_slots, ratio, dc] x2 and has_prev int [num_slots] (overlap only).
+    /// `[num_slots, ratio, dc]` x2 and has_prev int `[num_slots]` (overlap only).
     pub pend_a: DevicePtr,
     pub pend_z: DevicePtr,
     pub prev_a: Option<DevicePtr>,
     pub prev_z: Option<DevicePtr>,
     pub has_prev: Option<DevicePtr>,
-    /// Weights: ape [ratio, width], RMSNorm weight [dc], inverse RoPE frequencies [rope_dim/2].
+    /// Weights: ape `[ratio, width]`, RMSNorm weight `[dc]`, inverse RoPE frequencies `[rope_dim/2]`.
     pub ape: DevicePtr,
     pub norm_w: DevicePtr,
     pub inv_freq: DevicePtr,

@@ -53,7 +53,7 @@ pub struct IndexerArgs {
     pub scores: DevicePtr,
     /// Output [T, topk] int: selected entries, best first (ties: lower index), -1 padded.
     pub selected: DevicePtr,
-    /// Output [T] int: min(topk, visible entries).
+    /// Output `[T]` int: min(topk, visible entries).
     pub nsel: DevicePtr,
 }
 

@@ -55,7 +55,7 @@ fn check_shape(kernel: &str, n: usize, d: usize) -> Result<()> {
 
 /// The f32 parameters of one mHC site on the device (`reference::mhc::HcParams`):
 /// `proj` [(2+N)*N, N*D] for a layer site or [N, N*D] for the head, `base` of the same
-/// leading size, `scale` [3] (layer) or [1] (head).
+/// leading size, `scale` `[3]` (layer) or `[1]` (head).
 #[derive(Clone, Copy, Debug)]
 pub struct HcSiteDev {
     pub proj: DevicePtr,
@@ -183,7 +183,7 @@ impl Mhc {
     }
 
     /// hc_head over `x` [r, n, d] (`reference::mhc::hc_head`, no Sinkhorn): `y` [r, d], bf16 if
-    /// `round_out`. `site.proj` [n, n*d], `site.base` [n], `site.scale` [1].
+    /// `round_out`. `site.proj` `[n, n*d]`, `site.base` `[n]`, `site.scale` `[1]`.
     #[allow(clippy::too_many_arguments)]
     pub fn hc_head(
         &self,

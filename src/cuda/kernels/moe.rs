@@ -128,9 +128,9 @@ impl RouterParams {
 /// How a layer selects its experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Selection {
-    /// Top-k of `score + bias` (`bias` f32[E]; None: of the scores).
+    /// Top-k of `score + bias` (`bias` `f32[E]`; None: of the scores).
     TopK { bias: Option<DevicePtr> },
-    /// Hash layer: `tid2eid` i32[vocab, k] indexed by `tokens` i32[T] (values must be < vocab and
+    /// Hash layer: `tid2eid` `i32[vocab, k]` indexed by `tokens` `i32[T]` (values must be < vocab and
     /// the table's ids < E: the loader validates both).
     Hash {
         tid2eid: DevicePtr,
@@ -193,7 +193,7 @@ pub struct MoePlan {
     pub rows: DevicePtr,
     /// i32[max_tiles * 3]: (expert, start, count).
     pub tiles: DevicePtr,
-    /// i32[1]: number of tiles.
+    /// `i32[1]`: number of tiles.
     pub ntiles: DevicePtr,
     pub tokens: usize,
     pub k: usize,
