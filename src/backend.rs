@@ -61,20 +61,25 @@ pub struct DeviceBatch {
     pub logits_bf16: bool,
 }
 
-/// Element type of a derived tensor as dsv4_weight_info reports it.
+/// Element type of an engine buffer: a derived tensor as dsv4_weight_info reports it, and
+/// every buffer of the CUDA memory plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DerivedDtype {
+pub enum Elem {
     F32,
     F64,
+    I32,
     /// Device addresses.
     U64,
+    /// Raw bytes (weights in their stored format).
+    U8,
 }
 
-impl DerivedDtype {
+impl Elem {
     pub fn size(self) -> usize {
         match self {
-            DerivedDtype::F32 => 4,
-            DerivedDtype::F64 | DerivedDtype::U64 => 8,
+            Elem::U8 => 1,
+            Elem::F32 | Elem::I32 => 4,
+            Elem::F64 | Elem::U64 => 8,
         }
     }
 }
@@ -84,7 +89,7 @@ impl DerivedDtype {
 #[derive(Clone, Debug)]
 pub struct DerivedTensor {
     pub name: String,
-    pub dtype: DerivedDtype,
+    pub dtype: Elem,
     pub shape: Vec<usize>,
     /// Host address (CPU backend) or device address (CUDA backend).
     pub addr: u64,

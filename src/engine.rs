@@ -15,8 +15,7 @@ use crate::weights::store::WeightStore;
 
 use crate::backend::Backend;
 pub use crate::backend::{
-    Batch, BufferSpans, DerivedDtype, DerivedTensor, DeviceBatch, LogitsOut, StreamHandle,
-    WeightAddr,
+    Batch, BufferSpans, DerivedTensor, DeviceBatch, Elem, LogitsOut, StreamHandle, WeightAddr,
 };
 pub use crate::options::{EngineOptions, KernelSetName, Numerics, WeightFormat};
 

@@ -13,7 +13,7 @@ mod common;
 use common::assert_bits;
 use common::rng::Rng;
 use dsv4::cuda::arena::{self, ArenaPlan};
-use dsv4::cuda::kernels::linear::{self, DevWeight, Linear, WFormat};
+use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat, WeightDev};
 use dsv4::cuda::registry::{KernelCache, Registry};
 use dsv4::cuda::{Arena, BorrowedStream, Context, DevicePtr, OwnedStream};
 use dsv4::reference::ops::{Threads, matmul_mat};
@@ -101,7 +101,7 @@ fn poison(p: DevicePtr, s: BorrowedStream) {
 
 /// A weight in host form (as the CPU store holds it) plus its raw bytes for the device.
 struct HostWeight {
-    format: WFormat,
+    format: StorageFormat,
     rows: usize,
     cols: usize,
     block: [usize; 2],
@@ -112,7 +112,7 @@ struct HostWeight {
 
 impl HostWeight {
     fn new(
-        format: WFormat,
+        format: StorageFormat,
         rows: usize,
         cols: usize,
         block: [usize; 2],
@@ -128,15 +128,15 @@ impl HostWeight {
             q: None,
         };
         match format {
-            WFormat::F32 => h.f32v = src.to_vec(),
-            WFormat::Bf16 => {
+            StorageFormat::F32 => h.f32v = src.to_vec(),
+            StorageFormat::Bf16 => {
                 h.bf16v = src
                     .iter()
                     .map(|&v| half::bf16::from_f32(v).to_bits())
                     .collect()
             }
-            WFormat::Fp8 | WFormat::Fp4 => {
-                let qf = if format == WFormat::Fp8 {
+            StorageFormat::Fp8 | StorageFormat::Fp4 => {
+                let qf = if format == StorageFormat::Fp8 {
                     QFormat::Fp8 { block }
                 } else {
                     QFormat::Fp4
@@ -151,8 +151,8 @@ impl HostWeight {
 
     fn mat(&self) -> MatRef<'_> {
         match self.format {
-            WFormat::F32 => MatRef::F32(&self.f32v),
-            WFormat::Bf16 => MatRef::Bf16(&self.bf16v),
+            StorageFormat::F32 => MatRef::F32(&self.f32v),
+            StorageFormat::Bf16 => MatRef::Bf16(&self.bf16v),
             _ => MatRef::Quant(self.q.as_ref().unwrap()),
         }
     }
@@ -165,17 +165,17 @@ impl HostWeight {
         4 * self.format.scale_count(self.rows, self.cols, self.block)
     }
 
-    fn upload(&self, data: DevicePtr, scales: DevicePtr, s: BorrowedStream) -> DevWeight {
+    fn upload(&self, data: DevicePtr, scales: DevicePtr, s: BorrowedStream) -> WeightDev {
         match self.format {
-            WFormat::F32 => upload(data, &self.f32v, s),
-            WFormat::Bf16 => upload(data, &self.bf16v, s),
+            StorageFormat::F32 => upload(data, &self.f32v, s),
+            StorageFormat::Bf16 => upload(data, &self.bf16v, s),
             _ => {
                 let q = self.q.as_ref().unwrap();
                 upload(data, &q.codes, s);
                 upload(scales, &q.scales, s);
             }
         }
-        DevWeight {
+        WeightDev {
             format: self.format,
             data: data.slice(0, self.data_bytes()).unwrap(),
             scales: self
@@ -195,7 +195,7 @@ struct Case {
     t: usize,
     k: usize,
     n: usize,
-    /// Extra rows of W before the used ones (a row offset through DevWeight::rows).
+    /// Extra rows of W before the used ones (a row offset through WeightDev::rows).
     row0: usize,
     ldx_pad: usize,
     ldy_pad: usize,
@@ -207,7 +207,7 @@ fn run_linear_case(
     e: &Env,
     s: BorrowedStream,
     rng: &mut Rng,
-    format: WFormat,
+    format: StorageFormat,
     block: [usize; 2],
     c: &Case,
 ) {
@@ -306,19 +306,19 @@ fn linear_matches_matmul_mat_bit_for_bit_in_every_format() {
     ];
     let mut count = 0;
     for (format, block) in [
-        (WFormat::F32, [0, 0]),
-        (WFormat::Bf16, [0, 0]),
-        (WFormat::Fp8, [128, 128]),
-        (WFormat::Fp8, [16, 48]),
-        (WFormat::Fp8, [1, 1]),
-        (WFormat::Fp4, [0, 0]),
+        (StorageFormat::F32, [0, 0]),
+        (StorageFormat::Bf16, [0, 0]),
+        (StorageFormat::Fp8, [128, 128]),
+        (StorageFormat::Fp8, [16, 48]),
+        (StorageFormat::Fp8, [1, 1]),
+        (StorageFormat::Fp4, [0, 0]),
     ] {
         for c in &shapes {
             run_linear_case(e, s, &mut rng, format, block, c);
             count += 1;
         }
         // A row-offset view (FP8: a multiple of the block rows).
-        let row0 = if format == WFormat::Fp8 {
+        let row0 = if format == StorageFormat::Fp8 {
             block[0] * 2
         } else {
             5
@@ -342,8 +342,8 @@ fn linear_refuses_out_of_bounds_launches() {
     let stream = OwnedStream::new(&e.ctx).unwrap();
     let s = stream.borrow();
     let (_a, p) = alloc(&e.ctx, &[4 * 10 * 16, 4 * 8 * 16, 4 * 10 * 8]);
-    let w = DevWeight {
-        format: WFormat::F32,
+    let w = WeightDev {
+        format: StorageFormat::F32,
         data: p[1],
         scales: None,
         block: [0, 0],
@@ -375,8 +375,8 @@ fn linear_refuses_out_of_bounds_launches() {
             .is_err(),
         "y too small"
     );
-    let fp8 = DevWeight {
-        format: WFormat::Fp8,
+    let fp8 = WeightDev {
+        format: StorageFormat::Fp8,
         scales: None,
         block: [4, 4],
         ..w
@@ -493,9 +493,9 @@ fn prec_linear_matches_the_reference_in_both_modes() {
                 (sp.shape[0], sp.shape[1])
             };
             let hw = match &store.tensor(idx).data {
-                TensorData::F32(v) => HostWeight::new(WFormat::F32, n, k, [0, 0], v),
+                TensorData::F32(v) => HostWeight::new(StorageFormat::F32, n, k, [0, 0], v),
                 TensorData::Bf16(v) => HostWeight {
-                    format: WFormat::Bf16,
+                    format: StorageFormat::Bf16,
                     rows: n,
                     cols: k,
                     block: [0, 0],
@@ -512,7 +512,7 @@ fn prec_linear_matches_the_reference_in_both_modes() {
                     copy.codes.copy_from_slice(&q.codes);
                     copy.scales.copy_from_slice(&q.scales);
                     HostWeight {
-                        format: WFormat::of_qformat(q.format),
+                        format: StorageFormat::of_qformat(q.format),
                         rows: n,
                         cols: k,
                         block,
@@ -581,7 +581,7 @@ fn prec_linear_matches_the_reference_in_both_modes() {
 /// Random stored bytes of a `rows x cols` weight (FP8 codes avoid NaN) with unit-ish scales.
 fn random_weight(
     rng: &mut Rng,
-    format: WFormat,
+    format: StorageFormat,
     rows: usize,
     cols: usize,
     block: [usize; 2],
@@ -593,21 +593,21 @@ fn random_weight(
     }
     data.truncate(nb);
     match format {
-        WFormat::F32 => {
+        StorageFormat::F32 => {
             for c in data.chunks_exact_mut(4) {
                 c.copy_from_slice(&(((c[0] as f32) - 128.0) / 4096.0).to_le_bytes());
             }
         }
-        WFormat::Bf16 => {
+        StorageFormat::Bf16 => {
             for c in data.chunks_exact_mut(2) {
                 c[1] = (c[1] & 0x80) | 0x3c; // |v| in [2^-7, 2^-6)
             }
         }
-        WFormat::Fp8 => data
+        StorageFormat::Fp8 => data
             .iter_mut()
             .filter(|b| **b & 0x7f == 0x7f)
             .for_each(|b| *b ^= 1),
-        WFormat::Fp4 => {}
+        StorageFormat::Fp4 => {}
     }
     let scales = vec![1.0 / 64.0; format.scale_count(rows, cols, block)];
     (data, scales)
@@ -638,7 +638,7 @@ fn linear_throughput() {
         t0.elapsed().as_secs_f64() / iters as f64
     };
     for (n, k) in [(4096usize, 4096usize), (1024, 4096), (2048, 4096)] {
-        for format in [WFormat::Bf16, WFormat::Fp8, WFormat::Fp4] {
+        for format in [StorageFormat::Bf16, StorageFormat::Fp8, StorageFormat::Fp4] {
             let block = [128, 128];
             let (data, scales) = random_weight(&mut rng, format, n, k, block);
             let tmax = 2048;
@@ -651,7 +651,7 @@ fn linear_throughput() {
             upload(p[0], &x, s);
             upload(p[1], &data, s);
             upload(p[2], &scales, s);
-            let w = DevWeight {
+            let w = WeightDev {
                 format,
                 data: p[1],
                 scales: format.is_quantized().then_some(p[2]),

@@ -17,9 +17,9 @@ use common::assert_bits;
 use common::rng::Rng;
 use dsv4::ModelConfig;
 use dsv4::cuda::arena::{self, ArenaPlan};
-use dsv4::cuda::kernels::linear::{self, DevWeight, Linear, WFormat};
+use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat, WeightDev};
 use dsv4::cuda::kernels::moe::{
-    self, DevExperts, Moe, MoePlan, RouterParams, Selection, TILE_ROWS,
+    self, ExpertsDev, Moe, MoePlan, RouterParams, Selection, TILE_ROWS,
 };
 use dsv4::cuda::registry::{KernelCache, Registry};
 use dsv4::cuda::{Arena, BorrowedStream, Context, DevicePtr, OwnedStream};
@@ -145,7 +145,7 @@ fn down<T: arena::Pod + Default>(p: DevicePtr, n: usize, s: BorrowedStream) -> V
 
 /// A weight matrix of the store in device form: its format, shape and raw bytes.
 struct HostMat {
-    format: WFormat,
+    format: StorageFormat,
     block: [usize; 2],
     rows: usize,
     cols: usize,
@@ -157,9 +157,9 @@ fn host_mat(store: &WeightStore, idx: usize) -> HostMat {
     let t = store.tensor(idx);
     let (rows, cols) = (t.spec.shape[0], t.spec.shape[1]);
     let (format, block, data, scales) = match &t.data {
-        TensorData::F32(v) => (WFormat::F32, [0, 0], bytes_f32(v), vec![]),
+        TensorData::F32(v) => (StorageFormat::F32, [0, 0], bytes_f32(v), vec![]),
         TensorData::Bf16(v) => (
-            WFormat::Bf16,
+            StorageFormat::Bf16,
             [0, 0],
             v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             vec![],
@@ -170,7 +170,7 @@ fn host_mat(store: &WeightStore, idx: usize) -> HostMat {
                 QFormat::Fp4 => [0, 0],
             };
             (
-                WFormat::of_qformat(q.format),
+                StorageFormat::of_qformat(q.format),
                 block,
                 q.codes.clone(),
                 q.scales.clone(),
@@ -201,9 +201,9 @@ fn plan_mat(b: &mut Bufs, m: HostMat) -> MatBufs {
     MatBufs { m, data, scales }
 }
 
-fn dev_weight(mb: &MatBufs, p: &[DevicePtr]) -> DevWeight {
+fn dev_weight(mb: &MatBufs, p: &[DevicePtr]) -> WeightDev {
     let m = &mb.m;
-    DevWeight {
+    WeightDev {
         format: m.format,
         data: p[mb.data].slice(0, m.data.len()).unwrap(),
         scales: m
@@ -223,9 +223,9 @@ struct DevLayer {
     bias: Option<DevicePtr>,
     tid2eid: Option<DevicePtr>,
     /// w1, w2, w3 of the routed experts.
-    experts: [DevExperts; 3],
+    experts: [ExpertsDev; 3],
     /// w1, w2, w3 of the shared expert.
-    shared: Option<[DevWeight; 3]>,
+    shared: Option<[WeightDev; 3]>,
 }
 
 fn upload_layer(
@@ -253,7 +253,7 @@ fn upload_layer(
     let (arena, p) = b.alloc(&e.ctx, s);
     let _g = e.ctx.enter().unwrap();
     let experts = [0usize, 1, 2].map(|j| {
-        let ws: Vec<DevWeight> = routed.iter().map(|r| dev_weight(&r[j], &p)).collect();
+        let ws: Vec<WeightDev> = routed.iter().map(|r| dev_weight(&r[j], &p)).collect();
         let addrs: Vec<u64> = ws.iter().map(|w| w.data.addr()).collect();
         let saddrs: Vec<u64> = ws
             .iter()
@@ -263,7 +263,7 @@ fn upload_layer(
         arena::copy_to_device_sync(p[tp], &addrs, s).unwrap();
         arena::copy_to_device_sync(p[ts], &saddrs, s).unwrap();
         let w0 = ws[0];
-        DevExperts {
+        ExpertsDev {
             format: w0.format,
             ptrs: p[tp],
             scales: w0.format.is_quantized().then_some(p[ts]),
@@ -739,7 +739,7 @@ fn moe_throughput() {
     let mut rng = Rng::from_env("moe bench");
     let (ne, k, d, i, distinct) = (256usize, 6usize, 4096usize, 2048usize, 32usize);
     let tmax = 2048usize;
-    let fmt = WFormat::Fp4;
+    let fmt = StorageFormat::Fp4;
     let mut b = Bufs::default();
     let mut rand_bytes = |n: usize| -> Vec<u8> {
         let mut v = Vec::with_capacity(n + 8);
@@ -787,14 +787,14 @@ fn moe_throughput() {
     .collect();
     let (_arena, p) = b.alloc(&e.ctx, s);
     let _g = e.ctx.enter().unwrap();
-    let experts: Vec<DevExperts> = (0..3)
+    let experts: Vec<ExpertsDev> = (0..3)
         .map(|j| {
             let addrs: Vec<u64> = (0..ne).map(|x| p[mats[x % distinct][j].0].addr()).collect();
             let saddrs: Vec<u64> = (0..ne).map(|x| p[mats[x % distinct][j].1].addr()).collect();
             arena::copy_to_device_sync(p[tables[j].0], &addrs, s).unwrap();
             arena::copy_to_device_sync(p[tables[j].1], &saddrs, s).unwrap();
             let (rows, cols) = if j == 1 { (d, i) } else { (i, d) };
-            DevExperts {
+            ExpertsDev {
                 format: fmt,
                 ptrs: p[tables[j].0],
                 scales: Some(p[tables[j].1]),

@@ -197,7 +197,10 @@ fn any_drift_between_declaration_and_source_is_caught() {
         .unwrap();
     assert!(mismatches(fam.family, fam.source, fam.functions).is_empty());
     let sig = "act_quant_kernel(const float* x, int ldx, int rows, int K, float* xq)";
-    assert!(fam.source.contains(sig), "linear.cu changed; update this test");
+    assert!(
+        fam.source.contains(sig),
+        "linear.cu changed; update this test"
+    );
 
     // Source side.
     for edited in [

@@ -25,7 +25,7 @@ use crate::state::layout::{CompressorLayout, layer_layouts};
 use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
 use crate::weights::store::{TensorData, WeightStore};
 
-pub use crate::cuda::kernels::linear::{DevWeight, WFormat};
+pub use crate::cuda::kernels::linear::{StorageFormat, WeightDev};
 
 /// Arena name of the device error record (dsv4_get_info reports its address).
 pub const DEVICE_ERROR_NAME: &str = "state:device_error";
@@ -91,7 +91,7 @@ pub struct LayerStateDev {
 pub struct DeviceModel {
     pub handles: ModelWeights,
     /// Device copy of every weight, indexed like the host store.
-    pub weights: Vec<DevWeight>,
+    pub weights: Vec<WeightDev>,
     pub experts: Vec<ExpertTables>,
     pub layers: Vec<LayerStateDev>,
     /// `int[num_slots]`: tokens each slot holds.
@@ -118,16 +118,21 @@ pub struct CudaBackend {
 
 /// Format, byte count, scale count and scale block of a weight's device copy (the host
 /// store's layout).
-fn weight_layout(data: &TensorData) -> (WFormat, usize, Option<usize>, [usize; 2]) {
+fn weight_layout(data: &TensorData) -> (StorageFormat, usize, Option<usize>, [usize; 2]) {
     match data {
-        TensorData::F32(v) => (WFormat::F32, v.len() * 4, None, [0, 0]),
+        TensorData::F32(v) => (StorageFormat::F32, v.len() * 4, None, [0, 0]),
         // Index tables are raw int32 words; only their address is used.
-        TensorData::I32(v) => (WFormat::F32, v.len() * 4, None, [0, 0]),
-        TensorData::Bf16(v) => (WFormat::Bf16, v.len() * 2, None, [0, 0]),
+        TensorData::I32(v) => (StorageFormat::F32, v.len() * 4, None, [0, 0]),
+        TensorData::Bf16(v) => (StorageFormat::Bf16, v.len() * 2, None, [0, 0]),
         TensorData::Quant(q) => match q.format {
-            QFormat::Fp8 { block } => (WFormat::Fp8, q.codes.len(), Some(q.scales.len()), block),
+            QFormat::Fp8 { block } => (
+                StorageFormat::Fp8,
+                q.codes.len(),
+                Some(q.scales.len()),
+                block,
+            ),
             QFormat::Fp4 => (
-                WFormat::Fp4,
+                StorageFormat::Fp4,
                 q.codes.len(),
                 Some(q.scales.len()),
                 [1, FP4_BLOCK],
@@ -307,7 +312,7 @@ impl CudaBackend {
 
         let weights = wids
             .iter()
-            .map(|&(r, s, format, block, rows, cols)| DevWeight {
+            .map(|&(r, s, format, block, rows, cols)| WeightDev {
                 format,
                 data: p(r),
                 scales: s.map(p),

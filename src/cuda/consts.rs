@@ -11,7 +11,7 @@ use crate::error::Status;
 use crate::model::batch::{FAULT_RECORD_INTS, Field, PAD_SLOT, Rule};
 use crate::weights::qmatrix::FP4_BLOCK;
 use crate::weights::quant::{E2M1_MAX, E4M3_MAX};
-use linear::WFormat;
+use linear::StorageFormat;
 use std::sync::OnceLock;
 
 /// The name kernels include: `#include "dsv4_consts.cuh"` (common.cuh does).
@@ -46,10 +46,10 @@ pub const SHARED: &[Shared] = shared! {
     "DSV4_E4M3_MAX" = F32(E4M3_MAX) from "weights::quant::E4M3_MAX";
     "DSV4_E2M1_MAX" = F32(E2M1_MAX) from "weights::quant::E2M1_MAX";
     // gemm_core.cuh, linear.cu, moe.cu: weight formats and GEMM tiling.
-    "WFMT_F32" = Int(WFormat::F32 as i64) from "linear::WFormat::F32";
-    "WFMT_BF16" = Int(WFormat::Bf16 as i64) from "linear::WFormat::Bf16";
-    "WFMT_FP8" = Int(WFormat::Fp8 as i64) from "linear::WFormat::Fp8";
-    "WFMT_FP4" = Int(WFormat::Fp4 as i64) from "linear::WFormat::Fp4";
+    "WFMT_F32" = Int(StorageFormat::F32 as i64) from "linear::StorageFormat::F32";
+    "WFMT_BF16" = Int(StorageFormat::Bf16 as i64) from "linear::StorageFormat::Bf16";
+    "WFMT_FP8" = Int(StorageFormat::Fp8 as i64) from "linear::StorageFormat::Fp8";
+    "WFMT_FP4" = Int(StorageFormat::Fp4 as i64) from "linear::StorageFormat::Fp4";
     "FP4_SCALE_BLOCK" = Int(FP4_BLOCK as i64) from "weights::qmatrix::FP4_BLOCK";
     "GEMM_THREADS" = Int(linear::LINEAR_THREADS as i64) from "linear::LINEAR_THREADS";
     "GT_BM" = Int(linear::TILE_T as i64) from "linear::TILE_T";

@@ -6,7 +6,8 @@
 //! Buffers are declared kind by kind (weights, derived, state, workspace), so each kind is
 //! one contiguous span of the arena.
 
-use crate::backend::{DerivedDtype, DerivedTensor};
+use crate::backend::DerivedTensor;
+pub use crate::backend::Elem;
 use crate::cuda::arena::{Arena, ArenaPlan, DevicePtr, RegionId};
 use crate::error::{Error, Result, Status};
 
@@ -21,28 +22,6 @@ pub enum BufferKind {
     State,
     /// Per-forward scratch of the kernel set.
     Workspace,
-}
-
-/// Element type of a declared buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Elem {
-    F32,
-    F64,
-    I32,
-    /// Device addresses.
-    U64,
-    /// Raw bytes (weights in their stored format).
-    U8,
-}
-
-impl Elem {
-    pub fn size(self) -> usize {
-        match self {
-            Elem::U8 => 1,
-            Elem::F32 | Elem::I32 => 4,
-            Elem::F64 | Elem::U64 => 8,
-        }
-    }
 }
 
 /// One declared buffer.
@@ -97,15 +76,16 @@ impl MemoryPlan {
             shape: shape.to_vec(),
         };
         if let Some(last) = self.decls.last()
-            && (last.kind as u8) > (kind as u8) {
-                return Err(Error::new(
-                    Status::Internal,
-                    format!(
-                        "memory plan: `{}` ({kind:?}) declared after a {:?} buffer",
-                        decl.name, last.kind
-                    ),
-                ));
-            }
+            && (last.kind as u8) > (kind as u8)
+        {
+            return Err(Error::new(
+                Status::Internal,
+                format!(
+                    "memory plan: `{}` ({kind:?}) declared after a {:?} buffer",
+                    decl.name, last.kind
+                ),
+            ));
+        }
         let id = self.arena.reserve(decl.name.clone(), decl.bytes(), ALIGN)?;
         self.decls.push(decl);
         Ok(id)
@@ -192,11 +172,7 @@ impl Buffers {
             .filter(|(d, _)| d.kind == BufferKind::Derived)
             .map(|(d, p)| DerivedTensor {
                 name: d.name.clone(),
-                dtype: match d.elem {
-                    Elem::F64 => DerivedDtype::F64,
-                    Elem::U64 => DerivedDtype::U64,
-                    _ => DerivedDtype::F32,
-                },
+                dtype: d.elem,
                 shape: d.shape.clone(),
                 addr: p.addr(),
                 nbytes: d.numel() * d.elem.size(),

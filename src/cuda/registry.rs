@@ -751,10 +751,7 @@ mod tests {
             source: "x",
             functions: &[],
         };
-        const B: KernelSource = KernelSource {
-            source: "y",
-            ..A
-        };
+        const B: KernelSource = KernelSource { source: "y", ..A };
         let k = A.cache_key("sm_90a", (13, 0));
         assert_eq!(k, A.cache_key("sm_90a", (13, 0)));
         assert_ne!(k, B.cache_key("sm_90a", (13, 0)));

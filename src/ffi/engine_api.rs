@@ -902,7 +902,7 @@ fn derived_desc(
     d: &crate::engine::DerivedTensor,
     device: i32,
 ) -> dsv4_weight_desc {
-    use crate::engine::DerivedDtype;
+    use crate::engine::Elem;
     let mut shape = [0i64; DSV4_MAX_DIMS];
     for (dst, &x) in shape.iter_mut().zip(&d.shape) {
         *dst = x as i64;
@@ -911,9 +911,13 @@ fn derived_desc(
         struct_size: 0, // restored to the caller's value by write_versioned
         name,
         dtype: match d.dtype {
-            DerivedDtype::F32 => DSV4_DTYPE_F32,
-            DerivedDtype::F64 => DSV4_DTYPE_F64,
-            DerivedDtype::U64 => DSV4_DTYPE_I64,
+            Elem::F32 => DSV4_DTYPE_F32,
+            Elem::F64 => DSV4_DTYPE_F64,
+            Elem::I32 => DSV4_DTYPE_I32,
+            // Device addresses as 8-byte integers; no derived tensor is raw bytes (U8 is the
+            // memory plan's weight storage), reported as I32 words if one ever were.
+            Elem::U64 => DSV4_DTYPE_I64,
+            Elem::U8 => DSV4_DTYPE_I32,
         },
         ndim: d.shape.len().min(DSV4_MAX_DIMS) as i32,
         shape,

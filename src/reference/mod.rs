@@ -12,7 +12,7 @@ pub mod ops;
 pub mod precision;
 
 use crate::backend::{
-    Backend, Batch, BufferSpans, DerivedDtype, DerivedTensor, DeviceBatch, LogitsOut, StreamHandle,
+    Backend, Batch, BufferSpans, DerivedTensor, DeviceBatch, Elem, LogitsOut, StreamHandle,
     WeightAddr,
 };
 use crate::config::ModelConfig;
@@ -89,7 +89,7 @@ impl CpuBackend {
         let (n, d) = (self.cfg.hc_mult, self.cfg.hidden_size);
         vec![DerivedTensor {
             name: HC0_FOLD_NAME.to_string(),
-            dtype: DerivedDtype::F64,
+            dtype: Elem::F64,
             shape: vec![(2 + n) * n, d],
             addr: self.hc0_fold.as_ptr() as u64,
             nbytes: self.hc0_fold.len() * 8,

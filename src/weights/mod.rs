@@ -3,6 +3,7 @@
 
 pub mod dtype;
 pub mod dummy;
+pub mod format;
 pub mod load;
 pub mod names;
 pub mod qmatrix;

@@ -4,7 +4,7 @@
 
 use crate::config::ModelConfig;
 use crate::cuda::arena::{Arena, DevicePtr, RegionId};
-use crate::cuda::backend::{CompressorDev, DevWeight, ExpertTables, LayerStateDev};
+use crate::cuda::backend::{CompressorDev, ExpertTables, LayerStateDev, WeightDev};
 use crate::cuda::context::Context;
 use crate::cuda::kernel_sets::{Branch, KernelSet, LogitsTarget, Step};
 use crate::cuda::kernels::attention::{Attention, AttentionArgs, BatchMeta, RingArgs};
@@ -12,7 +12,7 @@ use crate::cuda::kernels::compressor::{CompressArgs, CompressKind, Compressor};
 use crate::cuda::kernels::indexer::{Indexer, IndexerArgs};
 use crate::cuda::kernels::linear::Linear;
 use crate::cuda::kernels::mhc::{HcSiteDev, Mhc};
-use crate::cuda::kernels::moe::{self, DevExperts, Moe, MoePlan, RouterParams, Selection};
+use crate::cuda::kernels::moe::{self, ExpertsDev, Moe, MoePlan, RouterParams, Selection};
 use crate::cuda::kernels::norm_rope::NormRope;
 use crate::cuda::kernels::{MODEL_FAMILIES, batch};
 use crate::cuda::memory_plan::{BufferKind, Elem, MemoryPlan};
@@ -420,7 +420,7 @@ struct Run<'a> {
     ctx: &'a Context,
     cfg: &'a ModelConfig,
     opts: &'a EngineOptions,
-    weights: &'a [DevWeight],
+    weights: &'a [WeightDev],
     handles: &'a ModelWeights,
     experts: &'a [ExpertTables],
     layers: &'a [LayerStateDev],
@@ -457,7 +457,7 @@ impl Run<'_> {
         x: DevicePtr,
         ldx: usize,
         t: usize,
-        w: &DevWeight,
+        w: &WeightDev,
         row0: usize,
         n: usize,
         y: DevicePtr,
@@ -907,7 +907,7 @@ impl Run<'_> {
         k8.moe.plan(self.ctx, ws.ids, &plan, st)?;
         let tb = self.experts[l];
         let proto = |w: usize| self.weights[w];
-        let experts = |ptrs: DevicePtr, scales: DevicePtr, w: DevWeight| DevExperts {
+        let experts = |ptrs: DevicePtr, scales: DevicePtr, w: WeightDev| ExpertsDev {
             format: w.format,
             ptrs,
             scales: w.scales.map(|_| scales),
@@ -951,8 +951,7 @@ impl Run<'_> {
         } else {
             ws.h
         };
-        k8.moe
-            .down(self.ctx, &plan, hq, &e2, official, ws.ya, st)?;
+        k8.moe.down(self.ctx, &plan, hq, &e2, official, ws.ya, st)?;
         let ys = match &lw.shared {
             Some(sw) => {
                 self.linear(

@@ -3,8 +3,8 @@
 //! compressed keys with the per-head sink (o before the inverse RoPE), the window ring update
 //! and the slot lengths. The CPU reference is `reference::attention::attention_core`.
 
-use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::decl::Launcher;
+use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};

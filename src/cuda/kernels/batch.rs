@@ -2,8 +2,8 @@
 //! forward batch that runs first in every CUDA forward, and the logits fix-up that ends it.
 //! The rules and the fault record are `model::batch`'s; see kernels/SPEC.md "batch.cu".
 
-use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::decl::Launcher;
+use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};

@@ -4,8 +4,8 @@
 //! `reference::attention::compress_chunk` + `reference::compressor::push`.
 
 use super::attention::BatchMeta;
-use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::decl::Launcher;
+use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};

@@ -3,8 +3,8 @@
 //! token; the CPU reference is `reference::attention::select_entries`.
 
 use super::attention::BatchMeta;
-use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::decl::Launcher;
+use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};

@@ -1,7 +1,7 @@
 //! Rust side of the `linear` kernel family (kernels/linear.cu): typed launch wrappers. See
 //! kernels/SPEC.md.
 //!
-//! - [`Linear::linear`]: `y = x · Wᵀ` with W in any stored format ([`DevWeight`]), f64 sums in the
+//! - [`Linear::linear`]: `y = x · Wᵀ` with W in any stored format ([`WeightDev`]), f64 sums in the
 //!   CPU reference's order (bit-identical to `ops::matmul_mat`), optional BF16 rounding, strided
 //!   x and y.
 //! - [`Linear::act_quant`]: the official per-token FP8 activation quantisation (`fp8_sim(·, 128)`).
@@ -9,20 +9,20 @@
 //! `Prec::linear` of the reference is `act_quant` (official mode, quantized weight) followed by
 //! `linear` with `round_out = official`.
 
-use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::decl::Launcher;
+use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
-use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
+use crate::weights::qmatrix::FP4_BLOCK;
 use std::ffi::c_void;
 
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
     pub const SOURCE = "linear", include_str!("../../../kernels/linear.cu");
 
-    /// `fmt` is a [`WFormat`] code; `scales` is NULL for unquantized formats.
+    /// `fmt` is a [`StorageFormat`] code; `scales` is NULL for unquantized formats.
     fn linear_kernel(
         x: *const f32, ldx: i32, t: i32, k: i32, n: i32, fmt: i32, w: *const c_void,
         scales: Option<*const f32>, br: i32, bc: i32, round_out: bool, y: *mut f32, ldy: i32,
@@ -56,65 +56,14 @@ pub fn block_tile(t: usize) -> (usize, usize) {
 /// Block of the activation quantisation along K (ACT_BLOCK).
 pub const ACT_BLOCK: usize = 128;
 
-/// Stored format of a weight matrix on the device: the `fmt` code of SPEC.md.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(i32)]
-pub enum WFormat {
-    /// `float[rows * cols]`.
-    F32 = 0,
-    /// `unsigned short[rows * cols]` (bfloat16 bit patterns).
-    Bf16 = 1,
-    /// e4m3fn codes `u8[rows * cols]`, scales `f32[ceil(rows/br) * ceil(cols/bc)]`.
-    Fp8 = 2,
-    /// e2m1 codes `u8[rows * ceil(cols/2)]` (low nibble = even column), scales
-    /// `f32[rows * ceil(cols/32)]`.
-    Fp4 = 3,
-}
-
-impl WFormat {
-    /// The `fmt` argument of the kernels.
-    pub fn code(self) -> i32 {
-        self as i32
-    }
-
-    /// The device format of a quantized CPU matrix.
-    pub fn of_qformat(q: QFormat) -> WFormat {
-        match q {
-            QFormat::Fp8 { .. } => WFormat::Fp8,
-            QFormat::Fp4 => WFormat::Fp4,
-        }
-    }
-
-    /// Bytes of the values (codes) of a `rows x cols` matrix.
-    pub fn data_bytes(self, rows: usize, cols: usize) -> usize {
-        match self {
-            WFormat::F32 => rows * cols * 4,
-            WFormat::Bf16 => rows * cols * 2,
-            WFormat::Fp8 => rows * cols,
-            WFormat::Fp4 => rows * cols.div_ceil(2),
-        }
-    }
-
-    /// Number of f32 scales of a `rows x cols` matrix (`block` = FP8 [br, bc]).
-    pub fn scale_count(self, rows: usize, cols: usize, block: [usize; 2]) -> usize {
-        match self {
-            WFormat::F32 | WFormat::Bf16 => 0,
-            WFormat::Fp8 => rows.div_ceil(block[0].max(1)) * cols.div_ceil(block[1].max(1)),
-            WFormat::Fp4 => rows * cols.div_ceil(FP4_BLOCK),
-        }
-    }
-
-    pub fn is_quantized(self) -> bool {
-        matches!(self, WFormat::Fp8 | WFormat::Fp4)
-    }
-}
+pub use crate::weights::format::StorageFormat;
 
 /// A `rows x cols` weight matrix in device memory, laid out exactly as the CPU store holds it
 /// (`TensorData::F32` / `Bf16` / `Quant`): `data` the values or codes, `scales` the f32 scales
 /// of quantized formats, `block` the FP8 scale block [br, bc] (ignored otherwise).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DevWeight {
-    pub format: WFormat,
+pub struct WeightDev {
+    pub format: StorageFormat,
     pub data: DevicePtr,
     pub scales: Option<DevicePtr>,
     pub block: [usize; 2],
@@ -122,7 +71,7 @@ pub struct DevWeight {
     pub cols: usize,
 }
 
-impl DevWeight {
+impl WeightDev {
     /// Checks that the buffers hold the whole matrix and the scales are present when needed.
     pub fn validate(&self) -> Result<()> {
         let what = format!("{:?} weight {}x{}", self.format, self.rows, self.cols);
@@ -136,7 +85,7 @@ impl DevWeight {
             let Some(s) = self.scales else {
                 return Err(internal(format!("{what}: quantized weight without scales")));
             };
-            if self.format == WFormat::Fp8 && (self.block[0] == 0 || self.block[1] == 0) {
+            if self.format == StorageFormat::Fp8 && (self.block[0] == 0 || self.block[1] == 0) {
                 return Err(internal(format!(
                     "{what}: FP8 scale block {:?}",
                     self.block
@@ -154,7 +103,7 @@ impl DevWeight {
 
     /// The sub-matrix of rows `[row0, row0 + n)` (pointers offset; for FP8, `row0` must be a
     /// multiple of the scale block's rows, as SPEC.md requires).
-    pub fn rows(&self, row0: usize, n: usize) -> Result<DevWeight> {
+    pub fn rows(&self, row0: usize, n: usize) -> Result<WeightDev> {
         if row0.checked_add(n).is_none_or(|e| e > self.rows) {
             return Err(internal(format!(
                 "rows {row0}..{row0}+{n} of a {}-row weight",
@@ -163,11 +112,15 @@ impl DevWeight {
         }
         let c = self.cols;
         let (data, scales) = match self.format {
-            WFormat::F32 | WFormat::Bf16 => {
-                let es = if self.format == WFormat::F32 { 4 } else { 2 };
+            StorageFormat::F32 | StorageFormat::Bf16 => {
+                let es = if self.format == StorageFormat::F32 {
+                    4
+                } else {
+                    2
+                };
                 (self.data.slice(row0 * c * es, n * c * es)?, self.scales)
             }
-            WFormat::Fp8 => {
+            StorageFormat::Fp8 => {
                 let br = self.block[0].max(1);
                 if !row0.is_multiple_of(br) {
                     return Err(internal(format!(
@@ -183,7 +136,7 @@ impl DevWeight {
                     Some(s.slice(row0 / br * sc * 4, n.div_ceil(br) * sc * 4)?),
                 )
             }
-            WFormat::Fp4 => {
+            StorageFormat::Fp4 => {
                 let (half, sc) = (c.div_ceil(2), c.div_ceil(FP4_BLOCK));
                 let s = self
                     .scales
@@ -194,7 +147,7 @@ impl DevWeight {
                 )
             }
         };
-        Ok(DevWeight {
+        Ok(WeightDev {
             data,
             scales,
             rows: n,
@@ -232,7 +185,7 @@ impl Linear {
 
     /// `y[t*ldy + c] = f32(Σ_k f64(x[t*ldx + k]) * f64(W[c, k]))` for `t < rows`, `c < n`,
     /// `k < w.cols`, then BF16-rounded if `round_out`. W is rows `[0, n)` of `w` (use
-    /// [`DevWeight::rows`] for an offset). `x` and `y` must not overlap.
+    /// [`WeightDev::rows`] for an offset). `x` and `y` must not overlap.
     #[allow(clippy::too_many_arguments)]
     pub fn linear(
         &self,
@@ -240,7 +193,7 @@ impl Linear {
         x: DevicePtr,
         ldx: usize,
         rows: usize,
-        w: &DevWeight,
+        w: &WeightDev,
         n: usize,
         round_out: bool,
         y: DevicePtr,
@@ -344,13 +297,8 @@ impl Linear {
             k: k32,
             xq,
         };
-        self.act_quant.launch(
-            (r32 as u32, gy as u32),
-            ACT_BLOCK as u32,
-            0,
-            stream,
-            args,
-        )
+        self.act_quant
+            .launch((r32 as u32, gy as u32), ACT_BLOCK as u32, 0, stream, args)
     }
 }
 
@@ -365,20 +313,20 @@ mod tests {
 
     #[test]
     fn sizes_of_each_format() {
-        assert_eq!(WFormat::F32.data_bytes(3, 5), 60);
-        assert_eq!(WFormat::Bf16.data_bytes(3, 5), 30);
-        assert_eq!(WFormat::Fp8.data_bytes(3, 5), 15);
-        assert_eq!(WFormat::Fp4.data_bytes(3, 5), 9);
-        assert_eq!(WFormat::Fp8.scale_count(130, 200, [128, 128]), 4);
-        assert_eq!(WFormat::Fp4.scale_count(3, 65, [0, 0]), 9);
+        assert_eq!(StorageFormat::F32.data_bytes(3, 5), 60);
+        assert_eq!(StorageFormat::Bf16.data_bytes(3, 5), 30);
+        assert_eq!(StorageFormat::Fp8.data_bytes(3, 5), 15);
+        assert_eq!(StorageFormat::Fp4.data_bytes(3, 5), 9);
+        assert_eq!(StorageFormat::Fp8.scale_count(130, 200, [128, 128]), 4);
+        assert_eq!(StorageFormat::Fp4.scale_count(3, 65, [0, 0]), 9);
         assert_eq!(strided_bytes(3, 4, 10), (2 * 10 + 4) * 4);
         assert_eq!(strided_bytes(0, 4, 10), 0);
     }
 
     #[test]
     fn row_views_offset_codes_and_scales() {
-        let w = DevWeight {
-            format: WFormat::Fp8,
+        let w = WeightDev {
+            format: StorageFormat::Fp8,
             data: dp(256 * 100),
             scales: Some(dp(4 * 4)),
             block: [128, 64],
@@ -392,8 +340,8 @@ mod tests {
         assert_eq!(v.rows, 100);
         assert!(w.rows(64, 10).is_err(), "FP8 offset inside a scale block");
         assert!(w.rows(200, 100).is_err(), "past the end");
-        let f4 = DevWeight {
-            format: WFormat::Fp4,
+        let f4 = WeightDev {
+            format: StorageFormat::Fp4,
             data: dp(10 * 33),
             scales: Some(dp(10 * 3 * 4)),
             block: [0, 0],
@@ -404,7 +352,7 @@ mod tests {
         let v = f4.rows(3, 2).unwrap();
         assert_eq!(v.data.addr(), 0x1000_0000 + 3 * 33);
         assert_eq!(v.scales.unwrap().addr(), 0x1000_0000 + 3 * 3 * 4);
-        let short = DevWeight {
+        let short = WeightDev {
             scales: Some(dp(10)),
             ..f4
         };

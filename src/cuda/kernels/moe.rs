@@ -12,12 +12,12 @@
 //! 8. [`Moe::combine`]: `out[t] = ys[t] + Σ_j ya[t*k + j]` (f64 sum, bf16 in official mode).
 //!
 //! Routed-expert weights arrive as device arrays of u64 addresses, one per expert
-//! ([`DevExperts`]), so the kernels pick experts on the device.
+//! ([`ExpertsDev`]), so the kernels pick experts on the device.
 
-use super::linear::{WFormat, strided_bytes};
+use super::linear::{StorageFormat, strided_bytes};
 use crate::config::{ModelConfig, ScoringFunc};
-use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::decl::Launcher;
+use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
@@ -142,10 +142,10 @@ pub enum Selection {
 /// The routed experts' weights of one projection (all experts share format and shape):
 /// `ptrs` holds `count` u64 device addresses of each expert's data (values or codes), `scales`
 /// `count` u64 addresses of its f32 scales (quantized formats only). The addressed buffers are
-/// laid out as [`super::linear::DevWeight`] describes (`rows x cols` each).
+/// laid out as [`super::linear::WeightDev`] describes (`rows x cols` each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DevExperts {
-    pub format: WFormat,
+pub struct ExpertsDev {
+    pub format: StorageFormat,
     pub ptrs: DevicePtr,
     pub scales: Option<DevicePtr>,
     pub block: [usize; 2],
@@ -154,7 +154,7 @@ pub struct DevExperts {
     pub count: usize,
 }
 
-impl DevExperts {
+impl ExpertsDev {
     fn validate(&self, kernel: &str, what: &str) -> Result<()> {
         need(kernel, what, self.ptrs, self.count * 8)?;
         if self.format.is_quantized() {
@@ -164,7 +164,7 @@ impl DevExperts {
                 )));
             };
             need(kernel, what, s, self.count * 8)?;
-            if self.format == WFormat::Fp8 && (self.block[0] == 0 || self.block[1] == 0) {
+            if self.format == StorageFormat::Fp8 && (self.block[0] == 0 || self.block[1] == 0) {
                 return Err(internal(format!(
                     "{kernel}: `{what}` FP8 block {:?}",
                     self.block
@@ -403,8 +403,8 @@ impl Moe {
         ctx: &Context,
         plan: &MoePlan,
         xq: DevicePtr,
-        w1: &DevExperts,
-        w3: &DevExperts,
+        w1: &ExpertsDev,
+        w3: &ExpertsDev,
         weights: DevicePtr,
         limit: f32,
         official: bool,
@@ -478,7 +478,7 @@ impl Moe {
         ctx: &Context,
         plan: &MoePlan,
         hq: DevicePtr,
-        w2: &DevExperts,
+        w2: &ExpertsDev,
         official: bool,
         ya: DevicePtr,
         stream: BorrowedStream,
