@@ -156,7 +156,7 @@ impl CudaBackend {
         let _g = ctx.enter()?;
         let mut plan = MemoryPlan::new();
         let slots = opts.max_num_seqs;
-        let (n, d, e) = (cfg.hc_mult, cfg.hidden_size, cfg.n_routed_experts);
+        let (n, d) = (cfg.hc_mult, cfg.hidden_size);
 
         // Weights, in their stored format.
         let mut wids = Vec::with_capacity(store.len());
@@ -377,7 +377,6 @@ impl CudaBackend {
             hc0_fold: p(hc0_fold),
         };
         drop(_g);
-        let _ = e;
         Ok(CudaBackend {
             ctx,
             cfg: cfg.clone(),
