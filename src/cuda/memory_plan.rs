@@ -153,8 +153,7 @@ impl Buffers {
     fn span_of(&self, pick: impl Fn(&BufferDecl) -> bool) -> (u64, u64) {
         let mut lo = u64::MAX;
         let mut hi = 0u64;
-        for (d, p) in self.each().filter(|(d, _)| pick(d)) {
-            let _ = d;
+        for (_, p) in self.each().filter(|(d, _)| pick(d)) {
             lo = lo.min(p.addr());
             hi = hi.max(p.addr() + p.bytes() as u64);
         }
