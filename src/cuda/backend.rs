@@ -1,104 +1,35 @@
-//! The CUDA backend: the engine's device model — weights in their stored format, derived
-//! tables, per-slot decode state — and the chosen kernel set's workspace, declared in one
-//! memory plan (memory_plan.rs) and carved from ONE arena at create. Nothing is allocated
-//! later; finalize uploads weights, builds derived tables in place and loads the kernel set;
-//! forward (forward.rs) only launches kernels on the host's stream.
+//! The CUDA backend: the engine's device model (device_model.rs) and the chosen kernel
+//! set's workspace, declared in one memory plan (memory_plan.rs) and carved from ONE arena
+//! at create. Nothing is allocated later; finalize uploads weights, builds derived tables in
+//! place and loads the kernel set; forward (forward.rs) only launches kernels on the host's
+//! stream.
 
 use crate::backend::{
     Backend, Batch, BufferSpans, DerivedTensor, DeviceBatch, StreamHandle, WeightAddr,
 };
 use crate::config::ModelConfig;
-use crate::cuda::arena::{Arena, DevicePtr, RegionId, copy_to_device_sync, memset_async};
+use crate::cuda::arena::{Arena, DevicePtr, copy_to_device_sync, memset_async};
 use crate::cuda::context::Context;
 use crate::cuda::kernel_sets::{self, KernelSet, SetWorkspace};
 use crate::cuda::kernels::batch::{BatchKernels, CheckedBatch};
-use crate::cuda::memory_plan::{BufferKind, Buffers, Elem, MemoryPlan};
+use crate::cuda::memory_plan::{BufferKind, Buffers, MemoryPlan};
 use crate::cuda::registry::{KernelCache, Registry};
 use crate::cuda::stream::BorrowedStream;
 use crate::error::{Error, Result, Status};
-use crate::model::ModelWeights;
 use crate::model::batch::{BatchFault, FAULT_RECORD_INTS};
-use crate::model::hc_fold::{HC0_FOLD_NAME, fold_projection};
+use crate::model::hc_fold::fold_projection;
 use crate::model::rope;
 use crate::options::EngineOptions;
-use crate::state::layout::{CompressorLayout, layer_layouts};
-use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
+use crate::state::layout::layer_layouts;
 use crate::weights::store::{TensorData, WeightStore};
 
-pub use crate::cuda::kernels::linear::{StorageFormat, WeightDev};
+use crate::cuda::device_model::plan_model;
+pub use crate::cuda::device_model::{
+    CompressorDev, DeviceModel, ExpertTables, LayerStateDev, Placement, WeightDev,
+};
 
 /// Arena name of the device error record (dsv4_get_info reports its address).
 pub const DEVICE_ERROR_NAME: &str = "state:device_error";
-
-/// Which part of the model this engine holds: every layer and expert today. The multi-GPU
-/// work gives an engine a slice (its layers, its experts); the plan then declares only those.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Placement {
-    pub layers: std::ops::Range<usize>,
-    pub experts: std::ops::Range<usize>,
-}
-
-impl Placement {
-    pub fn all(cfg: &ModelConfig) -> Placement {
-        Placement {
-            layers: 0..cfg.num_layers,
-            experts: 0..cfg.n_routed_experts,
-        }
-    }
-}
-
-/// Per-layer device tables of expert weight addresses (derived: rebuilt at finalize).
-#[derive(Clone, Copy, Debug)]
-pub struct ExpertTables {
-    /// `u64[E]` each: code pointers of w1, w2, w3 and their scale pointers.
-    pub w1: DevicePtr,
-    pub w2: DevicePtr,
-    pub w3: DevicePtr,
-    pub s1: DevicePtr,
-    pub s2: DevicePtr,
-    pub s3: DevicePtr,
-}
-
-/// One compressor's per-slot streaming state.
-#[derive(Clone, Copy, Debug)]
-pub struct CompressorDev {
-    pub ratio: usize,
-    pub overlap: bool,
-    pub dc: usize,
-    pub pend_a: DevicePtr,
-    pub pend_z: DevicePtr,
-    pub prev_a: DevicePtr,
-    pub prev_z: DevicePtr,
-    pub has_prev: DevicePtr,
-}
-
-/// One layer's per-slot state.
-#[derive(Clone, Copy, Debug)]
-pub struct LayerStateDev {
-    pub ring: DevicePtr,
-    pub compressor: Option<CompressorDev>,
-    pub index_compressor: Option<CompressorDev>,
-    /// Compressed entries [slots, maxe, hd] and indexer keys [slots, maxe, di].
-    pub entries: Option<DevicePtr>,
-    pub index_keys: Option<DevicePtr>,
-    /// Entries per slot (max_seq_len / ratio).
-    pub maxe: usize,
-    pub inv_freq: DevicePtr,
-}
-
-/// The engine's device model, which every kernel set reads: weights, derived tables and
-/// the per-slot state, at fixed addresses.
-pub struct DeviceModel {
-    pub handles: ModelWeights,
-    /// Device copy of every weight, indexed like the host store.
-    pub weights: Vec<WeightDev>,
-    pub experts: Vec<ExpertTables>,
-    pub layers: Vec<LayerStateDev>,
-    /// `int[num_slots]`: tokens each slot holds.
-    pub slot_len: DevicePtr,
-    /// Derived f64 [(2+N)*N, D]: layer 0's stream-folded hc_attn projection.
-    pub hc0_fold: DevicePtr,
-}
 
 pub struct CudaBackend {
     ctx: Context,
@@ -116,34 +47,6 @@ pub struct CudaBackend {
     set: Option<Box<dyn KernelSet>>,
 }
 
-/// Format, byte count, scale count and scale block of a weight's device copy (the host
-/// store's layout).
-fn weight_layout(data: &TensorData) -> (StorageFormat, usize, Option<usize>, [usize; 2]) {
-    match data {
-        TensorData::F32(v) => (StorageFormat::F32, v.len() * 4, None, [0, 0]),
-        // Index tables are raw int32 words; only their address is used.
-        TensorData::I32(v) => (StorageFormat::F32, v.len() * 4, None, [0, 0]),
-        TensorData::Bf16(v) => (StorageFormat::Bf16, v.len() * 2, None, [0, 0]),
-        TensorData::Quant(q) => match q.format {
-            QFormat::Fp8 { block } => (
-                StorageFormat::Fp8,
-                q.codes.len(),
-                Some(q.scales.len()),
-                block,
-            ),
-            QFormat::Fp4 => (
-                StorageFormat::Fp4,
-                q.codes.len(),
-                Some(q.scales.len()),
-                [1, FP4_BLOCK],
-            ),
-        },
-    }
-}
-
-/// Region ids of one compressor's state.
-type CompressorIds = [RegionId; 5];
-
 impl CudaBackend {
     /// Plans and allocates every device buffer for `cfg` and `opts` (create time).
     pub fn new(
@@ -152,147 +55,12 @@ impl CudaBackend {
         store: &WeightStore,
     ) -> Result<CudaBackend> {
         let placement = Placement::all(cfg);
+        let layouts = layer_layouts(cfg, opts.max_seq_len);
         let ctx = Context::retain(opts.device)?;
         let _g = ctx.enter()?;
         let mut plan = MemoryPlan::new();
-        let slots = opts.max_num_seqs;
-        let (n, d) = (cfg.hc_mult, cfg.hidden_size);
-
-        // Weights, in their stored format.
-        let mut wids = Vec::with_capacity(store.len());
-        for tns in store.tensors() {
-            let (fmt, bytes, scales, block) = weight_layout(&tns.data);
-            let name = &tns.spec.name;
-            let r = plan.declare(
-                BufferKind::Weights,
-                format!("weight:{name}"),
-                Elem::U8,
-                &[bytes],
-            )?;
-            let s = scales
-                .map(|k| {
-                    plan.declare(
-                        BufferKind::Weights,
-                        format!("scale:{name}"),
-                        Elem::F32,
-                        &[k],
-                    )
-                })
-                .transpose()?;
-            let cols = *tns.spec.shape.last().unwrap_or(&1);
-            let rows = tns.spec.numel() / cols.max(1);
-            wids.push((r, s, fmt, block, rows, cols));
-        }
-
-        // Derived tensors (rebuilt by finalize / refit from the weights).
-        let mut eids = vec![];
-        for l in placement.layers.clone() {
-            let mut ids = [RegionId(0); 6];
-            for (j, nm) in ["w1", "w2", "w3", "s1", "s2", "s3"].iter().enumerate() {
-                ids[j] = plan.declare(
-                    BufferKind::Derived,
-                    format!("derived:layers.{l}.experts.{nm}_ptrs"),
-                    Elem::U64,
-                    &[placement.experts.len()],
-                )?;
-            }
-            eids.push(ids);
-        }
-        let inv_ids = placement
-            .layers
-            .clone()
-            .map(|l| {
-                plan.declare(
-                    BufferKind::Derived,
-                    format!("derived:layers.{l}.inv_freq"),
-                    Elem::F32,
-                    &[cfg.rope_dim / 2],
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let hc0_fold = plan.declare(
-            BufferKind::Derived,
-            HC0_FOLD_NAME,
-            Elem::F64,
-            &[(2 + n) * n, d],
-        )?;
-
-        // Per-slot state: the shared layout (state/layout.rs) with the slot leading.
-        let layouts = layer_layouts(cfg, opts.max_seq_len);
-        let mut lids = vec![];
-        for l in placement.layers.clone() {
-            let lay = layouts[l];
-            let st = |plan: &mut MemoryPlan, what: &str, elem: Elem, shape: &[usize]| {
-                let mut s = vec![slots];
-                s.extend_from_slice(shape);
-                plan.declare(
-                    BufferKind::State,
-                    format!("state:layers.{l}.{what}"),
-                    elem,
-                    &s,
-                )
-            };
-            let comp =
-                |plan: &mut MemoryPlan, name: &str, c: CompressorLayout| -> Result<CompressorIds> {
-                    Ok([
-                        st(plan, &format!("{name}.pend_a"), Elem::F32, &c.pending())?,
-                        st(plan, &format!("{name}.pend_z"), Elem::F32, &c.pending())?,
-                        st(plan, &format!("{name}.prev_a"), Elem::F32, &c.prev())?,
-                        st(plan, &format!("{name}.prev_z"), Elem::F32, &c.prev())?,
-                        st(plan, &format!("{name}.has_prev"), Elem::I32, &[])?,
-                    ])
-                };
-            let ring = st(&mut plan, "ring", Elem::F32, &lay.window)?;
-            let c = lay
-                .compressor
-                .map(|c| comp(&mut plan, "compressor", c))
-                .transpose()?;
-            let ic = lay
-                .index_compressor
-                .map(|c| comp(&mut plan, "index_compressor", c))
-                .transpose()?;
-            let ent = lay
-                .entries
-                .map(|s| st(&mut plan, "entries", Elem::F32, &s))
-                .transpose()?;
-            let ik = lay
-                .index_keys
-                .map(|s| st(&mut plan, "index_keys", Elem::F32, &s))
-                .transpose()?;
-            lids.push((ring, c, ic, ent, ik));
-        }
-        let slot_len = plan.declare(BufferKind::State, "state:slot_len", Elem::I32, &[slots])?;
-        // The device error record of bad batches: sticky across forwards, so it is state.
-        let record = plan.declare(
-            BufferKind::State,
-            DEVICE_ERROR_NAME,
-            Elem::I32,
-            &[FAULT_RECORD_INTS],
-        )?;
-
-        // Workspace: the batch check's sanitized batch, then the kernel set's own.
-        let t = opts.max_num_tokens;
-        let ws = |plan: &mut MemoryPlan, name: &str, len: usize| {
-            plan.declare(
-                BufferKind::Workspace,
-                format!("workspace:batch.{name}"),
-                Elem::I32,
-                &[len],
-            )
-        };
-        let batch_ids = [
-            ws(&mut plan, "tokens", t)?,
-            ws(&mut plan, "positions", t)?,
-            ws(&mut plan, "seq_of", t)?,
-            ws(&mut plan, "seq_slots", slots)?,
-            ws(&mut plan, "query_start", slots + 1)?,
-            ws(&mut plan, "rows", t)?,
-            ws(&mut plan, "verdict", 1)?,
-            ws(&mut plan, "claim", slots)?,
-        ];
-        let set_name = opts.kernel_set();
-        let set_ws = kernel_sets::reserve_workspace(set_name, &mut plan, cfg, opts)?;
-
+        let planned = plan_model(&mut plan, cfg, opts, store, &placement, &layouts)?;
+        let set_ws = kernel_sets::reserve_workspace(opts.kernel_set(), &mut plan, cfg, opts)?;
         let (free, _) = ctx.mem_info()?;
         if plan.total_bytes() > free {
             return Err(Error::new(
@@ -308,74 +76,8 @@ impl CudaBackend {
         let arena = Arena::from_plan(&ctx, plan.arena_plan())?;
         let set_ws = set_ws.resolve(&arena);
         let buffers = Buffers::new(arena, plan);
-        let p = |id: RegionId| buffers.ptr(id);
-
-        let weights = wids
-            .iter()
-            .map(|&(r, s, format, block, rows, cols)| WeightDev {
-                format,
-                data: p(r),
-                scales: s.map(p),
-                block,
-                rows,
-                cols,
-            })
-            .collect();
-        let experts = eids
-            .iter()
-            .map(|ids| ExpertTables {
-                w1: p(ids[0]),
-                w2: p(ids[1]),
-                w3: p(ids[2]),
-                s1: p(ids[3]),
-                s2: p(ids[4]),
-                s3: p(ids[5]),
-            })
-            .collect();
-        let cdev = |ids: Option<CompressorIds>, c: Option<CompressorLayout>| {
-            ids.zip(c).map(|(ids, c)| CompressorDev {
-                ratio: c.ratio,
-                overlap: c.overlap,
-                dc: c.dc,
-                pend_a: p(ids[0]),
-                pend_z: p(ids[1]),
-                prev_a: p(ids[2]),
-                prev_z: p(ids[3]),
-                has_prev: p(ids[4]),
-            })
-        };
-        let layers = lids
-            .iter()
-            .zip(placement.layers.clone())
-            .map(|(&(ring, c, ic, ent, ik), l)| LayerStateDev {
-                ring: p(ring),
-                compressor: cdev(c, layouts[l].compressor),
-                index_compressor: cdev(ic, layouts[l].index_compressor),
-                entries: ent.map(p),
-                index_keys: ik.map(p),
-                maxe: layouts[l].max_entries(),
-                inv_freq: p(inv_ids[l]),
-            })
-            .collect();
-        let batch = CheckedBatch {
-            tokens: p(batch_ids[0]),
-            positions: p(batch_ids[1]),
-            seq_of: p(batch_ids[2]),
-            seq_slots: p(batch_ids[3]),
-            query_start: p(batch_ids[4]),
-            rows: p(batch_ids[5]),
-            verdict: p(batch_ids[6]),
-            claim: p(batch_ids[7]),
-            record: p(record),
-        };
-        let model = DeviceModel {
-            handles: ModelWeights::resolve(cfg, store)?,
-            weights,
-            experts,
-            layers,
-            slot_len: p(slot_len),
-            hc0_fold: p(hc0_fold),
-        };
+        let model = planned.model(&buffers, cfg, store, &layouts)?;
+        let batch = planned.checked_batch(&buffers);
         drop(_g);
         Ok(CudaBackend {
             ctx,

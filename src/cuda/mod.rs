@@ -28,6 +28,7 @@ pub mod backend;
 pub mod consts;
 pub mod context;
 pub mod decl;
+pub mod device_model;
 pub mod forward;
 pub mod graph;
 pub mod kernel_sets;

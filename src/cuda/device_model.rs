@@ -1,0 +1,412 @@
+//! The CUDA engine's device model — weights in their stored format, derived tables and the
+//! per-slot state — and how it is declared in the memory plan (memory_plan.rs) and found
+//! again in the arena. Every kernel set reads it; only finalize and refit write it.
+
+use crate::config::ModelConfig;
+use crate::cuda::arena::{DevicePtr, RegionId};
+use crate::cuda::backend::DEVICE_ERROR_NAME;
+use crate::cuda::kernels::batch::CheckedBatch;
+use crate::cuda::memory_plan::{BufferKind, Buffers, Elem, MemoryPlan};
+use crate::error::Result;
+use crate::model::ModelWeights;
+use crate::model::batch::FAULT_RECORD_INTS;
+use crate::model::hc_fold::HC0_FOLD_NAME;
+use crate::options::EngineOptions;
+use crate::state::layout::{CompressorLayout, LayerLayout};
+use crate::weights::format::StorageFormat;
+use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
+use crate::weights::store::{TensorData, WeightStore};
+
+pub use crate::cuda::kernels::linear::WeightDev;
+
+/// Which part of the model this engine holds: every layer and expert today. The multi-GPU
+/// work gives an engine a slice (its layers, its experts); the plan then declares only those.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub layers: std::ops::Range<usize>,
+    pub experts: std::ops::Range<usize>,
+}
+
+impl Placement {
+    pub fn all(cfg: &ModelConfig) -> Placement {
+        Placement {
+            layers: 0..cfg.num_layers,
+            experts: 0..cfg.n_routed_experts,
+        }
+    }
+}
+
+/// Per-layer device tables of expert weight addresses (derived: rebuilt at finalize).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertTables {
+    /// `u64[E]` each: code pointers of w1, w2, w3 and their scale pointers.
+    pub w1: DevicePtr,
+    pub w2: DevicePtr,
+    pub w3: DevicePtr,
+    pub s1: DevicePtr,
+    pub s2: DevicePtr,
+    pub s3: DevicePtr,
+}
+
+/// One compressor's per-slot streaming state.
+#[derive(Clone, Copy, Debug)]
+pub struct CompressorDev {
+    pub ratio: usize,
+    pub overlap: bool,
+    pub dc: usize,
+    pub pend_a: DevicePtr,
+    pub pend_z: DevicePtr,
+    pub prev_a: DevicePtr,
+    pub prev_z: DevicePtr,
+    pub has_prev: DevicePtr,
+}
+
+/// One layer's per-slot state.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerStateDev {
+    pub ring: DevicePtr,
+    pub compressor: Option<CompressorDev>,
+    pub index_compressor: Option<CompressorDev>,
+    /// Compressed entries [slots, maxe, hd] and indexer keys [slots, maxe, di].
+    pub entries: Option<DevicePtr>,
+    pub index_keys: Option<DevicePtr>,
+    /// Entries per slot (max_seq_len / ratio).
+    pub maxe: usize,
+    pub inv_freq: DevicePtr,
+}
+
+/// The engine's device model, which every kernel set reads: weights, derived tables and
+/// the per-slot state, at fixed addresses.
+pub struct DeviceModel {
+    pub handles: ModelWeights,
+    /// Device copy of every weight, indexed like the host store.
+    pub weights: Vec<WeightDev>,
+    pub experts: Vec<ExpertTables>,
+    pub layers: Vec<LayerStateDev>,
+    /// `int[num_slots]`: tokens each slot holds.
+    pub slot_len: DevicePtr,
+    /// Derived f64 [(2+N)*N, D]: layer 0's stream-folded hc_attn projection.
+    pub hc0_fold: DevicePtr,
+}
+
+/// Format, byte count, scale count and scale block of a weight's device copy (the host
+/// store's layout).
+fn weight_layout(data: &TensorData) -> (StorageFormat, usize, Option<usize>, [usize; 2]) {
+    match data {
+        TensorData::F32(v) => (StorageFormat::F32, v.len() * 4, None, [0, 0]),
+        // Index tables are raw int32 words; only their address is used.
+        TensorData::I32(v) => (StorageFormat::F32, v.len() * 4, None, [0, 0]),
+        TensorData::Bf16(v) => (StorageFormat::Bf16, v.len() * 2, None, [0, 0]),
+        TensorData::Quant(q) => match q.format {
+            QFormat::Fp8 { block } => (
+                StorageFormat::Fp8,
+                q.codes.len(),
+                Some(q.scales.len()),
+                block,
+            ),
+            QFormat::Fp4 => (
+                StorageFormat::Fp4,
+                q.codes.len(),
+                Some(q.scales.len()),
+                [1, FP4_BLOCK],
+            ),
+        },
+    }
+}
+
+/// Region ids of one compressor's state: pend_a, pend_z, prev_a, prev_z, has_prev.
+type CompressorIds = [RegionId; 5];
+
+/// Region ids of one weight: its values and (quantized) scales, with its matrix shape.
+struct WeightIds {
+    data: RegionId,
+    scales: Option<RegionId>,
+    format: StorageFormat,
+    block: [usize; 2],
+    rows: usize,
+    cols: usize,
+}
+
+/// Region ids of one layer's state.
+struct LayerStateIds {
+    /// The model layer it belongs to (the placement may hold a subset).
+    layer: usize,
+    ring: RegionId,
+    compressor: Option<CompressorIds>,
+    index_compressor: Option<CompressorIds>,
+    entries: Option<RegionId>,
+    index_keys: Option<RegionId>,
+}
+
+/// Everything the plan declares, kind by kind (memory_plan.rs lays them out in this order).
+pub(crate) struct PlannedBuffers {
+    weights: Vec<WeightIds>,
+    /// Per held layer: w1, w2, w3 code-pointer tables, then s1, s2, s3 scale-pointer tables.
+    expert_tables: Vec<[RegionId; 6]>,
+    inv_freq: Vec<RegionId>,
+    hc0_fold: RegionId,
+    layer_state: Vec<LayerStateIds>,
+    slot_len: RegionId,
+    record: RegionId,
+    /// tokens, positions, seq_of, seq_slots, query_start, rows, verdict, claim.
+    batch: [RegionId; 8],
+}
+
+/// Weights, in their stored format.
+fn plan_weights(plan: &mut MemoryPlan, store: &WeightStore) -> Result<Vec<WeightIds>> {
+    store
+        .tensors()
+        .iter()
+        .map(|tns| {
+            let (format, bytes, scales, block) = weight_layout(&tns.data);
+            let name = &tns.spec.name;
+            let data = plan.declare(
+                BufferKind::Weights,
+                format!("weight:{name}"),
+                Elem::U8,
+                &[bytes],
+            )?;
+            let scales = scales
+                .map(|k| {
+                    plan.declare(
+                        BufferKind::Weights,
+                        format!("scale:{name}"),
+                        Elem::F32,
+                        &[k],
+                    )
+                })
+                .transpose()?;
+            let cols = *tns.spec.shape.last().unwrap_or(&1);
+            Ok(WeightIds {
+                data,
+                scales,
+                format,
+                block,
+                rows: tns.spec.numel() / cols.max(1),
+                cols,
+            })
+        })
+        .collect()
+}
+
+/// Per-slot state of one layer: the shared layout (state/layout.rs) with the slot leading.
+fn plan_layer_state(
+    plan: &mut MemoryPlan,
+    l: usize,
+    lay: &LayerLayout,
+    slots: usize,
+) -> Result<LayerStateIds> {
+    let st = |plan: &mut MemoryPlan, what: &str, elem: Elem, shape: &[usize]| {
+        let mut s = vec![slots];
+        s.extend_from_slice(shape);
+        plan.declare(
+            BufferKind::State,
+            format!("state:layers.{l}.{what}"),
+            elem,
+            &s,
+        )
+    };
+    let comp = |plan: &mut MemoryPlan, name: &str, c: CompressorLayout| -> Result<CompressorIds> {
+        Ok([
+            st(plan, &format!("{name}.pend_a"), Elem::F32, &c.pending())?,
+            st(plan, &format!("{name}.pend_z"), Elem::F32, &c.pending())?,
+            st(plan, &format!("{name}.prev_a"), Elem::F32, &c.prev())?,
+            st(plan, &format!("{name}.prev_z"), Elem::F32, &c.prev())?,
+            st(plan, &format!("{name}.has_prev"), Elem::I32, &[])?,
+        ])
+    };
+    Ok(LayerStateIds {
+        layer: l,
+        ring: st(plan, "ring", Elem::F32, &lay.window)?,
+        compressor: lay
+            .compressor
+            .map(|c| comp(plan, "compressor", c))
+            .transpose()?,
+        index_compressor: lay
+            .index_compressor
+            .map(|c| comp(plan, "index_compressor", c))
+            .transpose()?,
+        entries: lay
+            .entries
+            .map(|s| st(plan, "entries", Elem::F32, &s))
+            .transpose()?,
+        index_keys: lay
+            .index_keys
+            .map(|s| st(plan, "index_keys", Elem::F32, &s))
+            .transpose()?,
+    })
+}
+
+/// Declares every buffer of the engine but the kernel set's workspace.
+pub(crate) fn plan_model(
+    plan: &mut MemoryPlan,
+    cfg: &ModelConfig,
+    opts: &EngineOptions,
+    store: &WeightStore,
+    placement: &Placement,
+    layouts: &[LayerLayout],
+) -> Result<PlannedBuffers> {
+    let (n, d) = (cfg.hc_mult, cfg.hidden_size);
+    let slots = opts.max_num_seqs;
+    let weights = plan_weights(plan, store)?;
+    // Derived tensors (rebuilt by finalize / refit from the weights).
+    let mut expert_tables = vec![];
+    for l in placement.layers.clone() {
+        let mut ids = [RegionId(0); 6];
+        for (j, nm) in ["w1", "w2", "w3", "s1", "s2", "s3"].iter().enumerate() {
+            ids[j] = plan.declare(
+                BufferKind::Derived,
+                format!("derived:layers.{l}.experts.{nm}_ptrs"),
+                Elem::U64,
+                &[placement.experts.len()],
+            )?;
+        }
+        expert_tables.push(ids);
+    }
+    let inv_freq = placement
+        .layers
+        .clone()
+        .map(|l| {
+            let name = format!("derived:layers.{l}.inv_freq");
+            plan.declare(BufferKind::Derived, name, Elem::F32, &[cfg.rope_dim / 2])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let hc0_fold = plan.declare(
+        BufferKind::Derived,
+        HC0_FOLD_NAME,
+        Elem::F64,
+        &[(2 + n) * n, d],
+    )?;
+    // Per-slot state, then the slot lengths and the sticky device error record.
+    let layer_state = placement
+        .layers
+        .clone()
+        .map(|l| plan_layer_state(plan, l, &layouts[l], slots))
+        .collect::<Result<Vec<_>>>()?;
+    let slot_len = plan.declare(BufferKind::State, "state:slot_len", Elem::I32, &[slots])?;
+    let record = plan.declare(
+        BufferKind::State,
+        DEVICE_ERROR_NAME,
+        Elem::I32,
+        &[FAULT_RECORD_INTS],
+    )?;
+    // The batch check's sanitized batch (workspace every kernel set reads).
+    let t = opts.max_num_tokens;
+    let mut batch = [RegionId(0); 8];
+    let extents = [
+        ("tokens", t),
+        ("positions", t),
+        ("seq_of", t),
+        ("seq_slots", slots),
+        ("query_start", slots + 1),
+        ("rows", t),
+        ("verdict", 1),
+        ("claim", slots),
+    ];
+    for (id, (name, len)) in batch.iter_mut().zip(extents) {
+        *id = plan.declare(
+            BufferKind::Workspace,
+            format!("workspace:batch.{name}"),
+            Elem::I32,
+            &[len],
+        )?;
+    }
+    Ok(PlannedBuffers {
+        weights,
+        expert_tables,
+        inv_freq,
+        hc0_fold,
+        layer_state,
+        slot_len,
+        record,
+        batch,
+    })
+}
+
+impl PlannedBuffers {
+    /// The device model at its addresses in `buffers`.
+    pub(crate) fn model(
+        &self,
+        buffers: &Buffers,
+        cfg: &ModelConfig,
+        store: &WeightStore,
+        layouts: &[LayerLayout],
+    ) -> Result<DeviceModel> {
+        let p = |id: RegionId| buffers.ptr(id);
+        let weights = self
+            .weights
+            .iter()
+            .map(|w| WeightDev {
+                format: w.format,
+                data: p(w.data),
+                scales: w.scales.map(p),
+                block: w.block,
+                rows: w.rows,
+                cols: w.cols,
+            })
+            .collect();
+        let experts = self
+            .expert_tables
+            .iter()
+            .map(|ids| ExpertTables {
+                w1: p(ids[0]),
+                w2: p(ids[1]),
+                w3: p(ids[2]),
+                s1: p(ids[3]),
+                s2: p(ids[4]),
+                s3: p(ids[5]),
+            })
+            .collect();
+        let compressor = |ids: Option<CompressorIds>, c: Option<CompressorLayout>| {
+            ids.zip(c).map(|(ids, c)| CompressorDev {
+                ratio: c.ratio,
+                overlap: c.overlap,
+                dc: c.dc,
+                pend_a: p(ids[0]),
+                pend_z: p(ids[1]),
+                prev_a: p(ids[2]),
+                prev_z: p(ids[3]),
+                has_prev: p(ids[4]),
+            })
+        };
+        let layers = self
+            .layer_state
+            .iter()
+            .zip(&self.inv_freq)
+            .map(|(ids, &inv)| (ids, &layouts[ids.layer], inv))
+            .map(|(ids, lay, inv)| LayerStateDev {
+                ring: p(ids.ring),
+                compressor: compressor(ids.compressor, lay.compressor),
+                index_compressor: compressor(ids.index_compressor, lay.index_compressor),
+                entries: ids.entries.map(p),
+                index_keys: ids.index_keys.map(p),
+                maxe: lay.max_entries(),
+                inv_freq: p(inv),
+            })
+            .collect();
+        Ok(DeviceModel {
+            handles: ModelWeights::resolve(cfg, store)?,
+            weights,
+            experts,
+            layers,
+            slot_len: p(self.slot_len),
+            hc0_fold: p(self.hc0_fold),
+        })
+    }
+
+    /// The batch check's buffers and the device error record.
+    pub(crate) fn checked_batch(&self, buffers: &Buffers) -> CheckedBatch {
+        let p = |k: usize| buffers.ptr(self.batch[k]);
+        CheckedBatch {
+            tokens: p(0),
+            positions: p(1),
+            seq_of: p(2),
+            seq_slots: p(3),
+            query_start: p(4),
+            rows: p(5),
+            verdict: p(6),
+            claim: p(7),
+            record: buffers.ptr(self.record),
+        }
+    }
+}
