@@ -428,6 +428,16 @@ struct Run<'a> {
     ws: Workspace,
 }
 
+/// One layer's attention sub-block as its parts see it.
+struct AttnLayer<'a> {
+    k8: &'a Kernels,
+    l: usize,
+    lw: &'a LayerWeights,
+    ls: LayerStateDev,
+    meta: &'a BatchMeta,
+    st: BorrowedStream,
+}
+
 /// Buffer from byte `offset` to its end (a strided view's base).
 fn from(p: DevicePtr, offset: usize) -> Result<DevicePtr> {
     p.slice(offset, p.bytes() - offset)
@@ -483,7 +493,9 @@ impl Run<'_> {
             .linear(self.ctx, x, ldx, t, &wr, n, round, y, ldy, st)
     }
 
-    /// Attention sub-block of layer `l`: `ws.u` -> `ws.a` (reference/attention.rs).
+    /// Attention sub-block of layer `l`: `ws.u` -> `ws.a` (reference/attention.rs): the
+    /// query path, the window KV, the compressors (and the indexer's selection on CSA
+    /// layers), one softmax over window + compressed keys, the grouped output projection.
     fn attention(
         &self,
         k8: &Kernels,
@@ -492,235 +504,218 @@ impl Run<'_> {
         meta: &BatchMeta,
         st: BorrowedStream,
     ) -> Result<()> {
-        let cfg = &self.cfg;
-        let ws = self.ws;
+        let a = AttnLayer {
+            k8,
+            l,
+            lw,
+            ls: self.layers[l],
+            meta,
+            st,
+        };
+        self.query(&a)?;
+        self.window_kv(&a)?;
+        let selected = self.compress_and_select(&a)?;
+        self.attend(&a, selected)?;
+        self.output_projection(&a)
+    }
+
+    /// RoPE (`sign` 1) or its inverse (-1) on `heads` heads of `head_dim` per token row of
+    /// `x` (row stride `ld`), at the batch's positions with this layer's frequencies.
+    fn rope(
+        &self,
+        a: &AttnLayer,
+        x: DevicePtr,
+        ld: usize,
+        heads: usize,
+        head_dim: usize,
+        sign: f32,
+    ) -> Result<()> {
+        a.k8.nr.rope(
+            self.ctx,
+            x,
+            a.meta.num_tokens,
+            ld,
+            heads,
+            head_dim,
+            a.meta.positions,
+            a.ls.inv_freq,
+            self.cfg.rope_dim / 2,
+            sign,
+            self.official(),
+            a.st,
+        )
+    }
+
+    /// RMSNorm of `rows` rows of `dim` values of `x`, with `weight` (the norm's weight index).
+    fn norm(
+        &self,
+        a: &AttnLayer,
+        x: DevicePtr,
+        rows: usize,
+        dim: usize,
+        weight: Option<usize>,
+    ) -> Result<()> {
+        let w = weight.map(|i| self.weights[i].data);
+        a.k8.nr.rmsnorm(
+            self.ctx,
+            x,
+            rows,
+            dim,
+            dim,
+            w,
+            self.cfg.rms_norm_eps,
+            self.official(),
+            a.st,
+        )
+    }
+
+    /// `y[t, 0..n] = x[t, 0..k] . W[row0 + j, :]` with this layer's token count, BF16 output
+    /// and activation quantisation in official mode.
+    #[allow(clippy::too_many_arguments)]
+    fn project(
+        &self,
+        a: &AttnLayer,
+        x: DevicePtr,
+        ldx: usize,
+        w: usize,
+        row0: usize,
+        n: usize,
+        y: DevicePtr,
+        ldy: usize,
+    ) -> Result<()> {
         let official = self.official();
-        let t = meta.num_tokens;
+        let t = a.meta.num_tokens;
+        let w = self.weights[w];
+        self.linear(
+            a.k8, x, ldx, t, &w, row0, n, y, ldy, official, official, a.st,
+        )
+    }
+
+    /// Query path: q_norm(u wq_a) -> wq_b -> per-head unit RMS -> RoPE.
+    fn query(&self, a: &AttnLayer) -> Result<()> {
+        let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
         let (d, h, hd, ql) = (
             cfg.hidden_size,
             cfg.num_heads,
             cfg.head_dim,
             cfg.q_lora_rank,
         );
-        let eps = cfg.rms_norm_eps;
-        let ls = self.layers[l];
-        let half = cfg.rope_dim / 2;
-        let pos = meta.positions;
-        let w = |i: usize| self.weights[i];
-        // Query path.
-        self.linear(
-            k8,
-            ws.u,
-            d,
-            t,
-            &w(lw.wq_a),
-            0,
-            ql,
-            ws.qr,
-            ql,
-            official,
-            official,
-            st,
-        )?;
-        k8.nr.rmsnorm(
-            self.ctx,
-            ws.qr,
-            t,
-            ql,
-            ql,
-            Some(w(lw.q_norm).data),
-            eps,
-            official,
-            st,
-        )?;
-        self.linear(
-            k8,
-            ws.qr,
-            ql,
-            t,
-            &w(lw.wq_b),
-            0,
-            h * hd,
-            ws.q,
-            h * hd,
-            official,
-            official,
-            st,
-        )?;
-        k8.nr
-            .rmsnorm(self.ctx, ws.q, t * h, hd, hd, None, eps, official, st)?;
-        k8.nr.rope(
-            self.ctx,
-            ws.q,
-            t,
-            h * hd,
-            h,
-            hd,
-            pos,
-            ls.inv_freq,
-            half,
-            1.0,
-            official,
-            st,
-        )?;
-        // Window KV.
-        self.linear(
-            k8,
-            ws.u,
-            d,
-            t,
-            &w(lw.wkv),
-            0,
-            hd,
-            ws.kv,
-            hd,
-            official,
-            official,
-            st,
-        )?;
-        k8.nr.rmsnorm(
-            self.ctx,
-            ws.kv,
-            t,
-            hd,
-            hd,
-            Some(w(lw.kv_norm).data),
-            eps,
-            official,
-            st,
-        )?;
-        k8.nr.rope(
-            self.ctx,
-            ws.kv,
-            t,
-            hd,
-            1,
-            hd,
-            pos,
-            ls.inv_freq,
-            half,
-            1.0,
-            official,
-            st,
-        )?;
-        if official {
-            k8.nr.kv_sim(self.ctx, ws.kv, t, hd, cfg.nope_dim(), st)?;
+        let t = a.meta.num_tokens;
+        self.project(a, ws.u, d, lw.wq_a, 0, ql, ws.qr, ql)?;
+        self.norm(a, ws.qr, t, ql, Some(lw.q_norm))?;
+        self.project(a, ws.qr, ql, lw.wq_b, 0, h * hd, ws.q, h * hd)?;
+        self.norm(a, ws.q, t * h, hd, None)?;
+        self.rope(a, ws.q, h * hd, h, hd, 1.0)
+    }
+
+    /// Window KV: one vector per token (key and value), normed, RoPE'd, FP8-simulated.
+    fn window_kv(&self, a: &AttnLayer) -> Result<()> {
+        let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
+        let (d, hd) = (cfg.hidden_size, cfg.head_dim);
+        let t = a.meta.num_tokens;
+        self.project(a, ws.u, d, lw.wkv, 0, hd, ws.kv, hd)?;
+        self.norm(a, ws.kv, t, hd, Some(lw.kv_norm))?;
+        self.rope(a, ws.kv, hd, 1, hd, 1.0)?;
+        if self.official() {
+            a.k8.nr
+                .kv_sim(self.ctx, ws.kv, t, hd, cfg.nope_dim(), a.st)?;
         }
-        // Compressors (f32 projections), tokens in order per sequence.
+        Ok(())
+    }
+
+    /// The compressors (f32 projections, tokens in order per sequence), then on CSA layers
+    /// the indexer's top-k: its `(selected, nsel)` buffers.
+    fn compress_and_select(&self, a: &AttnLayer) -> Result<Option<(DevicePtr, DevicePtr)>> {
+        let (cfg, ws, lw, ls) = (self.cfg, self.ws, a.lw, &a.ls);
+        let (k8, meta, st) = (a.k8, a.meta, a.st);
+        let official = self.official();
         if let (Some(cw), Some(cs), Some(entries)) = (lw.compressor, ls.compressor, ls.entries) {
+            let bufs = (ws.comp_a, ws.comp_z);
             self.compress(
                 k8,
                 &cw,
                 &cs,
-                ws.comp_a,
-                ws.comp_z,
+                bufs.0,
+                bufs.1,
                 entries,
-                &ls,
+                ls,
                 CompressKind::Kv,
                 meta,
                 st,
             )?;
         }
-        let mut selected = None;
-        if let (Some(ix), Some(cs), Some(keys)) = (lw.indexer, ls.index_compressor, ls.index_keys) {
-            self.compress(
-                k8,
-                &ix.compressor,
-                &cs,
-                ws.icomp_a,
-                ws.icomp_z,
-                keys,
-                &ls,
-                CompressKind::IndexKey,
-                meta,
-                st,
-            )?;
-            let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
-            self.linear(
-                k8,
-                ws.qr,
-                ql,
-                t,
-                &w(ix.wq_b),
-                0,
-                hi * di,
-                ws.qi,
-                hi * di,
-                official,
-                official,
-                st,
-            )?;
-            k8.nr.rope(
-                self.ctx,
-                ws.qi,
-                t,
-                hi * di,
-                hi,
-                di,
-                pos,
-                ls.inv_freq,
-                half,
-                1.0,
-                official,
-                st,
-            )?;
-            if official {
-                k8.nr.index_sim(self.ctx, ws.qi, t * hi, di, st)?;
-            }
-            self.linear(
-                k8,
-                ws.u,
-                d,
-                t,
-                &w(ix.weights_proj),
-                0,
-                hi,
-                ws.iw,
-                hi,
-                false,
-                official,
-                st,
-            )?;
-            let s1 = (di as f64).powf(-0.5) as f32;
-            let s2 = (hi as f64).powf(-0.5) as f32;
-            k8.nr.scale2(self.ctx, ws.iw, t * hi, s1, s2, st)?;
-            let args = IndexerArgs {
-                qi: ws.qi,
-                iw: ws.iw,
-                ikeys: keys,
-                heads: hi,
-                dim: di,
-                ratio: cfg.layers[l].ratio,
-                topk: cfg.index_topk,
-                maxe: ls.maxe,
-                num_slots: self.opts.max_num_seqs,
-                official,
-                scores: ws.iscores,
-                selected: ws.selected,
-                nsel: ws.nsel,
-            };
-            k8.idx.select(self.ctx, meta, &args, st)?;
-            selected = Some((ws.selected, ws.nsel));
+        let (Some(ix), Some(cs), Some(keys)) = (lw.indexer, ls.index_compressor, ls.index_keys)
+        else {
+            return Ok(None);
+        };
+        let kind = CompressKind::IndexKey;
+        self.compress(
+            k8,
+            &ix.compressor,
+            &cs,
+            ws.icomp_a,
+            ws.icomp_z,
+            keys,
+            ls,
+            kind,
+            meta,
+            st,
+        )?;
+        let (d, ql, t) = (cfg.hidden_size, cfg.q_lora_rank, meta.num_tokens);
+        let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
+        self.project(a, ws.qr, ql, ix.wq_b, 0, hi * di, ws.qi, hi * di)?;
+        self.rope(a, ws.qi, hi * di, hi, di, 1.0)?;
+        if official {
+            k8.nr.index_sim(self.ctx, ws.qi, t * hi, di, st)?;
         }
-        // One softmax over window + compressed keys, with the per-head sink.
+        // The head weights: f32 input (no activation quantisation), BF16 output.
+        let wp = self.weights[ix.weights_proj];
+        self.linear(k8, ws.u, d, t, &wp, 0, hi, ws.iw, hi, false, official, st)?;
+        let s1 = (di as f64).powf(-0.5) as f32;
+        let s2 = (hi as f64).powf(-0.5) as f32;
+        k8.nr.scale2(self.ctx, ws.iw, t * hi, s1, s2, st)?;
+        let args = IndexerArgs {
+            qi: ws.qi,
+            iw: ws.iw,
+            ikeys: keys,
+            heads: hi,
+            dim: di,
+            ratio: cfg.layers[a.l].ratio,
+            topk: cfg.index_topk,
+            maxe: ls.maxe,
+            num_slots: self.opts.max_num_seqs,
+            official,
+            scores: ws.iscores,
+            selected: ws.selected,
+            nsel: ws.nsel,
+        };
+        k8.idx.select(self.ctx, meta, &args, st)?;
+        Ok(Some((ws.selected, ws.nsel)))
+    }
+
+    /// One softmax over window + compressed keys with the per-head sink, the ring update,
+    /// then the inverse RoPE of the output.
+    fn attend(&self, a: &AttnLayer, selected: Option<(DevicePtr, DevicePtr)>) -> Result<()> {
+        let (cfg, ws, ls) = (self.cfg, self.ws, &a.ls);
+        let (h, hd) = (cfg.num_heads, cfg.head_dim);
         let args = AttentionArgs {
             q: ws.q,
             kv: ws.kv,
             ring: ls.ring,
             entries: ls.entries,
             selected,
-            sinks: w(lw.sink).data,
+            sinks: self.weights[a.lw.sink].data,
             heads: h,
             head_dim: hd,
             window: cfg.sliding_window,
-            ratio: cfg.layers[l].ratio,
+            ratio: cfg.layers[a.l].ratio,
             maxe: ls.maxe,
             topk: cfg.index_topk,
             num_slots: self.opts.max_num_seqs,
-            official,
+            official: self.official(),
             o: ws.o,
         };
-        k8.attn.attention(self.ctx, meta, &args, st)?;
+        a.k8.attn.attention(self.ctx, a.meta, &args, a.st)?;
         let ring = RingArgs {
             kv: ws.kv,
             ring: ls.ring,
@@ -728,56 +723,38 @@ impl Run<'_> {
             head_dim: hd,
             num_slots: self.opts.max_num_seqs,
         };
-        k8.attn.ring_update(self.ctx, meta, &ring, st)?;
-        k8.nr.rope(
-            self.ctx,
-            ws.o,
-            t,
-            h * hd,
-            h,
-            hd,
-            pos,
-            ls.inv_freq,
-            half,
-            -1.0,
-            official,
-            st,
-        )?;
-        // Grouped output projection: heads of group g through rows g*R.. of wo_a, then wo_b.
+        a.k8.attn.ring_update(self.ctx, a.meta, &ring, a.st)?;
+        self.rope(a, ws.o, h * hd, h, hd, -1.0)
+    }
+
+    /// Grouped output projection: the heads of group g through rows g*R.. of wo_a (BF16
+    /// einsum: no activation quantisation), then wo_b into `ws.a`.
+    fn output_projection(&self, a: &AttnLayer) -> Result<()> {
+        let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
+        let (h, hd, d) = (cfg.num_heads, cfg.head_dim, cfg.hidden_size);
         let (g, r) = (cfg.o_groups, cfg.o_lora_rank);
+        let (t, official) = (a.meta.num_tokens, self.official());
+        let wo_a = self.weights[lw.wo_a];
         let gin = h * hd / g;
         for gi in 0..g {
             let xg = from(ws.o, gi * gin * 4)?;
             let zg = from(ws.z, gi * r * 4)?;
             self.linear(
-                k8,
+                a.k8,
                 xg,
                 h * hd,
                 t,
-                &w(lw.wo_a),
+                &wo_a,
                 gi * r,
                 r,
                 zg,
                 g * r,
                 false,
                 official,
-                st,
+                a.st,
             )?;
         }
-        self.linear(
-            k8,
-            ws.z,
-            g * r,
-            t,
-            &w(lw.wo_b),
-            0,
-            d,
-            ws.a,
-            d,
-            official,
-            official,
-            st,
-        )
+        self.project(a, ws.z, g * r, lw.wo_b, 0, d, ws.a, d)
     }
 
     /// One compressor (main KV or indexer keys) over the batch's tokens.
