@@ -1,0 +1,360 @@
+//! The reference set's attention sub-block: query path, window KV, compressors and the
+//! indexer's selection, attention with sinks, grouped output projection.
+
+use super::{Kernels, Run, from};
+use crate::cuda::arena::DevicePtr;
+use crate::cuda::backend::{CompressorDev, LayerStateDev};
+use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta, RingArgs};
+use crate::cuda::kernels::compressor::{CompressArgs, CompressKind};
+use crate::cuda::kernels::indexer::IndexerArgs;
+use crate::cuda::stream::BorrowedStream;
+use crate::error::Result;
+use crate::model::{CompressorWeights, LayerWeights};
+
+/// One layer's attention sub-block as its parts see it.
+struct AttnLayer<'a> {
+    k8: &'a Kernels,
+    l: usize,
+    lw: &'a LayerWeights,
+    ls: LayerStateDev,
+    meta: &'a BatchMeta,
+    st: BorrowedStream,
+}
+
+impl Run<'_> {
+    /// Attention sub-block of layer `l`: `ws.u` -> `ws.a` (reference/attention.rs): the
+    /// query path, the window KV, the compressors (and the indexer's selection on CSA
+    /// layers), one softmax over window + compressed keys, the grouped output projection.
+    pub(super) fn attention(
+        &self,
+        k8: &Kernels,
+        l: usize,
+        lw: &LayerWeights,
+        meta: &BatchMeta,
+        st: BorrowedStream,
+    ) -> Result<()> {
+        let a = AttnLayer {
+            k8,
+            l,
+            lw,
+            ls: self.layers[l],
+            meta,
+            st,
+        };
+        self.query(&a)?;
+        self.window_kv(&a)?;
+        let selected = self.compress_and_select(&a)?;
+        self.attend(&a, selected)?;
+        self.output_projection(&a)
+    }
+
+    /// RoPE (`sign` 1) or its inverse (-1) on `heads` heads of `head_dim` per token row of
+    /// `x` (row stride `ld`), at the batch's positions with this layer's frequencies.
+    fn rope(
+        &self,
+        a: &AttnLayer,
+        x: DevicePtr,
+        ld: usize,
+        heads: usize,
+        head_dim: usize,
+        sign: f32,
+    ) -> Result<()> {
+        a.k8.nr.rope(
+            self.ctx,
+            x,
+            a.meta.num_tokens,
+            ld,
+            heads,
+            head_dim,
+            a.meta.positions,
+            a.ls.inv_freq,
+            self.cfg.rope_dim / 2,
+            sign,
+            self.official(),
+            a.st,
+        )
+    }
+
+    /// RMSNorm of `rows` rows of `dim` values of `x`, with `weight` (the norm's weight index).
+    fn norm(
+        &self,
+        a: &AttnLayer,
+        x: DevicePtr,
+        rows: usize,
+        dim: usize,
+        weight: Option<usize>,
+    ) -> Result<()> {
+        let w = weight.map(|i| self.weights[i].data);
+        a.k8.nr.rmsnorm(
+            self.ctx,
+            x,
+            rows,
+            dim,
+            dim,
+            w,
+            self.cfg.rms_norm_eps,
+            self.official(),
+            a.st,
+        )
+    }
+
+    /// `y[t, 0..n] = x[t, 0..k] . W[row0 + j, :]` with this layer's token count, BF16 output
+    /// and activation quantisation in official mode.
+    #[allow(clippy::too_many_arguments)]
+    fn project(
+        &self,
+        a: &AttnLayer,
+        x: DevicePtr,
+        ldx: usize,
+        w: usize,
+        row0: usize,
+        n: usize,
+        y: DevicePtr,
+        ldy: usize,
+    ) -> Result<()> {
+        let official = self.official();
+        let t = a.meta.num_tokens;
+        let w = self.weights[w];
+        self.linear(
+            a.k8, x, ldx, t, &w, row0, n, y, ldy, official, official, a.st,
+        )
+    }
+
+    /// Query path: q_norm(u wq_a) -> wq_b -> per-head unit RMS -> RoPE.
+    fn query(&self, a: &AttnLayer) -> Result<()> {
+        let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
+        let (d, h, hd, ql) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.head_dim,
+            cfg.q_lora_rank,
+        );
+        let t = a.meta.num_tokens;
+        self.project(a, ws.u, d, lw.wq_a, 0, ql, ws.qr, ql)?;
+        self.norm(a, ws.qr, t, ql, Some(lw.q_norm))?;
+        self.project(a, ws.qr, ql, lw.wq_b, 0, h * hd, ws.q, h * hd)?;
+        self.norm(a, ws.q, t * h, hd, None)?;
+        self.rope(a, ws.q, h * hd, h, hd, 1.0)
+    }
+
+    /// Window KV: one vector per token (key and value), normed, RoPE'd, FP8-simulated.
+    fn window_kv(&self, a: &AttnLayer) -> Result<()> {
+        let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
+        let (d, hd) = (cfg.hidden_size, cfg.head_dim);
+        let t = a.meta.num_tokens;
+        self.project(a, ws.u, d, lw.wkv, 0, hd, ws.kv, hd)?;
+        self.norm(a, ws.kv, t, hd, Some(lw.kv_norm))?;
+        self.rope(a, ws.kv, hd, 1, hd, 1.0)?;
+        if self.official() {
+            a.k8.nr
+                .kv_sim(self.ctx, ws.kv, t, hd, cfg.nope_dim(), a.st)?;
+        }
+        Ok(())
+    }
+
+    /// The compressors (f32 projections, tokens in order per sequence), then on CSA layers
+    /// the indexer's top-k: its `(selected, nsel)` buffers.
+    fn compress_and_select(&self, a: &AttnLayer) -> Result<Option<(DevicePtr, DevicePtr)>> {
+        let (cfg, ws, lw, ls) = (self.cfg, self.ws, a.lw, &a.ls);
+        let (k8, meta, st) = (a.k8, a.meta, a.st);
+        let official = self.official();
+        if let (Some(cw), Some(cs), Some(entries)) = (lw.compressor, ls.compressor, ls.entries) {
+            let bufs = (ws.comp_a, ws.comp_z);
+            self.compress(
+                k8,
+                &cw,
+                &cs,
+                bufs.0,
+                bufs.1,
+                entries,
+                ls,
+                CompressKind::Kv,
+                meta,
+                st,
+            )?;
+        }
+        let (Some(ix), Some(cs), Some(keys)) = (lw.indexer, ls.index_compressor, ls.index_keys)
+        else {
+            return Ok(None);
+        };
+        let kind = CompressKind::IndexKey;
+        self.compress(
+            k8,
+            &ix.compressor,
+            &cs,
+            ws.icomp_a,
+            ws.icomp_z,
+            keys,
+            ls,
+            kind,
+            meta,
+            st,
+        )?;
+        let (d, ql, t) = (cfg.hidden_size, cfg.q_lora_rank, meta.num_tokens);
+        let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
+        self.project(a, ws.qr, ql, ix.wq_b, 0, hi * di, ws.qi, hi * di)?;
+        self.rope(a, ws.qi, hi * di, hi, di, 1.0)?;
+        if official {
+            k8.nr.index_sim(self.ctx, ws.qi, t * hi, di, st)?;
+        }
+        // The head weights: f32 input (no activation quantisation), BF16 output.
+        let wp = self.weights[ix.weights_proj];
+        self.linear(k8, ws.u, d, t, &wp, 0, hi, ws.iw, hi, false, official, st)?;
+        let s1 = (di as f64).powf(-0.5) as f32;
+        let s2 = (hi as f64).powf(-0.5) as f32;
+        k8.nr.scale2(self.ctx, ws.iw, t * hi, s1, s2, st)?;
+        let args = IndexerArgs {
+            qi: ws.qi,
+            iw: ws.iw,
+            ikeys: keys,
+            heads: hi,
+            dim: di,
+            ratio: cfg.layers[a.l].ratio,
+            topk: cfg.index_topk,
+            maxe: ls.maxe,
+            num_slots: self.opts.max_num_seqs,
+            official,
+            scores: ws.iscores,
+            selected: ws.selected,
+            nsel: ws.nsel,
+        };
+        k8.idx.select(self.ctx, meta, &args, st)?;
+        Ok(Some((ws.selected, ws.nsel)))
+    }
+
+    /// One softmax over window + compressed keys with the per-head sink, the ring update,
+    /// then the inverse RoPE of the output.
+    fn attend(&self, a: &AttnLayer, selected: Option<(DevicePtr, DevicePtr)>) -> Result<()> {
+        let (cfg, ws, ls) = (self.cfg, self.ws, &a.ls);
+        let (h, hd) = (cfg.num_heads, cfg.head_dim);
+        let args = AttentionArgs {
+            q: ws.q,
+            kv: ws.kv,
+            ring: ls.ring,
+            entries: ls.entries,
+            selected,
+            sinks: self.weights[a.lw.sink].data,
+            heads: h,
+            head_dim: hd,
+            window: cfg.sliding_window,
+            ratio: cfg.layers[a.l].ratio,
+            maxe: ls.maxe,
+            topk: cfg.index_topk,
+            num_slots: self.opts.max_num_seqs,
+            official: self.official(),
+            o: ws.o,
+        };
+        a.k8.attn.attention(self.ctx, a.meta, &args, a.st)?;
+        let ring = RingArgs {
+            kv: ws.kv,
+            ring: ls.ring,
+            window: cfg.sliding_window,
+            head_dim: hd,
+            num_slots: self.opts.max_num_seqs,
+        };
+        a.k8.attn.ring_update(self.ctx, a.meta, &ring, a.st)?;
+        self.rope(a, ws.o, h * hd, h, hd, -1.0)
+    }
+
+    /// Grouped output projection: the heads of group g through rows g*R.. of wo_a (BF16
+    /// einsum: no activation quantisation), then wo_b into `ws.a`.
+    fn output_projection(&self, a: &AttnLayer) -> Result<()> {
+        let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
+        let (h, hd, d) = (cfg.num_heads, cfg.head_dim, cfg.hidden_size);
+        let (g, r) = (cfg.o_groups, cfg.o_lora_rank);
+        let (t, official) = (a.meta.num_tokens, self.official());
+        let wo_a = self.weights[lw.wo_a];
+        let gin = h * hd / g;
+        for gi in 0..g {
+            let xg = from(ws.o, gi * gin * 4)?;
+            let zg = from(ws.z, gi * r * 4)?;
+            self.linear(
+                a.k8,
+                xg,
+                h * hd,
+                t,
+                &wo_a,
+                gi * r,
+                r,
+                zg,
+                g * r,
+                false,
+                official,
+                a.st,
+            )?;
+        }
+        self.project(a, ws.z, g * r, lw.wo_b, 0, d, ws.a, d)
+    }
+
+    /// One compressor (main KV or indexer keys) over the batch's tokens.
+    #[allow(clippy::too_many_arguments)]
+    fn compress(
+        &self,
+        k8: &Kernels,
+        cw: &CompressorWeights,
+        cs: &CompressorDev,
+        a: DevicePtr,
+        z: DevicePtr,
+        out: DevicePtr,
+        ls: &LayerStateDev,
+        kind: CompressKind,
+        meta: &BatchMeta,
+        st: BorrowedStream,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let (d, t) = (cfg.hidden_size, meta.num_tokens);
+        let width = if cs.overlap { 2 * cs.dc } else { cs.dc };
+        self.linear(
+            k8,
+            self.ws.u,
+            d,
+            t,
+            &self.weights[cw.wkv],
+            0,
+            width,
+            a,
+            width,
+            false,
+            false,
+            st,
+        )?;
+        self.linear(
+            k8,
+            self.ws.u,
+            d,
+            t,
+            &self.weights[cw.wgate],
+            0,
+            width,
+            z,
+            width,
+            false,
+            false,
+            st,
+        )?;
+        let args = CompressArgs {
+            a,
+            z,
+            pend_a: cs.pend_a,
+            pend_z: cs.pend_z,
+            prev_a: cs.overlap.then_some(cs.prev_a),
+            prev_z: cs.overlap.then_some(cs.prev_z),
+            has_prev: cs.overlap.then_some(cs.has_prev),
+            ape: self.weights[cw.ape].data,
+            norm_w: self.weights[cw.norm].data,
+            inv_freq: ls.inv_freq,
+            rope_dim: cfg.rope_dim,
+            ratio: cs.ratio,
+            overlap: cs.overlap,
+            dc: cs.dc,
+            eps: cfg.rms_norm_eps,
+            kind,
+            nope: cs.dc.saturating_sub(cfg.rope_dim),
+            official: self.official(),
+            entries: out,
+            maxe: ls.maxe,
+            num_slots: self.opts.max_num_seqs,
+        };
+        k8.comp.compress(self.ctx, meta, &args, st)
+    }
+}
