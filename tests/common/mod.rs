@@ -10,6 +10,7 @@
 
 pub mod abi;
 pub mod gpu;
+pub mod names;
 pub mod parity;
 pub mod rig;
 pub mod rng;
