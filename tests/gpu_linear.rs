@@ -11,11 +11,11 @@
 mod common;
 
 use common::assert_bits;
+use common::gpu::{alloc, family_gpu, print_kernel_resources};
 use common::rng::Rng;
-use dsv4::cuda::arena::{self, ArenaPlan};
+use dsv4::cuda::arena;
 use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat, WeightDev};
-use dsv4::cuda::registry::{KernelCache, Registry};
-use dsv4::cuda::{Arena, BorrowedStream, Context, DevicePtr, OwnedStream};
+use dsv4::cuda::{BorrowedStream, Context, DevicePtr, OwnedStream};
 use dsv4::reference::ops::{Threads, matmul_mat};
 use dsv4::reference::precision::Prec;
 use dsv4::weights::WeightFormat;
@@ -30,57 +30,21 @@ const POISON: u32 = 0xffff_ffff;
 // ------------------------------------------------------------------------------ harness
 
 struct Env {
-    ctx: Context,
-    _reg: Registry,
+    ctx: &'static Context,
     lin: Linear,
 }
 
 /// The device, the `linear` family compiled and loaded, or None after printing the skip line.
 fn env() -> Option<&'static Env> {
-    static ENV: OnceLock<Option<Env>> = OnceLock::new();
-    let e = ENV.get_or_init(|| {
-        match dsv4::cuda::device_count() {
-            Ok(n) if n > 0 => {}
-            Ok(_) => return None,
-            Err(e) => {
-                println!("({e})");
-                return None;
-            }
+    static ENV: OnceLock<Env> = OnceLock::new();
+    let g = family_gpu(&[&linear::SOURCE])?;
+    Some(ENV.get_or_init(|| {
+        print_kernel_resources(&g.reg);
+        Env {
+            ctx: &g.ctx,
+            lin: Linear::new(&g.reg).unwrap(),
         }
-        let ctx = Context::retain(0)
-            .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}"));
-        let reg = Registry::load_families(&ctx, &[&linear::SOURCE], &KernelCache::disabled())
-            .unwrap_or_else(|e| panic!("{e}"));
-        for k in reg.kernels() {
-            println!(
-                "{}::{}: {} registers, {} B static smem, {} B local",
-                k.family, k.name, k.num_regs, k.static_smem, k.local_bytes
-            );
-        }
-        let lin = Linear::new(&reg).unwrap();
-        Some(Env {
-            ctx,
-            _reg: reg,
-            lin,
-        })
-    });
-    if e.is_none() {
-        println!("skipped: no CUDA device");
-    }
-    e.as_ref()
-}
-
-/// One arena holding `sizes.len()` buffers (each at least 4 bytes).
-fn alloc(ctx: &Context, sizes: &[usize]) -> (Arena, Vec<DevicePtr>) {
-    let mut plan = ArenaPlan::new();
-    let ids: Vec<_> = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &b)| plan.reserve(format!("buf{i}"), b.max(4), 256).unwrap())
-        .collect();
-    let a = Arena::from_plan(ctx, &plan).unwrap();
-    let ptrs = ids.iter().map(|&i| a.region(i)).collect();
-    (a, ptrs)
+    }))
 }
 
 fn upload<T: arena::Pod>(p: DevicePtr, v: &[T], s: BorrowedStream) {

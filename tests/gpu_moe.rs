@@ -14,6 +14,7 @@
 mod common;
 
 use common::assert_bits;
+use common::gpu::{family_gpu, print_kernel_resources};
 use common::rng::Rng;
 use dsv4::ModelConfig;
 use dsv4::cuda::arena::{self, ArenaPlan};
@@ -21,7 +22,6 @@ use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat, WeightDev};
 use dsv4::cuda::kernels::moe::{
     self, ExpertsDev, Moe, MoePlan, RouterParams, Selection, TILE_ROWS,
 };
-use dsv4::cuda::registry::{KernelCache, Registry};
 use dsv4::cuda::{Arena, BorrowedStream, Context, DevicePtr, OwnedStream};
 use dsv4::model::{LayerWeights, ModelWeights};
 use dsv4::reference::ops::Threads;
@@ -37,8 +37,7 @@ const TH: Threads = Threads(4);
 // ------------------------------------------------------------------------------ harness
 
 struct Env {
-    ctx: Context,
-    _reg: Registry,
+    ctx: &'static Context,
     lin: Linear,
     moe: Moe,
 }
@@ -46,43 +45,16 @@ struct Env {
 /// The device, the `linear` and `moe` families compiled and loaded, or None after printing the
 /// skip line.
 fn env() -> Option<&'static Env> {
-    static ENV: OnceLock<Option<Env>> = OnceLock::new();
-    let e = ENV.get_or_init(|| {
-        match dsv4::cuda::device_count() {
-            Ok(n) if n > 0 => {}
-            Ok(_) => return None,
-            Err(e) => {
-                println!("({e})");
-                return None;
-            }
+    static ENV: OnceLock<Env> = OnceLock::new();
+    let g = family_gpu(&[&linear::SOURCE, &moe::SOURCE])?;
+    Some(ENV.get_or_init(|| {
+        print_kernel_resources(&g.reg);
+        Env {
+            ctx: &g.ctx,
+            lin: Linear::new(&g.reg).unwrap(),
+            moe: Moe::new(&g.reg).unwrap(),
         }
-        let ctx = Context::retain(0)
-            .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}"));
-        let reg = Registry::load_families(
-            &ctx,
-            &[&linear::SOURCE, &moe::SOURCE],
-            &KernelCache::disabled(),
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-        for k in reg.kernels() {
-            println!(
-                "{}::{}: {} registers, {} B static smem, {} B local",
-                k.family, k.name, k.num_regs, k.static_smem, k.local_bytes
-            );
-        }
-        let lin = Linear::new(&reg).unwrap();
-        let moe = Moe::new(&reg).unwrap();
-        Some(Env {
-            ctx,
-            _reg: reg,
-            lin,
-            moe,
-        })
-    });
-    if e.is_none() {
-        println!("skipped: no CUDA device");
-    }
-    e.as_ref()
+    }))
 }
 
 /// Buffers in one arena, planned by name and size, uploaded after allocation.

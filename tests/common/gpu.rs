@@ -60,23 +60,52 @@ pub struct FamilyGpu {
 
 /// The shared device with `families` compiled and loaded (on first use; a test binary
 /// passes the same families every time), or None after printing the skip line.
+/// The skip line carries the driver's reason when it gave one.
 pub fn family_gpu(families: &[&KernelSource]) -> Option<&'static FamilyGpu> {
-    static GPU: OnceLock<Option<FamilyGpu>> = OnceLock::new();
+    static GPU: OnceLock<Result<FamilyGpu, String>> = OnceLock::new();
     let g = GPU.get_or_init(|| {
         match dsv4::cuda::device_count() {
             Ok(n) if n > 0 => {}
-            _ => return None,
+            Ok(_) => return Err(String::new()),
+            Err(e) => return Err(format!(" ({e})")),
         }
         let ctx = Context::retain(0)
             .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}"));
         let reg = Registry::load_families(&ctx, families, &KernelCache::disabled())
             .unwrap_or_else(|e| panic!("{e}"));
-        Some(FamilyGpu { ctx, reg })
+        Ok(FamilyGpu { ctx, reg })
     });
-    if g.is_none() {
-        println!("skipped: no CUDA device");
+    match g {
+        Ok(g) => Some(g),
+        Err(why) => {
+            println!("skipped: no CUDA device{why}");
+            None
+        }
     }
-    g.as_ref()
+}
+
+/// Prints what the compiler made of each loaded kernel (registers, static shared memory,
+/// local memory): spills and smem growth show up in the op tests' logs.
+pub fn print_kernel_resources(reg: &Registry) {
+    for k in reg.kernels() {
+        println!(
+            "{}::{}: {} registers, {} B static smem, {} B local",
+            k.family, k.name, k.num_regs, k.static_smem, k.local_bytes
+        );
+    }
+}
+
+/// One arena in `ctx` with a region per byte size (each at least 4 bytes).
+pub fn alloc(ctx: &Context, bytes: &[usize]) -> (Arena, Vec<DevicePtr>) {
+    let mut plan = ArenaPlan::new();
+    let ids: Vec<_> = bytes
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| plan.reserve(format!("buf{i}"), b.max(4), 256).unwrap())
+        .collect();
+    let a = Arena::from_plan(ctx, &plan).unwrap();
+    let ptrs = ids.iter().map(|&i| a.region(i)).collect();
+    (a, ptrs)
 }
 
 /// One test's device state: the family's kernels `k`, its own stream and buffers.
@@ -105,15 +134,7 @@ impl<K> Dev<K> {
 
     /// One arena with a region per byte size.
     pub fn alloc(&self, bytes: &[usize]) -> (Arena, Vec<DevicePtr>) {
-        let mut plan = ArenaPlan::new();
-        let ids: Vec<_> = bytes
-            .iter()
-            .enumerate()
-            .map(|(i, &b)| plan.reserve(format!("buf{i}"), b.max(4), 256).unwrap())
-            .collect();
-        let a = Arena::from_plan(&self.g.ctx, &plan).unwrap();
-        let ptrs = ids.iter().map(|&i| a.region(i)).collect();
-        (a, ptrs)
+        alloc(&self.g.ctx, bytes)
     }
 
     pub fn put<T: Pod>(&self, p: DevicePtr, v: &[T]) {
