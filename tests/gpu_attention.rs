@@ -17,7 +17,7 @@ use dsv4::cuda::arena::{self, Arena, ArenaPlan};
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta, RingArgs};
 use dsv4::cuda::kernels::compressor::{self, CompressArgs, CompressKind, Compressor};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
-use dsv4::cuda::registry::{KernelCache, KernelSource, cubin_defines, nvrtc_version};
+use dsv4::cuda::registry::{KernelCache, KernelSource, nvrtc_version};
 use dsv4::cuda::{Context, DevicePtr, OwnedStream, Registry};
 use dsv4::model::batch::SeqRange;
 use dsv4::model::rope;
@@ -70,14 +70,7 @@ fn families_compile_for_sm_90a_without_warnings() {
     for fam in FAMILIES {
         match fam.compile("sm_90a") {
             Ok(cubin) => {
-                for f in fam.functions {
-                    assert!(
-                        cubin_defines(&cubin, f.name),
-                        "{}: CUBIN lacks {}",
-                        fam.family,
-                        f.name
-                    );
-                }
+                common::gpu::assert_cubin_defines(fam, &cubin);
                 println!("compiled {} ({} bytes)", fam.family, cubin.len());
             }
             Err(e) => failures.push(format!("{}: {e}", fam.family)),

@@ -10,11 +10,10 @@
 mod common;
 
 use common::assert_bits;
-use common::gpu::{FamilyGpu, family_gpu};
+use common::gpu::{FamilyGpu, assert_families_compile, family_gpu};
 use common::rng::Rng;
 use dsv4::cuda::Arena;
 use dsv4::cuda::kernels::mhc::{self, HcSiteDev, Mhc};
-use dsv4::cuda::registry::{cubin_defines, nvrtc_version};
 use dsv4::reference::mhc::{HcParams, HcPre, fold_projection, hc_head, hc_post, hc_pre};
 use dsv4::reference::ops::Threads;
 use dsv4::weights::quant::round_bf16;
@@ -107,28 +106,60 @@ impl Site {
 
 #[test]
 fn mhc_family_compiles_for_sm_90a() {
-    if let Err(e) = nvrtc_version() {
-        println!("skipped: NVRTC not found ({e})");
-        return;
-    }
-    let cubin = mhc::SOURCE
-        .compile("sm_90a")
-        .unwrap_or_else(|e| panic!("{e}"));
-    for f in mhc::SOURCE.functions {
-        assert!(
-            cubin_defines(&cubin, f.name),
-            "{} missing from the CUBIN",
-            f.name
-        );
-    }
-    println!(
-        "mhc: {} bytes CUBIN, {} entry points",
-        cubin.len(),
-        mhc::SOURCE.functions.len()
-    );
+    assert_families_compile(&[&mhc::SOURCE]);
 }
 
 // --------------------------------------------------------------------------------- hc_pre
+
+/// hc_pre on the device over streams `x` [t, N, dd] (outputs poisoned first): u [t, dd]
+/// (bf16 if `round_u`), post [t, N] and comb [t, N, N], and `x` as the device holds it after.
+fn device_hc_pre(
+    d: &Dev,
+    x: &[f32],
+    t: usize,
+    dd: usize,
+    sp: HcSiteDev,
+    iters: usize,
+    round_u: bool,
+) -> (HcPre, Vec<f32>) {
+    let (_a, p) = d.alloc(&[x.len() * 4, t * dd * 4, t * N * 4, t * N * N * 4]);
+    d.put(p[0], x);
+    for &q in &p[1..] {
+        d.poison(q);
+    }
+    let (u, post, comb) = (p[1], p[2], p[3]);
+    d.k.hc_pre(
+        d.ctx(),
+        p[0],
+        t,
+        N,
+        dd,
+        sp,
+        iters,
+        HC_EPS,
+        RMS_EPS,
+        round_u,
+        u,
+        post,
+        comb,
+        d.s(),
+    )
+    .unwrap();
+    let got = HcPre {
+        u: d.get(u, t * dd),
+        post: d.get(post, t * N),
+        comb: d.get(comb, t * N * N),
+    };
+    (got, d.get(p[0], x.len()))
+}
+
+/// The device's hc_pre outputs equal the reference's bit for bit; comb first: a Sinkhorn
+/// difference is the most informative failure.
+fn assert_hc_pre(what: &str, got: &HcPre, want: &HcPre) {
+    assert_bits(&format!("{what}: comb"), &got.comb, &want.comb);
+    assert_bits(&format!("{what}: post"), &got.post, &want.post);
+    assert_bits(&format!("{what}: u"), &got.u, &want.u);
+}
 
 #[test]
 fn hc_pre_matches_reference_bit_for_bit() {
@@ -157,37 +188,8 @@ fn hc_pre_matches_reference_bit_for_bit() {
                 round_bf16(&mut want.u);
             }
             let (_s, sp) = st.upload(&d);
-            let (_a, p) = d.alloc(&[x.len() * 4, t * dd * 4, t * N * 4, t * N * N * 4]);
-            d.put(p[0], &x);
-            for &q in &p[1..] {
-                d.poison(q);
-            }
-            d.k.hc_pre(
-                d.ctx(),
-                p[0],
-                t,
-                N,
-                dd,
-                sp,
-                iters,
-                HC_EPS,
-                RMS_EPS,
-                official,
-                p[1],
-                p[2],
-                p[3],
-                d.s(),
-            )
-            .unwrap();
-            // comb first: a Sinkhorn difference is the most informative failure.
-            assert_bits(
-                &format!("{what}: comb"),
-                &d.get(p[3], t * N * N),
-                &want.comb,
-            );
-            assert_bits(&format!("{what}: post"), &d.get(p[2], t * N), &want.post);
-            assert_bits(&format!("{what}: u"), &d.get(p[1], t * dd), &want.u);
-            let x_after: Vec<f32> = d.get(p[0], x.len());
+            let (got, x_after) = device_hc_pre(&d, &x, t, dd, sp, iters, official);
+            assert_hc_pre(&what, &got, &want);
             assert_bits(&format!("{what}: x unchanged"), &x_after, &x);
         }
     }
@@ -237,35 +239,8 @@ fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
             let fbits: Vec<u64> = fold.iter().map(|v| v.to_bits()).collect();
             d.put(fp[0], &fbits);
             sp.fold = Some(fp[0]);
-            let (_a, p) = d.alloc(&[x.len() * 4, t * dd * 4, t * N * 4, t * N * N * 4]);
-            d.put(p[0], &x);
-            for &q in &p[1..] {
-                d.poison(q);
-            }
-            d.k.hc_pre(
-                d.ctx(),
-                p[0],
-                t,
-                N,
-                dd,
-                sp,
-                ITERS,
-                HC_EPS,
-                RMS_EPS,
-                false,
-                p[1],
-                p[2],
-                p[3],
-                d.s(),
-            )
-            .unwrap();
-            assert_bits(
-                &format!("{what}: comb"),
-                &d.get(p[3], t * N * N),
-                &want.comb,
-            );
-            assert_bits(&format!("{what}: post"), &d.get(p[2], t * N), &want.post);
-            assert_bits(&format!("{what}: u"), &d.get(p[1], t * dd), &want.u);
+            let (got, _) = device_hc_pre(&d, &x, t, dd, sp, ITERS, false);
+            assert_hc_pre(&what, &got, &want);
         }
     }
 }

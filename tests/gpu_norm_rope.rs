@@ -9,13 +9,12 @@
 
 mod common;
 
-use common::gpu::{FamilyGpu, family_gpu};
+use common::gpu::{FamilyGpu, assert_families_compile, family_gpu};
 use common::rng::Rng;
 use common::{assert_bits, assert_u16};
 use dsv4::ModelConfig;
 use dsv4::config::AttnKind;
 use dsv4::cuda::kernels::norm_rope::{self, NormRope};
-use dsv4::cuda::registry::{cubin_defines, nvrtc_version};
 use dsv4::model::rope;
 use dsv4::reference::ops::{inv_sqrt, rms_norm};
 use dsv4::reference::precision::Prec;
@@ -67,26 +66,7 @@ fn strided(vals: &[f32], rows: usize, width: usize, ld: usize) -> Vec<f32> {
 
 #[test]
 fn norm_rope_family_compiles_for_sm_90a() {
-    if let Err(e) = nvrtc_version() {
-        println!("skipped: NVRTC not found ({e})");
-        return;
-    }
-    for fam in norm_rope::FAMILIES {
-        let cubin = fam.compile("sm_90a").unwrap_or_else(|e| panic!("{e}"));
-        for f in fam.functions {
-            assert!(
-                cubin_defines(&cubin, f.name),
-                "{} missing from the CUBIN",
-                f.name
-            );
-        }
-        println!(
-            "{}: {} bytes CUBIN, {} entry points",
-            fam.family,
-            cubin.len(),
-            fam.functions.len()
-        );
-    }
+    assert_families_compile(&norm_rope::FAMILIES);
 }
 
 /// The device computes f32(dim^-1/2) as f32(1 / sqrt(dim)) in f64; the reference uses

@@ -93,14 +93,7 @@ fn every_family_compiles_to_cubin_for_sm_90a() {
                     "{}: ELF machine {machine}, not CUDA",
                     fam.family
                 );
-                for f in fam.functions {
-                    assert!(
-                        cubin_defines(&cubin, f.name),
-                        "family `{}` lists `{}` but its CUBIN does not define it (missing extern \"C\"?)",
-                        fam.family,
-                        f.name
-                    );
-                }
+                common::gpu::assert_cubin_defines(fam, &cubin);
                 if let Some(d) = std::env::var_os("DSV4_DUMP_CUBIN_DIR") {
                     // For inspection with cuobjdump / nvdisasm on a machine that has them.
                     let path =

@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 
 use dsv4::cuda::arena::{self, ArenaPlan, Pod};
-use dsv4::cuda::registry::{KernelCache, KernelSource, Registry};
+use dsv4::cuda::registry::{KernelCache, KernelSource, Registry, cubin_defines, nvrtc_version};
 use dsv4::cuda::{Arena, BorrowedStream, Context, DevicePtr, OwnedStream};
 
 /// True when CUDA device 0 exists; otherwise prints the skip line and returns false.
@@ -49,6 +49,38 @@ pub fn device_or_skip() -> Option<Context> {
         Context::retain(0)
             .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}")),
     )
+}
+
+/// Fails unless `cubin` (the family's compiled image) defines every entry point the family
+/// declares.
+pub fn assert_cubin_defines(fam: &KernelSource, cubin: &[u8]) {
+    for f in fam.functions {
+        assert!(
+            cubin_defines(cubin, f.name),
+            "family `{}` lists `{}` but its CUBIN does not define it (missing extern \"C\"?)",
+            fam.family,
+            f.name
+        );
+    }
+}
+
+/// Compiles each family for sm_90a with NVRTC (no GPU needed) and checks its CUBIN defines
+/// every declared entry point; prints a skip line instead where NVRTC is not installed.
+pub fn assert_families_compile(families: &[&KernelSource]) {
+    if let Err(e) = nvrtc_version() {
+        println!("skipped: NVRTC not found ({e})");
+        return;
+    }
+    for fam in families {
+        let cubin = fam.compile("sm_90a").unwrap_or_else(|e| panic!("{e}"));
+        assert_cubin_defines(fam, &cubin);
+        println!(
+            "{}: {} bytes CUBIN, {} entry points",
+            fam.family,
+            cubin.len(),
+            fam.functions.len()
+        );
+    }
 }
 
 /// The device context and a registry holding the families of one test binary, shared by
