@@ -11,47 +11,6 @@
 
 mod common;
 
-use common::Oracle;
 use common::parity::{abi_engine, c_abi};
 
-fn one_shot(name: &str) {
-    c_abi::one_shot(&mut abi_engine(name, -1), &Oracle::load(name), name);
-}
-
-fn chunked(name: &str) {
-    c_abi::chunked(&mut abi_engine(name, -1), &Oracle::load(name), name);
-}
-
-fn prefill_then_decode(name: &str) {
-    c_abi::prefill_then_decode(&mut abi_engine(name, -1), &Oracle::load(name), name);
-}
-
-#[test]
-fn tiny_one_shot() {
-    one_shot("tiny");
-}
-
-#[test]
-fn tiny_chunked_interleaved() {
-    chunked("tiny");
-}
-
-#[test]
-fn tiny_prefill_decode() {
-    prefill_then_decode("tiny");
-}
-
-#[test]
-fn native_one_shot() {
-    one_shot("tiny_native");
-}
-
-#[test]
-fn native_chunked_interleaved() {
-    chunked("tiny_native");
-}
-
-#[test]
-fn native_prefill_decode() {
-    prefill_then_decode("tiny_native");
-}
+cpu_parity_tests!(c_abi, |model| abi_engine(model, -1));

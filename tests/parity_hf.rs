@@ -50,47 +50,7 @@ impl Forward for Api {
     }
 }
 
-fn one_shot(name: &str) {
-    hf::one_shot(&mut Api(engine(name)), &Oracle::load(name), name);
-}
-
-fn chunked(name: &str) {
-    hf::chunked(&mut Api(engine(name)), &Oracle::load(name), name);
-}
-
-fn prefill_then_decode(name: &str) {
-    hf::prefill_then_decode(&mut Api(engine(name)), &Oracle::load(name), name);
-}
-
-#[test]
-fn tiny_one_shot() {
-    one_shot("tiny");
-}
-
-#[test]
-fn tiny_chunked_interleaved() {
-    chunked("tiny");
-}
-
-#[test]
-fn tiny_prefill_decode() {
-    prefill_then_decode("tiny");
-}
-
-#[test]
-fn native_names_one_shot() {
-    one_shot("tiny_native");
-}
-
-#[test]
-fn native_names_chunked_interleaved() {
-    chunked("tiny_native");
-}
-
-#[test]
-fn native_names_prefill_decode() {
-    prefill_then_decode("tiny_native");
-}
+cpu_parity_tests!(hf, |model| Api(engine(model)));
 
 /// logits_rows picks rows; BF16 output equals the F32 output rounded; restarting a slot at
 /// position 0 forgets the previous sequence.
