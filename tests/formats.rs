@@ -7,16 +7,12 @@
 
 mod common;
 
-use common::{Oracle, OracleExtra, fixture_dir, max_abs_diff};
+use common::{Oracle, OracleExtra, fixture_dir, fixture_engine, max_abs_diff};
 use dsv4::weights::store::TensorData;
 use dsv4::weights::{HostDtype, WeightFormat};
-use dsv4::{
-    Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, Status,
-    TensorUpdate,
-};
+use dsv4::{Batch, Engine, EngineOptions, LogitsOut, Numerics, Status, TensorUpdate};
 
 fn engine(model: &str, numerics: Numerics, format: WeightFormat) -> Engine {
-    let dir = fixture_dir(model);
     let opts = EngineOptions {
         max_num_seqs: 4,
         max_num_tokens: 128,
@@ -26,10 +22,7 @@ fn engine(model: &str, numerics: Numerics, format: WeightFormat) -> Engine {
         num_threads: 2,
         ..Default::default()
     };
-    let mut e = Engine::create(ConfigSource::Path(dir.clone()), opts).expect("create");
-    e.load(Some(&dir), LoadFormat::Auto).expect("load");
-    e.finalize().expect("finalize");
-    e
+    fixture_engine(model, opts)
 }
 
 /// One-shot logits of every oracle prompt, each in its own slot of one batch.

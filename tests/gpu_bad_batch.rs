@@ -29,7 +29,7 @@ use common::rng::tokens;
 use dsv4::cuda::DevicePtr;
 use dsv4::cuda::arena::copy_to_host_sync;
 use dsv4::cuda::graph::Graph;
-use dsv4::engine::{Batch, EngineOptions, LogitsOut};
+use dsv4::engine::EngineOptions;
 use dsv4::ffi::*;
 use dsv4::model::batch::plan;
 
@@ -138,15 +138,7 @@ impl Pair {
         };
         let lens: Vec<usize> = self.lens.iter().map(|&l| l as usize).collect();
         let mut out = vec![0.0f32; s.num_logits() * cfg.vocab_size];
-        let b = Batch {
-            token_ids: &s.toks,
-            positions: &s.pos,
-            seq_slots: &s.slots,
-            query_start: &s.qs,
-            logits_rows: s.rows.as_deref(),
-            logits: LogitsOut::F32(&mut out),
-        };
-        plan(&cfg, &opts, &lens, &b).expect_err("a bad case the rules accept")
+        plan(&cfg, &opts, &lens, &s.batch(&mut out)).expect_err("a bad case the rules accept")
     }
 }
 

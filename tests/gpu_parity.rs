@@ -7,18 +7,14 @@ mod common;
 
 use common::gpu::has_cuda;
 use common::sets::{Tolerance, for_each_set};
-use common::{Oracle, fixture_dir};
+use common::{Oracle, fixture_engine};
 use dsv4::cuda::arena::{Arena, DevicePtr, copy_to_device_sync, copy_to_host_sync};
 use dsv4::cuda::context::Context;
 use dsv4::cuda::stream::OwnedStream;
 use dsv4::engine::DeviceBatch;
-use dsv4::{
-    Batch, ConfigSource, Engine, EngineOptions, KernelSetName, LoadFormat, LogitsOut, Numerics,
-    WeightFormat,
-};
+use dsv4::{Batch, Engine, EngineOptions, KernelSetName, LogitsOut, Numerics, WeightFormat};
 
 fn engine(model: &str, device: i32, numerics: Numerics, set: KernelSetName) -> Engine {
-    let dir = fixture_dir(model);
     let opts = EngineOptions {
         kernel_set: Some(set),
         device,
@@ -30,10 +26,7 @@ fn engine(model: &str, device: i32, numerics: Numerics, set: KernelSetName) -> E
         num_threads: 4,
         ..Default::default()
     };
-    let mut e = Engine::create(ConfigSource::Path(dir.clone()), opts).expect("create");
-    e.load(Some(&dir), LoadFormat::Auto).expect("load");
-    e.finalize().expect("finalize");
-    e
+    fixture_engine(model, opts)
 }
 
 /// A host playing the serving engine: device buffers for one batch and its stream.

@@ -8,11 +8,10 @@ mod common;
 
 use common::parity::{Forward, TOL, hf};
 use common::rig::Step;
-use common::{Oracle, fixture_dir, max_abs_diff};
-use dsv4::{Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics};
+use common::{Oracle, fixture_engine, max_abs_diff};
+use dsv4::{Batch, Engine, EngineOptions, LogitsOut, Numerics};
 
 fn engine(name: &str) -> Engine {
-    let dir = fixture_dir(name);
     let opts = EngineOptions {
         max_num_seqs: 4,
         max_num_tokens: 160,
@@ -21,10 +20,7 @@ fn engine(name: &str) -> Engine {
         num_threads: 2,
         ..Default::default()
     };
-    let mut e = Engine::create(ConfigSource::Path(dir.clone()), opts).expect("create");
-    e.load(Some(&dir), LoadFormat::Auto).expect("load");
-    e.finalize().expect("finalize");
-    e
+    fixture_engine(name, opts)
 }
 
 /// The Rust engine API as a scenario's [`Forward`].
@@ -37,15 +33,7 @@ impl Forward for Api {
 
     fn forward_step(&mut self, s: &Step) -> Vec<f32> {
         let mut out = vec![f32::NAN; s.num_logits() * self.vocab()];
-        let mut b = Batch {
-            token_ids: &s.toks,
-            positions: &s.pos,
-            seq_slots: &s.slots,
-            query_start: &s.qs,
-            logits_rows: s.rows.as_deref(),
-            logits: LogitsOut::F32(&mut out),
-        };
-        self.0.forward(&mut b).expect("forward");
+        self.0.forward(&mut s.batch(&mut out)).expect("forward");
         out
     }
 }

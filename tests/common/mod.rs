@@ -34,6 +34,16 @@ pub fn fixture_dir(name: &str) -> PathBuf {
     root.join(name)
 }
 
+/// An engine on fixture `model` with `opts`: created from the fixture's config, its
+/// checkpoint loaded (AUTO) and finalized; panics on any failure.
+pub fn fixture_engine(model: &str, opts: dsv4::EngineOptions) -> dsv4::Engine {
+    let dir = fixture_dir(model);
+    let mut e = dsv4::Engine::create(dsv4::ConfigSource::Path(dir.clone()), opts).expect("create");
+    e.load(Some(&dir), dsv4::LoadFormat::Auto).expect("load");
+    e.finalize().expect("finalize");
+    e
+}
+
 /// The oracle of one fixture model: prompts and fp32 logits recorded with transformers.
 pub struct Oracle {
     pub prompts: Vec<Vec<i32>>,
