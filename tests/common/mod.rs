@@ -44,6 +44,36 @@ pub fn fixture_engine(model: &str, opts: dsv4::EngineOptions) -> dsv4::Engine {
     e
 }
 
+/// One forward of the given host arrays on `e`, every row's logits: f32 [toks.len(), vocab],
+/// NaN where the engine wrote nothing; panics if the forward fails.
+pub fn forward_all_rows(
+    e: &mut dsv4::Engine,
+    toks: &[i32],
+    pos: &[i32],
+    slots: &[i32],
+    qs: &[i32],
+) -> Vec<f32> {
+    let mut out = vec![f32::NAN; toks.len() * e.config().vocab_size];
+    e.forward(&mut dsv4::Batch {
+        token_ids: toks,
+        positions: pos,
+        seq_slots: slots,
+        query_start: qs,
+        logits_rows: None,
+        logits: dsv4::LogitsOut::F32(&mut out),
+    })
+    .expect("forward");
+    out
+}
+
+/// Logits of every oracle prompt ([len, vocab] per sequence), all NaN until written.
+pub fn nan_logits(o: &Oracle, vocab: usize) -> Vec<Vec<f32>> {
+    o.prompts
+        .iter()
+        .map(|p| vec![f32::NAN; p.len() * vocab])
+        .collect()
+}
+
 /// The oracle of one fixture model: prompts and fp32 logits recorded with transformers.
 pub struct Oracle {
     pub prompts: Vec<Vec<i32>>,
