@@ -1700,20 +1700,8 @@ fn fixture_engine(name: &str) -> Eng {
 fn oracle_diff(e: &Eng, name: &str) -> f32 {
     let o = Oracle::load(name);
     let vocab = info(e).vocab_size as usize;
-    let toks = &o.prompts[0];
-    let pos: Vec<i32> = (0..toks.len() as i32).collect();
-    let (slots, qs) = ([0i32], [0, toks.len() as i32]);
-    let mut out = vec![f32::NAN; toks.len() * vocab];
-    let mut b = dsv4_batch_default();
-    b.num_tokens = toks.len() as i32;
-    b.num_seqs = 1;
-    b.token_ids = toks.as_ptr();
-    b.positions = pos.as_ptr();
-    b.seq_slots = slots.as_ptr();
-    b.query_start = qs.as_ptr();
-    b.num_logits = toks.len() as i32;
-    b.logits = out.as_mut_ptr().cast();
-    ok(forward_raw(e, &b));
+    let (s, out) = common::abi::forward_one_sequence(e.0, &o.prompts[0], vocab);
+    ok(s);
     let d = max_abs_diff(&out, &o.logits[0]);
     assert!(d <= 1e-3, "{name}: max |dlogit| vs oracle = {d} > 1e-3");
     d

@@ -64,21 +64,7 @@ fn engine(model: &str, load: Load) -> *mut dsv4_engine {
 /// One forward of `toks` as one sequence in slot 0, every row's logits; the output buffer is
 /// NaN-poisoned first.
 fn forward(e: *mut dsv4_engine, toks: &[i32]) -> (dsv4_status, Vec<f32>) {
-    let pos: Vec<i32> = (0..toks.len() as i32).collect();
-    let (slots, qs) = ([0i32], [0, toks.len() as i32]);
-    let mut out = vec![f32::NAN; toks.len() * 256];
-    let mut b = dsv4_batch_default();
-    b.num_tokens = toks.len() as i32;
-    b.num_seqs = 1;
-    b.token_ids = toks.as_ptr();
-    b.positions = pos.as_ptr();
-    b.seq_slots = slots.as_ptr();
-    b.query_start = qs.as_ptr();
-    b.num_logits = toks.len() as i32;
-    b.logits = out.as_mut_ptr().cast();
-    b.logits_dtype = DSV4_LOGITS_F32;
-    let s = unsafe { dsv4_forward(e, &b, std::ptr::null_mut()) };
-    (s, out)
+    common::abi::forward_one_sequence(e, toks, 256)
 }
 
 /// Forward from a fresh slot (the previous sequence in slot 0 is released first).
