@@ -86,28 +86,24 @@ pub struct Oracle {
     pub model: String,
 }
 
+/// Tensor `name` of `st` as 4-byte little-endian words, each decoded by `from`.
+fn words<T>(st: &SafeTensors, name: &str, from: fn([u8; 4]) -> T) -> Vec<T> {
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| from(b.try_into().unwrap()))
+        .collect()
+}
+
 impl Oracle {
     pub fn load(name: &str) -> Oracle {
         let bytes = std::fs::read(fixture_dir(name).join("oracle.safetensors"))
             .expect("oracle.safetensors");
         let (_, meta) = SafeTensors::read_metadata(&bytes).expect("oracle header");
         let st = SafeTensors::deserialize(&bytes).expect("oracle");
-        let ints = |n: &str| -> Vec<i32> {
-            st.tensor(n)
-                .unwrap()
-                .data()
-                .chunks_exact(4)
-                .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
-                .collect()
-        };
-        let floats = |n: &str| -> Vec<f32> {
-            st.tensor(n)
-                .unwrap()
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect()
-        };
+        let ints = |n: &str| words(&st, n, i32::from_le_bytes);
+        let floats = |n: &str| words(&st, n, f32::from_le_bytes);
         let mut o = Oracle {
             prompts: vec![],
             logits: vec![],
