@@ -34,6 +34,38 @@ fn device_or_skip() -> Option<Context> {
     Some(ctx)
 }
 
+/// One test's smoke-family setup; fields drop in the order a test's locals did.
+struct SmokeRig {
+    stream: OwnedStream,
+    sm: Smoke,
+    reg: Registry,
+    /// The registry's kernel cache directory.
+    _dir: TempDir,
+    ctx: Context,
+    /// Held for the whole test (see `lock`).
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+/// Under the test lock: the device context, the smoke family loaded through a registry whose
+/// kernel cache is a fresh directory tagged `tag`, and a stream; or None after printing the
+/// skip line.
+fn smoke_or_skip(tag: &str) -> Option<SmokeRig> {
+    let serial = lock();
+    let ctx = device_or_skip()?;
+    let dir = TempDir::new(tag);
+    let reg = Registry::load(&ctx, Some(&dir.0)).unwrap_or_else(|e| panic!("{e}"));
+    let sm = Smoke::new(&reg).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    Some(SmokeRig {
+        stream,
+        sm,
+        reg,
+        _dir: dir,
+        ctx,
+        _serial: serial,
+    })
+}
+
 fn under_sanitizer() -> bool {
     std::env::var_os("DSV4_UNDER_SANITIZER").is_some()
 }
@@ -170,13 +202,10 @@ fn arena_for(ctx: &Context, n: usize, fill_n: usize) -> (Arena, Bufs) {
 
 #[test]
 fn common_cuh_matches_the_cpu_reference_bit_for_bit() {
-    let _l = lock();
-    let Some(ctx) = device_or_skip() else { return };
-    let dir = TempDir::new("gpu-rt");
-    let reg = Registry::load(&ctx, Some(&dir.0)).unwrap_or_else(|e| panic!("{e}"));
-    let sm = Smoke::new(&reg).unwrap();
-    let stream = OwnedStream::new(&ctx).unwrap();
-    let s = stream.borrow();
+    let Some(rig) = smoke_or_skip("gpu-rt") else {
+        return;
+    };
+    let (s, sm, ctx) = (rig.stream.borrow(), &rig.sm, &rig.ctx);
 
     let inputs = smoke::probe_inputs();
     let n = inputs.len();
@@ -225,13 +254,10 @@ fn common_cuh_matches_the_cpu_reference_bit_for_bit() {
 
 #[test]
 fn warp_and_block_reductions_match_their_reference_order() {
-    let _l = lock();
-    let Some(ctx) = device_or_skip() else { return };
-    let dir = TempDir::new("gpu-red");
-    let reg = Registry::load(&ctx, Some(&dir.0)).unwrap();
-    let sm = Smoke::new(&reg).unwrap();
-    let stream = OwnedStream::new(&ctx).unwrap();
-    let s = stream.borrow();
+    let Some(rig) = smoke_or_skip("gpu-red") else {
+        return;
+    };
+    let (s, sm, ctx) = (rig.stream.borrow(), &rig.sm, &rig.ctx);
     let mut seed = 0x1234_5678_9abc_def1u64;
     for threads in [32u32, 96, 256, 1024] {
         let rows = 300u32;
@@ -305,13 +331,10 @@ fn warp_and_block_reductions_match_their_reference_order() {
 
 #[test]
 fn arena_is_stable_and_launches_allocate_nothing() {
-    let _l = lock();
-    let Some(ctx) = device_or_skip() else { return };
-    let dir = TempDir::new("gpu-arena");
-    let reg = Registry::load(&ctx, Some(&dir.0)).unwrap();
-    let sm = Smoke::new(&reg).unwrap();
-    let stream = OwnedStream::new(&ctx).unwrap();
-    let s = stream.borrow();
+    let Some(rig) = smoke_or_skip("gpu-arena") else {
+        return;
+    };
+    let (s, sm, reg, ctx) = (rig.stream.borrow(), &rig.sm, &rig.reg, &rig.ctx);
     let fill_n = 1_000_003usize;
     let n = 4096usize;
     let (mut a, b) = arena_for(&ctx, n, fill_n);
