@@ -10,7 +10,7 @@
 mod common;
 
 use common::assert_bits;
-use common::gpu::{FamilyGpu, assert_families_compile, family_gpu};
+use common::gpu::{assert_families_compile, family_gpu};
 use common::rng::Rng;
 use dsv4::cuda::Arena;
 use dsv4::cuda::kernels::mhc::{self, HcSiteDev, Mhc};
@@ -22,14 +22,11 @@ use dsv4::weights::quant::round_bf16;
 
 type Dev = common::gpu::Dev<Mhc>;
 
-/// The shared device with this family loaded, or None after printing the skip line.
-fn gpu() -> Option<&'static FamilyGpu> {
-    family_gpu(&[&mhc::SOURCE])
-}
-
-/// One test's device state: the family's kernels, its own stream and buffers.
-fn dev(g: &'static FamilyGpu) -> Dev {
-    Dev::new(g, Mhc::new(&g.reg).unwrap())
+/// One test's device state on the shared device with this family loaded (the family's
+/// kernels, its own stream and buffers), or None after printing the skip line.
+fn dev() -> Option<Dev> {
+    let g = family_gpu(&[&mhc::SOURCE])?;
+    Some(Dev::new(g, Mhc::new(&g.reg).unwrap()))
 }
 
 fn bf16_if(official: bool, mut v: Vec<f32>) -> Vec<f32> {
@@ -163,8 +160,7 @@ fn assert_hc_pre(what: &str, got: &HcPre, want: &HcPre) {
 
 #[test]
 fn hc_pre_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(11);
     let mix = (2 + N) * N;
     // (tokens, D, Sinkhorn iterations, logit magnitude): the tiny and the released hidden size
@@ -200,8 +196,7 @@ fn hc_pre_matches_reference_bit_for_bit() {
 /// the unfolded hc_pre (the fold is exact in f64 for these inputs).
 #[test]
 fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(21);
     let mix = (2 + N) * N;
     for official in [false, true] {
@@ -249,8 +244,7 @@ fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
 
 #[test]
 fn hc_post_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(12);
     let mix = (2 + N) * N;
     for official in [false, true] {
@@ -287,8 +281,7 @@ fn hc_post_matches_reference_bit_for_bit() {
 
 #[test]
 fn hc_head_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(13);
     for official in [false, true] {
         for &(r, dd) in &[(5usize, 256usize), (3, 4096), (1, 4096)] {
@@ -324,8 +317,7 @@ fn hc_head_matches_reference_bit_for_bit() {
 
 #[test]
 fn wrappers_reject_bad_shapes() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let (_a, p) = d.alloc(&[4096]);
     let b = p[0];
     let site = HcSiteDev {

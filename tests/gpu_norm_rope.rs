@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::gpu::{FamilyGpu, assert_families_compile, family_gpu};
+use common::gpu::{assert_families_compile, family_gpu};
 use common::rng::Rng;
 use common::{assert_bits, assert_u16};
 use dsv4::ModelConfig;
@@ -24,14 +24,11 @@ use dsv4::weights::quant::{fp8_sim, round_bf16};
 
 type Dev = common::gpu::Dev<NormRope>;
 
-/// The shared device with this family loaded, or None after printing the skip line.
-fn gpu() -> Option<&'static FamilyGpu> {
-    family_gpu(&norm_rope::FAMILIES)
-}
-
-/// One test's device state: the family's kernels, its own stream and buffers.
-fn dev(g: &'static FamilyGpu) -> Dev {
-    Dev::new(g, NormRope::new(&g.reg).unwrap())
+/// One test's device state on the shared device with this family loaded (the family's
+/// kernels, its own stream and buffers), or None after printing the skip line.
+fn dev() -> Option<Dev> {
+    let g = family_gpu(&norm_rope::FAMILIES)?;
+    Some(Dev::new(g, NormRope::new(&g.reg).unwrap()))
 }
 
 fn bf16_all(mut v: Vec<f32>) -> Vec<f32> {
@@ -84,8 +81,7 @@ fn index_sim_scale_formula_matches_inv_sqrt() {
 
 #[test]
 fn rmsnorm_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(1);
     // (rows, dim, ld, with weight): hidden sizes, per-head q norm (no weight), q_lora with a
     // padded stride, the released hidden size.
@@ -139,8 +135,7 @@ fn rmsnorm_matches_reference_bit_for_bit() {
 
 #[test]
 fn rope_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(2);
     let cfg = ModelConfig::tiny_default();
     assert!(cfg.yarn.is_some(), "the tiny config has YaRN");
@@ -219,8 +214,7 @@ fn rope_matches_reference_bit_for_bit() {
 
 #[test]
 fn kv_sim_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(3);
     // (rows, dim, nope, ld): released (512, 448), tiny (128, 64), a partial last block, a
     // padded stride.
@@ -262,8 +256,7 @@ fn kv_sim_matches_reference_bit_for_bit() {
 
 #[test]
 fn index_sim_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(4);
     for &(rows, dim) in &[
         (33, 128),
@@ -318,8 +311,7 @@ fn probe_values(rng: &mut Rng) -> Vec<f32> {
 
 #[test]
 fn elementwise_kernels_match_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(5);
     let x = probe_values(&mut rng);
     let n = x.len();
@@ -370,8 +362,7 @@ fn elementwise_kernels_match_reference_bit_for_bit() {
 
 #[test]
 fn embed_and_gather_copy_rows_exactly() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(6);
     let (vocab, dd, nstreams, t) = (1000usize, 256usize, 4usize, 37usize);
     let table = bf16_all(rng.normals(vocab * dd, 0.05));
@@ -417,8 +408,7 @@ fn embed_and_gather_copy_rows_exactly() {
 
 #[test]
 fn wrappers_reject_undersized_buffers() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let (_a, p) = d.alloc(&[1024]);
     let small = p[0];
     // 256 floats fit; 257 do not.
