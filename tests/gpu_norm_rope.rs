@@ -240,10 +240,7 @@ fn kv_sim_matches_reference_bit_for_bit() {
                 .for_each(|r| fp8_sim(&mut r[..nope], 64));
         }
         let xs = strided(&x, rows, dim, ld);
-        let (_a, p) = d.alloc(&[xs.len() * 4]);
-        d.put(p[0], &xs);
-        d.k.kv_sim(d.ctx(), p[0], rows, ld, nope, d.s()).unwrap();
-        let got: Vec<f32> = d.get(p[0], xs.len());
+        let got = d.in_place(&xs, |p| d.k.kv_sim(d.ctx(), p, rows, ld, nope, d.s()));
         assert_bits(
             &format!("kv_sim rows {rows} dim {dim} nope {nope} ld {ld}"),
             &got,
@@ -271,10 +268,7 @@ fn index_sim_matches_reference_bit_for_bit() {
         x[..dim].iter_mut().for_each(|v| *v *= 1e-30); // the FP4 amax floor
         let mut want = x.clone();
         Prec { official: true }.index_sim(&mut want, dim);
-        let (_a, p) = d.alloc(&[x.len() * 4]);
-        d.put(p[0], &x);
-        d.k.index_sim(d.ctx(), p[0], rows, dim, d.s()).unwrap();
-        let got: Vec<f32> = d.get(p[0], x.len());
+        let got = d.in_place(&x, |p| d.k.index_sim(d.ctx(), p, rows, dim, d.s()));
         assert_bits(&format!("index_sim rows {rows} dim {dim}"), &got, &want);
     }
 }

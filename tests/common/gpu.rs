@@ -182,6 +182,18 @@ impl<K> Dev<K> {
         v
     }
 
+    /// Runs an in-place op `f` on a fresh device copy of `x`; returns the buffer after it.
+    pub fn in_place<E: std::fmt::Debug>(
+        &self,
+        x: &[f32],
+        f: impl FnOnce(DevicePtr) -> Result<(), E>,
+    ) -> Vec<f32> {
+        let (_a, p) = self.alloc(&[x.len() * 4]);
+        self.put(p[0], x);
+        f(p[0]).unwrap();
+        self.get(p[0], x.len())
+    }
+
     /// Fills the buffer with 0xff bytes (NaN as f32).
     pub fn poison(&self, p: DevicePtr) {
         let _g = self.ctx().enter().unwrap();
