@@ -71,21 +71,34 @@ fn e2m1(n: u8) -> f32 {
 // A random model in its stored encodings, and the values it must load to
 // ------------------------------------------------------------------------------------------
 
+/// Quantised codes and their UE8M0 scales (`sshape`, row-major).
+struct Codes {
+    codes: Vec<u8>,
+    scales: Vec<u8>,
+    sshape: [usize; 2],
+}
+
+impl Codes {
+    /// `codes` with random scales around 1 (UE8M0 exponents 118..=131) of shape `sshape`.
+    fn with_random_scales(codes: Vec<u8>, sshape: [usize; 2], rng: &mut XorShift) -> Codes {
+        let scales = (0..sshape[0] * sshape[1])
+            .map(|_| 118 + rng.below(14) as u8)
+            .collect();
+        Codes {
+            codes,
+            scales,
+            sshape,
+        }
+    }
+}
+
 enum Enc {
     /// Multiples of 1/64 in [-2, 2] (at most 8 significant bits): exact in F32, BF16 and F16.
     Plain(Vec<f32>),
-    /// FP8 codes [out, in] and UE8M0 scales [ceil(out/bo), ceil(in/bi)].
-    Fp8 {
-        codes: Vec<u8>,
-        scales: Vec<u8>,
-        sshape: [usize; 2],
-    },
-    /// Packed FP4 [out, in/2] and UE8M0 scales [out, ceil(in/32)].
-    Fp4 {
-        packed: Vec<u8>,
-        scales: Vec<u8>,
-        sshape: [usize; 2],
-    },
+    /// FP8 codes [out, in] and scales [ceil(out/bo), ceil(in/bi)].
+    Fp8(Codes),
+    /// Packed FP4 codes [out, in/2] (two per byte) and scales [out, ceil(in/32)].
+    Fp4(Codes),
     Index(Vec<i64>),
 }
 
@@ -139,28 +152,13 @@ impl Model {
                             }
                         }
                     });
-                    let codes = codes.collect();
-                    let scales = (0..sshape[0] * sshape[1])
-                        .map(|_| 118 + rng.below(14) as u8)
-                        .collect();
-                    Enc::Fp8 {
-                        codes,
-                        scales,
-                        sshape,
-                    }
+                    Enc::Fp8(Codes::with_random_scales(codes.collect(), sshape, &mut rng))
                 }
                 (ElemKind::Float, StoredAs::Fp4Expert) => {
                     let [o, i] = [s.shape[0], s.shape[1]];
                     let sshape = [o, i.div_ceil(32)];
-                    let packed = (0..n / 2).map(|_| rng.next() as u8).collect();
-                    let scales = (0..sshape[0] * sshape[1])
-                        .map(|_| 118 + rng.below(14) as u8)
-                        .collect();
-                    Enc::Fp4 {
-                        packed,
-                        scales,
-                        sshape,
-                    }
+                    let codes = (0..n / 2).map(|_| rng.next() as u8).collect();
+                    Enc::Fp4(Codes::with_random_scales(codes, sshape, &mut rng))
                 }
                 (ElemKind::Float, StoredAs::Plain) => Enc::Plain(
                     (0..n)
@@ -187,27 +185,19 @@ impl Model {
         let s = self.spec(name);
         match &self.enc[name] {
             Enc::Plain(v) => v.clone(),
-            Enc::Fp8 {
-                codes,
-                scales,
-                sshape,
-            } => {
+            Enc::Fp8(q) => {
                 let i = s.shape[1];
                 by_element(&s.shape, |r, c| {
-                    let sc = e8m0(scales[(r / self.block[0]) * sshape[1] + c / self.block[1]]);
-                    e4m3(codes[r * i + c]) * sc
+                    let scale = q.scales[(r / self.block[0]) * q.sshape[1] + c / self.block[1]];
+                    e4m3(q.codes[r * i + c]) * e8m0(scale)
                 })
             }
-            Enc::Fp4 {
-                packed,
-                scales,
-                sshape,
-            } => {
+            Enc::Fp4(q) => {
                 let i = s.shape[1];
                 by_element(&s.shape, |r, c| {
-                    let b = packed[r * (i / 2) + c / 2];
+                    let b = q.codes[r * (i / 2) + c / 2];
                     let nib = if c % 2 == 0 { b & 15 } else { b >> 4 };
-                    e2m1(nib) * e8m0(scales[r * sshape[1] + c / 32])
+                    e2m1(nib) * e8m0(q.scales[r * q.sshape[1] + c / 32])
                 })
             }
             Enc::Index(_) => panic!("{name} is an index table"),
@@ -248,6 +238,13 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
         .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
         .collect()
 }
+/// BF16 bytes (little-endian) as f32 values.
+fn bf16_values(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks(2)
+        .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect()
+}
 fn f16_bytes(v: &[f32]) -> Vec<u8> {
     v.iter()
         .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
@@ -273,20 +270,19 @@ fn e8m0_scale(name: String, sshape: &[usize; 2], scales: &[u8]) -> Entry {
     (name, Dtype::F8_E8M0, sshape.to_vec(), scales.to_vec())
 }
 
+/// An FP8 weight as its two entries: `scale` (its block scales as the scheme stores them),
+/// then the E4M3 codes.
+fn fp8_entries(n: String, s: &TensorSpec, q: &Codes, scale: Entry) -> [Entry; 2] {
+    [scale, (n, Dtype::F8_E4M3, s.shape.clone(), q.codes.clone())]
+}
+
 /// A packed FP4 expert weight as its two entries: the UE8M0 `.scale`, then the nibbles
 /// [out, in/2] under `packed_dtype` (I8 in the release, U8 from save_pretrained).
-fn fp4_entries(
-    n: String,
-    s: &TensorSpec,
-    packed: &[u8],
-    scales: &[u8],
-    sshape: &[usize; 2],
-    packed_dtype: Dtype,
-) -> [Entry; 2] {
+fn fp4_entries(n: String, s: &TensorSpec, q: &Codes, packed_dtype: Dtype) -> [Entry; 2] {
     let packed_shape = vec![s.shape[0], s.shape[1] / 2];
     [
-        e8m0_scale(n.replace(".weight", ".scale"), sshape, scales),
-        (n, packed_dtype, packed_shape, packed.to_vec()),
+        e8m0_scale(n.replace(".weight", ".scale"), &q.sshape, &q.scales),
+        (n, packed_dtype, packed_shape, q.codes.clone()),
     ]
 }
 
@@ -301,19 +297,11 @@ fn scheme_upstream(m: &Model) -> Vec<Entry> {
             }
             Enc::Plain(v) => out.push((n, Dtype::BF16, s.shape.clone(), bf16_bytes(v))),
             Enc::Index(ids) => out.push(index_i64(n, &s.shape, ids)),
-            Enc::Fp8 {
-                codes,
-                scales,
-                sshape,
-            } => {
-                out.push(e8m0_scale(n.replace(".weight", ".scale"), sshape, scales));
-                out.push((n, Dtype::F8_E4M3, s.shape.clone(), codes.clone()));
+            Enc::Fp8(q) => {
+                let scale = e8m0_scale(n.replace(".weight", ".scale"), &q.sshape, &q.scales);
+                out.extend(fp8_entries(n, s, q, scale));
             }
-            Enc::Fp4 {
-                packed,
-                scales,
-                sshape,
-            } => out.extend(fp4_entries(n, s, packed, scales, sshape, Dtype::I8)),
+            Enc::Fp4(q) => out.extend(fp4_entries(n, s, q, Dtype::I8)),
         }
     }
     out
@@ -346,25 +334,18 @@ fn scheme_save_pretrained(m: &Model) -> Vec<Entry> {
                 s.shape.clone(),
                 ids.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect(),
             )),
-            Enc::Fp8 {
-                codes,
-                scales,
-                sshape,
-            } => {
-                let f: Vec<f32> = scales.iter().map(|&b| e8m0(b)).collect();
-                out.push((
+            Enc::Fp8(q) => {
+                let f: Vec<f32> = q.scales.iter().map(|&b| e8m0(b)).collect();
+                let scale_bytes = f32_bytes(&f);
+                let scale = (
                     format!("{n}_scale_inv"),
                     Dtype::F32,
-                    sshape.to_vec(),
-                    f32_bytes(&f),
-                ));
-                out.push((n, Dtype::F8_E4M3, s.shape.clone(), codes.clone()));
+                    q.sshape.to_vec(),
+                    scale_bytes,
+                );
+                out.extend(fp8_entries(n, s, q, scale));
             }
-            Enc::Fp4 {
-                packed,
-                scales,
-                sshape,
-            } => out.extend(fp4_entries(n, s, packed, scales, sshape, Dtype::U8)),
+            Enc::Fp4(q) => out.extend(fp4_entries(n, s, q, Dtype::U8)),
         }
     }
     out
@@ -383,15 +364,11 @@ fn scheme_native(m: &Model) -> Vec<Entry> {
         match &m.enc[&s.name] {
             Enc::Plain(v) => out.push((n, Dtype::F32, s.shape.clone(), f32_bytes(v))),
             Enc::Index(ids) => out.push(index_i64(n, &s.shape, ids)),
-            Enc::Fp8 {
-                codes,
-                scales,
-                sshape,
-            } => {
+            Enc::Fp8(q) => {
                 fp8_count += 1;
                 if fp8_count % 2 == 0 {
-                    out.push(e8m0_scale(format!("{n}_scale_inv"), sshape, scales));
-                    out.push((n, Dtype::F8_E4M3, s.shape.clone(), codes.clone()));
+                    let scale = e8m0_scale(format!("{n}_scale_inv"), &q.sshape, &q.scales);
+                    out.extend(fp8_entries(n, s, q, scale));
                 } else {
                     out.push((
                         n,
@@ -401,7 +378,7 @@ fn scheme_native(m: &Model) -> Vec<Entry> {
                     ));
                 }
             }
-            Enc::Fp4 { .. } => unreachable!("experts have no native per-expert name"),
+            Enc::Fp4(_) => unreachable!("experts have no native per-expert name"),
         }
     }
     let (e, i, d) = (m.cfg.n_routed_experts, m.cfg.moe_inter, m.cfg.hidden_size);
@@ -409,16 +386,11 @@ fn scheme_native(m: &Model) -> Vec<Entry> {
         let (mut packed, mut scales, mut down) = (Vec::new(), Vec::new(), Vec::new());
         for x in 0..e {
             for w in ["w1", "w3"] {
-                let Enc::Fp4 {
-                    packed: p,
-                    scales: s,
-                    ..
-                } = &m.enc[&format!("layers.{l}.ffn.experts.{x}.{w}.weight")]
-                else {
+                let Enc::Fp4(q) = &m.enc[&format!("layers.{l}.ffn.experts.{x}.{w}.weight")] else {
                     panic!("expert not FP4")
                 };
-                packed.extend_from_slice(p);
-                scales.extend_from_slice(s);
+                packed.extend_from_slice(&q.codes);
+                scales.extend_from_slice(&q.scales);
             }
             down.extend(m.values(&format!("layers.{l}.ffn.experts.{x}.w2.weight")));
         }
@@ -588,14 +560,14 @@ fn three_schemes_load_bit_identically() {
     assert_eq!(wq_a.shape, vec![48, 80]);
     assert!(matches!(
         &m.enc["layers.0.attn.wq_a.weight"],
-        Enc::Fp8 { sshape: [2, 3], .. }
+        Enc::Fp8(Codes { sshape: [2, 3], .. })
     ));
     assert!(matches!(
         &m.enc["layers.2.ffn.experts.1.w2.weight"],
-        Enc::Fp4 {
+        Enc::Fp4(Codes {
             sshape: [80, 2],
             ..
-        }
+        })
     ));
 }
 
@@ -612,7 +584,7 @@ fn default_block_is_128() {
     assert_eq!(m.block, [128, 128]);
     assert!(matches!(
         &m.enc["layers.0.attn.wq_b.weight"],
-        Enc::Fp8 { sshape: [1, 1], .. }
+        Enc::Fp8(Codes { sshape: [1, 1], .. })
     ));
     let d = single("block128", &scheme_upstream(&m));
     assert_matches(&m, &load(&m.cfg, &d.0).unwrap(), "block 128");
@@ -1031,11 +1003,7 @@ fn hf_fixtures_load() {
         let st = safetensors::SafeTensors::deserialize(&raw).unwrap();
         let t = st.tensor(kv_norm_name).unwrap();
         assert_eq!(t.dtype(), Dtype::BF16);
-        let want: Vec<f32> = t
-            .data()
-            .chunks(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect();
+        let want = bf16_values(t.data());
         let got = store.f32(store.index_of("layers.0.attn.kv_norm.weight").unwrap());
         assert_eq!(got, want.as_slice(), "{dir}: kv_norm");
         if dir == "tiny_native" {
@@ -1044,11 +1012,7 @@ fn hf_fixtures_load() {
                 .tensor("model.layers.1.mlp.experts.gate_up_proj")
                 .unwrap();
             let (i, dd) = (cfg.moe_inter, cfg.hidden_size);
-            let all: Vec<f32> = t
-                .data()
-                .chunks(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect();
+            let all = bf16_values(t.data());
             let w3 = store.f32(store.index_of("layers.1.ffn.experts.1.w3.weight").unwrap());
             assert_eq!(w3, &all[(2 * i + i) * dd..(4 * i) * dd]);
         }
