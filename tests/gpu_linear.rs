@@ -11,7 +11,7 @@
 mod common;
 
 use common::assert_bits;
-use common::gpu::{alloc, family_gpu, print_kernel_resources};
+use common::gpu::{alloc, family_gpu, print_kernel_resources, weight_dev};
 use common::rng::Rng;
 use dsv4::cuda::arena;
 use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat, WeightDev};
@@ -34,17 +34,19 @@ struct Env {
     lin: Linear,
 }
 
-/// The device, the `linear` family compiled and loaded, or None after printing the skip line.
-fn env() -> Option<&'static Env> {
+/// The device, the `linear` family compiled and loaded, and a fresh
+/// stream for one test; or None after printing the skip line.
+fn env() -> Option<(&'static Env, OwnedStream)> {
     static ENV: OnceLock<Env> = OnceLock::new();
     let g = family_gpu(&[&linear::SOURCE])?;
-    Some(ENV.get_or_init(|| {
+    let e = ENV.get_or_init(|| {
         print_kernel_resources(&g.reg);
         Env {
             ctx: &g.ctx,
             lin: Linear::new(&g.reg).unwrap(),
         }
-    }))
+    });
+    Some((e, OwnedStream::new(e.ctx).unwrap()))
 }
 
 fn upload<T: arena::Pod>(p: DevicePtr, v: &[T], s: BorrowedStream) {
@@ -55,6 +57,15 @@ fn download_f32(p: DevicePtr, n: usize, s: BorrowedStream) -> Vec<f32> {
     let mut v = vec![0f32; n];
     arena::copy_to_host_sync(&mut v, p, s).unwrap();
     v
+}
+
+/// Contiguous rows `x` [rows, k] laid out at stride `ldx` with NaN in the gaps.
+fn strided(x: &[f32], rows: usize, k: usize, ldx: usize) -> Vec<f32> {
+    let mut xs = vec![f32::NAN; linear::strided_bytes(rows, k, ldx) / 4];
+    for r in 0..rows {
+        xs[r * ldx..r * ldx + k].copy_from_slice(&x[r * k..(r + 1) * k]);
+    }
+    xs
 }
 
 fn poison(p: DevicePtr, s: BorrowedStream) {
@@ -139,17 +150,13 @@ impl HostWeight {
                 upload(scales, &q.scales, s);
             }
         }
-        WeightDev {
-            format: self.format,
-            data: data.slice(0, self.data_bytes()).unwrap(),
-            scales: self
-                .format
-                .is_quantized()
-                .then(|| scales.slice(0, self.scale_bytes()).unwrap()),
-            block: self.block,
-            rows: self.rows,
-            cols: self.cols,
-        }
+        weight_dev(
+            self.format,
+            [self.rows, self.cols],
+            self.block,
+            (data, self.data_bytes()),
+            (scales, self.scale_bytes()),
+        )
     }
 }
 
@@ -182,10 +189,7 @@ fn run_linear_case(
     let hw = HostWeight::new(format, rows, k, block, &wsrc);
     // x contiguous for the reference; strided with NaN gaps for the device.
     let xc = rng.values(t * k, c.wild);
-    let mut xs = vec![f32::NAN; linear::strided_bytes(t, k, ldx) / 4];
-    for ti in 0..t {
-        xs[ti * ldx..ti * ldx + k].copy_from_slice(&xc[ti * k..(ti + 1) * k]);
-    }
+    let xs = strided(&xc, t, k, ldx);
     let ybytes = linear::strided_bytes(t, n, ldy);
     let (_a, p) = alloc(
         &e.ctx,
@@ -235,8 +239,7 @@ fn run_linear_case(
 
 #[test]
 fn linear_matches_matmul_mat_bit_for_bit_in_every_format() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let mut rng = Rng::from_env("linear");
     let case = |t, k, n, row0, ldx_pad, ldy_pad, wild| Case {
@@ -302,8 +305,7 @@ fn linear_matches_matmul_mat_bit_for_bit_in_every_format() {
 
 #[test]
 fn linear_refuses_out_of_bounds_launches() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let (_a, p) = alloc(&e.ctx, &[4 * 10 * 16, 4 * 8 * 16, 4 * 10 * 8]);
     let w = WeightDev {
@@ -361,8 +363,7 @@ fn linear_refuses_out_of_bounds_launches() {
 
 #[test]
 fn act_quant_matches_fp8_sim_bit_for_bit() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let mut rng = Rng::from_env("act_quant");
     for (rows, k, pad) in [
@@ -391,10 +392,7 @@ fn act_quant_matches_fp8_sim_bit_for_bit() {
                 *v *= 1e-7;
             }
         }
-        let mut xs = vec![f32::NAN; linear::strided_bytes(rows, k, ldx) / 4];
-        for r in 0..rows {
-            xs[r * ldx..r * ldx + k].copy_from_slice(&xc[r * k..(r + 1) * k]);
-        }
+        let xs = strided(&xc, rows, k, ldx);
         let mut want = xc.clone();
         want.chunks_exact_mut(k).for_each(|r| fp8_sim(r, 128));
         let (_a, p) = alloc(&e.ctx, &[xs.len() * 4, rows * k * 4]);
@@ -431,8 +429,7 @@ fn act_quant_matches_fp8_sim_bit_for_bit() {
 /// dummy-filled tiny model in each storage.
 #[test]
 fn prec_linear_matches_the_reference_in_both_modes() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let mut rng = Rng::from_env("prec_linear");
     let cfg = dsv4::ModelConfig::tiny_default();
@@ -582,8 +579,7 @@ fn random_weight(
 #[test]
 #[ignore = "benchmark: run with --ignored --nocapture on a GPU"]
 fn linear_throughput() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let mut rng = Rng::from_env("bench");
     let time = |f: &mut dyn FnMut()| -> f64 {

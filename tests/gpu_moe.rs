@@ -14,7 +14,7 @@
 mod common;
 
 use common::assert_bits;
-use common::gpu::{family_gpu, print_kernel_resources};
+use common::gpu::{family_gpu, print_kernel_resources, weight_dev};
 use common::rng::Rng;
 use dsv4::ModelConfig;
 use dsv4::cuda::arena::{self, ArenaPlan};
@@ -42,19 +42,20 @@ struct Env {
     moe: Moe,
 }
 
-/// The device, the `linear` and `moe` families compiled and loaded, or None after printing the
-/// skip line.
-fn env() -> Option<&'static Env> {
+/// The device, the `linear` and `moe` families compiled and loaded, and a
+/// fresh stream for one test; or None after printing the skip line.
+fn env() -> Option<(&'static Env, OwnedStream)> {
     static ENV: OnceLock<Env> = OnceLock::new();
     let g = family_gpu(&[&linear::SOURCE, &moe::SOURCE])?;
-    Some(ENV.get_or_init(|| {
+    let e = ENV.get_or_init(|| {
         print_kernel_resources(&g.reg);
         Env {
             ctx: &g.ctx,
             lin: Linear::new(&g.reg).unwrap(),
             moe: Moe::new(&g.reg).unwrap(),
         }
-    }))
+    });
+    Some((e, OwnedStream::new(e.ctx).unwrap()))
 }
 
 /// Buffers in one arena, planned by name and size, uploaded after allocation.
@@ -175,17 +176,13 @@ fn plan_mat(b: &mut Bufs, m: HostMat) -> MatBufs {
 
 fn dev_weight(mb: &MatBufs, p: &[DevicePtr]) -> WeightDev {
     let m = &mb.m;
-    WeightDev {
-        format: m.format,
-        data: p[mb.data].slice(0, m.data.len()).unwrap(),
-        scales: m
-            .format
-            .is_quantized()
-            .then(|| p[mb.scales].slice(0, m.scales.len() * 4).unwrap()),
-        block: m.block,
-        rows: m.rows,
-        cols: m.cols,
-    }
+    weight_dev(
+        m.format,
+        [m.rows, m.cols],
+        m.block,
+        (p[mb.data], m.data.len()),
+        (p[mb.scales], m.scales.len() * 4),
+    )
 }
 
 /// One MoE layer's weights on the device.
@@ -553,8 +550,7 @@ fn variants() -> Vec<Variant> {
 
 #[test]
 fn moe_layer_matches_the_reference_bit_for_bit() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let mut rng = Rng::from_env("moe");
     let mut runs = 0;
@@ -627,8 +623,7 @@ fn moe_layer_matches_the_reference_bit_for_bit() {
 
 #[test]
 fn moe_wrappers_refuse_out_of_bounds_launches() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let (t, k, ne) = (10usize, 2usize, 4usize);
     let [ob, rb, tb, nb] = MoePlan::buffer_bytes(t, k, ne, TILE_ROWS);
@@ -705,8 +700,7 @@ fn moe_wrappers_refuse_out_of_bounds_launches() {
 #[test]
 #[ignore = "benchmark: run with --ignored --nocapture on a GPU"]
 fn moe_throughput() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let mut rng = Rng::from_env("moe bench");
     let (ne, k, d, i, distinct) = (256usize, 6usize, 4096usize, 2048usize, 32usize);

@@ -5,6 +5,7 @@
 use std::sync::OnceLock;
 
 use dsv4::cuda::arena::{self, ArenaPlan, Pod};
+use dsv4::cuda::kernels::linear::{StorageFormat, WeightDev};
 use dsv4::cuda::registry::{KernelCache, KernelSource, Registry, cubin_defines, nvrtc_version};
 use dsv4::cuda::{Arena, BorrowedStream, Context, DevicePtr, OwnedStream};
 
@@ -138,6 +139,27 @@ pub fn alloc(ctx: &Context, bytes: &[usize]) -> (Arena, Vec<DevicePtr>) {
     let a = Arena::from_plan(ctx, &plan).unwrap();
     let ptrs = ids.iter().map(|&i| a.region(i)).collect();
     (a, ptrs)
+}
+
+/// A weight matrix `[rows, cols]` in device memory: `data` and, for quantized formats only,
+/// `scales`, each cut to its byte size.
+pub fn weight_dev(
+    format: StorageFormat,
+    [rows, cols]: [usize; 2],
+    block: [usize; 2],
+    (data, data_bytes): (DevicePtr, usize),
+    (scales, scale_bytes): (DevicePtr, usize),
+) -> WeightDev {
+    WeightDev {
+        format,
+        data: data.slice(0, data_bytes).unwrap(),
+        scales: format
+            .is_quantized()
+            .then(|| scales.slice(0, scale_bytes).unwrap()),
+        block,
+        rows,
+        cols,
+    }
 }
 
 /// One test's device state: the family's kernels `k`, its own stream and buffers.
