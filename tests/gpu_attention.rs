@@ -135,6 +135,17 @@ struct Case {
 }
 
 impl Case {
+    /// [`short_script`] on `cfg` in 3 slots of 80 positions, untimed.
+    fn short(cfg: ModelConfig) -> Case {
+        Case {
+            cfg,
+            max_seq_len: 80,
+            slots: 3,
+            script: short_script(),
+            timing: false,
+        }
+    }
+
     fn max_tokens(&self) -> usize {
         self.script
             .iter()
@@ -773,13 +784,7 @@ fn run_case(name: &str, case: &Case, seed: u64) {
 /// head_dim 128, 4 heads, window 8, CSA ratio 4 with 8 indexer heads and top-4, HCA ratio 8.
 #[test]
 fn attention_sequence_matches_reference_small() {
-    let case = Case {
-        cfg: config(128, 4, 8, 8, 8, 4),
-        max_seq_len: 80,
-        slots: 3,
-        script: short_script(),
-        timing: false,
-    };
+    let case = Case::short(config(128, 4, 8, 8, 8, 4));
     run_case("small", &case, 0x9e37_79b9_7f4a_7c15);
 }
 
@@ -787,13 +792,7 @@ fn attention_sequence_matches_reference_small() {
 /// heads (large shared memory), HCA ratio 16.
 #[test]
 fn attention_sequence_matches_reference_wide() {
-    let case = Case {
-        cfg: config(512, 2, 16, 16, 64, 8),
-        max_seq_len: 80,
-        slots: 3,
-        script: short_script(),
-        timing: false,
-    };
+    let case = Case::short(config(512, 2, 16, 16, 64, 8));
     run_case("wide", &case, 0x1234_5678_9abc_def1);
 }
 

@@ -11,6 +11,12 @@
 
 mod common;
 
-use common::parity::{abi_engine, c_abi};
+use common::Oracle;
+use common::parity::{Scenario, abi_engine, c_abi};
 
-cpu_parity_tests!(c_abi, |model| abi_engine(model, -1));
+/// Runs `scenario` on a fresh CPU engine of `model` driven through the C ABI.
+fn on_cpu(scenario: Scenario, model: &str) {
+    scenario(&mut abi_engine(model, -1), &Oracle::load(model), model);
+}
+
+parity_tests!(c_abi, on_cpu);

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::parity::{Forward, TOL, hf};
+use common::parity::{Forward, Scenario, TOL, hf};
 use common::rig::Step;
 use common::{Oracle, fixture_engine, max_abs_diff};
 use dsv4::{Batch, Engine, EngineOptions, LogitsOut, Numerics};
@@ -38,7 +38,12 @@ impl Forward for Api {
     }
 }
 
-cpu_parity_tests!(hf, |model| Api(engine(model)));
+/// Runs `scenario` on a fresh CPU engine of `model` through the Rust API.
+fn on_cpu(scenario: Scenario, model: &str) {
+    scenario(&mut Api(engine(model)), &Oracle::load(model), model);
+}
+
+parity_tests!(hf, on_cpu);
 
 /// logits_rows picks rows; BF16 output equals the F32 output rounded; restarting a slot at
 /// position 0 forgets the previous sequence.

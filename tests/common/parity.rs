@@ -224,13 +224,16 @@ fn prefill_then_decode_into(
     steps
 }
 
-/// The CPU half's tests of one scenario set (`hf` or `c_abi`, in scope by that name): every
-/// scenario on each fixture model as a test of its own, on a forward made fresh by
-/// `$make(model)`.
+/// A parity scenario: runs a schedule on a forward and checks it against the oracle; the
+/// last argument names the run in messages.
+pub type Scenario = fn(&mut dyn Forward, &Oracle, &str);
+
+/// The tests of one scenario set (`hf` or `c_abi`, in scope by that name): every scenario on
+/// each fixture model as a test of its own, run by `$run(scenario, model)`.
 #[macro_export]
-macro_rules! cpu_parity_tests {
-    ($set:ident, $make:expr) => {
-        $crate::cpu_parity_tests!(@tests $set, $make,
+macro_rules! parity_tests {
+    ($set:ident, $run:path) => {
+        $crate::parity_tests!(@tests $set, $run,
             tiny_one_shot: one_shot("tiny"),
             tiny_chunked_interleaved: chunked("tiny"),
             tiny_prefill_decode: prefill_then_decode("tiny"),
@@ -239,13 +242,11 @@ macro_rules! cpu_parity_tests {
             native_prefill_decode: prefill_then_decode("tiny_native"),
         );
     };
-    (@tests $set:ident, $make:expr, $($test:ident: $scenario:ident($model:literal),)*) => {
+    (@tests $set:ident, $run:path, $($test:ident: $scenario:ident($model:literal),)*) => {
         $(
             #[test]
             fn $test() {
-                let model = $model;
-                let oracle = $crate::common::Oracle::load(model);
-                $set::$scenario(&mut ($make)(model), &oracle, model);
+                $run($set::$scenario, $model);
             }
         )*
     };
