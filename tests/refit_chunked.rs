@@ -96,6 +96,14 @@ fn read_shard(path: &Path) -> Vec<Entry> {
     out
 }
 
+/// `tiny_fp8`'s checkpoint entries, the reference engine's view of it, and a fresh engine
+/// with dummy weights (to be destroyed by the test).
+fn fp8_dummy() -> (Vec<Entry>, Reference, *mut dsv4_engine) {
+    let ck = checkpoint("tiny_fp8");
+    let reference = Reference::of("tiny_fp8");
+    (ck, reference, engine("tiny_fp8", Load::Dummy))
+}
+
 /// Every tensor of a fixture checkpoint (all shards), sorted by name.
 fn checkpoint(model: &str) -> Vec<Entry> {
     let mut all = common::abi::checkpoint_file_order(model);
@@ -496,9 +504,7 @@ fn one_shard_per_chunk_equals_a_normal_load() {
 
 #[test]
 fn unpaired_halves_at_refit_end_are_named_and_the_refit_stays_open() {
-    let ck = checkpoint("tiny_fp8");
-    let reference = Reference::of("tiny_fp8");
-    let e = engine("tiny_fp8", Load::Dummy);
+    let (ck, reference, e) = fp8_dummy();
     let (wq_a, wo_a, w1) = (FP8[0], FP8[1], FP4[0]);
     // Held: wq_a's codes (no scale yet), experts.0.w1's scale and wo_a's scale (no weight yet).
     let missing = [scale_of(wq_a), weight_of(w1), weight_of(wo_a)];
@@ -546,9 +552,7 @@ fn unpaired_halves_at_refit_end_are_named_and_the_refit_stays_open() {
 
 #[test]
 fn plain_refit_still_needs_both_halves_in_one_call() {
-    let ck = checkpoint("tiny_fp8");
-    let reference = Reference::of("tiny_fp8");
-    let e = engine("tiny_fp8", Load::Dummy);
+    let (ck, reference, e) = fp8_dummy();
     let toks = prompt("tiny_fp8");
     let before = logits(e, &toks);
     for m in [FP8[0], FP4[0]] {
@@ -583,9 +587,7 @@ fn plain_refit_still_needs_both_halves_in_one_call() {
 
 #[test]
 fn a_bad_chunk_holds_nothing_and_held_halves_are_checked() {
-    let ck = checkpoint("tiny_fp8");
-    let reference = Reference::of("tiny_fp8");
-    let e = engine("tiny_fp8", Load::Dummy);
+    let (ck, reference, e) = fp8_dummy();
     let (wq_a, wo_a, w1) = (FP8[0], FP8[1], FP4[0]);
     assert_fresh(e, &reference, &[weight_of(wq_a), weight_of(w1)]);
     let dummy_wq_a = stored(e, &weight_of(wq_a));
