@@ -14,6 +14,7 @@ use std::ptr;
 use std::sync::Mutex;
 
 use common::abi::{check, last_error, status_name as name};
+use common::rig::Step;
 use common::{Oracle, fixture_dir, max_abs_diff};
 use dsv4::ffi::*;
 use safetensors::tensor::TensorView;
@@ -144,26 +145,26 @@ impl HostBatch {
         Self::seqs(&[(slot, start, n)])
     }
 
+    /// Sequences `(slot, start, n)` batched together; token ids are a function of slot and
+    /// position below the 1024-token vocab.
     fn seqs(seqs: &[(i32, i32, i32)]) -> Self {
-        let mut b = HostBatch {
-            tokens: vec![],
-            positions: vec![],
-            slots: vec![],
-            query_start: vec![0],
+        let seqs: Vec<(i32, i32, Vec<i32>)> = seqs
+            .iter()
+            .map(|&(slot, start, n)| {
+                let toks = (start..start + n).map(|p| (7 * p + 3 * slot + 1).rem_euclid(1024));
+                (slot, start, toks.collect())
+            })
+            .collect();
+        let s = Step::of(&seqs);
+        let logits = vec![f32::NAN; s.toks.len() * 1024];
+        HostBatch {
+            tokens: s.toks,
+            positions: s.pos,
+            slots: s.slots,
+            query_start: s.qs,
             rows: None,
-            logits: vec![],
-        };
-        for &(slot, start, n) in seqs {
-            for k in 0..n {
-                b.tokens
-                    .push((7 * (start + k) + 3 * slot + 1).rem_euclid(1024));
-                b.positions.push(start + k);
-            }
-            b.slots.push(slot);
-            b.query_start.push(b.tokens.len() as i32);
+            logits,
         }
-        b.logits = vec![f32::NAN; b.tokens.len() * 1024];
-        b
     }
 
     fn last_rows(mut self) -> Self {
