@@ -364,40 +364,30 @@ fn run_gpu(
     m.plan(ctx, ids, &plan, s).unwrap();
     let [w1, w2, w3] = &dl.experts;
     let routed_q = w1.format.is_quantized();
-    let xin = if official && routed_q {
-        lin.act_quant(ctx, xd, d, t, d, xq, s).unwrap();
-        xq
-    } else {
-        xd
+    // What a linear of `rows` x `cols` activations reads: `x` FP8-quantized into `xq` first when
+    // official numerics meet a quantized weight, else `x` itself.
+    let act_in = |quantized: bool, x: DevicePtr, rows: usize, cols: usize, xq: DevicePtr| {
+        if official && quantized {
+            lin.act_quant(ctx, x, cols, rows, cols, xq, s).unwrap();
+            xq
+        } else {
+            x
+        }
     };
+    let xin = act_in(routed_q, xd, t, d, xq);
     m.up(ctx, &plan, xin, w1, w3, weights, limit, official, h, s)
         .unwrap();
-    let hin = if official && routed_q {
-        lin.act_quant(ctx, h, i, n, i, hq, s).unwrap();
-        hq
-    } else {
-        h
-    };
+    let hin = act_in(routed_q, h, n, i, hq);
     m.down(ctx, &plan, hin, w2, official, ya, s).unwrap();
     let ys = dl.shared.as_ref().map(|[s1, s2, s3]| {
         let quant = s1.format.is_quantized();
-        let xin = if official && quant {
-            lin.act_quant(ctx, xd, d, t, d, xqs, s).unwrap();
-            xqs
-        } else {
-            xd
-        };
+        let xin = act_in(quant, xd, t, d, xqs);
         lin.linear(ctx, xin, d, t, s1, i, official, g, i, s)
             .unwrap();
         lin.linear(ctx, xin, d, t, s3, i, official, v, i, s)
             .unwrap();
         m.swiglu(ctx, g, v, t * i, limit, official, hs, s).unwrap();
-        let hin = if official && quant {
-            lin.act_quant(ctx, hs, i, t, i, hsq, s).unwrap();
-            hsq
-        } else {
-            hs
-        };
+        let hin = act_in(quant, hs, t, i, hsq);
         lin.linear(ctx, hin, i, t, s2, d, official, ys, d, s)
             .unwrap();
         ys
@@ -477,72 +467,61 @@ fn variants() -> Vec<Variant> {
             ("swiglu_limit", json!(0.3)),
         ]
     };
-    let with = |mut v: Vec<(&'static str, Value)>, more: Vec<(&'static str, Value)>| {
+    // The base sizes with `more` edits on top (an edit of a base key replaces it).
+    let on_base = |more: Vec<(&'static str, Value)>| {
+        let mut v = base();
         for (k, x) in more {
             v.retain(|(kk, _)| *kk != k);
             v.push((k, x));
         }
         v
     };
+    // FP8 dense weights in `block` blocks, experts as `experts`.
+    let quantized = |block: [usize; 2], experts: &str| {
+        let q = json!({"weight_block_size": block, "expert_dtype": experts});
+        ("quantization_config", q)
+    };
+    let variant = |name, format, edits| Variant {
+        name,
+        edits,
+        format,
+    };
     vec![
-        Variant {
-            name: "f32",
-            edits: base(),
-            format: WeightFormat::AsStored,
-        },
-        Variant {
-            name: "bf16",
-            edits: base(),
-            format: WeightFormat::Bf16,
-        },
-        Variant {
-            name: "fp8 dense [32,64] + fp4 experts, D=326",
-            edits: with(
-                base(),
-                vec![
-                    ("hidden_size", json!(326)),
-                    (
-                        "quantization_config",
-                        json!({"weight_block_size": [32, 64], "expert_dtype": "fp4"}),
-                    ),
-                ],
-            ),
-            format: WeightFormat::Quantize,
-        },
-        Variant {
-            name: "fp8 experts [64,128], I=90, k=3 of 12, no clamp",
-            edits: with(
-                base(),
-                vec![
-                    ("moe_intermediate_size", json!(90)),
-                    ("n_routed_experts", json!(12)),
-                    ("num_experts_per_tok", json!(3)),
-                    ("swiglu_limit", json!(0.0)),
-                    (
-                        "quantization_config",
-                        json!({"weight_block_size": [64, 128], "expert_dtype": "fp8"}),
-                    ),
-                ],
-            ),
-            format: WeightFormat::Quantize,
-        },
-        Variant {
-            name: "sigmoid, no renorm, no shared expert",
-            edits: with(
-                base(),
-                vec![
-                    ("scoring_func", json!("sigmoid")),
-                    ("norm_topk_prob", json!(false)),
-                    ("n_shared_experts", json!(0)),
-                ],
-            ),
-            format: WeightFormat::AsStored,
-        },
-        Variant {
-            name: "softmax, fp8 [128,128] + fp4, tiny default sizes",
-            edits: vec![("scoring_func", json!("softmax"))],
-            format: WeightFormat::Quantize,
-        },
+        variant("f32", WeightFormat::AsStored, base()),
+        variant("bf16", WeightFormat::Bf16, base()),
+        variant(
+            "fp8 dense [32,64] + fp4 experts, D=326",
+            WeightFormat::Quantize,
+            on_base(vec![
+                ("hidden_size", json!(326)),
+                quantized([32, 64], "fp4"),
+            ]),
+        ),
+        variant(
+            "fp8 experts [64,128], I=90, k=3 of 12, no clamp",
+            WeightFormat::Quantize,
+            on_base(vec![
+                ("moe_intermediate_size", json!(90)),
+                ("n_routed_experts", json!(12)),
+                ("num_experts_per_tok", json!(3)),
+                ("swiglu_limit", json!(0.0)),
+                quantized([64, 128], "fp8"),
+            ]),
+        ),
+        variant(
+            "sigmoid, no renorm, no shared expert",
+            WeightFormat::AsStored,
+            on_base(vec![
+                ("scoring_func", json!("sigmoid")),
+                ("norm_topk_prob", json!(false)),
+                ("n_shared_experts", json!(0)),
+            ]),
+        ),
+        variant(
+            "softmax, fp8 [128,128] + fp4, tiny default sizes",
+            WeightFormat::Quantize,
+            vec![("scoring_func", json!("softmax"))],
+        ),
     ]
 }
 
