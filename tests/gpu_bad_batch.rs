@@ -158,7 +158,8 @@ fn cases(p: &Pair) -> Vec<(Case, Step)> {
     let l0 = p.lens[0];
     // (field, how a value is written into the batch, the (index, value, name) of each case).
     type Write = fn(&mut Step, usize, i32);
-    let groups: [(i32, Write, &[(usize, i32, &str)]); 7] = [
+    type Values<'a> = &'a [(usize, i32, &'a str)];
+    let groups: [(i32, Write, Values); 7] = [
         (
             DSV4_FIELD_TOKEN_IDS,
             |s, i, val| s.toks[i] = val,

@@ -192,7 +192,7 @@ fn run_linear_case(
     let xs = strided(&xc, t, k, ldx);
     let ybytes = linear::strided_bytes(t, n, ldy);
     let (_a, p) = alloc(
-        &e.ctx,
+        e.ctx,
         &[xs.len() * 4, hw.data_bytes(), hw.scale_bytes(), ybytes],
     );
     let _g = e.ctx.enter().unwrap();
@@ -209,7 +209,7 @@ fn run_linear_case(
         }
         poison(p[3], s);
         e.lin
-            .linear(&e.ctx, x, ldx, t, &w, n, round, y, ldy, s)
+            .linear(e.ctx, x, ldx, t, &w, n, round, y, ldy, s)
             .unwrap();
         let yall = download_f32(y, ybytes / 4, s);
         let mut got = vec![0f32; t * n];
@@ -307,7 +307,7 @@ fn linear_matches_matmul_mat_bit_for_bit_in_every_format() {
 fn linear_refuses_out_of_bounds_launches() {
     let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
-    let (_a, p) = alloc(&e.ctx, &[4 * 10 * 16, 4 * 8 * 16, 4 * 10 * 8]);
+    let (_a, p) = alloc(e.ctx, &[4 * 10 * 16, 4 * 8 * 16, 4 * 10 * 8]);
     let w = WeightDev {
         format: StorageFormat::F32,
         data: p[1],
@@ -318,26 +318,26 @@ fn linear_refuses_out_of_bounds_launches() {
     };
     let l = &e.lin;
     assert!(
-        l.linear(&e.ctx, p[0], 16, 10, &w, 8, false, p[2], 8, s)
+        l.linear(e.ctx, p[0], 16, 10, &w, 8, false, p[2], 8, s)
             .is_ok()
     );
     assert!(
-        l.linear(&e.ctx, p[0], 16, 11, &w, 8, false, p[2], 8, s)
+        l.linear(e.ctx, p[0], 16, 11, &w, 8, false, p[2], 8, s)
             .is_err(),
         "x too small"
     );
     assert!(
-        l.linear(&e.ctx, p[0], 16, 10, &w, 9, false, p[2], 9, s)
+        l.linear(e.ctx, p[0], 16, 10, &w, 9, false, p[2], 9, s)
             .is_err(),
         "N > rows"
     );
     assert!(
-        l.linear(&e.ctx, p[0], 15, 10, &w, 8, false, p[2], 8, s)
+        l.linear(e.ctx, p[0], 15, 10, &w, 8, false, p[2], 8, s)
             .is_err(),
         "ldx < K"
     );
     assert!(
-        l.linear(&e.ctx, p[0], 16, 10, &w, 8, false, p[2], 9, s)
+        l.linear(e.ctx, p[0], 16, 10, &w, 8, false, p[2], 9, s)
             .is_err(),
         "y too small"
     );
@@ -348,12 +348,12 @@ fn linear_refuses_out_of_bounds_launches() {
         ..w
     };
     assert!(
-        l.linear(&e.ctx, p[0], 16, 10, &fp8, 8, false, p[2], 8, s)
+        l.linear(e.ctx, p[0], 16, 10, &fp8, 8, false, p[2], 8, s)
             .is_err(),
         "no scales"
     );
     assert!(
-        l.act_quant(&e.ctx, p[0], 16, 10, 16, p[2], s).is_err(),
+        l.act_quant(e.ctx, p[0], 16, 10, 16, p[2], s).is_err(),
         "xq too small"
     );
     s.synchronize().unwrap();
@@ -395,13 +395,13 @@ fn act_quant_matches_fp8_sim_bit_for_bit() {
         let xs = strided(&xc, rows, k, ldx);
         let mut want = xc.clone();
         want.chunks_exact_mut(k).for_each(|r| fp8_sim(r, 128));
-        let (_a, p) = alloc(&e.ctx, &[xs.len() * 4, rows * k * 4]);
+        let (_a, p) = alloc(e.ctx, &[xs.len() * 4, rows * k * 4]);
         let _g = e.ctx.enter().unwrap();
         upload(p[0], &xs, s);
         poison(p[1], s);
         let x = p[0].slice(0, xs.len() * 4).unwrap();
         let xq = p[1].slice(0, rows * k * 4).unwrap();
-        e.lin.act_quant(&e.ctx, x, ldx, rows, k, xq, s).unwrap();
+        e.lin.act_quant(e.ctx, x, ldx, rows, k, xq, s).unwrap();
         let got = download_f32(xq, rows * k, s);
         assert_bits(
             &format!("act_quant rows={rows} K={k} ldx={ldx}"),
@@ -411,7 +411,7 @@ fn act_quant_matches_fp8_sim_bit_for_bit() {
         // In place (ldx == K).
         if pad == 0 {
             upload(p[0], &xc, s);
-            e.lin.act_quant(&e.ctx, x, k, rows, k, x, s).unwrap();
+            e.lin.act_quant(e.ctx, x, k, rows, k, x, s).unwrap();
             let got = download_f32(x, rows * k, s);
             assert_bits(
                 &format!("act_quant in place rows={rows} K={k}"),
@@ -491,7 +491,7 @@ fn prec_linear_matches_the_reference_in_both_modes() {
                     .map(|v| half::bf16::from_f32(v * 2.0).to_f32())
                     .collect();
                 let (_a, p) = alloc(
-                    &e.ctx,
+                    e.ctx,
                     &[
                         t * k * 4,
                         t * k * 4,
@@ -512,13 +512,13 @@ fn prec_linear_matches_the_reference_in_both_modes() {
                     poison(p[1], s);
                     poison(p[4], s);
                     let input = if official && store.is_quantized(idx) {
-                        e.lin.act_quant(&e.ctx, xd, k, t, k, xq, s).unwrap();
+                        e.lin.act_quant(e.ctx, xd, k, t, k, xq, s).unwrap();
                         xq
                     } else {
                         xd
                     };
                     e.lin
-                        .linear(&e.ctx, input, k, t, &w, n, official, p[4], n, s)
+                        .linear(e.ctx, input, k, t, &w, n, official, p[4], n, s)
                         .unwrap();
                     let got = download_f32(p[4], t * n, s);
                     assert_bits(
@@ -604,7 +604,7 @@ fn linear_throughput() {
             let tmax = 2048;
             let x: Vec<f32> = rng.values(tmax * k, false);
             let (_a, p) = alloc(
-                &e.ctx,
+                e.ctx,
                 &[x.len() * 4, data.len(), scales.len() * 4, tmax * n * 4],
             );
             let _g = e.ctx.enter().unwrap();
@@ -623,7 +623,7 @@ fn linear_throughput() {
             for t in [1usize, 8, 64, 512, 2048] {
                 let dt = time(&mut || {
                     e.lin
-                        .linear(&e.ctx, p[0], k, t, &w, n, true, p[3], n, s)
+                        .linear(e.ctx, p[0], k, t, &w, n, true, p[3], n, s)
                         .unwrap()
                 });
                 let tflops = 2.0 * (t * n * k) as f64 / dt / 1e12;
@@ -633,8 +633,8 @@ fn linear_throughput() {
         }
     }
     let (rows, k) = (4096usize, 4096usize);
-    let (_a, p) = alloc(&e.ctx, &[rows * k * 4, rows * k * 4]);
-    let dt = time(&mut || e.lin.act_quant(&e.ctx, p[0], k, rows, k, p[1], s).unwrap());
+    let (_a, p) = alloc(e.ctx, &[rows * k * 4, rows * k * 4]);
+    let dt = time(&mut || e.lin.act_quant(e.ctx, p[0], k, rows, k, p[1], s).unwrap());
     println!(
         "act_quant {rows}x{k}: {:.1} us ({:.0} GB/s)",
         dt * 1e6,

@@ -219,7 +219,7 @@ fn upload_layer(
         .map(|sw| [sw.w1, sw.w2, sw.w3].map(|i| plan_mat(&mut b, host_mat(store, i))));
     // Pointer tables (data, scales) per projection, filled once addresses are known.
     let tables: [(usize, usize); 3] = [0, 1, 2].map(|_| (b.add(ne * 8), b.add(ne * 8)));
-    let (arena, p) = b.alloc(&e.ctx, s);
+    let (arena, p) = b.alloc(e.ctx, s);
     let _g = e.ctx.enter().unwrap();
     let experts = [0usize, 1, 2].map(|j| {
         let ws: Vec<WeightDev> = routed.iter().map(|r| dev_weight(&r[j], &p)).collect();
@@ -310,7 +310,7 @@ fn run_gpu(
     for sz in sizes {
         b.add(sz);
     }
-    let (_arena, p) = b.alloc(&e.ctx, s);
+    let (_arena, p) = b.alloc(e.ctx, s);
     let q = |j: usize, bytes: usize| p[first + j].slice(0, bytes).unwrap();
     let (ids, weights) = (q(0, n * 4), q(1, n * 4));
     let plan = MoePlan {
@@ -610,7 +610,7 @@ fn moe_wrappers_refuse_out_of_bounds_launches() {
     for sz in [ob, rb, tb - 4, nb, t * k * 4, 64 * 4, tb] {
         b.add(sz);
     }
-    let (_a, p) = b.alloc(&e.ctx, s);
+    let (_a, p) = b.alloc(e.ctx, s);
     let plan = MoePlan {
         offsets: p[0],
         rows: p[1],
@@ -622,14 +622,14 @@ fn moe_wrappers_refuse_out_of_bounds_launches() {
         tile_rows: TILE_ROWS,
     };
     assert!(
-        e.moe.plan(&e.ctx, p[4], &plan, s).is_err(),
+        e.moe.plan(e.ctx, p[4], &plan, s).is_err(),
         "tiles too small"
     );
     let plan_ok = MoePlan {
         tiles: p[6],
         ..plan
     };
-    assert!(e.moe.plan(&e.ctx, p[4], &plan_ok, s).is_ok());
+    assert!(e.moe.plan(e.ctx, p[4], &plan_ok, s).is_ok());
     let rp = RouterParams {
         experts: 4,
         k: 5,
@@ -640,31 +640,31 @@ fn moe_wrappers_refuse_out_of_bounds_launches() {
     let sel = Selection::TopK { bias: None };
     assert!(
         e.moe
-            .router(&e.ctx, p[5], 1, 16, p[5], sel, &rp, p[4], p[4], s)
+            .router(e.ctx, p[5], 1, 16, p[5], sel, &rp, p[4], p[4], s)
             .is_err(),
         "k > E"
     );
     let rp = RouterParams { k: 2, ..rp };
     assert!(
         e.moe
-            .router(&e.ctx, p[5], 1, 16, p[5], sel, &rp, p[4], p[4], s)
+            .router(e.ctx, p[5], 1, 16, p[5], sel, &rp, p[4], p[4], s)
             .is_ok()
     );
     assert!(
         e.moe
-            .router(&e.ctx, p[5], 1, 17, p[5], sel, &rp, p[4], p[4], s)
+            .router(e.ctx, p[5], 1, 17, p[5], sel, &rp, p[4], p[4], s)
             .is_err(),
         "gate too small"
     );
     assert!(
         e.moe
-            .combine(&e.ctx, p[5], None, 2, 2, 17, false, p[5], s)
+            .combine(e.ctx, p[5], None, 2, 2, 17, false, p[5], s)
             .is_err(),
         "ya too small"
     );
     assert!(
         e.moe
-            .swiglu(&e.ctx, p[5], p[5], 65, 1.0, false, p[5], s)
+            .swiglu(e.ctx, p[5], p[5], 65, 1.0, false, p[5], s)
             .is_err(),
         "n too large"
     );
@@ -730,7 +730,7 @@ fn moe_throughput() {
     .iter()
     .map(|&sz| b.add(sz))
     .collect();
-    let (_arena, p) = b.alloc(&e.ctx, s);
+    let (_arena, p) = b.alloc(e.ctx, s);
     let _g = e.ctx.enter().unwrap();
     let experts: Vec<ExpertsDev> = (0..3)
         .map(|j| {

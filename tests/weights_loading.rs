@@ -767,7 +767,8 @@ fn dtype_shape_and_scale_errors() {
     let m = Model::new(CONFIG, 12);
     let base = scheme_upstream(&m);
     // (tag, how the upstream checkpoint is broken, what the Status::Tensor message names).
-    let cases: &[(&str, fn(&mut Vec<Entry>), &[&str])] = &[
+    type Edit = fn(&mut Vec<Entry>);
+    let cases: &[(&str, Edit, &[&str])] = &[
         // Wrong shape of a plain weight.
         (
             "shape",
