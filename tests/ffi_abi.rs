@@ -913,83 +913,56 @@ fn batch_validation_and_capacity() {
 
     let mut hb = HostBatch::single(0, 3, 1);
     let base = hb.raw();
-    let cases: Vec<(dsv4_batch, dsv4_status, Vec<&str>)> = vec![
+    // (how the valid batch is broken, the status, what the message names).
+    type Break = fn(&mut dsv4_batch);
+    let cases: [(Break, dsv4_status, &[&str]); 8] = [
         (
-            {
-                let mut b = base;
-                b.num_tokens = -1;
-                b
-            },
+            |b| b.num_tokens = -1,
             DSV4_STATUS_INVALID_ARGUMENT,
-            vec!["`batch->num_tokens` = -1"],
+            &["`batch->num_tokens` = -1"],
         ),
         (
-            {
-                let mut b = base;
-                b.num_tokens = 0;
-                b
-            },
+            |b| b.num_tokens = 0,
             DSV4_STATUS_INVALID_ARGUMENT,
-            vec!["`batch->num_tokens` = 0"],
+            &["`batch->num_tokens` = 0"],
         ),
         (
-            {
-                let mut b = base;
-                b.num_tokens = TOKENS + 1;
-                b.num_logits = TOKENS + 1;
-                b
-            },
+            |b| (b.num_tokens, b.num_logits) = (TOKENS + 1, TOKENS + 1),
             DSV4_STATUS_CAPACITY,
-            vec!["`batch->num_tokens`", "max_num_tokens"],
+            &["`batch->num_tokens`", "max_num_tokens"],
         ),
         (
-            {
-                let mut b = base;
-                b.num_seqs = 0;
-                b
-            },
+            |b| b.num_seqs = 0,
             DSV4_STATUS_INVALID_ARGUMENT,
-            vec!["`batch->num_seqs` = 0"],
+            &["`batch->num_seqs` = 0"],
         ),
         (
-            {
-                let mut b = base;
-                b.num_seqs = SEQS + 1;
-                b
-            },
+            |b| b.num_seqs = SEQS + 1,
             DSV4_STATUS_CAPACITY,
-            vec!["`batch->num_seqs`", "max_num_seqs"],
+            &["`batch->num_seqs`", "max_num_seqs"],
         ),
         (
-            {
-                let mut b = base;
-                b.num_logits = 2;
-                b
-            },
+            |b| b.num_logits = 2,
             DSV4_STATUS_INVALID_ARGUMENT,
-            vec!["`batch->num_logits` = 2", "logits_rows is NULL"],
+            &["`batch->num_logits` = 2", "logits_rows is NULL"],
         ),
         (
-            {
-                let mut b = base;
-                b.num_logits = -1;
-                b
-            },
+            |b| b.num_logits = -1,
             DSV4_STATUS_INVALID_ARGUMENT,
-            vec!["`batch->num_logits` = -1"],
+            &["`batch->num_logits` = -1"],
         ),
         (
-            {
-                let mut b = base;
-                b.token_ids = unsafe { b.token_ids.cast::<u8>().add(1).cast() };
-                b
-            },
+            // SAFETY: one byte into the token array: a misaligned pointer the library must
+            // reject before reading.
+            |b| b.token_ids = unsafe { b.token_ids.cast::<u8>().add(1).cast() },
             DSV4_STATUS_INVALID_ARGUMENT,
-            vec!["`batch->token_ids`", "aligned"],
+            &["`batch->token_ids`", "aligned"],
         ),
     ];
-    for (b, want, needles) in cases {
-        check(forward_raw(&e, &b), want, &needles);
+    for (edit, want, needles) in cases {
+        let mut b = base;
+        edit(&mut b);
+        check(forward_raw(&e, &b), want, needles);
         still_works(&e);
     }
 
