@@ -40,6 +40,8 @@ const N: usize = 4;
 const HC_EPS: f32 = 1e-6;
 const RMS_EPS: f32 = 1e-6;
 const ITERS: usize = 20;
+/// Rows of an mHC site's projection: pre (N), post (N) and comb (N x N) logits.
+const MIX: usize = (2 + N) * N;
 
 /// Residual streams [t, N, d]: each token at its own magnitude (bf16 in official mode).
 fn streams(rng: &mut Rng, t: usize, d: usize, official: bool) -> Vec<f32> {
@@ -162,7 +164,6 @@ fn assert_hc_pre(what: &str, got: &HcPre, want: &HcPre) {
 fn hc_pre_matches_reference_bit_for_bit() {
     let Some(d) = dev() else { return };
     let mut rng = Rng::new(11);
-    let mix = (2 + N) * N;
     // (tokens, D, Sinkhorn iterations, logit magnitude): the tiny and the released hidden size
     // with the model's 20 iterations; one iteration; sharp logits (Sinkhorn exps spanning
     // many orders of magnitude).
@@ -178,7 +179,7 @@ fn hc_pre_matches_reference_bit_for_bit() {
             let what =
                 format!("hc_pre T {t} D {dd} iters {iters} logits ~{logit} official {official}");
             let x = streams(&mut rng, t, dd, official);
-            let st = site(&mut rng, mix, dd, 3, logit);
+            let st = site(&mut rng, MIX, dd, 3, logit);
             let mut want = hc_pre(Threads(4), &x, N, dd, &st.params(), iters, HC_EPS, RMS_EPS);
             if official {
                 round_bf16(&mut want.u);
@@ -198,7 +199,6 @@ fn hc_pre_matches_reference_bit_for_bit() {
 fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
     let Some(d) = dev() else { return };
     let mut rng = Rng::new(21);
-    let mix = (2 + N) * N;
     for official in [false, true] {
         for &(t, dd) in &[(7usize, 256usize), (3, 4096)] {
             let what = format!("folded hc_pre T {t} D {dd} official {official}");
@@ -210,8 +210,8 @@ fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
                     x.extend_from_slice(&e[ti * N * dd..ti * N * dd + dd]);
                 }
             }
-            let st = site(&mut rng, mix, dd, 3, 2.0);
-            let mut fold = vec![0.0f64; mix * dd];
+            let st = site(&mut rng, MIX, dd, 3, 2.0);
+            let mut fold = vec![0.0f64; MIX * dd];
             fold_projection(&st.proj, N, dd, &mut fold);
             let folded = HcParams {
                 fold: Some(&fold),
@@ -246,12 +246,11 @@ fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
 fn hc_post_matches_reference_bit_for_bit() {
     let Some(d) = dev() else { return };
     let mut rng = Rng::new(12);
-    let mix = (2 + N) * N;
     for official in [false, true] {
         for &(t, dd) in &[(9usize, 256usize), (4, 4096), (1, 256)] {
             let what = format!("hc_post T {t} D {dd} official {official}");
             let x = streams(&mut rng, t, dd, official);
-            let st = site(&mut rng, mix, dd, 3, 3.0);
+            let st = site(&mut rng, MIX, dd, 3, 3.0);
             // post / comb as hc_pre makes them (the reference's), the block output `a`.
             let pre = hc_pre(Threads(4), &x, N, dd, &st.params(), ITERS, HC_EPS, RMS_EPS);
             let a = bf16_if(official, rng.normals(t * dd, 0.7));
@@ -326,45 +325,14 @@ fn wrappers_reject_bad_shapes() {
         scale: b,
         fold: None,
     };
+    let (k, ctx, s) = (&d.k, d.ctx(), d.s());
     // Nine streams exceed the kernels' limit; proj too small for D = 256.
-    assert!(
-        d.k.hc_pre(
-            d.ctx(),
-            b,
-            1,
-            9,
-            4,
-            site,
-            20,
-            HC_EPS,
-            RMS_EPS,
-            false,
-            b,
-            b,
-            b,
-            d.s()
-        )
-        .is_err()
+    let pre = k.hc_pre(
+        ctx, b, 1, 9, 4, site, 20, HC_EPS, RMS_EPS, false, b, b, b, s,
     );
-    assert!(
-        d.k.hc_head(
-            d.ctx(),
-            b,
-            1,
-            N,
-            256,
-            site,
-            HC_EPS,
-            RMS_EPS,
-            false,
-            b,
-            d.s()
-        )
-        .is_err()
-    );
-    assert!(
-        d.k.hc_post(d.ctx(), b, b, b, b, 0, N, 16, false, d.s())
-            .is_ok(),
-        "no tokens is a no-op"
-    );
+    assert!(pre.is_err());
+    let head = k.hc_head(ctx, b, 1, N, 256, site, HC_EPS, RMS_EPS, false, b, s);
+    assert!(head.is_err());
+    let post = k.hc_post(ctx, b, b, b, b, 0, N, 16, false, s);
+    assert!(post.is_ok(), "no tokens is a no-op");
 }
