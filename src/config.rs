@@ -480,18 +480,30 @@ pub const TINY_DEFAULT_JSON: &str = r#"{
   "max_position_embeddings": 1048576, "num_nextn_predict_layers": 0, "tie_word_embeddings": false
 }"#;
 
+/// The first `num_layers` entries of per-layer list field `key` (a list of `what`); upstream
+/// configs append one entry per MTP/draft layer after the decoder layers.
+fn layer_entries<'a>(
+    key: &str,
+    v: &'a Value,
+    what: &str,
+    num_layers: usize,
+) -> Result<&'a [Value]> {
+    let list = v
+        .as_array()
+        .ok_or_else(|| cfg_err(format!("config field `{key}` must be a list of {what}")))?;
+    if list.len() < num_layers {
+        return Err(cfg_err(format!(
+            "config field `{key}` has {} entries but num_hidden_layers = {num_layers}",
+            list.len()
+        )));
+    }
+    Ok(&list[..num_layers])
+}
+
 /// Per-layer attention kind and ratio, from `layer_types` + `compress_rates` or `compress_ratios`.
 fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<(AttnKind, usize)>> {
     if let Some((key, v)) = f.find(&["layer_types"]) {
-        let list = v
-            .as_array()
-            .ok_or_else(|| cfg_err(format!("config field `{key}` must be a list of strings")))?;
-        if list.len() < num_layers {
-            return Err(cfg_err(format!(
-                "config field `layer_types` has {} entries but num_hidden_layers = {num_layers}",
-                list.len()
-            )));
-        }
+        let list = layer_entries(key, v, "strings", num_layers)?;
         let rates = f.find(&["compress_rates"]).map(|(_, v)| v);
         let rate = |name: &str, default: usize| -> Result<usize> {
             match rates.and_then(|r| r.get(name)) {
@@ -521,7 +533,7 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<(AttnKind, usi
                 "config field `compress_rates.heavily_compressed_attention` = {hca} must be >= 2"
             )));
         }
-        return list[..num_layers]
+        return list
             .iter()
             .enumerate()
             .map(|(i, t)| match t.as_str() {
@@ -547,17 +559,7 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<(AttnKind, usi
             })
             .collect());
     };
-    let list = v
-        .as_array()
-        .ok_or_else(|| cfg_err(format!("config field `{key}` must be a list of integers")))?;
-    // Upstream configs append one entry per MTP/draft layer after the decoder layers.
-    if list.len() < num_layers {
-        return Err(cfg_err(format!(
-            "config field `compress_ratios` has {} entries but num_hidden_layers = {num_layers}",
-            list.len()
-        )));
-    }
-    list[..num_layers]
+    layer_entries(key, v, "integers", num_layers)?
         .iter()
         .enumerate()
         .map(|(i, r)| match r.as_u64() {
@@ -574,16 +576,7 @@ fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<(AttnKind, usi
 /// Which layers are hash-routed, from `mlp_layer_types` or `num_hash_layers`.
 fn parse_hash_layers(f: &Fields, num_layers: usize) -> Result<Vec<bool>> {
     if let Some((key, v)) = f.find(&["mlp_layer_types"]) {
-        let list = v
-            .as_array()
-            .ok_or_else(|| cfg_err(format!("config field `{key}` must be a list of strings")))?;
-        if list.len() < num_layers {
-            return Err(cfg_err(format!(
-                "config field `mlp_layer_types` has {} entries but num_hidden_layers = {num_layers}",
-                list.len()
-            )));
-        }
-        return list[..num_layers]
+        return layer_entries(key, v, "strings", num_layers)?
             .iter()
             .enumerate()
             .map(|(i, t)| match t.as_str() {

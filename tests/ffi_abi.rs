@@ -14,6 +14,7 @@ use std::ptr;
 use std::sync::Mutex;
 
 use common::abi::{check, last_error, status_name as name};
+use common::rig::Step;
 use common::{Oracle, fixture_dir, max_abs_diff};
 use dsv4::ffi::*;
 use safetensors::tensor::TensorView;
@@ -144,26 +145,26 @@ impl HostBatch {
         Self::seqs(&[(slot, start, n)])
     }
 
+    /// Sequences `(slot, start, n)` batched together; token ids are a function of slot and
+    /// position below the 1024-token vocab.
     fn seqs(seqs: &[(i32, i32, i32)]) -> Self {
-        let mut b = HostBatch {
-            tokens: vec![],
-            positions: vec![],
-            slots: vec![],
-            query_start: vec![0],
+        let seqs: Vec<(i32, i32, Vec<i32>)> = seqs
+            .iter()
+            .map(|&(slot, start, n)| {
+                let toks = (start..start + n).map(|p| (7 * p + 3 * slot + 1).rem_euclid(1024));
+                (slot, start, toks.collect())
+            })
+            .collect();
+        let s = Step::of(&seqs);
+        let logits = vec![f32::NAN; s.toks.len() * 1024];
+        HostBatch {
+            tokens: s.toks,
+            positions: s.pos,
+            slots: s.slots,
+            query_start: s.qs,
             rows: None,
-            logits: vec![],
-        };
-        for &(slot, start, n) in seqs {
-            for k in 0..n {
-                b.tokens
-                    .push((7 * (start + k) + 3 * slot + 1).rem_euclid(1024));
-                b.positions.push(start + k);
-            }
-            b.slots.push(slot);
-            b.query_start.push(b.tokens.len() as i32);
+            logits,
         }
-        b.logits = vec![f32::NAN; b.tokens.len() * 1024];
-        b
     }
 
     fn last_rows(mut self) -> Self {
@@ -912,83 +913,56 @@ fn batch_validation_and_capacity() {
 
     let mut hb = HostBatch::single(0, 3, 1);
     let base = hb.raw();
-    let cases: Vec<(dsv4_batch, dsv4_status, Vec<&str>)> = vec![
+    // (how the valid batch is broken, the status, what the message names).
+    type Break = fn(&mut dsv4_batch);
+    let cases: [(Break, dsv4_status, &[&str]); 8] = [
         (
-            {
-                let mut b = base;
-                b.num_tokens = -1;
-                b
-            },
+            |b| b.num_tokens = -1,
             DSV4_STATUS_INVALID_ARGUMENT,
-            vec!["`batch->num_tokens` = -1"],
+            &["`batch->num_tokens` = -1"],
         ),
         (
-            {
-                let mut b = base;
-                b.num_tokens = 0;
-                b
-            },
+            |b| b.num_tokens = 0,
             DSV4_STATUS_INVALID_ARGUMENT,
-            vec!["`batch->num_tokens` = 0"],
+            &["`batch->num_tokens` = 0"],
         ),
         (
-            {
-                let mut b = base;
-                b.num_tokens = TOKENS + 1;
-                b.num_logits = TOKENS + 1;
-                b
-            },
+            |b| (b.num_tokens, b.num_logits) = (TOKENS + 1, TOKENS + 1),
             DSV4_STATUS_CAPACITY,
-            vec!["`batch->num_tokens`", "max_num_tokens"],
+            &["`batch->num_tokens`", "max_num_tokens"],
         ),
         (
-            {
-                let mut b = base;
-                b.num_seqs = 0;
-                b
-            },
+            |b| b.num_seqs = 0,
             DSV4_STATUS_INVALID_ARGUMENT,
-            vec!["`batch->num_seqs` = 0"],
+            &["`batch->num_seqs` = 0"],
         ),
         (
-            {
-                let mut b = base;
-                b.num_seqs = SEQS + 1;
-                b
-            },
+            |b| b.num_seqs = SEQS + 1,
             DSV4_STATUS_CAPACITY,
-            vec!["`batch->num_seqs`", "max_num_seqs"],
+            &["`batch->num_seqs`", "max_num_seqs"],
         ),
         (
-            {
-                let mut b = base;
-                b.num_logits = 2;
-                b
-            },
+            |b| b.num_logits = 2,
             DSV4_STATUS_INVALID_ARGUMENT,
-            vec!["`batch->num_logits` = 2", "logits_rows is NULL"],
+            &["`batch->num_logits` = 2", "logits_rows is NULL"],
         ),
         (
-            {
-                let mut b = base;
-                b.num_logits = -1;
-                b
-            },
+            |b| b.num_logits = -1,
             DSV4_STATUS_INVALID_ARGUMENT,
-            vec!["`batch->num_logits` = -1"],
+            &["`batch->num_logits` = -1"],
         ),
         (
-            {
-                let mut b = base;
-                b.token_ids = unsafe { b.token_ids.cast::<u8>().add(1).cast() };
-                b
-            },
+            // SAFETY: one byte into the token array: a misaligned pointer the library must
+            // reject before reading.
+            |b| b.token_ids = unsafe { b.token_ids.cast::<u8>().add(1).cast() },
             DSV4_STATUS_INVALID_ARGUMENT,
-            vec!["`batch->token_ids`", "aligned"],
+            &["`batch->token_ids`", "aligned"],
         ),
     ];
-    for (b, want, needles) in cases {
-        check(forward_raw(&e, &b), want, &needles);
+    for (edit, want, needles) in cases {
+        let mut b = base;
+        edit(&mut b);
+        check(forward_raw(&e, &b), want, needles);
         still_works(&e);
     }
 
@@ -1700,20 +1674,8 @@ fn fixture_engine(name: &str) -> Eng {
 fn oracle_diff(e: &Eng, name: &str) -> f32 {
     let o = Oracle::load(name);
     let vocab = info(e).vocab_size as usize;
-    let toks = &o.prompts[0];
-    let pos: Vec<i32> = (0..toks.len() as i32).collect();
-    let (slots, qs) = ([0i32], [0, toks.len() as i32]);
-    let mut out = vec![f32::NAN; toks.len() * vocab];
-    let mut b = dsv4_batch_default();
-    b.num_tokens = toks.len() as i32;
-    b.num_seqs = 1;
-    b.token_ids = toks.as_ptr();
-    b.positions = pos.as_ptr();
-    b.seq_slots = slots.as_ptr();
-    b.query_start = qs.as_ptr();
-    b.num_logits = toks.len() as i32;
-    b.logits = out.as_mut_ptr().cast();
-    ok(forward_raw(e, &b));
+    let (s, out) = common::abi::forward_one_sequence(e.0, &o.prompts[0], vocab);
+    ok(s);
     let d = max_abs_diff(&out, &o.logits[0]);
     assert!(d <= 1e-3, "{name}: max |dlogit| vs oracle = {d} > 1e-3");
     d

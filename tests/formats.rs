@@ -7,16 +7,14 @@
 
 mod common;
 
-use common::{Oracle, OracleExtra, fixture_dir, max_abs_diff};
+use common::{
+    Oracle, OracleExtra, fixture_dir, fixture_engine, forward_all_rows, max_abs_diff, nan_logits,
+};
 use dsv4::weights::store::TensorData;
 use dsv4::weights::{HostDtype, WeightFormat};
-use dsv4::{
-    Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics, Status,
-    TensorUpdate,
-};
+use dsv4::{Engine, EngineOptions, Numerics, Status, TensorUpdate};
 
 fn engine(model: &str, numerics: Numerics, format: WeightFormat) -> Engine {
-    let dir = fixture_dir(model);
     let opts = EngineOptions {
         max_num_seqs: 4,
         max_num_tokens: 128,
@@ -26,10 +24,7 @@ fn engine(model: &str, numerics: Numerics, format: WeightFormat) -> Engine {
         num_threads: 2,
         ..Default::default()
     };
-    let mut e = Engine::create(ConfigSource::Path(dir.clone()), opts).expect("create");
-    e.load(Some(&dir), LoadFormat::Auto).expect("load");
-    e.finalize().expect("finalize");
-    e
+    fixture_engine(model, opts)
 }
 
 /// One-shot logits of every oracle prompt, each in its own slot of one batch.
@@ -42,16 +37,7 @@ fn one_shot(e: &mut Engine, o: &Oracle) -> Vec<Vec<f32>> {
         qs.push(toks.len() as i32);
     }
     let slots: Vec<i32> = (0..o.prompts.len() as i32).collect();
-    let mut out = vec![f32::NAN; toks.len() * vocab];
-    e.forward(&mut Batch {
-        token_ids: &toks,
-        positions: &pos,
-        seq_slots: &slots,
-        query_start: &qs,
-        logits_rows: None,
-        logits: LogitsOut::F32(&mut out),
-    })
-    .expect("forward");
+    let out = forward_all_rows(e, &toks, &pos, &slots, &qs);
     let mut res = vec![];
     let mut row = 0;
     for p in &o.prompts {
@@ -81,11 +67,7 @@ fn chunked(e: &mut Engine, o: &Oracle) -> Vec<Vec<f32>> {
 /// tokens (clipped to what is left); all sequences with tokens left share each batch.
 fn run_schedule(e: &mut Engine, o: &Oracle, size: impl Fn(usize, usize) -> usize) -> Vec<Vec<f32>> {
     let vocab = e.config().vocab_size;
-    let mut res: Vec<Vec<f32>> = o
-        .prompts
-        .iter()
-        .map(|p| vec![f32::NAN; p.len() * vocab])
-        .collect();
+    let mut res = nan_logits(o, vocab);
     let mut next = vec![0usize; o.prompts.len()];
     let mut step = 0;
     while next.iter().zip(&o.prompts).any(|(n, p)| *n < p.len()) {
@@ -104,16 +86,7 @@ fn run_schedule(e: &mut Engine, o: &Oracle, size: impl Fn(usize, usize) -> usize
             next[s] += n;
         }
         step += 1;
-        let mut out = vec![f32::NAN; toks.len() * vocab];
-        e.forward(&mut Batch {
-            token_ids: &toks,
-            positions: &pos,
-            seq_slots: &slots,
-            query_start: &qs,
-            logits_rows: None,
-            logits: LogitsOut::F32(&mut out),
-        })
-        .expect("forward");
+        let out = forward_all_rows(e, &toks, &pos, &slots, &qs);
         let mut row = 0;
         for (s, start, n) in spans {
             res[s][start * vocab..(start + n) * vocab]
@@ -205,6 +178,29 @@ fn stored_bytes(e: &Engine) -> Vec<(String, Vec<u8>, Vec<u32>)> {
         .collect()
 }
 
+/// Every logit of `a` equals the one of `b` bit for bit (else fails with `what`).
+fn assert_same_bits(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
+    for (a, b) in a.iter().zip(b) {
+        assert!(
+            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{what}"
+        );
+    }
+}
+
+/// The logical shape of weight `name`.
+fn shape_of(e: &Engine, name: &str) -> Vec<usize> {
+    let w = e.weights();
+    w.tensor(w.index_of(name).unwrap()).spec.shape.clone()
+}
+
+/// `n` values `f(i)` as BF16 bytes.
+fn bf16_bytes(n: usize, f: impl Fn(usize) -> f32) -> Vec<u8> {
+    (0..n)
+        .flat_map(|i| half::bf16::from_f32(f(i)).to_bits().to_le_bytes())
+        .collect()
+}
+
 #[test]
 fn quantize_on_load_equals_the_prequantized_checkpoint_bit_for_bit() {
     let o = Oracle::load("tiny");
@@ -221,12 +217,7 @@ fn quantize_on_load_equals_the_prequantized_checkpoint_bit_for_bit() {
             );
         }
         let (lq, lp) = (one_shot(&mut q, &o), one_shot(&mut p, &o));
-        for (a, b) in lq.iter().zip(&lp) {
-            assert!(
-                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{numerics:?}: logits differ"
-            );
-        }
+        assert_same_bits(&lq, &lp, &format!("{numerics:?}: logits differ"));
     }
 }
 
@@ -236,34 +227,12 @@ fn non_finite_refit_under_quantized_storage_is_rejected_and_engine_unchanged() {
     let mut e = engine("tiny", Numerics::Official, WeightFormat::Quantize);
     let before = one_shot(&mut e, &o);
     let name = "layers.1.attn.wq_b.weight";
-    let shape = e
-        .weights()
-        .tensor(e.weights().index_of(name).unwrap())
-        .spec
-        .shape
-        .clone();
+    let shape = shape_of(&e, name);
     let n: usize = shape.iter().product();
-    let good_shape = e
-        .weights()
-        .tensor(e.weights().index_of("norm.weight").unwrap())
-        .spec
-        .shape
-        .clone();
-    let good: Vec<u8> = (0..good_shape[0])
-        .flat_map(|i| {
-            half::bf16::from_f32(0.5 + i as f32 * 1e-3)
-                .to_bits()
-                .to_le_bytes()
-        })
-        .collect();
+    let good_shape = shape_of(&e, "norm.weight");
+    let good = bf16_bytes(good_shape[0], |i| 0.5 + i as f32 * 1e-3);
     for bad_value in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-        let mut bad: Vec<u8> = (0..n)
-            .flat_map(|i| {
-                half::bf16::from_f32((i % 7) as f32 * 0.01)
-                    .to_bits()
-                    .to_le_bytes()
-            })
-            .collect();
+        let mut bad = bf16_bytes(n, |i| (i % 7) as f32 * 0.01);
         bad[2 * 1234..2 * 1234 + 2]
             .copy_from_slice(&half::bf16::from_f32(bad_value).to_bits().to_le_bytes());
         let updates = [
@@ -288,12 +257,7 @@ fn non_finite_refit_under_quantized_storage_is_rejected_and_engine_unchanged() {
             err.message
         );
         let after = one_shot(&mut e, &o);
-        for (a, b) in before.iter().zip(&after) {
-            assert!(
-                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "engine changed by a rejected refit"
-            );
-        }
+        assert_same_bits(&before, &after, "engine changed by a rejected refit");
     }
 }
 

@@ -17,7 +17,7 @@ use dsv4::cuda::arena::{self, Arena, ArenaPlan};
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta, RingArgs};
 use dsv4::cuda::kernels::compressor::{self, CompressArgs, CompressKind, Compressor};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
-use dsv4::cuda::registry::{KernelCache, KernelSource, cubin_defines, nvrtc_version};
+use dsv4::cuda::registry::{KernelCache, KernelSource, nvrtc_version};
 use dsv4::cuda::{Context, DevicePtr, OwnedStream, Registry};
 use dsv4::model::batch::SeqRange;
 use dsv4::model::rope;
@@ -70,14 +70,7 @@ fn families_compile_for_sm_90a_without_warnings() {
     for fam in FAMILIES {
         match fam.compile("sm_90a") {
             Ok(cubin) => {
-                for f in fam.functions {
-                    assert!(
-                        cubin_defines(&cubin, f.name),
-                        "{}: CUBIN lacks {}",
-                        fam.family,
-                        f.name
-                    );
-                }
+                common::gpu::assert_cubin_defines(fam, &cubin);
                 println!("compiled {} ({} bytes)", fam.family, cubin.len());
             }
             Err(e) => failures.push(format!("{}: {e}", fam.family)),
@@ -142,6 +135,17 @@ struct Case {
 }
 
 impl Case {
+    /// [`short_script`] on `cfg` in 3 slots of 80 positions, untimed.
+    fn short(cfg: ModelConfig) -> Case {
+        Case {
+            cfg,
+            max_seq_len: 80,
+            slots: 3,
+            script: short_script(),
+            timing: false,
+        }
+    }
+
     fn max_tokens(&self) -> usize {
         self.script
             .iter()
@@ -780,13 +784,7 @@ fn run_case(name: &str, case: &Case, seed: u64) {
 /// head_dim 128, 4 heads, window 8, CSA ratio 4 with 8 indexer heads and top-4, HCA ratio 8.
 #[test]
 fn attention_sequence_matches_reference_small() {
-    let case = Case {
-        cfg: config(128, 4, 8, 8, 8, 4),
-        max_seq_len: 80,
-        slots: 3,
-        script: short_script(),
-        timing: false,
-    };
+    let case = Case::short(config(128, 4, 8, 8, 8, 4));
     run_case("small", &case, 0x9e37_79b9_7f4a_7c15);
 }
 
@@ -794,13 +792,7 @@ fn attention_sequence_matches_reference_small() {
 /// heads (large shared memory), HCA ratio 16.
 #[test]
 fn attention_sequence_matches_reference_wide() {
-    let case = Case {
-        cfg: config(512, 2, 16, 16, 64, 8),
-        max_seq_len: 80,
-        slots: 3,
-        script: short_script(),
-        timing: false,
-    };
+    let case = Case::short(config(512, 2, 16, 16, 64, 8));
     run_case("wide", &case, 0x1234_5678_9abc_def1);
 }
 

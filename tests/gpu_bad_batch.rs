@@ -29,7 +29,7 @@ use common::rng::tokens;
 use dsv4::cuda::DevicePtr;
 use dsv4::cuda::arena::copy_to_host_sync;
 use dsv4::cuda::graph::Graph;
-use dsv4::engine::{Batch, EngineOptions, LogitsOut};
+use dsv4::engine::EngineOptions;
 use dsv4::ffi::*;
 use dsv4::model::batch::plan;
 
@@ -138,15 +138,7 @@ impl Pair {
         };
         let lens: Vec<usize> = self.lens.iter().map(|&l| l as usize).collect();
         let mut out = vec![0.0f32; s.num_logits() * cfg.vocab_size];
-        let b = Batch {
-            token_ids: &s.toks,
-            positions: &s.pos,
-            seq_slots: &s.slots,
-            query_start: &s.qs,
-            logits_rows: s.rows.as_deref(),
-            logits: LogitsOut::F32(&mut out),
-        };
-        plan(&cfg, &opts, &lens, &b).expect_err("a bad case the rules accept")
+        plan(&cfg, &opts, &lens, &s.batch(&mut out)).expect_err("a bad case the rules accept")
     }
 }
 
@@ -163,120 +155,96 @@ fn cases(p: &Pair) -> Vec<(Case, Step)> {
     let base = p.base();
     let (t, s) = (base.toks.len() as i32, base.slots.len() as i32);
     let v = p.a.vocab as i32;
+    let l0 = p.lens[0];
+    // (field, how a value is written into the batch, the (index, value, name) of each case).
+    type Write = fn(&mut Step, usize, i32);
+    type Values<'a> = &'a [(usize, i32, &'a str)];
+    let groups: [(i32, Write, Values); 7] = [
+        (
+            DSV4_FIELD_TOKEN_IDS,
+            |s, i, val| s.toks[i] = val,
+            &[
+                (0, -5, "token negative"),
+                (3, v, "token = vocab"),
+                (4, v + 1000, "token > vocab"),
+                (5, i32::MIN, "token INT32_MIN"),
+                (1, i32::MAX, "token INT32_MAX"),
+            ],
+        ),
+        (
+            DSV4_FIELD_SEQ_SLOTS,
+            |s, i, val| s.slots[i] = val,
+            &[
+                (0, -2, "slot -2"),
+                (1, SEQS as i32, "slot = max_num_seqs"),
+                (2, SEQS as i32 + 3, "slot > max_num_seqs"),
+                (1, i32::MIN, "slot INT32_MIN"),
+                (0, i32::MAX, "slot INT32_MAX"),
+                (2, 0, "slot duplicate"),
+            ],
+        ),
+        (
+            DSV4_FIELD_QUERY_START,
+            |s, i, val| s.qs[i] = val,
+            &[
+                (0, 1, "query_start[0] != 0"),
+                (s as usize, t - 1, "query_start[S] != T"),
+                (2, 1, "query_start decreasing"),
+                (2, 2, "query_start repeated"),
+                (1, 100, "query_start past num_tokens"),
+                (2, i32::MIN, "query_start INT32_MIN"),
+                (1, i32::MAX, "query_start INT32_MAX"),
+                (2, -3, "query_start negative"),
+            ],
+        ),
+        (
+            DSV4_FIELD_POSITIONS,
+            |s, i, val| s.pos[i] = val,
+            &[
+                (0, SEQ_LEN as i32 + 50, "position > max_seq_len"),
+                (4, 1 << 30, "position 2^30"),
+                (3, -1, "position negative"),
+                (2, i32::MIN, "position INT32_MIN"),
+                (5, i32::MAX, "position INT32_MAX"),
+                (1, 40, "positions not consecutive"),
+            ],
+        ),
+        // Slot 2 is empty: continuing it at 5 (positions consecutive from 5).
+        (
+            DSV4_FIELD_POSITIONS,
+            |s, i, val| s.pos[i..i + 3].copy_from_slice(&[val, val + 1, val + 2]),
+            &[(3, 5, "continuing an empty slot")],
+        ),
+        // Slot 0 continued one position early.
+        (
+            DSV4_FIELD_POSITIONS,
+            |s, i, val| s.pos[i..i + 2].copy_from_slice(&[val, val + 1]),
+            &[(0, l0 - 1, "continuing at the wrong position")],
+        ),
+        (
+            DSV4_FIELD_LOGITS_ROWS,
+            |s, i, val| s.rows.as_mut().unwrap()[i] = val,
+            &[
+                (0, -1, "logits row negative"),
+                (1, t, "logits row = num_tokens"),
+                (2, i32::MIN, "logits row INT32_MIN"),
+                (0, i32::MAX, "logits row INT32_MAX"),
+            ],
+        ),
+    ];
     let mut out = vec![];
-    let mut put = |name: &str, field: i32, index: usize, value: i32, step: Step| {
-        out.push((
-            Case {
+    for (field, write, values) in groups {
+        for &(index, value, name) in values {
+            let mut step = base.clone();
+            write(&mut step, index, value);
+            let case = Case {
                 name: name.into(),
                 field,
                 index,
                 value,
-            },
-            step,
-        ))
-    };
-    let with = |f: &dyn Fn(&mut Step)| {
-        let mut s = base.clone();
-        f(&mut s);
-        s
-    };
-    for (i, val, name) in [
-        (0, -5, "token negative"),
-        (3, v, "token = vocab"),
-        (4, v + 1000, "token > vocab"),
-        (5, i32::MIN, "token INT32_MIN"),
-        (1, i32::MAX, "token INT32_MAX"),
-    ] {
-        put(
-            name,
-            DSV4_FIELD_TOKEN_IDS,
-            i,
-            val,
-            with(&|s| s.toks[i] = val),
-        );
-    }
-    for (i, val, name) in [
-        (0, -2, "slot -2"),
-        (1, SEQS as i32, "slot = max_num_seqs"),
-        (2, SEQS as i32 + 3, "slot > max_num_seqs"),
-        (1, i32::MIN, "slot INT32_MIN"),
-        (0, i32::MAX, "slot INT32_MAX"),
-        (2, 0, "slot duplicate"),
-    ] {
-        put(
-            name,
-            DSV4_FIELD_SEQ_SLOTS,
-            i,
-            val,
-            with(&|s| s.slots[i] = val),
-        );
-    }
-    for (i, val, name) in [
-        (0, 1, "query_start[0] != 0"),
-        (s as usize, t - 1, "query_start[S] != T"),
-        (2, 1, "query_start decreasing"),
-        (2, 2, "query_start repeated"),
-        (1, 100, "query_start past num_tokens"),
-        (2, i32::MIN, "query_start INT32_MIN"),
-        (1, i32::MAX, "query_start INT32_MAX"),
-        (2, -3, "query_start negative"),
-    ] {
-        put(
-            name,
-            DSV4_FIELD_QUERY_START,
-            i,
-            val,
-            with(&|s| s.qs[i] = val),
-        );
-    }
-    for (i, val, name) in [
-        (0, SEQ_LEN as i32 + 50, "position > max_seq_len"),
-        (4, 1 << 30, "position 2^30"),
-        (3, -1, "position negative"),
-        (2, i32::MIN, "position INT32_MIN"),
-        (5, i32::MAX, "position INT32_MAX"),
-        (1, 40, "positions not consecutive"),
-    ] {
-        put(
-            name,
-            DSV4_FIELD_POSITIONS,
-            i,
-            val,
-            with(&|s| s.pos[i] = val),
-        );
-    }
-    // Slot 2 is empty: continuing it at 5 (positions consecutive from 5).
-    put(
-        "continuing an empty slot",
-        DSV4_FIELD_POSITIONS,
-        3,
-        5,
-        with(&|s| {
-            s.pos[3..6].copy_from_slice(&[5, 6, 7]);
-        }),
-    );
-    // Slot 0 continued one position early.
-    let l0 = p.lens[0];
-    put(
-        "continuing at the wrong position",
-        DSV4_FIELD_POSITIONS,
-        0,
-        l0 - 1,
-        with(&|s| s.pos[0..2].copy_from_slice(&[l0 - 1, l0])),
-    );
-    for (i, val, name) in [
-        (0, -1, "logits row negative"),
-        (1, t, "logits row = num_tokens"),
-        (2, i32::MIN, "logits row INT32_MIN"),
-        (0, i32::MAX, "logits row INT32_MAX"),
-    ] {
-        put(
-            name,
-            DSV4_FIELD_LOGITS_ROWS,
-            i,
-            val,
-            with(&|s| s.rows.as_mut().unwrap()[i] = val),
-        );
+            };
+            out.push((case, step));
+        }
     }
     out
 }

@@ -21,36 +21,39 @@ use dsv4::ffi::*;
 
 // ------------------------------------------------------------------------------ plumbing
 
-/// create -> load -> `overrides` -> finalize of `model` on `dev` (4 slots, 64 tokens, 96
-/// positions, 4 threads; logits poisoned with NaN).
-fn rig_with(
-    model: &str,
-    dev: i32,
-    load: Load,
-    weight_format: i32,
-    numerics: i32,
-    overrides: &[Entry],
-) -> Rig {
+/// create -> load -> `overrides` -> finalize of `model` on `dev` in official numerics (4
+/// slots, 64 tokens, 96 positions, 4 threads; logits poisoned with NaN).
+fn rig_with(model: &str, dev: i32, load: Load, weight_format: i32, overrides: &[Entry]) -> Rig {
     let mut o = RigOptions::new(model, dev);
     o.load = load;
     o.weight_format = Some(weight_format);
-    o.numerics = numerics;
+    o.numerics = DSV4_NUMERICS_OFFICIAL;
     Rig::build(&o, overrides)
 }
 
-fn rig(model: &str, dev: i32, load: Load, weight_format: i32, numerics: i32) -> Rig {
-    rig_with(model, dev, load, weight_format, numerics, &[])
+fn rig(model: &str, dev: i32, load: Load, weight_format: i32) -> Rig {
+    rig_with(model, dev, load, weight_format, &[])
 }
 
-/// The `tiny` model with weights as stored and official numerics (most tests).
+/// The `tiny` model with weights as stored (most tests).
 fn tiny(dev: i32, load: Load) -> Rig {
+    rig("tiny", dev, load, DSV4_WEIGHT_FORMAT_AS_STORED)
+}
+
+/// The `tiny_fp8` checkpoint held as stored (FP8/FP4 codes) on the CPU.
+fn fp8_on_cpu() -> Rig {
     rig(
-        "tiny",
-        dev,
-        load,
+        "tiny_fp8",
+        -1,
+        Load::Checkpoint,
         DSV4_WEIGHT_FORMAT_AS_STORED,
-        DSV4_NUMERICS_OFFICIAL,
     )
+}
+
+/// Bit-for-bit equality of two logit sets.
+#[track_caller]
+fn assert_same(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(bits(got), bits(want), "{what}");
 }
 
 fn prefill() -> Step {
@@ -138,17 +141,17 @@ fn finalize_twice_and_refit_twice_are_idempotent() {
         let ptrs = r.pointers();
         let want = r.forward_finite(&prefill());
         unsafe { ok(dsv4_finalize(r.e, r.stream())) };
-        assert_eq!(
-            bits(&r.forward_finite(&prefill())),
-            bits(&want),
-            "device {dev}: second finalize"
+        assert_same(
+            &r.forward_finite(&prefill()),
+            &want,
+            &format!("device {dev}: second finalize"),
         );
         for round in 0..2 {
             r.refit(&ck, dev >= 0);
-            assert_eq!(
-                bits(&r.forward_finite(&prefill())),
-                bits(&want),
-                "device {dev}: refit #{round} with the loaded weights"
+            assert_same(
+                &r.forward_finite(&prefill()),
+                &want,
+                &format!("device {dev}: refit #{round} with the loaded weights"),
             );
         }
         assert_eq!(r.pointers(), ptrs, "device {dev}: a pointer moved");
@@ -171,7 +174,6 @@ fn refit_equals_fresh_load(changed: &[Entry], what: &str) {
             dev,
             Load::Checkpoint,
             DSV4_WEIGHT_FORMAT_AS_STORED,
-            DSV4_NUMERICS_OFFICIAL,
             changed,
         )
         .forward_finite(&prefill());
@@ -180,10 +182,10 @@ fn refit_equals_fresh_load(changed: &[Entry], what: &str) {
             bits(&before),
             "device {dev}: {what} changed nothing"
         );
-        assert_eq!(
-            bits(&got),
-            bits(&want),
-            "device {dev}: {what} differs from a fresh load"
+        assert_same(
+            &got,
+            &want,
+            &format!("device {dev}: {what} differs from a fresh load"),
         );
         assert_eq!(r.pointers(), ptrs, "device {dev}: a pointer moved");
     }
@@ -250,10 +252,10 @@ fn a_bad_entry_among_good_ones_changes_nothing() {
                 CStr::from_ptr(d.name)
             });
         }
-        assert_eq!(
-            bits(&r.forward_finite(&prefill())),
-            bits(&before),
-            "device {dev}"
+        assert_same(
+            &r.forward_finite(&prefill()),
+            &before,
+            &format!("device {dev}"),
         );
     }
 }
@@ -266,31 +268,14 @@ fn dummy_then_sync(model: &str, weight_format: i32) {
     let ck = checkpoint(model);
     for dev in devices() {
         let what = format!("{model}, weight_format {weight_format}, device {dev}");
-        let want = rig(
-            model,
-            dev,
-            Load::Checkpoint,
-            weight_format,
-            DSV4_NUMERICS_OFFICIAL,
-        )
-        .forward_finite(&prefill());
-        let r = rig(
-            model,
-            dev,
-            Load::Dummy,
-            weight_format,
-            DSV4_NUMERICS_OFFICIAL,
-        );
+        let want = rig(model, dev, Load::Checkpoint, weight_format).forward_finite(&prefill());
+        let r = rig(model, dev, Load::Dummy, weight_format);
         let ptrs = r.pointers();
         let dummy = r.forward_finite(&prefill());
         r.refit(&ck, dev >= 0);
         let got = r.forward_finite(&prefill());
         assert_ne!(bits(&dummy), bits(&got), "{what}");
-        assert_eq!(
-            bits(&got),
-            bits(&want),
-            "{what}: differs from a normal load"
-        );
+        assert_same(&got, &want, &format!("{what}: differs from a normal load"));
         assert_eq!(r.pointers(), ptrs, "{what}: a pointer moved");
     }
 }
@@ -310,13 +295,7 @@ fn stored_format_refit_needs_its_scale_in_the_same_call() {
     let ck = checkpoint("tiny_fp8");
     let w = find(&ck, "layers.0.attn.wq_a.weight").clone();
     let s = find(&ck, "layers.0.attn.wq_a.scale").clone();
-    let r = rig(
-        "tiny_fp8",
-        -1,
-        Load::Checkpoint,
-        DSV4_WEIGHT_FORMAT_AS_STORED,
-        DSV4_NUMERICS_OFFICIAL,
-    );
+    let r = fp8_on_cpu();
     assert_eq!(
         r.try_refit(std::slice::from_ref(&w), false),
         DSV4_STATUS_TENSOR
@@ -337,13 +316,7 @@ fn stored_format_refit_rejects_malformed_entries() {
     let s = find(&ck, "layers.0.attn.wq_a.scale").clone();
     let e1 = find(&ck, "layers.0.ffn.experts.0.w1.weight").clone();
     let e1s = find(&ck, "layers.0.ffn.experts.0.w1.scale").clone();
-    let r = rig(
-        "tiny_fp8",
-        -1,
-        Load::Checkpoint,
-        DSV4_WEIGHT_FORMAT_AS_STORED,
-        DSV4_NUMERICS_OFFICIAL,
-    );
+    let r = fp8_on_cpu();
     let before = r.forward_finite(&prefill());
     let expect = |entries: Vec<Entry>, status: i32, words: &[&str]| {
         assert_eq!(r.try_refit(&entries, false), status, "{}", last_error());
@@ -419,20 +392,17 @@ fn captured_decode_and_prefill_replay_equal_eager() {
     let eager = tiny(0, Load::Checkpoint);
     let cap = tiny(0, Load::Checkpoint);
     let p = prefill();
-    assert_eq!(
-        bits(&eager.forward_finite(&p)),
-        bits(&cap.forward_finite(&p))
+    assert_same(
+        &eager.forward_finite(&p),
+        &cap.forward_finite(&p),
+        "eager forwards",
     );
 
     // Decode: one token for each of the two sequences.
     let d1 = Step::of(&[(0, 13, tokens(3, 1)), (1, 9, tokens(4, 1))]);
     let g = cap.capture(&[(&d1, 1)]);
     let want = eager.forward_finite(&d1);
-    assert_eq!(
-        bits(&cap.replay(&g, &[(1, 2)])[0]),
-        bits(&want),
-        "decode replay"
-    );
+    assert_same(&cap.replay(&g, &[(1, 2)])[0], &want, "decode replay");
     // New contents (next position, other tokens), same graph.
     for k in 0..3 {
         let dk = Step::of(&[
@@ -441,10 +411,10 @@ fn captured_decode_and_prefill_replay_equal_eager() {
         ]);
         restage(&cap, &[(&dk, 1)]);
         let want = eager.forward_finite(&dk);
-        assert_eq!(
-            bits(&cap.replay(&g, &[(1, 2)])[0]),
-            bits(&want),
-            "decode replay {k}"
+        assert_same(
+            &cap.replay(&g, &[(1, 2)])[0],
+            &want,
+            &format!("decode replay {k}"),
         );
     }
 
@@ -452,18 +422,14 @@ fn captured_decode_and_prefill_replay_equal_eager() {
     let p2 = Step::of(&[(2, 0, tokens(5, 11)), (3, 0, tokens(6, 7))]);
     let g2 = cap.capture(&[(&p2, 2)]);
     let want = eager.forward_finite(&p2);
-    assert_eq!(
-        bits(&cap.replay(&g2, &[(2, 18)])[0]),
-        bits(&want),
-        "prefill replay"
-    );
+    assert_same(&cap.replay(&g2, &[(2, 18)])[0], &want, "prefill replay");
     let p3 = Step::of(&[(2, 0, tokens(7, 11)), (3, 0, tokens(8, 7))]);
     restage(&cap, &[(&p3, 2)]);
     let want = eager.forward_finite(&p3);
-    assert_eq!(
-        bits(&cap.replay(&g2, &[(2, 18)])[0]),
-        bits(&want),
-        "prefill replay, new tokens"
+    assert_same(
+        &cap.replay(&g2, &[(2, 18)])[0],
+        &want,
+        "prefill replay, new tokens",
     );
 }
 
@@ -494,16 +460,8 @@ fn old_graph_replays_with_refit_weights() {
     let want_p = fresh.forward_finite(&p);
     let want_d = fresh.forward_finite(&d);
     assert_ne!(bits(&before[0]), bits(&after[0]));
-    assert_eq!(
-        bits(&after[0]),
-        bits(&want_p),
-        "old graph prefill vs fresh engine"
-    );
-    assert_eq!(
-        bits(&after[1]),
-        bits(&want_d),
-        "old graph decode vs fresh engine"
-    );
+    assert_same(&after[0], &want_p, "old graph prefill vs fresh engine");
+    assert_same(&after[1], &want_d, "old graph decode vs fresh engine");
 }
 
 // ------------------------------------------------------------------------------- soak
@@ -562,7 +520,7 @@ fn soak_of_interleaved_forward_refit_release() {
                 let st = Step::of(&seqs);
                 let a = g.forward_finite(&st);
                 let b = m.forward_finite(&st);
-                assert_eq!(bits(&a), bits(&b), "op {op}: forward {st:?}");
+                assert_same(&a, &b, &format!("op {op}: forward {st:?}"));
                 forwards += 1;
             }
             7 | 8 => {

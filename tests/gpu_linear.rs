@@ -11,11 +11,11 @@
 mod common;
 
 use common::assert_bits;
+use common::gpu::{alloc, family_gpu, print_kernel_resources, weight_dev};
 use common::rng::Rng;
-use dsv4::cuda::arena::{self, ArenaPlan};
+use dsv4::cuda::arena;
 use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat, WeightDev};
-use dsv4::cuda::registry::{KernelCache, Registry};
-use dsv4::cuda::{Arena, BorrowedStream, Context, DevicePtr, OwnedStream};
+use dsv4::cuda::{BorrowedStream, Context, DevicePtr, OwnedStream};
 use dsv4::reference::ops::{Threads, matmul_mat};
 use dsv4::reference::precision::Prec;
 use dsv4::weights::WeightFormat;
@@ -30,57 +30,23 @@ const POISON: u32 = 0xffff_ffff;
 // ------------------------------------------------------------------------------ harness
 
 struct Env {
-    ctx: Context,
-    _reg: Registry,
+    ctx: &'static Context,
     lin: Linear,
 }
 
-/// The device, the `linear` family compiled and loaded, or None after printing the skip line.
-fn env() -> Option<&'static Env> {
-    static ENV: OnceLock<Option<Env>> = OnceLock::new();
+/// The device, the `linear` family compiled and loaded, and a fresh
+/// stream for one test; or None after printing the skip line.
+fn env() -> Option<(&'static Env, OwnedStream)> {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    let g = family_gpu(&[&linear::SOURCE])?;
     let e = ENV.get_or_init(|| {
-        match dsv4::cuda::device_count() {
-            Ok(n) if n > 0 => {}
-            Ok(_) => return None,
-            Err(e) => {
-                println!("({e})");
-                return None;
-            }
+        print_kernel_resources(&g.reg);
+        Env {
+            ctx: &g.ctx,
+            lin: Linear::new(&g.reg).unwrap(),
         }
-        let ctx = Context::retain(0)
-            .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}"));
-        let reg = Registry::load_families(&ctx, &[&linear::SOURCE], &KernelCache::disabled())
-            .unwrap_or_else(|e| panic!("{e}"));
-        for k in reg.kernels() {
-            println!(
-                "{}::{}: {} registers, {} B static smem, {} B local",
-                k.family, k.name, k.num_regs, k.static_smem, k.local_bytes
-            );
-        }
-        let lin = Linear::new(&reg).unwrap();
-        Some(Env {
-            ctx,
-            _reg: reg,
-            lin,
-        })
     });
-    if e.is_none() {
-        println!("skipped: no CUDA device");
-    }
-    e.as_ref()
-}
-
-/// One arena holding `sizes.len()` buffers (each at least 4 bytes).
-fn alloc(ctx: &Context, sizes: &[usize]) -> (Arena, Vec<DevicePtr>) {
-    let mut plan = ArenaPlan::new();
-    let ids: Vec<_> = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &b)| plan.reserve(format!("buf{i}"), b.max(4), 256).unwrap())
-        .collect();
-    let a = Arena::from_plan(ctx, &plan).unwrap();
-    let ptrs = ids.iter().map(|&i| a.region(i)).collect();
-    (a, ptrs)
+    Some((e, OwnedStream::new(e.ctx).unwrap()))
 }
 
 fn upload<T: arena::Pod>(p: DevicePtr, v: &[T], s: BorrowedStream) {
@@ -91,6 +57,15 @@ fn download_f32(p: DevicePtr, n: usize, s: BorrowedStream) -> Vec<f32> {
     let mut v = vec![0f32; n];
     arena::copy_to_host_sync(&mut v, p, s).unwrap();
     v
+}
+
+/// Contiguous rows `x` [rows, k] laid out at stride `ldx` with NaN in the gaps.
+fn strided(x: &[f32], rows: usize, k: usize, ldx: usize) -> Vec<f32> {
+    let mut xs = vec![f32::NAN; linear::strided_bytes(rows, k, ldx) / 4];
+    for r in 0..rows {
+        xs[r * ldx..r * ldx + k].copy_from_slice(&x[r * k..(r + 1) * k]);
+    }
+    xs
 }
 
 fn poison(p: DevicePtr, s: BorrowedStream) {
@@ -175,17 +150,13 @@ impl HostWeight {
                 upload(scales, &q.scales, s);
             }
         }
-        WeightDev {
-            format: self.format,
-            data: data.slice(0, self.data_bytes()).unwrap(),
-            scales: self
-                .format
-                .is_quantized()
-                .then(|| scales.slice(0, self.scale_bytes()).unwrap()),
-            block: self.block,
-            rows: self.rows,
-            cols: self.cols,
-        }
+        weight_dev(
+            self.format,
+            [self.rows, self.cols],
+            self.block,
+            (data, self.data_bytes()),
+            (scales, self.scale_bytes()),
+        )
     }
 }
 
@@ -218,13 +189,10 @@ fn run_linear_case(
     let hw = HostWeight::new(format, rows, k, block, &wsrc);
     // x contiguous for the reference; strided with NaN gaps for the device.
     let xc = rng.values(t * k, c.wild);
-    let mut xs = vec![f32::NAN; linear::strided_bytes(t, k, ldx) / 4];
-    for ti in 0..t {
-        xs[ti * ldx..ti * ldx + k].copy_from_slice(&xc[ti * k..(ti + 1) * k]);
-    }
+    let xs = strided(&xc, t, k, ldx);
     let ybytes = linear::strided_bytes(t, n, ldy);
     let (_a, p) = alloc(
-        &e.ctx,
+        e.ctx,
         &[xs.len() * 4, hw.data_bytes(), hw.scale_bytes(), ybytes],
     );
     let _g = e.ctx.enter().unwrap();
@@ -241,7 +209,7 @@ fn run_linear_case(
         }
         poison(p[3], s);
         e.lin
-            .linear(&e.ctx, x, ldx, t, &w, n, round, y, ldy, s)
+            .linear(e.ctx, x, ldx, t, &w, n, round, y, ldy, s)
             .unwrap();
         let yall = download_f32(y, ybytes / 4, s);
         let mut got = vec![0f32; t * n];
@@ -271,8 +239,7 @@ fn run_linear_case(
 
 #[test]
 fn linear_matches_matmul_mat_bit_for_bit_in_every_format() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let mut rng = Rng::from_env("linear");
     let case = |t, k, n, row0, ldx_pad, ldy_pad, wild| Case {
@@ -338,10 +305,9 @@ fn linear_matches_matmul_mat_bit_for_bit_in_every_format() {
 
 #[test]
 fn linear_refuses_out_of_bounds_launches() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
-    let (_a, p) = alloc(&e.ctx, &[4 * 10 * 16, 4 * 8 * 16, 4 * 10 * 8]);
+    let (_a, p) = alloc(e.ctx, &[4 * 10 * 16, 4 * 8 * 16, 4 * 10 * 8]);
     let w = WeightDev {
         format: StorageFormat::F32,
         data: p[1],
@@ -352,26 +318,26 @@ fn linear_refuses_out_of_bounds_launches() {
     };
     let l = &e.lin;
     assert!(
-        l.linear(&e.ctx, p[0], 16, 10, &w, 8, false, p[2], 8, s)
+        l.linear(e.ctx, p[0], 16, 10, &w, 8, false, p[2], 8, s)
             .is_ok()
     );
     assert!(
-        l.linear(&e.ctx, p[0], 16, 11, &w, 8, false, p[2], 8, s)
+        l.linear(e.ctx, p[0], 16, 11, &w, 8, false, p[2], 8, s)
             .is_err(),
         "x too small"
     );
     assert!(
-        l.linear(&e.ctx, p[0], 16, 10, &w, 9, false, p[2], 9, s)
+        l.linear(e.ctx, p[0], 16, 10, &w, 9, false, p[2], 9, s)
             .is_err(),
         "N > rows"
     );
     assert!(
-        l.linear(&e.ctx, p[0], 15, 10, &w, 8, false, p[2], 8, s)
+        l.linear(e.ctx, p[0], 15, 10, &w, 8, false, p[2], 8, s)
             .is_err(),
         "ldx < K"
     );
     assert!(
-        l.linear(&e.ctx, p[0], 16, 10, &w, 8, false, p[2], 9, s)
+        l.linear(e.ctx, p[0], 16, 10, &w, 8, false, p[2], 9, s)
             .is_err(),
         "y too small"
     );
@@ -382,12 +348,12 @@ fn linear_refuses_out_of_bounds_launches() {
         ..w
     };
     assert!(
-        l.linear(&e.ctx, p[0], 16, 10, &fp8, 8, false, p[2], 8, s)
+        l.linear(e.ctx, p[0], 16, 10, &fp8, 8, false, p[2], 8, s)
             .is_err(),
         "no scales"
     );
     assert!(
-        l.act_quant(&e.ctx, p[0], 16, 10, 16, p[2], s).is_err(),
+        l.act_quant(e.ctx, p[0], 16, 10, 16, p[2], s).is_err(),
         "xq too small"
     );
     s.synchronize().unwrap();
@@ -397,8 +363,7 @@ fn linear_refuses_out_of_bounds_launches() {
 
 #[test]
 fn act_quant_matches_fp8_sim_bit_for_bit() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let mut rng = Rng::from_env("act_quant");
     for (rows, k, pad) in [
@@ -427,19 +392,16 @@ fn act_quant_matches_fp8_sim_bit_for_bit() {
                 *v *= 1e-7;
             }
         }
-        let mut xs = vec![f32::NAN; linear::strided_bytes(rows, k, ldx) / 4];
-        for r in 0..rows {
-            xs[r * ldx..r * ldx + k].copy_from_slice(&xc[r * k..(r + 1) * k]);
-        }
+        let xs = strided(&xc, rows, k, ldx);
         let mut want = xc.clone();
         want.chunks_exact_mut(k).for_each(|r| fp8_sim(r, 128));
-        let (_a, p) = alloc(&e.ctx, &[xs.len() * 4, rows * k * 4]);
+        let (_a, p) = alloc(e.ctx, &[xs.len() * 4, rows * k * 4]);
         let _g = e.ctx.enter().unwrap();
         upload(p[0], &xs, s);
         poison(p[1], s);
         let x = p[0].slice(0, xs.len() * 4).unwrap();
         let xq = p[1].slice(0, rows * k * 4).unwrap();
-        e.lin.act_quant(&e.ctx, x, ldx, rows, k, xq, s).unwrap();
+        e.lin.act_quant(e.ctx, x, ldx, rows, k, xq, s).unwrap();
         let got = download_f32(xq, rows * k, s);
         assert_bits(
             &format!("act_quant rows={rows} K={k} ldx={ldx}"),
@@ -449,7 +411,7 @@ fn act_quant_matches_fp8_sim_bit_for_bit() {
         // In place (ldx == K).
         if pad == 0 {
             upload(p[0], &xc, s);
-            e.lin.act_quant(&e.ctx, x, k, rows, k, x, s).unwrap();
+            e.lin.act_quant(e.ctx, x, k, rows, k, x, s).unwrap();
             let got = download_f32(x, rows * k, s);
             assert_bits(
                 &format!("act_quant in place rows={rows} K={k}"),
@@ -467,8 +429,7 @@ fn act_quant_matches_fp8_sim_bit_for_bit() {
 /// dummy-filled tiny model in each storage.
 #[test]
 fn prec_linear_matches_the_reference_in_both_modes() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let mut rng = Rng::from_env("prec_linear");
     let cfg = dsv4::ModelConfig::tiny_default();
@@ -530,7 +491,7 @@ fn prec_linear_matches_the_reference_in_both_modes() {
                     .map(|v| half::bf16::from_f32(v * 2.0).to_f32())
                     .collect();
                 let (_a, p) = alloc(
-                    &e.ctx,
+                    e.ctx,
                     &[
                         t * k * 4,
                         t * k * 4,
@@ -551,13 +512,13 @@ fn prec_linear_matches_the_reference_in_both_modes() {
                     poison(p[1], s);
                     poison(p[4], s);
                     let input = if official && store.is_quantized(idx) {
-                        e.lin.act_quant(&e.ctx, xd, k, t, k, xq, s).unwrap();
+                        e.lin.act_quant(e.ctx, xd, k, t, k, xq, s).unwrap();
                         xq
                     } else {
                         xd
                     };
                     e.lin
-                        .linear(&e.ctx, input, k, t, &w, n, official, p[4], n, s)
+                        .linear(e.ctx, input, k, t, &w, n, official, p[4], n, s)
                         .unwrap();
                     let got = download_f32(p[4], t * n, s);
                     assert_bits(
@@ -618,8 +579,7 @@ fn random_weight(
 #[test]
 #[ignore = "benchmark: run with --ignored --nocapture on a GPU"]
 fn linear_throughput() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let mut rng = Rng::from_env("bench");
     let time = |f: &mut dyn FnMut()| -> f64 {
@@ -644,7 +604,7 @@ fn linear_throughput() {
             let tmax = 2048;
             let x: Vec<f32> = rng.values(tmax * k, false);
             let (_a, p) = alloc(
-                &e.ctx,
+                e.ctx,
                 &[x.len() * 4, data.len(), scales.len() * 4, tmax * n * 4],
             );
             let _g = e.ctx.enter().unwrap();
@@ -663,7 +623,7 @@ fn linear_throughput() {
             for t in [1usize, 8, 64, 512, 2048] {
                 let dt = time(&mut || {
                     e.lin
-                        .linear(&e.ctx, p[0], k, t, &w, n, true, p[3], n, s)
+                        .linear(e.ctx, p[0], k, t, &w, n, true, p[3], n, s)
                         .unwrap()
                 });
                 let tflops = 2.0 * (t * n * k) as f64 / dt / 1e12;
@@ -673,8 +633,8 @@ fn linear_throughput() {
         }
     }
     let (rows, k) = (4096usize, 4096usize);
-    let (_a, p) = alloc(&e.ctx, &[rows * k * 4, rows * k * 4]);
-    let dt = time(&mut || e.lin.act_quant(&e.ctx, p[0], k, rows, k, p[1], s).unwrap());
+    let (_a, p) = alloc(e.ctx, &[rows * k * 4, rows * k * 4]);
+    let dt = time(&mut || e.lin.act_quant(e.ctx, p[0], k, rows, k, p[1], s).unwrap());
     println!(
         "act_quant {rows}x{k}: {:.1} us ({:.0} GB/s)",
         dt * 1e6,

@@ -10,11 +10,10 @@
 mod common;
 
 use common::assert_bits;
-use common::gpu::{FamilyGpu, family_gpu};
+use common::gpu::{assert_families_compile, family_gpu};
 use common::rng::Rng;
 use dsv4::cuda::Arena;
 use dsv4::cuda::kernels::mhc::{self, HcSiteDev, Mhc};
-use dsv4::cuda::registry::{cubin_defines, nvrtc_version};
 use dsv4::reference::mhc::{HcParams, HcPre, fold_projection, hc_head, hc_post, hc_pre};
 use dsv4::reference::ops::Threads;
 use dsv4::weights::quant::round_bf16;
@@ -23,14 +22,11 @@ use dsv4::weights::quant::round_bf16;
 
 type Dev = common::gpu::Dev<Mhc>;
 
-/// The shared device with this family loaded, or None after printing the skip line.
-fn gpu() -> Option<&'static FamilyGpu> {
-    family_gpu(&[&mhc::SOURCE])
-}
-
-/// One test's device state: the family's kernels, its own stream and buffers.
-fn dev(g: &'static FamilyGpu) -> Dev {
-    Dev::new(g, Mhc::new(&g.reg).unwrap())
+/// One test's device state on the shared device with this family loaded (the family's
+/// kernels, its own stream and buffers), or None after printing the skip line.
+fn dev() -> Option<Dev> {
+    let g = family_gpu(&[&mhc::SOURCE])?;
+    Some(Dev::new(g, Mhc::new(&g.reg).unwrap()))
 }
 
 fn bf16_if(official: bool, mut v: Vec<f32>) -> Vec<f32> {
@@ -44,6 +40,8 @@ const N: usize = 4;
 const HC_EPS: f32 = 1e-6;
 const RMS_EPS: f32 = 1e-6;
 const ITERS: usize = 20;
+/// Rows of an mHC site's projection: pre (N), post (N) and comb (N x N) logits.
+const MIX: usize = (2 + N) * N;
 
 /// Residual streams [t, N, d]: each token at its own magnitude (bf16 in official mode).
 fn streams(rng: &mut Rng, t: usize, d: usize, official: bool) -> Vec<f32> {
@@ -107,35 +105,65 @@ impl Site {
 
 #[test]
 fn mhc_family_compiles_for_sm_90a() {
-    if let Err(e) = nvrtc_version() {
-        println!("skipped: NVRTC not found ({e})");
-        return;
-    }
-    let cubin = mhc::SOURCE
-        .compile("sm_90a")
-        .unwrap_or_else(|e| panic!("{e}"));
-    for f in mhc::SOURCE.functions {
-        assert!(
-            cubin_defines(&cubin, f.name),
-            "{} missing from the CUBIN",
-            f.name
-        );
-    }
-    println!(
-        "mhc: {} bytes CUBIN, {} entry points",
-        cubin.len(),
-        mhc::SOURCE.functions.len()
-    );
+    assert_families_compile(&[&mhc::SOURCE]);
 }
 
 // --------------------------------------------------------------------------------- hc_pre
 
+/// hc_pre on the device over streams `x` [t, N, dd] (outputs poisoned first): u [t, dd]
+/// (bf16 if `round_u`), post [t, N] and comb [t, N, N], and `x` as the device holds it after.
+fn device_hc_pre(
+    d: &Dev,
+    x: &[f32],
+    t: usize,
+    dd: usize,
+    sp: HcSiteDev,
+    iters: usize,
+    round_u: bool,
+) -> (HcPre, Vec<f32>) {
+    let (_a, p) = d.alloc(&[x.len() * 4, t * dd * 4, t * N * 4, t * N * N * 4]);
+    d.put(p[0], x);
+    for &q in &p[1..] {
+        d.poison(q);
+    }
+    let (u, post, comb) = (p[1], p[2], p[3]);
+    d.k.hc_pre(
+        d.ctx(),
+        p[0],
+        t,
+        N,
+        dd,
+        sp,
+        iters,
+        HC_EPS,
+        RMS_EPS,
+        round_u,
+        u,
+        post,
+        comb,
+        d.s(),
+    )
+    .unwrap();
+    let got = HcPre {
+        u: d.get(u, t * dd),
+        post: d.get(post, t * N),
+        comb: d.get(comb, t * N * N),
+    };
+    (got, d.get(p[0], x.len()))
+}
+
+/// The device's hc_pre outputs equal the reference's bit for bit; comb first: a Sinkhorn
+/// difference is the most informative failure.
+fn assert_hc_pre(what: &str, got: &HcPre, want: &HcPre) {
+    assert_bits(&format!("{what}: comb"), &got.comb, &want.comb);
+    assert_bits(&format!("{what}: post"), &got.post, &want.post);
+    assert_bits(&format!("{what}: u"), &got.u, &want.u);
+}
+
 #[test]
 fn hc_pre_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(11);
-    let mix = (2 + N) * N;
     // (tokens, D, Sinkhorn iterations, logit magnitude): the tiny and the released hidden size
     // with the model's 20 iterations; one iteration; sharp logits (Sinkhorn exps spanning
     // many orders of magnitude).
@@ -151,43 +179,14 @@ fn hc_pre_matches_reference_bit_for_bit() {
             let what =
                 format!("hc_pre T {t} D {dd} iters {iters} logits ~{logit} official {official}");
             let x = streams(&mut rng, t, dd, official);
-            let st = site(&mut rng, mix, dd, 3, logit);
+            let st = site(&mut rng, MIX, dd, 3, logit);
             let mut want = hc_pre(Threads(4), &x, N, dd, &st.params(), iters, HC_EPS, RMS_EPS);
             if official {
                 round_bf16(&mut want.u);
             }
             let (_s, sp) = st.upload(&d);
-            let (_a, p) = d.alloc(&[x.len() * 4, t * dd * 4, t * N * 4, t * N * N * 4]);
-            d.put(p[0], &x);
-            for &q in &p[1..] {
-                d.poison(q);
-            }
-            d.k.hc_pre(
-                d.ctx(),
-                p[0],
-                t,
-                N,
-                dd,
-                sp,
-                iters,
-                HC_EPS,
-                RMS_EPS,
-                official,
-                p[1],
-                p[2],
-                p[3],
-                d.s(),
-            )
-            .unwrap();
-            // comb first: a Sinkhorn difference is the most informative failure.
-            assert_bits(
-                &format!("{what}: comb"),
-                &d.get(p[3], t * N * N),
-                &want.comb,
-            );
-            assert_bits(&format!("{what}: post"), &d.get(p[2], t * N), &want.post);
-            assert_bits(&format!("{what}: u"), &d.get(p[1], t * dd), &want.u);
-            let x_after: Vec<f32> = d.get(p[0], x.len());
+            let (got, x_after) = device_hc_pre(&d, &x, t, dd, sp, iters, official);
+            assert_hc_pre(&what, &got, &want);
             assert_bits(&format!("{what}: x unchanged"), &x_after, &x);
         }
     }
@@ -198,10 +197,8 @@ fn hc_pre_matches_reference_bit_for_bit() {
 /// the unfolded hc_pre (the fold is exact in f64 for these inputs).
 #[test]
 fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(21);
-    let mix = (2 + N) * N;
     for official in [false, true] {
         for &(t, dd) in &[(7usize, 256usize), (3, 4096)] {
             let what = format!("folded hc_pre T {t} D {dd} official {official}");
@@ -213,8 +210,8 @@ fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
                     x.extend_from_slice(&e[ti * N * dd..ti * N * dd + dd]);
                 }
             }
-            let st = site(&mut rng, mix, dd, 3, 2.0);
-            let mut fold = vec![0.0f64; mix * dd];
+            let st = site(&mut rng, MIX, dd, 3, 2.0);
+            let mut fold = vec![0.0f64; MIX * dd];
             fold_projection(&st.proj, N, dd, &mut fold);
             let folded = HcParams {
                 fold: Some(&fold),
@@ -237,35 +234,8 @@ fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
             let fbits: Vec<u64> = fold.iter().map(|v| v.to_bits()).collect();
             d.put(fp[0], &fbits);
             sp.fold = Some(fp[0]);
-            let (_a, p) = d.alloc(&[x.len() * 4, t * dd * 4, t * N * 4, t * N * N * 4]);
-            d.put(p[0], &x);
-            for &q in &p[1..] {
-                d.poison(q);
-            }
-            d.k.hc_pre(
-                d.ctx(),
-                p[0],
-                t,
-                N,
-                dd,
-                sp,
-                ITERS,
-                HC_EPS,
-                RMS_EPS,
-                false,
-                p[1],
-                p[2],
-                p[3],
-                d.s(),
-            )
-            .unwrap();
-            assert_bits(
-                &format!("{what}: comb"),
-                &d.get(p[3], t * N * N),
-                &want.comb,
-            );
-            assert_bits(&format!("{what}: post"), &d.get(p[2], t * N), &want.post);
-            assert_bits(&format!("{what}: u"), &d.get(p[1], t * dd), &want.u);
+            let (got, _) = device_hc_pre(&d, &x, t, dd, sp, ITERS, false);
+            assert_hc_pre(&what, &got, &want);
         }
     }
 }
@@ -274,15 +244,13 @@ fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
 
 #[test]
 fn hc_post_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(12);
-    let mix = (2 + N) * N;
     for official in [false, true] {
         for &(t, dd) in &[(9usize, 256usize), (4, 4096), (1, 256)] {
             let what = format!("hc_post T {t} D {dd} official {official}");
             let x = streams(&mut rng, t, dd, official);
-            let st = site(&mut rng, mix, dd, 3, 3.0);
+            let st = site(&mut rng, MIX, dd, 3, 3.0);
             // post / comb as hc_pre makes them (the reference's), the block output `a`.
             let pre = hc_pre(Threads(4), &x, N, dd, &st.params(), ITERS, HC_EPS, RMS_EPS);
             let a = bf16_if(official, rng.normals(t * dd, 0.7));
@@ -312,8 +280,7 @@ fn hc_post_matches_reference_bit_for_bit() {
 
 #[test]
 fn hc_head_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(13);
     for official in [false, true] {
         for &(r, dd) in &[(5usize, 256usize), (3, 4096), (1, 4096)] {
@@ -349,8 +316,7 @@ fn hc_head_matches_reference_bit_for_bit() {
 
 #[test]
 fn wrappers_reject_bad_shapes() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let (_a, p) = d.alloc(&[4096]);
     let b = p[0];
     let site = HcSiteDev {
@@ -359,45 +325,14 @@ fn wrappers_reject_bad_shapes() {
         scale: b,
         fold: None,
     };
+    let (k, ctx, s) = (&d.k, d.ctx(), d.s());
     // Nine streams exceed the kernels' limit; proj too small for D = 256.
-    assert!(
-        d.k.hc_pre(
-            d.ctx(),
-            b,
-            1,
-            9,
-            4,
-            site,
-            20,
-            HC_EPS,
-            RMS_EPS,
-            false,
-            b,
-            b,
-            b,
-            d.s()
-        )
-        .is_err()
+    let pre = k.hc_pre(
+        ctx, b, 1, 9, 4, site, 20, HC_EPS, RMS_EPS, false, b, b, b, s,
     );
-    assert!(
-        d.k.hc_head(
-            d.ctx(),
-            b,
-            1,
-            N,
-            256,
-            site,
-            HC_EPS,
-            RMS_EPS,
-            false,
-            b,
-            d.s()
-        )
-        .is_err()
-    );
-    assert!(
-        d.k.hc_post(d.ctx(), b, b, b, b, 0, N, 16, false, d.s())
-            .is_ok(),
-        "no tokens is a no-op"
-    );
+    assert!(pre.is_err());
+    let head = k.hc_head(ctx, b, 1, N, 256, site, HC_EPS, RMS_EPS, false, b, s);
+    assert!(head.is_err());
+    let post = k.hc_post(ctx, b, b, b, b, 0, N, 16, false, s);
+    assert!(post.is_ok(), "no tokens is a no-op");
 }

@@ -14,6 +14,7 @@
 mod common;
 
 use common::assert_bits;
+use common::gpu::{family_gpu, print_kernel_resources, weight_dev};
 use common::rng::Rng;
 use dsv4::ModelConfig;
 use dsv4::cuda::arena::{self, ArenaPlan};
@@ -21,7 +22,6 @@ use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat, WeightDev};
 use dsv4::cuda::kernels::moe::{
     self, ExpertsDev, Moe, MoePlan, RouterParams, Selection, TILE_ROWS,
 };
-use dsv4::cuda::registry::{KernelCache, Registry};
 use dsv4::cuda::{Arena, BorrowedStream, Context, DevicePtr, OwnedStream};
 use dsv4::model::{LayerWeights, ModelWeights};
 use dsv4::reference::ops::Threads;
@@ -37,52 +37,25 @@ const TH: Threads = Threads(4);
 // ------------------------------------------------------------------------------ harness
 
 struct Env {
-    ctx: Context,
-    _reg: Registry,
+    ctx: &'static Context,
     lin: Linear,
     moe: Moe,
 }
 
-/// The device, the `linear` and `moe` families compiled and loaded, or None after printing the
-/// skip line.
-fn env() -> Option<&'static Env> {
-    static ENV: OnceLock<Option<Env>> = OnceLock::new();
+/// The device, the `linear` and `moe` families compiled and loaded, and a
+/// fresh stream for one test; or None after printing the skip line.
+fn env() -> Option<(&'static Env, OwnedStream)> {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    let g = family_gpu(&[&linear::SOURCE, &moe::SOURCE])?;
     let e = ENV.get_or_init(|| {
-        match dsv4::cuda::device_count() {
-            Ok(n) if n > 0 => {}
-            Ok(_) => return None,
-            Err(e) => {
-                println!("({e})");
-                return None;
-            }
+        print_kernel_resources(&g.reg);
+        Env {
+            ctx: &g.ctx,
+            lin: Linear::new(&g.reg).unwrap(),
+            moe: Moe::new(&g.reg).unwrap(),
         }
-        let ctx = Context::retain(0)
-            .unwrap_or_else(|e| panic!("a device is visible but its context failed: {e}"));
-        let reg = Registry::load_families(
-            &ctx,
-            &[&linear::SOURCE, &moe::SOURCE],
-            &KernelCache::disabled(),
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-        for k in reg.kernels() {
-            println!(
-                "{}::{}: {} registers, {} B static smem, {} B local",
-                k.family, k.name, k.num_regs, k.static_smem, k.local_bytes
-            );
-        }
-        let lin = Linear::new(&reg).unwrap();
-        let moe = Moe::new(&reg).unwrap();
-        Some(Env {
-            ctx,
-            _reg: reg,
-            lin,
-            moe,
-        })
     });
-    if e.is_none() {
-        println!("skipped: no CUDA device");
-    }
-    e.as_ref()
+    Some((e, OwnedStream::new(e.ctx).unwrap()))
 }
 
 /// Buffers in one arena, planned by name and size, uploaded after allocation.
@@ -203,17 +176,13 @@ fn plan_mat(b: &mut Bufs, m: HostMat) -> MatBufs {
 
 fn dev_weight(mb: &MatBufs, p: &[DevicePtr]) -> WeightDev {
     let m = &mb.m;
-    WeightDev {
-        format: m.format,
-        data: p[mb.data].slice(0, m.data.len()).unwrap(),
-        scales: m
-            .format
-            .is_quantized()
-            .then(|| p[mb.scales].slice(0, m.scales.len() * 4).unwrap()),
-        block: m.block,
-        rows: m.rows,
-        cols: m.cols,
-    }
+    weight_dev(
+        m.format,
+        [m.rows, m.cols],
+        m.block,
+        (p[mb.data], m.data.len()),
+        (p[mb.scales], m.scales.len() * 4),
+    )
 }
 
 /// One MoE layer's weights on the device.
@@ -250,7 +219,7 @@ fn upload_layer(
         .map(|sw| [sw.w1, sw.w2, sw.w3].map(|i| plan_mat(&mut b, host_mat(store, i))));
     // Pointer tables (data, scales) per projection, filled once addresses are known.
     let tables: [(usize, usize); 3] = [0, 1, 2].map(|_| (b.add(ne * 8), b.add(ne * 8)));
-    let (arena, p) = b.alloc(&e.ctx, s);
+    let (arena, p) = b.alloc(e.ctx, s);
     let _g = e.ctx.enter().unwrap();
     let experts = [0usize, 1, 2].map(|j| {
         let ws: Vec<WeightDev> = routed.iter().map(|r| dev_weight(&r[j], &p)).collect();
@@ -341,7 +310,7 @@ fn run_gpu(
     for sz in sizes {
         b.add(sz);
     }
-    let (_arena, p) = b.alloc(&e.ctx, s);
+    let (_arena, p) = b.alloc(e.ctx, s);
     let q = |j: usize, bytes: usize| p[first + j].slice(0, bytes).unwrap();
     let (ids, weights) = (q(0, n * 4), q(1, n * 4));
     let plan = MoePlan {
@@ -395,40 +364,30 @@ fn run_gpu(
     m.plan(ctx, ids, &plan, s).unwrap();
     let [w1, w2, w3] = &dl.experts;
     let routed_q = w1.format.is_quantized();
-    let xin = if official && routed_q {
-        lin.act_quant(ctx, xd, d, t, d, xq, s).unwrap();
-        xq
-    } else {
-        xd
+    // What a linear of `rows` x `cols` activations reads: `x` FP8-quantized into `xq` first when
+    // official numerics meet a quantized weight, else `x` itself.
+    let act_in = |quantized: bool, x: DevicePtr, rows: usize, cols: usize, xq: DevicePtr| {
+        if official && quantized {
+            lin.act_quant(ctx, x, cols, rows, cols, xq, s).unwrap();
+            xq
+        } else {
+            x
+        }
     };
+    let xin = act_in(routed_q, xd, t, d, xq);
     m.up(ctx, &plan, xin, w1, w3, weights, limit, official, h, s)
         .unwrap();
-    let hin = if official && routed_q {
-        lin.act_quant(ctx, h, i, n, i, hq, s).unwrap();
-        hq
-    } else {
-        h
-    };
+    let hin = act_in(routed_q, h, n, i, hq);
     m.down(ctx, &plan, hin, w2, official, ya, s).unwrap();
     let ys = dl.shared.as_ref().map(|[s1, s2, s3]| {
         let quant = s1.format.is_quantized();
-        let xin = if official && quant {
-            lin.act_quant(ctx, xd, d, t, d, xqs, s).unwrap();
-            xqs
-        } else {
-            xd
-        };
+        let xin = act_in(quant, xd, t, d, xqs);
         lin.linear(ctx, xin, d, t, s1, i, official, g, i, s)
             .unwrap();
         lin.linear(ctx, xin, d, t, s3, i, official, v, i, s)
             .unwrap();
         m.swiglu(ctx, g, v, t * i, limit, official, hs, s).unwrap();
-        let hin = if official && quant {
-            lin.act_quant(ctx, hs, i, t, i, hsq, s).unwrap();
-            hsq
-        } else {
-            hs
-        };
+        let hin = act_in(quant, hs, t, i, hsq);
         lin.linear(ctx, hin, i, t, s2, d, official, ys, d, s)
             .unwrap();
         ys
@@ -508,72 +467,61 @@ fn variants() -> Vec<Variant> {
             ("swiglu_limit", json!(0.3)),
         ]
     };
-    let with = |mut v: Vec<(&'static str, Value)>, more: Vec<(&'static str, Value)>| {
+    // The base sizes with `more` edits on top (an edit of a base key replaces it).
+    let on_base = |more: Vec<(&'static str, Value)>| {
+        let mut v = base();
         for (k, x) in more {
             v.retain(|(kk, _)| *kk != k);
             v.push((k, x));
         }
         v
     };
+    // FP8 dense weights in `block` blocks, experts as `experts`.
+    let quantized = |block: [usize; 2], experts: &str| {
+        let q = json!({"weight_block_size": block, "expert_dtype": experts});
+        ("quantization_config", q)
+    };
+    let variant = |name, format, edits| Variant {
+        name,
+        edits,
+        format,
+    };
     vec![
-        Variant {
-            name: "f32",
-            edits: base(),
-            format: WeightFormat::AsStored,
-        },
-        Variant {
-            name: "bf16",
-            edits: base(),
-            format: WeightFormat::Bf16,
-        },
-        Variant {
-            name: "fp8 dense [32,64] + fp4 experts, D=326",
-            edits: with(
-                base(),
-                vec![
-                    ("hidden_size", json!(326)),
-                    (
-                        "quantization_config",
-                        json!({"weight_block_size": [32, 64], "expert_dtype": "fp4"}),
-                    ),
-                ],
-            ),
-            format: WeightFormat::Quantize,
-        },
-        Variant {
-            name: "fp8 experts [64,128], I=90, k=3 of 12, no clamp",
-            edits: with(
-                base(),
-                vec![
-                    ("moe_intermediate_size", json!(90)),
-                    ("n_routed_experts", json!(12)),
-                    ("num_experts_per_tok", json!(3)),
-                    ("swiglu_limit", json!(0.0)),
-                    (
-                        "quantization_config",
-                        json!({"weight_block_size": [64, 128], "expert_dtype": "fp8"}),
-                    ),
-                ],
-            ),
-            format: WeightFormat::Quantize,
-        },
-        Variant {
-            name: "sigmoid, no renorm, no shared expert",
-            edits: with(
-                base(),
-                vec![
-                    ("scoring_func", json!("sigmoid")),
-                    ("norm_topk_prob", json!(false)),
-                    ("n_shared_experts", json!(0)),
-                ],
-            ),
-            format: WeightFormat::AsStored,
-        },
-        Variant {
-            name: "softmax, fp8 [128,128] + fp4, tiny default sizes",
-            edits: vec![("scoring_func", json!("softmax"))],
-            format: WeightFormat::Quantize,
-        },
+        variant("f32", WeightFormat::AsStored, base()),
+        variant("bf16", WeightFormat::Bf16, base()),
+        variant(
+            "fp8 dense [32,64] + fp4 experts, D=326",
+            WeightFormat::Quantize,
+            on_base(vec![
+                ("hidden_size", json!(326)),
+                quantized([32, 64], "fp4"),
+            ]),
+        ),
+        variant(
+            "fp8 experts [64,128], I=90, k=3 of 12, no clamp",
+            WeightFormat::Quantize,
+            on_base(vec![
+                ("moe_intermediate_size", json!(90)),
+                ("n_routed_experts", json!(12)),
+                ("num_experts_per_tok", json!(3)),
+                ("swiglu_limit", json!(0.0)),
+                quantized([64, 128], "fp8"),
+            ]),
+        ),
+        variant(
+            "sigmoid, no renorm, no shared expert",
+            WeightFormat::AsStored,
+            on_base(vec![
+                ("scoring_func", json!("sigmoid")),
+                ("norm_topk_prob", json!(false)),
+                ("n_shared_experts", json!(0)),
+            ]),
+        ),
+        variant(
+            "softmax, fp8 [128,128] + fp4, tiny default sizes",
+            WeightFormat::Quantize,
+            vec![("scoring_func", json!("softmax"))],
+        ),
     ]
 }
 
@@ -581,8 +529,7 @@ fn variants() -> Vec<Variant> {
 
 #[test]
 fn moe_layer_matches_the_reference_bit_for_bit() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let mut rng = Rng::from_env("moe");
     let mut runs = 0;
@@ -655,8 +602,7 @@ fn moe_layer_matches_the_reference_bit_for_bit() {
 
 #[test]
 fn moe_wrappers_refuse_out_of_bounds_launches() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let (t, k, ne) = (10usize, 2usize, 4usize);
     let [ob, rb, tb, nb] = MoePlan::buffer_bytes(t, k, ne, TILE_ROWS);
@@ -664,7 +610,7 @@ fn moe_wrappers_refuse_out_of_bounds_launches() {
     for sz in [ob, rb, tb - 4, nb, t * k * 4, 64 * 4, tb] {
         b.add(sz);
     }
-    let (_a, p) = b.alloc(&e.ctx, s);
+    let (_a, p) = b.alloc(e.ctx, s);
     let plan = MoePlan {
         offsets: p[0],
         rows: p[1],
@@ -676,14 +622,14 @@ fn moe_wrappers_refuse_out_of_bounds_launches() {
         tile_rows: TILE_ROWS,
     };
     assert!(
-        e.moe.plan(&e.ctx, p[4], &plan, s).is_err(),
+        e.moe.plan(e.ctx, p[4], &plan, s).is_err(),
         "tiles too small"
     );
     let plan_ok = MoePlan {
         tiles: p[6],
         ..plan
     };
-    assert!(e.moe.plan(&e.ctx, p[4], &plan_ok, s).is_ok());
+    assert!(e.moe.plan(e.ctx, p[4], &plan_ok, s).is_ok());
     let rp = RouterParams {
         experts: 4,
         k: 5,
@@ -694,31 +640,31 @@ fn moe_wrappers_refuse_out_of_bounds_launches() {
     let sel = Selection::TopK { bias: None };
     assert!(
         e.moe
-            .router(&e.ctx, p[5], 1, 16, p[5], sel, &rp, p[4], p[4], s)
+            .router(e.ctx, p[5], 1, 16, p[5], sel, &rp, p[4], p[4], s)
             .is_err(),
         "k > E"
     );
     let rp = RouterParams { k: 2, ..rp };
     assert!(
         e.moe
-            .router(&e.ctx, p[5], 1, 16, p[5], sel, &rp, p[4], p[4], s)
+            .router(e.ctx, p[5], 1, 16, p[5], sel, &rp, p[4], p[4], s)
             .is_ok()
     );
     assert!(
         e.moe
-            .router(&e.ctx, p[5], 1, 17, p[5], sel, &rp, p[4], p[4], s)
+            .router(e.ctx, p[5], 1, 17, p[5], sel, &rp, p[4], p[4], s)
             .is_err(),
         "gate too small"
     );
     assert!(
         e.moe
-            .combine(&e.ctx, p[5], None, 2, 2, 17, false, p[5], s)
+            .combine(e.ctx, p[5], None, 2, 2, 17, false, p[5], s)
             .is_err(),
         "ya too small"
     );
     assert!(
         e.moe
-            .swiglu(&e.ctx, p[5], p[5], 65, 1.0, false, p[5], s)
+            .swiglu(e.ctx, p[5], p[5], 65, 1.0, false, p[5], s)
             .is_err(),
         "n too large"
     );
@@ -733,8 +679,7 @@ fn moe_wrappers_refuse_out_of_bounds_launches() {
 #[test]
 #[ignore = "benchmark: run with --ignored --nocapture on a GPU"]
 fn moe_throughput() {
-    let Some(e) = env() else { return };
-    let stream = OwnedStream::new(&e.ctx).unwrap();
+    let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
     let mut rng = Rng::from_env("moe bench");
     let (ne, k, d, i, distinct) = (256usize, 6usize, 4096usize, 2048usize, 32usize);
@@ -785,7 +730,7 @@ fn moe_throughput() {
     .iter()
     .map(|&sz| b.add(sz))
     .collect();
-    let (_arena, p) = b.alloc(&e.ctx, s);
+    let (_arena, p) = b.alloc(e.ctx, s);
     let _g = e.ctx.enter().unwrap();
     let experts: Vec<ExpertsDev> = (0..3)
         .map(|j| {

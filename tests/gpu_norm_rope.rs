@@ -9,13 +9,12 @@
 
 mod common;
 
-use common::gpu::{FamilyGpu, family_gpu};
+use common::gpu::{assert_families_compile, family_gpu};
 use common::rng::Rng;
 use common::{assert_bits, assert_u16};
 use dsv4::ModelConfig;
 use dsv4::config::AttnKind;
 use dsv4::cuda::kernels::norm_rope::{self, NormRope};
-use dsv4::cuda::registry::{cubin_defines, nvrtc_version};
 use dsv4::model::rope;
 use dsv4::reference::ops::{inv_sqrt, rms_norm};
 use dsv4::reference::precision::Prec;
@@ -25,14 +24,11 @@ use dsv4::weights::quant::{fp8_sim, round_bf16};
 
 type Dev = common::gpu::Dev<NormRope>;
 
-/// The shared device with this family loaded, or None after printing the skip line.
-fn gpu() -> Option<&'static FamilyGpu> {
-    family_gpu(&norm_rope::FAMILIES)
-}
-
-/// One test's device state: the family's kernels, its own stream and buffers.
-fn dev(g: &'static FamilyGpu) -> Dev {
-    Dev::new(g, NormRope::new(&g.reg).unwrap())
+/// One test's device state on the shared device with this family loaded (the family's
+/// kernels, its own stream and buffers), or None after printing the skip line.
+fn dev() -> Option<Dev> {
+    let g = family_gpu(&norm_rope::FAMILIES)?;
+    Some(Dev::new(g, NormRope::new(&g.reg).unwrap()))
 }
 
 fn bf16_all(mut v: Vec<f32>) -> Vec<f32> {
@@ -67,26 +63,7 @@ fn strided(vals: &[f32], rows: usize, width: usize, ld: usize) -> Vec<f32> {
 
 #[test]
 fn norm_rope_family_compiles_for_sm_90a() {
-    if let Err(e) = nvrtc_version() {
-        println!("skipped: NVRTC not found ({e})");
-        return;
-    }
-    for fam in norm_rope::FAMILIES {
-        let cubin = fam.compile("sm_90a").unwrap_or_else(|e| panic!("{e}"));
-        for f in fam.functions {
-            assert!(
-                cubin_defines(&cubin, f.name),
-                "{} missing from the CUBIN",
-                f.name
-            );
-        }
-        println!(
-            "{}: {} bytes CUBIN, {} entry points",
-            fam.family,
-            cubin.len(),
-            fam.functions.len()
-        );
-    }
+    assert_families_compile(&norm_rope::FAMILIES);
 }
 
 /// The device computes f32(dim^-1/2) as f32(1 / sqrt(dim)) in f64; the reference uses
@@ -104,8 +81,7 @@ fn index_sim_scale_formula_matches_inv_sqrt() {
 
 #[test]
 fn rmsnorm_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(1);
     // (rows, dim, ld, with weight): hidden sizes, per-head q norm (no weight), q_lora with a
     // padded stride, the released hidden size.
@@ -159,8 +135,7 @@ fn rmsnorm_matches_reference_bit_for_bit() {
 
 #[test]
 fn rope_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(2);
     let cfg = ModelConfig::tiny_default();
     assert!(cfg.yarn.is_some(), "the tiny config has YaRN");
@@ -239,8 +214,7 @@ fn rope_matches_reference_bit_for_bit() {
 
 #[test]
 fn kv_sim_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(3);
     // (rows, dim, nope, ld): released (512, 448), tiny (128, 64), a partial last block, a
     // padded stride.
@@ -266,10 +240,7 @@ fn kv_sim_matches_reference_bit_for_bit() {
                 .for_each(|r| fp8_sim(&mut r[..nope], 64));
         }
         let xs = strided(&x, rows, dim, ld);
-        let (_a, p) = d.alloc(&[xs.len() * 4]);
-        d.put(p[0], &xs);
-        d.k.kv_sim(d.ctx(), p[0], rows, ld, nope, d.s()).unwrap();
-        let got: Vec<f32> = d.get(p[0], xs.len());
+        let got = d.in_place(&xs, |p| d.k.kv_sim(d.ctx(), p, rows, ld, nope, d.s()));
         assert_bits(
             &format!("kv_sim rows {rows} dim {dim} nope {nope} ld {ld}"),
             &got,
@@ -282,8 +253,7 @@ fn kv_sim_matches_reference_bit_for_bit() {
 
 #[test]
 fn index_sim_matches_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(4);
     for &(rows, dim) in &[
         (33, 128),
@@ -298,10 +268,7 @@ fn index_sim_matches_reference_bit_for_bit() {
         x[..dim].iter_mut().for_each(|v| *v *= 1e-30); // the FP4 amax floor
         let mut want = x.clone();
         Prec { official: true }.index_sim(&mut want, dim);
-        let (_a, p) = d.alloc(&[x.len() * 4]);
-        d.put(p[0], &x);
-        d.k.index_sim(d.ctx(), p[0], rows, dim, d.s()).unwrap();
-        let got: Vec<f32> = d.get(p[0], x.len());
+        let got = d.in_place(&x, |p| d.k.index_sim(d.ctx(), p, rows, dim, d.s()));
         assert_bits(&format!("index_sim rows {rows} dim {dim}"), &got, &want);
     }
 }
@@ -338,8 +305,7 @@ fn probe_values(rng: &mut Rng) -> Vec<f32> {
 
 #[test]
 fn elementwise_kernels_match_reference_bit_for_bit() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(5);
     let x = probe_values(&mut rng);
     let n = x.len();
@@ -390,8 +356,7 @@ fn elementwise_kernels_match_reference_bit_for_bit() {
 
 #[test]
 fn embed_and_gather_copy_rows_exactly() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let mut rng = Rng::new(6);
     let (vocab, dd, nstreams, t) = (1000usize, 256usize, 4usize, 37usize);
     let table = bf16_all(rng.normals(vocab * dd, 0.05));
@@ -437,8 +402,7 @@ fn embed_and_gather_copy_rows_exactly() {
 
 #[test]
 fn wrappers_reject_undersized_buffers() {
-    let Some(g) = gpu() else { return };
-    let d = dev(g);
+    let Some(d) = dev() else { return };
     let (_a, p) = d.alloc(&[1024]);
     let small = p[0];
     // 256 floats fit; 257 do not.

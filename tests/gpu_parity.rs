@@ -7,18 +7,14 @@ mod common;
 
 use common::gpu::has_cuda;
 use common::sets::{Tolerance, for_each_set};
-use common::{Oracle, fixture_dir};
+use common::{Oracle, fixture_engine, forward_all_rows, nan_logits};
 use dsv4::cuda::arena::{Arena, DevicePtr, copy_to_device_sync, copy_to_host_sync};
 use dsv4::cuda::context::Context;
 use dsv4::cuda::stream::OwnedStream;
 use dsv4::engine::DeviceBatch;
-use dsv4::{
-    Batch, ConfigSource, Engine, EngineOptions, KernelSetName, LoadFormat, LogitsOut, Numerics,
-    WeightFormat,
-};
+use dsv4::{Batch, Engine, EngineOptions, KernelSetName, LogitsOut, Numerics, WeightFormat};
 
 fn engine(model: &str, device: i32, numerics: Numerics, set: KernelSetName) -> Engine {
-    let dir = fixture_dir(model);
     let opts = EngineOptions {
         kernel_set: Some(set),
         device,
@@ -30,10 +26,7 @@ fn engine(model: &str, device: i32, numerics: Numerics, set: KernelSetName) -> E
         num_threads: 4,
         ..Default::default()
     };
-    let mut e = Engine::create(ConfigSource::Path(dir.clone()), opts).expect("create");
-    e.load(Some(&dir), LoadFormat::Auto).expect("load");
-    e.finalize().expect("finalize");
-    e
+    fixture_engine(model, opts)
 }
 
 /// A host playing the serving engine: device buffers for one batch and its stream.
@@ -134,23 +127,10 @@ fn run_both(
     steps: &[Step],
 ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let vocab = cpu.config().vocab_size;
-    let mut a: Vec<Vec<f32>> = o
-        .prompts
-        .iter()
-        .map(|p| vec![f32::NAN; p.len() * vocab])
-        .collect();
+    let mut a = nan_logits(o, vocab);
     let mut b = a.clone();
     for (t, p, sl, qs, spans) in steps {
-        let mut out = vec![f32::NAN; t.len() * vocab];
-        cpu.forward(&mut Batch {
-            token_ids: t,
-            positions: p,
-            seq_slots: sl,
-            query_start: qs,
-            logits_rows: None,
-            logits: LogitsOut::F32(&mut out),
-        })
-        .unwrap();
+        let out = forward_all_rows(cpu, t, p, sl, qs);
         let outg = host.forward(gpu, t, p, sl, qs);
         let mut row = 0;
         for &(s, start, n) in spans {
@@ -250,37 +230,36 @@ fn parity(model: &str, numerics: Numerics, set: KernelSetName, tol: Tolerance) {
     }
 }
 
-#[test]
-fn gpu_matches_cpu_and_oracle_exact() {
+/// [`parity`] of each model in `numerics`, with every kernel set of that mode.
+fn parity_of(models: &[&str], numerics: Numerics) {
     if !has_cuda() {
         return;
     }
-    for m in ["tiny", "tiny_native", "tiny_fp8"] {
-        for_each_set(Numerics::Exact, |set, tol| {
-            parity(m, Numerics::Exact, set, tol)
-        });
+    for m in models {
+        for_each_set(numerics, |set, tol| parity(m, numerics, set, tol));
     }
+}
+
+#[test]
+fn gpu_matches_cpu_and_oracle_exact() {
+    parity_of(&["tiny", "tiny_native", "tiny_fp8"], Numerics::Exact);
 }
 
 #[test]
 fn gpu_matches_cpu_official() {
-    if !has_cuda() {
-        return;
-    }
-    for m in ["tiny", "tiny_fp8"] {
-        for_each_set(Numerics::Official, |set, tol| {
-            parity(m, Numerics::Official, set, tol)
-        });
-    }
+    parity_of(&["tiny", "tiny_fp8"], Numerics::Official);
+}
+
+/// The `tiny` oracle and a host on device 0, or None after the skip line.
+fn tiny_on_cuda() -> Option<(Oracle, Host)> {
+    has_cuda().then(|| (Oracle::load("tiny"), Host::new()))
 }
 
 #[test]
 fn no_device_memory_growth_over_1000_forwards() {
-    if !has_cuda() {
+    let Some((o, host)) = tiny_on_cuda() else {
         return;
-    }
-    let o = Oracle::load("tiny");
-    let host = Host::new();
+    };
     let mut e = engine("tiny", 0, Numerics::Official, KernelSetName::Reference);
     let steps = schedule(&o, |s, k| if k == 0 { [13, 9, 5][s % 3] } else { 1 });
     let (free0, _) = host.ctx.mem_info().unwrap();
@@ -300,11 +279,9 @@ fn no_device_memory_growth_over_1000_forwards() {
 /// logits_rows picks rows and BF16 output equals the CPU reference's BF16 output bit for bit.
 #[test]
 fn logits_rows_and_bf16_output_match_cpu() {
-    if !has_cuda() {
+    let Some((o, host)) = tiny_on_cuda() else {
         return;
-    }
-    let o = Oracle::load("tiny");
-    let host = Host::new();
+    };
     let mut cpu = engine("tiny", -1, Numerics::Official, KernelSetName::Reference);
     let mut gpu = engine("tiny", 0, Numerics::Official, KernelSetName::Reference);
     let vocab = cpu.config().vocab_size;

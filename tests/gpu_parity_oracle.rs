@@ -12,7 +12,7 @@
 mod common;
 
 use common::gpu::has_cuda;
-use common::parity::{Forward, abi_engine, c_abi, hf};
+use common::parity::{Forward, Scenario, abi_engine, c_abi, hf};
 use common::rig::{Rig, Step};
 use common::{Oracle, assert_bits};
 
@@ -37,50 +37,28 @@ impl Forward for Mirrored {
     }
 }
 
-type Scenario = fn(&mut dyn Forward, &Oracle, &str);
-
-/// Runs `scenario` on CUDA device 0 (mirrored on the CPU) for both fixture models.
-fn on_cuda(scenario: Scenario) {
+/// Runs `scenario` on CUDA device 0 (mirrored on the CPU) for `model`.
+fn on_cuda(scenario: Scenario, model: &str) {
     if !has_cuda() {
         return;
     }
-    for model in ["tiny", "tiny_native"] {
-        let mut m = Mirrored {
-            gpu: abi_engine(model, 0),
-            cpu: abi_engine(model, -1),
-            steps: 0,
-        };
-        scenario(&mut m, &Oracle::load(model), &format!("{model} [CUDA]"));
-        println!("{model}: {} steps, CUDA == CPU bit for bit", m.steps);
-    }
+    let mut m = Mirrored {
+        gpu: abi_engine(model, 0),
+        cpu: abi_engine(model, -1),
+        steps: 0,
+    };
+    scenario(&mut m, &Oracle::load(model), &format!("{model} [CUDA]"));
+    println!("{model}: {} steps, CUDA == CPU bit for bit", m.steps);
 }
 
-#[test]
-fn hf_one_shot() {
-    on_cuda(hf::one_shot);
+/// The engine-API scenarios (parity_hf's), here through the C ABI on CUDA.
+mod hf_scenarios {
+    use super::*;
+    parity_tests!(hf, on_cuda);
 }
 
-#[test]
-fn hf_chunked_interleaved() {
-    on_cuda(hf::chunked);
-}
-
-#[test]
-fn hf_prefill_decode() {
-    on_cuda(hf::prefill_then_decode);
-}
-
-#[test]
-fn c_abi_one_shot() {
-    on_cuda(c_abi::one_shot);
-}
-
-#[test]
-fn c_abi_chunked_interleaved() {
-    on_cuda(c_abi::chunked);
-}
-
-#[test]
-fn c_abi_prefill_decode() {
-    on_cuda(c_abi::prefill_then_decode);
+/// parity_c_abi's scenarios on CUDA.
+mod c_abi_scenarios {
+    use super::*;
+    parity_tests!(c_abi, on_cuda);
 }

@@ -34,6 +34,38 @@ fn device_or_skip() -> Option<Context> {
     Some(ctx)
 }
 
+/// One test's smoke-family setup; fields drop in the order a test's locals did.
+struct SmokeRig {
+    stream: OwnedStream,
+    sm: Smoke,
+    reg: Registry,
+    /// The registry's kernel cache directory.
+    _dir: TempDir,
+    ctx: Context,
+    /// Held for the whole test (see `lock`).
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+/// Under the test lock: the device context, the smoke family loaded through a registry whose
+/// kernel cache is a fresh directory tagged `tag`, and a stream; or None after printing the
+/// skip line.
+fn smoke_or_skip(tag: &str) -> Option<SmokeRig> {
+    let serial = lock();
+    let ctx = device_or_skip()?;
+    let dir = TempDir::new(tag);
+    let reg = Registry::load(&ctx, Some(&dir.0)).unwrap_or_else(|e| panic!("{e}"));
+    let sm = Smoke::new(&reg).unwrap();
+    let stream = OwnedStream::new(&ctx).unwrap();
+    Some(SmokeRig {
+        stream,
+        sm,
+        reg,
+        _dir: dir,
+        ctx,
+        _serial: serial,
+    })
+}
+
 fn under_sanitizer() -> bool {
     std::env::var_os("DSV4_UNDER_SANITIZER").is_some()
 }
@@ -170,25 +202,22 @@ fn arena_for(ctx: &Context, n: usize, fill_n: usize) -> (Arena, Bufs) {
 
 #[test]
 fn common_cuh_matches_the_cpu_reference_bit_for_bit() {
-    let _l = lock();
-    let Some(ctx) = device_or_skip() else { return };
-    let dir = TempDir::new("gpu-rt");
-    let reg = Registry::load(&ctx, Some(&dir.0)).unwrap_or_else(|e| panic!("{e}"));
-    let sm = Smoke::new(&reg).unwrap();
-    let stream = OwnedStream::new(&ctx).unwrap();
-    let s = stream.borrow();
+    let Some(rig) = smoke_or_skip("gpu-rt") else {
+        return;
+    };
+    let (s, sm, ctx) = (rig.stream.borrow(), &rig.sm, &rig.ctx);
 
     let inputs = smoke::probe_inputs();
     let n = inputs.len();
     let xf: Vec<f32> = inputs.iter().map(|p| p.0).collect();
     let xu: Vec<u32> = inputs.iter().map(|p| p.1).collect();
-    let (_arena, b) = arena_for(&ctx, n, 16);
+    let (_arena, b) = arena_for(ctx, n, 16);
     let _g = ctx.enter().unwrap();
-    let mut staging = PinnedStaging::new(&ctx, 1 << 20).unwrap(); // smaller than the inputs: chunked
+    let mut staging = PinnedStaging::new(ctx, 1 << 20).unwrap(); // smaller than the inputs: chunked
     staging.upload(b.xf, &xf, s).unwrap();
     staging.upload(b.xu, &xu, s).unwrap();
     arena::memset_async(b.out, 0xff, s).unwrap(); // poison: every output starts as NaN bits
-    sm.roundtrip(&ctx, b.xf, b.xu, b.out, n, s).unwrap();
+    sm.roundtrip(ctx, b.xf, b.xu, b.out, n, s).unwrap();
     let mut out = vec![0u32; n * ROUNDTRIP_COLS];
     staging.download(&mut out, b.out, s).unwrap();
 
@@ -225,13 +254,10 @@ fn common_cuh_matches_the_cpu_reference_bit_for_bit() {
 
 #[test]
 fn warp_and_block_reductions_match_their_reference_order() {
-    let _l = lock();
-    let Some(ctx) = device_or_skip() else { return };
-    let dir = TempDir::new("gpu-red");
-    let reg = Registry::load(&ctx, Some(&dir.0)).unwrap();
-    let sm = Smoke::new(&reg).unwrap();
-    let stream = OwnedStream::new(&ctx).unwrap();
-    let s = stream.borrow();
+    let Some(rig) = smoke_or_skip("gpu-red") else {
+        return;
+    };
+    let (s, sm, ctx) = (rig.stream.borrow(), &rig.sm, &rig.ctx);
     let mut seed = 0x1234_5678_9abc_def1u64;
     for threads in [32u32, 96, 256, 1024] {
         let rows = 300u32;
@@ -255,14 +281,14 @@ fn warp_and_block_reductions_match_their_reference_order() {
             plan.reserve("warp_sums", len / 32 * 4, 256).unwrap(),
             plan.reserve("agree", rows as usize * 4, 256).unwrap(),
         ];
-        let a = Arena::from_plan(&ctx, &plan).unwrap();
+        let a = Arena::from_plan(ctx, &plan).unwrap();
         let [px, ps, pm, pw, pa] = ids.map(|i| a.region(i));
         let _g = ctx.enter().unwrap();
         arena::copy_to_device_sync(px, &x, s).unwrap();
         for p in [ps, pm, pw] {
             arena::memset_async(p, 0xff, s).unwrap();
         }
-        sm.reduce(&ctx, px, ps, pm, pw, pa, rows, threads, s)
+        sm.reduce(ctx, px, ps, pm, pw, pa, rows, threads, s)
             .unwrap();
         let (mut sums, mut maxs, mut ws, mut agree) = (
             vec![0f32; rows as usize],
@@ -305,16 +331,13 @@ fn warp_and_block_reductions_match_their_reference_order() {
 
 #[test]
 fn arena_is_stable_and_launches_allocate_nothing() {
-    let _l = lock();
-    let Some(ctx) = device_or_skip() else { return };
-    let dir = TempDir::new("gpu-arena");
-    let reg = Registry::load(&ctx, Some(&dir.0)).unwrap();
-    let sm = Smoke::new(&reg).unwrap();
-    let stream = OwnedStream::new(&ctx).unwrap();
-    let s = stream.borrow();
+    let Some(rig) = smoke_or_skip("gpu-arena") else {
+        return;
+    };
+    let (s, sm, reg, ctx) = (rig.stream.borrow(), &rig.sm, &rig.reg, &rig.ctx);
     let fill_n = 1_000_003usize;
     let n = 4096usize;
-    let (mut a, b) = arena_for(&ctx, n, fill_n);
+    let (mut a, b) = arena_for(ctx, n, fill_n);
     let before: Vec<_> = a.regions().to_vec();
 
     // Regions: inside the allocation, aligned, disjoint, in plan order.
@@ -339,13 +362,13 @@ fn arena_is_stable_and_launches_allocate_nothing() {
     assert_eq!(e.status, dsv4::Status::State, "{e}");
 
     let _g = ctx.enter().unwrap();
-    let mut staging = PinnedStaging::new(&ctx, 64 * 1024).unwrap();
+    let mut staging = PinnedStaging::new(ctx, 64 * 1024).unwrap();
     // Warm-up: one launch of each kernel, on the host-style stream and the legacy default stream.
-    sm.fill(&ctx, b.fill_u, b.fill_f, fill_n as u64, -7, 0.25, s)
+    sm.fill(ctx, b.fill_u, b.fill_f, fill_n as u64, -7, 0.25, s)
         .unwrap();
     s.synchronize().unwrap(); // `s` is non-blocking: it does not order against the legacy stream
     sm.fill(
-        &ctx,
+        ctx,
         b.fill_u,
         b.fill_f,
         fill_n as u64,
@@ -354,16 +377,16 @@ fn arena_is_stable_and_launches_allocate_nothing() {
         BorrowedStream::LEGACY_DEFAULT,
     )
     .unwrap();
-    sm.roundtrip(&ctx, b.xf, b.xu, b.out, n, s).unwrap();
+    sm.roundtrip(ctx, b.xf, b.xu, b.out, n, s).unwrap();
     ctx.synchronize().unwrap();
     let (free0, total) = ctx.mem_info().unwrap();
 
     for i in 0..100 {
-        sm.fill(&ctx, b.fill_u, b.fill_f, fill_n as u64, i, 0.25, s)
+        sm.fill(ctx, b.fill_u, b.fill_f, fill_n as u64, i, 0.25, s)
             .unwrap();
-        sm.roundtrip(&ctx, b.xf, b.xu, b.out, n, s).unwrap();
+        sm.roundtrip(ctx, b.xf, b.xu, b.out, n, s).unwrap();
     }
-    sm.fill(&ctx, b.fill_u, b.fill_f, fill_n as u64, -7, 0.25, s)
+    sm.fill(ctx, b.fill_u, b.fill_f, fill_n as u64, -7, 0.25, s)
         .unwrap();
     s.synchronize().unwrap();
     let (free1, _) = ctx.mem_info().unwrap();

@@ -93,14 +93,7 @@ fn every_family_compiles_to_cubin_for_sm_90a() {
                     "{}: ELF machine {machine}, not CUDA",
                     fam.family
                 );
-                for f in fam.functions {
-                    assert!(
-                        cubin_defines(&cubin, f.name),
-                        "family `{}` lists `{}` but its CUBIN does not define it (missing extern \"C\"?)",
-                        fam.family,
-                        f.name
-                    );
-                }
+                common::gpu::assert_cubin_defines(fam, &cubin);
                 if let Some(d) = std::env::var_os("DSV4_DUMP_CUBIN_DIR") {
                     // For inspection with cuobjdump / nvdisasm on a machine that has them.
                     let path =
@@ -188,20 +181,35 @@ fn cubin_cache_compiles_once_then_hits_and_replaces_corrupt_files() {
     assert_eq!(bad.cubin(fam, ARCH).unwrap().1, CacheOutcome::Compiled);
 }
 
+/// The entry point `k()` of the probe families below.
+const K: KernelFn = KernelFn {
+    name: "k",
+    dynamic_smem: 0,
+    params: &[],
+};
+
+/// A family calling a helper that does not exist.
+const BROKEN: KernelSource = KernelSource {
+    family: "broken",
+    source: "#include \"common.cuh\"\nextern \"C\" __global__ void k(float* o) { o[0] = no_such_helper(1.0f); }\n",
+    functions: &[KernelFn {
+        params: &["float*"],
+        ..K
+    }],
+};
+
+/// wgmma exists only on the arch-specific target: it assembles for sm_90a, not sm_90.
+const WGMMA: KernelSource = KernelSource {
+    family: "wgmma_probe",
+    source: "extern \"C\" __global__ void k() { asm volatile(\"wgmma.fence.sync.aligned;\\n\" ::: \"memory\"); }\n",
+    functions: &[K],
+};
+
 #[test]
 fn compile_errors_name_the_family_and_the_first_error() {
     if !nvrtc_or_skip() {
         return;
     }
-    const BROKEN: KernelSource = KernelSource {
-        family: "broken",
-        source: "#include \"common.cuh\"\nextern \"C\" __global__ void k(float* o) { o[0] = no_such_helper(1.0f); }\n",
-        functions: &[KernelFn {
-            name: "k",
-            dynamic_smem: 0,
-            params: &["float*"],
-        }],
-    };
     let e = BROKEN.compile(ARCH).unwrap_err();
     assert_eq!(e.status, Status::Cuda, "{e}");
     let first = e.message.lines().next().unwrap();
@@ -225,17 +233,7 @@ fn sm_90a_enables_hopper_arch_specific_instructions() {
     if !nvrtc_or_skip() {
         return;
     }
-    // wgmma exists only on the arch-specific target: it assembles for sm_90a, not sm_90. This
-    // proves the registry's options really select sm_90a (the MoE/attention GEMMs need it).
-    const WGMMA: KernelSource = KernelSource {
-        family: "wgmma_probe",
-        source: "extern \"C\" __global__ void k() { asm volatile(\"wgmma.fence.sync.aligned;\\n\" ::: \"memory\"); }\n",
-        functions: &[KernelFn {
-            name: "k",
-            dynamic_smem: 0,
-            params: &[],
-        }],
-    };
+    // This proves the registry's options really select sm_90a (the MoE/attention GEMMs need it).
     let cubin = WGMMA.compile(ARCH).unwrap_or_else(|e| panic!("{e}"));
     assert!(cubin_defines(&cubin, "k"));
     let e = WGMMA.compile("sm_90").unwrap_err();

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use common::fixture_dir;
+use common::names::native_name;
 use dsv4::weights::names::canonical_name;
 use dsv4::{Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
@@ -56,98 +57,6 @@ fn write(dir: &Path, tensors: &BTreeMap<String, Owned>) {
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
 }
 
-/// Canonical (upstream) name -> HF-native module name, for one-to-one tensors.
-fn native_name(canon: &str) -> String {
-    let globals = [
-        ("embed.weight", "model.embed_tokens.weight"),
-        ("head.weight", "lm_head.weight"),
-        ("norm.weight", "model.norm.weight"),
-        ("hc_head_fn", "model.hc_head.hc_fn"),
-        ("hc_head_base", "model.hc_head.hc_base"),
-        ("hc_head_scale", "model.hc_head.hc_scale"),
-    ];
-    if let Some((_, n)) = globals.iter().find(|(c, _)| *c == canon) {
-        return n.to_string();
-    }
-    let rest = canon.strip_prefix("layers.").expect("layer tensor");
-    let (layer, tail) = rest.split_once('.').unwrap();
-    let map = [
-        ("attn_norm.weight", "input_layernorm.weight"),
-        ("ffn_norm.weight", "post_attention_layernorm.weight"),
-        ("hc_attn_fn", "attn_hc.fn"),
-        ("hc_attn_base", "attn_hc.base"),
-        ("hc_attn_scale", "attn_hc.scale"),
-        ("hc_ffn_fn", "ffn_hc.fn"),
-        ("hc_ffn_base", "ffn_hc.base"),
-        ("hc_ffn_scale", "ffn_hc.scale"),
-        ("attn.wq_a.weight", "self_attn.q_a_proj.weight"),
-        ("attn.q_norm.weight", "self_attn.q_a_norm.weight"),
-        ("attn.wq_b.weight", "self_attn.q_b_proj.weight"),
-        ("attn.wkv.weight", "self_attn.kv_proj.weight"),
-        ("attn.kv_norm.weight", "self_attn.kv_norm.weight"),
-        ("attn.wo_a.weight", "self_attn.o_a_proj.weight"),
-        ("attn.wo_b.weight", "self_attn.o_b_proj.weight"),
-        ("attn.attn_sink", "self_attn.sinks"),
-        (
-            "attn.compressor.wkv.weight",
-            "self_attn.compressor.kv_proj.weight",
-        ),
-        (
-            "attn.compressor.wgate.weight",
-            "self_attn.compressor.gate_proj.weight",
-        ),
-        (
-            "attn.compressor.norm.weight",
-            "self_attn.compressor.kv_norm.weight",
-        ),
-        ("attn.compressor.ape", "self_attn.compressor.position_bias"),
-        (
-            "attn.indexer.wq_b.weight",
-            "self_attn.compressor.indexer.q_b_proj.weight",
-        ),
-        (
-            "attn.indexer.weights_proj.weight",
-            "self_attn.compressor.indexer.scorer.weights_proj.weight",
-        ),
-        (
-            "attn.indexer.compressor.wkv.weight",
-            "self_attn.compressor.indexer.kv_proj.weight",
-        ),
-        (
-            "attn.indexer.compressor.wgate.weight",
-            "self_attn.compressor.indexer.gate_proj.weight",
-        ),
-        (
-            "attn.indexer.compressor.norm.weight",
-            "self_attn.compressor.indexer.kv_norm.weight",
-        ),
-        (
-            "attn.indexer.compressor.ape",
-            "self_attn.compressor.indexer.position_bias",
-        ),
-        ("ffn.gate.weight", "mlp.gate.weight"),
-        ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
-        ("ffn.gate.tid2eid", "mlp.gate.tid2eid"),
-        (
-            "ffn.shared_experts.w1.weight",
-            "mlp.shared_experts.gate_proj.weight",
-        ),
-        (
-            "ffn.shared_experts.w2.weight",
-            "mlp.shared_experts.down_proj.weight",
-        ),
-        (
-            "ffn.shared_experts.w3.weight",
-            "mlp.shared_experts.up_proj.weight",
-        ),
-    ];
-    let (_, n) = map
-        .iter()
-        .find(|(c, _)| *c == tail)
-        .unwrap_or_else(|| panic!("no native name for {canon}"));
-    format!("model.layers.{layer}.{n}")
-}
-
 /// Scheme (a): every tensor under its canonical upstream name.
 fn upstream(b: &BTreeMap<String, Owned>) -> BTreeMap<String, Owned> {
     b.iter()
@@ -183,7 +92,7 @@ fn native(a: &BTreeMap<String, Owned>, experts: usize) -> BTreeMap<String, Owned
             continue;
         }
         out.insert(
-            native_name(c),
+            native_name(c).unwrap_or_else(|| panic!("no native name for {c}")),
             Owned {
                 dtype: t.dtype,
                 shape: t.shape.clone(),

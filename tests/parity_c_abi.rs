@@ -12,46 +12,11 @@
 mod common;
 
 use common::Oracle;
-use common::parity::{abi_engine, c_abi};
+use common::parity::{Scenario, abi_engine, c_abi};
 
-fn one_shot(name: &str) {
-    c_abi::one_shot(&mut abi_engine(name, -1), &Oracle::load(name), name);
+/// Runs `scenario` on a fresh CPU engine of `model` driven through the C ABI.
+fn on_cpu(scenario: Scenario, model: &str) {
+    scenario(&mut abi_engine(model, -1), &Oracle::load(model), model);
 }
 
-fn chunked(name: &str) {
-    c_abi::chunked(&mut abi_engine(name, -1), &Oracle::load(name), name);
-}
-
-fn prefill_then_decode(name: &str) {
-    c_abi::prefill_then_decode(&mut abi_engine(name, -1), &Oracle::load(name), name);
-}
-
-#[test]
-fn tiny_one_shot() {
-    one_shot("tiny");
-}
-
-#[test]
-fn tiny_chunked_interleaved() {
-    chunked("tiny");
-}
-
-#[test]
-fn tiny_prefill_decode() {
-    prefill_then_decode("tiny");
-}
-
-#[test]
-fn native_one_shot() {
-    one_shot("tiny_native");
-}
-
-#[test]
-fn native_chunked_interleaved() {
-    chunked("tiny_native");
-}
-
-#[test]
-fn native_prefill_decode() {
-    prefill_then_decode("tiny_native");
-}
+parity_tests!(c_abi, on_cpu);

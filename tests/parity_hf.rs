@@ -6,13 +6,12 @@
 
 mod common;
 
-use common::parity::{Forward, TOL, hf};
+use common::parity::{Forward, Scenario, TOL, hf};
 use common::rig::Step;
-use common::{Oracle, fixture_dir, max_abs_diff};
-use dsv4::{Batch, ConfigSource, Engine, EngineOptions, LoadFormat, LogitsOut, Numerics};
+use common::{Oracle, fixture_engine, max_abs_diff};
+use dsv4::{Batch, Engine, EngineOptions, LogitsOut, Numerics};
 
 fn engine(name: &str) -> Engine {
-    let dir = fixture_dir(name);
     let opts = EngineOptions {
         max_num_seqs: 4,
         max_num_tokens: 160,
@@ -21,10 +20,7 @@ fn engine(name: &str) -> Engine {
         num_threads: 2,
         ..Default::default()
     };
-    let mut e = Engine::create(ConfigSource::Path(dir.clone()), opts).expect("create");
-    e.load(Some(&dir), LoadFormat::Auto).expect("load");
-    e.finalize().expect("finalize");
-    e
+    fixture_engine(name, opts)
 }
 
 /// The Rust engine API as a scenario's [`Forward`].
@@ -37,60 +33,17 @@ impl Forward for Api {
 
     fn forward_step(&mut self, s: &Step) -> Vec<f32> {
         let mut out = vec![f32::NAN; s.num_logits() * self.vocab()];
-        let mut b = Batch {
-            token_ids: &s.toks,
-            positions: &s.pos,
-            seq_slots: &s.slots,
-            query_start: &s.qs,
-            logits_rows: s.rows.as_deref(),
-            logits: LogitsOut::F32(&mut out),
-        };
-        self.0.forward(&mut b).expect("forward");
+        self.0.forward(&mut s.batch(&mut out)).expect("forward");
         out
     }
 }
 
-fn one_shot(name: &str) {
-    hf::one_shot(&mut Api(engine(name)), &Oracle::load(name), name);
+/// Runs `scenario` on a fresh CPU engine of `model` through the Rust API.
+fn on_cpu(scenario: Scenario, model: &str) {
+    scenario(&mut Api(engine(model)), &Oracle::load(model), model);
 }
 
-fn chunked(name: &str) {
-    hf::chunked(&mut Api(engine(name)), &Oracle::load(name), name);
-}
-
-fn prefill_then_decode(name: &str) {
-    hf::prefill_then_decode(&mut Api(engine(name)), &Oracle::load(name), name);
-}
-
-#[test]
-fn tiny_one_shot() {
-    one_shot("tiny");
-}
-
-#[test]
-fn tiny_chunked_interleaved() {
-    chunked("tiny");
-}
-
-#[test]
-fn tiny_prefill_decode() {
-    prefill_then_decode("tiny");
-}
-
-#[test]
-fn native_names_one_shot() {
-    one_shot("tiny_native");
-}
-
-#[test]
-fn native_names_chunked_interleaved() {
-    chunked("tiny_native");
-}
-
-#[test]
-fn native_names_prefill_decode() {
-    prefill_then_decode("tiny_native");
-}
+parity_tests!(hf, on_cpu);
 
 /// logits_rows picks rows; BF16 output equals the F32 output rounded; restarting a slot at
 /// position 0 forgets the previous sequence.

@@ -64,21 +64,7 @@ fn engine(model: &str, load: Load) -> *mut dsv4_engine {
 /// One forward of `toks` as one sequence in slot 0, every row's logits; the output buffer is
 /// NaN-poisoned first.
 fn forward(e: *mut dsv4_engine, toks: &[i32]) -> (dsv4_status, Vec<f32>) {
-    let pos: Vec<i32> = (0..toks.len() as i32).collect();
-    let (slots, qs) = ([0i32], [0, toks.len() as i32]);
-    let mut out = vec![f32::NAN; toks.len() * 256];
-    let mut b = dsv4_batch_default();
-    b.num_tokens = toks.len() as i32;
-    b.num_seqs = 1;
-    b.token_ids = toks.as_ptr();
-    b.positions = pos.as_ptr();
-    b.seq_slots = slots.as_ptr();
-    b.query_start = qs.as_ptr();
-    b.num_logits = toks.len() as i32;
-    b.logits = out.as_mut_ptr().cast();
-    b.logits_dtype = DSV4_LOGITS_F32;
-    let s = unsafe { dsv4_forward(e, &b, std::ptr::null_mut()) };
-    (s, out)
+    common::abi::forward_one_sequence(e, toks, 256)
 }
 
 /// Forward from a fresh slot (the previous sequence in slot 0 is released first).
@@ -108,6 +94,14 @@ fn read_shard(path: &Path) -> Vec<Entry> {
     let mut out = shard_entries(path);
     out.sort_by(|a, b| a.name.cmp(&b.name));
     out
+}
+
+/// `tiny_fp8`'s checkpoint entries, the reference engine's view of it, and a fresh engine
+/// with dummy weights (to be destroyed by the test).
+fn fp8_dummy() -> (Vec<Entry>, Reference, *mut dsv4_engine) {
+    let ck = checkpoint("tiny_fp8");
+    let reference = Reference::of("tiny_fp8");
+    (ck, reference, engine("tiny_fp8", Load::Dummy))
 }
 
 /// Every tensor of a fixture checkpoint (all shards), sorted by name.
@@ -510,9 +504,7 @@ fn one_shard_per_chunk_equals_a_normal_load() {
 
 #[test]
 fn unpaired_halves_at_refit_end_are_named_and_the_refit_stays_open() {
-    let ck = checkpoint("tiny_fp8");
-    let reference = Reference::of("tiny_fp8");
-    let e = engine("tiny_fp8", Load::Dummy);
+    let (ck, reference, e) = fp8_dummy();
     let (wq_a, wo_a, w1) = (FP8[0], FP8[1], FP4[0]);
     // Held: wq_a's codes (no scale yet), experts.0.w1's scale and wo_a's scale (no weight yet).
     let missing = [scale_of(wq_a), weight_of(w1), weight_of(wo_a)];
@@ -560,9 +552,7 @@ fn unpaired_halves_at_refit_end_are_named_and_the_refit_stays_open() {
 
 #[test]
 fn plain_refit_still_needs_both_halves_in_one_call() {
-    let ck = checkpoint("tiny_fp8");
-    let reference = Reference::of("tiny_fp8");
-    let e = engine("tiny_fp8", Load::Dummy);
+    let (ck, reference, e) = fp8_dummy();
     let toks = prompt("tiny_fp8");
     let before = logits(e, &toks);
     for m in [FP8[0], FP4[0]] {
@@ -597,9 +587,7 @@ fn plain_refit_still_needs_both_halves_in_one_call() {
 
 #[test]
 fn a_bad_chunk_holds_nothing_and_held_halves_are_checked() {
-    let ck = checkpoint("tiny_fp8");
-    let reference = Reference::of("tiny_fp8");
-    let e = engine("tiny_fp8", Load::Dummy);
+    let (ck, reference, e) = fp8_dummy();
     let (wq_a, wo_a, w1) = (FP8[0], FP8[1], FP4[0]);
     assert_fresh(e, &reference, &[weight_of(wq_a), weight_of(w1)]);
     let dummy_wq_a = stored(e, &weight_of(wq_a));

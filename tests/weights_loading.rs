@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use common::TempDir;
+use common::names::native_name;
 use common::rng::XorShift;
 use dsv4::weights::load::load_checkpoint;
 use dsv4::weights::spec::{ElemKind, StoredAs, TensorSpec, tensor_specs};
@@ -70,21 +71,34 @@ fn e2m1(n: u8) -> f32 {
 // A random model in its stored encodings, and the values it must load to
 // ------------------------------------------------------------------------------------------
 
+/// Quantised codes and their UE8M0 scales (`sshape`, row-major).
+struct Codes {
+    codes: Vec<u8>,
+    scales: Vec<u8>,
+    sshape: [usize; 2],
+}
+
+impl Codes {
+    /// `codes` with random scales around 1 (UE8M0 exponents 118..=131) of shape `sshape`.
+    fn with_random_scales(codes: Vec<u8>, sshape: [usize; 2], rng: &mut XorShift) -> Codes {
+        let scales = (0..sshape[0] * sshape[1])
+            .map(|_| 118 + rng.below(14) as u8)
+            .collect();
+        Codes {
+            codes,
+            scales,
+            sshape,
+        }
+    }
+}
+
 enum Enc {
     /// Multiples of 1/64 in [-2, 2] (at most 8 significant bits): exact in F32, BF16 and F16.
     Plain(Vec<f32>),
-    /// FP8 codes [out, in] and UE8M0 scales [ceil(out/bo), ceil(in/bi)].
-    Fp8 {
-        codes: Vec<u8>,
-        scales: Vec<u8>,
-        sshape: [usize; 2],
-    },
-    /// Packed FP4 [out, in/2] and UE8M0 scales [out, ceil(in/32)].
-    Fp4 {
-        packed: Vec<u8>,
-        scales: Vec<u8>,
-        sshape: [usize; 2],
-    },
+    /// FP8 codes [out, in] and scales [ceil(out/bo), ceil(in/bi)].
+    Fp8(Codes),
+    /// Packed FP4 codes [out, in/2] (two per byte) and scales [out, ceil(in/32)].
+    Fp4(Codes),
     Index(Vec<i64>),
 }
 
@@ -138,28 +152,13 @@ impl Model {
                             }
                         }
                     });
-                    let codes = codes.collect();
-                    let scales = (0..sshape[0] * sshape[1])
-                        .map(|_| 118 + rng.below(14) as u8)
-                        .collect();
-                    Enc::Fp8 {
-                        codes,
-                        scales,
-                        sshape,
-                    }
+                    Enc::Fp8(Codes::with_random_scales(codes.collect(), sshape, &mut rng))
                 }
                 (ElemKind::Float, StoredAs::Fp4Expert) => {
                     let [o, i] = [s.shape[0], s.shape[1]];
                     let sshape = [o, i.div_ceil(32)];
-                    let packed = (0..n / 2).map(|_| rng.next() as u8).collect();
-                    let scales = (0..sshape[0] * sshape[1])
-                        .map(|_| 118 + rng.below(14) as u8)
-                        .collect();
-                    Enc::Fp4 {
-                        packed,
-                        scales,
-                        sshape,
-                    }
+                    let codes = (0..n / 2).map(|_| rng.next() as u8).collect();
+                    Enc::Fp4(Codes::with_random_scales(codes, sshape, &mut rng))
                 }
                 (ElemKind::Float, StoredAs::Plain) => Enc::Plain(
                     (0..n)
@@ -186,36 +185,20 @@ impl Model {
         let s = self.spec(name);
         match &self.enc[name] {
             Enc::Plain(v) => v.clone(),
-            Enc::Fp8 {
-                codes,
-                scales,
-                sshape,
-            } => {
-                let [o, i] = [s.shape[0], s.shape[1]];
-                let mut v = vec![0.0; o * i];
-                for r in 0..o {
-                    for c in 0..i {
-                        let sc = e8m0(scales[(r / self.block[0]) * sshape[1] + c / self.block[1]]);
-                        v[r * i + c] = e4m3(codes[r * i + c]) * sc;
-                    }
-                }
-                v
+            Enc::Fp8(q) => {
+                let i = s.shape[1];
+                by_element(&s.shape, |r, c| {
+                    let scale = q.scales[(r / self.block[0]) * q.sshape[1] + c / self.block[1]];
+                    e4m3(q.codes[r * i + c]) * e8m0(scale)
+                })
             }
-            Enc::Fp4 {
-                packed,
-                scales,
-                sshape,
-            } => {
-                let [o, i] = [s.shape[0], s.shape[1]];
-                let mut v = vec![0.0; o * i];
-                for r in 0..o {
-                    for c in 0..i {
-                        let b = packed[r * (i / 2) + c / 2];
-                        let nib = if c % 2 == 0 { b & 15 } else { b >> 4 };
-                        v[r * i + c] = e2m1(nib) * e8m0(scales[r * sshape[1] + c / 32]);
-                    }
-                }
-                v
+            Enc::Fp4(q) => {
+                let i = s.shape[1];
+                by_element(&s.shape, |r, c| {
+                    let b = q.codes[r * (i / 2) + c / 2];
+                    let nib = if c % 2 == 0 { b & 15 } else { b >> 4 };
+                    e2m1(nib) * e8m0(q.scales[r * q.sshape[1] + c / 32])
+                })
             }
             Enc::Index(_) => panic!("{name} is an index table"),
         }
@@ -235,6 +218,15 @@ impl Model {
     }
 }
 
+/// The row-major [rows, cols] matrix whose element (r, c) is `f(r, c)`.
+fn by_element(shape: &[usize], f: impl Fn(usize, usize) -> f32) -> Vec<f32> {
+    let [o, i] = [shape[0], shape[1]];
+    (0..o)
+        .flat_map(|r| (0..i).map(move |c| (r, c)))
+        .map(|(r, c)| f(r, c))
+        .collect()
+}
+
 /// One tensor to write: (name, dtype, shape, bytes).
 type Entry = (String, Dtype, Vec<usize>, Vec<u8>);
 
@@ -244,6 +236,13 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 fn bf16_bytes(v: &[f32]) -> Vec<u8> {
     v.iter()
         .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
+        .collect()
+}
+/// BF16 bytes (little-endian) as f32 values.
+fn bf16_values(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks(2)
+        .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
         .collect()
 }
 fn f16_bytes(v: &[f32]) -> Vec<u8> {
@@ -260,6 +259,33 @@ fn is_f32_in_release(name: &str) -> bool {
         || name.ends_with("gate.bias")
 }
 
+/// An index table (tid2eid) as I64, the release dtype.
+fn index_i64(name: String, shape: &[usize], ids: &[i64]) -> Entry {
+    let bytes = ids.iter().flat_map(|x| x.to_le_bytes()).collect();
+    (name, Dtype::I64, shape.to_vec(), bytes)
+}
+
+/// A UE8M0 block-scale tensor, stored as its raw exponent bytes.
+fn e8m0_scale(name: String, sshape: &[usize; 2], scales: &[u8]) -> Entry {
+    (name, Dtype::F8_E8M0, sshape.to_vec(), scales.to_vec())
+}
+
+/// An FP8 weight as its two entries: `scale` (its block scales as the scheme stores them),
+/// then the E4M3 codes.
+fn fp8_entries(n: String, s: &TensorSpec, q: &Codes, scale: Entry) -> [Entry; 2] {
+    [scale, (n, Dtype::F8_E4M3, s.shape.clone(), q.codes.clone())]
+}
+
+/// A packed FP4 expert weight as its two entries: the UE8M0 `.scale`, then the nibbles
+/// [out, in/2] under `packed_dtype` (I8 in the release, U8 from save_pretrained).
+fn fp4_entries(n: String, s: &TensorSpec, q: &Codes, packed_dtype: Dtype) -> [Entry; 2] {
+    let packed_shape = vec![s.shape[0], s.shape[1] / 2];
+    [
+        e8m0_scale(n.replace(".weight", ".scale"), &q.sshape, &q.scales),
+        (n, packed_dtype, packed_shape, q.codes.clone()),
+    ]
+}
+
 /// Scheme (a): upstream names, release dtypes, `.scale` companions (F8_E8M0).
 fn scheme_upstream(m: &Model) -> Vec<Entry> {
     let mut out = Vec::new();
@@ -270,43 +296,12 @@ fn scheme_upstream(m: &Model) -> Vec<Entry> {
                 out.push((n, Dtype::F32, s.shape.clone(), f32_bytes(v)))
             }
             Enc::Plain(v) => out.push((n, Dtype::BF16, s.shape.clone(), bf16_bytes(v))),
-            Enc::Index(ids) => out.push((
-                n,
-                Dtype::I64,
-                s.shape.clone(),
-                ids.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            )),
-            Enc::Fp8 {
-                codes,
-                scales,
-                sshape,
-            } => {
-                out.push((
-                    n.replace(".weight", ".scale"),
-                    Dtype::F8_E8M0,
-                    sshape.to_vec(),
-                    scales.clone(),
-                ));
-                out.push((n, Dtype::F8_E4M3, s.shape.clone(), codes.clone()));
+            Enc::Index(ids) => out.push(index_i64(n, &s.shape, ids)),
+            Enc::Fp8(q) => {
+                let scale = e8m0_scale(n.replace(".weight", ".scale"), &q.sshape, &q.scales);
+                out.extend(fp8_entries(n, s, q, scale));
             }
-            Enc::Fp4 {
-                packed,
-                scales,
-                sshape,
-            } => {
-                out.push((
-                    n.replace(".weight", ".scale"),
-                    Dtype::F8_E8M0,
-                    sshape.to_vec(),
-                    scales.clone(),
-                ));
-                out.push((
-                    n,
-                    Dtype::I8,
-                    vec![s.shape[0], s.shape[1] / 2],
-                    packed.clone(),
-                ));
-            }
+            Enc::Fp4(q) => out.extend(fp4_entries(n, s, q, Dtype::I8)),
         }
     }
     out
@@ -339,134 +334,21 @@ fn scheme_save_pretrained(m: &Model) -> Vec<Entry> {
                 s.shape.clone(),
                 ids.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect(),
             )),
-            Enc::Fp8 {
-                codes,
-                scales,
-                sshape,
-            } => {
-                let f: Vec<f32> = scales.iter().map(|&b| e8m0(b)).collect();
-                out.push((
+            Enc::Fp8(q) => {
+                let f: Vec<f32> = q.scales.iter().map(|&b| e8m0(b)).collect();
+                let scale_bytes = f32_bytes(&f);
+                let scale = (
                     format!("{n}_scale_inv"),
                     Dtype::F32,
-                    sshape.to_vec(),
-                    f32_bytes(&f),
-                ));
-                out.push((n, Dtype::F8_E4M3, s.shape.clone(), codes.clone()));
+                    q.sshape.to_vec(),
+                    scale_bytes,
+                );
+                out.extend(fp8_entries(n, s, q, scale));
             }
-            Enc::Fp4 {
-                packed,
-                scales,
-                sshape,
-            } => {
-                out.push((
-                    n.replace(".weight", ".scale"),
-                    Dtype::F8_E8M0,
-                    sshape.to_vec(),
-                    scales.clone(),
-                ));
-                out.push((
-                    n,
-                    Dtype::U8,
-                    vec![s.shape[0], s.shape[1] / 2],
-                    packed.clone(),
-                ));
-            }
+            Enc::Fp4(q) => out.extend(fp4_entries(n, s, q, Dtype::U8)),
         }
     }
     out
-}
-
-/// Scheme (c) names: HF-native module paths (per-layer part), None for routed experts.
-fn native_name(c: &str) -> Option<String> {
-    let global = match c {
-        "embed.weight" => Some("model.embed_tokens.weight"),
-        "head.weight" => Some("lm_head.weight"),
-        "norm.weight" => Some("model.norm.weight"),
-        "hc_head_fn" => Some("model.hc_head.hc_fn"),
-        "hc_head_base" => Some("model.hc_head.hc_base"),
-        "hc_head_scale" => Some("model.hc_head.hc_scale"),
-        _ => None,
-    };
-    if let Some(g) = global {
-        return Some(g.into());
-    }
-    let rest = c.strip_prefix("layers.")?;
-    let (l, rest) = rest.split_once('.')?;
-    if rest.starts_with("ffn.experts.") {
-        return None;
-    }
-    let table = [
-        ("attn_norm.weight", "input_layernorm.weight"),
-        ("ffn_norm.weight", "post_attention_layernorm.weight"),
-        ("hc_attn_fn", "attn_hc.fn"),
-        ("hc_attn_base", "attn_hc.base"),
-        ("hc_attn_scale", "attn_hc.scale"),
-        ("hc_ffn_fn", "ffn_hc.fn"),
-        ("hc_ffn_base", "ffn_hc.base"),
-        ("hc_ffn_scale", "ffn_hc.scale"),
-        ("attn.wq_a.weight", "self_attn.q_a_proj.weight"),
-        ("attn.q_norm.weight", "self_attn.q_a_norm.weight"),
-        ("attn.wq_b.weight", "self_attn.q_b_proj.weight"),
-        ("attn.wkv.weight", "self_attn.kv_proj.weight"),
-        ("attn.kv_norm.weight", "self_attn.kv_norm.weight"),
-        ("attn.wo_a.weight", "self_attn.o_a_proj.weight"),
-        ("attn.wo_b.weight", "self_attn.o_b_proj.weight"),
-        ("attn.attn_sink", "self_attn.sinks"),
-        (
-            "attn.compressor.wkv.weight",
-            "self_attn.compressor.kv_proj.weight",
-        ),
-        (
-            "attn.compressor.wgate.weight",
-            "self_attn.compressor.gate_proj.weight",
-        ),
-        (
-            "attn.compressor.norm.weight",
-            "self_attn.compressor.kv_norm.weight",
-        ),
-        ("attn.compressor.ape", "self_attn.compressor.position_bias"),
-        (
-            "attn.indexer.wq_b.weight",
-            "self_attn.compressor.indexer.q_b_proj.weight",
-        ),
-        (
-            "attn.indexer.weights_proj.weight",
-            "self_attn.compressor.indexer.scorer.weights_proj.weight",
-        ),
-        (
-            "attn.indexer.compressor.wkv.weight",
-            "self_attn.compressor.indexer.kv_proj.weight",
-        ),
-        (
-            "attn.indexer.compressor.wgate.weight",
-            "self_attn.compressor.indexer.gate_proj.weight",
-        ),
-        (
-            "attn.indexer.compressor.norm.weight",
-            "self_attn.compressor.indexer.kv_norm.weight",
-        ),
-        (
-            "attn.indexer.compressor.ape",
-            "self_attn.compressor.indexer.position_bias",
-        ),
-        ("ffn.gate.weight", "mlp.gate.weight"),
-        ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
-        ("ffn.gate.tid2eid", "mlp.gate.tid2eid"),
-        (
-            "ffn.shared_experts.w1.weight",
-            "mlp.shared_experts.gate_proj.weight",
-        ),
-        (
-            "ffn.shared_experts.w2.weight",
-            "mlp.shared_experts.down_proj.weight",
-        ),
-        (
-            "ffn.shared_experts.w3.weight",
-            "mlp.shared_experts.up_proj.weight",
-        ),
-    ];
-    let native = table.iter().find(|(u, _)| *u == rest).map(|(_, n)| *n)?;
-    Some(format!("model.layers.{l}.{native}"))
 }
 
 /// Scheme (c): HF-native names; FP8 weights alternately F8_E4M3 + E8M0 `weight_scale_inv`
@@ -481,26 +363,12 @@ fn scheme_native(m: &Model) -> Vec<Entry> {
         };
         match &m.enc[&s.name] {
             Enc::Plain(v) => out.push((n, Dtype::F32, s.shape.clone(), f32_bytes(v))),
-            Enc::Index(ids) => out.push((
-                n,
-                Dtype::I64,
-                s.shape.clone(),
-                ids.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            )),
-            Enc::Fp8 {
-                codes,
-                scales,
-                sshape,
-            } => {
+            Enc::Index(ids) => out.push(index_i64(n, &s.shape, ids)),
+            Enc::Fp8(q) => {
                 fp8_count += 1;
                 if fp8_count % 2 == 0 {
-                    out.push((
-                        format!("{n}_scale_inv"),
-                        Dtype::F8_E8M0,
-                        sshape.to_vec(),
-                        scales.clone(),
-                    ));
-                    out.push((n, Dtype::F8_E4M3, s.shape.clone(), codes.clone()));
+                    let scale = e8m0_scale(format!("{n}_scale_inv"), &q.sshape, &q.scales);
+                    out.extend(fp8_entries(n, s, q, scale));
                 } else {
                     out.push((
                         n,
@@ -510,7 +378,7 @@ fn scheme_native(m: &Model) -> Vec<Entry> {
                     ));
                 }
             }
-            Enc::Fp4 { .. } => unreachable!("experts have no native per-expert name"),
+            Enc::Fp4(_) => unreachable!("experts have no native per-expert name"),
         }
     }
     let (e, i, d) = (m.cfg.n_routed_experts, m.cfg.moe_inter, m.cfg.hidden_size);
@@ -518,16 +386,11 @@ fn scheme_native(m: &Model) -> Vec<Entry> {
         let (mut packed, mut scales, mut down) = (Vec::new(), Vec::new(), Vec::new());
         for x in 0..e {
             for w in ["w1", "w3"] {
-                let Enc::Fp4 {
-                    packed: p,
-                    scales: s,
-                    ..
-                } = &m.enc[&format!("layers.{l}.ffn.experts.{x}.{w}.weight")]
-                else {
+                let Enc::Fp4(q) = &m.enc[&format!("layers.{l}.ffn.experts.{x}.{w}.weight")] else {
                     panic!("expert not FP4")
                 };
-                packed.extend_from_slice(p);
-                scales.extend_from_slice(s);
+                packed.extend_from_slice(&q.codes);
+                scales.extend_from_slice(&q.scales);
             }
             down.extend(m.values(&format!("layers.{l}.ffn.experts.{x}.w2.weight")));
         }
@@ -654,6 +517,13 @@ fn expect_err(cfg: &ModelConfig, path: &Path, status: Status, needles: &[&str]) 
     }
 }
 
+/// Writes `entries` as a fresh single-file checkpoint; loading it must fail with
+/// `Status::Tensor` and a message containing every needle.
+fn expect_tensor_err(cfg: &ModelConfig, tag: &str, entries: &[Entry], needles: &[&str]) {
+    let d = single(tag, entries);
+    expect_err(cfg, &d.0, Status::Tensor, needles);
+}
+
 fn find<'a>(entries: &'a mut [Entry], name: &str) -> &'a mut Entry {
     entries
         .iter_mut()
@@ -690,14 +560,14 @@ fn three_schemes_load_bit_identically() {
     assert_eq!(wq_a.shape, vec![48, 80]);
     assert!(matches!(
         &m.enc["layers.0.attn.wq_a.weight"],
-        Enc::Fp8 { sshape: [2, 3], .. }
+        Enc::Fp8(Codes { sshape: [2, 3], .. })
     ));
     assert!(matches!(
         &m.enc["layers.2.ffn.experts.1.w2.weight"],
-        Enc::Fp4 {
+        Enc::Fp4(Codes {
             sshape: [80, 2],
             ..
-        }
+        })
     ));
 }
 
@@ -714,7 +584,7 @@ fn default_block_is_128() {
     assert_eq!(m.block, [128, 128]);
     assert!(matches!(
         &m.enc["layers.0.attn.wq_b.weight"],
-        Enc::Fp8 { sshape: [1, 1], .. }
+        Enc::Fp8(Codes { sshape: [1, 1], .. })
     ));
     let d = single("block128", &scheme_upstream(&m));
     assert_matches(&m, &load(&m.cfg, &d.0).unwrap(), "block 128");
@@ -814,25 +684,19 @@ fn name_and_coverage_errors() {
     let m = Model::new(CONFIG, 11);
     let base = scheme_upstream(&m);
     let cfg = &m.cfg;
+    let with = |extra: Entry| {
+        let mut e = base.clone();
+        e.push(extra);
+        e
+    };
 
     // Unknown name.
-    let mut e = base.clone();
-    e.push((
-        "layers.0.attn.bogus.weight".into(),
-        Dtype::F32,
-        vec![2],
-        vec![0; 8],
-    ));
-    let d = single("unknown", &e);
-    expect_err(
+    let bogus = "layers.0.attn.bogus.weight";
+    expect_tensor_err(
         cfg,
-        &d.0,
-        Status::Tensor,
-        &[
-            "unknown tensor",
-            "layers.0.attn.bogus.weight",
-            "model.safetensors",
-        ],
+        "unknown",
+        &with((bogus.into(), Dtype::F32, vec![2], vec![0; 8])),
+        &["unknown tensor", bogus, "model.safetensors"],
     );
 
     // A name that exists in the scheme but not in this model (layer 5; compressor on a sliding layer).
@@ -840,89 +704,60 @@ fn name_and_coverage_errors() {
         "layers.5.attn_norm.weight",
         "layers.0.attn.compressor.norm.weight",
     ] {
-        let mut e = base.clone();
-        e.push((extra.into(), Dtype::F32, vec![32], vec![0; 128]));
-        let d = single("no-such-weight", &e);
-        expect_err(cfg, &d.0, Status::Tensor, &["unknown tensor", extra]);
+        let e = with((extra.into(), Dtype::F32, vec![32], vec![0; 128]));
+        expect_tensor_err(cfg, "no-such-weight", &e, &["unknown tensor", extra]);
     }
 
     // Missing tensors (and their count).
-    let d = single(
-        "missing1",
-        &without(
-            &base,
-            &["layers.1.attn.wq_b.weight", "layers.1.attn.wq_b.scale"],
-        ),
-    );
-    expect_err(
+    let wq_b = ["layers.1.attn.wq_b.weight", "layers.1.attn.wq_b.scale"];
+    expect_tensor_err(
         cfg,
-        &d.0,
-        Status::Tensor,
+        "missing1",
+        &without(&base, &wq_b),
         &["missing tensor `layers.1.attn.wq_b.weight`"],
     );
-    let d = single(
-        "missing3",
-        &without(
-            &base,
-            &[
-                "norm.weight",
-                "layers.2.ffn.gate.bias",
-                "layers.0.hc_ffn_fn",
-            ],
-        ),
-    );
-    expect_err(
+    let three = [
+        "norm.weight",
+        "layers.2.ffn.gate.bias",
+        "layers.0.hc_ffn_fn",
+    ];
+    expect_tensor_err(
         cfg,
-        &d.0,
-        Status::Tensor,
+        "missing3",
+        &without(&base, &three),
         &["missing tensor `norm.weight` (and 2 more)"],
     );
 
     // Duplicate: two names of one weight; fused experts next to per-expert tensors.
-    let mut e = base.clone();
-    let emb = find(&mut e, "embed.weight").clone();
-    e.push(("model.embed_tokens.weight".into(), emb.1, emb.2, emb.3));
-    let d = single("dup", &e);
-    expect_err(
+    let emb = base.iter().find(|e| e.0 == "embed.weight").unwrap().clone();
+    expect_tensor_err(
         cfg,
-        &d.0,
-        Status::Tensor,
+        "dup",
+        &with(("model.embed_tokens.weight".into(), emb.1, emb.2, emb.3)),
         &["duplicate", "embed.weight", "model.embed_tokens.weight"],
     );
-    let mut e = base.clone();
     let (x, i, dd) = (cfg.n_routed_experts, cfg.moe_inter, cfg.hidden_size);
-    e.push((
-        "model.layers.2.mlp.experts.down_proj".into(),
-        Dtype::F32,
-        vec![x, dd, i],
-        vec![0; x * dd * i * 4],
-    ));
-    let d = single("dup-fused", &e);
-    expect_err(
+    let fused = "model.layers.2.mlp.experts.down_proj";
+    expect_tensor_err(
         cfg,
-        &d.0,
-        Status::Tensor,
-        &[
-            "duplicate",
-            "model.layers.2.mlp.experts.down_proj",
-            "w2.weight",
-        ],
+        "dup-fused",
+        &with((
+            fused.into(),
+            Dtype::F32,
+            vec![x, dd, i],
+            vec![0; x * dd * i * 4],
+        )),
+        &["duplicate", fused, "w2.weight"],
     );
 
     // MTP tensors are accepted and ignored.
-    let mut e = base.clone();
-    e.push((
+    let mut e = with((
         "mtp.0.enorm.weight".into(),
         Dtype::BF16,
         vec![80],
         vec![0; 160],
     ));
-    e.push((
-        "mtp.0.e_proj.scale".into(),
-        Dtype::F8_E8M0,
-        vec![3, 3],
-        vec![127; 9],
-    ));
+    e.push(e8m0_scale("mtp.0.e_proj.scale".into(), &[3, 3], &[127; 9]));
     let d = single("mtp", &e);
     assert_matches(&m, &load(cfg, &d.0).unwrap(), "with mtp");
 }
@@ -931,154 +766,117 @@ fn name_and_coverage_errors() {
 fn dtype_shape_and_scale_errors() {
     let m = Model::new(CONFIG, 12);
     let base = scheme_upstream(&m);
-    let cfg = &m.cfg;
-    let run = |tag: &str, e: &[Entry], status: Status, needles: &[&str]| {
-        let d = single(tag, e);
-        expect_err(cfg, &d.0, status, needles);
-    };
-
-    // Wrong shape of a plain weight.
-    let mut e = base.clone();
-    find(&mut e, "layers.1.attn.compressor.wkv.weight").2 = vec![80, 64];
-    run(
-        "shape",
-        &e,
-        Status::Tensor,
-        &[
-            "layers.1.attn.compressor.wkv.weight",
-            "model.safetensors",
-            "[80, 64]",
-            "[64, 80]",
-        ],
-    );
-
-    // Wrong dtype for a float weight (I32 data of the right size).
-    let mut e = base.clone();
-    let t = find(&mut e, "layers.0.hc_attn_base");
-    t.1 = Dtype::I32;
-    run(
-        "dtype",
-        &e,
-        Status::Tensor,
-        &["layers.0.hc_attn_base", "I32"],
-    );
-    // Float dtype for the index table.
-    let mut e = base.clone();
-    let t = find(&mut e, "layers.0.ffn.gate.tid2eid");
-    t.1 = Dtype::F64;
-    run(
-        "dtype-index",
-        &e,
-        Status::Tensor,
-        &["layers.0.ffn.gate.tid2eid", "F64"],
-    );
-
-    // FP8 weight without its scale.
-    run(
-        "noscale",
-        &without(&base, &["layers.1.attn.wo_b.scale"]),
-        Status::Tensor,
-        &["layers.1.attn.wo_b.weight", "no scale"],
-    );
-    // FP4 expert without its scale.
-    run(
-        "noscale4",
-        &without(&base, &["layers.0.ffn.experts.2.w3.scale"]),
-        Status::Tensor,
-        &["layers.0.ffn.experts.2.w3.weight"],
-    );
-
-    // Mis-shaped scale (and mis-typed scale).
-    let mut e = base.clone();
-    find(&mut e, "layers.0.attn.wq_a.scale").2 = vec![3, 2];
-    run(
-        "scaleshape",
-        &e,
-        Status::Tensor,
-        &["layers.0.attn.wq_a.scale", "[3, 2]", "[2, 3]"],
-    );
-    let mut e = base.clone();
-    find(&mut e, "layers.0.attn.wq_a.scale").1 = Dtype::U8;
-    run(
-        "scaledtype",
-        &e,
-        Status::Tensor,
-        &["layers.0.attn.wq_a.scale", "U8"],
-    );
-    let mut e = base.clone();
-    let t = find(&mut e, "layers.2.ffn.experts.0.w1.scale");
-    t.2 = vec![48, 2];
-    t.3.truncate(96);
-    run(
-        "scaleshape4",
-        &e,
-        Status::Tensor,
-        &["layers.2.ffn.experts.0.w1.scale", "[48, 3]"],
-    );
-
-    // Packed FP4 with the wrong packed shape.
-    let mut e = base.clone();
-    find(&mut e, "layers.2.ffn.experts.0.w2.weight").2 = vec![48, 40];
-    run(
-        "fp4shape",
-        &e,
-        Status::Tensor,
-        &["layers.2.ffn.experts.0.w2.weight", "[48, 40]", "[80, 24]"],
-    );
-
-    // Scale for a tensor that is not stored quantised.
-    let mut e = base.clone();
-    e.push((
-        "layers.0.ffn.gate.scale".into(),
-        Dtype::F8_E8M0,
-        vec![1, 3],
-        vec![127; 3],
-    ));
-    run(
-        "scale-plain",
-        &e,
-        Status::Tensor,
-        &[
-            "layers.0.ffn.gate.weight",
-            "layers.0.ffn.gate.scale",
-            "not stored quantised",
-        ],
-    );
-
-    // Scale whose weight is absent.
-    let e = without(&base, &["layers.1.attn.wq_b.weight"]);
-    run(
-        "orphan-scale",
-        &e,
-        Status::Tensor,
-        &["layers.1.attn.wq_b.scale"],
-    );
-
-    // Duplicate scale (two spellings).
-    let mut e = base.clone();
-    let s = find(&mut e, "layers.0.attn.wkv.scale").clone();
-    e.push(("layers.0.attn.wkv.weight_scale_inv".into(), s.1, s.2, s.3));
-    run(
-        "dup-scale",
-        &e,
-        Status::Tensor,
-        &[
-            "duplicate",
-            "layers.0.attn.wkv.scale",
-            "layers.0.attn.wkv.weight_scale_inv",
-        ],
-    );
-
-    // Out-of-range expert id in tid2eid.
-    let mut e = base.clone();
-    let t = find(&mut e, "layers.1.ffn.gate.tid2eid");
-    t.3[8 * 5..8 * 6].copy_from_slice(&4i64.to_le_bytes());
-    run(
-        "tid2eid",
-        &e,
-        Status::Tensor,
-        &["layers.1.ffn.gate.tid2eid", "value 4", "[2, 1]"],
-    );
+    // (tag, how the upstream checkpoint is broken, what the Status::Tensor message names).
+    type Edit = fn(&mut Vec<Entry>);
+    let cases: &[(&str, Edit, &[&str])] = &[
+        // Wrong shape of a plain weight.
+        (
+            "shape",
+            |e| find(e, "layers.1.attn.compressor.wkv.weight").2 = vec![80, 64],
+            &[
+                "layers.1.attn.compressor.wkv.weight",
+                "model.safetensors",
+                "[80, 64]",
+                "[64, 80]",
+            ],
+        ),
+        // Wrong dtype for a float weight (I32 data of the right size).
+        (
+            "dtype",
+            |e| find(e, "layers.0.hc_attn_base").1 = Dtype::I32,
+            &["layers.0.hc_attn_base", "I32"],
+        ),
+        // Float dtype for the index table.
+        (
+            "dtype-index",
+            |e| find(e, "layers.0.ffn.gate.tid2eid").1 = Dtype::F64,
+            &["layers.0.ffn.gate.tid2eid", "F64"],
+        ),
+        // FP8 weight without its scale.
+        (
+            "noscale",
+            |e| *e = without(e, &["layers.1.attn.wo_b.scale"]),
+            &["layers.1.attn.wo_b.weight", "no scale"],
+        ),
+        // FP4 expert without its scale.
+        (
+            "noscale4",
+            |e| *e = without(e, &["layers.0.ffn.experts.2.w3.scale"]),
+            &["layers.0.ffn.experts.2.w3.weight"],
+        ),
+        // Mis-shaped scale (and mis-typed scale).
+        (
+            "scaleshape",
+            |e| find(e, "layers.0.attn.wq_a.scale").2 = vec![3, 2],
+            &["layers.0.attn.wq_a.scale", "[3, 2]", "[2, 3]"],
+        ),
+        (
+            "scaledtype",
+            |e| find(e, "layers.0.attn.wq_a.scale").1 = Dtype::U8,
+            &["layers.0.attn.wq_a.scale", "U8"],
+        ),
+        (
+            "scaleshape4",
+            |e| {
+                let t = find(e, "layers.2.ffn.experts.0.w1.scale");
+                t.2 = vec![48, 2];
+                t.3.truncate(96);
+            },
+            &["layers.2.ffn.experts.0.w1.scale", "[48, 3]"],
+        ),
+        // Packed FP4 with the wrong packed shape.
+        (
+            "fp4shape",
+            |e| find(e, "layers.2.ffn.experts.0.w2.weight").2 = vec![48, 40],
+            &["layers.2.ffn.experts.0.w2.weight", "[48, 40]", "[80, 24]"],
+        ),
+        // Scale for a tensor that is not stored quantised.
+        (
+            "scale-plain",
+            |e| {
+                let scale = "layers.0.ffn.gate.scale".into();
+                e.push((scale, Dtype::F8_E8M0, vec![1, 3], vec![127; 3]));
+            },
+            &[
+                "layers.0.ffn.gate.weight",
+                "layers.0.ffn.gate.scale",
+                "not stored quantised",
+            ],
+        ),
+        // Scale whose weight is absent.
+        (
+            "orphan-scale",
+            |e| *e = without(e, &["layers.1.attn.wq_b.weight"]),
+            &["layers.1.attn.wq_b.scale"],
+        ),
+        // Duplicate scale (two spellings).
+        (
+            "dup-scale",
+            |e| {
+                let s = find(e, "layers.0.attn.wkv.scale").clone();
+                e.push(("layers.0.attn.wkv.weight_scale_inv".into(), s.1, s.2, s.3));
+            },
+            &[
+                "duplicate",
+                "layers.0.attn.wkv.scale",
+                "layers.0.attn.wkv.weight_scale_inv",
+            ],
+        ),
+        // Out-of-range expert id in tid2eid.
+        (
+            "tid2eid",
+            |e| {
+                let t = find(e, "layers.1.ffn.gate.tid2eid");
+                t.3[8 * 5..8 * 6].copy_from_slice(&4i64.to_le_bytes());
+            },
+            &["layers.1.ffn.gate.tid2eid", "value 4", "[2, 1]"],
+        ),
+    ];
+    for (tag, edit, needles) in cases {
+        let mut e = base.clone();
+        edit(&mut e);
+        expect_tensor_err(&m.cfg, tag, &e, needles);
+    }
 }
 
 /// Packed FP4 needs an even number of columns: a config whose expert in-dim (moe_inter for
@@ -1206,11 +1004,7 @@ fn hf_fixtures_load() {
         let st = safetensors::SafeTensors::deserialize(&raw).unwrap();
         let t = st.tensor(kv_norm_name).unwrap();
         assert_eq!(t.dtype(), Dtype::BF16);
-        let want: Vec<f32> = t
-            .data()
-            .chunks(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect();
+        let want = bf16_values(t.data());
         let got = store.f32(store.index_of("layers.0.attn.kv_norm.weight").unwrap());
         assert_eq!(got, want.as_slice(), "{dir}: kv_norm");
         if dir == "tiny_native" {
@@ -1219,11 +1013,7 @@ fn hf_fixtures_load() {
                 .tensor("model.layers.1.mlp.experts.gate_up_proj")
                 .unwrap();
             let (i, dd) = (cfg.moe_inter, cfg.hidden_size);
-            let all: Vec<f32> = t
-                .data()
-                .chunks(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect();
+            let all = bf16_values(t.data());
             let w3 = store.f32(store.index_of("layers.1.ffn.experts.1.w3.weight").unwrap());
             assert_eq!(w3, &all[(2 * i + i) * dd..(4 * i) * dd]);
         }

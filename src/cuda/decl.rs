@@ -173,6 +173,42 @@ impl<A: KernelDecl> Launcher<A> {
     }
 }
 
+/// Declares a family's wrapper struct: one [`Launcher`] field per entry point it launches,
+/// and `new`, which resolves every one of them from a loaded registry (an error names the
+/// first kernel the registry lacks).
+///
+/// ```ignore
+/// launchers! {
+///     /// The linear family's entry points, resolved from a loaded registry.
+///     pub struct Linear {
+///         linear: linear_kernel,
+///         act_quant: act_quant_kernel,
+///     }
+/// }
+/// ```
+#[macro_export]
+#[doc(hidden)]
+macro_rules! launchers {
+    (
+        $(#[$meta:meta])*
+        $vis:vis struct $name:ident { $($field:ident: $kernel:ident),* $(,)? }
+    ) => {
+        $(#[$meta])*
+        $vis struct $name {
+            $($field: $crate::cuda::decl::Launcher<$kernel::Args>,)*
+        }
+
+        impl $name {
+            /// Resolves every entry point from `reg`, which must hold the family.
+            pub fn new(reg: &$crate::cuda::registry::Registry) -> $crate::error::Result<$name> {
+                Ok($name {
+                    $($field: $crate::cuda::decl::Launcher::new(reg)?,)*
+                })
+            }
+        }
+    };
+}
+
 /// Declares a kernel family and its entry points; see the module documentation.
 #[macro_export]
 #[doc(hidden)]

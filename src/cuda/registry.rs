@@ -9,15 +9,15 @@
 //! Adding a family: write `kernels/<family>.cu` (`#include "common.cuh"`, `extern "C"
 //! __global__` entry points), add `src/cuda/kernels/<family>.rs` with a `kernel_family!`
 //! declaration (src/cuda/decl.rs: the family's `SOURCE` and every entry point's parameters
-//! and dynamic shared memory above 48 KB) and a wrapper struct holding one
-//! `Launcher<entry::Args>` per entry point, and add `&<family>::SOURCE` to `MODEL_FAMILIES`
+//! and dynamic shared memory above 48 KB) and a `launchers!` wrapper struct naming one
+//! `Launcher` per entry point, and add `&<family>::SOURCE` to `MODEL_FAMILIES`
 //! (src/cuda/kernels/mod.rs), which [`families`] includes. CI then compiles it with NVRTC
 //! (tests/kernels_compile.rs) and checks every declaration against the source's signatures
 //! (tests/kernel_decls.rs).
 //!
 //! Adding a kernel to a family: the `extern "C" __global__` function in the .cu file, one
-//! `fn name(param: Type, ...);` line in the family's `kernel_family!`, a `Launcher` field in
-//! the wrapper struct and a wrapper method that checks sizes (`need`) and launches with
+//! `fn name(param: Type, ...);` line in the family's `kernel_family!`, a field in the
+//! wrapper struct's `launchers!` and a wrapper method that checks sizes (`need`) and launches with
 //! `name::Args { .. }`. No `unsafe` in the wrapper: the launch is typed by the declaration.
 
 use super::libs::CudaLib;

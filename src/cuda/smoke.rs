@@ -6,8 +6,6 @@
 //! `SOURCE` the registry compiles and one typed `Args` per entry point), and launch functions
 //! that check buffer sizes before launching.
 
-use super::decl::Launcher;
-use super::registry::Registry;
 use super::stream::BorrowedStream;
 use super::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -55,11 +53,13 @@ pub fn fill_u32_ref(i: u64, seed: i32) -> u32 {
     x
 }
 
-/// The smoke family's entry points, resolved from a loaded registry.
-pub struct Smoke {
-    fill: Launcher<smoke_fill::Args>,
-    roundtrip: Launcher<smoke_roundtrip::Args>,
-    reduce: Launcher<smoke_reduce::Args>,
+crate::launchers! {
+    /// The smoke family's entry points, resolved from a loaded registry.
+    pub struct Smoke {
+        fill: smoke_fill,
+        roundtrip: smoke_roundtrip,
+        reduce: smoke_reduce,
+    }
 }
 
 fn need(what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
@@ -73,14 +73,6 @@ fn need(what: &str, p: DevicePtr, bytes: usize) -> Result<()> {
 }
 
 impl Smoke {
-    pub fn new(reg: &Registry) -> Result<Smoke> {
-        Ok(Smoke {
-            fill: Launcher::new(reg)?,
-            roundtrip: Launcher::new(reg)?,
-            reduce: Launcher::new(reg)?,
-        })
-    }
-
     /// `out_u32[i] = fill_u32_ref(i, seed)`, `out_f32[i] = i as f32 * scale` for `i < n`.
     #[allow(clippy::too_many_arguments)]
     pub fn fill(

@@ -181,24 +181,35 @@ impl CpuBackend {
             scale: w.f32(s.scale),
             fold: None,
         };
-        for (l, lw) in hw.layers.iter().enumerate() {
-            let attn_site = HcParams {
-                fold: (l == 0).then_some(self.hc0_fold.as_slice()),
-                ..site(&lw.hc_attn)
-            };
+        // A block's input: hc_pre of the streams at its mHC site, then its RMSNorm (weight
+        // `norm`), rounded to BF16 before and after the norm in official mode.
+        let block_input = |x: &[f32], site: &HcParams, norm: usize| {
             let mut pre = mhc::hc_pre(
                 th,
-                &x,
+                x,
                 n,
                 d,
-                &attn_site,
+                site,
                 cfg.hc_sinkhorn_iters,
                 cfg.hc_eps,
                 cfg.rms_norm_eps,
             );
             prec.bf16(&mut pre.u);
-            rms_norm(&mut pre.u, d, Some(w.f32(lw.attn_norm)), cfg.rms_norm_eps);
+            rms_norm(&mut pre.u, d, Some(w.f32(norm)), cfg.rms_norm_eps);
             prec.bf16(&mut pre.u);
+            pre
+        };
+        // A block's output `out` merged back into the streams (hc_post), rounded in official mode.
+        let block_output = |x: &mut [f32], out: &[f32], pre: &mhc::HcPre| {
+            mhc::hc_post(x, out, pre, n, d);
+            prec.bf16(x);
+        };
+        for (l, lw) in hw.layers.iter().enumerate() {
+            let attn_site = HcParams {
+                fold: (l == 0).then_some(self.hc0_fold.as_slice()),
+                ..site(&lw.hc_attn)
+            };
+            let pre = block_input(&x, &attn_site, lw.attn_norm);
             let ctx = AttnCtx {
                 cfg,
                 w,
@@ -209,25 +220,11 @@ impl CpuBackend {
                 prec,
             };
             let a = attention::attention(&ctx, &pre.u, &b.positions, seqs, &mut self.slots);
-            mhc::hc_post(&mut x, &a, &pre, n, d);
-            prec.bf16(&mut x);
+            block_output(&mut x, &a, &pre);
 
-            let mut pre = mhc::hc_pre(
-                th,
-                &x,
-                n,
-                d,
-                &site(&lw.hc_ffn),
-                cfg.hc_sinkhorn_iters,
-                cfg.hc_eps,
-                cfg.rms_norm_eps,
-            );
-            prec.bf16(&mut pre.u);
-            rms_norm(&mut pre.u, d, Some(w.f32(lw.ffn_norm)), cfg.rms_norm_eps);
-            prec.bf16(&mut pre.u);
+            let pre = block_input(&x, &site(&lw.hc_ffn), lw.ffn_norm);
             let f = moe::moe(cfg, w, lw, th, prec, &pre.u, &b.tokens);
-            mhc::hc_post(&mut x, &f, &pre, n, d);
-            prec.bf16(&mut x);
+            block_output(&mut x, &f, &pre);
         }
         for s in seqs {
             self.slots[s.slot].len = s.first_pos + s.len;

@@ -57,13 +57,10 @@ pub fn check_update(
     scale: Option<&HostTensor>,
     block: [usize; 2],
 ) -> Result<Vec<usize>> {
-    let packed = packed_shape(u);
-    let Some(job) = plan_update(store, u, &packed, HostScale::of(scale), block)? else {
-        return Ok(Vec::new());
-    };
-    let dsts = job.dsts();
-    check_quantizable(store, std::slice::from_ref(&job))?;
-    Ok(dsts)
+    // No job for an ignored name: nothing to check.
+    let job = plan_host_update(store, u, scale, block)?;
+    check_quantizable(store, job.as_slice())?;
+    Ok(job.map_or_else(Vec::new, |j| j.dsts()))
 }
 
 /// Validates a stored-format weight (F8_E4M3 / FP4_E2M1 codes) whose block scale will come
@@ -104,11 +101,8 @@ pub fn check_scale_awaiting_weight(
         crate::bail!(Internal, "{who} is not a block-scale name");
     };
     let canon = target.describe();
-    let r = resolve(store, &target).ok_or_else(|| {
-        Error::new(
-            Status::Tensor,
-            format!("{who} is the scale of `{canon}`, which this model does not have"),
-        )
+    let r = resolve_or(store, &target, || {
+        format!("{who} is the scale of `{canon}`, which this model does not have")
     })?;
     host_scale(s, &canon)?;
     if r.kind != ElemKind::Float || r.shape.len() < 2 {
@@ -147,13 +141,23 @@ pub fn write_update(
     scale: Option<&HostTensor>,
     block: [usize; 2],
 ) -> Result<Vec<usize>> {
-    let packed = packed_shape(u);
-    let Some(job) = plan_update(store, u, &packed, HostScale::of(scale), block)? else {
+    let Some(job) = plan_host_update(store, u, scale, block)? else {
         return Ok(Vec::new());
     };
     let dsts = job.dsts();
     execute(store, vec![job])?;
     Ok(dsts)
+}
+
+/// The job of one host update with its scale given or missing (packed FP4 codes given with
+/// their logical shape); None for an ignored `mtp.*` name.
+fn plan_host_update<'a>(
+    store: &WeightStore,
+    u: &HostTensor<'a>,
+    scale: Option<&HostTensor<'a>>,
+    block: [usize; 2],
+) -> Result<Option<Job<'a>>> {
+    plan_update(store, u, &packed_shape(u), HostScale::of(scale), block)
 }
 
 /// The byte shape of packed FP4 (last dimension halved, as checkpoints store it); the
@@ -193,6 +197,19 @@ struct Source<'a> {
     scale: Option<(&'a [u8], ScaleDtype)>,
     mat_rows: usize,
     cols: usize,
+}
+
+impl<'a> Source<'a> {
+    /// A source without a block scale: plain values, or codes whose scale comes later.
+    fn unscaled(enc: Encoding, data: &'a [u8], mat_rows: usize, cols: usize) -> Source<'a> {
+        Source {
+            enc,
+            data,
+            scale: None,
+            mat_rows,
+            cols,
+        }
+    }
 }
 
 /// `rows` global rows of a source starting at `row0` fill canonical weight `dst` entirely.
@@ -235,6 +252,16 @@ fn experts_of(store: &WeightStore, l: usize) -> Vec<[usize; 3]> {
             _ => return out,
         }
     }
+}
+
+/// [`resolve`], or `Status::Tensor` with the message `missing` makes when this model has no
+/// such weight.
+fn resolve_or(
+    store: &WeightStore,
+    target: &Target,
+    missing: impl FnOnce() -> String,
+) -> Result<Resolved> {
+    resolve(store, target).ok_or_else(|| Error::new(Status::Tensor, missing()))
 }
 
 fn resolve(store: &WeightStore, target: &Target) -> Option<Resolved> {
@@ -393,38 +420,24 @@ fn validate_source<'a>(
         cols_of(logical),
     );
 
-    if kind == ElemKind::Index {
+    // Index tables (integer dtypes only) and float values: no scale, the logical shape.
+    let unscaled = if kind == ElemKind::Index {
         let Some(it) = IntDtype::from_dtype(w.dtype) else {
             return Err(tensor_err(format!(
                 "dtype {} is not accepted for index table `{canon}` (expected I64 or I32)",
                 w.dtype
             )));
         };
+        Some(Encoding::Int(it))
+    } else {
+        FloatDtype::from_dtype(w.dtype).map(Encoding::Float)
+    };
+    if let Some(enc) = unscaled {
         no_scale(&scale)?;
         if w.shape != logical {
             return Err(shape_err(w.shape, logical, ""));
         }
-        return Ok(Source {
-            enc: Encoding::Int(it),
-            data: w.data,
-            scale: None,
-            mat_rows,
-            cols,
-        });
-    }
-
-    if let Some(ft) = FloatDtype::from_dtype(w.dtype) {
-        no_scale(&scale)?;
-        if w.shape != logical {
-            return Err(shape_err(w.shape, logical, ""));
-        }
-        return Ok(Source {
-            enc: Encoding::Float(ft),
-            data: w.data,
-            scale: None,
-            mat_rows,
-            cols,
-        });
+        return Ok(Source::unscaled(enc, w.data, mat_rows, cols));
     }
 
     let (enc, stored_shape) = match w.dtype {
@@ -468,13 +481,7 @@ fn validate_source<'a>(
             )));
         }
         ScaleSrc::Later => {
-            return Ok(Source {
-                enc,
-                data: w.data,
-                scale: None,
-                mat_rows,
-                cols,
-            });
+            return Ok(Source::unscaled(enc, w.data, mat_rows, cols));
         }
     };
     let scale_shape = scale_grid(enc, logical);
@@ -524,6 +531,16 @@ fn plan_checkpoint<'a>(
     block: [usize; 2],
 ) -> Result<Vec<Job<'a>>> {
     let file = |t: &TensorEntry| ck.path_of(t).display().to_string();
+    let duplicate = |prev: &TensorEntry, t: &TensorEntry, weight: &str| {
+        crate::err!(
+            Tensor,
+            "duplicate tensor: `{}` in file `{}` and `{}` in file `{}` both provide `{weight}`",
+            prev.name,
+            file(prev),
+            t.name,
+            file(t)
+        )
+    };
     let who = |t: &TensorEntry| format!("tensor `{}` in file `{}`", t.name, file(t));
 
     // 1. Names: sort every tensor into weights and scales by the canonical target.
@@ -541,15 +558,7 @@ fn plan_checkpoint<'a>(
             Some(Role::Scale(tg)) => (tg, &mut scales),
         };
         if let Some(prev) = map.get(&target) {
-            crate::bail!(
-                Tensor,
-                "duplicate tensor: `{}` in file `{}` and `{}` in file `{}` both provide `{}`",
-                prev.name,
-                file(prev),
-                t.name,
-                file(t),
-                target.describe()
-            );
+            return Err(duplicate(prev, t, &target.describe()));
         }
         map.insert(target, t);
     }
@@ -572,10 +581,11 @@ fn plan_checkpoint<'a>(
     ordered.sort_by_key(|(_, t)| (t.file, ck.data(t).as_ptr() as usize));
     for (target, &t) in ordered {
         let canon = target.describe();
-        let r = resolve(store, target).ok_or_else(|| {
-            Error::new(
-                Status::Tensor,
-                format!("unknown tensor `{}` in file `{}`: this model has no weight `{canon}` (check config.json)", t.name, file(t)),
+        let r = resolve_or(store, target, || {
+            format!(
+                "unknown tensor `{}` in file `{}`: this model has no weight `{canon}` (check config.json)",
+                t.name,
+                file(t)
             )
         })?;
         let scale = match scales.get(target) {
@@ -600,15 +610,7 @@ fn plan_checkpoint<'a>(
         }
         for p in &r.pieces {
             if let Some(prev) = writer[p.dst].replace(t) {
-                crate::bail!(
-                    Tensor,
-                    "duplicate tensor: `{}` in file `{}` and `{}` in file `{}` both provide `{}`",
-                    prev.name,
-                    file(prev),
-                    t.name,
-                    file(t),
-                    store.tensor(p.dst).spec.name
-                );
+                return Err(duplicate(prev, t, &store.tensor(p.dst).spec.name));
             }
         }
         jobs.push(Job {
@@ -708,11 +710,8 @@ fn plan_update<'a>(
         Some(Role::Weight(t)) => t,
     };
     let canon = target.describe();
-    let r = resolve(store, &target).ok_or_else(|| {
-        Error::new(
-            Status::Tensor,
-            format!("unknown weight `{name}`: this model has no `{canon}`"),
-        )
+    let r = resolve_or(store, &target, || {
+        format!("unknown weight `{name}`: this model has no `{canon}`")
     })?;
     let st_dtype = match (r.kind, dtype) {
         (ElemKind::Float, HostDtype::F32) => Dtype::F32,
@@ -1011,36 +1010,27 @@ fn decode_rows(src: &Source, row0: usize, out: &mut [f32]) {
 mod tests {
     use super::*;
 
-    /// A float / index update without scale (the form most tests need).
-    fn check_update(
-        store: &WeightStore,
-        name: &str,
+    fn host<'a>(
+        name: &'a str,
         dtype: HostDtype,
-        shape: &[usize],
-        data: &[u8],
-    ) -> Result<Vec<usize>> {
-        let u = HostTensor {
+        shape: &'a [usize],
+        data: &'a [u8],
+    ) -> HostTensor<'a> {
+        HostTensor {
             name,
             dtype,
             shape,
             data,
-        };
+        }
+    }
+
+    /// A float / index update without scale (the form most tests need), checked.
+    fn check_update(store: &WeightStore, u: HostTensor) -> Result<Vec<usize>> {
         super::check_update(store, &u, None, [128, 128])
     }
 
-    fn write_update(
-        store: &mut WeightStore,
-        name: &str,
-        dtype: HostDtype,
-        shape: &[usize],
-        data: &[u8],
-    ) -> Result<Vec<usize>> {
-        let u = HostTensor {
-            name,
-            dtype,
-            shape,
-            data,
-        };
+    /// [`check_update`]'s update, written.
+    fn write_update(store: &mut WeightStore, u: HostTensor) -> Result<Vec<usize>> {
         super::write_update(store, &u, None, [128, 128])
     }
     use crate::weights::safetensors_io::tests::TempDir;
@@ -1072,10 +1062,12 @@ mod tests {
         let vals: Vec<f32> = (0..64).map(|k| k as f32).collect();
         let touched = write_update(
             &mut store,
-            "model.norm.weight",
-            HostDtype::F32,
-            &[64],
-            &f32_bytes(&vals),
+            host(
+                "model.norm.weight",
+                HostDtype::F32,
+                &[64],
+                &f32_bytes(&vals),
+            ),
         )
         .unwrap();
         assert_eq!(touched, vec![i]);
@@ -1085,70 +1077,55 @@ mod tests {
             .iter()
             .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
             .collect();
-        write_update(&mut store, "norm.weight", HostDtype::Bf16, &[64], &bf).unwrap();
+        write_update(&mut store, host("norm.weight", HostDtype::Bf16, &[64], &bf)).unwrap();
         assert_eq!(store.f32(i), vals.as_slice());
 
-        let err = |r: Result<Vec<usize>>| r.unwrap_err();
-        let e = err(check_update(
-            &store,
+        let fails = |name, dtype, shape: &[usize], data: &[u8]| {
+            check_update(&store, host(name, dtype, shape, data)).unwrap_err()
+        };
+        let e = fails(
             "norm.weight",
             HostDtype::F32,
             &[63],
             &f32_bytes(&vals[..63]),
-        ));
+        );
         assert_eq!(e.status, Status::Tensor);
         assert!(
             e.message.contains("norm.weight") && e.message.contains("[63]"),
             "{}",
             e.message
         );
-        let e = err(check_update(
-            &store,
-            "norm.weight",
-            HostDtype::F32,
-            &[64],
-            &[0; 8],
-        ));
+        let e = fails("norm.weight", HostDtype::F32, &[64], &[0; 8]);
         assert_eq!(e.status, Status::InvalidArgument, "{}", e.message);
-        let e = err(check_update(
-            &store,
-            "norm.weight",
-            HostDtype::I32,
-            &[64],
-            &[0; 256],
-        ));
+        let e = fails("norm.weight", HostDtype::I32, &[64], &[0; 256]);
         assert_eq!(e.status, Status::Tensor);
-        let e = err(check_update(
-            &store,
+        let e = fails(
             "layers.9.attn_norm.weight",
             HostDtype::F32,
             &[64],
             &[0; 256],
-        ));
+        );
         assert!(
             e.status == Status::Tensor && e.message.contains("layers.9.attn_norm.weight"),
             "{}",
             e.message
         );
-        let e = err(check_update(
-            &store,
-            "layers.0.attn.wq_a.scale",
-            HostDtype::F32,
-            &[1, 1],
-            &[0; 4],
-        ));
+        let e = fails("layers.0.attn.wq_a.scale", HostDtype::F32, &[1, 1], &[0; 4]);
         assert_eq!(e.status, Status::Tensor);
         // Sliding layer 0 has no compressor.
-        let e = err(check_update(
-            &store,
+        let e = fails(
             "layers.0.attn.compressor.ape",
             HostDtype::F32,
             &[4, 32],
             &[0; 512],
-        ));
+        );
         assert_eq!(e.status, Status::Tensor);
         assert_eq!(
-            check_update(&store, "mtp.0.enorm.weight", HostDtype::F32, &[1], &[0; 4]).unwrap(),
+            check_update(
+                &store,
+                host("mtp.0.enorm.weight", HostDtype::F32, &[1], &[0; 4])
+            )
+            .unwrap(),
             Vec::<usize>::new()
         );
     }
@@ -1161,10 +1138,12 @@ mod tests {
         let b: Vec<u8> = ids.iter().flat_map(|x| x.to_le_bytes()).collect();
         write_update(
             &mut store,
-            "model.layers.0.mlp.gate.tid2eid",
-            HostDtype::I64,
-            &[16, 2],
-            &b,
+            host(
+                "model.layers.0.mlp.gate.tid2eid",
+                HostDtype::I64,
+                &[16, 2],
+                &b,
+            ),
         )
         .unwrap();
         assert_eq!(
@@ -1176,10 +1155,7 @@ mod tests {
         let b: Vec<u8> = bad.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect();
         let e = check_update(
             &store,
-            "layers.0.ffn.gate.tid2eid",
-            HostDtype::I32,
-            &[16, 2],
-            &b,
+            host("layers.0.ffn.gate.tid2eid", HostDtype::I32, &[16, 2], &b),
         )
         .unwrap_err();
         assert_eq!(e.status, Status::Tensor);
@@ -1190,13 +1166,19 @@ mod tests {
         );
         let e = check_update(
             &store,
-            "layers.0.ffn.gate.tid2eid",
-            HostDtype::F32,
-            &[16, 2],
-            &b,
+            host("layers.0.ffn.gate.tid2eid", HostDtype::F32, &[16, 2], &b),
         )
         .unwrap_err();
         assert_eq!(e.status, Status::Tensor);
+    }
+
+    /// Projection `w` (w1, w2, w3) of routed expert `x` of layer 1.
+    fn layer1_expert<'s>(store: &'s WeightStore, x: usize, w: &str) -> &'s [f32] {
+        store.f32(
+            store
+                .index_of(&format!("layers.1.ffn.experts.{x}.{w}.weight"))
+                .unwrap(),
+        )
     }
 
     #[test]
@@ -1206,50 +1188,44 @@ mod tests {
         let gu: Vec<f32> = (0..e * 2 * i * d).map(|k| k as f32).collect();
         let touched = write_update(
             &mut store,
-            "model.layers.1.mlp.experts.gate_up_proj",
-            HostDtype::F32,
-            &[e, 2 * i, d],
-            &f32_bytes(&gu),
+            host(
+                "model.layers.1.mlp.experts.gate_up_proj",
+                HostDtype::F32,
+                &[e, 2 * i, d],
+                &f32_bytes(&gu),
+            ),
         )
         .unwrap();
         assert_eq!(touched.len(), 2 * e);
         for x in 0..e {
-            let w1 = store.f32(
-                store
-                    .index_of(&format!("layers.1.ffn.experts.{x}.w1.weight"))
-                    .unwrap(),
-            );
-            let w3 = store.f32(
-                store
-                    .index_of(&format!("layers.1.ffn.experts.{x}.w3.weight"))
-                    .unwrap(),
-            );
+            let w1 = layer1_expert(&store, x, "w1");
+            let w3 = layer1_expert(&store, x, "w3");
             assert_eq!(w1, &gu[x * 2 * i * d..(x * 2 + 1) * i * d]);
             assert_eq!(w3, &gu[(x * 2 + 1) * i * d..(x + 1) * 2 * i * d]);
         }
         let dn: Vec<f32> = (0..e * d * i).map(|k| -(k as f32)).collect();
         write_update(
             &mut store,
-            "model.layers.1.mlp.experts.down_proj",
-            HostDtype::F32,
-            &[e, d, i],
-            &f32_bytes(&dn),
+            host(
+                "model.layers.1.mlp.experts.down_proj",
+                HostDtype::F32,
+                &[e, d, i],
+                &f32_bytes(&dn),
+            ),
         )
         .unwrap();
         for x in 0..e {
-            let w2 = store.f32(
-                store
-                    .index_of(&format!("layers.1.ffn.experts.{x}.w2.weight"))
-                    .unwrap(),
-            );
+            let w2 = layer1_expert(&store, x, "w2");
             assert_eq!(w2, &dn[x * d * i..(x + 1) * d * i]);
         }
         let e2 = check_update(
             &store,
-            "model.layers.1.mlp.experts.down_proj",
-            HostDtype::F32,
-            &[e, i, d],
-            &f32_bytes(&dn),
+            host(
+                "model.layers.1.mlp.experts.down_proj",
+                HostDtype::F32,
+                &[e, i, d],
+                &f32_bytes(&dn),
+            ),
         )
         .unwrap_err();
         assert_eq!(e2.status, Status::Tensor);

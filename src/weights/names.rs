@@ -391,39 +391,40 @@ mod tests {
     #[test]
     fn scales_mtp_and_unknown() {
         let t = |n: &str| Target::Tensor(n.to_owned());
-        assert_eq!(
-            classify("layers.0.attn.wq_a.scale"),
-            Some(Role::Scale(t("layers.0.attn.wq_a.weight")))
-        );
-        assert_eq!(
-            classify("model.layers.0.self_attn.q_a_proj.weight_scale_inv"),
-            Some(Role::Scale(t("layers.0.attn.wq_a.weight")))
-        );
-        assert_eq!(
-            classify("layers.1.ffn.experts.3.w2.weight.scale"),
-            Some(Role::Scale(t("layers.1.ffn.experts.3.w2.weight")))
-        );
+        // (scale name, the weight it scales). A scale name of an unquantisable weight is still
+        // a scale (the loader rejects it).
+        for (name, weight) in [
+            ("layers.0.attn.wq_a.scale", "layers.0.attn.wq_a.weight"),
+            (
+                "model.layers.0.self_attn.q_a_proj.weight_scale_inv",
+                "layers.0.attn.wq_a.weight",
+            ),
+            (
+                "layers.1.ffn.experts.3.w2.weight.scale",
+                "layers.1.ffn.experts.3.w2.weight",
+            ),
+            ("layers.0.hc_attn_fn.scale", "layers.0.hc_attn_fn"),
+        ] {
+            assert_eq!(classify(name), Some(Role::Scale(t(weight))), "{name}");
+        }
         assert_eq!(
             classify("model.layers.1.mlp.experts.gate_up_proj_scale_inv"),
             Some(Role::Scale(Target::ExpertsGateUp(1)))
         );
         // Real mHC scale parameters are weights, not block scales.
-        assert_eq!(
-            classify("model.layers.0.attn_hc.scale"),
-            Some(Role::Weight(t("layers.0.hc_attn_scale")))
-        );
-        assert_eq!(
-            classify("hc_head_scale"),
-            Some(Role::Weight(t("hc_head_scale")))
-        );
-        // A scale name of an unquantisable weight is still a scale (the loader rejects it).
-        assert_eq!(
-            classify("layers.0.hc_attn_fn.scale"),
-            Some(Role::Scale(t("layers.0.hc_attn_fn")))
-        );
-        assert_eq!(classify("mtp.0.e_proj.weight"), Some(Role::Mtp));
-        assert_eq!(classify("mtp.0.e_proj.scale"), Some(Role::Mtp));
-        assert_eq!(classify("model.mtp.0.hc_head_fn"), Some(Role::Mtp));
+        for (name, weight) in [
+            ("model.layers.0.attn_hc.scale", "layers.0.hc_attn_scale"),
+            ("hc_head_scale", "hc_head_scale"),
+        ] {
+            assert_eq!(classify(name), Some(Role::Weight(t(weight))), "{name}");
+        }
+        for mtp in [
+            "mtp.0.e_proj.weight",
+            "mtp.0.e_proj.scale",
+            "model.mtp.0.hc_head_fn",
+        ] {
+            assert_eq!(classify(mtp), Some(Role::Mtp), "{mtp}");
+        }
         for bad in [
             "layers.01.attn.wq_a.weight",
             "layers.+1.attn.wq_a.weight",

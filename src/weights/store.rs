@@ -183,10 +183,7 @@ impl WeightStore {
     pub fn f32(&self, i: usize) -> &[f32] {
         match &self.tensors[i].data {
             TensorData::F32(v) => v,
-            _ => panic!(
-                "weight `{}` is not stored as f32",
-                self.tensors[i].spec.name
-            ),
+            _ => self.misuse(i, "is not stored as f32"),
         }
     }
 
@@ -194,11 +191,13 @@ impl WeightStore {
     pub fn i32(&self, i: usize) -> &[i32] {
         match &self.tensors[i].data {
             TensorData::I32(v) => v,
-            _ => panic!(
-                "weight `{}` is not an index tensor",
-                self.tensors[i].spec.name
-            ),
+            _ => self.misuse(i, "is not an index tensor"),
         }
+    }
+
+    /// Panics naming weight `i`: it was read as what it is not (a programming error).
+    fn misuse(&self, i: usize, what: &str) -> ! {
+        panic!("weight `{}` {what}", self.tensors[i].spec.name)
     }
 
     /// Read view of weight matrix `i` in its stored format.
@@ -207,10 +206,7 @@ impl WeightStore {
             TensorData::F32(v) => MatRef::F32(v),
             TensorData::Bf16(v) => MatRef::Bf16(v),
             TensorData::Quant(q) => MatRef::Quant(q),
-            TensorData::I32(_) => panic!(
-                "weight `{}` is an index table, not a matrix",
-                self.tensors[i].spec.name
-            ),
+            TensorData::I32(_) => self.misuse(i, "is an index table, not a matrix"),
         }
     }
 

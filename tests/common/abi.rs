@@ -206,3 +206,28 @@ pub fn perturbed_bf16(e: &Entry, factor: f32) -> Entry {
         .collect();
     Entry { data, ..e.clone() }
 }
+
+/// One forward of `toks` as one sequence in slot 0 from position 0, every row's f32 logits
+/// (`vocab` per row) into a NaN-poisoned buffer: the status and the logits.
+pub fn forward_one_sequence(
+    e: *mut dsv4_engine,
+    toks: &[i32],
+    vocab: usize,
+) -> (dsv4_status, Vec<f32>) {
+    let pos: Vec<i32> = (0..toks.len() as i32).collect();
+    let (slots, qs) = ([0i32], [0, toks.len() as i32]);
+    let mut out = vec![f32::NAN; toks.len() * vocab];
+    let mut b = dsv4_batch_default();
+    b.num_tokens = toks.len() as i32;
+    b.num_seqs = 1;
+    b.token_ids = toks.as_ptr();
+    b.positions = pos.as_ptr();
+    b.seq_slots = slots.as_ptr();
+    b.query_start = qs.as_ptr();
+    b.num_logits = toks.len() as i32;
+    b.logits = out.as_mut_ptr().cast();
+    b.logits_dtype = DSV4_LOGITS_F32;
+    // SAFETY: `e` is a live engine; the batch points into the arrays above, alive for the call.
+    let s = unsafe { dsv4_forward(e, &b, std::ptr::null_mut()) };
+    (s, out)
+}

@@ -10,6 +10,7 @@
 
 pub mod abi;
 pub mod gpu;
+pub mod names;
 pub mod parity;
 pub mod rig;
 pub mod rng;
@@ -33,6 +34,46 @@ pub fn fixture_dir(name: &str) -> PathBuf {
     root.join(name)
 }
 
+/// An engine on fixture `model` with `opts`: created from the fixture's config, its
+/// checkpoint loaded (AUTO) and finalized; panics on any failure.
+pub fn fixture_engine(model: &str, opts: dsv4::EngineOptions) -> dsv4::Engine {
+    let dir = fixture_dir(model);
+    let mut e = dsv4::Engine::create(dsv4::ConfigSource::Path(dir.clone()), opts).expect("create");
+    e.load(Some(&dir), dsv4::LoadFormat::Auto).expect("load");
+    e.finalize().expect("finalize");
+    e
+}
+
+/// One forward of the given host arrays on `e`, every row's logits: f32 [toks.len(), vocab],
+/// NaN where the engine wrote nothing; panics if the forward fails.
+pub fn forward_all_rows(
+    e: &mut dsv4::Engine,
+    toks: &[i32],
+    pos: &[i32],
+    slots: &[i32],
+    qs: &[i32],
+) -> Vec<f32> {
+    let mut out = vec![f32::NAN; toks.len() * e.config().vocab_size];
+    e.forward(&mut dsv4::Batch {
+        token_ids: toks,
+        positions: pos,
+        seq_slots: slots,
+        query_start: qs,
+        logits_rows: None,
+        logits: dsv4::LogitsOut::F32(&mut out),
+    })
+    .expect("forward");
+    out
+}
+
+/// Logits of every oracle prompt ([len, vocab] per sequence), all NaN until written.
+pub fn nan_logits(o: &Oracle, vocab: usize) -> Vec<Vec<f32>> {
+    o.prompts
+        .iter()
+        .map(|p| vec![f32::NAN; p.len() * vocab])
+        .collect()
+}
+
 /// The oracle of one fixture model: prompts and fp32 logits recorded with transformers.
 pub struct Oracle {
     pub prompts: Vec<Vec<i32>>,
@@ -45,28 +86,24 @@ pub struct Oracle {
     pub model: String,
 }
 
+/// Tensor `name` of `st` as 4-byte little-endian words, each decoded by `from`.
+fn words<T>(st: &SafeTensors, name: &str, from: fn([u8; 4]) -> T) -> Vec<T> {
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| from(b.try_into().unwrap()))
+        .collect()
+}
+
 impl Oracle {
     pub fn load(name: &str) -> Oracle {
         let bytes = std::fs::read(fixture_dir(name).join("oracle.safetensors"))
             .expect("oracle.safetensors");
         let (_, meta) = SafeTensors::read_metadata(&bytes).expect("oracle header");
         let st = SafeTensors::deserialize(&bytes).expect("oracle");
-        let ints = |n: &str| -> Vec<i32> {
-            st.tensor(n)
-                .unwrap()
-                .data()
-                .chunks_exact(4)
-                .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
-                .collect()
-        };
-        let floats = |n: &str| -> Vec<f32> {
-            st.tensor(n)
-                .unwrap()
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect()
-        };
+        let ints = |n: &str| words(&st, n, i32::from_le_bytes);
+        let floats = |n: &str| words(&st, n, f32::from_le_bytes);
         let mut o = Oracle {
             prompts: vec![],
             logits: vec![],

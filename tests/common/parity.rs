@@ -122,6 +122,136 @@ pub fn report(label: &str, o: &Oracle, got: &[Vec<f32>]) {
     );
 }
 
+/// Every whole prompt in one batch, sequence s in slot [2, 0, 3][s % 3].
+fn whole_prompts(o: &Oracle) -> Vec<Piece> {
+    o.prompts
+        .iter()
+        .enumerate()
+        .map(|(s, p)| Piece {
+            seq: s,
+            slot: [2, 0, 3][s % 3],
+            start: 0,
+            len: p.len(),
+        })
+        .collect()
+}
+
+/// Chunk sizes of `hf::chunked` and `c_abi::chunked` (see [`chunk_rounds`]).
+const HF_CHUNKS: [[usize; 7]; 3] = [
+    [7, 3, 5, 1, 11, 2, 13],
+    [1, 6, 2, 9, 4, 3, 8],
+    [3, 1, 1, 5, 2, 7, 4],
+];
+const C_ABI_CHUNKS: [[usize; 7]; 3] = [
+    [7, 3, 5, 1, 11, 3, 13],
+    [1, 5, 3, 9, 1, 3, 7],
+    [3, 1, 1, 5, 3, 7, 1],
+];
+
+/// A chunked schedule, round by round until every prompt is done: each unfinished
+/// sequence's next chunk of `sizes[s % 3][round % 7]` tokens (at most what is left) in slot
+/// `slot(s)`. Sequence 1 skips every third round to vary which sequences share a batch.
+/// Returns the non-empty rounds with their round numbers.
+fn chunk_rounds(
+    o: &Oracle,
+    sizes: &[[usize; 7]; 3],
+    slot: impl Fn(usize) -> i32,
+) -> Vec<(usize, Vec<Piece>)> {
+    let mut next = vec![0usize; o.prompts.len()];
+    let mut rounds = vec![];
+    let mut round = 0;
+    while next.iter().zip(&o.prompts).any(|(n, p)| *n < p.len()) {
+        let mut pieces = vec![];
+        for s in 0..o.prompts.len() {
+            let left = o.prompts[s].len() - next[s];
+            if left == 0 || (s == 1 && round % 3 == 2) {
+                continue;
+            }
+            let len = sizes[s % 3][round % 7].min(left);
+            pieces.push(Piece {
+                seq: s,
+                slot: slot(s),
+                start: next[s],
+                len,
+            });
+            next[s] += len;
+        }
+        if !pieces.is_empty() {
+            rounds.push((round, pieces));
+        }
+        round += 1;
+    }
+    rounds
+}
+
+/// Prefill 13, 9, 5 tokens, then one token per unfinished sequence per step, sequence s in
+/// slot `slot(s)`, into `got`; returns the number of decode steps.
+fn prefill_then_decode_into(
+    f: &mut dyn Forward,
+    o: &Oracle,
+    got: &mut [Vec<f32>],
+    slot: impl Fn(usize) -> i32,
+) -> usize {
+    let prefill = [13usize, 9, 5];
+    let pieces: Vec<Piece> = (0..o.prompts.len())
+        .map(|s| Piece {
+            seq: s,
+            slot: slot(s),
+            start: 0,
+            len: prefill[s % 3].min(o.prompts[s].len()),
+        })
+        .collect();
+    run_step(f, o, &pieces, got, false);
+    let mut next: Vec<usize> = pieces.iter().map(|p| p.len).collect();
+    let mut steps = 0;
+    loop {
+        let pieces: Vec<Piece> = (0..o.prompts.len())
+            .filter(|&s| next[s] < o.prompts[s].len())
+            .map(|s| Piece {
+                seq: s,
+                slot: slot(s),
+                start: next[s],
+                len: 1,
+            })
+            .collect();
+        if pieces.is_empty() {
+            break;
+        }
+        run_step(f, o, &pieces, got, false);
+        pieces.iter().for_each(|p| next[p.seq] += 1);
+        steps += 1;
+    }
+    steps
+}
+
+/// A parity scenario: runs a schedule on a forward and checks it against the oracle; the
+/// last argument names the run in messages.
+pub type Scenario = fn(&mut dyn Forward, &Oracle, &str);
+
+/// The tests of one scenario set (`hf` or `c_abi`, in scope by that name): every scenario on
+/// each fixture model as a test of its own, run by `$run(scenario, model)`.
+#[macro_export]
+macro_rules! parity_tests {
+    ($set:ident, $run:path) => {
+        $crate::parity_tests!(@tests $set, $run,
+            tiny_one_shot: one_shot("tiny"),
+            tiny_chunked_interleaved: chunked("tiny"),
+            tiny_prefill_decode: prefill_then_decode("tiny"),
+            native_one_shot: one_shot("tiny_native"),
+            native_chunked_interleaved: chunked("tiny_native"),
+            native_prefill_decode: prefill_then_decode("tiny_native"),
+        );
+    };
+    (@tests $set:ident, $run:path, $($test:ident: $scenario:ident($model:literal),)*) => {
+        $(
+            #[test]
+            fn $test() {
+                $run($set::$scenario, $model);
+            }
+        )*
+    };
+}
+
 /// The schedules of parity_hf (the Rust engine API on the CPU; on CUDA in gpu_parity_oracle).
 pub mod hf {
     use super::*;
@@ -140,18 +270,7 @@ pub mod hf {
         }
         report(&format!("{name} one-shot, one sequence per call"), o, &got);
         let mut got = empty_like(o);
-        let pieces: Vec<Piece> = o
-            .prompts
-            .iter()
-            .enumerate()
-            .map(|(s, p)| Piece {
-                seq: s,
-                slot: [2, 0, 3][s % 3],
-                start: 0,
-                len: p.len(),
-            })
-            .collect();
-        run_step(f, o, &pieces, &mut got, false);
+        run_step(f, o, &whole_prompts(o), &mut got, false);
         report(
             &format!("{name} one-shot, all sequences in one batch"),
             o,
@@ -163,35 +282,9 @@ pub mod hf {
     /// sequences sit at different offsets in every batch.
     pub fn chunked(f: &mut dyn Forward, o: &Oracle, name: &str) {
         let mut got = empty_like(o);
-        let sizes = [
-            [7usize, 3, 5, 1, 11, 2, 13],
-            [1, 6, 2, 9, 4, 3, 8],
-            [3, 1, 1, 5, 2, 7, 4],
-        ];
-        let mut next = vec![0usize; o.prompts.len()];
-        let mut round = 0;
-        while next.iter().zip(&o.prompts).any(|(n, p)| *n < p.len()) {
-            let mut pieces = vec![];
-            for s in 0..o.prompts.len() {
-                let left = o.prompts[s].len() - next[s];
-                // Sequence 1 skips every third round to vary which sequences share a batch.
-                if left == 0 || (s == 1 && round % 3 == 2) {
-                    continue;
-                }
-                let len = sizes[s % 3][round % 7].min(left);
-                pieces.push(Piece {
-                    seq: s,
-                    slot: s as i32 + 1,
-                    start: next[s],
-                    len,
-                });
-                next[s] += len;
-            }
+        for (_, mut pieces) in chunk_rounds(o, &HF_CHUNKS, |s| s as i32 + 1) {
             pieces.reverse();
-            if !pieces.is_empty() {
-                run_step(f, o, &pieces, &mut got, false);
-            }
-            round += 1;
+            run_step(f, o, &pieces, &mut got, false);
         }
         report(&format!("{name} chunked, interleaved"), o, &got);
     }
@@ -199,33 +292,7 @@ pub mod hf {
     /// Prefill 13, 9, 5 tokens, then one token per sequence per step.
     pub fn prefill_then_decode(f: &mut dyn Forward, o: &Oracle, name: &str) {
         let mut got = empty_like(o);
-        let prefill = [13usize, 9, 5];
-        let pieces: Vec<Piece> = (0..o.prompts.len())
-            .map(|s| Piece {
-                seq: s,
-                slot: s as i32,
-                start: 0,
-                len: prefill[s % 3].min(o.prompts[s].len()),
-            })
-            .collect();
-        run_step(f, o, &pieces, &mut got, false);
-        let mut next: Vec<usize> = pieces.iter().map(|p| p.len).collect();
-        loop {
-            let pieces: Vec<Piece> = (0..o.prompts.len())
-                .filter(|&s| next[s] < o.prompts[s].len())
-                .map(|s| Piece {
-                    seq: s,
-                    slot: s as i32,
-                    start: next[s],
-                    len: 1,
-                })
-                .collect();
-            if pieces.is_empty() {
-                break;
-            }
-            run_step(f, o, &pieces, &mut got, false);
-            pieces.iter().for_each(|p| next[p.seq] += 1);
-        }
+        prefill_then_decode_into(f, o, &mut got, |s| s as i32);
         report(&format!("{name} prefill + batched decode"), o, &got);
     }
 }
@@ -239,17 +306,7 @@ pub mod c_abi {
     /// the rows requested in a permuted order.
     pub fn one_shot(f: &mut dyn Forward, o: &Oracle, name: &str) {
         assert_eq!(o.prompts.len(), 3);
-        let pieces: Vec<Piece> = o
-            .prompts
-            .iter()
-            .enumerate()
-            .map(|(s, p)| Piece {
-                seq: s,
-                slot: [2, 0, 3][s % 3],
-                start: 0,
-                len: p.len(),
-            })
-            .collect();
+        let pieces = whole_prompts(o);
         for (permute, case) in [
             (false, "one-shot, all 3 sequences in one batch"),
             (true, "one-shot, permuted logits_rows"),
@@ -267,40 +324,16 @@ pub mod c_abi {
     /// sequences in the batch alternates.
     pub fn chunked(f: &mut dyn Forward, o: &Oracle, name: &str) {
         let mut got = empty_like(o);
-        let sizes = [
-            [7usize, 3, 5, 1, 11, 3, 13],
-            [1, 5, 3, 9, 1, 3, 7],
-            [3, 1, 1, 5, 3, 7, 1],
-        ];
-        let mut next = vec![0usize; o.prompts.len()];
-        let (mut round, mut batches, mut shared) = (0, 0, 0);
-        while next.iter().zip(&o.prompts).any(|(n, p)| *n < p.len()) {
-            let mut pieces = vec![];
-            for s in 0..o.prompts.len() {
-                let left = o.prompts[s].len() - next[s];
-                if left == 0 || (s == 1 && round % 3 == 2) {
-                    continue;
-                }
-                let len = sizes[s % 3][round % 7].min(left);
-                pieces.push(Piece {
-                    seq: s,
-                    slot: 3 - s as i32,
-                    start: next[s],
-                    len,
-                });
-                next[s] += len;
-            }
+        let (mut batches, mut shared) = (0, 0);
+        for (round, mut pieces) in chunk_rounds(o, &C_ABI_CHUNKS, |s| 3 - s as i32) {
             if round % 2 == 0 {
                 pieces.reverse();
             }
-            if !pieces.is_empty() {
-                if pieces.len() > 1 && pieces.iter().any(|p| p.start != pieces[0].start) {
-                    shared += 1;
-                }
-                run_step(f, o, &pieces, &mut got, false);
-                batches += 1;
+            if pieces.len() > 1 && pieces.iter().any(|p| p.start != pieces[0].start) {
+                shared += 1;
             }
-            round += 1;
+            run_step(f, o, &pieces, &mut got, false);
+            batches += 1;
         }
         assert!(
             shared >= 3,
@@ -317,35 +350,7 @@ pub mod c_abi {
     /// batched single-token decode.
     pub fn prefill_then_decode(f: &mut dyn Forward, o: &Oracle, name: &str) {
         let mut got = empty_like(o);
-        let prefill = [13usize, 9, 5];
-        let pieces: Vec<Piece> = (0..o.prompts.len())
-            .map(|s| Piece {
-                seq: s,
-                slot: s as i32 + 1,
-                start: 0,
-                len: prefill[s % 3].min(o.prompts[s].len()),
-            })
-            .collect();
-        run_step(f, o, &pieces, &mut got, false);
-        let mut next: Vec<usize> = pieces.iter().map(|p| p.len).collect();
-        let mut steps = 0;
-        loop {
-            let pieces: Vec<Piece> = (0..o.prompts.len())
-                .filter(|&s| next[s] < o.prompts[s].len())
-                .map(|s| Piece {
-                    seq: s,
-                    slot: s as i32 + 1,
-                    start: next[s],
-                    len: 1,
-                })
-                .collect();
-            if pieces.is_empty() {
-                break;
-            }
-            run_step(f, o, &pieces, &mut got, false);
-            pieces.iter().for_each(|p| next[p.seq] += 1);
-            steps += 1;
-        }
+        let steps = prefill_then_decode_into(f, o, &mut got, |s| s as i32 + 1);
         let label =
             format!("{name} prefill + batched single-token decode ({steps} decode steps) (C ABI)");
         assert_finite(&label, &got);

@@ -68,6 +68,18 @@ impl Step {
         }
     }
 
+    /// The step as an engine-API batch writing f32 logits into `out`.
+    pub fn batch<'a>(&'a self, out: &'a mut [f32]) -> dsv4::Batch<'a> {
+        dsv4::Batch {
+            token_ids: &self.toks,
+            positions: &self.pos,
+            seq_slots: &self.slots,
+            query_start: &self.qs,
+            logits_rows: self.rows.as_deref(),
+            logits: dsv4::LogitsOut::F32(out),
+        }
+    }
+
     pub fn num_logits(&self) -> usize {
         self.rows.as_ref().map_or(self.toks.len(), |r| r.len())
     }

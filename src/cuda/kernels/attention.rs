@@ -3,9 +3,7 @@
 //! compressed keys with the per-head sink (o before the inverse RoPE), the window ring update
 //! and the slot lengths. The CPU reference is `reference::attention::attention_core`.
 
-use crate::cuda::decl::Launcher;
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -132,12 +130,14 @@ pub struct RingArgs {
     pub num_slots: usize,
 }
 
-/// The attention family's entry points, resolved from a loaded registry.
-pub struct Attention {
-    batch_meta: Launcher<batch_meta_kernel::Args>,
-    attention: Launcher<attention_kernel::Args>,
-    ring_update: Launcher<ring_update_kernel::Args>,
-    slot_len: Launcher<slot_len_kernel::Args>,
+crate::launchers! {
+    /// The attention family's entry points, resolved from a loaded registry.
+    pub struct Attention {
+        batch_meta: batch_meta_kernel,
+        attention: attention_kernel,
+        ring_update: ring_update_kernel,
+        slot_len: slot_len_kernel,
+    }
 }
 
 const FAMILY: &str = "attention";
@@ -147,15 +147,6 @@ fn bad(family: &str, msg: String) -> Error {
 }
 
 impl Attention {
-    pub fn new(reg: &Registry) -> Result<Attention> {
-        Ok(Attention {
-            batch_meta: Launcher::new(reg)?,
-            attention: Launcher::new(reg)?,
-            ring_update: Launcher::new(reg)?,
-            slot_len: Launcher::new(reg)?,
-        })
-    }
-
     /// `seq_of[t]` = the sequence of token t, from `query_start`.
     pub fn batch_meta(&self, ctx: &Context, b: &BatchMeta, stream: BorrowedStream) -> Result<()> {
         b.check(FAMILY)?;

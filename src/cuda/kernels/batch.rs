@@ -2,9 +2,7 @@
 //! forward batch that runs first in every CUDA forward, and the logits fix-up that ends it.
 //! The rules and the fault record are `model::batch`'s; see kernels/SPEC.md "batch.cu".
 
-use crate::cuda::decl::Launcher;
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -80,10 +78,12 @@ pub struct BatchLimits {
     pub slot_len: DevicePtr,
 }
 
-/// The family's entry points, resolved from a loaded registry.
-pub struct BatchKernels {
-    check: Launcher<batch_check_kernel::Args>,
-    finish: Launcher<logits_finish_kernel::Args>,
+crate::launchers! {
+    /// The family's entry points, resolved from a loaded registry.
+    pub struct BatchKernels {
+        check: batch_check_kernel,
+        finish: logits_finish_kernel,
+    }
 }
 
 fn bad(msg: String) -> Error {
@@ -91,13 +91,6 @@ fn bad(msg: String) -> Error {
 }
 
 impl BatchKernels {
-    pub fn new(reg: &Registry) -> Result<BatchKernels> {
-        Ok(BatchKernels {
-            check: Launcher::new(reg)?,
-            finish: Launcher::new(reg)?,
-        })
-    }
-
     /// Checks `raw` on the device and writes `out`'s sanitized copies, its verdict, and the
     /// first fault into the record if it is empty.
     pub fn check(

@@ -4,9 +4,7 @@
 //! `reference::attention::compress_chunk` + `reference::compressor::push`.
 
 use super::attention::BatchMeta;
-use crate::cuda::decl::Launcher;
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -86,9 +84,11 @@ impl CompressArgs {
     }
 }
 
-/// The compressor family's entry point, resolved from a loaded registry.
-pub struct Compressor {
-    compress: Launcher<compress_kernel::Args>,
+crate::launchers! {
+    /// The compressor family's entry point, resolved from a loaded registry.
+    pub struct Compressor {
+        compress: compress_kernel,
+    }
 }
 
 fn bad(msg: String) -> Error {
@@ -96,12 +96,6 @@ fn bad(msg: String) -> Error {
 }
 
 impl Compressor {
-    pub fn new(reg: &Registry) -> Result<Compressor> {
-        Ok(Compressor {
-            compress: Launcher::new(reg)?,
-        })
-    }
-
     /// Pushes every token of the batch through the compressor of its sequence's slot, in
     /// order; completed windows become entries `p / ratio`. Resets `has_prev` of sequences
     /// that start at position 0.

@@ -3,9 +3,7 @@
 //! token; the CPU reference is `reference::attention::select_entries`.
 
 use super::attention::BatchMeta;
-use crate::cuda::decl::Launcher;
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -67,9 +65,11 @@ impl IndexerArgs {
     }
 }
 
-/// The indexer family's entry point, resolved from a loaded registry.
-pub struct Indexer {
-    indexer: Launcher<indexer_kernel::Args>,
+crate::launchers! {
+    /// The indexer family's entry point, resolved from a loaded registry.
+    pub struct Indexer {
+        indexer: indexer_kernel,
+    }
 }
 
 fn bad(msg: String) -> Error {
@@ -77,12 +77,6 @@ fn bad(msg: String) -> Error {
 }
 
 impl Indexer {
-    pub fn new(reg: &Registry) -> Result<Indexer> {
-        Ok(Indexer {
-            indexer: Launcher::new(reg)?,
-        })
-    }
-
     /// Scores every visible indexer key of each token's slot and selects the top
     /// min(topk, visible).
     pub fn select(

@@ -9,9 +9,7 @@
 //! `Prec::linear` of the reference is `act_quant` (official mode, quantized weight) followed by
 //! `linear` with `round_out = official`.
 
-use crate::cuda::decl::Launcher;
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -169,20 +167,15 @@ pub fn strided_bytes(rows: usize, cols: usize, ld: usize) -> usize {
     }
 }
 
-/// The linear family's entry points, resolved from a loaded registry.
-pub struct Linear {
-    linear: Launcher<linear_kernel::Args>,
-    act_quant: Launcher<act_quant_kernel::Args>,
+crate::launchers! {
+    /// The linear family's entry points, resolved from a loaded registry.
+    pub struct Linear {
+        linear: linear_kernel,
+        act_quant: act_quant_kernel,
+    }
 }
 
 impl Linear {
-    pub fn new(reg: &Registry) -> Result<Linear> {
-        Ok(Linear {
-            linear: Launcher::new(reg)?,
-            act_quant: Launcher::new(reg)?,
-        })
-    }
-
     /// `y[t*ldy + c] = f32(Σ_k f64(x[t*ldx + k]) * f64(W[c, k]))` for `t < rows`, `c < n`,
     /// `k < w.cols`, then BF16-rounded if `round_out`. W is rows `[0, n)` of `w` (use
     /// [`WeightDev::rows`] for an offset). `x` and `y` must not overlap.

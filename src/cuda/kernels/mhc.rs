@@ -5,9 +5,7 @@
 //! Every launch function checks that each buffer holds what the kernel will touch, then
 //! enqueues on the borrowed stream (no host sync). Zero tokens launch nothing.
 
-use crate::cuda::decl::Launcher;
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -66,22 +64,16 @@ pub struct HcSiteDev {
     pub fold: Option<DevicePtr>,
 }
 
-/// The mhc family's entry points, resolved from a loaded registry.
-pub struct Mhc {
-    pre: Launcher<hc_pre_kernel::Args>,
-    post: Launcher<hc_post_kernel::Args>,
-    head: Launcher<hc_head_kernel::Args>,
+crate::launchers! {
+    /// The mhc family's entry points, resolved from a loaded registry.
+    pub struct Mhc {
+        pre: hc_pre_kernel,
+        post: hc_post_kernel,
+        head: hc_head_kernel,
+    }
 }
 
 impl Mhc {
-    pub fn new(reg: &Registry) -> Result<Mhc> {
-        Ok(Mhc {
-            pre: Launcher::new(reg)?,
-            post: Launcher::new(reg)?,
-            head: Launcher::new(reg)?,
-        })
-    }
-
     /// hc_pre over streams `x` [t, n, d] (`reference::mhc::hc_pre`): writes `u` [t, d] (bf16 if
     /// `round_u`, i.e. with the official `prec.bf16(&mut pre.u)` folded in), `post` [t, n] and
     /// `comb` [t, n, n] (f32). Sinkhorn runs `iters` rounds.

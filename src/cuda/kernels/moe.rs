@@ -16,9 +16,7 @@
 
 use super::linear::{StorageFormat, strided_bytes};
 use crate::config::{ModelConfig, ScoringFunc};
-use crate::cuda::decl::Launcher;
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::Registry;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -253,28 +251,19 @@ fn stride_blocks(n: usize) -> u32 {
     n.div_ceil(256).clamp(1, 132 * 32) as u32
 }
 
-/// The moe family's entry points, resolved from a loaded registry.
-pub struct Moe {
-    router: Launcher<router_kernel::Args>,
-    plan: Launcher<moe_plan_kernel::Args>,
-    up: Launcher<moe_up_kernel::Args>,
-    down: Launcher<moe_down_kernel::Args>,
-    swiglu: Launcher<swiglu_kernel::Args>,
-    combine: Launcher<moe_combine_kernel::Args>,
+crate::launchers! {
+    /// The moe family's entry points, resolved from a loaded registry.
+    pub struct Moe {
+        router: router_kernel,
+        plan: moe_plan_kernel,
+        up: moe_up_kernel,
+        down: moe_down_kernel,
+        swiglu: swiglu_kernel,
+        combine: moe_combine_kernel,
+    }
 }
 
 impl Moe {
-    pub fn new(reg: &Registry) -> Result<Moe> {
-        Ok(Moe {
-            router: Launcher::new(reg)?,
-            plan: Launcher::new(reg)?,
-            up: Launcher::new(reg)?,
-            down: Launcher::new(reg)?,
-            swiglu: Launcher::new(reg)?,
-            combine: Launcher::new(reg)?,
-        })
-    }
-
     /// Routing of `t` tokens `x` (f32 `[t, d]`) with gate f32 `[E, d]`: expert ids i32 `[t, k]`
     /// and combine weights f32 `[t, k]`, as `reference::moe::route`.
     #[allow(clippy::too_many_arguments)]

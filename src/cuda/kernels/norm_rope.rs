@@ -8,9 +8,8 @@
 //! Every launch function checks that each buffer holds what the kernel will touch, then
 //! enqueues on the borrowed stream (no host sync). Zero-sized work launches nothing.
 
-use crate::cuda::decl::Launcher;
 use crate::cuda::kernels::{need, to_i32};
-use crate::cuda::registry::{KernelSource, Registry};
+use crate::cuda::registry::KernelSource;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -95,34 +94,22 @@ fn flat_blocks(n: usize) -> u32 {
     n.div_ceil(FLAT_THREADS as usize).clamp(1, MAX_BLOCKS) as u32
 }
 
-/// The entry points of the four families, resolved from a loaded registry.
-pub struct NormRope {
-    rmsnorm: Launcher<rmsnorm_kernel::Args>,
-    rope: Launcher<rope_kernel::Args>,
-    kv_sim: Launcher<kv_sim_kernel::Args>,
-    index_sim: Launcher<index_sim_kernel::Args>,
-    round_bf16: Launcher<round_bf16_kernel::Args>,
-    scale2: Launcher<scale2_kernel::Args>,
-    embed: Launcher<embed_kernel::Args>,
-    gather_rows: Launcher<gather_rows_kernel::Args>,
-    to_bf16: Launcher<to_bf16_kernel::Args>,
+crate::launchers! {
+    /// The entry points of the four families, resolved from a loaded registry.
+    pub struct NormRope {
+        rmsnorm: rmsnorm_kernel,
+        rope: rope_kernel,
+        kv_sim: kv_sim_kernel,
+        index_sim: index_sim_kernel,
+        round_bf16: round_bf16_kernel,
+        scale2: scale2_kernel,
+        embed: embed_kernel,
+        gather_rows: gather_rows_kernel,
+        to_bf16: to_bf16_kernel,
+    }
 }
 
 impl NormRope {
-    pub fn new(reg: &Registry) -> Result<NormRope> {
-        Ok(NormRope {
-            rmsnorm: Launcher::new(reg)?,
-            rope: Launcher::new(reg)?,
-            kv_sim: Launcher::new(reg)?,
-            index_sim: Launcher::new(reg)?,
-            round_bf16: Launcher::new(reg)?,
-            scale2: Launcher::new(reg)?,
-            embed: Launcher::new(reg)?,
-            gather_rows: Launcher::new(reg)?,
-            to_bf16: Launcher::new(reg)?,
-        })
-    }
-
     /// In-place RMSNorm of `rows` f32 rows of `dim` values at stride `ld` (values), with an
     /// optional f32 `weight[dim]`; bf16 output if `round_out`. `ops::rms_norm` (+ `Prec::bf16`).
     #[allow(clippy::too_many_arguments)]
