@@ -367,10 +367,11 @@ typedef struct dsv4_create_params {
     const char *cache_dir;
     /**
      * Since ABI 1.2. The CUDA kernel set: "reference" (the f64 kernels, bit-identical to the
-     * CPU reference; the device oracle). NULL = the default: the fast set where one exists
-     * for the numerics, else "reference"; `numerics = exact` always runs "reference". A
-     * name this build lacks is DSV4_STATUS_CONFIG naming it. Ignored by the CPU backend,
-     * which accepts the same names.
+     * CPU reference; the device oracle) or "fast" (`official` numerics on FP8 tensor cores;
+     * today its MoE layer, the rest still the reference kernels). NULL = the default:
+     * "fast" for `numerics = official`, "reference" for `exact`. A name this build lacks,
+     * or "fast" with `numerics = exact`, is DSV4_STATUS_CONFIG naming it. Ignored by the CPU
+     * backend, which accepts the same names.
      */
     const char *kernel_set;
 } dsv4_create_params;

@@ -70,14 +70,17 @@ pub enum Elem {
     I32,
     /// Device addresses.
     U64,
-    /// Raw bytes (weights in their stored format).
+    /// Raw bytes (weights in their stored format; FP8 codes).
     U8,
+    /// bfloat16 bit patterns.
+    Bf16,
 }
 
 impl Elem {
     pub fn size(self) -> usize {
         match self {
             Elem::U8 => 1,
+            Elem::Bf16 => 2,
             Elem::F32 | Elem::I32 => 4,
             Elem::F64 | Elem::U64 => 8,
         }

@@ -16,21 +16,48 @@ pub enum Numerics {
 }
 
 /// The CUDA kernel set a forward runs (DESIGN.md §4): `reference` is the f64 device oracle,
-/// bit-identical to the CPU backend. The fast set joins it here when it lands.
+/// bit-identical to the CPU backend; `fast` runs `official` numerics on tensor cores (today its
+/// MoE; its other operations run the reference kernels until their fast kernels land).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelSetName {
     Reference,
+    Fast,
 }
 
 impl KernelSetName {
     /// Every set this build has, by its create-option name.
     pub const ALL: &'static [(&'static str, KernelSetName)] =
-        &[("reference", KernelSetName::Reference)];
+        &[("reference", KernelSetName::Reference), ("fast", KernelSetName::Fast)];
 
     pub fn name(self) -> &'static str {
         match self {
             KernelSetName::Reference => "reference",
+            KernelSetName::Fast => "fast",
         }
+    }
+
+    /// Whether the set runs `numerics` (the fast set is `official` only).
+    pub fn runs(self, numerics: Numerics) -> bool {
+        self == KernelSetName::Reference || numerics == Numerics::Official
+    }
+
+    /// CONFIG naming both when the set does not run `numerics`.
+    pub fn check_numerics(self, numerics: Numerics) -> Result<()> {
+        if self.runs(numerics) {
+            return Ok(());
+        }
+        Err(Error::new(
+            Status::Config,
+            format!(
+                "kernel_set = `{}` does not run numerics = {} (it runs `official`; `exact` runs \
+                 the `reference` set)",
+                self.name(),
+                match numerics {
+                    Numerics::Exact => "exact",
+                    Numerics::Official => "official",
+                }
+            ),
+        ))
     }
 
     /// The set a create option names; CONFIG naming it (and the sets that exist) otherwise.
@@ -53,8 +80,11 @@ impl KernelSetName {
 
     /// The default for `numerics`: the fast set where it exists, else the reference set
     /// (`exact` always runs the reference set).
-    pub fn default_for(_numerics: Numerics) -> KernelSetName {
-        KernelSetName::Reference
+    pub fn default_for(numerics: Numerics) -> KernelSetName {
+        match numerics {
+            Numerics::Exact => KernelSetName::Reference,
+            Numerics::Official => KernelSetName::Fast,
+        }
     }
 }
 

@@ -35,9 +35,14 @@ fn rig(model: &str, dev: i32, load: Load, weight_format: i32) -> Rig {
     rig_with(model, dev, load, weight_format, &[])
 }
 
-/// The `tiny` model with weights as stored (most tests).
+/// How the `tiny` rigs hold their weights: quantized to FP8 (dense) and FP4 (experts) on load
+/// and on refit, so that on CUDA the default (fast) kernel set runs its own MoE kernels, whose
+/// pointer tables a refit must rebuild.
+const TINY_FORMAT: i32 = DSV4_WEIGHT_FORMAT_QUANTIZE;
+
+/// The `tiny` model (most tests), weights as [`TINY_FORMAT`].
 fn tiny(dev: i32, load: Load) -> Rig {
-    rig("tiny", dev, load, DSV4_WEIGHT_FORMAT_AS_STORED)
+    rig("tiny", dev, load, TINY_FORMAT)
 }
 
 /// The `tiny_fp8` checkpoint held as stored (FP8/FP4 codes) on the CPU.
@@ -169,13 +174,7 @@ fn refit_equals_fresh_load(changed: &[Entry], what: &str) {
         let ptrs = r.pointers();
         r.refit(changed, dev >= 0);
         let got = r.forward_finite(&prefill());
-        let want = rig_with(
-            "tiny",
-            dev,
-            Load::Checkpoint,
-            DSV4_WEIGHT_FORMAT_AS_STORED,
-            changed,
-        )
+        let want = rig_with("tiny", dev, Load::Checkpoint, TINY_FORMAT, changed)
         .forward_finite(&prefill());
         assert_ne!(
             bits(&got),
@@ -486,7 +485,11 @@ fn soak_of_interleaved_forward_refit_release() {
             }
         })
         .collect();
-    let g = tiny(0, Load::Checkpoint);
+    // The GPU mirrors the CPU bit for bit: the reference kernel set.
+    let mut o = RigOptions::new("tiny", 0);
+    o.weight_format = Some(TINY_FORMAT);
+    o.kernel_set = Some("reference");
+    let g = Rig::build(&o, &[]);
     let m = tiny(-1, Load::Checkpoint);
     let ctx = &g.host.as_ref().unwrap().ctx;
     // Warm up (first forward may load lazily) before the memory baseline.

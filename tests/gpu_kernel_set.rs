@@ -35,22 +35,44 @@ fn build(p: &dsv4_create_params) -> (dsv4_status, String) {
 }
 
 #[test]
-fn reference_is_accepted_and_an_unknown_set_is_a_config_error_naming_it() {
+fn both_sets_are_accepted_and_an_unknown_set_is_a_config_error_naming_it() {
     for dev in devices() {
-        let reference = CString::new("reference").unwrap();
-        let mut p = params(dev);
-        p.kernel_set = reference.as_ptr();
-        let (st, msg) = build(&p);
-        assert_eq!(st, DSV4_STATUS_OK, "device {dev}: {msg}");
+        for name in ["reference", "fast"] {
+            let set = CString::new(name).unwrap();
+            let mut p = params(dev);
+            p.kernel_set = set.as_ptr();
+            let (st, msg) = build(&p);
+            assert_eq!(st, DSV4_STATUS_OK, "device {dev}, set {name}: {msg}");
+        }
 
-        let bogus = CString::new("fast").unwrap();
+        let bogus = CString::new("turbo").unwrap();
+        let mut p = params(dev);
         p.kernel_set = bogus.as_ptr();
         let (st, msg) = build(&p);
         assert_eq!(st, DSV4_STATUS_CONFIG, "device {dev}");
         assert!(
             msg.contains("params->kernel_set")
-                && msg.contains("`fast`")
-                && msg.contains("reference"),
+                && msg.contains("`turbo`")
+                && msg.contains("reference")
+                && msg.contains("fast"),
+            "device {dev}: {msg}"
+        );
+    }
+}
+
+/// The fast set runs `official` numerics only: asking for it with `exact` is a CONFIG error
+/// naming both, on every backend (the options are checked before any device work).
+#[test]
+fn fast_set_with_exact_numerics_is_a_config_error() {
+    for dev in devices() {
+        let fast = CString::new("fast").unwrap();
+        let mut p = params(dev);
+        p.kernel_set = fast.as_ptr();
+        p.numerics = DSV4_NUMERICS_EXACT;
+        let (st, msg) = build(&p);
+        assert_eq!(st, DSV4_STATUS_CONFIG, "device {dev}: {msg}");
+        assert!(
+            msg.contains("params->kernel_set") && msg.contains("`fast`") && msg.contains("exact"),
             "device {dev}: {msg}"
         );
     }

@@ -4,7 +4,9 @@
 //! so a value changed in Rust changes the kernels too (and, through the header text, the
 //! CUBIN cache key).
 
-use super::kernels::{attention, batch, compressor, indexer, linear, mhc, moe, norm_rope};
+use super::kernels::{
+    attention, batch, compressor, fast_moe, fast_moe_gemm, indexer, linear, mhc, moe, norm_rope,
+};
 use super::smoke;
 use crate::config::ScoringFunc;
 use crate::error::Status;
@@ -69,6 +71,22 @@ pub const SHARED: &[Shared] = shared! {
     "PLAN_WARPS" = Int(moe::PLAN_WARPS as i64) from "moe::PLAN_WARPS";
     "MOE_UP_BNS" = Int(moe::UP_GRID_N as i64) from "moe::UP_GRID_N";
     "MOE_DOWN_BNS" = Int(moe::DOWN_GRID_N as i64) from "moe::DOWN_GRID_N";
+    // fast_moe.cu, fast_moe_gemm.cu.
+    "FMOE_LOGIT_WARPS" = Int(fast_moe::LOGIT_WARPS as i64) from "fast_moe::LOGIT_WARPS";
+    "FMOE_LOGIT_EXPERTS" = Int(fast_moe::LOGIT_EXPERTS as i64) from "fast_moe::LOGIT_EXPERTS";
+    "FMOE_LOGIT_SPLIT" = Int(fast_moe::LOGIT_SPLIT as i64) from "fast_moe::LOGIT_SPLIT";
+    "FMOE_LOGIT_TOKENS" = Int(fast_moe::LOGIT_TOKENS as i64) from "fast_moe::LOGIT_TOKENS";
+    "FMOE_SELECT_WARPS" = Int(fast_moe::SELECT_WARPS as i64) from "fast_moe::SELECT_WARPS";
+    "FMOE_MAX_EPL" = Int(fast_moe::MAX_EPL as i64) from "fast_moe::MAX_EPL";
+    "FMOE_TOKENS" = Int(fast_moe_gemm::TOKENS as i64) from "fast_moe_gemm::TOKENS";
+    "FMOE_WARPS" = Int(fast_moe_gemm::WARPS as i64) from "fast_moe_gemm::WARPS";
+    "FMOE_STAGES" = Int(fast_moe_gemm::STAGES as i64) from "fast_moe_gemm::STAGES";
+    "FMOE_STAGE_ROWS" = Int(fast_moe_gemm::STAGE_ROWS as i64) from "fast_moe_gemm::STAGE_ROWS";
+    "FMOE_STAGE_ROW_BYTES" = Int(fast_moe_gemm::STAGE_ROW_BYTES as i64)
+        from "fast_moe_gemm::STAGE_ROW_BYTES";
+    "FMOE_UP_J" = Int(fast_moe_gemm::UP_J as i64) from "fast_moe_gemm::UP_J";
+    "FMOE_DOWN_ROWS" = Int(fast_moe_gemm::DOWN_ROWS as i64) from "fast_moe_gemm::DOWN_ROWS";
+    "FMOE_MAX_K" = Int(fast_moe_gemm::MAX_K as i64) from "fast_moe_gemm::MAX_K";
     // attention.cu, compressor.cu, indexer.cu, mhc.cu.
     "ATTN_MAX_CPT" = Int(attention::ATTN_MAX_CHANNELS_PER_THREAD as i64)
         from "attention::ATTN_MAX_CHANNELS_PER_THREAD";

@@ -38,6 +38,7 @@ pub mod memory_plan;
 pub mod registry;
 pub mod smoke;
 pub mod stream;
+pub mod synthetic_moe;
 
 pub use arena::{Arena, ArenaPlan, DevicePtr, PinnedStaging, Region};
 pub use context::{Context, CurrentGuard, DeviceInfo, arch_for};

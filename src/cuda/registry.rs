@@ -54,20 +54,22 @@ pub struct KernelSource {
 /// Headers every family may `#include "<name>"`, injected into NVRTC (no include path):
 /// the files in kernels/ and `dsv4_consts.cuh`, generated from Rust ([`super::consts`]).
 /// Their contents are part of every family's cache key.
-pub fn headers() -> [(&'static str, &'static str); 4] {
+pub fn headers() -> [(&'static str, &'static str); 5] {
     [
         (super::consts::HEADER_NAME, super::consts::header()),
         ("common.cuh", include_str!("../../kernels/common.cuh")),
         ("ref_math.cuh", include_str!("../../kernels/ref_math.cuh")),
         ("gemm_core.cuh", include_str!("../../kernels/gemm_core.cuh")),
+        ("fp8_mma.cuh", include_str!("../../kernels/fp8_mma.cuh")),
     ]
 }
 
 /// Every kernel family the library embeds: the runtime's `smoke` family, then the model's
-/// families (`cuda::kernels::MODEL_FAMILIES`). [`Registry::load`] compiles and loads all of them.
+/// families (`cuda::kernels::MODEL_FAMILIES`), then the fast set's (`FAST_FAMILIES`). [`Registry::load`] compiles and loads all of them.
 pub fn families() -> Vec<&'static KernelSource> {
     std::iter::once(&super::smoke::SOURCE)
         .chain(super::kernels::MODEL_FAMILIES.iter().copied())
+        .chain(super::kernels::FAST_FAMILIES.iter().copied())
         .collect()
 }
 

@@ -918,6 +918,7 @@ fn derived_desc(
             // memory plan's weight storage), reported as I32 words if one ever were.
             Elem::U64 => DSV4_DTYPE_I64,
             Elem::U8 => DSV4_DTYPE_I32,
+            Elem::Bf16 => DSV4_DTYPE_BF16,
         },
         ndim: d.shape.len().min(DSV4_MAX_DIMS) as i32,
         shape,

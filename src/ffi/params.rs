@@ -188,10 +188,11 @@ pub struct dsv4_create_params {
     /// kernels are compiled at every dsv4_finalize (a warning is logged), never an error.
     pub cache_dir: *const c_char,
     /// Since ABI 1.2. The CUDA kernel set: "reference" (the f64 kernels, bit-identical to the
-    /// CPU reference; the device oracle). NULL = the default: the fast set where one exists
-    /// for the numerics, else "reference"; `numerics = exact` always runs "reference". A
-    /// name this build lacks is DSV4_STATUS_CONFIG naming it. Ignored by the CPU backend,
-    /// which accepts the same names.
+    /// CPU reference; the device oracle) or "fast" (`official` numerics on FP8 tensor cores;
+    /// today its MoE layer, the rest still the reference kernels). NULL = the default:
+    /// "fast" for `numerics = official`, "reference" for `exact`. A name this build lacks,
+    /// or "fast" with `numerics = exact`, is DSV4_STATUS_CONFIG naming it. Ignored by the CPU
+    /// backend, which accepts the same names.
     pub kernel_set: *const c_char,
 }
 
@@ -653,6 +654,10 @@ pub(crate) unsafe fn create_args(p: &dsv4_create_params) -> Result<CreateArgs> {
             None => None,
         },
     };
+    if let Some(k) = options.kernel_set {
+        k.check_numerics(options.numerics)
+            .map_err(|e| e.context("`params->kernel_set`".to_string()))?;
+    }
     Ok(CreateArgs { source, options })
 }
 

@@ -194,6 +194,8 @@ pub struct RigOptions {
     pub poison: u8,
     /// Every successful call must also leave `dsv4_last_error` empty.
     pub strict: bool,
+    /// The CUDA kernel set (None: the default for the numerics).
+    pub kernel_set: Option<&'static str>,
 }
 
 impl RigOptions {
@@ -212,6 +214,7 @@ impl RigOptions {
             num_threads: 4,
             poison: 0xFF,
             strict: false,
+            kernel_set: None,
         }
     }
 }
@@ -243,6 +246,10 @@ impl Rig {
         p.max_num_tokens = o.max_num_tokens;
         p.max_seq_len = o.max_seq_len;
         p.num_threads = o.num_threads;
+        let set = o.kernel_set.map(|k| CString::new(k).unwrap());
+        if let Some(k) = &set {
+            p.kernel_set = k.as_ptr();
+        }
         let mut e = std::ptr::null_mut();
         let mut r = Rig {
             e,

@@ -188,8 +188,9 @@ class Engine:
     ``load="auto"``). ``model_dir=None`` with ``load="dummy"`` uses the embedded tiny demo
     model. ``config_json`` (text) overrides the config source. ``load=None`` only creates
     the engine: stream weights with :meth:`load_tensor` and call :meth:`finalize`.
-    ``kernel_set`` picks the CUDA kernel set ("reference"; None = the default for the
-    numerics); a name the library lacks raises :class:`ConfigError`.
+    ``kernel_set`` picks the CUDA kernel set ("reference" or "fast"; None = the default:
+    "fast" for official numerics, "reference" for exact); a name the library lacks, or
+    "fast" with exact numerics, raises :class:`ConfigError`.
 
     Calls on one Engine are serialized by an internal lock (the C ABI requires it);
     distinct Engines run independently. Every failure raises :class:`dsv4.Error` (a

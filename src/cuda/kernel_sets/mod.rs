@@ -10,8 +10,10 @@
 //! A set declares, before anything is allocated, the NVRTC families it needs
 //! ([`families`]) and its workspace ([`reserve_workspace`]); only the chosen set is compiled
 //! and allocated. Adding an operation: its .cu kernel and declaration, a method here, and
-//! its implementation in every set (see `reference.rs`).
+//! its implementation in every set (see `reference/mod.rs`; `fast/mod.rs` runs the
+//! reference set's kernels for the operations it has no fast kernel for yet).
 
+pub mod fast;
 pub mod reference;
 
 use crate::config::ModelConfig;
@@ -89,18 +91,22 @@ pub trait KernelSet {
 pub fn families(name: KernelSetName) -> &'static [&'static KernelSource] {
     match name {
         KernelSetName::Reference => reference::FAMILIES,
+        KernelSetName::Fast => &fast::FAMILIES,
     }
 }
 
 /// A set's workspace, declared in the memory plan at create.
 pub enum PlannedWorkspace {
     Reference(reference::WorkspaceIds),
+    /// The fast set uses the reference set's workspace and its own.
+    Fast(reference::WorkspaceIds, fast::WorkspaceIds),
 }
 
 /// A set's workspace at its arena addresses (kept by the backend from create on).
 #[derive(Clone, Copy, Debug)]
 pub enum SetWorkspace {
     Reference(reference::Workspace),
+    Fast(reference::Workspace, fast::Workspace),
 }
 
 /// Declares set `name`'s workspace for `opts`' capacities.
@@ -114,6 +120,10 @@ pub fn reserve_workspace(
         KernelSetName::Reference => Ok(PlannedWorkspace::Reference(reference::Workspace::reserve(
             plan, cfg, opts,
         )?)),
+        KernelSetName::Fast => Ok(PlannedWorkspace::Fast(
+            reference::Workspace::reserve(plan, cfg, opts)?,
+            fast::Workspace::reserve(plan, cfg, opts)?,
+        )),
     }
 }
 
@@ -124,6 +134,10 @@ impl PlannedWorkspace {
             PlannedWorkspace::Reference(ids) => {
                 SetWorkspace::Reference(reference::Workspace::resolve(ids, arena))
             }
+            PlannedWorkspace::Fast(r, f) => SetWorkspace::Fast(
+                reference::Workspace::resolve(r, arena),
+                fast::Workspace::resolve(f, arena),
+            ),
         }
     }
 }
@@ -132,5 +146,6 @@ impl PlannedWorkspace {
 pub fn load(reg: &Registry, ws: &SetWorkspace) -> Result<Box<dyn KernelSet>> {
     match ws {
         SetWorkspace::Reference(w) => Ok(Box::new(reference::ReferenceSet::new(reg, *w)?)),
+        SetWorkspace::Fast(r, f) => Ok(Box::new(fast::FastSet::new(reg, *r, *f)?)),
     }
 }

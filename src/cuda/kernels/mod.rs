@@ -4,6 +4,8 @@
 pub mod attention;
 pub mod batch;
 pub mod compressor;
+pub mod fast_moe;
+pub mod fast_moe_gemm;
 pub mod indexer;
 pub mod linear;
 pub mod mhc;
@@ -49,3 +51,6 @@ pub static MODEL_FAMILIES: &[&KernelSource] = &[
     &compressor::SOURCE,
     &indexer::SOURCE,
 ];
+
+/// The fast set's own families (it runs every model family too).
+pub static FAST_FAMILIES: &[&KernelSource] = &[&fast_moe::SOURCE, &fast_moe_gemm::SOURCE];

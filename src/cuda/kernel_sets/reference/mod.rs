@@ -77,6 +77,11 @@ impl ReferenceSet {
         })
     }
 
+    /// The set's workspace (the fast set runs its own kernels on the same activations).
+    pub fn workspace(&self) -> &Workspace {
+        &self.ws
+    }
+
     /// One forward's view: the engine's device model with this set's workspace, under the
     /// field names the launch sequences below use.
     fn run<'a>(&self, s: &'a Step) -> Run<'a> {

@@ -6,6 +6,10 @@
 //! - `dsv4 eval --model DIR --fixture FILE`: max |dlogit| against an oracle file written by
 //!   tests/fixtures/make_fixtures.py.
 //! - `dsv4 bench [--model DIR] [--tokens N]`: prefill and decode timings as JSON.
+//! - `dsv4 bench moe [--batches N,N...] [--routing uniform,skewed,topk] [--ids-dir DIR]`: the
+//!   fast MoE layer alone at Flash shapes, one JSON line per case (bench_moe.rs).
+
+mod bench_moe;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -17,10 +21,13 @@ const USAGE: &str = "usage:
   dsv4 demo [--device cpu|cuda[:N]]
   dsv4 run --model DIR --prompt ID,ID,... [--max-new N] [--device ...]
   dsv4 eval --model DIR --fixture ORACLE.safetensors
-  dsv4 bench [--model DIR | --config FILE] [--tokens N] [--decode-steps N] [--decode-batch N[,N...]] [--graph 0|1] [--device ...]";
+  dsv4 bench [--model DIR | --config FILE] [--tokens N] [--decode-steps N] [--decode-batch N[,N...]] [--graph 0|1] [--device ...]
+  dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--ids-dir DIR] [--device cuda[:N]]";
 
 struct Args {
     cmd: String,
+    /// A word after the command (`bench moe`).
+    sub: Option<String>,
     flags: Vec<(String, String)>,
 }
 
@@ -28,6 +35,12 @@ impl Args {
     fn parse() -> Result<Args, String> {
         let mut it = std::env::args().skip(1);
         let cmd = it.next().ok_or(USAGE)?;
+        let mut it = it.peekable();
+        let sub = if cmd == "bench" {
+            it.next_if(|a| !a.starts_with("--"))
+        } else {
+            None
+        };
         let mut flags = vec![];
         while let Some(k) = it.next() {
             let key = k
@@ -38,7 +51,7 @@ impl Args {
                 .ok_or_else(|| format!("flag --{key} needs a value"))?;
             flags.push((key.to_string(), v));
         }
-        Ok(Args { cmd, flags })
+        Ok(Args { cmd, sub, flags })
     }
 
     fn get(&self, k: &str) -> Option<&str> {
@@ -598,6 +611,37 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
 }
 
 fn bench(a: &Args) -> Result<(), String> {
+    match a.sub.as_deref() {
+        None => {}
+        Some("moe") => {
+            let dev = match a.get("device") {
+                None => 0,
+                Some(_) => device(a)?,
+            };
+            if dev < 0 {
+                return Err("bench moe runs on CUDA (--device cuda[:N])".into());
+            }
+            let batches = a
+                .get("batches")
+                .unwrap_or("1,8,32,64,128,256,512,1024,4096,16384")
+                .split(',')
+                .map(|v| {
+                    v.trim()
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|&b| b > 0)
+                        .ok_or_else(|| format!("--batches takes positive numbers, got `{v}`"))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            return bench_moe::run(&bench_moe::MoeBench {
+                device: dev,
+                batches,
+                routings: bench_moe::parse_routings(a.get("routing").unwrap_or("uniform,skewed"))?,
+                ids_dir: a.get("ids-dir").map(PathBuf::from),
+            });
+        }
+        Some(other) => return Err(format!("unknown bench `{other}`\n{USAGE}")),
+    }
     let dev = device(a)?;
     if dev >= 0 {
         return bench_cuda(a, dev);

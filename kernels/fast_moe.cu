@@ -1,0 +1,239 @@
+// fast_moe kernel family: the fast set's MoE routing and combine (kernels/SPEC.md ## fast_moe.cu).
+//
+// fmoe_logits_kernel (+ FP8 quantisation of x) -> fmoe_select_kernel -> moe_plan_kernel (moe.cu, with
+// tile_rows = FMOE_TOKENS) -> fmoe_up_kernel -> fmoe_down_kernel (fast_moe_gemm.cu) -> fmoe_combine_kernel.
+// f32 arithmetic in a fixed order (no atomics): deterministic bit for bit, not bit-identical to the f64
+// reference kernels.
+#include "common.cuh"
+#include "fp8_mma.cuh"
+
+// FMOE_LOGIT_WARPS, FMOE_LOGIT_EXPERTS, FMOE_LOGIT_SPLIT, FMOE_LOGIT_TOKENS, FMOE_SELECT_WARPS, FMOE_MAX_EPL and
+// SCORE_* come from
+// dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
+#define FMOE_FULL 0xffffffffu
+
+DSV4_INLINE float fmoe_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FMOE_FULL, v, o);
+  return v;
+}
+
+DSV4_INLINE float fmoe_warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FMOE_FULL, v, o));
+  return v;
+}
+
+// Router scores in f32, and x's act_quant. Block (bx, by) takes token group by * FMOE_LOGIT_TOKENS + [0,
+// FMOE_LOGIT_TOKENS); its FMOE_LOGIT_WARPS warps are FMOE_LOGIT_EXPERTS experts x FMOE_LOGIT_SPLIT parts
+// of D, so many warps stream the gate at once:
+// - warp w: expert e = bx * FMOE_LOGIT_EXPERTS + w / FMOE_LOGIT_SPLIT, its part w % FMOE_LOGIT_SPLIT of the
+//   dot products with 16-byte loads, per-lane sums in k order, a fixed butterfly, then the parts summed in
+//   order: the logit l. scores[t][e] = sqrt(softplus(l)) (linear above 20) or sigmoid(l), or l itself for
+//   softmax scoring (fmoe_select_kernel normalises over the experts);
+// - warp w of blocks with b = bx * FMOE_LOGIT_WARPS + w < D / 128: x's official act_quant of 128-block b,
+//   e4m3 codes into xq[t][d], the block's scale into xs[t][b] (bit-identical to act_quant_kernel).
+// Requires D % (4 * FMOE_LOGIT_SPLIT) == 0 and D % 128 == 0.
+extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
+    fmoe_logits_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
+                       unsigned char* xq, float* xs) {
+  __shared__ float part_sum[FMOE_LOGIT_WARPS][FMOE_LOGIT_TOKENS];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t0 = blockIdx.y * FMOE_LOGIT_TOKENS;
+  const int nt = min(FMOE_LOGIT_TOKENS, T - t0);
+  if (nt <= 0) return;  // whole block
+  const int b = blockIdx.x * FMOE_LOGIT_WARPS + warp;
+  if (b < D / 128) {
+    for (int r = 0; r < nt; ++r) {
+      const long long t = t0 + r;
+      const float4 v = reinterpret_cast<const float4*>(x + t * D + b * 128)[lane];
+      const float amax = fmoe_warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+      const float s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
+      const float vv[4] = {v.x, v.y, v.z, v.w};
+      unsigned packed = 0u;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float q = vv[c] / s;
+        q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
+        packed |= e4m3_code_rn(q) << (8 * c);
+      }
+      reinterpret_cast<unsigned*>(xq + t * D + b * 128)[lane] = packed;
+      if (lane == 0) xs[t * (D / 128) + b] = s;
+    }
+  }
+  const int e = blockIdx.x * FMOE_LOGIT_EXPERTS + warp / FMOE_LOGIT_SPLIT;
+  const int part = warp % FMOE_LOGIT_SPLIT;
+  const int c_begin = part * (D / 4 / FMOE_LOGIT_SPLIT), c_end = c_begin + D / 4 / FMOE_LOGIT_SPLIT;
+  float acc[FMOE_LOGIT_TOKENS];
+#pragma unroll
+  for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) acc[r] = 0.0f;
+  if (e < E) {
+    const float4* g4 = reinterpret_cast<const float4*>(gate + (long long)e * D);
+#pragma unroll 4
+    for (int c = c_begin + lane; c < c_end; c += 32) {
+      const float4 gv = g4[c];
+#pragma unroll
+      for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
+        if (r < nt) {
+          const float4 xv = reinterpret_cast<const float4*>(x + (long long)(t0 + r) * D)[c];
+          acc[r] = fmaf(xv.x, gv.x, acc[r]);
+          acc[r] = fmaf(xv.y, gv.y, acc[r]);
+          acc[r] = fmaf(xv.z, gv.z, acc[r]);
+          acc[r] = fmaf(xv.w, gv.w, acc[r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
+    const float s = fmoe_warp_sum(acc[r]);
+    if (lane == 0) part_sum[warp][r] = s;
+  }
+  __syncthreads();
+  // Thread (expert slot, token) = (tid / FMOE_LOGIT_TOKENS, tid % FMOE_LOGIT_TOKENS) finishes one logit.
+  const int slot = threadIdx.x / FMOE_LOGIT_TOKENS, r = threadIdx.x % FMOE_LOGIT_TOKENS;
+  const int ex = blockIdx.x * FMOE_LOGIT_EXPERTS + slot;
+  if (slot < FMOE_LOGIT_EXPERTS && ex < E && r < nt) {
+    float l = 0.0f;
+    for (int p = 0; p < FMOE_LOGIT_SPLIT; ++p) l += part_sum[slot * FMOE_LOGIT_SPLIT + p][r];
+    float sc = l;
+    if (scoring == SCORE_SQRTSOFTPLUS) sc = sqrtf(l > 20.0f ? l : log1pf(expf(l)));
+    else if (scoring == SCORE_SIGMOID) sc = 1.0f / (1.0f + expf(-l));
+    scores[(long long)(t0 + r) * E + ex] = sc;
+  }
+}
+
+// One warp per token t:
+// 1. the scores of fmoe_logits_kernel (softmax scoring: the softmax of its logits over the experts);
+// 2. selection: the hash row tid2eid[tokens[t]] when tid2eid is given, else the top-k of score + bias
+//    (bias may be NULL; NaN ranks below everything; ties to the lower index);
+// 3. weights: the selected scores, divided by their f32 sum (in selection order) when `renorm`, times
+//    route_scale -> ids[t][j], weights[t][j].
+// Requires E <= 32 * FMOE_MAX_EPL, k <= 32.
+extern "C" __global__ void __launch_bounds__(FMOE_SELECT_WARPS * 32)
+    fmoe_select_kernel(const float* scores, int T, int E, int k, const float* bias, const int* tid2eid,
+                       const int* tokens, int scoring, int renorm, float route_scale, int* ids, float* weights) {
+  const int lane = threadIdx.x & 31;
+  const int t = blockIdx.x * FMOE_SELECT_WARPS + (threadIdx.x >> 5);
+  if (t >= T) return;  // whole warp
+
+  float sc[FMOE_MAX_EPL], key[FMOE_MAX_EPL];
+  const float* lt = scores + (long long)t * E;
+  float m = -DSV4_F32_INF;
+#pragma unroll
+  for (int i = 0; i < FMOE_MAX_EPL; ++i) {
+    const int e = lane + 32 * i;
+    sc[i] = e < E ? lt[e] : -DSV4_F32_INF;
+    m = fmaxf(m, sc[i]);
+  }
+  if (scoring == SCORE_SOFTMAX) {
+    m = fmoe_warp_max(m);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < FMOE_MAX_EPL; ++i) {
+      sc[i] = lane + 32 * i < E ? expf(sc[i] - m) : 0.0f;
+      s += sc[i];
+    }
+    s = fmoe_warp_sum(s);
+#pragma unroll
+    for (int i = 0; i < FMOE_MAX_EPL; ++i) sc[i] = sc[i] / s;
+  }
+#pragma unroll
+  for (int i = 0; i < FMOE_MAX_EPL; ++i) {
+    const int e = lane + 32 * i;
+    float v = sc[i];
+    if (bias != nullptr && e < E) v = v + bias[e];
+    key[i] = v != v ? -DSV4_F32_INF : v;
+  }
+
+  unsigned taken = 0u;  // bit i: entry lane + 32 i is selected (or past E)
+#pragma unroll
+  for (int i = 0; i < FMOE_MAX_EPL; ++i)
+    if (lane + 32 * i >= E) taken |= 1u << i;
+  int my_id = -1;
+  float my_w = 0.0f, wsum = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    int sel;
+    if (tid2eid != nullptr) {
+      sel = tid2eid[(long long)tokens[t] * k + j];
+    } else {
+      float bv = -DSV4_F32_INF;
+      int bi = -1;
+#pragma unroll
+      for (int i = 0; i < FMOE_MAX_EPL; ++i) {  // ascending index: strict > keeps the lower one
+        if (!(taken & (1u << i)) && (bi < 0 || key[i] > bv)) {
+          bv = key[i];
+          bi = lane + 32 * i;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FMOE_FULL, bv, o);
+        const int oi = __shfl_xor_sync(FMOE_FULL, bi, o);
+        if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
+          bv = ov;
+          bi = oi;
+        }
+      }
+      sel = bi;
+      if (sel >= 0 && (sel & 31) == lane) taken |= 1u << (sel >> 5);
+    }
+    // The selected score, from the lane that holds it.
+    float mine = 0.0f;
+#pragma unroll
+    for (int i = 0; i < FMOE_MAX_EPL; ++i)
+      if (sel >= 0 && sel < E && (sel >> 5) == i) mine = sc[i];
+    const float s = __shfl_sync(FMOE_FULL, mine, sel >= 0 ? (sel & 31) : 0);
+    const float ws = (sel >= 0 && sel < E) ? s : 0.0f;
+    wsum += ws;
+    if (lane == j) {
+      my_id = sel;
+      my_w = ws;
+    }
+  }
+  if (lane < k) {
+    const float w = renorm ? my_w / wsum : my_w;
+    ids[(long long)t * k + lane] = my_id;
+    weights[(long long)t * k + lane] = w * route_scale;
+  }
+}
+
+// out[t][d] = bf16(Σ_j y[t*k + j][d] + y[T*k + t][d]) accumulated in f32 in that order (routed slots in
+// selection order, then the shared expert when has_shared), stored as f32. Slots whose id is outside
+// [0, E) are skipped. Thread (blockIdx.x * 128 + threadIdx.x) of row blockIdx.y sums 8 columns.
+// Requires D % 8 == 0.
+extern "C" __global__ void __launch_bounds__(128)
+    fmoe_combine_kernel(const unsigned short* y, const int* ids, int T, int k, int E, int D, int has_shared,
+                        float* out) {
+  const int t = blockIdx.y;
+  const int d0 = (blockIdx.x * 128 + threadIdx.x) * 8;
+  if (d0 >= D) return;
+  float acc[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) acc[c] = 0.0f;
+  const int nslots = k + (has_shared ? 1 : 0);
+  // Rows are loaded whatever the slot's id (every row index is in range) so the loads can be in flight
+  // together; an invalid slot's row (never written) is then left out.
+#pragma unroll 4
+  for (int j = 0; j < nslots; ++j) {
+    bool valid = true;
+    long long row = (long long)T * k + t;
+    if (j < k) {
+      const int e = ids[(long long)t * k + j];
+      valid = e >= 0 && e < E;
+      row = (long long)t * k + j;
+    }
+    const uint4 v = *reinterpret_cast<const uint4*>(y + row * D + d0);
+    if (valid) {
+      const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        acc[2 * c] += bf16_to_f32((bf16_t)(w[c] & 0xffffu));
+        acc[2 * c + 1] += bf16_to_f32((bf16_t)(w[c] >> 16));
+      }
+    }
+  }
+  float4* o = reinterpret_cast<float4*>(out + (long long)t * D + d0);
+  o[0] = make_float4(round_bf16(acc[0]), round_bf16(acc[1]), round_bf16(acc[2]), round_bf16(acc[3]));
+  o[1] = make_float4(round_bf16(acc[4]), round_bf16(acc[5]), round_bf16(acc[6]), round_bf16(acc[7]));
+}

@@ -1,0 +1,185 @@
+//! `dsv4 bench moe`: one Flash-shaped MoE layer on the fast kernels (issue 11), alone, on a
+//! synthetic layer drawn like real weights (cuda::synthetic_moe). One JSON line per (B, routing):
+//! time per layer, touched experts and their bytes (checkpoint format, and what the kernels read),
+//! GB/s, TFLOP/s, launches per layer. bench/moe_baseline.py measures the ceilings and PyTorch's
+//! `_grouped_mm` on the same routing in the same run and adds the ratios.
+//!
+//! Timing: each case captures R layer calls on R different input batches (different tokens, so
+//! different experts: the 50 MB L2 cannot hold a layer's bytes between calls) into one CUDA
+//! graph, replays it G times with a sync after each, and reports the median replay / R.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use dsv4::cuda::arena::{self, Arena, ArenaPlan, DevicePtr};
+use dsv4::cuda::context::Context;
+use dsv4::cuda::graph::Graph;
+use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeWorkspace};
+use dsv4::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES, fast_moe_gemm, moe::MoePlan};
+use dsv4::cuda::registry::{KernelCache, Registry};
+use dsv4::cuda::stream::OwnedStream;
+use dsv4::cuda::synthetic_moe::{HOT_EXPERT, MoeShape, Rng, Routing, SyntheticMoe};
+
+/// What `dsv4 bench moe` runs.
+pub struct MoeBench {
+    pub device: i32,
+    pub batches: Vec<usize>,
+    pub routings: Vec<Routing>,
+    /// Where to write each case's expert ids (`i32[B, k]` of the first input batch) for the
+    /// PyTorch baseline.
+    pub ids_dir: Option<PathBuf>,
+}
+
+pub fn parse_routings(v: &str) -> Result<Vec<Routing>, String> {
+    v.split(',')
+        .map(|r| match r.trim() {
+            "uniform" | "hash" => Ok(Routing::Hash),
+            "skewed" => Ok(Routing::HashSkewed),
+            "topk" => Ok(Routing::TopK),
+            o => Err(format!("--routing takes uniform, skewed, topk; got `{o}`")),
+        })
+        .collect()
+}
+
+fn routing_name(r: Routing) -> &'static str {
+    match r {
+        Routing::Hash => "uniform",
+        Routing::HashSkewed => "skewed",
+        Routing::TopK => "topk",
+    }
+}
+
+fn e(x: dsv4::Error) -> String {
+    x.to_string()
+}
+
+fn alloc(ctx: &Context, bytes: &[usize]) -> Result<(Arena, Vec<DevicePtr>), String> {
+    let mut plan = ArenaPlan::new();
+    let ids: Vec<_> = bytes
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| plan.reserve(format!("bench_moe.{i}"), b.max(4), 256))
+        .collect::<Result<_, _>>()
+        .map_err(e)?;
+    let a = Arena::from_plan(ctx, &plan).map_err(e)?;
+    let p = ids.iter().map(|&i| a.region(i)).collect();
+    Ok((a, p))
+}
+
+pub fn run(b: &MoeBench) -> Result<(), String> {
+    let sh = MoeShape::FLASH;
+    let (d, i, k, ne) = (sh.d, sh.i, sh.k, sh.experts);
+    let ctx = Context::retain(b.device).map_err(e)?;
+    let _g = ctx.enter().map_err(e)?;
+    let stream = OwnedStream::new(&ctx).map_err(e)?;
+    let s = stream.borrow();
+    let families: Vec<_> = MODEL_FAMILIES
+        .iter()
+        .chain(FAST_FAMILIES.iter())
+        .copied()
+        .collect();
+    let reg = Registry::load_families(&ctx, &families, &KernelCache::new(None)).map_err(e)?;
+    let fast = FastMoe::new(&reg).map_err(e)?;
+    let t0 = Instant::now();
+    let layer = SyntheticMoe::new(&ctx, s, sh, 0x5EED).map_err(e)?;
+    eprintln!("bench moe: synthetic layer in {:.1} s", t0.elapsed().as_secs_f64());
+
+    let max_b = *b.batches.iter().max().unwrap_or(&1);
+    let wsb = fast_moe::workspace_buffers(max_b, d, i, k, ne);
+    let (_ws_arena, wp) = alloc(&ctx, &wsb.map(|(_, el, n)| el.size() * n))?;
+    let ws = FastMoeWorkspace {
+        logits: wp[0],
+        ids: wp[1],
+        weights: wp[2],
+        xq: wp[3],
+        xs: wp[4],
+        plan: MoePlan {
+            offsets: wp[5],
+            rows: wp[6],
+            tiles: wp[7],
+            ntiles: wp[8],
+            tokens: max_b,
+            k,
+            experts: ne,
+            tile_rows: fast_moe_gemm::TOKENS,
+        },
+        hq: wp[9],
+        hs: wp[10],
+        y: wp[11],
+    };
+    let mut rng = Rng::new(0xB0B);
+    for &t in &b.batches {
+        // R input batches per graph: together at least ~64 MB of distinct expert bytes.
+        let reps = (4096 / t).clamp(2, 32);
+        let (_in_arena, ip) = alloc(&ctx, &[reps * t * d * 4, reps * t * 4, t * d * 4])?;
+        let x: Vec<f32> = (0..reps * t * d)
+            .map(|_| half::bf16::from_f32(rng.uniform(-2.0, 2.0)).to_f32())
+            .collect();
+        let toks: Vec<i32> = (0..reps * t).map(|_| rng.below(sh.vocab) as i32).collect();
+        arena::copy_to_device_sync(ip[0], &x, s).map_err(e)?;
+        arena::copy_to_device_sync(ip[1], &toks, s).map_err(e)?;
+        let out = ip[2];
+        for &r in &b.routings {
+            let xr = |j: usize| ip[0].slice(j * t * d * 4, t * d * 4).unwrap();
+            let tr = |j: usize| ip[1].slice(j * t * 4, t * 4).unwrap();
+            let call = |j: usize| {
+                let fl = layer.fast_layer(r, tr(j));
+                fast.layer(&ctx, &fl, xr(j), t, tr(j), &ws, out, s)
+            };
+            // Eager once (touched experts from its ids), then the graph.
+            call(0).map_err(e)?;
+            s.synchronize().map_err(e)?;
+            let mut ids = vec![0i32; t * k];
+            arena::copy_to_host_sync(&mut ids, ws.ids, s).map_err(e)?;
+            let mut touched = vec![false; ne];
+            for &id in &ids {
+                if id >= 0 && (id as usize) < ne {
+                    touched[id as usize] = true;
+                }
+            }
+            let touched = touched.iter().filter(|&&x| x).count();
+            let hot = ids.iter().filter(|&&x| x == HOT_EXPERT as i32).count();
+            if let Some(dir) = &b.ids_dir {
+                let path = dir.join(format!("moe_ids_B{t}_{}.bin", routing_name(r)));
+                let bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+                std::fs::write(&path, bytes).map_err(|x| format!("{}: {x}", path.display()))?;
+            }
+            let g = Graph::capture(s, || {
+                for j in 0..reps {
+                    call(j)?;
+                }
+                Ok(())
+            })
+            .map_err(e)?;
+            g.launch(s).map_err(e)?;
+            s.synchronize().map_err(e)?;
+            let launches = (20usize.div_ceil(reps)).max(5);
+            let mut per_layer = Vec::with_capacity(launches);
+            for _ in 0..launches {
+                let t1 = Instant::now();
+                g.launch(s).map_err(e)?;
+                s.synchronize().map_err(e)?;
+                per_layer.push(t1.elapsed().as_secs_f64() / reps as f64);
+            }
+            per_layer.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            let sec = per_layer[per_layer.len() / 2];
+            let touched_bytes = touched * sh.routed_expert_bytes() + sh.shared_expert_bytes();
+            // What the kernels read: FP4 codes with f32 per-32 scales, FP8 with f32 blocks.
+            let bytes_read = touched * 3 * (d * i / 2 + d * i / 32 * 4)
+                + 3 * (d * i + (d / 128) * (i / 128) * 4);
+            let flops = 2.0 * t as f64 * ((k + 1) as f64 * 3.0 * (d * i) as f64 + (d * ne) as f64);
+            println!(
+                "{{\"bench\": \"moe\", \"B\": {t}, \"routing\": \"{}\", \"hidden\": {d}, \"moe_inter\": {i}, \"experts\": {ne}, \"top_k\": {k}, \"time_us\": {:.2}, \"touched_experts\": {touched}, \"hot_expert_assignments\": {hot}, \"touched_bytes\": {touched_bytes}, \"bytes_read\": {bytes_read}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_layer\": {}, \"layer_calls_timed\": {}}}",
+                routing_name(r),
+                sec * 1e6,
+                touched_bytes as f64 / sec / 1e9,
+                flops / sec / 1e12,
+                FastMoe::LAUNCHES_PER_LAYER,
+                launches * reps,
+            );
+            std::io::stdout().flush().ok();
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,177 @@
+//! The fast kernel set (DESIGN.md §4): `official` numerics on tensor cores, checked op by op
+//! against the reference set. Today it replaces the MoE sub-block (kernels/fast_moe*.cu: FP8
+//! MMAs over FP4/FP8 experts, f32 promotion per 32 of K); every other operation still runs the
+//! reference set's kernels until its fast kernel lands (issues 12, 13), on the same workspace.
+//!
+//! A MoE layer whose shapes or stored formats the fast kernels do not cover
+//! ([`FastMoeLayer::unsupported`]: BF16/F32 experts, FP8 blocks other than 128x128, widths not
+//! a multiple of 128) runs the reference kernels.
+
+mod workspace;
+
+pub use workspace::{Workspace, WorkspaceIds};
+
+use crate::cuda::kernel_sets::reference::{self, ReferenceSet};
+use crate::cuda::kernel_sets::{Branch, KernelSet, LogitsTarget, Step};
+use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared};
+use crate::cuda::kernels::moe::{RouterParams, Selection};
+use crate::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
+use crate::cuda::registry::{KernelSource, Registry};
+use crate::error::Result;
+use crate::model::ModelWeights;
+use crate::log::{Level, log};
+use std::sync::LazyLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The families this set runs: every model family (the reference set's, which it still uses
+/// for all but the MoE) and its own.
+pub static FAMILIES: LazyLock<Vec<&'static KernelSource>> = LazyLock::new(|| {
+    MODEL_FAMILIES
+        .iter()
+        .chain(FAST_FAMILIES.iter())
+        .copied()
+        .collect()
+});
+
+/// The fast set: the reference set for the operations without a fast kernel yet, the fast MoE.
+pub struct FastSet {
+    reference: ReferenceSet,
+    moe: FastMoe,
+    ws: Workspace,
+    /// Whether the first forward has logged which MoE layers run the fast kernels.
+    reported: AtomicBool,
+}
+
+impl FastSet {
+    pub fn new(reg: &Registry, reference_ws: reference::Workspace, ws: Workspace) -> Result<FastSet> {
+        Ok(FastSet {
+            reference: ReferenceSet::new(reg, reference_ws)?,
+            moe: FastMoe::new(reg)?,
+            ws,
+            reported: AtomicBool::new(false),
+        })
+    }
+}
+
+/// Layer `l`'s MoE as the fast kernels read it, or why they cannot run it.
+pub fn moe_layer(s: &Step, l: usize) -> std::result::Result<FastMoeLayer, String> {
+    let cfg = s.cfg;
+    let handles: &ModelWeights = &s.model.handles;
+    let lw = &handles.layers[l];
+    let weights = &s.model.weights;
+    let proto = |w: usize| weights[w];
+    let first = lw.experts.first().ok_or("no routed experts")?;
+    let (w1, w2, w3) = (proto(first.w1), proto(first.w2), proto(first.w3));
+    let shared = lw.shared.as_ref().map(|sw| FastShared {
+        w1: proto(sw.w1),
+        w3: proto(sw.w3),
+        w2: proto(sw.w2),
+    });
+    if w1.format != w2.format || w1.format != w3.format {
+        return Err(format!(
+            "routed projections stored {:?}/{:?}/{:?}",
+            w1.format, w2.format, w3.format
+        ));
+    }
+    if let Some(sh) = shared
+        && (sh.w1.format != sh.w2.format || sh.w1.format != sh.w3.format)
+    {
+        return Err("shared expert projections stored in different formats".into());
+    }
+    if let Some(why) = FastMoeLayer::unsupported(
+        cfg.hidden_size,
+        cfg.moe_inter,
+        cfg.experts_per_tok,
+        cfg.n_routed_experts,
+        (w1.format, w1.block),
+        shared.map(|sh| (sh.w1.format, sh.w1.block)),
+    ) {
+        return Err(why);
+    }
+    let tables = s.model.experts[l];
+    let selection = match (lw.tid2eid, lw.gate_bias) {
+        (Some(tab), _) => Selection::Hash {
+            tid2eid: weights[tab].data,
+            tokens: s.tokens,
+            vocab: cfg.vocab_size,
+        },
+        (None, bias) => Selection::TopK {
+            bias: bias.map(|b| weights[b].data),
+        },
+    };
+    let experts = |ptrs, scales, w: crate::cuda::kernels::linear::WeightDev| FastExperts {
+        format: w.format,
+        ptrs,
+        scales,
+    };
+    Ok(FastMoeLayer {
+        d: cfg.hidden_size,
+        i: cfg.moe_inter,
+        k: cfg.experts_per_tok,
+        experts: cfg.n_routed_experts,
+        local: 0..cfg.n_routed_experts,
+        gate: weights[lw.gate].data,
+        selection,
+        router: RouterParams::from_config(cfg),
+        w1: experts(tables.w1, tables.s1, w1),
+        w3: experts(tables.w3, tables.s3, w3),
+        w2: experts(tables.w2, tables.s2, w2),
+        shared,
+        limit: cfg.swiglu_limit,
+    })
+}
+
+impl KernelSet for FastSet {
+    fn name(&self) -> &'static str {
+        "fast"
+    }
+
+    fn embed(&self, s: &Step) -> Result<()> {
+        self.reference.embed(s)
+    }
+
+    fn boundary(&self, s: &Step, done: Option<Branch>, next: Branch) -> Result<()> {
+        self.reference.boundary(s, done, next)
+    }
+
+    fn attention(&self, s: &Step, layer: usize) -> Result<()> {
+        self.reference.attention(s, layer)
+    }
+
+    fn moe(&self, s: &Step, layer: usize) -> Result<()> {
+        if !self.reported.swap(true, Ordering::Relaxed) {
+            for l in 0..s.cfg.num_layers {
+                match moe_layer(s, l) {
+                    Ok(_) => log(Level::Info, &format!("fast set: layer {l} MoE runs the fast kernels")),
+                    Err(why) => log(
+                        Level::Info,
+                        &format!("fast set: layer {l} MoE runs the reference kernels ({why})"),
+                    ),
+                }
+            }
+        }
+        let fl = match moe_layer(s, layer) {
+            Ok(fl) => fl,
+            Err(_) => return self.reference.moe(s, layer),
+        };
+        let rws = self.reference.workspace();
+        self.moe.layer(
+            s.ctx,
+            &fl,
+            rws.u,
+            s.meta.num_tokens,
+            s.tokens,
+            &self.ws.moe,
+            rws.f,
+            s.stream,
+        )
+    }
+
+    fn commit_slots(&self, s: &Step) -> Result<()> {
+        self.reference.commit_slots(s)
+    }
+
+    fn head(&self, s: &Step, done: Option<Branch>, out: &LogitsTarget) -> Result<()> {
+        self.reference.head(s, done, out)
+    }
+}

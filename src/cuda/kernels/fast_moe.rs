@@ -1,0 +1,404 @@
+//! Rust side of the `fast_moe` kernel family (kernels/fast_moe.cu) and the fast MoE layer it
+//! drives with [`super::fast_moe_gemm`] (DESIGN.md §5 "MegaMoE", ../shared/KERNELS.md §3):
+//!
+//! 1. `fmoe_logits_kernel`: router logits in f32 and their scores, and x quantized to FP8 per 128;
+//! 2. `fmoe_select_kernel`: scores, top-k or hash selection, weights;
+//! 3. `moe_plan_kernel` (the moe family): assignments grouped by expert into tiles of
+//!    [`fast_moe_gemm::TOKENS`](super::fast_moe_gemm::TOKENS);
+//! 4. `fmoe_up_kernel`: GEMM1 + SwiGLU x routing weight + FP8 quantisation of h, with the shared
+//!    expert as more tiles of the same launch;
+//! 5. `fmoe_down_kernel`: GEMM2 into bf16 rows per (token, slot);
+//! 6. `fmoe_combine_kernel`: the fixed-order f32 sum per token, rounded to bf16.
+//!
+//! Six launches, no host sync, nothing allocated: the workspace is sized at create for
+//! `max_num_tokens`. Experts are read in their stored layout (FP4 e2m1 with f32 per-32 scales, or
+//! FP8 e4m3 with f32 128x128 block scales) through the per-layer pointer tables the backend
+//! rebuilds at finalize and refit. A layer the kernels cannot run ([`FastMoeLayer::unsupported`])
+//! runs the reference kernels instead.
+
+use super::fast_moe_gemm::{self, FastMoeGemm};
+use super::linear::WeightDev;
+use super::moe::{self, Moe, MoePlan, RouterParams, Selection};
+use super::{need, to_i32};
+use crate::backend::Elem;
+use crate::cuda::stream::BorrowedStream;
+use crate::cuda::{Context, DevicePtr};
+use crate::error::{Error, Result, Status};
+use crate::weights::format::StorageFormat;
+use std::ops::Range;
+
+/// Warps of a `fmoe_logits_kernel` block (FMOE_LOGIT_WARPS): LOGIT_EXPERTS experts x LOGIT_SPLIT
+/// parts of the hidden dimension each.
+pub const LOGIT_WARPS: usize = 8;
+pub const LOGIT_EXPERTS: usize = 2;
+pub const LOGIT_SPLIT: usize = 4;
+/// Tokens per `fmoe_logits_kernel` block (FMOE_LOGIT_TOKENS).
+pub const LOGIT_TOKENS: usize = 8;
+/// Tokens (warps) per `fmoe_select_kernel` block (FMOE_SELECT_WARPS).
+pub const SELECT_WARPS: usize = 4;
+/// Router entries each lane holds (FMOE_MAX_EPL): at most 32 x this many experts.
+pub const MAX_EPL: usize = 16;
+
+crate::kernel_family! {
+    /// The family as the registry compiles and loads it.
+    pub const SOURCE = "fast_moe", include_str!("../../../kernels/fast_moe.cu");
+
+    /// Router scores (logits for softmax scoring) and x's FP8 quantisation.
+    fn fmoe_logits_kernel(
+        x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
+        xq: *mut u8, xs: *mut f32,
+    );
+    /// Top-k selection (`bias` optional) or hash routing (`tid2eid` and `tokens`, both set).
+    fn fmoe_select_kernel(
+        scores: *const f32, t: i32, e: i32, k: i32, bias: Option<*const f32>,
+        tid2eid: Option<*const i32>, tokens: Option<*const i32>, scoring: i32, renorm: bool,
+        route_scale: f32, ids: *mut i32, weights: *mut f32,
+    );
+    fn fmoe_combine_kernel(
+        y: *const u16, ids: *const i32, t: i32, k: i32, e: i32, d: i32, has_shared: bool,
+        out: *mut f32,
+    );
+}
+
+crate::launchers! {
+    /// The fast_moe family's entry points, resolved from a loaded registry.
+    pub struct FastMoeRoute {
+        logits: fmoe_logits_kernel,
+        select: fmoe_select_kernel,
+        combine: fmoe_combine_kernel,
+    }
+}
+
+/// One projection of the routed experts as the fast kernels read it: `u64` tables of each local
+/// expert's code and scale addresses.
+#[derive(Clone, Copy, Debug)]
+pub struct FastExperts {
+    pub format: StorageFormat,
+    pub ptrs: DevicePtr,
+    pub scales: DevicePtr,
+}
+
+/// The shared expert's three projections.
+#[derive(Clone, Copy, Debug)]
+pub struct FastShared {
+    pub w1: WeightDev,
+    pub w3: WeightDev,
+    pub w2: WeightDev,
+}
+
+/// One MoE layer's device operands.
+#[derive(Clone, Debug)]
+pub struct FastMoeLayer {
+    pub d: usize,
+    pub i: usize,
+    pub k: usize,
+    /// Experts the router chooses from.
+    pub experts: usize,
+    /// The experts this device computes (expert parallelism: tiles of other experts are skipped;
+    /// the tables hold `local.len()` entries, entry 0 = expert `local.start`).
+    pub local: Range<usize>,
+    /// `f32[E, D]`.
+    pub gate: DevicePtr,
+    pub selection: Selection,
+    pub router: RouterParams,
+    pub w1: FastExperts,
+    pub w3: FastExperts,
+    pub w2: FastExperts,
+    pub shared: Option<FastShared>,
+    /// SwiGLU clamp (0 = none).
+    pub limit: f32,
+}
+
+/// The formats the fast GEMMs read: FP4 (per-32 scales) or FP8 with 128x128 blocks.
+fn fast_format(format: StorageFormat, block: [usize; 2]) -> bool {
+    match format {
+        StorageFormat::Fp4 => true,
+        StorageFormat::Fp8 => block == [128, 128],
+        StorageFormat::F32 | StorageFormat::Bf16 => false,
+    }
+}
+
+impl FastMoeLayer {
+    /// Why the fast kernels cannot run a layer of these shapes and formats (None: they can).
+    /// `routed` is (format, FP8 block) of the routed experts, `shared` the shared expert's.
+    pub fn unsupported(
+        d: usize,
+        i: usize,
+        k: usize,
+        experts: usize,
+        routed: (StorageFormat, [usize; 2]),
+        shared: Option<(StorageFormat, [usize; 2])>,
+    ) -> Option<String> {
+        if d % 128 != 0 || i % 128 != 0 {
+            return Some(format!(
+                "hidden {d} and moe_inter {i} must be multiples of 128"
+            ));
+        }
+        if d > fast_moe_gemm::MAX_K || i > fast_moe_gemm::MAX_K {
+            return Some(format!(
+                "hidden {d} / moe_inter {i} above {}",
+                fast_moe_gemm::MAX_K
+            ));
+        }
+        if experts == 0 || experts > 32 * MAX_EPL {
+            return Some(format!("{experts} experts (1..={})", 32 * MAX_EPL));
+        }
+        if k == 0 || k > moe::MAX_TOPK.min(32) {
+            return Some(format!("experts_per_tok {k}"));
+        }
+        if !fast_format(routed.0, routed.1) {
+            return Some(format!("routed experts stored {:?} {:?}", routed.0, routed.1));
+        }
+        if let Some((f, b)) = shared
+            && !fast_format(f, b)
+        {
+            return Some(format!("shared expert stored {f:?} {b:?}"));
+        }
+        None
+    }
+}
+
+/// The fast MoE layer's workspace for `t` tokens (sized for `max_num_tokens` at create).
+#[derive(Clone, Copy, Debug)]
+pub struct FastMoeWorkspace {
+    /// Router scores `f32[T, E]` (logits for softmax scoring).
+    pub logits: DevicePtr,
+    /// `i32[T, k]`, `f32[T, k]`.
+    pub ids: DevicePtr,
+    pub weights: DevicePtr,
+    /// x as e4m3 codes `u8[T, D]` and its per-128 scales `f32[T, D/128]`.
+    pub xq: DevicePtr,
+    pub xs: DevicePtr,
+    /// The routing plan (tile_rows = fast_moe_gemm::TOKENS).
+    pub plan: MoePlan,
+    /// h as e4m3 codes `u8[T*k + T, I]` and scales `f32[T*k + T, I/128]` (routed rows, then shared).
+    pub hq: DevicePtr,
+    pub hs: DevicePtr,
+    /// Expert outputs `bf16[T*k + T, D]`.
+    pub y: DevicePtr,
+}
+
+/// The workspace buffers for `t` tokens, in [`FastMoeWorkspace`]'s field order (the plan as
+/// offsets, rows, tiles, ntiles): (name, element type, elements).
+pub fn workspace_buffers(
+    t: usize,
+    d: usize,
+    i: usize,
+    k: usize,
+    experts: usize,
+) -> [(&'static str, Elem, usize); 12] {
+    let plan = MoePlan::buffer_bytes(t, k, experts, fast_moe_gemm::TOKENS).map(|b| b / 4);
+    let rows = t * k + t;
+    [
+        ("logits", Elem::F32, t * experts),
+        ("ids", Elem::I32, t * k),
+        ("weights", Elem::F32, t * k),
+        ("xq", Elem::U8, t * d),
+        ("xs", Elem::F32, t * d / 128),
+        ("plan_offsets", Elem::I32, plan[0]),
+        ("plan_rows", Elem::I32, plan[1]),
+        ("plan_tiles", Elem::I32, plan[2]),
+        ("plan_ntiles", Elem::I32, plan[3]),
+        ("hq", Elem::U8, rows * i),
+        ("hs", Elem::F32, rows * i / 128),
+        ("y", Elem::Bf16, rows * d),
+    ]
+}
+
+/// The fast MoE: routing + combine kernels, the GEMMs, and the moe family's plan.
+pub struct FastMoe {
+    route: FastMoeRoute,
+    gemm: FastMoeGemm,
+    moe: Moe,
+}
+
+fn internal(msg: String) -> Error {
+    Error::new(Status::Internal, msg)
+}
+
+impl FastMoe {
+    /// Kernel launches of one [`FastMoe::layer`].
+    pub const LAUNCHES_PER_LAYER: usize = 6;
+
+    /// Resolves the kernels; `reg` must hold the fast_moe, fast_moe_gemm and moe families.
+    pub fn new(reg: &crate::cuda::registry::Registry) -> Result<FastMoe> {
+        Ok(FastMoe {
+            route: FastMoeRoute::new(reg)?,
+            gemm: FastMoeGemm::new(reg)?,
+            moe: Moe::new(reg)?,
+        })
+    }
+
+    /// One MoE layer: `out[t] = MoE(x[t])` for `t` tokens (`x`, `out`: `f32[T, D]`, x's values BF16),
+    /// `tokens` the token ids (hash layers). Launches only; no host sync.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layer(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        x: DevicePtr,
+        t: usize,
+        tokens: DevicePtr,
+        ws: &FastMoeWorkspace,
+        out: DevicePtr,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        if t == 0 {
+            return Ok(());
+        }
+        self.route(ctx, layer, x, t, tokens, ws, stream)?;
+        self.experts(ctx, layer, t, ws, stream)?;
+        self.combine(ctx, layer, t, ws, out, stream)
+    }
+
+    /// Steps 1-2: logits, selection and weights into `ws.ids` / `ws.weights`, x into `ws.xq` / `ws.xs`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        x: DevicePtr,
+        t: usize,
+        tokens: DevicePtr,
+        ws: &FastMoeWorkspace,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "fmoe_select_kernel";
+        let (d, e, k) = (layer.d, layer.experts, layer.k);
+        if let Some(why) = FastMoeLayer::unsupported(
+            d,
+            layer.i,
+            k,
+            e,
+            (layer.w1.format, [128, 128]),
+            None,
+        ) {
+            return Err(internal(format!("fast MoE layer: {why}")));
+        }
+        need(K, "x", x, t * d * 4)?;
+        need(K, "gate", layer.gate, e * d * 4)?;
+        need(K, "logits", ws.logits, t * e * 4)?;
+        need(K, "ids", ws.ids, t * k * 4)?;
+        need(K, "weights", ws.weights, t * k * 4)?;
+        need(K, "xq", ws.xq, t * d)?;
+        need(K, "xs", ws.xs, t * d / 128 * 4)?;
+        let (t32, d32, e32, k32) = (
+            to_i32(K, "T", t)?,
+            to_i32(K, "D", d)?,
+            to_i32(K, "E", e)?,
+            to_i32(K, "k", k)?,
+        );
+        let (bias, tid2eid, toks) = match layer.selection {
+            Selection::TopK { bias } => {
+                if let Some(b) = bias {
+                    need(K, "bias", b, e * 4)?;
+                }
+                (bias, None, None)
+            }
+            Selection::Hash {
+                tid2eid,
+                tokens: _,
+                vocab,
+            } => {
+                need(K, "tid2eid", tid2eid, vocab * k * 4)?;
+                need(K, "tokens", tokens, t * 4)?;
+                (None, Some(tid2eid), Some(tokens))
+            }
+        };
+        let _g = ctx.enter()?;
+        self.route.logits.launch(
+            (
+                e.div_ceil(LOGIT_EXPERTS)
+                    .max((d / 128).div_ceil(LOGIT_WARPS)) as u32,
+                t.div_ceil(LOGIT_TOKENS) as u32,
+                1,
+            ),
+            (LOGIT_WARPS * 32) as u32,
+            0,
+            stream,
+            fmoe_logits_kernel::Args {
+                x,
+                t: t32,
+                d: d32,
+                e: e32,
+                gate: layer.gate,
+                scoring: moe::scoring_code(layer.router.scoring),
+                scores: ws.logits,
+                xq: ws.xq,
+                xs: ws.xs,
+            },
+        )?;
+        let r = &layer.router;
+        self.route.select.launch(
+            t.div_ceil(SELECT_WARPS) as u32,
+            (SELECT_WARPS * 32) as u32,
+            0,
+            stream,
+            fmoe_select_kernel::Args {
+                scores: ws.logits,
+                t: t32,
+                e: e32,
+                k: k32,
+                bias,
+                tid2eid,
+                tokens: toks,
+                scoring: moe::scoring_code(r.scoring),
+                renorm: r.renorm,
+                route_scale: r.route_scale,
+                ids: ws.ids,
+                weights: ws.weights,
+            },
+        )
+    }
+
+    /// Step 6: `out[t] = bf16(Σ_j y[t*k + j] + y[T*k + t])` as f32.
+    pub fn combine(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        t: usize,
+        ws: &FastMoeWorkspace,
+        out: DevicePtr,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "fmoe_combine_kernel";
+        let (d, k) = (layer.d, layer.k);
+        need(K, "y", ws.y, (t * k + t) * d * 2)?;
+        need(K, "out", out, t * d * 4)?;
+        let _g = ctx.enter()?;
+        self.route.combine.launch(
+            (d.div_ceil(8 * 128) as u32, t as u32, 1),
+            128u32,
+            0,
+            stream,
+            fmoe_combine_kernel::Args {
+                y: ws.y,
+                ids: ws.ids,
+                t: to_i32(K, "T", t)?,
+                k: to_i32(K, "k", k)?,
+                e: to_i32(K, "E", layer.experts)?,
+                d: to_i32(K, "D", d)?,
+                has_shared: layer.shared.is_some(),
+                out,
+            },
+        )
+    }
+
+    /// Steps 3-5 on an existing routing (ids / weights / xq / xs in `ws`): the plan and both GEMMs.
+    pub fn experts(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        t: usize,
+        ws: &FastMoeWorkspace,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        let plan = MoePlan {
+            tokens: t,
+            ..ws.plan
+        };
+        self.moe.plan(ctx, ws.ids, &plan, stream)?;
+        self.gemm.up(ctx, layer, t, ws, stream)?;
+        self.gemm.down(ctx, layer, t, ws, stream)
+    }
+}

@@ -1,0 +1,539 @@
+//! The fast MoE (kernels/fast_moe*.cu) against the reference kernels on the device, at Flash
+//! shapes (hidden 4096, moe_inter 2048, 256 experts top-6, an FP8 shared expert, FP4 routed
+//! experts with per-32 scales), on fresh random weights and inputs (seed printed;
+//! `DSV4_TEST_SEED=<n>` repeats one), for B = 1 .. 16384 tokens, top-k and hash layers, uniform
+//! and skewed routing (one expert taking 30% of the tokens) and experts with no tokens.
+//!
+//! What is compared, and the bound each is held to:
+//! - x's FP8 quantisation: bit for bit (the same exact operation).
+//! - Routing: the fast router accumulates its logits in f32 (per lane 4·D/128 FMAs, then a
+//!   5-level butterfly), so |Δlogit| ≤ (D/32 + 5)·2⁻²⁴·Σ_d |x_d·g_ed| (the reference's logit
+//!   is the correctly rounded f32); sqrtsoftplus has slope ≤ 1/2 for these logits... so a
+//!   selection may differ from the reference only where the two keys it swaps are closer than
+//!   the sum of their bounds (checked on the host in f64). Weights of agreeing tokens: the same
+//!   selected scores up to that error, so |Δw| ≤ 2⁻¹⁰·w (renormalised by a sum of six).
+//! - The expert path, on the reference's routing (so only the arithmetic differs): FP8 MMAs
+//!   promoted to f32 every 32 of K (accumulation error ≤ 2⁻¹³ relative, KERNELS.md §1), f32
+//!   sums where the reference sums in f64. A bf16 rounding of g, v or h may then flip, which
+//!   happens for at most 2⁻¹³/2⁻⁸ = 1/32 of them, and a flipped h moves its FP8 code by one
+//!   e4m3 step (≤ 2⁻³ of the value). So: every h code agrees or differs by one step (≤ 2⁻³·|h|
+//!   plus the subnormal step), at most 1/16 of them differ; per token the output's relative L2
+//!   error is ≤ √(1/32)·2⁻³ + 2⁻⁸ < 2⁻⁵, and on average over tokens ≤ 2⁻⁸.
+//! - The whole fast layer (its own routing): outputs of tokens whose selection agrees, same
+//!   bound; and two runs are bit-identical (no order-dependent atomics).
+//!
+//! Without a CUDA device every test prints `skipped: no CUDA device`.
+
+mod common;
+
+use common::gpu::{family_gpu, print_kernel_resources};
+use common::rng::Rng;
+use dsv4::cuda::arena::{self, Arena, ArenaPlan};
+use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeLayer, FastMoeWorkspace};
+use dsv4::cuda::kernels::fast_moe_gemm;
+use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat};
+use dsv4::cuda::kernels::moe::{self, Moe, MoePlan};
+use dsv4::cuda::synthetic_moe::{HOT_EXPERT, MoeShape, Routing, SyntheticMoe};
+use dsv4::cuda::{BorrowedStream, Context, DevicePtr, OwnedStream};
+use dsv4::weights::dtype::E4M3_LUT;
+use std::sync::OnceLock;
+
+const SHAPE: MoeShape = MoeShape::FLASH;
+const D: usize = SHAPE.d;
+const I: usize = SHAPE.i;
+const E: usize = SHAPE.experts;
+const K: usize = SHAPE.k;
+const VOCAB: usize = SHAPE.vocab;
+const LIMIT: f32 = SHAPE.limit;
+
+struct Env {
+    ctx: &'static Context,
+    lin: Linear,
+    moe: Moe,
+    fast: FastMoe,
+}
+
+fn env() -> Option<&'static Env> {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    let g = family_gpu(&[
+        &linear::SOURCE,
+        &moe::SOURCE,
+        &fast_moe::SOURCE,
+        &fast_moe_gemm::SOURCE,
+    ])?;
+    Some(ENV.get_or_init(|| {
+        print_kernel_resources(&g.reg);
+        Env {
+            ctx: &g.ctx,
+            lin: Linear::new(&g.reg).unwrap(),
+            moe: Moe::new(&g.reg).unwrap(),
+            fast: FastMoe::new(&g.reg).unwrap(),
+        }
+    }))
+}
+
+fn put<T: arena::Pod>(ctx: &Context, p: DevicePtr, v: &[T], s: BorrowedStream) {
+    let _g = ctx.enter().unwrap();
+    arena::copy_to_device_sync(p, v, s).unwrap();
+}
+
+fn get<T: arena::Pod + Default>(ctx: &Context, p: DevicePtr, n: usize, s: BorrowedStream) -> Vec<T> {
+    let _g = ctx.enter().unwrap();
+    s.synchronize().unwrap();
+    let mut v = vec![T::default(); n];
+    arena::copy_to_host_sync(&mut v, p, s).unwrap();
+    v
+}
+
+/// One arena with a region per byte size.
+fn alloc(ctx: &Context, bytes: &[usize]) -> (Arena, Vec<DevicePtr>) {
+    let mut plan = ArenaPlan::new();
+    let ids: Vec<_> = bytes
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| plan.reserve(format!("b{i}"), b.max(4), 256).unwrap())
+        .collect();
+    let a = Arena::from_plan(ctx, &plan).unwrap();
+    let p = ids.iter().map(|&i| a.region(i)).collect();
+    (a, p)
+}
+
+fn bf16(v: f32) -> f32 {
+    half::bf16::from_f32(v).to_f32()
+}
+
+// ------------------------------------------------------------------------------ one case
+
+/// The reference kernels' results for one batch.
+struct RefOut {
+    ids: Vec<i32>,
+    weights: Vec<f32>,
+    /// act_quant(x) `[T, D]`, act_quant(h) of the routed rows `[T*k, I]` and of the shared
+    /// expert's h `[T, I]`.
+    xq: Vec<f32>,
+    hq: Vec<f32>,
+    hq_shared: Vec<f32>,
+    out: Vec<f32>,
+}
+
+/// The fast kernels' results for one batch.
+struct FastOut {
+    ids: Vec<i32>,
+    weights: Vec<f32>,
+    /// Dequantized x `[T, D]` and h `[T*k + T, I]`.
+    xq: Vec<f32>,
+    hq: Vec<f32>,
+    out: Vec<f32>,
+}
+
+/// One batch's device buffers: inputs, the fast workspace, the reference's buffers.
+struct Batch {
+    _arena: Arena,
+    t: usize,
+    x: DevicePtr,
+    tokens: DevicePtr,
+    ws: FastMoeWorkspace,
+    out: DevicePtr,
+    /// Reference buffers: ids, weights, plan (4), xq, h, hq, ya, g, v, hs, hsq, ys.
+    r: Vec<DevicePtr>,
+}
+
+fn batch(e: &Env, t: usize, x: &[f32], tokens: &[i32], s: BorrowedStream) -> Batch {
+    let fb = fast_moe::workspace_buffers(t, D, I, K, E);
+    let rp = MoePlan::buffer_bytes(t, K, E, moe::TILE_ROWS);
+    let n = t * K;
+    let mut sizes = vec![t * D * 4, t * 4, t * D * 4];
+    sizes.extend(fb.iter().map(|(_, el, c)| el.size() * c));
+    sizes.extend([n * 4, n * 4, rp[0], rp[1], rp[2], rp[3]]);
+    sizes.extend([n.max(t) * D * 4, n * I * 4, n * I * 4, n * D * 4]);
+    sizes.extend([t * I * 4, t * I * 4, t * I * 4, t * I * 4, t * D * 4]);
+    let (arena, p) = alloc(e.ctx, &sizes);
+    put(e.ctx, p[0], x, s);
+    put(e.ctx, p[1], tokens, s);
+    let f = |i: usize| p[3 + i];
+    let ws = FastMoeWorkspace {
+        logits: f(0),
+        ids: f(1),
+        weights: f(2),
+        xq: f(3),
+        xs: f(4),
+        plan: MoePlan {
+            offsets: f(5),
+            rows: f(6),
+            tiles: f(7),
+            ntiles: f(8),
+            tokens: t,
+            k: K,
+            experts: E,
+            tile_rows: fast_moe_gemm::TOKENS,
+        },
+        hq: f(9),
+        hs: f(10),
+        y: f(11),
+    };
+    let _g = e.ctx.enter().unwrap();
+    for q in &p[2..] {
+        arena::memset_async(*q, 0xff, s).unwrap(); // NaN poison
+    }
+    Batch {
+        t,
+        x: p[0],
+        tokens: p[1],
+        out: p[2],
+        ws,
+        r: p[3 + fb.len()..].to_vec(),
+        _arena: arena,
+    }
+}
+
+fn reference(e: &Env, l: &SyntheticMoe, b: &Batch, r: Routing, s: BorrowedStream) -> RefOut {
+    let (t, n) = (b.t, b.t * K);
+    let q = &b.r;
+    let (ids, weights) = (q[0], q[1]);
+    let plan = MoePlan {
+        offsets: q[2],
+        rows: q[3],
+        tiles: q[4],
+        ntiles: q[5],
+        tokens: t,
+        k: K,
+        experts: E,
+        tile_rows: moe::TILE_ROWS,
+    };
+    let (xq, h, hq, ya) = (q[6], q[7], q[8], q[9]);
+    let (g, v, hs, hsq, ys) = (q[10], q[11], q[12], q[13], q[14]);
+    let (ctx, lin, m) = (e.ctx, &e.lin, &e.moe);
+    let x = b.x;
+    m.router(
+        ctx,
+        x,
+        t,
+        D,
+        l.gate,
+        l.selection(r, b.tokens),
+        &l.router(),
+        ids,
+        weights,
+        s,
+    )
+    .unwrap();
+    m.plan(ctx, ids, &plan, s).unwrap();
+    let [w1, w2, w3] = &l.routed;
+    lin.act_quant(ctx, x, D, t, D, xq, s).unwrap();
+    m.up(ctx, &plan, xq, w1, w3, weights, LIMIT, true, h, s).unwrap();
+    lin.act_quant(ctx, h, I, n, I, hq, s).unwrap();
+    m.down(ctx, &plan, hq, w2, true, ya, s).unwrap();
+    let [s1, s2, s3] = &l.shared;
+    lin.linear(ctx, xq, D, t, s1, I, true, g, I, s).unwrap();
+    lin.linear(ctx, xq, D, t, s3, I, true, v, I, s).unwrap();
+    m.swiglu(ctx, g, v, t * I, LIMIT, true, hs, s).unwrap();
+    lin.act_quant(ctx, hs, I, t, I, hsq, s).unwrap();
+    lin.linear(ctx, hsq, I, t, s2, D, true, ys, D, s).unwrap();
+    m.combine(ctx, ya, Some(ys), t, K, D, true, b.out, s).unwrap();
+    RefOut {
+        ids: get(ctx, ids, n, s),
+        weights: get(ctx, weights, n, s),
+        xq: get(ctx, xq, t * D, s),
+        hq: get(ctx, hq, n * I, s),
+        hq_shared: get(ctx, hsq, t * I, s),
+        out: get(ctx, b.out, t * D, s),
+    }
+}
+
+/// Codes times their per-128 scales.
+fn dequant(codes: &[u8], scales: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        for c in 0..cols {
+            v.push(E4M3_LUT[codes[r * cols + c] as usize] * scales[r * (cols / 128) + c / 128]);
+        }
+    }
+    v
+}
+
+/// The fast layer; with `routing`, the selection step's ids and weights are replaced by these
+/// before the experts run.
+fn fast(
+    e: &Env,
+    l: &SyntheticMoe,
+    b: &Batch,
+    r: Routing,
+    routing: Option<(&[i32], &[f32])>,
+    s: BorrowedStream,
+) -> FastOut {
+    let (ctx, t) = (e.ctx, b.t);
+    let fl = l.fast_layer(r, b.tokens);
+    e.fast.route(ctx, &fl, b.x, t, b.tokens, &b.ws, s).unwrap();
+    if let Some((ids, w)) = routing {
+        put(ctx, b.ws.ids, ids, s);
+        put(ctx, b.ws.weights, w, s);
+    }
+    e.fast.experts(ctx, &fl, t, &b.ws, s).unwrap();
+    e.fast.combine(ctx, &fl, t, &b.ws, b.out, s).unwrap();
+    let rows = t * K + t;
+    let xq: Vec<u8> = get(ctx, b.ws.xq, t * D, s);
+    let xs: Vec<f32> = get(ctx, b.ws.xs, t * D / 128, s);
+    let hq: Vec<u8> = get(ctx, b.ws.hq, rows * I, s);
+    let hs: Vec<f32> = get(ctx, b.ws.hs, rows * I / 128, s);
+    FastOut {
+        ids: get(ctx, b.ws.ids, t * K, s),
+        weights: get(ctx, b.ws.weights, t * K, s),
+        xq: dequant(&xq, &xs, t, D),
+        hq: dequant(&hq, &hs, rows, I),
+        out: get(ctx, b.out, t * D, s),
+    }
+}
+
+// ------------------------------------------------------------------------------ checks
+
+fn sorted(v: &[i32]) -> Vec<i32> {
+    let mut v = v.to_vec();
+    v.sort();
+    v
+}
+
+/// Host f64 key (score + bias) of expert `ex` for token row `xr`, and the bound of the fast
+/// router's f32 error on it (module doc).
+fn key_and_bound(l: &SyntheticMoe, xr: &[f32], ex: usize) -> (f64, f64) {
+    let g = &l.gate_host[ex * D..(ex + 1) * D];
+    let (mut dot, mut abs) = (0f64, 0f64);
+    for (a, b) in xr.iter().zip(g) {
+        dot += *a as f64 * *b as f64;
+        abs += (*a as f64 * *b as f64).abs();
+    }
+    let sp = if dot > 20.0 { dot } else { dot.exp().ln_1p() };
+    let key = sp.sqrt() + l.bias_host[ex] as f64;
+    // The logit's f32 error, through a slope below 1/2, plus a few f32 ulps of the score
+    // functions and the bias add on either side.
+    let bound = (D / 32 + 5) as f64 * 2f64.powi(-24) * abs + 2f64.powi(-20) * (key.abs() + 1.0);
+    (key, bound)
+}
+
+/// Routing: selections agree except within the rounding margin (top-k) or exactly (hash);
+/// weights of agreeing tokens within 2^-10 relative. Returns the agreeing tokens.
+fn check_routing(what: &str, l: &SyntheticMoe, x: &[f32], r: Routing, f: &FastOut, rf: &RefOut) -> Vec<bool> {
+    let t = x.len() / D;
+    let mut agree = vec![false; t];
+    let mut within_margin = 0;
+    for tok in 0..t {
+        let (a, b) = (&f.ids[tok * K..(tok + 1) * K], &rf.ids[tok * K..(tok + 1) * K]);
+        if sorted(a) == sorted(b) {
+            agree[tok] = true;
+            for j in 0..K {
+                let (fw, rw) = (f.weights[tok * K + j], rf.weights[tok * K + j]);
+                assert!(
+                    a[j] == b[j] && (fw - rw).abs() <= rw.abs() * 2f32.powi(-10),
+                    "{what}: token {tok} slot {j}: expert {} weight {fw} vs reference {} {rw}",
+                    a[j],
+                    b[j]
+                );
+            }
+            continue;
+        }
+        assert_eq!(r, Routing::TopK, "{what}: token {tok}: hash rows differ: {a:?} vs {b:?}");
+        let xr = &x[tok * D..(tok + 1) * D];
+        let only_fast: Vec<i32> = a.iter().filter(|e| !b.contains(e)).copied().collect();
+        let only_ref: Vec<i32> = b.iter().filter(|e| !a.contains(e)).copied().collect();
+        for (&fe, &re) in only_fast.iter().zip(&only_ref) {
+            let (kf, bf) = key_and_bound(l, xr, fe as usize);
+            let (kr, br) = key_and_bound(l, xr, re as usize);
+            assert!(
+                (kr - kf).abs() <= bf + br,
+                "{what}: token {tok}: fast picked {fe} (key {kf:.9}), reference {re} (key {kr:.9}): \
+                 margin {:.3e} above the rounding bound {:.3e}",
+                (kr - kf).abs(),
+                bf + br
+            );
+        }
+        within_margin += 1;
+    }
+    println!("{what}: {within_margin} of {t} tokens select differently within the rounding margin");
+    agree
+}
+
+/// The expert path: h codes and outputs of the tokens in `rows` (module doc's bounds).
+fn check_experts(what: &str, f: &FastOut, rf: &RefOut, agree: &[bool]) {
+    let t = agree.len();
+    // h: routed rows a = t*k + j, then the shared expert's rows.
+    let (mut differ, mut total) = (0usize, 0usize);
+    let mut check_h = |fast: &[f32], refv: &[f32], row: &str| {
+        for (blk, (fb, rb)) in fast.chunks(128).zip(refv.chunks(128)).enumerate() {
+            // One e4m3 step: 2^-3 of the value in the normal range; below it the subnormal
+            // step s·2^-9 of the block scale s = ue8m0(amax / 448) < amax·2^-7.8.
+            let amax = rb.iter().chain(fb).fold(0f32, |m, v| m.max(v.abs()));
+            for (c, (&a, &b)) in fb.iter().zip(rb).enumerate() {
+                total += 1;
+                if a.to_bits() == b.to_bits() {
+                    continue;
+                }
+                differ += 1;
+                let m = a.abs().max(b.abs());
+                assert!(
+                    (a - b).abs() <= m * 0.125 + amax * 2f32.powi(-16),
+                    "{what}: h {row} column {}: {a} vs reference {b}: more than one e4m3 step",
+                    blk * 128 + c
+                );
+            }
+        }
+    };
+    for tok in 0..t {
+        if !agree[tok] {
+            continue;
+        }
+        for j in 0..K {
+            let a = tok * K + j;
+            check_h(&f.hq[a * I..(a + 1) * I], &rf.hq[a * I..(a + 1) * I], &format!("row {a}"));
+        }
+        let sr = t * K + tok;
+        check_h(
+            &f.hq[sr * I..(sr + 1) * I],
+            &rf.hq_shared[tok * I..(tok + 1) * I],
+            &format!("shared row {tok}"),
+        );
+    }
+    let frac = differ as f64 / total.max(1) as f64;
+    println!("{what}: {differ} of {total} h codes differ ({:.4}%)", frac * 100.0);
+    assert!(frac <= 1.0 / 16.0, "{what}: {frac} of the h codes differ (bound 1/16)");
+
+    let (mut worst, mut sum, mut n) = (0f64, 0f64, 0usize);
+    for tok in 0..t {
+        if !agree[tok] {
+            continue;
+        }
+        let (a, b) = (&f.out[tok * D..(tok + 1) * D], &rf.out[tok * D..(tok + 1) * D]);
+        assert!(a.iter().all(|v| v.is_finite()), "{what}: token {tok} has non-finite outputs");
+        let d2: f64 = a.iter().zip(b).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
+        let r2: f64 = b.iter().map(|q| (*q as f64).powi(2)).sum();
+        let rel = d2.sqrt() / (r2.sqrt() + 1e-30);
+        assert!(
+            rel <= 2f64.powi(-5),
+            "{what}: token {tok}: relative L2 error {rel:.3e} above 2^-5"
+        );
+        worst = worst.max(rel);
+        sum += rel;
+        n += 1;
+    }
+    let mean = sum / n.max(1) as f64;
+    println!("{what}: output relative L2 error over {n} tokens: max {worst:.3e}, mean {mean:.3e}");
+    assert!(mean <= 2f64.powi(-8), "{what}: mean relative error {mean:.3e} above 2^-8");
+}
+
+fn inputs(rng: &mut Rng, t: usize) -> (Vec<f32>, Vec<i32>) {
+    let x: Vec<f32> = (0..t * D).map(|_| bf16(rng.uniform(-2.0, 2.0))).collect();
+    let tokens: Vec<i32> = (0..t).map(|_| (rng.u64() % VOCAB as u64) as i32).collect();
+    (x, tokens)
+}
+
+/// Every batch size and routing of the issue, one layer of weights (4 GB) for all of them.
+#[test]
+fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
+    let Some(e) = env() else {
+        return;
+    };
+    let mut rng = Rng::from_env("gpu_fast_moe");
+    let stream = OwnedStream::new(e.ctx).unwrap();
+    let s = stream.borrow();
+    let l = SyntheticMoe::new(e.ctx, s, SHAPE, rng.u64()).unwrap();
+    let cases: &[(usize, Routing)] = &[
+        (1, Routing::TopK),
+        (1, Routing::Hash),
+        (8, Routing::TopK),
+        (32, Routing::HashSkewed),
+        (64, Routing::TopK),
+        (256, Routing::TopK),
+        (256, Routing::HashSkewed),
+        (1024, Routing::Hash),
+        (4096, Routing::TopK),
+        (16384, Routing::HashSkewed),
+    ];
+    for &(t, r) in cases {
+        let what = format!("B = {t}, {r:?}");
+        let (x, tokens) = inputs(&mut rng, t);
+        let b = batch(e, t, &x, &tokens, s);
+        let rf = reference(e, &l, &b, r, s);
+        // 1. The fast layer on its own routing, twice: bit-identical.
+        let f1 = fast(e, &l, &b, r, None, s);
+        let f2 = fast(e, &l, &b, r, None, s);
+        assert!(
+            f1.out.iter().zip(&f2.out).all(|(a, b)| a.to_bits() == b.to_bits())
+                && f1.hq.iter().zip(&f2.hq).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: two runs differ"
+        );
+        assert!(
+            f1.xq.iter().zip(&rf.xq).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: x's FP8 quantisation differs from act_quant"
+        );
+        let agree = check_routing(&what, &l, &x, r, &f1, &rf);
+        if r == Routing::HashSkewed {
+            let hot = f1.ids.iter().filter(|&&i| i == HOT_EXPERT as i32).count();
+            println!("{what}: expert {HOT_EXPERT} takes {hot} of {t} tokens");
+        }
+        check_experts(&format!("{what}, own routing"), &f1, &rf, &agree);
+        // 2. On the reference's routing: every token compares.
+        let f3 = fast(e, &l, &b, r, Some((&rf.ids, &rf.weights)), s);
+        check_experts(&format!("{what}, reference routing"), &f3, &rf, &vec![true; t]);
+    }
+}
+
+/// Layers the fast kernels cannot run are named (the fast set then runs the reference MoE).
+#[test]
+fn unsupported_layers_are_reported() {
+    use StorageFormat::*;
+    let ok = FastMoeLayer::unsupported(4096, 2048, 6, 256, (Fp4, [0, 0]), Some((Fp8, [128, 128])));
+    assert_eq!(ok, None);
+    let cases = [
+        (FastMoeLayer::unsupported(4000, 2048, 6, 256, (Fp4, [0, 0]), None), "4000"),
+        (FastMoeLayer::unsupported(4096, 2048, 6, 256, (Bf16, [0, 0]), None), "Bf16"),
+        (
+            FastMoeLayer::unsupported(4096, 2048, 6, 256, (Fp4, [0, 0]), Some((Fp8, [1, 128]))),
+            "shared",
+        ),
+        (FastMoeLayer::unsupported(4096, 2048, 6, 4096, (Fp4, [0, 0]), None), "4096 experts"),
+    ];
+    for (why, needle) in cases {
+        let why = why.expect("must be unsupported");
+        assert!(why.contains(needle), "{why}");
+    }
+}
+
+/// In the engine, the fast set runs these kernels for quantized experts (`tiny_fp8`: FP4 routed,
+/// FP8 shared experts) and the reference kernels for BF16 ones (`tiny`), and its log says which.
+#[test]
+fn the_fast_set_reports_which_moe_layers_run_the_fast_kernels() {
+    use dsv4::log::{Level, set_sink};
+    use std::sync::{Arc, Mutex};
+    if !common::gpu::has_cuda() {
+        return;
+    }
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let sink = seen.clone();
+    set_sink(
+        Some(Box::new(move |_, m| sink.lock().unwrap().push(m.to_string()))),
+        Level::Info,
+    );
+    for (model, runs) in [("tiny_fp8", "the fast kernels"), ("tiny", "the reference kernels")] {
+        seen.lock().unwrap().clear();
+        let mut e = common::fixture_engine(
+            model,
+            dsv4::EngineOptions {
+                device: 0,
+                kernel_set: Some(dsv4::KernelSetName::Fast),
+                numerics: dsv4::Numerics::Official,
+                max_num_seqs: 1,
+                max_num_tokens: 8,
+                max_seq_len: 16,
+                ..Default::default()
+            },
+        );
+        let logits = common::forward_all_rows(&mut e, &[1, 2, 3], &[0, 1, 2], &[0], &[0, 3]);
+        assert!(logits.iter().all(|v| v.is_finite()), "{model}: non-finite logits");
+        let log = seen.lock().unwrap().join("\n");
+        let layers = e.config().num_layers;
+        for l in 0..layers {
+            let needle = format!("fast set: layer {l} MoE runs {runs}");
+            assert!(log.contains(&needle), "{model}: no `{needle}` in the log:\n{log}");
+        }
+        println!("{model}:\n{log}");
+    }
+    set_sink(None, Level::Warn);
+}
