@@ -32,11 +32,12 @@ DSV4_INLINE float fmoe_warp_max(float v) {
 //   order: the logit l. scores[t][e] = sqrt(softplus(l)) (linear above 20) or sigmoid(l), or l itself for
 //   softmax scoring (fmoe_select_kernel normalises over the experts);
 // - warp w of blocks with b = bx * FMOE_LOGIT_WARPS + w < D / 128: x's official act_quant of 128-block b,
-//   e4m3 codes into xq[t][d], the block's scale into xs[t][b] (bit-identical to act_quant_kernel).
+//   the e4m3 values as f16 in MMA order (fp8_mma.cuh) into xq[t][d], the block's scale into xs[t][b]
+//   (value x scale bit-identical to act_quant_kernel).
 // Requires D % (4 * FMOE_LOGIT_SPLIT) == 0 and D % 128 == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
     fmoe_logits_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
-                       unsigned char* xq, float* xs) {
+                       unsigned short* xq, float* xs) {
   __shared__ float part_sum[FMOE_LOGIT_WARPS][FMOE_LOGIT_TOKENS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t0 = blockIdx.y * FMOE_LOGIT_TOKENS;
@@ -50,14 +51,18 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
       const float amax = fmoe_warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
       const float s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
       const float vv[4] = {v.x, v.y, v.z, v.w};
-      unsigned packed = 0u;
+      unsigned code[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         float q = vv[c] / s;
         q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
-        packed |= e4m3_code_rn(q) << (8 * c);
+        code[c] = e4m3_code_rn(q);
       }
-      reinterpret_cast<unsigned*>(xq + t * D + b * 128)[lane] = packed;
+      // MMA order of the 8-value chunk lane / 2: [0, 2, 4, 6, 1, 3, 5, 7]; this lane holds values
+      // 4 (lane % 2) .. + 3 of it, i.e. f16x2 words lane % 2 and 2 + lane % 2.
+      unsigned* dst = reinterpret_cast<unsigned*>(xq + t * D + b * 128 + (lane >> 1) * 8);
+      dst[lane & 1] = e4m3x2_to_f16x2(code[0] | (code[2] << 8));
+      dst[2 + (lane & 1)] = e4m3x2_to_f16x2(code[1] | (code[3] << 8));
       if (lane == 0) xs[t * (D / 128) + b] = s;
     }
   }

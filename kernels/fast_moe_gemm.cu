@@ -14,14 +14,14 @@
 // Inside an item. The weights are streamed in their stored layout in stages of FMOE_STAGE_ROWS = 16 rows
 // by up to FMOE_STAGE_ROW_BYTES bytes of each (a whole FP4 row of K = 4096; FP8 rows of 4096 take two
 // stages): every stage is one or two contiguous runs of memory, read with 16-byte cp.async into a ring of
-// FMOE_STAGES stages (up: rows 0-7 are gate rows j..j+7, rows 8-15 the up rows j..j+7). The tokens' FP8
-// activations (whole rows) are loaded once per item. Warp w takes the stage's 128-blocks w, w + FMOE_WARPS,
-// ...: per k32 group it decodes its A fragments (FP4 -> e4m3 bit move), runs one m16n8k32 MMA per 8 tokens from a zero
-// accumulator and promotes it into f32 registers times s_w(row, group) (per-32 promotion, exact for the per-32
-// FP4 scales: KERNELS.md §2 "simple, exact"); each 128-block's sum is then added times s_a(token, block). After a row group's last
-// stage the warps' partial sums are added in warp order through shared memory. The k order inside a
-// k32 group is permuted identically for A and B (thread t takes elements 8t..8t+7), so each thread's A bytes
-// and B bytes are contiguous.
+// FMOE_STAGES stages (up: rows 0-7 are gate rows j..j+7, rows 8-15 the up rows j..j+7). Warp w owns the
+// stage's 128-blocks w, w + FMOE_WARPS, ... (the same k for every row group), so it loads the tokens'
+// activations for those blocks into registers once per item: f16 in MMA order (fp8_mma.cuh), written so by
+// the quantising kernels. Per k32 group it decodes its A fragments (FP4 -> e4m3 bit move -> f16, exact),
+// runs two chained f16 m16n8k16 MMAs per 8 tokens (f32 accumulators, exact products) from zero and adds
+// the result times s_w(row, group) (per-32 promotion: exact for the per-32 FP4 scales, KERNELS.md §2
+// "simple, exact"); each 128-block's sum is then added times s_a(token, block). After a row group's last
+// stage the warps' partial sums are added in warp order through shared memory.
 #include "common.cuh"
 #include "fp8_mma.cuh"
 
@@ -32,11 +32,12 @@
 #define FMOE_ROW_THREADS (FMOE_THREADS / FMOE_STAGE_ROWS)  // threads loading one stage row
 // Shared-memory row strides, padded so a warp's fragment loads hit distinct banks: FP4 rows (4-byte
 // loads) by 16 bytes, FP8 rows (8-byte loads) by 32; the per-32 scales of a row (2 per FP4 byte / 32) by
-// 4 floats; token rows by 32 bytes.
+// 4 floats.
 #define FMOE_W_STRIDE_FP4 (FMOE_STAGE_ROW_BYTES + 16)
 #define FMOE_W_STRIDE_FP8 (FMOE_STAGE_ROW_BYTES + 32)
 #define FMOE_S_STRIDE (FMOE_STAGE_ROW_BYTES / 16 + 4)
-#define FMOE_A_STRIDE (FMOE_MAX_K + 32)
+// 128-blocks of K a warp owns per item: FMOE_MAX_K / 128 blocks over FMOE_WARPS warps.
+#define FMOE_SLOTS ((FMOE_MAX_K / 128 + FMOE_WARPS - 1) / FMOE_WARPS)
 #define FMOE_STAGE_BYTES (FMOE_STAGE_ROWS * FMOE_W_STRIDE_FP8 + FMOE_STAGE_ROWS * FMOE_S_STRIDE * 4)
 #define FMOE_MAX_BLOCK_ROWS (FMOE_UP_J > FMOE_DOWN_ROWS ? FMOE_UP_J : FMOE_DOWN_ROWS)
 
@@ -61,13 +62,18 @@ struct FmoeItem {
 // The block's shared memory, carved once.
 struct FmoeSmem {
   unsigned char* ring;  // FMOE_STAGES x FMOE_STAGE_BYTES
-  unsigned char* act;   // [FMOE_TOKENS][FMOE_A_STRIDE] e4m3 codes of the item's tokens
-  float* as;            // [FMOE_TOKENS][K / 128] their scales
   float* red;           // [FMOE_WARPS][16 rows][FMOE_TOKENS] partial sums
   float* h;             // up: [FMOE_UP_J j][FMOE_TOKENS] h of the item
   int* act_row;         // [FMOE_TOKENS] activation row of each token column
   int* out_row;         // [FMOE_TOKENS] output row
   float* w;             // [FMOE_TOKENS] routing weight (1 for the shared expert)
+};
+
+// A warp's activations for its 128-blocks (slots): B fragments and scales of the item's tokens.
+struct FmoeAct {
+  uint4 b[FMOE_SLOTS][4][FMOE_NT];   // f16 MMA-order k32 chunks: slot, group, 8-token tile
+  float s[FMOE_SLOTS][FMOE_NT][2];   // scales of tokens (nt*8 + 2t, + 1)
+  int kb[FMOE_SLOTS];                // global 128-block of the slot, -1 when none
 };
 
 // Geometry of an item's stages: kv k per stage (nks stages per row group).
@@ -127,21 +133,19 @@ DSV4_INLINE void fmoe_load_stage(unsigned char* st, const FmoeItem& it, const Fm
   }
 }
 
-// part[nt][.] += the warp's k32 groups of stage s (see the file comment).
+// part[nt][.] += the warp's slots of stage s (see the file comment).
 template <bool UP, bool FP4>
-DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, const FmoeSmem& sm, const FmoeItem& it,
-                                    const FmoeStages& gs, int s, int rows_valid, int K, int ntu,
-                                    float (&part)[FMOE_NT][4]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, const FmoeItem& it, int s, int rows_valid, int K,
+                                    int ntu, const FmoeAct& act, float (&part)[FMOE_NT][4]) {
+  const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  (void)gs;
   const FmoeStages gf = fmoe_stages(UP, FP4, K);  // constant when K is (fmoe_gemm's KT)
   const int rg = s / gf.nks, kp = s - rg * gf.nks;
-  const int k0 = kp * gf.ks, kv = min(gf.ks, K - k0);
+  const int kb0 = kp * gf.ks / 128;  // first global 128-block of the stage
   const int kblocks = K / 128;
-  const float* ss = reinterpret_cast<const float*>(st + FMOE_STAGE_ROWS * FMOE_W_STRIDE_FP8);
   const int wstride = FP4 ? FMOE_W_STRIDE_FP4 : FMOE_W_STRIDE_FP8;
-  // FP8: the 128x128 block row of rows g and g + 8.
+  const float* ss = reinterpret_cast<const float*>(st + FMOE_STAGE_ROWS * FMOE_W_STRIDE_FP8);
+  // FP8: the 128x128 block rows of rows g and g + 8.
   const float* s8a = nullptr;
   const float* s8b = nullptr;
   if (!FP4) {
@@ -151,49 +155,47 @@ DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, const FmoeSmem& sm,
     s8a = it.sa + (long long)(r0 / 128) * kblocks;
     s8b = (UP ? it.sb : it.sa) + (long long)(r8 / 128) * kblocks;
   }
-  // Warp w takes the stage's 128-blocks w, w + FMOE_WARPS, ...: four k32 MMAs each, promoted with the
-  // weight scale into blk[], which is added into part[] times the token's activation scale once per block.
-  const int blocks = kv / 128;
-  for (int qb = warp; qb < blocks; qb += FMOE_WARPS) {
-    const int kb = (k0 >> 7) + qb;
+#pragma unroll
+  for (int sl = 0; sl < FMOE_SLOTS; ++sl) {
+    const int qb = act.kb[sl] - kb0;  // the slot's block within this stage
+    if (act.kb[sl] < 0 || qb < 0 || qb >= gf.ks / 128) continue;
     float blk[FMOE_NT][4];
 #pragma unroll
     for (int nt = 0; nt < FMOE_NT; ++nt)
 #pragma unroll
       for (int v = 0; v < 4; ++v) blk[nt][v] = 0.0f;
-    float sw8a = 0.0f, sw8b = 0.0f;
-    if (!FP4) {
-      sw8a = s8a[kb];
-      sw8b = s8b[kb];
-    }
 #pragma unroll
     for (int qq = 0; qq < 4; ++qq) {
       const int q = 4 * qb + qq;
-      unsigned a[4];
+      unsigned ev0, od0, ev1, od1;  // e4m3 of rows g, g+8: even and odd elements of the thread's 8 k
       float sw0, sw1;
       if (FP4) {
-        const unsigned w0 = lds_u32(st + g * wstride + 16 * q + 4 * t);
-        const unsigned w1 = lds_u32(st + (g + 8) * wstride + 16 * q + 4 * t);
-        e2m1x8_to_e4m3(w0, a[0], a[2]);
-        e2m1x8_to_e4m3(w1, a[1], a[3]);
+        e2m1x8_to_e4m3_eo(lds_u32(st + g * wstride + 16 * q + 4 * t), ev0, od0);
+        e2m1x8_to_e4m3_eo(lds_u32(st + (g + 8) * wstride + 16 * q + 4 * t), ev1, od1);
         sw0 = ss[g * FMOE_S_STRIDE + q] * 64.0f;  // the bit move's 2^-6, folded back
         sw1 = ss[(g + 8) * FMOE_S_STRIDE + q] * 64.0f;
       } else {
         const uint2 u0 = lds_u64(st + g * wstride + 32 * q + 8 * t);
         const uint2 u1 = lds_u64(st + (g + 8) * wstride + 32 * q + 8 * t);
-        a[0] = u0.x;
-        a[2] = u0.y;
-        a[1] = u1.x;
-        a[3] = u1.y;
-        sw0 = sw8a;
-        sw1 = sw8b;
+        ev0 = __byte_perm(u0.x, u0.y, 0x6420);
+        od0 = __byte_perm(u0.x, u0.y, 0x7531);
+        ev1 = __byte_perm(u1.x, u1.y, 0x6420);
+        od1 = __byte_perm(u1.x, u1.y, 0x7531);
+        sw0 = s8a[kb0 + qb];
+        sw1 = s8b[kb0 + qb];
       }
+      unsigned ae0, ae2, ae1, ae3, ao0, ao2, ao1, ao3;
+      e4m3x4_to_f16x4(ev0, ae0, ae2);
+      e4m3x4_to_f16x4(ev1, ae1, ae3);
+      e4m3x4_to_f16x4(od0, ao0, ao2);
+      e4m3x4_to_f16x4(od1, ao1, ao3);
 #pragma unroll
       for (int nt = 0; nt < FMOE_NT; ++nt) {
         if (nt < ntu) {
-          const uint2 b = lds_u64(sm.act + (nt * 8 + g) * FMOE_A_STRIDE + k0 + 32 * q + 8 * t);
-          float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          mma_e4m3_m16n8k32(c, a, b.x, b.y);
+          const uint4 b = act.b[sl][qq][nt];
+          float c[4];
+          mma_f16_m16n8k16_zero(c, ae0, ae1, ae2, ae3, b.x, b.y);
+          mma_f16_m16n8k16(c, ao0, ao1, ao2, ao3, b.z, b.w);
           blk[nt][0] = fmaf(c[0], sw0, blk[nt][0]);
           blk[nt][1] = fmaf(c[1], sw0, blk[nt][1]);
           blk[nt][2] = fmaf(c[2], sw1, blk[nt][2]);
@@ -204,12 +206,10 @@ DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, const FmoeSmem& sm,
 #pragma unroll
     for (int nt = 0; nt < FMOE_NT; ++nt) {
       if (nt < ntu) {
-        const float sa0 = sm.as[(nt * 8 + 2 * t) * kblocks + kb];
-        const float sa1 = sm.as[(nt * 8 + 2 * t + 1) * kblocks + kb];
-        part[nt][0] = fmaf(blk[nt][0], sa0, part[nt][0]);
-        part[nt][1] = fmaf(blk[nt][1], sa1, part[nt][1]);
-        part[nt][2] = fmaf(blk[nt][2], sa0, part[nt][2]);
-        part[nt][3] = fmaf(blk[nt][3], sa1, part[nt][3]);
+        part[nt][0] = fmaf(blk[nt][0], act.s[sl][nt][0], part[nt][0]);
+        part[nt][1] = fmaf(blk[nt][1], act.s[sl][nt][1], part[nt][1]);
+        part[nt][2] = fmaf(blk[nt][2], act.s[sl][nt][0], part[nt][2]);
+        part[nt][3] = fmaf(blk[nt][3], act.s[sl][nt][1], part[nt][3]);
       }
     }
   }
@@ -240,25 +240,23 @@ DSV4_INLINE float fmoe_reduce(const FmoeSmem& sm, float (&part)[FMOE_NT][4], int
 }
 
 // Shared body of both kernels. UP: K = D, weight rows j of W1/W3 (N = I of them), act = xq [T][D] with xs;
-// out hq [T*k + T][I] e4m3 codes and hs [T*k + T][I/128] scales. DOWN: K = I, rows of W2 (N = D), act = hq
+// out hq [T*k + T][I] (e4m3 values as f16 in MMA order) and hs [T*k + T][I/128] scales. DOWN: K = I, rows of W2 (N = D), act = hq
 // with hs; out y [T*k + T][D] bf16.
 // KT: K as a compile-time constant (0: the runtime `k_rt`), so that the stage loops unroll and their
 // address arithmetic folds for the shapes that matter (V4-Flash: 4096 for up, 2048 for down).
 template <bool UP, int KT>
-DSV4_INLINE void fmoe_gemm(const unsigned char* act, const float* act_scales, int T, int k_rt, int N, int k,
+DSV4_INLINE void fmoe_gemm(const unsigned short* act, const float* act_scales, int T, int k_rt, int N, int k,
                            const int* rows, const int* tiles, const int* ntiles, int e_begin, int e_end,
                            const unsigned long long* wa, const unsigned long long* wb, const unsigned long long* sa,
                            const unsigned long long* sb, int fmt, const void* shared_wa, const void* shared_wb,
                            const float* shared_sa, const float* shared_sb, int shared_fmt, const float* route_w,
-                           float limit, unsigned char* out_q, float* out_s, bf16_t* out_y) {
+                           float limit, unsigned short* out_q, float* out_s, bf16_t* out_y) {
   extern __shared__ __align__(16) unsigned char fmoe_smem[];
   const int K = KT ? KT : k_rt;
   const int kblocks = K / 128;
   FmoeSmem sm;
   sm.ring = fmoe_smem;
-  sm.act = sm.ring + FMOE_STAGES * FMOE_STAGE_BYTES;
-  sm.as = reinterpret_cast<float*>(sm.act + FMOE_TOKENS * FMOE_A_STRIDE);
-  sm.red = sm.as + FMOE_TOKENS * (FMOE_MAX_K / 128);
+  sm.red = reinterpret_cast<float*>(sm.ring + FMOE_STAGES * FMOE_STAGE_BYTES);
   sm.h = sm.red + FMOE_WARPS * 16 * FMOE_TOKENS;
   sm.act_row = reinterpret_cast<int*>(sm.h + FMOE_UP_J * FMOE_TOKENS);
   sm.out_row = sm.act_row + FMOE_TOKENS;
@@ -317,22 +315,33 @@ DSV4_INLINE void fmoe_gemm(const unsigned char* act, const float* act_scales, in
       sm.w[tid] = wt;
     }
     __syncthreads();
-    // The tokens' activations (whole rows) and scales: part of the first cp.async group.
-    {
-      const int i = tid / FMOE_ROW_THREADS, c0 = tid % FMOE_ROW_THREADS;
-      if (i < it.n) {
-        const unsigned char* src = act + (long long)sm.act_row[i] * K;
-        for (int p = c0; p < K / 16; p += FMOE_ROW_THREADS) cp_async_16(sm.act + i * FMOE_A_STRIDE + p * 16, src + p * 16);
-      }
-    }
-    for (int c = tid; c < FMOE_TOKENS * kblocks; c += FMOE_THREADS) {
-      const int i = c / kblocks, b = c - i * kblocks;
-      sm.as[c] = act_scales[(long long)sm.act_row[i] * kblocks + b];
-    }
-
     const FmoeStages gs = fmoe_stages(UP, it.fp4, K);
     const int nstages = gs.ngroups * gs.nks;
     const int ntu = (it.n + 7) / 8;
+    // The warp's activations: blocks warp, warp + FMOE_WARPS, ... of each k part, loaded from L2 once.
+    FmoeAct av;
+    {
+      const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+      const int bps = gs.ks / 128;
+      const int per_part = (bps + FMOE_WARPS - 1) / FMOE_WARPS;
+#pragma unroll
+      for (int sl = 0; sl < FMOE_SLOTS; ++sl) {
+        const int kp = sl / per_part, i = sl - kp * per_part;
+        const int qb = warp + FMOE_WARPS * i;
+        av.kb[sl] = (kp < gs.nks && qb < min(bps, kblocks - kp * bps)) ? kp * bps + qb : -1;
+        const int kb = av.kb[sl] < 0 ? 0 : av.kb[sl];
+#pragma unroll
+        for (int nt = 0; nt < FMOE_NT; ++nt) {
+          const long long row = sm.act_row[nt * 8 + g];
+#pragma unroll
+          for (int qq = 0; qq < 4; ++qq)
+            av.b[sl][qq][nt] =
+                *reinterpret_cast<const uint4*>(act + row * K + kb * 128 + 32 * qq + 8 * t);
+          av.s[sl][nt][0] = act_scales[(long long)sm.act_row[nt * 8 + 2 * t] * kblocks + kb];
+          av.s[sl][nt][1] = act_scales[(long long)sm.act_row[nt * 8 + 2 * t + 1] * kblocks + kb];
+        }
+      }
+    }
     float part[FMOE_NT][4];
 #pragma unroll
     for (int nt = 0; nt < FMOE_NT; ++nt)
@@ -352,9 +361,9 @@ DSV4_INLINE void fmoe_gemm(const unsigned char* act, const float* act_scales, in
       cp_async_commit();
       const unsigned char* st = sm.ring + (s % FMOE_STAGES) * FMOE_STAGE_BYTES;
       if (it.fp4)
-        fmoe_compute_stage<UP, true>(st, sm, it, gs, s, N, K, ntu, part);
+        fmoe_compute_stage<UP, true>(st, it, s, N, K, ntu, av, part);
       else
-        fmoe_compute_stage<UP, false>(st, sm, it, gs, s, N, K, ntu, part);
+        fmoe_compute_stage<UP, false>(st, it, s, N, K, ntu, av, part);
       const int rg = s / gs.nks;
       if (s - rg * gs.nks == gs.nks - 1) {
         int row, tok;
@@ -394,15 +403,11 @@ DSV4_INLINE void fmoe_gemm(const unsigned char* act, const float* act_scales, in
       for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o, 16));
       if (i < it.n) {
         const float s = ue8m0_scale(fmaxf(m, 1e-4f), DSV4_E4M3_MAX);
-        unsigned lo = 0u, hi = 0u;
+        unsigned codes[8];
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          const unsigned code = e4m3_code_rn(fmoe_clamp_sym(hv[c] / s, DSV4_E4M3_MAX));
-          if (c < 4) lo |= code << (8 * c);
-          else hi |= code << (8 * (c - 4));
-        }
+        for (int c = 0; c < 8; ++c) codes[c] = e4m3_code_rn(fmoe_clamp_sym(hv[c] / s, DSV4_E4M3_MAX));
         const long long orow = sm.out_row[i];
-        *reinterpret_cast<uint2*>(out_q + orow * N + it.row0 + j8) = make_uint2(lo, hi);
+        *reinterpret_cast<uint4*>(out_q + orow * N + it.row0 + j8) = e4m3x8_to_f16_mma_order(codes);
         if ((tid & 15) == 0) out_s[orow * (N / 128) + it.row0 / 128] = s;
       }
       __syncthreads();  // sm.h and the row tables are rewritten by the next item
@@ -410,15 +415,16 @@ DSV4_INLINE void fmoe_gemm(const unsigned char* act, const float* act_scales, in
   }
 }
 
-// GEMM1 of every routed tile and of the shared expert (see fmoe_gemm). xq [T][D] e4m3 with xs [T][D/128];
+// GEMM1 of every routed tile and of the shared expert (see fmoe_gemm). xq [T][D] e4m3 values as f16 in MMA
+// order (fp8_mma.cuh) with their scales xs [T][D/128];
 // w1/w3/s1/s3: device arrays of the local experts' addresses ([e_end - e_begin]); shared_* NULL when the
 // layer has no shared expert. Requires D % 128 == 0, D <= FMOE_MAX_K, I % 128 == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
-    fmoe_up_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
+    fmoe_up_kernel(const unsigned short* xq, const float* xs, int T, int D, int I, int k, const int* rows,
                    const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned long long* w1,
                    const unsigned long long* w3, const unsigned long long* s1, const unsigned long long* s3,
                    int fmt, const void* shared_w1, const void* shared_w3, const float* shared_s1,
-                   const float* shared_s3, int shared_fmt, const float* route_w, float limit, unsigned char* hq,
+                   const float* shared_s3, int shared_fmt, const float* route_w, float limit, unsigned short* hq,
                    float* hs) {
 #define FMOE_UP_ARGS                                                                                         \
   xq, xs, T, D, I, k, rows, tiles, ntiles, e_begin, e_end, w1, w3, s1, s3, fmt, shared_w1, shared_w3, shared_s1, \
@@ -430,10 +436,10 @@ extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
 #undef FMOE_UP_ARGS
 }
 
-// GEMM2 (see fmoe_gemm): hq [T*k + T][I] with hs -> y [T*k + T][D] bf16. Requires I % 128 == 0,
+// GEMM2 (see fmoe_gemm): hq [T*k + T][I] (f16 MMA order) with hs -> y [T*k + T][D] bf16. Requires I % 128 == 0,
 // I <= FMOE_MAX_K.
 extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
-    fmoe_down_kernel(const unsigned char* hq, const float* hs, int T, int I, int D, int k, const int* rows,
+    fmoe_down_kernel(const unsigned short* hq, const float* hs, int T, int I, int D, int k, const int* rows,
                      const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned long long* w2,
                      const unsigned long long* s2, int fmt, const void* shared_w2, const float* shared_s2,
                      int shared_fmt, unsigned short* y) {

@@ -1,34 +1,56 @@
 // fp8_mma.cuh — tensor-core building blocks of the fast kernel set (sm_90a; ../shared/KERNELS.md
-// §1-2): the FP8 m16n8k32 MMA, the exact FP4 e2m1 -> FP8 e4m3 bit move, and cp.async. Inline PTX
-// only: NVRTC has no CUDA include directory (no cuda_fp8.h, no cuda/pipeline).
+// §1-2): the exact FP4 e2m1 -> FP8 e4m3 bit move, e4m3 -> f16 conversion, the f16 m16n8k16 MMA with f32
+// accumulators, and cp.async. Inline PTX only: NVRTC has no CUDA include directory (no cuda_fp8.h).
+//
+// Why f16 MMAs: on sm_90 `mma.sync` has no FP8 form in hardware; ptxas emulates m16n8k32.e4m3 by
+// converting both operands to f16 (F2FP) and issuing two HMMA.16816 (seen in the SASS), so converting
+// once ourselves is cheaper. Hopper's FP8 tensor cores are reachable only through wgmma. e4m3 values are
+// exact in f16, so an f16 MMA of e4m3 values with f32 accumulators is exact products summed in f32.
 #pragma once
 
-// d += a · b over k = 32: a is 16 x 32 e4m3 (row-major fragments a0..a3), b is 32 x 8 e4m3 (b0, b1),
-// d is 16 x 8 f32. Thread (g = lane / 4, t = lane % 4) holds: a0 row g, k slots 4t..4t+3; a1 row g+8,
-// same k; a2 row g, k slots 16+4t..; a3 row g+8, 16+4t..; b0 column g, k slots 4t..4t+3; b1 column g,
-// 16+4t..; d0, d1 row g, columns 2t, 2t+1; d2, d3 row g+8 (PTX ISA, mma.m16n8k32 for 8-bit types).
-// The MMA's internal accumulation keeps fewer bits than f32 (KERNELS.md §1), so callers start every
-// k32 product from zero and promote it into f32 registers themselves.
-DSV4_INLINE void mma_e4m3_m16n8k32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// The "MMA order" of 8 consecutive k: [0, 2, 4, 6, 1, 3, 5, 7]. A thread's FP4 word (8 codes, byte i =
+// elements 2i, 2i+1) decodes into e4m3 words of the even and of the odd elements without byte permutes
+// (e2m1x8_to_e4m3_eo), and activations are stored in this order as f16, so one 16-byte load gives the
+// matching B fragments of two chained m16n8k16 MMAs (first the even elements, then the odd ones).
+
+// Eight packed e2m1 codes (byte i holds element 2i in its low nibble, 2i+1 in its high nibble) -> e4m3
+// codes of exactly value · 2^-6: sign bit 3 -> bit 7, the two exponent bits and the mantissa bit -> bits
+// 4..2 (the biases differ by 6; the subnormal 0.5 lands on the e4m3 subnormal 2^-7). `even` holds elements
+// 0, 2, 4, 6 (one per byte, in order), `odd` elements 1, 3, 5, 7. 7 integer ops; callers fold 2^6 into
+// the scale.
+DSV4_INLINE void e2m1x8_to_e4m3_eo(unsigned w, unsigned& even, unsigned& odd) {
+  even = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);
+  odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);
 }
 
-// Eight packed e2m1 codes (byte i holds element 2i in its low nibble, 2i+1 in its high nibble) ->
-// eight e4m3 codes of exactly value · 2^-6: sign bit 3 -> bit 7, the two exponent bits and the
-// mantissa bit -> bits 4..2 (the biases differ by 6; the subnormal 0.5 lands on the e4m3 subnormal
-// 2^-7). `lo` holds elements 0..3, `hi` elements 4..7, one per byte in order. Callers fold 2^6 into
-// the scale.
-DSV4_INLINE void e2m1x8_to_e4m3(unsigned w, unsigned& lo, unsigned& hi) {
-  const unsigned ev = w & 0x0F0F0F0Fu;         // elements 0, 2, 4, 6
-  const unsigned od = (w >> 4) & 0x0F0F0F0Fu;  // elements 1, 3, 5, 7
-  const unsigned e8 = ((ev & 0x08080808u) << 4) | ((ev & 0x07070707u) << 2);
-  const unsigned o8 = ((od & 0x08080808u) << 4) | ((od & 0x07070707u) << 2);
-  lo = __byte_perm(e8, o8, 0x5140);
-  hi = __byte_perm(e8, o8, 0x7362);
+// Four e4m3 codes (byte i) -> two f16x2 words: lo = (byte 0, byte 1), hi = (byte 2, byte 3), each with the
+// first value in the low half. Exact.
+DSV4_INLINE void e4m3x4_to_f16x4(unsigned w, unsigned& lo, unsigned& hi) {
+  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
+}
+
+// d = a · b over k = 16 (+ c when `accumulate`), f16 operands, f32 accumulators. Fragments: thread
+// (g = lane / 4, t = lane % 4) holds a0 = row g, k slots 2t, 2t+1 (f16x2); a1 = row g+8, same k; a2 = row
+// g, k 2t+8, 2t+9; a3 = row g+8, k 2t+8..; b0 = column g, k 2t, 2t+1; b1 = column g, k 2t+8..; d0, d1 =
+// row g, columns 2t, 2t+1; d2, d3 = row g+8 (PTX ISA, mma.m16n8k16).
+DSV4_INLINE void mma_f16_m16n8k16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                  unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+DSV4_INLINE void mma_f16_m16n8k16_zero(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                       unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%10,%10,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
 }
 
 // The shared-space address of a generic pointer into shared memory.
@@ -54,6 +76,19 @@ DSV4_INLINE void cp_async_wait() {
 DSV4_INLINE unsigned lds_u32(const unsigned char* p) { return *reinterpret_cast<const unsigned*>(p); }
 
 DSV4_INLINE uint2 lds_u64(const unsigned char* p) { return *reinterpret_cast<const uint2*>(p); }
+
+// Two e4m3 codes (low byte first) -> their f16x2 (exact).
+DSV4_INLINE unsigned e4m3x2_to_f16x2(unsigned codes) {
+  unsigned r;
+  asm("{ .reg .b16 l; cvt.u16.u32 l, %1; cvt.rn.f16x2.e4m3x2 %0, l; }" : "=r"(r) : "r"(codes));
+  return r;
+}
+
+// Eight e4m3 codes of consecutive k (c[0] first) as f16 in MMA order: one 16-byte store.
+DSV4_INLINE uint4 e4m3x8_to_f16_mma_order(const unsigned (&c)[8]) {
+  return make_uint4(e4m3x2_to_f16x2(c[0] | (c[2] << 8)), e4m3x2_to_f16x2(c[4] | (c[6] << 8)),
+                    e4m3x2_to_f16x2(c[1] | (c[3] << 8)), e4m3x2_to_f16x2(c[5] | (c[7] << 8)));
+}
 
 // The e4m3fn code of x rounded to nearest, ties to even, for |x| <= 448 (callers clamp first); NaN -> 0x7f,
 // -0 keeps its sign bit. The same code as common.cuh's e4m3_encode, by integer rounding of the f32 bits.

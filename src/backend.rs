@@ -74,13 +74,15 @@ pub enum Elem {
     U8,
     /// bfloat16 bit patterns.
     Bf16,
+    /// IEEE half bit patterns.
+    F16,
 }
 
 impl Elem {
     pub fn size(self) -> usize {
         match self {
             Elem::U8 => 1,
-            Elem::Bf16 => 2,
+            Elem::Bf16 | Elem::F16 => 2,
             Elem::F32 | Elem::I32 => 4,
             Elem::F64 | Elem::U64 => 8,
         }

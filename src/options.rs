@@ -26,8 +26,10 @@ pub enum KernelSetName {
 
 impl KernelSetName {
     /// Every set this build has, by its create-option name.
-    pub const ALL: &'static [(&'static str, KernelSetName)] =
-        &[("reference", KernelSetName::Reference), ("fast", KernelSetName::Fast)];
+    pub const ALL: &'static [(&'static str, KernelSetName)] = &[
+        ("reference", KernelSetName::Reference),
+        ("fast", KernelSetName::Fast),
+    ];
 
     pub fn name(self) -> &'static str {
         match self {

@@ -27,7 +27,8 @@
 mod common;
 
 use common::gpu::{family_gpu, print_kernel_resources};
-use common::rng::Rng;
+use common::rig::{Rig, RigOptions, Step};
+use common::rng::{Rng, tokens};
 use dsv4::cuda::arena::{self, Arena, ArenaPlan};
 use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeLayer, FastMoeWorkspace};
 use dsv4::cuda::kernels::fast_moe_gemm;
@@ -35,7 +36,6 @@ use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat};
 use dsv4::cuda::kernels::moe::{self, Moe, MoePlan};
 use dsv4::cuda::synthetic_moe::{HOT_EXPERT, MoeShape, Routing, SyntheticMoe};
 use dsv4::cuda::{BorrowedStream, Context, DevicePtr, OwnedStream};
-use dsv4::weights::dtype::E4M3_LUT;
 use std::sync::OnceLock;
 
 const SHAPE: MoeShape = MoeShape::FLASH;
@@ -77,7 +77,12 @@ fn put<T: arena::Pod>(ctx: &Context, p: DevicePtr, v: &[T], s: BorrowedStream) {
     arena::copy_to_device_sync(p, v, s).unwrap();
 }
 
-fn get<T: arena::Pod + Default>(ctx: &Context, p: DevicePtr, n: usize, s: BorrowedStream) -> Vec<T> {
+fn get<T: arena::Pod + Default>(
+    ctx: &Context,
+    p: DevicePtr,
+    n: usize,
+    s: BorrowedStream,
+) -> Vec<T> {
     let _g = ctx.enter().unwrap();
     s.synchronize().unwrap();
     let mut v = vec![T::default(); n];
@@ -220,7 +225,8 @@ fn reference(e: &Env, l: &SyntheticMoe, b: &Batch, r: Routing, s: BorrowedStream
     m.plan(ctx, ids, &plan, s).unwrap();
     let [w1, w2, w3] = &l.routed;
     lin.act_quant(ctx, x, D, t, D, xq, s).unwrap();
-    m.up(ctx, &plan, xq, w1, w3, weights, LIMIT, true, h, s).unwrap();
+    m.up(ctx, &plan, xq, w1, w3, weights, LIMIT, true, h, s)
+        .unwrap();
     lin.act_quant(ctx, h, I, n, I, hq, s).unwrap();
     m.down(ctx, &plan, hq, w2, true, ya, s).unwrap();
     let [s1, s2, s3] = &l.shared;
@@ -229,7 +235,8 @@ fn reference(e: &Env, l: &SyntheticMoe, b: &Batch, r: Routing, s: BorrowedStream
     m.swiglu(ctx, g, v, t * I, LIMIT, true, hs, s).unwrap();
     lin.act_quant(ctx, hs, I, t, I, hsq, s).unwrap();
     lin.linear(ctx, hsq, I, t, s2, D, true, ys, D, s).unwrap();
-    m.combine(ctx, ya, Some(ys), t, K, D, true, b.out, s).unwrap();
+    m.combine(ctx, ya, Some(ys), t, K, D, true, b.out, s)
+        .unwrap();
     RefOut {
         ids: get(ctx, ids, n, s),
         weights: get(ctx, weights, n, s),
@@ -240,12 +247,17 @@ fn reference(e: &Env, l: &SyntheticMoe, b: &Batch, r: Routing, s: BorrowedStream
     }
 }
 
-/// Codes times their per-128 scales.
-fn dequant(codes: &[u8], scales: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut v = Vec::with_capacity(rows * cols);
+/// The fast kernels' activations (e4m3 values as f16 in MMA order, kernels/fp8_mma.cuh) times their
+/// per-128 scales, in natural order.
+fn dequant(halves: &[u16], scales: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    const MMA_ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
+    let mut v = vec![0f32; rows * cols];
     for r in 0..rows {
-        for c in 0..cols {
-            v.push(E4M3_LUT[codes[r * cols + c] as usize] * scales[r * (cols / 128) + c / 128]);
+        for c in (0..cols).step_by(8) {
+            for (p, &el) in MMA_ORDER.iter().enumerate() {
+                let h = half::f16::from_bits(halves[r * cols + c + p]).to_f32();
+                v[r * cols + c + el] = h * scales[r * (cols / 128) + c / 128];
+            }
         }
     }
     v
@@ -271,9 +283,9 @@ fn fast(
     e.fast.experts(ctx, &fl, t, &b.ws, s).unwrap();
     e.fast.combine(ctx, &fl, t, &b.ws, b.out, s).unwrap();
     let rows = t * K + t;
-    let xq: Vec<u8> = get(ctx, b.ws.xq, t * D, s);
+    let xq: Vec<u16> = get(ctx, b.ws.xq, t * D, s);
     let xs: Vec<f32> = get(ctx, b.ws.xs, t * D / 128, s);
-    let hq: Vec<u8> = get(ctx, b.ws.hq, rows * I, s);
+    let hq: Vec<u16> = get(ctx, b.ws.hq, rows * I, s);
     let hs: Vec<f32> = get(ctx, b.ws.hs, rows * I / 128, s);
     FastOut {
         ids: get(ctx, b.ws.ids, t * K, s),
@@ -311,12 +323,22 @@ fn key_and_bound(l: &SyntheticMoe, xr: &[f32], ex: usize) -> (f64, f64) {
 
 /// Routing: selections agree except within the rounding margin (top-k) or exactly (hash);
 /// weights of agreeing tokens within 2^-10 relative. Returns the agreeing tokens.
-fn check_routing(what: &str, l: &SyntheticMoe, x: &[f32], r: Routing, f: &FastOut, rf: &RefOut) -> Vec<bool> {
+fn check_routing(
+    what: &str,
+    l: &SyntheticMoe,
+    x: &[f32],
+    r: Routing,
+    f: &FastOut,
+    rf: &RefOut,
+) -> Vec<bool> {
     let t = x.len() / D;
     let mut agree = vec![false; t];
     let mut within_margin = 0;
     for tok in 0..t {
-        let (a, b) = (&f.ids[tok * K..(tok + 1) * K], &rf.ids[tok * K..(tok + 1) * K]);
+        let (a, b) = (
+            &f.ids[tok * K..(tok + 1) * K],
+            &rf.ids[tok * K..(tok + 1) * K],
+        );
         if sorted(a) == sorted(b) {
             agree[tok] = true;
             for j in 0..K {
@@ -330,7 +352,11 @@ fn check_routing(what: &str, l: &SyntheticMoe, x: &[f32], r: Routing, f: &FastOu
             }
             continue;
         }
-        assert_eq!(r, Routing::TopK, "{what}: token {tok}: hash rows differ: {a:?} vs {b:?}");
+        assert_eq!(
+            r,
+            Routing::TopK,
+            "{what}: token {tok}: hash rows differ: {a:?} vs {b:?}"
+        );
         let xr = &x[tok * D..(tok + 1) * D];
         let only_fast: Vec<i32> = a.iter().filter(|e| !b.contains(e)).copied().collect();
         let only_ref: Vec<i32> = b.iter().filter(|e| !a.contains(e)).copied().collect();
@@ -376,13 +402,14 @@ fn check_experts(what: &str, f: &FastOut, rf: &RefOut, agree: &[bool]) {
             }
         }
     };
-    for tok in 0..t {
-        if !agree[tok] {
-            continue;
-        }
+    for (tok, _) in agree.iter().enumerate().filter(|(_, a)| **a) {
         for j in 0..K {
             let a = tok * K + j;
-            check_h(&f.hq[a * I..(a + 1) * I], &rf.hq[a * I..(a + 1) * I], &format!("row {a}"));
+            check_h(
+                &f.hq[a * I..(a + 1) * I],
+                &rf.hq[a * I..(a + 1) * I],
+                &format!("row {a}"),
+            );
         }
         let sr = t * K + tok;
         check_h(
@@ -392,16 +419,25 @@ fn check_experts(what: &str, f: &FastOut, rf: &RefOut, agree: &[bool]) {
         );
     }
     let frac = differ as f64 / total.max(1) as f64;
-    println!("{what}: {differ} of {total} h codes differ ({:.4}%)", frac * 100.0);
-    assert!(frac <= 1.0 / 16.0, "{what}: {frac} of the h codes differ (bound 1/16)");
+    println!(
+        "{what}: {differ} of {total} h codes differ ({:.4}%)",
+        frac * 100.0
+    );
+    assert!(
+        frac <= 1.0 / 16.0,
+        "{what}: {frac} of the h codes differ (bound 1/16)"
+    );
 
     let (mut worst, mut sum, mut n) = (0f64, 0f64, 0usize);
-    for tok in 0..t {
-        if !agree[tok] {
-            continue;
-        }
-        let (a, b) = (&f.out[tok * D..(tok + 1) * D], &rf.out[tok * D..(tok + 1) * D]);
-        assert!(a.iter().all(|v| v.is_finite()), "{what}: token {tok} has non-finite outputs");
+    for (tok, _) in agree.iter().enumerate().filter(|(_, a)| **a) {
+        let (a, b) = (
+            &f.out[tok * D..(tok + 1) * D],
+            &rf.out[tok * D..(tok + 1) * D],
+        );
+        assert!(
+            a.iter().all(|v| v.is_finite()),
+            "{what}: token {tok} has non-finite outputs"
+        );
         let d2: f64 = a.iter().zip(b).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
         let r2: f64 = b.iter().map(|q| (*q as f64).powi(2)).sum();
         let rel = d2.sqrt() / (r2.sqrt() + 1e-30);
@@ -415,7 +451,10 @@ fn check_experts(what: &str, f: &FastOut, rf: &RefOut, agree: &[bool]) {
     }
     let mean = sum / n.max(1) as f64;
     println!("{what}: output relative L2 error over {n} tokens: max {worst:.3e}, mean {mean:.3e}");
-    assert!(mean <= 2f64.powi(-8), "{what}: mean relative error {mean:.3e} above 2^-8");
+    assert!(
+        mean <= 2f64.powi(-8),
+        "{what}: mean relative error {mean:.3e} above 2^-8"
+    );
 }
 
 fn inputs(rng: &mut Rng, t: usize) -> (Vec<f32>, Vec<i32>) {
@@ -455,12 +494,22 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
         let f1 = fast(e, &l, &b, r, None, s);
         let f2 = fast(e, &l, &b, r, None, s);
         assert!(
-            f1.out.iter().zip(&f2.out).all(|(a, b)| a.to_bits() == b.to_bits())
-                && f1.hq.iter().zip(&f2.hq).all(|(a, b)| a.to_bits() == b.to_bits()),
+            f1.out
+                .iter()
+                .zip(&f2.out)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+                && f1
+                    .hq
+                    .iter()
+                    .zip(&f2.hq)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
             "{what}: two runs differ"
         );
         assert!(
-            f1.xq.iter().zip(&rf.xq).all(|(a, b)| a.to_bits() == b.to_bits()),
+            f1.xq
+                .iter()
+                .zip(&rf.xq)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
             "{what}: x's FP8 quantisation differs from act_quant"
         );
         let agree = check_routing(&what, &l, &x, r, &f1, &rf);
@@ -471,7 +520,12 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
         check_experts(&format!("{what}, own routing"), &f1, &rf, &agree);
         // 2. On the reference's routing: every token compares.
         let f3 = fast(e, &l, &b, r, Some((&rf.ids, &rf.weights)), s);
-        check_experts(&format!("{what}, reference routing"), &f3, &rf, &vec![true; t]);
+        check_experts(
+            &format!("{what}, reference routing"),
+            &f3,
+            &rf,
+            &vec![true; t],
+        );
     }
 }
 
@@ -482,13 +536,22 @@ fn unsupported_layers_are_reported() {
     let ok = FastMoeLayer::unsupported(4096, 2048, 6, 256, (Fp4, [0, 0]), Some((Fp8, [128, 128])));
     assert_eq!(ok, None);
     let cases = [
-        (FastMoeLayer::unsupported(4000, 2048, 6, 256, (Fp4, [0, 0]), None), "4000"),
-        (FastMoeLayer::unsupported(4096, 2048, 6, 256, (Bf16, [0, 0]), None), "Bf16"),
+        (
+            FastMoeLayer::unsupported(4000, 2048, 6, 256, (Fp4, [0, 0]), None),
+            "4000",
+        ),
+        (
+            FastMoeLayer::unsupported(4096, 2048, 6, 256, (Bf16, [0, 0]), None),
+            "Bf16",
+        ),
         (
             FastMoeLayer::unsupported(4096, 2048, 6, 256, (Fp4, [0, 0]), Some((Fp8, [1, 128]))),
             "shared",
         ),
-        (FastMoeLayer::unsupported(4096, 2048, 6, 4096, (Fp4, [0, 0]), None), "4096 experts"),
+        (
+            FastMoeLayer::unsupported(4096, 2048, 6, 4096, (Fp4, [0, 0]), None),
+            "4096 experts",
+        ),
     ];
     for (why, needle) in cases {
         let why = why.expect("must be unsupported");
@@ -508,30 +571,29 @@ fn the_fast_set_reports_which_moe_layers_run_the_fast_kernels() {
     let seen: Arc<Mutex<Vec<String>>> = Arc::default();
     let sink = seen.clone();
     set_sink(
-        Some(Box::new(move |_, m| sink.lock().unwrap().push(m.to_string()))),
+        Some(Box::new(move |_, m| {
+            sink.lock().unwrap().push(m.to_string())
+        })),
         Level::Info,
     );
-    for (model, runs) in [("tiny_fp8", "the fast kernels"), ("tiny", "the reference kernels")] {
+    for (model, runs) in [
+        ("tiny_fp8", "the fast kernels"),
+        ("tiny", "the reference kernels"),
+    ] {
         seen.lock().unwrap().clear();
-        let mut e = common::fixture_engine(
-            model,
-            dsv4::EngineOptions {
-                device: 0,
-                kernel_set: Some(dsv4::KernelSetName::Fast),
-                numerics: dsv4::Numerics::Official,
-                max_num_seqs: 1,
-                max_num_tokens: 8,
-                max_seq_len: 16,
-                ..Default::default()
-            },
-        );
-        let logits = common::forward_all_rows(&mut e, &[1, 2, 3], &[0, 1, 2], &[0], &[0, 3]);
-        assert!(logits.iter().all(|v| v.is_finite()), "{model}: non-finite logits");
+        let mut o = RigOptions::new(model, 0);
+        o.kernel_set = Some("fast");
+        let r = Rig::build(&o, &[]);
+        r.forward_finite(&Step::of(&[(0, 0, tokens(5, 9)), (1, 0, tokens(6, 4))]));
         let log = seen.lock().unwrap().join("\n");
-        let layers = e.config().num_layers;
+        let layers = r.info().num_layers;
+        assert!(layers > 0, "{model}: no layers");
         for l in 0..layers {
             let needle = format!("fast set: layer {l} MoE runs {runs}");
-            assert!(log.contains(&needle), "{model}: no `{needle}` in the log:\n{log}");
+            assert!(
+                log.contains(&needle),
+                "{model}: no `{needle}` in the log:\n{log}"
+            );
         }
         println!("{model}:\n{log}");
     }

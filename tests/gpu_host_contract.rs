@@ -175,7 +175,7 @@ fn refit_equals_fresh_load(changed: &[Entry], what: &str) {
         r.refit(changed, dev >= 0);
         let got = r.forward_finite(&prefill());
         let want = rig_with("tiny", dev, Load::Checkpoint, TINY_FORMAT, changed)
-        .forward_finite(&prefill());
+            .forward_finite(&prefill());
         assert_ne!(
             bits(&got),
             bits(&before),

@@ -132,7 +132,12 @@ fn hash_table(rng: &mut Rng, sh: &MoeShape, skewed: bool) -> Vec<i32> {
 
 impl SyntheticMoe {
     /// Draws and uploads the layer (synchronously, on `s`).
-    pub fn new(ctx: &Context, s: BorrowedStream, shape: MoeShape, seed: u64) -> Result<SyntheticMoe> {
+    pub fn new(
+        ctx: &Context,
+        s: BorrowedStream,
+        shape: MoeShape,
+        seed: u64,
+    ) -> Result<SyntheticMoe> {
         let sh = shape;
         let (d, i, e, k) = (sh.d, sh.i, sh.experts, sh.k);
         let mut rng = Rng::new(seed);

@@ -919,6 +919,7 @@ fn derived_desc(
             Elem::U64 => DSV4_DTYPE_I64,
             Elem::U8 => DSV4_DTYPE_I32,
             Elem::Bf16 => DSV4_DTYPE_BF16,
+            Elem::F16 => DSV4_DTYPE_F16,
         },
         ndim: d.shape.len().min(DSV4_MAX_DIMS) as i32,
         shape,

@@ -83,7 +83,10 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
     let fast = FastMoe::new(&reg).map_err(e)?;
     let t0 = Instant::now();
     let layer = SyntheticMoe::new(&ctx, s, sh, 0x5EED).map_err(e)?;
-    eprintln!("bench moe: synthetic layer in {:.1} s", t0.elapsed().as_secs_f64());
+    eprintln!(
+        "bench moe: synthetic layer in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
 
     let max_b = *b.batches.iter().max().unwrap_or(&1);
     let wsb = fast_moe::workspace_buffers(max_b, d, i, k, ne);

@@ -102,7 +102,9 @@ pub enum PlannedWorkspace {
     Fast(reference::WorkspaceIds, fast::WorkspaceIds),
 }
 
-/// A set's workspace at its arena addresses (kept by the backend from create on).
+/// A set's workspace at its arena addresses (kept by the backend from create on; one per
+/// engine, so the variants' size difference costs nothing).
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, Debug)]
 pub enum SetWorkspace {
     Reference(reference::Workspace),

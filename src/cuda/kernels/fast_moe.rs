@@ -46,7 +46,7 @@ crate::kernel_family! {
     /// Router scores (logits for softmax scoring) and x's FP8 quantisation.
     fn fmoe_logits_kernel(
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
-        xq: *mut u8, xs: *mut f32,
+        xq: *mut u16, xs: *mut f32,
     );
     /// Top-k selection (`bias` optional) or hash routing (`tid2eid` and `tokens`, both set).
     fn fmoe_select_kernel(
@@ -129,7 +129,7 @@ impl FastMoeLayer {
         routed: (StorageFormat, [usize; 2]),
         shared: Option<(StorageFormat, [usize; 2])>,
     ) -> Option<String> {
-        if d % 128 != 0 || i % 128 != 0 {
+        if !d.is_multiple_of(128) || !i.is_multiple_of(128) {
             return Some(format!(
                 "hidden {d} and moe_inter {i} must be multiples of 128"
             ));
@@ -147,7 +147,10 @@ impl FastMoeLayer {
             return Some(format!("experts_per_tok {k}"));
         }
         if !fast_format(routed.0, routed.1) {
-            return Some(format!("routed experts stored {:?} {:?}", routed.0, routed.1));
+            return Some(format!(
+                "routed experts stored {:?} {:?}",
+                routed.0, routed.1
+            ));
         }
         if let Some((f, b)) = shared
             && !fast_format(f, b)
@@ -166,12 +169,13 @@ pub struct FastMoeWorkspace {
     /// `i32[T, k]`, `f32[T, k]`.
     pub ids: DevicePtr,
     pub weights: DevicePtr,
-    /// x as e4m3 codes `u8[T, D]` and its per-128 scales `f32[T, D/128]`.
+    /// x's e4m3 values as f16 in MMA order (kernels/fp8_mma.cuh) `[T, D]` and its per-128 scales
+    /// `f32[T, D/128]`.
     pub xq: DevicePtr,
     pub xs: DevicePtr,
     /// The routing plan (tile_rows = fast_moe_gemm::TOKENS).
     pub plan: MoePlan,
-    /// h as e4m3 codes `u8[T*k + T, I]` and scales `f32[T*k + T, I/128]` (routed rows, then shared).
+    /// h likewise: `f16[T*k + T, I]` and scales `f32[T*k + T, I/128]` (routed rows, then shared).
     pub hq: DevicePtr,
     pub hs: DevicePtr,
     /// Expert outputs `bf16[T*k + T, D]`.
@@ -193,13 +197,13 @@ pub fn workspace_buffers(
         ("logits", Elem::F32, t * experts),
         ("ids", Elem::I32, t * k),
         ("weights", Elem::F32, t * k),
-        ("xq", Elem::U8, t * d),
+        ("xq", Elem::F16, t * d),
         ("xs", Elem::F32, t * d / 128),
         ("plan_offsets", Elem::I32, plan[0]),
         ("plan_rows", Elem::I32, plan[1]),
         ("plan_tiles", Elem::I32, plan[2]),
         ("plan_ntiles", Elem::I32, plan[3]),
-        ("hq", Elem::U8, rows * i),
+        ("hq", Elem::F16, rows * i),
         ("hs", Elem::F32, rows * i / 128),
         ("y", Elem::Bf16, rows * d),
     ]
@@ -265,14 +269,9 @@ impl FastMoe {
     ) -> Result<()> {
         const K: &str = "fmoe_select_kernel";
         let (d, e, k) = (layer.d, layer.experts, layer.k);
-        if let Some(why) = FastMoeLayer::unsupported(
-            d,
-            layer.i,
-            k,
-            e,
-            (layer.w1.format, [128, 128]),
-            None,
-        ) {
+        if let Some(why) =
+            FastMoeLayer::unsupported(d, layer.i, k, e, (layer.w1.format, [128, 128]), None)
+        {
             return Err(internal(format!("fast MoE layer: {why}")));
         }
         need(K, "x", x, t * d * 4)?;
@@ -280,7 +279,7 @@ impl FastMoe {
         need(K, "logits", ws.logits, t * e * 4)?;
         need(K, "ids", ws.ids, t * k * 4)?;
         need(K, "weights", ws.weights, t * k * 4)?;
-        need(K, "xq", ws.xq, t * d)?;
+        need(K, "xq", ws.xq, t * d * 2)?;
         need(K, "xs", ws.xs, t * d / 128 * 4)?;
         let (t32, d32, e32, k32) = (
             to_i32(K, "T", t)?,

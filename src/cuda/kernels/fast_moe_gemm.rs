@@ -4,8 +4,8 @@
 
 use super::fast_moe::{FastMoeLayer, FastMoeWorkspace};
 use super::{need, to_i32};
-use crate::cuda::stream::BorrowedStream;
 use crate::cuda::Context;
+use crate::cuda::stream::BorrowedStream;
 use crate::error::Result;
 use crate::weights::format::StorageFormat;
 
@@ -14,7 +14,7 @@ pub const TOKENS: usize = 16;
 /// Warps of a GEMM block (FMOE_WARPS); they split each stage's 128-blocks of K.
 pub const WARPS: usize = 16;
 /// Stages of the cp.async ring (FMOE_STAGES).
-pub const STAGES: usize = 3;
+pub const STAGES: usize = 4;
 /// Weight rows per stage (FMOE_STAGE_ROWS): one m16 MMA tile; up: 8 gate rows + their 8 up rows.
 pub const STAGE_ROWS: usize = 16;
 /// Most bytes of each row one stage holds (FMOE_STAGE_ROW_BYTES): a whole FP4 row of K = 4096.
@@ -23,17 +23,16 @@ pub const STAGE_ROW_BYTES: usize = 2048;
 pub const UP_J: usize = 128;
 /// Output rows per down work item (FMOE_DOWN_ROWS).
 pub const DOWN_ROWS: usize = 256;
-/// Largest K (FMOE_MAX_K): the tokens' whole FP8 rows live in shared memory.
+/// Largest K (FMOE_MAX_K): a warp holds its share of the tokens' activations in registers.
 pub const MAX_K: usize = 4096;
 
 /// Dynamic shared memory of a GEMM block (kernels/fast_moe_gemm.cu `fmoe_gemm`): the ring, the
-/// token rows and their scales, the cross-warp partials, the up block's h, the row tables.
+/// cross-warp partials, the up block's h, the row tables.
 pub const SMEM_BYTES: usize = {
     let stage = STAGE_ROWS * (STAGE_ROW_BYTES + 32) + STAGE_ROWS * (STAGE_ROW_BYTES / 16 + 4) * 4;
-    let act = TOKENS * (MAX_K + 32) + TOKENS * (MAX_K / 128) * 4;
     let red = WARPS * STAGE_ROWS * TOKENS * 4;
     let h = UP_J * TOKENS * 4;
-    STAGES * stage + act + red + h + 3 * TOKENS * 4
+    STAGES * stage + red + h + 3 * TOKENS * 4
 };
 
 crate::kernel_family! {
@@ -43,17 +42,17 @@ crate::kernel_family! {
     /// GEMM1 + SwiGLU + routing weight + FP8 quantisation of h, routed tiles and the shared expert.
     #[smem(SMEM_BYTES as u32)]
     fn fmoe_up_kernel(
-        xq: *const u8, xs: *const f32, t: i32, d: i32, i: i32, k: i32, rows: *const i32,
+        xq: *const u16, xs: *const f32, t: i32, d: i32, i: i32, k: i32, rows: *const i32,
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, w1: *const u64,
         w3: *const u64, s1: *const u64, s3: *const u64, fmt: i32,
         shared_w1: Option<*const c_void>, shared_w3: Option<*const c_void>,
         shared_s1: Option<*const f32>, shared_s3: Option<*const f32>, shared_fmt: i32,
-        route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32,
+        route_w: *const f32, limit: f32, hq: *mut u16, hs: *mut f32,
     );
     /// GEMM2 into bf16 rows per (token, slot).
     #[smem(SMEM_BYTES as u32)]
     fn fmoe_down_kernel(
-        hq: *const u8, hs: *const f32, t: i32, i: i32, d: i32, k: i32, rows: *const i32,
+        hq: *const u16, hs: *const f32, t: i32, i: i32, d: i32, k: i32, rows: *const i32,
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, w2: *const u64,
         s2: *const u64, fmt: i32, shared_w2: Option<*const c_void>,
         shared_s2: Option<*const f32>, shared_fmt: i32, y: *mut u16,
@@ -105,9 +104,9 @@ impl FastMoeGemm {
         const K: &str = "fmoe_up_kernel";
         let (d, i, k) = (layer.d, layer.i, layer.k);
         let rows_out = t * k + t;
-        need(K, "xq", ws.xq, t * d)?;
+        need(K, "xq", ws.xq, t * d * 2)?;
         need(K, "xs", ws.xs, t * d / 128 * 4)?;
-        need(K, "hq", ws.hq, rows_out * i)?;
+        need(K, "hq", ws.hq, rows_out * i * 2)?;
         need(K, "hs", ws.hs, rows_out * i / 128 * 4)?;
         need(K, "route_w", ws.weights, t * k * 4)?;
         let items = max_items(layer, t, i / UP_J);
@@ -161,7 +160,7 @@ impl FastMoeGemm {
         const K: &str = "fmoe_down_kernel";
         let (d, i, k) = (layer.d, layer.i, layer.k);
         let rows_out = t * k + t;
-        need(K, "hq", ws.hq, rows_out * i)?;
+        need(K, "hq", ws.hq, rows_out * i * 2)?;
         need(K, "hs", ws.hs, rows_out * i / 128 * 4)?;
         need(K, "y", ws.y, rows_out * d * 2)?;
         let items = max_items(layer, t, d.div_ceil(DOWN_ROWS));

@@ -18,8 +18,8 @@ use crate::cuda::kernels::moe::{RouterParams, Selection};
 use crate::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
 use crate::cuda::registry::{KernelSource, Registry};
 use crate::error::Result;
-use crate::model::ModelWeights;
 use crate::log::{Level, log};
+use crate::model::ModelWeights;
 use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -43,7 +43,11 @@ pub struct FastSet {
 }
 
 impl FastSet {
-    pub fn new(reg: &Registry, reference_ws: reference::Workspace, ws: Workspace) -> Result<FastSet> {
+    pub fn new(
+        reg: &Registry,
+        reference_ws: reference::Workspace,
+        ws: Workspace,
+    ) -> Result<FastSet> {
         Ok(FastSet {
             reference: ReferenceSet::new(reg, reference_ws)?,
             moe: FastMoe::new(reg)?,
@@ -142,7 +146,10 @@ impl KernelSet for FastSet {
         if !self.reported.swap(true, Ordering::Relaxed) {
             for l in 0..s.cfg.num_layers {
                 match moe_layer(s, l) {
-                    Ok(_) => log(Level::Info, &format!("fast set: layer {l} MoE runs the fast kernels")),
+                    Ok(_) => log(
+                        Level::Info,
+                        &format!("fast set: layer {l} MoE runs the fast kernels"),
+                    ),
                     Err(why) => log(
                         Level::Info,
                         &format!("fast set: layer {l} MoE runs the reference kernels ({why})"),

@@ -33,8 +33,7 @@ impl Workspace {
     ) -> Result<WorkspaceIds> {
         let t = opts.max_num_tokens;
         let (k, e) = (cfg.experts_per_tok, cfg.n_routed_experts);
-        let buffers =
-            fast_moe::workspace_buffers(t, cfg.hidden_size, cfg.moe_inter, k, e);
+        let buffers = fast_moe::workspace_buffers(t, cfg.hidden_size, cfg.moe_inter, k, e);
         let mut ids = Vec::with_capacity(buffers.len());
         for (name, elem, n) in buffers {
             ids.push(plan.declare(
