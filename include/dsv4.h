@@ -66,7 +66,7 @@
  * added. A host built against minor M works with any library of the same major and
  * minor >= M.
  */
-#define DSV4_ABI_VERSION_MINOR 2
+#define DSV4_ABI_VERSION_MINOR 3
 
 /**
  * Log level: errors only.
@@ -973,6 +973,23 @@ dsv4_status dsv4_refit_begin(struct dsv4_engine *engine);
  * `engine` from dsv4_create.
  */
 dsv4_status dsv4_refit_end(struct dsv4_engine *engine, void *stream);
+
+/**
+ * Ends an open chunked refit without completing it (since ABI 1.3). What it leaves:
+ * - the weights of every dsv4_refit chunk that succeeded since dsv4_refit_begin stay
+ *   written (a chunk is all-or-nothing, so each is either fully in or fully out);
+ * - stored-format halves still held for their partner are dropped: never written;
+ * - every derived buffer is rebuilt from the current weights (on `stream` for the CUDA
+ *   backend, waiting for it), as dsv4_refit_end does;
+ * - the engine is in DSV4_PHASE_READY; no address changes.
+ *
+ * Errors: NULL_POINTER (`engine`), STATE (no refit open), CUDA (the rebuild failed; the
+ * engine stays REFITTING and abort may be called again).
+ *
+ * # Safety
+ * `engine` from dsv4_create.
+ */
+dsv4_status dsv4_refit_abort(struct dsv4_engine *engine, void *stream);
 
 /**
  * Forgets the state of sequence slot `slot` (in [0, max_num_seqs)); its next sequence must

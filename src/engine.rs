@@ -326,6 +326,27 @@ impl Engine {
         Ok(())
     }
 
+    /// Ends an open chunked refit without completing it: the chunks already written stay
+    /// written, held halves still waiting for their partner are dropped (never written), every
+    /// derived buffer is rebuilt from the current weights (on `stream`), and the engine is
+    /// ready. So a host that fails midway can always return to a runnable engine, with a
+    /// mix of old and new weights it knows from the chunks it sent.
+    pub fn refit_abort(&mut self, stream: StreamHandle) -> Result<()> {
+        if self.phase != Phase::Refitting {
+            return Err(Error::new(
+                Status::State,
+                format!(
+                    "dsv4_refit_abort without dsv4_refit_begin: engine is {}",
+                    self.phase.name()
+                ),
+            ));
+        }
+        self.backend.rebuild_derived(&self.weights, stream)?;
+        self.pending.clear();
+        self.phase = Phase::Ready;
+        Ok(())
+    }
+
     /// Tensors derived from the weights (rebuilt by finalize and refit), fixed addresses.
     pub fn derived_tensors(&self) -> Vec<DerivedTensor> {
         self.backend.derived()

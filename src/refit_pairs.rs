@@ -101,6 +101,12 @@ impl PendingPairs {
         self.weights.is_empty() && self.scales.is_empty()
     }
 
+    /// Drops every held half (dsv4_refit_abort: they were never written).
+    pub fn clear(&mut self) {
+        self.weights.clear();
+        self.scales.clear();
+    }
+
     /// Pairs and validates one refit chunk. `may_hold`: inside a chunked refit, a half
     /// without its partner (in the chunk or held) is validated alone and held; otherwise it
     /// is an error, as in a plain dsv4_refit. Returns the writes in chunk order and the

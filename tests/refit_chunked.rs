@@ -683,3 +683,65 @@ fn a_bad_chunk_holds_nothing_and_held_halves_are_checked() {
     reference.assert_equal(e, "tiny_fp8", "after the refused chunks");
     unsafe { dsv4_destroy(e) };
 }
+
+/// dsv4_refit_abort (ABI 1.3): without a refit open it is a STATE error; inside one it keeps
+/// every chunk already written, drops the halves held for a partner (never written), and
+/// leaves a ready engine whose forward runs; a later complete refit then equals a normal load.
+#[test]
+fn refit_abort_keeps_written_chunks_drops_held_halves_and_readies_the_engine() {
+    let (ck, reference, e) = fp8_dummy();
+    let (wq_a, wo_a, w1, w2) = (FP8[0], FP8[1], FP4[0], FP4[1]);
+    let missing = [scale_of(wq_a), weight_of(w1), weight_of(wo_a)];
+    let held = [weight_of(wq_a), scale_of(w1), scale_of(wo_a)];
+    let dummy = engine("tiny_fp8", Load::Dummy);
+    unsafe {
+        fails(
+            dsv4_refit_abort(e, std::ptr::null_mut()),
+            DSV4_STATUS_STATE,
+            &["dsv4_refit_abort", "ready"],
+        );
+        fails(
+            dsv4_refit_abort(std::ptr::null_mut(), std::ptr::null_mut()),
+            DSV4_STATUS_NULL_POINTER,
+            &["engine"],
+        );
+
+        ok(dsv4_refit_begin(e));
+        ok(refit(e, &without(&ck, &missing)));
+        ok(dsv4_refit_abort(e, std::ptr::null_mut()));
+        assert_eq!(phase(e), DSV4_PHASE_READY);
+        assert_eq!(last_error(), "");
+    }
+    // Written: a pair that came whole (experts.1.w2) is the checkpoint's.
+    let w2w = weight_of(w2);
+    assert_eq!(
+        stored(e, &w2w),
+        reference.stored(&w2w),
+        "{w2}: a written chunk was lost"
+    );
+    // Held, then dropped: wq_a's codes, w1's and wo_a's scales are still the dummy's.
+    for (m, what) in [(wq_a, &held[0]), (w1, &held[1]), (wo_a, &held[2])] {
+        let w = weight_of(m);
+        assert_eq!(
+            stored(e, &w),
+            stored(dummy, &w),
+            "{what}: a held half was written"
+        );
+    }
+    let l = logits(e, &prompt("tiny_fp8"));
+    assert!(l.iter().all(|v| v.is_finite()), "forward after abort");
+    unsafe {
+        // Nothing is held any more: the three pairs must come whole, and then the engine
+        // equals a normal load.
+        let pairs: Vec<Entry> = [wq_a, w1, wo_a]
+            .iter()
+            .flat_map(|m| [find(&ck, &weight_of(m)), find(&ck, &scale_of(m))])
+            .collect();
+        ok(dsv4_refit_begin(e));
+        ok(refit(e, &pairs));
+        ok(dsv4_refit_end(e, std::ptr::null_mut()));
+        dsv4_destroy(dummy);
+    }
+    reference.assert_equal(e, "tiny_fp8", "after abort and a complete refit");
+    unsafe { dsv4_destroy(e) };
+}

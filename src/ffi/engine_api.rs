@@ -22,7 +22,7 @@ pub const DSV4_ABI_VERSION_MAJOR: u32 = 1;
 /// ABI minor version: bumped when functions, enum values or trailing struct fields are
 /// added. A host built against minor M works with any library of the same major and
 /// minor >= M.
-pub const DSV4_ABI_VERSION_MINOR: u32 = 2;
+pub const DSV4_ABI_VERSION_MINOR: u32 = 3;
 
 /// An engine: one model's weights, per-slot decode state and workspaces. Opaque; create
 /// with `dsv4_create`, free with `dsv4_destroy`.
@@ -111,9 +111,9 @@ pub extern "C" fn dsv4_abi_version() -> u32 {
 /// free it. Thread-safe; never fails.
 #[unsafe(no_mangle)]
 pub extern "C" fn dsv4_version_string() -> *const c_char {
-    const V: &str = concat!("dsv4 ", env!("CARGO_PKG_VERSION"), " (abi 1.2)\0");
+    const V: &str = concat!("dsv4 ", env!("CARGO_PKG_VERSION"), " (abi 1.3)\0");
     const _: () = assert!(
-        DSV4_ABI_VERSION_MAJOR == 1 && DSV4_ABI_VERSION_MINOR == 2,
+        DSV4_ABI_VERSION_MAJOR == 1 && DSV4_ABI_VERSION_MINOR == 3,
         "update the version string"
     );
     V.as_ptr().cast()
@@ -692,6 +692,31 @@ pub unsafe extern "C" fn dsv4_refit_end(
         // SAFETY: per the contract.
         let h = unsafe { engine_mut(engine)? };
         h.run_mut(|e| e.refit_end(stream))
+    })
+}
+
+/// Ends an open chunked refit without completing it (since ABI 1.3). What it leaves:
+/// - the weights of every dsv4_refit chunk that succeeded since dsv4_refit_begin stay
+///   written (a chunk is all-or-nothing, so each is either fully in or fully out);
+/// - stored-format halves still held for their partner are dropped: never written;
+/// - every derived buffer is rebuilt from the current weights (on `stream` for the CUDA
+///   backend, waiting for it), as dsv4_refit_end does;
+/// - the engine is in DSV4_PHASE_READY; no address changes.
+///
+/// Errors: NULL_POINTER (`engine`), STATE (no refit open), CUDA (the rebuild failed; the
+/// engine stays REFITTING and abort may be called again).
+///
+/// # Safety
+/// `engine` from dsv4_create.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_refit_abort(
+    engine: *mut dsv4_engine,
+    stream: *mut c_void,
+) -> dsv4_status {
+    ffi_boundary("dsv4_refit_abort", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_mut(engine)? };
+        h.run_mut(|e| e.refit_abort(stream))
     })
 }
 

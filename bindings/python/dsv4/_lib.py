@@ -33,9 +33,9 @@ from ._errors import Error, error_for
 
 # The oldest ABI this binding works with (include/dsv4.h): dsv4_create_params is passed by
 # value from dsv4_create_params_default(), so its layout (minor 2 appended `kernel_set`) must
-# be the library's. Features gated on abi_minor() below stay gated for clarity.
+# be the library's; the function table below names every call of the newest minor.
 ABI_MAJOR = 1
-ABI_MINOR = 2
+ABI_MINOR = 3
 # Minor 1 added: FP8/FP4/E8M0 tensor entries (stored-format load and refit), DEVICE memory
 # for tensor entries on the CUDA backend, the buffer ranges at the end of dsv4_info, and
 # derived tensors in the weight listing.
@@ -43,6 +43,9 @@ ABI_MINOR_STORED_FORMATS = 1
 # Minor 2 added: DSV4_PAD_SLOT padding sequences, the device error record (dsv4_device_error,
 # dsv4_info.device_error).
 ABI_MINOR_DEVICE_ERROR = 2
+# Minor 3 added: dsv4_refit_abort, the memory plan (dsv4_plan_memory), dsv4_slot_length,
+# dsv4_canonical_name, bos/eos and per-slot state bytes in dsv4_info, DSV4_STATUS_OUT_OF_MEMORY.
+ABI_MINOR_REFIT_ABORT = 3
 
 MAX_DIMS = 8
 
@@ -223,6 +226,7 @@ _PROTOTYPES = {
     "dsv4_refit": (_status, [_engine_p, POINTER(Tensor), c_size_t, c_void_p]),
     "dsv4_refit_begin": (_status, [_engine_p]),
     "dsv4_refit_end": (_status, [_engine_p, c_void_p]),
+    "dsv4_refit_abort": (_status, [_engine_p, c_void_p]),
     "dsv4_release_slot": (_status, [_engine_p, c_int32]),
     "dsv4_get_info": (_status, [_engine_p, POINTER(Info)]),
     # ABI minor 2 (bound only when the library has it).

@@ -495,10 +495,23 @@ class Engine:
         first is checked alone and kept (a host copy) until the other arrives. If one still
         lacks its partner at the end, refit_end raises TensorError naming every such entry
         and the engine stays refitting: send the missing entries, then call
-        :meth:`refit_end` again."""
+        :meth:`refit_end` again.
+
+        If the body raises, the refit is aborted (:meth:`refit_abort`) and the exception
+        propagates: the engine is ready, with the chunks written so far."""
         self.refit_begin()
-        yield self
+        try:
+            yield self
+        except BaseException:
+            self.refit_abort(stream)
+            raise
         self.refit_end(stream)
+
+    def refit_abort(self, stream=None) -> None:
+        """Ends an open chunked refit without completing it: the chunks already written stay
+        written, halves held for their partner are dropped, derived buffers are rebuilt and
+        the engine is ready (``dsv4_refit_abort``). ``stream`` as for :meth:`refit_end`."""
+        self._call(self._lib.dsv4_refit_abort, self._stream(stream))
 
     # -- bad batches on CUDA -------------------------------------------------------------
 

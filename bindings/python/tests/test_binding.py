@@ -145,6 +145,25 @@ def test_refit_round_trip(engine):
     engine.refit(name, before)
 
 
+def test_refitting_aborts_on_an_exception_keeping_the_written_chunks():
+    """An exception inside ``refitting()`` aborts the refit (dsv4_refit_abort): it propagates,
+    the chunks written so far stay written, and the engine is ready again."""
+    with dsv4.Engine(load="dummy", **CAPS) as e:
+        a, b = "layers.1.ffn_norm.weight", "layers.0.ffn_norm.weight"
+        before_b = e.weight_array(b).copy()
+        new_a = np.full(e.weight_array(a).shape, 0.75, dtype=np.float32)
+        with pytest.raises(RuntimeError, match="host failed midway"):
+            with e.refitting():
+                e.refit(a, new_a)
+                raise RuntimeError("host failed midway")
+        assert e.info()["phase"] == "ready"
+        np.testing.assert_array_equal(e.weight_array(a), new_a)
+        np.testing.assert_array_equal(e.weight_array(b), before_b)
+        assert np.isfinite(run_prompt(e, 0, [1, 2, 3])).all()
+        with pytest.raises(dsv4.StateError, match="dsv4_refit_abort"):
+            e.refit_abort()
+
+
 def test_release_restarts_slot(engine):
     run_prompt(engine, 2, [1, 2, 3])
     run_prompt(engine, 2, [4], start=3)  # continues
