@@ -294,6 +294,35 @@
 #define DSV4_PHASE_REFITTING 3
 
 /**
+ * What a tensor name accepted by dsv4_load_tensor / dsv4_refit stands for
+ * (dsv4_canonical_name, since ABI 1.3): one weight, whose canonical name is returned ...
+ */
+#define DSV4_NAME_WEIGHT 0
+
+/**
+ * ... the block scale of the weight whose canonical name is returned ...
+ */
+#define DSV4_NAME_SCALE 1
+
+/**
+ * ... transformers' fused `mlp.experts.gate_up_proj` [E, 2I, D] of a layer: every expert's
+ * w1 (rows 0..I) and w3 (rows I..2I); the returned prefix is `layers.L.ffn.experts` ...
+ */
+#define DSV4_NAME_FUSED_GATE_UP 2
+
+/**
+ * ... transformers' fused `mlp.experts.down_proj` [E, D, I]: every expert's w2; the prefix is
+ * returned likewise ...
+ */
+#define DSV4_NAME_FUSED_DOWN 3
+
+/**
+ * ... or a multi-token-prediction tensor (`mtp.*`), which the engine skips; the name is
+ * returned as given.
+ */
+#define DSV4_NAME_SKIPPED 4
+
+/**
  * An engine: one model's weights, per-slot decode state and workspaces. Opaque; create
  * with `dsv4_create`, free with `dsv4_destroy`.
  */
@@ -519,17 +548,36 @@ typedef struct dsv4_info {
      * sizeof(dsv4_info) as the host compiled it (set by the caller, left unchanged).
      */
     size_t struct_size;
+    /**
+     * Rows of the embedding and of the logits: size a logits buffer as
+     * `num_logits * vocab_size` values.
+     */
     int32_t vocab_size;
+    /**
+     * Model width D.
+     */
     int32_t hidden_size;
+    /**
+     * Transformer layers (MTP not included).
+     */
     int32_t num_layers;
+    /**
+     * Attention heads and their dimension.
+     */
     int32_t num_heads;
     int32_t head_dim;
     /**
      * mHC residual streams (N).
      */
     int32_t hc_mult;
+    /**
+     * Routed experts per MoE layer, and how many each token uses.
+     */
     int32_t n_routed_experts;
     int32_t experts_per_tok;
+    /**
+     * Capacities fixed at create: sequence slots, tokens per forward, positions per slot.
+     */
     int32_t max_num_seqs;
     int32_t max_num_tokens;
     int32_t max_seq_len;
@@ -559,22 +607,22 @@ typedef struct dsv4_info {
      * moves from dsv4_create to dsv4_destroy (device memory on CUDA; NULL / 0 on the CPU
      * backend, whose buffers are separate host allocations): weights and their scales ...
      */
-    void *weights_base;
+    const void *weights_base;
     uint64_t weights_nbytes;
     /**
      * ... derived tensors (rebuilt by finalize / refit) ...
      */
-    void *derived_base;
+    const void *derived_base;
     uint64_t derived_nbytes;
     /**
      * ... per-slot decode state (KV windows, compressed entries, compressor state) ...
      */
-    void *state_base;
+    const void *state_base;
     uint64_t state_nbytes;
     /**
      * ... and the activation workspace of dsv4_forward.
      */
-    void *workspace_base;
+    const void *workspace_base;
     uint64_t workspace_nbytes;
     /**
      * Since ABI 1.2. Device address of the engine's error record: a `dsv4_batch_fault`
@@ -582,7 +630,13 @@ typedef struct dsv4_info {
      * the CPU backend, which reports a bad batch from dsv4_forward). Read and clear it with
      * dsv4_device_error, or copy it inside a graph.
      */
-    void *device_error;
+    const void *device_error;
+    /**
+     * Since ABI 1.3. The config's `bos_token_id` and `eos_token_id` (0 and 1, DeepSeek-V4's,
+     * when the config names none).
+     */
+    int64_t bos_token_id;
+    int64_t eos_token_id;
 } dsv4_info;
 
 /**
@@ -613,9 +667,10 @@ typedef struct dsv4_weight_desc {
     int64_t shape[DSV4_MAX_DIMS];
     /**
      * Address of the engine's storage: fixed from dsv4_create to dsv4_destroy. Host memory
-     * when `device` is DSV4_DEVICE_CPU, else device memory. Read-only for the host.
+     * when `device` is DSV4_DEVICE_CPU, else device memory. Read-only for the host (change
+     * weights with dsv4_refit, which also rebuilds what derives from them).
      */
-    void *data;
+    const void *data;
     /**
      * Bytes of storage at `data`.
      */
@@ -632,7 +687,7 @@ typedef struct dsv4_weight_desc {
      * Block scales (f32, row-major over the block grid) when `dtype` is
      * DSV4_DTYPE_F8_E4M3 or DSV4_DTYPE_FP4_E2M1, else NULL. Fixed address like `data`.
      */
-    void *scale;
+    const void *scale;
     /**
      * Bytes at `scale` (0 when NULL).
      */
@@ -722,6 +777,14 @@ typedef void (*dsv4_log_callback)(int32_t level, const char *message, void *user
  * INTERNAL); destroy it.
  */
 #define DSV4_STATUS_INTERNAL 12
+
+/**
+ * Since ABI 1.3. The engine's memory could not be allocated: at dsv4_create, its buffers do
+ * not fit in the free device memory or an allocation failed (host or device); at dsv4_load,
+ * a host buffer. Lower the capacities (max_num_seqs, max_num_tokens, max_seq_len) or free
+ * memory. (CAPACITY is a batch beyond the capacities fixed at create: send a smaller batch.)
+ */
+#define DSV4_STATUS_OUT_OF_MEMORY 13
 
 #ifdef __cplusplus
 extern "C" {
@@ -996,9 +1059,9 @@ dsv4_status dsv4_refit_abort(struct dsv4_engine *engine, void *stream);
  * start at position 0 (a batch continuing it is bad). Allowed in every phase.
  *
  * CUDA backend: it first waits for all work queued on the engine's device (forwards on any
- * stream may still read the slot), then clears the slot's length on the device; it blocks
- * the host until done, so it must not be called inside a graph capture. (A sequence that
- * simply starts again at position 0 needs no release.)
+ * stream may still read the slot), then clears the slot's length on the device with the
+ * legacy default stream; it blocks the host until done, so it must not be called inside a
+ * graph capture. (A sequence that simply starts again at position 0 needs no release.)
  *
  * Errors: NULL_POINTER (`engine`), INVALID_ARGUMENT (slot out of range; nothing changes),
  * CUDA.
@@ -1007,6 +1070,53 @@ dsv4_status dsv4_refit_abort(struct dsv4_engine *engine, void *stream);
  * `engine` from dsv4_create.
  */
 dsv4_status dsv4_release_slot(struct dsv4_engine *engine, int32_t slot);
+
+/**
+ * Maps a tensor name that dsv4_load_tensor and dsv4_refit accept to what it stands for in
+ * this engine's model (since ABI 1.3). Every entry point that takes tensor names accepts all
+ * three naming schemes (upstream DeepSeek `layers.0.attn.wq_a.weight`; transformers'
+ * `save_pretrained` default, `model.`-prefixed; transformers' native module paths such as
+ * `model.layers.0.self_attn.q_a_proj.weight`, including the fused experts
+ * `mlp.experts.gate_up_proj` / `down_proj`), and block-scale companions (`.scale`,
+ * `.weight_scale_inv`). `*kind` gets DSV4_NAME_*; `out` the canonical name (the weight's for a
+ * scale; the `layers.L.ffn.experts` prefix for fused experts; `name` itself for a skipped MTP
+ * tensor), NUL-terminated, as much of it as fits in `out_size` bytes; `*out_len` its length
+ * without the NUL. `out` may be NULL with `out_size` 0 to ask for the length.
+ *
+ * Errors: NULL_POINTER (`engine`, `name`, `kind`, `out_len`, or `out` with `out_size` > 0),
+ * INVALID_ARGUMENT (`name` not UTF-8), TENSOR (no scheme knows `name`, or the model has no
+ * such weight: the message names it), CAPACITY (`out_size` < `*out_len` + 1; `*out_len` and
+ * `*kind` are set, `out` holds the truncated, NUL-terminated prefix).
+ *
+ * # Safety
+ * `engine` from dsv4_create; `name` NUL-terminated; `out` writable for `out_size` bytes.
+ */
+dsv4_status dsv4_canonical_name(const struct dsv4_engine *engine,
+                                const char *name,
+                                char *out,
+                                size_t out_size,
+                                size_t *out_len,
+                                int32_t *kind);
+
+/**
+ * The number of positions sequence slot `slot` holds now (since ABI 1.3): the length its
+ * next chunk continues from; 0 for a slot never used or released. Allowed in every phase.
+ *
+ * CUDA backend: it reads the device's copy once the work enqueued on `stream` (the stream of
+ * the forwards to account for; NULL = the legacy default stream) has run, so it blocks the
+ * host and must not be called inside a graph capture. A bad batch leaves every length as
+ * it was.
+ *
+ * Errors: NULL_POINTER (`engine`, `out`), INVALID_ARGUMENT (slot out of range), CUDA.
+ *
+ * # Safety
+ * `engine` from dsv4_create; `out` writable; `stream` NULL or a CUstream of the engine's
+ * device.
+ */
+dsv4_status dsv4_slot_length(const struct dsv4_engine *engine,
+                             int32_t slot,
+                             void *stream,
+                             int32_t *out);
 
 /**
  * Returns and clears the first fault of a bad batch that a CUDA engine's forwards met since

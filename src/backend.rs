@@ -158,6 +158,10 @@ pub trait Backend {
     /// Forgets `slot`'s state (`slot` < max_num_seqs, checked by the engine).
     fn release_slot(&mut self, slot: usize) -> Result<()>;
 
+    /// Positions `slot` holds (`slot` < max_num_seqs, checked by the engine), after the work
+    /// enqueued on `stream` has run (a device backend reads its copy, blocking the host).
+    fn slot_length(&self, slot: usize, stream: StreamHandle) -> Result<usize>;
+
     /// Returns and clears the first fault of a bad device batch (None on a host backend).
     fn take_device_error(&mut self, stream: StreamHandle) -> Result<Option<BatchFault>>;
 

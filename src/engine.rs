@@ -46,6 +46,19 @@ pub enum ConfigSource {
 /// chunk of the same chunked refit.
 pub type TensorUpdate<'a> = crate::weights::HostTensor<'a>;
 
+/// What a tensor name stands for (Engine::canonical_name).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NameKind {
+    Weight,
+    Scale,
+    /// transformers' fused gate_up_proj of a layer's experts.
+    FusedGateUp,
+    /// transformers' fused down_proj.
+    FusedDown,
+    /// An MTP tensor: skipped.
+    Skipped,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
     /// Created: buffers allocated, weights not (fully) loaded.
@@ -379,6 +392,59 @@ impl Engine {
         what: &str,
     ) -> Result<Vec<u8>> {
         self.backend.stage_device_bytes(addr, nbytes, stream, what)
+    }
+
+    /// What an accepted tensor name (any of the three naming schemes, a block-scale companion,
+    /// transformers' fused experts, or an MTP tensor) stands for in this model, with its
+    /// canonical name. TENSOR naming `name` when no scheme knows it or this model has no such
+    /// weight.
+    pub fn canonical_name(&self, name: &str) -> Result<(NameKind, String)> {
+        use crate::weights::names::{Role, Target, classify};
+        let unknown = |why: &str| Error::new(Status::Tensor, format!("tensor `{name}`: {why}"));
+        let role = classify(name).ok_or_else(|| unknown("no naming scheme knows this name"))?;
+        let weight = |n: String| {
+            if self.weights.index_of(&n).is_some() {
+                Ok(n)
+            } else {
+                Err(unknown(&format!("this model has no weight `{n}`")))
+            }
+        };
+        let fused = |l: usize| {
+            let n = format!("layers.{l}.ffn.experts.0.w1.weight");
+            if self.weights.index_of(&n).is_some() {
+                Ok(format!("layers.{l}.ffn.experts"))
+            } else {
+                Err(unknown(&format!(
+                    "this model has no routed experts in layer {l}"
+                )))
+            }
+        };
+        Ok(match role {
+            Role::Mtp => (NameKind::Skipped, name.to_owned()),
+            Role::Weight(Target::Tensor(n)) => (NameKind::Weight, weight(n)?),
+            Role::Scale(Target::Tensor(n)) => (NameKind::Scale, weight(n)?),
+            Role::Weight(Target::ExpertsGateUp(l)) | Role::Scale(Target::ExpertsGateUp(l)) => {
+                (NameKind::FusedGateUp, fused(l)?)
+            }
+            Role::Weight(Target::ExpertsDown(l)) | Role::Scale(Target::ExpertsDown(l)) => {
+                (NameKind::FusedDown, fused(l)?)
+            }
+        })
+    }
+
+    /// Positions `slot` holds now (0 for a released or unused slot), after the work enqueued
+    /// on `stream` has run.
+    pub fn slot_length(&self, slot: i64, stream: StreamHandle) -> Result<usize> {
+        if slot < 0 || slot as usize >= self.opts.max_num_seqs {
+            return Err(Error::new(
+                Status::InvalidArgument,
+                format!(
+                    "slot {slot} is out of range [0, max_num_seqs = {})",
+                    self.opts.max_num_seqs
+                ),
+            ));
+        }
+        self.backend.slot_length(slot as usize, stream)
     }
 
     /// Forgets the state of `slot`; its next sequence must start at position 0.

@@ -35,6 +35,8 @@ pub enum Status {
     Unsupported = 11,
     /// A bug in dsv4 (including a caught panic).
     Internal = 12,
+    /// Host or device memory for the engine could not be allocated (create / load).
+    OutOfMemory = 13,
 }
 
 impl Status {
@@ -53,6 +55,7 @@ impl Status {
             Status::Cuda => "CUDA",
             Status::Unsupported => "UNSUPPORTED",
             Status::Internal => "INTERNAL",
+            Status::OutOfMemory => "OUT_OF_MEMORY",
         }
     }
 }

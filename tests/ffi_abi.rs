@@ -257,6 +257,7 @@ fn versions_and_status_names() {
         (DSV4_STATUS_CUDA, "CUDA"),
         (DSV4_STATUS_UNSUPPORTED, "UNSUPPORTED"),
         (DSV4_STATUS_INTERNAL, "INTERNAL"),
+        (DSV4_STATUS_OUT_OF_MEMORY, "OUT_OF_MEMORY"),
     ];
     for (s, n) in expected {
         assert_eq!(name(s), n);
@@ -266,7 +267,7 @@ fn versions_and_status_names() {
         );
     }
     assert_eq!(name(-1), "UNKNOWN");
-    assert_eq!(name(13), "UNKNOWN");
+    assert_eq!(name(14), "UNKNOWN");
 }
 
 #[test]
@@ -2198,4 +2199,39 @@ fn log_callback_receives_messages_up_to_max_level() {
         mine[0],
         &(DSV4_LOG_INFO, "ffi-abi-test info line".to_string(), 0x1234)
     );
+}
+
+/// ABI 1.3: memory the engine cannot get at create is DSV4_STATUS_OUT_OF_MEMORY naming the
+/// buffer (here a 64 TiB embedding: a config within the sanity limits that no host can hold),
+/// not CAPACITY (which means "send a smaller batch"); nothing is created.
+#[test]
+fn memory_the_engine_cannot_get_is_out_of_memory() {
+    let fixture = common::fixture_dir("tiny");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json")).unwrap())
+            .unwrap();
+    cfg["vocab_size"] = (1u64 << 24).into();
+    cfg["hidden_size"] = (1u64 << 20).into();
+    let json = std::ffi::CString::new(cfg.to_string()).unwrap();
+    let mut p = dsv4_create_params_default();
+    p.config_json = json.as_ptr();
+    p.max_num_seqs = 1;
+    p.max_num_tokens = 4;
+    p.max_seq_len = 8;
+    let mut e = std::ptr::null_mut();
+    let st = unsafe { dsv4_create(&p, &mut e) };
+    assert_eq!(
+        st,
+        DSV4_STATUS_OUT_OF_MEMORY,
+        "{}",
+        common::abi::last_error()
+    );
+    assert!(e.is_null());
+    let msg = common::abi::last_error();
+    assert!(
+        msg.contains("embed.weight") && msg.contains("allocate"),
+        "{msg}"
+    );
+    let name = unsafe { std::ffi::CStr::from_ptr(dsv4_status_name(st)) };
+    assert_eq!(name.to_str().unwrap(), "OUT_OF_MEMORY");
 }

@@ -11,7 +11,7 @@ mod common;
 use std::ffi::{CStr, CString};
 
 use common::abi::{
-    Entry, checkpoint_file_order as checkpoint, find, last_error, ok, perturbed_bf16,
+    Entry, checkpoint_file_order as checkpoint, fails, find, last_error, ok, perturbed_bf16,
 };
 use common::bits;
 use common::gpu::{devices, has_cuda};
@@ -105,7 +105,7 @@ fn derived_tensors_and_buffer_spans_are_reported() {
             "{names:?}"
         );
         // Every buffer lies inside its span; the spans do not overlap.
-        let inside = |p: u64, n: u64, base: *mut std::ffi::c_void, bytes: u64| {
+        let inside = |p: u64, n: u64, base: *const std::ffi::c_void, bytes: u64| {
             p >= base as u64 && p + n <= base as u64 + bytes
         };
         for d in &descs {
@@ -564,4 +564,46 @@ fn soak_of_interleaved_forward_refit_release() {
         "soak: {forwards} forwards, {refits} refits, {releases} releases; device free {free0} -> {free1}"
     );
     assert_eq!(free0, free1, "device memory changed during the soak");
+}
+
+// --------------------------------------------------------------------------- slot lengths
+
+/// dsv4_slot_length (ABI 1.3) follows prefill, decode and release on every backend (CUDA:
+/// read after the forwards on the host's stream), and checks its arguments.
+#[test]
+fn slot_length_follows_prefill_decode_and_release() {
+    for dev in devices() {
+        let r = tiny(dev, Load::Checkpoint);
+        let len = |slot: i32| {
+            let mut v = -1;
+            // SAFETY: live engine, writable out.
+            unsafe { ok(dsv4_slot_length(r.e, slot, r.stream(), &mut v)) };
+            v
+        };
+        assert_eq!((len(0), len(1)), (0, 0), "device {dev}: fresh slots");
+        r.forward_finite(&prefill());
+        assert_eq!(
+            (len(0), len(1), len(2)),
+            (13, 9, 0),
+            "device {dev}: after prefill"
+        );
+        r.forward_finite(&Step::of(&[(0, 13, tokens(3, 1)), (1, 9, tokens(4, 1))]));
+        assert_eq!((len(0), len(1)), (14, 10), "device {dev}: after decode");
+        // SAFETY: live engine.
+        unsafe { ok(dsv4_release_slot(r.e, 0)) };
+        assert_eq!((len(0), len(1)), (0, 10), "device {dev}: after release");
+        unsafe {
+            let mut v = 0;
+            fails(
+                dsv4_slot_length(r.e, 4, r.stream(), &mut v),
+                DSV4_STATUS_INVALID_ARGUMENT,
+                &["`slot` = 4", "max_num_seqs = 4"],
+            );
+            fails(
+                dsv4_slot_length(r.e, 0, r.stream(), std::ptr::null_mut()),
+                DSV4_STATUS_NULL_POINTER,
+                &["out"],
+            );
+        }
+    }
 }

@@ -200,3 +200,126 @@ fn three_schemes_give_bit_identical_weights_and_logits() {
     let _ = std::fs::remove_dir_all(&da);
     let _ = std::fs::remove_dir_all(&dc);
 }
+
+/// dsv4_canonical_name (ABI 1.3): every accepted spelling maps to what it stands for in the
+/// engine's model; unknown names and weights the model lacks are TENSOR errors naming them; a
+/// short buffer is CAPACITY with the length and kind still reported.
+#[test]
+fn canonical_name_maps_every_scheme_scales_fused_experts_and_mtp() {
+    use dsv4::ffi::*;
+    use std::ffi::{CStr, CString};
+    let mut p = dsv4_create_params_default();
+    p.use_tiny_default = 1;
+    let mut e = std::ptr::null_mut();
+    unsafe { common::abi::ok(dsv4_create(&p, &mut e)) };
+    let map = |name: &str| -> (dsv4_status, i32, String, usize) {
+        let n = CString::new(name).unwrap();
+        let mut buf = [0 as std::ffi::c_char; 128];
+        let (mut len, mut kind) = (0usize, -1i32);
+        let st = unsafe {
+            dsv4_canonical_name(
+                e,
+                n.as_ptr(),
+                buf.as_mut_ptr(),
+                buf.len(),
+                &mut len,
+                &mut kind,
+            )
+        };
+        let s = unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_str()
+            .unwrap()
+            .to_owned();
+        (st, kind, s, len)
+    };
+    let wq_a = "layers.0.attn.wq_a.weight";
+    for (name, kind, want) in [
+        (wq_a, DSV4_NAME_WEIGHT, wq_a),
+        ("model.layers.0.attn.wq_a.weight", DSV4_NAME_WEIGHT, wq_a),
+        (
+            "model.layers.0.self_attn.q_a_proj.weight",
+            DSV4_NAME_WEIGHT,
+            wq_a,
+        ),
+        ("layers.0.attn.wq_a.scale", DSV4_NAME_SCALE, wq_a),
+        (
+            "model.layers.0.self_attn.q_a_proj.weight_scale_inv",
+            DSV4_NAME_SCALE,
+            wq_a,
+        ),
+        (
+            "model.embed_tokens.weight",
+            DSV4_NAME_WEIGHT,
+            "embed.weight",
+        ),
+        (
+            "model.layers.1.mlp.experts.gate_up_proj",
+            DSV4_NAME_FUSED_GATE_UP,
+            "layers.1.ffn.experts",
+        ),
+        (
+            "model.layers.1.mlp.experts.down_proj",
+            DSV4_NAME_FUSED_DOWN,
+            "layers.1.ffn.experts",
+        ),
+        (
+            "mtp.0.e_proj.weight",
+            DSV4_NAME_SKIPPED,
+            "mtp.0.e_proj.weight",
+        ),
+    ] {
+        let (st, k, got, len) = map(name);
+        assert_eq!(st, DSV4_STATUS_OK, "{name}: {}", common::abi::last_error());
+        assert_eq!((k, got.as_str(), len), (kind, want, want.len()), "{name}");
+    }
+    for (name, needle) in [
+        ("layers.0.attn.no_such.weight", "no naming scheme"),
+        (
+            "layers.99.attn.wq_a.weight",
+            "no weight `layers.99.attn.wq_a.weight`",
+        ),
+    ] {
+        let (st, _, _, _) = map(name);
+        assert_eq!(st, DSV4_STATUS_TENSOR, "{name}");
+        let msg = common::abi::last_error();
+        assert!(msg.contains(name) && msg.contains(needle), "{name}: {msg}");
+    }
+    // Too small a buffer: CAPACITY, the length and kind still set, a NUL-terminated prefix.
+    let n = CString::new("model.layers.0.self_attn.q_a_proj.weight").unwrap();
+    let mut small = [0x7f as std::ffi::c_char; 8];
+    let (mut len, mut kind) = (0usize, -1i32);
+    let st = unsafe {
+        dsv4_canonical_name(
+            e,
+            n.as_ptr(),
+            small.as_mut_ptr(),
+            small.len(),
+            &mut len,
+            &mut kind,
+        )
+    };
+    assert_eq!(
+        (st, len, kind),
+        (DSV4_STATUS_CAPACITY, wq_a.len(), DSV4_NAME_WEIGHT)
+    );
+    assert_eq!(
+        unsafe { CStr::from_ptr(small.as_ptr()) }.to_str().unwrap(),
+        &wq_a[..7]
+    );
+    // Length query with no buffer.
+    let st =
+        unsafe { dsv4_canonical_name(e, n.as_ptr(), std::ptr::null_mut(), 0, &mut len, &mut kind) };
+    assert_eq!((st, len), (DSV4_STATUS_CAPACITY, wq_a.len()));
+    let st = unsafe {
+        dsv4_canonical_name(
+            e,
+            std::ptr::null(),
+            small.as_mut_ptr(),
+            8,
+            &mut len,
+            &mut kind,
+        )
+    };
+    assert_eq!(st, DSV4_STATUS_NULL_POINTER);
+    unsafe { dsv4_destroy(e) };
+}

@@ -166,7 +166,7 @@ fn weight_bytes(e: *mut dsv4_engine) -> Vec<(String, Vec<u8>, Vec<u8>)> {
         .map(|i| weight_desc(e, i))
         .filter(|w| w.derived == 0)
         .map(|w| {
-            let read = |p: *mut std::ffi::c_void, nbytes: u64| {
+            let read = |p: *const std::ffi::c_void, nbytes: u64| {
                 if p.is_null() {
                     return Vec::new();
                 }

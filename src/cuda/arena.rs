@@ -116,7 +116,7 @@ impl ArenaPlan {
         let start = align_up(self.bound, align.min(BASE_ALIGN)) + align.saturating_sub(BASE_ALIGN);
         self.bound = start.checked_add(bytes).ok_or_else(|| {
             Error::new(
-                Status::Capacity,
+                Status::OutOfMemory,
                 format!("arena region `{name}` overflows usize"),
             )
         })?;

@@ -64,7 +64,7 @@ impl CudaBackend {
         let (free, _) = ctx.mem_info()?;
         if plan.total_bytes() > free {
             return Err(Error::new(
-                Status::Capacity,
+                Status::OutOfMemory,
                 format!(
                     "the engine needs {:.2} GiB of device memory but {:.2} GiB are free on device {}; lower max_num_tokens / max_num_seqs / max_seq_len",
                     plan.total_bytes() as f64 / (1u64 << 30) as f64,
@@ -300,6 +300,19 @@ impl Backend for CudaBackend {
     /// released slot, as the CPU backend does.
     fn release_slot(&mut self, slot: usize) -> Result<()> {
         self.clear_slot(slot)
+    }
+
+    /// The device copy of the slot's length, once the work on `stream` has run (commit_slots
+    /// writes it at the end of every forward).
+    fn slot_length(&self, slot: usize, stream: StreamHandle) -> Result<usize> {
+        let _g = self.ctx.enter()?;
+        let mut len = [0i32; 1];
+        crate::cuda::arena::copy_to_host_sync(
+            &mut len,
+            self.model.slot_len.slice(slot * 4, 4)?,
+            BorrowedStream::from_raw(stream),
+        )?;
+        Ok(len[0].max(0) as usize)
     }
 
     fn take_device_error(&mut self, stream: StreamHandle) -> Result<Option<BatchFault>> {

@@ -92,7 +92,13 @@ pub(crate) fn driver_error(what: impl std::fmt::Display, e: DriverError) -> Erro
         .error_string()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_default();
-    Error::new(Status::Cuda, format!("{what}: {name}: {text}"))
+    // Out of device memory is the host's to act on (lower the capacities), not a driver fault.
+    let status = if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        Status::OutOfMemory
+    } else {
+        Status::Cuda
+    };
+    Error::new(status, format!("{what}: {name}: {text}"))
 }
 
 /// Turns a raw `CUresult` into our `Result`, naming the call (`what`) on failure.

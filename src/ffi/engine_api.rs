@@ -9,7 +9,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 
 use crate::engine::DeviceBatch;
-use crate::engine::{Batch, Engine, LogitsOut, TensorUpdate};
+use crate::engine::{Batch, Engine, LogitsOut, NameKind, TensorUpdate};
 use crate::error::{Error, Result, Status};
 use crate::ffi::params::*;
 use crate::ffi::status::*;
@@ -724,9 +724,9 @@ pub unsafe extern "C" fn dsv4_refit_abort(
 /// start at position 0 (a batch continuing it is bad). Allowed in every phase.
 ///
 /// CUDA backend: it first waits for all work queued on the engine's device (forwards on any
-/// stream may still read the slot), then clears the slot's length on the device; it blocks
-/// the host until done, so it must not be called inside a graph capture. (A sequence that
-/// simply starts again at position 0 needs no release.)
+/// stream may still read the slot), then clears the slot's length on the device with the
+/// legacy default stream; it blocks the host until done, so it must not be called inside a
+/// graph capture. (A sequence that simply starts again at position 0 needs no release.)
 ///
 /// Errors: NULL_POINTER (`engine`), INVALID_ARGUMENT (slot out of range; nothing changes),
 /// CUDA.
@@ -745,6 +745,121 @@ pub unsafe extern "C" fn dsv4_release_slot(engine: *mut dsv4_engine, slot: i32) 
             )));
         }
         h.run_mut(|e| e.release_slot(slot as i64))
+    })
+}
+
+/// Maps a tensor name that dsv4_load_tensor and dsv4_refit accept to what it stands for in
+/// this engine's model (since ABI 1.3). Every entry point that takes tensor names accepts all
+/// three naming schemes (upstream DeepSeek `layers.0.attn.wq_a.weight`; transformers'
+/// `save_pretrained` default, `model.`-prefixed; transformers' native module paths such as
+/// `model.layers.0.self_attn.q_a_proj.weight`, including the fused experts
+/// `mlp.experts.gate_up_proj` / `down_proj`), and block-scale companions (`.scale`,
+/// `.weight_scale_inv`). `*kind` gets DSV4_NAME_*; `out` the canonical name (the weight's for a
+/// scale; the `layers.L.ffn.experts` prefix for fused experts; `name` itself for a skipped MTP
+/// tensor), NUL-terminated, as much of it as fits in `out_size` bytes; `*out_len` its length
+/// without the NUL. `out` may be NULL with `out_size` 0 to ask for the length.
+///
+/// Errors: NULL_POINTER (`engine`, `name`, `kind`, `out_len`, or `out` with `out_size` > 0),
+/// INVALID_ARGUMENT (`name` not UTF-8), TENSOR (no scheme knows `name`, or the model has no
+/// such weight: the message names it), CAPACITY (`out_size` < `*out_len` + 1; `*out_len` and
+/// `*kind` are set, `out` holds the truncated, NUL-terminated prefix).
+///
+/// # Safety
+/// `engine` from dsv4_create; `name` NUL-terminated; `out` writable for `out_size` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_canonical_name(
+    engine: *const dsv4_engine,
+    name: *const c_char,
+    out: *mut c_char,
+    out_size: usize,
+    out_len: *mut usize,
+    kind: *mut i32,
+) -> dsv4_status {
+    ffi_boundary("dsv4_canonical_name", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_ref(engine)? };
+        if name.is_null() {
+            return Err(null_error("name"));
+        }
+        if out_len.is_null() {
+            return Err(null_error("out_len"));
+        }
+        if kind.is_null() {
+            return Err(null_error("kind"));
+        }
+        if out.is_null() && out_size > 0 {
+            return Err(null_error("out"));
+        }
+        // SAFETY: non-NULL and NUL-terminated per the contract.
+        let name = utf8(unsafe { std::ffi::CStr::from_ptr(name) }, "name")?;
+        let (k, canonical) = h.engine.canonical_name(name)?;
+        let code = match k {
+            NameKind::Weight => DSV4_NAME_WEIGHT,
+            NameKind::Scale => DSV4_NAME_SCALE,
+            NameKind::FusedGateUp => DSV4_NAME_FUSED_GATE_UP,
+            NameKind::FusedDown => DSV4_NAME_FUSED_DOWN,
+            NameKind::Skipped => DSV4_NAME_SKIPPED,
+        };
+        let bytes = canonical.as_bytes();
+        // SAFETY: non-NULL and writable per the contract; at most out_size bytes written.
+        unsafe {
+            out_len.write_unaligned(bytes.len());
+            kind.write_unaligned(code);
+            if out_size > 0 {
+                let n = bytes.len().min(out_size - 1);
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.cast::<u8>(), n);
+                out.add(n).write(0);
+            }
+        }
+        if out_size < bytes.len() + 1 {
+            return Err(Error::new(
+                Status::Capacity,
+                format!(
+                    "`out_size` = {out_size} holds not the canonical name of `{name}` ({} bytes with its NUL)",
+                    bytes.len() + 1
+                ),
+            ));
+        }
+        Ok(())
+    })
+}
+
+/// The number of positions sequence slot `slot` holds now (since ABI 1.3): the length its
+/// next chunk continues from; 0 for a slot never used or released. Allowed in every phase.
+///
+/// CUDA backend: it reads the device's copy once the work enqueued on `stream` (the stream of
+/// the forwards to account for; NULL = the legacy default stream) has run, so it blocks the
+/// host and must not be called inside a graph capture. A bad batch leaves every length as
+/// it was.
+///
+/// Errors: NULL_POINTER (`engine`, `out`), INVALID_ARGUMENT (slot out of range), CUDA.
+///
+/// # Safety
+/// `engine` from dsv4_create; `out` writable; `stream` NULL or a CUstream of the engine's
+/// device.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_slot_length(
+    engine: *const dsv4_engine,
+    slot: i32,
+    stream: *mut c_void,
+    out: *mut i32,
+) -> dsv4_status {
+    ffi_boundary("dsv4_slot_length", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_ref(engine)? };
+        if out.is_null() {
+            return Err(null_error("out"));
+        }
+        let max = h.engine.options().max_num_seqs;
+        if slot < 0 || slot as usize >= max {
+            return Err(invalid(format!(
+                "`slot` = {slot} is outside [0, max_num_seqs = {max})"
+            )));
+        }
+        let len = h.engine.slot_length(slot as i64, stream)?;
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { out.write_unaligned(usize_to_i32(len)) };
+        Ok(())
     })
 }
 
@@ -845,15 +960,17 @@ pub unsafe extern "C" fn dsv4_get_info(
             weight_format: weight_format_to_i32(o.weight_format),
             phase: phase_to_i32(h.engine.phase()),
             num_weights: h.names.len(),
-            weights_base: spans.weights.0 as *mut c_void,
+            weights_base: spans.weights.0 as *const c_void,
             weights_nbytes: spans.weights.1,
-            derived_base: spans.derived.0 as *mut c_void,
+            derived_base: spans.derived.0 as *const c_void,
             derived_nbytes: spans.derived.1,
-            state_base: spans.state.0 as *mut c_void,
+            state_base: spans.state.0 as *const c_void,
             state_nbytes: spans.state.1,
-            workspace_base: spans.workspace.0 as *mut c_void,
+            workspace_base: spans.workspace.0 as *const c_void,
             workspace_nbytes: spans.workspace.1,
-            device_error: spans.device_error.0 as *mut c_void,
+            device_error: spans.device_error.0 as *const c_void,
+            bos_token_id: c.bos_token_id,
+            eos_token_id: c.eos_token_id,
         };
         // SAFETY: per the contract.
         unsafe { write_versioned(out, "out", info) }
@@ -887,7 +1004,7 @@ pub unsafe extern "C" fn dsv4_weight_count(
 struct Storage {
     dtype: i32,
     nbytes: u64,
-    scale: *mut c_void,
+    scale: *const c_void,
     scale_nbytes: u64,
     scale_block: [i32; 2],
 }
@@ -948,7 +1065,7 @@ fn derived_desc(
         },
         ndim: d.shape.len().min(DSV4_MAX_DIMS) as i32,
         shape,
-        data: d.addr as *mut c_void,
+        data: d.addr as *const c_void,
         nbytes: d.nbytes as u64,
         derived: 1,
         device,
@@ -1015,9 +1132,9 @@ pub unsafe extern "C" fn dsv4_weight_info(
         // The backend's copy: the store itself on the CPU, the device copy on CUDA (same
         // layout as the host store).
         let addr = h.engine.weight_addr(index);
-        let data = addr.data as *mut c_void;
+        let data = addr.data as *const c_void;
         if addr.scales != 0 {
-            st.scale = addr.scales as *mut c_void;
+            st.scale = addr.scales as *const c_void;
         }
         let info = dsv4_weight_desc {
             struct_size: 0, // restored to the caller's value by write_versioned

@@ -144,6 +144,21 @@ pub const DSV4_PHASE_READY: i32 = 2;
 /// Engine phase: between dsv4_refit_begin and dsv4_refit_end (refit allowed, forward not).
 pub const DSV4_PHASE_REFITTING: i32 = 3;
 
+/// What a tensor name accepted by dsv4_load_tensor / dsv4_refit stands for
+/// (dsv4_canonical_name, since ABI 1.3): one weight, whose canonical name is returned ...
+pub const DSV4_NAME_WEIGHT: i32 = 0;
+/// ... the block scale of the weight whose canonical name is returned ...
+pub const DSV4_NAME_SCALE: i32 = 1;
+/// ... transformers' fused `mlp.experts.gate_up_proj` [E, 2I, D] of a layer: every expert's
+/// w1 (rows 0..I) and w3 (rows I..2I); the returned prefix is `layers.L.ffn.experts` ...
+pub const DSV4_NAME_FUSED_GATE_UP: i32 = 2;
+/// ... transformers' fused `mlp.experts.down_proj` [E, D, I]: every expert's w2; the prefix is
+/// returned likewise ...
+pub const DSV4_NAME_FUSED_DOWN: i32 = 3;
+/// ... or a multi-token-prediction tensor (`mtp.*`), which the engine skips; the name is
+/// returned as given.
+pub const DSV4_NAME_SKIPPED: i32 = 4;
+
 const _: () = {
     assert!(DSV4_DTYPE_F32 == HostDtype::F32 as i32);
     assert!(DSV4_DTYPE_BF16 == HostDtype::Bf16 as i32);
@@ -260,15 +275,22 @@ pub struct dsv4_batch {
 pub struct dsv4_info {
     /// sizeof(dsv4_info) as the host compiled it (set by the caller, left unchanged).
     pub struct_size: usize,
+    /// Rows of the embedding and of the logits: size a logits buffer as
+    /// `num_logits * vocab_size` values.
     pub vocab_size: i32,
+    /// Model width D.
     pub hidden_size: i32,
+    /// Transformer layers (MTP not included).
     pub num_layers: i32,
+    /// Attention heads and their dimension.
     pub num_heads: i32,
     pub head_dim: i32,
     /// mHC residual streams (N).
     pub hc_mult: i32,
+    /// Routed experts per MoE layer, and how many each token uses.
     pub n_routed_experts: i32,
     pub experts_per_tok: i32,
+    /// Capacities fixed at create: sequence slots, tokens per forward, positions per slot.
     pub max_num_seqs: i32,
     pub max_num_tokens: i32,
     pub max_seq_len: i32,
@@ -286,22 +308,26 @@ pub struct dsv4_info {
     /// Since ABI 1.1. The engine's fixed buffers by kind, each one contiguous span that never
     /// moves from dsv4_create to dsv4_destroy (device memory on CUDA; NULL / 0 on the CPU
     /// backend, whose buffers are separate host allocations): weights and their scales ...
-    pub weights_base: *mut c_void,
+    pub weights_base: *const c_void,
     pub weights_nbytes: u64,
     /// ... derived tensors (rebuilt by finalize / refit) ...
-    pub derived_base: *mut c_void,
+    pub derived_base: *const c_void,
     pub derived_nbytes: u64,
     /// ... per-slot decode state (KV windows, compressed entries, compressor state) ...
-    pub state_base: *mut c_void,
+    pub state_base: *const c_void,
     pub state_nbytes: u64,
     /// ... and the activation workspace of dsv4_forward.
-    pub workspace_base: *mut c_void,
+    pub workspace_base: *const c_void,
     pub workspace_nbytes: u64,
     /// Since ABI 1.2. Device address of the engine's error record: a `dsv4_batch_fault`
     /// (32 bytes) that the first bad batch since it was last cleared fills in (CUDA; NULL on
     /// the CPU backend, which reports a bad batch from dsv4_forward). Read and clear it with
     /// dsv4_device_error, or copy it inside a graph.
-    pub device_error: *mut c_void,
+    pub device_error: *const c_void,
+    /// Since ABI 1.3. The config's `bos_token_id` and `eos_token_id` (0 and 1, DeepSeek-V4's,
+    /// when the config names none).
+    pub bos_token_id: i64,
+    pub eos_token_id: i64,
 }
 
 /// One weight of the engine, filled by `dsv4_weight_info`. Set `struct_size` to
@@ -321,8 +347,9 @@ pub struct dsv4_weight_desc {
     /// Extents (entries past `ndim` are 0).
     pub shape: [i64; DSV4_MAX_DIMS],
     /// Address of the engine's storage: fixed from dsv4_create to dsv4_destroy. Host memory
-    /// when `device` is DSV4_DEVICE_CPU, else device memory. Read-only for the host.
-    pub data: *mut c_void,
+    /// when `device` is DSV4_DEVICE_CPU, else device memory. Read-only for the host (change
+    /// weights with dsv4_refit, which also rebuilds what derives from them).
+    pub data: *const c_void,
     /// Bytes of storage at `data`.
     pub nbytes: u64,
     /// Nonzero if the tensor is derived (rebuilt by finalize/refit, not loadable by name).
@@ -331,7 +358,7 @@ pub struct dsv4_weight_desc {
     pub device: i32,
     /// Block scales (f32, row-major over the block grid) when `dtype` is
     /// DSV4_DTYPE_F8_E4M3 or DSV4_DTYPE_FP4_E2M1, else NULL. Fixed address like `data`.
-    pub scale: *mut c_void,
+    pub scale: *const c_void,
     /// Bytes at `scale` (0 when NULL).
     pub scale_nbytes: u64,
     /// Rows and columns of the weight covered by one scale (0, 0 when unscaled).

@@ -49,6 +49,11 @@ pub const DSV4_STATUS_UNSUPPORTED: dsv4_status = 11;
 /// that modifies it is unusable afterwards (every later modifying call on it returns
 /// INTERNAL); destroy it.
 pub const DSV4_STATUS_INTERNAL: dsv4_status = 12;
+/// Since ABI 1.3. The engine's memory could not be allocated: at dsv4_create, its buffers do
+/// not fit in the free device memory or an allocation failed (host or device); at dsv4_load,
+/// a host buffer. Lower the capacities (max_num_seqs, max_num_tokens, max_seq_len) or free
+/// memory. (CAPACITY is a batch beyond the capacities fixed at create: send a smaller batch.)
+pub const DSV4_STATUS_OUT_OF_MEMORY: dsv4_status = 13;
 
 // The ABI values are the Rust `Status` discriminants; a change to either breaks the build.
 const _: () = {
@@ -65,10 +70,11 @@ const _: () = {
     assert!(DSV4_STATUS_CUDA == Status::Cuda as i32);
     assert!(DSV4_STATUS_UNSUPPORTED == Status::Unsupported as i32);
     assert!(DSV4_STATUS_INTERNAL == Status::Internal as i32);
+    assert!(DSV4_STATUS_OUT_OF_MEMORY == Status::OutOfMemory as i32);
 };
 
 /// Every status value, for tests and `dsv4_status_name`.
-pub(crate) const ALL_STATUSES: [Status; 13] = [
+pub(crate) const ALL_STATUSES: [Status; 14] = [
     Status::Ok,
     Status::InvalidArgument,
     Status::NullPointer,
@@ -82,6 +88,7 @@ pub(crate) const ALL_STATUSES: [Status; 13] = [
     Status::Cuda,
     Status::Unsupported,
     Status::Internal,
+    Status::OutOfMemory,
 ];
 
 /// Static NUL-terminated name of a status ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN").
@@ -103,6 +110,7 @@ pub(crate) fn status_cname(s: dsv4_status) -> &'static CStr {
         Status::Cuda => c"CUDA",
         Status::Unsupported => c"UNSUPPORTED",
         Status::Internal => c"INTERNAL",
+        Status::OutOfMemory => c"OUT_OF_MEMORY",
     }
 }
 

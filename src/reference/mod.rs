@@ -297,6 +297,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn slot_length(&self, slot: usize, _stream: StreamHandle) -> Result<usize> {
+        Ok(self.slot_lengths()[slot])
+    }
+
     /// The CPU backend reports a bad batch from forward itself.
     fn take_device_error(&mut self, _stream: StreamHandle) -> Result<Option<BatchFault>> {
         Ok(None)

@@ -228,7 +228,7 @@ fn try_zeroed<T: Default + Clone>(n: usize, name: &str) -> Result<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(n).map_err(|_| {
         crate::error::Error::new(
-            Status::Capacity,
+            Status::OutOfMemory,
             format!("cannot allocate {n} elements for weight `{name}`"),
         )
     })?;

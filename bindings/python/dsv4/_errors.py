@@ -16,6 +16,7 @@ STATUS_NAMES = {
     10: "CUDA",
     11: "UNSUPPORTED",
     12: "INTERNAL",
+    13: "OUT_OF_MEMORY",
 }
 
 
@@ -83,6 +84,10 @@ class InternalError(Error):
     status = 12
 
 
+class OutOfMemoryError(Error, MemoryError):
+    status = 13
+
+
 _BY_STATUS = {
     cls.status: cls
     for cls in (
@@ -98,6 +103,7 @@ _BY_STATUS = {
         CudaError,
         UnsupportedError,
         InternalError,
+        OutOfMemoryError,
     )
 }
 

@@ -62,7 +62,8 @@ DTYPE_F32, DTYPE_BF16, DTYPE_F16, DTYPE_I32, DTYPE_I64 = 0, 1, 2, 3, 4
 DTYPE_F8_E4M3, DTYPE_FP4_E2M1, DTYPE_E8M0 = 5, 6, 7
 # Reported by dsv4_weight_info for derived tensors only (layer 0's folded mHC projection).
 DTYPE_F64 = 8
-DTYPE_NAMES = {0: "f32", 1: "bf16", 2: "f16", 3: "i32", 4: "i64", 5: "f8_e4m3", 6: "fp4_e2m1", 7: "e8m0"}
+# Every DSV4_DTYPE_* (8, f64, only for derived tensors in the weight listing).
+DTYPE_NAMES = {0: "f32", 1: "bf16", 2: "f16", 3: "i32", 4: "i64", 5: "f8_e4m3", 6: "fp4_e2m1", 7: "e8m0", 8: "f64"}
 # Explicit `dtype=` strings for stored formats that numpy/torch cannot name by themselves.
 STORED_DTYPES = {
     "bf16": DTYPE_BF16, "bfloat16": DTYPE_BF16,
@@ -160,6 +161,9 @@ class Info(Structure):
         ("workspace_nbytes", c_uint64),
         # ABI minor 2: device address of the error record (CUDA; NULL on the CPU).
         ("device_error", c_void_p),
+        # ABI minor 3: the config's token ids.
+        ("bos_token_id", c_int64),
+        ("eos_token_id", c_int64),
     ]
 
 
@@ -227,6 +231,7 @@ _PROTOTYPES = {
     "dsv4_refit_begin": (_status, [_engine_p]),
     "dsv4_refit_end": (_status, [_engine_p, c_void_p]),
     "dsv4_refit_abort": (_status, [_engine_p, c_void_p]),
+    "dsv4_slot_length": (_status, [_engine_p, c_int32, c_void_p, POINTER(c_int32)]),
     "dsv4_release_slot": (_status, [_engine_p, c_int32]),
     "dsv4_get_info": (_status, [_engine_p, POINTER(Info)]),
     # ABI minor 2 (bound only when the library has it).

@@ -513,6 +513,13 @@ class Engine:
         the engine is ready (``dsv4_refit_abort``). ``stream`` as for :meth:`refit_end`."""
         self._call(self._lib.dsv4_refit_abort, self._stream(stream))
 
+    def slot_length(self, slot: int, stream=None) -> int:
+        """Positions sequence slot ``slot`` holds now (0 if unused or released). On CUDA it
+        reads the device's copy after the work on ``stream`` has run (it blocks the host)."""
+        n = ctypes.c_int32(-1)
+        self._call(self._lib.dsv4_slot_length, int(slot), self._stream(stream), ctypes.byref(n))
+        return n.value
+
     # -- bad batches on CUDA -------------------------------------------------------------
 
     def device_error(self, stream=None) -> "BatchFault | None":

@@ -53,6 +53,17 @@ def test_info_of_dummy_engine(engine):
     assert len(engine.weights()) == sum(not d["derived"] for d in engine.weight_descs())
 
 
+def test_info_token_ids_and_derived_dtypes(engine):
+    """ABI 1.3: the config's bos/eos ids are in info; derived f64 tensors are named "f64"."""
+    i = engine.info()
+    cfg_bos, cfg_eos = 0, 1  # the embedded tiny config's (DeepSeek-V4's) ids
+    assert (i["bos_token_id"], i["eos_token_id"]) == (cfg_bos, cfg_eos)
+    derived = [d for d in engine.weight_descs() if d["derived"]]
+    assert derived, "the engine lists its derived tensors"
+    assert all(isinstance(d["dtype"], str) and not d["dtype"].isdigit() for d in derived), derived
+    assert "f64" in {d["dtype"] for d in derived}
+
+
 def test_forward_shapes_and_finite(engine):
     logits = run_prompt(engine, 0, [1, 2, 3, 4, 5])
     assert logits.shape == (5, engine.vocab_size)
@@ -166,8 +177,13 @@ def test_refitting_aborts_on_an_exception_keeping_the_written_chunks():
 
 def test_release_restarts_slot(engine):
     run_prompt(engine, 2, [1, 2, 3])
+    assert engine.slot_length(2) == 3
     run_prompt(engine, 2, [4], start=3)  # continues
+    assert engine.slot_length(2) == 4
     engine.release(2)
+    assert engine.slot_length(2) == 0
+    with pytest.raises(dsv4.InvalidArgumentError, match="slot"):
+        engine.slot_length(4)
     with pytest.raises(dsv4.InvalidArgumentError, match="slot 2"):
         run_prompt(engine, 2, [5], start=4)
     assert np.isfinite(run_prompt(engine, 2, [1])).all()
