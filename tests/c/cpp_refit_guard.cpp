@@ -12,7 +12,9 @@
 // left by an exception (exceptions build) or an early return (status build), the engine is
 // READY again with the chunk written before the failure applied (read back through
 // dsv4_weight_info's data pointer and seen in the logits); a complete refit with end();
-// restoring the original weights gives the original logits and the same greedy tokens.
+// restoring the original weights gives the original logits and the same greedy tokens;
+// on a QUANTIZE engine, an FP8 half held without its scale makes end() fail (refit still
+// open) and is dropped when the guard aborts, and is written once its scale follows.
 #include "dsv4.hpp"
 
 #include <cmath>
@@ -190,6 +192,73 @@ static std::vector<int32_t> greedy(dsv4::Engine &e, int steps, bool check_reuse)
         EXPECT(finite, "finite decode logits");
     }
     return out;
+}
+
+/// Stored-format halves on a QUANTIZE engine (FP8 storage): FP8 codes sent without their
+/// scale are held; end() is then TENSOR and leaves the refit open; leaving the guard's scope
+/// drops the held half (the weight keeps its bytes) and the engine is READY. Sent with its
+/// scale in a later chunk, end() writes it.
+static void held_halves(dsv4_create_params p, const std::string &load) {
+    p.weight_format = DSV4_WEIGHT_FORMAT_QUANTIZE;
+    dsv4::Engine e;
+    EXPECT(dsv4::Engine::create(p, e) == DSV4_STATUS_OK, "create (QUANTIZE)");
+    EXPECT((load == "dummy" ? e.load_dummy() : e.load(load)) == DSV4_STATUS_OK, "load (QUANTIZE)");
+    EXPECT(e.finalize() == DSV4_STATUS_OK, "finalize (QUANTIZE)");
+    const std::string name = "layers.0.attn.wq_a.weight", scale_name = name + "_scale_inv";
+    dsv4::WeightInfo w;
+    EXPECT(e.find_weight(name, w) == DSV4_STATUS_OK && w.dtype == DSV4_DTYPE_F8_E4M3 && w.shape.size() == 2 &&
+               w.scale != nullptr && w.scale_block[0] > 0 && w.scale_block[1] > 0,
+           "an FP8 weight with block scales");
+    if (w.dtype != DSV4_DTYPE_F8_E4M3 || w.shape.size() != 2 || w.scale == nullptr || w.scale_block[0] <= 0) {
+        return;
+    }
+    const unsigned char *data = static_cast<const unsigned char *>(w.data);
+    const std::vector<unsigned char> before(data, data + w.nbytes);
+    const std::vector<unsigned char> codes(w.nbytes, 0x38); // e4m3 1.0 everywhere
+    EXPECT(codes != before, "new codes differ");
+    const std::vector<float> scale(static_cast<const float *>(w.scale),
+                                   static_cast<const float *>(w.scale) + w.scale_nbytes / 4);
+    const int64_t grid_r = (w.shape[0] + w.scale_block[0] - 1) / w.scale_block[0];
+    const int64_t grid_c = (w.shape[1] + w.scale_block[1] - 1) / w.scale_block[1];
+    EXPECT(static_cast<std::size_t>(grid_r * grid_c) == scale.size(), "scale grid");
+    const dsv4_tensor t_codes = dsv4::make_tensor(name.c_str(), DSV4_DTYPE_F8_E4M3, w.shape, codes.data());
+    const dsv4_tensor t_scale =
+        dsv4::make_tensor(scale_name.c_str(), DSV4_DTYPE_F32, {grid_r, grid_c}, scale.data());
+
+    bool left = false;
+#if defined(DSV4_HPP_EXCEPTIONS)
+    try {
+        auto g = e.refit_session();
+        g.refit({t_codes}); // held until its scale comes
+        g.end();            // throws TENSOR: the scale is missing
+    } catch (const dsv4::Error &err) {
+        left = err.status() == DSV4_STATUS_TENSOR;
+    }
+#else
+    auto scope = [&]() -> dsv4_status {
+        auto g = e.refit_session();
+        dsv4_status s = g.refit({t_codes});
+        if (s != DSV4_STATUS_OK) {
+            return s;
+        }
+        s = g.end();
+        EXPECT(g.is_open() && e.phase() == DSV4_PHASE_REFITTING, "a failed end() leaves the refit open");
+        return s;
+    };
+    left = scope() == DSV4_STATUS_TENSOR;
+#endif
+    EXPECT(left, "end() with a held half: TENSOR");
+    EXPECT(e.phase() == DSV4_PHASE_READY, "READY after the guard aborted");
+    EXPECT(std::memcmp(data, before.data(), before.size()) == 0, "the held half was dropped, never written");
+
+    {
+        auto g = e.refit_session();
+        EXPECT(g.refit({t_codes}) == DSV4_STATUS_OK, "codes (held)");
+        EXPECT(g.refit({t_scale}) == DSV4_STATUS_OK, "scale in a later chunk");
+        EXPECT(g.end() == DSV4_STATUS_OK, "end() with the pair complete");
+    }
+    EXPECT(e.phase() == DSV4_PHASE_READY, "READY");
+    EXPECT(std::memcmp(data, codes.data(), codes.size()) == 0, "the pair was written");
 }
 
 static int run(const std::string &config, const std::string &load) {
@@ -479,6 +548,7 @@ static int run(const std::string &config, const std::string &load) {
     EXPECT(greedy(engine, 4, true) == tokens, "decode again: the same greedy tokens");
 
     EXPECT(dsv4::clear_log_callback() == DSV4_STATUS_OK, "clear_log_callback");
+    held_halves(p, load);
     return 0;
 }
 
