@@ -3,8 +3,11 @@
 //!
 //! - `abi_smoke.c` as C11 (`gcc -std=c11 -Wall -Wextra -Wpedantic -Werror`) and the same
 //!   file as C++17 (`g++ -std=c++17 -x c++ ...`);
-//! - `cpp_wrapper.cpp` (bindings/cpp/dsv4.hpp) as C++17, with and without
-//!   `DSV4_HPP_EXCEPTIONS`.
+//! - `cpp_wrapper.cpp` and `cpp_refit_guard.cpp` (bindings/cpp/dsv4.hpp) as C++17, each
+//!   with and without `DSV4_HPP_EXCEPTIONS`. `cpp_refit_guard` runs a serving / RL flow:
+//!   weight queries, prefill + greedy decode into a reused logits buffer, the log callback,
+//!   chunked refits through `dsv4::RefitSession` left by an exception or an early return
+//!   (engine READY, the chunk written before the failure applied), a complete refit.
 //!
 //! Each program runs on the embedded tiny model with dummy weights and on the committed
 //! checkpoint fixture `tests/fixtures/tiny`. `abi_smoke` (with `DSV4_NUMERICS_EXACT`) checks
@@ -165,8 +168,6 @@ fn c_and_cpp_programs_compile_and_run() {
     std::fs::create_dir_all(&out_dir).unwrap();
     let smoke = root().join("tests/c/abi_smoke.c");
     let smoke = smoke.to_str().unwrap();
-    let wrapper = root().join("tests/c/cpp_wrapper.cpp");
-    let wrapper = wrapper.to_str().unwrap();
     let strict = ["-Wall", "-Wextra", "-Wpedantic", "-Werror"];
 
     let mut programs: Vec<(String, PathBuf)> = Vec::new();
@@ -192,17 +193,20 @@ fn c_and_cpp_programs_compile_and_run() {
             &lib_dir,
         );
         programs.push(("abi_smoke (C++17)".into(), cpp_bin));
-        for (tag, extra) in [
-            ("status", None),
-            ("exceptions", Some("-DDSV4_HPP_EXCEPTIONS")),
-        ] {
-            let bin = out_dir.join(format!("cpp_wrapper_{tag}"));
-            let mut args = vec!["-std=c++17"];
-            args.extend(strict);
-            args.extend(extra);
-            args.push(wrapper);
-            compile("g++", &args, &bin, &lib_dir);
-            programs.push((format!("cpp_wrapper ({tag})"), bin));
+        for program in ["cpp_wrapper", "cpp_refit_guard"] {
+            let source = root().join(format!("tests/c/{program}.cpp"));
+            for (tag, extra) in [
+                ("status", None),
+                ("exceptions", Some("-DDSV4_HPP_EXCEPTIONS")),
+            ] {
+                let bin = out_dir.join(format!("{program}_{tag}"));
+                let mut args = vec!["-std=c++17"];
+                args.extend(strict);
+                args.extend(extra);
+                args.push(source.to_str().unwrap());
+                compile("g++", &args, &bin, &lib_dir);
+                programs.push((format!("{program} ({tag})"), bin));
+            }
         }
     } else {
         println!("skipped: no C++ compiler (g++ not found); C11 only");
@@ -260,8 +264,9 @@ fn c_and_cpp_programs_compile_and_run() {
                 println!(
                     "{name} [{config}, {load}]: {}",
                     out.lines()
-                        .filter(|l| l.starts_with("logit0"))
-                        .collect::<String>()
+                        .filter(|l| l.starts_with("logit0") || l.starts_with("greedy tokens"))
+                        .collect::<Vec<_>>()
+                        .join("; ")
                 );
             }
         }
