@@ -250,11 +250,11 @@ struct WeightInfo {
     std::string name;           ///< canonical name
     int32_t dtype = 0;          ///< DSV4_DTYPE_* of the storage
     std::vector<int64_t> shape; ///< extents (ndim entries)
-    void *data = nullptr;       ///< storage address (read-only for the host)
+    const void *data = nullptr;  ///< storage address (read-only for the host)
     uint64_t nbytes = 0;        ///< bytes at `data`
     bool derived = false;       ///< rebuilt by finalize / refit, not loadable by name
     int32_t device = DSV4_DEVICE_CPU;
-    void *scale = nullptr;      ///< f32 block scales (FP8/FP4 storage), else NULL
+    const void *scale = nullptr; ///< f32 block scales (FP8/FP4 storage), else NULL
     uint64_t scale_nbytes = 0;  ///< bytes at `scale`
     int32_t scale_block[2] = {0, 0};
 
@@ -560,6 +560,28 @@ class Engine {
     /// dsv4_release_slot: forgets slot `slot`'s sequence (CUDA: blocks until the device's
     /// queued work is done; not inside a graph capture).
     dsv4_status release_slot(int32_t slot) { return detail::check(dsv4_release_slot(ptr_.get(), slot)); }
+
+    /// dsv4_slot_length: positions slot `slot` holds now (0 if unused or released). CUDA: read
+    /// after the work on `stream` has run (blocks the host; not inside a graph capture).
+    dsv4_status slot_length(int32_t slot, int32_t &out, void *stream = nullptr) const {
+        return detail::check(dsv4_slot_length(ptr_.get(), slot, stream, &out));
+    }
+
+    /// dsv4_canonical_name: what a tensor name of any accepted scheme stands for (`kind`,
+    /// DSV4_NAME_*) and its canonical name in `out`.
+    dsv4_status canonical_name(const std::string &name, std::string &out, int32_t &kind) const {
+        std::size_t len = 0;
+        dsv4_status s = dsv4_canonical_name(ptr_.get(), name.c_str(), nullptr, 0, &len, &kind);
+        if (s != DSV4_STATUS_CAPACITY) {
+            return detail::check(s);  // an error (an OK here would mean an empty name)
+        }
+        std::vector<char> buf(len + 1);
+        s = dsv4_canonical_name(ptr_.get(), name.c_str(), buf.data(), buf.size(), &len, &kind);
+        if (s == DSV4_STATUS_OK) {
+            out.assign(buf.data(), len);
+        }
+        return detail::check(s);
+    }
 
     /// dsv4_device_error: returns and clears the first fault of a bad batch that a CUDA
     /// engine's forwards met since the last call. Syncs `stream` (never call it inside a

@@ -171,6 +171,15 @@ static std::vector<int32_t> greedy(dsv4::Engine &e, int steps, bool check_reuse)
     const float *buffer = logits.data();
     EXPECT(e.forward(b, logits) == DSV4_STATUS_OK, "prefill of two sequences");
     EXPECT(logits.size() == 2 * vocab, "prefill logits: 2 rows x vocab");
+    int32_t len0 = -1, len1 = -1;
+    EXPECT(e.slot_length(0, len0) == DSV4_STATUS_OK && e.slot_length(1, len1) == DSV4_STATUS_OK && len0 == 4 &&
+               len1 == 2,
+           "slot lengths after the prefill");
+    std::string canonical;
+    int32_t kind = -1;
+    EXPECT(e.canonical_name("model.layers.0.self_attn.q_a_proj.weight", canonical, kind) == DSV4_STATUS_OK &&
+               canonical == "layers.0.attn.wq_a.weight" && kind == DSV4_NAME_WEIGHT,
+           "canonical name of an HF-native name");
     int32_t pos[2] = {4, 2};
     for (int step = 0; step < steps; ++step) {
         const int32_t t0 = static_cast<int32_t>(argmax(logits.data(), vocab));
