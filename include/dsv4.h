@@ -499,6 +499,35 @@ typedef struct dsv4_batch {
 } dsv4_batch;
 
 /**
+ * The memory an engine would use, by kind (`dsv4_plan_memory`, since ABI 1.3); after create
+ * `dsv4_get_info` reports the same figures. Set `struct_size` to sizeof(dsv4_memory_plan).
+ *
+ * CPU backend: host memory. Weights are the values and f32 scales of every weight as stored
+ * (`weight_format`), derived is layer 0's folded mHC projection, state the decode state of
+ * every slot; the forward's scratch is allocated per call and not counted (workspace 0).
+ * CUDA backend: the create-time device allocation, each kind the span it occupies (padding
+ * included), `device_nbytes` the allocation's size; `host_nbytes` is the host copy of the
+ * weights that load and refit write through.
+ */
+typedef struct dsv4_memory_plan {
+    /**
+     * sizeof(dsv4_memory_plan) as the host compiled it (set by the caller, left unchanged).
+     */
+    size_t struct_size;
+    uint64_t weights_nbytes;
+    uint64_t derived_nbytes;
+    /**
+     * All `max_num_seqs` slots, and one slot at `max_seq_len` (CUDA: what one more slot adds;
+     * size `max_num_seqs` to a budget as (budget - everything else) / state_slot_nbytes).
+     */
+    uint64_t state_nbytes;
+    uint64_t state_slot_nbytes;
+    uint64_t workspace_nbytes;
+    uint64_t device_nbytes;
+    uint64_t host_nbytes;
+} dsv4_memory_plan;
+
+/**
  * The first fault of a bad batch on a CUDA engine, as dsv4_device_error returns it. The
  * same 32 bytes live in device memory at `dsv4_info.device_error`, where a host may copy
  * them inside its own graph (status 0 = no fault recorded).
@@ -637,6 +666,15 @@ typedef struct dsv4_info {
      */
     int64_t bos_token_id;
     int64_t eos_token_id;
+    /**
+     * Since ABI 1.3. The rest of the memory figures (`dsv4_memory_plan`, whose other fields
+     * are the `*_nbytes` above, which since 1.3 the CPU backend fills too, with NULL bases):
+     * the state of one slot at max_seq_len, the device bytes the engine allocated (0 on the
+     * CPU) and the host bytes its buffers take.
+     */
+    uint64_t state_slot_nbytes;
+    uint64_t device_nbytes;
+    uint64_t host_nbytes;
 } dsv4_info;
 
 /**
@@ -857,6 +895,21 @@ struct dsv4_batch dsv4_batch_default(void);
  * `out` must be writable.
  */
 dsv4_status dsv4_create(const struct dsv4_create_params *params, struct dsv4_engine **out);
+
+/**
+ * The memory an engine created with `params` would use, by kind (since ABI 1.3): see
+ * `dsv4_memory_plan`. It reads the config and checks the params exactly as dsv4_create
+ * does, and allocates nothing (no weights, no device memory; CUDA needs no device: the
+ * plan is the same on any GPU). After dsv4_create with the same params, dsv4_get_info
+ * reports the same figures.
+ *
+ * Errors: those of dsv4_create's checks (NULL_POINTER, INVALID_ARGUMENT, CONFIG, IO), and
+ * NULL_POINTER for `out`.
+ *
+ * # Safety
+ * As dsv4_create; `out` writable with `out->struct_size` set.
+ */
+dsv4_status dsv4_plan_memory(const struct dsv4_create_params *params, struct dsv4_memory_plan *out);
 
 /**
  * Frees an engine and everything it owns. NULL is a no-op. The handle and every pointer

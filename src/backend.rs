@@ -158,6 +158,10 @@ pub trait Backend {
     /// Forgets `slot`'s state (`slot` < max_num_seqs, checked by the engine).
     fn release_slot(&mut self, slot: usize) -> Result<()>;
 
+    /// The engine's memory by kind, as allocated at create (crate::memory: the same figures
+    /// its plan gave).
+    fn memory(&self) -> crate::memory::MemoryFigures;
+
     /// Positions `slot` holds (`slot` < max_num_seqs, checked by the engine), after the work
     /// enqueued on `stream` has run (a device backend reads its copy, blocking the host).
     fn slot_length(&self, slot: usize, stream: StreamHandle) -> Result<usize>;

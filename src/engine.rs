@@ -126,6 +126,26 @@ impl Engine {
         })
     }
 
+    /// The memory an engine created from `source` with `opts` would use, by kind
+    /// (crate::memory), allocating nothing; the same checks as [`Engine::create`] apply.
+    pub fn plan_memory(
+        source: &ConfigSource,
+        opts: &EngineOptions,
+    ) -> Result<crate::memory::MemoryFigures> {
+        let cfg = match source {
+            ConfigSource::Path(p) => ModelConfig::from_path(p)?,
+            ConfigSource::Json(t) => ModelConfig::from_json_str(t)?,
+            ConfigSource::TinyDefault => ModelConfig::tiny_default(),
+        };
+        validate_options(&cfg, opts)?;
+        crate::memory::plan(&cfg, opts)
+    }
+
+    /// The memory this engine allocated at create, by kind (the figures its plan gave).
+    pub fn memory(&self) -> crate::memory::MemoryFigures {
+        self.backend.memory()
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }

@@ -12,6 +12,7 @@ pub mod engine;
 pub mod error;
 pub mod ffi;
 pub mod log;
+pub mod memory;
 pub mod model;
 pub mod options;
 pub mod reference;

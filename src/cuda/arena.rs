@@ -129,6 +129,20 @@ impl ArenaPlan {
         align_up(self.bound.max(1), BASE_ALIGN)
     }
 
+    /// `(offset, bytes)` of every region in reservation order, as [`Arena::from_plan`] will
+    /// place them (its base is aligned to at least every region's alignment).
+    pub fn offsets(&self) -> Vec<(usize, usize)> {
+        let mut cursor = 0;
+        self.regions
+            .iter()
+            .map(|(_, bytes, align)| {
+                let start = align_up(cursor, *align);
+                cursor = start + bytes;
+                (start, *bytes)
+            })
+            .collect()
+    }
+
     pub fn len(&self) -> usize {
         self.regions.len()
     }

@@ -16,12 +16,13 @@ use crate::cuda::memory_plan::{BufferKind, Buffers, MemoryPlan};
 use crate::cuda::registry::{KernelCache, Registry};
 use crate::cuda::stream::BorrowedStream;
 use crate::error::{Error, Result, Status};
+use crate::memory::MemoryFigures;
 use crate::model::batch::{BatchFault, FAULT_RECORD_INTS};
 use crate::model::hc_fold::fold_projection;
 use crate::model::rope;
 use crate::options::EngineOptions;
 use crate::state::layout::layer_layouts;
-use crate::weights::store::{TensorData, WeightStore};
+use crate::weights::store::{TensorData, WeightLayout, WeightStore};
 
 use crate::cuda::device_model::plan_model;
 pub use crate::cuda::device_model::{
@@ -45,6 +46,47 @@ pub struct CudaBackend {
     /// The batch check every forward starts with (every set compiles its family).
     checker: Option<BatchKernels>,
     set: Option<Box<dyn KernelSet>>,
+    /// What one more slot adds to the state (crate::memory), computed at create.
+    state_per_slot: u64,
+    /// Bytes of the host copy of the weights.
+    host_weight_bytes: u64,
+}
+
+/// The memory plan of a CUDA engine (crate::memory), without a device: the same declarations
+/// as [`CudaBackend::new`] makes, laid out as its arena will be.
+pub fn plan_memory(
+    cfg: &ModelConfig,
+    opts: &EngineOptions,
+    weights: &[(String, Vec<usize>, WeightLayout)],
+    host_weights: u64,
+) -> Result<MemoryFigures> {
+    let plan_for = |slots: usize| -> Result<MemoryPlan> {
+        let o = EngineOptions {
+            max_num_seqs: slots,
+            ..opts.clone()
+        };
+        let placement = Placement::all(cfg);
+        let layouts = layer_layouts(cfg, o.max_seq_len);
+        let mut plan = MemoryPlan::new();
+        plan_model(&mut plan, cfg, &o, weights, &placement, &layouts)?;
+        kernel_sets::reserve_workspace(o.kernel_set(), &mut plan, cfg, &o)?;
+        Ok(plan)
+    };
+    let plan = plan_for(opts.max_num_seqs)?;
+    let state = plan.kind_span(BufferKind::State);
+    let (one, two) = (
+        plan_for(1)?.kind_span(BufferKind::State),
+        plan_for(2)?.kind_span(BufferKind::State),
+    );
+    Ok(MemoryFigures {
+        weights: plan.kind_span(BufferKind::Weights),
+        derived: plan.kind_span(BufferKind::Derived),
+        state,
+        state_per_slot: two - one,
+        workspace: plan.kind_span(BufferKind::Workspace),
+        device: plan.total_bytes() as u64,
+        host: host_weights,
+    })
 }
 
 impl CudaBackend {
@@ -56,10 +98,17 @@ impl CudaBackend {
     ) -> Result<CudaBackend> {
         let placement = Placement::all(cfg);
         let layouts = layer_layouts(cfg, opts.max_seq_len);
+        let weight_layouts = store.allocated_layouts();
+        let host_weight_bytes = weight_layouts
+            .iter()
+            .map(|(_, _, l)| l.bytes() as u64)
+            .sum();
+        let state_per_slot =
+            plan_memory(cfg, opts, &weight_layouts, host_weight_bytes)?.state_per_slot;
         let ctx = Context::retain(opts.device)?;
         let _g = ctx.enter()?;
         let mut plan = MemoryPlan::new();
-        let planned = plan_model(&mut plan, cfg, opts, store, &placement, &layouts)?;
+        let planned = plan_model(&mut plan, cfg, opts, &weight_layouts, &placement, &layouts)?;
         let set_ws = kernel_sets::reserve_workspace(opts.kernel_set(), &mut plan, cfg, opts)?;
         let (free, _) = ctx.mem_info()?;
         if plan.total_bytes() > free {
@@ -90,6 +139,8 @@ impl CudaBackend {
             registry: None,
             checker: None,
             set: None,
+            state_per_slot,
+            host_weight_bytes,
         })
     }
 
@@ -300,6 +351,19 @@ impl Backend for CudaBackend {
     /// released slot, as the CPU backend does.
     fn release_slot(&mut self, slot: usize) -> Result<()> {
         self.clear_slot(slot)
+    }
+
+    fn memory(&self) -> MemoryFigures {
+        let b = &self.buffers;
+        MemoryFigures {
+            weights: b.span(BufferKind::Weights).1,
+            derived: b.span(BufferKind::Derived).1,
+            state: b.span(BufferKind::State).1,
+            state_per_slot: self.state_per_slot,
+            workspace: b.span(BufferKind::Workspace).1,
+            device: b.arena.total_bytes() as u64,
+            host: self.host_weight_bytes,
+        }
     }
 
     /// The device copy of the slot's length, once the work on `stream` has run (commit_slots

@@ -15,7 +15,7 @@ use crate::options::EngineOptions;
 use crate::state::layout::{CompressorLayout, LayerLayout};
 use crate::weights::format::StorageFormat;
 use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
-use crate::weights::store::{TensorData, WeightStore};
+use crate::weights::store::{StorageKind, WeightLayout, WeightStore};
 
 pub use crate::cuda::kernels::linear::WeightDev;
 
@@ -89,28 +89,21 @@ pub struct DeviceModel {
     pub hc0_fold: DevicePtr,
 }
 
-/// Format, byte count, scale count and scale block of a weight's device copy (the host
-/// store's layout).
-fn weight_layout(data: &TensorData) -> (StorageFormat, usize, Option<usize>, [usize; 2]) {
-    match data {
-        TensorData::F32(v) => (StorageFormat::F32, v.len() * 4, None, [0, 0]),
+/// The device form of a weight's storage: format, value bytes, scale count, FP8 block.
+fn device_layout(l: &WeightLayout) -> (StorageFormat, usize, Option<usize>, [usize; 2]) {
+    match l.kind {
         // Index tables are raw int32 words; only their address is used.
-        TensorData::I32(v) => (StorageFormat::F32, v.len() * 4, None, [0, 0]),
-        TensorData::Bf16(v) => (StorageFormat::Bf16, v.len() * 2, None, [0, 0]),
-        TensorData::Quant(q) => match q.format {
-            QFormat::Fp8 { block } => (
-                StorageFormat::Fp8,
-                q.codes.len(),
-                Some(q.scales.len()),
-                block,
-            ),
-            QFormat::Fp4 => (
-                StorageFormat::Fp4,
-                q.codes.len(),
-                Some(q.scales.len()),
-                [1, FP4_BLOCK],
-            ),
-        },
+        StorageKind::F32 | StorageKind::I32 => (StorageFormat::F32, l.data_bytes, None, [0, 0]),
+        StorageKind::Bf16 => (StorageFormat::Bf16, l.data_bytes, None, [0, 0]),
+        StorageKind::Quant(QFormat::Fp8 { block }) => {
+            (StorageFormat::Fp8, l.data_bytes, Some(l.scales), block)
+        }
+        StorageKind::Quant(QFormat::Fp4) => (
+            StorageFormat::Fp4,
+            l.data_bytes,
+            Some(l.scales),
+            [1, FP4_BLOCK],
+        ),
     }
 }
 
@@ -153,13 +146,14 @@ pub(crate) struct PlannedBuffers {
 }
 
 /// Weights, in their stored format.
-fn plan_weights(plan: &mut MemoryPlan, store: &WeightStore) -> Result<Vec<WeightIds>> {
-    store
-        .tensors()
+fn plan_weights(
+    plan: &mut MemoryPlan,
+    layouts: &[(String, Vec<usize>, WeightLayout)],
+) -> Result<Vec<WeightIds>> {
+    layouts
         .iter()
-        .map(|tns| {
-            let (format, bytes, scales, block) = weight_layout(&tns.data);
-            let name = &tns.spec.name;
+        .map(|(name, shape, layout)| {
+            let (format, bytes, scales, block) = device_layout(layout);
             let data = plan.declare(
                 BufferKind::Weights,
                 format!("weight:{name}"),
@@ -176,13 +170,14 @@ fn plan_weights(plan: &mut MemoryPlan, store: &WeightStore) -> Result<Vec<Weight
                     )
                 })
                 .transpose()?;
-            let cols = *tns.spec.shape.last().unwrap_or(&1);
+            let cols = *shape.last().unwrap_or(&1);
+            let numel: usize = shape.iter().product();
             Ok(WeightIds {
                 data,
                 scales,
                 format,
                 block,
-                rows: tns.spec.numel() / cols.max(1),
+                rows: numel / cols.max(1),
                 cols,
             })
         })
@@ -242,13 +237,13 @@ pub(crate) fn plan_model(
     plan: &mut MemoryPlan,
     cfg: &ModelConfig,
     opts: &EngineOptions,
-    store: &WeightStore,
+    weights: &[(String, Vec<usize>, WeightLayout)],
     placement: &Placement,
     layouts: &[LayerLayout],
 ) -> Result<PlannedBuffers> {
     let (n, d) = (cfg.hc_mult, cfg.hidden_size);
     let slots = opts.max_num_seqs;
-    let weights = plan_weights(plan, store)?;
+    let weights = plan_weights(plan, weights)?;
     // Derived tensors (rebuilt by finalize / refit from the weights).
     let mut expert_tables = vec![];
     for l in placement.layers.clone() {

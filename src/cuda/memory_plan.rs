@@ -112,6 +112,23 @@ impl MemoryPlan {
     pub fn arena_plan(&self) -> &ArenaPlan {
         &self.arena
     }
+
+    /// Bytes of the span covering every buffer of `kind` once allocated (padding between
+    /// them included): what [`Buffers::span`] will report.
+    pub fn kind_span(&self, kind: BufferKind) -> u64 {
+        let (mut lo, mut hi) = (usize::MAX, 0);
+        for (d, (start, bytes)) in self.decls.iter().zip(self.arena.offsets()) {
+            if d.kind == kind {
+                lo = lo.min(start);
+                hi = hi.max(start + bytes);
+            }
+        }
+        if lo == usize::MAX {
+            0
+        } else {
+            (hi - lo) as u64
+        }
+    }
 }
 
 /// The allocated plan: the arena and what each of its regions is.

@@ -204,6 +204,46 @@ pub unsafe extern "C" fn dsv4_create(
     })
 }
 
+/// The memory an engine created with `params` would use, by kind (since ABI 1.3): see
+/// `dsv4_memory_plan`. It reads the config and checks the params exactly as dsv4_create
+/// does, and allocates nothing (no weights, no device memory; CUDA needs no device: the
+/// plan is the same on any GPU). After dsv4_create with the same params, dsv4_get_info
+/// reports the same figures.
+///
+/// Errors: those of dsv4_create's checks (NULL_POINTER, INVALID_ARGUMENT, CONFIG, IO), and
+/// NULL_POINTER for `out`.
+///
+/// # Safety
+/// As dsv4_create; `out` writable with `out->struct_size` set.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_plan_memory(
+    params: *const dsv4_create_params,
+    out: *mut dsv4_memory_plan,
+) -> dsv4_status {
+    ffi_boundary("dsv4_plan_memory", || {
+        if out.is_null() {
+            return Err(null_error("out"));
+        }
+        // SAFETY: per the contract.
+        let p = unsafe { read_versioned(params, "params")? };
+        // SAFETY: per the contract.
+        let args = unsafe { create_args(&p)? };
+        let m = Engine::plan_memory(&args.source, &args.options)?;
+        let plan = dsv4_memory_plan {
+            struct_size: 0, // restored to the caller's value by write_versioned
+            weights_nbytes: m.weights,
+            derived_nbytes: m.derived,
+            state_nbytes: m.state,
+            state_slot_nbytes: m.state_per_slot,
+            workspace_nbytes: m.workspace,
+            device_nbytes: m.device,
+            host_nbytes: m.host,
+        };
+        // SAFETY: per the contract.
+        unsafe { write_versioned(out, "out", plan) }
+    })
+}
+
 /// Frees an engine and everything it owns. NULL is a no-op. The handle and every pointer
 /// obtained from it (weight names, weight data) are invalid afterwards. Must not race with
 /// any other call on the same engine. Never fails.
@@ -942,6 +982,7 @@ pub unsafe extern "C" fn dsv4_get_info(
         let h = unsafe { engine_ref(engine)? };
         let (c, o) = (h.engine.config(), h.engine.options());
         let spans = h.engine.buffer_spans();
+        let mem = h.engine.memory();
         let info = dsv4_info {
             struct_size: 0, // restored to the caller's value by write_versioned
             vocab_size: usize_to_i32(c.vocab_size),
@@ -961,16 +1002,19 @@ pub unsafe extern "C" fn dsv4_get_info(
             phase: phase_to_i32(h.engine.phase()),
             num_weights: h.names.len(),
             weights_base: spans.weights.0 as *const c_void,
-            weights_nbytes: spans.weights.1,
+            weights_nbytes: mem.weights,
             derived_base: spans.derived.0 as *const c_void,
-            derived_nbytes: spans.derived.1,
+            derived_nbytes: mem.derived,
             state_base: spans.state.0 as *const c_void,
-            state_nbytes: spans.state.1,
+            state_nbytes: mem.state,
             workspace_base: spans.workspace.0 as *const c_void,
-            workspace_nbytes: spans.workspace.1,
+            workspace_nbytes: mem.workspace,
             device_error: spans.device_error.0 as *const c_void,
             bos_token_id: c.bos_token_id,
             eos_token_id: c.eos_token_id,
+            state_slot_nbytes: mem.state_per_slot,
+            device_nbytes: mem.device,
+            host_nbytes: mem.host,
         };
         // SAFETY: per the contract.
         unsafe { write_versioned(out, "out", info) }

@@ -37,7 +37,7 @@ pub use params::{
     DSV4_RULE_ENDPOINT, DSV4_RULE_NOT_CONSECUTIVE, DSV4_RULE_NOT_CONTINUING,
     DSV4_RULE_NOT_INCREASING, DSV4_RULE_RANGE, DSV4_WEIGHT_FORMAT_AS_STORED,
     DSV4_WEIGHT_FORMAT_BF16, DSV4_WEIGHT_FORMAT_QUANTIZE, dsv4_batch, dsv4_batch_fault,
-    dsv4_create_params, dsv4_info, dsv4_tensor, dsv4_weight_desc,
+    dsv4_create_params, dsv4_info, dsv4_memory_plan, dsv4_tensor, dsv4_weight_desc,
 };
 pub use status::{
     DSV4_STATUS_CAPACITY, DSV4_STATUS_CONFIG, DSV4_STATUS_CUDA, DSV4_STATUS_FORMAT,

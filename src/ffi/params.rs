@@ -328,6 +328,38 @@ pub struct dsv4_info {
     /// when the config names none).
     pub bos_token_id: i64,
     pub eos_token_id: i64,
+    /// Since ABI 1.3. The rest of the memory figures (`dsv4_memory_plan`, whose other fields
+    /// are the `*_nbytes` above, which since 1.3 the CPU backend fills too, with NULL bases):
+    /// the state of one slot at max_seq_len, the device bytes the engine allocated (0 on the
+    /// CPU) and the host bytes its buffers take.
+    pub state_slot_nbytes: u64,
+    pub device_nbytes: u64,
+    pub host_nbytes: u64,
+}
+
+/// The memory an engine would use, by kind (`dsv4_plan_memory`, since ABI 1.3); after create
+/// `dsv4_get_info` reports the same figures. Set `struct_size` to sizeof(dsv4_memory_plan).
+///
+/// CPU backend: host memory. Weights are the values and f32 scales of every weight as stored
+/// (`weight_format`), derived is layer 0's folded mHC projection, state the decode state of
+/// every slot; the forward's scratch is allocated per call and not counted (workspace 0).
+/// CUDA backend: the create-time device allocation, each kind the span it occupies (padding
+/// included), `device_nbytes` the allocation's size; `host_nbytes` is the host copy of the
+/// weights that load and refit write through.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct dsv4_memory_plan {
+    /// sizeof(dsv4_memory_plan) as the host compiled it (set by the caller, left unchanged).
+    pub struct_size: usize,
+    pub weights_nbytes: u64,
+    pub derived_nbytes: u64,
+    /// All `max_num_seqs` slots, and one slot at `max_seq_len` (CUDA: what one more slot adds;
+    /// size `max_num_seqs` to a budget as (budget - everything else) / state_slot_nbytes).
+    pub state_nbytes: u64,
+    pub state_slot_nbytes: u64,
+    pub workspace_nbytes: u64,
+    pub device_nbytes: u64,
+    pub host_nbytes: u64,
 }
 
 /// One weight of the engine, filled by `dsv4_weight_info`. Set `struct_size` to
@@ -392,6 +424,10 @@ impl Versioned for dsv4_info {
     /// ABI 1.0 ended at `num_weights`; 1.1 appended the buffer spans.
     const V1_SIZE: usize = std::mem::offset_of!(dsv4_info, weights_base);
     const INIT_HINT: &'static str = "set it to sizeof(dsv4_info)";
+}
+impl Versioned for dsv4_memory_plan {
+    const V1_SIZE: usize = size_of::<Self>();
+    const INIT_HINT: &'static str = "set it to sizeof(dsv4_memory_plan)";
 }
 impl Versioned for dsv4_weight_desc {
     const V1_SIZE: usize = size_of::<Self>();

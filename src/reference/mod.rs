@@ -43,6 +43,8 @@ pub struct CpuBackend {
     hc0_fold: Vec<f64>,
     threads: Threads,
     prec: Prec,
+    /// Bytes of the weight store's values and scales (fixed at create).
+    weight_bytes: u64,
 }
 
 impl CpuBackend {
@@ -68,6 +70,11 @@ impl CpuBackend {
                 .collect(),
             hc0_fold: vec![0.0; (2 + cfg.hc_mult) * cfg.hc_mult * cfg.hidden_size],
             threads: Threads(threads),
+            weight_bytes: weights
+                .allocated_layouts()
+                .iter()
+                .map(|(_, _, l)| l.bytes() as u64)
+                .sum(),
             prec: Prec {
                 official: opts.numerics == Numerics::Official,
             },
@@ -295,6 +302,20 @@ impl Backend for CpuBackend {
     fn release_slot(&mut self, slot: usize) -> Result<()> {
         self.slots[slot].reset();
         Ok(())
+    }
+
+    fn memory(&self) -> crate::memory::MemoryFigures {
+        let state: u64 = self.slots.iter().map(|s| s.nbytes() as u64).sum();
+        let derived = (self.hc0_fold.len() * 8) as u64;
+        crate::memory::MemoryFigures {
+            weights: self.weight_bytes,
+            derived,
+            state,
+            state_per_slot: self.slots.first().map_or(0, |s| s.nbytes() as u64),
+            workspace: 0,
+            device: 0,
+            host: self.weight_bytes + derived + state,
+        }
     }
 
     fn slot_length(&self, slot: usize, _stream: StreamHandle) -> Result<usize> {

@@ -84,6 +84,49 @@ impl SlotState {
         Ok(SlotState { len: 0, layers })
     }
 
+    /// Bytes [`SlotState::new`] allocates for one slot, computed without allocating.
+    pub fn planned_bytes(cfg: &ModelConfig, max_seq_len: usize) -> usize {
+        let numel = |s: Option<[usize; 2]>| s.map_or(0, |[a, b]| a * b);
+        let comp = |c: Option<CompressorLayout>| {
+            c.map_or(0, |l| {
+                let ([r, w], [pr, pd]) = (l.pending(), l.prev());
+                2 * r * w + 2 * pr * pd
+            })
+        };
+        let floats: usize = layout::layer_layouts(cfg, max_seq_len)
+            .iter()
+            .map(|l| {
+                l.window[0] * l.window[1]
+                    + comp(l.compressor)
+                    + comp(l.index_compressor)
+                    + numel(l.entries)
+                    + numel(l.index_keys)
+            })
+            .sum();
+        floats * 4
+    }
+
+    /// Bytes this slot's buffers hold.
+    pub fn nbytes(&self) -> usize {
+        let comp = |c: &Option<CompressorState>| {
+            c.as_ref().map_or(0, |c| {
+                c.pending_a.len() + c.pending_z.len() + c.prev_a.len() + c.prev_z.len()
+            })
+        };
+        let floats: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.window.len()
+                    + comp(&l.compressor)
+                    + comp(&l.index_compressor)
+                    + l.entries.len()
+                    + l.index_keys.len()
+            })
+            .sum();
+        floats * 4
+    }
+
     /// Starts a fresh sequence: counters only, buffers keep their addresses.
     pub fn reset(&mut self) {
         self.len = 0;
@@ -102,7 +145,7 @@ fn zeros(n: usize) -> Result<Vec<f32>> {
     let mut v = Vec::new();
     v.try_reserve_exact(n).map_err(|_| {
         Error::new(
-            Status::Capacity,
+            Status::OutOfMemory,
             format!("cannot allocate {n} floats of decode state"),
         )
     })?;

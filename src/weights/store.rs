@@ -21,6 +21,32 @@ pub enum TensorData {
 }
 
 impl TensorData {
+    /// The storage as allocated (equals [`weight_layout`] of its spec).
+    pub fn layout(&self) -> WeightLayout {
+        match self {
+            TensorData::F32(v) => WeightLayout {
+                kind: StorageKind::F32,
+                data_bytes: v.len() * 4,
+                scales: 0,
+            },
+            TensorData::I32(v) => WeightLayout {
+                kind: StorageKind::I32,
+                data_bytes: v.len() * 4,
+                scales: 0,
+            },
+            TensorData::Bf16(v) => WeightLayout {
+                kind: StorageKind::Bf16,
+                data_bytes: v.len() * 2,
+                scales: 0,
+            },
+            TensorData::Quant(q) => WeightLayout {
+                kind: StorageKind::Quant(q.format),
+                data_bytes: q.codes.len(),
+                scales: q.scales.len(),
+            },
+        }
+    }
+
     /// Address of the stored values (the codes, for quantized weights).
     pub fn as_ptr(&self) -> *const u8 {
         match self {
@@ -80,10 +106,36 @@ impl MatRef<'_> {
 
 /// The storage chosen for a weight: quantizable weights follow `weight_format`; everything
 /// else is f32 (or i32 for index tables) on the CPU backend.
-fn storage_for(spec: &TensorSpec, cfg: &ModelConfig, format: WeightFormat) -> Result<TensorData> {
-    let n = spec.numel();
+/// How one weight is stored, decided from its spec, the config and the weight format alone
+/// (no allocation): what [`WeightStore::allocate_with`] allocates and what the memory plan
+/// counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StorageKind {
+    I32,
+    F32,
+    Bf16,
+    Quant(QFormat),
+}
+
+/// One weight's storage: its kind and bytes (values or codes, and f32 scales).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WeightLayout {
+    pub kind: StorageKind,
+    pub data_bytes: usize,
+    /// f32 block scales (quantized weights only).
+    pub scales: usize,
+}
+
+impl WeightLayout {
+    /// Bytes of values and scales.
+    pub fn bytes(&self) -> usize {
+        self.data_bytes + self.scales * 4
+    }
+}
+
+fn storage_kind(spec: &TensorSpec, cfg: &ModelConfig, format: WeightFormat) -> Result<StorageKind> {
     if spec.kind == ElemKind::Index {
-        return Ok(TensorData::I32(try_zeroed(n, &spec.name)?));
+        return Ok(StorageKind::I32);
     }
     let quantizable = spec.stored != StoredAs::Plain && spec.shape.len() == 2;
     let quantize = match format {
@@ -92,13 +144,13 @@ fn storage_for(spec: &TensorSpec, cfg: &ModelConfig, format: WeightFormat) -> Re
         WeightFormat::Bf16 => false,
     };
     if !quantizable {
-        return Ok(TensorData::F32(try_zeroed(n, &spec.name)?));
+        return Ok(StorageKind::F32);
     }
     if format == WeightFormat::Bf16 {
-        return Ok(TensorData::Bf16(try_zeroed(n, &spec.name)?));
+        return Ok(StorageKind::Bf16);
     }
     if !quantize {
-        return Ok(TensorData::F32(try_zeroed(n, &spec.name)?));
+        return Ok(StorageKind::F32);
     }
     let block = cfg.quant.as_ref().map_or([128, 128], |q| q.weight_block);
     let experts_fp8 = cfg.quant.as_ref().is_some_and(|q| q.expert_dtype == "fp8");
@@ -106,7 +158,7 @@ fn storage_for(spec: &TensorSpec, cfg: &ModelConfig, format: WeightFormat) -> Re
         StoredAs::Fp4Expert if !experts_fp8 => QFormat::Fp4,
         _ => QFormat::Fp8 { block },
     };
-    let (rows, cols) = (spec.shape[0], spec.shape[1]);
+    let cols = spec.shape[1];
     if qf == QFormat::Fp4 && cols % 2 != 0 {
         crate::bail!(
             Config,
@@ -114,10 +166,58 @@ fn storage_for(spec: &TensorSpec, cfg: &ModelConfig, format: WeightFormat) -> Re
             spec.name
         );
     }
-    // Reserve first so a huge config fails cleanly instead of aborting.
-    let _probe: Vec<u8> = try_zeroed(rows * cols, &spec.name)?;
-    drop(_probe);
-    Ok(TensorData::Quant(QMatrix::zeros(qf, rows, cols)))
+    Ok(StorageKind::Quant(qf))
+}
+
+/// The storage of weight `spec` (see [`StorageKind`]), without allocating it.
+pub fn weight_layout(
+    spec: &TensorSpec,
+    cfg: &ModelConfig,
+    format: WeightFormat,
+) -> Result<WeightLayout> {
+    let kind = storage_kind(spec, cfg, format)?;
+    let n = spec.numel();
+    Ok(match kind {
+        StorageKind::I32 | StorageKind::F32 => WeightLayout {
+            kind,
+            data_bytes: n * 4,
+            scales: 0,
+        },
+        StorageKind::Bf16 => WeightLayout {
+            kind,
+            data_bytes: n * 2,
+            scales: 0,
+        },
+        StorageKind::Quant(q) => {
+            let (rows, cols) = (spec.shape[0], spec.shape[1]);
+            let f = crate::weights::format::StorageFormat::of_qformat(q);
+            let block = match q {
+                QFormat::Fp8 { block } => block,
+                QFormat::Fp4 => [0, 0],
+            };
+            WeightLayout {
+                kind,
+                data_bytes: f.data_bytes(rows, cols),
+                scales: f.scale_count(rows, cols, block),
+            }
+        }
+    })
+}
+
+fn storage_for(spec: &TensorSpec, cfg: &ModelConfig, format: WeightFormat) -> Result<TensorData> {
+    let n = spec.numel();
+    Ok(match storage_kind(spec, cfg, format)? {
+        StorageKind::I32 => TensorData::I32(try_zeroed(n, &spec.name)?),
+        StorageKind::F32 => TensorData::F32(try_zeroed(n, &spec.name)?),
+        StorageKind::Bf16 => TensorData::Bf16(try_zeroed(n, &spec.name)?),
+        StorageKind::Quant(qf) => {
+            let (rows, cols) = (spec.shape[0], spec.shape[1]);
+            // Reserve first so a huge config fails cleanly instead of aborting.
+            let _probe: Vec<u8> = try_zeroed(rows * cols, &spec.name)?;
+            drop(_probe);
+            TensorData::Quant(QMatrix::zeros(qf, rows, cols))
+        }
+    })
 }
 
 pub struct Tensor {
@@ -135,6 +235,29 @@ impl WeightStore {
     /// the checkpoint the config declares.
     pub fn allocate(cfg: &ModelConfig) -> Result<Self> {
         Self::allocate_with(cfg, WeightFormat::AsStored)
+    }
+
+    /// Every weight's (name, shape, storage) as [`WeightStore::allocate_with`] would allocate
+    /// it, allocating nothing (the memory plan).
+    pub fn layouts(
+        cfg: &ModelConfig,
+        format: WeightFormat,
+    ) -> Result<Vec<(String, Vec<usize>, WeightLayout)>> {
+        tensor_specs(cfg)
+            .into_iter()
+            .map(|spec| {
+                let l = weight_layout(&spec, cfg, format)?;
+                Ok((spec.name, spec.shape, l))
+            })
+            .collect()
+    }
+
+    /// The allocated weights' (name, shape, storage), in [`WeightStore::layouts`] order.
+    pub fn allocated_layouts(&self) -> Vec<(String, Vec<usize>, WeightLayout)> {
+        self.tensors
+            .iter()
+            .map(|t| (t.spec.name.clone(), t.spec.shape.clone(), t.data.layout()))
+            .collect()
     }
 
     /// Allocates every weight with quantizable weights held per `format`.

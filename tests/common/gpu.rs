@@ -128,6 +128,12 @@ pub fn print_kernel_resources(reg: &Registry) {
     }
 }
 
+/// Free memory of device `dev` (bytes), as the driver reports it.
+pub fn free_memory(dev: i32) -> u64 {
+    let ctx = Context::retain(dev).expect("context");
+    ctx.mem_info().expect("cuMemGetInfo").0 as u64
+}
+
 /// One arena in `ctx` with a region per byte size (each at least 4 bytes).
 pub fn alloc(ctx: &Context, bytes: &[usize]) -> (Arena, Vec<DevicePtr>) {
     let mut plan = ArenaPlan::new();

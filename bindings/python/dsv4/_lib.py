@@ -164,6 +164,9 @@ class Info(Structure):
         # ABI minor 3: the config's token ids.
         ("bos_token_id", c_int64),
         ("eos_token_id", c_int64),
+        ("state_slot_nbytes", c_uint64),
+        ("device_nbytes", c_uint64),
+        ("host_nbytes", c_uint64),
     ]
 
 
