@@ -159,7 +159,7 @@ fn storage_kind(spec: &TensorSpec, cfg: &ModelConfig, format: WeightFormat) -> R
         _ => QFormat::Fp8 { block },
     };
     let cols = spec.shape[1];
-    if qf == QFormat::Fp4 && cols % 2 != 0 {
+    if qf == QFormat::Fp4 && !cols.is_multiple_of(2) {
         crate::bail!(
             Config,
             "weight `{}` has an odd input dimension {cols}: FP4 packs two values per byte",
