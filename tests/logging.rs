@@ -59,14 +59,19 @@ impl Drop for Eng {
 
 /// An engine on the tiny fixture (config from its directory), CPU backend.
 fn create() -> Eng {
-    let dir = CString::new(fixture_dir("tiny").to_str().unwrap()).unwrap();
     let mut p = dsv4_create_params_default();
+    p.numerics = DSV4_NUMERICS_EXACT;
+    create_with(p)
+}
+
+/// As [`create`] with `p`'s device, numerics and cache directory.
+fn create_with(mut p: dsv4_create_params) -> Eng {
+    let dir = CString::new(fixture_dir("tiny").to_str().unwrap()).unwrap();
     p.config_path = dir.as_ptr();
     p.max_num_seqs = 2;
     p.max_num_tokens = 16;
     p.max_seq_len = 32;
     p.num_threads = 2;
-    p.numerics = DSV4_NUMERICS_EXACT;
     let mut e = ptr::null_mut();
     // SAFETY: valid params and out pointer.
     ok(unsafe { dsv4_create(&p, &mut e) });
@@ -266,4 +271,53 @@ fn load_and_finalize_lines_by_level() {
         "nothing at Warn: {lines:#?}"
     );
     drop(e);
+
+    cuda_finalize_lines();
+}
+
+/// CUDA device 0 (when present): the finalize line names the device and kernel set, and
+/// counts the kernel families compiled (fresh cache directory) then read from the cache.
+fn cuda_finalize_lines() {
+    if !common::gpu::has_cuda() {
+        return;
+    }
+    let cache = common::TempDir::new("logging-kcache");
+    let cache_c = CString::new(cache.0.to_str().unwrap()).unwrap();
+    set_level(DSV4_LOG_INFO);
+    for round in 0..2 {
+        let mut p = dsv4_create_params_default();
+        p.device = 0;
+        p.numerics = DSV4_NUMERICS_OFFICIAL;
+        p.cache_dir = cache_c.as_ptr();
+        let e = create_with(p);
+        load(&e);
+        finalize(&e);
+        let lines = take_lines();
+        let f = one(&lines, DSV4_LOG_INFO, "dsv4_finalize: ");
+        assert_eq!(f["backend"], "cuda:0");
+        assert!(f["device"] != "-" && !f["device"].is_empty(), "{f:?}");
+        assert!(f["arch"].starts_with("sm_"), "{f:?}");
+        assert_eq!(f["kernel_set"], "fast");
+        assert_eq!(f["numerics"], "official");
+        let fams: usize = num(&f, "families");
+        let (compiled, cached, rejected): (usize, usize, usize) =
+            (num(&f, "compiled"), num(&f, "cached"), num(&f, "rejected"));
+        assert!(fams > 0);
+        assert_eq!(compiled + cached + rejected, fams);
+        if round == 0 {
+            assert_eq!(compiled, fams, "fresh cache: every family compiled");
+        } else {
+            assert_eq!(cached, fams, "second engine: every family from the cache");
+        }
+        assert!(num::<f64>(&f, "compile_secs") >= 0.0);
+        for k in [
+            "weights_bytes",
+            "derived_bytes",
+            "state_bytes",
+            "workspace_bytes",
+        ] {
+            assert!(num::<u64>(&f, k) > 0, "{k}: {f:?}");
+        }
+    }
+    drop(cache);
 }
