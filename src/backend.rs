@@ -178,6 +178,12 @@ pub trait Backend {
     /// The fixed spans of the engine's buffers by kind.
     fn spans(&self) -> BufferSpans;
 
+    /// What the finalize log line reports of this backend (device, kernels); see
+    /// [`crate::load_report`]. Default: nothing beyond the device name.
+    fn facts(&self) -> crate::load_report::BackendFacts {
+        Default::default()
+    }
+
     /// Copies `nbytes` at device address `addr` (a DSV4_MEMORY_DEVICE entry) to the host,
     /// ordered after the host's work on `stream`. UNSUPPORTED on a host backend.
     fn stage_device_bytes(

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result, Status};
+use crate::load_report;
 use crate::reference::CpuBackend;
 use crate::refit_pairs::PendingPairs;
 use crate::weights;
@@ -195,9 +196,11 @@ impl Engine {
     /// Loads every weight from a checkpoint directory/file, or fills dummy values.
     pub fn load(&mut self, source: Option<&Path>, format: LoadFormat) -> Result<()> {
         self.expect_phase("dsv4_load", &[Phase::Created, Phase::Loaded])?;
-        match format {
+        let t0 = std::time::Instant::now();
+        let from = match format {
             LoadFormat::Dummy => {
-                weights::dummy::fill_dummy(&mut self.weights, &self.cfg, 0x5EED_D5F4)
+                weights::dummy::fill_dummy(&mut self.weights, &self.cfg, 0x5EED_D5F4);
+                load_report::LoadSource::Dummy
             }
             LoadFormat::Auto | LoadFormat::Safetensors => {
                 let path = source.ok_or_else(|| {
@@ -206,11 +209,12 @@ impl Engine {
                         "dsv4_load: `source` is NULL but the format needs a checkpoint path",
                     )
                 })?;
-                weights::load::load_checkpoint(&mut self.weights, &self.cfg, path)?;
+                load_report::load_checkpoint(&mut self.weights, &self.cfg, path)?
             }
-        }
+        };
         self.loaded.iter_mut().for_each(|l| *l = true);
         self.phase = Phase::Loaded;
+        load_report::log_load(&from, &self.weights, &self.opts, t0);
         Ok(())
     }
 
@@ -228,9 +232,10 @@ impl Engine {
         // One update may fill several weights (HF-native fused experts) or none (`mtp.*`).
         let block = self.quant_block();
         let touched = weights::load::write_update(&mut self.weights, update, None, block)?;
-        for i in touched {
+        for &i in &touched {
             self.loaded[i] = true;
         }
+        load_report::log_load_tensor(update, touched.len(), &self.loaded);
         if self.loaded.iter().all(|&l| l) {
             self.phase = Phase::Loaded;
         }
@@ -267,8 +272,10 @@ impl Engine {
                 ));
             }
         }
+        let t0 = std::time::Instant::now();
         self.finalize_backend(stream)?;
         self.phase = Phase::Ready;
+        load_report::log_finalize(self.backend.as_ref(), &self.weights, &self.opts, t0);
         Ok(())
     }
 

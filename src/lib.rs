@@ -11,6 +11,7 @@ pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod ffi;
+pub mod load_report;
 pub mod log;
 pub mod memory;
 pub mod model;

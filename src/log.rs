@@ -1,6 +1,7 @@
 //! Library log sink: a host-installed callback, else stderr for warnings and errors.
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicI32, Ordering};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 #[repr(i32)]
@@ -24,11 +25,21 @@ static LOGGER: Mutex<Logger> = Mutex::new(Logger {
     max_level: Level::Warn,
 });
 
+/// `LOGGER.max_level` as an integer, readable without the lock (see [`enabled`]).
+static MAX_LEVEL: AtomicI32 = AtomicI32::new(Level::Warn as i32);
+
 /// Installs (or with None removes) the host sink and the most verbose level it receives.
 pub fn set_sink(sink: Option<Sink>, max_level: Level) {
     let mut l = LOGGER.lock().unwrap_or_else(|p| p.into_inner());
     l.sink = sink;
     l.max_level = max_level;
+    MAX_LEVEL.store(max_level as i32, Ordering::Relaxed);
+}
+
+/// Whether a message at `level` would reach the sink now: check it before formatting
+/// anything costly (per-tensor detail). One atomic load, no lock.
+pub fn enabled(level: Level) -> bool {
+    (level as i32) <= MAX_LEVEL.load(Ordering::Relaxed)
 }
 
 pub fn log(level: Level, msg: &str) {
@@ -48,4 +59,8 @@ pub fn warn(msg: &str) {
 
 pub fn info(msg: &str) {
     log(Level::Info, msg)
+}
+
+pub fn debug(msg: &str) {
+    log(Level::Debug, msg)
 }

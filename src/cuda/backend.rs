@@ -397,6 +397,25 @@ impl Backend for CudaBackend {
         self.buffers.derived()
     }
 
+    fn facts(&self) -> crate::load_report::BackendFacts {
+        let info = self.ctx.info();
+        crate::load_report::BackendFacts {
+            device: Some(info.name.clone()),
+            arch: Some(info.arch.clone()),
+            kernel_set: Some(self.opts.kernel_set().name()),
+            kernels: self.registry.as_ref().map(|r| {
+                let s = r.stats();
+                crate::load_report::KernelFacts {
+                    families: s.compiled + s.cache_hits + s.cache_rejected,
+                    compiled: s.compiled,
+                    cached: s.cache_hits,
+                    rejected: s.cache_rejected,
+                    secs: s.cubin_time.as_secs_f64(),
+                }
+            }),
+        }
+    }
+
     fn spans(&self) -> BufferSpans {
         let b = &self.buffers;
         BufferSpans {

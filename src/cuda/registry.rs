@@ -510,6 +510,9 @@ pub struct RegistryStats {
     pub cache_hits: usize,
     /// Families whose cache file was corrupt or failed to load, compiled again.
     pub cache_rejected: usize,
+    /// Wall time of getting every family's CUBIN (cache reads and NVRTC compiles, in
+    /// parallel); module loading excluded.
+    pub cubin_time: std::time::Duration,
 }
 
 /// Every family's module loaded in the context and every entry point resolved.
@@ -542,6 +545,7 @@ impl Registry {
         let nvrtc = nvrtc_version()?;
         let arch = ctx.arch().to_string();
         // Compile families in parallel (NVRTC is thread-safe); load serially.
+        let t0 = std::time::Instant::now();
         let cubins: Vec<Result<(Vec<u8>, CacheOutcome)>> = std::thread::scope(|s| {
             let handles: Vec<_> = families
                 .iter()
@@ -566,12 +570,26 @@ impl Registry {
             nvrtc,
             modules: Vec::new(),
             kernels: Vec::new(),
-            stats: Default::default(),
+            stats: RegistryStats {
+                cubin_time: t0.elapsed(),
+                ..Default::default()
+            },
         };
         for (fam, r) in families.iter().zip(cubins) {
             let (cubin, outcome) = r?;
             let module = match (load_module(fam, &cubin), outcome) {
                 (Ok(m), o) => {
+                    if crate::log::enabled(crate::log::Level::Debug) {
+                        crate::log::debug(&format!(
+                            "kernel family {}: {}",
+                            fam.family,
+                            match o {
+                                CacheOutcome::Hit => "cache hit",
+                                CacheOutcome::Compiled => "compiled",
+                                CacheOutcome::Recompiled => "recompiled",
+                            }
+                        ));
+                    }
                     match o {
                         CacheOutcome::Hit => reg.stats.cache_hits += 1,
                         CacheOutcome::Compiled => reg.stats.compiled += 1,
@@ -585,7 +603,10 @@ impl Registry {
                         fam.family
                     ));
                     reg.stats.cache_rejected += 1;
-                    load_module(fam, &cache.recompile(fam, &reg.arch)?)?
+                    let t = std::time::Instant::now();
+                    let cubin = cache.recompile(fam, &reg.arch)?;
+                    reg.stats.cubin_time += t.elapsed();
+                    load_module(fam, &cubin)?
                 }
                 (Err(e), _) => return Err(e),
             };

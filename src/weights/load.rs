@@ -40,9 +40,13 @@ const FP4_BLOCK: usize = 32;
 /// dtype and the exact shape, and every weight must be provided exactly once. All of it is
 /// checked before the first write.
 pub fn load_checkpoint(store: &mut WeightStore, cfg: &ModelConfig, path: &Path) -> Result<()> {
-    let ck = Checkpoint::open(path)?;
+    load_opened(store, cfg, &Checkpoint::open(path)?)
+}
+
+/// [`load_checkpoint`] of a checkpoint already opened (the caller reports on its tensors).
+pub fn load_opened(store: &mut WeightStore, cfg: &ModelConfig, ck: &Checkpoint) -> Result<()> {
     let block = cfg.quant.as_ref().map_or([128, 128], |q| q.weight_block);
-    let jobs = plan_checkpoint(store, &ck, block)?;
+    let jobs = plan_checkpoint(store, ck, block)?;
     execute(store, jobs)
 }
 
