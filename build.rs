@@ -60,7 +60,9 @@ fn abi_major(root: &std::path::Path) -> u32 {
         .unwrap_or_else(|e| panic!("dsv4 build.rs: cannot read {}: {e}", path.display()));
     text.lines()
         .find_map(|l| {
-            let rest = l.trim().strip_prefix("pub const DSV4_ABI_VERSION_MAJOR: u32 =")?;
+            let rest = l
+                .trim()
+                .strip_prefix("pub const DSV4_ABI_VERSION_MAJOR: u32 =")?;
             rest.trim().strip_suffix(';')?.trim().parse().ok()
         })
         .unwrap_or_else(|| {
