@@ -5,6 +5,11 @@
 //! committed header differs from a fresh generation. To keep that check meaningful the
 //! script does not overwrite the committed header when `CI` or `DSV4_NO_HEADER_WRITE` is
 //! set; it always writes a copy to `$OUT_DIR/dsv4.h`.
+//!
+//! On Linux it also gives the cdylib the SONAME `libdsv4.so.<ABI major>`, the major read
+//! from `DSV4_ABI_VERSION_MAJOR` in `src/ffi/engine_api.rs` (its only definition), so a host
+//! linked with `-ldsv4` asks for `libdsv4.so.1` at run time (scripts/install.sh makes the
+//! links; tests/packaging.rs checks it).
 
 use std::path::PathBuf;
 
@@ -17,6 +22,10 @@ fn main() {
 
     let root =
         PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
+        let major = abi_major(&root);
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libdsv4.so.{major}");
+    }
     let text = match generate(&root) {
         Ok(t) => t,
         Err(e) => {
@@ -40,6 +49,28 @@ fn main() {
     if let Err(e) = written {
         println!("cargo:warning=dsv4: cannot write {}: {e}", header.display());
     }
+}
+
+/// `DSV4_ABI_VERSION_MAJOR` as defined in `src/ffi/engine_api.rs`
+/// (`pub const DSV4_ABI_VERSION_MAJOR: u32 = N;`). Panics if it cannot be found: a library
+/// without its versioned SONAME must not be built silently.
+fn abi_major(root: &std::path::Path) -> u32 {
+    let path = root.join("src").join("ffi").join("engine_api.rs");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("dsv4 build.rs: cannot read {}: {e}", path.display()));
+    text.lines()
+        .find_map(|l| {
+            let rest = l
+                .trim()
+                .strip_prefix("pub const DSV4_ABI_VERSION_MAJOR: u32 =")?;
+            rest.trim().strip_suffix(';')?.trim().parse().ok()
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "dsv4 build.rs: no `pub const DSV4_ABI_VERSION_MAJOR: u32 = N;` in {}",
+                path.display()
+            )
+        })
 }
 
 /// The header text cbindgen produces from `src/ffi/mod.rs` (and its submodules) with

@@ -6,7 +6,8 @@
 #
 # Python: uses $DSV4_PYTHON if set, else a venv at target/pyenv with numpy + pytest
 # (created on first use; needs network access to PyPI once). target/pyenv also holds NVRTC
-# (nvidia-cuda-nvrtc==13.0.88) for the kernel compile test, unless DSV4_CUDA_LIB_DIR is set.
+# (nvidia-cuda-nvrtc==13.0.88) for the kernel compile test, unless DSV4_CUDA_LIB_DIR is set,
+# and cmake, ninja and pkgconf for the packaging test (its bin/ is on PATH for cargo test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,8 +40,34 @@ fi
 export DSV4_CUDA_LIB_DIR="$nvrtc_lib"
 echo "== NVRTC: DSV4_CUDA_LIB_DIR=$nvrtc_lib"
 
+# Build tools for tests/packaging.rs (scripts/install.sh, then the examples/ built with
+# pkg-config and with CMake against the installed package): pip's cmake, ninja and pkgconf
+# (its `pkg-config` command) in target/pyenv, whose bin/ goes on PATH for cargo test. With
+# CI set, that test fails if any tool is missing (ninja may be missing where make is
+# installed). If pip has no pkgconf, a system
+# pkg-config is used, or installed with apt-get when running as root.
+ensure_pyenv
+for pkg in cmake ninja pkgconf; do
+  if ! target/pyenv/bin/python -c "import importlib.metadata as m; m.version('$pkg')" 2>/dev/null; then
+    target/pyenv/bin/pip install --quiet --disable-pip-version-check "$pkg" ||
+      echo "warning: pip install $pkg failed"
+  fi
+done
+if [ ! -x target/pyenv/bin/pkg-config ] && ! command -v pkg-config >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pkgconf
+  else
+    echo "error: no pkg-config: pip install pkgconf failed, and apt-get needs root" >&2
+    exit 1
+  fi
+fi
+[ -x target/pyenv/bin/cmake ] || command -v cmake >/dev/null ||
+  echo "warning: no cmake (pip install cmake failed); tests/packaging.rs needs it"
+tools_path="$PWD/target/pyenv/bin:$PATH"
+echo "== build tools: $(PATH=$tools_path command -v cmake pkg-config ninja | tr '\n' ' ')"
+
 echo "== cargo test --release"
-cargo test --release --locked --all-targets
+PATH="$tools_path" cargo test --release --locked --all-targets
 
 py=${DSV4_PYTHON:-}
 if [ -z "$py" ]; then

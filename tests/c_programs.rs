@@ -19,6 +19,11 @@
 //! - with dummy weights (no oracle exists), it must equal what the Rust API computes for
 //!   the same batch within 1e-6 (the C path adds nothing numerically).
 //!
+//! The library's SONAME is `libdsv4.so.<ABI major>` (build.rs), so a program linked with
+//! `-ldsv4` loads `libdsv4.so.1`, a name cargo does not create: the programs link against
+//! a directory of this test (`link_dir`) holding both names as symlinks to the build's
+//! library, and carry it as their rpath.
+//!
 //! Says "skipped: no C compiler" only when gcc is absent.
 
 use std::path::{Path, PathBuf};
@@ -55,6 +60,21 @@ fn library_dir() -> PathBuf {
         deps.display(),
         profile.display()
     );
+}
+
+/// `dir` (created) with `libdsv4.so` (for `-ldsv4`) and `libdsv4.so.<ABI major>` (the
+/// SONAME, what the linked programs load) as symlinks to `lib_dir/libdsv4.so`.
+fn link_dir(lib_dir: &Path, dir: &Path) -> PathBuf {
+    let lib = lib_dir.join("libdsv4.so");
+    std::fs::create_dir_all(dir).unwrap();
+    let soname = format!("libdsv4.so.{}", dsv4::ffi::DSV4_ABI_VERSION_MAJOR);
+    for name in ["libdsv4.so", soname.as_str()] {
+        let link = dir.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&lib, &link)
+            .unwrap_or_else(|e| panic!("symlink {} -> {}: {e}", link.display(), lib.display()));
+    }
+    dir.to_path_buf()
 }
 
 fn have(tool: &str) -> bool {
@@ -163,9 +183,9 @@ fn c_and_cpp_programs_compile_and_run() {
         println!("skipped: no C compiler (gcc not found)");
         return;
     }
-    let lib_dir = library_dir();
     let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("c_programs");
     std::fs::create_dir_all(&out_dir).unwrap();
+    let lib_dir = link_dir(&library_dir(), &out_dir.join("lib"));
     let smoke = root().join("tests/c/abi_smoke.c");
     let smoke = smoke.to_str().unwrap();
     let strict = ["-Wall", "-Wextra", "-Wpedantic", "-Werror"];
