@@ -275,7 +275,7 @@ impl Engine {
         let t0 = std::time::Instant::now();
         self.finalize_backend(stream)?;
         self.phase = Phase::Ready;
-        load_report::log_finalize(self.backend.as_ref(), &self.weights, &self.opts, t0);
+        load_report::log_finalize(self.backend.as_ref(), &self.opts, t0);
         Ok(())
     }
 

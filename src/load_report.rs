@@ -36,8 +36,8 @@
 //! - `families`, `compiled`, `cached`, `rejected`, `compile_secs`: the CUDA kernel families
 //!   loaded by this engine: compiled with NVRTC, read from the on-disk cache, cache files
 //!   rejected (corrupt) and recompiled, and the wall time of getting the CUBINs; `-` on CPU.
-//! - `*_bytes`: sizes of the weight, derived, state and workspace buffers (CUDA: the device
-//!   arena's spans; CPU: weights and derived tensors only, `-` for the others).
+//! - `*_bytes`: the engine's memory by kind (crate::memory, the figures dsv4_get_info and
+//!   dsv4_plan_memory report: CUDA, the device arena's spans; CPU, host buffers, workspace 0).
 //!
 //! **Debug** (per tensor; nothing is formatted unless the sink takes Debug):
 //!
@@ -273,25 +273,14 @@ pub fn log_load_tensor(u: &HostTensor, written: usize, loaded: &[bool]) {
 }
 
 /// The Info summary of a successful `dsv4_finalize` (the backend step) that started at `start`.
-pub fn log_finalize(
-    backend: &dyn Backend,
-    store: &WeightStore,
-    opts: &EngineOptions,
-    start: Instant,
-) {
+pub fn log_finalize(backend: &dyn Backend, opts: &EngineOptions, start: Instant) {
     if !log::enabled(Level::Info) {
         return;
     }
     let secs = start.elapsed().as_secs_f64();
     let facts = backend.facts();
-    let spans = backend.spans();
+    let mem = backend.memory();
     let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
-    let span = |s: (u64, u64)| (s.1 > 0).then(|| s.1.to_string());
-    let weights = span(spans.weights).or_else(|| Some(held(store).1.to_string()));
-    let derived = span(spans.derived).or_else(|| {
-        let d: usize = backend.derived().iter().map(|d| d.nbytes).sum();
-        Some(d.to_string())
-    });
     let k = facts.kernels;
     let kf = |f: fn(&KernelFacts) -> String| k.as_ref().map(f);
     log::info(&format!(
@@ -308,10 +297,10 @@ pub fn log_finalize(
         or_dash(kf(|k| k.cached.to_string())),
         or_dash(kf(|k| k.rejected.to_string())),
         or_dash(kf(|k| format!("{:.3}", k.secs))),
-        or_dash(weights),
-        or_dash(derived),
-        or_dash(span(spans.state)),
-        or_dash(span(spans.workspace)),
+        mem.weights,
+        mem.derived,
+        mem.state,
+        mem.workspace,
     ));
 }
 

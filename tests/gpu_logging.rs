@@ -201,6 +201,19 @@ fn load_and_finalize_lines_by_level() {
         num::<u64>(&l, "held_bytes")
     );
     assert!(num::<u64>(&f, "derived_bytes") > 0);
+    // The same figures dsv4_get_info (and dsv4_plan_memory) report.
+    let mut info: dsv4_info = unsafe { std::mem::zeroed() };
+    info.struct_size = std::mem::size_of::<dsv4_info>();
+    ok(unsafe { dsv4_get_info(e.0, &mut info) });
+    for (k, v) in [
+        ("weights_bytes", info.weights_nbytes),
+        ("derived_bytes", info.derived_nbytes),
+        ("state_bytes", info.state_nbytes),
+        ("workspace_bytes", info.workspace_nbytes),
+    ] {
+        assert_eq!(num::<u64>(&f, k), v, "{k}");
+    }
+    assert!(num::<u64>(&f, "state_bytes") > 0);
     assert!(num::<f64>(&f, "secs") >= 0.0);
     assert!(
         lines.iter().all(|(lvl, _)| *lvl <= DSV4_LOG_INFO),
