@@ -38,10 +38,10 @@ fn library() -> PathBuf {
             return lib;
         }
     }
-    if let Some(lib) = std::env::var_os("DSV4_LIBRARY").map(PathBuf::from) {
-        if lib.is_file() {
-            return lib;
-        }
+    if let Some(lib) = std::env::var_os("DSV4_LIBRARY").map(PathBuf::from)
+        && lib.is_file()
+    {
+        return lib;
     }
     panic!(
         "libdsv4.so not found in {} or {} (cargo build builds it)",
