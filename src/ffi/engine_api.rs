@@ -304,7 +304,8 @@ pub unsafe extern "C" fn dsv4_load(
 /// Loads one named weight (streaming hosts) from host memory, or from device memory of the
 /// engine's device (DSV4_MEMORY_DEVICE, CUDA backend: read on the legacy default stream):
 /// validates the name, dtype and shape against the engine's table, converts to the storage
-/// format and copies. Float / index values only: a stored-format weight needs its scale,
+/// format and copies. Names may follow any of the three naming schemes, like dsv4_refit's
+/// (dsv4_canonical_name maps a name to what it stands for). Float / index values only: a stored-format weight needs its scale,
 /// which only dsv4_refit can pair with it.
 /// Allowed in phases CREATED and LOADED; when every weight has been given a value the
 /// engine moves to DSV4_PHASE_LOADED. `tensor` and its data are read during the call only.
@@ -567,7 +568,11 @@ pub unsafe extern "C" fn dsv4_forward(
 
 /// Replaces named weights in place after finalize (RL weight sync): `tensors` is an array
 /// of `n` entries (stride = tensors[0].struct_size; every entry must carry the same
-/// struct_size), each naming one weight with its full new value, in host memory or (CUDA
+/// struct_size), each naming one weight with its full new value. Names follow any of the
+/// three naming schemes (upstream DeepSeek, transformers' save_pretrained, transformers'
+/// native module paths including the fused `mlp.experts.gate_up_proj` / `down_proj`, which
+/// update every expert of a layer); dsv4_canonical_name says what a name stands for. Values
+/// are in host memory or (CUDA
 /// backend, DSV4_MEMORY_DEVICE) device memory of the engine's device, read on `stream`
 /// after the host's earlier work there. Values are F32/BF16/F16 (quantized on write when
 /// the engine stores FP8/FP4), I32/I64 for index tables, or the stored format: F8_E4M3 or
