@@ -462,6 +462,12 @@ impl Engine {
     /// Positions `slot` holds now (0 for a released or unused slot), after the work enqueued
     /// on `stream` has run.
     pub fn slot_length(&self, slot: i64, stream: StreamHandle) -> Result<usize> {
+        let slot = self.slot_index(slot)?;
+        self.backend.slot_length(slot, stream)
+    }
+
+    /// `slot` as an index of the engine's slots, or INVALID_ARGUMENT naming it.
+    fn slot_index(&self, slot: i64) -> Result<usize> {
         if slot < 0 || slot as usize >= self.opts.max_num_seqs {
             return Err(Error::new(
                 Status::InvalidArgument,
@@ -471,21 +477,13 @@ impl Engine {
                 ),
             ));
         }
-        self.backend.slot_length(slot as usize, stream)
+        Ok(slot as usize)
     }
 
     /// Forgets the state of `slot`; its next sequence must start at position 0.
     pub fn release_slot(&mut self, slot: i64) -> Result<()> {
-        if slot < 0 || slot as usize >= self.opts.max_num_seqs {
-            return Err(Error::new(
-                Status::InvalidArgument,
-                format!(
-                    "slot {slot} is out of range [0, max_num_seqs = {})",
-                    self.opts.max_num_seqs
-                ),
-            ));
-        }
-        self.backend.release_slot(slot as usize)
+        let slot = self.slot_index(slot)?;
+        self.backend.release_slot(slot)
     }
 }
 

@@ -26,40 +26,21 @@
 //!
 //! Says "skipped: no C compiler" only when gcc is absent.
 
+mod common;
+
+use common::native::{have, library, root, run};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use dsv4::{Batch, ConfigSource, Engine, EngineOptions, LogitsOut, Numerics};
 use safetensors::{Dtype, SafeTensors};
 
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Directory holding this build's `libdsv4.so`. `cargo test` builds the cdylib next to the
-/// test binary (target/<profile>/deps/, from the same rustc run as the rlib this test links,
-/// so never stale); `cargo build` puts it in target/<profile>/. Last resort: the directory
-/// of `DSV4_LIBRARY`.
+/// Directory holding this build's `libdsv4.so` (common::native::library).
 fn library_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let deps = exe.parent().expect("target/<profile>/deps");
-    let profile = deps.parent().expect("target/<profile>");
-    for dir in [deps, profile] {
-        if dir.join("libdsv4.so").is_file() {
-            return dir.to_path_buf();
-        }
-    }
-    if let Some(lib) = std::env::var_os("DSV4_LIBRARY") {
-        let lib = PathBuf::from(lib);
-        if lib.is_file() {
-            return lib.parent().unwrap().to_path_buf();
-        }
-    }
-    panic!(
-        "libdsv4.so not found in {} or {} (cargo build builds it)",
-        deps.display(),
-        profile.display()
-    );
+    library()
+        .parent()
+        .expect("the library's directory")
+        .to_path_buf()
 }
 
 /// `dir` (created) with `libdsv4.so` (for `-ldsv4`) and `libdsv4.so.<ABI major>` (the
@@ -75,28 +56,6 @@ fn link_dir(lib_dir: &Path, dir: &Path) -> PathBuf {
             .unwrap_or_else(|e| panic!("symlink {} -> {}: {e}", link.display(), lib.display()));
     }
     dir.to_path_buf()
-}
-
-fn have(tool: &str) -> bool {
-    Command::new(tool)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-/// Runs a command, panicking with its output on failure; returns stdout.
-fn run(cmd: &mut Command, what: &str) -> String {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{stdout}\n{stderr}",
-        out.status
-    );
-    stdout
 }
 
 fn compile(compiler: &str, args: &[&str], output: &Path, lib_dir: &Path) {

@@ -275,7 +275,7 @@ fn fast(
 ) -> FastOut {
     let (ctx, t) = (e.ctx, b.t);
     let fl = l.fast_layer(r, b.tokens);
-    e.fast.route(ctx, &fl, b.x, t, b.tokens, &b.ws, s).unwrap();
+    e.fast.route(ctx, &fl, b.x, t, &b.ws, s).unwrap();
     if let Some((ids, w)) = routing {
         put(ctx, b.ws.ids, ids, s);
         put(ctx, b.ws.weights, w, s);

@@ -16,61 +16,14 @@
 //! prints `skipped: <tool> not found` and passes, except when the environment variable CI is
 //! set: CI must have them all, so there it fails.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::native::{have, library, root, run};
+use std::path::Path;
 use std::process::Command;
 
 use dsv4::ffi::{DSV4_ABI_VERSION_MAJOR, DSV4_ABI_VERSION_MINOR};
 use dsv4::{Batch, ConfigSource, Engine, EngineOptions, LogitsOut};
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// This build's `libdsv4.so`: next to the test binary (target/<profile>/deps/, built by
-/// the same `cargo test`), else target/<profile>/, else `DSV4_LIBRARY`.
-fn library() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let deps = exe.parent().expect("target/<profile>/deps");
-    let profile = deps.parent().expect("target/<profile>");
-    for dir in [deps, profile] {
-        let lib = dir.join("libdsv4.so");
-        if lib.is_file() {
-            return lib;
-        }
-    }
-    if let Some(lib) = std::env::var_os("DSV4_LIBRARY").map(PathBuf::from)
-        && lib.is_file()
-    {
-        return lib;
-    }
-    panic!(
-        "libdsv4.so not found in {} or {} (cargo build builds it)",
-        deps.display(),
-        profile.display()
-    );
-}
-
-fn have(tool: &str) -> bool {
-    Command::new(tool)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-/// Runs a command, panicking with its output on failure; returns stdout.
-fn run(cmd: &mut Command, what: &str) -> String {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{stdout}\n{stderr}",
-        out.status
-    );
-    stdout
-}
 
 /// `readelf -d` lines of `file` whose tag is `tag` (e.g. "SONAME", "NEEDED"): the names
 /// in brackets.

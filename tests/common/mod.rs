@@ -11,6 +11,7 @@
 pub mod abi;
 pub mod gpu;
 pub mod names;
+pub mod native;
 pub mod parity;
 pub mod rig;
 pub mod rng;

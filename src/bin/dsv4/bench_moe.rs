@@ -128,7 +128,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
             let tr = |j: usize| ip[1].slice(j * t * 4, t * 4).unwrap();
             let call = |j: usize| {
                 let fl = layer.fast_layer(r, tr(j));
-                fast.layer(&ctx, &fl, xr(j), t, tr(j), &ws, out, s)
+                fast.layer(&ctx, &fl, xr(j), t, &ws, out, s)
             };
             // Eager once (touched experts from its ids), then the graph.
             call(0).map_err(e)?;

@@ -233,8 +233,8 @@ impl FastMoe {
         })
     }
 
-    /// One MoE layer: `out[t] = MoE(x[t])` for `t` tokens (`x`, `out`: `f32[T, D]`, x's values BF16),
-    /// `tokens` the token ids (hash layers). Launches only; no host sync.
+    /// One MoE layer: `out[t] = MoE(x[t])` for `t` tokens (`x`, `out`: `f32[T, D]`, x's values BF16;
+    /// hash layers read the token ids of `layer.selection`). Launches only; no host sync.
     #[allow(clippy::too_many_arguments)]
     pub fn layer(
         &self,
@@ -242,7 +242,6 @@ impl FastMoe {
         layer: &FastMoeLayer,
         x: DevicePtr,
         t: usize,
-        tokens: DevicePtr,
         ws: &FastMoeWorkspace,
         out: DevicePtr,
         stream: BorrowedStream,
@@ -250,20 +249,18 @@ impl FastMoe {
         if t == 0 {
             return Ok(());
         }
-        self.route(ctx, layer, x, t, tokens, ws, stream)?;
+        self.route(ctx, layer, x, t, ws, stream)?;
         self.experts(ctx, layer, t, ws, stream)?;
         self.combine(ctx, layer, t, ws, out, stream)
     }
 
     /// Steps 1-2: logits, selection and weights into `ws.ids` / `ws.weights`, x into `ws.xq` / `ws.xs`.
-    #[allow(clippy::too_many_arguments)]
     pub fn route(
         &self,
         ctx: &Context,
         layer: &FastMoeLayer,
         x: DevicePtr,
         t: usize,
-        tokens: DevicePtr,
         ws: &FastMoeWorkspace,
         stream: BorrowedStream,
     ) -> Result<()> {
@@ -287,23 +284,7 @@ impl FastMoe {
             to_i32(K, "E", e)?,
             to_i32(K, "k", k)?,
         );
-        let (bias, tid2eid, toks) = match layer.selection {
-            Selection::TopK { bias } => {
-                if let Some(b) = bias {
-                    need(K, "bias", b, e * 4)?;
-                }
-                (bias, None, None)
-            }
-            Selection::Hash {
-                tid2eid,
-                tokens: _,
-                vocab,
-            } => {
-                need(K, "tid2eid", tid2eid, vocab * k * 4)?;
-                need(K, "tokens", tokens, t * 4)?;
-                (None, Some(tid2eid), Some(tokens))
-            }
-        };
+        let (bias, tid2eid, toks) = layer.selection.kernel_args(K, t, e, k)?;
         let _g = ctx.enter()?;
         self.route.logits.launch(
             (

@@ -137,6 +137,36 @@ pub enum Selection {
     },
 }
 
+impl Selection {
+    /// The router kernels' (bias, tid2eid, tokens) arguments for `t` tokens, `e` experts,
+    /// top-`k`, after checking every buffer's size (`kernel` names the caller in errors).
+    pub fn kernel_args(
+        &self,
+        kernel: &str,
+        t: usize,
+        e: usize,
+        k: usize,
+    ) -> Result<(Option<DevicePtr>, Option<DevicePtr>, Option<DevicePtr>)> {
+        match *self {
+            Selection::TopK { bias } => {
+                if let Some(b) = bias {
+                    need(kernel, "bias", b, e * 4)?;
+                }
+                Ok((bias, None, None))
+            }
+            Selection::Hash {
+                tid2eid,
+                tokens,
+                vocab,
+            } => {
+                need(kernel, "tid2eid", tid2eid, vocab * k * 4)?;
+                need(kernel, "tokens", tokens, t * 4)?;
+                Ok((None, Some(tid2eid), Some(tokens)))
+            }
+        }
+    }
+}
+
 /// The routed experts' weights of one projection (all experts share format and shape):
 /// `ptrs` holds `count` u64 device addresses of each expert's data (values or codes), `scales`
 /// `count` u64 addresses of its f32 scales (quantized formats only). The addressed buffers are
@@ -297,23 +327,7 @@ impl Moe {
         need(K, "gate", gate, e * d * 4)?;
         need(K, "ids", ids, t * k * 4)?;
         need(K, "weights", weights, t * k * 4)?;
-        let (bias, table, tokens) = match sel {
-            Selection::TopK { bias } => {
-                if let Some(b) = bias {
-                    need(K, "bias", b, e * 4)?;
-                }
-                (bias, None, None)
-            }
-            Selection::Hash {
-                tid2eid,
-                tokens,
-                vocab,
-            } => {
-                need(K, "tid2eid", tid2eid, vocab * k * 4)?;
-                need(K, "tokens", tokens, t * 4)?;
-                (None, Some(tid2eid), Some(tokens))
-            }
-        };
+        let (bias, table, tokens) = sel.kernel_args(K, t, e, k)?;
         let (t32, d32, e32, k32) = (
             to_i32(K, "T", t)?,
             to_i32(K, "D", d)?,

@@ -167,7 +167,6 @@ impl KernelSet for FastSet {
             &fl,
             rws.u,
             s.meta.num_tokens,
-            s.tokens,
             &self.ws.moe,
             rws.f,
             s.stream,
