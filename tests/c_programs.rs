@@ -32,7 +32,7 @@ use common::native::{have, library, root, run};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use dsv4::{Batch, ConfigSource, Engine, EngineOptions, LogitsOut, Numerics};
+use dsv4::Numerics;
 use safetensors::{Dtype, SafeTensors};
 
 /// Directory holding this build's `libdsv4.so` (common::native::library).
@@ -74,32 +74,10 @@ fn compile(compiler: &str, args: &[&str], output: &Path, lib_dir: &Path) {
     run(&mut cmd, &format!("{compiler} {}", args.join(" ")));
 }
 
-/// logits[3][0] of abi_smoke's default prompt (tokens 1..=4 at positions 0..=3 in slot 0)
-/// on the embedded tiny model with dummy weights, computed through the Rust API with the
-/// program's options.
+/// logits[3][0] of abi_smoke's default prompt through the Rust API (exact numerics, as the
+/// program).
 fn rust_dummy_logit0() -> f32 {
-    let opts = EngineOptions {
-        max_num_seqs: 2,
-        max_num_tokens: 64,
-        max_seq_len: 64,
-        num_threads: 2,
-        numerics: Numerics::Exact,
-        ..EngineOptions::default()
-    };
-    let mut e = Engine::create(ConfigSource::TinyDefault, opts).expect("create");
-    e.load(None, dsv4::LoadFormat::Dummy).expect("dummy load");
-    e.finalize().expect("finalize");
-    let mut logits = vec![0.0f32; e.config().vocab_size];
-    let mut b = Batch {
-        token_ids: &[1, 2, 3, 4],
-        positions: &[0, 1, 2, 3],
-        seq_slots: &[0],
-        query_start: &[0, 4],
-        logits_rows: Some(&[3]),
-        logits: LogitsOut::F32(&mut logits),
-    };
-    e.forward(&mut b).expect("forward");
-    logits[0]
+    common::native::tiny_dummy_last_logits(Numerics::Exact)[0]
 }
 
 /// The transformers oracle of `tests/fixtures/<fixture>`: `prompt.0` and `logits.0` at its

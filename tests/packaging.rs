@@ -23,7 +23,6 @@ use std::path::Path;
 use std::process::Command;
 
 use dsv4::ffi::{DSV4_ABI_VERSION_MAJOR, DSV4_ABI_VERSION_MINOR};
-use dsv4::{Batch, ConfigSource, Engine, EngineOptions, LogitsOut};
 
 /// `readelf -d` lines of `file` whose tag is `tag` (e.g. "SONAME", "NEEDED"): the names
 /// in brackets.
@@ -42,30 +41,10 @@ fn dynamic_entries(file: &Path, tag: &str) -> Vec<String> {
         .collect()
 }
 
-/// logits[0] and the argmax of the last row of the examples' batch (tokens 1,2,3,4 at
-/// positions 0..=3 in slot 0) on the embedded tiny model with dummy weights, with the
-/// examples' options, through the Rust API.
+/// logits[0] and the argmax of the last row of the examples' batch through the Rust API
+/// (default numerics, as the examples).
 fn rust_expected() -> (f32, usize) {
-    let opts = EngineOptions {
-        max_num_seqs: 1,
-        max_num_tokens: 16,
-        max_seq_len: 64,
-        num_threads: 2,
-        ..EngineOptions::default()
-    };
-    let mut e = Engine::create(ConfigSource::TinyDefault, opts).expect("create");
-    e.load(None, dsv4::LoadFormat::Dummy).expect("dummy load");
-    e.finalize().expect("finalize");
-    let mut logits = vec![0.0f32; e.config().vocab_size];
-    let mut b = Batch {
-        token_ids: &[1, 2, 3, 4],
-        positions: &[0, 1, 2, 3],
-        seq_slots: &[0],
-        query_start: &[0, 4],
-        logits_rows: Some(&[3]),
-        logits: LogitsOut::F32(&mut logits),
-    };
-    e.forward(&mut b).expect("forward");
+    let logits = common::native::tiny_dummy_last_logits(dsv4::Numerics::Official);
     let mut best = 0;
     for (v, &x) in logits.iter().enumerate() {
         if x > logits[best] {

@@ -57,3 +57,32 @@ pub fn run(cmd: &mut Command, what: &str) -> String {
     );
     stdout
 }
+
+/// The last-row logits of the native programs' batch (tokens 1, 2, 3, 4 at positions 0..=3
+/// in slot 0) on the embedded tiny model with dummy weights, through the Rust API, with the
+/// programs' numerics (their capacities do not change the logits).
+pub fn tiny_dummy_last_logits(numerics: dsv4::Numerics) -> Vec<f32> {
+    use dsv4::{Batch, ConfigSource, Engine, EngineOptions, LogitsOut};
+    let opts = EngineOptions {
+        max_num_seqs: 1,
+        max_num_tokens: 16,
+        max_seq_len: 64,
+        num_threads: 2,
+        numerics,
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::create(ConfigSource::TinyDefault, opts).expect("create");
+    e.load(None, dsv4::LoadFormat::Dummy).expect("dummy load");
+    e.finalize().expect("finalize");
+    let mut logits = vec![0.0f32; e.config().vocab_size];
+    let mut b = Batch {
+        token_ids: &[1, 2, 3, 4],
+        positions: &[0, 1, 2, 3],
+        seq_slots: &[0],
+        query_start: &[0, 4],
+        logits_rows: Some(&[3]),
+        logits: LogitsOut::F32(&mut logits),
+    };
+    e.forward(&mut b).expect("forward");
+    logits
+}
