@@ -45,10 +45,11 @@ from ._errors import (
     UnsupportedError,
 )
 from ._lib import PAD_SLOT
-from .engine import BatchFault, Engine
+from .engine import BatchFault, Engine, plan_memory
 
 __all__ = [
     "Engine",
+    "plan_memory",
     "BatchFault",
     "PAD_SLOT",
     "LibraryPath",

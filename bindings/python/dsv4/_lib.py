@@ -179,6 +179,21 @@ INFO_FIELDS_MINOR1 = (
 INFO_FIELDS_MINOR2 = ("device_error",)
 
 
+class MemoryPlan(Structure):
+    """dsv4_memory_plan (ABI minor 3): an engine's memory by kind (dsv4_plan_memory)."""
+
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("weights_nbytes", c_uint64),
+        ("derived_nbytes", c_uint64),
+        ("state_nbytes", c_uint64),
+        ("state_slot_nbytes", c_uint64),
+        ("workspace_nbytes", c_uint64),
+        ("device_nbytes", c_uint64),
+        ("host_nbytes", c_uint64),
+    ]
+
+
 class BatchFault(Structure):
     """dsv4_batch_fault: the first fault of a bad batch on a CUDA engine."""
 
@@ -235,6 +250,7 @@ _PROTOTYPES = {
     "dsv4_refit_end": (_status, [_engine_p, c_void_p]),
     "dsv4_refit_abort": (_status, [_engine_p, c_void_p]),
     "dsv4_slot_length": (_status, [_engine_p, c_int32, c_void_p, POINTER(c_int32)]),
+    "dsv4_plan_memory": (_status, [POINTER(CreateParams), POINTER(MemoryPlan)]),
     "dsv4_release_slot": (_status, [_engine_p, c_int32]),
     "dsv4_get_info": (_status, [_engine_p, POINTER(Info)]),
     # ABI minor 2 (bound only when the library has it).

@@ -181,6 +181,69 @@ class BatchFault:
     message: str
 
 
+def _create_params(lib, model_dir, device, max_num_seqs, max_num_tokens, max_seq_len, load, numerics,
+                   config_json, num_threads, weight_format, cache_dir, kernel_set):
+    """dsv4_create_params for Engine's arguments, and the byte strings it points to (keep them
+    alive while the params are used)."""
+    load_code = None if load is None else _choice(load, _lib.LOAD, "load")
+    p = lib.dsv4_create_params_default()
+    keep = []
+    if config_json is not None:
+        text = config_json.encode("utf-8")
+        keep.append(text)
+        p.config_json = text
+    elif model_dir is not None:
+        path = str(model_dir).encode("utf-8")
+        keep.append(path)
+        p.config_path = path
+    elif load_code == _lib.LOAD["dummy"] or load is None:
+        p.use_tiny_default = 1
+    else:
+        raise invalid(f"load={load!r} needs model_dir (use load='dummy' for the embedded tiny model)")
+    if load_code is not None and load_code != _lib.LOAD["dummy"] and model_dir is None:
+        raise invalid(f"load={load!r} needs model_dir (the checkpoint to read)")
+    p.device = _device_ordinal(device)
+    for field, value in (
+        ("max_num_seqs", max_num_seqs),
+        ("max_num_tokens", max_num_tokens),
+        ("max_seq_len", max_seq_len),
+        ("num_threads", num_threads),
+    ):
+        if not isinstance(value, (int, np.integer)) or not _INT32_MIN <= int(value) <= _INT32_MAX:
+            raise invalid(f"{field} must be an int32, got {value!r}")
+        setattr(p, field, int(value))
+    p.numerics = _choice(numerics, _lib.NUMERICS, "numerics")
+    p.weight_format = _choice(weight_format, _lib.WEIGHT_FORMAT, "weight_format")
+    if cache_dir is not None:
+        c = str(cache_dir).encode("utf-8")
+        keep.append(c)
+        p.cache_dir = c
+    if kernel_set is not None:
+        k = str(kernel_set).encode("utf-8")
+        keep.append(k)
+        p.kernel_set = k
+    return p, keep
+
+
+def plan_memory(model_dir=None, device="cpu", max_num_seqs=8, max_num_tokens=512, max_seq_len=4096,
+                numerics="official", config_json=None, weight_format="as_stored", kernel_set=None,
+                load="dummy") -> dict:
+    """The memory an :class:`Engine` created with these arguments would use, by kind, without
+    creating it (``dsv4_plan_memory``; allocates nothing, needs no GPU for ``device="cuda:N"``):
+    ``weights_nbytes``, ``derived_nbytes``, ``state_nbytes`` (all slots), ``state_slot_nbytes``
+    (one slot at ``max_seq_len``), ``workspace_nbytes``, ``device_nbytes``, ``host_nbytes``.
+    After create, :meth:`Engine.info` reports the same figures. ``load`` only decides, as for
+    Engine, whether ``model_dir=None`` means the embedded tiny model."""
+    lib = _lib.lib()
+    p, keep = _create_params(lib, model_dir, device, max_num_seqs, max_num_tokens, max_seq_len, load, numerics,
+                             config_json, 0, weight_format, None, kernel_set)
+    m = _lib.MemoryPlan()
+    m.struct_size = ctypes.sizeof(_lib.MemoryPlan)
+    _lib.check(lib.dsv4_plan_memory(ctypes.byref(p), ctypes.byref(m)))
+    del keep
+    return {name: getattr(m, name) for name, _ in _lib.MemoryPlan._fields_ if name != "struct_size"}
+
+
 class Engine:
     """A dsv4 engine: create + load + finalize in the constructor.
 
@@ -217,43 +280,9 @@ class Engine:
         lib = _lib.lib()
         self._lib = lib
         load_code = None if load is None else _choice(load, _lib.LOAD, "load")
-        p = lib.dsv4_create_params_default()
-        keep = []
-        if config_json is not None:
-            text = config_json.encode("utf-8")
-            keep.append(text)
-            p.config_json = text
-        elif model_dir is not None:
-            path = str(model_dir).encode("utf-8")
-            keep.append(path)
-            p.config_path = path
-        elif load_code == _lib.LOAD["dummy"] or load is None:
-            p.use_tiny_default = 1
-        else:
-            raise invalid(f"load={load!r} needs model_dir (use load='dummy' for the embedded tiny model)")
-        if load_code is not None and load_code != _lib.LOAD["dummy"] and model_dir is None:
-            raise invalid(f"load={load!r} needs model_dir (the checkpoint to read)")
-        p.device = _device_ordinal(device)
+        p, keep = _create_params(lib, model_dir, device, max_num_seqs, max_num_tokens, max_seq_len, load,
+                                 numerics, config_json, num_threads, weight_format, cache_dir, kernel_set)
         self._device = p.device
-        for field, value in (
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_tokens", max_num_tokens),
-            ("max_seq_len", max_seq_len),
-            ("num_threads", num_threads),
-        ):
-            if not isinstance(value, (int, np.integer)) or not _INT32_MIN <= int(value) <= _INT32_MAX:
-                raise invalid(f"{field} must be an int32, got {value!r}")
-            setattr(p, field, int(value))
-        p.numerics = _choice(numerics, _lib.NUMERICS, "numerics")
-        p.weight_format = _choice(weight_format, _lib.WEIGHT_FORMAT, "weight_format")
-        if cache_dir is not None:
-            c = str(cache_dir).encode("utf-8")
-            keep.append(c)
-            p.cache_dir = c
-        if kernel_set is not None:
-            k = str(kernel_set).encode("utf-8")
-            keep.append(k)
-            p.kernel_set = k
 
         handle = ctypes.c_void_p()
         _lib.check(lib.dsv4_create(ctypes.byref(p), ctypes.byref(handle)))

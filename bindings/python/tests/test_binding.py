@@ -64,6 +64,23 @@ def test_info_token_ids_and_derived_dtypes(engine):
     assert "f64" in {d["dtype"] for d in derived}
 
 
+def test_plan_memory_equals_the_created_engines_figures():
+    """dsv4.plan_memory (ABI 1.3) gives, without creating anything, the figures info() then
+    reports; the state grows by exactly one slot's bytes per slot on the CPU."""
+    keys = ("weights_nbytes", "derived_nbytes", "state_nbytes", "state_slot_nbytes",
+            "workspace_nbytes", "device_nbytes", "host_nbytes")
+    args = dict(max_num_seqs=3, max_num_tokens=16, max_seq_len=48)
+    plan = dsv4.plan_memory(str(FIXTURE), **args)
+    with dsv4.Engine(str(FIXTURE), **args) as e:
+        info = e.info()
+    assert {k: info[k] for k in keys} == plan
+    assert plan["state_nbytes"] == 3 * plan["state_slot_nbytes"] > 0
+    big = dsv4.plan_memory(str(FIXTURE), max_num_seqs=4096, max_num_tokens=16, max_seq_len=48)
+    assert big["state_nbytes"] == 4096 * plan["state_slot_nbytes"]
+    with pytest.raises(dsv4.InvalidArgumentError, match="max_num_seqs"):
+        dsv4.plan_memory(str(FIXTURE), max_num_seqs=0)
+
+
 def test_forward_shapes_and_finite(engine):
     logits = run_prompt(engine, 0, [1, 2, 3, 4, 5])
     assert logits.shape == (5, engine.vocab_size)
