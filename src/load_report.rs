@@ -340,12 +340,7 @@ fn held_kind(d: &TensorData) -> &'static str {
 }
 
 fn held_bytes_of(d: &TensorData) -> u64 {
-    (match d {
-        TensorData::F32(v) => v.len() * 4,
-        TensorData::Bf16(v) => v.len() * 2,
-        TensorData::I32(v) => v.len() * 4,
-        TensorData::Quant(q) => q.codes.len() + q.scales.len() * 4,
-    }) as u64
+    d.layout().bytes() as u64
 }
 
 /// `held` field (kinds with counts) and the total bytes of the store.
