@@ -396,7 +396,7 @@ typedef struct dsv4_create_params {
     const char *cache_dir;
     /**
      * Since ABI 1.2. The CUDA kernel set: "reference" (the f64 kernels, bit-identical to the
-     * CPU reference; the device oracle) or "fast" (`official` numerics on FP8 tensor cores;
+     * CPU reference; the device oracle) or "fast" (`official` numerics on tensor cores;
      * today its MoE layer, the rest still the reference kernels). NULL = the default:
      * "fast" for `numerics = official`, "reference" for `exact`. A name this build lacks,
      * or "fast" with `numerics = exact`, is DSV4_STATUS_CONFIG naming it. Ignored by the CPU

@@ -1,5 +1,6 @@
 //! Rust side of the `fast_moe_gemm` kernel family (kernels/fast_moe_gemm.cu): the fast set's grouped
-//! expert GEMMs on FP8 tensor cores, FP4 experts decoded to e4m3 on chip. See kernels/SPEC.md and
+//! expert GEMMs on tensor cores: FP4 experts decoded exactly to e4m3 and then f16 on chip, f16
+//! MMAs with f32 accumulators (sm_90 has no FP8 `mma.sync`; kernels/fp8_mma.cuh). See kernels/SPEC.md and
 //! [`super::fast_moe`], which runs a whole layer with them.
 
 use super::fast_moe::{FastMoeLayer, FastMoeWorkspace};

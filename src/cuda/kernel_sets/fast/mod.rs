@@ -1,7 +1,8 @@
 //! The fast kernel set (DESIGN.md §4): `official` numerics on tensor cores, checked op by op
-//! against the reference set. Today it replaces the MoE sub-block (kernels/fast_moe*.cu: FP8
-//! MMAs over FP4/FP8 experts, f32 promotion per 32 of K); every other operation still runs the
-//! reference set's kernels until its fast kernel lands (issues 12, 13), on the same workspace.
+//! against the reference set. Today it replaces the MoE sub-block (kernels/fast_moe*.cu: FP4/FP8
+//! experts decoded exactly on chip, f16 MMAs with f32 accumulators promoted per 32 of K); every
+//! other operation still runs the reference set's kernels until its fast kernel lands (issues
+//! 12, 13), on the same workspace.
 //!
 //! A MoE layer whose shapes or stored formats the fast kernels do not cover
 //! ([`FastMoeLayer::unsupported`]: BF16/F32 experts, FP8 blocks other than 128x128, widths not
