@@ -554,7 +554,7 @@ fn unsupported_layers_are_reported() {
         ),
     ];
     for (why, needle) in cases {
-        let why = why.expect("must be unsupported");
+        let why = why.expect("must be unsupported").to_string();
         assert!(why.contains(needle), "{why}");
     }
 }

@@ -128,36 +128,59 @@ impl FastMoeLayer {
         experts: usize,
         routed: (StorageFormat, [usize; 2]),
         shared: Option<(StorageFormat, [usize; 2])>,
-    ) -> Option<String> {
+    ) -> Option<Unsupported> {
         if !d.is_multiple_of(128) || !i.is_multiple_of(128) {
-            return Some(format!(
-                "hidden {d} and moe_inter {i} must be multiples of 128"
-            ));
+            return Some(Unsupported::NotMultipleOf128 { d, i });
         }
         if d > fast_moe_gemm::MAX_K || i > fast_moe_gemm::MAX_K {
-            return Some(format!(
-                "hidden {d} / moe_inter {i} above {}",
-                fast_moe_gemm::MAX_K
-            ));
+            return Some(Unsupported::TooWide { d, i });
         }
         if experts == 0 || experts > 32 * MAX_EPL {
-            return Some(format!("{experts} experts (1..={})", 32 * MAX_EPL));
+            return Some(Unsupported::Experts(experts));
         }
         if k == 0 || k > moe::MAX_TOPK.min(32) {
-            return Some(format!("experts_per_tok {k}"));
+            return Some(Unsupported::TopK(k));
         }
         if !fast_format(routed.0, routed.1) {
-            return Some(format!(
-                "routed experts stored {:?} {:?}",
-                routed.0, routed.1
-            ));
+            return Some(Unsupported::Routed(routed.0, routed.1));
         }
         if let Some((f, b)) = shared
             && !fast_format(f, b)
         {
-            return Some(format!("shared expert stored {f:?} {b:?}"));
+            return Some(Unsupported::Shared(f, b));
         }
         None
+    }
+}
+
+/// Why the fast kernels cannot run a MoE layer ([`FastMoeLayer::unsupported`]): a value, so
+/// the per-forward check allocates nothing; it is formatted only when reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unsupported {
+    NotMultipleOf128 { d: usize, i: usize },
+    TooWide { d: usize, i: usize },
+    Experts(usize),
+    TopK(usize),
+    Routed(StorageFormat, [usize; 2]),
+    Shared(StorageFormat, [usize; 2]),
+}
+
+impl std::fmt::Display for Unsupported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Unsupported::NotMultipleOf128 { d, i } => {
+                write!(f, "hidden {d} and moe_inter {i} must be multiples of 128")
+            }
+            Unsupported::TooWide { d, i } => write!(
+                f,
+                "hidden {d} / moe_inter {i} above {}",
+                fast_moe_gemm::MAX_K
+            ),
+            Unsupported::Experts(e) => write!(f, "{e} experts (1..={})", 32 * MAX_EPL),
+            Unsupported::TopK(k) => write!(f, "experts_per_tok {k}"),
+            Unsupported::Routed(fm, b) => write!(f, "routed experts stored {fm:?} {b:?}"),
+            Unsupported::Shared(fm, b) => write!(f, "shared expert stored {fm:?} {b:?}"),
+        }
     }
 }
 

@@ -14,13 +14,14 @@ pub use workspace::{Workspace, WorkspaceIds};
 
 use crate::cuda::kernel_sets::reference::{self, ReferenceSet};
 use crate::cuda::kernel_sets::{Branch, KernelSet, LogitsTarget, Step};
-use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared};
+use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared, Unsupported};
 use crate::cuda::kernels::moe::{RouterParams, Selection};
 use crate::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
 use crate::cuda::registry::{KernelSource, Registry};
 use crate::error::Result;
-use crate::log::{Level, log};
+use crate::log::{self, Level, log};
 use crate::model::ModelWeights;
+use crate::weights::format::StorageFormat;
 use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -58,14 +59,39 @@ impl FastSet {
     }
 }
 
+/// Why a MoE layer runs the reference kernels: a value (moe runs every forward and must not
+/// allocate), formatted only for the log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fallback {
+    NoExperts,
+    MixedRouted([StorageFormat; 3]),
+    MixedShared,
+    Kernels(Unsupported),
+}
+
+impl std::fmt::Display for Fallback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fallback::NoExperts => write!(f, "no routed experts"),
+            Fallback::MixedRouted([a, b, c]) => {
+                write!(f, "routed projections stored {a:?}/{b:?}/{c:?}")
+            }
+            Fallback::MixedShared => {
+                write!(f, "shared expert projections stored in different formats")
+            }
+            Fallback::Kernels(why) => write!(f, "{why}"),
+        }
+    }
+}
+
 /// Layer `l`'s MoE as the fast kernels read it, or why they cannot run it.
-pub fn moe_layer(s: &Step, l: usize) -> std::result::Result<FastMoeLayer, String> {
+pub fn moe_layer(s: &Step, l: usize) -> std::result::Result<FastMoeLayer, Fallback> {
     let cfg = s.cfg;
     let handles: &ModelWeights = &s.model.handles;
     let lw = &handles.layers[l];
     let weights = &s.model.weights;
     let proto = |w: usize| weights[w];
-    let first = lw.experts.first().ok_or("no routed experts")?;
+    let first = lw.experts.first().ok_or(Fallback::NoExperts)?;
     let (w1, w2, w3) = (proto(first.w1), proto(first.w2), proto(first.w3));
     let shared = lw.shared.as_ref().map(|sw| FastShared {
         w1: proto(sw.w1),
@@ -73,15 +99,12 @@ pub fn moe_layer(s: &Step, l: usize) -> std::result::Result<FastMoeLayer, String
         w2: proto(sw.w2),
     });
     if w1.format != w2.format || w1.format != w3.format {
-        return Err(format!(
-            "routed projections stored {:?}/{:?}/{:?}",
-            w1.format, w2.format, w3.format
-        ));
+        return Err(Fallback::MixedRouted([w1.format, w2.format, w3.format]));
     }
     if let Some(sh) = shared
         && (sh.w1.format != sh.w2.format || sh.w1.format != sh.w3.format)
     {
-        return Err("shared expert projections stored in different formats".into());
+        return Err(Fallback::MixedShared);
     }
     if let Some(why) = FastMoeLayer::unsupported(
         cfg.hidden_size,
@@ -91,7 +114,7 @@ pub fn moe_layer(s: &Step, l: usize) -> std::result::Result<FastMoeLayer, String
         (w1.format, w1.block),
         shared.map(|sh| (sh.w1.format, sh.w1.block)),
     ) {
-        return Err(why);
+        return Err(Fallback::Kernels(why));
     }
     let tables = s.model.experts[l];
     let selection = match (lw.tid2eid, lw.gate_bias) {
@@ -144,7 +167,8 @@ impl KernelSet for FastSet {
     }
 
     fn moe(&self, s: &Step, layer: usize) -> Result<()> {
-        if !self.reported.swap(true, Ordering::Relaxed) {
+        // Once per set, and only formatted when an Info sink listens (forward must not allocate).
+        if log::enabled(Level::Info) && !self.reported.swap(true, Ordering::Relaxed) {
             for l in 0..s.cfg.num_layers {
                 match moe_layer(s, l) {
                     Ok(_) => log(
