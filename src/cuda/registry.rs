@@ -70,6 +70,7 @@ pub fn families() -> Vec<&'static KernelSource> {
     std::iter::once(&super::smoke::SOURCE)
         .chain(super::kernels::MODEL_FAMILIES.iter().copied())
         .chain(super::kernels::FAST_FAMILIES.iter().copied())
+        .chain(std::iter::once(&super::wgmma_probe::SOURCE))
         .collect()
 }
 
