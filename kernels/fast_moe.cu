@@ -32,12 +32,12 @@ DSV4_INLINE float fmoe_warp_max(float v) {
 //   order: the logit l. scores[t][e] = sqrt(softplus(l)) (linear above 20) or sigmoid(l), or l itself for
 //   softmax scoring (fmoe_select_kernel normalises over the experts);
 // - warp w of blocks with b = bx * FMOE_LOGIT_WARPS + w < D / 128: x's official act_quant of 128-block b,
-//   the e4m3 values as f16 in MMA order (fp8_mma.cuh) into xq[t][d], the block's scale into xs[t][b]
+//   the e4m3 codes in fragment order (fp8_mma.cuh) into xq[t][d], the block's scale into xs[t][b]
 //   (value x scale bit-identical to act_quant_kernel).
 // Requires D % (4 * FMOE_LOGIT_SPLIT) == 0 and D % 128 == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
     fmoe_logits_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
-                       unsigned short* xq, float* xs) {
+                       unsigned char* xq, float* xs) {
   __shared__ float part_sum[FMOE_LOGIT_WARPS][FMOE_LOGIT_TOKENS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t0 = blockIdx.y * FMOE_LOGIT_TOKENS;
@@ -58,11 +58,12 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
         q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
         code[c] = e4m3_code_rn(q);
       }
-      // MMA order of the 8-value chunk lane / 2: [0, 2, 4, 6, 1, 3, 5, 7]; this lane holds values
-      // 4 (lane % 2) .. + 3 of it, i.e. f16x2 words lane % 2 and 2 + lane % 2.
-      unsigned* dst = reinterpret_cast<unsigned*>(xq + t * D + b * 128 + (lane >> 1) * 8);
-      dst[lane & 1] = e4m3x2_to_f16x2(code[0] | (code[2] << 8));
-      dst[2 + (lane & 1)] = e4m3x2_to_f16x2(code[1] | (code[3] << 8));
+      // Fragment order (fp8_mma.cuh): this lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th
+      // 32-block (t8 = lane % 8 / 2); c = 0, 2 are even elements (positions 4·t8 + 2·(lane % 2) + 0, 1),
+      // c = 1, 3 odd ones (the same + 16).
+      unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1) + 2 * (lane & 1);
+      *reinterpret_cast<unsigned short*>(blk) = (unsigned short)(code[0] | (code[2] << 8));
+      *reinterpret_cast<unsigned short*>(blk + 16) = (unsigned short)(code[1] | (code[3] << 8));
       if (lane == 0) xs[t * (D / 128) + b] = s;
     }
   }

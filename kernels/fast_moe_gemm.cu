@@ -1,45 +1,55 @@
-// fast_moe_gemm kernel family: the fast set's grouped expert GEMMs (kernels/SPEC.md ## fast_moe_gemm.cu,
-// ../shared/KERNELS.md §3 "Decode").
+// fast_moe_gemm kernel family: the fast set's grouped expert GEMMs on Hopper's FP8 tensor cores (wgmma),
+// kernels/SPEC.md ## fast_moe_gemm.cu, ../shared/KERNELS.md §1-3.
 //
 // fmoe_up_kernel:   hq, hs = act_quant(bf16(silu(min(bf16(W1 x), L)) · clamp(bf16(W3 x), ±L) · w))
 // fmoe_down_kernel: y = bf16(W2 hq)
 //
 // Work items. The plan (moe_plan_kernel, tile_rows = FMOE_TOKENS) lists (expert, start, count) tiles of at
 // most FMOE_TOKENS routed assignments; the shared expert adds ceil(T / FMOE_TOKENS) tiles of consecutive
-// tokens after them. Each tile is cut into row blocks: for up, FMOE_UP_J = 128 j (gate row j and up row j,
-// so SwiGLU and the per-128 FP8 quantisation of h stay inside the block); for down, FMOE_DOWN_ROWS rows.
-// Blocks are persistent and take items blockIdx.x, + gridDim.x, ... in order; an item's outputs depend only
-// on the item, so they are deterministic bit for bit whichever block computes them.
+// tokens after them. Each tile is cut into row blocks of FMOE_ROWS = 256 weight rows: for up, FMOE_UP_J =
+// 128 j as gate rows j.. then up rows j.. (so SwiGLU and the per-128 FP8 quantisation of h stay inside the
+// block); for down, FMOE_DOWN_ROWS = 256 output rows. Blocks are persistent and take items blockIdx.x,
+// + gridDim.x, ... in order; an item's outputs depend only on the item, so they are deterministic bit for
+// bit whichever block computes them.
 //
-// Inside an item. The weights are streamed in their stored layout in stages of FMOE_STAGE_ROWS = 16 rows
-// by up to FMOE_STAGE_ROW_BYTES bytes of each (a whole FP4 row of K = 4096; FP8 rows of 4096 take two
-// stages): every stage is one or two contiguous runs of memory, read with 16-byte cp.async into a ring of
-// FMOE_STAGES stages (up: rows 0-7 are gate rows j..j+7, rows 8-15 the up rows j..j+7). Warp w owns the
-// stage's 128-blocks w, w + FMOE_WARPS, ... (the same k for every row group), so it loads the tokens'
-// activations for those blocks into registers once per item: f16 in MMA order (fp8_mma.cuh), written so by
-// the quantising kernels. Per k32 group it decodes its A fragments (FP4 -> e4m3 bit move -> f16, exact),
-// runs two chained f16 m16n8k16 MMAs per 8 tokens (f32 accumulators, exact products) from zero and adds
-// the result times s_w(row, group) (per-32 promotion: exact for the per-32 FP4 scales, KERNELS.md §2
-// "simple, exact"); each 128-block's sum is then added times s_a(token, block). After a row group's last
-// stage the warps' partial sums are added in warp order through shared memory.
+// The pipeline. A block streams its items' stages back to back through a ring of FMOE_STAGES shared-memory
+// slots, filled with 16-byte cp.async by all threads, so the next item's first stages load while the
+// current item finishes. A stage is one 128-wide block of K: the 256 weight rows' bytes in their stored
+// layout (FP4: 64 bytes a row, FP8: 128), FP4's per-32 scales, and the item's FMOE_TOKENS activation rows
+// (e4m3 codes, laid out as wgmma's K-major B operand: 16-byte core-matrix rows) with their scales.
+//
+// The math. Warpgroup w owns weight rows 64w .. 64w + 63 of the stage (one m64 wgmma tile). Per k32 step a
+// thread loads its A fragment with ldmatrix (FP4) or 8-byte loads (FP8), re-encodes FP4 as e4m3 by the
+// exact bit move (fp8_mma.cuh; the 2^-6 it leaves is folded into the scale) and issues
+// wgmma.mma_async m64nNk32 e4m3 x e4m3 -> f32 (N = 8 or 16 tokens) with A from registers and the tokens
+// from shared memory. Each step's product starts from zero and is added to the thread's f32 sums times the
+// weight scale of its row and 32-block (promotion every k32: exact for the per-32 FP4 scales, and it keeps
+// the tensor core's reduced-precision accumulation to one 32-term sum, ../shared/KERNELS.md §2); two step
+// products alternate so one wgmma runs while the previous one is promoted. After each 128-block the sums
+// are added times the tokens' activation scales.
+//
+// Activations are stored in "fragment order" (fp8_mma.cuh): within each 32 of K the codes are permuted so
+// that the B rows a wgmma reads match the k of the A fragments the FP4 bit move produces.
 #include "common.cuh"
 #include "fp8_mma.cuh"
 
-// FMOE_TOKENS, FMOE_WARPS, FMOE_STAGES, FMOE_STAGE_ROWS, FMOE_STAGE_ROW_BYTES, FMOE_UP_J, FMOE_DOWN_ROWS and
-// FMOE_MAX_K come from dsv4_consts.cuh (src/cuda/kernels/fast_moe_gemm.rs).
-#define FMOE_THREADS (FMOE_WARPS * 32)
-#define FMOE_NT (FMOE_TOKENS / 8)
-#define FMOE_ROW_THREADS (FMOE_THREADS / FMOE_STAGE_ROWS)  // threads loading one stage row
-// Shared-memory row strides, padded so a warp's fragment loads hit distinct banks: FP4 rows (4-byte
-// loads) by 16 bytes, FP8 rows (8-byte loads) by 32; the per-32 scales of a row (2 per FP4 byte / 32) by
-// 4 floats.
-#define FMOE_W_STRIDE_FP4 (FMOE_STAGE_ROW_BYTES + 16)
-#define FMOE_W_STRIDE_FP8 (FMOE_STAGE_ROW_BYTES + 32)
-#define FMOE_S_STRIDE (FMOE_STAGE_ROW_BYTES / 16 + 4)
-// 128-blocks of K a warp owns per item: FMOE_MAX_K / 128 blocks over FMOE_WARPS warps.
-#define FMOE_SLOTS ((FMOE_MAX_K / 128 + FMOE_WARPS - 1) / FMOE_WARPS)
-#define FMOE_STAGE_BYTES (FMOE_STAGE_ROWS * FMOE_W_STRIDE_FP8 + FMOE_STAGE_ROWS * FMOE_S_STRIDE * 4)
-#define FMOE_MAX_BLOCK_ROWS (FMOE_UP_J > FMOE_DOWN_ROWS ? FMOE_UP_J : FMOE_DOWN_ROWS)
+// FMOE_TOKENS, FMOE_WARPGROUPS, FMOE_STAGES, FMOE_UP_J, FMOE_DOWN_ROWS and FMOE_SMEM_BYTES come from
+// dsv4_consts.cuh (src/cuda/kernels/fast_moe_gemm.rs).
+#define FMOE_THREADS (FMOE_WARPGROUPS * 128)
+#define FMOE_ROWS (FMOE_WARPGROUPS * 64)  // weight rows of an item (and of a stage)
+// Shared-memory row strides of a stage's weights, padded so fragment loads hit distinct banks: FP4 rows
+// (64 bytes, ldmatrix of 8 rows x 16 bytes) by 16, FP8 rows (128 bytes, 8-byte loads) by 32.
+#define FMOE_WS_FP4 80
+#define FMOE_WS_FP8 160
+#define FMOE_SLOT_W (FMOE_ROWS * FMOE_WS_FP8)
+#define FMOE_SLOT_S (FMOE_ROWS * 4 * 4)        // FP4 scales: 4 per row
+#define FMOE_SLOT_A (FMOE_TOKENS * 128)        // activation codes: 8 k16 chunks x FMOE_TOKENS x 16 bytes
+#define FMOE_SLOT_AS 128                       // activation scales (FMOE_TOKENS floats, padded)
+#define FMOE_SLOT (FMOE_SLOT_W + FMOE_SLOT_S + FMOE_SLOT_A + FMOE_SLOT_AS)
+#define FMOE_SMEM_USED (FMOE_STAGES * FMOE_SLOT + 2 * FMOE_UP_J * FMOE_TOKENS * 4)
+static_assert(FMOE_SMEM_USED <= FMOE_SMEM_BYTES, "fast_moe_gemm: shared memory layout exceeds FMOE_SMEM_BYTES");
+static_assert(FMOE_TOKENS == 16, "fast_moe_gemm: the B operand layout assumes 16-token tiles");
+static_assert(FMOE_ROWS == 2 * FMOE_UP_J && FMOE_ROWS == FMOE_DOWN_ROWS, "fast_moe_gemm: row block shapes");
 
 // Rust's f32::clamp(v, -l, l): NaN stays NaN.
 DSV4_INLINE float fmoe_clamp_sym(float v, float l) { return v < -l ? -l : (v > l ? l : v); }
@@ -47,408 +57,450 @@ DSV4_INLINE float fmoe_clamp_sym(float v, float l) { return v < -l ? -l : (v > l
 // x · sigmoid(x) in f32 (IEEE expf and division: no fast math).
 DSV4_INLINE float fmoe_silu(float x) { return x / (1.0f + expf(-x)); }
 
-// One work item as the block sees it.
+// One work item.
 struct FmoeItem {
+  bool skip;                // another rank's expert: nothing to load or compute (uniform over the block)
   bool shared;              // the shared expert's tile
   bool fp4;                 // FP4 (per-32 scales) or FP8 (128x128 scales)
   int n;                    // tokens (assignments) in the tile, 1..FMOE_TOKENS
-  int row0;                 // first row of the row block (up: first j)
+  int start;                // first plan row (routed) or first token (shared)
+  int row0;                 // first weight row of the block (up: first j)
   const unsigned char* wa;  // up: W1, down: W2
   const unsigned char* wb;  // up: W3, down: W2
   const float* sa;          // scales of wa / wb (FP4: [rows][K/32]; FP8: [rows/128][K/128])
   const float* sb;
 };
 
-// The block's shared memory, carved once.
-struct FmoeSmem {
-  unsigned char* ring;  // FMOE_STAGES x FMOE_STAGE_BYTES
-  float* red;           // [FMOE_WARPS][16 rows][FMOE_TOKENS] partial sums
-  float* h;             // up: [FMOE_UP_J j][FMOE_TOKENS] h of the item
-  int* act_row;         // [FMOE_TOKENS] activation row of each token column
-  int* out_row;         // [FMOE_TOKENS] output row
-  float* w;             // [FMOE_TOKENS] routing weight (1 for the shared expert)
+// The kernels' common arguments.
+struct FmoeArgs {
+  const unsigned char* act;  // [rows][K] e4m3 codes in fragment order
+  const float* act_s;        // [rows][K/128]
+  int T, K, N, k;
+  const int* rows;
+  const int* tiles;
+  int nrt;  // routed tiles (*ntiles)
+  int e_begin, e_end;
+  const unsigned long long *wa, *wb, *sa, *sb;
+  int fmt;
+  const void *shared_wa, *shared_wb;
+  const float *shared_sa, *shared_sb;
+  int shared_fmt;
 };
 
-// A warp's activations for its 128-blocks (slots): B fragments and scales of the item's tokens.
-struct FmoeAct {
-  uint4 b[FMOE_SLOTS][4][FMOE_NT];   // f16 MMA-order k32 chunks: slot, group, 8-token tile
-  float s[FMOE_SLOTS][FMOE_NT][2];   // scales of tokens (nt*8 + 2t, + 1)
-  int kb[FMOE_SLOTS];                // global 128-block of the slot, -1 when none
-};
+DSV4_INLINE int fmoe_rblocks(bool up, int N) { return up ? N / FMOE_UP_J : (N + FMOE_DOWN_ROWS - 1) / FMOE_DOWN_ROWS; }
 
-// Geometry of an item's stages: kv k per stage (nks stages per row group).
-struct FmoeStages {
-  int ks;     // k per stage
-  int nks;    // stages per row group
-  int ngroups;  // row groups per item
-};
-
-DSV4_INLINE FmoeStages fmoe_stages(bool up, bool fp4, int K) {
-  FmoeStages g;
-  const int per_stage = fp4 ? 2 * FMOE_STAGE_ROW_BYTES : FMOE_STAGE_ROW_BYTES;
-  g.ks = K < per_stage ? K : per_stage;
-  g.nks = (K + g.ks - 1) / g.ks;
-  g.ngroups = up ? FMOE_UP_J / 8 : FMOE_DOWN_ROWS / FMOE_STAGE_ROWS;
-  return g;
+template <bool UP>
+DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
+  const int rb_n = fmoe_rblocks(UP, a.N);
+  const int tile = wi / rb_n, rb = wi - tile * rb_n;
+  FmoeItem it;
+  it.skip = false;
+  it.row0 = rb * (UP ? FMOE_UP_J : FMOE_DOWN_ROWS);
+  if (tile < a.nrt) {
+    const int e = a.tiles[3 * tile];
+    it.skip = e < a.e_begin || e >= a.e_end;
+    const int le = it.skip ? 0 : e - a.e_begin;
+    it.start = a.tiles[3 * tile + 1];
+    it.n = a.tiles[3 * tile + 2];
+    it.shared = false;
+    it.fp4 = a.fmt == WFMT_FP4;
+    it.wa = reinterpret_cast<const unsigned char*>(a.wa[le]);
+    it.wb = reinterpret_cast<const unsigned char*>(a.wb[le]);
+    it.sa = reinterpret_cast<const float*>(a.sa[le]);
+    it.sb = reinterpret_cast<const float*>(a.sb[le]);
+  } else {
+    it.start = (tile - a.nrt) * FMOE_TOKENS;
+    it.n = min(FMOE_TOKENS, a.T - it.start);
+    it.shared = true;
+    it.fp4 = a.shared_fmt == WFMT_FP4;
+    it.wa = reinterpret_cast<const unsigned char*>(a.shared_wa);
+    it.wb = reinterpret_cast<const unsigned char*>(a.shared_wb);
+    it.sa = a.shared_sa;
+    it.sb = a.shared_sb;
+  }
+  return it;
 }
 
-// Global row of stage row r (0..15) in row group rg, and which matrix it is in (up: rows 8..15 are W3).
+// Activation row of token column c (columns past n repeat column 0: computed, never stored). Up reads x
+// rows (one per token), down reads h rows (one per (token, slot), the output row of the assignment).
 template <bool UP>
-DSV4_INLINE int fmoe_row(const FmoeItem& it, int rg, int r, int rows_valid, bool& second) {
+DSV4_INLINE int fmoe_act_row(const FmoeArgs& a, const FmoeItem& it, int c) {
+  const int i = c < it.n ? c : 0;
+  if (it.shared) return UP ? it.start + i : a.T * a.k + it.start + i;
+  const int r = a.rows[it.start + i];
+  return UP ? r / a.k : r;
+}
+
+// Output row (of hq / y) of token column c < n.
+DSV4_INLINE int fmoe_out_row(const FmoeArgs& a, const FmoeItem& it, int c) {
+  return it.shared ? a.T * a.k + it.start + c : a.rows[it.start + c];
+}
+
+// Weight row r (0..FMOE_ROWS-1) of the item's block: its matrix and global row. Up: rows 0..127 are W1's
+// j = row0 + r, rows 128..255 W3's. Down rows past N are clamped (loaded, never stored).
+template <bool UP>
+DSV4_INLINE const unsigned char* fmoe_wrow(const FmoeItem& it, int r, int N, int row_bytes, int& grow,
+                                           bool& second) {
   if (UP) {
-    second = r >= 8;
-    return it.row0 + rg * 8 + (r & 7);
+    second = r >= FMOE_UP_J;
+    grow = it.row0 + (second ? r - FMOE_UP_J : r);
+    return (second ? it.wb : it.wa) + (long long)grow * row_bytes;
   }
   second = false;
-  const int g = it.row0 + rg * FMOE_STAGE_ROWS + r;
-  return g < rows_valid ? g : rows_valid - 1;  // rows past D: loaded, never stored
+  grow = min(it.row0 + r, N - 1);
+  return it.wa + (long long)grow * row_bytes;
 }
 
-// Issues the cp.async loads of stage s (row group s / nks, k part s % nks) into `st`.
+// The activation row this thread loads for item `it` (fmoe_load_stage: threads FMOE_ROWS .. + 9 · FMOE_TOKENS
+// load the tokens' codes and scales; their token column is tid % FMOE_TOKENS), looked up once per item.
 template <bool UP>
-DSV4_INLINE void fmoe_load_stage(unsigned char* st, const FmoeItem& it, const FmoeStages& gs, int s, int rows_valid,
-                                 int K) {
-  const int tid = threadIdx.x;
-  const int rg = s / gs.nks, kp = s - rg * gs.nks;
-  const int k0 = kp * gs.ks, kv = min(gs.ks, K - k0);
-  const int row_bytes = it.fp4 ? K / 2 : K;
-  const int cpr = it.fp4 ? kv / 32 : kv / 16;  // 16-byte chunks per row
-  const int kbyte0 = it.fp4 ? k0 / 2 : k0;
-  const int wstride = it.fp4 ? FMOE_W_STRIDE_FP4 : FMOE_W_STRIDE_FP8;
-  // Thread (r, c) = (tid / FMOE_ROW_THREADS, tid % FMOE_ROW_THREADS) copies chunks c, c + FMOE_ROW_THREADS, ...
-  // of stage row r: no division, consecutive threads on consecutive 16 bytes.
-  const int r = tid / FMOE_ROW_THREADS, c0 = tid % FMOE_ROW_THREADS;
-  bool second;
-  const int grow = fmoe_row<UP>(it, rg, r, rows_valid, second);
-  {
-    const unsigned char* src = (second ? it.wb : it.wa) + (long long)grow * row_bytes + kbyte0;
-    unsigned char* dst = st + r * wstride;
-    for (int p = c0; p < cpr; p += FMOE_ROW_THREADS) cp_async_16(dst + p * 16, src + p * 16);
-  }
-  if (it.fp4) {
-    float* ss = reinterpret_cast<float*>(st + FMOE_STAGE_ROWS * FMOE_W_STRIDE_FP8) + r * FMOE_S_STRIDE;
-    const float* src = (second ? it.sb : it.sa) + (long long)grow * (K / 32) + k0 / 32;
-    const int spr = kv / 128;  // 16-byte chunks of four per-32 scales
-    for (int p = c0; p < spr; p += FMOE_ROW_THREADS) cp_async_16(ss + p * 4, src + p * 4);
-  }
+DSV4_INLINE int fmoe_loader_act_row(const FmoeArgs& a, const FmoeItem& it) {
+  const int u = (int)threadIdx.x - FMOE_ROWS;
+  return (u >= 0 && u < FMOE_TOKENS * 9 && !it.skip) ? fmoe_act_row<UP>(a, it, u & (FMOE_TOKENS - 1)) : 0;
 }
 
-// part[nt][.] += the warp's slots of stage s (see the file comment).
+// Issues the cp.async loads of stage kb (K block kb) of item `it` into slot `st`; `arow`: the thread's
+// activation row (fmoe_loader_act_row).
 template <bool UP, bool FP4>
-DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, const FmoeItem& it, int s, int rows_valid, int K,
-                                    int ntu, const FmoeAct& act, float (&part)[FMOE_NT][4]) {
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const FmoeStages gf = fmoe_stages(UP, FP4, K);  // constant when K is (fmoe_gemm's KT)
-  const int rg = s / gf.nks, kp = s - rg * gf.nks;
-  const int kb0 = kp * gf.ks / 128;  // first global 128-block of the stage
-  const int kblocks = K / 128;
-  const int wstride = FP4 ? FMOE_W_STRIDE_FP4 : FMOE_W_STRIDE_FP8;
-  const float* ss = reinterpret_cast<const float*>(st + FMOE_STAGE_ROWS * FMOE_W_STRIDE_FP8);
-  // FP8: the 128x128 block rows of rows g and g + 8.
-  const float* s8a = nullptr;
-  const float* s8b = nullptr;
-  if (!FP4) {
+DSV4_INLINE void fmoe_load_stage(unsigned char* st, const FmoeArgs& a, const FmoeItem& it, int kb, int arow) {
+  const int tid = threadIdx.x;
+  const int K = a.K;
+  constexpr int RB = FP4 ? 64 : 128;  // weight bytes of a row per stage
+  constexpr int WS = FP4 ? FMOE_WS_FP4 : FMOE_WS_FP8;
+  constexpr int CPR = RB / 16;
+  const int row_bytes = FP4 ? K / 2 : K;
+#pragma unroll
+  for (int c = tid; c < FMOE_ROWS * CPR; c += FMOE_THREADS) {
+    const int r = c / CPR, p = c % CPR;
+    int grow;
     bool second;
-    const int r0 = fmoe_row<UP>(it, rg, 0, rows_valid, second);
-    const int r8 = fmoe_row<UP>(it, rg, 8, rows_valid, second);
-    s8a = it.sa + (long long)(r0 / 128) * kblocks;
-    s8b = (UP ? it.sb : it.sa) + (long long)(r8 / 128) * kblocks;
+    const unsigned char* src = fmoe_wrow<UP>(it, r, a.N, row_bytes, grow, second) + kb * RB + p * 16;
+    cp_async_16(st + r * WS + p * 16, src);
   }
-#pragma unroll
-  for (int sl = 0; sl < FMOE_SLOTS; ++sl) {
-    const int qb = act.kb[sl] - kb0;  // the slot's block within this stage
-    if (act.kb[sl] < 0 || qb < 0 || qb >= gf.ks / 128) continue;
-    float blk[FMOE_NT][4];
-#pragma unroll
-    for (int nt = 0; nt < FMOE_NT; ++nt)
-#pragma unroll
-      for (int v = 0; v < 4; ++v) blk[nt][v] = 0.0f;
-#pragma unroll
-    for (int qq = 0; qq < 4; ++qq) {
-      const int q = 4 * qb + qq;
-      unsigned ev0, od0, ev1, od1;  // e4m3 of rows g, g+8: even and odd elements of the thread's 8 k
-      float sw0, sw1;
-      if (FP4) {
-        e2m1x8_to_e4m3_eo(lds_u32(st + g * wstride + 16 * q + 4 * t), ev0, od0);
-        e2m1x8_to_e4m3_eo(lds_u32(st + (g + 8) * wstride + 16 * q + 4 * t), ev1, od1);
-        sw0 = ss[g * FMOE_S_STRIDE + q] * 64.0f;  // the bit move's 2^-6, folded back
-        sw1 = ss[(g + 8) * FMOE_S_STRIDE + q] * 64.0f;
-      } else {
-        const uint2 u0 = lds_u64(st + g * wstride + 32 * q + 8 * t);
-        const uint2 u1 = lds_u64(st + (g + 8) * wstride + 32 * q + 8 * t);
-        ev0 = __byte_perm(u0.x, u0.y, 0x6420);
-        od0 = __byte_perm(u0.x, u0.y, 0x7531);
-        ev1 = __byte_perm(u1.x, u1.y, 0x6420);
-        od1 = __byte_perm(u1.x, u1.y, 0x7531);
-        sw0 = s8a[kb0 + qb];
-        sw1 = s8b[kb0 + qb];
-      }
-      unsigned ae0, ae2, ae1, ae3, ao0, ao2, ao1, ao3;
-      e4m3x4_to_f16x4(ev0, ae0, ae2);
-      e4m3x4_to_f16x4(ev1, ae1, ae3);
-      e4m3x4_to_f16x4(od0, ao0, ao2);
-      e4m3x4_to_f16x4(od1, ao1, ao3);
-#pragma unroll
-      for (int nt = 0; nt < FMOE_NT; ++nt) {
-        if (nt < ntu) {
-          const uint4 b = act.b[sl][qq][nt];
-          float c[4];
-          mma_f16_m16n8k16_zero(c, ae0, ae1, ae2, ae3, b.x, b.y);
-          mma_f16_m16n8k16(c, ao0, ao1, ao2, ao3, b.z, b.w);
-          blk[nt][0] = fmaf(c[0], sw0, blk[nt][0]);
-          blk[nt][1] = fmaf(c[1], sw0, blk[nt][1]);
-          blk[nt][2] = fmaf(c[2], sw1, blk[nt][2]);
-          blk[nt][3] = fmaf(c[3], sw1, blk[nt][3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < FMOE_NT; ++nt) {
-      if (nt < ntu) {
-        part[nt][0] = fmaf(blk[nt][0], act.s[sl][nt][0], part[nt][0]);
-        part[nt][1] = fmaf(blk[nt][1], act.s[sl][nt][1], part[nt][1]);
-        part[nt][2] = fmaf(blk[nt][2], act.s[sl][nt][0], part[nt][2]);
-        part[nt][3] = fmaf(blk[nt][3], act.s[sl][nt][1], part[nt][3]);
-      }
-    }
+  if (FP4 && tid < FMOE_ROWS) {  // the row's four per-32 scales
+    int grow;
+    bool second;
+    fmoe_wrow<UP>(it, tid, a.N, row_bytes, grow, second);
+    const float* src = (second ? it.sb : it.sa) + (long long)grow * (K / 32) + kb * 4;
+    cp_async_16(st + FMOE_SLOT_W + tid * 16, src);
+  }
+  const int u = tid - FMOE_ROWS;  // the other threads load the tokens
+  if (u >= 0 && u < FMOE_TOKENS * 8) {
+    const int c = u & (FMOE_TOKENS - 1), ch = u / FMOE_TOKENS;  // token column, k16 chunk
+    cp_async_16(st + FMOE_SLOT_W + FMOE_SLOT_S + ch * (FMOE_TOKENS * 16) + c * 16,
+                a.act + (long long)arow * K + kb * 128 + ch * 16);
+  } else if (u >= FMOE_TOKENS * 8 && u < FMOE_TOKENS * 9) {
+    const int c = u - FMOE_TOKENS * 8;
+    const long long row = arow;
+    cp_async_4(st + FMOE_SLOT_W + FMOE_SLOT_S + FMOE_SLOT_A + c * 4, a.act_s + row * (K / 128) + kb);
   }
 }
 
-// A row group's sums: every warp's partials into sm.red, then (after the barrier) the fixed-order sum
-// over warps of (row, token) = (tid & 15, tid >> 4) for the caller's epilogue.
-DSV4_INLINE float fmoe_reduce(const FmoeSmem& sm, float (&part)[FMOE_NT][4], int& row, int& tok) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  float* red = sm.red + warp * 16 * FMOE_TOKENS;
+template <bool UP>
+DSV4_INLINE void fmoe_load(unsigned char* st, const FmoeArgs& a, const FmoeItem& it, int kb, int arow) {
+  if (it.skip) return;
+  if (it.fp4)
+    fmoe_load_stage<UP, true>(st, a, it, kb, arow);
+  else
+    fmoe_load_stage<UP, false>(st, a, it, kb, arow);
+}
+
+// One m64nNk32 step: d = A · B (from zero), A = the thread's e4m3 fragment registers, B = 8·NT8 tokens at
+// `desc`.
+template <int NT8>
+DSV4_INLINE void fmoe_wgmma(float (&d)[8], const unsigned (&a)[4], unsigned long long desc) {
+  if (NT8 == 1) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1; }\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
+  } else {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, "
+        "1, 1; }\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
+  }
+}
+
+// blk += d · (s0 for row g, s8 for row g + 8) over the thread's 4·NT8 values (layout: fmoe_gemm).
+template <int NT8>
+DSV4_INLINE void fmoe_promote(float (&blk)[8], const float (&d)[8], float s0, float s8) {
 #pragma unroll
-  for (int nt = 0; nt < FMOE_NT; ++nt) {
+  for (int j = 0; j < NT8; ++j) {
+    blk[4 * j + 0] = fmaf(d[4 * j + 0], s0, blk[4 * j + 0]);
+    blk[4 * j + 1] = fmaf(d[4 * j + 1], s0, blk[4 * j + 1]);
+    blk[4 * j + 2] = fmaf(d[4 * j + 2], s8, blk[4 * j + 2]);
+    blk[4 * j + 3] = fmaf(d[4 * j + 3], s8, blk[4 * j + 3]);
+  }
+}
+
+// The thread's A fragment of k32 step q of its warp's 16 rows (stage rows `r16` ..), e4m3 codes in the
+// order fmoe's activations use. FP4: `frag` holds the ldmatrix words of steps q & ~1 and q | 1.
+template <bool FP4>
+DSV4_INLINE void fmoe_a_frag(const unsigned char* wrows, const unsigned (&frag)[4], int q, unsigned (&a)[4]) {
+  if (FP4) {
+    const int h = (q & 1) * 2;
+    e2m1x8_to_e4m3_eo(frag[h], a[0], a[2]);      // row g: k 4t.. (even elements), 16 + 4t.. (odd)
+    e2m1x8_to_e4m3_eo(frag[h + 1], a[1], a[3]);  // row g + 8
+  } else {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const uint2 u0 = lds_u64(wrows + g * FMOE_WS_FP8 + 32 * q + 8 * t);
+    const uint2 u8 = lds_u64(wrows + (g + 8) * FMOE_WS_FP8 + 32 * q + 8 * t);
+    a[0] = __byte_perm(u0.x, u0.y, 0x6420);
+    a[2] = __byte_perm(u0.x, u0.y, 0x7531);
+    a[1] = __byte_perm(u8.x, u8.y, 0x6420);
+    a[3] = __byte_perm(u8.x, u8.y, 0x7531);
+  }
+}
+
+// acc += the stage's 128-block (see the file comment). The thread is (warpgroup w, warp q of it, g, t);
+// d[4j + c]: row 16q + g + 8·(c >> 1) of the warpgroup's tile, token 8j + 2t + (c & 1).
+template <bool UP, bool FP4, int NT8>
+DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, const FmoeArgs& a, const FmoeItem& it, int kb,
+                                    float (&acc)[8]) {
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int r16 = (tid >> 5) * 16;  // the warp's first stage row
+  constexpr int WS = FP4 ? FMOE_WS_FP4 : FMOE_WS_FP8;
+  const unsigned char* wrows = st + r16 * WS;
+  const unsigned char* act = st + FMOE_SLOT_W + FMOE_SLOT_S;
+  const float* as = reinterpret_cast<const float*>(act + FMOE_SLOT_A);
+  // Per-32 multipliers of rows g and g + 8: FP4 the row's scales; FP8 the 128x128 block's (one per tile).
+  float s0[4], s8[4];
+  if (FP4) {
+    const float4 v0 = *reinterpret_cast<const float4*>(st + FMOE_SLOT_W + (r16 + g) * 16);
+    const float4 v8 = *reinterpret_cast<const float4*>(st + FMOE_SLOT_W + (r16 + g + 8) * 16);
+    s0[0] = v0.x, s0[1] = v0.y, s0[2] = v0.z, s0[3] = v0.w;
+    s8[0] = v8.x, s8[1] = v8.y, s8[2] = v8.z, s8[3] = v8.w;
+  } else {
+    int grow;
+    bool second;
+    fmoe_wrow<UP>(it, r16, a.N, a.K, grow, second);
+    const float s = (second ? it.sb : it.sa)[(long long)(grow / 128) * (a.K / 128) + kb];
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      red[(g + 8 * (v >> 1)) * FMOE_TOKENS + nt * 8 + 2 * t + (v & 1)] = part[nt][v];
-      part[nt][v] = 0.0f;
+    for (int q = 0; q < 4; ++q) s0[q] = s8[q] = s;
+  }
+  // ldmatrix x4 of two k32 steps: lane L addresses row (L & 7) + 8·((L >> 3) & 1), 16-byte block L >> 4.
+  const unsigned char* lm = wrows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * FMOE_WS_FP4 + 16 * (lane >> 4);
+  unsigned frag[4] = {0u, 0u, 0u, 0u};
+  // The step products start from zero in the wgmma (scale-d = 0), but ptxas serialises wgmmas whose
+  // accumulator registers hold no defined value.
+  float d[2][8];
+#pragma unroll
+  for (int v = 0; v < 8; ++v) d[0][v] = d[1][v] = 0.0f;
+  float blk[8];
+#pragma unroll
+  for (int v = 0; v < 8; ++v) blk[v] = 0.0f;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if (FP4 && (q & 1) == 0) ldmatrix_x4(lm + 16 * q, frag);
+    unsigned af[4];
+    fmoe_a_frag<FP4>(wrows, frag, q, af);
+    const unsigned long long desc = wgmma_desc_noswizzle(act + q * 2 * (FMOE_TOKENS * 16), FMOE_TOKENS * 16, 128);
+    wgmma_fence();
+    fmoe_wgmma<NT8>(d[q & 1], af, desc);
+    wgmma_commit();
+    if (q > 0) {
+      wgmma_wait<1>();  // step q - 1 is done
+      wgmma_fence_operand(d[(q - 1) & 1]);
+      fmoe_promote<NT8>(blk, d[(q - 1) & 1], s0[q - 1], s8[q - 1]);
     }
   }
-  __syncthreads();
-  row = threadIdx.x & 15;
-  tok = threadIdx.x >> 4;
-  float sum = 0.0f;
-  if (tok < FMOE_TOKENS) {
-    for (int w = 0; w < FMOE_WARPS; ++w) sum += sm.red[(w * 16 + row) * FMOE_TOKENS + tok];
+  wgmma_wait<0>();
+  wgmma_fence_operand(d[1]);
+  fmoe_promote<NT8>(blk, d[1], s0[3], s8[3]);
+  // Activation scales of the thread's tokens (FP4: times 2^6, the bit move's 2^-6).
+  const float fold = FP4 ? 64.0f : 1.0f;
+#pragma unroll
+  for (int j = 0; j < NT8; ++j) {
+    const float sa0 = as[8 * j + 2 * t] * fold, sa1 = as[8 * j + 2 * t + 1] * fold;
+    acc[4 * j + 0] = fmaf(blk[4 * j + 0], sa0, acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(blk[4 * j + 1], sa1, acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(blk[4 * j + 2], sa0, acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(blk[4 * j + 3], sa1, acc[4 * j + 3]);
   }
-  return sum;
+}
+
+template <bool UP>
+DSV4_INLINE void fmoe_compute(const unsigned char* st, const FmoeArgs& a, const FmoeItem& it, int kb,
+                              float (&acc)[8]) {
+  if (it.skip) return;
+  const bool two = it.n > 8;  // uniform over the block
+  if (it.fp4) {
+    if (two)
+      fmoe_compute_stage<UP, true, 2>(st, a, it, kb, acc);
+    else
+      fmoe_compute_stage<UP, true, 1>(st, a, it, kb, acc);
+  } else {
+    if (two)
+      fmoe_compute_stage<UP, false, 2>(st, a, it, kb, acc);
+    else
+      fmoe_compute_stage<UP, false, 1>(st, a, it, kb, acc);
+  }
+}
+
+// Up epilogue, part 1: the thread's bf16-rounded gate or up values into gv / uv [j][token].
+DSV4_INLINE void fmoe_up_stash(const FmoeItem& it, const float (&acc)[8], float* gv, float* uv) {
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int r = (tid >> 5) * 16 + g;  // stage row of d[0]
+  float* dst = r < FMOE_UP_J ? gv : uv;
+  const int j0 = r & (FMOE_UP_J - 1);
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int j = j0 + 8 * ((c >> 1) & 1), tok = 8 * (c >> 2) + 2 * t + (c & 1);
+    dst[j * FMOE_TOKENS + tok] = round_bf16(acc[c]);
+  }
+}
+
+// Up epilogue, part 2 (threads 0..255, after a barrier): h of token tid / 16, j 8·(tid % 16) .. + 7, its
+// per-128 act_quant (amax over the 16 threads of the token) and the codes in fragment order.
+DSV4_INLINE void fmoe_up_quant(const FmoeArgs& a, const FmoeItem& it, const float* gv, const float* uv,
+                               const float* route_w, float limit, unsigned char* out_q, float* out_s) {
+  const int tid = threadIdx.x;
+  if (tid >= FMOE_TOKENS * 16) return;  // whole warps
+  const int i = tid >> 4, c16 = tid & 15;
+  const float wt = (!it.shared && route_w != nullptr && i < it.n) ? route_w[fmoe_out_row(a, it, i)] : 1.0f;
+  float hv[8];
+  float m = 0.0f;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int j = 8 * c16 + c;
+    float gg = gv[j * FMOE_TOKENS + i], uu = uv[j * FMOE_TOKENS + i];
+    if (limit > 0.0f) {
+      gg = fminf(gg, limit);
+      uu = fmoe_clamp_sym(uu, limit);
+    }
+    float h = fmoe_silu(gg) * uu;
+    if (!it.shared) h = h * wt;
+    hv[c] = round_bf16(h);
+    m = fmaxf(m, fabsf(hv[c]));
+  }
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o, 16));
+  if (i < it.n) {
+    const float s = ue8m0_scale(fmaxf(m, 1e-4f), DSV4_E4M3_MAX);
+    unsigned codes[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) codes[c] = e4m3_code_rn(fmoe_clamp_sym(hv[c] / s, DSV4_E4M3_MAX));
+    const long long orow = fmoe_out_row(a, it, i);
+    unsigned char* dst = out_q + orow * a.N + it.row0 + 32 * (c16 >> 2);
+    store_fragment_order8(dst, c16 & 3, codes);
+    if (c16 == 0) out_s[orow * (a.N / 128) + it.row0 / 128] = s;
+  }
+}
+
+// Down epilogue: y[out row][weight row] = bf16(acc).
+DSV4_INLINE void fmoe_down_store(const FmoeArgs& a, const FmoeItem& it, const float (&acc)[8], bf16_t* y) {
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int r = it.row0 + (tid >> 5) * 16 + g;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int row = r + 8 * ((c >> 1) & 1), tok = 8 * (c >> 2) + 2 * t + (c & 1);
+    if (tok < it.n && row < a.N) y[(long long)fmoe_out_row(a, it, tok) * a.N + row] = f32_to_bf16(acc[c]);
+  }
 }
 
 // Shared body of both kernels. UP: K = D, weight rows j of W1/W3 (N = I of them), act = xq [T][D] with xs;
-// out hq [T*k + T][I] (e4m3 values as f16 in MMA order) and hs [T*k + T][I/128] scales. DOWN: K = I, rows of W2 (N = D), act = hq
-// with hs; out y [T*k + T][D] bf16.
-// KT: K as a compile-time constant (0: the runtime `k_rt`), so that the stage loops unroll and their
-// address arithmetic folds for the shapes that matter (V4-Flash: 4096 for up, 2048 for down).
-template <bool UP, int KT>
-DSV4_INLINE void fmoe_gemm(const unsigned short* act, const float* act_scales, int T, int k_rt, int N, int k,
-                           const int* rows, const int* tiles, const int* ntiles, int e_begin, int e_end,
-                           const unsigned long long* wa, const unsigned long long* wb, const unsigned long long* sa,
-                           const unsigned long long* sb, int fmt, const void* shared_wa, const void* shared_wb,
-                           const float* shared_sa, const float* shared_sb, int shared_fmt, const float* route_w,
-                           float limit, unsigned short* out_q, float* out_s, bf16_t* out_y) {
-  extern __shared__ __align__(16) unsigned char fmoe_smem[];
-  const int K = KT ? KT : k_rt;
-  const int kblocks = K / 128;
-  FmoeSmem sm;
-  sm.ring = fmoe_smem;
-  sm.red = reinterpret_cast<float*>(sm.ring + FMOE_STAGES * FMOE_STAGE_BYTES);
-  sm.h = sm.red + FMOE_WARPS * 16 * FMOE_TOKENS;
-  sm.act_row = reinterpret_cast<int*>(sm.h + FMOE_UP_J * FMOE_TOKENS);
-  sm.out_row = sm.act_row + FMOE_TOKENS;
-  sm.w = reinterpret_cast<float*>(sm.out_row + FMOE_TOKENS);
-
-  const int tid = threadIdx.x;
-  const int nrt = *ntiles;
-  const int nsh = shared_wa != nullptr ? (T + FMOE_TOKENS - 1) / FMOE_TOKENS : 0;
-  const int block_rows = UP ? FMOE_UP_J : FMOE_DOWN_ROWS;
-  const int rblocks = (N + block_rows - 1) / block_rows;
-  const long long total = (long long)(nrt + nsh) * rblocks;
-
-  for (long long wi = blockIdx.x; wi < total; wi += gridDim.x) {
-    const int tile = (int)(wi / rblocks), rb = (int)(wi - (long long)tile * rblocks);
-    FmoeItem it;
-    int start;
-    if (tile < nrt) {
-      const int e = tiles[3 * tile];
-      if (e < e_begin || e >= e_end) continue;  // another rank's expert (uniform over the block)
-      start = tiles[3 * tile + 1];
-      it.n = tiles[3 * tile + 2];
-      it.shared = false;
-      it.fp4 = fmt == WFMT_FP4;
-      const int le = e - e_begin;
-      it.wa = reinterpret_cast<const unsigned char*>(wa[le]);
-      it.wb = reinterpret_cast<const unsigned char*>(wb[le]);
-      it.sa = reinterpret_cast<const float*>(sa[le]);
-      it.sb = reinterpret_cast<const float*>(sb[le]);
-    } else {
-      start = (tile - nrt) * FMOE_TOKENS;
-      it.n = min(FMOE_TOKENS, T - start);
-      it.shared = true;
-      it.fp4 = shared_fmt == WFMT_FP4;
-      it.wa = reinterpret_cast<const unsigned char*>(shared_wa);
-      it.wb = reinterpret_cast<const unsigned char*>(shared_wb);
-      it.sa = shared_sa;
-      it.sb = shared_sb;
-    }
-    it.row0 = rb * block_rows;
-    if (tid < FMOE_TOKENS) {
-      // Columns past n (padding of the last 8-token MMA tile) are never stored.
-      const int i = tid < it.n ? tid : 0;
-      int a_row, o_row;
-      float wt = 1.0f;
-      if (it.shared) {
-        o_row = T * k + start + i;
-        a_row = UP ? start + i : o_row;
-      } else {
-        const int a = rows[start + i];
-        o_row = a;
-        a_row = UP ? a / k : a;
-        wt = route_w != nullptr ? route_w[a] : 1.0f;
-      }
-      sm.act_row[tid] = a_row;
-      sm.out_row[tid] = o_row;
-      sm.w[tid] = wt;
-    }
-    __syncthreads();
-    const FmoeStages gs = fmoe_stages(UP, it.fp4, K);
-    const int nstages = gs.ngroups * gs.nks;
-    const int ntu = (it.n + 7) / 8;
-    // The warp's activations: blocks warp, warp + FMOE_WARPS, ... of each k part, loaded from L2 once.
-    FmoeAct av;
-    {
-      const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-      const int bps = gs.ks / 128;
-      const int per_part = (bps + FMOE_WARPS - 1) / FMOE_WARPS;
-#pragma unroll
-      for (int sl = 0; sl < FMOE_SLOTS; ++sl) {
-        const int kp = sl / per_part, i = sl - kp * per_part;
-        const int qb = warp + FMOE_WARPS * i;
-        av.kb[sl] = (kp < gs.nks && qb < min(bps, kblocks - kp * bps)) ? kp * bps + qb : -1;
-        const int kb = av.kb[sl] < 0 ? 0 : av.kb[sl];
-#pragma unroll
-        for (int nt = 0; nt < FMOE_NT; ++nt) {
-          const long long row = sm.act_row[nt * 8 + g];
-#pragma unroll
-          for (int qq = 0; qq < 4; ++qq)
-            av.b[sl][qq][nt] =
-                *reinterpret_cast<const uint4*>(act + row * K + kb * 128 + 32 * qq + 8 * t);
-          av.s[sl][nt][0] = act_scales[(long long)sm.act_row[nt * 8 + 2 * t] * kblocks + kb];
-          av.s[sl][nt][1] = act_scales[(long long)sm.act_row[nt * 8 + 2 * t + 1] * kblocks + kb];
-        }
+// out hq [T*k + T][I] codes in fragment order and hs [T*k + T][I/128]. DOWN: K = I, rows of W2 (N = D),
+// act = hq with hs; out y [T*k + T][D] bf16.
+template <bool UP>
+DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit, unsigned char* out_q, float* out_s,
+                           bf16_t* out_y) {
+  extern __shared__ __align__(128) unsigned char fmoe_smem[];
+  float* gv = reinterpret_cast<float*>(fmoe_smem + FMOE_STAGES * FMOE_SLOT);
+  float* uv = gv + FMOE_UP_J * FMOE_TOKENS;
+  const int nsh = a.shared_wa != nullptr ? (a.T + FMOE_TOKENS - 1) / FMOE_TOKENS : 0;
+  const int total = (a.nrt + nsh) * fmoe_rblocks(UP, a.N);
+  const int nks = a.K / 128;  // stages per item
+  const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  // Two cursors walk this block's (item, K block) sequence: item blockIdx.x + n · gridDim.x, stage kb.
+  // The load cursor runs FMOE_STAGES - 1 stages ahead of the compute cursor. They advance by increments
+  // (no division per stage) and look an item up once per item.
+  int ln = 0, lkb = 0, larow = 0;
+  FmoeItem lit;
+  if (my_items > 0) {
+    lit = fmoe_item<UP>(a, blockIdx.x);
+    larow = fmoe_loader_act_row<UP>(a, lit);
+  }
+  auto advance_load = [&]() {
+    if (++lkb == nks) {
+      lkb = 0;
+      if (++ln < my_items) {
+        lit = fmoe_item<UP>(a, blockIdx.x + ln * gridDim.x);
+        larow = fmoe_loader_act_row<UP>(a, lit);
       }
     }
-    float part[FMOE_NT][4];
+  };
 #pragma unroll
-    for (int nt = 0; nt < FMOE_NT; ++nt)
-#pragma unroll
-      for (int v = 0; v < 4; ++v) part[nt][v] = 0.0f;
-
-#pragma unroll
-    for (int s = 0; s < FMOE_STAGES - 1; ++s) {
-      if (s < nstages) fmoe_load_stage<UP>(sm.ring + s * FMOE_STAGE_BYTES, it, gs, s, N, K);
-      cp_async_commit();
+  for (int s = 0; s < FMOE_STAGES - 1; ++s) {
+    if (ln < my_items) {
+      fmoe_load<UP>(fmoe_smem + s * FMOE_SLOT, a, lit, lkb, larow);
+      advance_load();
     }
-    for (int s = 0; s < nstages; ++s) {
+    cp_async_commit();
+  }
+  float acc[8];
+  FmoeItem it;
+  int slot = 0;
+  for (int n = 0; n < my_items; ++n) {
+    it = fmoe_item<UP>(a, blockIdx.x + n * gridDim.x);
+#pragma unroll
+    for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
+    for (int kb = 0; kb < nks; ++kb) {
       cp_async_wait<FMOE_STAGES - 2>();
-      __syncthreads();  // stage s landed for every thread; stage s-1 is no longer read
-      const int nx = s + FMOE_STAGES - 1;
-      if (nx < nstages) fmoe_load_stage<UP>(sm.ring + (nx % FMOE_STAGES) * FMOE_STAGE_BYTES, it, gs, nx, N, K);
+      // cp.async wrote with the generic proxy; wgmma reads with the async proxy.
+      fence_proxy_async_shared();
+      __syncthreads();  // this stage landed for every thread; the previous stage's slot is no longer read
+      if (ln < my_items) {
+        const int ls = slot == 0 ? FMOE_STAGES - 1 : slot - 1;  // the slot read by the previous stage
+        fmoe_load<UP>(fmoe_smem + ls * FMOE_SLOT, a, lit, lkb, larow);
+        advance_load();
+      }
       cp_async_commit();
-      const unsigned char* st = sm.ring + (s % FMOE_STAGES) * FMOE_STAGE_BYTES;
-      if (it.fp4)
-        fmoe_compute_stage<UP, true>(st, it, s, N, K, ntu, av, part);
-      else
-        fmoe_compute_stage<UP, false>(st, it, s, N, K, ntu, av, part);
-      const int rg = s / gs.nks;
-      if (s - rg * gs.nks == gs.nks - 1) {
-        int row, tok;
-        const float v = fmoe_reduce(sm, part, row, tok);
-        if (UP) {
-          // Rows 0-7 hold gate j = rg*8 + row, rows 8-15 the matching up values (8 lanes up).
-          const float up = __shfl_down_sync(0xffffffffu, v, 8, 16);
-          if (row < 8 && tok < it.n) {
-            float gv = round_bf16(v), uv = round_bf16(up);
-            if (limit > 0.0f) {
-              gv = fminf(gv, limit);
-              uv = fmoe_clamp_sym(uv, limit);
-            }
-            float h = fmoe_silu(gv) * uv;
-            if (!it.shared) h = h * sm.w[tok];
-            sm.h[(rg * 8 + row) * FMOE_TOKENS + tok] = round_bf16(h);
-          }
-        } else {
-          const int grow = it.row0 + rg * FMOE_STAGE_ROWS + row;
-          if (tok < it.n && grow < N) out_y[(long long)sm.out_row[tok] * N + grow] = f32_to_bf16(v);
-        }
-      }
+      fmoe_compute<UP>(fmoe_smem + slot * FMOE_SLOT, a, it, kb, acc);
+      slot = slot == FMOE_STAGES - 1 ? 0 : slot + 1;
     }
-    cp_async_wait<0>();
-    __syncthreads();  // the ring, red and h are complete
-    if (UP) {
-      // act_quant of h over the item's 128 j: thread (token tid / 16, j 8·(tid % 16) .. + 8).
-      const int i = tid >> 4, j8 = (tid & 15) * 8;
-      float hv[8];
-      float m = 0.0f;
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        hv[c] = i < FMOE_TOKENS ? sm.h[(j8 + c) * FMOE_TOKENS + i] : 0.0f;
-        m = fmaxf(m, fabsf(hv[c]));
+    if (!it.skip) {
+      if (UP) {
+        fmoe_up_stash(it, acc, gv, uv);
+        __syncthreads();
+        fmoe_up_quant(a, it, gv, uv, route_w, limit, out_q, out_s);
+        // gv / uv are next written after at least one more stage barrier.
+      } else {
+        fmoe_down_store(a, it, acc, out_y);
       }
-#pragma unroll
-      for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o, 16));
-      if (i < it.n) {
-        const float s = ue8m0_scale(fmaxf(m, 1e-4f), DSV4_E4M3_MAX);
-        unsigned codes[8];
-#pragma unroll
-        for (int c = 0; c < 8; ++c) codes[c] = e4m3_code_rn(fmoe_clamp_sym(hv[c] / s, DSV4_E4M3_MAX));
-        const long long orow = sm.out_row[i];
-        *reinterpret_cast<uint4*>(out_q + orow * N + it.row0 + j8) = e4m3x8_to_f16_mma_order(codes);
-        if ((tid & 15) == 0) out_s[orow * (N / 128) + it.row0 / 128] = s;
-      }
-      __syncthreads();  // sm.h and the row tables are rewritten by the next item
     }
   }
+  cp_async_wait<0>();
 }
 
-// GEMM1 of every routed tile and of the shared expert (see fmoe_gemm). xq [T][D] e4m3 values as f16 in MMA
-// order (fp8_mma.cuh) with their scales xs [T][D/128];
-// w1/w3/s1/s3: device arrays of the local experts' addresses ([e_end - e_begin]); shared_* NULL when the
-// layer has no shared expert. Requires D % 128 == 0, D <= FMOE_MAX_K, I % 128 == 0.
+// GEMM1 of every routed tile and of the shared expert (see fmoe_gemm). xq [T][D] e4m3 codes in fragment
+// order (fp8_mma.cuh) with their scales xs [T][D/128]; w1/w3/s1/s3: device arrays of the local experts'
+// addresses ([e_end - e_begin]); shared_* NULL when the layer has no shared expert. Requires D % 128 == 0,
+// I % 128 == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
-    fmoe_up_kernel(const unsigned short* xq, const float* xs, int T, int D, int I, int k, const int* rows,
+    fmoe_up_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
                    const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned long long* w1,
                    const unsigned long long* w3, const unsigned long long* s1, const unsigned long long* s3,
                    int fmt, const void* shared_w1, const void* shared_w3, const float* shared_s1,
-                   const float* shared_s3, int shared_fmt, const float* route_w, float limit, unsigned short* hq,
+                   const float* shared_s3, int shared_fmt, const float* route_w, float limit, unsigned char* hq,
                    float* hs) {
-#define FMOE_UP_ARGS                                                                                         \
-  xq, xs, T, D, I, k, rows, tiles, ntiles, e_begin, e_end, w1, w3, s1, s3, fmt, shared_w1, shared_w3, shared_s1, \
-      shared_s3, shared_fmt, route_w, limit, hq, hs, nullptr
-  if (D == 4096)
-    fmoe_gemm<true, 4096>(FMOE_UP_ARGS);
-  else
-    fmoe_gemm<true, 0>(FMOE_UP_ARGS);
-#undef FMOE_UP_ARGS
+  const FmoeArgs a = {xq,  xs,        T,         D,         I,         k,         rows,       tiles, *ntiles,
+                      e_begin, e_end, w1,        w3,        s1,        s3,        fmt,        shared_w1,
+                      shared_w3, shared_s1, shared_s3, shared_fmt};
+  fmoe_gemm<true>(a, route_w, limit, hq, hs, nullptr);
 }
 
-// GEMM2 (see fmoe_gemm): hq [T*k + T][I] (f16 MMA order) with hs -> y [T*k + T][D] bf16. Requires I % 128 == 0,
-// I <= FMOE_MAX_K.
+// GEMM2 (see fmoe_gemm): hq [T*k + T][I] (fragment order) with hs -> y [T*k + T][D] bf16. Requires
+// I % 128 == 0, D % 128 == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
-    fmoe_down_kernel(const unsigned short* hq, const float* hs, int T, int I, int D, int k, const int* rows,
+    fmoe_down_kernel(const unsigned char* hq, const float* hs, int T, int I, int D, int k, const int* rows,
                      const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned long long* w2,
                      const unsigned long long* s2, int fmt, const void* shared_w2, const float* shared_s2,
                      int shared_fmt, unsigned short* y) {
-#define FMOE_DOWN_ARGS                                                                                         \
-  hq, hs, T, I, D, k, rows, tiles, ntiles, e_begin, e_end, w2, w2, s2, s2, fmt, shared_w2, shared_w2, shared_s2, \
-      shared_s2, shared_fmt, nullptr, 0.0f, nullptr, nullptr, y
-  if (I == 2048)
-    fmoe_gemm<false, 2048>(FMOE_DOWN_ARGS);
-  else
-    fmoe_gemm<false, 0>(FMOE_DOWN_ARGS);
-#undef FMOE_DOWN_ARGS
+  const FmoeArgs a = {hq,      hs,    T,  I,  D,  k,   rows,      tiles,     *ntiles,   e_begin, e_end,
+                      w2,      w2,    s2, s2, fmt, shared_w2, shared_w2, shared_s2, shared_s2, shared_fmt};
+  fmoe_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y);
 }

@@ -1,17 +1,26 @@
 // fp8_mma.cuh — tensor-core building blocks of the fast kernel set (sm_90a; ../shared/KERNELS.md
-// §1-2): the exact FP4 e2m1 -> FP8 e4m3 bit move, e4m3 -> f16 conversion, the f16 m16n8k16 MMA with f32
-// accumulators, and cp.async. Inline PTX only: NVRTC has no CUDA include directory (no cuda_fp8.h).
+// §1-2): the exact FP4 e2m1 -> FP8 e4m3 bit move, the "fragment order" of FP8 activations, wgmma
+// (descriptors, fences, waits), ldmatrix and cp.async. Inline PTX only: NVRTC has no CUDA include
+// directory (no cuda_fp8.h).
 //
-// Why f16 MMAs: on sm_90 `mma.sync` has no FP8 form in hardware; ptxas emulates m16n8k32.e4m3 by
-// converting both operands to f16 (F2FP) and issuing two HMMA.16816 (seen in the SASS), so converting
-// once ourselves is cheaper. Hopper's FP8 tensor cores are reachable only through wgmma. e4m3 values are
-// exact in f16, so an f16 MMA of e4m3 values with f32 accumulators is exact products summed in f32.
+// Why wgmma: on sm_90 `mma.sync` has no FP8 form in hardware (ptxas emulates m16n8k32.e4m3 with F2FP
+// conversions and f16 HMMAs); Hopper's FP8 tensor cores are reachable only through wgmma.mma_async.
+// tests/gpu_wgmma_probe.rs confirms the fragment, descriptor and accumulator layouts used here.
 #pragma once
 
-// The "MMA order" of 8 consecutive k: [0, 2, 4, 6, 1, 3, 5, 7]. A thread's FP4 word (8 codes, byte i =
-// elements 2i, 2i+1) decodes into e4m3 words of the even and of the odd elements without byte permutes
-// (e2m1x8_to_e4m3_eo), and activations are stored in this order as f16, so one 16-byte load gives the
-// matching B fragments of two chained m16n8k16 MMAs (first the even elements, then the odd ones).
+// ---------------------------------------------------------------------------------------------------------
+// FP4 -> FP8 and the fragment order.
+//
+// A wgmma A fragment (m64 x k32, e4m3, registers) gives thread (g = lane / 4, t = lane % 4) of each warp
+// four words: a0 = row g, k 4t .. 4t+3; a1 = row g + 8, same k; a2 = row g, k 16 + 4t ..; a3 = row g + 8,
+// k 16 + 4t ... The FP4 bit move of the thread's 8 stored values of a row (physical k 8t .. 8t+7 of a
+// 32-block, one ldmatrix word) yields their even and odd elements without byte permutes; they become a0
+// and a2. So the k a wgmma sees ("logical" k) is a fixed permutation of the stored k within each 32:
+//   logical 4t + i      <- physical 8t + 2i       (i = 0..3)
+//   logical 16 + 4t + i <- physical 8t + 2i + 1
+// Activations (the B operand) are stored in this fragment order: position 4t + i + 16h of each 32-block
+// holds the code of physical k 8t + 2i + h. Any permutation of k within a 32-block leaves the dot product
+// unchanged, as long as A and B agree.
 
 // Eight packed e2m1 codes (byte i holds element 2i in its low nibble, 2i+1 in its high nibble) -> e4m3
 // codes of exactly value · 2^-6: sign bit 3 -> bit 7, the two exponent bits and the mantissa bit -> bits
@@ -23,71 +32,11 @@ DSV4_INLINE void e2m1x8_to_e4m3_eo(unsigned w, unsigned& even, unsigned& odd) {
   odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);
 }
 
-// Four e4m3 codes (byte i) -> two f16x2 words: lo = (byte 0, byte 1), hi = (byte 2, byte 3), each with the
-// first value in the low half. Exact.
-DSV4_INLINE void e4m3x4_to_f16x4(unsigned w, unsigned& lo, unsigned& hi) {
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
-      : "=r"(lo), "=r"(hi)
-      : "r"(w));
-}
-
-// d = a · b over k = 16 (+ c when `accumulate`), f16 operands, f32 accumulators. Fragments: thread
-// (g = lane / 4, t = lane % 4) holds a0 = row g, k slots 2t, 2t+1 (f16x2); a1 = row g+8, same k; a2 = row
-// g, k 2t+8, 2t+9; a3 = row g+8, k 2t+8..; b0 = column g, k 2t, 2t+1; b1 = column g, k 2t+8..; d0, d1 =
-// row g, columns 2t, 2t+1; d2, d3 = row g+8 (PTX ISA, mma.m16n8k16).
-DSV4_INLINE void mma_f16_m16n8k16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
-                                  unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-DSV4_INLINE void mma_f16_m16n8k16_zero(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
-                                       unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%10,%10,%10};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
-}
-
-// The shared-space address of a generic pointer into shared memory.
-DSV4_INLINE unsigned smem_addr(const void* p) {
-  unsigned a;
-  asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
-  return a;
-}
-
-// 16-byte asynchronous global -> shared copy (L2 only: streamed data bypasses L1).
-DSV4_INLINE void cp_async_16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
-
-DSV4_INLINE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-DSV4_INLINE void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-DSV4_INLINE unsigned lds_u32(const unsigned char* p) { return *reinterpret_cast<const unsigned*>(p); }
-
-DSV4_INLINE uint2 lds_u64(const unsigned char* p) { return *reinterpret_cast<const uint2*>(p); }
-
-// Two e4m3 codes (low byte first) -> their f16x2 (exact).
-DSV4_INLINE unsigned e4m3x2_to_f16x2(unsigned codes) {
-  unsigned r;
-  asm("{ .reg .b16 l; cvt.u16.u32 l, %1; cvt.rn.f16x2.e4m3x2 %0, l; }" : "=r"(r) : "r"(codes));
-  return r;
-}
-
-// Eight e4m3 codes of consecutive k (c[0] first) as f16 in MMA order: one 16-byte store.
-DSV4_INLINE uint4 e4m3x8_to_f16_mma_order(const unsigned (&c)[8]) {
-  return make_uint4(e4m3x2_to_f16x2(c[0] | (c[2] << 8)), e4m3x2_to_f16x2(c[4] | (c[6] << 8)),
-                    e4m3x2_to_f16x2(c[1] | (c[3] << 8)), e4m3x2_to_f16x2(c[5] | (c[7] << 8)));
+// Stores the e4m3 codes of 8 consecutive physical k (c[0] = physical k 8·t8 of a 32-block) at their
+// fragment-order positions: the even elements at block + 4·t8, the odd ones at block + 16 + 4·t8.
+DSV4_INLINE void store_fragment_order8(unsigned char* block, int t8, const unsigned (&c)[8]) {
+  *reinterpret_cast<unsigned*>(block + 4 * t8) = c[0] | (c[2] << 8) | (c[4] << 16) | (c[6] << 24);
+  *reinterpret_cast<unsigned*>(block + 16 + 4 * t8) = c[1] | (c[3] << 8) | (c[5] << 16) | (c[7] << 24);
 }
 
 // The e4m3fn code of x rounded to nearest, ties to even, for |x| <= 448 (callers clamp first); NaN -> 0x7f,
@@ -104,4 +53,79 @@ DSV4_INLINE unsigned e4m3_code_rn(float x) {
     code = ((b + 0x7ffffu + ((b >> 20) & 1u)) >> 20) - (120u << 3);  // 3 mantissa bits, ties to even
   }
   return sign | code;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Shared memory, ldmatrix, cp.async.
+
+// The shared-space address of a generic pointer into shared memory.
+DSV4_INLINE unsigned smem_addr(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+DSV4_INLINE uint2 lds_u64(const unsigned char* p) { return *reinterpret_cast<const uint2*>(p); }
+
+// Four 8x8 b16 matrices (8 rows of 16 bytes each); lane L gives the address of row L % 8 of matrix L / 8
+// and receives word m = bytes 4·(lane % 4) .. + 3 of row lane / 4 of matrix m.
+DSV4_INLINE void ldmatrix_x4(const unsigned char* p, unsigned (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// 16-byte asynchronous global -> shared copy (L2 only: streamed data bypasses L1).
+DSV4_INLINE void cp_async_16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+
+// 4-byte asynchronous copy (through L1).
+DSV4_INLINE void cp_async_4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+
+DSV4_INLINE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+DSV4_INLINE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Makes this thread's generic-proxy shared-memory writes (stores, cp.async) visible to the async proxy
+// (wgmma operand reads); a barrier then publishes them to the other threads.
+DSV4_INLINE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// ---------------------------------------------------------------------------------------------------------
+// wgmma.
+
+// Matrix descriptor of a shared-memory operand, K-major without swizzle (PTX ISA "matrix descriptor"):
+// start address >> 4 in bits 0-13, LBO >> 4 in 16-29, SBO >> 4 in 32-45, base offset 0, swizzle mode 0.
+// The operand is made of core matrices of 8 rows x 16 bytes (128 contiguous bytes); `lbo` is the step
+// between the two 16-byte halves of a k32 e4m3 row, `sbo` the step between groups of 8 rows.
+DSV4_INLINE unsigned long long wgmma_desc_noswizzle(const void* smem, unsigned lbo, unsigned sbo) {
+  const unsigned long long a = smem_addr(smem);
+  return ((a & 0x3FFFFull) >> 4) | ((unsigned long long)((lbo & 0x3FFFFu) >> 4) << 16) |
+         ((unsigned long long)((sbo & 0x3FFFFu) >> 4) << 32);
+}
+
+// Required before a wgmma whose accumulator or A registers other instructions wrote.
+DSV4_INLINE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+DSV4_INLINE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+
+// Waits until at most N of the warpgroup's committed wgmma groups are pending.
+template <int N>
+DSV4_INLINE void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Pins accumulator registers at this point of the program: the compiler cannot see that a wgmma writes
+// them asynchronously, so reads after wgmma_wait must not be hoisted above it (CUTLASS's
+// warpgroup_fence_operand).
+template <int N>
+DSV4_INLINE void wgmma_fence_operand(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }

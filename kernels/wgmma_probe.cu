@@ -17,19 +17,6 @@
 #include "common.cuh"
 #include "fp8_mma.cuh"
 
-// Matrix descriptor of a shared-memory operand without swizzle (PTX ISA "matrix descriptor"): start
-// address >> 4 in bits 0-13, LBO >> 4 in 16-29, SBO >> 4 in 32-45, base offset 0, swizzle mode 0.
-DSV4_INLINE unsigned long long wgmma_desc_noswizzle(const void* smem, unsigned lbo, unsigned sbo) {
-  const unsigned long long a = smem_addr(smem);
-  return ((a & 0x3FFFFull) >> 4) | ((unsigned long long)((lbo & 0x3FFFFu) >> 4) << 16) |
-         ((unsigned long long)((sbo & 0x3FFFFu) >> 4) << 32);
-}
-
-#define WGMMA_PROBE_FENCE() asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory")
-#define WGMMA_PROBE_COMMIT_WAIT()                                  \
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); \
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory")
-
 // a: [64][32] e4m3 codes; b: [n][32] e4m3 codes (row = output column); d: [64][n] f32. One block of 128
 // threads. n must be 8, 16 or 32 (else d is left untouched).
 extern "C" __global__ void __launch_bounds__(128)
@@ -42,7 +29,7 @@ extern "C" __global__ void __launch_bounds__(128)
     *reinterpret_cast<uint4*>(bs + (r >> 3) * 256 + h * 128 + (r & 7) * 16) = v;
   }
   // Shared-memory writes by the generic proxy must be visible to wgmma's async proxy.
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  fence_proxy_async_shared();
   __syncthreads();
   const int w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const unsigned char* r0 = a + (16 * w + g) * 32;
@@ -55,7 +42,7 @@ extern "C" __global__ void __launch_bounds__(128)
   float acc[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
-  WGMMA_PROBE_FENCE();
+  wgmma_fence();
   if (n == 8) {
     asm volatile(
         "{ .reg .pred p; setp.ne.b32 p, %9, 0;\n"
@@ -82,7 +69,9 @@ extern "C" __global__ void __launch_bounds__(128)
   } else {
     return;  // uniform over the block
   }
-  WGMMA_PROBE_COMMIT_WAIT();
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operand(acc);
   for (int j = 0; j < n / 8; ++j) {
     const int row = 16 * w + g, col = 8 * j + 2 * t;
     d[row * n + col] = acc[4 * j];

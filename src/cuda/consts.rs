@@ -79,14 +79,11 @@ pub const SHARED: &[Shared] = shared! {
     "FMOE_SELECT_WARPS" = Int(fast_moe::SELECT_WARPS as i64) from "fast_moe::SELECT_WARPS";
     "FMOE_MAX_EPL" = Int(fast_moe::MAX_EPL as i64) from "fast_moe::MAX_EPL";
     "FMOE_TOKENS" = Int(fast_moe_gemm::TOKENS as i64) from "fast_moe_gemm::TOKENS";
-    "FMOE_WARPS" = Int(fast_moe_gemm::WARPS as i64) from "fast_moe_gemm::WARPS";
+    "FMOE_WARPGROUPS" = Int(fast_moe_gemm::WARPGROUPS as i64) from "fast_moe_gemm::WARPGROUPS";
     "FMOE_STAGES" = Int(fast_moe_gemm::STAGES as i64) from "fast_moe_gemm::STAGES";
-    "FMOE_STAGE_ROWS" = Int(fast_moe_gemm::STAGE_ROWS as i64) from "fast_moe_gemm::STAGE_ROWS";
-    "FMOE_STAGE_ROW_BYTES" = Int(fast_moe_gemm::STAGE_ROW_BYTES as i64)
-        from "fast_moe_gemm::STAGE_ROW_BYTES";
+    "FMOE_SMEM_BYTES" = Int(fast_moe_gemm::SMEM_BYTES as i64) from "fast_moe_gemm::SMEM_BYTES";
     "FMOE_UP_J" = Int(fast_moe_gemm::UP_J as i64) from "fast_moe_gemm::UP_J";
     "FMOE_DOWN_ROWS" = Int(fast_moe_gemm::DOWN_ROWS as i64) from "fast_moe_gemm::DOWN_ROWS";
-    "FMOE_MAX_K" = Int(fast_moe_gemm::MAX_K as i64) from "fast_moe_gemm::MAX_K";
     // attention.cu, compressor.cu, indexer.cu, mhc.cu.
     "ATTN_MAX_CPT" = Int(attention::ATTN_MAX_CHANNELS_PER_THREAD as i64)
         from "attention::ATTN_MAX_CHANNELS_PER_THREAD";

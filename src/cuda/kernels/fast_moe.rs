@@ -46,7 +46,7 @@ crate::kernel_family! {
     /// Router scores (logits for softmax scoring) and x's FP8 quantisation.
     fn fmoe_logits_kernel(
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
-        xq: *mut u16, xs: *mut f32,
+        xq: *mut u8, xs: *mut f32,
     );
     /// Top-k selection (`bias` optional) or hash routing (`tid2eid` and `tokens`, both set).
     fn fmoe_select_kernel(
@@ -132,9 +132,6 @@ impl FastMoeLayer {
         if !d.is_multiple_of(128) || !i.is_multiple_of(128) {
             return Some(Unsupported::NotMultipleOf128 { d, i });
         }
-        if d > fast_moe_gemm::MAX_K || i > fast_moe_gemm::MAX_K {
-            return Some(Unsupported::TooWide { d, i });
-        }
         if experts == 0 || experts > 32 * MAX_EPL {
             return Some(Unsupported::Experts(experts));
         }
@@ -158,7 +155,6 @@ impl FastMoeLayer {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unsupported {
     NotMultipleOf128 { d: usize, i: usize },
-    TooWide { d: usize, i: usize },
     Experts(usize),
     TopK(usize),
     Routed(StorageFormat, [usize; 2]),
@@ -171,11 +167,6 @@ impl std::fmt::Display for Unsupported {
             Unsupported::NotMultipleOf128 { d, i } => {
                 write!(f, "hidden {d} and moe_inter {i} must be multiples of 128")
             }
-            Unsupported::TooWide { d, i } => write!(
-                f,
-                "hidden {d} / moe_inter {i} above {}",
-                fast_moe_gemm::MAX_K
-            ),
             Unsupported::Experts(e) => write!(f, "{e} experts (1..={})", 32 * MAX_EPL),
             Unsupported::TopK(k) => write!(f, "experts_per_tok {k}"),
             Unsupported::Routed(fm, b) => write!(f, "routed experts stored {fm:?} {b:?}"),
@@ -192,13 +183,13 @@ pub struct FastMoeWorkspace {
     /// `i32[T, k]`, `f32[T, k]`.
     pub ids: DevicePtr,
     pub weights: DevicePtr,
-    /// x's e4m3 values as f16 in MMA order (kernels/fp8_mma.cuh) `[T, D]` and its per-128 scales
+    /// x's e4m3 codes in fragment order (kernels/fp8_mma.cuh) `u8[T, D]` and its per-128 scales
     /// `f32[T, D/128]`.
     pub xq: DevicePtr,
     pub xs: DevicePtr,
     /// The routing plan (tile_rows = fast_moe_gemm::TOKENS).
     pub plan: MoePlan,
-    /// h likewise: `f16[T*k + T, I]` and scales `f32[T*k + T, I/128]` (routed rows, then shared).
+    /// h likewise: `u8[T*k + T, I]` and scales `f32[T*k + T, I/128]` (routed rows, then shared).
     pub hq: DevicePtr,
     pub hs: DevicePtr,
     /// Expert outputs `bf16[T*k + T, D]`.
@@ -220,13 +211,13 @@ pub fn workspace_buffers(
         ("logits", Elem::F32, t * experts),
         ("ids", Elem::I32, t * k),
         ("weights", Elem::F32, t * k),
-        ("xq", Elem::F16, t * d),
+        ("xq", Elem::U8, t * d),
         ("xs", Elem::F32, t * d / 128),
         ("plan_offsets", Elem::I32, plan[0]),
         ("plan_rows", Elem::I32, plan[1]),
         ("plan_tiles", Elem::I32, plan[2]),
         ("plan_ntiles", Elem::I32, plan[3]),
-        ("hq", Elem::F16, rows * i),
+        ("hq", Elem::U8, rows * i),
         ("hs", Elem::F32, rows * i / 128),
         ("y", Elem::Bf16, rows * d),
     ]
@@ -299,7 +290,7 @@ impl FastMoe {
         need(K, "logits", ws.logits, t * e * 4)?;
         need(K, "ids", ws.ids, t * k * 4)?;
         need(K, "weights", ws.weights, t * k * 4)?;
-        need(K, "xq", ws.xq, t * d * 2)?;
+        need(K, "xq", ws.xq, t * d)?;
         need(K, "xs", ws.xs, t * d / 128 * 4)?;
         let (t32, d32, e32, k32) = (
             to_i32(K, "T", t)?,

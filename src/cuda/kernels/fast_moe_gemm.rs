@@ -1,7 +1,7 @@
 //! Rust side of the `fast_moe_gemm` kernel family (kernels/fast_moe_gemm.cu): the fast set's grouped
-//! expert GEMMs on tensor cores: FP4 experts decoded exactly to e4m3 and then f16 on chip, f16
-//! MMAs with f32 accumulators (sm_90 has no FP8 `mma.sync`; kernels/fp8_mma.cuh). See kernels/SPEC.md and
-//! [`super::fast_moe`], which runs a whole layer with them.
+//! expert GEMMs on Hopper's FP8 tensor cores: `wgmma` m64nNk32 e4m3 with the weights (FP4 re-encoded
+//! exactly as e4m3 on chip, or FP8) from registers and the tokens from shared memory, f32 promotion every
+//! k32. See kernels/SPEC.md and [`super::fast_moe`], which runs a whole layer with them.
 
 use super::fast_moe::{FastMoeLayer, FastMoeWorkspace};
 use super::{need, to_i32};
@@ -10,30 +10,28 @@ use crate::cuda::stream::BorrowedStream;
 use crate::error::Result;
 use crate::weights::format::StorageFormat;
 
-/// Tokens (routed assignments) per work item: the plan's `tile_rows` (FMOE_TOKENS).
+/// Tokens (routed assignments) per work item: the plan's `tile_rows` (FMOE_TOKENS); one wgmma's N
+/// (8 when a tile has at most 8).
 pub const TOKENS: usize = 16;
-/// Warps of a GEMM block (FMOE_WARPS); they split each stage's 128-blocks of K.
-pub const WARPS: usize = 16;
-/// Stages of the cp.async ring (FMOE_STAGES).
+/// Warpgroups of a GEMM block (FMOE_WARPGROUPS): each owns one m64 tile of the item's rows.
+pub const WARPGROUPS: usize = 4;
+/// Threads of a GEMM block.
+pub const THREADS: usize = WARPGROUPS * 128;
+/// Slots of the cp.async ring (FMOE_STAGES); a stage is one 128-block of K.
 pub const STAGES: usize = 4;
-/// Weight rows per stage (FMOE_STAGE_ROWS): one m16 MMA tile; up: 8 gate rows + their 8 up rows.
-pub const STAGE_ROWS: usize = 16;
-/// Most bytes of each row one stage holds (FMOE_STAGE_ROW_BYTES): a whole FP4 row of K = 4096.
-pub const STAGE_ROW_BYTES: usize = 2048;
-/// j per up work item (FMOE_UP_J): the per-128 FP8 quantisation of h stays inside the block.
-pub const UP_J: usize = 128;
+/// j per up work item (FMOE_UP_J): gate rows j.. and up rows j.., so SwiGLU and the per-128 FP8
+/// quantisation of h stay inside the block.
+pub const UP_J: usize = WARPGROUPS * 64 / 2;
 /// Output rows per down work item (FMOE_DOWN_ROWS).
-pub const DOWN_ROWS: usize = 256;
-/// Largest K (FMOE_MAX_K): a warp holds its share of the tokens' activations in registers.
-pub const MAX_K: usize = 4096;
+pub const DOWN_ROWS: usize = WARPGROUPS * 64;
 
-/// Dynamic shared memory of a GEMM block (kernels/fast_moe_gemm.cu `fmoe_gemm`): the ring, the
-/// cross-warp partials, the up block's h, the row tables.
+/// Dynamic shared memory of a GEMM block (FMOE_SMEM_BYTES; kernels/fast_moe_gemm.cu checks its layout
+/// fits): the ring of stages (the item's 256 weight rows at the FP8 row stride, FP4 scales, the
+/// tokens' codes and scales) and the up epilogue's gate and up values.
 pub const SMEM_BYTES: usize = {
-    let stage = STAGE_ROWS * (STAGE_ROW_BYTES + 32) + STAGE_ROWS * (STAGE_ROW_BYTES / 16 + 4) * 4;
-    let red = WARPS * STAGE_ROWS * TOKENS * 4;
-    let h = UP_J * TOKENS * 4;
-    STAGES * stage + red + h + 3 * TOKENS * 4
+    let rows = WARPGROUPS * 64;
+    let slot = rows * 160 + rows * 16 + TOKENS * 128 + 128;
+    STAGES * slot + 2 * UP_J * TOKENS * 4
 };
 
 crate::kernel_family! {
@@ -43,17 +41,17 @@ crate::kernel_family! {
     /// GEMM1 + SwiGLU + routing weight + FP8 quantisation of h, routed tiles and the shared expert.
     #[smem(SMEM_BYTES as u32)]
     fn fmoe_up_kernel(
-        xq: *const u16, xs: *const f32, t: i32, d: i32, i: i32, k: i32, rows: *const i32,
+        xq: *const u8, xs: *const f32, t: i32, d: i32, i: i32, k: i32, rows: *const i32,
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, w1: *const u64,
         w3: *const u64, s1: *const u64, s3: *const u64, fmt: i32,
         shared_w1: Option<*const c_void>, shared_w3: Option<*const c_void>,
         shared_s1: Option<*const f32>, shared_s3: Option<*const f32>, shared_fmt: i32,
-        route_w: *const f32, limit: f32, hq: *mut u16, hs: *mut f32,
+        route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32,
     );
     /// GEMM2 into bf16 rows per (token, slot).
     #[smem(SMEM_BYTES as u32)]
     fn fmoe_down_kernel(
-        hq: *const u16, hs: *const f32, t: i32, i: i32, d: i32, k: i32, rows: *const i32,
+        hq: *const u8, hs: *const f32, t: i32, i: i32, d: i32, k: i32, rows: *const i32,
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, w2: *const u64,
         s2: *const u64, fmt: i32, shared_w2: Option<*const c_void>,
         shared_s2: Option<*const f32>, shared_fmt: i32, y: *mut u16,
@@ -105,9 +103,9 @@ impl FastMoeGemm {
         const K: &str = "fmoe_up_kernel";
         let (d, i, k) = (layer.d, layer.i, layer.k);
         let rows_out = t * k + t;
-        need(K, "xq", ws.xq, t * d * 2)?;
+        need(K, "xq", ws.xq, t * d)?;
         need(K, "xs", ws.xs, t * d / 128 * 4)?;
-        need(K, "hq", ws.hq, rows_out * i * 2)?;
+        need(K, "hq", ws.hq, rows_out * i)?;
         need(K, "hs", ws.hs, rows_out * i / 128 * 4)?;
         need(K, "route_w", ws.weights, t * k * 4)?;
         let items = max_items(layer, t, i / UP_J);
@@ -142,7 +140,7 @@ impl FastMoeGemm {
         let _g = ctx.enter()?;
         self.up.launch(
             grid(ctx, items),
-            (WARPS * 32) as u32,
+            THREADS as u32,
             SMEM_BYTES as u32,
             stream,
             args,
@@ -161,7 +159,7 @@ impl FastMoeGemm {
         const K: &str = "fmoe_down_kernel";
         let (d, i, k) = (layer.d, layer.i, layer.k);
         let rows_out = t * k + t;
-        need(K, "hq", ws.hq, rows_out * i * 2)?;
+        need(K, "hq", ws.hq, rows_out * i)?;
         need(K, "hs", ws.hs, rows_out * i / 128 * 4)?;
         need(K, "y", ws.y, rows_out * d * 2)?;
         let items = max_items(layer, t, d.div_ceil(DOWN_ROWS));
@@ -189,7 +187,7 @@ impl FastMoeGemm {
         let _g = ctx.enter()?;
         self.down.launch(
             grid(ctx, items),
-            (WARPS * 32) as u32,
+            THREADS as u32,
             SMEM_BYTES as u32,
             stream,
             args,
