@@ -283,7 +283,10 @@ DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, const FmoeArgs& a, 
     for (int q = 0; q < 4; ++q) s0[q] = s8[q] = s;
   }
   // ldmatrix x4 of two k32 steps: lane L addresses row (L & 7) + 8·((L >> 3) & 1), 16-byte block L >> 4.
-  const unsigned char* lm = wrows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * FMOE_WS_FP4 + 16 * (lane >> 4);
+  // Shared-space addresses computed once per stage; the steps add constant offsets (the descriptor's
+  // address field counts 16-byte units).
+  const unsigned lm = smem_addr(wrows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * FMOE_WS_FP4 + 16 * (lane >> 4));
+  const unsigned long long desc0 = wgmma_desc_noswizzle(act, FMOE_TOKENS * 16, 128);
   unsigned frag[4] = {0u, 0u, 0u, 0u};
   // The step products start from zero in the wgmma (scale-d = 0), but ptxas serialises wgmmas whose
   // accumulator registers hold no defined value.
@@ -298,7 +301,7 @@ DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, const FmoeArgs& a, 
     if (FP4 && (q & 1) == 0) ldmatrix_x4(lm + 16 * q, frag);
     unsigned af[4];
     fmoe_a_frag<FP4>(wrows, frag, q, af);
-    const unsigned long long desc = wgmma_desc_noswizzle(act + q * 2 * (FMOE_TOKENS * 16), FMOE_TOKENS * 16, 128);
+    const unsigned long long desc = desc0 + (unsigned long long)(q * 2 * (FMOE_TOKENS * 16) / 16);
     wgmma_fence();
     fmoe_wgmma<NT8>(d[q & 1], af, desc);
     wgmma_commit();

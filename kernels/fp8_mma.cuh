@@ -69,10 +69,11 @@ DSV4_INLINE uint2 lds_u64(const unsigned char* p) { return *reinterpret_cast<con
 
 // Four 8x8 b16 matrices (8 rows of 16 bytes each); lane L gives the address of row L % 8 of matrix L / 8
 // and receives word m = bytes 4·(lane % 4) .. + 3 of row lane / 4 of matrix m.
-DSV4_INLINE void ldmatrix_x4(const unsigned char* p, unsigned (&r)[4]) {
+// `addr`: a shared-space address (smem_addr).
+DSV4_INLINE void ldmatrix_x4(unsigned addr, unsigned (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+               : "r"(addr));
 }
 
 // 16-byte asynchronous global -> shared copy (L2 only: streamed data bypasses L1).
