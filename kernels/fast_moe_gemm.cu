@@ -13,10 +13,11 @@
 // bit whichever block computes them.
 //
 // The pipeline. A block streams its items' stages back to back through a ring of FMOE_STAGES shared-memory
-// slots, filled with 16-byte cp.async by all threads, so the next item's first stages load while the
-// current item finishes. A stage is one 128-wide block of K: the 256 weight rows' bytes in their stored
-// layout (FP4: 64 bytes a row, FP8: 128), FP4's per-32 scales, and the item's FMOE_TOKENS activation rows
-// (e4m3 codes, laid out as wgmma's K-major B operand: 16-byte core-matrix rows) with their scales.
+// slots, filled with 16-byte cp.async by all threads (fmoe_load: addresses set up once per item), so the
+// next item's first stages load while the current item finishes. A stage is 128 bytes of each of the 256
+// weight rows in their stored layout (FP4: 256 k, two 128-blocks; FP8: 128 k), FP4's per-32 scales or
+// FP8's block scales, and the item's FMOE_TOKENS activation rows over the same k (e4m3 codes, laid out as
+// wgmma's K-major B operand: 16-byte core-matrix rows) with their per-128 scales.
 //
 // The math. Warpgroup w owns weight rows 64w .. 64w + 63 of the stage (one m64 wgmma tile). Per k32 step a
 // thread loads its A fragment with ldmatrix (FP4) or 8-byte loads (FP8), re-encodes FP4 as e4m3 by the
@@ -37,19 +38,22 @@
 // dsv4_consts.cuh (src/cuda/kernels/fast_moe_gemm.rs).
 #define FMOE_THREADS (FMOE_WARPGROUPS * 128)
 #define FMOE_ROWS (FMOE_WARPGROUPS * 64)  // weight rows of an item (and of a stage)
-// Shared-memory row strides of a stage's weights, padded so fragment loads hit distinct banks: FP4 rows
-// (64 bytes, ldmatrix of 8 rows x 16 bytes) by 16, FP8 rows (128 bytes, 8-byte loads) by 32.
-#define FMOE_WS_FP4 80
+// A stage holds FMOE_RB = 128 bytes of each of the item's 256 weight rows: 256 k of FP4 (two 128-blocks)
+// or 128 k of FP8 (one). Row strides are padded so fragment loads hit distinct banks: FP4 rows
+// (ldmatrix of 8 rows x 16 bytes) by 16 bytes, FP8 rows (8-byte loads) by 32.
+#define FMOE_RB 128
+#define FMOE_WS_FP4 144
 #define FMOE_WS_FP8 160
 #define FMOE_SLOT_W (FMOE_ROWS * FMOE_WS_FP8)
-#define FMOE_SLOT_S (FMOE_ROWS * 4 * 4)        // FP4 scales: 4 per row
-#define FMOE_SLOT_A (FMOE_TOKENS * 128)        // activation codes: 8 k16 chunks x FMOE_TOKENS x 16 bytes
-#define FMOE_SLOT_AS 128                       // activation scales (FMOE_TOKENS floats, padded)
+#define FMOE_SLOT_S (FMOE_ROWS * 8 * 4)        // FP4: 8 per-32 scales a row; FP8: the two 128x128 block scales
+#define FMOE_SLOT_A (16 * FMOE_TOKENS * 16)    // activation codes: 16 k16 chunks x FMOE_TOKENS x 16 bytes
+#define FMOE_SLOT_AS 128                       // activation scales: 2 blocks x FMOE_TOKENS floats
 #define FMOE_SLOT (FMOE_SLOT_W + FMOE_SLOT_S + FMOE_SLOT_A + FMOE_SLOT_AS)
 #define FMOE_SMEM_USED (FMOE_STAGES * FMOE_SLOT + 2 * FMOE_UP_J * FMOE_TOKENS * 4)
 static_assert(FMOE_SMEM_USED <= FMOE_SMEM_BYTES, "fast_moe_gemm: shared memory layout exceeds FMOE_SMEM_BYTES");
 static_assert(FMOE_TOKENS == 16, "fast_moe_gemm: the B operand layout assumes 16-token tiles");
-static_assert(FMOE_ROWS == 2 * FMOE_UP_J && FMOE_ROWS == FMOE_DOWN_ROWS, "fast_moe_gemm: row block shapes");
+static_assert(FMOE_ROWS == 2 * FMOE_UP_J && FMOE_ROWS == FMOE_DOWN_ROWS && FMOE_THREADS == 512,
+              "fast_moe_gemm: the loader's thread mapping assumes 4 warpgroups and 256-row items");
 
 // Rust's f32::clamp(v, -l, l): NaN stays NaN.
 DSV4_INLINE float fmoe_clamp_sym(float v, float l) { return v < -l ? -l : (v > l ? l : v); }
@@ -136,73 +140,106 @@ DSV4_INLINE int fmoe_out_row(const FmoeArgs& a, const FmoeItem& it, int c) {
   return it.shared ? a.T * a.k + it.start + c : a.rows[it.start + c];
 }
 
-// Weight row r (0..FMOE_ROWS-1) of the item's block: its matrix and global row. Up: rows 0..127 are W1's
-// j = row0 + r, rows 128..255 W3's. Down rows past N are clamped (loaded, never stored).
+// Stages of an item: FP4 256 k each (the last one 128 when K % 256 == 128), FP8 128 k each.
+DSV4_INLINE int fmoe_stages(bool fp4, int K) { return fp4 ? (K + 255) / 256 : K / 128; }
+
+// 128-blocks of K in stage kb.
+DSV4_INLINE int fmoe_stage_blocks(bool fp4, int K, int kb) { return fp4 ? min(2, K / 128 - 2 * kb) : 1; }
+
+// What one thread loads for every stage of an item, set up once per item (stage kb adds kb's offsets).
+// Thread tid copies:
+// - weights: 16-byte chunk p = tid % 8 of stage rows r = tid / 8 + 64 i (i = 0..3); rows 0..127 come from
+//   matrix A (up: W1 j = row0 + r; down: W2 row row0 + r), rows 128..255 from matrix B (up: W3 j = row0 +
+//   r - 128; down: W2 row row0 + r, skipped past N);
+// - FP4 scales: 16 bytes (4 per-32 scales) half tid % 2 of row tid / 2's 8; FP8 (threads 288, 289): the
+//   128x128 block scale of rows 0..127 / 128..255;
+// - tokens (tid < 256): k16 chunk tid / 16 of token column tid % 16; their scales (256 <= tid < 288):
+//   block (tid - 256) / 16 of token column tid % 16.
+struct FmoeLoad {
+  const unsigned char* wa;  // row tid / 8 of matrix A's part, + 16 · (tid % 8)
+  const unsigned char* wb;  // the same row of matrix B's part
+  long long step64;         // 64 rows, in bytes
+  const float* s;           // FP4: this thread's scale chunk at k 0; FP8: its block scale row (or NULL)
+  const unsigned char* act; // token row + chunk offset at k 0
+  const float* as;          // token scale row + block offset
+  int nks;                  // stages of the item
+  bool fp4, skip, b_valid;  // b_valid: rows 128..255 exist (down: row0 + 128 < N)
+};
+
 template <bool UP>
-DSV4_INLINE const unsigned char* fmoe_wrow(const FmoeItem& it, int r, int N, int row_bytes, int& grow,
-                                           bool& second) {
-  if (UP) {
-    second = r >= FMOE_UP_J;
-    grow = it.row0 + (second ? r - FMOE_UP_J : r);
-    return (second ? it.wb : it.wa) + (long long)grow * row_bytes;
+DSV4_INLINE FmoeLoad fmoe_load_setup(const FmoeArgs& a, const FmoeItem& it) {
+  const int tid = threadIdx.x, K = a.K;
+  FmoeLoad l;
+  l.fp4 = it.fp4;
+  l.skip = it.skip;
+  l.nks = fmoe_stages(it.fp4, K);
+  l.b_valid = UP || it.row0 + 128 < a.N;
+  const long long rb = it.fp4 ? K / 2 : K;  // bytes of a stored row
+  l.step64 = 64 * rb;
+  const int r = tid >> 3, p = tid & 7;
+  const int rowa = it.row0 + r, rowb = UP ? it.row0 + r : it.row0 + 128 + r;
+  l.wa = it.wa + rowa * rb + 16 * p;
+  l.wb = (UP ? it.wb : it.wa) + (long long)(l.b_valid ? rowb : rowa) * rb + 16 * p;
+  if (it.fp4) {
+    const int sr = tid >> 1;  // stage row of the scale chunk
+    const float* base = (UP && sr >= 128) ? it.sb : it.sa;
+    const int grow = UP ? it.row0 + (sr & 127) : it.row0 + sr;
+    l.s = base + (long long)min(grow, a.N - 1) * (K / 32) + 4 * (tid & 1);
+  } else if (tid == 288 || tid == 289) {
+    const bool second = tid == 289;
+    const float* base = (UP && second) ? it.sb : it.sa;
+    const int grow = UP ? it.row0 : min(it.row0 + (second ? 128 : 0), a.N - 1);
+    l.s = base + (long long)(grow / 128) * (K / 128);
+  } else {
+    l.s = nullptr;
   }
-  second = false;
-  grow = min(it.row0 + r, N - 1);
-  return it.wa + (long long)grow * row_bytes;
+  l.act = nullptr;
+  l.as = nullptr;
+  if (tid < 288 && !it.skip) {
+    const long long row = fmoe_act_row<UP>(a, it, tid & (FMOE_TOKENS - 1));
+    if (tid < 256)
+      l.act = a.act + row * K + 16 * (tid >> 4);
+    else
+      l.as = a.act_s + row * (K / 128) + ((tid - 256) >> 4);
+  }
+  return l;
 }
 
-// The activation row this thread loads for item `it` (fmoe_load_stage: threads FMOE_ROWS .. + 9 · FMOE_TOKENS
-// load the tokens' codes and scales; their token column is tid % FMOE_TOKENS), looked up once per item.
-template <bool UP>
-DSV4_INLINE int fmoe_loader_act_row(const FmoeArgs& a, const FmoeItem& it) {
-  const int u = (int)threadIdx.x - FMOE_ROWS;
-  return (u >= 0 && u < FMOE_TOKENS * 9 && !it.skip) ? fmoe_act_row<UP>(a, it, u & (FMOE_TOKENS - 1)) : 0;
-}
-
-// Issues the cp.async loads of stage kb (K block kb) of item `it` into slot `st`; `arow`: the thread's
-// activation row (fmoe_loader_act_row).
-template <bool UP, bool FP4>
-DSV4_INLINE void fmoe_load_stage(unsigned char* st, const FmoeArgs& a, const FmoeItem& it, int kb, int arow) {
+// Issues the cp.async loads of stage kb of the item `l` describes into the slot at shared-space address
+// `st`.
+DSV4_INLINE void fmoe_load(unsigned st, const FmoeLoad& l, int K, int kb) {
+  if (l.skip) return;
   const int tid = threadIdx.x;
-  const int K = a.K;
-  constexpr int RB = FP4 ? 64 : 128;  // weight bytes of a row per stage
-  constexpr int WS = FP4 ? FMOE_WS_FP4 : FMOE_WS_FP8;
-  constexpr int CPR = RB / 16;
-  const int row_bytes = FP4 ? K / 2 : K;
-#pragma unroll
-  for (int c = tid; c < FMOE_ROWS * CPR; c += FMOE_THREADS) {
-    const int r = c / CPR, p = c % CPR;
-    int grow;
-    bool second;
-    const unsigned char* src = fmoe_wrow<UP>(it, r, a.N, row_bytes, grow, second) + kb * RB + p * 16;
-    cp_async_16(st + r * WS + p * 16, src);
+  const int blocks = fmoe_stage_blocks(l.fp4, K, kb);
+  const unsigned ws = l.fp4 ? FMOE_WS_FP4 : FMOE_WS_FP8;
+  const unsigned r = tid >> 3, p = tid & 7;
+  // A half stage (FP4, K % 256 == 128) holds the first 64 bytes of each row.
+  if (blocks == 2 || !l.fp4 || p < 4) {
+    const long long off = (long long)kb * FMOE_RB;
+    const unsigned dst = st + r * ws + 16 * p;
+    cp_async_16(dst, l.wa + off);
+    cp_async_16(dst + 64 * ws, l.wa + l.step64 + off);
+    if (l.b_valid) {
+      cp_async_16(dst + 128 * ws, l.wb + off);
+      cp_async_16(dst + 192 * ws, l.wb + l.step64 + off);
+    }
   }
-  if (FP4 && tid < FMOE_ROWS) {  // the row's four per-32 scales
-    int grow;
-    bool second;
-    fmoe_wrow<UP>(it, tid, a.N, row_bytes, grow, second);
-    const float* src = (second ? it.sb : it.sa) + (long long)grow * (K / 32) + kb * 4;
-    cp_async_16(st + FMOE_SLOT_W + tid * 16, src);
+  const unsigned sdst = st + FMOE_SLOT_W;
+  if (l.fp4) {
+    if ((tid & 1) < blocks && (l.b_valid || tid < 256)) cp_async_16(sdst + tid * 16, l.s + kb * 8);
+  } else if (l.s != nullptr) {
+    cp_async_4(sdst + (tid - 288) * 4, l.s + kb);
   }
-  const int u = tid - FMOE_ROWS;  // the other threads load the tokens
-  if (u >= 0 && u < FMOE_TOKENS * 8) {
-    const int c = u & (FMOE_TOKENS - 1), ch = u / FMOE_TOKENS;  // token column, k16 chunk
-    cp_async_16(st + FMOE_SLOT_W + FMOE_SLOT_S + ch * (FMOE_TOKENS * 16) + c * 16,
-                a.act + (long long)arow * K + kb * 128 + ch * 16);
-  } else if (u >= FMOE_TOKENS * 8 && u < FMOE_TOKENS * 9) {
-    const int c = u - FMOE_TOKENS * 8;
-    const long long row = arow;
-    cp_async_4(st + FMOE_SLOT_W + FMOE_SLOT_S + FMOE_SLOT_A + c * 4, a.act_s + row * (K / 128) + kb);
+  const int kbytes = l.fp4 ? 256 : 128;  // k of a full stage
+  if (tid < 256) {
+    if ((tid >> 4) < 8 * blocks)
+      cp_async_16(st + FMOE_SLOT_W + FMOE_SLOT_S + (tid >> 4) * (FMOE_TOKENS * 16) + (tid & 15) * 16,
+                  l.act + (long long)kb * kbytes);
+  } else if (tid < 288) {
+    const int b = (tid - 256) >> 4;
+    if (b < blocks)
+      cp_async_4(st + FMOE_SLOT_W + FMOE_SLOT_S + FMOE_SLOT_A + (tid - 256) * 4, l.as + kb * (kbytes / 128));
   }
-}
-
-template <bool UP>
-DSV4_INLINE void fmoe_load(unsigned char* st, const FmoeArgs& a, const FmoeItem& it, int kb, int arow) {
-  if (it.skip) return;
-  if (it.fp4)
-    fmoe_load_stage<UP, true>(st, a, it, kb, arow);
-  else
-    fmoe_load_stage<UP, false>(st, a, it, kb, arow);
 }
 
 // One m64nNk32 step: d = A · B (from zero), A = the thread's e4m3 fragment registers, B = 8·NT8 tokens at
@@ -256,40 +293,19 @@ DSV4_INLINE void fmoe_a_frag(const unsigned char* wrows, const unsigned (&frag)[
   }
 }
 
-// acc += the stage's 128-block (see the file comment). The thread is (warpgroup w, warp q of it, g, t);
-// d[4j + c]: row 16q + g + 8·(c >> 1) of the warpgroup's tile, token 8j + 2t + (c & 1).
-template <bool UP, bool FP4, int NT8>
-DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, const FmoeArgs& a, const FmoeItem& it, int kb,
-                                    float (&acc)[8]) {
-  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int r16 = (tid >> 5) * 16;  // the warp's first stage row
-  constexpr int WS = FP4 ? FMOE_WS_FP4 : FMOE_WS_FP8;
-  const unsigned char* wrows = st + r16 * WS;
-  const unsigned char* act = st + FMOE_SLOT_W + FMOE_SLOT_S;
-  const float* as = reinterpret_cast<const float*>(act + FMOE_SLOT_A);
-  // Per-32 multipliers of rows g and g + 8: FP4 the row's scales; FP8 the 128x128 block's (one per tile).
-  float s0[4], s8[4];
-  if (FP4) {
-    const float4 v0 = *reinterpret_cast<const float4*>(st + FMOE_SLOT_W + (r16 + g) * 16);
-    const float4 v8 = *reinterpret_cast<const float4*>(st + FMOE_SLOT_W + (r16 + g + 8) * 16);
-    s0[0] = v0.x, s0[1] = v0.y, s0[2] = v0.z, s0[3] = v0.w;
-    s8[0] = v8.x, s8[1] = v8.y, s8[2] = v8.z, s8[3] = v8.w;
-  } else {
-    int grow;
-    bool second;
-    fmoe_wrow<UP>(it, r16, a.N, a.K, grow, second);
-    const float s = (second ? it.sb : it.sa)[(long long)(grow / 128) * (a.K / 128) + kb];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) s0[q] = s8[q] = s;
-  }
-  // ldmatrix x4 of two k32 steps: lane L addresses row (L & 7) + 8·((L >> 3) & 1), 16-byte block L >> 4.
-  // Shared-space addresses computed once per stage; the steps add constant offsets (the descriptor's
-  // address field counts 16-byte units).
-  const unsigned lm = smem_addr(wrows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * FMOE_WS_FP4 + 16 * (lane >> 4));
+// acc += one 128-block of the stage (see the file comment). The thread is (warpgroup w, warp q of it,
+// g, t); d[4j + c]: row 16q + g + 8·(c >> 1) of the warpgroup's tile, token 8j + 2t + (c & 1). `wrows`:
+// the warp's 16 rows at the block's first byte; `lm`: this lane's ldmatrix address there (FP4);
+// `s0`/`s8`: the per-32 multipliers of rows g, g + 8; `act`/`as`: the block's tokens and their scales.
+template <bool FP4, int NT8>
+DSV4_INLINE void fmoe_block(const unsigned char* wrows, unsigned lm, const float (&s0)[4], const float (&s8)[4],
+                            const unsigned char* act, const float* as, float (&acc)[8]) {
+  const int t = threadIdx.x & 3;
+  // The descriptor's address field counts 16-byte units: the steps add constant offsets.
   const unsigned long long desc0 = wgmma_desc_noswizzle(act, FMOE_TOKENS * 16, 128);
   unsigned frag[4] = {0u, 0u, 0u, 0u};
   // The step products start from zero in the wgmma (scale-d = 0), but ptxas serialises wgmmas whose
-  // accumulator registers hold no defined value.
+  // accumulator registers hold no defined value, or live across the stage loop (C7511): defined here.
   float d[2][8];
 #pragma unroll
   for (int v = 0; v < 8; ++v) d[0][v] = d[1][v] = 0.0f;
@@ -326,21 +342,52 @@ DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, const FmoeArgs& a, 
   }
 }
 
-template <bool UP>
-DSV4_INLINE void fmoe_compute(const unsigned char* st, const FmoeArgs& a, const FmoeItem& it, int kb,
-                              float (&acc)[8]) {
+// acc += stage kb of item `it` in slot `st` (its one or two 128-blocks).
+template <bool FP4, int NT8>
+DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, int K, int kb, float (&acc)[8]) {
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2;
+  const int r16 = (tid >> 5) * 16;  // the warp's first stage row
+  constexpr int WS = FP4 ? FMOE_WS_FP4 : FMOE_WS_FP8;
+  const unsigned char* wrows = st + r16 * WS;
+  const unsigned char* act = st + FMOE_SLOT_W + FMOE_SLOT_S;
+  const float* as = reinterpret_cast<const float*>(act + FMOE_SLOT_A);
+  const float* sc = reinterpret_cast<const float*>(st + FMOE_SLOT_W);
+  if (FP4) {
+    // ldmatrix x4 of two k32 steps: lane L addresses row (L & 7) + 8·((L >> 3) & 1), 16-byte block L >> 4.
+    const unsigned lm = smem_addr(wrows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * FMOE_WS_FP4 + 16 * (lane >> 4));
+    const int blocks = fmoe_stage_blocks(true, K, kb);
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      if (b < blocks) {
+        float s0[4], s8[4];
+        const float4 v0 = *reinterpret_cast<const float4*>(sc + (r16 + g) * 8 + 4 * b);
+        const float4 v8 = *reinterpret_cast<const float4*>(sc + (r16 + g + 8) * 8 + 4 * b);
+        s0[0] = v0.x, s0[1] = v0.y, s0[2] = v0.z, s0[3] = v0.w;
+        s8[0] = v8.x, s8[1] = v8.y, s8[2] = v8.z, s8[3] = v8.w;
+        fmoe_block<true, NT8>(wrows + 64 * b, lm + 64 * b, s0, s8, act + b * (8 * FMOE_TOKENS * 16),
+                              as + b * FMOE_TOKENS, acc);
+      }
+    }
+  } else {
+    const float sw = sc[r16 >= 128 ? 1 : 0];  // the 128x128 block scale of the warp's rows
+    const float s0[4] = {sw, sw, sw, sw};
+    fmoe_block<false, NT8>(wrows, 0u, s0, s0, act, as, acc);
+  }
+}
+
+DSV4_INLINE void fmoe_compute(const unsigned char* st, const FmoeItem& it, int K, int kb, float (&acc)[8]) {
   if (it.skip) return;
   const bool two = it.n > 8;  // uniform over the block
   if (it.fp4) {
     if (two)
-      fmoe_compute_stage<UP, true, 2>(st, a, it, kb, acc);
+      fmoe_compute_stage<true, 2>(st, K, kb, acc);
     else
-      fmoe_compute_stage<UP, true, 1>(st, a, it, kb, acc);
+      fmoe_compute_stage<true, 1>(st, K, kb, acc);
   } else {
     if (two)
-      fmoe_compute_stage<UP, false, 2>(st, a, it, kb, acc);
+      fmoe_compute_stage<false, 2>(st, K, kb, acc);
     else
-      fmoe_compute_stage<UP, false, 1>(st, a, it, kb, acc);
+      fmoe_compute_stage<false, 1>(st, K, kb, acc);
   }
 }
 
@@ -416,39 +463,31 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
   float* uv = gv + FMOE_UP_J * FMOE_TOKENS;
   const int nsh = a.shared_wa != nullptr ? (a.T + FMOE_TOKENS - 1) / FMOE_TOKENS : 0;
   const int total = (a.nrt + nsh) * fmoe_rblocks(UP, a.N);
-  const int nks = a.K / 128;  // stages per item
   const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  // Two cursors walk this block's (item, K block) sequence: item blockIdx.x + n · gridDim.x, stage kb.
-  // The load cursor runs FMOE_STAGES - 1 stages ahead of the compute cursor. They advance by increments
-  // (no division per stage) and look an item up once per item.
-  int ln = 0, lkb = 0, larow = 0;
-  FmoeItem lit;
-  if (my_items > 0) {
-    lit = fmoe_item<UP>(a, blockIdx.x);
-    larow = fmoe_loader_act_row<UP>(a, lit);
-  }
-  auto advance_load = [&]() {
-    if (++lkb == nks) {
+  // Two cursors walk this block's (item, stage) sequence: item blockIdx.x + n · gridDim.x, stage kb. The
+  // load cursor runs FMOE_STAGES - 1 stages ahead of the compute cursor; both advance by increments and
+  // set an item up once.
+  int ln = 0, lkb = 0;
+  FmoeLoad ld;
+  if (my_items > 0) ld = fmoe_load_setup<UP>(a, fmoe_item<UP>(a, blockIdx.x));
+  const unsigned ring = smem_addr(fmoe_smem);
+  auto load_next = [&](unsigned st) {
+    fmoe_load(st, ld, a.K, lkb);
+    if (++lkb == ld.nks) {
       lkb = 0;
-      if (++ln < my_items) {
-        lit = fmoe_item<UP>(a, blockIdx.x + ln * gridDim.x);
-        larow = fmoe_loader_act_row<UP>(a, lit);
-      }
+      if (++ln < my_items) ld = fmoe_load_setup<UP>(a, fmoe_item<UP>(a, blockIdx.x + ln * gridDim.x));
     }
   };
 #pragma unroll
   for (int s = 0; s < FMOE_STAGES - 1; ++s) {
-    if (ln < my_items) {
-      fmoe_load<UP>(fmoe_smem + s * FMOE_SLOT, a, lit, lkb, larow);
-      advance_load();
-    }
+    if (ln < my_items) load_next(ring + s * FMOE_SLOT);
     cp_async_commit();
   }
   float acc[8];
-  FmoeItem it;
   int slot = 0;
   for (int n = 0; n < my_items; ++n) {
-    it = fmoe_item<UP>(a, blockIdx.x + n * gridDim.x);
+    const FmoeItem it = fmoe_item<UP>(a, blockIdx.x + n * gridDim.x);
+    const int nks = fmoe_stages(it.fp4, a.K);
 #pragma unroll
     for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
     for (int kb = 0; kb < nks; ++kb) {
@@ -456,13 +495,9 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
       // cp.async wrote with the generic proxy; wgmma reads with the async proxy.
       fence_proxy_async_shared();
       __syncthreads();  // this stage landed for every thread; the previous stage's slot is no longer read
-      if (ln < my_items) {
-        const int ls = slot == 0 ? FMOE_STAGES - 1 : slot - 1;  // the slot read by the previous stage
-        fmoe_load<UP>(fmoe_smem + ls * FMOE_SLOT, a, lit, lkb, larow);
-        advance_load();
-      }
+      if (ln < my_items) load_next(ring + (slot == 0 ? FMOE_STAGES - 1 : slot - 1) * FMOE_SLOT);
       cp_async_commit();
-      fmoe_compute<UP>(fmoe_smem + slot * FMOE_SLOT, a, it, kb, acc);
+      fmoe_compute(fmoe_smem + slot * FMOE_SLOT, it, a.K, kb, acc);
       slot = slot == FMOE_STAGES - 1 ? 0 : slot + 1;
     }
     if (!it.skip) {

@@ -76,14 +76,15 @@ DSV4_INLINE void ldmatrix_x4(unsigned addr, unsigned (&r)[4]) {
                : "r"(addr));
 }
 
-// 16-byte asynchronous global -> shared copy (L2 only: streamed data bypasses L1).
-DSV4_INLINE void cp_async_16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+// 16-byte asynchronous global -> shared copy (L2 only: streamed data bypasses L1) to the shared-space
+// address `dst` (smem_addr).
+DSV4_INLINE void cp_async_16(unsigned dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
 // 4-byte asynchronous copy (through L1).
-DSV4_INLINE void cp_async_4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src));
+DSV4_INLINE void cp_async_4(unsigned dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
 }
 
 DSV4_INLINE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -13,6 +13,14 @@ use dsv4::cuda::context::Context;
 use dsv4::cuda::stream::OwnedStream;
 use dsv4::engine::DeviceBatch;
 use dsv4::{Batch, Engine, EngineOptions, KernelSetName, LogitsOut, Numerics, WeightFormat};
+use std::sync::{Mutex, MutexGuard};
+
+/// The tests of this file take turns on the device: no_device_memory_growth_over_1000_forwards
+/// reads the device's free memory, which another test's engines would change under it.
+fn device_turn() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 fn engine(model: &str, device: i32, numerics: Numerics, set: KernelSetName) -> Engine {
     let opts = EngineOptions {
@@ -252,11 +260,13 @@ fn parity_of(models: &[&str], numerics: Numerics) {
 
 #[test]
 fn gpu_matches_cpu_and_oracle_exact() {
+    let _turn = device_turn();
     parity_of(&["tiny", "tiny_native", "tiny_fp8"], Numerics::Exact);
 }
 
 #[test]
 fn gpu_matches_cpu_official() {
+    let _turn = device_turn();
     parity_of(&["tiny", "tiny_native", "tiny_fp8"], Numerics::Official);
 }
 
@@ -267,6 +277,7 @@ fn tiny_on_cuda() -> Option<(Oracle, Host)> {
 
 #[test]
 fn no_device_memory_growth_over_1000_forwards() {
+    let _turn = device_turn();
     let Some((o, host)) = tiny_on_cuda() else {
         return;
     };
@@ -289,6 +300,7 @@ fn no_device_memory_growth_over_1000_forwards() {
 /// logits_rows picks rows and BF16 output equals the CPU reference's BF16 output bit for bit.
 #[test]
 fn logits_rows_and_bf16_output_match_cpu() {
+    let _turn = device_turn();
     let Some((o, host)) = tiny_on_cuda() else {
         return;
     };

@@ -118,6 +118,34 @@ fn every_family_compiles_to_cubin_for_sm_90a() {
     );
 }
 
+/// The fast set's wgmma kernels must keep their wgmmas asynchronous: ptxas serialises them (info
+/// C7511, "wgmma.mma_async instructions are serialized") when it cannot keep the accumulator
+/// registers in place, e.g. when they hold no defined value or live across a loop. That costs
+/// most of the kernel's speed and no test of results would notice, so the build log is checked.
+#[test]
+fn fast_kernels_keep_wgmma_asynchronous() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    for fam in dsv4::cuda::kernels::FAST_FAMILIES {
+        let (_, log) = fam
+            .compile_with_log(ARCH, &["--ptxas-options=-v"])
+            .unwrap_or_else(|e| panic!("{}: {e}", fam.family));
+        let serialized: Vec<&str> = log.lines().filter(|l| l.contains("C7511")).collect();
+        println!(
+            "{}: {} wgmma serialisation notes",
+            fam.family,
+            serialized.len()
+        );
+        assert!(
+            serialized.is_empty(),
+            "kernel family `{}`: ptxas serialises wgmma:\n{}",
+            fam.family,
+            serialized.join("\n")
+        );
+    }
+}
+
 #[test]
 fn cubin_cache_compiles_once_then_hits_and_replaces_corrupt_files() {
     if !nvrtc_or_skip() {

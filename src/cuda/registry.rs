@@ -157,8 +157,14 @@ impl KernelSource {
     /// Compiles the family with NVRTC to a CUBIN for `arch`. A compile error is `Cuda`
     /// naming the family and the first error line, with the whole NVRTC log after it.
     pub fn compile(&self, arch: &str) -> Result<Vec<u8>> {
+        self.compile_with_log(arch, &[]).map(|(cubin, _)| cubin)
+    }
+
+    /// [`KernelSource::compile`] with `extra` NVRTC options after the usual ones, returning the
+    /// NVRTC log too (e.g. with `--ptxas-options=-v`, ptxas's resource and performance notes).
+    pub fn compile_with_log(&self, arch: &str, extra: &[&str]) -> Result<(Vec<u8>, String)> {
         nvrtc_version()?;
-        std::panic::catch_unwind(|| self.compile_unchecked(arch)).unwrap_or_else(|p| {
+        std::panic::catch_unwind(|| self.compile_unchecked(arch, extra)).unwrap_or_else(|p| {
             let msg = p
                 .downcast_ref::<String>()
                 .map(String::as_str)
@@ -171,7 +177,7 @@ impl KernelSource {
         })
     }
 
-    fn compile_unchecked(&self, arch: &str) -> Result<Vec<u8>> {
+    fn compile_unchecked(&self, arch: &str, extra: &[&str]) -> Result<(Vec<u8>, String)> {
         let fam = self.family;
         let cstr = |s: &str, what: &str| {
             CString::new(s).map_err(|_| {
@@ -196,6 +202,8 @@ impl KernelSource {
         let hdr_name_p: Vec<*const c_char> = hdr_name.iter().map(|s| s.as_ptr()).collect();
         let opts = nvrtc_options(arch)
             .iter()
+            .map(String::as_str)
+            .chain(extra.iter().copied())
             .map(|o| cstr(o, "option"))
             .collect::<Result<Vec<_>>>()?;
         let opts_p: Vec<*const c_char> = opts.iter().map(|s| s.as_ptr()).collect();
@@ -254,7 +262,7 @@ impl KernelSource {
                 format!("kernel family `{fam}`: NVRTC returned no CUBIN for {arch}"),
             ));
         }
-        Ok(cubin)
+        Ok((cubin, log))
     }
 
     /// Cache key: FNV-1a 64 of the source, the headers, arch, NVRTC version and options.

@@ -17,7 +17,8 @@ pub const TOKENS: usize = 16;
 pub const WARPGROUPS: usize = 4;
 /// Threads of a GEMM block.
 pub const THREADS: usize = WARPGROUPS * 128;
-/// Slots of the cp.async ring (FMOE_STAGES); a stage is one 128-block of K.
+/// Slots of the cp.async ring (FMOE_STAGES); a stage is 128 bytes of each weight row (FP4: 256 k,
+/// FP8: 128 k).
 pub const STAGES: usize = 4;
 /// j per up work item (FMOE_UP_J): gate rows j.. and up rows j.., so SwiGLU and the per-128 FP8
 /// quantisation of h stay inside the block.
@@ -26,11 +27,12 @@ pub const UP_J: usize = WARPGROUPS * 64 / 2;
 pub const DOWN_ROWS: usize = WARPGROUPS * 64;
 
 /// Dynamic shared memory of a GEMM block (FMOE_SMEM_BYTES; kernels/fast_moe_gemm.cu checks its layout
-/// fits): the ring of stages (the item's 256 weight rows at the FP8 row stride, FP4 scales, the
-/// tokens' codes and scales) and the up epilogue's gate and up values.
+/// fits, and it must stay within the 227 KiB an sm_90 block may take): the ring of stages (the item's
+/// 256 weight rows at the FP8 row stride, FP4 scales, the tokens' codes and scales) and the up
+/// epilogue's gate and up values.
 pub const SMEM_BYTES: usize = {
     let rows = WARPGROUPS * 64;
-    let slot = rows * 160 + rows * 16 + TOKENS * 128 + 128;
+    let slot = rows * 160 + rows * 32 + 16 * TOKENS * 16 + 128;
     STAGES * slot + 2 * UP_J * TOKENS * 4
 };
 

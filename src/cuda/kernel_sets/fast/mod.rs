@@ -1,6 +1,6 @@
 //! The fast kernel set (DESIGN.md §4): `official` numerics on tensor cores, checked op by op
 //! against the reference set. Today it replaces the MoE sub-block (kernels/fast_moe*.cu: FP4/FP8
-//! experts decoded exactly on chip, f16 MMAs with f32 accumulators promoted per 32 of K); every
+//! experts decoded exactly to e4m3 on chip, FP8 wgmma promoted to f32 every 32 of K); every
 //! other operation still runs the reference set's kernels until its fast kernel lands (issues
 //! 12, 13), on the same workspace.
 //!
