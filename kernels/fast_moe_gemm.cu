@@ -317,7 +317,10 @@ DSV4_INLINE void fmoe_block(const unsigned char* wrows, unsigned lm, const float
     if (FP4 && (q & 1) == 0) ldmatrix_x4(lm + 16 * q, frag);
     unsigned af[4];
     fmoe_a_frag<FP4>(wrows, frag, q, af);
-    const unsigned long long desc = desc0 + (unsigned long long)(q * 2 * (FMOE_TOKENS * 16) / 16);
+    // Only the low word changes: its address field (bits 0-13) cannot carry into the LBO field, as shared
+    // addresses stay below 256 KiB.
+    const unsigned long long desc = ((unsigned long long)(unsigned)(desc0 >> 32) << 32) |
+                                    ((unsigned)desc0 + (unsigned)(q * 2 * (FMOE_TOKENS * 16) / 16));
     wgmma_fence();
     fmoe_wgmma<NT8>(d[q & 1], af, desc);
     wgmma_commit();
