@@ -21,7 +21,9 @@
 //!   the carried error can exceed a step of that small code. So: every h code agrees, or differs
 //!   by at most one step plus 2⁻⁹ of its 128-block's largest |h|; at most 1/16 of the codes
 //!   differ; per token the output's relative L2 error is ≤ 2⁻⁵, and on average over tokens
-//!   ≤ 2⁻⁸ (the FP8 code flips dominate: √(1/32)·2⁻³ + 2⁻⁸ < 2⁻⁵).
+//!   ≤ 2⁻⁸. These last two are ceilings, not derived: the worst case 2⁻¹⁰·Σ|w·x| allows far
+//!   more than random rows show (measured at every B: max ≈ 9e-3, mean ≈ 2e-3, most of it the
+//!   accumulator's error), so they hold with a 2-4x margin and catch any layout or scale error.
 //! - The whole fast layer (its own routing): outputs of tokens whose selection agrees, same
 //!   bound; and two runs are bit-identical (no order-dependent atomics).
 //!
