@@ -25,7 +25,7 @@
 // wgmma.mma_async m64nNk32 e4m3 x e4m3 -> f32 (N = 8 or 16 tokens) with A from registers and the tokens
 // from shared memory. Each step's product starts from zero and is added to the thread's f32 sums times the
 // weight scale of its row and 32-block (promotion every k32: exact for the per-32 FP4 scales, and it keeps
-// the tensor core's reduced-precision accumulation to one 32-term sum, ../shared/KERNELS.md §2); two step
+// the tensor core's reduced-precision accumulation to one 32-term sum, ../shared/KERNELS.md §1); two step
 // products alternate so one wgmma runs while the previous one is promoted. After each 128-block the sums
 // are added times the tokens' activation scales.
 //
