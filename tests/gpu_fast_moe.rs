@@ -262,7 +262,8 @@ fn dequant(codes: &[u8], scales: &[f32], rows: usize, cols: usize) -> Vec<f32> {
             let (block, pos) = (c / 32 * 32, c % 32);
             let (t, i, h) = (pos % 16 / 4, pos % 4, pos / 16);
             let k = block + 8 * t + 2 * i + h;
-            v[r * cols + k] = E4M3_LUT[codes[r * cols + c] as usize] * scales[r * (cols / 128) + k / 128];
+            v[r * cols + k] =
+                E4M3_LUT[codes[r * cols + c] as usize] * scales[r * (cols / 128) + k / 128];
         }
     }
     v

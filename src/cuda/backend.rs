@@ -53,7 +53,9 @@ pub struct CudaBackend {
 }
 
 /// The memory plan of a CUDA engine (crate::memory), without a device: the same declarations
-/// as [`CudaBackend::new`] makes, laid out as its arena will be.
+/// as [`CudaBackend::new`] makes, laid out as its arena will be. It plans the kernel set the
+/// options name (by default the fast set for `official`); on a GPU without sm_90a the engine
+/// runs the reference set instead ([`kernel_sets::resolve`]), whose workspace differs.
 pub fn plan_memory(
     cfg: &ModelConfig,
     opts: &EngineOptions,
@@ -96,6 +98,12 @@ impl CudaBackend {
         opts: &EngineOptions,
         store: &WeightStore,
     ) -> Result<CudaBackend> {
+        let ctx = Context::retain(opts.device)?;
+        // The engine runs the set its device can run: from here on `opts` names it.
+        let opts = &EngineOptions {
+            kernel_set: Some(kernel_sets::resolve(opts, ctx.info())?),
+            ..opts.clone()
+        };
         let placement = Placement::all(cfg);
         let layouts = layer_layouts(cfg, opts.max_seq_len);
         let weight_layouts = store.allocated_layouts();
@@ -105,7 +113,6 @@ impl CudaBackend {
             .sum();
         let state_per_slot =
             plan_memory(cfg, opts, &weight_layouts, host_weight_bytes)?.state_per_slot;
-        let ctx = Context::retain(opts.device)?;
         let _g = ctx.enter()?;
         let mut plan = MemoryPlan::new();
         let planned = plan_model(&mut plan, cfg, opts, &weight_layouts, &placement, &layouts)?;

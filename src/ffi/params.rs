@@ -205,9 +205,10 @@ pub struct dsv4_create_params {
     /// Since ABI 1.2. The CUDA kernel set: "reference" (the f64 kernels, bit-identical to the
     /// CPU reference; the device oracle) or "fast" (`official` numerics on tensor cores;
     /// today its MoE layer, the rest still the reference kernels). NULL = the default:
-    /// "fast" for `numerics = official`, "reference" for `exact`. A name this build lacks,
-    /// or "fast" with `numerics = exact`, is DSV4_STATUS_CONFIG naming it. Ignored by the CPU
-    /// backend, which accepts the same names.
+    /// "fast" for `numerics = official` on an sm_90 (Hopper) GPU, else "reference" (said at
+    /// INFO). A name this build lacks, "fast" with `numerics = exact`, or "fast" on a GPU
+    /// without sm_90a (its kernels use wgmma) is DSV4_STATUS_CONFIG naming it. Ignored by the
+    /// CPU backend, which accepts the same names.
     pub kernel_set: *const c_char,
 }
 

@@ -252,8 +252,9 @@ class Engine:
     model. ``config_json`` (text) overrides the config source. ``load=None`` only creates
     the engine: stream weights with :meth:`load_tensor` and call :meth:`finalize`.
     ``kernel_set`` picks the CUDA kernel set ("reference" or "fast"; None = the default:
-    "fast" for official numerics, "reference" for exact); a name the library lacks, or
-    "fast" with exact numerics, raises :class:`ConfigError`.
+    "fast" for official numerics on an sm_90 (Hopper) GPU, else "reference"); a name the
+    library lacks, "fast" with exact numerics, or "fast" on a GPU without sm_90a raises
+    :class:`ConfigError`.
 
     Calls on one Engine are serialized by an internal lock (the C ABI requires it);
     distinct Engines run independently. Every failure raises :class:`dsv4.Error` (a

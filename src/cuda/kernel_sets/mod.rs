@@ -19,12 +19,12 @@ pub mod reference;
 use crate::config::ModelConfig;
 use crate::cuda::arena::{Arena, DevicePtr};
 use crate::cuda::backend::DeviceModel;
-use crate::cuda::context::Context;
+use crate::cuda::context::{Context, DeviceInfo};
 use crate::cuda::kernels::attention::BatchMeta;
 use crate::cuda::memory_plan::MemoryPlan;
 use crate::cuda::registry::{KernelSource, Registry};
 use crate::cuda::stream::BorrowedStream;
-use crate::error::Result;
+use crate::error::{Error, Result, Status};
 use crate::options::{EngineOptions, KernelSetName};
 
 /// A sub-block of a layer: what a residual boundary comes out of or leads into.
@@ -84,6 +84,39 @@ pub trait KernelSet {
     /// collapse, the final norm and the LM head for the requested rows into `out` (the
     /// forward then fixes padding / bad rows).
     fn head(&self, s: &Step, done: Option<Branch>, out: &LogitsTarget) -> Result<()>;
+}
+
+/// The architecture the fast set's kernels need: its MoE GEMMs use `wgmma`, which only sm_90a
+/// (Hopper: H100, H200) has.
+pub const FAST_ARCH: &str = "sm_90a";
+
+/// The set an engine on `device` runs. An explicit choice is kept, except `fast` on a device
+/// without sm_90a, a CONFIG error naming the device. The default (none given) is
+/// [`KernelSetName::default_for`] the numerics, with the reference set in place of the fast one
+/// on such a device (said at INFO).
+pub fn resolve(opts: &EngineOptions, device: &DeviceInfo) -> Result<KernelSetName> {
+    let hopper = device.arch == FAST_ARCH;
+    match opts.kernel_set {
+        Some(KernelSetName::Fast) if !hopper => Err(Error::new(
+            Status::Config,
+            format!(
+                "kernel_set = `fast` needs an {FAST_ARCH} GPU (Hopper: its MoE kernels use wgmma); device {} ({}) is {}: use kernel_set = `reference`",
+                device.ordinal, device.name, device.arch
+            ),
+        )),
+        Some(k) => Ok(k),
+        None => {
+            let k = KernelSetName::default_for(opts.numerics);
+            if k == KernelSetName::Fast && !hopper {
+                crate::log::info(&format!(
+                    "device {} ({}) is {}, not {FAST_ARCH}: running the reference kernel set",
+                    device.ordinal, device.name, device.arch
+                ));
+                return Ok(KernelSetName::Reference);
+            }
+            Ok(k)
+        }
+    }
 }
 
 /// The NVRTC families set `name` runs. Every set's list includes the `batch` family: the
@@ -149,5 +182,73 @@ pub fn load(reg: &Registry, ws: &SetWorkspace) -> Result<Box<dyn KernelSet>> {
     match ws {
         SetWorkspace::Reference(w) => Ok(Box::new(reference::ReferenceSet::new(reg, *w)?)),
         SetWorkspace::Fast(r, f) => Ok(Box::new(fast::FastSet::new(reg, *r, *f)?)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::options::Numerics;
+
+    fn device(arch: &str) -> DeviceInfo {
+        DeviceInfo {
+            ordinal: 0,
+            name: "test GPU".into(),
+            compute_capability: (0, 0),
+            arch: arch.into(),
+            total_mem_bytes: 0,
+            multiprocessors: 1,
+            l2_cache_bytes: 0,
+            max_shared_mem_per_block_optin: 0,
+            driver_version: 0,
+        }
+    }
+
+    fn opts(numerics: Numerics, kernel_set: Option<KernelSetName>) -> EngineOptions {
+        EngineOptions {
+            numerics,
+            kernel_set,
+            ..EngineOptions::default()
+        }
+    }
+
+    #[test]
+    fn the_fast_set_runs_only_where_wgmma_exists() {
+        use KernelSetName::{Fast, Reference};
+        let (hopper, ada) = (device("sm_90a"), device("sm_89"));
+        // Defaults: fast on Hopper, the reference set elsewhere and for exact numerics.
+        assert_eq!(
+            resolve(&opts(Numerics::Official, None), &hopper).unwrap(),
+            Fast
+        );
+        assert_eq!(
+            resolve(&opts(Numerics::Official, None), &ada).unwrap(),
+            Reference
+        );
+        assert_eq!(
+            resolve(&opts(Numerics::Exact, None), &hopper).unwrap(),
+            Reference
+        );
+        // Explicit choices are kept where they can run.
+        assert_eq!(
+            resolve(&opts(Numerics::Official, Some(Reference)), &hopper).unwrap(),
+            Reference
+        );
+        assert_eq!(
+            resolve(&opts(Numerics::Official, Some(Fast)), &hopper).unwrap(),
+            Fast
+        );
+        assert_eq!(
+            resolve(&opts(Numerics::Official, Some(Reference)), &ada).unwrap(),
+            Reference
+        );
+        // Fast on a device without sm_90a is a CONFIG error naming the device and the way out.
+        let e = resolve(&opts(Numerics::Official, Some(Fast)), &ada).unwrap_err();
+        assert_eq!(e.status, Status::Config);
+        let m = e.message;
+        assert!(
+            m.contains("sm_89") && m.contains("sm_90a") && m.contains("reference"),
+            "{m}"
+        );
     }
 }
