@@ -103,15 +103,16 @@ DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
   if (tile < a.nrt) {
     const int e = a.tiles[3 * tile];
     it.skip = e < a.e_begin || e >= a.e_end;
-    const int le = it.skip ? 0 : e - a.e_begin;
     it.start = a.tiles[3 * tile + 1];
     it.n = a.tiles[3 * tile + 2];
     it.shared = false;
     it.fp4 = a.fmt == WFMT_FP4;
-    it.wa = reinterpret_cast<const unsigned char*>(a.wa[le]);
-    it.wb = reinterpret_cast<const unsigned char*>(a.wb[le]);
-    it.sa = reinterpret_cast<const float*>(a.sa[le]);
-    it.sb = reinterpret_cast<const float*>(a.sb[le]);
+    // The address tables hold the local experts only (possibly none): read them for those.
+    const int le = e - a.e_begin;
+    it.wa = it.skip ? nullptr : reinterpret_cast<const unsigned char*>(a.wa[le]);
+    it.wb = it.skip ? nullptr : reinterpret_cast<const unsigned char*>(a.wb[le]);
+    it.sa = it.skip ? nullptr : reinterpret_cast<const float*>(a.sa[le]);
+    it.sb = it.skip ? nullptr : reinterpret_cast<const float*>(a.sb[le]);
   } else {
     it.start = (tile - a.nrt) * FMOE_TOKENS;
     it.n = min(FMOE_TOKENS, a.T - it.start);
@@ -174,6 +175,14 @@ DSV4_INLINE FmoeLoad fmoe_load_setup(const FmoeArgs& a, const FmoeItem& it) {
   l.skip = it.skip;
   l.nks = fmoe_stages(it.fp4, K);
   l.b_valid = UP || it.row0 + 128 < a.N;
+  l.s = nullptr;
+  l.act = nullptr;
+  l.as = nullptr;
+  if (it.skip) {  // nothing is loaded (fmoe_load)
+    l.wa = l.wb = nullptr;
+    l.step64 = 0;
+    return l;
+  }
   const long long rb = it.fp4 ? K / 2 : K;  // bytes of a stored row
   l.step64 = 64 * rb;
   const int r = tid >> 3, p = tid & 7;
@@ -190,12 +199,8 @@ DSV4_INLINE FmoeLoad fmoe_load_setup(const FmoeArgs& a, const FmoeItem& it) {
     const float* base = (UP && second) ? it.sb : it.sa;
     const int grow = UP ? it.row0 : min(it.row0 + (second ? 128 : 0), a.N - 1);
     l.s = base + (long long)(grow / 128) * (K / 128);
-  } else {
-    l.s = nullptr;
   }
-  l.act = nullptr;
-  l.as = nullptr;
-  if (tid < 288 && !it.skip) {
+  if (tid < 288) {
     const long long row = fmoe_act_row<UP>(a, it, tid & (FMOE_TOKENS - 1));
     if (tid < 256)
       l.act = a.act + row * K + 16 * (tid >> 4);
