@@ -170,6 +170,20 @@ DSV4_INLINE float warp_max(float v) {
   return v;
 }
 
+// The warp's largest (value, index) pair: lanes pass their candidate (index < 0: none); every lane
+// gets the largest value, ties to the lower index. Candidates must not be NaN (callers skip those).
+DSV4_INLINE void warp_argmax(float& value, int& index) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, value, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, index, o);
+    if (oi >= 0 && (index < 0 || ov > value || (ov == value && oi < index))) {
+      value = ov;
+      index = oi;
+    }
+  }
+}
+
 // Block-wide reductions for a 1-D block whose size is a multiple of 32 (at most 1024). Every
 // thread must call; every thread gets the result. `scratch` is __shared__ float[32]; the
 // function ends with a barrier so scratch may be reused right away. Order: warp butterflies,

@@ -10,19 +10,6 @@
 // FMOE_LOGIT_WARPS, FMOE_LOGIT_EXPERTS, FMOE_LOGIT_SPLIT, FMOE_LOGIT_TOKENS, FMOE_SELECT_WARPS, FMOE_MAX_EPL and
 // SCORE_* come from
 // dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
-#define FMOE_FULL 0xffffffffu
-
-DSV4_INLINE float fmoe_warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FMOE_FULL, v, o);
-  return v;
-}
-
-DSV4_INLINE float fmoe_warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FMOE_FULL, v, o));
-  return v;
-}
 
 // Router scores in f32, and x's act_quant. Block (bx, by) takes token group by * FMOE_LOGIT_TOKENS + [0,
 // FMOE_LOGIT_TOKENS); its FMOE_LOGIT_WARPS warps are FMOE_LOGIT_EXPERTS experts x FMOE_LOGIT_SPLIT parts
@@ -48,7 +35,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
     for (int r = 0; r < nt; ++r) {
       const long long t = t0 + r;
       const float4 v = reinterpret_cast<const float4*>(x + t * D + b * 128)[lane];
-      const float amax = fmoe_warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+      const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
       const float s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
       const float vv[4] = {v.x, v.y, v.z, v.w};
       unsigned code[4];
@@ -92,7 +79,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
   }
 #pragma unroll
   for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
-    const float s = fmoe_warp_sum(acc[r]);
+    const float s = warp_sum(acc[r]);
     if (lane == 0) part_sum[warp][r] = s;
   }
   __syncthreads();
@@ -133,14 +120,14 @@ extern "C" __global__ void __launch_bounds__(FMOE_SELECT_WARPS * 32)
     m = fmaxf(m, sc[i]);
   }
   if (scoring == SCORE_SOFTMAX) {
-    m = fmoe_warp_max(m);
+    m = warp_max(m);
     float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < FMOE_MAX_EPL; ++i) {
       sc[i] = lane + 32 * i < E ? expf(sc[i] - m) : 0.0f;
       s += sc[i];
     }
-    s = fmoe_warp_sum(s);
+    s = warp_sum(s);
 #pragma unroll
     for (int i = 0; i < FMOE_MAX_EPL; ++i) sc[i] = sc[i] / s;
   }
@@ -172,15 +159,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_SELECT_WARPS * 32)
           bi = lane + 32 * i;
         }
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FMOE_FULL, bv, o);
-        const int oi = __shfl_xor_sync(FMOE_FULL, bi, o);
-        if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
-          bv = ov;
-          bi = oi;
-        }
-      }
+      warp_argmax(bv, bi);
       sel = bi;
       if (sel >= 0 && (sel & 31) == lane) taken |= 1u << (sel >> 5);
     }
@@ -189,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_SELECT_WARPS * 32)
 #pragma unroll
     for (int i = 0; i < FMOE_MAX_EPL; ++i)
       if (sel >= 0 && sel < E && (sel >> 5) == i) mine = sc[i];
-    const float s = __shfl_sync(FMOE_FULL, mine, sel >= 0 ? (sel & 31) : 0);
+    const float s = __shfl_sync(0xffffffffu, mine, sel >= 0 ? (sel & 31) : 0);
     const float ws = (sel >= 0 && sel < E) ? s : 0.0f;
     wsum += ws;
     if (lane == j) {

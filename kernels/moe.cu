@@ -163,15 +163,7 @@ extern "C" __global__ void __launch_bounds__(1024)
             bi = e;
           }
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-          const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-          if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
-            bv = ov;
-            bi = oi;
-          }
-        }
+        warp_argmax(bv, bi);
         sel = bi;
         __syncwarp();
         if (lane == 0 && sel >= 0) key[sel] = DSV4_F32_NAN;

@@ -8,7 +8,6 @@ use super::{need, to_i32};
 use crate::cuda::Context;
 use crate::cuda::stream::BorrowedStream;
 use crate::error::Result;
-use crate::weights::format::StorageFormat;
 
 /// Tokens (routed assignments) per work item: the plan's `tile_rows` (FMOE_TOKENS); one wgmma's N
 /// (8 when a tile has at most 8).
@@ -88,10 +87,6 @@ fn grid(ctx: &Context, items: usize) -> u32 {
     items.clamp(1, ctx.info().multiprocessors.max(1) as usize) as u32
 }
 
-fn fmt_code(f: StorageFormat) -> i32 {
-    f.code()
-}
-
 impl FastMoeGemm {
     /// `ws.hq`, `ws.hs` = GEMM1 of every routed tile of `ws`'s plan and of the shared expert.
     pub fn up(
@@ -128,12 +123,12 @@ impl FastMoeGemm {
             w3: layer.w3.ptrs,
             s1: layer.w1.scales,
             s3: layer.w3.scales,
-            fmt: fmt_code(layer.w1.format),
+            fmt: layer.w1.format.code(),
             shared_w1: sh.map(|s| s.w1.data),
             shared_w3: sh.map(|s| s.w3.data),
             shared_s1: sh.and_then(|s| s.w1.scales),
             shared_s3: sh.and_then(|s| s.w3.scales),
-            shared_fmt: sh.map_or(0, |s| fmt_code(s.w1.format)),
+            shared_fmt: sh.map_or(0, |s| s.w1.format.code()),
             route_w: ws.weights,
             limit: layer.limit,
             hq: ws.hq,
@@ -180,10 +175,10 @@ impl FastMoeGemm {
             e_end: to_i32(K, "e_end", layer.local.end)?,
             w2: layer.w2.ptrs,
             s2: layer.w2.scales,
-            fmt: fmt_code(layer.w2.format),
+            fmt: layer.w2.format.code(),
             shared_w2: sh.map(|s| s.w2.data),
             shared_s2: sh.and_then(|s| s.w2.scales),
-            shared_fmt: sh.map_or(0, |s| fmt_code(s.w2.format)),
+            shared_fmt: sh.map_or(0, |s| s.w2.format.code()),
             y: ws.y,
         };
         let _g = ctx.enter()?;
