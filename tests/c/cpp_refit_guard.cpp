@@ -15,7 +15,7 @@
 // restoring the original weights gives the original logits and the same greedy tokens;
 // on a QUANTIZE engine, an FP8 half held without its scale makes end() fail (refit still
 // open) and is dropped when the guard aborts, and is written once its scale follows.
-#include "dsv4.hpp"
+#include "cpp_test_support.hpp"
 
 #include <cmath>
 #include <cstdio>
@@ -25,17 +25,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-static int failures = 0;
-
-#define EXPECT(cond, what)                                                                     \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            std::fprintf(stderr, "FAIL line %d: %s (last error: %s)\n", __LINE__, what,        \
-                         dsv4::last_error().c_str());                                          \
-            failures++;                                                                        \
-        }                                                                                      \
-    } while (0)
 
 /// Status of `f()`, whether the wrapper returns it or throws it.
 template <class F> static dsv4_status status_of(F &&f) {
@@ -282,17 +271,7 @@ static int run(const std::string &config, const std::string &load) {
     Captured logs;
     EXPECT(dsv4::set_log_callback(logs.sink(), DSV4_LOG_DEBUG) == DSV4_STATUS_OK, "install log callback");
 
-    dsv4_create_params p = dsv4_create_params_default();
-    if (config == "tiny") {
-        p.use_tiny_default = 1;
-    } else {
-        p.config_path = config.c_str();
-    }
-    p.max_num_seqs = 2;
-    p.max_num_tokens = 16;
-    p.max_seq_len = 64;
-    p.num_threads = 2;
-    p.numerics = DSV4_NUMERICS_EXACT;
+    dsv4_create_params p = test_params(config);
 #if defined(DSV4_HPP_EXCEPTIONS)
     dsv4::Engine engine(p);
 #else

@@ -3,7 +3,7 @@
 // (failures throw dsv4::Error).
 //
 //   cpp_wrapper [CONFIG(tiny|dir) [LOAD(dummy|checkpoint)]]
-#include "dsv4.hpp"
+#include "cpp_test_support.hpp"
 
 #include <cmath>
 #include <cstdio>
@@ -11,33 +11,12 @@
 #include <string>
 #include <utility>
 
-static int failures = 0;
-
-#define EXPECT(cond, what)                                                                     \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            std::fprintf(stderr, "FAIL line %d: %s (last error: %s)\n", __LINE__, what,        \
-                         dsv4::last_error().c_str());                                          \
-            failures++;                                                                        \
-        }                                                                                      \
-    } while (0)
-
 int main(int argc, char **argv) {
     const std::string config = argc > 1 ? argv[1] : "tiny";
     const std::string load = argc > 2 ? argv[2] : "dummy";
     EXPECT(dsv4::abi_compatible(), "ABI compatible");
 
-    dsv4_create_params p = dsv4_create_params_default();
-    if (config == "tiny") {
-        p.use_tiny_default = 1;
-    } else {
-        p.config_path = config.c_str();
-    }
-    p.max_num_seqs = 2;
-    p.max_num_tokens = 16;
-    p.max_seq_len = 64;
-    p.num_threads = 2;
-    p.numerics = DSV4_NUMERICS_EXACT;
+    dsv4_create_params p = test_params(config);
 
 #if defined(DSV4_HPP_EXCEPTIONS)
     // Failures throw dsv4::Error carrying status and message.
