@@ -24,6 +24,10 @@
 //!   ≤ 2⁻⁸. These last two are ceilings, not derived: the worst case 2⁻¹⁰·Σ|w·x| allows far
 //!   more than random rows show (measured at every B: max ≈ 9e-3, mean ≈ 2e-3, most of it the
 //!   accumulator's error), so they hold with a 2-4x margin and catch any layout or scale error.
+//!   The mean is asserted over at least MEAN_MIN_TOKENS tokens only: the mean of a few tokens is
+//!   a sample of the per-token error, whose tail reaches the per-token ceiling (a 384-wide layer
+//!   at B = 1 measured 1.1e-2 once, one flipped h code of 1152 weighing more than in a 2048-wide
+//!   one).
 //! - The whole fast layer (its own routing): outputs of tokens whose selection agrees, same
 //!   bound; and two runs are bit-identical (no order-dependent atomics).
 //!
@@ -44,13 +48,35 @@ use dsv4::cuda::{BorrowedStream, Context, DevicePtr, OwnedStream};
 use dsv4::weights::dtype::E4M3_LUT;
 use std::sync::OnceLock;
 
-const SHAPE: MoeShape = MoeShape::FLASH;
-const D: usize = SHAPE.d;
-const I: usize = SHAPE.i;
-const E: usize = SHAPE.experts;
-const K: usize = SHAPE.k;
-const VOCAB: usize = SHAPE.vocab;
-const LIMIT: f32 = SHAPE.limit;
+/// A small layer whose widths are odd multiples of 128: FP4 stages of half the usual K (128 of
+/// 256), down items with rows past D, many tokens per expert (16-token tiles, several items per
+/// block) — the paths the tiny model fixtures take, checked here op by op.
+const SMALL: MoeShape = MoeShape {
+    d: 384,
+    i: 384,
+    experts: 16,
+    k: 2,
+    vocab: 1024,
+    limit: 1.5,
+};
+
+/// MODEL.md's names for the layer's widths (hidden, moe_inter, experts, experts per token).
+#[allow(non_snake_case)]
+struct Dims {
+    D: usize,
+    I: usize,
+    E: usize,
+    K: usize,
+}
+
+fn dims(sh: &MoeShape) -> Dims {
+    Dims {
+        D: sh.d,
+        I: sh.i,
+        E: sh.experts,
+        K: sh.k,
+    }
+}
 
 struct Env {
     ctx: &'static Context,
@@ -149,7 +175,8 @@ struct Batch {
     r: Vec<DevicePtr>,
 }
 
-fn batch(e: &Env, t: usize, x: &[f32], tokens: &[i32], s: BorrowedStream) -> Batch {
+fn batch(e: &Env, sh: &MoeShape, t: usize, x: &[f32], tokens: &[i32], s: BorrowedStream) -> Batch {
+    let Dims { D, I, E, K } = dims(sh);
     let fb = fast_moe::workspace_buffers(t, D, I, K, E);
     let rp = MoePlan::buffer_bytes(t, K, E, moe::TILE_ROWS);
     let n = t * K;
@@ -198,6 +225,7 @@ fn batch(e: &Env, t: usize, x: &[f32], tokens: &[i32], s: BorrowedStream) -> Bat
 }
 
 fn reference(e: &Env, l: &SyntheticMoe, b: &Batch, r: Routing, s: BorrowedStream) -> RefOut {
+    let Dims { D, I, E, K } = dims(&l.shape);
     let (t, n) = (b.t, b.t * K);
     let q = &b.r;
     let (ids, weights) = (q[0], q[1]);
@@ -231,14 +259,15 @@ fn reference(e: &Env, l: &SyntheticMoe, b: &Batch, r: Routing, s: BorrowedStream
     m.plan(ctx, ids, &plan, s).unwrap();
     let [w1, w2, w3] = &l.routed;
     lin.act_quant(ctx, x, D, t, D, xq, s).unwrap();
-    m.up(ctx, &plan, xq, w1, w3, weights, LIMIT, true, h, s)
+    m.up(ctx, &plan, xq, w1, w3, weights, l.shape.limit, true, h, s)
         .unwrap();
     lin.act_quant(ctx, h, I, n, I, hq, s).unwrap();
     m.down(ctx, &plan, hq, w2, true, ya, s).unwrap();
     let [s1, s2, s3] = &l.shared;
     lin.linear(ctx, xq, D, t, s1, I, true, g, I, s).unwrap();
     lin.linear(ctx, xq, D, t, s3, I, true, v, I, s).unwrap();
-    m.swiglu(ctx, g, v, t * I, LIMIT, true, hs, s).unwrap();
+    m.swiglu(ctx, g, v, t * I, l.shape.limit, true, hs, s)
+        .unwrap();
     lin.act_quant(ctx, hs, I, t, I, hsq, s).unwrap();
     lin.linear(ctx, hsq, I, t, s2, D, true, ys, D, s).unwrap();
     m.combine(ctx, ya, Some(ys), t, K, D, true, b.out, s)
@@ -251,6 +280,65 @@ fn reference(e: &Env, l: &SyntheticMoe, b: &Batch, r: Routing, s: BorrowedStream
         hq_shared: get(ctx, hsq, t * I, s),
         out: get(ctx, b.out, t * D, s),
     }
+}
+
+/// The reference down GEMMs and combine run on given h values (routed rows `[T*k, I]` on the
+/// reference's plan, which `reference` built, then the shared rows `[T, I]`): separates the fast
+/// down GEMM's own error (fast out vs this) from what differing h codes cause (this vs the
+/// reference's out).
+fn reference_down_on(
+    e: &Env,
+    l: &SyntheticMoe,
+    b: &Batch,
+    h_routed: &[f32],
+    h_shared: &[f32],
+    s: BorrowedStream,
+) -> Vec<f32> {
+    let Dims { D, I, E, K } = dims(&l.shape);
+    let t = b.t;
+    let q = &b.r;
+    let plan = MoePlan {
+        offsets: q[2],
+        rows: q[3],
+        tiles: q[4],
+        ntiles: q[5],
+        tokens: t,
+        k: K,
+        experts: E,
+        tile_rows: moe::TILE_ROWS,
+    };
+    let (hq, ya, hsq, ys) = (q[8], q[9], q[13], q[14]);
+    let (ctx, lin, m) = (e.ctx, &e.lin, &e.moe);
+    put(ctx, hq, h_routed, s);
+    put(ctx, hsq, h_shared, s);
+    let [_, w2, _] = &l.routed;
+    m.down(ctx, &plan, hq, w2, true, ya, s).unwrap();
+    let [_, s2, _] = &l.shared;
+    lin.linear(ctx, hsq, I, t, s2, D, true, ys, D, s).unwrap();
+    m.combine(ctx, ya, Some(ys), t, K, D, true, b.out, s)
+        .unwrap();
+    get(ctx, b.out, t * D, s)
+}
+
+/// Fewest tokens whose mean output error is held to the 2^-8 ceiling (see the file comment).
+const MEAN_MIN_TOKENS: usize = 32;
+
+/// Per-token relative L2 distance of `a` from `b` (rows of `d`): (max, mean).
+fn rel_l2(a: &[f32], b: &[f32], d: usize) -> (f64, f64) {
+    let (mut worst, mut sum, mut n) = (0f64, 0f64, 0usize);
+    for (ra, rb) in a.chunks(d).zip(b.chunks(d)) {
+        let d2: f64 = ra
+            .iter()
+            .zip(rb)
+            .map(|(p, q)| ((p - q) as f64).powi(2))
+            .sum();
+        let r2: f64 = rb.iter().map(|q| (*q as f64).powi(2)).sum();
+        let rel = d2.sqrt() / (r2.sqrt() + 1e-30);
+        worst = worst.max(rel);
+        sum += rel;
+        n += 1;
+    }
+    (worst, sum / n.max(1) as f64)
 }
 
 /// The fast kernels' activations (e4m3 codes in fragment order, kernels/fp8_mma.cuh) times their
@@ -279,6 +367,7 @@ fn fast(
     routing: Option<(&[i32], &[f32])>,
     s: BorrowedStream,
 ) -> FastOut {
+    let Dims { D, I, K, .. } = dims(&l.shape);
     let (ctx, t) = (e.ctx, b.t);
     let fl = l.fast_layer(r, b.tokens);
     e.fast.route(ctx, &fl, b.x, t, &b.ws, s).unwrap();
@@ -313,6 +402,7 @@ fn sorted(v: &[i32]) -> Vec<i32> {
 /// Host f64 key (score + bias) of expert `ex` for token row `xr`, and the bound of the fast
 /// router's f32 error on it (module doc).
 fn key_and_bound(l: &SyntheticMoe, xr: &[f32], ex: usize) -> (f64, f64) {
+    let Dims { D, .. } = dims(&l.shape);
     let g = &l.gate_host[ex * D..(ex + 1) * D];
     let (mut dot, mut abs) = (0f64, 0f64);
     for (a, b) in xr.iter().zip(g) {
@@ -337,6 +427,7 @@ fn check_routing(
     f: &FastOut,
     rf: &RefOut,
 ) -> Vec<bool> {
+    let Dims { D, K, .. } = dims(&l.shape);
     let t = x.len() / D;
     let mut agree = vec![false; t];
     let mut within_margin = 0;
@@ -384,7 +475,8 @@ fn check_routing(
 }
 
 /// The expert path: h codes and outputs of the tokens in `rows` (module doc's bounds).
-fn check_experts(what: &str, f: &FastOut, rf: &RefOut, agree: &[bool]) {
+fn check_experts(what: &str, sh: &MoeShape, f: &FastOut, rf: &RefOut, agree: &[bool]) {
+    let Dims { D, I, K, .. } = dims(sh);
     let t = agree.len();
     // h: routed rows a = t*k + j, then the shared expert's rows.
     let (mut differ, mut total) = (0usize, 0usize);
@@ -461,43 +553,34 @@ fn check_experts(what: &str, f: &FastOut, rf: &RefOut, agree: &[bool]) {
     let mean = sum / n.max(1) as f64;
     println!("{what}: output relative L2 error over {n} tokens: max {worst:.3e}, mean {mean:.3e}");
     assert!(
-        mean <= 2f64.powi(-8),
+        n < MEAN_MIN_TOKENS || mean <= 2f64.powi(-8),
         "{what}: mean relative error {mean:.3e} above 2^-8"
     );
 }
 
-fn inputs(rng: &mut Rng, t: usize) -> (Vec<f32>, Vec<i32>) {
-    let x: Vec<f32> = (0..t * D).map(|_| bf16(rng.uniform(-2.0, 2.0))).collect();
-    let tokens: Vec<i32> = (0..t).map(|_| (rng.u64() % VOCAB as u64) as i32).collect();
+fn inputs(rng: &mut Rng, sh: &MoeShape, t: usize) -> (Vec<f32>, Vec<i32>) {
+    let x: Vec<f32> = (0..t * sh.d)
+        .map(|_| bf16(rng.uniform(-2.0, 2.0)))
+        .collect();
+    let tokens: Vec<i32> = (0..t)
+        .map(|_| (rng.u64() % sh.vocab as u64) as i32)
+        .collect();
     (x, tokens)
 }
 
-/// Every batch size and routing of the issue, one layer of weights (4 GB) for all of them.
-#[test]
-fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
+/// Runs `cases` (B, routing) on one layer of shape `sh`: both routings' checks (module doc).
+fn run_cases(sh: MoeShape, cases: &[(usize, Routing)]) {
     let Some(e) = env() else {
         return;
     };
     let mut rng = Rng::from_env("gpu_fast_moe");
     let stream = OwnedStream::new(e.ctx).unwrap();
     let s = stream.borrow();
-    let l = SyntheticMoe::new(e.ctx, s, SHAPE, rng.u64()).unwrap();
-    let cases: &[(usize, Routing)] = &[
-        (1, Routing::TopK),
-        (1, Routing::Hash),
-        (8, Routing::TopK),
-        (32, Routing::HashSkewed),
-        (64, Routing::TopK),
-        (256, Routing::TopK),
-        (256, Routing::HashSkewed),
-        (1024, Routing::Hash),
-        (4096, Routing::TopK),
-        (16384, Routing::HashSkewed),
-    ];
+    let l = SyntheticMoe::new(e.ctx, s, sh, rng.u64()).unwrap();
     for &(t, r) in cases {
-        let what = format!("B = {t}, {r:?}");
-        let (x, tokens) = inputs(&mut rng, t);
-        let b = batch(e, t, &x, &tokens, s);
+        let what = format!("{}x{} B = {t}, {r:?}", sh.d, sh.i);
+        let (x, tokens) = inputs(&mut rng, &sh, t);
+        let b = batch(e, &sh, t, &x, &tokens, s);
         let rf = reference(e, &l, &b, r, s);
         // 1. The fast layer on its own routing, twice: bit-identical.
         let f1 = fast(e, &l, &b, r, None, s);
@@ -526,16 +609,60 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
             let hot = f1.ids.iter().filter(|&&i| i == HOT_EXPERT as i32).count();
             println!("{what}: expert {HOT_EXPERT} takes {hot} of {t} tokens");
         }
-        check_experts(&format!("{what}, own routing"), &f1, &rf, &agree);
         // 2. On the reference's routing: every token compares.
         let f3 = fast(e, &l, &b, r, Some((&rf.ids, &rf.weights)), s);
+        // Where the output error comes from: the down GEMM's arithmetic, or differing h codes.
+        let n = t * sh.k;
+        let via_h = reference_down_on(e, &l, &b, &f3.hq[..n * sh.i], &f3.hq[n * sh.i..], s);
+        let (dm, da) = rel_l2(&f3.out, &via_h, sh.d);
+        let (hm, ha) = rel_l2(&via_h, &rf.out, sh.d);
+        println!(
+            "{what}: output error from the fast down GEMM max {dm:.3e} mean {da:.3e}; from differing h codes max {hm:.3e} mean {ha:.3e}"
+        );
+        check_experts(&format!("{what}, own routing"), &sh, &f1, &rf, &agree);
         check_experts(
             &format!("{what}, reference routing"),
+            &sh,
             &f3,
             &rf,
             &vec![true; t],
         );
     }
+}
+
+/// Every batch size and routing of the issue, one layer of weights (4 GB) for all of them.
+#[test]
+fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
+    run_cases(
+        MoeShape::FLASH,
+        &[
+            (1, Routing::TopK),
+            (1, Routing::Hash),
+            (8, Routing::TopK),
+            (32, Routing::HashSkewed),
+            (64, Routing::TopK),
+            (256, Routing::TopK),
+            (256, Routing::HashSkewed),
+            (1024, Routing::Hash),
+            (4096, Routing::TopK),
+            (16384, Routing::HashSkewed),
+        ],
+    );
+}
+
+/// The small shape's paths (see [`SMALL`]), from one token to many tiles per expert.
+#[test]
+fn fast_moe_matches_the_reference_kernels_at_odd_widths() {
+    run_cases(
+        SMALL,
+        &[
+            (1, Routing::TopK),
+            (5, Routing::Hash),
+            (64, Routing::TopK),
+            (300, Routing::HashSkewed),
+            (1000, Routing::TopK),
+        ],
+    );
 }
 
 /// Layers the fast kernels cannot run are named (the fast set then runs the reference MoE).
