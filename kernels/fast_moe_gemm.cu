@@ -12,10 +12,14 @@
 // + gridDim.x, ... in order; an item's outputs depend only on the item, so they are deterministic bit for
 // bit whichever block computes them.
 //
-// The pipeline. A block streams its items' stages back to back through a ring of FMOE_STAGES shared-memory
-// slots, filled with 16-byte cp.async by all threads (fmoe_load: addresses set up once per item), so the
-// next item's first stages load while the current item finishes. A stage is 128 bytes of each of the 256
-// weight rows in their stored layout (FP4: 256 k, two 128-blocks; FP8: 128 k), FP4's per-32 scales or
+// The pipeline. Each block has FMOE_WARPGROUPS consumer warpgroups and one producer warp, joined by a ring
+// of FMOE_STAGES shared-memory slots with a "full" and an "empty" mbarrier each. The producer walks the
+// block's items and their stages in order and fills a slot once its consumers have released it: the weight
+// rows and FP4 scales by TMA (tensor maps of each expert matrix, built at finalize: a few instructions per
+// stage, 128-byte swizzled rows), the tokens' codes and scales (a gather over the plan's rows) and FP8 block
+// scales by cp.async; the slot's full barrier completes when all of them have landed. So the next item's
+// first stages load while the current item finishes, and no block-wide barrier stalls the stream. A stage is
+// 128 bytes of each of the 256 weight rows (FP4: 256 k, two 128-blocks; FP8: 128 k), FP4's per-32 scales or
 // FP8's block scales, and the item's FMOE_TOKENS activation rows over the same k (e4m3 codes, laid out as
 // wgmma's K-major B operand: 16-byte core-matrix rows) with their per-128 scales.
 //
@@ -34,26 +38,31 @@
 #include "common.cuh"
 #include "fp8_mma.cuh"
 
-// FMOE_TOKENS, FMOE_WARPGROUPS, FMOE_STAGES, FMOE_UP_J, FMOE_DOWN_ROWS and FMOE_SMEM_BYTES come from
-// dsv4_consts.cuh (src/cuda/kernels/fast_moe_gemm.rs).
-#define FMOE_THREADS (FMOE_WARPGROUPS * 128)
-#define FMOE_ROWS (FMOE_WARPGROUPS * 64)  // weight rows of an item (and of a stage)
+// FMOE_TOKENS, FMOE_WARPGROUPS, FMOE_STAGES, FMOE_UP_J, FMOE_DOWN_ROWS, FMOE_SMEM_BYTES and the tensor map
+// table's layout (FMOE_MAP_*) come from dsv4_consts.cuh (src/cuda/kernels/fast_moe_gemm.rs).
+#define FMOE_CONSUMERS (FMOE_WARPGROUPS * 128)
+#define FMOE_THREADS (FMOE_CONSUMERS + 32)  // the consumer warpgroups, then the producer warp
+#define FMOE_ROWS (FMOE_WARPGROUPS * 64)    // weight rows of an item (and of a stage)
 // A stage holds FMOE_RB = 128 bytes of each of the item's 256 weight rows: 256 k of FP4 (two 128-blocks)
-// or 128 k of FP8 (one). Row strides are padded so fragment loads hit distinct banks: FP4 rows
-// (ldmatrix of 8 rows x 16 bytes) by 16 bytes, FP8 rows (8-byte loads) by 32.
+// or 128 k of FP8 (one), as two TMA boxes of 128 rows in the 128-byte swizzle (16-byte chunk c of row r at
+// chunk c ^ (r % 8), so fragment loads of 8 rows hit distinct banks).
 #define FMOE_RB 128
-#define FMOE_WS_FP4 144
-#define FMOE_WS_FP8 160
-#define FMOE_SLOT_W (FMOE_ROWS * FMOE_WS_FP8)
+#define FMOE_BOX_ROWS 128
+#define FMOE_SLOT_W (FMOE_ROWS * FMOE_RB)
 #define FMOE_SLOT_S (FMOE_ROWS * 8 * 4)        // FP4: 8 per-32 scales a row; FP8: the two 128x128 block scales
 #define FMOE_SLOT_A (16 * FMOE_TOKENS * 16)    // activation codes: 16 k16 chunks x FMOE_TOKENS x 16 bytes
 #define FMOE_SLOT_AS 128                       // activation scales: 2 blocks x FMOE_TOKENS floats
-#define FMOE_SLOT (FMOE_SLOT_W + FMOE_SLOT_S + FMOE_SLOT_A + FMOE_SLOT_AS)
-#define FMOE_SMEM_USED (FMOE_STAGES * FMOE_SLOT + 2 * FMOE_UP_J * FMOE_TOKENS * 4)
+// Slots stay 1024-byte aligned (the swizzle pattern's period).
+#define FMOE_SLOT (((FMOE_SLOT_W + FMOE_SLOT_S + FMOE_SLOT_A + FMOE_SLOT_AS) + 1023) / 1024 * 1024)
+// The up epilogue's gate and up values, double-buffered by item parity (see fmoe_gemm).
+#define FMOE_GU_FLOATS (2 * FMOE_UP_J * FMOE_TOKENS)
+#define FMOE_BARS (FMOE_STAGES * FMOE_SLOT + 2 * FMOE_GU_FLOATS * 4)
+#define FMOE_SMEM_USED (FMOE_BARS + 2 * FMOE_STAGES * 8)
 static_assert(FMOE_SMEM_USED <= FMOE_SMEM_BYTES, "fast_moe_gemm: shared memory layout exceeds FMOE_SMEM_BYTES");
 static_assert(FMOE_TOKENS == 16, "fast_moe_gemm: the B operand layout assumes 16-token tiles");
-static_assert(FMOE_ROWS == 2 * FMOE_UP_J && FMOE_ROWS == FMOE_DOWN_ROWS && FMOE_THREADS == 512,
-              "fast_moe_gemm: the loader's thread mapping assumes 4 warpgroups and 256-row items");
+static_assert(FMOE_ROWS == 2 * FMOE_UP_J && FMOE_ROWS == FMOE_DOWN_ROWS && FMOE_ROWS == 2 * FMOE_BOX_ROWS,
+              "fast_moe_gemm: items are two boxes of 128 weight rows");
+static_assert(FMOE_MAP_BYTES == 128, "fast_moe_gemm: a CUtensorMap is 128 bytes");
 
 // Rust's f32::clamp(v, -l, l): NaN stays NaN.
 DSV4_INLINE float fmoe_clamp_sym(float v, float l) { return v < -l ? -l : (v > l ? l : v); }
@@ -63,16 +72,15 @@ DSV4_INLINE float fmoe_silu(float x) { return x / (1.0f + expf(-x)); }
 
 // One work item.
 struct FmoeItem {
-  bool skip;                // another rank's expert: nothing to load or compute (uniform over the block)
-  bool shared;              // the shared expert's tile
-  bool fp4;                 // FP4 (per-32 scales) or FP8 (128x128 scales)
-  int n;                    // tokens (assignments) in the tile, 1..FMOE_TOKENS
-  int start;                // first plan row (routed) or first token (shared)
-  int row0;                 // first weight row of the block (up: first j)
-  const unsigned char* wa;  // up: W1, down: W2
-  const unsigned char* wb;  // up: W3, down: W2
-  const float* sa;          // scales of wa / wb (FP4: [rows][K/32]; FP8: [rows/128][K/128])
-  const float* sb;
+  bool skip;                   // another rank's expert: nothing to load or compute (uniform over the block)
+  bool shared;                 // the shared expert's tile
+  bool fp4;                    // FP4 (per-32 scales) or FP8 (128x128 scales)
+  int n;                       // tokens (assignments) in the tile, 1..FMOE_TOKENS
+  int start;                   // first plan row (routed) or first token (shared)
+  int row0;                    // first weight row of the block (up: first j)
+  const unsigned char* maps;   // the expert's FMOE_MAPS_PER_EXPERT tensor maps
+  const float* sa;             // FP8 block scales ([rows/128][K/128]) of up: W1, down: W2
+  const float* sb;             // up: W3, down: W2
 };
 
 // The kernels' common arguments.
@@ -84,11 +92,11 @@ struct FmoeArgs {
   const int* tiles;
   int nrt;  // routed tiles (*ntiles)
   int e_begin, e_end;
-  const unsigned long long *wa, *wb, *sa, *sb;
+  const unsigned char* maps;  // [e_end - e_begin + 1][FMOE_MAPS_PER_EXPERT] tensor maps, the shared expert last
+  const unsigned long long *sa, *sb;  // FP8 scale addresses of the local experts
   int fmt;
-  const void *shared_wa, *shared_wb;
+  int shared_fmt;  // 0: no shared expert
   const float *shared_sa, *shared_sb;
-  int shared_fmt;
 };
 
 DSV4_INLINE int fmoe_rblocks(bool up, int N) { return up ? N / FMOE_UP_J : (N + FMOE_DOWN_ROWS - 1) / FMOE_DOWN_ROWS; }
@@ -100,6 +108,8 @@ DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
   FmoeItem it;
   it.skip = false;
   it.row0 = rb * (UP ? FMOE_UP_J : FMOE_DOWN_ROWS);
+  it.sa = it.sb = nullptr;
+  const int nloc = a.e_end - a.e_begin;
   if (tile < a.nrt) {
     const int e = a.tiles[3 * tile];
     it.skip = e < a.e_begin || e >= a.e_end;
@@ -107,19 +117,19 @@ DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
     it.n = a.tiles[3 * tile + 2];
     it.shared = false;
     it.fp4 = a.fmt == WFMT_FP4;
-    // The address tables hold the local experts only (possibly none): read them for those.
-    const int le = e - a.e_begin;
-    it.wa = it.skip ? nullptr : reinterpret_cast<const unsigned char*>(a.wa[le]);
-    it.wb = it.skip ? nullptr : reinterpret_cast<const unsigned char*>(a.wb[le]);
-    it.sa = it.skip ? nullptr : reinterpret_cast<const float*>(a.sa[le]);
-    it.sb = it.skip ? nullptr : reinterpret_cast<const float*>(a.sb[le]);
+    // The tables hold the local experts only (possibly none): read them for those.
+    const int le = it.skip ? 0 : e - a.e_begin;
+    it.maps = a.maps + (long long)le * (FMOE_MAPS_PER_EXPERT * FMOE_MAP_BYTES);
+    if (!it.skip && !it.fp4) {
+      it.sa = reinterpret_cast<const float*>(a.sa[le]);
+      it.sb = reinterpret_cast<const float*>(a.sb[le]);
+    }
   } else {
     it.start = (tile - a.nrt) * FMOE_TOKENS;
     it.n = min(FMOE_TOKENS, a.T - it.start);
     it.shared = true;
     it.fp4 = a.shared_fmt == WFMT_FP4;
-    it.wa = reinterpret_cast<const unsigned char*>(a.shared_wa);
-    it.wb = reinterpret_cast<const unsigned char*>(a.shared_wb);
+    it.maps = a.maps + (long long)nloc * (FMOE_MAPS_PER_EXPERT * FMOE_MAP_BYTES);
     it.sa = a.shared_sa;
     it.sb = a.shared_sb;
   }
@@ -147,104 +157,71 @@ DSV4_INLINE int fmoe_stages(bool fp4, int K) { return fp4 ? (K + 255) / 256 : K 
 // 128-blocks of K in stage kb.
 DSV4_INLINE int fmoe_stage_blocks(bool fp4, int K, int kb) { return fp4 ? min(2, K / 128 - 2 * kb) : 1; }
 
-// What one thread loads for every stage of an item, set up once per item (stage kb adds kb's offsets).
-// Thread tid copies:
-// - weights: 16-byte chunk p = tid % 8 of stage rows r = tid / 8 + 64 i (i = 0..3); rows 0..127 come from
-//   matrix A (up: W1 j = row0 + r; down: W2 row row0 + r), rows 128..255 from matrix B (up: W3 j = row0 +
-//   r - 128; down: W2 row row0 + r, skipped past N);
-// - FP4 scales: 16 bytes (4 per-32 scales) half tid % 2 of row tid / 2's 8; FP8 (threads 288, 289): the
-//   128x128 block scale of rows 0..127 / 128..255;
-// - tokens (tid < 256): k16 chunk tid / 16 of token column tid % 16; their scales (256 <= tid < 288):
-//   block (tid - 256) / 16 of token column tid % 16.
-struct FmoeLoad {
-  const unsigned char* wa;  // row tid / 8 of matrix A's part, + 16 · (tid % 8)
-  const unsigned char* wb;  // the same row of matrix B's part
-  long long step64;         // 64 rows, in bytes
-  const float* s;           // FP4: this thread's scale chunk at k 0; FP8: its block scale row (or NULL)
-  const unsigned char* act; // token row + chunk offset at k 0
-  const float* as;          // token scale row + block offset
-  int nks;                  // stages of the item
-  bool fp4, skip, b_valid;  // b_valid: rows 128..255 exist (down: row0 + 128 < N)
-};
+// The ring's barriers: full[s] then empty[s], 8 bytes each, after the slots and the epilogue buffers.
+DSV4_INLINE unsigned fmoe_full(unsigned smem, int s) { return smem + FMOE_BARS + 8 * s; }
+DSV4_INLINE unsigned fmoe_empty(unsigned smem, int s) { return smem + FMOE_BARS + 8 * (FMOE_STAGES + s); }
 
+// The producer warp: fills the ring with every stage of the block's items, in the order the consumers
+// read them. Per stage, lane 0 announces the TMA bytes and issues the weight (and FP4 scale) boxes: rows
+// 0..127 of the stage from matrix A (up: W1 j = row0 ..; down: W2 rows row0 ..), rows 128..255 from matrix
+// B (up: W3 j = row0 ..; down: W2 rows row0 + 128 .., zeros past N as TMA fills out-of-range rows, as it
+// fills the k past K of a half FP4 stage). Every lane gathers tokens by cp.async: lane L copies the k16
+// chunks L / 16, L / 16 + 2, ... of token column L % 16, and its scale of block L / 16; lanes 0 and 1 copy
+// FP8's two block scales. The slot's full barrier expects lane 0's arrival with the TMA bytes and one
+// cp.async arrival per lane.
 template <bool UP>
-DSV4_INLINE FmoeLoad fmoe_load_setup(const FmoeArgs& a, const FmoeItem& it) {
-  const int tid = threadIdx.x, K = a.K;
-  FmoeLoad l;
-  l.fp4 = it.fp4;
-  l.skip = it.skip;
-  l.nks = fmoe_stages(it.fp4, K);
-  l.b_valid = UP || it.row0 + 128 < a.N;
-  l.s = nullptr;
-  l.act = nullptr;
-  l.as = nullptr;
-  if (it.skip) {  // nothing is loaded (fmoe_load)
-    l.wa = l.wb = nullptr;
-    l.step64 = 0;
-    return l;
-  }
-  const long long rb = it.fp4 ? K / 2 : K;  // bytes of a stored row
-  l.step64 = 64 * rb;
-  const int r = tid >> 3, p = tid & 7;
-  const int rowa = it.row0 + r, rowb = UP ? it.row0 + r : it.row0 + 128 + r;
-  l.wa = it.wa + rowa * rb + 16 * p;
-  l.wb = (UP ? it.wb : it.wa) + (long long)(l.b_valid ? rowb : rowa) * rb + 16 * p;
-  if (it.fp4) {
-    const int sr = tid >> 1;  // stage row of the scale chunk
-    const float* base = (UP && sr >= 128) ? it.sb : it.sa;
-    const int grow = UP ? it.row0 + (sr & 127) : it.row0 + sr;
-    l.s = base + (long long)min(grow, a.N - 1) * (K / 32) + 4 * (tid & 1);
-  } else if (tid == 288 || tid == 289) {
-    const bool second = tid == 289;
-    const float* base = (UP && second) ? it.sb : it.sa;
-    const int grow = UP ? it.row0 : min(it.row0 + (second ? 128 : 0), a.N - 1);
-    l.s = base + (long long)(grow / 128) * (K / 128);
-  }
-  if (tid < 288) {
-    const long long row = fmoe_act_row<UP>(a, it, tid & (FMOE_TOKENS - 1));
-    if (tid < 256)
-      l.act = a.act + row * K + 16 * (tid >> 4);
-    else
-      l.as = a.act_s + row * (K / 128) + ((tid - 256) >> 4);
-  }
-  return l;
-}
-
-// Issues the cp.async loads of stage kb of the item `l` describes into the slot at shared-space address
-// `st`.
-DSV4_INLINE void fmoe_load(unsigned st, const FmoeLoad& l, int K, int kb) {
-  if (l.skip) return;
-  const int tid = threadIdx.x;
-  const int blocks = fmoe_stage_blocks(l.fp4, K, kb);
-  const unsigned ws = l.fp4 ? FMOE_WS_FP4 : FMOE_WS_FP8;
-  const unsigned r = tid >> 3, p = tid & 7;
-  // A half stage (FP4, K % 256 == 128) holds the first 64 bytes of each row.
-  if (blocks == 2 || !l.fp4 || p < 4) {
-    const long long off = (long long)kb * FMOE_RB;
-    const unsigned dst = st + r * ws + 16 * p;
-    cp_async_16(dst, l.wa + off);
-    cp_async_16(dst + 64 * ws, l.wa + l.step64 + off);
-    if (l.b_valid) {
-      cp_async_16(dst + 128 * ws, l.wb + off);
-      cp_async_16(dst + 192 * ws, l.wb + l.step64 + off);
+DSV4_INLINE void fmoe_produce(const FmoeArgs& a, unsigned smem, int my_items) {
+  const int lane = threadIdx.x & 31, col = lane & 15, half = lane >> 4;
+  const int K = a.K;
+  int slot = 0;
+  unsigned phase = 0;
+  for (int n = 0; n < my_items; ++n) {
+    const FmoeItem it = fmoe_item<UP>(a, blockIdx.x + n * gridDim.x);
+    if (it.skip) continue;
+    const int nks = fmoe_stages(it.fp4, K);
+    const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
+    const long long arow = fmoe_act_row<UP>(a, it, col);
+    const unsigned char* act = a.act + arow * K;
+    const float* as = a.act_s + arow * (K / 128) + half;
+    const unsigned char* map_a = it.maps + (UP ? FMOE_MAP_W1 : FMOE_MAP_W2) * FMOE_MAP_BYTES;
+    const unsigned char* map_b = it.maps + (UP ? FMOE_MAP_W3 : FMOE_MAP_W2) * FMOE_MAP_BYTES;
+    const unsigned char* smap_a = it.maps + (UP ? FMOE_MAP_S1 : FMOE_MAP_S2) * FMOE_MAP_BYTES;
+    const unsigned char* smap_b = it.maps + (UP ? FMOE_MAP_S3 : FMOE_MAP_S2) * FMOE_MAP_BYTES;
+    const int row_b = UP ? it.row0 : it.row0 + FMOE_BOX_ROWS;
+    // FP8 block scale of lane 0 (rows 0..127) or lane 1 (rows 128..255) at k 0.
+    const float* fs = nullptr;
+    if (!it.fp4 && lane < 2) {
+      const int grow = (lane == 0 || UP) ? it.row0 : min(row_b, a.N - 1);
+      fs = (lane == 0 ? it.sa : it.sb) + (long long)(grow / 128) * (K / 128);
+    }
+    const unsigned tx = FMOE_SLOT_W + (it.fp4 ? FMOE_SLOT_S : 0);
+    for (int kb = 0; kb < nks; ++kb) {
+      mbar_wait(fmoe_empty(smem, slot), phase ^ 1);
+      const unsigned st = smem + slot * FMOE_SLOT, full = fmoe_full(smem, slot);
+      const int blocks = fmoe_stage_blocks(it.fp4, K, kb);
+      if (lane == 0) {
+        mbar_arrive_expect_tx(full, tx);
+        tma_load_2d(st, map_a, kb * FMOE_RB, it.row0, full);
+        tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full);
+        if (it.fp4) {
+          tma_load_2d(st + FMOE_SLOT_W, smap_a, kb * 8, it.row0, full);
+          tma_load_2d(st + FMOE_SLOT_W + FMOE_BOX_ROWS * 32, smap_b, kb * 8, row_b, full);
+        }
+      }
+      if (fs != nullptr) cp_async_4(st + FMOE_SLOT_W + 4 * lane, fs + kb);
+      const unsigned adst = st + FMOE_SLOT_W + FMOE_SLOT_S;
+      const unsigned char* asrc = act + (long long)kb * kbytes;
+      for (int ch = half; ch < 8 * blocks; ch += 2)
+        cp_async_16(adst + ch * (FMOE_TOKENS * 16) + col * 16, asrc + 16 * ch);
+      if (half < blocks) cp_async_4(adst + FMOE_SLOT_A + lane * 4, as + kb * (kbytes / 128));
+      cp_async_mbar_arrive(full);
+      if (++slot == FMOE_STAGES) {
+        slot = 0;
+        phase ^= 1;
+      }
     }
   }
-  const unsigned sdst = st + FMOE_SLOT_W;
-  if (l.fp4) {
-    if ((tid & 1) < blocks && (l.b_valid || tid < 256)) cp_async_16(sdst + tid * 16, l.s + kb * 8);
-  } else if (l.s != nullptr) {
-    cp_async_4(sdst + (tid - 288) * 4, l.s + kb);
-  }
-  const int kbytes = l.fp4 ? 256 : 128;  // k of a full stage
-  if (tid < 256) {
-    if ((tid >> 4) < 8 * blocks)
-      cp_async_16(st + FMOE_SLOT_W + FMOE_SLOT_S + (tid >> 4) * (FMOE_TOKENS * 16) + (tid & 15) * 16,
-                  l.act + (long long)kb * kbytes);
-  } else if (tid < 288) {
-    const int b = (tid - 256) >> 4;
-    if (b < blocks)
-      cp_async_4(st + FMOE_SLOT_W + FMOE_SLOT_S + FMOE_SLOT_A + (tid - 256) * 4, l.as + kb * (kbytes / 128));
-  }
+  cp_async_wait_all();  // the copies land before the warp exits
 }
 
 // One m64nNk32 step: d = A · B (from zero), A = the thread's e4m3 fragment registers, B = 8·NT8 tokens at
@@ -279,18 +256,19 @@ DSV4_INLINE void fmoe_promote(float (&blk)[8], const float (&d)[8], float s0, fl
   }
 }
 
-// The thread's A fragment of k32 step q of its warp's 16 rows (stage rows `r16` ..), e4m3 codes in the
-// order fmoe's activations use. FP4: `frag` holds the ldmatrix words of steps q & ~1 and q | 1.
+// The thread's A fragment of k32 step q of its warp's 16 rows, e4m3 codes in the order fmoe's activations
+// use. FP4: `frag` holds the ldmatrix words of steps q & ~1 and q | 1. FP8: `la` is the thread's address in
+// row g at k32 step 0 (fmoe_compute_stage); row g + 8 is 8 rows (1024 bytes) on, and step q's 32 bytes are
+// chunks 2q, 2q + 1 of the row: the swizzle XORs the chunk index, so step q XORs the address by q << 5.
 template <bool FP4>
-DSV4_INLINE void fmoe_a_frag(const unsigned char* wrows, const unsigned (&frag)[4], int q, unsigned (&a)[4]) {
+DSV4_INLINE void fmoe_a_frag(unsigned la, const unsigned (&frag)[4], int q, unsigned (&a)[4]) {
   if (FP4) {
     const int h = (q & 1) * 2;
     e2m1x8_to_e4m3_eo(frag[h], a[0], a[2]);      // row g: k 4t.. (even elements), 16 + 4t.. (odd)
     e2m1x8_to_e4m3_eo(frag[h + 1], a[1], a[3]);  // row g + 8
   } else {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const uint2 u0 = lds_u64(wrows + g * FMOE_WS_FP8 + 32 * q + 8 * t);
-    const uint2 u8 = lds_u64(wrows + (g + 8) * FMOE_WS_FP8 + 32 * q + 8 * t);
+    const uint2 u0 = lds_u64(la ^ (unsigned)(q << 5));
+    const uint2 u8 = lds_u64((la + 8 * FMOE_RB) ^ (unsigned)(q << 5));
     a[0] = __byte_perm(u0.x, u0.y, 0x6420);
     a[2] = __byte_perm(u0.x, u0.y, 0x7531);
     a[1] = __byte_perm(u8.x, u8.y, 0x6420);
@@ -298,13 +276,13 @@ DSV4_INLINE void fmoe_a_frag(const unsigned char* wrows, const unsigned (&frag)[
   }
 }
 
-// acc += one 128-block of the stage (see the file comment). The thread is (warpgroup w, warp q of it,
-// g, t); d[4j + c]: row 16q + g + 8·(c >> 1) of the warpgroup's tile, token 8j + 2t + (c & 1). `wrows`:
-// the warp's 16 rows at the block's first byte; `lm`: this lane's ldmatrix address there (FP4);
+// acc += 128-block b of the stage (see the file comment). The thread is (warpgroup w, warp q of it, g, t);
+// d[4j + c]: row 16q + g + 8·(c >> 1) of the warpgroup's tile, token 8j + 2t + (c & 1). `la`: this lane's
+// address (FP4: its ldmatrix row, chunk bits for k32 step 0 of block 0; FP8: see fmoe_a_frag);
 // `s0`/`s8`: the per-32 multipliers of rows g, g + 8; `act`/`as`: the block's tokens and their scales.
 template <bool FP4, int NT8>
-DSV4_INLINE void fmoe_block(const unsigned char* wrows, unsigned lm, const float (&s0)[4], const float (&s8)[4],
-                            const unsigned char* act, const float* as, float (&acc)[8]) {
+DSV4_INLINE void fmoe_block(unsigned la, int b, const float (&s0)[4], const float (&s8)[4], const unsigned char* act,
+                            const float* as, float (&acc)[8]) {
   const int t = threadIdx.x & 3;
   // The descriptor's address field counts 16-byte units: the steps add constant offsets.
   const unsigned long long desc0 = wgmma_desc_noswizzle(act, FMOE_TOKENS * 16, 128);
@@ -319,9 +297,11 @@ DSV4_INLINE void fmoe_block(const unsigned char* wrows, unsigned lm, const float
   for (int v = 0; v < 8; ++v) blk[v] = 0.0f;
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    if (FP4 && (q & 1) == 0) ldmatrix_x4(lm + 16 * q, frag);
+    // FP4 steps q, q + 1 of block b are chunks (4b + q) and (4b + q + 1) of the rows (an x4 load covers
+    // both); the swizzle XORs the chunk index.
+    if (FP4 && (q & 1) == 0) ldmatrix_x4(la ^ (unsigned)((4 * b + q) << 4), frag);
     unsigned af[4];
-    fmoe_a_frag<FP4>(wrows, frag, q, af);
+    fmoe_a_frag<FP4>(la, frag, q, af);
     // Only the low word changes: its address field (bits 0-13) cannot carry into the LBO field, as shared
     // addresses stay below 256 KiB.
     const unsigned long long desc = ((unsigned long long)(unsigned)(desc0 >> 32) << 32) |
@@ -350,19 +330,21 @@ DSV4_INLINE void fmoe_block(const unsigned char* wrows, unsigned lm, const float
   }
 }
 
-// acc += stage kb of item `it` in slot `st` (its one or two 128-blocks).
+// acc += stage kb of an item in the slot at `st` (its one or two 128-blocks).
 template <bool FP4, int NT8>
 DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, int K, int kb, float (&acc)[8]) {
-  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2;
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int r16 = (tid >> 5) * 16;  // the warp's first stage row
-  constexpr int WS = FP4 ? FMOE_WS_FP4 : FMOE_WS_FP8;
-  const unsigned char* wrows = st + r16 * WS;
   const unsigned char* act = st + FMOE_SLOT_W + FMOE_SLOT_S;
   const float* as = reinterpret_cast<const float*>(act + FMOE_SLOT_A);
   const float* sc = reinterpret_cast<const float*>(st + FMOE_SLOT_W);
+  // A row's 16-byte chunk c sits at chunk c ^ (row % 8) (the TMA's 128-byte swizzle; slots are
+  // 1024-byte aligned, so row % 8 is the address's bits 7-9).
   if (FP4) {
-    // ldmatrix x4 of two k32 steps: lane L addresses row (L & 7) + 8·((L >> 3) & 1), 16-byte block L >> 4.
-    const unsigned lm = smem_addr(wrows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * FMOE_WS_FP4 + 16 * (lane >> 4));
+    // ldmatrix x4 of two k32 steps: lane L addresses row (L & 7) + 8·((L >> 3) & 1), chunk L >> 4 (+ the
+    // step's chunks, fmoe_block).
+    const unsigned row = smem_addr(st) + (r16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * FMOE_RB;
+    const unsigned la = row | ((unsigned)((lane >> 4) ^ (lane & 7)) << 4);
     const int blocks = fmoe_stage_blocks(true, K, kb);
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
@@ -372,19 +354,20 @@ DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, int K, int kb, floa
         const float4 v8 = *reinterpret_cast<const float4*>(sc + (r16 + g + 8) * 8 + 4 * b);
         s0[0] = v0.x, s0[1] = v0.y, s0[2] = v0.z, s0[3] = v0.w;
         s8[0] = v8.x, s8[1] = v8.y, s8[2] = v8.z, s8[3] = v8.w;
-        fmoe_block<true, NT8>(wrows + 64 * b, lm + 64 * b, s0, s8, act + b * (8 * FMOE_TOKENS * 16),
-                              as + b * FMOE_TOKENS, acc);
+        fmoe_block<true, NT8>(la, b, s0, s8, act + b * (8 * FMOE_TOKENS * 16), as + b * FMOE_TOKENS, acc);
       }
     }
   } else {
+    // Thread (g, t) reads bytes 8t .. 8t + 7 of step 0: chunk t >> 1 of row g, half t & 1.
+    const unsigned row = smem_addr(st) + (r16 + g) * FMOE_RB;
+    const unsigned la = row | ((unsigned)((t >> 1) ^ g) << 4) | (8u * (t & 1));
     const float sw = sc[r16 >= 128 ? 1 : 0];  // the 128x128 block scale of the warp's rows
     const float s0[4] = {sw, sw, sw, sw};
-    fmoe_block<false, NT8>(wrows, 0u, s0, s0, act, as, acc);
+    fmoe_block<false, NT8>(la, 0, s0, s0, act, as, acc);
   }
 }
 
 DSV4_INLINE void fmoe_compute(const unsigned char* st, const FmoeItem& it, int K, int kb, float (&acc)[8]) {
-  if (it.skip) return;
   const bool two = it.n > 8;  // uniform over the block
   if (it.fp4) {
     if (two)
@@ -466,76 +449,76 @@ DSV4_INLINE void fmoe_down_store(const FmoeArgs& a, const FmoeItem& it, const fl
 template <bool UP>
 DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit, unsigned char* out_q, float* out_s,
                            bf16_t* out_y) {
-  extern __shared__ __align__(128) unsigned char fmoe_smem[];
-  float* gv = reinterpret_cast<float*>(fmoe_smem + FMOE_STAGES * FMOE_SLOT);
-  float* uv = gv + FMOE_UP_J * FMOE_TOKENS;
-  const int nsh = a.shared_wa != nullptr ? (a.T + FMOE_TOKENS - 1) / FMOE_TOKENS : 0;
+  extern __shared__ __align__(1024) unsigned char fmoe_smem[];
+  const unsigned smem = smem_addr(fmoe_smem);
+  // The swizzle addressing (fmoe_compute_stage) needs 1024-byte aligned slots.
+  if ((smem & 1023u) != 0) __trap();
+  const int nsh = a.shared_fmt != 0 ? (a.T + FMOE_TOKENS - 1) / FMOE_TOKENS : 0;
   const int total = (a.nrt + nsh) * fmoe_rblocks(UP, a.N);
   const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  // Two cursors walk this block's (item, stage) sequence: item blockIdx.x + n · gridDim.x, stage kb. The
-  // load cursor runs FMOE_STAGES - 1 stages ahead of the compute cursor; both advance by increments and
-  // set an item up once.
-  int ln = 0, lkb = 0;
-  FmoeLoad ld;
-  if (my_items > 0) ld = fmoe_load_setup<UP>(a, fmoe_item<UP>(a, blockIdx.x));
-  const unsigned ring = smem_addr(fmoe_smem);
-  auto load_next = [&](unsigned st) {
-    fmoe_load(st, ld, a.K, lkb);
-    if (++lkb == ld.nks) {
-      lkb = 0;
-      if (++ln < my_items) ld = fmoe_load_setup<UP>(a, fmoe_item<UP>(a, blockIdx.x + ln * gridDim.x));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < FMOE_STAGES; ++s) {
+      mbar_init(fmoe_full(smem, s), 1 + 32);            // the producer's TMA arrival + its lanes' cp.async
+      mbar_init(fmoe_empty(smem, s), FMOE_CONSUMERS / 32);  // one arrival per consumer warp
     }
-  };
-#pragma unroll
-  for (int s = 0; s < FMOE_STAGES - 1; ++s) {
-    if (ln < my_items) load_next(ring + s * FMOE_SLOT);
-    cp_async_commit();
+    fence_mbar_init();
   }
-  float acc[8];
+  __syncthreads();
+  if (threadIdx.x >= FMOE_CONSUMERS) {
+    fmoe_produce<UP>(a, smem, my_items);
+    return;
+  }
+  // Consumers: the same (item, stage) sequence as the producer.
+  const int lane = threadIdx.x & 31;
   int slot = 0;
+  unsigned phase = 0;
+  float acc[8];
   for (int n = 0; n < my_items; ++n) {
     const FmoeItem it = fmoe_item<UP>(a, blockIdx.x + n * gridDim.x);
+    if (it.skip) continue;
     const int nks = fmoe_stages(it.fp4, a.K);
 #pragma unroll
     for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
     for (int kb = 0; kb < nks; ++kb) {
-      cp_async_wait<FMOE_STAGES - 2>();
-      // cp.async wrote with the generic proxy; wgmma reads with the async proxy.
+      mbar_wait(fmoe_full(smem, slot), phase);
+      // The tokens arrived by cp.async (generic proxy); wgmma reads them through the async proxy.
       fence_proxy_async_shared();
-      __syncthreads();  // this stage landed for every thread; the previous stage's slot is no longer read
-      if (ln < my_items) load_next(ring + (slot == 0 ? FMOE_STAGES - 1 : slot - 1) * FMOE_SLOT);
-      cp_async_commit();
       fmoe_compute(fmoe_smem + slot * FMOE_SLOT, it, a.K, kb, acc);
-      slot = slot == FMOE_STAGES - 1 ? 0 : slot + 1;
-    }
-    if (!it.skip) {
-      if (UP) {
-        fmoe_up_stash(it, acc, gv, uv);
-        __syncthreads();
-        fmoe_up_quant(a, it, gv, uv, route_w, limit, out_q, out_s);
-        // gv / uv are next written after at least one more stage barrier.
-      } else {
-        fmoe_down_store(a, it, acc, out_y);
+      // The warp's wgmmas and loads of the slot are done (fmoe_block waits for them): release it.
+      __syncwarp();
+      if (lane == 0) mbar_arrive(fmoe_empty(smem, slot));
+      if (++slot == FMOE_STAGES) {
+        slot = 0;
+        phase ^= 1;
       }
     }
+    if (UP) {
+      // gv / uv alternate by item: a thread writes item n + 2's values only after the barrier of item
+      // n + 1, which every thread reaches after its part of item n's quantisation.
+      float* gv = reinterpret_cast<float*>(fmoe_smem + FMOE_STAGES * FMOE_SLOT) + (n & 1) * FMOE_GU_FLOATS;
+      float* uv = gv + FMOE_UP_J * FMOE_TOKENS;
+      fmoe_up_stash(it, acc, gv, uv);
+      named_barrier(1, FMOE_CONSUMERS);
+      fmoe_up_quant(a, it, gv, uv, route_w, limit, out_q, out_s);
+    } else {
+      fmoe_down_store(a, it, acc, out_y);
+    }
   }
-  cp_async_wait<0>();
 }
 
 // GEMM1 of every routed tile and of the shared expert (see fmoe_gemm). xq [T][D] e4m3 codes in fragment
-// order (fp8_mma.cuh) with their scales xs [T][D/128]; w1/w3/s1/s3: device arrays of the local experts'
-// addresses ([e_end - e_begin]); shared_* NULL when the layer has no shared expert. Requires D % 128 == 0,
-// I % 128 == 0.
+// order (fp8_mma.cuh) with their scales xs [T][D/128]; maps: the layer's tensor map table ([e_end -
+// e_begin + 1][FMOE_MAPS_PER_EXPERT], the shared expert last); s1/s3: device arrays of the local experts'
+// scale addresses ([e_end - e_begin]; FP8 experts read their block scales through them); shared_fmt 0
+// when the layer has no shared expert. Requires D % 128 == 0, I % 128 == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
     fmoe_up_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
-                   const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned long long* w1,
-                   const unsigned long long* w3, const unsigned long long* s1, const unsigned long long* s3,
-                   int fmt, const void* shared_w1, const void* shared_w3, const float* shared_s1,
-                   const float* shared_s3, int shared_fmt, const float* route_w, float limit, unsigned char* hq,
-                   float* hs) {
-  const FmoeArgs a = {xq,  xs,        T,         D,         I,         k,         rows,       tiles, *ntiles,
-                      e_begin, e_end, w1,        w3,        s1,        s3,        fmt,        shared_w1,
-                      shared_w3, shared_s1, shared_s3, shared_fmt};
+                   const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
+                   const unsigned long long* s1, const unsigned long long* s3, int fmt, int shared_fmt,
+                   const float* shared_s1, const float* shared_s3, const float* route_w, float limit,
+                   unsigned char* hq, float* hs) {
+  const FmoeArgs a = {xq,   xs, T,   D,          I,         k,        rows, tiles, *ntiles,
+                      e_begin, e_end, maps, s1, s3, fmt, shared_fmt, shared_s1, shared_s3};
   fmoe_gemm<true>(a, route_w, limit, hq, hs, nullptr);
 }
 
@@ -543,10 +526,10 @@ extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
 // I % 128 == 0, D % 128 == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
     fmoe_down_kernel(const unsigned char* hq, const float* hs, int T, int I, int D, int k, const int* rows,
-                     const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned long long* w2,
-                     const unsigned long long* s2, int fmt, const void* shared_w2, const float* shared_s2,
-                     int shared_fmt, unsigned short* y) {
-  const FmoeArgs a = {hq,      hs,    T,  I,  D,  k,   rows,      tiles,     *ntiles,   e_begin, e_end,
-                      w2,      w2,    s2, s2, fmt, shared_w2, shared_w2, shared_s2, shared_s2, shared_fmt};
+                     const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
+                     const unsigned long long* s2, int fmt, int shared_fmt, const float* shared_s2,
+                     unsigned short* y) {
+  const FmoeArgs a = {hq,   hs, T,   I,          D,         k,        rows, tiles, *ntiles,
+                      e_begin, e_end, maps, s2, s2, fmt, shared_fmt, shared_s2, shared_s2};
   fmoe_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y);
 }

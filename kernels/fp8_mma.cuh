@@ -65,7 +65,12 @@ DSV4_INLINE unsigned smem_addr(const void* p) {
   return a;
 }
 
-DSV4_INLINE uint2 lds_u64(const unsigned char* p) { return *reinterpret_cast<const uint2*>(p); }
+// 8 bytes at shared-space address `addr` (smem_addr).
+DSV4_INLINE uint2 lds_u64(unsigned addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
 
 // Four 8x8 b16 matrices (8 rows of 16 bytes each); lane L gives the address of row L % 8 of matrix L / 8
 // and receives word m = bytes 4·(lane % 4) .. + 3 of row lane / 4 of matrix m.
@@ -98,6 +103,63 @@ DSV4_INLINE void cp_async_wait() {
 // Makes this thread's generic-proxy shared-memory writes (stores, cp.async) visible to the async proxy
 // (wgmma operand reads); a barrier then publishes them to the other threads.
 DSV4_INLINE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// ---------------------------------------------------------------------------------------------------------
+// mbarriers and TMA (a producer warp fills a ring of shared-memory slots that consumer warpgroups read).
+
+// mbarrier at shared-space address `bar` expecting `count` arrivals per phase.
+DSV4_INLINE void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Makes the mbarrier initialisations visible to the async proxy (TMA completes transactions on them).
+DSV4_INLINE void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+
+// One arrival.
+DSV4_INLINE void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// One arrival that also announces `bytes` more bytes of asynchronous transactions (TMA) this phase.
+DSV4_INLINE void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// One arrival, made when this thread's earlier cp.async copies have landed (.noinc: the barrier's
+// expected count already includes it).
+DSV4_INLINE void cp_async_mbar_arrive(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Waits until the phase of parity `parity` has completed (a fresh barrier counts parity 1 as complete).
+DSV4_INLINE void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{ .reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// Waits for all of this thread's cp.async copies.
+DSV4_INLINE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// TMA: the box at element coordinates (x, y) of the 2-D tensor map at generic address `map` (global
+// memory, 64-byte aligned) into shared-space address `dst`; completes its bytes on mbarrier `bar`.
+DSV4_INLINE void tma_load_2d(unsigned dst, const void* map, int x, int y, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+      "[%4];\n" ::"r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32).
+DSV4_INLINE void named_barrier(unsigned id, unsigned threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // wgmma.

@@ -131,6 +131,13 @@ fn fast_kernels_keep_wgmma_asynchronous() {
         let (_, log) = fam
             .compile_with_log(ARCH, &["--ptxas-options=-v"])
             .unwrap_or_else(|e| panic!("{}: {e}", fam.family));
+        // Registers and spills, for whoever tunes these kernels.
+        for l in log
+            .lines()
+            .filter(|l| l.contains("registers") || l.contains("spill"))
+        {
+            println!("{}: {}", fam.family, l.trim());
+        }
         let serialized: Vec<&str> = log.lines().filter(|l| l.contains("C7511")).collect();
         println!(
             "{}: {} wgmma serialisation notes",

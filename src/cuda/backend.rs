@@ -12,6 +12,7 @@ use crate::cuda::arena::{Arena, DevicePtr, copy_to_device_sync, memset_async};
 use crate::cuda::context::Context;
 use crate::cuda::kernel_sets::{self, KernelSet, SetWorkspace};
 use crate::cuda::kernels::batch::{BatchKernels, CheckedBatch};
+use crate::cuda::kernels::fast_moe_gemm::{self, ExpertMatrices};
 use crate::cuda::memory_plan::{BufferKind, Buffers, MemoryPlan};
 use crate::cuda::registry::{KernelCache, Registry};
 use crate::cuda::stream::BorrowedStream;
@@ -222,6 +223,27 @@ impl CudaBackend {
             copy_to_device_sync(t.s1, &addr(&|e| e.w1, true), stream)?;
             copy_to_device_sync(t.s2, &addr(&|e| e.w2, true), stream)?;
             copy_to_device_sync(t.s3, &addr(&|e| e.w3, true), stream)?;
+            if let Some(maps) = t.maps {
+                let matrices = |ew: &crate::model::ExpertWeights| {
+                    let [w1, w3, w2] = [ew.w1, ew.w3, ew.w2].map(|w| m.weights[w]);
+                    let scale = |w: WeightDev| w.scales.map_or(0, |p| p.addr());
+                    ExpertMatrices {
+                        format: w1.format,
+                        w1: w1.data.addr(),
+                        w3: w3.data.addr(),
+                        w2: w2.data.addr(),
+                        s1: scale(w1),
+                        s3: scale(w3),
+                        s2: scale(w2),
+                    }
+                };
+                // The table's shared entry stays zeros without a shared expert (never read).
+                let mut all: Vec<ExpertMatrices> = lw.experts.iter().map(matrices).collect();
+                all.push(lw.shared.as_ref().map_or(ExpertMatrices::NONE, matrices));
+                let table =
+                    fast_moe_gemm::tensor_maps(self.cfg.hidden_size, self.cfg.moe_inter, &all)?;
+                copy_to_device_sync(maps, &table, stream)?;
+            }
             let freqs = rope::inv_freq(&self.cfg, self.cfg.layers[l].attn);
             copy_to_device_sync(m.layers[l].inv_freq, &freqs, stream)?;
         }

@@ -84,6 +84,15 @@ pub const SHARED: &[Shared] = shared! {
     "FMOE_SMEM_BYTES" = Int(fast_moe_gemm::SMEM_BYTES as i64) from "fast_moe_gemm::SMEM_BYTES";
     "FMOE_UP_J" = Int(fast_moe_gemm::UP_J as i64) from "fast_moe_gemm::UP_J";
     "FMOE_DOWN_ROWS" = Int(fast_moe_gemm::DOWN_ROWS as i64) from "fast_moe_gemm::DOWN_ROWS";
+    "FMOE_MAP_BYTES" = Int(fast_moe_gemm::MAP_BYTES as i64) from "fast_moe_gemm::MAP_BYTES";
+    "FMOE_MAPS_PER_EXPERT" = Int(fast_moe_gemm::MAPS_PER_EXPERT as i64)
+        from "fast_moe_gemm::MAPS_PER_EXPERT";
+    "FMOE_MAP_W1" = Int(fast_moe_gemm::Map::W1 as i64) from "fast_moe_gemm::Map::W1";
+    "FMOE_MAP_W3" = Int(fast_moe_gemm::Map::W3 as i64) from "fast_moe_gemm::Map::W3";
+    "FMOE_MAP_W2" = Int(fast_moe_gemm::Map::W2 as i64) from "fast_moe_gemm::Map::W2";
+    "FMOE_MAP_S1" = Int(fast_moe_gemm::Map::S1 as i64) from "fast_moe_gemm::Map::S1";
+    "FMOE_MAP_S3" = Int(fast_moe_gemm::Map::S3 as i64) from "fast_moe_gemm::Map::S3";
+    "FMOE_MAP_S2" = Int(fast_moe_gemm::Map::S2 as i64) from "fast_moe_gemm::Map::S2";
     // attention.cu, compressor.cu, indexer.cu, mhc.cu.
     "ATTN_MAX_CPT" = Int(attention::ATTN_MAX_CHANNELS_PER_THREAD as i64)
         from "attention::ATTN_MAX_CHANNELS_PER_THREAD";

@@ -6,12 +6,13 @@ use crate::config::ModelConfig;
 use crate::cuda::arena::{DevicePtr, RegionId};
 use crate::cuda::backend::DEVICE_ERROR_NAME;
 use crate::cuda::kernels::batch::CheckedBatch;
+use crate::cuda::kernels::fast_moe_gemm;
 use crate::cuda::memory_plan::{BufferKind, Buffers, Elem, MemoryPlan};
 use crate::error::Result;
 use crate::model::ModelWeights;
 use crate::model::batch::FAULT_RECORD_INTS;
 use crate::model::hc_fold::HC0_FOLD_NAME;
-use crate::options::EngineOptions;
+use crate::options::{EngineOptions, KernelSetName};
 use crate::state::layout::{CompressorLayout, LayerLayout};
 use crate::weights::format::StorageFormat;
 use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
@@ -46,6 +47,9 @@ pub struct ExpertTables {
     pub s1: DevicePtr,
     pub s2: DevicePtr,
     pub s3: DevicePtr,
+    /// The fast set's tensor maps of the experts and the shared expert
+    /// ([`crate::cuda::kernels::fast_moe_gemm::tensor_maps`]); the reference set has none.
+    pub maps: Option<DevicePtr>,
 }
 
 /// One compressor's per-slot streaming state.
@@ -136,6 +140,8 @@ pub(crate) struct PlannedBuffers {
     weights: Vec<WeightIds>,
     /// Per held layer: w1, w2, w3 code-pointer tables, then s1, s2, s3 scale-pointer tables.
     expert_tables: Vec<[RegionId; 6]>,
+    /// Per held layer, the fast set's tensor map table.
+    tensor_maps: Vec<Option<RegionId>>,
     inv_freq: Vec<RegionId>,
     hc0_fold: RegionId,
     layer_state: Vec<LayerStateIds>,
@@ -246,6 +252,7 @@ pub(crate) fn plan_model(
     let weights = plan_weights(plan, weights)?;
     // Derived tensors (rebuilt by finalize / refit from the weights).
     let mut expert_tables = vec![];
+    let mut tensor_maps = vec![];
     for l in placement.layers.clone() {
         let mut ids = [RegionId(0); 6];
         for (j, nm) in ["w1", "w2", "w3", "s1", "s2", "s3"].iter().enumerate() {
@@ -257,6 +264,18 @@ pub(crate) fn plan_model(
             )?;
         }
         expert_tables.push(ids);
+        let maps = (opts.kernel_set() == KernelSetName::Fast)
+            .then(|| {
+                let (per, bytes) = (fast_moe_gemm::MAPS_PER_EXPERT, fast_moe_gemm::MAP_BYTES);
+                plan.declare(
+                    BufferKind::Derived,
+                    format!("derived:layers.{l}.experts.tensor_maps"),
+                    Elem::U8,
+                    &[(placement.experts.len() + 1) * per * bytes],
+                )
+            })
+            .transpose()?;
+        tensor_maps.push(maps);
     }
     let inv_freq = placement
         .layers
@@ -309,6 +328,7 @@ pub(crate) fn plan_model(
     Ok(PlannedBuffers {
         weights,
         expert_tables,
+        tensor_maps,
         inv_freq,
         hc0_fold,
         layer_state,
@@ -343,7 +363,9 @@ impl PlannedBuffers {
         let experts = self
             .expert_tables
             .iter()
-            .map(|ids| ExpertTables {
+            .zip(&self.tensor_maps)
+            .map(|(ids, maps)| ExpertTables {
+                maps: maps.map(p),
                 w1: p(ids[0]),
                 w2: p(ids[1]),
                 w3: p(ids[2]),

@@ -10,6 +10,7 @@
 use crate::config::ScoringFunc;
 use crate::cuda::arena::{self, Arena, ArenaPlan, DevicePtr};
 use crate::cuda::kernels::fast_moe::{FastExperts, FastMoeLayer, FastShared};
+use crate::cuda::kernels::fast_moe_gemm::{self, ExpertMatrices};
 use crate::cuda::kernels::linear::WeightDev;
 use crate::cuda::kernels::moe::{ExpertsDev, RouterParams, Selection};
 use crate::cuda::{BorrowedStream, Context};
@@ -110,6 +111,8 @@ pub struct SyntheticMoe {
     pub routed: [ExpertsDev; 3],
     /// w1, w2, w3 of the shared expert.
     pub shared: [WeightDev; 3],
+    /// The fast GEMMs' tensor map table (routed experts, then the shared expert).
+    pub maps: DevicePtr,
 }
 
 fn hash_table(rng: &mut Rng, sh: &MoeShape, skewed: bool) -> Vec<i32> {
@@ -150,6 +153,8 @@ impl SyntheticMoe {
         for &(r, c) in &shapes {
             sizes.extend([r * c, r.div_ceil(128) * c.div_ceil(128) * 4]);
         }
+        // The fast GEMMs' tensor map table: the routed experts, then the shared expert.
+        sizes.push((e + 1) * fast_moe_gemm::MAPS_PER_EXPERT * fast_moe_gemm::MAP_BYTES);
         let mut plan = ArenaPlan::new();
         let ids: Vec<_> = sizes
             .iter()
@@ -168,6 +173,8 @@ impl SyntheticMoe {
         arena::copy_to_device_sync(p[2], &tid2eid_host, s)?;
         arena::copy_to_device_sync(p[3], &tid2eid_skewed_host, s)?;
         let mut routed = Vec::new();
+        // Per matrix (w1, w2, w3): each expert's code and scale addresses.
+        let mut addrs: Vec<Vec<(u64, u64)>> = Vec::new();
         for (j, &(r, c)) in shapes.iter().enumerate() {
             let [data, scales, tdata, tscales] = [0, 1, 2, 3].map(|q| p[4 + 4 * j + q]);
             let (nbytes, nscales) = (r * c / 2, r * (c / 32));
@@ -190,6 +197,7 @@ impl SyntheticMoe {
                 .collect();
             arena::copy_to_device_sync(tdata, &ptrs, s)?;
             arena::copy_to_device_sync(tscales, &sptrs, s)?;
+            addrs.push(ptrs.iter().copied().zip(sptrs.iter().copied()).collect());
             routed.push(ExpertsDev {
                 format: StorageFormat::Fp4,
                 ptrs: tdata,
@@ -220,8 +228,29 @@ impl SyntheticMoe {
                 cols: c,
             });
         }
+        let mut matrices: Vec<ExpertMatrices> = (0..e)
+            .map(|x| ExpertMatrices {
+                format: StorageFormat::Fp4,
+                w1: addrs[0][x].0,
+                w2: addrs[1][x].0,
+                w3: addrs[2][x].0,
+                s1: addrs[0][x].1,
+                s2: addrs[1][x].1,
+                s3: addrs[2][x].1,
+            })
+            .collect();
+        matrices.push(ExpertMatrices {
+            format: StorageFormat::Fp8,
+            w1: shared[0].data.addr(),
+            w2: shared[1].data.addr(),
+            w3: shared[2].data.addr(),
+            ..ExpertMatrices::NONE
+        });
+        let maps = p[22];
+        arena::copy_to_device_sync(maps, &fast_moe_gemm::tensor_maps(d, i, &matrices)?, s)?;
         s.synchronize()?;
         Ok(SyntheticMoe {
+            maps,
             shape: sh,
             gate: p[0],
             bias: p[1],
@@ -280,7 +309,6 @@ impl SyntheticMoe {
         let sh = &self.shape;
         let fe = |x: &ExpertsDev| FastExperts {
             format: x.format,
-            ptrs: x.ptrs,
             scales: x.scales.expect("FP4 experts have scales"),
         };
         FastMoeLayer {
@@ -300,6 +328,7 @@ impl SyntheticMoe {
                 w3: self.shared[2],
                 w2: self.shared[1],
             }),
+            maps: self.maps,
             limit: sh.limit,
         }
     }

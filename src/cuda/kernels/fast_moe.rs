@@ -12,8 +12,8 @@
 //!
 //! Six launches, no host sync, nothing allocated: the workspace is sized at create for
 //! `max_num_tokens`. Experts are read in their stored layout (FP4 e2m1 with f32 per-32 scales, or
-//! FP8 e4m3 with f32 128x128 block scales) through the per-layer pointer tables the backend
-//! rebuilds at finalize and refit. A layer the kernels cannot run ([`FastMoeLayer::unsupported`])
+//! FP8 e4m3 with f32 128x128 block scales) through the per-layer tensor maps and scale tables the
+//! backend rebuilds at finalize and refit. A layer the kernels cannot run ([`FastMoeLayer::unsupported`])
 //! runs the reference kernels instead.
 
 use super::fast_moe_gemm::{self, FastMoeGemm};
@@ -69,12 +69,12 @@ crate::launchers! {
     }
 }
 
-/// One projection of the routed experts as the fast kernels read it: `u64` tables of each local
-/// expert's code and scale addresses.
+/// One projection of the routed experts as the fast kernels read it: its format and a `u64` table
+/// of each local expert's scale address (FP8 experts' 128x128 block scales are read through it; the
+/// codes and FP4 scales through the layer's tensor maps).
 #[derive(Clone, Copy, Debug)]
 pub struct FastExperts {
     pub format: StorageFormat,
-    pub ptrs: DevicePtr,
     pub scales: DevicePtr,
 }
 
@@ -105,6 +105,9 @@ pub struct FastMoeLayer {
     pub w3: FastExperts,
     pub w2: FastExperts,
     pub shared: Option<FastShared>,
+    /// The layer's tensor map table ([`fast_moe_gemm::tensor_maps`]): the local experts', then
+    /// the shared expert's.
+    pub maps: DevicePtr,
     /// SwiGLU clamp (0 = none).
     pub limit: f32,
 }

@@ -1,22 +1,25 @@
 //! Rust side of the `fast_moe_gemm` kernel family (kernels/fast_moe_gemm.cu): the fast set's grouped
 //! expert GEMMs on Hopper's FP8 tensor cores: `wgmma` m64nNk32 e4m3 with the weights (FP4 re-encoded
 //! exactly as e4m3 on chip, or FP8) from registers and the tokens from shared memory, f32 promotion every
-//! k32. See kernels/SPEC.md and [`super::fast_moe`], which runs a whole layer with them.
+//! k32. A producer warp streams the weights by TMA through the per-expert tensor maps [`tensor_maps`]
+//! encodes (a derived table, built at finalize). See kernels/SPEC.md and [`super::fast_moe`], which runs
+//! a whole layer with them.
 
 use super::fast_moe::{FastMoeLayer, FastMoeWorkspace};
 use super::{need, to_i32};
 use crate::cuda::Context;
 use crate::cuda::stream::BorrowedStream;
-use crate::error::Result;
+use crate::error::{Error, Result, Status};
+use crate::weights::format::StorageFormat;
 
 /// Tokens (routed assignments) per work item: the plan's `tile_rows` (FMOE_TOKENS); one wgmma's N
 /// (8 when a tile has at most 8).
 pub const TOKENS: usize = 16;
 /// Warpgroups of a GEMM block (FMOE_WARPGROUPS): each owns one m64 tile of the item's rows.
 pub const WARPGROUPS: usize = 4;
-/// Threads of a GEMM block.
-pub const THREADS: usize = WARPGROUPS * 128;
-/// Slots of the cp.async ring (FMOE_STAGES); a stage is 128 bytes of each weight row (FP4: 256 k,
+/// Threads of a GEMM block: the consumer warpgroups and one producer warp.
+pub const THREADS: usize = WARPGROUPS * 128 + 32;
+/// Slots of the shared-memory ring (FMOE_STAGES); a stage is 128 bytes of each weight row (FP4: 256 k,
 /// FP8: 128 k).
 pub const STAGES: usize = 4;
 /// j per up work item (FMOE_UP_J): gate rows j.. and up rows j.., so SwiGLU and the per-128 FP8
@@ -26,14 +29,31 @@ pub const UP_J: usize = WARPGROUPS * 64 / 2;
 pub const DOWN_ROWS: usize = WARPGROUPS * 64;
 
 /// Dynamic shared memory of a GEMM block (FMOE_SMEM_BYTES; kernels/fast_moe_gemm.cu checks its layout
-/// fits, and it must stay within the 227 KiB an sm_90 block may take): the ring of stages (the item's
-/// 256 weight rows at the FP8 row stride, FP4 scales, the tokens' codes and scales) and the up
-/// epilogue's gate and up values.
+/// fits, and it must stay within the 227 KiB an sm_90 block may take): the ring of 1024-byte aligned
+/// slots (the item's 256 weight rows of 128 bytes, FP4 scales, the tokens' codes and scales), the up
+/// epilogue's gate and up values for two items, and the ring's mbarriers.
 pub const SMEM_BYTES: usize = {
     let rows = WARPGROUPS * 64;
-    let slot = rows * 160 + rows * 32 + 16 * TOKENS * 16 + 128;
-    STAGES * slot + 2 * UP_J * TOKENS * 4
+    let slot = (rows * 128 + rows * 32 + 16 * TOKENS * 16 + 128).div_ceil(1024) * 1024;
+    STAGES * slot + 2 * 2 * UP_J * TOKENS * 4 + 2 * STAGES * 8
 };
+
+/// Bytes of one `CUtensorMap`.
+pub const MAP_BYTES: usize = 128;
+/// Tensor maps per expert in a layer's table ([`Map`]).
+pub const MAPS_PER_EXPERT: usize = 6;
+
+/// An expert's tensor maps, in table order: the codes of w1, w3, w2, then their FP4 per-32 scales
+/// (zeros for FP8 experts, whose 128x128 block scales the kernels read directly).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Map {
+    W1 = 0,
+    W3 = 1,
+    W2 = 2,
+    S1 = 3,
+    S3 = 4,
+    S2 = 5,
+}
 
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
@@ -43,23 +63,19 @@ crate::kernel_family! {
     #[smem(SMEM_BYTES as u32)]
     fn fmoe_up_kernel(
         xq: *const u8, xs: *const f32, t: i32, d: i32, i: i32, k: i32, rows: *const i32,
-        tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, w1: *const u64,
-        w3: *const u64, s1: *const u64, s3: *const u64, fmt: i32,
-        shared_w1: Option<*const c_void>, shared_w3: Option<*const c_void>,
-        shared_s1: Option<*const f32>, shared_s3: Option<*const f32>, shared_fmt: i32,
+        tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
+        s1: *const u64, s3: *const u64, fmt: i32, shared_fmt: i32,
+        shared_s1: Option<*const f32>, shared_s3: Option<*const f32>,
         route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32,
     );
     /// GEMM2 into bf16 rows per (token, slot).
     #[smem(SMEM_BYTES as u32)]
     fn fmoe_down_kernel(
         hq: *const u8, hs: *const f32, t: i32, i: i32, d: i32, k: i32, rows: *const i32,
-        tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, w2: *const u64,
-        s2: *const u64, fmt: i32, shared_w2: Option<*const c_void>,
-        shared_s2: Option<*const f32>, shared_fmt: i32, y: *mut u16,
+        tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
+        s2: *const u64, fmt: i32, shared_fmt: i32, shared_s2: Option<*const f32>, y: *mut u16,
     );
 }
-
-use std::ffi::c_void;
 
 crate::launchers! {
     /// The fast_moe_gemm family's entry points, resolved from a loaded registry.
@@ -119,16 +135,13 @@ impl FastMoeGemm {
             ntiles: ws.plan.ntiles,
             e_begin: to_i32(K, "e_begin", layer.local.start)?,
             e_end: to_i32(K, "e_end", layer.local.end)?,
-            w1: layer.w1.ptrs,
-            w3: layer.w3.ptrs,
+            maps: layer.maps,
             s1: layer.w1.scales,
             s3: layer.w3.scales,
             fmt: layer.w1.format.code(),
-            shared_w1: sh.map(|s| s.w1.data),
-            shared_w3: sh.map(|s| s.w3.data),
+            shared_fmt: sh.map_or(0, |s| s.w1.format.code()),
             shared_s1: sh.and_then(|s| s.w1.scales),
             shared_s3: sh.and_then(|s| s.w3.scales),
-            shared_fmt: sh.map_or(0, |s| s.w1.format.code()),
             route_w: ws.weights,
             limit: layer.limit,
             hq: ws.hq,
@@ -173,12 +186,11 @@ impl FastMoeGemm {
             ntiles: ws.plan.ntiles,
             e_begin: to_i32(K, "e_begin", layer.local.start)?,
             e_end: to_i32(K, "e_end", layer.local.end)?,
-            w2: layer.w2.ptrs,
+            maps: layer.maps,
             s2: layer.w2.scales,
             fmt: layer.w2.format.code(),
-            shared_w2: sh.map(|s| s.w2.data),
-            shared_s2: sh.and_then(|s| s.w2.scales),
             shared_fmt: sh.map_or(0, |s| s.w2.format.code()),
+            shared_s2: sh.and_then(|s| s.w2.scales),
             y: ws.y,
         };
         let _g = ctx.enter()?;
@@ -190,4 +202,126 @@ impl FastMoeGemm {
             args,
         )
     }
+}
+
+/// Device addresses of one expert's matrices, as its tensor maps describe them.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertMatrices {
+    pub format: StorageFormat,
+    /// Codes of w1 `[I, D]`, w3 `[I, D]` and w2 `[D, I]`.
+    pub w1: u64,
+    pub w3: u64,
+    pub w2: u64,
+    /// Their f32 per-32 scales (FP4; unused for FP8).
+    pub s1: u64,
+    pub s3: u64,
+    pub s2: u64,
+}
+
+impl ExpertMatrices {
+    /// No expert: its maps stay zeros.
+    pub const NONE: ExpertMatrices = ExpertMatrices {
+        format: StorageFormat::F32,
+        w1: 0,
+        w3: 0,
+        w2: 0,
+        s1: 0,
+        s3: 0,
+        s2: 0,
+    };
+}
+
+/// A layer's tensor map table for the GEMMs' producer warp: [`MAPS_PER_EXPERT`] maps ([`Map`]
+/// order) for each of `experts` (the local experts, then the shared expert), `MAP_BYTES` each. A map
+/// describes a matrix's codes as a 2-D byte tensor (rows x stored row bytes) read in boxes of 128
+/// bytes x 128 rows in the 128-byte swizzle, or its FP4 scales as rows x K/32 f32 in boxes of 8 x 128;
+/// rows and k past the matrix read as zeros. Experts stored in another format get zeros (the fast set
+/// runs the reference kernels for such layers). The maps hold addresses only, so a refit, which writes
+/// the weights in place, leaves them valid; they are rebuilt with the other derived tensors anyway.
+pub fn tensor_maps(d: usize, i: usize, experts: &[ExpertMatrices]) -> Result<Vec<u8>> {
+    let mut table = vec![0u8; experts.len() * MAPS_PER_EXPERT * MAP_BYTES];
+    for (x, e) in experts.iter().enumerate() {
+        let fp4 = match e.format {
+            StorageFormat::Fp4 => true,
+            StorageFormat::Fp8 => false,
+            StorageFormat::F32 | StorageFormat::Bf16 => continue,
+        };
+        // (map, address, rows, cols) of each matrix.
+        let mats = [
+            (Map::W1, e.w1, Map::S1, e.s1, i, d),
+            (Map::W3, e.w3, Map::S3, e.s3, i, d),
+            (Map::W2, e.w2, Map::S2, e.s2, d, i),
+        ];
+        for (m, addr, sm, saddr, rows, cols) in mats {
+            let at = |m: Map| (x * MAPS_PER_EXPERT + m as usize) * MAP_BYTES;
+            let row_bytes = if fp4 { cols / 2 } else { cols };
+            let codes = encode_2d(addr, TensorElem::U8, [row_bytes, rows], [128, 128], true)?;
+            table[at(m)..at(m) + MAP_BYTES].copy_from_slice(&codes);
+            if fp4 {
+                let sc = encode_2d(saddr, TensorElem::F32, [cols / 32, rows], [8, 128], false)?;
+                table[at(sm)..at(sm) + MAP_BYTES].copy_from_slice(&sc);
+            }
+        }
+    }
+    Ok(table)
+}
+
+/// Element types of the tensor maps.
+#[derive(Clone, Copy)]
+enum TensorElem {
+    U8,
+    F32,
+}
+
+/// One 2-D tiled tensor map: `dims` = (elements of a row, rows), rows packed, boxes of `boxd`
+/// elements; out-of-range elements read as zeros.
+fn encode_2d(
+    addr: u64,
+    elem: TensorElem,
+    dims: [usize; 2],
+    boxd: [u32; 2],
+    swizzle_128b: bool,
+) -> Result<[u8; MAP_BYTES]> {
+    use cudarc::driver::sys;
+    let (dtype, size) = match elem {
+        TensorElem::U8 => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8, 1),
+        TensorElem::F32 => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4),
+    };
+    let global_dim = [dims[0] as u64, dims[1] as u64];
+    let global_stride = [(dims[0] * size) as u64];
+    let element_stride = [1u32, 1];
+    let swizzle = if swizzle_128b {
+        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
+    } else {
+        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE
+    };
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: every pointer argument points at a live array of the length the rank (2) requires;
+    // the map is written by the driver (a host-side encoding, no device access).
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dtype,
+            2,
+            addr as *mut std::ffi::c_void,
+            global_dim.as_ptr(),
+            global_stride.as_ptr(),
+            boxd.as_ptr(),
+            element_stride.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::new(
+            Status::Internal,
+            format!("cuTensorMapEncodeTiled({dims:?} at {addr:#x}, box {boxd:?}) failed: {r:?}"),
+        ));
+    }
+    // SAFETY: zero-initialised, then written by the driver; CUtensorMap is 128 plain bytes.
+    let map = unsafe { map.assume_init() };
+    let bytes: [u8; MAP_BYTES] = unsafe { std::mem::transmute(map) };
+    Ok(bytes)
 }

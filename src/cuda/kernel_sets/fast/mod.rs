@@ -64,6 +64,8 @@ impl FastSet {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fallback {
     NoExperts,
+    /// The engine's plan holds no tensor maps (only a fast-set engine declares them).
+    NoTensorMaps,
     MixedRouted([StorageFormat; 3]),
     MixedShared,
     Kernels(Unsupported),
@@ -73,6 +75,7 @@ impl std::fmt::Display for Fallback {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Fallback::NoExperts => write!(f, "no routed experts"),
+            Fallback::NoTensorMaps => write!(f, "no expert tensor maps in this engine"),
             Fallback::MixedRouted([a, b, c]) => {
                 write!(f, "routed projections stored {a:?}/{b:?}/{c:?}")
             }
@@ -127,9 +130,9 @@ pub fn moe_layer(s: &Step, l: usize) -> std::result::Result<FastMoeLayer, Fallba
             bias: bias.map(|b| weights[b].data),
         },
     };
-    let experts = |ptrs, scales, w: crate::cuda::kernels::linear::WeightDev| FastExperts {
+    let maps = tables.maps.ok_or(Fallback::NoTensorMaps)?;
+    let experts = |scales, w: crate::cuda::kernels::linear::WeightDev| FastExperts {
         format: w.format,
-        ptrs,
         scales,
     };
     Ok(FastMoeLayer {
@@ -141,10 +144,11 @@ pub fn moe_layer(s: &Step, l: usize) -> std::result::Result<FastMoeLayer, Fallba
         gate: weights[lw.gate].data,
         selection,
         router: RouterParams::from_config(cfg),
-        w1: experts(tables.w1, tables.s1, w1),
-        w3: experts(tables.w3, tables.s3, w3),
-        w2: experts(tables.w2, tables.s2, w2),
+        w1: experts(tables.s1, w1),
+        w3: experts(tables.s3, w3),
+        w2: experts(tables.s2, w2),
         shared,
+        maps,
         limit: cfg.swiglu_limit,
     })
 }
