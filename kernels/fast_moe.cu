@@ -11,16 +11,49 @@
 // SCORE_* come from
 // dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
 
-// Router scores in f32, and x's act_quant. Block (bx, by) takes token group by * FMOE_LOGIT_TOKENS + [0,
-// FMOE_LOGIT_TOKENS); its FMOE_LOGIT_WARPS warps are FMOE_LOGIT_EXPERTS experts x FMOE_LOGIT_SPLIT parts
-// of D, so many warps stream the gate at once:
+// x's official act_quant of 128-block b of tokens t0 .. t0 + nt - 1, by one warp: the e4m3 codes in fragment
+// order (fp8_mma.cuh) into xq[t][d], the block's scale into xs[t][b] (value x scale bit-identical to
+// act_quant_kernel).
+DSV4_INLINE void fmoe_quant_x_block(const float* x, int t0, int nt, int D, int b, unsigned char* xq, float* xs) {
+  const int lane = threadIdx.x & 31;
+  for (int r = 0; r < nt; ++r) {
+    const long long t = t0 + r;
+    const float4 v = reinterpret_cast<const float4*>(x + t * D + b * 128)[lane];
+    const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    const float s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
+    const float vv[4] = {v.x, v.y, v.z, v.w};
+    unsigned code[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      float q = vv[c] / s;
+      q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
+      code[c] = e4m3_code_rn(q);
+    }
+    // Fragment order (fp8_mma.cuh): this lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th
+    // 32-block (t8 = lane % 8 / 2); c = 0, 2 are even elements (positions 4·t8 + 2·(lane % 2) + 0, 1),
+    // c = 1, 3 odd ones (the same + 16).
+    unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1) + 2 * (lane & 1);
+    *reinterpret_cast<unsigned short*>(blk) = (unsigned short)(code[0] | (code[2] << 8));
+    *reinterpret_cast<unsigned short*>(blk + 16) = (unsigned short)(code[1] | (code[3] << 8));
+    if (lane == 0) xs[t * (D / 128) + b] = s;
+  }
+}
+
+// The router score of logit l: sqrt(softplus(l)) (linear above 20) or sigmoid(l), or l itself for softmax
+// scoring (fmoe_select_kernel normalises over the experts).
+DSV4_INLINE float fmoe_score(float l, int scoring) {
+  if (scoring == SCORE_SQRTSOFTPLUS) return sqrtf(l > 20.0f ? l : log1pf(expf(l)));
+  if (scoring == SCORE_SIGMOID) return 1.0f / (1.0f + expf(-l));
+  return l;
+}
+
+// Router scores in f32, and x's act_quant, for few tokens. Block (bx, by) takes token group by *
+// FMOE_LOGIT_TOKENS + [0, FMOE_LOGIT_TOKENS); its FMOE_LOGIT_WARPS warps are FMOE_LOGIT_EXPERTS experts x
+// FMOE_LOGIT_SPLIT parts of D, so many warps stream the gate at once:
 // - warp w: expert e = bx * FMOE_LOGIT_EXPERTS + w / FMOE_LOGIT_SPLIT, its part w % FMOE_LOGIT_SPLIT of the
 //   dot products with 16-byte loads, per-lane sums in k order, a fixed butterfly, then the parts summed in
-//   order: the logit l. scores[t][e] = sqrt(softplus(l)) (linear above 20) or sigmoid(l), or l itself for
-//   softmax scoring (fmoe_select_kernel normalises over the experts);
-// - warp w of blocks with b = bx * FMOE_LOGIT_WARPS + w < D / 128: x's official act_quant of 128-block b,
-//   the e4m3 codes in fragment order (fp8_mma.cuh) into xq[t][d], the block's scale into xs[t][b]
-//   (value x scale bit-identical to act_quant_kernel).
+//   order: the logit l, scores[t][e] = fmoe_score(l);
+// - warp w of blocks with b = bx * FMOE_LOGIT_WARPS + w < D / 128: fmoe_quant_x_block of block b.
 // Requires D % (4 * FMOE_LOGIT_SPLIT) == 0 and D % 128 == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
     fmoe_logits_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
@@ -31,29 +64,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
   const int nt = min(FMOE_LOGIT_TOKENS, T - t0);
   if (nt <= 0) return;  // whole block
   const int b = blockIdx.x * FMOE_LOGIT_WARPS + warp;
-  if (b < D / 128) {
-    for (int r = 0; r < nt; ++r) {
-      const long long t = t0 + r;
-      const float4 v = reinterpret_cast<const float4*>(x + t * D + b * 128)[lane];
-      const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-      const float s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
-      const float vv[4] = {v.x, v.y, v.z, v.w};
-      unsigned code[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float q = vv[c] / s;
-        q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
-        code[c] = e4m3_code_rn(q);
-      }
-      // Fragment order (fp8_mma.cuh): this lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th
-      // 32-block (t8 = lane % 8 / 2); c = 0, 2 are even elements (positions 4·t8 + 2·(lane % 2) + 0, 1),
-      // c = 1, 3 odd ones (the same + 16).
-      unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1) + 2 * (lane & 1);
-      *reinterpret_cast<unsigned short*>(blk) = (unsigned short)(code[0] | (code[2] << 8));
-      *reinterpret_cast<unsigned short*>(blk + 16) = (unsigned short)(code[1] | (code[3] << 8));
-      if (lane == 0) xs[t * (D / 128) + b] = s;
-    }
-  }
+  if (b < D / 128) fmoe_quant_x_block(x, t0, nt, D, b, xq, xs);
   const int e = blockIdx.x * FMOE_LOGIT_EXPERTS + warp / FMOE_LOGIT_SPLIT;
   const int part = warp % FMOE_LOGIT_SPLIT;
   const int c_begin = part * (D / 4 / FMOE_LOGIT_SPLIT), c_end = c_begin + D / 4 / FMOE_LOGIT_SPLIT;
@@ -89,11 +100,71 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
   if (slot < FMOE_LOGIT_EXPERTS && ex < E && r < nt) {
     float l = 0.0f;
     for (int p = 0; p < FMOE_LOGIT_SPLIT; ++p) l += part_sum[slot * FMOE_LOGIT_SPLIT + p][r];
-    float sc = l;
-    if (scoring == SCORE_SQRTSOFTPLUS) sc = sqrtf(l > 20.0f ? l : log1pf(expf(l)));
-    else if (scoring == SCORE_SIGMOID) sc = 1.0f / (1.0f + expf(-l));
-    scores[(long long)(t0 + r) * E + ex] = sc;
+    scores[(long long)(t0 + r) * E + ex] = fmoe_score(l, scoring);
   }
+}
+
+// The same scores and quantisation for many tokens, with fewer reads of x and the gate per token: block
+// (bx, by) takes FMOE_WIDE_TOKENS tokens t0 = by * FMOE_WIDE_TOKENS .. and FMOE_WIDE_WARPS *
+// FMOE_WIDE_EPW experts; x's rows pass through shared memory in chunks of FMOE_WIDE_KC k, and warp w computes
+// the logits of experts bx * FMOE_WIDE_WARPS * FMOE_WIDE_EPW + w * FMOE_WIDE_EPW + [0, FMOE_WIDE_EPW) for
+// all the block's tokens over the whole of D: lane L's per-lane sums run over k 4·L + 128·i + [0, 4) in k
+// order (D / 32 terms), then a fixed butterfly. Warps of blocks with b = bx * FMOE_WIDE_WARPS + w (+ the
+// grid's warps, ...) < D / 128 also run fmoe_quant_x_block of block b for the block's tokens.
+// Requires D % 128 == 0.
+extern "C" __global__ void __launch_bounds__(FMOE_WIDE_WARPS * 32)
+    fmoe_logits_wide_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
+                            unsigned char* xq, float* xs) {
+  __shared__ float4 xs_chunk[FMOE_WIDE_TOKENS][FMOE_WIDE_KC / 4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t0 = blockIdx.y * FMOE_WIDE_TOKENS;
+  const int nt = min(FMOE_WIDE_TOKENS, T - t0);
+  for (int b = blockIdx.x * FMOE_WIDE_WARPS + warp; b < D / 128; b += gridDim.x * FMOE_WIDE_WARPS)
+    fmoe_quant_x_block(x, t0, nt, D, b, xq, xs);
+  const int e0 = (blockIdx.x * FMOE_WIDE_WARPS + warp) * FMOE_WIDE_EPW;
+  float acc[FMOE_WIDE_EPW][FMOE_WIDE_TOKENS];
+#pragma unroll
+  for (int j = 0; j < FMOE_WIDE_EPW; ++j)
+#pragma unroll
+    for (int r = 0; r < FMOE_WIDE_TOKENS; ++r) acc[j][r] = 0.0f;
+  for (int k0 = 0; k0 < D; k0 += FMOE_WIDE_KC) {
+    const int c_end = min(FMOE_WIDE_KC, D - k0) / 4;  // float4s of this chunk (the last may be shorter)
+    __syncthreads();  // the previous chunk is no longer read
+    // Tokens past T load as zeros (their logits are not stored).
+    for (int v = threadIdx.x; v < FMOE_WIDE_TOKENS * (FMOE_WIDE_KC / 4); v += FMOE_WIDE_WARPS * 32) {
+      const int r = v / (FMOE_WIDE_KC / 4), c = v % (FMOE_WIDE_KC / 4);
+      xs_chunk[r][c] = r < nt && c < c_end ? reinterpret_cast<const float4*>(x + (long long)(t0 + r) * D + k0)[c]
+                                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    __syncthreads();
+#pragma unroll 2
+    for (int c = lane; c < c_end; c += 32) {
+      float4 gv[FMOE_WIDE_EPW];
+#pragma unroll
+      for (int j = 0; j < FMOE_WIDE_EPW; ++j)
+        gv[j] = e0 + j < E ? reinterpret_cast<const float4*>(gate + (long long)(e0 + j) * D + k0)[c]
+                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int r = 0; r < FMOE_WIDE_TOKENS; ++r) {
+        const float4 xv = xs_chunk[r][c];
+#pragma unroll
+        for (int j = 0; j < FMOE_WIDE_EPW; ++j) {
+          acc[j][r] = fmaf(xv.x, gv[j].x, acc[j][r]);
+          acc[j][r] = fmaf(xv.y, gv[j].y, acc[j][r]);
+          acc[j][r] = fmaf(xv.z, gv[j].z, acc[j][r]);
+          acc[j][r] = fmaf(xv.w, gv[j].w, acc[j][r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < FMOE_WIDE_EPW; ++j)
+#pragma unroll
+    for (int r = 0; r < FMOE_WIDE_TOKENS; ++r) {
+      const float l = warp_sum(acc[j][r]);
+      if (lane == ((j * FMOE_WIDE_TOKENS + r) & 31) && r < nt && e0 + j < E)
+        scores[(long long)(t0 + r) * E + e0 + j] = fmoe_score(l, scoring);
+    }
 }
 
 // One warp per token t:

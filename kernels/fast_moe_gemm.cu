@@ -54,8 +54,10 @@
 #define FMOE_SLOT_AS 128                       // activation scales: 2 blocks x FMOE_TOKENS floats
 // Slots stay 1024-byte aligned (the swizzle pattern's period).
 #define FMOE_SLOT (((FMOE_SLOT_W + FMOE_SLOT_S + FMOE_SLOT_A + FMOE_SLOT_AS) + 1023) / 1024 * 1024)
-// The up epilogue's gate and up values, double-buffered by item parity (see fmoe_gemm).
-#define FMOE_GU_FLOATS (2 * FMOE_UP_J * FMOE_TOKENS)
+// The up epilogue's gate and up values, [token][j] with rows padded by 4 floats so the stash's stores and
+// the quantisation's loads spread over the banks; double-buffered by item parity (see fmoe_gemm).
+#define FMOE_GU_STRIDE (FMOE_UP_J + 4)
+#define FMOE_GU_FLOATS (2 * FMOE_TOKENS * FMOE_GU_STRIDE)
 #define FMOE_BARS (FMOE_STAGES * FMOE_SLOT + 2 * FMOE_GU_FLOATS * 4)
 #define FMOE_SMEM_USED (FMOE_BARS + 2 * FMOE_STAGES * 8)
 static_assert(FMOE_SMEM_USED <= FMOE_SMEM_BYTES, "fast_moe_gemm: shared memory layout exceeds FMOE_SMEM_BYTES");
@@ -295,19 +297,21 @@ DSV4_INLINE void fmoe_block(unsigned la, int b, const float (&s0)[4], const floa
   float blk[8];
 #pragma unroll
   for (int v = 0; v < 8; ++v) blk[v] = 0.0f;
+  // A fragments alternate between two register sets: a step's set is rewritten only two steps later, after
+  // the wgmma that reads it has completed (so wgmma.fence does not wait on it).
+  unsigned af[2][4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     // FP4 steps q, q + 1 of block b are chunks (4b + q) and (4b + q + 1) of the rows (an x4 load covers
     // both); the swizzle XORs the chunk index.
     if (FP4 && (q & 1) == 0) ldmatrix_x4(la ^ (unsigned)((4 * b + q) << 4), frag);
-    unsigned af[4];
-    fmoe_a_frag<FP4>(la, frag, q, af);
+    fmoe_a_frag<FP4>(la, frag, q, af[q & 1]);
     // Only the low word changes: its address field (bits 0-13) cannot carry into the LBO field, as shared
     // addresses stay below 256 KiB.
     const unsigned long long desc = ((unsigned long long)(unsigned)(desc0 >> 32) << 32) |
                                     ((unsigned)desc0 + (unsigned)(q * 2 * (FMOE_TOKENS * 16) / 16));
     wgmma_fence();
-    fmoe_wgmma<NT8>(d[q & 1], af, desc);
+    fmoe_wgmma<NT8>(d[q & 1], af[q & 1], desc);
     wgmma_commit();
     if (q > 0) {
       wgmma_wait<1>();  // step q - 1 is done
@@ -382,7 +386,7 @@ DSV4_INLINE void fmoe_compute(const unsigned char* st, const FmoeItem& it, int K
   }
 }
 
-// Up epilogue, part 1: the thread's bf16-rounded gate or up values into gv / uv [j][token].
+// Up epilogue, part 1: the thread's bf16-rounded gate or up values into gv / uv [token][FMOE_GU_STRIDE].
 DSV4_INLINE void fmoe_up_stash(const FmoeItem& it, const float (&acc)[8], float* gv, float* uv) {
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int r = (tid >> 5) * 16 + g;  // stage row of d[0]
@@ -391,7 +395,7 @@ DSV4_INLINE void fmoe_up_stash(const FmoeItem& it, const float (&acc)[8], float*
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     const int j = j0 + 8 * ((c >> 1) & 1), tok = 8 * (c >> 2) + 2 * t + (c & 1);
-    dst[j * FMOE_TOKENS + tok] = round_bf16(acc[c]);
+    dst[tok * FMOE_GU_STRIDE + j] = round_bf16(acc[c]);
   }
 }
 
@@ -403,12 +407,16 @@ DSV4_INLINE void fmoe_up_quant(const FmoeArgs& a, const FmoeItem& it, const floa
   if (tid >= FMOE_TOKENS * 16) return;  // whole warps
   const int i = tid >> 4, c16 = tid & 15;
   const float wt = (!it.shared && route_w != nullptr && i < it.n) ? route_w[fmoe_out_row(a, it, i)] : 1.0f;
+  const float4* g4 = reinterpret_cast<const float4*>(gv + i * FMOE_GU_STRIDE + 8 * c16);
+  const float4* u4 = reinterpret_cast<const float4*>(uv + i * FMOE_GU_STRIDE + 8 * c16);
+  const float4 ga = g4[0], gb = g4[1], ua = u4[0], ub = u4[1];
+  const float gs[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+  const float us[8] = {ua.x, ua.y, ua.z, ua.w, ub.x, ub.y, ub.z, ub.w};
   float hv[8];
   float m = 0.0f;
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
-    const int j = 8 * c16 + c;
-    float gg = gv[j * FMOE_TOKENS + i], uu = uv[j * FMOE_TOKENS + i];
+    float gg = gs[c], uu = us[c];
     if (limit > 0.0f) {
       gg = fminf(gg, limit);
       uu = fmoe_clamp_sym(uu, limit);
@@ -496,7 +504,7 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
       // gv / uv alternate by item: a thread writes item n + 2's values only after the barrier of item
       // n + 1, which every thread reaches after its part of item n's quantisation.
       float* gv = reinterpret_cast<float*>(fmoe_smem + FMOE_STAGES * FMOE_SLOT) + (n & 1) * FMOE_GU_FLOATS;
-      float* uv = gv + FMOE_UP_J * FMOE_TOKENS;
+      float* uv = gv + FMOE_TOKENS * FMOE_GU_STRIDE;
       fmoe_up_stash(it, acc, gv, uv);
       named_barrier(1, FMOE_CONSUMERS);
       fmoe_up_quant(a, it, gv, uv, route_w, limit, out_q, out_s);

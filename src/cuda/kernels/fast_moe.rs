@@ -1,7 +1,8 @@
 //! Rust side of the `fast_moe` kernel family (kernels/fast_moe.cu) and the fast MoE layer it
 //! drives with [`super::fast_moe_gemm`] (DESIGN.md §5 "MegaMoE", ../shared/KERNELS.md §3):
 //!
-//! 1. `fmoe_logits_kernel`: router logits in f32 and their scores, and x quantized to FP8 per 128;
+//! 1. `fmoe_logits_kernel` (few tokens) or `fmoe_logits_wide_kernel` (many): router logits in f32
+//!    and their scores, and x quantized to FP8 per 128;
 //! 2. `fmoe_select_kernel`: scores, top-k or hash selection, weights;
 //! 3. `moe_plan_kernel` (the moe family): assignments grouped by expert into tiles of
 //!    [`fast_moe_gemm::TOKENS`](super::fast_moe_gemm::TOKENS);
@@ -34,6 +35,18 @@ pub const LOGIT_EXPERTS: usize = 2;
 pub const LOGIT_SPLIT: usize = 4;
 /// Tokens per `fmoe_logits_kernel` block (FMOE_LOGIT_TOKENS).
 pub const LOGIT_TOKENS: usize = 8;
+/// `fmoe_logits_wide_kernel` (many tokens): tokens per block (FMOE_WIDE_TOKENS), warps
+/// (FMOE_WIDE_WARPS), experts per warp (FMOE_WIDE_EPW), k per shared-memory chunk of x
+/// (FMOE_WIDE_KC).
+pub const WIDE_TOKENS: usize = 16;
+pub const WIDE_WARPS: usize = 8;
+pub const WIDE_EPW: usize = 4;
+pub const WIDE_KC: usize = 512;
+/// Fewest tokens routed by `fmoe_logits_wide_kernel`: below, `fmoe_logits_kernel`'s many small
+/// blocks are as fast or faster (bench moe on the H200: at B = 32 and 64 the wide kernel's 8 x
+/// T/16 blocks made the layer 5-9% slower; from B = 256 on it is 0.5-2% faster, as its
+/// unpipelined chunk loads leave it latency-bound).
+pub const WIDE_MIN_TOKENS: usize = 256;
 /// Tokens (warps) per `fmoe_select_kernel` block (FMOE_SELECT_WARPS).
 pub const SELECT_WARPS: usize = 4;
 /// Router entries each lane holds (FMOE_MAX_EPL): at most 32 x this many experts.
@@ -45,6 +58,11 @@ crate::kernel_family! {
 
     /// Router scores (logits for softmax scoring) and x's FP8 quantisation.
     fn fmoe_logits_kernel(
+        x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
+        xq: *mut u8, xs: *mut f32,
+    );
+    /// The same for many tokens (fewer reads of x and the gate per token).
+    fn fmoe_logits_wide_kernel(
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
         xq: *mut u8, xs: *mut f32,
     );
@@ -64,6 +82,7 @@ crate::launchers! {
     /// The fast_moe family's entry points, resolved from a loaded registry.
     pub struct FastMoeRoute {
         logits: fmoe_logits_kernel,
+        logits_wide: fmoe_logits_wide_kernel,
         select: fmoe_select_kernel,
         combine: fmoe_combine_kernel,
     }
@@ -303,28 +322,53 @@ impl FastMoe {
         );
         let (bias, tid2eid, toks) = layer.selection.kernel_args(K, t, e, k)?;
         let _g = ctx.enter()?;
-        self.route.logits.launch(
-            (
-                e.div_ceil(LOGIT_EXPERTS)
-                    .max((d / 128).div_ceil(LOGIT_WARPS)) as u32,
-                t.div_ceil(LOGIT_TOKENS) as u32,
-                1,
-            ),
-            (LOGIT_WARPS * 32) as u32,
-            0,
-            stream,
-            fmoe_logits_kernel::Args {
-                x,
-                t: t32,
-                d: d32,
-                e: e32,
-                gate: layer.gate,
-                scoring: moe::scoring_code(layer.router.scoring),
-                scores: ws.logits,
-                xq: ws.xq,
-                xs: ws.xs,
-            },
-        )?;
+        let scoring = moe::scoring_code(layer.router.scoring);
+        if t >= WIDE_MIN_TOKENS {
+            self.route.logits_wide.launch(
+                (
+                    e.div_ceil(WIDE_WARPS * WIDE_EPW) as u32,
+                    t.div_ceil(WIDE_TOKENS) as u32,
+                    1,
+                ),
+                (WIDE_WARPS * 32) as u32,
+                0,
+                stream,
+                fmoe_logits_wide_kernel::Args {
+                    x,
+                    t: t32,
+                    d: d32,
+                    e: e32,
+                    gate: layer.gate,
+                    scoring,
+                    scores: ws.logits,
+                    xq: ws.xq,
+                    xs: ws.xs,
+                },
+            )?;
+        } else {
+            self.route.logits.launch(
+                (
+                    e.div_ceil(LOGIT_EXPERTS)
+                        .max((d / 128).div_ceil(LOGIT_WARPS)) as u32,
+                    t.div_ceil(LOGIT_TOKENS) as u32,
+                    1,
+                ),
+                (LOGIT_WARPS * 32) as u32,
+                0,
+                stream,
+                fmoe_logits_kernel::Args {
+                    x,
+                    t: t32,
+                    d: d32,
+                    e: e32,
+                    gate: layer.gate,
+                    scoring,
+                    scores: ws.logits,
+                    xq: ws.xq,
+                    xs: ws.xs,
+                },
+            )?;
+        }
         let r = &layer.router;
         self.route.select.launch(
             t.div_ceil(SELECT_WARPS) as u32,

@@ -31,11 +31,11 @@ pub const DOWN_ROWS: usize = WARPGROUPS * 64;
 /// Dynamic shared memory of a GEMM block (FMOE_SMEM_BYTES; kernels/fast_moe_gemm.cu checks its layout
 /// fits, and it must stay within the 227 KiB an sm_90 block may take): the ring of 1024-byte aligned
 /// slots (the item's 256 weight rows of 128 bytes, FP4 scales, the tokens' codes and scales), the up
-/// epilogue's gate and up values for two items, and the ring's mbarriers.
+/// epilogue's gate and up values for two items (rows of UP_J + 4 floats), and the ring's mbarriers.
 pub const SMEM_BYTES: usize = {
     let rows = WARPGROUPS * 64;
     let slot = (rows * 128 + rows * 32 + 16 * TOKENS * 16 + 128).div_ceil(1024) * 1024;
-    STAGES * slot + 2 * 2 * UP_J * TOKENS * 4 + 2 * STAGES * 8
+    STAGES * slot + 2 * 2 * TOKENS * (UP_J + 4) * 4 + 2 * STAGES * 8
 };
 
 /// Bytes of one `CUtensorMap`.
