@@ -49,7 +49,8 @@
 #define FMOE_RB 128
 #define FMOE_BOX_ROWS 128
 #define FMOE_SLOT_W (FMOE_ROWS * FMOE_RB)
-#define FMOE_SLOT_S (FMOE_ROWS * 8 * 4)        // FP4: 8 per-32 scales a row; FP8: the two 128x128 block scales
+#define FMOE_SLOT_S (FMOE_ROWS * 8 * 4)        // FP4: 8 per-32 scales a row (f32, or UE8M0 bytes in the first
+                                               // 2 KiB); FP8: the two 128x128 block scales
 #define FMOE_SLOT_A (16 * FMOE_TOKENS * 16)    // activation codes: 16 k16 chunks x FMOE_TOKENS x 16 bytes
 #define FMOE_SLOT_AS 128                       // activation scales: 2 blocks x FMOE_TOKENS floats
 // Slots stay 1024-byte aligned (the swizzle pattern's period).
@@ -83,6 +84,11 @@ struct FmoeItem {
   const unsigned char* maps;   // the expert's FMOE_MAPS_PER_EXPERT tensor maps
   const float* sa;             // FP8 block scales ([rows/128][K/128]) of up: W1, down: W2
   const float* sb;             // up: W3, down: W2
+  // FP4 with the UE8M0 byte scales of the layer's scale table (fmoe_scales8_kernel): the 1 KiB blocks of
+  // stage 0 of the item's two 128-row boxes (sc8_b NULL when the second box is past N).
+  bool s8;
+  const unsigned char* sc8_a;
+  const unsigned char* sc8_b;
 };
 
 // The kernels' common arguments.
@@ -99,7 +105,22 @@ struct FmoeArgs {
   int fmt;
   int shared_fmt;  // 0: no shared expert
   const float *shared_sa, *shared_sb;
+  // The layer's UE8M0 scale table (fmoe_scales8_kernel; NULL: none): its data, when every scale in it is
+  // exact, else NULL (the FP4 scales are then read as f32 through the tensor maps).
+  const unsigned char* sc8;
+  int D, I;  // the layer's hidden and expert widths (the table's layout)
 };
+
+// Stages of an item: FP4 256 k each (the last one 128 when K % 256 == 128), FP8 128 k each.
+DSV4_INLINE int fmoe_stages(bool fp4, int K) { return fp4 ? (K + 255) / 256 : K / 128; }
+
+// The UE8M0 scale table's layout (fmoe_scales8_kernel): after a header of FMOE_SC8_HEADER bytes (its first
+// int: 1 when every scale is exact), per expert (the local ones, then the shared expert) the matrices w1
+// [I][D], w3 [I][D], w2 [D][I]; per matrix of R rows and K columns, per 128-row block rb and stage kb (256 k)
+// 1 KiB: row rb·128 + r's 8 scales of k 256·kb .. at 8·r (those past K read 127, i.e. 1.0).
+#define FMOE_SC8_HEADER 256
+DSV4_INLINE long long fmoe_sc8_matrix(int R, int K) { return (long long)(R / 128) * fmoe_stages(true, K) * 1024; }
+DSV4_INLINE long long fmoe_sc8_expert(int D, int I) { return 2 * fmoe_sc8_matrix(I, D) + fmoe_sc8_matrix(D, I); }
 
 DSV4_INLINE int fmoe_rblocks(bool up, int N) { return up ? N / FMOE_UP_J : (N + FMOE_DOWN_ROWS - 1) / FMOE_DOWN_ROWS; }
 
@@ -111,7 +132,10 @@ DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
   it.skip = false;
   it.row0 = rb * (UP ? FMOE_UP_J : FMOE_DOWN_ROWS);
   it.sa = it.sb = nullptr;
+  it.s8 = false;
+  it.sc8_a = it.sc8_b = nullptr;
   const int nloc = a.e_end - a.e_begin;
+  int x = nloc;  // the item's entry in the per-expert tables
   if (tile < a.nrt) {
     const int e = a.tiles[3 * tile];
     it.skip = e < a.e_begin || e >= a.e_end;
@@ -121,6 +145,7 @@ DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
     it.fp4 = a.fmt == WFMT_FP4;
     // The tables hold the local experts only (possibly none): read them for those.
     const int le = it.skip ? 0 : e - a.e_begin;
+    x = le;
     it.maps = a.maps + (long long)le * (FMOE_MAPS_PER_EXPERT * FMOE_MAP_BYTES);
     if (!it.skip && !it.fp4) {
       it.sa = reinterpret_cast<const float*>(a.sa[le]);
@@ -134,6 +159,19 @@ DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
     it.maps = a.maps + (long long)nloc * (FMOE_MAPS_PER_EXPERT * FMOE_MAP_BYTES);
     it.sa = a.shared_sa;
     it.sb = a.shared_sb;
+  }
+  if (it.fp4 && !it.skip && a.sc8 != nullptr) {
+    it.s8 = true;
+    const unsigned char* ex = a.sc8 + (long long)x * fmoe_sc8_expert(a.D, a.I);
+    const long long per_rb = (long long)fmoe_stages(true, a.K) * 1024;  // bytes of a row block
+    const unsigned char* ma = ex + (UP ? 0 : 2 * fmoe_sc8_matrix(a.I, a.D));  // W1 or W2
+    const unsigned char* mb = ex + (UP ? fmoe_sc8_matrix(a.I, a.D) : 2 * fmoe_sc8_matrix(a.I, a.D));  // W3 or W2
+    const int rb = it.row0 / 128;
+    it.sc8_a = ma + rb * per_rb;
+    if (UP)
+      it.sc8_b = mb + rb * per_rb;
+    else if (it.row0 + FMOE_BOX_ROWS < a.N)
+      it.sc8_b = mb + (rb + 1) * per_rb;
   }
   return it;
 }
@@ -152,9 +190,6 @@ DSV4_INLINE int fmoe_act_row(const FmoeArgs& a, const FmoeItem& it, int c) {
 DSV4_INLINE int fmoe_out_row(const FmoeArgs& a, const FmoeItem& it, int c) {
   return it.shared ? a.T * a.k + it.start + c : a.rows[it.start + c];
 }
-
-// Stages of an item: FP4 256 k each (the last one 128 when K % 256 == 128), FP8 128 k each.
-DSV4_INLINE int fmoe_stages(bool fp4, int K) { return fp4 ? (K + 255) / 256 : K / 128; }
 
 // 128-blocks of K in stage kb.
 DSV4_INLINE int fmoe_stage_blocks(bool fp4, int K, int kb) { return fp4 ? min(2, K / 128 - 2 * kb) : 1; }
@@ -196,7 +231,7 @@ DSV4_INLINE void fmoe_produce(const FmoeArgs& a, unsigned smem, int my_items) {
       const int grow = (lane == 0 || UP) ? it.row0 : min(row_b, a.N - 1);
       fs = (lane == 0 ? it.sa : it.sb) + (long long)(grow / 128) * (K / 128);
     }
-    const unsigned tx = FMOE_SLOT_W + (it.fp4 ? FMOE_SLOT_S : 0);
+    const unsigned tx = FMOE_SLOT_W + (!it.fp4 ? 0 : !it.s8 ? FMOE_SLOT_S : it.sc8_b != nullptr ? 2048 : 1024);
     for (int kb = 0; kb < nks; ++kb) {
       mbar_wait(fmoe_empty(smem, slot), phase ^ 1);
       const unsigned st = smem + slot * FMOE_SLOT, full = fmoe_full(smem, slot);
@@ -205,7 +240,10 @@ DSV4_INLINE void fmoe_produce(const FmoeArgs& a, unsigned smem, int my_items) {
         mbar_arrive_expect_tx(full, tx);
         tma_load_2d(st, map_a, kb * FMOE_RB, it.row0, full);
         tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full);
-        if (it.fp4) {
+        if (it.s8) {
+          bulk_load(st + FMOE_SLOT_W, it.sc8_a + kb * 1024, 1024, full);
+          if (it.sc8_b != nullptr) bulk_load(st + FMOE_SLOT_W + 1024, it.sc8_b + kb * 1024, 1024, full);
+        } else if (it.fp4) {
           tma_load_2d(st + FMOE_SLOT_W, smap_a, kb * 8, it.row0, full);
           tma_load_2d(st + FMOE_SLOT_W + FMOE_BOX_ROWS * 32, smap_b, kb * 8, row_b, full);
         }
@@ -334,9 +372,10 @@ DSV4_INLINE void fmoe_block(unsigned la, int b, const float (&s0)[4], const floa
   }
 }
 
-// acc += stage kb of an item in the slot at `st` (its one or two 128-blocks).
+// acc += stage kb of an item in the slot at `st` (its one or two 128-blocks); FP4 scales as UE8M0 bytes when
+// `byte_scales`, else f32.
 template <bool FP4, int NT8>
-DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, int K, int kb, float (&acc)[8]) {
+DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, int K, int kb, bool byte_scales, float (&acc)[8]) {
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int r16 = (tid >> 5) * 16;  // the warp's first stage row
   const unsigned char* act = st + FMOE_SLOT_W + FMOE_SLOT_S;
@@ -354,10 +393,22 @@ DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, int K, int kb, floa
     for (int b = 0; b < 2; ++b) {
       if (b < blocks) {
         float s0[4], s8[4];
-        const float4 v0 = *reinterpret_cast<const float4*>(sc + (r16 + g) * 8 + 4 * b);
-        const float4 v8 = *reinterpret_cast<const float4*>(sc + (r16 + g + 8) * 8 + 4 * b);
-        s0[0] = v0.x, s0[1] = v0.y, s0[2] = v0.z, s0[3] = v0.w;
-        s8[0] = v8.x, s8[1] = v8.y, s8[2] = v8.z, s8[3] = v8.w;
+        if (byte_scales) {
+          // UE8M0 bytes: byte e is 2^(e - 127), the f32 with exponent field e (the table holds only
+          // 1 <= e <= 254).
+          const unsigned char* sb = reinterpret_cast<const unsigned char*>(sc);
+          const unsigned w0 = *reinterpret_cast<const unsigned*>(sb + (r16 + g) * 8 + 4 * b);
+          const unsigned w8 = *reinterpret_cast<const unsigned*>(sb + (r16 + g + 8) * 8 + 4 * b);
+          s0[0] = __uint_as_float((w0 << 23) & 0x7f800000u), s8[0] = __uint_as_float((w8 << 23) & 0x7f800000u);
+          s0[1] = __uint_as_float((w0 << 15) & 0x7f800000u), s8[1] = __uint_as_float((w8 << 15) & 0x7f800000u);
+          s0[2] = __uint_as_float((w0 << 7) & 0x7f800000u), s8[2] = __uint_as_float((w8 << 7) & 0x7f800000u);
+          s0[3] = __uint_as_float((w0 >> 1) & 0x7f800000u), s8[3] = __uint_as_float((w8 >> 1) & 0x7f800000u);
+        } else {
+          const float4 v0 = *reinterpret_cast<const float4*>(sc + (r16 + g) * 8 + 4 * b);
+          const float4 v8 = *reinterpret_cast<const float4*>(sc + (r16 + g + 8) * 8 + 4 * b);
+          s0[0] = v0.x, s0[1] = v0.y, s0[2] = v0.z, s0[3] = v0.w;
+          s8[0] = v8.x, s8[1] = v8.y, s8[2] = v8.z, s8[3] = v8.w;
+        }
         fmoe_block<true, NT8>(la, b, s0, s8, act + b * (8 * FMOE_TOKENS * 16), as + b * FMOE_TOKENS, acc);
       }
     }
@@ -375,14 +426,14 @@ DSV4_INLINE void fmoe_compute(const unsigned char* st, const FmoeItem& it, int K
   const bool two = it.n > 8;  // uniform over the block
   if (it.fp4) {
     if (two)
-      fmoe_compute_stage<true, 2>(st, K, kb, acc);
+      fmoe_compute_stage<true, 2>(st, K, kb, it.s8, acc);
     else
-      fmoe_compute_stage<true, 1>(st, K, kb, acc);
+      fmoe_compute_stage<true, 1>(st, K, kb, it.s8, acc);
   } else {
     if (two)
-      fmoe_compute_stage<false, 2>(st, K, kb, acc);
+      fmoe_compute_stage<false, 2>(st, K, kb, false, acc);
     else
-      fmoe_compute_stage<false, 1>(st, K, kb, acc);
+      fmoe_compute_stage<false, 1>(st, K, kb, false, acc);
   }
 }
 
@@ -449,6 +500,61 @@ DSV4_INLINE void fmoe_down_store(const FmoeArgs& a, const FmoeItem& it, const fl
     const int row = r + 8 * ((c >> 1) & 1), tok = 8 * (c >> 2) + 2 * t + (c & 1);
     if (tok < it.n && row < a.N) y[(long long)fmoe_out_row(a, it, tok) * a.N + row] = f32_to_bf16(acc[c]);
   }
+}
+
+// The data of a UE8M0 scale table whose header says every scale is exact, else NULL.
+DSV4_INLINE const unsigned char* fmoe_sc8_data(const unsigned char* table) {
+  return table != nullptr && *reinterpret_cast<const int*>(table) != 0 ? table + FMOE_SC8_HEADER : nullptr;
+}
+
+// Builds a layer's UE8M0 scale table (layout: fmoe_sc8_expert) from the f32 per-32 scales of its FP4
+// experts: s1/s3/s2 the local experts' scale addresses ([nloc]), sh1/sh3/sh2 the shared expert's (NULL
+// when it has none or it is not FP4). One thread per (expert, matrix, row, stage): 8 bytes. A scale that
+// is not exactly 2^(e - 127) with 1 <= e <= 254 clears the header's flag (the GEMMs then read the f32
+// scales); the caller sets it to 1 first. Deterministic: every byte has one writer, the flag only falls.
+extern "C" __global__ void fmoe_scales8_kernel(const unsigned long long* s1, const unsigned long long* s3,
+                                               const unsigned long long* s2, int nloc, const float* sh1,
+                                               const float* sh3, const float* sh2, int D, int I,
+                                               unsigned char* table) {
+  const int SD = fmoe_stages(true, D), SI = fmoe_stages(true, I);
+  const long long per_w13 = (long long)I * SD, per_w2 = (long long)D * SI;  // (row, stage) pairs
+  const long long per_expert = 2 * per_w13 + per_w2;
+  const int nex = nloc + (sh1 != nullptr ? 1 : 0);
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= nex * per_expert) return;
+  const int x = (int)(idx / per_expert);
+  long long rest = idx - x * per_expert;
+  const int m = rest < per_w13 ? 0 : rest < 2 * per_w13 ? 1 : 2;  // w1, w3, w2
+  rest -= m * per_w13;
+  const int K = m < 2 ? D : I, S = m < 2 ? SD : SI;
+  const int row = (int)(rest / S), kb = (int)(rest % S);
+  const float* src;
+  if (x < nloc) {
+    const unsigned long long* tab = m == 0 ? s1 : m == 1 ? s3 : s2;
+    src = reinterpret_cast<const float*>(tab[x]);
+  } else {
+    src = m == 0 ? sh1 : m == 1 ? sh3 : sh2;
+  }
+  src += (long long)row * (K / 32) + 8 * kb;
+  unsigned char* dst = table + FMOE_SC8_HEADER + x * fmoe_sc8_expert(D, I) + m * fmoe_sc8_matrix(I, D) +
+                       ((long long)(row / 128) * S + kb) * 1024 + (row % 128) * 8;
+  unsigned bytes[2] = {0u, 0u};
+  bool exact = true;
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    unsigned e = 127;
+    if (8 * kb + s < K / 32) {
+      const unsigned bits = __float_as_uint(src[s]);
+      e = bits >> 23;
+      if ((bits & 0x807fffffu) != 0 || e == 0 || e == 255) {
+        exact = false;
+        e = 127;
+      }
+    }
+    bytes[s / 4] |= e << (8 * (s % 4));
+  }
+  *reinterpret_cast<uint2*>(dst) = make_uint2(bytes[0], bytes[1]);
+  if (!exact) atomicAnd(reinterpret_cast<int*>(table), 0);
 }
 
 // Shared body of both kernels. UP: K = D, weight rows j of W1/W3 (N = I of them), act = xq [T][D] with xs;
@@ -523,10 +629,11 @@ extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
     fmoe_up_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
                    const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
                    const unsigned long long* s1, const unsigned long long* s3, int fmt, int shared_fmt,
-                   const float* shared_s1, const float* shared_s3, const float* route_w, float limit,
-                   unsigned char* hq, float* hs) {
-  const FmoeArgs a = {xq,   xs, T,   D,          I,         k,        rows, tiles, *ntiles,
-                      e_begin, e_end, maps, s1, s3, fmt, shared_fmt, shared_s1, shared_s3};
+                   const float* shared_s1, const float* shared_s3, const unsigned char* sc8,
+                   const float* route_w, float limit, unsigned char* hq, float* hs) {
+  const FmoeArgs a = {xq,   xs, T,   D,          I,         k,         rows,      tiles,           *ntiles,
+                      e_begin, e_end, maps, s1, s3, fmt, shared_fmt, shared_s1, shared_s3, fmoe_sc8_data(sc8),
+                      D,    I};
   fmoe_gemm<true>(a, route_w, limit, hq, hs, nullptr);
 }
 
@@ -536,8 +643,9 @@ extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
     fmoe_down_kernel(const unsigned char* hq, const float* hs, int T, int I, int D, int k, const int* rows,
                      const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
                      const unsigned long long* s2, int fmt, int shared_fmt, const float* shared_s2,
-                     unsigned short* y) {
-  const FmoeArgs a = {hq,   hs, T,   I,          D,         k,        rows, tiles, *ntiles,
-                      e_begin, e_end, maps, s2, s2, fmt, shared_fmt, shared_s2, shared_s2};
+                     const unsigned char* sc8, unsigned short* y) {
+  const FmoeArgs a = {hq,   hs, T,   I,          D,         k,         rows,      tiles,           *ntiles,
+                      e_begin, e_end, maps, s2, s2, fmt, shared_fmt, shared_s2, shared_s2, fmoe_sc8_data(sc8),
+                      D,    I};
   fmoe_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y);
 }

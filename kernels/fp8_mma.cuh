@@ -156,6 +156,14 @@ DSV4_INLINE void tma_load_2d(unsigned dst, const void* map, int x, int y, unsign
       : "memory");
 }
 
+// 1-D bulk copy (TMA without a tensor map) of `bytes` (a multiple of 16) from global `src` (16-byte aligned)
+// to shared-space address `dst`; completes its bytes on mbarrier `bar`.
+DSV4_INLINE void bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32).
 DSV4_INLINE void named_barrier(unsigned id, unsigned threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

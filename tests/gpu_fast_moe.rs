@@ -568,8 +568,18 @@ fn inputs(rng: &mut Rng, sh: &MoeShape, t: usize) -> (Vec<f32>, Vec<i32>) {
     (x, tokens)
 }
 
+/// How the layer's FP4 scales reach the GEMMs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scales {
+    /// Every scale is a power of two (as UE8M0 checkpoints give): the UE8M0 byte table.
+    Bytes,
+    /// One scale of expert 0's w1 is not a power of two: the derive step must notice, and the
+    /// GEMMs read every scale as f32 through the tensor maps.
+    F32,
+}
+
 /// Runs `cases` (B, routing) on one layer of shape `sh`: both routings' checks (module doc).
-fn run_cases(sh: MoeShape, cases: &[(usize, Routing)]) {
+fn run_cases(sh: MoeShape, scales: Scales, cases: &[(usize, Routing)]) {
     let Some(e) = env() else {
         return;
     };
@@ -577,6 +587,23 @@ fn run_cases(sh: MoeShape, cases: &[(usize, Routing)]) {
     let stream = OwnedStream::new(e.ctx).unwrap();
     let s = stream.borrow();
     let l = SyntheticMoe::new(e.ctx, s, sh, rng.u64()).unwrap();
+    if scales == Scales::F32 {
+        // Expert 0's w1 scale (row 0, k 0..31) times 0.75: still a valid f32 scale for the
+        // reference kernels, no longer a UE8M0 value.
+        let table = l.routed[0].scales.unwrap();
+        let addr = get::<u64>(e.ctx, table, 1, s)[0];
+        // SAFETY: the address is expert 0's scale array inside the layer's arena, alive with `l`.
+        let first = unsafe { DevicePtr::from_raw(addr, 4) };
+        let v = get::<f32>(e.ctx, first, 1, s)[0];
+        put(e.ctx, first, &[v * 0.75], s);
+    }
+    l.derive_fast(e.ctx, &e.fast, s).unwrap();
+    let flag = get::<i32>(e.ctx, l.scales8.slice(0, 4).unwrap(), 1, s)[0];
+    assert_eq!(
+        flag,
+        i32::from(scales == Scales::Bytes),
+        "UE8M0 scale table's exactness flag ({scales:?})"
+    );
     for &(t, r) in cases {
         let what = format!("{}x{} B = {t}, {r:?}", sh.d, sh.i);
         let (x, tokens) = inputs(&mut rng, &sh, t);
@@ -635,6 +662,7 @@ fn run_cases(sh: MoeShape, cases: &[(usize, Routing)]) {
 fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
     run_cases(
         MoeShape::FLASH,
+        Scales::Bytes,
         &[
             (1, Routing::TopK),
             (1, Routing::Hash),
@@ -655,12 +683,28 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
 fn fast_moe_matches_the_reference_kernels_at_odd_widths() {
     run_cases(
         SMALL,
+        Scales::Bytes,
         &[
             (1, Routing::TopK),
             (5, Routing::Hash),
             (64, Routing::TopK),
             (300, Routing::HashSkewed),
             (1000, Routing::TopK),
+        ],
+    );
+}
+
+/// FP4 scales that are not powers of two (a checkpoint with f32 scales): the GEMMs read them as
+/// f32, and still match.
+#[test]
+fn fast_moe_reads_f32_scales_when_one_is_not_a_power_of_two() {
+    run_cases(
+        SMALL,
+        Scales::F32,
+        &[
+            (1, Routing::TopK),
+            (64, Routing::TopK),
+            (300, Routing::HashSkewed),
         ],
     );
 }

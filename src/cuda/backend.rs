@@ -192,7 +192,8 @@ impl CudaBackend {
     }
 
     /// Every derived tensor, from the host store (already uploaded): expert weight address
-    /// tables, per-layer RoPE frequencies and layer 0's folded mHC projection.
+    /// tables (and the fast set's tensor maps), per-layer RoPE frequencies, layer 0's folded mHC
+    /// projection, then the kernel set's own (the fast set's UE8M0 scale tables).
     fn rebuild_derived_on(&self, store: &WeightStore, stream: BorrowedStream) -> Result<()> {
         let m = &self.model;
         if let Some(l0) = m.handles.layers.first() {
@@ -246,6 +247,10 @@ impl CudaBackend {
             }
             let freqs = rope::inv_freq(&self.cfg, self.cfg.layers[l].attn);
             copy_to_device_sync(m.layers[l].inv_freq, &freqs, stream)?;
+        }
+        // The kernel set's own derived tensors (built on the device from the weights above).
+        if let Some(set) = &self.set {
+            set.rebuild_derived(&self.ctx, &self.cfg, m, stream)?;
         }
         Ok(())
     }

@@ -50,6 +50,9 @@ pub struct ExpertTables {
     /// The fast set's tensor maps of the experts and the shared expert
     /// ([`crate::cuda::kernels::fast_moe_gemm::tensor_maps`]); the reference set has none.
     pub maps: Option<DevicePtr>,
+    /// The fast set's UE8M0 copy of the FP4 experts' scales
+    /// ([`crate::cuda::kernels::fast_moe_gemm::scales8_bytes`]); None for the reference set.
+    pub scales8: Option<DevicePtr>,
 }
 
 /// One compressor's per-slot streaming state.
@@ -140,8 +143,9 @@ pub(crate) struct PlannedBuffers {
     weights: Vec<WeightIds>,
     /// Per held layer: w1, w2, w3 code-pointer tables, then s1, s2, s3 scale-pointer tables.
     expert_tables: Vec<[RegionId; 6]>,
-    /// Per held layer, the fast set's tensor map table.
+    /// Per held layer, the fast set's tensor map table and UE8M0 scale table.
     tensor_maps: Vec<Option<RegionId>>,
+    scales8: Vec<Option<RegionId>>,
     inv_freq: Vec<RegionId>,
     hc0_fold: RegionId,
     layer_state: Vec<LayerStateIds>,
@@ -253,6 +257,7 @@ pub(crate) fn plan_model(
     // Derived tensors (rebuilt by finalize / refit from the weights).
     let mut expert_tables = vec![];
     let mut tensor_maps = vec![];
+    let mut scales8 = vec![];
     for l in placement.layers.clone() {
         let mut ids = [RegionId(0); 6];
         for (j, nm) in ["w1", "w2", "w3", "s1", "s2", "s3"].iter().enumerate() {
@@ -276,6 +281,24 @@ pub(crate) fn plan_model(
             })
             .transpose()?;
         tensor_maps.push(maps);
+        // Every expert slot of the table, the shared expert's included (it is read only when
+        // the experts are stored FP4).
+        let scales8_table = (opts.kernel_set() == KernelSetName::Fast)
+            .then(|| {
+                let bytes = fast_moe_gemm::scales8_bytes(
+                    cfg.hidden_size,
+                    cfg.moe_inter,
+                    placement.experts.len() + 1,
+                );
+                plan.declare(
+                    BufferKind::Derived,
+                    format!("derived:layers.{l}.experts.scales_ue8m0"),
+                    Elem::U8,
+                    &[bytes],
+                )
+            })
+            .transpose()?;
+        scales8.push(scales8_table);
     }
     let inv_freq = placement
         .layers
@@ -329,6 +352,7 @@ pub(crate) fn plan_model(
         weights,
         expert_tables,
         tensor_maps,
+        scales8,
         inv_freq,
         hc0_fold,
         layer_state,
@@ -363,9 +387,10 @@ impl PlannedBuffers {
         let experts = self
             .expert_tables
             .iter()
-            .zip(&self.tensor_maps)
-            .map(|(ids, maps)| ExpertTables {
+            .zip(self.tensor_maps.iter().zip(&self.scales8))
+            .map(|(ids, (maps, sc8))| ExpertTables {
                 maps: maps.map(p),
+                scales8: sc8.map(p),
                 w1: p(ids[0]),
                 w2: p(ids[1]),
                 w3: p(ids[2]),

@@ -9,7 +9,7 @@
 
 use crate::config::ScoringFunc;
 use crate::cuda::arena::{self, Arena, ArenaPlan, DevicePtr};
-use crate::cuda::kernels::fast_moe::{FastExperts, FastMoeLayer, FastShared};
+use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared};
 use crate::cuda::kernels::fast_moe_gemm::{self, ExpertMatrices};
 use crate::cuda::kernels::linear::WeightDev;
 use crate::cuda::kernels::moe::{ExpertsDev, RouterParams, Selection};
@@ -113,6 +113,8 @@ pub struct SyntheticMoe {
     pub shared: [WeightDev; 3],
     /// The fast GEMMs' tensor map table (routed experts, then the shared expert).
     pub maps: DevicePtr,
+    /// The fast GEMMs' UE8M0 scale table: built by [`SyntheticMoe::derive_fast`].
+    pub scales8: DevicePtr,
 }
 
 fn hash_table(rng: &mut Rng, sh: &MoeShape, skewed: bool) -> Vec<i32> {
@@ -153,8 +155,10 @@ impl SyntheticMoe {
         for &(r, c) in &shapes {
             sizes.extend([r * c, r.div_ceil(128) * c.div_ceil(128) * 4]);
         }
-        // The fast GEMMs' tensor map table: the routed experts, then the shared expert.
+        // The fast GEMMs' tensor map table and UE8M0 scale table: the routed experts, then the
+        // shared expert.
         sizes.push((e + 1) * fast_moe_gemm::MAPS_PER_EXPERT * fast_moe_gemm::MAP_BYTES);
+        sizes.push(fast_moe_gemm::scales8_bytes(d, i, e + 1));
         let mut plan = ArenaPlan::new();
         let ids: Vec<_> = sizes
             .iter()
@@ -251,6 +255,7 @@ impl SyntheticMoe {
         s.synchronize()?;
         Ok(SyntheticMoe {
             maps,
+            scales8: p[23],
             shape: sh,
             gate: p[0],
             bias: p[1],
@@ -304,6 +309,13 @@ impl SyntheticMoe {
         &t[tok * self.shape.k..(tok + 1) * self.shape.k]
     }
 
+    /// Builds the layer's derived tensors that need a kernel (as finalize does for an engine):
+    /// call once before running the fast layer.
+    pub fn derive_fast(&self, ctx: &Context, fast: &FastMoe, s: BorrowedStream) -> Result<()> {
+        fast.derive(ctx, &self.fast_layer(Routing::TopK, self.tid2eid), s)?;
+        s.synchronize()
+    }
+
     /// The layer as the fast kernels take it.
     pub fn fast_layer(&self, routing: Routing, tokens: DevicePtr) -> FastMoeLayer {
         let sh = &self.shape;
@@ -329,6 +341,7 @@ impl SyntheticMoe {
                 w2: self.shared[1],
             }),
             maps: self.maps,
+            scales8: Some(self.scales8),
             limit: sh.limit,
         }
     }

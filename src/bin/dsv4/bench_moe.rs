@@ -83,6 +83,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
     let fast = FastMoe::new(&reg).map_err(e)?;
     let t0 = Instant::now();
     let layer = SyntheticMoe::new(&ctx, s, sh, 0x5EED).map_err(e)?;
+    layer.derive_fast(&ctx, &fast, s).map_err(e)?;
     eprintln!(
         "bench moe: synthetic layer in {:.1} s",
         t0.elapsed().as_secs_f64()

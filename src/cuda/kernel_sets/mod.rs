@@ -63,6 +63,19 @@ pub trait KernelSet {
     /// The create-option name of the set.
     fn name(&self) -> &'static str;
 
+    /// Rebuilds the derived tensors this set's kernels need and build with a kernel, from the
+    /// weights on the device (finalize and every refit, after the weights and the backend's own
+    /// derived tables are written). None by default.
+    fn rebuild_derived(
+        &self,
+        _ctx: &Context,
+        _cfg: &ModelConfig,
+        _model: &DeviceModel,
+        _stream: BorrowedStream,
+    ) -> Result<()> {
+        Ok(())
+    }
+
     /// Token embeddings into every residual stream.
     fn embed(&self, s: &Step) -> Result<()>;
 

@@ -127,6 +127,9 @@ pub struct FastMoeLayer {
     /// The layer's tensor map table ([`fast_moe_gemm::tensor_maps`]): the local experts', then
     /// the shared expert's.
     pub maps: DevicePtr,
+    /// The layer's UE8M0 scale table ([`fast_moe_gemm::scales8_bytes`], built by
+    /// [`FastMoeGemm::derive_scales8`]); None: the GEMMs read FP4 scales as f32.
+    pub scales8: Option<DevicePtr>,
     /// SwiGLU clamp (0 = none).
     pub limit: f32,
 }
@@ -267,6 +270,17 @@ impl FastMoe {
             gemm: FastMoeGemm::new(reg)?,
             moe: Moe::new(reg)?,
         })
+    }
+
+    /// Rebuilds the layer's derived tensors that need a kernel (its UE8M0 scale table), after its
+    /// weights were written (finalize, refit).
+    pub fn derive(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        self.gemm.derive_scales8(ctx, layer, stream)
     }
 
     /// One MoE layer: `out[t] = MoE(x[t])` for `t` tokens (`x`, `out`: `f32[T, D]`, x's values BF16;

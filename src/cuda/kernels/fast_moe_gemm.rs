@@ -65,7 +65,7 @@ crate::kernel_family! {
         xq: *const u8, xs: *const f32, t: i32, d: i32, i: i32, k: i32, rows: *const i32,
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
         s1: *const u64, s3: *const u64, fmt: i32, shared_fmt: i32,
-        shared_s1: Option<*const f32>, shared_s3: Option<*const f32>,
+        shared_s1: Option<*const f32>, shared_s3: Option<*const f32>, sc8: Option<*const u8>,
         route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32,
     );
     /// GEMM2 into bf16 rows per (token, slot).
@@ -73,7 +73,13 @@ crate::kernel_family! {
     fn fmoe_down_kernel(
         hq: *const u8, hs: *const f32, t: i32, i: i32, d: i32, k: i32, rows: *const i32,
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
-        s2: *const u64, fmt: i32, shared_fmt: i32, shared_s2: Option<*const f32>, y: *mut u16,
+        s2: *const u64, fmt: i32, shared_fmt: i32, shared_s2: Option<*const f32>,
+        sc8: Option<*const u8>, y: *mut u16,
+    );
+    /// A layer's UE8M0 scale table from its FP4 experts' f32 scales ([`scales8_bytes`]).
+    fn fmoe_scales8_kernel(
+        s1: *const u64, s3: *const u64, s2: *const u64, nloc: i32, sh1: Option<*const f32>,
+        sh3: Option<*const f32>, sh2: Option<*const f32>, d: i32, i: i32, table: *mut u8,
     );
 }
 
@@ -82,6 +88,7 @@ crate::launchers! {
     pub struct FastMoeGemm {
         up: fmoe_up_kernel,
         down: fmoe_down_kernel,
+        scales8: fmoe_scales8_kernel,
     }
 }
 
@@ -104,6 +111,50 @@ fn grid(ctx: &Context, items: usize) -> u32 {
 }
 
 impl FastMoeGemm {
+    /// Builds `layer.scales8` (if any) from the f32 scales of its FP4 experts: sets the header's
+    /// flag, then `fmoe_scales8_kernel` writes every byte and clears the flag if a scale is not
+    /// an exact power of two (the GEMMs then read the f32 scales). Finalize and refit run it
+    /// after the weights are written, on `stream`.
+    pub fn derive_scales8(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "fmoe_scales8_kernel";
+        let Some(table) = layer.scales8 else {
+            return Ok(());
+        };
+        let (d, i) = (layer.d, layer.i);
+        let nloc = layer.local.len();
+        let shared_fp4 = layer.shared.filter(|sh| sh.w1.format == StorageFormat::Fp4);
+        let experts = nloc + usize::from(shared_fp4.is_some());
+        need(K, "table", table, scales8_bytes(d, i, experts))?;
+        let _g = ctx.enter()?;
+        let flag = table.slice(0, 4)?;
+        if layer.w1.format != StorageFormat::Fp4 {
+            // Routed experts in FP8: the table is not built (an FP4 shared expert, if any,
+            // reads its scales as f32).
+            return crate::cuda::arena::copy_to_device_sync(flag, &[0i32], stream);
+        }
+        crate::cuda::arena::copy_to_device_sync(flag, &[1i32], stream)?;
+        let threads = experts * (2 * i * d.div_ceil(256) + d * i.div_ceil(256));
+        let args = fmoe_scales8_kernel::Args {
+            s1: layer.w1.scales,
+            s3: layer.w3.scales,
+            s2: layer.w2.scales,
+            nloc: to_i32(K, "nloc", nloc)?,
+            sh1: shared_fp4.and_then(|s| s.w1.scales),
+            sh3: shared_fp4.and_then(|s| s.w3.scales),
+            sh2: shared_fp4.and_then(|s| s.w2.scales),
+            d: to_i32(K, "D", d)?,
+            i: to_i32(K, "I", i)?,
+            table,
+        };
+        self.scales8
+            .launch(threads.div_ceil(256) as u32, 256, 0, stream, args)
+    }
+
     /// `ws.hq`, `ws.hs` = GEMM1 of every routed tile of `ws`'s plan and of the shared expert.
     pub fn up(
         &self,
@@ -142,6 +193,7 @@ impl FastMoeGemm {
             shared_fmt: sh.map_or(0, |s| s.w1.format.code()),
             shared_s1: sh.and_then(|s| s.w1.scales),
             shared_s3: sh.and_then(|s| s.w3.scales),
+            sc8: layer.scales8,
             route_w: ws.weights,
             limit: layer.limit,
             hq: ws.hq,
@@ -191,6 +243,7 @@ impl FastMoeGemm {
             fmt: layer.w2.format.code(),
             shared_fmt: sh.map_or(0, |s| s.w2.format.code()),
             shared_s2: sh.and_then(|s| s.w2.scales),
+            sc8: layer.scales8,
             y: ws.y,
         };
         let _g = ctx.enter()?;
@@ -202,6 +255,21 @@ impl FastMoeGemm {
             args,
         )
     }
+}
+
+/// Header bytes of a UE8M0 scale table (FMOE_SC8_HEADER): its first `i32` is 1 when every scale
+/// in it is exact.
+pub const SCALES8_HEADER: usize = 256;
+
+/// Bytes of a layer's UE8M0 scale table for `experts` experts (the local ones and the shared
+/// expert) of hidden `d` and width `i` (kernels/fast_moe_gemm.cu `fmoe_sc8_expert`): FP4's per-32
+/// scales as one byte each, in 1 KiB blocks of 128 rows x 8 scales per 256 k, so the producer
+/// warp copies a stage's scales with two 1 KiB bulk copies. A derived tensor: a quarter of the f32
+/// scales' bytes, and it cuts the bytes an FP4 expert streams per step by 15% (the f32 scales add
+/// 3 bytes per 32 weights to the 16 of codes and 1 of a UE8M0 scale).
+pub fn scales8_bytes(d: usize, i: usize, experts: usize) -> usize {
+    let matrix = |rows: usize, k: usize| rows / 128 * k.div_ceil(256) * 1024;
+    SCALES8_HEADER + experts * (2 * matrix(i, d) + matrix(d, i))
 }
 
 /// Device addresses of one expert's matrices, as its tensor maps describe them.

@@ -12,12 +12,16 @@ mod workspace;
 
 pub use workspace::{Workspace, WorkspaceIds};
 
+use crate::config::ModelConfig;
+use crate::cuda::device_model::DeviceModel;
 use crate::cuda::kernel_sets::reference::{self, ReferenceSet};
 use crate::cuda::kernel_sets::{Branch, KernelSet, LogitsTarget, Step};
 use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared, Unsupported};
 use crate::cuda::kernels::moe::{RouterParams, Selection};
 use crate::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
 use crate::cuda::registry::{KernelSource, Registry};
+use crate::cuda::stream::BorrowedStream;
+use crate::cuda::{Context, DevicePtr};
 use crate::error::Result;
 use crate::log::{self, Level, log};
 use crate::model::ModelWeights;
@@ -87,12 +91,21 @@ impl std::fmt::Display for Fallback {
     }
 }
 
-/// Layer `l`'s MoE as the fast kernels read it, or why they cannot run it.
+/// Layer `l`'s MoE as the fast kernels read it in forward `s`, or why they cannot run it.
 pub fn moe_layer(s: &Step, l: usize) -> std::result::Result<FastMoeLayer, Fallback> {
-    let cfg = s.cfg;
-    let handles: &ModelWeights = &s.model.handles;
+    moe_layer_of(s.cfg, s.model, s.tokens, l)
+}
+
+/// Layer `l`'s MoE in `model`, hash layers reading token ids at `tokens`.
+fn moe_layer_of(
+    cfg: &ModelConfig,
+    model: &DeviceModel,
+    tokens: DevicePtr,
+    l: usize,
+) -> std::result::Result<FastMoeLayer, Fallback> {
+    let handles: &ModelWeights = &model.handles;
     let lw = &handles.layers[l];
-    let weights = &s.model.weights;
+    let weights = &model.weights;
     let proto = |w: usize| weights[w];
     let first = lw.experts.first().ok_or(Fallback::NoExperts)?;
     let (w1, w2, w3) = (proto(first.w1), proto(first.w2), proto(first.w3));
@@ -119,11 +132,11 @@ pub fn moe_layer(s: &Step, l: usize) -> std::result::Result<FastMoeLayer, Fallba
     ) {
         return Err(Fallback::Kernels(why));
     }
-    let tables = s.model.experts[l];
+    let tables = model.experts[l];
     let selection = match (lw.tid2eid, lw.gate_bias) {
         (Some(tab), _) => Selection::Hash {
             tid2eid: weights[tab].data,
-            tokens: s.tokens,
+            tokens,
             vocab: cfg.vocab_size,
         },
         (None, bias) => Selection::TopK {
@@ -149,6 +162,7 @@ pub fn moe_layer(s: &Step, l: usize) -> std::result::Result<FastMoeLayer, Fallba
         w2: experts(tables.s2, w2),
         shared,
         maps,
+        scales8: tables.scales8,
         limit: cfg.swiglu_limit,
     })
 }
@@ -156,6 +170,23 @@ pub fn moe_layer(s: &Step, l: usize) -> std::result::Result<FastMoeLayer, Fallba
 impl KernelSet for FastSet {
     fn name(&self) -> &'static str {
         "fast"
+    }
+
+    fn rebuild_derived(
+        &self,
+        ctx: &Context,
+        cfg: &ModelConfig,
+        model: &DeviceModel,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        // The token ids are read by routing only, never by the derived tensors.
+        let no_tokens = model.slot_len;
+        for l in 0..model.experts.len() {
+            if let Ok(fl) = moe_layer_of(cfg, model, no_tokens, l) {
+                self.moe.derive(ctx, &fl, stream)?;
+            }
+        }
+        Ok(())
     }
 
     fn embed(&self, s: &Step) -> Result<()> {
