@@ -15,8 +15,9 @@
 // The pipeline. Each block has FMOE_WARPGROUPS consumer warpgroups and one producer warp, joined by a ring
 // of FMOE_STAGES shared-memory slots with a "full" and an "empty" mbarrier each. The producer walks the
 // block's items and their stages in order and fills a slot once its consumers have released it: the weight
-// rows and FP4 scales by TMA (tensor maps of each expert matrix, built at finalize: a few instructions per
-// stage, 128-byte swizzled rows), the tokens' codes and scales (a gather over the plan's rows) and FP8 block
+// rows by TMA (tensor maps of each expert matrix, built at finalize: a few instructions per stage, 128-byte
+// swizzled rows), FP4 scales by bulk copies of the layer's UE8M0 byte table (or TMA of the f32 scales when
+// that table is not exact), the tokens' codes and scales (a gather over the plan's rows) and FP8 block
 // scales by cp.async; the slot's full barrier completes when all of them have landed. So the next item's
 // first stages load while the current item finishes, and no block-wide barrier stalls the stream. A stage is
 // 128 bytes of each of the 256 weight rows (FP4: 256 k, two 128-blocks; FP8: 128 k), FP4's per-32 scales or

@@ -152,8 +152,8 @@ impl CudaBackend {
         })
     }
 
-    /// Uploads weights, builds derived tables (expert pointer tables, RoPE frequencies),
-    /// resets the decode state and loads the kernel set. Idempotent; blocks the host (this
+    /// Loads the kernel set, uploads weights, builds derived tables (expert pointer tables,
+    /// RoPE frequencies, the fast set's tensor maps and scale tables), resets the decode state. Idempotent; blocks the host (this
     /// is not forward). Pointers never change.
     fn finalize_on(&mut self, store: &WeightStore, stream: BorrowedStream) -> Result<()> {
         let _g = self.ctx.enter()?;

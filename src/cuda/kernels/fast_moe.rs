@@ -337,51 +337,43 @@ impl FastMoe {
         let (bias, tid2eid, toks) = layer.selection.kernel_args(K, t, e, k)?;
         let _g = ctx.enter()?;
         let scoring = moe::scoring_code(layer.router.scoring);
+        // Both router kernels take the same arguments.
+        macro_rules! logits_args {
+            ($kernel:ident) => {
+                $kernel::Args {
+                    x,
+                    t: t32,
+                    d: d32,
+                    e: e32,
+                    gate: layer.gate,
+                    scoring,
+                    scores: ws.logits,
+                    xq: ws.xq,
+                    xs: ws.xs,
+                }
+            };
+        }
         if t >= WIDE_MIN_TOKENS {
-            self.route.logits_wide.launch(
-                (
-                    e.div_ceil(WIDE_WARPS * WIDE_EPW) as u32,
-                    t.div_ceil(WIDE_TOKENS) as u32,
-                    1,
-                ),
-                (WIDE_WARPS * 32) as u32,
-                0,
-                stream,
-                fmoe_logits_wide_kernel::Args {
-                    x,
-                    t: t32,
-                    d: d32,
-                    e: e32,
-                    gate: layer.gate,
-                    scoring,
-                    scores: ws.logits,
-                    xq: ws.xq,
-                    xs: ws.xs,
-                },
-            )?;
+            let grid = (
+                e.div_ceil(WIDE_WARPS * WIDE_EPW) as u32,
+                t.div_ceil(WIDE_TOKENS) as u32,
+                1,
+            );
+            let args = logits_args!(fmoe_logits_wide_kernel);
+            let block = (WIDE_WARPS * 32) as u32;
+            self.route
+                .logits_wide
+                .launch(grid, block, 0, stream, args)?;
         } else {
-            self.route.logits.launch(
-                (
-                    e.div_ceil(LOGIT_EXPERTS)
-                        .max((d / 128).div_ceil(LOGIT_WARPS)) as u32,
-                    t.div_ceil(LOGIT_TOKENS) as u32,
-                    1,
-                ),
-                (LOGIT_WARPS * 32) as u32,
-                0,
-                stream,
-                fmoe_logits_kernel::Args {
-                    x,
-                    t: t32,
-                    d: d32,
-                    e: e32,
-                    gate: layer.gate,
-                    scoring,
-                    scores: ws.logits,
-                    xq: ws.xq,
-                    xs: ws.xs,
-                },
-            )?;
+            let grid = (
+                e.div_ceil(LOGIT_EXPERTS)
+                    .max((d / 128).div_ceil(LOGIT_WARPS)) as u32,
+                t.div_ceil(LOGIT_TOKENS) as u32,
+                1,
+            );
+            let args = logits_args!(fmoe_logits_kernel);
+            let block = (LOGIT_WARPS * 32) as u32;
+            self.route.logits.launch(grid, block, 0, stream, args)?;
         }
         let r = &layer.router;
         self.route.select.launch(
