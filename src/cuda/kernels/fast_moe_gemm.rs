@@ -393,3 +393,25 @@ fn encode_2d(
     let bytes: [u8; MAP_BYTES] = unsafe { std::mem::transmute(map) };
     Ok(bytes)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The UE8M0 table holds one byte per 32 weights of w1, w3 and w2 when the widths are
+    /// multiples of 256; a width that ends in a half stage (K % 256 == 128) pads that stage's
+    /// 8 bytes a row, and rows come in blocks of 128.
+    #[test]
+    fn scale_table_is_one_byte_per_32_weights_plus_half_stage_padding() {
+        let (d, i) = (4096, 2048);
+        assert_eq!(
+            scales8_bytes(d, i, 7) - SCALES8_HEADER,
+            7 * 3 * d * i / 32,
+            "Flash shapes: exactly the UE8M0 bytes"
+        );
+        // 384 = one full and one half stage: 16 scale slots a row where 12 are used.
+        let (d, i) = (384, 384);
+        assert_eq!(scales8_bytes(d, i, 2) - SCALES8_HEADER, 2 * 3 * 384 * 16);
+        assert_eq!(scales8_bytes(d, i, 0), SCALES8_HEADER);
+    }
+}
