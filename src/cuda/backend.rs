@@ -153,8 +153,8 @@ impl CudaBackend {
     }
 
     /// Loads the kernel set, uploads weights, builds derived tables (expert pointer tables,
-    /// RoPE frequencies, the fast set's tensor maps and scale tables), resets the decode state. Idempotent; blocks the host (this
-    /// is not forward). Pointers never change.
+    /// RoPE frequencies, the fast set's tensor maps and scale tables), resets the decode
+    /// state. Idempotent; blocks the host (this is not forward). Pointers never change.
     fn finalize_on(&mut self, store: &WeightStore, stream: BorrowedStream) -> Result<()> {
         let _g = self.ctx.enter()?;
         if self.registry.is_none() {

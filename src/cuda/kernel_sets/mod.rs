@@ -63,9 +63,9 @@ pub trait KernelSet {
     /// The create-option name of the set.
     fn name(&self) -> &'static str;
 
-    /// Rebuilds the derived tensors this set's kernels need and build with a kernel, from the
-    /// weights on the device (finalize and every refit, after the weights and the backend's own
-    /// derived tables are written). None by default.
+    /// Rebuilds the derived tensors that only this set's kernels read and that a kernel builds
+    /// from the weights on the device (finalize and every refit, after the weights and the
+    /// backend's own derived tables are written). None by default.
     fn rebuild_derived(
         &self,
         _ctx: &Context,

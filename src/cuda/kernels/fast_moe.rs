@@ -14,8 +14,8 @@
 //! Six launches, no host sync, nothing allocated: the workspace is sized at create for
 //! `max_num_tokens`. Experts are read in their stored layout (FP4 e2m1 with f32 per-32 scales, or
 //! FP8 e4m3 with f32 128x128 block scales) through the per-layer tensor maps and scale tables the
-//! backend rebuilds at finalize and refit. A layer the kernels cannot run ([`FastMoeLayer::unsupported`])
-//! runs the reference kernels instead.
+//! backend rebuilds at finalize and refit. A layer the kernels cannot run
+//! ([`FastMoeLayer::unsupported`]) runs the reference kernels instead.
 
 use super::fast_moe_gemm::{self, FastMoeGemm};
 use super::linear::WeightDev;
