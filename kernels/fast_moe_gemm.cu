@@ -38,6 +38,7 @@
 // that the B rows a wgmma reads match the k of the A fragments the FP4 bit move produces.
 #include "common.cuh"
 #include "fp8_mma.cuh"
+#include "fast_moe_common.cuh"
 
 // FMOE_TOKENS, FMOE_WARPGROUPS, FMOE_STAGES, FMOE_UP_J, FMOE_DOWN_ROWS, FMOE_SMEM_BYTES and the tensor map
 // table's layout (FMOE_MAP_*) come from dsv4_consts.cuh (src/cuda/kernels/fast_moe_gemm.rs).
@@ -67,12 +68,6 @@ static_assert(FMOE_TOKENS == 16, "fast_moe_gemm: the B operand layout assumes 16
 static_assert(FMOE_ROWS == 2 * FMOE_UP_J && FMOE_ROWS == FMOE_DOWN_ROWS && FMOE_ROWS == 2 * FMOE_BOX_ROWS,
               "fast_moe_gemm: items are two boxes of 128 weight rows");
 static_assert(FMOE_MAP_BYTES == 128, "fast_moe_gemm: a CUtensorMap is 128 bytes");
-
-// Rust's f32::clamp(v, -l, l): NaN stays NaN.
-DSV4_INLINE float fmoe_clamp_sym(float v, float l) { return v < -l ? -l : (v > l ? l : v); }
-
-// x · sigmoid(x) in f32 (IEEE expf and division: no fast math).
-DSV4_INLINE float fmoe_silu(float x) { return x / (1.0f + expf(-x)); }
 
 // One work item.
 struct FmoeItem {
@@ -111,17 +106,6 @@ struct FmoeArgs {
   const unsigned char* sc8;
   int D, I;  // the layer's hidden and expert widths (the table's layout)
 };
-
-// Stages of an item: FP4 256 k each (the last one 128 when K % 256 == 128), FP8 128 k each.
-DSV4_INLINE int fmoe_stages(bool fp4, int K) { return fp4 ? (K + 255) / 256 : K / 128; }
-
-// The UE8M0 scale table's layout (fmoe_scales8_kernel): after a header of FMOE_SC8_HEADER bytes (its first
-// int: 1 when every scale is exact), per expert (the local ones, then the shared expert) the matrices w1
-// [I][D], w3 [I][D], w2 [D][I]; per matrix of R rows and K columns, per 128-row block rb and stage kb (256 k)
-// 1 KiB: row rb·128 + r's 8 scales of k 256·kb .. at 8·r (those past K read 127, i.e. 1.0).
-#define FMOE_SC8_HEADER 256
-DSV4_INLINE long long fmoe_sc8_matrix(int R, int K) { return (long long)(R / 128) * fmoe_stages(true, K) * 1024; }
-DSV4_INLINE long long fmoe_sc8_expert(int D, int I) { return 2 * fmoe_sc8_matrix(I, D) + fmoe_sc8_matrix(D, I); }
 
 DSV4_INLINE int fmoe_rblocks(bool up, int N) { return up ? N / FMOE_UP_J : (N + FMOE_DOWN_ROWS - 1) / FMOE_DOWN_ROWS; }
 
@@ -191,9 +175,6 @@ DSV4_INLINE int fmoe_act_row(const FmoeArgs& a, const FmoeItem& it, int c) {
 DSV4_INLINE int fmoe_out_row(const FmoeArgs& a, const FmoeItem& it, int c) {
   return it.shared ? a.T * a.k + it.start + c : a.rows[it.start + c];
 }
-
-// 128-blocks of K in stage kb.
-DSV4_INLINE int fmoe_stage_blocks(bool fp4, int K, int kb) { return fp4 ? min(2, K / 128 - 2 * kb) : 1; }
 
 // The ring's barriers: full[s] then empty[s], 8 bytes each, after the slots and the epilogue buffers.
 DSV4_INLINE unsigned fmoe_full(unsigned smem, int s) { return smem + FMOE_BARS + 8 * s; }
@@ -298,9 +279,7 @@ DSV4_INLINE void fmoe_promote(float (&blk)[8], const float (&d)[8], float s0, fl
 }
 
 // The thread's A fragment of k32 step q of its warp's 16 rows, e4m3 codes in the order fmoe's activations
-// use. FP4: `frag` holds the ldmatrix words of steps q & ~1 and q | 1. FP8: `la` is the thread's address in
-// row g at k32 step 0 (fmoe_compute_stage); row g + 8 is 8 rows (1024 bytes) on, and step q's 32 bytes are
-// chunks 2q, 2q + 1 of the row: the swizzle XORs the chunk index, so step q XORs the address by q << 5.
+// use. FP4: `frag` holds the ldmatrix words of steps q & ~1 and q | 1. FP8: fmoe_fp8_a_frag.
 template <bool FP4>
 DSV4_INLINE void fmoe_a_frag(unsigned la, const unsigned (&frag)[4], int q, unsigned (&a)[4]) {
   if (FP4) {
@@ -308,12 +287,7 @@ DSV4_INLINE void fmoe_a_frag(unsigned la, const unsigned (&frag)[4], int q, unsi
     e2m1x8_to_e4m3_eo(frag[h], a[0], a[2]);      // row g: k 4t.. (even elements), 16 + 4t.. (odd)
     e2m1x8_to_e4m3_eo(frag[h + 1], a[1], a[3]);  // row g + 8
   } else {
-    const uint2 u0 = lds_u64(la ^ (unsigned)(q << 5));
-    const uint2 u8 = lds_u64((la + 8 * FMOE_RB) ^ (unsigned)(q << 5));
-    a[0] = __byte_perm(u0.x, u0.y, 0x6420);
-    a[2] = __byte_perm(u0.x, u0.y, 0x7531);
-    a[1] = __byte_perm(u8.x, u8.y, 0x6420);
-    a[3] = __byte_perm(u8.x, u8.y, 0x7531);
+    fmoe_fp8_a_frag(la, q, a);
   }
 }
 
@@ -414,9 +388,7 @@ DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, int K, int kb, bool
       }
     }
   } else {
-    // Thread (g, t) reads bytes 8t .. 8t + 7 of step 0: chunk t >> 1 of row g, half t & 1.
-    const unsigned row = smem_addr(st) + (r16 + g) * FMOE_RB;
-    const unsigned la = row | ((unsigned)((t >> 1) ^ g) << 4) | (8u * (t & 1));
+    const unsigned la = fmoe_fp8_a_addr(smem_addr(st) + (r16 + g) * FMOE_RB, g, t);
     const float sw = sc[r16 >= 128 ? 1 : 0];  // the 128x128 block scale of the warp's rows
     const float s0[4] = {sw, sw, sw, sw};
     fmoe_block<false, NT8>(la, 0, s0, s0, act, as, acc);
@@ -468,23 +440,15 @@ DSV4_INLINE void fmoe_up_quant(const FmoeArgs& a, const FmoeItem& it, const floa
   float m = 0.0f;
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
-    float gg = gs[c], uu = us[c];
-    if (limit > 0.0f) {
-      gg = fminf(gg, limit);
-      uu = fmoe_clamp_sym(uu, limit);
-    }
-    float h = fmoe_silu(gg) * uu;
-    if (!it.shared) h = h * wt;
-    hv[c] = round_bf16(h);
+    hv[c] = fmoe_h_value(gs[c], us[c], wt, limit, !it.shared);
     m = fmaxf(m, fabsf(hv[c]));
   }
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o, 16));
   if (i < it.n) {
-    const float s = ue8m0_scale(fmaxf(m, 1e-4f), DSV4_E4M3_MAX);
+    const float s = fmoe_h_scale(m);
     unsigned codes[8];
-#pragma unroll
-    for (int c = 0; c < 8; ++c) codes[c] = e4m3_code_rn(fmoe_clamp_sym(hv[c] / s, DSV4_E4M3_MAX));
+    fmoe_h_codes8(hv, s, codes);
     const long long orow = fmoe_out_row(a, it, i);
     unsigned char* dst = out_q + orow * a.N + it.row0 + 32 * (c16 >> 2);
     store_fragment_order8(dst, c16 & 3, codes);
@@ -503,16 +467,13 @@ DSV4_INLINE void fmoe_down_store(const FmoeArgs& a, const FmoeItem& it, const fl
   }
 }
 
-// The data of a UE8M0 scale table whose header says every scale is exact, else NULL.
-DSV4_INLINE const unsigned char* fmoe_sc8_data(const unsigned char* table) {
-  return table != nullptr && *reinterpret_cast<const int*>(table) != 0 ? table + FMOE_SC8_HEADER : nullptr;
-}
-
 // Builds a layer's UE8M0 scale table (layout: fmoe_sc8_expert) from the f32 per-32 scales of its FP4
 // experts: s1/s3/s2 the local experts' scale addresses ([nloc]), sh1/sh3/sh2 the shared expert's (NULL
 // when it has none or it is not FP4). One thread per (expert, matrix, row, stage): 8 bytes. A scale that
-// is not exactly 2^(e - 127) with 1 <= e <= 254 clears the header's flag (the GEMMs then read the f32
-// scales); the caller sets it to 1 first. Deterministic: every byte has one writer, the flag only falls.
+// is not exactly 2^(e - 127) with 1 <= e <= 254 clears the header's FMOE_SC8_EXACT flag (the GEMMs then
+// read the f32 scales); a 128-block whose four exponents span more than FMOE_FOLD_SPAN clears
+// FMOE_SC8_FOLDABLE (the prefill GEMMs then promote every k32). The caller sets both to 1 first.
+// Deterministic: every byte has one writer, the flags only fall.
 extern "C" __global__ void fmoe_scales8_kernel(const unsigned long long* s1, const unsigned long long* s3,
                                                const unsigned long long* s2, int nloc, const float* sh1,
                                                const float* sh3, const float* sh2, int D, int I,
@@ -540,7 +501,8 @@ extern "C" __global__ void fmoe_scales8_kernel(const unsigned long long* s1, con
   unsigned char* dst = table + FMOE_SC8_HEADER + x * fmoe_sc8_expert(D, I) + m * fmoe_sc8_matrix(I, D) +
                        ((long long)(row / 128) * S + kb) * 1024 + (row % 128) * 8;
   unsigned bytes[2] = {0u, 0u};
-  bool exact = true;
+  bool exact = true, foldable = true;
+  unsigned lo = 255, hi = 0;  // the exponents of the current 128-block
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
     unsigned e = 127;
@@ -551,11 +513,19 @@ extern "C" __global__ void fmoe_scales8_kernel(const unsigned long long* s1, con
         exact = false;
         e = 127;
       }
+      lo = min(lo, e);
+      hi = max(hi, e);
     }
     bytes[s / 4] |= e << (8 * (s % 4));
+    if (s % 4 == 3) {
+      if (hi >= lo && hi - lo > FMOE_FOLD_SPAN) foldable = false;
+      lo = 255, hi = 0;
+    }
   }
   *reinterpret_cast<uint2*>(dst) = make_uint2(bytes[0], bytes[1]);
-  if (!exact) atomicAnd(reinterpret_cast<int*>(table), 0);
+  int* flags = reinterpret_cast<int*>(table);
+  if (!exact) atomicAnd(flags + FMOE_SC8_EXACT, 0);
+  if (!foldable) atomicAnd(flags + FMOE_SC8_FOLDABLE, 0);
 }
 
 // Shared body of both kernels. UP: K = D, weight rows j of W1/W3 (N = I of them), act = xq [T][D] with xs;

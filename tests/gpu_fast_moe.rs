@@ -13,9 +13,11 @@
 //!   the sum of their bounds (checked on the host in f64). Weights of agreeing tokens: the same
 //!   selected scores up to that error, so |Δw| ≤ 2⁻¹⁰·w (renormalised by a sum of six).
 //! - The expert path, on the reference's routing (so only the arithmetic differs): FP8 wgmma
-//!   products, each k32 product promoted to f32 (kernels/fast_moe_gemm.cu). The tensor core keeps
-//!   fewer accumulator bits than f32: its error is ≤ 2⁻¹⁰ of the 32-term Σ|w·x| (asserted by
-//!   gpu_wgmma_probe, measured ≈ 2⁻¹¹·⁵), so g and u carry ≤ 2⁻¹⁰·Σ_k |w_k·x_k|, small against
+//!   products promoted to f32 every k32 (decode path, kernels/fast_moe_gemm.cu) or every k128
+//!   (prefill path, kernels/fast_moe_wide.cu, FP4 scales folded into the codes exactly). The
+//!   tensor core keeps fewer accumulator bits than f32: its error is ≤ 2⁻¹⁰ of the 32-term
+//!   Σ|w·x| (asserted by gpu_wgmma_probe, measured ≈ 2⁻¹¹·⁵), four such sums on the prefill
+//!   path, so g and u carry ≤ 2⁻¹⁰·Σ_k |w_k·x_k| (2⁻⁸ on the prefill path), small against
 //!   |g| except where the sum cancels. A bf16 rounding of g, v or h may then flip, and a flipped
 //!   h moves its FP8 code by one e4m3 step (≤ 2⁻³ of the value); where silu(g)·u nearly cancels,
 //!   the carried error can exceed a step of that small code. So: every h code agrees, or differs
@@ -30,6 +32,9 @@
 //!   one).
 //! - The whole fast layer (its own routing): outputs of tokens whose selection agrees, same
 //!   bound; and two runs are bit-identical (no order-dependent atomics).
+//! - Both GEMM paths: the Flash cases take the one the layer picks by B; the small shape runs
+//!   every case on both, with the FP4 scales as UE8M0 bytes folded into the codes, as bytes that
+//!   cannot be folded (one 128-block spanning 2^16), and as f32.
 //!
 //! Without a CUDA device every test prints `skipped: no CUDA device`.
 
@@ -40,7 +45,8 @@ use common::rig::{Rig, RigOptions, Step};
 use common::rng::{Rng, tokens};
 use dsv4::cuda::arena::{self, Arena, ArenaPlan};
 use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeLayer, FastMoeWorkspace};
-use dsv4::cuda::kernels::fast_moe_gemm;
+use dsv4::cuda::kernels::fast_moe_gemm::{self, GemmPath};
+use dsv4::cuda::kernels::fast_moe_wide;
 use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat};
 use dsv4::cuda::kernels::moe::{self, Moe, MoePlan};
 use dsv4::cuda::synthetic_moe::{HOT_EXPERT, MoeShape, Routing, SyntheticMoe};
@@ -92,6 +98,7 @@ fn env() -> Option<&'static Env> {
         &moe::SOURCE,
         &fast_moe::SOURCE,
         &fast_moe_gemm::SOURCE,
+        &fast_moe_wide::SOURCE,
     ])?;
     Some(ENV.get_or_init(|| {
         print_kernel_resources(&g.reg);
@@ -365,6 +372,7 @@ fn fast(
     b: &Batch,
     r: Routing,
     routing: Option<(&[i32], &[f32])>,
+    path: GemmPath,
     s: BorrowedStream,
 ) -> FastOut {
     let Dims { D, I, K, .. } = dims(&l.shape);
@@ -375,7 +383,7 @@ fn fast(
         put(ctx, b.ws.ids, ids, s);
         put(ctx, b.ws.weights, w, s);
     }
-    e.fast.experts(ctx, &fl, t, &b.ws, s).unwrap();
+    e.fast.experts_on(ctx, &fl, t, &b.ws, path, s).unwrap();
     e.fast.combine(ctx, &fl, t, &b.ws, b.out, s).unwrap();
     let rows = t * K + t;
     let xq: Vec<u8> = get(ctx, b.ws.xq, t * D, s);
@@ -571,15 +579,41 @@ fn inputs(rng: &mut Rng, sh: &MoeShape, t: usize) -> (Vec<f32>, Vec<i32>) {
 /// How the layer's FP4 scales reach the GEMMs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Scales {
-    /// Every scale is a power of two (as UE8M0 checkpoints give): the UE8M0 byte table.
+    /// Every scale is a power of two (as UE8M0 checkpoints give) and the four of each 128-block
+    /// are within 2^12 of each other: the UE8M0 byte table, folded into the codes on the prefill
+    /// path.
     Bytes,
+    /// One scale of expert 0's w1 is 2^-16 times what it was: still bytes, but its 128-block
+    /// cannot be folded, so the prefill path promotes every k32.
+    Unfoldable,
     /// One scale of expert 0's w1 is not a power of two: the derive step must notice, and the
     /// GEMMs read every scale as f32 through the tensor maps.
     F32,
 }
 
-/// Runs `cases` (B, routing) on one layer of shape `sh`: both routings' checks (module doc).
-fn run_cases(sh: MoeShape, scales: Scales, cases: &[(usize, Routing)]) {
+impl Scales {
+    /// The scale table's header flags the derive step must set: (exact, foldable).
+    fn flags(self) -> [i32; 2] {
+        match self {
+            Scales::Bytes => [1, 1],
+            Scales::Unfoldable => [1, 0],
+            Scales::F32 => [0, 1],
+        }
+    }
+}
+
+/// Which GEMM paths a case runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Paths {
+    /// The one the layer picks for B ([`GemmPath::for_tokens`]).
+    Auto,
+    /// Decode, then prefill.
+    Both,
+}
+
+/// Runs `cases` (B, routing) on one layer of shape `sh`: both routings' checks (module doc), on
+/// each path of `paths`.
+fn run_cases(sh: MoeShape, scales: Scales, paths: Paths, cases: &[(usize, Routing)]) {
     let Some(e) = env() else {
         return;
     };
@@ -587,74 +621,102 @@ fn run_cases(sh: MoeShape, scales: Scales, cases: &[(usize, Routing)]) {
     let stream = OwnedStream::new(e.ctx).unwrap();
     let s = stream.borrow();
     let l = SyntheticMoe::new(e.ctx, s, sh, rng.u64()).unwrap();
-    if scales == Scales::F32 {
-        // Expert 0's w1 scale (row 0, k 0..31) times 0.75: still a valid f32 scale for the
-        // reference kernels, no longer a UE8M0 value.
+    if scales != Scales::Bytes {
+        // Expert 0's w1 scale (row 0, k 0..31) times 0.75 (not a UE8M0 value) or 2^-16 (a
+        // 128-block spanning 2^16): still a valid f32 scale for the reference kernels.
         let table = l.routed[0].scales.unwrap();
         let addr = get::<u64>(e.ctx, table, 1, s)[0];
         // SAFETY: the address is expert 0's scale array inside the layer's arena, alive with `l`.
         let first = unsafe { DevicePtr::from_raw(addr, 4) };
         let v = get::<f32>(e.ctx, first, 1, s)[0];
-        put(e.ctx, first, &[v * 0.75], s);
+        let factor = if scales == Scales::F32 {
+            0.75
+        } else {
+            2f32.powi(-16)
+        };
+        put(e.ctx, first, &[v * factor], s);
     }
     l.derive_fast(e.ctx, &e.fast, s).unwrap();
-    let flag = get::<i32>(e.ctx, l.scales8.slice(0, 4).unwrap(), 1, s)[0];
+    let flags = get::<i32>(e.ctx, l.scales8.slice(0, 8).unwrap(), 2, s);
     assert_eq!(
-        flag,
-        i32::from(scales == Scales::Bytes),
-        "UE8M0 scale table's exactness flag ({scales:?})"
+        flags,
+        scales.flags(),
+        "UE8M0 scale table's flags (exact, foldable) for {scales:?}"
     );
     for &(t, r) in cases {
-        let what = format!("{}x{} B = {t}, {r:?}", sh.d, sh.i);
         let (x, tokens) = inputs(&mut rng, &sh, t);
         let b = batch(e, &sh, t, &x, &tokens, s);
         let rf = reference(e, &l, &b, r, s);
-        // 1. The fast layer on its own routing, twice: bit-identical.
-        let f1 = fast(e, &l, &b, r, None, s);
-        let f2 = fast(e, &l, &b, r, None, s);
-        assert!(
-            f1.out
-                .iter()
-                .zip(&f2.out)
-                .all(|(a, b)| a.to_bits() == b.to_bits())
-                && f1
-                    .hq
-                    .iter()
-                    .zip(&f2.hq)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{what}: two runs differ"
-        );
-        assert!(
-            f1.xq
-                .iter()
-                .zip(&rf.xq)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{what}: x's FP8 quantisation differs from act_quant"
-        );
-        let agree = check_routing(&what, &l, &x, r, &f1, &rf);
-        if r == Routing::HashSkewed {
-            let hot = f1.ids.iter().filter(|&&i| i == HOT_EXPERT as i32).count();
-            println!("{what}: expert {HOT_EXPERT} takes {hot} of {t} tokens");
+        let on: &[GemmPath] = match paths {
+            Paths::Auto => &[GemmPath::for_tokens(t)],
+            Paths::Both => &[GemmPath::Decode, GemmPath::Prefill],
+        };
+        for &path in on {
+            let what = format!("{}x{} B = {t}, {r:?}, {path:?} path", sh.d, sh.i);
+            check_case(e, &l, &b, &x, r, path, &rf, &what, s);
         }
-        // 2. On the reference's routing: every token compares.
-        let f3 = fast(e, &l, &b, r, Some((&rf.ids, &rf.weights)), s);
-        // Where the output error comes from: the down GEMM's arithmetic, or differing h codes.
-        let n = t * sh.k;
-        let via_h = reference_down_on(e, &l, &b, &f3.hq[..n * sh.i], &f3.hq[n * sh.i..], s);
-        let (dm, da) = rel_l2(&f3.out, &via_h, sh.d);
-        let (hm, ha) = rel_l2(&via_h, &rf.out, sh.d);
-        println!(
-            "{what}: output error from the fast down GEMM max {dm:.3e} mean {da:.3e}; from differing h codes max {hm:.3e} mean {ha:.3e}"
-        );
-        check_experts(&format!("{what}, own routing"), &sh, &f1, &rf, &agree);
-        check_experts(
-            &format!("{what}, reference routing"),
-            &sh,
-            &f3,
-            &rf,
-            &vec![true; t],
-        );
     }
+}
+
+/// One case on one path (module doc).
+#[allow(clippy::too_many_arguments)]
+fn check_case(
+    e: &Env,
+    l: &SyntheticMoe,
+    b: &Batch,
+    x: &[f32],
+    r: Routing,
+    path: GemmPath,
+    rf: &RefOut,
+    what: &str,
+    s: BorrowedStream,
+) {
+    let (sh, t) = (l.shape, b.t);
+    // 1. The fast layer on its own routing, twice: bit-identical.
+    let f1 = fast(e, l, b, r, None, path, s);
+    let f2 = fast(e, l, b, r, None, path, s);
+    assert!(
+        f1.out
+            .iter()
+            .zip(&f2.out)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+            && f1
+                .hq
+                .iter()
+                .zip(&f2.hq)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{what}: two runs differ"
+    );
+    assert!(
+        f1.xq
+            .iter()
+            .zip(&rf.xq)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{what}: x's FP8 quantisation differs from act_quant"
+    );
+    let agree = check_routing(what, l, x, r, &f1, rf);
+    if r == Routing::HashSkewed {
+        let hot = f1.ids.iter().filter(|&&i| i == HOT_EXPERT as i32).count();
+        println!("{what}: expert {HOT_EXPERT} takes {hot} of {t} tokens");
+    }
+    // 2. On the reference's routing: every token compares.
+    let f3 = fast(e, l, b, r, Some((&rf.ids, &rf.weights)), path, s);
+    // Where the output error comes from: the down GEMM's arithmetic, or differing h codes.
+    let n = t * sh.k;
+    let via_h = reference_down_on(e, l, b, &f3.hq[..n * sh.i], &f3.hq[n * sh.i..], s);
+    let (dm, da) = rel_l2(&f3.out, &via_h, sh.d);
+    let (hm, ha) = rel_l2(&via_h, &rf.out, sh.d);
+    println!(
+        "{what}: output error from the fast down GEMM max {dm:.3e} mean {da:.3e}; from differing h codes max {hm:.3e} mean {ha:.3e}"
+    );
+    check_experts(&format!("{what}, own routing"), &sh, &f1, rf, &agree);
+    check_experts(
+        &format!("{what}, reference routing"),
+        &sh,
+        &f3,
+        rf,
+        &vec![true; t],
+    );
 }
 
 /// Every batch size and routing of the issue, one layer of weights (4 GB) for all of them.
@@ -663,6 +725,7 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
     run_cases(
         MoeShape::FLASH,
         Scales::Bytes,
+        Paths::Auto,
         &[
             (1, Routing::TopK),
             (1, Routing::Hash),
@@ -684,6 +747,7 @@ fn fast_moe_matches_the_reference_kernels_at_odd_widths() {
     run_cases(
         SMALL,
         Scales::Bytes,
+        Paths::Both,
         &[
             (1, Routing::TopK),
             (5, Routing::Hash),
@@ -701,11 +765,24 @@ fn fast_moe_reads_f32_scales_when_one_is_not_a_power_of_two() {
     run_cases(
         SMALL,
         Scales::F32,
+        Paths::Both,
         &[
             (1, Routing::TopK),
             (64, Routing::TopK),
             (300, Routing::HashSkewed),
         ],
+    );
+}
+
+/// UE8M0 scales too far apart to fold into the e4m3 codes: the prefill path promotes every k32,
+/// and still matches.
+#[test]
+fn fast_moe_promotes_every_k32_when_scales_cannot_be_folded() {
+    run_cases(
+        SMALL,
+        Scales::Unfoldable,
+        Paths::Both,
+        &[(7, Routing::TopK), (300, Routing::HashSkewed)],
     );
 }
 

@@ -5,7 +5,8 @@
 //! CUBIN cache key).
 
 use super::kernels::{
-    attention, batch, compressor, fast_moe, fast_moe_gemm, indexer, linear, mhc, moe, norm_rope,
+    attention, batch, compressor, fast_moe, fast_moe_gemm, fast_moe_wide, indexer, linear, mhc,
+    moe, norm_rope,
 };
 use super::smoke;
 use crate::config::ScoringFunc;
@@ -97,6 +98,10 @@ pub const SHARED: &[Shared] = shared! {
     "FMOE_MAP_S1" = Int(fast_moe_gemm::Map::S1 as i64) from "fast_moe_gemm::Map::S1";
     "FMOE_MAP_S3" = Int(fast_moe_gemm::Map::S3 as i64) from "fast_moe_gemm::Map::S3";
     "FMOE_MAP_S2" = Int(fast_moe_gemm::Map::S2 as i64) from "fast_moe_gemm::Map::S2";
+    // fast_moe_wide.cu.
+    "FMW_TOKENS" = Int(fast_moe_wide::TOKENS as i64) from "fast_moe_wide::TOKENS";
+    "FMW_STAGES" = Int(fast_moe_wide::STAGES as i64) from "fast_moe_wide::STAGES";
+    "FMW_SMEM_BYTES" = Int(fast_moe_wide::SMEM_BYTES as i64) from "fast_moe_wide::SMEM_BYTES";
     // attention.cu, compressor.cu, indexer.cu, mhc.cu.
     "ATTN_MAX_CPT" = Int(attention::ATTN_MAX_CHANNELS_PER_THREAD as i64)
         from "attention::ATTN_MAX_CHANNELS_PER_THREAD";

@@ -54,13 +54,17 @@ pub struct KernelSource {
 /// Headers every family may `#include "<name>"`, injected into NVRTC (no include path):
 /// the files in kernels/ and `dsv4_consts.cuh`, generated from Rust ([`super::consts`]).
 /// Their contents are part of every family's cache key.
-pub fn headers() -> [(&'static str, &'static str); 5] {
+pub fn headers() -> [(&'static str, &'static str); 6] {
     [
         (super::consts::HEADER_NAME, super::consts::header()),
         ("common.cuh", include_str!("../../kernels/common.cuh")),
         ("ref_math.cuh", include_str!("../../kernels/ref_math.cuh")),
         ("gemm_core.cuh", include_str!("../../kernels/gemm_core.cuh")),
         ("fp8_mma.cuh", include_str!("../../kernels/fp8_mma.cuh")),
+        (
+            "fast_moe_common.cuh",
+            include_str!("../../kernels/fast_moe_common.cuh"),
+        ),
     ]
 }
 

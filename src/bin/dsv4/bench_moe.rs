@@ -16,7 +16,8 @@ use dsv4::cuda::arena::{self, Arena, ArenaPlan, DevicePtr};
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
 use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeWorkspace};
-use dsv4::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES, fast_moe_gemm, moe::MoePlan};
+use dsv4::cuda::kernels::fast_moe_gemm::{self, GemmPath};
+use dsv4::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES, moe::MoePlan};
 use dsv4::cuda::registry::{KernelCache, Registry};
 use dsv4::cuda::stream::OwnedStream;
 use dsv4::cuda::synthetic_moe::{HOT_EXPERT, MoeShape, Rng, Routing, SyntheticMoe};
@@ -26,6 +27,8 @@ pub struct MoeBench {
     pub device: i32,
     pub batches: Vec<usize>,
     pub routings: Vec<Routing>,
+    /// The expert GEMMs' paths to time: `None` is the layer's own choice by B.
+    pub paths: Vec<Option<GemmPath>>,
     /// Where to write each case's expert ids (`i32[B, k]` of the first input batch) for the
     /// PyTorch baseline.
     pub ids_dir: Option<PathBuf>,
@@ -40,6 +43,24 @@ pub fn parse_routings(v: &str) -> Result<Vec<Routing>, String> {
             o => Err(format!("--routing takes uniform, skewed, topk; got `{o}`")),
         })
         .collect()
+}
+
+pub fn parse_paths(v: &str) -> Result<Vec<Option<GemmPath>>, String> {
+    v.split(',')
+        .map(|p| match p.trim() {
+            "auto" => Ok(None),
+            "decode" => Ok(Some(GemmPath::Decode)),
+            "prefill" => Ok(Some(GemmPath::Prefill)),
+            o => Err(format!("--path takes auto, decode, prefill; got `{o}`")),
+        })
+        .collect()
+}
+
+fn path_name(p: GemmPath) -> &'static str {
+    match p {
+        GemmPath::Decode => "decode",
+        GemmPath::Prefill => "prefill",
+    }
 }
 
 fn routing_name(r: Routing) -> &'static str {
@@ -124,12 +145,19 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
         arena::copy_to_device_sync(ip[0], &x, s).map_err(e)?;
         arena::copy_to_device_sync(ip[1], &toks, s).map_err(e)?;
         let out = ip[2];
-        for &r in &b.routings {
+        for (&r, &p) in b
+            .routings
+            .iter()
+            .flat_map(|r| b.paths.iter().map(move |p| (r, p)))
+        {
+            let path = p.unwrap_or(GemmPath::for_tokens(t));
             let xr = |j: usize| ip[0].slice(j * t * d * 4, t * d * 4).unwrap();
             let tr = |j: usize| ip[1].slice(j * t * 4, t * 4).unwrap();
             let call = |j: usize| {
                 let fl = layer.fast_layer(r, tr(j));
-                fast.layer(&ctx, &fl, xr(j), t, &ws, out, s)
+                fast.route(&ctx, &fl, xr(j), t, &ws, s)?;
+                fast.experts_on(&ctx, &fl, t, &ws, path, s)?;
+                fast.combine(&ctx, &fl, t, &ws, out, s)
             };
             // Eager once (touched experts from its ids), then the graph.
             call(0).map_err(e)?;
@@ -174,8 +202,9 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
                 + 3 * (d * i + (d / 128) * (i / 128) * 4);
             let flops = 2.0 * t as f64 * ((k + 1) as f64 * 3.0 * (d * i) as f64 + (d * ne) as f64);
             println!(
-                "{{\"bench\": \"moe\", \"B\": {t}, \"routing\": \"{}\", \"hidden\": {d}, \"moe_inter\": {i}, \"experts\": {ne}, \"top_k\": {k}, \"time_us\": {:.2}, \"touched_experts\": {touched}, \"hot_expert_assignments\": {hot}, \"touched_bytes\": {touched_bytes}, \"bytes_read\": {bytes_read}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_layer\": {}, \"layer_calls_timed\": {}}}",
+                "{{\"bench\": \"moe\", \"B\": {t}, \"routing\": \"{}\", \"path\": \"{}\", \"hidden\": {d}, \"moe_inter\": {i}, \"experts\": {ne}, \"top_k\": {k}, \"time_us\": {:.2}, \"touched_experts\": {touched}, \"hot_expert_assignments\": {hot}, \"touched_bytes\": {touched_bytes}, \"bytes_read\": {bytes_read}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_layer\": {}, \"layer_calls_timed\": {}}}",
                 routing_name(r),
+                path_name(path),
                 sec * 1e6,
                 touched_bytes as f64 / sec / 1e9,
                 flops / sec / 1e12,

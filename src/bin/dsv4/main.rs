@@ -6,7 +6,7 @@
 //! - `dsv4 eval --model DIR --fixture FILE`: max |dlogit| against an oracle file written by
 //!   tests/fixtures/make_fixtures.py.
 //! - `dsv4 bench [--model DIR] [--tokens N]`: prefill and decode timings as JSON.
-//! - `dsv4 bench moe [--batches N,N...] [--routing uniform,skewed,topk] [--ids-dir DIR]`: the
+//! - `dsv4 bench moe [--batches N,N...] [--routing uniform,skewed,topk] [--path P] [--ids-dir DIR]`: the
 //!   fast MoE layer alone at Flash shapes, one JSON line per case (bench_moe.rs).
 
 mod bench_moe;
@@ -22,7 +22,8 @@ const USAGE: &str = "usage:
   dsv4 run --model DIR --prompt ID,ID,... [--max-new N] [--device ...]
   dsv4 eval --model DIR --fixture ORACLE.safetensors
   dsv4 bench [--model DIR | --config FILE] [--tokens N] [--decode-steps N] [--decode-batch N[,N...]] [--graph 0|1] [--device ...]
-  dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--ids-dir DIR] [--device cuda[:N]]";
+  dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,prefill]
+                 [--ids-dir DIR] [--device cuda[:N]]";
 
 struct Args {
     cmd: String,
@@ -637,6 +638,7 @@ fn bench(a: &Args) -> Result<(), String> {
                 device: dev,
                 batches,
                 routings: bench_moe::parse_routings(a.get("routing").unwrap_or("uniform,skewed"))?,
+                paths: bench_moe::parse_paths(a.get("path").unwrap_or("auto"))?,
                 ids_dir: a.get("ids-dir").map(PathBuf::from),
             });
         }

@@ -4,11 +4,14 @@
 //! 1. `fmoe_logits_kernel` (few tokens) or `fmoe_logits_wide_kernel` (many): router logits in f32
 //!    and their scores, and x quantized to FP8 per 128;
 //! 2. `fmoe_select_kernel`: scores, top-k or hash selection, weights;
-//! 3. `moe_plan_kernel` (the moe family): assignments grouped by expert into tiles of
-//!    [`fast_moe_gemm::TOKENS`](super::fast_moe_gemm::TOKENS);
+//! 3. `moe_plan_kernel` (the moe family): assignments grouped by expert into tiles of the GEMM
+//!    path's tokens per item ([`GemmPath::tile_rows`]);
 //! 4. `fmoe_up_kernel`: GEMM1 + SwiGLU x routing weight + FP8 quantisation of h, with the shared
 //!    expert as more tiles of the same launch;
 //! 5. `fmoe_down_kernel`: GEMM2 into bf16 rows per (token, slot);
+//!
+//!    (4 and 5 on the decode path; from [`fast_moe_wide::MIN_TOKENS`](super::fast_moe_wide)
+//!    tokens on, `fmw_up_kernel` and `fmw_down_kernel`, the prefill path: [`GemmPath`]);
 //! 6. `fmoe_combine_kernel`: the fixed-order f32 sum per token, rounded to bf16.
 //!
 //! Six launches, no host sync, nothing allocated: the workspace is sized at create for
@@ -17,7 +20,7 @@
 //! backend rebuilds at finalize and refit. A layer the kernels cannot run
 //! ([`FastMoeLayer::unsupported`]) runs the reference kernels instead.
 
-use super::fast_moe_gemm::{self, FastMoeGemm};
+use super::fast_moe_gemm::{self, FastMoeGemm, GemmPath};
 use super::linear::WeightDev;
 use super::moe::{self, Moe, MoePlan, RouterParams, Selection};
 use super::{need, to_i32};
@@ -212,7 +215,8 @@ pub struct FastMoeWorkspace {
     /// `f32[T, D/128]`.
     pub xq: DevicePtr,
     pub xs: DevicePtr,
-    /// The routing plan (tile_rows = fast_moe_gemm::TOKENS).
+    /// The routing plan, sized for the decode path's tiles (fast_moe_gemm::TOKENS, the smallest:
+    /// the most tiles); [`FastMoe::experts_on`] plans with its path's tile size.
     pub plan: MoePlan,
     /// h likewise: `u8[T*k + T, I]` and scales `f32[T*k + T, I/128]` (routed rows, then shared).
     pub hq: DevicePtr,
@@ -431,7 +435,8 @@ impl FastMoe {
         )
     }
 
-    /// Steps 3-5 on an existing routing (ids / weights / xq / xs in `ws`): the plan and both GEMMs.
+    /// Steps 3-5 on an existing routing (ids / weights / xq / xs in `ws`): the plan and both GEMMs,
+    /// on the path [`GemmPath::for_tokens`] picks.
     pub fn experts(
         &self,
         ctx: &Context,
@@ -440,12 +445,27 @@ impl FastMoe {
         ws: &FastMoeWorkspace,
         stream: BorrowedStream,
     ) -> Result<()> {
+        self.experts_on(ctx, layer, t, ws, GemmPath::for_tokens(t), stream)
+    }
+
+    /// [`FastMoe::experts`] on the given path (tests and benchmarks compare both).
+    pub fn experts_on(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        t: usize,
+        ws: &FastMoeWorkspace,
+        path: GemmPath,
+        stream: BorrowedStream,
+    ) -> Result<()> {
         let plan = MoePlan {
             tokens: t,
+            tile_rows: path.tile_rows(),
             ..ws.plan
         };
         self.moe.plan(ctx, ws.ids, &plan, stream)?;
-        self.gemm.up(ctx, layer, t, ws, stream)?;
-        self.gemm.down(ctx, layer, t, ws, stream)
+        let ws = FastMoeWorkspace { plan, ..*ws };
+        self.gemm.up(ctx, layer, t, &ws, path, stream)?;
+        self.gemm.down(ctx, layer, t, &ws, path, stream)
     }
 }

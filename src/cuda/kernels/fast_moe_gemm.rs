@@ -2,10 +2,12 @@
 //! expert GEMMs on Hopper's FP8 tensor cores: `wgmma` m64nNk32 e4m3 with the weights (FP4 re-encoded
 //! exactly as e4m3 on chip, or FP8) from registers and the tokens from shared memory, f32 promotion every
 //! k32. A producer warp streams the weights by TMA through the per-expert tensor maps [`tensor_maps`]
-//! encodes (a derived table, built at finalize). See kernels/SPEC.md and [`super::fast_moe`], which runs
-//! a whole layer with them.
+//! encodes (a derived table, built at finalize). This is the decode path; [`FastMoeGemm`] also
+//! launches the prefill path's kernels ([`super::fast_moe_wide`]) and picks one by [`GemmPath`].
+//! See kernels/SPEC.md and [`super::fast_moe`], which runs a whole layer with them.
 
 use super::fast_moe::{FastMoeLayer, FastMoeWorkspace};
+use super::fast_moe_wide::{self as wide, fmw_down_kernel, fmw_up_kernel};
 use super::{need, to_i32};
 use crate::cuda::Context;
 use crate::cuda::stream::BorrowedStream;
@@ -84,20 +86,52 @@ crate::kernel_family! {
 }
 
 crate::launchers! {
-    /// The fast_moe_gemm family's entry points, resolved from a loaded registry.
+    /// The expert GEMMs' entry points (this family's and the prefill path's, fast_moe_wide), resolved
+    /// from a loaded registry.
     pub struct FastMoeGemm {
         up: fmoe_up_kernel,
         down: fmoe_down_kernel,
+        wide_up: fmw_up_kernel,
+        wide_down: fmw_down_kernel,
         scales8: fmoe_scales8_kernel,
     }
 }
 
-/// Work items a GEMM may see for `t` tokens: every routed tile the plan can make, plus the shared
-/// expert's token tiles, times the row tiles.
-fn max_items(layer: &FastMoeLayer, t: usize, row_tiles: usize) -> usize {
-    let routed = (t * layer.k).div_ceil(TOKENS) + layer.local.len();
+/// Which kernels run a layer's expert GEMMs: the same operands, outputs and error bounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmPath {
+    /// This family: items of [`TOKENS`] tokens, promotion every k32; streams the touched experts'
+    /// bytes at few tokens per expert.
+    Decode,
+    /// fast_moe_wide: items of [`wide::TOKENS`] tokens, one promotion per 128 of K.
+    Prefill,
+}
+
+impl GemmPath {
+    /// The path for a batch of `t` tokens: prefill from [`wide::MIN_TOKENS`] on.
+    pub fn for_tokens(t: usize) -> GemmPath {
+        if t >= wide::MIN_TOKENS {
+            GemmPath::Prefill
+        } else {
+            GemmPath::Decode
+        }
+    }
+
+    /// The plan's tile size on this path: tokens per work item.
+    pub fn tile_rows(self) -> usize {
+        match self {
+            GemmPath::Decode => TOKENS,
+            GemmPath::Prefill => wide::TOKENS,
+        }
+    }
+}
+
+/// Work items a GEMM may see for `t` tokens in tiles of `tile` tokens: every routed tile the plan
+/// can make, plus the shared expert's token tiles, times the row tiles.
+fn max_items(layer: &FastMoeLayer, t: usize, tile: usize, row_tiles: usize) -> usize {
+    let routed = (t * layer.k).div_ceil(tile) + layer.local.len();
     let shared = if layer.shared.is_some() {
-        t.div_ceil(TOKENS)
+        t.div_ceil(tile)
     } else {
         0
     };
@@ -131,13 +165,14 @@ impl FastMoeGemm {
         let experts = nloc + usize::from(shared_fp4.is_some());
         need(K, "table", table, scales8_bytes(d, i, experts))?;
         let _g = ctx.enter()?;
-        let flag = table.slice(0, 4)?;
+        // The header's flags: every scale exact, and foldable (kernels/fast_moe_common.cuh).
+        let flags = table.slice(0, 8)?;
         if layer.w1.format != StorageFormat::Fp4 {
             // Routed experts in FP8: the table is not built (an FP4 shared expert, if any,
             // reads its scales as f32).
-            return crate::cuda::arena::copy_to_device_sync(flag, &[0i32], stream);
+            return crate::cuda::arena::copy_to_device_sync(flags, &[0i32, 0], stream);
         }
-        crate::cuda::arena::copy_to_device_sync(flag, &[1i32], stream)?;
+        crate::cuda::arena::copy_to_device_sync(flags, &[1i32, 1], stream)?;
         let threads = experts * (2 * i * d.div_ceil(256) + d * i.div_ceil(256));
         let args = fmoe_scales8_kernel::Args {
             s1: layer.w1.scales,
@@ -155,13 +190,15 @@ impl FastMoeGemm {
             .launch(threads.div_ceil(256) as u32, 256, 0, stream, args)
     }
 
-    /// `ws.hq`, `ws.hs` = GEMM1 of every routed tile of `ws`'s plan and of the shared expert.
+    /// `ws.hq`, `ws.hs` = GEMM1 of every routed tile of `ws`'s plan (made with `path`'s tile
+    /// size) and of the shared expert.
     pub fn up(
         &self,
         ctx: &Context,
         layer: &FastMoeLayer,
         t: usize,
         ws: &FastMoeWorkspace,
+        path: GemmPath,
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fmoe_up_kernel";
@@ -172,41 +209,54 @@ impl FastMoeGemm {
         need(K, "hq", ws.hq, rows_out * i)?;
         need(K, "hs", ws.hs, rows_out * i / 128 * 4)?;
         need(K, "route_w", ws.weights, t * k * 4)?;
-        let items = max_items(layer, t, i / UP_J);
         let sh = layer.shared.as_ref();
-        let args = fmoe_up_kernel::Args {
-            xq: ws.xq,
-            xs: ws.xs,
-            t: to_i32(K, "T", t)?,
-            d: to_i32(K, "D", d)?,
-            i: to_i32(K, "I", i)?,
-            k: to_i32(K, "k", k)?,
-            rows: ws.plan.rows,
-            tiles: ws.plan.tiles,
-            ntiles: ws.plan.ntiles,
-            e_begin: to_i32(K, "e_begin", layer.local.start)?,
-            e_end: to_i32(K, "e_end", layer.local.end)?,
-            maps: layer.maps,
-            s1: layer.w1.scales,
-            s3: layer.w3.scales,
-            fmt: layer.w1.format.code(),
-            shared_fmt: sh.map_or(0, |s| s.w1.format.code()),
-            shared_s1: sh.and_then(|s| s.w1.scales),
-            shared_s3: sh.and_then(|s| s.w3.scales),
-            sc8: layer.scales8,
-            route_w: ws.weights,
-            limit: layer.limit,
-            hq: ws.hq,
-            hs: ws.hs,
-        };
+        // Both paths' kernels take the same arguments.
+        macro_rules! up_args {
+            ($kernel:ident) => {
+                $kernel::Args {
+                    xq: ws.xq,
+                    xs: ws.xs,
+                    t: to_i32(K, "T", t)?,
+                    d: to_i32(K, "D", d)?,
+                    i: to_i32(K, "I", i)?,
+                    k: to_i32(K, "k", k)?,
+                    rows: ws.plan.rows,
+                    tiles: ws.plan.tiles,
+                    ntiles: ws.plan.ntiles,
+                    e_begin: to_i32(K, "e_begin", layer.local.start)?,
+                    e_end: to_i32(K, "e_end", layer.local.end)?,
+                    maps: layer.maps,
+                    s1: layer.w1.scales,
+                    s3: layer.w3.scales,
+                    fmt: layer.w1.format.code(),
+                    shared_fmt: sh.map_or(0, |s| s.w1.format.code()),
+                    shared_s1: sh.and_then(|s| s.w1.scales),
+                    shared_s3: sh.and_then(|s| s.w3.scales),
+                    sc8: layer.scales8,
+                    route_w: ws.weights,
+                    limit: layer.limit,
+                    hq: ws.hq,
+                    hs: ws.hs,
+                }
+            };
+        }
         let _g = ctx.enter()?;
-        self.up.launch(
-            grid(ctx, items),
-            THREADS as u32,
-            SMEM_BYTES as u32,
-            stream,
-            args,
-        )
+        match path {
+            GemmPath::Decode => self.up.launch(
+                grid(ctx, max_items(layer, t, TOKENS, i / UP_J)),
+                THREADS as u32,
+                SMEM_BYTES as u32,
+                stream,
+                up_args!(fmoe_up_kernel),
+            ),
+            GemmPath::Prefill => self.wide_up.launch(
+                grid(ctx, max_items(layer, t, wide::TOKENS, i / wide::ROWS)),
+                wide::THREADS as u32,
+                wide::SMEM_BYTES as u32,
+                stream,
+                up_args!(fmw_up_kernel),
+            ),
+        }
     }
 
     /// `ws.y` = GEMM2 of every routed tile and of the shared expert, bf16 rows per (token, slot).
@@ -216,6 +266,7 @@ impl FastMoeGemm {
         layer: &FastMoeLayer,
         t: usize,
         ws: &FastMoeWorkspace,
+        path: GemmPath,
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fmoe_down_kernel";
@@ -224,36 +275,48 @@ impl FastMoeGemm {
         need(K, "hq", ws.hq, rows_out * i)?;
         need(K, "hs", ws.hs, rows_out * i / 128 * 4)?;
         need(K, "y", ws.y, rows_out * d * 2)?;
-        let items = max_items(layer, t, d.div_ceil(DOWN_ROWS));
         let sh = layer.shared.as_ref();
-        let args = fmoe_down_kernel::Args {
-            hq: ws.hq,
-            hs: ws.hs,
-            t: to_i32(K, "T", t)?,
-            i: to_i32(K, "I", i)?,
-            d: to_i32(K, "D", d)?,
-            k: to_i32(K, "k", k)?,
-            rows: ws.plan.rows,
-            tiles: ws.plan.tiles,
-            ntiles: ws.plan.ntiles,
-            e_begin: to_i32(K, "e_begin", layer.local.start)?,
-            e_end: to_i32(K, "e_end", layer.local.end)?,
-            maps: layer.maps,
-            s2: layer.w2.scales,
-            fmt: layer.w2.format.code(),
-            shared_fmt: sh.map_or(0, |s| s.w2.format.code()),
-            shared_s2: sh.and_then(|s| s.w2.scales),
-            sc8: layer.scales8,
-            y: ws.y,
-        };
+        macro_rules! down_args {
+            ($kernel:ident) => {
+                $kernel::Args {
+                    hq: ws.hq,
+                    hs: ws.hs,
+                    t: to_i32(K, "T", t)?,
+                    i: to_i32(K, "I", i)?,
+                    d: to_i32(K, "D", d)?,
+                    k: to_i32(K, "k", k)?,
+                    rows: ws.plan.rows,
+                    tiles: ws.plan.tiles,
+                    ntiles: ws.plan.ntiles,
+                    e_begin: to_i32(K, "e_begin", layer.local.start)?,
+                    e_end: to_i32(K, "e_end", layer.local.end)?,
+                    maps: layer.maps,
+                    s2: layer.w2.scales,
+                    fmt: layer.w2.format.code(),
+                    shared_fmt: sh.map_or(0, |s| s.w2.format.code()),
+                    shared_s2: sh.and_then(|s| s.w2.scales),
+                    sc8: layer.scales8,
+                    y: ws.y,
+                }
+            };
+        }
         let _g = ctx.enter()?;
-        self.down.launch(
-            grid(ctx, items),
-            THREADS as u32,
-            SMEM_BYTES as u32,
-            stream,
-            args,
-        )
+        match path {
+            GemmPath::Decode => self.down.launch(
+                grid(ctx, max_items(layer, t, TOKENS, d.div_ceil(DOWN_ROWS))),
+                THREADS as u32,
+                SMEM_BYTES as u32,
+                stream,
+                down_args!(fmoe_down_kernel),
+            ),
+            GemmPath::Prefill => self.wide_down.launch(
+                grid(ctx, max_items(layer, t, wide::TOKENS, d / wide::ROWS)),
+                wide::THREADS as u32,
+                wide::SMEM_BYTES as u32,
+                stream,
+                down_args!(fmw_down_kernel),
+            ),
+        }
     }
 }
 

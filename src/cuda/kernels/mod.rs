@@ -6,6 +6,7 @@ pub mod batch;
 pub mod compressor;
 pub mod fast_moe;
 pub mod fast_moe_gemm;
+pub mod fast_moe_wide;
 pub mod indexer;
 pub mod linear;
 pub mod mhc;
@@ -53,4 +54,8 @@ pub static MODEL_FAMILIES: &[&KernelSource] = &[
 ];
 
 /// The fast set's own families (it runs every model family too).
-pub static FAST_FAMILIES: &[&KernelSource] = &[&fast_moe::SOURCE, &fast_moe_gemm::SOURCE];
+pub static FAST_FAMILIES: &[&KernelSource] = &[
+    &fast_moe::SOURCE,
+    &fast_moe_gemm::SOURCE,
+    &fast_moe_wide::SOURCE,
+];

@@ -1,0 +1,83 @@
+// fast_moe_common.cuh — what both expert-GEMM families of the fast set share (fast_moe_gemm.cu, the decode
+// path; fast_moe_wide.cu, the prefill path): the UE8M0 scale table's layout, the SwiGLU value of h and its
+// per-128 FP8 codes. kernels/SPEC.md ## fast_moe_gemm.cu.
+#pragma once
+
+// Rust's f32::clamp(v, -l, l): NaN stays NaN.
+DSV4_INLINE float fmoe_clamp_sym(float v, float l) { return v < -l ? -l : (v > l ? l : v); }
+
+// x · sigmoid(x) in f32 (IEEE expf and division: no fast math).
+DSV4_INLINE float fmoe_silu(float x) { return x / (1.0f + expf(-x)); }
+
+// h = bf16(silu(min(g, L)) · clamp(u, ±L) · w) from the bf16-rounded gate g and up u; `limit` <= 0: no
+// clamp; `routed`: times the routing weight w (the shared expert's h is not weighted).
+DSV4_INLINE float fmoe_h_value(float g, float u, float w, float limit, bool routed) {
+  if (limit > 0.0f) {
+    g = fminf(g, limit);
+    u = fmoe_clamp_sym(u, limit);
+  }
+  float h = fmoe_silu(g) * u;
+  if (routed) h = h * w;
+  return round_bf16(h);
+}
+
+// act_quant's scale of a 128-block of h whose largest |h| is `amax`.
+DSV4_INLINE float fmoe_h_scale(float amax) { return ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX); }
+
+// The e4m3 codes of 8 h values at scale s (a power of two, fmoe_h_scale: so h / s is exactly h times the
+// exact 1 / s, one correctly rounded multiply instead of a division).
+DSV4_INLINE void fmoe_h_codes8(const float (&hv)[8], float s, unsigned (&codes)[8]) {
+  const float inv = 1.0f / s;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) codes[c] = e4m3_code_rn(fmoe_clamp_sym(hv[c] * inv, DSV4_E4M3_MAX));
+}
+
+// FP8 weights in a stage: rows of 128 bytes in the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)).
+// Thread (g, t)'s address at k32 step 0 in its row g (`row`: the row's shared address): bytes 8t .. 8t + 7,
+// chunk t >> 1, half t & 1.
+DSV4_INLINE unsigned fmoe_fp8_a_addr(unsigned row, int g, int t) {
+  return row | ((unsigned)((t >> 1) ^ g) << 4) | (8u * (t & 1));
+}
+
+// The thread's A fragment of k32 step q from its address `la` (fmoe_fp8_a_addr), e4m3 codes in fragment order
+// (fp8_mma.cuh): row g + 8 is 8 rows (1024 bytes) on, and step q's 32 bytes are chunks 2q, 2q + 1 of the row:
+// the swizzle XORs the chunk index, so step q XORs the address by q << 5.
+DSV4_INLINE void fmoe_fp8_a_frag(unsigned la, int q, unsigned (&a)[4]) {
+  const uint2 u0 = lds_u64(la ^ (unsigned)(q << 5));
+  const uint2 u8 = lds_u64((la + 1024u) ^ (unsigned)(q << 5));
+  a[0] = __byte_perm(u0.x, u0.y, 0x6420);
+  a[2] = __byte_perm(u0.x, u0.y, 0x7531);
+  a[1] = __byte_perm(u8.x, u8.y, 0x6420);
+  a[3] = __byte_perm(u8.x, u8.y, 0x7531);
+}
+
+// Stages of an item: FP4 256 k each (the last one 128 when K % 256 == 128), FP8 128 k each. A stage is
+// 128 bytes of each weight row.
+DSV4_INLINE int fmoe_stages(bool fp4, int K) { return fp4 ? (K + 255) / 256 : K / 128; }
+
+// 128-blocks of K in stage kb.
+DSV4_INLINE int fmoe_stage_blocks(bool fp4, int K, int kb) { return fp4 ? min(2, K / 128 - 2 * kb) : 1; }
+
+// The UE8M0 scale table's layout (fmoe_scales8_kernel): after a header of FMOE_SC8_HEADER bytes, per expert
+// (the local ones, then the shared expert) the matrices w1 [I][D], w3 [I][D], w2 [D][I]; per matrix of R rows
+// and K columns, per 128-row block rb and stage kb (256 k) 1 KiB: row rb·128 + r's 8 scales of k 256·kb ..
+// at 8·r (those past K read 127, i.e. 1.0). The header's ints: [0] 1 when every scale is exact
+// (FMOE_SC8_EXACT), [1] 1 when moreover the four scales of every 128-block of a row are within 2^12 of
+// each other (FMOE_SC8_FOLDABLE: fast_moe_wide.cu folds them into the e4m3 codes).
+#define FMOE_SC8_HEADER 256
+#define FMOE_SC8_EXACT 0
+#define FMOE_SC8_FOLDABLE 1
+#define FMOE_FOLD_SPAN 12
+DSV4_INLINE long long fmoe_sc8_matrix(int R, int K) { return (long long)(R / 128) * fmoe_stages(true, K) * 1024; }
+DSV4_INLINE long long fmoe_sc8_expert(int D, int I) { return 2 * fmoe_sc8_matrix(I, D) + fmoe_sc8_matrix(D, I); }
+
+// The data of a UE8M0 scale table whose header says every scale is exact, else NULL.
+DSV4_INLINE const unsigned char* fmoe_sc8_data(const unsigned char* table) {
+  return table != nullptr && reinterpret_cast<const int*>(table)[FMOE_SC8_EXACT] != 0 ? table + FMOE_SC8_HEADER
+                                                                                      : nullptr;
+}
+
+// Whether a table's scales can be folded (see above); false without a table.
+DSV4_INLINE bool fmoe_sc8_foldable(const unsigned char* table) {
+  return fmoe_sc8_data(table) != nullptr && reinterpret_cast<const int*>(table)[FMOE_SC8_FOLDABLE] != 0;
+}

@@ -1,0 +1,641 @@
+// fast_moe_wide kernel family: the prefill path of the fast set's grouped expert GEMMs (many tokens per
+// expert), kernels/SPEC.md ## fast_moe_wide.cu, ../shared/KERNELS.md §3 "Prefill". Same inputs, outputs and
+// numerics contract as fast_moe_gemm.cu (the decode path):
+//
+// fmw_up_kernel:   hq, hs = act_quant(bf16(silu(min(bf16(W1 x), L)) · clamp(bf16(W3 x), ±L) · w))
+// fmw_down_kernel: y = bf16(W2 hq)
+//
+// Why a second family. The decode kernels take 16 tokens per item and promote the tensor core's sums to f32
+// every k32 (one FP4 scale per 32 weights): at a few tokens per expert the weight bytes set the time, but
+// with ~100 tokens per expert the promotions and the FP4 decode, both repeated per 16 tokens, use every
+// issue slot. Here an item is a tile of up to FMW_TOKENS = 128 tokens, so a weight is decoded once per 128
+// tokens, and the per-32 scales of a 128-block are folded into the e4m3 codes, so the sums are promoted once
+// per 128 of K (the DeepGEMM recipe; the issue's "at least every 128").
+//
+// The fold. Per weight row and 128-block the four UE8M0 exponents e_q have a maximum E; the codes of group
+// q are re-encoded exactly as value · 2^(t_q - 6) with t_q = 12 - (E - e_q) (e2m1x8_to_e4m3_shifted_eo,
+// exact for 0 <= t_q <= 12), so the block's product carries one factor 2^(E - 133) per row. A layer whose
+// blocks span more than FMOE_FOLD_SPAN (the scale table's FMOE_SC8_FOLDABLE flag, set at finalize and refit)
+// or whose scales are read as f32 promotes every k32 instead, with the plain bit move: slower, as exact.
+//
+// Work items. The plan (moe_plan_kernel, tile_rows = FMW_TOKENS) lists (expert, start, count) tiles; the
+// shared expert adds ceil(T / FMW_TOKENS) tiles of consecutive tokens. A tile is cut into 128-row blocks
+// rb: down, rows rb·128 .. of W2; up, j = rb·128 .. in two passes, W1's rows (gate) then W3's (up), so
+// SwiGLU and the per-128 quantisation of h stay in the block. Blocks are persistent and take items
+// blockIdx.x, + gridDim.x, ... in order; an item's outputs depend only on the item: deterministic.
+//
+// The pipeline (as fast_moe_gemm.cu): 2 consumer warpgroups and a producer warpgroup share a ring of
+// FMW_STAGES slots with full/empty mbarriers; one warp of the producer warpgroup works, and the warpgroup
+// hands most of its registers to the consumers (setmaxnreg). A stage is 128 bytes of each of the pass's 128
+// weight rows (one TMA box: FP4 256 k, FP8 128 k) with their scales (UE8M0 bytes by a 1 KiB bulk copy, f32
+// by TMA, or FP8's block scale), and the tile's tokens over the same k, gathered by cp.async into wgmma's
+// K-major B layout ([k16 chunk][token][16 bytes]) with their per-128 scales. Tokens past the tile's count
+// are not loaded: their columns compute garbage that is never stored (wgmma's columns are independent).
+//
+// The math. Warpgroup w owns the pass's rows 64w .. 64w + 63 (one m64 tile). A 128-block's A fragments
+// (ldmatrix then the shifted bit move for FP4; 8-byte loads for FP8) are built for its four k32 steps, then
+// four wgmma m64n128k32 e4m3 (A from registers, B = the 128 tokens) accumulate in the tensor core under one
+// fence and commit; the block's sum is added to the f32 accumulators times (row factor) · (token's
+// activation scale). Blocks are software-pipelined one deep: the next block is decoded while the current
+// one's wgmmas run, and the other warpgroup's work fills the tensor core while this one promotes.
+#include "common.cuh"
+#include "fp8_mma.cuh"
+#include "fast_moe_common.cuh"
+
+// FMW_TOKENS, FMW_STAGES and FMW_SMEM_BYTES come from dsv4_consts.cuh (src/cuda/kernels/fast_moe_wide.rs).
+#define FMW_CONSUMERS 256                 // two warpgroups
+#define FMW_THREADS (FMW_CONSUMERS + 128)  // then the producer warpgroup (one warp of it produces)
+// Registers per thread after setmaxnreg: the producer warpgroup gives most of its share to the consumers
+// (the block's 64 K: 256 · 224 + 128 · 56 = 64512; launch bounds alone allow 168 to all).
+#define FMW_CONSUMER_REGS 224
+#define FMW_PRODUCER_REGS 56
+#define FMW_ROWS 128                      // weight rows of a pass: one TMA box
+#define FMW_RB 128                        // bytes of a weight row per stage
+#define FMW_SLOT_W (FMW_ROWS * FMW_RB)
+#define FMW_SLOT_S (FMW_ROWS * 8 * 4)  // FP4: 8 per-32 scales a row (f32, or UE8M0 bytes in the first 1 KiB);
+                                       // FP8: the block scale
+#define FMW_CHUNK (FMW_TOKENS * 16)    // one k16 chunk of every token
+#define FMW_SLOT_A (16 * FMW_CHUNK)    // a stage's token codes
+#define FMW_SLOT_AS (2 * FMW_TOKENS * 4)  // their scales, [128-block][token]
+#define FMW_SLOT (((FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A + FMW_SLOT_AS) + 1023) / 1024 * 1024)
+// Epilogue buffer (bf16): up, [token][FMW_UP_STRIDE] gate then h values of the item's 128 j; down, one
+// [token][FMW_DOWN_STRIDE] block per warpgroup (its 64 rows) to write y in 16-byte pieces. Strides padded
+// so the fragment-layout stores spread over the banks.
+#define FMW_UP_STRIDE 136
+#define FMW_DOWN_STRIDE 72
+#define FMW_EP_BYTES (2 * FMW_TOKENS * FMW_DOWN_STRIDE * 2)
+#define FMW_WT (FMW_STAGES * FMW_SLOT + FMW_EP_BYTES)  // the tile's routing weights, FMW_TOKENS floats
+#define FMW_BARS (FMW_WT + FMW_TOKENS * 4)
+#define FMW_SMEM_USED (FMW_BARS + 2 * FMW_STAGES * 8)
+static_assert(FMW_SMEM_USED <= FMW_SMEM_BYTES, "fast_moe_wide: shared memory layout exceeds FMW_SMEM_BYTES");
+static_assert(FMW_TOKENS == 128, "fast_moe_wide: the wgmma shape is m64n128k32");
+static_assert(FMW_TOKENS * FMW_UP_STRIDE <= 2 * FMW_TOKENS * FMW_DOWN_STRIDE, "fast_moe_wide: epilogue buffer");
+static_assert(FMOE_MAP_BYTES == 128, "fast_moe_wide: a CUtensorMap is 128 bytes");
+
+// The kernels' common arguments (as fast_moe_gemm.cu's FmoeArgs).
+struct FmwArgs {
+  const unsigned char* act;  // [rows][K] e4m3 codes in fragment order
+  const float* act_s;        // [rows][K/128]
+  int T, K, N, k;
+  const int* rows;
+  const int* tiles;
+  int nrt;  // routed tiles (*ntiles)
+  int e_begin, e_end;
+  const unsigned char* maps;  // [e_end - e_begin + 1][FMOE_MAPS_PER_EXPERT] tensor maps, the shared expert last
+  const unsigned long long *sa, *sb;  // FP8 block scale addresses of the local experts (up: W1, W3; down: W2)
+  int fmt;
+  int shared_fmt;  // 0: no shared expert
+  const float *shared_sa, *shared_sb;
+  const unsigned char* sc8;  // the UE8M0 scale table's data when exact (fmoe_sc8_data), else NULL
+  bool fold;                 // and its 128-blocks can be folded (fmoe_sc8_foldable)
+  int D, I;                  // the layer's widths (the table's layout)
+};
+
+// One work item: a token tile and a 128-row block.
+struct FmwItem {
+  bool skip;    // another rank's expert (uniform over the block)
+  bool shared;  // the shared expert's tile
+  bool fp4;
+  bool s8;      // FP4 scales as UE8M0 bytes
+  int n;        // tokens in the tile, 1..FMW_TOKENS
+  int start;    // first plan row (routed) or first token (shared)
+  int rb;       // row block: up, j = 128·rb ..; down, W2 rows 128·rb ..
+  const unsigned char* maps;   // the expert's tensor maps
+  const float* fs[2];          // FP8: block scales of pass 0 and 1 (up: W1, W3; down: W2)
+  const unsigned char* sc8[2]; // UE8M0: the 1 KiB blocks of stage 0 of the passes' row block
+};
+
+DSV4_INLINE int fmw_passes(bool up) { return up ? 2 : 1; }
+
+template <bool UP>
+DSV4_INLINE int fmw_total_items(const FmwArgs& a) {
+  const int nsh = a.shared_fmt != 0 ? (a.T + FMW_TOKENS - 1) / FMW_TOKENS : 0;
+  return (a.nrt + nsh) * (a.N / FMW_ROWS);
+}
+
+template <bool UP>
+DSV4_INLINE FmwItem fmw_item(const FmwArgs& a, int wi) {
+  const int rb_n = a.N / FMW_ROWS;
+  const int tile = wi / rb_n;
+  FmwItem it;
+  it.rb = wi - tile * rb_n;
+  it.skip = false;
+  it.s8 = false;
+  it.fs[0] = it.fs[1] = nullptr;
+  it.sc8[0] = it.sc8[1] = nullptr;
+  const int nloc = a.e_end - a.e_begin;
+  int x = nloc;  // the item's entry in the per-expert tables
+  if (tile < a.nrt) {
+    const int e = a.tiles[3 * tile];
+    it.skip = e < a.e_begin || e >= a.e_end;
+    it.start = a.tiles[3 * tile + 1];
+    it.n = a.tiles[3 * tile + 2];
+    it.shared = false;
+    it.fp4 = a.fmt == WFMT_FP4;
+    x = it.skip ? 0 : e - a.e_begin;
+    if (!it.skip && !it.fp4) {
+      it.fs[0] = reinterpret_cast<const float*>(a.sa[x]);
+      it.fs[1] = reinterpret_cast<const float*>(a.sb[x]);
+    }
+  } else {
+    it.start = (tile - a.nrt) * FMW_TOKENS;
+    it.n = min(FMW_TOKENS, a.T - it.start);
+    it.shared = true;
+    it.fp4 = a.shared_fmt == WFMT_FP4;
+    it.fs[0] = a.shared_sa;
+    it.fs[1] = a.shared_sb;
+  }
+  it.maps = a.maps + (long long)x * (FMOE_MAPS_PER_EXPERT * FMOE_MAP_BYTES);
+  if (it.fp4 && !it.skip && a.sc8 != nullptr) {
+    it.s8 = true;
+    const unsigned char* ex = a.sc8 + (long long)x * fmoe_sc8_expert(a.D, a.I);
+    const long long at = (long long)it.rb * fmoe_stages(true, a.K) * 1024;
+    const long long w13 = fmoe_sc8_matrix(a.I, a.D);
+    it.sc8[0] = ex + (UP ? 0 : 2 * w13) + at;  // W1 or W2
+    it.sc8[1] = ex + w13 + at;                 // W3 (up only)
+  }
+  return it;
+}
+
+// Activation row of token column c < n: up reads x rows, down reads h rows (one per (token, slot)).
+template <bool UP>
+DSV4_INLINE long long fmw_act_row(const FmwArgs& a, const FmwItem& it, int c) {
+  if (it.shared) return UP ? it.start + c : (long long)a.T * a.k + it.start + c;
+  const int r = a.rows[it.start + c];
+  return UP ? r / a.k : r;
+}
+
+// Output row (of hq / y) of token column c < n.
+DSV4_INLINE long long fmw_out_row(const FmwArgs& a, const FmwItem& it, int c) {
+  return it.shared ? (long long)a.T * a.k + it.start + c : a.rows[it.start + c];
+}
+
+// The ring's barriers: full[s] then empty[s].
+DSV4_INLINE unsigned fmw_full(unsigned smem, int s) { return smem + FMW_BARS + 8 * s; }
+DSV4_INLINE unsigned fmw_empty(unsigned smem, int s) { return smem + FMW_BARS + 8 * (FMW_STAGES + s); }
+
+// The producer warp: every stage of every pass of the block's items, in the consumers' order. Lane 0
+// announces the TMA bytes and issues the weight box and the FP4 scales (or copies FP8's block scale);
+// lane L gathers token columns L, L + 32, L + 64, L + 96 (those below n): all k16 chunks of the stage and
+// the scales of its 128-blocks. The slot's full barrier expects lane 0's arrival and one cp.async arrival
+// per lane.
+template <bool UP>
+DSV4_INLINE void fmw_produce(const FmwArgs& a, unsigned smem, int my_items) {
+  const int lane = threadIdx.x & 31;
+  const int K = a.K;
+  int slot = 0;
+  unsigned phase = 0;
+  for (int n = 0; n < my_items; ++n) {
+    const FmwItem it = fmw_item<UP>(a, blockIdx.x + n * gridDim.x);
+    if (it.skip) continue;
+    const int nks = fmoe_stages(it.fp4, K);
+    const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
+    const unsigned char* src[4];
+    const float* ssrc[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int col = lane + 32 * c;
+      const long long row = col < it.n ? fmw_act_row<UP>(a, it, col) : 0;
+      src[c] = a.act + row * K;
+      ssrc[c] = a.act_s + row * (K / 128);
+    }
+    const unsigned tx = FMW_SLOT_W + (!it.fp4 ? 0 : it.s8 ? 1024 : FMW_SLOT_S);
+    for (int pass = 0; pass < fmw_passes(UP); ++pass) {
+      const int m = UP ? (pass == 0 ? FMOE_MAP_W1 : FMOE_MAP_W3) : FMOE_MAP_W2;
+      const int sm = UP ? (pass == 0 ? FMOE_MAP_S1 : FMOE_MAP_S3) : FMOE_MAP_S2;
+      const unsigned char* map = it.maps + m * FMOE_MAP_BYTES;
+      const unsigned char* smap = it.maps + sm * FMOE_MAP_BYTES;
+      const unsigned char* sc8 = it.sc8[pass];
+      const float* fs = it.fs[pass] != nullptr ? it.fs[pass] + (long long)it.rb * (K / 128) : nullptr;
+      for (int kb = 0; kb < nks; ++kb) {
+        mbar_wait(fmw_empty(smem, slot), phase ^ 1);
+        const unsigned st = smem + slot * FMW_SLOT, full = fmw_full(smem, slot);
+        const int blocks = fmoe_stage_blocks(it.fp4, K, kb);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(full, tx);
+          tma_load_2d(st, map, kb * FMW_RB, it.rb * FMW_ROWS, full);
+          if (it.s8)
+            bulk_load(st + FMW_SLOT_W, sc8 + kb * 1024, 1024, full);
+          else if (it.fp4)
+            tma_load_2d(st + FMW_SLOT_W, smap, kb * 8, it.rb * FMW_ROWS, full);
+          else
+            cp_async_4(st + FMW_SLOT_W, fs + kb);
+        }
+        const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int col = lane + 32 * c;
+          if (col < it.n) {
+            const unsigned char* s = src[c] + (long long)kb * kbytes;
+            for (int ch = 0; ch < 8 * blocks; ++ch) cp_async_16(adst + ch * FMW_CHUNK + col * 16, s + 16 * ch);
+            for (int b = 0; b < blocks; ++b)
+              cp_async_4(adst + FMW_SLOT_A + (b * FMW_TOKENS + col) * 4, ssrc[c] + kb * (kbytes / 128) + b);
+          }
+        }
+        cp_async_mbar_arrive(full);
+        if (++slot == FMW_STAGES) {
+          slot = 0;
+          phase ^= 1;
+        }
+      }
+    }
+  }
+  cp_async_wait_all();  // the copies land before the warp exits
+}
+DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long long desc, int accumulate) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1; }\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+
+// acc += d · (w0 for row g, w8 for row g + 8) · (the token's activation scale), over the thread's 64 values
+// (d[4j + c]: row 16·warp + g + 8·(c >> 1) of the pass, token 8j + 2t + (c & 1)).
+DSV4_INLINE void fmw_promote(float (&acc)[64], const float (&d)[64], float w0, float w8, const float* as) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const float2 s = *reinterpret_cast<const float2*>(as + 8 * j + 2 * t);
+    acc[4 * j + 0] = fmaf(d[4 * j + 0], w0 * s.x, acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(d[4 * j + 1], w0 * s.y, acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(d[4 * j + 2], w8 * s.x, acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(d[4 * j + 3], w8 * s.y, acc[4 * j + 3]);
+  }
+}
+
+// The fold shifts t_q = FMOE_FOLD_SPAN - (E - e_q) of a row's four exponent bytes (one per byte) and
+// their maximum E.
+DSV4_INLINE unsigned fmw_fold_shifts(unsigned e, unsigned& emax) {
+  const unsigned e0 = e & 0xffu, e1 = (e >> 8) & 0xffu, e2 = (e >> 16) & 0xffu, e3 = e >> 24;
+  emax = max(max(e0, e1), max(e2, e3));
+  const unsigned base = FMOE_FOLD_SPAN - emax;  // mod 2^32: e_q + base = t_q
+  return ((e0 + base) & 0xffu) | (((e1 + base) & 0xffu) << 8) | (((e2 + base) & 0xffu) << 16) |
+         ((e3 + base) << 24);
+}
+
+// The thread's ldmatrix address for FP4 block 0, step 0 of the stage at `st` (as fast_moe_gemm.cu): lane L
+// addresses row (L & 7) + 8·((L >> 3) & 1) of its warp's 16, chunk L >> 4, in the 128-byte swizzle (chunk c
+// of row r at c ^ (r % 8)).
+DSV4_INLINE unsigned fmw_fp4_addr(const unsigned char* st) {
+  const int lane = threadIdx.x & 31, r16 = (threadIdx.x >> 5) * 16;
+  const unsigned row = smem_addr(st) + (r16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * FMW_RB;
+  return row | ((unsigned)((lane >> 4) ^ (lane & 7)) << 4);
+}
+
+// The B descriptor of step 0 of block b of the stage at `st`; step q adds q·2·FMW_CHUNK / 16 to its address
+// field (low word; shared addresses stay below 256 KiB, so it cannot carry into the next field).
+DSV4_INLINE unsigned long long fmw_desc(const unsigned char* st, int b) {
+  return wgmma_desc_noswizzle(st + FMW_SLOT_W + FMW_SLOT_S + b * (8 * FMW_CHUNK), FMW_CHUNK, 128);
+}
+
+DSV4_INLINE unsigned long long fmw_desc_step(unsigned long long desc0, int q) {
+  return ((unsigned long long)(unsigned)(desc0 >> 32) << 32) | ((unsigned)desc0 + (unsigned)(q * 2 * FMW_CHUNK / 16));
+}
+
+// A 128-block ready to run: the four steps' A fragments, the rows' factors and the tokens' scales.
+struct FmwBlock {
+  unsigned a[4][4];
+  float w0, w8;              // rows g and g + 8: FP4 2^(E - 133) (folded codes), FP8 the block scale
+  const float* as;           // the tokens' activation scales of the block
+  unsigned long long desc;   // B of step 0
+};
+
+// Block b of the stage at `st`, folded (FP4 with UE8M0 scales that fold) or FP8.
+template <bool FP4>
+DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, FmwBlock& blk) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r16 = (threadIdx.x >> 5) * 16;
+  blk.as = reinterpret_cast<const float*>(st + FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A) + b * FMW_TOKENS;
+  blk.desc = fmw_desc(st, b);
+  if (FP4) {
+    const unsigned char* sb = st + FMW_SLOT_W;
+    const unsigned e0 = *reinterpret_cast<const unsigned*>(sb + (r16 + g) * 8 + 4 * b);
+    const unsigned e8 = *reinterpret_cast<const unsigned*>(sb + (r16 + g + 8) * 8 + 4 * b);
+    unsigned m0, m8;
+    const unsigned tv0 = fmw_fold_shifts(e0, m0), tv8 = fmw_fold_shifts(e8, m8);
+    blk.w0 = __uint_as_float(m0 << 23) * 0.015625f;  // 2^(E - 127) · 2^-6
+    blk.w8 = __uint_as_float(m8 << 23) * 0.015625f;
+    const unsigned la = fmw_fp4_addr(st);
+#pragma unroll
+    for (int q = 0; q < 4; q += 2) {
+      unsigned frag[4];  // rows g, g + 8 of steps q and q + 1
+      ldmatrix_x4(la ^ (unsigned)((4 * b + q) << 4), frag);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int s = 8 * (q + h);
+        e2m1x8_to_e4m3_shifted_eo(frag[2 * h], (tv0 >> s) & 0xffu, blk.a[q + h][0], blk.a[q + h][2]);
+        e2m1x8_to_e4m3_shifted_eo(frag[2 * h + 1], (tv8 >> s) & 0xffu, blk.a[q + h][1], blk.a[q + h][3]);
+      }
+    }
+  } else {
+    const unsigned la = fmoe_fp8_a_addr(smem_addr(st) + (r16 + g) * FMW_RB, g, t);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) fmoe_fp8_a_frag(la, q, blk.a[q]);
+    blk.w0 = blk.w8 = *reinterpret_cast<const float*>(st + FMW_SLOT_W);  // the rows' 128x128 block scale
+  }
+}
+
+// The block's four wgmmas, chained in the tensor core under one fence and one commit (a fence between
+// chained wgmmas makes ptxas wait for each: WARPGROUP.DEPBAR 0).
+DSV4_INLINE void fmw_issue(const FmwBlock& blk, float (&d)[64]) {
+  wgmma_fence();
+  fmw_wgmma(d, blk.a[0], fmw_desc_step(blk.desc, 0), 0);
+  fmw_wgmma(d, blk.a[1], fmw_desc_step(blk.desc, 1), 1);
+  fmw_wgmma(d, blk.a[2], fmw_desc_step(blk.desc, 2), 1);
+  fmw_wgmma(d, blk.a[3], fmw_desc_step(blk.desc, 3), 1);
+  wgmma_commit();
+}
+
+// The ring position of the consumers.
+struct FmwRing {
+  int slot;
+  unsigned phase;
+};
+
+DSV4_INLINE void fmw_next(FmwRing& r) {
+  if (++r.slot == FMW_STAGES) {
+    r.slot = 0;
+    r.phase ^= 1;
+  }
+}
+
+// Waits for the slot's data (the tokens came by cp.async through the generic proxy; wgmma reads them
+// through the async proxy).
+DSV4_INLINE const unsigned char* fmw_acquire(unsigned char* smem_base, unsigned smem, const FmwRing& r) {
+  mbar_wait(fmw_full(smem, r.slot), r.phase);
+  fence_proxy_async_shared();
+  return smem_base + r.slot * FMW_SLOT;
+}
+
+// The warp is done with the slot.
+DSV4_INLINE void fmw_release(unsigned smem, const FmwRing& r) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive(fmw_empty(smem, r.slot));
+}
+
+// acc += one pass (nks stages), folded FP4 or FP8: a stream of 128-blocks, software-pipelined one block
+// deep. While block i's wgmmas run, the warpgroup decodes block i + 1 (acquiring the next slot first when
+// block i ends its stage); then it promotes block i and releases its slot after the stage's last block.
+template <bool FP4>
+DSV4_INLINE void fmw_pass_folded(unsigned char* smem_base, unsigned smem, FmwRing& ring, int K, int nks,
+                                 float (&d)[64], float (&acc)[64]) {
+  FmwBlock blk[2];
+  const unsigned char* st = fmw_acquire(smem_base, smem, ring);
+  fmw_load_block<FP4>(st, 0, blk[0]);
+  int kb = 0, b = 0, blocks = fmoe_stage_blocks(FP4, K, 0);
+  // Two blocks per iteration, so blk[] is indexed by constants and stays in registers.
+#pragma unroll 1
+  for (bool more = true; more;) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!more) break;
+      fmw_issue(blk[i], d);
+      const bool stage_end = b + 1 == blocks;
+      more = !(stage_end && kb + 1 == nks);
+      FmwRing nring = ring;  // the ring position after this block
+      if (stage_end) fmw_next(nring);
+      if (more) {
+        const unsigned char* nst = st;
+        if (stage_end) nst = fmw_acquire(smem_base, smem, nring);
+        fmw_load_block<FP4>(nst, stage_end ? 0 : b + 1, blk[i ^ 1]);
+        st = nst;
+      }
+      wgmma_wait<0>();
+      wgmma_fence_operand(d);
+      fmw_promote(acc, d, blk[i].w0, blk[i].w8, blk[i].as);
+      if (stage_end) {
+        fmw_release(smem, ring);
+        ring = nring;
+        ++kb;
+        b = 0;
+        if (more) blocks = fmoe_stage_blocks(FP4, K, kb);
+      } else {
+        ++b;
+      }
+    }
+  }
+}
+
+// acc += one FP4 pass whose scales do not fold (f32, or UE8M0 blocks spanning more than 2^12): every k32
+// step is promoted with its own per-32 scale (times 2^6, the plain bit move). The fallback: correct for
+// any scales, several times slower.
+DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwRing& ring, const FmwItem& it,
+                                   int K, int nks, float (&d)[64], float (&acc)[64]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, r16 = (threadIdx.x >> 5) * 16;
+#pragma unroll 1
+  for (int kb = 0; kb < nks; ++kb) {
+    const unsigned char* st = fmw_acquire(smem_base, smem, ring);
+    const float* sc = reinterpret_cast<const float*>(st + FMW_SLOT_W);
+    const unsigned la = fmw_fp4_addr(st);
+#pragma unroll 1
+    for (int b = 0; b < fmoe_stage_blocks(true, K, kb); ++b) {
+      float w0[4], w8[4];
+      if (it.s8) {
+        const unsigned char* sb = reinterpret_cast<const unsigned char*>(sc);
+        const unsigned e0 = *reinterpret_cast<const unsigned*>(sb + (r16 + g) * 8 + 4 * b);
+        const unsigned e8 = *reinterpret_cast<const unsigned*>(sb + (r16 + g + 8) * 8 + 4 * b);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          w0[q] = __uint_as_float(((e0 >> (8 * q)) & 0xffu) << 23) * 64.0f;
+          w8[q] = __uint_as_float(((e8 >> (8 * q)) & 0xffu) << 23) * 64.0f;
+        }
+      } else {
+        const float4 v0 = *reinterpret_cast<const float4*>(sc + (r16 + g) * 8 + 4 * b);
+        const float4 v8 = *reinterpret_cast<const float4*>(sc + (r16 + g + 8) * 8 + 4 * b);
+        w0[0] = v0.x * 64.0f, w0[1] = v0.y * 64.0f, w0[2] = v0.z * 64.0f, w0[3] = v0.w * 64.0f;
+        w8[0] = v8.x * 64.0f, w8[1] = v8.y * 64.0f, w8[2] = v8.z * 64.0f, w8[3] = v8.w * 64.0f;
+      }
+      const float* as = reinterpret_cast<const float*>(st + FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A) + b * FMW_TOKENS;
+      const unsigned long long desc = fmw_desc(st, b);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        unsigned frag[4], a[4];
+        ldmatrix_x4(la ^ (unsigned)((4 * b + (q & ~1)) << 4), frag);
+        const int h = (q & 1) * 2;
+        e2m1x8_to_e4m3_eo(frag[h], a[0], a[2]);
+        e2m1x8_to_e4m3_eo(frag[h + 1], a[1], a[3]);
+        wgmma_fence();
+        fmw_wgmma(d, a, fmw_desc_step(desc, q), 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(d);
+        fmw_promote(acc, d, w0[q], w8[q], as);
+      }
+    }
+    fmw_release(smem, ring);
+    fmw_next(ring);
+  }
+}
+
+// bf16(acc) into buf[token][row] (stride in elements), r: the buffer row of d[0] (row g).
+DSV4_INLINE void fmw_stash(const float (&acc)[64], bf16_t* buf, int stride, int r) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = r + 8 * (c >> 1), tok = 8 * j + 2 * t + (c & 1);
+      buf[tok * stride + row] = f32_to_bf16(acc[4 * j + c]);
+    }
+  }
+}
+
+// Up, gate pass: the bf16 gate values into ep[token][j]; the tile's routing weights into wt.
+DSV4_INLINE void fmw_up_gate(const FmwArgs& a, const FmwItem& it, const float* route_w, const float (&acc)[64],
+                             bf16_t* ep, float* wt) {
+  const int tid = threadIdx.x;
+  named_barrier(1, FMW_CONSUMERS);  // the previous item's quantisation has read ep and wt
+  if (tid < FMW_TOKENS)
+    wt[tid] = (!it.shared && route_w != nullptr && tid < it.n) ? route_w[fmw_out_row(a, it, tid)] : 1.0f;
+  fmw_stash(acc, ep, FMW_UP_STRIDE, (tid >> 5) * 16 + ((tid & 31) >> 2));
+}
+
+// Up, up pass: h from the thread's own gate values (same rows, same thread) into ep, then the per-128
+// act_quant of each token's 128 j by two threads (64 j each): codes in fragment order and the scale.
+DSV4_INLINE void fmw_up_h_quant(const FmwArgs& a, const FmwItem& it, const float (&acc)[64], float limit, bf16_t* ep,
+                                const float* wt, unsigned char* out_q, float* out_s) {
+  const int tid = threadIdx.x, t = tid & 3;
+  const int r = (tid >> 5) * 16 + ((tid & 31) >> 2);
+  named_barrier(1, FMW_CONSUMERS);  // wt is written
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = r + 8 * (c >> 1), tok = 8 * j + 2 * t + (c & 1);
+      bf16_t* p = ep + tok * FMW_UP_STRIDE + row;
+      *p = f32_to_bf16(fmoe_h_value(bf16_to_f32(*p), round_bf16(acc[4 * j + c]), wt[tok], limit, !it.shared));
+    }
+  }
+  named_barrier(1, FMW_CONSUMERS);
+  const int tok = tid >> 1, half = tid & 1;
+  const bf16_t* src = ep + tok * FMW_UP_STRIDE + 64 * half;
+  float m = 0.0f;
+#pragma unroll
+  for (int c = 0; c < 64; ++c) m = fmaxf(m, fabsf(bf16_to_f32(src[c])));
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  if (tok < it.n) {
+    const float s = fmoe_h_scale(m);
+    const long long orow = fmw_out_row(a, it, tok);
+    unsigned char* dst = out_q + orow * a.N + it.rb * FMW_ROWS + 64 * half;
+#pragma unroll
+    for (int c8 = 0; c8 < 8; ++c8) {
+      float hv[8];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) hv[c] = bf16_to_f32(src[8 * c8 + c]);
+      unsigned codes[8];
+      fmoe_h_codes8(hv, s, codes);
+      store_fragment_order8(dst + 32 * (c8 >> 2), c8 & 3, codes);
+    }
+    if (half == 0) out_s[orow * (a.N / 128) + it.rb] = s;
+  }
+}
+
+// Down: y[out row][row] = bf16(acc), staged per warpgroup so each token's 64 rows leave in 16-byte pieces.
+DSV4_INLINE void fmw_down_store(const FmwArgs& a, const FmwItem& it, const float (&acc)[64], bf16_t* ep, bf16_t* y) {
+  const int tid = threadIdx.x, wg = tid >> 7, l = tid & 127;
+  bf16_t* buf = ep + wg * (FMW_TOKENS * FMW_DOWN_STRIDE);
+  named_barrier(2 + wg, 128);  // the warpgroup's previous copy-out has read buf
+  fmw_stash(acc, buf, FMW_DOWN_STRIDE, ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2));
+  named_barrier(2 + wg, 128);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int chunk = l + 128 * i, tok = chunk >> 3, c8 = chunk & 7;
+    if (tok < it.n)
+      *reinterpret_cast<uint4*>(y + fmw_out_row(a, it, tok) * a.N + it.rb * FMW_ROWS + 64 * wg + 8 * c8) =
+          *reinterpret_cast<const uint4*>(buf + tok * FMW_DOWN_STRIDE + 8 * c8);
+  }
+}
+
+// Shared body of both kernels (see fast_moe_gemm.cu's fmoe_gemm for the operands).
+template <bool UP>
+DSV4_INLINE void fmw_gemm(const FmwArgs& a, const float* route_w, float limit, unsigned char* out_q, float* out_s,
+                          bf16_t* out_y) {
+  extern __shared__ __align__(1024) unsigned char fmw_smem[];
+  const unsigned smem = smem_addr(fmw_smem);
+  if ((smem & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned slots
+  const int total = fmw_total_items<UP>(a);
+  const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < FMW_STAGES; ++s) {
+      mbar_init(fmw_full(smem, s), 1 + 32);            // the producer's TMA arrival + its lanes' cp.async
+      mbar_init(fmw_empty(smem, s), FMW_CONSUMERS / 32);  // one arrival per consumer warp
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+  if (threadIdx.x >= FMW_CONSUMERS) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FMW_PRODUCER_REGS));
+    if (threadIdx.x < FMW_CONSUMERS + 32) fmw_produce<UP>(a, smem, my_items);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FMW_CONSUMER_REGS));
+  bf16_t* ep = reinterpret_cast<bf16_t*>(fmw_smem + FMW_STAGES * FMW_SLOT);
+  float* wt = reinterpret_cast<float*>(fmw_smem + FMW_WT);
+  FmwRing ring = {0, 0u};
+  // The tensor core's block sums: defined once (ptxas serialises wgmmas on undefined accumulators, C7511);
+  // every block's first wgmma overwrites them.
+  float d[64], acc[64];
+#pragma unroll
+  for (int v = 0; v < 64; ++v) d[v] = 0.0f;
+  for (int n = 0; n < my_items; ++n) {
+    const FmwItem it = fmw_item<UP>(a, blockIdx.x + n * gridDim.x);
+    if (it.skip) continue;
+    const int nks = fmoe_stages(it.fp4, a.K);
+    for (int pass = 0; pass < fmw_passes(UP); ++pass) {
+#pragma unroll
+      for (int v = 0; v < 64; ++v) acc[v] = 0.0f;
+      if (!it.fp4)
+        fmw_pass_folded<false>(fmw_smem, smem, ring, a.K, nks, d, acc);
+      else if (a.fold && it.s8)
+        fmw_pass_folded<true>(fmw_smem, smem, ring, a.K, nks, d, acc);
+      else
+        fmw_pass_unfolded(fmw_smem, smem, ring, it, a.K, nks, d, acc);
+      if (!UP)
+        fmw_down_store(a, it, acc, ep, out_y);
+      else if (pass == 0)
+        fmw_up_gate(a, it, route_w, acc, ep, wt);
+      else
+        fmw_up_h_quant(a, it, acc, limit, ep, wt, out_q, out_s);
+    }
+  }
+}
+
+// GEMM1 + SwiGLU + routing weight + FP8 quantisation of h; the same operands as fmoe_up_kernel, with the plan
+// made for FMW_TOKENS-token tiles.
+extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
+    fmw_up_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
+                  const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
+                  const unsigned long long* s1, const unsigned long long* s3, int fmt, int shared_fmt,
+                  const float* shared_s1, const float* shared_s3, const unsigned char* sc8, const float* route_w,
+                  float limit, unsigned char* hq, float* hs) {
+  const FmwArgs a = {xq,  xs,        T,          D,         I,         k,        rows,
+                     tiles, *ntiles, e_begin,    e_end,     maps,      s1,       s3,
+                     fmt, shared_fmt, shared_s1, shared_s3, fmoe_sc8_data(sc8), fmoe_sc8_foldable(sc8),
+                     D,   I};
+  fmw_gemm<true>(a, route_w, limit, hq, hs, nullptr);
+}
+
+// GEMM2: the same operands as fmoe_down_kernel, with the plan made for FMW_TOKENS-token tiles.
+extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
+    fmw_down_kernel(const unsigned char* hq, const float* hs, int T, int I, int D, int k, const int* rows,
+                    const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
+                    const unsigned long long* s2, int fmt, int shared_fmt, const float* shared_s2,
+                    const unsigned char* sc8, unsigned short* y) {
+  const FmwArgs a = {hq,  hs,        T,          I,         D,         k,        rows,
+                     tiles, *ntiles, e_begin,    e_end,     maps,      s2,       s2,
+                     fmt, shared_fmt, shared_s2, shared_s2, fmoe_sc8_data(sc8), fmoe_sc8_foldable(sc8),
+                     D,   I};
+  fmw_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y);
+}

@@ -1,0 +1,56 @@
+//! Rust side of the `fast_moe_wide` kernel family (kernels/fast_moe_wide.cu): the prefill path of the
+//! fast set's expert GEMMs, for many tokens per expert. Items of up to [`TOKENS`] tokens and 128
+//! weight rows; the FP4 per-32 scales of a 128-block are folded into the e4m3 codes so the tensor
+//! core's sums are promoted once per 128 of K. Same operands and outputs as the decode kernels
+//! ([`super::fast_moe_gemm`], whose [`FastMoeGemm`](super::fast_moe_gemm::FastMoeGemm) launches both
+//! and picks the path: [`GemmPath`](super::fast_moe_gemm::GemmPath)).
+
+/// Tokens per work item (FMW_TOKENS): the plan's `tile_rows` on this path, and the N of its
+/// wgmma (m64n128k32).
+pub const TOKENS: usize = 128;
+/// Weight rows per pass of an item: one TMA box, two warpgroups of 64.
+pub const ROWS: usize = 128;
+/// Threads of a block: two consumer warpgroups and a producer warpgroup (one warp of it works;
+/// the warpgroup gives its registers to the consumers).
+pub const THREADS: usize = 3 * 128;
+/// Slots of the shared-memory ring (FMW_STAGES).
+pub const STAGES: usize = 3;
+/// Dynamic shared memory of a block (FMW_SMEM_BYTES; kernels/fast_moe_wide.cu checks its layout
+/// fits): the ring of 1024-byte aligned slots (128 weight rows of 128 bytes, their FP4 scales as
+/// f32, the tokens' codes over 256 k and their scales), the epilogue's bf16 buffer, the tile's
+/// routing weights and the mbarriers.
+pub const SMEM_BYTES: usize = {
+    let slot = (ROWS * 128 + ROWS * 32 + 16 * TOKENS * 16 + 2 * TOKENS * 4).div_ceil(1024) * 1024;
+    STAGES * slot + 2 * TOKENS * 72 * 2 + TOKENS * 4 + 2 * STAGES * 8
+};
+const _: () = assert!(
+    SMEM_BYTES <= 227 * 1024,
+    "an sm_90 block takes at most 227 KiB"
+);
+/// Tokens from which a layer runs this path. Measured (BENCHMARKS.md, "prefill path": both paths
+/// timed in one run at Flash shapes): the decode path is faster at B = 2048 (4.46 vs 5.08 ms), this
+/// one at B = 4096 (6.56 vs 8.35 ms); the lines cross near 2600.
+pub const MIN_TOKENS: usize = 3072;
+
+crate::kernel_family! {
+    /// The family as the registry compiles and loads it.
+    pub const SOURCE = "fast_moe_wide", include_str!("../../../kernels/fast_moe_wide.cu");
+
+    /// GEMM1 + SwiGLU + routing weight + FP8 quantisation of h (fmoe_up_kernel's operands).
+    #[smem(SMEM_BYTES as u32)]
+    fn fmw_up_kernel(
+        xq: *const u8, xs: *const f32, t: i32, d: i32, i: i32, k: i32, rows: *const i32,
+        tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
+        s1: *const u64, s3: *const u64, fmt: i32, shared_fmt: i32,
+        shared_s1: Option<*const f32>, shared_s3: Option<*const f32>, sc8: Option<*const u8>,
+        route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32,
+    );
+    /// GEMM2 into bf16 rows per (token, slot) (fmoe_down_kernel's operands).
+    #[smem(SMEM_BYTES as u32)]
+    fn fmw_down_kernel(
+        hq: *const u8, hs: *const f32, t: i32, i: i32, d: i32, k: i32, rows: *const i32,
+        tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
+        s2: *const u64, fmt: i32, shared_fmt: i32, shared_s2: Option<*const f32>,
+        sc8: Option<*const u8>, y: *mut u16,
+    );
+}
