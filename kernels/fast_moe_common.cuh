@@ -51,6 +51,21 @@ DSV4_INLINE void fmoe_fp8_a_frag(unsigned la, int q, unsigned (&a)[4]) {
   a[3] = __byte_perm(u8.x, u8.y, 0x7531);
 }
 
+// The producer/consumer ring's mbarriers (both families): at shared address `bars`, full[s] then empty[s],
+// 8 bytes each. full[s] completes when the producer warp's lane 0 has arrived with the stage's TMA bytes and
+// the copies each of its 32 lanes issued by cp.async have landed; empty[s] when every consumer warp has
+// released the slot.
+DSV4_INLINE unsigned fmoe_ring_full(unsigned bars, int s) { return bars + 8 * s; }
+DSV4_INLINE unsigned fmoe_ring_empty(unsigned bars, int stages, int s) { return bars + 8 * (stages + s); }
+
+DSV4_INLINE void fmoe_ring_init(unsigned bars, int stages, int consumer_warps) {
+  for (int s = 0; s < stages; ++s) {
+    mbar_init(fmoe_ring_full(bars, s), 1 + 32);
+    mbar_init(fmoe_ring_empty(bars, stages, s), consumer_warps);
+  }
+  fence_mbar_init();
+}
+
 // Stages of an item: FP4 256 k each (the last one 128 when K % 256 == 128), FP8 128 k each. A stage is
 // 128 bytes of each weight row.
 DSV4_INLINE int fmoe_stages(bool fp4, int K) { return fp4 ? (K + 255) / 256 : K / 128; }

@@ -176,9 +176,9 @@ DSV4_INLINE int fmoe_out_row(const FmoeArgs& a, const FmoeItem& it, int c) {
   return it.shared ? a.T * a.k + it.start + c : a.rows[it.start + c];
 }
 
-// The ring's barriers: full[s] then empty[s], 8 bytes each, after the slots and the epilogue buffers.
-DSV4_INLINE unsigned fmoe_full(unsigned smem, int s) { return smem + FMOE_BARS + 8 * s; }
-DSV4_INLINE unsigned fmoe_empty(unsigned smem, int s) { return smem + FMOE_BARS + 8 * (FMOE_STAGES + s); }
+// The ring's barriers (fmoe_ring_*), after the slots and the epilogue buffers.
+DSV4_INLINE unsigned fmoe_full(unsigned smem, int s) { return fmoe_ring_full(smem + FMOE_BARS, s); }
+DSV4_INLINE unsigned fmoe_empty(unsigned smem, int s) { return fmoe_ring_empty(smem + FMOE_BARS, FMOE_STAGES, s); }
 
 // The producer warp: fills the ring with every stage of the block's items, in the order the consumers
 // read them. Per stage, lane 0 announces the TMA bytes and issues the weight (and FP4 scale) boxes: rows
@@ -541,13 +541,7 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
   const int nsh = a.shared_fmt != 0 ? (a.T + FMOE_TOKENS - 1) / FMOE_TOKENS : 0;
   const int total = (a.nrt + nsh) * fmoe_rblocks(UP, a.N);
   const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < FMOE_STAGES; ++s) {
-      mbar_init(fmoe_full(smem, s), 1 + 32);            // the producer's TMA arrival + its lanes' cp.async
-      mbar_init(fmoe_empty(smem, s), FMOE_CONSUMERS / 32);  // one arrival per consumer warp
-    }
-    fence_mbar_init();
-  }
+  if (threadIdx.x == 0) fmoe_ring_init(smem + FMOE_BARS, FMOE_STAGES, FMOE_CONSUMERS / 32);
   __syncthreads();
   if (threadIdx.x >= FMOE_CONSUMERS) {
     fmoe_produce<UP>(a, smem, my_items);

@@ -170,9 +170,9 @@ DSV4_INLINE long long fmw_out_row(const FmwArgs& a, const FmwItem& it, int c) {
   return it.shared ? (long long)a.T * a.k + it.start + c : a.rows[it.start + c];
 }
 
-// The ring's barriers: full[s] then empty[s].
-DSV4_INLINE unsigned fmw_full(unsigned smem, int s) { return smem + FMW_BARS + 8 * s; }
-DSV4_INLINE unsigned fmw_empty(unsigned smem, int s) { return smem + FMW_BARS + 8 * (FMW_STAGES + s); }
+// The ring's barriers (fmoe_ring_*).
+DSV4_INLINE unsigned fmw_full(unsigned smem, int s) { return fmoe_ring_full(smem + FMW_BARS, s); }
+DSV4_INLINE unsigned fmw_empty(unsigned smem, int s) { return fmoe_ring_empty(smem + FMW_BARS, FMW_STAGES, s); }
 
 // The producer warp: every stage of every pass of the block's items, in the consumers' order. Lane 0
 // announces the TMA bytes and issues the weight box and the FP4 scales (or copies FP8's block scale);
@@ -567,13 +567,7 @@ DSV4_INLINE void fmw_gemm(const FmwArgs& a, const float* route_w, float limit, u
   if ((smem & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned slots
   const int total = fmw_total_items<UP>(a);
   const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < FMW_STAGES; ++s) {
-      mbar_init(fmw_full(smem, s), 1 + 32);            // the producer's TMA arrival + its lanes' cp.async
-      mbar_init(fmw_empty(smem, s), FMW_CONSUMERS / 32);  // one arrival per consumer warp
-    }
-    fence_mbar_init();
-  }
+  if (threadIdx.x == 0) fmoe_ring_init(smem + FMW_BARS, FMW_STAGES, FMW_CONSUMERS / 32);
   __syncthreads();
   if (threadIdx.x >= FMW_CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FMW_PRODUCER_REGS));

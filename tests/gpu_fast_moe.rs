@@ -16,8 +16,9 @@
 //!   products promoted to f32 every k32 (decode path, kernels/fast_moe_gemm.cu) or every k128
 //!   (prefill path, kernels/fast_moe_wide.cu, FP4 scales folded into the codes exactly). The
 //!   tensor core keeps fewer accumulator bits than f32: its error is ≤ 2⁻¹⁰ of the 32-term
-//!   Σ|w·x| (asserted by gpu_wgmma_probe, measured ≈ 2⁻¹¹·⁵), four such sums on the prefill
-//!   path, so g and u carry ≤ 2⁻¹⁰·Σ_k |w_k·x_k| (2⁻⁸ on the prefill path), small against
+//!   Σ|w·x| (asserted by gpu_wgmma_probe, measured ≈ 2⁻¹¹·⁵), four such sums chained in the
+//!   tensor core on the prefill path (measured: 2-4x more h codes differ there, BENCHMARKS.md),
+//!   so g and u carry ≤ 2⁻¹⁰·Σ_k |w_k·x_k| (2⁻⁸ on the prefill path), small against
 //!   |g| except where the sum cancels. A bf16 rounding of g, v or h may then flip, and a flipped
 //!   h moves its FP8 code by one e4m3 step (≤ 2⁻³ of the value); where silu(g)·u nearly cancels,
 //!   the carried error can exceed a step of that small code. So: every h code agrees, or differs
@@ -486,9 +487,9 @@ fn check_routing(
 fn check_experts(what: &str, sh: &MoeShape, f: &FastOut, rf: &RefOut, agree: &[bool]) {
     let Dims { D, I, K, .. } = dims(sh);
     let t = agree.len();
-    // h: routed rows a = t*k + j, then the shared expert's rows.
-    let (mut differ, mut total) = (0usize, 0usize);
-    let mut check_h = |fast: &[f32], refv: &[f32], row: &str| {
+    // h: routed rows a = t*k + j, then the shared expert's rows (counted apart: [routed, shared]).
+    let (mut differ, mut total) = ([0usize; 2], [0usize; 2]);
+    let mut check_h = |fast: &[f32], refv: &[f32], row: &str, x: usize| {
         for (blk, (fb, rb)) in fast.chunks(128).zip(refv.chunks(128)).enumerate() {
             // One e4m3 step: 2^-3 of the value in the normal range; below it the subnormal
             // step s·2^-9 of the block scale s = ue8m0(amax / 448) < amax·2^-7.8. Plus the
@@ -497,11 +498,11 @@ fn check_experts(what: &str, sh: &MoeShape, f: &FastOut, rf: &RefOut, agree: &[b
             // 2^-9 of the block's largest |h| is allowed too.
             let amax = rb.iter().chain(fb).fold(0f32, |m, v| m.max(v.abs()));
             for (c, (&a, &b)) in fb.iter().zip(rb).enumerate() {
-                total += 1;
+                total[x] += 1;
                 if a.to_bits() == b.to_bits() {
                     continue;
                 }
-                differ += 1;
+                differ[x] += 1;
                 let m = a.abs().max(b.abs());
                 assert!(
                     (a - b).abs() <= m * 0.125 + amax * 2f32.powi(-9),
@@ -518,6 +519,7 @@ fn check_experts(what: &str, sh: &MoeShape, f: &FastOut, rf: &RefOut, agree: &[b
                 &f.hq[a * I..(a + 1) * I],
                 &rf.hq[a * I..(a + 1) * I],
                 &format!("row {a}"),
+                0,
             );
         }
         let sr = t * K + tok;
@@ -525,12 +527,17 @@ fn check_experts(what: &str, sh: &MoeShape, f: &FastOut, rf: &RefOut, agree: &[b
             &f.hq[sr * I..(sr + 1) * I],
             &rf.hq_shared[tok * I..(tok + 1) * I],
             &format!("shared row {tok}"),
+            1,
         );
     }
-    let frac = differ as f64 / total.max(1) as f64;
+    let pct = |x: usize| 100.0 * differ[x] as f64 / total[x].max(1) as f64;
+    let (differ_all, total_all) = (differ[0] + differ[1], total[0] + total[1]);
+    let frac = differ_all as f64 / total_all.max(1) as f64;
     println!(
-        "{what}: {differ} of {total} h codes differ ({:.4}%)",
-        frac * 100.0
+        "{what}: {differ_all} of {total_all} h codes differ ({:.4}%; routed experts {:.4}%, shared expert {:.4}%)",
+        frac * 100.0,
+        pct(0),
+        pct(1)
     );
     assert!(
         frac <= 1.0 / 16.0,

@@ -124,6 +124,33 @@ impl GemmPath {
             GemmPath::Prefill => wide::TOKENS,
         }
     }
+
+    /// (grid, block threads, dynamic shared memory) of the up (`up`) or down GEMM of `t` tokens
+    /// on this path.
+    fn launch_shape(
+        self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        t: usize,
+        up: bool,
+    ) -> (u32, u32, u32) {
+        let n = if up { layer.i } else { layer.d }; // weight rows (up: j)
+        match self {
+            GemmPath::Decode => {
+                let row_tiles = if up { n / UP_J } else { n.div_ceil(DOWN_ROWS) };
+                let items = max_items(layer, t, TOKENS, row_tiles);
+                (grid(ctx, items), THREADS as u32, SMEM_BYTES as u32)
+            }
+            GemmPath::Prefill => {
+                let items = max_items(layer, t, wide::TOKENS, n / wide::ROWS);
+                (
+                    grid(ctx, items),
+                    wide::THREADS as u32,
+                    wide::SMEM_BYTES as u32,
+                )
+            }
+        }
+    }
 }
 
 /// Work items a GEMM may see for `t` tokens in tiles of `tile` tokens: every routed tile the plan
@@ -241,21 +268,12 @@ impl FastMoeGemm {
             };
         }
         let _g = ctx.enter()?;
+        let (g, b, sm) = path.launch_shape(ctx, layer, t, true);
         match path {
-            GemmPath::Decode => self.up.launch(
-                grid(ctx, max_items(layer, t, TOKENS, i / UP_J)),
-                THREADS as u32,
-                SMEM_BYTES as u32,
-                stream,
-                up_args!(fmoe_up_kernel),
-            ),
-            GemmPath::Prefill => self.wide_up.launch(
-                grid(ctx, max_items(layer, t, wide::TOKENS, i / wide::ROWS)),
-                wide::THREADS as u32,
-                wide::SMEM_BYTES as u32,
-                stream,
-                up_args!(fmw_up_kernel),
-            ),
+            GemmPath::Decode => self.up.launch(g, b, sm, stream, up_args!(fmoe_up_kernel)),
+            GemmPath::Prefill => self
+                .wide_up
+                .launch(g, b, sm, stream, up_args!(fmw_up_kernel)),
         }
     }
 
@@ -301,21 +319,15 @@ impl FastMoeGemm {
             };
         }
         let _g = ctx.enter()?;
+        let (g, b, sm) = path.launch_shape(ctx, layer, t, false);
         match path {
-            GemmPath::Decode => self.down.launch(
-                grid(ctx, max_items(layer, t, TOKENS, d.div_ceil(DOWN_ROWS))),
-                THREADS as u32,
-                SMEM_BYTES as u32,
-                stream,
-                down_args!(fmoe_down_kernel),
-            ),
-            GemmPath::Prefill => self.wide_down.launch(
-                grid(ctx, max_items(layer, t, wide::TOKENS, d / wide::ROWS)),
-                wide::THREADS as u32,
-                wide::SMEM_BYTES as u32,
-                stream,
-                down_args!(fmw_down_kernel),
-            ),
+            GemmPath::Decode => self
+                .down
+                .launch(g, b, sm, stream, down_args!(fmoe_down_kernel)),
+            GemmPath::Prefill => {
+                self.wide_down
+                    .launch(g, b, sm, stream, down_args!(fmw_down_kernel))
+            }
         }
     }
 }
