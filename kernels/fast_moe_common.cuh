@@ -73,18 +73,32 @@ DSV4_INLINE int fmoe_stages(bool fp4, int K) { return fp4 ? (K + 255) / 256 : K 
 // 128-blocks of K in stage kb.
 DSV4_INLINE int fmoe_stage_blocks(bool fp4, int K, int kb) { return fp4 ? min(2, K / 128 - 2 * kb) : 1; }
 
-// The UE8M0 scale table's layout (fmoe_scales8_kernel): after a header of FMOE_SC8_HEADER bytes, per expert
-// (the local ones, then the shared expert) the matrices w1 [I][D], w3 [I][D], w2 [D][I]; per matrix of R rows
-// and K columns, per 128-row block rb and stage kb (256 k) 1 KiB: row rb·128 + r's 8 scales of k 256·kb ..
-// at 8·r (those past K read 127, i.e. 1.0). The header's ints: [0] 1 when every scale is exact
-// (FMOE_SC8_EXACT), [1] 1 when moreover the four scales of every 128-block of a row are within 2^12 of
-// each other (FMOE_SC8_FOLDABLE: fast_moe_wide.cu folds them into the e4m3 codes).
+// The UE8M0 scale table's layout (fmoe_scales8_kernel, fmoe_rows8_kernel): after a header of
+// FMOE_SC8_HEADER bytes, per expert (the local ones, then the shared expert; a stride of fmoe_sc8_expert):
+// - the blocks: the matrices w1 [I][D], w3 [I][D], w2 [D][I]; per matrix of R rows and K columns, per
+//   128-row block rb and stage kb (256 k) 1 KiB: row rb·128 + r's 8 scales of k 256·kb .. at 8·r (those
+//   past K read 127, i.e. 1.0);
+// - the rows' largest exponents: one byte per row of w1, w3, then w2 (fmoe_sc8_rows);
+// - per 128-row block of w1, w3, then w2, 1 when every row of the block has its exponents within
+//   FMOE_FOLD_SPAN of its largest, else 0 (fmoe_sc8_row_flags): then the prefill GEMMs fold the
+//   scales of the whole row into the codes, and the row's factor leaves the promotion.
+// The header's ints: [0] 1 when every scale is exact (FMOE_SC8_EXACT), [1] 1 when moreover the four
+// scales of every 128-block of a row are within 2^12 of each other (FMOE_SC8_FOLDABLE: fast_moe_wide.cu
+// folds them into the e4m3 codes).
 #define FMOE_SC8_HEADER 256
 #define FMOE_SC8_EXACT 0
 #define FMOE_SC8_FOLDABLE 1
 #define FMOE_FOLD_SPAN 12
 DSV4_INLINE long long fmoe_sc8_matrix(int R, int K) { return (long long)(R / 128) * fmoe_stages(true, K) * 1024; }
-DSV4_INLINE long long fmoe_sc8_expert(int D, int I) { return 2 * fmoe_sc8_matrix(I, D) + fmoe_sc8_matrix(D, I); }
+DSV4_INLINE long long fmoe_sc8_blocks(int D, int I) { return 2 * fmoe_sc8_matrix(I, D) + fmoe_sc8_matrix(D, I); }
+// Matrix m's (0 w1, 1 w3, 2 w2) row exponents and block flags, from the expert's start.
+DSV4_INLINE long long fmoe_sc8_rows(int D, int I, int m) { return fmoe_sc8_blocks(D, I) + (long long)m * I; }
+DSV4_INLINE long long fmoe_sc8_row_flags(int D, int I, int m) {
+  return fmoe_sc8_blocks(D, I) + 2LL * I + D + (long long)m * (I / 128);
+}
+DSV4_INLINE long long fmoe_sc8_expert(int D, int I) {
+  return (fmoe_sc8_row_flags(D, I, 2) + D / 128 + 255) / 256 * 256;  // 256-aligned: bulk copies need 16
+}
 
 // The data of a UE8M0 scale table whose header says every scale is exact, else NULL.
 DSV4_INLINE const unsigned char* fmoe_sc8_data(const unsigned char* table) {

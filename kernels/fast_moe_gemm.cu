@@ -528,6 +528,37 @@ extern "C" __global__ void fmoe_scales8_kernel(const unsigned long long* s1, con
   if (!foldable) atomicAnd(flags + FMOE_SC8_FOLDABLE, 0);
 }
 
+// The row exponents and row-block fold flags of a layer's UE8M0 scale table (layout: fast_moe_common.cuh),
+// from its blocks (fmoe_scales8_kernel runs first, on the same stream). One thread per (expert, matrix,
+// 128-row block): each row's largest exponent over its K / 32 scales, and whether every row of the block
+// has all of them within FMOE_FOLD_SPAN of it. nex: the table's experts. Deterministic: one writer a byte.
+extern "C" __global__ void fmoe_rows8_kernel(int nex, int D, int I, unsigned char* table) {
+  const int rb_i = I / 128, per_expert = 2 * rb_i + D / 128;
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= nex * per_expert) return;
+  const int x = idx / per_expert, rest = idx - x * per_expert;
+  const int m = rest < rb_i ? 0 : rest < 2 * rb_i ? 1 : 2;  // w1, w3, w2
+  const int rb = rest - m * rb_i;
+  const int K = m < 2 ? D : I, S = fmoe_stages(true, K);
+  unsigned char* ex = table + FMOE_SC8_HEADER + (long long)x * fmoe_sc8_expert(D, I);
+  const unsigned char* blocks = ex + m * fmoe_sc8_matrix(I, D) + (long long)rb * S * 1024;
+  unsigned char* rows = ex + fmoe_sc8_rows(D, I, m) + rb * 128;
+  bool foldable = true;
+  for (int r = 0; r < 128; ++r) {
+    unsigned lo = 255, hi = 0;
+    for (int kb = 0; kb < S; ++kb) {
+      const unsigned char* e = blocks + (long long)kb * 1024 + r * 8;
+      for (int q = 0; q < 8 && 8 * kb + q < K / 32; ++q) {
+        lo = min(lo, (unsigned)e[q]);
+        hi = max(hi, (unsigned)e[q]);
+      }
+    }
+    rows[r] = (unsigned char)hi;
+    if (hi - lo > FMOE_FOLD_SPAN) foldable = false;
+  }
+  ex[fmoe_sc8_row_flags(D, I, m) + rb] = foldable ? 1 : 0;
+}
+
 // Shared body of both kernels. UP: K = D, weight rows j of W1/W3 (N = I of them), act = xq [T][D] with xs;
 // out hq [T*k + T][I] codes in fragment order and hs [T*k + T][I/128]. DOWN: K = I, rows of W2 (N = D),
 // act = hq with hs; out y [T*k + T][D] bf16.

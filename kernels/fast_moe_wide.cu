@@ -14,9 +14,13 @@
 //
 // The fold. Per weight row and 128-block the four UE8M0 exponents e_q have a maximum E; the codes of group
 // q are re-encoded exactly as value · 2^(t_q - 6) with t_q = 12 - (E - e_q) (e2m1x8_to_e4m3_shifted_eo,
-// exact for 0 <= t_q <= 12), so the block's product carries one factor 2^(E - 133) per row. A layer whose
-// blocks span more than FMOE_FOLD_SPAN (the scale table's FMOE_SC8_FOLDABLE flag, set at finalize and refit)
-// or whose scales are read as f32 promotes every k32 instead, with the plain bit move: slower, as exact.
+// exact for 0 <= t_q <= 12), so the block's product carries one factor 2^(E - 133) per row. Where every row
+// of a 128-row block has all its exponents within 2^12 of its largest (the table's row-block flag), E is the
+// row's largest over the whole row instead: the factor is then the same for every block, leaves the
+// promotion (one FFMA per accumulator instead of FMUL + FFMA) and is applied once after the pass. A layer
+// whose 128-blocks span more than FMOE_FOLD_SPAN (the table's FMOE_SC8_FOLDABLE flag, set at finalize and
+// refit) or whose scales are read as f32 promotes every k32 instead, with the plain bit move: slower, as
+// exact.
 //
 // Work items. The plan (moe_plan_kernel, tile_rows = FMW_TOKENS) lists (expert, start, count) tiles; the
 // shared expert adds ceil(T / FMW_TOKENS) tiles of consecutive tokens. A tile is cut into 128-row blocks
@@ -103,6 +107,8 @@ struct FmwItem {
   const unsigned char* maps;   // the expert's tensor maps
   const float* fs[2];          // FP8: block scales of pass 0 and 1 (up: W1, W3; down: W2)
   const unsigned char* sc8[2]; // UE8M0: the 1 KiB blocks of stage 0 of the passes' row block
+  const unsigned char* rowe[2]; // UE8M0: the largest exponent of each of the passes' 128 rows
+  bool rowfold[2];              // UE8M0: every row of the pass's block folds whole (fmoe_rows8_kernel)
 };
 
 DSV4_INLINE int fmw_passes(bool up) { return up ? 2 : 1; }
@@ -113,7 +119,8 @@ DSV4_INLINE int fmw_total_items(const FmwArgs& a) {
   return (a.nrt + nsh) * (a.N / FMW_ROWS);
 }
 
-template <bool UP>
+// Item wi. ROWS: with the whole-row fold's row data (the consumers'; the producer does not need it).
+template <bool UP, bool ROWS>
 DSV4_INLINE FmwItem fmw_item(const FmwArgs& a, int wi) {
   const int rb_n = a.N / FMW_ROWS;
   const int tile = wi / rb_n;
@@ -123,6 +130,8 @@ DSV4_INLINE FmwItem fmw_item(const FmwArgs& a, int wi) {
   it.s8 = false;
   it.fs[0] = it.fs[1] = nullptr;
   it.sc8[0] = it.sc8[1] = nullptr;
+  it.rowe[0] = it.rowe[1] = nullptr;
+  it.rowfold[0] = it.rowfold[1] = false;
   const int nloc = a.e_end - a.e_begin;
   int x = nloc;  // the item's entry in the per-expert tables
   if (tile < a.nrt) {
@@ -153,6 +162,11 @@ DSV4_INLINE FmwItem fmw_item(const FmwArgs& a, int wi) {
     const long long w13 = fmoe_sc8_matrix(a.I, a.D);
     it.sc8[0] = ex + (UP ? 0 : 2 * w13) + at;  // W1 or W2
     it.sc8[1] = ex + w13 + at;                 // W3 (up only)
+    for (int pass = 0; ROWS && pass < fmw_passes(UP); ++pass) {
+      const int m = UP ? pass : 2;  // w1, w3 or w2
+      it.rowe[pass] = ex + fmoe_sc8_rows(a.D, a.I, m) + it.rb * FMW_ROWS;
+      it.rowfold[pass] = ex[fmoe_sc8_row_flags(a.D, a.I, m) + it.rb] != 0;
+    }
   }
   return it;
 }
@@ -186,7 +200,7 @@ DSV4_INLINE void fmw_produce(const FmwArgs& a, unsigned smem, int my_items) {
   int slot = 0;
   unsigned phase = 0;
   for (int n = 0; n < my_items; ++n) {
-    const FmwItem it = fmw_item<UP>(a, blockIdx.x + n * gridDim.x);
+    const FmwItem it = fmw_item<UP, false>(a, blockIdx.x + n * gridDim.x);
     if (it.skip) continue;
     const int nks = fmoe_stages(it.fp4, K);
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
@@ -276,14 +290,35 @@ DSV4_INLINE void fmw_promote(float (&acc)[64], const float (&d)[64], float w0, f
   }
 }
 
-// The fold shifts t_q = FMOE_FOLD_SPAN - (E - e_q) of a row's four exponent bytes (one per byte) and
-// their maximum E.
-DSV4_INLINE unsigned fmw_fold_shifts(unsigned e, unsigned& emax) {
-  const unsigned e0 = e & 0xffu, e1 = (e >> 8) & 0xffu, e2 = (e >> 16) & 0xffu, e3 = e >> 24;
-  emax = max(max(e0, e1), max(e2, e3));
+// acc += d · (the token's activation scale): the row factors are applied once after the pass (whole-row fold).
+DSV4_INLINE void fmw_promote_rows(float (&acc)[64], const float (&d)[64], const float* as) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const float2 s = *reinterpret_cast<const float2*>(as + 8 * j + 2 * t);
+    acc[4 * j + 0] = fmaf(d[4 * j + 0], s.x, acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(d[4 * j + 1], s.y, acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(d[4 * j + 2], s.x, acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(d[4 * j + 3], s.y, acc[4 * j + 3]);
+  }
+}
+
+// The codes' common factor 2^(E - 127) · 2^-6 of a row whose largest exponent is E (the shifted bit move
+// leaves value · 2^(t - 6), t = FMOE_FOLD_SPAN - (E - e)).
+DSV4_INLINE float fmw_row_factor(unsigned emax) { return __uint_as_float(emax << 23) * 0.015625f; }
+
+// The fold shifts t_q = FMOE_FOLD_SPAN - (E - e_q) of a row's four exponent bytes (one per byte) against
+// E, which is at least each of them and at most FMOE_FOLD_SPAN above.
+DSV4_INLINE unsigned fmw_fold_shifts_to(unsigned e, unsigned emax) {
   const unsigned base = FMOE_FOLD_SPAN - emax;  // mod 2^32: e_q + base = t_q
-  return ((e0 + base) & 0xffu) | (((e1 + base) & 0xffu) << 8) | (((e2 + base) & 0xffu) << 16) |
-         ((e3 + base) << 24);
+  return (((e & 0xffu) + base) & 0xffu) | ((((e >> 8) & 0xffu) + base) & 0xffu) << 8 |
+         ((((e >> 16) & 0xffu) + base) & 0xffu) << 16 | ((e >> 24) + base) << 24;
+}
+
+// The fold shifts of a row's four exponent bytes against their own maximum E (returned in emax).
+DSV4_INLINE unsigned fmw_fold_shifts(unsigned e, unsigned& emax) {
+  emax = max(max(e & 0xffu, (e >> 8) & 0xffu), max((e >> 16) & 0xffu, e >> 24));
+  return fmw_fold_shifts_to(e, emax);
 }
 
 // The thread's ldmatrix address for FP4 block 0, step 0 of the stage at `st` (as fast_moe_gemm.cu): lane L
@@ -313,9 +348,11 @@ struct FmwBlock {
   unsigned long long desc;   // B of step 0
 };
 
-// Block b of the stage at `st`, folded (FP4 with UE8M0 scales that fold) or FP8.
-template <bool FP4>
-DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, FmwBlock& blk) {
+// Block b of the stage at `st`, folded (FP4 with UE8M0 scales that fold) or FP8. ROWS: FP4 folded against
+// the rows' largest exponents over the whole row (er0, er8: rows g, g + 8; no factors), else against the
+// block's.
+template <bool FP4, bool ROWS>
+DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, unsigned er0, unsigned er8, FmwBlock& blk) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r16 = (threadIdx.x >> 5) * 16;
   blk.as = reinterpret_cast<const float*>(st + FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A) + b * FMW_TOKENS;
   blk.desc = fmw_desc(st, b);
@@ -323,10 +360,18 @@ DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, FmwBlock& blk) {
     const unsigned char* sb = st + FMW_SLOT_W;
     const unsigned e0 = *reinterpret_cast<const unsigned*>(sb + (r16 + g) * 8 + 4 * b);
     const unsigned e8 = *reinterpret_cast<const unsigned*>(sb + (r16 + g + 8) * 8 + 4 * b);
-    unsigned m0, m8;
-    const unsigned tv0 = fmw_fold_shifts(e0, m0), tv8 = fmw_fold_shifts(e8, m8);
-    blk.w0 = __uint_as_float(m0 << 23) * 0.015625f;  // 2^(E - 127) · 2^-6
-    blk.w8 = __uint_as_float(m8 << 23) * 0.015625f;
+    unsigned tv0, tv8;
+    if (ROWS) {
+      tv0 = fmw_fold_shifts_to(e0, er0);
+      tv8 = fmw_fold_shifts_to(e8, er8);
+      blk.w0 = blk.w8 = 1.0f;  // unused
+    } else {
+      unsigned m0, m8;
+      tv0 = fmw_fold_shifts(e0, m0);
+      tv8 = fmw_fold_shifts(e8, m8);
+      blk.w0 = fmw_row_factor(m0);
+      blk.w8 = fmw_row_factor(m8);
+    }
     const unsigned la = fmw_fp4_addr(st);
 #pragma unroll
     for (int q = 0; q < 4; q += 2) {
@@ -388,12 +433,12 @@ DSV4_INLINE void fmw_release(unsigned smem, const FmwRing& r) {
 // acc += one pass (nks stages), folded FP4 or FP8: a stream of 128-blocks, software-pipelined one block
 // deep. While block i's wgmmas run, the warpgroup decodes block i + 1 (acquiring the next slot first when
 // block i ends its stage); then it promotes block i and releases its slot after the stage's last block.
-template <bool FP4>
+template <bool FP4, bool ROWS>
 DSV4_INLINE void fmw_pass_folded(unsigned char* smem_base, unsigned smem, FmwRing& ring, int K, int nks,
-                                 float (&d)[64], float (&acc)[64]) {
+                                 unsigned er0, unsigned er8, float (&d)[64], float (&acc)[64]) {
   FmwBlock blk[2];
   const unsigned char* st = fmw_acquire(smem_base, smem, ring);
-  fmw_load_block<FP4>(st, 0, blk[0]);
+  fmw_load_block<FP4, ROWS>(st, 0, er0, er8, blk[0]);
   int kb = 0, b = 0, blocks = fmoe_stage_blocks(FP4, K, 0);
   // Two blocks per iteration, so blk[] is indexed by constants and stays in registers.
 #pragma unroll 1
@@ -409,12 +454,15 @@ DSV4_INLINE void fmw_pass_folded(unsigned char* smem_base, unsigned smem, FmwRin
       if (more) {
         const unsigned char* nst = st;
         if (stage_end) nst = fmw_acquire(smem_base, smem, nring);
-        fmw_load_block<FP4>(nst, stage_end ? 0 : b + 1, blk[i ^ 1]);
+        fmw_load_block<FP4, ROWS>(nst, stage_end ? 0 : b + 1, er0, er8, blk[i ^ 1]);
         st = nst;
       }
       wgmma_wait<0>();
       wgmma_fence_operand(d);
-      fmw_promote(acc, d, blk[i].w0, blk[i].w8, blk[i].as);
+      if (ROWS)
+        fmw_promote_rows(acc, d, blk[i].as);
+      else
+        fmw_promote(acc, d, blk[i].w0, blk[i].w8, blk[i].as);
       if (stage_end) {
         fmw_release(smem, ring);
         ring = nring;
@@ -584,18 +632,29 @@ DSV4_INLINE void fmw_gemm(const FmwArgs& a, const float* route_w, float limit, u
 #pragma unroll
   for (int v = 0; v < 64; ++v) d[v] = 0.0f;
   for (int n = 0; n < my_items; ++n) {
-    const FmwItem it = fmw_item<UP>(a, blockIdx.x + n * gridDim.x);
+    const FmwItem it = fmw_item<UP, true>(a, blockIdx.x + n * gridDim.x);
     if (it.skip) continue;
     const int nks = fmoe_stages(it.fp4, a.K);
     for (int pass = 0; pass < fmw_passes(UP); ++pass) {
 #pragma unroll
       for (int v = 0; v < 64; ++v) acc[v] = 0.0f;
-      if (!it.fp4)
-        fmw_pass_folded<false>(fmw_smem, smem, ring, a.K, nks, d, acc);
-      else if (a.fold && it.s8)
-        fmw_pass_folded<true>(fmw_smem, smem, ring, a.K, nks, d, acc);
-      else
+      if (!it.fp4) {
+        fmw_pass_folded<false, false>(fmw_smem, smem, ring, a.K, nks, 0u, 0u, d, acc);
+      } else if (a.fold && it.s8 && it.rowfold[pass]) {
+        const int r = (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);  // row g of the thread's warp
+        const unsigned er0 = it.rowe[pass][r], er8 = it.rowe[pass][r + 8];
+        fmw_pass_folded<true, true>(fmw_smem, smem, ring, a.K, nks, er0, er8, d, acc);
+        const float w0 = fmw_row_factor(er0), w8 = fmw_row_factor(er8);  // exact: powers of two
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          acc[4 * j + 0] *= w0, acc[4 * j + 1] *= w0;
+          acc[4 * j + 2] *= w8, acc[4 * j + 3] *= w8;
+        }
+      } else if (a.fold && it.s8) {
+        fmw_pass_folded<true, false>(fmw_smem, smem, ring, a.K, nks, 0u, 0u, d, acc);
+      } else {
         fmw_pass_unfolded(fmw_smem, smem, ring, it, a.K, nks, d, acc);
+      }
       if (!UP)
         fmw_down_store(a, it, acc, ep, out_y);
       else if (pass == 0)

@@ -590,6 +590,10 @@ enum Scales {
     /// are within 2^12 of each other: the UE8M0 byte table, folded into the codes on the prefill
     /// path.
     Bytes,
+    /// The four scales of expert 0's w1, row 0, k 0..127 are 2^-17 times what they were: each
+    /// 128-block still folds, but that row's exponents span more than 2^12, so its row block
+    /// folds per 128-block (the others fold whole rows).
+    RowUnfoldable,
     /// One scale of expert 0's w1 is 2^-16 times what it was: still bytes, but its 128-block
     /// cannot be folded, so the prefill path promotes every k32.
     Unfoldable,
@@ -602,7 +606,7 @@ impl Scales {
     /// The scale table's header flags the derive step must set: (exact, foldable).
     fn flags(self) -> [i32; 2] {
         match self {
-            Scales::Bytes => [1, 1],
+            Scales::Bytes | Scales::RowUnfoldable => [1, 1],
             Scales::Unfoldable => [1, 0],
             Scales::F32 => [0, 1],
         }
@@ -629,19 +633,24 @@ fn run_cases(sh: MoeShape, scales: Scales, paths: Paths, cases: &[(usize, Routin
     let s = stream.borrow();
     let l = SyntheticMoe::new(e.ctx, s, sh, rng.u64()).unwrap();
     if scales != Scales::Bytes {
-        // Expert 0's w1 scale (row 0, k 0..31) times 0.75 (not a UE8M0 value) or 2^-16 (a
-        // 128-block spanning 2^16): still a valid f32 scale for the reference kernels.
+        // Expert 0's w1 scales of row 0: k 0..31 times 0.75 (not a UE8M0 value) or 2^-16 (a
+        // 128-block spanning 2^16), or k 0..127 times 2^-17 (a row spanning at least 2^13, as
+        // the synthetic scales span 2^4):
+        // still valid f32 scales for the reference kernels.
         let table = l.routed[0].scales.unwrap();
         let addr = get::<u64>(e.ctx, table, 1, s)[0];
-        // SAFETY: the address is expert 0's scale array inside the layer's arena, alive with `l`.
-        let first = unsafe { DevicePtr::from_raw(addr, 4) };
-        let v = get::<f32>(e.ctx, first, 1, s)[0];
-        let factor = if scales == Scales::F32 {
-            0.75
-        } else {
-            2f32.powi(-16)
+        let (factor, n) = match scales {
+            Scales::F32 => (0.75, 1),
+            Scales::Unfoldable => (2f32.powi(-16), 1),
+            _ => (2f32.powi(-17), 4),
         };
-        put(e.ctx, first, &[v * factor], s);
+        // SAFETY: the address is expert 0's scale array inside the layer's arena, alive with `l`.
+        let first = unsafe { DevicePtr::from_raw(addr, 4 * n) };
+        let v: Vec<f32> = get::<f32>(e.ctx, first, n, s)
+            .iter()
+            .map(|v| v * factor)
+            .collect();
+        put(e.ctx, first, &v, s);
     }
     l.derive_fast(e.ctx, &e.fast, s).unwrap();
     let flags = get::<i32>(e.ctx, l.scales8.slice(0, 8).unwrap(), 2, s);
@@ -650,6 +659,20 @@ fn run_cases(sh: MoeShape, scales: Scales, paths: Paths, cases: &[(usize, Routin
         scales.flags(),
         "UE8M0 scale table's flags (exact, foldable) for {scales:?}"
     );
+    if flags[0] == 1 {
+        // The whole-row fold flags of expert 0's w1: row block 0 folds unless its row 0 was
+        // scaled apart; row block 1 always does (the synthetic scales span 2^4).
+        let flag = |rb| {
+            let at = fast_moe_gemm::scales8_row_flag_offset(sh.d, sh.i, 0, 0, rb);
+            get::<u8>(e.ctx, l.scales8.slice(at, 1).unwrap(), 1, s)[0]
+        };
+        let first_folds = u8::from(scales == Scales::Bytes);
+        assert_eq!(
+            [flag(0), flag(1)],
+            [first_folds, 1],
+            "whole-row fold flags for {scales:?}"
+        );
+    }
     for &(t, r) in cases {
         let (x, tokens) = inputs(&mut rng, &sh, t);
         let b = batch(e, &sh, t, &x, &tokens, s);
@@ -778,6 +801,18 @@ fn fast_moe_reads_f32_scales_when_one_is_not_a_power_of_two() {
             (64, Routing::TopK),
             (300, Routing::HashSkewed),
         ],
+    );
+}
+
+/// UE8M0 scales of one row too far apart to fold the whole row: that row block folds per
+/// 128-block, and still matches.
+#[test]
+fn fast_moe_folds_per_block_where_a_row_spans_more_than_2_to_the_12() {
+    run_cases(
+        SMALL,
+        Scales::RowUnfoldable,
+        Paths::Both,
+        &[(9, Routing::TopK), (300, Routing::HashSkewed)],
     );
 }
 

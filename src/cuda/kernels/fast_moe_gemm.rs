@@ -78,6 +78,8 @@ crate::kernel_family! {
         s2: *const u64, fmt: i32, shared_fmt: i32, shared_s2: Option<*const f32>,
         sc8: Option<*const u8>, y: *mut u16,
     );
+    /// The table's row exponents and row-block fold flags, from its blocks.
+    fn fmoe_rows8_kernel(nex: i32, d: i32, i: i32, table: *mut u8);
     /// A layer's UE8M0 scale table from its FP4 experts' f32 scales ([`scales8_bytes`]).
     fn fmoe_scales8_kernel(
         s1: *const u64, s3: *const u64, s2: *const u64, nloc: i32, sh1: Option<*const f32>,
@@ -94,6 +96,7 @@ crate::launchers! {
         wide_up: fmw_up_kernel,
         wide_down: fmw_down_kernel,
         scales8: fmoe_scales8_kernel,
+        rows8: fmoe_rows8_kernel,
     }
 }
 
@@ -214,7 +217,16 @@ impl FastMoeGemm {
             table,
         };
         self.scales8
-            .launch(threads.div_ceil(256) as u32, 256, 0, stream, args)
+            .launch(threads.div_ceil(256) as u32, 256, 0, stream, args)?;
+        let blocks = experts * (2 * i / 128 + d / 128);
+        let args = fmoe_rows8_kernel::Args {
+            nex: to_i32(K, "experts", experts)?,
+            d: to_i32(K, "D", d)?,
+            i: to_i32(K, "I", i)?,
+            table,
+        };
+        self.rows8
+            .launch(blocks.div_ceil(128) as u32, 128, 0, stream, args)
     }
 
     /// `ws.hq`, `ws.hs` = GEMM1 of every routed tile of `ws`'s plan (made with `path`'s tile
@@ -337,14 +349,29 @@ impl FastMoeGemm {
 pub const SCALES8_HEADER: usize = 256;
 
 /// Bytes of a layer's UE8M0 scale table for `experts` experts (the local ones and the shared
-/// expert) of hidden `d` and width `i` (kernels/fast_moe_gemm.cu `fmoe_sc8_expert`): FP4's per-32
-/// scales as one byte each, in 1 KiB blocks of 128 rows x 8 scales per 256 k, so the producer
-/// warp copies a stage's scales with two 1 KiB bulk copies. A derived tensor: a quarter of the f32
-/// scales' bytes, and it cuts the bytes an FP4 expert streams per step by 15% (the f32 scales add
-/// 3 bytes per 32 weights to the 16 of codes and 1 of a UE8M0 scale).
+/// expert) of hidden `d` and width `i` (kernels/fast_moe_common.cuh `fmoe_sc8_expert`): FP4's
+/// per-32 scales as one byte each, in 1 KiB blocks of 128 rows x 8 scales per 256 k, so the
+/// producer warp copies a stage's scales with two 1 KiB bulk copies; then each row's largest
+/// exponent and a fold flag per 128-row block (the prefill path's whole-row fold); each expert's
+/// part 256-byte aligned. A derived tensor: about a quarter of the f32 scales' bytes, and it cuts
+/// the bytes an FP4 expert streams per step by 15% (the f32 scales add 3 bytes per 32 weights to
+/// the 16 of codes and 1 of a UE8M0 scale).
 pub fn scales8_bytes(d: usize, i: usize, experts: usize) -> usize {
     let matrix = |rows: usize, k: usize| rows / 128 * k.div_ceil(256) * 1024;
-    SCALES8_HEADER + experts * (2 * matrix(i, d) + matrix(d, i))
+    let rows = 2 * i + d;
+    let expert = (2 * matrix(i, d) + matrix(d, i) + rows + rows / 128).next_multiple_of(256);
+    SCALES8_HEADER + experts * expert
+}
+
+/// Offset in a layer's UE8M0 scale table of the whole-row fold flag of 128-row block `rb` of
+/// matrix `m` (0 w1, 1 w3, 2 w2) of its `x`-th expert (kernels/fast_moe_common.cuh
+/// `fmoe_sc8_row_flags`): 1 when every row of the block has its exponents within 2^12 of its
+/// largest.
+pub fn scales8_row_flag_offset(d: usize, i: usize, x: usize, m: usize, rb: usize) -> usize {
+    let matrix = |rows: usize, k: usize| rows / 128 * k.div_ceil(256) * 1024;
+    let blocks = 2 * matrix(i, d) + matrix(d, i);
+    let expert = (scales8_bytes(d, i, 1) - SCALES8_HEADER) * x;
+    SCALES8_HEADER + expert + blocks + 2 * i + d + m * (i / 128) + rb
 }
 
 /// Device addresses of one expert's matrices, as its tensor maps describe them.
@@ -474,19 +501,25 @@ mod tests {
     use super::*;
 
     /// The UE8M0 table holds one byte per 32 weights of w1, w3 and w2 when the widths are
-    /// multiples of 256; a width that ends in a half stage (K % 256 == 128) pads that stage's
-    /// 8 bytes a row, and rows come in blocks of 128.
+    /// multiples of 256, plus a byte per row and per 128 rows (whole-row fold); a width that
+    /// ends in a half stage (K % 256 == 128) pads that stage's 8 bytes a row; each expert's part
+    /// is 256-byte aligned.
     #[test]
-    fn scale_table_is_one_byte_per_32_weights_plus_half_stage_padding() {
+    fn scale_table_is_one_byte_per_32_weights_plus_row_bytes_and_padding() {
         let (d, i) = (4096, 2048);
+        let rows = 2 * i + d;
         assert_eq!(
             scales8_bytes(d, i, 7) - SCALES8_HEADER,
-            7 * 3 * d * i / 32,
-            "Flash shapes: exactly the UE8M0 bytes"
+            7 * (3 * d * i / 32 + rows + rows / 128).next_multiple_of(256),
+            "Flash shapes: the UE8M0 bytes and the row bytes"
         );
         // 384 = one full and one half stage: 16 scale slots a row where 12 are used.
         let (d, i) = (384, 384);
-        assert_eq!(scales8_bytes(d, i, 2) - SCALES8_HEADER, 2 * 3 * 384 * 16);
+        let expert = (3 * 384 * 16 + 3 * 384 + 3) as usize;
+        assert_eq!(
+            scales8_bytes(d, i, 2) - SCALES8_HEADER,
+            2 * expert.next_multiple_of(256)
+        );
         assert_eq!(scales8_bytes(d, i, 0), SCALES8_HEADER);
     }
 }
