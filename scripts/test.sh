@@ -7,6 +7,7 @@
 # Python: uses $DSV4_PYTHON if set, else a venv at target/pyenv with numpy + pytest
 # (created on first use; needs network access to PyPI once). target/pyenv also holds NVRTC
 # (nvidia-cuda-nvrtc==13.0.88) for the kernel compile test, unless DSV4_CUDA_LIB_DIR is set,
+# nvdisasm (nvidia-cuda-nvdisasm==13.2.86) for its SASS checks, unless DSV4_NVDISASM is set,
 # and cmake, ninja and pkgconf for the packaging test (its bin/ is on PATH for cargo test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +40,18 @@ if [ -z "$nvrtc_lib" ]; then
 fi
 export DSV4_CUDA_LIB_DIR="$nvrtc_lib"
 echo "== NVRTC: DSV4_CUDA_LIB_DIR=$nvrtc_lib"
+# nvdisasm for kernels_compile's SASS checks (do the fast GEMMs keep their wgmmas in flight):
+# pip's nvidia-cuda-nvdisasm (PyPI has no 13.0 build; 13.2 reads NVRTC 13.0's sm_90a CUBINs),
+# given as DSV4_NVDISASM, unless that is set.
+if [ -z "${DSV4_NVDISASM:-}" ]; then
+  ensure_pyenv
+  if ! target/pyenv/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("nvidia-cuda-nvdisasm") != "13.2.86")' 2>/dev/null; then
+    target/pyenv/bin/pip install --quiet --disable-pip-version-check nvidia-cuda-nvdisasm==13.2.86
+  fi
+  DSV4_NVDISASM=$(target/pyenv/bin/python -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13", "bin", "nvdisasm"))')
+fi
+export DSV4_NVDISASM
+echo "== nvdisasm: DSV4_NVDISASM=$DSV4_NVDISASM"
 
 # Build tools for tests/packaging.rs (scripts/install.sh, then the examples/ built with
 # pkg-config and with CMake against the installed package): pip's cmake, ninja and pkgconf

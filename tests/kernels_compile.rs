@@ -6,6 +6,10 @@
 //!
 //! DSV4_DUMP_CUBIN_DIR=<dir> writes each family's CUBIN there (for cuobjdump / nvdisasm).
 //!
+//! The fast GEMMs' wgmma scheduling is read in their SASS with nvdisasm (DSV4_NVDISASM, which
+//! scripts/test.sh installs from pip; without it that test prints `skipped: ...`, and fails
+//! under CI).
+//!
 //! Without NVRTC this prints `skipped: NVRTC (libnvrtc.so.13) not found ...` (with every place
 //! searched) and passes, except when the environment variable CI is set: there a missing NVRTC
 //! is a failure.
@@ -150,6 +154,109 @@ fn fast_kernels_keep_wgmma_asynchronous() {
             fam.family,
             serialized.join("\n")
         );
+    }
+}
+
+/// nvdisasm for the SASS checks: DSV4_NVDISASM (scripts/test.sh installs pip's
+/// nvidia-cuda-nvdisasm and sets it), else `nvdisasm` on PATH. Without one this prints
+/// `skipped: ...`, except under CI, where it fails.
+fn nvdisasm_or_skip() -> Option<std::path::PathBuf> {
+    let cmd = std::env::var_os("DSV4_NVDISASM")
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "nvdisasm".into());
+    match std::process::Command::new(&cmd).arg("--version").output() {
+        Ok(o) if o.status.success() => Some(cmd),
+        r => {
+            let why = format!("nvdisasm ({}) does not run: {r:?}", cmd.display());
+            if std::env::var_os("CI").is_some() {
+                panic!("CI is set, so nvdisasm must be installed (scripts/test.sh does it): {why}");
+            }
+            println!("skipped: {why}");
+            None
+        }
+    }
+}
+
+/// The SASS of each kernel of `fam`, by name.
+fn sass_by_kernel(fam: &KernelSource, nvdisasm: &std::path::Path) -> Vec<(String, String)> {
+    let (cubin, _) = fam
+        .compile_with_log(ARCH, &[])
+        .unwrap_or_else(|e| panic!("{}: {e}", fam.family));
+    let dir = TempDir::new("sass");
+    let file = dir.0.join(format!("{}.cubin", fam.family));
+    std::fs::write(&file, &cubin).unwrap();
+    let out = std::process::Command::new(nvdisasm)
+        .arg("-c")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "nvdisasm: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Sections start with a line `//---- .text.<kernel> ----`.
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut kernels: Vec<(String, String)> = vec![];
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("//").filter(|l| l.contains(".text.")) {
+            let name = rest
+                .split(".text.")
+                .nth(1)
+                .unwrap_or("")
+                .split_whitespace()
+                .next();
+            kernels.push((name.unwrap_or("").to_string(), String::new()));
+        } else if let Some((_, body)) = kernels.last_mut() {
+            body.push_str(line);
+            body.push('\n');
+        }
+    }
+    kernels
+}
+
+/// What ptxas does with the fast GEMMs' wgmmas, read in the SASS: no result test can see a
+/// wgmma that waits for its own completion, only a benchmark can, and ptxas says nothing (no
+/// C7511). The prefill GEMMs chain a 128-block's four wgmmas in the tensor core: the first three
+/// carry no `gsb0` (a `wgmma.fence` between them made ptxas wait after each: 5x slower,
+/// BENCHMARKS.md), so every run of wgmmas without `gsb0` is 3 long (the fallback that promotes
+/// every k32 has runs of 0). The decode GEMMs keep one wgmma in flight while they promote the
+/// previous one (`WARPGROUP.DEPBAR.LE gsb0, 0x1`).
+#[test]
+fn fast_gemms_keep_wgmmas_in_flight_in_the_sass() {
+    use dsv4::cuda::kernels::{fast_moe_gemm, fast_moe_wide};
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let Some(nvdisasm) = nvdisasm_or_skip() else {
+        return;
+    };
+    let wide = sass_by_kernel(&fast_moe_wide::SOURCE, &nvdisasm);
+    for k in ["fmw_up_kernel", "fmw_down_kernel"] {
+        let (_, sass) = wide.iter().find(|(n, _)| n == k).expect(k);
+        // The lengths of the runs of wgmmas without gsb0 before each one with it.
+        let (mut runs, mut run) = (vec![], 0);
+        for l in sass.lines().filter(|l| l.contains("GMMA.")) {
+            if l.contains("gsb0") {
+                runs.push(run);
+                run = 0;
+            } else {
+                run += 1;
+            }
+        }
+        println!("{k}: runs of chained wgmmas {runs:?}");
+        assert!(
+            runs.contains(&3) && runs.iter().all(|&r| r == 0 || r == 3),
+            "{k}: a 128-block's wgmmas are not chained four at a time: {runs:?}"
+        );
+    }
+    let decode = sass_by_kernel(&fast_moe_gemm::SOURCE, &nvdisasm);
+    for k in ["fmoe_up_kernel", "fmoe_down_kernel"] {
+        let (_, sass) = decode.iter().find(|(n, _)| n == k).expect(k);
+        let in_flight = sass.contains("WARPGROUP.DEPBAR.LE gsb0, 0x1");
+        println!("{k}: one wgmma kept in flight: {in_flight}");
+        assert!(in_flight, "{k}: every wgmma is waited for at once");
     }
 }
 
