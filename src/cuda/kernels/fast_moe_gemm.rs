@@ -156,6 +156,28 @@ impl GemmPath {
     }
 }
 
+/// A GEMM kernel's `Args` (both paths, up and down): the sizes, the plan and the layer's
+/// expert tables every one of them takes, then the kernel's own fields. Size conversions fail
+/// with `$who` named (`?` in the caller).
+macro_rules! gemm_args {
+    ($kernel:ident, $who:expr, $layer:expr, $ws:expr, $t:expr; $($field:ident: $value:expr),* $(,)?) => {
+        $kernel::Args {
+            t: to_i32($who, "T", $t)?,
+            d: to_i32($who, "D", $layer.d)?,
+            i: to_i32($who, "I", $layer.i)?,
+            k: to_i32($who, "k", $layer.k)?,
+            rows: $ws.plan.rows,
+            tiles: $ws.plan.tiles,
+            ntiles: $ws.plan.ntiles,
+            e_begin: to_i32($who, "e_begin", $layer.local.start)?,
+            e_end: to_i32($who, "e_end", $layer.local.end)?,
+            maps: $layer.maps,
+            sc8: $layer.scales8,
+            $($field: $value),*
+        }
+    };
+}
+
 /// Work items a GEMM may see for `t` tokens in tiles of `tile` tokens: every routed tile the plan
 /// can make, plus the shared expert's token tiles, times the row tiles.
 fn max_items(layer: &FastMoeLayer, t: usize, tile: usize, row_tiles: usize) -> usize {
@@ -252,31 +274,20 @@ impl FastMoeGemm {
         // Both paths' kernels take the same arguments.
         macro_rules! up_args {
             ($kernel:ident) => {
-                $kernel::Args {
+                gemm_args!($kernel, K, layer, ws, t;
                     xq: ws.xq,
                     xs: ws.xs,
-                    t: to_i32(K, "T", t)?,
-                    d: to_i32(K, "D", d)?,
-                    i: to_i32(K, "I", i)?,
-                    k: to_i32(K, "k", k)?,
-                    rows: ws.plan.rows,
-                    tiles: ws.plan.tiles,
-                    ntiles: ws.plan.ntiles,
-                    e_begin: to_i32(K, "e_begin", layer.local.start)?,
-                    e_end: to_i32(K, "e_end", layer.local.end)?,
-                    maps: layer.maps,
                     s1: layer.w1.scales,
                     s3: layer.w3.scales,
                     fmt: layer.w1.format.code(),
                     shared_fmt: sh.map_or(0, |s| s.w1.format.code()),
                     shared_s1: sh.and_then(|s| s.w1.scales),
                     shared_s3: sh.and_then(|s| s.w3.scales),
-                    sc8: layer.scales8,
                     route_w: ws.weights,
                     limit: layer.limit,
                     hq: ws.hq,
                     hs: ws.hs,
-                }
+                )
             };
         }
         let _g = ctx.enter()?;
@@ -308,26 +319,15 @@ impl FastMoeGemm {
         let sh = layer.shared.as_ref();
         macro_rules! down_args {
             ($kernel:ident) => {
-                $kernel::Args {
+                gemm_args!($kernel, K, layer, ws, t;
                     hq: ws.hq,
                     hs: ws.hs,
-                    t: to_i32(K, "T", t)?,
-                    i: to_i32(K, "I", i)?,
-                    d: to_i32(K, "D", d)?,
-                    k: to_i32(K, "k", k)?,
-                    rows: ws.plan.rows,
-                    tiles: ws.plan.tiles,
-                    ntiles: ws.plan.ntiles,
-                    e_begin: to_i32(K, "e_begin", layer.local.start)?,
-                    e_end: to_i32(K, "e_end", layer.local.end)?,
-                    maps: layer.maps,
                     s2: layer.w2.scales,
                     fmt: layer.w2.format.code(),
                     shared_fmt: sh.map_or(0, |s| s.w2.format.code()),
                     shared_s2: sh.and_then(|s| s.w2.scales),
-                    sc8: layer.scales8,
                     y: ws.y,
-                }
+                )
             };
         }
         let _g = ctx.enter()?;
@@ -357,10 +357,16 @@ pub const SCALES8_HEADER: usize = 256;
 /// the bytes an FP4 expert streams per step by 15% (the f32 scales add 3 bytes per 32 weights to
 /// the 16 of codes and 1 of a UE8M0 scale).
 pub fn scales8_bytes(d: usize, i: usize, experts: usize) -> usize {
-    let matrix = |rows: usize, k: usize| rows / 128 * k.div_ceil(256) * 1024;
     let rows = 2 * i + d;
-    let expert = (2 * matrix(i, d) + matrix(d, i) + rows + rows / 128).next_multiple_of(256);
+    let expert = (scales8_blocks(d, i) + rows + rows / 128).next_multiple_of(256);
     SCALES8_HEADER + experts * expert
+}
+
+/// Bytes of an expert's 1 KiB scale blocks in the table (`fmoe_sc8_blocks`): per matrix, one per
+/// 128 rows and 256 k.
+fn scales8_blocks(d: usize, i: usize) -> usize {
+    let matrix = |rows: usize, k: usize| rows / 128 * k.div_ceil(256) * 1024;
+    2 * matrix(i, d) + matrix(d, i)
 }
 
 /// Offset in a layer's UE8M0 scale table of the whole-row fold flag of 128-row block `rb` of
@@ -368,10 +374,8 @@ pub fn scales8_bytes(d: usize, i: usize, experts: usize) -> usize {
 /// `fmoe_sc8_row_flags`): 1 when every row of the block has its exponents within 2^12 of its
 /// largest.
 pub fn scales8_row_flag_offset(d: usize, i: usize, x: usize, m: usize, rb: usize) -> usize {
-    let matrix = |rows: usize, k: usize| rows / 128 * k.div_ceil(256) * 1024;
-    let blocks = 2 * matrix(i, d) + matrix(d, i);
     let expert = (scales8_bytes(d, i, 1) - SCALES8_HEADER) * x;
-    SCALES8_HEADER + expert + blocks + 2 * i + d + m * (i / 128) + rb
+    SCALES8_HEADER + expert + scales8_blocks(d, i) + 2 * i + d + m * (i / 128) + rb
 }
 
 /// Device addresses of one expert's matrices, as its tensor maps describe them.
