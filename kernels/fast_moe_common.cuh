@@ -52,15 +52,15 @@ DSV4_INLINE void fmoe_fp8_a_frag(unsigned la, int q, unsigned (&a)[4]) {
 }
 
 // The producer/consumer ring's mbarriers (both families): at shared address `bars`, full[s] then empty[s],
-// 8 bytes each. full[s] completes when the producer warp's lane 0 has arrived with the stage's TMA bytes and
-// the copies each of its 32 lanes issued by cp.async have landed; empty[s] when every consumer warp has
-// released the slot.
+// 8 bytes each. full[s] completes when the producer's first thread has arrived with the stage's TMA bytes and
+// the copies each of the `producer_threads` threads issued by cp.async have landed; empty[s] when every
+// consumer warp has released the slot.
 DSV4_INLINE unsigned fmoe_ring_full(unsigned bars, int s) { return bars + 8 * s; }
 DSV4_INLINE unsigned fmoe_ring_empty(unsigned bars, int stages, int s) { return bars + 8 * (stages + s); }
 
-DSV4_INLINE void fmoe_ring_init(unsigned bars, int stages, int consumer_warps) {
+DSV4_INLINE void fmoe_ring_init(unsigned bars, int stages, int consumer_warps, int producer_threads) {
   for (int s = 0; s < stages; ++s) {
-    mbar_init(fmoe_ring_full(bars, s), 1 + 32);
+    mbar_init(fmoe_ring_full(bars, s), 1 + producer_threads);
     mbar_init(fmoe_ring_empty(bars, stages, s), consumer_warps);
   }
   fence_mbar_init();
@@ -83,12 +83,14 @@ DSV4_INLINE int fmoe_stage_blocks(bool fp4, int K, int kb) { return fp4 ? min(2,
 //   FMOE_FOLD_SPAN of its largest, else 0 (fmoe_sc8_row_flags): then the prefill GEMMs fold the
 //   scales of the whole row into the codes, and the row's factor leaves the promotion.
 // The header's ints: [0] 1 when every scale is exact (FMOE_SC8_EXACT), [1] 1 when moreover the four
-// scales of every 128-block of a row are within 2^12 of each other (FMOE_SC8_FOLDABLE: fast_moe_wide.cu
-// folds them into the e4m3 codes).
+// scales of every 128-block of a row are within 2^FMOE_FOLD_SPAN of each other (FMOE_SC8_FOLDABLE:
+// fast_moe_wide.cu folds them into the e4m3 codes, the largest as value · 2^(FMOE_FOLD_TOP - 6), the
+// others shifted down by their distance to it: e2m1x8_to_e4m3_shifted_eo takes shifts 1 .. 12).
 #define FMOE_SC8_HEADER 256
 #define FMOE_SC8_EXACT 0
 #define FMOE_SC8_FOLDABLE 1
-#define FMOE_FOLD_SPAN 12
+#define FMOE_FOLD_SPAN 11
+#define FMOE_FOLD_TOP 12
 DSV4_INLINE long long fmoe_sc8_matrix(int R, int K) { return (long long)(R / 128) * fmoe_stages(true, K) * 1024; }
 DSV4_INLINE long long fmoe_sc8_blocks(int D, int I) { return 2 * fmoe_sc8_matrix(I, D) + fmoe_sc8_matrix(D, I); }
 // Matrix m's (0 w1, 1 w3, 2 w2) row exponents and block flags, from the expert's start.

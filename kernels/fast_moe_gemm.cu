@@ -232,9 +232,16 @@ DSV4_INLINE void fmoe_produce(const FmoeArgs& a, unsigned smem, int my_items) {
       }
       if (fs != nullptr) cp_async_4(st + FMOE_SLOT_W + 4 * lane, fs + kb);
       const unsigned adst = st + FMOE_SLOT_W + FMOE_SLOT_S;
-      const unsigned char* asrc = act + (long long)kb * kbytes;
-      for (int ch = half; ch < 8 * blocks; ch += 2)
-        cp_async_16(adst + ch * (FMOE_TOKENS * 16) + col * 16, asrc + 16 * ch);
+      // Chunks half, half + 2, ...: constant offsets from one address each, so every copy is one instruction.
+      const unsigned dst0 = adst + half * (FMOE_TOKENS * 16) + col * 16;
+      const unsigned char* src0 = act + (long long)kb * kbytes + 16 * half;
+      if (blocks == 2) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) cp_async_16(dst0 + 2 * i * (FMOE_TOKENS * 16), src0 + 32 * i);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cp_async_16(dst0 + 2 * i * (FMOE_TOKENS * 16), src0 + 32 * i);
+      }
       if (half < blocks) cp_async_4(adst + FMOE_SLOT_A + lane * 4, as + kb * (kbytes / 128));
       cp_async_mbar_arrive(full);
       if (++slot == FMOE_STAGES) {
@@ -572,7 +579,7 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
   const int nsh = a.shared_fmt != 0 ? (a.T + FMOE_TOKENS - 1) / FMOE_TOKENS : 0;
   const int total = (a.nrt + nsh) * fmoe_rblocks(UP, a.N);
   const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  if (threadIdx.x == 0) fmoe_ring_init(smem + FMOE_BARS, FMOE_STAGES, FMOE_CONSUMERS / 32);
+  if (threadIdx.x == 0) fmoe_ring_init(smem + FMOE_BARS, FMOE_STAGES, FMOE_CONSUMERS / 32, 32);
   __syncthreads();
   if (threadIdx.x >= FMOE_CONSUMERS) {
     fmoe_produce<UP>(a, smem, my_items);

@@ -14,10 +14,11 @@
 //
 // The fold. Per weight row and 128-block the four UE8M0 exponents e_q have a maximum E; the codes of group
 // q are re-encoded exactly as value · 2^(t_q - 6) with t_q = 12 - (E - e_q) (e2m1x8_to_e4m3_shifted_eo,
-// exact for 0 <= t_q <= 12), so the block's product carries one factor 2^(E - 133) per row. Where every row
-// of a 128-row block has all its exponents within 2^12 of its largest (the table's row-block flag), E is the
-// row's largest over the whole row instead: the factor is then the same for every block, leaves the
-// promotion (one FFMA per accumulator instead of FMUL + FFMA) and is applied once after the pass. A layer
+// exact for 1 <= t_q <= 12, so E - e_q <= FMOE_FOLD_SPAN = 11), so the block's product carries one factor
+// 2^(E - 133) per row. Where every row of a 128-row block has all its exponents within 2^11 of its largest
+// (the table's row-block flag), E is the row's largest over the whole row instead: the factor is then the
+// same for every block, leaves the promotion (one FFMA per accumulator instead of FMUL + FFMA) and is
+// applied once after the pass. A layer
 // whose 128-blocks span more than FMOE_FOLD_SPAN (the table's FMOE_SC8_FOLDABLE flag, set at finalize and
 // refit) or whose scales are read as f32 promotes every k32 instead, with the plain bit move: slower, as
 // exact.
@@ -29,11 +30,11 @@
 // blockIdx.x, + gridDim.x, ... in order; an item's outputs depend only on the item: deterministic.
 //
 // The pipeline (as fast_moe_gemm.cu): 2 consumer warpgroups and a producer warpgroup share a ring of
-// FMW_STAGES slots with full/empty mbarriers; one warp of the producer warpgroup works, and the warpgroup
-// hands most of its registers to the consumers (setmaxnreg). A stage is 128 bytes of each of the pass's 128
+// FMW_STAGES slots with full/empty mbarriers; the producer warpgroup hands most of its registers to the
+// consumers (setmaxnreg), one token column per thread is all it needs. A stage is 128 bytes of each of the pass's 128
 // weight rows (one TMA box: FP4 256 k, FP8 128 k) with their scales (UE8M0 bytes by a 1 KiB bulk copy, f32
 // by TMA, or FP8's block scale), and the tile's tokens over the same k, gathered by cp.async into wgmma's
-// K-major B layout ([k16 chunk][token][16 bytes]) with their per-128 scales. Tokens past the tile's count
+// K-major B layout ([k16 chunk][token][16 bytes]) with their per-128 scales, one column per producer thread. Tokens past the tile's count
 // are not loaded: their columns compute garbage that is never stored (wgmma's columns are independent).
 //
 // The math. Warpgroup w owns the pass's rows 64w .. 64w + 63 (one m64 tile). A 128-block's A fragments
@@ -48,7 +49,7 @@
 
 // FMW_TOKENS, FMW_STAGES and FMW_SMEM_BYTES come from dsv4_consts.cuh (src/cuda/kernels/fast_moe_wide.rs).
 #define FMW_CONSUMERS 256                 // two warpgroups
-#define FMW_THREADS (FMW_CONSUMERS + 128)  // then the producer warpgroup (one warp of it produces)
+#define FMW_THREADS (FMW_CONSUMERS + 128)  // then the producer warpgroup
 // Registers per thread after setmaxnreg: the producer warpgroup gives most of its share to the consumers
 // (the block's 64 K: 256 · 224 + 128 · 56 = 64512; launch bounds alone allow 168 to all).
 #define FMW_CONSUMER_REGS 224
@@ -188,14 +189,16 @@ DSV4_INLINE long long fmw_out_row(const FmwArgs& a, const FmwItem& it, int c) {
 DSV4_INLINE unsigned fmw_full(unsigned smem, int s) { return fmoe_ring_full(smem + FMW_BARS, s); }
 DSV4_INLINE unsigned fmw_empty(unsigned smem, int s) { return fmoe_ring_empty(smem + FMW_BARS, FMW_STAGES, s); }
 
-// The producer warp: every stage of every pass of the block's items, in the consumers' order. Lane 0
-// announces the TMA bytes and issues the weight box and the FP4 scales (or copies FP8's block scale);
-// lane L gathers token columns L, L + 32, L + 64, L + 96 (those below n): all k16 chunks of the stage and
-// the scales of its 128-blocks. The slot's full barrier expects lane 0's arrival and one cp.async arrival
-// per lane.
+// The producer warpgroup: every stage of every pass of the block's items, in the consumers' order. Thread p
+// (0 .. 127) gathers token column p when p < n: the stage's k16 chunks and the scales of its 128-blocks;
+// thread 0 also announces the TMA bytes and issues the weight box and the FP4 scales (or copies FP8's block
+// scale). The slot's full barrier expects thread 0's arrival and one cp.async arrival per producer thread.
+// Why all four warps: one warp gathering all 128 columns (64 16-byte copies a lane per stage, each with its
+// own 64-bit address arithmetic) could not keep up: the consumers found the next slot empty at nearly every
+// stage (ncu, B = 4096).
 template <bool UP>
 DSV4_INLINE void fmw_produce(const FmwArgs& a, unsigned smem, int my_items) {
-  const int lane = threadIdx.x & 31;
+  const int p = threadIdx.x - FMW_CONSUMERS;
   const int K = a.K;
   int slot = 0;
   unsigned phase = 0;
@@ -204,28 +207,25 @@ DSV4_INLINE void fmw_produce(const FmwArgs& a, unsigned smem, int my_items) {
     if (it.skip) continue;
     const int nks = fmoe_stages(it.fp4, K);
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
-    const unsigned char* src[4];
-    const float* ssrc[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int col = lane + 32 * c;
-      const long long row = col < it.n ? fmw_act_row<UP>(a, it, col) : 0;
-      src[c] = a.act + row * K;
-      ssrc[c] = a.act_s + row * (K / 128);
-    }
+    const bool gather = p < it.n;
+    const long long row = gather ? fmw_act_row<UP>(a, it, p) : 0;
+    const unsigned char* src = a.act + row * K;
+    const float* ssrc = a.act_s + row * (K / 128);
     const unsigned tx = FMW_SLOT_W + (!it.fp4 ? 0 : it.s8 ? 1024 : FMW_SLOT_S);
     for (int pass = 0; pass < fmw_passes(UP); ++pass) {
       const int m = UP ? (pass == 0 ? FMOE_MAP_W1 : FMOE_MAP_W3) : FMOE_MAP_W2;
       const int sm = UP ? (pass == 0 ? FMOE_MAP_S1 : FMOE_MAP_S3) : FMOE_MAP_S2;
       const unsigned char* map = it.maps + m * FMOE_MAP_BYTES;
       const unsigned char* smap = it.maps + sm * FMOE_MAP_BYTES;
-      const unsigned char* sc8 = it.sc8[pass];
-      const float* fs = it.fs[pass] != nullptr ? it.fs[pass] + (long long)it.rb * (K / 128) : nullptr;
+      // (Selects, not it.sc8[pass]: a dynamic index would put the item in local memory.)
+      const unsigned char* sc8 = pass == 0 ? it.sc8[0] : it.sc8[1];
+      const float* fs0 = pass == 0 ? it.fs[0] : it.fs[1];
+      const float* fs = fs0 != nullptr ? fs0 + (long long)it.rb * (K / 128) : nullptr;
       for (int kb = 0; kb < nks; ++kb) {
         mbar_wait(fmw_empty(smem, slot), phase ^ 1);
         const unsigned st = smem + slot * FMW_SLOT, full = fmw_full(smem, slot);
         const int blocks = fmoe_stage_blocks(it.fp4, K, kb);
-        if (lane == 0) {
+        if (p == 0) {
           mbar_arrive_expect_tx(full, tx);
           tma_load_2d(st, map, kb * FMW_RB, it.rb * FMW_ROWS, full);
           if (it.s8)
@@ -235,15 +235,20 @@ DSV4_INLINE void fmw_produce(const FmwArgs& a, unsigned smem, int my_items) {
           else
             cp_async_4(st + FMW_SLOT_W, fs + kb);
         }
-        const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
+        if (gather) {
+          const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
+          const unsigned char* s = src + (long long)kb * kbytes;
+          const float* ss = ssrc + kb * (kbytes / 128);
+          // Constant offsets, so each copy is one instruction with immediate offsets.
+          if (blocks == 2) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int col = lane + 32 * c;
-          if (col < it.n) {
-            const unsigned char* s = src[c] + (long long)kb * kbytes;
-            for (int ch = 0; ch < 8 * blocks; ++ch) cp_async_16(adst + ch * FMW_CHUNK + col * 16, s + 16 * ch);
-            for (int b = 0; b < blocks; ++b)
-              cp_async_4(adst + FMW_SLOT_A + (b * FMW_TOKENS + col) * 4, ssrc[c] + kb * (kbytes / 128) + b);
+            for (int ch = 0; ch < 16; ++ch) cp_async_16(adst + ch * FMW_CHUNK + p * 16, s + 16 * ch);
+            cp_async_4(adst + FMW_SLOT_A + p * 4, ss);
+            cp_async_4(adst + FMW_SLOT_A + (FMW_TOKENS + p) * 4, ss + 1);
+          } else {
+#pragma unroll
+            for (int ch = 0; ch < 8; ++ch) cp_async_16(adst + ch * FMW_CHUNK + p * 16, s + 16 * ch);
+            cp_async_4(adst + FMW_SLOT_A + p * 4, ss);
           }
         }
         cp_async_mbar_arrive(full);
@@ -254,8 +259,9 @@ DSV4_INLINE void fmw_produce(const FmwArgs& a, unsigned smem, int my_items) {
       }
     }
   }
-  cp_async_wait_all();  // the copies land before the warp exits
+  cp_async_wait_all();  // the copies land before the thread exits
 }
+
 DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long long desc, int accumulate) {
   asm volatile(
       "{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
@@ -303,22 +309,23 @@ DSV4_INLINE void fmw_promote_rows(float (&acc)[64], const float (&d)[64], const 
   }
 }
 
-// The codes' common factor 2^(E - 127) · 2^-6 of a row whose largest exponent is E (the shifted bit move
-// leaves value · 2^(t - 6), t = FMOE_FOLD_SPAN - (E - e)).
+// The codes' common factor 2^(E - 127) · 2^(6 - FMOE_FOLD_TOP) · 2^-6 of a row whose largest exponent is E
+// (the shifted bit move leaves value · 2^(t - 6) with t = FMOE_FOLD_TOP - (E - e); FMOE_FOLD_TOP = 12).
 DSV4_INLINE float fmw_row_factor(unsigned emax) { return __uint_as_float(emax << 23) * 0.015625f; }
 
-// The fold shifts t_q = FMOE_FOLD_SPAN - (E - e_q) of a row's four exponent bytes (one per byte) against
-// E, which is at least each of them and at most FMOE_FOLD_SPAN above.
-DSV4_INLINE unsigned fmw_fold_shifts_to(unsigned e, unsigned emax) {
-  const unsigned base = FMOE_FOLD_SPAN - emax;  // mod 2^32: e_q + base = t_q
-  return (((e & 0xffu) + base) & 0xffu) | ((((e >> 8) & 0xffu) + base) & 0xffu) << 8 |
-         ((((e >> 16) & 0xffu) + base) & 0xffu) << 16 | ((e >> 24) + base) << 24;
-}
+// What fmw_fold_shifts adds to a word of four exponent bytes whose maximum is E: (FMOE_FOLD_TOP - E) in
+// every byte, mod 2^32.
+DSV4_INLINE unsigned fmw_fold_base(unsigned emax) { return (FMOE_FOLD_TOP - emax) * 0x01010101u; }
 
-// The fold shifts of a row's four exponent bytes against their own maximum E (returned in emax).
-DSV4_INLINE unsigned fmw_fold_shifts(unsigned e, unsigned& emax) {
-  emax = max(max(e & 0xffu, (e >> 8) & 0xffu), max((e >> 16) & 0xffu, e >> 24));
-  return fmw_fold_shifts_to(e, emax);
+// The fold shifts t_q = FMOE_FOLD_TOP - (E - e_q) of four exponent bytes e_q (one per byte), E at least each
+// and at most FMOE_FOLD_SPAN above, from base = fmw_fold_base(E): one add, as no byte carries or borrows
+// (each byte's result, 1 .. 12, is e_q - (E - FMOE_FOLD_TOP) with E - FMOE_FOLD_TOP <= e_q when E >= 12,
+// and e_q + (FMOE_FOLD_TOP - E) <= FMOE_FOLD_TOP otherwise).
+DSV4_INLINE unsigned fmw_fold_shifts(unsigned e, unsigned base) { return e + base; }
+
+// The largest of four exponent bytes.
+DSV4_INLINE unsigned fmw_max_byte(unsigned e) {
+  return max(max(byte_of(e, 0), byte_of(e, 1)), max(byte_of(e, 2), byte_of(e, 3)));
 }
 
 // The thread's ldmatrix address for FP4 block 0, step 0 of the stage at `st` (as fast_moe_gemm.cu): lane L
@@ -348,11 +355,19 @@ struct FmwBlock {
   unsigned long long desc;   // B of step 0
 };
 
+// Pins the block's A fragments as computed here: without it ptxas sinks the next block's decode below the
+// current block's wgmma wait, into the promotion, where its temporaries, the scales and both accumulator sets
+// exceed the consumers' 224 registers and spill every block.
+DSV4_INLINE void fmw_pin(unsigned (&a)[4][4]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) asm volatile("" : "+r"(a[q][0]), "+r"(a[q][1]), "+r"(a[q][2]), "+r"(a[q][3]));
+}
+
 // Block b of the stage at `st`, folded (FP4 with UE8M0 scales that fold) or FP8. ROWS: FP4 folded against
-// the rows' largest exponents over the whole row (er0, er8: rows g, g + 8; no factors), else against the
-// block's.
+// the rows' largest exponents over the whole row (base0, base8: their fmw_fold_base for rows g, g + 8; no
+// factors), else against the block's.
 template <bool FP4, bool ROWS>
-DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, unsigned er0, unsigned er8, FmwBlock& blk) {
+DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, unsigned base0, unsigned base8, FmwBlock& blk) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r16 = (threadIdx.x >> 5) * 16;
   blk.as = reinterpret_cast<const float*>(st + FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A) + b * FMW_TOKENS;
   blk.desc = fmw_desc(st, b);
@@ -362,13 +377,13 @@ DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, unsigned er0, un
     const unsigned e8 = *reinterpret_cast<const unsigned*>(sb + (r16 + g + 8) * 8 + 4 * b);
     unsigned tv0, tv8;
     if (ROWS) {
-      tv0 = fmw_fold_shifts_to(e0, er0);
-      tv8 = fmw_fold_shifts_to(e8, er8);
+      tv0 = fmw_fold_shifts(e0, base0);
+      tv8 = fmw_fold_shifts(e8, base8);
       blk.w0 = blk.w8 = 1.0f;  // unused
     } else {
-      unsigned m0, m8;
-      tv0 = fmw_fold_shifts(e0, m0);
-      tv8 = fmw_fold_shifts(e8, m8);
+      const unsigned m0 = fmw_max_byte(e0), m8 = fmw_max_byte(e8);
+      tv0 = fmw_fold_shifts(e0, fmw_fold_base(m0));
+      tv8 = fmw_fold_shifts(e8, fmw_fold_base(m8));
       blk.w0 = fmw_row_factor(m0);
       blk.w8 = fmw_row_factor(m8);
     }
@@ -379,9 +394,8 @@ DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, unsigned er0, un
       ldmatrix_x4(la ^ (unsigned)((4 * b + q) << 4), frag);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int s = 8 * (q + h);
-        e2m1x8_to_e4m3_shifted_eo(frag[2 * h], (tv0 >> s) & 0xffu, blk.a[q + h][0], blk.a[q + h][2]);
-        e2m1x8_to_e4m3_shifted_eo(frag[2 * h + 1], (tv8 >> s) & 0xffu, blk.a[q + h][1], blk.a[q + h][3]);
+        e2m1x8_to_e4m3_shifted_eo(frag[2 * h], byte_of(tv0, q + h), blk.a[q + h][0], blk.a[q + h][2]);
+        e2m1x8_to_e4m3_shifted_eo(frag[2 * h + 1], byte_of(tv8, q + h), blk.a[q + h][1], blk.a[q + h][3]);
       }
     }
   } else {
@@ -390,6 +404,7 @@ DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, unsigned er0, un
     for (int q = 0; q < 4; ++q) fmoe_fp8_a_frag(la, q, blk.a[q]);
     blk.w0 = blk.w8 = *reinterpret_cast<const float*>(st + FMW_SLOT_W);  // the rows' 128x128 block scale
   }
+  fmw_pin(blk.a);
 }
 
 // The block's four wgmmas, chained in the tensor core under one fence and one commit (a fence between
@@ -430,53 +445,73 @@ DSV4_INLINE void fmw_release(unsigned smem, const FmwRing& r) {
   if ((threadIdx.x & 31) == 0) mbar_arrive(fmw_empty(smem, r.slot));
 }
 
-// acc += one pass (nks stages), folded FP4 or FP8: a stream of 128-blocks, software-pipelined one block
-// deep. While block i's wgmmas run, the warpgroup decodes block i + 1 (acquiring the next slot first when
-// block i ends its stage); then it promotes block i and releases its slot after the stage's last block.
-template <bool FP4, bool ROWS>
-DSV4_INLINE void fmw_pass_folded(unsigned char* smem_base, unsigned smem, FmwRing& ring, int K, int nks,
-                                 unsigned er0, unsigned er8, float (&d)[64], float (&acc)[64]) {
-  FmwBlock blk[2];
+// Waits for the block's wgmmas and adds their sums to acc.
+template <bool ROWS>
+DSV4_INLINE void fmw_finish(const FmwBlock& blk, float (&d)[64], float (&acc)[64]) {
+  wgmma_wait<0>();
+  wgmma_fence_operand(d);
+  if (ROWS)
+    fmw_promote_rows(acc, d, blk.as);
+  else
+    fmw_promote(acc, d, blk.w0, blk.w8, blk.as);
+}
+
+// acc += one folded FP4 pass (nks stages of two 128-blocks, the last one of one when K % 256 == 128),
+// software-pipelined one block deep: while block 0's wgmmas run the warpgroup decodes block 1, while block
+// 1's run it acquires the next stage and decodes its block 0; each block is promoted once its wgmmas are
+// done, and the stage released after its last.
+template <bool ROWS>
+DSV4_INLINE void fmw_pass_fp4(unsigned char* smem_base, unsigned smem, FmwRing& ring, int K, int nks, unsigned base0,
+                              unsigned base8, float (&d)[64], float (&acc)[64]) {
+  FmwBlock b0, b1;
   const unsigned char* st = fmw_acquire(smem_base, smem, ring);
-  fmw_load_block<FP4, ROWS>(st, 0, er0, er8, blk[0]);
-  int kb = 0, b = 0, blocks = fmoe_stage_blocks(FP4, K, 0);
-  // Two blocks per iteration, so blk[] is indexed by constants and stays in registers.
+  fmw_load_block<true, ROWS>(st, 0, base0, base8, b0);
 #pragma unroll 1
-  for (bool more = true; more;) {
+  for (int kb = 0; kb < nks; ++kb) {
+    FmwRing next = ring;
+    fmw_next(next);
+    fmw_issue(b0, d);
+    if (fmoe_stage_blocks(true, K, kb) == 1) {  // a half stage: the pass's last
+      fmw_finish<ROWS>(b0, d, acc);
+    } else {
+      fmw_load_block<true, ROWS>(st, 1, base0, base8, b1);
+      fmw_finish<ROWS>(b0, d, acc);
+      fmw_issue(b1, d);
+      if (kb + 1 < nks) {
+        st = fmw_acquire(smem_base, smem, next);
+        fmw_load_block<true, ROWS>(st, 0, base0, base8, b0);
+      }
+      fmw_finish<ROWS>(b1, d, acc);
+    }
+    fmw_release(smem, ring);
+    ring = next;
+  }
+}
+
+// acc += one FP8 pass (nks stages of one 128-block, the block scale as the rows' factor), pipelined the same
+// way: while stage kb's wgmmas run, the warpgroup acquires stage kb + 1 and loads its fragments. Two stages
+// per iteration, so blk[] is indexed by constants and stays in registers.
+DSV4_INLINE void fmw_pass_fp8(unsigned char* smem_base, unsigned smem, FmwRing& ring, int nks, float (&d)[64],
+                              float (&acc)[64]) {
+  FmwBlock blk[2];
+  fmw_load_block<false, false>(fmw_acquire(smem_base, smem, ring), 0, 0u, 0u, blk[0]);
+#pragma unroll 1
+  for (int kb = 0; kb < nks; kb += 2) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      if (!more) break;
+      if (kb + i == nks) break;
+      FmwRing next = ring;
+      fmw_next(next);
       fmw_issue(blk[i], d);
-      const bool stage_end = b + 1 == blocks;
-      more = !(stage_end && kb + 1 == nks);
-      FmwRing nring = ring;  // the ring position after this block
-      if (stage_end) fmw_next(nring);
-      if (more) {
-        const unsigned char* nst = st;
-        if (stage_end) nst = fmw_acquire(smem_base, smem, nring);
-        fmw_load_block<FP4, ROWS>(nst, stage_end ? 0 : b + 1, er0, er8, blk[i ^ 1]);
-        st = nst;
-      }
-      wgmma_wait<0>();
-      wgmma_fence_operand(d);
-      if (ROWS)
-        fmw_promote_rows(acc, d, blk[i].as);
-      else
-        fmw_promote(acc, d, blk[i].w0, blk[i].w8, blk[i].as);
-      if (stage_end) {
-        fmw_release(smem, ring);
-        ring = nring;
-        ++kb;
-        b = 0;
-        if (more) blocks = fmoe_stage_blocks(FP4, K, kb);
-      } else {
-        ++b;
-      }
+      if (kb + i + 1 < nks) fmw_load_block<false, false>(fmw_acquire(smem_base, smem, next), 0, 0u, 0u, blk[i ^ 1]);
+      fmw_finish<false>(blk[i], d, acc);
+      fmw_release(smem, ring);
+      ring = next;
     }
   }
 }
 
-// acc += one FP4 pass whose scales do not fold (f32, or UE8M0 blocks spanning more than 2^12): every k32
+// acc += one FP4 pass whose scales do not fold (f32, or UE8M0 blocks spanning more than 2^FMOE_FOLD_SPAN): every k32
 // step is promoted with its own per-32 scale (times 2^6, the plain bit move). The fallback: correct for
 // any scales, several times slower.
 DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwRing& ring, const FmwItem& it,
@@ -594,14 +629,23 @@ DSV4_INLINE void fmw_up_h_quant(const FmwArgs& a, const FmwItem& it, const float
 DSV4_INLINE void fmw_down_store(const FmwArgs& a, const FmwItem& it, const float (&acc)[64], bf16_t* ep, bf16_t* y) {
   const int tid = threadIdx.x, wg = tid >> 7, l = tid & 127;
   bf16_t* buf = ep + wg * (FMW_TOKENS * FMW_DOWN_STRIDE);
+  // The thread copies 16 bytes of tokens l / 8 + 16 i: their output rows are read first, all at once (in the
+  // copy loop each read waited for the store before it, which may alias).
+  const int c8 = l & 7;
+  long long orow[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int tok = (l >> 3) + 16 * i;
+    orow[i] = tok < it.n ? fmw_out_row(a, it, tok) : -1;
+  }
   named_barrier(2 + wg, 128);  // the warpgroup's previous copy-out has read buf
   fmw_stash(acc, buf, FMW_DOWN_STRIDE, ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2));
   named_barrier(2 + wg, 128);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int chunk = l + 128 * i, tok = chunk >> 3, c8 = chunk & 7;
-    if (tok < it.n)
-      *reinterpret_cast<uint4*>(y + fmw_out_row(a, it, tok) * a.N + it.rb * FMW_ROWS + 64 * wg + 8 * c8) =
+    const int tok = (l >> 3) + 16 * i;
+    if (orow[i] >= 0)
+      *reinterpret_cast<uint4*>(y + orow[i] * a.N + it.rb * FMW_ROWS + 64 * wg + 8 * c8) =
           *reinterpret_cast<const uint4*>(buf + tok * FMW_DOWN_STRIDE + 8 * c8);
   }
 }
@@ -615,11 +659,11 @@ DSV4_INLINE void fmw_gemm(const FmwArgs& a, const float* route_w, float limit, u
   if ((smem & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned slots
   const int total = fmw_total_items<UP>(a);
   const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  if (threadIdx.x == 0) fmoe_ring_init(smem + FMW_BARS, FMW_STAGES, FMW_CONSUMERS / 32);
+  if (threadIdx.x == 0) fmoe_ring_init(smem + FMW_BARS, FMW_STAGES, FMW_CONSUMERS / 32, FMW_THREADS - FMW_CONSUMERS);
   __syncthreads();
   if (threadIdx.x >= FMW_CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FMW_PRODUCER_REGS));
-    if (threadIdx.x < FMW_CONSUMERS + 32) fmw_produce<UP>(a, smem, my_items);
+    fmw_produce<UP>(a, smem, my_items);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FMW_CONSUMER_REGS));
@@ -639,11 +683,12 @@ DSV4_INLINE void fmw_gemm(const FmwArgs& a, const float* route_w, float limit, u
 #pragma unroll
       for (int v = 0; v < 64; ++v) acc[v] = 0.0f;
       if (!it.fp4) {
-        fmw_pass_folded<false, false>(fmw_smem, smem, ring, a.K, nks, 0u, 0u, d, acc);
-      } else if (a.fold && it.s8 && it.rowfold[pass]) {
+        fmw_pass_fp8(fmw_smem, smem, ring, nks, d, acc);
+      } else if (a.fold && it.s8 && (pass == 0 ? it.rowfold[0] : it.rowfold[1])) {
         const int r = (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);  // row g of the thread's warp
-        const unsigned er0 = it.rowe[pass][r], er8 = it.rowe[pass][r + 8];
-        fmw_pass_folded<true, true>(fmw_smem, smem, ring, a.K, nks, er0, er8, d, acc);
+        const unsigned char* rowe = pass == 0 ? it.rowe[0] : it.rowe[1];
+        const unsigned er0 = rowe[r], er8 = rowe[r + 8];
+        fmw_pass_fp4<true>(fmw_smem, smem, ring, a.K, nks, fmw_fold_base(er0), fmw_fold_base(er8), d, acc);
         const float w0 = fmw_row_factor(er0), w8 = fmw_row_factor(er8);  // exact: powers of two
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
@@ -651,7 +696,7 @@ DSV4_INLINE void fmw_gemm(const FmwArgs& a, const float* route_w, float limit, u
           acc[4 * j + 2] *= w8, acc[4 * j + 3] *= w8;
         }
       } else if (a.fold && it.s8) {
-        fmw_pass_folded<true, false>(fmw_smem, smem, ring, a.K, nks, 0u, 0u, d, acc);
+        fmw_pass_fp4<false>(fmw_smem, smem, ring, a.K, nks, 0u, 0u, d, acc);
       } else {
         fmw_pass_unfolded(fmw_smem, smem, ring, it, a.K, nks, d, acc);
       }

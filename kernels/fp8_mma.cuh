@@ -32,22 +32,35 @@ DSV4_INLINE void e2m1x8_to_e4m3_eo(unsigned w, unsigned& even, unsigned& odd) {
   odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);
 }
 
+// PTX prmt in its default mode: bytes of {b, a} picked by the four selector nibbles of sel[15:0] (a
+// nibble with bit 3 set replicates the picked byte's sign bit). __byte_perm clears bit 3 of every nibble
+// first, one LOP3 per call in the SASS; callers of this one keep it clear themselves.
+DSV4_INLINE unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+  unsigned d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// Byte q (0..3) of w, as an integer: one byte permute.
+DSV4_INLINE unsigned byte_of(unsigned w, int q) { return prmt(w, 0u, 0x4440u | (unsigned)q); }
+
 // The bit move with a power of two folded in: eight packed e2m1 codes -> e4m3 codes of exactly value ·
-// 2^(t - 6), 0 <= t <= 12 (t = 0 is e2m1x8_to_e4m3_eo; 6 · 2^6 = 384 is the largest, below e4m3's 448).
-// For t >= 1 every nonzero value is normal: magnitude code c (0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6) becomes
-// exponent field t + (c >> 1) - 1 + [c == 1] with mantissa 4·(c & 1)·[c >= 2], a table of 8 bytes that
-// depends on t only through 8t added to its nonzero entries; a byte permute looks the 4 magnitudes of
-// each output word up, the sign bits are moved as in the plain bit move. 14 integer ops.
+// 2^(t - 6), 1 <= t <= 12 (6 · 2^6 = 384 is the largest, below e4m3's 448). Every nonzero value is then
+// normal: magnitude code c (0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6) becomes exponent field t + (c >> 1) - 1 +
+// [c == 1] with mantissa 4·(c & 1)·[c >= 2], a table of 8 bytes that depends on t only through 8t added to
+// its nonzero entries (two IMADs); a byte permute looks the 4 magnitudes of each output word up, the sign
+// bits are moved as in the plain bit move. (t = 0 would need code 1 on the subnormal 0x04: the fold keeps
+// t >= 1, FMOE_FOLD_SPAN.) 13 integer ops.
 DSV4_INLINE void e2m1x8_to_e4m3_shifted_eo(unsigned w, unsigned t, unsigned& even, unsigned& odd) {
-  const unsigned lo = 0x0C080400u + t * 0x08080800u - (t != 0u ? 0x400u : 0u);  // c = 0..3
-  const unsigned hi = 0x1C181410u + t * 0x08080808u;                             // c = 4..7
+  const unsigned lo = t * 0x08080800u + 0x0C080000u;  // c = 0..3
+  const unsigned hi = t * 0x08080808u + 0x1C181410u;  // c = 4..7
   const unsigned me = w & 0x07070707u, mo = (w >> 4) & 0x07070707u;  // byte i: magnitude of element 2i / 2i+1
   // Selector nibbles 0..3 = the magnitudes of bytes 0..3: byte 0 of (m | m >> 4) holds bytes 0 and 1's,
-  // byte 2 holds bytes 2 and 3's.
-  const unsigned se = __byte_perm(me | (me >> 4), 0u, 0x0020u);
-  const unsigned so = __byte_perm(mo | (mo >> 4), 0u, 0x0020u);
-  even = __byte_perm(lo, hi, se) | ((w << 4) & 0x80808080u);
-  odd = __byte_perm(lo, hi, so) | (w & 0x80808080u);
+  // byte 2 holds bytes 2 and 3's (bit 3 of every nibble stays clear: magnitudes are below 8).
+  const unsigned se = prmt(me | (me >> 4), 0u, 0x0020u);
+  const unsigned so = prmt(mo | (mo >> 4), 0u, 0x0020u);
+  even = prmt(lo, hi, se) | ((w << 4) & 0x80808080u);
+  odd = prmt(lo, hi, so) | (w & 0x80808080u);
 }
 
 // Stores the e4m3 codes of 8 consecutive physical k (c[0] = physical k 8·t8 of a 32-block) at their

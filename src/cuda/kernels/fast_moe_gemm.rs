@@ -371,8 +371,8 @@ fn scales8_blocks(d: usize, i: usize) -> usize {
 
 /// Offset in a layer's UE8M0 scale table of the whole-row fold flag of 128-row block `rb` of
 /// matrix `m` (0 w1, 1 w3, 2 w2) of its `x`-th expert (kernels/fast_moe_common.cuh
-/// `fmoe_sc8_row_flags`): 1 when every row of the block has its exponents within 2^12 of its
-/// largest.
+/// `fmoe_sc8_row_flags`): 1 when every row of the block has its exponents within 2^11 of its
+/// largest (`FMOE_FOLD_SPAN`).
 pub fn scales8_row_flag_offset(d: usize, i: usize, x: usize, m: usize, rb: usize) -> usize {
     let expert = (scales8_bytes(d, i, 1) - SCALES8_HEADER) * x;
     SCALES8_HEADER + expert + scales8_blocks(d, i) + 2 * i + d + m * (i / 128) + rb
