@@ -18,10 +18,9 @@
 // 2^(E - 133) per row. Where every row of a 128-row block has all its exponents within 2^11 of its largest
 // (the table's row-block flag), E is the row's largest over the whole row instead: the factor is then the
 // same for every block, leaves the promotion (one FFMA per accumulator instead of FMUL + FFMA) and is
-// applied once after the pass. A layer
-// whose 128-blocks span more than FMOE_FOLD_SPAN (the table's FMOE_SC8_FOLDABLE flag, set at finalize and
-// refit) or whose scales are read as f32 promotes every k32 instead, with the plain bit move: slower, as
-// exact.
+// applied once after the pass. A layer whose 128-blocks span more than FMOE_FOLD_SPAN (the table's
+// FMOE_SC8_FOLDABLE flag, set at finalize and refit) or whose scales are read as f32 promotes every k32
+// instead, with the plain bit move: slower, as exact.
 //
 // Work items. The plan (moe_plan_kernel, tile_rows = FMW_TOKENS) lists (expert, start, count) tiles; the
 // shared expert adds ceil(T / FMW_TOKENS) tiles of consecutive tokens. A tile is cut into 128-row blocks
@@ -31,11 +30,12 @@
 //
 // The pipeline (as fast_moe_gemm.cu): 2 consumer warpgroups and a producer warpgroup share a ring of
 // FMW_STAGES slots with full/empty mbarriers; the producer warpgroup hands most of its registers to the
-// consumers (setmaxnreg), one token column per thread is all it needs. A stage is 128 bytes of each of the pass's 128
-// weight rows (one TMA box: FP4 256 k, FP8 128 k) with their scales (UE8M0 bytes by a 1 KiB bulk copy, f32
-// by TMA, or FP8's block scale), and the tile's tokens over the same k, gathered by cp.async into wgmma's
-// K-major B layout ([k16 chunk][token][16 bytes]) with their per-128 scales, one column per producer thread. Tokens past the tile's count
-// are not loaded: their columns compute garbage that is never stored (wgmma's columns are independent).
+// consumers (setmaxnreg): one token column per thread is all it needs. A stage is 128 bytes of each of the
+// pass's 128 weight rows (one TMA box: FP4 256 k, FP8 128 k) with their scales (UE8M0 bytes by a 1 KiB
+// bulk copy, f32 by TMA, or FP8's block scale), and the tile's tokens over the same k, gathered by cp.async
+// into wgmma's K-major B layout ([k16 chunk][token][16 bytes]) with their per-128 scales, one column per
+// producer thread. Tokens past the tile's count are not loaded: their columns compute garbage that is never
+// stored (wgmma's columns are independent).
 //
 // The math. Warpgroup w owns the pass's rows 64w .. 64w + 63 (one m64 tile). A 128-block's A fragments
 // (ldmatrix then the shifted bit move for FP4; 8-byte loads for FP8) are built for its four k32 steps, then
@@ -355,14 +355,6 @@ struct FmwBlock {
   unsigned long long desc;   // B of step 0
 };
 
-// Pins the block's A fragments as computed here: without it ptxas sinks the next block's decode below the
-// current block's wgmma wait, into the promotion, where its temporaries, the scales and both accumulator sets
-// exceed the consumers' 224 registers and spill every block.
-DSV4_INLINE void fmw_pin(unsigned (&a)[4][4]) {
-#pragma unroll
-  for (int q = 0; q < 4; ++q) asm volatile("" : "+r"(a[q][0]), "+r"(a[q][1]), "+r"(a[q][2]), "+r"(a[q][3]));
-}
-
 // Block b of the stage at `st`, folded (FP4 with UE8M0 scales that fold) or FP8. ROWS: FP4 folded against
 // the rows' largest exponents over the whole row (base0, base8: their fmw_fold_base for rows g, g + 8; no
 // factors), else against the block's.
@@ -404,7 +396,6 @@ DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, unsigned base0, 
     for (int q = 0; q < 4; ++q) fmoe_fp8_a_frag(la, q, blk.a[q]);
     blk.w0 = blk.w8 = *reinterpret_cast<const float*>(st + FMW_SLOT_W);  // the rows' 128x128 block scale
   }
-  fmw_pin(blk.a);
 }
 
 // The block's four wgmmas, chained in the tensor core under one fence and one commit (a fence between
@@ -511,9 +502,9 @@ DSV4_INLINE void fmw_pass_fp8(unsigned char* smem_base, unsigned smem, FmwRing& 
   }
 }
 
-// acc += one FP4 pass whose scales do not fold (f32, or UE8M0 blocks spanning more than 2^FMOE_FOLD_SPAN): every k32
-// step is promoted with its own per-32 scale (times 2^6, the plain bit move). The fallback: correct for
-// any scales, several times slower.
+// acc += one FP4 pass whose scales do not fold (f32, or UE8M0 blocks spanning more than 2^FMOE_FOLD_SPAN):
+// every k32 step is promoted with its own per-32 scale (times 2^6, the plain bit move). The fallback: correct
+// for any scales, several times slower.
 DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwRing& ring, const FmwItem& it,
                                    int K, int nks, float (&d)[64], float (&acc)[64]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, r16 = (threadIdx.x >> 5) * 16;
@@ -659,7 +650,8 @@ DSV4_INLINE void fmw_gemm(const FmwArgs& a, const float* route_w, float limit, u
   if ((smem & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned slots
   const int total = fmw_total_items<UP>(a);
   const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  if (threadIdx.x == 0) fmoe_ring_init(smem + FMW_BARS, FMW_STAGES, FMW_CONSUMERS / 32, FMW_THREADS - FMW_CONSUMERS);
+  if (threadIdx.x == 0)
+    fmoe_ring_init(smem + FMW_BARS, FMW_STAGES, FMW_CONSUMERS / 32, FMW_THREADS - FMW_CONSUMERS);
   __syncthreads();
   if (threadIdx.x >= FMW_CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FMW_PRODUCER_REGS));
