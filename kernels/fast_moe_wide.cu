@@ -288,13 +288,26 @@ DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
 }
 
+// The first two of a thread's 16-byte scale words of a block (fmw_scale_pos: j = 0..3), read ahead of the
+// wgmma wait so their latency hides behind it (all eight would spill: the consumers are at 224 registers).
+struct FmwScaleHead {
+  float4 w0, w1;
+};
+
+DSV4_INLINE FmwScaleHead fmw_scale_head(const float* as) {
+  const float4* as4 = reinterpret_cast<const float4*>(as) + (threadIdx.x & 3);
+  return {as4[0], as4[4]};
+}
+
 // acc += d · (w0 for row g, w8 for row g + 8) · (the token's activation scale), over the thread's 64 values
 // (d[4j + c]: row 16·warp + g + 8·(c >> 1) of the pass, token 8j + 2t + (c & 1)).
-DSV4_INLINE void fmw_promote(float (&acc)[64], const float (&d)[64], float w0, float w8, const float* as) {
+DSV4_INLINE void fmw_promote(float (&acc)[64], const float (&d)[64], float w0, float w8, const float* as,
+                             const FmwScaleHead& head) {
   const float4* as4 = reinterpret_cast<const float4*>(as) + (threadIdx.x & 3);
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
-    const float4 s4 = as4[4 * (j >> 1)];  // fmw_scale_pos: tokens 8j + 2t, + 1 of j and j ^ 1
+    // fmw_scale_pos: tokens 8j + 2t, + 1 of j and j ^ 1
+    const float4 s4 = j < 2 ? head.w0 : j < 4 ? head.w1 : as4[4 * (j >> 1)];
     const float2 s = (j & 1) ? make_float2(s4.z, s4.w) : make_float2(s4.x, s4.y);
     acc[4 * j + 0] = fmaf(d[4 * j + 0], w0 * s.x, acc[4 * j + 0]);
     acc[4 * j + 1] = fmaf(d[4 * j + 1], w0 * s.y, acc[4 * j + 1]);
@@ -304,11 +317,13 @@ DSV4_INLINE void fmw_promote(float (&acc)[64], const float (&d)[64], float w0, f
 }
 
 // acc += d · (the token's activation scale): the row factors are applied once after the pass (whole-row fold).
-DSV4_INLINE void fmw_promote_rows(float (&acc)[64], const float (&d)[64], const float* as) {
+DSV4_INLINE void fmw_promote_rows(float (&acc)[64], const float (&d)[64], const float* as,
+                                  const FmwScaleHead& head) {
   const float4* as4 = reinterpret_cast<const float4*>(as) + (threadIdx.x & 3);
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
-    const float4 s4 = as4[4 * (j >> 1)];  // fmw_scale_pos: tokens 8j + 2t, + 1 of j and j ^ 1
+    // fmw_scale_pos: tokens 8j + 2t, + 1 of j and j ^ 1
+    const float4 s4 = j < 2 ? head.w0 : j < 4 ? head.w1 : as4[4 * (j >> 1)];
     const float2 s = (j & 1) ? make_float2(s4.z, s4.w) : make_float2(s4.x, s4.y);
     acc[4 * j + 0] = fmaf(d[4 * j + 0], s.x, acc[4 * j + 0]);
     acc[4 * j + 1] = fmaf(d[4 * j + 1], s.y, acc[4 * j + 1]);
@@ -447,12 +462,13 @@ DSV4_INLINE void fmw_release(unsigned smem, const FmwRing& r) {
 // Waits for the block's wgmmas and adds their sums to acc.
 template <bool ROWS>
 DSV4_INLINE void fmw_finish(const FmwBlock& blk, float (&d)[64], float (&acc)[64]) {
+  const FmwScaleHead head = fmw_scale_head(blk.as);
   wgmma_wait<0>();
   wgmma_fence_operand(d);
   if (ROWS)
-    fmw_promote_rows(acc, d, blk.as);
+    fmw_promote_rows(acc, d, blk.as, head);
   else
-    fmw_promote(acc, d, blk.w0, blk.w8, blk.as);
+    fmw_promote(acc, d, blk.w0, blk.w8, blk.as, head);
 }
 
 // acc += one folded FP4 pass (nks stages of two 128-blocks, the last one of one when K % 256 == 128),
@@ -553,7 +569,7 @@ DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwR
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(d);
-        fmw_promote(acc, d, w0[q], w8[q], as);
+        fmw_promote(acc, d, w0[q], w8[q], as, fmw_scale_head(as));
       }
     }
     fmw_release(smem, ring);
