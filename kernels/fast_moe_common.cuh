@@ -112,3 +112,37 @@ DSV4_INLINE const unsigned char* fmoe_sc8_data(const unsigned char* table) {
 DSV4_INLINE bool fmoe_sc8_foldable(const unsigned char* table) {
   return fmoe_sc8_data(table) != nullptr && reinterpret_cast<const int*>(table)[FMOE_SC8_FOLDABLE] != 0;
 }
+
+// The expert GEMMs' common arguments: both families' up and down kernels take the same parameters
+// (FastMoeGemm launches either with one argument list) and turn them into this with fmoe_args.
+struct FmoeArgs {
+  const unsigned char* act;  // [rows][K] e4m3 codes in fragment order
+  const float* act_s;        // [rows][K/128]
+  int T, K, N, k;
+  const int* rows;
+  const int* tiles;
+  int nrt;  // routed tiles (*ntiles)
+  int e_begin, e_end;
+  const unsigned char* maps;  // [e_end - e_begin + 1][FMOE_MAPS_PER_EXPERT] tensor maps, the shared expert last
+  const unsigned long long *sa, *sb;  // FP8 block scale addresses of the local experts (up: W1, W3; down: W2)
+  int fmt;
+  int shared_fmt;  // 0: no shared expert
+  const float *shared_sa, *shared_sb;
+  // The layer's UE8M0 scale table's data when every scale in it is exact (fmoe_sc8_data), else NULL: the
+  // FP4 scales are then read as f32 through the tensor maps.
+  const unsigned char* sc8;
+  bool fold;  // and its 128-blocks can be folded into the codes (fmoe_sc8_foldable; the prefill path's)
+  int D, I;   // the layer's hidden and expert widths (the table's layout)
+};
+
+// The arguments of a GEMM of K columns and N weight rows: up K = D, N = I; down K = I, N = D. `table` is the
+// layer's whole UE8M0 scale table (or NULL).
+DSV4_INLINE FmoeArgs fmoe_args(const unsigned char* act, const float* act_s, int T, int K, int N, int k,
+                               const int* rows, const int* tiles, const int* ntiles, int e_begin, int e_end,
+                               const unsigned char* maps, const unsigned long long* sa,
+                               const unsigned long long* sb, int fmt, int shared_fmt, const float* shared_sa,
+                               const float* shared_sb, const unsigned char* table, int D, int I) {
+  return {act,        act_s,     T,         K,          N,    k,   rows,        tiles,
+          *ntiles,    e_begin,   e_end,     maps,       sa,   sb,  fmt,         shared_fmt,
+          shared_sa,  shared_sb, fmoe_sc8_data(table), fmoe_sc8_foldable(table), D, I};
+}

@@ -87,25 +87,6 @@ struct FmoeItem {
   const unsigned char* sc8_b;
 };
 
-// The kernels' common arguments.
-struct FmoeArgs {
-  const unsigned char* act;  // [rows][K] e4m3 codes in fragment order
-  const float* act_s;        // [rows][K/128]
-  int T, K, N, k;
-  const int* rows;
-  const int* tiles;
-  int nrt;  // routed tiles (*ntiles)
-  int e_begin, e_end;
-  const unsigned char* maps;  // [e_end - e_begin + 1][FMOE_MAPS_PER_EXPERT] tensor maps, the shared expert last
-  const unsigned long long *sa, *sb;  // FP8 scale addresses of the local experts
-  int fmt;
-  int shared_fmt;  // 0: no shared expert
-  const float *shared_sa, *shared_sb;
-  // The layer's UE8M0 scale table (fmoe_scales8_kernel; NULL: none): its data, when every scale in it is
-  // exact, else NULL (the FP4 scales are then read as f32 through the tensor maps).
-  const unsigned char* sc8;
-  int D, I;  // the layer's hidden and expert widths (the table's layout)
-};
 
 DSV4_INLINE int fmoe_rblocks(bool up, int N) { return up ? N / FMOE_UP_J : (N + FMOE_DOWN_ROWS - 1) / FMOE_DOWN_ROWS; }
 
@@ -634,9 +615,8 @@ extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
                    const unsigned long long* s1, const unsigned long long* s3, int fmt, int shared_fmt,
                    const float* shared_s1, const float* shared_s3, const unsigned char* sc8,
                    const float* route_w, float limit, unsigned char* hq, float* hs) {
-  const FmoeArgs a = {xq,   xs, T,   D,          I,         k,         rows,      tiles,           *ntiles,
-                      e_begin, e_end, maps, s1, s3, fmt, shared_fmt, shared_s1, shared_s3, fmoe_sc8_data(sc8),
-                      D,    I};
+  const FmoeArgs a = fmoe_args(xq, xs, T, D, I, k, rows, tiles, ntiles, e_begin, e_end, maps, s1, s3, fmt,
+                               shared_fmt, shared_s1, shared_s3, sc8, D, I);
   fmoe_gemm<true>(a, route_w, limit, hq, hs, nullptr);
 }
 
@@ -647,8 +627,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
                      const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
                      const unsigned long long* s2, int fmt, int shared_fmt, const float* shared_s2,
                      const unsigned char* sc8, unsigned short* y) {
-  const FmoeArgs a = {hq,   hs, T,   I,          D,         k,         rows,      tiles,           *ntiles,
-                      e_begin, e_end, maps, s2, s2, fmt, shared_fmt, shared_s2, shared_s2, fmoe_sc8_data(sc8),
-                      D,    I};
+  const FmoeArgs a = fmoe_args(hq, hs, T, I, D, k, rows, tiles, ntiles, e_begin, e_end, maps, s2, s2, fmt,
+                               shared_fmt, shared_s2, shared_s2, sc8, D, I);
   fmoe_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y);
 }

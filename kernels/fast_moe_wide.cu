@@ -77,25 +77,6 @@ static_assert(FMW_TOKENS == 128, "fast_moe_wide: the wgmma shape is m64n128k32")
 static_assert(FMW_TOKENS * FMW_UP_STRIDE <= 2 * FMW_TOKENS * FMW_DOWN_STRIDE, "fast_moe_wide: epilogue buffer");
 static_assert(FMOE_MAP_BYTES == 128, "fast_moe_wide: a CUtensorMap is 128 bytes");
 
-// The kernels' common arguments (as fast_moe_gemm.cu's FmoeArgs).
-struct FmwArgs {
-  const unsigned char* act;  // [rows][K] e4m3 codes in fragment order
-  const float* act_s;        // [rows][K/128]
-  int T, K, N, k;
-  const int* rows;
-  const int* tiles;
-  int nrt;  // routed tiles (*ntiles)
-  int e_begin, e_end;
-  const unsigned char* maps;  // [e_end - e_begin + 1][FMOE_MAPS_PER_EXPERT] tensor maps, the shared expert last
-  const unsigned long long *sa, *sb;  // FP8 block scale addresses of the local experts (up: W1, W3; down: W2)
-  int fmt;
-  int shared_fmt;  // 0: no shared expert
-  const float *shared_sa, *shared_sb;
-  const unsigned char* sc8;  // the UE8M0 scale table's data when exact (fmoe_sc8_data), else NULL
-  bool fold;                 // and its 128-blocks can be folded (fmoe_sc8_foldable)
-  int D, I;                  // the layer's widths (the table's layout)
-};
-
 // One work item: a token tile and a 128-row block.
 struct FmwItem {
   bool skip;    // another rank's expert (uniform over the block)
@@ -115,14 +96,14 @@ struct FmwItem {
 DSV4_INLINE int fmw_passes(bool up) { return up ? 2 : 1; }
 
 template <bool UP>
-DSV4_INLINE int fmw_total_items(const FmwArgs& a) {
+DSV4_INLINE int fmw_total_items(const FmoeArgs& a) {
   const int nsh = a.shared_fmt != 0 ? (a.T + FMW_TOKENS - 1) / FMW_TOKENS : 0;
   return (a.nrt + nsh) * (a.N / FMW_ROWS);
 }
 
 // Item wi. ROWS: with the whole-row fold's row data (the consumers'; the producer does not need it).
 template <bool UP, bool ROWS>
-DSV4_INLINE FmwItem fmw_item(const FmwArgs& a, int wi) {
+DSV4_INLINE FmwItem fmw_item(const FmoeArgs& a, int wi) {
   const int rb_n = a.N / FMW_ROWS;
   const int tile = wi / rb_n;
   FmwItem it;
@@ -174,14 +155,14 @@ DSV4_INLINE FmwItem fmw_item(const FmwArgs& a, int wi) {
 
 // Activation row of token column c < n: up reads x rows, down reads h rows (one per (token, slot)).
 template <bool UP>
-DSV4_INLINE long long fmw_act_row(const FmwArgs& a, const FmwItem& it, int c) {
+DSV4_INLINE long long fmw_act_row(const FmoeArgs& a, const FmwItem& it, int c) {
   if (it.shared) return UP ? it.start + c : (long long)a.T * a.k + it.start + c;
   const int r = a.rows[it.start + c];
   return UP ? r / a.k : r;
 }
 
 // Output row (of hq / y) of token column c < n.
-DSV4_INLINE long long fmw_out_row(const FmwArgs& a, const FmwItem& it, int c) {
+DSV4_INLINE long long fmw_out_row(const FmoeArgs& a, const FmwItem& it, int c) {
   return it.shared ? (long long)a.T * a.k + it.start + c : a.rows[it.start + c];
 }
 
@@ -203,7 +184,7 @@ DSV4_INLINE int fmw_scale_pos(int p) { return (p >> 4) * 16 + ((p >> 1) & 3) * 4
 // own 64-bit address arithmetic) could not keep up: the consumers found the next slot empty at nearly every
 // stage (ncu, B = 4096).
 template <bool UP>
-DSV4_INLINE void fmw_produce(const FmwArgs& a, unsigned smem, int my_items) {
+DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned smem, int my_items) {
   const int p = threadIdx.x - FMW_CONSUMERS, sp = fmw_scale_pos(p);
   const int K = a.K;
   int slot = 0;
@@ -300,7 +281,9 @@ DSV4_INLINE FmwScaleHead fmw_scale_head(const float* as) {
 }
 
 // acc += d · (w0 for row g, w8 for row g + 8) · (the token's activation scale), over the thread's 64 values
-// (d[4j + c]: row 16·warp + g + 8·(c >> 1) of the pass, token 8j + 2t + (c & 1)).
+// (d[4j + c]: row 16·warp + g + 8·(c >> 1) of the pass, token 8j + 2t + (c & 1)). ROWS (whole-row fold):
+// without w0, w8, whose row factors are applied once after the pass.
+template <bool ROWS>
 DSV4_INLINE void fmw_promote(float (&acc)[64], const float (&d)[64], float w0, float w8, const float* as,
                              const FmwScaleHead& head) {
   const float4* as4 = reinterpret_cast<const float4*>(as) + (threadIdx.x & 3);
@@ -309,26 +292,12 @@ DSV4_INLINE void fmw_promote(float (&acc)[64], const float (&d)[64], float w0, f
     // fmw_scale_pos: tokens 8j + 2t, + 1 of j and j ^ 1
     const float4 s4 = j < 2 ? head.w0 : j < 4 ? head.w1 : as4[4 * (j >> 1)];
     const float2 s = (j & 1) ? make_float2(s4.z, s4.w) : make_float2(s4.x, s4.y);
-    acc[4 * j + 0] = fmaf(d[4 * j + 0], w0 * s.x, acc[4 * j + 0]);
-    acc[4 * j + 1] = fmaf(d[4 * j + 1], w0 * s.y, acc[4 * j + 1]);
-    acc[4 * j + 2] = fmaf(d[4 * j + 2], w8 * s.x, acc[4 * j + 2]);
-    acc[4 * j + 3] = fmaf(d[4 * j + 3], w8 * s.y, acc[4 * j + 3]);
-  }
-}
-
-// acc += d · (the token's activation scale): the row factors are applied once after the pass (whole-row fold).
-DSV4_INLINE void fmw_promote_rows(float (&acc)[64], const float (&d)[64], const float* as,
-                                  const FmwScaleHead& head) {
-  const float4* as4 = reinterpret_cast<const float4*>(as) + (threadIdx.x & 3);
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    // fmw_scale_pos: tokens 8j + 2t, + 1 of j and j ^ 1
-    const float4 s4 = j < 2 ? head.w0 : j < 4 ? head.w1 : as4[4 * (j >> 1)];
-    const float2 s = (j & 1) ? make_float2(s4.z, s4.w) : make_float2(s4.x, s4.y);
-    acc[4 * j + 0] = fmaf(d[4 * j + 0], s.x, acc[4 * j + 0]);
-    acc[4 * j + 1] = fmaf(d[4 * j + 1], s.y, acc[4 * j + 1]);
-    acc[4 * j + 2] = fmaf(d[4 * j + 2], s.x, acc[4 * j + 2]);
-    acc[4 * j + 3] = fmaf(d[4 * j + 3], s.y, acc[4 * j + 3]);
+    const float s0 = ROWS ? s.x : w0 * s.x, s1 = ROWS ? s.y : w0 * s.y;
+    const float s8 = ROWS ? s.x : w8 * s.x, s9 = ROWS ? s.y : w8 * s.y;
+    acc[4 * j + 0] = fmaf(d[4 * j + 0], s0, acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(d[4 * j + 1], s1, acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(d[4 * j + 2], s8, acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(d[4 * j + 3], s9, acc[4 * j + 3]);
   }
 }
 
@@ -465,10 +434,7 @@ DSV4_INLINE void fmw_finish(const FmwBlock& blk, float (&d)[64], float (&acc)[64
   const FmwScaleHead head = fmw_scale_head(blk.as);
   wgmma_wait<0>();
   wgmma_fence_operand(d);
-  if (ROWS)
-    fmw_promote_rows(acc, d, blk.as, head);
-  else
-    fmw_promote(acc, d, blk.w0, blk.w8, blk.as, head);
+  fmw_promote<ROWS>(acc, d, blk.w0, blk.w8, blk.as, head);
 }
 
 // acc += one folded FP4 pass (nks stages of two 128-blocks, the last one of one when K % 256 == 128),
@@ -569,7 +535,7 @@ DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwR
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(d);
-        fmw_promote(acc, d, w0[q], w8[q], as, fmw_scale_head(as));
+        fmw_promote<false>(acc, d, w0[q], w8[q], as, fmw_scale_head(as));
       }
     }
     fmw_release(smem, ring);
@@ -591,7 +557,7 @@ DSV4_INLINE void fmw_stash(const float (&acc)[64], bf16_t* buf, int stride, int 
 }
 
 // Up, gate pass: the bf16 gate values into ep[token][j]; the tile's routing weights into wt.
-DSV4_INLINE void fmw_up_gate(const FmwArgs& a, const FmwItem& it, const float* route_w, const float (&acc)[64],
+DSV4_INLINE void fmw_up_gate(const FmoeArgs& a, const FmwItem& it, const float* route_w, const float (&acc)[64],
                              bf16_t* ep, float* wt) {
   const int tid = threadIdx.x;
   named_barrier(1, FMW_CONSUMERS);  // the previous item's quantisation has read ep and wt
@@ -602,7 +568,7 @@ DSV4_INLINE void fmw_up_gate(const FmwArgs& a, const FmwItem& it, const float* r
 
 // Up, up pass: h from the thread's own gate values (same rows, same thread) into ep, then the per-128
 // act_quant of each token's 128 j by two threads (64 j each): codes in fragment order and the scale.
-DSV4_INLINE void fmw_up_h_quant(const FmwArgs& a, const FmwItem& it, const float (&acc)[64], float limit, bf16_t* ep,
+DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const float (&acc)[64], float limit, bf16_t* ep,
                                 const float* wt, unsigned char* out_q, float* out_s) {
   const int tid = threadIdx.x, t = tid & 3;
   const int r = (tid >> 5) * 16 + ((tid & 31) >> 2);
@@ -641,7 +607,7 @@ DSV4_INLINE void fmw_up_h_quant(const FmwArgs& a, const FmwItem& it, const float
 }
 
 // Down: y[out row][row] = bf16(acc), staged per warpgroup so each token's 64 rows leave in 16-byte pieces.
-DSV4_INLINE void fmw_down_store(const FmwArgs& a, const FmwItem& it, const float (&acc)[64], bf16_t* ep, bf16_t* y) {
+DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const float (&acc)[64], bf16_t* ep, bf16_t* y) {
   const int tid = threadIdx.x, wg = tid >> 7, l = tid & 127;
   bf16_t* buf = ep + wg * (FMW_TOKENS * FMW_DOWN_STRIDE);
   // The thread copies 16 bytes of tokens l / 8 + 16 i: their output rows are read first, all at once (in the
@@ -667,7 +633,7 @@ DSV4_INLINE void fmw_down_store(const FmwArgs& a, const FmwItem& it, const float
 
 // Shared body of both kernels (see fast_moe_gemm.cu's fmoe_gemm for the operands).
 template <bool UP>
-DSV4_INLINE void fmw_gemm(const FmwArgs& a, const float* route_w, float limit, unsigned char* out_q, float* out_s,
+DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, unsigned char* out_q, float* out_s,
                           bf16_t* out_y) {
   extern __shared__ __align__(1024) unsigned char fmw_smem[];
   const unsigned smem = smem_addr(fmw_smem);
@@ -734,10 +700,8 @@ extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
                   const unsigned long long* s1, const unsigned long long* s3, int fmt, int shared_fmt,
                   const float* shared_s1, const float* shared_s3, const unsigned char* sc8, const float* route_w,
                   float limit, unsigned char* hq, float* hs) {
-  const FmwArgs a = {xq,  xs,        T,          D,         I,         k,        rows,
-                     tiles, *ntiles, e_begin,    e_end,     maps,      s1,       s3,
-                     fmt, shared_fmt, shared_s1, shared_s3, fmoe_sc8_data(sc8), fmoe_sc8_foldable(sc8),
-                     D,   I};
+  const FmoeArgs a = fmoe_args(xq, xs, T, D, I, k, rows, tiles, ntiles, e_begin, e_end, maps, s1, s3, fmt,
+                               shared_fmt, shared_s1, shared_s3, sc8, D, I);
   fmw_gemm<true>(a, route_w, limit, hq, hs, nullptr);
 }
 
@@ -747,9 +711,7 @@ extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
                     const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
                     const unsigned long long* s2, int fmt, int shared_fmt, const float* shared_s2,
                     const unsigned char* sc8, unsigned short* y) {
-  const FmwArgs a = {hq,  hs,        T,          I,         D,         k,        rows,
-                     tiles, *ntiles, e_begin,    e_end,     maps,      s2,       s2,
-                     fmt, shared_fmt, shared_s2, shared_s2, fmoe_sc8_data(sc8), fmoe_sc8_foldable(sc8),
-                     D,   I};
+  const FmoeArgs a = fmoe_args(hq, hs, T, I, D, k, rows, tiles, ntiles, e_begin, e_end, maps, s2, s2, fmt,
+                               shared_fmt, shared_s2, shared_s2, sc8, D, I);
   fmw_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y);
 }
