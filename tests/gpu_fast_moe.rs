@@ -197,27 +197,7 @@ fn batch(e: &Env, sh: &MoeShape, t: usize, x: &[f32], tokens: &[i32], s: Borrowe
     let (arena, p) = alloc(e.ctx, &sizes);
     put(e.ctx, p[0], x, s);
     put(e.ctx, p[1], tokens, s);
-    let f = |i: usize| p[3 + i];
-    let ws = FastMoeWorkspace {
-        logits: f(0),
-        ids: f(1),
-        weights: f(2),
-        xq: f(3),
-        xs: f(4),
-        plan: MoePlan {
-            offsets: f(5),
-            rows: f(6),
-            tiles: f(7),
-            ntiles: f(8),
-            tokens: t,
-            k: K,
-            experts: E,
-            tile_rows: fast_moe_gemm::TOKENS,
-        },
-        hq: f(9),
-        hs: f(10),
-        y: f(11),
-    };
+    let ws = FastMoeWorkspace::at(&p[3..3 + fb.len()], t, K, E);
     let _g = e.ctx.enter().unwrap();
     for q in &p[2..] {
         arena::memset_async(*q, 0xff, s).unwrap(); // NaN poison

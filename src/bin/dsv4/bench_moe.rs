@@ -16,8 +16,8 @@ use dsv4::cuda::arena::{self, Arena, ArenaPlan, DevicePtr};
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
 use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeWorkspace};
-use dsv4::cuda::kernels::fast_moe_gemm::{self, GemmPath};
-use dsv4::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES, moe::MoePlan};
+use dsv4::cuda::kernels::fast_moe_gemm::GemmPath;
+use dsv4::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
 use dsv4::cuda::registry::{KernelCache, Registry};
 use dsv4::cuda::stream::OwnedStream;
 use dsv4::cuda::synthetic_moe::{HOT_EXPERT, MoeShape, Rng, Routing, SyntheticMoe};
@@ -113,26 +113,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
     let max_b = *b.batches.iter().max().unwrap_or(&1);
     let wsb = fast_moe::workspace_buffers(max_b, d, i, k, ne);
     let (_ws_arena, wp) = alloc(&ctx, &wsb.map(|(_, el, n)| el.size() * n))?;
-    let ws = FastMoeWorkspace {
-        logits: wp[0],
-        ids: wp[1],
-        weights: wp[2],
-        xq: wp[3],
-        xs: wp[4],
-        plan: MoePlan {
-            offsets: wp[5],
-            rows: wp[6],
-            tiles: wp[7],
-            ntiles: wp[8],
-            tokens: max_b,
-            k,
-            experts: ne,
-            tile_rows: fast_moe_gemm::TOKENS,
-        },
-        hq: wp[9],
-        hs: wp[10],
-        y: wp[11],
-    };
+    let ws = FastMoeWorkspace::at(&wp, max_b, k, ne);
     let mut rng = Rng::new(0xB0B);
     for &t in &b.batches {
         // R input batches per graph: together at least ~64 MB of distinct expert bytes.

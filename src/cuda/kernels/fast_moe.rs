@@ -15,10 +15,10 @@
 //! 6. `fmoe_combine_kernel`: the fixed-order f32 sum per token, rounded to bf16.
 //!
 //! Six launches, no host sync, nothing allocated: the workspace is sized at create for
-//! `max_num_tokens`. Experts are read in their stored layout (FP4 e2m1 with f32 per-32 scales, or
-//! FP8 e4m3 with f32 128x128 block scales) through the per-layer tensor maps and scale tables the
-//! backend rebuilds at finalize and refit. A layer the kernels cannot run
-//! ([`FastMoeLayer::unsupported`]) runs the reference kernels instead.
+//! `max_num_tokens`. Experts are read in their stored layout
+//! (FP4 e2m1 with f32 per-32 scales, or FP8 e4m3 with f32 128x128 block scales) through the
+//! per-layer tensor maps and scale tables the backend rebuilds at finalize and refit. A layer the
+//! kernels cannot run ([`FastMoeLayer::unsupported`]) runs the reference kernels instead.
 
 use super::fast_moe_gemm::{self, FastMoeGemm, GemmPath};
 use super::linear::WeightDev;
@@ -223,6 +223,33 @@ pub struct FastMoeWorkspace {
     pub hs: DevicePtr,
     /// Expert outputs `bf16[T*k + T, D]`.
     pub y: DevicePtr,
+}
+
+impl FastMoeWorkspace {
+    /// The workspace at the addresses of [`workspace_buffers`]'s buffers (in its order), sized
+    /// for `t` tokens.
+    pub fn at(p: &[DevicePtr], t: usize, k: usize, experts: usize) -> FastMoeWorkspace {
+        FastMoeWorkspace {
+            logits: p[0],
+            ids: p[1],
+            weights: p[2],
+            xq: p[3],
+            xs: p[4],
+            plan: MoePlan {
+                offsets: p[5],
+                rows: p[6],
+                tiles: p[7],
+                ntiles: p[8],
+                tokens: t,
+                k,
+                experts,
+                tile_rows: fast_moe_gemm::TOKENS,
+            },
+            hq: p[9],
+            hs: p[10],
+            y: p[11],
+        }
+    }
 }
 
 /// The workspace buffers for `t` tokens, in [`FastMoeWorkspace`]'s field order (the plan as

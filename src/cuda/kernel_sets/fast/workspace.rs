@@ -4,8 +4,6 @@
 use crate::config::ModelConfig;
 use crate::cuda::arena::{Arena, RegionId};
 use crate::cuda::kernels::fast_moe::{self, FastMoeWorkspace};
-use crate::cuda::kernels::fast_moe_gemm;
-use crate::cuda::kernels::moe::MoePlan;
 use crate::cuda::memory_plan::{BufferKind, MemoryPlan};
 use crate::error::Result;
 use crate::options::EngineOptions;
@@ -52,28 +50,9 @@ impl Workspace {
     }
 
     pub fn resolve(w: &WorkspaceIds, arena: &Arena) -> Workspace {
-        let r = |i: usize| arena.region(w.ids[i]);
+        let ids: Vec<_> = w.ids.iter().map(|&id| arena.region(id)).collect();
         Workspace {
-            moe: FastMoeWorkspace {
-                logits: r(0),
-                ids: r(1),
-                weights: r(2),
-                xq: r(3),
-                xs: r(4),
-                plan: MoePlan {
-                    offsets: r(5),
-                    rows: r(6),
-                    tiles: r(7),
-                    ntiles: r(8),
-                    tokens: w.t,
-                    k: w.k,
-                    experts: w.experts,
-                    tile_rows: fast_moe_gemm::TOKENS,
-                },
-                hq: r(9),
-                hs: r(10),
-                y: r(11),
-            },
+            moe: FastMoeWorkspace::at(&ids, w.t, w.k, w.experts),
         }
     }
 }
