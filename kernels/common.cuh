@@ -22,6 +22,21 @@ typedef unsigned char ue8m0_t;   // UE8M0 scale byte (2^(e-127))
 
 // DSV4_E4M3_MAX / DSV4_E2M1_MAX (dsv4_consts.cuh): largest finite e4m3fn and e2m1 values.
 
+// Programmatic dependent launch (sm_90 on). A kernel declared `#[pdl(true)]` (src/cuda/decl.rs) is
+// launched so that it may start while the kernel before it on the stream is still running: its first
+// statement must be dsv4_pdl_begin(), which
+// 1. lets the kernel after it launch as soon as every block of this one has started (that kernel's own
+//    dsv4_pdl_begin holds it until this one has finished, so this is always safe), and
+// 2. waits until the kernel before has finished and its writes are visible (a no-op when this kernel was
+//    launched normally).
+// So a chain of such kernels overlaps each launch and block start with the previous kernel's tail.
+DSV4_INLINE void dsv4_pdl_begin() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // 2^k as a float for -149 <= k <= 127, exactly (normal or subnormal).
 DSV4_INLINE float dsv4_pow2(int k) {
   return k >= -126 ? __int_as_float((k + 127) << 23) : __int_as_float(1 << (k + 149));

@@ -58,6 +58,7 @@ DSV4_INLINE float fmoe_score(float l, int scoring) {
 extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
     fmoe_logits_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
                        unsigned char* xq, float* xs) {
+  dsv4_pdl_begin();
   __shared__ float part_sum[FMOE_LOGIT_WARPS][FMOE_LOGIT_TOKENS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t0 = blockIdx.y * FMOE_LOGIT_TOKENS;
@@ -115,6 +116,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 extern "C" __global__ void __launch_bounds__(FMOE_WIDE_WARPS * 32)
     fmoe_logits_wide_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
                             unsigned char* xq, float* xs) {
+  dsv4_pdl_begin();
   __shared__ float4 xs_chunk[FMOE_WIDE_TOKENS][FMOE_WIDE_KC / 4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t0 = blockIdx.y * FMOE_WIDE_TOKENS;
@@ -177,6 +179,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_WIDE_WARPS * 32)
 extern "C" __global__ void __launch_bounds__(FMOE_SELECT_WARPS * 32)
     fmoe_select_kernel(const float* scores, int T, int E, int k, const float* bias, const int* tid2eid,
                        const int* tokens, int scoring, int renorm, float route_scale, int* ids, float* weights) {
+  dsv4_pdl_begin();
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x * FMOE_SELECT_WARPS + (threadIdx.x >> 5);
   if (t >= T) return;  // whole warp
@@ -261,6 +264,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_SELECT_WARPS * 32)
 extern "C" __global__ void __launch_bounds__(128)
     fmoe_combine_kernel(const unsigned short* y, const int* ids, int T, int k, int E, int D, int has_shared,
                         float* out) {
+  dsv4_pdl_begin();
   const int t = blockIdx.y;
   const int d0 = (blockIdx.x * 128 + threadIdx.x) * 8;
   if (d0 >= D) return;

@@ -700,6 +700,7 @@ extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
                   const unsigned long long* s1, const unsigned long long* s3, int fmt, int shared_fmt,
                   const float* shared_s1, const float* shared_s3, const unsigned char* sc8, const float* route_w,
                   float limit, unsigned char* hq, float* hs) {
+  dsv4_pdl_begin();
   const FmoeArgs a = fmoe_args(xq, xs, T, D, I, k, rows, tiles, ntiles, e_begin, e_end, maps, s1, s3, fmt,
                                shared_fmt, shared_s1, shared_s3, sc8, D, I);
   fmw_gemm<true>(a, route_w, limit, hq, hs, nullptr);
@@ -711,6 +712,7 @@ extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
                     const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
                     const unsigned long long* s2, int fmt, int shared_fmt, const float* shared_s2,
                     const unsigned char* sc8, unsigned short* y) {
+  dsv4_pdl_begin();
   const FmoeArgs a = fmoe_args(hq, hs, T, I, D, k, rows, tiles, ntiles, e_begin, e_end, maps, s2, s2, fmt,
                                shared_fmt, shared_s2, shared_s2, sc8, D, I);
   fmw_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y);

@@ -228,6 +228,7 @@ DSV4_INLINE int block_excl_scan(int v, int* wsum, int* total) {
 extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
     moe_plan_kernel(const int* ids, int T, int k, int E, int tile_rows, int* offsets, int* rows, int* tiles,
                     int* ntiles) {
+  dsv4_pdl_begin();
   extern __shared__ int psm[];
   int* cnt = psm;                   // [PLAN_WARPS][E]: per-warp counts, then bases
   int* eoff = psm + PLAN_WARPS * E;  // [E + 1]: totals, then offsets

@@ -1,8 +1,10 @@
 //! Every kernel declaration (`kernel_family!`, src/cuda/decl.rs) against the `extern "C"
 //! __global__` signature in its .cu source: same entry points, and for each the same number
 //! of parameters with the same C types in the same order. The declaration is what the Rust
-//! side packs into the launch, so a mismatch would pass garbage to the kernel. Text only: no
-//! GPU and no NVRTC needed.
+//! side packs into the launch, so a mismatch would pass garbage to the kernel. Also: a kernel
+//! declared `#[pdl(true)]` (launched before the kernel ahead of it has finished) has
+//! `dsv4_pdl_begin();` as its first statement, and only such kernels do. Text only: no GPU and
+//! no NVRTC needed.
 
 use dsv4::cuda::registry::{KernelFn, KernelSource, families};
 
@@ -11,6 +13,8 @@ use dsv4::cuda::registry::{KernelFn, KernelSource, families};
 struct Signature {
     name: String,
     params: Vec<String>,
+    /// The body's first statement is `dsv4_pdl_begin();`.
+    pdl_begin: bool,
 }
 
 /// The source without comments (so commented-out kernels and parameter notes are ignored).
@@ -92,7 +96,14 @@ fn parse_entry_points(src: &str) -> Result<Vec<Signature>, String> {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| format!("{name}: {e}"))?
         };
-        out.push(Signature { name, params });
+        let body = s[close + 1..].trim_start();
+        let body = body.strip_prefix('{').ok_or(format!("{name}: no body"))?;
+        let pdl_begin = body.trim_start().starts_with("dsv4_pdl_begin();");
+        out.push(Signature {
+            name,
+            params,
+            pdl_begin,
+        });
         rest = &s[close..];
     }
     Ok(out)
@@ -120,6 +131,18 @@ fn mismatches(family: &str, source: &str, functions: &[KernelFn]) -> Vec<String>
                 f.name,
                 declared.join(", "),
                 sig.params.join(", ")
+            ));
+        }
+        if sig.pdl_begin != f.pdl {
+            errs.push(format!(
+                "{family}::{}: declared with pdl {} but its body {} with dsv4_pdl_begin();",
+                f.name,
+                f.pdl,
+                if sig.pdl_begin {
+                    "begins"
+                } else {
+                    "does not begin"
+                }
             ));
         }
     }
@@ -157,7 +180,9 @@ fn parser_reads_launch_bounds_comments_and_every_type_class() {
             a(const float* x, int n, long long m, float s, unsigned long long* p,
               const unsigned* u, unsigned short *b, void* v, const double* __restrict__ d) {}
         extern "C" __device__ int not_a_kernel;
-        extern "C" __global__ void b() {}
+        extern "C" __global__ void b() {
+          // overlaps the kernel before it
+          dsv4_pdl_begin(); }
     "#;
     let sigs = parse_entry_points(src).unwrap();
     assert_eq!(
@@ -178,10 +203,12 @@ fn parser_reads_launch_bounds_comments_and_every_type_class() {
                 ]
                 .map(String::from)
                 .to_vec(),
+                pdl_begin: false,
             },
             Signature {
                 name: "b".into(),
                 params: vec![],
+                pdl_begin: true,
             },
         ]
     );
@@ -249,6 +276,15 @@ fn any_drift_between_declaration_and_source_is_caught() {
     assert!(
         !mismatches(fam.family, fam.source, &others).is_empty(),
         "an undeclared entry point is not caught"
+    );
+    let mut flipped = others.clone();
+    flipped.push(KernelFn {
+        pdl: !decl.pdl,
+        ..*decl
+    });
+    assert!(
+        !mismatches(fam.family, fam.source, &flipped).is_empty(),
+        "a pdl declaration that disagrees with the body is not caught"
     );
     let mut extra = fam.functions.to_vec();
     extra.push(KernelFn {

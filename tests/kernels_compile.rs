@@ -328,6 +328,7 @@ const K: KernelFn = KernelFn {
     name: "k",
     dynamic_smem: 0,
     params: &[],
+    pdl: false,
 };
 
 /// A family calling a helper that does not exist.

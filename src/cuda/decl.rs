@@ -15,6 +15,9 @@
 //!     fn act_quant_kernel(x: *const f32, ldx: i32, rows: i32, k: i32, xq: *mut f32);
 //!     #[smem(ATTENTION_MAX_SMEM)]
 //!     fn attention_kernel(...);
+//!     /// Starts with dsv4_pdl_begin(): launched as a programmatic dependent (KernelFn::pdl).
+//!     #[pdl(true)]
+//!     fn fmoe_combine_kernel(...);
 //! }
 //! // launch: fields by name, so argument order cannot be got wrong at the call site.
 //! self.act_quant.launch(grid, block, 0, stream, act_quant_kernel::Args { x, ldx, rows, k, xq })
@@ -219,6 +222,7 @@ macro_rules! kernel_family {
         $(
             $(#[doc = $doc:literal])*
             $(#[smem($smem:expr)])?
+            $(#[pdl($pdl:expr)])?
             fn $name:ident($($arg:ident: $ty:ty),* $(,)?);
         )*
     ) => {
@@ -242,6 +246,7 @@ macro_rules! kernel_family {
                     name: stringify!($name),
                     dynamic_smem: $crate::kernel_family!(@smem $($smem)?),
                     params: &[$(<$ty as Param>::C),*],
+                    pdl: $crate::kernel_family!(@pdl $($pdl)?),
                 };
                 const _: () = assert!(
                     FN.params.len() <= $crate::cuda::stream::MAX_KERNEL_ARGS,
@@ -265,6 +270,8 @@ macro_rules! kernel_family {
             }
         )*
     };
+    (@pdl) => { false };
+    (@pdl $e:expr) => { $e };
     (@smem) => { 0 };
     (@smem $e:expr) => { $e };
 }

@@ -41,6 +41,11 @@ pub struct KernelFn {
     /// The C type of every parameter in order, normalised as [`super::decl::Param::C`]
     /// (tests/kernel_decls.rs checks them against the .cu source).
     pub params: &'static [&'static str],
+    /// The kernel begins with `dsv4_pdl_begin()` (kernels/common.cuh): it touches no memory a
+    /// kernel before it on the stream writes or reads until that kernel has finished, so it is
+    /// launched as a programmatic dependent (sm_90 on) and its launch and block scheduling
+    /// overlap the previous kernel's tail (tests/kernel_decls.rs checks the source).
+    pub pdl: bool,
 }
 
 /// A kernel family: one .cu file and the entry points it defines.
@@ -510,6 +515,8 @@ pub struct Kernel {
     pub static_smem: i32,
     /// Per-thread local memory (spills, stack); nonzero deserves a look.
     pub local_bytes: i32,
+    /// Launched as a programmatic dependent ([`KernelFn::pdl`], on a device that has it).
+    pub pdl: bool,
 }
 
 // SAFETY: a CUfunction is a handle valid in its context from any thread.
@@ -757,6 +764,8 @@ fn resolve(
         num_regs: attr(A::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
         static_smem,
         local_bytes: attr(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?,
+        // griddepcontrol is sm_90's; graphs capture programmatic launches from CUDA 12.3.
+        pdl: f.pdl && ctx.info().compute_capability.0 >= 9 && ctx.info().driver_version >= 12030,
     })
 }
 

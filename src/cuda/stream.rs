@@ -244,25 +244,61 @@ pub unsafe fn launch(
     for (p, s) in ptrs.iter_mut().zip(slots.iter_mut()).take(args.len) {
         *p = s as *mut u64 as *mut c_void;
     }
-    // SAFETY: the caller guarantees the arguments match the kernel; `ptrs` points into
-    // `slots`, which outlives the call (cuLaunchKernel copies the values before returning).
-    let r = unsafe {
-        sys::cuLaunchKernel(
-            kernel.func,
-            grid.x,
-            grid.y,
-            grid.z,
-            block.x,
-            block.y,
-            block.z,
-            dynamic_smem,
-            stream.0,
-            ptrs.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
+    let (r, what) = if kernel.pdl {
+        // A programmatic dependent (KernelFn::pdl): it may start before the previous kernel
+        // on the stream has finished, and waits for it itself (kernels/common.cuh
+        // dsv4_pdl_begin). Captured into graphs as a programmatic edge.
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.x,
+            gridDimY: grid.y,
+            gridDimZ: grid.z,
+            blockDimX: block.x,
+            blockDimY: block.y,
+            blockDimZ: block.z,
+            sharedMemBytes: dynamic_smem,
+            hStream: stream.0,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as below; `config` and `attr` outlive the call (the driver copies them).
+        let r = unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                kernel.func,
+                ptrs.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        (r, "cuLaunchKernelEx")
+    } else {
+        // SAFETY: the caller guarantees the arguments match the kernel; `ptrs` points into
+        // `slots`, which outlives the call (cuLaunchKernel copies the values before returning).
+        let r = unsafe {
+            sys::cuLaunchKernel(
+                kernel.func,
+                grid.x,
+                grid.y,
+                grid.z,
+                block.x,
+                block.y,
+                block.z,
+                dynamic_smem,
+                stream.0,
+                ptrs.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        (r, "cuLaunchKernel")
     };
     r.result().map_err(|e| {
-        let base = driver_error("cuLaunchKernel", e);
+        let base = driver_error(what, e);
         launch_error(kernel, grid, block, dynamic_smem, &base.message)
     })
 }

@@ -14,8 +14,9 @@
 //!    tokens on, `fmw_up_kernel` and `fmw_down_kernel`, the prefill path: [`GemmPath`]);
 //! 6. `fmoe_combine_kernel`: the fixed-order f32 sum per token, rounded to bf16.
 //!
-//! Six launches, no host sync, nothing allocated: the workspace is sized at create for
-//! `max_num_tokens`. Experts are read in their stored layout
+//! Six launches, each a programmatic dependent of the one before (`#[pdl(true)]`: its launch and
+//! block start overlap the previous kernel's tail), no host sync, nothing allocated: the
+//! workspace is sized at create for `max_num_tokens`. Experts are read in their stored layout
 //! (FP4 e2m1 with f32 per-32 scales, or FP8 e4m3 with f32 128x128 block scales) through the
 //! per-layer tensor maps and scale tables the backend rebuilds at finalize and refit. A layer the
 //! kernels cannot run ([`FastMoeLayer::unsupported`]) runs the reference kernels instead.
@@ -60,21 +61,25 @@ crate::kernel_family! {
     pub const SOURCE = "fast_moe", include_str!("../../../kernels/fast_moe.cu");
 
     /// Router scores (logits for softmax scoring) and x's FP8 quantisation.
+    #[pdl(true)]
     fn fmoe_logits_kernel(
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
         xq: *mut u8, xs: *mut f32,
     );
     /// The same for many tokens (fewer reads of x and the gate per token).
+    #[pdl(true)]
     fn fmoe_logits_wide_kernel(
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
         xq: *mut u8, xs: *mut f32,
     );
     /// Top-k selection (`bias` optional) or hash routing (`tid2eid` and `tokens`, both set).
+    #[pdl(true)]
     fn fmoe_select_kernel(
         scores: *const f32, t: i32, e: i32, k: i32, bias: Option<*const f32>,
         tid2eid: Option<*const i32>, tokens: Option<*const i32>, scoring: i32, renorm: bool,
         route_scale: f32, ids: *mut i32, weights: *mut f32,
     );
+    #[pdl(true)]
     fn fmoe_combine_kernel(
         y: *const u16, ids: *const i32, t: i32, k: i32, e: i32, d: i32, has_shared: bool,
         out: *mut f32,

@@ -63,6 +63,7 @@ crate::kernel_family! {
 
     /// GEMM1 + SwiGLU + routing weight + FP8 quantisation of h, routed tiles and the shared expert.
     #[smem(SMEM_BYTES as u32)]
+    #[pdl(true)]
     fn fmoe_up_kernel(
         xq: *const u8, xs: *const f32, t: i32, d: i32, i: i32, k: i32, rows: *const i32,
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
@@ -72,6 +73,7 @@ crate::kernel_family! {
     );
     /// GEMM2 into bf16 rows per (token, slot).
     #[smem(SMEM_BYTES as u32)]
+    #[pdl(true)]
     fn fmoe_down_kernel(
         hq: *const u8, hs: *const f32, t: i32, i: i32, d: i32, k: i32, rows: *const i32,
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,

@@ -31,6 +31,7 @@ crate::kernel_family! {
         tid2eid: Option<*const i32>, tokens: Option<*const i32>, scoring: i32, renorm: bool,
         route_scale: f32, ids: *mut i32, weights: *mut f32,
     );
+    #[pdl(true)]
     fn moe_plan_kernel(
         ids: *const i32, t: i32, k: i32, e: i32, tile_rows: i32, offsets: *mut i32,
         rows: *mut i32, tiles: *mut i32, ntiles: *mut i32,
