@@ -152,8 +152,8 @@ DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
 // The stage an item reads i-th: stage (i + rot) mod nks, its row block's offset. Without it, every block of
 // a small batch starts at stage 0 and walks K in step with the others, so at any moment all of them read
 // the same 128-byte column of rows a fixed stride apart, which the DRAM address map puts in a few channels
-// (the layer at B = 1: 90 -> 72 us on the H200). Keyed by the row block alone, the order of a row's
-// 128-blocks does not depend on the batch: a token's result is the same in any decode batch.
+// (the layer at B = 1: 90 -> 72 us on the H200). Keyed by the row block alone, the order in which a row's
+// 128-blocks are summed does not depend on the batch or on which tile holds the token.
 DSV4_INLINE int fmoe_stage_at(const FmoeItem& it, int i) {
   const int kb = i + it.rot;
   return kb < it.nks ? kb : kb - it.nks;
