@@ -51,6 +51,26 @@ DSV4_INLINE void fmoe_fp8_a_frag(unsigned la, int q, unsigned (&a)[4]) {
   a[3] = __byte_perm(u8.x, u8.y, 0x7531);
 }
 
+// The per-32 scales of 128-block b of an FP4 stage for stage rows r (s0) and r + 8 (s8), from the slot's
+// scales at `sc` (both families lay them out as 8 per row): UE8M0 bytes when `byte_scales` (byte e is
+// 2^(e - 127), the f32 with exponent field e; the table holds only 1 <= e <= 254), else f32.
+DSV4_INLINE void fmoe_fp4_scales(const float* sc, int r, int b, bool byte_scales, float (&s0)[4], float (&s8)[4]) {
+  if (byte_scales) {
+    const unsigned char* sb = reinterpret_cast<const unsigned char*>(sc);
+    const unsigned w0 = *reinterpret_cast<const unsigned*>(sb + r * 8 + 4 * b);
+    const unsigned w8 = *reinterpret_cast<const unsigned*>(sb + (r + 8) * 8 + 4 * b);
+    s0[0] = __uint_as_float((w0 << 23) & 0x7f800000u), s8[0] = __uint_as_float((w8 << 23) & 0x7f800000u);
+    s0[1] = __uint_as_float((w0 << 15) & 0x7f800000u), s8[1] = __uint_as_float((w8 << 15) & 0x7f800000u);
+    s0[2] = __uint_as_float((w0 << 7) & 0x7f800000u), s8[2] = __uint_as_float((w8 << 7) & 0x7f800000u);
+    s0[3] = __uint_as_float((w0 >> 1) & 0x7f800000u), s8[3] = __uint_as_float((w8 >> 1) & 0x7f800000u);
+  } else {
+    const float4 v0 = *reinterpret_cast<const float4*>(sc + r * 8 + 4 * b);
+    const float4 v8 = *reinterpret_cast<const float4*>(sc + (r + 8) * 8 + 4 * b);
+    s0[0] = v0.x, s0[1] = v0.y, s0[2] = v0.z, s0[3] = v0.w;
+    s8[0] = v8.x, s8[1] = v8.y, s8[2] = v8.z, s8[3] = v8.w;
+  }
+}
+
 // The producer/consumer ring's mbarriers (both families): at shared address `bars`, full[s] then empty[s],
 // 8 bytes each. full[s] completes when the producer's first thread has arrived with the stage's TMA bytes and
 // the copies each of the `producer_threads` threads issued by cp.async have landed; empty[s] when every

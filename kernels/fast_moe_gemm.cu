@@ -358,27 +358,6 @@ DSV4_INLINE void fmoe_block_finish(float (&d)[4][8], const float (&s0)[4], const
   }
 }
 
-// The per-32 multipliers of block b of an FP4 stage for rows g (s0) and g + 8 (s8) of the warp's 16, from the
-// slot's scales at `sc`: UE8M0 bytes when `byte_scales` (byte e is 2^(e - 127), the f32 with exponent field
-// e; the table holds only 1 <= e <= 254), else f32.
-DSV4_INLINE void fmoe_fp4_scales(const float* sc, int r16, int g, int b, bool byte_scales, float (&s0)[4],
-                                 float (&s8)[4]) {
-  if (byte_scales) {
-    const unsigned char* sb = reinterpret_cast<const unsigned char*>(sc);
-    const unsigned w0 = *reinterpret_cast<const unsigned*>(sb + (r16 + g) * 8 + 4 * b);
-    const unsigned w8 = *reinterpret_cast<const unsigned*>(sb + (r16 + g + 8) * 8 + 4 * b);
-    s0[0] = __uint_as_float((w0 << 23) & 0x7f800000u), s8[0] = __uint_as_float((w8 << 23) & 0x7f800000u);
-    s0[1] = __uint_as_float((w0 << 15) & 0x7f800000u), s8[1] = __uint_as_float((w8 << 15) & 0x7f800000u);
-    s0[2] = __uint_as_float((w0 << 7) & 0x7f800000u), s8[2] = __uint_as_float((w8 << 7) & 0x7f800000u);
-    s0[3] = __uint_as_float((w0 >> 1) & 0x7f800000u), s8[3] = __uint_as_float((w8 >> 1) & 0x7f800000u);
-  } else {
-    const float4 v0 = *reinterpret_cast<const float4*>(sc + (r16 + g) * 8 + 4 * b);
-    const float4 v8 = *reinterpret_cast<const float4*>(sc + (r16 + g + 8) * 8 + 4 * b);
-    s0[0] = v0.x, s0[1] = v0.y, s0[2] = v0.z, s0[3] = v0.w;
-    s8[0] = v8.x, s8[1] = v8.y, s8[2] = v8.z, s8[3] = v8.w;
-  }
-}
-
 // acc += stage kb of an item in the slot at `st` (its one or two 128-blocks); FP4 scales as UE8M0 bytes when
 // `byte_scales`, else f32. The step products start from zero in the wgmma (scale-d = 0), but ptxas
 // serialises wgmmas whose accumulator registers hold no defined value (C7511): d is defined here.
@@ -406,12 +385,12 @@ DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, int K, int kb, bool
     float s0[4], s8[4];
     fmoe_block_frags<true>(la, 0, af);
     fmoe_block_issue<NT8>(af, act, d);
-    fmoe_fp4_scales(sc, r16, g, 0, byte_scales, s0, s8);
+    fmoe_fp4_scales(sc, r16 + g, 0, byte_scales, s0, s8);
     fmoe_block_finish<true, NT8>(d, s0, s8, as, acc);
     if (blocks == 2) {
       fmoe_block_frags<true>(la, 1, af);
       fmoe_block_issue<NT8>(af, act + 8 * FMOE_TOKENS * 16, d);
-      fmoe_fp4_scales(sc, r16, g, 1, byte_scales, s0, s8);
+      fmoe_fp4_scales(sc, r16 + g, 1, byte_scales, s0, s8);
       fmoe_block_finish<true, NT8>(d, s0, s8, as + FMOE_TOKENS, acc);
     }
   } else {

@@ -506,21 +506,9 @@ DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwR
 #pragma unroll 1
     for (int b = 0; b < fmoe_stage_blocks(true, K, kb); ++b) {
       float w0[4], w8[4];
-      if (it.s8) {
-        const unsigned char* sb = reinterpret_cast<const unsigned char*>(sc);
-        const unsigned e0 = *reinterpret_cast<const unsigned*>(sb + (r16 + g) * 8 + 4 * b);
-        const unsigned e8 = *reinterpret_cast<const unsigned*>(sb + (r16 + g + 8) * 8 + 4 * b);
+      fmoe_fp4_scales(sc, r16 + g, b, it.s8, w0, w8);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          w0[q] = __uint_as_float(((e0 >> (8 * q)) & 0xffu) << 23) * 64.0f;
-          w8[q] = __uint_as_float(((e8 >> (8 * q)) & 0xffu) << 23) * 64.0f;
-        }
-      } else {
-        const float4 v0 = *reinterpret_cast<const float4*>(sc + (r16 + g) * 8 + 4 * b);
-        const float4 v8 = *reinterpret_cast<const float4*>(sc + (r16 + g + 8) * 8 + 4 * b);
-        w0[0] = v0.x * 64.0f, w0[1] = v0.y * 64.0f, w0[2] = v0.z * 64.0f, w0[3] = v0.w * 64.0f;
-        w8[0] = v8.x * 64.0f, w8[1] = v8.y * 64.0f, w8[2] = v8.z * 64.0f, w8[3] = v8.w * 64.0f;
-      }
+      for (int q = 0; q < 4; ++q) w0[q] *= 64.0f, w8[q] *= 64.0f;  // the plain bit move's 2^-6
       const float* as = reinterpret_cast<const float*>(st + FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A) + b * FMW_TOKENS;
       const unsigned long long desc = fmw_desc(st, b);
 #pragma unroll
