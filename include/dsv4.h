@@ -66,7 +66,7 @@
  * added. A host built against minor M works with any library of the same major and
  * minor >= M.
  */
-#define DSV4_ABI_VERSION_MINOR 3
+#define DSV4_ABI_VERSION_MINOR 4
 
 /**
  * Log level: errors only.
@@ -404,6 +404,14 @@ typedef struct dsv4_create_params {
      * CPU backend, which accepts the same names.
      */
     const char *kernel_set;
+    /**
+     * Since ABI 1.4. CUDA backend: total bytes of the pinned host buffers that dsv4_load,
+     * dsv4_load_tensor and dsv4_refit stage host values through on their way into device
+     * memory; it bounds the host memory a load takes (the engine keeps no host copy of the
+     * weights). Held from the first write until dsv4_finalize / the end of a refit.
+     * 0 = the default, 256 MiB. Ignored by the CPU backend.
+     */
+    uint64_t staging_nbytes;
 } dsv4_create_params;
 
 /**
@@ -507,8 +515,9 @@ typedef struct dsv4_batch {
  * (`weight_format`), derived is layer 0's folded mHC projection, state the decode state of
  * every slot; the forward's scratch is allocated per call and not counted (workspace 0).
  * CUDA backend: the create-time device allocation, each kind the span it occupies (padding
- * included), `device_nbytes` the allocation's size; `host_nbytes` is the host copy of the
- * weights that load and refit write through.
+ * included), `device_nbytes` the allocation's size; `host_nbytes` is the pinned staging that
+ * load and refit write through (`staging_nbytes`), held only while they run: the engine keeps
+ * no host copy of the weights.
  */
 typedef struct dsv4_memory_plan {
     /**
@@ -671,11 +680,18 @@ typedef struct dsv4_info {
      * Since ABI 1.3. The rest of the memory figures (`dsv4_memory_plan`, whose other fields
      * are the `*_nbytes` above, which since 1.3 the CPU backend fills too, with NULL bases):
      * the state of one slot at max_seq_len, the device bytes the engine allocated (0 on the
-     * CPU) and the host bytes its buffers take.
+     * CPU) and the host bytes its buffers take (CPU: the weights and state; CUDA: the
+     * staging buffers, held only while a load or refit writes).
      */
     uint64_t state_slot_nbytes;
     uint64_t device_nbytes;
     uint64_t host_nbytes;
+    /**
+     * Since ABI 1.4. Host bytes the engine holds right now beyond its fixed buffers: the CUDA
+     * staging buffers while a load or refit writes (0 once finalized), and the copies of
+     * chunked-refit halves waiting for their partner.
+     */
+    uint64_t host_transient_nbytes;
 } dsv4_info;
 
 /**

@@ -224,3 +224,20 @@ extern "C" __global__ void hc_head_kernel(const float* x, int R, int N, int D, c
     __syncthreads();
   }
 }
+
+// ------------------------------------------------------------------- derived: layer-0 fold
+
+// Layer 0's stream-folded hc_attn projection (src/model/hc_fold.rs fold_projection):
+// fold[j, i] = Σ_s proj[j, s*D + i] over the N streams, in f64, summed in stream order from
+// +0.0, so it is bit-identical to the host fold. `mix` = (2+N)*N rows; one thread per output.
+// Rebuilt at finalize and after every refit, from the device copy of `proj`.
+extern "C" __global__ void hc0_fold_kernel(const float* proj, int mix, int N, int D, double* fold) {
+  const long long total = (long long)mix * D;
+  for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < total;
+       o += (long long)gridDim.x * blockDim.x) {
+    const long long j = o / D, i = o % D;
+    double acc = 0.0;
+    for (int s = 0; s < N; ++s) acc = __dadd_rn(acc, (double)proj[j * N * D + (long long)s * D + i]);
+    fold[o] = acc;
+  }
+}

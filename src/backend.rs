@@ -7,6 +7,8 @@
 use crate::error::Result;
 use crate::model::batch::BatchFault;
 use crate::weights::store::WeightStore;
+use crate::weights::table::WeightTable;
+use crate::weights::values::{Progress, WeightValues};
 
 /// A host's CUDA stream (`CUstream`) as it crosses the seam; NULL is the legacy default
 /// stream. The CPU backend ignores it.
@@ -131,26 +133,31 @@ pub trait Backend {
     /// True when batches and refit sources live in device memory.
     fn is_device(&self) -> bool;
 
-    /// Brings the backend's copy of every weight up to date with `store`, rebuilds every
-    /// derived tensor and resets the slots' state; compiles / loads what it runs. Idempotent.
-    fn finalize(&mut self, store: &WeightStore, stream: StreamHandle) -> Result<()>;
-
-    /// After a refit wrote weights `touched` of `store`: updates the backend's copies of
-    /// them; with `rebuild`, rebuilds every derived tensor (a chunked refit rebuilds once at
-    /// its end, [`Backend::rebuild_derived`]).
-    fn apply_refit(
+    /// Writes validated values (load, load_tensor, refit) into the backend's copies of their
+    /// target weights, in place: the host store, or device memory through bounded pinned
+    /// staging (no host copy of the weights), copying on `stream`. Returns once the copies
+    /// are complete (the host may free the sources). Derived tensors are not rebuilt here.
+    fn write_weights(
         &mut self,
-        store: &WeightStore,
-        touched: &[usize],
-        rebuild: bool,
+        table: &WeightTable,
+        values: &dyn WeightValues,
+        progress: &Progress,
         stream: StreamHandle,
     ) -> Result<()>;
 
-    /// Rebuilds every derived tensor from `store` (end of a chunked refit).
-    fn rebuild_derived(&mut self, store: &WeightStore, stream: StreamHandle) -> Result<()>;
+    /// The end of a sequence of [`Backend::write_weights`] (finalize, the end of a refit):
+    /// frees what writing needed (the CUDA staging buffers). Default: nothing.
+    fn end_writes(&mut self) {}
+
+    /// Rebuilds every derived tensor from the weights as written, resets the slots' state and
+    /// compiles / loads what it runs. Idempotent.
+    fn finalize(&mut self, stream: StreamHandle) -> Result<()>;
+
+    /// Rebuilds every derived tensor from the weights as written (after a refit).
+    fn rebuild_derived(&mut self, stream: StreamHandle) -> Result<()>;
 
     /// One forward from host memory (the CPU backend; a device backend refuses it).
-    fn forward_host(&mut self, store: &WeightStore, batch: &mut Batch) -> Result<()>;
+    fn forward_host(&mut self, batch: &mut Batch) -> Result<()>;
 
     /// One forward from device memory, enqueued on `stream` (a host backend refuses it).
     fn forward_device(&mut self, batch: &DeviceBatch, stream: StreamHandle) -> Result<()>;
@@ -170,7 +177,19 @@ pub trait Backend {
     fn take_device_error(&mut self, stream: StreamHandle) -> Result<Option<BatchFault>>;
 
     /// Where weight `i` lives (the host store's own buffers on the CPU backend).
-    fn weight_addr(&self, store: &WeightStore, i: usize) -> WeightAddr;
+    fn weight_addr(&self, i: usize) -> WeightAddr;
+
+    /// The host store when the weights live in host memory (the CPU backend); None when they
+    /// live on a device only.
+    fn host_store(&self) -> Option<&WeightStore> {
+        None
+    }
+
+    /// Host memory the backend holds now beyond its fixed buffers (CUDA: staging buffers
+    /// while a load or refit writes).
+    fn transient_host_bytes(&self) -> u64 {
+        0
+    }
 
     /// Derived tensors, at fixed addresses.
     fn derived(&self) -> Vec<DerivedTensor>;

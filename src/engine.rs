@@ -13,6 +13,8 @@ use crate::reference::CpuBackend;
 use crate::refit_pairs::PendingPairs;
 use crate::weights;
 use crate::weights::store::WeightStore;
+use crate::weights::table::WeightTable;
+use crate::weights::values::{Progress, WeightValues};
 
 use crate::backend::Backend;
 pub use crate::backend::{
@@ -87,7 +89,9 @@ impl Phase {
 pub struct Engine {
     cfg: ModelConfig,
     opts: EngineOptions,
-    weights: WeightStore,
+    /// Every weight's name, shape and storage: what loads and refits are validated against.
+    /// The values live in the backend (DESIGN.md §2: no host mirror on CUDA).
+    weights: WeightTable,
     /// Which weights have received a value (load, load_tensor or dummy).
     loaded: Vec<bool>,
     backend: Box<dyn Backend>,
@@ -106,7 +110,7 @@ impl Engine {
             ConfigSource::TinyDefault => ModelConfig::tiny_default(),
         };
         validate_options(&cfg, &opts)?;
-        let weights = WeightStore::allocate_with(&cfg, opts.weight_format)?;
+        let weights = WeightTable::new(&cfg, opts.weight_format)?;
         let loaded = vec![false; weights.len()];
         let backend: Box<dyn Backend> = if opts.device >= 0 {
             crate::cuda::require_device(opts.device)?;
@@ -114,7 +118,7 @@ impl Engine {
                 &cfg, &opts, &weights,
             )?)
         } else {
-            Box::new(CpuBackend::new(&cfg, &opts, &weights)?)
+            Box::new(CpuBackend::new(&cfg, &opts)?)
         };
         Ok(Engine {
             cfg,
@@ -159,8 +163,21 @@ impl Engine {
         self.phase
     }
 
-    pub fn weights(&self) -> &WeightStore {
+    /// Every weight's name, shape and storage layout.
+    pub fn weights(&self) -> &WeightTable {
         &self.weights
+    }
+
+    /// The weights' values when they live in host memory (the CPU backend); None on CUDA,
+    /// which keeps no host copy.
+    pub fn host_store(&self) -> Option<&WeightStore> {
+        self.backend.host_store()
+    }
+
+    /// Host memory the engine holds now beyond its fixed buffers: staging buffers while a
+    /// CUDA load or refit writes, and refit halves held for their partner.
+    pub fn transient_host_bytes(&self) -> u64 {
+        self.backend.transient_host_bytes() + self.pending.held_bytes()
     }
 
     /// True when the engine runs on a CUDA device (batch buffers are device pointers).
@@ -171,7 +188,7 @@ impl Engine {
     /// Where weight `i` (a source weight, `i < weights().len()`) lives: the backend's copy
     /// (device memory on CUDA), fixed from create to destroy.
     pub fn weight_addr(&self, i: usize) -> WeightAddr {
-        self.backend.weight_addr(&self.weights, i)
+        self.backend.weight_addr(i)
     }
 
     fn expect_phase(&self, call: &str, allowed: &[Phase]) -> Result<()> {
@@ -197,9 +214,17 @@ impl Engine {
     pub fn load(&mut self, source: Option<&Path>, format: LoadFormat) -> Result<()> {
         self.expect_phase("dsv4_load", &[Phase::Created, Phase::Loaded])?;
         let t0 = std::time::Instant::now();
+        let null = std::ptr::null_mut();
         let from = match format {
             LoadFormat::Dummy => {
-                weights::dummy::fill_dummy(&mut self.weights, &self.cfg, 0x5EED_D5F4);
+                let values = weights::dummy::DummyValues::new(&self.weights, &self.cfg, DUMMY_SEED);
+                write_values(
+                    self.backend.as_mut(),
+                    &self.weights,
+                    "dsv4_load",
+                    &values,
+                    null,
+                )?;
                 load_report::LoadSource::Dummy
             }
             LoadFormat::Auto | LoadFormat::Safetensors => {
@@ -209,7 +234,17 @@ impl Engine {
                         "dsv4_load: `source` is NULL but the format needs a checkpoint path",
                     )
                 })?;
-                load_report::load_checkpoint(&mut self.weights, &self.cfg, path)?
+                let (ck, facts) = load_report::open_checkpoint(path)?;
+                let values =
+                    weights::load::plan_checkpoint(&self.weights, &ck, self.quant_block())?;
+                write_values(
+                    self.backend.as_mut(),
+                    &self.weights,
+                    "dsv4_load",
+                    &values,
+                    null,
+                )?;
+                load_report::LoadSource::Checkpoint(facts)
             }
         };
         self.loaded.iter_mut().for_each(|l| *l = true);
@@ -231,7 +266,16 @@ impl Engine {
         self.expect_phase("dsv4_load_tensor", &[Phase::Created, Phase::Loaded])?;
         // One update may fill several weights (HF-native fused experts) or none (`mtp.*`).
         let block = self.quant_block();
-        let touched = weights::load::write_update(&mut self.weights, update, None, block)?;
+        let values = weights::load::plan_updates(&self.weights, &[(*update, None)], block)?;
+        let touched = values.targets();
+        let null = std::ptr::null_mut();
+        write_values(
+            self.backend.as_mut(),
+            &self.weights,
+            "dsv4_load_tensor",
+            &values,
+            null,
+        )?;
         for &i in &touched {
             self.loaded[i] = true;
         }
@@ -261,7 +305,7 @@ impl Engine {
             Phase::Created => {
                 let missing = self.loaded.iter().position(|&l| !l);
                 let name = missing
-                    .map(|i| self.weights.tensor(i).spec.name.clone())
+                    .map(|i| self.weights.name(i).to_owned())
                     .unwrap_or_default();
                 let count = self.loaded.iter().filter(|&&l| !l).count();
                 return Err(Error::new(
@@ -280,13 +324,15 @@ impl Engine {
     }
 
     fn finalize_backend(&mut self, stream: StreamHandle) -> Result<()> {
-        self.backend.finalize(&self.weights, stream)
+        self.backend.finalize(stream)?;
+        self.backend.end_writes();
+        Ok(())
     }
 
     /// Runs one batch from host memory on the CPU backend; see DESIGN.md §3.
     pub fn forward(&mut self, batch: &mut Batch) -> Result<()> {
         self.expect_phase("dsv4_forward", &[Phase::Ready])?;
-        self.backend.forward_host(&self.weights, batch)
+        self.backend.forward_host(batch)
     }
 
     /// Runs one batch from device memory on the CUDA backend, on `stream`: no host sync, no
@@ -312,22 +358,27 @@ impl Engine {
         // is held (a plain refit must be complete).
         let chunked = self.phase == Phase::Refitting;
         let (writes, held_change) = self.pending.plan(&self.weights, updates, block, chunked)?;
-        // Every entry is valid: write them, then refresh the backend's copies of the touched
-        // weights and every derived buffer.
-        let mut touched = vec![];
-        for w in &writes {
-            touched.extend(weights::load::write_update(
-                &mut self.weights,
-                &w.weight,
-                w.scale.as_ref(),
-                block,
-            )?);
-        }
+        // Every entry is valid: write them into the backend's copies, then rebuild every
+        // derived buffer.
+        let pairs: Vec<_> = writes.iter().map(|w| (w.weight, w.scale)).collect();
+        let values = weights::load::plan_updates(&self.weights, &pairs, block)?;
+        write_values(
+            self.backend.as_mut(),
+            &self.weights,
+            "dsv4_refit",
+            &values,
+            stream,
+        )?;
+        drop(values);
+        drop(pairs);
+        drop(writes);
         self.pending.commit(held_change);
         // Inside a chunked refit derived buffers are rebuilt once, at dsv4_refit_end.
-        let rebuild = self.phase == Phase::Ready;
-        self.backend
-            .apply_refit(&self.weights, &touched, rebuild, stream)
+        if self.phase == Phase::Ready {
+            self.backend.rebuild_derived(stream)?;
+            self.backend.end_writes();
+        }
+        Ok(())
     }
 
     /// Opens a chunked refit: any number of [`Engine::refit`] calls follow (each validated
@@ -361,7 +412,8 @@ impl Engine {
         if let Some(e) = self.pending.unpaired_error() {
             return Err(e);
         }
-        self.backend.rebuild_derived(&self.weights, stream)?;
+        self.backend.rebuild_derived(stream)?;
+        self.backend.end_writes();
         self.phase = Phase::Ready;
         Ok(())
     }
@@ -381,7 +433,8 @@ impl Engine {
                 ),
             ));
         }
-        self.backend.rebuild_derived(&self.weights, stream)?;
+        self.backend.rebuild_derived(stream)?;
+        self.backend.end_writes();
         self.pending.clear();
         self.phase = Phase::Ready;
         Ok(())
@@ -485,6 +538,21 @@ impl Engine {
         let slot = self.slot_index(slot)?;
         self.backend.release_slot(slot)
     }
+}
+
+/// Seed of `dsv4_load` with format DUMMY.
+const DUMMY_SEED: u64 = 0x5EED_D5F4;
+
+/// Writes validated `values` into `backend`'s copies, reporting progress as `call`.
+fn write_values(
+    backend: &mut dyn Backend,
+    table: &WeightTable,
+    call: &'static str,
+    values: &dyn WeightValues,
+    stream: StreamHandle,
+) -> Result<()> {
+    let progress = Progress::new(call, table, &values.targets());
+    backend.write_weights(table, values, &progress, stream)
 }
 
 fn validate_options(cfg: &ModelConfig, o: &EngineOptions) -> Result<()> {

@@ -24,7 +24,11 @@
 //! - `src_dtypes`: the checkpoint's tensor dtypes with counts (`BF16:150,I64:5`).
 //! - `weight_format`, `numerics`: the create options; `held`: how the engine holds its
 //!   weights (`f32`, `bf16`, `fp8`, `fp4`, `i32`, with counts); `held_bytes`: their bytes
-//!   (host copy; FP8/FP4 with their f32 block scales).
+//!   (FP8/FP4 with their f32 block scales; in host memory on CPU, device memory on CUDA).
+//!
+//! While a load writes, every few seconds: `<call> progress: weights=<done>/<total>
+//! bytes=<done>/<total> secs=<S> gbps=<G>` (weights/values.rs), so a long load never looks
+//! hung; `bytes` there are bytes written in the engine's storage format.
 //!
 //! `dsv4_finalize: backend=<cpu|cuda:N> device="<name>" arch=<sm_..> kernel_set=<reference|fast|->
 //! numerics=<..> families=<n> compiled=<n> cached=<n> rejected=<n> compile_secs=<S>
@@ -56,7 +60,6 @@ use std::path::Path;
 use std::time::Instant;
 
 use crate::backend::Backend;
-use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::log::{self, Level};
 use crate::options::{EngineOptions, Numerics, WeightFormat};
@@ -64,7 +67,7 @@ use crate::weights::HostTensor;
 use crate::weights::names::{Role, classify};
 use crate::weights::qmatrix::QFormat;
 use crate::weights::safetensors_io::Checkpoint;
-use crate::weights::store::{TensorData, WeightStore};
+use crate::weights::table::{StorageKind, WeightTable};
 
 /// Where a `dsv4_load` took its values from, with what the summary line reports of it.
 #[derive(Clone, Debug)]
@@ -109,13 +112,9 @@ pub struct KernelFacts {
     pub secs: f64,
 }
 
-/// Opens the checkpoint at `path`, logs its tensors at Debug, loads it into `store`
-/// ([`crate::weights::load::load_opened`]) and returns what the summary line needs.
-pub fn load_checkpoint(
-    store: &mut WeightStore,
-    cfg: &ModelConfig,
-    path: &Path,
-) -> Result<LoadSource> {
+/// Opens the checkpoint at `path`, logs its tensors at Debug and returns it with what the
+/// summary line needs (the engine then plans and writes it).
+pub fn open_checkpoint(path: &Path) -> Result<(Checkpoint, CheckpointFacts)> {
     let ck = Checkpoint::open(path)?;
     let facts = checkpoint_facts(&ck);
     if log::enabled(Level::Debug) {
@@ -139,8 +138,7 @@ pub fn load_checkpoint(
             ));
         }
     }
-    crate::weights::load::load_opened(store, cfg, &ck)?;
-    Ok(LoadSource::Checkpoint(facts))
+    Ok((ck, facts))
 }
 
 fn checkpoint_facts(ck: &Checkpoint) -> CheckpointFacts {
@@ -201,7 +199,7 @@ pub fn scheme_of(name: &str) -> Option<usize> {
 }
 
 /// The Info summary of a successful `dsv4_load` that started at `start`.
-pub fn log_load(source: &LoadSource, store: &WeightStore, opts: &EngineOptions, start: Instant) {
+pub fn log_load(source: &LoadSource, store: &WeightTable, opts: &EngineOptions, start: Instant) {
     if !log::enabled(Level::Info) {
         return;
     }
@@ -244,13 +242,13 @@ pub fn log_load(source: &LoadSource, store: &WeightStore, opts: &EngineOptions, 
     );
     log::info(&line);
     if matches!(source, LoadSource::Dummy) && log::enabled(Level::Debug) {
-        for t in store.tensors() {
+        for t in store.entries() {
             log::debug(&format!(
                 "dsv4_load tensor: name={} dtype={} shape={} bytes={} file=- role=dummy",
                 t.spec.name,
-                held_kind(&t.data),
+                held_kind(t.layout.kind),
                 shape(&t.spec.shape),
-                held_bytes_of(&t.data)
+                t.layout.bytes()
             ));
         }
     }
@@ -327,31 +325,25 @@ fn counts(m: &BTreeMap<String, usize>) -> String {
         .join(",")
 }
 
-fn held_kind(d: &TensorData) -> &'static str {
-    match d {
-        TensorData::F32(_) => "f32",
-        TensorData::Bf16(_) => "bf16",
-        TensorData::I32(_) => "i32",
-        TensorData::Quant(q) => match q.format {
-            QFormat::Fp8 { .. } => "fp8",
-            QFormat::Fp4 => "fp4",
-        },
+fn held_kind(k: StorageKind) -> &'static str {
+    match k {
+        StorageKind::F32 => "f32",
+        StorageKind::Bf16 => "bf16",
+        StorageKind::I32 => "i32",
+        StorageKind::Quant(QFormat::Fp8 { .. }) => "fp8",
+        StorageKind::Quant(QFormat::Fp4) => "fp4",
     }
 }
 
-fn held_bytes_of(d: &TensorData) -> u64 {
-    d.layout().bytes() as u64
-}
-
-/// `held` field (kinds with counts) and the total bytes of the store.
-fn held(store: &WeightStore) -> (String, u64) {
+/// `held` field (kinds with counts) and the total bytes of the weights as held.
+fn held(table: &WeightTable) -> (String, u64) {
     let mut kinds = BTreeMap::new();
-    let mut bytes = 0u64;
-    for t in store.tensors() {
-        *kinds.entry(held_kind(&t.data).to_string()).or_default() += 1;
-        bytes += held_bytes_of(&t.data);
+    for t in table.entries() {
+        *kinds
+            .entry(held_kind(t.layout.kind).to_string())
+            .or_default() += 1;
     }
-    (counts(&kinds), bytes)
+    (counts(&kinds), table.total_bytes())
 }
 
 fn weight_format_name(w: WeightFormat) -> &'static str {

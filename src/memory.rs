@@ -8,13 +8,14 @@
 //!   forward's scratch is allocated per call and not counted (workspace 0).
 //! - CUDA backend: the create-time device arena, by the span each kind occupies in it
 //!   (padding between buffers included), so `device` is the one allocation's size; `host`
-//!   is the host copy of the weights that load and refit write through.
+//!   is the pinned staging that load and refit write through (held while they run: there
+//!   is no host copy of the weights).
 
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::options::EngineOptions;
 use crate::state::SlotState;
-use crate::weights::store::WeightStore;
+use crate::weights::table::WeightTable;
 
 /// Bytes by kind (see the module doc).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -40,10 +41,10 @@ pub fn hc0_fold_bytes(cfg: &ModelConfig) -> u64 {
 
 /// The figures an engine created with `cfg` and `opts` will have, allocating nothing.
 pub fn plan(cfg: &ModelConfig, opts: &EngineOptions) -> Result<MemoryFigures> {
-    let layouts = WeightStore::layouts(cfg, opts.weight_format)?;
-    let weights: u64 = layouts.iter().map(|(_, _, l)| l.bytes() as u64).sum();
+    let table = WeightTable::new(cfg, opts.weight_format)?;
+    let weights = table.total_bytes();
     if opts.device >= 0 {
-        return crate::cuda::backend::plan_memory(cfg, opts, &layouts, weights);
+        return crate::cuda::backend::plan_memory(cfg, opts, &table.layouts());
     }
     let per_slot = SlotState::planned_bytes(cfg, opts.max_seq_len) as u64;
     let state = per_slot * opts.max_num_seqs as u64;

@@ -105,6 +105,9 @@ pub struct EngineOptions {
     pub cache_dir: Option<PathBuf>,
     /// CUDA kernel set; None = [`KernelSetName::default_for`] the numerics.
     pub kernel_set: Option<KernelSetName>,
+    /// CUDA: total bytes of the pinned buffers that load and refit stage host values
+    /// through, which bounds the host memory a load takes; 0 = the default (256 MiB).
+    pub staging_bytes: usize,
 }
 
 impl EngineOptions {
@@ -127,6 +130,7 @@ impl Default for EngineOptions {
             weight_format: WeightFormat::AsStored,
             cache_dir: None,
             kernel_set: None,
+            staging_bytes: 0,
         }
     }
 }

@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::error::{Error, Result, Status};
 use crate::weights::names::{Role, Target, classify};
-use crate::weights::store::WeightStore;
+use crate::weights::table::WeightTable;
 use crate::weights::{HostDtype, HostTensor, load};
 
 /// One half of a pair, held until its partner arrives: a host copy of the entry.
@@ -101,6 +101,15 @@ impl PendingPairs {
         self.weights.is_empty() && self.scales.is_empty()
     }
 
+    /// Host bytes of the held halves' copies.
+    pub fn held_bytes(&self) -> u64 {
+        self.weights
+            .values()
+            .chain(self.scales.values())
+            .map(|h| h.data.len() as u64)
+            .sum()
+    }
+
     /// Drops every held half (dsv4_refit_abort: they were never written).
     pub fn clear(&mut self) {
         self.weights.clear();
@@ -114,7 +123,7 @@ impl PendingPairs {
     /// on error nothing is to be written and nothing changes.
     pub fn plan<'a>(
         &'a self,
-        store: &WeightStore,
+        store: &WeightTable,
         updates: &'a [HostTensor<'a>],
         block: [usize; 2],
         may_hold: bool,
@@ -224,7 +233,7 @@ impl PendingPairs {
                 Status::InvalidArgument,
                 format!(
                     "refit entries {prev} and {who} both write weight `{}`",
-                    store.tensor(i).spec.name
+                    store.name(i)
                 ),
             )),
             None => {

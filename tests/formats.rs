@@ -150,7 +150,8 @@ fn official_mode_matches_the_official_simulation_oracle() {
 
 /// Stored bytes of every weight (codes and scales for quantized storage).
 fn stored_bytes(e: &Engine) -> Vec<(String, Vec<u8>, Vec<u32>)> {
-    e.weights()
+    e.host_store()
+        .expect("CPU engine")
         .tensors()
         .iter()
         .map(|t| match &t.data {
@@ -191,7 +192,7 @@ fn assert_same_bits(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
 /// The logical shape of weight `name`.
 fn shape_of(e: &Engine, name: &str) -> Vec<usize> {
     let w = e.weights();
-    w.tensor(w.index_of(name).unwrap()).spec.shape.clone()
+    w.entry(w.index_of(name).unwrap()).spec.shape.clone()
 }
 
 /// `n` values `f(i)` as BF16 bytes.
@@ -284,7 +285,8 @@ fn stored_weights_dequantize_like_the_python_reference() {
         let cols = *view.shape().last().unwrap();
         let mut row = vec![0f32; cols];
         for r in 0..want.len() / cols {
-            e.weights().matrix(i).row_into(r, cols, &mut row);
+            let store = e.host_store().expect("CPU engine");
+            store.matrix(i).row_into(r, cols, &mut row);
             let got: Vec<u32> = row.iter().map(|v| v.to_bits()).collect();
             assert_eq!(got, want[r * cols..(r + 1) * cols], "{canon} row {r}");
         }

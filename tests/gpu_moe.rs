@@ -537,7 +537,7 @@ fn moe_layer_matches_the_reference_bit_for_bit() {
         let cfg = config(&var.edits);
         let mut store = WeightStore::allocate_with(&cfg, var.format).unwrap();
         dsv4::weights::dummy::fill_dummy(&mut store, &cfg, rng.u64());
-        let mw = ModelWeights::resolve(&cfg, &store).unwrap();
+        let mw = ModelWeights::resolve(&cfg, store.table()).unwrap();
         for (l, lw) in mw.layers.iter().enumerate() {
             let dl = upload_layer(e, s, &cfg, &store, lw);
             let kind = if lw.tid2eid.is_some() {

@@ -143,7 +143,8 @@ fn logits_of(dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
     e.load(Some(dir), LoadFormat::Auto).unwrap();
     e.finalize().unwrap();
     let weights: Vec<Vec<u8>> = e
-        .weights()
+        .host_store()
+        .expect("CPU engine")
         .tensors()
         .iter()
         .map(|t| {

@@ -13,17 +13,19 @@ use crate::cuda::context::Context;
 use crate::cuda::kernel_sets::{self, KernelSet, SetWorkspace};
 use crate::cuda::kernels::batch::{BatchKernels, CheckedBatch};
 use crate::cuda::kernels::fast_moe_gemm::{self, ExpertMatrices};
+use crate::cuda::kernels::mhc::Hc0Fold;
 use crate::cuda::memory_plan::{BufferKind, Buffers, MemoryPlan};
 use crate::cuda::registry::{KernelCache, Registry};
 use crate::cuda::stream::BorrowedStream;
+use crate::cuda::upload::{DEFAULT_STAGING_BYTES, StagingPool};
 use crate::error::{Error, Result, Status};
 use crate::memory::MemoryFigures;
 use crate::model::batch::{BatchFault, FAULT_RECORD_INTS};
-use crate::model::hc_fold::fold_projection;
 use crate::model::rope;
 use crate::options::EngineOptions;
 use crate::state::layout::layer_layouts;
-use crate::weights::store::{TensorData, WeightLayout, WeightStore};
+use crate::weights::table::{WeightLayout, WeightTable};
+use crate::weights::values::{Progress, WeightValues};
 
 use crate::cuda::device_model::plan_model;
 pub use crate::cuda::device_model::{
@@ -46,11 +48,25 @@ pub struct CudaBackend {
     registry: Option<Registry>,
     /// The batch check every forward starts with (every set compiles its family).
     checker: Option<BatchKernels>,
+    /// Builds layer 0's folded mHC projection from the device weights (every set compiles
+    /// the mhc family).
+    fold: Option<Hc0Fold>,
+    /// Pinned buffers weights are written through, from the first write until finalize or
+    /// the end of a refit (upload.rs).
+    staging: Option<StagingPool>,
     set: Option<Box<dyn KernelSet>>,
     /// What one more slot adds to the state (crate::memory), computed at create.
     state_per_slot: u64,
-    /// Bytes of the host copy of the weights.
-    host_weight_bytes: u64,
+    /// Host bytes a load or refit stages weights through (the pool's size).
+    staging_bytes: u64,
+}
+
+/// The staging size `opts` asks for.
+fn staging_bytes(opts: &EngineOptions) -> usize {
+    match opts.staging_bytes {
+        0 => DEFAULT_STAGING_BYTES,
+        b => b,
+    }
 }
 
 /// The memory plan of a CUDA engine (crate::memory), without a device: the same declarations
@@ -61,7 +77,6 @@ pub fn plan_memory(
     cfg: &ModelConfig,
     opts: &EngineOptions,
     weights: &[(String, Vec<usize>, WeightLayout)],
-    host_weights: u64,
 ) -> Result<MemoryFigures> {
     let plan_for = |slots: usize| -> Result<MemoryPlan> {
         let o = EngineOptions {
@@ -88,7 +103,7 @@ pub fn plan_memory(
         state_per_slot: two - one,
         workspace: plan.kind_span(BufferKind::Workspace),
         device: plan.total_bytes() as u64,
-        host: host_weights,
+        host: staging_bytes(opts) as u64,
     })
 }
 
@@ -97,7 +112,7 @@ impl CudaBackend {
     pub fn new(
         cfg: &ModelConfig,
         opts: &EngineOptions,
-        store: &WeightStore,
+        table: &WeightTable,
     ) -> Result<CudaBackend> {
         let ctx = Context::retain(opts.device)?;
         // The engine runs the set its device can run: from here on `opts` names it.
@@ -107,13 +122,8 @@ impl CudaBackend {
         };
         let placement = Placement::all(cfg);
         let layouts = layer_layouts(cfg, opts.max_seq_len);
-        let weight_layouts = store.allocated_layouts();
-        let host_weight_bytes = weight_layouts
-            .iter()
-            .map(|(_, _, l)| l.bytes() as u64)
-            .sum();
-        let state_per_slot =
-            plan_memory(cfg, opts, &weight_layouts, host_weight_bytes)?.state_per_slot;
+        let weight_layouts = table.layouts();
+        let state_per_slot = plan_memory(cfg, opts, &weight_layouts)?.state_per_slot;
         let _g = ctx.enter()?;
         let mut plan = MemoryPlan::new();
         let planned = plan_model(&mut plan, cfg, opts, &weight_layouts, &placement, &layouts)?;
@@ -133,7 +143,7 @@ impl CudaBackend {
         let arena = Arena::from_plan(&ctx, plan.arena_plan())?;
         let set_ws = set_ws.resolve(&arena);
         let buffers = Buffers::new(arena, plan);
-        let model = planned.model(&buffers, cfg, store, &layouts)?;
+        let model = planned.model(&buffers, cfg, table, &layouts)?;
         let batch = planned.checked_batch(&buffers);
         drop(_g);
         Ok(CudaBackend {
@@ -146,16 +156,19 @@ impl CudaBackend {
             set_ws,
             registry: None,
             checker: None,
+            fold: None,
+            staging: None,
             set: None,
             state_per_slot,
-            host_weight_bytes,
+            staging_bytes: staging_bytes(opts) as u64,
         })
     }
 
-    /// Loads the kernel set, uploads weights, builds derived tables (expert pointer tables,
-    /// RoPE frequencies, the fast set's tensor maps and scale tables), resets the decode
-    /// state. Idempotent; blocks the host (this is not forward). Pointers never change.
-    fn finalize_on(&mut self, store: &WeightStore, stream: BorrowedStream) -> Result<()> {
+    /// Loads the kernel set, builds derived tables from the weights as written (expert
+    /// pointer tables, RoPE frequencies, layer 0's folded mHC projection, the fast set's tensor
+    /// maps and scale tables), resets the decode state. Idempotent; blocks the host (this is
+    /// not forward). Pointers never change.
+    fn finalize_on(&mut self, stream: BorrowedStream) -> Result<()> {
         let _g = self.ctx.enter()?;
         if self.registry.is_none() {
             // Only the chosen set's families (the runtime's smoke family is for tests).
@@ -163,44 +176,33 @@ impl CudaBackend {
             let cache = KernelCache::new(self.opts.cache_dir.as_deref());
             let reg = Registry::load_families(&self.ctx, fams, &cache)?;
             self.checker = Some(BatchKernels::new(&reg)?);
+            self.fold = Some(Hc0Fold::new(&reg)?);
             self.set = Some(kernel_sets::load(&reg, &self.set_ws)?);
             self.registry = Some(reg);
         }
-        for i in 0..store.len() {
-            self.upload_weight(store, i, stream)?;
-        }
-        self.rebuild_derived_on(store, stream)?;
+        self.rebuild_derived_on(stream)?;
         self.reset_state(stream)?;
         stream.synchronize()
     }
 
-    /// Copies weight `i` of the host store to its device buffers.
-    fn upload_weight(&self, store: &WeightStore, i: usize, stream: BorrowedStream) -> Result<()> {
-        let dw = self.model.weights[i];
-        match &store.tensor(i).data {
-            TensorData::F32(v) => copy_to_device_sync(dw.data, v, stream),
-            TensorData::I32(v) => copy_to_device_sync(dw.data, v, stream),
-            TensorData::Bf16(v) => copy_to_device_sync(dw.data, v, stream),
-            TensorData::Quant(q) => {
-                copy_to_device_sync(dw.data, &q.codes, stream)?;
-                let s = dw.scales.ok_or_else(|| {
-                    Error::new(Status::Internal, "quantized weight without scale buffer")
-                })?;
-                copy_to_device_sync(s, &q.scales, stream)
-            }
-        }
-    }
-
-    /// Every derived tensor, from the host store (already uploaded): expert weight address
-    /// tables (and the fast set's tensor maps), per-layer RoPE frequencies, layer 0's folded mHC
-    /// projection, then the kernel set's own (the fast set's UE8M0 scale tables).
-    fn rebuild_derived_on(&self, store: &WeightStore, stream: BorrowedStream) -> Result<()> {
+    /// Every derived tensor, from the device weights as written: layer 0's folded mHC
+    /// projection (a kernel), expert weight address tables (and the fast set's tensor maps),
+    /// per-layer RoPE frequencies, then the kernel set's own (the fast set's UE8M0 scale
+    /// tables). Needs the kernels (finalize loads them first).
+    fn rebuild_derived_on(&self, stream: BorrowedStream) -> Result<()> {
         let m = &self.model;
         if let Some(l0) = m.handles.layers.first() {
-            let (n, d) = (self.cfg.hc_mult, self.cfg.hidden_size);
-            let mut fold = vec![0.0f64; m.hc0_fold.bytes() / 8];
-            fold_projection(store.f32(l0.hc_attn.proj), n, d, &mut fold);
-            copy_to_device_sync(m.hc0_fold, &fold, stream)?;
+            let fold = self.fold.as_ref().ok_or_else(|| {
+                Error::new(Status::State, "kernels are not loaded: call dsv4_finalize")
+            })?;
+            let proj = m.weights[l0.hc_attn.proj].data;
+            fold.launch(
+                proj,
+                self.cfg.hc_mult,
+                self.cfg.hidden_size,
+                m.hc0_fold,
+                stream,
+            )?;
         }
         for (l, lw) in m.handles.layers.iter().enumerate() {
             let t = m.experts[l];
@@ -339,38 +341,55 @@ impl Backend for CudaBackend {
         true
     }
 
-    fn finalize(&mut self, store: &WeightStore, stream: StreamHandle) -> Result<()> {
-        self.finalize_on(store, BorrowedStream::from_raw(stream))
-    }
-
-    /// Copies the touched weights from the host store in place (then derived tensors), and
-    /// waits: the host may free or reuse its refit buffers when the call returns.
-    fn apply_refit(
+    /// Streams the values through the pinned staging pool (made on the first write) straight
+    /// into the arena, and waits: the host may free its sources when this returns.
+    fn write_weights(
         &mut self,
-        store: &WeightStore,
-        touched: &[usize],
-        rebuild: bool,
+        table: &WeightTable,
+        values: &dyn WeightValues,
+        progress: &Progress,
         stream: StreamHandle,
     ) -> Result<()> {
+        if self.staging.is_none() {
+            let threads = std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(16);
+            self.staging = Some(StagingPool::new(
+                &self.ctx,
+                self.staging_bytes as usize,
+                2 * threads,
+            )?);
+        }
+        let pool = self.staging.as_ref().expect("made above");
+        pool.upload(
+            table,
+            &self.model.weights,
+            values,
+            progress,
+            BorrowedStream::from_raw(stream),
+        )
+    }
+
+    fn end_writes(&mut self) {
+        self.staging = None;
+    }
+
+    fn transient_host_bytes(&self) -> u64 {
+        self.staging.as_ref().map_or(0, |p| p.bytes() as u64)
+    }
+
+    fn finalize(&mut self, stream: StreamHandle) -> Result<()> {
+        self.finalize_on(BorrowedStream::from_raw(stream))
+    }
+
+    fn rebuild_derived(&mut self, stream: StreamHandle) -> Result<()> {
         let st = BorrowedStream::from_raw(stream);
         let _g = self.ctx.enter()?;
-        for &i in touched {
-            self.upload_weight(store, i, st)?;
-        }
-        if rebuild {
-            self.rebuild_derived_on(store, st)?;
-        }
+        self.rebuild_derived_on(st)?;
         st.synchronize()
     }
 
-    fn rebuild_derived(&mut self, store: &WeightStore, stream: StreamHandle) -> Result<()> {
-        let st = BorrowedStream::from_raw(stream);
-        let _g = self.ctx.enter()?;
-        self.rebuild_derived_on(store, st)?;
-        st.synchronize()
-    }
-
-    fn forward_host(&mut self, _store: &WeightStore, _batch: &mut Batch) -> Result<()> {
+    fn forward_host(&mut self, _batch: &mut Batch) -> Result<()> {
         Err(Error::new(
             Status::InvalidArgument,
             "this engine runs on CUDA: the batch must hold device pointers (forward_device)",
@@ -396,7 +415,7 @@ impl Backend for CudaBackend {
             state_per_slot: self.state_per_slot,
             workspace: b.span(BufferKind::Workspace).1,
             device: b.arena.total_bytes() as u64,
-            host: self.host_weight_bytes,
+            host: self.staging_bytes,
         }
     }
 
@@ -418,8 +437,8 @@ impl Backend for CudaBackend {
         BatchFault::from_record(&rec)
     }
 
-    /// The device copy (same layout as the host store).
-    fn weight_addr(&self, _store: &WeightStore, i: usize) -> WeightAddr {
+    /// The device copy (the table's storage layout).
+    fn weight_addr(&self, i: usize) -> WeightAddr {
         let w = self.model.weights[i];
         WeightAddr {
             data: w.data.addr(),

@@ -16,7 +16,7 @@ use crate::options::{EngineOptions, KernelSetName};
 use crate::state::layout::{CompressorLayout, LayerLayout};
 use crate::weights::format::StorageFormat;
 use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
-use crate::weights::store::{StorageKind, WeightLayout, WeightStore};
+use crate::weights::table::{StorageKind, WeightLayout, WeightTable};
 
 pub use crate::cuda::kernels::linear::WeightDev;
 
@@ -368,7 +368,7 @@ impl PlannedBuffers {
         &self,
         buffers: &Buffers,
         cfg: &ModelConfig,
-        store: &WeightStore,
+        store: &WeightTable,
         layouts: &[LayerLayout],
     ) -> Result<DeviceModel> {
         let p = |id: RegionId| buffers.ptr(id);

@@ -39,6 +39,7 @@ pub mod registry;
 pub mod smoke;
 pub mod stream;
 pub mod synthetic_moe;
+pub mod upload;
 pub mod wgmma_probe;
 
 pub use arena::{Arena, ArenaPlan, DevicePtr, PinnedStaging, Region};

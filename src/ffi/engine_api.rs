@@ -14,7 +14,7 @@ use crate::error::{Error, Result, Status};
 use crate::ffi::params::*;
 use crate::ffi::status::*;
 use crate::weights::qmatrix::{FP4_BLOCK, QFormat};
-use crate::weights::store::{Tensor, TensorData};
+use crate::weights::table::{StorageKind, TableEntry};
 
 /// ABI major version: bumped on any incompatible change. A host must refuse a library
 /// whose major differs from the header's.
@@ -22,7 +22,7 @@ pub const DSV4_ABI_VERSION_MAJOR: u32 = 1;
 /// ABI minor version: bumped when functions, enum values or trailing struct fields are
 /// added. A host built against minor M works with any library of the same major and
 /// minor >= M.
-pub const DSV4_ABI_VERSION_MINOR: u32 = 3;
+pub const DSV4_ABI_VERSION_MINOR: u32 = 4;
 
 /// An engine: one model's weights, per-slot decode state and workspaces. Opaque; create
 /// with `dsv4_create`, free with `dsv4_destroy`.
@@ -40,7 +40,7 @@ impl dsv4_engine {
         // Source weights, then derived tensors (both lists are fixed at create).
         let names = engine
             .weights()
-            .tensors()
+            .entries()
             .iter()
             .map(|t| t.spec.name.clone())
             .chain(engine.derived_tensors().into_iter().map(|d| d.name))
@@ -111,9 +111,9 @@ pub extern "C" fn dsv4_abi_version() -> u32 {
 /// free it. Thread-safe; never fails.
 #[unsafe(no_mangle)]
 pub extern "C" fn dsv4_version_string() -> *const c_char {
-    const V: &str = concat!("dsv4 ", env!("CARGO_PKG_VERSION"), " (abi 1.3)\0");
+    const V: &str = concat!("dsv4 ", env!("CARGO_PKG_VERSION"), " (abi 1.4)\0");
     const _: () = assert!(
-        DSV4_ABI_VERSION_MAJOR == 1 && DSV4_ABI_VERSION_MINOR == 3,
+        DSV4_ABI_VERSION_MAJOR == 1 && DSV4_ABI_VERSION_MINOR == 4,
         "update the version string"
     );
     V.as_ptr().cast()
@@ -1020,6 +1020,7 @@ pub unsafe extern "C" fn dsv4_get_info(
             state_slot_nbytes: mem.state_per_slot,
             device_nbytes: mem.device,
             host_nbytes: mem.host,
+            host_transient_nbytes: h.engine.transient_host_bytes(),
         };
         // SAFETY: per the contract.
         unsafe { write_versioned(out, "out", info) }
@@ -1058,29 +1059,30 @@ struct Storage {
     scale_block: [i32; 2],
 }
 
-fn storage_of(t: &Tensor) -> Storage {
-    let numel = t.spec.numel() as u64;
-    let plain = |dtype, nbytes| Storage {
+fn storage_of(t: &TableEntry) -> Storage {
+    let l = t.layout;
+    let plain = |dtype| Storage {
         dtype,
-        nbytes,
+        nbytes: l.data_bytes as u64,
         scale: std::ptr::null_mut(),
         scale_nbytes: 0,
         scale_block: [0, 0],
     };
-    match &t.data {
-        TensorData::F32(_) => plain(DSV4_DTYPE_F32, numel * 4),
-        TensorData::Bf16(_) => plain(DSV4_DTYPE_BF16, numel * 2),
-        TensorData::I32(_) => plain(DSV4_DTYPE_I32, numel * 4),
-        TensorData::Quant(q) => {
-            let (dtype, block) = match q.format {
+    match l.kind {
+        StorageKind::F32 => plain(DSV4_DTYPE_F32),
+        StorageKind::Bf16 => plain(DSV4_DTYPE_BF16),
+        StorageKind::I32 => plain(DSV4_DTYPE_I32),
+        StorageKind::Quant(q) => {
+            let (dtype, block) = match q {
                 QFormat::Fp8 { block } => (DSV4_DTYPE_F8_E4M3, [block[0] as i32, block[1] as i32]),
                 QFormat::Fp4 => (DSV4_DTYPE_FP4_E2M1, [1, FP4_BLOCK as i32]),
             };
             Storage {
                 dtype,
-                nbytes: q.codes.len() as u64,
-                scale: q.scales.as_ptr().cast_mut().cast(),
-                scale_nbytes: 4 * q.scales.len() as u64,
+                nbytes: l.data_bytes as u64,
+                // The backend's address (dsv4_weight_info sets it from weight_addr).
+                scale: std::ptr::null_mut(),
+                scale_nbytes: 4 * l.scales as u64,
                 scale_block: block,
             }
         }
@@ -1162,7 +1164,7 @@ pub unsafe extern "C" fn dsv4_weight_info(
                 write_versioned(out, "out", derived_desc(h.names[index].as_ptr(), d, device))
             };
         }
-        let t = w.tensor(index);
+        let t = w.entry(index);
         if t.spec.shape.len() > DSV4_MAX_DIMS {
             return Err(Error::new(
                 Status::Internal,

@@ -210,6 +210,12 @@ pub struct dsv4_create_params {
     /// without sm_90a (its kernels use wgmma) is DSV4_STATUS_CONFIG naming it. Ignored by the
     /// CPU backend, which accepts the same names.
     pub kernel_set: *const c_char,
+    /// Since ABI 1.4. CUDA backend: total bytes of the pinned host buffers that dsv4_load,
+    /// dsv4_load_tensor and dsv4_refit stage host values through on their way into device
+    /// memory; it bounds the host memory a load takes (the engine keeps no host copy of the
+    /// weights). Held from the first write until dsv4_finalize / the end of a refit.
+    /// 0 = the default, 256 MiB. Ignored by the CPU backend.
+    pub staging_nbytes: u64,
 }
 
 /// One named tensor handed to `dsv4_load_tensor` / `dsv4_refit`. Initialize with
@@ -332,10 +338,15 @@ pub struct dsv4_info {
     /// Since ABI 1.3. The rest of the memory figures (`dsv4_memory_plan`, whose other fields
     /// are the `*_nbytes` above, which since 1.3 the CPU backend fills too, with NULL bases):
     /// the state of one slot at max_seq_len, the device bytes the engine allocated (0 on the
-    /// CPU) and the host bytes its buffers take.
+    /// CPU) and the host bytes its buffers take (CPU: the weights and state; CUDA: the
+    /// staging buffers, held only while a load or refit writes).
     pub state_slot_nbytes: u64,
     pub device_nbytes: u64,
     pub host_nbytes: u64,
+    /// Since ABI 1.4. Host bytes the engine holds right now beyond its fixed buffers: the CUDA
+    /// staging buffers while a load or refit writes (0 once finalized), and the copies of
+    /// chunked-refit halves waiting for their partner.
+    pub host_transient_nbytes: u64,
 }
 
 /// The memory an engine would use, by kind (`dsv4_plan_memory`, since ABI 1.3); after create
@@ -345,8 +356,9 @@ pub struct dsv4_info {
 /// (`weight_format`), derived is layer 0's folded mHC projection, state the decode state of
 /// every slot; the forward's scratch is allocated per call and not counted (workspace 0).
 /// CUDA backend: the create-time device allocation, each kind the span it occupies (padding
-/// included), `device_nbytes` the allocation's size; `host_nbytes` is the host copy of the
-/// weights that load and refit write through.
+/// included), `device_nbytes` the allocation's size; `host_nbytes` is the pinned staging that
+/// load and refit write through (`staging_nbytes`), held only while they run: the engine keeps
+/// no host copy of the weights.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct dsv4_memory_plan {
@@ -522,6 +534,7 @@ pub(crate) fn create_params_default() -> dsv4_create_params {
         weight_format: weight_format_to_i32(o.weight_format),
         cache_dir: ptr::null(),
         kernel_set: ptr::null(),
+        staging_nbytes: o.staging_bytes as u64,
     }
 }
 
@@ -717,6 +730,12 @@ pub(crate) unsafe fn create_args(p: &dsv4_create_params) -> Result<CreateArgs> {
             ),
             None => None,
         },
+        staging_bytes: usize::try_from(p.staging_nbytes).map_err(|_| {
+            invalid(format!(
+                "`params->staging_nbytes` = {} does not fit this machine's address space",
+                p.staging_nbytes
+            ))
+        })?,
     };
     if let Some(k) = options.kernel_set {
         k.check_numerics(options.numerics)

@@ -14,7 +14,12 @@ pub fn fold_projection(proj: &[f32], n: usize, d: usize, out: &mut [f64]) {
     debug_assert_eq!(out.len(), mix * d);
     for j in 0..mix {
         for i in 0..d {
-            out[j * d + i] = (0..n).map(|s| proj[j * n * d + s * d + i] as f64).sum();
+            // In stream order from +0.0: mhc.cu hc0_fold_kernel sums the same way.
+            let mut acc = 0.0f64;
+            for s in 0..n {
+                acc += proj[j * n * d + s * d + i] as f64;
+            }
+            out[j * d + i] = acc;
         }
     }
 }

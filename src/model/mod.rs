@@ -1,5 +1,5 @@
 //! Backend-neutral description of the forward: which weights each layer uses (resolved
-//! once to indices into the [`WeightStore`]) and the RoPE frequency tables.
+//! once to indices into the [`WeightTable`]) and the RoPE frequency tables.
 
 pub mod batch;
 pub mod hc_fold;
@@ -7,7 +7,7 @@ pub mod rope;
 
 use crate::config::{AttnKind, LayerSpec, ModelConfig};
 use crate::error::Result;
-use crate::weights::store::WeightStore;
+use crate::weights::table::WeightTable;
 
 /// One mHC site: mixing projection, bias and the 3 (or 1, for the head) scales.
 #[derive(Clone, Copy, Debug)]
@@ -76,7 +76,7 @@ pub struct ModelWeights {
 
 impl ModelWeights {
     /// Resolves every weight the forward reads to its index in `store`.
-    pub fn resolve(cfg: &ModelConfig, store: &WeightStore) -> Result<Self> {
+    pub fn resolve(cfg: &ModelConfig, store: &WeightTable) -> Result<Self> {
         let r = |n: &str| store.require(n);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for (l, spec) in cfg.layers.iter().enumerate() {

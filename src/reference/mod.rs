@@ -23,7 +23,9 @@ use crate::model::batch::SeqRange;
 use crate::model::{ModelWeights, batch, rope};
 use crate::options::{EngineOptions, Numerics};
 use crate::state::SlotState;
-use crate::weights::store::WeightStore;
+use crate::weights::store::{TensorData, WeightStore};
+use crate::weights::table::WeightTable;
+use crate::weights::values::{Progress, WeightValues, write_to_store};
 use attention::AttnCtx;
 use mhc::HcParams;
 use ops::{Threads, rms_norm};
@@ -32,6 +34,8 @@ use precision::Prec;
 pub use crate::model::hc_fold::HC0_FOLD_NAME;
 
 pub struct CpuBackend {
+    /// The weights themselves (host memory, allocated at create, written in place).
+    store: WeightStore,
     cfg: ModelConfig,
     opts: EngineOptions,
     handles: ModelWeights,
@@ -48,7 +52,8 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    pub fn new(cfg: &ModelConfig, opts: &EngineOptions, weights: &WeightStore) -> Result<Self> {
+    pub fn new(cfg: &ModelConfig, opts: &EngineOptions) -> Result<Self> {
+        let weights = WeightStore::allocate_with(cfg, opts.weight_format)?;
         let slots = (0..opts.max_num_seqs)
             .map(|_| SlotState::new(cfg, opts.max_seq_len))
             .collect::<Result<_>>()?;
@@ -61,7 +66,7 @@ impl CpuBackend {
         Ok(CpuBackend {
             cfg: cfg.clone(),
             opts: opts.clone(),
-            handles: ModelWeights::resolve(cfg, weights)?,
+            handles: ModelWeights::resolve(cfg, weights.table())?,
             slots,
             freqs: cfg
                 .layers
@@ -70,23 +75,20 @@ impl CpuBackend {
                 .collect(),
             hc0_fold: vec![0.0; (2 + cfg.hc_mult) * cfg.hc_mult * cfg.hidden_size],
             threads: Threads(threads),
-            weight_bytes: weights
-                .allocated_layouts()
-                .iter()
-                .map(|(_, _, l)| l.bytes() as u64)
-                .sum(),
+            weight_bytes: weights.table().total_bytes(),
             prec: Prec {
                 official: opts.numerics == Numerics::Official,
             },
+            store: weights,
         })
     }
 
     /// Rebuilds derived data after weights changed: layer 0's folded mHC projection (the
     /// other weights are read as stored).
-    fn rebuild_fold(&mut self, weights: &WeightStore) -> Result<()> {
+    fn rebuild_fold(&mut self) -> Result<()> {
         if let Some(l0) = self.handles.layers.first() {
             let (n, d) = (self.cfg.hc_mult, self.cfg.hidden_size);
-            mhc::fold_projection(weights.f32(l0.hc_attn.proj), n, d, &mut self.hc0_fold);
+            mhc::fold_projection(self.store.f32(l0.hc_attn.proj), n, d, &mut self.hc0_fold);
         }
         Ok(())
     }
@@ -266,30 +268,33 @@ impl Backend for CpuBackend {
         false
     }
 
-    fn finalize(&mut self, store: &WeightStore, _stream: StreamHandle) -> Result<()> {
-        self.rebuild_fold(store)
-    }
-
-    /// The weights ARE the store here: only derived data needs work.
-    fn apply_refit(
+    /// The weights ARE the store here: values are written in place.
+    fn write_weights(
         &mut self,
-        store: &WeightStore,
-        _touched: &[usize],
-        rebuild: bool,
+        _table: &WeightTable,
+        values: &dyn WeightValues,
+        progress: &Progress,
         _stream: StreamHandle,
     ) -> Result<()> {
-        if rebuild {
-            self.rebuild_fold(store)?;
-        }
+        write_to_store(&mut self.store, values, progress);
         Ok(())
     }
 
-    fn rebuild_derived(&mut self, store: &WeightStore, _stream: StreamHandle) -> Result<()> {
-        self.rebuild_fold(store)
+    fn finalize(&mut self, _stream: StreamHandle) -> Result<()> {
+        self.rebuild_fold()
     }
 
-    fn forward_host(&mut self, store: &WeightStore, batch: &mut Batch) -> Result<()> {
-        self.forward(store, batch)
+    fn rebuild_derived(&mut self, _stream: StreamHandle) -> Result<()> {
+        self.rebuild_fold()
+    }
+
+    fn forward_host(&mut self, batch: &mut Batch) -> Result<()> {
+        // The forward reads the store while it updates the slots: lend it out for the call
+        // (moving the store moves no weight: its buffers stay where they are).
+        let store = std::mem::replace(&mut self.store, WeightStore::empty());
+        let r = self.forward(&store, batch);
+        self.store = store;
+        r
     }
 
     fn forward_device(&mut self, _batch: &DeviceBatch, _stream: StreamHandle) -> Result<()> {
@@ -327,11 +332,19 @@ impl Backend for CpuBackend {
         Ok(None)
     }
 
-    fn weight_addr(&self, store: &WeightStore, i: usize) -> WeightAddr {
+    fn weight_addr(&self, i: usize) -> WeightAddr {
+        let data = &self.store.tensor(i).data;
         WeightAddr {
-            data: store.tensor(i).data.as_ptr() as u64,
-            scales: 0,
+            data: data.as_ptr() as u64,
+            scales: match data {
+                TensorData::Quant(q) => q.scales.as_ptr() as u64,
+                _ => 0,
+            },
         }
+    }
+
+    fn host_store(&self) -> Option<&WeightStore> {
+        Some(&self.store)
     }
 
     fn derived(&self) -> Vec<DerivedTensor> {

@@ -5,37 +5,56 @@
 //! depends only on the seed and the weight, not on table order or on other weights. Values
 //! are rounded to BF16 so a BF16 device copy holds exactly what the f32 CPU reference uses.
 
-use crate::config::ModelConfig;
-use crate::weights::qmatrix::{QFormat, QMatrix};
-use crate::weights::spec::TensorSpec;
-use crate::weights::store::{TensorData, WeightStore};
+use std::ops::Range;
 
-/// splitmix64: tiny, fast, and good enough to decorrelate per-weight streams.
+use crate::config::ModelConfig;
+use crate::weights::qmatrix::QFormat;
+use crate::weights::rows::{Geometry, encode_rows};
+use crate::weights::spec::TensorSpec;
+use crate::weights::store::WeightStore;
+use crate::weights::table::{StorageKind, WeightTable};
+use crate::weights::values::{Progress, WeightValues, write_to_store};
+
+/// splitmix64: tiny, fast, and good enough to decorrelate per-weight streams. It is
+/// counter-based (output k mixes `state + k * GAMMA`), so any chunk of a weight can be
+/// produced on its own ([`SplitMix::at`]): the CUDA load generates row chunks in parallel.
+#[derive(Clone, Copy)]
 struct SplitMix(u64);
+
+const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
 
 impl SplitMix {
     fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0 = self.0.wrapping_add(GAMMA);
+        mix(self.0)
     }
 
-    /// Uniform in [0, 1) with 24 random bits (exact in f32).
-    fn unit(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
+    /// The `k`-th output from now (k >= 1; `at(1)` is what `next_u64` returns next), without
+    /// advancing.
+    fn at(&self, k: u64) -> u64 {
+        mix(self.0.wrapping_add(k.wrapping_mul(GAMMA)))
     }
 
-    /// Uniform in [lo, hi).
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * self.unit()
+    /// [`SplitMix::uniform`] of the `k`-th output from now.
+    fn uniform_at(&self, k: u64, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * unit_of(self.at(k))
     }
 
     /// Uniform integer in [0, n) (n > 0; the modulo bias is irrelevant here).
     fn below(&mut self, n: usize) -> usize {
         (self.next_u64() % n as u64) as usize
     }
+}
+
+/// Uniform in [0, 1) from the top 24 bits of a random word (exact in f32).
+fn unit_of(word: u64) -> f32 {
+    (word >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
 }
 
 /// FNV-1a of the name mixed with the seed: the per-weight stream.
@@ -76,84 +95,118 @@ fn range_of(spec: &TensorSpec) -> (f32, f32) {
     }
 }
 
-/// Fills every weight with deterministic small values; hash-routing tables get rows of
-/// distinct valid expert ids.
+/// Fills every weight of a host store with deterministic small values (see [`DummyValues`]).
 pub fn fill_dummy(store: &mut WeightStore, cfg: &ModelConfig, seed: u64) {
-    // Weights are independent streams: fill them on all cores (real-size dummy models hold
-    // tens of GB).
-    let tensors = store.tensors_mut();
-    let workers = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(tensors.len().max(1));
-    let next = std::sync::Mutex::new(tensors.iter_mut());
-    std::thread::scope(|s| {
-        for _ in 0..workers {
-            s.spawn(|| {
-                loop {
-                    let t = next.lock().unwrap_or_else(|e| e.into_inner()).next();
-                    let Some(t) = t else { break };
-                    fill_one(t, cfg, seed);
-                }
-            });
-        }
-    });
+    let values = DummyValues::new(store.table(), cfg, seed);
+    let progress = Progress::new("dsv4_load", store.table(), &values.targets());
+    write_to_store(store, &values, &progress);
 }
 
-/// Quantized storage is filled directly with random codes and power-of-two scales sized
-/// for the weight's range (quantizing random floats would be far slower at real sizes).
-fn fill_quantized(q: &mut QMatrix, hi: f32, rng: &mut SplitMix) {
-    let (qmax, nan_free): (f32, fn(u8) -> u8) = match q.format {
-        // 0x7f / 0xff are the e4m3fn NaNs: map them to the largest finite codes.
-        QFormat::Fp8 { .. } => (448.0, |b| if b & 0x7f == 0x7f { b - 1 } else { b }),
-        QFormat::Fp4 => (6.0, |b| b),
-    };
-    let scale = 2f32.powi((hi / qmax).log2().ceil() as i32);
-    let mut word = 0u64;
-    for (i, c) in q.codes.iter_mut().enumerate() {
-        if i % 8 == 0 {
-            word = rng.next_u64();
+/// Deterministic dummy values of every weight of a table: floats uniform in a range by role
+/// and rounded to BF16; quantized storage filled directly with random codes and power-of-two
+/// scales sized for the weight's range (quantizing random floats would be far slower at real
+/// sizes); hash-routing tables get rows of distinct valid expert ids.
+pub struct DummyValues {
+    seed: u64,
+    n_experts: usize,
+    count: usize,
+}
+
+impl DummyValues {
+    pub fn new(table: &WeightTable, cfg: &ModelConfig, seed: u64) -> DummyValues {
+        DummyValues {
+            seed,
+            n_experts: cfg.n_routed_experts.max(1),
+            count: table.len(),
         }
-        *c = nan_free((word >> (8 * (i % 8))) as u8);
     }
-    q.scales.iter_mut().for_each(|s| *s = scale);
 }
 
-fn fill_one(t: &mut crate::weights::store::Tensor, cfg: &ModelConfig, seed: u64) {
-    let n_experts = cfg.n_routed_experts.max(1);
-    {
-        let mut rng = stream(seed, &t.spec.name);
-        match &mut t.data {
-            TensorData::Quant(q) => {
-                let (_, hi) = range_of(&t.spec);
-                fill_quantized(q, hi, &mut rng);
-            }
-            TensorData::F32(_) | TensorData::Bf16(_) => {
-                let (lo, hi) = range_of(&t.spec);
-                let values: Vec<f32> = (0..t.spec.numel())
-                    .map(|_| half::bf16::from_f32(rng.uniform(lo, hi)).to_f32())
-                    .collect();
-                t.data.set_from_f32(&values);
-            }
-            TensorData::I32(v) => {
-                // tid2eid [vocab, k]: each row a random k-subset of the experts (partial
-                // Fisher-Yates), in random order.
-                let k = t.spec.shape.last().copied().unwrap_or(1).max(1);
-                let mut perm: Vec<i32> = (0..n_experts as i32).collect();
-                for row in v.chunks_mut(k) {
-                    for j in 0..row.len().min(n_experts) {
-                        let r = j + rng.below(n_experts - j);
-                        perm.swap(j, r);
-                        row[j] = perm[j];
+impl WeightValues for DummyValues {
+    fn targets(&self) -> Vec<usize> {
+        (0..self.count).collect()
+    }
+
+    fn fill(
+        &self,
+        table: &WeightTable,
+        dst: usize,
+        rows: Range<usize>,
+        data: &mut [u8],
+        scales: &mut [f32],
+    ) {
+        let spec = &table.entry(dst).spec;
+        let g = Geometry::of(table.entry(dst));
+        let rng = stream(self.seed, &spec.name);
+        let (lo, hi) = range_of(spec);
+        match g.kind {
+            StorageKind::Quant(q) => {
+                // 0x7f / 0xff are the e4m3fn NaNs: map them to the largest finite codes.
+                let (qmax, nan_free): (f32, fn(u8) -> u8) = match q {
+                    QFormat::Fp8 { .. } => (448.0, |b| if b & 0x7f == 0x7f { b - 1 } else { b }),
+                    QFormat::Fp4 => (6.0, |b| b),
+                };
+                // Code byte i is byte i % 8 (little-endian) of output i / 8 + 1 of the weight's
+                // stream: one output per 8 codes.
+                let first = g.data_range(&rows).start;
+                let mut word = (first / 8 + 1) as u64;
+                let mut bytes = rng.at(word).to_le_bytes();
+                for (k, c) in data.iter_mut().enumerate() {
+                    let i = first + k;
+                    if i.is_multiple_of(8) && k > 0 {
+                        word += 1;
+                        bytes = rng.at(word).to_le_bytes();
                     }
+                    *c = nan_free(bytes[i % 8]);
                 }
+                let scale = 2f32.powi((hi / qmax).log2().ceil() as i32);
+                scales.iter_mut().for_each(|s| *s = scale);
+            }
+            StorageKind::F32 | StorageKind::Bf16 => {
+                // Element i is output i + 1 of the weight's stream.
+                let first = rows.start * g.cols;
+                let values: Vec<f32> = (0..rows.len() * g.cols)
+                    .map(|k| {
+                        let v = rng.uniform_at((first + k) as u64 + 1, lo, hi);
+                        half::bf16::from_f32(v).to_f32()
+                    })
+                    .collect();
+                encode_rows(g.kind, &values, g.cols, data, scales);
+            }
+            StorageKind::I32 => {
+                // The table's rows share one evolving permutation, so the whole (small) table
+                // is generated for any chunk of it.
+                let all = hash_table(spec, self.n_experts, rng);
+                let ints = &all[rows.start * g.cols..rows.end * g.cols];
+                data.chunks_exact_mut(4)
+                    .zip(ints)
+                    .for_each(|(o, v)| o.copy_from_slice(&v.to_le_bytes()));
             }
         }
     }
+}
+
+/// tid2eid [vocab, k]: each row a random k-subset of the experts (partial Fisher-Yates), in
+/// random order.
+fn hash_table(spec: &TensorSpec, n_experts: usize, mut rng: SplitMix) -> Vec<i32> {
+    let k = spec.shape.last().copied().unwrap_or(1).max(1);
+    let mut v = vec![0i32; spec.numel()];
+    let mut perm: Vec<i32> = (0..n_experts as i32).collect();
+    for row in v.chunks_mut(k) {
+        for j in 0..row.len().min(n_experts) {
+            let r = j + rng.below(n_experts - j);
+            perm.swap(j, r);
+            row[j] = perm[j];
+        }
+    }
+    v
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::weights::store::TensorData;
 
     fn filled(seed: u64) -> (ModelConfig, WeightStore) {
         let cfg = ModelConfig::tiny_default();
@@ -247,5 +300,41 @@ mod tests {
                 .iter()
                 .all(|x| x.abs() <= b * 1.01)
         );
+    }
+
+    /// A weight produced in small row chunks (as the CUDA load does) has the bytes of the
+    /// weight produced whole, in every storage kind.
+    #[test]
+    fn chunks_equal_the_whole_weight() {
+        use crate::weights::rows::Geometry;
+        use crate::weights::table::WeightTable;
+        let cfg = ModelConfig::tiny_default();
+        for format in [
+            crate::weights::WeightFormat::Quantize,
+            crate::weights::WeightFormat::Bf16,
+            crate::weights::WeightFormat::AsStored,
+        ] {
+            let table = WeightTable::new(&cfg, format).unwrap();
+            let values = DummyValues::new(&table, &cfg, 11);
+            for i in values.targets() {
+                let g = Geometry::of(table.entry(i));
+                let all = 0..g.rows;
+                let whole = |rows: &std::ops::Range<usize>| {
+                    let mut d = vec![0u8; g.data_range(rows).len()];
+                    let mut s = vec![0f32; g.scale_range(rows).len()];
+                    values.fill(&table, i, rows.clone(), &mut d, &mut s);
+                    (d, s)
+                };
+                let (want_d, want_s) = whole(&all);
+                let (mut got_d, mut got_s) = (Vec::new(), Vec::new());
+                for c in g.chunks(g.min_chunk_bytes() + 1) {
+                    let (d, s) = whole(&c);
+                    got_d.extend(d);
+                    got_s.extend(s);
+                }
+                assert_eq!(got_d, want_d, "{} ({format:?})", table.name(i));
+                assert_eq!(got_s, want_s, "{} ({format:?})", table.name(i));
+            }
+        }
     }
 }

@@ -3,10 +3,13 @@
 //!
 //! Both go through the same two steps. *Plan*: map each source tensor's name to canonical
 //! weights (`names.rs`), check its dtype class and shape against the weight table
-//! (`spec.rs`), pair quantised weights with their block scales, and turn it into a `Job`
-//! (validated source + the canonical tensors it writes). *Execute*: dequantise every job into
-//! the store's buffers in place. Every check happens in the plan, so a load that fails
-//! writes nothing, and the execute step cannot fail or panic on file contents.
+//! (`table.rs`), pair quantised weights with their block scales, check values that must be
+//! finite or in range, and turn it into a `Job` (validated source + the canonical tensors it
+//! writes). The jobs together are a [`CheckedValues`]. *Write*: a backend asks it for each
+//! weight's bytes in its storage layout, row chunk by row chunk (values.rs), and puts them in
+//! its copy: the CPU store in place, the CUDA arena through pinned staging. Every check
+//! happens in the plan, so a load that fails writes nothing, and the write step cannot fail
+//! or panic on file contents.
 //!
 //! Accepted encodings of a float weight: F32/BF16/F16; FP8 e4m3 with a block scale
 //! (F8_E8M0 or F32, blocks of `quantization_config.weight_block_size`, default 128x128,
@@ -17,7 +20,6 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Mutex;
 
 use safetensors::Dtype;
 
@@ -25,10 +27,13 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result, Status};
 use crate::weights::dtype::{self, FloatDtype, IntDtype, ScaleDtype};
 use crate::weights::names::{Role, Target, classify};
-use crate::weights::qmatrix::{QFormat, QMatrix};
+use crate::weights::qmatrix::QFormat;
+use crate::weights::rows::{Geometry, encode_rows};
 use crate::weights::safetensors_io::{Checkpoint, TensorEntry};
 use crate::weights::spec::ElemKind;
-use crate::weights::store::{TensorData, WeightStore};
+use crate::weights::store::WeightStore;
+use crate::weights::table::{StorageKind, WeightTable};
+use crate::weights::values::{Progress, WeightValues, write_to_store};
 use crate::weights::{HostDtype, HostTensor};
 
 /// Block of the FP4 expert scales: one scale per 32 consecutive inputs of a row.
@@ -46,8 +51,11 @@ pub fn load_checkpoint(store: &mut WeightStore, cfg: &ModelConfig, path: &Path) 
 /// [`load_checkpoint`] of a checkpoint already opened (the caller reports on its tensors).
 pub fn load_opened(store: &mut WeightStore, cfg: &ModelConfig, ck: &Checkpoint) -> Result<()> {
     let block = cfg.quant.as_ref().map_or([128, 128], |q| q.weight_block);
-    let jobs = plan_checkpoint(store, ck, block)?;
-    execute(store, jobs)
+    let table = store.table().clone();
+    let values = plan_checkpoint(&table, ck, block)?;
+    let progress = Progress::new("dsv4_load", &table, &values.targets());
+    write_to_store(store, &values, &progress);
+    Ok(())
 }
 
 /// Validates one host update against the weight table without writing anything; returns
@@ -56,14 +64,14 @@ pub fn load_opened(store: &mut WeightStore, cfg: &ModelConfig, ck: &Checkpoint) 
 /// a weight given in its stored format (F8_E4M3 or packed FP4 codes); None for float / index
 /// values.
 pub fn check_update(
-    store: &WeightStore,
+    table: &WeightTable,
     u: &HostTensor,
     scale: Option<&HostTensor>,
     block: [usize; 2],
 ) -> Result<Vec<usize>> {
     // No job for an ignored name: nothing to check.
-    let job = plan_host_update(store, u, scale, block)?;
-    check_quantizable(store, job.as_slice())?;
+    let job = plan_host_update(table, u, scale, block)?;
+    check_quantizable(table, job.as_slice())?;
     Ok(job.map_or_else(Vec::new, |j| j.dsts()))
 }
 
@@ -72,7 +80,7 @@ pub fn check_update(
 /// byte count and stored shape. Returns the canonical weights it will write; [`check_update`]
 /// with the scale does the rest when the scale arrives.
 pub fn check_weight_awaiting_scale(
-    store: &WeightStore,
+    table: &WeightTable,
     u: &HostTensor,
     block: [usize; 2],
 ) -> Result<Vec<usize>> {
@@ -85,7 +93,7 @@ pub fn check_weight_awaiting_scale(
         );
     }
     let packed = packed_shape(u);
-    Ok(plan_update(store, u, &packed, HostScale::Later, block)?
+    Ok(plan_update(table, u, &packed, HostScale::Later, block)?
         .map(|job| job.dsts())
         .unwrap_or_default())
 }
@@ -96,7 +104,7 @@ pub fn check_weight_awaiting_scale(
 /// grid of that weight for FP8 codes (`block` blocks) or for FP4 codes (1x32 blocks); which one
 /// is checked when the weight arrives.
 pub fn check_scale_awaiting_weight(
-    store: &WeightStore,
+    table: &WeightTable,
     s: &HostTensor,
     block: [usize; 2],
 ) -> Result<()> {
@@ -105,7 +113,7 @@ pub fn check_scale_awaiting_weight(
         crate::bail!(Internal, "{who} is not a block-scale name");
     };
     let canon = target.describe();
-    let r = resolve_or(store, &target, || {
+    let r = resolve_or(table, &target, || {
         format!("{who} is the scale of `{canon}`, which this model does not have")
     })?;
     host_scale(s, &canon)?;
@@ -145,23 +153,22 @@ pub fn write_update(
     scale: Option<&HostTensor>,
     block: [usize; 2],
 ) -> Result<Vec<usize>> {
-    let Some(job) = plan_host_update(store, u, scale, block)? else {
-        return Ok(Vec::new());
-    };
-    let dsts = job.dsts();
-    execute(store, vec![job])?;
+    let table = store.table().clone();
+    let values = plan_updates(&table, &[(*u, scale.copied())], block)?;
+    let dsts = values.targets();
+    write_to_store(store, &values, &Progress::new("dsv4_refit", &table, &dsts));
     Ok(dsts)
 }
 
 /// The job of one host update with its scale given or missing (packed FP4 codes given with
 /// their logical shape); None for an ignored `mtp.*` name.
 fn plan_host_update<'a>(
-    store: &WeightStore,
+    table: &WeightTable,
     u: &HostTensor<'a>,
     scale: Option<&HostTensor<'a>>,
     block: [usize; 2],
 ) -> Result<Option<Job<'a>>> {
-    plan_update(store, u, &packed_shape(u), HostScale::of(scale), block)
+    plan_update(table, u, &packed_shape(u), HostScale::of(scale), block)
 }
 
 /// The byte shape of packed FP4 (last dimension halved, as checkpoints store it); the
@@ -204,6 +211,16 @@ struct Source<'a> {
 }
 
 impl<'a> Source<'a> {
+    /// Bytes of one global row.
+    fn row_bytes(&self) -> usize {
+        match self.enc {
+            Encoding::Fp4 => self.cols / 2,
+            Encoding::Fp8(_) => self.cols,
+            Encoding::Float(ft) => self.cols * ft.size(),
+            Encoding::Int(it) => self.cols * it.size(),
+        }
+    }
+
     /// A source without a block scale: plain values, or codes whose scale comes later.
     fn unscaled(enc: Encoding, data: &'a [u8], mat_rows: usize, cols: usize) -> Source<'a> {
         Source {
@@ -246,11 +263,11 @@ struct Resolved {
 }
 
 /// Canonical weight indices `[w1, w2, w3]` of every routed expert of layer `l`, in order.
-fn experts_of(store: &WeightStore, l: usize) -> Vec<[usize; 3]> {
+fn experts_of(table: &WeightTable, l: usize) -> Vec<[usize; 3]> {
     let mut out = Vec::new();
     loop {
         let e = out.len();
-        let idx = |w: &str| store.index_of(&format!("layers.{l}.ffn.experts.{e}.{w}.weight"));
+        let idx = |w: &str| table.index_of(&format!("layers.{l}.ffn.experts.{e}.{w}.weight"));
         match (idx("w1"), idx("w2"), idx("w3")) {
             (Some(a), Some(b), Some(c)) => out.push([a, b, c]),
             _ => return out,
@@ -261,18 +278,18 @@ fn experts_of(store: &WeightStore, l: usize) -> Vec<[usize; 3]> {
 /// [`resolve`], or `Status::Tensor` with the message `missing` makes when this model has no
 /// such weight.
 fn resolve_or(
-    store: &WeightStore,
+    table: &WeightTable,
     target: &Target,
     missing: impl FnOnce() -> String,
 ) -> Result<Resolved> {
-    resolve(store, target).ok_or_else(|| Error::new(Status::Tensor, missing()))
+    resolve(table, target).ok_or_else(|| Error::new(Status::Tensor, missing()))
 }
 
-fn resolve(store: &WeightStore, target: &Target) -> Option<Resolved> {
+fn resolve(table: &WeightTable, target: &Target) -> Option<Resolved> {
     match target {
         Target::Tensor(name) => {
-            let i = store.index_of(name)?;
-            let spec = &store.tensor(i).spec;
+            let i = table.index_of(name)?;
+            let spec = &table.entry(i).spec;
             let shape = spec.shape.clone();
             let rows = rows_of(&shape);
             let index_bound = (spec.kind == ElemKind::Index).then(|| {
@@ -282,7 +299,7 @@ fn resolve(store: &WeightStore, target: &Target) -> Option<Resolved> {
                     .nth(1)
                     .and_then(|s| s.parse().ok())
                     .unwrap_or(usize::MAX);
-                experts_of(store, l).len()
+                experts_of(table, l).len()
             });
             Some(Resolved {
                 shape,
@@ -296,13 +313,13 @@ fn resolve(store: &WeightStore, target: &Target) -> Option<Resolved> {
             })
         }
         Target::ExpertsGateUp(l) | Target::ExpertsDown(l) => {
-            let experts = experts_of(store, *l);
+            let experts = experts_of(table, *l);
             let first = experts.first()?;
             let gate_up = matches!(target, Target::ExpertsGateUp(_));
             let mut pieces = Vec::with_capacity(2 * experts.len());
             let shape = if gate_up {
                 // [E, 2I, D]: expert e's rows are w1 (I rows) then w3 (I rows).
-                let [i, d] = dims2(&store.tensor(first[0]).spec.shape)?;
+                let [i, d] = dims2(&table.entry(first[0]).spec.shape)?;
                 for (e, w) in experts.iter().enumerate() {
                     pieces.push(Piece {
                         dst: w[0],
@@ -318,7 +335,7 @@ fn resolve(store: &WeightStore, target: &Target) -> Option<Resolved> {
                 vec![experts.len(), 2 * i, d]
             } else {
                 // [E, D, I]: expert e is w2.
-                let [d, i] = dims2(&store.tensor(first[1]).spec.shape)?;
+                let [d, i] = dims2(&table.entry(first[1]).spec.shape)?;
                 for (e, w) in experts.iter().enumerate() {
                     pieces.push(Piece {
                         dst: w[1],
@@ -529,11 +546,13 @@ fn check_index_range(who: &str, canon: &str, src: &Source, bound: usize) -> Resu
     Ok(())
 }
 
-fn plan_checkpoint<'a>(
-    store: &WeightStore,
+/// Validates every tensor of `ck` against `table` (see [`load_checkpoint`]); the values to
+/// write, in file order.
+pub fn plan_checkpoint<'a>(
+    table: &WeightTable,
     ck: &'a Checkpoint,
     block: [usize; 2],
-) -> Result<Vec<Job<'a>>> {
+) -> Result<CheckedValues<'a>> {
     let file = |t: &TensorEntry| ck.path_of(t).display().to_string();
     let duplicate = |prev: &TensorEntry, t: &TensorEntry, weight: &str| {
         crate::err!(
@@ -578,14 +597,14 @@ fn plan_checkpoint<'a>(
     }
 
     // 2. Each weight: target in this model, dtype/shape/scale, index values.
-    let mut writer: Vec<Option<&TensorEntry>> = vec![None; store.len()];
+    let mut writer: Vec<Option<&TensorEntry>> = vec![None; table.len()];
     let mut jobs = Vec::with_capacity(weights.len());
     // Keep file order (weights is keyed by name) so execution reads each file sequentially.
     let mut ordered: Vec<(&Target, &&TensorEntry)> = weights.iter().collect();
     ordered.sort_by_key(|(_, t)| (t.file, ck.data(t).as_ptr() as usize));
     for (target, &t) in ordered {
         let canon = target.describe();
-        let r = resolve_or(store, target, || {
+        let r = resolve_or(table, target, || {
             format!(
                 "unknown tensor `{}` in file `{}`: this model has no weight `{canon}` (check config.json)",
                 t.name,
@@ -614,7 +633,7 @@ fn plan_checkpoint<'a>(
         }
         for p in &r.pieces {
             if let Some(prev) = writer[p.dst].replace(t) {
-                return Err(duplicate(prev, t, &store.tensor(p.dst).spec.name));
+                return Err(duplicate(prev, t, &table.entry(p.dst).spec.name));
             }
         }
         jobs.push(Job {
@@ -624,9 +643,9 @@ fn plan_checkpoint<'a>(
     }
 
     // 3. Coverage: every weight of the model exactly once.
-    let missing: Vec<&str> = (0..store.len())
+    let missing: Vec<&str> = (0..table.len())
         .filter(|&i| writer[i].is_none())
-        .map(|i| store.tensor(i).spec.name.as_str())
+        .map(|i| table.entry(i).spec.name.as_str())
         .collect();
     if let Some(first) = missing.first() {
         let more = if missing.len() > 1 {
@@ -646,7 +665,10 @@ fn plan_checkpoint<'a>(
             ck.source.display()
         ));
     }
-    Ok(jobs)
+    check_quantizable(table, &jobs)?;
+    let mut values = CheckedValues::new(jobs);
+    values.mapped = true;
+    Ok(values)
 }
 
 /// The block scale of a host update, as [`ScaleSrc`] for host tensors.
@@ -692,7 +714,7 @@ fn host_scale<'a, 's>(s: &'s HostTensor<'a>, canon: &str) -> Result<Stored<'a, '
 }
 
 fn plan_update<'a>(
-    store: &WeightStore,
+    table: &WeightTable,
     u: &HostTensor<'a>,
     packed: &[usize],
     scale: HostScale<'_, 'a>,
@@ -714,7 +736,7 @@ fn plan_update<'a>(
         Some(Role::Weight(t)) => t,
     };
     let canon = target.describe();
-    let r = resolve_or(store, &target, || {
+    let r = resolve_or(table, &target, || {
         format!("unknown weight `{name}`: this model has no `{canon}`")
     })?;
     let st_dtype = match (r.kind, dtype) {
@@ -787,165 +809,187 @@ fn plan_update<'a>(
     }))
 }
 
+/// Validates host updates, each a weight with its block scale (None for float / index values),
+/// all before any is written; the values they write. An ignored `mtp.*` name writes nothing.
+pub fn plan_updates<'a>(
+    table: &WeightTable,
+    updates: &[(HostTensor<'a>, Option<HostTensor<'a>>)],
+    block: [usize; 2],
+) -> Result<CheckedValues<'a>> {
+    let mut jobs = Vec::with_capacity(updates.len());
+    for (u, scale) in updates {
+        if let Some(job) = plan_host_update(table, u, scale.as_ref(), block)? {
+            jobs.push(job);
+        }
+    }
+    check_quantizable(table, &jobs)?;
+    Ok(CheckedValues::new(jobs))
+}
+
 // ---------------------------------------------------------------------------------------
-// Execute
+// Write
 // ---------------------------------------------------------------------------------------
 
-/// A canonical weight's buffer, borrowed for writing.
-enum Dst<'s> {
-    F32(&'s mut [f32]),
-    Bf16(&'s mut [u16]),
-    Quant(&'s mut QMatrix),
-    I32(&'s mut [i32]),
-}
+/// Elements decoded at a time by the finiteness check (bounded host memory).
+const CHECK_CHUNK: usize = 1 << 20;
 
 /// Quantizing a non-finite value is meaningless: rejects float sources with NaN/Inf headed
 /// for FP8/FP4 storage, naming the weight, before anything is written.
-fn check_quantizable(store: &WeightStore, jobs: &[Job]) -> Result<()> {
+fn check_quantizable(table: &WeightTable, jobs: &[Job]) -> Result<()> {
+    let mut tmp = Vec::new();
     for job in jobs {
         if !matches!(job.src.enc, Encoding::Float(_)) {
             continue;
         }
+        let cols = job.src.cols.max(1);
         for p in &job.pieces {
-            if !matches!(store.tensor(p.dst).data, TensorData::Quant(_)) {
+            if !table.is_quantized(p.dst) {
                 continue;
             }
-            let mut tmp = vec![0.0f32; p.rows * job.src.cols];
-            decode_rows(&job.src, p.row0, &mut tmp);
-            if let Some(k) = tmp.iter().position(|v| !v.is_finite()) {
-                crate::bail!(
-                    Tensor,
-                    "weight `{}`: element {k} is {} and cannot be quantized to its FP8/FP4 storage",
-                    store.tensor(p.dst).spec.name,
-                    tmp[k]
-                );
+            let step = (CHECK_CHUNK / cols).max(1);
+            let mut r = 0;
+            while r < p.rows {
+                let n = step.min(p.rows - r);
+                tmp.resize(n * cols, 0.0f32);
+                decode_rows(&job.src, p.row0 + r, &mut tmp);
+                if let Some(k) = tmp.iter().position(|v| !v.is_finite()) {
+                    crate::bail!(
+                        Tensor,
+                        "weight `{}`: element {} is {} and cannot be quantized to its FP8/FP4 storage",
+                        table.name(p.dst),
+                        r * cols + k,
+                        tmp[k]
+                    );
+                }
+                r += n;
             }
         }
     }
     Ok(())
 }
 
-/// Dequantises every job into the store, in parallel over jobs (each writes disjoint weights).
-fn execute(store: &mut WeightStore, jobs: Vec<Job>) -> Result<()> {
-    check_quantizable(store, &jobs)?;
-    // Hand out each weight's buffer at most once; the plan guaranteed disjointness.
-    let mut bufs: Vec<Option<Dst>> = store
-        .tensors_mut()
-        .iter_mut()
-        .map(|t| {
-            Some(match &mut t.data {
-                TensorData::F32(v) => Dst::F32(v.as_mut_slice()),
-                TensorData::Bf16(v) => Dst::Bf16(v.as_mut_slice()),
-                TensorData::Quant(q) => Dst::Quant(q),
-                TensorData::I32(v) => Dst::I32(v.as_mut_slice()),
+/// Validated sources and the weights they write: what a load or refit hands a backend.
+pub struct CheckedValues<'a> {
+    jobs: Vec<Job<'a>>,
+    /// (weight, job, piece) for every weight written, in job order.
+    writes: Vec<(usize, usize, usize)>,
+    /// Sources are a checkpoint's mappings, whose pages may be dropped once written.
+    mapped: bool,
+}
+
+impl<'a> CheckedValues<'a> {
+    fn new(jobs: Vec<Job<'a>>) -> CheckedValues<'a> {
+        let writes = jobs
+            .iter()
+            .enumerate()
+            .flat_map(|(j, job)| {
+                job.pieces
+                    .iter()
+                    .enumerate()
+                    .map(move |(k, p)| (p.dst, j, k))
             })
-        })
-        .collect();
-    let mut work = Vec::with_capacity(jobs.len());
-    for job in jobs {
-        let mut outs = Vec::with_capacity(job.pieces.len());
-        for p in &job.pieces {
-            let d = bufs.get_mut(p.dst).and_then(Option::take);
-            let ok = match (&d, job.src.enc) {
-                (Some(Dst::I32(b)), Encoding::Int(_)) => b.len() == p.rows * job.src.cols,
-                (Some(Dst::F32(b)), Encoding::Float(_) | Encoding::Fp8(_) | Encoding::Fp4) => {
-                    b.len() == p.rows * job.src.cols
-                }
-                (Some(Dst::Bf16(b)), Encoding::Float(_) | Encoding::Fp8(_) | Encoding::Fp4) => {
-                    b.len() == p.rows * job.src.cols
-                }
-                (Some(Dst::Quant(q)), Encoding::Float(_) | Encoding::Fp8(_) | Encoding::Fp4) => {
-                    q.rows * q.cols == p.rows * job.src.cols
-                }
-                _ => false,
-            };
-            if !ok {
-                crate::bail!(Internal, "weight plan inconsistent for weight #{}", p.dst);
-            }
-            outs.push((*p, d.expect("checked above")));
+            .collect();
+        CheckedValues {
+            jobs,
+            writes,
+            mapped: false,
         }
-        work.push((job.src, outs));
     }
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(16)
-        .min(work.len());
-    if threads <= 1 {
-        for (src, outs) in work {
-            run_job(&src, outs);
-        }
-        return Ok(());
+
+    /// The piece that writes weight `dst`, with its source.
+    fn piece_of(&self, dst: usize) -> Option<(&Source<'a>, Piece)> {
+        let &(_, j, k) = self.writes.iter().find(|w| w.0 == dst)?;
+        Some((&self.jobs[j].src, self.jobs[j].pieces[k]))
     }
-    let queue = Mutex::new(work.into_iter());
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| {
-                loop {
-                    let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
-                    let Some((src, outs)) = next else { break };
-                    run_job(&src, outs);
-                }
-            });
-        }
-    });
-    Ok(())
 }
 
-fn run_job(src: &Source, outs: Vec<(Piece, Dst)>) {
-    for (p, dst) in outs {
-        match dst {
-            Dst::F32(out) => decode_rows(src, p.row0, out),
-            Dst::Bf16(out) => {
-                let mut tmp = vec![0.0f32; out.len()];
-                decode_rows(src, p.row0, &mut tmp);
-                out.iter_mut()
-                    .zip(&tmp)
-                    .for_each(|(o, v)| *o = half::bf16::from_f32(*v).to_bits());
-            }
-            Dst::Quant(q) => write_quantized(src, p, q),
-            Dst::I32(out) => {
-                if let Encoding::Int(it) = src.enc {
-                    let sz = it.size();
-                    let (a, b) = (p.row0 * src.cols * sz, (p.row0 + p.rows) * src.cols * sz);
-                    dtype::decode_int(it, &src.data[a..b], out);
-                }
-            }
+impl WeightValues for CheckedValues<'_> {
+    fn targets(&self) -> Vec<usize> {
+        self.writes.iter().map(|w| w.0).collect()
+    }
+
+    fn fill(
+        &self,
+        table: &WeightTable,
+        dst: usize,
+        rows: std::ops::Range<usize>,
+        data: &mut [u8],
+        scales: &mut [f32],
+    ) {
+        let Some((src, p)) = self.piece_of(dst) else {
+            debug_assert!(false, "weight {dst} is not written by these values");
+            return;
+        };
+        let g = Geometry::of(table.entry(dst));
+        debug_assert_eq!(
+            g.rows * g.cols,
+            p.rows * src.cols,
+            "piece and weight differ in size"
+        );
+        write_rows(src, p, g, rows, data, scales);
+    }
+
+    /// A checkpoint's bytes of the weight's rows leave the process's resident memory.
+    fn written(&self, dst: usize) {
+        if !self.mapped {
+            return;
+        }
+        if let Some((src, p)) = self.piece_of(dst) {
+            let rb = src.row_bytes();
+            let (a, b) = (p.row0 * rb, ((p.row0 + p.rows) * rb).min(src.data.len()));
+            crate::weights::safetensors_io::release_pages(&src.data[a..b]);
         }
     }
 }
 
-/// Writes piece `p` of `src` into a quantized weight: codes and scales are copied as they
-/// are when the source already has the weight's format (an FP4 expert, or an FP8 matrix
-/// with the same scale blocks); anything else is decoded and quantized.
-fn write_quantized(src: &Source, p: Piece, q: &mut QMatrix) {
+/// Writes rows `rows` of piece `p` of `src` into a chunk of a weight with geometry `g`: codes
+/// and scales are copied as they are when the source already has the weight's format (an FP4
+/// expert, or an FP8 matrix with the same scale blocks); anything else is decoded and encoded
+/// (f32 as is, BF16 rounded, quantized with the official rules).
+fn write_rows(
+    src: &Source,
+    p: Piece,
+    g: Geometry,
+    rows: std::ops::Range<usize>,
+    data: &mut [u8],
+    scales: &mut [f32],
+) {
     let cols = src.cols;
-    match (src.enc, q.format, src.scale) {
-        (Encoding::Fp8(b), QFormat::Fp8 { block }, Some((scale, sdt)))
+    let (r0, r1) = (p.row0 + rows.start, p.row0 + rows.end);
+    let local = g.scale_range(&rows);
+    match (src.enc, g.kind, src.scale) {
+        (Encoding::Int(it), StorageKind::I32, _) => {
+            let sz = it.size();
+            let mut out = vec![0i32; (r1 - r0) * cols];
+            dtype::decode_int(it, &src.data[r0 * cols * sz..r1 * cols * sz], &mut out);
+            data.chunks_exact_mut(4)
+                .zip(&out)
+                .for_each(|(o, v)| o.copy_from_slice(&v.to_le_bytes()));
+        }
+        (Encoding::Fp8(b), StorageKind::Quant(QFormat::Fp8 { block }), Some((scale, sdt)))
             if b == block && p.row0.is_multiple_of(src.mat_rows) && p.rows == src.mat_rows =>
         {
-            q.codes
-                .copy_from_slice(&src.data[p.row0 * cols..(p.row0 + p.rows) * cols]);
-            let per_mat = q.scales.len();
+            data.copy_from_slice(&src.data[r0 * cols..r1 * cols]);
+            let per_mat = src.mat_rows.div_ceil(block[0]) * cols.div_ceil(block[1]);
             let m = p.row0 / src.mat_rows;
-            q.scales
+            scales
                 .iter_mut()
-                .enumerate()
-                .for_each(|(i, s)| *s = sdt.get(scale, m * per_mat + i));
+                .zip(local)
+                .for_each(|(s, i)| *s = sdt.get(scale, m * per_mat + i));
         }
-        (Encoding::Fp4, QFormat::Fp4, Some((scale, sdt))) => {
+        (Encoding::Fp4, StorageKind::Quant(QFormat::Fp4), Some((scale, sdt))) => {
             let half = cols / 2;
-            q.codes
-                .copy_from_slice(&src.data[p.row0 * half..(p.row0 + p.rows) * half]);
+            data.copy_from_slice(&src.data[r0 * half..r1 * half]);
             let sc = cols.div_ceil(FP4_BLOCK);
-            q.scales
+            scales
                 .iter_mut()
-                .enumerate()
-                .for_each(|(i, s)| *s = sdt.get(scale, p.row0 * sc + i));
+                .zip(local)
+                .for_each(|(s, i)| *s = sdt.get(scale, p.row0 * sc + i));
         }
-        _ => {
-            let mut tmp = vec![0.0f32; p.rows * cols];
-            decode_rows(src, p.row0, &mut tmp);
-            q.quantize_from(&tmp);
+        (_, kind, _) => {
+            let mut tmp = vec![0.0f32; (r1 - r0) * cols];
+            decode_rows(src, r0, &mut tmp);
+            encode_rows(kind, &tmp, cols, data, scales);
         }
     }
 }
@@ -1013,6 +1057,7 @@ fn decode_rows(src: &Source, row0: usize, out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::weights::store::TensorData;
 
     fn host<'a>(
         name: &'a str,
@@ -1030,7 +1075,7 @@ mod tests {
 
     /// A float / index update without scale (the form most tests need), checked.
     fn check_update(store: &WeightStore, u: HostTensor) -> Result<Vec<usize>> {
-        super::check_update(store, &u, None, [128, 128])
+        super::check_update(store.table(), &u, None, [128, 128])
     }
 
     /// [`check_update`]'s update, written.
@@ -1296,5 +1341,101 @@ mod tests {
             TensorData::I32(v) => v.iter().all(|&x| x == 0),
             _ => panic!("the test config stores every weight as f32/i32"),
         }));
+    }
+
+    /// Values written in row chunks (as the CUDA upload writes them) equal the weight written
+    /// whole: FP8 codes copied with their scales, FP4 codes copied, BF16 quantized on write.
+    #[test]
+    fn chunked_writes_equal_whole_writes() {
+        // 16x16 FP8 blocks so that small weights span several block rows.
+        let json = SMALL.replace(
+            r#""hc_mult": 2"#,
+            r#""hc_mult": 2, "quantization_config": {"weight_block_size": [16, 16]}"#,
+        );
+        let cfg = ModelConfig::from_json_str(&json).unwrap();
+        let table = WeightTable::new(&cfg, crate::weights::WeightFormat::AsStored).unwrap();
+        let w = |name: &str| table.index_of(name).unwrap();
+        let shape = |name: &str| table.entry(w(name)).spec.shape.clone();
+        // wq_b [heads * head_dim, q_lora] = [64, 32] as FP8 codes + E8M0 scales [4, 2].
+        let sq = shape("layers.0.attn.wq_b.weight");
+        let codes: Vec<u8> = (0..sq[0] * sq[1])
+            .map(|k| (k * 37 % 251) as u8 & 0x7e)
+            .collect();
+        let grid = [sq[0].div_ceil(16), sq[1].div_ceil(16)];
+        let e8: Vec<u8> = (0..grid[0] * grid[1]).map(|k| 120 + k as u8).collect();
+        // A shared-expert w1 as BF16 (quantized on write).
+        let se = shape("layers.1.ffn.shared_experts.w1.weight");
+        let bf: Vec<u8> = (0..se[0] * se[1])
+            .flat_map(|k| {
+                half::bf16::from_f32((k as f32 * 0.37).sin())
+                    .to_bits()
+                    .to_le_bytes()
+            })
+            .collect();
+        // A routed FP4 expert: packed codes + E8M0 scales (1x32 blocks).
+        let ex = shape("layers.1.ffn.experts.0.w1.weight");
+        let fp4: Vec<u8> = (0..ex[0] * ex[1] / 2)
+            .map(|k| (k * 91 % 256) as u8)
+            .collect();
+        let s4: Vec<u8> = (0..ex[0] * ex[1].div_ceil(32))
+            .map(|k| 125 + (k % 5) as u8)
+            .collect();
+        let scale_shape = [ex[0], ex[1].div_ceil(32)];
+        let updates = [
+            (
+                host("layers.0.attn.wq_b.weight", HostDtype::F8E4M3, &sq, &codes),
+                Some(host(
+                    "layers.0.attn.wq_b.scale",
+                    HostDtype::E8M0,
+                    &grid,
+                    &e8,
+                )),
+            ),
+            (
+                host(
+                    "layers.1.ffn.shared_experts.w1.weight",
+                    HostDtype::Bf16,
+                    &se,
+                    &bf,
+                ),
+                None,
+            ),
+            (
+                host(
+                    "layers.1.ffn.experts.0.w1.weight",
+                    HostDtype::Fp4E2M1,
+                    &ex,
+                    &fp4,
+                ),
+                Some(host(
+                    "layers.1.ffn.experts.0.w1.scale",
+                    HostDtype::E8M0,
+                    &scale_shape,
+                    &s4,
+                )),
+            ),
+        ];
+        let values = plan_updates(&table, &updates, [16, 16]).unwrap();
+        assert_eq!(values.targets().len(), 3);
+        for i in values.targets() {
+            let g = Geometry::of(table.entry(i));
+            assert!(table.is_quantized(i), "{}", table.name(i));
+            let fill = |rows: &std::ops::Range<usize>| {
+                let mut d = vec![0u8; g.data_range(rows).len()];
+                let mut s = vec![0f32; g.scale_range(rows).len()];
+                values.fill(&table, i, rows.clone(), &mut d, &mut s);
+                (d, s)
+            };
+            let whole = fill(&(0..g.rows));
+            let chunks = g.chunks(g.min_chunk_bytes());
+            assert!(chunks.len() > 1, "{}: one chunk", table.name(i));
+            let (mut d, mut s) = (vec![], vec![]);
+            for c in chunks {
+                let (cd, cs) = fill(&c);
+                d.extend(cd);
+                s.extend(cs);
+            }
+            assert_eq!((d, s), whole, "{}", table.name(i));
+        }
     }
 }

@@ -8,9 +8,12 @@ pub mod load;
 pub mod names;
 pub mod qmatrix;
 pub mod quant;
+pub mod rows;
 pub mod safetensors_io;
 pub mod spec;
 pub mod store;
+pub mod table;
+pub mod values;
 
 /// `weight_format` create option (DESIGN.md §4): how quantizable weights are held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,7 +4,6 @@
 //! Rows are dequantized on demand; writes quantize with the official rounding rules.
 
 use super::dtype::{E4M3_LUT, FP4_LUT};
-use super::quant::{E2M1_MAX, E4M3_MAX, e2m1_encode, e4m3_encode, ue8m0_scale};
 
 /// Scale block of FP4 experts along the input dimension.
 pub const FP4_BLOCK: usize = 32;
@@ -84,58 +83,14 @@ impl QMatrix {
     /// power-of-two scales from the block amax, round-to-nearest-even codes). Values must be
     /// finite (callers check first).
     pub fn quantize_from(&mut self, src: &[f32]) {
-        let (rows, cols) = (self.rows, self.cols);
-        debug_assert_eq!(src.len(), rows * cols);
-        let scols = self.scale_cols();
-        match self.format {
-            QFormat::Fp8 { block } => {
-                for br in 0..rows.div_ceil(block[0]) {
-                    let r1 = ((br + 1) * block[0]).min(rows);
-                    for bc in 0..scols {
-                        let c1 = ((bc + 1) * block[1]).min(cols);
-                        let mut amax = 0.0f32;
-                        for r in br * block[0]..r1 {
-                            src[r * cols + bc * block[1]..r * cols + c1]
-                                .iter()
-                                .for_each(|v| amax = amax.max(v.abs()));
-                        }
-                        let (_, s) = ue8m0_scale(amax.max(1e-4), E4M3_MAX);
-                        self.scales[br * scols + bc] = s;
-                        for r in br * block[0]..r1 {
-                            for j in bc * block[1]..c1 {
-                                self.codes[r * cols + j] =
-                                    e4m3_encode((src[r * cols + j] / s).clamp(-E4M3_MAX, E4M3_MAX));
-                            }
-                        }
-                    }
-                }
-            }
-            QFormat::Fp4 => {
-                let half = cols.div_ceil(2);
-                for r in 0..rows {
-                    for bc in 0..scols {
-                        let (c0, c1) = (bc * FP4_BLOCK, ((bc + 1) * FP4_BLOCK).min(cols));
-                        let vals = &src[r * cols + c0..r * cols + c1];
-                        let amax = vals
-                            .iter()
-                            .fold(0.0f32, |m, v| m.max(v.abs()))
-                            .max(E2M1_MAX * f32::MIN_POSITIVE);
-                        let (_, s) = ue8m0_scale(amax, E2M1_MAX);
-                        self.scales[r * scols + bc] = s;
-                        for j in c0..c1 {
-                            let nib =
-                                e2m1_encode((src[r * cols + j] / s).clamp(-E2M1_MAX, E2M1_MAX));
-                            let b = &mut self.codes[r * half + j / 2];
-                            *b = if j % 2 == 0 {
-                                (*b & 0xf0) | nib
-                            } else {
-                                (*b & 0x0f) | (nib << 4)
-                            };
-                        }
-                    }
-                }
-            }
-        }
+        debug_assert_eq!(src.len(), self.rows * self.cols);
+        crate::weights::rows::quantize_rows(
+            self.format,
+            src,
+            self.cols,
+            &mut self.codes,
+            &mut self.scales,
+        );
     }
 
     /// Bytes of codes + scales (f32), for introspection.

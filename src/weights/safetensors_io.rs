@@ -338,6 +338,25 @@ fn map_file(path: &Path) -> Result<Mmap> {
     unsafe { Mmap::map(&f) }.map_err(io)
 }
 
+/// Drops the whole pages of `bytes` (part of a checkpoint mapping, already consumed) from
+/// this process's resident memory (madvise DONTNEED). The mapping stays valid: a later read
+/// faults the pages back in from the file, with the same bytes (the mapping is read-only, so
+/// no page of it was ever written). A load then costs the page cache, not the engine's RSS,
+/// a checkpoint's size. Only for slices of a [`Checkpoint`]'s mappings; best effort.
+pub fn release_pages(bytes: &[u8]) {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+        let start = (bytes.as_ptr() as usize).div_ceil(page) * page;
+        let end = (bytes.as_ptr() as usize + bytes.len()) / page * page;
+        if end > start {
+            // SAFETY: [start, end) lies inside `bytes`, a read-only file mapping (see above).
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+        }
+    }
+}
+
 /// Rejects data offsets past the end of the file before the `safetensors` crate sees them:
 /// it sums offsets and the header length unchecked, which a hostile header can overflow
 /// (a panic in debug builds). Anything else malformed is left to the crate to report.

@@ -1,13 +1,15 @@
-//! [`WeightStore`]: every weight of the model in one place, allocated once at create at its
-//! final address and only ever written in place (load, refit). Lookups by canonical name.
-
-use std::collections::HashMap;
+//! [`WeightStore`]: the values of every weight in host memory, allocated once at create at
+//! their final address and only ever written in place (load, refit). The CPU backend's
+//! weights (and tests' host models); the CUDA backend holds none (DESIGN.md §2: no host
+//! mirror), its values live in the device arena only.
 
 use crate::config::ModelConfig;
 use crate::error::{Result, Status};
 use crate::weights::WeightFormat;
-use crate::weights::qmatrix::{QFormat, QMatrix};
-use crate::weights::spec::{ElemKind, StoredAs, TensorSpec, tensor_specs};
+use crate::weights::qmatrix::QMatrix;
+use crate::weights::spec::TensorSpec;
+use crate::weights::table::storage_kind;
+pub use crate::weights::table::{StorageKind, WeightLayout, WeightTable, weight_layout};
 
 /// Engine-side storage of one weight.
 pub enum TensorData {
@@ -44,6 +46,24 @@ impl TensorData {
                 data_bytes: q.codes.len(),
                 scales: q.scales.len(),
             },
+        }
+    }
+
+    /// The stored values as bytes (little-endian f32 / bf16 / i32 words, or the codes) and the
+    /// f32 block scales (empty unless quantized), for writing in place.
+    pub fn parts_mut(&mut self) -> (&mut [u8], &mut [f32]) {
+        fn bytes_of<T: Copy>(v: &mut [T]) -> &mut [u8] {
+            // SAFETY: the words are plain numbers (f32, u16, i32) with no invalid bit patterns,
+            // u8 needs no alignment, and the byte slice borrows `v` mutably for its lifetime.
+            unsafe {
+                std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), std::mem::size_of_val(v))
+            }
+        }
+        match self {
+            TensorData::F32(v) => (bytes_of(v), &mut []),
+            TensorData::Bf16(v) => (bytes_of(v), &mut []),
+            TensorData::I32(v) => (bytes_of(v), &mut []),
+            TensorData::Quant(q) => (&mut q.codes, &mut q.scales),
         }
     }
 
@@ -104,106 +124,6 @@ impl MatRef<'_> {
     }
 }
 
-/// The storage chosen for a weight: quantizable weights follow `weight_format`; everything
-/// else is f32 (or i32 for index tables) on the CPU backend.
-/// How one weight is stored, decided from its spec, the config and the weight format alone
-/// (no allocation): what [`WeightStore::allocate_with`] allocates and what the memory plan
-/// counts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StorageKind {
-    I32,
-    F32,
-    Bf16,
-    Quant(QFormat),
-}
-
-/// One weight's storage: its kind and bytes (values or codes, and f32 scales).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct WeightLayout {
-    pub kind: StorageKind,
-    pub data_bytes: usize,
-    /// f32 block scales (quantized weights only).
-    pub scales: usize,
-}
-
-impl WeightLayout {
-    /// Bytes of values and scales.
-    pub fn bytes(&self) -> usize {
-        self.data_bytes + self.scales * 4
-    }
-}
-
-fn storage_kind(spec: &TensorSpec, cfg: &ModelConfig, format: WeightFormat) -> Result<StorageKind> {
-    if spec.kind == ElemKind::Index {
-        return Ok(StorageKind::I32);
-    }
-    let quantizable = spec.stored != StoredAs::Plain && spec.shape.len() == 2;
-    let quantize = match format {
-        WeightFormat::Quantize => true,
-        WeightFormat::AsStored => cfg.quant.is_some(),
-        WeightFormat::Bf16 => false,
-    };
-    if !quantizable {
-        return Ok(StorageKind::F32);
-    }
-    if format == WeightFormat::Bf16 {
-        return Ok(StorageKind::Bf16);
-    }
-    if !quantize {
-        return Ok(StorageKind::F32);
-    }
-    let block = cfg.quant.as_ref().map_or([128, 128], |q| q.weight_block);
-    let experts_fp8 = cfg.quant.as_ref().is_some_and(|q| q.expert_dtype == "fp8");
-    let qf = match spec.stored {
-        StoredAs::Fp4Expert if !experts_fp8 => QFormat::Fp4,
-        _ => QFormat::Fp8 { block },
-    };
-    let cols = spec.shape[1];
-    if qf == QFormat::Fp4 && !cols.is_multiple_of(2) {
-        crate::bail!(
-            Config,
-            "weight `{}` has an odd input dimension {cols}: FP4 packs two values per byte",
-            spec.name
-        );
-    }
-    Ok(StorageKind::Quant(qf))
-}
-
-/// The storage of weight `spec` (see [`StorageKind`]), without allocating it.
-pub fn weight_layout(
-    spec: &TensorSpec,
-    cfg: &ModelConfig,
-    format: WeightFormat,
-) -> Result<WeightLayout> {
-    let kind = storage_kind(spec, cfg, format)?;
-    let n = spec.numel();
-    Ok(match kind {
-        StorageKind::I32 | StorageKind::F32 => WeightLayout {
-            kind,
-            data_bytes: n * 4,
-            scales: 0,
-        },
-        StorageKind::Bf16 => WeightLayout {
-            kind,
-            data_bytes: n * 2,
-            scales: 0,
-        },
-        StorageKind::Quant(q) => {
-            let (rows, cols) = (spec.shape[0], spec.shape[1]);
-            let f = crate::weights::format::StorageFormat::of_qformat(q);
-            let block = match q {
-                QFormat::Fp8 { block } => block,
-                QFormat::Fp4 => [0, 0],
-            };
-            WeightLayout {
-                kind,
-                data_bytes: f.data_bytes(rows, cols),
-                scales: f.scale_count(rows, cols, block),
-            }
-        }
-    })
-}
-
 fn storage_for(spec: &TensorSpec, cfg: &ModelConfig, format: WeightFormat) -> Result<TensorData> {
     let n = spec.numel();
     Ok(match storage_kind(spec, cfg, format)? {
@@ -226,8 +146,8 @@ pub struct Tensor {
 }
 
 pub struct WeightStore {
+    table: WeightTable,
     tensors: Vec<Tensor>,
-    by_name: HashMap<String, usize>,
 }
 
 impl WeightStore {
@@ -237,40 +157,33 @@ impl WeightStore {
         Self::allocate_with(cfg, WeightFormat::AsStored)
     }
 
-    /// Every weight's (name, shape, storage) as [`WeightStore::allocate_with`] would allocate
-    /// it, allocating nothing (the memory plan).
-    pub fn layouts(
-        cfg: &ModelConfig,
-        format: WeightFormat,
-    ) -> Result<Vec<(String, Vec<usize>, WeightLayout)>> {
-        tensor_specs(cfg)
-            .into_iter()
-            .map(|spec| {
-                let l = weight_layout(&spec, cfg, format)?;
-                Ok((spec.name, spec.shape, l))
-            })
-            .collect()
-    }
-
-    /// The allocated weights' (name, shape, storage), in [`WeightStore::layouts`] order.
-    pub fn allocated_layouts(&self) -> Vec<(String, Vec<usize>, WeightLayout)> {
-        self.tensors
-            .iter()
-            .map(|t| (t.spec.name.clone(), t.spec.shape.clone(), t.data.layout()))
-            .collect()
-    }
-
     /// Allocates every weight with quantizable weights held per `format`.
     pub fn allocate_with(cfg: &ModelConfig, format: WeightFormat) -> Result<Self> {
-        let specs = tensor_specs(cfg);
-        let mut tensors = Vec::with_capacity(specs.len());
-        let mut by_name = HashMap::with_capacity(specs.len());
-        for spec in specs {
-            let data = storage_for(&spec, cfg, format)?;
-            by_name.insert(spec.name.clone(), tensors.len());
-            tensors.push(Tensor { spec, data });
+        let table = WeightTable::new(cfg, format)?;
+        let tensors = table
+            .entries()
+            .iter()
+            .map(|e| {
+                Ok(Tensor {
+                    spec: e.spec.clone(),
+                    data: storage_for(&e.spec, cfg, format)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(WeightStore { table, tensors })
+    }
+
+    /// A store of no weights (a placeholder while the real one is lent out).
+    pub fn empty() -> Self {
+        WeightStore {
+            table: WeightTable::empty(),
+            tensors: Vec::new(),
         }
-        Ok(WeightStore { tensors, by_name })
+    }
+
+    /// The table these values follow (names, shapes, layouts).
+    pub fn table(&self) -> &WeightTable {
+        &self.table
     }
 
     pub fn len(&self) -> usize {
@@ -282,7 +195,7 @@ impl WeightStore {
     }
 
     pub fn index_of(&self, name: &str) -> Option<usize> {
-        self.by_name.get(name).copied()
+        self.table.index_of(name)
     }
 
     pub fn tensor(&self, i: usize) -> &Tensor {
@@ -341,8 +254,7 @@ impl WeightStore {
 
     /// Index of a weight the model requires; a missing one is an internal error.
     pub fn require(&self, name: &str) -> Result<usize> {
-        self.index_of(name)
-            .ok_or_else(|| crate::err!(Internal, "weight table lacks `{name}`"))
+        self.table.require(name)
     }
 }
 

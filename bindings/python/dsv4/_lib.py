@@ -32,10 +32,11 @@ from typing import NamedTuple
 from ._errors import Error, error_for
 
 # The oldest ABI this binding works with (include/dsv4.h): dsv4_create_params is passed by
-# value from dsv4_create_params_default(), so its layout (minor 2 appended `kernel_set`) must
-# be the library's; the function table below names every call of the newest minor.
+# value from dsv4_create_params_default(), so its layout (minor 2 appended `kernel_set`, minor
+# 4 `staging_nbytes`) must be the library's; the function table below names every call of the
+# newest minor.
 ABI_MAJOR = 1
-ABI_MINOR = 3
+ABI_MINOR = 4
 # Minor 1 added: FP8/FP4/E8M0 tensor entries (stored-format load and refit), DEVICE memory
 # for tensor entries on the CUDA backend, the buffer ranges at the end of dsv4_info, and
 # derived tensors in the weight listing.
@@ -46,6 +47,9 @@ ABI_MINOR_DEVICE_ERROR = 2
 # Minor 3 added: dsv4_refit_abort, the memory plan (dsv4_plan_memory), dsv4_slot_length,
 # dsv4_canonical_name, bos/eos and per-slot state bytes in dsv4_info, DSV4_STATUS_OUT_OF_MEMORY.
 ABI_MINOR_REFIT_ABORT = 3
+# Minor 4 added: `staging_nbytes` (create), `host_transient_nbytes` (dsv4_info); the CUDA
+# backend keeps no host copy of the weights.
+ABI_MINOR_STAGING = 4
 
 MAX_DIMS = 8
 
@@ -99,6 +103,8 @@ class CreateParams(Structure):
         ("cache_dir", c_char_p),
         # ABI minor 2.
         ("kernel_set", c_char_p),
+        # ABI minor 4.
+        ("staging_nbytes", c_uint64),
     ]
 
 
@@ -167,6 +173,9 @@ class Info(Structure):
         ("state_slot_nbytes", c_uint64),
         ("device_nbytes", c_uint64),
         ("host_nbytes", c_uint64),
+        # ABI minor 4: host bytes held now beyond the fixed buffers (CUDA staging while a
+        # load or refit writes, held refit halves).
+        ("host_transient_nbytes", c_uint64),
     ]
 
 

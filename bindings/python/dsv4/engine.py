@@ -182,7 +182,7 @@ class BatchFault:
 
 
 def _create_params(lib, model_dir, device, max_num_seqs, max_num_tokens, max_seq_len, load, numerics,
-                   config_json, num_threads, weight_format, cache_dir, kernel_set):
+                   config_json, num_threads, weight_format, cache_dir, kernel_set, staging_nbytes=0):
     """dsv4_create_params for Engine's arguments, and the byte strings it points to (keep them
     alive while the params are used)."""
     load_code = None if load is None else _choice(load, _lib.LOAD, "load")
@@ -222,6 +222,9 @@ def _create_params(lib, model_dir, device, max_num_seqs, max_num_tokens, max_seq
         k = str(kernel_set).encode("utf-8")
         keep.append(k)
         p.kernel_set = k
+    if not isinstance(staging_nbytes, (int, np.integer)) or not 0 <= int(staging_nbytes) < 1 << 64:
+        raise invalid(f"staging_nbytes must be a non-negative int, got {staging_nbytes!r}")
+    p.staging_nbytes = int(staging_nbytes)
     return p, keep
 
 
@@ -254,7 +257,8 @@ class Engine:
     ``kernel_set`` picks the CUDA kernel set ("reference" or "fast"; None = the default:
     "fast" for official numerics on an sm_90 (Hopper) GPU, else "reference"); a name the
     library lacks, "fast" with exact numerics, or "fast" on a GPU without sm_90a raises
-    :class:`ConfigError`.
+    :class:`ConfigError`. ``staging_nbytes`` (CUDA) bounds the pinned host memory weights are
+    written through (0 = 256 MiB; the engine keeps no host copy of the weights).
 
     Calls on one Engine are serialized by an internal lock (the C ABI requires it);
     distinct Engines run independently. Every failure raises :class:`dsv4.Error` (a
@@ -275,6 +279,7 @@ class Engine:
         weight_format: str = "as_stored",
         cache_dir: str | None = None,
         kernel_set: str | None = None,
+        staging_nbytes: int = 0,
     ):
         self._handle = None
         self._lock = threading.RLock()
@@ -282,7 +287,8 @@ class Engine:
         self._lib = lib
         load_code = None if load is None else _choice(load, _lib.LOAD, "load")
         p, keep = _create_params(lib, model_dir, device, max_num_seqs, max_num_tokens, max_seq_len, load,
-                                 numerics, config_json, num_threads, weight_format, cache_dir, kernel_set)
+                                 numerics, config_json, num_threads, weight_format, cache_dir, kernel_set,
+                                 staging_nbytes)
         self._device = p.device
 
         handle = ctypes.c_void_p()

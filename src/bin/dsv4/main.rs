@@ -6,10 +6,16 @@
 //! - `dsv4 eval --model DIR --fixture FILE`: max |dlogit| against an oracle file written by
 //!   tests/fixtures/make_fixtures.py.
 //! - `dsv4 bench [--model DIR] [--tokens N]`: prefill and decode timings as JSON.
+//! - `dsv4 bench load [--config FILE | --model DIR] [--device ...]`: create + load + finalize
+//!   times, load GB/s and host memory (bench_load.rs).
+//! - `dsv4 dummy-checkpoint --config FILE --out DIR`: the dummy weights as a safetensors
+//!   checkpoint (dummy_checkpoint.rs).
 //! - `dsv4 bench moe [--batches N,N...] [--routing uniform,skewed,topk] [--path P] [--ids-dir DIR]`: the
 //!   fast MoE layer alone at Flash shapes, one JSON line per case (bench_moe.rs).
 
+mod bench_load;
 mod bench_moe;
+mod dummy_checkpoint;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -22,6 +28,8 @@ const USAGE: &str = "usage:
   dsv4 run --model DIR --prompt ID,ID,... [--max-new N] [--device ...]
   dsv4 eval --model DIR --fixture ORACLE.safetensors
   dsv4 bench [--model DIR | --config FILE] [--tokens N] [--decode-steps N] [--decode-batch N[,N...]] [--graph 0|1] [--device ...]
+  dsv4 bench load [--config FILE | --model DIR] [--device ...] [--staging-mb N]
+  dsv4 dummy-checkpoint --config FILE --out DIR [--seed S]
   dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,prefill]
                  [--ids-dir DIR] [--device cuda[:N]]";
 
@@ -87,6 +95,7 @@ fn main() -> ExitCode {
         "run" => run(&a),
         "eval" => eval(&a),
         "bench" => bench(&a),
+        "dummy-checkpoint" => dummy_checkpoint::run(&a),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())
@@ -495,6 +504,7 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
     }
     e.finalize().map_err(err)?;
     let setup_s = t_create.elapsed().as_secs_f64();
+    let setup_peak_rss = bench_load::proc_status_bytes("VmHWM");
     let vocab = e.config().vocab_size;
     let ctx = Context::retain(dev).map_err(err)?;
     let _g = ctx.enter().map_err(err)?;
@@ -598,7 +608,7 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
             String::new()
         };
         println!(
-            "{{\"backend\": \"{backend}\", \"layers\": {}, \"hidden\": {}, \"experts\": {}, \"setup_s\": {setup_s:.1}, \"prefill_tokens\": {}, \"prefill_seqs\": {batch}, \"prefill_ms\": {:.3}, \"decode_batch\": {batch}, \"decode_steps\": {steps}, \"decode_ms_median\": {:.3}, \"decode_ms_per_step\": {:?}{graph_json}}}",
+            "{{\"backend\": \"{backend}\", \"layers\": {}, \"hidden\": {}, \"experts\": {}, \"setup_s\": {setup_s:.1}, \"setup_peak_rss\": {setup_peak_rss}, \"prefill_tokens\": {}, \"prefill_seqs\": {batch}, \"prefill_ms\": {:.3}, \"decode_batch\": {batch}, \"decode_steps\": {steps}, \"decode_ms_median\": {:.3}, \"decode_ms_per_step\": {:?}{graph_json}}}",
             c.num_layers,
             c.hidden_size,
             c.n_routed_experts,
@@ -642,6 +652,7 @@ fn bench(a: &Args) -> Result<(), String> {
                 ids_dir: a.get("ids-dir").map(PathBuf::from),
             });
         }
+        Some("load") => return bench_load::run(a, device(a)?),
         Some(other) => return Err(format!("unknown bench `{other}`\n{USAGE}")),
     }
     let dev = device(a)?;

@@ -28,6 +28,8 @@ crate::kernel_family! {
         x: *const f32, r: i32, n: i32, d: i32, proj: *const f32, base: *const f32,
         scale: *const f32, hc_eps: f32, rms_eps: f32, round_out: bool, y: *mut f32,
     );
+    /// Derived (finalize / refit): layer 0's stream-folded projection from the device `proj`.
+    fn hc0_fold_kernel(proj: *const f32, mix: i32, n: i32, d: i32, fold: *mut f64);
 }
 
 /// Most residual streams (hc_mult) the kernels support (`HC_MAX_N` in mhc.cu).
@@ -62,6 +64,46 @@ pub struct HcSiteDev {
     /// Layer 0's attention site only: the derived f64 stream-folded projection
     /// [(2+N)*N, D] (`reference::mhc::fold_projection`), read instead of `proj`.
     pub fold: Option<DevicePtr>,
+}
+
+crate::launchers! {
+    /// The derived-tensor builder of the family (the backend's, not a kernel set's).
+    pub struct Hc0Fold {
+        fold: hc0_fold_kernel,
+    }
+}
+
+impl Hc0Fold {
+    /// Writes `fold` [(2+N)*N, D] f64 from `proj` [(2+N)*N, N*D] f32 (hc_fold.rs
+    /// fold_projection, bit for bit).
+    pub fn launch(
+        &self,
+        proj: DevicePtr,
+        n: usize,
+        d: usize,
+        fold: DevicePtr,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "hc0_fold_kernel";
+        check_shape(K, n, d)?;
+        let mix = (2 + n) * n;
+        need(K, "proj", proj, mix * n * d * 4)?;
+        need(K, "fold", fold, mix * d * 8)?;
+        let blocks = (mix * d).div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS) as u32;
+        self.fold.launch(
+            blocks,
+            THREADS,
+            0,
+            stream,
+            hc0_fold_kernel::Args {
+                proj,
+                mix: to_i32(K, "mix", mix)?,
+                n: to_i32(K, "N", n)?,
+                d: to_i32(K, "D", d)?,
+                fold,
+            },
+        )
+    }
 }
 
 crate::launchers! {
