@@ -959,9 +959,10 @@ dsv4_status dsv4_load(struct dsv4_engine *engine, const char *source, int32_t fo
  * Loads one named weight (streaming hosts) from host memory, or from device memory of the
  * engine's device (DSV4_MEMORY_DEVICE, CUDA backend: read on the legacy default stream):
  * validates the name, dtype and shape against the engine's table, converts to the storage
- * format and copies. Names may follow any of the three naming schemes, like dsv4_refit's
- * (dsv4_canonical_name maps a name to what it stands for). Float / index values only: a stored-format weight needs its scale,
- * which only dsv4_refit can pair with it.
+ * format and copies (device values on the device, without a host copy). Names may follow any
+ * of the three naming schemes, like dsv4_refit's (dsv4_canonical_name maps a name to what it
+ * stands for). Float / index values only: a stored-format weight needs its scale entry in
+ * the same call, which dsv4_load_tensors (and dsv4_refit) take.
  * Allowed in phases CREATED and LOADED; when every weight has been given a value the
  * engine moves to DSV4_PHASE_LOADED. `tensor` and its data are read during the call only.
  *
@@ -973,8 +974,39 @@ dsv4_status dsv4_load(struct dsv4_engine *engine, const char *source, int32_t fo
  * # Safety
  * `engine` from dsv4_create; `tensor` valid with `data` holding the described bytes.
  */
-dsv4_status dsv4_load_tensor(struct dsv4_engine *engine,
-                             const struct dsv4_tensor *tensor);
+dsv4_status dsv4_load_tensor(struct dsv4_engine *engine, const struct dsv4_tensor *tensor);
+
+/**
+ * Since ABI 1.4. Loads named weights like dsv4_load_tensor, several in one call: `tensors`
+ * is an array of `n` entries laid out as for dsv4_refit (stride = tensors[0].struct_size),
+ * ALL validated before ANY is written. A weight in its stored format (F8_E4M3 / FP4_E2M1
+ * codes) comes with its block-scale entry (`<weight>.scale` / `<weight>_scale_inv`, E8M0 or
+ * F32) in the same call. Entries may be in host memory or (CUDA backend,
+ * DSV4_MEMORY_DEVICE) device memory of the engine's device, read on `stream`: device values
+ * never go through the host. Stored-format codes are copied device to device (scales
+ * converted to the engine's f32), other values converted or quantized by kernels, bit for
+ * bit as the host path; before anything is written a device pass checks that floats headed
+ * for FP8/FP4 storage are finite and that hash-routing ids are in range, and the driver
+ * confirms each device range lies inside one CUDA allocation. Host entries stream through
+ * the bounded staging buffers (`staging_nbytes`). Allowed in phases CREATED and LOADED;
+ * when every weight has a value the engine moves to DSV4_PHASE_LOADED. `n` = 0 writes
+ * nothing.
+ *
+ * Errors: NULL_POINTER (`engine`, `tensors` with n > 0, an entry's `name` / `data`),
+ * INVALID_ARGUMENT (struct_size, dtype, ndim, extent; a weight named twice), UNSUPPORTED
+ * (device memory on the CPU backend), CUDA (a device range outside its allocation), STATE
+ * (after finalize), TENSOR (unknown name, wrong shape or dtype, a stored-format weight
+ * without its scale or a scale without its weight, a non-finite value headed for FP8/FP4
+ * storage, an expert id out of range: entry and weight named). On any of these nothing is
+ * written.
+ *
+ * # Safety
+ * `engine` from dsv4_create; `tensors` NULL (n = 0) or `n` valid entries.
+ */
+dsv4_status dsv4_load_tensors(struct dsv4_engine *engine,
+                              const struct dsv4_tensor *tensors,
+                              size_t n,
+                              void *stream);
 
 /**
  * Makes the engine runnable: rebuilds every derived tensor in place, compiles and loads
@@ -1060,8 +1092,11 @@ dsv4_status dsv4_forward(struct dsv4_engine *engine, const struct dsv4_batch *ba
  * ALL entries are validated (name, dtype, shape, finite values when quantizing) before ANY
  * is written, so a bad entry leaves the engine unchanged, held halves included; then every
  * derived tensor depending on a touched weight is rebuilt (expert tables, layer 0's folded
- * mHC projection, RoPE tables). No device memory is allocated; device-memory entries are
- * staged through host memory.
+ * mHC projection, RoPE tables). No device memory is allocated. Device-memory entries stay on
+ * the device (as for dsv4_load_tensors: codes copied device to device, other values
+ * converted or quantized by kernels, checked on the device before anything is written); host
+ * entries stream through the bounded pinned staging (`staging_nbytes`). The one exception is
+ * a chunked refit's half held for its partner, which is kept as a host copy.
  * Weight addresses do not change, so CUDA graphs captured before a refit replay with the
  * new values. In DSV4_PHASE_READY (derived buffers rebuilt now) or DSV4_PHASE_REFITTING
  * (rebuilt at dsv4_refit_end). `n` = 0 changes nothing.

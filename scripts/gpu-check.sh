@@ -247,12 +247,13 @@ else
   tail -n 5 "$OUT/memcheck.log" | tee -a "$LOG"
   if [ $rc -eq 0 ]; then mstatus=pass; elif [ $rc -eq 124 ]; then mstatus=timeout; else mstatus=fail; fi
   grep -q 'skipped: no CUDA device' "$OUT/memcheck.log" && mstatus=skipped
-  # Graph capture/replay and refit after capture (the soak would take too long under memcheck).
+  # Graph capture/replay, refit after capture, and loads / refits from device memory (the soak
+  # would take too long under memcheck).
   contract_bin=$(printf '%s\n' $bins | grep '/gpu_host_contract-' | head -1)
   if [ -n "$contract_bin" ]; then
-    say "== memcheck $contract_bin captured old_graph dummy_then_sync"
+    say "== memcheck $contract_bin captured old_graph dummy_then_sync load_tensors a_bad_device"
     DSV4_UNDER_SANITIZER=1 timeout "$timeout_s" "$sanitizer" --tool memcheck --leak-check full \
-      --error-exitcode 99 "$contract_bin" --nocapture --test-threads=1 captured old_graph dummy_then_sync \
+      --error-exitcode 99 "$contract_bin" --nocapture --test-threads=1 captured old_graph dummy_then_sync load_tensors a_bad_device \
       >"$OUT/memcheck_contract.log" 2>&1
     crc=$?
     csum=$(grep -E 'ERROR SUMMARY' "$OUT/memcheck_contract.log" | tail -1)

@@ -6,6 +6,7 @@
 
 use crate::error::Result;
 use crate::model::batch::BatchFault;
+use crate::weights::load::{DeviceCheck, DeviceWrite};
 use crate::weights::store::WeightStore;
 use crate::weights::table::WeightTable;
 use crate::weights::values::{Progress, WeightValues};
@@ -145,6 +146,34 @@ pub trait Backend {
         stream: StreamHandle,
     ) -> Result<()>;
 
+    /// Runs `checks` over device values (finite floats, expert ids in range) and fails with
+    /// the first entry that does not pass, before anything is written (a device backend;
+    /// others refuse device memory).
+    /// `writes` are the device writes to come: the backend confirms their sources are
+    /// readable device memory first.
+    fn check_device(
+        &mut self,
+        checks: &[DeviceCheck],
+        writes: &[DeviceWrite],
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let _ = stream;
+        unsupported_device(checks.len() + writes.len())
+    }
+
+    /// Writes weights from device memory on the device (codes copied device to device, or
+    /// converted / quantized by kernels), on `stream`, and waits. Checked before by
+    /// [`Backend::check_device`].
+    fn write_device(
+        &mut self,
+        table: &WeightTable,
+        writes: &[DeviceWrite],
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let _ = (table, stream);
+        unsupported_device(writes.len())
+    }
+
     /// The end of a sequence of [`Backend::write_weights`] (finalize, the end of a refit):
     /// frees what writing needed (the CUDA staging buffers). Default: nothing.
     fn end_writes(&mut self) {}
@@ -212,4 +241,15 @@ pub trait Backend {
         stream: StreamHandle,
         what: &str,
     ) -> Result<Vec<u8>>;
+}
+
+/// UNSUPPORTED for device-memory values on a backend without a device (none: OK).
+fn unsupported_device(n: usize) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    Err(crate::error::Error::new(
+        crate::error::Status::Unsupported,
+        "DSV4_MEMORY_DEVICE entries need the CUDA backend (this engine runs on the CPU)",
+    ))
 }

@@ -10,11 +10,13 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result, Status};
 use crate::load_report;
 use crate::reference::CpuBackend;
-use crate::refit_pairs::PendingPairs;
+use crate::refit_pairs::{PendingPairs, Write};
 use crate::weights;
+use crate::weights::load::CheckedValues;
 use crate::weights::store::WeightStore;
 use crate::weights::table::WeightTable;
 use crate::weights::values::{Progress, WeightValues};
+use crate::weights::{Bytes, UpdateTensor};
 
 use crate::backend::Backend;
 pub use crate::backend::{
@@ -47,7 +49,7 @@ pub enum ConfigSource {
 /// (F8_E4M3 / FP4_E2M1 codes) comes with its block-scale tensor as another entry of the same
 /// refit, named as checkpoints name it (`<weight>.scale`, `<weight>_scale_inv`), or of another
 /// chunk of the same chunked refit.
-pub type TensorUpdate<'a> = crate::weights::HostTensor<'a>;
+pub type TensorUpdate<'a> = crate::weights::UpdateTensor<'a>;
 
 /// What a tensor name stands for (Engine::canonical_name).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -267,9 +269,8 @@ impl Engine {
         // One update may fill several weights (HF-native fused experts) or none (`mtp.*`).
         let block = self.quant_block();
         let values = weights::load::plan_updates(&self.weights, &[(*update, None)], block)?;
-        let touched = values.targets();
         let null = std::ptr::null_mut();
-        write_values(
+        let touched = write_checked(
             self.backend.as_mut(),
             &self.weights,
             "dsv4_load_tensor",
@@ -280,6 +281,35 @@ impl Engine {
             self.loaded[i] = true;
         }
         load_report::log_load_tensor(update, touched.len(), &self.loaded);
+        if self.loaded.iter().all(|&l| l) {
+            self.phase = Phase::Loaded;
+        }
+        Ok(())
+    }
+
+    /// Loads named weights (streaming hosts), from host or device memory, all validated before
+    /// any is written; a stored-format weight comes with its scale entry in the same call.
+    /// Allowed before finalize. Device values are read on `stream`.
+    pub fn load_tensors(&mut self, updates: &[TensorUpdate], stream: StreamHandle) -> Result<()> {
+        self.expect_phase("dsv4_load_tensors", &[Phase::Created, Phase::Loaded])?;
+        let block = self.quant_block();
+        let backend = self.backend.as_ref();
+        let stage = |u: &UpdateTensor| stage_entry(backend, u, stream);
+        let none = PendingPairs::default();
+        let (writes, _) = none.plan(&self.weights, updates, block, false, &stage, "load")?;
+        let staged = stage_mixed_halves(backend, &writes, stream)?;
+        let pairs = pairs_of(&writes, &staged);
+        let values = weights::load::plan_updates(&self.weights, &pairs, block)?;
+        let touched = write_checked(
+            self.backend.as_mut(),
+            &self.weights,
+            "dsv4_load_tensors",
+            &values,
+            stream,
+        )?;
+        for &i in &touched {
+            self.loaded[i] = true;
+        }
         if self.loaded.iter().all(|&l| l) {
             self.phase = Phase::Loaded;
         }
@@ -357,12 +387,17 @@ impl Engine {
         // anything is written. Inside a chunked refit a half whose partner has not come yet
         // is held (a plain refit must be complete).
         let chunked = self.phase == Phase::Refitting;
-        let (writes, held_change) = self.pending.plan(&self.weights, updates, block, chunked)?;
-        // Every entry is valid: write them into the backend's copies, then rebuild every
-        // derived buffer.
-        let pairs: Vec<_> = writes.iter().map(|w| (w.weight, w.scale)).collect();
+        let backend = self.backend.as_ref();
+        let stage = |u: &UpdateTensor| stage_entry(backend, u, stream);
+        let (writes, held_change) =
+            self.pending
+                .plan(&self.weights, updates, block, chunked, &stage, "refit")?;
+        // Every entry is valid (device values are checked on the device before anything is
+        // written): write them into the backend's copies, then rebuild every derived buffer.
+        let staged = stage_mixed_halves(backend, &writes, stream)?;
+        let pairs = pairs_of(&writes, &staged);
         let values = weights::load::plan_updates(&self.weights, &pairs, block)?;
-        write_values(
+        write_checked(
             self.backend.as_mut(),
             &self.weights,
             "dsv4_refit",
@@ -371,6 +406,7 @@ impl Engine {
         )?;
         drop(values);
         drop(pairs);
+        drop(staged);
         drop(writes);
         self.pending.commit(held_change);
         // Inside a chunked refit derived buffers are rebuilt once, at dsv4_refit_end.
@@ -542,6 +578,90 @@ impl Engine {
 
 /// Seed of `dsv4_load` with format DUMMY.
 const DUMMY_SEED: u64 = 0x5EED_D5F4;
+
+/// A host copy of an entry (device memory staged through the backend).
+fn stage_entry(backend: &dyn Backend, u: &UpdateTensor, stream: StreamHandle) -> Result<Vec<u8>> {
+    match u.data {
+        Bytes::Host(b) => Ok(b.to_vec()),
+        Bytes::Device { addr, len } => {
+            backend.stage_device_bytes(addr, len, stream, &format!("device data of `{}`", u.name))
+        }
+    }
+}
+
+/// Host copies of the device half of every pair whose weight and scale live in different
+/// memories (None where nothing is copied): such a pair is written on the host. A scale is
+/// small; a device weight with a host scale is the one case that takes device values through
+/// the host.
+fn stage_mixed_halves(
+    backend: &dyn Backend,
+    writes: &[Write],
+    stream: StreamHandle,
+) -> Result<Vec<Option<Vec<u8>>>> {
+    writes
+        .iter()
+        .map(|w| {
+            let Some(s) = &w.scale else {
+                return Ok(None);
+            };
+            match (w.weight.data, s.data) {
+                (Bytes::Host(_), Bytes::Device { .. }) => stage_entry(backend, s, stream).map(Some),
+                (Bytes::Device { .. }, Bytes::Host(_)) => {
+                    stage_entry(backend, &w.weight, stream).map(Some)
+                }
+                _ => Ok(None),
+            }
+        })
+        .collect()
+}
+
+/// The (weight, scale) pairs to plan, with the copies of [`stage_mixed_halves`] in place of
+/// the device halves they replace.
+fn pairs_of<'a>(
+    writes: &[Write<'a>],
+    staged: &'a [Option<Vec<u8>>],
+) -> Vec<(UpdateTensor<'a>, Option<UpdateTensor<'a>>)> {
+    writes
+        .iter()
+        .zip(staged)
+        .map(|(w, copy)| {
+            let (mut weight, mut scale) = (w.weight, w.scale);
+            if let (Some(c), Some(s)) = (copy, scale.as_mut()) {
+                if matches!(s.data, Bytes::Device { .. }) {
+                    s.data = Bytes::Host(c);
+                } else {
+                    weight.data = Bytes::Host(c);
+                }
+            }
+            (weight, scale)
+        })
+        .collect()
+}
+
+/// Writes checked values into `backend`: device values are checked on the device first (a
+/// failure writes nothing), then host values are written, then device values. Returns every
+/// weight written.
+fn write_checked(
+    backend: &mut dyn Backend,
+    table: &WeightTable,
+    call: &'static str,
+    values: &CheckedValues,
+    stream: StreamHandle,
+) -> Result<Vec<usize>> {
+    let checks = values.device_checks(table);
+    let writes = values.device_writes(table);
+    if !checks.is_empty() || !writes.is_empty() {
+        backend.check_device(&checks, &writes, stream)?;
+    }
+    // (Only host values need the staging buffers.)
+    if !values.targets().is_empty() {
+        write_values(backend, table, call, values, stream)?;
+    }
+    if !writes.is_empty() {
+        backend.write_device(table, &writes, stream)?;
+    }
+    Ok(values.all_targets())
+}
 
 /// Writes validated `values` into `backend`'s copies, reporting progress as `call`.
 fn write_values(

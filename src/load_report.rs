@@ -63,7 +63,7 @@ use crate::backend::Backend;
 use crate::error::Result;
 use crate::log::{self, Level};
 use crate::options::{EngineOptions, Numerics, WeightFormat};
-use crate::weights::HostTensor;
+use crate::weights::UpdateTensor;
 use crate::weights::names::{Role, classify};
 use crate::weights::qmatrix::QFormat;
 use crate::weights::safetensors_io::Checkpoint;
@@ -255,7 +255,7 @@ pub fn log_load(source: &LoadSource, store: &WeightTable, opts: &EngineOptions, 
 }
 
 /// The Debug line of a successful `dsv4_load_tensor` that wrote `written` weights.
-pub fn log_load_tensor(u: &HostTensor, written: usize, loaded: &[bool]) {
+pub fn log_load_tensor(u: &UpdateTensor, written: usize, loaded: &[bool]) {
     if !log::enabled(Level::Debug) {
         return;
     }

@@ -7,7 +7,8 @@
 //! in different chunks, in either order: hosts stream in buckets, and a checkpoint's shards
 //! may split a pair (a host reading one shard per chunk). The half that comes first is
 //! validated as far as it can be alone and held here, as a host copy (the host may reuse its
-//! buffer once the call returns; device entries were already staged to host memory), until
+//! buffer once the call returns; a device entry is copied out for this, the one case where a
+//! refit reads device values to the host), until
 //! its partner arrives; the pair is then validated together and written exactly as if both
 //! had come in one call. The engine refuses to close the refit while anything is held.
 //!
@@ -20,7 +21,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use crate::error::{Error, Result, Status};
 use crate::weights::names::{Role, Target, classify};
 use crate::weights::table::WeightTable;
-use crate::weights::{HostDtype, HostTensor, load};
+use crate::weights::{Bytes, HostDtype, UpdateTensor, load};
+
+/// Copies a device-memory entry to the host (the backend's staging), for a half that must be
+/// held past the call: the host may free its buffer when the call returns.
+pub type Stage<'s> = dyn Fn(&UpdateTensor) -> Result<Vec<u8>> + 's;
 
 /// One half of a pair, held until its partner arrives: a host copy of the entry.
 struct Held {
@@ -34,22 +39,27 @@ struct Held {
 }
 
 impl Held {
-    fn copy_of(u: &HostTensor, dsts: Vec<usize>) -> Held {
-        Held {
+    /// A host copy of `u`: its bytes, or for device memory what `stage` copies out of it.
+    fn copy_of(u: &UpdateTensor, dsts: Vec<usize>, stage: &Stage) -> Result<Held> {
+        let data = match u.data {
+            Bytes::Host(b) => b.to_vec(),
+            Bytes::Device { .. } => stage(u)?,
+        };
+        Ok(Held {
             name: u.name.to_owned(),
             dtype: u.dtype,
             shape: u.shape.to_vec(),
-            data: u.data.to_vec(),
+            data,
             dsts,
-        }
+        })
     }
 
-    fn as_update(&self) -> HostTensor<'_> {
-        HostTensor {
+    fn as_update(&self) -> UpdateTensor<'_> {
+        UpdateTensor {
             name: &self.name,
             dtype: self.dtype,
             shape: &self.shape,
-            data: &self.data,
+            data: Bytes::Host(&self.data),
         }
     }
 
@@ -78,8 +88,8 @@ pub struct PendingPairs {
 /// One validated weight update of a chunk: a weight and its scale (None for float / index
 /// values), each from the chunk or from the held set.
 pub struct Write<'a> {
-    pub weight: HostTensor<'a>,
-    pub scale: Option<HostTensor<'a>>,
+    pub weight: UpdateTensor<'a>,
+    pub scale: Option<UpdateTensor<'a>>,
 }
 
 /// How the held set changes once a validated chunk is written. Owns its data, so that the
@@ -116,7 +126,8 @@ impl PendingPairs {
         self.scales.clear();
     }
 
-    /// Pairs and validates one refit chunk. `may_hold`: inside a chunked refit, a half
+    /// Pairs and validates one refit chunk (`noun` names its entries in messages: "refit",
+    /// or "load" for dsv4_load_tensors, which never holds). `may_hold`: inside a chunked refit, a half
     /// without its partner (in the chunk or held) is validated alone and held; otherwise it
     /// is an error, as in a plain dsv4_refit. Returns the writes in chunk order and the
     /// held-set change to commit once they are written. Errors name the entries involved;
@@ -124,9 +135,11 @@ impl PendingPairs {
     pub fn plan<'a>(
         &'a self,
         store: &WeightTable,
-        updates: &'a [HostTensor<'a>],
+        updates: &'a [UpdateTensor<'a>],
         block: [usize; 2],
         may_hold: bool,
+        stage: &Stage,
+        noun: &str,
     ) -> Result<(Vec<Write<'a>>, HeldChange)> {
         // 1. The chunk's weights and scales by target. Two scales for one weight (two names
         //    of it, or one sent and one held) cannot both be meant.
@@ -143,7 +156,7 @@ impl PendingPairs {
                         return Err(Error::new(
                             Status::InvalidArgument,
                             format!(
-                                "refit entries {prev} and `{}` are both the scale of `{}`",
+                                "{noun} entries {prev} and `{}` are both the scale of `{}`",
                                 u.name,
                                 t.describe()
                             ),
@@ -175,7 +188,7 @@ impl PendingPairs {
                             weight: h.as_update(),
                             scale: Some(*u),
                         };
-                        let label = format!("refit entry {k}, the scale of held `{}`", h.name);
+                        let label = format!("{noun} entry {k}, the scale of held `{}`", h.name);
                         writes.push((label, write, true));
                         completed.push((Half::Weight, t));
                     } else if may_hold {
@@ -184,7 +197,7 @@ impl PendingPairs {
                         return Err(Error::new(
                             Status::Tensor,
                             format!(
-                                "refit entry {k} `{}` is the scale of `{}`, which this refit call does not contain (send a quantized weight and its scale together, or both within one dsv4_refit_begin / dsv4_refit_end)",
+                                "{noun} entry {k} `{}` is the scale of `{}`, which this call does not contain (send a quantized weight and its scale together, or in a refit both within one dsv4_refit_begin / dsv4_refit_end)",
                                 u.name,
                                 t.describe()
                             ),
@@ -193,7 +206,7 @@ impl PendingPairs {
                 }
                 Some(Role::Weight(t)) => {
                     let mut scale = scales.get(&t).map(|&j| updates[j]);
-                    let mut label = format!("refit entry {k}");
+                    let mut label = format!("{noun} entry {k}");
                     if scale.is_none()
                         && let Some(h) = self.scales.get(&t)
                     {
@@ -209,7 +222,7 @@ impl PendingPairs {
                 }
                 // `mtp.*` and unknown names: check_update ignores / rejects them.
                 _ => writes.push((
-                    format!("refit entry {k}"),
+                    format!("{noun} entry {k}"),
                     Write {
                         weight: *u,
                         scale: None,
@@ -232,7 +245,7 @@ impl PendingPairs {
             Some(prev) => Err(Error::new(
                 Status::InvalidArgument,
                 format!(
-                    "refit entries {prev} and {who} both write weight `{}`",
+                    "{noun} entries {prev} and {who} both write weight `{}`",
                     store.name(i)
                 ),
             )),
@@ -253,7 +266,7 @@ impl PendingPairs {
         let mut new = Vec::with_capacity(hold.len());
         for (k, half, t) in hold {
             let u = &updates[k];
-            let ctx = |e: Error| e.context(format!("refit entry {k}"));
+            let ctx = |e: Error| e.context(format!("{noun} entry {k}"));
             let dsts = match half {
                 Half::Weight => {
                     let dsts = load::check_weight_awaiting_scale(store, u, block).map_err(ctx)?;
@@ -274,8 +287,8 @@ impl PendingPairs {
         //    nothing).
         let new = new
             .into_iter()
-            .map(|(half, t, (k, dsts))| (half, t, Held::copy_of(&updates[k], dsts)))
-            .collect();
+            .map(|(half, t, (k, dsts))| Ok((half, t, Held::copy_of(&updates[k], dsts, stage)?)))
+            .collect::<Result<_>>()?;
         let writes = writes.into_iter().map(|(_, w, _)| w).collect();
         Ok((writes, HeldChange { completed, new }))
     }

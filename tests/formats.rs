@@ -241,13 +241,13 @@ fn non_finite_refit_under_quantized_storage_is_rejected_and_engine_unchanged() {
                 name: "norm.weight",
                 dtype: HostDtype::Bf16,
                 shape: &good_shape,
-                data: &good,
+                data: (&good).into(),
             },
             TensorUpdate {
                 name,
                 dtype: HostDtype::Bf16,
                 shape: &shape,
-                data: &bad,
+                data: (&bad).into(),
             },
         ];
         let err = e.refit(&updates).unwrap_err();

@@ -259,6 +259,100 @@ fn a_bad_entry_among_good_ones_changes_nothing() {
     }
 }
 
+// ------------------------------------------------- loading and refitting from device memory
+
+/// dsv4_load_tensors with every checkpoint tensor in ONE call (FP8/FP4 codes with their scale
+/// entries for `tiny_fp8`; on CUDA also with every other entry in device memory, written on
+/// the device) holds exactly the weights of dsv4_load and forwards alike, bit for bit.
+#[test]
+fn load_tensors_in_one_call_equals_a_checkpoint_load() {
+    for (model, format) in [
+        ("tiny", TINY_FORMAT),
+        ("tiny_fp8", DSV4_WEIGHT_FORMAT_AS_STORED),
+    ] {
+        for dev in devices() {
+            let want = rig(model, dev, Load::Checkpoint, format);
+            let want_logits = want.forward_finite(&prefill());
+            let sources: &[bool] = if dev >= 0 { &[false, true] } else { &[false] };
+            for &device_memory in sources {
+                let what = format!("{model} on device {dev}, device memory {device_memory}");
+                let got = rig(model, dev, Load::Tensors { device_memory }, format);
+                for (a, b) in got.descs().iter().zip(&want.descs()) {
+                    if a.derived == 0 {
+                        let name = unsafe { CStr::from_ptr(a.name) }.to_string_lossy();
+                        assert!(
+                            got.read(a) == want.read(b),
+                            "{what}: weight `{name}` differs"
+                        );
+                    }
+                }
+                assert_same(&got.forward_finite(&prefill()), &want_logits, &what);
+            }
+        }
+    }
+}
+
+/// Bad values in device memory are found on the device before anything is written: a NaN
+/// in a BF16 entry that is quantized on write, an expert id out of range, a device range that
+/// runs past its allocation. Each error names the entry; weights, derived tensors and logits
+/// stay bit for bit what they were.
+#[test]
+fn a_bad_device_value_among_good_ones_changes_nothing() {
+    if !has_cuda() {
+        println!("skipped: no CUDA device");
+        return;
+    }
+    let ck = checkpoint("tiny");
+    let good = perturbed_bf16(find(&ck, "model.layers.1.attn.wq_a.weight"), 2.0);
+    let mut nan = perturbed_bf16(find(&ck, "model.layers.1.attn.wkv.weight"), 2.0);
+    nan.data[34..36].copy_from_slice(&0x7fc0u16.to_le_bytes()); // element 17: NaN
+    let mut ids = find(&ck, "model.layers.0.ffn.gate.tid2eid").clone();
+    let experts = ids
+        .data
+        .chunks(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+        .max();
+    ids.data[40..48].copy_from_slice(&(experts.unwrap() + 1 + 64).to_le_bytes()); // element 5
+    let r = tiny(0, Load::Checkpoint);
+    let before = r.forward_finite(&prefill());
+    let descs = r.descs();
+    let snapshot: Vec<Vec<u8>> = descs.iter().map(|d| r.read(d)).collect();
+    // With device memory, entry 1 of each pair is sent from the device.
+    for (bad, needles) in [
+        (&nan, ["wkv", "element 17", "not finite"]),
+        (&ids, ["tid2eid", "element 5", "expert id"]),
+    ] {
+        let s = r.try_refit(&[good.clone(), bad.clone()], true);
+        assert_eq!(s, DSV4_STATUS_TENSOR, "{}", last_error());
+        for n in needles {
+            assert!(last_error().contains(n), "`{n}` not in: {}", last_error());
+        }
+    }
+    // A device range past the end of its allocation: refused before any kernel reads it.
+    let h = r.host.as_ref().unwrap();
+    let small = {
+        let _g = h.ctx.enter().unwrap();
+        dsv4::cuda::Arena::new(&h.ctx, 256).unwrap()
+    };
+    let entries = [good.clone(), nan.renamed("model.layers.1.attn.wkv.weight")];
+    let mut ts = common::abi::tensors(&entries);
+    ts[1].data = small.whole().addr() as *const _;
+    ts[1].memory = DSV4_MEMORY_DEVICE;
+    let s = unsafe { dsv4_refit(r.e, ts.as_ptr(), ts.len(), r.stream()) };
+    assert_eq!(s, DSV4_STATUS_CUDA, "{}", last_error());
+    assert!(last_error().contains("wkv"), "{}", last_error());
+    for (d, old) in descs.iter().zip(&snapshot) {
+        assert!(r.read(d) == *old, "`{:?}` changed", unsafe {
+            CStr::from_ptr(d.name)
+        });
+    }
+    assert_same(
+        &r.forward_finite(&prefill()),
+        &before,
+        "after the refused refits",
+    );
+}
+
 // ---------------------------------------------------------------- dummy, then weight sync
 
 /// The RL flow: dummy load -> finalize -> forward (finite) -> refit every weight -> equals a

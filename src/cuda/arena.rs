@@ -401,6 +401,38 @@ pub fn memcpy_dtod_async(dst: DevicePtr, src: DevicePtr, stream: BorrowedStream)
     })
 }
 
+/// `[addr, addr + bytes)` as a [`DevicePtr`] once the driver confirms it lies inside one CUDA
+/// allocation (cuPointerGetAttribute: the allocation's start and size), so that no copy or
+/// kernel given a host's address reads past what the host owns: a bad address is a CUDA
+/// error naming `what`, before anything runs (a kernel would fault and poison the context).
+/// The context must be current.
+pub fn checked_device_range(addr: u64, bytes: usize, what: &str) -> Result<DevicePtr> {
+    let attr = |a: sys::CUpointer_attribute| -> Result<u64> {
+        let mut v = 0u64;
+        // SAFETY: both attributes write one CUdeviceptr / size_t (8 bytes) into `v`.
+        check(
+            format!("{what}: address {addr:#x} is not CUDA memory"),
+            unsafe { sys::cuPointerGetAttribute((&mut v as *mut u64).cast(), a, addr) },
+        )?;
+        Ok(v)
+    };
+    if bytes > 0 {
+        let start = attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)?;
+        let size = attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE)?;
+        let end = addr.checked_add(bytes as u64);
+        if end.is_none_or(|e| e > start.saturating_add(size)) {
+            return Err(Error::new(
+                Status::Cuda,
+                format!(
+                    "{what}: {bytes} bytes at {addr:#x} run past the end of their CUDA allocation ({size} bytes at {start:#x})"
+                ),
+            ));
+        }
+    }
+    // SAFETY: checked above: the range is device-accessible memory of one allocation.
+    Ok(unsafe { DevicePtr::from_raw(addr, bytes) })
+}
+
 /// Enqueues filling `dst` with the byte `value` on `stream`. The context must be current.
 pub fn memset_async(dst: DevicePtr, value: u8, stream: BorrowedStream) -> Result<()> {
     // SAFETY: `dst` is device memory of `dst.bytes` bytes (DevicePtr contract).

@@ -8,12 +8,17 @@ use crate::backend::{
     Backend, Batch, BufferSpans, DerivedTensor, DeviceBatch, StreamHandle, WeightAddr,
 };
 use crate::config::ModelConfig;
-use crate::cuda::arena::{Arena, DevicePtr, copy_to_device_sync, memset_async};
+use crate::cuda::arena::{
+    Arena, DevicePtr, checked_device_range, copy_to_device_sync, memcpy_dtod_async, memset_async,
+};
 use crate::cuda::context::Context;
 use crate::cuda::kernel_sets::{self, KernelSet, SetWorkspace};
 use crate::cuda::kernels::batch::{BatchKernels, CheckedBatch};
 use crate::cuda::kernels::fast_moe_gemm::{self, ExpertMatrices};
 use crate::cuda::kernels::mhc::Hc0Fold;
+use crate::cuda::kernels::weight_convert::{
+    self, DestWeight, DeviceScale, SourceEnc, SourceRows, WeightConvert,
+};
 use crate::cuda::memory_plan::{BufferKind, Buffers, MemoryPlan};
 use crate::cuda::registry::{KernelCache, Registry};
 use crate::cuda::stream::BorrowedStream;
@@ -24,13 +29,15 @@ use crate::model::batch::{BatchFault, FAULT_RECORD_INTS};
 use crate::model::rope;
 use crate::options::EngineOptions;
 use crate::state::layout::layer_layouts;
-use crate::weights::table::{WeightLayout, WeightTable};
+use crate::weights::load::{DeviceCheck, DeviceEnc, DeviceWrite};
+use crate::weights::rows::Geometry;
+use crate::weights::table::{StorageKind, WeightLayout, WeightTable};
 use crate::weights::values::{Progress, WeightValues};
 
-use crate::cuda::device_model::plan_model;
 pub use crate::cuda::device_model::{
     CompressorDev, DeviceModel, ExpertTables, LayerStateDev, Placement, WeightDev,
 };
+use crate::cuda::device_model::{WEIGHT_CHECKS, plan_model};
 
 /// Arena name of the device error record (dsv4_get_info reports its address).
 pub const DEVICE_ERROR_NAME: &str = "state:device_error";
@@ -54,11 +61,27 @@ pub struct CudaBackend {
     /// Pinned buffers weights are written through, from the first write until finalize or
     /// the end of a refit (upload.rs).
     staging: Option<StagingPool>,
+    /// The weight_convert family (writes from device memory), with its own registry: loaded
+    /// on the first device write, which may come before finalize.
+    convert: Option<(Registry, WeightConvert)>,
     set: Option<Box<dyn KernelSet>>,
     /// What one more slot adds to the state (crate::memory), computed at create.
     state_per_slot: u64,
     /// Host bytes a load or refit stages weights through (the pool's size).
     staging_bytes: u64,
+}
+
+/// The kernels' encoding of a device source.
+fn source_enc(e: DeviceEnc) -> SourceEnc {
+    match e {
+        DeviceEnc::F32 => SourceEnc::F32,
+        DeviceEnc::Bf16 => SourceEnc::Bf16,
+        DeviceEnc::F16 => SourceEnc::F16,
+        DeviceEnc::Fp8 => SourceEnc::Fp8,
+        DeviceEnc::Fp4 => SourceEnc::Fp4,
+        DeviceEnc::I32 => SourceEnc::I32,
+        DeviceEnc::I64 => SourceEnc::I64,
+    }
 }
 
 /// The staging size `opts` asks for.
@@ -158,6 +181,7 @@ impl CudaBackend {
             checker: None,
             fold: None,
             staging: None,
+            convert: None,
             set: None,
             state_per_slot,
             staging_bytes: staging_bytes(opts) as u64,
@@ -255,6 +279,17 @@ impl CudaBackend {
             set.rebuild_derived(&self.ctx, &self.cfg, m, stream)?;
         }
         Ok(())
+    }
+
+    /// The weight_convert kernels, compiled / loaded on first use. The context must be current.
+    fn converter(&mut self) -> Result<&WeightConvert> {
+        if self.convert.is_none() {
+            let cache = KernelCache::new(self.opts.cache_dir.as_deref());
+            let reg = Registry::load_families(&self.ctx, &[&weight_convert::SOURCE], &cache)?;
+            let kernels = WeightConvert::new(&reg)?;
+            self.convert = Some((reg, kernels));
+        }
+        Ok(&self.convert.as_ref().expect("loaded above").1)
     }
 
     /// Zeroes every slot's length and overlap flag (fresh engine).
@@ -368,6 +403,123 @@ impl Backend for CudaBackend {
             progress,
             BorrowedStream::from_raw(stream),
         )
+    }
+
+    /// Confirms that every device source (and scale) lies inside a CUDA allocation, then runs
+    /// the check kernels, [`WEIGHT_CHECKS`] entries a pass, each pass read back once.
+    fn check_device(
+        &mut self,
+        checks: &[DeviceCheck],
+        writes: &[DeviceWrite],
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let st = BorrowedStream::from_raw(stream);
+        let ctx = self.ctx.clone();
+        let _g = ctx.enter()?;
+        for w in writes {
+            let name = format!("device data of {}", w.who);
+            checked_device_range(w.src.addr, w.src.len, &name)?;
+            if let Some(sc) = w.src.scale {
+                checked_device_range(sc.addr, sc.len, &format!("{name} (its scale)"))?;
+            }
+        }
+        let results = self.model.weight_check;
+        let conv = self.converter()?;
+        for batch in checks.chunks(WEIGHT_CHECKS) {
+            for (k, c) in batch.iter().enumerate() {
+                let bytes = c.n * c.enc.size();
+                let src = checked_device_range(c.addr, bytes, &c.who)?;
+                let bound = c.bound.unwrap_or(0);
+                conv.scan(
+                    src,
+                    source_enc(c.enc),
+                    c.n,
+                    bound,
+                    results.slice(8 * k, 8)?,
+                    st,
+                )?;
+            }
+            let mut first = vec![0u64; batch.len()];
+            crate::cuda::arena::copy_to_host_sync(&mut first, results, st)?;
+            if let Some((c, &i)) = batch.iter().zip(&first).find(|(_, i)| **i != u64::MAX) {
+                return Err(c.error(i));
+            }
+        }
+        Ok(())
+    }
+
+    /// Codes copied device to device with their scales converted, or values converted /
+    /// quantized by weight_convert.cu (bit for bit as the host path); then waits.
+    fn write_device(
+        &mut self,
+        table: &WeightTable,
+        writes: &[DeviceWrite],
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let st = BorrowedStream::from_raw(stream);
+        let ctx = self.ctx.clone();
+        let _g = ctx.enter()?;
+        let weights = self.model.weights.clone();
+        let conv = self.converter()?;
+        for w in writes {
+            let dw = weights[w.dst];
+            let g = Geometry::of(table.entry(w.dst));
+            // SAFETY: check_device confirmed the ranges (the engine runs it first).
+            let src = unsafe { DevicePtr::from_raw(w.src.addr, w.src.len) };
+            let scale = w.src.scale.map(|sc| DeviceScale {
+                // SAFETY: as above.
+                ptr: unsafe { DevicePtr::from_raw(sc.addr, sc.len) },
+                f32: sc.f32,
+                block: w.src.block,
+            });
+            if w.as_is {
+                let rb = g.row_bytes();
+                let codes = src.slice(w.row0 * rb, w.rows * rb)?;
+                memcpy_dtod_async(dw.data.slice(0, codes.bytes())?, codes, st)?;
+                let (Some(scale), Some(dst)) = (scale, dw.scales) else {
+                    return Err(Error::new(
+                        Status::Internal,
+                        format!(
+                            "`{}`: a stored-format write without scales",
+                            table.name(w.dst)
+                        ),
+                    ));
+                };
+                let n = g.scale_range(&(0..g.rows)).len();
+                let offset = match w.src.enc {
+                    // A whole matrix of the source: its scale grid.
+                    DeviceEnc::Fp8 => {
+                        let per_mat = w.src.mat_rows.div_ceil(w.src.block[0])
+                            * w.src.cols.div_ceil(w.src.block[1]);
+                        (w.row0 / w.src.mat_rows.max(1)) * per_mat
+                    }
+                    _ => w.row0 * w.src.cols.div_ceil(crate::weights::qmatrix::FP4_BLOCK),
+                };
+                conv.scales(scale, offset, n, dst, st)?;
+            } else {
+                let format = match table.entry(w.dst).layout.kind {
+                    StorageKind::I32 => None,
+                    _ => Some(dw.format),
+                };
+                let rows = SourceRows {
+                    ptr: src,
+                    enc: source_enc(w.src.enc),
+                    scale,
+                    mat_rows: w.src.mat_rows,
+                    cols: w.src.cols,
+                    row0: w.row0,
+                    rows: w.rows,
+                };
+                let dest = DestWeight {
+                    data: dw.data,
+                    scales: dw.scales,
+                    format,
+                    block: dw.block,
+                };
+                conv.convert(&rows, &dest, st)?;
+            }
+        }
+        st.synchronize()
     }
 
     fn end_writes(&mut self) {

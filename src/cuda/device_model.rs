@@ -94,7 +94,12 @@ pub struct DeviceModel {
     pub slot_len: DevicePtr,
     /// Derived f64 [(2+N)*N, D]: layer 0's stream-folded hc_attn projection.
     pub hc0_fold: DevicePtr,
+    /// Workspace u64 [WEIGHT_CHECKS]: results of the device check of device-memory writes.
+    pub weight_check: DevicePtr,
 }
+
+/// Device-memory entries checked per pass (a refit with more runs several passes).
+pub const WEIGHT_CHECKS: usize = 256;
 
 /// The device form of a weight's storage: format, value bytes, scale count, FP8 block.
 fn device_layout(l: &WeightLayout) -> (StorageFormat, usize, Option<usize>, [usize; 2]) {
@@ -151,6 +156,8 @@ pub(crate) struct PlannedBuffers {
     layer_state: Vec<LayerStateIds>,
     slot_len: RegionId,
     record: RegionId,
+    /// The device check of device-memory weight writes: one u64 result per entry.
+    weight_check: RegionId,
     /// tokens, positions, seq_of, seq_slots, query_start, rows, verdict, claim.
     batch: [RegionId; 8],
 }
@@ -327,6 +334,12 @@ pub(crate) fn plan_model(
         Elem::I32,
         &[FAULT_RECORD_INTS],
     )?;
+    let weight_check = plan.declare(
+        BufferKind::Workspace,
+        "workspace:weight_check",
+        Elem::U64,
+        &[WEIGHT_CHECKS],
+    )?;
     // The batch check's sanitized batch (workspace every kernel set reads).
     let t = opts.max_num_tokens;
     let mut batch = [RegionId(0); 8];
@@ -358,6 +371,7 @@ pub(crate) fn plan_model(
         layer_state,
         slot_len,
         record,
+        weight_check,
         batch,
     })
 }
@@ -433,6 +447,7 @@ impl PlannedBuffers {
             layers,
             slot_len: p(self.slot_len),
             hc0_fold: p(self.hc0_fold),
+            weight_check: p(self.weight_check),
         })
     }
 

@@ -304,9 +304,10 @@ pub unsafe extern "C" fn dsv4_load(
 /// Loads one named weight (streaming hosts) from host memory, or from device memory of the
 /// engine's device (DSV4_MEMORY_DEVICE, CUDA backend: read on the legacy default stream):
 /// validates the name, dtype and shape against the engine's table, converts to the storage
-/// format and copies. Names may follow any of the three naming schemes, like dsv4_refit's
-/// (dsv4_canonical_name maps a name to what it stands for). Float / index values only: a stored-format weight needs its scale,
-/// which only dsv4_refit can pair with it.
+/// format and copies (device values on the device, without a host copy). Names may follow any
+/// of the three naming schemes, like dsv4_refit's (dsv4_canonical_name maps a name to what it
+/// stands for). Float / index values only: a stored-format weight needs its scale entry in
+/// the same call, which dsv4_load_tensors (and dsv4_refit) take.
 /// Allowed in phases CREATED and LOADED; when every weight has been given a value the
 /// engine moves to DSV4_PHASE_LOADED. `tensor` and its data are read during the call only.
 ///
@@ -330,9 +331,50 @@ pub unsafe extern "C" fn dsv4_load_tensor(
         let device = h.engine.options().device;
         // SAFETY: per the contract.
         let a = unsafe { tensor_args(&t, "tensor", device)? };
-        let staged = stage(&h.engine, std::slice::from_ref(&a), ptr::null_mut())?;
-        let updates = updates_of(std::slice::from_ref(&a), &staged);
+        let updates = updates_of(&h.engine, std::slice::from_ref(&a))?;
         h.run_mut(|e| e.load_tensor(&updates[0]))
+    })
+}
+
+/// Since ABI 1.4. Loads named weights like dsv4_load_tensor, several in one call: `tensors`
+/// is an array of `n` entries laid out as for dsv4_refit (stride = tensors[0].struct_size),
+/// ALL validated before ANY is written. A weight in its stored format (F8_E4M3 / FP4_E2M1
+/// codes) comes with its block-scale entry (`<weight>.scale` / `<weight>_scale_inv`, E8M0 or
+/// F32) in the same call. Entries may be in host memory or (CUDA backend,
+/// DSV4_MEMORY_DEVICE) device memory of the engine's device, read on `stream`: device values
+/// never go through the host. Stored-format codes are copied device to device (scales
+/// converted to the engine's f32), other values converted or quantized by kernels, bit for
+/// bit as the host path; before anything is written a device pass checks that floats headed
+/// for FP8/FP4 storage are finite and that hash-routing ids are in range, and the driver
+/// confirms each device range lies inside one CUDA allocation. Host entries stream through
+/// the bounded staging buffers (`staging_nbytes`). Allowed in phases CREATED and LOADED;
+/// when every weight has a value the engine moves to DSV4_PHASE_LOADED. `n` = 0 writes
+/// nothing.
+///
+/// Errors: NULL_POINTER (`engine`, `tensors` with n > 0, an entry's `name` / `data`),
+/// INVALID_ARGUMENT (struct_size, dtype, ndim, extent; a weight named twice), UNSUPPORTED
+/// (device memory on the CPU backend), CUDA (a device range outside its allocation), STATE
+/// (after finalize), TENSOR (unknown name, wrong shape or dtype, a stored-format weight
+/// without its scale or a scale without its weight, a non-finite value headed for FP8/FP4
+/// storage, an expert id out of range: entry and weight named). On any of these nothing is
+/// written.
+///
+/// # Safety
+/// `engine` from dsv4_create; `tensors` NULL (n = 0) or `n` valid entries.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dsv4_load_tensors(
+    engine: *mut dsv4_engine,
+    tensors: *const dsv4_tensor,
+    n: usize,
+    stream: *mut c_void,
+) -> dsv4_status {
+    ffi_boundary("dsv4_load_tensors", || {
+        // SAFETY: per the contract.
+        let h = unsafe { engine_mut(engine)? };
+        // SAFETY: per the contract.
+        let args = unsafe { tensor_array(tensors, n, h.engine.options().device)? };
+        let updates = updates_of(&h.engine, &args)?;
+        h.run_mut(|e| e.load_tensors(&updates, stream))
     })
 }
 
@@ -587,8 +629,11 @@ pub unsafe extern "C" fn dsv4_forward(
 /// ALL entries are validated (name, dtype, shape, finite values when quantizing) before ANY
 /// is written, so a bad entry leaves the engine unchanged, held halves included; then every
 /// derived tensor depending on a touched weight is rebuilt (expert tables, layer 0's folded
-/// mHC projection, RoPE tables). No device memory is allocated; device-memory entries are
-/// staged through host memory.
+/// mHC projection, RoPE tables). No device memory is allocated. Device-memory entries stay on
+/// the device (as for dsv4_load_tensors: codes copied device to device, other values
+/// converted or quantized by kernels, checked on the device before anything is written); host
+/// entries stream through the bounded pinned staging (`staging_nbytes`). The one exception is
+/// a chunked refit's half held for its partner, which is kept as a host copy.
 /// Weight addresses do not change, so CUDA graphs captured before a refit replay with the
 /// new values. In DSV4_PHASE_READY (derived buffers rebuilt now) or DSV4_PHASE_REFITTING
 /// (rebuilt at dsv4_refit_end). `n` = 0 changes nothing.
@@ -614,85 +659,92 @@ pub unsafe extern "C" fn dsv4_refit(
     ffi_boundary("dsv4_refit", || {
         // SAFETY: per the contract.
         let h = unsafe { engine_mut(engine)? };
-        if n > 0 && tensors.is_null() {
-            return Err(Error::new(
-                Status::NullPointer,
-                format!("`tensors` is NULL but n = {n}"),
-            ));
-        }
-        let device = h.engine.options().device;
-        let mut args = Vec::with_capacity(n.min(1 << 16));
-        let mut stride = 0usize;
-        for k in 0..n {
-            let what = format!("tensors[{k}]");
-            let p = if k == 0 {
-                tensors
-            } else {
-                // SAFETY: entry k lies within the host's array (k < n, stride checked).
-                unsafe { tensors.cast::<u8>().add(k * stride) }.cast::<dsv4_tensor>()
-            };
-            // SAFETY: per the contract.
-            let t = unsafe { read_versioned(p, &what)? };
-            if k == 0 {
-                stride = t.struct_size;
-                if stride
-                    .checked_mul(n)
-                    .is_none_or(|b| b > isize::MAX as usize)
-                {
-                    return Err(invalid(format!(
-                        "`n` = {n} entries of {stride} bytes overflow the address space"
-                    )));
-                }
-            } else if t.struct_size != stride {
-                return Err(invalid(format!(
-                    "`{what}.struct_size` = {} differs from tensors[0].struct_size = {stride} (all entries share one layout)",
-                    t.struct_size
-                )));
-            }
-            // SAFETY: per the contract.
-            args.push(unsafe { tensor_args(&t, &what, device)? });
-        }
-        let staged = stage(&h.engine, &args, stream)?;
-        let updates = updates_of(&args, &staged);
+        // SAFETY: per the contract.
+        let args = unsafe { tensor_array(tensors, n, h.engine.options().device)? };
+        let updates = updates_of(&h.engine, &args)?;
         h.run_mut(|e| e.refit_on(&updates, stream))
     })
 }
 
-/// Host copies of the DSV4_MEMORY_DEVICE entries of `args` (None for host entries), read on
-/// `stream` after the host's pending work there. A copy failure names the entry.
-fn stage(
-    engine: &Engine,
-    args: &[TensorArgs],
-    stream: *mut c_void,
-) -> Result<Vec<Option<Vec<u8>>>> {
-    args.iter()
-        .map(|a| match a.data {
-            TensorBytes::Host(_) => Ok(None),
-            TensorBytes::Device { addr, nbytes } => engine
-                .stage_device_bytes(
-                    addr,
-                    nbytes,
-                    stream,
-                    &format!("device data of weight `{}`", a.name),
-                )
-                .map(Some),
-        })
-        .collect()
+/// Reads the host's array of `n` entries (stride = tensors[0].struct_size, the same for every
+/// entry) and checks each one's fields.
+///
+/// # Safety
+/// `tensors` NULL (n = 0) or `n` valid entries.
+unsafe fn tensor_array<'a>(
+    tensors: *const dsv4_tensor,
+    n: usize,
+    device: i32,
+) -> Result<Vec<TensorArgs<'a>>> {
+    if n > 0 && tensors.is_null() {
+        return Err(Error::new(
+            Status::NullPointer,
+            format!("`tensors` is NULL but n = {n}"),
+        ));
+    }
+    let mut args = Vec::with_capacity(n.min(1 << 16));
+    let mut stride = 0usize;
+    for k in 0..n {
+        let what = format!("tensors[{k}]");
+        let p = if k == 0 {
+            tensors
+        } else {
+            // SAFETY: entry k lies within the host's array (k < n, stride checked).
+            unsafe { tensors.cast::<u8>().add(k * stride) }.cast::<dsv4_tensor>()
+        };
+        // SAFETY: per the contract.
+        let t = unsafe { read_versioned(p, &what)? };
+        if k == 0 {
+            stride = t.struct_size;
+            if stride
+                .checked_mul(n)
+                .is_none_or(|b| b > isize::MAX as usize)
+            {
+                return Err(invalid(format!(
+                    "`n` = {n} entries of {stride} bytes overflow the address space"
+                )));
+            }
+        } else if t.struct_size != stride {
+            return Err(invalid(format!(
+                "`{what}.struct_size` = {} differs from tensors[0].struct_size = {stride} (all entries share one layout)",
+                t.struct_size
+            )));
+        }
+        // SAFETY: per the contract.
+        args.push(unsafe { tensor_args(&t, &what, device)? });
+    }
+    Ok(args)
 }
 
-/// The engine's view of validated entries: host bytes, or their staged copies.
-fn updates_of<'a>(args: &'a [TensorArgs], staged: &'a [Option<Vec<u8>>]) -> Vec<TensorUpdate<'a>> {
+/// The engine's view of validated entries: host bytes, or (CUDA backend) device memory that
+/// the engine reads on the device. DSV4_MEMORY_DEVICE on the CPU backend is UNSUPPORTED,
+/// naming the entry, before anything is validated or written.
+fn updates_of<'a>(engine: &Engine, args: &'a [TensorArgs]) -> Result<Vec<TensorUpdate<'a>>> {
+    use crate::weights::Bytes;
     args.iter()
-        .zip(staged)
-        .map(|(a, s)| TensorUpdate {
-            name: a.name,
-            dtype: a.dtype,
-            shape: &a.shape,
-            data: match (&a.data, s) {
-                (_, Some(v)) => v.as_slice(),
-                (TensorBytes::Host(h), None) => h,
-                (TensorBytes::Device { .. }, None) => &[],
-            },
+        .map(|a| {
+            let data = match a.data {
+                TensorBytes::Host(h) => Bytes::Host(h),
+                TensorBytes::Device { addr, nbytes } if engine.is_cuda() => Bytes::Device {
+                    addr,
+                    len: nbytes,
+                },
+                TensorBytes::Device { .. } => {
+                    return Err(Error::new(
+                        Status::Unsupported,
+                        format!(
+                            "device data of weight `{}`: DSV4_MEMORY_DEVICE on the CPU backend (it reads host memory only)",
+                            a.name
+                        ),
+                    ));
+                }
+            };
+            Ok(TensorUpdate {
+                name: a.name,
+                dtype: a.dtype,
+                shape: &a.shape,
+                data,
+            })
         })
         .collect()
 }

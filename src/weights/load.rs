@@ -34,7 +34,7 @@ use crate::weights::spec::ElemKind;
 use crate::weights::store::WeightStore;
 use crate::weights::table::{StorageKind, WeightTable};
 use crate::weights::values::{Progress, WeightValues, write_to_store};
-use crate::weights::{HostDtype, HostTensor};
+use crate::weights::{Bytes, HostDtype, UpdateTensor};
 
 /// Block of the FP4 expert scales: one scale per 32 consecutive inputs of a row.
 const FP4_BLOCK: usize = 32;
@@ -65,8 +65,8 @@ pub fn load_opened(store: &mut WeightStore, cfg: &ModelConfig, ck: &Checkpoint) 
 /// values.
 pub fn check_update(
     table: &WeightTable,
-    u: &HostTensor,
-    scale: Option<&HostTensor>,
+    u: &UpdateTensor,
+    scale: Option<&UpdateTensor>,
     block: [usize; 2],
 ) -> Result<Vec<usize>> {
     // No job for an ignored name: nothing to check.
@@ -81,7 +81,7 @@ pub fn check_update(
 /// with the scale does the rest when the scale arrives.
 pub fn check_weight_awaiting_scale(
     table: &WeightTable,
-    u: &HostTensor,
+    u: &UpdateTensor,
     block: [usize; 2],
 ) -> Result<Vec<usize>> {
     if !matches!(u.dtype, HostDtype::F8E4M3 | HostDtype::Fp4E2M1) {
@@ -105,7 +105,7 @@ pub fn check_weight_awaiting_scale(
 /// is checked when the weight arrives.
 pub fn check_scale_awaiting_weight(
     table: &WeightTable,
-    s: &HostTensor,
+    s: &UpdateTensor,
     block: [usize; 2],
 ) -> Result<()> {
     let who = format!("update `{}`", s.name);
@@ -149,8 +149,8 @@ pub fn check_scale_awaiting_weight(
 /// canonical weights written.
 pub fn write_update(
     store: &mut WeightStore,
-    u: &HostTensor,
-    scale: Option<&HostTensor>,
+    u: &UpdateTensor,
+    scale: Option<&UpdateTensor>,
     block: [usize; 2],
 ) -> Result<Vec<usize>> {
     let table = store.table().clone();
@@ -164,8 +164,8 @@ pub fn write_update(
 /// their logical shape); None for an ignored `mtp.*` name.
 fn plan_host_update<'a>(
     table: &WeightTable,
-    u: &HostTensor<'a>,
-    scale: Option<&HostTensor<'a>>,
+    u: &UpdateTensor<'a>,
+    scale: Option<&UpdateTensor<'a>>,
     block: [usize; 2],
 ) -> Result<Option<Job<'a>>> {
     plan_update(table, u, &packed_shape(u), HostScale::of(scale), block)
@@ -173,7 +173,7 @@ fn plan_host_update<'a>(
 
 /// The byte shape of packed FP4 (last dimension halved, as checkpoints store it); the
 /// logical shape for every other dtype.
-fn packed_shape(u: &HostTensor) -> Vec<usize> {
+fn packed_shape(u: &UpdateTensor) -> Vec<usize> {
     let mut s = u.shape.to_vec();
     if u.dtype == HostDtype::Fp4E2M1
         && let Some(c) = s.last_mut()
@@ -204,8 +204,8 @@ enum Encoding {
 /// one row); "global row" g is row `g % mat_rows` of matrix `g / mat_rows`.
 struct Source<'a> {
     enc: Encoding,
-    data: &'a [u8],
-    scale: Option<(&'a [u8], ScaleDtype)>,
+    data: Bytes<'a>,
+    scale: Option<(Bytes<'a>, ScaleDtype)>,
     mat_rows: usize,
     cols: usize,
 }
@@ -222,7 +222,7 @@ impl<'a> Source<'a> {
     }
 
     /// A source without a block scale: plain values, or codes whose scale comes later.
-    fn unscaled(enc: Encoding, data: &'a [u8], mat_rows: usize, cols: usize) -> Source<'a> {
+    fn unscaled(enc: Encoding, data: Bytes<'a>, mat_rows: usize, cols: usize) -> Source<'a> {
         Source {
             enc,
             data,
@@ -244,6 +244,10 @@ struct Piece {
 struct Job<'a> {
     src: Source<'a>,
     pieces: Vec<Piece>,
+    /// How messages name the source (`update `x``, `tensor `x` in file `f``).
+    who: String,
+    /// Exclusive bound of an index table's values (checked on the device for device values).
+    bound: Option<usize>,
 }
 
 impl Job<'_> {
@@ -377,7 +381,7 @@ fn rows_of(shape: &[usize]) -> usize {
 struct Stored<'a, 's> {
     dtype: Dtype,
     shape: &'s [usize],
-    data: &'a [u8],
+    data: Bytes<'a>,
 }
 
 /// The block scale offered with a weight to [`validate_source`].
@@ -536,7 +540,11 @@ fn check_index_range(who: &str, canon: &str, src: &Source, bound: usize) -> Resu
     let Encoding::Int(it) = src.enc else {
         return Ok(());
     };
-    if let Some((i, v)) = dtype::find_out_of_range(it, src.data, 0, bound as i64) {
+    // Device values are checked on the device (CUDA backend, before anything is written).
+    let Some(data) = src.data.host() else {
+        return Ok(());
+    };
+    if let Some((i, v)) = dtype::find_out_of_range(it, data, 0, bound as i64) {
         let (r, c) = (i / src.cols.max(1), i % src.cols.max(1));
         crate::bail!(
             Tensor,
@@ -616,7 +624,7 @@ pub fn plan_checkpoint<'a>(
                 Stored {
                     dtype: s.dtype,
                     shape: &s.shape,
-                    data: ck.data(s),
+                    data: Bytes::Host(ck.data(s)),
                 },
                 format!("`{}` in file `{}`", s.name, file(s)),
             ),
@@ -625,7 +633,7 @@ pub fn plan_checkpoint<'a>(
         let stored = Stored {
             dtype: t.dtype,
             shape: &t.shape,
-            data: ck.data(t),
+            data: Bytes::Host(ck.data(t)),
         };
         let src = validate_source(&who(t), &canon, r.kind, &r.shape, stored, scale, block)?;
         if let Some(bound) = r.index_bound {
@@ -639,6 +647,8 @@ pub fn plan_checkpoint<'a>(
         jobs.push(Job {
             src,
             pieces: r.pieces,
+            who: who(t),
+            bound: r.index_bound,
         });
     }
 
@@ -674,18 +684,18 @@ pub fn plan_checkpoint<'a>(
 /// The block scale of a host update, as [`ScaleSrc`] for host tensors.
 enum HostScale<'s, 'a> {
     Missing,
-    Given(&'s HostTensor<'a>),
+    Given(&'s UpdateTensor<'a>),
     Later,
 }
 
 impl<'s, 'a> HostScale<'s, 'a> {
-    fn of(scale: Option<&'s HostTensor<'a>>) -> Self {
+    fn of(scale: Option<&'s UpdateTensor<'a>>) -> Self {
         scale.map_or(HostScale::Missing, HostScale::Given)
     }
 }
 
 /// A host scale entry's dtype and byte count, checked, as a [`Stored`] tensor.
-fn host_scale<'a, 's>(s: &'s HostTensor<'a>, canon: &str) -> Result<Stored<'a, 's>> {
+fn host_scale<'a, 's>(s: &'s UpdateTensor<'a>, canon: &str) -> Result<Stored<'a, 's>> {
     let dtype = match s.dtype {
         HostDtype::E8M0 => Dtype::F8_E8M0,
         HostDtype::F32 => Dtype::F32,
@@ -715,7 +725,7 @@ fn host_scale<'a, 's>(s: &'s HostTensor<'a>, canon: &str) -> Result<Stored<'a, '
 
 fn plan_update<'a>(
     table: &WeightTable,
-    u: &HostTensor<'a>,
+    u: &UpdateTensor<'a>,
     packed: &[usize],
     scale: HostScale<'_, 'a>,
     block: [usize; 2],
@@ -806,6 +816,8 @@ fn plan_update<'a>(
     Ok(Some(Job {
         src,
         pieces: r.pieces,
+        who,
+        bound: r.index_bound,
     }))
 }
 
@@ -813,11 +825,23 @@ fn plan_update<'a>(
 /// all before any is written; the values they write. An ignored `mtp.*` name writes nothing.
 pub fn plan_updates<'a>(
     table: &WeightTable,
-    updates: &[(HostTensor<'a>, Option<HostTensor<'a>>)],
+    updates: &[(UpdateTensor<'a>, Option<UpdateTensor<'a>>)],
     block: [usize; 2],
 ) -> Result<CheckedValues<'a>> {
     let mut jobs = Vec::with_capacity(updates.len());
     for (u, scale) in updates {
+        // A job is written on the host or on the device as a whole (the engine copies the
+        // device half of a mixed pair to the host first).
+        if let Some(sc) = scale
+            && matches!(u.data, Bytes::Host(_)) != matches!(sc.data, Bytes::Host(_))
+        {
+            crate::bail!(
+                Internal,
+                "update `{}` and its scale `{}` are in different memories",
+                u.name,
+                sc.name
+            );
+        }
         if let Some(job) = plan_host_update(table, u, scale.as_ref(), block)? {
             jobs.push(job);
         }
@@ -839,6 +863,10 @@ fn check_quantizable(table: &WeightTable, jobs: &[Job]) -> Result<()> {
     let mut tmp = Vec::new();
     for job in jobs {
         if !matches!(job.src.enc, Encoding::Float(_)) {
+            continue;
+        }
+        // Device values are checked on the device (CUDA backend, before anything is written).
+        if job.src.data.host().is_none() {
             continue;
         }
         let cols = job.src.cols.max(1);
@@ -868,32 +896,234 @@ fn check_quantizable(table: &WeightTable, jobs: &[Job]) -> Result<()> {
     Ok(())
 }
 
+/// How a device source is encoded (the weight_convert kernels' `enc`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceEnc {
+    F32,
+    Bf16,
+    F16,
+    /// FP8 e4m3 codes with block scales.
+    Fp8,
+    /// Packed FP4 e2m1 codes with 1x32 scales.
+    Fp4,
+    I32,
+    I64,
+}
+
+impl DeviceEnc {
+    /// Bytes of one element (a packed FP4 byte holds two).
+    pub fn size(self) -> usize {
+        match self {
+            DeviceEnc::F32 | DeviceEnc::I32 => 4,
+            DeviceEnc::Bf16 | DeviceEnc::F16 => 2,
+            DeviceEnc::Fp8 | DeviceEnc::Fp4 => 1,
+            DeviceEnc::I64 => 8,
+        }
+    }
+}
+
+fn device_enc(src: &Source) -> DeviceEnc {
+    match src.enc {
+        Encoding::Float(FloatDtype::F32) => DeviceEnc::F32,
+        Encoding::Float(FloatDtype::Bf16) => DeviceEnc::Bf16,
+        Encoding::Float(FloatDtype::F16) => DeviceEnc::F16,
+        Encoding::Fp8(_) => DeviceEnc::Fp8,
+        Encoding::Fp4 => DeviceEnc::Fp4,
+        Encoding::Int(IntDtype::I64) => DeviceEnc::I64,
+        // Host updates of index tables are I32 or I64 (plan_update).
+        Encoding::Int(_) => DeviceEnc::I32,
+    }
+}
+
+/// A device source's block scale: UE8M0 bytes, or f32.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceScale {
+    pub addr: u64,
+    pub len: usize,
+    pub f32: bool,
+}
+
+/// A validated tensor in device memory: its matrix view `[.., mat_rows, cols]` (FP8 scales per
+/// matrix, `block` blocks).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceSource {
+    pub addr: u64,
+    pub len: usize,
+    pub enc: DeviceEnc,
+    pub scale: Option<DeviceScale>,
+    pub block: [usize; 2],
+    pub mat_rows: usize,
+    pub cols: usize,
+}
+
+/// One weight written from device memory: source global rows `[row0, row0 + rows)` fill it.
+#[derive(Clone, Debug)]
+pub struct DeviceWrite {
+    /// How messages name the entry (`update `x``).
+    pub who: String,
+    pub dst: usize,
+    pub src: DeviceSource,
+    pub row0: usize,
+    pub rows: usize,
+    /// Codes copied byte for byte and scales converted ([`copies_as_is`]); else every value
+    /// decoded and encoded in the weight's storage.
+    pub as_is: bool,
+}
+
+/// A check of device values that must pass before anything is written.
+#[derive(Clone, Debug)]
+pub struct DeviceCheck {
+    /// How messages name the entry (`update `x``).
+    pub who: String,
+    /// The (first) weight it writes.
+    pub weight: String,
+    pub addr: u64,
+    pub enc: DeviceEnc,
+    /// Elements.
+    pub n: usize,
+    /// Some: integers in [0, bound) (expert ids); None: floats finite (quantized on write).
+    pub bound: Option<usize>,
+}
+
+impl DeviceCheck {
+    /// The TENSOR error when element `i` failed, in the host check's words.
+    pub fn error(&self, i: u64) -> Error {
+        let msg = match self.bound {
+            Some(b) => format!(
+                "{}: element {i} of `{}` is not an expert id in [0, {b})",
+                self.who, self.weight
+            ),
+            None => format!(
+                "weight `{}`: element {i} of {} is not finite (NaN or Inf) and cannot be quantized to its FP8/FP4 storage",
+                self.weight, self.who
+            ),
+        };
+        Error::new(Status::Tensor, msg)
+    }
+}
+
 /// Validated sources and the weights they write: what a load or refit hands a backend.
 pub struct CheckedValues<'a> {
     jobs: Vec<Job<'a>>,
-    /// (weight, job, piece) for every weight written, in job order.
+    /// (weight, job, piece) for every weight written from host memory, in job order.
     writes: Vec<(usize, usize, usize)>,
+    /// The same for weights written from device memory (the CUDA backend writes them on the
+    /// device: [`CheckedValues::device_writes`]).
+    device: Vec<(usize, usize, usize)>,
     /// Sources are a checkpoint's mappings, whose pages may be dropped once written.
     mapped: bool,
 }
 
 impl<'a> CheckedValues<'a> {
     fn new(jobs: Vec<Job<'a>>) -> CheckedValues<'a> {
-        let writes = jobs
-            .iter()
-            .enumerate()
-            .flat_map(|(j, job)| {
-                job.pieces
-                    .iter()
-                    .enumerate()
-                    .map(move |(k, p)| (p.dst, j, k))
-            })
-            .collect();
+        let (mut writes, mut device) = (vec![], vec![]);
+        for (j, job) in jobs.iter().enumerate() {
+            let list = match job.src.data {
+                Bytes::Host(_) => &mut writes,
+                Bytes::Device { .. } => &mut device,
+            };
+            list.extend(job.pieces.iter().enumerate().map(|(k, p)| (p.dst, j, k)));
+        }
         CheckedValues {
             jobs,
             writes,
+            device,
             mapped: false,
         }
+    }
+
+    /// Every weight these values write: from host memory ([`WeightValues::targets`]), then
+    /// from device memory.
+    pub fn all_targets(&self) -> Vec<usize> {
+        self.writes
+            .iter()
+            .chain(&self.device)
+            .map(|w| w.0)
+            .collect()
+    }
+
+    /// The checks device values need before anything is written (the host checked its own in
+    /// the plan): finite floats where they are quantized, index tables in range.
+    pub fn device_checks(&self, table: &WeightTable) -> Vec<DeviceCheck> {
+        let mut out = vec![];
+        let mut seen = std::collections::BTreeSet::new();
+        for &(_, j, _) in &self.device {
+            let job = &self.jobs[j];
+            if !seen.insert(j) {
+                continue;
+            }
+            let Bytes::Device { addr, len } = job.src.data else {
+                continue;
+            };
+            let enc = device_enc(&job.src);
+            let n = len / enc.size().max(1);
+            let weight = table.name(job.pieces[0].dst).to_owned();
+            let who = job.who.clone();
+            if let Some(bound) = job.bound {
+                let bound = Some(bound);
+                out.push(DeviceCheck {
+                    who,
+                    weight,
+                    addr,
+                    enc,
+                    n,
+                    bound,
+                });
+            } else if matches!(job.src.enc, Encoding::Float(_))
+                && job.pieces.iter().any(|p| table.is_quantized(p.dst))
+            {
+                out.push(DeviceCheck {
+                    who,
+                    weight,
+                    addr,
+                    enc,
+                    n,
+                    bound: None,
+                });
+            }
+        }
+        out
+    }
+
+    /// The weights written from device memory, each from its source rows.
+    pub fn device_writes(&self, table: &WeightTable) -> Vec<DeviceWrite> {
+        self.device
+            .iter()
+            .filter_map(|&(dst, j, k)| {
+                let (src, p) = (&self.jobs[j].src, self.jobs[j].pieces[k]);
+                let Bytes::Device { addr, len } = src.data else {
+                    return None;
+                };
+                let scale = src.scale.and_then(|(b, sdt)| match b {
+                    Bytes::Device { addr, len } => Some(DeviceScale {
+                        addr,
+                        len,
+                        f32: sdt == ScaleDtype::F32,
+                    }),
+                    Bytes::Host(_) => None,
+                });
+                let block = match src.enc {
+                    Encoding::Fp8(b) => b,
+                    _ => [1, 1],
+                };
+                Some(DeviceWrite {
+                    who: self.jobs[j].who.clone(),
+                    dst,
+                    src: DeviceSource {
+                        addr,
+                        len,
+                        enc: device_enc(src),
+                        scale,
+                        block,
+                        mat_rows: src.mat_rows,
+                        cols: src.cols,
+                    },
+                    row0: p.row0,
+                    rows: p.rows,
+                    as_is: copies_as_is(src, p, table.entry(dst).layout.kind),
+                })
+            })
+            .collect()
     }
 
     /// The piece that writes weight `dst`, with its source.
@@ -936,9 +1166,29 @@ impl WeightValues for CheckedValues<'_> {
         }
         if let Some((src, p)) = self.piece_of(dst) {
             let rb = src.row_bytes();
-            let (a, b) = (p.row0 * rb, ((p.row0 + p.rows) * rb).min(src.data.len()));
-            crate::weights::safetensors_io::release_pages(&src.data[a..b]);
+            let data = src.data.host_or_empty();
+            let (a, b) = (p.row0 * rb, ((p.row0 + p.rows) * rb).min(data.len()));
+            crate::weights::safetensors_io::release_pages(&data[a..b.max(a)]);
         }
+    }
+}
+
+/// The host bytes of a source (the plan gives host-only code paths host sources only).
+fn data_of<'a>(src: &Source<'a>) -> &'a [u8] {
+    src.data.host_or_empty()
+}
+
+/// Whether piece `p` of `src` is written as it is into storage `kind`: codes and scales copied,
+/// since the source already has the weight's format (FP4 codes into FP4 storage; FP8 codes with
+/// the storage's scale blocks, a whole matrix of the source). Otherwise it is decoded and
+/// encoded. The host write and the device write (CUDA) decide alike.
+fn copies_as_is(src: &Source, p: Piece, kind: StorageKind) -> bool {
+    match (src.enc, kind, src.scale) {
+        (Encoding::Fp8(b), StorageKind::Quant(QFormat::Fp8 { block }), Some(_)) => {
+            b == block && p.row0.is_multiple_of(src.mat_rows) && p.rows == src.mat_rows
+        }
+        (Encoding::Fp4, StorageKind::Quant(QFormat::Fp4), Some(_)) => true,
+        _ => false,
     }
 }
 
@@ -961,15 +1211,16 @@ fn write_rows(
         (Encoding::Int(it), StorageKind::I32, _) => {
             let sz = it.size();
             let mut out = vec![0i32; (r1 - r0) * cols];
-            dtype::decode_int(it, &src.data[r0 * cols * sz..r1 * cols * sz], &mut out);
+            dtype::decode_int(it, &data_of(src)[r0 * cols * sz..r1 * cols * sz], &mut out);
             data.chunks_exact_mut(4)
                 .zip(&out)
                 .for_each(|(o, v)| o.copy_from_slice(&v.to_le_bytes()));
         }
-        (Encoding::Fp8(b), StorageKind::Quant(QFormat::Fp8 { block }), Some((scale, sdt)))
-            if b == block && p.row0.is_multiple_of(src.mat_rows) && p.rows == src.mat_rows =>
+        (Encoding::Fp8(_), StorageKind::Quant(QFormat::Fp8 { block }), Some((scale, sdt)))
+            if copies_as_is(src, p, g.kind) =>
         {
-            data.copy_from_slice(&src.data[r0 * cols..r1 * cols]);
+            let scale = scale.host_or_empty();
+            data.copy_from_slice(&data_of(src)[r0 * cols..r1 * cols]);
             let per_mat = src.mat_rows.div_ceil(block[0]) * cols.div_ceil(block[1]);
             let m = p.row0 / src.mat_rows;
             scales
@@ -978,8 +1229,9 @@ fn write_rows(
                 .for_each(|(s, i)| *s = sdt.get(scale, m * per_mat + i));
         }
         (Encoding::Fp4, StorageKind::Quant(QFormat::Fp4), Some((scale, sdt))) => {
+            let scale = scale.host_or_empty();
             let half = cols / 2;
-            data.copy_from_slice(&src.data[r0 * half..r1 * half]);
+            data.copy_from_slice(&data_of(src)[r0 * half..r1 * half]);
             let sc = cols.div_ceil(FP4_BLOCK);
             scales
                 .iter_mut()
@@ -1006,7 +1258,7 @@ fn decode_rows(src: &Source, row0: usize, out: &mut [f32]) {
             let sz = ft.size();
             dtype::decode_float(
                 ft,
-                &src.data[row0 * cols * sz..(row0 + rows) * cols * sz],
+                &data_of(src)[row0 * cols * sz..(row0 + rows) * cols * sz],
                 out,
             );
         }
@@ -1015,6 +1267,7 @@ fn decode_rows(src: &Source, row0: usize, out: &mut [f32]) {
             let Some((scale, sdt)) = src.scale else {
                 return;
             };
+            let scale = scale.host_or_empty();
             let per_mat = src.mat_rows.div_ceil(block[0]) * cols.div_ceil(block[1]);
             // A piece may cross matrix boundaries only for whole matrices; walk matrix by matrix.
             let mut g = row0;
@@ -1025,7 +1278,7 @@ fn decode_rows(src: &Source, row0: usize, out: &mut [f32]) {
                 let (head, tail) = out.split_at_mut(n * cols);
                 let s = &scale[m * per_mat * sdt.size()..(m + 1) * per_mat * sdt.size()];
                 dtype::dequant_fp8_rows(
-                    &src.data[g * cols..(g + n) * cols],
+                    &data_of(src)[g * cols..(g + n) * cols],
                     s,
                     sdt,
                     r,
@@ -1041,10 +1294,11 @@ fn decode_rows(src: &Source, row0: usize, out: &mut [f32]) {
             let Some((scale, sdt)) = src.scale else {
                 return;
             };
+            let scale = scale.host_or_empty();
             let sc = cols.div_ceil(FP4_BLOCK) * sdt.size();
             let half = cols / 2;
             dtype::dequant_fp4_rows(
-                &src.data[row0 * half..(row0 + rows) * half],
+                &data_of(src)[row0 * half..(row0 + rows) * half],
                 &scale[row0 * sc..(row0 + rows) * sc],
                 sdt,
                 cols,
@@ -1064,22 +1318,22 @@ mod tests {
         dtype: HostDtype,
         shape: &'a [usize],
         data: &'a [u8],
-    ) -> HostTensor<'a> {
-        HostTensor {
+    ) -> UpdateTensor<'a> {
+        UpdateTensor {
             name,
             dtype,
             shape,
-            data,
+            data: Bytes::Host(data),
         }
     }
 
     /// A float / index update without scale (the form most tests need), checked.
-    fn check_update(store: &WeightStore, u: HostTensor) -> Result<Vec<usize>> {
+    fn check_update(store: &WeightStore, u: UpdateTensor) -> Result<Vec<usize>> {
         super::check_update(store.table(), &u, None, [128, 128])
     }
 
     /// [`check_update`]'s update, written.
-    fn write_update(store: &mut WeightStore, u: HostTensor) -> Result<Vec<usize>> {
+    fn write_update(store: &mut WeightStore, u: UpdateTensor) -> Result<Vec<usize>> {
         super::write_update(store, &u, None, [128, 128])
     }
     use crate::weights::safetensors_io::tests::TempDir;

@@ -89,11 +89,62 @@ impl HostDtype {
     }
 }
 
-/// One named tensor in host memory, as `load_tensor` / `refit` receive it.
+/// Where an update's bytes live.
 #[derive(Clone, Copy, Debug)]
-pub struct HostTensor<'a> {
+pub enum Bytes<'a> {
+    Host(&'a [u8]),
+    /// Device memory of the engine's CUDA device: address and byte count (written on the
+    /// device, never copied to the host).
+    Device {
+        addr: u64,
+        len: usize,
+    },
+}
+
+impl<'a> Bytes<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            Bytes::Host(b) => b.len(),
+            Bytes::Device { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes when they are in host memory.
+    pub fn host(&self) -> Option<&'a [u8]> {
+        match self {
+            Bytes::Host(b) => Some(b),
+            Bytes::Device { .. } => None,
+        }
+    }
+
+    /// The host bytes, or nothing for device memory (host-only code paths, which the plan
+    /// never gives a device source).
+    pub fn host_or_empty(&self) -> &'a [u8] {
+        self.host().unwrap_or(&[])
+    }
+}
+
+impl<'a> From<&'a [u8]> for Bytes<'a> {
+    fn from(b: &'a [u8]) -> Self {
+        Bytes::Host(b)
+    }
+}
+
+impl<'a> From<&'a Vec<u8>> for Bytes<'a> {
+    fn from(b: &'a Vec<u8>) -> Self {
+        Bytes::Host(b)
+    }
+}
+
+/// One named tensor as `load_tensor` / `refit` receive it, in host or device memory.
+#[derive(Clone, Copy, Debug)]
+pub struct UpdateTensor<'a> {
     pub name: &'a str,
     pub dtype: HostDtype,
     pub shape: &'a [usize],
-    pub data: &'a [u8],
+    pub data: Bytes<'a>,
 }

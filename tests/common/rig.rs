@@ -167,12 +167,20 @@ impl DeviceHost {
     }
 }
 
+/// dsv4_refit's and dsv4_load_tensors' signature.
+pub type EntriesCall =
+    unsafe extern "C" fn(*mut dsv4_engine, *const dsv4_tensor, usize, *mut c_void) -> dsv4_status;
+
 #[derive(Clone, Copy, PartialEq, Debug)]
 pub enum Load {
     /// The fixture's own checkpoint (DSV4_LOAD_AUTO).
     Checkpoint,
     /// DSV4_LOAD_DUMMY.
     Dummy,
+    /// Every tensor of the fixture's checkpoint in ONE dsv4_load_tensors call (stored-format
+    /// weights with their scales); with `device_memory` every other entry is sent from device
+    /// memory (CUDA only).
+    Tensors { device_memory: bool },
 }
 
 /// How a [`Rig`] is created.
@@ -270,12 +278,20 @@ impl Rig {
                 Load::Dummy => {
                     r.check(dsv4_load(e, std::ptr::null(), DSV4_LOAD_DUMMY), "dsv4_load")
                 }
+                Load::Tensors { device_memory } => {
+                    r.host = (o.dev >= 0).then(|| DeviceHost::new(o.dev));
+                    let entries = super::abi::checkpoint_file_order(&o.model);
+                    let s = r.send(dsv4_load_tensors, &entries, device_memory);
+                    r.check(s, "dsv4_load_tensors");
+                }
             }
             for t in tensors(overrides) {
                 r.check(dsv4_load_tensor(e, &t), "dsv4_load_tensor");
             }
         }
-        r.host = (o.dev >= 0).then(|| DeviceHost::new(o.dev));
+        if r.host.is_none() {
+            r.host = (o.dev >= 0).then(|| DeviceHost::new(o.dev));
+        }
         // SAFETY: live engine; the stream is the host's (or NULL on the CPU).
         unsafe { r.check(dsv4_finalize(e, r.stream()), "dsv4_finalize") };
         r.vocab = r.info().vocab_size as usize;
@@ -467,6 +483,12 @@ impl Rig {
     /// Refit entries; with `device_memory`, every other entry is sent from device memory
     /// (CUDA only).
     pub fn try_refit(&self, entries: &[Entry], device_memory: bool) -> dsv4_status {
+        self.send(dsv4_refit, entries, device_memory)
+    }
+
+    /// Calls `f` (dsv4_refit or dsv4_load_tensors) with `entries` on the rig's stream; with
+    /// `device_memory`, every other entry is copied to the device and sent from there.
+    pub fn send(&self, f: EntriesCall, entries: &[Entry], device_memory: bool) -> dsv4_status {
         let staging = match (&self.host, device_memory) {
             (Some(h), true) => {
                 let _g = h.ctx.enter().unwrap();
@@ -491,7 +513,7 @@ impl Rig {
                 t.memory = DSV4_MEMORY_DEVICE;
             }
         }
-        unsafe { dsv4_refit(self.e, ts.as_ptr(), ts.len(), self.stream()) }
+        unsafe { f(self.e, ts.as_ptr(), ts.len(), self.stream()) }
     }
 
     pub fn refit(&self, entries: &[Entry], device_memory: bool) {

@@ -255,6 +255,8 @@ _PROTOTYPES = {
     "dsv4_finalize": (_status, [_engine_p, c_void_p]),
     "dsv4_forward": (_status, [_engine_p, POINTER(Batch), c_void_p]),
     "dsv4_refit": (_status, [_engine_p, POINTER(Tensor), c_size_t, c_void_p]),
+    # ABI minor 4.
+    "dsv4_load_tensors": (_status, [_engine_p, POINTER(Tensor), c_size_t, c_void_p]),
     "dsv4_refit_begin": (_status, [_engine_p]),
     "dsv4_refit_end": (_status, [_engine_p, c_void_p]),
     "dsv4_refit_abort": (_status, [_engine_p, c_void_p]),

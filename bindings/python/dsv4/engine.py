@@ -466,6 +466,14 @@ class Engine:
         """Replaces one weight in place (after finalize). See :meth:`refit_many`."""
         self.refit_many({name: array}, dtype=dtype, stream=stream)
 
+    def load_tensors(self, tensors: Mapping[str, object] | Iterable[tuple], dtype: str | None = None,
+                     stream=None) -> None:
+        """Loads several weights before :meth:`finalize` (``dsv4_load_tensors``, ABI minor 4):
+        all validated before any is written; a stored-format weight comes with its scale entry
+        in the same call. Entries as for :meth:`refit_many`; CUDA torch tensors are written on
+        the device without a host copy."""
+        self._send(self._lib.dsv4_load_tensors, tensors, dtype, stream)
+
     def refit_many(self, tensors: Mapping[str, object] | Iterable[tuple], dtype: str | None = None,
                    stream=None) -> None:
         """Replaces several weights at once: all are validated before any is written, so
@@ -489,6 +497,10 @@ class Engine:
         current stream when any value is a torch tensor (else the legacy default stream).
         The call returns after the copies are done: the tensors may be freed afterwards.
         """
+        self._send(self._lib.dsv4_refit, tensors, dtype, stream)
+
+    def _send(self, fn, tensors, dtype, stream) -> None:
+        """Calls ``fn(engine, entries, n, stream)`` (dsv4_refit / dsv4_load_tensors)."""
         if isinstance(tensors, Mapping):
             items = [(n, *_split_entry(v, dtype)) for n, v in tensors.items()]
         else:
@@ -508,7 +520,7 @@ class Engine:
             arr[k] = t
             keep.append(kept)
             torch_inputs |= is_torch
-        self._call(self._lib.dsv4_refit, arr, len(items), self._stream(stream, torch_inputs))
+        self._call(fn, arr, len(items), self._stream(stream, torch_inputs))
         del keep
 
     def refit_begin(self) -> None:

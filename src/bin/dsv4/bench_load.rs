@@ -37,25 +37,44 @@ fn checkpoint_bytes(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// A 64-bit hash of the engine's weight buffer (`--checksum 1`): the device span copied out in
-/// 256 MiB pieces on CUDA, every weight's bytes on the CPU. Two loads of the same values hash
-/// alike (a dummy load and a load of its dummy-checkpoint).
-fn weights_hash(e: &Engine) -> Result<u64, String> {
-    let mut h = 0xCBF2_9CE4_8422_2325u64;
-    let mut eat = |bytes: &[u8]| {
-        for c in bytes.chunks(8) {
+/// A 64-bit hash of `bytes`: 16 slices hashed on their own threads, then combined in order.
+fn hash_bytes(bytes: &[u8], mut h: u64) -> u64 {
+    let fold = |mut h: u64, part: &[u8]| {
+        for c in part.chunks(8) {
             let mut w = [0u8; 8];
             w[..c.len()].copy_from_slice(c);
             h = (h ^ u64::from_le_bytes(w))
                 .wrapping_mul(0x0100_0000_01B3)
                 .rotate_left(29);
         }
+        h
     };
+    let parts: Vec<&[u8]> = bytes
+        .chunks(bytes.len().div_ceil(16).max(8).next_multiple_of(8))
+        .collect();
+    let sums: Vec<u64> = std::thread::scope(|s| {
+        let hs: Vec<_> = parts.iter().map(|p| s.spawn(move || fold(0, p))).collect();
+        hs.into_iter().map(|j| j.join().unwrap_or(0)).collect()
+    });
+    for v in sums {
+        h = (h ^ v).wrapping_mul(0x0100_0000_01B3).rotate_left(29);
+    }
+    h
+}
+
+/// A 64-bit hash of the engine's weight buffer (`--checksum 1`, bench refit): the device span
+/// copied out in 256 MiB pieces on CUDA, every weight's bytes on the CPU. Two loads of the
+/// same values hash alike (a dummy load and a load of its dummy-checkpoint).
+pub fn weights_hash(e: &Engine) -> Result<u64, String> {
+    let mut h = 0xCBF2_9CE4_8422_2325u64;
     if let Some(store) = e.host_store() {
         for t in store.tensors() {
             let l = t.data.layout();
             // SAFETY: the store's buffer holds `data_bytes` bytes at this address.
-            eat(unsafe { std::slice::from_raw_parts(t.data.as_ptr(), l.data_bytes) });
+            h = hash_bytes(
+                unsafe { std::slice::from_raw_parts(t.data.as_ptr(), l.data_bytes) },
+                h,
+            );
         }
         return Ok(h);
     }
@@ -67,7 +86,7 @@ fn weights_hash(e: &Engine) -> Result<u64, String> {
         let v = e
             .stage_device_bytes(addr + off, n, std::ptr::null_mut(), "weights checksum")
             .map_err(err)?;
-        eat(&v);
+        h = hash_bytes(&v, h);
         off += n as u64;
     }
     Ok(h)

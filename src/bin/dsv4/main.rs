@@ -8,6 +8,8 @@
 //! - `dsv4 bench [--model DIR] [--tokens N]`: prefill and decode timings as JSON.
 //! - `dsv4 bench load [--config FILE | --model DIR] [--device ...]`: create + load + finalize
 //!   times, load GB/s and host memory (bench_load.rs).
+//! - `dsv4 bench refit [--config FILE]`: every weight refit from device memory, timed against
+//!   the copy floor, host memory sampled, checked against a fresh load (bench_refit.rs).
 //! - `dsv4 dummy-checkpoint --config FILE --out DIR`: the dummy weights as a safetensors
 //!   checkpoint (dummy_checkpoint.rs).
 //! - `dsv4 bench moe [--batches N,N...] [--routing uniform,skewed,topk] [--path P] [--ids-dir DIR]`: the
@@ -15,6 +17,7 @@
 
 mod bench_load;
 mod bench_moe;
+mod bench_refit;
 mod dummy_checkpoint;
 
 use std::path::PathBuf;
@@ -29,6 +32,7 @@ const USAGE: &str = "usage:
   dsv4 eval --model DIR --fixture ORACLE.safetensors
   dsv4 bench [--model DIR | --config FILE] [--tokens N] [--decode-steps N] [--decode-batch N[,N...]] [--graph 0|1] [--device ...]
   dsv4 bench load [--config FILE | --model DIR] [--device ...] [--staging-mb N]
+  dsv4 bench refit [--config FILE] [--device cuda[:N]]
   dsv4 dummy-checkpoint --config FILE --out DIR [--seed S]
   dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,prefill]
                  [--ids-dir DIR] [--device cuda[:N]]";
@@ -653,6 +657,7 @@ fn bench(a: &Args) -> Result<(), String> {
             });
         }
         Some("load") => return bench_load::run(a, device(a)?),
+        Some("refit") => return bench_refit::run(a, device(a)?),
         Some(other) => return Err(format!("unknown bench `{other}`\n{USAGE}")),
     }
     let dev = device(a)?;

@@ -12,6 +12,7 @@ pub mod linear;
 pub mod mhc;
 pub mod moe;
 pub mod norm_rope;
+pub mod weight_convert;
 
 use crate::cuda::arena::DevicePtr;
 use crate::cuda::registry::KernelSource;
@@ -52,6 +53,9 @@ pub static MODEL_FAMILIES: &[&KernelSource] = &[
     &compressor::SOURCE,
     &indexer::SOURCE,
 ];
+
+/// Families the backend itself runs (not a kernel set's): writing weights from device memory.
+pub static BACKEND_FAMILIES: &[&KernelSource] = &[&weight_convert::SOURCE];
 
 /// The fast set's own families (it runs every model family too).
 pub static FAST_FAMILIES: &[&KernelSource] = &[
