@@ -152,3 +152,31 @@ impl Progress {
         self.bytes.load(Ordering::Relaxed)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The progress line counts weights and bytes of the targets, as load_report.rs documents.
+    #[test]
+    fn progress_line_counts_weights_and_bytes() {
+        let cfg = crate::config::ModelConfig::tiny_default();
+        let table = WeightTable::new(&cfg, crate::weights::WeightFormat::AsStored).unwrap();
+        let targets = [0, 1, 2];
+        let total: u64 = targets
+            .iter()
+            .map(|&i| table.entry(i).layout.bytes() as u64)
+            .sum();
+        let p = Progress::new("dsv4_load", &table, &targets);
+        p.add(2, 1000);
+        let line = p.line();
+        assert!(
+            line.starts_with(&format!(
+                "dsv4_load progress: weights=2/3 bytes=1000/{total} secs="
+            )),
+            "{line}"
+        );
+        assert!(line.contains(" gbps="), "{line}");
+        assert_eq!(p.bytes(), 1000);
+    }
+}

@@ -241,6 +241,28 @@ def test_streaming_load_then_finalize():
         assert np.isfinite(run_prompt(e, 0, [1, 2])).all()
 
 
+def test_load_tensors_takes_stored_format_pairs_in_one_call():
+    """dsv4_load_tensors (ABI 1.4): every weight in one call, FP8/FP4 codes with their scale
+    entries, gives the engine the source engine's weights and logits, bit for bit."""
+    caps = dict(CAPS, weight_format="quantize", numerics="official")
+    with dsv4.Engine(load="dummy", **caps) as src, dsv4.Engine(load=None, **caps) as e:
+        kinds = {"f8_e4m3": "fp8_e4m3", "fp4_e2m1": "fp4_e2m1"}
+        entries = []
+        for name, dtype, _, _ in src.weights():
+            if dtype in kinds:
+                entries.append((name, src.weight_array(name), kinds[dtype]))
+                scale = name[: -len(".weight")] + ".scale"
+                entries.append((scale, src.weight_scales(name).astype(np.float32), None))
+            else:
+                entries.append((name, src.weight_array(name), None))
+        assert any(k == "fp4_e2m1" for _, _, k in entries), "the quantize format holds FP4 experts"
+        e.load_tensors(entries)
+        assert e.info()["phase"] == "loaded"
+        e.finalize()
+        want = run_prompt(src, 0, [1, 2, 3])
+        assert np.array_equal(run_prompt(e, 0, [1, 2, 3]).view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.skipif(not (FIXTURE / "model.safetensors").is_file(), reason="no checkpoint fixture")
 def test_checkpoint_fixture_loads():
     with dsv4.Engine(model_dir=str(FIXTURE), **CAPS) as e:

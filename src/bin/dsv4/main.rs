@@ -495,6 +495,8 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
         max_seq_len: tokens / min_batch + 2 * steps + 1,
         ..Default::default()
     };
+    // Load progress and the load / finalize summaries go to stderr.
+    dsv4::log::set_sink(None, dsv4::log::Level::Info);
     let t_create = Instant::now();
     let (mut e, backend) = match a.get("config").or(a.get("model")) {
         Some(d) => create(ConfigSource::Path(d.into()), opts, false)?,
