@@ -216,18 +216,12 @@ impl Engine {
     pub fn load(&mut self, source: Option<&Path>, format: LoadFormat) -> Result<()> {
         self.expect_phase("dsv4_load", &[Phase::Created, Phase::Loaded])?;
         let t0 = std::time::Instant::now();
-        let null = std::ptr::null_mut();
-        let from = match format {
+        // The values live here while they are written (a checkpoint's borrow its mapping).
+        let (dummy, ck, checked);
+        let (values, from): (&dyn WeightValues, _) = match format {
             LoadFormat::Dummy => {
-                let values = weights::dummy::DummyValues::new(&self.weights, &self.cfg, DUMMY_SEED);
-                write_values(
-                    self.backend.as_mut(),
-                    &self.weights,
-                    "dsv4_load",
-                    &values,
-                    null,
-                )?;
-                load_report::LoadSource::Dummy
+                dummy = weights::dummy::DummyValues::new(&self.weights, &self.cfg, DUMMY_SEED);
+                (&dummy, load_report::LoadSource::Dummy)
             }
             LoadFormat::Auto | LoadFormat::Safetensors => {
                 let path = source.ok_or_else(|| {
@@ -236,19 +230,20 @@ impl Engine {
                         "dsv4_load: `source` is NULL but the format needs a checkpoint path",
                     )
                 })?;
-                let (ck, facts) = load_report::open_checkpoint(path)?;
-                let values =
-                    weights::load::plan_checkpoint(&self.weights, &ck, self.quant_block())?;
-                write_values(
-                    self.backend.as_mut(),
-                    &self.weights,
-                    "dsv4_load",
-                    &values,
-                    null,
-                )?;
-                load_report::LoadSource::Checkpoint(facts)
+                let facts;
+                (ck, facts) = load_report::open_checkpoint(path)?;
+                checked = weights::load::plan_checkpoint(&self.weights, &ck, self.quant_block())?;
+                (&checked, load_report::LoadSource::Checkpoint(facts))
             }
         };
+        let null = std::ptr::null_mut();
+        write_values(
+            self.backend.as_mut(),
+            &self.weights,
+            "dsv4_load",
+            values,
+            null,
+        )?;
         self.loaded.iter_mut().for_each(|l| *l = true);
         self.phase = Phase::Loaded;
         load_report::log_load(&from, &self.weights, &self.opts, t0);

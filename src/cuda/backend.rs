@@ -17,7 +17,7 @@ use crate::cuda::kernels::batch::{BatchKernels, CheckedBatch};
 use crate::cuda::kernels::fast_moe_gemm::{self, ExpertMatrices};
 use crate::cuda::kernels::mhc::Hc0Fold;
 use crate::cuda::kernels::weight_convert::{
-    self, DestWeight, DeviceScale, SourceEnc, SourceRows, WeightConvert,
+    self, DestWeight, DeviceScale, SourceRows, WeightConvert,
 };
 use crate::cuda::memory_plan::{BufferKind, Buffers, MemoryPlan};
 use crate::cuda::registry::{KernelCache, Registry};
@@ -69,19 +69,6 @@ pub struct CudaBackend {
     state_per_slot: u64,
     /// Host bytes a load or refit stages weights through (the pool's size).
     staging_bytes: u64,
-}
-
-/// The kernels' encoding of a device source.
-fn source_enc(e: DeviceEnc) -> SourceEnc {
-    match e {
-        DeviceEnc::F32 => SourceEnc::F32,
-        DeviceEnc::Bf16 => SourceEnc::Bf16,
-        DeviceEnc::F16 => SourceEnc::F16,
-        DeviceEnc::Fp8 => SourceEnc::Fp8,
-        DeviceEnc::Fp4 => SourceEnc::Fp4,
-        DeviceEnc::I32 => SourceEnc::I32,
-        DeviceEnc::I64 => SourceEnc::I64,
-    }
 }
 
 /// The staging size `opts` asks for.
@@ -430,14 +417,7 @@ impl Backend for CudaBackend {
                 let bytes = c.n * c.enc.size();
                 let src = checked_device_range(c.addr, bytes, &c.who)?;
                 let bound = c.bound.unwrap_or(0);
-                conv.scan(
-                    src,
-                    source_enc(c.enc),
-                    c.n,
-                    bound,
-                    results.slice(8 * k, 8)?,
-                    st,
-                )?;
+                conv.scan(src, c.enc, c.n, bound, results.slice(8 * k, 8)?, st)?;
             }
             let mut first = vec![0u64; batch.len()];
             crate::cuda::arena::copy_to_host_sync(&mut first, results, st)?;
@@ -503,7 +483,7 @@ impl Backend for CudaBackend {
                 };
                 let rows = SourceRows {
                     ptr: src,
-                    enc: source_enc(w.src.enc),
+                    enc: w.src.enc,
                     scale,
                     mat_rows: w.src.mat_rows,
                     cols: w.src.cols,

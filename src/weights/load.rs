@@ -896,18 +896,19 @@ fn check_quantizable(table: &WeightTable, jobs: &[Job]) -> Result<()> {
     Ok(())
 }
 
-/// How a device source is encoded (the weight_convert kernels' `enc`).
+/// How a device source is encoded; the values are kernels/weight_convert.cu's `enc` codes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
 pub enum DeviceEnc {
-    F32,
-    Bf16,
-    F16,
+    F32 = 0,
+    Bf16 = 1,
+    F16 = 2,
     /// FP8 e4m3 codes with block scales.
-    Fp8,
+    Fp8 = 3,
     /// Packed FP4 e2m1 codes with 1x32 scales.
-    Fp4,
-    I32,
-    I64,
+    Fp4 = 4,
+    I32 = 5,
+    I64 = 6,
 }
 
 impl DeviceEnc {

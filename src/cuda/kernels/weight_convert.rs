@@ -13,6 +13,7 @@ use crate::cuda::kernels::{need, to_i32};
 use crate::cuda::stream::BorrowedStream;
 use crate::error::Result;
 use crate::weights::format::StorageFormat;
+pub use crate::weights::load::DeviceEnc as SourceEnc;
 
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
@@ -30,32 +31,6 @@ crate::kernel_family! {
 
 const THREADS: u32 = 256;
 const MAX_BLOCKS: usize = 1 << 16;
-
-/// How a device source is encoded (the kernels' `enc` codes).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SourceEnc {
-    F32 = 0,
-    Bf16 = 1,
-    F16 = 2,
-    /// FP8 e4m3 codes with block scales.
-    Fp8 = 3,
-    /// Packed FP4 e2m1 codes with 1x32 scales.
-    Fp4 = 4,
-    I32 = 5,
-    I64 = 6,
-}
-
-impl SourceEnc {
-    /// Bytes of one element (a packed FP4 byte holds two).
-    pub fn size(self) -> usize {
-        match self {
-            SourceEnc::F32 | SourceEnc::I32 => 4,
-            SourceEnc::Bf16 | SourceEnc::F16 => 2,
-            SourceEnc::Fp8 | SourceEnc::Fp4 => 1,
-            SourceEnc::I64 => 8,
-        }
-    }
-}
 
 /// A source's block scale on the device: UE8M0 bytes or f32, FP8 blocks `[rows, cols]`.
 #[derive(Clone, Copy, Debug)]
