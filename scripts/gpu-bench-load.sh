@@ -9,7 +9,7 @@
 #               host peak RSS (VmHWM) and load GB/s (`dsv4 bench load`).
 #   checkpoint  writes configs/flash-shaped-4-layers.json's dummy weights as a safetensors
 #               checkpoint ($CKPT_DIR, default /tmp/dsv4-flash4-ckpt; ~21 GB) with
-#               `dsv4 dummy-checkpoint`, loads it (page cache warm), drops the page cache when
+#               scripts/write-dummy-checkpoint.sh, loads it (page cache warm), drops the page cache when
 #               allowed (root) and loads it again (cold), then a dummy load of the same config;
 #               all with --checksum 1: the checkpoint loads must hash like the dummy load.
 #   maxlayers   the most Flash-shaped layers (scripts/flash-shaped-config.py) that one device
@@ -37,7 +37,7 @@ for step in "${steps[@]}"; do
       echo "rc=$?" >>"$log"; cat "$log.json" >>"$log"; json "$log.json" ;;
     checkpoint)
       rm -rf "$CKPT_DIR"
-      /usr/bin/time -v "$CLI" dummy-checkpoint --config configs/flash-shaped-4-layers.json --out "$CKPT_DIR" >>"$log" 2>&1
+      DSV4_CLI="$CLI" /usr/bin/time -v bash scripts/write-dummy-checkpoint.sh configs/flash-shaped-4-layers.json "$CKPT_DIR" >>"$log" 2>&1
       echo "rc=$? (dummy-checkpoint)" >>"$log"
       du -sb "$CKPT_DIR" >>"$log"
       for pass in warm cold; do

@@ -216,7 +216,7 @@ impl Engine {
     pub fn load(&mut self, source: Option<&Path>, format: LoadFormat) -> Result<()> {
         self.expect_phase("dsv4_load", &[Phase::Created, Phase::Loaded])?;
         let t0 = std::time::Instant::now();
-        // The values live here while they are written (a checkpoint's borrow its mapping).
+        // The values live here while they are written (a checkpoint's values borrow its mapping).
         let (dummy, ck, checked);
         let (values, from): (&dyn WeightValues, _) = match format {
             LoadFormat::Dummy => {
@@ -392,13 +392,17 @@ impl Engine {
         let staged = stage_mixed_halves(backend, &writes, stream)?;
         let pairs = pairs_of(&writes, &staged);
         let values = weights::load::plan_updates(&self.weights, &pairs, block)?;
-        write_checked(
+        let written = write_checked(
             self.backend.as_mut(),
             &self.weights,
             "dsv4_refit",
             &values,
             stream,
-        )?;
+        );
+        if written.is_err() && self.phase == Phase::Ready {
+            self.backend.end_writes();
+        }
+        written?;
         drop(values);
         drop(pairs);
         drop(staged);

@@ -1,8 +1,10 @@
 //! The CUDA backend: the engine's device model (device_model.rs) and the chosen kernel
 //! set's workspace, declared in one memory plan (memory_plan.rs) and carved from ONE arena
-//! at create. Nothing is allocated later; finalize uploads weights, builds derived tables in
-//! place and loads the kernel set; forward (forward.rs) only launches kernels on the host's
-//! stream.
+//! at create. Nothing is allocated in device memory later. Loads and refits write weights
+//! straight into the arena, with no host copy of the weights: host values through bounded
+//! pinned staging (upload.rs), device values by copies and kernels (weight_convert.rs).
+//! Finalize builds derived tables in place and loads the kernel set; forward (forward.rs) only
+//! launches kernels on the host's stream.
 
 use crate::backend::{
     Backend, Batch, BufferSpans, DerivedTensor, DeviceBatch, StreamHandle, WeightAddr,
