@@ -382,7 +382,7 @@ impl PlannedBuffers {
         &self,
         buffers: &Buffers,
         cfg: &ModelConfig,
-        store: &WeightTable,
+        table: &WeightTable,
         layouts: &[LayerLayout],
     ) -> Result<DeviceModel> {
         let p = |id: RegionId| buffers.ptr(id);
@@ -441,7 +441,7 @@ impl PlannedBuffers {
             })
             .collect();
         Ok(DeviceModel {
-            handles: ModelWeights::resolve(cfg, store)?,
+            handles: ModelWeights::resolve(cfg, table)?,
             weights,
             experts,
             layers,

@@ -1232,8 +1232,8 @@ pub unsafe extern "C" fn dsv4_weight_info(
             *dst = d as i64;
         }
         let mut st = storage_of(t);
-        // The backend's copy: the store itself on the CPU, the device copy on CUDA (same
-        // layout as the host store).
+        // The backend's copy: the host store on the CPU, the device arena on CUDA (both in
+        // the table's storage layout).
         let addr = h.engine.weight_addr(index);
         let data = addr.data as *const c_void;
         if addr.scales != 0 {
