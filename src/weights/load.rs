@@ -1636,6 +1636,17 @@ mod tests {
             .map(|k| 125 + (k % 5) as u8)
             .collect();
         let scale_shape = [ex[0], ex[1].div_ceil(32)];
+        // HF-native fused down_proj [E, D, I] as BF16: one piece per expert (rows at an
+        // offset into the source), each quantized to FP4 on write.
+        let (e, dd, ii) = (3, 64, 40);
+        let fused: Vec<u8> = (0..e * dd * ii)
+            .flat_map(|k| {
+                half::bf16::from_f32((k as f32 * 0.11).cos() * 3.0)
+                    .to_bits()
+                    .to_le_bytes()
+            })
+            .collect();
+        let fused_shape = [e, dd, ii];
         let updates = [
             (
                 host("layers.0.attn.wq_b.weight", HostDtype::F8E4M3, &sq, &codes),
@@ -1670,8 +1681,18 @@ mod tests {
                 )),
             ),
         ];
+        let mut updates = updates.to_vec();
+        updates.push((
+            host(
+                "model.layers.1.mlp.experts.down_proj",
+                HostDtype::Bf16,
+                &fused_shape,
+                &fused,
+            ),
+            None,
+        ));
         let values = plan_updates(&table, &updates, [16, 16]).unwrap();
-        assert_eq!(values.targets().len(), 3);
+        assert_eq!(values.targets().len(), 3 + e);
         for i in values.targets() {
             let g = Geometry::of(table.entry(i));
             assert!(table.is_quantized(i), "{}", table.name(i));
