@@ -141,23 +141,26 @@ impl WeightValues for DummyValues {
         let (lo, hi) = range_of(spec);
         match g.kind {
             StorageKind::Quant(q) => {
-                // 0x7f / 0xff are the e4m3fn NaNs: map them to the largest finite codes.
-                let (qmax, nan_free): (f32, fn(u8) -> u8) = match q {
-                    QFormat::Fp8 { .. } => (448.0, |b| if b & 0x7f == 0x7f { b - 1 } else { b }),
-                    QFormat::Fp4 => (6.0, |b| b),
+                let (qmax, fp8) = match q {
+                    QFormat::Fp8 { .. } => (448.0, 1u8),
+                    QFormat::Fp4 => (6.0, 0u8),
                 };
+                // 0x7f / 0xff are the e4m3fn NaNs: map them to the largest finite codes.
+                let nan_free = |b: u8| b - (fp8 & u8::from(b & 0x7f == 0x7f));
                 // Code byte i is byte i % 8 (little-endian) of output i / 8 + 1 of the weight's
-                // stream: one output per 8 codes.
+                // stream: one output per 8 codes, written a word at a time after the first
+                // ragged bytes of the chunk.
                 let first = g.data_range(&rows).start;
-                let mut word = (first / 8 + 1) as u64;
-                let mut bytes = rng.at(word).to_le_bytes();
-                for (k, c) in data.iter_mut().enumerate() {
+                let head = ((8 - first % 8) % 8).min(data.len());
+                let (ragged, words) = data.split_at_mut(head);
+                for (k, c) in ragged.iter_mut().enumerate() {
                     let i = first + k;
-                    if i.is_multiple_of(8) && k > 0 {
-                        word += 1;
-                        bytes = rng.at(word).to_le_bytes();
-                    }
-                    *c = nan_free(bytes[i % 8]);
+                    *c = nan_free(rng.at(i as u64 / 8 + 1).to_le_bytes()[i % 8]);
+                }
+                let word0 = ((first + head) / 8 + 1) as u64;
+                for (w, chunk) in words.chunks_mut(8).enumerate() {
+                    let b = rng.at(word0 + w as u64).to_le_bytes();
+                    chunk.iter_mut().zip(b).for_each(|(c, x)| *c = nan_free(x));
                 }
                 let scale = 2f32.powi((hi / qmax).log2().ceil() as i32);
                 scales.iter_mut().for_each(|s| *s = scale);
