@@ -2235,3 +2235,67 @@ fn memory_the_engine_cannot_get_is_out_of_memory() {
     let name = unsafe { std::ffi::CStr::from_ptr(dsv4_status_name(st)) };
     assert_eq!(name.to_str().unwrap(), "OUT_OF_MEMORY");
 }
+
+/// dsv4_load_tensors (ABI 1.4): every entry is validated before any is written, errors name
+/// the entry and the weight, and a good call writes every entry's values.
+#[test]
+fn load_tensors_validates_every_entry_before_writing() {
+    let c = created();
+    let (n1, n2) = (cstr("norm.weight"), cstr("layers.0.attn_norm.weight"));
+    let (v1, v2) = (vec![0.5f32; 256], vec![-2.0f32; 256]);
+    let read = |name: &str| -> Vec<f32> {
+        let (_, w) = find_weight(&c, name);
+        // SAFETY: a CPU engine's weight descriptor points at its f32 host buffer.
+        unsafe { std::slice::from_raw_parts(w.data.cast::<f32>(), 256) }.to_vec()
+    };
+    let before = (read("norm.weight"), read("layers.0.attn_norm.weight"));
+    // SAFETY: valid engine; the entries point at live buffers.
+    unsafe {
+        check(
+            dsv4_load_tensors(c.0, ptr::null(), 2, ptr::null_mut()),
+            DSV4_STATUS_NULL_POINTER,
+            &["`tensors`"],
+        );
+        ok(dsv4_load_tensors(c.0, ptr::null(), 0, ptr::null_mut()));
+        // A good entry, then an unknown name: nothing is written.
+        let unknown = cstr("layers.0.attn.does_not_exist");
+        let ts = [
+            f32_tensor(&n1, &[256], &v1),
+            f32_tensor(&unknown, &[256], &v2),
+        ];
+        check(
+            dsv4_load_tensors(c.0, ts.as_ptr(), 2, ptr::null_mut()),
+            DSV4_STATUS_TENSOR,
+            &["load entry 1", "layers.0.attn.does_not_exist"],
+        );
+        // A block scale without its weight.
+        let scale = cstr("layers.0.attn.wq_a.scale");
+        let e8 = vec![127u8; 4];
+        let mut s = f32_tensor(&scale, &[2, 2], &[]);
+        s.dtype = DSV4_DTYPE_E8M0;
+        s.data = e8.as_ptr().cast();
+        let ts = [f32_tensor(&n1, &[256], &v1), s];
+        check(
+            dsv4_load_tensors(c.0, ts.as_ptr(), 2, ptr::null_mut()),
+            DSV4_STATUS_TENSOR,
+            &["load entry 1", "wq_a"],
+        );
+        assert!(
+            (read("norm.weight"), read("layers.0.attn_norm.weight")) == before,
+            "a refused call wrote a weight"
+        );
+        // Both good: both written.
+        let ts = [f32_tensor(&n1, &[256], &v1), f32_tensor(&n2, &[256], &v2)];
+        ok(dsv4_load_tensors(c.0, ts.as_ptr(), 2, ptr::null_mut()));
+    }
+    assert_eq!(read("norm.weight"), v1);
+    assert_eq!(read("layers.0.attn_norm.weight"), v2);
+    let r = ready();
+    let ts = [f32_tensor(&n1, &[256], &v1)];
+    // SAFETY: valid engine and entry.
+    check(
+        unsafe { dsv4_load_tensors(r.0, ts.as_ptr(), 1, ptr::null_mut()) },
+        DSV4_STATUS_STATE,
+        &["dsv4_load_tensors"],
+    );
+}
