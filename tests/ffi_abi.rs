@@ -2270,7 +2270,7 @@ fn load_tensors_validates_every_entry_before_writing() {
         );
         // A block scale without its weight.
         let scale = cstr("layers.0.attn.wq_a.scale");
-        let e8 = vec![127u8; 4];
+        let e8 = [127u8; 4];
         let mut s = f32_tensor(&scale, &[2, 2], &[]);
         s.dtype = DSV4_DTYPE_E8M0;
         s.data = e8.as_ptr().cast();
