@@ -13,7 +13,6 @@ mod common;
 
 use common::gpu::{assert_families_compile, family_gpu};
 use common::rng::Rng;
-use dsv4::cuda::DevicePtr;
 use dsv4::cuda::kernels::weight_convert::{
     self, DestWeight, DeviceScale, SourceEnc, SourceRows, WeightConvert,
 };
@@ -122,17 +121,15 @@ fn via_bf16(v: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// Runs `wc_convert_kernel` of a whole-matrix source `src` (already on the device) into a
-/// poisoned weight of `format`; returns its value bytes and f32 scales.
-fn convert(
+/// Runs `wc_convert_kernel` of `src`'s rows into a poisoned weight of `format` (`src.rows`
+/// x `src.cols`); returns its value bytes and f32 scales (as bits).
+fn convert_rows(
     d: &Dev,
-    src: DevicePtr,
-    enc: SourceEnc,
-    scale: Option<DeviceScale>,
-    [rows, cols]: [usize; 2],
+    src: &SourceRows,
     format: StorageFormat,
     block: [usize; 2],
 ) -> (Vec<u8>, Vec<u32>) {
+    let (rows, cols) = (src.rows, src.cols);
     let (db, ns) = (
         format.data_bytes(rows, cols),
         format.scale_count(rows, cols, block),
@@ -148,22 +145,36 @@ fn convert(
         format: Some(format),
         block,
     };
+    {
+        let _g = d.ctx().enter().unwrap();
+        d.k.convert(src, &dst, d.s()).unwrap();
+    }
+    let data: Vec<u8> = d.get(p[0], db);
+    let scales: Vec<u32> = if ns > 0 { d.get(p[1], ns) } else { vec![] };
+    (data, scales)
+}
+
+/// [`convert_rows`] of a whole unscaled matrix of `enc` values, `bytes` copied to the device.
+fn convert(
+    d: &Dev,
+    bytes: &[u8],
+    enc: SourceEnc,
+    [rows, cols]: [usize; 2],
+    format: StorageFormat,
+    block: [usize; 2],
+) -> (Vec<u8>, Vec<u32>) {
+    let (_a, p) = d.alloc(&[bytes.len()]);
+    d.put(p[0], bytes);
     let rows_src = SourceRows {
-        ptr: src,
+        ptr: p[0].slice(0, bytes.len()).unwrap(),
         enc,
-        scale,
+        scale: None,
         mat_rows: rows,
         cols,
         row0: 0,
         rows,
     };
-    {
-        let _g = d.ctx().enter().unwrap();
-        d.k.convert(&rows_src, &dst, d.s()).unwrap();
-    }
-    let data: Vec<u8> = d.get(p[0], db);
-    let scales: Vec<u32> = if ns > 0 { d.get(p[1], ns) } else { vec![] };
-    (data, scales)
+    convert_rows(d, &rows_src, format, block)
 }
 
 /// The host's codes and scales of `vals` quantized to `q` (rows.rs quantize_rows).
@@ -194,10 +205,7 @@ fn fp8_quantization_equals_the_host_on_edge_values() {
         (SourceEnc::F32, bytes_f32(&vals), vals.clone()),
         (SourceEnc::Bf16, bytes_bf16(&vals), via_bf16(&vals)),
     ] {
-        let (_a, p) = d.alloc(&[bytes.len()]);
-        d.put(p[0], &bytes);
-        let src = p[0].slice(0, bytes.len()).unwrap();
-        let got = convert(&d, src, enc, None, [rows, cols], StorageFormat::Fp8, block);
+        let got = convert(&d, &bytes, enc, [rows, cols], StorageFormat::Fp8, block);
         let want = host_quantized(q, &host_vals, cols, StorageFormat::Fp8, rows, block);
         assert_eq!(got.1, want.1, "{enc:?}: scales");
         let bad = got.0.iter().zip(&want.0).position(|(a, b)| a != b);
@@ -220,14 +228,10 @@ fn fp4_quantization_equals_the_host_on_edge_values() {
     let grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
     let vals = edge_matrix(&mut rng, rows, cols, [1, 32], &grid, E2M1_MAX);
     let bytes = bytes_f32(&vals);
-    let (_a, p) = d.alloc(&[bytes.len()]);
-    d.put(p[0], &bytes);
-    let src = p[0].slice(0, bytes.len()).unwrap();
     let got = convert(
         &d,
-        src,
+        &bytes,
         SourceEnc::F32,
-        None,
         [rows, cols],
         StorageFormat::Fp4,
         [1, 32],
@@ -253,14 +257,10 @@ fn conversions_equal_the_host() {
         })
         .collect();
     let bytes = bytes_f32(&vals);
-    let (_a, p) = d.alloc(&[bytes.len()]);
-    d.put(p[0], &bytes);
-    let src = p[0].slice(0, bytes.len()).unwrap();
     let got = convert(
         &d,
-        src,
+        &bytes,
         SourceEnc::F32,
-        None,
         [64, 64],
         StorageFormat::Bf16,
         [0, 0],
@@ -297,20 +297,7 @@ fn conversions_equal_the_host() {
         rows: mat,
     };
     let f = StorageFormat::Fp4;
-    let (db, ns) = (f.data_bytes(mat, cols), f.scale_count(mat, cols, [1, 32]));
-    let (_c, o) = d.alloc(&[db, ns * 4]);
-    d.poison(o[0]);
-    d.poison(o[1]);
-    let dst = DestWeight {
-        data: o[0].slice(0, db).unwrap(),
-        scales: Some(o[1].slice(0, ns * 4).unwrap()),
-        format: Some(f),
-        block: [1, 32],
-    };
-    {
-        let _g = d.ctx().enter().unwrap();
-        d.k.convert(&src, &dst, d.s()).unwrap();
-    }
+    let got = convert_rows(&d, &src, f, [1, 32]);
     let mut decoded = vec![0f32; mat * cols];
     dequant_fp8_rows(
         &codes[mat * cols..],
@@ -322,8 +309,8 @@ fn conversions_equal_the_host() {
         &mut decoded,
     );
     let want = host_quantized(QFormat::Fp4, &decoded, cols, f, mat, [1, 32]);
-    assert_eq!(d.get::<u32>(o[1], ns), want.1, "fp8 -> fp4 scales");
-    assert_eq!(d.get::<u8>(o[0], db), want.0, "fp8 -> fp4 codes");
+    assert_eq!(got.1, want.1, "fp8 -> fp4 scales");
+    assert_eq!(got.0, want.0, "fp8 -> fp4 codes");
 
     // I64 ids -> I32 storage.
     let ids: Vec<i64> = (0..600).map(|_| rng.below(256) as i64).collect();
