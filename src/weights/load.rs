@@ -51,18 +51,19 @@ pub fn load_checkpoint(store: &mut WeightStore, cfg: &ModelConfig, path: &Path) 
 /// [`load_checkpoint`] of a checkpoint already opened (the caller reports on its tensors).
 pub fn load_opened(store: &mut WeightStore, cfg: &ModelConfig, ck: &Checkpoint) -> Result<()> {
     let block = cfg.quant.as_ref().map_or([128, 128], |q| q.weight_block);
-    let table = store.table().clone();
-    let values = plan_checkpoint(&table, ck, block)?;
-    let progress = Progress::new("dsv4_load", &table, &values.targets());
+    let values = plan_checkpoint(store.table(), ck, block)?;
+    let progress = Progress::new("dsv4_load", store.table(), &values.targets());
     write_to_store(store, &values, &progress);
     Ok(())
 }
 
-/// Validates one host update against the weight table without writing anything; returns
-/// the canonical weights it would write (several for a fused expert tensor, none for an
-/// ignored `mtp.*` name). `scale`: the block scales (E8M0 or F32; FP8 blocks are `block`) of
-/// a weight given in its stored format (F8_E4M3 or packed FP4 codes); None for float / index
-/// values.
+/// Validates one update against the weight table without writing anything: name, dtype,
+/// shape, scale grid and (host) index ranges; returns the canonical weights it would write
+/// (several for a fused expert tensor, none for an ignored `mtp.*` name). `scale`: the block
+/// scales (E8M0 or F32; FP8 blocks are `block`) of a weight given in its stored format
+/// (F8_E4M3 or packed FP4 codes); None for float / index values. Whether float values headed
+/// for FP8/FP4 storage are finite is [`plan_updates`]' check, which every write runs before
+/// writing anything (a full decode: it is done once).
 pub fn check_update(
     table: &WeightTable,
     u: &UpdateTensor,
@@ -71,7 +72,6 @@ pub fn check_update(
 ) -> Result<Vec<usize>> {
     // No job for an ignored name: nothing to check.
     let job = plan_host_update(table, u, scale, block)?;
-    check_quantizable(table, job.as_slice())?;
     Ok(job.map_or_else(Vec::new, |j| j.dsts()))
 }
 
@@ -153,10 +153,10 @@ pub fn write_update(
     scale: Option<&UpdateTensor>,
     block: [usize; 2],
 ) -> Result<Vec<usize>> {
-    let table = store.table().clone();
-    let values = plan_updates(&table, &[(*u, scale.copied())], block)?;
+    let values = plan_updates(store.table(), &[(*u, scale.copied())], block)?;
     let dsts = values.targets();
-    write_to_store(store, &values, &Progress::new("dsv4_refit", &table, &dsts));
+    let progress = Progress::new("dsv4_refit", store.table(), &dsts);
+    write_to_store(store, &values, &progress);
     Ok(dsts)
 }
 
@@ -1006,6 +1006,8 @@ impl DeviceCheck {
 /// Validated sources and the weights they write: what a load or refit hands a backend.
 pub struct CheckedValues<'a> {
     jobs: Vec<Job<'a>>,
+    /// Weight -> (job, piece) of every host write: every chunk of a load looks its weight up.
+    by_dst: std::collections::HashMap<usize, (usize, usize)>,
     /// (weight, job, piece) for every weight written from host memory, in job order.
     writes: Vec<(usize, usize, usize)>,
     /// The same for weights written from device memory (the CUDA backend writes them on the
@@ -1025,8 +1027,10 @@ impl<'a> CheckedValues<'a> {
             };
             list.extend(job.pieces.iter().enumerate().map(|(k, p)| (p.dst, j, k)));
         }
+        let by_dst = writes.iter().map(|&(d, j, k)| (d, (j, k))).collect();
         CheckedValues {
             jobs,
+            by_dst,
             writes,
             device,
             mapped: false,
@@ -1129,7 +1133,7 @@ impl<'a> CheckedValues<'a> {
 
     /// The piece that writes weight `dst`, with its source.
     fn piece_of(&self, dst: usize) -> Option<(&Source<'a>, Piece)> {
-        let &(_, j, k) = self.writes.iter().find(|w| w.0 == dst)?;
+        let &(j, k) = self.by_dst.get(&dst)?;
         Some((&self.jobs[j].src, self.jobs[j].pieces[k]))
     }
 }

@@ -210,6 +210,11 @@ impl WeightStore {
         &self.tensors
     }
 
+    /// The table and every weight's values, for writing them while reading the table.
+    pub fn table_and_tensors_mut(&mut self) -> (&WeightTable, &mut [Tensor]) {
+        (&self.table, &mut self.tensors)
+    }
+
     pub fn tensors_mut(&mut self) -> &mut [Tensor] {
         &mut self.tensors
     }

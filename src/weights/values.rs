@@ -42,11 +42,10 @@ pub trait WeightValues: Sync {
 
 /// Writes `values` into the host store, every weight as one chunk, on all cores.
 pub fn write_to_store(store: &mut WeightStore, values: &dyn WeightValues, progress: &Progress) {
-    let table = store.table().clone();
+    let (table, tensors) = store.table_and_tensors_mut();
     let targets = values.targets();
     // Hand out each target's buffer once (targets are distinct weights).
-    let mut parts: Vec<Option<(&mut [u8], &mut [f32])>> = store
-        .tensors_mut()
+    let mut parts: Vec<Option<(&mut [u8], &mut [f32])>> = tensors
         .iter_mut()
         .map(|t| Some(t.data.parts_mut()))
         .collect();
@@ -70,7 +69,7 @@ pub fn write_to_store(store: &mut WeightStore, values: &dyn WeightValues, progre
                         break;
                     };
                     let rows = 0..Geometry::of(table.entry(i)).rows;
-                    values.fill(&table, i, rows, data, scales);
+                    values.fill(table, i, rows, data, scales);
                     values.written(i);
                     progress.add(1, table.entry(i).layout.bytes() as u64);
                 }

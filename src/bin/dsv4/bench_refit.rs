@@ -27,6 +27,7 @@ use dsv4::weights::{Bytes, HostDtype, UpdateTensor};
 use dsv4::{ConfigSource, Engine, EngineOptions, LoadFormat};
 
 use crate::bench_load::{proc_status_bytes, weights_hash};
+use crate::dummy_checkpoint::{e8m0, scale_name};
 use crate::{Args, err};
 
 /// One source tensor in device memory: name, dtype, logical shape, byte range in the arena.
@@ -55,9 +56,7 @@ fn plan_sources(table: &WeightTable) -> (Vec<(usize, Vec<Src>)>, usize) {
         let shape = e.spec.shape.clone();
         let data = g.data_range(&(0..g.rows)).len();
         let scales = g.scale_range(&(0..g.rows)).len();
-        let scale_name = name
-            .strip_suffix(".weight")
-            .map_or_else(|| format!("{name}.scale"), |b| format!("{b}.scale"));
+        let scale_name = scale_name(&name);
         let srcs = match g.kind {
             StorageKind::F32 => vec![(name, HostDtype::F32, shape, data)],
             StorageKind::Bf16 => vec![(name, HostDtype::Bf16, shape, data)],
@@ -120,10 +119,7 @@ fn upload_sources(
                         let mut data = vec![0u8; g.data_range(&rows).len()];
                         let mut scales = vec![0f32; g.scale_range(&rows).len()];
                         values.fill(table, *i, rows, &mut data, &mut scales);
-                        let e8m0: Vec<u8> = scales
-                            .iter()
-                            .map(|v| ((v.to_bits() >> 23) & 0xff) as u8)
-                            .collect();
+                        let e8m0 = e8m0(&scales);
                         for (k, src) in srcs.iter().enumerate() {
                             let bytes: &[u8] = if k == 0 { &data } else { &e8m0 };
                             let dst = arena.whole().slice(src.offset, src.len).map_err(err)?;

@@ -84,6 +84,20 @@ pub fn run(a: &Args) -> Result<(), String> {
     Ok(())
 }
 
+/// The upstream name of weight `name`'s block scale (`x.weight` -> `x.scale`).
+pub fn scale_name(name: &str) -> String {
+    name.strip_suffix(".weight")
+        .map_or_else(|| format!("{name}.scale"), |b| format!("{b}.scale"))
+}
+
+/// The UE8M0 bytes (biased exponents) of power-of-two scales.
+pub fn e8m0(scales: &[f32]) -> Vec<u8> {
+    scales
+        .iter()
+        .map(|v| ((v.to_bits() >> 23) & 0xff) as u8)
+        .collect()
+}
+
 /// Weight `i` in the release's encoding: the tensor, and for quantized storage its scale.
 fn encode(table: &WeightTable, values: &DummyValues, i: usize) -> Vec<Out> {
     let e = table.entry(i);
@@ -94,15 +108,7 @@ fn encode(table: &WeightTable, values: &DummyValues, i: usize) -> Vec<Out> {
     values.fill(table, i, rows, &mut data, &mut scales);
     let name = e.spec.name.clone();
     let shape = e.spec.shape.clone();
-    // UE8M0 byte of a power-of-two scale.
-    let e8m0 = |s: &[f32]| -> Vec<u8> {
-        s.iter()
-            .map(|v| ((v.to_bits() >> 23) & 0xff) as u8)
-            .collect()
-    };
-    let scale_name = name
-        .strip_suffix(".weight")
-        .map_or_else(|| format!("{name}.scale"), |b| format!("{b}.scale"));
+    let scale_name = scale_name(&name);
     match g.kind {
         StorageKind::F32 => {
             let bf: Vec<u8> = data
