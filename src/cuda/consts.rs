@@ -5,8 +5,8 @@
 //! CUBIN cache key).
 
 use super::kernels::{
-    attention, batch, compressor, fast_moe, fast_moe_gemm, fast_moe_wide, indexer, linear, mhc,
-    moe, norm_rope,
+    attention, batch, compressor, fast_dense, fast_moe, fast_moe_gemm, fast_moe_wide, indexer,
+    linear, mhc, moe, norm_rope,
 };
 use super::smoke;
 use crate::config::ScoringFunc;
@@ -102,6 +102,12 @@ pub const SHARED: &[Shared] = shared! {
     "FMW_TOKENS" = Int(fast_moe_wide::TOKENS as i64) from "fast_moe_wide::TOKENS";
     "FMW_STAGES" = Int(fast_moe_wide::STAGES as i64) from "fast_moe_wide::STAGES";
     "FMW_SMEM_BYTES" = Int(fast_moe_wide::SMEM_BYTES as i64) from "fast_moe_wide::SMEM_BYTES";
+    // fast_dense.cu.
+    "FD_WARPS" = Int(fast_dense::WARPS as i64) from "fast_dense::WARPS";
+    "FD_TOKENS" = Int(fast_dense::TOKENS as i64) from "fast_dense::TOKENS";
+    "FD_ACT_QUANT" = Int(fast_dense::ActMode::Quant as i64) from "fast_dense::ActMode::Quant";
+    "FD_ACT_F16" = Int(fast_dense::ActMode::F16 as i64) from "fast_dense::ActMode::F16";
+    "FD_ACT_BF16" = Int(fast_dense::ActMode::Bf16 as i64) from "fast_dense::ActMode::Bf16";
     // attention.cu, compressor.cu, indexer.cu, mhc.cu.
     "ATTN_MAX_CPT" = Int(attention::ATTN_MAX_CHANNELS_PER_THREAD as i64)
         from "attention::ATTN_MAX_CHANNELS_PER_THREAD";

@@ -14,7 +14,10 @@
 //!   checkpoint (dummy_checkpoint.rs).
 //! - `dsv4 bench moe [--batches N,N...] [--routing uniform,skewed,topk] [--path P] [--ids-dir DIR]`: the
 //!   fast MoE layer alone at Flash shapes, one JSON line per case (bench_moe.rs).
+//! - `dsv4 bench dense [--tokens N,N...] [--projection NAME]`: the fast set's dense projections
+//!   alone at Flash shapes, one JSON line per case (bench_dense.rs).
 
+mod bench_dense;
 mod bench_load;
 mod bench_moe;
 mod bench_refit;
@@ -35,7 +38,8 @@ const USAGE: &str = "usage:
   dsv4 bench refit [--config FILE] [--device cuda[:N]]
   dsv4 dummy-checkpoint --config FILE --out DIR [--seed S]
   dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,prefill]
-                 [--ids-dir DIR] [--device cuda[:N]]";
+                 [--ids-dir DIR] [--device cuda[:N]]
+  dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--device cuda[:N]]";
 
 struct Args {
     cmd: String,
@@ -627,6 +631,19 @@ fn bench_cuda(a: &Args, dev: i32) -> Result<(), String> {
     Ok(())
 }
 
+/// A comma-separated list of positive numbers given to `--flag`.
+fn positive_list(v: &str, flag: &str) -> Result<Vec<usize>, String> {
+    v.split(',')
+        .map(|x| {
+            x.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&b| b > 0)
+                .ok_or_else(|| format!("--{flag} takes positive numbers, got `{x}`"))
+        })
+        .collect()
+}
+
 fn bench(a: &Args) -> Result<(), String> {
     match a.sub.as_deref() {
         None => {}
@@ -638,18 +655,11 @@ fn bench(a: &Args) -> Result<(), String> {
             if dev < 0 {
                 return Err("bench moe runs on CUDA (--device cuda[:N])".into());
             }
-            let batches = a
-                .get("batches")
-                .unwrap_or("1,8,32,64,128,256,512,1024,4096,16384")
-                .split(',')
-                .map(|v| {
-                    v.trim()
-                        .parse::<usize>()
-                        .ok()
-                        .filter(|&b| b > 0)
-                        .ok_or_else(|| format!("--batches takes positive numbers, got `{v}`"))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
+            let batches = positive_list(
+                a.get("batches")
+                    .unwrap_or("1,8,32,64,128,256,512,1024,4096,16384"),
+                "batches",
+            )?;
             return bench_moe::run(&bench_moe::MoeBench {
                 device: dev,
                 batches,
@@ -657,6 +667,20 @@ fn bench(a: &Args) -> Result<(), String> {
                 paths: bench_moe::parse_paths(a.get("path").unwrap_or("auto"))?,
                 ids_dir: a.get("ids-dir").map(PathBuf::from),
             });
+        }
+        Some("dense") => {
+            let dev = match a.get("device") {
+                None => 0,
+                Some(_) => device(a)?,
+            };
+            if dev < 0 {
+                return Err("bench dense runs on CUDA (--device cuda[:N])".into());
+            }
+            let tokens = positive_list(
+                a.get("tokens").unwrap_or("1,2,4,8,16,32,64,128,512"),
+                "tokens",
+            )?;
+            return bench_dense::run(dev, &tokens, a.get("projection"));
         }
         Some("load") => return bench_load::run(a, device(a)?),
         Some("refit") => return bench_refit::run(a, device(a)?),

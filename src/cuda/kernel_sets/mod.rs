@@ -21,6 +21,7 @@ use crate::cuda::arena::{Arena, DevicePtr};
 use crate::cuda::backend::DeviceModel;
 use crate::cuda::context::{Context, DeviceInfo};
 use crate::cuda::kernels::attention::BatchMeta;
+use crate::cuda::kernels::linear::WeightDev;
 use crate::cuda::memory_plan::MemoryPlan;
 use crate::cuda::registry::{KernelSource, Registry};
 use crate::cuda::stream::BorrowedStream;
@@ -97,6 +98,31 @@ pub trait KernelSet {
     /// collapse, the final norm and the LM head for the requested rows into `out` (the
     /// forward then fixes padding / bad rows).
     fn head(&self, s: &Step, done: Option<Branch>, out: &LogitsTarget) -> Result<()>;
+}
+
+/// One linear of a launch sequence: `y[t, gi*n + j] = x[t, gi*K + c] · W[gi*n + j, c]` summed over
+/// `c < K = w.cols`, for tokens `t < t`, groups `gi < groups` and `j < n = w.rows / groups`
+/// (docs/numerics.md `qlinear` with the activation quantisation when `quant_act` and W is
+/// quantized, `blinear` otherwise), BF16-rounded when `round`.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearCall {
+    pub x: DevicePtr,
+    pub ldx: usize,
+    pub t: usize,
+    pub w: WeightDev,
+    pub groups: usize,
+    pub quant_act: bool,
+    pub round: bool,
+    pub y: DevicePtr,
+    pub ldy: usize,
+}
+
+/// Linears a set runs with its own kernels inside the reference set's launch sequences (the
+/// fast set's dense projections while its attention sub-block is still the reference one).
+pub trait FastLinears {
+    /// Runs `call` and returns true, or returns false having launched nothing: the reference
+    /// kernels run it.
+    fn try_linear(&self, ctx: &Context, call: &LinearCall, stream: BorrowedStream) -> Result<bool>;
 }
 
 /// The architecture the fast set's kernels need: its MoE GEMMs use `wgmma`, which only sm_90a

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod batch;
 pub mod compressor;
+pub mod fast_dense;
 pub mod fast_moe;
 pub mod fast_moe_gemm;
 pub mod fast_moe_wide;
@@ -59,6 +60,7 @@ pub static BACKEND_FAMILIES: &[&KernelSource] = &[&weight_convert::SOURCE];
 
 /// The fast set's own families (it runs every model family too).
 pub static FAST_FAMILIES: &[&KernelSource] = &[
+    &fast_dense::SOURCE,
     &fast_moe::SOURCE,
     &fast_moe_gemm::SOURCE,
     &fast_moe_wide::SOURCE,

@@ -1,8 +1,10 @@
 //! The fast kernel set (DESIGN.md §4): `official` numerics on tensor cores, checked op by op
 //! against the reference set. Today it replaces the MoE sub-block (kernels/fast_moe*.cu: FP4/FP8
-//! experts decoded exactly to e4m3 on chip, FP8 wgmma promoted to f32 every 32 of K); every
-//! other operation still runs the reference set's kernels until its fast kernel lands (issues
-//! 12, 13), on the same workspace.
+//! experts decoded exactly to e4m3 on chip, FP8 wgmma promoted to f32 every 32 of K) and the
+//! attention sub-block's dense projections (kernels/fast_dense.cu: FP8 and BF16 weights streamed
+//! once into f16/bf16 MMAs, offered to the reference attention sequence through
+//! [`FastLinears`]); every other operation still runs the reference set's kernels until its fast
+//! kernel lands (issues 12, 13), on the same workspace.
 //!
 //! A MoE layer whose shapes or stored formats the fast kernels do not cover
 //! ([`FastMoeLayer::unsupported`]: BF16/F32 experts, FP8 blocks other than 128x128, widths not
@@ -15,7 +17,8 @@ pub use workspace::{Workspace, WorkspaceIds};
 use crate::config::ModelConfig;
 use crate::cuda::device_model::DeviceModel;
 use crate::cuda::kernel_sets::reference::{self, ReferenceSet};
-use crate::cuda::kernel_sets::{Branch, KernelSet, LogitsTarget, Step};
+use crate::cuda::kernel_sets::{Branch, FastLinears, KernelSet, LinearCall, LogitsTarget, Step};
+use crate::cuda::kernels::fast_dense::{DenseOp, FastDense};
 use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared, Unsupported};
 use crate::cuda::kernels::moe::{RouterParams, Selection};
 use crate::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
@@ -43,6 +46,7 @@ pub static FAMILIES: LazyLock<Vec<&'static KernelSource>> = LazyLock::new(|| {
 pub struct FastSet {
     reference: ReferenceSet,
     moe: FastMoe,
+    dense: FastDense,
     ws: Workspace,
     /// Whether the first forward has logged which MoE layers run the fast kernels.
     reported: AtomicBool,
@@ -57,6 +61,7 @@ impl FastSet {
         Ok(FastSet {
             reference: ReferenceSet::new(reg, reference_ws)?,
             moe: FastMoe::new(reg)?,
+            dense: FastDense::new(reg)?,
             ws,
             reported: AtomicBool::new(false),
         })
@@ -198,7 +203,9 @@ impl KernelSet for FastSet {
     }
 
     fn attention(&self, s: &Step, layer: usize) -> Result<()> {
-        self.reference.attention(s, layer)
+        // The fast set runs official numerics only (create refuses it with exact ones), where
+        // every activation the dense kernels take holds BF16 values (docs/numerics.md).
+        self.reference.attention_with(s, layer, self)
     }
 
     fn moe(&self, s: &Step, layer: usize) -> Result<()> {
@@ -239,5 +246,31 @@ impl KernelSet for FastSet {
 
     fn head(&self, s: &Step, done: Option<Branch>, out: &LogitsTarget) -> Result<()> {
         self.reference.head(s, done, out)
+    }
+}
+
+impl FastLinears for FastSet {
+    /// The dense kernels run every linear whose weight format and shape they cover
+    /// ([`FastDense::mode_for`]) and whose activations are 16-byte aligned rows.
+    fn try_linear(&self, ctx: &Context, call: &LinearCall, stream: BorrowedStream) -> Result<bool> {
+        let Some(mode) = FastDense::mode_for(&call.w, call.groups, call.quant_act) else {
+            return Ok(false);
+        };
+        if !call.ldx.is_multiple_of(4) || !call.x.addr().is_multiple_of(16) {
+            return Ok(false);
+        }
+        let op = DenseOp {
+            x: call.x,
+            ldx: call.ldx,
+            t: call.t,
+            w: call.w,
+            groups: call.groups,
+            mode,
+            round: call.round,
+            y: call.y,
+            ldy: call.ldy,
+        };
+        self.dense.run(ctx, &op, &self.ws.dense, stream)?;
+        Ok(true)
     }
 }

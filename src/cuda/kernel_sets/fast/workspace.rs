@@ -1,10 +1,12 @@
 //! The fast set's own workspace (beside the reference set's, which it shares): the fast MoE's
-//! buffers for `max_num_tokens`, declared in the engine's memory plan at create.
+//! buffers for `max_num_tokens` and the dense projections' (for their largest shape), declared
+//! in the engine's memory plan at create.
 
 use crate::config::ModelConfig;
 use crate::cuda::arena::{Arena, RegionId};
+use crate::cuda::kernels::fast_dense::{self, DenseWorkspace, Shape};
 use crate::cuda::kernels::fast_moe::{self, FastMoeWorkspace};
-use crate::cuda::memory_plan::{BufferKind, MemoryPlan};
+use crate::cuda::memory_plan::{BufferKind, Elem, MemoryPlan};
 use crate::error::Result;
 use crate::options::EngineOptions;
 
@@ -12,11 +14,14 @@ use crate::options::EngineOptions;
 #[derive(Clone, Copy, Debug)]
 pub struct Workspace {
     pub moe: FastMoeWorkspace,
+    pub dense: DenseWorkspace,
 }
 
-/// Arena ids of [`Workspace`]'s buffers ([`fast_moe::workspace_buffers`] order).
+/// Arena ids of [`Workspace`]'s buffers ([`fast_moe::workspace_buffers`] order), then the dense
+/// projections' four ([`DenseWorkspace`] order).
 pub struct WorkspaceIds {
     ids: Vec<RegionId>,
+    dense: [RegionId; 4],
     t: usize,
     k: usize,
     experts: usize,
@@ -41,8 +46,25 @@ impl Workspace {
                 &[n.max(1)],
             )?);
         }
+        let sizes = fast_dense::workspace_sizes(&dense_shapes(cfg));
+        let dense_buffers = [
+            ("act", Elem::F16),
+            ("scale", Elem::F32),
+            ("part", Elem::F32),
+            ("counters", Elem::I32),
+        ];
+        let mut dense = Vec::with_capacity(4);
+        for ((name, elem), n) in dense_buffers.into_iter().zip(sizes) {
+            dense.push(plan.declare(
+                BufferKind::Workspace,
+                format!("workspace:fast_dense.{name}"),
+                elem,
+                &[n.max(1)],
+            )?);
+        }
         Ok(WorkspaceIds {
             ids,
+            dense: [dense[0], dense[1], dense[2], dense[3]],
             t,
             k,
             experts: e,
@@ -53,6 +75,43 @@ impl Workspace {
         let ids: Vec<_> = w.ids.iter().map(|&id| arena.region(id)).collect();
         Workspace {
             moe: FastMoeWorkspace::at(&ids, w.t, w.k, w.experts),
+            dense: DenseWorkspace {
+                act: arena.region(w.dense[0]),
+                scale: arena.region(w.dense[1]),
+                part: arena.region(w.dense[2]),
+                counters: arena.region(w.dense[3]),
+            },
         }
     }
+}
+
+/// The shapes of every projection the fast set may run through the dense kernels (those whose
+/// stored format they cover; sizing for all of them costs only the largest): wq_a, wq_b, wkv,
+/// the grouped wo_a, wo_b, the indexer's wq_b and weights_proj, and the compressors' wkv / wgate
+/// (overlapping ones twice as wide).
+pub fn dense_shapes(cfg: &ModelConfig) -> Vec<Shape> {
+    let (d, ql, h, hd) = (
+        cfg.hidden_size,
+        cfg.q_lora_rank,
+        cfg.num_heads,
+        cfg.head_dim,
+    );
+    let (g, r) = (cfg.o_groups.max(1), cfg.o_lora_rank);
+    let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
+    let one = |n, k| Shape { n, k, groups: 1 };
+    vec![
+        one(ql, d),
+        one(h * hd, ql),
+        one(hd, d),
+        Shape {
+            n: r,
+            k: h * hd / g,
+            groups: g,
+        },
+        one(d, g * r),
+        one(hi * di, ql),
+        one(hi, d),
+        one(2 * hd, d),
+        one(2 * di, d),
+    ]
 }

@@ -4,6 +4,7 @@
 use super::{Kernels, Run, from};
 use crate::cuda::arena::DevicePtr;
 use crate::cuda::backend::{CompressorDev, LayerStateDev};
+use crate::cuda::kernel_sets::LinearCall;
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta, RingArgs};
 use crate::cuda::kernels::compressor::{CompressArgs, CompressKind};
 use crate::cuda::kernels::indexer::IndexerArgs;
@@ -265,7 +266,22 @@ impl Run<'_> {
         let (t, official) = (a.meta.num_tokens, self.official());
         let wo_a = self.weights[lw.wo_a];
         let gin = h * hd / g;
-        for gi in 0..g {
+        let grouped = LinearCall {
+            x: ws.o,
+            ldx: h * hd,
+            t,
+            w: wo_a.rows(0, g * r)?,
+            groups: g,
+            quant_act: false,
+            round: official,
+            y: ws.z,
+            ldy: g * r,
+        };
+        let fast = match self.fast {
+            Some(f) => f.try_linear(self.ctx, &grouped, a.st)?,
+            None => false,
+        };
+        for gi in (0..g).filter(|_| !fast) {
             let xg = from(ws.o, gi * gin * 4)?;
             let zg = from(ws.z, gi * r * 4)?;
             self.linear(

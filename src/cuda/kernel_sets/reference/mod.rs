@@ -15,7 +15,7 @@ use crate::config::ModelConfig;
 use crate::cuda::arena::DevicePtr;
 use crate::cuda::backend::{ExpertTables, LayerStateDev, WeightDev};
 use crate::cuda::context::Context;
-use crate::cuda::kernel_sets::{Branch, KernelSet, LogitsTarget, Step};
+use crate::cuda::kernel_sets::{Branch, FastLinears, KernelSet, LinearCall, LogitsTarget, Step};
 use crate::cuda::kernels::attention::Attention;
 use crate::cuda::kernels::compressor::Compressor;
 use crate::cuda::kernels::indexer::Indexer;
@@ -85,7 +85,13 @@ impl ReferenceSet {
     /// One forward's view: the engine's device model with this set's workspace, under the
     /// field names the launch sequences below use.
     fn run<'a>(&self, s: &'a Step) -> Run<'a> {
+        self.run_with(s, None)
+    }
+
+    /// [`Self::run`] with `fast` offered every linear first.
+    fn run_with<'a>(&self, s: &'a Step, fast: Option<&'a dyn FastLinears>) -> Run<'a> {
         Run {
+            fast,
             ctx: s.ctx,
             cfg: s.cfg,
             opts: s.opts,
@@ -96,6 +102,13 @@ impl ReferenceSet {
             hc0_fold: s.model.hc0_fold,
             ws: self.ws,
         }
+    }
+
+    /// The attention sub-block with `fast` offered every linear first (the fast set's dense
+    /// projections).
+    pub fn attention_with(&self, s: &Step, layer: usize, fast: &dyn FastLinears) -> Result<()> {
+        let r = self.run_with(s, Some(fast));
+        r.attention(&self.k, layer, &r.handles.layers[layer], &s.meta, s.stream)
     }
 
     /// The buffer a sub-block writes its output to.
@@ -279,6 +292,8 @@ impl KernelSet for ReferenceSet {
 
 /// One forward's buffers under the names the launch sequences use.
 struct Run<'a> {
+    /// Tried first for every linear (None: the reference kernels run them all).
+    fast: Option<&'a dyn FastLinears>,
     ctx: &'a Context,
     cfg: &'a ModelConfig,
     opts: &'a EngineOptions,
@@ -329,6 +344,26 @@ impl Run<'_> {
         st: BorrowedStream,
     ) -> Result<()> {
         let k = w.cols;
+        if let Some(fast) = self.fast {
+            let call = LinearCall {
+                x,
+                ldx,
+                t,
+                w: if row0 == 0 && n == w.rows {
+                    *w
+                } else {
+                    w.rows(row0, n)?
+                },
+                groups: 1,
+                quant_act,
+                round,
+                y,
+                ldy,
+            };
+            if fast.try_linear(self.ctx, &call, st)? {
+                return Ok(());
+            }
+        }
         let (x, ldx) = if quant_act && w.format.is_quantized() {
             k8.linear
                 .act_quant(self.ctx, x, ldx, t, k, self.ws.xq, st)?;

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""The ceilings and the PyTorch baselines for `dsv4 bench dense`, in the same run (PERF.md).
+
+Reads the JSON lines `dsv4 bench dense` printed (one per projection and token count), then on the
+same GPU:
+  - measures the HBM ceiling and the FP8 ceiling (moe_baseline.py's functions);
+  - times PyTorch on the same shapes, cycling over enough weight copies (>= 256 MB) that L2 holds
+    none between calls, as the dsv4 bench does:
+      * bf16: `x @ W.T` (or the grouped einsum of wo_a) on BF16 weights: what an engine without
+        FP8 kernels runs;
+      * fp8 (FP8 projections): `torch._scaled_mm` with DeepSeek's block scaling (1 x 128
+        activation scales, 128 x 128 weight scales), i.e. cuBLASLt, the GEMM alone (the
+        activations are quantized outside the timing);
+  - adds per case the byte floor (weight bytes / HBM ceiling), the fraction of HBM bandwidth, the
+    fraction of FP8 peak and the speed-up over each baseline, and writes one JSON document.
+
+usage: dense_baseline.py --cases cases.jsonl --out result.json [--commit SHA]
+"""
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from moe_baseline import fp8_peak, hbm_bandwidth, timed
+
+
+def copies_for(nbytes):
+    return max(2, min(64, -(-(256 << 20) // nbytes)))
+
+
+def bf16_baseline(c):
+    n, k, g, t = c["N"], c["K"], c["groups"], c["T"]
+    nbytes = g * n * k * 2
+    ws = [(torch.randn(g, n, k, device="cuda") * 0.05).to(torch.bfloat16) for _ in range(copies_for(nbytes))]
+    x = torch.randn(t, g, k, device="cuda").to(torch.bfloat16)
+    if g == 1:
+        fn = lambda: [x[:, 0] @ w[0].t() for w in ws]
+    else:
+        fn = lambda: [torch.einsum("tgk,gnk->tgn", x, w) for w in ws]
+    return timed(fn, 7) / len(ws)
+
+
+def fp8_baseline(c):
+    """Seconds per call of torch._scaled_mm with block scales, or the reason it cannot run."""
+    n, k, t = c["N"] * c["groups"], c["K"], c["T"]
+    if c["groups"] != 1:
+        return None, "grouped (BF16 einsum in the official model)"
+    nbytes = n * k
+    ws = [torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn) for _ in range(copies_for(nbytes))]
+    sw = torch.ones(n // 128, k // 128, device="cuda")
+    # cuBLASLt wants M a multiple of 16 with block scaling? pad the tokens to a multiple of 16.
+    m = max(16, -(-t // 16) * 16)
+    x = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.ones(m, k // 128, device="cuda")
+    tried = []
+    # Layouts torch versions accept for 1x128 (activations) and 128x128 (weights) scales.
+    for sa_v, sw_v in [(sa.t().contiguous().t(), sw.t().contiguous().t()), (sa, sw), (sa.t().contiguous().t(), sw)]:
+        try:
+            f = lambda: [torch._scaled_mm(x, w.t(), scale_a=sa_v, scale_b=sw_v.t(), out_dtype=torch.bfloat16) for w in ws]
+            f()
+            return timed(f, 7) / len(ws), None
+        except Exception as e:  # noqa: BLE001 - the reason is recorded
+            tried.append(str(e).splitlines()[0][:200])
+    return None, "; ".join(tried)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default=os.environ.get("DSV4_COMMIT", "unknown"))
+    args = ap.parse_args()
+    cases = [json.loads(l) for l in open(args.cases) if l.startswith("{")]
+    bw = hbm_bandwidth()
+    peak = fp8_peak()
+    for c in cases:
+        ours = c["time_us"] * 1e-6
+        floor_bytes = c["weight_bytes"] / bw
+        floor_flops = c["flops"] / peak
+        floor = max(floor_bytes, floor_flops)
+        c["floor_us"] = round(floor * 1e6, 2)
+        c["floor_bound"] = "memory" if floor_bytes >= floor_flops else "compute"
+        c["time_over_floor"] = round(ours / floor, 3)
+        c["fraction_of_hbm"] = round(c["weight_bytes"] / ours / bw, 3)
+        c["fraction_of_fp8_peak"] = round(c["flops"] / ours / peak, 4)
+        tb = bf16_baseline(c)
+        c["torch_bf16_us"] = round(tb * 1e6, 2)
+        c["speedup_vs_torch_bf16"] = round(tb / ours, 2)
+        if c["format"] == "fp8":
+            tf, why = fp8_baseline(c)
+            if tf is None:
+                c["torch_fp8_blockwise"] = f"not run: {why}"
+            else:
+                c["torch_fp8_blockwise_us"] = round(tf * 1e6, 2)
+                c["speedup_vs_torch_fp8_blockwise"] = round(tf / ours, 2)
+        print(json.dumps(c), flush=True)
+        torch.cuda.empty_cache()
+    doc = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": args.commit,
+        "command": "dsv4 bench dense > cases.jsonl; python3 bench/dense_baseline.py --cases cases.jsonl --out OUT",
+        "ceilings": {"hbm_bytes_per_s": bw, "fp8_flop_per_s": peak},
+        "cases": cases,
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

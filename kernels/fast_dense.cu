@@ -1,0 +1,317 @@
+// fast_dense kernel family: see kernels/SPEC.md (## fast_dense.cu).
+//
+// The fast set's dense projections at few tokens (decode): y[t, n] = Σ_k a[t, k] · W[n, k] for up
+// to FD_TOKENS tokens a launch, bandwidth-bound. Each weight byte is read once, by a 16-byte load,
+// straight into a tensor-core fragment: mma.sync m16n8k16 with f32 accumulators, f16 for FP8
+// weights (an e4m3 code is exactly an f16) and bf16 for BF16 weights.
+//
+// 1. fd_act_kernel: the activations of one launch as 16-bit MMA operands plus an f32 scale per
+//    (token, 128 of k), so that a[t, k] = act[t, k] · scale[t, k / 128] exactly (modes below).
+// 2. fd_gemv_kernel_<kind>_<tiles>: a block of FD_WARPS warps owns FD_WARPS x 16 weight rows of one
+//    slice of K (the split is a function of the weight's shape only, never of the tokens, so a
+//    token's sums are the same in every batch). Warp w owns rows 16w..16w+15; lane (g = lane / 4,
+//    c = lane % 4) loads 16 bytes of rows g and g + 8 at byte 16c of each 64 bytes of the row, and
+//    the matching 16-bit activations of token g of each tile of 8 tokens. Within those 64 bytes k is
+//    permuted (lane c's k feed the fragment positions 2c, 2c+1, 2c+8, 2c+9 in order), the same for W
+//    and a, so the dot product is unchanged. A 128-block of k accumulates in the tensor core from
+//    zero and is promoted: acc += blk · (s_w · s_a) (s_w: the FP8 block scale, 1 for BF16).
+//    With one slice, a block writes y; with several, each writes its partial sums and the last block
+//    of the row tile to arrive (a counter per tile, reset by that block) adds them in slice order.
+//
+// Activation modes (FD_ACT_*), per (token, 128-block) with amax its largest |x|:
+// - QUANT (FP8 weights, official act_quant): s = ue8m0(max(amax, 1e-4) / 448), the f16 value of
+//   e4m3(clamp(x / s, ±448)): bit for bit linear.cu act_quant_kernel's value / s.
+// - F16 (FP8 weights, no act quant: the dequantized-BF16 einsum of wo_a): s = 2^(floor(log2 amax) -
+//   14) (1 for amax 0 or not finite), f16(x / s): exact for BF16 values whose ratio to amax is at least
+//   2^-24, and off by at most amax · 2^-39 below that (f16 subnormals).
+// - BF16 (BF16 weights): s = 1, bf16(x): exact for BF16 values (docs/numerics.md: every such input is).
+#include "common.cuh"
+
+// FD_WARPS, FD_TOKENS, FD_ACT_QUANT / FD_ACT_F16 / FD_ACT_BF16 come from dsv4_consts.cuh.
+#define FD_THREADS (32 * FD_WARPS)
+#define FD_ROWS (16 * FD_WARPS)
+
+DSV4_INLINE unsigned short fd_f16_rn(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// Two e4m3 codes (byte 0 low) -> two f16 values (low half from byte 0), exactly.
+DSV4_INLINE unsigned fd_e4m3x2_to_f16x2(unsigned short v) {
+  unsigned r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(v));
+  return r;
+}
+
+// A streamed 16-byte weight load: read once, so not kept in L1 (the activations live there).
+DSV4_INLINE uint4 fd_ld_stream(const unsigned char* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+DSV4_INLINE uint4 fd_ld_act(const unsigned short* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+template <bool F16>
+DSV4_INLINE void fd_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+  if (F16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// x [T, ldx] f32 (16-byte aligned rows) -> act [T, K] (f16 or bf16 bits) and scale [T, K / 128], one warp
+// per (token, 128-block), FD_THREADS threads a block: grid ceil(T * K / 128 / FD_WARPS).
+extern "C" __global__ void __launch_bounds__(FD_THREADS)
+    fd_act_kernel(const float* x, int ldx, int T, int K, int mode, unsigned short* act, float* scale) {
+  dsv4_pdl_begin();
+  const int nb = K / 128;
+  const int item = blockIdx.x * FD_WARPS + (threadIdx.x >> 5);
+  if (item >= T * nb) return;  // uniform per warp
+  const int lane = threadIdx.x & 31;
+  const int t = item / nb, b = item - t * nb;
+  const float4 v4 = *reinterpret_cast<const float4*>(x + (long long)t * ldx + b * 128 + 4 * lane);
+  const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+  const float amax = warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+  float s = 1.0f;
+  unsigned short h[4];
+  if (mode == FD_ACT_QUANT) {
+    s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float q = v[i] / s;
+      // Rust's clamp, as act_quant_kernel: NaN stays NaN.
+      q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
+      h[i] = fd_f16_rn(e4m3_round(q));
+    }
+  } else if (mode == FD_ACT_F16) {
+    if (amax > 0.0f && amax <= 3.0e38f) s = dsv4_pow2(max(dsv4_floor_log2(amax) - 14, -126));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = fd_f16_rn(v[i] / s);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = f32_to_bf16(v[i]);
+  }
+  uint2 packed;
+  packed.x = (unsigned)h[0] | ((unsigned)h[1] << 16);
+  packed.y = (unsigned)h[2] | ((unsigned)h[3] << 16);
+  *reinterpret_cast<uint2*>(act + (long long)t * K + b * 128 + 4 * lane) = packed;
+  if (lane == 0) scale[(long long)t * nb + b] = s;
+}
+
+// One weight kind's geometry: bytes per element, 64-byte chunks per 128-block of k, blocks kept in
+// flight per warp.
+template <bool FP8>
+struct FdKind {
+  static constexpr int ESIZE = FP8 ? 1 : 2;
+  static constexpr int CHUNKS = 2 * ESIZE;     // 128 k = 128 (FP8) or 256 (BF16) bytes of a row
+  static constexpr int K_PER_CHUNK = 64 / ESIZE;
+  static constexpr int AHEAD = FP8 ? 4 : 2;    // 128-blocks loaded ahead: 16 x 16 bytes a lane either way
+};
+
+// The MMAs of one 64-byte chunk: w0 / w1 the lane's 16 bytes of rows g / g + 8, b the lane's 16-bit
+// activations of token g of each tile (FP8: 16 values, two uint4; BF16: 8 values, one uint4).
+template <bool FP8, int NT>
+DSV4_INLINE void fd_chunk(float (&blk)[NT][4], uint4 w0, uint4 w1, const uint4 (&b)[NT][2]) {
+  const unsigned r0[4] = {w0.x, w0.y, w0.z, w0.w};
+  const unsigned r1[4] = {w1.x, w1.y, w1.z, w1.w};
+  if (FP8) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const unsigned a0 = fd_e4m3x2_to_f16x2((unsigned short)(r0[j] & 0xffffu));
+      const unsigned a2 = fd_e4m3x2_to_f16x2((unsigned short)(r0[j] >> 16));
+      const unsigned a1 = fd_e4m3x2_to_f16x2((unsigned short)(r1[j] & 0xffffu));
+      const unsigned a3 = fd_e4m3x2_to_f16x2((unsigned short)(r1[j] >> 16));
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint4 q = b[nt][j >> 1];
+        const unsigned b0 = (j & 1) ? q.z : q.x, b1 = (j & 1) ? q.w : q.y;
+        fd_mma<true>(blk[nt], a0, a1, a2, a3, b0, b1);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint4 q = b[nt][0];
+        const unsigned b0 = j ? q.z : q.x, b1 = j ? q.w : q.y;
+        fd_mma<false>(blk[nt], r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1], b0, b1);
+      }
+    }
+  }
+}
+
+template <bool FP8, int NT>
+DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __restrict__ wscale, int N, int K,
+                         const unsigned short* __restrict__ act, const float* __restrict__ ascale, int T, int round_out,
+                         float* __restrict__ y, int ldy, float* __restrict__ part, unsigned* __restrict__ counters) {
+  typedef FdKind<FP8> KD;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int gz = blockIdx.z, slice = blockIdx.y, slices = gridDim.y, groups = gridDim.z;
+  const int S = K / slices, k0 = slice * S, blocks = S / 128;
+  const int n0 = blockIdx.x * FD_ROWS + warp * 16;
+  const long long row_bytes = (long long)K * KD::ESIZE;
+  // Rows past N read row N - 1 (their sums are dropped).
+  const unsigned char* p0 = w + ((long long)gz * N + min(n0 + g, N - 1)) * row_bytes + (long long)k0 * KD::ESIZE + 16 * c;
+  const unsigned char* p1 = w + ((long long)gz * N + min(n0 + g + 8, N - 1)) * row_bytes + (long long)k0 * KD::ESIZE + 16 * c;
+  // Activations: [T, groups * K]; group gz's columns start at gz * K. Tokens past T read token T - 1.
+  const long long act_ld = (long long)groups * K;
+  const int sc_ld = groups * K / 128;
+  const unsigned short* pa[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    pa[nt] = act + (long long)min(8 * nt + g, T - 1) * act_ld + (long long)gz * K + k0 + (16 / KD::ESIZE) * c;
+  // The FP8 block scales of the warp's 16 rows (one 128-row block: n0 is a multiple of 16).
+  const float* sw_row = FP8 ? wscale + ((long long)gz * N + min(n0, N - 1)) / 128 * (K / 128) + k0 / 128 : nullptr;
+
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+
+  uint4 wr[KD::AHEAD][KD::CHUNKS][2];
+#pragma unroll
+  for (int p = 0; p < KD::AHEAD; ++p) {
+    if (p < blocks) {
+#pragma unroll
+      for (int ch = 0; ch < KD::CHUNKS; ++ch) {
+        wr[p][ch][0] = fd_ld_stream(p0 + (long long)p * 128 * KD::ESIZE + 64 * ch);
+        wr[p][ch][1] = fd_ld_stream(p1 + (long long)p * 128 * KD::ESIZE + 64 * ch);
+      }
+    }
+  }
+  for (int kb0 = 0; kb0 < blocks; kb0 += KD::AHEAD) {
+#pragma unroll
+    for (int p = 0; p < KD::AHEAD; ++p) {
+      const int kb = kb0 + p;
+      if (kb < blocks) {
+        float blk[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) blk[nt][0] = blk[nt][1] = blk[nt][2] = blk[nt][3] = 0.0f;
+#pragma unroll
+        for (int ch = 0; ch < KD::CHUNKS; ++ch) {
+          uint4 b[NT][2];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const unsigned short* q = pa[nt] + kb * 128 + ch * KD::K_PER_CHUNK;
+            b[nt][0] = fd_ld_act(q);
+            b[nt][1] = FP8 ? fd_ld_act(q + 8) : b[nt][0];
+          }
+          fd_chunk<FP8, NT>(blk, wr[p][ch][0], wr[p][ch][1], b);
+        }
+        if (kb + KD::AHEAD < blocks) {
+#pragma unroll
+          for (int ch = 0; ch < KD::CHUNKS; ++ch) {
+            const long long off = (long long)(kb + KD::AHEAD) * 128 * KD::ESIZE + 64 * ch;
+            wr[p][ch][0] = fd_ld_stream(p0 + off);
+            wr[p][ch][1] = fd_ld_stream(p1 + off);
+          }
+        }
+        const float sw = FP8 ? __ldg(sw_row + kb) : 1.0f;
+        const int kbg = (gz * K + k0) / 128 + kb;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float s0 = sw * __ldg(ascale + (long long)min(8 * nt + 2 * c, T - 1) * sc_ld + kbg);
+          const float s1 = sw * __ldg(ascale + (long long)min(8 * nt + 2 * c + 1, T - 1) * sc_ld + kbg);
+          acc[nt][0] += blk[nt][0] * s0;
+          acc[nt][1] += blk[nt][1] * s1;
+          acc[nt][2] += blk[nt][2] * s0;
+          acc[nt][3] += blk[nt][3] * s1;
+        }
+      }
+    }
+  }
+
+  // Fragment (nt, i): row n0 + g + 8 (i >> 1), token 8 nt + 2c + (i & 1).
+  const long long y_col = (long long)gz * N;
+  if (slices == 1) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = n0 + g + 8 * (i >> 1), t = 8 * nt + 2 * c + (i & 1);
+        if (n < N && t < T) y[(long long)t * ldy + y_col + n] = round_out ? round_bf16(acc[nt][i]) : acc[nt][i];
+      }
+    }
+    return;
+  }
+  // part: [groups][slices][FD_TOKENS][N].
+  float* my_part = part + ((long long)gz * slices + slice) * FD_TOKENS * N;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int n = n0 + g + 8 * (i >> 1), t = 8 * nt + 2 * c + (i & 1);
+      if (n < N && t < T) my_part[(long long)t * N + n] = acc[nt][i];
+    }
+  }
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  unsigned* counter = counters + (long long)gz * gridDim.x + blockIdx.x;
+  if (threadIdx.x == 0) {
+    const unsigned seen = atomicAdd(counter, 1u);
+    last = seen == (unsigned)(slices - 1);
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int tile0 = blockIdx.x * FD_ROWS;
+  const float* gpart = part + (long long)gz * slices * FD_TOKENS * N;
+  for (int idx = threadIdx.x; idx < T * FD_ROWS; idx += FD_THREADS) {
+    const int t = idx / FD_ROWS, n = tile0 + idx % FD_ROWS;
+    if (n >= N) continue;
+    float v = __ldcg(gpart + (long long)t * N + n);
+    for (int s = 1; s < slices; ++s) v += __ldcg(gpart + ((long long)s * FD_TOKENS + t) * N + n);
+    y[(long long)t * ldy + y_col + n] = round_out ? round_bf16(v) : v;
+  }
+  if (threadIdx.x == 0) *counter = 0u;
+}
+
+// y[t, gz * N + n] (row stride ldy) = Σ_k a[t, gz * K + k] · W[gz * N + n, k] for t < T <= 8 · tiles,
+// n < N, group gz = blockIdx.z; W is [groups * N, K] FP8 codes with f32 128 x 128 block scales `wscale`
+// (`fp8` = 1) or BF16 (`fp8` = 0, wscale unused). Grid (ceil(N / FD_ROWS), slices, groups), FD_THREADS
+// threads; K a multiple of 128 * slices; with slices > 1, `part` holds groups * slices * FD_TOKENS * N
+// floats and `counters` groups * ceil(N / FD_ROWS) zeros (left zero on exit).
+// One entry point per token tile count NT (tokens <= 8 NT), so each is compiled for its own registers.
+extern "C" __global__ void __launch_bounds__(FD_THREADS)
+    fd_gemv_t8_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const unsigned short* act,
+                         const float* ascale, int T, int round_out, float* y, int ldy, float* part, unsigned* counters) {
+  dsv4_pdl_begin();
+  if (fp8) fd_gemv<true, 1>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
+  else fd_gemv<false, 1>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
+}
+
+extern "C" __global__ void __launch_bounds__(FD_THREADS)
+    fd_gemv_t16_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const unsigned short* act,
+                          const float* ascale, int T, int round_out, float* y, int ldy, float* part, unsigned* counters) {
+  dsv4_pdl_begin();
+  if (fp8) fd_gemv<true, 2>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
+  else fd_gemv<false, 2>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
+}
+
+extern "C" __global__ void __launch_bounds__(FD_THREADS)
+    fd_gemv_t32_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const unsigned short* act,
+                          const float* ascale, int T, int round_out, float* y, int ldy, float* part, unsigned* counters) {
+  dsv4_pdl_begin();
+  if (fp8) fd_gemv<true, 4>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
+  else fd_gemv<false, 4>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
+}
+
+extern "C" __global__ void __launch_bounds__(FD_THREADS)
+    fd_gemv_t64_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const unsigned short* act,
+                          const float* ascale, int T, int round_out, float* y, int ldy, float* part, unsigned* counters) {
+  dsv4_pdl_begin();
+  if (fp8) fd_gemv<true, 8>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
+  else fd_gemv<false, 8>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
+}

@@ -1,0 +1,318 @@
+//! `dsv4 bench dense`: the fast set's dense projections (kernels/fast_dense.cu, issue 12) alone at
+//! Flash shapes, on random weights in their stored formats (FP8 codes with 128 x 128 power-of-two
+//! scales; BF16). One JSON line per (projection, T): time per call, weight bytes read, GB/s,
+//! TFLOP/s, the K split, launches per call. bench/dense_baseline.py measures the HBM and FP8
+//! ceilings and PyTorch on the same shapes in the same run and adds floors and ratios.
+//!
+//! Timing: each case captures one call on each of R copies of the weight (together at least
+//! 256 MB, so the 50 MB L2 holds none of them between calls) into a CUDA graph, replays it G
+//! times with a sync after each, and reports the median replay / R.
+
+use std::io::Write;
+use std::time::Instant;
+
+use dsv4::cuda::arena::{self, Arena, ArenaPlan, DevicePtr};
+use dsv4::cuda::context::Context;
+use dsv4::cuda::graph::Graph;
+use dsv4::cuda::kernels::fast_dense::{
+    self, ActMode, DenseOp, DenseWorkspace, FastDense, Shape, TOKENS,
+};
+use dsv4::cuda::kernels::linear::{StorageFormat, WeightDev};
+use dsv4::cuda::registry::{KernelCache, Registry};
+use dsv4::cuda::stream::OwnedStream;
+
+/// One projection as the fast set runs it in a Flash layer.
+struct Projection {
+    name: &'static str,
+    n: usize,
+    k: usize,
+    groups: usize,
+    format: StorageFormat,
+    mode: ActMode,
+    round: bool,
+}
+
+/// Flash's dense projections (hidden 4096, q_lora 1024, 64 heads x 512, 8 output groups of
+/// 1024, indexer 64 x 128, overlapping compressors).
+const FLASH: &[Projection] = &[
+    p(
+        "wq_a",
+        1024,
+        4096,
+        1,
+        StorageFormat::Fp8,
+        ActMode::Quant,
+        true,
+    ),
+    p(
+        "wq_b",
+        32768,
+        1024,
+        1,
+        StorageFormat::Fp8,
+        ActMode::Quant,
+        true,
+    ),
+    p(
+        "wkv",
+        512,
+        4096,
+        1,
+        StorageFormat::Fp8,
+        ActMode::Quant,
+        true,
+    ),
+    p(
+        "wo_a",
+        1024,
+        4096,
+        8,
+        StorageFormat::Fp8,
+        ActMode::F16,
+        true,
+    ),
+    p(
+        "wo_b",
+        4096,
+        8192,
+        1,
+        StorageFormat::Fp8,
+        ActMode::Quant,
+        true,
+    ),
+    p(
+        "indexer.wq_b",
+        8192,
+        1024,
+        1,
+        StorageFormat::Fp8,
+        ActMode::Quant,
+        true,
+    ),
+    p(
+        "compressor.wkv",
+        1024,
+        4096,
+        1,
+        StorageFormat::Bf16,
+        ActMode::Bf16,
+        false,
+    ),
+    p(
+        "indexer.weights_proj",
+        64,
+        4096,
+        1,
+        StorageFormat::Bf16,
+        ActMode::Bf16,
+        true,
+    ),
+];
+
+const fn p(
+    name: &'static str,
+    n: usize,
+    k: usize,
+    groups: usize,
+    format: StorageFormat,
+    mode: ActMode,
+    round: bool,
+) -> Projection {
+    Projection {
+        name,
+        n,
+        k,
+        groups,
+        format,
+        mode,
+        round,
+    }
+}
+
+impl Projection {
+    fn rows(&self) -> usize {
+        self.n * self.groups
+    }
+
+    /// Bytes the kernels read of the weight: codes or values, and FP8's f32 block scales.
+    fn weight_bytes(&self) -> usize {
+        let (r, k) = (self.rows(), self.k);
+        match self.format {
+            StorageFormat::Fp8 => r * k + r.div_ceil(128) * (k / 128) * 4,
+            _ => r * k * 2,
+        }
+    }
+
+    fn format_name(&self) -> &'static str {
+        match self.format {
+            StorageFormat::Fp8 => "fp8",
+            _ => "bf16",
+        }
+    }
+}
+
+fn e(x: dsv4::Error) -> String {
+    x.to_string()
+}
+
+fn alloc(ctx: &Context, bytes: &[usize]) -> Result<(Arena, Vec<DevicePtr>), String> {
+    let mut plan = ArenaPlan::new();
+    let ids: Vec<_> = bytes
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| plan.reserve(format!("bench_dense.{i}"), b.max(4), 256))
+        .collect::<Result<_, _>>()
+        .map_err(e)?;
+    let a = Arena::from_plan(ctx, &plan).map_err(e)?;
+    let p = ids.iter().map(|&i| a.region(i)).collect();
+    Ok((a, p))
+}
+
+/// xorshift64*: the bench's weights and activations (fixed seed).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// Weight bytes as stored: FP8 codes (no NaN) or BF16 values ~ N(0, 0.05) like real weights.
+fn weight_data(rng: &mut Rng, p: &Projection) -> Vec<u8> {
+    let n = p.rows() * p.k;
+    match p.format {
+        StorageFormat::Fp8 => (0..n)
+            .map(|_| {
+                let c = (rng.next() & 0xff) as u8;
+                if c & 0x7f == 0x7f { c & 0xf7 } else { c }
+            })
+            .collect(),
+        _ => (0..n)
+            .flat_map(|_| {
+                let v = (rng.unit() - 0.5) * 0.17;
+                half::bf16::from_f32(v).to_bits().to_le_bytes()
+            })
+            .collect(),
+    }
+}
+
+pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), String> {
+    let ctx = Context::retain(device).map_err(e)?;
+    let _g = ctx.enter().map_err(e)?;
+    let stream = OwnedStream::new(&ctx).map_err(e)?;
+    let s = stream.borrow();
+    let reg = Registry::load_families(&ctx, &[&fast_dense::SOURCE], &KernelCache::new(None))
+        .map_err(e)?;
+    let dense = FastDense::new(&reg).map_err(e)?;
+    let shapes: Vec<Shape> = FLASH
+        .iter()
+        .map(|p| Shape {
+            n: p.n,
+            k: p.k,
+            groups: p.groups,
+        })
+        .collect();
+    let [act, scale, part, counters] = fast_dense::workspace_sizes(&shapes);
+    let (_ws_arena, wp) = alloc(&ctx, &[act * 2, scale * 4, part * 4, counters * 4])?;
+    arena::memset_async(wp[3], 0, s).map_err(e)?;
+    let ws = DenseWorkspace {
+        act: wp[0],
+        scale: wp[1],
+        part: wp[2],
+        counters: wp[3],
+    };
+    let tmax = tokens.iter().copied().max().unwrap_or(1);
+    let mut rng = Rng(0x5EED_D15E);
+    for p in FLASH.iter().filter(|p| only.is_none_or(|o| o == p.name)) {
+        let wbytes = p.weight_bytes();
+        let copies = (256usize << 20).div_ceil(wbytes).clamp(2, 64);
+        let data = weight_data(&mut rng, p);
+        let nsc = p.rows().div_ceil(128) * (p.k / 128);
+        let scales: Vec<f32> = (0..nsc)
+            .map(|_| 2f32.powi(-4 - (rng.next() % 9) as i32))
+            .collect();
+        let width = p.groups * p.k;
+        let outs = p.groups * p.n;
+        let mut sizes = vec![data.len(); copies];
+        sizes.extend([nsc * 4, tmax * width * 4, tmax * outs * 4]);
+        let (_arena, bufs) = alloc(&ctx, &sizes)?;
+        for b in &bufs[..copies] {
+            arena::copy_to_device_sync(*b, &data, s).map_err(e)?;
+        }
+        let (sc, x, y) = (bufs[copies], bufs[copies + 1], bufs[copies + 2]);
+        arena::copy_to_device_sync(sc, &scales, s).map_err(e)?;
+        let xs: Vec<f32> = (0..tmax * width)
+            .map(|_| half::bf16::from_f32(rng.unit() * 4.0 - 2.0).to_f32())
+            .collect();
+        arena::copy_to_device_sync(x, &xs, s).map_err(e)?;
+        let weight = |j: usize| WeightDev {
+            format: p.format,
+            data: bufs[j].slice(0, data.len()).unwrap(),
+            scales: (p.format == StorageFormat::Fp8).then(|| sc.slice(0, nsc * 4).unwrap()),
+            block: [128, 128],
+            rows: p.rows(),
+            cols: p.k,
+        };
+        for &t in tokens {
+            let call = |j: usize| {
+                let op = DenseOp {
+                    x,
+                    ldx: width,
+                    t,
+                    w: weight(j),
+                    groups: p.groups,
+                    mode: p.mode,
+                    round: p.round,
+                    y,
+                    ldy: outs,
+                };
+                dense.run(&ctx, &op, &ws, s)
+            };
+            call(0).map_err(e)?;
+            s.synchronize().map_err(e)?;
+            let g = Graph::capture(s, || {
+                for j in 0..copies {
+                    call(j)?;
+                }
+                Ok(())
+            })
+            .map_err(e)?;
+            g.launch(s).map_err(e)?;
+            s.synchronize().map_err(e)?;
+            let replays = 7;
+            let mut per_call = Vec::with_capacity(replays);
+            for _ in 0..replays {
+                let t1 = Instant::now();
+                g.launch(s).map_err(e)?;
+                s.synchronize().map_err(e)?;
+                per_call.push(t1.elapsed().as_secs_f64() / copies as f64);
+            }
+            per_call.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            let sec = per_call[replays / 2];
+            let flops = 2.0 * t as f64 * (p.rows() * p.k) as f64;
+            println!(
+                "{{\"bench\": \"dense\", \"projection\": \"{}\", \"format\": \"{}\", \"T\": {t}, \"N\": {}, \"K\": {}, \"groups\": {}, \"slices\": {}, \"time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_call\": {}, \"calls_timed\": {}}}",
+                p.name,
+                p.format_name(),
+                p.n,
+                p.k,
+                p.groups,
+                fast_dense::slices(p.n, p.k, p.groups),
+                sec * 1e6,
+                wbytes as f64 / sec / 1e9,
+                flops / sec / 1e12,
+                2 * t.div_ceil(TOKENS),
+                replays * copies,
+            );
+            std::io::stdout().flush().ok();
+        }
+    }
+    Ok(())
+}

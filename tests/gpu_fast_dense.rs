@@ -1,0 +1,518 @@
+//! The fast set's dense projections (kernels/fast_dense.cu) against the reference kernels on the
+//! device (kernels/linear.cu: `act_quant_kernel` + `linear_kernel`, f64 sums), at Flash shapes
+//! and odd ones, on fresh random weights and BF16-valued activations (seed printed;
+//! `DSV4_TEST_SEED=<n>` repeats one), for 1 to 130 tokens, in the three activation modes:
+//! FP8 weights with the official act_quant (wq_a, wq_b, wkv, wo_b, indexer wq_b), FP8 weights
+//! without it in groups (wo_a's BF16 einsum), BF16 weights (compressor wkv / wgate,
+//! weights_proj).
+//!
+//! The bound, per output, with A = Σ_k |a_k · w_k| (the reference kernels on |x| and |W|):
+//! - Every product is exact (e4m3 codes, the f16 act values and BF16 values are exact in
+//!   f16 / bf16 MMA operands, and their products in f32). A 128-block is summed by the tensor
+//!   core in 8 MMA steps from zero; each step is allowed one f32 ulp of the block's largest
+//!   partial (truncating adders): ≤ 8 · 2^-23 · A_block.
+//! - The block sums are scaled by powers of two (exact) and added in f32, K/128 adds, then the
+//!   slices' partial sums are added, `slices` adds: each ≤ 2^-24 of a partial ≤ A.
+//! - So |fast - f32(exact)| ≤ E = (8 · 2^-23 + (K/128 + slices + 1) · 2^-24) · A, and the
+//!   reference is f32(exact). With BF16 outputs both round: |Δ| ≤ E + 2^-8 (|fast| + |ref|)
+//!   (one BF16 step apart at most, when a rounding boundary falls between them), and only
+//!   outputs whose exact value lies within E of a rounding boundary may differ at all: at most
+//!   1% of them here (E is ~2^-17 of A, a BF16 step ~2^-8 of |y|).
+//! - The F16 mode's activations carry ≤ amax · 2^-39 each (f16 subnormals; none here).
+//! Also: act_quant's values bit for bit (the f16 operands times the scales), bit-identical reruns,
+//! a token's outputs alike alone and in a batch of 64 (the split depends on the shape only),
+//! and nothing written outside the `[t, n]` outputs (strided y keeps its poison).
+
+mod common;
+
+use common::gpu::{Dev, family_gpu, print_kernel_resources};
+use common::rng::Rng;
+use dsv4::cuda::DevicePtr;
+use dsv4::cuda::kernels::fast_dense::{self, ActMode, DenseOp, DenseWorkspace, FastDense, Shape};
+use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat, WeightDev};
+use std::sync::Mutex;
+
+struct Kernels {
+    dense: FastDense,
+    lin: Linear,
+}
+
+/// The device with both families, or None after the skip line. Tests share one device and run
+/// one at a time (the split launches share the workspace's counters).
+fn dev() -> Option<Dev<Kernels>> {
+    let g = family_gpu(&[&linear::SOURCE, &fast_dense::SOURCE])?;
+    static PRINTED: std::sync::Once = std::sync::Once::new();
+    PRINTED.call_once(|| print_kernel_resources(&g.reg));
+    Some(Dev::new(
+        g,
+        Kernels {
+            dense: FastDense::new(&g.reg).unwrap(),
+            lin: Linear::new(&g.reg).unwrap(),
+        },
+    ))
+}
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// A weight of `groups * n` rows and `k` columns in host form: FP8 codes with power-of-two
+/// 128 x 128 block scales, or BF16 bits.
+struct HostWeight {
+    format: StorageFormat,
+    rows: usize,
+    cols: usize,
+    /// FP8 codes or BF16 bits as bytes.
+    data: Vec<u8>,
+    scales: Vec<f32>,
+}
+
+impl HostWeight {
+    fn random(rng: &mut Rng, format: StorageFormat, rows: usize, cols: usize) -> HostWeight {
+        let (data, scales) = match format {
+            StorageFormat::Fp8 => {
+                let data = (0..rows * cols)
+                    .map(|_| {
+                        loop {
+                            let c = (rng.u64() & 0xff) as u8;
+                            if c & 0x7f != 0x7f {
+                                break c;
+                            }
+                        }
+                    })
+                    .collect();
+                let nsc = rows.div_ceil(128) * cols.div_ceil(128);
+                let scales = (0..nsc)
+                    .map(|_| 2f32.powi(-(4 + rng.below(9) as i32)))
+                    .collect();
+                (data, scales)
+            }
+            StorageFormat::Bf16 => {
+                let mut data = Vec::with_capacity(rows * cols * 2);
+                for _ in 0..rows * cols {
+                    let v = half::bf16::from_f32(rng.normal() * 0.05);
+                    data.extend_from_slice(&v.to_bits().to_le_bytes());
+                }
+                (data, vec![])
+            }
+            f => panic!("no random {f:?} weights here"),
+        };
+        HostWeight {
+            format,
+            rows,
+            cols,
+            data,
+            scales,
+        }
+    }
+
+    /// The same weight with every value's sign cleared (for the bound's Σ|a·w|).
+    fn abs(&self) -> HostWeight {
+        let data = match self.format {
+            StorageFormat::Fp8 => self.data.iter().map(|c| c & 0x7f).collect(),
+            _ => self
+                .data
+                .chunks(2)
+                .flat_map(|b| [b[0], b[1] & 0x7f])
+                .collect(),
+        };
+        HostWeight {
+            data,
+            scales: self.scales.clone(),
+            ..*self
+        }
+    }
+
+    fn upload(&self, d: &Dev<Kernels>) -> (dsv4::cuda::arena::Arena, WeightDev) {
+        let (a, p) = d.alloc(&[self.data.len(), self.scales.len() * 4]);
+        d.put(p[0], &self.data);
+        if !self.scales.is_empty() {
+            d.put(p[1], &self.scales);
+        }
+        let w = WeightDev {
+            format: self.format,
+            data: p[0].slice(0, self.data.len()).unwrap(),
+            scales: (self.format == StorageFormat::Fp8)
+                .then(|| p[1].slice(0, self.scales.len() * 4).unwrap()),
+            block: [128, 128],
+            rows: self.rows,
+            cols: self.cols,
+        };
+        (a, w)
+    }
+}
+
+/// The dense workspace for `shapes` on its own arena.
+fn workspace(d: &Dev<Kernels>, shapes: &[Shape]) -> (dsv4::cuda::arena::Arena, DenseWorkspace) {
+    let [act, scale, part, counters] = fast_dense::workspace_sizes(shapes);
+    let (a, p) = d.alloc(&[act * 2, scale * 4, part * 4, counters * 4]);
+    d.put(p[3], &vec![0u32; counters.max(1)]);
+    (
+        a,
+        DenseWorkspace {
+            act: p[0],
+            scale: p[1],
+            part: p[2],
+            counters: p[3],
+        },
+    )
+}
+
+/// One case: `t` tokens through `groups` groups of `n` rows x `k` columns.
+struct Case {
+    name: &'static str,
+    format: StorageFormat,
+    mode: ActMode,
+    n: usize,
+    k: usize,
+    groups: usize,
+    round: bool,
+}
+
+/// BF16-valued activations `[t, width]`, one in three 128-blocks scaled by 2^±6 so the
+/// per-block scales differ.
+fn activations(rng: &mut Rng, t: usize, width: usize) -> Vec<f32> {
+    let mut x = vec![0f32; t * width];
+    for (i, b) in x.chunks_mut(128).enumerate() {
+        let f = match i % 3 {
+            0 => 1.0,
+            1 => 64.0,
+            _ => 1.0 / 64.0,
+        };
+        for v in b {
+            *v = half::bf16::from_f32(rng.normal() * f).to_f32();
+        }
+    }
+    x
+}
+
+/// Outputs of the reference kernels: act_quant (Quant mode) then the f64 linear per group.
+#[allow(clippy::too_many_arguments)]
+fn reference(
+    d: &Dev<Kernels>,
+    c: &Case,
+    w: &WeightDev,
+    x: DevicePtr,
+    t: usize,
+    xq: DevicePtr,
+    y: DevicePtr,
+    round: bool,
+) {
+    let (n, k, g) = (c.n, c.k, c.groups);
+    let (xin, ldx) = if c.mode == ActMode::Quant {
+        d.k.lin
+            .act_quant(d.ctx(), x, g * k, t, g * k, xq, d.s())
+            .unwrap();
+        (xq, g * k)
+    } else {
+        (x, g * k)
+    };
+    for gi in 0..g {
+        let wg = w.rows(gi * n, n).unwrap();
+        let xg = xin.slice(gi * k * 4, xin.bytes() - gi * k * 4).unwrap();
+        let yg = y.slice(gi * n * 4, y.bytes() - gi * n * 4).unwrap();
+        d.k.lin
+            .linear(d.ctx(), xg, ldx, t, &wg, n, round, yg, g * n, d.s())
+            .unwrap();
+    }
+}
+
+/// Runs the fast kernels: `y` `[t, ldy]`.
+#[allow(clippy::too_many_arguments)]
+fn fast(
+    d: &Dev<Kernels>,
+    c: &Case,
+    w: &WeightDev,
+    x: DevicePtr,
+    t: usize,
+    ws: &DenseWorkspace,
+    y: DevicePtr,
+    ldy: usize,
+) {
+    let op = DenseOp {
+        x,
+        ldx: c.groups * c.k,
+        t,
+        w: *w,
+        groups: c.groups,
+        mode: c.mode,
+        round: c.round,
+        y,
+        ldy,
+    };
+    d.k.dense.run(d.ctx(), &op, ws, d.s()).unwrap();
+}
+
+/// Checks one case at every `ts` token count against the bound (module doc); returns the
+/// largest error seen relative to A.
+fn check_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> f64 {
+    let hw = HostWeight::random(rng, c.format, c.groups * c.n, c.k);
+    let (_wa, w) = hw.upload(d);
+    let (_aa, wabs) = hw.abs().upload(d);
+    assert_eq!(
+        FastDense::mode_for(&w, c.groups, c.mode == ActMode::Quant),
+        Some(c.mode),
+        "{}: the mode the fast set would pick",
+        c.name
+    );
+    let shape = Shape {
+        n: c.n,
+        k: c.k,
+        groups: c.groups,
+    };
+    let (_ws_arena, ws) = workspace(d, &[shape]);
+    let slices = fast_dense::slices(c.n, c.k, c.groups);
+    let (width, outs) = (c.groups * c.k, c.groups * c.n);
+    let ldy = outs + 8;
+    let tmax = *ts.iter().max().unwrap();
+    let (_a, p) = d.alloc(&[
+        tmax * width * 4,
+        tmax * width * 4,
+        tmax * width * 4,
+        tmax * ldy * 4,
+        tmax * outs * 4,
+        tmax * outs * 4,
+    ]);
+    let (px, pxabs, pxq, py, pr, pabs) = (p[0], p[1], p[2], p[3], p[4], p[5]);
+    let mut worst = 0f64;
+    for &t in ts {
+        let x = activations(rng, t, width);
+        let xabs: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+        d.put(px, &x);
+        d.put(pxabs, &xabs);
+        d.poison(py);
+        d.poison(pr);
+        fast(d, c, &w, px, t, &ws, py, ldy);
+        reference(d, c, &w, px, t, pxq, pr, c.round);
+        reference(d, c, &wabs, pxabs, t, pxq, pabs, false);
+        let got: Vec<f32> = d.get(py, t * ldy);
+        let want: Vec<f32> = d.get(pr, t * outs);
+        let abs: Vec<f32> = d.get(pabs, t * outs);
+        let e_rel = 8.0 * 2f64.powi(-23) + ((c.k / 128 + slices + 1) as f64) * 2f64.powi(-24);
+        let mut differ = 0usize;
+        for ti in 0..t {
+            for j in 0..ldy {
+                let g = got[ti * ldy + j];
+                if j >= outs {
+                    assert!(
+                        g.to_bits() == u32::MAX,
+                        "{}: T={t}: y[{ti}, {j}] past the outputs was written ({g})",
+                        c.name
+                    );
+                    continue;
+                }
+                let (r, a) = (want[ti * outs + j] as f64, abs[ti * outs + j] as f64);
+                let g = g as f64;
+                let e = e_rel * a;
+                let bound = if c.round {
+                    e + 2f64.powi(-8) * (g.abs() + r.abs())
+                } else {
+                    e
+                };
+                assert!(
+                    (g - r).abs() <= bound,
+                    "{}: T={t}: y[{ti}, {j}] = {g} against the reference {r}: |Δ| {:.3e} above the bound {bound:.3e} (Σ|a·w| = {a:.4e})",
+                    c.name,
+                    (g - r).abs()
+                );
+                if g != r {
+                    differ += 1;
+                }
+                if a > 0.0 && !c.round {
+                    worst = worst.max((g - r).abs() / a);
+                }
+            }
+        }
+        let total = t * outs;
+        if c.round {
+            assert!(
+                differ * 100 <= total,
+                "{}: T={t}: {differ} of {total} BF16 outputs differ from the reference (at most 1% may)",
+                c.name
+            );
+        }
+        println!(
+            "{}: T={t}: {differ} of {total} outputs differ from the reference",
+            c.name
+        );
+    }
+    println!(
+        "{}: largest |Δ| / Σ|a·w| (f32 outputs) {worst:.3e}; bound {:.3e}",
+        c.name,
+        8.0 * 2f64.powi(-23) + ((c.k / 128 + slices + 1) as f64) * 2f64.powi(-24)
+    );
+    worst
+}
+
+const TOKENS: &[usize] = &[1, 3, 8, 16, 17, 64, 130];
+
+#[test]
+fn fp8_projections_with_act_quant_match_the_reference() {
+    let Some(d) = dev() else { return };
+    let _s = SERIAL.lock().unwrap();
+    let mut rng = Rng::from_env("fp8_projections_with_act_quant_match_the_reference");
+    for (name, n, k) in [
+        ("wq_a", 1024, 4096),
+        ("wq_b", 32768, 1024),
+        ("wkv", 512, 4096),
+        ("wo_b", 4096, 8192),
+        ("indexer wq_b", 8192, 1024),
+        ("odd: 200 x 384", 200, 384),
+        ("odd: 16 x 128", 16, 128),
+    ] {
+        let c = Case {
+            name,
+            format: StorageFormat::Fp8,
+            mode: ActMode::Quant,
+            n,
+            k,
+            groups: 1,
+            round: true,
+        };
+        let ts: &[usize] = if n * k > 8 << 20 {
+            &[1, 16, 64]
+        } else {
+            TOKENS
+        };
+        check_case(&d, &mut rng, &c, ts);
+    }
+}
+
+#[test]
+fn grouped_fp8_projection_without_act_quant_matches_the_reference() {
+    let Some(d) = dev() else { return };
+    let _s = SERIAL.lock().unwrap();
+    let mut rng = Rng::from_env("grouped_fp8_projection_without_act_quant_matches_the_reference");
+    for (name, n, k, groups, round) in [
+        ("wo_a (8 groups)", 1024, 4096, 8, true),
+        ("3 groups of 128 x 512, f32 out", 128, 512, 3, false),
+    ] {
+        let c = Case {
+            name,
+            format: StorageFormat::Fp8,
+            mode: ActMode::F16,
+            n,
+            k,
+            groups,
+            round,
+        };
+        check_case(&d, &mut rng, &c, &[1, 9, 64, 70]);
+    }
+}
+
+#[test]
+fn bf16_projections_match_the_reference() {
+    let Some(d) = dev() else { return };
+    let _s = SERIAL.lock().unwrap();
+    let mut rng = Rng::from_env("bf16_projections_match_the_reference");
+    for (name, n, k, round) in [
+        ("compressor wkv (f32 out)", 1024, 4096, false),
+        ("weights_proj", 64, 4096, true),
+        ("odd: 100 x 256, f32 out", 100, 256, false),
+    ] {
+        let c = Case {
+            name,
+            format: StorageFormat::Bf16,
+            mode: ActMode::Bf16,
+            n,
+            k,
+            groups: 1,
+            round,
+        };
+        check_case(&d, &mut rng, &c, TOKENS);
+    }
+}
+
+#[test]
+fn act_quant_operands_are_the_reference_values_bit_for_bit() {
+    let Some(d) = dev() else { return };
+    let _s = SERIAL.lock().unwrap();
+    let mut rng = Rng::from_env("act_quant_operands_are_the_reference_values_bit_for_bit");
+    let (t, k, n) = (37, 1024, 64);
+    let shape = Shape { n, k, groups: 1 };
+    let (_wsa, ws) = workspace(&d, &[shape]);
+    let hw = HostWeight::random(&mut rng, StorageFormat::Fp8, n, k);
+    let (_wa, w) = hw.upload(&d);
+    // Wild magnitudes, zeros and one all-zero block (amax floor 1e-4), a huge value (clamp).
+    let mut x: Vec<f32> = rng.values(t * k, true);
+    x[5] = 0.0;
+    x[3 * k + 7] = 3.0e30;
+    for v in &mut x[2 * k + 128..2 * k + 256] {
+        *v = 0.0;
+    }
+    let (_a, p) = d.alloc(&[t * k * 4, t * k * 4, t * n * 4]);
+    d.put(p[0], &x);
+    let c = Case {
+        name: "act",
+        format: StorageFormat::Fp8,
+        mode: ActMode::Quant,
+        n,
+        k,
+        groups: 1,
+        round: true,
+    };
+    // The last chunk of a call leaves its operands in the workspace: one chunk here.
+    fast(&d, &c, &w, p[0], t, &ws, p[2], n);
+    d.k.lin
+        .act_quant(d.ctx(), p[0], k, t, k, p[1], d.s())
+        .unwrap();
+    let want: Vec<f32> = d.get(p[1], t * k);
+    let ops: Vec<u16> = d.get(ws.act, t * k);
+    let scales: Vec<f32> = d.get(ws.scale, t * k / 128);
+    for ti in 0..t {
+        for kk in 0..k {
+            let v =
+                half::f16::from_bits(ops[ti * k + kk]).to_f32() * scales[ti * k / 128 + kk / 128];
+            let r = want[ti * k + kk];
+            assert_eq!(
+                v.to_bits(),
+                r.to_bits(),
+                "x[{ti}, {kk}] = {}: operand x scale {v} against act_quant {r}",
+                x[ti * k + kk]
+            );
+        }
+    }
+}
+
+#[test]
+fn reruns_are_bit_identical_and_a_token_sums_alike_in_any_batch() {
+    let Some(d) = dev() else { return };
+    let _s = SERIAL.lock().unwrap();
+    let mut rng = Rng::from_env("reruns_are_bit_identical_and_a_token_sums_alike_in_any_batch");
+    for (format, mode, n, k) in [
+        (StorageFormat::Fp8, ActMode::Quant, 1024, 4096),
+        (StorageFormat::Bf16, ActMode::Bf16, 512, 4096),
+    ] {
+        let c = Case {
+            name: "batch",
+            format,
+            mode,
+            n,
+            k,
+            groups: 1,
+            round: false,
+        };
+        let (_wsa, ws) = workspace(&d, &[Shape { n, k, groups: 1 }]);
+        let hw = HostWeight::random(&mut rng, format, n, k);
+        let (_wa, w) = hw.upload(&d);
+        let t = 64;
+        let x = activations(&mut rng, t, k);
+        let (_a, p) = d.alloc(&[t * k * 4, t * n * 4, t * n * 4, n * 4]);
+        d.put(p[0], &x);
+        d.poison(p[1]);
+        d.poison(p[2]);
+        fast(&d, &c, &w, p[0], t, &ws, p[1], n);
+        fast(&d, &c, &w, p[0], t, &ws, p[2], n);
+        let (a, b): (Vec<f32>, Vec<f32>) = (d.get(p[1], t * n), d.get(p[2], t * n));
+        common::assert_bits("rerun", &b, &a);
+        for tok in [0, 5, 63] {
+            let xt = p[0].slice(tok * k * 4, k * 4).unwrap();
+            d.poison(p[3]);
+            fast(&d, &c, &w, xt, 1, &ws, p[3], n);
+            let alone: Vec<f32> = d.get(p[3], n);
+            common::assert_bits(
+                &format!("{format:?} token {tok} alone vs in a batch of {t}"),
+                &alone,
+                &a[tok * n..(tok + 1) * n],
+            );
+        }
+    }
+}
