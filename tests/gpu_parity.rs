@@ -352,3 +352,56 @@ fn logits_rows_and_bf16_output_match_cpu() {
     );
     println!("logits_rows {rows:?} with BF16 output: GPU == CPU bit for bit");
 }
+
+/// max_seq_len below a layer's compression ratio (tiny_fp8: ratios 4 and 8, max_seq_len 3): no
+/// compressed entry can ever complete, the layer holds none, and every set still runs it, equal
+/// to the CPU reference within its tolerance (this was an INTERNAL error on CUDA).
+#[test]
+fn max_seq_len_below_the_ratio_runs_like_the_cpu() {
+    let _turn = device_turn();
+    if !has_cuda() {
+        println!("skipped: no CUDA device");
+        return;
+    }
+    let opts = |device: i32, set: KernelSetName| EngineOptions {
+        kernel_set: Some(set),
+        device,
+        max_num_seqs: 2,
+        max_num_tokens: 8,
+        max_seq_len: 3,
+        numerics: Numerics::Official,
+        num_threads: 4,
+        ..Default::default()
+    };
+    let mut cpu = fixture_engine("tiny_fp8", opts(-1, KernelSetName::Reference));
+    let vocab = cpu.config().vocab_size;
+    // Two sequences: a 3-token prefill, and 2 tokens then one decode step. Each step is
+    // (tokens, positions, slots, query_start).
+    type Step<'a> = (&'a [i32], &'a [i32], &'a [i32], &'a [i32]);
+    let steps: [Step; 2] = [
+        (&[5, 17, 200, 9, 33], &[0, 1, 2, 0, 1], &[0, 1], &[0, 3, 5]),
+        (&[71], &[2], &[1], &[0, 1]),
+    ];
+    let want: Vec<Vec<f32>> = steps
+        .iter()
+        .map(|(t, p, s, q)| forward_all_rows(&mut cpu, t, p, s, q))
+        .collect();
+    let host = Host::new();
+    for_each_set(Numerics::Official, |set, tol| {
+        let mut gpu = fixture_engine("tiny_fp8", opts(0, set));
+        for (k, (t, p, s, q)) in steps.iter().enumerate() {
+            let got = host.forward(&mut gpu, t, p, s, q);
+            let (md, cos, top1) = compare(&[got], &[want[k].clone()], vocab);
+            println!(
+                "max_seq_len 3, set {}, step {k}: max |d| {md:.3e}, cosine {cos:.7}, top-1 {top1}",
+                set.name()
+            );
+            tol.check(
+                &format!("max_seq_len 3, set {}, step {k}", set.name()),
+                md,
+                cos,
+                top1,
+            );
+        }
+    });
+}

@@ -88,7 +88,8 @@ impl Indexer {
     ) -> Result<()> {
         b.check(FAMILY)?;
         let (t, hi, di) = (b.num_tokens, x.heads, x.dim);
-        if hi == 0 || di == 0 || x.ratio == 0 || x.topk == 0 || x.maxe == 0 || x.num_slots == 0 {
+        // maxe may be 0 (max_seq_len below the ratio): no key is ever visible, nothing selected.
+        if hi == 0 || di == 0 || x.ratio == 0 || x.topk == 0 || x.num_slots == 0 {
             return Err(bad(format!(
                 "{hi} heads of {di}, ratio {}, topk {}, maxe {}, {} slots",
                 x.ratio, x.topk, x.maxe, x.num_slots
