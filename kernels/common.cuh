@@ -30,12 +30,24 @@ typedef unsigned char ue8m0_t;   // UE8M0 scale byte (2^(e-127))
 // 2. waits until the kernel before has finished and its writes are visible (a no-op when this kernel was
 //    launched normally).
 // So a chain of such kernels overlaps each launch and block start with the previous kernel's tail.
-DSV4_INLINE void dsv4_pdl_begin() {
+DSV4_INLINE void dsv4_pdl_trigger() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+DSV4_INLINE void dsv4_pdl_wait() {
+#if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+DSV4_INLINE void dsv4_pdl_begin() {
+  dsv4_pdl_trigger();
+  dsv4_pdl_wait();
+}
+// A kernel may instead begin with dsv4_pdl_trigger() alone and call dsv4_pdl_wait() later, reading
+// before the wait ONLY the model's weights: no kernel that triggers early (none of them writes a
+// weight: uploads and refits run plain launches) can be writing them, so the reads may overlap the
+// previous kernel's tail. Everything else (activations, state, outputs) waits.
 
 // 2^k as a float for -149 <= k <= 127, exactly (normal or subnormal).
 DSV4_INLINE float dsv4_pow2(int k) {

@@ -12,11 +12,13 @@ extern "C" __global__ void scale2_kernel(float* x, long long n, float s1, float 
 }
 
 // x[t, n, :] = table[tokens[t], :] for every token t < T and stream n < N (rows of D values).
-extern "C" __global__ void embed_kernel(const int* tokens, int T, const float* table, int D, int N, float* x) {
+extern "C" __global__ void embed_kernel(const int* tokens, int T, const void* table, int bf16, int D, int N,
+                                        float* x) {
   const long long total = (long long)T * D;
   for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x) {
     const long long t = e / D, i = e - t * D;
-    const float v = table[(long long)tokens[t] * D + i];
+    const long long at = (long long)tokens[t] * D + i;
+    const float v = bf16 ? bf16_to_f32(static_cast<const bf16_t*>(table)[at]) : static_cast<const float*>(table)[at];
     float* o = x + t * N * D + i;
     for (int n = 0; n < N; ++n) o[(long long)n * D] = v;
   }

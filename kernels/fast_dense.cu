@@ -7,16 +7,21 @@
 //
 // 1. fd_act_kernel: the activations of one launch as 16-bit MMA operands plus an f32 scale per
 //    (token, 128 of k), so that a[t, k] = act[t, k] · scale[t, k / 128] exactly (modes below).
-// 2. fd_gemv_kernel_<kind>_<tiles>: a block of FD_WARPS warps owns FD_WARPS x 16 weight rows of one
+// 2. fd_gemv_t{8,16,32,64}_kernel: a block of FD_WARPS warps owns FD_WARPS x 16 weight rows of one
 //    slice of K (the split is a function of the weight's shape only, never of the tokens, so a
-//    token's sums are the same in every batch). Warp w owns rows 16w..16w+15; lane (g = lane / 4,
-//    c = lane % 4) loads 16 bytes of rows g and g + 8 at byte 16c of each 64 bytes of the row, and
-//    the matching 16-bit activations of token g of each tile of 8 tokens. Within those 64 bytes k is
-//    permuted (lane c's k feed the fragment positions 2c, 2c+1, 2c+8, 2c+9 in order), the same for W
-//    and a, so the dot product is unchanged. A 128-block of k accumulates in the tensor core from
-//    zero and is promoted: acc += blk · (s_w · s_a) (s_w: the FP8 block scale, 1 for BF16).
-//    With one slice, a block writes y; with several, each writes its partial sums and the last block
-//    of the row tile to arrive (a counter per tile, reset by that block) adds them in slice order.
+//    token's sums are the same in every batch). It first issues its warps' first weight loads (before
+//    its programmatic-launch wait: they may overlap the previous kernel's tail), then stages the
+//    slice's activations of every token in shared memory (copied from fd_act_kernel's
+//    output, or, for a few tokens, made from x right there: the same operands), then streams the rest.
+//    Warp w owns rows 16w..16w+15; lane (g = lane / 4, c = lane % 4) loads 16 bytes of rows g and
+//    g + 8 at byte 16c of each 64 bytes of the row, and reads the matching 16-bit activations of
+//    token g of each tile of 8 tokens. Within those 64 bytes k is permuted (lane c's k feed the
+//    fragment positions 2c, 2c+1, 2c+8, 2c+9 in order), the same for W and a, so the dot product is
+//    unchanged. A 128-block of k accumulates in the tensor core from zero and is promoted:
+//    acc += blk · (s_w · s_a) (s_w: the FP8 block scale, 1 for BF16). With one slice, a block writes
+//    y; with several, the slices of a row tile are one thread-block cluster: each block puts its
+//    partial sums in its shared memory, and after a cluster barrier block r adds its share of the
+//    outputs over every block's shared memory in slice order.
 //
 // Activation modes (FD_ACT_*), per (token, 128-block) with amax its largest |x|:
 // - QUANT (FP8 weights, official act_quant): s = ue8m0(max(amax, 1e-4) / 448), the f16 value of
@@ -27,7 +32,7 @@
 // - BF16 (BF16 weights): s = 1, bf16(x): exact for BF16 values (docs/numerics.md: every such input is).
 #include "common.cuh"
 
-// FD_WARPS, FD_TOKENS, FD_ACT_QUANT / FD_ACT_F16 / FD_ACT_BF16 come from dsv4_consts.cuh.
+// FD_WARPS, FD_TOKENS, FD_MAX_SLICES, FD_ACT_QUANT / FD_ACT_F16 / FD_ACT_BF16 come from dsv4_consts.cuh.
 #define FD_THREADS (32 * FD_WARPS)
 #define FD_ROWS (16 * FD_WARPS)
 
@@ -53,8 +58,6 @@ DSV4_INLINE uint4 fd_ld_stream(const unsigned char* p) {
   return r;
 }
 
-DSV4_INLINE uint4 fd_ld_act(const unsigned short* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-
 template <bool F16>
 DSV4_INLINE void fd_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
   if (F16) {
@@ -70,21 +73,12 @@ DSV4_INLINE void fd_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, un
   }
 }
 
-// x [T, ldx] f32 (16-byte aligned rows) -> act [T, K] (f16 or bf16 bits) and scale [T, K / 128], one warp
-// per (token, 128-block), FD_THREADS threads a block: grid ceil(T * K / 128 / FD_WARPS).
-extern "C" __global__ void __launch_bounds__(FD_THREADS)
-    fd_act_kernel(const float* x, int ldx, int T, int K, int mode, unsigned short* act, float* scale) {
-  dsv4_pdl_begin();
-  const int nb = K / 128;
-  const int item = blockIdx.x * FD_WARPS + (threadIdx.x >> 5);
-  if (item >= T * nb) return;  // uniform per warp
-  const int lane = threadIdx.x & 31;
-  const int t = item / nb, b = item - t * nb;
-  const float4 v4 = *reinterpret_cast<const float4*>(x + (long long)t * ldx + b * 128 + 4 * lane);
+// The operands of one lane's four values of a (token, 128-block) in `mode` (module comment), and the
+// block's scale: every lane of the warp must call (the block's amax is a warp reduction).
+DSV4_INLINE void fd_operands(float4 v4, int mode, float& s, unsigned short (&h)[4]) {
   const float v[4] = {v4.x, v4.y, v4.z, v4.w};
   const float amax = warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
-  float s = 1.0f;
-  unsigned short h[4];
+  s = 1.0f;
   if (mode == FD_ACT_QUANT) {
     s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
 #pragma unroll
@@ -102,6 +96,22 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
 #pragma unroll
     for (int i = 0; i < 4; ++i) h[i] = f32_to_bf16(v[i]);
   }
+}
+
+// x [T, ldx] f32 (16-byte aligned rows) -> act [T, K] (f16 or bf16 bits) and scale [T, K / 128], one warp
+// per (token, 128-block), FD_THREADS threads a block: grid ceil(T * K / 128 / FD_WARPS).
+extern "C" __global__ void __launch_bounds__(FD_THREADS)
+    fd_act_kernel(const float* x, int ldx, int T, int K, int mode, unsigned short* act, float* scale) {
+  dsv4_pdl_begin();
+  const int nb = K / 128;
+  const int item = blockIdx.x * FD_WARPS + (threadIdx.x >> 5);
+  if (item >= T * nb) return;  // uniform per warp
+  const int lane = threadIdx.x & 31;
+  const int t = item / nb, b = item - t * nb;
+  const float4 v4 = *reinterpret_cast<const float4*>(x + (long long)t * ldx + b * 128 + 4 * lane);
+  float s;
+  unsigned short h[4];
+  fd_operands(v4, mode, s, h);
   uint2 packed;
   packed.x = (unsigned)h[0] | ((unsigned)h[1] << 16);
   packed.y = (unsigned)h[2] | ((unsigned)h[3] << 16);
@@ -110,14 +120,22 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
 }
 
 // One weight kind's geometry: bytes per element, 64-byte chunks per 128-block of k, blocks kept in
-// flight per warp.
+// flight per warp, and the padding of a shared-memory activation row (16 bytes for FP8's 32-byte
+// lane reads, 64 for BF16's 16-byte ones: either way the 8 lanes of a 16-byte access phase hit
+// distinct banks).
 template <bool FP8>
 struct FdKind {
   static constexpr int ESIZE = FP8 ? 1 : 2;
   static constexpr int CHUNKS = 2 * ESIZE;     // 128 k = 128 (FP8) or 256 (BF16) bytes of a row
   static constexpr int K_PER_CHUNK = 64 / ESIZE;
   static constexpr int AHEAD = FP8 ? 4 : 2;    // 128-blocks loaded ahead: 16 x 16 bytes a lane either way
+  static constexpr int PAD = FP8 ? 8 : 32;     // halves after each activation row
 };
+
+// Dynamic shared memory of a gemv block (fd_smem_bytes in fast_dense.rs computes the same): the
+// activations [8 NT][S + PAD] (16-bit), their scales [8 NT][S / 128], and with several slices the
+// partial sums [8 NT][FD_ROWS] f32.
+DSV4_INLINE int fd_act_stride(bool fp8, int S) { return S + (fp8 ? 8 : 32); }
 
 // The MMAs of one 64-byte chunk: w0 / w1 the lane's 16 bytes of rows g / g + 8, b the lane's 16-bit
 // activations of token g of each tile (FP8: 16 values, two uint4; BF16: 8 values, one uint4).
@@ -152,11 +170,105 @@ DSV4_INLINE void fd_chunk(float (&blk)[NT][4], uint4 w0, uint4 w1, const uint4 (
   }
 }
 
+// Stages the block's activations: rows t < T of the slice, from `act` / `ascale` (fused = 0) or made
+// from x as fd_act_kernel makes them (fused = 1); rows T .. 8 NT - 1 are zeros.
+template <int NT>
+DSV4_INLINE void fd_stage(unsigned short* act_s, float* sc_s, int stride, int S, int col0, int T, int fused,
+                          const float* __restrict__ x, int ldx, int mode, const unsigned short* __restrict__ act,
+                          const float* __restrict__ ascale, int width) {
+  const int nb = S / 128;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (fused) {
+    // One warp per (token, 128-block), four at a time so their loads are in flight together.
+    const int items = T * nb;
+    for (int i0 = warp; i0 < items; i0 += 4 * FD_WARPS) {
+      float4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int it = i0 + u * FD_WARPS;
+        if (it < items) {
+          const int t = it / nb, b = it - t * nb;
+          v[u] = *reinterpret_cast<const float4*>(x + (long long)t * ldx + col0 + b * 128 + 4 * lane);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int it = i0 + u * FD_WARPS;
+        if (it < items) {  // uniform per warp
+          const int t = it / nb, b = it - t * nb;
+          float s;
+          unsigned short h[4];
+          fd_operands(v[u], mode, s, h);
+          uint2 packed;
+          packed.x = (unsigned)h[0] | ((unsigned)h[1] << 16);
+          packed.y = (unsigned)h[2] | ((unsigned)h[3] << 16);
+          *reinterpret_cast<uint2*>(act_s + t * stride + b * 128 + 4 * lane) = packed;
+          if (lane == 0) sc_s[t * nb + b] = s;
+        }
+      }
+    }
+  } else {
+    // 16-byte pieces of the rows, all loads of a thread issued before their stores.
+    const int per_row = S / 8, pieces = T * per_row;
+    for (int p0 = threadIdx.x; p0 < pieces; p0 += 4 * FD_THREADS) {
+      uint4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int p = p0 + u * FD_THREADS;
+        if (p < pieces) {
+          const int t = p / per_row, q = p - t * per_row;
+          v[u] = __ldg(reinterpret_cast<const uint4*>(act + (long long)t * width + col0 + 8 * q));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int p = p0 + u * FD_THREADS;
+        if (p < pieces) {
+          const int t = p / per_row, q = p - t * per_row;
+          *reinterpret_cast<uint4*>(act_s + t * stride + 8 * q) = v[u];
+        }
+      }
+    }
+    for (int i = threadIdx.x; i < T * nb; i += FD_THREADS) {
+      const int t = i / nb, b = i - t * nb;
+      sc_s[i] = __ldg(ascale + (long long)t * (width / 128) + col0 / 128 + b);
+    }
+  }
+  // Token rows past T: zero operands and scales (their sums are dropped).
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  for (int p = T * (S / 8) + threadIdx.x; p < 8 * NT * (S / 8); p += FD_THREADS) {
+    const int t = p / (S / 8), q = p - t * (S / 8);
+    *reinterpret_cast<uint4*>(act_s + t * stride + 8 * q) = zero;
+  }
+  for (int i = T * nb + threadIdx.x; i < 8 * NT * nb; i += FD_THREADS) sc_s[i] = 0.0f;
+}
+
+DSV4_INLINE void fd_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// f32 at shared-space address `addr` of block `rank` of this block's cluster.
+DSV4_INLINE float fd_ld_cluster(unsigned addr, unsigned rank) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+DSV4_INLINE unsigned fd_smem_addr(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
 template <bool FP8, int NT>
 DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __restrict__ wscale, int N, int K,
-                         const unsigned short* __restrict__ act, const float* __restrict__ ascale, int T, int round_out,
-                         float* __restrict__ y, int ldy, float* __restrict__ part, unsigned* __restrict__ counters) {
+                         const float* __restrict__ x, int ldx, int mode, int fused,
+                         const unsigned short* __restrict__ act, const float* __restrict__ ascale, int T,
+                         int round_out, float* __restrict__ y, int ldy) {
   typedef FdKind<FP8> KD;
+  extern __shared__ __align__(16) unsigned char fd_smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int gz = blockIdx.z, slice = blockIdx.y, slices = gridDim.y, groups = gridDim.z;
   const int S = K / slices, k0 = slice * S, blocks = S / 128;
@@ -165,20 +277,10 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
   // Rows past N read row N - 1 (their sums are dropped).
   const unsigned char* p0 = w + ((long long)gz * N + min(n0 + g, N - 1)) * row_bytes + (long long)k0 * KD::ESIZE + 16 * c;
   const unsigned char* p1 = w + ((long long)gz * N + min(n0 + g + 8, N - 1)) * row_bytes + (long long)k0 * KD::ESIZE + 16 * c;
-  // Activations: [T, groups * K]; group gz's columns start at gz * K. Tokens past T read token T - 1.
-  const long long act_ld = (long long)groups * K;
-  const int sc_ld = groups * K / 128;
-  const unsigned short* pa[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-    pa[nt] = act + (long long)min(8 * nt + g, T - 1) * act_ld + (long long)gz * K + k0 + (16 / KD::ESIZE) * c;
   // The FP8 block scales of the warp's 16 rows (one 128-row block: n0 is a multiple of 16).
   const float* sw_row = FP8 ? wscale + ((long long)gz * N + min(n0, N - 1)) / 128 * (K / 128) + k0 / 128 : nullptr;
 
-  float acc[NT][4];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-
+  // The first weight loads go out before the activations are staged.
   uint4 wr[KD::AHEAD][KD::CHUNKS][2];
 #pragma unroll
   for (int p = 0; p < KD::AHEAD; ++p) {
@@ -190,6 +292,19 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
       }
     }
   }
+  // Everything below reads what earlier kernels wrote (common.cuh: only weights before the wait).
+  dsv4_pdl_wait();
+  const int stride = fd_act_stride(FP8, S);
+  unsigned short* act_s = reinterpret_cast<unsigned short*>(fd_smem);
+  float* sc_s = reinterpret_cast<float*>(fd_smem + 2 * 8 * NT * stride);
+  float* part_s = sc_s + 8 * NT * blocks;
+  // Activations: [T, groups * K]; group gz's columns start at gz * K.
+  fd_stage<NT>(act_s, sc_s, stride, S, gz * K + k0, T, fused, x, ldx, mode, act, ascale, groups * K);
+  __syncthreads();
+
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
   for (int kb0 = 0; kb0 < blocks; kb0 += KD::AHEAD) {
 #pragma unroll
     for (int p = 0; p < KD::AHEAD; ++p) {
@@ -203,9 +318,9 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
           uint4 b[NT][2];
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            const unsigned short* q = pa[nt] + kb * 128 + ch * KD::K_PER_CHUNK;
-            b[nt][0] = fd_ld_act(q);
-            b[nt][1] = FP8 ? fd_ld_act(q + 8) : b[nt][0];
+            const unsigned short* q = act_s + (8 * nt + g) * stride + kb * 128 + ch * KD::K_PER_CHUNK + (16 / KD::ESIZE) * c;
+            b[nt][0] = *reinterpret_cast<const uint4*>(q);
+            b[nt][1] = FP8 ? *reinterpret_cast<const uint4*>(q + 8) : b[nt][0];
           }
           fd_chunk<FP8, NT>(blk, wr[p][ch][0], wr[p][ch][1], b);
         }
@@ -218,11 +333,10 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
           }
         }
         const float sw = FP8 ? __ldg(sw_row + kb) : 1.0f;
-        const int kbg = (gz * K + k0) / 128 + kb;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const float s0 = sw * __ldg(ascale + (long long)min(8 * nt + 2 * c, T - 1) * sc_ld + kbg);
-          const float s1 = sw * __ldg(ascale + (long long)min(8 * nt + 2 * c + 1, T - 1) * sc_ld + kbg);
+          const float s0 = sw * sc_s[(8 * nt + 2 * c) * blocks + kb];
+          const float s1 = sw * sc_s[(8 * nt + 2 * c + 1) * blocks + kb];
           acc[nt][0] += blk[nt][0] * s0;
           acc[nt][1] += blk[nt][1] * s1;
           acc[nt][2] += blk[nt][2] * s0;
@@ -245,73 +359,72 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
     }
     return;
   }
-  // part: [groups][slices][FD_TOKENS][N].
-  float* my_part = part + ((long long)gz * slices + slice) * FD_TOKENS * N;
+  // Partial sums [8 NT][FD_ROWS] in shared memory; then block `slice` of the cluster (the row tile's
+  // slices) sums its share of the outputs over every block's partials, in slice order.
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int n = n0 + g + 8 * (i >> 1), t = 8 * nt + 2 * c + (i & 1);
-      if (n < N && t < T) my_part[(long long)t * N + n] = acc[nt][i];
+      const int r = warp * 16 + g + 8 * (i >> 1), t = 8 * nt + 2 * c + (i & 1);
+      part_s[t * FD_ROWS + r] = acc[nt][i];
     }
   }
-  __shared__ int last;
-  __threadfence();
-  __syncthreads();
-  unsigned* counter = counters + (long long)gz * gridDim.x + blockIdx.x;
-  if (threadIdx.x == 0) {
-    const unsigned seen = atomicAdd(counter, 1u);
-    last = seen == (unsigned)(slices - 1);
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  fd_cluster_sync();
+  const int outputs = T * FD_ROWS, share = (outputs + slices - 1) / slices;
   const int tile0 = blockIdx.x * FD_ROWS;
-  const float* gpart = part + (long long)gz * slices * FD_TOKENS * N;
-  for (int idx = threadIdx.x; idx < T * FD_ROWS; idx += FD_THREADS) {
-    const int t = idx / FD_ROWS, n = tile0 + idx % FD_ROWS;
-    if (n >= N) continue;
-    float v = __ldcg(gpart + (long long)t * N + n);
-    for (int s = 1; s < slices; ++s) v += __ldcg(gpart + ((long long)s * FD_TOKENS + t) * N + n);
-    y[(long long)t * ldy + y_col + n] = round_out ? round_bf16(v) : v;
+  const unsigned base = fd_smem_addr(part_s);
+  for (int idx = slice * share + threadIdx.x; idx < min(outputs, (slice + 1) * share); idx += FD_THREADS) {
+    const int t = idx / FD_ROWS, r = idx - t * FD_ROWS, n = tile0 + r;
+    float v[FD_MAX_SLICES];
+#pragma unroll
+    for (int s = 0; s < FD_MAX_SLICES; ++s)
+      if (s < slices) v[s] = fd_ld_cluster(base + 4u * idx, (unsigned)s);
+    float sum = v[0];
+#pragma unroll
+    for (int s = 1; s < FD_MAX_SLICES; ++s)
+      if (s < slices) sum += v[s];
+    if (n < N) y[(long long)t * ldy + y_col + n] = round_out ? round_bf16(sum) : sum;
   }
-  if (threadIdx.x == 0) *counter = 0u;
+  // No block leaves while another may still read its shared memory.
+  fd_cluster_sync();
 }
 
-// y[t, gz * N + n] (row stride ldy) = Σ_k a[t, gz * K + k] · W[gz * N + n, k] for t < T <= 8 · tiles,
+// y[t, gz * N + n] (row stride ldy) = Σ_k a[t, gz * K + k] · W[gz * N + n, k] for t < T <= 8 · NT,
 // n < N, group gz = blockIdx.z; W is [groups * N, K] FP8 codes with f32 128 x 128 block scales `wscale`
-// (`fp8` = 1) or BF16 (`fp8` = 0, wscale unused). Grid (ceil(N / FD_ROWS), slices, groups), FD_THREADS
-// threads; K a multiple of 128 * slices; with slices > 1, `part` holds groups * slices * FD_TOKENS * N
-// floats and `counters` groups * ceil(N / FD_ROWS) zeros (left zero on exit).
+// (`fp8` = 1) or BF16 (`fp8` = 0, wscale unused). The activations come from fd_act_kernel's `act` /
+// `ascale` ([T, groups * K]; fused = 0) or from x ([T, ldx] f32, 16-byte aligned rows) in `mode`
+// (fused = 1). Grid (ceil(N / FD_ROWS), slices, groups), FD_THREADS threads, clusters of (1, slices,
+// 1) blocks when slices > 1 (at most FD_MAX_SLICES); K a multiple of 128 * slices, K / slices at most
+// FD_MAX_SLICE; dynamic shared memory fd_smem_bytes (fast_dense.rs).
 // One entry point per token tile count NT (tokens <= 8 NT), so each is compiled for its own registers.
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
-    fd_gemv_t8_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const unsigned short* act,
-                         const float* ascale, int T, int round_out, float* y, int ldy, float* part, unsigned* counters) {
-  dsv4_pdl_begin();
-  if (fp8) fd_gemv<true, 1>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
-  else fd_gemv<false, 1>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
+    fd_gemv_t8_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
+        int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy) {
+  dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
+  if (fp8) fd_gemv<true, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
+  else fd_gemv<false, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
-    fd_gemv_t16_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const unsigned short* act,
-                          const float* ascale, int T, int round_out, float* y, int ldy, float* part, unsigned* counters) {
-  dsv4_pdl_begin();
-  if (fp8) fd_gemv<true, 2>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
-  else fd_gemv<false, 2>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
+    fd_gemv_t16_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
+        int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy) {
+  dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
+  if (fp8) fd_gemv<true, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
+  else fd_gemv<false, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
-    fd_gemv_t32_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const unsigned short* act,
-                          const float* ascale, int T, int round_out, float* y, int ldy, float* part, unsigned* counters) {
-  dsv4_pdl_begin();
-  if (fp8) fd_gemv<true, 4>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
-  else fd_gemv<false, 4>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
+    fd_gemv_t32_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
+        int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy) {
+  dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
+  if (fp8) fd_gemv<true, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
+  else fd_gemv<false, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
-    fd_gemv_t64_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const unsigned short* act,
-                          const float* ascale, int T, int round_out, float* y, int ldy, float* part, unsigned* counters) {
-  dsv4_pdl_begin();
-  if (fp8) fd_gemv<true, 8>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
-  else fd_gemv<false, 8>(w, wscale, N, K, act, ascale, T, round_out, y, ldy, part, counters);
+    fd_gemv_t64_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
+        int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy) {
+  dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
+  if (fp8) fd_gemv<true, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
+  else fd_gemv<false, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
 }

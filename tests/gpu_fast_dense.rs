@@ -19,7 +19,9 @@
 //!   outputs whose exact value lies within E of a rounding boundary may differ at all: at most
 //!   1% of them here (E is ~2^-17 of A, a BF16 step ~2^-8 of |y|).
 //! - The F16 mode's activations carry ≤ amax · 2^-39 each (f16 subnormals; none here).
-//! Also: act_quant's values bit for bit (the f16 operands times the scales), bit-identical reruns,
+//!
+//! Also: the operands made by `fd_act_kernel` and inside the gemv blocks give the same bits;
+//! act_quant's values bit for bit (the f16 operands times the scales), bit-identical reruns,
 //! a token's outputs alike alone and in a batch of 64 (the split depends on the shape only),
 //! and nothing written outside the `[t, n]` outputs (strided y keeps its poison).
 
@@ -38,7 +40,7 @@ struct Kernels {
 }
 
 /// The device with both families, or None after the skip line. Tests share one device and run
-/// one at a time (the split launches share the workspace's counters).
+/// one at a time (their timings and memory stay apart).
 fn dev() -> Option<Dev<Kernels>> {
     let g = family_gpu(&[&linear::SOURCE, &fast_dense::SOURCE])?;
     static PRINTED: std::sync::Once = std::sync::Once::new();
@@ -142,16 +144,13 @@ impl HostWeight {
 
 /// The dense workspace for `shapes` on its own arena.
 fn workspace(d: &Dev<Kernels>, shapes: &[Shape]) -> (dsv4::cuda::arena::Arena, DenseWorkspace) {
-    let [act, scale, part, counters] = fast_dense::workspace_sizes(shapes);
-    let (a, p) = d.alloc(&[act * 2, scale * 4, part * 4, counters * 4]);
-    d.put(p[3], &vec![0u32; counters.max(1)]);
+    let [act, scale] = fast_dense::workspace_sizes(shapes);
+    let (a, p) = d.alloc(&[act * 2, scale * 4]);
     (
         a,
         DenseWorkspace {
             act: p[0],
             scale: p[1],
-            part: p[2],
-            counters: p[3],
         },
     )
 }
@@ -215,7 +214,8 @@ fn reference(
     }
 }
 
-/// Runs the fast kernels: `y` `[t, ldy]`.
+/// Runs the fast kernels: `y` `[t, ldy]`, the gemv blocks making the activation operands
+/// themselves up to `fused_act_max_t` tokens.
 #[allow(clippy::too_many_arguments)]
 fn fast(
     d: &Dev<Kernels>,
@@ -226,6 +226,7 @@ fn fast(
     ws: &DenseWorkspace,
     y: DevicePtr,
     ldy: usize,
+    fused_act_max_t: usize,
 ) {
     let op = DenseOp {
         x,
@@ -237,6 +238,7 @@ fn fast(
         round: c.round,
         y,
         ldy,
+        fused_act_max_t,
     };
     d.k.dense.run(d.ctx(), &op, ws, d.s()).unwrap();
 }
@@ -259,7 +261,7 @@ fn check_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> f64 {
         groups: c.groups,
     };
     let (_ws_arena, ws) = workspace(d, &[shape]);
-    let slices = fast_dense::slices(c.n, c.k, c.groups);
+    let slices = fast_dense::slices(c.n, c.k, c.groups).unwrap();
     let (width, outs) = (c.groups * c.k, c.groups * c.n);
     let ldy = outs + 8;
     let tmax = *ts.iter().max().unwrap();
@@ -280,10 +282,22 @@ fn check_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> f64 {
         d.put(pxabs, &xabs);
         d.poison(py);
         d.poison(pr);
-        fast(d, c, &w, px, t, &ws, py, ldy);
+        // The operands made by fd_act_kernel first, then inside the gemv blocks: the same bits.
+        fast(d, c, &w, px, t, &ws, py, ldy, 0);
+        let first: Vec<f32> = d.get(py, t * ldy);
+        d.poison(py);
+        fast(d, c, &w, px, t, &ws, py, ldy, fast_dense::TOKENS);
         reference(d, c, &w, px, t, pxq, pr, c.round);
         reference(d, c, &wabs, pxabs, t, pxq, pabs, false);
         let got: Vec<f32> = d.get(py, t * ldy);
+        common::assert_bits(
+            &format!(
+                "{}: T={t}: operands from fd_act_kernel vs made in the gemv",
+                c.name
+            ),
+            &got,
+            &first,
+        );
         let want: Vec<f32> = d.get(pr, t * outs);
         let abs: Vec<f32> = d.get(pabs, t * outs);
         let e_rel = 8.0 * 2f64.powi(-23) + ((c.k / 128 + slices + 1) as f64) * 2f64.powi(-24);
@@ -406,6 +420,7 @@ fn bf16_projections_match_the_reference() {
     for (name, n, k, round) in [
         ("compressor wkv (f32 out)", 1024, 4096, false),
         ("weights_proj", 64, 4096, true),
+        ("a head of 16384 rows (f32 out)", 16384, 4096, false),
         ("odd: 100 x 256, f32 out", 100, 256, false),
     ] {
         let c = Case {
@@ -449,8 +464,9 @@ fn act_quant_operands_are_the_reference_values_bit_for_bit() {
         groups: 1,
         round: true,
     };
-    // The last chunk of a call leaves its operands in the workspace: one chunk here.
-    fast(&d, &c, &w, p[0], t, &ws, p[2], n);
+    // The last chunk of a call leaves its operands in the workspace: one chunk here, made by
+    // fd_act_kernel.
+    fast(&d, &c, &w, p[0], t, &ws, p[2], n, 0);
     d.k.lin
         .act_quant(d.ctx(), p[0], k, t, k, p[1], d.s())
         .unwrap();
@@ -499,14 +515,15 @@ fn reruns_are_bit_identical_and_a_token_sums_alike_in_any_batch() {
         d.put(p[0], &x);
         d.poison(p[1]);
         d.poison(p[2]);
-        fast(&d, &c, &w, p[0], t, &ws, p[1], n);
-        fast(&d, &c, &w, p[0], t, &ws, p[2], n);
+        let fused = fast_dense::FUSED_ACT_MAX_T;
+        fast(&d, &c, &w, p[0], t, &ws, p[1], n, fused);
+        fast(&d, &c, &w, p[0], t, &ws, p[2], n, fused);
         let (a, b): (Vec<f32>, Vec<f32>) = (d.get(p[1], t * n), d.get(p[2], t * n));
         common::assert_bits("rerun", &b, &a);
         for tok in [0, 5, 63] {
             let xt = p[0].slice(tok * k * 4, k * 4).unwrap();
             d.poison(p[3]);
-            fast(&d, &c, &w, xt, 1, &ws, p[3], n);
+            fast(&d, &c, &w, xt, 1, &ws, p[3], n, fused);
             let alone: Vec<f32> = d.get(p[3], n);
             common::assert_bits(
                 &format!("{format:?} token {tok} alone vs in a batch of {t}"),

@@ -361,13 +361,20 @@ fn embed_and_gather_copy_rows_exactly() {
     let (vocab, dd, nstreams, t) = (1000usize, 256usize, 4usize, 37usize);
     let table = bf16_all(rng.normals(vocab * dd, 0.05));
     let tokens: Vec<i32> = (0..t).map(|_| rng.below(vocab) as i32).collect();
-    let (_a, p) = d.alloc(&[table.len() * 4, t * 4, t * nstreams * dd * 4]);
+    // The same table as f32 and as BF16 bits (the engine stores the embedding BF16).
+    let bits: Vec<u16> = table
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect();
+    let (_a, p) = d.alloc(&[
+        table.len() * 4,
+        t * 4,
+        t * nstreams * dd * 4,
+        bits.len() * 2,
+    ]);
     d.put(p[0], &table);
     d.put(p[1], &tokens);
-    d.poison(p[2]);
-    d.k.embed(d.ctx(), p[1], t, p[0], dd, nstreams, p[2], d.s())
-        .unwrap();
-    let got: Vec<f32> = d.get(p[2], t * nstreams * dd);
+    d.put(p[3], &bits);
     let mut want = vec![0.0f32; t * nstreams * dd];
     for (ti, &tok) in tokens.iter().enumerate() {
         let row = &table[tok as usize * dd..(tok as usize + 1) * dd];
@@ -375,7 +382,13 @@ fn embed_and_gather_copy_rows_exactly() {
             want[(ti * nstreams + s) * dd..(ti * nstreams + s + 1) * dd].copy_from_slice(row);
         }
     }
-    assert_bits("embed", &got, &want);
+    for (what, tab, bf16) in [("embed f32", p[0], false), ("embed bf16", p[3], true)] {
+        d.poison(p[2]);
+        d.k.embed(d.ctx(), p[1], t, tab, bf16, dd, nstreams, p[2], d.s())
+            .unwrap();
+        let got: Vec<f32> = d.get(p[2], t * nstreams * dd);
+        assert_bits(what, &got, &want);
+    }
 
     // gather_rows: explicit row list (with repeats), then the identity.
     let (src_rows, row_len) = (50usize, 300usize);

@@ -13,7 +13,7 @@ use dsv4::cuda::registry::{KernelFn, KernelSource, families};
 struct Signature {
     name: String,
     params: Vec<String>,
-    /// The body's first statement is `dsv4_pdl_begin();`.
+    /// The body's first statement is `dsv4_pdl_begin();` or `dsv4_pdl_trigger();`.
     pdl_begin: bool,
 }
 
@@ -98,7 +98,10 @@ fn parse_entry_points(src: &str) -> Result<Vec<Signature>, String> {
         };
         let body = s[close + 1..].trim_start();
         let body = body.strip_prefix('{').ok_or(format!("{name}: no body"))?;
-        let pdl_begin = body.trim_start().starts_with("dsv4_pdl_begin();");
+        // dsv4_pdl_trigger(): weights may be read before the kernel's dsv4_pdl_wait() (common.cuh).
+        let first = body.trim_start();
+        let pdl_begin =
+            first.starts_with("dsv4_pdl_begin();") || first.starts_with("dsv4_pdl_trigger();");
         out.push(Signature {
             name,
             params,

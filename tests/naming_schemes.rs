@@ -5,6 +5,7 @@
 
 mod common;
 
+use dsv4::weights::store::TensorData;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -148,8 +149,13 @@ fn logits_of(dir: &Path) -> (Vec<f32>, Vec<Vec<u8>>) {
         .tensors()
         .iter()
         .map(|t| {
-            let n = t.spec.numel() * 4;
-            // SAFETY: f32/i32 storage of numel elements (the tiny config is unquantized).
+            let elem = if matches!(t.data, TensorData::Bf16(_)) {
+                2
+            } else {
+                4
+            };
+            let n = t.spec.numel() * elem;
+            // SAFETY: f32/i32 or BF16 storage of numel elements (the tiny config is unquantized).
             unsafe { std::slice::from_raw_parts(t.data.as_ptr(), n).to_vec() }
         })
         .collect();

@@ -160,7 +160,7 @@ impl Model {
                     let codes = (0..n / 2).map(|_| rng.next() as u8).collect();
                     Enc::Fp4(Codes::with_random_scales(codes, sshape, &mut rng))
                 }
-                (ElemKind::Float, StoredAs::Plain) => Enc::Plain(
+                (ElemKind::Float, StoredAs::Plain | StoredAs::Bf16Matrix) => Enc::Plain(
                     (0..n)
                         .map(|_| (rng.below(257) as f32 - 128.0) / 64.0)
                         .collect(),

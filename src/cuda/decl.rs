@@ -35,7 +35,7 @@
 
 use super::arena::DevicePtr;
 use super::registry::{Kernel, KernelFn, Registry};
-use super::stream::{BorrowedStream, Dim3, KernelArgs, launch};
+use super::stream::{BorrowedStream, Dim3, KernelArgs, launch, launch_clustered};
 use crate::error::Result;
 use std::ffi::c_void;
 use std::marker::PhantomData;
@@ -173,6 +173,24 @@ impl<A: KernelDecl> Launcher<A> {
         // checks each declaration against the `extern "C" __global__` signature in the .cu
         // source); the pointers' extents were checked by the calling wrapper.
         unsafe { launch(&self.kernel, grid, block, dynamic_smem, stream, &a) }
+    }
+
+    /// [`Self::launch`] in thread-block clusters of `cluster` blocks.
+    pub fn launch_clustered(
+        &self,
+        grid: impl Into<Dim3>,
+        block: impl Into<Dim3>,
+        dynamic_smem: u32,
+        stream: BorrowedStream,
+        args: A,
+        cluster: impl Into<Dim3>,
+    ) -> Result<()> {
+        let mut a = KernelArgs::new();
+        args.pack(&mut a);
+        debug_assert_eq!(a.len(), A::FN.params.len());
+        let c = Some(cluster.into());
+        // SAFETY: as in `launch`.
+        unsafe { launch_clustered(&self.kernel, grid, block, dynamic_smem, stream, &a, c) }
     }
 }
 

@@ -214,7 +214,42 @@ pub unsafe fn launch(
     stream: BorrowedStream,
     args: &KernelArgs,
 ) -> Result<()> {
+    // SAFETY: forwarded, the caller's guarantees.
+    unsafe { launch_clustered(kernel, grid, block, dynamic_smem, stream, args, None) }
+}
+
+/// [`launch`] with the blocks grouped into thread-block clusters of `cluster` blocks (sm_90:
+/// they are co-scheduled and read each other's shared memory); `grid` must be a multiple of
+/// it in each dimension.
+///
+/// # Safety
+/// As [`launch`].
+pub unsafe fn launch_clustered(
+    kernel: &super::Kernel,
+    grid: impl Into<Dim3>,
+    block: impl Into<Dim3>,
+    dynamic_smem: u32,
+    stream: BorrowedStream,
+    args: &KernelArgs,
+    cluster: Option<Dim3>,
+) -> Result<()> {
     let (grid, block) = (grid.into(), block.into());
+    if let Some(c) = cluster
+        && (c.x == 0
+            || c.y == 0
+            || c.z == 0
+            || !grid.x.is_multiple_of(c.x)
+            || !grid.y.is_multiple_of(c.y)
+            || !grid.z.is_multiple_of(c.z))
+    {
+        return Err(launch_error(
+            kernel,
+            grid,
+            block,
+            dynamic_smem,
+            "grid not a multiple of the cluster",
+        ));
+    }
     let threads = block.x as u64 * block.y as u64 * block.z as u64;
     if threads == 0
         || threads > kernel.max_threads_per_block as u64
@@ -244,17 +279,35 @@ pub unsafe fn launch(
     for (p, s) in ptrs.iter_mut().zip(slots.iter_mut()).take(args.len) {
         *p = s as *mut u64 as *mut c_void;
     }
-    let (r, what) = if kernel.pdl {
-        // A programmatic dependent (KernelFn::pdl): it may start before the previous kernel
-        // on the stream has finished, and waits for it itself (kernels/common.cuh
-        // dsv4_pdl_begin). Captured into graphs as a programmatic edge.
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+    // A programmatic dependent (KernelFn::pdl) may start before the previous kernel on the
+    // stream has finished, and waits for it itself (kernels/common.cuh dsv4_pdl_begin);
+    // captured into graphs as a programmatic edge.
+    let mut attrs = [sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue {
+            programmaticStreamSerializationAllowed: 1,
+        },
+    }; 2];
+    let mut num_attrs = 0;
+    if kernel.pdl {
+        num_attrs += 1;
+    }
+    if let Some(c) = cluster {
+        attrs[num_attrs] = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
             pad: [0; 4],
             value: sys::CUlaunchAttributeValue {
-                programmaticStreamSerializationAllowed: 1,
+                clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                    x: c.x,
+                    y: c.y,
+                    z: c.z,
+                },
             },
         };
+        num_attrs += 1;
+    }
+    let (r, what) = if num_attrs > 0 {
         let config = sys::CUlaunchConfig {
             gridDimX: grid.x,
             gridDimY: grid.y,
@@ -264,10 +317,10 @@ pub unsafe fn launch(
             blockDimZ: block.z,
             sharedMemBytes: dynamic_smem,
             hStream: stream.0,
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: num_attrs as u32,
         };
-        // SAFETY: as below; `config` and `attr` outlive the call (the driver copies them).
+        // SAFETY: as below; `config` and `attrs` outlive the call (the driver copies them).
         let r = unsafe {
             sys::cuLaunchKernelEx(
                 &config,

@@ -8,7 +8,7 @@
 //! chunk's last W window vectors into the ring.
 
 use super::compressor;
-use super::ops::{Threads, dot, exp, inv_sqrt, linear, rms_norm, sum, top_k};
+use super::ops::{Threads, dot, exp, inv_sqrt, linear_weight, rms_norm, sum, top_k};
 use super::precision::Prec;
 use crate::config::{AttnKind, LayerSpec, ModelConfig};
 use crate::model::LayerWeights;
@@ -68,14 +68,14 @@ pub fn attention(
     // Compressor inputs for the whole batch (projections are per token, f32 in both modes).
     let comp_in = lw.compressor.map(|c| {
         (
-            linear(th, u, d, w.f32(c.wkv)),
-            linear(th, u, d, w.f32(c.wgate)),
+            linear_weight(th, u, d, w, c.wkv),
+            linear_weight(th, u, d, w, c.wgate),
         )
     });
     let indexer_in = lw.indexer.map(|ix| {
         let (di, hi) = (cfg.index_head_dim, cfg.index_n_heads);
-        let a = linear(th, u, d, w.f32(ix.compressor.wkv));
-        let z = linear(th, u, d, w.f32(ix.compressor.wgate));
+        let a = linear_weight(th, u, d, w, ix.compressor.wkv);
+        let z = linear_weight(th, u, d, w, ix.compressor.wgate);
         let mut qi = prec.linear(th, w, ix.wq_b, &qr, cfg.q_lora_rank);
         for (i, qt) in qi.chunks_exact_mut(hi * di).enumerate() {
             qt.chunks_exact_mut(di)

@@ -177,12 +177,13 @@ impl CpuBackend {
         let t = b.tokens.len();
         let hw = &self.handles;
 
-        // Embedding, copied into every residual stream.
-        let embed = w.f32(hw.embed);
+        // Embedding (a row of the BF16 table, exactly), copied into every residual stream.
+        let embed = w.matrix(hw.embed);
         let mut x = vec![0.0f32; t * n * d];
+        let mut row = vec![0.0f32; d];
         for (ti, &tok) in b.tokens.iter().enumerate() {
-            let row = &embed[tok as usize * d..(tok as usize + 1) * d];
-            (0..n).for_each(|s| x[(ti * n + s) * d..(ti * n + s + 1) * d].copy_from_slice(row));
+            embed.row_into(tok as usize, d, &mut row);
+            (0..n).for_each(|s| x[(ti * n + s) * d..(ti * n + s + 1) * d].copy_from_slice(&row));
         }
         let site = |s: &crate::model::HcSite| HcParams {
             proj: w.f32(s.proj),
@@ -255,7 +256,7 @@ impl CpuBackend {
         prec.bf16(&mut y);
         rms_norm(&mut y, d, Some(w.f32(hw.norm)), cfg.rms_norm_eps);
         prec.bf16(&mut y);
-        ops::linear(th, &y, d, w.f32(hw.head))
+        ops::linear_weight(th, &y, d, w, hw.head)
     }
 }
 

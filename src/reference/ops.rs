@@ -2,6 +2,7 @@
 //! activations and a deterministic top-k. Plain loops; threads only for matmul.
 
 use crate::weights::store::MatRef;
+use crate::weights::store::WeightStore;
 
 /// Worker-thread budget of the CPU backend.
 #[derive(Clone, Copy, Debug)]
@@ -122,6 +123,15 @@ pub fn matmul_mat(
             s.spawn(move || run(c0, (c0 + per).min(n)));
         }
     });
+}
+
+/// `x · Wᵀ` for every row of weight `idx` of `w`, in its stored format (plain f32 sums: the
+/// f32 GEMMs of the official code, e.g. the compressors' and the head's).
+pub fn linear_weight(th: Threads, x: &[f32], k: usize, w: &WeightStore, idx: usize) -> Vec<f32> {
+    let n = w.tensor(idx).spec.shape[0];
+    let mut y = vec![0.0; x.len() / k * n];
+    matmul_mat(th, x, k, w.matrix(idx), 0, n, &mut y);
+    y
 }
 
 /// Allocating convenience form of [`matmul`].

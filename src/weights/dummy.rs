@@ -223,8 +223,9 @@ mod tests {
             .iter()
             .map(|t| match &t.data {
                 TensorData::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
+                TensorData::Bf16(v) => v.iter().map(|&x| x as u32).collect(),
                 TensorData::I32(v) => v.iter().map(|&x| x as u32).collect(),
-                _ => panic!("the test config stores every weight as f32/i32"),
+                _ => panic!("the test config stores every weight as f32/bf16/i32"),
             })
             .collect()
     }
@@ -247,25 +248,39 @@ mod tests {
         let (cfg, s) = filled(0x5EED);
         for t in s.tensors() {
             let name = &t.spec.name;
-            match &t.data {
-                TensorData::F32(v) => {
-                    let (lo, hi) = range_of(&t.spec);
-                    assert!(
-                        v.iter()
-                            .all(|x| x.is_finite() && *x >= lo - 1e-2 && *x <= hi + 1e-2),
-                        "{name}"
-                    );
-                    // Non-trivial: not constant.
-                    if v.len() > 1 {
-                        assert!(v.iter().any(|&x| x != v[0]), "{name} is constant");
-                    }
-                    assert!(
-                        v.iter().all(|x| half::bf16::from_f32(*x).to_f32() == *x),
-                        "{name} not bf16-exact"
-                    );
+            // BF16 matrices (head, compressors) are checked as the f32 values they hold.
+            let widened: Vec<f32>;
+            let floats: Option<&[f32]> = match &t.data {
+                TensorData::F32(v) => Some(v),
+                TensorData::Bf16(v) => {
+                    widened = v
+                        .iter()
+                        .map(|&b| half::bf16::from_bits(b).to_f32())
+                        .collect();
+                    Some(&widened)
                 }
-                TensorData::Bf16(_) | TensorData::Quant(_) => {
-                    panic!("the test config stores every weight as f32/i32")
+                _ => None,
+            };
+            if let Some(v) = floats {
+                let (lo, hi) = range_of(&t.spec);
+                assert!(
+                    v.iter()
+                        .all(|x| x.is_finite() && *x >= lo - 1e-2 && *x <= hi + 1e-2),
+                    "{name}"
+                );
+                // Non-trivial: not constant.
+                if v.len() > 1 {
+                    assert!(v.iter().any(|&x| x != v[0]), "{name} is constant");
+                }
+                assert!(
+                    v.iter().all(|x| half::bf16::from_f32(*x).to_f32() == *x),
+                    "{name} not bf16-exact"
+                );
+            }
+            match &t.data {
+                TensorData::F32(_) | TensorData::Bf16(_) => {}
+                TensorData::Quant(_) => {
+                    panic!("the test config stores every weight as f32/bf16/i32")
                 }
                 TensorData::I32(v) => {
                     let k = t.spec.shape[1];

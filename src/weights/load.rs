@@ -1597,8 +1597,9 @@ mod tests {
         );
         assert!(store.tensors().iter().all(|t| match &t.data {
             TensorData::F32(v) => v.iter().all(|&x| x == 0.0),
+            TensorData::Bf16(v) => v.iter().all(|&x| x == 0),
             TensorData::I32(v) => v.iter().all(|&x| x == 0),
-            _ => panic!("the test config stores every weight as f32/i32"),
+            _ => panic!("the test config stores every weight as f32/bf16/i32"),
         }));
     }
 

@@ -20,8 +20,12 @@ pub enum ElemKind {
 /// How a weight is stored in the released checkpoint (what scale tensor may accompany it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StoredAs {
-    /// BF16/F32 in the release, no scale.
+    /// BF16/F32 in the release, no scale; held in f32.
     Plain,
+    /// A BF16 matrix in the release, held in BF16 as stored (the embedding, the LM head, the
+    /// compressors' and the indexer's projections): the official model computes with these exact values,
+    /// and BF16 halves their bytes. A float source is rounded to BF16 when written.
+    Bf16Matrix,
     /// FP8 e4m3 with a `.scale` of 128x128 blocks in the release.
     Fp8Block,
     /// Packed FP4 e2m1 (two per byte) with a `.scale` of 1x32 blocks in the release.
@@ -60,8 +64,8 @@ pub fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
     let h = cfg.num_heads;
     let v = cfg.vocab_size;
     let mut s = vec![
-        float("embed.weight".into(), &[v, d], Plain),
-        float("head.weight".into(), &[v, d], Plain),
+        float("embed.weight".into(), &[v, d], Bf16Matrix),
+        float("head.weight".into(), &[v, d], Bf16Matrix),
         float("norm.weight".into(), &[d], Plain),
         float("hc_head_fn".into(), &[n, n * d], Plain),
         float("hc_head_base".into(), &[n], Plain),
@@ -110,11 +114,15 @@ pub fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
         s.push(float(p("attn.attn_sink"), &[h], Plain));
         if layer.attn != AttnKind::Sliding {
             let c = if layer.attn == AttnKind::Csa { 2 } else { 1 };
-            s.push(float(p("attn.compressor.wkv.weight"), &[c * hd, d], Plain));
+            s.push(float(
+                p("attn.compressor.wkv.weight"),
+                &[c * hd, d],
+                Bf16Matrix,
+            ));
             s.push(float(
                 p("attn.compressor.wgate.weight"),
                 &[c * hd, d],
-                Plain,
+                Bf16Matrix,
             ));
             s.push(float(p("attn.compressor.norm.weight"), &[hd], Plain));
             s.push(float(
@@ -133,17 +141,17 @@ pub fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
             s.push(float(
                 p("attn.indexer.weights_proj.weight"),
                 &[hi, d],
-                Plain,
+                Bf16Matrix,
             ));
             s.push(float(
                 p("attn.indexer.compressor.wkv.weight"),
                 &[2 * di, d],
-                Plain,
+                Bf16Matrix,
             ));
             s.push(float(
                 p("attn.indexer.compressor.wgate.weight"),
                 &[2 * di, d],
-                Plain,
+                Bf16Matrix,
             ));
             s.push(float(
                 p("attn.indexer.compressor.norm.weight"),

@@ -46,6 +46,10 @@ pub(crate) fn storage_kind(
     if spec.kind == ElemKind::Index {
         return Ok(StorageKind::I32);
     }
+    if spec.stored == StoredAs::Bf16Matrix {
+        // Kept as the release stores it, whatever the format asks of quantizable weights.
+        return Ok(StorageKind::Bf16);
+    }
     let quantizable = spec.stored != StoredAs::Plain && spec.shape.len() == 2;
     let quantize = match format {
         WeightFormat::Quantize => true,

@@ -4,6 +4,10 @@
 //! TFLOP/s, the K split, launches per call. bench/dense_baseline.py measures the HBM and FP8
 //! ceilings and PyTorch on the same shapes in the same run and adds floors and ratios.
 //!
+//! Up to 16 tokens each case runs twice: the activation operands made inside the gemv blocks
+//! (`act_in_gemv`, what the fast set does up to `FUSED_ACT_MAX_T` tokens) and by `fd_act_kernel`
+//! first.
+//!
 //! Timing: each case captures one call on each of R copies of the weight (together at least
 //! 256 MB, so the 50 MB L2 holds none of them between calls) into a CUDA graph, replays it G
 //! times with a sync after each, and reports the median replay / R.
@@ -33,7 +37,7 @@ struct Projection {
 }
 
 /// Flash's dense projections (hidden 4096, q_lora 1024, 64 heads x 512, 8 output groups of
-/// 1024, indexer 64 x 128, overlapping compressors).
+/// 1024, indexer 64 x 128, overlapping compressors) and the LM head (vocab 129280).
 const FLASH: &[Projection] = &[
     p(
         "wq_a",
@@ -106,6 +110,15 @@ const FLASH: &[Projection] = &[
         StorageFormat::Bf16,
         ActMode::Bf16,
         true,
+    ),
+    p(
+        "head",
+        129280,
+        4096,
+        1,
+        StorageFormat::Bf16,
+        ActMode::Bf16,
+        false,
     ),
 ];
 
@@ -219,14 +232,11 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
             groups: p.groups,
         })
         .collect();
-    let [act, scale, part, counters] = fast_dense::workspace_sizes(&shapes);
-    let (_ws_arena, wp) = alloc(&ctx, &[act * 2, scale * 4, part * 4, counters * 4])?;
-    arena::memset_async(wp[3], 0, s).map_err(e)?;
+    let [act, scale] = fast_dense::workspace_sizes(&shapes);
+    let (_ws_arena, wp) = alloc(&ctx, &[act * 2, scale * 4])?;
     let ws = DenseWorkspace {
         act: wp[0],
         scale: wp[1],
-        part: wp[2],
-        counters: wp[3],
     };
     let tmax = tokens.iter().copied().max().unwrap_or(1);
     let mut rng = Rng(0x5EED_D15E);
@@ -260,7 +270,14 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
             rows: p.rows(),
             cols: p.k,
         };
-        for &t in tokens {
+        // The operands made inside the gemv (as the fast set does up to FUSED_ACT_MAX_T tokens)
+        // and by fd_act_kernel first, both timed up to 16 tokens.
+        let variants = tokens.iter().flat_map(|&t| {
+            [(t, true), (t, false)]
+                .into_iter()
+                .filter(move |&(t, fused)| t <= 16 || !fused)
+        });
+        for (t, fused) in variants {
             let call = |j: usize| {
                 let op = DenseOp {
                     x,
@@ -272,6 +289,7 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
                     round: p.round,
                     y,
                     ldy: outs,
+                    fused_act_max_t: if fused { TOKENS } else { 0 },
                 };
                 dense.run(&ctx, &op, &ws, s)
             };
@@ -298,17 +316,17 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
             let sec = per_call[replays / 2];
             let flops = 2.0 * t as f64 * (p.rows() * p.k) as f64;
             println!(
-                "{{\"bench\": \"dense\", \"projection\": \"{}\", \"format\": \"{}\", \"T\": {t}, \"N\": {}, \"K\": {}, \"groups\": {}, \"slices\": {}, \"time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_call\": {}, \"calls_timed\": {}}}",
+                "{{\"bench\": \"dense\", \"projection\": \"{}\", \"format\": \"{}\", \"T\": {t}, \"N\": {}, \"K\": {}, \"groups\": {}, \"slices\": {}, \"act_in_gemv\": {fused}, \"time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_call\": {}, \"calls_timed\": {}}}",
                 p.name,
                 p.format_name(),
                 p.n,
                 p.k,
                 p.groups,
-                fast_dense::slices(p.n, p.k, p.groups),
+                fast_dense::slices(p.n, p.k, p.groups).unwrap_or(0),
                 sec * 1e6,
                 wbytes as f64 / sec / 1e9,
                 flops / sec / 1e12,
-                2 * t.div_ceil(TOKENS),
+                t.div_ceil(TOKENS) * if fused { 1 } else { 2 },
                 replays * copies,
             );
             std::io::stdout().flush().ok();

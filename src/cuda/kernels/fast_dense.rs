@@ -2,10 +2,12 @@
 //! projections (wq_a, wq_b, wkv, grouped wo_a, wo_b, indexer wq_b, compressor and indexer
 //! weights) at few tokens, bandwidth-bound: each weight byte is read once by a 16-byte load
 //! into an f16 (FP8 weights) or bf16 (BF16 weights) tensor-core fragment, f32 accumulation
-//! promoted per 128 of k. A call is two launches per FD_TOKENS tokens: `fd_act_kernel` (the
-//! activations as 16-bit operands with a scale per 128, the official act_quant included), then
-//! `fd_gemv_t{8,16,32,64}_kernel`. K is split into [`slices`] chosen from the weight's shape
-//! only, so a token's sums do not depend on the batch it is in.
+//! promoted per 128 of k. A call is one launch of `fd_gemv_t{8,16,32,64}_kernel` per
+//! [`TOKENS`] tokens, each block making its activation operands (the official act_quant
+//! included) itself up to [`FUSED_ACT_MAX_T`] tokens; above, `fd_act_kernel` makes them once
+//! first (two launches). K is split into [`slices`] chosen from the weight's shape only, so a
+//! token's sums do not depend on the batch it is in; a row tile's slices are one thread-block
+//! cluster that adds its partial sums through distributed shared memory.
 //!
 //! Numerics (kernels/SPEC.md "fast_dense.cu"): the reference's operation up to f32 accumulation
 //! order and the tensor core's accumulator; tests/gpu_fast_dense.rs derives and asserts the bound.
@@ -18,16 +20,38 @@ use crate::error::{Error, Result, Status};
 use crate::weights::format::StorageFormat;
 
 /// Warps of a block (FD_WARPS); each owns 16 weight rows.
-pub const WARPS: usize = 4;
+pub const WARPS: usize = 8;
 /// Weight rows per block.
 pub const ROWS: usize = 16 * WARPS;
 /// Most tokens one launch takes (FD_TOKENS); a call loops over chunks of this many.
 pub const TOKENS: usize = 64;
 /// Blocks a launch aims for: K is split until the row tiles times the slices reach it (enough
 /// 16-byte loads in flight on every SM), with slices of at least [`MIN_SLICE`] k.
-pub const TARGET_BLOCKS: usize = 512;
+pub const TARGET_BLOCKS: usize = 256;
 /// Smallest slice of K a block sums (two 128-blocks: the loads of one overlap the MMAs of the other).
 pub const MIN_SLICE: usize = 256;
+/// Largest slice of K a block sums (its activations for [`TOKENS`] tokens fill shared memory).
+pub const MAX_SLICE: usize = 1024;
+/// Most slices of a row tile (FD_MAX_SLICES): one thread-block cluster, at most the 8 blocks a
+/// cluster may portably hold.
+pub const MAX_SLICES: usize = 8;
+/// Most tokens whose activation operands each block makes itself from x (above, one
+/// `fd_act_kernel` launch makes them once for all blocks). Measured (bench dense, H200): at 1 and
+/// 2 tokens making them in the gemv saves the extra launch (0.3-1.1 µs a call); from 4 tokens the
+/// large projections lose more (wq_b 16.1 against 14.1 µs, wo_b 24.2 against 20.2 at 4 tokens).
+pub const FUSED_ACT_MAX_T: usize = 2;
+
+/// Dynamic shared memory of a gemv block of `nt` token tiles over a slice of `s` k (kernels/
+/// fast_dense.cu lays it out): activations (FP8 rows padded by 8 halves, BF16 by 32), their
+/// scales per 128, and the partial sums when `split`.
+pub const fn smem_bytes(nt: usize, s: usize, fp8: bool, split: bool) -> usize {
+    let rows = 8 * nt;
+    let stride = s + if fp8 { 8 } else { 32 };
+    2 * rows * stride + 4 * rows * (s / 128) + if split { 4 * rows * ROWS } else { 0 }
+}
+
+/// The most any launch takes (the registry raises the kernels' limit to it).
+pub const MAX_SMEM: usize = smem_bytes(TOKENS / 8, MAX_SLICE, false, true);
 
 /// How the activations become 16-bit MMA operands (FD_ACT_*; kernels/fast_dense.cu).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,29 +73,33 @@ crate::kernel_family! {
     fn fd_act_kernel(
         x: *const f32, ldx: i32, t: i32, k: i32, mode: i32, act: *mut u16, scale: *mut f32,
     );
+    #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
     fn fd_gemv_t8_kernel(
-        w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, act: *const u16,
-        ascale: *const f32, t: i32, round_out: bool, y: *mut f32, ldy: i32,
-        part: Option<*mut f32>, counters: Option<*mut u32>,
+        w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, x: Option<*const f32>,
+        ldx: i32, mode: i32, fused: bool, act: Option<*const u16>, ascale: Option<*const f32>,
+        t: i32, round_out: bool, y: *mut f32, ldy: i32,
     );
+    #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
     fn fd_gemv_t16_kernel(
-        w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, act: *const u16,
-        ascale: *const f32, t: i32, round_out: bool, y: *mut f32, ldy: i32,
-        part: Option<*mut f32>, counters: Option<*mut u32>,
+        w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, x: Option<*const f32>,
+        ldx: i32, mode: i32, fused: bool, act: Option<*const u16>, ascale: Option<*const f32>,
+        t: i32, round_out: bool, y: *mut f32, ldy: i32,
     );
+    #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
     fn fd_gemv_t32_kernel(
-        w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, act: *const u16,
-        ascale: *const f32, t: i32, round_out: bool, y: *mut f32, ldy: i32,
-        part: Option<*mut f32>, counters: Option<*mut u32>,
+        w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, x: Option<*const f32>,
+        ldx: i32, mode: i32, fused: bool, act: Option<*const u16>, ascale: Option<*const f32>,
+        t: i32, round_out: bool, y: *mut f32, ldy: i32,
     );
+    #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
     fn fd_gemv_t64_kernel(
-        w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, act: *const u16,
-        ascale: *const f32, t: i32, round_out: bool, y: *mut f32, ldy: i32,
-        part: Option<*mut f32>, counters: Option<*mut u32>,
+        w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, x: Option<*const f32>,
+        ldx: i32, mode: i32, fused: bool, act: Option<*const u16>, ascale: Option<*const f32>,
+        t: i32, round_out: bool, y: *mut f32, ldy: i32,
     );
 }
 
@@ -87,15 +115,20 @@ crate::launchers! {
 }
 
 /// Slices of K for a weight of `groups` x `n` rows and `k` columns: the smallest power of two
-/// that gives [`TARGET_BLOCKS`] blocks, as long as slices stay multiples of 128 and at least
-/// [`MIN_SLICE`] (or one slice when K is 128).
-pub fn slices(n: usize, k: usize, groups: usize) -> usize {
+/// that keeps a slice within [`MAX_SLICE`] and gives [`TARGET_BLOCKS`] blocks, as long as slices
+/// stay multiples of 128, at least [`MIN_SLICE`] (or one slice when K is 128) and at most
+/// [`MAX_SLICES`] of them. None when K needs more (the kernels do not cover it).
+pub fn slices(n: usize, k: usize, groups: usize) -> Option<usize> {
     let tiles = n.div_ceil(ROWS) * groups;
     let mut s = 1;
-    while tiles * s < TARGET_BLOCKS && k.is_multiple_of(2 * s * 128) && k / (2 * s) >= MIN_SLICE {
+    while (k / s > MAX_SLICE || tiles * s < TARGET_BLOCKS)
+        && s < MAX_SLICES
+        && k.is_multiple_of(2 * s * 128)
+        && k / (2 * s) >= MIN_SLICE
+    {
         s *= 2;
     }
-    s
+    (k / s <= MAX_SLICE).then_some(s)
 }
 
 /// One projection: `y[t, gi*n + j] = Σ_c a[t, gi*K + c] · W[gi*n + j, c]` for `t < t`, group
@@ -113,6 +146,9 @@ pub struct DenseOp {
     /// `[t, groups * n]` f32, row stride `ldy`.
     pub y: DevicePtr,
     pub ldy: usize,
+    /// Most tokens whose operands the gemv blocks make themselves ([`FUSED_ACT_MAX_T`]; the
+    /// bench compares others).
+    pub fused_act_max_t: usize,
 }
 
 impl DenseOp {
@@ -122,17 +158,14 @@ impl DenseOp {
     }
 }
 
-/// The family's workspace (the fast set's, declared at create by [`workspace_sizes`]).
+/// The family's workspace (the fast set's, declared at create by [`workspace_sizes`]):
+/// `fd_act_kernel`'s output.
 #[derive(Clone, Copy, Debug)]
 pub struct DenseWorkspace {
     /// `[TOKENS, max width]` 16-bit operands.
     pub act: DevicePtr,
     /// `[TOKENS, max width / 128]` f32.
     pub scale: DevicePtr,
-    /// Partial sums of split launches.
-    pub part: DevicePtr,
-    /// One zeroed u32 per (group, row tile) of a split launch.
-    pub counters: DevicePtr,
 }
 
 /// A projection's shape: `groups` x `n` rows of `k` columns.
@@ -143,28 +176,10 @@ pub struct Shape {
     pub groups: usize,
 }
 
-/// Element counts of [`DenseWorkspace`] (act u16, scale f32, part f32, counters u32) for the
-/// largest of `shapes`.
-pub fn workspace_sizes(shapes: &[Shape]) -> [usize; 4] {
+/// Element counts of [`DenseWorkspace`] (act u16, scale f32) for the widest of `shapes`.
+pub fn workspace_sizes(shapes: &[Shape]) -> [usize; 2] {
     let width = shapes.iter().map(|s| s.k * s.groups).max().unwrap_or(0);
-    let part = shapes
-        .iter()
-        .map(|s| {
-            let sl = slices(s.n, s.k, s.groups);
-            if sl > 1 {
-                s.groups * sl * TOKENS * s.n
-            } else {
-                0
-            }
-        })
-        .max()
-        .unwrap_or(0);
-    let counters = shapes
-        .iter()
-        .map(|s| s.groups * s.n.div_ceil(ROWS))
-        .max()
-        .unwrap_or(0);
-    [TOKENS * width, TOKENS * width / 128, part, counters]
+    [TOKENS * width, TOKENS * width / 128]
 }
 
 fn internal(msg: String) -> Error {
@@ -175,12 +190,13 @@ impl FastDense {
     /// How the fast kernels run a weight stored as `w` (K = `w.cols`, `groups` groups of rows),
     /// with the official act_quant when `quant_act`; None when they cannot (the reference
     /// kernels run it): F32 and FP4 weights, FP8 blocks other than 128 x 128, K not a multiple
-    /// of 128, rows not a multiple of 128 per group when grouped FP8.
+    /// of 128 or above [`MAX_SLICES`] x [`MAX_SLICE`], rows not a multiple of 128 per group
+    /// when grouped FP8.
     pub fn mode_for(w: &WeightDev, groups: usize, quant_act: bool) -> Option<ActMode> {
         if groups == 0 || !w.rows.is_multiple_of(groups) || w.rows == 0 {
             return None;
         }
-        if !w.cols.is_multiple_of(128) || w.cols == 0 {
+        if !w.cols.is_multiple_of(128) || slices(w.rows / groups, w.cols, groups).is_none() {
             return None;
         }
         match w.format {
@@ -252,14 +268,11 @@ impl FastDense {
             op.y,
             super::linear::strided_bytes(op.t, groups * n, op.ldy),
         )?;
-        let sl = slices(n, k, groups);
+        let sl =
+            slices(n, k, groups).ok_or_else(|| internal(format!("{K}: K = {k} is too wide")))?;
         let tiles = n.div_ceil(ROWS);
         need(K, "act", ws.act, TOKENS * width * 2)?;
         need(K, "scale", ws.scale, TOKENS * width / 128 * 4)?;
-        if sl > 1 {
-            need(K, "part", ws.part, groups * sl * TOKENS * n * 4)?;
-            need(K, "counters", ws.counters, groups * tiles * 4)?;
-        }
         let (n32, k32, w32) = (
             to_i32(K, "N", n)?,
             to_i32(K, "K", k)?,
@@ -268,11 +281,6 @@ impl FastDense {
         let (ldx32, ldy32) = (to_i32(K, "ldx", op.ldx)?, to_i32(K, "ldy", op.ldy)?);
         let fp8 = w.format == StorageFormat::Fp8;
         let wscale = if fp8 { w.scales } else { None };
-        let (part, counters) = if sl > 1 {
-            (Some(ws.part), Some(ws.counters))
-        } else {
-            (None, None)
-        };
         let _g = ctx.enter()?;
         for t0 in (0..op.t).step_by(TOKENS) {
             let tc = (op.t - t0).min(TOKENS);
@@ -281,53 +289,66 @@ impl FastDense {
                 op.x.slice(t0 * op.ldx * 4, op.x.bytes() - t0 * op.ldx * 4)?;
             let y =
                 op.y.slice(t0 * op.ldy * 4, op.y.bytes() - t0 * op.ldy * 4)?;
-            let items = tc * width / 128;
-            self.act.launch(
-                items.div_ceil(WARPS) as u32,
-                (WARPS * 32) as u32,
-                0,
-                stream,
-                fd_act_kernel::Args {
-                    x,
-                    ldx: ldx32,
-                    t: t32,
-                    k: w32,
-                    mode: mode as i32,
-                    act: ws.act,
-                    scale: ws.scale,
-                },
-            )?;
+            let fused = tc <= op.fused_act_max_t;
+            if !fused {
+                let items = tc * width / 128;
+                self.act.launch(
+                    items.div_ceil(WARPS) as u32,
+                    (WARPS * 32) as u32,
+                    0,
+                    stream,
+                    fd_act_kernel::Args {
+                        x,
+                        ldx: ldx32,
+                        t: t32,
+                        k: w32,
+                        mode: mode as i32,
+                        act: ws.act,
+                        scale: ws.scale,
+                    },
+                )?;
+            }
+            let nt = tc.div_ceil(8).next_power_of_two();
+            let smem = smem_bytes(nt, k / sl, fp8, sl > 1) as u32;
             let grid = (tiles as u32, sl as u32, groups as u32);
             let block = (WARPS * 32) as u32;
             macro_rules! gemv {
-                ($field:ident, $kernel:ident) => {
-                    self.$field.launch(
-                        grid,
-                        block,
-                        0,
-                        stream,
-                        $kernel::Args {
-                            w: w.data,
-                            wscale,
-                            n: n32,
-                            k: k32,
-                            fp8,
-                            act: ws.act,
-                            ascale: ws.scale,
-                            t: t32,
-                            round_out: op.round,
-                            y,
-                            ldy: ldy32,
-                            part,
-                            counters,
-                        },
-                    )
-                };
+                ($field:ident, $kernel:ident) => {{
+                    let args = $kernel::Args {
+                        w: w.data,
+                        wscale,
+                        n: n32,
+                        k: k32,
+                        fp8,
+                        x: fused.then_some(x),
+                        ldx: ldx32,
+                        mode: mode as i32,
+                        fused,
+                        act: (!fused).then_some(ws.act),
+                        ascale: (!fused).then_some(ws.scale),
+                        t: t32,
+                        round_out: op.round,
+                        y,
+                        ldy: ldy32,
+                    };
+                    if sl > 1 {
+                        self.$field.launch_clustered(
+                            grid,
+                            block,
+                            smem,
+                            stream,
+                            args,
+                            (1, sl as u32, 1),
+                        )
+                    } else {
+                        self.$field.launch(grid, block, smem, stream, args)
+                    }
+                }};
             }
-            match tc {
-                1..=8 => gemv!(t8, fd_gemv_t8_kernel)?,
-                9..=16 => gemv!(t16, fd_gemv_t16_kernel)?,
-                17..=32 => gemv!(t32, fd_gemv_t32_kernel)?,
+            match nt {
+                1 => gemv!(t8, fd_gemv_t8_kernel)?,
+                2 => gemv!(t16, fd_gemv_t16_kernel)?,
+                4 => gemv!(t32, fd_gemv_t32_kernel)?,
                 _ => gemv!(t64, fd_gemv_t64_kernel)?,
             }
         }
@@ -341,46 +362,40 @@ mod tests {
 
     #[test]
     fn slices_follow_the_weight_shape_only() {
-        // Flash shapes: wq_a, wkv, wq_b, wo_b, wo_a (8 groups), indexer wq_b, compressor wkv.
-        assert_eq!(slices(1024, 4096, 1), 16);
-        assert_eq!(slices(512, 4096, 1), 16);
-        assert_eq!(slices(32768, 1024, 1), 1);
-        assert_eq!(slices(4096, 8192, 1), 8);
-        assert_eq!(slices(1024, 4096, 8), 4);
-        assert_eq!(slices(8192, 1024, 1), 4);
-        // Slices stay multiples of 128 and at least 256 k; K = 128 is one slice.
-        assert_eq!(slices(16, 128, 1), 1);
-        assert_eq!(slices(16, 384, 1), 1);
-        assert_eq!(slices(16, 512, 1), 2);
-        for (n, k, g) in [(64, 4096, 1), (100, 1280, 3), (1, 128 * 96, 1)] {
-            let s = slices(n, k, g);
+        // Flash shapes: wq_a, wkv, wq_b, wo_b, wo_a (8 groups), indexer wq_b, compressor wkv,
+        // and a head-like one whose K must be split for shared memory alone.
+        assert_eq!(slices(1024, 4096, 1), Some(8));
+        assert_eq!(slices(512, 4096, 1), Some(8));
+        assert_eq!(slices(32768, 1024, 1), Some(1));
+        assert_eq!(slices(4096, 8192, 1), Some(8));
+        assert_eq!(slices(1024, 4096, 8), Some(4));
+        assert_eq!(slices(8192, 1024, 1), Some(4));
+        assert_eq!(slices(129280, 4096, 1), Some(4));
+        assert_eq!(slices(64, 4096, 1), Some(8));
+        // Slices stay multiples of 128, at least 256 k and at most 1024; K = 128 is one slice.
+        assert_eq!(slices(16, 128, 1), Some(1));
+        assert_eq!(slices(16, 384, 1), Some(1));
+        assert_eq!(slices(16, 512, 1), Some(2));
+        assert_eq!(slices(16, 1152, 1), None);
+        assert_eq!(slices(16, 16384, 1), None);
+        for (n, k, g) in [(64, 4096, 1), (100, 1280, 3), (1, 128 * 8, 1)] {
+            let s = slices(n, k, g).unwrap();
             assert!(k.is_multiple_of(128 * s) && (s == 1 || k / s >= MIN_SLICE));
+            assert!(k / s <= MAX_SLICE && s <= MAX_SLICES);
         }
     }
 
     #[test]
-    fn workspace_holds_the_largest_split() {
-        let shapes = [
-            Shape {
-                n: 4096,
-                k: 8192,
-                groups: 1,
-            },
-            Shape {
+    fn the_largest_launch_fits_shared_memory() {
+        // 227 KiB is what an sm_90 block may opt into.
+        const { assert!(MAX_SMEM <= 227 * 1024) };
+        assert_eq!(
+            workspace_sizes(&[Shape {
                 n: 1024,
                 k: 4096,
-                groups: 8,
-            },
-            Shape {
-                n: 32768,
-                k: 1024,
-                groups: 1,
-            },
-        ];
-        let [act, scale, part, counters] = workspace_sizes(&shapes);
-        assert_eq!(act, TOKENS * 32768);
-        assert_eq!(scale, TOKENS * 256);
-        assert_eq!(part, (8 * 4096).max(8 * 4 * 1024) * TOKENS);
-        assert_eq!(counters, 32768 / ROWS);
+                groups: 8
+            }]),
+            [TOKENS * 32768, TOKENS * 256]
+        );
     }
 }

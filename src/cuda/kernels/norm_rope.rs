@@ -13,6 +13,7 @@ use crate::cuda::registry::KernelSource;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
+use std::ffi::c_void;
 
 crate::kernel_family! {
     /// RMSNorm.
@@ -48,7 +49,9 @@ crate::kernel_family! {
     pub const ELEMENTWISE_SOURCE = "elementwise", include_str!("../../../kernels/elementwise.cu");
 
     fn scale2_kernel(x: *mut f32, n: i64, s1: f32, s2: f32);
-    fn embed_kernel(tokens: *const i32, t: i32, table: *const f32, d: i32, n: i32, x: *mut f32);
+    fn embed_kernel(
+        tokens: *const i32, t: i32, table: *const c_void, bf16: bool, d: i32, n: i32, x: *mut f32,
+    );
     fn gather_rows_kernel(
         src: *const f32, row_len: i32, rows: Option<*const i32>, nrows: i32, dst: *mut f32,
     );
@@ -313,8 +316,9 @@ impl NormRope {
     }
 
     /// Embedding into the residual streams: `x[t, s, :] = table[tokens[t], :]` for `t < t_count`
-    /// and every stream `s < n` (`table`: f32 rows of `d`; `x`: [t_count, n, d]). Token ids are
-    /// not checked on the device: the caller validates them against the table's rows.
+    /// and every stream `s < n` (`table`: rows of `d` values, BF16 when `bf16`, else f32; `x`:
+    /// [t_count, n, d] f32). Token ids are not checked on the device: the caller validates them
+    /// against the table's rows.
     #[allow(clippy::too_many_arguments)]
     pub fn embed(
         &self,
@@ -322,6 +326,7 @@ impl NormRope {
         tokens: DevicePtr,
         t_count: usize,
         table: DevicePtr,
+        bf16: bool,
         d: usize,
         n: usize,
         x: DevicePtr,
@@ -332,7 +337,7 @@ impl NormRope {
             return Err(err(format!("{K}: d = {d}, n = {n}")));
         }
         need(K, "tokens", tokens, t_count * 4)?;
-        need(K, "table", table, d * 4)?;
+        need(K, "table", table, d * if bf16 { 2 } else { 4 })?;
         need(K, "x", x, t_count * n * d * 4)?;
         if t_count == 0 {
             return Ok(());
@@ -343,6 +348,7 @@ impl NormRope {
             tokens,
             t: to_i32(K, "T", t_count)?,
             table,
+            bf16,
             d: to_i32(K, "D", d)?,
             n: to_i32(K, "N", n)?,
             x,

@@ -18,7 +18,7 @@ use crate::config::ModelConfig;
 use crate::cuda::device_model::DeviceModel;
 use crate::cuda::kernel_sets::reference::{self, ReferenceSet};
 use crate::cuda::kernel_sets::{Branch, FastLinears, KernelSet, LinearCall, LogitsTarget, Step};
-use crate::cuda::kernels::fast_dense::{DenseOp, FastDense};
+use crate::cuda::kernels::fast_dense::{DenseOp, FUSED_ACT_MAX_T, FastDense};
 use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared, Unsupported};
 use crate::cuda::kernels::moe::{RouterParams, Selection};
 use crate::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
@@ -245,7 +245,7 @@ impl KernelSet for FastSet {
     }
 
     fn head(&self, s: &Step, done: Option<Branch>, out: &LogitsTarget) -> Result<()> {
-        self.reference.head(s, done, out)
+        self.reference.head_with(s, done, out, Some(self))
     }
 }
 
@@ -269,6 +269,7 @@ impl FastLinears for FastSet {
             round: call.round,
             y: call.y,
             ldy: call.ldy,
+            fused_act_max_t: FUSED_ACT_MAX_T,
         };
         self.dense.run(ctx, &op, &self.ws.dense, stream)?;
         Ok(true)

@@ -18,10 +18,10 @@ pub struct Workspace {
 }
 
 /// Arena ids of [`Workspace`]'s buffers ([`fast_moe::workspace_buffers`] order), then the dense
-/// projections' four ([`DenseWorkspace`] order).
+/// projections' two ([`DenseWorkspace`] order).
 pub struct WorkspaceIds {
     ids: Vec<RegionId>,
-    dense: [RegionId; 4],
+    dense: [RegionId; 2],
     t: usize,
     k: usize,
     experts: usize,
@@ -47,13 +47,8 @@ impl Workspace {
             )?);
         }
         let sizes = fast_dense::workspace_sizes(&dense_shapes(cfg));
-        let dense_buffers = [
-            ("act", Elem::F16),
-            ("scale", Elem::F32),
-            ("part", Elem::F32),
-            ("counters", Elem::I32),
-        ];
-        let mut dense = Vec::with_capacity(4);
+        let dense_buffers = [("act", Elem::F16), ("scale", Elem::F32)];
+        let mut dense = Vec::with_capacity(2);
         for ((name, elem), n) in dense_buffers.into_iter().zip(sizes) {
             dense.push(plan.declare(
                 BufferKind::Workspace,
@@ -64,7 +59,7 @@ impl Workspace {
         }
         Ok(WorkspaceIds {
             ids,
-            dense: [dense[0], dense[1], dense[2], dense[3]],
+            dense: [dense[0], dense[1]],
             t,
             k,
             experts: e,
@@ -78,8 +73,6 @@ impl Workspace {
             dense: DenseWorkspace {
                 act: arena.region(w.dense[0]),
                 scale: arena.region(w.dense[1]),
-                part: arena.region(w.dense[2]),
-                counters: arena.region(w.dense[3]),
             },
         }
     }
@@ -87,8 +80,8 @@ impl Workspace {
 
 /// The shapes of every projection the fast set may run through the dense kernels (those whose
 /// stored format they cover; sizing for all of them costs only the largest): wq_a, wq_b, wkv,
-/// the grouped wo_a, wo_b, the indexer's wq_b and weights_proj, and the compressors' wkv / wgate
-/// (overlapping ones twice as wide).
+/// the grouped wo_a, wo_b, the indexer's wq_b and weights_proj, the compressors' wkv / wgate
+/// (overlapping ones twice as wide) and the LM head.
 pub fn dense_shapes(cfg: &ModelConfig) -> Vec<Shape> {
     let (d, ql, h, hd) = (
         cfg.hidden_size,
@@ -113,5 +106,6 @@ pub fn dense_shapes(cfg: &ModelConfig) -> Vec<Shape> {
         one(hi, d),
         one(2 * hd, d),
         one(2 * di, d),
+        one(cfg.vocab_size, d),
     ]
 }

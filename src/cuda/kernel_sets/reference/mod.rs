@@ -29,6 +29,7 @@ use crate::cuda::stream::BorrowedStream;
 use crate::error::Result;
 use crate::model::{HcSite, ModelWeights};
 use crate::options::{EngineOptions, Numerics};
+use crate::weights::format::StorageFormat;
 
 /// The families this set runs: every model family (the batch check's included).
 pub const FAMILIES: &[&KernelSource] = MODEL_FAMILIES;
@@ -146,11 +147,13 @@ impl KernelSet for ReferenceSet {
 
     fn embed(&self, s: &Step) -> Result<()> {
         let cfg = s.cfg;
+        let table = s.model.weights[s.model.handles.embed];
         self.k.nr.embed(
             s.ctx,
             s.tokens,
             s.meta.num_tokens,
-            s.model.weights[s.model.handles.embed].data,
+            table.data,
+            table.format == StorageFormat::Bf16,
             cfg.hidden_size,
             cfg.hc_mult,
             self.ws.x,
@@ -240,10 +243,23 @@ impl KernelSet for ReferenceSet {
     }
 
     fn head(&self, s: &Step, done: Option<Branch>, out: &LogitsTarget) -> Result<()> {
+        self.head_with(s, done, out, None)
+    }
+}
+
+impl ReferenceSet {
+    /// [`KernelSet::head`] with `fast` offered the LM head's linear first.
+    pub fn head_with(
+        &self,
+        s: &Step,
+        done: Option<Branch>,
+        out: &LogitsTarget,
+        fast: Option<&dyn FastLinears>,
+    ) -> Result<()> {
         if let Some(done) = done {
             self.post(s, done)?;
         }
-        let r = self.run(s);
+        let r = self.run_with(s, fast);
         let (cfg, ws, st, k8) = (s.cfg, &self.ws, s.stream, &self.k);
         let (n, d) = (cfg.hc_mult, cfg.hidden_size);
         let official = r.official();
