@@ -13,15 +13,18 @@
 // a' = a*c - b*s, b' = a*s + b*c (f32, every product rounded). With round_out the WHOLE head
 // (nope channels too) is then rounded to bf16, as the reference's `prec.bf16` after
 // `rope::apply` does (in the model the nope channels are already bf16 there, so this is a no-op
-// on them). One block per row (grid-stride).
+// on them). Rows over blockIdx.y, a row's pairs (and nope channels) over blockIdx.x, both
+// grid-stride: each pair is one thread's, so a decode step's few rows still fill the GPU (the f64
+// sin/cos are long dependent chains).
 extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, int head_dim, const int* pos,
                                        const float* inv_freq, int half_rope, float sign, int round_out) {
   const int nope = head_dim - 2 * half_rope;
   const int npairs = heads * half_rope;
-  for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+  const int first = blockIdx.x * blockDim.x + threadIdx.x, step = gridDim.x * blockDim.x;
+  for (int r = blockIdx.y; r < rows; r += gridDim.y) {
     float* row = x + (long long)r * ld;
     const float p = __int2float_rn(pos[r]);
-    for (int q = threadIdx.x; q < npairs; q += blockDim.x) {
+    for (int q = first; q < npairs; q += step) {
       const int h = q / half_rope, k = q - h * half_rope;
       float* t = row + (long long)h * head_dim + nope + 2 * k;
       const float theta = __fmul_rn(p, inv_freq[k]);
@@ -39,7 +42,7 @@ extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, in
       t[1] = b2;
     }
     if (round_out && nope > 0) {
-      for (int q = threadIdx.x; q < heads * nope; q += blockDim.x) {
+      for (int q = first; q < heads * nope; q += step) {
         const int h = q / nope, i = q - h * nope;
         float* v = row + (long long)h * head_dim + i;
         *v = round_bf16(*v);

@@ -204,12 +204,17 @@ impl NormRope {
             sign,
             round_out,
         };
-        let threads = if heads * head_dim <= 128 {
-            64
-        } else {
-            ROW_THREADS
-        };
-        self.rope.launch(row_blocks(rows), threads, 0, stream, args)
+        // A thread per pair (and per nope channel to round): a row's work over ceil(work / 64)
+        // blocks, rows over the grid's y (grid-stride above 65535).
+        const THREADS: usize = 64;
+        let nope = head_dim - 2 * half_rope;
+        let work = (heads * half_rope).max(if round_out { heads * nope } else { 0 });
+        let grid = (
+            work.div_ceil(THREADS).clamp(1, MAX_BLOCKS) as u32,
+            rows.clamp(1, 65535) as u32,
+            1,
+        );
+        self.rope.launch(grid, THREADS as u32, 0, stream, args)
     }
 
     /// KV nope FP8 simulation in place: `fp8sim(x[r][0:nope], 64)` for `rows` rows at stride
