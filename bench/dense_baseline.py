@@ -19,11 +19,10 @@ usage: dense_baseline.py --cases cases.jsonl --out result.json [--commit SHA]
 import argparse
 import json
 import os
-import time
 
 import torch
 
-from moe_baseline import fp8_peak, hbm_bandwidth, timed
+from moe_baseline import fp8_peak, hbm_bandwidth, timed, write_result
 
 
 def copies_for(nbytes):
@@ -97,17 +96,9 @@ def main():
                 c["speedup_vs_torch_fp8_blockwise"] = round(tf / ours, 2)
         print(json.dumps(c), flush=True)
         torch.cuda.empty_cache()
-    doc = {
-        "date": time.strftime("%Y-%m-%d"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": args.commit,
-        "command": "dsv4 bench dense > cases.jsonl; python3 bench/dense_baseline.py --cases cases.jsonl --out OUT",
-        "ceilings": {"hbm_bytes_per_s": bw, "fp8_flop_per_s": peak},
-        "cases": cases,
-    }
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_result(args.out, args.commit,
+                 "dsv4 bench dense > cases.jsonl; python3 bench/dense_baseline.py --cases cases.jsonl --out OUT",
+                 {"hbm_bytes_per_s": bw, "fp8_flop_per_s": peak}, cases)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,21 @@ def timed(fn, reps, warmup=3):
     return statistics.median(times)
 
 
+def write_result(path, commit, command, ceilings, cases):
+    """The JSON document a baseline script writes (bench/results/): where, what, the cases."""
+    doc = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": commit,
+        "command": command,
+        "ceilings": ceilings,
+        "cases": cases,
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
 def hbm_bandwidth():
     n = 4 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -138,17 +153,9 @@ def main():
         c["fraction_of_hbm"] = round(c["touched_bytes"] / ours / bw, 3)
         c["fraction_of_fp8_peak"] = round(c["flops"] / ours / peak, 4)
         print(json.dumps(c), flush=True)
-    doc = {
-        "date": time.strftime("%Y-%m-%d"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": args.commit,
-        "command": "dsv4 bench moe --ids-dir DIR > cases.jsonl; python3 bench/moe_baseline.py --cases cases.jsonl --ids-dir DIR --out OUT",
-        "ceilings": {"hbm_bytes_per_s": bw, "fp8_flop_per_s": peak},
-        "cases": cases,
-    }
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_result(args.out, args.commit,
+                 "dsv4 bench moe --ids-dir DIR > cases.jsonl; python3 bench/moe_baseline.py --cases cases.jsonl --ids-dir DIR --out OUT",
+                 {"hbm_bytes_per_s": bw, "fp8_flop_per_s": peak}, cases)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@
 
 use super::arena::DevicePtr;
 use super::registry::{Kernel, KernelFn, Registry};
-use super::stream::{BorrowedStream, Dim3, KernelArgs, launch, launch_clustered};
+use super::stream::{BorrowedStream, Dim3, KernelArgs, launch_clustered};
 use crate::error::Result;
 use std::ffi::c_void;
 use std::marker::PhantomData;
@@ -165,14 +165,7 @@ impl<A: KernelDecl> Launcher<A> {
         stream: BorrowedStream,
         args: A,
     ) -> Result<()> {
-        let mut a = KernelArgs::new();
-        args.pack(&mut a);
-        debug_assert_eq!(a.len(), A::FN.params.len());
-        // SAFETY: `A` was generated from the kernel's declaration, so `a` holds one slot per
-        // parameter in the kernel's order with the declared C types (tests/kernel_decls.rs
-        // checks each declaration against the `extern "C" __global__` signature in the .cu
-        // source); the pointers' extents were checked by the calling wrapper.
-        unsafe { launch(&self.kernel, grid, block, dynamic_smem, stream, &a) }
+        self.launch_in(grid.into(), block.into(), dynamic_smem, stream, args, None)
     }
 
     /// [`Self::launch`] in thread-block clusters of `cluster` blocks.
@@ -185,12 +178,27 @@ impl<A: KernelDecl> Launcher<A> {
         args: A,
         cluster: impl Into<Dim3>,
     ) -> Result<()> {
+        let c = Some(cluster.into());
+        self.launch_in(grid.into(), block.into(), dynamic_smem, stream, args, c)
+    }
+
+    fn launch_in(
+        &self,
+        grid: Dim3,
+        block: Dim3,
+        dynamic_smem: u32,
+        stream: BorrowedStream,
+        args: A,
+        cluster: Option<Dim3>,
+    ) -> Result<()> {
         let mut a = KernelArgs::new();
         args.pack(&mut a);
         debug_assert_eq!(a.len(), A::FN.params.len());
-        let c = Some(cluster.into());
-        // SAFETY: as in `launch`.
-        unsafe { launch_clustered(&self.kernel, grid, block, dynamic_smem, stream, &a, c) }
+        // SAFETY: `A` was generated from the kernel's declaration, so `a` holds one slot per
+        // parameter in the kernel's order with the declared C types (tests/kernel_decls.rs
+        // checks each declaration against the `extern "C" __global__` signature in the .cu
+        // source); the pointers' extents were checked by the calling wrapper.
+        unsafe { launch_clustered(&self.kernel, grid, block, dynamic_smem, stream, &a, cluster) }
     }
 }
 

@@ -15,7 +15,8 @@
 use std::io::Write;
 use std::time::Instant;
 
-use dsv4::cuda::arena::{self, Arena, ArenaPlan, DevicePtr};
+use crate::bench_util::{alloc, e};
+use dsv4::cuda::arena;
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
 use dsv4::cuda::kernels::fast_dense::{
@@ -164,23 +165,6 @@ impl Projection {
     }
 }
 
-fn e(x: dsv4::Error) -> String {
-    x.to_string()
-}
-
-fn alloc(ctx: &Context, bytes: &[usize]) -> Result<(Arena, Vec<DevicePtr>), String> {
-    let mut plan = ArenaPlan::new();
-    let ids: Vec<_> = bytes
-        .iter()
-        .enumerate()
-        .map(|(i, &b)| plan.reserve(format!("bench_dense.{i}"), b.max(4), 256))
-        .collect::<Result<_, _>>()
-        .map_err(e)?;
-    let a = Arena::from_plan(ctx, &plan).map_err(e)?;
-    let p = ids.iter().map(|&i| a.region(i)).collect();
-    Ok((a, p))
-}
-
 /// xorshift64*: the bench's weights and activations (fixed seed).
 struct Rng(u64);
 
@@ -233,7 +217,7 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
         })
         .collect();
     let [act, scale] = fast_dense::workspace_sizes(&shapes);
-    let (_ws_arena, wp) = alloc(&ctx, &[act * 2, scale * 4])?;
+    let (_ws_arena, wp) = alloc(&ctx, "bench_dense", &[act * 2, scale * 4])?;
     let ws = DenseWorkspace {
         act: wp[0],
         scale: wp[1],
@@ -252,7 +236,7 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
         let outs = p.groups * p.n;
         let mut sizes = vec![data.len(); copies];
         sizes.extend([nsc * 4, tmax * width * 4, tmax * outs * 4]);
-        let (_arena, bufs) = alloc(&ctx, &sizes)?;
+        let (_arena, bufs) = alloc(&ctx, "bench_dense", &sizes)?;
         for b in &bufs[..copies] {
             arena::copy_to_device_sync(*b, &data, s).map_err(e)?;
         }

@@ -12,7 +12,8 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use dsv4::cuda::arena::{self, Arena, ArenaPlan, DevicePtr};
+use crate::bench_util::{alloc, e};
+use dsv4::cuda::arena;
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
 use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeWorkspace};
@@ -71,23 +72,6 @@ fn routing_name(r: Routing) -> &'static str {
     }
 }
 
-fn e(x: dsv4::Error) -> String {
-    x.to_string()
-}
-
-fn alloc(ctx: &Context, bytes: &[usize]) -> Result<(Arena, Vec<DevicePtr>), String> {
-    let mut plan = ArenaPlan::new();
-    let ids: Vec<_> = bytes
-        .iter()
-        .enumerate()
-        .map(|(i, &b)| plan.reserve(format!("bench_moe.{i}"), b.max(4), 256))
-        .collect::<Result<_, _>>()
-        .map_err(e)?;
-    let a = Arena::from_plan(ctx, &plan).map_err(e)?;
-    let p = ids.iter().map(|&i| a.region(i)).collect();
-    Ok((a, p))
-}
-
 pub fn run(b: &MoeBench) -> Result<(), String> {
     let sh = MoeShape::FLASH;
     let (d, i, k, ne) = (sh.d, sh.i, sh.k, sh.experts);
@@ -112,13 +96,17 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
 
     let max_b = *b.batches.iter().max().unwrap_or(&1);
     let wsb = fast_moe::workspace_buffers(max_b, d, i, k, ne);
-    let (_ws_arena, wp) = alloc(&ctx, &wsb.map(|(_, el, n)| el.size() * n))?;
+    let (_ws_arena, wp) = alloc(&ctx, "bench_moe", &wsb.map(|(_, el, n)| el.size() * n))?;
     let ws = FastMoeWorkspace::at(&wp, max_b, k, ne);
     let mut rng = Rng::new(0xB0B);
     for &t in &b.batches {
         // R input batches per graph: together at least ~64 MB of distinct expert bytes.
         let reps = (4096 / t).clamp(2, 32);
-        let (_in_arena, ip) = alloc(&ctx, &[reps * t * d * 4, reps * t * 4, t * d * 4])?;
+        let (_in_arena, ip) = alloc(
+            &ctx,
+            "bench_moe",
+            &[reps * t * d * 4, reps * t * 4, t * d * 4],
+        )?;
         let x: Vec<f32> = (0..reps * t * d)
             .map(|_| half::bf16::from_f32(rng.uniform(-2.0, 2.0)).to_f32())
             .collect();

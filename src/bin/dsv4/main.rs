@@ -21,6 +21,7 @@ mod bench_dense;
 mod bench_load;
 mod bench_moe;
 mod bench_refit;
+mod bench_util;
 mod dummy_checkpoint;
 
 use std::path::PathBuf;
@@ -644,17 +645,23 @@ fn positive_list(v: &str, flag: &str) -> Result<Vec<usize>, String> {
         .collect()
 }
 
+/// The CUDA device a CUDA-only command runs on: `--device cuda[:N]`, device 0 when not given.
+fn cuda_device(a: &Args, what: &str) -> Result<i32, String> {
+    let dev = match a.get("device") {
+        None => 0,
+        Some(_) => device(a)?,
+    };
+    if dev < 0 {
+        return Err(format!("{what} runs on CUDA (--device cuda[:N])"));
+    }
+    Ok(dev)
+}
+
 fn bench(a: &Args) -> Result<(), String> {
     match a.sub.as_deref() {
         None => {}
         Some("moe") => {
-            let dev = match a.get("device") {
-                None => 0,
-                Some(_) => device(a)?,
-            };
-            if dev < 0 {
-                return Err("bench moe runs on CUDA (--device cuda[:N])".into());
-            }
+            let dev = cuda_device(a, "bench moe")?;
             let batches = positive_list(
                 a.get("batches")
                     .unwrap_or("1,8,32,64,128,256,512,1024,4096,16384"),
@@ -669,13 +676,7 @@ fn bench(a: &Args) -> Result<(), String> {
             });
         }
         Some("dense") => {
-            let dev = match a.get("device") {
-                None => 0,
-                Some(_) => device(a)?,
-            };
-            if dev < 0 {
-                return Err("bench dense runs on CUDA (--device cuda[:N])".into());
-            }
+            let dev = cuda_device(a, "bench dense")?;
             let tokens = positive_list(
                 a.get("tokens").unwrap_or("1,2,4,8,16,32,64,128,512"),
                 "tokens",
