@@ -109,3 +109,48 @@ pub fn dense_shapes(cfg: &ModelConfig) -> Vec<Shape> {
         one(cfg.vocab_size, d),
     ]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::spec::{StoredAs, tensor_specs};
+
+    /// Every matrix the fast set may hand the dense kernels (stored FP8 or BF16) fits the
+    /// workspace `dense_shapes` sizes: its K (times wo_a's groups) within the operand buffer's
+    /// width, for the configs we ship and the tiny default. A projection added to the model but
+    /// not to `dense_shapes` would otherwise fail at the first forward.
+    #[test]
+    fn the_dense_workspace_holds_every_projection() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let cfgs = [
+            ModelConfig::tiny_default(),
+            ModelConfig::from_path(&dir.join("configs/flash-shaped-4-layers.json")).unwrap(),
+        ];
+        for cfg in cfgs {
+            let [act, scale] = fast_dense::workspace_sizes(&dense_shapes(&cfg));
+            let width = act / fast_dense::TOKENS;
+            assert_eq!(scale, fast_dense::TOKENS * width / 128);
+            for s in tensor_specs(&cfg) {
+                let dense = matches!(s.stored, StoredAs::Fp8Block | StoredAs::Bf16Matrix)
+                    && s.shape.len() == 2
+                    && !s.name.contains(".experts.")
+                    && !s.name.contains("shared_experts")
+                    && s.name != "embed.weight";
+                if !dense {
+                    continue;
+                }
+                // wo_a runs in o_groups groups whose inputs lie side by side.
+                let k = if s.name.ends_with("attn.wo_a.weight") {
+                    s.shape[1] * cfg.o_groups
+                } else {
+                    s.shape[1]
+                };
+                assert!(
+                    k <= width,
+                    "{}: K {k} above the operand width {width}",
+                    s.name
+                );
+            }
+        }
+    }
+}
