@@ -72,29 +72,30 @@ pub struct WeightDev {
 impl WeightDev {
     /// Checks that the buffers hold the whole matrix and the scales are present when needed.
     pub fn validate(&self) -> Result<()> {
-        let what = format!("{:?} weight {}x{}", self.format, self.rows, self.cols);
-        need(
-            &what,
-            "data",
-            self.data,
-            self.format.data_bytes(self.rows, self.cols),
-        )?;
+        // Runs in every forward's linears: the message is formatted only on failure.
+        let what = || format!("{:?} weight {}x{}", self.format, self.rows, self.cols);
+        let data_bytes = self.format.data_bytes(self.rows, self.cols);
+        if self.data.bytes() < data_bytes {
+            return need(&what(), "data", self.data, data_bytes);
+        }
         if self.format.is_quantized() {
             let Some(s) = self.scales else {
-                return Err(internal(format!("{what}: quantized weight without scales")));
+                return Err(internal(format!(
+                    "{}: quantized weight without scales",
+                    what()
+                )));
             };
             if self.format == StorageFormat::Fp8 && (self.block[0] == 0 || self.block[1] == 0) {
                 return Err(internal(format!(
-                    "{what}: FP8 scale block {:?}",
+                    "{}: FP8 scale block {:?}",
+                    what(),
                     self.block
                 )));
             }
-            need(
-                &what,
-                "scales",
-                s,
-                4 * self.format.scale_count(self.rows, self.cols, self.block),
-            )?;
+            let scale_bytes = 4 * self.format.scale_count(self.rows, self.cols, self.block);
+            if s.bytes() < scale_bytes {
+                return need(&what(), "scales", s, scale_bytes);
+            }
         }
         Ok(())
     }
