@@ -1,16 +1,18 @@
-//! Finds and loads the two CUDA libraries the backend needs, the driver (`libcuda.so.1`) and
-//! NVRTC (`libnvrtc.so.13`), without help from `LD_LIBRARY_PATH`, before cudarc first
-//! touches them. [`load`] is called by `cuda::device_count` (driver) and
-//! `registry::nvrtc_version` (NVRTC); nothing else here is needed by the backend.
+//! Finds and loads the CUDA libraries the backend needs, the driver (`libcuda.so.1`), NVRTC
+//! (`libnvrtc.so.13`) and, for the fast kernel set's many-token projections, cuBLASLt
+//! (`libcublasLt.so.13`), without help from `LD_LIBRARY_PATH`, before cudarc first touches
+//! them. [`load`] is called by `cuda::device_count` (driver), `registry::nvrtc_version` (NVRTC)
+//! and `cuda::blockscaled_gemm` (cuBLASLt); nothing else here is needed by the backend.
 //!
 //! A copy the process already holds (loaded by the host, e.g. PyTorch) is used as it is: cudarc
 //! would bind to it anyway, and a second driver would not share the host's contexts. Else the
 //! search order, first that loads wins ([`candidates`]):
-//! - NVRTC: `$DSV4_CUDA_LIB_DIR` (a directory, or a `:`-separated list); `$CUDA_HOME`, then
+//! - NVRTC and cuBLASLt: `$DSV4_CUDA_LIB_DIR` (a directory, or a `:`-separated list); `$CUDA_HOME`, then
 //!   `$CUDA_PATH`, each `lib64`, `lib` and `targets/<arch>-linux/lib`; `/usr/local/cuda/lib64`;
 //!   `/usr/local/cuda-13*/lib64` (newest first); pip's `nvidia/cu13/lib` in the site-packages
 //!   of `$VIRTUAL_ENV`, then `$CONDA_PREFIX`; then the system loader path (plain
 //!   `libnvrtc.so.13`, `libnvrtc.so`: `LD_LIBRARY_PATH`, `ld.so.cache`, `/lib`, `/usr/lib`).
+//!   PyTorch's CUDA 13 wheels hold both in that pip directory.
 //! - Driver: `$DSV4_CUDA_LIB_DIR`; the system loader path (`libcuda.so.1`, `libcuda.so`),
 //!   where the driver installs it; then `/usr/local/nvidia/lib64` (containers) and
 //!   `/usr/lib/wsl/lib` (WSL). Never a toolkit directory: those hold only `stubs/libcuda.so`,
@@ -63,6 +65,10 @@ pub enum CudaLib {
     Driver,
     /// `libnvrtc.so.13`, from the CUDA 13 toolkit or pip's `nvidia-cuda-nvrtc`.
     Nvrtc,
+    /// `libcublasLt.so.13`, from the CUDA 13 toolkit or pip's `nvidia-cublas`: optional (the
+    /// fast set's block-scaled FP8 / BF16 GEMMs above a few dozen tokens; without it the
+    /// fast set's own kernels run them).
+    CublasLt,
 }
 
 impl CudaLib {
@@ -71,6 +77,7 @@ impl CudaLib {
         match self {
             CudaLib::Driver => "libcuda.so.1",
             CudaLib::Nvrtc => "libnvrtc.so.13",
+            CudaLib::CublasLt => "libcublasLt.so.13",
         }
     }
 
@@ -79,6 +86,7 @@ impl CudaLib {
         match self {
             CudaLib::Driver => &["libcuda.so.1", "libcuda.so"],
             CudaLib::Nvrtc => &["libnvrtc.so.13", "libnvrtc.so"],
+            CudaLib::CublasLt => &["libcublasLt.so.13", "libcublasLt.so"],
         }
     }
 
@@ -86,6 +94,7 @@ impl CudaLib {
         match self {
             CudaLib::Driver => "CUDA driver library",
             CudaLib::Nvrtc => "NVRTC",
+            CudaLib::CublasLt => "cuBLASLt",
         }
     }
 
@@ -94,6 +103,7 @@ impl CudaLib {
         match self {
             CudaLib::Driver => c"cuInit",
             CudaLib::Nvrtc => c"nvrtcVersion",
+            CudaLib::CublasLt => c"cublasLtGetVersion",
         }
     }
 
@@ -101,7 +111,7 @@ impl CudaLib {
     fn missing_status(self) -> Status {
         match self {
             CudaLib::Driver => Status::NoDevice,
-            CudaLib::Nvrtc => Status::Unsupported,
+            CudaLib::Nvrtc | CudaLib::CublasLt => Status::Unsupported,
         }
     }
 
@@ -116,6 +126,12 @@ impl CudaLib {
                  (pip install nvidia-cuda-nvrtc==13.0.88, or the CUDA 13 toolkit) and, if it is \
                  in none of these places, set {LIB_DIR_ENV} to its lib directory (e.g. \
                  site-packages/nvidia/cu13/lib)"
+            ),
+            CudaLib::CublasLt => format!(
+                "the fast kernel set runs projections of many tokens through cuBLASLt 13 \
+                 (block-scaled FP8 needs 12.9 or later): install it (pip install \
+                 nvidia-cublas==13.*, or the CUDA 13 toolkit) and, if it is in none of these \
+                 places, set {LIB_DIR_ENV} to its lib directory"
             ),
         }
     }
@@ -170,7 +186,7 @@ pub fn candidates(lib: CudaLib, env: &dyn Fn(&str) -> Option<OsString>) -> Vec<C
                 out.push(Candidate::file(Path::new(d), lib, "driver directory"));
             }
         }
-        CudaLib::Nvrtc => {
+        CudaLib::Nvrtc | CudaLib::CublasLt => {
             for k in ["CUDA_HOME", "CUDA_PATH"] {
                 if let Some(root) = var(k) {
                     let root = PathBuf::from(root);
@@ -194,11 +210,7 @@ pub fn candidates(lib: CudaLib, env: &dyn Fn(&str) -> Option<OsString>) -> Vec<C
             for k in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
                 if let Some(prefix) = var(k) {
                     for d in pip_lib_dirs(Path::new(&prefix)) {
-                        out.push(Candidate::file(
-                            &d,
-                            lib,
-                            format!("pip nvidia-cuda-nvrtc (${k})"),
-                        ));
+                        out.push(Candidate::file(&d, lib, format!("pip nvidia/cu13 (${k})")));
                     }
                 }
             }
@@ -278,7 +290,7 @@ pub fn open_first<H>(
 pub fn env_vars(lib: CudaLib) -> &'static [&'static str] {
     match lib {
         CudaLib::Driver => &[LIB_DIR_ENV],
-        CudaLib::Nvrtc => &[
+        CudaLib::Nvrtc | CudaLib::CublasLt => &[
             LIB_DIR_ENV,
             "CUDA_HOME",
             "CUDA_PATH",
@@ -321,16 +333,19 @@ pub struct Loaded {
 type Outcome = std::result::Result<Loaded, String>;
 static DRIVER: OnceLock<Outcome> = OnceLock::new();
 static NVRTC: OnceLock<Outcome> = OnceLock::new();
+static CUBLASLT: OnceLock<Outcome> = OnceLock::new();
 
 fn cell(lib: CudaLib) -> &'static OnceLock<Outcome> {
     match lib {
         CudaLib::Driver => &DRIVER,
         CudaLib::Nvrtc => &NVRTC,
+        CudaLib::CublasLt => &CUBLASLT,
     }
 }
 
 /// Loads `lib` once per process (the search runs on the first call; later calls return its
-/// outcome). Err: `NoDevice` for the driver, `Unsupported` for NVRTC, naming every place tried.
+/// outcome). Err: `NoDevice` for the driver, `Unsupported` for NVRTC and cuBLASLt, naming every
+/// place tried.
 pub fn load(lib: CudaLib) -> Result<&'static Loaded> {
     cell(lib)
         .get_or_init(|| load_uncached(lib))
@@ -494,6 +509,7 @@ fn cudarc_symbol(lib: CudaLib) -> Option<*mut c_void> {
             match lib {
                 CudaLib::Driver => cudarc::driver::sys::culib(),
                 CudaLib::Nvrtc => cudarc::nvrtc::sys::culib(),
+                CudaLib::CublasLt => cudarc::cublaslt::sys::culib(),
             }
         };
         // SAFETY: the symbol is read as a plain address, never called here.
@@ -632,6 +648,32 @@ mod tests {
                 assert!(at[7] < i && i < at[8]);
             }
         }
+    }
+
+    #[test]
+    fn cublaslt_is_searched_like_nvrtc() {
+        let env = env_of(&[
+            (LIB_DIR_ENV, Path::new("/a")),
+            ("CUDA_HOME", Path::new("/home-cuda")),
+        ]);
+        let c = candidates(CudaLib::CublasLt, &env);
+        let n = candidates(CudaLib::Nvrtc, &env);
+        assert_eq!(c.len(), n.len());
+        for (x, y) in c.iter().zip(&n) {
+            assert_eq!(x.source, y.source);
+            assert_eq!(x.path.parent(), y.path.parent());
+        }
+        assert_eq!(c[0].path, Path::new("/a/libcublasLt.so.13"));
+        let last: Vec<&Path> = c[c.len() - 2..].iter().map(|c| c.path.as_path()).collect();
+        assert_eq!(
+            last,
+            [Path::new("libcublasLt.so.13"), Path::new("libcublasLt.so")]
+        );
+        let msg = not_found_message(CudaLib::CublasLt, &[], &[]);
+        assert!(
+            msg.starts_with("cuBLASLt (libcublasLt.so.13) not found"),
+            "{msg}"
+        );
     }
 
     #[test]
