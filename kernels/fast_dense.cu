@@ -119,6 +119,64 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
   if (lane == 0) scale[(long long)t * nb + b] = s;
 }
 
+// The activation operand of a cuBLASLt GEMM (many tokens; src/cuda/blockscaled_gemm.rs), one warp per
+// (token, 128-block): QUANT: the e4m3 codes of the official act_quant (fd_operands' values, as bytes)
+// into codes [T, K] and its scale into scale [K / 128, T] (token-fastest, cuBLASLt's VEC128_32F
+// layout); BF16: bf16(x) (exact for BF16 values) into codes as [T, K] 16-bit. Grid
+// ceil(T * K / 128 / FD_WARPS), FD_THREADS threads.
+extern "C" __global__ void __launch_bounds__(FD_THREADS)
+    fd_lt_operand_kernel(const float* x, int ldx, int T, int K, int mode, unsigned char* codes, float* scale) {
+  dsv4_pdl_begin();
+  const int nb = K / 128;
+  const int item = blockIdx.x * FD_WARPS + (threadIdx.x >> 5);
+  if (item >= T * nb) return;  // uniform per warp
+  const int lane = threadIdx.x & 31;
+  const int t = item / nb, b = item - t * nb;
+  const float4 v4 = *reinterpret_cast<const float4*>(x + (long long)t * ldx + b * 128 + 4 * lane);
+  float s;
+  unsigned short h[4];
+  fd_operands(v4, mode, s, h);
+  if (mode == FD_ACT_QUANT) {
+    // h holds f16 values of e4m3 numbers: the conversion back to e4m3 is exact.
+    unsigned packed = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      unsigned short c;
+      asm("{\n .reg .f32 f;\n cvt.f32.f16 f, %1;\n cvt.rn.satfinite.e4m3x2.f32 %0, f, f;\n}\n"
+          : "=h"(c)
+          : "h"(h[i]));
+      packed |= (unsigned)(c & 0xffu) << (8 * i);
+    }
+    *reinterpret_cast<unsigned*>(codes + (long long)t * K + b * 128 + 4 * lane) = packed;
+    if (lane == 0) scale[(long long)b * T + t] = s;
+  } else {
+    uint2 packed;
+    packed.x = (unsigned)h[0] | ((unsigned)h[1] << 16);
+    packed.y = (unsigned)h[2] | ((unsigned)h[3] << 16);
+    *reinterpret_cast<uint2*>(codes + ((long long)t * K + b * 128 + 4 * lane) * 2) = packed;
+  }
+}
+
+// y[t, j] = bf16(y[t, j]) in place for t < T, j < N (row stride ldy): the official BF16 output of a
+// cuBLASLt GEMM that wrote f32. A thread rounds 4 consecutive values (one 16-byte access where the
+// row allows it). Grid (ceil(N / 1024), T), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) fd_round_bf16_kernel(float* y, int ldy, int T, int N) {
+  dsv4_pdl_begin();
+  const int j = (blockIdx.x * 256 + threadIdx.x) * 4;
+  if (j >= N) return;
+  float* p = y + (long long)blockIdx.y * ldy + j;
+  if (j + 4 <= N && (reinterpret_cast<unsigned long long>(p) & 15) == 0) {
+    float4 v = *reinterpret_cast<float4*>(p);
+    v.x = round_bf16(v.x);
+    v.y = round_bf16(v.y);
+    v.z = round_bf16(v.z);
+    v.w = round_bf16(v.w);
+    *reinterpret_cast<float4*>(p) = v;
+  } else {
+    for (int i = 0; i < 4 && j + i < N; ++i) p[i] = round_bf16(p[i]);
+  }
+}
+
 // One weight kind's geometry: bytes per element, 64-byte chunks per 128-block of k, blocks kept in
 // flight per warp, and the padding of a shared-memory activation row (16 bytes for FP8's 32-byte
 // lane reads, 64 for BF16's 16-byte ones: either way the 8 lanes of a 16-byte access phase hit

@@ -56,6 +56,11 @@ fn dev() -> Option<Dev<Kernels>> {
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
+/// The device turn; a test that failed holding it does not fail the others.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A weight of `groups * n` rows and `k` columns in host form: FP8 codes with power-of-two
 /// 128 x 128 block scales, or BF16 bits.
 struct HostWeight {
@@ -361,7 +366,7 @@ const TOKENS: &[usize] = &[1, 3, 8, 16, 17, 64, 130];
 #[test]
 fn fp8_projections_with_act_quant_match_the_reference() {
     let Some(d) = dev() else { return };
-    let _s = SERIAL.lock().unwrap();
+    let _s = serial();
     let mut rng = Rng::from_env("fp8_projections_with_act_quant_match_the_reference");
     for (name, n, k) in [
         ("wq_a", 1024, 4096),
@@ -393,7 +398,7 @@ fn fp8_projections_with_act_quant_match_the_reference() {
 #[test]
 fn grouped_fp8_projection_without_act_quant_matches_the_reference() {
     let Some(d) = dev() else { return };
-    let _s = SERIAL.lock().unwrap();
+    let _s = serial();
     let mut rng = Rng::from_env("grouped_fp8_projection_without_act_quant_matches_the_reference");
     for (name, n, k, groups, round) in [
         ("wo_a (8 groups)", 1024, 4096, 8, true),
@@ -415,7 +420,7 @@ fn grouped_fp8_projection_without_act_quant_matches_the_reference() {
 #[test]
 fn bf16_projections_match_the_reference() {
     let Some(d) = dev() else { return };
-    let _s = SERIAL.lock().unwrap();
+    let _s = serial();
     let mut rng = Rng::from_env("bf16_projections_match_the_reference");
     for (name, n, k, round) in [
         ("compressor wkv (f32 out)", 1024, 4096, false),
@@ -439,7 +444,7 @@ fn bf16_projections_match_the_reference() {
 #[test]
 fn act_quant_operands_are_the_reference_values_bit_for_bit() {
     let Some(d) = dev() else { return };
-    let _s = SERIAL.lock().unwrap();
+    let _s = serial();
     let mut rng = Rng::from_env("act_quant_operands_are_the_reference_values_bit_for_bit");
     let (t, k, n) = (37, 1024, 64);
     let shape = Shape { n, k, groups: 1 };
@@ -491,7 +496,7 @@ fn act_quant_operands_are_the_reference_values_bit_for_bit() {
 #[test]
 fn reruns_are_bit_identical_and_a_token_sums_alike_in_any_batch() {
     let Some(d) = dev() else { return };
-    let _s = SERIAL.lock().unwrap();
+    let _s = serial();
     let mut rng = Rng::from_env("reruns_are_bit_identical_and_a_token_sums_alike_in_any_batch");
     for (format, mode, n, k) in [
         (StorageFormat::Fp8, ActMode::Quant, 1024, 4096),
@@ -531,5 +536,286 @@ fn reruns_are_bit_identical_and_a_token_sums_alike_in_any_batch() {
                 &a[tok * n..(tok + 1) * n],
             );
         }
+    }
+}
+
+// ---- The many-token path: cuBLASLt GEMMs (src/cuda/kernels/fast_dense_gemm.rs) ----
+//
+// The bound, per output, with A = Σ_k |a_k · w_k| as above:
+// - The products are the same exact ones (e4m3 x e4m3 with the same power-of-two scales, or
+//   BF16 x BF16). Hopper's FP8 tensor cores add a k = 32 step's products into the accumulator
+//   with fewer bits than f32 (DeepSeek-V3 report §3.3.2: about 14): allowed 2^-10 of the sum of
+//   |products| so far per step, as gpu_wgmma_probe bounds one step; 4 steps a 128-block:
+//   2^-8 · A_block. The block sums are scaled (exact) and added in f32 (K/128 adds), plus at
+//   most 4 more f32 adds for a split of K: (K/128 + 4) · 2^-24 · A.
+//   FP8: E = (2^-8 + (K/128 + 4) · 2^-24) · A.
+// - BF16: a k = 16 step's exact products added to an f32 accumulator, one f32 rounding each:
+//   E = (K/16 + 4) · 2^-23 · A.
+// - BF16 outputs: |Δ| ≤ E + 2^-8 (|fast| + |ref|), as above.
+
+use dsv4::cuda::blockscaled_gemm::{self, BlockScaledGemm, GemmShape};
+use dsv4::cuda::kernels::fast_dense_gemm::{self, GemmWorkspace};
+
+/// A GEMM planner for `shapes` up to `max_t` tokens with its operand workspace, on its own arena.
+fn gemm_for(
+    d: &Dev<Kernels>,
+    shapes: &[GemmShape],
+    max_t: usize,
+) -> (dsv4::cuda::arena::Arena, BlockScaledGemm, GemmWorkspace) {
+    let [codes, scale] = fast_dense_gemm::gemm_workspace_sizes(shapes, max_t);
+    let (a, p) = d.alloc(&[codes, scale * 4, blockscaled_gemm::WORKSPACE_BYTES]);
+    let g = BlockScaledGemm::new(d.ctx(), shapes, max_t, p[2])
+        .expect("cuBLASLt 12.9+ on this CUDA machine (the fast set's prefill projections use it)");
+    (
+        a,
+        g,
+        GemmWorkspace {
+            codes: p[0],
+            scale: p[1],
+        },
+    )
+}
+
+/// Checks one single-group case through the GEMM path at every `ts` (each must be taken by it)
+/// against the bound above; returns the largest error relative to A (f32 outputs) and the
+/// largest fraction of BF16 outputs that differ.
+fn check_gemm_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> (f64, f64) {
+    assert_eq!(c.groups, 1);
+    let hw = HostWeight::random(rng, c.format, c.n, c.k);
+    let (_wa, w) = hw.upload(d);
+    let (_aa, wabs) = hw.abs().upload(d);
+    let shape = fast_dense_gemm::gemm_shape(c.format, [128, 128], c.n, c.k, 1, c.mode)
+        .unwrap_or_else(|| panic!("{}: not a GEMM shape", c.name));
+    let tmax = *ts.iter().max().unwrap();
+    let (_ga, gemm, gws) = gemm_for(d, &[shape], tmax);
+    let (_wsa, dws) = workspace(
+        d,
+        &[Shape {
+            n: c.n,
+            k: c.k,
+            groups: 1,
+        }],
+    );
+    let ldy = c.n + 8;
+    let (_a, p) = d.alloc(&[
+        tmax * c.k * 4,
+        tmax * c.k * 4,
+        tmax * c.k * 4,
+        tmax * ldy * 4,
+        tmax * c.n * 4,
+        tmax * c.n * 4,
+        tmax * ldy * 4,
+    ]);
+    let (px, pxabs, pxq, py, pr, pabs, py2) = (p[0], p[1], p[2], p[3], p[4], p[5], p[6]);
+    let e_rel = match c.format {
+        StorageFormat::Fp8 => 2f64.powi(-8) + (c.k / 128 + 4) as f64 * 2f64.powi(-24),
+        _ => (c.k / 16 + 4) as f64 * 2f64.powi(-23),
+    };
+    let (mut worst, mut worst_differ) = (0f64, 0f64);
+    for &t in ts {
+        let x = activations(rng, t, c.k);
+        let xabs: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+        d.put(px, &x);
+        d.put(pxabs, &xabs);
+        let op = |y| DenseOp {
+            x: px,
+            ldx: c.k,
+            t,
+            w,
+            groups: 1,
+            mode: c.mode,
+            round: c.round,
+            y,
+            ldy,
+            fused_act_max_t: 0,
+        };
+        d.poison(py);
+        d.poison(py2);
+        for y in [py, py2] {
+            let ran =
+                fast_dense_gemm::run_gemm(&d.k.dense, &gemm, d.ctx(), &op(y), &gws, &dws, d.s())
+                    .unwrap();
+            assert!(ran, "{}: T={t}: the GEMM path declined", c.name);
+        }
+        reference(d, c, &w, px, t, pxq, pr, c.round);
+        reference(d, c, &wabs, pxabs, t, pxq, pabs, false);
+        let got: Vec<f32> = d.get(py, t * ldy);
+        let again: Vec<f32> = d.get(py2, t * ldy);
+        common::assert_bits(&format!("{}: T={t}: rerun", c.name), &again, &got);
+        let want: Vec<f32> = d.get(pr, t * c.n);
+        let abs: Vec<f32> = d.get(pabs, t * c.n);
+        let mut differ = 0usize;
+        for ti in 0..t {
+            for j in 0..ldy {
+                let g = got[ti * ldy + j];
+                if j >= c.n {
+                    assert!(
+                        g.to_bits() == u32::MAX,
+                        "{}: T={t}: y[{ti}, {j}] past the outputs was written ({g})",
+                        c.name
+                    );
+                    continue;
+                }
+                let (r, a, g) = (
+                    want[ti * c.n + j] as f64,
+                    abs[ti * c.n + j] as f64,
+                    g as f64,
+                );
+                let e = e_rel * a;
+                let bound = if c.round {
+                    e + 2f64.powi(-8) * (g.abs() + r.abs())
+                } else {
+                    e
+                };
+                assert!(
+                    (g - r).abs() <= bound,
+                    "{}: T={t}: y[{ti}, {j}] = {g} against the reference {r}: |Δ| {:.3e} above the bound {bound:.3e} (Σ|a·w| = {a:.4e})",
+                    c.name,
+                    (g - r).abs()
+                );
+                if g != r {
+                    differ += 1;
+                }
+                if a > 0.0 && !c.round {
+                    worst = worst.max((g - r).abs() / a);
+                }
+            }
+        }
+        let frac = differ as f64 / (t * c.n) as f64;
+        worst_differ = worst_differ.max(if c.round { frac } else { 0.0 });
+        println!(
+            "{} (GEMM): T={t}: {differ} of {} outputs differ from the reference",
+            c.name,
+            t * c.n
+        );
+    }
+    println!(
+        "{} (GEMM): largest |Δ| / Σ|a·w| (f32 outputs) {worst:.3e}; bound {e_rel:.3e}; BF16 outputs differing at most {:.2}%",
+        c.name,
+        100.0 * worst_differ
+    );
+    (worst, worst_differ)
+}
+
+#[test]
+fn gemm_projections_match_the_reference() {
+    let Some(d) = dev() else { return };
+    let _s = serial();
+    let mut rng = Rng::from_env("gemm_projections_match_the_reference");
+    let cases = [
+        ("wq_a", StorageFormat::Fp8, 1024, 4096, true),
+        ("wq_b", StorageFormat::Fp8, 32768, 1024, true),
+        ("wkv", StorageFormat::Fp8, 512, 4096, true),
+        ("wo_b", StorageFormat::Fp8, 4096, 8192, true),
+        ("indexer wq_b", StorageFormat::Fp8, 8192, 1024, true),
+        (
+            "odd FP8: 272 x 512, f32 out",
+            StorageFormat::Fp8,
+            272,
+            512,
+            false,
+        ),
+        (
+            "compressor wkv (f32 out)",
+            StorageFormat::Bf16,
+            1024,
+            4096,
+            false,
+        ),
+        ("weights_proj", StorageFormat::Bf16, 64, 4096, true),
+        (
+            "a head of 16384 rows (f32 out)",
+            StorageFormat::Bf16,
+            16384,
+            4096,
+            false,
+        ),
+        ("odd BF16: 96 x 384", StorageFormat::Bf16, 96, 384, true),
+    ];
+    for (name, format, n, k, round) in cases {
+        let mode = if format == StorageFormat::Fp8 {
+            ActMode::Quant
+        } else {
+            ActMode::Bf16
+        };
+        let c = Case {
+            name,
+            format,
+            mode,
+            n,
+            k,
+            groups: 1,
+            round,
+        };
+        let ts: &[usize] = if n * k > 8 << 20 {
+            &[16, 33, 300]
+        } else {
+            &[16, 17, 64, 129, 1000]
+        };
+        let (_, differ) = check_gemm_case(&d, &mut rng, &c, ts);
+        assert!(
+            differ <= 0.25,
+            "{name}: {:.1}% of the BF16 outputs differ from the reference",
+            100.0 * differ
+        );
+    }
+}
+
+#[test]
+fn the_gemm_path_declines_what_it_does_not_cover() {
+    let Some(d) = dev() else { return };
+    let _s = serial();
+    let mut rng = Rng::from_env("the_gemm_path_declines_what_it_does_not_cover");
+    // wo_a's grouped einsum (F16 operands) and a K whose scale grid is not a multiple of 4.
+    assert!(
+        fast_dense_gemm::gemm_shape(StorageFormat::Fp8, [128, 128], 8192, 4096, 8, ActMode::F16)
+            .is_none()
+    );
+    assert!(
+        fast_dense_gemm::gemm_shape(StorageFormat::Fp8, [128, 128], 256, 384, 1, ActMode::Quant)
+            .is_none()
+    );
+    // A planned shape beyond the planned tokens is declined, and writes nothing.
+    let (n, k) = (256, 512);
+    let shape =
+        fast_dense_gemm::gemm_shape(StorageFormat::Fp8, [128, 128], n, k, 1, ActMode::Quant)
+            .unwrap();
+    let (_ga, gemm, gws) = gemm_for(&d, &[shape], 64);
+    assert!(gemm.covers(&shape, 64) && !gemm.covers(&shape, 65));
+    // Which m the planned algorithms accept (why cuBLASLt gets multiples of M_GRANULE only).
+    let fitting: Vec<usize> = (16..=64)
+        .filter(|&m| gemm.fits(&shape, m, n).unwrap())
+        .collect();
+    println!("m in 16..=64 the planned algorithms accept for {n} x {k}: {fitting:?}");
+    for m in (16..=64).step_by(fast_dense_gemm::M_GRANULE) {
+        assert!(fitting.contains(&m), "m = {m} is refused");
+    }
+    let (_wsa, dws) = workspace(&d, &[Shape { n, k, groups: 1 }]);
+    let hw = HostWeight::random(&mut rng, StorageFormat::Fp8, n, k);
+    let (_wa, w) = hw.upload(&d);
+    let t = 100;
+    let (_a, p) = d.alloc(&[t * k * 4, t * n * 4]);
+    d.put(p[0], &activations(&mut rng, t, k));
+    d.poison(p[1]);
+    let op = DenseOp {
+        x: p[0],
+        ldx: k,
+        t,
+        w,
+        groups: 1,
+        mode: ActMode::Quant,
+        round: true,
+        y: p[1],
+        ldy: n,
+        fused_act_max_t: 0,
+    };
+    // Beyond the planned tokens, and fewer than M_GRANULE tokens: declined, nothing written.
+    for t in [t, fast_dense_gemm::M_GRANULE - 1] {
+        let op = DenseOp { t, ..op };
+        assert!(
+            !fast_dense_gemm::run_gemm(&d.k.dense, &gemm, d.ctx(), &op, &gws, &dws, d.s()).unwrap()
+        );
+        let y: Vec<u32> = d.get(p[1], t * n);
+        assert!(y.iter().all(|&b| b == u32::MAX), "a declined call wrote y");
     }
 }

@@ -190,7 +190,13 @@ impl CudaBackend {
             let reg = Registry::load_families(&self.ctx, fams, &cache)?;
             self.checker = Some(BatchKernels::new(&reg)?);
             self.fold = Some(Hc0Fold::new(&reg)?);
-            self.set = Some(kernel_sets::load(&reg, &self.set_ws)?);
+            self.set = Some(kernel_sets::load(
+                &self.ctx,
+                &reg,
+                &self.set_ws,
+                &self.cfg,
+                &self.opts,
+            )?);
             self.registry = Some(reg);
         }
         self.rebuild_derived_on(stream)?;

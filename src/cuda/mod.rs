@@ -25,6 +25,7 @@
 
 pub mod arena;
 pub mod backend;
+pub mod blockscaled_gemm;
 pub mod consts;
 pub mod context;
 pub mod decl;

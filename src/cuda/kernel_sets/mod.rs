@@ -216,11 +216,25 @@ impl PlannedWorkspace {
     }
 }
 
-/// Resolves the set's kernels from a loaded registry (finalize).
-pub fn load(reg: &Registry, ws: &SetWorkspace) -> Result<Box<dyn KernelSet>> {
+/// Resolves the set's kernels from a loaded registry (finalize); the fast set also loads
+/// cuBLASLt and plans its GEMMs for `cfg` and `opts`' token capacity.
+pub fn load(
+    ctx: &Context,
+    reg: &Registry,
+    ws: &SetWorkspace,
+    cfg: &ModelConfig,
+    opts: &EngineOptions,
+) -> Result<Box<dyn KernelSet>> {
     match ws {
         SetWorkspace::Reference(w) => Ok(Box::new(reference::ReferenceSet::new(reg, *w)?)),
-        SetWorkspace::Fast(r, f) => Ok(Box::new(fast::FastSet::new(reg, *r, *f)?)),
+        SetWorkspace::Fast(r, f) => Ok(Box::new(fast::FastSet::new(
+            ctx,
+            reg,
+            *r,
+            *f,
+            cfg,
+            opts.max_num_tokens,
+        )?)),
     }
 }
 

@@ -73,6 +73,13 @@ crate::kernel_family! {
     fn fd_act_kernel(
         x: *const f32, ldx: i32, t: i32, k: i32, mode: i32, act: *mut u16, scale: *mut f32,
     );
+    /// `mode` is [`ActMode::Quant`] or [`ActMode::Bf16`].
+    #[pdl(true)]
+    fn fd_lt_operand_kernel(
+        x: *const f32, ldx: i32, t: i32, k: i32, mode: i32, codes: *mut u8, scale: Option<*mut f32>,
+    );
+    #[pdl(true)]
+    fn fd_round_bf16_kernel(y: *mut f32, ldy: i32, t: i32, n: i32);
     #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
     fn fd_gemv_t8_kernel(
@@ -107,6 +114,8 @@ crate::launchers! {
     /// The fast_dense family's entry points, resolved from a loaded registry.
     pub struct FastDense {
         act: fd_act_kernel,
+        lt_operand: fd_lt_operand_kernel,
+        round_bf16: fd_round_bf16_kernel,
         t8: fd_gemv_t8_kernel,
         t16: fd_gemv_t16_kernel,
         t32: fd_gemv_t32_kernel,
@@ -351,6 +360,113 @@ impl FastDense {
                 4 => gemv!(t32, fd_gemv_t32_kernel)?,
                 _ => gemv!(t64, fd_gemv_t64_kernel)?,
             }
+        }
+        Ok(())
+    }
+}
+
+/// The activation operand of a cuBLASLt GEMM ([`crate::cuda::blockscaled_gemm`]) for `t` tokens of
+/// `x` (`[t, k]` f32, row stride `ldx`): [`ActMode::Quant`] writes the official act_quant's e4m3
+/// codes `[t, k]` into `codes` and their scales `[k / 128, t]` (token-fastest) into `scale`;
+/// [`ActMode::Bf16`] writes `bf16(x)` `[t, k]` into `codes` (exact for BF16 values).
+#[derive(Clone, Copy, Debug)]
+pub struct LtOperand {
+    pub x: DevicePtr,
+    pub ldx: usize,
+    pub t: usize,
+    pub k: usize,
+    pub mode: ActMode,
+    pub codes: DevicePtr,
+    pub scale: DevicePtr,
+}
+
+/// Most rows one `fd_round_bf16_kernel` launch takes (its grid's y).
+const ROUND_ROWS: usize = 65535;
+
+impl FastDense {
+    /// Makes `op`'s operand (see [`LtOperand`]); one launch.
+    pub fn lt_operand(&self, ctx: &Context, op: &LtOperand, stream: BorrowedStream) -> Result<()> {
+        const K: &str = "fd_lt_operand_kernel";
+        let quant = match op.mode {
+            ActMode::Quant => true,
+            ActMode::Bf16 => false,
+            ActMode::F16 => return Err(internal(format!("{K}: no F16 operands"))),
+        };
+        if op.t == 0 {
+            return Ok(());
+        }
+        if !op.k.is_multiple_of(128)
+            || op.ldx < op.k
+            || !op.ldx.is_multiple_of(4)
+            || !op.x.addr().is_multiple_of(16)
+        {
+            return Err(internal(format!(
+                "{K}: K {} / ldx {} / x alignment",
+                op.k, op.ldx
+            )));
+        }
+        need(
+            K,
+            "x",
+            op.x,
+            super::linear::strided_bytes(op.t, op.k, op.ldx),
+        )?;
+        let esize = if quant { 1 } else { 2 };
+        need(K, "codes", op.codes, op.t * op.k * esize)?;
+        if quant {
+            need(K, "scale", op.scale, op.t * op.k / 128 * 4)?;
+        }
+        let items = op.t * op.k / 128;
+        let _g = ctx.enter()?;
+        self.lt_operand.launch(
+            items.div_ceil(WARPS) as u32,
+            (WARPS * 32) as u32,
+            0,
+            stream,
+            fd_lt_operand_kernel::Args {
+                x: op.x,
+                ldx: to_i32(K, "ldx", op.ldx)?,
+                t: to_i32(K, "T", op.t)?,
+                k: to_i32(K, "K", op.k)?,
+                mode: op.mode as i32,
+                codes: op.codes,
+                scale: quant.then_some(op.scale),
+            },
+        )
+    }
+
+    /// `y[t, j] = bf16(y[t, j])` for `t < t`, `j < n` (row stride `ldy`), in place.
+    pub fn round_bf16(
+        &self,
+        ctx: &Context,
+        y: DevicePtr,
+        ldy: usize,
+        t: usize,
+        n: usize,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "fd_round_bf16_kernel";
+        if t == 0 || n == 0 {
+            return Ok(());
+        }
+        need(K, "y", y, super::linear::strided_bytes(t, n, ldy))?;
+        let (ldy32, n32) = (to_i32(K, "ldy", ldy)?, to_i32(K, "N", n)?);
+        let _g = ctx.enter()?;
+        for t0 in (0..t).step_by(ROUND_ROWS) {
+            let rows = (t - t0).min(ROUND_ROWS);
+            let yc = y.slice(t0 * ldy * 4, y.bytes() - t0 * ldy * 4)?;
+            self.round_bf16.launch(
+                (n.div_ceil(1024) as u32, rows as u32),
+                256,
+                0,
+                stream,
+                fd_round_bf16_kernel::Args {
+                    y: yc,
+                    ldy: ldy32,
+                    t: rows as i32,
+                    n: n32,
+                },
+            )?;
         }
         Ok(())
     }

@@ -5,6 +5,7 @@ pub mod attention;
 pub mod batch;
 pub mod compressor;
 pub mod fast_dense;
+pub mod fast_dense_gemm;
 pub mod fast_moe;
 pub mod fast_moe_gemm;
 pub mod fast_moe_wide;

@@ -12,13 +12,17 @@
 
 mod workspace;
 
-pub use workspace::{Workspace, WorkspaceIds};
+pub use workspace::{Workspace, WorkspaceIds, gemm_shapes};
 
 use crate::config::ModelConfig;
+use crate::cuda::blockscaled_gemm::BlockScaledGemm;
 use crate::cuda::device_model::DeviceModel;
 use crate::cuda::kernel_sets::reference::{self, ReferenceSet};
 use crate::cuda::kernel_sets::{Branch, FastLinears, KernelSet, LinearCall, LogitsTarget, Step};
 use crate::cuda::kernels::fast_dense::{DenseOp, FUSED_ACT_MAX_T, FastDense};
+use crate::cuda::kernels::fast_dense_gemm::{
+    GEMM_MIN_TOKENS, GemmWorkspace, gemm_pays, gemm_shape, run_gemm,
+};
 use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared, Unsupported};
 use crate::cuda::kernels::moe::{RouterParams, Selection};
 use crate::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
@@ -26,6 +30,7 @@ use crate::cuda::registry::{KernelSource, Registry};
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::Result;
+use crate::error::Status;
 use crate::log::{self, Level, log};
 use crate::model::ModelWeights;
 use crate::weights::format::StorageFormat;
@@ -47,6 +52,10 @@ pub struct FastSet {
     reference: ReferenceSet,
     moe: FastMoe,
     dense: FastDense,
+    /// cuBLASLt's GEMMs for projections of many tokens ([`gemm_pays`]); None when the
+    /// engine's token capacity stays below that or cuBLASLt cannot be loaded (said at WARN):
+    /// the gemv runs every projection then.
+    gemm: Option<(BlockScaledGemm, GemmWorkspace)>,
     ws: Workspace,
     /// Whether the first forward has logged which MoE layers run the fast kernels.
     reported: AtomicBool,
@@ -54,14 +63,43 @@ pub struct FastSet {
 
 impl FastSet {
     pub fn new(
+        ctx: &Context,
         reg: &Registry,
         reference_ws: reference::Workspace,
         ws: Workspace,
+        cfg: &ModelConfig,
+        max_num_tokens: usize,
     ) -> Result<FastSet> {
+        let gemm = match ws.gemm {
+            None => None,
+            Some((operand, lt_ws)) => {
+                match BlockScaledGemm::new(ctx, &gemm_shapes(cfg), max_num_tokens, lt_ws) {
+                    Ok(g) => {
+                        log(
+                            Level::Info,
+                            &format!(
+                                "fast set: projections of {GEMM_MIN_TOKENS} tokens or more (small FP8 ones from 128) run through cuBLASLt {}",
+                                g.version()
+                            ),
+                        );
+                        Some((g, operand))
+                    }
+                    Err(e) if e.status == Status::Unsupported => {
+                        crate::log::warn(&format!(
+                            "fast set: projections of many tokens run the gemv kernels, not cuBLASLt: {}",
+                            e.message
+                        ));
+                        None
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        };
         Ok(FastSet {
             reference: ReferenceSet::new(reg, reference_ws)?,
             moe: FastMoe::new(reg)?,
             dense: FastDense::new(reg)?,
+            gemm,
             ws,
             reported: AtomicBool::new(false),
         })
@@ -271,6 +309,20 @@ impl FastLinears for FastSet {
             ldy: call.ldy,
             fused_act_max_t: FUSED_ACT_MAX_T,
         };
+        if let Some((gemm, operand)) = &self.gemm
+            && gemm_shape(
+                op.w.format,
+                op.w.block,
+                op.w.rows,
+                op.w.cols,
+                op.groups,
+                op.mode,
+            )
+            .is_some_and(|shape| gemm_pays(&shape, op.t))
+            && run_gemm(&self.dense, gemm, ctx, &op, operand, &self.ws.dense, stream)?
+        {
+            return Ok(true);
+        }
         self.dense.run(ctx, &op, &self.ws.dense, stream)?;
         Ok(true)
     }

@@ -1,10 +1,14 @@
 //! The fast set's own workspace (beside the reference set's, which it shares): the fast MoE's
-//! buffers for `max_num_tokens` and the dense projections' (for their largest shape), declared
-//! in the engine's memory plan at create.
+//! buffers for `max_num_tokens`, the dense projections' (for their largest shape) and, when
+//! `max_num_tokens` reaches the cuBLASLt crossover, the GEMM path's activation operand and
+//! cuBLASLt's own workspace, declared in the engine's memory plan at create.
 
 use crate::config::ModelConfig;
+use crate::cuda::DevicePtr;
 use crate::cuda::arena::{Arena, RegionId};
-use crate::cuda::kernels::fast_dense::{self, DenseWorkspace, Shape};
+use crate::cuda::blockscaled_gemm::{self, GemmShape};
+use crate::cuda::kernels::fast_dense::{self, ActMode, DenseWorkspace, Shape};
+use crate::cuda::kernels::fast_dense_gemm::{self, GEMM_MIN_TOKENS, GemmWorkspace};
 use crate::cuda::kernels::fast_moe::{self, FastMoeWorkspace};
 use crate::cuda::memory_plan::{BufferKind, Elem, MemoryPlan};
 use crate::error::Result;
@@ -15,6 +19,8 @@ use crate::options::EngineOptions;
 pub struct Workspace {
     pub moe: FastMoeWorkspace,
     pub dense: DenseWorkspace,
+    /// The GEMM path's operand and cuBLASLt's workspace, when planned.
+    pub gemm: Option<(GemmWorkspace, DevicePtr)>,
 }
 
 /// Arena ids of [`Workspace`]'s buffers ([`fast_moe::workspace_buffers`] order), then the dense
@@ -22,6 +28,7 @@ pub struct Workspace {
 pub struct WorkspaceIds {
     ids: Vec<RegionId>,
     dense: [RegionId; 2],
+    gemm: Option<[RegionId; 3]>,
     t: usize,
     k: usize,
     experts: usize,
@@ -57,9 +64,29 @@ impl Workspace {
                 &[n.max(1)],
             )?);
         }
+        let shapes = gemm_shapes(cfg);
+        let gemm = if t >= GEMM_MIN_TOKENS && !shapes.is_empty() {
+            let [codes, scale] = fast_dense_gemm::gemm_workspace_sizes(&shapes, t);
+            let mut decl = |name: &str, elem, n: usize| {
+                plan.declare(
+                    BufferKind::Workspace,
+                    format!("workspace:fast_dense.{name}"),
+                    elem,
+                    &[n.max(1)],
+                )
+            };
+            Some([
+                decl("gemm_operand", Elem::U8, codes)?,
+                decl("gemm_scale", Elem::F32, scale)?,
+                decl("cublaslt", Elem::U8, blockscaled_gemm::WORKSPACE_BYTES)?,
+            ])
+        } else {
+            None
+        };
         Ok(WorkspaceIds {
             ids,
             dense: [dense[0], dense[1]],
+            gemm,
             t,
             k,
             experts: e,
@@ -74,6 +101,15 @@ impl Workspace {
                 act: arena.region(w.dense[0]),
                 scale: arena.region(w.dense[1]),
             },
+            gemm: w.gemm.map(|[codes, scale, lt]| {
+                (
+                    GemmWorkspace {
+                        codes: arena.region(codes),
+                        scale: arena.region(scale),
+                    },
+                    arena.region(lt),
+                )
+            }),
         }
     }
 }
@@ -108,6 +144,43 @@ pub fn dense_shapes(cfg: &ModelConfig) -> Vec<Shape> {
         one(2 * di, d),
         one(cfg.vocab_size, d),
     ]
+}
+
+/// The projections among [`dense_shapes`] the cuBLASLt GEMMs may run: one group, FP8 with the
+/// official act_quant (the attention projections as the release stores them) or BF16 (the
+/// compressors', weights_proj, the head), each only where the GEMMs support its shape.
+pub fn gemm_shapes(cfg: &ModelConfig) -> Vec<GemmShape> {
+    let (d, ql, h, hd) = (
+        cfg.hidden_size,
+        cfg.q_lora_rank,
+        cfg.num_heads,
+        cfg.head_dim,
+    );
+    let (g, r) = (cfg.o_groups.max(1), cfg.o_lora_rank);
+    let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
+    let mut out = Vec::new();
+    let mut add = |format, n, k, mode| {
+        if let Some(s) = fast_dense_gemm::gemm_shape(format, [128, 128], n, k, 1, mode)
+            && !out.contains(&s)
+        {
+            out.push(s);
+        }
+    };
+    use crate::weights::format::StorageFormat::{Bf16, Fp8};
+    for (n, k) in [(ql, d), (h * hd, ql), (hd, d), (d, g * r), (hi * di, ql)] {
+        add(Fp8, n, k, ActMode::Quant);
+    }
+    for (n, k) in [
+        (hi, d),
+        (2 * hd, d),
+        (hd, d),
+        (2 * di, d),
+        (di, d),
+        (cfg.vocab_size, d),
+    ] {
+        add(Bf16, n, k, ActMode::Bf16);
+    }
+    out
 }
 
 #[cfg(test)]

@@ -1,0 +1,203 @@
+//! The fast dense projections of many tokens (prefill): cuBLASLt GEMMs
+//! ([`crate::cuda::blockscaled_gemm`]) fed by `fd_lt_operand_kernel` (the official act_quant's
+//! e4m3 codes and scales, or BF16 values) and followed by `fd_round_bf16_kernel` where the
+//! model's output is BF16 (kernels/fast_dense.cu). Three launches a call (two without the
+//! rounding), against one gemv launch per 64 tokens that re-reads the weight each time.
+//!
+//! The same `DenseOp` as the gemv path; what this path cannot take (wo_a's grouped BF16 einsum
+//! of FP8 weights, shapes cuBLASLt's block scaling does not cover, m without a planned algorithm)
+//! it declines and the gemv runs it. cuBLASLt takes the tokens in multiples of [`M_GRANULE`]
+//! (its block-scaled algorithms refuse other m, the activation scales' rows being 16-byte
+//! aligned: measured, tests/gpu_fast_dense.rs); the last `t % M_GRANULE` tokens of a call run
+//! the gemv, in the same call.
+//!
+//! Numerics: the same products (e4m3 x e4m3 with the same scales, or BF16 x BF16) summed by
+//! cuBLASLt's kernels in f32 (its order; FP8 block-scaled GEMMs promote every 128 of k to apply
+//! the scales); tests/gpu_fast_dense.rs states and asserts the bound.
+
+use super::fast_dense::{ActMode, DenseOp, DenseWorkspace, FastDense, LtOperand};
+use crate::cuda::blockscaled_gemm::{BlockScaledGemm, GemmCall, GemmKind, GemmShape};
+use crate::cuda::stream::BorrowedStream;
+use crate::cuda::{Context, DevicePtr};
+use crate::error::Result;
+use crate::weights::format::StorageFormat;
+
+/// Fewest tokens any projection runs through cuBLASLt ([`gemm_pays`] has the rule).
+pub const GEMM_MIN_TOKENS: usize = 32;
+
+/// Fewest tokens an FP8 weight under [`SMALL_FP8_BYTES`] runs through cuBLASLt.
+pub const SMALL_FP8_MIN_TOKENS: usize = 128;
+
+/// FP8 weights below this many bytes (Flash's wq_a, 4 MiB, and wkv, 2 MiB) keep the gemv longer.
+pub const SMALL_FP8_BYTES: usize = 8 << 20;
+
+/// Whether `t` tokens of `shape` run faster through the GEMM path than through the gemv, by the
+/// crossover `dsv4 bench dense` measured on the H200 (BENCHMARKS.md, "cuBLASLt for many tokens";
+/// whole calls, operand and rounding included): from 32 tokens the GEMM path wins on every
+/// Flash projection but two, by 1.7-3.2x at 64; cuBLASLt's block-scaled FP8 kernels cost ~14 µs
+/// however small the weight, so the small FP8 ones (wq_a, wkv: 9-15 µs through the gemv up to 64
+/// tokens) switch at 128. At 16 tokens the gemv loses only where the weight is large (wo_b 25.1
+/// against 19.8 µs) and wins on others (wq_b 17.2 against 19.9): 32 is the one threshold.
+pub fn gemm_pays(shape: &GemmShape, t: usize) -> bool {
+    let small_fp8 = shape.kind == GemmKind::Fp8BlockScaled
+        && shape.n * shape.k * shape.operand_size() < SMALL_FP8_BYTES;
+    t >= if small_fp8 {
+        SMALL_FP8_MIN_TOKENS
+    } else {
+        GEMM_MIN_TOKENS
+    }
+}
+
+/// cuBLASLt runs the largest multiple of this many tokens of a call; the gemv the rest.
+pub const M_GRANULE: usize = 4;
+
+/// The activation operand of the GEMMs (declared at create by [`gemm_workspace_sizes`]).
+#[derive(Clone, Copy, Debug)]
+pub struct GemmWorkspace {
+    /// `[max tokens, max K]` e4m3 codes, or BF16 values (2 bytes each).
+    pub codes: DevicePtr,
+    /// `[max K / 128, max tokens]` f32.
+    pub scale: DevicePtr,
+}
+
+/// Bytes of [`GemmWorkspace::codes`] and elements of [`GemmWorkspace::scale`] for `shapes` at
+/// up to `max_t` tokens.
+pub fn gemm_workspace_sizes(shapes: &[GemmShape], max_t: usize) -> [usize; 2] {
+    let codes = shapes
+        .iter()
+        .map(|s| s.k * s.operand_size())
+        .max()
+        .unwrap_or(0);
+    let k = shapes.iter().map(|s| s.k).max().unwrap_or(0);
+    [max_t * codes, max_t * k / 128]
+}
+
+/// The GEMM shape of a projection the GEMMs can take: one group, FP8 with 128 x 128 blocks and
+/// the official act_quant, or BF16.
+pub fn gemm_shape(
+    w_format: StorageFormat,
+    block: [usize; 2],
+    rows: usize,
+    k: usize,
+    groups: usize,
+    mode: ActMode,
+) -> Option<GemmShape> {
+    if groups != 1 {
+        return None;
+    }
+    let kind = match (w_format, mode) {
+        (StorageFormat::Fp8, ActMode::Quant) if block == [128, 128] => GemmKind::Fp8BlockScaled,
+        (StorageFormat::Bf16, ActMode::Bf16) => GemmKind::Bf16,
+        _ => return None,
+    };
+    let s = GemmShape { kind, n: rows, k };
+    s.supported().then_some(s)
+}
+
+/// Runs `op` through cuBLASLt (its last `t % M_GRANULE` tokens through the gemv, with
+/// `gemv_ws`) and returns true, or returns false having run nothing that writes `y` (the
+/// caller's gemv runs it): see the module doc for what is declined.
+pub fn run_gemm(
+    dense: &FastDense,
+    gemm: &BlockScaledGemm,
+    ctx: &Context,
+    op: &DenseOp,
+    ws: &GemmWorkspace,
+    gemv_ws: &DenseWorkspace,
+    stream: BorrowedStream,
+) -> Result<bool> {
+    let w = &op.w;
+    let Some(shape) = gemm_shape(w.format, w.block, w.rows, w.cols, op.groups, op.mode) else {
+        return Ok(false);
+    };
+    let m = op.t / M_GRANULE * M_GRANULE;
+    if m == 0 || !gemm.covers(&shape, m) {
+        return Ok(false);
+    }
+    let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
+    let codes_bytes = m * shape.k * shape.operand_size();
+    let scale_bytes = m * shape.k / 128 * 4;
+    if ws.codes.bytes() < codes_bytes || (fp8 && ws.scale.bytes() < scale_bytes) {
+        return Ok(false);
+    }
+    let codes = ws.codes.slice(0, codes_bytes)?;
+    let scale = if fp8 {
+        ws.scale.slice(0, scale_bytes)?
+    } else {
+        ws.scale
+    };
+    dense.lt_operand(
+        ctx,
+        &LtOperand {
+            x: op.x,
+            ldx: op.ldx,
+            t: m,
+            k: shape.k,
+            mode: op.mode,
+            codes,
+            scale,
+        },
+        stream,
+    )?;
+    let call = GemmCall {
+        shape,
+        m,
+        w: w.data,
+        wscale: if fp8 { w.scales } else { None },
+        a: codes,
+        ascale: fp8.then_some(scale),
+        y: op.y,
+        ldy: op.ldy,
+    };
+    // Declined only when the planned algorithm does not fit this exact m: the operand just
+    // made is then unused (the workspace holds nothing else).
+    if !gemm.run(ctx, &call, stream)? {
+        return Ok(false);
+    }
+    if op.round {
+        dense.round_bf16(ctx, op.y, op.ldy, m, shape.n, stream)?;
+    }
+    if op.t > m {
+        let tail = DenseOp {
+            x: op.x.slice(m * op.ldx * 4, op.x.bytes() - m * op.ldx * 4)?,
+            y: op.y.slice(m * op.ldy * 4, op.y.bytes() - m * op.ldy * 4)?,
+            t: op.t - m,
+            ..*op
+        };
+        dense.run(ctx, &tail, gemv_ws, stream)?;
+    }
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_and_crossover_follow_the_measurement() {
+        let fp8 = |n, k| gemm_shape(StorageFormat::Fp8, [128, 128], n, k, 1, ActMode::Quant);
+        let bf16 = |n, k| gemm_shape(StorageFormat::Bf16, [0, 0], n, k, 1, ActMode::Bf16);
+        // Flash: wq_a and wkv switch at 128 tokens, the other projections at 32.
+        for (s, at) in [
+            (fp8(1024, 4096), 128),
+            (fp8(512, 4096), 128),
+            (fp8(32768, 1024), 32),
+            (fp8(4096, 8192), 32),
+            (fp8(8192, 1024), 32),
+            (bf16(1024, 4096), 32),
+            (bf16(64, 4096), 32),
+            (bf16(129280, 4096), 32),
+        ] {
+            let s = s.expect("a GEMM shape");
+            assert!(!gemm_pays(&s, at - 1) && gemm_pays(&s, at), "{s:?} at {at}");
+        }
+        // Declined: wo_a's grouped einsum, FP8 without act_quant, other FP8 blocks, FP4.
+        assert!(gemm_shape(StorageFormat::Fp8, [128, 128], 8192, 4096, 8, ActMode::F16).is_none());
+        assert!(gemm_shape(StorageFormat::Fp8, [128, 128], 1024, 4096, 1, ActMode::F16).is_none());
+        assert!(gemm_shape(StorageFormat::Fp8, [1, 128], 1024, 4096, 1, ActMode::Quant).is_none());
+        assert!(gemm_shape(StorageFormat::Fp4, [1, 32], 1024, 4096, 1, ActMode::Quant).is_none());
+        // The operand holds the widest K of either kind at the most tokens.
+        let shapes = [fp8(4096, 8192).unwrap(), bf16(1024, 4096).unwrap()];
+        assert_eq!(gemm_workspace_sizes(&shapes, 100), [100 * 8192, 100 * 64]);
+    }
+}
