@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The ceilings and the PyTorch baselines for `dsv4 bench dense`, in the same run (PERF.md).
 
-Reads the JSON lines `dsv4 bench dense` printed (one per projection and token count), then on the
-same GPU:
-  - measures the HBM ceiling and the FP8 ceiling (moe_baseline.py's functions);
+Reads the JSON lines `dsv4 bench dense` printed (one per projection, token count and path: the
+gemv kernels, the cuBLASLt GEMM path, cuBLASLt alone), then on the same GPU:
+  - measures the HBM ceiling, the FP8 ceiling (moe_baseline.py's functions) and the BF16 ceiling
+    (an 8192^3 BF16 matmul);
   - times PyTorch on the same shapes, cycling over enough weight copies (>= 256 MB) that L2 holds
     none between calls, as the dsv4 bench does:
       * bf16: `x @ W.T` (or the grouped einsum of wo_a) on BF16 weights: what an engine without
@@ -12,7 +13,8 @@ same GPU:
         activation scales, 128 x 128 weight scales), i.e. cuBLASLt, the GEMM alone (the
         activations are quantized outside the timing);
   - adds per case the byte floor (weight bytes / HBM ceiling), the fraction of HBM bandwidth, the
-    fraction of FP8 peak and the speed-up over each baseline, and writes one JSON document.
+    fraction of FP8 peak (FP8 projections) or of BF16 peak (BF16 ones) and the speed-up over each
+    baseline (each baseline timed once per projection and T), and writes one JSON document.
 
 usage: dense_baseline.py --cases cases.jsonl --out result.json [--commit SHA]
 """
@@ -23,6 +25,14 @@ import os
 import torch
 
 from moe_baseline import fp8_peak, hbm_bandwidth, timed, write_result
+
+
+def bf16_peak():
+    m = 8192
+    a = torch.randn(m, m, device="cuda").to(torch.bfloat16)
+    b = torch.randn(m, m, device="cuda").to(torch.bfloat16)
+    t = timed(lambda: a @ b, 20)
+    return 2 * m**3 / t
 
 
 def copies_for(nbytes):
@@ -74,6 +84,15 @@ def main():
     cases = [json.loads(l) for l in open(args.cases) if l.startswith("{")]
     bw = hbm_bandwidth()
     peak = fp8_peak()
+    peak16 = bf16_peak()
+    memo = {}
+
+    def once(kind, c, fn):
+        key = (kind, c["projection"], c["T"])
+        if key not in memo:
+            memo[key] = fn(c)
+        return memo[key]
+
     for c in cases:
         ours = c["time_us"] * 1e-6
         floor_bytes = c["weight_bytes"] / bw
@@ -84,11 +103,13 @@ def main():
         c["time_over_floor"] = round(ours / floor, 3)
         c["fraction_of_hbm"] = round(c["weight_bytes"] / ours / bw, 3)
         c["fraction_of_fp8_peak"] = round(c["flops"] / ours / peak, 4)
-        tb = bf16_baseline(c)
+        if c["format"] == "bf16":
+            c["fraction_of_bf16_peak"] = round(c["flops"] / ours / peak16, 4)
+        tb = once("bf16", c, bf16_baseline)
         c["torch_bf16_us"] = round(tb * 1e6, 2)
         c["speedup_vs_torch_bf16"] = round(tb / ours, 2)
         if c["format"] == "fp8":
-            tf, why = fp8_baseline(c)
+            tf, why = once("fp8", c, fp8_baseline)
             if tf is None:
                 c["torch_fp8_blockwise"] = f"not run: {why}"
             else:
@@ -98,7 +119,7 @@ def main():
         torch.cuda.empty_cache()
     write_result(args.out, args.commit,
                  "dsv4 bench dense > cases.jsonl; python3 bench/dense_baseline.py --cases cases.jsonl --out OUT",
-                 {"hbm_bytes_per_s": bw, "fp8_flop_per_s": peak}, cases)
+                 {"hbm_bytes_per_s": bw, "fp8_flop_per_s": peak, "bf16_flop_per_s": peak16}, cases)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,11 @@
 //!
 //! Up to 16 tokens each case runs twice: the activation operands made inside the gemv blocks
 //! (`act_in_gemv`, what the fast set does up to `FUSED_ACT_MAX_T` tokens) and by `fd_act_kernel`
-//! first.
+//! first. From `blockscaled_gemm::MIN_M` tokens, the projections cuBLASLt takes (all but wo_a's
+//! grouped einsum) also run the GEMM path (`path: "cublaslt"`: operand kernel, cuBLASLt, BF16
+//! rounding where the model rounds: the whole call, as the fast set runs it) and the cuBLASLt
+//! GEMM alone (`"cublaslt_gemm_only"`); the gemv lines are `path: "gemv"`. Together they are the
+//! crossover table (which path the fast set should take at each T).
 //!
 //! Timing: each case captures one call on each of R copies of the weight (together at least
 //! 256 MB, so the 50 MB L2 holds none of them between calls) into a CUDA graph, replays it G
@@ -17,11 +21,13 @@ use std::time::Instant;
 
 use crate::bench_util::{alloc, e};
 use dsv4::cuda::arena;
+use dsv4::cuda::blockscaled_gemm::{self, BlockScaledGemm, GemmCall, GemmKind, GemmShape};
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
 use dsv4::cuda::kernels::fast_dense::{
     self, ActMode, DenseOp, DenseWorkspace, FastDense, Shape, TOKENS,
 };
+use dsv4::cuda::kernels::fast_dense_gemm::{self, GemmWorkspace};
 use dsv4::cuda::kernels::linear::{StorageFormat, WeightDev};
 use dsv4::cuda::registry::{KernelCache, Registry};
 use dsv4::cuda::stream::OwnedStream;
@@ -165,6 +171,27 @@ impl Projection {
     }
 }
 
+/// How a case runs the projection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    /// The gemv kernels, the operands made inside the gemv blocks or by fd_act_kernel first.
+    Gemv { fused: bool },
+    /// The fast set's GEMM path: operand kernel, cuBLASLt, BF16 rounding.
+    Gemm,
+    /// cuBLASLt alone on an operand made beforehand.
+    GemmOnly,
+}
+
+impl Path {
+    fn name(self) -> &'static str {
+        match self {
+            Path::Gemv { .. } => "gemv",
+            Path::Gemm => "cublaslt",
+            Path::GemmOnly => "cublaslt_gemm_only",
+        }
+    }
+}
+
 /// xorshift64*: the bench's weights and activations (fixed seed).
 struct Rng(u64);
 
@@ -223,6 +250,31 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
         scale: wp[1],
     };
     let tmax = tokens.iter().copied().max().unwrap_or(1);
+    let gemm_shape = |p: &Projection| {
+        fast_dense_gemm::gemm_shape(p.format, [128, 128], p.rows(), p.k, p.groups, p.mode)
+    };
+    let gemm_shapes: Vec<GemmShape> = FLASH.iter().filter_map(gemm_shape).collect();
+    let [codes, gscale] = fast_dense_gemm::gemm_workspace_sizes(&gemm_shapes, tmax);
+    let (_gemm_arena, gp) = alloc(
+        &ctx,
+        "bench_dense",
+        &[
+            codes.max(1),
+            gscale.max(1) * 4,
+            blockscaled_gemm::WORKSPACE_BYTES,
+        ],
+    )?;
+    let gws = GemmWorkspace {
+        codes: gp[0],
+        scale: gp[1],
+    };
+    let gemm = match BlockScaledGemm::new(&ctx, &gemm_shapes, tmax, gp[2]) {
+        Ok(g) => Some(g),
+        Err(err) => {
+            eprintln!("bench dense: no cuBLASLt GEMM path: {}", err.message);
+            None
+        }
+    };
     let mut rng = Rng(0x5EED_D15E);
     for p in FLASH.iter().filter(|p| only.is_none_or(|o| o == p.name)) {
         let wbytes = p.weight_bytes();
@@ -256,26 +308,86 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
         };
         // The operands made inside the gemv (as the fast set does up to FUSED_ACT_MAX_T tokens)
         // and by fd_act_kernel first, both timed up to 16 tokens.
+        let gshape = gemm_shape(p);
+        let gemm_at = |t: usize| gemm.as_ref().zip(gshape).filter(|(g, s)| g.covers(s, t));
         let variants = tokens.iter().flat_map(|&t| {
-            [(t, true), (t, false)]
-                .into_iter()
-                .filter(move |&(t, fused)| t <= 16 || !fused)
+            [
+                (t, Path::Gemv { fused: true }),
+                (t, Path::Gemv { fused: false }),
+                (t, Path::Gemm),
+                (t, Path::GemmOnly),
+            ]
+            .into_iter()
+            .filter(move |&(t, path)| match path {
+                Path::Gemv { fused } => t <= 16 || !fused,
+                Path::Gemm | Path::GemmOnly => {
+                    t >= blockscaled_gemm::MIN_M
+                        && t.is_multiple_of(fast_dense_gemm::M_GRANULE)
+                        && gemm_at(t).is_some()
+                }
+            })
         });
-        for (t, fused) in variants {
-            let call = |j: usize| {
-                let op = DenseOp {
-                    x,
-                    ldx: width,
-                    t,
-                    w: weight(j),
-                    groups: p.groups,
-                    mode: p.mode,
-                    round: p.round,
-                    y,
-                    ldy: outs,
-                    fused_act_max_t: if fused { TOKENS } else { 0 },
-                };
-                dense.run(&ctx, &op, &ws, s)
+        for (t, path) in variants {
+            let fused = matches!(path, Path::Gemv { fused: true });
+            let op_of = |j: usize| DenseOp {
+                x,
+                ldx: width,
+                t,
+                w: weight(j),
+                groups: p.groups,
+                mode: p.mode,
+                round: p.round,
+                y,
+                ldy: outs,
+                fused_act_max_t: if fused { TOKENS } else { 0 },
+            };
+            if path == Path::GemmOnly {
+                // The operand once, outside the timing: each replay is cuBLASLt alone.
+                let (g, _) = gemm_at(t).unwrap();
+                if !fast_dense_gemm::run_gemm(&dense, g, &ctx, &op_of(0), &gws, &ws, s)
+                    .map_err(e)?
+                {
+                    return Err(format!("{}: T={t}: the GEMM path declined", p.name));
+                }
+            }
+            let call = |j: usize| -> dsv4::Result<()> {
+                match path {
+                    Path::Gemv { .. } => dense.run(&ctx, &op_of(j), &ws, s),
+                    Path::Gemm => {
+                        let (g, _) = gemm_at(t).unwrap();
+                        if fast_dense_gemm::run_gemm(&dense, g, &ctx, &op_of(j), &gws, &ws, s)? {
+                            Ok(())
+                        } else {
+                            Err(dsv4::Error::new(
+                                dsv4::Status::Internal,
+                                format!("{} at T={t}: the GEMM path declined", p.name),
+                            ))
+                        }
+                    }
+                    Path::GemmOnly => {
+                        let (g, shape) = gemm_at(t).unwrap();
+                        let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
+                        let w = weight(j);
+                        let call = GemmCall {
+                            shape,
+                            m: t,
+                            w: w.data,
+                            wscale: if fp8 { w.scales } else { None },
+                            a: gws.codes,
+                            ascale: fp8.then_some(gws.scale),
+                            y,
+                            ldy: outs,
+                        };
+                        if g.run(&ctx, &call, s)? {
+                            Ok(())
+                        } else {
+                            Err(dsv4::Error::new(
+                                dsv4::Status::Internal,
+                                "cuBLASLt declined",
+                            ))
+                        }
+                    }
+                }
             };
             call(0).map_err(e)?;
             s.synchronize().map_err(e)?;
@@ -300,17 +412,23 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
             let sec = per_call[replays / 2];
             let flops = 2.0 * t as f64 * (p.rows() * p.k) as f64;
             println!(
-                "{{\"bench\": \"dense\", \"projection\": \"{}\", \"format\": \"{}\", \"T\": {t}, \"N\": {}, \"K\": {}, \"groups\": {}, \"slices\": {}, \"act_in_gemv\": {fused}, \"time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_call\": {}, \"calls_timed\": {}}}",
+                "{{\"bench\": \"dense\", \"projection\": \"{}\", \"format\": \"{}\", \"T\": {t}, \"N\": {}, \"K\": {}, \"groups\": {}, \"slices\": {}, \"path\": \"{}\", \"act_in_gemv\": {fused}, \"time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_call\": {}, \"calls_timed\": {}}}",
                 p.name,
                 p.format_name(),
                 p.n,
                 p.k,
                 p.groups,
                 fast_dense::slices(p.n, p.k, p.groups).unwrap_or(0),
+                path.name(),
                 sec * 1e6,
                 wbytes as f64 / sec / 1e9,
                 flops / sec / 1e12,
-                t.div_ceil(TOKENS) * if fused { 1 } else { 2 },
+                match path {
+                    Path::Gemv { fused } => t.div_ceil(TOKENS) * if fused { 1 } else { 2 },
+                    // Ours, plus cuBLASLt's (one kernel, or two with a split-K reduction).
+                    Path::Gemm => 2 + usize::from(p.round),
+                    Path::GemmOnly => 1,
+                },
                 replays * copies,
             );
             std::io::stdout().flush().ok();

@@ -321,9 +321,10 @@ fn demo(a: &Args) -> Result<(), String> {
             })
         };
         println!(
-            "CUDA libraries: driver {}; NVRTC {}",
+            "CUDA libraries: driver {}; NVRTC {}; cuBLASLt {}",
             show(CudaLib::Driver),
-            show(CudaLib::Nvrtc)
+            show(CudaLib::Nvrtc),
+            show(CudaLib::CublasLt)
         );
     }
     let prompts: Vec<Vec<i32>> = [37usize, 20, 53]
@@ -678,7 +679,8 @@ fn bench(a: &Args) -> Result<(), String> {
         Some("dense") => {
             let dev = cuda_device(a, "bench dense")?;
             let tokens = positive_list(
-                a.get("tokens").unwrap_or("1,2,4,8,16,32,64,128,512"),
+                a.get("tokens")
+                    .unwrap_or("1,2,4,8,16,32,64,128,512,2048,8192"),
                 "tokens",
             )?;
             return bench_dense::run(dev, &tokens, a.get("projection"));
