@@ -118,6 +118,39 @@ DSV4_INLINE void hc_sinkhorn_warp(float* c, int n, int iters, float eps) {
 
 // -------------------------------------------------------------------------------- hc_pre
 
+// The gates of one token from its logits m (shared, already scaled by rho), run by the lanes of
+// ONE warp: pre_i = sigmoid(a0*m_i + base_i) + hc_eps into `pre` (shared); post_i =
+// 2*sigmoid(a1*m_{N+i} + base_{N+i}) and the Sinkhorn of the comb logits a2*m_{2N+i} +
+// base_{2N+i} (in `c`, shared) into post_out / comb_out unless they are NULL.
+DSV4_INLINE void hc_gates(const float* m, int N, const float* base, const float* scale, int iters, float hc_eps,
+                          float* pre, float* c, float* post_out, float* comb_out) {
+  const int me = threadIdx.x & 31;
+  const float a0 = scale[0], a1 = scale[1], a2 = scale[2];
+  if (me < N) {
+    pre[me] = __fadd_rn(ref_sigmoid(__fadd_rn(__fmul_rn(a0, m[me]), base[me])), hc_eps);
+    const float p = __fmul_rn(2.0f, ref_sigmoid(__fadd_rn(__fmul_rn(a1, m[N + me]), base[N + me])));
+    if (post_out != nullptr) post_out[me] = p;
+  }
+  for (int i = me; i < N * N; i += 32) c[i] = __fadd_rn(__fmul_rn(a2, m[2 * N + i]), base[2 * N + i]);
+  __syncwarp();
+  hc_sinkhorn_warp(c, N, iters, hc_eps);
+  if (comb_out != nullptr)
+    for (int i = me; i < N * N; i += 32) comb_out[i] = c[i];
+}
+
+// out[i] = f32(Σ_n f64(w_n * xt[n, i])) (products in f32, the sum in stream order from -0.0),
+// bf16 if round_out, for columns i0 <= i < i1 of one token's streams xt [N, D] (block-strided).
+DSV4_INLINE void hc_collapse(const float* xt, const float* w, int N, int D, int i0, int i1, int round_out,
+                             float* out) {
+  for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+    double s = -0.0;
+    for (int n = 0; n < N; ++n) s = __dadd_rn(s, (double)__fmul_rn(w[n], xt[(long long)n * D + i]));
+    float v = (float)s;
+    if (round_out) v = round_bf16(v);
+    out[i] = v;
+  }
+}
+
 // One block per token t (grid-stride) of x [T, N, D]: mixing logits m = rho * (Φ x̄) over the
 // flattened streams; pre_i = sigmoid(a0*m_i + base_i) + hc_eps, post_i = 2*sigmoid(a1*m_{N+i} +
 // base_{N+i}), comb logits a2*m_{2N+i} + base_{2N+i} -> Sinkhorn (iters rounds); u[t, i] =
@@ -142,26 +175,10 @@ extern "C" __global__ void hc_pre_kernel(const float* x, int T, int N, int D, co
       hc_mix_logits(xt, (long long)D, fold, mix, rms_eps, m, red, scratch);
     else
       hc_mix_logits(xt, nd, proj, mix, rms_eps, m, red, scratch);
-    if (threadIdx.x < 32) {
-      const int me = threadIdx.x;
-      const float a0 = scale[0], a1 = scale[1], a2 = scale[2];
-      if (me < N) {
-        pre[me] = __fadd_rn(ref_sigmoid(__fadd_rn(__fmul_rn(a0, m[me]), base[me])), hc_eps);
-        post[(long long)t * N + me] = __fmul_rn(2.0f, ref_sigmoid(__fadd_rn(__fmul_rn(a1, m[N + me]), base[N + me])));
-      }
-      for (int i = me; i < N * N; i += 32) c[i] = __fadd_rn(__fmul_rn(a2, m[2 * N + i]), base[2 * N + i]);
-      __syncwarp();
-      hc_sinkhorn_warp(c, N, iters, hc_eps);
-      for (int i = me; i < N * N; i += 32) comb[(long long)t * N * N + i] = c[i];
-    }
+    if (threadIdx.x < 32)
+      hc_gates(m, N, base, scale, iters, hc_eps, pre, c, post + (long long)t * N, comb + (long long)t * N * N);
     __syncthreads();
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-      double s = -0.0;
-      for (int n = 0; n < N; ++n) s = __dadd_rn(s, (double)__fmul_rn(pre[n], xt[(long long)n * D + i]));
-      float v = (float)s;
-      if (round_u) v = round_bf16(v);
-      u[(long long)t * D + i] = v;
-    }
+    hc_collapse(xt, pre, N, D, 0, D, round_u, u + (long long)t * D);
     __syncthreads();  // shared m / c / pre are reused by the next token
   }
 }
@@ -214,15 +231,135 @@ extern "C" __global__ void hc_head_kernel(const float* x, int R, int N, int D, c
     if (threadIdx.x < N)
       w[threadIdx.x] = __fadd_rn(ref_sigmoid(__fadd_rn(__fmul_rn(m[threadIdx.x], scale[0]), base[threadIdx.x])), hc_eps);
     __syncthreads();
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-      double s = -0.0;
-      for (int n = 0; n < N; ++n) s = __dadd_rn(s, (double)__fmul_rn(w[n], xr[(long long)n * D + i]));
-      float v = (float)s;
-      if (round_out) v = round_bf16(v);
-      y[(long long)r * D + i] = v;
+    hc_collapse(xr, w, N, D, 0, D, round_out, y + (long long)r * D);
+    __syncthreads();
+  }
+}
+
+// ------------------------------------------------------------ few tokens: split over blocks
+
+// With few tokens one block per token leaves the GPU idle and waits on one SM's memory latency
+// (a Flash-shaped hc_pre at T = 1 took ~270 µs). Instead hc_mix_partial_kernel splits each
+// token's columns over S = gridDim.x blocks: block s writes its f64 partial sums of the `mix`
+// logits' dot products and of x² into partials [T, S, mix + 1]; then hc_pre_finish_kernel /
+// hc_head_finish_kernel add them in s order and do what the one-block kernels do after
+// hc_mix_logits, each block for a slice of the D outputs. Only the grouping of the f64 sums
+// changes (as any thread layout does): the f32 results are the reference's unless an f64 rounding
+// error straddles an f32 rounding boundary (docs/numerics.md; tests/gpu_mhc.rs compares bit for bit).
+
+// Block (s, t)'s partial sums over its columns [s*len, min((s+1)*len, cols)) of token t's flat
+// streams (row stride nd): Σ P[j, i] x[i] for j < mix, then Σ x[i]².
+template <typename P>
+DSV4_INLINE void hc_partial_sums(const float* xt, long long cols, const P* proj, int mix, double* out, double* red,
+                                 double* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const long long len = (cols + gridDim.x - 1) / gridDim.x;
+  const long long c0 = min((long long)blockIdx.x * len, cols), c1 = min(c0 + len, cols);
+  double sq = 0.0;
+  for (int j0 = 0; j0 < mix; j0 += HC_CHUNK) {
+    const int cnt = min(HC_CHUNK, mix - j0);
+    double acc[HC_CHUNK];
+#pragma unroll
+    for (int j = 0; j < HC_CHUNK; ++j) acc[j] = 0.0;
+    const P* pj = proj + (long long)j0 * cols;
+    for (long long i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
+      const double xv = (double)xt[i];
+      if (j0 == 0) sq = __dadd_rn(sq, __dmul_rn(xv, xv));
+#pragma unroll
+      for (int j = 0; j < HC_CHUNK; ++j)
+        if (j < cnt) acc[j] = __dadd_rn(acc[j], __dmul_rn((double)pj[(long long)j * cols + i], xv));
+    }
+#pragma unroll
+    for (int j = 0; j < HC_CHUNK; ++j)
+      if (j < cnt) {
+        const double w = ref_warp_sum_f64(acc[j]);
+        if (lane == 0) red[warp * HC_CHUNK + j] = w;
+      }
+    __syncthreads();
+    if (threadIdx.x < cnt) {
+      double s = 0.0;
+      for (int w = 0; w < nwarps; ++w) s = __dadd_rn(s, red[w * HC_CHUNK + threadIdx.x]);
+      out[j0 + threadIdx.x] = s;
     }
     __syncthreads();
   }
+  const double ss = ref_block_sum_f64(sq, scratch);
+  if (threadIdx.x == 0) out[mix] = ss;
+}
+
+// Grid (S, T): partials [T, S, mix + 1] of x [T, N, D] against proj [mix, N*D], or (fold not
+// NULL: layer 0, hc_pre_kernel) against fold [mix, D] over stream 0's D columns.
+extern "C" __global__ void hc_mix_partial_kernel(const float* x, int N, int D, const float* proj, const double* fold,
+                                                 int mix, double* partials) {
+  __shared__ double red[32 * HC_CHUNK];
+  __shared__ double scratch[32];
+  const long long nd = (long long)N * D;
+  const int t = blockIdx.y;
+  const float* xt = x + (long long)t * nd;
+  double* out = partials + ((long long)t * gridDim.x + blockIdx.x) * (mix + 1);
+  if (fold != nullptr)
+    hc_partial_sums(xt, (long long)D, fold, mix, out, red, scratch);
+  else
+    hc_partial_sums(xt, nd, proj, mix, out, red, scratch);
+}
+
+// m[j] = f32(Σ_s partials[t, s, j]) * rho for j < mix (shared m), rho = rsqrt(f32(Σ_s
+// partials[t, s, mix] / cols) + eps): hc_mix_logits' result from S partial sums. Every thread
+// calls; blockDim > mix.
+DSV4_INLINE void hc_finish_logits(const double* partials, int S, int mix, long long cols, float rms_eps, float* m,
+                                  float* rho) {
+  const double* p = partials + (long long)blockIdx.y * S * (mix + 1);
+  if (threadIdx.x <= mix) {
+    double s = 0.0;
+    for (int k = 0; k < S; ++k) s = __dadd_rn(s, p[(long long)k * (mix + 1) + threadIdx.x]);
+    if (threadIdx.x < mix)
+      m[threadIdx.x] = (float)s;
+    else
+      *rho = ref_rsqrt(__fadd_rn((float)__ddiv_rn(s, (double)cols), rms_eps));
+  }
+  __syncthreads();
+  if (threadIdx.x < mix) m[threadIdx.x] = __fmul_rn(m[threadIdx.x], *rho);
+  __syncthreads();
+}
+
+// Grid (S2, T): hc_pre_kernel's outputs from S partials per token (hc_mix_partial_kernel); block
+// (b, t) writes u for its slice of the D columns, block 0 post and comb. cols = N*D, or D with
+// the layer-0 fold.
+extern "C" __global__ void hc_pre_finish_kernel(const float* x, int N, int D, int cols, const float* base,
+                                                const float* scale, int iters, float hc_eps, float rms_eps, int S,
+                                                const double* partials, int round_u, float* u, float* post,
+                                                float* comb) {
+  __shared__ float m[HC_MAX_MIX];
+  __shared__ float c[HC_MAX_N * HC_MAX_N];
+  __shared__ float pre[HC_MAX_N];
+  __shared__ float rho;
+  const int t = blockIdx.y, mix = (2 + N) * N;
+  hc_finish_logits(partials, S, mix, cols, rms_eps, m, &rho);
+  const bool first = blockIdx.x == 0;
+  if (threadIdx.x < 32)
+    hc_gates(m, N, base, scale, iters, hc_eps, pre, c, first ? post + (long long)t * N : nullptr,
+             first ? comb + (long long)t * N * N : nullptr);
+  __syncthreads();
+  const int len = (D + gridDim.x - 1) / gridDim.x;
+  const int i0 = min((int)blockIdx.x * len, D);
+  hc_collapse(x + (long long)t * N * D, pre, N, D, i0, min(i0 + len, D), round_u, u + (long long)t * D);
+}
+
+// Grid (S2, R): hc_head_kernel's output from S partials per row, each block a slice of D.
+extern "C" __global__ void hc_head_finish_kernel(const float* x, int N, int D, const float* base, const float* scale,
+                                                 float hc_eps, float rms_eps, int S, const double* partials,
+                                                 int round_out, float* y) {
+  __shared__ float m[HC_MAX_N];
+  __shared__ float w[HC_MAX_N];
+  __shared__ float rho;
+  const int r = blockIdx.y;
+  hc_finish_logits(partials, S, N, (long long)N * D, rms_eps, m, &rho);
+  if (threadIdx.x < N)
+    w[threadIdx.x] = __fadd_rn(ref_sigmoid(__fadd_rn(__fmul_rn(m[threadIdx.x], scale[0]), base[threadIdx.x])), hc_eps);
+  __syncthreads();
+  const int len = (D + gridDim.x - 1) / gridDim.x;
+  const int i0 = min((int)blockIdx.x * len, D);
+  hc_collapse(x + (long long)r * N * D, w, N, D, i0, min(i0 + len, D), round_out, y + (long long)r * D);
 }
 
 // ------------------------------------------------------------------- derived: layer-0 fold

@@ -121,7 +121,13 @@ fn device_hc_pre(
     iters: usize,
     round_u: bool,
 ) -> (HcPre, Vec<f32>) {
-    let (_a, p) = d.alloc(&[x.len() * 4, t * dd * 4, t * N * 4, t * N * N * 4]);
+    let (_a, p) = d.alloc(&[
+        x.len() * 4,
+        t * dd * 4,
+        t * N * 4,
+        t * N * N * 4,
+        mhc::PARTIALS * 8,
+    ]);
     d.put(p[0], x);
     for &q in &p[1..] {
         d.poison(q);
@@ -141,6 +147,7 @@ fn device_hc_pre(
         u,
         post,
         comb,
+        p[4],
         d.s(),
     )
     .unwrap();
@@ -167,8 +174,11 @@ fn hc_pre_matches_reference_bit_for_bit() {
     // (tokens, D, Sinkhorn iterations, logit magnitude): the tiny and the released hidden size
     // with the model's 20 iterations; one iteration; sharp logits (Sinkhorn exps spanning
     // many orders of magnitude).
+    // T <= mhc::SPLIT_MAX_T runs the split kernels, above it one block per token: both here.
     let cases = [
         (9, 256, ITERS, 2.0f32),
+        (1, 4096, ITERS, 2.0),
+        (70, 256, ITERS, 2.0),
         (4, 4096, ITERS, 2.0),
         (6, 256, 1, 2.0),
         (5, 256, ITERS, 12.0),
@@ -200,7 +210,7 @@ fn hc_pre_with_layer0_fold_matches_reference_and_unfolded() {
     let Some(d) = dev() else { return };
     let mut rng = Rng::new(21);
     for official in [false, true] {
-        for &(t, dd) in &[(7usize, 256usize), (3, 4096)] {
+        for &(t, dd) in &[(7usize, 256usize), (3, 4096), (1, 4096), (65, 256)] {
             let what = format!("folded hc_pre T {t} D {dd} official {official}");
             // One embedding row per token, copied into every stream (as layer 0 sees it).
             let e = streams(&mut rng, t, dd, official);
@@ -283,7 +293,7 @@ fn hc_head_matches_reference_bit_for_bit() {
     let Some(d) = dev() else { return };
     let mut rng = Rng::new(13);
     for official in [false, true] {
-        for &(r, dd) in &[(5usize, 256usize), (3, 4096), (1, 4096)] {
+        for &(r, dd) in &[(5usize, 256usize), (3, 4096), (1, 4096), (66, 256)] {
             let what = format!("hc_head R {r} D {dd} official {official}");
             let x = streams(&mut rng, r, dd, official);
             let st = site(&mut rng, N, dd, 1, 2.0);
@@ -292,9 +302,10 @@ fn hc_head_matches_reference_bit_for_bit() {
                 round_bf16(&mut want);
             }
             let (_s, sp) = st.upload(&d);
-            let (_a, p) = d.alloc(&[x.len() * 4, r * dd * 4]);
+            let (_a, p) = d.alloc(&[x.len() * 4, r * dd * 4, mhc::PARTIALS * 8]);
             d.put(p[0], &x);
             d.poison(p[1]);
+            d.poison(p[2]);
             d.k.hc_head(
                 d.ctx(),
                 p[0],
@@ -306,6 +317,7 @@ fn hc_head_matches_reference_bit_for_bit() {
                 RMS_EPS,
                 official,
                 p[1],
+                p[2],
                 d.s(),
             )
             .unwrap();
@@ -328,10 +340,10 @@ fn wrappers_reject_bad_shapes() {
     let (k, ctx, s) = (&d.k, d.ctx(), d.s());
     // Nine streams exceed the kernels' limit; proj too small for D = 256.
     let pre = k.hc_pre(
-        ctx, b, 1, 9, 4, site, 20, HC_EPS, RMS_EPS, false, b, b, b, s,
+        ctx, b, 1, 9, 4, site, 20, HC_EPS, RMS_EPS, false, b, b, b, b, s,
     );
     assert!(pre.is_err());
-    let head = k.hc_head(ctx, b, 1, N, 256, site, HC_EPS, RMS_EPS, false, b, s);
+    let head = k.hc_head(ctx, b, 1, N, 256, site, HC_EPS, RMS_EPS, false, b, b, s);
     assert!(head.is_err());
     let post = k.hc_post(ctx, b, b, b, b, 0, N, 16, false, s);
     assert!(post.is_ok(), "no tokens is a no-op");

@@ -30,6 +30,20 @@ crate::kernel_family! {
     );
     /// Derived (finalize / refit): layer 0's stream-folded projection from the device `proj`.
     fn hc0_fold_kernel(proj: *const f32, mix: i32, n: i32, d: i32, fold: *mut f64);
+    /// Few tokens: each token's logit partial sums over the blocks of grid.x.
+    fn hc_mix_partial_kernel(
+        x: *const f32, n: i32, d: i32, proj: *const f32, fold: Option<*const f64>, mix: i32,
+        partials: *mut f64,
+    );
+    fn hc_pre_finish_kernel(
+        x: *const f32, n: i32, d: i32, cols: i32, base: *const f32, scale: *const f32, iters: i32,
+        hc_eps: f32, rms_eps: f32, s: i32, partials: *const f64, round_u: bool, u: *mut f32,
+        post: *mut f32, comb: *mut f32,
+    );
+    fn hc_head_finish_kernel(
+        x: *const f32, n: i32, d: i32, base: *const f32, scale: *const f32, hc_eps: f32,
+        rms_eps: f32, s: i32, partials: *const f64, round_out: bool, y: *mut f32,
+    );
 }
 
 /// Most residual streams (hc_mult) the kernels support (`HC_MAX_N` in mhc.cu).
@@ -39,6 +53,42 @@ pub const MAX_STREAMS: usize = 8;
 const THREADS: u32 = 256;
 /// Most blocks of a launch; the kernels loop (grid-stride) over the rest.
 const MAX_BLOCKS: usize = 1 << 20;
+
+/// Most tokens (rows) hc_pre / hc_head split over several blocks each (kernels/mhc.cu "few
+/// tokens"); above, one block per token has the GPU busy.
+pub const SPLIT_MAX_T: usize = 64;
+/// Blocks the logits' partial sums of a split launch aim at (over all its tokens), at most
+/// [`MAX_SPLIT`] a token.
+const SPLIT_TARGET: usize = 256;
+const MAX_SPLIT: usize = 32;
+/// Blocks a token's outputs (u / y, D columns) are split over: a quarter as many.
+const FINISH_TARGET: usize = 64;
+
+/// Partial-sum slots (f64) the split launches need for any mix up to `(2+MAX_STREAMS)*MAX_STREAMS`:
+/// the workspace a caller hands hc_pre / hc_head.
+pub const PARTIALS: usize = split_rows_max() * ((2 + MAX_STREAMS) * MAX_STREAMS + 1);
+
+/// Blocks each of `t` tokens' logits are split over.
+fn split(t: usize) -> usize {
+    SPLIT_TARGET.div_ceil(t.max(1)).clamp(1, MAX_SPLIT)
+}
+
+/// Most (token, block) pairs of a split launch.
+const fn split_rows_max() -> usize {
+    let mut t = 1;
+    let mut most = 0;
+    while t <= SPLIT_MAX_T {
+        let mut s = SPLIT_TARGET.div_ceil(t);
+        if s > MAX_SPLIT {
+            s = MAX_SPLIT;
+        }
+        if t * s > most {
+            most = t * s;
+        }
+        t += 1;
+    }
+    most
+}
 
 fn err(msg: String) -> Error {
     Error::new(Status::Internal, msg)
@@ -112,13 +162,17 @@ crate::launchers! {
         pre: hc_pre_kernel,
         post: hc_post_kernel,
         head: hc_head_kernel,
+        partial: hc_mix_partial_kernel,
+        pre_finish: hc_pre_finish_kernel,
+        head_finish: hc_head_finish_kernel,
     }
 }
 
 impl Mhc {
     /// hc_pre over streams `x` [t, n, d] (`reference::mhc::hc_pre`): writes `u` [t, d] (bf16 if
     /// `round_u`, i.e. with the official `prec.bf16(&mut pre.u)` folded in), `post` [t, n] and
-    /// `comb` [t, n, n] (f32). Sinkhorn runs `iters` rounds.
+    /// `comb` [t, n, n] (f32). Sinkhorn runs `iters` rounds. Up to [`SPLIT_MAX_T`] tokens the
+    /// work is split over blocks through `partials` ([`PARTIALS`] f64: workspace).
     #[allow(clippy::too_many_arguments)]
     pub fn hc_pre(
         &self,
@@ -135,6 +189,7 @@ impl Mhc {
         u: DevicePtr,
         post: DevicePtr,
         comb: DevicePtr,
+        partials: DevicePtr,
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "hc_pre_kernel";
@@ -154,6 +209,49 @@ impl Mhc {
             return Ok(());
         }
         let _g = ctx.enter()?;
+        if t <= SPLIT_MAX_T {
+            let sp = split(t);
+            need(K, "partials", partials, t * sp * (mix + 1) * 8)?;
+            let cols = if site.fold.is_some() { d } else { n * d };
+            self.partial.launch(
+                (sp as u32, t as u32),
+                THREADS,
+                0,
+                stream,
+                hc_mix_partial_kernel::Args {
+                    x,
+                    n: n as i32,
+                    d: d as i32,
+                    proj: site.proj,
+                    fold: site.fold,
+                    mix: mix as i32,
+                    partials,
+                },
+            )?;
+            return self.pre_finish.launch(
+                (FINISH_TARGET.div_ceil(t).min(d) as u32, t as u32),
+                THREADS,
+                0,
+                stream,
+                hc_pre_finish_kernel::Args {
+                    x,
+                    n: n as i32,
+                    d: d as i32,
+                    cols: to_i32(K, "cols", cols)?,
+                    base: site.base,
+                    scale: site.scale,
+                    iters: to_i32(K, "iters", iters)?,
+                    hc_eps,
+                    rms_eps,
+                    s: sp as i32,
+                    partials,
+                    round_u,
+                    u,
+                    post,
+                    comb,
+                },
+            );
+        }
         let args = hc_pre_kernel::Args {
             x,
             t: to_i32(K, "T", t)?,
@@ -217,7 +315,8 @@ impl Mhc {
     }
 
     /// hc_head over `x` [r, n, d] (`reference::mhc::hc_head`, no Sinkhorn): `y` [r, d], bf16 if
-    /// `round_out`. `site.proj` `[n, n*d]`, `site.base` `[n]`, `site.scale` `[1]`.
+    /// `round_out`. `site.proj` `[n, n*d]`, `site.base` `[n]`, `site.scale` `[1]`. Up to
+    /// [`SPLIT_MAX_T`] rows split over blocks through `partials`, as [`Self::hc_pre`].
     #[allow(clippy::too_many_arguments)]
     pub fn hc_head(
         &self,
@@ -231,6 +330,7 @@ impl Mhc {
         rms_eps: f32,
         round_out: bool,
         y: DevicePtr,
+        partials: DevicePtr,
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "hc_head_kernel";
@@ -244,6 +344,44 @@ impl Mhc {
             return Ok(());
         }
         let _g = ctx.enter()?;
+        if r <= SPLIT_MAX_T {
+            let sp = split(r);
+            need(K, "partials", partials, r * sp * (n + 1) * 8)?;
+            self.partial.launch(
+                (sp as u32, r as u32),
+                THREADS,
+                0,
+                stream,
+                hc_mix_partial_kernel::Args {
+                    x,
+                    n: n as i32,
+                    d: d as i32,
+                    proj: site.proj,
+                    fold: None,
+                    mix: n as i32,
+                    partials,
+                },
+            )?;
+            return self.head_finish.launch(
+                (FINISH_TARGET.div_ceil(r).min(d) as u32, r as u32),
+                THREADS,
+                0,
+                stream,
+                hc_head_finish_kernel::Args {
+                    x,
+                    n: n as i32,
+                    d: d as i32,
+                    base: site.base,
+                    scale: site.scale,
+                    hc_eps,
+                    rms_eps,
+                    s: sp as i32,
+                    partials,
+                    round_out,
+                    y,
+                },
+            );
+        }
         let args = hc_head_kernel::Args {
             x,
             r: to_i32(K, "R", r)?,

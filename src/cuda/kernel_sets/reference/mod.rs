@@ -199,6 +199,7 @@ impl KernelSet for ReferenceSet {
             ws.u,
             ws.post,
             ws.comb,
+            ws.hc_partials,
             s.stream,
         )?;
         self.k.nr.rmsnorm(
@@ -269,7 +270,18 @@ impl ReferenceSet {
             .gather_rows(s.ctx, ws.x, n * d, Some(s.rows), rows, ws.xr, st)?;
         let site = r.site(&r.handles.hc_head);
         k8.mhc.hc_head(
-            s.ctx, ws.xr, rows, n, d, site, cfg.hc_eps, eps, official, ws.y, st,
+            s.ctx,
+            ws.xr,
+            rows,
+            n,
+            d,
+            site,
+            cfg.hc_eps,
+            eps,
+            official,
+            ws.y,
+            ws.hc_partials,
+            st,
         )?;
         k8.nr.rmsnorm(
             s.ctx,

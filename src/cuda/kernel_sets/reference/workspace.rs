@@ -4,6 +4,7 @@
 use super::MOE_TILE_ROWS;
 use crate::config::ModelConfig;
 use crate::cuda::arena::{Arena, DevicePtr, RegionId};
+use crate::cuda::kernels::mhc;
 use crate::cuda::kernels::moe::{self};
 use crate::cuda::memory_plan::{BufferKind, Elem, MemoryPlan};
 use crate::error::Result;
@@ -158,4 +159,6 @@ workspace! { z;
     xr: F32[z.t, z.n, z.d],
     y: F32[z.t, z.d],
     logits_f32: F32[z.t, z.vocab],
+    /// hc_pre / hc_head partial sums of a few tokens split over blocks.
+    hc_partials: F64[mhc::PARTIALS],
 }
