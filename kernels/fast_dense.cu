@@ -98,20 +98,31 @@ DSV4_INLINE void fd_operands(float4 v4, int mode, float& s, unsigned short (&h)[
   }
 }
 
+// The (token t, 128-block b) item of this warp (one per warp of the grid) of x [T, ldx] (16-byte
+// aligned rows, K columns): false past the last item (uniform per warp), else the lane's four
+// operands h and the block's scale s (fd_operands).
+DSV4_INLINE bool fd_item_operands(const float* x, int ldx, int T, int K, int mode, int& t, int& b, float& s,
+                                  unsigned short (&h)[4]) {
+  const int nb = K / 128;
+  const int item = blockIdx.x * FD_WARPS + (threadIdx.x >> 5);
+  if (item >= T * nb) return false;
+  t = item / nb;
+  b = item - t * nb;
+  const float4 v4 = *reinterpret_cast<const float4*>(x + (long long)t * ldx + b * 128 + 4 * (threadIdx.x & 31));
+  fd_operands(v4, mode, s, h);
+  return true;
+}
+
 // x [T, ldx] f32 (16-byte aligned rows) -> act [T, K] (f16 or bf16 bits) and scale [T, K / 128], one warp
 // per (token, 128-block), FD_THREADS threads a block: grid ceil(T * K / 128 / FD_WARPS).
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_act_kernel(const float* x, int ldx, int T, int K, int mode, unsigned short* act, float* scale) {
   dsv4_pdl_begin();
-  const int nb = K / 128;
-  const int item = blockIdx.x * FD_WARPS + (threadIdx.x >> 5);
-  if (item >= T * nb) return;  // uniform per warp
-  const int lane = threadIdx.x & 31;
-  const int t = item / nb, b = item - t * nb;
-  const float4 v4 = *reinterpret_cast<const float4*>(x + (long long)t * ldx + b * 128 + 4 * lane);
+  int t, b;
   float s;
   unsigned short h[4];
-  fd_operands(v4, mode, s, h);
+  if (!fd_item_operands(x, ldx, T, K, mode, t, b, s, h)) return;
+  const int lane = threadIdx.x & 31, nb = K / 128;
   uint2 packed;
   packed.x = (unsigned)h[0] | ((unsigned)h[1] << 16);
   packed.y = (unsigned)h[2] | ((unsigned)h[3] << 16);
@@ -127,15 +138,11 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_lt_operand_kernel(const float* x, int ldx, int T, int K, int mode, unsigned char* codes, float* scale) {
   dsv4_pdl_begin();
-  const int nb = K / 128;
-  const int item = blockIdx.x * FD_WARPS + (threadIdx.x >> 5);
-  if (item >= T * nb) return;  // uniform per warp
-  const int lane = threadIdx.x & 31;
-  const int t = item / nb, b = item - t * nb;
-  const float4 v4 = *reinterpret_cast<const float4*>(x + (long long)t * ldx + b * 128 + 4 * lane);
+  int t, b;
   float s;
   unsigned short h[4];
-  fd_operands(v4, mode, s, h);
+  if (!fd_item_operands(x, ldx, T, K, mode, t, b, s, h)) return;
+  const int lane = threadIdx.x & 31;
   if (mode == FD_ACT_QUANT) {
     // h holds f16 values of e4m3 numbers: the conversion back to e4m3 is exact.
     unsigned packed = 0;

@@ -18,28 +18,30 @@
 
 // --------------------------------------------------------------------------------- helpers
 
-// mhc.rs mix_logits for one token's flattened streams xt[nd]: m[j] = f32(Σ f64 proj[j]·xt) * rho
-// for j < mix, rho = rsqrt(f32(Σ f64 xt² / nd) + eps). Writes m (shared, `mix` floats); every
-// thread must call. red: __shared__ double[32 * HC_CHUNK]; scratch: __shared__ double[32].
-// P is float (a site's stored projection) or double (layer 0's stream-folded projection, see
+// One block's f64 sums over columns [c0, c1) of one token's flattened streams xt (P rows of
+// `cols`): out[j] = Σ_i proj[j, i]·xt[i] for j < mix, out[mix] = Σ_i xt[i]² (products in f64;
+// per thread in column order, then warp butterflies, then the warps in order from 0.0). Every
+// thread must call; out (shared or global) is written by threads 0..mix, visible after the
+// caller's barrier. red: __shared__ double[32 * HC_CHUNK]; scratch: __shared__ double[32]. P is
+// float (a site's stored projection) or double (layer 0's stream-folded projection, see
 // hc_pre_kernel): the products are formed in f64 either way.
 template <typename P>
-DSV4_INLINE void hc_mix_logits(const float* xt, long long nd, const P* proj, int mix, float rms_eps, float* m,
-                               double* red, double* scratch) {
+DSV4_INLINE void hc_block_sums(const float* xt, long long c0, long long c1, long long cols, const P* proj, int mix,
+                               double* out, double* red, double* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   double sq = 0.0;
-  for (int c0 = 0; c0 < mix; c0 += HC_CHUNK) {
-    const int cnt = min(HC_CHUNK, mix - c0);
+  for (int j0 = 0; j0 < mix; j0 += HC_CHUNK) {
+    const int cnt = min(HC_CHUNK, mix - j0);
     double acc[HC_CHUNK];
 #pragma unroll
     for (int j = 0; j < HC_CHUNK; ++j) acc[j] = 0.0;
-    const P* pj = proj + (long long)c0 * nd;
-    for (long long i = threadIdx.x; i < nd; i += blockDim.x) {
+    const P* pj = proj + (long long)j0 * cols;
+    for (long long i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
       const double xv = (double)xt[i];
-      if (c0 == 0) sq = __dadd_rn(sq, __dmul_rn(xv, xv));
+      if (j0 == 0) sq = __dadd_rn(sq, __dmul_rn(xv, xv));
 #pragma unroll
       for (int j = 0; j < HC_CHUNK; ++j)
-        if (j < cnt) acc[j] = __dadd_rn(acc[j], __dmul_rn((double)pj[(long long)j * nd + i], xv));
+        if (j < cnt) acc[j] = __dadd_rn(acc[j], __dmul_rn((double)pj[(long long)j * cols + i], xv));
     }
 #pragma unroll
     for (int j = 0; j < HC_CHUNK; ++j)
@@ -51,15 +53,32 @@ DSV4_INLINE void hc_mix_logits(const float* xt, long long nd, const P* proj, int
     if (threadIdx.x < cnt) {
       double s = 0.0;
       for (int w = 0; w < nwarps; ++w) s = __dadd_rn(s, red[w * HC_CHUNK + threadIdx.x]);
-      m[c0 + threadIdx.x] = (float)s;  // the f32 dot product, scaled by rho below
+      out[j0 + threadIdx.x] = s;
     }
     __syncthreads();
   }
   const double ss = ref_block_sum_f64(sq, scratch);
-  const float ms = (float)__ddiv_rn(ss, (double)nd);
+  if (threadIdx.x == 0) out[mix] = ss;
+}
+
+// m[j] = f32(sums[j]) * rho for j < mix, rho = rsqrt(f32(sums[mix] / cols) + eps), from the
+// f64 sums of hc_block_sums (shared, written before a barrier). Every thread calls; m shared.
+DSV4_INLINE void hc_scale_logits(const double* sums, int mix, long long cols, float rms_eps, float* m) {
+  const float ms = (float)__ddiv_rn(sums[mix], (double)cols);
   const float rho = ref_rsqrt(__fadd_rn(ms, rms_eps));
-  for (int j = threadIdx.x; j < mix; j += blockDim.x) m[j] = __fmul_rn(m[j], rho);
+  for (int j = threadIdx.x; j < mix; j += blockDim.x) m[j] = __fmul_rn((float)sums[j], rho);
   __syncthreads();
+}
+
+// mhc.rs mix_logits for one token's flattened streams xt[nd]: m[j] = f32(Σ f64 proj[j]·xt) * rho
+// for j < mix, rho = rsqrt(f32(Σ f64 xt² / nd) + eps), one block. sums: __shared__
+// double[HC_MAX_MIX + 1]; red, scratch as hc_block_sums.
+template <typename P>
+DSV4_INLINE void hc_mix_logits(const float* xt, long long nd, const P* proj, int mix, float rms_eps, float* m,
+                               double* sums, double* red, double* scratch) {
+  hc_block_sums(xt, 0, nd, nd, proj, mix, sums, red, scratch);
+  __syncthreads();
+  hc_scale_logits(sums, mix, nd, rms_eps, m);
 }
 
 // Σ_j v_j in f64 in order, from -0.0 (Rust's `Sum for f64`), rounded once: ops.rs sum.
@@ -165,6 +184,7 @@ extern "C" __global__ void hc_pre_kernel(const float* x, int T, int N, int D, co
   __shared__ float m[HC_MAX_MIX];
   __shared__ float c[HC_MAX_N * HC_MAX_N];
   __shared__ float pre[HC_MAX_N];
+  __shared__ double sums[HC_MAX_MIX + 1];
   __shared__ double red[32 * HC_CHUNK];
   __shared__ double scratch[32];
   const long long nd = (long long)N * D;
@@ -172,9 +192,9 @@ extern "C" __global__ void hc_pre_kernel(const float* x, int T, int N, int D, co
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     const float* xt = x + (long long)t * nd;
     if (fold != nullptr)
-      hc_mix_logits(xt, (long long)D, fold, mix, rms_eps, m, red, scratch);
+      hc_mix_logits(xt, (long long)D, fold, mix, rms_eps, m, sums, red, scratch);
     else
-      hc_mix_logits(xt, nd, proj, mix, rms_eps, m, red, scratch);
+      hc_mix_logits(xt, nd, proj, mix, rms_eps, m, sums, red, scratch);
     if (threadIdx.x < 32)
       hc_gates(m, N, base, scale, iters, hc_eps, pre, c, post + (long long)t * N, comb + (long long)t * N * N);
     __syncthreads();
@@ -222,12 +242,13 @@ extern "C" __global__ void hc_head_kernel(const float* x, int R, int N, int D, c
                                           const float* scale, float hc_eps, float rms_eps, int round_out, float* y) {
   __shared__ float m[HC_MAX_N];
   __shared__ float w[HC_MAX_N];
+  __shared__ double sums[HC_MAX_N + 1];
   __shared__ double red[32 * HC_CHUNK];
   __shared__ double scratch[32];
   const long long nd = (long long)N * D;
   for (int r = blockIdx.x; r < R; r += gridDim.x) {
     const float* xr = x + (long long)r * nd;
-    hc_mix_logits(xr, nd, proj, N, rms_eps, m, red, scratch);
+    hc_mix_logits(xr, nd, proj, N, rms_eps, m, sums, red, scratch);
     if (threadIdx.x < N)
       w[threadIdx.x] = __fadd_rn(ref_sigmoid(__fadd_rn(__fmul_rn(m[threadIdx.x], scale[0]), base[threadIdx.x])), hc_eps);
     __syncthreads();
@@ -247,46 +268,6 @@ extern "C" __global__ void hc_head_kernel(const float* x, int R, int N, int D, c
 // changes (as any thread layout does): the f32 results are the reference's unless an f64 rounding
 // error straddles an f32 rounding boundary (docs/numerics.md; tests/gpu_mhc.rs compares bit for bit).
 
-// Block (s, t)'s partial sums over its columns [s*len, min((s+1)*len, cols)) of token t's flat
-// streams (row stride nd): Σ P[j, i] x[i] for j < mix, then Σ x[i]².
-template <typename P>
-DSV4_INLINE void hc_partial_sums(const float* xt, long long cols, const P* proj, int mix, double* out, double* red,
-                                 double* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const long long len = (cols + gridDim.x - 1) / gridDim.x;
-  const long long c0 = min((long long)blockIdx.x * len, cols), c1 = min(c0 + len, cols);
-  double sq = 0.0;
-  for (int j0 = 0; j0 < mix; j0 += HC_CHUNK) {
-    const int cnt = min(HC_CHUNK, mix - j0);
-    double acc[HC_CHUNK];
-#pragma unroll
-    for (int j = 0; j < HC_CHUNK; ++j) acc[j] = 0.0;
-    const P* pj = proj + (long long)j0 * cols;
-    for (long long i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
-      const double xv = (double)xt[i];
-      if (j0 == 0) sq = __dadd_rn(sq, __dmul_rn(xv, xv));
-#pragma unroll
-      for (int j = 0; j < HC_CHUNK; ++j)
-        if (j < cnt) acc[j] = __dadd_rn(acc[j], __dmul_rn((double)pj[(long long)j * cols + i], xv));
-    }
-#pragma unroll
-    for (int j = 0; j < HC_CHUNK; ++j)
-      if (j < cnt) {
-        const double w = ref_warp_sum_f64(acc[j]);
-        if (lane == 0) red[warp * HC_CHUNK + j] = w;
-      }
-    __syncthreads();
-    if (threadIdx.x < cnt) {
-      double s = 0.0;
-      for (int w = 0; w < nwarps; ++w) s = __dadd_rn(s, red[w * HC_CHUNK + threadIdx.x]);
-      out[j0 + threadIdx.x] = s;
-    }
-    __syncthreads();
-  }
-  const double ss = ref_block_sum_f64(sq, scratch);
-  if (threadIdx.x == 0) out[mix] = ss;
-}
-
 // Grid (S, T): partials [T, S, mix + 1] of x [T, N, D] against proj [mix, N*D], or (fold not
 // NULL: layer 0, hc_pre_kernel) against fold [mix, D] over stream 0's D columns.
 extern "C" __global__ void hc_mix_partial_kernel(const float* x, int N, int D, const float* proj, const double* fold,
@@ -297,29 +278,28 @@ extern "C" __global__ void hc_mix_partial_kernel(const float* x, int N, int D, c
   const int t = blockIdx.y;
   const float* xt = x + (long long)t * nd;
   double* out = partials + ((long long)t * gridDim.x + blockIdx.x) * (mix + 1);
+  // Block s's slice of the columns.
+  const long long cols = fold != nullptr ? (long long)D : nd;
+  const long long len = (cols + gridDim.x - 1) / gridDim.x;
+  const long long c0 = min((long long)blockIdx.x * len, cols), c1 = min(c0 + len, cols);
   if (fold != nullptr)
-    hc_partial_sums(xt, (long long)D, fold, mix, out, red, scratch);
+    hc_block_sums(xt, c0, c1, cols, fold, mix, out, red, scratch);
   else
-    hc_partial_sums(xt, nd, proj, mix, out, red, scratch);
+    hc_block_sums(xt, c0, c1, cols, proj, mix, out, red, scratch);
 }
 
-// m[j] = f32(Σ_s partials[t, s, j]) * rho for j < mix (shared m), rho = rsqrt(f32(Σ_s
-// partials[t, s, mix] / cols) + eps): hc_mix_logits' result from S partial sums. Every thread
-// calls; blockDim > mix.
+// hc_mix_logits' m for token blockIdx.y from its S partial sums (hc_mix_partial_kernel), added in
+// s order from 0.0 into sums (shared double[mix + 1]). Every thread calls; blockDim > mix.
 DSV4_INLINE void hc_finish_logits(const double* partials, int S, int mix, long long cols, float rms_eps, float* m,
-                                  float* rho) {
+                                  double* sums) {
   const double* p = partials + (long long)blockIdx.y * S * (mix + 1);
   if (threadIdx.x <= mix) {
     double s = 0.0;
     for (int k = 0; k < S; ++k) s = __dadd_rn(s, p[(long long)k * (mix + 1) + threadIdx.x]);
-    if (threadIdx.x < mix)
-      m[threadIdx.x] = (float)s;
-    else
-      *rho = ref_rsqrt(__fadd_rn((float)__ddiv_rn(s, (double)cols), rms_eps));
+    sums[threadIdx.x] = s;
   }
   __syncthreads();
-  if (threadIdx.x < mix) m[threadIdx.x] = __fmul_rn(m[threadIdx.x], *rho);
-  __syncthreads();
+  hc_scale_logits(sums, mix, cols, rms_eps, m);
 }
 
 // Grid (S2, T): hc_pre_kernel's outputs from S partials per token (hc_mix_partial_kernel); block
@@ -332,9 +312,9 @@ extern "C" __global__ void hc_pre_finish_kernel(const float* x, int N, int D, in
   __shared__ float m[HC_MAX_MIX];
   __shared__ float c[HC_MAX_N * HC_MAX_N];
   __shared__ float pre[HC_MAX_N];
-  __shared__ float rho;
+  __shared__ double sums[HC_MAX_MIX + 1];
   const int t = blockIdx.y, mix = (2 + N) * N;
-  hc_finish_logits(partials, S, mix, cols, rms_eps, m, &rho);
+  hc_finish_logits(partials, S, mix, cols, rms_eps, m, sums);
   const bool first = blockIdx.x == 0;
   if (threadIdx.x < 32)
     hc_gates(m, N, base, scale, iters, hc_eps, pre, c, first ? post + (long long)t * N : nullptr,
@@ -351,9 +331,9 @@ extern "C" __global__ void hc_head_finish_kernel(const float* x, int N, int D, c
                                                  int round_out, float* y) {
   __shared__ float m[HC_MAX_N];
   __shared__ float w[HC_MAX_N];
-  __shared__ float rho;
+  __shared__ double sums[HC_MAX_N + 1];
   const int r = blockIdx.y;
-  hc_finish_logits(partials, S, N, (long long)N * D, rms_eps, m, &rho);
+  hc_finish_logits(partials, S, N, (long long)N * D, rms_eps, m, sums);
   if (threadIdx.x < N)
     w[threadIdx.x] = __fadd_rn(ref_sigmoid(__fadd_rn(__fmul_rn(m[threadIdx.x], scale[0]), base[threadIdx.x])), hc_eps);
   __syncthreads();

@@ -248,6 +248,35 @@ fn fast(
     d.k.dense.run(d.ctx(), &op, ws, d.s()).unwrap();
 }
 
+/// Asserts output `at` = (token, column) `g` of a `t`-token run within the bound of the
+/// reference `r`: `e_rel · a` (a = Σ|a·w|), plus a BF16 step of either when the case rounds.
+/// Returns whether the two are equal.
+fn within_bound(
+    c: &Case,
+    t: usize,
+    at: (usize, usize),
+    g: f64,
+    r: f64,
+    a: f64,
+    e_rel: f64,
+) -> bool {
+    let e = e_rel * a;
+    let bound = if c.round {
+        e + 2f64.powi(-8) * (g.abs() + r.abs())
+    } else {
+        e
+    };
+    assert!(
+        (g - r).abs() <= bound,
+        "{}: T={t}: y[{}, {}] = {g} against the reference {r}: |Δ| {:.3e} above the bound {bound:.3e} (Σ|a·w| = {a:.4e})",
+        c.name,
+        at.0,
+        at.1,
+        (g - r).abs()
+    );
+    g == r
+}
+
 /// Checks one case at every `ts` token count against the bound (module doc); returns the
 /// largest error seen relative to A.
 fn check_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> f64 {
@@ -320,19 +349,7 @@ fn check_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> f64 {
                 }
                 let (r, a) = (want[ti * outs + j] as f64, abs[ti * outs + j] as f64);
                 let g = g as f64;
-                let e = e_rel * a;
-                let bound = if c.round {
-                    e + 2f64.powi(-8) * (g.abs() + r.abs())
-                } else {
-                    e
-                };
-                assert!(
-                    (g - r).abs() <= bound,
-                    "{}: T={t}: y[{ti}, {j}] = {g} against the reference {r}: |Δ| {:.3e} above the bound {bound:.3e} (Σ|a·w| = {a:.4e})",
-                    c.name,
-                    (g - r).abs()
-                );
-                if g != r {
+                if !within_bound(c, t, (ti, j), g, r, a, e_rel) {
                     differ += 1;
                 }
                 if a > 0.0 && !c.round {
@@ -661,19 +678,7 @@ fn check_gemm_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> (
                     abs[ti * c.n + j] as f64,
                     g as f64,
                 );
-                let e = e_rel * a;
-                let bound = if c.round {
-                    e + 2f64.powi(-8) * (g.abs() + r.abs())
-                } else {
-                    e
-                };
-                assert!(
-                    (g - r).abs() <= bound,
-                    "{}: T={t}: y[{ti}, {j}] = {g} against the reference {r}: |Δ| {:.3e} above the bound {bound:.3e} (Σ|a·w| = {a:.4e})",
-                    c.name,
-                    (g - r).abs()
-                );
-                if g != r {
+                if !within_bound(c, t, (ti, j), g, r, a, e_rel) {
                     differ += 1;
                 }
                 if a > 0.0 && !c.round {

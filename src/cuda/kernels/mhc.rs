@@ -68,6 +68,11 @@ const FINISH_TARGET: usize = 64;
 /// the workspace a caller hands hc_pre / hc_head.
 pub const PARTIALS: usize = split_rows_max() * ((2 + MAX_STREAMS) * MAX_STREAMS + 1);
 
+/// Grid of a finish launch: blocks a token's D outputs are split over, by tokens.
+fn finish_grid(t: usize, d: usize) -> (u32, u32) {
+    (FINISH_TARGET.div_ceil(t).min(d) as u32, t as u32)
+}
+
 /// Blocks each of `t` tokens' logits are split over.
 fn split(t: usize) -> usize {
     SPLIT_TARGET.div_ceil(t.max(1)).clamp(1, MAX_SPLIT)
@@ -169,6 +174,41 @@ crate::launchers! {
 }
 
 impl Mhc {
+    /// The split path's first launch (kernels/mhc.cu "few tokens"): each of `t` tokens' `mix`
+    /// logit partial sums over [`split`] blocks into `partials`; returns the split.
+    #[allow(clippy::too_many_arguments)]
+    fn partial_sums(
+        &self,
+        kernel: &str,
+        x: DevicePtr,
+        t: usize,
+        n: usize,
+        d: usize,
+        site: &HcSiteDev,
+        mix: usize,
+        partials: DevicePtr,
+        stream: BorrowedStream,
+    ) -> Result<usize> {
+        let sp = split(t);
+        need(kernel, "partials", partials, t * sp * (mix + 1) * 8)?;
+        self.partial.launch(
+            (sp as u32, t as u32),
+            THREADS,
+            0,
+            stream,
+            hc_mix_partial_kernel::Args {
+                x,
+                n: n as i32,
+                d: d as i32,
+                proj: site.proj,
+                fold: site.fold,
+                mix: mix as i32,
+                partials,
+            },
+        )?;
+        Ok(sp)
+    }
+
     /// hc_pre over streams `x` [t, n, d] (`reference::mhc::hc_pre`): writes `u` [t, d] (bf16 if
     /// `round_u`, i.e. with the official `prec.bf16(&mut pre.u)` folded in), `post` [t, n] and
     /// `comb` [t, n, n] (f32). Sinkhorn runs `iters` rounds. Up to [`SPLIT_MAX_T`] tokens the
@@ -210,26 +250,10 @@ impl Mhc {
         }
         let _g = ctx.enter()?;
         if t <= SPLIT_MAX_T {
-            let sp = split(t);
-            need(K, "partials", partials, t * sp * (mix + 1) * 8)?;
+            let sp = self.partial_sums(K, x, t, n, d, &site, mix, partials, stream)?;
             let cols = if site.fold.is_some() { d } else { n * d };
-            self.partial.launch(
-                (sp as u32, t as u32),
-                THREADS,
-                0,
-                stream,
-                hc_mix_partial_kernel::Args {
-                    x,
-                    n: n as i32,
-                    d: d as i32,
-                    proj: site.proj,
-                    fold: site.fold,
-                    mix: mix as i32,
-                    partials,
-                },
-            )?;
             return self.pre_finish.launch(
-                (FINISH_TARGET.div_ceil(t).min(d) as u32, t as u32),
+                finish_grid(t, d),
                 THREADS,
                 0,
                 stream,
@@ -345,25 +369,9 @@ impl Mhc {
         }
         let _g = ctx.enter()?;
         if r <= SPLIT_MAX_T {
-            let sp = split(r);
-            need(K, "partials", partials, r * sp * (n + 1) * 8)?;
-            self.partial.launch(
-                (sp as u32, r as u32),
-                THREADS,
-                0,
-                stream,
-                hc_mix_partial_kernel::Args {
-                    x,
-                    n: n as i32,
-                    d: d as i32,
-                    proj: site.proj,
-                    fold: None,
-                    mix: n as i32,
-                    partials,
-                },
-            )?;
+            let sp = self.partial_sums(K, x, r, n, d, &site, n, partials, stream)?;
             return self.head_finish.launch(
-                (FINISH_TARGET.div_ceil(r).min(d) as u32, r as u32),
+                finish_grid(r, d),
                 THREADS,
                 0,
                 stream,

@@ -146,39 +146,20 @@ pub fn dense_shapes(cfg: &ModelConfig) -> Vec<Shape> {
     ]
 }
 
-/// The projections among [`dense_shapes`] the cuBLASLt GEMMs may run: one group, FP8 with the
-/// official act_quant (the attention projections as the release stores them) or BF16 (the
-/// compressors', weights_proj, the head), each only where the GEMMs support its shape.
+/// The shapes among [`dense_shapes`] the cuBLASLt GEMMs may run (one group), each planned as
+/// FP8 with the official act_quant and as BF16 where the GEMMs support it: what a weight is
+/// stored as is known only at load (a few plans to spare cost host time at finalize only).
 pub fn gemm_shapes(cfg: &ModelConfig) -> Vec<GemmShape> {
-    let (d, ql, h, hd) = (
-        cfg.hidden_size,
-        cfg.q_lora_rank,
-        cfg.num_heads,
-        cfg.head_dim,
-    );
-    let (g, r) = (cfg.o_groups.max(1), cfg.o_lora_rank);
-    let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
-    let mut out = Vec::new();
-    let mut add = |format, n, k, mode| {
-        if let Some(s) = fast_dense_gemm::gemm_shape(format, [128, 128], n, k, 1, mode)
-            && !out.contains(&s)
-        {
-            out.push(s);
-        }
-    };
     use crate::weights::format::StorageFormat::{Bf16, Fp8};
-    for (n, k) in [(ql, d), (h * hd, ql), (hd, d), (d, g * r), (hi * di, ql)] {
-        add(Fp8, n, k, ActMode::Quant);
-    }
-    for (n, k) in [
-        (hi, d),
-        (2 * hd, d),
-        (hd, d),
-        (2 * di, d),
-        (di, d),
-        (cfg.vocab_size, d),
-    ] {
-        add(Bf16, n, k, ActMode::Bf16);
+    let mut out = Vec::new();
+    for s in dense_shapes(cfg).into_iter().filter(|s| s.groups == 1) {
+        for (format, mode) in [(Fp8, ActMode::Quant), (Bf16, ActMode::Bf16)] {
+            if let Some(g) = fast_dense_gemm::gemm_shape(format, [128, 128], s.n, s.k, 1, mode)
+                && !out.contains(&g)
+            {
+                out.push(g);
+            }
+        }
     }
     out
 }
@@ -192,6 +173,24 @@ mod tests {
     /// workspace `dense_shapes` sizes: its K (times wo_a's groups) within the operand buffer's
     /// width, for the configs we ship and the tiny default. A projection added to the model but
     /// not to `dense_shapes` would otherwise fail at the first forward.
+    #[test]
+    fn gemm_shapes_plan_every_single_group_projection_of_flash() {
+        use crate::cuda::blockscaled_gemm::GemmKind::{Bf16, Fp8BlockScaled};
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let cfg = ModelConfig::from_path(&dir.join("configs/flash-shaped-4-layers.json")).unwrap();
+        let shapes = gemm_shapes(&cfg);
+        let has = |kind, n, k| shapes.contains(&GemmShape { kind, n, k });
+        // wq_a, wq_b, wkv, wo_b, indexer wq_b as FP8; weights_proj, the compressors, the head.
+        for (n, k) in [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (8192, 1024)] {
+            assert!(has(Fp8BlockScaled, n, k), "FP8 {n} x {k}");
+        }
+        for (n, k) in [(64, 4096), (1024, 4096), (256, 4096), (129280, 4096)] {
+            assert!(has(Bf16, n, k), "BF16 {n} x {k}");
+        }
+        // wo_a's groups are not a GEMM shape.
+        assert!(!has(Fp8BlockScaled, 8192, 4096));
+    }
+
     #[test]
     fn the_dense_workspace_holds_every_projection() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
