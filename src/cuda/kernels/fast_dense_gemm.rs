@@ -34,7 +34,7 @@ pub const SMALL_FP8_BYTES: usize = 8 << 20;
 /// Whether `t` tokens of `shape` run faster through the GEMM path than through the gemv, by the
 /// crossover `dsv4 bench dense` measured on the H200 (BENCHMARKS.md, "cuBLASLt for many tokens";
 /// whole calls, operand and rounding included): from 32 tokens the GEMM path wins on every
-/// Flash projection but two, by 1.7-3.2x at 64; cuBLASLt's block-scaled FP8 kernels cost ~14 µs
+/// Flash projection but two, by 1.8-3.0x at 64; cuBLASLt's block-scaled FP8 kernels cost ~14 µs
 /// however small the weight, so the small FP8 ones (wq_a, wkv: 9-15 µs through the gemv up to 64
 /// tokens) switch at 128. At 16 tokens the gemv loses only where the weight is large (wo_b 25.1
 /// against 19.8 µs) and wins on others (wq_b 17.2 against 19.9): 32 is the one threshold.

@@ -169,10 +169,6 @@ mod tests {
     use super::*;
     use crate::weights::spec::{StoredAs, tensor_specs};
 
-    /// Every matrix the fast set may hand the dense kernels (stored FP8 or BF16) fits the
-    /// workspace `dense_shapes` sizes: its K (times wo_a's groups) within the operand buffer's
-    /// width, for the configs we ship and the tiny default. A projection added to the model but
-    /// not to `dense_shapes` would otherwise fail at the first forward.
     #[test]
     fn gemm_shapes_plan_every_single_group_projection_of_flash() {
         use crate::cuda::blockscaled_gemm::GemmKind::{Bf16, Fp8BlockScaled};
@@ -181,7 +177,13 @@ mod tests {
         let shapes = gemm_shapes(&cfg);
         let has = |kind, n, k| shapes.contains(&GemmShape { kind, n, k });
         // wq_a, wq_b, wkv, wo_b, indexer wq_b as FP8; weights_proj, the compressors, the head.
-        for (n, k) in [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (8192, 1024)] {
+        for (n, k) in [
+            (1024, 4096),
+            (32768, 1024),
+            (512, 4096),
+            (4096, 8192),
+            (8192, 1024),
+        ] {
             assert!(has(Fp8BlockScaled, n, k), "FP8 {n} x {k}");
         }
         for (n, k) in [(64, 4096), (1024, 4096), (256, 4096), (129280, 4096)] {
@@ -191,6 +193,10 @@ mod tests {
         assert!(!has(Fp8BlockScaled, 8192, 4096));
     }
 
+    /// Every matrix the fast set may hand the dense kernels (stored FP8 or BF16) fits the
+    /// workspace `dense_shapes` sizes: its K (times wo_a's groups) within the operand buffer's
+    /// width, for the configs we ship and the tiny default. A projection added to the model but
+    /// not to `dense_shapes` would otherwise fail at the first forward.
     #[test]
     fn the_dense_workspace_holds_every_projection() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
