@@ -45,109 +45,21 @@ struct Projection {
 
 /// Flash's dense projections (hidden 4096, q_lora 1024, 64 heads x 512, 8 output groups of
 /// 1024, indexer 64 x 128, overlapping compressors) and the LM head (vocab 129280).
+#[rustfmt::skip]
 const FLASH: &[Projection] = &[
-    p(
-        "wq_a",
-        1024,
-        4096,
-        1,
-        StorageFormat::Fp8,
-        ActMode::Quant,
-        true,
-    ),
-    p(
-        "wq_b",
-        32768,
-        1024,
-        1,
-        StorageFormat::Fp8,
-        ActMode::Quant,
-        true,
-    ),
-    p(
-        "wkv",
-        512,
-        4096,
-        1,
-        StorageFormat::Fp8,
-        ActMode::Quant,
-        true,
-    ),
-    p(
-        "wo_a",
-        1024,
-        4096,
-        8,
-        StorageFormat::Fp8,
-        ActMode::F16,
-        true,
-    ),
-    p(
-        "wo_b",
-        4096,
-        8192,
-        1,
-        StorageFormat::Fp8,
-        ActMode::Quant,
-        true,
-    ),
-    p(
-        "indexer.wq_b",
-        8192,
-        1024,
-        1,
-        StorageFormat::Fp8,
-        ActMode::Quant,
-        true,
-    ),
-    p(
-        "compressor.wkv",
-        1024,
-        4096,
-        1,
-        StorageFormat::Bf16,
-        ActMode::Bf16,
-        false,
-    ),
-    p(
-        "indexer.weights_proj",
-        64,
-        4096,
-        1,
-        StorageFormat::Bf16,
-        ActMode::Bf16,
-        true,
-    ),
-    p(
-        "head",
-        129280,
-        4096,
-        1,
-        StorageFormat::Bf16,
-        ActMode::Bf16,
-        false,
-    ),
+    Projection { name: "wq_a", n: 1024, k: 4096, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
+    Projection { name: "wq_b", n: 32768, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
+    Projection { name: "wkv", n: 512, k: 4096, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
+    Projection { name: "wo_a", n: 1024, k: 4096, groups: 8, format: FP8, mode: ActMode::F16, round: true },
+    Projection { name: "wo_b", n: 4096, k: 8192, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
+    Projection { name: "indexer.wq_b", n: 8192, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
+    Projection { name: "compressor.wkv", n: 1024, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: false },
+    Projection { name: "indexer.weights_proj", n: 64, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: true },
+    Projection { name: "head", n: 129280, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: false },
 ];
 
-const fn p(
-    name: &'static str,
-    n: usize,
-    k: usize,
-    groups: usize,
-    format: StorageFormat,
-    mode: ActMode,
-    round: bool,
-) -> Projection {
-    Projection {
-        name,
-        n,
-        k,
-        groups,
-        format,
-        mode,
-        round,
-    }
-}
+const FP8: StorageFormat = StorageFormat::Fp8;
+const BF16: StorageFormat = StorageFormat::Bf16;
 
 impl Projection {
     fn rows(&self) -> usize {
