@@ -2,11 +2,15 @@
 //
 // Batch metadata, the core attention over window + compressed keys with the per-head sink,
 // the window ring update and the slot lengths. Reproduces src/reference/attention.rs
-// (`attention_core`, `attend_with_sink`) bit for bit: every sum is an f64 accumulation in the
-// reference's own order (ops.rs `dot`: four strided accumulators; `sum`: sequential from -0.0;
-// P.V: per channel, keys in order, from +0.0), every f32 product/sum is explicitly rounded
-// (__fmul_rn & co., so no FMA contraction), exp in f64 rounded once.
+// (`attention_core`, `attend_with_sink`) bit for bit, reading the state in its stored format
+// (kv_pages.cuh: official codes or f32, each decoding to the reference's f32 values): every sum
+// is an f64 accumulation in the reference's own order (ops.rs `dot`: four strided accumulators;
+// `sum`: sequential from -0.0; P.V: per channel, keys in order, from +0.0), every f32
+// product/sum is explicitly rounded (__fmul_rn & co., so no FMA contraction), exp in f64
+// rounded once.
 #include "common.cuh"
+#include "attn_keys.cuh"
+#include "kv_pages.cuh"
 #include "ref_math.cuh"
 
 // ops.rs `dot` of an f64 vector `a` (the query, converted once) and a float row `b`:
@@ -41,6 +45,30 @@ DSV4_INLINE float attn_dot_ref(const double* a, const float* b, int n) {
   return (float)s;
 }
 
+// attn_dot_ref over a stored row: the same accumulators in the same order, each value decoded
+// (kv_value gives exactly the f32 attn_dot_ref would read from an f32 row).
+DSV4_INLINE float attn_dot_row(const double* a, const KvRowFmt& f, const KvRowPtr& p, int n) {
+  if (!f.packed) return attn_dot_ref(a, (const float*)p.row, n);
+  double c0 = 0.0, c1 = 0.0, c2 = 0.0, c3 = 0.0;
+  const int n4 = n & ~3;
+#pragma unroll 4
+  for (int i = 0; i < n4; i += 4) {
+    const float4 v = kv_value4(f, p, i);
+    c0 += a[i] * (double)v.x;
+    c1 += a[i + 1] * (double)v.y;
+    c2 += a[i + 2] * (double)v.z;
+    c3 += a[i + 3] * (double)v.w;
+  }
+  double s = (c0 + c2) + (c1 + c3);
+  for (int i = n4; i < n; ++i) s += a[i] * (double)kv_value(f, p, i);
+  return (float)s;
+}
+
+// Values c, c + 1 of key row p (c even).
+DSV4_INLINE float2 attn_value2(const AttnKeys& k, bool stored, const KvRowPtr& p, int c) {
+  return stored ? kv_value2(k.state, p, c) : *(const float2*)(p.row + 4 * c);
+}
+
 // seq_of[t] = s for every token t of sequence s (query_start[s] <= t < query_start[s+1]).
 // Grid: one block per sequence.
 extern "C" __global__ void batch_meta_kernel(const int* query_start, int S, int* seq_of) {
@@ -50,8 +78,8 @@ extern "C" __global__ void batch_meta_kernel(const int* query_start, int S, int*
   for (int t = a + threadIdx.x; t < b; t += blockDim.x) seq_of[t] = s;
 }
 
-// ATTN_MAX_CPT (dsv4_consts.cuh): most f64 P.V accumulators per thread (channels tid,
-// tid + blockDim, ...), so hd <= ATTN_MAX_CPT * blockDim.
+// ATTN_MAX_CPT (dsv4_consts.cuh): most f64 P.V accumulators per thread (channel pairs tid,
+// tid + blockDim, ...), so hd <= ATTN_MAX_CPT * blockDim; even.
 
 // One block per (token, head): blockIdx.x = t * H + h. Dynamic shared memory: double q[hd]
 // (padded to 2), float logits[nk_max], then int sel[topk] (CSA), nk_max = W + (selected ?
@@ -59,13 +87,15 @@ extern "C" __global__ void batch_meta_kernel(const int* query_start, int S, int*
 // max(0, p-W+1) .. p (ring row pos % W of the slot for positions before the sequence's first
 // position in this batch, else this batch's kv row), then compressed entries: HCA
 // (selected == NULL, ratio > 0) every w < (p+1)/ratio, CSA selected[t][0 .. nsel[t]] in the
-// indexer's order. ratio == 0: window only.
-extern "C" __global__ void attention_kernel(const float* q, const float* kv, const float* ring,
-                                           const float* entries, const int* selected,
-                                           const int* nsel, const int* positions,
+// indexer's order. ratio == 0: window only. The ring (ceil(W / KV_PAGE) pages per slot) and
+// the entries (pages through etable, epps per slot) are stored in kv_pages.cuh's KV row format
+// for `official` (nope channels [0, nope)).
+extern "C" __global__ void attention_kernel(const float* q, const float* kv, const unsigned char* ring,
+                                           const unsigned char* entries, const int* etable, int epps,
+                                           const int* selected, const int* nsel, const int* positions,
                                            const int* seq_of, const int* query_start,
                                            const int* seq_slots, const float* sinks, int T, int H,
-                                           int hd, int W, int ratio, int maxe, int topk,
+                                           int hd, int nope, int W, int ratio, int maxe, int topk,
                                            int official, float* o) {
   extern __shared__ __align__(16) double attn_smem[];
   __shared__ float red[32];
@@ -87,41 +117,23 @@ extern "C" __global__ void attention_kernel(const float* q, const float* kv, con
   const float* qrow = q + ((long long)t * H + h) * hd;
   for (int c = tid; c < hd; c += nt) qs[c] = (double)qrow[c];
 
-  const int p = positions[t];
-  const int t0 = query_start[s];
-  const int p0 = positions[t0];
-  const int lo = p - W + 1 > 0 ? p - W + 1 : 0;
-  const int nw = p - lo + 1;
-  int nc = 0;
-  if (ratio > 0) {
-    if (selected != 0) {
-      nc = nsel[t];
-      if (nc > topk) nc = topk;
-    } else {
-      nc = (p + 1) / ratio;
-      if (nc > maxe) nc = maxe;
-    }
-    if (nc < 0) nc = 0;
+  AttnKeys keys;
+  const int nk = attn_keys_init(&keys, t, s, slot, kv, ring, entries, etable, epps, selected, nsel,
+                                positions, query_start, hd, nope, W, ratio, maxe, topk, official);
+  if (keys.sel != 0) {  // the CSA selection, copied to shared memory
+    int* sel = (int*)(lg + W + topk);
+    for (int i = tid; i < nk - keys.nw; i += nt) sel[i] = keys.sel[i];
+    keys.sel = sel;
   }
-  const int nk = nw + nc;
-  int* sel = (int*)(lg + W + topk);  // CSA only
-  if (ratio > 0 && selected != 0)
-    for (int i = tid; i < nc; i += nt) sel[i] = selected[(long long)t * topk + i];
-  const float* ring_slot = ring + (long long)slot * W * hd;
-  const float* ent_slot = entries + (long long)slot * maxe * hd;
-  const bool csa = selected != 0;
-  // The j-th key row.
-#define ATTN_KEY(j)                                                                   \
-  ((j) < nw ? ((lo + (j)) < p0 ? ring_slot + (long long)((lo + (j)) % W) * hd          \
-                               : kv + (long long)(t0 + (lo + (j)) - p0) * hd)          \
-            : ent_slot + (long long)(csa ? sel[(j) - nw] : (j) - nw) * hd)
   __syncthreads();
 
   // Logits l_j = f32(q . k_j) * f32(hd^-1/2), and their max (over real keys only).
   const float scale = (float)(1.0 / sqrt((double)hd));
   float mx = -DSV4_F32_INF;
   for (int j = tid; j < nk; j += nt) {
-    const float l = __fmul_rn(attn_dot_ref(qs, ATTN_KEY(j), hd), scale);
+    bool stored;
+    const KvRowPtr kp = attn_key(keys, j, &stored);
+    const float l = __fmul_rn(attn_dot_row(qs, stored ? keys.state : keys.batch, kp, hd), scale);
     lg[j] = l;
     mx = fmaxf(mx, l);
   }
@@ -133,8 +145,9 @@ extern "C" __global__ void attention_kernel(const float* q, const float* kv, con
 
   // o[c] = f32(sum_j f64(p_j) * f64(v_j[c])) / den, keys in order from +0.0 (reference P.V);
   // p_j = bf16(e_j) if official. Thread 0 also sums the denominator f32(sum_j f64 e_j) keys in
-  // order from -0.0 (ops.rs `sum`), + exp(sink - m). Four keys per step: their loads are
-  // independent of the accumulators, so they are in flight together.
+  // order from -0.0 (ops.rs `sum`), + exp(sink - m). A thread owns channel pairs (2q, 2q + 1),
+  // q = tid, tid + blockDim, ... (hd is even), read two at a time; four keys per step: their
+  // loads are independent of the accumulators, so they are in flight together.
   double acc[ATTN_MAX_CPT];
 #pragma unroll
   for (int r = 0; r < ATTN_MAX_CPT; ++r) acc[r] = 0.0;
@@ -152,19 +165,23 @@ extern "C" __global__ void attention_kernel(const float* q, const float* kv, con
     const double p1d = (double)(official ? round_bf16(e1) : e1);
     const double p2d = (double)(official ? round_bf16(e2) : e2);
     const double p3d = (double)(official ? round_bf16(e3) : e3);
-    const float* k0 = ATTN_KEY(j);
-    const float* k1 = ATTN_KEY(j + 1);
-    const float* k2 = ATTN_KEY(j + 2);
-    const float* k3 = ATTN_KEY(j + 3);
+    bool s0, s1, s2, s3;
+    const KvRowPtr k0 = attn_key(keys, j, &s0), k1 = attn_key(keys, j + 1, &s1);
+    const KvRowPtr k2 = attn_key(keys, j + 2, &s2), k3 = attn_key(keys, j + 3, &s3);
 #pragma unroll
-    for (int r = 0; r < ATTN_MAX_CPT; ++r) {
-      const int c = tid + r * nt;
+    for (int r = 0; r < ATTN_MAX_CPT; r += 2) {
+      const int c = 2 * (tid + (r / 2) * nt);
       if (c < hd) {
-        const float v0 = k0[c], v1 = k1[c], v2 = k2[c], v3 = k3[c];
-        acc[r] += p0d * (double)v0;
-        acc[r] += p1d * (double)v1;
-        acc[r] += p2d * (double)v2;
-        acc[r] += p3d * (double)v3;
+        const float2 v0 = attn_value2(keys, s0, k0, c), v1 = attn_value2(keys, s1, k1, c);
+        const float2 v2 = attn_value2(keys, s2, k2, c), v3 = attn_value2(keys, s3, k3, c);
+        acc[r] += p0d * (double)v0.x;
+        acc[r] += p1d * (double)v1.x;
+        acc[r] += p2d * (double)v2.x;
+        acc[r] += p3d * (double)v3.x;
+        acc[r + 1] += p0d * (double)v0.y;
+        acc[r + 1] += p1d * (double)v1.y;
+        acc[r + 1] += p2d * (double)v2.y;
+        acc[r + 1] += p3d * (double)v3.y;
       }
     }
   }
@@ -172,21 +189,25 @@ extern "C" __global__ void attention_kernel(const float* q, const float* kv, con
     const float e = lg[j];
     if (tid == 0) dacc += (double)e;
     const double pv = (double)(official ? round_bf16(e) : e);
-    const float* kr = ATTN_KEY(j);
+    bool st;
+    const KvRowPtr kr = attn_key(keys, j, &st);
 #pragma unroll
-    for (int r = 0; r < ATTN_MAX_CPT; ++r) {
-      const int c = tid + r * nt;
-      if (c < hd) acc[r] += pv * (double)kr[c];
+    for (int r = 0; r < ATTN_MAX_CPT; r += 2) {
+      const int c = 2 * (tid + (r / 2) * nt);
+      if (c < hd) {
+        const float2 v = attn_value2(keys, st, kr, c);
+        acc[r] += pv * (double)v.x;
+        acc[r + 1] += pv * (double)v.y;
+      }
     }
   }
-#undef ATTN_KEY
   if (tid == 0) den_s = __fadd_rn((float)dacc, ref_exp(__fsub_rn(sinks[h], m)));
   __syncthreads();
   const float den = den_s;
   float* orow = o + ((long long)t * H + h) * hd;
 #pragma unroll
   for (int r = 0; r < ATTN_MAX_CPT; ++r) {
-    const int c = tid + r * nt;
+    const int c = 2 * (tid + (r / 2) * nt) + (r & 1);
     if (c < hd) {
       const float v = __fdiv_rn((float)acc[r], den);
       orow[c] = official ? round_bf16(v) : v;
@@ -194,11 +215,13 @@ extern "C" __global__ void attention_kernel(const float* q, const float* kv, con
   }
 }
 
-// The last min(len, W) window vectors of each sequence into ring[slot][pos % W]. Grid
-// (S, W): blockIdx.y is the row among the kept ones. Runs after attention.
+// The last min(len, W) window vectors of each sequence into ring row pos % W of their slot,
+// in the stored format (kv_pages.cuh; nope channels [0, nope)). Grid (S, W): blockIdx.y is the
+// row among the kept ones. Runs after attention.
 extern "C" __global__ void ring_update_kernel(const float* kv, const int* positions,
                                              const int* query_start, const int* seq_slots, int S,
-                                             int W, int hd, float* ring) {
+                                             int W, int hd, int nope, int official,
+                                             unsigned char* ring) {
   const int s = blockIdx.x, r = blockIdx.y;
   if (s >= S) return;
   if (seq_slots[s] < 0) return;  // padding: writes no state
@@ -207,9 +230,9 @@ extern "C" __global__ void ring_update_kernel(const float* kv, const int* positi
   if (r >= keep) return;
   const int i = b - keep + r;
   const int pos = positions[i];
-  float* dst = ring + ((long long)seq_slots[s] * W + pos % W) * hd;
-  const float* src = kv + (long long)i * hd;
-  for (int c = threadIdx.x; c < hd; c += blockDim.x) dst[c] = src[c];
+  const KvRowFmt f = kv_fmt_kv(hd, nope, official);
+  kv_store_row(f, kv_row(f, ring, 0, kv_ring_pages(W), seq_slots[s], pos % W),
+               kv + (long long)i * hd);
 }
 
 // slot_len[seq_slots[s]] = last position of sequence s + 1 (padding sequences: nothing).

@@ -8,6 +8,7 @@
 // order (sequential from -0.0, like Rust's f64 `Sum`); f32 arithmetic is explicitly rounded
 // (__fmul_rn & co.: no FMA contraction); exp/sin/cos/rsqrt in f64, rounded once.
 #include "common.cuh"
+#include "kv_pages.cuh"
 #include "ref_math.cuh"
 
 // quant.rs fp8_sim over one block of min(n, 64) values, in place, by one warp (all 32 lanes
@@ -40,14 +41,17 @@ DSV4_INLINE void comp_fp4_sim_warp(float* x, int n) {
 //
 // State per slot: pend_a/pend_z [slot][ratio][width] (width = 2*dc if overlap else dc),
 // prev_a/prev_z [slot][ratio][dc] and has_prev[slot] (overlap only; may be NULL otherwise),
-// entries [slot][maxe][dc]. Inputs a, z: [T][width] (z without ape). kind 0: KV entry (fp8sim
-// of channels [0, nope) in blocks of 64), 1: indexer key (Hadamard, fp4sim in blocks of 32).
+// entries: maxe rows per slot in pages through etable (epps pages per slot), in kv_pages.cuh's
+// format for `official` (KV rows for kind 0, indexer keys for kind 1). Inputs a, z:
+// [T][width] (z without ape). kind 0: KV entry (fp8sim of channels [0, nope) in blocks of 64),
+// 1: indexer key (Hadamard, fp4sim in blocks of 32).
 extern "C" __global__ void __launch_bounds__(COMP_THREADS)
     compress_kernel(const float* a, const float* z, const int* positions, const int* query_start,
                     const int* seq_slots, int S, float* pend_a, float* pend_z, float* prev_a,
                     float* prev_z, int* has_prev, const float* ape, const float* norm_w,
                     const float* inv_freq, int half_rope, int ratio, int overlap, int dc, float eps,
-                    int kind, int nope, int official, float* entries, int maxe) {
+                    int kind, int nope, int official, unsigned char* entries, const int* etable,
+                    int epps, int maxe) {
   extern __shared__ __align__(16) double comp_smem[];
   __shared__ float rnorm_s;
   const int sq = blockIdx.x;
@@ -67,7 +71,7 @@ extern "C" __global__ void __launch_bounds__(COMP_THREADS)
   float* qz = overlap ? prev_z + (long long)slot * ratio * dc : 0;
   // A sequence starting at position 0 starts without a previous window.
   int hp = (overlap && p_first != 0) ? has_prev[slot] : 0;
-  float* ent_slot = entries + (long long)slot * maxe * dc;
+  const KvRowFmt fmt = kind == 0 ? kv_fmt_kv(dc, nope, official) : kv_fmt_index(dc, official);
   const int cur_off = overlap ? dc : 0;
 
   // Tokens go window by window: a segment is this batch's tokens of one window (positions
@@ -181,10 +185,7 @@ extern "C" __global__ void __launch_bounds__(COMP_THREADS)
       }
     }
     __syncthreads();
-    if (w < maxe) {
-      float* dst = ent_slot + (long long)w * dc;
-      for (int c = tid; c < dc; c += nt) dst[c] = ent[c];
-    }
+    if (w < maxe) kv_store_row(fmt, kv_row(fmt, entries, etable, epps, slot, w), ent);
     __syncthreads();
   }
   if (overlap && tid == 0) has_prev[slot] = hp;

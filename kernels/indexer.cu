@@ -7,6 +7,7 @@
 // min(topk, visible) best scores, larger first, ties to the LOWER entry index, NaN ranking
 // below everything.
 #include "common.cuh"
+#include "kv_pages.cuh"
 
 // Entries per register block of idx_dots: one thread computes one head's dots with IDX_NB
 // entries, so each q load serves IDX_NB entries (shared memory bandwidth bounds this loop).
@@ -62,9 +63,11 @@ DSV4_INLINE int idx_stride(int DI) { return ((DI + 3) & ~3) + 2; }
 
 // One block per token t. Dynamic shared memory: double q[HI][stride], double keys[IDX_TILE]
 // [stride], float d[IDX_TILE][HI], float w[HI]; afterwards its start is reused for the scores
-// when they fit. ikeys: [slot][maxe][DI]; scores: [T][maxe] (workspace, bf16 values in
+// when they fit. ikeys: maxe keys per slot in pages through itable (ipps pages per slot), in
+// kv_pages.cuh's indexer-key format for `official`; scores: [T][maxe] (workspace, bf16 values in
 // official mode); selected: [T][topk] in rank order, -1 past nsel[t] = min(topk, visible).
-extern "C" __global__ void indexer_kernel(const float* qi, const float* iw, const float* ikeys,
+extern "C" __global__ void indexer_kernel(const float* qi, const float* iw,
+                                         const unsigned char* ikeys, const int* itable, int ipps,
                                          const int* positions, const int* seq_of,
                                          const int* seq_slots, int T, int HI, int DI, int ratio,
                                          int topk, int maxe, int official, float* scores,
@@ -91,14 +94,16 @@ extern "C" __global__ void indexer_kernel(const float* qi, const float* iw, cons
   const float* qrow = qi + (long long)t * HI * DI;
   for (int i = tid; i < HI * DI; i += nt) qs[(i / DI) * st + i % DI] = (double)qrow[i];
   for (int h = tid; h < HI; h += nt) ws[h] = iw[(long long)t * HI + h];
-  const float* kslot = ikeys + (long long)slot * maxe * DI;
+  const KvRowFmt kfmt = kv_fmt_index(DI, official);
   float* sc = scores + (long long)t * maxe;
 
   for (int e0 = 0; e0 < visible; e0 += IDX_TILE) {
     const int ne = visible - e0 < IDX_TILE ? visible - e0 : IDX_TILE;
     __syncthreads();  // q/w loaded; the previous tile is consumed
-    for (int i = tid; i < ne * DI; i += nt)
-      ks[(i / DI) * st + i % DI] = (double)kslot[(long long)e0 * DI + i];
+    for (int i = tid; i < ne * DI; i += nt) {
+      const int e = i / DI, c = i % DI;
+      ks[e * st + c] = (double)kv_value(kfmt, kv_row(kfmt, ikeys, itable, ipps, slot, e0 + e), c);
+    }
     __syncthreads();
     // Consecutive threads take consecutive heads of one block of IDX_NB entries (q rows
     // spread over banks, the key rows broadcast).

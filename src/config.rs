@@ -364,6 +364,13 @@ impl ModelConfig {
                 )));
             }
         }
+        // (The CUDA attention kernels read KV rows in channel pairs.)
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(cfg_err(format!(
+                "config field `head_dim` = {} must be even",
+                self.head_dim
+            )));
+        }
         if !self.rope_dim.is_multiple_of(2) || self.rope_dim > self.head_dim {
             return Err(cfg_err(format!(
                 "config field `qk_rope_head_dim` = {} must be even and <= head_dim = {}",
@@ -777,6 +784,7 @@ mod tests {
                 "num_experts_per_tok",
             ),
             ("qk_rope_head_dim", Value::from(7), "qk_rope_head_dim"),
+            ("head_dim", Value::from(129), "head_dim"),
             ("hidden_size", Value::from(0), "hidden_size"),
             ("hidden_size", Value::from("big"), "hidden_size"),
             (

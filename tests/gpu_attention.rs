@@ -4,7 +4,9 @@
 //! (continuing and restarting state, positions crossing window and ratio boundaries),
 //! compared BIT FOR BIT with the CPU reference `reference::attention::attention_core` in
 //! exact and official numerics: o, seq_of, the indexer's selection, and the whole per-slot
-//! state (ring, entries, indexer keys, compressor pending/previous rows, has_prev, slot_len).
+//! state (ring, entries, indexer keys — decoded from their pages in the stored format of the
+//! numerics, entries and keys through a scrambled block table — compressor pending/previous
+//! rows, has_prev, slot_len).
 //!
 //! Without a CUDA device the GPU test prints `skipped: no CUDA device`; the NVRTC compile
 //! test runs wherever NVRTC is installed (else it prints its own skip line).
@@ -17,6 +19,7 @@ use dsv4::cuda::arena::{self, Arena, ArenaPlan};
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta, RingArgs};
 use dsv4::cuda::kernels::compressor::{self, CompressArgs, CompressKind, Compressor};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
+use dsv4::cuda::kv_pages::{KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::{KernelCache, KernelSource, nvrtc_version};
 use dsv4::cuda::{Context, DevicePtr, OwnedStream, Registry};
 use dsv4::model::batch::SeqRange;
@@ -214,6 +217,8 @@ struct Dev {
     ring: DevicePtr,
     entries: DevicePtr,
     ikeys: DevicePtr,
+    /// The block table of entries and keys: a slot's pages in a scrambled order.
+    table: DevicePtr,
     comp: [DevicePtr; 5],
     icomp: [DevicePtr; 5],
     slot_len: DevicePtr,
@@ -256,9 +261,20 @@ fn dev_buffers(ctx: &Context, case: &Case, ratio: usize) -> Dev {
         r("norm", hd),
         r("iape", ratio.max(1) * 2 * di),
         r("inorm", di),
-        r("ring", slots * w * hd),
-        r("entries", slots * maxe * hd),
-        r("ikeys", slots * maxe * di),
+        // Paged state sized for f32 rows (the larger format); `r` counts floats.
+        r(
+            "ring",
+            slots * rows(true, hd, 0).page_bytes() * KvRows::pages_for(w) / 4,
+        ),
+        r(
+            "entries",
+            slots * rows(true, hd, 0).page_bytes() * KvRows::pages_for(maxe) / 4,
+        ),
+        r(
+            "ikeys",
+            slots * rows(false, di, 0).page_bytes() * KvRows::pages_for(maxe) / 4,
+        ),
+        r("table", slots * KvRows::pages_for(maxe)),
         r("c.pend_a", slots * ratio * 2 * hd),
         r("c.pend_z", slots * ratio * 2 * hd),
         r("c.prev_a", slots * ratio * hd),
@@ -303,11 +319,36 @@ fn dev_buffers(ctx: &Context, case: &Case, ratio: usize) -> Dev {
         ring: p[22],
         entries: p[23],
         ikeys: p[24],
-        comp: [p[25], p[26], p[27], p[28], p[29]],
-        icomp: [p[30], p[31], p[32], p[33], p[34]],
-        slot_len: p[35],
+        table: p[25],
+        comp: [p[26], p[27], p[28], p[29], p[30]],
+        icomp: [p[31], p[32], p[33], p[34], p[35]],
+        slot_len: p[36],
         _arena: a,
     }
+}
+
+/// f32 rows (exact numerics) of KV vectors (`kv`) or indexer keys, for sizing buffers.
+fn rows(kv: bool, dim: usize, nope: usize) -> KvRows {
+    if kv {
+        KvRows::kv(KvFormat::F32, dim, nope)
+    } else {
+        KvRows::index_keys(KvFormat::F32, dim)
+    }
+}
+
+/// A block table that is not the identity: slot s's page i is page `(s * pps + i) * 7919 mod
+/// (slots * pps)` of the pool (a permutation when 7919 is coprime to the page count).
+fn scrambled_table(slots: usize, pps: usize) -> Vec<i32> {
+    let n = slots * pps;
+    let mul = (1..)
+        .map(|k| 7919 + 2 * k)
+        .find(|m| gcd(*m, n.max(1)) == 1)
+        .unwrap();
+    (0..n).map(|i| (i * mul % n) as i32).collect()
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 struct Kernels {
@@ -391,6 +432,36 @@ fn run_layer(
     let d = dev_buffers(ctx, case, ratio);
     let _g = ctx.enter().unwrap();
     let mut rng = XorShift(seed);
+    // The state in the format of the numerics, entries and keys through a scrambled table.
+    let format = KvFormat::for_official(official);
+    let nope = cfg.nope_dim();
+    let pps = KvRows::pages_for(maxe);
+    let table = scrambled_table(nslots, pps);
+    arena::copy_to_device_sync(d.table, &table, s).unwrap();
+    let ring_pages = KvPagesDev {
+        pool: d.ring,
+        table: None,
+        pages_per_slot: KvRows::pages_for(win),
+        rows: KvRows::kv(format, hd, nope),
+    };
+    let entry_pages = KvPagesDev {
+        pool: d.entries,
+        table: Some(d.table),
+        pages_per_slot: pps,
+        rows: KvRows::kv(format, hd, nope),
+    };
+    let key_pages = KvPagesDev {
+        pool: d.ikeys,
+        rows: KvRows::index_keys(format, di),
+        ..entry_pages
+    };
+    // Every slot's rows decoded from the device pool.
+    let decoded = |pages: &KvPagesDev, count: usize| -> Vec<f32> {
+        let pool: Vec<u8> = download(pages.pool, pages.pool.bytes(), s);
+        (0..nslots)
+            .flat_map(|slot| pages.decode_slot(&pool, pages.table.map(|_| &table[..]), slot, count))
+            .collect()
+    };
 
     // Weights.
     let freqs = rope::inv_freq(cfg, spec.attn);
@@ -461,7 +532,9 @@ fn run_layer(
         assert!(t <= max_t);
         // Activations (BF16 values in official mode, as the pipeline produces them).
         let q = rng.vec(t * h * hd, 1.0, official);
-        let kv = rng.vec(t * hd, 1.0, official);
+        // (In official mode window KV rows reach attention FP8-simulated: what the ring stores.)
+        let mut kv = rng.vec(t * hd, 1.0, official);
+        prec.kv_nope_sim(&mut kv, hd, nope);
         let ca = rng.vec(t * width, 1.0, false);
         let cz = rng.vec(t * width, 2.0, false);
         let ia = rng.vec(t * 2 * di, 1.0, false);
@@ -553,7 +626,7 @@ fn run_layer(
                 kind: CompressKind::Kv,
                 nope: cfg.nope_dim(),
                 official,
-                entries: d.entries,
+                entries: entry_pages,
                 maxe,
                 num_slots: nslots,
             };
@@ -572,7 +645,7 @@ fn run_layer(
                     dc: di,
                     overlap: true,
                     kind: CompressKind::IndexKey,
-                    entries: d.ikeys,
+                    entries: key_pages,
                     ..c
                 };
                 time("compress (indexer keys)", &|| {
@@ -581,7 +654,7 @@ fn run_layer(
                 let ix = IndexerArgs {
                     qi: d.qi,
                     iw: d.iw,
-                    ikeys: d.ikeys,
+                    ikeys: key_pages,
                     heads: hi,
                     dim: di,
                     ratio,
@@ -599,8 +672,8 @@ fn run_layer(
         let x = AttentionArgs {
             q: d.q,
             kv: d.kv,
-            ring: d.ring,
-            entries: (ratio > 0).then_some(d.entries),
+            ring: ring_pages,
+            entries: (ratio > 0).then_some(entry_pages),
             selected: csa.then_some((d.selected, d.nsel)),
             sinks: d.sinks,
             heads: h,
@@ -616,10 +689,11 @@ fn run_layer(
         time("attention", &|| k.attn.attention(ctx, &b, &x, s));
         let ring_args = RingArgs {
             kv: d.kv,
-            ring: d.ring,
+            ring: ring_pages,
             window: win,
             head_dim: hd,
             num_slots: nslots,
+            official,
         };
         time("ring_update", &|| {
             k.attn.ring_update(ctx, &b, &ring_args, s)
@@ -670,13 +744,13 @@ fn run_layer(
             |f: &dyn Fn(&SlotState) -> Vec<f32>| -> Vec<f32> { slots.iter().flat_map(f).collect() };
         nb += cmp_f32(
             &format!("{tag}: ring"),
-            &download(d.ring, nslots * win * hd, s),
+            &decoded(&ring_pages, win),
             &gather(&|sl| sl.layers[layer].window.clone()),
         );
         if ratio > 0 {
             nb += cmp_f32(
                 &format!("{tag}: entries"),
-                &download(d.entries, nslots * maxe * hd, s),
+                &decoded(&entry_pages, maxe),
                 &gather(&|sl| sl.layers[layer].entries.clone()),
             );
             let mut comps = vec![("compressor", d.comp, false)];
@@ -684,7 +758,7 @@ fn run_layer(
                 comps.push(("index_compressor", d.icomp, true));
                 nb += cmp_f32(
                     &format!("{tag}: index keys"),
-                    &download(d.ikeys, nslots * maxe * di, s),
+                    &decoded(&key_pages, maxe),
                     &gather(&|sl| sl.layers[layer].index_keys.clone()),
                 );
             }

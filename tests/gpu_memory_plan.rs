@@ -179,3 +179,42 @@ fn planning_allocates_nothing_and_checks_params_like_create() {
         );
     }
 }
+
+/// The CUDA state in official numerics keeps the KV rows as their codes (src/cuda/kv_pages.rs):
+/// a Flash-shaped engine's slot at 65,536 positions is exactly the closed form smaller than in
+/// exact numerics (f32 rows): per KV row 2048 -> 584 bytes (448 e4m3 + 64 BF16 + 8 scale
+/// bytes), per indexer key 512 -> 68 (64 nibble bytes + 4 scales), in pages of 64 rows: the
+/// rings (4 layers x 2 pages), the CSA layer's 16,384 entries and keys (256 pages each) and the
+/// HCA layer's 512 entries (8 pages). Planning needs no GPU.
+#[test]
+fn official_numerics_store_the_kv_state_as_codes() {
+    let flash = |numerics: i32| {
+        let mut p = params(
+            Some("configs/flash-shaped-4-layers.json"),
+            0,
+            DSV4_WEIGHT_FORMAT_AS_STORED,
+            1,
+            65536,
+        );
+        p.p.numerics = numerics;
+        plan(&p.p)
+    };
+    let exact = flash(DSV4_NUMERICS_EXACT);
+    let official = flash(DSV4_NUMERICS_OFFICIAL);
+    let kv_pages = 4 * 2 + 256 + 8;
+    let key_pages = 256;
+    let saved = 64 * (kv_pages * (2048 - 584) + key_pages * (512 - 68));
+    assert_eq!(
+        exact.state_slot_nbytes - official.state_slot_nbytes,
+        saved,
+        "exact {} official {}",
+        exact.state_slot_nbytes,
+        official.state_slot_nbytes
+    );
+    println!(
+        "Flash-shaped 4 layers, one slot of 65536 positions: state {} bytes exact, {} official ({:.2}x)",
+        exact.state_slot_nbytes,
+        official.state_slot_nbytes,
+        exact.state_slot_nbytes as f64 / official.state_slot_nbytes as f64
+    );
+}

@@ -21,6 +21,7 @@ use crate::cuda::kernels::mhc::Hc0Fold;
 use crate::cuda::kernels::weight_convert::{
     self, DestWeight, DeviceScale, SourceRows, WeightConvert,
 };
+use crate::cuda::kv_pages::static_block_table;
 use crate::cuda::memory_plan::{BufferKind, Buffers, MemoryPlan};
 use crate::cuda::registry::{KernelCache, Registry};
 use crate::cuda::stream::BorrowedStream;
@@ -287,8 +288,13 @@ impl CudaBackend {
         Ok(&self.convert.as_ref().expect("loaded above").1)
     }
 
-    /// Zeroes every slot's length and overlap flag (fresh engine).
+    /// Zeroes every slot's length and overlap flag and gives each slot its own pages (fresh
+    /// engine).
     fn reset_state(&self, stream: BorrowedStream) -> Result<()> {
+        let slots = self.opts.max_num_seqs;
+        for &(table, pages) in &self.model.block_tables {
+            copy_to_device_sync(table, &static_block_table(slots, pages), stream)?;
+        }
         memset_async(self.model.slot_len, 0, stream)?;
         for l in &self.model.layers {
             for c in [l.compressor, l.index_compressor].into_iter().flatten() {

@@ -5,9 +5,10 @@
 //! CUBIN cache key).
 
 use super::kernels::{
-    attention, batch, compressor, fast_dense, fast_moe, fast_moe_gemm, fast_moe_wide, indexer,
-    linear, mhc, moe, norm_rope,
+    attention, batch, compressor, fast_attention, fast_dense, fast_moe, fast_moe_gemm,
+    fast_moe_wide, indexer, linear, mhc, moe, norm_rope,
 };
+use super::kv_pages;
 use super::smoke;
 use crate::config::ScoringFunc;
 use crate::error::Status;
@@ -109,12 +110,24 @@ pub const SHARED: &[Shared] = shared! {
     "FD_ACT_QUANT" = Int(fast_dense::ActMode::Quant as i64) from "fast_dense::ActMode::Quant";
     "FD_ACT_F16" = Int(fast_dense::ActMode::F16 as i64) from "fast_dense::ActMode::F16";
     "FD_ACT_BF16" = Int(fast_dense::ActMode::Bf16 as i64) from "fast_dense::ActMode::Bf16";
+    // fast_attention.cu.
+    "FA_THREADS" = Int(fast_attention::THREADS as i64) from "fast_attention::THREADS";
+    "FA_TILE_KEYS" = Int(fast_attention::TILE_KEYS as i64) from "fast_attention::TILE_KEYS";
+    "FA_MAX_HEADS" = Int(fast_attention::MAX_HEADS as i64) from "fast_attention::MAX_HEADS";
+    "FA_MAX_HD" = Int(fast_attention::MAX_HD as i64) from "fast_attention::MAX_HD";
+    "FA_MAX_SPLITS" = Int(fast_attention::MAX_SPLITS as i64) from "fast_attention::MAX_SPLITS";
     // attention.cu, compressor.cu, indexer.cu, mhc.cu.
     "ATTN_MAX_CPT" = Int(attention::ATTN_MAX_CHANNELS_PER_THREAD as i64)
         from "attention::ATTN_MAX_CHANNELS_PER_THREAD";
     "COMP_THREADS" = Int(compressor::THREADS as i64) from "compressor::THREADS";
     "IDX_TILE" = Int(indexer::TILE as i64) from "indexer::TILE";
     "HC_MAX_N" = Int(mhc::MAX_STREAMS as i64) from "mhc::MAX_STREAMS";
+    // kv_pages.cuh: the KV state's rows and pages.
+    "KV_PAGE" = Int(kv_pages::KV_PAGE as i64) from "kv_pages::KV_PAGE";
+    "KV_FP8_BLOCK" = Int(kv_pages::KV_FP8_BLOCK as i64) from "kv_pages::KV_FP8_BLOCK";
+    "KV_FP4_BLOCK" = Int(kv_pages::KV_FP4_BLOCK as i64) from "kv_pages::KV_FP4_BLOCK";
+    "KV_ROW_ALIGN" = Int(kv_pages::KV_ROW_ALIGN as i64) from "kv_pages::KV_ROW_ALIGN";
+    "KV_SCALE_ALIGN" = Int(kv_pages::KV_SCALE_ALIGN as i64) from "kv_pages::KV_SCALE_ALIGN";
     // norm_rope.cu.
     "HADAMARD_MAX" = Int(norm_rope::HADAMARD_MAX as i64) from "norm_rope::HADAMARD_MAX";
     // batch.cu: the codes of the fault record (model::batch, error::Status).

@@ -7,6 +7,7 @@ use crate::cuda::arena::{DevicePtr, RegionId};
 use crate::cuda::backend::DEVICE_ERROR_NAME;
 use crate::cuda::kernels::batch::CheckedBatch;
 use crate::cuda::kernels::fast_moe_gemm;
+use crate::cuda::kv_pages::{KvFormat, KvPagesDev, KvRows};
 use crate::cuda::memory_plan::{BufferKind, Buffers, Elem, MemoryPlan};
 use crate::error::Result;
 use crate::model::ModelWeights;
@@ -68,15 +69,16 @@ pub struct CompressorDev {
     pub has_prev: DevicePtr,
 }
 
-/// One layer's per-slot state.
+/// One layer's per-slot state (the KV rows in kv_pages.rs's layout).
 #[derive(Clone, Copy, Debug)]
 pub struct LayerStateDev {
-    pub ring: DevicePtr,
+    /// The window ring: W KV rows per slot.
+    pub ring: KvPagesDev,
     pub compressor: Option<CompressorDev>,
     pub index_compressor: Option<CompressorDev>,
-    /// Compressed entries [slots, maxe, hd] and indexer keys [slots, maxe, di].
-    pub entries: Option<DevicePtr>,
-    pub index_keys: Option<DevicePtr>,
+    /// Compressed entries (maxe KV rows per slot) and indexer keys (maxe per slot).
+    pub entries: Option<KvPagesDev>,
+    pub index_keys: Option<KvPagesDev>,
     /// Entries per slot (max_seq_len / ratio).
     pub maxe: usize,
     pub inv_freq: DevicePtr,
@@ -90,6 +92,9 @@ pub struct DeviceModel {
     pub weights: Vec<WeightDev>,
     pub experts: Vec<ExpertTables>,
     pub layers: Vec<LayerStateDev>,
+    /// The paged state's block tables (one per compression ratio) with their pages per slot:
+    /// written at finalize, and never again while slots own their pages statically.
+    pub block_tables: Vec<(DevicePtr, usize)>,
     /// `int[num_slots]`: tokens each slot holds.
     pub slot_len: DevicePtr,
     /// Derived f64 [(2+N)*N, D]: layer 0's stream-folded hc_attn projection.
@@ -132,15 +137,24 @@ struct WeightIds {
     cols: usize,
 }
 
+/// A paged buffer of the plan: its pool, block table (None: the ring), pages per slot, rows.
+#[derive(Clone, Copy)]
+struct PagesIds {
+    pool: RegionId,
+    table: Option<RegionId>,
+    pages_per_slot: usize,
+    rows: KvRows,
+}
+
 /// Region ids of one layer's state.
 struct LayerStateIds {
     /// The model layer it belongs to (the placement may hold a subset).
     layer: usize,
-    ring: RegionId,
+    ring: PagesIds,
     compressor: Option<CompressorIds>,
     index_compressor: Option<CompressorIds>,
-    entries: Option<RegionId>,
-    index_keys: Option<RegionId>,
+    entries: Option<PagesIds>,
+    index_keys: Option<PagesIds>,
 }
 
 /// Everything the plan declares, kind by kind (memory_plan.rs lays them out in this order).
@@ -154,6 +168,8 @@ pub(crate) struct PlannedBuffers {
     inv_freq: Vec<RegionId>,
     hc0_fold: RegionId,
     layer_state: Vec<LayerStateIds>,
+    /// Block tables by compression ratio: (ratio, table, pages per slot).
+    block_tables: Vec<(usize, RegionId, usize)>,
     slot_len: RegionId,
     record: RegionId,
     /// The device check of device-memory weight writes: one u64 result per entry.
@@ -201,12 +217,16 @@ fn plan_weights(
         .collect()
 }
 
-/// Per-slot state of one layer: the shared layout (state/layout.rs) with the slot leading.
+/// Per-slot state of one layer: the shared layout (state/layout.rs) with the slot leading,
+/// the KV rows paged in `format` (kv_pages.rs). `tables` holds the block table of each
+/// compression ratio (declared first).
 fn plan_layer_state(
     plan: &mut MemoryPlan,
     l: usize,
     lay: &LayerLayout,
     slots: usize,
+    rows: KvStateRows,
+    tables: &[(usize, RegionId, usize)],
 ) -> Result<LayerStateIds> {
     let st = |plan: &mut MemoryPlan, what: &str, elem: Elem, shape: &[usize]| {
         let mut s = vec![slots];
@@ -227,9 +247,22 @@ fn plan_layer_state(
             st(plan, &format!("{name}.has_prev"), Elem::I32, &[])?,
         ])
     };
+    // A paged buffer of `count` rows per slot: pages of `rows`, through the table of `ratio`.
+    let paged = |plan: &mut MemoryPlan, what: &str, count: usize, rows: KvRows, ratio: usize| {
+        let pages_per_slot = KvRows::pages_for(count);
+        let table = tables.iter().find(|t| t.0 == ratio).map(|t| t.1);
+        let pool = st(plan, what, Elem::U8, &[pages_per_slot, rows.page_bytes()])?;
+        Ok::<_, crate::error::Error>(PagesIds {
+            pool,
+            table,
+            pages_per_slot,
+            rows,
+        })
+    };
+    let ratio = lay.compressor.map_or(0, |c| c.ratio);
     Ok(LayerStateIds {
         layer: l,
-        ring: st(plan, "ring", Elem::F32, &lay.window)?,
+        ring: paged(plan, "ring", lay.window[0], rows.kv, 0)?,
         compressor: lay
             .compressor
             .map(|c| comp(plan, "compressor", c))
@@ -240,13 +273,30 @@ fn plan_layer_state(
             .transpose()?,
         entries: lay
             .entries
-            .map(|s| st(plan, "entries", Elem::F32, &s))
+            .map(|s| paged(plan, "entries", s[0], rows.kv, ratio))
             .transpose()?,
         index_keys: lay
             .index_keys
-            .map(|s| st(plan, "index_keys", Elem::F32, &s))
+            .map(|s| paged(plan, "index_keys", s[0], rows.index_keys, ratio))
             .transpose()?,
     })
+}
+
+/// The row layouts of an engine's KV state.
+#[derive(Clone, Copy, Debug)]
+struct KvStateRows {
+    kv: KvRows,
+    index_keys: KvRows,
+}
+
+impl KvStateRows {
+    fn new(cfg: &ModelConfig, opts: &EngineOptions) -> KvStateRows {
+        let format = KvFormat::for_numerics(opts.numerics);
+        KvStateRows {
+            kv: KvRows::kv(format, cfg.head_dim, cfg.nope_dim()),
+            index_keys: KvRows::index_keys(format, cfg.index_head_dim),
+        }
+    }
 }
 
 /// Declares every buffer of the engine but the kernel set's workspace.
@@ -321,11 +371,28 @@ pub(crate) fn plan_model(
         Elem::F64,
         &[(2 + n) * n, d],
     )?;
-    // Per-slot state, then the slot lengths and the sticky device error record.
+    // Per-slot state: the block table of each compression ratio the held layers use, the
+    // layers' buffers, then the slot lengths and the sticky device error record.
+    let mut block_tables: Vec<(usize, RegionId, usize)> = vec![];
+    for l in placement.layers.clone() {
+        if let (Some(c), Some(e)) = (layouts[l].compressor, layouts[l].entries)
+            && !block_tables.iter().any(|t| t.0 == c.ratio)
+        {
+            let pages = KvRows::pages_for(e[0]);
+            let id = plan.declare(
+                BufferKind::State,
+                format!("state:block_table.ratio{}", c.ratio),
+                Elem::I32,
+                &[slots, pages],
+            )?;
+            block_tables.push((c.ratio, id, pages));
+        }
+    }
+    let rows = KvStateRows::new(cfg, opts);
     let layer_state = placement
         .layers
         .clone()
-        .map(|l| plan_layer_state(plan, l, &layouts[l], slots))
+        .map(|l| plan_layer_state(plan, l, &layouts[l], slots, rows, &block_tables))
         .collect::<Result<Vec<_>>>()?;
     let slot_len = plan.declare(BufferKind::State, "state:slot_len", Elem::I32, &[slots])?;
     let record = plan.declare(
@@ -369,6 +436,7 @@ pub(crate) fn plan_model(
         inv_freq,
         hc0_fold,
         layer_state,
+        block_tables,
         slot_len,
         record,
         weight_check,
@@ -425,17 +493,23 @@ impl PlannedBuffers {
                 has_prev: p(ids[4]),
             })
         };
+        let pages = |ids: PagesIds| KvPagesDev {
+            pool: p(ids.pool),
+            table: ids.table.map(p),
+            pages_per_slot: ids.pages_per_slot,
+            rows: ids.rows,
+        };
         let layers = self
             .layer_state
             .iter()
             .zip(&self.inv_freq)
             .map(|(ids, &inv)| (ids, &layouts[ids.layer], inv))
             .map(|(ids, lay, inv)| LayerStateDev {
-                ring: p(ids.ring),
+                ring: pages(ids.ring),
                 compressor: compressor(ids.compressor, lay.compressor),
                 index_compressor: compressor(ids.index_compressor, lay.index_compressor),
-                entries: ids.entries.map(p),
-                index_keys: ids.index_keys.map(p),
+                entries: ids.entries.map(pages),
+                index_keys: ids.index_keys.map(pages),
                 maxe: lay.max_entries(),
                 inv_freq: p(inv),
             })
@@ -445,6 +519,11 @@ impl PlannedBuffers {
             weights,
             experts,
             layers,
+            block_tables: self
+                .block_tables
+                .iter()
+                .map(|&(_, id, pages)| (p(id), pages))
+                .collect(),
             slot_len: p(self.slot_len),
             hc0_fold: p(self.hc0_fold),
             weight_check: p(self.weight_check),

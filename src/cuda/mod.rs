@@ -34,6 +34,7 @@ pub mod forward;
 pub mod graph;
 pub mod kernel_sets;
 pub mod kernels;
+pub mod kv_pages;
 pub mod libs;
 pub mod memory_plan;
 pub mod registry;

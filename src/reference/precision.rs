@@ -9,9 +9,9 @@ use crate::weights::store::WeightStore;
 /// Block of the per-token activation quantisation before FP8/FP4 GEMMs.
 const ACT_BLOCK: usize = 128;
 /// Block of the FP8 simulation of KV nope channels.
-const KV_BLOCK: usize = 64;
+pub const KV_BLOCK: usize = 64;
 /// Block of the FP4 simulation of indexer queries and keys.
-const INDEX_BLOCK: usize = 32;
+pub const INDEX_BLOCK: usize = 32;
 
 #[derive(Clone, Copy, Debug)]
 pub struct Prec {

@@ -17,13 +17,11 @@
 //! times with a sync after each, and reports the median replay / R.
 
 use std::io::Write;
-use std::time::Instant;
 
-use crate::bench_util::{alloc, e};
+use crate::bench_util::{Rng, alloc, e, time_graph};
 use dsv4::cuda::arena;
 use dsv4::cuda::blockscaled_gemm::{self, BlockScaledGemm, GemmCall, GemmKind, GemmShape};
 use dsv4::cuda::context::Context;
-use dsv4::cuda::graph::Graph;
 use dsv4::cuda::kernels::fast_dense::{
     self, ActMode, DenseOp, DenseWorkspace, FastDense, Shape, TOKENS,
 };
@@ -101,22 +99,6 @@ impl Path {
             Path::Gemm => "cublaslt",
             Path::GemmOnly => "cublaslt_gemm_only",
         }
-    }
-}
-
-/// xorshift64*: the bench's weights and activations (fixed seed).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
     }
 }
 
@@ -301,27 +283,8 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
                     }
                 }
             };
-            call(0).map_err(e)?;
-            s.synchronize().map_err(e)?;
-            let g = Graph::capture(s, || {
-                for j in 0..copies {
-                    call(j)?;
-                }
-                Ok(())
-            })
-            .map_err(e)?;
-            g.launch(s).map_err(e)?;
-            s.synchronize().map_err(e)?;
             let replays = 7;
-            let mut per_call = Vec::with_capacity(replays);
-            for _ in 0..replays {
-                let t1 = Instant::now();
-                g.launch(s).map_err(e)?;
-                s.synchronize().map_err(e)?;
-                per_call.push(t1.elapsed().as_secs_f64() / copies as f64);
-            }
-            per_call.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            let sec = per_call[replays / 2];
+            let sec = time_graph(s, copies, replays, call)?;
             let flops = 2.0 * t as f64 * (p.rows() * p.k) as f64;
             println!(
                 "{{\"bench\": \"dense\", \"projection\": \"{}\", \"format\": \"{}\", \"T\": {t}, \"N\": {}, \"K\": {}, \"groups\": {}, \"slices\": {}, \"path\": \"{}\", \"act_in_gemv\": {fused}, \"time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_call\": {}, \"calls_timed\": {}}}",

@@ -1,7 +1,11 @@
-//! What the kernel benches (`bench moe`, `bench dense`) share: their buffers and errors.
+//! What the kernel benches (`bench moe`, `bench dense`, `bench attn`) share: their buffers,
+//! errors and random numbers.
 
 use dsv4::cuda::arena::{Arena, ArenaPlan, DevicePtr};
 use dsv4::cuda::context::Context;
+use dsv4::cuda::graph::Graph;
+use dsv4::cuda::stream::BorrowedStream;
+use std::time::Instant;
 
 /// A library error as the CLI prints it.
 pub fn e(x: dsv4::Error) -> String {
@@ -20,4 +24,51 @@ pub fn alloc(ctx: &Context, tag: &str, bytes: &[usize]) -> Result<(Arena, Vec<De
     let a = Arena::from_plan(ctx, &plan).map_err(e)?;
     let p = ids.iter().map(|&i| a.region(i)).collect();
     Ok((a, p))
+}
+
+/// xorshift64*: the kernel benches' weights, state and activations (fixed seeds).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// Uniform in [-1, 1) rounded to BF16 (official activations are BF16 values).
+    pub fn bf16(&mut self) -> f32 {
+        half::bf16::from_f32(self.unit() * 2.0 - 1.0).to_f32()
+    }
+}
+
+/// Seconds per call of `call(0..n)` (n calls, e.g. one per weight or state copy): the calls
+/// captured once into a CUDA graph, the graph replayed `replays` times with a sync after each;
+/// the median replay / n. `call(0)` runs once before the capture (loads, first-use setup).
+pub fn time_graph(
+    s: BorrowedStream,
+    n: usize,
+    replays: usize,
+    call: impl Fn(usize) -> dsv4::Result<()>,
+) -> Result<f64, String> {
+    call(0).map_err(e)?;
+    s.synchronize().map_err(e)?;
+    let g = Graph::capture(s, || (0..n).try_for_each(&call)).map_err(e)?;
+    g.launch(s).map_err(e)?;
+    s.synchronize().map_err(e)?;
+    let mut per_call = Vec::with_capacity(replays);
+    for _ in 0..replays {
+        let t1 = Instant::now();
+        g.launch(s).map_err(e)?;
+        s.synchronize().map_err(e)?;
+        per_call.push(t1.elapsed().as_secs_f64() / n as f64);
+    }
+    per_call.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    Ok(per_call[replays / 2])
 }

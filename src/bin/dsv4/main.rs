@@ -17,6 +17,7 @@
 //! - `dsv4 bench dense [--tokens N,N...] [--projection NAME]`: the fast set's dense projections
 //!   alone at Flash shapes, one JSON line per case (bench_dense.rs).
 
+mod bench_attn;
 mod bench_dense;
 mod bench_load;
 mod bench_moe;
@@ -40,7 +41,8 @@ const USAGE: &str = "usage:
   dsv4 dummy-checkpoint --config FILE --out DIR [--seed S]
   dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,prefill]
                  [--ids-dir DIR] [--device cuda[:N]]
-  dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--device cuda[:N]]";
+  dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--device cuda[:N]]
+  dsv4 bench attn [--contexts N[,N...]] [--batches N[,N...]] [--device cuda[:N]]";
 
 struct Args {
     cmd: String,
@@ -684,6 +686,13 @@ fn bench(a: &Args) -> Result<(), String> {
                 "tokens",
             )?;
             return bench_dense::run(dev, &tokens, a.get("projection"));
+        }
+        Some("attn") => {
+            let dev = cuda_device(a, "bench attn")?;
+            let contexts =
+                positive_list(a.get("contexts").unwrap_or("4096,65536,262144"), "contexts")?;
+            let batches = positive_list(a.get("batches").unwrap_or("1,8,64"), "batches")?;
+            return bench_attn::run(dev, &contexts, &batches);
         }
         Some("load") => return bench_load::run(a, device(a)?),
         Some("refit") => return bench_refit::run(a, device(a)?),

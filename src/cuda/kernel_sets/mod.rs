@@ -20,7 +20,7 @@ use crate::config::ModelConfig;
 use crate::cuda::arena::{Arena, DevicePtr};
 use crate::cuda::backend::DeviceModel;
 use crate::cuda::context::{Context, DeviceInfo};
-use crate::cuda::kernels::attention::BatchMeta;
+use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta};
 use crate::cuda::kernels::linear::WeightDev;
 use crate::cuda::memory_plan::MemoryPlan;
 use crate::cuda::registry::{KernelSource, Registry};
@@ -117,12 +117,25 @@ pub struct LinearCall {
     pub ldy: usize,
 }
 
-/// Linears a set runs with its own kernels inside the reference set's launch sequences (the
-/// fast set's dense projections while its attention sub-block is still the reference one).
-pub trait FastLinears {
+/// Operations a set runs with its own kernels inside the reference set's launch sequences (the
+/// fast set's dense projections and attention core while the rest of its attention sub-block
+/// is still the reference one).
+pub trait FastOps {
     /// Runs `call` and returns true, or returns false having launched nothing: the reference
     /// kernels run it.
     fn try_linear(&self, ctx: &Context, call: &LinearCall, stream: BorrowedStream) -> Result<bool>;
+
+    /// Runs the attention core (the reference `attention_kernel`'s operation, its output
+    /// before the inverse RoPE) and returns true, or returns false having launched nothing.
+    fn try_attention(
+        &self,
+        _ctx: &Context,
+        _meta: &BatchMeta,
+        _args: &AttentionArgs,
+        _stream: BorrowedStream,
+    ) -> Result<bool> {
+        Ok(false)
+    }
 }
 
 /// The architecture the fast set's kernels need: its MoE GEMMs use `wgmma`, which only sm_90a

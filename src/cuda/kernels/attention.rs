@@ -4,6 +4,7 @@
 //! and the slot lengths. The CPU reference is `reference::attention::attention_core`.
 
 use crate::cuda::kernels::{need, to_i32};
+use crate::cuda::kv_pages::{KvPagesDev, KvRows, RowKind};
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -20,15 +21,16 @@ crate::kernel_family! {
     /// `entries` NULL on window-only layers; `selected` / `nsel` NULL except on CSA layers.
     #[smem(ATTENTION_MAX_SMEM)]
     fn attention_kernel(
-        q: *const f32, kv: *const f32, ring: *const f32, entries: Option<*const f32>,
-        selected: Option<*const i32>, nsel: Option<*const i32>, positions: *const i32,
-        seq_of: *const i32, query_start: *const i32, seq_slots: *const i32, sinks: *const f32,
-        t: i32, h: i32, hd: i32, w: i32, ratio: i32, maxe: i32, topk: i32, official: bool,
+        q: *const f32, kv: *const f32, ring: *const u8, entries: Option<*const u8>,
+        etable: Option<*const i32>, epps: i32, selected: Option<*const i32>,
+        nsel: Option<*const i32>, positions: *const i32, seq_of: *const i32,
+        query_start: *const i32, seq_slots: *const i32, sinks: *const f32, t: i32, h: i32,
+        hd: i32, nope: i32, w: i32, ratio: i32, maxe: i32, topk: i32, official: bool,
         o: *mut f32,
     );
     fn ring_update_kernel(
         kv: *const f32, positions: *const i32, query_start: *const i32, seq_slots: *const i32,
-        s: i32, w: i32, hd: i32, ring: *mut f32,
+        s: i32, w: i32, hd: i32, nope: i32, official: bool, ring: *mut u8,
     );
     fn slot_len_kernel(
         positions: *const i32, query_start: *const i32, seq_slots: *const i32, s: i32,
@@ -74,10 +76,10 @@ pub struct AttentionArgs {
     pub q: DevicePtr,
     /// This batch's window vectors: [T, head_dim].
     pub kv: DevicePtr,
-    /// Window ring: [num_slots, window, head_dim].
-    pub ring: DevicePtr,
-    /// Compressed entries [num_slots, maxe, head_dim] (ratio > 0).
-    pub entries: Option<DevicePtr>,
+    /// Window ring: `window` KV rows per slot, without a block table.
+    pub ring: KvPagesDev,
+    /// Compressed entries: `maxe` KV rows per slot (ratio > 0).
+    pub entries: Option<KvPagesDev>,
     /// CSA: the indexer's `selected` `[T, topk]` and `nsel` `[T]`. None on HCA / sliding layers.
     pub selected: Option<(DevicePtr, DevicePtr)>,
     /// Per-head sink logits `[H]`.
@@ -118,16 +120,119 @@ impl AttentionArgs {
         };
         self.head_dim.div_ceil(2) * 2 * 8 + (self.max_keys() + sel) * 4
     }
+
+    /// The checks every attention launch of `t` tokens makes: shapes, buffer sizes, the state's
+    /// format for the numerics; what the launch then passes.
+    pub fn check(&self, family: &str, t: usize) -> Result<CheckedAttention> {
+        let (h, hd, w) = (self.heads, self.head_dim, self.window);
+        if h == 0 || hd == 0 || w == 0 || self.num_slots == 0 {
+            return Err(bad(
+                family,
+                format!(
+                    "attention with {h} heads, head_dim {hd}, window {w}, {} slots",
+                    self.num_slots
+                ),
+            ));
+        }
+        // (Threads own channel pairs.)
+        if hd > ATTN_THREADS as usize * ATTN_MAX_CHANNELS_PER_THREAD || hd % 2 != 0 {
+            return Err(bad(
+                family,
+                format!(
+                    "head_dim {hd}: must be even and at most {}",
+                    ATTN_THREADS as usize * ATTN_MAX_CHANNELS_PER_THREAD
+                ),
+            ));
+        }
+        need(family, "q", self.q, t * h * hd * 4)?;
+        need(family, "kv", self.kv, t * hd * 4)?;
+        let nope = check_ring(family, &self.ring, self.num_slots, w, hd, self.official)?;
+        need(family, "sinks", self.sinks, h * 4)?;
+        need(family, "o", self.o, t * h * hd * 4)?;
+        let entries = if self.ratio > 0 {
+            let e = self
+                .entries
+                .ok_or_else(|| bad(family, "compressed layer without entries".into()))?;
+            // maxe may be 0 (max_seq_len below the ratio): the kernel attends to no entry.
+            if kv_nope(family, "entries", &e, hd)? != nope {
+                return Err(bad(family, "ring and entries differ in nope".into()));
+            }
+            e.check(family, "entries", self.num_slots, self.maxe, self.official)?;
+            Some(e)
+        } else {
+            None
+        };
+        let selected = match (self.ratio, self.selected) {
+            (r, Some((s, n))) if r > 0 => {
+                if self.topk == 0 {
+                    return Err(bad(family, "CSA layer with topk = 0".into()));
+                }
+                need(family, "selected", s, t * self.topk * 4)?;
+                need(family, "nsel", n, t * 4)?;
+                Some((s, n))
+            }
+            _ => None,
+        };
+        Ok(CheckedAttention {
+            nope,
+            entries,
+            selected,
+        })
+    }
+}
+
+/// What [`AttentionArgs::check`] found: the KV rows' nope width, the entries (compressed layers)
+/// and the CSA selection buffers.
+#[derive(Clone, Copy, Debug)]
+pub struct CheckedAttention {
+    pub nope: usize,
+    pub entries: Option<KvPagesDev>,
+    pub selected: Option<(DevicePtr, DevicePtr)>,
 }
 
 /// Ring update launch (after attention): the last min(len, W) rows of each sequence.
 #[derive(Clone, Copy, Debug)]
 pub struct RingArgs {
     pub kv: DevicePtr,
-    pub ring: DevicePtr,
+    pub ring: KvPagesDev,
     pub window: usize,
     pub head_dim: usize,
     pub num_slots: usize,
+    pub official: bool,
+}
+
+/// The window ring's checks (the kernels find a slot's ring pages without a table, at
+/// `slot * ceil(W / KV_PAGE)`); returns its nope width.
+fn check_ring(
+    family: &str,
+    ring: &KvPagesDev,
+    num_slots: usize,
+    w: usize,
+    hd: usize,
+    official: bool,
+) -> Result<usize> {
+    if ring.table.is_some() || ring.pages_per_slot != KvRows::pages_for(w) {
+        return Err(bad(
+            family,
+            format!(
+                "the window ring of {w} rows needs {} pages per slot and no block table",
+                KvRows::pages_for(w)
+            ),
+        ));
+    }
+    ring.check(family, "ring", num_slots, w, official)?;
+    kv_nope(family, "ring", ring, hd)
+}
+
+/// The ring and the entries hold KV rows of `head_dim` values: their nope width.
+fn kv_nope(family: &str, what: &str, pages: &KvPagesDev, head_dim: usize) -> Result<usize> {
+    match pages.rows.kind {
+        RowKind::Kv { nope } if pages.rows.dim == head_dim && nope <= head_dim => Ok(nope),
+        _ => Err(bad(
+            family,
+            format!("{what} of head_dim {head_dim} stored as {:?}", pages.rows),
+        )),
+    }
 }
 
 crate::launchers! {
@@ -170,51 +275,10 @@ impl Attention {
         stream: BorrowedStream,
     ) -> Result<()> {
         b.check(FAMILY)?;
+        let checked = x.check(FAMILY, b.num_tokens)?;
         let (t, h, hd, w) = (b.num_tokens, x.heads, x.head_dim, x.window);
-        if h == 0 || hd == 0 || w == 0 || x.num_slots == 0 {
-            return Err(bad(
-                FAMILY,
-                format!(
-                    "attention with {h} heads, head_dim {hd}, window {w}, {} slots",
-                    x.num_slots
-                ),
-            ));
-        }
-        if hd > ATTN_THREADS as usize * ATTN_MAX_CHANNELS_PER_THREAD {
-            return Err(bad(
-                FAMILY,
-                format!(
-                    "head_dim {hd} above {}",
-                    ATTN_THREADS as usize * ATTN_MAX_CHANNELS_PER_THREAD
-                ),
-            ));
-        }
-        need(FAMILY, "q", x.q, t * h * hd * 4)?;
-        need(FAMILY, "kv", x.kv, t * hd * 4)?;
-        need(FAMILY, "ring", x.ring, x.num_slots * w * hd * 4)?;
-        need(FAMILY, "sinks", x.sinks, h * 4)?;
-        need(FAMILY, "o", x.o, t * h * hd * 4)?;
-        let entries = if x.ratio > 0 {
-            let e = x
-                .entries
-                .ok_or_else(|| bad(FAMILY, "compressed layer without entries".into()))?;
-            // maxe may be 0 (max_seq_len below the ratio): the kernel attends to no entry.
-            need(FAMILY, "entries", e, x.num_slots * x.maxe * hd * 4)?;
-            Some(e)
-        } else {
-            None
-        };
-        let (sel, nsel) = match (x.ratio, x.selected) {
-            (r, Some((s, n))) if r > 0 => {
-                if x.topk == 0 {
-                    return Err(bad(FAMILY, "CSA layer with topk = 0".into()));
-                }
-                need(FAMILY, "selected", s, t * x.topk * 4)?;
-                need(FAMILY, "nsel", n, t * 4)?;
-                (Some(s), Some(n))
-            }
-            _ => (None, None),
-        };
+        let (entries, nope) = (checked.entries, checked.nope);
+        let (sel, nsel) = checked.selected.unzip();
         let smem = x.smem_bytes();
         let limit = self.attention.kernel().max_dynamic_smem;
         if smem > limit as usize {
@@ -236,8 +300,10 @@ impl Attention {
         let args = attention_kernel::Args {
             q: x.q,
             kv: x.kv,
-            ring: x.ring,
-            entries,
+            ring: x.ring.pool,
+            entries: entries.map(|e| e.pool),
+            etable: entries.and_then(|e| e.table),
+            epps: i("pages per slot", entries.map_or(0, |e| e.pages_per_slot))?,
             selected: sel,
             nsel,
             positions: b.positions,
@@ -248,6 +314,7 @@ impl Attention {
             t: i("num_tokens", t)?,
             h: i("heads", h)?,
             hd: i("head_dim", hd)?,
+            nope: i("nope", nope)?,
             w: i("window", w)?,
             ratio: i("ratio", x.ratio)?,
             maxe: i("maxe", x.maxe)?,
@@ -277,7 +344,7 @@ impl Attention {
             ));
         }
         need(FAMILY, "kv", x.kv, t * hd * 4)?;
-        need(FAMILY, "ring", x.ring, x.num_slots * w * hd * 4)?;
+        let nope = check_ring(FAMILY, &x.ring, x.num_slots, w, hd, x.official)?;
         let _g = ctx.enter()?;
         let args = ring_update_kernel::Args {
             kv: x.kv,
@@ -287,7 +354,9 @@ impl Attention {
             s: to_i32(FAMILY, "num_seqs", b.num_seqs)?,
             w: w as i32,
             hd: to_i32(FAMILY, "head_dim", hd)?,
-            ring: x.ring,
+            nope: to_i32(FAMILY, "nope", nope)?,
+            official: x.official,
+            ring: x.ring.pool,
         };
         let grid = (b.num_seqs as u32, w as u32);
         self.ring_update.launch(grid, 128, 0, stream, args)

@@ -5,6 +5,7 @@
 
 use super::attention::BatchMeta;
 use crate::cuda::kernels::{need, to_i32};
+use crate::cuda::kv_pages::{KvPagesDev, RowKind};
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -20,7 +21,7 @@ crate::kernel_family! {
         prev_a: Option<*mut f32>, prev_z: Option<*mut f32>, has_prev: Option<*mut i32>,
         ape: *const f32, norm_w: *const f32, inv_freq: *const f32, half_rope: i32, ratio: i32,
         overlap: bool, dc: i32, eps: f32, kind: i32, nope: i32, official: bool,
-        entries: *mut f32, maxe: i32,
+        entries: *mut u8, etable: Option<*const i32>, epps: i32, maxe: i32,
     );
 }
 
@@ -67,8 +68,8 @@ pub struct CompressArgs {
     /// Leading channels fp8-simulated (Kv, official): head_dim - rope_dim.
     pub nope: usize,
     pub official: bool,
-    /// Output entries [num_slots, maxe, dc].
-    pub entries: DevicePtr,
+    /// Output: `maxe` rows per slot (KV rows for [`CompressKind::Kv`], indexer keys otherwise).
+    pub entries: KvPagesDev,
     pub maxe: usize,
     pub num_slots: usize,
 }
@@ -137,7 +138,19 @@ impl Compressor {
         need(FAMILY, "ape", x.ape, r * w * 4)?;
         need(FAMILY, "norm_w", x.norm_w, dc * 4)?;
         need(FAMILY, "inv_freq", x.inv_freq, x.rope_dim / 2 * 4)?;
-        need(FAMILY, "entries", x.entries, slots * x.maxe * dc * 4)?;
+        let rows_match = match (x.kind, x.entries.rows.kind) {
+            (CompressKind::Kv, RowKind::Kv { nope }) => nope == x.nope,
+            (CompressKind::IndexKey, RowKind::IndexKey) => true,
+            _ => false,
+        };
+        if !rows_match || x.entries.rows.dim != dc {
+            return Err(bad(format!(
+                "{:?} entries stored as {:?}",
+                x.kind, x.entries.rows
+            )));
+        }
+        x.entries
+            .check(FAMILY, "entries", slots, x.maxe, x.official)?;
         let (pa, pz, hp) = if x.overlap {
             let (Some(pa), Some(pz), Some(hp)) = (x.prev_a, x.prev_z, x.has_prev) else {
                 return Err(bad(
@@ -182,7 +195,9 @@ impl Compressor {
             kind: x.kind as i32,
             nope: x.nope as i32,
             official: x.official,
-            entries: x.entries,
+            entries: x.entries.pool,
+            etable: x.entries.table,
+            epps: to_i32(FAMILY, "pages per slot", x.entries.pages_per_slot)?,
             maxe: to_i32(FAMILY, "maxe", x.maxe)?,
         };
         self.compress

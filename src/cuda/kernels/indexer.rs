@@ -4,6 +4,7 @@
 
 use super::attention::BatchMeta;
 use crate::cuda::kernels::{need, to_i32};
+use crate::cuda::kv_pages::{KvPagesDev, RowKind};
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -19,7 +20,8 @@ crate::kernel_family! {
 
     #[smem(INDEXER_MAX_SMEM)]
     fn indexer_kernel(
-        qi: *const f32, iw: *const f32, ikeys: *const f32, positions: *const i32,
+        qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
+        positions: *const i32,
         seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32, di: i32, ratio: i32,
         topk: i32, maxe: i32, official: bool, scores: *mut f32, selected: *mut i32,
         nsel: *mut i32,
@@ -38,8 +40,8 @@ pub struct IndexerArgs {
     pub qi: DevicePtr,
     /// Head weights [T, HI], already scaled by DI^-1/2 * HI^-1/2.
     pub iw: DevicePtr,
-    /// Indexer keys [num_slots, maxe, DI].
-    pub ikeys: DevicePtr,
+    /// Indexer keys: `maxe` per slot.
+    pub ikeys: KvPagesDev,
     pub heads: usize,
     pub dim: usize,
     pub ratio: usize,
@@ -97,7 +99,11 @@ impl Indexer {
         }
         need(FAMILY, "qi", x.qi, t * hi * di * 4)?;
         need(FAMILY, "iw", x.iw, t * hi * 4)?;
-        need(FAMILY, "ikeys", x.ikeys, x.num_slots * x.maxe * di * 4)?;
+        if x.ikeys.rows.kind != RowKind::IndexKey || x.ikeys.rows.dim != di {
+            return Err(bad(format!("keys of {di} stored as {:?}", x.ikeys.rows)));
+        }
+        x.ikeys
+            .check(FAMILY, "ikeys", x.num_slots, x.maxe, x.official)?;
         need(FAMILY, "scores", x.scores, t * x.maxe * 4)?;
         need(FAMILY, "selected", x.selected, t * x.topk * 4)?;
         need(FAMILY, "nsel", x.nsel, t * 4)?;
@@ -115,7 +121,9 @@ impl Indexer {
         let args = indexer_kernel::Args {
             qi: x.qi,
             iw: x.iw,
-            ikeys: x.ikeys,
+            ikeys: x.ikeys.pool,
+            itable: x.ikeys.table,
+            ipps: to_i32(FAMILY, "pages per slot", x.ikeys.pages_per_slot)?,
             positions: b.positions,
             seq_of: b.seq_of,
             seq_slots: b.seq_slots,

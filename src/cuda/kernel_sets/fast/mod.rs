@@ -1,10 +1,12 @@
 //! The fast kernel set (DESIGN.md §4): `official` numerics on tensor cores, checked op by op
 //! against the reference set. Today it replaces the MoE sub-block (kernels/fast_moe*.cu: FP4/FP8
-//! experts decoded exactly to e4m3 on chip, FP8 wgmma promoted to f32 every 32 of K) and the
-//! attention sub-block's dense projections (kernels/fast_dense.cu: FP8 and BF16 weights streamed
-//! once into f16/bf16 MMAs, offered to the reference attention sequence through
-//! [`FastLinears`]); every other operation still runs the reference set's kernels until its fast
-//! kernel lands (issues 12, 13), on the same workspace.
+//! experts decoded exactly to e4m3 on chip, FP8 wgmma promoted to f32 every 32 of K) and, inside
+//! the reference attention sequence through [`FastOps`], the dense projections
+//! (kernels/fast_dense.cu: FP8 and BF16 weights streamed once into f16/bf16 MMAs) and the
+//! attention core (kernels/fast_attention.cu: all heads of a token per block over the paged FP8
+//! state, BF16 tensor cores, split over blocks for few tokens); every other operation still runs
+//! the reference set's kernels until its fast kernel lands (issues 12, 13), on the same
+//! workspace.
 //!
 //! A MoE layer whose shapes or stored formats the fast kernels do not cover
 //! ([`FastMoeLayer::unsupported`]: BF16/F32 experts, FP8 blocks other than 128x128, widths not
@@ -18,7 +20,9 @@ use crate::config::ModelConfig;
 use crate::cuda::blockscaled_gemm::BlockScaledGemm;
 use crate::cuda::device_model::DeviceModel;
 use crate::cuda::kernel_sets::reference::{self, ReferenceSet};
-use crate::cuda::kernel_sets::{Branch, FastLinears, KernelSet, LinearCall, LogitsTarget, Step};
+use crate::cuda::kernel_sets::{Branch, FastOps, KernelSet, LinearCall, LogitsTarget, Step};
+use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta};
+use crate::cuda::kernels::fast_attention::FastAttention;
 use crate::cuda::kernels::fast_dense::{DenseOp, FUSED_ACT_MAX_T, FastDense};
 use crate::cuda::kernels::fast_dense_gemm::{
     GEMM_MIN_TOKENS, GemmWorkspace, gemm_pays, gemm_shape, run_gemm,
@@ -51,6 +55,7 @@ pub static FAMILIES: LazyLock<Vec<&'static KernelSource>> = LazyLock::new(|| {
 pub struct FastSet {
     reference: ReferenceSet,
     moe: FastMoe,
+    attention: FastAttention,
     dense: FastDense,
     /// cuBLASLt's GEMMs for projections of many tokens ([`gemm_pays`]); None when the
     /// engine's token capacity stays below that or cuBLASLt cannot be loaded (said at WARN):
@@ -98,6 +103,7 @@ impl FastSet {
         Ok(FastSet {
             reference: ReferenceSet::new(reg, reference_ws)?,
             moe: FastMoe::new(reg)?,
+            attention: FastAttention::new(reg)?,
             dense: FastDense::new(reg)?,
             gemm,
             ws,
@@ -287,7 +293,7 @@ impl KernelSet for FastSet {
     }
 }
 
-impl FastLinears for FastSet {
+impl FastOps for FastSet {
     /// The dense kernels run every linear whose weight format and shape they cover
     /// ([`FastDense::mode_for`]) and whose activations are 16-byte aligned rows.
     fn try_linear(&self, ctx: &Context, call: &LinearCall, stream: BorrowedStream) -> Result<bool> {
@@ -324,6 +330,23 @@ impl FastLinears for FastSet {
             return Ok(true);
         }
         self.dense.run(ctx, &op, &self.ws.dense, stream)?;
+        Ok(true)
+    }
+
+    /// The fast attention runs every layer whose heads, dims and stored format it covers
+    /// ([`FastAttention::covers`]).
+    fn try_attention(
+        &self,
+        ctx: &Context,
+        meta: &BatchMeta,
+        args: &AttentionArgs,
+        stream: BorrowedStream,
+    ) -> Result<bool> {
+        if !FastAttention::covers(args) {
+            return Ok(false);
+        }
+        self.attention
+            .attention(ctx, meta, args, &self.ws.attention, stream)?;
         Ok(true)
     }
 }

@@ -1,5 +1,6 @@
 //! The fast set's own workspace (beside the reference set's, which it shares): the fast MoE's
-//! buffers for `max_num_tokens`, the dense projections' (for their largest shape) and, when
+//! buffers for `max_num_tokens`, the sparse attention's split partials, the dense projections'
+//! (for their largest shape) and, when
 //! `max_num_tokens` reaches the cuBLASLt crossover, the GEMM path's activation operand and
 //! cuBLASLt's own workspace, declared in the engine's memory plan at create.
 
@@ -7,6 +8,7 @@ use crate::config::ModelConfig;
 use crate::cuda::DevicePtr;
 use crate::cuda::arena::{Arena, RegionId};
 use crate::cuda::blockscaled_gemm::{self, GemmShape};
+use crate::cuda::kernels::fast_attention::{self, FastAttentionWorkspace};
 use crate::cuda::kernels::fast_dense::{self, ActMode, DenseWorkspace, Shape};
 use crate::cuda::kernels::fast_dense_gemm::{self, GEMM_MIN_TOKENS, GemmWorkspace};
 use crate::cuda::kernels::fast_moe::{self, FastMoeWorkspace};
@@ -21,6 +23,8 @@ pub struct Workspace {
     pub dense: DenseWorkspace,
     /// The GEMM path's operand and cuBLASLt's workspace, when planned.
     pub gemm: Option<(GemmWorkspace, DevicePtr)>,
+    /// The sparse attention's split partials.
+    pub attention: FastAttentionWorkspace,
 }
 
 /// Arena ids of [`Workspace`]'s buffers ([`fast_moe::workspace_buffers`] order), then the dense
@@ -29,6 +33,7 @@ pub struct WorkspaceIds {
     ids: Vec<RegionId>,
     dense: [RegionId; 2],
     gemm: Option<[RegionId; 3]>,
+    attention: [RegionId; 2],
     t: usize,
     k: usize,
     experts: usize,
@@ -83,10 +88,21 @@ impl Workspace {
         } else {
             None
         };
+        let [po, pml] = fast_attention::workspace_floats(cfg.num_heads, cfg.head_dim);
+        let mut attn = |name: &str, n: usize| {
+            plan.declare(
+                BufferKind::Workspace,
+                format!("workspace:fast_attention.{name}"),
+                Elem::F32,
+                &[n.max(1)],
+            )
+        };
+        let attention = [attn("part_o", po)?, attn("part_ml", pml)?];
         Ok(WorkspaceIds {
             ids,
             dense: [dense[0], dense[1]],
             gemm,
+            attention,
             t,
             k,
             experts: e,
@@ -110,6 +126,10 @@ impl Workspace {
                     arena.region(lt),
                 )
             }),
+            attention: FastAttentionWorkspace {
+                part_o: arena.region(w.attention[0]),
+                part_ml: arena.region(w.attention[1]),
+            },
         }
     }
 }

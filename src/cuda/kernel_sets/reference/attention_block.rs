@@ -8,6 +8,7 @@ use crate::cuda::kernel_sets::LinearCall;
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta, RingArgs};
 use crate::cuda::kernels::compressor::{CompressArgs, CompressKind};
 use crate::cuda::kernels::indexer::IndexerArgs;
+use crate::cuda::kv_pages::KvPagesDev;
 use crate::cuda::stream::BorrowedStream;
 use crate::error::Result;
 use crate::model::{CompressorWeights, LayerWeights};
@@ -245,13 +246,20 @@ impl Run<'_> {
             official: self.official(),
             o: ws.o,
         };
-        a.k8.attn.attention(self.ctx, a.meta, &args, a.st)?;
+        let fast = match self.fast {
+            Some(f) => f.try_attention(self.ctx, a.meta, &args, a.st)?,
+            None => false,
+        };
+        if !fast {
+            a.k8.attn.attention(self.ctx, a.meta, &args, a.st)?;
+        }
         let ring = RingArgs {
             kv: ws.kv,
             ring: ls.ring,
             window: cfg.sliding_window,
             head_dim: hd,
             num_slots: self.opts.max_num_seqs,
+            official: self.official(),
         };
         a.k8.attn.ring_update(self.ctx, a.meta, &ring, a.st)?;
         self.rope(a, ws.o, h * hd, h, hd, -1.0)
@@ -311,7 +319,7 @@ impl Run<'_> {
         cs: &CompressorDev,
         a: DevicePtr,
         z: DevicePtr,
-        out: DevicePtr,
+        out: KvPagesDev,
         ls: &LayerStateDev,
         kind: CompressKind,
         meta: &BatchMeta,

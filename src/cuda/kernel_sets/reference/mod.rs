@@ -15,7 +15,7 @@ use crate::config::ModelConfig;
 use crate::cuda::arena::DevicePtr;
 use crate::cuda::backend::{ExpertTables, LayerStateDev, WeightDev};
 use crate::cuda::context::Context;
-use crate::cuda::kernel_sets::{Branch, FastLinears, KernelSet, LinearCall, LogitsTarget, Step};
+use crate::cuda::kernel_sets::{Branch, FastOps, KernelSet, LinearCall, LogitsTarget, Step};
 use crate::cuda::kernels::attention::Attention;
 use crate::cuda::kernels::compressor::Compressor;
 use crate::cuda::kernels::indexer::Indexer;
@@ -89,8 +89,8 @@ impl ReferenceSet {
         self.run_with(s, None)
     }
 
-    /// [`Self::run`] with `fast` offered every linear first.
-    fn run_with<'a>(&self, s: &'a Step, fast: Option<&'a dyn FastLinears>) -> Run<'a> {
+    /// [`Self::run`] with `fast` offered every linear and attention core first.
+    fn run_with<'a>(&self, s: &'a Step, fast: Option<&'a dyn FastOps>) -> Run<'a> {
         Run {
             fast,
             ctx: s.ctx,
@@ -105,9 +105,9 @@ impl ReferenceSet {
         }
     }
 
-    /// The attention sub-block with `fast` offered every linear first (the fast set's dense
-    /// projections).
-    pub fn attention_with(&self, s: &Step, layer: usize, fast: &dyn FastLinears) -> Result<()> {
+    /// The attention sub-block with `fast` offered every linear and the attention core first
+    /// (the fast set's dense projections and sparse attention).
+    pub fn attention_with(&self, s: &Step, layer: usize, fast: &dyn FastOps) -> Result<()> {
         let r = self.run_with(s, Some(fast));
         r.attention(&self.k, layer, &r.handles.layers[layer], &s.meta, s.stream)
     }
@@ -255,7 +255,7 @@ impl ReferenceSet {
         s: &Step,
         done: Option<Branch>,
         out: &LogitsTarget,
-        fast: Option<&dyn FastLinears>,
+        fast: Option<&dyn FastOps>,
     ) -> Result<()> {
         if let Some(done) = done {
             self.post(s, done)?;
@@ -320,8 +320,9 @@ impl ReferenceSet {
 
 /// One forward's buffers under the names the launch sequences use.
 struct Run<'a> {
-    /// Tried first for every linear (None: the reference kernels run them all).
-    fast: Option<&'a dyn FastLinears>,
+    /// Tried first for every linear and attention core (None: the reference kernels run them
+    /// all).
+    fast: Option<&'a dyn FastOps>,
     ctx: &'a Context,
     cfg: &'a ModelConfig,
     opts: &'a EngineOptions,

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""The HBM ceiling and the PyTorch baseline for `dsv4 bench attn`, in the same run (PERF.md).
+
+Reads the JSON lines `dsv4 bench attn` printed (one per layer kind, context, batch and kernel:
+the fast kernel and, up to 8 tokens, the f64 reference kernel), then on the same GPU:
+  - measures the HBM ceiling (moe_baseline.py's function);
+  - times PyTorch on each (layer, context, batch): what an engine without a sparse FP8 kernel
+    runs, on a BF16 KV cache (1024 bytes a row against our 584): gather each token's rows with
+    index_select, `q @ K^T * scale`, the sink as an extra logit column, softmax in f32, `P @ V`
+    (V = K, MLA), BF16 out. Each call gathers random rows of a cache of at least 256 MB, so L2
+    holds none of them between calls, as the dsv4 bench cycles its state copies;
+  - adds per case the byte floor (the bytes a call must move: the KV rows gathered in our format
+    plus q and o in BF16, over the HBM ceiling), the fraction of HBM bandwidth, the speed-up over
+    PyTorch and over the reference kernel, and writes one JSON document.
+
+usage: attn_baseline.py --cases cases.jsonl --out result.json [--commit SHA]
+"""
+import argparse
+import json
+import os
+
+import torch
+
+from moe_baseline import hbm_bandwidth, timed, write_result
+
+
+def torch_attention(c):
+    t, h, d, nk = c["T"], c["heads"], c["head_dim"], c["keys_per_token"]
+    rows = max(t * nk, (256 << 20) // (d * 2))
+    cache = (torch.randn(rows, d, device="cuda") * 0.1).to(torch.bfloat16)
+    q = torch.randn(t, h, d, device="cuda").to(torch.bfloat16)
+    sink = torch.randn(h, device="cuda")
+    copies = 8
+    idx = [torch.randint(0, rows, (t * nk,), device="cuda") for _ in range(copies)]
+    scale = d ** -0.5
+
+    def call(i):
+        k = cache.index_select(0, i).view(t, nk, d)
+        s = torch.einsum("thd,tkd->thk", q, k).float() * scale
+        s = torch.cat([s, sink.view(1, h, 1).expand(t, h, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :nk].to(torch.bfloat16)
+        return torch.einsum("thk,tkd->thd", p, k)
+
+    return timed(lambda: [call(i) for i in idx], 7) / copies
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default=os.environ.get("DSV4_COMMIT", "unknown"))
+    args = ap.parse_args()
+    cases = [json.loads(l) for l in open(args.cases) if l.startswith("{")]
+    bw = hbm_bandwidth()
+    reference = {(c["layer"], c["context"], c["T"]): c["time_us"] for c in cases if c["kernel"] == "reference"}
+    memo = {}
+    for c in cases:
+        ours = c["time_us"] * 1e-6
+        floor = c["io_bytes"] / bw
+        c["floor_us"] = round(floor * 1e6, 2)
+        c["time_over_floor"] = round(ours / floor, 2)
+        c["fraction_of_hbm"] = round(floor / ours, 3)
+        key = (c["layer"], c["context"], c["T"])
+        if key not in memo:
+            memo[key] = torch_attention(c)
+            torch.cuda.empty_cache()
+        c["torch_bf16_us"] = round(memo[key] * 1e6, 2)
+        c["speedup_vs_torch_bf16"] = round(memo[key] / ours, 2)
+        if c["kernel"] == "fast" and key in reference:
+            c["speedup_vs_reference_kernel"] = round(reference[key] * 1e-6 / ours, 1)
+        print(json.dumps(c), flush=True)
+    write_result(args.out, args.commit,
+                 "dsv4 bench attn > cases.jsonl; python3 bench/attn_baseline.py --cases cases.jsonl --out OUT",
+                 {"hbm_bytes_per_s": bw}, cases)
+
+
+if __name__ == "__main__":
+    main()

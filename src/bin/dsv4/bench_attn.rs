@@ -1,0 +1,250 @@
+//! `dsv4 bench attn`: the fast set's sparse attention (kernels/fast_attention.cu, issue 12) alone
+//! at Flash shapes (64 heads of 512, window 128), decode: B sequences of one token each at the
+//! end of a context of C positions, over random official-format state (paged FP8 nope + BF16
+//! RoPE rows). CSA layers attend to the window + 512 selected entries (random distinct-ish
+//! indices among the C/4 visible), HCA layers to the window + all C/128 entries. One JSON line
+//! per (layer kind, context, batch, kernel): time per call, keys per token, the KV bytes gathered
+//! and the bytes a call must move (KV rows + BF16 q and o), GB/s on them. The reference kernel
+//! (attention_kernel, f64) runs the same cases up to 8 tokens as the in-run baseline;
+//! bench/attn_baseline.py adds the HBM ceiling, floors, ratios and PyTorch.
+//!
+//! Timing: the state is replicated into enough copies (as if layers: together at least 256 MB,
+//! so the 50 MB L2 holds none of it between calls; q, the selection and o are shared, as the
+//! layer's own producer leaves them in L2), one call per copy is captured into a CUDA graph,
+//! replayed 7 times with a sync after each; the median replay / copies is reported.
+
+use std::io::Write;
+
+use crate::bench_util::{Rng, alloc, e, time_graph};
+use dsv4::cuda::arena::{self, DevicePtr};
+use dsv4::cuda::context::Context;
+use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta};
+use dsv4::cuda::kernels::fast_attention::{self, FastAttention, FastAttentionWorkspace};
+use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
+use dsv4::cuda::registry::{KernelCache, Registry};
+use dsv4::cuda::stream::OwnedStream;
+
+const H: usize = 64;
+const HD: usize = 512;
+const NOPE: usize = 448;
+const W: usize = 128;
+const TOPK: usize = 512;
+/// Largest batch the reference kernel is timed at (it takes seconds beyond).
+const REFERENCE_MAX_T: usize = 8;
+
+/// The layer kinds: (name, compression ratio, CSA).
+const KINDS: [(&str, usize, bool); 2] = [("csa", 4, true), ("hca", 128, false)];
+
+/// `pages` random official pages: e4m3 codes (no NaN), UE8M0 scales 2^-10 .. 2^-6, BF16 RoPE.
+fn template_pages(rng: &mut Rng, rows: &KvRows, pages: usize) -> Vec<u8> {
+    let mut v = vec![0u8; pages * rows.page_bytes()];
+    for page in v.chunks_exact_mut(rows.page_bytes()) {
+        for r in 0..KV_PAGE {
+            let row = &mut page[r * rows.row_bytes()..][..rows.row_bytes()];
+            for b in &mut row[..NOPE] {
+                let c = (rng.next() & 0xff) as u8;
+                *b = if c & 0x7f == 0x7f { c & 0xf7 } else { c };
+            }
+            for c in 0..HD - NOPE {
+                let bits = half::bf16::from_f32(rng.bf16()).to_bits().to_le_bytes();
+                row[NOPE + 2 * c..NOPE + 2 * c + 2].copy_from_slice(&bits);
+            }
+            let sc = KV_PAGE * rows.row_bytes() + r * rows.scale_bytes();
+            for b in &mut page[sc..sc + NOPE / 64] {
+                *b = 117 + (rng.next() % 5) as u8;
+            }
+        }
+    }
+    v
+}
+
+/// Fills `dst` with whole copies of the template already on the device at `tpl`.
+fn fill(dst: DevicePtr, tpl: DevicePtr, s: dsv4::cuda::BorrowedStream) -> Result<(), String> {
+    let mut off = 0;
+    while off < dst.bytes() {
+        let n = tpl.bytes().min(dst.bytes() - off);
+        arena::memcpy_dtod_async(
+            dst.slice(off, n).map_err(e)?,
+            tpl.slice(0, n).map_err(e)?,
+            s,
+        )
+        .map_err(e)?;
+        off += n;
+    }
+    Ok(())
+}
+
+pub fn run(device: i32, contexts: &[usize], batches: &[usize]) -> Result<(), String> {
+    let ctx = Context::retain(device).map_err(e)?;
+    let _g = ctx.enter().map_err(e)?;
+    let stream = OwnedStream::new(&ctx).map_err(e)?;
+    let s = stream.borrow();
+    let reg = Registry::load_families(
+        &ctx,
+        &[&attention::SOURCE, &fast_attention::SOURCE],
+        &KernelCache::new(None),
+    )
+    .map_err(e)?;
+    let reference = Attention::new(&reg).map_err(e)?;
+    let fast = FastAttention::new(&reg).map_err(e)?;
+    let rows = KvRows::kv(KvFormat::Official, HD, NOPE);
+    let mut rng = Rng(0xA77E_5EED);
+    let tpl_pages = 256;
+    let tpl = template_pages(&mut rng, &rows, tpl_pages);
+    let tmax = batches.iter().copied().max().unwrap_or(1);
+    let [po, pml] = fast_attention::workspace_floats(H, HD);
+    // Shared buffers: the template, batch metadata, q, kv rows, selection, sinks, o, workspace.
+    let (_shared, sp) = alloc(
+        &ctx,
+        "bench_attn",
+        &[
+            tpl.len(),
+            tmax * 4,
+            (tmax + 1) * 4,
+            tmax * 4,
+            tmax * 4,
+            tmax * H * HD * 4,
+            tmax * HD * 4,
+            tmax * TOPK * 4,
+            tmax * 4,
+            H * 4,
+            tmax * H * HD * 4,
+            po * 4,
+            pml * 4,
+        ],
+    )?;
+    arena::copy_to_device_sync(sp[0], &tpl, s).map_err(e)?;
+    let q: Vec<f32> = (0..tmax * H * HD).map(|_| rng.bf16()).collect();
+    arena::copy_to_device_sync(sp[5], &q, s).map_err(e)?;
+    // (The batch's own KV row: BF16 values; their nope part is not FP8-simulated here, which
+    // changes nothing the kernel does.)
+    let kv: Vec<f32> = (0..tmax * HD).map(|_| rng.bf16()).collect();
+    arena::copy_to_device_sync(sp[6], &kv, s).map_err(e)?;
+    let sinks: Vec<f32> = (0..H).map(|_| rng.bf16()).collect();
+    arena::copy_to_device_sync(sp[9], &sinks, s).map_err(e)?;
+    let ws = FastAttentionWorkspace {
+        part_o: sp[11],
+        part_ml: sp[12],
+    };
+    for &(kind, ratio, csa) in &KINDS {
+        for &ctx_len in contexts {
+            for &t in batches {
+                // t sequences in t slots, one decode token each at position ctx_len - 1.
+                let maxe = ctx_len / ratio;
+                let pps = KvRows::pages_for(maxe);
+                let ring_pages = KvRows::pages_for(W);
+                let state_bytes = t * (pps + ring_pages) * rows.page_bytes();
+                let copies = (256usize << 20).div_ceil(state_bytes).clamp(1, 256);
+                let mut sizes = vec![];
+                for _ in 0..copies {
+                    sizes.extend([
+                        t * ring_pages * rows.page_bytes(),
+                        t * pps * rows.page_bytes(),
+                    ]);
+                }
+                sizes.push(t * pps * 4);
+                let (_state, st) = alloc(&ctx, "bench_attn_state", &sizes)?;
+                for p in &st[..2 * copies] {
+                    fill(*p, sp[0], s)?;
+                }
+                let table = st[2 * copies];
+                let order: Vec<i32> = (0..(t * pps) as i32).collect();
+                arena::copy_to_device_sync(table, &order, s).map_err(e)?;
+                let p = (ctx_len - 1) as i32;
+                let positions = vec![p; t];
+                let query_start: Vec<i32> = (0..=t as i32).collect();
+                let slots: Vec<i32> = (0..t as i32).collect();
+                for (d, v) in [
+                    (sp[1], &positions),
+                    (sp[2], &query_start),
+                    (sp[3], &slots),
+                    (sp[4], &slots),
+                ] {
+                    arena::copy_to_device_sync(d, v, s).map_err(e)?;
+                }
+                let visible = (ctx_len / ratio).min(maxe);
+                let nsel = visible.min(TOPK);
+                let mut selected = vec![-1i32; t * TOPK];
+                for i in 0..t {
+                    for k in 0..nsel {
+                        selected[i * TOPK + k] = (rng.next() % visible as u64) as i32;
+                    }
+                }
+                arena::copy_to_device_sync(sp[7], &selected, s).map_err(e)?;
+                arena::copy_to_device_sync(sp[8], &vec![nsel as i32; t], s).map_err(e)?;
+                let meta = BatchMeta {
+                    positions: sp[1],
+                    query_start: sp[2],
+                    seq_slots: sp[3],
+                    seq_of: sp[4],
+                    num_tokens: t,
+                    num_seqs: t,
+                };
+                let args = |j: usize| AttentionArgs {
+                    q: sp[5],
+                    kv: sp[6],
+                    ring: KvPagesDev {
+                        pool: st[2 * j],
+                        table: None,
+                        pages_per_slot: ring_pages,
+                        rows,
+                    },
+                    entries: Some(KvPagesDev {
+                        pool: st[2 * j + 1],
+                        table: Some(table),
+                        pages_per_slot: pps,
+                        rows,
+                    }),
+                    selected: csa.then_some((sp[7], sp[8])),
+                    sinks: sp[9],
+                    heads: H,
+                    head_dim: HD,
+                    window: W,
+                    ratio,
+                    maxe,
+                    topk: TOPK,
+                    num_slots: t,
+                    official: true,
+                    o: sp[10],
+                };
+                let keys = W.min(ctx_len) + if csa { nsel } else { visible };
+                let kv_bytes = t * keys * rows.bytes_per_row();
+                let io_bytes = kv_bytes + t * 2 * H * HD * 2;
+                let kernels: &[&str] = if t <= REFERENCE_MAX_T {
+                    &["fast", "reference"]
+                } else {
+                    &["fast"]
+                };
+                for &kernel in kernels {
+                    let call = |j: usize| -> dsv4::Result<()> {
+                        match kernel {
+                            "fast" => fast.attention(&ctx, &meta, &args(j), &ws, s),
+                            _ => reference.attention(&ctx, &meta, &args(j), s),
+                        }
+                    };
+                    // The reference takes long: a few copies suffice to time it.
+                    let n = if kernel == "fast" {
+                        copies
+                    } else {
+                        copies.min(4)
+                    };
+                    let replays = 7;
+                    let sec = time_graph(s, n, replays, call)?;
+                    println!(
+                        "{{\"bench\": \"attn\", \"layer\": \"{kind}\", \"kernel\": \"{kernel}\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {HD}, \"keys_per_token\": {keys}, \"splits\": {}, \"time_us\": {:.2}, \"kv_bytes\": {kv_bytes}, \"io_bytes\": {io_bytes}, \"gb_per_s\": {:.1}, \"state_copies\": {n}, \"calls_timed\": {}}}",
+                        if kernel == "fast" {
+                            fast_attention::splits(t, W + if csa { TOPK } else { maxe })
+                        } else {
+                            1
+                        },
+                        sec * 1e6,
+                        io_bytes as f64 / sec / 1e9,
+                        replays * n,
+                    );
+                    std::io::stdout().flush().ok();
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,548 @@
+//! GPU op test of the fast set's sparse attention (kernels/fast_attention.cu) against the
+//! reference attention kernel (kernels/attention.cu) on the same device state, at Flash shapes
+//! (64 heads of 512, 448 FP8 nope channels + 64 BF16 RoPE, window 128, CSA top-512, HCA ratio
+//! 128): decode batches of 1, 8 and 64 tokens (split over blocks) and prefill chunks of 300
+//! (one block per token), contexts up to 64K (CSA) and 256K (HCA), a ring still filling, HCA
+//! with no entry yet, CSA with no selection, padding. The state is random official-format pages
+//! (codes, UE8M0 scales, BF16 RoPE) reached through a scrambled block table.
+//!
+//! The error bound, per output value o[t, h, c] (derived in `bound` below) uses the exact
+//! softmax weights w_j = e^{l_j - m} / (Σ e^{l - m} + e^{sink - m}) computed here in f64, and
+//! S_c = Σ_j w_j |v_jc|: both kernels round p_j to BF16 (2^-9 relative each, the fast one from
+//! its running max), the fast logits carry the tensor core's f32 accumulation
+//! (δ_j = (hd/32 + 3) 2^-22 scale Σ_i |q_i k_ji|), its P·V and denominators f32 sums, and both
+//! outputs are rounded to BF16:
+//! |o_fast - o_ref| <= (1 + 2^-8) [S_c (2^-8 + 2.1 max δ + ε_acc) + ε_den |o_ref|] + 2^-8 (1 + 2^-8) |o_ref|,
+//! ε_acc = (nk/16 + 4) 2^-22, ε_den = (nk + 20) 2^-23.
+//! Also: the fast kernel is bit-identical run to run and padding tokens get zeros.
+//!
+//! Without a CUDA device the GPU tests print `skipped: no CUDA device`.
+
+mod common;
+
+use common::gpu::{alloc, assert_families_compile, family_gpu, print_kernel_resources};
+use common::rng::XorShift;
+use dsv4::cuda::arena;
+use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta};
+use dsv4::cuda::kernels::fast_attention::{
+    self, FastAttention, FastAttentionWorkspace, splits, workspace_floats,
+};
+use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
+use dsv4::cuda::registry::KernelSource;
+use dsv4::cuda::{BorrowedStream, DevicePtr, OwnedStream};
+use dsv4::reference::precision::Prec;
+use std::sync::Mutex;
+
+const FAMILIES: [&KernelSource; 2] = [&attention::SOURCE, &fast_attention::SOURCE];
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+const H: usize = 64;
+const HD: usize = 512;
+const NOPE: usize = 448;
+const W: usize = 128;
+const TOPK: usize = 512;
+const SLOTS: usize = 3;
+
+#[test]
+fn families_compile_for_sm_90a() {
+    assert_families_compile(&FAMILIES);
+}
+
+/// One layer's state on the host (what the device holds, byte for byte) and its description.
+struct State {
+    ratio: usize,
+    csa: bool,
+    maxe: usize,
+    ring: Vec<u8>,
+    entries: Vec<u8>,
+    table: Vec<i32>,
+    rows: KvRows,
+}
+
+impl State {
+    /// Random official pages: e4m3 codes (never NaN), scales 2^-10 .. 2^-6, BF16 RoPE values
+    /// in [-1, 1); the entries' block table a permutation of the pool.
+    fn random(rng: &mut XorShift, ratio: usize, csa: bool, max_seq_len: usize) -> State {
+        let rows = KvRows::kv(KvFormat::Official, HD, NOPE);
+        let maxe = max_seq_len.checked_div(ratio).unwrap_or(0);
+        let pps = KvRows::pages_for(maxe);
+        let pages = |rng: &mut XorShift, n: usize| -> Vec<u8> {
+            let mut v = vec![0u8; n * rows.page_bytes()];
+            for page in v.chunks_exact_mut(rows.page_bytes()) {
+                for r in 0..KV_PAGE {
+                    let row = &mut page[r * rows.row_bytes()..][..rows.row_bytes()];
+                    for b in &mut row[..NOPE] {
+                        *b = loop {
+                            let c = rng.below(256) as u8;
+                            if c & 0x7f != 0x7f {
+                                break c;
+                            }
+                        };
+                    }
+                    for c in 0..HD - NOPE {
+                        let v = half::bf16::from_f32(rng.f(1.0)).to_bits().to_le_bytes();
+                        row[NOPE + 2 * c..NOPE + 2 * c + 2].copy_from_slice(&v);
+                    }
+                    let sc = KV_PAGE * rows.row_bytes() + r * rows.scale_bytes();
+                    for b in &mut page[sc..sc + NOPE / 64] {
+                        *b = 117 + rng.below(5) as u8;
+                    }
+                }
+            }
+            v
+        };
+        let n = SLOTS * pps;
+        let mul = (0..)
+            .map(|k| 7919 + 2 * k)
+            .find(|m| gcd(*m, n.max(1)) == 1)
+            .unwrap();
+        State {
+            ratio,
+            csa,
+            maxe,
+            ring: pages(rng, SLOTS * KvRows::pages_for(W)),
+            entries: pages(rng, n),
+            table: (0..n).map(|i| (i * mul % n.max(1)) as i32).collect(),
+            rows,
+        }
+    }
+
+    fn pps(&self) -> usize {
+        KvRows::pages_for(self.maxe)
+    }
+
+    /// Ring row `r` of `slot`, decoded.
+    fn ring_row(&self, slot: usize, r: usize) -> Vec<f32> {
+        let pb = self.rows.page_bytes();
+        let page = slot * KvRows::pages_for(W) + r / KV_PAGE;
+        self.rows
+            .decode_row(&self.ring[page * pb..][..pb], r % KV_PAGE)
+    }
+
+    /// Entry `e` of `slot`, decoded through the table.
+    fn entry(&self, slot: usize, e: usize) -> Vec<f32> {
+        let pb = self.rows.page_bytes();
+        let page = self.table[slot * self.pps() + e / KV_PAGE] as usize;
+        self.rows
+            .decode_row(&self.entries[page * pb..][..pb], e % KV_PAGE)
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// A batch: (slot or -1 for padding, first position, length) per sequence, and its inputs.
+struct Batch {
+    positions: Vec<i32>,
+    query_start: Vec<i32>,
+    seq_slots: Vec<i32>,
+    seq_of: Vec<i32>,
+    q: Vec<f32>,
+    kv: Vec<f32>,
+    selected: Vec<i32>,
+    nsel: Vec<i32>,
+    sinks: Vec<f32>,
+}
+
+impl Batch {
+    fn new(rng: &mut XorShift, st: &State, seqs: &[(i32, usize, usize)]) -> Batch {
+        let mut b = Batch {
+            positions: vec![],
+            query_start: vec![0],
+            seq_slots: vec![],
+            seq_of: vec![],
+            q: vec![],
+            kv: vec![],
+            selected: vec![],
+            nsel: vec![],
+            sinks: rng.vec(H, 2.0, false),
+        };
+        for (i, &(slot, first, len)) in seqs.iter().enumerate() {
+            b.positions.extend((first..first + len).map(|p| p as i32));
+            b.query_start.push(b.positions.len() as i32);
+            b.seq_slots.push(slot);
+            b.seq_of.extend(std::iter::repeat_n(i as i32, len));
+        }
+        let t = b.positions.len();
+        // Official activations: BF16 queries; KV rows FP8-simulated nope + BF16 RoPE.
+        b.q = rng.vec(t * H * HD, 1.0, true);
+        b.kv = rng.vec(t * HD, 1.0, true);
+        Prec { official: true }.kv_nope_sim(&mut b.kv, HD, NOPE);
+        b.selected = vec![-1; t * TOPK];
+        b.nsel = vec![0; t];
+        if st.csa {
+            for i in 0..t {
+                let visible = ((b.positions[i] as usize + 1) / st.ratio).min(st.maxe);
+                let n = visible.min(TOPK);
+                let mut pool: Vec<i32> = (0..visible as i32).collect();
+                for k in 0..n {
+                    let j = k + rng.below((visible - k) as u64) as usize;
+                    pool.swap(k, j);
+                }
+                b.selected[i * TOPK..i * TOPK + n].copy_from_slice(&pool[..n]);
+                b.nsel[i] = n as i32;
+            }
+        }
+        b
+    }
+
+    fn t(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// Token i's keys (each also its value) in the kernels' order (attn_keys.cuh).
+    fn keys(&self, st: &State, i: usize) -> Vec<Vec<f32>> {
+        let s = self.seq_of[i] as usize;
+        let slot = self.seq_slots[s];
+        if slot < 0 {
+            return vec![];
+        }
+        let slot = slot as usize;
+        let p = self.positions[i] as usize;
+        let t0 = self.query_start[s] as usize;
+        let p0 = self.positions[t0] as usize;
+        let lo = (p + 1).saturating_sub(W);
+        let mut keys: Vec<Vec<f32>> = (lo..=p)
+            .map(|pos| {
+                if pos < p0 {
+                    st.ring_row(slot, pos % W)
+                } else {
+                    self.kv[(t0 + pos - p0) * HD..][..HD].to_vec()
+                }
+            })
+            .collect();
+        if st.csa {
+            let n = self.nsel[i] as usize;
+            keys.extend(
+                self.selected[i * TOPK..i * TOPK + n]
+                    .iter()
+                    .map(|&e| st.entry(slot, e as usize)),
+            );
+        } else if let Some(n) = (p + 1).checked_div(st.ratio) {
+            keys.extend((0..n.min(st.maxe)).map(|e| st.entry(slot, e)));
+        }
+        keys
+    }
+}
+
+/// The derived bound (module doc) for every value of token i's output, from the exact softmax
+/// in f64.
+fn bound(b: &Batch, st: &State, i: usize, o_ref: &[f32]) -> Vec<f64> {
+    let keys = b.keys(st, i);
+    let nk = keys.len() as f64;
+    let scale = 1.0 / (HD as f64).sqrt();
+    let tiny = 2f64.powi(-8);
+    let mut out = vec![0.0; H * HD];
+    if keys.is_empty() {
+        return out; // padding: both kernels write exact zeros
+    }
+    let eps_acc = (nk / 16.0 + 4.0) * 2f64.powi(-22);
+    let eps_den = (nk + 20.0) * 2f64.powi(-23);
+    for h in 0..H {
+        let q = &b.q[(i * H + h) * HD..][..HD];
+        let mut l = Vec::with_capacity(keys.len());
+        let mut delta: f64 = 0.0;
+        for k in &keys {
+            let (mut dot, mut abs) = (0.0f64, 0.0f64);
+            for c in 0..HD {
+                dot += q[c] as f64 * k[c] as f64;
+                abs += (q[c] as f64 * k[c] as f64).abs();
+            }
+            l.push(dot * scale);
+            delta = delta.max((HD as f64 / 32.0 + 3.0) * 2f64.powi(-22) * scale * abs);
+        }
+        let m = l.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = l.iter().map(|x| (x - m).exp()).collect();
+        let den: f64 = e.iter().sum::<f64>() + (b.sinks[h] as f64 - m).exp();
+        for c in 0..HD {
+            let s: f64 = keys
+                .iter()
+                .zip(&e)
+                .map(|(k, e)| e / den * (k[c] as f64).abs())
+                .sum();
+            let o = (o_ref[(i * H + h) * HD + c] as f64).abs();
+            out[h * HD + c] = (1.0 + tiny) * (s * (tiny + 2.1 * delta + eps_acc) + eps_den * o)
+                + tiny * (1.0 + tiny) * o
+                + 1e-30;
+        }
+    }
+    out
+}
+
+/// Runs the reference and the fast kernel (twice) on `b`; returns (reference, fast, fast again).
+fn run(
+    attn: &Attention,
+    fast: &FastAttention,
+    st: &State,
+    b: &Batch,
+    s: BorrowedStream,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let g = family_gpu(&FAMILIES).unwrap();
+    let t = b.t();
+    let [po, pml] = workspace_floats(H, HD);
+    let sizes = [
+        st.ring.len(),
+        st.entries.len().max(4),
+        st.table.len().max(1) * 4,
+        t * 4,
+        b.query_start.len() * 4,
+        b.seq_slots.len() * 4,
+        t * 4,
+        t * H * HD * 4,
+        t * HD * 4,
+        t * TOPK * 4,
+        t * 4,
+        H * 4,
+        t * H * HD * 4,
+        po * 4,
+        pml * 4,
+    ];
+    let (_arena, p) = alloc(&g.ctx, &sizes);
+    let up = |d: DevicePtr, v: &[u8]| arena::copy_to_device_sync(d, v, s).unwrap();
+    up(p[0], &st.ring);
+    if !st.entries.is_empty() {
+        up(p[1], &st.entries);
+        arena::copy_to_device_sync(p[2], &st.table, s).unwrap();
+    }
+    for (d, v) in [
+        (p[3], &b.positions),
+        (p[4], &b.query_start),
+        (p[5], &b.seq_slots),
+        (p[6], &b.seq_of),
+        (p[9], &b.selected),
+        (p[10], &b.nsel),
+    ] {
+        arena::copy_to_device_sync(d, v, s).unwrap();
+    }
+    for (d, v) in [(p[7], &b.q), (p[8], &b.kv), (p[11], &b.sinks)] {
+        arena::copy_to_device_sync(d, v, s).unwrap();
+    }
+    let meta = BatchMeta {
+        positions: p[3],
+        query_start: p[4],
+        seq_slots: p[5],
+        seq_of: p[6],
+        num_tokens: t,
+        num_seqs: b.seq_slots.len(),
+    };
+    let ring = KvPagesDev {
+        pool: p[0],
+        table: None,
+        pages_per_slot: KvRows::pages_for(W),
+        rows: st.rows,
+    };
+    let entries = (st.ratio > 0).then_some(KvPagesDev {
+        pool: p[1],
+        table: Some(p[2]),
+        pages_per_slot: st.pps(),
+        rows: st.rows,
+    });
+    let args = AttentionArgs {
+        q: p[7],
+        kv: p[8],
+        ring,
+        entries,
+        selected: st.csa.then_some((p[9], p[10])),
+        sinks: p[11],
+        heads: H,
+        head_dim: HD,
+        window: W,
+        ratio: st.ratio,
+        maxe: st.maxe,
+        topk: TOPK,
+        num_slots: SLOTS,
+        official: true,
+        o: p[12],
+    };
+    assert!(FastAttention::covers(&args));
+    let ws = FastAttentionWorkspace {
+        part_o: p[13],
+        part_ml: p[14],
+    };
+    let download = |d: DevicePtr| {
+        let mut v = vec![0f32; t * H * HD];
+        arena::copy_to_host_sync(&mut v, d, s).unwrap();
+        v
+    };
+    let poison = || arena::memset_async(p[12], 0xff, s).unwrap();
+    poison();
+    attn.attention(&g.ctx, &meta, &args, s).unwrap();
+    let o_ref = download(p[12]);
+    poison();
+    fast.attention(&g.ctx, &meta, &args, &ws, s).unwrap();
+    let o_fast = download(p[12]);
+    poison();
+    fast.attention(&g.ctx, &meta, &args, &ws, s).unwrap();
+    let o_again = download(p[12]);
+    (o_ref, o_fast, o_again)
+}
+
+/// Compares the fast output with the reference under the bound (tokens in parallel); returns
+/// the largest |diff| / bound.
+fn check(name: &str, st: &State, b: &Batch, o_ref: &[f32], o_fast: &[f32]) -> f64 {
+    let t = b.t();
+    let threads = std::thread::available_parallelism()
+        .map_or(4, |n| n.get())
+        .min(16);
+    let worst = std::sync::Mutex::new((0.0f64, String::new()));
+    let bad = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|sc| {
+        for w in 0..threads {
+            let (worst, bad) = (&worst, &bad);
+            sc.spawn(move || {
+                let mut local = (0.0f64, 0, 0);
+                for i in (w..t).step_by(threads) {
+                    let bnd = bound(b, st, i, o_ref);
+                    for (j, bd) in bnd.iter().enumerate() {
+                        let (r, f) = (o_ref[i * H * HD + j], o_fast[i * H * HD + j]);
+                        let d = (r as f64 - f as f64).abs();
+                        if (d > *bd || f.is_nan() != r.is_nan())
+                            && bad.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < 5
+                        {
+                                println!(
+                                    "MISMATCH {name}: token {i} head {} channel {}: fast {f:e}, reference {r:e}, bound {bd:e}",
+                                    j / HD,
+                                    j % HD
+                                );
+                        }
+                        if d / bd > local.0 {
+                            local = (d / bd, i, j);
+                        }
+                    }
+                }
+                let mut wst = worst.lock().unwrap();
+                if local.0 > wst.0 {
+                    let (r, i, j) = local;
+                    *wst = (r, format!("token {i} head {} channel {}", j / HD, j % HD));
+                }
+            });
+        }
+    });
+    let (ratio, at) = worst.into_inner().unwrap();
+    let bad = bad.into_inner();
+    let differ = o_ref
+        .iter()
+        .zip(o_fast)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    println!(
+        "{name}: {t} tokens, {} splits: max |fast - ref| / bound = {ratio:.3} ({at}); {:.1}% of values differ from the reference",
+        splits(t, W + if st.csa { TOPK } else { st.maxe }),
+        100.0 * differ as f64 / o_ref.len() as f64
+    );
+    assert_eq!(
+        bad, 0,
+        "{name}: {bad} values outside the bound (MISMATCH lines above)"
+    );
+    ratio
+}
+
+/// Decode tokens (one per sequence) of `n` sequences over the slots at positions from `pos`.
+fn decode(n: usize, pos: &[usize]) -> Vec<(i32, usize, usize)> {
+    (0..n)
+        .map(|i| ((i % SLOTS) as i32, pos[i % pos.len()] + i / SLOTS, 1))
+        .collect()
+}
+
+fn run_layer(
+    name: &str,
+    ratio: usize,
+    csa: bool,
+    max_seq_len: usize,
+    batches: &[Vec<(i32, usize, usize)>],
+) {
+    let _l = serial();
+    let Some(g) = family_gpu(&FAMILIES) else {
+        return;
+    };
+    print_kernel_resources(&g.reg);
+    let attn = Attention::new(&g.reg).unwrap();
+    let fast = FastAttention::new(&g.reg).unwrap();
+    let stream = OwnedStream::new(&g.ctx).unwrap();
+    let s = stream.borrow();
+    let _c = g.ctx.enter().unwrap();
+    let mut rng = XorShift(0x5eed_0000 + ratio as u64 * 31 + max_seq_len as u64);
+    let st = State::random(&mut rng, ratio, csa, max_seq_len);
+    for (k, seqs) in batches.iter().enumerate() {
+        let b = Batch::new(&mut rng, &st, seqs);
+        let (o_ref, o_fast, o_again) = run(&attn, &fast, &st, &b, s);
+        let tag = format!("{name} batch {k}");
+        check(&tag, &st, &b, &o_ref, &o_fast);
+        assert!(
+            o_fast
+                .iter()
+                .zip(&o_again)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{tag}: two runs differ"
+        );
+        for (i, &sl) in b.seq_of.iter().enumerate() {
+            if b.seq_slots[sl as usize] < 0 {
+                let row = &o_fast[i * H * HD..][..H * HD];
+                assert!(
+                    row.iter().all(|v| v.to_bits() == 0),
+                    "{tag}: padding token {i} not zero"
+                );
+            }
+        }
+    }
+}
+
+/// CSA at 64K positions: decode batches of 1, 8, 64 (early positions too: no selection, a
+/// ring still filling), a padding sequence, a 300-token prefill chunk continuing a slot.
+#[test]
+fn csa_attention_matches_the_reference_within_the_bound() {
+    let mut pre = vec![(1, 40_000, 200), (2, 0, 100)];
+    pre.push((-1, 0, 4));
+    run_layer(
+        "CSA",
+        4,
+        true,
+        65536,
+        &[
+            decode(1, &[65_000]),
+            decode(8, &[2, 5, 150, 9_000, 30_000, 65_500]),
+            decode(64, &[0, 60, 127, 128, 4_000, 16_000, 64_000]),
+            pre,
+        ],
+    );
+}
+
+/// HCA at 256K positions (up to 2048 entries + the window): decode batches of 1, 8 and 64,
+/// positions below the ratio (no entry yet), a 300-token prefill.
+#[test]
+fn hca_attention_matches_the_reference_within_the_bound() {
+    run_layer(
+        "HCA",
+        128,
+        false,
+        262_144,
+        &[
+            decode(1, &[262_000]),
+            decode(8, &[3, 127, 128, 1000, 100_000, 200_000]),
+            decode(64, &[10, 500, 70_000, 262_100]),
+            vec![(0, 5_000, 150), (1, 0, 150)],
+        ],
+    );
+}
+
+/// A window-only layer: decode batches and a prefill with padding.
+#[test]
+fn sliding_attention_matches_the_reference_within_the_bound() {
+    run_layer(
+        "sliding",
+        0,
+        false,
+        4096,
+        &[
+            decode(1, &[4000]),
+            decode(8, &[0, 1, 64, 127, 128, 3000]),
+            vec![(0, 100, 290), (-1, 0, 10)],
+        ],
+    );
+}
