@@ -2,13 +2,16 @@
 """The HBM ceiling and the PyTorch baseline for `dsv4 bench attn`, in the same run (PERF.md).
 
 Reads the JSON lines `dsv4 bench attn` printed (one per layer kind, context, batch and kernel:
-the fast kernel and, up to 8 tokens, the f64 reference kernel), then on the same GPU:
+the fast attention and, up to 8 tokens, the f64 reference kernel; on CSA layers the same for the
+indexer), then on the same GPU:
   - measures the HBM ceiling (moe_baseline.py's function);
   - times PyTorch on each (layer, context, batch): what an engine without a sparse FP8 kernel
     runs, on a BF16 KV cache (1024 bytes a row against our 584): gather each token's rows with
     index_select, `q @ K^T * scale`, the sink as an extra logit column, softmax in f32, `P @ V`
-    (V = K, MLA), BF16 out. Each call gathers random rows of a cache of at least 256 MB, so L2
-    holds none of them between calls, as the dsv4 bench cycles its state copies;
+    (V = K, MLA), BF16 out; for the indexer lines, a BF16 key cache (256 bytes a key against our
+    68): the visible keys gathered, per-head dots, ReLU, the weighted sum over heads, torch.topk.
+    Each call gathers random rows of a cache of at least 256 MB, so L2 holds none of them
+    between calls, as the dsv4 bench cycles its state copies;
   - adds per case the byte floor (the bytes a call must move: the KV rows gathered in our format
     plus q and o in BF16, over the HBM ceiling), the fraction of HBM bandwidth, the speed-up over
     PyTorch and over the reference kernel, and writes one JSON document.
@@ -44,6 +47,30 @@ def torch_attention(c):
     return timed(lambda: [call(i) for i in idx], 7) / copies
 
 
+def torch_indexer(c):
+    """The lightning indexer on a BF16 key cache: gather the visible keys, per-head dots, ReLU,
+    weighted sum over heads, torch.topk."""
+    t, h, d, nk, k = c["T"], c["heads"], c["head_dim"], c["keys_per_token"], c["topk"]
+    rows = max(t * nk, (256 << 20) // (d * 2))
+    cache = (torch.randn(rows, d, device="cuda") * 0.1).to(torch.bfloat16)
+    q = torch.randn(t, h, d, device="cuda").to(torch.bfloat16)
+    w = torch.randn(t, h, device="cuda")
+    copies = 4
+    idx = [torch.randint(0, rows, (t * nk,), device="cuda") for _ in range(copies)]
+
+    def call(i):
+        keys = cache.index_select(0, i).view(t, nk, d)
+        s = torch.relu(torch.einsum("thd,tkd->thk", q, keys).float())
+        scores = (s * w.view(t, h, 1)).sum(dim=1)
+        return torch.topk(scores, min(k, nk), dim=-1).indices
+
+    return timed(lambda: [call(i) for i in idx], 5) / copies
+
+
+def family(c):
+    return "indexer" if c["kernel"].startswith("indexer") else "attention"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", required=True)
@@ -52,7 +79,8 @@ def main():
     args = ap.parse_args()
     cases = [json.loads(l) for l in open(args.cases) if l.startswith("{")]
     bw = hbm_bandwidth()
-    reference = {(c["layer"], c["context"], c["T"]): c["time_us"] for c in cases if c["kernel"] == "reference"}
+    reference = {(family(c), c["layer"], c["context"], c["T"]): c["time_us"]
+                 for c in cases if c["kernel"] in ("reference", "indexer_reference")}
     memo = {}
     for c in cases:
         ours = c["time_us"] * 1e-6
@@ -60,13 +88,13 @@ def main():
         c["floor_us"] = round(floor * 1e6, 2)
         c["time_over_floor"] = round(ours / floor, 2)
         c["fraction_of_hbm"] = round(floor / ours, 3)
-        key = (c["layer"], c["context"], c["T"])
+        key = (family(c), c["layer"], c["context"], c["T"])
         if key not in memo:
-            memo[key] = torch_attention(c)
+            memo[key] = torch_indexer(c) if family(c) == "indexer" else torch_attention(c)
             torch.cuda.empty_cache()
         c["torch_bf16_us"] = round(memo[key] * 1e6, 2)
         c["speedup_vs_torch_bf16"] = round(memo[key] / ours, 2)
-        if c["kernel"] == "fast" and key in reference:
+        if c["kernel"] in ("fast", "indexer_fast") and key in reference:
             c["speedup_vs_reference_kernel"] = round(reference[key] * 1e-6 / ours, 1)
         print(json.dumps(c), flush=True)
     write_result(args.out, args.commit,

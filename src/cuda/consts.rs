@@ -5,8 +5,8 @@
 //! CUBIN cache key).
 
 use super::kernels::{
-    attention, batch, compressor, fast_attention, fast_dense, fast_moe, fast_moe_gemm,
-    fast_moe_wide, indexer, linear, mhc, moe, norm_rope,
+    attention, batch, compressor, fast_attention, fast_dense, fast_indexer, fast_moe,
+    fast_moe_gemm, fast_moe_wide, indexer, linear, mhc, moe, norm_rope,
 };
 use super::kv_pages;
 use super::smoke;
@@ -116,6 +116,14 @@ pub const SHARED: &[Shared] = shared! {
     "FA_MAX_HEADS" = Int(fast_attention::MAX_HEADS as i64) from "fast_attention::MAX_HEADS";
     "FA_MAX_HD" = Int(fast_attention::MAX_HD as i64) from "fast_attention::MAX_HD";
     "FA_MAX_SPLITS" = Int(fast_attention::MAX_SPLITS as i64) from "fast_attention::MAX_SPLITS";
+    // fast_indexer.cu.
+    "FI_THREADS" = Int(fast_indexer::THREADS as i64) from "fast_indexer::THREADS";
+    "FI_TILE_KEYS" = Int(fast_indexer::TILE_KEYS as i64) from "fast_indexer::TILE_KEYS";
+    "FI_CHUNK_KEYS" = Int(fast_indexer::CHUNK_KEYS as i64) from "fast_indexer::CHUNK_KEYS";
+    "FI_MAX_HEADS" = Int(fast_indexer::MAX_HEADS as i64) from "fast_indexer::MAX_HEADS";
+    "FI_MAX_DIM" = Int(fast_indexer::MAX_DIM as i64) from "fast_indexer::MAX_DIM";
+    "FI_TOPK_THREADS" = Int(fast_indexer::TOPK_THREADS as i64) from "fast_indexer::TOPK_THREADS";
+    "FI_MAX_SORT" = Int(fast_indexer::MAX_SORT as i64) from "fast_indexer::MAX_SORT";
     // attention.cu, compressor.cu, indexer.cu, mhc.cu.
     "ATTN_MAX_CPT" = Int(attention::ATTN_MAX_CHANNELS_PER_THREAD as i64)
         from "attention::ATTN_MAX_CHANNELS_PER_THREAD";

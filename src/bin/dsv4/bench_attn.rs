@@ -4,9 +4,11 @@
 //! RoPE rows). CSA layers attend to the window + 512 selected entries (random distinct-ish
 //! indices among the C/4 visible), HCA layers to the window + all C/128 entries. One JSON line
 //! per (layer kind, context, batch, kernel): time per call, keys per token, the KV bytes gathered
-//! and the bytes a call must move (KV rows + BF16 q and o), GB/s on them. The reference kernel
-//! (attention_kernel, f64) runs the same cases up to 8 tokens as the in-run baseline;
-//! bench/attn_baseline.py adds the HBM ceiling, floors, ratios and PyTorch.
+//! and the bytes a call must move (KV rows + BF16 q and o), GB/s on them. CSA cases also time
+//! the indexer (kernels/fast_indexer.cu: scoring all C/4 visible keys, then the top-512;
+//! `kernel: indexer_fast`). The reference kernels (attention_kernel, indexer_kernel, f64) run
+//! the same cases up to 8 tokens as the in-run baseline; bench/attn_baseline.py adds the HBM
+//! ceiling, floors, ratios and PyTorch.
 //!
 //! Timing: the state is replicated into enough copies (as if layers: together at least 256 MB,
 //! so the 50 MB L2 holds none of it between calls; q, the selection and o are shared, as the
@@ -20,6 +22,8 @@ use dsv4::cuda::arena::{self, DevicePtr};
 use dsv4::cuda::context::Context;
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta};
 use dsv4::cuda::kernels::fast_attention::{self, FastAttention, FastAttentionWorkspace};
+use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer};
+use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::{KernelCache, Registry};
 use dsv4::cuda::stream::OwnedStream;
@@ -29,6 +33,8 @@ const HD: usize = 512;
 const NOPE: usize = 448;
 const W: usize = 128;
 const TOPK: usize = 512;
+/// Indexer head dim (64 heads of it, like the attention's).
+const DI: usize = 128;
 /// Largest batch the reference kernel is timed at (it takes seconds beyond).
 const REFERENCE_MAX_T: usize = 8;
 
@@ -81,12 +87,22 @@ pub fn run(device: i32, contexts: &[usize], batches: &[usize]) -> Result<(), Str
     let s = stream.borrow();
     let reg = Registry::load_families(
         &ctx,
-        &[&attention::SOURCE, &fast_attention::SOURCE],
+        &[
+            &attention::SOURCE,
+            &fast_attention::SOURCE,
+            &indexer::SOURCE,
+            &fast_indexer::SOURCE,
+        ],
         &KernelCache::new(None),
     )
     .map_err(e)?;
     let reference = Attention::new(&reg).map_err(e)?;
     let fast = FastAttention::new(&reg).map_err(e)?;
+    let indexers = Indexers {
+        reference: Indexer::new(&reg).map_err(e)?,
+        fast: FastIndexer::new(&reg).map_err(e)?,
+        keys: KvRows::index_keys(KvFormat::Official, DI),
+    };
     let rows = KvRows::kv(KvFormat::Official, HD, NOPE);
     let mut rng = Rng(0xA77E_5EED);
     let tpl_pages = 256;
@@ -243,8 +259,125 @@ pub fn run(device: i32, contexts: &[usize], batches: &[usize]) -> Result<(), Str
                     );
                     std::io::stdout().flush().ok();
                 }
+                if csa {
+                    indexer_case(&ctx, s, &indexers, &meta, &mut rng, ctx_len, t)?;
+                }
             }
         }
+    }
+    Ok(())
+}
+
+/// The indexer's kernels and its key rows.
+struct Indexers {
+    reference: Indexer,
+    fast: FastIndexer,
+    keys: KvRows,
+}
+
+/// Times the fast indexer (and the reference one up to [`REFERENCE_MAX_T`] tokens) of a CSA
+/// layer for the decode batch `meta` (t tokens at position ctx_len - 1 in slots 0 .. t):
+/// scoring all ctx_len / 4 visible keys with 64 heads of 128, then the top-512. One JSON line
+/// each; the bytes a call must move: the keys (68 B each), q as BF16, the head weights and the
+/// selection.
+fn indexer_case(
+    ctx: &Context,
+    s: dsv4::cuda::BorrowedStream,
+    ix: &Indexers,
+    meta: &BatchMeta,
+    rng: &mut Rng,
+    ctx_len: usize,
+    t: usize,
+) -> Result<(), String> {
+    let maxe = ctx_len / 4;
+    let pps = KvRows::pages_for(maxe);
+    let pool_bytes = t * pps * ix.keys.page_bytes();
+    let copies = (256usize << 20).div_ceil(pool_bytes).clamp(1, 256);
+    let mut tpl = vec![0u8; 64 * ix.keys.page_bytes()];
+    for page in tpl.chunks_exact_mut(ix.keys.page_bytes()) {
+        for r in 0..KV_PAGE {
+            for b in &mut page[r * ix.keys.row_bytes()..][..DI / 2] {
+                *b = (rng.next() & 0xff) as u8;
+            }
+            let sc = KV_PAGE * ix.keys.row_bytes() + r * ix.keys.scale_bytes();
+            for b in &mut page[sc..sc + DI / 32] {
+                *b = 120 + (rng.next() % 7) as u8;
+            }
+        }
+    }
+    let mut sizes = vec![pool_bytes; copies];
+    sizes.extend([
+        tpl.len(),
+        t * pps * 4,
+        t * H * DI * 4,
+        t * H * 4,
+        t * maxe * 4,
+        t * TOPK * 4,
+        t * 4,
+    ]);
+    let (_bufs, b) = alloc(ctx, "bench_attn_indexer", &sizes)?;
+    let x = &b[copies..];
+    arena::copy_to_device_sync(x[0], &tpl, s).map_err(e)?;
+    for p in &b[..copies] {
+        fill(*p, x[0], s)?;
+    }
+    let order: Vec<i32> = (0..(t * pps) as i32).collect();
+    arena::copy_to_device_sync(x[1], &order, s).map_err(e)?;
+    // Official queries: FP4 values (a BF16 value's top nibble is close enough for timing).
+    let qi: Vec<f32> = (0..t * H * DI).map(|_| rng.bf16()).collect();
+    arena::copy_to_device_sync(x[2], &qi, s).map_err(e)?;
+    let iw: Vec<f32> = (0..t * H).map(|_| rng.bf16() / 90.5).collect();
+    arena::copy_to_device_sync(x[3], &iw, s).map_err(e)?;
+    let args = |j: usize| IndexerArgs {
+        qi: x[2],
+        iw: x[3],
+        ikeys: KvPagesDev {
+            pool: b[j],
+            table: Some(x[1]),
+            pages_per_slot: pps,
+            rows: ix.keys,
+        },
+        heads: H,
+        dim: DI,
+        ratio: 4,
+        topk: TOPK,
+        maxe,
+        num_slots: t,
+        official: true,
+        scores: x[4],
+        selected: x[5],
+        nsel: x[6],
+    };
+    let kv_bytes = t * maxe * ix.keys.bytes_per_row();
+    let io_bytes = kv_bytes + t * (H * DI * 2 + H * 4 + TOPK * 4);
+    // (The reference indexer ranks every visible key against the others: beyond 64K positions
+    // it takes seconds a call.)
+    let kernels: &[&str] = if t <= REFERENCE_MAX_T && ctx_len <= 65536 {
+        &["indexer_fast", "indexer_reference"]
+    } else {
+        &["indexer_fast"]
+    };
+    for &kernel in kernels {
+        let call = |j: usize| -> dsv4::Result<()> {
+            match kernel {
+                "indexer_fast" => ix.fast.select(ctx, meta, &args(j), s),
+                _ => ix.reference.select(ctx, meta, &args(j), s),
+            }
+        };
+        let n = if kernel == "indexer_fast" {
+            copies
+        } else {
+            copies.min(2)
+        };
+        let replays = 5;
+        let sec = time_graph(s, n, replays, call)?;
+        println!(
+            "{{\"bench\": \"attn\", \"layer\": \"csa\", \"kernel\": \"{kernel}\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"splits\": 1, \"time_us\": {:.2}, \"kv_bytes\": {kv_bytes}, \"io_bytes\": {io_bytes}, \"gb_per_s\": {:.1}, \"state_copies\": {n}, \"calls_timed\": {}}}",
+            sec * 1e6,
+            io_bytes as f64 / sec / 1e9,
+            replays * n,
+        );
+        std::io::stdout().flush().ok();
     }
     Ok(())
 }

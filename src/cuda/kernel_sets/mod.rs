@@ -21,6 +21,7 @@ use crate::cuda::arena::{Arena, DevicePtr};
 use crate::cuda::backend::DeviceModel;
 use crate::cuda::context::{Context, DeviceInfo};
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta};
+use crate::cuda::kernels::indexer::IndexerArgs;
 use crate::cuda::kernels::linear::WeightDev;
 use crate::cuda::memory_plan::MemoryPlan;
 use crate::cuda::registry::{KernelSource, Registry};
@@ -118,12 +119,24 @@ pub struct LinearCall {
 }
 
 /// Operations a set runs with its own kernels inside the reference set's launch sequences (the
-/// fast set's dense projections and attention core while the rest of its attention sub-block
-/// is still the reference one).
+/// fast set's dense projections, indexer and attention core while the rest of its attention
+/// sub-block is still the reference one).
 pub trait FastOps {
     /// Runs `call` and returns true, or returns false having launched nothing: the reference
     /// kernels run it.
     fn try_linear(&self, ctx: &Context, call: &LinearCall, stream: BorrowedStream) -> Result<bool>;
+
+    /// Runs the indexer's scoring and top-k (the reference `indexer_kernel`'s operation) and
+    /// returns true, or returns false having launched nothing.
+    fn try_select(
+        &self,
+        _ctx: &Context,
+        _meta: &BatchMeta,
+        _args: &IndexerArgs,
+        _stream: BorrowedStream,
+    ) -> Result<bool> {
+        Ok(false)
+    }
 
     /// Runs the attention core (the reference `attention_kernel`'s operation, its output
     /// before the inverse RoPE) and returns true, or returns false having launched nothing.

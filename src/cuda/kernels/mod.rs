@@ -7,6 +7,7 @@ pub mod compressor;
 pub mod fast_attention;
 pub mod fast_dense;
 pub mod fast_dense_gemm;
+pub mod fast_indexer;
 pub mod fast_moe;
 pub mod fast_moe_gemm;
 pub mod fast_moe_wide;
@@ -63,6 +64,7 @@ pub static BACKEND_FAMILIES: &[&KernelSource] = &[&weight_convert::SOURCE];
 /// The fast set's own families (it runs every model family too).
 pub static FAST_FAMILIES: &[&KernelSource] = &[
     &fast_attention::SOURCE,
+    &fast_indexer::SOURCE,
     &fast_dense::SOURCE,
     &fast_moe::SOURCE,
     &fast_moe_gemm::SOURCE,

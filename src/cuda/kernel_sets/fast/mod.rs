@@ -2,7 +2,8 @@
 //! against the reference set. Today it replaces the MoE sub-block (kernels/fast_moe*.cu: FP4/FP8
 //! experts decoded exactly to e4m3 on chip, FP8 wgmma promoted to f32 every 32 of K) and, inside
 //! the reference attention sequence through [`FastOps`], the dense projections
-//! (kernels/fast_dense.cu: FP8 and BF16 weights streamed once into f16/bf16 MMAs) and the
+//! (kernels/fast_dense.cu: FP8 and BF16 weights streamed once into f16/bf16 MMAs), the
+//! indexer (kernels/fast_indexer.cu: scores on BF16 tensor cores, exact radix top-k) and the
 //! attention core (kernels/fast_attention.cu: all heads of a token per block over the paged FP8
 //! state, BF16 tensor cores, split over blocks for few tokens); every other operation still runs
 //! the reference set's kernels until its fast kernel lands (issues 12, 13), on the same
@@ -27,7 +28,9 @@ use crate::cuda::kernels::fast_dense::{DenseOp, FUSED_ACT_MAX_T, FastDense};
 use crate::cuda::kernels::fast_dense_gemm::{
     GEMM_MIN_TOKENS, GemmWorkspace, gemm_pays, gemm_shape, run_gemm,
 };
+use crate::cuda::kernels::fast_indexer::FastIndexer;
 use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared, Unsupported};
+use crate::cuda::kernels::indexer::IndexerArgs;
 use crate::cuda::kernels::moe::{RouterParams, Selection};
 use crate::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
 use crate::cuda::registry::{KernelSource, Registry};
@@ -56,6 +59,7 @@ pub struct FastSet {
     reference: ReferenceSet,
     moe: FastMoe,
     attention: FastAttention,
+    indexer: FastIndexer,
     dense: FastDense,
     /// cuBLASLt's GEMMs for projections of many tokens ([`gemm_pays`]); None when the
     /// engine's token capacity stays below that or cuBLASLt cannot be loaded (said at WARN):
@@ -104,6 +108,7 @@ impl FastSet {
             reference: ReferenceSet::new(reg, reference_ws)?,
             moe: FastMoe::new(reg)?,
             attention: FastAttention::new(reg)?,
+            indexer: FastIndexer::new(reg)?,
             dense: FastDense::new(reg)?,
             gemm,
             ws,
@@ -330,6 +335,22 @@ impl FastOps for FastSet {
             return Ok(true);
         }
         self.dense.run(ctx, &op, &self.ws.dense, stream)?;
+        Ok(true)
+    }
+
+    /// The fast indexer runs every CSA layer whose heads, dims, top-k and stored format it
+    /// covers ([`FastIndexer::covers`]).
+    fn try_select(
+        &self,
+        ctx: &Context,
+        meta: &BatchMeta,
+        args: &IndexerArgs,
+        stream: BorrowedStream,
+    ) -> Result<bool> {
+        if !FastIndexer::covers(args) {
+            return Ok(false);
+        }
+        self.indexer.select(ctx, meta, args, stream)?;
         Ok(true)
     }
 

@@ -220,7 +220,13 @@ impl Run<'_> {
             selected: ws.selected,
             nsel: ws.nsel,
         };
-        k8.idx.select(self.ctx, meta, &args, st)?;
+        let fast = match self.fast {
+            Some(f) => f.try_select(self.ctx, meta, &args, st)?,
+            None => false,
+        };
+        if !fast {
+            k8.idx.select(self.ctx, meta, &args, st)?;
+        }
         Ok(Some((ws.selected, ws.nsel)))
     }
 

@@ -1,0 +1,160 @@
+//! Rust side of the `fast_indexer` kernel family (kernels/fast_indexer.cu): the fast set's
+//! lightning indexer. `fi_score_kernel` scores every visible key of each token with all heads
+//! on BF16 tensor cores (official FP4 queries and keys are exact in BF16), `fi_topk_kernel`
+//! selects the top min(topk, visible) exactly on those scores (radix select on their BF16 bits,
+//! ties to the lower index, rank order). Takes the reference's [`IndexerArgs`]; the keys must be
+//! stored in the official format. tests/gpu_fast_indexer.rs bounds the scores against the
+//! reference kernel and checks the selection against an exact top-k of the fast scores.
+
+use super::attention::BatchMeta;
+use super::indexer::IndexerArgs;
+use super::{need, to_i32};
+use crate::cuda::Context;
+use crate::cuda::kv_pages::{KvFormat, RowKind};
+use crate::cuda::stream::BorrowedStream;
+use crate::error::{Error, Result, Status};
+
+/// Threads of a scoring block (FI_THREADS): 4 warps of 16 heads.
+pub const THREADS: usize = 128;
+/// Keys decoded and scored together (FI_TILE_KEYS).
+pub const TILE_KEYS: usize = 64;
+/// Keys one scoring block takes (FI_CHUNK_KEYS): the grid's second dimension covers maxe.
+pub const CHUNK_KEYS: usize = 256;
+/// Most heads (FI_MAX_HEADS) and the largest head dim (FI_MAX_DIM).
+pub const MAX_HEADS: usize = 64;
+pub const MAX_DIM: usize = 256;
+/// Threads of a top-k block (FI_TOPK_THREADS).
+pub const TOPK_THREADS: usize = 512;
+/// Largest top-k (FI_MAX_SORT): the bitonic sort's shared memory (8 bytes a candidate).
+pub const MAX_SORT: usize = 2048;
+
+/// Dynamic shared memory of a scoring block for head dim `di`: Q and one key tile as bf16 rows
+/// padded by 8 values, the head weights, the warps' partial scores.
+pub const fn score_smem_bytes(di: usize) -> usize {
+    2 * (MAX_HEADS + TILE_KEYS) * (di + 8) + 4 * MAX_HEADS + 4 * (THREADS / 32) * TILE_KEYS
+}
+
+/// The largest scoring block (the registry raises the kernel's limit to it).
+pub const MAX_SMEM: usize = score_smem_bytes(MAX_DIM);
+
+crate::kernel_family! {
+    /// The family as the registry compiles and loads it.
+    pub const SOURCE = "fast_indexer", include_str!("../../../kernels/fast_indexer.cu");
+
+    #[smem(MAX_SMEM as u32)]
+    fn fi_score_kernel(
+        qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
+        positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
+        di: i32, ratio: i32, maxe: i32, scores: *mut f32,
+    );
+    fn fi_topk_kernel(
+        scores: *const f32, positions: *const i32, seq_of: *const i32, seq_slots: *const i32,
+        t: i32, ratio: i32, maxe: i32, topk: i32, selected: *mut i32, nsel: *mut i32,
+    );
+}
+
+crate::launchers! {
+    /// The fast_indexer family's entry points, resolved from a loaded registry.
+    pub struct FastIndexer {
+        score: fi_score_kernel,
+        topk: fi_topk_kernel,
+    }
+}
+
+const FAMILY: &str = "fast_indexer";
+
+fn bad(msg: String) -> Error {
+    Error::new(Status::Internal, format!("{FAMILY}: {msg}"))
+}
+
+impl FastIndexer {
+    /// Whether the kernels take this layer: official keys, heads and dims they tile, a top-k
+    /// they can sort.
+    pub fn covers(x: &IndexerArgs) -> bool {
+        x.official
+            && x.ikeys.rows.format == KvFormat::Official
+            && x.ikeys.rows.kind == RowKind::IndexKey
+            && x.heads <= MAX_HEADS
+            && x.dim <= MAX_DIM
+            && x.dim.is_multiple_of(16)
+            && x.topk <= MAX_SORT
+    }
+
+    /// Scores every visible key of each token's slot and selects the top min(topk, visible)
+    /// (the reference's [`IndexerArgs`], which [`FastIndexer::covers`]); two launches.
+    pub fn select(
+        &self,
+        ctx: &Context,
+        b: &BatchMeta,
+        x: &IndexerArgs,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        b.check(FAMILY)?;
+        if !Self::covers(x) {
+            return Err(bad(format!(
+                "{} heads of {} stored as {:?}, top-{}, official {}",
+                x.heads, x.dim, x.ikeys.rows, x.topk, x.official
+            )));
+        }
+        let (t, hi, di) = (b.num_tokens, x.heads, x.dim);
+        if hi == 0 || x.ratio == 0 || x.topk == 0 || x.num_slots == 0 {
+            return Err(bad(format!(
+                "{hi} heads, ratio {}, topk {}, {} slots",
+                x.ratio, x.topk, x.num_slots
+            )));
+        }
+        need(FAMILY, "qi", x.qi, t * hi * di * 4)?;
+        need(FAMILY, "iw", x.iw, t * hi * 4)?;
+        x.ikeys
+            .check(FAMILY, "ikeys", x.num_slots, x.maxe, x.official)?;
+        need(FAMILY, "scores", x.scores, t * x.maxe * 4)?;
+        need(FAMILY, "selected", x.selected, t * x.topk * 4)?;
+        need(FAMILY, "nsel", x.nsel, t * 4)?;
+        let blocks = u32::try_from(t)
+            .ok()
+            .filter(|&v| v <= i32::MAX as u32)
+            .ok_or_else(|| bad(format!("{t} tokens: too many blocks")))?;
+        let i = |what: &str, v: usize| to_i32(FAMILY, what, v);
+        let _g = ctx.enter()?;
+        let chunks = x.maxe.div_ceil(CHUNK_KEYS);
+        if chunks > 0 {
+            let chunks = u32::try_from(chunks)
+                .ok()
+                .filter(|&c| c <= 65535)
+                .ok_or_else(|| bad(format!("{} entries: too many chunks", x.maxe)))?;
+            let args = fi_score_kernel::Args {
+                qi: x.qi,
+                iw: x.iw,
+                ikeys: x.ikeys.pool,
+                itable: x.ikeys.table,
+                ipps: i("pages per slot", x.ikeys.pages_per_slot)?,
+                positions: b.positions,
+                seq_of: b.seq_of,
+                seq_slots: b.seq_slots,
+                t: i("num_tokens", t)?,
+                hi: i("heads", hi)?,
+                di: i("dim", di)?,
+                ratio: i("ratio", x.ratio)?,
+                maxe: i("maxe", x.maxe)?,
+                scores: x.scores,
+            };
+            let smem = score_smem_bytes(di) as u32;
+            self.score
+                .launch((blocks, chunks), THREADS as u32, smem, stream, args)?;
+        }
+        let args = fi_topk_kernel::Args {
+            scores: x.scores,
+            positions: b.positions,
+            seq_of: b.seq_of,
+            seq_slots: b.seq_slots,
+            t: i("num_tokens", t)?,
+            ratio: i("ratio", x.ratio)?,
+            maxe: i("maxe", x.maxe)?,
+            topk: i("topk", x.topk)?,
+            selected: x.selected,
+            nsel: x.nsel,
+        };
+        self.topk
+            .launch(blocks, TOPK_THREADS as u32, 0, stream, args)
+    }
+}

@@ -1,0 +1,427 @@
+//! GPU op test of the fast set's indexer (kernels/fast_indexer.cu) against the reference
+//! indexer kernel (kernels/indexer.cu) on the same device state, at Flash shapes (64 heads of
+//! 128, top-512, ratio 4): decode batches of 1, 8 and 64 tokens at contexts up to 64K (up to
+//! 16,250 visible keys), a 300-token prefill chunk, tokens with no key yet, fewer visible keys
+//! than the top-k, padding. Keys are random official pages (e2m1 nibbles, UE8M0 scales) through
+//! a scrambled block table; queries official FP4 values.
+//!
+//! Checks:
+//! - the selection is EXACTLY the top min(topk, visible) of the fast kernel's own scores (rank
+//!   order, ties to the lower index), against `reference::ops::top_k` on the host;
+//! - every score is within the derived bound of the reference's: with D_h the exact q_h . k
+//!   (computed here in f64) and A_h = Σ_c |q_hc k_c|, the fast d_h differs from the reference's
+//!   by at most 2^-8 |D_h| (both round to BF16) + ε_h, ε_h = (DI/16 + 1) 2^-23 A_h (the tensor
+//!   core's f32 sum); times |w_h| over the heads, the f32 head sum (HI + 2) 2^-24 Σ|D_h w_h|,
+//!   and both final BF16 roundings: |s_f - s_r| <= (1 + 2^-8) [Σ_h |w_h| (2^-8 |D_h| + 1.01 ε_h)
+//!   + (HI + 2) 2^-24 (1 + 2^-7) Σ_h |D_h w_h|] + 2^-8 |s_r|;
+//! - the selected sets equal the reference's wherever the margin exceeds that rounding: an
+//!   entry selected by one and not the other has a reference score within 2 B (B the token's
+//!   largest bound) of the reference's k-th score;
+//! - nsel equal, reruns bit-identical, padding and tokens without keys select nothing.
+//!
+//! Without a CUDA device the GPU tests print `skipped: no CUDA device`.
+
+mod common;
+
+use common::gpu::{alloc, assert_families_compile, family_gpu, print_kernel_resources};
+use common::rng::XorShift;
+use dsv4::cuda::arena;
+use dsv4::cuda::kernels::attention::BatchMeta;
+use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer};
+use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
+use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
+use dsv4::cuda::registry::KernelSource;
+use dsv4::cuda::{BorrowedStream, DevicePtr, OwnedStream};
+use dsv4::reference::ops::top_k;
+use dsv4::weights::dtype::{FP4_LUT, e8m0_to_f32};
+use std::sync::Mutex;
+
+const FAMILIES: [&KernelSource; 2] = [&indexer::SOURCE, &fast_indexer::SOURCE];
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const HI: usize = 64;
+const DI: usize = 128;
+const TOPK: usize = 512;
+const RATIO: usize = 4;
+const SLOTS: usize = 3;
+const MAX_SEQ_LEN: usize = 65536;
+const MAXE: usize = MAX_SEQ_LEN / RATIO;
+
+#[test]
+fn families_compile_for_sm_90a() {
+    assert_families_compile(&FAMILIES);
+}
+
+/// Random official key pages (any e2m1 nibble, scales 2^-7 .. 2^-1) and a scrambled table.
+struct Keys {
+    rows: KvRows,
+    pool: Vec<u8>,
+    table: Vec<i32>,
+}
+
+impl Keys {
+    fn random(rng: &mut XorShift) -> Keys {
+        let rows = KvRows::index_keys(KvFormat::Official, DI);
+        let pps = KvRows::pages_for(MAXE);
+        let n = SLOTS * pps;
+        let mut pool = vec![0u8; n * rows.page_bytes()];
+        for page in pool.chunks_exact_mut(rows.page_bytes()) {
+            for r in 0..KV_PAGE {
+                for b in &mut page[r * rows.row_bytes()..][..DI / 2] {
+                    *b = rng.below(256) as u8;
+                }
+                let sc = KV_PAGE * rows.row_bytes() + r * rows.scale_bytes();
+                for b in &mut page[sc..sc + DI / 32] {
+                    *b = 120 + rng.below(7) as u8;
+                }
+            }
+        }
+        let mul = (0..)
+            .map(|k| 7919 + 2 * k)
+            .find(|m| gcd(*m, n) == 1)
+            .unwrap();
+        Keys {
+            rows,
+            pool,
+            table: (0..n).map(|i| (i * mul % n) as i32).collect(),
+        }
+    }
+
+    fn key(&self, slot: usize, e: usize) -> Vec<f32> {
+        let pb = self.rows.page_bytes();
+        let page = self.table[slot * KvRows::pages_for(MAXE) + e / KV_PAGE] as usize;
+        self.rows
+            .decode_row(&self.pool[page * pb..][..pb], e % KV_PAGE)
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// A batch: (slot or -1, first position, length) per sequence and its inputs.
+struct Batch {
+    positions: Vec<i32>,
+    query_start: Vec<i32>,
+    seq_slots: Vec<i32>,
+    seq_of: Vec<i32>,
+    qi: Vec<f32>,
+    iw: Vec<f32>,
+}
+
+impl Batch {
+    fn new(rng: &mut XorShift, seqs: &[(i32, usize, usize)]) -> Batch {
+        let mut b = Batch {
+            positions: vec![],
+            query_start: vec![0],
+            seq_slots: vec![],
+            seq_of: vec![],
+            qi: vec![],
+            iw: vec![],
+        };
+        for (i, &(slot, first, len)) in seqs.iter().enumerate() {
+            b.positions.extend((first..first + len).map(|p| p as i32));
+            b.query_start.push(b.positions.len() as i32);
+            b.seq_slots.push(slot);
+            b.seq_of.extend(std::iter::repeat_n(i as i32, len));
+        }
+        let t = b.positions.len();
+        // Official queries: e2m1 values times a power of two per 32 channels.
+        b.qi = (0..t * HI * DI / 32)
+            .flat_map(|_| {
+                let s = e8m0_to_f32(122 + rng.below(5) as u8);
+                (0..32)
+                    .map(|_| FP4_LUT[rng.below(16) as usize] * s)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let scale = 1.0 / ((DI * HI) as f32).sqrt();
+        b.iw = rng
+            .vec(t * HI, 1.0, true)
+            .iter()
+            .map(|v| v * scale)
+            .collect();
+        b
+    }
+
+    fn t(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// Token i's slot and visible key count (None: padding).
+    fn visible(&self, i: usize) -> Option<(usize, usize)> {
+        let slot = self.seq_slots[self.seq_of[i] as usize];
+        (slot >= 0).then(|| {
+            let v = ((self.positions[i] as usize + 1) / RATIO).min(MAXE);
+            (slot as usize, v)
+        })
+    }
+}
+
+/// The derived bound (module doc) of each of token i's visible scores.
+fn bounds(b: &Batch, keys: &Keys, i: usize, s_ref: &[f32]) -> Vec<f64> {
+    let Some((slot, visible)) = b.visible(i) else {
+        return vec![];
+    };
+    let u = 2f64.powi(-8);
+    (0..visible)
+        .map(|e| {
+            let k = keys.key(slot, e);
+            let (mut per_head, mut dw) = (0.0f64, 0.0f64);
+            for h in 0..HI {
+                let q = &b.qi[(i * HI + h) * DI..][..DI];
+                let (mut d, mut a) = (0.0f64, 0.0f64);
+                for c in 0..DI {
+                    let p = q[c] as f64 * k[c] as f64;
+                    d += p;
+                    a += p.abs();
+                }
+                let eps = (DI as f64 / 16.0 + 1.0) * 2f64.powi(-23) * a;
+                let w = (b.iw[i * HI + h] as f64).abs();
+                per_head += w * (u * d.abs() + 1.01 * eps);
+                dw += (d * w).abs();
+            }
+            let sum = (HI as f64 + 2.0) * 2f64.powi(-24) * (1.0 + 2.0 * u) * dw;
+            (1.0 + u) * (per_head + sum) + u * (s_ref[e] as f64).abs() + 1e-30
+        })
+        .collect()
+}
+
+struct Run {
+    scores: Vec<f32>,
+    selected: Vec<i32>,
+    nsel: Vec<i32>,
+}
+
+/// Runs the reference indexer, then the fast one twice; returns the three results.
+fn run(
+    reference: &Indexer,
+    fast: &FastIndexer,
+    keys: &Keys,
+    b: &Batch,
+    s: BorrowedStream,
+) -> [Run; 3] {
+    let g = family_gpu(&FAMILIES).unwrap();
+    let t = b.t();
+    let sizes = [
+        keys.pool.len(),
+        keys.table.len() * 4,
+        t * 4,
+        b.query_start.len() * 4,
+        b.seq_slots.len() * 4,
+        t * 4,
+        t * HI * DI * 4,
+        t * HI * 4,
+        t * MAXE * 4,
+        t * TOPK * 4,
+        t * 4,
+    ];
+    let (_arena, p) = alloc(&g.ctx, &sizes);
+    arena::copy_to_device_sync(p[0], &keys.pool, s).unwrap();
+    arena::copy_to_device_sync(p[1], &keys.table, s).unwrap();
+    for (d, v) in [
+        (p[2], &b.positions),
+        (p[3], &b.query_start),
+        (p[4], &b.seq_slots),
+        (p[5], &b.seq_of),
+    ] {
+        arena::copy_to_device_sync(d, v, s).unwrap();
+    }
+    arena::copy_to_device_sync(p[6], &b.qi, s).unwrap();
+    arena::copy_to_device_sync(p[7], &b.iw, s).unwrap();
+    let meta = BatchMeta {
+        positions: p[2],
+        query_start: p[3],
+        seq_slots: p[4],
+        seq_of: p[5],
+        num_tokens: t,
+        num_seqs: b.seq_slots.len(),
+    };
+    let args = IndexerArgs {
+        qi: p[6],
+        iw: p[7],
+        ikeys: KvPagesDev {
+            pool: p[0],
+            table: Some(p[1]),
+            pages_per_slot: KvRows::pages_for(MAXE),
+            rows: keys.rows,
+        },
+        heads: HI,
+        dim: DI,
+        ratio: RATIO,
+        topk: TOPK,
+        maxe: MAXE,
+        num_slots: SLOTS,
+        official: true,
+        scores: p[8],
+        selected: p[9],
+        nsel: p[10],
+    };
+    assert!(FastIndexer::covers(&args));
+    let get = |d: DevicePtr, n: usize| -> Vec<u32> {
+        let mut v = vec![0u32; n];
+        arena::copy_to_host_sync(&mut v, d, s).unwrap();
+        v
+    };
+    let result = || Run {
+        scores: get(p[8], t * MAXE)
+            .into_iter()
+            .map(f32::from_bits)
+            .collect(),
+        selected: get(p[9], t * TOPK).into_iter().map(|v| v as i32).collect(),
+        nsel: get(p[10], t).into_iter().map(|v| v as i32).collect(),
+    };
+    let poison = || {
+        for d in [p[8], p[9], p[10]] {
+            arena::memset_async(d, 0xff, s).unwrap();
+        }
+    };
+    poison();
+    reference.select(&g.ctx, &meta, &args, s).unwrap();
+    let r = result();
+    poison();
+    fast.select(&g.ctx, &meta, &args, s).unwrap();
+    let f = result();
+    poison();
+    fast.select(&g.ctx, &meta, &args, s).unwrap();
+    [r, f, result()]
+}
+
+/// All checks of one batch (module doc), tokens in parallel; returns (largest |diff| / bound,
+/// selections that differ from the reference's).
+fn check(name: &str, keys: &Keys, b: &Batch, r: &Run, f: &Run) -> (f64, usize) {
+    let t = b.t();
+    let threads = std::thread::available_parallelism()
+        .map_or(4, |n| n.get())
+        .min(16);
+    let out = Mutex::new((0.0f64, 0usize, Vec::<String>::new()));
+    std::thread::scope(|sc| {
+        for w in 0..threads {
+            let out = &out;
+            sc.spawn(move || {
+                let (mut worst, mut swaps, mut errors) = (0.0f64, 0usize, vec![]);
+                for i in (w..t).step_by(threads) {
+                    let sel_f = &f.selected[i * TOPK..][..TOPK];
+                    let sel_r = &r.selected[i * TOPK..][..TOPK];
+                    let Some((_, visible)) = b.visible(i) else {
+                        if f.nsel[i] != 0 || sel_f.iter().any(|&e| e != -1) {
+                            errors.push(format!("padding token {i} selects something"));
+                        }
+                        continue;
+                    };
+                    let k = TOPK.min(visible);
+                    if f.nsel[i] != k as i32 || r.nsel[i] != k as i32 {
+                        errors.push(format!("token {i}: nsel {} / {} for {k}", f.nsel[i], r.nsel[i]));
+                        continue;
+                    }
+                    // Exact top-k of the fast scores.
+                    let sf = &f.scores[i * MAXE..][..visible];
+                    let mut want: Vec<i32> = top_k(sf, k).into_iter().map(|e| e as i32).collect();
+                    want.resize(TOPK, -1);
+                    if want != sel_f {
+                        errors.push(format!("token {i}: the selection is not the top-{k} of its scores"));
+                    }
+                    // Scores within the bound.
+                    let sr = &r.scores[i * MAXE..][..visible];
+                    let bnd = bounds(b, keys, i, sr);
+                    let mut big = 0.0f64;
+                    for e in 0..visible {
+                        let d = (sf[e] as f64 - sr[e] as f64).abs();
+                        big = big.max(bnd[e]);
+                        if d > bnd[e] {
+                            errors.push(format!(
+                                "token {i} entry {e}: fast {:e} reference {:e} bound {:e}",
+                                sf[e], sr[e], bnd[e]
+                            ));
+                        }
+                        worst = worst.max(d / bnd[e]);
+                    }
+                    // Selections: equal but within the rounding of the k-th score.
+                    if k > 0 {
+                        let kth = sr[sel_r[k - 1] as usize] as f64;
+                        let in_r: std::collections::HashSet<i32> = sel_r[..k].iter().copied().collect();
+                        let in_f: std::collections::HashSet<i32> = sel_f[..k].iter().copied().collect();
+                        for &e in in_r.symmetric_difference(&in_f) {
+                            swaps += 1;
+                            let gap = (sr[e as usize] as f64 - kth).abs();
+                            if gap > 2.0 * big {
+                                errors.push(format!(
+                                    "token {i}: entry {e} selected by one indexer only, {gap:e} from the k-th score (bound {:e})",
+                                    2.0 * big
+                                ));
+                            }
+                        }
+                    }
+                }
+                let mut o = out.lock().unwrap();
+                o.0 = o.0.max(worst);
+                o.1 += swaps;
+                o.2.extend(errors);
+            });
+        }
+    });
+    let (worst, swaps, errors) = out.into_inner().unwrap();
+    let differ = (0..t)
+        .filter_map(|i| b.visible(i).map(|(_, v)| (i, v)))
+        .map(|(i, v)| {
+            (0..v)
+                .filter(|&e| f.scores[i * MAXE + e].to_bits() != r.scores[i * MAXE + e].to_bits())
+                .count()
+        })
+        .sum::<usize>();
+    println!(
+        "{name}: {t} tokens: max |fast - ref| / bound = {worst:.3}; {differ} scores differ from the reference; {swaps} selected entries differ"
+    );
+    for e in errors.iter().take(8) {
+        println!("MISMATCH {name}: {e}");
+    }
+    assert!(
+        errors.is_empty(),
+        "{name}: {} failures (MISMATCH lines above)",
+        errors.len()
+    );
+    (worst, swaps)
+}
+
+fn decode(n: usize, pos: &[usize]) -> Vec<(i32, usize, usize)> {
+    (0..n)
+        .map(|i| ((i % SLOTS) as i32, pos[i % pos.len()] + i / SLOTS, 1))
+        .collect()
+}
+
+#[test]
+fn fast_indexer_matches_the_reference_within_the_bound() {
+    let _l = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(g) = family_gpu(&FAMILIES) else {
+        return;
+    };
+    print_kernel_resources(&g.reg);
+    let reference = Indexer::new(&g.reg).unwrap();
+    let fast = FastIndexer::new(&g.reg).unwrap();
+    let stream = OwnedStream::new(&g.ctx).unwrap();
+    let s = stream.borrow();
+    let _c = g.ctx.enter().unwrap();
+    let mut rng = XorShift(0x1d3_5eed);
+    let keys = Keys::random(&mut rng);
+    let batches = [
+        decode(1, &[65_000]),
+        decode(8, &[0, 2, 3, 700, 2047, 2048, 30_000, 65_535]),
+        decode(64, &[5, 100, 1500, 2100, 8000]),
+        vec![(1, 1000, 150), (2, 0, 150), (-1, 0, 4)],
+    ];
+    for (k, seqs) in batches.iter().enumerate() {
+        let b = Batch::new(&mut rng, seqs);
+        let [r, f, again] = run(&reference, &fast, &keys, &b, s);
+        let name = format!("batch {k}");
+        check(&name, &keys, &b, &r, &f);
+        assert!(
+            f.scores
+                .iter()
+                .zip(&again.scores)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+                && f.selected == again.selected,
+            "{name}: two runs differ"
+        );
+    }
+}
