@@ -39,26 +39,6 @@ DSV4_INLINE int fa_row_stride(int hd) { return hd + 8; }  // bf16 elements
 #define FA_KEY_STORED 1
 #define FA_KEY_BATCH 2
 
-DSV4_INLINE void fa_ldmatrix_x4_trans(unsigned addr, unsigned (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// d += a (16x16 bf16, row) * b (16x8 bf16, col), f32.
-DSV4_INLINE void fa_mma(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two floats as a bf16x2 word (round to nearest even; exact for BF16 values), low half first.
-DSV4_INLINE unsigned fa_pack_bf16(float lo, float hi) {
-  return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
-}
-
 // i = start, start + FA_THREADS, ... over a [rows][width] grid as (row r, column c), without a
 // division per step.
 struct FaWalk {
@@ -87,7 +67,7 @@ DSV4_INLINE uint4 fa_stored_chunk(const KvRowFmt& f, const unsigned char* raw, i
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 v = kv_e4m3x2_to_f32((unsigned short)(c[i >> 1] >> (16 * (i & 1))));
-    w[i] = fa_pack_bf16(__fmul_rn(v.x, s), __fmul_rn(v.y, s));
+    w[i] = pack_bf16x2(__fmul_rn(v.x, s), __fmul_rn(v.y, s));
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
@@ -95,8 +75,8 @@ DSV4_INLINE uint4 fa_stored_chunk(const KvRowFmt& f, const unsigned char* raw, i
 // Values c0 .. c0 + 7 of an f32 row (the batch's own official rows: BF16 values) as 8 bf16.
 DSV4_INLINE uint4 fa_f32_chunk(const float* row, int c0) {
   const float4 a = *(const float4*)(row + c0), b = *(const float4*)(row + c0 + 4);
-  return make_uint4(fa_pack_bf16(a.x, a.y), fa_pack_bf16(a.z, a.w), fa_pack_bf16(b.x, b.y),
-                    fa_pack_bf16(b.z, b.w));
+  return make_uint4(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w), pack_bf16x2(b.x, b.y),
+                    pack_bf16x2(b.z, b.w));
 }
 
 // Grid (T, splits), FA_THREADS threads. Inputs as attention_kernel (kernels/SPEC.md), plus H <=
@@ -208,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     for (int u = 0; u < 8; ++u)
       if (rr[u] < FA_MAX_HEADS)
         *(uint2*)(qs + rr[u] * stride + 4 * cc[u]) =
-            make_uint2(fa_pack_bf16(v[u].x, v[u].y), fa_pack_bf16(v[u].z, v[u].w));
+            make_uint2(pack_bf16x2(v[u].x, v[u].y), pack_bf16x2(v[u].z, v[u].w));
   }
   __syncthreads();  // tile0's addresses
   fetch(0);
@@ -260,10 +240,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
       ldmatrix_x4(qa + 2 * k0, a);
       ldmatrix_x4(kb + 2 * k0, b01);
       ldmatrix_x4(kb + 2 * (k0 + 16 * stride), b23);
-      fa_mma(sc[0], a, b01[0], b01[1]);
-      fa_mma(sc[1], a, b01[2], b01[3]);
-      fa_mma(sc[2], a, b23[0], b23[1]);
-      fa_mma(sc[3], a, b23[2], b23[3]);
+      mma_bf16_16816(sc[0], a, b01[0], b01[1]);
+      mma_bf16_16816(sc[1], a, b01[2], b01[3]);
+      mma_bf16_16816(sc[2], a, b23[0], b23[1]);
+      mma_bf16_16816(sc[3], a, b23[2], b23[3]);
     }
     // S = S_lo + S_hi, the same sum in both warps of the head group.
     // (Value v of a thread at xs[v][thread]: consecutive lanes, consecutive banks.)
@@ -315,10 +295,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     }
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
-      pa[kk][0] = fa_pack_bf16(sc[2 * kk][0], sc[2 * kk][1]);
-      pa[kk][1] = fa_pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
-      pa[kk][2] = fa_pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-      pa[kk][3] = fa_pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+      pa[kk][0] = pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
+      pa[kk][1] = pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
+      pa[kk][2] = pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      pa[kk][3] = pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
     }
     // O += P V over this warp's dims (n-tile pairs of 16 dims).
 #pragma unroll
@@ -327,9 +307,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
       for (int np = 0; np < FA_MAX_HD / 32; ++np) {
         if (np * 16 < hh) {
           unsigned vf[4];
-          fa_ldmatrix_x4_trans(vb + 2 * (kk * 16 * stride + np * 16), vf);
-          fa_mma(acc[2 * np], pa[kk], vf[0], vf[1]);
-          fa_mma(acc[2 * np + 1], pa[kk], vf[2], vf[3]);
+          ldmatrix_x4_trans(vb + 2 * (kk * 16 * stride + np * 16), vf);
+          mma_bf16_16816(acc[2 * np], pa[kk], vf[0], vf[1]);
+          mma_bf16_16816(acc[2 * np + 1], pa[kk], vf[2], vf[3]);
         }
       }
   }

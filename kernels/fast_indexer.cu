@@ -20,20 +20,6 @@
 // FI_MAX_SORT (dsv4_consts.cuh).
 #define FI_WARPS (FI_THREADS / 32)
 
-// Two floats as a bf16x2 word (round to nearest even; exact for BF16 values), low half first.
-DSV4_INLINE unsigned fi_pack_bf16(float lo, float hi) {
-  return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
-}
-
-// d += a (16x16 bf16, row) * b (16x8 bf16, col), f32.
-DSV4_INLINE void fi_mma(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Grid (T, ceil(maxe / FI_CHUNK_KEYS)), FI_THREADS threads (warp w: heads 16w .. 16w + 15).
 // Dynamic shared memory: Q [FI_MAX_HEADS][DI + 8] bf16, K [FI_TILE_KEYS][DI + 8] bf16, w
 // [FI_MAX_HEADS] f32, per-warp partial scores [FI_WARPS][FI_TILE_KEYS] f32. HI <= FI_MAX_HEADS,
@@ -72,7 +58,7 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
     uint2 w = make_uint2(0u, 0u);
     if (h < HI) {
       const float4 v = *(const float4*)(qi + ((long long)t * HI + h) * DI + c);
-      w = make_uint2(fi_pack_bf16(v.x, v.y), fi_pack_bf16(v.z, v.w));
+      w = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
     }
     *(uint2*)(qs + h * stride + c) = w;
   }
@@ -99,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const unsigned b = (codes >> (8 * k)) & 0xffu;
-          v[k] = fi_pack_bf16(__fmul_rn(e2m1_to_f32(b & 15u), s), __fmul_rn(e2m1_to_f32(b >> 4), s));
+          v[k] = pack_bf16x2(__fmul_rn(e2m1_to_f32(b & 15u), s), __fmul_rn(e2m1_to_f32(b >> 4), s));
         }
         w = make_uint4(v[0], v[1], v[2], v[3]);
       }
@@ -118,8 +104,8 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
       for (int np = 0; np < FI_TILE_KEYS / 16; ++np) {
         unsigned b[4];
         ldmatrix_x4(kb + 2 * (k0 + np * 16 * stride), b);
-        fi_mma(d[2 * np], a, b[0], b[1]);
-        fi_mma(d[2 * np + 1], a, b[2], b[3]);
+        mma_bf16_16816(d[2 * np], a, b[0], b[1]);
+        mma_bf16_16816(d[2 * np + 1], a, b[2], b[3]);
       }
     }
     // relu(bf16(d_h)) * w_h summed over the warp's heads per key: rows g and g + 8 of the

@@ -1,6 +1,7 @@
 // fp8_mma.cuh — tensor-core building blocks of the fast kernel set (sm_90a; ../shared/KERNELS.md
 // §1-2): the exact FP4 e2m1 -> FP8 e4m3 bit move, the "fragment order" of FP8 activations, wgmma
-// (descriptors, fences, waits), ldmatrix and cp.async. Inline PTX only: NVRTC has no CUDA include
+// (descriptors, fences, waits), ldmatrix, cp.async and the BF16 mma.sync. Include after
+// common.cuh. Inline PTX only: NVRTC has no CUDA include
 // directory (no cuda_fp8.h).
 //
 // Why wgmma: on sm_90 `mma.sync` has no FP8 form in hardware (ptxas emulates m16n8k32.e4m3 with F2FP
@@ -110,6 +111,31 @@ DSV4_INLINE void ldmatrix_x4(unsigned addr, unsigned (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+// The same four matrices transposed: lane L receives the words of column lane / 4 (two rows each):
+// the B fragment of a k x n operand stored n-fastest (rows = k).
+DSV4_INLINE void ldmatrix_x4_trans(unsigned addr, unsigned (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// BF16 mma.sync (the sparse attention and the indexer: operands decoded exactly to BF16).
+
+// Two floats as a bf16x2 word (round to nearest even; exact for BF16 values), low half first.
+DSV4_INLINE unsigned pack_bf16x2(float lo, float hi) {
+  return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+}
+
+// d += a (16x16 bf16, row) * b (16x8 bf16, col), f32 accumulators.
+DSV4_INLINE void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // 16-byte asynchronous global -> shared copy (L2 only: streamed data bypasses L1) to the shared-space

@@ -13,6 +13,7 @@
 
 mod common;
 
+use common::kv::scrambled_table;
 use common::rng::XorShift;
 use dsv4::config::{AttnKind, ModelConfig};
 use dsv4::cuda::arena::{self, Arena, ArenaPlan};
@@ -89,6 +90,24 @@ fn families_compile_for_sm_90a_without_warnings() {
         !logs.iter().any(|l| l.contains("warning")),
         "NVRTC warnings (above)"
     );
+}
+
+/// The block tables the attention tests scramble their pages with are permutations that move
+/// pages (no GPU needed).
+#[test]
+fn scrambled_tables_are_permutations() {
+    for n in [0, 1, 3, 64, 7919, 3 * 7919, 1000] {
+        let t = scrambled_table(n);
+        let mut seen = vec![false; n];
+        for &p in &t {
+            assert!(!seen[p as usize], "{n} pages: page {p} twice");
+            seen[p as usize] = true;
+        }
+        assert!(
+            n < 3 || t.iter().enumerate().any(|(i, &p)| p as usize != i),
+            "{n}"
+        );
+    }
 }
 
 // ------------------------------------------------------------------------------ set-up
@@ -336,21 +355,6 @@ fn rows(kv: bool, dim: usize, nope: usize) -> KvRows {
     }
 }
 
-/// A block table that is not the identity: slot s's page i is page `(s * pps + i) * 7919 mod
-/// (slots * pps)` of the pool (a permutation when 7919 is coprime to the page count).
-fn scrambled_table(slots: usize, pps: usize) -> Vec<i32> {
-    let n = slots * pps;
-    let mul = (1..)
-        .map(|k| 7919 + 2 * k)
-        .find(|m| gcd(*m, n.max(1)) == 1)
-        .unwrap();
-    (0..n).map(|i| (i * mul % n) as i32).collect()
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 { a } else { gcd(b, a % b) }
-}
-
 struct Kernels {
     attn: Attention,
     comp: Compressor,
@@ -436,7 +440,7 @@ fn run_layer(
     let format = KvFormat::for_official(official);
     let nope = cfg.nope_dim();
     let pps = KvRows::pages_for(maxe);
-    let table = scrambled_table(nslots, pps);
+    let table = scrambled_table(nslots * pps);
     arena::copy_to_device_sync(d.table, &table, s).unwrap();
     let ring_pages = KvPagesDev {
         pool: d.ring,

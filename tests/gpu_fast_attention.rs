@@ -21,6 +21,7 @@
 mod common;
 
 use common::gpu::{alloc, assert_families_compile, family_gpu, print_kernel_resources};
+use common::kv::{BatchLayout, scrambled_table};
 use common::rng::XorShift;
 use dsv4::cuda::arena;
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta};
@@ -96,18 +97,13 @@ impl State {
             }
             v
         };
-        let n = SLOTS * pps;
-        let mul = (0..)
-            .map(|k| 7919 + 2 * k)
-            .find(|m| gcd(*m, n.max(1)) == 1)
-            .unwrap();
         State {
             ratio,
             csa,
             maxe,
             ring: pages(rng, SLOTS * KvRows::pages_for(W)),
-            entries: pages(rng, n),
-            table: (0..n).map(|i| (i * mul % n.max(1)) as i32).collect(),
+            entries: pages(rng, SLOTS * pps),
+            table: scrambled_table(SLOTS * pps),
             rows,
         }
     }
@@ -133,16 +129,9 @@ impl State {
     }
 }
 
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 { a } else { gcd(b, a % b) }
-}
-
-/// A batch: (slot or -1 for padding, first position, length) per sequence, and its inputs.
+/// A batch: its layout and inputs.
 struct Batch {
-    positions: Vec<i32>,
-    query_start: Vec<i32>,
-    seq_slots: Vec<i32>,
-    seq_of: Vec<i32>,
+    layout: BatchLayout,
     q: Vec<f32>,
     kv: Vec<f32>,
     selected: Vec<i32>,
@@ -153,23 +142,14 @@ struct Batch {
 impl Batch {
     fn new(rng: &mut XorShift, st: &State, seqs: &[(i32, usize, usize)]) -> Batch {
         let mut b = Batch {
-            positions: vec![],
-            query_start: vec![0],
-            seq_slots: vec![],
-            seq_of: vec![],
+            layout: BatchLayout::new(seqs),
             q: vec![],
             kv: vec![],
             selected: vec![],
             nsel: vec![],
             sinks: rng.vec(H, 2.0, false),
         };
-        for (i, &(slot, first, len)) in seqs.iter().enumerate() {
-            b.positions.extend((first..first + len).map(|p| p as i32));
-            b.query_start.push(b.positions.len() as i32);
-            b.seq_slots.push(slot);
-            b.seq_of.extend(std::iter::repeat_n(i as i32, len));
-        }
-        let t = b.positions.len();
+        let t = b.layout.tokens();
         // Official activations: BF16 queries; KV rows FP8-simulated nope + BF16 RoPE.
         b.q = rng.vec(t * H * HD, 1.0, true);
         b.kv = rng.vec(t * HD, 1.0, true);
@@ -178,7 +158,7 @@ impl Batch {
         b.nsel = vec![0; t];
         if st.csa {
             for i in 0..t {
-                let visible = ((b.positions[i] as usize + 1) / st.ratio).min(st.maxe);
+                let visible = ((b.layout.positions[i] as usize + 1) / st.ratio).min(st.maxe);
                 let n = visible.min(TOPK);
                 let mut pool: Vec<i32> = (0..visible as i32).collect();
                 for k in 0..n {
@@ -193,20 +173,20 @@ impl Batch {
     }
 
     fn t(&self) -> usize {
-        self.positions.len()
+        self.layout.tokens()
     }
 
     /// Token i's keys (each also its value) in the kernels' order (attn_keys.cuh).
     fn keys(&self, st: &State, i: usize) -> Vec<Vec<f32>> {
-        let s = self.seq_of[i] as usize;
-        let slot = self.seq_slots[s];
+        let s = self.layout.seq_of[i] as usize;
+        let slot = self.layout.seq_slots[s];
         if slot < 0 {
             return vec![];
         }
         let slot = slot as usize;
-        let p = self.positions[i] as usize;
-        let t0 = self.query_start[s] as usize;
-        let p0 = self.positions[t0] as usize;
+        let p = self.layout.positions[i] as usize;
+        let t0 = self.layout.query_start[s] as usize;
+        let p0 = self.layout.positions[t0] as usize;
         let lo = (p + 1).saturating_sub(W);
         let mut keys: Vec<Vec<f32>> = (lo..=p)
             .map(|pos| {
@@ -291,8 +271,8 @@ fn run(
         st.entries.len().max(4),
         st.table.len().max(1) * 4,
         t * 4,
-        b.query_start.len() * 4,
-        b.seq_slots.len() * 4,
+        b.layout.query_start.len() * 4,
+        b.layout.seq_slots.len() * 4,
         t * 4,
         t * H * HD * 4,
         t * HD * 4,
@@ -311,10 +291,10 @@ fn run(
         arena::copy_to_device_sync(p[2], &st.table, s).unwrap();
     }
     for (d, v) in [
-        (p[3], &b.positions),
-        (p[4], &b.query_start),
-        (p[5], &b.seq_slots),
-        (p[6], &b.seq_of),
+        (p[3], &b.layout.positions),
+        (p[4], &b.layout.query_start),
+        (p[5], &b.layout.seq_slots),
+        (p[6], &b.layout.seq_of),
         (p[9], &b.selected),
         (p[10], &b.nsel),
     ] {
@@ -329,7 +309,7 @@ fn run(
         seq_slots: p[5],
         seq_of: p[6],
         num_tokens: t,
-        num_seqs: b.seq_slots.len(),
+        num_seqs: b.layout.seq_slots.len(),
     };
     let ring = KvPagesDev {
         pool: p[0],
@@ -481,8 +461,8 @@ fn run_layer(
                 .all(|(a, b)| a.to_bits() == b.to_bits()),
             "{tag}: two runs differ"
         );
-        for (i, &sl) in b.seq_of.iter().enumerate() {
-            if b.seq_slots[sl as usize] < 0 {
+        for (i, &sl) in b.layout.seq_of.iter().enumerate() {
+            if b.layout.seq_slots[sl as usize] < 0 {
                 let row = &o_fast[i * H * HD..][..H * HD];
                 assert!(
                     row.iter().all(|v| v.to_bits() == 0),

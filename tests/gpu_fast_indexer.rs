@@ -24,6 +24,7 @@
 mod common;
 
 use common::gpu::{alloc, assert_families_compile, family_gpu, print_kernel_resources};
+use common::kv::{BatchLayout, scrambled_table};
 use common::rng::XorShift;
 use dsv4::cuda::arena;
 use dsv4::cuda::kernels::attention::BatchMeta;
@@ -77,14 +78,10 @@ impl Keys {
                 }
             }
         }
-        let mul = (0..)
-            .map(|k| 7919 + 2 * k)
-            .find(|m| gcd(*m, n) == 1)
-            .unwrap();
         Keys {
             rows,
             pool,
-            table: (0..n).map(|i| (i * mul % n) as i32).collect(),
+            table: scrambled_table(n),
         }
     }
 
@@ -96,16 +93,9 @@ impl Keys {
     }
 }
 
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 { a } else { gcd(b, a % b) }
-}
-
-/// A batch: (slot or -1, first position, length) per sequence and its inputs.
+/// A batch: its layout and inputs.
 struct Batch {
-    positions: Vec<i32>,
-    query_start: Vec<i32>,
-    seq_slots: Vec<i32>,
-    seq_of: Vec<i32>,
+    layout: BatchLayout,
     qi: Vec<f32>,
     iw: Vec<f32>,
 }
@@ -113,20 +103,11 @@ struct Batch {
 impl Batch {
     fn new(rng: &mut XorShift, seqs: &[(i32, usize, usize)]) -> Batch {
         let mut b = Batch {
-            positions: vec![],
-            query_start: vec![0],
-            seq_slots: vec![],
-            seq_of: vec![],
+            layout: BatchLayout::new(seqs),
             qi: vec![],
             iw: vec![],
         };
-        for (i, &(slot, first, len)) in seqs.iter().enumerate() {
-            b.positions.extend((first..first + len).map(|p| p as i32));
-            b.query_start.push(b.positions.len() as i32);
-            b.seq_slots.push(slot);
-            b.seq_of.extend(std::iter::repeat_n(i as i32, len));
-        }
-        let t = b.positions.len();
+        let t = b.layout.tokens();
         // Official queries: e2m1 values times a power of two per 32 channels.
         b.qi = (0..t * HI * DI / 32)
             .flat_map(|_| {
@@ -146,14 +127,14 @@ impl Batch {
     }
 
     fn t(&self) -> usize {
-        self.positions.len()
+        self.layout.tokens()
     }
 
     /// Token i's slot and visible key count (None: padding).
     fn visible(&self, i: usize) -> Option<(usize, usize)> {
-        let slot = self.seq_slots[self.seq_of[i] as usize];
+        let slot = self.layout.seq_slots[self.layout.seq_of[i] as usize];
         (slot >= 0).then(|| {
-            let v = ((self.positions[i] as usize + 1) / RATIO).min(MAXE);
+            let v = ((self.layout.positions[i] as usize + 1) / RATIO).min(MAXE);
             (slot as usize, v)
         })
     }
@@ -208,8 +189,8 @@ fn run(
         keys.pool.len(),
         keys.table.len() * 4,
         t * 4,
-        b.query_start.len() * 4,
-        b.seq_slots.len() * 4,
+        b.layout.query_start.len() * 4,
+        b.layout.seq_slots.len() * 4,
         t * 4,
         t * HI * DI * 4,
         t * HI * 4,
@@ -221,10 +202,10 @@ fn run(
     arena::copy_to_device_sync(p[0], &keys.pool, s).unwrap();
     arena::copy_to_device_sync(p[1], &keys.table, s).unwrap();
     for (d, v) in [
-        (p[2], &b.positions),
-        (p[3], &b.query_start),
-        (p[4], &b.seq_slots),
-        (p[5], &b.seq_of),
+        (p[2], &b.layout.positions),
+        (p[3], &b.layout.query_start),
+        (p[4], &b.layout.seq_slots),
+        (p[5], &b.layout.seq_of),
     ] {
         arena::copy_to_device_sync(d, v, s).unwrap();
     }
@@ -236,7 +217,7 @@ fn run(
         seq_slots: p[4],
         seq_of: p[5],
         num_tokens: t,
-        num_seqs: b.seq_slots.len(),
+        num_seqs: b.layout.seq_slots.len(),
     };
     let args = IndexerArgs {
         qi: p[6],

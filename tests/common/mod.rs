@@ -3,13 +3,15 @@
 //! status helpers and fixture checkpoints as refit entries ([`abi`]); CUDA skip helpers and
 //! the per-family kernel-test device ([`gpu`]); an engine driven through the C ABI on either
 //! backend, with host slices staged into fixed device buffers on CUDA ([`rig`]); the HF-oracle
-//! parity scenarios, backend-neutral ([`parity`]).
+//! parity scenarios, backend-neutral ([`parity`]); the attention tests' block tables and batch
+//! layouts ([`kv`]).
 //!
 //! Each test binary compiles all of it and uses a part, hence `dead_code` is allowed.
 #![allow(dead_code)]
 
 pub mod abi;
 pub mod gpu;
+pub mod kv;
 pub mod names;
 pub mod native;
 pub mod parity;

@@ -8,7 +8,7 @@
 
 use super::attention::BatchMeta;
 use super::indexer::IndexerArgs;
-use super::{need, to_i32};
+use super::to_i32;
 use crate::cuda::Context;
 use crate::cuda::kv_pages::{KvFormat, RowKind};
 use crate::cuda::stream::BorrowedStream;
@@ -97,19 +97,7 @@ impl FastIndexer {
             )));
         }
         let (t, hi, di) = (b.num_tokens, x.heads, x.dim);
-        if hi == 0 || x.ratio == 0 || x.topk == 0 || x.num_slots == 0 {
-            return Err(bad(format!(
-                "{hi} heads, ratio {}, topk {}, {} slots",
-                x.ratio, x.topk, x.num_slots
-            )));
-        }
-        need(FAMILY, "qi", x.qi, t * hi * di * 4)?;
-        need(FAMILY, "iw", x.iw, t * hi * 4)?;
-        x.ikeys
-            .check(FAMILY, "ikeys", x.num_slots, x.maxe, x.official)?;
-        need(FAMILY, "scores", x.scores, t * x.maxe * 4)?;
-        need(FAMILY, "selected", x.selected, t * x.topk * 4)?;
-        need(FAMILY, "nsel", x.nsel, t * 4)?;
+        x.check(FAMILY, t)?;
         let blocks = u32::try_from(t)
             .ok()
             .filter(|&v| v <= i32::MAX as u32)

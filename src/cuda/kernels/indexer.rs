@@ -58,6 +58,35 @@ pub struct IndexerArgs {
 }
 
 impl IndexerArgs {
+    /// The checks every indexer launch of `t` tokens makes: shapes, buffer sizes, the keys'
+    /// layout and format for the numerics.
+    pub fn check(&self, family: &str, t: usize) -> Result<()> {
+        let (hi, di) = (self.heads, self.dim);
+        // maxe may be 0 (max_seq_len below the ratio): no key is ever visible, nothing selected.
+        if hi == 0 || di == 0 || self.ratio == 0 || self.topk == 0 || self.num_slots == 0 {
+            return Err(Error::new(
+                Status::Internal,
+                format!(
+                    "{family}: {hi} heads of {di}, ratio {}, topk {}, maxe {}, {} slots",
+                    self.ratio, self.topk, self.maxe, self.num_slots
+                ),
+            ));
+        }
+        if self.ikeys.rows.kind != RowKind::IndexKey || self.ikeys.rows.dim != di {
+            return Err(Error::new(
+                Status::Internal,
+                format!("{family}: keys of {di} stored as {:?}", self.ikeys.rows),
+            ));
+        }
+        need(family, "qi", self.qi, t * hi * di * 4)?;
+        need(family, "iw", self.iw, t * hi * 4)?;
+        self.ikeys
+            .check(family, "ikeys", self.num_slots, self.maxe, self.official)?;
+        need(family, "scores", self.scores, t * self.maxe * 4)?;
+        need(family, "selected", self.selected, t * self.topk * 4)?;
+        need(family, "nsel", self.nsel, t * 4)
+    }
+
     /// Dynamic shared memory of the launch.
     pub fn smem_bytes(&self) -> usize {
         let st = self.dim.div_ceil(4) * 4 + 2;
@@ -74,10 +103,6 @@ crate::launchers! {
     }
 }
 
-fn bad(msg: String) -> Error {
-    Error::new(Status::Internal, format!("{FAMILY}: {msg}"))
-}
-
 impl Indexer {
     /// Scores every visible indexer key of each token's slot and selects the top
     /// min(topk, visible).
@@ -90,23 +115,7 @@ impl Indexer {
     ) -> Result<()> {
         b.check(FAMILY)?;
         let (t, hi, di) = (b.num_tokens, x.heads, x.dim);
-        // maxe may be 0 (max_seq_len below the ratio): no key is ever visible, nothing selected.
-        if hi == 0 || di == 0 || x.ratio == 0 || x.topk == 0 || x.num_slots == 0 {
-            return Err(bad(format!(
-                "{hi} heads of {di}, ratio {}, topk {}, maxe {}, {} slots",
-                x.ratio, x.topk, x.maxe, x.num_slots
-            )));
-        }
-        need(FAMILY, "qi", x.qi, t * hi * di * 4)?;
-        need(FAMILY, "iw", x.iw, t * hi * 4)?;
-        if x.ikeys.rows.kind != RowKind::IndexKey || x.ikeys.rows.dim != di {
-            return Err(bad(format!("keys of {di} stored as {:?}", x.ikeys.rows)));
-        }
-        x.ikeys
-            .check(FAMILY, "ikeys", x.num_slots, x.maxe, x.official)?;
-        need(FAMILY, "scores", x.scores, t * x.maxe * 4)?;
-        need(FAMILY, "selected", x.selected, t * x.topk * 4)?;
-        need(FAMILY, "nsel", x.nsel, t * 4)?;
+        x.check(FAMILY, t)?;
         let smem = x.smem_bytes();
         let limit = self.indexer.kernel().max_dynamic_smem;
         if smem > limit as usize {
