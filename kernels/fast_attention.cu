@@ -80,7 +80,7 @@ DSV4_INLINE uint4 fa_f32_chunk(const float* row, int c0) {
 }
 
 // Grid (T, splits), FA_THREADS threads. Inputs as attention_kernel (kernels/SPEC.md), plus H <=
-// FA_MAX_HEADS, hd % 32 == 0 and <= FA_MAX_HD, nope % 8 == 0 (the wrapper checks). splits == 1:
+// FA_MAX_HEADS, hd % 32 == 0 and <= FA_MAX_HD, nope % 16 == 0 (the wrapper checks). splits == 1:
 // writes o (bf16 values, o before the inverse RoPE) directly. splits > 1: writes part_o
 // [T][splits][H][hd] (unnormalised) and part_ml [T][splits][H] (running max, exp sum; max -inf
 // for a split without keys), which fa_combine_kernel reads.

@@ -1,7 +1,8 @@
 // kv_pages.cuh — the device layout of the KV state: rows in f32 (exact numerics) or in the
 // official precision's codes, in pages of KV_PAGE rows reached through a per-slot block table.
 // src/cuda/kv_pages.rs owns the layout (its module doc says why it is lossless); the sizes here
-// are the same formulas. Included by attention.cu, compressor.cu and indexer.cu.
+// are the same formulas. Included by every kernel that reads or writes the state (attention,
+// compressor, indexer and their fast versions).
 //
 // KV_PAGE, KV_FP8_BLOCK, KV_FP4_BLOCK, KV_ROW_ALIGN, KV_SCALE_ALIGN: dsv4_consts.cuh.
 #pragma once
