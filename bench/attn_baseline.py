@@ -18,13 +18,11 @@ indexer), then on the same GPU:
 
 usage: attn_baseline.py --cases cases.jsonl --out result.json [--commit SHA]
 """
-import argparse
 import json
-import os
 
 import torch
 
-from moe_baseline import hbm_bandwidth, timed, write_result
+from moe_baseline import hbm_bandwidth, parse_cases, timed, write_result
 
 
 def torch_attention(c):
@@ -72,12 +70,7 @@ def family(c):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--commit", default=os.environ.get("DSV4_COMMIT", "unknown"))
-    args = ap.parse_args()
-    cases = [json.loads(l) for l in open(args.cases) if l.startswith("{")]
+    args, cases = parse_cases()
     bw = hbm_bandwidth()
     reference = {(family(c), c["layer"], c["context"], c["T"]): c["time_us"]
                  for c in cases if c["kernel"] in ("reference", "indexer_reference")}

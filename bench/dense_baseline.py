@@ -18,13 +18,11 @@ gemv kernels, the cuBLASLt GEMM path, cuBLASLt alone), then on the same GPU:
 
 usage: dense_baseline.py --cases cases.jsonl --out result.json [--commit SHA]
 """
-import argparse
 import json
-import os
 
 import torch
 
-from moe_baseline import fp8_peak, hbm_bandwidth, timed, write_result
+from moe_baseline import fp8_peak, hbm_bandwidth, parse_cases, timed, write_result
 
 
 def bf16_peak():
@@ -76,12 +74,7 @@ def fp8_baseline(c):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--commit", default=os.environ.get("DSV4_COMMIT", "unknown"))
-    args = ap.parse_args()
-    cases = [json.loads(l) for l in open(args.cases) if l.startswith("{")]
+    args, cases = parse_cases()
     bw = hbm_bandwidth()
     peak = fp8_peak()
     peak16 = bf16_peak()

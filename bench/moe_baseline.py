@@ -42,6 +42,20 @@ def timed(fn, reps, warmup=3):
     return statistics.median(times)
 
 
+def parse_cases(*required):
+    """The arguments every baseline script takes (--cases, --out, --commit, and the `required`
+    extra ones) and the cases: the JSON lines of the dsv4 bench's output."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", required=True)
+    for name in required:
+        ap.add_argument(name, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default=os.environ.get("DSV4_COMMIT", "unknown"))
+    args = ap.parse_args()
+    cases = [json.loads(l) for l in open(args.cases) if l.startswith("{")]
+    return args, cases
+
+
 def write_result(path, commit, command, ceilings, cases):
     """The JSON document a baseline script writes (bench/results/): where, what, the cases."""
     doc = {
@@ -123,13 +137,7 @@ class TorchMoe:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", required=True)
-    ap.add_argument("--ids-dir", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--commit", default=os.environ.get("DSV4_COMMIT", "unknown"))
-    args = ap.parse_args()
-    cases = [json.loads(l) for l in open(args.cases) if l.startswith("{")]
+    args, cases = parse_cases("--ids-dir")
     bw = hbm_bandwidth()
     peak = fp8_peak()
     c0 = cases[0]

@@ -519,6 +519,17 @@ impl Drop for BlockScaledGemm {
     }
 }
 
+/// Flash's FP8 projections as (N, K): wq_a, wq_b, wkv, wo_b, the indexer's wq_b (the tests of
+/// the shapes cuBLASLt takes and of the plans the fast set makes).
+#[cfg(test)]
+pub(crate) const FLASH_FP8_PROJECTIONS: [(usize, usize); 5] = [
+    (1024, 4096),
+    (32768, 1024),
+    (512, 4096),
+    (4096, 8192),
+    (8192, 1024),
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -530,14 +541,8 @@ mod tests {
             n,
             k,
         };
-        // Flash's FP8 projections (wq_a, wq_b, wkv, wo_b, indexer wq_b) are all covered.
-        for (n, k) in [
-            (1024, 4096),
-            (32768, 1024),
-            (512, 4096),
-            (4096, 8192),
-            (8192, 1024),
-        ] {
+        // Flash's FP8 projections are all covered.
+        for (n, k) in FLASH_FP8_PROJECTIONS {
             assert!(fp8(n, k).supported(), "{n}x{k}");
         }
         // A scale grid whose leading dimension is not a multiple of 4, or ragged N, is not.

@@ -218,8 +218,18 @@ impl KvPagesDev {
         }
         let pages = num_slots * self.pages_per_slot;
         need(who, what, self.pool, pages * self.rows.page_bytes())?;
-        if let Some(t) = self.table {
-            need(who, &format!("{what} block table"), t, pages * 4)?;
+        // (Every launch checks this: the message is formatted only on failure.)
+        if let Some(t) = self.table
+            && t.bytes() < pages * 4
+        {
+            return Err(Error::new(
+                Status::Internal,
+                format!(
+                    "{who}: `{what}` block table holds {} bytes, needs {}",
+                    t.bytes(),
+                    pages * 4
+                ),
+            ));
         }
         Ok(())
     }

@@ -197,13 +197,7 @@ mod tests {
         let shapes = gemm_shapes(&cfg);
         let has = |kind, n, k| shapes.contains(&GemmShape { kind, n, k });
         // wq_a, wq_b, wkv, wo_b, indexer wq_b as FP8; weights_proj, the compressors, the head.
-        for (n, k) in [
-            (1024, 4096),
-            (32768, 1024),
-            (512, 4096),
-            (4096, 8192),
-            (8192, 1024),
-        ] {
+        for (n, k) in crate::cuda::blockscaled_gemm::FLASH_FP8_PROJECTIONS {
             assert!(has(Fp8BlockScaled, n, k), "FP8 {n} x {k}");
         }
         for (n, k) in [(64, 4096), (1024, 4096), (256, 4096), (129280, 4096)] {
