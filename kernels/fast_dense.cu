@@ -327,17 +327,19 @@ DSV4_INLINE unsigned fd_smem_addr(const void* p) {
   return a;
 }
 
+// One block's share of a projection: row tile `tile` (FD_ROWS rows) of group gz (of `groups`), slice
+// `slice` of `slices` of K. The slices of a row tile are one cluster (1, slices, 1) of the launch.
 template <bool FP8, int NT>
 DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __restrict__ wscale, int N, int K,
                          const float* __restrict__ x, int ldx, int mode, int fused,
                          const unsigned short* __restrict__ act, const float* __restrict__ ascale, int T,
-                         int round_out, float* __restrict__ y, int ldy) {
+                         int round_out, float* __restrict__ y, int ldy, int tile, int slice, int slices, int gz,
+                         int groups) {
   typedef FdKind<FP8> KD;
   extern __shared__ __align__(16) unsigned char fd_smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int gz = blockIdx.z, slice = blockIdx.y, slices = gridDim.y, groups = gridDim.z;
   const int S = K / slices, k0 = slice * S, blocks = S / 128;
-  const int n0 = blockIdx.x * FD_ROWS + warp * 16;
+  const int n0 = tile * FD_ROWS + warp * 16;
   const long long row_bytes = (long long)K * KD::ESIZE;
   // Rows past N read row N - 1 (their sums are dropped).
   const unsigned char* p0 = w + ((long long)gz * N + min(n0 + g, N - 1)) * row_bytes + (long long)k0 * KD::ESIZE + 16 * c;
@@ -436,7 +438,7 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
   }
   fd_cluster_sync();
   const int outputs = T * FD_ROWS, share = (outputs + slices - 1) / slices;
-  const int tile0 = blockIdx.x * FD_ROWS;
+  const int tile0 = tile * FD_ROWS;
   const unsigned base = fd_smem_addr(part_s);
   for (int idx = slice * share + threadIdx.x; idx < min(outputs, (slice + 1) * share); idx += FD_THREADS) {
     const int t = idx / FD_ROWS, r = idx - t * FD_ROWS, n = tile0 + r;
@@ -454,6 +456,9 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
   fd_cluster_sync();
 }
 
+// The share of a block of a fd_gemv_t*_kernel launch: tile blockIdx.x, slice blockIdx.y, group blockIdx.z.
+#define FD_GRID_SHARE blockIdx.x, blockIdx.y, gridDim.y, blockIdx.z, gridDim.z
+
 // y[t, gz * N + n] (row stride ldy) = Σ_k a[t, gz * K + k] · W[gz * N + n, k] for t < T <= 8 · NT,
 // n < N, group gz = blockIdx.z; W is [groups * N, K] FP8 codes with f32 128 x 128 block scales `wscale`
 // (`fp8` = 1) or BF16 (`fp8` = 0, wscale unused). The activations come from fd_act_kernel's `act` /
@@ -466,30 +471,125 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_gemv_t8_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
         int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
-  else fd_gemv<false, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
+  if (fp8) fd_gemv<true, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
+  else fd_gemv<false, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_gemv_t16_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
         int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
-  else fd_gemv<false, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
+  if (fp8) fd_gemv<true, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
+  else fd_gemv<false, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_gemv_t32_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
         int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
-  else fd_gemv<false, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
+  if (fp8) fd_gemv<true, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
+  else fd_gemv<false, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_gemv_t64_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
         int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
-  else fd_gemv<false, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy);
+  if (fp8) fd_gemv<true, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
+  else fd_gemv<false, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
+}
+
+// ---- Grouped launches: several projections of the same input in one launch ----
+//
+// A decode step's attention sub-block runs up to seven projections of its input u (wq_a, wkv, both
+// compressors' wkv / wgate, the indexer's weights_proj) and two of q_lora (wq_b, the indexer's wq_b).
+// One launch each costs ~4.5 µs however small the weight (BENCHMARKS.md), more than streaming most of
+// them takes; a grouped launch streams them all at once. Its members share x, T and K and one K split
+// (`slices`, chosen from the members' shapes together); each brings its weight, output and mode.
+// Block (tile, slice) runs row tile `tile` of the group's members' row tiles in order (member 0's
+// first), with its member's weight, mode and output: the fd_gemv above, operands made from x in the
+// block (fused). Unused members have N = 0 (no tiles).
+
+// A member: weight (FP8 codes with f32 128 x 128 scales, or BF16), output, and its packed geometry
+// (fast_dense.rs member_meta packs the same): N in bits 0-23, ldy in bits 24-47, the weight is FP8
+// (bit 48), the output is BF16-rounded (bit 49), the activation mode FD_ACT_* (bits 50-51).
+#if FD_GROUP_MAX != 7
+#error "fd_group_t*_kernel take exactly seven members"
+#endif
+struct FdMember {
+  const unsigned char* w;
+  const float* wscale;
+  float* y;
+  long long meta;
+};
+
+DSV4_INLINE int fd_member_n(long long meta) { return (int)(meta & 0xffffff); }
+DSV4_INLINE int fd_member_tiles(long long meta) { return (fd_member_n(meta) + FD_ROWS - 1) / FD_ROWS; }
+
+// Row tile blockIdx.x of the group: block (x, y) runs slice y of its member's row tile; the member is
+// picked with static indices (no local-memory array).
+template <int NT>
+DSV4_INLINE void fd_group(const float* __restrict__ x, int ldx, int T, int K, const FdMember (&m)[FD_GROUP_MAX]) {
+  FdMember pick = m[0];
+  int tile = blockIdx.x;
+  bool found = false;
+#pragma unroll
+  for (int j = 0; j < FD_GROUP_MAX; ++j) {
+    const int tiles = fd_member_tiles(m[j].meta);
+    if (!found) {
+      if (tile < tiles) {
+        pick = m[j];
+        found = true;
+      } else {
+        tile -= tiles;
+      }
+    }
+  }
+  // The wrapper sizes the grid to the members' tiles; a whole cluster shares blockIdx.x, so a
+  // cluster leaves together.
+  if (!found) return;
+  const long long meta = pick.meta;
+  const int N = fd_member_n(meta), ldy = (int)((meta >> 24) & 0xffffff);
+  const int fp8 = (int)((meta >> 48) & 1), round_out = (int)((meta >> 49) & 1), mode = (int)((meta >> 50) & 3);
+  if (fp8)
+    fd_gemv<true, NT>(pick.w, pick.wscale, N, K, x, ldx, mode, 1, nullptr, nullptr, T, round_out, pick.y, ldy, tile,
+                      blockIdx.y, gridDim.y, 0, 1);
+  else
+    fd_gemv<false, NT>(pick.w, nullptr, N, K, x, ldx, mode, 1, nullptr, nullptr, T, round_out, pick.y, ldy, tile,
+                       blockIdx.y, gridDim.y, 0, 1);
+}
+
+// y_i[t, n] (row stride ldy_i) = Σ_k a[t, k] · W_i[n, k] for every member i (FdMember; FD_GROUP_MAX of
+// them, unused ones with N = 0), t < T <= 8 (t8) or 16 (t16), K shared; x [T, ldx] f32 (16-byte aligned
+// rows), operands made in the blocks from x in each member's mode. Grid (Σ_i ceil(N_i / FD_ROWS),
+// slices), FD_THREADS threads, clusters of (1, slices, 1) when slices > 1; K a multiple of 128 * slices,
+// K / slices at most FD_MAX_SLICE; dynamic shared memory fd_smem_bytes (fast_dense.rs, BF16 layout).
+extern "C" __global__ void __launch_bounds__(FD_THREADS)
+    fd_group_t8_kernel(const float* x, int ldx, int T, int K,
+        const unsigned char* w0, const float* s0, float* y0, long long m0,
+        const unsigned char* w1, const float* s1, float* y1, long long m1,
+        const unsigned char* w2, const float* s2, float* y2, long long m2,
+        const unsigned char* w3, const float* s3, float* y3, long long m3,
+        const unsigned char* w4, const float* s4, float* y4, long long m4,
+        const unsigned char* w5, const float* s5, float* y5, long long m5,
+        const unsigned char* w6, const float* s6, float* y6, long long m6) {
+  dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
+  const FdMember m[FD_GROUP_MAX] = {{w0, s0, y0, m0}, {w1, s1, y1, m1}, {w2, s2, y2, m2}, {w3, s3, y3, m3},
+                                    {w4, s4, y4, m4}, {w5, s5, y5, m5}, {w6, s6, y6, m6}};
+  fd_group<1>(x, ldx, T, K, m);
+}
+
+extern "C" __global__ void __launch_bounds__(FD_THREADS)
+    fd_group_t16_kernel(const float* x, int ldx, int T, int K,
+        const unsigned char* w0, const float* s0, float* y0, long long m0,
+        const unsigned char* w1, const float* s1, float* y1, long long m1,
+        const unsigned char* w2, const float* s2, float* y2, long long m2,
+        const unsigned char* w3, const float* s3, float* y3, long long m3,
+        const unsigned char* w4, const float* s4, float* y4, long long m4,
+        const unsigned char* w5, const float* s5, float* y5, long long m5,
+        const unsigned char* w6, const float* s6, float* y6, long long m6) {
+  dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
+  const FdMember m[FD_GROUP_MAX] = {{w0, s0, y0, m0}, {w1, s1, y1, m1}, {w2, s2, y2, m2}, {w3, s3, y3, m3},
+                                    {w4, s4, y4, m4}, {w5, s5, y5, m5}, {w6, s6, y6, m6}};
+  fd_group<2>(x, ldx, T, K, m);
 }

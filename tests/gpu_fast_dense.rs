@@ -556,6 +556,274 @@ fn reruns_are_bit_identical_and_a_token_sums_alike_in_any_batch() {
     }
 }
 
+// ---- Grouped launches: several projections of one input in one launch ----
+
+/// Runs `members` (projections of one x `[t, k]`) as one grouped launch into `ys` (member i's
+/// `[t, ldy_i]`, ldy_i = n_i + 8).
+fn fast_group(
+    d: &Dev<Kernels>,
+    members: &[Case],
+    ws: &[WeightDev],
+    x: DevicePtr,
+    t: usize,
+    ys: &[DevicePtr],
+) -> dsv4::Result<()> {
+    let ops: Vec<DenseOp> = members
+        .iter()
+        .zip(ws.iter().zip(ys))
+        .map(|(c, (w, y))| DenseOp {
+            x,
+            ldx: c.k,
+            t,
+            w: *w,
+            groups: 1,
+            mode: c.mode,
+            round: c.round,
+            y: *y,
+            ldy: c.n + 8,
+            fused_act_max_t: fast_dense::GROUP_MAX_T,
+        })
+        .collect();
+    d.k.dense.run_group(d.ctx(), &ops, d.s())
+}
+
+/// Checks one group at every `ts` token count: each member within the bound (module doc, with the
+/// group's K split) of the reference kernels, nothing written past its outputs, reruns
+/// bit-identical. Returns the largest error seen relative to A over the f32 outputs.
+fn check_group(d: &Dev<Kernels>, rng: &mut Rng, name: &str, members: &[Case], ts: &[usize]) -> f64 {
+    let k = members[0].k;
+    let hws: Vec<HostWeight> = members
+        .iter()
+        .map(|c| HostWeight::random(rng, c.format, c.n, c.k))
+        .collect();
+    let up: Vec<_> = hws.iter().map(|h| h.upload(d)).collect();
+    let up_abs: Vec<_> = hws.iter().map(|h| h.abs().upload(d)).collect();
+    let ws: Vec<WeightDev> = up.iter().map(|(_, w)| *w).collect();
+    let tmax = *ts.iter().max().unwrap();
+    let mut sizes = vec![tmax * k * 4; 3];
+    for c in members {
+        sizes.extend([
+            tmax * (c.n + 8) * 4,
+            tmax * (c.n + 8) * 4,
+            tmax * c.n * 4,
+            tmax * c.n * 4,
+        ]);
+    }
+    let (_a, p) = d.alloc(&sizes);
+    let (px, pxabs, pxq) = (p[0], p[1], p[2]);
+    let ys: Vec<DevicePtr> = (0..members.len()).map(|i| p[3 + 4 * i]).collect();
+    let reruns: Vec<DevicePtr> = (0..members.len()).map(|i| p[4 + 4 * i]).collect();
+    let probe: Vec<DenseOp> = members
+        .iter()
+        .zip(&ws)
+        .map(|(c, w)| DenseOp {
+            x: px,
+            ldx: k,
+            t: 1,
+            w: *w,
+            groups: 1,
+            mode: c.mode,
+            round: c.round,
+            y: ys[0],
+            ldy: c.n,
+            fused_act_max_t: 0,
+        })
+        .collect();
+    assert!(
+        FastDense::group_covers(&probe),
+        "{name}: the group is covered"
+    );
+    let slices = fast_dense::group_slices(&probe).unwrap();
+    let e_rel = 8.0 * 2f64.powi(-23) + ((k / 128 + slices + 1) as f64) * 2f64.powi(-24);
+    let mut worst = 0f64;
+    for &t in ts {
+        let x = activations(rng, t, k);
+        let xabs: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+        d.put(px, &x);
+        d.put(pxabs, &xabs);
+        for y in ys.iter().chain(&reruns) {
+            d.poison(*y);
+        }
+        fast_group(d, members, &ws, px, t, &ys).unwrap();
+        fast_group(d, members, &ws, px, t, &reruns).unwrap();
+        for (i, c) in members.iter().enumerate() {
+            let (pr, pabs) = (p[5 + 4 * i], p[6 + 4 * i]);
+            reference(d, c, &ws[i], px, t, pxq, pr, c.round);
+            reference(d, c, &up_abs[i].1, pxabs, t, pxq, pabs, false);
+            let ldy = c.n + 8;
+            let got: Vec<f32> = d.get(ys[i], t * ldy);
+            let again: Vec<f32> = d.get(reruns[i], t * ldy);
+            common::assert_bits(&format!("{name}: {}: T={t}: rerun", c.name), &again, &got);
+            let want: Vec<f32> = d.get(pr, t * c.n);
+            let abs: Vec<f32> = d.get(pabs, t * c.n);
+            let mut differ = 0usize;
+            for ti in 0..t {
+                for j in 0..ldy {
+                    let g = got[ti * ldy + j];
+                    if j >= c.n {
+                        assert!(
+                            g.to_bits() == u32::MAX,
+                            "{name}: {}: T={t}: y[{ti}, {j}] past the outputs was written ({g})",
+                            c.name
+                        );
+                        continue;
+                    }
+                    let (r, a) = (want[ti * c.n + j] as f64, abs[ti * c.n + j] as f64);
+                    if !within_bound(c, t, (ti, j), g as f64, r, a, e_rel) {
+                        differ += 1;
+                    }
+                    if a > 0.0 && !c.round {
+                        worst = worst.max((g as f64 - r).abs() / a);
+                    }
+                }
+            }
+            if c.round {
+                assert!(
+                    differ * 100 <= (t * c.n).max(100),
+                    "{name}: {}: T={t}: {differ} of {} BF16 outputs differ from the reference (at most 1% may)",
+                    c.name,
+                    t * c.n
+                );
+            }
+            println!(
+                "{name}: {}: T={t}: {differ} of {} outputs differ from the reference",
+                c.name,
+                t * c.n
+            );
+        }
+    }
+    println!(
+        "{name}: {slices} slices; largest |Δ| / Σ|a·w| (f32 outputs) {worst:.3e}; bound {e_rel:.3e}"
+    );
+    worst
+}
+
+fn member(name: &'static str, format: StorageFormat, n: usize, k: usize, round: bool) -> Case {
+    Case {
+        name,
+        format,
+        mode: if format == StorageFormat::Fp8 {
+            ActMode::Quant
+        } else {
+            ActMode::Bf16
+        },
+        n,
+        k,
+        groups: 1,
+        round,
+    }
+}
+
+#[test]
+fn grouped_launches_match_the_reference() {
+    let Some(d) = dev() else { return };
+    let _s = serial();
+    let mut rng = Rng::from_env("grouped_launches_match_the_reference");
+    let (fp8, bf16) = (StorageFormat::Fp8, StorageFormat::Bf16);
+    // A CSA layer's projections of its input u (Flash shapes), then of q_lora, then odd ones.
+    let u_group = [
+        member("wq_a", fp8, 1024, 4096, true),
+        member("wkv", fp8, 512, 4096, true),
+        member("compressor.wkv", bf16, 1024, 4096, false),
+        member("compressor.wgate", bf16, 1024, 4096, false),
+        member("indexer.compressor.wkv", bf16, 256, 4096, false),
+        member("indexer.compressor.wgate", bf16, 256, 4096, false),
+        member("indexer.weights_proj", bf16, 64, 4096, true),
+    ];
+    let qr_group = [
+        member("wq_b", fp8, 32768, 1024, true),
+        member("indexer.wq_b", fp8, 8192, 1024, true),
+    ];
+    let odd = [
+        member("200 x 384 fp8", fp8, 200, 384, false),
+        member("16 x 384 bf16", bf16, 16, 384, true),
+        member("130 x 384 fp8", fp8, 130, 384, true),
+    ];
+    let ts = [1, 3, 8, 16];
+    let w = check_group(&d, &mut rng, "u group", &u_group, &ts);
+    assert!(
+        w > 0.0,
+        "u group: the f32 outputs were all equal to the f64 reference's"
+    );
+    check_group(&d, &mut rng, "q_lora group", &qr_group, &[1, 5, 16]);
+    check_group(&d, &mut rng, "odd group", &odd, &ts);
+}
+
+#[test]
+fn grouped_launches_decline_what_they_do_not_cover() {
+    let Some(d) = dev() else { return };
+    let _s = serial();
+    let mut rng = Rng::from_env("grouped_launches_decline_what_they_do_not_cover");
+    let hw = HostWeight::random(&mut rng, StorageFormat::Fp8, 128, 512);
+    let (_wa, w) = hw.upload(&d);
+    let hw2 = HostWeight::random(&mut rng, StorageFormat::Fp8, 128, 256);
+    let (_wb, w2) = hw2.upload(&d);
+    let (_a, p) = d.alloc(&[17 * 512 * 4, 17 * 512 * 4, 17 * 128 * 4]);
+    let op = DenseOp {
+        x: p[0],
+        ldx: 512,
+        t: 1,
+        w,
+        groups: 1,
+        mode: ActMode::Quant,
+        round: true,
+        y: p[2],
+        ldy: 128,
+        fused_act_max_t: 0,
+    };
+    assert!(FastDense::group_covers(&[op]));
+    let other_x = DenseOp { x: p[1], ..op };
+    let other_k = DenseOp {
+        w: w2,
+        ldx: 512,
+        ..op
+    };
+    let many_tokens = DenseOp {
+        t: fast_dense::GROUP_MAX_T + 1,
+        ..op
+    };
+    let wrong_mode = DenseOp {
+        mode: ActMode::Bf16,
+        ..op
+    };
+    let grouped = DenseOp { groups: 2, w, ..op };
+    let too_many = [op; fast_dense::GROUP_MAX + 1];
+    for (what, ops) in [
+        ("no member", &[][..]),
+        ("another x", &[op, other_x][..]),
+        ("another K", &[op, other_k][..]),
+        ("17 tokens", &[many_tokens][..]),
+        ("BF16 operands for an FP8 weight", &[wrong_mode][..]),
+        ("a member in groups", &[grouped][..]),
+        ("eight members", &too_many[..]),
+    ] {
+        assert!(!FastDense::group_covers(ops), "{what}: covered");
+        d.poison(p[2]);
+        let err = d.k.dense.run_group(d.ctx(), ops, d.s()).unwrap_err();
+        assert_eq!(err.status, dsv4::Status::Internal, "{what}");
+        assert!(
+            err.message.contains("fd_group_kernel"),
+            "{what}: {}",
+            err.message
+        );
+        let y: Vec<f32> = d.get(p[2], 128);
+        assert!(
+            y.iter().all(|v| v.to_bits() == u32::MAX),
+            "{what}: y was written"
+        );
+    }
+    // A member whose y is too small for its outputs: the extents are checked before launching.
+    let short_y = DenseOp {
+        y: p[2].slice(0, 64 * 4).unwrap(),
+        ..op
+    };
+    let err =
+        d.k.dense
+            .run_group(d.ctx(), &[op, short_y], d.s())
+            .unwrap_err();
+    assert!(err.message.contains("fd_group_kernel"), "{}", err.message);
+}
+
 // ---- The many-token path: cuBLASLt GEMMs (src/cuda/kernels/fast_dense_gemm.rs) ----
 //
 // The bound, per output, with A = Σ_k |a_k · w_k| as above:

@@ -12,6 +12,11 @@
 //! GEMM alone (`"cublaslt_gemm_only"`); the gemv lines are `path: "gemv"`. Together they are the
 //! crossover table (which path the fast set should take at each T).
 //!
+//! `--projection groups` (and the default, after the projections): the grouped launches the fast
+//! set runs up to `GROUP_MAX_T` tokens, a CSA layer's seven projections of its input u and its two
+//! of q_lora, one JSON line per (group, T, path): `grouped` (one launch) and `separate` (one
+//! call per member, as without grouping), with the members' weight bytes and GB/s.
+//!
 //! Timing: each case captures one call on each of R copies of the weight (together at least
 //! 256 MB, so the 50 MB L2 holds none of them between calls) into a CUDA graph, replays it G
 //! times with a sync after each, and reports the median replay / R.
@@ -54,6 +59,25 @@ const FLASH: &[Projection] = &[
     Projection { name: "compressor.wkv", n: 1024, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: false },
     Projection { name: "indexer.weights_proj", n: 64, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: true },
     Projection { name: "head", n: 129280, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: false },
+];
+
+/// The groups of projections one input feeds in a CSA layer (kernel_sets/reference/
+/// attention_block.rs `input_projections` and `query`).
+#[rustfmt::skip]
+const GROUPS: &[(&str, &[Projection])] = &[
+    ("u (CSA layer)", &[
+        Projection { name: "wq_a", n: 1024, k: 4096, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
+        Projection { name: "wkv", n: 512, k: 4096, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
+        Projection { name: "compressor.wkv", n: 1024, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: false },
+        Projection { name: "compressor.wgate", n: 1024, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: false },
+        Projection { name: "indexer.compressor.wkv", n: 256, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: false },
+        Projection { name: "indexer.compressor.wgate", n: 256, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: false },
+        Projection { name: "indexer.weights_proj", n: 64, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: true },
+    ]),
+    ("q_lora (CSA layer)", &[
+        Projection { name: "wq_b", n: 32768, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
+        Projection { name: "indexer.wq_b", n: 8192, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
+    ]),
 ];
 
 const FP8: StorageFormat = StorageFormat::Fp8;
@@ -170,6 +194,11 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
         }
     };
     let mut rng = Rng(0x5EED_D15E);
+    if only.is_none_or(|o| o == "groups") {
+        for (name, members) in GROUPS {
+            run_group(&ctx, &dense, &ws, s, &mut rng, name, members, tokens)?;
+        }
+    }
     for p in FLASH.iter().filter(|p| only.is_none_or(|o| o == p.name)) {
         let wbytes = p.weight_bytes();
         let copies = (256usize << 20).div_ceil(wbytes).clamp(2, 64);
@@ -303,6 +332,118 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
                     // Ours, plus cuBLASLt's (one kernel, or two with a split-K reduction).
                     Path::Gemm => 2 + usize::from(p.round),
                     Path::GemmOnly => 1,
+                },
+                replays * copies,
+            );
+            std::io::stdout().flush().ok();
+        }
+    }
+    Ok(())
+}
+
+/// Times one group of projections of the same input at every T up to `GROUP_MAX_T`: one grouped
+/// launch against one call per member.
+#[allow(clippy::too_many_arguments)]
+fn run_group(
+    ctx: &Context,
+    dense: &FastDense,
+    ws: &DenseWorkspace,
+    s: dsv4::cuda::stream::BorrowedStream,
+    rng: &mut Rng,
+    name: &str,
+    members: &[Projection],
+    tokens: &[usize],
+) -> Result<(), String> {
+    let k = members[0].k;
+    let wbytes: usize = members.iter().map(Projection::weight_bytes).sum();
+    let copies = (256usize << 20).div_ceil(wbytes).clamp(2, 64);
+    let tmax = fast_dense::GROUP_MAX_T;
+    // Per member: `copies` weights, its scales and its output.
+    let mut sizes = vec![tmax * k * 4];
+    let mut data = Vec::new();
+    let mut scales = Vec::new();
+    for p in members {
+        let d = weight_data(rng, p);
+        let nsc = p.rows().div_ceil(128) * (p.k / 128);
+        scales.push(
+            (0..nsc)
+                .map(|_| 2f32.powi(-4 - (rng.next() % 9) as i32))
+                .collect::<Vec<f32>>(),
+        );
+        sizes.extend(std::iter::repeat_n(d.len(), copies));
+        sizes.extend([nsc.max(1) * 4, tmax * p.n * 4]);
+        data.push(d);
+    }
+    let (_arena, bufs) = alloc(ctx, "bench_dense", &sizes)?;
+    let x = bufs[0];
+    let xs: Vec<f32> = (0..tmax * k)
+        .map(|_| half::bf16::from_f32(rng.unit() * 4.0 - 2.0).to_f32())
+        .collect();
+    arena::copy_to_device_sync(x, &xs, s).map_err(e)?;
+    let base = |i: usize| 1 + i * (copies + 2);
+    for (i, p) in members.iter().enumerate() {
+        for c in 0..copies {
+            arena::copy_to_device_sync(bufs[base(i) + c], &data[i], s).map_err(e)?;
+        }
+        if p.format == StorageFormat::Fp8 {
+            arena::copy_to_device_sync(bufs[base(i) + copies], &scales[i], s).map_err(e)?;
+        }
+    }
+    let op = |i: usize, copy: usize, t: usize| {
+        let p = &members[i];
+        let sc = bufs[base(i) + copies];
+        DenseOp {
+            x,
+            ldx: k,
+            t,
+            w: WeightDev {
+                format: p.format,
+                data: bufs[base(i) + copy].slice(0, data[i].len()).unwrap(),
+                scales: (p.format == StorageFormat::Fp8)
+                    .then(|| sc.slice(0, scales[i].len() * 4).unwrap()),
+                block: [128, 128],
+                rows: p.rows(),
+                cols: p.k,
+            },
+            groups: 1,
+            mode: p.mode,
+            round: p.round,
+            y: bufs[base(i) + copies + 1],
+            ldy: p.n,
+            fused_act_max_t: fast_dense::FUSED_ACT_MAX_T,
+        }
+    };
+    for &t in tokens.iter().filter(|&&t| t <= tmax) {
+        let ops =
+            |copy: usize| -> Vec<DenseOp> { (0..members.len()).map(|i| op(i, copy, t)).collect() };
+        let slices = fast_dense::group_slices(&ops(0)).unwrap_or(0);
+        for grouped in [true, false] {
+            let call = |copy: usize| -> dsv4::Result<()> {
+                let ops = ops(copy);
+                if grouped {
+                    dense.run_group(ctx, &ops, s)
+                } else {
+                    ops.iter().try_for_each(|o| dense.run(ctx, o, ws, s))
+                }
+            };
+            let replays = 7;
+            let sec = time_graph(s, copies, replays, call)?;
+            println!(
+                "{{\"bench\": \"dense_group\", \"group\": \"{name}\", \"members\": {}, \"T\": {t}, \"K\": {k}, \"path\": \"{}\", \"slices\": {}, \"time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"launches_per_call\": {}, \"calls_timed\": {}}}",
+                members.len(),
+                if grouped { "grouped" } else { "separate" },
+                if grouped { slices } else { 0 },
+                sec * 1e6,
+                wbytes as f64 / sec / 1e9,
+                if grouped {
+                    1
+                } else {
+                    members.len()
+                        * if t <= fast_dense::FUSED_ACT_MAX_T {
+                            1
+                        } else {
+                            2
+                        }
                 },
                 replays * copies,
             );

@@ -118,6 +118,46 @@ pub struct LinearCall {
     pub ldy: usize,
 }
 
+/// Most linears one [`LinearGroup`] holds: the seven of a CSA attention sub-block's input (wq_a,
+/// wkv, both compressors' wkv / wgate, the indexer's weights_proj).
+pub const LINEAR_GROUP_MAX: usize = 7;
+
+/// Linears of the same input (`x`, `ldx`, `t`) that a fast set may run as one launch; a fixed
+/// array, so building one allocates nothing.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LinearGroup {
+    calls: [Option<LinearCall>; LINEAR_GROUP_MAX],
+    len: usize,
+}
+
+impl LinearGroup {
+    /// Appends `call`; an error past [`LINEAR_GROUP_MAX`].
+    pub fn push(&mut self, call: LinearCall) -> Result<()> {
+        let slot = self.calls.get_mut(self.len).ok_or_else(|| {
+            Error::new(
+                Status::Internal,
+                format!("a linear group holds at most {LINEAR_GROUP_MAX} linears"),
+            )
+        })?;
+        *slot = Some(call);
+        self.len += 1;
+        Ok(())
+    }
+
+    /// The linears in the order they were pushed.
+    pub fn iter(&self) -> impl Iterator<Item = &LinearCall> {
+        self.calls[..self.len].iter().flatten()
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 /// Operations a set runs with its own kernels inside the reference set's launch sequences (the
 /// fast set's dense projections, indexer and attention core while the rest of its attention
 /// sub-block is still the reference one).
@@ -125,6 +165,18 @@ pub trait FastOps {
     /// Runs `call` and returns true, or returns false having launched nothing: the reference
     /// kernels run it.
     fn try_linear(&self, ctx: &Context, call: &LinearCall, stream: BorrowedStream) -> Result<bool>;
+
+    /// Runs every linear of `group` (one input; outputs that overlap neither it nor each other)
+    /// and returns true, or returns false having launched nothing: each then runs on its own
+    /// ([`Self::try_linear`] first).
+    fn try_linear_group(
+        &self,
+        _ctx: &Context,
+        _group: &LinearGroup,
+        _stream: BorrowedStream,
+    ) -> Result<bool> {
+        Ok(false)
+    }
 
     /// Runs the indexer's scoring and top-k (the reference `indexer_kernel`'s operation) and
     /// returns true, or returns false having launched nothing.

@@ -7,7 +7,10 @@
 //! included) itself up to [`FUSED_ACT_MAX_T`] tokens; above, `fd_act_kernel` makes them once
 //! first (two launches). K is split into [`slices`] chosen from the weight's shape only, so a
 //! token's sums do not depend on the batch it is in; a row tile's slices are one thread-block
-//! cluster that adds its partial sums through distributed shared memory.
+//! cluster that adds its partial sums through distributed shared memory. Up to [`GROUP_MAX_T`]
+//! tokens, [`FastDense::run_group`] runs up to [`GROUP_MAX`] projections of the same input in one
+//! launch of `fd_group_t{8,16}_kernel` (a decode step's attention sub-block reads u seven times
+//! and q_lora twice; one launch each costs ~4.5 µs however small the weight).
 //!
 //! Numerics (kernels/SPEC.md "fast_dense.cu"): the reference's operation up to f32 accumulation
 //! order and the tensor core's accumulator; tests/gpu_fast_dense.rs derives and asserts the bound.
@@ -40,6 +43,13 @@ pub const MAX_SLICES: usize = 8;
 /// 2 tokens making them in the gemv saves the extra launch (0.3-1.1 µs a call); from 4 tokens the
 /// large projections lose more (wq_b 16.1 against 14.1 µs, wo_b 24.2 against 20.2 at 4 tokens).
 pub const FUSED_ACT_MAX_T: usize = 2;
+
+/// Most projections one grouped launch takes (FD_GROUP_MAX; `fd_group_t*_kernel` have a
+/// parameter set for each).
+pub const GROUP_MAX: usize = 7;
+/// Most tokens a grouped launch takes (its entry points cover 8 and 16); above, the projections
+/// run one launch each.
+pub const GROUP_MAX_T: usize = 16;
 
 /// Dynamic shared memory of a gemv block of `nt` token tiles over a slice of `s` k (kernels/
 /// fast_dense.cu lays it out): activations (FP8 rows padded by 8 halves, BF16 by 32), their
@@ -108,6 +118,32 @@ crate::kernel_family! {
         ldx: i32, mode: i32, fused: bool, act: Option<*const u16>, ascale: Option<*const f32>,
         t: i32, round_out: bool, y: *mut f32, ldy: i32,
     );
+    /// Up to [`GROUP_MAX`] projections of the same x in one launch (members past the group's have
+    /// no weight and `m = 0`); `m` packs a member's geometry (`member_meta`).
+    #[smem(MAX_SMEM as u32)]
+    #[pdl(true)]
+    fn fd_group_t8_kernel(
+        x: *const f32, ldx: i32, t: i32, k: i32,
+        w0: *const u8, s0: Option<*const f32>, y0: *mut f32, m0: i64,
+        w1: Option<*const u8>, s1: Option<*const f32>, y1: Option<*mut f32>, m1: i64,
+        w2: Option<*const u8>, s2: Option<*const f32>, y2: Option<*mut f32>, m2: i64,
+        w3: Option<*const u8>, s3: Option<*const f32>, y3: Option<*mut f32>, m3: i64,
+        w4: Option<*const u8>, s4: Option<*const f32>, y4: Option<*mut f32>, m4: i64,
+        w5: Option<*const u8>, s5: Option<*const f32>, y5: Option<*mut f32>, m5: i64,
+        w6: Option<*const u8>, s6: Option<*const f32>, y6: Option<*mut f32>, m6: i64,
+    );
+    #[smem(MAX_SMEM as u32)]
+    #[pdl(true)]
+    fn fd_group_t16_kernel(
+        x: *const f32, ldx: i32, t: i32, k: i32,
+        w0: *const u8, s0: Option<*const f32>, y0: *mut f32, m0: i64,
+        w1: Option<*const u8>, s1: Option<*const f32>, y1: Option<*mut f32>, m1: i64,
+        w2: Option<*const u8>, s2: Option<*const f32>, y2: Option<*mut f32>, m2: i64,
+        w3: Option<*const u8>, s3: Option<*const f32>, y3: Option<*mut f32>, m3: i64,
+        w4: Option<*const u8>, s4: Option<*const f32>, y4: Option<*mut f32>, m4: i64,
+        w5: Option<*const u8>, s5: Option<*const f32>, y5: Option<*mut f32>, m5: i64,
+        w6: Option<*const u8>, s6: Option<*const f32>, y6: Option<*mut f32>, m6: i64,
+    );
 }
 
 crate::launchers! {
@@ -120,6 +156,8 @@ crate::launchers! {
         t16: fd_gemv_t16_kernel,
         t32: fd_gemv_t32_kernel,
         t64: fd_gemv_t64_kernel,
+        group_t8: fd_group_t8_kernel,
+        group_t16: fd_group_t16_kernel,
     }
 }
 
@@ -128,7 +166,11 @@ crate::launchers! {
 /// stay multiples of 128, at least [`MIN_SLICE`] (or one slice when K is 128) and at most
 /// [`MAX_SLICES`] of them. None when K needs more (the kernels do not cover it).
 pub fn slices(n: usize, k: usize, groups: usize) -> Option<usize> {
-    let tiles = n.div_ceil(ROWS) * groups;
+    slices_for_tiles(n.div_ceil(ROWS) * groups, k)
+}
+
+/// [`slices`] for `tiles` row tiles of K = `k` (a grouped launch: its members' tiles together).
+pub fn slices_for_tiles(tiles: usize, k: usize) -> Option<usize> {
     let mut s = 1;
     while (k / s > MAX_SLICE || tiles * s < TARGET_BLOCKS)
         && s < MAX_SLICES
@@ -225,6 +267,53 @@ impl FastDense {
         }
     }
 
+    /// Checks `op` for a launch of kernel `kname`: the weight covered in `op.mode`, strides, and
+    /// for `op.t > 0` x's alignment and both buffers' extents.
+    fn check(op: &DenseOp, kname: &str) -> Result<()> {
+        let w = &op.w;
+        let Some(mode) = Self::mode_for(w, op.groups, op.mode == ActMode::Quant) else {
+            return Err(internal(format!(
+                "{kname}: a {:?} weight {}x{} (block {:?}) in {} groups is not covered",
+                w.format, w.rows, w.cols, w.block, op.groups
+            )));
+        };
+        if mode != op.mode {
+            return Err(internal(format!(
+                "{kname}: activation mode {:?} for a {:?} weight",
+                op.mode, w.format
+            )));
+        }
+        w.validate()?;
+        let (n, k, groups) = (op.n(), w.cols, op.groups);
+        let width = groups * k;
+        if op.ldx < width || op.ldy < groups * n || !op.ldx.is_multiple_of(4) {
+            return Err(internal(format!(
+                "{kname}: strides ldx {} / ldy {} for width {width} / {} outputs",
+                op.ldx,
+                op.ldy,
+                groups * n
+            )));
+        }
+        if op.t == 0 {
+            return Ok(());
+        }
+        if !op.x.addr().is_multiple_of(16) {
+            return Err(internal(format!("{kname}: x is not 16-byte aligned")));
+        }
+        need(
+            kname,
+            "x",
+            op.x,
+            super::linear::strided_bytes(op.t, width, op.ldx),
+        )?;
+        need(
+            kname,
+            "y",
+            op.y,
+            super::linear::strided_bytes(op.t, groups * n, op.ldy),
+        )
+    }
+
     /// Runs `op` (see [`DenseOp`]) in chunks of [`TOKENS`] tokens. `x` rows must be 16-byte
     /// aligned (`ldx` a multiple of 4, `x` 16-byte aligned); `x` and `y` must not overlap.
     pub fn run(
@@ -235,48 +324,14 @@ impl FastDense {
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fd_gemv_kernel";
-        let w = &op.w;
-        let Some(mode) = Self::mode_for(w, op.groups, op.mode == ActMode::Quant) else {
-            return Err(internal(format!(
-                "{K}: a {:?} weight {}x{} (block {:?}) in {} groups is not covered",
-                w.format, w.rows, w.cols, w.block, op.groups
-            )));
-        };
-        if mode != op.mode {
-            return Err(internal(format!(
-                "{K}: activation mode {:?} for a {:?} weight",
-                op.mode, w.format
-            )));
-        }
-        w.validate()?;
-        let (n, k, groups) = (op.n(), w.cols, op.groups);
-        let width = groups * k;
-        if op.ldx < width || op.ldy < groups * n || !op.ldx.is_multiple_of(4) {
-            return Err(internal(format!(
-                "{K}: strides ldx {} / ldy {} for width {width} / {} outputs",
-                op.ldx,
-                op.ldy,
-                groups * n
-            )));
-        }
+        Self::check(op, K)?;
         if op.t == 0 {
             return Ok(());
         }
-        if !op.x.addr().is_multiple_of(16) {
-            return Err(internal(format!("{K}: x is not 16-byte aligned")));
-        }
-        need(
-            K,
-            "x",
-            op.x,
-            super::linear::strided_bytes(op.t, width, op.ldx),
-        )?;
-        need(
-            K,
-            "y",
-            op.y,
-            super::linear::strided_bytes(op.t, groups * n, op.ldy),
-        )?;
+        let w = &op.w;
+        let mode = op.mode;
+        let (n, k, groups) = (op.n(), w.cols, op.groups);
+        let width = groups * k;
         let sl =
             slices(n, k, groups).ok_or_else(|| internal(format!("{K}: K = {k} is too wide")))?;
         let tiles = n.div_ceil(ROWS);
@@ -362,6 +417,153 @@ impl FastDense {
             }
         }
         Ok(())
+    }
+}
+
+/// A grouped launch's member geometry as `fd_group_t*_kernel` unpack it: N in bits 0-23, ldy in
+/// bits 24-47, FP8 weight bit 48, BF16-rounded output bit 49, activation mode bits 50-51.
+fn member_meta(n: usize, ldy: usize, fp8: bool, round: bool, mode: ActMode) -> i64 {
+    n as i64
+        | (ldy as i64) << 24
+        | i64::from(fp8) << 48
+        | i64::from(round) << 49
+        | (mode as i64) << 50
+}
+
+/// Largest N and ldy a grouped member's packed geometry holds.
+const MEMBER_FIELD_MAX: usize = (1 << 24) - 1;
+
+/// The slices of a grouped launch of `ops`: one K split for all members, from their row tiles
+/// together ([`slices_for_tiles`]); a function of the members' shapes only.
+pub fn group_slices(ops: &[DenseOp]) -> Option<usize> {
+    let k = ops.first()?.w.cols;
+    slices_for_tiles(ops.iter().map(|o| o.n().div_ceil(ROWS)).sum(), k)
+}
+
+impl FastDense {
+    /// Whether [`Self::run_group`] takes `ops` (so the caller may fall back to one [`Self::run`]
+    /// each): 1 to [`GROUP_MAX`] ungrouped projections of one x (same pointer, `ldx`, `t` and K)
+    /// with at most [`GROUP_MAX_T`] tokens, each covered in its mode ([`Self::mode_for`]).
+    pub fn group_covers(ops: &[DenseOp]) -> bool {
+        let Some(first) = ops.first() else {
+            return false;
+        };
+        ops.len() <= GROUP_MAX
+            && first.t <= GROUP_MAX_T
+            && group_slices(ops).is_some()
+            && ops.iter().all(|o| {
+                o.groups == 1
+                    && o.x == first.x
+                    && o.ldx == first.ldx
+                    && o.t == first.t
+                    && o.w.cols == first.w.cols
+                    && o.w.rows <= MEMBER_FIELD_MAX
+                    && o.ldy <= MEMBER_FIELD_MAX
+                    && Self::mode_for(&o.w, 1, o.mode == ActMode::Quant) == Some(o.mode)
+            })
+    }
+
+    /// Whether one grouped launch of `ops` (covered: [`Self::group_covers`]) beats one call per
+    /// member. A grouped block makes its slice's operands of every token itself, which one call
+    /// per member leaves to `fd_act_kernel` from 3 tokens; that pays while K is split (a block
+    /// makes K / slices of a token) and costs more than the saved launches when it is not.
+    /// Measured (bench dense, H200, µs grouped / separate): a CSA layer's seven projections of
+    /// u (K = 4096, 8 slices) 15.7 / 43.7 at T = 1, 18.3 / 53.5 at 8, 30.2 / 60.1 at 16; its two
+    /// of q_lora (K = 1024, one slice) 19.9 / 24.4 at 1, 23.2 / 25.9 at 2, 27.4 / 26.4 at 4,
+    /// 35.5 / 26.7 at 8.
+    pub fn group_pays(ops: &[DenseOp]) -> bool {
+        let t = ops.first().map_or(0, |o| o.t);
+        t <= FUSED_ACT_MAX_T || group_slices(ops).is_some_and(|s| s > 1)
+    }
+
+    /// Runs every projection of `ops` (see [`DenseOp`]; [`Self::group_covers`] must hold) in one
+    /// launch: the members' row tiles in order, one K split ([`group_slices`]), the operands
+    /// made in the blocks from x. Each member's outputs are those of [`Self::run`] up to the
+    /// summation order of its slices. Outputs must not overlap x or each other.
+    pub fn run_group(&self, ctx: &Context, ops: &[DenseOp], stream: BorrowedStream) -> Result<()> {
+        const K: &str = "fd_group_kernel";
+        if !Self::group_covers(ops) {
+            return Err(internal(format!(
+                "{K}: {} projections are not one group of at most {GROUP_MAX} of the same x, \
+                 at most {GROUP_MAX_T} tokens and K, each covered in its mode",
+                ops.len()
+            )));
+        }
+        for op in ops {
+            Self::check(op, K)?;
+        }
+        let first = &ops[0];
+        if first.t == 0 {
+            return Ok(());
+        }
+        let k = first.w.cols;
+        let sl = group_slices(ops).ok_or_else(|| internal(format!("{K}: K = {k} is too wide")))?;
+        let tiles: usize = ops.iter().map(|o| o.n().div_ceil(ROWS)).sum();
+        // The largest of the members' layouts: BF16's padded activation rows.
+        let nt = first.t.div_ceil(8).next_power_of_two();
+        let smem = smem_bytes(nt, k / sl, false, sl > 1) as u32;
+        let (x, ldx, t) = (first.x, to_i32(K, "ldx", first.ldx)?, first.t as i32);
+        let k32 = to_i32(K, "K", k)?;
+        let member = |i: usize| {
+            ops.get(i).map(|o| {
+                let fp8 = o.w.format == StorageFormat::Fp8;
+                let meta = member_meta(o.n(), o.ldy, fp8, o.round, o.mode);
+                (o.w.data, if fp8 { o.w.scales } else { None }, o.y, meta)
+            })
+        };
+        let m0 = member(0).expect("group_covers: at least one member");
+        let grid = (tiles as u32, sl as u32);
+        let block = (WARPS * 32) as u32;
+        let _g = ctx.enter()?;
+        macro_rules! group {
+            ($field:ident, $kernel:ident) => {{
+                let args = $kernel::Args {
+                    x,
+                    ldx,
+                    t,
+                    k: k32,
+                    w0: m0.0,
+                    s0: m0.1,
+                    y0: m0.2,
+                    m0: m0.3,
+                    w1: member(1).map(|m| m.0),
+                    s1: member(1).and_then(|m| m.1),
+                    y1: member(1).map(|m| m.2),
+                    m1: member(1).map_or(0, |m| m.3),
+                    w2: member(2).map(|m| m.0),
+                    s2: member(2).and_then(|m| m.1),
+                    y2: member(2).map(|m| m.2),
+                    m2: member(2).map_or(0, |m| m.3),
+                    w3: member(3).map(|m| m.0),
+                    s3: member(3).and_then(|m| m.1),
+                    y3: member(3).map(|m| m.2),
+                    m3: member(3).map_or(0, |m| m.3),
+                    w4: member(4).map(|m| m.0),
+                    s4: member(4).and_then(|m| m.1),
+                    y4: member(4).map(|m| m.2),
+                    m4: member(4).map_or(0, |m| m.3),
+                    w5: member(5).map(|m| m.0),
+                    s5: member(5).and_then(|m| m.1),
+                    y5: member(5).map(|m| m.2),
+                    m5: member(5).map_or(0, |m| m.3),
+                    w6: member(6).map(|m| m.0),
+                    s6: member(6).and_then(|m| m.1),
+                    y6: member(6).map(|m| m.2),
+                    m6: member(6).map_or(0, |m| m.3),
+                };
+                if sl > 1 {
+                    self.$field
+                        .launch_clustered(grid, block, smem, stream, args, (1, sl as u32, 1))
+                } else {
+                    self.$field.launch(grid, block, smem, stream, args)
+                }
+            }};
+        }
+        if nt == 1 {
+            group!(group_t8, fd_group_t8_kernel)
+        } else {
+            group!(group_t16, fd_group_t16_kernel)
+        }
     }
 }
 

@@ -21,10 +21,14 @@ use crate::config::ModelConfig;
 use crate::cuda::blockscaled_gemm::BlockScaledGemm;
 use crate::cuda::device_model::DeviceModel;
 use crate::cuda::kernel_sets::reference::{self, ReferenceSet};
-use crate::cuda::kernel_sets::{Branch, FastOps, KernelSet, LinearCall, LogitsTarget, Step};
+use crate::cuda::kernel_sets::{
+    Branch, FastOps, KernelSet, LinearCall, LinearGroup, LogitsTarget, Step,
+};
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta};
 use crate::cuda::kernels::fast_attention::FastAttention;
-use crate::cuda::kernels::fast_dense::{DenseOp, FUSED_ACT_MAX_T, FastDense};
+use crate::cuda::kernels::fast_dense::{
+    DenseOp, FUSED_ACT_MAX_T, FastDense, GROUP_MAX, GROUP_MAX_T,
+};
 use crate::cuda::kernels::fast_dense_gemm::{
     GEMM_MIN_TOKENS, GemmWorkspace, gemm_pays, gemm_shape, run_gemm,
 };
@@ -298,27 +302,34 @@ impl KernelSet for FastSet {
     }
 }
 
+/// `call` as the dense kernels run it (operands made in the gemv blocks up to `fused_act_max_t`
+/// tokens), or None when they do not cover its weight ([`FastDense::mode_for`]) or its
+/// activations are not 16-byte aligned rows.
+fn dense_op(call: &LinearCall, fused_act_max_t: usize) -> Option<DenseOp> {
+    let mode = FastDense::mode_for(&call.w, call.groups, call.quant_act)?;
+    if !call.ldx.is_multiple_of(4) || !call.x.addr().is_multiple_of(16) {
+        return None;
+    }
+    Some(DenseOp {
+        x: call.x,
+        ldx: call.ldx,
+        t: call.t,
+        w: call.w,
+        groups: call.groups,
+        mode,
+        round: call.round,
+        y: call.y,
+        ldy: call.ldy,
+        fused_act_max_t,
+    })
+}
+
 impl FastOps for FastSet {
     /// The dense kernels run every linear whose weight format and shape they cover
     /// ([`FastDense::mode_for`]) and whose activations are 16-byte aligned rows.
     fn try_linear(&self, ctx: &Context, call: &LinearCall, stream: BorrowedStream) -> Result<bool> {
-        let Some(mode) = FastDense::mode_for(&call.w, call.groups, call.quant_act) else {
+        let Some(op) = dense_op(call, FUSED_ACT_MAX_T) else {
             return Ok(false);
-        };
-        if !call.ldx.is_multiple_of(4) || !call.x.addr().is_multiple_of(16) {
-            return Ok(false);
-        }
-        let op = DenseOp {
-            x: call.x,
-            ldx: call.ldx,
-            t: call.t,
-            w: call.w,
-            groups: call.groups,
-            mode,
-            round: call.round,
-            y: call.y,
-            ldy: call.ldy,
-            fused_act_max_t: FUSED_ACT_MAX_T,
         };
         if let Some((gemm, operand)) = &self.gemm
             && gemm_shape(
@@ -335,6 +346,40 @@ impl FastOps for FastSet {
             return Ok(true);
         }
         self.dense.run(ctx, &op, &self.ws.dense, stream)?;
+        Ok(true)
+    }
+
+    /// Up to [`GROUP_MAX_T`] tokens (below cuBLASLt's crossover, [`GEMM_MIN_TOKENS`]), one
+    /// grouped gemv launch runs a group whose every linear the gemv covers
+    /// ([`FastDense::group_covers`]) where it beats one call each ([`FastDense::group_pays`]);
+    /// otherwise each linear runs on its own.
+    fn try_linear_group(
+        &self,
+        ctx: &Context,
+        group: &LinearGroup,
+        stream: BorrowedStream,
+    ) -> Result<bool> {
+        let Some(first) = group.iter().next() else {
+            return Ok(false);
+        };
+        if first.t > GROUP_MAX_T || first.t >= GEMM_MIN_TOKENS || group.len() > GROUP_MAX {
+            return Ok(false);
+        }
+        let Some(first_op) = dense_op(first, GROUP_MAX_T) else {
+            return Ok(false);
+        };
+        let mut ops = [first_op; GROUP_MAX];
+        for (slot, call) in ops.iter_mut().zip(group.iter()).skip(1) {
+            let Some(op) = dense_op(call, GROUP_MAX_T) else {
+                return Ok(false);
+            };
+            *slot = op;
+        }
+        let members = &ops[..group.len()];
+        if !FastDense::group_covers(members) || !FastDense::group_pays(members) {
+            return Ok(false);
+        }
+        self.dense.run_group(ctx, members, stream)?;
         Ok(true)
     }
 

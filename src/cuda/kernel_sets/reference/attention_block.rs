@@ -4,14 +4,14 @@
 use super::{Kernels, Run, from};
 use crate::cuda::arena::DevicePtr;
 use crate::cuda::backend::{CompressorDev, LayerStateDev};
-use crate::cuda::kernel_sets::LinearCall;
+use crate::cuda::kernel_sets::{LinearCall, LinearGroup};
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta, RingArgs};
 use crate::cuda::kernels::compressor::{CompressArgs, CompressKind};
 use crate::cuda::kernels::indexer::IndexerArgs;
 use crate::cuda::kv_pages::KvPagesDev;
 use crate::cuda::stream::BorrowedStream;
 use crate::error::Result;
-use crate::model::{CompressorWeights, LayerWeights};
+use crate::model::{CompressorWeights, IndexerWeights, LayerWeights};
 
 /// One layer's attention sub-block as its parts see it.
 struct AttnLayer<'a> {
@@ -25,8 +25,9 @@ struct AttnLayer<'a> {
 
 impl Run<'_> {
     /// Attention sub-block of layer `l`: `ws.u` -> `ws.a` (reference/attention.rs): the
-    /// query path, the window KV, the compressors (and the indexer's selection on CSA
-    /// layers), one softmax over window + compressed keys, the grouped output projection.
+    /// projections of u, the query path, the window KV, the compressors (and the indexer's
+    /// selection on CSA layers), one softmax over window + compressed keys, the grouped
+    /// output projection.
     pub(super) fn attention(
         &self,
         k8: &Kernels,
@@ -43,6 +44,7 @@ impl Run<'_> {
             meta,
             st,
         };
+        self.input_projections(&a)?;
         self.query(&a)?;
         self.window_kv(&a)?;
         let selected = self.compress_and_select(&a)?;
@@ -122,19 +124,129 @@ impl Run<'_> {
         )
     }
 
-    /// Query path: q_norm(u wq_a) -> wq_b -> per-head unit RMS -> RoPE.
+    /// The linear `y[t, 0..n] = x[t, :] . W[j, :]` of weight index `w`'s first `n` rows, for a
+    /// [`LinearGroup`].
+    #[allow(clippy::too_many_arguments)]
+    fn call(
+        &self,
+        a: &AttnLayer,
+        x: DevicePtr,
+        ldx: usize,
+        w: usize,
+        n: usize,
+        y: DevicePtr,
+        quant_act: bool,
+        round: bool,
+    ) -> Result<LinearCall> {
+        let w = self.weights[w];
+        Ok(LinearCall {
+            x,
+            ldx,
+            t: a.meta.num_tokens,
+            w: if n == w.rows { w } else { w.rows(0, n)? },
+            groups: 1,
+            quant_act,
+            round,
+            y,
+            ldy: n,
+        })
+    }
+
+    /// Runs the linears of `group` (one input): offered to the fast set as one launch first,
+    /// else each on its own as [`Self::linear`] runs it.
+    fn linear_group(&self, a: &AttnLayer, group: &LinearGroup) -> Result<()> {
+        if let Some(f) = self.fast
+            && f.try_linear_group(self.ctx, group, a.st)?
+        {
+            return Ok(());
+        }
+        for c in group.iter() {
+            let rows = c.w.rows;
+            self.linear(
+                a.k8,
+                c.x,
+                c.ldx,
+                c.t,
+                &c.w,
+                0,
+                rows,
+                c.y,
+                c.ldy,
+                c.quant_act,
+                c.round,
+                a.st,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The indexer of a CSA layer with its key compressor's state and key pages.
+    fn indexer(&self, a: &AttnLayer) -> Option<(IndexerWeights, CompressorDev, KvPagesDev)> {
+        match (a.lw.indexer, a.ls.index_compressor, a.ls.index_keys) {
+            (Some(ix), Some(cs), Some(keys)) => Some((ix, cs, keys)),
+            _ => None,
+        }
+    }
+
+    /// The KV compressor of a compressed layer with its state and entry pages.
+    fn kv_compressor(
+        &self,
+        a: &AttnLayer,
+    ) -> Option<(CompressorWeights, CompressorDev, KvPagesDev)> {
+        match (a.lw.compressor, a.ls.compressor, a.ls.entries) {
+            (Some(cw), Some(cs), Some(entries)) => Some((cw, cs, entries)),
+            _ => None,
+        }
+    }
+
+    /// Every projection of the sub-block's input u, as one group: wq_a -> qr and wkv -> kv
+    /// (official act_quant and BF16 outputs in official mode), the compressors' wkv / wgate ->
+    /// comp_a / comp_z and icomp_a / icomp_z (f32 in and out), the indexer's weights_proj -> iw
+    /// (f32 in, BF16 out in official mode).
+    fn input_projections(&self, a: &AttnLayer) -> Result<()> {
+        let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
+        let (d, official) = (cfg.hidden_size, self.official());
+        let mut group = LinearGroup::default();
+        let from_u = |w, n, y, quant, round| self.call(a, ws.u, d, w, n, y, quant, round);
+        group.push(from_u(lw.wq_a, cfg.q_lora_rank, ws.qr, official, official)?)?;
+        group.push(from_u(lw.wkv, cfg.head_dim, ws.kv, official, official)?)?;
+        let compressor = |cw: &CompressorWeights, cs: &CompressorDev, a, z| {
+            let width = if cs.overlap { 2 * cs.dc } else { cs.dc };
+            Ok::<_, crate::error::Error>([
+                from_u(cw.wkv, width, a, false, false)?,
+                from_u(cw.wgate, width, z, false, false)?,
+            ])
+        };
+        if let Some((cw, cs, _)) = self.kv_compressor(a) {
+            for c in compressor(&cw, &cs, ws.comp_a, ws.comp_z)? {
+                group.push(c)?;
+            }
+        }
+        if let Some((ix, cs, _)) = self.indexer(a) {
+            for c in compressor(&ix.compressor, &cs, ws.icomp_a, ws.icomp_z)? {
+                group.push(c)?;
+            }
+            let hi = cfg.index_n_heads;
+            group.push(from_u(ix.weights_proj, hi, ws.iw, false, official)?)?;
+        }
+        self.linear_group(a, &group)
+    }
+
+    /// Query path: q_norm(u wq_a) -> wq_b -> per-head unit RMS -> RoPE; on CSA layers the
+    /// indexer's queries from the same normed q_lora (wq_b -> qi, with the main wq_b as one
+    /// group).
     fn query(&self, a: &AttnLayer) -> Result<()> {
         let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
-        let (d, h, hd, ql) = (
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.head_dim,
-            cfg.q_lora_rank,
-        );
-        let t = a.meta.num_tokens;
-        self.project(a, ws.u, d, lw.wq_a, 0, ql, ws.qr, ql)?;
+        let (h, hd, ql) = (cfg.num_heads, cfg.head_dim, cfg.q_lora_rank);
+        let (t, official) = (a.meta.num_tokens, self.official());
         self.norm(a, ws.qr, t, ql, Some(lw.q_norm))?;
-        self.project(a, ws.qr, ql, lw.wq_b, 0, h * hd, ws.q, h * hd)?;
+        let mut group = LinearGroup::default();
+        group.push(self.call(a, ws.qr, ql, lw.wq_b, h * hd, ws.q, official, official)?)?;
+        if let Some((ix, _, _)) = self.indexer(a) {
+            let n = cfg.index_n_heads * cfg.index_head_dim;
+            group.push(self.call(a, ws.qr, ql, ix.wq_b, n, ws.qi, official, official)?)?;
+        }
+        self.linear_group(a, &group)?;
         self.norm(a, ws.q, t * h, hd, None)?;
         self.rope(a, ws.q, h * hd, h, hd, 1.0)
     }
@@ -142,9 +254,8 @@ impl Run<'_> {
     /// Window KV: one vector per token (key and value), normed, RoPE'd, FP8-simulated.
     fn window_kv(&self, a: &AttnLayer) -> Result<()> {
         let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
-        let (d, hd) = (cfg.hidden_size, cfg.head_dim);
+        let hd = cfg.head_dim;
         let t = a.meta.num_tokens;
-        self.project(a, ws.u, d, lw.wkv, 0, hd, ws.kv, hd)?;
         self.norm(a, ws.kv, t, hd, Some(lw.kv_norm))?;
         self.rope(a, ws.kv, hd, 1, hd, 1.0)?;
         if self.official() {
@@ -157,51 +268,35 @@ impl Run<'_> {
     /// The compressors (f32 projections, tokens in order per sequence), then on CSA layers
     /// the indexer's top-k: its `(selected, nsel)` buffers.
     fn compress_and_select(&self, a: &AttnLayer) -> Result<Option<(DevicePtr, DevicePtr)>> {
-        let (cfg, ws, lw, ls) = (self.cfg, self.ws, a.lw, &a.ls);
+        let (cfg, ws, ls) = (self.cfg, self.ws, &a.ls);
         let (k8, meta, st) = (a.k8, a.meta, a.st);
         let official = self.official();
-        if let (Some(cw), Some(cs), Some(entries)) = (lw.compressor, ls.compressor, ls.entries) {
+        if let Some((cw, cs, entries)) = self.kv_compressor(a) {
             let bufs = (ws.comp_a, ws.comp_z);
-            self.compress(
-                k8,
-                &cw,
-                &cs,
-                bufs.0,
-                bufs.1,
-                entries,
-                ls,
-                CompressKind::Kv,
-                meta,
-                st,
-            )?;
+            self.compress(k8, &cw, &cs, bufs, entries, ls, CompressKind::Kv, meta, st)?;
         }
-        let (Some(ix), Some(cs), Some(keys)) = (lw.indexer, ls.index_compressor, ls.index_keys)
-        else {
+        let Some((ix, cs, keys)) = self.indexer(a) else {
             return Ok(None);
         };
-        let kind = CompressKind::IndexKey;
+        let (cw, bufs) = (&ix.compressor, (ws.icomp_a, ws.icomp_z));
         self.compress(
             k8,
-            &ix.compressor,
+            cw,
             &cs,
-            ws.icomp_a,
-            ws.icomp_z,
+            bufs,
             keys,
             ls,
-            kind,
+            CompressKind::IndexKey,
             meta,
             st,
         )?;
-        let (d, ql, t) = (cfg.hidden_size, cfg.q_lora_rank, meta.num_tokens);
+        let t = meta.num_tokens;
         let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
-        self.project(a, ws.qr, ql, ix.wq_b, 0, hi * di, ws.qi, hi * di)?;
+        // qi (query) and iw (input_projections) are already projected.
         self.rope(a, ws.qi, hi * di, hi, di, 1.0)?;
         if official {
             k8.nr.index_sim(self.ctx, ws.qi, t * hi, di, st)?;
         }
-        // The head weights: f32 input (no activation quantisation), BF16 output.
-        let wp = self.weights[ix.weights_proj];
-        self.linear(k8, ws.u, d, t, &wp, 0, hi, ws.iw, hi, false, official, st)?;
         let s1 = (di as f64).powf(-0.5) as f32;
         let s2 = (hi as f64).powf(-0.5) as f32;
         k8.nr.scale2(self.ctx, ws.iw, t * hi, s1, s2, st)?;
@@ -316,15 +411,15 @@ impl Run<'_> {
         self.project(a, ws.z, g * r, lw.wo_b, 0, d, ws.a, d)
     }
 
-    /// One compressor (main KV or indexer keys) over the batch's tokens.
+    /// One compressor (main KV or indexer keys) over the batch's tokens, from its projections
+    /// `(a, z)` (input_projections made them).
     #[allow(clippy::too_many_arguments)]
     fn compress(
         &self,
         k8: &Kernels,
         cw: &CompressorWeights,
         cs: &CompressorDev,
-        a: DevicePtr,
-        z: DevicePtr,
+        (a, z): (DevicePtr, DevicePtr),
         out: KvPagesDev,
         ls: &LayerStateDev,
         kind: CompressKind,
@@ -332,36 +427,6 @@ impl Run<'_> {
         st: BorrowedStream,
     ) -> Result<()> {
         let cfg = &self.cfg;
-        let (d, t) = (cfg.hidden_size, meta.num_tokens);
-        let width = if cs.overlap { 2 * cs.dc } else { cs.dc };
-        self.linear(
-            k8,
-            self.ws.u,
-            d,
-            t,
-            &self.weights[cw.wkv],
-            0,
-            width,
-            a,
-            width,
-            false,
-            false,
-            st,
-        )?;
-        self.linear(
-            k8,
-            self.ws.u,
-            d,
-            t,
-            &self.weights[cw.wgate],
-            0,
-            width,
-            z,
-            width,
-            false,
-            false,
-            st,
-        )?;
         let args = CompressArgs {
             a,
             z,
