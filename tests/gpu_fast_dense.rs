@@ -277,6 +277,48 @@ fn within_bound(
     g == r
 }
 
+/// Compares a `t`-token run's outputs `got` (`[t, ldy]`: `[t, outs]` outputs, then padding that
+/// must keep its poison) with the reference `want` and A = Σ|a·w| in `abs` (both `[t, outs]`),
+/// each within the bound ([`within_bound`]). Returns how many outputs differ at all and the
+/// largest |Δ| / A over the f32 (unrounded) outputs.
+#[allow(clippy::too_many_arguments)]
+fn compare(
+    c: &Case,
+    label: &str,
+    t: usize,
+    (outs, ldy): (usize, usize),
+    got: &[f32],
+    want: &[f32],
+    abs: &[f32],
+    e_rel: f64,
+) -> (usize, f64) {
+    let (mut differ, mut worst) = (0usize, 0f64);
+    for ti in 0..t {
+        for j in 0..ldy {
+            let g = got[ti * ldy + j];
+            if j >= outs {
+                assert!(
+                    g.to_bits() == u32::MAX,
+                    "{label}: T={t}: y[{ti}, {j}] past the outputs was written ({g})"
+                );
+                continue;
+            }
+            let (r, a, g) = (
+                want[ti * outs + j] as f64,
+                abs[ti * outs + j] as f64,
+                g as f64,
+            );
+            if !within_bound(c, t, (ti, j), g, r, a, e_rel) {
+                differ += 1;
+            }
+            if a > 0.0 && !c.round {
+                worst = worst.max((g - r).abs() / a);
+            }
+        }
+    }
+    (differ, worst)
+}
+
 /// Checks one case at every `ts` token count against the bound (module doc); returns the
 /// largest error seen relative to A.
 fn check_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> f64 {
@@ -335,28 +377,8 @@ fn check_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> f64 {
         let want: Vec<f32> = d.get(pr, t * outs);
         let abs: Vec<f32> = d.get(pabs, t * outs);
         let e_rel = 8.0 * 2f64.powi(-23) + ((c.k / 128 + slices + 1) as f64) * 2f64.powi(-24);
-        let mut differ = 0usize;
-        for ti in 0..t {
-            for j in 0..ldy {
-                let g = got[ti * ldy + j];
-                if j >= outs {
-                    assert!(
-                        g.to_bits() == u32::MAX,
-                        "{}: T={t}: y[{ti}, {j}] past the outputs was written ({g})",
-                        c.name
-                    );
-                    continue;
-                }
-                let (r, a) = (want[ti * outs + j] as f64, abs[ti * outs + j] as f64);
-                let g = g as f64;
-                if !within_bound(c, t, (ti, j), g, r, a, e_rel) {
-                    differ += 1;
-                }
-                if a > 0.0 && !c.round {
-                    worst = worst.max((g - r).abs() / a);
-                }
-            }
-        }
+        let (differ, w) = compare(c, c.name, t, (outs, ldy), &got, &want, &abs, e_rel);
+        worst = worst.max(w);
         let total = t * outs;
         if c.round {
             assert!(
@@ -656,27 +678,9 @@ fn check_group(d: &Dev<Kernels>, rng: &mut Rng, name: &str, members: &[Case], ts
             common::assert_bits(&format!("{name}: {}: T={t}: rerun", c.name), &again, &got);
             let want: Vec<f32> = d.get(pr, t * c.n);
             let abs: Vec<f32> = d.get(pabs, t * c.n);
-            let mut differ = 0usize;
-            for ti in 0..t {
-                for j in 0..ldy {
-                    let g = got[ti * ldy + j];
-                    if j >= c.n {
-                        assert!(
-                            g.to_bits() == u32::MAX,
-                            "{name}: {}: T={t}: y[{ti}, {j}] past the outputs was written ({g})",
-                            c.name
-                        );
-                        continue;
-                    }
-                    let (r, a) = (want[ti * c.n + j] as f64, abs[ti * c.n + j] as f64);
-                    if !within_bound(c, t, (ti, j), g as f64, r, a, e_rel) {
-                        differ += 1;
-                    }
-                    if a > 0.0 && !c.round {
-                        worst = worst.max((g as f64 - r).abs() / a);
-                    }
-                }
-            }
+            let label = format!("{name}: {}", c.name);
+            let (differ, w) = compare(c, &label, t, (c.n, ldy), &got, &want, &abs, e_rel);
+            worst = worst.max(w);
             if c.round {
                 assert!(
                     differ * 100 <= (t * c.n).max(100),
@@ -929,31 +933,9 @@ fn check_gemm_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> (
         common::assert_bits(&format!("{}: T={t}: rerun", c.name), &again, &got);
         let want: Vec<f32> = d.get(pr, t * c.n);
         let abs: Vec<f32> = d.get(pabs, t * c.n);
-        let mut differ = 0usize;
-        for ti in 0..t {
-            for j in 0..ldy {
-                let g = got[ti * ldy + j];
-                if j >= c.n {
-                    assert!(
-                        g.to_bits() == u32::MAX,
-                        "{}: T={t}: y[{ti}, {j}] past the outputs was written ({g})",
-                        c.name
-                    );
-                    continue;
-                }
-                let (r, a, g) = (
-                    want[ti * c.n + j] as f64,
-                    abs[ti * c.n + j] as f64,
-                    g as f64,
-                );
-                if !within_bound(c, t, (ti, j), g, r, a, e_rel) {
-                    differ += 1;
-                }
-                if a > 0.0 && !c.round {
-                    worst = worst.max((g - r).abs() / a);
-                }
-            }
-        }
+        let label = format!("{} (GEMM)", c.name);
+        let (differ, w) = compare(c, &label, t, (c.n, ldy), &got, &want, &abs, e_rel);
+        worst = worst.max(w);
         let frac = differ as f64 / (t * c.n) as f64;
         worst_differ = worst_differ.max(if c.round { frac } else { 0.0 });
         println!(
