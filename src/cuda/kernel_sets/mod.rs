@@ -319,6 +319,42 @@ pub fn load(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_linear_group_holds_at_most_its_capacity() {
+        // SAFETY: never dereferenced: the group only stores the records.
+        let p = unsafe { DevicePtr::from_raw(1 << 32, 1 << 20) };
+        let w = WeightDev {
+            format: crate::weights::format::StorageFormat::Bf16,
+            data: p,
+            scales: None,
+            block: [128, 128],
+            rows: 16,
+            cols: 128,
+        };
+        let call = |ldy| LinearCall {
+            x: p,
+            ldx: 128,
+            t: 1,
+            w,
+            groups: 1,
+            quant_act: false,
+            round: false,
+            y: p,
+            ldy,
+        };
+        let mut g = LinearGroup::default();
+        assert!(g.is_empty());
+        for i in 0..LINEAR_GROUP_MAX {
+            g.push(call(16 + i)).unwrap();
+        }
+        assert_eq!(g.len(), LINEAR_GROUP_MAX);
+        let err = g.push(call(99)).unwrap_err();
+        assert_eq!(err.status, Status::Internal);
+        // In push order, the refused one not among them.
+        let ldys: Vec<usize> = g.iter().map(|c| c.ldy).collect();
+        assert_eq!(ldys, (16..16 + LINEAR_GROUP_MAX).collect::<Vec<_>>());
+    }
     use crate::options::Numerics;
 
     fn device(arch: &str) -> DeviceInfo {

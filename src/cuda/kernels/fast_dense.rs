@@ -703,6 +703,99 @@ mod tests {
         }
     }
 
+    /// A weight record at a made-up address (host logic only: nothing is dereferenced).
+    fn weight(format: StorageFormat, rows: usize, cols: usize, at: u64) -> WeightDev {
+        let esize = if format == StorageFormat::Fp8 { 1 } else { 2 };
+        // SAFETY: never dereferenced; group_covers / group_pays read the records only.
+        let data = unsafe { DevicePtr::from_raw(at, rows * cols * esize) };
+        let scales = (format == StorageFormat::Fp8)
+            .then(|| unsafe { DevicePtr::from_raw(at + (1 << 30), rows * cols / 16384 * 4) });
+        WeightDev {
+            format,
+            data,
+            scales,
+            block: [128, 128],
+            rows,
+            cols,
+        }
+    }
+
+    /// Projections of one x (at a made-up address) of `t` tokens: (format, rows) each, K = `k`.
+    fn group(t: usize, k: usize, members: &[(StorageFormat, usize)]) -> Vec<DenseOp> {
+        // SAFETY: as in `weight`.
+        let x = unsafe { DevicePtr::from_raw(1 << 40, t * k * 4) };
+        members
+            .iter()
+            .enumerate()
+            .map(|(i, &(format, n))| DenseOp {
+                x,
+                ldx: k,
+                t,
+                w: weight(format, n, k, (i as u64 + 1) << 32),
+                groups: 1,
+                mode: if format == StorageFormat::Fp8 {
+                    ActMode::Quant
+                } else {
+                    ActMode::Bf16
+                },
+                round: true,
+                y: unsafe { DevicePtr::from_raw((i as u64 + 100) << 32, t * n * 4) },
+                ldy: n,
+                fused_act_max_t: GROUP_MAX_T,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn groups_cover_one_input_and_pay_where_measured() {
+        use StorageFormat::{Bf16, Fp8};
+        let u = [
+            (Fp8, 1024),
+            (Fp8, 512),
+            (Bf16, 1024),
+            (Bf16, 1024),
+            (Bf16, 256),
+            (Bf16, 256),
+            (Bf16, 64),
+        ];
+        let q_lora = [(Fp8, 32768), (Fp8, 8192)];
+        for t in [1, 2, 4, 8, 16] {
+            let ops = group(t, 4096, &u);
+            assert!(FastDense::group_covers(&ops), "u group at T = {t}");
+            assert_eq!(group_slices(&ops), Some(8));
+            // K split: each block makes an eighth of K's operands: a group at every T.
+            assert!(FastDense::group_pays(&ops), "u group at T = {t}");
+            let ops = group(t, 1024, &q_lora);
+            assert!(FastDense::group_covers(&ops), "q_lora group at T = {t}");
+            assert_eq!(group_slices(&ops), Some(1));
+            // One slice: measured slower than one call each from 4 tokens.
+            assert_eq!(
+                FastDense::group_pays(&ops),
+                t <= 2,
+                "q_lora group at T = {t}"
+            );
+        }
+        // Past 16 tokens, eight members, another x / K / mode, a grouped member: not covered.
+        assert!(!FastDense::group_covers(&group(17, 4096, &u)));
+        assert!(!FastDense::group_covers(&group(1, 4096, &[(Fp8, 128); 8])));
+        assert!(!FastDense::group_covers(&[]));
+        let mut ops = group(1, 4096, &u[..2]);
+        ops[1].x = ops[0].y;
+        assert!(!FastDense::group_covers(&ops), "another x");
+        let mut ops = group(1, 4096, &u[..2]);
+        ops[1].w = weight(Fp8, 512, 2048, 7 << 32);
+        assert!(!FastDense::group_covers(&ops), "another K");
+        let mut ops = group(1, 4096, &u[..2]);
+        ops[1].mode = ActMode::Bf16;
+        assert!(
+            !FastDense::group_covers(&ops),
+            "BF16 operands for an FP8 weight"
+        );
+        let mut ops = group(1, 4096, &u[..2]);
+        ops[1].groups = 2;
+        assert!(!FastDense::group_covers(&ops), "a member in groups");
+    }
+
     #[test]
     fn the_largest_launch_fits_shared_memory() {
         // 227 KiB is what an sm_90 block may opt into.
