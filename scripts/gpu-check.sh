@@ -18,10 +18,13 @@
 #                                                    # info stripped (~1.5 MB each), and
 #                                                    # target/release/libdsv4.so and dsv4
 #                                                    # (cargo build --release) for the Python
-#                                                    # tests and the demo
+#                                                    # tests and the demo, then packs them
+#                                                    # into target/gpu-pack/bin.tar.xz (~5 MB;
+#                                                    # with target/gpu-prev if present)
 #    --stage looks in $CARGO_TARGET_DIR/release/deps (default target/release/deps); pass
 #    `--stage DIR` to copy elsewhere inside the repository.
-# 2. Carry target/gpu-bin to the GPU machine (with the repository) and run there, from the root:
+# 2. Carry target/gpu-pack (or target/gpu-bin) to the GPU machine (with the repository) and run
+#    there, from the root (a pack unpacks into target/gpu-bin first):
 #      bash scripts/gpu-check.sh                     # OUT=/some/dir to choose where results go
 #    Binaries are looked up in $DSV4_GPU_BIN_DIR, else target/gpu-bin, else
 #    ${CARGO_TARGET_DIR:-target}/release/deps (newest per test name; *.d files excluded).
@@ -83,8 +86,26 @@ if [ "${1:-}" = "--stage" ]; then
   else
     echo "note: $cli not built (cargo build --release): the demo will not run" >&2
   fi
-  echo "carry: $dest   (then run: bash scripts/gpu-check.sh)"
+  # The staged binaries (~50 MB) are over what a device call carries with the tree (64 MiB);
+  # xz packs them to ~5 MB. target/gpu-prev (another build's CLI, for before/after benches) goes
+  # in the pack when present.
+  pack="${CARGO_TARGET_DIR:-target}/gpu-pack"
+  rm -rf "$pack" && mkdir -p "$pack"
+  extra=""
+  [ -d "${CARGO_TARGET_DIR:-target}/gpu-prev" ] && extra="gpu-prev"
+  if tar cJf "$pack/bin.tar.xz" -C "$(dirname "$dest")" "$(basename "$dest")" $extra; then
+    echo "packed $pack/bin.tar.xz ($(du -h "$pack/bin.tar.xz" | cut -f1))"
+    echo "carry: $pack   (then run: bash scripts/gpu-check.sh; it unpacks the binaries first)"
+  else
+    echo "carry: $dest   (then run: bash scripts/gpu-check.sh)"
+  fi
   exit 0
+fi
+
+# A carried pack (--stage above) unpacks next to it: target/gpu-bin (and target/gpu-prev).
+pack="${CARGO_TARGET_DIR:-target}/gpu-pack/bin.tar.xz"
+if [ -f "$pack" ] && [ ! -d "${CARGO_TARGET_DIR:-target}/gpu-bin" ]; then
+  tar xJf "$pack" -C "${CARGO_TARGET_DIR:-target}" || echo "could not unpack $pack" >&2
 fi
 
 OUT=${OUT:-./gpu-out}
