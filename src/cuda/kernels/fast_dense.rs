@@ -430,6 +430,9 @@ fn member_meta(n: usize, ldy: usize, fp8: bool, round: bool, mode: ActMode) -> i
         | (mode as i64) << 50
 }
 
+/// A grouped member's kernel arguments: weight, FP8 scales, output, packed geometry.
+type MemberArgs = (DevicePtr, Option<DevicePtr>, DevicePtr, i64);
+
 /// Largest N and ldy a grouped member's packed geometry holds.
 const MEMBER_FIELD_MAX: usize = (1 << 24) - 1;
 
@@ -504,14 +507,15 @@ impl FastDense {
         let smem = smem_bytes(nt, k / sl, false, sl > 1) as u32;
         let (x, ldx, t) = (first.x, to_i32(K, "ldx", first.ldx)?, first.t as i32);
         let k32 = to_i32(K, "K", k)?;
-        let member = |i: usize| {
+        // Each member's kernel arguments; None past the group.
+        let m: [Option<MemberArgs>; GROUP_MAX] = std::array::from_fn(|i| {
             ops.get(i).map(|o| {
                 let fp8 = o.w.format == StorageFormat::Fp8;
                 let meta = member_meta(o.n(), o.ldy, fp8, o.round, o.mode);
                 (o.w.data, if fp8 { o.w.scales } else { None }, o.y, meta)
             })
-        };
-        let m0 = member(0).expect("group_covers: at least one member");
+        });
+        let m0 = m[0].expect("group_covers: at least one member");
         let grid = (tiles as u32, sl as u32);
         let block = (WARPS * 32) as u32;
         let _g = ctx.enter()?;
@@ -526,30 +530,30 @@ impl FastDense {
                     s0: m0.1,
                     y0: m0.2,
                     m0: m0.3,
-                    w1: member(1).map(|m| m.0),
-                    s1: member(1).and_then(|m| m.1),
-                    y1: member(1).map(|m| m.2),
-                    m1: member(1).map_or(0, |m| m.3),
-                    w2: member(2).map(|m| m.0),
-                    s2: member(2).and_then(|m| m.1),
-                    y2: member(2).map(|m| m.2),
-                    m2: member(2).map_or(0, |m| m.3),
-                    w3: member(3).map(|m| m.0),
-                    s3: member(3).and_then(|m| m.1),
-                    y3: member(3).map(|m| m.2),
-                    m3: member(3).map_or(0, |m| m.3),
-                    w4: member(4).map(|m| m.0),
-                    s4: member(4).and_then(|m| m.1),
-                    y4: member(4).map(|m| m.2),
-                    m4: member(4).map_or(0, |m| m.3),
-                    w5: member(5).map(|m| m.0),
-                    s5: member(5).and_then(|m| m.1),
-                    y5: member(5).map(|m| m.2),
-                    m5: member(5).map_or(0, |m| m.3),
-                    w6: member(6).map(|m| m.0),
-                    s6: member(6).and_then(|m| m.1),
-                    y6: member(6).map(|m| m.2),
-                    m6: member(6).map_or(0, |m| m.3),
+                    w1: m[1].map(|m| m.0),
+                    s1: m[1].and_then(|m| m.1),
+                    y1: m[1].map(|m| m.2),
+                    m1: m[1].map_or(0, |m| m.3),
+                    w2: m[2].map(|m| m.0),
+                    s2: m[2].and_then(|m| m.1),
+                    y2: m[2].map(|m| m.2),
+                    m2: m[2].map_or(0, |m| m.3),
+                    w3: m[3].map(|m| m.0),
+                    s3: m[3].and_then(|m| m.1),
+                    y3: m[3].map(|m| m.2),
+                    m3: m[3].map_or(0, |m| m.3),
+                    w4: m[4].map(|m| m.0),
+                    s4: m[4].and_then(|m| m.1),
+                    y4: m[4].map(|m| m.2),
+                    m4: m[4].map_or(0, |m| m.3),
+                    w5: m[5].map(|m| m.0),
+                    s5: m[5].and_then(|m| m.1),
+                    y5: m[5].map(|m| m.2),
+                    m5: m[5].map_or(0, |m| m.3),
+                    w6: m[6].map(|m| m.0),
+                    s6: m[6].and_then(|m| m.1),
+                    y6: m[6].map(|m| m.2),
+                    m6: m[6].map_or(0, |m| m.3),
                 };
                 if sl > 1 {
                     self.$field
