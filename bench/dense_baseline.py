@@ -86,12 +86,18 @@ def main():
             memo[key] = fn(c)
         return memo[key]
 
+    # A grouped launch's in-run baseline: the same group at the same T, one call per member.
+    separate = {(c["group"], c["T"]): c["time_us"] for c in cases
+                if c.get("bench") == "dense_group" and c["path"] == "separate"}
     for c in cases:
         ours = c["time_us"] * 1e-6
         if c.get("bench") == "dense_group":
+            if c["path"] != "separate" and (c["group"], c["T"]) in separate:
+                c["speedup_vs_separate"] = round(separate[(c["group"], c["T"])] / c["time_us"], 2)
             # A grouped launch against its members one call each: the HBM floor of all their
             # bytes (PyTorch's per-member times are on the projections' own lines).
             c["floor_us"] = round(c["weight_bytes"] / bw * 1e6, 2)
+            c["time_over_floor"] = round(ours / (c["weight_bytes"] / bw), 3)
             c["fraction_of_hbm"] = round(c["weight_bytes"] / ours / bw, 3)
             print(json.dumps(c), flush=True)
             continue
