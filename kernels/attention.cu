@@ -72,6 +72,7 @@ DSV4_INLINE float2 attn_value2(const AttnKeys& k, bool stored, const KvRowPtr& p
 // seq_of[t] = s for every token t of sequence s (query_start[s] <= t < query_start[s+1]).
 // Grid: one block per sequence.
 extern "C" __global__ void batch_meta_kernel(const int* query_start, int S, int* seq_of) {
+  dsv4_pdl_begin();
   const int s = blockIdx.x;
   if (s >= S) return;
   const int a = query_start[s], b = query_start[s + 1];
@@ -97,6 +98,7 @@ extern "C" __global__ void attention_kernel(const float* q, const float* kv, con
                                            const int* seq_slots, const float* sinks, int T, int H,
                                            int hd, int nope, int W, int ratio, int maxe, int topk,
                                            int official, float* o) {
+  dsv4_pdl_begin();
   extern __shared__ __align__(16) double attn_smem[];
   __shared__ float red[32];
   __shared__ float den_s;
@@ -222,6 +224,7 @@ extern "C" __global__ void ring_update_kernel(const float* kv, const int* positi
                                              const int* query_start, const int* seq_slots, int S,
                                              int W, int hd, int nope, int official,
                                              unsigned char* ring) {
+  dsv4_pdl_begin();
   const int s = blockIdx.x, r = blockIdx.y;
   if (s >= S) return;
   if (seq_slots[s] < 0) return;  // padding: writes no state
@@ -238,6 +241,7 @@ extern "C" __global__ void ring_update_kernel(const float* kv, const int* positi
 // slot_len[seq_slots[s]] = last position of sequence s + 1 (padding sequences: nothing).
 extern "C" __global__ void slot_len_kernel(const int* positions, const int* query_start,
                                           const int* seq_slots, int S, int* slot_len) {
+  dsv4_pdl_begin();
   for (int s = blockIdx.x * blockDim.x + threadIdx.x; s < S; s += gridDim.x * blockDim.x)
     if (seq_slots[s] >= 0) slot_len[seq_slots[s]] = positions[query_start[s + 1] - 1] + 1;
 }

@@ -63,6 +63,7 @@ extern "C" __global__ void __launch_bounds__(BATCH_CHECK_THREADS)
                        int vocab, int max_seq_len, int num_slots, const int* slot_len, int* claim,
                        int* record, int* verdict, int* tok_out, int* pos_out, int* slot_out,
                        int* qs_out, int* seq_of, int* rows_out) {
+  dsv4_pdl_begin();
   __shared__ unsigned long long first;
   __shared__ int qs_ok;
   const int tid = threadIdx.x, nt = blockDim.x;
@@ -228,6 +229,7 @@ extern "C" __global__ void __launch_bounds__(BATCH_CHECK_THREADS)
 extern "C" __global__ void logits_finish_kernel(const int* verdict, const int* rows,
                                                 const int* seq_of, const int* seq_slots, int R,
                                                 int V, int bf16, void* logits) {
+  dsv4_pdl_begin();
   const int r = blockIdx.x;
   if (r >= R) return;
   const bool ok = *verdict != 0;

@@ -52,6 +52,7 @@ extern "C" __global__ void __launch_bounds__(COMP_THREADS)
                     const float* inv_freq, int half_rope, int ratio, int overlap, int dc, float eps,
                     int kind, int nope, int official, unsigned char* entries, const int* etable,
                     int epps, int maxe) {
+  dsv4_pdl_begin();
   extern __shared__ __align__(16) double comp_smem[];
   __shared__ float rnorm_s;
   const int sq = blockIdx.x;

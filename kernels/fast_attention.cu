@@ -91,6 +91,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                         const int* seq_of, const int* query_start, const int* seq_slots,
                         const float* sinks, int T, int H, int hd, int nope, int W, int ratio,
                         int maxe, int topk, int splits, float* part_o, float* part_ml, float* o) {
+  dsv4_pdl_begin();
   extern __shared__ __align__(16) unsigned char fa_smem[];
   const int t = blockIdx.x, split = blockIdx.y;
   if (t >= T) return;
@@ -352,6 +353,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 extern "C" __global__ void fa_combine_kernel(const float* part_o, const float* part_ml,
                                              const float* sinks, int T, int H, int hd, int splits,
                                              float* o) {
+  dsv4_pdl_begin();
   __shared__ float wsh[FA_MAX_SPLITS];
   __shared__ float den_sh, max_sh;
   const int t = blockIdx.x, h = blockIdx.y;

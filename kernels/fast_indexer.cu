@@ -30,6 +30,7 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
                     const int* itable, int ipps, const int* positions, const int* seq_of,
                     const int* seq_slots, int T, int HI, int DI, int ratio, int maxe,
                     float* scores) {
+  dsv4_pdl_begin();
   extern __shared__ __align__(16) unsigned char fi_smem[];
   const int t = blockIdx.x, chunk = blockIdx.y;
   if (t >= T) return;
@@ -152,6 +153,7 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
     fi_topk_kernel(const float* scores, const int* positions, const int* seq_of,
                    const int* seq_slots, int T, int ratio, int maxe, int topk, int* selected,
                    int* nsel) {
+  dsv4_pdl_begin();
   __shared__ int hist[256];
   __shared__ int cnt_gt[FI_TOPK_THREADS], cnt_eq[FI_TOPK_THREADS];
   __shared__ unsigned long long cand[FI_MAX_SORT];

@@ -72,6 +72,7 @@ extern "C" __global__ void indexer_kernel(const float* qi, const float* iw,
                                          const int* seq_slots, int T, int HI, int DI, int ratio,
                                          int topk, int maxe, int official, float* scores,
                                          int* selected, int* nsel) {
+  dsv4_pdl_begin();
   extern __shared__ __align__(16) double idx_smem[];
   const int t = blockIdx.x;
   if (t >= T) return;

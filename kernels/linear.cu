@@ -72,6 +72,7 @@ DSV4_INLINE void linear_body(double* smem, int* srow_s, const long long* xoff, b
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     linear_kernel(const float* x, int ldx, int T, int K, int N, int fmt, const void* w, const float* scales,
                   int br, int bc, int round_out, float* y, int ldy) {
+  dsv4_pdl_begin();
   __shared__ double smem[LIN_SMEM_DOUBLES];
   __shared__ long long xoff[GT_BM];
   __shared__ int srow_s[LIN_BN > GS_BN ? LIN_BN : GS_BN];
@@ -106,6 +107,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 // ACT_BLOCK threads.
 extern "C" __global__ void __launch_bounds__(ACT_BLOCK)
     act_quant_kernel(const float* x, int ldx, int rows, int K, float* xq) {
+  dsv4_pdl_begin();
   __shared__ float scratch[32];
   const int r = blockIdx.x;
   const int k = blockIdx.y * ACT_BLOCK + threadIdx.x;

@@ -181,6 +181,7 @@ DSV4_INLINE void hc_collapse(const float* xt, const float* w, int N, int D, int 
 extern "C" __global__ void hc_pre_kernel(const float* x, int T, int N, int D, const float* proj, const float* base,
                                          const float* scale, const double* fold, int iters, float hc_eps,
                                          float rms_eps, int round_u, float* u, float* post, float* comb) {
+  dsv4_pdl_begin();
   __shared__ float m[HC_MAX_MIX];
   __shared__ float c[HC_MAX_N * HC_MAX_N];
   __shared__ float pre[HC_MAX_N];
@@ -210,6 +211,7 @@ extern "C" __global__ void hc_pre_kernel(const float* x, int T, int N, int D, co
 // (t, i): it reads all N streams before writing any, so in place is safe.
 extern "C" __global__ void hc_post_kernel(float* x, const float* a, const float* post, const float* comb, int T, int N,
                                           int D, int round_out) {
+  dsv4_pdl_begin();
   const long long total = (long long)T * D;
   for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x) {
     const long long t = e / D, i = e - t * D;
@@ -240,6 +242,7 @@ extern "C" __global__ void hc_post_kernel(float* x, const float* a, const float*
 // (products in f32, sum in order from -0.0), bf16 if round_out. y [R, D].
 extern "C" __global__ void hc_head_kernel(const float* x, int R, int N, int D, const float* proj, const float* base,
                                           const float* scale, float hc_eps, float rms_eps, int round_out, float* y) {
+  dsv4_pdl_begin();
   __shared__ float m[HC_MAX_N];
   __shared__ float w[HC_MAX_N];
   __shared__ double sums[HC_MAX_N + 1];
@@ -272,6 +275,7 @@ extern "C" __global__ void hc_head_kernel(const float* x, int R, int N, int D, c
 // NULL: layer 0, hc_pre_kernel) against fold [mix, D] over stream 0's D columns.
 extern "C" __global__ void hc_mix_partial_kernel(const float* x, int N, int D, const float* proj, const double* fold,
                                                  int mix, double* partials) {
+  dsv4_pdl_begin();
   __shared__ double red[32 * HC_CHUNK];
   __shared__ double scratch[32];
   const long long nd = (long long)N * D;
@@ -309,6 +313,7 @@ extern "C" __global__ void hc_pre_finish_kernel(const float* x, int N, int D, in
                                                 const float* scale, int iters, float hc_eps, float rms_eps, int S,
                                                 const double* partials, int round_u, float* u, float* post,
                                                 float* comb) {
+  dsv4_pdl_begin();
   __shared__ float m[HC_MAX_MIX];
   __shared__ float c[HC_MAX_N * HC_MAX_N];
   __shared__ float pre[HC_MAX_N];
@@ -329,6 +334,7 @@ extern "C" __global__ void hc_pre_finish_kernel(const float* x, int N, int D, in
 extern "C" __global__ void hc_head_finish_kernel(const float* x, int N, int D, const float* base, const float* scale,
                                                  float hc_eps, float rms_eps, int S, const double* partials,
                                                  int round_out, float* y) {
+  dsv4_pdl_begin();
   __shared__ float m[HC_MAX_N];
   __shared__ float w[HC_MAX_N];
   __shared__ double sums[HC_MAX_N + 1];

@@ -78,6 +78,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     router_kernel(const float* x, int T, int D, int E, int k, const float* gate, const float* bias,
                   const int* tid2eid, const int* tokens, int scoring, int renorm, float route_scale, int* ids,
                   float* weights) {
+  dsv4_pdl_begin();
   extern __shared__ float rsm[];  // [ROUTER_TOKENS][2][E]: scores (logits first), keys (NaN = taken)
   __shared__ int chosen[ROUTER_TOKENS][ROUTER_MAX_K];
   __shared__ float wsel[ROUTER_TOKENS][ROUTER_MAX_K];
@@ -412,6 +413,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
                   const unsigned long long* w1, const unsigned long long* w3, const unsigned long long* s1,
                   const unsigned long long* s3, int fmt, int br, int bc, const float* weights, float limit,
                   int official, float* h) {
+  dsv4_pdl_begin();
   __shared__ double smem[MOE_UP_SMEM_DOUBLES];
   __shared__ int srow_s[MOE_BN > GS_BN ? MOE_BN : GS_BN];
   __shared__ int arow[GT_BM];
@@ -496,6 +498,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     moe_down_kernel(const float* hq, int D, int I, const int* rows, const int* tiles, const int* ntiles,
                     const unsigned long long* w2, const unsigned long long* s2, int fmt, int br, int bc,
                     int official, float* ya) {
+  dsv4_pdl_begin();
   __shared__ double smem[MOE_DOWN_SMEM_DOUBLES];
   __shared__ int srow_s[MOE_BN > GS_BN ? MOE_BN : GS_BN];
   __shared__ int arow[GT_BM];
@@ -531,6 +534,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 // official. Grid-stride.
 extern "C" __global__ void swiglu_kernel(const float* g, const float* v, long long n, float limit, int official,
                                          float* h) {
+  dsv4_pdl_begin();
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
     float gv = g[i], vv = v[i];
     if (limit > 0.0f) {
@@ -547,6 +551,7 @@ extern "C" __global__ void swiglu_kernel(const float* g, const float* v, long lo
 // Grid-stride over T*D.
 extern "C" __global__ void moe_combine_kernel(const float* ya, const float* ys, int T, int k, int D, int round_out,
                                               float* out) {
+  dsv4_pdl_begin();
   const long long n = (long long)T * D;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
     const long long t = i / D, c = i - t * D;

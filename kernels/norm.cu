@@ -14,6 +14,7 @@
 // weight), then bf16 if round_out. One block per row (grid-stride over rows).
 extern "C" __global__ void rmsnorm_kernel(float* x, int rows, int dim, int ld, const float* weight, float eps,
                                           int round_out) {
+  dsv4_pdl_begin();
   __shared__ double scratch[32];
   for (int r = blockIdx.x; r < rows; r += gridDim.x) {
     float* row = x + (long long)r * ld;

@@ -13,6 +13,7 @@
 // amax = max(max|x|, 1e-4), s = ue8m0(amax / 448), x = e4m3(clamp(x / s, ±448)) * s.
 // One block per row; each warp takes 64-blocks (two values per lane).
 extern "C" __global__ void kv_sim_kernel(float* x, int rows, int ld, int nope) {
+  dsv4_pdl_begin();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int nblk = (nope + 63) / 64;
   for (int r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -41,6 +42,7 @@ extern "C" __global__ void kv_sim_kernel(float* x, int rows, int ld, int nope) {
 // f32(Σ) * f32(dim^-1/2); then fp4sim(·, 32) (amax floor 6 * 2^-126, ue8m0(amax / 6),
 // e2m1(clamp(x / s, ±6)) * s); then bf16. One block per row.
 extern "C" __global__ void index_sim_kernel(float* x, int rows, int dim) {
+  dsv4_pdl_begin();
   __shared__ double y[HADAMARD_MAX];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   // f32(dim^-1/2): dim is a power of two, so the f64 value is 2^-k or 2^-k * sqrt(1/2) up to
@@ -73,6 +75,7 @@ extern "C" __global__ void index_sim_kernel(float* x, int rows, int dim) {
 
 // x = bf16(x) for n values.
 extern "C" __global__ void round_bf16_kernel(float* x, long long n) {
+  dsv4_pdl_begin();
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
     x[i] = round_bf16(x[i]);
 }

@@ -18,6 +18,7 @@
 // sin/cos are long dependent chains).
 extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, int head_dim, const int* pos,
                                        const float* inv_freq, int half_rope, float sign, int round_out) {
+  dsv4_pdl_begin();
   const int nope = head_dim - 2 * half_rope;
   const int npairs = heads * half_rope;
   const int first = blockIdx.x * blockDim.x + threadIdx.x, step = gridDim.x * blockDim.x;

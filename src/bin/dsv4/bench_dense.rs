@@ -416,23 +416,29 @@ fn run_group(
     for &t in tokens.iter().filter(|&&t| t <= tmax) {
         let ops =
             |copy: usize| -> Vec<DenseOp> { (0..members.len()).map(|i| op(i, copy, t)).collect() };
-        let slices = fast_dense::group_slices(&ops(0)).unwrap_or(0);
-        for grouped in [true, false] {
+        let chosen = fast_dense::group_slices(&ops(0)).unwrap_or(0);
+        // Every K split of the grouped launch (the chosen one marked), then one call a member.
+        let paths = fast_dense::valid_slices(k)
+            .map(Some)
+            .chain([None])
+            .collect::<Vec<_>>();
+        for slices in paths {
+            let grouped = slices.is_some();
             let call = |copy: usize| -> dsv4::Result<()> {
                 let ops = ops(copy);
-                if grouped {
-                    dense.run_group(ctx, &ops, s)
-                } else {
-                    ops.iter().try_for_each(|o| dense.run(ctx, o, ws, s))
+                match slices {
+                    Some(sl) => dense.run_group_sliced(ctx, &ops, sl, s),
+                    None => ops.iter().try_for_each(|o| dense.run(ctx, o, ws, s)),
                 }
             };
             let replays = 7;
             let sec = time_graph(s, copies, replays, call)?;
             println!(
-                "{{\"bench\": \"dense_group\", \"group\": \"{name}\", \"members\": {}, \"T\": {t}, \"K\": {k}, \"path\": \"{}\", \"slices\": {}, \"time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"launches_per_call\": {}, \"calls_timed\": {}}}",
+                "{{\"bench\": \"dense_group\", \"group\": \"{name}\", \"members\": {}, \"T\": {t}, \"K\": {k}, \"path\": \"{}\", \"slices\": {}, \"chosen\": {}, \"time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"launches_per_call\": {}, \"calls_timed\": {}}}",
                 members.len(),
                 if grouped { "grouped" } else { "separate" },
-                if grouped { slices } else { 0 },
+                slices.unwrap_or(0),
+                slices.is_none_or(|sl| sl == chosen),
                 sec * 1e6,
                 wbytes as f64 / sec / 1e9,
                 if grouped {

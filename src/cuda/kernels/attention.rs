@@ -17,9 +17,12 @@ crate::kernel_family! {
     /// The family as the registry compiles and loads it.
     pub const SOURCE = "attention", include_str!("../../../kernels/attention.cu");
 
+    #[pdl(true)]
+
     fn batch_meta_kernel(query_start: *const i32, s: i32, seq_of: *mut i32);
     /// `entries` NULL on window-only layers; `selected` / `nsel` NULL except on CSA layers.
     #[smem(ATTENTION_MAX_SMEM)]
+    #[pdl(true)]
     fn attention_kernel(
         q: *const f32, kv: *const f32, ring: *const u8, entries: Option<*const u8>,
         etable: Option<*const i32>, epps: i32, selected: Option<*const i32>,
@@ -28,10 +31,12 @@ crate::kernel_family! {
         hd: i32, nope: i32, w: i32, ratio: i32, maxe: i32, topk: i32, official: bool,
         o: *mut f32,
     );
+    #[pdl(true)]
     fn ring_update_kernel(
         kv: *const f32, positions: *const i32, query_start: *const i32, seq_slots: *const i32,
         s: i32, w: i32, hd: i32, nope: i32, official: bool, ring: *mut u8,
     );
+    #[pdl(true)]
     fn slot_len_kernel(
         positions: *const i32, query_start: *const i32, seq_slots: *const i32, s: i32,
         slot_len: *mut i32,

@@ -15,6 +15,7 @@ crate::kernel_family! {
 
     /// The host's arrays (`tokens` .. `logits_rows`, NULL: every token), the limits, then the
     /// state it reads (`slot_len`) and every buffer it writes.
+    #[pdl(true)]
     fn batch_check_kernel(
         tokens: *const i32, positions: *const i32, seq_slots: *const i32,
         query_start: *const i32, logits_rows: Option<*const i32>, t: i32, s: i32, r: i32,
@@ -23,6 +24,7 @@ crate::kernel_family! {
         slot_out: *mut i32, qs_out: *mut i32, seq_of: *mut i32, rows_out: *mut i32,
     );
     /// `logits` is f32, or bf16 when `bf16`.
+    #[pdl(true)]
     fn logits_finish_kernel(
         verdict: *const i32, rows: *const i32, seq_of: *const i32, seq_slots: *const i32,
         r: i32, v: i32, bf16: bool, logits: *mut c_void,

@@ -15,6 +15,7 @@ crate::kernel_family! {
     pub const SOURCE = "compressor", include_str!("../../../kernels/compressor.cu");
 
     /// `prev_a`, `prev_z`, `has_prev` may be NULL without overlap; `kind` a [`CompressKind`].
+    #[pdl(true)]
     fn compress_kernel(
         a: *const f32, z: *const f32, positions: *const i32, query_start: *const i32,
         seq_slots: *const i32, s: i32, pend_a: *mut f32, pend_z: *mut f32,

@@ -51,6 +51,7 @@ crate::kernel_family! {
 
     /// `entries`, `etable` NULL on window-only layers; `selected` / `nsel` NULL except on CSA.
     #[smem(MAX_SMEM as u32)]
+    #[pdl(true)]
     fn fa_attention_kernel(
         q: *const f32, kv: *const f32, ring: *const u8, entries: Option<*const u8>,
         etable: Option<*const i32>, epps: i32, selected: Option<*const i32>,
@@ -59,6 +60,7 @@ crate::kernel_family! {
         hd: i32, nope: i32, w: i32, ratio: i32, maxe: i32, topk: i32, splits: i32,
         part_o: Option<*mut f32>, part_ml: Option<*mut f32>, o: *mut f32,
     );
+    #[pdl(true)]
     fn fa_combine_kernel(
         part_o: *const f32, part_ml: *const f32, sinks: *const f32, t: i32, h: i32, hd: i32,
         splits: i32, o: *mut f32,

@@ -42,11 +42,13 @@ crate::kernel_family! {
     pub const SOURCE = "fast_indexer", include_str!("../../../kernels/fast_indexer.cu");
 
     #[smem(MAX_SMEM as u32)]
+    #[pdl(true)]
     fn fi_score_kernel(
         qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
         positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
         di: i32, ratio: i32, maxe: i32, scores: *mut f32,
     );
+    #[pdl(true)]
     fn fi_topk_kernel(
         scores: *const f32, positions: *const i32, seq_of: *const i32, seq_slots: *const i32,
         t: i32, ratio: i32, maxe: i32, topk: i32, selected: *mut i32, nsel: *mut i32,

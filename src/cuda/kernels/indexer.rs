@@ -19,6 +19,7 @@ crate::kernel_family! {
     pub const SOURCE = "indexer", include_str!("../../../kernels/indexer.cu");
 
     #[smem(INDEXER_MAX_SMEM)]
+    #[pdl(true)]
     fn indexer_kernel(
         qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
         positions: *const i32,

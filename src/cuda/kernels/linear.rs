@@ -21,10 +21,12 @@ crate::kernel_family! {
     pub const SOURCE = "linear", include_str!("../../../kernels/linear.cu");
 
     /// `fmt` is a [`StorageFormat`] code; `scales` is NULL for unquantized formats.
+    #[pdl(true)]
     fn linear_kernel(
         x: *const f32, ldx: i32, t: i32, k: i32, n: i32, fmt: i32, w: *const c_void,
         scales: Option<*const f32>, br: i32, bc: i32, round_out: bool, y: *mut f32, ldy: i32,
     );
+    #[pdl(true)]
     fn act_quant_kernel(x: *const f32, ldx: i32, rows: i32, k: i32, xq: *mut f32);
 }
 

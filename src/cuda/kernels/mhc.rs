@@ -15,15 +15,18 @@ crate::kernel_family! {
     pub const SOURCE = "mhc", include_str!("../../../kernels/mhc.cu");
 
     /// `fold`: layer 0's stream-folded projection (f64), NULL at other sites.
+    #[pdl(true)]
     fn hc_pre_kernel(
         x: *const f32, t: i32, n: i32, d: i32, proj: *const f32, base: *const f32,
         scale: *const f32, fold: Option<*const f64>, iters: i32, hc_eps: f32, rms_eps: f32,
         round_u: bool, u: *mut f32, post: *mut f32, comb: *mut f32,
     );
+    #[pdl(true)]
     fn hc_post_kernel(
         x: *mut f32, a: *const f32, post: *const f32, comb: *const f32, t: i32, n: i32, d: i32,
         round_out: bool,
     );
+    #[pdl(true)]
     fn hc_head_kernel(
         x: *const f32, r: i32, n: i32, d: i32, proj: *const f32, base: *const f32,
         scale: *const f32, hc_eps: f32, rms_eps: f32, round_out: bool, y: *mut f32,
@@ -31,15 +34,18 @@ crate::kernel_family! {
     /// Derived (finalize / refit): layer 0's stream-folded projection from the device `proj`.
     fn hc0_fold_kernel(proj: *const f32, mix: i32, n: i32, d: i32, fold: *mut f64);
     /// Few tokens: each token's logit partial sums over the blocks of grid.x.
+    #[pdl(true)]
     fn hc_mix_partial_kernel(
         x: *const f32, n: i32, d: i32, proj: *const f32, fold: Option<*const f64>, mix: i32,
         partials: *mut f64,
     );
+    #[pdl(true)]
     fn hc_pre_finish_kernel(
         x: *const f32, n: i32, d: i32, cols: i32, base: *const f32, scale: *const f32, iters: i32,
         hc_eps: f32, rms_eps: f32, s: i32, partials: *const f64, round_u: bool, u: *mut f32,
         post: *mut f32, comb: *mut f32,
     );
+    #[pdl(true)]
     fn hc_head_finish_kernel(
         x: *const f32, n: i32, d: i32, base: *const f32, scale: *const f32, hc_eps: f32,
         rms_eps: f32, s: i32, partials: *const f64, round_out: bool, y: *mut f32,

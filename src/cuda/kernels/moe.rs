@@ -26,6 +26,7 @@ crate::kernel_family! {
     pub const SOURCE = "moe", include_str!("../../../kernels/moe.cu");
 
     /// Top-k selection (`bias` optional) or hash routing (`tid2eid` and `tokens`, both set).
+    #[pdl(true)]
     fn router_kernel(
         x: *const f32, t: i32, d: i32, e: i32, k: i32, gate: *const f32, bias: Option<*const f32>,
         tid2eid: Option<*const i32>, tokens: Option<*const i32>, scoring: i32, renorm: bool,
@@ -38,20 +39,24 @@ crate::kernel_family! {
     );
     /// `w1`, `w3`, `s1`, `s3`: arrays of per-expert device addresses (`s*` NULL when the
     /// format has no scales).
+    #[pdl(true)]
     fn moe_up_kernel(
         xq: *const f32, d: i32, i: i32, rows: *const i32, tiles: *const i32,
         ntiles: *const i32, k: i32, w1: *const u64, w3: *const u64, s1: Option<*const u64>,
         s3: Option<*const u64>, fmt: i32, br: i32, bc: i32, weights: *const f32, limit: f32,
         official: bool, h: *mut f32,
     );
+    #[pdl(true)]
     fn moe_down_kernel(
         hq: *const f32, d: i32, i: i32, rows: *const i32, tiles: *const i32,
         ntiles: *const i32, w2: *const u64, s2: Option<*const u64>, fmt: i32, br: i32, bc: i32,
         official: bool, ya: *mut f32,
     );
+    #[pdl(true)]
     fn swiglu_kernel(
         g: *const f32, v: *const f32, n: i64, limit: f32, official: bool, h: *mut f32,
     );
+    #[pdl(true)]
     fn moe_combine_kernel(
         ya: *const f32, ys: Option<*const f32>, t: i32, k: i32, d: i32, round_out: bool,
         out: *mut f32,

@@ -19,6 +19,8 @@ crate::kernel_family! {
     /// RMSNorm.
     pub const NORM_SOURCE = "norm", include_str!("../../../kernels/norm.cu");
 
+    #[pdl(true)]
+
     fn rmsnorm_kernel(
         x: *mut f32, rows: i32, dim: i32, ld: i32, weight: Option<*const f32>, eps: f32,
         round_out: bool,
@@ -28,6 +30,8 @@ crate::kernel_family! {
 crate::kernel_family! {
     /// RoPE.
     pub const ROPE_SOURCE = "rope", include_str!("../../../kernels/rope.cu");
+
+    #[pdl(true)]
 
     fn rope_kernel(
         x: *mut f32, rows: i32, ld: i32, heads: i32, head_dim: i32, pos: *const i32,
@@ -39,8 +43,12 @@ crate::kernel_family! {
     /// The official precision simulations, in place.
     pub const QUANT_SIM_SOURCE = "quant_sim", include_str!("../../../kernels/quant_sim.cu");
 
+    #[pdl(true)]
+
     fn kv_sim_kernel(x: *mut f32, rows: i32, ld: i32, nope: i32);
+    #[pdl(true)]
     fn index_sim_kernel(x: *mut f32, rows: i32, dim: i32);
+    #[pdl(true)]
     fn round_bf16_kernel(x: *mut f32, n: i64);
 }
 
@@ -48,13 +56,18 @@ crate::kernel_family! {
     /// Small elementwise and copy kernels.
     pub const ELEMENTWISE_SOURCE = "elementwise", include_str!("../../../kernels/elementwise.cu");
 
+    #[pdl(true)]
+
     fn scale2_kernel(x: *mut f32, n: i64, s1: f32, s2: f32);
+    #[pdl(true)]
     fn embed_kernel(
         tokens: *const i32, t: i32, table: *const c_void, bf16: bool, d: i32, n: i32, x: *mut f32,
     );
+    #[pdl(true)]
     fn gather_rows_kernel(
         src: *const f32, row_len: i32, rows: Option<*const i32>, nrows: i32, dst: *mut f32,
     );
+    #[pdl(true)]
     fn to_bf16_kernel(src: *const f32, dst: *mut u16, n: i64);
 }
 
