@@ -50,6 +50,24 @@ DSV4_INLINE float ref_sigmoid(float x) { return (float)__ddiv_rn(1.0, __dadd_rn(
 // ops.rs rsqrt: 1 / sqrt(x) in f64 (correctly rounded sqrt and division), rounded once.
 DSV4_INLINE float ref_rsqrt(float x) { return (float)__ddiv_rn(1.0, __dsqrt_rn((double)x)); }
 
+// rope.rs apply on one interleaved pair (a, b) at position p (as f32) with inverse frequency
+// inv_freq: θ = f32(p * inv_freq), c = f32(cos(f64 θ)), s = sign * f32(sin(f64 θ)), a' = a*c -
+// b*s, b' = a*s + b*c (every product rounded), then bf16 when round_out.
+DSV4_INLINE void ref_rope_pair(float& a, float& b, float p, float inv_freq, float sign, int round_out) {
+  const float theta = __fmul_rn(p, inv_freq);
+  const double td = (double)theta;
+  const float c = (float)cos(td);
+  const float s = __fmul_rn(sign, (float)sin(td));
+  float a2 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  float b2 = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+  if (round_out) {
+    a2 = round_bf16(a2);
+    b2 = round_bf16(b2);
+  }
+  a = a2;
+  b = b2;
+}
+
 // Rust's f32::clamp: NaN passes through.
 DSV4_INLINE float ref_clamp(float v, float lo, float hi) {
   if (v < lo) v = lo;

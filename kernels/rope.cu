@@ -1,9 +1,9 @@
 // rope.cu — rotary position embedding (kernels/SPEC.md "rope.cu"), bit for bit as
-// src/model/rope.rs apply (+ the reference's bf16 rounding): every f32 operation is an explicit
-// round-to-nearest intrinsic (no FMA contraction: the reference rounds every product); sin and
-// cos are evaluated in double precision (libdevice) and rounded once to f32 — never the float /
-// fast intrinsics.
+// src/model/rope.rs apply (+ the reference's bf16 rounding): ref_math.cuh ref_rope_pair (every
+// f32 operation an explicit round-to-nearest intrinsic, sin and cos in double precision rounded
+// once to f32 — never the float / fast intrinsics).
 #include "common.cuh"
+#include "ref_math.cuh"
 
 // --------------------------------------------------------------------------------------- RoPE
 
@@ -28,19 +28,10 @@ extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, in
     for (int q = first; q < npairs; q += step) {
       const int h = q / half_rope, k = q - h * half_rope;
       float* t = row + (long long)h * head_dim + nope + 2 * k;
-      const float theta = __fmul_rn(p, inv_freq[k]);
-      const double td = (double)theta;
-      const float c = (float)cos(td);
-      const float s = __fmul_rn(sign, (float)sin(td));
-      const float a = t[0], b = t[1];
-      float a2 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-      float b2 = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-      if (round_out) {
-        a2 = round_bf16(a2);
-        b2 = round_bf16(b2);
-      }
-      t[0] = a2;
-      t[1] = b2;
+      float a = t[0], b = t[1];
+      ref_rope_pair(a, b, p, inv_freq[k], sign, round_out);
+      t[0] = a;
+      t[1] = b;
     }
     if (round_out && nope > 0) {
       for (int q = first; q < heads * nope; q += step) {

@@ -210,6 +210,96 @@ fn rope_matches_reference_bit_for_bit() {
     }
 }
 
+// ----------------------------------------------------------------- head_prep (fused)
+
+/// head_prep_kernel against the CPU reference's three steps (ops::rms_norm, rope::apply,
+/// fp8_sim of the nope channels, each followed by the official bf16 rounding): bit for bit, as
+/// the three separate kernels are.
+#[test]
+fn head_prep_matches_reference_bit_for_bit() {
+    let Some(d) = dev() else { return };
+    let mut rng = Rng::new(7);
+    let cfg = ModelConfig::tiny_default();
+    let freqs = rope::inv_freq(&cfg, AttnKind::Csa);
+    let half = cfg.rope_dim / 2;
+    let (_f, fp) = d.alloc(&[freqs.len() * 4]);
+    d.put(fp[0], &freqs);
+    // (rows, heads, head_dim, weight, sim): Flash's queries (64 heads of 512, unit norm) and
+    // window KV (one head with kv_norm, nope FP8-simulated), the tiny model's, a head whose
+    // pairs leave the last lane iteration part-filled (200 = 100 pairs) with a short last KV
+    // block, a head that is all rope, the largest head covered.
+    let cases = [
+        (3, 64, 512, false, false),
+        (5, 1, 512, true, true),
+        (9, 4, 128, false, false),
+        (9, 1, 128, true, true),
+        (6, 2, 200, true, true),
+        (4, 3, 2 * half, false, false),
+        (2, 1, 64 * norm_rope::HEAD_PREP_MAX_PAIRS, true, true),
+    ];
+    for official in [false, true] {
+        for &(rows, heads, hd, with_w, sim) in &cases {
+            assert!(NormRope::head_prep_covers(hd, half), "head_dim {hd}");
+            let width = heads * hd;
+            let nope = hd - 2 * half;
+            let sim_nope = if sim && official { nope } else { 0 };
+            let x = rows_of(&mut rng, rows, width, official);
+            let w: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
+            let pos: Vec<i32> = (0..rows)
+                .map(|r| if r == 0 { 0 } else { rng.below(1 << 17) as i32 })
+                .collect();
+            let mut want = x.clone();
+            for (r, row) in want.chunks_exact_mut(width).enumerate() {
+                rms_norm(row, hd, with_w.then_some(&w[..]), 1e-6);
+                Prec { official }.bf16(row);
+                for head in row.chunks_exact_mut(hd) {
+                    rope::apply(head, &freqs, pos[r] as usize, 1.0);
+                    Prec { official }.bf16(head);
+                    if sim_nope > 0 {
+                        fp8_sim(&mut head[..sim_nope], 64);
+                    }
+                }
+            }
+            let (_a, p) = d.alloc(&[x.len() * 4, rows * 4, hd * 4]);
+            d.put(p[0], &x);
+            d.put(p[1], &pos);
+            d.put(p[2], &w);
+            d.k.head_prep(
+                d.ctx(),
+                p[0],
+                rows,
+                width,
+                heads,
+                hd,
+                with_w.then_some(p[2]),
+                1e-6,
+                p[1],
+                fp[0],
+                half,
+                sim_nope,
+                official,
+                d.s(),
+            )
+            .unwrap();
+            let got: Vec<f32> = d.get(p[0], x.len());
+            assert_bits(
+                &format!(
+                    "head_prep rows {rows} heads {heads} head_dim {hd} weight {with_w} sim_nope {sim_nope} official {official}"
+                ),
+                &got,
+                &want,
+            );
+        }
+    }
+    // What it does not cover is refused before launching.
+    assert!(!NormRope::head_prep_covers(63, 8));
+    assert!(!NormRope::head_prep_covers(
+        64 * norm_rope::HEAD_PREP_MAX_PAIRS + 2,
+        8
+    ));
+    assert!(!NormRope::head_prep_covers(64, 33));
+}
+
 // ------------------------------------------------------------------------------ KV FP8 sim
 
 #[test]

@@ -51,6 +51,7 @@ pub static MODEL_FAMILIES: &[&KernelSource] = &[
     &norm_rope::ROPE_SOURCE,
     &norm_rope::QUANT_SIM_SOURCE,
     &norm_rope::ELEMENTWISE_SOURCE,
+    &norm_rope::HEAD_PREP_SOURCE,
     &mhc::SOURCE,
     &moe::SOURCE,
     &attention::SOURCE,

@@ -1,8 +1,9 @@
-//! Rust side of four small kernel families, one job each: `norm` (kernels/norm.cu: RMSNorm),
+//! Rust side of five small kernel families, one job each: `norm` (kernels/norm.cu: RMSNorm),
 //! `rope` (kernels/rope.cu), `quant_sim` (kernels/quant_sim.cu: the KV and indexer
-//! fake-quantisation, bf16 rounding) and `elementwise` (kernels/elementwise.cu: scaling,
-//! embedding, row gathers, bf16 conversion). [`NormRope`] is the one facade the forward uses
-//! for all of them. Contract in kernels/SPEC.md; every kernel is bit-identical to its CPU
+//! fake-quantisation, bf16 rounding), `elementwise` (kernels/elementwise.cu: scaling,
+//! embedding, row gathers, bf16 conversion) and `head_prep` (kernels/head_prep.cu: a query or
+//! KV head's norm, RoPE and KV sim in one launch). [`NormRope`] is the one facade the forward
+//! uses for all of them. Contract in kernels/SPEC.md; every kernel is bit-identical to its CPU
 //! reference (tests/gpu_norm_rope.rs).
 //!
 //! Every launch function checks that each buffer holds what the kernel will touch, then
@@ -71,13 +72,31 @@ crate::kernel_family! {
     fn to_bf16_kernel(src: *const f32, dst: *mut u16, n: i64);
 }
 
+crate::kernel_family! {
+    /// A query or KV head row's RMSNorm, RoPE and (KV, official) FP8 simulation in one launch.
+    pub const HEAD_PREP_SOURCE = "head_prep", include_str!("../../../kernels/head_prep.cu");
+
+    #[pdl(true)]
+    fn head_prep_kernel(
+        x: *mut f32, rows: i32, ld: i32, heads: i32, head_dim: i32, weight: Option<*const f32>,
+        eps: f32, pos: *const i32, inv_freq: *const f32, half_rope: i32, sim_nope: i32,
+        round_out: bool,
+    );
+}
+
 /// The families behind [`NormRope`], as the registry compiles and loads them.
-pub const FAMILIES: [&KernelSource; 4] = [
+pub const FAMILIES: [&KernelSource; 5] = [
     &NORM_SOURCE,
     &ROPE_SOURCE,
     &QUANT_SIM_SOURCE,
     &ELEMENTWISE_SOURCE,
+    &HEAD_PREP_SOURCE,
 ];
+
+/// Warps of a `head_prep_kernel` block (HP_WARPS), one head row each.
+pub const HEAD_PREP_WARPS: usize = 4;
+/// Most channel pairs a `head_prep_kernel` lane holds (HP_MAX_PAIRS): head_dim <= 64 x this.
+pub const HEAD_PREP_MAX_PAIRS: usize = 16;
 
 /// Longest row of [`NormRope::index_sim`] (HADAMARD_MAX in dsv4_consts.cuh).
 pub const HADAMARD_MAX: usize = 1024;
@@ -111,7 +130,7 @@ fn flat_blocks(n: usize) -> u32 {
 }
 
 crate::launchers! {
-    /// The entry points of the four families, resolved from a loaded registry.
+    /// The entry points of the five families, resolved from a loaded registry.
     pub struct NormRope {
         rmsnorm: rmsnorm_kernel,
         rope: rope_kernel,
@@ -122,6 +141,7 @@ crate::launchers! {
         embed: embed_kernel,
         gather_rows: gather_rows_kernel,
         to_bf16: to_bf16_kernel,
+        head_prep: head_prep_kernel,
     }
 }
 
@@ -228,6 +248,85 @@ impl NormRope {
             1,
         );
         self.rope.launch(grid, THREADS as u32, 0, stream, args)
+    }
+
+    /// Whether [`Self::head_prep`] takes heads of `head_dim` values with `half_rope` RoPE pairs.
+    pub fn head_prep_covers(head_dim: usize, half_rope: usize) -> bool {
+        head_dim.is_multiple_of(2)
+            && head_dim <= 64 * HEAD_PREP_MAX_PAIRS
+            && half_rope > 0
+            && 2 * half_rope <= head_dim
+    }
+
+    /// In place over `rows` rows at stride `ld` of `heads` heads of `head_dim` values: each
+    /// head's [`Self::rmsnorm`] (optional `weight[head_dim]`), then [`Self::rope`] (sign +1),
+    /// then with `sim_nope > 0` [`Self::kv_sim`] of its first `sim_nope` channels, in one launch
+    /// and bit for bit as the three ([`Self::head_prep_covers`] must hold; `sim_nope` at most
+    /// the nope channels).
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_prep(
+        &self,
+        ctx: &Context,
+        x: DevicePtr,
+        rows: usize,
+        ld: usize,
+        heads: usize,
+        head_dim: usize,
+        weight: Option<DevicePtr>,
+        eps: f32,
+        pos: DevicePtr,
+        inv_freq: DevicePtr,
+        half_rope: usize,
+        sim_nope: usize,
+        round_out: bool,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "head_prep_kernel";
+        if !Self::head_prep_covers(head_dim, half_rope)
+            || heads * head_dim > ld
+            || sim_nope > head_dim - 2 * half_rope
+        {
+            return Err(err(format!(
+                "{K}: heads = {heads}, head_dim = {head_dim}, half_rope = {half_rope}, sim_nope = \
+                 {sim_nope}, ld = {ld}"
+            )));
+        }
+        need(K, "x", x, strided_bytes(rows, heads * head_dim, ld))?;
+        need(K, "pos", pos, rows * 4)?;
+        need(K, "inv_freq", inv_freq, half_rope * 4)?;
+        if let Some(w) = weight {
+            need(K, "weight", w, head_dim * 4)?;
+        }
+        if rows == 0 || heads == 0 {
+            return Ok(());
+        }
+        let items = rows * heads;
+        let _g = ctx.enter()?;
+        let args = head_prep_kernel::Args {
+            x,
+            rows: to_i32(K, "rows", rows)?,
+            ld: to_i32(K, "ld", ld)?,
+            heads: to_i32(K, "heads", heads)?,
+            head_dim: to_i32(K, "head_dim", head_dim)?,
+            weight,
+            eps,
+            pos,
+            inv_freq,
+            half_rope: to_i32(K, "half_rope", half_rope)?,
+            sim_nope: to_i32(K, "sim_nope", sim_nope)?,
+            round_out,
+        };
+        let blocks = items.div_ceil(HEAD_PREP_WARPS);
+        if blocks > i32::MAX as usize {
+            return Err(err(format!("{K}: {items} head rows")));
+        }
+        self.head_prep.launch(
+            blocks as u32,
+            (32 * HEAD_PREP_WARPS) as u32,
+            0,
+            stream,
+            args,
+        )
     }
 
     /// KV nope FP8 simulation in place: `fp8sim(x[r][0:nope], 64)` for `rows` rows at stride

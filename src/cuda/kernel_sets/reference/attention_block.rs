@@ -8,6 +8,7 @@ use crate::cuda::kernel_sets::{LinearCall, LinearGroup};
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta, RingArgs};
 use crate::cuda::kernels::compressor::{CompressArgs, CompressKind};
 use crate::cuda::kernels::indexer::IndexerArgs;
+use crate::cuda::kernels::norm_rope::NormRope;
 use crate::cuda::kv_pages::KvPagesDev;
 use crate::cuda::stream::BorrowedStream;
 use crate::error::Result;
@@ -247,22 +248,57 @@ impl Run<'_> {
             group.push(self.call(a, ws.qr, ql, ix.wq_b, n, ws.qi, official, official)?)?;
         }
         self.linear_group(a, &group)?;
-        self.norm(a, ws.q, t * h, hd, None)?;
-        self.rope(a, ws.q, h * hd, h, hd, 1.0)
+        self.head_prep(a, ws.q, h, None, false)
+    }
+
+    /// Per head of `heads` of every token row of `x`: unit RMS (`weight` None) or RMSNorm,
+    /// RoPE, and with `kv_sim` (official numerics) the FP8 simulation of the nope channels; one
+    /// `head_prep_kernel` launch where it covers the head (bit for bit the three kernels), else
+    /// the three.
+    fn head_prep(
+        &self,
+        a: &AttnLayer,
+        x: DevicePtr,
+        heads: usize,
+        weight: Option<usize>,
+        kv_sim: bool,
+    ) -> Result<()> {
+        let cfg = self.cfg;
+        let (hd, half, t) = (cfg.head_dim, cfg.rope_dim / 2, a.meta.num_tokens);
+        let sim_nope = if kv_sim && self.official() {
+            cfg.nope_dim()
+        } else {
+            0
+        };
+        if NormRope::head_prep_covers(hd, half) {
+            return a.k8.nr.head_prep(
+                self.ctx,
+                x,
+                t,
+                heads * hd,
+                heads,
+                hd,
+                weight.map(|i| self.weights[i].data),
+                cfg.rms_norm_eps,
+                a.meta.positions,
+                a.ls.inv_freq,
+                half,
+                sim_nope,
+                self.official(),
+                a.st,
+            );
+        }
+        self.norm(a, x, t * heads, hd, weight)?;
+        self.rope(a, x, heads * hd, heads, hd, 1.0)?;
+        if sim_nope > 0 {
+            a.k8.nr.kv_sim(self.ctx, x, t, hd, sim_nope, a.st)?;
+        }
+        Ok(())
     }
 
     /// Window KV: one vector per token (key and value), normed, RoPE'd, FP8-simulated.
     fn window_kv(&self, a: &AttnLayer) -> Result<()> {
-        let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
-        let hd = cfg.head_dim;
-        let t = a.meta.num_tokens;
-        self.norm(a, ws.kv, t, hd, Some(lw.kv_norm))?;
-        self.rope(a, ws.kv, hd, 1, hd, 1.0)?;
-        if self.official() {
-            a.k8.nr
-                .kv_sim(self.ctx, ws.kv, t, hd, cfg.nope_dim(), a.st)?;
-        }
-        Ok(())
+        self.head_prep(a, self.ws.kv, 1, Some(a.lw.kv_norm), true)
     }
 
     /// The compressors (f32 projections, tokens in order per sequence), then on CSA layers
