@@ -9,9 +9,10 @@
 //   reference's f64 one. d_h = bf16(q_h . k), score = bf16(sum_h relu(d_h) * w_h) (f32 sums over
 //   heads in a fixed tree order). Writes the scores (BF16 values) to the workspace row.
 // - fi_topk_kernel: one block per token, exact selection on the scores: a 16-bit order key per
-//   BF16 score, two 8-bit radix histograms find the k-th key, the keys above it and the lowest
-//   indices among those equal to it are gathered in index order (no atomics decide anything),
-//   then a bitonic sort of (key, -index) orders them by rank.
+//   BF16 score, two 8-bit radix histograms (warp-aggregated shared atomics) find the k-th key,
+//   the keys above it and the lowest indices among those equal to it are gathered in index order
+//   (warp ballots: no atomics decide anything), then a bitonic sort of (key, -index) orders them
+//   by rank (shuffles for strides below 32, shared memory above).
 #include "common.cuh"
 #include "fp8_mma.cuh"
 #include "kv_pages.cuh"
@@ -145,22 +146,41 @@ DSV4_INLINE unsigned fi_key16(float v) {
   return (b & 0x8000u) ? (~b & 0xffffu) : (b | 0x8000u);
 }
 
-// One block per token, FI_TOPK_THREADS threads; thread i owns the entries [i * seg, (i + 1) *
-// seg) of the token's visible ones. Static shared memory: histogram, per-thread counts, the
-// candidates (key << 32 | ~index) for the bitonic sort. topk <= FI_MAX_SORT. selected: [T][topk]
-// best first (ties: lower index), -1 past nsel[t] = min(topk, visible).
+// Lanes below this one (for a lane's rank among the lanes of a ballot).
+DSV4_INLINE unsigned fi_lanes_below() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+// hist[bin] += 1 for every active lane of the warp, one shared atomic per distinct bin (lanes with
+// the same bin add their count through their leader): BF16 scores crowd a few high-byte bins, and
+// one atomic per lane on one address serialises the warp.
+DSV4_INLINE void fi_hist_add(int* hist, unsigned bin, bool active) {
+  const unsigned act = __ballot_sync(0xffffffffu, active);
+  if (!active) return;
+  const unsigned peers = __match_any_sync(act, bin);
+  if ((threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1)) atomicAdd(&hist[bin], __popc(peers));
+}
+
+// One block per token, FI_TOPK_THREADS threads. Warp w owns the entries [w * seg, (w + 1) * seg)
+// of the token's visible ones (seg a multiple of 32); its lanes read them 32 at a time, entry
+// base + 32 i + lane, so loads are coalesced and (i, lane) order is index order within the warp.
+// Static shared memory: histogram, per-warp counts, the candidates (key << 32 | ~index) for the
+// sort. topk <= FI_MAX_SORT. selected: [T][topk] best first (ties: lower index), -1 past
+// nsel[t] = min(topk, visible).
 extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
     fi_topk_kernel(const float* scores, const int* positions, const int* seq_of,
                    const int* seq_slots, int T, int ratio, int maxe, int topk, int* selected,
                    int* nsel) {
   dsv4_pdl_begin();
   __shared__ int hist[256];
-  __shared__ int cnt_gt[FI_TOPK_THREADS], cnt_eq[FI_TOPK_THREADS];
+  __shared__ int warp_gt[FI_TOPK_THREADS / 32], warp_eq[FI_TOPK_THREADS / 32];
   __shared__ unsigned long long cand[FI_MAX_SORT];
   __shared__ int sh_bin, sh_above, sh_g;
   const int t = blockIdx.x;
   if (t >= T) return;
-  const int tid = threadIdx.x, nt = blockDim.x;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nwarps = nt >> 5;
   int* sel = selected + (long long)t * topk;
   const int slot = seq_slots[seq_of[t]];
   int visible = 0;
@@ -175,27 +195,47 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
     return;
   }
   const float* row = scores + (long long)t * maxe;
-  const int seg = (visible + nt - 1) / nt;
-  const int lo = tid * seg < visible ? tid * seg : visible;
-  const int hi = lo + seg < visible ? lo + seg : visible;
+  const int seg = ((visible + nwarps - 1) / nwarps + 31) & ~31;
+  const int lo = min(warp * seg, visible), hi = min(lo + seg, visible);
 
-  // The k-th largest key, a byte at a time: high byte, then low byte among that bin.
+  // The k-th largest key, a byte at a time: high byte, then low byte among that bin. The bin is
+  // found by warp 0: lane l sums bins 255 - 8l down to 248 - 8l, an inclusive scan over lanes
+  // gives the count above each lane's bins, and the lane whose bins reach `need` walks them.
   unsigned prefix = 0;
   int need = k, above = 0;
   for (int pass = 0; pass < 2; ++pass) {
     for (int b = tid; b < 256; b += nt) hist[b] = 0;
     __syncthreads();
-    for (int e = lo; e < hi; ++e) {
-      const unsigned key = fi_key16(row[e]);
-      if (pass == 0) atomicAdd(&hist[key >> 8], 1);
-      else if ((key >> 8) == prefix) atomicAdd(&hist[key & 0xffu], 1);
+    for (int e0 = lo; e0 < hi; e0 += 32) {
+      const int e = e0 + lane;
+      const unsigned key = e < hi ? fi_key16(row[e]) : 0u;
+      const bool in = e < hi && (pass == 0 || (key >> 8) == prefix);
+      fi_hist_add(hist, pass == 0 ? key >> 8 : key & 0xffu, in);
     }
     __syncthreads();
-    if (tid == 0) {
-      int acc = 0, b = 255;
-      for (; b > 0 && acc + hist[b] < need; --b) acc += hist[b];
-      sh_bin = b;
-      sh_above = acc;
+    if (warp == 0) {
+      int mine[8], sum = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        mine[i] = hist[255 - 8 * lane - i];
+        sum += mine[i];
+      }
+      int incl = sum;  // bins 255 .. 248 - 8 lane together
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const int before = incl - sum;  // keys in the bins above this lane's
+      // The crossing lane: the first whose inclusive count reaches need (bin 0 takes the rest).
+      const unsigned reach = __ballot_sync(0xffffffffu, incl >= need);
+      const int first = reach ? __ffs(reach) - 1 : 31;
+      if (lane == first) {
+        int acc = before, i = 0;
+        for (; i < 7 && acc + mine[i] < need; ++i) acc += mine[i];
+        sh_bin = 255 - 8 * lane - i;
+        sh_above = acc;
+      }
     }
     __syncthreads();
     prefix = pass == 0 ? (unsigned)sh_bin : (prefix << 8) | (unsigned)sh_bin;
@@ -204,60 +244,95 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
   }
   const unsigned kth = prefix;  // exactly `above` keys are larger; `need` more equal it
 
-  // Counts per segment, their exclusive scans (in thread order = index order), then the gather:
-  // every key above kth, and the `need` lowest-index keys equal to it.
+  // Per-warp counts, their exclusive scan over warps (warp order = index order), then the gather:
+  // every key above kth, and the `need` lowest-index keys equal to it, each at its rank in index
+  // order (ballots: no atomics decide anything).
   int gt = 0, eq = 0;
-  for (int e = lo; e < hi; ++e) {
-    const unsigned key = fi_key16(row[e]);
-    gt += key > kth;
-    eq += key == kth;
+  for (int e0 = lo; e0 < hi; e0 += 32) {
+    const int e = e0 + lane;
+    const unsigned key = e < hi ? fi_key16(row[e]) : 0u;
+    gt += __popc(__ballot_sync(0xffffffffu, e < hi && key > kth));
+    eq += __popc(__ballot_sync(0xffffffffu, e < hi && key == kth));
   }
-  cnt_gt[tid] = gt;
-  cnt_eq[tid] = eq;
+  if (lane == 0) {
+    warp_gt[warp] = gt;
+    warp_eq[warp] = eq;
+  }
   __syncthreads();
   if (tid == 0) {
     int a = 0, q = 0;
-    for (int i = 0; i < nt; ++i) {
-      const int x = cnt_gt[i], y = cnt_eq[i];
-      cnt_gt[i] = a;
-      cnt_eq[i] = q;
+    for (int i = 0; i < nwarps; ++i) {
+      const int x = warp_gt[i], y = warp_eq[i];
+      warp_gt[i] = a;
+      warp_eq[i] = q;
       a += x;
       q += y;
     }
     sh_g = a;
   }
   __syncthreads();
-  int og = cnt_gt[tid], oe = cnt_eq[tid];
-  for (int e = lo; e < hi; ++e) {
-    const unsigned key = fi_key16(row[e]);
+  int og = warp_gt[warp], oe = warp_eq[warp];
+  const unsigned below = fi_lanes_below();
+  for (int e0 = lo; e0 < hi; e0 += 32) {
+    const int e = e0 + lane;
+    const unsigned key = e < hi ? fi_key16(row[e]) : 0u;
+    const bool is_gt = e < hi && key > kth, is_eq = e < hi && key == kth;
+    const unsigned bg = __ballot_sync(0xffffffffu, is_gt), be = __ballot_sync(0xffffffffu, is_eq);
     const unsigned long long c = ((unsigned long long)key << 32) | (unsigned)(~(unsigned)e);
-    if (key > kth) cand[og++] = c;
-    else if (key == kth) {
-      if (oe < need) cand[sh_g + oe] = c;
-      ++oe;
+    if (is_gt) cand[og + __popc(bg & below)] = c;
+    if (is_eq) {
+      const int r = oe + __popc(be & below);
+      if (r < need) cand[sh_g + r] = c;
     }
+    og += __popc(bg);
+    oe += __popc(be);
   }
   int kpad = 1;
   while (kpad < k) kpad <<= 1;
   for (int i = k + tid; i < kpad; i += nt) cand[i] = 0ull;  // below every real candidate
   __syncthreads();
 
-  // Bitonic sort of cand[0 .. kpad), descending.
-  for (int size = 2; size <= kpad; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int i = tid; i < kpad / 2; i += nt) {
-        const int a = 2 * i - (i & (stride - 1));
-        const int b = a + stride;
-        const bool desc = (a & size) == 0;
-        const unsigned long long x = cand[a], y = cand[b];
-        if ((x < y) == desc) {
-          cand[a] = y;
-          cand[b] = x;
+  // Bitonic sort of cand[0 .. kpad), descending. Up to one element a thread: strides below 32
+  // exchange through shuffles (partner in the same warp), larger ones through shared memory.
+  if (kpad <= nt) {
+    unsigned long long x = tid < kpad ? cand[tid] : 0ull;
+    for (int size = 2; size <= kpad; size <<= 1) {
+      for (int stride = size >> 1; stride > 0; stride >>= 1) {
+        unsigned long long y;
+        if (stride >= 32) {
+          __syncthreads();  // every read of the previous exchange is done
+          if (tid < kpad) cand[tid] = x;
+          __syncthreads();
+          y = tid < kpad ? cand[tid ^ stride] : 0ull;
+        } else {
+          y = __shfl_xor_sync(0xffffffffu, x, stride);
         }
+        // Pair (i, i ^ stride): the lower index keeps the larger value in a descending run
+        // ((i & size) == 0), the smaller in an ascending one.
+        const bool desc = (tid & size) == 0, lower = (tid & stride) == 0;
+        const bool take_max = lower == desc;
+        x = take_max ? (x > y ? x : y) : (x < y ? x : y);
       }
-      __syncthreads();
     }
+    for (int r = tid; r < topk; r += nt)
+      sel[r] = r < k ? (int)(~(unsigned)(x & 0xffffffffull)) : -1;  // r < k only at r == tid (k <= kpad <= nt)
+  } else {
+    for (int size = 2; size <= kpad; size <<= 1) {
+      for (int stride = size >> 1; stride > 0; stride >>= 1) {
+        for (int i = tid; i < kpad / 2; i += nt) {
+          const int a = 2 * i - (i & (stride - 1));
+          const int b = a + stride;
+          const bool desc = (a & size) == 0;
+          const unsigned long long x = cand[a], y = cand[b];
+          if ((x < y) == desc) {
+            cand[a] = y;
+            cand[b] = x;
+          }
+        }
+        __syncthreads();
+      }
+    }
+    for (int r = tid; r < topk; r += nt) sel[r] = r < k ? (int)(~(unsigned)(cand[r] & 0xffffffffull)) : -1;
   }
-  for (int r = tid; r < topk; r += nt) sel[r] = r < k ? (int)(~(unsigned)(cand[r] & 0xffffffffull)) : -1;
   if (tid == 0) nsel[t] = k;
 }
