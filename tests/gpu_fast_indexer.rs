@@ -63,19 +63,35 @@ struct Keys {
 
 impl Keys {
     fn random(rng: &mut XorShift) -> Keys {
+        Keys::from_patterns(rng, None)
+    }
+
+    /// Every key row a copy of one of `patterns` random rows (None: every row its own), so a
+    /// token's scores tie in `patterns` values at most: the selection's ties to the lower index
+    /// decide nearly everything.
+    fn from_patterns(rng: &mut XorShift, patterns: Option<usize>) -> Keys {
         let rows = KvRows::index_keys(KvFormat::Official, DI);
         let pps = KvRows::pages_for(MAXE);
         let n = SLOTS * pps;
+        let random_row = |rng: &mut XorShift| -> (Vec<u8>, Vec<u8>) {
+            let codes = (0..DI / 2).map(|_| rng.below(256) as u8).collect();
+            let scales = (0..DI / 32).map(|_| 120 + rng.below(7) as u8).collect();
+            (codes, scales)
+        };
+        let fixed: Vec<_> = (0..patterns.unwrap_or(0))
+            .map(|_| random_row(rng))
+            .collect();
         let mut pool = vec![0u8; n * rows.page_bytes()];
         for page in pool.chunks_exact_mut(rows.page_bytes()) {
             for r in 0..KV_PAGE {
-                for b in &mut page[r * rows.row_bytes()..][..DI / 2] {
-                    *b = rng.below(256) as u8;
-                }
+                let (codes, scales) = if fixed.is_empty() {
+                    random_row(rng)
+                } else {
+                    fixed[rng.below(fixed.len() as u64) as usize].clone()
+                };
+                page[r * rows.row_bytes()..][..DI / 2].copy_from_slice(&codes);
                 let sc = KV_PAGE * rows.row_bytes() + r * rows.scale_bytes();
-                for b in &mut page[sc..sc + DI / 32] {
-                    *b = 120 + rng.below(7) as u8;
-                }
+                page[sc..sc + DI / 32].copy_from_slice(&scales);
             }
         }
         Keys {
@@ -369,6 +385,34 @@ fn decode(n: usize, pos: &[usize]) -> Vec<(i32, usize, usize)> {
     (0..n)
         .map(|i| ((i % SLOTS) as i32, pos[i % pos.len()] + i / SLOTS, 1))
         .collect()
+}
+
+#[test]
+fn tied_scores_select_the_lowest_indices() {
+    let _l = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(g) = family_gpu(&FAMILIES) else {
+        return;
+    };
+    let reference = Indexer::new(&g.reg).unwrap();
+    let fast = FastIndexer::new(&g.reg).unwrap();
+    let stream = OwnedStream::new(&g.ctx).unwrap();
+    let s = stream.borrow();
+    let _c = g.ctx.enter().unwrap();
+    let mut rng = XorShift(0x7135_5eed);
+    // One pattern: every score of a token equal (the top-k is its first k entries); three: the
+    // k-th score's ties straddle the selection boundary.
+    for patterns in [1, 3] {
+        let keys = Keys::from_patterns(&mut rng, Some(patterns));
+        let seqs = decode(8, &[3, 700, 2047, 2048, 2049, 5000, 30_000, 65_535]);
+        let b = Batch::new(&mut rng, &seqs);
+        let [r, f, again] = run(&reference, &fast, &keys, &b, s);
+        let name = format!("{patterns} key pattern(s)");
+        check(&name, &keys, &b, &r, &f);
+        assert!(
+            f.selected == again.selected,
+            "{name}: two runs select differently"
+        );
+    }
 }
 
 #[test]
