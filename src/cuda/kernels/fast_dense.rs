@@ -436,10 +436,6 @@ type MemberArgs = (DevicePtr, Option<DevicePtr>, DevicePtr, i64);
 /// Largest N and ldy a grouped member's packed geometry holds.
 const MEMBER_FIELD_MAX: usize = (1 << 24) - 1;
 
-/// Blocks of a gemv launch the device holds at once: two on each of an H100's / H200's 132 SMs
-/// (the gemv's registers and shared memory allow two).
-pub const WAVE_BLOCKS: usize = 264;
-
 /// The K splits a launch of K = `k` may use: powers of two up to [`MAX_SLICES`] whose slices are
 /// multiples of 128, at least [`MIN_SLICE`] (unless one slice) and at most [`MAX_SLICE`].
 pub fn valid_slices(k: usize) -> impl Iterator<Item = usize> {
@@ -450,24 +446,14 @@ pub fn valid_slices(k: usize) -> impl Iterator<Item = usize> {
         })
 }
 
-/// The slices of a grouped launch of `ops`: one K split for all members, the one whose waves of
-/// [`WAVE_BLOCKS`] blocks take the least time ([`slices_in_waves`]). A function of the members'
-/// shapes only.
+/// The slices of a grouped launch of `ops`: one K split for all members, from their row tiles
+/// together ([`slices_for_tiles`]); a function of the members' shapes only. Measured against
+/// every other split (bench dense, H200, `--projection groups`): at T = 1 a CSA layer's two
+/// projections of q_lora take 20.0 / 25.0 / 34.3 us at 1 / 2 / 4 slices (1 chosen), its seven
+/// of u 13.9 / 15.9 us at 4 / 8 slices (8 chosen; 8 wins from 16 tokens, 30.3 / 33.2 us).
 pub fn group_slices(ops: &[DenseOp]) -> Option<usize> {
     let k = ops.first()?.w.cols;
-    slices_in_waves(ops.iter().map(|o| o.n().div_ceil(ROWS)).sum(), k)
-}
-
-/// The K split of `tiles` row tiles of K = `k` whose waves take the least time, ceil(tiles x s /
-/// WAVE_BLOCKS) / s (fewer slices on a tie). A group's tiles rarely fill whole waves (a CSA
-/// layer's projections of q_lora are 320 row tiles: a second wave of 56 blocks at one slice,
-/// 1.25 waves' worth at four).
-pub fn slices_in_waves(tiles: usize, k: usize) -> Option<usize> {
-    let waves = |s: usize| (tiles * s).div_ceil(WAVE_BLOCKS) as f64 / s as f64;
-    valid_slices(k).fold(None, |best: Option<usize>, s| match best {
-        Some(b) if waves(b) <= waves(s) => Some(b),
-        _ => Some(s),
-    })
+    slices_for_tiles(ops.iter().map(|o| o.n().div_ceil(ROWS)).sum(), k)
 }
 
 impl FastDense {
@@ -813,10 +799,13 @@ mod tests {
             assert!(FastDense::group_pays(&ops), "u group at T = {t}");
             let ops = group(t, 1024, &q_lora);
             assert!(FastDense::group_covers(&ops), "q_lora group at T = {t}");
-            // Split for whole waves (slices_in_waves): 4 slices, so a group at every T (to be
-            // confirmed by bench dense: at one slice it lost to one call each from 4 tokens).
-            assert_eq!(group_slices(&ops), Some(4));
-            assert!(FastDense::group_pays(&ops), "q_lora group at T = {t}");
+            assert_eq!(group_slices(&ops), Some(1));
+            // One slice: measured slower than one call each from 4 tokens.
+            assert_eq!(
+                FastDense::group_pays(&ops),
+                t <= 2,
+                "q_lora group at T = {t}"
+            );
         }
         // Past 16 tokens, eight members, another x / K / mode, a grouped member: not covered.
         assert!(!FastDense::group_covers(&group(17, 4096, &u)));
@@ -840,19 +829,11 @@ mod tests {
     }
 
     #[test]
-    fn grouped_launches_split_k_for_whole_waves() {
-        // A CSA layer's projections of u (33 row tiles, K = 4096): 8 slices, one wave of 264.
-        assert_eq!(slices_in_waves(33, 4096), Some(8));
-        // Its two of q_lora (320 tiles, K = 1024): 4 slices (1280 blocks, 4.85 waves: 1.25
-        // waves' worth of work against 2 at one slice and 1.5 at two).
-        assert_eq!(slices_in_waves(320, 1024), Some(4));
-        // One full wave stays one slice; K = 128 has no other split.
-        assert_eq!(slices_in_waves(256, 1024), Some(1));
-        assert_eq!(slices_in_waves(500, 128), Some(1));
+    fn valid_slices_keep_slices_whole_and_bounded() {
         assert_eq!(valid_slices(1024).collect::<Vec<_>>(), [1, 2, 4]);
+        assert_eq!(valid_slices(4096).collect::<Vec<_>>(), [4, 8]);
         assert_eq!(valid_slices(8192).collect::<Vec<_>>(), [8]);
         assert_eq!(valid_slices(16384).count(), 0);
-        assert_eq!(slices_in_waves(4, 16384), None);
     }
 
     #[test]
