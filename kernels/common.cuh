@@ -25,11 +25,15 @@ typedef unsigned char ue8m0_t;   // UE8M0 scale byte (2^(e-127))
 // Programmatic dependent launch (sm_90 on). A kernel declared `#[pdl(true)]` (src/cuda/decl.rs) is
 // launched so that it may start while the kernel before it on the stream is still running: its first
 // statement must be dsv4_pdl_begin(), which
-// 1. lets the kernel after it launch as soon as every block of this one has started (that kernel's own
-//    dsv4_pdl_begin holds it until this one has finished, so this is always safe), and
-// 2. waits until the kernel before has finished and its writes are visible (a no-op when this kernel was
-//    launched normally).
-// So a chain of such kernels overlaps each launch and block start with the previous kernel's tail.
+// 1. waits until the kernel before has finished and its writes are visible (a no-op when this kernel
+//    was launched normally), then
+// 2. lets the kernel after it launch as soon as every block of this one has passed this point (that
+//    kernel's own dsv4_pdl_begin holds it until this one has finished).
+// So a chain of such kernels overlaps each launch and block start with the previous kernel's run.
+// Waiting before triggering keeps at most one kernel waiting behind a running one: triggering first
+// let a chain of small kernels all launch at once, their resident waiting blocks crowding the running
+// one (measured: a Flash-shaped batch-1 decode step 1.62 ms against 1.50 waiting first, 1.55
+// without programmatic launches).
 DSV4_INLINE void dsv4_pdl_trigger() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -41,8 +45,8 @@ DSV4_INLINE void dsv4_pdl_wait() {
 #endif
 }
 DSV4_INLINE void dsv4_pdl_begin() {
-  dsv4_pdl_trigger();
   dsv4_pdl_wait();
+  dsv4_pdl_trigger();
 }
 // A kernel may instead begin with dsv4_pdl_trigger() alone and call dsv4_pdl_wait() later, reading
 // before the wait ONLY the model's weights: no kernel that triggers early (none of them writes a

@@ -226,7 +226,7 @@ fn head_prep_matches_reference_bit_for_bit() {
     d.put(fp[0], &freqs);
     // (rows, heads, head_dim, weight, sim): Flash's queries (64 heads of 512, unit norm) and
     // window KV (one head with kv_norm, nope FP8-simulated), the tiny model's, a head whose
-    // pairs leave the last lane iteration part-filled (200 = 100 pairs) with a short last KV
+    // pairs leave the last warp part-filled (200 = 100 pairs) with a short last KV
     // block, a head that is all rope, the largest head covered.
     let cases = [
         (3, 64, 512, false, false),
@@ -235,7 +235,7 @@ fn head_prep_matches_reference_bit_for_bit() {
         (9, 1, 128, true, true),
         (6, 2, 200, true, true),
         (4, 3, 2 * half, false, false),
-        (2, 1, 64 * norm_rope::HEAD_PREP_MAX_PAIRS, true, true),
+        (2, 1, 2 * norm_rope::HEAD_PREP_MAX_PAIRS, true, true),
     ];
     for official in [false, true] {
         for &(rows, heads, hd, with_w, sim) in &cases {
@@ -294,7 +294,7 @@ fn head_prep_matches_reference_bit_for_bit() {
     // What it does not cover is refused before launching.
     assert!(!NormRope::head_prep_covers(63, 8));
     assert!(!NormRope::head_prep_covers(
-        64 * norm_rope::HEAD_PREP_MAX_PAIRS + 2,
+        2 * norm_rope::HEAD_PREP_MAX_PAIRS + 2,
         8
     ));
     assert!(!NormRope::head_prep_covers(64, 33));

@@ -139,7 +139,6 @@ pub const SHARED: &[Shared] = shared! {
     "KV_SCALE_ALIGN" = Int(kv_pages::KV_SCALE_ALIGN as i64) from "kv_pages::KV_SCALE_ALIGN";
     // norm_rope.cu.
     "HADAMARD_MAX" = Int(norm_rope::HADAMARD_MAX as i64) from "norm_rope::HADAMARD_MAX";
-    "HP_WARPS" = Int(norm_rope::HEAD_PREP_WARPS as i64) from "norm_rope::HEAD_PREP_WARPS";
     "HP_MAX_PAIRS" = Int(norm_rope::HEAD_PREP_MAX_PAIRS as i64) from "norm_rope::HEAD_PREP_MAX_PAIRS";
     // batch.cu: the codes of the fault record (model::batch, error::Status).
     "BATCH_CHECK_THREADS" = Int(batch::CHECK_THREADS as i64) from "batch::CHECK_THREADS";

@@ -93,10 +93,9 @@ pub const FAMILIES: [&KernelSource; 5] = [
     &HEAD_PREP_SOURCE,
 ];
 
-/// Warps of a `head_prep_kernel` block (HP_WARPS), one head row each.
-pub const HEAD_PREP_WARPS: usize = 4;
-/// Most channel pairs a `head_prep_kernel` lane holds (HP_MAX_PAIRS): head_dim <= 64 x this.
-pub const HEAD_PREP_MAX_PAIRS: usize = 16;
+/// Most channel pairs of a `head_prep_kernel` head (HP_MAX_PAIRS): a block per head row, a thread
+/// per pair, so head_dim <= 2 x this.
+pub const HEAD_PREP_MAX_PAIRS: usize = 1024;
 
 /// Longest row of [`NormRope::index_sim`] (HADAMARD_MAX in dsv4_consts.cuh).
 pub const HADAMARD_MAX: usize = 1024;
@@ -253,7 +252,7 @@ impl NormRope {
     /// Whether [`Self::head_prep`] takes heads of `head_dim` values with `half_rope` RoPE pairs.
     pub fn head_prep_covers(head_dim: usize, half_rope: usize) -> bool {
         head_dim.is_multiple_of(2)
-            && head_dim <= 64 * HEAD_PREP_MAX_PAIRS
+            && head_dim <= 2 * HEAD_PREP_MAX_PAIRS
             && half_rope > 0
             && 2 * half_rope <= head_dim
     }
@@ -316,17 +315,12 @@ impl NormRope {
             sim_nope: to_i32(K, "sim_nope", sim_nope)?,
             round_out,
         };
-        let blocks = items.div_ceil(HEAD_PREP_WARPS);
-        if blocks > i32::MAX as usize {
+        if items > i32::MAX as usize {
             return Err(err(format!("{K}: {items} head rows")));
         }
-        self.head_prep.launch(
-            blocks as u32,
-            (32 * HEAD_PREP_WARPS) as u32,
-            0,
-            stream,
-            args,
-        )
+        let threads = 32 * head_dim.div_ceil(64);
+        self.head_prep
+            .launch(items as u32, threads as u32, 0, stream, args)
     }
 
     /// KV nope FP8 simulation in place: `fp8sim(x[r][0:nope], 64)` for `rows` rows at stride
