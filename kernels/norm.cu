@@ -12,12 +12,46 @@
 // In place over `rows` rows of `dim` values at stride `ld`: ms = f32(Σ f64 x² / dim),
 // r = rsqrt(ms + eps) (f32 add, f64 rsqrt), x = x * r * w (f32, that order; x * r without a
 // weight), then bf16 if round_out. One block per row (grid-stride over rows).
+// A decode step normalizes one row at a time, so a row's latency is the kernel's time. A row of at
+// most RN_VALS * blockDim.x values (the launcher sizes blocks so that the model's rows fit) is read
+// once into registers, its loads and its weights' loads all issued before the first use, and
+// written from them: a strided loop waits a memory round trip per iteration (~14 us for 4096
+// values at 256 threads in a batch-1 step's ncu timeline). RN_VALS: dsv4_consts.cuh.
 extern "C" __global__ void rmsnorm_kernel(float* x, int rows, int dim, int ld, const float* weight, float eps,
                                           int round_out) {
   dsv4_pdl_begin();
   __shared__ double scratch[32];
+  const bool in_registers = dim <= RN_VALS * (int)blockDim.x;  // uniform
   for (int r = blockIdx.x; r < rows; r += gridDim.x) {
     float* row = x + (long long)r * ld;
+    if (in_registers) {
+      float v[RN_VALS], w[RN_VALS];
+#pragma unroll
+      for (int j = 0; j < RN_VALS; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        v[j] = i < dim ? row[i] : 0.0f;
+        w[j] = weight != nullptr && i < dim ? weight[i] : 1.0f;
+      }
+      double acc = 0.0;  // the strided loop's per-thread order: i, i + blockDim.x, ...
+#pragma unroll
+      for (int j = 0; j < RN_VALS; ++j) {
+        if (threadIdx.x + j * blockDim.x < dim) acc = __dadd_rn(acc, __dmul_rn((double)v[j], (double)v[j]));
+      }
+      const double s = ref_block_sum_f64(acc, scratch);
+      const float ms = (float)__ddiv_rn(s, (double)dim);
+      const float rr = ref_rsqrt(__fadd_rn(ms, eps));
+#pragma unroll
+      for (int j = 0; j < RN_VALS; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < dim) {
+          float o = __fmul_rn(v[j], rr);
+          if (weight != nullptr) o = __fmul_rn(o, w[j]);
+          if (round_out) o = round_bf16(o);
+          row[i] = o;
+        }
+      }
+      continue;
+    }
     double acc = 0.0;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
       const double v = (double)row[i];

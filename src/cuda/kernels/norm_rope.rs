@@ -102,6 +102,17 @@ pub const HADAMARD_MAX: usize = 1024;
 
 /// Threads per block of the per-row kernels (a multiple of 32).
 const ROW_THREADS: u32 = 256;
+/// Values an `rmsnorm_kernel` thread holds in registers (RN_VALS): a row of at most this many
+/// values a thread is read once, every load in flight at once.
+pub const RMSNORM_VALUES: usize = 4;
+
+/// Threads of an `rmsnorm_kernel` block for rows of `dim` values: 128 up to 128 values,
+/// [`ROW_THREADS`] up to 1024, then enough (at most 1024) for [`RMSNORM_VALUES`] a thread, so
+/// the hidden size's rows (4096 on Flash) take the registers path.
+fn rmsnorm_threads(dim: usize) -> u32 {
+    let base = if dim <= 128 { 128 } else { ROW_THREADS };
+    base.max(dim.div_ceil(RMSNORM_VALUES).next_multiple_of(32).min(1024) as u32)
+}
 /// Threads per block of the flat elementwise kernels.
 const FLAT_THREADS: u32 = 256;
 /// Most blocks of a launch; the kernels loop (grid-stride) over the rest.
@@ -176,7 +187,7 @@ impl NormRope {
             to_i32(K, "dim", dim)?,
             to_i32(K, "ld", ld)?,
         );
-        let threads = if dim <= 128 { 128 } else { ROW_THREADS };
+        let threads = rmsnorm_threads(dim);
         let _g = ctx.enter()?;
         let args = rmsnorm_kernel::Args {
             x,
@@ -531,5 +542,26 @@ impl NormRope {
         };
         self.to_bf16
             .launch(flat_blocks(n), FLAT_THREADS, 0, stream, args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rmsnorm_blocks_hold_the_model_rows_in_registers() {
+        assert_eq!(rmsnorm_threads(64), 128);
+        assert_eq!(rmsnorm_threads(512), ROW_THREADS);
+        assert_eq!(rmsnorm_threads(1536), 384);
+        assert_eq!(rmsnorm_threads(4096), 1024);
+        // V4 Pro's 7168: 1024 threads, the kernel's strided loop.
+        assert_eq!(rmsnorm_threads(7168), 1024);
+        for dim in [64, 128, 512, 1024, 1536, 4096] {
+            assert!(
+                dim <= RMSNORM_VALUES * rmsnorm_threads(dim) as usize,
+                "dim {dim}"
+            );
+        }
     }
 }
