@@ -159,11 +159,18 @@ DSV4_INLINE void hc_gates(const float* m, int N, const float* base, const float*
 
 // out[i] = f32(Σ_n f64(w_n * xt[n, i])) (products in f32, the sum in stream order from -0.0),
 // bf16 if round_out, for columns i0 <= i < i1 of one token's streams xt [N, D] (block-strided).
+// The N stream values of a column are loaded before they are summed (N <= HC_MAX_N): a loop that
+// adds each as it loads waits a memory round trip per stream.
 DSV4_INLINE void hc_collapse(const float* xt, const float* w, int N, int D, int i0, int i1, int round_out,
                              float* out) {
   for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+    float xs[HC_MAX_N];
+#pragma unroll
+    for (int n = 0; n < HC_MAX_N; ++n) xs[n] = n < N ? xt[(long long)n * D + i] : 0.0f;
     double s = -0.0;
-    for (int n = 0; n < N; ++n) s = __dadd_rn(s, (double)__fmul_rn(w[n], xt[(long long)n * D + i]));
+#pragma unroll
+    for (int n = 0; n < HC_MAX_N; ++n)
+      if (n < N) s = __dadd_rn(s, (double)__fmul_rn(w[n], xs[n]));
     float v = (float)s;
     if (round_out) v = round_bf16(v);
     out[i] = v;
