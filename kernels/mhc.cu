@@ -159,11 +159,18 @@ DSV4_INLINE void hc_gates(const float* m, int N, const float* base, const float*
 
 // out[i] = f32(Σ_n f64(w_n * xt[n, i])) (products in f32, the sum in stream order from -0.0),
 // bf16 if round_out, for columns i0 <= i < i1 of one token's streams xt [N, D] (block-strided).
+// The N stream values of a column are loaded before they are summed (N <= HC_MAX_N): a loop that
+// adds each as it loads waits a memory round trip per stream.
 DSV4_INLINE void hc_collapse(const float* xt, const float* w, int N, int D, int i0, int i1, int round_out,
                              float* out) {
   for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+    float xs[HC_MAX_N];
+#pragma unroll
+    for (int n = 0; n < HC_MAX_N; ++n) xs[n] = n < N ? xt[(long long)n * D + i] : 0.0f;
     double s = -0.0;
-    for (int n = 0; n < N; ++n) s = __dadd_rn(s, (double)__fmul_rn(w[n], xt[(long long)n * D + i]));
+#pragma unroll
+    for (int n = 0; n < HC_MAX_N; ++n)
+      if (n < N) s = __dadd_rn(s, (double)__fmul_rn(w[n], xs[n]));
     float v = (float)s;
     if (round_out) v = round_bf16(v);
     out[i] = v;
@@ -294,12 +301,24 @@ extern "C" __global__ void hc_mix_partial_kernel(const float* x, int N, int D, c
 
 // hc_mix_logits' m for token blockIdx.y from its S partial sums (hc_mix_partial_kernel), added in
 // s order from 0.0 into sums (shared double[mix + 1]). Every thread calls; blockDim > mix.
+// The partials are loaded HC_FINISH_LOADS at a time before they are added (the same order): a
+// loop that adds each as it loads waits a memory round trip per split (32 at one token: most of a
+// batch-1 hc_pre_finish's ~28 us).
+#define HC_FINISH_LOADS 16
 DSV4_INLINE void hc_finish_logits(const double* partials, int S, int mix, long long cols, float rms_eps, float* m,
                                   double* sums) {
   const double* p = partials + (long long)blockIdx.y * S * (mix + 1);
   if (threadIdx.x <= mix) {
     double s = 0.0;
-    for (int k = 0; k < S; ++k) s = __dadd_rn(s, p[(long long)k * (mix + 1) + threadIdx.x]);
+    for (int k0 = 0; k0 < S; k0 += HC_FINISH_LOADS) {
+      double v[HC_FINISH_LOADS];
+#pragma unroll
+      for (int j = 0; j < HC_FINISH_LOADS; ++j)
+        v[j] = k0 + j < S ? p[(long long)(k0 + j) * (mix + 1) + threadIdx.x] : 0.0;
+#pragma unroll
+      for (int j = 0; j < HC_FINISH_LOADS; ++j)
+        if (k0 + j < S) s = __dadd_rn(s, v[j]);
+    }
     sums[threadIdx.x] = s;
   }
   __syncthreads();
