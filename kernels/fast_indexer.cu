@@ -23,9 +23,16 @@
 
 // Grid (T, ceil(maxe / FI_CHUNK_KEYS)), FI_THREADS threads (warp w: heads 16w .. 16w + 15).
 // Dynamic shared memory: Q [FI_MAX_HEADS][DI + 8] bf16, K [FI_TILE_KEYS][DI + 8] bf16, w
-// [FI_MAX_HEADS] f32, per-warp partial scores [FI_WARPS][FI_TILE_KEYS] f32. HI <= FI_MAX_HEADS,
-// DI % 16 == 0 and <= FI_MAX_DIM (the wrapper checks). ikeys: official indexer-key pages
-// (kv_pages.cuh) through itable. scores: [T][maxe], entries < visible of real tokens written.
+// [FI_MAX_HEADS] f32, per-warp partial scores [FI_WARPS][FI_TILE_KEYS] f32, the chunk's key row and
+// scale addresses [2][FI_CHUNK_KEYS] (8 bytes each). HI <= FI_MAX_HEADS, DI % 16 == 0 and <=
+// FI_MAX_DIM (the wrapper checks). ikeys: official indexer-key pages (kv_pages.cuh) through
+// itable. scores: [T][maxe], entries < visible of real tokens written.
+// Memory latency: the chunk's block-table lookups are made once, together, at the start; a key
+// tile's code and scale loads (FI_DECODE_TASKS a thread, 16 values each) are all issued before any
+// is used, and the next tile's are issued before this tile's products, so they are in flight
+// during them. (Loading and decoding 8 values at a time, each behind its own table lookup, waited
+// ~16 memory round trips a tile.)
+#define FI_DECODE_TASKS (FI_TILE_KEYS * (FI_MAX_DIM / 16) / FI_THREADS)
 extern "C" __global__ void __launch_bounds__(FI_THREADS)
     fi_score_kernel(const float* qi, const float* iw, const unsigned char* ikeys,
                     const int* itable, int ipps, const int* positions, const int* seq_of,
@@ -51,8 +58,16 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
   unsigned short* ks = qs + FI_MAX_HEADS * stride;
   float* ws = (float*)(ks + FI_TILE_KEYS * stride);
   float* part = ws + FI_MAX_HEADS;
+  const unsigned char** krow = (const unsigned char**)(part + FI_WARPS * FI_TILE_KEYS);
+  const unsigned char** ksc = krow + FI_CHUNK_KEYS;
   const KvRowFmt kf = kv_fmt_index(DI, 1);
 
+  // The chunk's key addresses (one block-table lookup a key).
+  for (int j = tid; j < e_end - e_begin; j += FI_THREADS) {
+    const KvRowPtr p = kv_row(kf, ikeys, itable, ipps, slot, e_begin + j);
+    krow[j] = p.row;
+    ksc[j] = p.sc;
+  }
   // Q as bf16 (rows past HI zero) and the head weights.
   const int q4 = DI / 4;
   for (int i = tid; i < FI_MAX_HEADS * q4; i += FI_THREADS) {
@@ -71,28 +86,52 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
       smem_addr(ks + ((lane & 7) + ((lane >> 4) << 3)) * stride + ((lane >> 3) & 1) * 8);
   const int h0 = warp * 16 + g, h1 = h0 + 8;
 
-  for (int e0 = e_begin; e0 < e_end; e0 += FI_TILE_KEYS) {
-    __syncthreads();  // Q, w written; the previous tile's K and partials consumed
-    // Keys e0 .. e0 + FI_TILE_KEYS - 1 decoded to bf16 (past visible: zero), 8 values a task:
-    // 4 code bytes (8 nibbles, low = even channel) of one scale block.
-    const int tasks = DI / 8;
-    for (int i = tid; i < FI_TILE_KEYS * tasks; i += FI_THREADS) {
-      const int r = i / tasks, c0 = (i % tasks) * 8;
-      uint4 w = make_uint4(0u, 0u, 0u, 0u);
-      if (e0 + r < e_end) {
-        const KvRowPtr p = kv_row(kf, ikeys, itable, ipps, slot, e0 + r);
-        const unsigned codes = *(const unsigned*)(p.row + c0 / 2);
-        const float s = e8m0_to_f32(p.sc[c0 / KV_FP4_BLOCK]);
-        unsigned v[4];
+  // A tile's decode tasks: task i = tid + FI_THREADS u is key row i / per_key, values 16 (i %
+  // per_key) .. + 15: 8 code bytes (16 nibbles, low = even channel) of one scale block.
+  const int per_key = DI / 16, tasks = FI_TILE_KEYS * per_key;
+  uint2 code[FI_DECODE_TASKS];
+  unsigned scb[FI_DECODE_TASKS];
+  auto fetch = [&](int e0) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const unsigned b = (codes >> (8 * k)) & 0xffu;
-          v[k] = pack_bf16x2(__fmul_rn(e2m1_to_f32(b & 15u), s), __fmul_rn(e2m1_to_f32(b >> 4), s));
-        }
-        w = make_uint4(v[0], v[1], v[2], v[3]);
+    for (int u = 0; u < FI_DECODE_TASKS; ++u) {
+      const int i = tid + FI_THREADS * u, r = i / per_key, c16 = i - r * per_key;
+      code[u] = make_uint2(0u, 0u);
+      scb[u] = 0u;
+      if (i < tasks && e0 + r < e_end) {
+        code[u] = *(const uint2*)(krow[e0 - e_begin + r] + 8 * c16);
+        scb[u] = ksc[e0 - e_begin + r][16 * c16 / KV_FP4_BLOCK];
       }
-      *(uint4*)(ks + r * stride + c0) = w;
     }
+  };
+  __syncthreads();  // the addresses, Q and w written
+  fetch(e_begin);
+
+  for (int e0 = e_begin; e0 < e_end; e0 += FI_TILE_KEYS) {
+    __syncthreads();  // the previous tile's K and partials consumed
+    // Keys e0 .. e0 + FI_TILE_KEYS - 1 decoded to bf16 (past e_end: zero).
+#pragma unroll
+    for (int u = 0; u < FI_DECODE_TASKS; ++u) {
+      const int i = tid + FI_THREADS * u, r = i / per_key, c16 = i - r * per_key;
+      if (i < tasks) {
+        uint4 w[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+        if (e0 + r < e_end) {
+          const float s = e8m0_to_f32((ue8m0_t)scb[u]);
+          unsigned v[8];
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            const unsigned b = ((k < 4 ? code[u].x : code[u].y) >> (8 * (k & 3))) & 0xffu;
+            v[k] = pack_bf16x2(__fmul_rn(e2m1_to_f32(b & 15u), s), __fmul_rn(e2m1_to_f32(b >> 4), s));
+          }
+          w[0] = make_uint4(v[0], v[1], v[2], v[3]);
+          w[1] = make_uint4(v[4], v[5], v[6], v[7]);
+        }
+        uint4* dst = (uint4*)(ks + r * stride + 16 * c16);
+        dst[0] = w[0];
+        dst[1] = w[1];
+      }
+    }
+    // The next tile's loads go out now: in flight during this tile's products.
+    if (e0 + FI_TILE_KEYS < e_end) fetch(e0 + FI_TILE_KEYS);
     __syncthreads();
 
     // d = Q K^T for this warp's 16 heads x the tile's keys (n-tiles of 8 keys).

@@ -29,9 +29,13 @@ pub const TOPK_THREADS: usize = 512;
 pub const MAX_SORT: usize = 2048;
 
 /// Dynamic shared memory of a scoring block for head dim `di`: Q and one key tile as bf16 rows
-/// padded by 8 values, the head weights, the warps' partial scores.
+/// padded by 8 values, the head weights, the warps' partial scores, the chunk's key row and
+/// scale addresses.
 pub const fn score_smem_bytes(di: usize) -> usize {
-    2 * (MAX_HEADS + TILE_KEYS) * (di + 8) + 4 * MAX_HEADS + 4 * (THREADS / 32) * TILE_KEYS
+    2 * (MAX_HEADS + TILE_KEYS) * (di + 8)
+        + 4 * MAX_HEADS
+        + 4 * (THREADS / 32) * TILE_KEYS
+        + 2 * 8 * CHUNK_KEYS
 }
 
 /// The largest scoring block (the registry raises the kernel's limit to it).
