@@ -10,8 +10,10 @@
 //!   order, ties to the lower index), against `reference::ops::top_k` on the host;
 //! - every score is within the derived bound of the reference's: with D_h the exact q_h . k
 //!   (computed here in f64) and A_h = Σ_c |q_hc k_c|, the fast d_h differs from the reference's
-//!   by at most 2^-8 |D_h| (both round to BF16) + ε_h, ε_h = (DI/16 + 1) 2^-23 A_h (the tensor
-//!   core's f32 sum); times |w_h| over the heads, the f32 head sum (HI + 2) 2^-24 Σ|D_h w_h|,
+//!   by at most 2^-8 |D_h| (both round to BF16) + ε_h, ε_h = 2^-8 A_h + (DI/32 + 2) 2^-24 A_h
+//!   (each 32-block's sum on the FP8 tensor core, whose accumulator keeps at least 13 bits of its
+//!   largest term, so 32 terms err by at most 2^-8 of their absolute sum; then the f32 promotion
+//!   of the DI/32 blocks); times |w_h| over the heads, the f32 head sum (HI + 2) 2^-24 Σ|D_h w_h|,
 //!   and both final BF16 roundings: |s_f - s_r| <= (1 + 2^-8) [Σ_h |w_h| (2^-8 |D_h| + 1.01 ε_h)
 //!   + (HI + 2) 2^-24 (1 + 2^-7) Σ_h |D_h w_h|] + 2^-8 |s_r|;
 //! - the selected sets equal the reference's wherever the margin exceeds that rounding: an
@@ -186,7 +188,7 @@ fn bounds(b: &Batch, keys: &Keys, i: usize, s_ref: &[f32]) -> Vec<f64> {
                     d += p;
                     a += p.abs();
                 }
-                let eps = (di as f64 / 16.0 + 1.0) * 2f64.powi(-23) * a;
+                let eps = (2f64.powi(-8) + (di as f64 / 32.0 + 2.0) * 2f64.powi(-24)) * a;
                 let w = (b.iw[i * hi + h] as f64).abs();
                 per_head += w * (u * d.abs() + 1.01 * eps);
                 dw += (d * w).abs();
