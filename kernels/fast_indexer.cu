@@ -4,10 +4,10 @@
 // indexer key, then the top min(topk, visible) in rank order: larger first, ties to the lower
 // entry index, NaN lowest) in two launches.
 // - fi_score_kernel: per (token, chunk of keys), all heads of the token against a chunk of its
-//   keys on BF16 tensor cores: queries and keys are official FP4 values (e2m1 x 2^k, exact in
-//   BF16), so the products are exact and only the f32 sum over the 128 dims differs from the
-//   reference's f64 one. d_h = bf16(q_h . k), score = bf16(sum_h relu(d_h) * w_h) (f32 sums over
-//   heads in a fixed tree order). Writes the scores (BF16 values) to the workspace row.
+//   keys on FP8 tensor cores (wgmma): queries and keys are official FP4 values (e2m1 x 2^k, exact
+//   in e4m3), so the products are exact; each 32-block's sum is the tensor core's, promoted into
+//   f32. d_h = bf16(q_h . k), score = bf16(sum_h relu(d_h) * w_h) (f32 sums over heads in a fixed
+//   tree order). Writes the scores (BF16 values) to the workspace row.
 // - fi_topk_kernel: one block per token, exact selection on the scores: a 16-bit order key per
 //   BF16 score, two 8-bit radix histograms (warp-aggregated shared atomics) find the k-th key,
 //   the keys above it and the lowest indices among those equal to it are gathered in index order
@@ -21,18 +21,63 @@
 // FI_MAX_SORT (dsv4_consts.cuh).
 #define FI_WARPS (FI_THREADS / 32)
 
-// Grid (T, ceil(maxe / FI_CHUNK_KEYS)), FI_THREADS threads (warp w: heads 16w .. 16w + 15).
-// Dynamic shared memory: Q [FI_MAX_HEADS][DI + 8] bf16, K [FI_TILE_KEYS][DI + 8] bf16, w
-// [FI_MAX_HEADS] f32, per-warp partial scores [FI_WARPS][FI_TILE_KEYS] f32. HI <= FI_MAX_HEADS,
-// DI % 16 == 0 and <= FI_MAX_DIM (the wrapper checks). ikeys: official indexer-key pages
-// (kv_pages.cuh) through itable. scores: [T][maxe], entries < visible of real tokens written.
+// Grid (T, ceil(maxe / FI_CHUNK_KEYS)), FI_THREADS = 128 threads: one warpgroup, whose m64 wgmma
+// rows are the heads (warp w: heads 16w .. 16w + 15, thread (g, t): heads 16w + g and 16w + g + 8).
+// HI <= FI_MAX_HEADS = 64, DI % 32 == 0 and <= FI_MAX_DIM (the wrapper checks). ikeys: official
+// indexer-key pages (kv_pages.cuh) through itable. scores: [T][maxe], entries < visible of real
+// tokens written.
+//
+// The products on FP8 tensor cores, exactly: official queries and keys are FP4 values (e2m1 x a
+// power of two per 32 of the dims), and so is every product's pair of factors in e4m3.
+// - A (the queries, registers, built once a block): head h's 32-block b as e4m3 codes of q / 2^e,
+//   e = floor(log2 amax) - 7 (amax of the block's 32 values: every value then lies in [2^3, 2^8)
+//   with at most two significant bits, exact in e4m3), in fragment order (fp8_mma.cuh), and the
+//   row factor 2^e.
+// - B (a tile of FI_TILE_KEYS keys, shared memory, [DI / 16 chunks][key][16 bytes], the MoE's
+//   activation layout): the FP4 bit move of each key's codes (e4m3 of value x 2^-6; even elements
+//   in chunk 2b, odd in 2b + 1: fragment order) and the column factor 2^6 x the key's block scale.
+// - Per 32-block, one wgmma m64n64k32 from zero, then acc += d x row factor x column factor (the
+//   block's 32-term sum is the tensor core's; promoting each keeps its reduced-precision
+//   accumulator to 32 terms, ../shared/KERNELS.md §1).
+// Then d_h = bf16(acc), score = bf16(sum_h relu(d_h) * w_h): the f32 head sum in a fixed order (the
+// warp's 16 heads by shuffles, then the 4 warps in order).
+// Shared memory (dynamic): K tile [DI / 16][FI_TILE_KEYS][16] bytes, column factors [DI / 32]
+// [FI_TILE_KEYS] f32, w [FI_MAX_HEADS] f32, partial scores [FI_WARPS][FI_TILE_KEYS] f32, the
+// chunk's key row and scale addresses [2][FI_CHUNK_KEYS] (8 bytes each).
+// Memory latency: the chunk's block-table lookups are made once, together, at the start; a tile's
+// code and scale loads (FI_DECODE_TASKS a thread, one 32-block of one key each) are all issued
+// before any is used, and the next tile's before this tile's products.
+#define FI_BLOCKS (FI_MAX_DIM / 32)
+#define FI_DECODE_TASKS (FI_TILE_KEYS * FI_BLOCKS / FI_THREADS)
+
+// One wgmma m64n64k32 e4m3 x e4m3 -> f32 from zero: d = A B (A: the thread's fragment words, B: the
+// descriptor's tile).
+DSV4_INLINE void fi_wgmma(float (&d)[32], const unsigned (&a)[4], unsigned long long desc) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1; }\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
+}
+
+// The e4m3 codes of 4 values (|v| < 448, exactly representable: see above) as one word, byte i = v[i].
+DSV4_INLINE unsigned fi_e4m3x4(float v0, float v1, float v2, float v3) {
+  return e4m3_code_rn(v0) | (e4m3_code_rn(v1) << 8) | (e4m3_code_rn(v2) << 16) | (e4m3_code_rn(v3) << 24);
+}
+
 extern "C" __global__ void __launch_bounds__(FI_THREADS)
     fi_score_kernel(const float* qi, const float* iw, const unsigned char* ikeys,
                     const int* itable, int ipps, const int* positions, const int* seq_of,
                     const int* seq_slots, int T, int HI, int DI, int ratio, int maxe,
                     float* scores) {
   dsv4_pdl_begin();
-  extern __shared__ __align__(16) unsigned char fi_smem[];
+  extern __shared__ __align__(128) unsigned char fi_smem[];
   const int t = blockIdx.x, chunk = blockIdx.y;
   if (t >= T) return;
   const int slot = seq_slots[seq_of[t]];
@@ -46,68 +91,121 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, cq = lane & 3;
-  const int stride = DI + 8;  // bf16 elements: rows 16 bytes apart modulo 128 (ldmatrix banks)
-  unsigned short* qs = (unsigned short*)fi_smem;
-  unsigned short* ks = qs + FI_MAX_HEADS * stride;
-  float* ws = (float*)(ks + FI_TILE_KEYS * stride);
-  float* part = ws + FI_MAX_HEADS;
-  const KvRowFmt kf = kv_fmt_index(DI, 1);
+  const int nblk = DI / 32;
+  unsigned char* kt = fi_smem;                                    // [DI / 16][FI_TILE_KEYS][16]
+  float* kf = (float*)(kt + DI * FI_TILE_KEYS);                   // [DI / 32][FI_TILE_KEYS]
+  float* ws = kf + nblk * FI_TILE_KEYS;                           // [FI_MAX_HEADS]
+  float* part = ws + FI_MAX_HEADS;                                // [FI_WARPS][FI_TILE_KEYS]
+  const unsigned char** krow = (const unsigned char**)(part + FI_WARPS * FI_TILE_KEYS);
+  const unsigned char** ksc = krow + FI_CHUNK_KEYS;
+  const KvRowFmt kf_fmt = kv_fmt_index(DI, 1);
 
-  // Q as bf16 (rows past HI zero) and the head weights.
-  const int q4 = DI / 4;
-  for (int i = tid; i < FI_MAX_HEADS * q4; i += FI_THREADS) {
-    const int h = i / q4, c = (i % q4) * 4;
-    uint2 w = make_uint2(0u, 0u);
-    if (h < HI) {
-      const float4 v = *(const float4*)(qi + ((long long)t * HI + h) * DI + c);
-      w = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
-    }
-    *(uint2*)(qs + h * stride + c) = w;
+  // The chunk's key addresses (one block-table lookup a key).
+  for (int j = tid; j < e_end - e_begin; j += FI_THREADS) {
+    const KvRowPtr p = kv_row(kf_fmt, ikeys, itable, ipps, slot, e_begin + j);
+    krow[j] = p.row;
+    ksc[j] = p.sc;
   }
   for (int h = tid; h < FI_MAX_HEADS; h += FI_THREADS) ws[h] = h < HI ? iw[(long long)t * HI + h] : 0.0f;
 
-  const unsigned qa = smem_addr(qs + (warp * 16 + (lane & 15)) * stride + (lane >> 4) * 8);
-  const unsigned kb =
-      smem_addr(ks + ((lane & 7) + ((lane >> 4) << 3)) * stride + ((lane >> 3) & 1) * 8);
+  // A: heads h0 = 16 warp + g (row g of the warp's fragment) and h1 = h0 + 8; per 32-block b the
+  // thread's physical k 8 cq .. 8 cq + 7 (even ones -> a0 / a1, odd ones -> a2 / a3).
   const int h0 = warp * 16 + g, h1 = h0 + 8;
+  unsigned af[FI_BLOCKS][4];
+  float rf[FI_BLOCKS][2];
+#pragma unroll
+  for (int b = 0; b < FI_BLOCKS; ++b) {
+    af[b][0] = af[b][1] = af[b][2] = af[b][3] = 0u;
+    rf[b][0] = rf[b][1] = 0.0f;
+    if (b < nblk) {  // uniform
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int h = r == 0 ? h0 : h1;
+        float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        if (h < HI) {
+          const float* q = qi + ((long long)t * HI + h) * DI + 32 * b + 8 * cq;
+          const float4 x0 = *(const float4*)q, x1 = *(const float4*)(q + 4);
+          v[0] = x0.x; v[1] = x0.y; v[2] = x0.z; v[3] = x0.w;
+          v[4] = x1.x; v[5] = x1.y; v[6] = x1.z; v[7] = x1.w;
+        }
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the 4 threads of the row
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        const int e = amax > 0.0f && amax <= 3.0e38f ? dsv4_floor_log2(amax) - 7 : 0;
+        const float inv = dsv4_pow2(-e);
+        rf[b][r] = dsv4_pow2(e);
+        af[b][r] = fi_e4m3x4(v[0] * inv, v[2] * inv, v[4] * inv, v[6] * inv);      // a0 (row g) / a1 (g + 8)
+        af[b][2 + r] = fi_e4m3x4(v[1] * inv, v[3] * inv, v[5] * inv, v[7] * inv);  // a2 / a3
+      }
+    }
+  }
+
+  // A tile's decode tasks: task i = tid + FI_THREADS u is key row i / nblk, 32-block i % nblk: 16
+  // code bytes (32 nibbles, low = even channel) and one scale byte.
+  const int tasks = FI_TILE_KEYS * nblk;
+  uint4 code[FI_DECODE_TASKS];
+  unsigned scb[FI_DECODE_TASKS];
+  auto fetch = [&](int e0) {
+#pragma unroll
+    for (int u = 0; u < FI_DECODE_TASKS; ++u) {
+      const int i = tid + FI_THREADS * u, r = i / nblk, b = i - r * nblk;
+      code[u] = make_uint4(0u, 0u, 0u, 0u);
+      scb[u] = 0u;
+      if (i < tasks && e0 + r < e_end) {
+        code[u] = *(const uint4*)(krow[e0 - e_begin + r] + 16 * b);
+        scb[u] = ksc[e0 - e_begin + r][b];
+      }
+    }
+  };
+  __syncthreads();  // the addresses and w written
+  fetch(e_begin);
 
   for (int e0 = e_begin; e0 < e_end; e0 += FI_TILE_KEYS) {
-    __syncthreads();  // Q, w written; the previous tile's K and partials consumed
-    // Keys e0 .. e0 + FI_TILE_KEYS - 1 decoded to bf16 (past visible: zero), 8 values a task:
-    // 4 code bytes (8 nibbles, low = even channel) of one scale block.
-    const int tasks = DI / 8;
-    for (int i = tid; i < FI_TILE_KEYS * tasks; i += FI_THREADS) {
-      const int r = i / tasks, c0 = (i % tasks) * 8;
-      uint4 w = make_uint4(0u, 0u, 0u, 0u);
-      if (e0 + r < e_end) {
-        const KvRowPtr p = kv_row(kf, ikeys, itable, ipps, slot, e0 + r);
-        const unsigned codes = *(const unsigned*)(p.row + c0 / 2);
-        const float s = e8m0_to_f32(p.sc[c0 / KV_FP4_BLOCK]);
-        unsigned v[4];
+    __syncthreads();  // the previous tile's K and partials consumed
+    // Keys e0 .. e0 + FI_TILE_KEYS - 1 (past e_end: zero codes and factors).
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const unsigned b = (codes >> (8 * k)) & 0xffu;
-          v[k] = pack_bf16x2(__fmul_rn(e2m1_to_f32(b & 15u), s), __fmul_rn(e2m1_to_f32(b >> 4), s));
-        }
-        w = make_uint4(v[0], v[1], v[2], v[3]);
+    for (int u = 0; u < FI_DECODE_TASKS; ++u) {
+      const int i = tid + FI_THREADS * u, r = i / nblk, b = i - r * nblk;
+      if (i < tasks) {
+        const unsigned w[4] = {code[u].x, code[u].y, code[u].z, code[u].w};
+        unsigned ev[4], od[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) e2m1x8_to_e4m3_eo(w[k], ev[k], od[k]);
+        *(uint4*)(kt + ((2 * b) * FI_TILE_KEYS + r) * 16) = make_uint4(ev[0], ev[1], ev[2], ev[3]);
+        *(uint4*)(kt + ((2 * b + 1) * FI_TILE_KEYS + r) * 16) = make_uint4(od[0], od[1], od[2], od[3]);
+        kf[b * FI_TILE_KEYS + r] = e0 + r < e_end ? __fmul_rn(64.0f, e8m0_to_f32((ue8m0_t)scb[u])) : 0.0f;
       }
-      *(uint4*)(ks + r * stride + c0) = w;
     }
+    // The next tile's loads go out now: in flight during this tile's products.
+    if (e0 + FI_TILE_KEYS < e_end) fetch(e0 + FI_TILE_KEYS);
+    fence_proxy_async_shared();  // the tile's codes, for the wgmmas (async proxy)
     __syncthreads();
 
-    // d = Q K^T for this warp's 16 heads x the tile's keys (n-tiles of 8 keys).
-    float d[FI_TILE_KEYS / 8][4];
+    // acc[4j + c]: head 16 warp + g + 8 (c >> 1), key 8j + 2 cq + (c & 1) of the tile.
+    float acc[32];
 #pragma unroll
-    for (int n = 0; n < FI_TILE_KEYS / 8; ++n) d[n][0] = d[n][1] = d[n][2] = d[n][3] = 0.0f;
-    for (int k0 = 0; k0 < DI; k0 += 16) {
-      unsigned a[4];
-      ldmatrix_x4(qa + 2 * k0, a);
+    for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
 #pragma unroll
-      for (int np = 0; np < FI_TILE_KEYS / 16; ++np) {
-        unsigned b[4];
-        ldmatrix_x4(kb + 2 * (k0 + np * 16 * stride), b);
-        mma_bf16_16816(d[2 * np], a, b[0], b[1]);
-        mma_bf16_16816(d[2 * np + 1], a, b[2], b[3]);
+    for (int b = 0; b < FI_BLOCKS; ++b) {
+      if (b < nblk) {  // uniform
+        float d[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+        wgmma_fence();
+        fi_wgmma(d, af[b], wgmma_desc_noswizzle(kt + 2 * b * FI_TILE_KEYS * 16, FI_TILE_KEYS * 16, 128));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(d);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float c0 = kf[b * FI_TILE_KEYS + 8 * j + 2 * cq], c1 = kf[b * FI_TILE_KEYS + 8 * j + 2 * cq + 1];
+          acc[4 * j + 0] = fmaf(d[4 * j + 0], __fmul_rn(rf[b][0], c0), acc[4 * j + 0]);
+          acc[4 * j + 1] = fmaf(d[4 * j + 1], __fmul_rn(rf[b][0], c1), acc[4 * j + 1]);
+          acc[4 * j + 2] = fmaf(d[4 * j + 2], __fmul_rn(rf[b][1], c0), acc[4 * j + 2]);
+          acc[4 * j + 3] = fmaf(d[4 * j + 3], __fmul_rn(rf[b][1], c1), acc[4 * j + 3]);
+        }
       }
     }
     // relu(bf16(d_h)) * w_h summed over the warp's heads per key: rows g and g + 8 of the
@@ -117,8 +215,8 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
     for (int n = 0; n < FI_TILE_KEYS / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float v = __fadd_rn(__fmul_rn(fmaxf(round_bf16(d[n][e]), 0.0f), w0),
-                            __fmul_rn(fmaxf(round_bf16(d[n][2 + e]), 0.0f), w1));
+        float v = __fadd_rn(__fmul_rn(fmaxf(round_bf16(acc[4 * n + e]), 0.0f), w0),
+                            __fmul_rn(fmaxf(round_bf16(acc[4 * n + 2 + e]), 0.0f), w1));
         v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 4));
         v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 8));
         v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 16));

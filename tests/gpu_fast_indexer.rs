@@ -1,6 +1,6 @@
 //! GPU op test of the fast set's indexer (kernels/fast_indexer.cu) against the reference
 //! indexer kernel (kernels/indexer.cu) on the same device state, at Flash shapes (64 heads of
-//! 128, top-512, ratio 4): decode batches of 1, 8 and 64 tokens at contexts up to 64K (up to
+//! 128, top-512, ratio 4; also heads of 64 and 256): decode batches of 1, 8 and 64 tokens at contexts up to 64K (up to
 //! 16,250 visible keys), a 300-token prefill chunk, tokens with no key yet, fewer visible keys
 //! than the top-k, padding. Keys are random official pages (e2m1 nibbles, UE8M0 scales) through
 //! a scrambled block table; queries official FP4 values.
@@ -10,8 +10,10 @@
 //!   order, ties to the lower index), against `reference::ops::top_k` on the host;
 //! - every score is within the derived bound of the reference's: with D_h the exact q_h . k
 //!   (computed here in f64) and A_h = Σ_c |q_hc k_c|, the fast d_h differs from the reference's
-//!   by at most 2^-8 |D_h| (both round to BF16) + ε_h, ε_h = (DI/16 + 1) 2^-23 A_h (the tensor
-//!   core's f32 sum); times |w_h| over the heads, the f32 head sum (HI + 2) 2^-24 Σ|D_h w_h|,
+//!   by at most 2^-8 |D_h| (both round to BF16) + ε_h, ε_h = 2^-8 A_h + (DI/32 + 2) 2^-24 A_h
+//!   (each 32-block's sum on the FP8 tensor core, whose accumulator keeps at least 13 bits of its
+//!   largest term, so 32 terms err by at most 2^-8 of their absolute sum; then the f32 promotion
+//!   of the DI/32 blocks); times |w_h| over the heads, the f32 head sum (HI + 2) 2^-24 Σ|D_h w_h|,
 //!   and both final BF16 roundings: |s_f - s_r| <= (1 + 2^-8) [Σ_h |w_h| (2^-8 |D_h| + 1.01 ε_h)
 //!   + (HI + 2) 2^-24 (1 + 2^-7) Σ_h |D_h w_h|] + 2^-8 |s_r|;
 //! - the selected sets equal the reference's wherever the margin exceeds that rounding: an
@@ -56,26 +58,27 @@ fn families_compile_for_sm_90a() {
 
 /// Random official key pages (any e2m1 nibble, scales 2^-7 .. 2^-1) and a scrambled table.
 struct Keys {
+    di: usize,
     rows: KvRows,
     pool: Vec<u8>,
     table: Vec<i32>,
 }
 
 impl Keys {
-    fn random(rng: &mut XorShift) -> Keys {
-        Keys::from_patterns(rng, None)
+    fn random(rng: &mut XorShift, di: usize) -> Keys {
+        Keys::from_patterns(rng, None, di)
     }
 
     /// Every key row a copy of one of `patterns` random rows (None: every row its own), so a
     /// token's scores tie in `patterns` values at most: the selection's ties to the lower index
     /// decide nearly everything.
-    fn from_patterns(rng: &mut XorShift, patterns: Option<usize>) -> Keys {
-        let rows = KvRows::index_keys(KvFormat::Official, DI);
+    fn from_patterns(rng: &mut XorShift, patterns: Option<usize>, di: usize) -> Keys {
+        let rows = KvRows::index_keys(KvFormat::Official, di);
         let pps = KvRows::pages_for(MAXE);
         let n = SLOTS * pps;
         let random_row = |rng: &mut XorShift| -> (Vec<u8>, Vec<u8>) {
-            let codes = (0..DI / 2).map(|_| rng.below(256) as u8).collect();
-            let scales = (0..DI / 32).map(|_| 120 + rng.below(7) as u8).collect();
+            let codes = (0..di / 2).map(|_| rng.below(256) as u8).collect();
+            let scales = (0..di / 32).map(|_| 120 + rng.below(7) as u8).collect();
             (codes, scales)
         };
         let fixed: Vec<_> = (0..patterns.unwrap_or(0))
@@ -89,12 +92,13 @@ impl Keys {
                 } else {
                     fixed[rng.below(fixed.len() as u64) as usize].clone()
                 };
-                page[r * rows.row_bytes()..][..DI / 2].copy_from_slice(&codes);
+                page[r * rows.row_bytes()..][..di / 2].copy_from_slice(&codes);
                 let sc = KV_PAGE * rows.row_bytes() + r * rows.scale_bytes();
-                page[sc..sc + DI / 32].copy_from_slice(&scales);
+                page[sc..sc + di / 32].copy_from_slice(&scales);
             }
         }
         Keys {
+            di,
             rows,
             pool,
             table: scrambled_table(n),
@@ -112,20 +116,29 @@ impl Keys {
 /// A batch: its layout and inputs.
 struct Batch {
     layout: BatchLayout,
+    di: usize,
+    /// Index heads (HI, but fewer where the reference's shared memory cannot hold HI of `di`).
+    hi: usize,
     qi: Vec<f32>,
     iw: Vec<f32>,
 }
 
 impl Batch {
-    fn new(rng: &mut XorShift, seqs: &[(i32, usize, usize)]) -> Batch {
+    fn new(rng: &mut XorShift, seqs: &[(i32, usize, usize)], di: usize) -> Batch {
+        Batch::with_heads(rng, seqs, di, HI)
+    }
+
+    fn with_heads(rng: &mut XorShift, seqs: &[(i32, usize, usize)], di: usize, hi: usize) -> Batch {
         let mut b = Batch {
             layout: BatchLayout::new(seqs),
+            di,
+            hi,
             qi: vec![],
             iw: vec![],
         };
         let t = b.layout.tokens();
         // Official queries: e2m1 values times a power of two per 32 channels.
-        b.qi = (0..t * HI * DI / 32)
+        b.qi = (0..t * hi * di / 32)
             .flat_map(|_| {
                 let s = e8m0_to_f32(122 + rng.below(5) as u8);
                 (0..32)
@@ -133,9 +146,9 @@ impl Batch {
                     .collect::<Vec<_>>()
             })
             .collect();
-        let scale = 1.0 / ((DI * HI) as f32).sqrt();
+        let scale = 1.0 / ((di * hi) as f32).sqrt();
         b.iw = rng
-            .vec(t * HI, 1.0, true)
+            .vec(t * hi, 1.0, true)
             .iter()
             .map(|v| v * scale)
             .collect();
@@ -162,24 +175,25 @@ fn bounds(b: &Batch, keys: &Keys, i: usize, s_ref: &[f32]) -> Vec<f64> {
         return vec![];
     };
     let u = 2f64.powi(-8);
+    let (di, hi) = (b.di, b.hi);
     (0..visible)
         .map(|e| {
             let k = keys.key(slot, e);
             let (mut per_head, mut dw) = (0.0f64, 0.0f64);
-            for h in 0..HI {
-                let q = &b.qi[(i * HI + h) * DI..][..DI];
+            for h in 0..hi {
+                let q = &b.qi[(i * hi + h) * di..][..di];
                 let (mut d, mut a) = (0.0f64, 0.0f64);
-                for c in 0..DI {
+                for c in 0..di {
                     let p = q[c] as f64 * k[c] as f64;
                     d += p;
                     a += p.abs();
                 }
-                let eps = (DI as f64 / 16.0 + 1.0) * 2f64.powi(-23) * a;
-                let w = (b.iw[i * HI + h] as f64).abs();
+                let eps = (2f64.powi(-8) + (di as f64 / 32.0 + 2.0) * 2f64.powi(-24)) * a;
+                let w = (b.iw[i * hi + h] as f64).abs();
                 per_head += w * (u * d.abs() + 1.01 * eps);
                 dw += (d * w).abs();
             }
-            let sum = (HI as f64 + 2.0) * 2f64.powi(-24) * (1.0 + 2.0 * u) * dw;
+            let sum = (hi as f64 + 2.0) * 2f64.powi(-24) * (1.0 + 2.0 * u) * dw;
             (1.0 + u) * (per_head + sum) + u * (s_ref[e] as f64).abs() + 1e-30
         })
         .collect()
@@ -199,6 +213,7 @@ fn run(
     b: &Batch,
     s: BorrowedStream,
 ) -> [Run; 3] {
+    assert_eq!(keys.di, b.di, "keys and queries of one head dim");
     let g = family_gpu(&FAMILIES).unwrap();
     let t = b.t();
     let sizes = [
@@ -208,8 +223,8 @@ fn run(
         b.layout.query_start.len() * 4,
         b.layout.seq_slots.len() * 4,
         t * 4,
-        t * HI * DI * 4,
-        t * HI * 4,
+        t * b.hi * b.di * 4,
+        t * b.hi * 4,
         t * MAXE * 4,
         t * TOPK * 4,
         t * 4,
@@ -244,8 +259,8 @@ fn run(
             pages_per_slot: KvRows::pages_for(MAXE),
             rows: keys.rows,
         },
-        heads: HI,
-        dim: DI,
+        heads: b.hi,
+        dim: b.di,
         ratio: RATIO,
         topk: TOPK,
         maxe: MAXE,
@@ -402,9 +417,9 @@ fn tied_scores_select_the_lowest_indices() {
     // One pattern: every score of a token equal (the top-k is its first k entries); three: the
     // k-th score's ties straddle the selection boundary.
     for patterns in [1, 3] {
-        let keys = Keys::from_patterns(&mut rng, Some(patterns));
+        let keys = Keys::from_patterns(&mut rng, Some(patterns), DI);
         let seqs = decode(8, &[3, 700, 2047, 2048, 2049, 5000, 30_000, 65_535]);
-        let b = Batch::new(&mut rng, &seqs);
+        let b = Batch::new(&mut rng, &seqs, DI);
         let [r, f, again] = run(&reference, &fast, &keys, &b, s);
         let name = format!("{patterns} key pattern(s)");
         check(&name, &keys, &b, &r, &f);
@@ -428,7 +443,7 @@ fn fast_indexer_matches_the_reference_within_the_bound() {
     let s = stream.borrow();
     let _c = g.ctx.enter().unwrap();
     let mut rng = XorShift(0x1d3_5eed);
-    let keys = Keys::random(&mut rng);
+    let keys = Keys::random(&mut rng, DI);
     let batches = [
         decode(1, &[65_000]),
         decode(8, &[0, 2, 3, 700, 2047, 2048, 30_000, 65_535]),
@@ -436,7 +451,7 @@ fn fast_indexer_matches_the_reference_within_the_bound() {
         vec![(1, 1000, 150), (2, 0, 150), (-1, 0, 4)],
     ];
     for (k, seqs) in batches.iter().enumerate() {
-        let b = Batch::new(&mut rng, seqs);
+        let b = Batch::new(&mut rng, seqs, DI);
         let [r, f, again] = run(&reference, &fast, &keys, &b, s);
         let name = format!("batch {k}");
         check(&name, &keys, &b, &r, &f);
@@ -448,5 +463,44 @@ fn fast_indexer_matches_the_reference_within_the_bound() {
                 && f.selected == again.selected,
             "{name}: two runs differ"
         );
+    }
+}
+
+#[test]
+fn other_index_head_dims_match_the_reference() {
+    let _l = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(g) = family_gpu(&FAMILIES) else {
+        return;
+    };
+    let reference = Indexer::new(&g.reg).unwrap();
+    let fast = FastIndexer::new(&g.reg).unwrap();
+    let stream = OwnedStream::new(&g.ctx).unwrap();
+    let s = stream.borrow();
+    let _c = g.ctx.enter().unwrap();
+    let mut rng = XorShift(0xd1_5eed);
+    // The other power-of-two head dims the config allows and the fast kernel covers: 64 (four
+    // 16-value decode tasks a key) and the largest, 256 (every decode register of a thread), at
+    // 16 heads: the reference kernel's shared memory holds a token's queries and its per-head
+    // dots, and 64 or 32 heads of 256 do not fit its 96 KB (169 KB, 101 KB).
+    for (di, hi) in [(64, HI), (fast_indexer::MAX_DIM, HI / 4)] {
+        let keys = Keys::random(&mut rng, di);
+        let batches = [
+            decode(8, &[0, 3, 700, 2047, 2048, 5000, 9000, 12_000]),
+            vec![(1, 1000, 150), (-1, 0, 4)],
+        ];
+        for (k, seqs) in batches.iter().enumerate() {
+            let b = Batch::with_heads(&mut rng, seqs, di, hi);
+            let [r, f, again] = run(&reference, &fast, &keys, &b, s);
+            let name = format!("{hi} heads of {di}, batch {k}");
+            check(&name, &keys, &b, &r, &f);
+            assert!(
+                f.scores
+                    .iter()
+                    .zip(&again.scores)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+                    && f.selected == again.selected,
+                "{name}: two runs differ"
+            );
+        }
     }
 }

@@ -1,10 +1,11 @@
 //! Rust side of the `fast_indexer` kernel family (kernels/fast_indexer.cu): the fast set's
 //! lightning indexer. `fi_score_kernel` scores every visible key of each token with all heads
-//! on BF16 tensor cores (official FP4 queries and keys are exact in BF16), `fi_topk_kernel`
-//! selects the top min(topk, visible) exactly on those scores (radix select on their BF16 bits,
-//! ties to the lower index, rank order). Takes the reference's [`IndexerArgs`]; the keys must be
-//! stored in the official format. tests/gpu_fast_indexer.rs bounds the scores against the
-//! reference kernel and checks the selection against an exact top-k of the fast scores.
+//! on FP8 tensor cores (wgmma; official FP4 queries and keys are exact in e4m3, each 32-block's
+//! sum promoted into f32), `fi_topk_kernel` selects the top min(topk, visible) exactly on those
+//! scores (radix select on their BF16 bits, ties to the lower index, rank order). Takes the
+//! reference's [`IndexerArgs`]; the keys must be stored in the official format.
+//! tests/gpu_fast_indexer.rs bounds the scores against the reference kernel and checks the
+//! selection against an exact top-k of the fast scores.
 
 use super::attention::BatchMeta;
 use super::indexer::IndexerArgs;
@@ -14,7 +15,8 @@ use crate::cuda::kv_pages::{KvFormat, RowKind};
 use crate::cuda::stream::BorrowedStream;
 use crate::error::{Error, Result, Status};
 
-/// Threads of a scoring block (FI_THREADS): 4 warps of 16 heads.
+/// Threads of a scoring block (FI_THREADS): one warpgroup, 4 warps of 16 heads (the m64 rows of
+/// its wgmmas).
 pub const THREADS: usize = 128;
 /// Keys decoded and scored together (FI_TILE_KEYS).
 pub const TILE_KEYS: usize = 64;
@@ -28,11 +30,19 @@ pub const TOPK_THREADS: usize = 512;
 /// Largest top-k (FI_MAX_SORT): the bitonic sort's shared memory (8 bytes a candidate).
 pub const MAX_SORT: usize = 2048;
 
-/// Dynamic shared memory of a scoring block for head dim `di`: Q and one key tile as bf16 rows
-/// padded by 8 values, the head weights, the warps' partial scores.
+/// Dynamic shared memory of a scoring block for head dim `di`: one key tile as e4m3 codes
+/// (`di` bytes a key) and its column factors (one f32 a key and 32-block), the head weights, the
+/// warps' partial scores, the chunk's key row and scale addresses.
 pub const fn score_smem_bytes(di: usize) -> usize {
-    2 * (MAX_HEADS + TILE_KEYS) * (di + 8) + 4 * MAX_HEADS + 4 * (THREADS / 32) * TILE_KEYS
+    di * TILE_KEYS
+        + 4 * (di / 32) * TILE_KEYS
+        + 4 * MAX_HEADS
+        + 4 * (THREADS / 32) * TILE_KEYS
+        + 2 * 8 * CHUNK_KEYS
 }
+
+// One warpgroup whose m64 wgmma rows are all the heads.
+const _: () = assert!(THREADS == 128 && MAX_HEADS == 64);
 
 /// The largest scoring block (the registry raises the kernel's limit to it).
 pub const MAX_SMEM: usize = score_smem_bytes(MAX_DIM);
@@ -78,7 +88,7 @@ impl FastIndexer {
             && x.ikeys.rows.kind == RowKind::IndexKey
             && x.heads <= MAX_HEADS
             && x.dim <= MAX_DIM
-            && x.dim.is_multiple_of(16)
+            && x.dim.is_multiple_of(32)
             && x.topk <= MAX_SORT
     }
 
