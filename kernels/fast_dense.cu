@@ -31,8 +31,9 @@
 //   2^-24, and off by at most amax · 2^-39 below that (f16 subnormals).
 // - BF16 (BF16 weights): s = 1, bf16(x): exact for BF16 values (docs/numerics.md: every such input is).
 #include "common.cuh"
+#include "fp8_mma.cuh"  // cp.async
 
-// FD_WARPS, FD_TOKENS, FD_MAX_SLICES, FD_ACT_QUANT / FD_ACT_F16 / FD_ACT_BF16 come from dsv4_consts.cuh.
+// FD_WARPS, FD_TOKENS, FD_MAX_SLICES, FD_MAX_SLICE, FD_ACT_QUANT / FD_ACT_F16 / FD_ACT_BF16 come from dsv4_consts.cuh.
 #define FD_THREADS (32 * FD_WARPS)
 #define FD_ROWS (16 * FD_WARPS)
 
@@ -359,6 +360,11 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
       }
     }
   }
+  // The warp's FP8 block scales of the slice, copied to shared memory asynchronously before the wait
+  // (they are weights) and read by the loop from there. Loaded in the loop, each was an L2 round
+  // trip on its critical path once the weights ahead were in flight.
+  __shared__ float fd_sw[FD_WARPS][FD_MAX_SLICE / 128];
+  if (FP8 && lane < blocks) cp_async_4(smem_addr(&fd_sw[warp][lane]), sw_row + lane);
   // Everything below reads what earlier kernels wrote (common.cuh: only weights before the wait).
   dsv4_pdl_wait();
   const int stride = fd_act_stride(FP8, S);
@@ -367,6 +373,7 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
   float* part_s = sc_s + 8 * NT * blocks;
   // Activations: [T, groups * K]; group gz's columns start at gz * K.
   fd_stage<NT>(act_s, sc_s, stride, S, gz * K + k0, T, fused, x, ldx, mode, act, ascale, groups * K);
+  if (FP8) cp_async_wait_all();  // the scales, before the barrier publishes them
   __syncthreads();
 
   float acc[NT][4];
@@ -399,7 +406,7 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
             wr[p][ch][1] = fd_ld_stream(p1 + off);
           }
         }
-        const float sw = FP8 ? __ldg(sw_row + kb) : 1.0f;
+        const float sw = FP8 ? fd_sw[warp][kb] : 1.0f;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           const float s0 = sw * sc_s[(8 * nt + 2 * c) * blocks + kb];
