@@ -36,6 +36,8 @@
 // FD_WARPS, FD_TOKENS, FD_MAX_SLICES, FD_MAX_SLICE, FD_ACT_QUANT / FD_ACT_F16 / FD_ACT_BF16 come from dsv4_consts.cuh.
 #define FD_THREADS (32 * FD_WARPS)
 #define FD_ROWS (16 * FD_WARPS)
+// Most activation scales a thread stages: FD_TOKENS tokens x FD_MAX_SLICE / 128 blocks.
+#define FD_SCALE_LOADS ((FD_TOKENS * (FD_MAX_SLICE / 128) + FD_THREADS - 1) / FD_THREADS)
 
 DSV4_INLINE unsigned short fd_f16_rn(float f) {
   unsigned short h;
@@ -274,6 +276,14 @@ DSV4_INLINE void fd_stage(unsigned short* act_s, float* sc_s, int stride, int S,
       }
     }
   } else {
+    // The activation scales' loads first (FD_SCALE_LOADS a thread at most), so that they are in
+    // flight with the rows' instead of a round trip after them.
+    float sv[FD_SCALE_LOADS];
+#pragma unroll
+    for (int u = 0; u < FD_SCALE_LOADS; ++u) {
+      const int i = threadIdx.x + u * FD_THREADS;
+      sv[u] = i < T * nb ? __ldg(ascale + (long long)(i / nb) * (width / 128) + col0 / 128 + i % nb) : 0.0f;
+    }
     // 16-byte pieces of the rows, all loads of a thread issued before their stores.
     const int per_row = S / 8, pieces = T * per_row;
     for (int p0 = threadIdx.x; p0 < pieces; p0 += 4 * FD_THREADS) {
@@ -295,9 +305,10 @@ DSV4_INLINE void fd_stage(unsigned short* act_s, float* sc_s, int stride, int S,
         }
       }
     }
-    for (int i = threadIdx.x; i < T * nb; i += FD_THREADS) {
-      const int t = i / nb, b = i - t * nb;
-      sc_s[i] = __ldg(ascale + (long long)t * (width / 128) + col0 / 128 + b);
+#pragma unroll
+    for (int u = 0; u < FD_SCALE_LOADS; ++u) {
+      const int i = threadIdx.x + u * FD_THREADS;
+      if (i < T * nb) sc_s[i] = sv[u];
     }
   }
   // Token rows past T: zero operands and scales (their sums are dropped).
