@@ -31,10 +31,13 @@
 //   2^-24, and off by at most amax · 2^-39 below that (f16 subnormals).
 // - BF16 (BF16 weights): s = 1, bf16(x): exact for BF16 values (docs/numerics.md: every such input is).
 #include "common.cuh"
+#include "fp8_mma.cuh"  // cp.async
 
-// FD_WARPS, FD_TOKENS, FD_MAX_SLICES, FD_ACT_QUANT / FD_ACT_F16 / FD_ACT_BF16 come from dsv4_consts.cuh.
+// FD_WARPS, FD_TOKENS, FD_MAX_SLICES, FD_MAX_SLICE, FD_ACT_QUANT / FD_ACT_F16 / FD_ACT_BF16 come from dsv4_consts.cuh.
 #define FD_THREADS (32 * FD_WARPS)
 #define FD_ROWS (16 * FD_WARPS)
+// Most activation scales a thread stages: FD_TOKENS tokens x FD_MAX_SLICE / 128 blocks.
+#define FD_SCALE_LOADS ((FD_TOKENS * (FD_MAX_SLICE / 128) + FD_THREADS - 1) / FD_THREADS)
 
 DSV4_INLINE unsigned short fd_f16_rn(float f) {
   unsigned short h;
@@ -273,6 +276,14 @@ DSV4_INLINE void fd_stage(unsigned short* act_s, float* sc_s, int stride, int S,
       }
     }
   } else {
+    // The activation scales' loads first (FD_SCALE_LOADS a thread at most), so that they are in
+    // flight with the rows' instead of a round trip after them.
+    float sv[FD_SCALE_LOADS];
+#pragma unroll
+    for (int u = 0; u < FD_SCALE_LOADS; ++u) {
+      const int i = threadIdx.x + u * FD_THREADS;
+      sv[u] = i < T * nb ? __ldg(ascale + (long long)(i / nb) * (width / 128) + col0 / 128 + i % nb) : 0.0f;
+    }
     // 16-byte pieces of the rows, all loads of a thread issued before their stores.
     const int per_row = S / 8, pieces = T * per_row;
     for (int p0 = threadIdx.x; p0 < pieces; p0 += 4 * FD_THREADS) {
@@ -294,9 +305,10 @@ DSV4_INLINE void fd_stage(unsigned short* act_s, float* sc_s, int stride, int S,
         }
       }
     }
-    for (int i = threadIdx.x; i < T * nb; i += FD_THREADS) {
-      const int t = i / nb, b = i - t * nb;
-      sc_s[i] = __ldg(ascale + (long long)t * (width / 128) + col0 / 128 + b);
+#pragma unroll
+    for (int u = 0; u < FD_SCALE_LOADS; ++u) {
+      const int i = threadIdx.x + u * FD_THREADS;
+      if (i < T * nb) sc_s[i] = sv[u];
     }
   }
   // Token rows past T: zero operands and scales (their sums are dropped).
@@ -359,6 +371,11 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
       }
     }
   }
+  // The warp's FP8 block scales of the slice, copied to shared memory asynchronously before the wait
+  // (they are weights) and read by the loop from there. Loaded in the loop, each was an L2 round
+  // trip on its critical path once the weights ahead were in flight.
+  __shared__ float fd_sw[FD_WARPS][FD_MAX_SLICE / 128];
+  if (FP8 && lane < blocks) cp_async_4(smem_addr(&fd_sw[warp][lane]), sw_row + lane);
   // Everything below reads what earlier kernels wrote (common.cuh: only weights before the wait).
   dsv4_pdl_wait();
   const int stride = fd_act_stride(FP8, S);
@@ -367,6 +384,7 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
   float* part_s = sc_s + 8 * NT * blocks;
   // Activations: [T, groups * K]; group gz's columns start at gz * K.
   fd_stage<NT>(act_s, sc_s, stride, S, gz * K + k0, T, fused, x, ldx, mode, act, ascale, groups * K);
+  if (FP8) cp_async_wait_all();  // the scales, before the barrier publishes them
   __syncthreads();
 
   float acc[NT][4];
@@ -399,7 +417,7 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
             wr[p][ch][1] = fd_ld_stream(p1 + off);
           }
         }
-        const float sw = FP8 ? __ldg(sw_row + kb) : 1.0f;
+        const float sw = FP8 ? fd_sw[warp][kb] : 1.0f;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           const float s0 = sw * sc_s[(8 * nt + 2 * c) * blocks + kb];

@@ -107,6 +107,7 @@ pub const SHARED: &[Shared] = shared! {
     "FD_WARPS" = Int(fast_dense::WARPS as i64) from "fast_dense::WARPS";
     "FD_TOKENS" = Int(fast_dense::TOKENS as i64) from "fast_dense::TOKENS";
     "FD_MAX_SLICES" = Int(fast_dense::MAX_SLICES as i64) from "fast_dense::MAX_SLICES";
+    "FD_MAX_SLICE" = Int(fast_dense::MAX_SLICE as i64) from "fast_dense::MAX_SLICE";
     "FD_GROUP_MAX" = Int(fast_dense::GROUP_MAX as i64) from "fast_dense::GROUP_MAX";
     "FD_ACT_QUANT" = Int(fast_dense::ActMode::Quant as i64) from "fast_dense::ActMode::Quant";
     "FD_ACT_F16" = Int(fast_dense::ActMode::F16 as i64) from "fast_dense::ActMode::F16";
