@@ -12,11 +12,13 @@ indexer), then on the same GPU:
     68): the visible keys gathered, per-head dots, ReLU, the weighted sum over heads, torch.topk.
     Each call gathers random rows of a cache of at least 256 MB, so L2 holds none of them
     between calls, as the dsv4 bench cycles its state copies;
-  - measures the BF16 tensor-core ceiling (dense_baseline.py's 8192^3 matmul): the fast kernels'
-    products run on BF16 mma;
+  - measures the BF16 and FP8 tensor-core ceilings (dense_baseline.py's 8192^3 BF16 matmul,
+    moe_baseline.py's FP8 one): the attention's products run on BF16 mma, the indexer's on FP8
+    wgmma (its FP4 keys are exact in e4m3);
   - adds per case the byte floor (the bytes a call must move: the KV rows gathered in our format
-    plus q and o in BF16, over the HBM ceiling), the FLOP floor (the tensor-core products, over the
-    BF16 ceiling: attention 4 T H keys hd, S = Q K^T and O = P V with V = K; indexer 2 T H keys d),
+    plus q and o in BF16, over the HBM ceiling), the FLOP floor (the tensor-core products over the
+    ceiling of the precision they run in: attention 4 T H keys hd at BF16, S = Q K^T and O = P V
+    with V = K; indexer 2 T H keys d at FP8),
     the floor as the larger of the two (PERF.md: "the larger is the floor") and which it is, the
     fraction of HBM bandwidth (the must's measure), the fraction of the floor, the speed-up over
     PyTorch and over the reference kernel, and writes one JSON document.
@@ -28,7 +30,7 @@ import json
 import torch
 
 from dense_baseline import bf16_peak
-from moe_baseline import hbm_bandwidth, parse_cases, timed, write_result
+from moe_baseline import fp8_peak, hbm_bandwidth, parse_cases, timed, write_result
 
 
 def torch_attention(c):
@@ -82,11 +84,12 @@ def tensor_flops(c):
     return per_key * c["T"] * c["heads"] * c["keys_per_token"] * c["head_dim"]
 
 
-def add_floors(c, bw, peak16):
-    """Byte floor, FLOP floor, the floor (the larger) and the ratios of a case's time to them."""
+def add_floors(c, bw, peak16, peak8):
+    """Byte floor, FLOP floor (the indexer's products at the FP8 ceiling, the attention's at
+    BF16), the floor (the larger) and the ratios of a case's time to them."""
     ours = c["time_us"] * 1e-6
     byte_floor = c["io_bytes"] / bw
-    flop_floor = tensor_flops(c) / peak16
+    flop_floor = tensor_flops(c) / (peak8 if family(c) == "indexer" else peak16)
     floor = max(byte_floor, flop_floor)
     c["byte_floor_us"] = round(byte_floor * 1e6, 2)
     c["flop_floor_us"] = round(flop_floor * 1e6, 2)
@@ -101,12 +104,13 @@ def main():
     args, cases = parse_cases()
     bw = hbm_bandwidth()
     peak16 = bf16_peak()
+    peak8 = fp8_peak()
     reference = {(family(c), c["layer"], c["context"], c["T"]): c["time_us"]
                  for c in cases if c["kernel"] in ("reference", "indexer_reference")}
     memo = {}
     for c in cases:
         ours = c["time_us"] * 1e-6
-        add_floors(c, bw, peak16)
+        add_floors(c, bw, peak16, peak8)
         key = (family(c), c["layer"], c["context"], c["T"])
         if key not in memo:
             memo[key] = torch_indexer(c) if family(c) == "indexer" else torch_attention(c)
@@ -118,7 +122,7 @@ def main():
         print(json.dumps(c), flush=True)
     write_result(args.out, args.commit,
                  "dsv4 bench attn > cases.jsonl; python3 bench/attn_baseline.py --cases cases.jsonl --out OUT",
-                 {"hbm_bytes_per_s": bw, "bf16_flop_per_s": peak16}, cases)
+                 {"hbm_bytes_per_s": bw, "bf16_flop_per_s": peak16, "fp8_flop_per_s": peak8}, cases)
 
 
 if __name__ == "__main__":
