@@ -29,8 +29,11 @@ pub const ROWS: usize = 16 * WARPS;
 /// Most tokens one launch takes (FD_TOKENS); a call loops over chunks of this many.
 pub const TOKENS: usize = 64;
 /// Blocks a launch aims for: K is split until the row tiles times the slices reach it (enough
-/// 16-byte loads in flight on every SM), with slices of at least [`MIN_SLICE`] k.
-pub const TARGET_BLOCKS: usize = 256;
+/// 16-byte loads in flight on every SM), with slices of at least [`MIN_SLICE`] k. One block an SM
+/// suffices: measured (bench dense, H200, T <= 8) each further slice costs more than its loads
+/// win (the cluster's barrier and the reduction over its blocks' shared memory): the u group
+/// was 2 us faster at 4 slices (132 blocks) than at 8, indexer.wq_b at 2 faster than at 4.
+pub const TARGET_BLOCKS: usize = 128;
 /// Smallest slice of K a block sums (two 128-blocks: the loads of one overlap the MMAs of the other).
 pub const MIN_SLICE: usize = 256;
 /// Largest slice of K a block sums (its activations for [`TOKENS`] tokens fill shared memory).
@@ -719,7 +722,7 @@ mod tests {
         assert_eq!(slices(32768, 1024, 1), Some(1));
         assert_eq!(slices(4096, 8192, 1), Some(8));
         assert_eq!(slices(1024, 4096, 8), Some(4));
-        assert_eq!(slices(8192, 1024, 1), Some(4));
+        assert_eq!(slices(8192, 1024, 1), Some(2));
         assert_eq!(slices(129280, 4096, 1), Some(4));
         assert_eq!(slices(64, 4096, 1), Some(8));
         // Slices stay multiples of 128, at least 256 k and at most 1024; K = 128 is one slice.
@@ -794,8 +797,8 @@ mod tests {
         for t in [1, 2, 4, 8, 16] {
             let ops = group(t, 4096, &u);
             assert!(FastDense::group_covers(&ops), "u group at T = {t}");
-            assert_eq!(group_slices(&ops), Some(8));
-            // K split: each block makes an eighth of K's operands: a group at every T.
+            assert_eq!(group_slices(&ops), Some(4));
+            // K split: each block makes a quarter of K's operands: a group at every T.
             assert!(FastDense::group_pays(&ops), "u group at T = {t}");
             let ops = group(t, 1024, &q_lora);
             assert!(FastDense::group_covers(&ops), "q_lora group at T = {t}");
