@@ -26,8 +26,9 @@
 
 // FA_THREADS, FA_TILE_KEYS, FA_MAX_HEADS, FA_MAX_HD (dsv4_consts.cuh).
 #define FA_WARPS (FA_THREADS / 32)
-// Q loads in flight per thread (the prologue; registers the accumulators take later).
-#define FA_Q_LOADS 32
+// Q loads in flight per thread (the prologue). Measured (bench attn, H200): 32 made HCA's one-wave
+// batches slower (19.2 -> 21.1 us at T = 1), not faster.
+#define FA_Q_LOADS 8
 // Split partials fa_combine_kernel has in flight per thread (float4 each).
 #define FA_COMBINE_LOADS 8
 
@@ -176,9 +177,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   locate(tile0, 0);
   locate(tile0 + 1, 1);
 
-  // Q as bf16 (rows past H zero), FA_Q_LOADS 16-byte loads in flight per thread: 64 heads of 512
-  // are 128 float4 a thread, so each round of loads is a memory round trip on every block's
-  // critical path (8 in flight: 16 rounds, most of a one-tile block's time at T = 1).
+  // Q as bf16 (rows past H zero), FA_Q_LOADS 16-byte loads in flight per thread.
   const int q4 = hd / 4;
   for (FaWalk it(tid, q4); it.r < FA_MAX_HEADS;) {
     float4 v[FA_Q_LOADS];
