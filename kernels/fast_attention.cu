@@ -26,8 +26,9 @@
 
 // FA_THREADS, FA_TILE_KEYS, FA_MAX_HEADS, FA_MAX_HD (dsv4_consts.cuh).
 #define FA_WARPS (FA_THREADS / 32)
-// Q loads in flight per thread (the prologue). Measured (bench attn, H200): 32 made HCA's one-wave
-// batches slower (19.2 -> 21.1 us at T = 1), not faster.
+// Q loads in flight per thread (the prologue). Measured (bench attn, H200, two calls): 32 was about
+// 1 us slower at T = 1 than 8 (CSA 4K 23.0 against 21.4 us), not faster: a T = 1 block's Q comes
+// from L2, at the SM's load bandwidth either way.
 #define FA_Q_LOADS 8
 // Split partials fa_combine_kernel has in flight per thread (float4 each).
 #define FA_COMBINE_LOADS 8
