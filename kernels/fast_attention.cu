@@ -26,6 +26,12 @@
 
 // FA_THREADS, FA_TILE_KEYS, FA_MAX_HEADS, FA_MAX_HD (dsv4_consts.cuh).
 #define FA_WARPS (FA_THREADS / 32)
+// Q loads in flight per thread (the prologue). Measured (bench attn, H200, two calls): 32 was about
+// 1 us slower at T = 1 than 8 (CSA 4K 23.0 against 21.4 us), not faster: a T = 1 block's Q comes
+// from L2, at the SM's load bandwidth either way.
+#define FA_Q_LOADS 8
+// Split partials fa_combine_kernel has in flight per thread (float4 each).
+#define FA_COMBINE_LOADS 8
 
 // Shared memory (dynamic), kernels/SPEC.md: Q [FA_MAX_HEADS][hd + 8] bf16, K [FA_TILE_KEYS][hd + 8]
 // bf16 (rows padded by 16 bytes so ldmatrix's 8 rows fall in distinct banks), the S exchange
@@ -172,13 +178,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   locate(tile0, 0);
   locate(tile0 + 1, 1);
 
-  // Q as bf16 (rows past H zero), eight 16-byte loads in flight per thread.
+  // Q as bf16 (rows past H zero), FA_Q_LOADS 16-byte loads in flight per thread.
   const int q4 = hd / 4;
   for (FaWalk it(tid, q4); it.r < FA_MAX_HEADS;) {
-    float4 v[8];
-    int rr[8], cc[8];
+    float4 v[FA_Q_LOADS];
+    int rr[FA_Q_LOADS], cc[FA_Q_LOADS];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
+    for (int u = 0; u < FA_Q_LOADS; ++u) {
       rr[u] = it.r;
       cc[u] = it.c;
       v[u] = it.r < H ? *(const float4*)(q + ((long long)t * H + it.r) * hd + 4 * it.c)
@@ -186,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
       it.next();
     }
 #pragma unroll
-    for (int u = 0; u < 8; ++u)
+    for (int u = 0; u < FA_Q_LOADS; ++u)
       if (rr[u] < FA_MAX_HEADS)
         *(uint2*)(qs + rr[u] * stride + 4 * cc[u]) =
             make_uint2(pack_bf16x2(v[u].x, v[u].y), pack_bf16x2(v[u].z, v[u].w));
@@ -349,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 // (0 for a split without keys), den = sum_s l_s w_s + exp(sink - m), o = bf16(sum_s O_s w_s /
 // den); a token without keys (padding) gets zeros. Grid (T, H), blockDim a multiple of 32;
 // splits <= FA_MAX_SPLITS, hd % 4 == 0. The weights are made once per block; each thread then
-// has every split's partial of its four channels in flight together.
+// has FA_COMBINE_LOADS splits' partials of its four channels in flight together.
 extern "C" __global__ void fa_combine_kernel(const float* part_o, const float* part_ml,
                                              const float* sinks, int T, int H, int hd, int splits,
                                              float* o) {
@@ -387,19 +393,24 @@ extern "C" __global__ void fa_combine_kernel(const float* part_o, const float* p
   }
   const float den = den_sh;
   for (int c = 4 * threadIdx.x; c < hd; c += 4 * blockDim.x) {
-    float4 p[FA_MAX_SPLITS];
-#pragma unroll
-    for (int s = 0; s < FA_MAX_SPLITS; ++s)
-      if (s < splits) p[s] = *(const float4*)(part_o + ((base + s) * H + h) * hd + c);
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // FA_COMBINE_LOADS splits' partials in flight, then added in split order (all FA_MAX_SPLITS
+    // at once took 128 registers and spilled).
+    for (int s0 = 0; s0 < splits; s0 += FA_COMBINE_LOADS) {
+      float4 p[FA_COMBINE_LOADS];
 #pragma unroll
-    for (int s = 0; s < FA_MAX_SPLITS; ++s) {
-      const float w = wsh[s];
-      if (s < splits && w != 0.0f) {  // (an empty split's partial was never written)
-        v.x = __fadd_rn(v.x, __fmul_rn(p[s].x, w));
-        v.y = __fadd_rn(v.y, __fmul_rn(p[s].y, w));
-        v.z = __fadd_rn(v.z, __fmul_rn(p[s].z, w));
-        v.w = __fadd_rn(v.w, __fmul_rn(p[s].w, w));
+      for (int u = 0; u < FA_COMBINE_LOADS; ++u)
+        if (s0 + u < splits) p[u] = *(const float4*)(part_o + ((base + s0 + u) * H + h) * hd + c);
+#pragma unroll
+      for (int u = 0; u < FA_COMBINE_LOADS; ++u) {
+        const int s = s0 + u;
+        const float w = s < splits ? wsh[s] : 0.0f;
+        if (w != 0.0f) {  // (an empty split's partial was never written)
+          v.x = __fadd_rn(v.x, __fmul_rn(p[u].x, w));
+          v.y = __fadd_rn(v.y, __fmul_rn(p[u].y, w));
+          v.z = __fadd_rn(v.z, __fmul_rn(p[u].z, w));
+          v.w = __fadd_rn(v.w, __fmul_rn(p[u].w, w));
+        }
       }
     }
     *(float4*)(orow + c) = make_float4(round_bf16(__fdiv_rn(v.x, den)), round_bf16(__fdiv_rn(v.y, den)),

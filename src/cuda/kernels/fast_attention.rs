@@ -23,10 +23,14 @@ pub const MAX_HEADS: usize = 64;
 /// Largest head dim (FA_MAX_HD): each warp keeps 16 heads x hd/2 f32 accumulators.
 pub const MAX_HD: usize = 512;
 /// Blocks a launch aims for: few tokens split their keys over up to [`MAX_SPLITS`] blocks each
-/// until tokens x splits reaches this (about two waves of 132 SMs).
-pub const SPLIT_TARGET: usize = 256;
-/// Most splits of one token's keys.
-pub const MAX_SPLITS: usize = 16;
+/// until tokens x splits reaches this: one wave of a block per SM (an H100 / H200 has 132; the
+/// kernel takes one block an SM). Measured (bench attn, H200): at 256 (two waves) a batch of 8
+/// split 20 ways took 46 us against 31 at 16 ways, a whole second wave for 32 blocks. A function
+/// of T only, so a token's rounding does not depend on the device.
+pub const SPLIT_TARGET: usize = 128;
+/// Most splits of one token's keys: one 32-key tile a block for a decode token's 640 keys (at 16,
+/// CSA's blocks took two tiles: 26.5 us against HCA's 19.1 with one).
+pub const MAX_SPLITS: usize = 32;
 
 /// Dynamic shared memory of a block for head dim `hd` whose stored rows take `raw_row` bytes
 /// (values and scale record, [`crate::cuda::kv_pages::KvRows::bytes_per_row`]): Q (all heads) and one key tile as bf16
@@ -211,10 +215,12 @@ mod tests {
 
     #[test]
     fn splits_fill_the_gpu_at_few_tokens_and_stop_at_the_workspace() {
-        assert_eq!(splits(1, 640), MAX_SPLITS);
+        assert_eq!(splits(1, 640), 20); // one tile a block
+        assert_eq!(splits(1, 100_000), MAX_SPLITS);
         assert_eq!(splits(1, 40), 2); // two tiles of keys
-        assert_eq!(splits(64, 640), 4);
-        assert_eq!(splits(129, 640), 1);
+        assert_eq!(splits(8, 640), 16);
+        assert_eq!(splits(64, 640), 2);
+        assert_eq!(splits(65, 640), 1);
         for t in 1..600 {
             let s = splits(t, 100_000);
             assert!(s == 1 || t * s <= SPLIT_TARGET, "{t} tokens x {s} splits");
