@@ -396,6 +396,28 @@ fn check(name: &str, keys: &Keys, b: &Batch, r: &Run, f: &Run) -> (f64, usize) {
     (worst, swaps)
 }
 
+/// Runs a batch (`run`), checks the fast result against the reference's (`check`) and that the
+/// fast indexer's two runs are bit-identical.
+fn check_against_reference(
+    reference: &Indexer,
+    fast: &FastIndexer,
+    keys: &Keys,
+    b: &Batch,
+    s: BorrowedStream,
+    name: &str,
+) {
+    let [r, f, again] = run(reference, fast, keys, b, s);
+    check(name, keys, b, &r, &f);
+    assert!(
+        f.scores
+            .iter()
+            .zip(&again.scores)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+            && f.selected == again.selected,
+        "{name}: two runs differ"
+    );
+}
+
 fn decode(n: usize, pos: &[usize]) -> Vec<(i32, usize, usize)> {
     (0..n)
         .map(|i| ((i % SLOTS) as i32, pos[i % pos.len()] + i / SLOTS, 1))
@@ -452,17 +474,7 @@ fn fast_indexer_matches_the_reference_within_the_bound() {
     ];
     for (k, seqs) in batches.iter().enumerate() {
         let b = Batch::new(&mut rng, seqs, DI);
-        let [r, f, again] = run(&reference, &fast, &keys, &b, s);
-        let name = format!("batch {k}");
-        check(&name, &keys, &b, &r, &f);
-        assert!(
-            f.scores
-                .iter()
-                .zip(&again.scores)
-                .all(|(a, b)| a.to_bits() == b.to_bits())
-                && f.selected == again.selected,
-            "{name}: two runs differ"
-        );
+        check_against_reference(&reference, &fast, &keys, &b, s, &format!("batch {k}"));
     }
 }
 
@@ -490,17 +502,8 @@ fn other_index_head_dims_match_the_reference() {
         ];
         for (k, seqs) in batches.iter().enumerate() {
             let b = Batch::with_heads(&mut rng, seqs, di, hi);
-            let [r, f, again] = run(&reference, &fast, &keys, &b, s);
             let name = format!("{hi} heads of {di}, batch {k}");
-            check(&name, &keys, &b, &r, &f);
-            assert!(
-                f.scores
-                    .iter()
-                    .zip(&again.scores)
-                    .all(|(a, b)| a.to_bits() == b.to_bits())
-                    && f.selected == again.selected,
-                "{name}: two runs differ"
-            );
+            check_against_reference(&reference, &fast, &keys, &b, s, &name);
         }
     }
 }
