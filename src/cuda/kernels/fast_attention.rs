@@ -24,9 +24,9 @@ pub const MAX_HEADS: usize = 64;
 pub const MAX_HD: usize = 512;
 /// Blocks a launch aims for: few tokens split their keys over up to [`MAX_SPLITS`] blocks each
 /// until tokens x splits reaches this: one wave of a block per SM (an H100 / H200 has 132; the
-/// kernel takes one block an SM). Measured (bench attn, H200): at 256 (two waves) a batch of 8
-/// split 20 ways took 46 us against 31 at 16 ways, a whole second wave for 32 blocks. A function
-/// of T only, so a token's rounding does not depend on the device.
+/// kernel takes one block an SM). Measured (bench attn, H200, CSA 4K): 64 tokens in one wave of
+/// 2 splits took 104 us against 125 in two waves of 4 (at 256). A function of T only, so a
+/// token's rounding does not depend on the device.
 pub const SPLIT_TARGET: usize = 128;
 /// Most splits of one token's keys: one 32-key tile a block for a decode token's 640 keys (at 16,
 /// CSA's blocks took two tiles: 26.5 us against HCA's 19.1 with one).

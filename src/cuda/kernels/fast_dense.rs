@@ -31,8 +31,8 @@ pub const TOKENS: usize = 64;
 /// Blocks a launch aims for: K is split until the row tiles times the slices reach it (enough
 /// 16-byte loads in flight on every SM), with slices of at least [`MIN_SLICE`] k. One block an SM
 /// suffices: measured (bench dense, H200, T <= 8) each further slice costs more than its loads
-/// win (the cluster's barrier and the reduction over its blocks' shared memory): the u group
-/// was 2 us faster at 4 slices (132 blocks) than at 8, indexer.wq_b at 2 faster than at 4.
+/// win (the cluster's barrier and the reduction over its blocks' shared memory): indexer.wq_b took
+/// 6.5 us at 2 slices against 10.3 at 4, the u group 13.7 at 4 against 14.1 at 8 (T = 1).
 pub const TARGET_BLOCKS: usize = 128;
 /// Smallest slice of K a block sums (two 128-blocks: the loads of one overlap the MMAs of the other).
 pub const MIN_SLICE: usize = 256;
