@@ -418,6 +418,21 @@ fn check_against_reference(
     );
 }
 
+/// Runs `f` with the reference and fast indexers and a stream, the GPU's context current and the
+/// tests serialized; returns without calling it when there is no CUDA device (`family_gpu` says
+/// so).
+fn with_indexers(f: impl FnOnce(&Indexer, &FastIndexer, BorrowedStream)) {
+    let _l = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(g) = family_gpu(&FAMILIES) else {
+        return;
+    };
+    let reference = Indexer::new(&g.reg).unwrap();
+    let fast = FastIndexer::new(&g.reg).unwrap();
+    let stream = OwnedStream::new(&g.ctx).unwrap();
+    let _c = g.ctx.enter().unwrap();
+    f(&reference, &fast, stream.borrow());
+}
+
 fn decode(n: usize, pos: &[usize]) -> Vec<(i32, usize, usize)> {
     (0..n)
         .map(|i| ((i % SLOTS) as i32, pos[i % pos.len()] + i / SLOTS, 1))
@@ -426,84 +441,63 @@ fn decode(n: usize, pos: &[usize]) -> Vec<(i32, usize, usize)> {
 
 #[test]
 fn tied_scores_select_the_lowest_indices() {
-    let _l = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(g) = family_gpu(&FAMILIES) else {
-        return;
-    };
-    let reference = Indexer::new(&g.reg).unwrap();
-    let fast = FastIndexer::new(&g.reg).unwrap();
-    let stream = OwnedStream::new(&g.ctx).unwrap();
-    let s = stream.borrow();
-    let _c = g.ctx.enter().unwrap();
-    let mut rng = XorShift(0x7135_5eed);
-    // One pattern: every score of a token equal (the top-k is its first k entries); three: the
-    // k-th score's ties straddle the selection boundary.
-    for patterns in [1, 3] {
-        let keys = Keys::from_patterns(&mut rng, Some(patterns), DI);
-        let seqs = decode(8, &[3, 700, 2047, 2048, 2049, 5000, 30_000, 65_535]);
-        let b = Batch::new(&mut rng, &seqs, DI);
-        let [r, f, again] = run(&reference, &fast, &keys, &b, s);
-        let name = format!("{patterns} key pattern(s)");
-        check(&name, &keys, &b, &r, &f);
-        assert!(
-            f.selected == again.selected,
-            "{name}: two runs select differently"
-        );
-    }
+    with_indexers(|reference, fast, s| {
+        let mut rng = XorShift(0x7135_5eed);
+        // One pattern: every score of a token equal (the top-k is its first k entries); three: the
+        // k-th score's ties straddle the selection boundary.
+        for patterns in [1, 3] {
+            let keys = Keys::from_patterns(&mut rng, Some(patterns), DI);
+            let seqs = decode(8, &[3, 700, 2047, 2048, 2049, 5000, 30_000, 65_535]);
+            let b = Batch::new(&mut rng, &seqs, DI);
+            let [r, f, again] = run(reference, fast, &keys, &b, s);
+            let name = format!("{patterns} key pattern(s)");
+            check(&name, &keys, &b, &r, &f);
+            assert!(
+                f.selected == again.selected,
+                "{name}: two runs select differently"
+            );
+        }
+    });
 }
 
 #[test]
 fn fast_indexer_matches_the_reference_within_the_bound() {
-    let _l = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(g) = family_gpu(&FAMILIES) else {
-        return;
-    };
-    print_kernel_resources(&g.reg);
-    let reference = Indexer::new(&g.reg).unwrap();
-    let fast = FastIndexer::new(&g.reg).unwrap();
-    let stream = OwnedStream::new(&g.ctx).unwrap();
-    let s = stream.borrow();
-    let _c = g.ctx.enter().unwrap();
-    let mut rng = XorShift(0x1d3_5eed);
-    let keys = Keys::random(&mut rng, DI);
-    let batches = [
-        decode(1, &[65_000]),
-        decode(8, &[0, 2, 3, 700, 2047, 2048, 30_000, 65_535]),
-        decode(64, &[5, 100, 1500, 2100, 8000]),
-        vec![(1, 1000, 150), (2, 0, 150), (-1, 0, 4)],
-    ];
-    for (k, seqs) in batches.iter().enumerate() {
-        let b = Batch::new(&mut rng, seqs, DI);
-        check_against_reference(&reference, &fast, &keys, &b, s, &format!("batch {k}"));
-    }
+    with_indexers(|reference, fast, s| {
+        print_kernel_resources(&family_gpu(&FAMILIES).unwrap().reg);
+        let mut rng = XorShift(0x1d3_5eed);
+        let keys = Keys::random(&mut rng, DI);
+        let batches = [
+            decode(1, &[65_000]),
+            decode(8, &[0, 2, 3, 700, 2047, 2048, 30_000, 65_535]),
+            decode(64, &[5, 100, 1500, 2100, 8000]),
+            vec![(1, 1000, 150), (2, 0, 150), (-1, 0, 4)],
+        ];
+        for (k, seqs) in batches.iter().enumerate() {
+            let b = Batch::new(&mut rng, seqs, DI);
+            check_against_reference(reference, fast, &keys, &b, s, &format!("batch {k}"));
+        }
+    });
 }
 
 #[test]
 fn other_index_head_dims_match_the_reference() {
-    let _l = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(g) = family_gpu(&FAMILIES) else {
-        return;
-    };
-    let reference = Indexer::new(&g.reg).unwrap();
-    let fast = FastIndexer::new(&g.reg).unwrap();
-    let stream = OwnedStream::new(&g.ctx).unwrap();
-    let s = stream.borrow();
-    let _c = g.ctx.enter().unwrap();
-    let mut rng = XorShift(0xd1_5eed);
-    // The other power-of-two head dims the config allows and the fast kernel covers: 64 (four
-    // 16-value decode tasks a key) and the largest, 256 (every decode register of a thread), at
-    // 16 heads: the reference kernel's shared memory holds a token's queries and its per-head
-    // dots, and 64 or 32 heads of 256 do not fit its 96 KB (169 KB, 101 KB).
-    for (di, hi) in [(64, HI), (fast_indexer::MAX_DIM, HI / 4)] {
-        let keys = Keys::random(&mut rng, di);
-        let batches = [
-            decode(8, &[0, 3, 700, 2047, 2048, 5000, 9000, 12_000]),
-            vec![(1, 1000, 150), (-1, 0, 4)],
-        ];
-        for (k, seqs) in batches.iter().enumerate() {
-            let b = Batch::with_heads(&mut rng, seqs, di, hi);
-            let name = format!("{hi} heads of {di}, batch {k}");
-            check_against_reference(&reference, &fast, &keys, &b, s, &name);
+    with_indexers(|reference, fast, s| {
+        let mut rng = XorShift(0xd1_5eed);
+        // The other power-of-two head dims the config allows and the fast kernel covers: 64 (four
+        // 16-value decode tasks a key) and the largest, 256 (every decode register of a thread), at
+        // 16 heads: the reference kernel's shared memory holds a token's queries and its per-head
+        // dots, and 64 or 32 heads of 256 do not fit its 96 KB (169 KB, 101 KB).
+        for (di, hi) in [(64, HI), (fast_indexer::MAX_DIM, HI / 4)] {
+            let keys = Keys::random(&mut rng, di);
+            let batches = [
+                decode(8, &[0, 3, 700, 2047, 2048, 5000, 9000, 12_000]),
+                vec![(1, 1000, 150), (-1, 0, 4)],
+            ];
+            for (k, seqs) in batches.iter().enumerate() {
+                let b = Batch::with_heads(&mut rng, seqs, di, hi);
+                let name = format!("{hi} heads of {di}, batch {k}");
+                check_against_reference(reference, fast, &keys, &b, s, &name);
+            }
         }
-    }
+    });
 }
