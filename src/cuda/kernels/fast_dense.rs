@@ -453,7 +453,8 @@ pub fn valid_slices(k: usize) -> impl Iterator<Item = usize> {
 /// together ([`slices_for_tiles`]); a function of the members' shapes only. Measured against
 /// every other split (bench dense, H200, `--projection groups`): at T = 1 a CSA layer's two
 /// projections of q_lora take 20.0 / 25.0 / 34.3 us at 1 / 2 / 4 slices (1 chosen), its seven
-/// of u 13.9 / 15.9 us at 4 / 8 slices (8 chosen; 8 wins from 16 tokens, 30.3 / 33.2 us).
+/// of u 13.9 / 15.9 us at 4 / 8 slices (4 chosen since [`TARGET_BLOCKS`] is 128; 8 wins from
+/// 16 tokens, 30.3 / 33.2 us).
 pub fn group_slices(ops: &[DenseOp]) -> Option<usize> {
     let k = ops.first()?.w.cols;
     slices_for_tiles(ops.iter().map(|o| o.n().div_ceil(ROWS)).sum(), k)
@@ -487,7 +488,8 @@ impl FastDense {
     /// per member leaves to `fd_act_kernel` from 3 tokens; that pays while K is split (a block
     /// makes K / slices of a token) and costs more than the saved launches when it is not.
     /// Measured (bench dense, H200, µs grouped / separate): a CSA layer's seven projections of
-    /// u (K = 4096, 8 slices) 15.7 / 43.7 at T = 1, 18.3 / 53.5 at 8, 30.2 / 60.1 at 16; its two
+    /// u (K = 4096, 8 slices) 15.7 / 43.7 at T = 1, 18.3 / 53.5 at 8, 30.2 / 60.1 at 16 (at the 4
+    /// slices it now takes, 13.7 / 42.0 at 1, 17.0 / 45.8 at 8); its two
     /// of q_lora (K = 1024, one slice) 19.9 / 24.4 at 1, 23.2 / 25.9 at 2, 27.4 / 26.4 at 4,
     /// 35.5 / 26.7 at 8.
     pub fn group_pays(ops: &[DenseOp]) -> bool {
@@ -547,6 +549,20 @@ impl FastDense {
             })
         });
         let m0 = m[0].expect("group_covers: at least one member");
+        // Members 1.. as the kernel's optional arguments (none / 0 past the group).
+        let member = |i: usize| {
+            let a = m[i];
+            (
+                a.map(|m| m.0),
+                a.and_then(|m| m.1),
+                a.map(|m| m.2),
+                a.map_or(0, |m| m.3),
+            )
+        };
+        let ((w1, s1, y1, m1), (w2, s2, y2, m2), (w3, s3, y3, m3)) =
+            (member(1), member(2), member(3));
+        let ((w4, s4, y4, m4), (w5, s5, y5, m5), (w6, s6, y6, m6)) =
+            (member(4), member(5), member(6));
         let grid = (tiles as u32, sl as u32);
         let block = (WARPS * 32) as u32;
         let _g = ctx.enter()?;
@@ -561,30 +577,30 @@ impl FastDense {
                     s0: m0.1,
                     y0: m0.2,
                     m0: m0.3,
-                    w1: m[1].map(|m| m.0),
-                    s1: m[1].and_then(|m| m.1),
-                    y1: m[1].map(|m| m.2),
-                    m1: m[1].map_or(0, |m| m.3),
-                    w2: m[2].map(|m| m.0),
-                    s2: m[2].and_then(|m| m.1),
-                    y2: m[2].map(|m| m.2),
-                    m2: m[2].map_or(0, |m| m.3),
-                    w3: m[3].map(|m| m.0),
-                    s3: m[3].and_then(|m| m.1),
-                    y3: m[3].map(|m| m.2),
-                    m3: m[3].map_or(0, |m| m.3),
-                    w4: m[4].map(|m| m.0),
-                    s4: m[4].and_then(|m| m.1),
-                    y4: m[4].map(|m| m.2),
-                    m4: m[4].map_or(0, |m| m.3),
-                    w5: m[5].map(|m| m.0),
-                    s5: m[5].and_then(|m| m.1),
-                    y5: m[5].map(|m| m.2),
-                    m5: m[5].map_or(0, |m| m.3),
-                    w6: m[6].map(|m| m.0),
-                    s6: m[6].and_then(|m| m.1),
-                    y6: m[6].map(|m| m.2),
-                    m6: m[6].map_or(0, |m| m.3),
+                    w1,
+                    s1,
+                    y1,
+                    m1,
+                    w2,
+                    s2,
+                    y2,
+                    m2,
+                    w3,
+                    s3,
+                    y3,
+                    m3,
+                    w4,
+                    s4,
+                    y4,
+                    m4,
+                    w5,
+                    s5,
+                    y5,
+                    m5,
+                    w6,
+                    s6,
+                    y6,
+                    m6,
                 };
                 if sl > 1 {
                     self.$field
