@@ -292,7 +292,12 @@ fn split_args(
     if !split_by_counter(tiles, sl, nt) {
         return Ok((None, None));
     }
-    need(kname, "split_part", ws.split_part, tiles * sl * 8 * ROWS * 4)?;
+    need(
+        kname,
+        "split_part",
+        ws.split_part,
+        tiles * sl * 8 * ROWS * 4,
+    )?;
     need(kname, "split_count", ws.split_count, tiles * 4)?;
     Ok((Some(ws.split_part), Some(ws.split_count)))
 }
@@ -514,15 +519,20 @@ pub fn valid_slices(k: usize) -> impl Iterator<Item = usize> {
         })
 }
 
-/// The slices of a grouped launch of `ops`: one K split for all members, from their row tiles
-/// together ([`slices_for_tiles`]); a function of the members' shapes only. Measured against
-/// every other split (bench dense, H200, `--projection groups`): at T = 1 a CSA layer's two
-/// projections of q_lora take 20.0 / 25.0 / 34.3 us at 1 / 2 / 4 slices (1 chosen), its seven
-/// of u 13.9 / 15.9 us at 4 / 8 slices (4 chosen since [`TARGET_BLOCKS`] is 128; 8 wins from
-/// 16 tokens, 30.3 / 33.2 us).
+/// The slices of a grouped launch of `ops`: one K split for all members, a function of the
+/// members' shapes only: [`slices_for_tiles`] over their row tiles together, or more slices
+/// where the launch then splits through the workspace ([`split_by_counter`] at 8 tokens: the
+/// most slices whose blocks it holds). Measured against every other split (bench dense, H200,
+/// `--projection groups`): at T = 1 a CSA layer's two projections of q_lora take 19.1 / 22.6 /
+/// 33.0 us at 1 / 2 / 4 slices (1 chosen); its seven of u (33 row tiles) with the workspace
+/// split 12.2 / 12.0 us at 4 / 8 slices at T = 1 and 17.2 / 14.0 at T = 8 (8 chosen; with
+/// clusters, 8 slices were also faster at 16 tokens: 30.3 against 33.2 us).
 pub fn group_slices(ops: &[DenseOp]) -> Option<usize> {
     let k = ops.first()?.w.cols;
-    slices_for_tiles(ops.iter().map(|o| o.n().div_ceil(ROWS)).sum(), k)
+    let tiles = ops.iter().map(|o| o.n().div_ceil(ROWS)).sum();
+    let s = slices_for_tiles(tiles, k)?;
+    let wider = valid_slices(k).filter(|&w| w > s && split_by_counter(tiles, w, 1));
+    Some(wider.max().unwrap_or(s))
 }
 
 impl FastDense {
@@ -553,8 +563,8 @@ impl FastDense {
     /// per member leaves to `fd_act_kernel` from 3 tokens; that pays while K is split (a block
     /// makes K / slices of a token) and costs more than the saved launches when it is not.
     /// Measured (bench dense, H200, µs grouped / separate): a CSA layer's seven projections of
-    /// u (K = 4096, 8 slices) 15.7 / 43.7 at T = 1, 18.3 / 53.5 at 8, 30.2 / 60.1 at 16 (at the 4
-    /// slices it now takes, 13.7 / 42.0 at 1, 17.0 / 45.8 at 8); its two
+    /// u (K = 4096, 8 slices in clusters) 15.7 / 43.7 at T = 1, 18.3 / 53.5 at 8, 30.2 / 60.1 at
+    /// 16 (at 8 slices through the workspace, 12.0 / 40.5 at 1, 14.0 / 45.9 at 8); its two
     /// of q_lora (K = 1024, one slice) 19.9 / 24.4 at 1, 23.2 / 25.9 at 2, 27.4 / 26.4 at 4,
     /// 35.5 / 26.7 at 8.
     pub fn group_pays(ops: &[DenseOp]) -> bool {
@@ -838,7 +848,11 @@ mod tests {
         for (what, t, sl) in [
             ("wo_b", tiles(4096, 1), slices(4096, 8192, 1)),
             ("wo_a", tiles(1024, 8), slices(1024, 4096, 8)),
-            ("u group", 8 + 4 + 8 + 8 + 2 + 2 + 1, slices_for_tiles(33, 4096)),
+            (
+                "u group",
+                8 + 4 + 8 + 8 + 2 + 2 + 1,
+                slices_for_tiles(33, 4096),
+            ),
         ] {
             let sl = sl.unwrap();
             assert!(split_by_counter(t, sl, 1), "{what}: {t} tiles, {sl} slices");
@@ -853,7 +867,10 @@ mod tests {
         for t in 1..=COUNTER_SPLIT_BLOCKS {
             for sl in [1, 2, 4, 8] {
                 if split_by_counter(t, sl, 1) {
-                    assert!(t * sl * 8 * ROWS <= part && t <= count, "{t} tiles, {sl} slices");
+                    assert!(
+                        t * sl * 8 * ROWS <= part && t <= count,
+                        "{t} tiles, {sl} slices"
+                    );
                 }
             }
         }
@@ -918,8 +935,9 @@ mod tests {
         for t in [1, 2, 4, 8, 16] {
             let ops = group(t, 4096, &u);
             assert!(FastDense::group_covers(&ops), "u group at T = {t}");
-            assert_eq!(group_slices(&ops), Some(4));
-            // K split: each block makes a quarter of K's operands: a group at every T.
+            // 33 row tiles x 8 slices: the most the workspace split holds.
+            assert_eq!(group_slices(&ops), Some(8));
+            // K split: each block makes an eighth of K's operands: a group at every T.
             assert!(FastDense::group_pays(&ops), "u group at T = {t}");
             let ops = group(t, 1024, &q_lora);
             assert!(FastDense::group_covers(&ops), "q_lora group at T = {t}");
