@@ -19,9 +19,13 @@
 //    fragment positions 2c, 2c+1, 2c+8, 2c+9 in order), the same for W and a, so the dot product is
 //    unchanged. A 128-block of k accumulates in the tensor core from zero and is promoted:
 //    acc += blk · (s_w · s_a) (s_w: the FP8 block scale, 1 for BF16). With one slice, a block writes
-//    y; with several, the slices of a row tile are one thread-block cluster: each block puts its
-//    partial sums in its shared memory, and after a cluster barrier block r adds its share of the
-//    outputs over every block's shared memory in slice order.
+//    y; with several, either the slices of a row tile are one thread-block cluster (each block
+//    puts its partial sums in its shared memory, and after a cluster barrier block r adds its
+//    share of the outputs over every block's shared memory in slice order), or, where the launch
+//    passes a split workspace (fast_dense.rs split_by_counter), each block writes its partial sums
+//    to global memory and counts itself in on its row tile's counter, and the block that arrives
+//    last adds every slice's partials, in slice order: the same sums as the cluster's, without
+//    its barriers (a cluster of 8 cost wo_b 25% of its time at one token).
 //
 // Activation modes (FD_ACT_*), per (token, 128-block) with amax its largest |x|:
 // - QUANT (FP8 weights, official act_quant): s = ue8m0(max(amax, 1e-4) / 448), the f16 value of
@@ -339,14 +343,64 @@ DSV4_INLINE unsigned fd_smem_addr(const void* p) {
   return a;
 }
 
+// The K split's end without a cluster (split_part given): the block's partial sums of tokens < T go
+// to its slot of split_part, [launch row tile][slice][8 NT tokens][FD_ROWS] f32, where the launch's
+// row tile is blockIdx.z * gridDim.x + blockIdx.x (both gemv and group grids); after a fence the
+// block adds one to the row tile's split_count. The block that brings it to `slices` (the last of
+// the row tile's slices to finish, whichever that is) reads every slice's partials in slice order
+// (sum = p_0 + p_1 + ...: the cluster path's sums exactly), writes y and puts the counter back to 0
+// for the next launch (the arena starts zeroed; no block of a later launch counts before this
+// launch has finished: fd_gemv counts after its programmatic-launch wait).
+template <int NT>
+DSV4_INLINE void fd_split_finish(const float (&acc)[NT][4], float* __restrict__ split_part, unsigned* split_count,
+                                 int T, int N, int tile0, int slice, int slices, int round_out,
+                                 float* __restrict__ y, int ldy, long long y_col) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const long long row_tile = (long long)blockIdx.z * gridDim.x + blockIdx.x;
+  const int per_slice = 8 * NT * FD_ROWS;
+  float* slot = split_part + (row_tile * slices + slice) * per_slice;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = warp * 16 + g + 8 * (i >> 1), t = 8 * nt + 2 * c + (i & 1);
+      if (t < T) __stcg(slot + t * FD_ROWS + r, acc[nt][i]);
+    }
+  }
+  __shared__ int fd_last;
+  // Release: every thread's partials are visible device-wide before the block counts itself in.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) fd_last = atomicAdd(split_count + row_tile, 1u) == (unsigned)(slices - 1);
+  __syncthreads();
+  if (!fd_last) return;
+  // Acquire: the other slices' partials, read from L2 (__ldcg: never a stale L1 line).
+  __threadfence();
+  const float* tile_part = split_part + row_tile * slices * per_slice;
+  for (int idx = threadIdx.x; idx < T * FD_ROWS; idx += FD_THREADS) {
+    const int t = idx / FD_ROWS, n = tile0 + idx - t * FD_ROWS;
+    float v[FD_MAX_SLICES];
+#pragma unroll
+    for (int s = 0; s < FD_MAX_SLICES; ++s)
+      if (s < slices) v[s] = __ldcg(tile_part + s * per_slice + idx);
+    float sum = v[0];
+#pragma unroll
+    for (int s = 1; s < FD_MAX_SLICES; ++s)
+      if (s < slices) sum += v[s];
+    if (n < N) y[(long long)t * ldy + y_col + n] = round_out ? round_bf16(sum) : sum;
+  }
+  if (threadIdx.x == 0) split_count[row_tile] = 0u;
+}
+
 // One block's share of a projection: row tile `tile` (FD_ROWS rows) of group gz (of `groups`), slice
-// `slice` of `slices` of K. The slices of a row tile are one cluster (1, slices, 1) of the launch.
+// `slice` of `slices` of K. With several slices and no `split_part`, the slices of a row tile are
+// one cluster (1, slices, 1) of the launch; with `split_part` they meet through fd_split_finish.
 template <bool FP8, int NT>
 DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __restrict__ wscale, int N, int K,
                          const float* __restrict__ x, int ldx, int mode, int fused,
                          const unsigned short* __restrict__ act, const float* __restrict__ ascale, int T,
-                         int round_out, float* __restrict__ y, int ldy, int tile, int slice, int slices, int gz,
-                         int groups) {
+                         int round_out, float* __restrict__ y, int ldy, float* __restrict__ split_part,
+                         unsigned* __restrict__ split_count, int tile, int slice, int slices, int gz, int groups) {
   typedef FdKind<FP8> KD;
   extern __shared__ __align__(16) unsigned char fd_smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -444,6 +498,10 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
     }
     return;
   }
+  if (split_part != nullptr) {
+    fd_split_finish<NT>(acc, split_part, split_count, T, N, tile * FD_ROWS, slice, slices, round_out, y, ldy, y_col);
+    return;
+  }
   // Partial sums [8 NT][FD_ROWS] in shared memory; then block `slice` of the cluster (the row tile's
   // slices) sums its share of the outputs over every block's partials, in slice order.
 #pragma unroll
@@ -481,40 +539,45 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
 // n < N, group gz = blockIdx.z; W is [groups * N, K] FP8 codes with f32 128 x 128 block scales `wscale`
 // (`fp8` = 1) or BF16 (`fp8` = 0, wscale unused). The activations come from fd_act_kernel's `act` /
 // `ascale` ([T, groups * K]; fused = 0) or from x ([T, ldx] f32, 16-byte aligned rows) in `mode`
-// (fused = 1). Grid (ceil(N / FD_ROWS), slices, groups), FD_THREADS threads, clusters of (1, slices,
-// 1) blocks when slices > 1 (at most FD_MAX_SLICES); K a multiple of 128 * slices, K / slices at most
-// FD_MAX_SLICE; dynamic shared memory fd_smem_bytes (fast_dense.rs).
+// (fused = 1). Grid (ceil(N / FD_ROWS), slices, groups), FD_THREADS threads; when slices > 1 (at
+// most FD_MAX_SLICES) either clusters of (1, slices, 1) blocks (split_part null) or the split
+// workspace split_part / split_count (fd_split_finish); K a multiple of 128 * slices, K / slices at
+// most FD_MAX_SLICE; dynamic shared memory fd_smem_bytes (fast_dense.rs).
 // One entry point per token tile count NT (tokens <= 8 NT), so each is compiled for its own registers.
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_gemv_t8_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
-        int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy) {
+        int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy,
+        float* split_part, unsigned* split_count) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
-  else fd_gemv<false, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
+  if (fp8) fd_gemv<true, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
+  else fd_gemv<false, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_gemv_t16_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
-        int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy) {
+        int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy,
+        float* split_part, unsigned* split_count) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
-  else fd_gemv<false, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
+  if (fp8) fd_gemv<true, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
+  else fd_gemv<false, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_gemv_t32_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
-        int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy) {
+        int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy,
+        float* split_part, unsigned* split_count) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
-  else fd_gemv<false, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
+  if (fp8) fd_gemv<true, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
+  else fd_gemv<false, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_gemv_t64_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
-        int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy) {
+        int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy,
+        float* split_part, unsigned* split_count) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
-  else fd_gemv<false, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, FD_GRID_SHARE);
+  if (fp8) fd_gemv<true, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
+  else fd_gemv<false, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
 }
 
 // ---- Grouped launches: several projections of the same input in one launch ----
@@ -547,7 +610,8 @@ DSV4_INLINE int fd_member_tiles(long long meta) { return (fd_member_n(meta) + FD
 // Row tile blockIdx.x of the group: block (x, y) runs slice y of its member's row tile; the member is
 // picked with static indices (no local-memory array).
 template <int NT>
-DSV4_INLINE void fd_group(const float* __restrict__ x, int ldx, int T, int K, const FdMember (&m)[FD_GROUP_MAX]) {
+DSV4_INLINE void fd_group(const float* __restrict__ x, int ldx, int T, int K, const FdMember (&m)[FD_GROUP_MAX],
+                          float* split_part, unsigned* split_count) {
   FdMember pick = m[0];
   int tile = blockIdx.x;
   bool found = false;
@@ -570,17 +634,18 @@ DSV4_INLINE void fd_group(const float* __restrict__ x, int ldx, int T, int K, co
   const int N = fd_member_n(meta), ldy = (int)((meta >> 24) & 0xffffff);
   const int fp8 = (int)((meta >> 48) & 1), round_out = (int)((meta >> 49) & 1), mode = (int)((meta >> 50) & 3);
   if (fp8)
-    fd_gemv<true, NT>(pick.w, pick.wscale, N, K, x, ldx, mode, 1, nullptr, nullptr, T, round_out, pick.y, ldy, tile,
-                      blockIdx.y, gridDim.y, 0, 1);
+    fd_gemv<true, NT>(pick.w, pick.wscale, N, K, x, ldx, mode, 1, nullptr, nullptr, T, round_out, pick.y, ldy, split_part,
+                      split_count, tile, blockIdx.y, gridDim.y, 0, 1);
   else
-    fd_gemv<false, NT>(pick.w, nullptr, N, K, x, ldx, mode, 1, nullptr, nullptr, T, round_out, pick.y, ldy, tile,
-                       blockIdx.y, gridDim.y, 0, 1);
+    fd_gemv<false, NT>(pick.w, nullptr, N, K, x, ldx, mode, 1, nullptr, nullptr, T, round_out, pick.y, ldy, split_part,
+                       split_count, tile, blockIdx.y, gridDim.y, 0, 1);
 }
 
 // y_i[t, n] (row stride ldy_i) = Σ_k a[t, k] · W_i[n, k] for every member i (FdMember; FD_GROUP_MAX of
 // them, unused ones with N = 0), t < T <= 8 (t8) or 16 (t16), K shared; x [T, ldx] f32 (16-byte aligned
 // rows), operands made in the blocks from x in each member's mode. Grid (Σ_i ceil(N_i / FD_ROWS),
-// slices), FD_THREADS threads, clusters of (1, slices, 1) when slices > 1; K a multiple of 128 * slices,
+// slices), FD_THREADS threads; when slices > 1 clusters of (1, slices, 1) or the split workspace (as
+// fd_gemv_t*_kernel); K a multiple of 128 * slices,
 // K / slices at most FD_MAX_SLICE; dynamic shared memory fd_smem_bytes (fast_dense.rs, BF16 layout).
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_group_t8_kernel(const float* x, int ldx, int T, int K,
@@ -590,11 +655,11 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
         const unsigned char* w3, const float* s3, float* y3, long long m3,
         const unsigned char* w4, const float* s4, float* y4, long long m4,
         const unsigned char* w5, const float* s5, float* y5, long long m5,
-        const unsigned char* w6, const float* s6, float* y6, long long m6) {
+        const unsigned char* w6, const float* s6, float* y6, long long m6, float* split_part, unsigned* split_count) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
   const FdMember m[FD_GROUP_MAX] = {{w0, s0, y0, m0}, {w1, s1, y1, m1}, {w2, s2, y2, m2}, {w3, s3, y3, m3},
                                     {w4, s4, y4, m4}, {w5, s5, y5, m5}, {w6, s6, y6, m6}};
-  fd_group<1>(x, ldx, T, K, m);
+  fd_group<1>(x, ldx, T, K, m, split_part, split_count);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
@@ -605,9 +670,9 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
         const unsigned char* w3, const float* s3, float* y3, long long m3,
         const unsigned char* w4, const float* s4, float* y4, long long m4,
         const unsigned char* w5, const float* s5, float* y5, long long m5,
-        const unsigned char* w6, const float* s6, float* y6, long long m6) {
+        const unsigned char* w6, const float* s6, float* y6, long long m6, float* split_part, unsigned* split_count) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
   const FdMember m[FD_GROUP_MAX] = {{w0, s0, y0, m0}, {w1, s1, y1, m1}, {w2, s2, y2, m2}, {w3, s3, y3, m3},
                                     {w4, s4, y4, m4}, {w5, s5, y5, m5}, {w6, s6, y6, m6}};
-  fd_group<2>(x, ldx, T, K, m);
+  fd_group<2>(x, ldx, T, K, m, split_part, split_count);
 }

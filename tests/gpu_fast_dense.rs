@@ -149,13 +149,15 @@ impl HostWeight {
 
 /// The dense workspace for `shapes` on its own arena.
 fn workspace(d: &Dev<Kernels>, shapes: &[Shape]) -> (dsv4::cuda::arena::Arena, DenseWorkspace) {
-    let [act, scale] = fast_dense::workspace_sizes(shapes);
-    let (a, p) = d.alloc(&[act * 2, scale * 4]);
+    let [act, scale, part, count] = fast_dense::workspace_sizes(shapes);
+    let (a, p) = d.alloc(&[act * 2, scale * 4, part * 4, count * 4]);
     (
         a,
         DenseWorkspace {
             act: p[0],
             scale: p[1],
+            split_part: p[2],
+            split_count: p[3],
         },
     )
 }
@@ -537,9 +539,12 @@ fn reruns_are_bit_identical_and_a_token_sums_alike_in_any_batch() {
     let Some(d) = dev() else { return };
     let _s = serial();
     let mut rng = Rng::from_env("reruns_are_bit_identical_and_a_token_sums_alike_in_any_batch");
+    // wo_b's shape splits K through the workspace at one token and through a cluster at 64
+    // (fast_dense.rs split_by_counter): a token's sums must still be the same bits.
     for (format, mode, n, k) in [
         (StorageFormat::Fp8, ActMode::Quant, 1024, 4096),
         (StorageFormat::Bf16, ActMode::Bf16, 512, 4096),
+        (StorageFormat::Fp8, ActMode::Quant, 4096, 8192),
     ] {
         let c = Case {
             name: "batch",
@@ -586,6 +591,7 @@ fn fast_group(
     d: &Dev<Kernels>,
     members: &[Case],
     ws: &[WeightDev],
+    dws: &DenseWorkspace,
     x: DevicePtr,
     t: usize,
     ys: &[DevicePtr],
@@ -606,7 +612,7 @@ fn fast_group(
             fused_act_max_t: fast_dense::GROUP_MAX_T,
         })
         .collect();
-    d.k.dense.run_group(d.ctx(), &ops, d.s())
+    d.k.dense.run_group(d.ctx(), &ops, dws, d.s())
 }
 
 /// Checks one group at every `ts` token count: each member within the bound (module doc, with the
@@ -656,6 +662,15 @@ fn check_group(d: &Dev<Kernels>, rng: &mut Rng, name: &str, members: &[Case], ts
         "{name}: the group is covered"
     );
     let slices = fast_dense::group_slices(&probe).unwrap();
+    let shapes: Vec<Shape> = members
+        .iter()
+        .map(|c| Shape {
+            n: c.n,
+            k,
+            groups: 1,
+        })
+        .collect();
+    let (_wsa, dws) = workspace(d, &shapes);
     let e_rel = 8.0 * 2f64.powi(-23) + ((k / 128 + slices + 1) as f64) * 2f64.powi(-24);
     let mut worst = 0f64;
     for &t in ts {
@@ -666,8 +681,10 @@ fn check_group(d: &Dev<Kernels>, rng: &mut Rng, name: &str, members: &[Case], ts
         for y in ys.iter().chain(&reruns) {
             d.poison(*y);
         }
-        fast_group(d, members, &ws, px, t, &ys).unwrap();
-        fast_group(d, members, &ws, px, t, &reruns).unwrap();
+        // The rerun also checks the K split's counters were put back (fast_dense.rs
+        // split_by_counter: the u group at T <= 8): else no block of it would write y.
+        fast_group(d, members, &ws, &dws, px, t, &ys).unwrap();
+        fast_group(d, members, &ws, &dws, px, t, &reruns).unwrap();
         for (i, c) in members.iter().enumerate() {
             let (pr, pabs) = (p[5 + 4 * i], p[6 + 4 * i]);
             reference(d, c, &ws[i], px, t, pxq, pr, c.round);
@@ -763,6 +780,14 @@ fn grouped_launches_decline_what_they_do_not_cover() {
     let hw2 = HostWeight::random(&mut rng, StorageFormat::Fp8, 128, 256);
     let (_wb, w2) = hw2.upload(&d);
     let (_a, p) = d.alloc(&[17 * 512 * 4, 17 * 512 * 4, 17 * 128 * 4]);
+    let (_wsa, dws) = workspace(
+        &d,
+        &[Shape {
+            n: 128,
+            k: 512,
+            groups: 1,
+        }],
+    );
     let op = DenseOp {
         x: p[0],
         ldx: 512,
@@ -803,7 +828,7 @@ fn grouped_launches_decline_what_they_do_not_cover() {
     ] {
         assert!(!FastDense::group_covers(ops), "{what}: covered");
         d.poison(p[2]);
-        let err = d.k.dense.run_group(d.ctx(), ops, d.s()).unwrap_err();
+        let err = d.k.dense.run_group(d.ctx(), ops, &dws, d.s()).unwrap_err();
         assert_eq!(err.status, dsv4::Status::Internal, "{what}");
         assert!(
             err.message.contains("fd_group_kernel"),
@@ -823,7 +848,7 @@ fn grouped_launches_decline_what_they_do_not_cover() {
     };
     let err =
         d.k.dense
-            .run_group(d.ctx(), &[op, short_y], d.s())
+            .run_group(d.ctx(), &[op, short_y], &dws, d.s())
             .unwrap_err();
     assert!(err.message.contains("fd_group_kernel"), "{}", err.message);
 }

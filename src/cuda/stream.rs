@@ -120,7 +120,7 @@ impl From<(u32, u32, u32)> for Dim3 {
 }
 
 /// Most parameters one kernel may take through [`KernelArgs`].
-pub const MAX_KERNEL_ARGS: usize = 32;
+pub const MAX_KERNEL_ARGS: usize = 40;
 
 /// Kernel parameters in declaration order, each a scalar of at most 8 bytes stored in its
 /// own 8-byte slot (the driver reads `sizeof(param)` bytes from the slot's start, which on

@@ -161,11 +161,17 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
             groups: p.groups,
         })
         .collect();
-    let [act, scale] = fast_dense::workspace_sizes(&shapes);
-    let (_ws_arena, wp) = alloc(&ctx, "bench_dense", &[act * 2, scale * 4])?;
+    let [act, scale, part, count] = fast_dense::workspace_sizes(&shapes);
+    let (_ws_arena, wp) = alloc(
+        &ctx,
+        "bench_dense",
+        &[act * 2, scale * 4, part * 4, count * 4],
+    )?;
     let ws = DenseWorkspace {
         act: wp[0],
         scale: wp[1],
+        split_part: wp[2],
+        split_count: wp[3],
     };
     let tmax = tokens.iter().copied().max().unwrap_or(1);
     let gemm_shape = |p: &Projection| {
@@ -427,7 +433,7 @@ fn run_group(
             let call = |copy: usize| -> dsv4::Result<()> {
                 let ops = ops(copy);
                 match slices {
-                    Some(sl) => dense.run_group_sliced(ctx, &ops, sl, s),
+                    Some(sl) => dense.run_group_sliced(ctx, &ops, ws, sl, s),
                     None => ops.iter().try_for_each(|o| dense.run(ctx, o, ws, s)),
                 }
             };

@@ -6,8 +6,10 @@
 //! [`TOKENS`] tokens, each block making its activation operands (the official act_quant
 //! included) itself up to [`FUSED_ACT_MAX_T`] tokens; above, `fd_act_kernel` makes them once
 //! first (two launches). K is split into [`slices`] chosen from the weight's shape only, so a
-//! token's sums do not depend on the batch it is in; a row tile's slices are one thread-block
-//! cluster that adds its partial sums through distributed shared memory. Up to [`GROUP_MAX_T`]
+//! token's sums do not depend on the batch it is in; a row tile's slices either are one
+//! thread-block cluster that adds its partial sums through distributed shared memory, or (where
+//! [`split_by_counter`] says) write them to the workspace and the last to finish adds them, in
+//! the same order. Up to [`GROUP_MAX_T`]
 //! tokens, [`FastDense::run_group`] runs up to [`GROUP_MAX`] projections of the same input in one
 //! launch of `fd_group_t{8,16}_kernel` (a decode step's attention sub-block reads u seven times
 //! and q_lora twice; one launch each costs ~4.5 µs however small the weight).
@@ -41,6 +43,13 @@ pub const MAX_SLICE: usize = 1024;
 /// Most slices of a row tile (FD_MAX_SLICES): one thread-block cluster, at most the 8 blocks a
 /// cluster may portably hold.
 pub const MAX_SLICES: usize = 8;
+/// Most blocks (row tiles x slices) of a launch whose K split meets through the workspace
+/// instead of a cluster ([`split_by_counter`]): two a streaming multiprocessor on an H200. It
+/// sizes [`DenseWorkspace::split_part`].
+pub const COUNTER_SPLIT_BLOCKS: usize = 264;
+/// Fewest slices, and fewest row tiles, of a launch split through the workspace.
+pub const COUNTER_SPLIT_MIN_SLICES: usize = 4;
+pub const COUNTER_SPLIT_MIN_TILES: usize = 32;
 /// Most tokens whose activation operands each block makes itself from x (above, one
 /// `fd_act_kernel` launch makes them once for all blocks). Measured (bench dense, H200): at 1 and
 /// 2 tokens making them in the gemv saves the extra launch (0.3-1.1 µs a call); from 4 tokens the
@@ -98,28 +107,32 @@ crate::kernel_family! {
     fn fd_gemv_t8_kernel(
         w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, x: Option<*const f32>,
         ldx: i32, mode: i32, fused: bool, act: Option<*const u16>, ascale: Option<*const f32>,
-        t: i32, round_out: bool, y: *mut f32, ldy: i32,
+        t: i32, round_out: bool, y: *mut f32, ldy: i32, split_part: Option<*mut f32>,
+        split_count: Option<*mut u32>,
     );
     #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
     fn fd_gemv_t16_kernel(
         w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, x: Option<*const f32>,
         ldx: i32, mode: i32, fused: bool, act: Option<*const u16>, ascale: Option<*const f32>,
-        t: i32, round_out: bool, y: *mut f32, ldy: i32,
+        t: i32, round_out: bool, y: *mut f32, ldy: i32, split_part: Option<*mut f32>,
+        split_count: Option<*mut u32>,
     );
     #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
     fn fd_gemv_t32_kernel(
         w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, x: Option<*const f32>,
         ldx: i32, mode: i32, fused: bool, act: Option<*const u16>, ascale: Option<*const f32>,
-        t: i32, round_out: bool, y: *mut f32, ldy: i32,
+        t: i32, round_out: bool, y: *mut f32, ldy: i32, split_part: Option<*mut f32>,
+        split_count: Option<*mut u32>,
     );
     #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
     fn fd_gemv_t64_kernel(
         w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, x: Option<*const f32>,
         ldx: i32, mode: i32, fused: bool, act: Option<*const u16>, ascale: Option<*const f32>,
-        t: i32, round_out: bool, y: *mut f32, ldy: i32,
+        t: i32, round_out: bool, y: *mut f32, ldy: i32, split_part: Option<*mut f32>,
+        split_count: Option<*mut u32>,
     );
     /// Up to [`GROUP_MAX`] projections of the same x in one launch (members past the group's have
     /// no weight and `m = 0`); `m` packs a member's geometry (`member_meta`).
@@ -134,6 +147,7 @@ crate::kernel_family! {
         w4: Option<*const u8>, s4: Option<*const f32>, y4: Option<*mut f32>, m4: i64,
         w5: Option<*const u8>, s5: Option<*const f32>, y5: Option<*mut f32>, m5: i64,
         w6: Option<*const u8>, s6: Option<*const f32>, y6: Option<*mut f32>, m6: i64,
+        split_part: Option<*mut f32>, split_count: Option<*mut u32>,
     );
     #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
@@ -146,6 +160,7 @@ crate::kernel_family! {
         w4: Option<*const u8>, s4: Option<*const f32>, y4: Option<*mut f32>, m4: i64,
         w5: Option<*const u8>, s5: Option<*const f32>, y5: Option<*mut f32>, m5: i64,
         w6: Option<*const u8>, s6: Option<*const f32>, y6: Option<*mut f32>, m6: i64,
+        split_part: Option<*mut f32>, split_count: Option<*mut u32>,
     );
 }
 
@@ -162,6 +177,22 @@ crate::launchers! {
         group_t8: fd_group_t8_kernel,
         group_t16: fd_group_t16_kernel,
     }
+}
+
+/// Whether a launch of `tiles` row tiles (all groups' or members' together) in `slices` slices of
+/// K, with `nt` tiles of 8 tokens, meets its slices through the workspace (each block writes its
+/// partial sums, the last of a row tile to finish adds them in slice order) instead of a
+/// thread-block cluster. The sums are the same either way. Measured (bench dense, H200, the
+/// cluster against the workspace, µs at T = 1 / 8): wo_b (32 tiles, 8 slices) 19.0 / 32.8
+/// against 14.1 / 22.3; wo_a (64 tiles, 4 slices) 17.7 / 24.4 against 13.3 / 17.6; the u group
+/// 13.7 against 12.1 at T = 1. But launches of few tiles (wq_a, wkv: 4-8 tiles) lost 0.4-1.7 µs
+/// (their blocks' partial writes and the counter's round trip are not hidden by other tiles'
+/// loads), and the workspace holds [`COUNTER_SPLIT_BLOCKS`] blocks' partials of 8 tokens.
+pub fn split_by_counter(tiles: usize, slices: usize, nt: usize) -> bool {
+    nt == 1
+        && slices >= COUNTER_SPLIT_MIN_SLICES
+        && tiles >= COUNTER_SPLIT_MIN_TILES
+        && tiles * slices <= COUNTER_SPLIT_BLOCKS
 }
 
 /// Slices of K for a weight of `groups` x `n` rows and `k` columns: the smallest power of two
@@ -213,13 +244,19 @@ impl DenseOp {
 }
 
 /// The family's workspace (the fast set's, declared at create by [`workspace_sizes`]):
-/// `fd_act_kernel`'s output.
+/// `fd_act_kernel`'s output, and the K split's partial sums and counters
+/// ([`split_by_counter`]).
 #[derive(Clone, Copy, Debug)]
 pub struct DenseWorkspace {
     /// `[TOKENS, max width]` 16-bit operands.
     pub act: DevicePtr,
     /// `[TOKENS, max width / 128]` f32.
     pub scale: DevicePtr,
+    /// `[COUNTER_SPLIT_BLOCKS, 8, ROWS]` f32: a block's partial sums of 8 tokens.
+    pub split_part: DevicePtr,
+    /// `[COUNTER_SPLIT_BLOCKS / COUNTER_SPLIT_MIN_SLICES]` u32, zero between launches (the
+    /// arena is zeroed at create; the last block of a row tile puts its counter back).
+    pub split_count: DevicePtr,
 }
 
 /// A projection's shape: `groups` x `n` rows of `k` columns.
@@ -230,10 +267,39 @@ pub struct Shape {
     pub groups: usize,
 }
 
-/// Element counts of [`DenseWorkspace`] (act u16, scale f32) for the widest of `shapes`.
-pub fn workspace_sizes(shapes: &[Shape]) -> [usize; 2] {
+/// Element counts of [`DenseWorkspace`] (act u16, scale f32, split_part f32, split_count u32)
+/// for the widest of `shapes`.
+pub fn workspace_sizes(shapes: &[Shape]) -> [usize; 4] {
     let width = shapes.iter().map(|s| s.k * s.groups).max().unwrap_or(0);
-    [TOKENS * width, TOKENS * width / 128]
+    [
+        TOKENS * width,
+        TOKENS * width / 128,
+        COUNTER_SPLIT_BLOCKS * 8 * ROWS,
+        COUNTER_SPLIT_BLOCKS / COUNTER_SPLIT_MIN_SLICES,
+    ]
+}
+
+/// The workspace arguments of a launch of `blocks` row tiles in `sl` slices, `nt` token tiles:
+/// the split's partials and counters when [`split_by_counter`] (checked against `ws`), else
+/// none (one slice, or a cluster).
+fn split_args(
+    kname: &str,
+    ws: &DenseWorkspace,
+    tiles: usize,
+    sl: usize,
+    nt: usize,
+) -> Result<(Option<DevicePtr>, Option<DevicePtr>)> {
+    if !split_by_counter(tiles, sl, nt) {
+        return Ok((None, None));
+    }
+    need(
+        kname,
+        "split_part",
+        ws.split_part,
+        tiles * sl * 8 * ROWS * 4,
+    )?;
+    need(kname, "split_count", ws.split_count, tiles * 4)?;
+    Ok((Some(ws.split_part), Some(ws.split_count)))
 }
 
 fn internal(msg: String) -> Error {
@@ -376,7 +442,9 @@ impl FastDense {
                 )?;
             }
             let nt = tc.div_ceil(8).next_power_of_two();
-            let smem = smem_bytes(nt, k / sl, fp8, sl > 1) as u32;
+            let (split_part, split_count) = split_args(K, ws, tiles * groups, sl, nt)?;
+            let cluster = sl > 1 && split_part.is_none();
+            let smem = smem_bytes(nt, k / sl, fp8, cluster) as u32;
             let grid = (tiles as u32, sl as u32, groups as u32);
             let block = (WARPS * 32) as u32;
             macro_rules! gemv {
@@ -397,8 +465,10 @@ impl FastDense {
                         round_out: op.round,
                         y,
                         ldy: ldy32,
+                        split_part,
+                        split_count,
                     };
-                    if sl > 1 {
+                    if cluster {
                         self.$field.launch_clustered(
                             grid,
                             block,
@@ -449,15 +519,20 @@ pub fn valid_slices(k: usize) -> impl Iterator<Item = usize> {
         })
 }
 
-/// The slices of a grouped launch of `ops`: one K split for all members, from their row tiles
-/// together ([`slices_for_tiles`]); a function of the members' shapes only. Measured against
-/// every other split (bench dense, H200, `--projection groups`): at T = 1 a CSA layer's two
-/// projections of q_lora take 20.0 / 25.0 / 34.3 us at 1 / 2 / 4 slices (1 chosen), its seven
-/// of u 13.9 / 15.9 us at 4 / 8 slices (4 chosen since [`TARGET_BLOCKS`] is 128; 8 wins from
-/// 16 tokens, 30.3 / 33.2 us).
+/// The slices of a grouped launch of `ops`: one K split for all members, a function of the
+/// members' shapes only: [`slices_for_tiles`] over their row tiles together, or more slices
+/// where the launch then splits through the workspace ([`split_by_counter`] at 8 tokens: the
+/// most slices whose blocks it holds). Measured against every other split (bench dense, H200,
+/// `--projection groups`): at T = 1 a CSA layer's two projections of q_lora take 19.1 / 22.6 /
+/// 33.0 us at 1 / 2 / 4 slices (1 chosen); its seven of u (33 row tiles) with the workspace
+/// split 12.2 / 12.0 us at 4 / 8 slices at T = 1 and 17.2 / 14.0 at T = 8 (8 chosen; with
+/// clusters, 8 slices were also faster at 16 tokens: 30.3 against 33.2 us).
 pub fn group_slices(ops: &[DenseOp]) -> Option<usize> {
     let k = ops.first()?.w.cols;
-    slices_for_tiles(ops.iter().map(|o| o.n().div_ceil(ROWS)).sum(), k)
+    let tiles = ops.iter().map(|o| o.n().div_ceil(ROWS)).sum();
+    let s = slices_for_tiles(tiles, k)?;
+    let wider = valid_slices(k).filter(|&w| w > s && split_by_counter(tiles, w, 1));
+    Some(wider.max().unwrap_or(s))
 }
 
 impl FastDense {
@@ -488,8 +563,8 @@ impl FastDense {
     /// per member leaves to `fd_act_kernel` from 3 tokens; that pays while K is split (a block
     /// makes K / slices of a token) and costs more than the saved launches when it is not.
     /// Measured (bench dense, H200, µs grouped / separate): a CSA layer's seven projections of
-    /// u (K = 4096, 8 slices) 15.7 / 43.7 at T = 1, 18.3 / 53.5 at 8, 30.2 / 60.1 at 16 (at the 4
-    /// slices it now takes, 13.7 / 42.0 at 1, 17.0 / 45.8 at 8); its two
+    /// u (K = 4096, 8 slices in clusters) 15.7 / 43.7 at T = 1, 18.3 / 53.5 at 8, 30.2 / 60.1 at
+    /// 16 (at 8 slices through the workspace, 12.0 / 40.5 at 1, 14.0 / 45.9 at 8); its two
     /// of q_lora (K = 1024, one slice) 19.9 / 24.4 at 1, 23.2 / 25.9 at 2, 27.4 / 26.4 at 4,
     /// 35.5 / 26.7 at 8.
     pub fn group_pays(ops: &[DenseOp]) -> bool {
@@ -501,9 +576,15 @@ impl FastDense {
     /// launch: the members' row tiles in order, one K split ([`group_slices`]), the operands
     /// made in the blocks from x. Each member's outputs are those of [`Self::run`] up to the
     /// summation order of its slices. Outputs must not overlap x or each other.
-    pub fn run_group(&self, ctx: &Context, ops: &[DenseOp], stream: BorrowedStream) -> Result<()> {
+    pub fn run_group(
+        &self,
+        ctx: &Context,
+        ops: &[DenseOp],
+        ws: &DenseWorkspace,
+        stream: BorrowedStream,
+    ) -> Result<()> {
         let sl = group_slices(ops).unwrap_or(0);
-        self.run_group_sliced(ctx, ops, sl, stream)
+        self.run_group_sliced(ctx, ops, ws, sl, stream)
     }
 
     /// [`Self::run_group`] with K split in `sl` slices (one of [`valid_slices`]; the bench
@@ -512,6 +593,7 @@ impl FastDense {
         &self,
         ctx: &Context,
         ops: &[DenseOp],
+        ws: &DenseWorkspace,
         sl: usize,
         stream: BorrowedStream,
     ) -> Result<()> {
@@ -537,7 +619,9 @@ impl FastDense {
         let tiles: usize = ops.iter().map(|o| o.n().div_ceil(ROWS)).sum();
         // The largest of the members' layouts: BF16's padded activation rows.
         let nt = first.t.div_ceil(8).next_power_of_two();
-        let smem = smem_bytes(nt, k / sl, false, sl > 1) as u32;
+        let (split_part, split_count) = split_args(K, ws, tiles, sl, nt)?;
+        let cluster = sl > 1 && split_part.is_none();
+        let smem = smem_bytes(nt, k / sl, false, cluster) as u32;
         let (x, ldx, t) = (first.x, to_i32(K, "ldx", first.ldx)?, first.t as i32);
         let k32 = to_i32(K, "K", k)?;
         // Each member's kernel arguments; None past the group.
@@ -601,8 +685,10 @@ impl FastDense {
                     s6,
                     y6,
                     m6,
+                    split_part,
+                    split_count,
                 };
-                if sl > 1 {
+                if cluster {
                     self.$field
                         .launch_clustered(grid, block, smem, stream, args, (1, sl as u32, 1))
                 } else {
@@ -754,6 +840,42 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_counter_split_takes_the_wide_flash_launches_and_fits_the_workspace() {
+        let tiles = |n: usize, g: usize| n.div_ceil(ROWS) * g;
+        // wo_b (32 tiles, 8 slices), wo_a (8 groups of 8 tiles, 4 slices), a CSA layer's seven
+        // projections of u (33 tiles, 4 slices) at up to 8 tokens; not from 9 tokens.
+        for (what, t, sl) in [
+            ("wo_b", tiles(4096, 1), slices(4096, 8192, 1)),
+            ("wo_a", tiles(1024, 8), slices(1024, 4096, 8)),
+            (
+                "u group",
+                8 + 4 + 8 + 8 + 2 + 2 + 1,
+                slices_for_tiles(33, 4096),
+            ),
+        ] {
+            let sl = sl.unwrap();
+            assert!(split_by_counter(t, sl, 1), "{what}: {t} tiles, {sl} slices");
+            assert!(!split_by_counter(t, sl, 2), "{what} at 16 tokens");
+        }
+        // Few-tile launches keep the cluster (wq_a, wkv) or have one slice (wq_b).
+        assert!(!split_by_counter(tiles(1024, 1), 8, 1));
+        assert!(!split_by_counter(tiles(512, 1), 8, 1));
+        assert!(!split_by_counter(tiles(32768, 1), 1, 1));
+        // Whatever it takes fits the workspace: partials of every block, a counter per row tile.
+        let [_, _, part, count] = workspace_sizes(&[]);
+        for t in 1..=COUNTER_SPLIT_BLOCKS {
+            for sl in [1, 2, 4, 8] {
+                if split_by_counter(t, sl, 1) {
+                    assert!(
+                        t * sl * 8 * ROWS <= part && t <= count,
+                        "{t} tiles, {sl} slices"
+                    );
+                }
+            }
+        }
+    }
+
     /// A weight record at a made-up address (host logic only: nothing is dereferenced).
     fn weight(format: StorageFormat, rows: usize, cols: usize, at: u64) -> WeightDev {
         let esize = if format == StorageFormat::Fp8 { 1 } else { 2 };
@@ -813,8 +935,9 @@ mod tests {
         for t in [1, 2, 4, 8, 16] {
             let ops = group(t, 4096, &u);
             assert!(FastDense::group_covers(&ops), "u group at T = {t}");
-            assert_eq!(group_slices(&ops), Some(4));
-            // K split: each block makes a quarter of K's operands: a group at every T.
+            // 33 row tiles x 8 slices: the most the workspace split holds.
+            assert_eq!(group_slices(&ops), Some(8));
+            // K split: each block makes an eighth of K's operands: a group at every T.
             assert!(FastDense::group_pays(&ops), "u group at T = {t}");
             let ops = group(t, 1024, &q_lora);
             assert!(FastDense::group_covers(&ops), "q_lora group at T = {t}");
@@ -865,7 +988,12 @@ mod tests {
                 k: 4096,
                 groups: 8
             }]),
-            [TOKENS * 32768, TOKENS * 256]
+            [
+                TOKENS * 32768,
+                TOKENS * 256,
+                COUNTER_SPLIT_BLOCKS * 8 * ROWS,
+                COUNTER_SPLIT_BLOCKS / COUNTER_SPLIT_MIN_SLICES
+            ]
         );
     }
 }

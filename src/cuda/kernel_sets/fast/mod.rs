@@ -379,7 +379,7 @@ impl FastOps for FastSet {
         if !FastDense::group_covers(members) || !FastDense::group_pays(members) {
             return Ok(false);
         }
-        self.dense.run_group(ctx, members, stream)?;
+        self.dense.run_group(ctx, members, &self.ws.dense, stream)?;
         Ok(true)
     }
 

@@ -28,10 +28,10 @@ pub struct Workspace {
 }
 
 /// Arena ids of [`Workspace`]'s buffers ([`fast_moe::workspace_buffers`] order), then the dense
-/// projections' two ([`DenseWorkspace`] order).
+/// projections' four ([`DenseWorkspace`] order).
 pub struct WorkspaceIds {
     ids: Vec<RegionId>,
-    dense: [RegionId; 2],
+    dense: [RegionId; 4],
     gemm: Option<[RegionId; 3]>,
     attention: [RegionId; 2],
     t: usize,
@@ -59,8 +59,14 @@ impl Workspace {
             )?);
         }
         let sizes = fast_dense::workspace_sizes(&dense_shapes(cfg));
-        let dense_buffers = [("act", Elem::F16), ("scale", Elem::F32)];
-        let mut dense = Vec::with_capacity(2);
+        // The split counters are u32s, declared as I32 (the same bytes; the arena zeroes them).
+        let dense_buffers = [
+            ("act", Elem::F16),
+            ("scale", Elem::F32),
+            ("split_part", Elem::F32),
+            ("split_count", Elem::I32),
+        ];
+        let mut dense = Vec::with_capacity(dense_buffers.len());
         for ((name, elem), n) in dense_buffers.into_iter().zip(sizes) {
             dense.push(plan.declare(
                 BufferKind::Workspace,
@@ -100,7 +106,7 @@ impl Workspace {
         let attention = [attn("part_o", po)?, attn("part_ml", pml)?];
         Ok(WorkspaceIds {
             ids,
-            dense: [dense[0], dense[1]],
+            dense: [dense[0], dense[1], dense[2], dense[3]],
             gemm,
             attention,
             t,
@@ -116,6 +122,8 @@ impl Workspace {
             dense: DenseWorkspace {
                 act: arena.region(w.dense[0]),
                 scale: arena.region(w.dense[1]),
+                split_part: arena.region(w.dense[2]),
+                split_count: arena.region(w.dense[3]),
             },
             gemm: w.gemm.map(|[codes, scale, lt]| {
                 (
@@ -219,7 +227,7 @@ mod tests {
             ModelConfig::from_path(&dir.join("configs/flash-shaped-4-layers.json")).unwrap(),
         ];
         for cfg in cfgs {
-            let [act, scale] = fast_dense::workspace_sizes(&dense_shapes(&cfg));
+            let [act, scale, ..] = fast_dense::workspace_sizes(&dense_shapes(&cfg));
             let width = act / fast_dense::TOKENS;
             assert_eq!(scale, fast_dense::TOKENS * width / 128);
             for s in tensor_specs(&cfg) {
