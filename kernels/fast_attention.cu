@@ -354,8 +354,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 // The splits of fa_attention_kernel combined, in split order: m = max_s m_s, w_s = exp(m_s - m)
 // (0 for a split without keys), den = sum_s l_s w_s + exp(sink - m), o = bf16(sum_s O_s w_s /
 // den); a token without keys (padding) gets zeros. Grid (T, H), blockDim a multiple of 32;
-// splits <= FA_MAX_SPLITS, hd % 4 == 0. The weights are made once per block; each thread then
-// has FA_COMBINE_LOADS splits' partials of its four channels in flight together.
+// splits <= FA_MAX_SPLITS <= 32, hd % 4 == 0. Warp 0 makes the weights once per block, lane s
+// for split s (the max by shuffles is exact in any order; one expf a lane, where one thread's 32
+// serial expf cost ~0.8 us at T <= 8), and lane 0 adds den's terms in split order. Each thread
+// then has FA_COMBINE_LOADS splits' partials of its four channels in flight together.
+#if FA_MAX_SPLITS > 32
+#error "fa_combine_kernel gives each split a lane of warp 0"
+#endif
 extern "C" __global__ void fa_combine_kernel(const float* part_o, const float* part_ml,
                                              const float* sinks, int T, int H, int hd, int splits,
                                              float* o) {
@@ -366,24 +371,24 @@ extern "C" __global__ void fa_combine_kernel(const float* part_o, const float* p
   if (t >= T || h >= H) return;
   const long long base = (long long)t * splits;
   const float2* ml = (const float2*)part_ml;
-  if (threadIdx.x == 0) {
-    float2 v[FA_MAX_SPLITS];
+  if (threadIdx.x < 32) {
+    const int s = threadIdx.x;
+    const float2 v = s < splits ? ml[(base + s) * H + h] : make_float2(-DSV4_F32_INF, 0.0f);
+    float m = v.x;
 #pragma unroll
-    for (int s = 0; s < FA_MAX_SPLITS; ++s)
-      v[s] = s < splits ? ml[(base + s) * H + h] : make_float2(-DSV4_F32_INF, 0.0f);
-    float m = -DSV4_F32_INF;
-#pragma unroll
-    for (int s = 0; s < FA_MAX_SPLITS; ++s) m = fmaxf(m, v[s].x);
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    const float w = v.x == -DSV4_F32_INF ? 0.0f : expf(__fsub_rn(v.x, m));
+    const float term = v.x == -DSV4_F32_INF ? 0.0f : __fmul_rn(v.y, w);
+    if (s < FA_MAX_SPLITS) wsh[s] = w;
+    // den in split order, every lane adding each lane's term in turn. An empty split's term is
+    // +0, and den (a sum of non-negative terms from +0) + 0 == den: the serial form's skip.
     float den = 0.0f;
-#pragma unroll
-    for (int s = 0; s < FA_MAX_SPLITS; ++s) {
-      const float w = v[s].x == -DSV4_F32_INF ? 0.0f : expf(__fsub_rn(v[s].x, m));
-      wsh[s] = w;
-      if (v[s].x != -DSV4_F32_INF) den = __fadd_rn(den, __fmul_rn(v[s].y, w));
+    for (int k = 0; k < splits; ++k) den = __fadd_rn(den, __shfl_sync(0xffffffffu, term, k));
+    if (s == 0) {
+      if (m != -DSV4_F32_INF) den = __fadd_rn(den, expf(__fsub_rn(sinks[h], m)));
+      den_sh = den;
+      max_sh = m;
     }
-    if (m != -DSV4_F32_INF) den = __fadd_rn(den, expf(__fsub_rn(sinks[h], m)));
-    den_sh = den;
-    max_sh = m;
   }
   __syncthreads();
   float* orow = o + ((long long)t * H + h) * hd;
