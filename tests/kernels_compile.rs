@@ -4,7 +4,8 @@
 //! directory instead of putting it on LD_LIBRARY_PATH (scripts/test.sh), so this also checks
 //! that the library finds NVRTC by itself (src/cuda/libs.rs).
 //!
-//! DSV4_DUMP_CUBIN_DIR=<dir> writes each family's CUBIN there (for cuobjdump / nvdisasm).
+//! DSV4_DUMP_CUBIN_DIR=<dir> writes each family's CUBIN there (for cuobjdump / nvdisasm);
+//! DSV4_COMPILE_FAMILY=<name> compiles one family only (in both tests that compile them).
 //!
 //! The fast GEMMs' wgmma scheduling is read in their SASS with nvdisasm (DSV4_NVDISASM, which
 //! scripts/test.sh installs from pip; without it that test prints `skipped: ...`, and fails
@@ -82,7 +83,12 @@ fn every_family_compiles_to_cubin_for_sm_90a() {
     assert_eq!(arch_for(9, 0), ARCH);
     assert!(!families().is_empty());
     let mut failures = Vec::new();
+    // DSV4_COMPILE_FAMILY=<name> compiles that family only (a kernel's edit-compile loop).
+    let only = std::env::var("DSV4_COMPILE_FAMILY").ok();
     for fam in families() {
+        if only.as_deref().is_some_and(|o| o != fam.family) {
+            continue;
+        }
         let t = std::time::Instant::now();
         match fam.compile(ARCH) {
             Ok(cubin) => {
@@ -131,7 +137,11 @@ fn fast_kernels_keep_wgmma_asynchronous() {
     if !nvrtc_or_skip() {
         return;
     }
+    let only = std::env::var("DSV4_COMPILE_FAMILY").ok();
     for fam in dsv4::cuda::kernels::FAST_FAMILIES {
+        if only.as_deref().is_some_and(|o| o != fam.family) {
+            continue;
+        }
         let (_, log) = fam
             .compile_with_log(ARCH, &["--ptxas-options=-v"])
             .unwrap_or_else(|e| panic!("{}: {e}", fam.family));
