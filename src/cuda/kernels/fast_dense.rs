@@ -559,17 +559,16 @@ impl FastDense {
     }
 
     /// Whether one grouped launch of `ops` (covered: [`Self::group_covers`]) beats one call per
-    /// member. A grouped block makes its slice's operands of every token itself, which one call
-    /// per member leaves to `fd_act_kernel` from 3 tokens; that pays while K is split (a block
-    /// makes K / slices of a token) and costs more than the saved launches when it is not.
-    /// Measured (bench dense, H200, µs grouped / separate): a CSA layer's seven projections of
-    /// u (K = 4096, 8 slices in clusters) 15.7 / 43.7 at T = 1, 18.3 / 53.5 at 8, 30.2 / 60.1 at
-    /// 16 (at 8 slices through the workspace, 12.0 / 40.5 at 1, 14.0 / 45.9 at 8); its two
-    /// of q_lora (K = 1024, one slice) 19.9 / 24.4 at 1, 23.2 / 25.9 at 2, 27.4 / 26.4 at 4,
-    /// 35.5 / 26.7 at 8.
+    /// member: when K is split. A grouped block makes its slice's operands of every token
+    /// itself, which one call per member leaves to `fd_act_kernel` from 3 tokens; that pays
+    /// while K is split (a block makes K / slices of a token) and costs more than the saved
+    /// launches when it is not. Measured (bench dense, H200, µs grouped / separate): a CSA
+    /// layer's seven projections of u (K = 4096, 8 slices through the workspace) 12.0 / 40.5 at
+    /// T = 1, 14.0 / 45.9 at 8 (in clusters, 30.2 / 60.1 at 16); its two of q_lora (K = 1024,
+    /// one slice) 19.4 / 16.9 at T = 1 and 33.5 / 20.8 at 8 (2026-12-02; before wq_b's gemv
+    /// took 11.4 us at one token the group won at 1 and 2 tokens: 19.9 / 24.4 at 1).
     pub fn group_pays(ops: &[DenseOp]) -> bool {
-        let t = ops.first().map_or(0, |o| o.t);
-        t <= FUSED_ACT_MAX_T || group_slices(ops).is_some_and(|s| s > 1)
+        group_slices(ops).is_some_and(|s| s > 1)
     }
 
     /// Runs every projection of `ops` (see [`DenseOp`]; [`Self::group_covers`] must hold) in one
@@ -942,12 +941,8 @@ mod tests {
             let ops = group(t, 1024, &q_lora);
             assert!(FastDense::group_covers(&ops), "q_lora group at T = {t}");
             assert_eq!(group_slices(&ops), Some(1));
-            // One slice: measured slower than one call each from 4 tokens.
-            assert_eq!(
-                FastDense::group_pays(&ops),
-                t <= 2,
-                "q_lora group at T = {t}"
-            );
+            // One slice: measured slower than one call each at every T.
+            assert!(!FastDense::group_pays(&ops), "q_lora group at T = {t}");
         }
         // Past 16 tokens, eight members, another x / K / mode, a grouped member: not covered.
         assert!(!FastDense::group_covers(&group(17, 4096, &u)));
