@@ -9,13 +9,15 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 cli=${DSV4_CLI:-target/gpu-bin/dsv4}
+# The build's commit (scripts/gpu-bench.sh says why it is read beside the CLI).
+commit=${DSV4_COMMIT:-$(cat "$(dirname "$cli")/COMMIT" 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 ids=$(mktemp -d)
 "$cli" bench moe --ids-dir "$ids" "$@" >"$OUT/moe_cases.jsonl" 2>"$OUT/moe_bench.log"
 rc=$?
 echo "dsv4 bench moe: rc=$rc"
 if [ $rc -eq 0 ]; then
   python3 bench/moe_baseline.py --cases "$OUT/moe_cases.jsonl" --ids-dir "$ids" --out "$OUT/moe.json" \
-    --commit "${DSV4_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" >"$OUT/moe_baseline.log" 2>&1
+    --commit "$commit" >"$OUT/moe_baseline.log" 2>&1
   rc=$?
   echo "moe_baseline.py: rc=$rc"
 fi

@@ -14,12 +14,15 @@ OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cli=${DSV4_CLI:-target/gpu-bin/dsv4}
+# The build's commit: DSV4_COMMIT, else the one --stage recorded beside the CLI (the device's copy
+# of the tree may carry another git HEAD than the one the binaries were built from), else HEAD.
+commit=${DSV4_COMMIT:-$(cat "$(dirname "$cli")/COMMIT" 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 "$cli" bench "$kind" "$@" >"$OUT/${kind}_cases.jsonl" 2>"$OUT/${kind}_bench.log"
 rc=$?
 echo "dsv4 bench $kind: rc=$rc"
 if [ $rc -eq 0 ]; then
   (cd bench && python3 "${kind}_baseline.py" --cases "$OUT/${kind}_cases.jsonl" --out "$OUT/${kind}.json" \
-    --commit "${DSV4_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}") >"$OUT/${kind}_baseline.log" 2>&1
+    --commit "$commit") >"$OUT/${kind}_baseline.log" 2>&1
   rc=$?
   echo "${kind}_baseline.py: rc=$rc"
 fi

@@ -86,6 +86,12 @@ if [ "${1:-}" = "--stage" ]; then
   else
     echo "note: $cli not built (cargo build --release): the demo will not run" >&2
   fi
+  # The commit the binaries were built from ("-dirty" with uncommitted changes): the device's
+  # copy of the tree may carry another git HEAD, so the benches read it from here.
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  git diff --quiet HEAD 2>/dev/null || commit="$commit-dirty"
+  echo "$commit" >"$dest/COMMIT"
+  echo "staged COMMIT ($commit)"
   # The staged binaries (~50 MB) are over what a device call carries with the tree (64 MiB);
   # xz packs them to ~5 MB. target/gpu-prev (another build's CLI, for before/after benches) goes
   # in the pack when present.
