@@ -263,6 +263,7 @@ fn names_case(msg: &str, c: &Case) -> bool {
 
 #[test]
 fn every_bad_value_is_caught_and_changes_nothing() {
+    let _turn = common::gpu::turn();
     for dev in devices() {
         let mut p = Pair::new(dev);
         // The graph is captured once with the good base batch; each case overwrites its
@@ -347,6 +348,7 @@ fn every_bad_value_is_caught_and_changes_nothing() {
 
 #[test]
 fn the_first_fault_is_sticky_until_read() {
+    let _turn = common::gpu::turn();
     for dev in devices() {
         if dev < 0 {
             continue; // the CPU backend reports faults from dsv4_forward
@@ -418,6 +420,7 @@ fn padded(real: &[(i32, i32, Vec<i32>)], round: u64) -> Vec<(i32, i32, Vec<i32>)
 
 #[test]
 fn padding_gives_the_unpadded_logits_and_touches_no_state() {
+    let _turn = common::gpu::turn();
     for dev in devices() {
         let mut p = Pair::new(dev);
         let modes: &[&str] = if dev >= 0 {
@@ -510,6 +513,7 @@ fn padding_gives_the_unpadded_logits_and_touches_no_state() {
 
 #[test]
 fn a_released_slot_cannot_be_continued() {
+    let _turn = common::gpu::turn();
     for dev in devices() {
         let mut p = Pair::new(dev);
         unsafe { ok(dsv4_release_slot(p.a.e, 0)) };

@@ -69,6 +69,7 @@ fn prefill() -> Step {
 
 #[test]
 fn derived_tensors_and_buffer_spans_are_reported() {
+    let _turn = common::gpu::turn();
     for dev in devices() {
         let r = tiny(dev, Load::Checkpoint);
         let descs = r.descs();
@@ -140,6 +141,7 @@ fn derived_tensors_and_buffer_spans_are_reported() {
 
 #[test]
 fn finalize_twice_and_refit_twice_are_idempotent() {
+    let _turn = common::gpu::turn();
     let ck = checkpoint("tiny");
     for dev in devices() {
         let r = tiny(dev, Load::Checkpoint);
@@ -192,6 +194,7 @@ fn refit_equals_fresh_load(changed: &[Entry], what: &str) {
 
 #[test]
 fn refit_of_layer0_hc_attn_fn_rebuilds_the_folded_weight() {
+    let _turn = common::gpu::turn();
     let ck = checkpoint("tiny");
     let hc = perturbed_bf16(find(&ck, "model.layers.0.hc_attn_fn"), 1.5);
     refit_equals_fresh_load(&[hc], "refit of layers.0.hc_attn_fn");
@@ -199,6 +202,7 @@ fn refit_of_layer0_hc_attn_fn_rebuilds_the_folded_weight() {
 
 #[test]
 fn refit_of_one_expert_equals_a_fresh_load() {
+    let _turn = common::gpu::turn();
     let ck = checkpoint("tiny");
     // Layer 0 is hash-routed: the first prompt token's first expert is certainly used.
     let t2e = find(&ck, "model.layers.0.ffn.gate.tid2eid");
@@ -223,6 +227,7 @@ fn refit_of_one_expert_equals_a_fresh_load() {
 
 #[test]
 fn a_bad_entry_among_good_ones_changes_nothing() {
+    let _turn = common::gpu::turn();
     let ck = checkpoint("tiny");
     let good = perturbed_bf16(find(&ck, "model.layers.1.attn.wq_a.weight"), 2.0);
     let mut bad = perturbed_bf16(find(&ck, "model.layers.1.attn.wkv.weight"), 2.0);
@@ -266,6 +271,7 @@ fn a_bad_entry_among_good_ones_changes_nothing() {
 /// the device) holds exactly the weights of dsv4_load and forwards alike, bit for bit.
 #[test]
 fn load_tensors_in_one_call_equals_a_checkpoint_load() {
+    let _turn = common::gpu::turn();
     for (model, format) in [
         ("tiny", TINY_FORMAT),
         ("tiny_fp8", DSV4_WEIGHT_FORMAT_AS_STORED),
@@ -298,6 +304,7 @@ fn load_tensors_in_one_call_equals_a_checkpoint_load() {
 /// stay bit for bit what they were.
 #[test]
 fn a_bad_device_value_among_good_ones_changes_nothing() {
+    let _turn = common::gpu::turn();
     if !has_cuda() {
         println!("skipped: no CUDA device");
         return;
@@ -375,16 +382,19 @@ fn dummy_then_sync(model: &str, weight_format: i32) {
 
 #[test]
 fn dummy_then_sync_bf16_source_under_quantize() {
+    let _turn = common::gpu::turn();
     dummy_then_sync("tiny", DSV4_WEIGHT_FORMAT_QUANTIZE);
 }
 
 #[test]
 fn dummy_then_sync_stored_format_fp8_fp4() {
+    let _turn = common::gpu::turn();
     dummy_then_sync("tiny_fp8", DSV4_WEIGHT_FORMAT_AS_STORED);
 }
 
 #[test]
 fn stored_format_refit_needs_its_scale_in_the_same_call() {
+    let _turn = common::gpu::turn();
     let ck = checkpoint("tiny_fp8");
     let w = find(&ck, "layers.0.attn.wq_a.weight").clone();
     let s = find(&ck, "layers.0.attn.wq_a.scale").clone();
@@ -404,6 +414,7 @@ fn stored_format_refit_needs_its_scale_in_the_same_call() {
 
 #[test]
 fn stored_format_refit_rejects_malformed_entries() {
+    let _turn = common::gpu::turn();
     let ck = checkpoint("tiny_fp8");
     let w = find(&ck, "layers.0.attn.wq_a.weight").clone();
     let s = find(&ck, "layers.0.attn.wq_a.scale").clone();
@@ -479,6 +490,7 @@ fn restage(r: &Rig, steps: &[(&Step, usize)]) {
 
 #[test]
 fn captured_decode_and_prefill_replay_equal_eager() {
+    let _turn = common::gpu::turn();
     if !has_cuda() {
         return;
     }
@@ -528,6 +540,7 @@ fn captured_decode_and_prefill_replay_equal_eager() {
 
 #[test]
 fn old_graph_replays_with_refit_weights() {
+    let _turn = common::gpu::turn();
     if !has_cuda() {
         return;
     }
@@ -564,6 +577,7 @@ fn old_graph_replays_with_refit_weights() {
 /// and device free memory is unchanged at the end.
 #[test]
 fn soak_of_interleaved_forward_refit_release() {
+    let _turn = common::gpu::turn();
     if !has_cuda() {
         return;
     }
@@ -666,6 +680,7 @@ fn soak_of_interleaved_forward_refit_release() {
 /// read after the forwards on the host's stream), and checks its arguments.
 #[test]
 fn slot_length_follows_prefill_decode_and_release() {
+    let _turn = common::gpu::turn();
     for dev in devices() {
         let r = tiny(dev, Load::Checkpoint);
         let len = |slot: i32| {

@@ -228,3 +228,12 @@ impl<K> Dev<K> {
         arena::memset_async(p, 0xff, self.s()).unwrap();
     }
 }
+
+/// The GPU tests of one binary take turns where they must (`cargo test` runs tests on parallel
+/// threads): a graph capture, which is global-mode, fails when another thread synchronizes
+/// meanwhile, and a test that reads the device's free memory sees the others' allocations. A
+/// test that failed holding the turn does not fail the others.
+pub fn turn() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
