@@ -47,8 +47,9 @@ pub const MAX_SLICES: usize = 8;
 /// instead of a cluster ([`split_by_counter`]): two a streaming multiprocessor on an H200. It
 /// sizes [`DenseWorkspace::split_part`].
 pub const COUNTER_SPLIT_BLOCKS: usize = 264;
-/// Fewest slices, and fewest row tiles, of a launch split through the workspace.
+/// Fewest slices of a launch split through the workspace.
 pub const COUNTER_SPLIT_MIN_SLICES: usize = 4;
+/// Fewest row tiles of a launch split through the workspace.
 pub const COUNTER_SPLIT_MIN_TILES: usize = 32;
 /// Most tokens whose activation operands each block makes itself from x (above, one
 /// `fd_act_kernel` launch makes them once for all blocks). Measured (bench dense, H200): at 1 and
@@ -183,9 +184,9 @@ crate::launchers! {
 /// K, with `nt` tiles of 8 tokens, meets its slices through the workspace (each block writes its
 /// partial sums, the last of a row tile to finish adds them in slice order) instead of a
 /// thread-block cluster. The sums are the same either way. Measured (bench dense, H200, the
-/// cluster against the workspace, µs at T = 1 / 8): wo_b (32 tiles, 8 slices) 19.0 / 32.8
-/// against 14.1 / 22.3; wo_a (64 tiles, 4 slices) 17.7 / 24.4 against 13.3 / 17.6; the u group
-/// 13.7 against 12.1 at T = 1. But launches of few tiles (wq_a, wkv: 4-8 tiles) lost 0.4-1.7 µs
+/// cluster against the workspace, µs at T = 1 / 8, operands made in the gemv): wo_b (32 tiles,
+/// 8 slices) 18.95 / 32.69 against 13.18 / 21.53; wo_a (64 tiles, 4 slices) 17.35 / 24.14
+/// against 12.18 / 16.79; the u group 12.91 against 12.18 at T = 1. But launches of few tiles (wq_a, wkv: 4-8 tiles) lost 0.4-1.7 µs
 /// (their blocks' partial writes and the counter's round trip are not hidden by other tiles'
 /// loads), and the workspace holds [`COUNTER_SPLIT_BLOCKS`] blocks' partials of 8 tokens.
 pub fn split_by_counter(tiles: usize, slices: usize, nt: usize) -> bool {
@@ -279,7 +280,7 @@ pub fn workspace_sizes(shapes: &[Shape]) -> [usize; 4] {
     ]
 }
 
-/// The workspace arguments of a launch of `blocks` row tiles in `sl` slices, `nt` token tiles:
+/// The workspace arguments of a launch of `tiles` row tiles in `sl` slices, `nt` token tiles:
 /// the split's partials and counters when [`split_by_counter`] (checked against `ws`), else
 /// none (one slice, or a cluster).
 fn split_args(
