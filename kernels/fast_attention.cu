@@ -356,8 +356,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 // den); a token without keys (padding) gets zeros. Grid (T, H), blockDim a multiple of 32;
 // splits <= FA_MAX_SPLITS <= 32, hd % 4 == 0. Warp 0 makes the weights once per block, lane s
 // for split s (the max by shuffles is exact in any order; one expf a lane, where one thread's 32
-// serial expf cost ~0.8 us at T <= 8); each lane adds den's terms in split order (lane 0's is kept). Each thread
-// then has FA_COMBINE_LOADS splits' partials of its four channels in flight together.
+// serial expf cost ~0.8 us at T <= 8); each lane adds den's terms in split order (lane 0's is
+// kept). Each thread then has FA_COMBINE_LOADS splits' partials of its four channels in flight.
 #if FA_MAX_SPLITS > 32
 #error "fa_combine_kernel gives each split a lane of warp 0"
 #endif
