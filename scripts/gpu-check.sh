@@ -42,6 +42,8 @@
 #  "demo": {status, rc, libraries}, "memcheck": {...}}). Exit status 0 only if every test and
 # the demo passed and memcheck found no error.
 # DSV4_GPU_TEST_TIMEOUT (seconds, default 480) bounds each binary; DSV4_SKIP_MEMCHECK=1 skips it.
+# DSV4_GPU_TESTS="gpu_fast_dense gpu_parity" runs those test binaries only (as above: one test at a
+# time) and no demo, Python or memcheck: a branch's focused check, "partial" in summary.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -125,6 +127,10 @@ if [ -z "$bindir" ]; then
   if [ -d target/gpu-bin ]; then bindir=target/gpu-bin; else bindir="${CARGO_TARGET_DIR:-target}/release/deps"; fi
 fi
 bins=$(newest_gpu_bins "$bindir")
+only=${DSV4_GPU_TESTS:-}
+if [ -n "$only" ]; then
+  bins=$(for b in $bins; do n=$(basename "$b" | sed -E 's/-[0-9a-f]+$//'); case " ${only//,/ } " in *" $n "*) echo "$b" ;; esac; done)
+fi
 
 # --- NVRTC on the library path
 nvrtc_dir=""
@@ -186,7 +192,9 @@ done
 demo_json='{"status":"not run"}'
 demo="$bindir/dsv4"
 [ -x "$demo" ] || demo="${CARGO_TARGET_DIR:-target}/release/dsv4"
-if [ ! -x "$demo" ]; then
+if [ -n "$only" ]; then
+  demo_json='{"status":"not run (DSV4_GPU_TESTS)"}'
+elif [ ! -x "$demo" ]; then
   say "demo: no dsv4 binary staged"
   demo_json='{"status":"not run: no dsv4 binary"}'
   ok=false
@@ -216,7 +224,9 @@ torch_py=""
 for c in "${DSV4_TORCH_PYTHON:-}" /opt/torch/.venv/bin/python python3; do
   if [ -n "$c" ] && command -v "$c" >/dev/null && "$c" -c 'import torch, numpy' 2>/dev/null; then torch_py=$c; break; fi
 done
-if [ ! -f "$pylib" ]; then
+if [ -n "$only" ]; then
+  py_json='{"status":"not run (DSV4_GPU_TESTS)"}'
+elif [ ! -f "$pylib" ]; then
   say "python: no libdsv4.so staged"
   py_json='{"status":"not run: no libdsv4.so"}'
   ok=false
@@ -255,7 +265,9 @@ sanitizer=$(command -v compute-sanitizer || true)
 for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
   [ -z "$sanitizer" ] && [ -x "$c" ] && sanitizer=$c
 done
-if [ "${DSV4_SKIP_MEMCHECK:-}" = 1 ]; then
+if [ -n "$only" ]; then
+  mc_json='{"status":"not run (DSV4_GPU_TESTS)"}'
+elif [ "${DSV4_SKIP_MEMCHECK:-}" = 1 ]; then
   mc_json='{"status":"skipped (DSV4_SKIP_MEMCHECK=1)"}'
 elif [ -z "$runtime_bin" ]; then
   mc_json='{"status":"not run: no gpu_runtime binary"}'
@@ -309,7 +321,7 @@ else
 fi
 
 cat >"$OUT/summary.json" <<EOF
-{"ok":$ok,"date":"$(date -u +%Y-%m-%dT%H:%M:%SZ)","gpu":$(json_str "$gpu"),"nvrtc_dir":$(json_str "$nvrtc_dir"),"binaries":$(json_str "$bindir"),
+{"ok":$ok,"partial":$([ -n "$only" ] && echo true || echo false),"date":"$(date -u +%Y-%m-%dT%H:%M:%SZ)","gpu":$(json_str "$gpu"),"nvrtc_dir":$(json_str "$nvrtc_dir"),"binaries":$(json_str "$bindir"),
  "tests":[${tests_json}],
  "demo":$demo_json,
  "python":$py_json,
