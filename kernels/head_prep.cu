@@ -3,8 +3,8 @@
 // window KV in official numerics, the FP8 simulation of its nope channels. That is norm.cu's
 // rmsnorm_kernel, rope.cu's rope_kernel and quant_sim.cu's kv_sim_kernel in sequence, each value
 // computed by the same operations in the same order (only the f64 sum of squares is grouped by
-// the block's threads, as any thread layout groups it: docs/numerics.md), so the outputs are theirs bit for bit
-// and one launch replaces two or three (decode runs this twice a layer).
+// the block's threads, as any thread layout groups it: docs/numerics.md), so the outputs are
+// theirs bit for bit and one launch replaces two or three (decode runs this twice a layer).
 #include "common.cuh"
 #include "ref_math.cuh"
 
