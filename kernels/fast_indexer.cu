@@ -21,7 +21,8 @@
 // FI_MAX_SORT (dsv4_consts.cuh).
 #define FI_WARPS (FI_THREADS / 32)
 
-// Grid (T, ceil(maxe / FI_CHUNK_KEYS)), FI_THREADS = 128 threads: one warpgroup, whose m64 wgmma
+// Grid (T, ceil(maxe / chunk_keys)), chunk_keys a multiple of FI_TILE_KEYS <= FI_CHUNK_KEYS (fewer
+// keys a block where few tokens would leave SMs idle), FI_THREADS = 128 threads: one warpgroup, whose m64 wgmma
 // rows are the heads (warp w: heads 16w .. 16w + 15, thread (g, t): heads 16w + g and 16w + g + 8).
 // HI <= FI_MAX_HEADS = 64, DI % 32 == 0 and <= FI_MAX_DIM (the wrapper checks). ikeys: official
 // indexer-key pages (kv_pages.cuh) through itable. scores: [T][maxe], entries < visible of real
@@ -75,7 +76,7 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
     fi_score_kernel(const float* qi, const float* iw, const unsigned char* ikeys,
                     const int* itable, int ipps, const int* positions, const int* seq_of,
                     const int* seq_slots, int T, int HI, int DI, int ratio, int maxe,
-                    float* scores) {
+                    int chunk_keys, float* scores) {
   dsv4_pdl_begin();
   extern __shared__ __align__(128) unsigned char fi_smem[];
   const int t = blockIdx.x, chunk = blockIdx.y;
@@ -84,9 +85,9 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
   if (slot < 0) return;  // padding: nothing is scored (fi_topk_kernel selects nothing)
   int visible = (positions[t] + 1) / ratio;
   if (visible > maxe) visible = maxe;
-  const int e_begin = chunk * FI_CHUNK_KEYS;
+  const int e_begin = chunk * chunk_keys;
   if (e_begin >= visible) return;
-  int e_end = e_begin + FI_CHUNK_KEYS;
+  int e_end = e_begin + chunk_keys;
   if (e_end > visible) e_end = visible;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -261,17 +262,27 @@ DSV4_INLINE void fi_hist_add(int* hist, unsigned bin, bool active) {
   if ((threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1)) atomicAdd(&hist[bin], __popc(peers));
 }
 
+// Entries a lane has in flight in each pass of fi_topk_kernel (its loads all issued before any is
+// used: a pass over a warp's segment of global scores is a few round trips, not one a 32 entries).
+#define FI_TOPK_BATCH 8
+
 // One block per token, FI_TOPK_THREADS threads. Warp w owns the entries [w * seg, (w + 1) * seg)
 // of the token's visible ones (seg a multiple of 32); its lanes read them 32 at a time, entry
-// base + 32 i + lane, so loads are coalesced and (i, lane) order is index order within the warp.
-// Static shared memory: histogram, per-warp counts, the candidates (key << 32 | ~index) for the
-// sort. topk <= FI_MAX_SORT. selected: [T][topk] best first (ties: lower index), -1 past
-// nsel[t] = min(topk, visible).
+// base + 32 i + lane, so loads are coalesced and (i, lane) order is index order within the warp;
+// each lane has FI_TOPK_BATCH of them in flight. The first pass stages every entry's order key in
+// shared memory when the token's visible entries fit (visible <= stage_keys, the dynamic shared
+// memory's u16 keys: fast_indexer.rs
+// TOPK_STAGE_KEYS at most): the other three passes then read shared memory,
+// not the scores again (one block per token, so a pass over 16K global scores is latency: four
+// such passes took ~50 us). Static shared memory: histogram, per-warp counts, the candidates
+// (key << 32 | ~index) for the sort. topk <= FI_MAX_SORT. selected: [T][topk] best first (ties:
+// lower index), -1 past nsel[t] = min(topk, visible).
 extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
     fi_topk_kernel(const float* scores, const int* positions, const int* seq_of,
-                   const int* seq_slots, int T, int ratio, int maxe, int topk, int* selected,
-                   int* nsel) {
+                   const int* seq_slots, int T, int ratio, int maxe, int topk, int stage_keys,
+                   int* selected, int* nsel) {
   dsv4_pdl_begin();
+  extern __shared__ __align__(16) unsigned short fi_staged[];  // [stage_keys] order keys
   __shared__ int hist[256];
   __shared__ int warp_gt[FI_TOPK_THREADS / 32], warp_eq[FI_TOPK_THREADS / 32];
   __shared__ unsigned long long cand[FI_MAX_SORT];
@@ -293,22 +304,51 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
     return;
   }
   const float* row = scores + (long long)t * maxe;
+  const bool staged = visible <= stage_keys;  // uniform over the block
   const int seg = ((visible + nwarps - 1) / nwarps + 31) & ~31;
   const int lo = min(warp * seg, visible), hi = min(lo + seg, visible);
+  // The order keys of entries e0 + 32 u + lane (u < FI_TOPK_BATCH; 0 at or past hi): every load
+  // issued before any key is used. `from_scores` reads the scores row (the first pass), else the
+  // staged keys when the token's entries fit, the scores otherwise.
+  auto keys_at = [&](int e0, bool from_scores, unsigned (&key)[FI_TOPK_BATCH]) {
+    if (staged && !from_scores) {
+#pragma unroll
+      for (int u = 0; u < FI_TOPK_BATCH; ++u) {
+        const int e = e0 + 32 * u + lane;
+        key[u] = e < hi ? fi_staged[e] : 0u;
+      }
+    } else {
+      float v[FI_TOPK_BATCH];
+#pragma unroll
+      for (int u = 0; u < FI_TOPK_BATCH; ++u) {
+        const int e = e0 + 32 * u + lane;
+        v[u] = e < hi ? row[e] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < FI_TOPK_BATCH; ++u) key[u] = e0 + 32 * u + lane < hi ? fi_key16(v[u]) : 0u;
+    }
+  };
+  const int step = 32 * FI_TOPK_BATCH;
 
-  // The k-th largest key, a byte at a time: high byte, then low byte among that bin. The bin is
-  // found by warp 0: lane l sums bins 255 - 8l down to 248 - 8l, an inclusive scan over lanes
-  // gives the count above each lane's bins, and the lane whose bins reach `need` walks them.
+  // The k-th largest key, a byte at a time: high byte (the pass that stages the keys), then low
+  // byte among that bin. The bin is found by warp 0: lane l sums bins 255 - 8l down to 248 - 8l, an
+  // inclusive scan over lanes gives the count above each lane's bins, and the lane whose bins reach
+  // `need` walks them.
   unsigned prefix = 0;
   int need = k, above = 0;
   for (int pass = 0; pass < 2; ++pass) {
     for (int b = tid; b < 256; b += nt) hist[b] = 0;
     __syncthreads();
-    for (int e0 = lo; e0 < hi; e0 += 32) {
-      const int e = e0 + lane;
-      const unsigned key = e < hi ? fi_key16(row[e]) : 0u;
-      const bool in = e < hi && (pass == 0 || (key >> 8) == prefix);
-      fi_hist_add(hist, pass == 0 ? key >> 8 : key & 0xffu, in);
+    for (int e0 = lo; e0 < hi; e0 += step) {
+      unsigned key[FI_TOPK_BATCH];
+      keys_at(e0, pass == 0, key);
+#pragma unroll
+      for (int u = 0; u < FI_TOPK_BATCH; ++u) {
+        const int e = e0 + 32 * u + lane;
+        if (pass == 0 && staged && e < hi) fi_staged[e] = (unsigned short)key[u];
+        const bool in = e < hi && (pass == 0 || (key[u] >> 8) == prefix);
+        fi_hist_add(hist, pass == 0 ? key[u] >> 8 : key[u] & 0xffu, in);
+      }
     }
     __syncthreads();
     if (warp == 0) {
@@ -346,11 +386,15 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
   // every key above kth, and the `need` lowest-index keys equal to it, each at its rank in index
   // order (ballots: no atomics decide anything).
   int gt = 0, eq = 0;
-  for (int e0 = lo; e0 < hi; e0 += 32) {
-    const int e = e0 + lane;
-    const unsigned key = e < hi ? fi_key16(row[e]) : 0u;
-    gt += __popc(__ballot_sync(0xffffffffu, e < hi && key > kth));
-    eq += __popc(__ballot_sync(0xffffffffu, e < hi && key == kth));
+  for (int e0 = lo; e0 < hi; e0 += step) {
+    unsigned key[FI_TOPK_BATCH];
+    keys_at(e0, false, key);
+#pragma unroll
+    for (int u = 0; u < FI_TOPK_BATCH; ++u) {
+      const bool real = e0 + 32 * u + lane < hi;
+      gt += __popc(__ballot_sync(0xffffffffu, real && key[u] > kth));
+      eq += __popc(__ballot_sync(0xffffffffu, real && key[u] == kth));
+    }
   }
   if (lane == 0) {
     warp_gt[warp] = gt;
@@ -371,19 +415,23 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
   __syncthreads();
   int og = warp_gt[warp], oe = warp_eq[warp];
   const unsigned below = fi_lanes_below();
-  for (int e0 = lo; e0 < hi; e0 += 32) {
-    const int e = e0 + lane;
-    const unsigned key = e < hi ? fi_key16(row[e]) : 0u;
-    const bool is_gt = e < hi && key > kth, is_eq = e < hi && key == kth;
-    const unsigned bg = __ballot_sync(0xffffffffu, is_gt), be = __ballot_sync(0xffffffffu, is_eq);
-    const unsigned long long c = ((unsigned long long)key << 32) | (unsigned)(~(unsigned)e);
-    if (is_gt) cand[og + __popc(bg & below)] = c;
-    if (is_eq) {
-      const int r = oe + __popc(be & below);
-      if (r < need) cand[sh_g + r] = c;
+  for (int e0 = lo; e0 < hi; e0 += step) {
+    unsigned key[FI_TOPK_BATCH];
+    keys_at(e0, false, key);
+#pragma unroll
+    for (int u = 0; u < FI_TOPK_BATCH; ++u) {
+      const int e = e0 + 32 * u + lane;
+      const bool is_gt = e < hi && key[u] > kth, is_eq = e < hi && key[u] == kth;
+      const unsigned bg = __ballot_sync(0xffffffffu, is_gt), be = __ballot_sync(0xffffffffu, is_eq);
+      const unsigned long long c = ((unsigned long long)key[u] << 32) | (unsigned)(~(unsigned)e);
+      if (is_gt) cand[og + __popc(bg & below)] = c;
+      if (is_eq) {
+        const int r = oe + __popc(be & below);
+        if (r < need) cand[sh_g + r] = c;
+      }
+      og += __popc(bg);
+      oe += __popc(be);
     }
-    og += __popc(bg);
-    oe += __popc(be);
   }
   int kpad = 1;
   while (kpad < k) kpad <<= 1;
