@@ -216,14 +216,15 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
       }
     }
     // relu(bf16(d_h)) * w_h summed over the warp's heads per key: rows g and g + 8 of the
-    // thread, then the 8 row groups of the warp (lanes with the same cq).
+    // thread, then the 8 row groups of the warp (lanes with the same cq). (A NaN d_h, from a NaN
+    // scale, is 0 after fmaxf however it was rounded.)
     const float w0 = ws[h0], w1 = ws[h1];
 #pragma unroll
     for (int n = 0; n < FI_TILE_KEYS / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float v = __fadd_rn(__fmul_rn(fmaxf(round_bf16(acc[4 * n + e]), 0.0f), w0),
-                            __fmul_rn(fmaxf(round_bf16(acc[4 * n + 2 + e]), 0.0f), w1));
+        float v = __fadd_rn(__fmul_rn(fmaxf(round_bf16_nonnan(acc[4 * n + e]), 0.0f), w0),
+                            __fmul_rn(fmaxf(round_bf16_nonnan(acc[4 * n + 2 + e]), 0.0f), w1));
         v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 4));
         v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 8));
         v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 16));
