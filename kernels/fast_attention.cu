@@ -26,10 +26,12 @@
 
 // FA_THREADS, FA_TILE_KEYS, FA_MAX_HEADS, FA_MAX_HD (dsv4_consts.cuh).
 #define FA_WARPS (FA_THREADS / 32)
-// Q loads in flight per thread (the prologue). Measured (bench attn, H200, two calls): 32 was about
-// 1 us slower at T = 1 than 8 (CSA 4K 23.0 against 21.4 us), not faster: a T = 1 block's Q comes
-// from L2, at the SM's load bandwidth either way.
-#define FA_Q_LOADS 8
+// The prologue's Q rows: warp w takes rows w + 2 FA_WARPS i and w + FA_WARPS + 2 FA_WARPS i, lane l
+// the 16-byte words l + 32 u of each (8 loads in flight a thread at hd = 512; no index division).
+#if FA_MAX_HEADS % (2 * FA_WARPS) != 0
+#error "the Q prologue takes FA_MAX_HEADS rows two per warp at a time"
+#endif
+#define FA_Q_WORDS (FA_MAX_HD / 128)
 // Split partials fa_combine_kernel has in flight per thread (float4 each).
 #define FA_COMBINE_LOADS 8
 
@@ -178,24 +180,27 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   locate(tile0, 0);
   locate(tile0 + 1, 1);
 
-  // Q as bf16 (rows past H zero), FA_Q_LOADS 16-byte loads in flight per thread.
+  // Q as bf16 (rows past H zero), two rows a warp at a time (FA_Q_WORDS above).
   const int q4 = hd / 4;
-  for (FaWalk it(tid, q4); it.r < FA_MAX_HEADS;) {
-    float4 v[FA_Q_LOADS];
-    int rr[FA_Q_LOADS], cc[FA_Q_LOADS];
+  for (int r0 = warp; r0 < FA_MAX_HEADS; r0 += 2 * FA_WARPS) {
+    float4 v[2][FA_Q_WORDS];
 #pragma unroll
-    for (int u = 0; u < FA_Q_LOADS; ++u) {
-      rr[u] = it.r;
-      cc[u] = it.c;
-      v[u] = it.r < H ? *(const float4*)(q + ((long long)t * H + it.r) * hd + 4 * it.c)
-                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      it.next();
-    }
+    for (int a = 0; a < 2; ++a)
 #pragma unroll
-    for (int u = 0; u < FA_Q_LOADS; ++u)
-      if (rr[u] < FA_MAX_HEADS)
-        *(uint2*)(qs + rr[u] * stride + 4 * cc[u]) =
-            make_uint2(pack_bf16x2(v[u].x, v[u].y), pack_bf16x2(v[u].z, v[u].w));
+      for (int u = 0; u < FA_Q_WORDS; ++u) {
+        const int r = r0 + a * FA_WARPS, c = lane + 32 * u;
+        v[a][u] = r < H && c < q4 ? *(const float4*)(q + ((long long)t * H + r) * hd + 4 * c)
+                                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int u = 0; u < FA_Q_WORDS; ++u) {
+        const int r = r0 + a * FA_WARPS, c = lane + 32 * u;
+        if (c < q4)
+          *(uint2*)(qs + r * stride + 4 * c) = make_uint2(pack_bf16x2(v[a][u].x, v[a][u].y),
+                                                          pack_bf16x2(v[a][u].z, v[a][u].w));
+      }
   }
   __syncthreads();  // tile0's addresses
   fetch(0);

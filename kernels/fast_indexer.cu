@@ -1,27 +1,28 @@
 // fast_indexer kernel family: see kernels/SPEC.md (fast_indexer.cu) and MODEL.md §6.4.
 //
 // The fast set's lightning indexer: `indexer_kernel`'s operation (scores of every visible
-// indexer key, then the top min(topk, visible) in rank order: larger first, ties to the lower
-// entry index, NaN lowest) in two launches.
+// indexer key, then the top min(topk, visible): larger first, ties to the lower entry index, NaN
+// lowest) in two launches.
 // - fi_score_kernel: per (token, chunk of keys), all heads of the token against a chunk of its
 //   keys on FP8 tensor cores (wgmma): queries and keys are official FP4 values (e2m1 x 2^k, exact
 //   in e4m3), so the products are exact; each 32-block's sum is the tensor core's, promoted into
 //   f32. d_h = bf16(q_h . k), score = bf16(sum_h relu(d_h) * w_h) (f32 sums over heads in a fixed
 //   tree order). Writes the scores (BF16 values) to the workspace row.
-// - fi_topk_kernel: one block per token, exact selection on the scores: a 16-bit order key per
-//   BF16 score, two 8-bit radix histograms (warp-aggregated shared atomics) find the k-th key,
-//   the keys above it and the lowest indices among those equal to it are gathered in index order
-//   (warp ballots: no atomics decide anything), then a bitonic sort of (key, -index) orders them
-//   by rank (shuffles for strides below 32, shared memory above).
+// - fi_topk_kernel: a cluster of blocks per token, exact selection on the scores: a 16-bit order
+//   key per BF16 score, two 8-bit radix histograms (warp-aggregated shared atomics, added over the
+//   cluster through distributed shared memory) find the k-th key; the keys above it and the
+//   lowest-index keys equal to it are written in index order (block, warp and ballot counts: no
+//   atomics decide anything). The reference lists them in rank order; the set is the same.
 #include "common.cuh"
 #include "fp8_mma.cuh"
 #include "kv_pages.cuh"
 
 // FI_THREADS, FI_TILE_KEYS, FI_CHUNK_KEYS, FI_MAX_HEADS, FI_MAX_DIM, FI_TOPK_THREADS,
-// FI_MAX_SORT (dsv4_consts.cuh).
+// FI_TOPK_CLUSTER (dsv4_consts.cuh).
 #define FI_WARPS (FI_THREADS / 32)
 
-// Grid (T, ceil(maxe / FI_CHUNK_KEYS)), FI_THREADS = 128 threads: one warpgroup, whose m64 wgmma
+// Grid (T, ceil(maxe / chunk_keys)), chunk_keys a multiple of FI_TILE_KEYS <= FI_CHUNK_KEYS (fewer
+// keys a block where few tokens would leave SMs idle), FI_THREADS = 128 threads: one warpgroup, whose m64 wgmma
 // rows are the heads (warp w: heads 16w .. 16w + 15, thread (g, t): heads 16w + g and 16w + g + 8).
 // HI <= FI_MAX_HEADS = 64, DI % 32 == 0 and <= FI_MAX_DIM (the wrapper checks). ikeys: official
 // indexer-key pages (kv_pages.cuh) through itable. scores: [T][maxe], entries < visible of real
@@ -66,16 +67,22 @@ DSV4_INLINE void fi_wgmma(float (&d)[32], const unsigned (&a)[4], unsigned long 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
 }
 
-// The e4m3 codes of 4 values (|v| < 448, exactly representable: see above) as one word, byte i = v[i].
+// The e4m3 codes of 4 values (|v| < 448, exactly representable: see above) as one word, byte i = v[i]:
+// the hardware conversion, two values an instruction (cvt's first source goes to the high byte). The
+// values are exact, so any rounding gives the same codes as e4m3_code_rn, at a tenth of its
+// instructions: at one tile a block, the queries' encoding was half of fi_score_kernel's.
 DSV4_INLINE unsigned fi_e4m3x4(float v0, float v1, float v2, float v3) {
-  return e4m3_code_rn(v0) | (e4m3_code_rn(v1) << 8) | (e4m3_code_rn(v2) << 16) | (e4m3_code_rn(v3) << 24);
+  unsigned short lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(v1), "f"(v0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(v3), "f"(v2));
+  return (unsigned)lo | ((unsigned)hi << 16);
 }
 
 extern "C" __global__ void __launch_bounds__(FI_THREADS)
     fi_score_kernel(const float* qi, const float* iw, const unsigned char* ikeys,
                     const int* itable, int ipps, const int* positions, const int* seq_of,
                     const int* seq_slots, int T, int HI, int DI, int ratio, int maxe,
-                    float* scores) {
+                    int chunk_keys, float* scores) {
   dsv4_pdl_begin();
   extern __shared__ __align__(128) unsigned char fi_smem[];
   const int t = blockIdx.x, chunk = blockIdx.y;
@@ -84,9 +91,9 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
   if (slot < 0) return;  // padding: nothing is scored (fi_topk_kernel selects nothing)
   int visible = (positions[t] + 1) / ratio;
   if (visible > maxe) visible = maxe;
-  const int e_begin = chunk * FI_CHUNK_KEYS;
+  const int e_begin = chunk * chunk_keys;
   if (e_begin >= visible) return;
-  int e_end = e_begin + FI_CHUNK_KEYS;
+  int e_end = e_begin + chunk_keys;
   if (e_end > visible) e_end = visible;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -209,14 +216,15 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
       }
     }
     // relu(bf16(d_h)) * w_h summed over the warp's heads per key: rows g and g + 8 of the
-    // thread, then the 8 row groups of the warp (lanes with the same cq).
+    // thread, then the 8 row groups of the warp (lanes with the same cq). (A NaN d_h, from a NaN
+    // scale, is 0 after fmaxf however it was rounded.)
     const float w0 = ws[h0], w1 = ws[h1];
 #pragma unroll
     for (int n = 0; n < FI_TILE_KEYS / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float v = __fadd_rn(__fmul_rn(fmaxf(round_bf16(acc[4 * n + e]), 0.0f), w0),
-                            __fmul_rn(fmaxf(round_bf16(acc[4 * n + 2 + e]), 0.0f), w1));
+        float v = __fadd_rn(__fmul_rn(fmaxf(round_bf16_nonnan(acc[4 * n + e]), 0.0f), w0),
+                            __fmul_rn(fmaxf(round_bf16_nonnan(acc[4 * n + 2 + e]), 0.0f), w1));
         v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 4));
         v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 8));
         v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 16));
@@ -261,23 +269,62 @@ DSV4_INLINE void fi_hist_add(int* hist, unsigned bin, bool active) {
   if ((threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1)) atomicAdd(&hist[bin], __popc(peers));
 }
 
-// One block per token, FI_TOPK_THREADS threads. Warp w owns the entries [w * seg, (w + 1) * seg)
-// of the token's visible ones (seg a multiple of 32); its lanes read them 32 at a time, entry
-// base + 32 i + lane, so loads are coalesced and (i, lane) order is index order within the warp.
-// Static shared memory: histogram, per-warp counts, the candidates (key << 32 | ~index) for the
-// sort. topk <= FI_MAX_SORT. selected: [T][topk] best first (ties: lower index), -1 past
+// Entries a lane has in flight in each pass of fi_topk_kernel (its loads all issued before any is
+// used: a pass over a warp's segment of global scores is a few round trips, not one a 32 entries).
+#define FI_TOPK_BATCH 8
+
+DSV4_INLINE void fi_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+DSV4_INLINE void fi_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+DSV4_INLINE void fi_cluster_sync() {
+  fi_cluster_arrive();
+  fi_cluster_wait();
+}
+
+// The int at `p` (this block's shared memory) in each block of the cluster, v[r] from block r: every
+// load issued before any is used (one at a time, each waited for, 64 a lane cost a block ~25 us).
+DSV4_INLINE void fi_ld_cluster_all(const int* p, int (&v)[FI_TOPK_CLUSTER]) {
+  const unsigned a = smem_addr(p);
+#pragma unroll
+  for (int r = 0; r < FI_TOPK_CLUSTER; ++r) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(a), "r"(r));
+    asm volatile("ld.shared::cluster.s32 %0, [%1];\n" : "=r"(v[r]) : "r"(remote));
+  }
+}
+
+// One cluster of FI_TOPK_CLUSTER blocks per token (grid FI_TOPK_CLUSTER x T, block r of token t at
+// blockIdx.x = FI_TOPK_CLUSTER t + r), FI_TOPK_THREADS threads a block. One block took ~35 us for
+// 16K entries (the SM's instruction issue, not memory): the cluster splits every pass eight ways.
+// Block r owns a contiguous run of the token's visible entries, its warp w a contiguous run of
+// that (each a multiple of 32), read 32 at a time by the lanes (coalesced; (i, lane) order is
+// index order within the warp), FI_TOPK_BATCH a lane in flight. The first pass stages the run's
+// order keys (u16) in the block's dynamic shared memory when they fit (run <= stage_keys), and the
+// later passes read them there instead of the scores.
+// - The k-th largest order key, a byte at a time: each block histograms its run (high byte, then
+//   the low byte of the keys in the chosen high bin; shared atomics aggregated per warp); after a
+//   cluster barrier every block adds the cluster's histograms (distributed shared memory; integer
+//   sums, any order) and finds the same bin.
+// - Then the selection, in index order: entry e is taken when its key is above the k-th, or equal
+//   to it with fewer than `need` equal keys before it (ties to the lower index), and it goes to
+//   position (keys above the k-th before e) + min(equal keys before e, need). The counts before e
+//   come from per-block totals (shared through the cluster), per-warp totals and ballots: no
+//   atomics decide anything, and the k positions are written once each.
+// selected: [T][topk] in increasing entry index (the attention's softmax does not depend on the
+// order; the set is `top_k`'s: larger score, ties to the lower index, NaN lowest), -1 past
 // nsel[t] = min(topk, visible).
 extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
     fi_topk_kernel(const float* scores, const int* positions, const int* seq_of,
-                   const int* seq_slots, int T, int ratio, int maxe, int topk, int* selected,
-                   int* nsel) {
+                   const int* seq_slots, int T, int ratio, int maxe, int topk, int stage_keys,
+                   int* selected, int* nsel) {
   dsv4_pdl_begin();
-  __shared__ int hist[256];
+  extern __shared__ __align__(16) unsigned short fi_staged[];  // [stage_keys] order keys
+  __shared__ int hist[2][256];
+  __shared__ int total[256];  // the cluster's histogram of the pass
   __shared__ int warp_gt[FI_TOPK_THREADS / 32], warp_eq[FI_TOPK_THREADS / 32];
-  __shared__ unsigned long long cand[FI_MAX_SORT];
-  __shared__ int sh_bin, sh_above, sh_g;
-  const int t = blockIdx.x;
-  if (t >= T) return;
+  __shared__ int block_cnt[2];  // this block's keys above / equal to the k-th
+  __shared__ int sh_bin, sh_above, sh_gt0, sh_eq0;
+  const int t = blockIdx.x / FI_TOPK_CLUSTER, rank = blockIdx.x % FI_TOPK_CLUSTER;
+  if (t >= T) return;  // the whole cluster (FI_TOPK_CLUSTER divides the grid)
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nwarps = nt >> 5;
   int* sel = selected + (long long)t * topk;
   const int slot = seq_slots[seq_of[t]];
@@ -287,35 +334,77 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
     if (visible > maxe) visible = maxe;
   }
   const int k = topk < visible ? topk : visible;
-  if (k == 0) {  // padding, or nothing visible yet
-    for (int r = tid; r < topk; r += nt) sel[r] = -1;
-    if (tid == 0) nsel[t] = 0;
+  if (k == 0) {  // padding, or nothing visible yet (the whole cluster returns here)
+    if (rank == 0) {
+      for (int r = tid; r < topk; r += nt) sel[r] = -1;
+      if (tid == 0) nsel[t] = 0;
+    }
     return;
   }
   const float* row = scores + (long long)t * maxe;
-  const int seg = ((visible + nwarps - 1) / nwarps + 31) & ~31;
-  const int lo = min(warp * seg, visible), hi = min(lo + seg, visible);
+  const int bseg = ((visible + FI_TOPK_CLUSTER - 1) / FI_TOPK_CLUSTER + 31) & ~31;
+  const int blo = min(rank * bseg, visible), bhi = min(blo + bseg, visible);
+  const bool staged = bhi - blo <= stage_keys;  // uniform over the block
+  const int wseg = ((bhi - blo + nwarps - 1) / nwarps + 31) & ~31;
+  const int lo = min(blo + warp * wseg, bhi), hi = min(lo + wseg, bhi);
+  // The order keys of entries e0 + 32 u + lane (u < FI_TOPK_BATCH; 0 at or past hi): every load
+  // issued before any key is used. `from_scores` reads the scores row (the first pass), else the
+  // staged keys when the block's run fits, the scores otherwise.
+  auto keys_at = [&](int e0, bool from_scores, unsigned (&key)[FI_TOPK_BATCH]) {
+    if (staged && !from_scores) {
+#pragma unroll
+      for (int u = 0; u < FI_TOPK_BATCH; ++u) {
+        const int e = e0 + 32 * u + lane;
+        key[u] = e < hi ? fi_staged[e - blo] : 0u;
+      }
+    } else {
+      float v[FI_TOPK_BATCH];
+#pragma unroll
+      for (int u = 0; u < FI_TOPK_BATCH; ++u) {
+        const int e = e0 + 32 * u + lane;
+        v[u] = e < hi ? row[e] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < FI_TOPK_BATCH; ++u) key[u] = e0 + 32 * u + lane < hi ? fi_key16(v[u]) : 0u;
+    }
+  };
+  const int step = 32 * FI_TOPK_BATCH;
 
-  // The k-th largest key, a byte at a time: high byte, then low byte among that bin. The bin is
-  // found by warp 0: lane l sums bins 255 - 8l down to 248 - 8l, an inclusive scan over lanes
-  // gives the count above each lane's bins, and the lane whose bins reach `need` walks them.
+  for (int b = tid; b < 2 * 256; b += nt) hist[b >> 8][b & 255] = 0;
+  __syncthreads();
+  // The k-th largest key, a byte at a time. The cluster's count of bin b is the sum of its blocks';
+  // warp 0 of each block finds the bin: lane l sums bins 255 - 8l down to 248 - 8l, an inclusive
+  // scan over lanes gives the count above each lane's bins, and the lane whose bins reach `need`
+  // walks them.
   unsigned prefix = 0;
   int need = k, above = 0;
   for (int pass = 0; pass < 2; ++pass) {
-    for (int b = tid; b < 256; b += nt) hist[b] = 0;
-    __syncthreads();
-    for (int e0 = lo; e0 < hi; e0 += 32) {
-      const int e = e0 + lane;
-      const unsigned key = e < hi ? fi_key16(row[e]) : 0u;
-      const bool in = e < hi && (pass == 0 || (key >> 8) == prefix);
-      fi_hist_add(hist, pass == 0 ? key >> 8 : key & 0xffu, in);
+    for (int e0 = lo; e0 < hi; e0 += step) {
+      unsigned key[FI_TOPK_BATCH];
+      keys_at(e0, pass == 0, key);
+#pragma unroll
+      for (int u = 0; u < FI_TOPK_BATCH; ++u) {
+        const int e = e0 + 32 * u + lane;
+        if (pass == 0 && staged && e < hi) fi_staged[e - blo] = (unsigned short)key[u];
+        const bool in = e < hi && (pass == 0 || (key[u] >> 8) == prefix);
+        fi_hist_add(hist[pass], pass == 0 ? key[u] >> 8 : key[u] & 0xffu, in);
+      }
+    }
+    fi_cluster_sync();  // every block's histogram (and this block's staged keys) complete
+    for (int b = tid; b < 256; b += nt) {
+      int v[FI_TOPK_CLUSTER];
+      fi_ld_cluster_all(&hist[pass][b], v);
+      int sum = 0;
+#pragma unroll
+      for (int r = 0; r < FI_TOPK_CLUSTER; ++r) sum += v[r];
+      total[b] = sum;
     }
     __syncthreads();
     if (warp == 0) {
       int mine[8], sum = 0;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        mine[i] = hist[255 - 8 * lane - i];
+        mine[i] = total[255 - 8 * lane - i];
         sum += mine[i];
       }
       int incl = sum;  // bins 255 .. 248 - 8 lane together
@@ -342,15 +431,17 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
   }
   const unsigned kth = prefix;  // exactly `above` keys are larger; `need` more equal it
 
-  // Per-warp counts, their exclusive scan over warps (warp order = index order), then the gather:
-  // every key above kth, and the `need` lowest-index keys equal to it, each at its rank in index
-  // order (ballots: no atomics decide anything).
+  // Keys above / equal to kth: per warp, then per block (warp order = index order), shared.
   int gt = 0, eq = 0;
-  for (int e0 = lo; e0 < hi; e0 += 32) {
-    const int e = e0 + lane;
-    const unsigned key = e < hi ? fi_key16(row[e]) : 0u;
-    gt += __popc(__ballot_sync(0xffffffffu, e < hi && key > kth));
-    eq += __popc(__ballot_sync(0xffffffffu, e < hi && key == kth));
+  for (int e0 = lo; e0 < hi; e0 += step) {
+    unsigned key[FI_TOPK_BATCH];
+    keys_at(e0, false, key);
+#pragma unroll
+    for (int u = 0; u < FI_TOPK_BATCH; ++u) {
+      const bool real = e0 + 32 * u + lane < hi;
+      gt += __popc(__ballot_sync(0xffffffffu, real && key[u] > kth));
+      eq += __popc(__ballot_sync(0xffffffffu, real && key[u] == kth));
+    }
   }
   if (lane == 0) {
     warp_gt[warp] = gt;
@@ -366,71 +457,43 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
       a += x;
       q += y;
     }
-    sh_g = a;
+    block_cnt[0] = a;
+    block_cnt[1] = q;
   }
-  __syncthreads();
-  int og = warp_gt[warp], oe = warp_eq[warp];
-  const unsigned below = fi_lanes_below();
-  for (int e0 = lo; e0 < hi; e0 += 32) {
-    const int e = e0 + lane;
-    const unsigned key = e < hi ? fi_key16(row[e]) : 0u;
-    const bool is_gt = e < hi && key > kth, is_eq = e < hi && key == kth;
-    const unsigned bg = __ballot_sync(0xffffffffu, is_gt), be = __ballot_sync(0xffffffffu, is_eq);
-    const unsigned long long c = ((unsigned long long)key << 32) | (unsigned)(~(unsigned)e);
-    if (is_gt) cand[og + __popc(bg & below)] = c;
-    if (is_eq) {
-      const int r = oe + __popc(be & below);
-      if (r < need) cand[sh_g + r] = c;
-    }
-    og += __popc(bg);
-    oe += __popc(be);
+  fi_cluster_sync();  // every block's counts (and the last pass's histogram reads) done
+  if (tid < 2) {  // thread i: the cluster's blocks before this one, count i
+    int v[FI_TOPK_CLUSTER];
+    fi_ld_cluster_all(&block_cnt[tid], v);
+    int a = 0;
+#pragma unroll
+    for (int r = 0; r < FI_TOPK_CLUSTER; ++r) a += r < rank ? v[r] : 0;
+    (tid == 0 ? sh_gt0 : sh_eq0) = a;
   }
-  int kpad = 1;
-  while (kpad < k) kpad <<= 1;
-  for (int i = k + tid; i < kpad; i += nt) cand[i] = 0ull;  // below every real candidate
+  // This block reads no other block's shared memory after this point; the wait before it exits
+  // keeps its own readable until every block has arrived.
+  fi_cluster_arrive();
   __syncthreads();
 
-  // Bitonic sort of cand[0 .. kpad), descending. Up to one element a thread: strides below 32
-  // exchange through shuffles (partner in the same warp), larger ones through shared memory.
-  if (kpad <= nt) {
-    unsigned long long x = tid < kpad ? cand[tid] : 0ull;
-    for (int size = 2; size <= kpad; size <<= 1) {
-      for (int stride = size >> 1; stride > 0; stride >>= 1) {
-        unsigned long long y;
-        if (stride >= 32) {
-          __syncthreads();  // every read of the previous exchange is done
-          if (tid < kpad) cand[tid] = x;
-          __syncthreads();
-          y = tid < kpad ? cand[tid ^ stride] : 0ull;
-        } else {
-          y = __shfl_xor_sync(0xffffffffu, x, stride);
-        }
-        // Pair (i, i ^ stride): the lower index keeps the larger value in a descending run
-        // ((i & size) == 0), the smaller in an ascending one.
-        const bool desc = (tid & size) == 0, lower = (tid & stride) == 0;
-        const bool take_max = lower == desc;
-        x = take_max ? (x > y ? x : y) : (x < y ? x : y);
-      }
+  // The gather, in index order (see above).
+  int og = sh_gt0 + warp_gt[warp], oe = sh_eq0 + warp_eq[warp];
+  const unsigned below = fi_lanes_below();
+  for (int e0 = lo; e0 < hi; e0 += step) {
+    unsigned key[FI_TOPK_BATCH];
+    keys_at(e0, false, key);
+#pragma unroll
+    for (int u = 0; u < FI_TOPK_BATCH; ++u) {
+      const int e = e0 + 32 * u + lane;
+      const bool is_gt = e < hi && key[u] > kth, is_eq = e < hi && key[u] == kth;
+      const unsigned bg = __ballot_sync(0xffffffffu, is_gt), be = __ballot_sync(0xffffffffu, is_eq);
+      const int gt_before = og + __popc(bg & below), eq_before = oe + __popc(be & below);
+      if (is_gt || (is_eq && eq_before < need)) sel[gt_before + min(eq_before, need)] = e;
+      og += __popc(bg);
+      oe += __popc(be);
     }
-    for (int r = tid; r < topk; r += nt)
-      sel[r] = r < k ? (int)(~(unsigned)(x & 0xffffffffull)) : -1;  // r < k only at r == tid (k <= kpad <= nt)
-  } else {
-    for (int size = 2; size <= kpad; size <<= 1) {
-      for (int stride = size >> 1; stride > 0; stride >>= 1) {
-        for (int i = tid; i < kpad / 2; i += nt) {
-          const int a = 2 * i - (i & (stride - 1));
-          const int b = a + stride;
-          const bool desc = (a & size) == 0;
-          const unsigned long long x = cand[a], y = cand[b];
-          if ((x < y) == desc) {
-            cand[a] = y;
-            cand[b] = x;
-          }
-        }
-        __syncthreads();
-      }
-    }
-    for (int r = tid; r < topk; r += nt) sel[r] = r < k ? (int)(~(unsigned)(cand[r] & 0xffffffffull)) : -1;
   }
-  if (tid == 0) nsel[t] = k;
+  if (rank == 0) {
+    for (int r = k + tid; r < topk; r += nt) sel[r] = -1;
+    if (tid == 0) nsel[t] = k;
+  }
+  fi_cluster_wait();
 }

@@ -124,9 +124,21 @@ DSV4_INLINE void ldmatrix_x4_trans(unsigned addr, unsigned (&r)[4]) {
 // ---------------------------------------------------------------------------------------------------------
 // BF16 mma.sync (the sparse attention and the indexer: operands decoded exactly to BF16).
 
-// Two floats as a bf16x2 word (round to nearest even; exact for BF16 values), low half first.
+// The nearest bfloat16 value (ties to even) as an f32, for a non-NaN x: the hardware conversion (2
+// instructions; round_bf16 is ~9 and also keeps a NaN's payload).
+DSV4_INLINE float round_bf16_nonnan(float x) {
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
+  return __uint_as_float((unsigned)h << 16);
+}
+
+// Two floats as a bf16x2 word (round to nearest even; exact for BF16 values), low half first: the
+// hardware conversion, one instruction for both (cvt's first source goes to the high half; f32_to_bf16
+// gives the same bits for every non-NaN value at ~8 instructions a value).
 DSV4_INLINE unsigned pack_bf16x2(float lo, float hi) {
-  return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+  unsigned d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
 }
 
 // d += a (16x16 bf16, row) * b (16x8 bf16, col), f32 accumulators.

@@ -6,8 +6,8 @@
 //! a scrambled block table; queries official FP4 values.
 //!
 //! Checks:
-//! - the selection is EXACTLY the top min(topk, visible) of the fast kernel's own scores (rank
-//!   order, ties to the lower index), against `reference::ops::top_k` on the host;
+//! - the selection is EXACTLY the top min(topk, visible) of the fast kernel's own scores (ties
+//!   to the lower index), against `reference::ops::top_k` on the host, listed in index order;
 //! - every score is within the derived bound of the reference's: with D_h the exact q_h . k
 //!   (computed here in f64) and A_h = Σ_c |q_hc k_c|, the fast d_h differs from the reference's
 //!   by at most 2^-8 |D_h| (both round to BF16) + ε_h, ε_h = 2^-8 A_h + (DI/32 + 2) 2^-24 A_h
@@ -30,7 +30,7 @@ use common::kv::{BatchLayout, scrambled_table};
 use common::rng::XorShift;
 use dsv4::cuda::arena;
 use dsv4::cuda::kernels::attention::BatchMeta;
-use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer};
+use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, SelectPlan};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::KernelSource;
@@ -213,6 +213,21 @@ fn run(
     b: &Batch,
     s: BorrowedStream,
 ) -> [Run; 3] {
+    let (r, mut f) = run_plans(reference, fast, keys, b, s, &[None, None]);
+    let again = f.pop().unwrap();
+    [r, f.pop().unwrap(), again]
+}
+
+/// Runs the reference indexer, then the fast one once per plan (None: `select`'s own); returns
+/// the reference's result and the fast ones in order.
+fn run_plans(
+    reference: &Indexer,
+    fast: &FastIndexer,
+    keys: &Keys,
+    b: &Batch,
+    s: BorrowedStream,
+    plans: &[Option<SelectPlan>],
+) -> (Run, Vec<Run>) {
     assert_eq!(keys.di, b.di, "keys and queries of one head dim");
     let g = family_gpu(&FAMILIES).unwrap();
     let t = b.t();
@@ -292,12 +307,18 @@ fn run(
     poison();
     reference.select(&g.ctx, &meta, &args, s).unwrap();
     let r = result();
-    poison();
-    fast.select(&g.ctx, &meta, &args, s).unwrap();
-    let f = result();
-    poison();
-    fast.select(&g.ctx, &meta, &args, s).unwrap();
-    [r, f, result()]
+    let fast_runs = plans
+        .iter()
+        .map(|plan| {
+            poison();
+            match plan {
+                None => fast.select(&g.ctx, &meta, &args, s).unwrap(),
+                Some(p) => fast.select_with(&g.ctx, &meta, &args, *p, s).unwrap(),
+            }
+            result()
+        })
+        .collect();
+    (r, fast_runs)
 }
 
 /// All checks of one batch (module doc), tokens in parallel; returns (largest |diff| / bound,
@@ -327,9 +348,10 @@ fn check(name: &str, keys: &Keys, b: &Batch, r: &Run, f: &Run) -> (f64, usize) {
                         errors.push(format!("token {i}: nsel {} / {} for {k}", f.nsel[i], r.nsel[i]));
                         continue;
                     }
-                    // Exact top-k of the fast scores.
+                    // Exact top-k of the fast scores, listed in index order.
                     let sf = &f.scores[i * MAXE..][..visible];
                     let mut want: Vec<i32> = top_k(sf, k).into_iter().map(|e| e as i32).collect();
+                    want.sort_unstable();
                     want.resize(TOPK, -1);
                     if want != sel_f {
                         errors.push(format!("token {i}: the selection is not the top-{k} of its scores"));
@@ -475,6 +497,45 @@ fn fast_indexer_matches_the_reference_within_the_bound() {
         for (k, seqs) in batches.iter().enumerate() {
             let b = Batch::new(&mut rng, seqs, DI);
             check_against_reference(reference, fast, &keys, &b, s, &format!("batch {k}"));
+        }
+    });
+}
+
+#[test]
+fn every_work_split_gives_the_same_result() {
+    with_indexers(|reference, fast, s| {
+        let mut rng = XorShift(0x5b1_17ed);
+        let keys = Keys::random(&mut rng, DI);
+        // Tokens from nothing visible to 16K entries (a top-k block's run: up to 2048 entries).
+        // With 300 staged keys a block, the top-k blocks of some tokens stage their keys and the
+        // others read the scores in every pass; with 0 or 16, none stages.
+        let seqs = decode(8, &[2, 700, 2047, 5000, 11_999, 12_003, 30_000, 65_535]);
+        let b = Batch::new(&mut rng, &seqs, DI);
+        let all = fast_indexer::stage_keys_for(MAXE);
+        let plans: Vec<Option<SelectPlan>> = [(64, 0), (128, 300), (192, 16), (256, all)]
+            .iter()
+            .map(|&(chunk_keys, stage_keys)| {
+                Some(SelectPlan {
+                    chunk_keys,
+                    stage_keys,
+                })
+            })
+            .chain([None])
+            .collect();
+        let (r, f) = run_plans(reference, fast, &keys, &b, s, &plans);
+        for (plan, run) in plans.iter().zip(&f) {
+            let name = format!("{plan:?}");
+            check(&name, &keys, &b, &r, run);
+            assert!(
+                run.scores
+                    .iter()
+                    .zip(&f[0].scores)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+                    && run.selected == f[0].selected
+                    && run.nsel == f[0].nsel,
+                "{name}: differs from {:?}",
+                plans[0]
+            );
         }
     });
 }

@@ -22,7 +22,7 @@ use dsv4::cuda::arena::{self, DevicePtr};
 use dsv4::cuda::context::Context;
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta};
 use dsv4::cuda::kernels::fast_attention::{self, FastAttention, FastAttentionWorkspace};
-use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer};
+use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, SelectPlan};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::{KernelCache, Registry};
@@ -80,7 +80,14 @@ fn fill(dst: DevicePtr, tpl: DevicePtr, s: dsv4::cuda::BorrowedStream) -> Result
     Ok(())
 }
 
-pub fn run(device: i32, contexts: &[usize], batches: &[usize]) -> Result<(), String> {
+/// `chunks`: scoring chunk sizes to time the fast indexer at besides its own choice (lines with
+/// `chunk_keys`; `dsv4 bench attn --indexer-chunks 64,128,256`).
+pub fn run(
+    device: i32,
+    contexts: &[usize],
+    batches: &[usize],
+    chunks: &[usize],
+) -> Result<(), String> {
     let ctx = Context::retain(device).map_err(e)?;
     let _g = ctx.enter().map_err(e)?;
     let stream = OwnedStream::new(&ctx).map_err(e)?;
@@ -260,7 +267,7 @@ pub fn run(device: i32, contexts: &[usize], batches: &[usize]) -> Result<(), Str
                     std::io::stdout().flush().ok();
                 }
                 if csa {
-                    indexer_case(&ctx, s, &indexers, &meta, &mut rng, ctx_len, t)?;
+                    indexer_case(&ctx, s, &indexers, &meta, &mut rng, ctx_len, t, chunks)?;
                 }
             }
         }
@@ -288,6 +295,7 @@ fn indexer_case(
     rng: &mut Rng,
     ctx_len: usize,
     t: usize,
+    chunks: &[usize],
 ) -> Result<(), String> {
     let maxe = ctx_len / 4;
     let pps = KvRows::pages_for(maxe);
@@ -376,6 +384,24 @@ fn indexer_case(
             sec * 1e6,
             io_bytes as f64 / sec / 1e9,
             replays * n,
+        );
+        std::io::stdout().flush().ok();
+    }
+    for &chunk_keys in chunks {
+        let plan = SelectPlan {
+            chunk_keys,
+            stage_keys: fast_indexer::stage_keys_for(maxe),
+        };
+        let replays = 5;
+        let sec = time_graph(s, copies, replays, |j| {
+            ix.fast.select_with(ctx, meta, &args(j), plan, s)
+        })?;
+        let chosen = chunk_keys == fast_indexer::chunk_keys_for(t);
+        println!(
+            "{{\"bench\": \"attn\", \"layer\": \"csa\", \"kernel\": \"indexer_fast\", \"context\": {ctx_len}, \"T\": {t}, \"chunk_keys\": {chunk_keys}, \"chosen\": {chosen}, \"time_us\": {:.2}, \"gb_per_s\": {:.1}, \"state_copies\": {copies}, \"calls_timed\": {}}}",
+            sec * 1e6,
+            io_bytes as f64 / sec / 1e9,
+            replays * copies,
         );
         std::io::stdout().flush().ok();
     }

@@ -42,7 +42,8 @@ const USAGE: &str = "usage:
   dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,prefill]
                  [--ids-dir DIR] [--device cuda[:N]]
   dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--device cuda[:N]]
-  dsv4 bench attn [--contexts N[,N...]] [--batches N[,N...]] [--device cuda[:N]]";
+  dsv4 bench attn [--contexts N[,N...]] [--batches N[,N...]] [--indexer-chunks N[,N...]]
+                  [--device cuda[:N]]";
 
 struct Args {
     cmd: String,
@@ -692,7 +693,11 @@ fn bench(a: &Args) -> Result<(), String> {
             let contexts =
                 positive_list(a.get("contexts").unwrap_or("4096,65536,262144"), "contexts")?;
             let batches = positive_list(a.get("batches").unwrap_or("1,8,64"), "batches")?;
-            return bench_attn::run(dev, &contexts, &batches);
+            let chunks = match a.get("indexer-chunks") {
+                Some(v) => positive_list(v, "indexer-chunks")?,
+                None => vec![],
+            };
+            return bench_attn::run(dev, &contexts, &batches, &chunks);
         }
         Some("load") => return bench_load::run(a, device(a)?),
         Some("refit") => return bench_refit::run(a, device(a)?),

@@ -2,7 +2,8 @@
 //! lightning indexer. `fi_score_kernel` scores every visible key of each token with all heads
 //! on FP8 tensor cores (wgmma; official FP4 queries and keys are exact in e4m3, each 32-block's
 //! sum promoted into f32), `fi_topk_kernel` selects the top min(topk, visible) exactly on those
-//! scores (radix select on their BF16 bits, ties to the lower index, rank order). Takes the
+//! scores (radix select on their BF16 bits over a cluster of blocks, ties to the lower index,
+//! listed in index order). Takes the
 //! reference's [`IndexerArgs`]; the keys must be stored in the official format.
 //! tests/gpu_fast_indexer.rs bounds the scores against the reference kernel and checks the
 //! selection against an exact top-k of the fast scores.
@@ -26,9 +27,14 @@ pub const CHUNK_KEYS: usize = 256;
 pub const MAX_HEADS: usize = 64;
 pub const MAX_DIM: usize = 256;
 /// Threads of a top-k block (FI_TOPK_THREADS).
-pub const TOPK_THREADS: usize = 512;
-/// Largest top-k (FI_MAX_SORT): the bitonic sort's shared memory (8 bytes a candidate).
-pub const MAX_SORT: usize = 2048;
+pub const TOPK_THREADS: usize = 256;
+/// Blocks of a token's top-k (FI_TOPK_CLUSTER): one thread-block cluster (8: the portable
+/// cluster size), each a contiguous run of the token's entries.
+pub const TOPK_CLUSTER: usize = 8;
+/// Most order keys (u16) a top-k block stages in shared memory (64 KB): a block whose run of
+/// entries fits (up to 256K entries a token: 1M positions at ratio 4) reads its scores once, not
+/// four times.
+pub const TOPK_STAGE_KEYS: usize = 32768;
 
 /// Dynamic shared memory of a scoring block for head dim `di`: one key tile as e4m3 codes
 /// (`di` bytes a key) and its column factors (one f32 a key and 32-block), the head weights, the
@@ -56,12 +62,14 @@ crate::kernel_family! {
     fn fi_score_kernel(
         qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
         positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
-        di: i32, ratio: i32, maxe: i32, scores: *mut f32,
+        di: i32, ratio: i32, maxe: i32, chunk_keys: i32, scores: *mut f32,
     );
+    #[smem((2 * TOPK_STAGE_KEYS) as u32)]
     #[pdl(true)]
     fn fi_topk_kernel(
         scores: *const f32, positions: *const i32, seq_of: *const i32, seq_slots: *const i32,
-        t: i32, ratio: i32, maxe: i32, topk: i32, selected: *mut i32, nsel: *mut i32,
+        t: i32, ratio: i32, maxe: i32, topk: i32, stage_keys: i32, selected: *mut i32,
+        nsel: *mut i32,
     );
 }
 
@@ -75,13 +83,40 @@ crate::launchers! {
 
 const FAMILY: &str = "fast_indexer";
 
+/// How [`FastIndexer::select_with`] splits the work.
+#[derive(Clone, Copy, Debug)]
+pub struct SelectPlan {
+    /// Keys a scoring block takes (1 ..= CHUNK_KEYS).
+    pub chunk_keys: usize,
+    /// Order keys the top-k block stages in shared memory (0 ..= TOPK_STAGE_KEYS): a token with
+    /// more visible entries reads its scores row in every pass.
+    pub stage_keys: usize,
+}
+
+/// Order keys a top-k block stages for `maxe` entries a token: its whole run (a multiple of 32),
+/// up to [`TOPK_STAGE_KEYS`].
+pub fn stage_keys_for(maxe: usize) -> usize {
+    maxe.div_ceil(TOPK_CLUSTER)
+        .next_multiple_of(32)
+        .min(TOPK_STAGE_KEYS)
+}
+
+/// Keys a scoring block takes at `tokens` tokens: whole tiles, fewer where few tokens would
+/// leave SMs idle (a block's fixed cost, its queries as A fragments, is paid once a chunk).
+pub fn chunk_keys_for(tokens: usize) -> usize {
+    match tokens {
+        0..=2 => TILE_KEYS,
+        3..=16 => 2 * TILE_KEYS,
+        _ => CHUNK_KEYS,
+    }
+}
+
 fn bad(msg: String) -> Error {
     Error::new(Status::Internal, format!("{FAMILY}: {msg}"))
 }
 
 impl FastIndexer {
-    /// Whether the kernels take this layer: official keys, heads and dims they tile, a top-k
-    /// they can sort.
+    /// Whether the kernels take this layer: official keys, heads and dims they tile.
     pub fn covers(x: &IndexerArgs) -> bool {
         x.official
             && x.ikeys.rows.format == KvFormat::Official
@@ -89,7 +124,6 @@ impl FastIndexer {
             && x.heads <= MAX_HEADS
             && x.dim <= MAX_DIM
             && x.dim.is_multiple_of(32)
-            && x.topk <= MAX_SORT
     }
 
     /// Scores every visible key of each token's slot and selects the top min(topk, visible)
@@ -101,7 +135,30 @@ impl FastIndexer {
         x: &IndexerArgs,
         stream: BorrowedStream,
     ) -> Result<()> {
+        let plan = SelectPlan {
+            chunk_keys: chunk_keys_for(b.num_tokens),
+            stage_keys: stage_keys_for(x.maxe),
+        };
+        self.select_with(ctx, b, x, plan, stream)
+    }
+
+    /// [`FastIndexer::select`] with the work split chosen by the caller (the tests take every
+    /// path with it: unstaged top-k, each chunk size). The results do not depend on it.
+    pub fn select_with(
+        &self,
+        ctx: &Context,
+        b: &BatchMeta,
+        x: &IndexerArgs,
+        plan: SelectPlan,
+        stream: BorrowedStream,
+    ) -> Result<()> {
         b.check(FAMILY)?;
+        if plan.chunk_keys == 0
+            || plan.chunk_keys > CHUNK_KEYS
+            || plan.stage_keys > TOPK_STAGE_KEYS
+        {
+            return Err(bad(format!("{plan:?} out of range")));
+        }
         if !Self::covers(x) {
             return Err(bad(format!(
                 "{} heads of {} stored as {:?}, top-{}, official {}",
@@ -116,7 +173,7 @@ impl FastIndexer {
             .ok_or_else(|| bad(format!("{t} tokens: too many blocks")))?;
         let i = |what: &str, v: usize| to_i32(FAMILY, what, v);
         let _g = ctx.enter()?;
-        let chunks = x.maxe.div_ceil(CHUNK_KEYS);
+        let chunks = x.maxe.div_ceil(plan.chunk_keys);
         if chunks > 0 {
             let chunks = u32::try_from(chunks)
                 .ok()
@@ -136,6 +193,7 @@ impl FastIndexer {
                 di: i("dim", di)?,
                 ratio: i("ratio", x.ratio)?,
                 maxe: i("maxe", x.maxe)?,
+                chunk_keys: i("chunk keys", plan.chunk_keys)?,
                 scores: x.scores,
             };
             let smem = score_smem_bytes(di) as u32;
@@ -151,10 +209,16 @@ impl FastIndexer {
             ratio: i("ratio", x.ratio)?,
             maxe: i("maxe", x.maxe)?,
             topk: i("topk", x.topk)?,
+            stage_keys: i("stage keys", plan.stage_keys)?,
             selected: x.selected,
             nsel: x.nsel,
         };
+        let smem = (2 * plan.stage_keys).next_multiple_of(16) as u32;
+        let grid = blocks
+            .checked_mul(TOPK_CLUSTER as u32)
+            .ok_or_else(|| bad(format!("{t} tokens: too many blocks")))?;
+        let cluster = (TOPK_CLUSTER as u32, 1, 1);
         self.topk
-            .launch(blocks, TOPK_THREADS as u32, 0, stream, args)
+            .launch_clustered(grid, TOPK_THREADS as u32, smem, stream, args, cluster)
     }
 }
