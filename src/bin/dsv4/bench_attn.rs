@@ -109,6 +109,7 @@ pub fn run(
         reference: Indexer::new(&reg).map_err(e)?,
         fast: FastIndexer::new(&reg).map_err(e)?,
         keys: KvRows::index_keys(KvFormat::Official, DI),
+        chunks: chunks.to_vec(),
     };
     let rows = KvRows::kv(KvFormat::Official, HD, NOPE);
     let mut rng = Rng(0xA77E_5EED);
@@ -267,7 +268,7 @@ pub fn run(
                     std::io::stdout().flush().ok();
                 }
                 if csa {
-                    indexer_case(&ctx, s, &indexers, &meta, &mut rng, ctx_len, t, chunks)?;
+                    indexer_case(&ctx, s, &indexers, &meta, &mut rng, ctx_len, t)?;
                 }
             }
         }
@@ -280,6 +281,8 @@ struct Indexers {
     reference: Indexer,
     fast: FastIndexer,
     keys: KvRows,
+    /// Scoring chunk sizes timed besides the fast indexer's own choice (`--indexer-chunks`).
+    chunks: Vec<usize>,
 }
 
 /// Times the fast indexer (and the reference one up to [`REFERENCE_MAX_T`] tokens) of a CSA
@@ -295,7 +298,6 @@ fn indexer_case(
     rng: &mut Rng,
     ctx_len: usize,
     t: usize,
-    chunks: &[usize],
 ) -> Result<(), String> {
     let maxe = ctx_len / 4;
     let pps = KvRows::pages_for(maxe);
@@ -387,7 +389,7 @@ fn indexer_case(
         );
         std::io::stdout().flush().ok();
     }
-    for &chunk_keys in chunks {
+    for &chunk_keys in &ix.chunks {
         let plan = SelectPlan {
             chunk_keys,
             stage_keys: fast_indexer::stage_keys_for(maxe),

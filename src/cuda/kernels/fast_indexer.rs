@@ -153,9 +153,7 @@ impl FastIndexer {
         stream: BorrowedStream,
     ) -> Result<()> {
         b.check(FAMILY)?;
-        if plan.chunk_keys == 0
-            || plan.chunk_keys > CHUNK_KEYS
-            || plan.stage_keys > TOPK_STAGE_KEYS
+        if plan.chunk_keys == 0 || plan.chunk_keys > CHUNK_KEYS || plan.stage_keys > TOPK_STAGE_KEYS
         {
             return Err(bad(format!("{plan:?} out of range")));
         }
