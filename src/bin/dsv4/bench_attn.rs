@@ -367,45 +367,43 @@ fn indexer_case(
     } else {
         &["indexer_fast"]
     };
-    for &kernel in kernels {
-        let call = |j: usize| -> dsv4::Result<()> {
-            match kernel {
-                "indexer_fast" => ix.fast.select(ctx, meta, &args(j), s),
-                _ => ix.reference.select(ctx, meta, &args(j), s),
-            }
-        };
-        let n = if kernel == "indexer_fast" {
-            copies
-        } else {
-            copies.min(2)
-        };
+    // Times `call` over `n` state copies and prints its line: `fields`, then the timing.
+    let timed = |fields: String, n: usize, call: &dyn Fn(usize) -> dsv4::Result<()>| {
         let replays = 5;
         let sec = time_graph(s, n, replays, call)?;
         println!(
-            "{{\"bench\": \"attn\", \"layer\": \"csa\", \"kernel\": \"{kernel}\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"splits\": 1, \"time_us\": {:.2}, \"kv_bytes\": {kv_bytes}, \"io_bytes\": {io_bytes}, \"gb_per_s\": {:.1}, \"state_copies\": {n}, \"calls_timed\": {}}}",
+            "{{\"bench\": \"attn\", \"layer\": \"csa\", {fields}, \"time_us\": {:.2}, \"kv_bytes\": {kv_bytes}, \"io_bytes\": {io_bytes}, \"gb_per_s\": {:.1}, \"state_copies\": {n}, \"calls_timed\": {}}}",
             sec * 1e6,
             io_bytes as f64 / sec / 1e9,
             replays * n,
         );
         std::io::stdout().flush().ok();
+        Ok::<(), String>(())
+    };
+    for &kernel in kernels {
+        let fields = format!(
+            "\"kernel\": \"{kernel}\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"splits\": 1"
+        );
+        if kernel == "indexer_fast" {
+            timed(fields, copies, &|j| ix.fast.select(ctx, meta, &args(j), s))?;
+        } else {
+            timed(fields, copies.min(2), &|j| {
+                ix.reference.select(ctx, meta, &args(j), s)
+            })?;
+        }
     }
     for &chunk_keys in &ix.chunks {
         let plan = SelectPlan {
             chunk_keys,
             stage_keys: fast_indexer::stage_keys_for(maxe),
         };
-        let replays = 5;
-        let sec = time_graph(s, copies, replays, |j| {
+        let chosen = chunk_keys == fast_indexer::chunk_keys_for(t);
+        let fields = format!(
+            "\"kernel\": \"indexer_fast\", \"context\": {ctx_len}, \"T\": {t}, \"chunk_keys\": {chunk_keys}, \"chosen\": {chosen}"
+        );
+        timed(fields, copies, &|j| {
             ix.fast.select_with(ctx, meta, &args(j), plan, s)
         })?;
-        let chosen = chunk_keys == fast_indexer::chunk_keys_for(t);
-        println!(
-            "{{\"bench\": \"attn\", \"layer\": \"csa\", \"kernel\": \"indexer_fast\", \"context\": {ctx_len}, \"T\": {t}, \"chunk_keys\": {chunk_keys}, \"chosen\": {chosen}, \"time_us\": {:.2}, \"gb_per_s\": {:.1}, \"state_copies\": {copies}, \"calls_timed\": {}}}",
-            sec * 1e6,
-            io_bytes as f64 / sec / 1e9,
-            replays * copies,
-        );
-        std::io::stdout().flush().ok();
     }
     Ok(())
 }
