@@ -21,12 +21,12 @@
 // FI_TOPK_CLUSTER (dsv4_consts.cuh).
 #define FI_WARPS (FI_THREADS / 32)
 
-// Grid (T, ceil(maxe / chunk_keys)), chunk_keys a multiple of FI_TILE_KEYS <= FI_CHUNK_KEYS (fewer
-// keys a block where few tokens would leave SMs idle), FI_THREADS = 128 threads: one warpgroup, whose m64 wgmma
-// rows are the heads (warp w: heads 16w .. 16w + 15, thread (g, t): heads 16w + g and 16w + g + 8).
-// HI <= FI_MAX_HEADS = 64, DI % 32 == 0 and <= FI_MAX_DIM (the wrapper checks). ikeys: official
-// indexer-key pages (kv_pages.cuh) through itable. scores: [T][maxe], entries < visible of real
-// tokens written.
+// Grid (T, ceil(maxe / chunk_keys)), chunk_keys <= FI_CHUNK_KEYS (fewer keys a block where few
+// tokens would leave SMs idle; whole tiles in practice), FI_THREADS = 128 threads: one warpgroup,
+// whose m64 wgmma rows are the heads (warp w: heads 16w .. 16w + 15, thread (g, t): heads 16w + g
+// and 16w + g + 8). HI <= FI_MAX_HEADS = 64, DI % 32 == 0 and <= FI_MAX_DIM (the wrapper
+// checks). ikeys: official indexer-key pages (kv_pages.cuh) through itable. scores: [T][maxe],
+// entries < visible of real tokens written.
 //
 // The products on FP8 tensor cores, exactly: official queries and keys are FP4 values (e2m1 x a
 // power of two per 32 of the dims), and so is every product's pair of factors in e4m3.
@@ -273,15 +273,20 @@ DSV4_INLINE void fi_hist_add(int* hist, unsigned bin, bool active) {
 // used: a pass over a warp's segment of global scores is a few round trips, not one a 32 entries).
 #define FI_TOPK_BATCH 8
 
-DSV4_INLINE void fi_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
-DSV4_INLINE void fi_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+DSV4_INLINE void fi_cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+DSV4_INLINE void fi_cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
 DSV4_INLINE void fi_cluster_sync() {
   fi_cluster_arrive();
   fi_cluster_wait();
 }
 
-// The int at `p` (this block's shared memory) in each block of the cluster, v[r] from block r: every
-// load issued before any is used (one at a time, each waited for, 64 a lane cost a block ~25 us).
+// The int at `p` (this block's shared memory) in each block of the cluster, v[r] from block r:
+// every load issued before any is used (one at a time, each waited for, 64 a lane cost a block
+// ~25 us).
 DSV4_INLINE void fi_ld_cluster_all(const int* p, int (&v)[FI_TOPK_CLUSTER]) {
   const unsigned a = smem_addr(p);
 #pragma unroll
