@@ -3,8 +3,8 @@
 //! on FP8 tensor cores (wgmma; official FP4 queries and keys are exact in e4m3, each 32-block's
 //! sum promoted into f32), `fi_topk_kernel` selects the top min(topk, visible) exactly on those
 //! scores (radix select on their BF16 bits over a cluster of blocks, ties to the lower index,
-//! listed in index order). Takes the
-//! reference's [`IndexerArgs`]; the keys must be stored in the official format.
+//! listed in index order). Takes the reference's [`IndexerArgs`]; the keys must be stored in the
+//! official format.
 //! tests/gpu_fast_indexer.rs bounds the scores against the reference kernel and checks the
 //! selection against an exact top-k of the fast scores.
 
