@@ -95,8 +95,8 @@ if [ "${1:-}" = "--stage" ]; then
   echo "$commit" >"$dest/COMMIT"
   echo "staged COMMIT ($commit)"
   # The staged binaries (~50 MB) are over what a device call carries with the tree (64 MiB);
-  # xz packs them to ~5 MB. target/gpu-prev (another build's CLI, for before/after benches) goes
-  # in the pack when present.
+  # xz packs them to ~5 MB. target/gpu-prev (other revisions' CLIs, for before/after benches:
+  # scripts/build-prev.sh) goes in the pack when present.
   pack="${CARGO_TARGET_DIR:-target}/gpu-pack"
   rm -rf "$pack" && mkdir -p "$pack"
   extra=""
