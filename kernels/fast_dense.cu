@@ -35,7 +35,7 @@
 //   2^-24, and off by at most amax · 2^-39 below that (f16 subnormals).
 // - BF16 (BF16 weights): s = 1, bf16(x): exact for BF16 values (docs/numerics.md: every such input is).
 #include "common.cuh"
-#include "fp8_mma.cuh"  // cp.async
+#include "fp8_mma.cuh"  // cp.async, clusters
 
 // FD_WARPS, FD_TOKENS, FD_MAX_SLICES, FD_MAX_SLICE, FD_ACT_QUANT / FD_ACT_F16 / FD_ACT_BF16 come from dsv4_consts.cuh.
 #define FD_THREADS (32 * FD_WARPS)
@@ -324,25 +324,6 @@ DSV4_INLINE void fd_stage(unsigned short* act_s, float* sc_s, int stride, int S,
   for (int i = T * nb + threadIdx.x; i < 8 * NT * nb; i += FD_THREADS) sc_s[i] = 0.0f;
 }
 
-DSV4_INLINE void fd_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
-// f32 at shared-space address `addr` of block `rank` of this block's cluster.
-DSV4_INLINE float fd_ld_cluster(unsigned addr, unsigned rank) {
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
-
-DSV4_INLINE unsigned fd_smem_addr(const void* p) {
-  unsigned a;
-  asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
-  return a;
-}
-
 // The K split's end without a cluster (split_part given): the block's partial sums of tokens < T go
 // to its slot of split_part, [launch row tile][slice][8 NT tokens][FD_ROWS] f32, where the launch's
 // row tile is blockIdx.z * gridDim.x + blockIdx.x (both gemv and group grids); after a fence the
@@ -512,16 +493,16 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
       part_s[t * FD_ROWS + r] = acc[nt][i];
     }
   }
-  fd_cluster_sync();
+  cluster_sync();
   const int outputs = T * FD_ROWS, share = (outputs + slices - 1) / slices;
   const int tile0 = tile * FD_ROWS;
-  const unsigned base = fd_smem_addr(part_s);
+  const unsigned base = smem_addr(part_s);
   for (int idx = slice * share + threadIdx.x; idx < min(outputs, (slice + 1) * share); idx += FD_THREADS) {
     const int t = idx / FD_ROWS, r = idx - t * FD_ROWS, n = tile0 + r;
     float v[FD_MAX_SLICES];
 #pragma unroll
     for (int s = 0; s < FD_MAX_SLICES; ++s)
-      if (s < slices) v[s] = fd_ld_cluster(base + 4u * idx, (unsigned)s);
+      if (s < slices) v[s] = ld_cluster_f32(cluster_map(base + 4u * idx, (unsigned)s));
     float sum = v[0];
 #pragma unroll
     for (int s = 1; s < FD_MAX_SLICES; ++s)
@@ -529,7 +510,7 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
     if (n < N) y[(long long)t * ldy + y_col + n] = round_out ? round_bf16(sum) : sum;
   }
   // No block leaves while another may still read its shared memory.
-  fd_cluster_sync();
+  cluster_sync();
 }
 
 // The share of a block of a fd_gemv_t*_kernel launch: tile blockIdx.x, slice blockIdx.y, group blockIdx.z.

@@ -273,28 +273,13 @@ DSV4_INLINE void fi_hist_add(int* hist, unsigned bin, bool active) {
 // used: a pass over a warp's segment of global scores is a few round trips, not one a 32 entries).
 #define FI_TOPK_BATCH 8
 
-DSV4_INLINE void fi_cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-}
-DSV4_INLINE void fi_cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-DSV4_INLINE void fi_cluster_sync() {
-  fi_cluster_arrive();
-  fi_cluster_wait();
-}
-
 // The int at `p` (this block's shared memory) in each block of the cluster, v[r] from block r:
 // every load issued before any is used (one at a time, each waited for, 64 a lane cost a block
 // ~25 us).
 DSV4_INLINE void fi_ld_cluster_all(const int* p, int (&v)[FI_TOPK_CLUSTER]) {
   const unsigned a = smem_addr(p);
 #pragma unroll
-  for (int r = 0; r < FI_TOPK_CLUSTER; ++r) {
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(a), "r"(r));
-    asm volatile("ld.shared::cluster.s32 %0, [%1];\n" : "=r"(v[r]) : "r"(remote));
-  }
+  for (int r = 0; r < FI_TOPK_CLUSTER; ++r) v[r] = ld_cluster_s32(cluster_map(a, r));
 }
 
 // One cluster of FI_TOPK_CLUSTER blocks per token (grid FI_TOPK_CLUSTER x T, block r of token t at
@@ -395,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
         fi_hist_add(hist[pass], pass == 0 ? key[u] >> 8 : key[u] & 0xffu, in);
       }
     }
-    fi_cluster_sync();  // every block's histogram (and this block's staged keys) complete
+    cluster_sync();  // every block's histogram (and this block's staged keys) complete
     for (int b = tid; b < 256; b += nt) {
       int v[FI_TOPK_CLUSTER];
       fi_ld_cluster_all(&hist[pass][b], v);
@@ -465,7 +450,7 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
     block_cnt[0] = a;
     block_cnt[1] = q;
   }
-  fi_cluster_sync();  // every block's counts (and the last pass's histogram reads) done
+  cluster_sync();  // every block's counts (and the last pass's histogram reads) done
   if (tid < 2) {  // thread i: the cluster's blocks before this one, count i
     int v[FI_TOPK_CLUSTER];
     fi_ld_cluster_all(&block_cnt[tid], v);
@@ -476,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
   }
   // This block reads no other block's shared memory after this point; the wait before it exits
   // keeps its own readable until every block has arrived.
-  fi_cluster_arrive();
+  cluster_arrive();
   __syncthreads();
 
   // The gather, in index order (see above).
@@ -500,5 +485,5 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
     for (int r = k + tid; r < topk; r += nt) sel[r] = -1;
     if (tid == 0) nsel[t] = k;
   }
-  fi_cluster_wait();
+  cluster_wait();
 }

@@ -97,6 +97,37 @@ DSV4_INLINE unsigned smem_addr(const void* p) {
   return a;
 }
 
+// Thread-block clusters: the barrier (every thread of every block arrives once; release / acquire:
+// shared-memory writes before the arrive are visible to the cluster after the wait) and distributed
+// shared memory (another block's shared memory by its rank). A block must not exit while another may
+// still read its shared memory: every block arrives after its last remote read and waits before exit.
+DSV4_INLINE void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+DSV4_INLINE void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+DSV4_INLINE void cluster_sync() {
+  cluster_arrive();
+  cluster_wait();
+}
+
+// Block `rank`'s shared-space address of this block's shared-space address `addr` (smem_addr).
+DSV4_INLINE unsigned cluster_map(unsigned addr, unsigned rank) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+
+// The f32 / s32 at a cluster_map address. Volatile: in program order with the barriers; a caller
+// that wants several loads in flight issues them all before using any.
+DSV4_INLINE float ld_cluster_f32(unsigned remote) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+DSV4_INLINE int ld_cluster_s32(unsigned remote) {
+  int v;
+  asm volatile("ld.shared::cluster.s32 %0, [%1];\n" : "=r"(v) : "r"(remote) : "memory");
+  return v;
+}
+
 // 8 bytes at shared-space address `addr` (smem_addr).
 DSV4_INLINE uint2 lds_u64(unsigned addr) {
   uint2 v;
