@@ -75,6 +75,21 @@ fn nvrtc_comes_from_dsv4_cuda_lib_dir_when_set() {
     assert_eq!(lib.source, LIB_DIR_ENV);
 }
 
+/// The families a test compiles: all of `all`, or the one DSV4_COMPILE_FAMILY names if it is
+/// among them (a kernel's edit-compile loop); a name that is no family at all fails the test
+/// instead of compiling nothing.
+fn chosen<'a>(all: impl IntoIterator<Item = &'a KernelSource>) -> Vec<&'a KernelSource> {
+    let Ok(only) = std::env::var("DSV4_COMPILE_FAMILY") else {
+        return all.into_iter().collect();
+    };
+    let known: Vec<_> = families().iter().map(|f| f.family).collect();
+    assert!(
+        known.contains(&only.as_str()),
+        "DSV4_COMPILE_FAMILY={only} names none of {known:?}"
+    );
+    all.into_iter().filter(|f| f.family == only).collect()
+}
+
 #[test]
 fn every_family_compiles_to_cubin_for_sm_90a() {
     if !nvrtc_or_skip() {
@@ -83,12 +98,7 @@ fn every_family_compiles_to_cubin_for_sm_90a() {
     assert_eq!(arch_for(9, 0), ARCH);
     assert!(!families().is_empty());
     let mut failures = Vec::new();
-    // DSV4_COMPILE_FAMILY=<name> compiles that family only (a kernel's edit-compile loop).
-    let only = std::env::var("DSV4_COMPILE_FAMILY").ok();
-    for fam in families() {
-        if only.as_deref().is_some_and(|o| o != fam.family) {
-            continue;
-        }
+    for fam in chosen(families()) {
         let t = std::time::Instant::now();
         match fam.compile(ARCH) {
             Ok(cubin) => {
@@ -137,11 +147,7 @@ fn fast_kernels_keep_wgmma_asynchronous() {
     if !nvrtc_or_skip() {
         return;
     }
-    let only = std::env::var("DSV4_COMPILE_FAMILY").ok();
-    for fam in dsv4::cuda::kernels::FAST_FAMILIES {
-        if only.as_deref().is_some_and(|o| o != fam.family) {
-            continue;
-        }
+    for fam in chosen(dsv4::cuda::kernels::FAST_FAMILIES.iter().copied()) {
         let (_, log) = fam
             .compile_with_log(ARCH, &["--ptxas-options=-v"])
             .unwrap_or_else(|e| panic!("{}: {e}", fam.family));
