@@ -159,6 +159,12 @@ json_str() { printf '"%s"' "$(printf '%s' "$1" | sed -e 's/\\/\\\\/g' -e 's/"/\\
 timeout_s=${DSV4_GPU_TEST_TIMEOUT:-480}
 tests_json=""
 ok=true
+for want in ${only//,/ }; do  # a DSV4_GPU_TESTS name that matches no binary fails the check
+  case " $(for b in $bins; do basename "$b" | sed -E 's/-[0-9a-f]+$//'; done | tr '\n' ' ') " in
+    *" $want "*) ;;
+    *) say "ERROR: DSV4_GPU_TESTS names $want: no such gpu_* test binary in $bindir"; ok=false ;;
+  esac
+done
 if [ -z "$bins" ]; then
   say "ERROR: no gpu_* test binaries in $bindir (build: cargo test --release --no-run; bash scripts/gpu-check.sh --stage)"
   ok=false
