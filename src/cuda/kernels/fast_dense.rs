@@ -186,9 +186,10 @@ crate::launchers! {
 /// thread-block cluster. The sums are the same either way. Measured (bench dense, H200, the
 /// cluster against the workspace, µs at T = 1 / 8, operands made in the gemv): wo_b (32 tiles,
 /// 8 slices) 18.95 / 32.69 against 13.18 / 21.53; wo_a (64 tiles, 4 slices) 17.35 / 24.14
-/// against 12.18 / 16.79; the u group 12.91 against 12.18 at T = 1. But launches of few tiles (wq_a, wkv: 4-8 tiles) lost 0.4-1.7 µs
-/// (their blocks' partial writes and the counter's round trip are not hidden by other tiles'
-/// loads), and the workspace holds [`COUNTER_SPLIT_BLOCKS`] blocks' partials of 8 tokens.
+/// against 12.18 / 16.79; the u group 12.91 against 12.18 at T = 1. But launches of few tiles
+/// (wq_a, wkv: 4-8 tiles) lost 0.4-1.7 µs (their blocks' partial writes and the counter's round
+/// trip are not hidden by other tiles' loads), and the workspace holds
+/// [`COUNTER_SPLIT_BLOCKS`] blocks' partials of 8 tokens.
 pub fn split_by_counter(tiles: usize, slices: usize, nt: usize) -> bool {
     nt == 1
         && slices >= COUNTER_SPLIT_MIN_SLICES
