@@ -12,6 +12,7 @@ gemv kernels, the cuBLASLt GEMM path, cuBLASLt alone), then on the same GPU:
       * fp8 (FP8 projections): `torch._scaled_mm` with DeepSeek's block scaling (1 x 128
         activation scales, 128 x 128 weight scales), i.e. cuBLASLt, the GEMM alone (the
         activations are quantized outside the timing);
+  - `read_probe` lines (`--read-probe`): the byte floor and fraction of HBM only;
   - adds per case the byte floor (weight bytes / HBM ceiling), the fraction of HBM bandwidth, the
     fraction of FP8 peak (FP8 projections) or of BF16 peak (BF16 ones) and the speed-up over each
     baseline (each baseline timed once per projection and T), and writes one JSON document.
@@ -91,6 +92,12 @@ def main():
                 if c.get("bench") == "dense_group" and c["path"] == "separate"}
     for c in cases:
         ours = c["time_us"] * 1e-6
+        if c.get("bench") == "read_probe":
+            # The projection's bytes read by a kernel that only reads them: its size's ceiling.
+            c["floor_us"] = round(c["bytes"] / bw * 1e6, 2)
+            c["fraction_of_hbm"] = round(c["bytes"] / ours / bw, 3)
+            print(json.dumps(c), flush=True)
+            continue
         if c.get("bench") == "dense_group":
             if c["path"] != "separate" and (c["group"], c["T"]) in separate:
                 c["speedup_vs_separate"] = round(separate[(c["group"], c["T"])] / c["time_us"], 2)

@@ -37,10 +37,12 @@ pub mod kernels;
 pub mod kv_pages;
 pub mod libs;
 pub mod memory_plan;
+pub mod read_probe;
 pub mod registry;
 pub mod smoke;
 pub mod stream;
 pub mod synthetic_moe;
+pub mod timer;
 pub mod upload;
 pub mod wgmma_probe;
 

@@ -77,8 +77,8 @@ pub fn headers() -> [(&'static str, &'static str); 8] {
 
 /// Every kernel family the library embeds: the runtime's `smoke` family, then the model's
 /// families (`cuda::kernels::MODEL_FAMILIES`), then the fast set's (`FAST_FAMILIES`), the
-/// backend's own (`BACKEND_FAMILIES`: device-side weight writes), then the test-only
-/// `wgmma_probe`. [`Registry::load`] compiles and loads all of them; an engine loads
+/// backend's own (`BACKEND_FAMILIES`: device-side weight writes), then the test- and bench-only
+/// `wgmma_probe` and `read_probe`. [`Registry::load`] compiles and loads all of them; an engine loads
 /// only its kernel set's families.
 pub fn families() -> Vec<&'static KernelSource> {
     std::iter::once(&super::smoke::SOURCE)
@@ -86,6 +86,7 @@ pub fn families() -> Vec<&'static KernelSource> {
         .chain(super::kernels::FAST_FAMILIES.iter().copied())
         .chain(super::kernels::BACKEND_FAMILIES.iter().copied())
         .chain(std::iter::once(&super::wgmma_probe::SOURCE))
+        .chain(std::iter::once(&super::read_probe::SOURCE))
         .collect()
 }
 

@@ -19,7 +19,8 @@
 //!
 //! Timing: each case captures one call on each of R copies of the weight (together at least
 //! 256 MB, so the 50 MB L2 holds none of them between calls) into a CUDA graph, replays it G
-//! times with a sync after each, and reports the median replay / R.
+//! times between CUDA events (bench_util::time_graph), and reports the median replay / R
+//! (`time_us`; the host clock's beside it, `host_time_us`).
 
 use std::io::Write;
 
@@ -32,6 +33,7 @@ use dsv4::cuda::kernels::fast_dense::{
 };
 use dsv4::cuda::kernels::fast_dense_gemm::{self, GemmWorkspace};
 use dsv4::cuda::kernels::linear::{StorageFormat, WeightDev};
+use dsv4::cuda::read_probe::{self, ReadProbe};
 use dsv4::cuda::registry::{KernelCache, Registry};
 use dsv4::cuda::stream::OwnedStream;
 
@@ -145,14 +147,30 @@ fn weight_data(rng: &mut Rng, p: &Projection) -> Vec<u8> {
     }
 }
 
-pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), String> {
+pub fn run(
+    device: i32,
+    tokens: &[usize],
+    only: Option<&str>,
+    read_probe_blocks: &[usize],
+) -> Result<(), String> {
     let ctx = Context::retain(device).map_err(e)?;
     let _g = ctx.enter().map_err(e)?;
     let stream = OwnedStream::new(&ctx).map_err(e)?;
     let s = stream.borrow();
-    let reg = Registry::load_families(&ctx, &[&fast_dense::SOURCE], &KernelCache::new(None))
-        .map_err(e)?;
+    let reg = Registry::load_families(
+        &ctx,
+        &[&fast_dense::SOURCE, &read_probe::SOURCE],
+        &KernelCache::new(None),
+    )
+    .map_err(e)?;
     let dense = FastDense::new(&reg).map_err(e)?;
+    let probe = ReadProbe::new(&reg).map_err(e)?;
+    let sms = ctx.info().multiprocessors.max(1) as usize;
+    let (_sink_arena, sink) = alloc(
+        &ctx,
+        "bench_dense",
+        &[4 * sms * read_probe_blocks.iter().copied().max().unwrap_or(1)],
+    )?;
     let shapes: Vec<Shape> = FLASH
         .iter()
         .map(|p| Shape {
@@ -318,11 +336,12 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
                     }
                 }
             };
-            let replays = 7;
-            let sec = time_graph(s, copies, replays, call)?;
+            let replays = 21;
+            let timing = time_graph(s, copies, replays, call)?;
+            let sec = timing.device_s;
             let flops = 2.0 * t as f64 * (p.rows() * p.k) as f64;
             println!(
-                "{{\"bench\": \"dense\", \"projection\": \"{}\", \"format\": \"{}\", \"T\": {t}, \"N\": {}, \"K\": {}, \"groups\": {}, \"slices\": {}, \"path\": \"{}\", \"act_in_gemv\": {fused}, \"time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_call\": {}, \"calls_timed\": {}}}",
+                "{{\"bench\": \"dense\", \"projection\": \"{}\", \"format\": \"{}\", \"T\": {t}, \"N\": {}, \"K\": {}, \"groups\": {}, \"slices\": {}, \"path\": \"{}\", \"act_in_gemv\": {fused}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_call\": {}, \"calls_timed\": {}}}",
                 p.name,
                 p.format_name(),
                 p.n,
@@ -331,6 +350,7 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
                 fast_dense::slices(p.n, p.k, p.groups).unwrap_or(0),
                 path.name(),
                 sec * 1e6,
+                timing.host_s * 1e6,
                 wbytes as f64 / sec / 1e9,
                 flops / sec / 1e12,
                 match path {
@@ -342,6 +362,33 @@ pub fn run(device: i32, tokens: &[usize], only: Option<&str>) -> Result<(), Stri
                 replays * copies,
             );
             std::io::stdout().flush().ok();
+        }
+        // The same bytes read by nothing but streaming loads (the size's practical ceiling),
+        // with the next call's blocks free to start beside this call's or kept out (`exclusive`).
+        for &per_sm in read_probe_blocks {
+            for exclusive in [false, true] {
+                for in_flight in read_probe::IN_FLIGHT {
+                    let blocks = (per_sm * sms) as u32;
+                    let excl = exclusive.then_some(per_sm as u32);
+                    let call = |j: usize| {
+                        let (b, n) = (bufs[j], data.len());
+                        probe.run(&ctx, b, n, in_flight, blocks, sink[0], excl, s)
+                    };
+                    let replays = 21;
+                    let timing = time_graph(s, copies, replays, call)?;
+                    let sec = timing.device_s;
+                    println!(
+                        "{{\"bench\": \"read_probe\", \"projection\": \"{}\", \"bytes\": {wbytes}, \"blocks_per_sm\": {per_sm}, \"exclusive\": {exclusive}, \"threads\": {}, \"loads_in_flight\": {in_flight}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"gb_per_s\": {:.1}, \"calls_timed\": {}}}",
+                        p.name,
+                        read_probe::THREADS,
+                        sec * 1e6,
+                        timing.host_s * 1e6,
+                        wbytes as f64 / sec / 1e9,
+                        replays * copies,
+                    );
+                    std::io::stdout().flush().ok();
+                }
+            }
         }
     }
     Ok(())
@@ -437,15 +484,17 @@ fn run_group(
                     None => ops.iter().try_for_each(|o| dense.run(ctx, o, ws, s)),
                 }
             };
-            let replays = 7;
-            let sec = time_graph(s, copies, replays, call)?;
+            let replays = 21;
+            let timing = time_graph(s, copies, replays, call)?;
+            let sec = timing.device_s;
             println!(
-                "{{\"bench\": \"dense_group\", \"group\": \"{name}\", \"members\": {}, \"T\": {t}, \"K\": {k}, \"path\": \"{}\", \"slices\": {}, \"chosen\": {}, \"time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"launches_per_call\": {}, \"calls_timed\": {}}}",
+                "{{\"bench\": \"dense_group\", \"group\": \"{name}\", \"members\": {}, \"T\": {t}, \"K\": {k}, \"path\": \"{}\", \"slices\": {}, \"chosen\": {}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"launches_per_call\": {}, \"calls_timed\": {}}}",
                 members.len(),
                 if grouped { "grouped" } else { "separate" },
                 slices.unwrap_or(0),
                 slices.is_none_or(|sl| sl == chosen),
                 sec * 1e6,
+                timing.host_s * 1e6,
                 wbytes as f64 / sec / 1e9,
                 if grouped {
                     1

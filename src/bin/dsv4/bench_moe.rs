@@ -6,13 +6,14 @@
 //!
 //! Timing: each case captures R layer calls on R different input batches (different tokens, so
 //! different experts: the 50 MB L2 cannot hold a layer's bytes between calls) into one CUDA
-//! graph, replays it G times with a sync after each, and reports the median replay / R.
+//! graph, replays it G times between CUDA events, and reports the median replay / R (`time_us`;
+//! the host clock's around launch + sync beside it, `host_time_us`).
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::bench_util::{alloc, e};
+use crate::bench_util::{alloc, e, median};
 use dsv4::cuda::arena;
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
@@ -22,6 +23,7 @@ use dsv4::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
 use dsv4::cuda::registry::{KernelCache, Registry};
 use dsv4::cuda::stream::OwnedStream;
 use dsv4::cuda::synthetic_moe::{HOT_EXPERT, MoeShape, Rng, Routing, SyntheticMoe};
+use dsv4::cuda::timer::DeviceTimer;
 
 /// What `dsv4 bench moe` runs.
 pub struct MoeBench {
@@ -156,25 +158,28 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
             g.launch(s).map_err(e)?;
             s.synchronize().map_err(e)?;
             let launches = (20usize.div_ceil(reps)).max(5);
-            let mut per_layer = Vec::with_capacity(launches);
+            // Device time between events around each replay (as the baselines are timed); the
+            // host's clock around launch + sync beside it (bench_util::GraphTiming).
+            let timer = DeviceTimer::new().map_err(e)?;
+            let (mut device, mut host) = (Vec::new(), Vec::new());
             for _ in 0..launches {
                 let t1 = Instant::now();
-                g.launch(s).map_err(e)?;
-                s.synchronize().map_err(e)?;
-                per_layer.push(t1.elapsed().as_secs_f64() / reps as f64);
+                device.push(timer.time(s, || g.launch(s)).map_err(e)? / reps as f64);
+                host.push(t1.elapsed().as_secs_f64() / reps as f64);
             }
-            per_layer.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            let sec = per_layer[per_layer.len() / 2];
+            let sec = median(&mut device);
+            let host_sec = median(&mut host);
             let touched_bytes = touched * sh.routed_expert_bytes() + sh.shared_expert_bytes();
             // What the kernels read: FP4 codes with f32 per-32 scales, FP8 with f32 blocks.
             let bytes_read = touched * 3 * (d * i / 2 + d * i / 32 * 4)
                 + 3 * (d * i + (d / 128) * (i / 128) * 4);
             let flops = 2.0 * t as f64 * ((k + 1) as f64 * 3.0 * (d * i) as f64 + (d * ne) as f64);
             println!(
-                "{{\"bench\": \"moe\", \"B\": {t}, \"routing\": \"{}\", \"path\": \"{}\", \"hidden\": {d}, \"moe_inter\": {i}, \"experts\": {ne}, \"top_k\": {k}, \"time_us\": {:.2}, \"touched_experts\": {touched}, \"hot_expert_assignments\": {hot}, \"touched_bytes\": {touched_bytes}, \"bytes_read\": {bytes_read}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_layer\": {}, \"layer_calls_timed\": {}}}",
+                "{{\"bench\": \"moe\", \"B\": {t}, \"routing\": \"{}\", \"path\": \"{}\", \"hidden\": {d}, \"moe_inter\": {i}, \"experts\": {ne}, \"top_k\": {k}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"touched_experts\": {touched}, \"hot_expert_assignments\": {hot}, \"touched_bytes\": {touched_bytes}, \"bytes_read\": {bytes_read}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_layer\": {}, \"layer_calls_timed\": {}}}",
                 routing_name(r),
                 path_name(path),
                 sec * 1e6,
+                host_sec * 1e6,
                 touched_bytes as f64 / sec / 1e9,
                 flops / sec / 1e12,
                 FastMoe::LAUNCHES_PER_LAYER,

@@ -5,6 +5,7 @@ use dsv4::cuda::arena::{Arena, ArenaPlan, DevicePtr};
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
 use dsv4::cuda::stream::BorrowedStream;
+use dsv4::cuda::timer::DeviceTimer;
 use std::time::Instant;
 
 /// A library error as the CLI prints it.
@@ -51,24 +52,41 @@ impl Rng {
 /// Seconds per call of `call(0..n)` (n calls, e.g. one per weight or state copy): the calls
 /// captured once into a CUDA graph, the graph replayed `replays` times with a sync after each;
 /// the median replay / n. `call(0)` runs once before the capture (loads, first-use setup).
+pub struct GraphTiming {
+    /// Between CUDA events recorded on the stream just before and after the replay (how the
+    /// PyTorch baselines and the ceilings are timed): what the ratios use.
+    pub device_s: f64,
+    /// The host's clock around launch + synchronize: adds the graph launch call and the sync's
+    /// wake-up, spread over the n calls. Reported beside device_s, never used in a ratio.
+    pub host_s: f64,
+}
+
 pub fn time_graph(
     s: BorrowedStream,
     n: usize,
     replays: usize,
     call: impl Fn(usize) -> dsv4::Result<()>,
-) -> Result<f64, String> {
+) -> Result<GraphTiming, String> {
     call(0).map_err(e)?;
     s.synchronize().map_err(e)?;
     let g = Graph::capture(s, || (0..n).try_for_each(&call)).map_err(e)?;
     g.launch(s).map_err(e)?;
     s.synchronize().map_err(e)?;
-    let mut per_call = Vec::with_capacity(replays);
+    let timer = DeviceTimer::new().map_err(e)?;
+    let (mut device, mut host) = (Vec::with_capacity(replays), Vec::with_capacity(replays));
     for _ in 0..replays {
         let t1 = Instant::now();
-        g.launch(s).map_err(e)?;
-        s.synchronize().map_err(e)?;
-        per_call.push(t1.elapsed().as_secs_f64() / n as f64);
+        device.push(timer.time(s, || g.launch(s)).map_err(e)? / n as f64);
+        host.push(t1.elapsed().as_secs_f64() / n as f64);
     }
-    per_call.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    Ok(per_call[replays / 2])
+    Ok(GraphTiming {
+        device_s: median(&mut device),
+        host_s: median(&mut host),
+    })
+}
+
+/// The median of `v` (sorts it).
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
 }

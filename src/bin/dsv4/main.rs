@@ -14,8 +14,10 @@
 //!   checkpoint (dummy_checkpoint.rs).
 //! - `dsv4 bench moe [--batches N,N...] [--routing uniform,skewed,topk] [--path P] [--ids-dir DIR]`: the
 //!   fast MoE layer alone at Flash shapes, one JSON line per case (bench_moe.rs).
-//! - `dsv4 bench dense [--tokens N,N...] [--projection NAME]`: the fast set's dense projections
-//!   alone at Flash shapes, one JSON line per case (bench_dense.rs).
+//! - `dsv4 bench dense [--tokens N,N...] [--projection NAME] [--read-probe N,N...]`: the fast
+//!   set's dense projections alone at Flash shapes, one JSON line per case (bench_dense.rs);
+//!   `--read-probe` adds each projection's bytes read by a kernel that only reads them, at N
+//!   blocks an SM.
 
 mod bench_attn;
 mod bench_dense;
@@ -41,7 +43,8 @@ const USAGE: &str = "usage:
   dsv4 dummy-checkpoint --config FILE --out DIR [--seed S]
   dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,prefill]
                  [--ids-dir DIR] [--device cuda[:N]]
-  dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--device cuda[:N]]
+  dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--read-probe N[,N...]]
+                   [--device cuda[:N]]
   dsv4 bench attn [--contexts N[,N...]] [--batches N[,N...]] [--indexer-chunks N[,N...]]
                   [--device cuda[:N]]";
 
@@ -686,7 +689,11 @@ fn bench(a: &Args) -> Result<(), String> {
                     .unwrap_or("1,2,4,8,16,32,64,128,512,2048,8192"),
                 "tokens",
             )?;
-            return bench_dense::run(dev, &tokens, a.get("projection"));
+            let probe = match a.get("read-probe") {
+                Some(v) => positive_list(v, "read-probe")?,
+                None => vec![],
+            };
+            return bench_dense::run(dev, &tokens, a.get("projection"), &probe);
         }
         Some("attn") => {
             let dev = cuda_device(a, "bench attn")?;

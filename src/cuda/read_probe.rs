@@ -1,0 +1,113 @@
+//! The `read_probe` kernel family (kernels/read_probe.cu): reads a buffer once in 16-byte
+//! streaming loads and does nothing else, so `dsv4 bench dense --read-probe` can time what
+//! reading a projection's bytes costs at its size under the gemv's own timing (the size's
+//! practical ceiling: launch, first-byte latency and tail included). Benches only: no model
+//! code may use it.
+
+use super::stream::BorrowedStream;
+use super::{Context, DevicePtr};
+use crate::cuda::kernels::need;
+use crate::error::{Error, Result, Status};
+
+crate::kernel_family! {
+    pub const SOURCE = "read_probe", include_str!("../../kernels/read_probe.cu");
+
+    #[smem(MAX_SMEM)]
+    #[pdl(true)]
+    fn read_probe_u2_kernel(p: *const u8, words: i64, sink: *mut u32);
+    #[smem(MAX_SMEM)]
+    #[pdl(true)]
+    fn read_probe_u4_kernel(p: *const u8, words: i64, sink: *mut u32);
+    #[smem(MAX_SMEM)]
+    #[pdl(true)]
+    fn read_probe_u8_kernel(p: *const u8, words: i64, sink: *mut u32);
+    #[smem(MAX_SMEM)]
+    #[pdl(true)]
+    fn read_probe_u16_kernel(p: *const u8, words: i64, sink: *mut u32);
+}
+
+crate::launchers! {
+    /// The probe's entry points, resolved from a loaded registry.
+    pub struct ReadProbe {
+        u2: read_probe_u2_kernel,
+        u4: read_probe_u4_kernel,
+        u8: read_probe_u8_kernel,
+        u16: read_probe_u16_kernel,
+    }
+}
+
+/// The most dynamic shared memory a block may ask for on sm_90 (227 KiB).
+pub const MAX_SMEM: u32 = 227 * 1024;
+/// Shared memory an SM has for blocks on sm_90, each block also taking 1 KiB the system reserves.
+const SM_SMEM: u32 = 228 * 1024;
+
+/// Threads of a probe block.
+pub const THREADS: u32 = 256;
+/// Loads a thread keeps in flight, one entry point each.
+pub const IN_FLIGHT: [usize; 4] = [2, 4, 8, 16];
+
+impl ReadProbe {
+    /// Reads the first `bytes` (a multiple of 16) of `p` with `blocks` blocks of [`THREADS`],
+    /// each thread `in_flight` loads at a time (one of [`IN_FLIGHT`]); `sink` holds a u32 a
+    /// block and is written only by chance (never, on random data). `exclusive_per_sm`: ask for
+    /// enough unused shared memory that at most that many blocks fit on an SM.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &self,
+        ctx: &Context,
+        p: DevicePtr,
+        bytes: usize,
+        in_flight: usize,
+        blocks: u32,
+        sink: DevicePtr,
+        exclusive_per_sm: Option<u32>,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "read_probe";
+        if bytes % 16 != 0 || p.addr() % 16 != 0 || blocks == 0 {
+            return Err(Error::new(
+                Status::InvalidArgument,
+                format!("{K}: {bytes} bytes at {:#x}, {blocks} blocks", p.addr()),
+            ));
+        }
+        need(K, "p", p, bytes)?;
+        need(K, "sink", sink, 4 * blocks as usize)?;
+        let _g = ctx.enter()?;
+        let words = (bytes / 16) as i64;
+        let smem = exclusive_per_sm.map_or(0, |n| (SM_SMEM / n.max(1) - 1024).min(MAX_SMEM));
+        match in_flight {
+            2 => self.u2.launch(
+                blocks,
+                THREADS,
+                smem,
+                stream,
+                read_probe_u2_kernel::Args { p, words, sink },
+            ),
+            4 => self.u4.launch(
+                blocks,
+                THREADS,
+                smem,
+                stream,
+                read_probe_u4_kernel::Args { p, words, sink },
+            ),
+            8 => self.u8.launch(
+                blocks,
+                THREADS,
+                smem,
+                stream,
+                read_probe_u8_kernel::Args { p, words, sink },
+            ),
+            16 => self.u16.launch(
+                blocks,
+                THREADS,
+                smem,
+                stream,
+                read_probe_u16_kernel::Args { p, words, sink },
+            ),
+            n => Err(Error::new(
+                Status::InvalidArgument,
+                format!("{K}: {n} loads in flight"),
+            )),
+        }
+    }
+}
