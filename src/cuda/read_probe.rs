@@ -64,7 +64,7 @@ impl ReadProbe {
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "read_probe";
-        if bytes % 16 != 0 || p.addr() % 16 != 0 || blocks == 0 {
+        if !bytes.is_multiple_of(16) || !p.addr().is_multiple_of(16) || blocks == 0 {
             return Err(Error::new(
                 Status::InvalidArgument,
                 format!("{K}: {bytes} bytes at {:#x}, {blocks} blocks", p.addr()),
