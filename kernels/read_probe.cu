@@ -64,3 +64,44 @@ extern "C" __global__ void read_probe_u16_kernel(const unsigned char* p, long lo
   dsv4_pdl_trigger();  // read_probe waits after its first loads
   read_probe<16>(reinterpret_cast<const uint4*>(p), words, sink);
 }
+
+// The gemv's addresses without its work (fast_dense.cu fd_gemv, FP8, one slice): `rows` rows of
+// row_bytes bytes (a multiple of 128), a block of 8 warps a row tile of 128 rows, warp w rows 16w..16w+15
+// of it; lane (g = lane / 4, c = lane % 4) reads 16 bytes at 16c of each 64 of rows g and g + 8, four
+// 128-byte blocks of k at a time. Grid ceil(rows / 128), 256 threads. Tells the cost of the gemv's order
+// of reads apart from the cost of its arithmetic and staging.
+extern "C" __global__ void read_probe_rows_kernel(const unsigned char* w, int row_bytes, int rows, unsigned* sink) {
+  dsv4_pdl_trigger();  // waits after its first loads, as fd_gemv
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n0 = blockIdx.x * 128 + warp * 16;
+  const uint4* p0 = reinterpret_cast<const uint4*>(w + (long long)min(n0 + g, rows - 1) * row_bytes + 16 * c);
+  const uint4* p1 = reinterpret_cast<const uint4*>(w + (long long)min(n0 + g + 8, rows - 1) * row_bytes + 16 * c);
+  const int blocks = row_bytes / 128;
+  unsigned fold = 0;
+  bool waited = false;
+  for (int kb0 = 0; kb0 < blocks; kb0 += 4) {
+    uint4 v[4][2][2];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+#pragma unroll
+      for (int ch = 0; ch < 2; ++ch) {
+        const bool in = kb0 + p < blocks;
+        const int off = ((kb0 + p) * 128 + 64 * ch) / 16;
+        v[p][ch][0] = in ? rp_ld_stream(p0 + off) : make_uint4(0u, 0u, 0u, 0u);
+        v[p][ch][1] = in ? rp_ld_stream(p1 + off) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    if (!waited) {
+      dsv4_pdl_wait();
+      waited = true;
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p)
+#pragma unroll
+      for (int ch = 0; ch < 2; ++ch)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) fold ^= v[p][ch][r].x ^ v[p][ch][r].y ^ v[p][ch][r].z ^ v[p][ch][r].w;
+  }
+  if (!waited) dsv4_pdl_wait();
+  if (fold == 0x9e3779b9u) sink[blockIdx.x] = fold;
+}

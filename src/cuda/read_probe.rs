@@ -24,6 +24,9 @@ crate::kernel_family! {
     #[smem(MAX_SMEM)]
     #[pdl(true)]
     fn read_probe_u16_kernel(p: *const u8, words: i64, sink: *mut u32);
+    #[smem(MAX_SMEM)]
+    #[pdl(true)]
+    fn read_probe_rows_kernel(w: *const u8, row_bytes: i32, rows: i32, sink: *mut u32);
 }
 
 crate::launchers! {
@@ -33,6 +36,7 @@ crate::launchers! {
         u4: read_probe_u4_kernel,
         u8: read_probe_u8_kernel,
         u16: read_probe_u16_kernel,
+        rows: read_probe_rows_kernel,
     }
 }
 
@@ -109,5 +113,41 @@ impl ReadProbe {
                 format!("{K}: {n} loads in flight"),
             )),
         }
+    }
+
+    /// Reads `rows` rows of `row_bytes` (a multiple of 128) at `w` in fd_gemv's order (FP8, one
+    /// slice: kernels/read_probe.cu `read_probe_rows_kernel`), a block a 128-row tile, at most
+    /// `per_sm` blocks an SM (shared memory it does not use keeps the rest out, as the gemv's
+    /// registers do).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_rows(
+        &self,
+        ctx: &Context,
+        w: DevicePtr,
+        row_bytes: usize,
+        rows: usize,
+        per_sm: u32,
+        sink: DevicePtr,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "read_probe_rows_kernel";
+        if row_bytes == 0 || !row_bytes.is_multiple_of(128) || rows == 0 || per_sm == 0 {
+            return Err(Error::new(
+                Status::InvalidArgument,
+                format!("{K}: {rows} rows of {row_bytes} bytes, {per_sm} blocks an SM"),
+            ));
+        }
+        need(K, "w", w, row_bytes * rows)?;
+        let blocks = rows.div_ceil(128);
+        need(K, "sink", sink, 4 * blocks)?;
+        let _g = ctx.enter()?;
+        let smem = (SM_SMEM / per_sm - 1024).min(MAX_SMEM);
+        let args = read_probe_rows_kernel::Args {
+            w,
+            row_bytes: row_bytes as i32,
+            rows: rows as i32,
+            sink,
+        };
+        self.rows.launch(blocks as u32, THREADS, smem, stream, args)
     }
 }

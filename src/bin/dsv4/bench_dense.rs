@@ -232,6 +232,7 @@ pub fn run(
             .map(|_| 2f32.powi(-4 - (rng.next() % 9) as i32))
             .collect();
         let width = p.groups * p.k;
+        let fp8_weight = p.format == StorageFormat::Fp8;
         let outs = p.groups * p.n;
         let mut sizes = vec![data.len(); copies];
         sizes.extend([nsc * 4, tmax * width * 4, tmax * outs * 4]);
@@ -363,6 +364,28 @@ pub fn run(
             );
             std::io::stdout().flush().ok();
         }
+        // The gemv's own order of reads without its work (one group, FP8, one slice), its
+        // blocks kept to 2 an SM as the gemv's registers keep them.
+        if !read_probe_blocks.is_empty()
+            && p.groups == 1
+            && fp8_weight
+            && p.k <= fast_dense::MAX_SLICE
+        {
+            let call = |j: usize| probe.run_rows(&ctx, bufs[j], p.k, p.n, 2, sink[0], s);
+            let replays = 21;
+            let timing = time_graph(s, copies, replays, call)?;
+            let sec = timing.device_s;
+            println!(
+                "{{\"bench\": \"read_probe\", \"projection\": \"{}\", \"bytes\": {wbytes}, \"order\": \"gemv\", \"blocks_per_sm\": 2, \"exclusive\": true, \"threads\": {}, \"loads_in_flight\": 16, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"gb_per_s\": {:.1}, \"calls_timed\": {}}}",
+                p.name,
+                read_probe::THREADS,
+                sec * 1e6,
+                timing.host_s * 1e6,
+                wbytes as f64 / sec / 1e9,
+                replays * copies,
+            );
+            std::io::stdout().flush().ok();
+        }
         // The same bytes read by nothing but streaming loads (the size's practical ceiling),
         // with the next call's blocks free to start beside this call's or kept out (`exclusive`).
         for &per_sm in read_probe_blocks {
@@ -378,7 +401,7 @@ pub fn run(
                     let timing = time_graph(s, copies, replays, call)?;
                     let sec = timing.device_s;
                     println!(
-                        "{{\"bench\": \"read_probe\", \"projection\": \"{}\", \"bytes\": {wbytes}, \"blocks_per_sm\": {per_sm}, \"exclusive\": {exclusive}, \"threads\": {}, \"loads_in_flight\": {in_flight}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"gb_per_s\": {:.1}, \"calls_timed\": {}}}",
+                        "{{\"bench\": \"read_probe\", \"projection\": \"{}\", \"bytes\": {wbytes}, \"order\": \"linear\", \"blocks_per_sm\": {per_sm}, \"exclusive\": {exclusive}, \"threads\": {}, \"loads_in_flight\": {in_flight}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"gb_per_s\": {:.1}, \"calls_timed\": {}}}",
                         p.name,
                         read_probe::THREADS,
                         sec * 1e6,
