@@ -67,28 +67,55 @@ extern "C" __global__ void read_probe_u16_kernel(const unsigned char* p, long lo
 
 // The gemv's addresses without its work (fast_dense.cu fd_gemv, FP8, one slice): `rows` rows of
 // row_bytes bytes (a multiple of 128), a block of 8 warps a row tile of 128 rows, warp w rows 16w..16w+15
-// of it; lane (g = lane / 4, c = lane % 4) reads 16 bytes at 16c of each 64 of rows g and g + 8, four
-// 128-byte blocks of k at a time. Grid ceil(rows / 128), 256 threads. Tells the cost of the gemv's order
-// of reads apart from the cost of its arithmetic and staging.
-extern "C" __global__ void read_probe_rows_kernel(const unsigned char* w, int row_bytes, int rows, unsigned* sink) {
-  dsv4_pdl_trigger();  // waits after its first loads, as fd_gemv
+// of it, four 128-byte blocks of k at a time, 16 loads a lane. `order`:
+// 0: fd_gemv's: lane (g = lane / 4, c = lane % 4) reads 16 bytes at 16c of each 64 of rows g and g + 8
+//    (a warp load covers half of each of 8 rows' 128-byte lines);
+// 1, 2: the same with the L2::128B / L2::256B fetch-size hint;
+// 3: whole lines: lane l reads 16 bytes at 16 (l % 8) of rows l / 8 + 4i (a warp load covers four whole
+//    128-byte lines).
+// Grid ceil(rows / 128), 256 threads. Tells the cost of an order of reads apart from the cost of the
+// gemv's arithmetic and staging.
+template <int ORDER>
+DSV4_INLINE uint4 rp_ld_rows(const uint4* p) {
+  uint4 r;
+  if (ORDER == 1)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  else if (ORDER == 2)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  else
+    r = rp_ld_stream(p);
+  return r;
+}
+
+template <int ORDER>
+DSV4_INLINE void read_probe_rows(const unsigned char* w, int row_bytes, int rows, unsigned* sink) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n0 = blockIdx.x * 128 + warp * 16;
-  const uint4* p0 = reinterpret_cast<const uint4*>(w + (long long)min(n0 + g, rows - 1) * row_bytes + 16 * c);
-  const uint4* p1 = reinterpret_cast<const uint4*>(w + (long long)min(n0 + g + 8, rows - 1) * row_bytes + 16 * c);
+  // Four (row, byte) starts a lane; load j of block kb reads start j + kb * 128 (+ 64 for orders 0-2's
+  // second chunk, which they take as starts 2 and 3).
+  const unsigned char* st[4];
+  if (ORDER == 3) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st[i] = w + (long long)min(n0 + (lane >> 3) + 4 * i, rows - 1) * row_bytes + 16 * (lane & 7);
+  } else {
+    st[0] = w + (long long)min(n0 + g, rows - 1) * row_bytes + 16 * c;
+    st[1] = w + (long long)min(n0 + g + 8, rows - 1) * row_bytes + 16 * c;
+    st[2] = st[0] + 64;
+    st[3] = st[1] + 64;
+  }
   const int blocks = row_bytes / 128;
   unsigned fold = 0;
   bool waited = false;
   for (int kb0 = 0; kb0 < blocks; kb0 += 4) {
-    uint4 v[4][2][2];
+    uint4 v[4][4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
 #pragma unroll
-      for (int ch = 0; ch < 2; ++ch) {
+      for (int j = 0; j < 4; ++j) {
         const bool in = kb0 + p < blocks;
-        const int off = ((kb0 + p) * 128 + 64 * ch) / 16;
-        v[p][ch][0] = in ? rp_ld_stream(p0 + off) : make_uint4(0u, 0u, 0u, 0u);
-        v[p][ch][1] = in ? rp_ld_stream(p1 + off) : make_uint4(0u, 0u, 0u, 0u);
+        v[p][j] = in ? rp_ld_rows<ORDER>(reinterpret_cast<const uint4*>(st[j] + (kb0 + p) * 128)) : make_uint4(0u, 0u, 0u, 0u);
       }
     }
     if (!waited) {
@@ -98,10 +125,19 @@ extern "C" __global__ void read_probe_rows_kernel(const unsigned char* w, int ro
 #pragma unroll
     for (int p = 0; p < 4; ++p)
 #pragma unroll
-      for (int ch = 0; ch < 2; ++ch)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) fold ^= v[p][ch][r].x ^ v[p][ch][r].y ^ v[p][ch][r].z ^ v[p][ch][r].w;
+      for (int j = 0; j < 4; ++j) fold ^= v[p][j].x ^ v[p][j].y ^ v[p][j].z ^ v[p][j].w;
   }
   if (!waited) dsv4_pdl_wait();
   if (fold == 0x9e3779b9u) sink[blockIdx.x] = fold;
+}
+
+extern "C" __global__ void read_probe_rows_kernel(const unsigned char* w, int row_bytes, int rows, int order,
+                                                  unsigned* sink) {
+  dsv4_pdl_trigger();  // waits after its first loads, as fd_gemv
+  switch (order) {
+    case 1: read_probe_rows<1>(w, row_bytes, rows, sink); break;
+    case 2: read_probe_rows<2>(w, row_bytes, rows, sink); break;
+    case 3: read_probe_rows<3>(w, row_bytes, rows, sink); break;
+    default: read_probe_rows<0>(w, row_bytes, rows, sink); break;
+  }
 }

@@ -26,7 +26,7 @@ crate::kernel_family! {
     fn read_probe_u16_kernel(p: *const u8, words: i64, sink: *mut u32);
     #[smem(MAX_SMEM)]
     #[pdl(true)]
-    fn read_probe_rows_kernel(w: *const u8, row_bytes: i32, rows: i32, sink: *mut u32);
+    fn read_probe_rows_kernel(w: *const u8, row_bytes: i32, rows: i32, order: i32, sink: *mut u32);
 }
 
 crate::launchers! {
@@ -44,6 +44,27 @@ crate::launchers! {
 pub const MAX_SMEM: u32 = 227 * 1024;
 /// Shared memory an SM has for blocks on sm_90, each block also taking 1 KiB the system reserves.
 const SM_SMEM: u32 = 228 * 1024;
+
+/// The orders `read_probe_rows_kernel` reads a row tile in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowOrder {
+    /// fd_gemv's: a warp load covers half of each of 8 rows' 128-byte lines.
+    Gemv = 0,
+    /// The same with the L2::128B fetch-size hint.
+    GemvL2Line = 1,
+    /// The same with the L2::256B fetch-size hint.
+    GemvL2Pair = 2,
+    /// A warp load covers four whole 128-byte lines.
+    WholeLines = 3,
+}
+
+/// Every [`RowOrder`] with its name in the bench's JSON.
+pub const ROW_ORDERS: [(RowOrder, &str); 4] = [
+    (RowOrder::Gemv, "gemv"),
+    (RowOrder::GemvL2Line, "gemv_l2_128B"),
+    (RowOrder::GemvL2Pair, "gemv_l2_256B"),
+    (RowOrder::WholeLines, "whole_lines"),
+];
 
 /// Threads of a probe block.
 pub const THREADS: u32 = 256;
@@ -115,8 +136,9 @@ impl ReadProbe {
         }
     }
 
-    /// Reads `rows` rows of `row_bytes` (a multiple of 128) at `w` in fd_gemv's order (FP8, one
-    /// slice: kernels/read_probe.cu `read_probe_rows_kernel`), a block a 128-row tile, at most
+    /// Reads `rows` rows of `row_bytes` (a multiple of 128) at `w` as fd_gemv's warps do (FP8, one
+    /// slice), in one of [`ROW_ORDERS`] (kernels/read_probe.cu `read_probe_rows_kernel`), a block a
+    /// 128-row tile, at most
     /// `per_sm` blocks an SM (shared memory it does not use keeps the rest out, as the gemv's
     /// registers do).
     #[allow(clippy::too_many_arguments)]
@@ -126,6 +148,7 @@ impl ReadProbe {
         w: DevicePtr,
         row_bytes: usize,
         rows: usize,
+        order: RowOrder,
         per_sm: u32,
         sink: DevicePtr,
         stream: BorrowedStream,
@@ -146,6 +169,7 @@ impl ReadProbe {
             w,
             row_bytes: row_bytes as i32,
             rows: rows as i32,
+            order: order as i32,
             sink,
         };
         self.rows.launch(blocks as u32, THREADS, smem, stream, args)

@@ -371,20 +371,22 @@ pub fn run(
             && fp8_weight
             && p.k <= fast_dense::MAX_SLICE
         {
-            let call = |j: usize| probe.run_rows(&ctx, bufs[j], p.k, p.n, 2, sink[0], s);
-            let replays = 21;
-            let timing = time_graph(s, copies, replays, call)?;
-            let sec = timing.device_s;
-            println!(
-                "{{\"bench\": \"read_probe\", \"projection\": \"{}\", \"bytes\": {wbytes}, \"order\": \"gemv\", \"blocks_per_sm\": 2, \"exclusive\": true, \"threads\": {}, \"loads_in_flight\": 16, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"gb_per_s\": {:.1}, \"calls_timed\": {}}}",
-                p.name,
-                read_probe::THREADS,
-                sec * 1e6,
-                timing.host_s * 1e6,
-                wbytes as f64 / sec / 1e9,
-                replays * copies,
-            );
-            std::io::stdout().flush().ok();
+            for (order, order_name) in read_probe::ROW_ORDERS {
+                let call = |j: usize| probe.run_rows(&ctx, bufs[j], p.k, p.n, order, 2, sink[0], s);
+                let replays = 21;
+                let timing = time_graph(s, copies, replays, call)?;
+                let sec = timing.device_s;
+                println!(
+                    "{{\"bench\": \"read_probe\", \"projection\": \"{}\", \"bytes\": {wbytes}, \"order\": \"{order_name}\", \"blocks_per_sm\": 2, \"exclusive\": true, \"threads\": {}, \"loads_in_flight\": 16, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"gb_per_s\": {:.1}, \"calls_timed\": {}}}",
+                    p.name,
+                    read_probe::THREADS,
+                    sec * 1e6,
+                    timing.host_s * 1e6,
+                    wbytes as f64 / sec / 1e9,
+                    replays * copies,
+                );
+                std::io::stdout().flush().ok();
+            }
         }
         // The same bytes read by nothing but streaming loads (the size's practical ceiling),
         // with the next call's blocks free to start beside this call's or kept out (`exclusive`).
