@@ -42,6 +42,8 @@
 #define FD_ROWS (16 * FD_WARPS)
 // Most activation scales a thread stages: FD_TOKENS tokens x FD_MAX_SLICE / 128 blocks.
 #define FD_SCALE_LOADS ((FD_TOKENS * (FD_MAX_SLICE / 128) + FD_THREADS - 1) / FD_THREADS)
+// Most blocks of a launch whose warps also prefetch their rows into L2 (fd_gemv): one an SM of an H200.
+#define FD_PREFETCH_MAX_GRID 132u
 
 DSV4_INLINE unsigned short fd_f16_rn(float f) {
   unsigned short h;
@@ -56,13 +58,23 @@ DSV4_INLINE unsigned fd_e4m3x2_to_f16x2(unsigned short v) {
   return r;
 }
 
-// A streamed 16-byte weight load: read once, so not kept in L1 (the activations live there).
+// A streamed 16-byte weight load: read once, so not kept in L1 (the activations live there). L2 fetches
+// the whole 128-byte line: a warp load covers half of each of 8 rows' lines and the next load the other
+// halves, and without the hint each half was its own fetch (measured, one token: wq_b 11.1 -> 10.6 us,
+// the head 284 -> 245 us; read_probe_rows_kernel, the same addresses without the arithmetic: 12.0 ->
+// 10.1 us, L2::256B 9.4 us but slower in the gemv, whole lines a load 8.1 us).
 DSV4_INLINE uint4 fd_ld_stream(const unsigned char* p) {
   uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+  asm("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p));
   return r;
+}
+
+// Asks L2 to fetch `bytes` (a multiple of 16) at p (16-byte aligned) from HBM now, without waiting and
+// without registers: a hint the memory system may drop (the later loads then go to HBM themselves).
+DSV4_INLINE void fd_prefetch_l2(const unsigned char* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
 }
 
 template <bool F16>
@@ -406,6 +418,13 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
       }
     }
   }
+  // A launch of few blocks (at most FD_PREFETCH_MAX_GRID) also asks L2 for its warps' whole rows of the
+  // slice now, a lane a row: its register loads alone keep too few bytes in flight (measured, one
+  // token: compressor.wkv, 64 blocks, 7.3 -> 5.3 us). A launch that fills the SMs has enough in flight,
+  // and there the prefetches cost time (wq_b 11.1 -> 12.4 us).
+  if (gridDim.x * gridDim.y * gridDim.z <= FD_PREFETCH_MAX_GRID && lane < 16 && n0 + lane < N)
+    fd_prefetch_l2(w + ((long long)gz * N + n0 + lane) * row_bytes + (long long)k0 * KD::ESIZE,
+                   (unsigned)(blocks * 128 * KD::ESIZE));
   // The warp's FP8 block scales of the slice, copied to shared memory asynchronously before the wait
   // (they are weights) and read by the loop from there. Loaded in the loop, each was an L2 round
   // trip on its critical path once the weights ahead were in flight.
@@ -628,7 +647,10 @@ DSV4_INLINE void fd_group(const float* __restrict__ x, int ldx, int T, int K, co
 // slices), FD_THREADS threads; when slices > 1 clusters of (1, slices, 1) or the split workspace (as
 // fd_gemv_t*_kernel); K a multiple of 128 * slices,
 // K / slices at most FD_MAX_SLICE; dynamic shared memory fd_smem_bytes (fast_dense.rs, BF16 layout).
-extern "C" __global__ void __launch_bounds__(FD_THREADS)
+// Two blocks an SM, said explicitly: left to itself ptxas gave t16 164 registers (one block an SM)
+// once fd_gemv prefetched into L2; with the bound both take 128 and spill less than they did before
+// (28 and 36 bytes a thread, were 44 and 52).
+extern "C" __global__ void __launch_bounds__(FD_THREADS, 2)
     fd_group_t8_kernel(const float* x, int ldx, int T, int K,
         const unsigned char* w0, const float* s0, float* y0, long long m0,
         const unsigned char* w1, const float* s1, float* y1, long long m1,
@@ -643,7 +665,7 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
   fd_group<1>(x, ldx, T, K, m, split_part, split_count);
 }
 
-extern "C" __global__ void __launch_bounds__(FD_THREADS)
+extern "C" __global__ void __launch_bounds__(FD_THREADS, 2)
     fd_group_t16_kernel(const float* x, int ldx, int T, int K,
         const unsigned char* w0, const float* s0, float* y0, long long m0,
         const unsigned char* w1, const float* s1, float* y1, long long m1,
