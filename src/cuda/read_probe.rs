@@ -100,35 +100,22 @@ impl ReadProbe {
         let _g = ctx.enter()?;
         let words = (bytes / 16) as i64;
         let smem = exclusive_per_sm.map_or(0, |n| (SM_SMEM / n.max(1) - 1024).min(MAX_SMEM));
+        macro_rules! probe {
+            ($field:ident, $kernel:ident) => {
+                self.$field.launch(
+                    blocks,
+                    THREADS,
+                    smem,
+                    stream,
+                    $kernel::Args { p, words, sink },
+                )
+            };
+        }
         match in_flight {
-            2 => self.u2.launch(
-                blocks,
-                THREADS,
-                smem,
-                stream,
-                read_probe_u2_kernel::Args { p, words, sink },
-            ),
-            4 => self.u4.launch(
-                blocks,
-                THREADS,
-                smem,
-                stream,
-                read_probe_u4_kernel::Args { p, words, sink },
-            ),
-            8 => self.u8.launch(
-                blocks,
-                THREADS,
-                smem,
-                stream,
-                read_probe_u8_kernel::Args { p, words, sink },
-            ),
-            16 => self.u16.launch(
-                blocks,
-                THREADS,
-                smem,
-                stream,
-                read_probe_u16_kernel::Args { p, words, sink },
-            ),
+            2 => probe!(u2, read_probe_u2_kernel),
+            4 => probe!(u4, read_probe_u4_kernel),
+            8 => probe!(u8, read_probe_u8_kernel),
+            16 => probe!(u16, read_probe_u16_kernel),
             n => Err(Error::new(
                 Status::InvalidArgument,
                 format!("{K}: {n} loads in flight"),

@@ -366,26 +366,37 @@ pub fn run(
         }
         // The gemv's own order of reads without its work (one group, FP8, one slice), its
         // blocks kept to 2 an SM as the gemv's registers keep them.
+        // One read_probe line: `fields` say which probe, `call` runs it on weight copy j.
+        let time_probe = |fields: String, call: &dyn Fn(usize) -> dsv4::Result<()>| {
+            let replays = 21;
+            let timing = time_graph(s, copies, replays, call)?;
+            let sec = timing.device_s;
+            println!(
+                "{{\"bench\": \"read_probe\", \"projection\": \"{}\", \"bytes\": {wbytes}, {fields}, \"threads\": {}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"gb_per_s\": {:.1}, \"calls_timed\": {}}}",
+                p.name,
+                read_probe::THREADS,
+                sec * 1e6,
+                timing.host_s * 1e6,
+                wbytes as f64 / sec / 1e9,
+                replays * copies,
+            );
+            std::io::stdout().flush().ok();
+            Ok::<(), String>(())
+        };
+        // The gemv's own order of reads without its work (one group, FP8, one slice), its
+        // blocks kept to 2 an SM as the gemv's registers keep them.
         if !read_probe_blocks.is_empty()
             && p.groups == 1
             && fp8_weight
             && p.k <= fast_dense::MAX_SLICE
         {
             for (order, order_name) in read_probe::ROW_ORDERS {
-                let call = |j: usize| probe.run_rows(&ctx, bufs[j], p.k, p.n, order, 2, sink[0], s);
-                let replays = 21;
-                let timing = time_graph(s, copies, replays, call)?;
-                let sec = timing.device_s;
-                println!(
-                    "{{\"bench\": \"read_probe\", \"projection\": \"{}\", \"bytes\": {wbytes}, \"order\": \"{order_name}\", \"blocks_per_sm\": 2, \"exclusive\": true, \"threads\": {}, \"loads_in_flight\": 16, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"gb_per_s\": {:.1}, \"calls_timed\": {}}}",
-                    p.name,
-                    read_probe::THREADS,
-                    sec * 1e6,
-                    timing.host_s * 1e6,
-                    wbytes as f64 / sec / 1e9,
-                    replays * copies,
-                );
-                std::io::stdout().flush().ok();
+                time_probe(
+                    format!(
+                        "\"order\": \"{order_name}\", \"blocks_per_sm\": 2, \"exclusive\": true, \"loads_in_flight\": 16"
+                    ),
+                    &|j| probe.run_rows(&ctx, bufs[j], p.k, p.n, order, 2, sink[0], s),
+                )?;
             }
         }
         // The same bytes read by nothing but streaming loads (the size's practical ceiling),
@@ -395,23 +406,23 @@ pub fn run(
                 for in_flight in read_probe::IN_FLIGHT {
                     let blocks = (per_sm * sms) as u32;
                     let excl = exclusive.then_some(per_sm as u32);
-                    let call = |j: usize| {
-                        let (b, n) = (bufs[j], data.len());
-                        probe.run(&ctx, b, n, in_flight, blocks, sink[0], excl, s)
-                    };
-                    let replays = 21;
-                    let timing = time_graph(s, copies, replays, call)?;
-                    let sec = timing.device_s;
-                    println!(
-                        "{{\"bench\": \"read_probe\", \"projection\": \"{}\", \"bytes\": {wbytes}, \"order\": \"linear\", \"blocks_per_sm\": {per_sm}, \"exclusive\": {exclusive}, \"threads\": {}, \"loads_in_flight\": {in_flight}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"gb_per_s\": {:.1}, \"calls_timed\": {}}}",
-                        p.name,
-                        read_probe::THREADS,
-                        sec * 1e6,
-                        timing.host_s * 1e6,
-                        wbytes as f64 / sec / 1e9,
-                        replays * copies,
-                    );
-                    std::io::stdout().flush().ok();
+                    time_probe(
+                        format!(
+                            "\"order\": \"linear\", \"blocks_per_sm\": {per_sm}, \"exclusive\": {exclusive}, \"loads_in_flight\": {in_flight}"
+                        ),
+                        &|j| {
+                            probe.run(
+                                &ctx,
+                                bufs[j],
+                                data.len(),
+                                in_flight,
+                                blocks,
+                                sink[0],
+                                excl,
+                                s,
+                            )
+                        },
+                    )?;
                 }
             }
         }
