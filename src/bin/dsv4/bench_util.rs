@@ -49,9 +49,7 @@ impl Rng {
     }
 }
 
-/// Seconds per call of `call(0..n)` (n calls, e.g. one per weight or state copy): the calls
-/// captured once into a CUDA graph, the graph replayed `replays` times with a sync after each;
-/// the median replay / n. `call(0)` runs once before the capture (loads, first-use setup).
+/// Seconds per call of a graph replay, two ways ([`time_graph`]).
 pub struct GraphTiming {
     /// Between CUDA events recorded on the stream just before and after the replay (how the
     /// PyTorch baselines and the ceilings are timed): what the ratios use.
@@ -61,6 +59,10 @@ pub struct GraphTiming {
     pub host_s: f64,
 }
 
+/// Seconds per call of `call(0..n)` (n calls, e.g. one per weight or state copy): the calls
+/// captured once into a CUDA graph, the graph replayed `replays` times, each between CUDA events
+/// and waited for; the median replay / n. `call(0)` runs once before the capture (loads,
+/// first-use setup).
 pub fn time_graph(
     s: BorrowedStream,
     n: usize,
