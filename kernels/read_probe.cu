@@ -5,6 +5,7 @@
 // launches, its first loads issued before its wait), it is what reading a projection's bytes costs
 // at that size: the launch, the first bytes' latency and the last wave's tail are in it, the
 // arithmetic is not. It separates what a kernel's own work costs from what the size costs.
+// read_probe_rows_kernel (below) reads with fd_gemv's own addresses instead, in several orders.
 // A launch may ask for dynamic shared memory it never touches, only so that no more than a given
 // number of its blocks fit on an SM: then, like a kernel whose registers fill the SM, the next call's
 // blocks cannot start until this one's leave.

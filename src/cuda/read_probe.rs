@@ -1,8 +1,9 @@
 //! The `read_probe` kernel family (kernels/read_probe.cu): reads a buffer once in 16-byte
 //! streaming loads and does nothing else, so `dsv4 bench dense --read-probe` can time what
 //! reading a projection's bytes costs at its size under the gemv's own timing (the size's
-//! practical ceiling: launch, first-byte latency and tail included). Benches only: no model
-//! code may use it.
+//! practical ceiling: launch, first-byte latency and tail included), and, with
+//! `read_probe_rows_kernel`, what reading it in the gemv's own order of addresses costs without
+//! the gemv's arithmetic ([`RowOrder`]). Benches only: no model code may use it.
 
 use super::stream::BorrowedStream;
 use super::{Context, DevicePtr};
