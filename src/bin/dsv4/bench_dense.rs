@@ -166,11 +166,16 @@ pub fn run(
     let dense = FastDense::new(&reg).map_err(e)?;
     let probe = ReadProbe::new(&reg).map_err(e)?;
     let sms = ctx.info().multiprocessors.max(1) as usize;
-    let (_sink_arena, sink) = alloc(
-        &ctx,
-        "bench_dense",
-        &[4 * sms * read_probe_blocks.iter().copied().max().unwrap_or(1)],
-    )?;
+    // A word a probe block: the most blocks of a linear probe, or of a row probe (a block a 128-row
+    // tile of the largest projection).
+    let probe_blocks = (sms * read_probe_blocks.iter().copied().max().unwrap_or(1)).max(
+        FLASH
+            .iter()
+            .map(|p| p.rows().div_ceil(128))
+            .max()
+            .unwrap_or(1),
+    );
+    let (_sink_arena, sink) = alloc(&ctx, "bench_dense", &[4 * probe_blocks])?;
     let shapes: Vec<Shape> = FLASH
         .iter()
         .map(|p| Shape {
@@ -364,8 +369,6 @@ pub fn run(
             );
             std::io::stdout().flush().ok();
         }
-        // The gemv's own order of reads without its work (one group, FP8, one slice), its
-        // blocks kept to 2 an SM as the gemv's registers keep them.
         // One read_probe line: `fields` say which probe, `call` runs it on weight copy j.
         let time_probe = |fields: String, call: &dyn Fn(usize) -> dsv4::Result<()>| {
             let replays = 21;

@@ -13,7 +13,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::bench_util::{alloc, e, median};
+use crate::bench_util::{alloc, e, time_replays};
 use dsv4::cuda::arena;
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
@@ -23,7 +23,6 @@ use dsv4::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
 use dsv4::cuda::registry::{KernelCache, Registry};
 use dsv4::cuda::stream::OwnedStream;
 use dsv4::cuda::synthetic_moe::{HOT_EXPERT, MoeShape, Rng, Routing, SyntheticMoe};
-use dsv4::cuda::timer::DeviceTimer;
 
 /// What `dsv4 bench moe` runs.
 pub struct MoeBench {
@@ -158,17 +157,8 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
             g.launch(s).map_err(e)?;
             s.synchronize().map_err(e)?;
             let launches = (20usize.div_ceil(reps)).max(5);
-            // Device time between events around each replay (as the baselines are timed); the
-            // host's clock around launch + sync beside it (bench_util::GraphTiming).
-            let timer = DeviceTimer::new().map_err(e)?;
-            let (mut device, mut host) = (Vec::new(), Vec::new());
-            for _ in 0..launches {
-                let t1 = Instant::now();
-                device.push(timer.time(s, || g.launch(s)).map_err(e)? / reps as f64);
-                host.push(t1.elapsed().as_secs_f64() / reps as f64);
-            }
-            let sec = median(&mut device);
-            let host_sec = median(&mut host);
+            let timing = time_replays(s, &g, reps, launches)?;
+            let (sec, host_sec) = (timing.device_s, timing.host_s);
             let touched_bytes = touched * sh.routed_expert_bytes() + sh.shared_expert_bytes();
             // What the kernels read: FP4 codes with f32 per-32 scales, FP8 with f32 blocks.
             let bytes_read = touched * 3 * (d * i / 2 + d * i / 32 * 4)

@@ -74,6 +74,17 @@ pub fn time_graph(
     let g = Graph::capture(s, || (0..n).try_for_each(&call)).map_err(e)?;
     g.launch(s).map_err(e)?;
     s.synchronize().map_err(e)?;
+    time_replays(s, &g, n, replays)
+}
+
+/// Seconds per call of an instantiated graph of `n` calls, replayed `replays` times, each between
+/// CUDA events and waited for: the medians ([`GraphTiming`]).
+pub fn time_replays(
+    s: BorrowedStream,
+    g: &Graph,
+    n: usize,
+    replays: usize,
+) -> Result<GraphTiming, String> {
     let timer = DeviceTimer::new().map_err(e)?;
     let (mut device, mut host) = (Vec::with_capacity(replays), Vec::with_capacity(replays));
     for _ in 0..replays {
@@ -88,7 +99,7 @@ pub fn time_graph(
 }
 
 /// The median of `v` (sorts it).
-pub fn median(v: &mut [f64]) -> f64 {
+fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
 }
