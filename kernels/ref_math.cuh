@@ -52,12 +52,16 @@ DSV4_INLINE float ref_rsqrt(float x) { return (float)__ddiv_rn(1.0, __dsqrt_rn((
 
 // rope.rs apply on one interleaved pair (a, b) at position p (as f32) with inverse frequency
 // inv_freq: θ = f32(p * inv_freq), c = f32(cos(f64 θ)), s = sign * f32(sin(f64 θ)), a' = a*c -
-// b*s, b' = a*s + b*c (every product rounded), then bf16 when round_out.
-DSV4_INLINE void ref_rope_pair(float& a, float& b, float p, float inv_freq, float sign, int round_out) {
+// b*s, b' = a*s + b*c (every product rounded), then bf16 when round_out. In two steps, the angle's
+// cosine and sine (ref_rope_cs) and the rotation (ref_rope_rotate), so that the pairs of one position
+// and frequency (every head's) share one f64 cos / sin.
+DSV4_INLINE void ref_rope_cs(float p, float inv_freq, float sign, float& c, float& s) {
   const float theta = __fmul_rn(p, inv_freq);
   const double td = (double)theta;
-  const float c = (float)cos(td);
-  const float s = __fmul_rn(sign, (float)sin(td));
+  c = (float)cos(td);
+  s = __fmul_rn(sign, (float)sin(td));
+}
+DSV4_INLINE void ref_rope_rotate(float& a, float& b, float c, float s, int round_out) {
   float a2 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
   float b2 = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
   if (round_out) {
@@ -66,6 +70,11 @@ DSV4_INLINE void ref_rope_pair(float& a, float& b, float p, float inv_freq, floa
   }
   a = a2;
   b = b2;
+}
+DSV4_INLINE void ref_rope_pair(float& a, float& b, float p, float inv_freq, float sign, int round_out) {
+  float c, s;
+  ref_rope_cs(p, inv_freq, sign, c, s);
+  ref_rope_rotate(a, b, c, s, round_out);
 }
 
 // Rust's f32::clamp: NaN passes through.

@@ -6,7 +6,8 @@
 //! exact and official numerics: o, seq_of, the indexer's selection, and the whole per-slot
 //! state (ring, entries, indexer keys — decoded from their pages in the stored format of the
 //! numerics, entries and keys through a scrambled block table — compressor pending/previous
-//! rows, has_prev, slot_len).
+//! rows, has_prev, slot_len). Every case runs twice, once on each compressor path
+//! (`CompressPath::Serial`, `CompressPath::Windows`), against the same reference.
 //!
 //! Without a CUDA device the GPU test prints `skipped: no CUDA device`; the NVRTC compile
 //! test runs wherever NVRTC is installed (else it prints its own skip line).
@@ -18,7 +19,7 @@ use common::rng::XorShift;
 use dsv4::config::{AttnKind, ModelConfig};
 use dsv4::cuda::arena::{self, Arena, ArenaPlan};
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta, RingArgs};
-use dsv4::cuda::kernels::compressor::{self, CompressArgs, CompressKind, Compressor};
+use dsv4::cuda::kernels::compressor::{self, CompressArgs, CompressKind, CompressPath, Compressor};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::{KernelCache, KernelSource, nvrtc_version};
@@ -418,6 +419,7 @@ fn run_layer(
     case: &Case,
     layer: usize,
     official: bool,
+    path: CompressPath,
     seed: u64,
 ) -> usize {
     let cfg = &case.cfg;
@@ -634,7 +636,7 @@ fn run_layer(
                 maxe,
                 num_slots: nslots,
             };
-            time("compress", &|| k.comp.compress(ctx, &b, &c, s));
+            time("compress", &|| k.comp.compress_on(ctx, &b, &c, path, s));
             if csa {
                 let ic = CompressArgs {
                     a: d.ia,
@@ -653,7 +655,7 @@ fn run_layer(
                     ..c
                 };
                 time("compress (indexer keys)", &|| {
-                    k.comp.compress(ctx, &b, &ic, s)
+                    k.comp.compress_on(ctx, &b, &ic, path, s)
                 });
                 let ix = IndexerArgs {
                     qi: d.qi,
@@ -843,14 +845,19 @@ fn run_case(name: &str, case: &Case, seed: u64) {
     let mut bad = 0;
     for layer in 0..cfg.num_layers {
         for official in [false, true] {
-            bad += run_layer(
-                &ctx,
-                &k,
-                case,
-                layer,
-                official,
-                seed + layer as u64 * 7919 + official as u64,
-            );
+            // Both compressor paths from the same seed: the same batches, the same reference.
+            for path in [CompressPath::Serial, CompressPath::Windows] {
+                println!("layer {layer}, official {official}, compressor {path:?}");
+                bad += run_layer(
+                    &ctx,
+                    &k,
+                    case,
+                    layer,
+                    official,
+                    path,
+                    seed + layer as u64 * 7919 + official as u64,
+                );
+            }
         }
     }
     assert_eq!(

@@ -142,6 +142,7 @@ pub const SHARED: &[Shared] = shared! {
     "HADAMARD_MAX" = Int(norm_rope::HADAMARD_MAX as i64) from "norm_rope::HADAMARD_MAX";
     "HP_MAX_PAIRS" = Int(norm_rope::HEAD_PREP_MAX_PAIRS as i64) from "norm_rope::HEAD_PREP_MAX_PAIRS";
     "RN_VALS" = Int(norm_rope::RMSNORM_VALUES as i64) from "norm_rope::RMSNORM_VALUES";
+    "ROPE_HEADS" = Int(norm_rope::ROPE_HEADS as i64) from "norm_rope::ROPE_HEADS";
     // batch.cu: the codes of the fault record (model::batch, error::Status).
     "BATCH_CHECK_THREADS" = Int(batch::CHECK_THREADS as i64) from "batch::CHECK_THREADS";
     "DSV4_PAD_SLOT" = Int(PAD_SLOT as i64) from "model::batch::PAD_SLOT";

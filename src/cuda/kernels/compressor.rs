@@ -1,7 +1,10 @@
 //! Rust side of the `compressor` kernel family (kernels/compressor.cu): typed launch wrappers.
 //! See kernels/SPEC.md. The token-streaming compressor of one layer (main KV entries or
-//! indexer keys), one block per sequence; the CPU reference is
-//! `reference::attention::compress_chunk` + `reference::compressor::push`.
+//! indexer keys); the CPU reference is `reference::attention::compress_chunk` +
+//! `reference::compressor::push`. Two ways to run it, the same bits (`CompressPath`): one block a
+//! sequence walking its tokens in order (`compress_kernel`, decode), or every window the batch
+//! completes at once, a block each, then the state (`compress_windows_kernel` +
+//! `compress_state_kernel`, prefill).
 
 use super::attention::BatchMeta;
 use crate::cuda::kernels::{need, to_i32};
@@ -17,6 +20,27 @@ crate::kernel_family! {
     /// `prev_a`, `prev_z`, `has_prev` may be NULL without overlap; `kind` a [`CompressKind`].
     #[pdl(true)]
     fn compress_kernel(
+        a: *const f32, z: *const f32, positions: *const i32, query_start: *const i32,
+        seq_slots: *const i32, s: i32, pend_a: *mut f32, pend_z: *mut f32,
+        prev_a: Option<*mut f32>, prev_z: Option<*mut f32>, has_prev: Option<*mut i32>,
+        ape: *const f32, norm_w: *const f32, inv_freq: *const f32, half_rope: i32, ratio: i32,
+        overlap: bool, dc: i32, eps: f32, kind: i32, nope: i32, official: bool,
+        entries: *mut u8, etable: Option<*const i32>, epps: i32, maxe: i32,
+    );
+    /// Grid (at least the most windows a sequence completes, S): `compress_kernel`'s entries,
+    /// a window a block; leaves the state to `compress_state_kernel`.
+    #[pdl(true)]
+    fn compress_windows_kernel(
+        a: *const f32, z: *const f32, positions: *const i32, query_start: *const i32,
+        seq_slots: *const i32, s: i32, pend_a: *mut f32, pend_z: *mut f32,
+        prev_a: Option<*mut f32>, prev_z: Option<*mut f32>, has_prev: Option<*mut i32>,
+        ape: *const f32, norm_w: *const f32, inv_freq: *const f32, half_rope: i32, ratio: i32,
+        overlap: bool, dc: i32, eps: f32, kind: i32, nope: i32, official: bool,
+        entries: *mut u8, etable: Option<*const i32>, epps: i32, maxe: i32,
+    );
+    /// One block a sequence, after `compress_windows_kernel`: the state `compress_kernel` leaves.
+    #[pdl(true)]
+    fn compress_state_kernel(
         a: *const f32, z: *const f32, positions: *const i32, query_start: *const i32,
         seq_slots: *const i32, s: i32, pend_a: *mut f32, pend_z: *mut f32,
         prev_a: Option<*mut f32>, prev_z: Option<*mut f32>, has_prev: Option<*mut i32>,
@@ -87,10 +111,23 @@ impl CompressArgs {
 }
 
 crate::launchers! {
-    /// The compressor family's entry point, resolved from a loaded registry.
+    /// The compressor family's entry points, resolved from a loaded registry.
     pub struct Compressor {
         compress: compress_kernel,
+        windows: compress_windows_kernel,
+        state: compress_state_kernel,
     }
+}
+
+/// How [`Compressor::compress_on`] runs a batch; every path leaves the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompressPath {
+    /// One block a sequence, its tokens in order: one launch, serial in the sequence's windows.
+    Serial,
+    /// Every window the batch completes at once, a block each, then the state: two launches.
+    Windows,
+    /// `Windows` when some sequence brings more than one token, else `Serial`.
+    Auto,
 }
 
 fn bad(msg: String) -> Error {
@@ -100,12 +137,25 @@ fn bad(msg: String) -> Error {
 impl Compressor {
     /// Pushes every token of the batch through the compressor of its sequence's slot, in
     /// order; completed windows become entries `p / ratio`. Resets `has_prev` of sequences
-    /// that start at position 0.
+    /// that start at position 0. [`CompressPath::Auto`].
     pub fn compress(
         &self,
         ctx: &Context,
         b: &BatchMeta,
         x: &CompressArgs,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        self.compress_on(ctx, b, x, CompressPath::Auto, stream)
+    }
+
+    /// [`Compressor::compress`] on a chosen path. Measured (H200, ncu, a 4096-token prefill at
+    /// Flash shapes): the serial kernel took ~15 ms a call; see BENCHMARKS.md for the windows'.
+    pub fn compress_on(
+        &self,
+        ctx: &Context,
+        b: &BatchMeta,
+        x: &CompressArgs,
+        path: CompressPath,
         stream: BorrowedStream,
     ) -> Result<()> {
         b.check(FAMILY)?;
@@ -173,35 +223,68 @@ impl Compressor {
             )));
         }
         let _g = ctx.enter()?;
-        let args = compress_kernel::Args {
-            a: x.a,
-            z: x.z,
-            positions: b.positions,
-            query_start: b.query_start,
-            seq_slots: b.seq_slots,
-            s: to_i32(FAMILY, "num_seqs", b.num_seqs)?,
-            pend_a: x.pend_a,
-            pend_z: x.pend_z,
-            prev_a: pa,
-            prev_z: pz,
-            has_prev: hp,
-            ape: x.ape,
-            norm_w: x.norm_w,
-            inv_freq: x.inv_freq,
-            half_rope: (x.rope_dim / 2) as i32,
-            ratio: to_i32(FAMILY, "ratio", r)?,
-            overlap: x.overlap,
-            dc: dc as i32,
-            eps: x.eps,
-            kind: x.kind as i32,
-            nope: x.nope as i32,
-            official: x.official,
-            entries: x.entries.pool,
-            etable: x.entries.table,
-            epps: to_i32(FAMILY, "pages per slot", x.entries.pages_per_slot)?,
-            maxe: to_i32(FAMILY, "maxe", x.maxe)?,
+        // The three kernels take the same arguments.
+        macro_rules! args {
+            ($k:ident) => {
+                $k::Args {
+                    a: x.a,
+                    z: x.z,
+                    positions: b.positions,
+                    query_start: b.query_start,
+                    seq_slots: b.seq_slots,
+                    s: to_i32(FAMILY, "num_seqs", b.num_seqs)?,
+                    pend_a: x.pend_a,
+                    pend_z: x.pend_z,
+                    prev_a: pa,
+                    prev_z: pz,
+                    has_prev: hp,
+                    ape: x.ape,
+                    norm_w: x.norm_w,
+                    inv_freq: x.inv_freq,
+                    half_rope: (x.rope_dim / 2) as i32,
+                    ratio: to_i32(FAMILY, "ratio", r)?,
+                    overlap: x.overlap,
+                    dc: dc as i32,
+                    eps: x.eps,
+                    kind: x.kind as i32,
+                    nope: x.nope as i32,
+                    official: x.official,
+                    entries: x.entries.pool,
+                    etable: x.entries.table,
+                    epps: to_i32(FAMILY, "pages per slot", x.entries.pages_per_slot)?,
+                    maxe: to_i32(FAMILY, "maxe", x.maxe)?,
+                }
+            };
+        }
+        let windows = match path {
+            CompressPath::Serial => false,
+            CompressPath::Windows => true,
+            CompressPath::Auto => b.num_tokens > b.num_seqs,
         };
-        self.compress
-            .launch(b.num_seqs as u32, THREADS, smem as u32, stream, args)
+        if !windows {
+            return self.compress.launch(
+                b.num_seqs as u32,
+                THREADS,
+                smem as u32,
+                stream,
+                args!(compress_kernel),
+            );
+        }
+        // A sequence of n tokens completes at most ceil(n / ratio) windows, and n <= T.
+        let most_windows = to_i32(FAMILY, "windows", t.div_ceil(r).max(1))? as u32;
+        self.windows.launch(
+            (most_windows, b.num_seqs as u32, 1),
+            THREADS,
+            smem as u32,
+            stream,
+            args!(compress_windows_kernel),
+        )?;
+        self.state.launch(
+            b.num_seqs as u32,
+            THREADS,
+            0,
+            stream,
+            args!(compress_state_kernel),
+        )
     }
 }

@@ -116,6 +116,8 @@ fn rmsnorm_threads(dim: usize) -> u32 {
 /// Threads per block of the flat elementwise kernels.
 const FLAT_THREADS: u32 = 256;
 /// Most blocks of a launch; the kernels loop (grid-stride) over the rest.
+/// Heads a rope_kernel thread rotates with one f64 cos / sin (kernels/rope.cu).
+pub(crate) const ROPE_HEADS: usize = 8;
 const MAX_BLOCKS: usize = 1 << 20;
 
 fn err(msg: String) -> Error {
@@ -247,11 +249,12 @@ impl NormRope {
             sign,
             round_out,
         };
-        // A thread per pair (and per nope channel to round): a row's work over ceil(work / 64)
-        // blocks, rows over the grid's y (grid-stride above 65535).
+        // A thread per pair of ROPE_HEADS heads (and per nope channel to round): a row's work
+        // over ceil(work / 64) blocks, rows over the grid's y (grid-stride above 65535).
         const THREADS: usize = 64;
         let nope = head_dim - 2 * half_rope;
-        let work = (heads * half_rope).max(if round_out { heads * nope } else { 0 });
+        let work =
+            (heads.div_ceil(ROPE_HEADS) * half_rope).max(if round_out { heads * nope } else { 0 });
         let grid = (
             work.div_ceil(THREADS).clamp(1, MAX_BLOCKS) as u32,
             rows.clamp(1, 65535) as u32,
