@@ -183,6 +183,36 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
   }
 }
 
+// out[j, c] = bf16(e4m3(w[j, c]) * wscale[j / 128, c / 128]) for j < N, c < K (K a multiple of 128): an FP8
+// weight with 128 x 128 f32 block scales dequantized to BF16 for a cuBLASLt BF16 GEMM (wo_a's einsum at
+// many tokens, fast_dense_gemm.rs), as the official model dequantizes it. Exact where the scales are
+// powers of two (UE8M0): an e4m3 value times 2^e is a BF16 value. A thread converts 16 codes. Grid
+// ceil(N * K / 16 / 256), 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+    fd_dequant_bf16_kernel(const unsigned char* w, const float* wscale, int N, int K, unsigned short* out) {
+  dsv4_pdl_begin();
+  const long long i = (long long)blockIdx.x * 256 + threadIdx.x, first = 16 * i;
+  if (first >= (long long)N * K) return;
+  const int row = (int)(first / K), col = (int)(first - (long long)row * K);
+  const float s = wscale[(long long)(row / 128) * (K / 128) + col / 128];
+  const uint4 codes = *reinterpret_cast<const uint4*>(w + first);
+  const unsigned cw[4] = {codes.x, codes.y, codes.z, codes.w};
+  unsigned packed[8];
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const unsigned h2 = fd_e4m3x2_to_f16x2((unsigned short)(cw[q >> 1] >> (16 * (q & 1))));
+    float lo, hi;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(lo) : "h"((unsigned short)(h2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(hi) : "h"((unsigned short)(h2 >> 16)));
+    lo = __fmul_rn(lo, s);
+    hi = __fmul_rn(hi, s);
+    packed[q] = (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+  }
+  uint4* o = reinterpret_cast<uint4*>(out + first);
+  o[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  o[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+}
+
 // y[t, j] = bf16(y[t, j]) in place for t < T, j < N (row stride ldy): the official BF16 output of a
 // cuBLASLt GEMM that wrote f32. A thread rounds 4 consecutive values (one 16-byte access where the
 // row allows it). Grid (ceil(N / 1024), T), 256 threads.

@@ -867,17 +867,20 @@ fn grouped_launches_decline_what_they_do_not_cover() {
 //   E = (K/16 + 4) · 2^-23 · A.
 // - BF16 outputs: |Δ| ≤ E + 2^-8 (|fast| + |ref|), as above.
 
-use dsv4::cuda::blockscaled_gemm::{self, BlockScaledGemm, GemmShape};
+use dsv4::cuda::blockscaled_gemm::{self, BlockScaledGemm, GemmKind, GemmShape};
 use dsv4::cuda::kernels::fast_dense_gemm::{self, GemmWorkspace};
 
-/// A GEMM planner for `shapes` up to `max_t` tokens with its operand workspace, on its own arena.
+/// A GEMM planner for `shapes` up to `max_t` tokens with its operand workspace (and room for one
+/// group of a grouped weight of `grouped` = (rows per group, k, groups)), on its own arena.
 fn gemm_for(
     d: &Dev<Kernels>,
     shapes: &[GemmShape],
+    grouped: &[(usize, usize, usize)],
     max_t: usize,
 ) -> (dsv4::cuda::arena::Arena, BlockScaledGemm, GemmWorkspace) {
     let [codes, scale] = fast_dense_gemm::gemm_workspace_sizes(shapes, max_t);
-    let (a, p) = d.alloc(&[codes, scale * 4, blockscaled_gemm::WORKSPACE_BYTES]);
+    let weight = fast_dense_gemm::gemm_weight_bytes(grouped).max(1);
+    let (a, p) = d.alloc(&[codes, scale * 4, blockscaled_gemm::WORKSPACE_BYTES, weight]);
     let g = BlockScaledGemm::new(d.ctx(), shapes, max_t, p[2])
         .expect("cuBLASLt 12.9+ on this CUDA machine (the fast set's prefill projections use it)");
     (
@@ -886,57 +889,59 @@ fn gemm_for(
         GemmWorkspace {
             codes: p[0],
             scale: p[1],
+            weight: p[3],
         },
     )
 }
 
-/// Checks one single-group case through the GEMM path at every `ts` (each must be taken by it)
-/// against the bound above; returns the largest error relative to A (f32 outputs) and the
-/// largest fraction of BF16 outputs that differ.
+/// Checks one case through the GEMM path at every `ts` (each must be taken by it) against the
+/// bound above; returns the largest error relative to A (f32 outputs) and the largest fraction of
+/// BF16 outputs that differ. A grouped case (wo_a) runs a BF16 GEMM a group on its dequantized
+/// weight: BF16 products (the weights' power-of-two scales keep them exact), the BF16 bound.
 fn check_gemm_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> (f64, f64) {
-    assert_eq!(c.groups, 1);
-    let hw = HostWeight::random(rng, c.format, c.n, c.k);
+    let (width, outs) = (c.groups * c.k, c.groups * c.n);
+    let hw = HostWeight::random(rng, c.format, outs, c.k);
     let (_wa, w) = hw.upload(d);
     let (_aa, wabs) = hw.abs().upload(d);
-    let shape = fast_dense_gemm::gemm_shape(c.format, [128, 128], c.n, c.k, 1, c.mode)
+    let shape = fast_dense_gemm::gemm_shape(c.format, [128, 128], outs, c.k, c.groups, c.mode)
         .unwrap_or_else(|| panic!("{}: not a GEMM shape", c.name));
     let tmax = *ts.iter().max().unwrap();
-    let (_ga, gemm, gws) = gemm_for(d, &[shape], tmax);
+    let (_ga, gemm, gws) = gemm_for(d, &[shape], &[(c.n, c.k, c.groups)], tmax);
     let (_wsa, dws) = workspace(
         d,
         &[Shape {
             n: c.n,
             k: c.k,
-            groups: 1,
+            groups: c.groups,
         }],
     );
-    let ldy = c.n + 8;
+    let ldy = outs + 8;
     let (_a, p) = d.alloc(&[
-        tmax * c.k * 4,
-        tmax * c.k * 4,
-        tmax * c.k * 4,
+        tmax * width * 4,
+        tmax * width * 4,
+        tmax * width * 4,
         tmax * ldy * 4,
-        tmax * c.n * 4,
-        tmax * c.n * 4,
+        tmax * outs * 4,
+        tmax * outs * 4,
         tmax * ldy * 4,
     ]);
     let (px, pxabs, pxq, py, pr, pabs, py2) = (p[0], p[1], p[2], p[3], p[4], p[5], p[6]);
-    let e_rel = match c.format {
-        StorageFormat::Fp8 => 2f64.powi(-8) + (c.k / 128 + 4) as f64 * 2f64.powi(-24),
-        _ => (c.k / 16 + 4) as f64 * 2f64.powi(-23),
+    let e_rel = match shape.kind {
+        GemmKind::Fp8BlockScaled => 2f64.powi(-8) + (c.k / 128 + 4) as f64 * 2f64.powi(-24),
+        GemmKind::Bf16 => (c.k / 16 + 4) as f64 * 2f64.powi(-23),
     };
     let (mut worst, mut worst_differ) = (0f64, 0f64);
     for &t in ts {
-        let x = activations(rng, t, c.k);
+        let x = activations(rng, t, width);
         let xabs: Vec<f32> = x.iter().map(|v| v.abs()).collect();
         d.put(px, &x);
         d.put(pxabs, &xabs);
         let op = |y| DenseOp {
             x: px,
-            ldx: c.k,
+            ldx: width,
             t,
             w,
-            groups: 1,
+            groups: c.groups,
             mode: c.mode,
             round: c.round,
             y,
@@ -956,17 +961,17 @@ fn check_gemm_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> (
         let got: Vec<f32> = d.get(py, t * ldy);
         let again: Vec<f32> = d.get(py2, t * ldy);
         common::assert_bits(&format!("{}: T={t}: rerun", c.name), &again, &got);
-        let want: Vec<f32> = d.get(pr, t * c.n);
-        let abs: Vec<f32> = d.get(pabs, t * c.n);
+        let want: Vec<f32> = d.get(pr, t * outs);
+        let abs: Vec<f32> = d.get(pabs, t * outs);
         let label = format!("{} (GEMM)", c.name);
-        let (differ, w) = compare(c, &label, t, (c.n, ldy), &got, &want, &abs, e_rel);
+        let (differ, w) = compare(c, &label, t, (outs, ldy), &got, &want, &abs, e_rel);
         worst = worst.max(w);
-        let frac = differ as f64 / (t * c.n) as f64;
+        let frac = differ as f64 / (t * outs) as f64;
         worst_differ = worst_differ.max(if c.round { frac } else { 0.0 });
         println!(
             "{} (GEMM): T={t}: {differ} of {} outputs differ from the reference",
             c.name,
-            t * c.n
+            t * outs
         );
     }
     println!(
@@ -1012,11 +1017,23 @@ fn gemm_projections_match_the_reference() {
         ),
         ("odd BF16: 96 x 384", StorageFormat::Bf16, 96, 384, true),
     ];
-    for (name, format, n, k, round) in cases {
-        let mode = if format == StorageFormat::Fp8 {
-            ActMode::Quant
-        } else {
-            ActMode::Bf16
+    let grouped = [
+        ("wo_a: 8 groups of 1024 x 4096", 8, 1024, 4096, true),
+        ("grouped 3 x 256 x 640, f32 out", 3, 256, 640, false),
+    ];
+    let cases = cases
+        .into_iter()
+        .map(|(name, format, n, k, round)| (name, format, 1, n, k, round))
+        .chain(
+            grouped
+                .into_iter()
+                .map(|(name, g, n, k, round)| (name, StorageFormat::Fp8, g, n, k, round)),
+        );
+    for (name, format, groups, n, k, round) in cases {
+        let mode = match (format, groups) {
+            (StorageFormat::Fp8, 1) => ActMode::Quant,
+            (StorageFormat::Fp8, _) => ActMode::F16,
+            _ => ActMode::Bf16,
         };
         let c = Case {
             name,
@@ -1024,10 +1041,10 @@ fn gemm_projections_match_the_reference() {
             mode,
             n,
             k,
-            groups: 1,
+            groups,
             round,
         };
-        let ts: &[usize] = if n * k > 8 << 20 {
+        let ts: &[usize] = if groups * n * k > 8 << 20 {
             &[16, 33, 300]
         } else {
             &[16, 17, 64, 129, 1000]
@@ -1046,11 +1063,35 @@ fn the_gemm_path_declines_what_it_does_not_cover() {
     let Some(d) = dev() else { return };
     let _s = serial();
     let mut rng = Rng::from_env("the_gemm_path_declines_what_it_does_not_cover");
-    // wo_a's grouped einsum (F16 operands) and a K whose scale grid is not a multiple of 4.
+    // wo_a's grouped einsum is taken (a BF16 GEMM a group), but not with act_quant or groups of
+    // rows that are not whole 128-row blocks.
     assert!(
         fast_dense_gemm::gemm_shape(StorageFormat::Fp8, [128, 128], 8192, 4096, 8, ActMode::F16)
-            .is_none()
+            .is_some()
     );
+    assert!(
+        fast_dense_gemm::gemm_shape(
+            StorageFormat::Fp8,
+            [128, 128],
+            8192,
+            4096,
+            8,
+            ActMode::Quant
+        )
+        .is_none()
+    );
+    assert!(
+        fast_dense_gemm::gemm_shape(
+            StorageFormat::Fp8,
+            [128, 128],
+            8 * 192,
+            4096,
+            8,
+            ActMode::F16
+        )
+        .is_none()
+    );
+    // A K whose scale grid is not a multiple of 4 is declined.
     assert!(
         fast_dense_gemm::gemm_shape(StorageFormat::Fp8, [128, 128], 256, 384, 1, ActMode::Quant)
             .is_none()
@@ -1060,7 +1101,7 @@ fn the_gemm_path_declines_what_it_does_not_cover() {
     let shape =
         fast_dense_gemm::gemm_shape(StorageFormat::Fp8, [128, 128], n, k, 1, ActMode::Quant)
             .unwrap();
-    let (_ga, gemm, gws) = gemm_for(&d, &[shape], 64);
+    let (_ga, gemm, gws) = gemm_for(&d, &[shape], &[], 64);
     assert!(gemm.covers(&shape, 64) && !gemm.covers(&shape, 65));
     // Which m the planned algorithms accept (why cuBLASLt gets multiples of M_GRANULE only).
     let fitting: Vec<usize> = (16..=64)

@@ -202,6 +202,8 @@ pub fn run(
     };
     let gemm_shapes: Vec<GemmShape> = FLASH.iter().filter_map(gemm_shape).collect();
     let [codes, gscale] = fast_dense_gemm::gemm_workspace_sizes(&gemm_shapes, tmax);
+    let grouped: Vec<_> = FLASH.iter().map(|p| (p.n, p.k, p.groups)).collect();
+    let gweight = fast_dense_gemm::gemm_weight_bytes(&grouped);
     let (_gemm_arena, gp) = alloc(
         &ctx,
         "bench_dense",
@@ -209,11 +211,13 @@ pub fn run(
             codes.max(1),
             gscale.max(1) * 4,
             blockscaled_gemm::WORKSPACE_BYTES,
+            gweight.max(1),
         ],
     )?;
     let gws = GemmWorkspace {
         codes: gp[0],
         scale: gp[1],
+        weight: gp[3],
     };
     let gemm = match BlockScaledGemm::new(&ctx, &gemm_shapes, tmax, gp[2]) {
         Ok(g) => Some(g),
@@ -273,6 +277,9 @@ pub fn run(
             .into_iter()
             .filter(move |&(t, path)| match path {
                 Path::Gemv { fused } => t <= 16 || !fused,
+                // (A grouped weight's GEMMs take the operand and weight of each group in turn:
+                // no GEMM-only timing.)
+                Path::GemmOnly if p.groups > 1 => false,
                 Path::Gemm | Path::GemmOnly => {
                     t >= blockscaled_gemm::MIN_M
                         && t.is_multiple_of(fast_dense_gemm::M_GRANULE)

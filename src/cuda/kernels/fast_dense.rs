@@ -103,6 +103,8 @@ crate::kernel_family! {
     );
     #[pdl(true)]
     fn fd_round_bf16_kernel(y: *mut f32, ldy: i32, t: i32, n: i32);
+    #[pdl(true)]
+    fn fd_dequant_bf16_kernel(w: *const u8, wscale: *const f32, n: i32, k: i32, out: *mut u16);
     #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
     fn fd_gemv_t8_kernel(
@@ -171,6 +173,7 @@ crate::launchers! {
         act: fd_act_kernel,
         lt_operand: fd_lt_operand_kernel,
         round_bf16: fd_round_bf16_kernel,
+        dequant_bf16: fd_dequant_bf16_kernel,
         t8: fd_gemv_t8_kernel,
         t16: fd_gemv_t16_kernel,
         t32: fd_gemv_t32_kernel,
@@ -776,6 +779,60 @@ impl FastDense {
     }
 
     /// `y[t, j] = bf16(y[t, j])` for `t < t`, `j < n` (row stride `ldy`), in place.
+    /// `out` (`[rows, w.cols]` BF16) = rows `row0 .. row0 + rows` of the FP8 weight `w` (128 x 128
+    /// f32 block scales) dequantized to BF16: `bf16(code · scale)`, exact for power-of-two scales
+    /// (kernels/fast_dense.cu `fd_dequant_bf16_kernel`). `row0` a multiple of 128.
+    pub fn dequant_bf16(
+        &self,
+        ctx: &Context,
+        w: &WeightDev,
+        row0: usize,
+        rows: usize,
+        out: DevicePtr,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "fd_dequant_bf16_kernel";
+        let k = w.cols;
+        let Some(scales) = w.scales else {
+            return Err(internal(format!("{K}: an FP8 weight without scales")));
+        };
+        if w.format != StorageFormat::Fp8
+            || w.block != [128, 128]
+            || !row0.is_multiple_of(128)
+            || !k.is_multiple_of(128)
+            || row0 + rows > w.rows
+        {
+            return Err(internal(format!(
+                "{K}: rows {row0}..{} of a {:?} {}x{k} weight (block {:?})",
+                row0 + rows,
+                w.format,
+                w.rows,
+                w.block
+            )));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let kb = k / 128;
+        let data = w.data.slice(row0 * k, rows * k)?;
+        let sc = scales.slice(row0 / 128 * kb * 4, rows.div_ceil(128) * kb * 4)?;
+        need(K, "out", out, rows * k * 2)?;
+        let _g = ctx.enter()?;
+        self.dequant_bf16.launch(
+            ((rows * k / 16).div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            stream,
+            fd_dequant_bf16_kernel::Args {
+                w: data,
+                wscale: sc,
+                n: to_i32(K, "rows", rows)?,
+                k: to_i32(K, "K", k)?,
+                out,
+            },
+        )
+    }
+
     pub fn round_bf16(
         &self,
         ctx: &Context,

@@ -4,14 +4,17 @@
 //! model's output is BF16 (kernels/fast_dense.cu). Three launches a call (two without the
 //! rounding), against one gemv launch per 64 tokens that re-reads the weight each time.
 //!
-//! The same `DenseOp` as the gemv path; what this path cannot take (wo_a's grouped BF16 einsum
-//! of FP8 weights, shapes cuBLASLt's block scaling does not cover, m without a planned algorithm)
-//! it declines and the gemv runs it. cuBLASLt takes the tokens in multiples of [`M_GRANULE`]
+//! The same `DenseOp` as the gemv path; what this path cannot take (shapes cuBLASLt's block
+//! scaling does not cover, m without a planned algorithm) it declines and the gemv runs it.
+//! wo_a's grouped BF16 einsum of FP8 weights runs a group at a time: the group's weight
+//! dequantized to BF16 (`fd_dequant_bf16_kernel`, into [`GemmWorkspace::weight`]), its BF16
+//! operand, a BF16 GEMM — as the official model computes it. cuBLASLt takes the tokens in multiples of [`M_GRANULE`]
 //! (its block-scaled algorithms refuse other m, the activation scales' rows being 16-byte
 //! aligned: measured, tests/gpu_fast_dense.rs); the last `t % M_GRANULE` tokens of a call run
 //! the gemv, in the same call.
 //!
-//! Numerics: the same products (e4m3 x e4m3 with the same scales, or BF16 x BF16) summed by
+//! Numerics: the same products (e4m3 x e4m3 with the same scales, or BF16 x BF16; wo_a's
+//! weight times its power-of-two scale is a BF16 value) summed by
 //! cuBLASLt's kernels in f32 (its order; FP8 block-scaled GEMMs promote every 128 of k to apply
 //! the scales); tests/gpu_fast_dense.rs states and asserts the bound.
 
@@ -38,7 +41,13 @@ pub const SMALL_FP8_BYTES: usize = 8 << 20;
 /// however small the weight, so the small FP8 ones (wq_a, wkv: 9-15 µs through the gemv up to 64
 /// tokens) switch at 128. At 16 tokens the gemv loses only where the weight is large (wo_b 25.1
 /// against 19.8 µs) and wins on others (wq_b 17.2 against 19.9): 32 is the one threshold.
-pub fn gemm_pays(shape: &GemmShape, t: usize) -> bool {
+///
+/// A grouped weight (wo_a: 8 GEMMs of one group each, with their dequantization and operand) from
+/// [`GROUPED_MIN_TOKENS`].
+pub fn gemm_pays(shape: &GemmShape, groups: usize, t: usize) -> bool {
+    if groups > 1 {
+        return t >= GROUPED_MIN_TOKENS;
+    }
     let small_fp8 = shape.kind == GemmKind::Fp8BlockScaled
         && shape.n * shape.k * shape.operand_size() < SMALL_FP8_BYTES;
     t >= if small_fp8 {
@@ -47,6 +56,9 @@ pub fn gemm_pays(shape: &GemmShape, t: usize) -> bool {
         GEMM_MIN_TOKENS
     }
 }
+
+/// Fewest tokens a grouped FP8 weight (wo_a) runs through cuBLASLt.
+pub const GROUPED_MIN_TOKENS: usize = 128;
 
 /// cuBLASLt runs the largest multiple of this many tokens of a call; the gemv the rest.
 pub const M_GRANULE: usize = 4;
@@ -58,6 +70,19 @@ pub struct GemmWorkspace {
     pub codes: DevicePtr,
     /// `[max K / 128, max tokens]` f32.
     pub scale: DevicePtr,
+    /// One group of a grouped FP8 weight dequantized to BF16 (`gemm_weight_bytes`).
+    pub weight: DevicePtr,
+}
+
+/// Bytes of [`GemmWorkspace::weight`] for projections of `(rows per group, k, groups)`: one
+/// group of the largest grouped one in BF16 (0 without any).
+pub fn gemm_weight_bytes(shapes: &[(usize, usize, usize)]) -> usize {
+    shapes
+        .iter()
+        .filter(|&&(_, _, groups)| groups > 1)
+        .map(|&(n, k, _)| n * k * 2)
+        .max()
+        .unwrap_or(0)
 }
 
 /// Bytes of [`GemmWorkspace::codes`] and elements of [`GemmWorkspace::scale`] for `shapes` at
@@ -73,7 +98,9 @@ pub fn gemm_workspace_sizes(shapes: &[GemmShape], max_t: usize) -> [usize; 2] {
 }
 
 /// The GEMM shape of a projection the GEMMs can take: one group, FP8 with 128 x 128 blocks and
-/// the official act_quant, or BF16.
+/// the official act_quant, or BF16; or several groups of an FP8 weight with 128 x 128 blocks
+/// without act_quant (wo_a's BF16 einsum, [`ActMode::F16`]): a BF16 GEMM a group, of
+/// `rows / groups` rows (a multiple of 128).
 pub fn gemm_shape(
     w_format: StorageFormat,
     block: [usize; 2],
@@ -82,8 +109,22 @@ pub fn gemm_shape(
     groups: usize,
     mode: ActMode,
 ) -> Option<GemmShape> {
-    if groups != 1 {
+    if groups == 0 {
         return None;
+    }
+    if groups > 1 {
+        let n = rows / groups;
+        let grouped = w_format == StorageFormat::Fp8
+            && mode == ActMode::F16
+            && block == [128, 128]
+            && rows.is_multiple_of(groups)
+            && n.is_multiple_of(128);
+        let s = GemmShape {
+            kind: GemmKind::Bf16,
+            n,
+            k,
+        };
+        return (grouped && s.supported()).then_some(s);
     }
     let kind = match (w_format, mode) {
         (StorageFormat::Fp8, ActMode::Quant) if block == [128, 128] => GemmKind::Fp8BlockScaled,
@@ -113,6 +154,12 @@ pub fn run_gemm(
     let m = op.t / M_GRANULE * M_GRANULE;
     if m == 0 || !gemm.covers(&shape, m) {
         return Ok(false);
+    }
+    if op.groups > 1 {
+        if !run_grouped(dense, gemm, ctx, op, shape, m, ws, stream)? {
+            return Ok(false);
+        }
+        return run_tail(dense, ctx, op, m, gemv_ws, stream).map(|()| true);
     }
     let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
     let codes_bytes = m * shape.k * shape.operand_size();
@@ -157,14 +204,88 @@ pub fn run_gemm(
     if op.round {
         dense.round_bf16(ctx, op.y, op.ldy, m, shape.n, stream)?;
     }
-    if op.t > m {
-        let tail = DenseOp {
-            x: op.x.slice(m * op.ldx * 4, op.x.bytes() - m * op.ldx * 4)?,
-            y: op.y.slice(m * op.ldy * 4, op.y.bytes() - m * op.ldy * 4)?,
-            t: op.t - m,
-            ..*op
+    run_tail(dense, ctx, op, m, gemv_ws, stream)?;
+    Ok(true)
+}
+
+/// The tokens from `m` on of `op` through the gemv (fewer than [`M_GRANULE`]).
+fn run_tail(
+    dense: &FastDense,
+    ctx: &Context,
+    op: &DenseOp,
+    m: usize,
+    gemv_ws: &DenseWorkspace,
+    stream: BorrowedStream,
+) -> Result<()> {
+    if op.t <= m {
+        return Ok(());
+    }
+    let tail = DenseOp {
+        x: op.x.slice(m * op.ldx * 4, op.x.bytes() - m * op.ldx * 4)?,
+        y: op.y.slice(m * op.ldy * 4, op.y.bytes() - m * op.ldy * 4)?,
+        t: op.t - m,
+        ..*op
+    };
+    dense.run(ctx, &tail, gemv_ws, stream)
+}
+
+/// The first `m` tokens of a grouped projection (wo_a), a group at a time: group g's FP8 rows
+/// dequantized to BF16 into `ws.weight`, its BF16 operand (columns g·K ..) into `ws.codes`, and
+/// a BF16 GEMM into y's columns g·n ..; then y's BF16 rounding. Each step reuses the workspace
+/// after the stream has finished the previous group's GEMM with it. Returns false, having written
+/// nothing to y, where the workspace is too small or cuBLASLt declines this m.
+#[allow(clippy::too_many_arguments)]
+fn run_grouped(
+    dense: &FastDense,
+    gemm: &BlockScaledGemm,
+    ctx: &Context,
+    op: &DenseOp,
+    shape: GemmShape,
+    m: usize,
+    ws: &GemmWorkspace,
+    stream: BorrowedStream,
+) -> Result<bool> {
+    let (n, k) = (shape.n, shape.k);
+    let (codes_bytes, weight_bytes) = (m * k * 2, n * k * 2);
+    if ws.codes.bytes() < codes_bytes || ws.weight.bytes() < weight_bytes {
+        return Ok(false);
+    }
+    let (codes, weight) = (
+        ws.codes.slice(0, codes_bytes)?,
+        ws.weight.slice(0, weight_bytes)?,
+    );
+    for g in 0..op.groups {
+        dense.dequant_bf16(ctx, &op.w, g * n, n, weight, stream)?;
+        dense.lt_operand(
+            ctx,
+            &LtOperand {
+                x: op.x.slice(g * k * 4, op.x.bytes() - g * k * 4)?,
+                ldx: op.ldx,
+                t: m,
+                k,
+                mode: ActMode::Bf16,
+                codes,
+                scale: ws.scale,
+            },
+            stream,
+        )?;
+        let call = GemmCall {
+            shape,
+            m,
+            w: weight,
+            wscale: None,
+            a: codes,
+            ascale: None,
+            y: op.y.slice(g * n * 4, op.y.bytes() - g * n * 4)?,
+            ldy: op.ldy,
         };
-        dense.run(ctx, &tail, gemv_ws, stream)?;
+        // The same shape and m for every group: only the first can be declined.
+        if !gemm.run(ctx, &call, stream)? {
+            return Ok(false);
+        }
+    }
+    if op.round {
+        dense.round_bf16(ctx, op.y, op.ldy, m, op.groups * n, stream)?;
     }
     Ok(true)
 }
@@ -189,10 +310,36 @@ mod tests {
             (bf16(129280, 4096), 32),
         ] {
             let s = s.expect("a GEMM shape");
-            assert!(!gemm_pays(&s, at - 1) && gemm_pays(&s, at), "{s:?} at {at}");
+            assert!(
+                !gemm_pays(&s, 1, at - 1) && gemm_pays(&s, 1, at),
+                "{s:?} at {at}"
+            );
         }
-        // Declined: wo_a's grouped einsum, FP8 without act_quant, other FP8 blocks, FP4.
-        assert!(gemm_shape(StorageFormat::Fp8, [128, 128], 8192, 4096, 8, ActMode::F16).is_none());
+        // wo_a's grouped einsum: its groups' BF16 GEMM, from GROUPED_MIN_TOKENS; its scratch
+        // holds one group's BF16 weight.
+        let wo_a = gemm_shape(StorageFormat::Fp8, [128, 128], 8192, 4096, 8, ActMode::F16);
+        assert_eq!(wo_a, bf16(1024, 4096));
+        let at = GROUPED_MIN_TOKENS;
+        assert!(!gemm_pays(&wo_a.unwrap(), 8, at - 1) && gemm_pays(&wo_a.unwrap(), 8, at));
+        assert_eq!(
+            gemm_weight_bytes(&[(1024, 4096, 8), (32768, 1024, 1)]),
+            1024 * 4096 * 2
+        );
+        assert_eq!(gemm_weight_bytes(&[(32768, 1024, 1)]), 0);
+        // Declined: grouped with act_quant or parts of 128-row blocks, FP8 without act_quant,
+        // other FP8 blocks, FP4.
+        assert!(
+            gemm_shape(
+                StorageFormat::Fp8,
+                [128, 128],
+                8192,
+                4096,
+                8,
+                ActMode::Quant
+            )
+            .is_none()
+        );
+        assert!(gemm_shape(StorageFormat::Fp8, [128, 128], 1536, 4096, 8, ActMode::F16).is_none());
         assert!(gemm_shape(StorageFormat::Fp8, [128, 128], 1024, 4096, 1, ActMode::F16).is_none());
         assert!(gemm_shape(StorageFormat::Fp8, [1, 128], 1024, 4096, 1, ActMode::Quant).is_none());
         assert!(gemm_shape(StorageFormat::Fp4, [1, 32], 1024, 4096, 1, ActMode::Quant).is_none());

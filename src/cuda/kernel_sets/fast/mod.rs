@@ -340,7 +340,7 @@ impl FastOps for FastSet {
                 op.groups,
                 op.mode,
             )
-            .is_some_and(|shape| gemm_pays(&shape, op.t))
+            .is_some_and(|shape| gemm_pays(&shape, op.groups, op.t))
             && run_gemm(&self.dense, gemm, ctx, &op, operand, &self.ws.dense, stream)?
         {
             return Ok(true);

@@ -32,7 +32,7 @@ pub struct Workspace {
 pub struct WorkspaceIds {
     ids: Vec<RegionId>,
     dense: [RegionId; 4],
-    gemm: Option<[RegionId; 3]>,
+    gemm: Option<[RegionId; 4]>,
     attention: [RegionId; 2],
     t: usize,
     k: usize,
@@ -78,6 +78,11 @@ impl Workspace {
         let shapes = gemm_shapes(cfg);
         let gemm = if t >= GEMM_MIN_TOKENS && !shapes.is_empty() {
             let [codes, scale] = fast_dense_gemm::gemm_workspace_sizes(&shapes, t);
+            let grouped: Vec<_> = dense_shapes(cfg)
+                .iter()
+                .map(|s| (s.n, s.k, s.groups))
+                .collect();
+            let weight = fast_dense_gemm::gemm_weight_bytes(&grouped);
             let mut decl = |name: &str, elem, n: usize| {
                 plan.declare(
                     BufferKind::Workspace,
@@ -90,6 +95,7 @@ impl Workspace {
                 decl("gemm_operand", Elem::U8, codes)?,
                 decl("gemm_scale", Elem::F32, scale)?,
                 decl("cublaslt", Elem::U8, blockscaled_gemm::WORKSPACE_BYTES)?,
+                decl("gemm_weight", Elem::U8, weight)?,
             ])
         } else {
             None
@@ -125,11 +131,12 @@ impl Workspace {
                 split_part: arena.region(w.dense[2]),
                 split_count: arena.region(w.dense[3]),
             },
-            gemm: w.gemm.map(|[codes, scale, lt]| {
+            gemm: w.gemm.map(|[codes, scale, lt, weight]| {
                 (
                     GemmWorkspace {
                         codes: arena.region(codes),
                         scale: arena.region(scale),
+                        weight: arena.region(weight),
                     },
                     arena.region(lt),
                 )
@@ -174,15 +181,22 @@ pub fn dense_shapes(cfg: &ModelConfig) -> Vec<Shape> {
     ]
 }
 
-/// The shapes among [`dense_shapes`] the cuBLASLt GEMMs may run (one group), each planned as
-/// FP8 with the official act_quant and as BF16 where the GEMMs support it: what a weight is
-/// stored as is known only at load (a few plans to spare cost host time at finalize only).
+/// The shapes among [`dense_shapes`] the cuBLASLt GEMMs may run, each planned as FP8 with the
+/// official act_quant and as BF16 where the GEMMs support it (what a weight is stored as is known
+/// only at load; a few plans to spare cost host time at finalize only), and a grouped FP8 one
+/// (wo_a) as its groups' BF16 GEMM.
 pub fn gemm_shapes(cfg: &ModelConfig) -> Vec<GemmShape> {
     use crate::weights::format::StorageFormat::{Bf16, Fp8};
     let mut out = Vec::new();
-    for s in dense_shapes(cfg).into_iter().filter(|s| s.groups == 1) {
-        for (format, mode) in [(Fp8, ActMode::Quant), (Bf16, ActMode::Bf16)] {
-            if let Some(g) = fast_dense_gemm::gemm_shape(format, [128, 128], s.n, s.k, 1, mode)
+    for s in dense_shapes(cfg) {
+        let (rows, modes): (usize, &[_]) = if s.groups == 1 {
+            (s.n, &[(Fp8, ActMode::Quant), (Bf16, ActMode::Bf16)])
+        } else {
+            (s.n * s.groups, &[(Fp8, ActMode::F16)])
+        };
+        for &(format, mode) in modes {
+            if let Some(g) =
+                fast_dense_gemm::gemm_shape(format, [128, 128], rows, s.k, s.groups, mode)
                 && !out.contains(&g)
             {
                 out.push(g);
