@@ -368,7 +368,9 @@ pub fn run(
                 flops / sec / 1e12,
                 match path {
                     Path::Gemv { fused } => t.div_ceil(TOKENS) * if fused { 1 } else { 2 },
-                    // Ours, plus cuBLASLt's (one kernel, or two with a split-K reduction).
+                    // Ours, plus cuBLASLt's (one kernel, or two with a split-K reduction); a
+                    // grouped weight: dequantization, operand and GEMM a group, one rounding.
+                    Path::Gemm if p.groups > 1 => 3 * p.groups + usize::from(p.round),
                     Path::Gemm => 2 + usize::from(p.round),
                     Path::GemmOnly => 1,
                 },
