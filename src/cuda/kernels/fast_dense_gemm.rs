@@ -8,15 +8,15 @@
 //! scaling does not cover, m without a planned algorithm) it declines and the gemv runs it.
 //! wo_a's grouped BF16 einsum of FP8 weights runs a group at a time: the group's weight
 //! dequantized to BF16 (`fd_dequant_bf16_kernel`, into [`GemmWorkspace::weight`]), its BF16
-//! operand, a BF16 GEMM — as the official model computes it. cuBLASLt takes the tokens in multiples of [`M_GRANULE`]
-//! (its block-scaled algorithms refuse other m, the activation scales' rows being 16-byte
-//! aligned: measured, tests/gpu_fast_dense.rs); the last `t % M_GRANULE` tokens of a call run
-//! the gemv, in the same call.
+//! operand, a BF16 GEMM — as the official model computes it. cuBLASLt takes the tokens in multiples
+//! of [`M_GRANULE`] (its block-scaled algorithms refuse other m, the activation scales' rows being
+//! 16-byte aligned: measured, tests/gpu_fast_dense.rs); the last `t % M_GRANULE` tokens of a call
+//! run the gemv, in the same call.
 //!
-//! Numerics: the same products (e4m3 x e4m3 with the same scales, or BF16 x BF16; wo_a's
-//! weight times its power-of-two scale is a BF16 value) summed by
-//! cuBLASLt's kernels in f32 (its order; FP8 block-scaled GEMMs promote every 128 of k to apply
-//! the scales); tests/gpu_fast_dense.rs states and asserts the bound.
+//! Numerics: the same products (e4m3 x e4m3 with the same scales, or BF16 x BF16; wo_a's weight
+//! times its power-of-two scale is a BF16 value) summed by cuBLASLt's kernels in f32 (its order;
+//! FP8 block-scaled GEMMs promote every 128 of k to apply the scales); tests/gpu_fast_dense.rs
+//! states and asserts the bound.
 
 use super::fast_dense::{ActMode, DenseOp, DenseWorkspace, FastDense, LtOperand};
 use crate::cuda::blockscaled_gemm::{BlockScaledGemm, GemmCall, GemmKind, GemmShape};
