@@ -14,10 +14,12 @@
 // (nope channels too) is then rounded to bf16, as the reference's `prec.bf16` after
 // `rope::apply` does (in the model the nope channels are already bf16 there, so this is a no-op
 // on them). Rows over blockIdx.y, a row's work over blockIdx.x, both grid-stride. A thread takes
-// pair k of ROPE_HEADS consecutive heads: θ depends on the row and k only, so its f64 cos and sin
-// (long dependent chains) serve them all. A thread per pair and head computed them 64 times a row
-// for the 64 query heads: 1.9 ms a call at 4096 tokens (ncu). A decode step's few rows still spread
-// over half_rope * heads / ROPE_HEADS threads. (ROPE_HEADS: dsv4_consts.cuh, norm_rope.rs ROPE_HEADS.)
+// pair k of ROPE_HEADS consecutive heads: θ depends on the row and k only, so one f64 cos and sin
+// (long dependent chains) serve them all, 8 times fewer than a thread per pair and head. Measured
+// (ncu, 4096 tokens, five calls): 9.3 ms with this alone, the launch then being bound by starting
+// its blocks; 4.6 ms with norm_rope.rs's launch shape. At decode a call went 5.6 -> 9.6 us: a
+// thread's heads are loaded one after another after the cos / sin (next/rope-hoist loads them first;
+// not yet measured). (ROPE_HEADS: dsv4_consts.cuh, norm_rope.rs ROPE_HEADS.)
 extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, int head_dim, const int* pos,
                                        const float* inv_freq, int half_rope, float sign, int round_out) {
   dsv4_pdl_begin();
