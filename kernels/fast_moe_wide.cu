@@ -30,12 +30,15 @@
 //
 // The pipeline (as fast_moe_gemm.cu): 2 consumer warpgroups and a producer warpgroup share a ring of
 // FMW_STAGES slots with full/empty mbarriers; the producer warpgroup hands most of its registers to the
-// consumers (setmaxnreg): one token column per thread is all it needs. A stage is 128 bytes of each of the
+// consumers (setmaxnreg): a few addresses per thread are all it needs. A stage is 128 bytes of each of the
 // pass's 128 weight rows (one TMA box: FP4 256 k, FP8 128 k) with their scales (UE8M0 bytes by a 1 KiB
 // bulk copy, f32 by TMA, or FP8's block scale), and the tile's tokens over the same k, gathered by cp.async
-// into wgmma's K-major B layout ([k16 chunk][token][16 bytes]) with their per-128 scales, one column per
-// producer thread. Tokens past the tile's count are not loaded: their columns compute garbage that is never
-// stored (wgmma's columns are independent).
+// into wgmma's K-major B layout (per 128-block, a row of 128 bytes per token in the 128-byte swizzle) with
+// their per-128 scales. Eight producer threads copy one token's 128 bytes (one line): a line then lands in
+// shared memory in one piece, where 16 bytes per token and thread (the first layout) took ~29 shared-memory
+// wavefronts per warp copy instead of ~4, most of the shared-memory pipe's time (ncu, B = 4096). Tokens past
+// the tile's count are not loaded: their columns compute garbage that is never stored (wgmma's columns are
+// independent).
 //
 // The math. Warpgroup w owns the pass's rows 64w .. 64w + 63 (one m64 tile). A 128-block's A fragments
 // (ldmatrix then the shifted bit move for FP4; 8-byte loads for FP8) are built for its four k32 steps, then
@@ -59,8 +62,8 @@
 #define FMW_SLOT_W (FMW_ROWS * FMW_RB)
 #define FMW_SLOT_S (FMW_ROWS * 8 * 4)  // FP4: 8 per-32 scales a row (f32, or UE8M0 bytes in the first 1 KiB);
                                        // FP8: the block scale
-#define FMW_CHUNK (FMW_TOKENS * 16)    // one k16 chunk of every token
-#define FMW_SLOT_A (16 * FMW_CHUNK)    // a stage's token codes
+#define FMW_B_PANEL (FMW_TOKENS * 128)  // one 128-k block of the tokens' codes: a row of 128 bytes a token
+#define FMW_SLOT_A (2 * FMW_B_PANEL)     // a stage's token codes
 #define FMW_SLOT_AS (2 * FMW_TOKENS * 4)  // their scales, [128-block][token]
 #define FMW_SLOT (((FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A + FMW_SLOT_AS) + 1023) / 1024 * 1024)
 // Epilogue buffer (bf16): up, [token][FMW_UP_STRIDE] gate then h values of the item's 128 j; down, one
@@ -70,10 +73,12 @@
 #define FMW_DOWN_STRIDE 72
 #define FMW_EP_BYTES (2 * FMW_TOKENS * FMW_DOWN_STRIDE * 2)
 #define FMW_WT (FMW_STAGES * FMW_SLOT + FMW_EP_BYTES)  // the tile's routing weights, FMW_TOKENS floats
-#define FMW_BARS (FMW_WT + FMW_TOKENS * 4)
+#define FMW_RTBL (FMW_WT + FMW_TOKENS * 4)  // the producer's activation rows of the tile, FMW_TOKENS ints
+#define FMW_BARS (FMW_RTBL + FMW_TOKENS * 4)
 #define FMW_SMEM_USED (FMW_BARS + 2 * FMW_STAGES * 8)
 static_assert(FMW_SMEM_USED <= FMW_SMEM_BYTES, "fast_moe_wide: shared memory layout exceeds FMW_SMEM_BYTES");
 static_assert(FMW_TOKENS == 128, "fast_moe_wide: the wgmma shape is m64n128k32");
+static_assert((FMW_SLOT_W + FMW_SLOT_S) % 1024 == 0, "fast_moe_wide: the B blocks need the swizzle's 1024-byte alignment");
 static_assert(FMW_TOKENS * FMW_UP_STRIDE <= 2 * FMW_TOKENS * FMW_DOWN_STRIDE, "fast_moe_wide: epilogue buffer");
 static_assert(FMOE_MAP_BYTES == 128, "fast_moe_wide: a CUtensorMap is 128 bytes");
 
@@ -177,16 +182,18 @@ DSV4_INLINE unsigned fmw_empty(unsigned smem, int s) { return fmoe_ring_empty(sm
 DSV4_INLINE int fmw_scale_pos(int p) { return (p >> 4) * 16 + ((p >> 1) & 3) * 4 + ((p >> 3) & 1) * 2 + (p & 1); }
 
 // The producer warpgroup: every stage of every pass of the block's items, in the consumers' order. Thread p
-// (0 .. 127) gathers token column p when p < n: the stage's k16 chunks and the scales of its 128-blocks;
-// thread 0 also announces the TMA bytes and issues the weight box and the FP4 scales (or copies FP8's block
-// scale). The slot's full barrier expects thread 0's arrival and one cp.async arrival per producer thread.
-// Why all four warps: one warp gathering all 128 columns (64 16-byte copies a lane per stage, each with its
-// own 64-bit address arithmetic) could not keep up: the consumers found the next slot empty at nearly every
-// stage (ncu, B = 4096).
+// (0 .. 127) copies 16-byte chunk j = p % 8 of each 128-block of tokens p / 8 + 16 i (i = 0 .. 7, those below
+// the tile's count) and, for j < the stage's blocks, those tokens' scales of block j; thread 0 also
+// announces the TMA bytes and issues the weight box and the FP4 scales (or copies FP8's block scale). The
+// slot's full barrier expects thread 0's arrival and one cp.async arrival per producer thread. Why all four
+// warps: one warp gathering all 128 tokens (64 16-byte copies a lane per stage) could not keep up: the
+// consumers found the next slot empty at nearly every stage (ncu, B = 4096).
 template <bool UP>
 DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned smem, int my_items) {
-  const int p = threadIdx.x - FMW_CONSUMERS, sp = fmw_scale_pos(p);
+  const int p = threadIdx.x - FMW_CONSUMERS;
   const int K = a.K;
+  extern __shared__ __align__(1024) unsigned char fmw_smem[];
+  int* rtbl = reinterpret_cast<int*>(fmw_smem + FMW_RTBL);
   int slot = 0;
   unsigned phase = 0;
   for (int n = 0; n < my_items; ++n) {
@@ -194,10 +201,11 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned smem, int my_items) {
     if (it.skip) continue;
     const int nks = fmoe_stages(it.fp4, K);
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
-    const bool gather = p < it.n;
-    const long long row = gather ? fmw_act_row<UP>(a, it, p) : 0;
-    const unsigned char* src = a.act + row * K;
-    const float* ssrc = a.act_s + row * (K / 128);
+    // The tile's activation rows, one per token column (-1 past its count), in shared memory for the
+    // stages' copies (in registers, the producer's 56 would spill).
+    named_barrier(4, FMW_THREADS - FMW_CONSUMERS);  // every producer thread has read the last item's
+    rtbl[p] = p < it.n ? (int)fmw_act_row<UP>(a, it, p) : -1;
+    named_barrier(4, FMW_THREADS - FMW_CONSUMERS);
     const unsigned tx = FMW_SLOT_W + (!it.fp4 ? 0 : it.s8 ? 1024 : FMW_SLOT_S);
     for (int pass = 0; pass < fmw_passes(UP); ++pass) {
       const int m = UP ? (pass == 0 ? FMOE_MAP_W1 : FMOE_MAP_W3) : FMOE_MAP_W2;
@@ -222,20 +230,23 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned smem, int my_items) {
           else
             cp_async_4(st + FMW_SLOT_W, fs + kb);
         }
-        if (gather) {
+        {  // the tokens
           const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
-          const unsigned char* s = src + (long long)kb * kbytes;
-          const float* ss = ssrc + kb * (kbytes / 128);
-          // Constant offsets, so each copy is one instruction with immediate offsets.
-          if (blocks == 2) {
+          const int j = p & 7;
+          // Token (p / 8 + 16 i)'s row in the 128-byte swizzle: chunk j at j ^ (token % 8) = j ^ (p / 8 % 8).
+          const unsigned dst = adst + (p >> 3) * 128 + ((j ^ ((p >> 3) & 7)) << 4);
 #pragma unroll
-            for (int ch = 0; ch < 16; ++ch) cp_async_16(adst + ch * FMW_CHUNK + p * 16, s + 16 * ch);
-            cp_async_4(adst + FMW_SLOT_A + sp * 4, ss);
-            cp_async_4(adst + FMW_SLOT_A + (FMW_TOKENS + sp) * 4, ss + 1);
-          } else {
-#pragma unroll
-            for (int ch = 0; ch < 8; ++ch) cp_async_16(adst + ch * FMW_CHUNK + p * 16, s + 16 * ch);
-            cp_async_4(adst + FMW_SLOT_A + sp * 4, ss);
+          for (int i = 0; i < 8; ++i) {
+            const int row = rtbl[(p >> 3) + 16 * i];
+            if (row < 0) continue;
+            const unsigned char* s = a.act + (long long)row * K + (long long)kb * kbytes + 16 * j;
+            cp_async_16(dst + i * 16 * 128, s);
+            if (blocks == 2) cp_async_16(dst + i * 16 * 128 + FMW_B_PANEL, s + 128);
+            if (j < blocks) {
+              const int sp = fmw_scale_pos((p >> 3) + 16 * i);
+              cp_async_4(adst + FMW_SLOT_A + (j * FMW_TOKENS + sp) * 4,
+                         a.act_s + (long long)row * (K / 128) + kb * (kbytes / 128) + j);
+            }
           }
         }
         cp_async_mbar_arrive(full);
@@ -329,15 +340,18 @@ DSV4_INLINE unsigned fmw_fp4_addr(const unsigned char* st) {
   return row | ((unsigned)((lane >> 4) ^ (lane & 7)) << 4);
 }
 
-// The B descriptor of step 0 of block b of the stage at `st`; step q adds q·2·FMW_CHUNK / 16 to its address
-// field (low word; shared addresses stay below 256 KiB, so it cannot carry into the next field).
+// The B descriptor of step 0 of block b of the stage at `st`: the tokens' rows of 128 bytes, K-major in the
+// 128-byte swizzle (PTX ISA "matrix descriptor": groups of 8 rows 1024 bytes apart in SBO, LBO unused, mode 1
+// in bits 62-63; the block is 1024-byte aligned, so the base offset is 0). k32 step q starts 32 bytes on
+// along the rows, +2q in the address field (the hardware swizzles the addresses it forms; shared addresses
+// stay below 256 KiB, so it cannot carry).
 DSV4_INLINE unsigned long long fmw_desc(const unsigned char* st, int b) {
-  return wgmma_desc_noswizzle(st + FMW_SLOT_W + FMW_SLOT_S + b * (8 * FMW_CHUNK), FMW_CHUNK, 128);
+  const unsigned a = smem_addr(st + FMW_SLOT_W + FMW_SLOT_S + b * FMW_B_PANEL);
+  return (unsigned long long)((a & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
 }
 
-DSV4_INLINE unsigned long long fmw_desc_step(unsigned long long desc0, int q) {
-  return ((unsigned long long)(unsigned)(desc0 >> 32) << 32) | ((unsigned)desc0 + (unsigned)(q * 2 * FMW_CHUNK / 16));
-}
+DSV4_INLINE unsigned long long fmw_desc_step(unsigned long long desc0, int q) { return desc0 + 2 * q; }
 
 // A 128-block ready to run: the four steps' A fragments, the rows' factors and the tokens' scales.
 struct FmwBlock {
