@@ -36,7 +36,7 @@
 // into wgmma's K-major B layout (per 128-block, a row of 128 bytes per token in the 128-byte swizzle) with
 // their per-128 scales. Eight producer threads copy one token's 128 bytes (one line): a line then lands in
 // shared memory in one piece, where 16 bytes per token and thread (the first layout) took ~29 shared-memory
-// wavefronts per warp copy instead of ~4, most of the shared-memory pipe's time (ncu, B = 4096). Tokens past
+// wavefronts per warp copy instead of ~4, over half of the kernel's wavefronts (ncu, B = 4096). Tokens past
 // the tile's count are not loaded: their columns compute garbage that is never stored (wgmma's columns are
 // independent).
 //
