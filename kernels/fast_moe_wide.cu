@@ -189,11 +189,10 @@ DSV4_INLINE int fmw_scale_pos(int p) { return (p >> 4) * 16 + ((p >> 1) & 3) * 4
 // warps: one warp gathering all 128 tokens (64 16-byte copies a lane per stage) could not keep up: the
 // consumers found the next slot empty at nearly every stage (ncu, B = 4096).
 template <bool UP>
-DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned smem, int my_items) {
+DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsigned smem, int my_items) {
   const int p = threadIdx.x - FMW_CONSUMERS;
   const int K = a.K;
-  extern __shared__ __align__(1024) unsigned char fmw_smem[];
-  int* rtbl = reinterpret_cast<int*>(fmw_smem + FMW_RTBL);
+  int* rtbl = reinterpret_cast<int*>(smem_base + FMW_RTBL);
   int slot = 0;
   unsigned phase = 0;
   for (int n = 0; n < my_items; ++n) {
@@ -340,15 +339,10 @@ DSV4_INLINE unsigned fmw_fp4_addr(const unsigned char* st) {
   return row | ((unsigned)((lane >> 4) ^ (lane & 7)) << 4);
 }
 
-// The B descriptor of step 0 of block b of the stage at `st`: the tokens' rows of 128 bytes, K-major in the
-// 128-byte swizzle (PTX ISA "matrix descriptor": groups of 8 rows 1024 bytes apart in SBO, LBO unused, mode 1
-// in bits 62-63; the block is 1024-byte aligned, so the base offset is 0). k32 step q starts 32 bytes on
-// along the rows, +2q in the address field (the hardware swizzles the addresses it forms; shared addresses
-// stay below 256 KiB, so it cannot carry).
+// The B descriptor of step 0 of block b of the stage at `st`: the tokens' rows of 128 bytes in the 128-byte
+// swizzle (wgmma_desc_sw128; step q adds 2q).
 DSV4_INLINE unsigned long long fmw_desc(const unsigned char* st, int b) {
-  const unsigned a = smem_addr(st + FMW_SLOT_W + FMW_SLOT_S + b * FMW_B_PANEL);
-  return (unsigned long long)((a & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
-         (1ull << 62);
+  return wgmma_desc_sw128(st + FMW_SLOT_W + FMW_SLOT_S + b * FMW_B_PANEL);
 }
 
 DSV4_INLINE unsigned long long fmw_desc_step(unsigned long long desc0, int q) { return desc0 + 2 * q; }
@@ -653,7 +647,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   __syncthreads();
   if (threadIdx.x >= FMW_CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FMW_PRODUCER_REGS));
-    fmw_produce<UP>(a, smem, my_items);
+    fmw_produce<UP>(a, fmw_smem, smem, my_items);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FMW_CONSUMER_REGS));

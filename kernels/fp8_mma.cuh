@@ -282,6 +282,16 @@ DSV4_INLINE unsigned long long wgmma_desc_noswizzle(const void* smem, unsigned l
          ((unsigned long long)((sbo & 0x3FFFFu) >> 4) << 32);
 }
 
+// Matrix descriptor of a K-major shared-memory operand of rows of 128 bytes in the 128-byte swizzle (16-byte
+// chunk c of row r at c ^ (r % 8), as TMA's SWIZZLE_128B writes it), from its first row, 1024-byte aligned:
+// groups of 8 rows 1024 bytes apart in SBO, LBO unused (1), base offset 0, swizzle mode 1 in bits 62-63.
+// k32 step q of e4m3 starts 32 bytes on along the rows: add 2q to the descriptor (the hardware swizzles the
+// addresses it forms; shared addresses stay below 256 KiB, so the address field cannot carry).
+DSV4_INLINE unsigned long long wgmma_desc_sw128(const void* smem) {
+  const unsigned long long a = smem_addr(smem);
+  return ((a & 0x3FFFFull) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
 // Required before a wgmma whose accumulator or A registers other instructions wrote.
 DSV4_INLINE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 
