@@ -27,10 +27,12 @@ const _: () = assert!(
     SMEM_BYTES <= 227 * 1024,
     "an sm_90 block takes at most 227 KiB"
 );
-/// Tokens from which a layer runs this path. Measured (BENCHMARKS.md, "prefill path": both paths
-/// timed in one run at Flash shapes): the decode path is faster at B = 2048 (4.46 vs 5.08 ms), this
-/// one at B = 4096 (6.56 vs 8.35 ms); the lines cross near 2600.
-pub const MIN_TOKENS: usize = 3072;
+/// Tokens from which a layer runs this path. Measured (BENCHMARKS.md, "what the prefill GEMMs' time
+/// is made of": both paths timed in one run at Flash shapes, uniform routing, µs): B = 1536 decode
+/// 3382 / prefill 3894, 2048 4335 / 4045, 2560 5265 / 4238, 3072 6254 / 4420. The lines cross near
+/// 1860; from 2048 this path is measured faster. (It was 3072 when this path was slower: the
+/// crossover was near 2600.)
+pub const MIN_TOKENS: usize = 2048;
 
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
