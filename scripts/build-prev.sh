@@ -21,6 +21,10 @@ if [ ! -d "$src" ]; then
   git worktree prune
   git worktree add --detach "$src" "$hash" >/dev/null
 fi
+# Touch the crate root so cargo rebuilds (and copies out) this revision's binary: the revisions share
+# prev-target, and a worktree built once before counts as fresh even after another revision's build
+# has replaced prev-target/release/dsv4 (that copied the wrong binary).
+touch "$src/src/lib.rs"
 (cd "$src" && CARGO_TARGET_DIR="$target/prev-target" cargo build --release --bin dsv4)
 mkdir -p "$target/gpu-prev"
 cp "$target/prev-target/release/dsv4" "$target/gpu-prev/$name"
