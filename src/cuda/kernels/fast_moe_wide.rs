@@ -10,8 +10,9 @@
 pub const TOKENS: usize = 128;
 /// Weight rows per pass of an item: one TMA box, two warpgroups of 64.
 pub const ROWS: usize = 128;
-/// Threads of a block: two consumer warpgroups and a producer warpgroup (one warp of it works;
-/// the warpgroup gives its registers to the consumers).
+/// Threads of a block: two consumer warpgroups and a producer warpgroup (all four of its warps
+/// gather tokens, thread 0 also issues the weights' TMA; it gives most of its registers to the
+/// consumers).
 pub const THREADS: usize = 3 * 128;
 /// Slots of the shared-memory ring (FMW_STAGES).
 pub const STAGES: usize = 3;
