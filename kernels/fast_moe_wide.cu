@@ -66,12 +66,13 @@
 #define FMW_SLOT_A (2 * FMW_B_PANEL)     // a stage's token codes
 #define FMW_SLOT_AS (2 * FMW_TOKENS * 4)  // their scales, [128-block][token]
 #define FMW_SLOT (((FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A + FMW_SLOT_AS) + 1023) / 1024 * 1024)
-// Epilogue buffer (bf16): up, [token][FMW_UP_STRIDE] gate then h values of the item's 128 j; down, one
-// [token][FMW_DOWN_STRIDE] block per warpgroup (its 64 rows) to write y in 16-byte pieces. Strides padded
-// so the fragment-layout stores spread over the banks.
-#define FMW_UP_STRIDE 136
+// Epilogue buffer (bf16). Up: two [token][128 j] matrices, the gate values then the up values of the item's
+// 128 j (fmw_ep_index's swizzle); the gate's becomes h in place. Down: one [token][FMW_DOWN_STRIDE] block per
+// warpgroup (its 64 rows) to write y in 16-byte pieces, the stride padded so the fragment-layout stores
+// spread over the banks.
+#define FMW_UP_MATRIX (FMW_TOKENS * 128)  // elements of one up matrix
 #define FMW_DOWN_STRIDE 72
-#define FMW_EP_BYTES (2 * FMW_TOKENS * FMW_DOWN_STRIDE * 2)
+#define FMW_EP_BYTES (2 * FMW_UP_MATRIX * 2)
 #define FMW_WT (FMW_STAGES * FMW_SLOT + FMW_EP_BYTES)  // the tile's routing weights, FMW_TOKENS floats
 #define FMW_RTBL (FMW_WT + FMW_TOKENS * 4)  // the producer's activation rows of the tile, FMW_TOKENS ints
 #define FMW_BARS (FMW_RTBL + FMW_TOKENS * 4)
@@ -79,7 +80,7 @@
 static_assert(FMW_SMEM_USED <= FMW_SMEM_BYTES, "fast_moe_wide: shared memory layout exceeds FMW_SMEM_BYTES");
 static_assert(FMW_TOKENS == 128, "fast_moe_wide: the wgmma shape is m64n128k32");
 static_assert((FMW_SLOT_W + FMW_SLOT_S) % 1024 == 0, "fast_moe_wide: the B blocks need the swizzle's 1024-byte alignment");
-static_assert(FMW_TOKENS * FMW_UP_STRIDE <= 2 * FMW_TOKENS * FMW_DOWN_STRIDE, "fast_moe_wide: epilogue buffer");
+static_assert(2 * FMW_TOKENS * FMW_DOWN_STRIDE <= 2 * FMW_UP_MATRIX, "fast_moe_wide: epilogue buffer");
 static_assert(FMOE_MAP_BYTES == 128, "fast_moe_wide: a CUtensorMap is 128 bytes");
 
 // One work item: a token tile and a 128-row block.
@@ -552,54 +553,90 @@ DSV4_INLINE void fmw_stash(const float (&acc)[64], bf16_t* buf, int stride, int 
   }
 }
 
-// Up, gate pass: the bf16 gate values into ep[token][j]; the tile's routing weights into wt.
+// Element (tok, j) of an up matrix: token rows of 256 bytes whose 16-byte chunks (8 j) are XOR-swizzled by
+// tok % 16. The fragment stash (fmw_up_stash: a warp's lanes write one chunk of 8 tokens 2 apart, 2 lanes a
+// word) and the quantising threads' 16-byte chunk reads (fmw_up_h_quant: a quarter warp reads 4 tokens'
+// two halves) then spread over all banks.
+DSV4_INLINE int fmw_ep_index(int tok, int j) { return tok * 128 + ((((j >> 3) ^ (tok & 15)) << 3) | (j & 7)); }
+
+// bf16(acc) into an up matrix: the thread's rows r = 16·warp + g and r + 8 of tokens 8j + 2t + {0, 1}. The
+// hardware rounding (one cvt a value, where f32_to_bf16 takes ~8): it differs from f32_to_bf16 only in a
+// NaN's payload, and h, its codes and its scale are the same for every NaN of g or u (fminf and the clamp
+// treat them alike, an h NaN is code 0x7f and is skipped by the amax).
+DSV4_INLINE void fmw_up_stash(const float (&acc)[64], bf16_t* m) {
+  const int t = threadIdx.x & 3, r = (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      unsigned short h;
+      asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(acc[4 * j + c]));
+      m[fmw_ep_index(8 * j + 2 * t + (c & 1), r + 8 * (c >> 1))] = h;
+    }
+  }
+}
+
+// Up, gate pass: the bf16 gate values into the first up matrix; the tile's routing weights into wt.
 DSV4_INLINE void fmw_up_gate(const FmoeArgs& a, const FmwItem& it, const float* route_w, const float (&acc)[64],
                              bf16_t* ep, float* wt) {
   const int tid = threadIdx.x;
   named_barrier(1, FMW_CONSUMERS);  // the previous item's quantisation has read ep and wt
   if (tid < FMW_TOKENS)
     wt[tid] = (!it.shared && route_w != nullptr && tid < it.n) ? route_w[fmw_out_row(a, it, tid)] : 1.0f;
-  fmw_stash(acc, ep, FMW_UP_STRIDE, (tid >> 5) * 16 + ((tid & 31) >> 2));
+  fmw_up_stash(acc, ep);
 }
 
-// Up, up pass: h from the thread's own gate values (same rows, same thread) into ep, then the per-128
-// act_quant of each token's 128 j by two threads (64 j each): codes in fragment order and the scale.
+// Up, up pass: the bf16 up values into the second matrix; then two threads a token (64 j each) make h from
+// the two matrices (into the first, in place), and the per-128 act_quant: codes in fragment order and the
+// scale. A thread visits its 8 chunks in the order i ^ 4·half so that a quarter warp's reads hit 8 distinct
+// bank groups (fmw_ep_index). (Before, h was made in the fragment layout from a copy of the 64 sums that the
+// loop indexed by group: the copy went through local memory, which missed L1 beside 224 KB of shared memory:
+// 13% of the up GEMM's stall samples, ncu, B = 4096.)
 DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const float (&acc)[64], float limit, bf16_t* ep,
                                 const float* wt, unsigned char* out_q, float* out_s) {
-  const int tid = threadIdx.x, t = tid & 3;
-  const int r = (tid >> 5) * 16 + ((tid & 31) >> 2);
-  named_barrier(1, FMW_CONSUMERS);  // wt is written
-  // A loop over the thread's 16 groups of 4 values, not 64 inlined copies of silu's expf and division: fully
-  // unrolled, the epilogue was ~140 KB of SASS and its warps waited on instruction fetch (ncu, B = 4096). The
-  // loop indexes the values by group, so they go through local memory (16-byte stores and loads).
-  float u[64];
-#pragma unroll
-  for (int v = 0; v < 64; ++v) u[v] = acc[v];
+  const int tid = threadIdx.x;
+  fmw_up_stash(acc, ep + FMW_UP_MATRIX);
+  named_barrier(1, FMW_CONSUMERS);  // both matrices and wt are written
+  const int tok = tid >> 1, half = tid & 1;
+  uint4* gate = reinterpret_cast<uint4*>(ep + tok * 128);
+  const uint4* up = reinterpret_cast<const uint4*>(ep + FMW_UP_MATRIX + tok * 128);
+  float m = 0.0f;
+  if (tok < it.n) {
+    const float w = wt[tok];
 #pragma unroll 1
-  for (int j = 0; j < 16; ++j) {
+    for (int i = 0; i < 8; ++i) {
+      const int chunk = ((8 * half) | (i ^ (4 * half))) ^ (tok & 15);
+      const uint4 g4 = gate[chunk], u4 = up[chunk];
+      const unsigned gw[4] = {g4.x, g4.y, g4.z, g4.w}, uw[4] = {u4.x, u4.y, u4.z, u4.w};
+      unsigned hw[4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int row = r + 8 * (c >> 1), tok = 8 * j + 2 * t + (c & 1);
-      bf16_t* p = ep + tok * FMW_UP_STRIDE + row;
-      *p = f32_to_bf16(fmoe_h_value(bf16_to_f32(*p), round_bf16(u[4 * j + c]), wt[tok], limit, !it.shared));
+      for (int c = 0; c < 4; ++c) {
+        const float h0 = fmoe_h_value(__uint_as_float(gw[c] << 16), __uint_as_float(uw[c] << 16), w, limit,
+                                      !it.shared);
+        const float h1 = fmoe_h_value(__uint_as_float(gw[c] & 0xffff0000u), __uint_as_float(uw[c] & 0xffff0000u),
+                                      w, limit, !it.shared);
+        m = fmaxf(m, fmaxf(fabsf(h0), fabsf(h1)));
+        hw[c] = (__float_as_uint(h0) >> 16) | (__float_as_uint(h1) & 0xffff0000u);  // h is bf16-rounded
+      }
+      gate[chunk] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
     }
   }
-  named_barrier(1, FMW_CONSUMERS);
-  const int tok = tid >> 1, half = tid & 1;
-  const bf16_t* src = ep + tok * FMW_UP_STRIDE + 64 * half;
-  float m = 0.0f;
-#pragma unroll
-  for (int c = 0; c < 64; ++c) m = fmaxf(m, fabsf(bf16_to_f32(src[c])));
   m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
   if (tok < it.n) {
     const float s = fmoe_h_scale(m);
     const long long orow = fmw_out_row(a, it, tok);
     unsigned char* dst = out_q + orow * a.N + it.rb * FMW_ROWS + 64 * half;
 #pragma unroll 1
-    for (int c8 = 0; c8 < 8; ++c8) {
+    for (int i = 0; i < 8; ++i) {
+      const int c8 = i ^ (4 * half);
+      const uint4 h4 = gate[((8 * half) | c8) ^ (tok & 15)];
+      const unsigned hw[4] = {h4.x, h4.y, h4.z, h4.w};
       float hv[8];
 #pragma unroll
-      for (int c = 0; c < 8; ++c) hv[c] = bf16_to_f32(src[8 * c8 + c]);
+      for (int c = 0; c < 4; ++c) {
+        hv[2 * c] = __uint_as_float(hw[c] << 16);
+        hv[2 * c + 1] = __uint_as_float(hw[c] & 0xffff0000u);
+      }
       unsigned codes[8];
       fmoe_h_codes8(hv, s, codes);
       store_fragment_order8(dst + 32 * (c8 >> 2), c8 & 3, codes);
