@@ -76,6 +76,23 @@ DSV4_INLINE bf16_t f32_to_bf16(float f) {
 // The nearest bfloat16 value as an f32 (quant.rs round_bf16).
 DSV4_INLINE float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+// The hardware conversions (sm_89 and up): one cvt where the integer versions above take ~8 instructions a
+// value. smoke_roundtrip checks them against the CPU reference on every bf16 bit pattern and the e4m3 ties.
+// round_bf16_nonnan: round_bf16's value for every non-NaN x (a NaN comes back as some NaN, payload lost).
+DSV4_INLINE float round_bf16_nonnan(float x) {
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
+  return __uint_as_float((unsigned)h << 16);
+}
+
+// The e4m3fn codes of lo and hi (low byte lo), round to nearest even, saturating at ±448 (cvt ...satfinite):
+// e4m3_encode's codes for every x, NaN included.
+DSV4_INLINE unsigned e4m3x2_code_hw(float lo, float hi) {
+  unsigned short c;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(c) : "f"(hi), "f"(lo));
+  return c;
+}
+
 // ------------------------------------------------------------------------- grid rounding
 
 // floor(log2(a)) for a positive finite a (normal or subnormal).

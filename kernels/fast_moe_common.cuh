@@ -18,18 +18,33 @@ DSV4_INLINE float fmoe_h_value(float g, float u, float w, float limit, bool rout
   }
   float h = fmoe_silu(g) * u;
   if (routed) h = h * w;
-  return round_bf16(h);
+  // The hardware rounding: round_bf16's value except for a NaN's payload, and a NaN h of any payload gives
+  // the same code (e4m3x2_code_hw) and is skipped by the amax (fmaxf).
+  return round_bf16_nonnan(h);
 }
 
 // act_quant's scale of a 128-block of h whose largest |h| is `amax`.
 DSV4_INLINE float fmoe_h_scale(float amax) { return ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX); }
 
-// The e4m3 codes of 8 h values at scale s (a power of two, fmoe_h_scale: so h / s is exactly h times the
-// exact 1 / s, one correctly rounded multiply instead of a division).
-DSV4_INLINE void fmoe_h_codes8(const float (&hv)[8], float s, unsigned (&codes)[8]) {
-  const float inv = 1.0f / s;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) codes[c] = e4m3_code_rn(fmoe_clamp_sym(hv[c] * inv, DSV4_E4M3_MAX));
+// 1 / s for an act_quant scale s (a power of two, fmoe_h_scale): exact, so h / s is exactly h · (1 / s), one
+// correctly rounded multiply instead of a division.
+DSV4_INLINE float fmoe_h_inv(float s) { return 1.0f / s; }
+
+// The e4m3 codes of 8 consecutive physical k of h (hv[c]: k 8·t8 + c) times inv = fmoe_h_inv(s), as the two
+// words of fragment order (fp8_mma.cuh: .x the even elements 0, 2, 4, 6 at block + 4·t8, .y the odd ones at
+// block + 16 + 4·t8, byte order). The hardware conversion, two codes an instruction: it saturates at ±448
+// as act_quant's clamp does (smoke_roundtrip checks it against e4m3_encode on every bf16 pattern).
+DSV4_INLINE uint2 fmoe_h_words8(const float (&hv)[8], float inv) {
+  uint2 w;
+  w.x = e4m3x2_code_hw(hv[0] * inv, hv[2] * inv) | (e4m3x2_code_hw(hv[4] * inv, hv[6] * inv) << 16);
+  w.y = e4m3x2_code_hw(hv[1] * inv, hv[3] * inv) | (e4m3x2_code_hw(hv[5] * inv, hv[7] * inv) << 16);
+  return w;
+}
+
+// Stores fmoe_h_words8's words at their fragment-order positions in a 32-block.
+DSV4_INLINE void fmoe_store_h_words(unsigned char* block, int t8, uint2 w) {
+  *reinterpret_cast<unsigned*>(block + 4 * t8) = w.x;
+  *reinterpret_cast<unsigned*>(block + 16 + 4 * t8) = w.y;
 }
 
 // FP8 weights in a stage: rows of 128 bytes in the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)).

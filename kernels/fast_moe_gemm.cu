@@ -455,11 +455,9 @@ DSV4_INLINE void fmoe_up_quant(const FmoeArgs& a, const FmoeItem& it, const floa
   for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o, 16));
   if (i < it.n) {
     const float s = fmoe_h_scale(m);
-    unsigned codes[8];
-    fmoe_h_codes8(hv, s, codes);
     const long long orow = fmoe_out_row(a, it, i);
     unsigned char* dst = out_q + orow * a.N + it.row0 + 32 * (c16 >> 2);
-    store_fragment_order8(dst, c16 & 3, codes);
+    fmoe_store_h_words(dst, c16 & 3, fmoe_h_words8(hv, fmoe_h_inv(s)));
     if (c16 == 0) out_s[orow * (a.N / 128) + it.row0 / 128] = s;
   }
 }

@@ -623,7 +623,7 @@ DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const floa
   }
   m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
   if (tok < it.n) {
-    const float s = fmoe_h_scale(m);
+    const float s = fmoe_h_scale(m), inv = fmoe_h_inv(s);
     const long long orow = fmw_out_row(a, it, tok);
     unsigned char* dst = out_q + orow * a.N + it.rb * FMW_ROWS + 64 * half;
 #pragma unroll 1
@@ -637,9 +637,7 @@ DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const floa
         hv[2 * c] = __uint_as_float(hw[c] << 16);
         hv[2 * c + 1] = __uint_as_float(hw[c] & 0xffff0000u);
       }
-      unsigned codes[8];
-      fmoe_h_codes8(hv, s, codes);
-      store_fragment_order8(dst + 32 * (c8 >> 2), c8 & 3, codes);
+      fmoe_store_h_words(dst + 32 * (c8 >> 2), c8 & 3, fmoe_h_words8(hv, inv));
     }
     if (half == 0) out_s[orow * (a.N / 128) + it.rb] = s;
   }

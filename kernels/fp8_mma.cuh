@@ -64,13 +64,6 @@ DSV4_INLINE void e2m1x8_to_e4m3_shifted_eo(unsigned w, unsigned t, unsigned& eve
   odd = prmt(lo, hi, so) | (w & 0x80808080u);
 }
 
-// Stores the e4m3 codes of 8 consecutive physical k (c[0] = physical k 8·t8 of a 32-block) at their
-// fragment-order positions: the even elements at block + 4·t8, the odd ones at block + 16 + 4·t8.
-DSV4_INLINE void store_fragment_order8(unsigned char* block, int t8, const unsigned (&c)[8]) {
-  *reinterpret_cast<unsigned*>(block + 4 * t8) = c[0] | (c[2] << 8) | (c[4] << 16) | (c[6] << 24);
-  *reinterpret_cast<unsigned*>(block + 16 + 4 * t8) = c[1] | (c[3] << 8) | (c[5] << 16) | (c[7] << 24);
-}
-
 // The e4m3fn code of x rounded to nearest, ties to even, for |x| <= 448 (callers clamp first); NaN -> 0x7f,
 // -0 keeps its sign bit. The same code as common.cuh's e4m3_encode, by integer rounding of the f32 bits.
 DSV4_INLINE unsigned e4m3_code_rn(float x) {
@@ -154,14 +147,6 @@ DSV4_INLINE void ldmatrix_x4_trans(unsigned addr, unsigned (&r)[4]) {
 
 // ---------------------------------------------------------------------------------------------------------
 // BF16 mma.sync (the sparse attention and the indexer: operands decoded exactly to BF16).
-
-// The nearest bfloat16 value (ties to even) as an f32, for a non-NaN x: the hardware conversion (2
-// instructions; round_bf16 is ~9 and also keeps a NaN's payload).
-DSV4_INLINE float round_bf16_nonnan(float x) {
-  unsigned short h;
-  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
-  return __uint_as_float((unsigned)h << 16);
-}
 
 // Two floats as a bf16x2 word (round to nearest even; exact for BF16 values), low half first: the
 // hardware conversion, one instruction for both (cvt's first source goes to the high half; f32_to_bf16

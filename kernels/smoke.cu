@@ -52,7 +52,9 @@ extern "C" __global__ void smoke_roundtrip(const float* xf, const unsigned* xu, 
   o[12] = __float_as_uint(ue8m0_scale(ax, DSV4_E2M1_MAX));
   o[13] = __float_as_uint(e8m0_to_f32((ue8m0_t)(u & 0xffu)));
   o[14] = (unsigned)ue8m0_exponent(x, 1.0f);  // signed exponent as bits; x itself (any sign)
-  o[15] = 0x5a5a5a5au;                         // canary: proves the row was written
+  o[15] = __float_as_uint(round_bf16_nonnan(x));
+  o[16] = e4m3x2_code_hw(x, -x);               // both bytes: the high one is -x's code
+  o[17] = 0x5a5a5a5au;                         // canary: proves the row was written
 }
 
 // One block per row of blockDim.x (a multiple of 32) inputs: sums[b], maxs[b] = block_sum /

@@ -21,7 +21,7 @@ crate::kernel_family! {
 }
 
 /// Columns written per element by `smoke_roundtrip` (u32 bit patterns), in order.
-pub const ROUNDTRIP_COLS: usize = 16;
+pub const ROUNDTRIP_COLS: usize = 18;
 
 /// What each column of `smoke_roundtrip` holds, as the CPU reference computes it
 /// (inputs: `x` a float, `u` a u32 whose low bits supply codes).
@@ -41,6 +41,8 @@ pub const ROUNDTRIP_COLUMNS: [&str; ROUNDTRIP_COLS] = [
     "ue8m0_scale(|x|, 6)",
     "e8m0_to_f32(u & 0xff)",
     "ue8m0_exponent(x, 1)",
+    "round_bf16_nonnan(x) (NaN x: any NaN)",
+    "e4m3x2_code_hw(x, -x)",
     "canary 0x5a5a5a5a",
 ];
 
@@ -195,14 +197,17 @@ pub fn roundtrip_ref(x: f32, u: u32) -> [u32; ROUNDTRIP_COLS] {
         s6.to_bits(),
         e8m0_to_f32(u as u8).to_bits(),
         (ue8m0_scale(x, 1.0).0 as i32 - 127) as u32,
+        half::bf16::from_f32(x).to_f32().to_bits(),
+        e4m3_encode(x) as u32 | (e4m3_encode(-x) as u32) << 8,
         0x5a5a_5a5a,
     ]
 }
 
 /// Does a device result match the reference for column `col`? Bit-exact, except that a NaN
-/// produced by a decoder may carry any payload (Rust does not pin NaN bits of arithmetic).
+/// produced by a decoder may carry any payload (Rust does not pin NaN bits of arithmetic), and
+/// so may `round_bf16_nonnan`'s (the hardware conversion does not keep it).
 pub fn roundtrip_col_matches(col: usize, got: u32, want: u32) -> bool {
-    let nan_any = matches!(col, 3 | 13);
+    let nan_any = matches!(col, 3 | 13 | 15);
     got == want || (nan_any && f32::from_bits(got).is_nan() && f32::from_bits(want).is_nan())
 }
 
@@ -444,6 +449,8 @@ mod tests {
             pow2(ue8m0_exponent(ax, 6.0)).to_bits(),
             e8m0_to_f32(u as u8).to_bits(),
             ue8m0_exponent(x, 1.0) as u32,
+            f32::from_bits((f32_to_bf16(x) as u32) << 16).to_bits(),
+            e4m3_encode(x) as u32 | (e4m3_encode(-x) as u32) << 8,
             0x5a5a_5a5a,
         ]
     }
