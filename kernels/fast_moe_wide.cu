@@ -54,9 +54,11 @@
 #define FMW_CONSUMERS 256                 // two warpgroups
 #define FMW_THREADS (FMW_CONSUMERS + 128)  // then the producer warpgroup
 // Registers per thread after setmaxnreg: the producer warpgroup gives most of its share to the consumers
-// (the block's 64 K: 256 · 224 + 128 · 56 = 64512; launch bounds alone allow 168 to all).
-#define FMW_CONSUMER_REGS 224
-#define FMW_PRODUCER_REGS 56
+// (the block's 64 K: 256 · 232 + 128 · 40 = 64512; launch bounds alone allow 168 to all). At 224 / 56 the
+// consumers spilled 3 (down) and 7 (up) values, reloaded in the folded mainloop just before its wgmmas;
+// at 232 / 40 neither side spills (the producer keeps its activation rows in shared memory, FMW_RTBL).
+#define FMW_CONSUMER_REGS 232
+#define FMW_PRODUCER_REGS 40
 #define FMW_ROWS 128                      // weight rows of a pass: one TMA box
 #define FMW_RB 128                        // bytes of a weight row per stage
 #define FMW_SLOT_W (FMW_ROWS * FMW_RB)
