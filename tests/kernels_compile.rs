@@ -4,7 +4,8 @@
 //! directory instead of putting it on LD_LIBRARY_PATH (scripts/test.sh), so this also checks
 //! that the library finds NVRTC by itself (src/cuda/libs.rs).
 //!
-//! DSV4_DUMP_CUBIN_DIR=<dir> writes each family's CUBIN there (for cuobjdump / nvdisasm);
+//! DSV4_DUMP_CUBIN_DIR=<dir> writes each family's CUBIN there (for cuobjdump / nvdisasm) and the
+//! generated dsv4_consts.cuh;
 //! DSV4_COMPILE_FAMILY=<name> compiles one family only (in both tests that compile them).
 //!
 //! The fast GEMMs' wgmma scheduling is read in their SASS with nvdisasm (DSV4_NVDISASM, which
@@ -115,10 +116,17 @@ fn every_family_compiles_to_cubin_for_sm_90a() {
                 );
                 common::gpu::assert_cubin_defines(fam, &cubin);
                 if let Some(d) = std::env::var_os("DSV4_DUMP_CUBIN_DIR") {
-                    // For inspection with cuobjdump / nvdisasm on a machine that has them.
-                    let path =
-                        std::path::Path::new(&d).join(format!("{}-{ARCH}.cubin", fam.family));
-                    std::fs::write(&path, &cubin).unwrap();
+                    // For inspection with cuobjdump / nvdisasm on a machine that has them; the
+                    // generated header too, so a kernel file compiles outside the registry (nvcc:
+                    // bench/probes/).
+                    let dir = std::path::Path::new(&d);
+                    std::fs::write(dir.join(format!("{}-{ARCH}.cubin", fam.family)), &cubin)
+                        .unwrap();
+                    std::fs::write(
+                        dir.join(dsv4::cuda::consts::HEADER_NAME),
+                        dsv4::cuda::consts::header(),
+                    )
+                    .unwrap();
                 }
                 println!(
                     "compiled {:<12} for {ARCH}: {:>8} bytes CUBIN, {} entry points, {:.2} s",
