@@ -29,12 +29,12 @@ const _: () = assert!(
     SMEM_BYTES <= 227 * 1024,
     "an sm_90 block takes at most 227 KiB"
 );
-/// Tokens from which a layer runs this path. Measured (BENCHMARKS.md, "what the prefill GEMMs' time
-/// is made of": both paths timed in one run at Flash shapes, uniform routing, µs): B = 1536 decode
-/// 3382 / prefill 3894, 2048 4335 / 4045, 2560 5265 / 4238, 3072 6254 / 4420. The lines cross near
-/// 1860; from 2048 this path is measured faster. (It was 3072 when this path was slower: the
-/// crossover was near 2600.)
-pub const MIN_TOKENS: usize = 2048;
+/// Tokens from which a layer runs this path. Measured (BENCHMARKS.md, "the up epilogue through shared
+/// memory": both paths timed in one run at Flash shapes, uniform routing, µs): B = 1024 decode 2420
+/// / prefill 2697, 1536 3371 / 2960, 2048 4293 / 3140, 2560 5238 / 3413. The lines cross near 1230;
+/// from 1536 this path is measured faster. (It was 2048 before the up epilogue went through shared
+/// memory, 3072 before that.)
+pub const MIN_TOKENS: usize = 1536;
 
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
