@@ -30,11 +30,11 @@ const _: () = assert!(
     "an sm_90 block takes at most 227 KiB"
 );
 /// Tokens from which a layer runs this path. Measured (BENCHMARKS.md, "the up epilogue through shared
-/// memory": both paths timed in one run at Flash shapes, uniform routing, µs): B = 1024 decode 2420
-/// / prefill 2697, 1536 3371 / 2960, 2048 4293 / 3140, 2560 5238 / 3413. The lines cross near 1230;
-/// from 1536 this path is measured faster. (It was 2048 before the up epilogue went through shared
-/// memory, 3072 before that.)
-pub const MIN_TOKENS: usize = 1536;
+/// memory": both paths timed at Flash shapes, uniform routing, µs, decode / prefill): B = 1024
+/// 2420 / 2697, 1152 2637 / 2855, 1280 2858 / 2870, 1408 3139 / 2925, 1536 3371 / 2960, 2048 4293
+/// / 3140. The lines cross near 1290; from 1408 this path is measured faster. (It was 2048 before
+/// the up epilogue went through shared memory, 3072 before that.)
+pub const MIN_TOKENS: usize = 1408;
 
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
