@@ -11,6 +11,12 @@
 // seventh version's in-run ceiling, BENCHMARKS.md). The real kernel at B = 4096 runs its mainloop at
 // what this says for mode 2 minus its waits for the producer, its epilogues and its partial tiles.
 //
+// STATUS (2026-12-02, BENCHMARKS.md "the up epilogue through shared memory"): NOT VALIDATED. Its first run
+// gave rates above the H200's FP8 dense spec (mode 0, two warpgroups: 3.4 PFLOP/s; ncu: 179 cycles per four
+// m64n128k32 with the tensor pipe 72% busy), so it does not yet do or count the work it claims. Before its
+// numbers mean anything: check D against a host matmul (as gpu_wgmma_probe does) and run cuBLASLt's FP8 GEMM
+// in the same process as the reference rate.
+//
 // Build and run (GPU machine; the generated dsv4_consts.cuh from
 // `DSV4_DUMP_CUBIN_DIR=dir cargo test --release --test kernels_compile every_family`):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I kernels -I dir bench/probes/wgmma_skeleton.cu -o skel && ./skel
