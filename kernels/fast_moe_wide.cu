@@ -571,9 +571,8 @@ DSV4_INLINE void fmw_up_stash(const float (&acc)[64], bf16_t* m) {
   for (int j = 0; j < 16; ++j) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      unsigned short h;
-      asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(acc[4 * j + c]));
-      m[fmw_ep_index(8 * j + 2 * t + (c & 1), r + 8 * (c >> 1))] = h;
+      m[fmw_ep_index(8 * j + 2 * t + (c & 1), r + 8 * (c >> 1))] =
+          (bf16_t)(__float_as_uint(round_bf16_nonnan(acc[4 * j + c])) >> 16);
     }
   }
 }

@@ -43,6 +43,21 @@ __device__ void skel_fill(unsigned char* st) {
   for (int i = threadIdx.x; i < 2 * FMW_TOKENS; i += blockDim.x) as[i] = 1.0f;
 }
 
+// One block step of fmw_pass_fp4's loop: issue `cur`'s wgmmas, decode block `b` of the stage into `next`
+// while they run (modes 2, 3), then wait and promote (modes 1, 2) or only wait.
+template <int MODE>
+__device__ __forceinline__ void skel_step(const unsigned char* st, int b, unsigned base, const FmwBlock& cur,
+                                          FmwBlock& next, float (&d)[64], float (&acc)[64]) {
+  fmw_issue(cur, d);
+  if (MODE >= 2) fmw_load_block<true, true>(st, b, base, base, next);
+  if (MODE == 1 || MODE == 2) {
+    fmw_finish<true>(cur, d, acc);
+  } else {
+    wgmma_wait<0>();
+    wgmma_fence_operand(d);
+  }
+}
+
 template <int MODE>
 __global__ void __launch_bounds__(256, 1) skel_kernel(int iters, float* out) {
   extern __shared__ __align__(1024) unsigned char skel_smem[];
@@ -57,25 +72,10 @@ __global__ void __launch_bounds__(256, 1) skel_kernel(int iters, float* out) {
   for (int v = 0; v < 64; ++v) d[v] = 0.0f, acc[v] = 0.0f;
   fmw_load_block<true, true>(st, 0, base, base, b0);
   fmw_load_block<true, true>(st, 1, base, base, b1);
-  constexpr bool DECODE = MODE >= 2, PROMOTE = MODE == 1 || MODE == 2;
 #pragma unroll 1
   for (int it = 0; it < iters; ++it) {
-    fmw_issue(b0, d);
-    if (DECODE) fmw_load_block<true, true>(st, 1, base, base, b1);
-    if (PROMOTE) {
-      fmw_finish<true>(b0, d, acc);
-    } else {
-      wgmma_wait<0>();
-      wgmma_fence_operand(d);
-    }
-    fmw_issue(b1, d);
-    if (DECODE) fmw_load_block<true, true>(st, 0, base, base, b0);
-    if (PROMOTE) {
-      fmw_finish<true>(b1, d, acc);
-    } else {
-      wgmma_wait<0>();
-      wgmma_fence_operand(d);
-    }
+    skel_step<MODE>(st, 1, base, b0, b1, d, acc);  // block 0 runs, block 1 is decoded
+    skel_step<MODE>(st, 0, base, b1, b0, d, acc);  // and the other way round
   }
   float s = 0.0f;
 #pragma unroll
