@@ -105,68 +105,115 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
   }
 }
 
-// The same scores and quantisation for many tokens, with fewer reads of x and the gate per token: block
-// (bx, by) takes FMOE_WIDE_TOKENS tokens t0 = by * FMOE_WIDE_TOKENS .. and FMOE_WIDE_WARPS *
-// FMOE_WIDE_EPW experts; x's rows pass through shared memory in chunks of FMOE_WIDE_KC k, and warp w computes
-// the logits of experts bx * FMOE_WIDE_WARPS * FMOE_WIDE_EPW + w * FMOE_WIDE_EPW + [0, FMOE_WIDE_EPW) for
-// all the block's tokens over the whole of D: lane L's per-lane sums run over k 4·L + 128·i + [0, 4) in k
-// order (D / 32 terms), then a fixed butterfly. Warps of blocks with b = bx * FMOE_WIDE_WARPS + w (+ the
-// grid's warps, ...) < D / 128 also run fmoe_quant_x_block of block b for the block's tokens.
-// Requires D % 128 == 0.
-extern "C" __global__ void __launch_bounds__(FMOE_WIDE_WARPS * 32)
+// The same scores and quantisation for many tokens, as a register-tiled f32 GEMM: block (bx, by) computes the
+// logits of FMOE_WIDE_TOKENS tokens t0 = by * FMOE_WIDE_TOKENS .. and FMOE_WIDE_EXPERTS experts e0 = bx *
+// FMOE_WIDE_EXPERTS ..; thread (ty, tx) = (tid / 16, tid % 16) owns tokens t0 + ty + 16i (i < 4) and
+// experts e0 + tx + 16j (j < 8). x's and the gate's rows pass through shared memory FMOE_WIDE_KC k at a time
+// ([row][k], rows padded to FMOE_WIDE_KC + 4 floats, so the 16-byte reads of a warp's 2 consecutive token
+// rows, or 16 consecutive expert rows, take the fewest wavefronts), in a ring of FMOE_WIDE_STAGES stages
+// filled by cp.async. The order of each logit's sum, fixed (so a token's logits do not depend on the batch
+// or the tile): per 128-block of k an FMA chain from zero in k order, then the blocks' sums added in order
+// to the logit: an f32 error ≤ (128 + D / 128) · 2^-24 · Σ_d |x_d g_ed| (gpu_fast_moe's bound). Warps
+// w of blocks with b = bx * FMOE_WIDE_WARPS + w (+ the grid's x extent's warps, ...) < D / 128 also run
+// fmoe_quant_x_block of block b for the block's tokens, first (the GEMM's x reads then hit L2).
+// At B = 4096 it takes 0.54 ms (ncu; ~16 TFLOP/s, a third of the FP32 pipe's peak), where the kernel it
+// replaced, a warp per 4 experts with per-lane partial sums over D / 32 k, took 1.0 ms of the layer's
+// 5.3. Requires D % 128 == 0.
+#define FMOE_WIDE_ROW (FMOE_WIDE_KC + 4)  // floats per shared row
+#define FMOE_WIDE_STAGE ((FMOE_WIDE_TOKENS + FMOE_WIDE_EXPERTS) * FMOE_WIDE_ROW)
+static_assert(FMOE_WIDE_WARPS * 32 == 256 && FMOE_WIDE_TOKENS == 64 && FMOE_WIDE_EXPERTS == 128,
+              "fmoe_logits_wide_kernel: 16 x 16 threads of 4 tokens x 8 experts");
+static_assert(128 % FMOE_WIDE_KC == 0 && FMOE_WIDE_KC % 4 == 0, "fmoe_logits_wide_kernel: k stages tile a 128-block");
+static_assert(FMOE_WIDE_STAGES * FMOE_WIDE_STAGE * 4 <= 48 * 1024, "fmoe_logits_wide_kernel: static shared memory");
+
+// Copies stage kb (k = kb · FMOE_WIDE_KC ..) of the block's x and gate rows into ring slot `dst`: 16 bytes a
+// copy, rows past T or E repeat the last row (computed, never stored).
+DSV4_INLINE void fmoe_wide_fill(const float* x, int T, int D, int E, const float* gate, int t0, int e0, int kb,
+                                float* dst) {
+  constexpr int kChunks = FMOE_WIDE_KC / 4;  // 16-byte chunks of a row
+  for (int c = threadIdx.x; c < (FMOE_WIDE_TOKENS + FMOE_WIDE_EXPERTS) * kChunks; c += FMOE_WIDE_WARPS * 32) {
+    const int r = c / kChunks, q = c % kChunks;
+    const float* src = r < FMOE_WIDE_TOKENS ? x + (long long)min(t0 + r, T - 1) * D
+                                             : gate + (long long)min(e0 + r - FMOE_WIDE_TOKENS, E - 1) * D;
+    cp_async_16(smem_addr(dst + r * FMOE_WIDE_ROW + 4 * q), src + kb * FMOE_WIDE_KC + 4 * q);
+  }
+}
+
+// The thread's 4 token rows and 8 expert rows at k .. k + 3 of a stage.
+DSV4_INLINE void fmoe_wide_operands(const float* xr, const float* gr, int k, float4 (&xv)[4], float4 (&gv)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) xv[i] = *reinterpret_cast<const float4*>(xr + 16 * i * FMOE_WIDE_ROW + k);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) gv[j] = *reinterpret_cast<const float4*>(gr + 16 * j * FMOE_WIDE_ROW + k);
+}
+
+extern "C" __global__ void __launch_bounds__(FMOE_WIDE_WARPS * 32, 1)
     fmoe_logits_wide_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
                             unsigned char* xq, float* xs) {
   dsv4_pdl_begin();
-  __shared__ float4 xs_chunk[FMOE_WIDE_TOKENS][FMOE_WIDE_KC / 4];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int t0 = blockIdx.y * FMOE_WIDE_TOKENS;
+  __shared__ __align__(16) float ring[FMOE_WIDE_STAGES * FMOE_WIDE_STAGE];
+  const int warp = threadIdx.x >> 5;
+  const int t0 = blockIdx.y * FMOE_WIDE_TOKENS, e0 = blockIdx.x * FMOE_WIDE_EXPERTS;
   const int nt = min(FMOE_WIDE_TOKENS, T - t0);
   for (int b = blockIdx.x * FMOE_WIDE_WARPS + warp; b < D / 128; b += gridDim.x * FMOE_WIDE_WARPS)
     fmoe_quant_x_block(x, t0, nt, D, b, xq, xs);
-  const int e0 = (blockIdx.x * FMOE_WIDE_WARPS + warp) * FMOE_WIDE_EPW;
-  float acc[FMOE_WIDE_EPW][FMOE_WIDE_TOKENS];
+  const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+  const int nkb = D / FMOE_WIDE_KC;
 #pragma unroll
-  for (int j = 0; j < FMOE_WIDE_EPW; ++j)
+  for (int s = 0; s < FMOE_WIDE_STAGES - 1; ++s) {
+    if (s < nkb) fmoe_wide_fill(x, T, D, E, gate, t0, e0, s, ring + s * FMOE_WIDE_STAGE);
+    cp_async_commit();
+  }
+  float acc[4][8], logit[4][8];
 #pragma unroll
-    for (int r = 0; r < FMOE_WIDE_TOKENS; ++r) acc[j][r] = 0.0f;
-  for (int k0 = 0; k0 < D; k0 += FMOE_WIDE_KC) {
-    const int c_end = min(FMOE_WIDE_KC, D - k0) / 4;  // float4s of this chunk (the last may be shorter)
-    __syncthreads();  // the previous chunk is no longer read
-    // Tokens past T load as zeros (their logits are not stored).
-    for (int v = threadIdx.x; v < FMOE_WIDE_TOKENS * (FMOE_WIDE_KC / 4); v += FMOE_WIDE_WARPS * 32) {
-      const int r = v / (FMOE_WIDE_KC / 4), c = v % (FMOE_WIDE_KC / 4);
-      xs_chunk[r][c] = r < nt && c < c_end ? reinterpret_cast<const float4*>(x + (long long)(t0 + r) * D + k0)[c]
-                                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-    __syncthreads();
-#pragma unroll 2
-    for (int c = lane; c < c_end; c += 32) {
-      float4 gv[FMOE_WIDE_EPW];
+  for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int j = 0; j < FMOE_WIDE_EPW; ++j)
-        gv[j] = e0 + j < E ? reinterpret_cast<const float4*>(gate + (long long)(e0 + j) * D + k0)[c]
-                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f, logit[i][j] = 0.0f;
+#pragma unroll 1
+  for (int kb = 0; kb < nkb; ++kb) {
+    cp_async_wait<FMOE_WIDE_STAGES - 2>();
+    __syncthreads();  // stage kb has landed for every thread, and stage kb - 1's slot is no longer read
+    if (kb + FMOE_WIDE_STAGES - 1 < nkb)
+      fmoe_wide_fill(x, T, D, E, gate, t0, e0, kb + FMOE_WIDE_STAGES - 1,
+                     ring + (kb + FMOE_WIDE_STAGES - 1) % FMOE_WIDE_STAGES * FMOE_WIDE_STAGE);
+    cp_async_commit();
+    const float* st = ring + kb % FMOE_WIDE_STAGES * FMOE_WIDE_STAGE;
+    const float* xr = st + ty * FMOE_WIDE_ROW;
+    const float* gr = st + (FMOE_WIDE_TOKENS + tx) * FMOE_WIDE_ROW;
+    // Operands of 4 k at a time, the next 4 loaded while these are used (two register sets: with one,
+    // every group waited for its loads; 8 warps an SM hid too little of that).
+    float4 xv[2][4], gv[2][8];
+    fmoe_wide_operands(xr, gr, 0, xv[0], gv[0]);
 #pragma unroll
-      for (int r = 0; r < FMOE_WIDE_TOKENS; ++r) {
-        const float4 xv = xs_chunk[r][c];
+    for (int q = 0; q < FMOE_WIDE_KC / 4; ++q) {
+      if (q + 1 < FMOE_WIDE_KC / 4) fmoe_wide_operands(xr, gr, 4 * (q + 1), xv[(q + 1) & 1], gv[(q + 1) & 1]);
 #pragma unroll
-        for (int j = 0; j < FMOE_WIDE_EPW; ++j) {
-          acc[j][r] = fmaf(xv.x, gv[j].x, acc[j][r]);
-          acc[j][r] = fmaf(xv.y, gv[j].y, acc[j][r]);
-          acc[j][r] = fmaf(xv.z, gv[j].z, acc[j][r]);
-          acc[j][r] = fmaf(xv.w, gv[j].w, acc[j][r]);
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float4 a = xv[q & 1][i], g = gv[q & 1][j];
+          acc[i][j] = fmaf(a.x, g.x, acc[i][j]);
+          acc[i][j] = fmaf(a.y, g.y, acc[i][j]);
+          acc[i][j] = fmaf(a.z, g.z, acc[i][j]);
+          acc[i][j] = fmaf(a.w, g.w, acc[i][j]);
         }
-      }
+    }
+    if ((kb + 1) % (128 / FMOE_WIDE_KC) == 0) {  // a 128-block's sums join the logits
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) logit[i][j] += acc[i][j], acc[i][j] = 0.0f;
     }
   }
 #pragma unroll
-  for (int j = 0; j < FMOE_WIDE_EPW; ++j)
+  for (int i = 0; i < 4; ++i) {
+    const int t = t0 + ty + 16 * i;
 #pragma unroll
-    for (int r = 0; r < FMOE_WIDE_TOKENS; ++r) {
-      const float l = warp_sum(acc[j][r]);
-      if (lane == ((j * FMOE_WIDE_TOKENS + r) & 31) && r < nt && e0 + j < E)
-        scores[(long long)(t0 + r) * E + e0 + j] = fmoe_score(l, scoring);
+    for (int j = 0; j < 8; ++j) {
+      const int e = e0 + tx + 16 * j;
+      if (t < T && e < E) scores[(long long)t * E + e] = fmoe_score(logit[i][j], scoring);
     }
+  }
 }
 
 // One warp per token t:

@@ -6,9 +6,10 @@
 //!
 //! What is compared, and the bound each is held to:
 //! - x's FP8 quantisation: bit for bit (the same exact operation).
-//! - Routing: the fast router accumulates its logits in f32 (per lane 4·D/128 FMAs, then a
-//!   5-level butterfly), so |Δlogit| ≤ (D/32 + 5)·2⁻²⁴·Σ_d |x_d·g_ed| (the reference's logit
-//!   is the correctly rounded f32); sqrtsoftplus has slope ≤ 1/2 for these logits... so a
+//! - Routing: the fast routers accumulate their logits in f32: the few-token kernel per lane over
+//!   D/128 terms, a 5-level butterfly and 4 parts; the wide kernel an FMA chain per 128-block of k,
+//!   then the D/128 blocks' sums in order. So |Δlogit| ≤ max(D/32 + 5, 128 + D/128)·2⁻²⁴·Σ_d
+//!   |x_d·g_ed| (the reference's logit is the correctly rounded f32); sqrtsoftplus has slope ≤ 1/2 for these logits... so a
 //!   selection may differ from the reference only where the two keys it swaps are closer than
 //!   the sum of their bounds (checked on the host in f64). Weights of agreeing tokens: the same
 //!   selected scores up to that error, so |Δw| ≤ 2⁻¹⁰·w (renormalised by a sum of six).
@@ -46,7 +47,7 @@ use common::gpu::{family_gpu, print_kernel_resources};
 use common::rig::{Rig, RigOptions, Step};
 use common::rng::{Rng, tokens};
 use dsv4::cuda::arena::{self, Arena, ArenaPlan};
-use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeLayer, FastMoeWorkspace};
+use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeLayer, FastMoeWorkspace, RouterPath};
 use dsv4::cuda::kernels::fast_moe_gemm::{self, GemmPath};
 use dsv4::cuda::kernels::fast_moe_wide;
 use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat};
@@ -355,12 +356,13 @@ fn fast(
     r: Routing,
     routing: Option<(&[i32], &[f32])>,
     path: GemmPath,
+    router: RouterPath,
     s: BorrowedStream,
 ) -> FastOut {
     let Dims { D, I, K, .. } = dims(&l.shape);
     let (ctx, t) = (e.ctx, b.t);
     let fl = l.fast_layer(r, b.tokens);
-    e.fast.route(ctx, &fl, b.x, t, &b.ws, s).unwrap();
+    e.fast.route_on(ctx, &fl, b.x, t, &b.ws, router, s).unwrap();
     if let Some((ids, w)) = routing {
         put(ctx, b.ws.ids, ids, s);
         put(ctx, b.ws.weights, w, s);
@@ -403,7 +405,8 @@ fn key_and_bound(l: &SyntheticMoe, xr: &[f32], ex: usize) -> (f64, f64) {
     let key = sp.sqrt() + l.bias_host[ex] as f64;
     // The logit's f32 error, through a slope below 1/2, plus a few f32 ulps of the score
     // functions and the bias add on either side.
-    let bound = (D / 32 + 5) as f64 * 2f64.powi(-24) * abs + 2f64.powi(-20) * (key.abs() + 1.0);
+    let terms = (D / 32 + 5).max(128 + D / 128);
+    let bound = terms as f64 * 2f64.powi(-24) * abs + 2f64.powi(-20) * (key.abs() + 1.0);
     (key, bound)
 }
 
@@ -618,7 +621,7 @@ impl Scales {
 enum Paths {
     /// The one the layer picks for B ([`GemmPath::for_tokens`]).
     Auto,
-    /// Decode, then prefill.
+    /// The decode GEMMs with the few-token router, then the prefill GEMMs with the wide router.
     Both,
 }
 
@@ -678,13 +681,19 @@ fn run_cases(sh: MoeShape, scales: Scales, paths: Paths, cases: &[(usize, Routin
         let (x, tokens) = inputs(&mut rng, &sh, t);
         let b = batch(e, &sh, t, &x, &tokens, s);
         let rf = reference(e, &l, &b, r, s);
-        let on: &[GemmPath] = match paths {
-            Paths::Auto => &[GemmPath::for_tokens(t)],
-            Paths::Both => &[GemmPath::Decode, GemmPath::Prefill],
+        let on: &[(GemmPath, RouterPath)] = match paths {
+            Paths::Auto => &[(GemmPath::for_tokens(t), RouterPath::for_tokens(t))],
+            Paths::Both => &[
+                (GemmPath::Decode, RouterPath::Few),
+                (GemmPath::Prefill, RouterPath::Wide),
+            ],
         };
-        for &path in on {
-            let what = format!("{}x{} B = {t}, {r:?}, {path:?} path", sh.d, sh.i);
-            check_case(e, &l, &b, &x, r, path, &rf, &what, s);
+        for &(path, router) in on {
+            let what = format!(
+                "{}x{} B = {t}, {r:?}, {path:?} path, {router:?} router",
+                sh.d, sh.i
+            );
+            check_case(e, &l, &b, &x, r, (path, router), &rf, &what, s);
         }
     }
 }
@@ -697,15 +706,15 @@ fn check_case(
     b: &Batch,
     x: &[f32],
     r: Routing,
-    path: GemmPath,
+    (path, router): (GemmPath, RouterPath),
     rf: &RefOut,
     what: &str,
     s: BorrowedStream,
 ) {
     let (sh, t) = (l.shape, b.t);
     // 1. The fast layer on its own routing, twice: bit-identical.
-    let f1 = fast(e, l, b, r, None, path, s);
-    let f2 = fast(e, l, b, r, None, path, s);
+    let f1 = fast(e, l, b, r, None, path, router, s);
+    let f2 = fast(e, l, b, r, None, path, router, s);
     assert!(
         f1.out
             .iter()
@@ -731,7 +740,7 @@ fn check_case(
         println!("{what}: expert {HOT_EXPERT} takes {hot} of {t} tokens");
     }
     // 2. On the reference's routing: every token compares.
-    let f3 = fast(e, l, b, r, Some((&rf.ids, &rf.weights)), path, s);
+    let f3 = fast(e, l, b, r, Some((&rf.ids, &rf.weights)), path, router, s);
     // Where the output error comes from: the down GEMM's arithmetic, or differing h codes.
     let n = t * sh.k;
     let via_h = reference_down_on(e, l, b, &f3.hq[..n * sh.i], &f3.hq[n * sh.i..], s);

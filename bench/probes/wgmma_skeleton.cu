@@ -11,11 +11,12 @@
 // seventh version's in-run ceiling, BENCHMARKS.md). The real kernel at B = 4096 runs its mainloop at
 // what this says for mode 2 minus its waits for the producer, its epilogues and its partial tiles.
 //
-// STATUS (2026-12-02, BENCHMARKS.md "the up epilogue through shared memory"): NOT VALIDATED. Its first run
-// gave rates above the H200's FP8 dense spec (mode 0, two warpgroups: 3.4 PFLOP/s; ncu: 179 cycles per four
-// m64n128k32 with the tensor pipe 72% busy), so it does not yet do or count the work it claims. Before its
-// numbers mean anything: check D against a host matmul (as gpu_wgmma_probe does) and run cuBLASLt's FP8 GEMM
-// in the same process as the reference rate.
+// Its first run (2026-12-02) gave rates above the H200's FP8 dense spec, so it now checks itself before it
+// times anything: every mode runs once on uniform data (FP4 weights 1.0, token codes 1.0, scales 1), where
+// each thread's sums have a closed form (a 128-block's d = 128 · 2^6, acc = 2 · iters · that), and a case
+// whose sums differ prints an error line instead of a rate. Each case is timed on random data and on the
+// uniform data (a rate that depends on the data is a finding too), by CUDA events and by the SM's own
+// clock64 around the loop (cycles per block step, independent of the clock the events imply).
 //
 // Build and run (GPU machine; the generated dsv4_consts.cuh from
 // `DSV4_DUMP_CUBIN_DIR=dir cargo test --release --test kernels_compile every_family`):
@@ -27,18 +28,22 @@
 
 #include "fast_moe_wide.cu"
 
-// Fills the stage: FP4 weight codes (pseudo-random bytes), their UE8M0 bytes (all 127: the fold's shift 12
-// with base fmw_fold_base(127)), token codes (e4m3 bytes & 0x37: below 1, never NaN) and the tokens' scales
-// (1).
-__device__ void skel_fill(unsigned char* st) {
+// Fills the stage. Random (uniform = false): FP4 weight codes (pseudo-random bytes), token codes
+// (pseudo-random e4m3 below 448 in magnitude, never NaN). Uniform: every FP4 code 1.0 (0x2), every token
+// 1.0 (0x38). Both: UE8M0 bytes 127 (the fold's shift 12 with base fmw_fold_base(127), so a code is its
+// value · 2^6) and the tokens' scales 1.
+__device__ void skel_fill(unsigned char* st, bool uniform) {
   for (int i = threadIdx.x; i < FMW_SLOT_W / 4; i += blockDim.x) {
     unsigned x = (unsigned)i * 2654435761u ^ 0x9e3779b9u;
     x ^= x >> 13;
-    reinterpret_cast<unsigned*>(st)[i] = x * 0x2c1b3c6du;
+    reinterpret_cast<unsigned*>(st)[i] = uniform ? 0x22222222u : x * 0x2c1b3c6du;
   }
   for (int i = threadIdx.x; i < FMW_SLOT_S; i += blockDim.x) st[FMW_SLOT_W + i] = 127;
   unsigned char* tok = st + FMW_SLOT_W + FMW_SLOT_S;
-  for (int i = threadIdx.x; i < FMW_SLOT_A; i += blockDim.x) tok[i] = (unsigned char)((i * 37 + 11) & 0x37);
+  for (int i = threadIdx.x; i < FMW_SLOT_A; i += blockDim.x) {
+    const unsigned r = ((unsigned)i * 2246822519u) >> 24;
+    tok[i] = uniform ? 0x38 : (unsigned char)((r & 0x7f) == 0x7f ? r - 1 : r);
+  }
   float* as = reinterpret_cast<float*>(tok + FMW_SLOT_A);
   for (int i = threadIdx.x; i < 2 * FMW_TOKENS; i += blockDim.x) as[i] = 1.0f;
 }
@@ -58,11 +63,14 @@ __device__ __forceinline__ void skel_step(const unsigned char* st, int b, unsign
   }
 }
 
+// out: each thread's acc[64] then d[64] (the check reads them); cycles: thread 0's clock64 around the loop,
+// one per block; ns: its %globaltimer around the loop.
 template <int MODE>
-__global__ void __launch_bounds__(256, 1) skel_kernel(int iters, float* out) {
+__global__ void __launch_bounds__(256, 1)
+    skel_kernel(int iters, int uniform, float* out, long long* cycles, unsigned long long* ns) {
   extern __shared__ __align__(1024) unsigned char skel_smem[];
   unsigned char* st = skel_smem;
-  skel_fill(st);
+  skel_fill(st, uniform != 0);
   fence_proxy_async_shared();
   __syncthreads();
   const unsigned base = fmw_fold_base(127);
@@ -72,62 +80,120 @@ __global__ void __launch_bounds__(256, 1) skel_kernel(int iters, float* out) {
   for (int v = 0; v < 64; ++v) d[v] = 0.0f, acc[v] = 0.0f;
   fmw_load_block<true, true>(st, 0, base, base, b0);
   fmw_load_block<true, true>(st, 1, base, base, b1);
+  __syncthreads();
+  unsigned long long t0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  const long long c0 = clock64();
 #pragma unroll 1
   for (int it = 0; it < iters; ++it) {
     skel_step<MODE>(st, 1, base, b0, b1, d, acc);  // block 0 runs, block 1 is decoded
     skel_step<MODE>(st, 0, base, b1, b0, d, acc);  // and the other way round
   }
-  float s = 0.0f;
+  __syncthreads();
+  const long long c1 = clock64();
+  unsigned long long t1;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+  if (threadIdx.x == 0) {
+    cycles[blockIdx.x] = c1 - c0;
+    ns[blockIdx.x] = t1 - t0;
+  }
+  float* o = out + ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 128;
 #pragma unroll
-  for (int v = 0; v < 64; ++v) s += acc[v] + d[v];
-  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+  for (int v = 0; v < 64; ++v) o[v] = acc[v], o[64 + v] = d[v];
 }
 
+struct SkelRun {
+  float ms;
+  double cycles_per_step;  // mean over blocks of clock64 cycles per block step (both warpgroups' blocks)
+  double sm_ghz;           // clock64 cycles / globaltimer ns, mean over blocks
+  long long bad;           // threads whose sums differ from the closed form (uniform data only)
+};
+
+static constexpr int kBlocks = 132;
+
 template <int MODE>
-static float run(int wgs, int iters, float* out) {
+static SkelRun run(int wgs, int iters, bool uniform, float* out, long long* cyc, unsigned long long* ns) {
   auto k = skel_kernel<MODE>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
-  k<<<132, 128 * wgs, 200 * 1024>>>(2, out);  // warm-up (also takes the whole SM: 200 KB)
+  const int threads = 128 * wgs;
+  k<<<kBlocks, threads, 200 * 1024>>>(2, uniform, out, cyc, ns);  // warm-up (200 KB: one block an SM)
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
   cudaEventRecord(a);
-  k<<<132, 128 * wgs, 200 * 1024>>>(iters, out);
+  k<<<kBlocks, threads, 200 * 1024>>>(iters, uniform, out, cyc, ns);
   cudaEventRecord(b);
   cudaEventSynchronize(b);
-  float ms = 0.0f;
-  cudaEventElapsedTime(&ms, a, b);
-  return ms;
+  SkelRun r{0.0f, 0.0, 0.0, 0};
+  cudaEventElapsedTime(&r.ms, a, b);
+  static long long hc[kBlocks];
+  static unsigned long long hn[kBlocks];
+  cudaMemcpy(hc, cyc, sizeof(hc), cudaMemcpyDeviceToHost);
+  cudaMemcpy(hn, ns, sizeof(hn), cudaMemcpyDeviceToHost);
+  for (int i = 0; i < kBlocks; ++i) {
+    r.cycles_per_step += (double)hc[i] / (2.0 * iters) / kBlocks;
+    r.sm_ghz += (double)hc[i] / (double)hn[i] / kBlocks;
+  }
+  if (uniform) {
+    // A 128-block's d = Σ_k 1.0 · 2^6 · 1.0 over 128 k; the promoting modes add both blocks per iteration.
+    const float dv = 128.0f * 64.0f, av = (MODE == 1 || MODE == 2) ? 2.0f * iters * dv : 0.0f;
+    const long long n = (long long)kBlocks * threads;
+    float* h = (float*)malloc(n * 128 * sizeof(float));
+    cudaMemcpy(h, out, n * 128 * sizeof(float), cudaMemcpyDeviceToHost);
+    for (long long i = 0; i < n; ++i) {
+      bool ok = true;
+      for (int v = 0; v < 64; ++v) ok = ok && h[i * 128 + v] == av && h[i * 128 + 64 + v] == dv;
+      if (!ok) ++r.bad;
+    }
+    free(h);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return r;
 }
 
 int main(int argc, char** argv) {
   const double peak = argc > 1 ? atof(argv[1]) : 1399.0;
   const int iters = 20000;
   float* out;
-  if (cudaMalloc(&out, 132 * 256 * sizeof(float)) != cudaSuccess) return 1;
+  long long* cyc;
+  unsigned long long* ns;
+  if (cudaMalloc(&out, (size_t)kBlocks * 256 * 128 * sizeof(float)) != cudaSuccess ||
+      cudaMalloc(&cyc, kBlocks * sizeof(long long)) != cudaSuccess ||
+      cudaMalloc(&ns, kBlocks * sizeof(unsigned long long)) != cudaSuccess)
+    return 1;
   const char* names[4] = {"wgmma+wait", "+promote", "+promote+decode (the real loop)", "+decode, no promote"};
+  int rc = 0;
   for (int mode = 0; mode < 4; ++mode) {
     for (int wgs = 1; wgs <= 2; ++wgs) {
-      float ms = mode == 0 ? run<0>(wgs, iters, out)
-               : mode == 1 ? run<1>(wgs, iters, out)
-               : mode == 2 ? run<2>(wgs, iters, out)
-                           : run<3>(wgs, iters, out);
-      const cudaError_t e = cudaDeviceSynchronize();
-      if (e != cudaSuccess) {
-        printf("{\"mode\":%d,\"error\":\"%s\"}\n", mode, cudaGetErrorString(e));
-        return 1;
+      for (int uniform = 1; uniform >= 0; --uniform) {
+        const SkelRun r = mode == 0 ? run<0>(wgs, iters, uniform, out, cyc, ns)
+                        : mode == 1 ? run<1>(wgs, iters, uniform, out, cyc, ns)
+                        : mode == 2 ? run<2>(wgs, iters, uniform, out, cyc, ns)
+                                    : run<3>(wgs, iters, uniform, out, cyc, ns);
+        const cudaError_t e = cudaDeviceSynchronize();
+        if (e != cudaSuccess) {
+          printf("{\"mode\":%d,\"error\":\"%s\"}\n", mode, cudaGetErrorString(e));
+          return 1;
+        }
+        if (r.bad != 0) {
+          printf("{\"probe\":\"wgmma_skeleton\",\"mode\":%d,\"warpgroups\":%d,\"error\":\"%lld threads' sums differ "
+                 "from the closed form\"}\n", mode, wgs, r.bad);
+          rc = 1;
+          continue;
+        }
+        // Per iteration: two 128-blocks a warpgroup, four m64n128k32 each.
+        const double flop = (double)kBlocks * wgs * iters * 2 * 4 * (2.0 * 64 * 128 * 32);
+        const double tflops = flop / (r.ms * 1e-3) / 1e12;
+        // Tensor-core cycles of one m64n128k32 the measured cycles imply (all the block step's wgmmas).
+        const double per_wgmma = r.cycles_per_step / (4.0 * wgs);
+        printf("{\"probe\":\"wgmma_skeleton\",\"mode\":%d,\"what\":\"%s\",\"warpgroups\":%d,\"data\":\"%s\","
+               "\"checked\":%s,\"ms\":%.3f,\"tflops\":%.1f,\"of_peak\":%.3f,\"peak_tflops\":%.0f,"
+               "\"cycles_per_block_step\":%.1f,\"cycles_per_m64n128k32\":%.1f,\"sm_ghz\":%.3f}\n",
+               mode, names[mode], wgs, uniform ? "uniform" : "random", uniform ? "true" : "false", r.ms, tflops,
+               tflops / peak, peak, r.cycles_per_step, per_wgmma, r.sm_ghz);
       }
-      // Per iteration: two 128-blocks a warpgroup, four m64n128k32 each.
-      const double flop = 132.0 * wgs * iters * 2 * 4 * (2.0 * 64 * 128 * 32);
-      const double tflops = flop / (ms * 1e-3) / 1e12;
-      int khz = 0;
-      cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
-      // SM cycles per 128-block pair (both warpgroups) at the nominal clock.
-      const double cycles = (ms * 1e-3) * (khz * 1e3) / (iters * 2.0);
-      printf("{\"probe\":\"wgmma_skeleton\",\"mode\":%d,\"what\":\"%s\",\"warpgroups\":%d,\"ms\":%.3f,"
-             "\"tflops\":%.1f,\"of_peak\":%.3f,\"peak_tflops\":%.0f,\"cycles_per_block_step\":%.0f}\n",
-             mode, names[mode], wgs, ms, tflops, tflops / peak, peak, cycles);
     }
   }
-  return 0;
+  return rc;
 }

@@ -17,7 +17,7 @@ use crate::bench_util::{alloc, e, time_replays};
 use dsv4::cuda::arena;
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
-use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeWorkspace};
+use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeWorkspace, RouterPath};
 use dsv4::cuda::kernels::fast_moe_gemm::GemmPath;
 use dsv4::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
 use dsv4::cuda::registry::{KernelCache, Registry};
@@ -31,6 +31,8 @@ pub struct MoeBench {
     pub routings: Vec<Routing>,
     /// The expert GEMMs' paths to time: `None` is the layer's own choice by B.
     pub paths: Vec<Option<GemmPath>>,
+    /// The router kernel: `None` is the layer's own choice by B.
+    pub router: Option<RouterPath>,
     /// Where to write each case's expert ids (`i32[B, k]` of the first input batch) for the
     /// PyTorch baseline.
     pub ids_dir: Option<PathBuf>,
@@ -56,6 +58,22 @@ pub fn parse_paths(v: &str) -> Result<Vec<Option<GemmPath>>, String> {
             o => Err(format!("--path takes auto, decode, prefill; got `{o}`")),
         })
         .collect()
+}
+
+pub fn parse_router(v: &str) -> Result<Option<RouterPath>, String> {
+    match v.trim() {
+        "auto" => Ok(None),
+        "few" => Ok(Some(RouterPath::Few)),
+        "wide" => Ok(Some(RouterPath::Wide)),
+        o => Err(format!("--router takes auto, few, wide; got `{o}`")),
+    }
+}
+
+fn router_name(r: RouterPath) -> &'static str {
+    match r {
+        RouterPath::Few => "few",
+        RouterPath::Wide => "wide",
+    }
 }
 
 fn path_name(p: GemmPath) -> &'static str {
@@ -121,11 +139,12 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
             .flat_map(|r| b.paths.iter().map(move |p| (r, p)))
         {
             let path = p.unwrap_or(GemmPath::for_tokens(t));
+            let router = b.router.unwrap_or(RouterPath::for_tokens(t));
             let xr = |j: usize| ip[0].slice(j * t * d * 4, t * d * 4).unwrap();
             let tr = |j: usize| ip[1].slice(j * t * 4, t * 4).unwrap();
             let call = |j: usize| {
                 let fl = layer.fast_layer(r, tr(j));
-                fast.route(&ctx, &fl, xr(j), t, &ws, s)?;
+                fast.route_on(&ctx, &fl, xr(j), t, &ws, router, s)?;
                 fast.experts_on(&ctx, &fl, t, &ws, path, s)?;
                 fast.combine(&ctx, &fl, t, &ws, out, s)
             };
@@ -165,9 +184,10 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
                 + 3 * (d * i + (d / 128) * (i / 128) * 4);
             let flops = 2.0 * t as f64 * ((k + 1) as f64 * 3.0 * (d * i) as f64 + (d * ne) as f64);
             println!(
-                "{{\"bench\": \"moe\", \"B\": {t}, \"routing\": \"{}\", \"path\": \"{}\", \"hidden\": {d}, \"moe_inter\": {i}, \"experts\": {ne}, \"top_k\": {k}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"touched_experts\": {touched}, \"hot_expert_assignments\": {hot}, \"touched_bytes\": {touched_bytes}, \"bytes_read\": {bytes_read}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_layer\": {}, \"layer_calls_timed\": {}}}",
+                "{{\"bench\": \"moe\", \"B\": {t}, \"routing\": \"{}\", \"path\": \"{}\", \"router\": \"{}\", \"hidden\": {d}, \"moe_inter\": {i}, \"experts\": {ne}, \"top_k\": {k}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"touched_experts\": {touched}, \"hot_expert_assignments\": {hot}, \"touched_bytes\": {touched_bytes}, \"bytes_read\": {bytes_read}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_layer\": {}, \"layer_calls_timed\": {}}}",
                 routing_name(r),
                 path_name(path),
+                router_name(router),
                 sec * 1e6,
                 host_sec * 1e6,
                 touched_bytes as f64 / sec / 1e9,

@@ -39,18 +39,39 @@ pub const LOGIT_EXPERTS: usize = 2;
 pub const LOGIT_SPLIT: usize = 4;
 /// Tokens per `fmoe_logits_kernel` block (FMOE_LOGIT_TOKENS).
 pub const LOGIT_TOKENS: usize = 8;
-/// `fmoe_logits_wide_kernel` (many tokens): tokens per block (FMOE_WIDE_TOKENS), warps
-/// (FMOE_WIDE_WARPS), experts per warp (FMOE_WIDE_EPW), k per shared-memory chunk of x
-/// (FMOE_WIDE_KC).
-pub const WIDE_TOKENS: usize = 16;
+/// `fmoe_logits_wide_kernel` (many tokens), a register-tiled f32 GEMM: tokens (FMOE_WIDE_TOKENS)
+/// and experts (FMOE_WIDE_EXPERTS) per block, its warps (FMOE_WIDE_WARPS), k per shared-memory
+/// stage (FMOE_WIDE_KC) and stages in its cp.async ring (FMOE_WIDE_STAGES).
+pub const WIDE_TOKENS: usize = 64;
+pub const WIDE_EXPERTS: usize = 128;
 pub const WIDE_WARPS: usize = 8;
-pub const WIDE_EPW: usize = 4;
-pub const WIDE_KC: usize = 512;
-/// Fewest tokens routed by `fmoe_logits_wide_kernel`: below, `fmoe_logits_kernel`'s many small
-/// blocks are as fast or faster (bench moe on the H200: at B = 32 and 64 the wide kernel's 8 x
-/// T/16 blocks made the layer 5-9% slower; from B = 256 on it is 0.5-2% faster, as its
-/// unpipelined chunk loads leave it latency-bound).
-pub const WIDE_MIN_TOKENS: usize = 256;
+pub const WIDE_KC: usize = 16;
+pub const WIDE_STAGES: usize = 3;
+/// Fewest tokens routed by `fmoe_logits_wide_kernel` (`RouterPath::for_tokens`): below, its
+/// 64-token tiles leave SMs idle and `fmoe_logits_kernel`'s many small blocks are faster (the
+/// layer at Flash shapes on the H200, µs few / wide: 1024 2468 / 2622, 1536 2987 / 3073, 2048
+/// 3196 / 3109, 4096 4280 / 3699).
+pub const WIDE_MIN_TOKENS: usize = 2048;
+
+/// Which kernel computes the router's logits (and x's quantisation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouterPath {
+    /// `fmoe_logits_kernel`: 8 tokens a block, every block streams its experts' gate rows.
+    Few,
+    /// `fmoe_logits_wide_kernel`: 64 x 128 tiles of a register-tiled f32 GEMM.
+    Wide,
+}
+
+impl RouterPath {
+    /// The path `FastMoe::route` takes for `t` tokens.
+    pub fn for_tokens(t: usize) -> RouterPath {
+        if t >= WIDE_MIN_TOKENS {
+            RouterPath::Wide
+        } else {
+            RouterPath::Few
+        }
+    }
+}
 /// Tokens (warps) per `fmoe_select_kernel` block (FMOE_SELECT_WARPS).
 pub const SELECT_WARPS: usize = 4;
 /// Router entries each lane holds (FMOE_MAX_EPL): at most 32 x this many experts.
@@ -350,6 +371,21 @@ impl FastMoe {
         ws: &FastMoeWorkspace,
         stream: BorrowedStream,
     ) -> Result<()> {
+        self.route_on(ctx, layer, x, t, ws, RouterPath::for_tokens(t), stream)
+    }
+
+    /// [`FastMoe::route`] with the router kernel chosen by the caller (tests, `dsv4 bench moe`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_on(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        x: DevicePtr,
+        t: usize,
+        ws: &FastMoeWorkspace,
+        router: RouterPath,
+        stream: BorrowedStream,
+    ) -> Result<()> {
         const K: &str = "fmoe_select_kernel";
         let (d, e, k) = (layer.d, layer.experts, layer.k);
         if let Some(why) =
@@ -389,9 +425,9 @@ impl FastMoe {
                 }
             };
         }
-        if t >= WIDE_MIN_TOKENS {
+        if router == RouterPath::Wide {
             let grid = (
-                e.div_ceil(WIDE_WARPS * WIDE_EPW) as u32,
+                e.div_ceil(WIDE_EXPERTS) as u32,
                 t.div_ceil(WIDE_TOKENS) as u32,
                 1,
             );
