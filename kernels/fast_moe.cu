@@ -16,26 +16,38 @@
 // act_quant_kernel).
 DSV4_INLINE void fmoe_quant_x_block(const float* x, int t0, int nt, int D, int b, unsigned char* xq, float* xs) {
   const int lane = threadIdx.x & 31;
-  for (int r = 0; r < nt; ++r) {
-    const long long t = t0 + r;
-    const float4 v = reinterpret_cast<const float4*>(x + t * D + b * 128)[lane];
-    const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-    const float s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
-    const float vv[4] = {v.x, v.y, v.z, v.w};
-    unsigned code[4];
+  // Eight rows' loads in flight at a time: one at a time, the wide router's 64-row blocks waited on memory
+  // for each row in turn.
+  for (int r0 = 0; r0 < nt; r0 += 8) {
+    float4 v8[8];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      float q = vv[c] / s;
-      q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
-      code[c] = e4m3_code_rn(q);
+    for (int i = 0; i < 8; ++i)
+      if (r0 + i < nt) v8[i] = reinterpret_cast<const float4*>(x + (long long)(t0 + r0 + i) * D + b * 128)[lane];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (r0 + i >= nt) break;  // uniform over the warp
+      const long long t = t0 + r0 + i;
+      const float4 v = v8[i];
+      const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+      const float s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
+      // s is a power of two, so v · (1 / s) is v / s exactly (one rounding either way).
+      const float inv = 1.0f / s;
+      const float vv[4] = {v.x, v.y, v.z, v.w};
+      unsigned code[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float q = vv[c] * inv;
+        q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
+        code[c] = e4m3_code_rn(q);
+      }
+      // Fragment order (fp8_mma.cuh): this lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th
+      // 32-block (t8 = lane % 8 / 2); c = 0, 2 are even elements (positions 4·t8 + 2·(lane % 2) + 0, 1),
+      // c = 1, 3 odd ones (the same + 16).
+      unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1) + 2 * (lane & 1);
+      *reinterpret_cast<unsigned short*>(blk) = (unsigned short)(code[0] | (code[2] << 8));
+      *reinterpret_cast<unsigned short*>(blk + 16) = (unsigned short)(code[1] | (code[3] << 8));
+      if (lane == 0) xs[t * (D / 128) + b] = s;
     }
-    // Fragment order (fp8_mma.cuh): this lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th
-    // 32-block (t8 = lane % 8 / 2); c = 0, 2 are even elements (positions 4·t8 + 2·(lane % 2) + 0, 1),
-    // c = 1, 3 odd ones (the same + 16).
-    unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1) + 2 * (lane & 1);
-    *reinterpret_cast<unsigned short*>(blk) = (unsigned short)(code[0] | (code[2] << 8));
-    *reinterpret_cast<unsigned short*>(blk + 16) = (unsigned short)(code[1] | (code[3] << 8));
-    if (lane == 0) xs[t * (D / 128) + b] = s;
   }
 }
 

@@ -349,6 +349,7 @@ fn dequant(codes: &[u8], scales: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 /// The fast layer; with `routing`, the selection step's ids and weights are replaced by these
 /// before the experts run.
+#[allow(clippy::too_many_arguments)]
 fn fast(
     e: &Env,
     l: &SyntheticMoe,

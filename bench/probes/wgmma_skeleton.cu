@@ -6,6 +6,8 @@
 //   mode 1  + the promotion (acc += d · the tokens' scales, 64 FFMA and the scale loads)
 //   mode 2  + the A fragments decoded from FP4 every block (ldmatrix, the shifted bit move) — the real loop
 //   mode 3  mode 2 without the promotion
+//   mode 4  mode 2 with the warpgroups' wgmma issues in turn (ping-pong; two warpgroups only)
+//   mode 5  mode 1 in ping-pong
 // with one or two consumer warpgroups (wgs), 132 blocks of one SM each. Prints one JSON line per case:
 // TFLOP/s of the wgmmas and the fraction of the FP8 peak given on the command line (default 1399, the
 // seventh version's in-run ceiling, BENCHMARKS.md). The real kernel at B = 4096 runs its mainloop at
@@ -48,14 +50,29 @@ __device__ void skel_fill(unsigned char* st, bool uniform) {
   for (int i = threadIdx.x; i < 2 * FMW_TOKENS; i += blockDim.x) as[i] = 1.0f;
 }
 
+// Modes 4 and 5 are modes 2 and 1 with the two warpgroups' wgmma issues in turn ("ping-pong"): warpgroup w
+// waits on named barrier SKEL_TURN + w before it issues a block's wgmmas and arrives on the other's after,
+// so the tensor core runs one warpgroup's block while the other waits for its own, promotes and decodes.
+// (Measured 2026-12-02: 904 cycles a block step against 934 in step, and 707 against 680 for mode 5; the
+// same turns in the kernel made its up GEMM 3% slower, so the kernel does not take them.)
+#define SKEL_TURN 5
+__device__ __forceinline__ void skel_bar_arrive(unsigned id) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+}
 // One block step of fmw_pass_fp4's loop: issue `cur`'s wgmmas, decode block `b` of the stage into `next`
-// while they run (modes 2, 3), then wait and promote (modes 1, 2) or only wait.
+// while they run (modes 2-4), then wait and promote (modes 1, 2, 4, 5) or only wait. first / last: the
+// warpgroup's first and last step (ping-pong: warpgroup 0 does not wait for its first turn, and warpgroup 1
+// does not hand over after its last, so every barrier's arrivals and waits pair up).
 template <int MODE>
 __device__ __forceinline__ void skel_step(const unsigned char* st, int b, unsigned base, const FmwBlock& cur,
-                                          FmwBlock& next, float (&d)[64], float (&acc)[64]) {
+                                          FmwBlock& next, float (&d)[64], float (&acc)[64], bool first, bool last) {
+  constexpr bool kPingPong = MODE >= 4;
+  const int wg = threadIdx.x >> 7;
+  if (kPingPong && !(first && wg == 0)) named_barrier(SKEL_TURN + wg, 256);
   fmw_issue(cur, d);
-  if (MODE >= 2) fmw_load_block<true, true>(st, b, base, base, next);
-  if (MODE == 1 || MODE == 2) {
+  if (kPingPong && !(last && wg == 1)) skel_bar_arrive(SKEL_TURN + 1 - wg);
+  if (MODE >= 2 && MODE <= 4) fmw_load_block<true, true>(st, b, base, base, next);
+  if (MODE != 0 && MODE != 3) {
     fmw_finish<true>(cur, d, acc);
   } else {
     wgmma_wait<0>();
@@ -86,8 +103,8 @@ __global__ void __launch_bounds__(256, 1)
   const long long c0 = clock64();
 #pragma unroll 1
   for (int it = 0; it < iters; ++it) {
-    skel_step<MODE>(st, 1, base, b0, b1, d, acc);  // block 0 runs, block 1 is decoded
-    skel_step<MODE>(st, 0, base, b1, b0, d, acc);  // and the other way round
+    skel_step<MODE>(st, 1, base, b0, b1, d, acc, it == 0, false);  // block 0 runs, block 1 is decoded
+    skel_step<MODE>(st, 0, base, b1, b0, d, acc, false, it + 1 == iters);  // and the other way round
   }
   __syncthreads();
   const long long c1 = clock64();
@@ -136,7 +153,7 @@ static SkelRun run(int wgs, int iters, bool uniform, float* out, long long* cyc,
   }
   if (uniform) {
     // A 128-block's d = Σ_k 1.0 · 2^6 · 1.0 over 128 k; the promoting modes add both blocks per iteration.
-    const float dv = 128.0f * 64.0f, av = (MODE == 1 || MODE == 2) ? 2.0f * iters * dv : 0.0f;
+    const float dv = 128.0f * 64.0f, av = (MODE != 0 && MODE != 3) ? 2.0f * iters * dv : 0.0f;
     const long long n = (long long)kBlocks * threads;
     float* h = (float*)malloc(n * 128 * sizeof(float));
     cudaMemcpy(h, out, n * 128 * sizeof(float), cudaMemcpyDeviceToHost);
@@ -162,15 +179,18 @@ int main(int argc, char** argv) {
       cudaMalloc(&cyc, kBlocks * sizeof(long long)) != cudaSuccess ||
       cudaMalloc(&ns, kBlocks * sizeof(unsigned long long)) != cudaSuccess)
     return 1;
-  const char* names[4] = {"wgmma+wait", "+promote", "+promote+decode (the real loop)", "+decode, no promote"};
+  const char* names[6] = {"wgmma+wait", "+promote", "+promote+decode (the real loop)", "+decode, no promote",
+                          "the real loop, ping-pong", "+promote, ping-pong"};
   int rc = 0;
-  for (int mode = 0; mode < 4; ++mode) {
-    for (int wgs = 1; wgs <= 2; ++wgs) {
+  for (int mode = 0; mode < 6; ++mode) {
+    for (int wgs = mode >= 4 ? 2 : 1; wgs <= 2; ++wgs) {
       for (int uniform = 1; uniform >= 0; --uniform) {
         const SkelRun r = mode == 0 ? run<0>(wgs, iters, uniform, out, cyc, ns)
                         : mode == 1 ? run<1>(wgs, iters, uniform, out, cyc, ns)
                         : mode == 2 ? run<2>(wgs, iters, uniform, out, cyc, ns)
-                                    : run<3>(wgs, iters, uniform, out, cyc, ns);
+                        : mode == 3 ? run<3>(wgs, iters, uniform, out, cyc, ns)
+                        : mode == 4 ? run<4>(wgs, iters, uniform, out, cyc, ns)
+                                    : run<5>(wgs, iters, uniform, out, cyc, ns);
         const cudaError_t e = cudaDeviceSynchronize();
         if (e != cudaSuccess) {
           printf("{\"mode\":%d,\"error\":\"%s\"}\n", mode, cudaGetErrorString(e));
