@@ -13,12 +13,15 @@
 // seventh version's in-run ceiling, BENCHMARKS.md). The real kernel at B = 4096 runs its mainloop at
 // what this says for mode 2 minus its waits for the producer, its epilogues and its partial tiles.
 //
-// Its first run (2026-12-02) gave rates above the H200's FP8 dense spec, so it now checks itself before it
-// times anything: every mode runs once on uniform data (FP4 weights 1.0, token codes 1.0, scales 1), where
-// each thread's sums have a closed form (a 128-block's d = 128 · 2^6, acc = 2 · iters · that), and a case
-// whose sums differ prints an error line instead of a rate. Each case is timed on random data and on the
-// uniform data (a rate that depends on the data is a finding too), by CUDA events and by the SM's own
-// clock64 around the loop (cycles per block step, independent of the clock the events imply).
+// Its first run (2026-12-02) gave rates above the H200's FP8 dense spec, so it checks itself before it times
+// anything: every mode runs once on check data (FP4 weights 1.0 in the stage's 128-block 0 and 2.0 in block
+// 1, token codes 1.0, scales 1), where each thread's sums have a closed form (block 0's d = 128 · 2^6, block
+// 1's twice that; acc = iters · (both)), and a case whose sums differ prints an error line instead of a rate.
+// The two blocks differ so that a promotion reading the other block's d (a wait that did not wait) fails
+// the check; the first version (one value in both blocks, run 2026-12-02) could not tell. Each case is then
+// timed on random data and on the check data, by CUDA events and by the SM's own clock64 around the loop
+// (cycles per block step, independent of the clock the events imply). The two-valued check has compiled
+// (NVRTC) but not yet run.
 //
 // Build and run (GPU machine; the generated dsv4_consts.cuh from
 // `DSV4_DUMP_CUBIN_DIR=dir cargo test --release --test kernels_compile every_family`):
@@ -30,21 +33,23 @@
 
 #include "fast_moe_wide.cu"
 
-// Fills the stage. Random (uniform = false): FP4 weight codes (pseudo-random bytes), token codes
-// (pseudo-random e4m3 below 448 in magnitude, never NaN). Uniform: every FP4 code 1.0 (0x2), every token
-// 1.0 (0x38). Both: UE8M0 bytes 127 (the fold's shift 12 with base fmw_fold_base(127), so a code is its
-// value · 2^6) and the tokens' scales 1.
-__device__ void skel_fill(unsigned char* st, bool uniform) {
+// Fills the stage. Random (check = false): FP4 weight codes (pseudo-random bytes), token codes (pseudo-random
+// e4m3 below 448 in magnitude, never NaN). Check data: FP4 codes 1.0 (0x2) in every row's 128-block 0 and
+// 2.0 (0x4) in block 1 (row r's 16-byte chunk c sits at c ^ (r % 8), the 128-byte swizzle; chunks 0-3 are
+// block 0), every token 1.0 (0x38). Both: UE8M0 bytes 127 (the fold's shift 12 with base
+// fmw_fold_base(127), so a code is its value · 2^6) and the tokens' scales 1.
+__device__ void skel_fill(unsigned char* st, bool check) {
   for (int i = threadIdx.x; i < FMW_SLOT_W / 4; i += blockDim.x) {
     unsigned x = (unsigned)i * 2654435761u ^ 0x9e3779b9u;
     x ^= x >> 13;
-    reinterpret_cast<unsigned*>(st)[i] = uniform ? 0x22222222u : x * 0x2c1b3c6du;
+    const int r = 4 * i / FMW_RB, chunk = ((4 * i % FMW_RB) / 16) ^ (r & 7);
+    reinterpret_cast<unsigned*>(st)[i] = check ? (chunk < 4 ? 0x22222222u : 0x44444444u) : x * 0x2c1b3c6du;
   }
   for (int i = threadIdx.x; i < FMW_SLOT_S; i += blockDim.x) st[FMW_SLOT_W + i] = 127;
   unsigned char* tok = st + FMW_SLOT_W + FMW_SLOT_S;
   for (int i = threadIdx.x; i < FMW_SLOT_A; i += blockDim.x) {
     const unsigned r = ((unsigned)i * 2246822519u) >> 24;
-    tok[i] = uniform ? 0x38 : (unsigned char)((r & 0x7f) == 0x7f ? r - 1 : r);
+    tok[i] = check ? 0x38 : (unsigned char)((r & 0x7f) == 0x7f ? r - 1 : r);
   }
   float* as = reinterpret_cast<float*>(tok + FMW_SLOT_A);
   for (int i = threadIdx.x; i < 2 * FMW_TOKENS; i += blockDim.x) as[i] = 1.0f;
@@ -84,10 +89,10 @@ __device__ __forceinline__ void skel_step(const unsigned char* st, int b, unsign
 // one per block; ns: its %globaltimer around the loop.
 template <int MODE>
 __global__ void __launch_bounds__(256, 1)
-    skel_kernel(int iters, int uniform, float* out, long long* cycles, unsigned long long* ns) {
+    skel_kernel(int iters, int check, float* out, long long* cycles, unsigned long long* ns) {
   extern __shared__ __align__(1024) unsigned char skel_smem[];
   unsigned char* st = skel_smem;
-  skel_fill(st, uniform != 0);
+  skel_fill(st, check != 0);
   fence_proxy_async_shared();
   __syncthreads();
   const unsigned base = fmw_fold_base(127);
@@ -123,22 +128,22 @@ struct SkelRun {
   float ms;
   double cycles_per_step;  // mean over blocks of clock64 cycles per block step (both warpgroups' blocks)
   double sm_ghz;           // clock64 cycles / globaltimer ns, mean over blocks
-  long long bad;           // threads whose sums differ from the closed form (uniform data only)
+  long long bad;           // threads whose sums differ from the closed form (check data only)
 };
 
 static constexpr int kBlocks = 132;
 
 template <int MODE>
-static SkelRun run(int wgs, int iters, bool uniform, float* out, long long* cyc, unsigned long long* ns) {
+static SkelRun run(int wgs, int iters, bool check, float* out, long long* cyc, unsigned long long* ns) {
   auto k = skel_kernel<MODE>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
   const int threads = 128 * wgs;
-  k<<<kBlocks, threads, 200 * 1024>>>(2, uniform, out, cyc, ns);  // warm-up (200 KB: one block an SM)
+  k<<<kBlocks, threads, 200 * 1024>>>(2, check, out, cyc, ns);  // warm-up (200 KB: one block an SM)
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
   cudaEventRecord(a);
-  k<<<kBlocks, threads, 200 * 1024>>>(iters, uniform, out, cyc, ns);
+  k<<<kBlocks, threads, 200 * 1024>>>(iters, check, out, cyc, ns);
   cudaEventRecord(b);
   cudaEventSynchronize(b);
   SkelRun r{0.0f, 0.0, 0.0, 0};
@@ -151,9 +156,10 @@ static SkelRun run(int wgs, int iters, bool uniform, float* out, long long* cyc,
     r.cycles_per_step += (double)hc[i] / (2.0 * iters) / kBlocks;
     r.sm_ghz += (double)hc[i] / (double)hn[i] / kBlocks;
   }
-  if (uniform) {
-    // A 128-block's d = Σ_k 1.0 · 2^6 · 1.0 over 128 k; the promoting modes add both blocks per iteration.
-    const float dv = 128.0f * 64.0f, av = (MODE != 0 && MODE != 3) ? 2.0f * iters * dv : 0.0f;
+  if (check) {
+    // Block 0's d = Σ_k 1.0 · 2^6 · 1.0 over 128 k, block 1's twice that; the last block issued is block 1,
+    // and the promoting modes add both blocks per iteration (exact in f32: multiples of 2^13 below 2^30).
+    const float d0 = 128.0f * 64.0f, dv = 2.0f * d0, av = (MODE != 0 && MODE != 3) ? (float)iters * (d0 + dv) : 0.0f;
     const long long n = (long long)kBlocks * threads;
     float* h = (float*)malloc(n * 128 * sizeof(float));
     cudaMemcpy(h, out, n * 128 * sizeof(float), cudaMemcpyDeviceToHost);
@@ -184,13 +190,13 @@ int main(int argc, char** argv) {
   int rc = 0;
   for (int mode = 0; mode < 6; ++mode) {
     for (int wgs = mode >= 4 ? 2 : 1; wgs <= 2; ++wgs) {
-      for (int uniform = 1; uniform >= 0; --uniform) {
-        const SkelRun r = mode == 0 ? run<0>(wgs, iters, uniform, out, cyc, ns)
-                        : mode == 1 ? run<1>(wgs, iters, uniform, out, cyc, ns)
-                        : mode == 2 ? run<2>(wgs, iters, uniform, out, cyc, ns)
-                        : mode == 3 ? run<3>(wgs, iters, uniform, out, cyc, ns)
-                        : mode == 4 ? run<4>(wgs, iters, uniform, out, cyc, ns)
-                                    : run<5>(wgs, iters, uniform, out, cyc, ns);
+      for (int check = 1; check >= 0; --check) {
+        const SkelRun r = mode == 0 ? run<0>(wgs, iters, check, out, cyc, ns)
+                        : mode == 1 ? run<1>(wgs, iters, check, out, cyc, ns)
+                        : mode == 2 ? run<2>(wgs, iters, check, out, cyc, ns)
+                        : mode == 3 ? run<3>(wgs, iters, check, out, cyc, ns)
+                        : mode == 4 ? run<4>(wgs, iters, check, out, cyc, ns)
+                                    : run<5>(wgs, iters, check, out, cyc, ns);
         const cudaError_t e = cudaDeviceSynchronize();
         if (e != cudaSuccess) {
           printf("{\"mode\":%d,\"error\":\"%s\"}\n", mode, cudaGetErrorString(e));
@@ -210,7 +216,7 @@ int main(int argc, char** argv) {
         printf("{\"probe\":\"wgmma_skeleton\",\"mode\":%d,\"what\":\"%s\",\"warpgroups\":%d,\"data\":\"%s\","
                "\"checked\":%s,\"ms\":%.3f,\"tflops\":%.1f,\"of_peak\":%.3f,\"peak_tflops\":%.0f,"
                "\"cycles_per_block_step\":%.1f,\"cycles_per_m64n128k32\":%.1f,\"sm_ghz\":%.3f}\n",
-               mode, names[mode], wgs, uniform ? "uniform" : "random", uniform ? "true" : "false", r.ms, tflops,
+               mode, names[mode], wgs, check ? "check" : "random", check ? "true" : "false", r.ms, tflops,
                tflops / peak, peak, r.cycles_per_step, per_wgmma, r.sm_ghz);
       }
     }
