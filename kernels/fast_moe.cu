@@ -128,9 +128,9 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 // to the logit: an f32 error ≤ (128 + D / 128) · 2^-24 · Σ_d |x_d g_ed| (gpu_fast_moe's bound). Warps
 // w of blocks with b = bx * FMOE_WIDE_WARPS + w (+ the grid's x extent's warps, ...) < D / 128 also run
 // fmoe_quant_x_block of block b for the block's tokens, first (the GEMM's x reads then hit L2).
-// At B = 4096 it takes 0.54 ms (ncu; ~16 TFLOP/s, a third of the FP32 pipe's peak), where the kernel it
-// replaced, a warp per 4 experts with per-lane partial sums over D / 32 k, took 1.0 ms of the layer's
-// 5.3. Requires D % 128 == 0.
+// At B = 4096 it takes 0.49 ms (ncu; ~18 TFLOP/s, under half the FP32 pipe's peak: 8 warps an SM, issue
+// slots 55% busy), where the kernel it replaced, a warp per 4 experts with per-lane partial sums over D / 32
+// k, took 1.0 ms of the layer's 5.3. Requires D % 128 == 0.
 #define FMOE_WIDE_ROW (FMOE_WIDE_KC + 4)  // floats per shared row
 #define FMOE_WIDE_STAGE ((FMOE_WIDE_TOKENS + FMOE_WIDE_EXPERTS) * FMOE_WIDE_ROW)
 static_assert(FMOE_WIDE_WARPS * 32 == 256 && FMOE_WIDE_TOKENS == 64 && FMOE_WIDE_EXPERTS == 128,

@@ -50,7 +50,8 @@ pub const WIDE_STAGES: usize = 3;
 /// Fewest tokens routed by `fmoe_logits_wide_kernel` (`RouterPath::for_tokens`): below, its
 /// 64-token tiles leave SMs idle and `fmoe_logits_kernel`'s many small blocks are faster (the
 /// layer at Flash shapes on the H200, µs few / wide: 1024 2468 / 2622, 1536 2987 / 3073, 2048
-/// 3196 / 3109, 4096 4280 / 3699).
+/// 3196 / 3109, 4096 4280 / 3699). The wide kernel it replaced beat both at 1024-1536 tokens, by
+/// 2-3.5% of the layer (BENCHMARKS.md, issue 11 tenth version): a smaller tile is the way back.
 pub const WIDE_MIN_TOKENS: usize = 2048;
 
 /// Which kernel computes the router's logits (and x's quantisation).
