@@ -7,9 +7,10 @@
 //! What is compared, and the bound each is held to:
 //! - x's FP8 quantisation: bit for bit (the same exact operation).
 //! - Routing: the fast routers accumulate their logits in f32: the few-token kernel per lane over
-//!   D/128 terms, a 5-level butterfly and 4 parts; the wide kernel an FMA chain per 128-block of k,
-//!   then the D/128 blocks' sums in order. So |Δlogit| ≤ max(D/32 + 5, 128 + D/128)·2⁻²⁴·Σ_d
-//!   |x_d·g_ed| (the reference's logit is the correctly rounded f32); sqrtsoftplus has slope ≤ 1/2 for these logits... so a
+//!   D/128 terms, then a 5-level butterfly and 4 parts (D/128 + 9 roundings); the wide kernel an
+//!   FMA chain per 128-block of k, then the D/128 blocks' sums in order (128 + D/128, the larger).
+//!   So |Δlogit| ≤ (128 + D/128)·2⁻²⁴·Σ_d |x_d·g_ed| (the reference's logit is the correctly
+//!   rounded f32); sqrtsoftplus has slope ≤ 1/2 for these logits... so a
 //!   selection may differ from the reference only where the two keys it swaps are closer than
 //!   the sum of their bounds (checked on the host in f64). Weights of agreeing tokens: the same
 //!   selected scores up to that error, so |Δw| ≤ 2⁻¹⁰·w (renormalised by a sum of six).
@@ -406,8 +407,7 @@ fn key_and_bound(l: &SyntheticMoe, xr: &[f32], ex: usize) -> (f64, f64) {
     let key = sp.sqrt() + l.bias_host[ex] as f64;
     // The logit's f32 error, through a slope below 1/2, plus a few f32 ulps of the score
     // functions and the bias add on either side.
-    let terms = (D / 32 + 5).max(128 + D / 128);
-    let bound = terms as f64 * 2f64.powi(-24) * abs + 2f64.powi(-20) * (key.abs() + 1.0);
+    let bound = (128 + D / 128) as f64 * 2f64.powi(-24) * abs + 2f64.powi(-20) * (key.abs() + 1.0);
     (key, bound)
 }
 

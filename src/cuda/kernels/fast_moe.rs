@@ -73,6 +73,7 @@ impl RouterPath {
         }
     }
 }
+
 /// Tokens (warps) per `fmoe_select_kernel` block (FMOE_SELECT_WARPS).
 pub const SELECT_WARPS: usize = 4;
 /// Router entries each lane holds (FMOE_MAX_EPL): at most 32 x this many experts.
