@@ -63,13 +63,20 @@ struct FaWalk {
   }
 };
 
+// e8m0_to_f32 by selects: one of these per 8 values decoded, where the branches cost more than the
+// conversion.
+DSV4_INLINE float fa_e8m0(unsigned e) {
+  const unsigned bits = e == 0u ? 0x00400000u : e << 23;
+  return e == 255u ? DSV4_F32_NAN : __uint_as_float(bits);
+}
+
 // Values c0 .. c0 + 7 of a stored official row as 8 bf16 (one 16-byte word), from its bytes
 // `raw` (value bytes, then the scale record at row_bytes). nope % 16 == 0, so the 8 values
 // are 8 codes of one scale block or 8 BF16 values.
 DSV4_INLINE uint4 fa_stored_chunk(const KvRowFmt& f, const unsigned char* raw, int c0) {
   if (c0 >= f.nope) return *(const uint4*)(raw + f.nope + 2 * (c0 - f.nope));
   const uint2 codes = *(const uint2*)(raw + c0);
-  const float s = e8m0_to_f32(raw[f.row_bytes + c0 / KV_FP8_BLOCK]);
+  const float s = fa_e8m0(raw[f.row_bytes + c0 / KV_FP8_BLOCK]);
   unsigned w[4];
   const unsigned c[2] = {codes.x, codes.y};
 #pragma unroll
@@ -87,13 +94,234 @@ DSV4_INLINE uint4 fa_f32_chunk(const float* row, int c0) {
                     pack_bf16x2(b.z, b.w));
 }
 
-// Grid (T, splits), FA_THREADS threads. Inputs as attention_kernel (kernels/SPEC.md), plus H <=
+// Bytes between the batch's rows staged in the stored format (value bytes, then the scale record;
+// 16-byte aligned for the async copies).
+DSV4_INLINE int fa_staged_stride(const KvRowFmt& f) { return kv_round_up(f.row_bytes + f.scale_bytes, 16); }
+
+// The batch's own KV rows (f32 official values: FP8-simulated nope channels, BF16 RoPE) in the
+// stored official format, row i at staged + i * fa_staged_stride: kv_store_row, as ring_update_kernel
+// stores them, which is exact (kv_pages.rs), so the attention decodes the same values. Grid T, a
+// block a row (its warps take the FP8 blocks).
+extern "C" __global__ void fa_stage_rows_kernel(const float* kv, int T, int hd, int nope, unsigned char* staged) {
+  dsv4_pdl_begin();
+  const int i = blockIdx.x;
+  if (i >= T) return;
+  const KvRowFmt f = kv_fmt_kv(hd, nope, 1);
+  KvRowPtr p;
+  p.row = staged + (long long)i * fa_staged_stride(f);
+  p.sc = p.row + f.row_bytes;
+  kv_store_row(f, p, kv + (long long)i * hd);
+}
+
+// The key metadata of a tile's address slots in shared memory: for slot b and key r of the tile,
+// krow / ksc [b * FA_TILE_KEYS + r] are its row and scale addresses and kind its FA_KEY_*.
+struct FaSlots {
+  unsigned long long* krow;
+  unsigned long long* ksc;
+  int* kind;
+};
+
+// Where tile `tile`'s keys are, into address slot b (threads tid < FA_TILE_KEYS, one a key: its
+// selection and block-table lookups; nothing at or past tile1 or nk). With `staged` (the batch's
+// rows in the stored format, fa_stage_rows_kernel) a batch row is fetched and decoded like a stored
+// one: the same values, read through the async copies instead of the decode's own f32 loads.
+DSV4_INLINE void fa_locate(const FaSlots& s, const AttnKeys& keys, int nk, int tile, int tile1, int b, int tid,
+                           const unsigned char* staged, const KvRowFmt& sf) {
+  if (tid < FA_TILE_KEYS) {
+    const int j = tile * FA_TILE_KEYS + tid;
+    int k = FA_KEY_NONE;
+    KvRowPtr p;
+    p.row = p.sc = 0;
+    if (tile < tile1 && j < nk) {
+      bool stored;
+      p = attn_key(keys, j, &stored);
+      if (!stored && staged != 0) {  // window position lo + j at or past the batch's first, p0
+        p.row = (unsigned char*)staged + (long long)(keys.t0 + keys.lo + j - keys.p0) * fa_staged_stride(sf);
+        p.sc = p.row + sf.row_bytes;
+        stored = true;
+      }
+      k = stored ? FA_KEY_STORED : FA_KEY_BATCH;
+    }
+    s.krow[b * FA_TILE_KEYS + tid] = (unsigned long long)p.row;
+    s.ksc[b * FA_TILE_KEYS + tid] = (unsigned long long)p.sc;
+    s.kind[b * FA_TILE_KEYS + tid] = k;
+  }
+}
+
+// The stored rows of address slot b into raw tile b (raw + b * FA_TILE_KEYS * raw_stride),
+// asynchronously, one commit group a call: 8 threads a row (so a row's kind and addresses are read
+// once), 16-byte copies of the value bytes, 4-byte copies of the scale record.
+#if FA_THREADS != 8 * FA_TILE_KEYS
+#error "fa_fetch and the wgmma decode give each key row of a tile 8 threads"
+#endif
+DSV4_INLINE void fa_fetch(const FaSlots& s, const KvRowFmt& sf, unsigned char* raw, int raw_stride, int b, int tid) {
+  const int r = tid >> 3, u = tid & 7;
+  if (s.kind[b * FA_TILE_KEYS + r] == FA_KEY_STORED) {
+    unsigned char* dst = raw + (b * FA_TILE_KEYS + r) * raw_stride;
+    const unsigned char* src = (const unsigned char*)s.krow[b * FA_TILE_KEYS + r];
+    const unsigned char* sc = (const unsigned char*)s.ksc[b * FA_TILE_KEYS + r];
+    for (int c = u; c < sf.row_bytes / 16; c += 8) cp_async_16(smem_addr(dst + 16 * c), src + 16 * c);
+    for (int o4 = 4 * u; o4 < sf.scale_bytes; o4 += 32) cp_async_4(smem_addr(dst + sf.row_bytes + o4), sc + o4);
+  }
+  cp_async_commit();
+}
+
+// Values c0 .. c0 + 7 of key r of tile slot b as 8 bf16 (zeros past the token's keys).
+DSV4_INLINE uint4 fa_key_chunk(const FaSlots& s, const KvRowFmt& sf, const unsigned char* raw, int raw_stride, int b,
+                               int r, int c0) {
+  const int k = s.kind[b * FA_TILE_KEYS + r];
+  if (k == FA_KEY_STORED) return fa_stored_chunk(sf, raw + (b * FA_TILE_KEYS + r) * raw_stride, c0);
+  if (k == FA_KEY_BATCH) return fa_f32_chunk((const float*)s.krow[b * FA_TILE_KEYS + r], c0);
+  return make_uint4(0u, 0u, 0u, 0u);
+}
+
+// Token t's Q as bf16: store(r, c, w) gets the 4 values 4c .. 4c + 3 of head row r < FA_MAX_HEADS
+// (rows past H zero) packed in w; two rows a warp at a time (FA_Q_WORDS above).
+template <class Store>
+DSV4_INLINE void fa_load_q(const float* q, int t, int H, int hd, int warp, int lane, Store store) {
+  const int q4 = hd / 4;
+  for (int r0 = warp; r0 < FA_MAX_HEADS; r0 += 2 * FA_WARPS) {
+    float4 v[2][FA_Q_WORDS];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int u = 0; u < FA_Q_WORDS; ++u) {
+        const int r = r0 + a * FA_WARPS, c = lane + 32 * u;
+        v[a][u] = r < H && c < q4 ? *(const float4*)(q + ((long long)t * H + r) * hd + 4 * c)
+                                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int u = 0; u < FA_Q_WORDS; ++u) {
+        const int c = lane + 32 * u;
+        if (c < q4)
+          store(r0 + a * FA_WARPS, c,
+                make_uint2(pack_bf16x2(v[a][u].x, v[a][u].y), pack_bf16x2(v[a][u].z, v[a][u].w)));
+      }
+  }
+}
+
+// One tile's softmax step for a thread's two head rows (g and g + 8 of its warp's 16), shared by both
+// kernels: sc holds this warp's half-dims part of S (sc[n][e]: key 8n + 2cq + (e & 1), row g + 8 (e >> 1)),
+// exchanged through xs with the warp of the other dims half (tid ^ FA_THREADS / 2: the same heads) so both
+// hold S = S_lo + S_hi; then the online softmax (running max per row, p = bf16(exp(s - max)) as the
+// reference rounds it, the exp sum from the unrounded exps), O rescaled by exp(old max - new max), and P
+// packed as the A fragments of the two k16 steps of P V. The rescale is skipped when no row's max moved in
+// the whole warp: the factor is then exactly 1 (expf(0)), so the bits are the same. Has a __syncthreads.
+DSV4_INLINE void fa_softmax_tile(float (&sc)[4][4], float* xs, int tid, int half, int cq, int j0, int nk, float scale,
+                                 float (&mrow)[2], float (&lrow)[2], float (&acc)[FA_MAX_HD / 16][4],
+                                 unsigned (&pa)[2][4]) {
+  // (Value v of a thread at xs[v][thread]: consecutive lanes, consecutive banks.)
+  float* mine = xs + tid;
+  const float* other = xs + (tid ^ (FA_THREADS / 2));
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mine[(n * 4 + e) * FA_THREADS] = sc[n][e];
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float lo = half == 0 ? sc[n][e] : other[(n * 4 + e) * FA_THREADS];
+      const float hi = half == 0 ? other[(n * 4 + e) * FA_THREADS] : sc[n][e];
+      // Logit of key j0 + 8n + 2 cq + (e & 1), head row g + 8 (e >> 1); -inf past nk.
+      const int j = j0 + 8 * n + 2 * cq + (e & 1);
+      sc[n][e] = j < nk ? __fmul_rn(__fadd_rn(lo, hi), scale) : -DSV4_F32_INF;
+    }
+  float corr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -DSV4_F32_INF;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) mx = fmaxf(mx, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mnew = fmaxf(mrow[r], mx);  // finite: every tile holds a real key
+    corr[r] = mrow[r] == -DSV4_F32_INF ? 0.0f : expf(__fsub_rn(mrow[r], mnew));
+    mrow[r] = mnew;
+    float sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const float e0 = expf(__fsub_rn(sc[n][2 * r], mnew));
+      const float e1 = expf(__fsub_rn(sc[n][2 * r + 1], mnew));
+      sum = __fadd_rn(__fadd_rn(sum, e0), e1);
+      sc[n][2 * r] = e0;
+      sc[n][2 * r + 1] = e1;
+    }
+    lrow[r] = __fadd_rn(__fmul_rn(lrow[r], corr[r]), sum);
+  }
+  if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int n = 0; n < FA_MAX_HD / 16; ++n) {
+        acc[n][2 * r] = __fmul_rn(acc[n][2 * r], corr[r]);
+        acc[n][2 * r + 1] = __fmul_rn(acc[n][2 * r + 1], corr[r]);
+      }
+  }
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    pa[kk][0] = pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
+    pa[kk][1] = pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
+    pa[kk][2] = pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+    pa[kk][3] = pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+  }
+}
+
+// The block's result for a thread's two head rows (hg * 16 + g, + 8), dims dim0 + 8n + 2cq (+1) for
+// 8n < hd / 2: splits == 1 writes o = bf16(O / (Σ e + exp(sink - max))); else the unnormalised O to
+// part_o and (max, Σ e) to part_ml for fa_combine_kernel.
+DSV4_INLINE void fa_finish(const float (&acc)[FA_MAX_HD / 16][4], const float (&mrow)[2], float (&lrow)[2], int t,
+                           int H, int hd, int hg, int g, int cq, int half, int dim0, long long part, int splits,
+                           const float* sinks, float* part_o, float2* ml, float* o) {
+  const int hh = hd / 2;
+  // Exp sums of whole rows (the quad's four parts, in a fixed order).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    lrow[r] = __fadd_rn(lrow[r], __shfl_xor_sync(0xffffffffu, lrow[r], 1));
+    lrow[r] = __fadd_rn(lrow[r], __shfl_xor_sync(0xffffffffu, lrow[r], 2));
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int h = hg * 16 + g + 8 * r;
+    if (h >= H) continue;
+    if (splits == 1) {
+      const float den = __fadd_rn(lrow[r], expf(__fsub_rn(sinks[h], mrow[r])));
+      float* orow = o + ((long long)t * H + h) * hd + dim0;
+#pragma unroll
+      for (int n = 0; n < FA_MAX_HD / 16; ++n)
+        if (n * 8 < hh)
+          *(float2*)(orow + n * 8 + 2 * cq) = make_float2(round_bf16(__fdiv_rn(acc[n][2 * r], den)),
+                                                          round_bf16(__fdiv_rn(acc[n][2 * r + 1], den)));
+    } else {
+      float* prow = part_o + (part * H + h) * hd + dim0;
+#pragma unroll
+      for (int n = 0; n < FA_MAX_HD / 16; ++n)
+        if (n * 8 < hh) *(float2*)(prow + n * 8 + 2 * cq) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+      if (half == 0 && cq == 0) ml[part * H + h] = make_float2(mrow[r], lrow[r]);
+    }
+  }
+}
+
+// A block whose token has no keys in its split (padding, or an empty split): o zero / max -inf.
+DSV4_INLINE void fa_empty(int t, int H, int hd, int tid, long long part, int splits, float2* ml, float* o) {
+  if (splits == 1) {
+    for (int i = tid; i < H * hd; i += FA_THREADS) o[(long long)t * H * hd + i] = 0.0f;
+  } else {
+    for (int h = tid; h < H; h += FA_THREADS) ml[part * H + h] = make_float2(-DSV4_F32_INF, 0.0f);
+  }
+}
+
+// Grid (T, splits), FA_THREADS threads. Inputs as attention_kernel (kernels/SPEC.md), plus `staged`
+// (NULL, or the batch's rows from fa_stage_rows_kernel), H <=
 // FA_MAX_HEADS, hd % 32 == 0 and <= FA_MAX_HD, nope % 16 == 0 (the wrapper checks). splits == 1:
 // writes o (bf16 values, o before the inverse RoPE) directly. splits > 1: writes part_o
 // [T][splits][H][hd] (unnormalised) and part_ml [T][splits][H] (running max, exp sum; max -inf
 // for a split without keys), which fa_combine_kernel reads.
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
-    fa_attention_kernel(const float* q, const float* kv, const unsigned char* ring,
+    fa_attention_kernel(const float* q, const float* kv, const unsigned char* staged, const unsigned char* ring,
                         const unsigned char* entries, const int* etable, int epps,
                         const int* selected, const int* nsel, const int* positions,
                         const int* seq_of, const int* query_start, const int* seq_slots,
@@ -113,9 +341,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   const KvRowFmt sf = kv_fmt_kv(hd, nope, 1);  // the stored rows
   const int raw_stride = kv_round_up(sf.row_bytes + sf.scale_bytes, 16);
   unsigned char* raw = (unsigned char*)(xs + FA_WARPS * 32 * 16);
-  unsigned long long* krow = (unsigned long long*)(raw + 2 * FA_TILE_KEYS * raw_stride);
-  unsigned long long* ksc = krow + 2 * FA_TILE_KEYS;
-  int* kind = (int*)(ksc + 2 * FA_TILE_KEYS);
+  FaSlots sl;
+  sl.krow = (unsigned long long*)(raw + 2 * FA_TILE_KEYS * raw_stride);
+  sl.ksc = sl.krow + 2 * FA_TILE_KEYS;
+  sl.kind = (int*)(sl.ksc + 2 * FA_TILE_KEYS);
   const int hh = hd / 2;           // dims per half
   const int dim0 = half * hh;      // this warp's first dim
   const long long part = (long long)t * splits + split;
@@ -131,79 +360,15 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   const int tiles = (nk + FA_TILE_KEYS - 1) / FA_TILE_KEYS;
   const int tile0 = (int)((long long)split * tiles / splits);
   const int tile1 = (int)((long long)(split + 1) * tiles / splits);
-  if (tile0 >= tile1) {  // padding (no keys) or an empty split: o zero / max -inf
-    if (splits == 1) {
-      for (int i = tid; i < H * hd; i += FA_THREADS) o[(long long)t * H * hd + i] = 0.0f;
-    } else {
-      for (int h = tid; h < H; h += FA_THREADS)
-        ml[part * H + h] = make_float2(-DSV4_F32_INF, 0.0f);
-    }
+  if (tile0 >= tile1) {
+    fa_empty(t, H, hd, tid, part, splits, ml, o);
     return;
   }
-
-  // Where tile `tile`'s keys are, into address slot b (one thread per key: its selection and
-  // block-table lookups; nothing past the block's tiles).
-  auto locate = [&](int tile, int b) {
-    if (tid < FA_TILE_KEYS) {
-      const int j = tile * FA_TILE_KEYS + tid;
-      int k = FA_KEY_NONE;
-      KvRowPtr p;
-      p.row = p.sc = 0;
-      if (tile < tile1 && j < nk) {
-        bool stored;
-        p = attn_key(keys, j, &stored);
-        k = stored ? FA_KEY_STORED : FA_KEY_BATCH;
-      }
-      krow[b * FA_TILE_KEYS + tid] = (unsigned long long)p.row;
-      ksc[b * FA_TILE_KEYS + tid] = (unsigned long long)p.sc;
-      kind[b * FA_TILE_KEYS + tid] = k;
-    }
-  };
-  // The stored rows of address slot b into raw tile b, asynchronously (one commit group per
-  // call): 16-byte copies of the value bytes, 4-byte copies of the scale record.
-  const int row_chunks = sf.row_bytes / 16;
-  auto fetch = [&](int b) {
-    for (FaWalk it(tid, row_chunks + 1); it.r < FA_TILE_KEYS; it.next()) {
-      const int r = it.r, c = it.c;
-      if (kind[b * FA_TILE_KEYS + r] != FA_KEY_STORED) continue;
-      unsigned char* dst = raw + (b * FA_TILE_KEYS + r) * raw_stride;
-      if (c < row_chunks) {
-        cp_async_16(smem_addr(dst + 16 * c), (const void*)(krow[b * FA_TILE_KEYS + r] + 16 * c));
-      } else {
-        for (int o4 = 0; o4 < sf.scale_bytes; o4 += 4)
-          cp_async_4(smem_addr(dst + sf.row_bytes + o4),
-                     (const void*)(ksc[b * FA_TILE_KEYS + r] + o4));
-      }
-    }
-    cp_async_commit();
-  };
-  locate(tile0, 0);
-  locate(tile0 + 1, 1);
-
-  // Q as bf16 (rows past H zero), two rows a warp at a time (FA_Q_WORDS above).
-  const int q4 = hd / 4;
-  for (int r0 = warp; r0 < FA_MAX_HEADS; r0 += 2 * FA_WARPS) {
-    float4 v[2][FA_Q_WORDS];
-#pragma unroll
-    for (int a = 0; a < 2; ++a)
-#pragma unroll
-      for (int u = 0; u < FA_Q_WORDS; ++u) {
-        const int r = r0 + a * FA_WARPS, c = lane + 32 * u;
-        v[a][u] = r < H && c < q4 ? *(const float4*)(q + ((long long)t * H + r) * hd + 4 * c)
-                                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-#pragma unroll
-    for (int a = 0; a < 2; ++a)
-#pragma unroll
-      for (int u = 0; u < FA_Q_WORDS; ++u) {
-        const int r = r0 + a * FA_WARPS, c = lane + 32 * u;
-        if (c < q4)
-          *(uint2*)(qs + r * stride + 4 * c) = make_uint2(pack_bf16x2(v[a][u].x, v[a][u].y),
-                                                          pack_bf16x2(v[a][u].z, v[a][u].w));
-      }
-  }
+  fa_locate(sl, keys, nk, tile0, tile1, 0, tid, staged, sf);
+  fa_locate(sl, keys, nk, tile0 + 1, tile1, 1, tid, staged, sf);
+  fa_load_q(q, t, H, hd, warp, lane, [&](int r, int c, uint2 w) { *(uint2*)(qs + r * stride + 4 * c) = w; });
   __syncthreads();  // tile0's addresses
-  fetch(0);
+  fa_fetch(sl, sf, raw, raw_stride, 0, tid);
 
   const float scale = (float)(1.0 / sqrt((double)hd));
   float acc[FA_MAX_HD / 16][4];  // O: n-tiles of 8 dims of this warp's half
@@ -224,23 +389,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const int j0 = tile * FA_TILE_KEYS;
     const int b = (tile - tile0) & 1;
     __syncthreads();  // tile i + 1's addresses are visible; tile i - 1's K, raw, S consumed
-    fetch(b ^ 1);
+    fa_fetch(sl, sf, raw, raw_stride, b ^ 1, tid);
     cp_async_wait<1>();
     __syncthreads();  // tile i's raw rows have landed
     // Decode the tile's keys into K (rows past nk zero).
-    const int chunks = hd / 8;
-    for (FaWalk it(tid, chunks); it.r < FA_TILE_KEYS; it.next()) {
-      const int r = it.r, c0 = 8 * it.c;
-      const int k = kind[b * FA_TILE_KEYS + r];
-      uint4 w = make_uint4(0u, 0u, 0u, 0u);
-      if (k == FA_KEY_STORED)
-        w = fa_stored_chunk(sf, raw + (b * FA_TILE_KEYS + r) * raw_stride, c0);
-      else if (k == FA_KEY_BATCH)
-        w = fa_f32_chunk((const float*)krow[b * FA_TILE_KEYS + r], c0);
-      *(uint4*)(ks + r * stride + c0) = w;
-    }
+    for (FaWalk it(tid, hd / 8); it.r < FA_TILE_KEYS; it.next())
+      *(uint4*)(ks + it.r * stride + 8 * it.c) = fa_key_chunk(sl, sf, raw, raw_stride, b, it.r, 8 * it.c);
     __syncthreads();  // K is complete; address slot b is free
-    locate(tile + 2, b);
+    fa_locate(sl, keys, nk, tile + 2, tile1, b, tid, staged, sf);
 
     // This warp's half of S = Q K^T: 16 heads x 32 keys (4 n-tiles of 8 keys).
     float sc[4][4];
@@ -257,61 +413,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
       mma_bf16_16816(sc[2], a, b23[0], b23[1]);
       mma_bf16_16816(sc[3], a, b23[2], b23[3]);
     }
-    // S = S_lo + S_hi, the same sum in both warps of the head group.
-    // (Value v of a thread at xs[v][thread]: consecutive lanes, consecutive banks.)
-    float* mine = xs + tid;
-    const float* other = xs + ((warp ^ 4) * 32 + lane);
-#pragma unroll
-    for (int n = 0; n < 4; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) mine[(n * 4 + e) * FA_THREADS] = sc[n][e];
-    __syncthreads();
-#pragma unroll
-    for (int n = 0; n < 4; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float lo = half == 0 ? sc[n][e] : other[(n * 4 + e) * FA_THREADS];
-        const float hi = half == 0 ? other[(n * 4 + e) * FA_THREADS] : sc[n][e];
-        // Logit of key j0 + 8n + 2 cq + (e & 1), head row g + 8 (e >> 1); -inf past nk.
-        const int j = j0 + 8 * n + 2 * cq + (e & 1);
-        sc[n][e] = j < nk ? __fmul_rn(__fadd_rn(lo, hi), scale) : -DSV4_F32_INF;
-      }
-
-    // Online softmax per head row (rows g and g + 8; a quad holds a row's 32 keys).
     unsigned pa[2][4];  // P as the A fragments of the two k16 steps of P V
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -DSV4_F32_INF;
-#pragma unroll
-      for (int n = 0; n < 4; ++n) mx = fmaxf(mx, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mnew = fmaxf(mrow[r], mx);  // finite: every tile holds a real key
-      const float corr = mrow[r] == -DSV4_F32_INF ? 0.0f : expf(__fsub_rn(mrow[r], mnew));
-      mrow[r] = mnew;
-      float sum = 0.0f;
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const float e0 = expf(__fsub_rn(sc[n][2 * r], mnew));
-        const float e1 = expf(__fsub_rn(sc[n][2 * r + 1], mnew));
-        sum = __fadd_rn(__fadd_rn(sum, e0), e1);
-        sc[n][2 * r] = e0;
-        sc[n][2 * r + 1] = e1;
-      }
-      lrow[r] = __fadd_rn(__fmul_rn(lrow[r], corr), sum);
-#pragma unroll
-      for (int n = 0; n < FA_MAX_HD / 16; ++n) {
-        acc[n][2 * r] = __fmul_rn(acc[n][2 * r], corr);
-        acc[n][2 * r + 1] = __fmul_rn(acc[n][2 * r + 1], corr);
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      pa[kk][0] = pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
-      pa[kk][1] = pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]);
-      pa[kk][2] = pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-      pa[kk][3] = pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-    }
+    fa_softmax_tile(sc, xs, tid, half, cq, j0, nk, scale, mrow, lrow, acc, pa);
     // O += P V over this warp's dims (n-tile pairs of 16 dims).
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
@@ -325,35 +428,235 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         }
       }
   }
+  fa_finish(acc, mrow, lrow, t, H, hd, hg, g, cq, half, dim0, part, splits, sinks, part_o, ml, o);
+}
 
-  // Exp sums of whole rows (the quad's four parts, in a fixed order).
+// ------------------------------------------------------------------------------------------ wgmma path
+
+// The same attention with both products on wgmma (sm_90a), for head dim FA_WG_HD: each warpgroup
+// (128 threads) takes all 64 head rows (wgmma M) and one half of the head dims. S = Q K^T: SS
+// wgmma m64n32k16 over its 256 dims (Q and the key tile K-major in shared memory); S = S_lo + S_hi
+// and the softmax exactly as above (fa_softmax_tile); O += P V: RS wgmma m64n256k16 with P from
+// registers and V = the same key rows read N-major (imm-trans-b). Both operands sit in the 128-byte
+// swizzle (16-byte unit u of a 128-byte row at u ^ (row % 8)) in chunks of 64 dims, so one stored
+// tile serves as K (K-major: rows = keys) and V (N-major: rows = keys, dims contiguous; LBO = the
+// chunk stride, SBO = 8 rows).
+//
+// Pipeline per tile i: S(i) issued; the wait for P V(i - 1); tile i + 1's raw rows decoded into
+// the other K buffer while S(i) runs; S(i)'s wait, the softmax, P V(i) issued without a wait.
+// Raw rows are fetched two tiles ahead (FA_WG_RAW slots, addresses looked up with them).
+// Deterministic: fixed tiles and order. Not batch invariant (the split count depends on T).
+#define FA_WG_HD 512
+#define FA_WG_RAW 3
+#define FA_WG_Q_CHUNK (FA_MAX_HEADS * 128)  // bytes of a 64-dim chunk of Q
+#define FA_WG_K_CHUNK (FA_TILE_KEYS * 128)  // bytes of a 64-dim chunk of a key tile
+#define FA_WG_K_TILE (8 * FA_WG_K_CHUNK)
+#define FA_WG_Q_BYTES (8 * FA_WG_Q_CHUNK)
+#if FA_WG_HD != 8 * 64 || FA_MAX_HD < FA_WG_HD
+#error "the wgmma path tiles a head of FA_WG_HD dims as 8 chunks of 64"
+#endif
+#if FA_MAX_HEADS != 64 || FA_THREADS != 256 || FA_TILE_KEYS != 32
+#error "the wgmma path is two warpgroups of m64 (all heads) over 32-key tiles"
+#endif
+
+// Byte offset of 16-byte unit u (0 .. 63) of row r in a chunked, 128-byte swizzled operand whose
+// 64-dim chunks are chunk_bytes apart.
+DSV4_INLINE unsigned fa_sw(int r, int u, int chunk_bytes) {
+  return (unsigned)((u >> 3) * chunk_bytes + r * 128 + (((u & 7) ^ (r & 7)) << 4));
+}
+
+// Matrix descriptor of an N-major (transposed) 128-byte swizzled operand: atoms of 8 rows (K) x 128
+// bytes (N), `lbo` between atoms along N, `sbo` between atoms along K (PTX ISA, matrix descriptor;
+// CUTLASS's canonical MN-major SW128 layout), 1024-byte aligned start.
+DSV4_INLINE unsigned long long fa_desc_sw128_n(const void* smem, unsigned lbo, unsigned sbo) {
+  const unsigned long long a = smem_addr(smem);
+  return ((a & 0x3FFFFull) >> 4) | ((unsigned long long)((lbo & 0x3FFFFu) >> 4) << 16) |
+         ((unsigned long long)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
+}
+
+// S (64 heads x 32 keys, f32) += Q K^T over one k16 step: both operands K-major in shared memory
+// (128-byte swizzle). scale_d = 0 starts the sum from zero.
+DSV4_INLINE void fa_wgmma_s(float (&d)[4][4], unsigned long long qdesc, unsigned long long kdesc, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0; }\n"
+      :
+        "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "l"(qdesc), "l"(kdesc), "r"(scale_d));
+}
+
+// O (64 heads x 256 dims, f32) += P V over one k16 step of keys: P from registers (the A fragments of
+// S's accumulators), V N-major in shared memory (the key rows themselves, 128-byte swizzle).
+DSV4_INLINE void fa_wgmma_pv(float (&d)[FA_MAX_HD / 16][4], const unsigned (&a)[4], unsigned long long vdesc) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "{%128, %129, %130, %131}, %132, p, 1, 1, 1; }\n"
+      :
+        "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]),
+        "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]),
+        "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]),
+        "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]),
+        "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]),
+        "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]),
+        "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]),
+        "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),
+        "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(vdesc), "r"(1));
+}
+
+// wgmma_fence_operand for [R][4] fragments.
+template <int R>
+DSV4_INLINE void fa_fence_acc(float (&d)[R][4]) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    lrow[r] = __fadd_rn(lrow[r], __shfl_xor_sync(0xffffffffu, lrow[r], 1));
-    lrow[r] = __fadd_rn(lrow[r], __shfl_xor_sync(0xffffffffu, lrow[r], 2));
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])::"memory");
+}
+
+// Grid (T, splits), FA_THREADS threads, the inputs and outputs of fa_attention_kernel; hd == FA_WG_HD
+// (the wrapper checks). Dynamic shared memory 1024-byte aligned: Q, two K tiles, the S exchange,
+// FA_WG_RAW raw tiles and address slots (fast_attention.rs wgmma_smem_bytes).
+extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
+    fa_attention_wgmma_kernel(const float* q, const float* kv, const unsigned char* staged,
+                              const unsigned char* ring,
+                              const unsigned char* entries, const int* etable, int epps,
+                              const int* selected, const int* nsel, const int* positions,
+                              const int* seq_of, const int* query_start, const int* seq_slots,
+                              const float* sinks, int T, int H, int hd, int nope, int W, int ratio,
+                              int maxe, int topk, int splits, float* part_o, float* part_ml, float* o) {
+  dsv4_pdl_begin();
+  extern __shared__ __align__(1024) unsigned char fa_smem[];
+  if ((smem_addr(fa_smem) & 1023u) != 0) __trap();  // the swizzle needs 1024-byte aligned operands
+  const int t = blockIdx.x, split = blockIdx.y;
+  if (t >= T) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int hg = warp & 3, half = warp >> 2;  // head group (16 rows of the m64), warpgroup = dims half
+  const int g = lane >> 2, cq = lane & 3;      // accumulator fragment row / column pair
+  unsigned char* qs = fa_smem;
+  unsigned char* ks = qs + FA_WG_Q_BYTES;
+  float* xs = (float*)(ks + 2 * FA_WG_K_TILE);
+  const KvRowFmt sf = kv_fmt_kv(hd, nope, 1);  // the stored rows
+  const int raw_stride = kv_round_up(sf.row_bytes + sf.scale_bytes, 16);
+  unsigned char* raw = (unsigned char*)(xs + FA_THREADS * 16);
+  FaSlots sl;
+  sl.krow = (unsigned long long*)(raw + FA_WG_RAW * FA_TILE_KEYS * raw_stride);
+  sl.ksc = sl.krow + FA_WG_RAW * FA_TILE_KEYS;
+  sl.kind = (int*)(sl.ksc + FA_WG_RAW * FA_TILE_KEYS);
+  const int dim0 = half * (FA_WG_HD / 2);
+  const long long part = (long long)t * splits + split;
+  float2* ml = (float2*)part_ml;
+
+  const int s = seq_of[t];
+  const int slot = seq_slots[s];
+  AttnKeys keys;
+  int nk = 0;
+  if (slot >= 0)
+    nk = attn_keys_init(&keys, t, s, slot, kv, ring, entries, etable, epps, selected, nsel,
+                        positions, query_start, hd, nope, W, ratio, maxe, topk, 1);
+  const int tiles = (nk + FA_TILE_KEYS - 1) / FA_TILE_KEYS;
+  const int tile0 = (int)((long long)split * tiles / splits);
+  const int tile1 = (int)((long long)(split + 1) * tiles / splits);
+  if (tile0 >= tile1) {
+    fa_empty(t, H, hd, tid, part, splits, ml, o);
+    return;
   }
+  // The keys of raw / address slot rs decoded into K buffer kb: 8 threads a key row (its kind and
+  // addresses read once), thread u of a row taking the 16-byte unit u of each 64-dim chunk.
+  auto decode = [&](int rs, int kb) {
+    const int r = tid >> 3, u = tid & 7;
+    const int k = sl.kind[rs * FA_TILE_KEYS + r];
+    const unsigned char* rr = raw + (rs * FA_TILE_KEYS + r) * raw_stride;
+    const float* fr = (const float*)sl.krow[rs * FA_TILE_KEYS + r];
+    unsigned char* dst = ks + kb * FA_WG_K_TILE + fa_sw(r, u, FA_WG_K_CHUNK);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int h = hg * 16 + g + 8 * r;
-    if (h >= H) continue;
-    if (splits == 1) {
-      const float den = __fadd_rn(lrow[r], expf(__fsub_rn(sinks[h], mrow[r])));
-      float* orow = o + ((long long)t * H + h) * hd + dim0;
-#pragma unroll
-      for (int n = 0; n < FA_MAX_HD / 16; ++n)
-        if (n * 8 < hh)
-          *(float2*)(orow + n * 8 + 2 * cq) =
-              make_float2(round_bf16(__fdiv_rn(acc[n][2 * r], den)),
-                          round_bf16(__fdiv_rn(acc[n][2 * r + 1], den)));
-    } else {
-      float* prow = part_o + (part * H + h) * hd + dim0;
-#pragma unroll
-      for (int n = 0; n < FA_MAX_HD / 16; ++n)
-        if (n * 8 < hh)
-          *(float2*)(prow + n * 8 + 2 * cq) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
-      if (half == 0 && cq == 0) ml[part * H + h] = make_float2(mrow[r], lrow[r]);
+    for (int j = 0; j < FA_WG_HD / 64; ++j) {
+      const int c0 = 64 * j + 8 * u;
+      uint4 w = make_uint4(0u, 0u, 0u, 0u);
+      if (k == FA_KEY_STORED)
+        w = fa_stored_chunk(sf, rr, c0);
+      else if (k == FA_KEY_BATCH)
+        w = fa_f32_chunk(fr, c0);
+      *(uint4*)(dst + j * FA_WG_K_CHUNK) = w;
     }
+    fence_proxy_async_shared();  // generic-proxy writes, read next by wgmma (async proxy)
+  };
+  for (int i = 0; i < FA_WG_RAW; ++i) fa_locate(sl, keys, nk, tile0 + i, tile1, i, tid, staged, sf);
+  fa_load_q(q, t, H, hd, warp, lane, [&](int r, int c, uint2 w) {
+    *(uint2*)(qs + fa_sw(r, c >> 1, FA_WG_Q_CHUNK) + 8 * (c & 1)) = w;
+  });
+  __syncthreads();  // the first tiles' addresses
+  for (int i = 0; i < FA_WG_RAW; ++i) fa_fetch(sl, sf, raw, raw_stride, i, tid);
+  cp_async_wait<FA_WG_RAW - 1>();
+  __syncthreads();  // tile0's raw rows have landed
+  decode(0, 0);     // (and Q's stores fenced for the async proxy)
+  cp_async_wait<FA_WG_RAW - 2>();
+  __syncthreads();  // K buffer 0 and Q complete; tile0 + 1's raw rows landed
+
+  const float scale = (float)(1.0 / sqrt((double)hd));
+  float acc[FA_MAX_HD / 16][4];  // O: 64 heads x this warpgroup's 256 dims (wgmma D fragments)
+#pragma unroll
+  for (int n = 0; n < FA_MAX_HD / 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  float mrow[2] = {-DSV4_F32_INF, -DSV4_F32_INF};
+  float lrow[2] = {0.0f, 0.0f};
+  // Descriptors of this warpgroup's dims half: Q and a K tile (K-major), V (N-major).
+  const unsigned long long qd = wgmma_desc_sw128(qs + half * 4 * FA_WG_Q_CHUNK);
+  const unsigned long long kd0 = wgmma_desc_sw128(ks + half * 4 * FA_WG_K_CHUNK);
+  const unsigned long long vd0 = fa_desc_sw128_n(ks + half * 4 * FA_WG_K_CHUNK, FA_WG_K_CHUNK, 1024);
+  // S of the tile in K buffer kb: this warpgroup's 256 dims, 16 k16 steps (a 64-dim chunk is 4 steps of
+  // 32 bytes), one commit group.
+  float sc[4][4];
+  auto issue_s = [&](int kb) {
+    const unsigned long long kd = kd0 + ((kb * FA_WG_K_TILE) >> 4);
+    wgmma_fence();
+#pragma unroll
+    for (int st = 0; st < 16; ++st)
+      fa_wgmma_s(sc, qd + (((st >> 2) * FA_WG_Q_CHUNK + (st & 3) * 32) >> 4),
+                 kd + (((st >> 2) * FA_WG_K_CHUNK + (st & 3) * 32) >> 4), st > 0);
+    wgmma_commit();
+  };
+  issue_s(0);
+
+  // Tile i: S(i) is in flight on entry. Every wait is in the iteration of its commits (ptxas then sees
+  // which group retires; a wait<1> retiring the previous iteration's P V made it serialize every wgmma).
+  int rcur = 0;  // raw / address slot of tile i (i mod FA_WG_RAW)
+  for (int tile = tile0; tile < tile1; ++tile) {
+    const int b = (tile - tile0) & 1;  // K buffer of tile i
+    const int rnext = rcur + 1 == FA_WG_RAW ? 0 : rcur + 1;
+    decode(rnext, b ^ 1);  // tile i + 1 (zeros past the split's keys) while S(i) runs
+    fa_locate(sl, keys, nk, tile + FA_WG_RAW, tile1, rcur, tid, staged, sf);  // into tile i's slot, decoded already
+    wgmma_wait<0>();  // S(i)
+    fa_fence_acc(sc);
+    unsigned pa[2][4];
+    // (Its barrier: K buffer b ^ 1 and the new addresses complete.)
+    fa_softmax_tile(sc, xs, tid, half, cq, tile * FA_TILE_KEYS, nk, scale, mrow, lrow, acc, pa);
+    fa_fetch(sl, sf, raw, raw_stride, rcur, tid);  // tile i + FA_WG_RAW
+    // P V(i) over this warpgroup's dims, two k16 steps of 16 keys (2048 bytes of rows apart), then
+    // S(i + 1) (past the split: zero keys, never read).
+    fa_fence_acc(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) fa_wgmma_pv(acc, pa[kk], vd0 + ((b * FA_WG_K_TILE + kk * 2048) >> 4));
+    wgmma_commit();
+    issue_s(b ^ 1);
+    wgmma_wait<1>();  // P V(i)
+    fa_fence_acc(acc);
+    cp_async_wait<FA_WG_RAW - 2>();  // tile i + 2's raw rows (this thread's copies)
+    __syncthreads();  // both warpgroups past P V(i): K buffer b free; everyone's tile i + 2 rows landed
+    rcur = rnext;
   }
+  wgmma_wait<0>();  // the S past the last tile
+  fa_fence_acc(sc);
+  cp_async_wait<0>();
+  fa_finish(acc, mrow, lrow, t, H, hd, hg, g, cq, half, dim0, part, splits, sinks, part_o, ml, o);
 }
 
 // The splits of fa_attention_kernel combined, in split order: m = max_s m_s, w_s = exp(m_s - m)

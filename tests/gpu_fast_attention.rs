@@ -1,5 +1,6 @@
-//! GPU op test of the fast set's sparse attention (kernels/fast_attention.cu) against the
-//! reference attention kernel (kernels/attention.cu) on the same device state, at Flash shapes
+//! GPU op test of the fast set's sparse attention (kernels/fast_attention.cu: both kernels, the
+//! mma.sync one and the wgmma one) against the reference attention kernel (kernels/attention.cu)
+//! on the same device state, at Flash shapes
 //! (64 heads of 512, 448 FP8 nope channels + 64 BF16 RoPE, window 128, CSA top-512, HCA ratio
 //! 128): decode batches of 1, 8 and 64 tokens (split over blocks) and prefill chunks of 300
 //! (one block per token), contexts up to 64K (CSA) and 256K (HCA), a ring still filling, HCA
@@ -9,8 +10,9 @@
 //! The error bound, per output value o[t, h, c] (derived in `bound` below) uses the exact
 //! softmax weights w_j = e^{l_j - m} / (Σ e^{l - m} + e^{sink - m}) computed here in f64, and
 //! S_c = Σ_j w_j |v_jc|: both kernels round p_j to BF16 (2^-9 relative each, the fast one from
-//! its running max), the fast logits carry the tensor core's f32 accumulation
-//! (δ_j = (hd/32 + 3) 2^-22 scale Σ_i |q_i k_ji|), its P·V and denominators f32 sums, and both
+//! its running max), the fast logits carry the tensor core's f32 accumulation (a chain of hd/32
+//! k16 steps in either kernel, then the two dims halves added:
+//! δ_j = (hd/32 + 3) 2^-22 scale Σ_i |q_i k_ji|), its P·V and denominators f32 sums, and both
 //! outputs are rounded to BF16:
 //! |o_fast - o_ref| <= (1 + 2^-8) [S_c (2^-8 + 2.1 max δ + ε_acc) + ε_den |o_ref|] + 2^-8 (1 + 2^-8) |o_ref|,
 //! ε_acc = (nk/16 + 4) 2^-22, ε_den = (nk + 20) 2^-23.
@@ -26,7 +28,7 @@ use common::rng::XorShift;
 use dsv4::cuda::arena;
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta};
 use dsv4::cuda::kernels::fast_attention::{
-    self, FastAttention, FastAttentionWorkspace, splits, workspace_floats,
+    self, AttentionPath, FastAttention, FastAttentionWorkspace, splits, workspace_floats,
 };
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::KernelSource;
@@ -255,14 +257,21 @@ fn bound(b: &Batch, st: &State, i: usize, o_ref: &[f32]) -> Vec<f64> {
     out
 }
 
-/// Runs the reference and the fast kernel (twice) on `b`; returns (reference, fast, fast again).
+/// The fast kernels each case runs: mma.sync and wgmma (this file's shapes are the wgmma path's).
+const PATHS: [AttentionPath; 2] = [AttentionPath::Mma, AttentionPath::Wgmma];
+
+/// A fast kernel's output from two runs of the same batch.
+type TwoRuns = (Vec<f32>, Vec<f32>);
+
+/// Runs the reference and each fast kernel of [`PATHS`] (twice) on `b`; returns the reference
+/// and, per path, (fast, fast again).
 fn run(
     attn: &Attention,
     fast: &FastAttention,
     st: &State,
     b: &Batch,
     s: BorrowedStream,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+) -> (Vec<f32>, Vec<TwoRuns>) {
     let g = family_gpu(&FAMILIES).unwrap();
     let t = b.t();
     let [po, pml] = workspace_floats(H, HD);
@@ -282,6 +291,7 @@ fn run(
         t * H * HD * 4,
         po * 4,
         pml * 4,
+        t * fast_attention::staged_row_bytes(HD, NOPE),
     ];
     let (_arena, p) = alloc(&g.ctx, &sizes);
     let up = |d: DevicePtr, v: &[u8]| arena::copy_to_device_sync(d, v, s).unwrap();
@@ -340,10 +350,11 @@ fn run(
         official: true,
         o: p[12],
     };
-    assert!(FastAttention::covers(&args));
+    assert!(FastAttention::covers(&args) && FastAttention::covers_wgmma(&args));
     let ws = FastAttentionWorkspace {
         part_o: p[13],
         part_ml: p[14],
+        staged: p[15],
     };
     let download = |d: DevicePtr| {
         let mut v = vec![0f32; t * H * HD];
@@ -354,13 +365,19 @@ fn run(
     poison();
     attn.attention(&g.ctx, &meta, &args, s).unwrap();
     let o_ref = download(p[12]);
-    poison();
-    fast.attention(&g.ctx, &meta, &args, &ws, s).unwrap();
-    let o_fast = download(p[12]);
-    poison();
-    fast.attention(&g.ctx, &meta, &args, &ws, s).unwrap();
-    let o_again = download(p[12]);
-    (o_ref, o_fast, o_again)
+    let mut fast_runs = vec![];
+    for path in PATHS {
+        let once = || {
+            poison();
+            fast.attention_on(path, &g.ctx, &meta, &args, &ws, s)
+                .unwrap();
+            download(p[12])
+        };
+        let o_fast = once();
+        let o_again = once();
+        fast_runs.push((o_fast, o_again));
+    }
+    (o_ref, fast_runs)
 }
 
 /// Compares the fast output with the reference under the bound (tokens in parallel); returns
@@ -451,23 +468,32 @@ fn run_layer(
     let st = State::random(&mut rng, ratio, csa, max_seq_len);
     for (k, seqs) in batches.iter().enumerate() {
         let b = Batch::new(&mut rng, &st, seqs);
-        let (o_ref, o_fast, o_again) = run(&attn, &fast, &st, &b, s);
-        let tag = format!("{name} batch {k}");
-        check(&tag, &st, &b, &o_ref, &o_fast);
-        assert!(
-            o_fast
-                .iter()
-                .zip(&o_again)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{tag}: two runs differ"
-        );
-        for (i, &sl) in b.layout.seq_of.iter().enumerate() {
-            if b.layout.seq_slots[sl as usize] < 0 {
-                let row = &o_fast[i * H * HD..][..H * HD];
-                assert!(
-                    row.iter().all(|v| v.to_bits() == 0),
-                    "{tag}: padding token {i} not zero"
-                );
+        let (o_ref, fast_runs) = run(&attn, &fast, &st, &b, s);
+        let apart = fast_runs[0]
+            .0
+            .iter()
+            .zip(&fast_runs[1].0)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        println!("{name} batch {k}: the two fast kernels differ in {apart} values");
+        for (path, (o_fast, o_again)) in PATHS.iter().zip(&fast_runs) {
+            let tag = format!("{name} batch {k} {path:?}");
+            check(&tag, &st, &b, &o_ref, o_fast);
+            assert!(
+                o_fast
+                    .iter()
+                    .zip(o_again)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{tag}: two runs differ"
+            );
+            for (i, &sl) in b.layout.seq_of.iter().enumerate() {
+                if b.layout.seq_slots[sl as usize] < 0 {
+                    let row = &o_fast[i * H * HD..][..H * HD];
+                    assert!(
+                        row.iter().all(|v| v.to_bits() == 0),
+                        "{tag}: padding token {i} not zero"
+                    );
+                }
             }
         }
     }

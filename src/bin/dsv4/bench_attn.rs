@@ -22,7 +22,9 @@ use crate::bench_util::{Rng, alloc, e, time_graph};
 use dsv4::cuda::arena::{self, DevicePtr};
 use dsv4::cuda::context::Context;
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta};
-use dsv4::cuda::kernels::fast_attention::{self, FastAttention, FastAttentionWorkspace};
+use dsv4::cuda::kernels::fast_attention::{
+    self, AttentionPath, FastAttention, FastAttentionWorkspace,
+};
 use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, SelectPlan};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
@@ -136,6 +138,7 @@ pub fn run(
             tmax * H * HD * 4,
             po * 4,
             pml * 4,
+            tmax * fast_attention::staged_row_bytes(HD, NOPE),
         ],
     )?;
     arena::copy_to_device_sync(sp[0], &tpl, s).map_err(e)?;
@@ -150,6 +153,7 @@ pub fn run(
     let ws = FastAttentionWorkspace {
         part_o: sp[11],
         part_ml: sp[12],
+        staged: sp[13],
     };
     for &(kind, ratio, csa) in &KINDS {
         for &ctx_len in contexts {
@@ -235,20 +239,25 @@ pub fn run(
                 let keys = W.min(ctx_len) + if csa { nsel } else { visible };
                 let kv_bytes = t * keys * rows.bytes_per_row();
                 let io_bytes = kv_bytes + t * 2 * H * HD * 2;
+                // "fast" is the path the fast set picks (AttentionPath::Auto); both kernels are
+                // timed besides it for the crossover.
                 let kernels: &[&str] = if t <= REFERENCE_MAX_T {
-                    &["fast", "reference"]
+                    &["fast", "fast_mma", "fast_wgmma", "reference"]
                 } else {
-                    &["fast"]
+                    &["fast", "fast_mma", "fast_wgmma"]
                 };
                 for &kernel in kernels {
                     let call = |j: usize| -> dsv4::Result<()> {
+                        let on = |path| fast.attention_on(path, &ctx, &meta, &args(j), &ws, s);
                         match kernel {
-                            "fast" => fast.attention(&ctx, &meta, &args(j), &ws, s),
+                            "fast" => on(AttentionPath::Auto),
+                            "fast_mma" => on(AttentionPath::Mma),
+                            "fast_wgmma" => on(AttentionPath::Wgmma),
                             _ => reference.attention(&ctx, &meta, &args(j), s),
                         }
                     };
                     // The reference takes long: a few copies suffice to time it.
-                    let n = if kernel == "fast" {
+                    let n = if kernel != "reference" {
                         copies
                     } else {
                         copies.min(4)
@@ -258,7 +267,7 @@ pub fn run(
                     let sec = timing.device_s;
                     println!(
                         "{{\"bench\": \"attn\", \"layer\": \"{kind}\", \"kernel\": \"{kernel}\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {HD}, \"keys_per_token\": {keys}, \"splits\": {}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"kv_bytes\": {kv_bytes}, \"io_bytes\": {io_bytes}, \"gb_per_s\": {:.1}, \"state_copies\": {n}, \"calls_timed\": {}}}",
-                        if kernel == "fast" {
+                        if kernel != "reference" {
                             fast_attention::splits(t, W + if csa { TOPK } else { maxe })
                         } else {
                             1

@@ -9,7 +9,7 @@
 use super::attention::AttentionArgs;
 use super::attention::BatchMeta;
 use super::{need, to_i32};
-use crate::cuda::kv_pages::{KvFormat, RowKind};
+use crate::cuda::kv_pages::{KvFormat, KvRows, RowKind};
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -46,18 +46,62 @@ pub const fn smem_bytes(hd: usize, raw_row: usize) -> usize {
 /// The largest block (the registry raises the kernel's limit to it): a stored row is at most
 /// 2 bytes a value plus its scale record.
 pub const MAX_SMEM: usize = smem_bytes(MAX_HD, 2 * MAX_HD + 16);
-// A Hopper block may use 227 KB of shared memory.
-const _: () = assert!(MAX_SMEM <= 227 * 1024);
+/// Shared memory a Hopper block may use.
+pub const SM90_MAX_SMEM: usize = 227 * 1024;
+const _: () = assert!(MAX_SMEM <= SM90_MAX_SMEM);
+
+/// The head dim of the wgmma path (FA_WG_HD): 8 chunks of 64 dims, each warpgroup's P V one
+/// m64n256 wgmma.
+pub const WGMMA_HD: usize = 512;
+/// Raw tiles the wgmma path keeps in flight or decoding (FA_WG_RAW): two tiles fetched ahead.
+pub const WGMMA_RAW_TILES: usize = 3;
+
+/// Dynamic shared memory of a wgmma-path block whose stored rows take `raw_row` bytes: Q (all
+/// heads) and two key tiles as swizzled bf16, the S exchange, [`WGMMA_RAW_TILES`] raw tiles and
+/// their address slots. The kernel needs its start 1024-byte aligned (a dynamic allocation
+/// without static shared memory is).
+pub const fn wgmma_smem_bytes(raw_row: usize) -> usize {
+    2 * MAX_HEADS * WGMMA_HD
+        + 2 * 2 * TILE_KEYS * WGMMA_HD
+        + 4 * THREADS * 16
+        + WGMMA_RAW_TILES * TILE_KEYS * raw_row.next_multiple_of(16)
+        + WGMMA_RAW_TILES * TILE_KEYS * 20
+}
+
+/// Which kernel runs the attention: [`AttentionPath::Mma`] (mma.sync, any head dim it covers) or
+/// [`AttentionPath::Wgmma`] (wgmma, head dim [`WGMMA_HD`] only); [`AttentionPath::Auto`] picks
+/// by [`AttentionPath::for_layer`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionPath {
+    Auto,
+    Mma,
+    Wgmma,
+}
 
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
     pub const SOURCE = "fast_attention", include_str!("../../../kernels/fast_attention.cu");
 
-    /// `entries`, `etable` NULL on window-only layers; `selected` / `nsel` NULL except on CSA.
+    /// The batch's KV rows in the stored format, for the attention's fetch path.
+    #[pdl(true)]
+    fn fa_stage_rows_kernel(kv: *const f32, t: i32, hd: i32, nope: i32, staged: *mut u8);
+    /// `entries`, `etable` NULL on window-only layers; `selected` / `nsel` NULL except on CSA;
+    /// `staged` NULL or the batch's rows from `fa_stage_rows_kernel`.
     #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
     fn fa_attention_kernel(
-        q: *const f32, kv: *const f32, ring: *const u8, entries: Option<*const u8>,
+        q: *const f32, kv: *const f32, staged: Option<*const u8>, ring: *const u8, entries: Option<*const u8>,
+        etable: Option<*const i32>, epps: i32, selected: Option<*const i32>,
+        nsel: Option<*const i32>, positions: *const i32, seq_of: *const i32,
+        query_start: *const i32, seq_slots: *const i32, sinks: *const f32, t: i32, h: i32,
+        hd: i32, nope: i32, w: i32, ratio: i32, maxe: i32, topk: i32, splits: i32,
+        part_o: Option<*mut f32>, part_ml: Option<*mut f32>, o: *mut f32,
+    );
+    /// The same on wgmma (head dim [`WGMMA_HD`]; the block at most [`SM90_MAX_SMEM`]).
+    #[smem(SM90_MAX_SMEM as u32)]
+    #[pdl(true)]
+    fn fa_attention_wgmma_kernel(
+        q: *const f32, kv: *const f32, staged: Option<*const u8>, ring: *const u8, entries: Option<*const u8>,
         etable: Option<*const i32>, epps: i32, selected: Option<*const i32>,
         nsel: Option<*const i32>, positions: *const i32, seq_of: *const i32,
         query_start: *const i32, seq_slots: *const i32, sinks: *const f32, t: i32, h: i32,
@@ -75,11 +119,30 @@ crate::launchers! {
     /// The fast_attention family's entry points, resolved from a loaded registry.
     pub struct FastAttention {
         attention: fa_attention_kernel,
+        attention_wgmma: fa_attention_wgmma_kernel,
+        stage: fa_stage_rows_kernel,
         combine: fa_combine_kernel,
     }
 }
 
 const FAMILY: &str = "fast_attention";
+
+impl AttentionPath {
+    /// The kernel [`AttentionPath::Auto`] runs for `t` tokens: wgmma where it covers the layer and
+    /// from [`WGMMA_MIN_TOKENS`] tokens.
+    pub fn for_layer(x: &AttentionArgs, t: usize) -> AttentionPath {
+        if t >= WGMMA_MIN_TOKENS && FastAttention::covers_wgmma(x) {
+            AttentionPath::Wgmma
+        } else {
+            AttentionPath::Mma
+        }
+    }
+}
+
+/// Tokens from which [`AttentionPath::Auto`] takes the wgmma kernel. Measured (bench attn, H200,
+/// CSA / HCA at 8K and 64K): at 1 and 8 tokens the mma.sync kernel is 1.4-1.9 us faster (its
+/// splits of one tile start sooner), from 64 the wgmma one is as fast or faster.
+pub const WGMMA_MIN_TOKENS: usize = 64;
 
 /// Splits of each token's keys for a batch of `t` tokens attending to at most `max_keys` keys:
 /// enough blocks for the GPU at few tokens, one per token from [`SPLIT_TARGET`] / 2 tokens on.
@@ -96,11 +159,27 @@ pub fn workspace_floats(heads: usize, head_dim: usize) -> [usize; 2] {
     [SPLIT_TARGET * heads * head_dim, SPLIT_TARGET * heads * 2]
 }
 
-/// The split workspace at its arena addresses.
+/// Tokens from which the batch's KV rows are staged in the stored format before the attention
+/// (`fa_stage_rows_kernel`, one launch), so both kernels fetch them with their async copies
+/// instead of loading f32 rows in the decode. Below, a token's only batch row is usually its own.
+pub const STAGE_MIN_TOKENS: usize = WGMMA_MIN_TOKENS;
+
+/// Bytes of one staged row (the kernel's `fa_staged_stride`): value bytes and scale record,
+/// 16-byte aligned.
+pub fn staged_row_bytes(head_dim: usize, nope: usize) -> usize {
+    KvRows::kv(KvFormat::Official, head_dim, nope)
+        .bytes_per_row()
+        .next_multiple_of(16)
+}
+
+/// The split workspace and the staged batch rows at their arena addresses.
 #[derive(Clone, Copy, Debug)]
 pub struct FastAttentionWorkspace {
     pub part_o: DevicePtr,
     pub part_ml: DevicePtr,
+    /// Room for [`staged_row_bytes`] a token of the largest batch; null (or too small for a
+    /// batch) to read the batch's f32 rows directly.
+    pub staged: DevicePtr,
 }
 
 fn bad(msg: String) -> Error {
@@ -124,10 +203,32 @@ impl FastAttention {
             && nope <= x.head_dim
     }
 
+    /// Whether the wgmma kernel takes this layer too: [`FastAttention::covers`], head dim
+    /// [`WGMMA_HD`], and its block within [`SM90_MAX_SMEM`].
+    pub fn covers_wgmma(x: &AttentionArgs) -> bool {
+        Self::covers(x)
+            && x.head_dim == WGMMA_HD
+            && wgmma_smem_bytes(x.ring.rows.bytes_per_row()) <= SM90_MAX_SMEM
+    }
+
     /// o = softmax-with-sink over each token's keys (the reference's [`AttentionArgs`], which
-    /// [`FastAttention::covers`]); one launch, or two with the split combine.
+    /// [`FastAttention::covers`]), on the kernel [`AttentionPath::Auto`] picks.
     pub fn attention(
         &self,
+        ctx: &Context,
+        b: &BatchMeta,
+        x: &AttentionArgs,
+        ws: &FastAttentionWorkspace,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        self.attention_on(AttentionPath::Auto, ctx, b, x, ws, stream)
+    }
+
+    /// The same on a chosen kernel (benches and tests time and check both): one launch, or two
+    /// with the split combine.
+    pub fn attention_on(
+        &self,
+        path: AttentionPath,
         ctx: &Context,
         b: &BatchMeta,
         x: &AttentionArgs,
@@ -141,6 +242,19 @@ impl FastAttention {
                 x.heads, x.head_dim, x.ring.rows, x.official
             )));
         }
+        let wgmma = match path {
+            AttentionPath::Auto => {
+                AttentionPath::for_layer(x, b.num_tokens) == AttentionPath::Wgmma
+            }
+            AttentionPath::Mma => false,
+            AttentionPath::Wgmma if Self::covers_wgmma(x) => true,
+            AttentionPath::Wgmma => {
+                return Err(bad(format!(
+                    "the wgmma kernel takes head dim {WGMMA_HD} only, not {}",
+                    x.head_dim
+                )));
+            }
+        };
         // The reference wrapper's checks: state sizes, formats, selection buffers.
         let checked = x.check(FAMILY, b.num_tokens)?;
         let (t, h, hd) = (b.num_tokens, x.heads, x.head_dim);
@@ -157,40 +271,75 @@ impl FastAttention {
         }
         let i = |what: &str, v: usize| to_i32(FAMILY, what, v);
         let _g = ctx.enter()?;
-        let args = fa_attention_kernel::Args {
-            q: x.q,
-            kv: x.kv,
-            ring: x.ring.pool,
-            entries: checked.entries.map(|e| e.pool),
-            etable: checked.entries.and_then(|e| e.table),
-            epps: i(
-                "pages per slot",
-                checked.entries.map_or(0, |e| e.pages_per_slot),
-            )?,
-            selected: checked.selected.map(|s| s.0),
-            nsel: checked.selected.map(|s| s.1),
-            positions: b.positions,
-            seq_of: b.seq_of,
-            query_start: b.query_start,
-            seq_slots: b.seq_slots,
-            sinks: x.sinks,
-            t: i("num_tokens", t)?,
-            h: i("heads", h)?,
-            hd: i("head_dim", hd)?,
-            nope: i("nope", checked.nope)?,
-            w: i("window", x.window)?,
-            ratio: i("ratio", x.ratio)?,
-            maxe: i("maxe", x.maxe)?,
-            topk: i("topk", x.topk)?,
-            splits: i("splits", splits)?,
-            part_o: part.map(|p| p.0),
-            part_ml: part.map(|p| p.1),
-            o: x.o,
-        };
+        let staged = (t >= STAGE_MIN_TOKENS
+            && ws.staged.bytes() >= t * staged_row_bytes(hd, checked.nope))
+        .then_some(ws.staged);
+        if let Some(dst) = staged {
+            let args = fa_stage_rows_kernel::Args {
+                kv: x.kv,
+                t: i("num_tokens", t)?,
+                hd: i("head_dim", hd)?,
+                nope: i("nope", checked.nope)?,
+                staged: dst,
+            };
+            self.stage.launch(blocks, THREADS as u32, 0, stream, args)?;
+        }
+        // Both attention kernels take the same parameters.
+        macro_rules! args {
+            ($k:ident) => {
+                $k::Args {
+                    q: x.q,
+                    kv: x.kv,
+                    staged,
+                    ring: x.ring.pool,
+                    entries: checked.entries.map(|e| e.pool),
+                    etable: checked.entries.and_then(|e| e.table),
+                    epps: i(
+                        "pages per slot",
+                        checked.entries.map_or(0, |e| e.pages_per_slot),
+                    )?,
+                    selected: checked.selected.map(|s| s.0),
+                    nsel: checked.selected.map(|s| s.1),
+                    positions: b.positions,
+                    seq_of: b.seq_of,
+                    query_start: b.query_start,
+                    seq_slots: b.seq_slots,
+                    sinks: x.sinks,
+                    t: i("num_tokens", t)?,
+                    h: i("heads", h)?,
+                    hd: i("head_dim", hd)?,
+                    nope: i("nope", checked.nope)?,
+                    w: i("window", x.window)?,
+                    ratio: i("ratio", x.ratio)?,
+                    maxe: i("maxe", x.maxe)?,
+                    topk: i("topk", x.topk)?,
+                    splits: i("splits", splits)?,
+                    part_o: part.map(|p| p.0),
+                    part_ml: part.map(|p| p.1),
+                    o: x.o,
+                }
+            };
+        }
         let grid = (blocks, splits as u32);
-        let smem = smem_bytes(hd, x.ring.rows.bytes_per_row());
-        self.attention
-            .launch(grid, THREADS as u32, smem as u32, stream, args)?;
+        if wgmma {
+            let smem = wgmma_smem_bytes(x.ring.rows.bytes_per_row());
+            self.attention_wgmma.launch(
+                grid,
+                THREADS as u32,
+                smem as u32,
+                stream,
+                args!(fa_attention_wgmma_kernel),
+            )?;
+        } else {
+            let smem = smem_bytes(hd, x.ring.rows.bytes_per_row());
+            self.attention.launch(
+                grid,
+                THREADS as u32,
+                smem as u32,
+                stream,
+                args!(fa_attention_kernel),
+            )?;
+        }
         if splits == 1 {
             return Ok(());
         }
@@ -212,6 +361,19 @@ impl FastAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_wgmma_block_fits_flash_rows_and_refuses_rows_it_cannot_hold() {
+        use crate::cuda::kv_pages::{KvFormat, KvRows};
+        // Flash: 448 FP8 nope channels + 64 BF16 RoPE, 592 bytes a staged row.
+        let flash = KvRows::kv(KvFormat::Official, WGMMA_HD, 448).bytes_per_row();
+        let bytes = wgmma_smem_bytes(flash);
+        assert!(bytes <= SM90_MAX_SMEM, "{bytes} bytes");
+        assert!(bytes > MAX_SMEM.min(smem_bytes(WGMMA_HD, flash)));
+        // An all-BF16 row (no FP8 part) would need more than a block has: covers_wgmma refuses it.
+        let bf16 = KvRows::kv(KvFormat::Official, WGMMA_HD, 0).bytes_per_row();
+        assert!(wgmma_smem_bytes(bf16) > SM90_MAX_SMEM);
+    }
 
     #[test]
     fn splits_fill_the_gpu_at_few_tokens_and_stop_at_the_workspace() {

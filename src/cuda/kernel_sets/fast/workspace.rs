@@ -1,5 +1,6 @@
 //! The fast set's own workspace (beside the reference set's, which it shares): the fast MoE's
-//! buffers for `max_num_tokens`, the sparse attention's split partials, the dense projections'
+//! buffers for `max_num_tokens`, the sparse attention's split partials and staged batch rows, the
+//! dense projections'
 //! (for their largest shape) and, when
 //! `max_num_tokens` reaches the cuBLASLt crossover, the GEMM path's activation operand and
 //! cuBLASLt's own workspace, declared in the engine's memory plan at create.
@@ -23,7 +24,7 @@ pub struct Workspace {
     pub dense: DenseWorkspace,
     /// The GEMM path's operand and cuBLASLt's workspace, when planned.
     pub gemm: Option<(GemmWorkspace, DevicePtr)>,
-    /// The sparse attention's split partials.
+    /// The sparse attention's split partials and staged batch rows.
     pub attention: FastAttentionWorkspace,
 }
 
@@ -33,7 +34,7 @@ pub struct WorkspaceIds {
     ids: Vec<RegionId>,
     dense: [RegionId; 4],
     gemm: Option<[RegionId; 4]>,
-    attention: [RegionId; 2],
+    attention: [RegionId; 3],
     t: usize,
     k: usize,
     experts: usize,
@@ -101,15 +102,21 @@ impl Workspace {
             None
         };
         let [po, pml] = fast_attention::workspace_floats(cfg.num_heads, cfg.head_dim);
-        let mut attn = |name: &str, n: usize| {
+        let staged =
+            t * fast_attention::staged_row_bytes(cfg.head_dim, cfg.head_dim - cfg.rope_dim);
+        let mut attn = |name: &str, elem, n: usize| {
             plan.declare(
                 BufferKind::Workspace,
                 format!("workspace:fast_attention.{name}"),
-                Elem::F32,
+                elem,
                 &[n.max(1)],
             )
         };
-        let attention = [attn("part_o", po)?, attn("part_ml", pml)?];
+        let attention = [
+            attn("part_o", Elem::F32, po)?,
+            attn("part_ml", Elem::F32, pml)?,
+            attn("staged_rows", Elem::U8, staged)?,
+        ];
         Ok(WorkspaceIds {
             ids,
             dense: [dense[0], dense[1], dense[2], dense[3]],
@@ -144,6 +151,7 @@ impl Workspace {
             attention: FastAttentionWorkspace {
                 part_o: arena.region(w.attention[0]),
                 part_ml: arena.region(w.attention[1]),
+                staged: arena.region(w.attention[2]),
             },
         }
     }
