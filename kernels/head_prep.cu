@@ -71,3 +71,79 @@ extern "C" __global__ void __launch_bounds__(2 * HP_MAX_PAIRS)
     hx[2 * p + 1] = b;
   }
 }
+
+// head_prep_kernel's operation for many rows of many heads (a prefill's queries): a block a row
+// (grid-stride), a warp a head (looping over the row's heads), lane l holding the pairs l + 32 i
+// (i < HP_ROWS_LANE_PAIRS: head_dim <= 64 HP_ROWS_LANE_PAIRS). The row's cos / sin are computed
+// once into shared memory (head_prep_kernel: once per head), and a head's sum of squares is the
+// lanes' f64 sums added by ref_warp_sum_f64 (another grouping of the same f64 terms, as any
+// thread layout groups them: docs/numerics.md); every other value goes through the same
+// operations as in head_prep_kernel. The KV sim's 64-channel block i is pair slot i of the warp.
+// Grid rows (at most the device's limit), 32 * HP_ROWS_WARPS threads.
+extern "C" __global__ void __launch_bounds__(32 * HP_ROWS_WARPS)
+    head_prep_rows_kernel(float* x, int rows, int ld, int heads, int head_dim, const float* weight, float eps,
+                          const int* pos, const float* inv_freq, int half_rope, int sim_nope, int round_out) {
+  dsv4_pdl_begin();
+  __shared__ float cs[2 * 32 * HP_ROWS_LANE_PAIRS];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int pairs = head_dim / 2, nope = head_dim - 2 * half_rope;
+  for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+    __syncthreads();  // the previous row's cos / sin consumed
+    for (int k = threadIdx.x; k < half_rope; k += blockDim.x) {
+      float c, s;
+      ref_rope_cs(__int2float_rn(pos[r]), inv_freq[k], 1.0f, c, s);
+      cs[2 * k] = c;
+      cs[2 * k + 1] = s;
+    }
+    __syncthreads();
+    for (int h = warp; h < heads; h += HP_ROWS_WARPS) {
+      float* hx = x + (long long)r * ld + (long long)h * head_dim;
+      float a[HP_ROWS_LANE_PAIRS], b[HP_ROWS_LANE_PAIRS];
+      double sq = 0.0;
+#pragma unroll
+      for (int i = 0; i < HP_ROWS_LANE_PAIRS; ++i) {
+        const int p = lane + 32 * i;
+        a[i] = b[i] = 0.0f;
+        if (p < pairs) {
+          const float2 v = *(const float2*)(hx + 2 * p);
+          a[i] = v.x;
+          b[i] = v.y;
+        }
+        const double da = (double)a[i], db = (double)b[i];
+        sq = __dadd_rn(sq, __dadd_rn(__dmul_rn(da, da), __dmul_rn(db, db)));
+      }
+      const double s = ref_warp_sum_f64(sq);
+      const float ms = (float)__ddiv_rn(s, (double)head_dim);
+      const float rr = ref_rsqrt(__fadd_rn(ms, eps));
+#pragma unroll
+      for (int i = 0; i < HP_ROWS_LANE_PAIRS; ++i) {
+        const int p = lane + 32 * i;
+        if (p < pairs) {
+          a[i] = __fmul_rn(a[i], rr);
+          b[i] = __fmul_rn(b[i], rr);
+          if (weight != nullptr) {
+            a[i] = __fmul_rn(a[i], weight[2 * p]);
+            b[i] = __fmul_rn(b[i], weight[2 * p + 1]);
+          }
+          if (round_out) {
+            a[i] = round_bf16(a[i]);
+            b[i] = round_bf16(b[i]);
+          }
+          if (2 * p >= nope) {
+            const int k = p - nope / 2;
+            ref_rope_rotate(a[i], b[i], cs[2 * k], cs[2 * k + 1], round_out);
+          }
+        }
+        if (64 * i < sim_nope) {  // uniform per warp: every lane joins its block's max
+          const bool h0 = p < pairs && 2 * p < sim_nope, h1 = p < pairs && 2 * p + 1 < sim_nope;
+          float amax = warp_max(fmaxf(h0 ? fabsf(a[i]) : 0.0f, h1 ? fabsf(b[i]) : 0.0f));
+          amax = fmaxf(amax, 1e-4f);
+          const float sc = ue8m0_scale(amax, DSV4_E4M3_MAX);
+          if (h0) a[i] = ref_fp8_sim_value(a[i], sc);
+          if (h1) b[i] = ref_fp8_sim_value(b[i], sc);
+        }
+        if (p < pairs) *(float2*)(hx + 2 * p) = make_float2(a[i], b[i]);
+      }
+    }
+  }
+}

@@ -17,9 +17,10 @@
 // pair k of ROPE_HEADS consecutive heads: θ depends on the row and k only, so one f64 cos and sin
 // (long dependent chains) serve them all, 8 times fewer than a thread per pair and head. Measured
 // (ncu, 4096 tokens, five calls): 9.3 ms with this alone, the launch then being bound by starting
-// its blocks; 4.6 ms with norm_rope.rs's launch shape. At decode a call went 5.6 -> 9.6 us: a
-// thread's heads are loaded one after another after the cos / sin (next/rope-hoist loads them first;
-// not yet measured). (ROPE_HEADS: dsv4_consts.cuh, norm_rope.rs ROPE_HEADS.)
+// its blocks; 4.6 ms with norm_rope.rs's launch shape (a prefill now takes rope_rows_kernel below).
+// At decode a call went 5.6 -> 9.6 us: a thread's heads are loaded one after another after the
+// cos / sin (loading them first is untried on a device). (ROPE_HEADS: dsv4_consts.cuh,
+// norm_rope.rs ROPE_HEADS.)
 extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, int head_dim, const int* pos,
                                        const float* inv_freq, int half_rope, float sign, int round_out) {
   dsv4_pdl_begin();
@@ -47,6 +48,54 @@ extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, in
         const int h = q / nope, i = q - h * nope;
         float* v = row + (long long)h * head_dim + i;
         *v = round_bf16(*v);
+      }
+    }
+  }
+}
+
+// rope_kernel's operation for many rows (a prefill's), a block a row (grid-stride): the row's
+// half_rope cos / sin computed once into shared memory (a thread a pair; every head of the row
+// shares them, where rope_kernel computes one per ROPE_HEADS heads), then every (head, pair) rotated
+// by ref_rope_rotate, then with round_out the nope channels rounded, a warp a head, four values a
+// thread where the row layout allows a 16-byte access (vec4), else one. The same operations on
+// every value as rope_kernel: the same bits. half_rope <= ROPE_ROWS_MAX_PAIRS (dsv4_consts.cuh).
+extern "C" __global__ void rope_rows_kernel(float* x, int rows, int ld, int heads, int head_dim, const int* pos,
+                                            const float* inv_freq, int half_rope, float sign, int round_out,
+                                            int vec4) {
+  dsv4_pdl_begin();
+  __shared__ float cs[2 * ROPE_ROWS_MAX_PAIRS];
+  const int nope = head_dim - 2 * half_rope;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+    float* row = x + (long long)r * ld;
+    __syncthreads();  // the previous row's cos / sin consumed
+    if (threadIdx.x < half_rope) {
+      float c, s;
+      ref_rope_cs(__int2float_rn(pos[r]), inv_freq[threadIdx.x], sign, c, s);
+      cs[2 * threadIdx.x] = c;
+      cs[2 * threadIdx.x + 1] = s;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < heads * half_rope; i += blockDim.x) {
+      const int h = i / half_rope, k = i - h * half_rope;
+      float* t = row + (long long)h * head_dim + nope + 2 * k;
+      float a = t[0], b = t[1];
+      ref_rope_rotate(a, b, cs[2 * k], cs[2 * k + 1], round_out);
+      t[0] = a;
+      t[1] = b;
+    }
+    if (round_out && nope > 0) {
+      for (int h = warp; h < heads; h += nwarps) {
+        float* v = row + (long long)h * head_dim;
+        if (vec4) {
+          for (int c = 4 * lane; c < nope; c += 128) {
+            float4 w = *(float4*)(v + c);
+            w = make_float4(round_bf16(w.x), round_bf16(w.y), round_bf16(w.z), round_bf16(w.w));
+            *(float4*)(v + c) = w;
+          }
+        } else {
+          for (int c = lane; c < nope; c += 32) v[c] = round_bf16(v[c]);
+        }
       }
     }
   }

@@ -146,14 +146,19 @@ fn rope_matches_reference_bit_for_bit() {
         ("yarn", rope::inv_freq(&cfg, AttnKind::Csa)),
     ];
     // (rows, heads, head_dim, ld): q heads, one kv / entry row per token, a padded stride,
-    // the released head size (512 with 64 rope channels), a head that is all rope.
+    // the released head size (512 with 64 rope channels), a head that is all rope; then rows
+    // enough for rope_rows_kernel (norm_rope::ROPE_ROWS_MIN): the released heads (16-byte
+    // rounding), an odd stride (one value at a time).
     let half = cfg.rope_dim / 2;
+    let many = norm_rope::ROPE_ROWS_MIN;
     let cases = [
         (13, 4, 128, 512),
         (29, 1, 128, 128),
         (7, 3, 128, 3 * 128 + 17),
         (5, 8, 512, 8 * 512),
         (11, 2, 2 * half, 4 * half),
+        (many + 44, 16, 512, 16 * 512),
+        (many + 3, 3, 128, 3 * 128 + 17),
     ];
     for (fname, freqs) in &freq_sets {
         let (_f, fp) = d.alloc(&[freqs.len() * 4]);
@@ -238,6 +243,10 @@ fn head_prep_matches_reference_bit_for_bit() {
         (6, 2, 200, true, true),
         (4, 3, 2 * half, false, false),
         (2, 1, 2 * norm_rope::HEAD_PREP_MAX_PAIRS, true, true),
+        // head_prep_rows_kernel (a prefill's queries: ROPE_ROWS_MIN rows, 8 heads or more): the
+        // released heads, and a part-filled warp with the KV sim and a weight.
+        (norm_rope::ROPE_ROWS_MIN + 5, 16, 512, false, false),
+        (norm_rope::ROPE_ROWS_MIN + 1, 8, 200, true, true),
     ];
     for official in [false, true] {
         for &(rows, heads, hd, with_w, sim) in &cases {

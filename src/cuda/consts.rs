@@ -144,6 +144,9 @@ pub const SHARED: &[Shared] = shared! {
     "HP_MAX_PAIRS" = Int(norm_rope::HEAD_PREP_MAX_PAIRS as i64) from "norm_rope::HEAD_PREP_MAX_PAIRS";
     "RN_VALS" = Int(norm_rope::RMSNORM_VALUES as i64) from "norm_rope::RMSNORM_VALUES";
     "ROPE_HEADS" = Int(norm_rope::ROPE_HEADS as i64) from "norm_rope::ROPE_HEADS";
+    "HP_ROWS_WARPS" = Int(norm_rope::HEAD_PREP_ROWS_WARPS as i64) from "norm_rope::HEAD_PREP_ROWS_WARPS";
+    "HP_ROWS_LANE_PAIRS" = Int(norm_rope::HEAD_PREP_ROWS_LANE_PAIRS as i64) from "norm_rope::HEAD_PREP_ROWS_LANE_PAIRS";
+    "ROPE_ROWS_MAX_PAIRS" = Int(norm_rope::ROPE_ROWS_MAX_PAIRS as i64) from "norm_rope::ROPE_ROWS_MAX_PAIRS";
     // batch.cu: the codes of the fault record (model::batch, error::Status).
     "BATCH_CHECK_THREADS" = Int(batch::CHECK_THREADS as i64) from "batch::CHECK_THREADS";
     "DSV4_PAD_SLOT" = Int(PAD_SLOT as i64) from "model::batch::PAD_SLOT";
