@@ -305,6 +305,25 @@ DSV4_INLINE void fa_finish(const float (&acc)[FA_MAX_HD / 16][4], const float (&
   }
 }
 
+// Token t's keys (attn_keys.cuh; none for a padding token) and the whole tiles [tile0, tile1) of
+// them that split `split` of `splits` takes; false when that run is empty.
+DSV4_INLINE bool fa_split_tiles(AttnKeys* keys, int* nk, int* tile0, int* tile1, int t, int split, int splits,
+                                const float* kv, const unsigned char* ring, const unsigned char* entries,
+                                const int* etable, int epps, const int* selected, const int* nsel,
+                                const int* positions, const int* seq_of, const int* query_start,
+                                const int* seq_slots, int hd, int nope, int W, int ratio, int maxe, int topk) {
+  const int s = seq_of[t];
+  const int slot = seq_slots[s];
+  *nk = 0;
+  if (slot >= 0)
+    *nk = attn_keys_init(keys, t, s, slot, kv, ring, entries, etable, epps, selected, nsel, positions, query_start,
+                         hd, nope, W, ratio, maxe, topk, 1);
+  const int tiles = (*nk + FA_TILE_KEYS - 1) / FA_TILE_KEYS;
+  *tile0 = (int)((long long)split * tiles / splits);
+  *tile1 = (int)((long long)(split + 1) * tiles / splits);
+  return *tile0 < *tile1;
+}
+
 // A block whose token has no keys in its split (padding, or an empty split): o zero / max -inf.
 DSV4_INLINE void fa_empty(int t, int H, int hd, int tid, long long part, int splits, float2* ml, float* o) {
   if (splits == 1) {
@@ -350,17 +369,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   const long long part = (long long)t * splits + split;
   float2* ml = (float2*)part_ml;  // (max, exp sum) pairs
 
-  const int s = seq_of[t];
-  const int slot = seq_slots[s];
   AttnKeys keys;
-  int nk = 0;
-  if (slot >= 0)
-    nk = attn_keys_init(&keys, t, s, slot, kv, ring, entries, etable, epps, selected, nsel,
-                        positions, query_start, hd, nope, W, ratio, maxe, topk, 1);
-  const int tiles = (nk + FA_TILE_KEYS - 1) / FA_TILE_KEYS;
-  const int tile0 = (int)((long long)split * tiles / splits);
-  const int tile1 = (int)((long long)(split + 1) * tiles / splits);
-  if (tile0 >= tile1) {
+  int nk, tile0, tile1;
+  if (!fa_split_tiles(&keys, &nk, &tile0, &tile1, t, split, splits, kv, ring, entries, etable, epps, selected, nsel,
+                      positions, seq_of, query_start, seq_slots, hd, nope, W, ratio, maxe, topk)) {
     fa_empty(t, H, hd, tid, part, splits, ml, o);
     return;
   }
@@ -555,17 +567,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   const long long part = (long long)t * splits + split;
   float2* ml = (float2*)part_ml;
 
-  const int s = seq_of[t];
-  const int slot = seq_slots[s];
   AttnKeys keys;
-  int nk = 0;
-  if (slot >= 0)
-    nk = attn_keys_init(&keys, t, s, slot, kv, ring, entries, etable, epps, selected, nsel,
-                        positions, query_start, hd, nope, W, ratio, maxe, topk, 1);
-  const int tiles = (nk + FA_TILE_KEYS - 1) / FA_TILE_KEYS;
-  const int tile0 = (int)((long long)split * tiles / splits);
-  const int tile1 = (int)((long long)(split + 1) * tiles / splits);
-  if (tile0 >= tile1) {
+  int nk, tile0, tile1;
+  if (!fa_split_tiles(&keys, &nk, &tile0, &tile1, t, split, splits, kv, ring, entries, etable, epps, selected, nsel,
+                      positions, seq_of, query_start, seq_slots, hd, nope, W, ratio, maxe, topk)) {
     fa_empty(t, H, hd, tid, part, splits, ml, o);
     return;
   }
