@@ -19,6 +19,10 @@
 // the splits in order with the sink. Deterministic run to run: fixed tiles, fixed split order,
 // no atomics. The split count comes from the batch size (kernels/SPEC.md), so a token's output
 // may differ in rounding between batch sizes (the reference kernels bound both).
+//
+// fa_attention_wgmma_kernel (the second half of this file) is the same attention with both products
+// on wgmma, for many tokens at head dim 512; it shares the helpers below and gives the same bits.
+// fa_stage_rows_kernel writes the batch's own rows in the stored format first, for both.
 #include "common.cuh"
 #include "attn_keys.cuh"
 #include "fp8_mma.cuh"
@@ -454,9 +458,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 // tile serves as K (K-major: rows = keys) and V (N-major: rows = keys, dims contiguous; LBO = the
 // chunk stride, SBO = 8 rows).
 //
-// Pipeline per tile i: S(i) issued; the wait for P V(i - 1); tile i + 1's raw rows decoded into
-// the other K buffer while S(i) runs; S(i)'s wait, the softmax, P V(i) issued without a wait.
-// Raw rows are fetched two tiles ahead (FA_WG_RAW slots, addresses looked up with them).
+// Pipeline per tile i: S(i) is in flight on entry; tile i + 1's raw rows are decoded into the
+// other K buffer while it runs; S(i)'s wait, the softmax, then P V(i) and S(i + 1) issued and P V(i)
+// waited (every wait in the iteration of its commits: see the loop). Raw rows are fetched up to
+// three tiles ahead (FA_WG_RAW slots: the tile being decoded and two in flight; addresses looked
+// up with them).
 // Deterministic: fixed tiles and order. Not batch invariant (the split count depends on T).
 #define FA_WG_HD 512
 #define FA_WG_RAW 3

@@ -2,9 +2,12 @@
 //! sparse attention over window + compressed keys with the per-head sink, MLA style (one block
 //! per token and run of keys takes every head, so each key row is read and decoded once per
 //! token), on BF16 tensor cores with an online softmax, split over blocks for few tokens and
-//! combined in split order. Takes the reference's [`AttentionArgs`]; the state must be stored in
-//! the official format. tests/gpu_fast_attention.rs derives and asserts its error bound against
-//! the reference kernel.
+//! combined in split order. Two kernels, the same bits: mma.sync (any head dim it covers; few
+//! tokens) and wgmma (head dim 512, from [`WGMMA_MIN_TOKENS`]), picked by [`AttentionPath`]; from
+//! [`STAGE_MIN_TOKENS`] the batch's own rows are first staged in the stored format. Takes the
+//! reference's [`AttentionArgs`]; the state must be stored in the official format.
+//! tests/gpu_fast_attention.rs derives and asserts the error bound of both against the reference
+//! kernel.
 
 use super::attention::AttentionArgs;
 use super::attention::BatchMeta;
@@ -53,7 +56,7 @@ const _: () = assert!(MAX_SMEM <= SM90_MAX_SMEM);
 /// The head dim of the wgmma path (FA_WG_HD): 8 chunks of 64 dims, each warpgroup's P V one
 /// m64n256 wgmma.
 pub const WGMMA_HD: usize = 512;
-/// Raw tiles the wgmma path keeps in flight or decoding (FA_WG_RAW): two tiles fetched ahead.
+/// Raw tiles the wgmma path keeps (FA_WG_RAW): the one being decoded and two in flight.
 pub const WGMMA_RAW_TILES: usize = 3;
 
 /// Dynamic shared memory of a wgmma-path block whose stored rows take `raw_row` bytes: Q (all
