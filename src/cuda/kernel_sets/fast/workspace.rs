@@ -1,9 +1,8 @@
 //! The fast set's own workspace (beside the reference set's, which it shares): the fast MoE's
 //! buffers for `max_num_tokens`, the sparse attention's split partials and staged batch rows, the
-//! dense projections'
-//! (for their largest shape) and, when
-//! `max_num_tokens` reaches the cuBLASLt crossover, the GEMM path's activation operand and
-//! cuBLASLt's own workspace, declared in the engine's memory plan at create.
+//! dense projections' (for their largest shape) and, when `max_num_tokens` reaches the cuBLASLt
+//! crossover, the GEMM path's activation operand and cuBLASLt's own workspace, declared in the
+//! engine's memory plan at create.
 
 use crate::config::ModelConfig;
 use crate::cuda::DevicePtr;
