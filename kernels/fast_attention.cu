@@ -483,14 +483,6 @@ DSV4_INLINE unsigned fa_sw(int r, int u, int chunk_bytes) {
   return (unsigned)((u >> 3) * chunk_bytes + r * 128 + (((u & 7) ^ (r & 7)) << 4));
 }
 
-// Matrix descriptor of an N-major (transposed) 128-byte swizzled operand: atoms of 8 rows (K) x 128
-// bytes (N), `lbo` between atoms along N, `sbo` between atoms along K (PTX ISA, matrix descriptor;
-// CUTLASS's canonical MN-major SW128 layout), 1024-byte aligned start.
-DSV4_INLINE unsigned long long fa_desc_sw128_n(const void* smem, unsigned lbo, unsigned sbo) {
-  const unsigned long long a = smem_addr(smem);
-  return ((a & 0x3FFFFull) >> 4) | ((unsigned long long)((lbo & 0x3FFFFu) >> 4) << 16) |
-         ((unsigned long long)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
-}
 
 // S (64 heads x 32 keys, f32) += Q K^T over one k16 step: both operands K-major in shared memory
 // (128-byte swizzle). scale_d = 0 starts the sum from zero.
@@ -533,12 +525,6 @@ DSV4_INLINE void fa_wgmma_pv(float (&d)[FA_MAX_HD / 16][4], const unsigned (&a)[
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(vdesc), "r"(1));
 }
 
-// wgmma_fence_operand for [R][4] fragments.
-template <int R>
-DSV4_INLINE void fa_fence_acc(float (&d)[R][4]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])::"memory");
-}
 
 // Grid (T, splits), FA_THREADS threads, the inputs and outputs of fa_attention_kernel; hd == FA_WG_HD
 // (the wrapper checks). Dynamic shared memory 1024-byte aligned: Q, two K tiles, the S exchange,
@@ -621,7 +607,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   // Descriptors of this warpgroup's dims half: Q and a K tile (K-major), V (N-major).
   const unsigned long long qd = wgmma_desc_sw128(qs + half * 4 * FA_WG_Q_CHUNK);
   const unsigned long long kd0 = wgmma_desc_sw128(ks + half * 4 * FA_WG_K_CHUNK);
-  const unsigned long long vd0 = fa_desc_sw128_n(ks + half * 4 * FA_WG_K_CHUNK, FA_WG_K_CHUNK, 1024);
+  // V: N-major 128-byte swizzle (CUTLASS's canonical MN-major SW128 layout): atoms of 8 key rows x 128
+  // bytes of dims, LBO the step between 64-dim chunks (along N), SBO between 8-row groups (along K).
+  const unsigned long long vd0 = wgmma_desc(ks + half * 4 * FA_WG_K_CHUNK, FA_WG_K_CHUNK, 1024, 1);
   // S of the tile in K buffer kb: this warpgroup's 256 dims, 16 k16 steps (a 64-dim chunk is 4 steps of
   // 32 bytes), one commit group.
   float sc[4][4];
@@ -645,27 +633,27 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     decode(rnext, b ^ 1);  // tile i + 1 (zeros past the split's keys) while S(i) runs
     fa_locate(sl, keys, nk, tile + FA_WG_RAW, tile1, rcur, tid, staged, sf);  // into tile i's slot, decoded already
     wgmma_wait<0>();  // S(i)
-    fa_fence_acc(sc);
+    wgmma_fence_operand(sc);
     unsigned pa[2][4];
     // (Its barrier: K buffer b ^ 1 and the new addresses complete.)
     fa_softmax_tile(sc, xs, tid, half, cq, tile * FA_TILE_KEYS, nk, scale, mrow, lrow, acc, pa);
     fa_fetch(sl, sf, raw, raw_stride, rcur, tid);  // tile i + FA_WG_RAW
     // P V(i) over this warpgroup's dims, two k16 steps of 16 keys (2048 bytes of rows apart), then
     // S(i + 1) (past the split: zero keys, never read).
-    fa_fence_acc(acc);
+    wgmma_fence_operand(acc);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) fa_wgmma_pv(acc, pa[kk], vd0 + ((b * FA_WG_K_TILE + kk * 2048) >> 4));
     wgmma_commit();
     issue_s(b ^ 1);
     wgmma_wait<1>();  // P V(i)
-    fa_fence_acc(acc);
+    wgmma_fence_operand(acc);
     cp_async_wait<FA_WG_RAW - 2>();  // tile i + 2's raw rows (this thread's copies)
     __syncthreads();  // both warpgroups past P V(i): K buffer b free; everyone's tile i + 2 rows landed
     rcur = rnext;
   }
   wgmma_wait<0>();  // the S past the last tile
-  fa_fence_acc(sc);
+  wgmma_fence_operand(sc);
   cp_async_wait<0>();
   fa_finish(acc, mrow, lrow, t, H, hd, hg, g, cq, half, dim0, part, splits, sinks, part_o, ml, o);
 }

@@ -261,10 +261,14 @@ DSV4_INLINE void named_barrier(unsigned id, unsigned threads) {
 // start address >> 4 in bits 0-13, LBO >> 4 in 16-29, SBO >> 4 in 32-45, base offset 0, swizzle mode 0.
 // The operand is made of core matrices of 8 rows x 16 bytes (128 contiguous bytes); `lbo` is the step
 // between the two 16-byte halves of a k32 e4m3 row, `sbo` the step between groups of 8 rows.
-DSV4_INLINE unsigned long long wgmma_desc_noswizzle(const void* smem, unsigned lbo, unsigned sbo) {
+// The general form: `swizzle` is the descriptor's mode (0 none, 1 128-byte, 2 64-byte, 3 32-byte).
+DSV4_INLINE unsigned long long wgmma_desc(const void* smem, unsigned lbo, unsigned sbo, unsigned swizzle) {
   const unsigned long long a = smem_addr(smem);
   return ((a & 0x3FFFFull) >> 4) | ((unsigned long long)((lbo & 0x3FFFFu) >> 4) << 16) |
-         ((unsigned long long)((sbo & 0x3FFFFu) >> 4) << 32);
+         ((unsigned long long)((sbo & 0x3FFFFu) >> 4) << 32) | ((unsigned long long)swizzle << 62);
+}
+DSV4_INLINE unsigned long long wgmma_desc_noswizzle(const void* smem, unsigned lbo, unsigned sbo) {
+  return wgmma_desc(smem, lbo, sbo, 0);
 }
 
 // Matrix descriptor of a K-major shared-memory operand of rows of 128 bytes in the 128-byte swizzle (16-byte
@@ -295,4 +299,10 @@ template <int N>
 DSV4_INLINE void wgmma_fence_operand(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// The same for fragments kept as [R][4] (an m16n8 tile's four values a row of the array).
+template <int R>
+DSV4_INLINE void wgmma_fence_operand(float (&d)[R][4]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])::"memory");
 }

@@ -10,6 +10,33 @@
 
 // HP_MAX_PAIRS (dsv4_consts.cuh): most channel pairs of a head (one a thread, head_dim <= 2 x it).
 
+// head_prep_kernel's step 1 (below) for channel pair p: x * rr * weight (f32, that order; no weight: x * rr), bf16
+// if round_out.
+DSV4_INLINE void hp_norm_pair(float& a, float& b, float rr, const float* weight, int p, int round_out) {
+  a = __fmul_rn(a, rr);
+  b = __fmul_rn(b, rr);
+  if (weight != nullptr) {
+    a = __fmul_rn(a, weight[2 * p]);
+    b = __fmul_rn(b, weight[2 * p + 1]);
+  }
+  if (round_out) {
+    a = round_bf16(a);
+    b = round_bf16(b);
+  }
+}
+
+// Its step 3 for channel pair p, whose 64-channel block the calling warp holds whole (every lane
+// calls: the block's max is a warp max): channels below sim_nope FP8-simulated; a lane holding no
+// pair (`held` false) only joins the max.
+DSV4_INLINE void hp_sim_pair(float& a, float& b, int p, int sim_nope, bool held) {
+  const bool h0 = held && 2 * p < sim_nope, h1 = held && 2 * p + 1 < sim_nope;
+  float amax = warp_max(fmaxf(h0 ? fabsf(a) : 0.0f, h1 ? fabsf(b) : 0.0f));
+  amax = fmaxf(amax, 1e-4f);
+  const float sc = ue8m0_scale(amax, DSV4_E4M3_MAX);
+  if (h0) a = ref_fp8_sim_value(a, sc);
+  if (h1) b = ref_fp8_sim_value(b, sc);
+}
+
 // One block per head row h of row r: x[r * ld + h * head_dim + c] for c < head_dim (head_dim even),
 // ceil(head_dim / 64) warps; thread p holds the channel pair p (channels 2p, 2p + 1), so warp w
 // holds channels [64w, 64w + 64): one FP8 block. A thread a pair keeps every step's chain short (a
@@ -46,26 +73,10 @@ extern "C" __global__ void __launch_bounds__(2 * HP_MAX_PAIRS)
   const float rr = ref_rsqrt(__fadd_rn(ms, eps));
 
   if (mine) {
-    a = __fmul_rn(a, rr);
-    b = __fmul_rn(b, rr);
-    if (weight != nullptr) {
-      a = __fmul_rn(a, weight[2 * p]);
-      b = __fmul_rn(b, weight[2 * p + 1]);
-    }
-    if (round_out) {
-      a = round_bf16(a);
-      b = round_bf16(b);
-    }
+    hp_norm_pair(a, b, rr, weight, p, round_out);
     if (2 * p >= nope) ref_rope_pair(a, b, __int2float_rn(pos[r]), inv_freq[p - nope / 2], 1.0f, round_out);
   }
-  if (64 * (p >> 5) < sim_nope) {  // uniform per warp: every lane joins its block's max
-    const bool h0 = 2 * p < sim_nope, h1 = 2 * p + 1 < sim_nope;
-    float amax = warp_max(fmaxf(h0 ? fabsf(a) : 0.0f, h1 ? fabsf(b) : 0.0f));
-    amax = fmaxf(amax, 1e-4f);
-    const float sc = ue8m0_scale(amax, DSV4_E4M3_MAX);
-    if (h0) a = ref_fp8_sim_value(a, sc);
-    if (h1) b = ref_fp8_sim_value(b, sc);
-  }
+  if (64 * (p >> 5) < sim_nope) hp_sim_pair(a, b, p, sim_nope, true);  // uniform per warp
   if (mine) {
     hx[2 * p] = a;
     hx[2 * p + 1] = b;
@@ -119,29 +130,13 @@ extern "C" __global__ void __launch_bounds__(32 * HP_ROWS_WARPS)
       for (int i = 0; i < HP_ROWS_LANE_PAIRS; ++i) {
         const int p = lane + 32 * i;
         if (p < pairs) {
-          a[i] = __fmul_rn(a[i], rr);
-          b[i] = __fmul_rn(b[i], rr);
-          if (weight != nullptr) {
-            a[i] = __fmul_rn(a[i], weight[2 * p]);
-            b[i] = __fmul_rn(b[i], weight[2 * p + 1]);
-          }
-          if (round_out) {
-            a[i] = round_bf16(a[i]);
-            b[i] = round_bf16(b[i]);
-          }
+          hp_norm_pair(a[i], b[i], rr, weight, p, round_out);
           if (2 * p >= nope) {
             const int k = p - nope / 2;
             ref_rope_rotate(a[i], b[i], cs[2 * k], cs[2 * k + 1], round_out);
           }
         }
-        if (64 * i < sim_nope) {  // uniform per warp: every lane joins its block's max
-          const bool h0 = p < pairs && 2 * p < sim_nope, h1 = p < pairs && 2 * p + 1 < sim_nope;
-          float amax = warp_max(fmaxf(h0 ? fabsf(a[i]) : 0.0f, h1 ? fabsf(b[i]) : 0.0f));
-          amax = fmaxf(amax, 1e-4f);
-          const float sc = ue8m0_scale(amax, DSV4_E4M3_MAX);
-          if (h0) a[i] = ref_fp8_sim_value(a[i], sc);
-          if (h1) b[i] = ref_fp8_sim_value(b[i], sc);
-        }
+        if (64 * i < sim_nope) hp_sim_pair(a[i], b[i], p, sim_nope, p < pairs);  // uniform per warp
         if (p < pairs) *(float2*)(hx + 2 * p) = make_float2(a[i], b[i]);
       }
     }
