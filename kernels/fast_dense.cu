@@ -13,11 +13,13 @@
 //    its programmatic-launch wait: they may overlap the previous kernel's tail), then stages the
 //    slice's activations of every token in shared memory (copied from fd_act_kernel's
 //    output, or, for a few tokens, made from x right there: the same operands), then streams the rest.
-//    Warp w owns rows 16w..16w+15; lane (g = lane / 4, c = lane % 4) loads 16 bytes of rows g and
-//    g + 8 at byte 16c of each 64 bytes of the row, and reads the matching 16-bit activations of
-//    token g of each tile of 8 tokens. Within those 64 bytes k is permuted (lane c's k feed the
-//    fragment positions 2c, 2c+1, 2c+8, 2c+9 in order), the same for W and a, so the dot product is
-//    unchanged. A 128-block of k accumulates in the tensor core from zero and is promoted:
+//    Warp w owns rows 16w..16w+15; lane (g = lane / 4, c = lane % 4) feeds the MMAs 16 bytes of rows
+//    g and g + 8 at byte 16c of each 64 bytes of the row (BF16: loaded so, half of 8 rows' lines a
+//    warp load; FP8: loaded as whole lines, four rows a warp load, see fd_line_row), and reads the
+//    matching 16-bit activations of token g of each tile of 8 tokens. Within those 64 bytes k is
+//    permuted (lane c's k feed the fragment positions 2c, 2c+1, 2c+8, 2c+9 in order), the same for W
+//    and a, so the dot product is unchanged. A 128-block of k accumulates in the tensor core from
+//    zero (FP8: k 64-127 first, then k 0-63 onto them, a shuffle between) and is promoted:
 //    acc += blk · (s_w · s_a) (s_w: the FP8 block scale, 1 for BF16). With one slice, a block writes
 //    y; with several, either the slices of a row tile are one thread-block cluster (each block
 //    puts its partial sums in its shared memory, and after a cluster barrier block r adds its
@@ -242,7 +244,6 @@ struct FdKind {
   static constexpr int ESIZE = FP8 ? 1 : 2;
   static constexpr int CHUNKS = 2 * ESIZE;     // 128 k = 128 (FP8) or 256 (BF16) bytes of a row
   static constexpr int K_PER_CHUNK = 64 / ESIZE;
-  static constexpr int AHEAD = FP8 ? 4 : 2;    // 128-blocks loaded ahead: 16 x 16 bytes a lane either way
   static constexpr int PAD = FP8 ? 8 : 32;     // halves after each activation row
 };
 
@@ -250,6 +251,30 @@ struct FdKind {
 // activations [8 NT][S + PAD] (16-bit), their scales [8 NT][S / 128], and with several slices the
 // partial sums [8 NT][FD_ROWS] f32.
 DSV4_INLINE int fd_act_stride(bool fp8, int S) { return S + (fp8 ? 8 : 32); }
+
+// FP8 weights are read in whole 128-byte lines: each warp load covers four rows' lines (32 lanes x
+// 16 bytes), where the MMA fragment wants four lanes a row (g = lane / 4): read in that order, a load
+// covered half of eight rows' lines and the gemv streamed 73% of HBM against 95% for the same bytes in
+// whole lines (read_probe_rows_kernel). So a 128-block of the warp's 16 rows is two MMA row sets of
+// four k16 steps each: half 0 (k 0-63) of rows 0-15 on MMA rows 0-15, and half 1 (k 64-127) of row
+// m ^ 4 on MMA row m. Load j (0-3) of lane (g, c) reads row fd_line_row(j, g) at byte 64 h + 16c, h =
+// fd_line_half(j, g): load 0 rows 0-3 (lanes g < 4 half 0, g >= 4 half 1), load 1 rows 4-7, loads 2
+// and 3 rows 8-11 and 12-15 alike. Each lane then holds exactly its fragments of both row sets
+// (fd_line_fragments); half 1's sums of row g are lane (g ^ 4)'s, moved by a shuffle into the
+// accumulator that half 0's MMAs continue: as many MMAs as before, the same activation operands.
+DSV4_INLINE int fd_line_row(int j, int g) { return 4 * (j & 1) + 8 * (j >> 1) + (g & 3); }
+DSV4_INLINE int fd_line_half(int j, int g) { return (g >> 2) ^ (j & 1); }
+
+// Lane (g, c)'s fragments of row set `half` (rows g and g + 8 of it) out of its four loads of a
+// 128-block (w[j >> 1][j & 1] = load j): a select per register, no data moves between lanes.
+// (The BF16 instantiation of fd_gemv names this too, with four chunks, and never runs it.)
+template <int CHUNKS>
+DSV4_INLINE void fd_line_fragments(const uint4 (&w)[CHUNKS][2], int g, int half, uint4& r0, uint4& r1) {
+  // Load j holds half (g >> 2) ^ (j & 1): for g < 4 the even loads are half 0, for g >= 4 the odd ones.
+  const bool even = ((g >> 2) ^ half) == 0;
+  r0 = even ? w[0][0] : w[0][1];
+  r1 = even ? w[1][0] : w[1][1];
+}
 
 // The MMAs of one 64-byte chunk: w0 / w1 the lane's 16 bytes of rows g / g + 8, b the lane's 16-bit
 // activations of token g of each tile (FP8: 16 values, two uint4; BF16: 8 values, one uint4).
@@ -285,9 +310,10 @@ DSV4_INLINE void fd_chunk(float (&blk)[NT][4], uint4 w0, uint4 w1, const uint4 (
 }
 
 // Stages the block's activations: rows t < T of the slice, from `act` / `ascale` (fused = 0) or made
-// from x as fd_act_kernel makes them (fused = 1); rows T .. 8 NT - 1 are zeros.
+// from x as fd_act_kernel makes them (fused = 1); operand rows T .. act_rows - 1 and scale rows T ..
+// 8 NT - 1 are zeros (a warp-split block has only T operand rows and reads no others).
 template <int NT>
-DSV4_INLINE void fd_stage(unsigned short* act_s, float* sc_s, int stride, int S, int col0, int T, int fused,
+DSV4_INLINE void fd_stage(unsigned short* act_s, float* sc_s, int stride, int S, int col0, int T, int act_rows, int fused,
                           const float* __restrict__ x, int ldx, int mode, const unsigned short* __restrict__ act,
                           const float* __restrict__ ascale, int width) {
   const int nb = S / 128;
@@ -359,7 +385,7 @@ DSV4_INLINE void fd_stage(unsigned short* act_s, float* sc_s, int stride, int S,
   }
   // Token rows past T: zero operands and scales (their sums are dropped).
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  for (int p = T * (S / 8) + threadIdx.x; p < 8 * NT * (S / 8); p += FD_THREADS) {
+  for (int p = T * (S / 8) + threadIdx.x; p < act_rows * (S / 8); p += FD_THREADS) {
     const int t = p / (S / 8), q = p - t * (S / 8);
     *reinterpret_cast<uint4*>(act_s + t * stride + 8 * q) = zero;
   }
@@ -418,33 +444,60 @@ DSV4_INLINE void fd_split_finish(const float (&acc)[NT][4], float* __restrict__ 
 // One block's share of a projection: row tile `tile` (FD_ROWS rows) of group gz (of `groups`), slice
 // `slice` of `slices` of K. With several slices and no `split_part`, the slices of a row tile are
 // one cluster (1, slices, 1) of the launch; with `split_part` they meet through fd_split_finish.
+// With warp_slices > 1 (a grid of one slice) the split is inside the block instead ("warp split"):
+// warp w sums slice w % warp_slices of row group w / warp_slices (16 rows), the block's tile is
+// 16 FD_WARPS / warp_slices rows, and the block adds its warps' partial sums in slice order through
+// shared memory: the same sums as the cluster's and the workspace's, with no other block to wait
+// for. The block stages all of K for T tokens (T (K + pad) halves), so it is for few tokens.
 template <bool FP8, int NT>
 DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __restrict__ wscale, int N, int K,
                          const float* __restrict__ x, int ldx, int mode, int fused,
                          const unsigned short* __restrict__ act, const float* __restrict__ ascale, int T,
                          int round_out, float* __restrict__ y, int ldy, float* __restrict__ split_part,
-                         unsigned* __restrict__ split_count, int tile, int slice, int slices, int gz, int groups) {
+                         unsigned* __restrict__ split_count, int tile, int slice, int slices, int gz, int groups,
+                         int warp_slices) {
   typedef FdKind<FP8> KD;
+  // 128-blocks loaded ahead, 4 loads of 16 bytes a lane each (FP8; BF16 8). FP8: at one token tile 3
+  // (measured, bench dense, H200, T = 1: wq_b 10.7 / 10.4 / 11.8 us at 2 / 3 / 4, the last bound to
+  // 128 registers with spills), at two 2 (at 16 tokens 3 spilled and lost: wo_b 23.0 against 24.0),
+  // from four 4 (those kernels take one block an SM whatever AHEAD: 2 lost 3-7% at 32-64 tokens).
+  constexpr int AHEAD = FP8 ? (NT == 1 ? 3 : (NT == 2 ? 2 : 4)) : 2;
   extern __shared__ __align__(16) unsigned char fd_smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const bool wsplit = NT == 1 && warp_slices > 1;  // (only fd_gemv_t8_kernel takes it)
+  if (wsplit) {
+    slices = warp_slices;
+    slice = warp % warp_slices;
+  }
+  const int tile_rows = wsplit ? 16 * (FD_WARPS / warp_slices) : FD_ROWS;
   const int S = K / slices, k0 = slice * S, blocks = S / 128;
-  const int n0 = tile * FD_ROWS + warp * 16;
+  const int n0 = tile * tile_rows + (wsplit ? warp / warp_slices : warp) * 16;
   const long long row_bytes = (long long)K * KD::ESIZE;
-  // Rows past N read row N - 1 (their sums are dropped).
-  const unsigned char* p0 = w + ((long long)gz * N + min(n0 + g, N - 1)) * row_bytes + (long long)k0 * KD::ESIZE + 16 * c;
-  const unsigned char* p1 = w + ((long long)gz * N + min(n0 + g + 8, N - 1)) * row_bytes + (long long)k0 * KD::ESIZE + 16 * c;
+  // The lane's weight loads of a 128-block: wr[.][ch][i] reads 16 bytes at pw[ch][i] + the block's
+  // offset (+ 64 ch for BF16). Rows past N read row N - 1 (their sums are dropped).
+  // - FP8 (whole lines): load j = 2 ch + i reads row n0 + fd_line_row(j, g) at byte 64 fd_line_half(j, g)
+  //   + 16c: the 32 lanes of a load read four rows' whole 128-byte lines (fd_line_fragments).
+  // - BF16: ch's 64-byte chunk at 16c of rows g (i = 0) and g + 8 (i = 1): 8 rows' halves a load.
+  const unsigned char* pw[2][2];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int row = FP8 ? fd_line_row(j, g) : g + 8 * (j & 1);
+    const int byte = FP8 ? 64 * fd_line_half(j, g) + 16 * c : 16 * c;
+    pw[j >> 1][j & 1] = w + ((long long)gz * N + min(n0 + row, N - 1)) * row_bytes + (long long)k0 * KD::ESIZE + byte;
+  }
   // The FP8 block scales of the warp's 16 rows (one 128-row block: n0 is a multiple of 16).
   const float* sw_row = FP8 ? wscale + ((long long)gz * N + min(n0, N - 1)) / 128 * (K / 128) + k0 / 128 : nullptr;
 
   // The first weight loads go out before the activations are staged.
-  uint4 wr[KD::AHEAD][KD::CHUNKS][2];
+  uint4 wr[AHEAD][KD::CHUNKS][2];
 #pragma unroll
-  for (int p = 0; p < KD::AHEAD; ++p) {
+  for (int p = 0; p < AHEAD; ++p) {
     if (p < blocks) {
 #pragma unroll
       for (int ch = 0; ch < KD::CHUNKS; ++ch) {
-        wr[p][ch][0] = fd_ld_stream(p0 + (long long)p * 128 * KD::ESIZE + 64 * ch);
-        wr[p][ch][1] = fd_ld_stream(p1 + (long long)p * 128 * KD::ESIZE + 64 * ch);
+        const long long off = (long long)p * 128 * KD::ESIZE + (FP8 ? 0 : 64 * ch);
+        wr[p][ch][0] = fd_ld_stream(pw[FP8 ? ch : 0][0] + off);
+        wr[p][ch][1] = fd_ld_stream(pw[FP8 ? ch : 0][1] + off);
       }
     }
   }
@@ -462,50 +515,77 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
   if (FP8 && lane < blocks) cp_async_4(smem_addr(&fd_sw[warp][lane]), sw_row + lane);
   // Everything below reads what earlier kernels wrote (common.cuh: only weights before the wait).
   dsv4_pdl_wait();
-  const int stride = fd_act_stride(FP8, S);
+  // Staged: the slice's columns (S_st = S), or all of K for T operand rows (warp split), whose warp
+  // reads from column k_st on.
+  const int S_st = wsplit ? K : S, k_st = wsplit ? k0 : 0, act_rows = wsplit ? T : 8 * NT;
+  const int nb_st = S_st / 128;
+  const int stride = fd_act_stride(FP8, S_st);
   unsigned short* act_s = reinterpret_cast<unsigned short*>(fd_smem);
-  float* sc_s = reinterpret_cast<float*>(fd_smem + 2 * 8 * NT * stride);
-  float* part_s = sc_s + 8 * NT * blocks;
+  float* sc_s = reinterpret_cast<float*>(fd_smem + 2 * act_rows * stride);
+  float* part_s = sc_s + 8 * NT * nb_st;
   // Activations: [T, groups * K]; group gz's columns start at gz * K.
-  fd_stage<NT>(act_s, sc_s, stride, S, gz * K + k0, T, fused, x, ldx, mode, act, ascale, groups * K);
+  fd_stage<NT>(act_s, sc_s, stride, S_st, gz * K + (wsplit ? 0 : k0), T, act_rows, fused, x, ldx, mode, act, ascale,
+               groups * K);
   if (FP8) cp_async_wait_all();  // the scales, before the barrier publishes them
   __syncthreads();
 
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-  for (int kb0 = 0; kb0 < blocks; kb0 += KD::AHEAD) {
+  for (int kb0 = 0; kb0 < blocks; kb0 += AHEAD) {
 #pragma unroll
-    for (int p = 0; p < KD::AHEAD; ++p) {
+    for (int p = 0; p < AHEAD; ++p) {
       const int kb = kb0 + p;
       if (kb < blocks) {
         float blk[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) blk[nt][0] = blk[nt][1] = blk[nt][2] = blk[nt][3] = 0.0f;
+        // FP8 takes half 1 first (its sums land on rows g ^ 4 and (g + 8) ^ 4, fd_line_fragments),
+        // moves them to their rows' lanes and adds half 0's MMAs onto them.
 #pragma unroll
-        for (int ch = 0; ch < KD::CHUNKS; ++ch) {
+        for (int step = 0; step < KD::CHUNKS; ++step) {
+          const int ch = FP8 ? KD::CHUNKS - 1 - step : step;
           uint4 b[NT][2];
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            const unsigned short* q = act_s + (8 * nt + g) * stride + kb * 128 + ch * KD::K_PER_CHUNK + (16 / KD::ESIZE) * c;
-            b[nt][0] = *reinterpret_cast<const uint4*>(q);
-            b[nt][1] = FP8 ? *reinterpret_cast<const uint4*>(q + 8) : b[nt][0];
+            if (!wsplit || 8 * nt + g < T) {
+              const unsigned short* q =
+                  act_s + (8 * nt + g) * stride + k_st + kb * 128 + ch * KD::K_PER_CHUNK + (16 / KD::ESIZE) * c;
+              b[nt][0] = *reinterpret_cast<const uint4*>(q);
+              b[nt][1] = FP8 ? *reinterpret_cast<const uint4*>(q + 8) : b[nt][0];
+            } else {
+              b[nt][0] = b[nt][1] = make_uint4(0u, 0u, 0u, 0u);
+            }
           }
-          fd_chunk<FP8, NT>(blk, wr[p][ch][0], wr[p][ch][1], b);
+          if (FP8) {
+            uint4 r0, r1;
+            fd_line_fragments(wr[p], g, ch, r0, r1);
+            if (ch == 0) {
+              // Row g's half-1 sums are lane (g ^ 4, c)'s: they become the accumulator half 0's
+              // MMAs start from, so the tensor core sums the 128-block in 8 steps as before.
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) blk[nt][i] = __shfl_xor_sync(0xffffffffu, blk[nt][i], 16);
+            }
+            fd_chunk<FP8, NT>(blk, r0, r1, b);
+          } else {
+            fd_chunk<FP8, NT>(blk, wr[p][ch][0], wr[p][ch][1], b);
+          }
         }
-        if (kb + KD::AHEAD < blocks) {
+        if (kb + AHEAD < blocks) {
 #pragma unroll
           for (int ch = 0; ch < KD::CHUNKS; ++ch) {
-            const long long off = (long long)(kb + KD::AHEAD) * 128 * KD::ESIZE + 64 * ch;
-            wr[p][ch][0] = fd_ld_stream(p0 + off);
-            wr[p][ch][1] = fd_ld_stream(p1 + off);
+            const long long off = (long long)(kb + AHEAD) * 128 * KD::ESIZE + (FP8 ? 0 : 64 * ch);
+            wr[p][ch][0] = fd_ld_stream(pw[FP8 ? ch : 0][0] + off);
+            wr[p][ch][1] = fd_ld_stream(pw[FP8 ? ch : 0][1] + off);
           }
         }
         const float sw = FP8 ? fd_sw[warp][kb] : 1.0f;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const float s0 = sw * sc_s[(8 * nt + 2 * c) * blocks + kb];
-          const float s1 = sw * sc_s[(8 * nt + 2 * c + 1) * blocks + kb];
+          const float s0 = sw * sc_s[(8 * nt + 2 * c) * nb_st + k_st / 128 + kb];
+          const float s1 = sw * sc_s[(8 * nt + 2 * c + 1) * nb_st + k_st / 128 + kb];
           acc[nt][0] += blk[nt][0] * s0;
           acc[nt][1] += blk[nt][1] * s1;
           acc[nt][2] += blk[nt][2] * s0;
@@ -517,6 +597,27 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
 
   // Fragment (nt, i): row n0 + g + 8 (i >> 1), token 8 nt + 2c + (i & 1).
   const long long y_col = (long long)gz * N;
+  if (wsplit) {
+    // Partial sums [8 NT][FD_ROWS] (warp w's at columns 16w..16w+15), then a thread an output: its
+    // row group's slices in order.
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = warp * 16 + g + 8 * (i >> 1), t = 8 * nt + 2 * c + (i & 1);
+        part_s[t * FD_ROWS + r] = acc[nt][i];
+      }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < T * tile_rows; idx += FD_THREADS) {
+      const int t = idx / tile_rows, rl = idx - t * tile_rows, n = tile * tile_rows + rl;
+      const float* v = part_s + t * FD_ROWS + (rl >> 4) * warp_slices * 16 + (rl & 15);
+      float sum = v[0];
+      for (int s = 1; s < warp_slices; ++s) sum += v[16 * s];
+      if (n < N) y[(long long)t * ldy + y_col + n] = round_out ? round_bf16(sum) : sum;
+    }
+    return;
+  }
   if (slices == 1) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -572,42 +673,44 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
 // (fused = 1). Grid (ceil(N / FD_ROWS), slices, groups), FD_THREADS threads; when slices > 1 (at
 // most FD_MAX_SLICES) either clusters of (1, slices, 1) blocks (split_part null) or the split
 // workspace split_part / split_count (fd_split_finish); K a multiple of 128 * slices, K / slices at
-// most FD_MAX_SLICE; dynamic shared memory fd_smem_bytes (fast_dense.rs).
+// most FD_MAX_SLICE; dynamic shared memory fd_smem_bytes (fast_dense.rs). warp_slices > 1 (a power of
+// two, at most FD_WARPS; T <= 8, t8 only) splits K inside each block instead: grid (ceil(N / (16
+// FD_WARPS / warp_slices)), 1, groups), no cluster, no workspace (fd_gemv).
 // One entry point per token tile count NT (tokens <= 8 NT), so each is compiled for its own registers.
-extern "C" __global__ void __launch_bounds__(FD_THREADS)
+extern "C" __global__ void __launch_bounds__(FD_THREADS, 2)
     fd_gemv_t8_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
         int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy,
-        float* split_part, unsigned* split_count) {
+        float* split_part, unsigned* split_count, int warp_slices) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
-  else fd_gemv<false, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
+  if (fp8) fd_gemv<true, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
+  else fd_gemv<false, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
 }
 
-extern "C" __global__ void __launch_bounds__(FD_THREADS)
+extern "C" __global__ void __launch_bounds__(FD_THREADS, 2)
     fd_gemv_t16_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
         int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy,
-        float* split_part, unsigned* split_count) {
+        float* split_part, unsigned* split_count, int warp_slices) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
-  else fd_gemv<false, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
+  if (fp8) fd_gemv<true, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
+  else fd_gemv<false, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_gemv_t32_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
         int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy,
-        float* split_part, unsigned* split_count) {
+        float* split_part, unsigned* split_count, int warp_slices) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
-  else fd_gemv<false, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
+  if (fp8) fd_gemv<true, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
+  else fd_gemv<false, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_gemv_t64_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
         int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy,
-        float* split_part, unsigned* split_count) {
+        float* split_part, unsigned* split_count, int warp_slices) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
-  else fd_gemv<false, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE);
+  if (fp8) fd_gemv<true, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
+  else fd_gemv<false, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
 }
 
 // ---- Grouped launches: several projections of the same input in one launch ----
@@ -665,10 +768,10 @@ DSV4_INLINE void fd_group(const float* __restrict__ x, int ldx, int T, int K, co
   const int fp8 = (int)((meta >> 48) & 1), round_out = (int)((meta >> 49) & 1), mode = (int)((meta >> 50) & 3);
   if (fp8)
     fd_gemv<true, NT>(pick.w, pick.wscale, N, K, x, ldx, mode, 1, nullptr, nullptr, T, round_out, pick.y, ldy, split_part,
-                      split_count, tile, blockIdx.y, gridDim.y, 0, 1);
+                      split_count, tile, blockIdx.y, gridDim.y, 0, 1, 1);
   else
     fd_gemv<false, NT>(pick.w, nullptr, N, K, x, ldx, mode, 1, nullptr, nullptr, T, round_out, pick.y, ldy, split_part,
-                       split_count, tile, blockIdx.y, gridDim.y, 0, 1);
+                       split_count, tile, blockIdx.y, gridDim.y, 0, 1, 1);
 }
 
 // y_i[t, n] (row stride ldy_i) = Σ_k a[t, k] · W_i[n, k] for every member i (FdMember; FD_GROUP_MAX of

@@ -9,8 +9,9 @@
 //! The bound, per output, with A = Σ_k |a_k · w_k| (the reference kernels on |x| and |W|):
 //! - Every product is exact (e4m3 codes, the f16 act values and BF16 values are exact in
 //!   f16 / bf16 MMA operands, and their products in f32). A 128-block is summed by the tensor
-//!   core in 8 MMA steps from zero; each step is allowed one f32 ulp of the block's largest
-//!   partial (truncating adders): ≤ 8 · 2^-23 · A_block.
+//!   core in 8 MMA steps from zero (FP8: k 64-127 first, then k 0-63 onto them); each step is
+//!   allowed one f32 ulp of the block's largest partial (truncating adders): ≤ 8 · 2^-23 ·
+//!   A_block.
 //! - The block sums are scaled by powers of two (exact) and added in f32, K/128 adds, then the
 //!   slices' partial sums are added, `slices` adds: each ≤ 2^-24 of a partial ≤ A.
 //! - So |fast - f32(exact)| ≤ E = (8 · 2^-23 + (K/128 + slices + 1) · 2^-24) · A, and the
@@ -20,7 +21,8 @@
 //!   1% of them here (E is ~2^-17 of A, a BF16 step ~2^-8 of |y|).
 //! - The F16 mode's activations carry ≤ amax · 2^-39 each (f16 subnormals; none here).
 //!
-//! Also: the operands made by `fd_act_kernel` and inside the gemv blocks give the same bits;
+//! Also: the operands made by `fd_act_kernel` and inside the gemv blocks, and K split across
+//! blocks and inside them, give the same bits;
 //! act_quant's values bit for bit (the f16 operands times the scales), bit-identical reruns,
 //! a token's outputs alike alone and in a batch of 64 (the split depends on the shape only),
 //! and nothing written outside the `[t, n]` outputs (strided y keeps its poison).
@@ -222,7 +224,8 @@ fn reference(
 }
 
 /// Runs the fast kernels: `y` `[t, ldy]`, the gemv blocks making the activation operands
-/// themselves up to `fused_act_max_t` tokens.
+/// themselves up to `fused_act_max_t` tokens and splitting K inside the block up to
+/// `warp_split_max_t`.
 #[allow(clippy::too_many_arguments)]
 fn fast(
     d: &Dev<Kernels>,
@@ -234,6 +237,7 @@ fn fast(
     y: DevicePtr,
     ldy: usize,
     fused_act_max_t: usize,
+    warp_split_max_t: usize,
 ) {
     let op = DenseOp {
         x,
@@ -246,6 +250,7 @@ fn fast(
         y,
         ldy,
         fused_act_max_t,
+        warp_split_max_t,
     };
     d.k.dense.run(d.ctx(), &op, ws, d.s()).unwrap();
 }
@@ -360,11 +365,25 @@ fn check_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> f64 {
         d.put(pxabs, &xabs);
         d.poison(py);
         d.poison(pr);
-        // The operands made by fd_act_kernel first, then inside the gemv blocks: the same bits.
-        fast(d, c, &w, px, t, &ws, py, ldy, 0);
+        // The operands made by fd_act_kernel with K split across blocks, made by fd_act_kernel
+        // with K split inside the blocks (where `fast_dense::warp_split` takes the launch, at
+        // up to 8 tokens), then made inside the gemv blocks with K split inside them: the same
+        // bits.
+        fast(d, c, &w, px, t, &ws, py, ldy, 0, 0);
         let first: Vec<f32> = d.get(py, t * ldy);
         d.poison(py);
-        fast(d, c, &w, px, t, &ws, py, ldy, fast_dense::TOKENS);
+        fast(d, c, &w, px, t, &ws, py, ldy, 0, 8);
+        let in_block: Vec<f32> = d.get(py, t * ldy);
+        common::assert_bits(
+            &format!(
+                "{}: T={t}: K split across blocks vs inside them ({slices} slices)",
+                c.name
+            ),
+            &in_block,
+            &first,
+        );
+        d.poison(py);
+        fast(d, c, &w, px, t, &ws, py, ldy, fast_dense::TOKENS, 8);
         reference(d, c, &w, px, t, pxq, pr, c.round);
         reference(d, c, &wabs, pxabs, t, pxq, pabs, false);
         let got: Vec<f32> = d.get(py, t * ldy);
@@ -417,6 +436,8 @@ fn fp8_projections_with_act_quant_match_the_reference() {
         ("indexer wq_b", 8192, 1024),
         ("odd: 200 x 384", 200, 384),
         ("odd: 16 x 128", 16, 128),
+        // K split inside the blocks up to 4 tokens, the last 64-row tile part past N.
+        ("odd: 16040 x 1024", 16040, 1024),
     ] {
         let c = Case {
             name,
@@ -512,7 +533,18 @@ fn act_quant_operands_are_the_reference_values_bit_for_bit() {
     };
     // The last chunk of a call leaves its operands in the workspace: one chunk here, made by
     // fd_act_kernel.
-    fast(&d, &c, &w, p[0], t, &ws, p[2], n, 0);
+    fast(
+        &d,
+        &c,
+        &w,
+        p[0],
+        t,
+        &ws,
+        p[2],
+        n,
+        0,
+        fast_dense::WARP_SPLIT_MAX_T,
+    );
     d.k.lin
         .act_quant(d.ctx(), p[0], k, t, k, p[1], d.s())
         .unwrap();
@@ -540,11 +572,13 @@ fn reruns_are_bit_identical_and_a_token_sums_alike_in_any_batch() {
     let _s = serial();
     let mut rng = Rng::from_env("reruns_are_bit_identical_and_a_token_sums_alike_in_any_batch");
     // wo_b's shape splits K through the workspace at one token and through a cluster at 64
-    // (fast_dense.rs split_by_counter): a token's sums must still be the same bits.
+    // (fast_dense.rs split_by_counter), indexer wq_b's inside the blocks at one token
+    // (warp_split): a token's sums must still be the same bits.
     for (format, mode, n, k) in [
         (StorageFormat::Fp8, ActMode::Quant, 1024, 4096),
         (StorageFormat::Bf16, ActMode::Bf16, 512, 4096),
         (StorageFormat::Fp8, ActMode::Quant, 4096, 8192),
+        (StorageFormat::Fp8, ActMode::Quant, 8192, 1024),
     ] {
         let c = Case {
             name: "batch",
@@ -565,17 +599,22 @@ fn reruns_are_bit_identical_and_a_token_sums_alike_in_any_batch() {
         d.poison(p[1]);
         d.poison(p[2]);
         let fused = fast_dense::FUSED_ACT_MAX_T;
-        fast(&d, &c, &w, p[0], t, &ws, p[1], n, fused);
-        fast(&d, &c, &w, p[0], t, &ws, p[2], n, fused);
+        let split = fast_dense::WARP_SPLIT_MAX_T;
+        fast(&d, &c, &w, p[0], t, &ws, p[1], n, fused, split);
+        fast(&d, &c, &w, p[0], t, &ws, p[2], n, fused, split);
         let (a, b): (Vec<f32>, Vec<f32>) = (d.get(p[1], t * n), d.get(p[2], t * n));
         common::assert_bits("rerun", &b, &a);
-        for tok in [0, 5, 63] {
+        // Alone, K split as the default takes it (inside the blocks for indexer wq_b's shape) and
+        // never inside them.
+        for (tok, split) in [(0, split), (5, split), (63, split), (5, 0)] {
             let xt = p[0].slice(tok * k * 4, k * 4).unwrap();
             d.poison(p[3]);
-            fast(&d, &c, &w, xt, 1, &ws, p[3], n, fused);
+            fast(&d, &c, &w, xt, 1, &ws, p[3], n, fused, split);
             let alone: Vec<f32> = d.get(p[3], n);
             common::assert_bits(
-                &format!("{format:?} token {tok} alone vs in a batch of {t}"),
+                &format!(
+                    "{format:?} token {tok} alone (warp split up to {split} tokens) vs in a batch of {t}"
+                ),
                 &alone,
                 &a[tok * n..(tok + 1) * n],
             );
@@ -610,6 +649,7 @@ fn fast_group(
             y: *y,
             ldy: c.n + 8,
             fused_act_max_t: fast_dense::GROUP_MAX_T,
+            warp_split_max_t: fast_dense::WARP_SPLIT_MAX_T,
         })
         .collect();
     d.k.dense.run_group(d.ctx(), &ops, dws, d.s())
@@ -655,6 +695,7 @@ fn check_group(d: &Dev<Kernels>, rng: &mut Rng, name: &str, members: &[Case], ts
             y: ys[0],
             ldy: c.n,
             fused_act_max_t: 0,
+            warp_split_max_t: fast_dense::WARP_SPLIT_MAX_T,
         })
         .collect();
     assert!(
@@ -799,6 +840,7 @@ fn grouped_launches_decline_what_they_do_not_cover() {
         y: p[2],
         ldy: 128,
         fused_act_max_t: 0,
+        warp_split_max_t: fast_dense::WARP_SPLIT_MAX_T,
     };
     assert!(FastDense::group_covers(&[op]));
     let other_x = DenseOp { x: p[1], ..op };
@@ -947,6 +989,7 @@ fn check_gemm_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> (
             y,
             ldy,
             fused_act_max_t: 0,
+            warp_split_max_t: fast_dense::WARP_SPLIT_MAX_T,
         };
         d.poison(py);
         d.poison(py2);
@@ -1102,6 +1145,7 @@ fn the_gemm_path_declines_what_it_does_not_cover() {
         y: p[1],
         ldy: n,
         fused_act_max_t: 0,
+        warp_split_max_t: fast_dense::WARP_SPLIT_MAX_T,
     };
     // Beyond the planned tokens, and fewer than M_GRANULE tokens: declined, nothing written.
     for t in [t, fast_dense_gemm::M_GRANULE - 1] {

@@ -110,8 +110,10 @@ impl Projection {
 /// How a case runs the projection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Path {
-    /// The gemv kernels, the operands made inside the gemv blocks or by fd_act_kernel first.
-    Gemv { fused: bool },
+    /// The gemv kernels, the operands made inside the gemv blocks or by fd_act_kernel first, K
+    /// split inside the blocks up to `fast_dense::WARP_SPLIT_MAX_T` tokens (`warp_split`) or
+    /// never (across blocks, as before it).
+    Gemv { fused: bool, warp_split: bool },
     /// The fast set's GEMM path: operand kernel, cuBLASLt, BF16 rounding.
     Gemm,
     /// cuBLASLt alone on an operand made beforehand.
@@ -121,6 +123,9 @@ enum Path {
 impl Path {
     fn name(self) -> &'static str {
         match self {
+            Path::Gemv {
+                warp_split: false, ..
+            } => "gemv_cross_split",
             Path::Gemv { .. } => "gemv",
             Path::Gemm => "cublaslt",
             Path::GemmOnly => "cublaslt_gemm_only",
@@ -269,14 +274,50 @@ pub fn run(
         let gemm_at = |t: usize| gemm.as_ref().zip(gshape).filter(|(g, s)| g.covers(s, t));
         let variants = tokens.iter().flat_map(|&t| {
             [
-                (t, Path::Gemv { fused: true }),
-                (t, Path::Gemv { fused: false }),
+                (
+                    t,
+                    Path::Gemv {
+                        fused: true,
+                        warp_split: true,
+                    },
+                ),
+                (
+                    t,
+                    Path::Gemv {
+                        fused: false,
+                        warp_split: true,
+                    },
+                ),
+                (
+                    t,
+                    Path::Gemv {
+                        fused: t <= fast_dense::FUSED_ACT_MAX_T,
+                        warp_split: false,
+                    },
+                ),
                 (t, Path::Gemm),
                 (t, Path::GemmOnly),
             ]
             .into_iter()
             .filter(move |&(t, path)| match path {
-                Path::Gemv { fused } => t <= 16 || !fused,
+                Path::Gemv {
+                    fused,
+                    warp_split: true,
+                } => t <= 16 || !fused,
+                // Beside the default only where it would split K inside the blocks.
+                Path::Gemv {
+                    warp_split: false, ..
+                } => {
+                    let sl = fast_dense::slices(p.n, p.k, p.groups).unwrap_or(1);
+                    fast_dense::warp_split(
+                        t,
+                        p.n.div_ceil(fast_dense::ROWS) * p.groups,
+                        sl,
+                        p.k,
+                        p.format == StorageFormat::Fp8,
+                        fast_dense::WARP_SPLIT_MAX_T,
+                    )
+                }
                 // (A grouped weight's GEMMs take the operand and weight of each group in turn:
                 // no GEMM-only timing.)
                 Path::GemmOnly if p.groups > 1 => false,
@@ -288,7 +329,14 @@ pub fn run(
             })
         });
         for (t, path) in variants {
-            let fused = matches!(path, Path::Gemv { fused: true });
+            let fused = matches!(path, Path::Gemv { fused: true, .. });
+            let warp_split = !matches!(
+                path,
+                Path::Gemv {
+                    warp_split: false,
+                    ..
+                }
+            );
             let op_of = |j: usize| DenseOp {
                 x,
                 ldx: width,
@@ -300,6 +348,11 @@ pub fn run(
                 y,
                 ldy: outs,
                 fused_act_max_t: if fused { TOKENS } else { 0 },
+                warp_split_max_t: if warp_split {
+                    fast_dense::WARP_SPLIT_MAX_T
+                } else {
+                    0
+                },
             };
             if path == Path::GemmOnly {
                 // The operand once, outside the timing: each replay is cuBLASLt alone.
@@ -367,7 +420,7 @@ pub fn run(
                 wbytes as f64 / sec / 1e9,
                 flops / sec / 1e12,
                 match path {
-                    Path::Gemv { fused } => t.div_ceil(TOKENS) * if fused { 1 } else { 2 },
+                    Path::Gemv { fused, .. } => t.div_ceil(TOKENS) * if fused { 1 } else { 2 },
                     // Ours, plus cuBLASLt's (one kernel, or two with a split-K reduction); a
                     // grouped weight: dequantization, operand and GEMM a group, one rounding.
                     Path::Gemm if p.groups > 1 => 3 * p.groups + usize::from(p.round),
@@ -512,6 +565,7 @@ fn run_group(
             y: bufs[base(i) + copies + 1],
             ldy: p.n,
             fused_act_max_t: fast_dense::FUSED_ACT_MAX_T,
+            warp_split_max_t: fast_dense::WARP_SPLIT_MAX_T,
         }
     };
     for &t in tokens.iter().filter(|&&t| t <= tmax) {

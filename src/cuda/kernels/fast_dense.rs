@@ -9,7 +9,9 @@
 //! token's sums do not depend on the batch it is in; a row tile's slices either are one
 //! thread-block cluster that adds its partial sums through distributed shared memory, or (where
 //! [`split_by_counter`] says) write them to the workspace and the last to finish adds them, in
-//! the same order. Up to [`GROUP_MAX_T`]
+//! the same order, or (where [`warp_split`] says: few tokens, many-block clusters) the slices
+//! are warps of one block that add them through shared memory, in the same order again. Up to
+//! [`GROUP_MAX_T`]
 //! tokens, [`FastDense::run_group`] runs up to [`GROUP_MAX`] projections of the same input in one
 //! launch of `fd_group_t{8,16}_kernel` (a decode step's attention sub-block reads u seven times
 //! and q_lora twice; one launch each costs ~4.5 µs however small the weight).
@@ -56,6 +58,13 @@ pub const COUNTER_SPLIT_MIN_TILES: usize = 32;
 /// 2 tokens making them in the gemv saves the extra launch (0.3-1.1 µs a call); from 4 tokens the
 /// large projections lose more (wq_b 16.1 against 14.1 µs, wo_b 24.2 against 20.2 at 4 tokens).
 pub const FUSED_ACT_MAX_T: usize = 2;
+/// Most tokens whose K split may run inside each block (a warp a slice, the partial sums added
+/// through shared memory: [`warp_split`]) instead of across blocks. Measured (bench dense, H200,
+/// `gemv` against `gemv_cross_split`, µs): the head (4 slices in clusters) 240.9 / 247.9 at one
+/// token, 246.9 / 250.1 at 4, 265.1 / 255.1 at 8; indexer.wq_b (2 slices in clusters) 5.36 /
+/// 6.05 at 1, 6.32 / 6.90 at 4, 8.05 / 7.26 at 8. Each block stages the operands of all of K,
+/// not of one slice, so the gain shrinks with the tokens.
+pub const WARP_SPLIT_MAX_T: usize = 4;
 
 /// Most projections one grouped launch takes (FD_GROUP_MAX; `fd_group_t*_kernel` have a
 /// parameter set for each).
@@ -71,6 +80,40 @@ pub const fn smem_bytes(nt: usize, s: usize, fp8: bool, split: bool) -> usize {
     let rows = 8 * nt;
     let stride = s + if fp8 { 8 } else { 32 };
     2 * rows * stride + 4 * rows * (s / 128) + if split { 4 * rows * ROWS } else { 0 }
+}
+
+/// Dynamic shared memory of a warp-split gemv block ([`warp_split`]) of `t` tokens over all `k`:
+/// the operands of the t tokens (padded as [`smem_bytes`]), the scales and the partial sums of a
+/// tile of 8 tokens.
+pub const fn warp_split_smem_bytes(t: usize, k: usize, fp8: bool) -> usize {
+    let stride = k + if fp8 { 8 } else { 32 };
+    2 * t * stride + 4 * 8 * (k / 128) + 4 * 8 * ROWS
+}
+
+/// Whether a launch of `t` tokens (one chunk, at most [`TOKENS`]) of `tiles` row tiles (all
+/// groups') in `slices` slices of K = `k` splits K inside its blocks (kernels/fast_dense.cu
+/// fd_gemv, warp_slices): at most 8 and `max_t` tokens, operands of all of K within
+/// [`MAX_SMEM`], and where the split across blocks would be a cluster of at least
+/// [`TARGET_BLOCKS`] blocks. The sums are the same bits as the cross-block splits' (slices added
+/// in order). Measured (bench dense, H200, one token, µs, in the block / across): it wins where
+/// the cross split is clusters over many blocks (the head 240.9 / 247.9, indexer.wq_b 5.36 /
+/// 6.05) and loses where it goes through the workspace (wo_b 12.46 / 12.03, wo_a 11.57 / 11.13)
+/// or the launch has few tiles (wq_a 5.39 / 5.04, wkv 5.04 / 4.58): there each block's staging of
+/// all of K (8x a slice's) is on the critical path.
+pub fn warp_split(
+    t: usize,
+    tiles: usize,
+    slices: usize,
+    k: usize,
+    fp8: bool,
+    max_t: usize,
+) -> bool {
+    slices > 1
+        && t <= 8
+        && t <= max_t
+        && !split_by_counter(tiles, slices, 1)
+        && tiles * slices >= TARGET_BLOCKS
+        && warp_split_smem_bytes(t, k, fp8) <= MAX_SMEM
 }
 
 /// The most any launch takes (the registry raises the kernels' limit to it).
@@ -111,7 +154,7 @@ crate::kernel_family! {
         w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, x: Option<*const f32>,
         ldx: i32, mode: i32, fused: bool, act: Option<*const u16>, ascale: Option<*const f32>,
         t: i32, round_out: bool, y: *mut f32, ldy: i32, split_part: Option<*mut f32>,
-        split_count: Option<*mut u32>,
+        split_count: Option<*mut u32>, warp_slices: i32,
     );
     #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
@@ -119,7 +162,7 @@ crate::kernel_family! {
         w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, x: Option<*const f32>,
         ldx: i32, mode: i32, fused: bool, act: Option<*const u16>, ascale: Option<*const f32>,
         t: i32, round_out: bool, y: *mut f32, ldy: i32, split_part: Option<*mut f32>,
-        split_count: Option<*mut u32>,
+        split_count: Option<*mut u32>, warp_slices: i32,
     );
     #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
@@ -127,7 +170,7 @@ crate::kernel_family! {
         w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, x: Option<*const f32>,
         ldx: i32, mode: i32, fused: bool, act: Option<*const u16>, ascale: Option<*const f32>,
         t: i32, round_out: bool, y: *mut f32, ldy: i32, split_part: Option<*mut f32>,
-        split_count: Option<*mut u32>,
+        split_count: Option<*mut u32>, warp_slices: i32,
     );
     #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
@@ -135,7 +178,7 @@ crate::kernel_family! {
         w: *const u8, wscale: Option<*const f32>, n: i32, k: i32, fp8: bool, x: Option<*const f32>,
         ldx: i32, mode: i32, fused: bool, act: Option<*const u16>, ascale: Option<*const f32>,
         t: i32, round_out: bool, y: *mut f32, ldy: i32, split_part: Option<*mut f32>,
-        split_count: Option<*mut u32>,
+        split_count: Option<*mut u32>, warp_slices: i32,
     );
     /// Up to [`GROUP_MAX`] projections of the same x in one launch (members past the group's have
     /// no weight and `m = 0`); `m` packs a member's geometry (`member_meta`).
@@ -239,6 +282,9 @@ pub struct DenseOp {
     /// Most tokens whose operands the gemv blocks make themselves ([`FUSED_ACT_MAX_T`]; the
     /// bench compares others).
     pub fused_act_max_t: usize,
+    /// Most tokens whose K split runs inside the blocks ([`WARP_SPLIT_MAX_T`]; the bench
+    /// compares 0).
+    pub warp_split_max_t: usize,
 }
 
 impl DenseOp {
@@ -447,10 +493,25 @@ impl FastDense {
                 )?;
             }
             let nt = tc.div_ceil(8).next_power_of_two();
-            let (split_part, split_count) = split_args(K, ws, tiles * groups, sl, nt)?;
-            let cluster = sl > 1 && split_part.is_none();
-            let smem = smem_bytes(nt, k / sl, fp8, cluster) as u32;
-            let grid = (tiles as u32, sl as u32, groups as u32);
+            let in_block = warp_split(tc, tiles * groups, sl, k, fp8, op.warp_split_max_t);
+            let (split_part, split_count) = if in_block {
+                (None, None)
+            } else {
+                split_args(K, ws, tiles * groups, sl, nt)?
+            };
+            let cluster = !in_block && sl > 1 && split_part.is_none();
+            let (smem, grid) = if in_block {
+                let tile_rows = 16 * (WARPS / sl);
+                (
+                    warp_split_smem_bytes(tc, k, fp8) as u32,
+                    (n.div_ceil(tile_rows) as u32, 1, groups as u32),
+                )
+            } else {
+                (
+                    smem_bytes(nt, k / sl, fp8, cluster) as u32,
+                    (tiles as u32, sl as u32, groups as u32),
+                )
+            };
             let block = (WARPS * 32) as u32;
             macro_rules! gemv {
                 ($field:ident, $kernel:ident) => {{
@@ -472,6 +533,7 @@ impl FastDense {
                         ldy: ldy32,
                         split_part,
                         split_count,
+                        warp_slices: if in_block { sl as i32 } else { 1 },
                     };
                     if cluster {
                         self.$field.launch_clustered(
@@ -934,6 +996,45 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_warp_split_takes_many_block_clusters_of_few_tokens() {
+        let tiles = |n: usize, g: usize| n.div_ceil(ROWS) * g;
+        // The head (BF16, 4 slices) and indexer.wq_b (2 slices): clusters over >= 128 blocks.
+        for (n, k, fp8) in [(129280, 4096, false), (8192, 1024, true)] {
+            let (sl, tl) = (slices(n, k, 1).unwrap(), tiles(n, 1));
+            for t in 1..=8 {
+                let want = t <= WARP_SPLIT_MAX_T;
+                assert_eq!(
+                    warp_split(t, tl, sl, k, fp8, WARP_SPLIT_MAX_T),
+                    want,
+                    "{n}x{k} T={t}"
+                );
+                assert!(
+                    !warp_split(t, tl, sl, k, fp8, t - 1),
+                    "{n}x{k} T={t} above the most"
+                );
+            }
+            assert!(!warp_split(9, tl, sl, k, fp8, TOKENS));
+        }
+        // Not: workspace splits (wo_b, wo_a), few-tile clusters (wq_a, wkv), one slice (wq_b).
+        for (n, k, g) in [
+            (4096, 8192, 1),
+            (1024, 4096, 8),
+            (1024, 4096, 1),
+            (512, 4096, 1),
+            (32768, 1024, 1),
+        ] {
+            let sl = slices(n, k, g).unwrap();
+            assert!(
+                !warp_split(1, tiles(n, g), sl, k, true, WARP_SPLIT_MAX_T),
+                "{n}x{k}x{g}"
+            );
+        }
+        // The widest K the kernels take, at 8 tokens: within the kernels' shared memory.
+        let widest = MAX_SLICES * MAX_SLICE;
+        assert!(warp_split_smem_bytes(8, widest, false) <= MAX_SMEM);
+    }
+
     /// A weight record at a made-up address (host logic only: nothing is dereferenced).
     fn weight(format: StorageFormat, rows: usize, cols: usize, at: u64) -> WeightDev {
         let esize = if format == StorageFormat::Fp8 { 1 } else { 2 };
@@ -973,6 +1074,7 @@ mod tests {
                 y: unsafe { DevicePtr::from_raw((i as u64 + 100) << 32, t * n * 4) },
                 ldy: n,
                 fused_act_max_t: GROUP_MAX_T,
+                warp_split_max_t: WARP_SPLIT_MAX_T,
             })
             .collect()
     }

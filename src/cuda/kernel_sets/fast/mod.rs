@@ -321,6 +321,7 @@ fn dense_op(call: &LinearCall, fused_act_max_t: usize) -> Option<DenseOp> {
         y: call.y,
         ldy: call.ldy,
         fused_act_max_t,
+        warp_split_max_t: crate::cuda::kernels::fast_dense::WARP_SPLIT_MAX_T,
     })
 }
 
