@@ -392,6 +392,21 @@ DSV4_INLINE void fd_stage(unsigned short* act_s, float* sc_s, int stride, int S,
   for (int i = T * nb + threadIdx.x; i < 8 * NT * nb; i += FD_THREADS) sc_s[i] = 0.0f;
 }
 
+// A warp's partial sums into part_s [8 NT][FD_ROWS] f32: fragment (nt, i) is row 16 warp + g + 8 (i >> 1)
+// of the block's, token 8 nt + 2c + (i & 1) (the cluster's and the warp split's exchange).
+template <int NT>
+DSV4_INLINE void fd_store_partials(float* part_s, const float (&acc)[NT][4]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = warp * 16 + g + 8 * (i >> 1), t = 8 * nt + 2 * c + (i & 1);
+      part_s[t * FD_ROWS + r] = acc[nt][i];
+    }
+  }
+}
+
 // The K split's end without a cluster (split_part given): the block's partial sums of tokens < T go
 // to its slot of split_part, [launch row tile][slice][8 NT tokens][FD_ROWS] f32, where the launch's
 // row tile is blockIdx.z * gridDim.x + blockIdx.x (both gemv and group grids); after a fence the
@@ -600,14 +615,7 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
   if (wsplit) {
     // Partial sums [8 NT][FD_ROWS] (warp w's at columns 16w..16w+15), then a thread an output: its
     // row group's slices in order.
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = warp * 16 + g + 8 * (i >> 1), t = 8 * nt + 2 * c + (i & 1);
-        part_s[t * FD_ROWS + r] = acc[nt][i];
-      }
-    }
+    fd_store_partials<NT>(part_s, acc);
     __syncthreads();
     for (int idx = threadIdx.x; idx < T * tile_rows; idx += FD_THREADS) {
       const int t = idx / tile_rows, rl = idx - t * tile_rows, n = tile * tile_rows + rl;
@@ -635,14 +643,7 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
   }
   // Partial sums [8 NT][FD_ROWS] in shared memory; then block `slice` of the cluster (the row tile's
   // slices) sums its share of the outputs over every block's partials, in slice order.
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = warp * 16 + g + 8 * (i >> 1), t = 8 * nt + 2 * c + (i & 1);
-      part_s[t * FD_ROWS + r] = acc[nt][i];
-    }
-  }
+  fd_store_partials<NT>(part_s, acc);
   cluster_sync();
   const int outputs = T * FD_ROWS, share = (outputs + slices - 1) / slices;
   const int tile0 = tile * FD_ROWS;
