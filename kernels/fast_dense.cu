@@ -678,6 +678,9 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
 // two, at most FD_WARPS; T <= 8, t8 only) splits K inside each block instead: grid (ceil(N / (16
 // FD_WARPS / warp_slices)), 1, groups), no cluster, no workspace (fd_gemv).
 // One entry point per token tile count NT (tokens <= 8 NT), so each is compiled for its own registers.
+// t8 and t16 are bound to two blocks an SM: with the FP8 whole-line loads' selects ptxas gave t8 150
+// registers (one block an SM); bound, both take 128 with at most 8 bytes of spills. t32 / t64 run one
+// block an SM either way.
 extern "C" __global__ void __launch_bounds__(FD_THREADS, 2)
     fd_gemv_t8_kernel(const unsigned char* w, const float* wscale, int N, int K, int fp8, const float* x, int ldx, int mode,
         int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy,
