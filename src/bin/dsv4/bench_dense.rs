@@ -111,8 +111,8 @@ impl Projection {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Path {
     /// The gemv kernels, the operands made inside the gemv blocks or by fd_act_kernel first, K
-    /// split inside the blocks up to `fast_dense::WARP_SPLIT_MAX_T` tokens (`warp_split`) or
-    /// never (across blocks, as before it).
+    /// split inside the blocks where `fast_dense::warp_split` takes the launch (`warp_split`:
+    /// the default) or never (across blocks, path `gemv_cross_split`).
     Gemv { fused: bool, warp_split: bool },
     /// The fast set's GEMM path: operand kernel, cuBLASLt, BF16 rounding.
     Gemm,
