@@ -309,14 +309,15 @@ pub fn run(
                     warp_split: false, ..
                 } => {
                     let sl = fast_dense::slices(p.n, p.k, p.groups).unwrap_or(1);
-                    fast_dense::warp_split(
-                        t,
-                        p.n.div_ceil(fast_dense::ROWS) * p.groups,
-                        sl,
-                        p.k,
-                        p.format == StorageFormat::Fp8,
-                        fast_dense::WARP_SPLIT_MAX_T,
-                    )
+                    p.groups == 1
+                        && fast_dense::warp_split(
+                            t,
+                            p.n.div_ceil(fast_dense::ROWS),
+                            sl,
+                            p.k,
+                            p.format == StorageFormat::Fp8,
+                            fast_dense::WARP_SPLIT_MAX_T,
+                        )
                 }
                 // (A grouped weight's GEMMs take the operand and weight of each group in turn:
                 // no GEMM-only timing.)
