@@ -18,9 +18,8 @@
 // (long dependent chains) serve them all, 8 times fewer than a thread per pair and head. Measured
 // (ncu, 4096 tokens, five calls): 9.3 ms with this alone, the launch then being bound by starting
 // its blocks; 4.6 ms with norm_rope.rs's launch shape (a prefill now takes rope_rows_kernel below).
-// At decode a call went 5.6 -> 9.6 us: a thread's heads are loaded one after another after the
-// cos / sin (loading them first is untried on a device). (ROPE_HEADS: dsv4_consts.cuh,
-// norm_rope.rs ROPE_HEADS.)
+// At decode a call went 5.6 -> 9.6 us while a thread loaded its heads one after another after the
+// cos / sin; it now loads them all first. (ROPE_HEADS: dsv4_consts.cuh, norm_rope.rs ROPE_HEADS.)
 extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, int head_dim, const int* pos,
                                        const float* inv_freq, int half_rope, float sign, int round_out) {
   dsv4_pdl_begin();
@@ -32,15 +31,26 @@ extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, in
     const float p = __int2float_rn(pos[r]);
     for (int q = first; q < items; q += step) {
       const int hc = q / half_rope, k = q - hc * half_rope;
+      const int nh = min(heads - hc * ROPE_HEADS, ROPE_HEADS);
+      float* t0 = row + (long long)hc * ROPE_HEADS * head_dim + nope + 2 * k;
+      // The heads' pairs are loaded first, so that their loads are in flight during the cos / sin.
+      float a[ROPE_HEADS], b[ROPE_HEADS];
+#pragma unroll
+      for (int j = 0; j < ROPE_HEADS; ++j) {
+        if (j < nh) {
+          a[j] = t0[(long long)j * head_dim];
+          b[j] = t0[(long long)j * head_dim + 1];
+        }
+      }
       float c, s;
       ref_rope_cs(p, inv_freq[k], sign, c, s);
-      const int h_end = min(heads, (hc + 1) * ROPE_HEADS);
-      for (int h = hc * ROPE_HEADS; h < h_end; ++h) {
-        float* t = row + (long long)h * head_dim + nope + 2 * k;
-        float a = t[0], b = t[1];
-        ref_rope_rotate(a, b, c, s, round_out);
-        t[0] = a;
-        t[1] = b;
+#pragma unroll
+      for (int j = 0; j < ROPE_HEADS; ++j) {
+        if (j < nh) {
+          ref_rope_rotate(a[j], b[j], c, s, round_out);
+          t0[(long long)j * head_dim] = a[j];
+          t0[(long long)j * head_dim + 1] = b[j];
+        }
       }
     }
     if (round_out && nope > 0) {
