@@ -179,9 +179,10 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
             let timing = time_replays(s, &g, reps, launches)?;
             let (sec, host_sec) = (timing.device_s, timing.host_s);
             let touched_bytes = touched * sh.routed_expert_bytes() + sh.shared_expert_bytes();
-            // What the kernels read: FP4 codes with f32 per-32 scales, FP8 with f32 blocks.
-            let bytes_read = touched * 3 * (d * i / 2 + d * i / 32 * 4)
-                + 3 * (d * i + (d / 128) * (i / 128) * 4);
+            // What the kernels read: FP4 codes with the layer's UE8M0 scale table (a byte per 32,
+            // as stored: the synthetic scales are all powers of two), FP8 with f32 block scales.
+            let bytes_read =
+                touched * sh.routed_expert_bytes() + 3 * (d * i + (d / 128) * (i / 128) * 4);
             let flops = 2.0 * t as f64 * ((k + 1) as f64 * 3.0 * (d * i) as f64 + (d * ne) as f64);
             println!(
                 "{{\"bench\": \"moe\", \"B\": {t}, \"routing\": \"{}\", \"path\": \"{}\", \"router\": \"{}\", \"hidden\": {d}, \"moe_inter\": {i}, \"experts\": {ne}, \"top_k\": {k}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"touched_experts\": {touched}, \"hot_expert_assignments\": {hot}, \"touched_bytes\": {touched_bytes}, \"bytes_read\": {bytes_read}, \"gb_per_s\": {:.1}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}, \"launches_per_layer\": {}, \"layer_calls_timed\": {}}}",
