@@ -46,6 +46,12 @@
 #define FD_SCALE_LOADS ((FD_TOKENS * (FD_MAX_SLICE / 128) + FD_THREADS - 1) / FD_THREADS)
 // Most blocks of a launch whose warps also prefetch their rows into L2 (fd_gemv): one an SM of an H200.
 #define FD_PREFETCH_MAX_GRID 132u
+// 128-blocks past the register prologue that a warp of a larger launch asks L2 for before its wait
+// (fd_gemv). Measured, bench dense, H200, one device call, best of 2 (µs at T = 1 / 8): none wq_b
+// 10.78 / 12.47, wo_b 12.15 / 16.22, wo_a 11.28 / 15.45; 2 blocks 10.47 / 12.20, 11.95 / 15.89,
+// 11.20 / 15.12; 4 blocks 11.68 / 13.08, 13.03 / 16.18, 12.63 / 16.26; all of the slice 12.11 / 13.56
+// (wq_b).
+#define FD_PREFETCH_AFTER 2
 
 DSV4_INLINE unsigned short fd_f16_rn(float f) {
   unsigned short h;
@@ -464,13 +470,15 @@ DSV4_INLINE void fd_split_finish(const float (&acc)[NT][4], float* __restrict__ 
 // 16 FD_WARPS / warp_slices rows, and the block adds its warps' partial sums in slice order through
 // shared memory: the same sums as the cluster's and the workspace's, with no other block to wait
 // for. The block stages all of K for T tokens (T (K + pad) halves), so it is for few tokens.
+// prefetch_after: the 128-blocks past the register prologue its warps ask L2 for before the wait
+// (FD_PREFETCH_AFTER, or 0; see there).
 template <bool FP8, int NT>
 DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __restrict__ wscale, int N, int K,
                          const float* __restrict__ x, int ldx, int mode, int fused,
                          const unsigned short* __restrict__ act, const float* __restrict__ ascale, int T,
                          int round_out, float* __restrict__ y, int ldy, float* __restrict__ split_part,
                          unsigned* __restrict__ split_count, int tile, int slice, int slices, int gz, int groups,
-                         int warp_slices) {
+                         int warp_slices, int prefetch_after) {
   typedef FdKind<FP8> KD;
   // 128-blocks loaded ahead, 4 loads of 16 bytes a lane each (FP8; BF16 8). FP8: at one token tile 3
   // (measured, bench dense, H200, T = 1: wq_b 10.7 / 10.4 / 11.8 us at 2 / 3 / 4, the last bound to
@@ -518,11 +526,20 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
   }
   // A launch of few blocks (at most FD_PREFETCH_MAX_GRID) also asks L2 for its warps' whole rows of the
   // slice now, a lane a row: its register loads alone keep too few bytes in flight (measured, one
-  // token: compressor.wkv, 64 blocks, 7.3 -> 5.3 us). A launch that fills the SMs has enough in flight,
-  // and there the prefetches cost time (wq_b 11.1 -> 12.4 us).
-  if (gridDim.x * gridDim.y * gridDim.z <= FD_PREFETCH_MAX_GRID && lane < 16 && n0 + lane < N)
-    fd_prefetch_l2(w + ((long long)gz * N + n0 + lane) * row_bytes + (long long)k0 * KD::ESIZE,
-                   (unsigned)(blocks * 128 * KD::ESIZE));
+  // token: compressor.wkv, 64 blocks, 7.3 -> 5.3 us). A launch that fills the SMs has enough in flight
+  // for the loop, and there whole rows cost time (wq_b 11.1 -> 12.4 us); but while the block stages
+  // its activations below, only the AHEAD blocks above are moving, so an FP8 launch of up to 8 tokens
+  // without the warp split asks for the next `prefetch_after` blocks (FD_PREFETCH_AFTER; wq_b 10.6 ->
+  // 10.45 us at one token). Elsewhere it lost: the head (BF16, warp split) 236 -> 242 us, the grouped
+  // u projections at 8 slices 9.8 -> 11.0 us (they pass 0), 16-64 tokens -1% to +1.5%.
+  if (lane < 16 && n0 + lane < N) {
+    const bool few = gridDim.x * gridDim.y * gridDim.z <= FD_PREFETCH_MAX_GRID;
+    const int after = FP8 && NT == 1 && !wsplit ? prefetch_after : 0;
+    const int first = few ? 0 : AHEAD, last = few ? blocks : min(blocks, AHEAD + after);
+    if (last > first)
+      fd_prefetch_l2(w + ((long long)gz * N + n0 + lane) * row_bytes + (long long)(k0 + 128 * first) * KD::ESIZE,
+                     (unsigned)((last - first) * 128 * KD::ESIZE));
+  }
   // The warp's FP8 block scales of the slice, copied to shared memory asynchronously before the wait
   // (they are weights) and read by the loop from there. Loaded in the loop, each was an L2 round
   // trip on its critical path once the weights ahead were in flight.
@@ -686,8 +703,8 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, 2)
         int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy,
         float* split_part, unsigned* split_count, int warp_slices) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
-  else fd_gemv<false, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
+  if (fp8) fd_gemv<true, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices, FD_PREFETCH_AFTER);
+  else fd_gemv<false, 1>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices, FD_PREFETCH_AFTER);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS, 2)
@@ -695,8 +712,8 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, 2)
         int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy,
         float* split_part, unsigned* split_count, int warp_slices) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
-  else fd_gemv<false, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
+  if (fp8) fd_gemv<true, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices, FD_PREFETCH_AFTER);
+  else fd_gemv<false, 2>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices, FD_PREFETCH_AFTER);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
@@ -704,8 +721,8 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
         int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy,
         float* split_part, unsigned* split_count, int warp_slices) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
-  else fd_gemv<false, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
+  if (fp8) fd_gemv<true, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices, FD_PREFETCH_AFTER);
+  else fd_gemv<false, 4>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices, FD_PREFETCH_AFTER);
 }
 
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
@@ -713,8 +730,8 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
         int fused, const unsigned short* act, const float* ascale, int T, int round_out, float* y, int ldy,
         float* split_part, unsigned* split_count, int warp_slices) {
   dsv4_pdl_trigger();  // fd_gemv waits after its first weight loads
-  if (fp8) fd_gemv<true, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
-  else fd_gemv<false, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices);
+  if (fp8) fd_gemv<true, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices, FD_PREFETCH_AFTER);
+  else fd_gemv<false, 8>(w, wscale, N, K, x, ldx, mode, fused, act, ascale, T, round_out, y, ldy, split_part, split_count, FD_GRID_SHARE, warp_slices, FD_PREFETCH_AFTER);
 }
 
 // ---- Grouped launches: several projections of the same input in one launch ----
@@ -770,12 +787,13 @@ DSV4_INLINE void fd_group(const float* __restrict__ x, int ldx, int T, int K, co
   const long long meta = pick.meta;
   const int N = fd_member_n(meta), ldy = (int)((meta >> 24) & 0xffffff);
   const int fp8 = (int)((meta >> 48) & 1), round_out = (int)((meta >> 49) & 1), mode = (int)((meta >> 50) & 3);
+  // No L2 prefetch after the register prologue (fd_gemv): it cost the u group 12% at 8 slices.
   if (fp8)
     fd_gemv<true, NT>(pick.w, pick.wscale, N, K, x, ldx, mode, 1, nullptr, nullptr, T, round_out, pick.y, ldy, split_part,
-                      split_count, tile, blockIdx.y, gridDim.y, 0, 1, 1);
+                      split_count, tile, blockIdx.y, gridDim.y, 0, 1, 1, 0);
   else
     fd_gemv<false, NT>(pick.w, nullptr, N, K, x, ldx, mode, 1, nullptr, nullptr, T, round_out, pick.y, ldy, split_part,
-                       split_count, tile, blockIdx.y, gridDim.y, 0, 1, 1);
+                       split_count, tile, blockIdx.y, gridDim.y, 0, 1, 1, 0);
 }
 
 // y_i[t, n] (row stride ldy_i) = Σ_k a[t, k] · W_i[n, k] for every member i (FdMember; FD_GROUP_MAX of
