@@ -159,8 +159,8 @@ DSV4_INLINE int fmoe_stage_at(const FmoeItem& it, int i) {
   return kb < it.nks ? kb : kb - it.nks;
 }
 
-// Activation row of token column c (columns past n repeat column 0: computed, never stored). Up reads x
-// rows (one per token), down reads h rows (one per (token, slot), the output row of the assignment).
+// Activation row of token column c (c < n; columns past n are not gathered: fmoe_produce). Up reads x rows
+// (one per token), down reads h rows (one per (token, slot), the output row of the assignment).
 template <bool UP>
 DSV4_INLINE int fmoe_act_row(const FmoeArgs& a, const FmoeItem& it, int c) {
   const int i = c < it.n ? c : 0;
@@ -192,9 +192,19 @@ DSV4_INLINE void fmoe_produce(const FmoeArgs& a, unsigned smem, int my_items) {
   const int K = a.K;
   int slot = 0;
   unsigned phase = 0;
+  // Token columns past an item's n are computed and never stored, so they are not gathered (copying column 0
+  // into all 16, as this did, had every block of a one-token batch read the same lines 16 times a stage: the
+  // stream then ran at 1.6 of the 3.9 TB/s its weights alone reach). They hold what an earlier stage left, or
+  // these zeros: finite codes and scales either way.
+  for (int i = lane; i < FMOE_STAGES * (FMOE_SLOT_A + FMOE_SLOT_AS) / 16; i += 32) {
+    const int per_slot = (FMOE_SLOT_A + FMOE_SLOT_AS) / 16;
+    st_shared_zero16(smem + (i / per_slot) * FMOE_SLOT + FMOE_SLOT_W + FMOE_SLOT_S + 16 * (i % per_slot));
+  }
+  fence_proxy_async_shared();  // the wgmmas read the zeros through the async proxy
   for (int n = 0; n < my_items; ++n) {
     const FmoeItem it = fmoe_item<UP>(a, blockIdx.x + n * gridDim.x);
     if (it.skip) continue;
+    const bool gather = col < it.n;  // this lane's token column is one of the item's
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
     const long long arow = fmoe_act_row<UP>(a, it, col);
     const unsigned char* act = a.act + arow * K;
@@ -233,14 +243,16 @@ DSV4_INLINE void fmoe_produce(const FmoeArgs& a, unsigned smem, int my_items) {
       // Chunks half, half + 2, ...: constant offsets from one address each, so every copy is one instruction.
       const unsigned dst0 = adst + half * (FMOE_TOKENS * 16) + col * 16;
       const unsigned char* src0 = act + (long long)kb * kbytes + 16 * half;
-      if (blocks == 2) {
+      if (gather) {
+        if (blocks == 2) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) cp_async_16(dst0 + 2 * i * (FMOE_TOKENS * 16), src0 + 32 * i);
-      } else {
+          for (int i = 0; i < 8; ++i) cp_async_16(dst0 + 2 * i * (FMOE_TOKENS * 16), src0 + 32 * i);
+        } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) cp_async_16(dst0 + 2 * i * (FMOE_TOKENS * 16), src0 + 32 * i);
+          for (int i = 0; i < 4; ++i) cp_async_16(dst0 + 2 * i * (FMOE_TOKENS * 16), src0 + 32 * i);
+        }
+        if (half < blocks) cp_async_4(adst + FMOE_SLOT_A + lane * 4, as + kb * (kbytes / 128));
       }
-      if (half < blocks) cp_async_4(adst + FMOE_SLOT_A + lane * 4, as + kb * (kbytes / 128));
       cp_async_mbar_arrive(full);
       if (++slot == FMOE_STAGES) {
         slot = 0;

@@ -172,6 +172,11 @@ DSV4_INLINE void cp_async_16(unsigned dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
+// Sixteen zero bytes at shared-space address `dst` (16-byte aligned).
+DSV4_INLINE void st_shared_zero16(unsigned dst) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0) : "memory");
+}
+
 // 4-byte asynchronous copy (through L1).
 DSV4_INLINE void cp_async_4(unsigned dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
