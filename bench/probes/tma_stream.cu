@@ -35,9 +35,15 @@ __device__ __forceinline__ void ts_wait(unsigned bar, unsigned phase) {
 
 // A stage: `stage_bytes` over `boxes` TMA boxes; slots of `slot_bytes`; full[s] at bars + 8 s, empty[s] at
 // bars + 8 (stages + s).
-// With `side` (the decode GEMMs' other per-stage copies, fmoe_produce): the 32 lanes of the producer warp also
-// copy 16 x 256 bytes of token codes from `tokens` (L2-resident, as the activations are) by cp.async, and lane 0
-// two 1 KiB bulk copies of `scales`; the full barrier then also waits for the lanes' cp.async arrivals.
+// `side` adds the decode GEMMs' other per-stage copies (fmoe_produce), a bit each: TS_TOKENS, the 32 lanes of the
+// producer warp copy 16 x 256 bytes of token codes from `tokens` (L2-resident, as the activations are; every
+// block the same lines) by cp.async, and the full barrier also waits for the lanes' cp.async arrivals;
+// TS_ONE_COLUMN, only the lanes of token column 0 copy (the producer since 8e6970f, at one token); TS_SCALES,
+// lane 0 also makes two 1 KiB bulk copies of `scales` (all blocks the same addresses).
+#define TS_TOKENS 1
+#define TS_SCALES 2
+#define TS_ONE_COLUMN 4
+
 __global__ void ts_kernel(const __grid_constant__ CUtensorMap map, int rows, int box_rows, int inner, int nks,
                           int stages, int slot_bytes, int row_base, int side, const unsigned char* tokens,
                           const unsigned char* scales) {
@@ -46,7 +52,7 @@ __global__ void ts_kernel(const __grid_constant__ CUtensorMap map, int rows, int
   const unsigned bars = base + stages * slot_bytes;
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bars + 8 * s), "r"(side ? 33 : 1));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bars + 8 * s), "r"((side & TS_TOKENS) ? 33 : 1));
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bars + 8 * (stages + s)));
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -55,7 +61,7 @@ __global__ void ts_kernel(const __grid_constant__ CUtensorMap map, int rows, int
   const int row0 = row_base + blockIdx.x * rows;
   const int boxes = rows / box_rows;
   const unsigned stage_bytes = (unsigned)(rows * inner);
-  if (threadIdx.x < 32 && (side || threadIdx.x == 0)) {
+  if (threadIdx.x < 32 && ((side & TS_TOKENS) || threadIdx.x == 0)) {
     const int lane = threadIdx.x;
     for (int i = 0; i < nks; ++i) {
       const int s = i % stages;
@@ -64,7 +70,7 @@ __global__ void ts_kernel(const __grid_constant__ CUtensorMap map, int rows, int
       const unsigned full = bars + 8 * s, dst = base + s * slot_bytes;
       if (lane == 0) {
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full),
-                     "r"(stage_bytes + (side ? 2048u : 0u))
+                     "r"(stage_bytes + ((side & TS_SCALES) ? 2048u : 0u))
                      : "memory");
         for (int b = 0; b < boxes; ++b)
           asm volatile(
@@ -72,20 +78,21 @@ __global__ void ts_kernel(const __grid_constant__ CUtensorMap map, int rows, int
               "%3}], [%4];\n" ::"r"(dst + b * box_rows * inner),
               "l"(&map), "r"(i * inner), "r"(row0 + b * box_rows), "r"(full)
               : "memory");
-        if (side)
+        if (side & TS_SCALES)
           for (int q = 0; q < 2; ++q)
             asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 1024, [%2];\n" ::"r"(
                              base + stages * slot_bytes + 16 * stages + 1024 * q),
                          "l"(scales + 2048 * (i % 64) + 1024 * q), "r"(full)
                          : "memory");
       }
-      if (side) {
+      if (side & TS_TOKENS) {
         // Lane L copies chunks L / 16, L / 16 + 2, ... of token column L % 16 (fmoe_produce's gather), into the
         // stage's 4 KiB after the barriers and the scales (the probe does not read them).
         const unsigned d0 = base + stages * slot_bytes + 16 * stages + 2048 + 4096 * s + (lane >> 4) * 256 + (lane & 15) * 16;
         const unsigned char* s0 = tokens + (i % 16) * 256 + 16 * (lane >> 4);
-        for (int c = 0; c < 8; ++c)
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d0 + 512 * c), "l"(s0 + 32 * c) : "memory");
+        if (!(side & TS_ONE_COLUMN) || (lane & 15) == 0)
+          for (int c = 0; c < 8; ++c)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d0 + 512 * c), "l"(s0 + 32 * c) : "memory");
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
       }
     }
@@ -115,8 +122,12 @@ int main() {
   };
   const std::vector<Case> cases = {
       {128, 128, 256, 4, 1, 0, 0},  // the decode GEMMs' stage and ring
-      {128, 128, 256, 4, 1, 1, 0},  // + their token gather and scale copies
-      {128, 128, 256, 4, 1, 0, 112}, {128, 128, 256, 4, 1, 1, 112},  // on 112 blocks (B = 1's up items)
+      {128, 128, 256, 4, 1, TS_TOKENS | TS_SCALES, 0},  // + their token gather and scale copies (before 8e6970f)
+      {128, 128, 256, 4, 1, TS_TOKENS, 0},  // the parts of those, one at a time (not yet run: 2026-12-03)
+      {128, 128, 256, 4, 1, TS_SCALES, 0},
+      {128, 128, 256, 4, 1, TS_TOKENS | TS_ONE_COLUMN, 0},
+      {128, 128, 256, 4, 1, TS_TOKENS | TS_ONE_COLUMN | TS_SCALES, 0},  // the producer since 8e6970f, at B = 1
+      {128, 128, 256, 4, 1, 0, 112}, {128, 128, 256, 4, 1, TS_TOKENS | TS_SCALES, 112},  // 112 blocks (B = 1's up items)
       {128, 64, 256, 4, 1, 0, 0},   {128, 256, 256, 4, 1, 0, 0},   {128, 128, 256, 6, 1, 0, 0},
       {128, 128, 128, 4, 2, 0, 0},  {64, 128, 256, 8, 1, 0, 0},    {256, 128, 256, 2, 1, 0, 0},
       {256, 128, 256, 3, 1, 0, 0},  {256, 128, 128, 3, 2, 0, 0},
@@ -147,7 +158,7 @@ int main() {
     }
     const int nks = (int)(row_bytes / c.inner);
     const int slot = c.rows * c.inner;
-    const int smem = c.stages * slot + 16 * c.stages + 2048 + (c.side ? 4096 * c.stages : 0);
+    const int smem = c.stages * slot + 16 * c.stages + 2048 + ((c.side & TS_TOKENS) ? 4096 * c.stages : 0);
     cudaFuncSetAttribute(ts_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int grid = c.grid_blocks > 0 ? c.grid_blocks : sms * c.blocks_per_sm;
     const long long per_launch = (long long)grid * c.rows;
