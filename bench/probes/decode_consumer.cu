@@ -28,6 +28,7 @@
 #endif
 
 #include "fast_moe_gemm.cu"
+#include "probe_data.cuh"
 
 // One m64n8k32 step with both operands in shared memory (mode 4).
 DSV4_INLINE void dc_wgmma_ss(float (&d)[8], unsigned long long da, unsigned long long db) {
@@ -42,16 +43,11 @@ DSV4_INLINE void dc_wgmma_ss(float (&d)[8], unsigned long long da, unsigned long
 // token codes (fragment order does not matter for a rate), the tokens' scales.
 __device__ void dc_fill(unsigned char* st, bool check) {
   for (int i = threadIdx.x; i < FMOE_SLOT_W / 4; i += blockDim.x) {
-    unsigned x = (unsigned)i * 2654435761u ^ 0x9e3779b9u;
-    x ^= x >> 13;
-    reinterpret_cast<unsigned*>(st)[i] = check ? 0x22222222u : x * 0x2c1b3c6du;
+    reinterpret_cast<unsigned*>(st)[i] = check ? 0x22222222u : probe_weight_word(i);
   }
   for (int i = threadIdx.x; i < FMOE_SLOT_S; i += blockDim.x) st[FMOE_SLOT_W + i] = 127;
   unsigned char* tok = st + FMOE_SLOT_W + FMOE_SLOT_S;
-  for (int i = threadIdx.x; i < FMOE_SLOT_A; i += blockDim.x) {
-    const unsigned r = ((unsigned)i * 2246822519u) >> 24;
-    tok[i] = check ? 0x38 : (unsigned char)((r & 0x7f) == 0x7f ? r - 1 : r);
-  }
+  for (int i = threadIdx.x; i < FMOE_SLOT_A; i += blockDim.x) tok[i] = check ? 0x38 : probe_token_code(i);
   float* as = reinterpret_cast<float*>(tok + FMOE_SLOT_A);
   for (int i = threadIdx.x; i < 2 * FMOE_TOKENS; i += blockDim.x) as[i] = 1.0f;
 }

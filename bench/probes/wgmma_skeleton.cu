@@ -32,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include "fast_moe_wide.cu"
+#include "probe_data.cuh"
 
 // Fills the stage. Random (check = false): FP4 weight codes (pseudo-random bytes), token codes (pseudo-random
 // e4m3 below 448 in magnitude, never NaN). Check data: FP4 codes 1.0 (0x2) in every row's 128-block 0 and
@@ -40,17 +41,12 @@
 // fmw_fold_base(127), so a code is its value · 2^6) and the tokens' scales 1.
 __device__ void skel_fill(unsigned char* st, bool check) {
   for (int i = threadIdx.x; i < FMW_SLOT_W / 4; i += blockDim.x) {
-    unsigned x = (unsigned)i * 2654435761u ^ 0x9e3779b9u;
-    x ^= x >> 13;
     const int r = 4 * i / FMW_RB, chunk = ((4 * i % FMW_RB) / 16) ^ (r & 7);
-    reinterpret_cast<unsigned*>(st)[i] = check ? (chunk < 4 ? 0x22222222u : 0x44444444u) : x * 0x2c1b3c6du;
+    reinterpret_cast<unsigned*>(st)[i] = check ? (chunk < 4 ? 0x22222222u : 0x44444444u) : probe_weight_word(i);
   }
   for (int i = threadIdx.x; i < FMW_SLOT_S; i += blockDim.x) st[FMW_SLOT_W + i] = 127;
   unsigned char* tok = st + FMW_SLOT_W + FMW_SLOT_S;
-  for (int i = threadIdx.x; i < FMW_SLOT_A; i += blockDim.x) {
-    const unsigned r = ((unsigned)i * 2246822519u) >> 24;
-    tok[i] = check ? 0x38 : (unsigned char)((r & 0x7f) == 0x7f ? r - 1 : r);
-  }
+  for (int i = threadIdx.x; i < FMW_SLOT_A; i += blockDim.x) tok[i] = check ? 0x38 : probe_token_code(i);
   float* as = reinterpret_cast<float*>(tok + FMW_SLOT_A);
   for (int i = threadIdx.x; i < 2 * FMW_TOKENS; i += blockDim.x) as[i] = 1.0f;
 }
