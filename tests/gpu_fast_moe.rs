@@ -364,6 +364,14 @@ fn fast(
     let Dims { D, I, K, .. } = dims(&l.shape);
     let (ctx, t) = (e.ctx, b.t);
     let fl = l.fast_layer(r, b.tokens);
+    {
+        // Every run writes every output: NaN poison first, so a work item that skipped its
+        // epilogue shows (the second of two runs would otherwise find the first's values).
+        let _g = ctx.enter().unwrap();
+        for p in [b.ws.hq, b.ws.hs, b.ws.y, b.out] {
+            arena::memset_async(p, 0xff, s).unwrap();
+        }
+    }
     e.fast.route_on(ctx, &fl, b.x, t, &b.ws, router, s).unwrap();
     if let Some((ids, w)) = routing {
         put(ctx, b.ws.ids, ids, s);
