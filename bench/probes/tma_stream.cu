@@ -123,7 +123,7 @@ int main() {
   const std::vector<Case> cases = {
       {128, 128, 256, 4, 1, 0, 0},  // the decode GEMMs' stage and ring
       {128, 128, 256, 4, 1, TS_TOKENS | TS_SCALES, 0},  // + their token gather and scale copies (before 8e6970f)
-      {128, 128, 256, 4, 1, TS_TOKENS, 0},  // the parts of those, one at a time (not yet run: 2026-12-03)
+      {128, 128, 256, 4, 1, TS_TOKENS, 0},  // the parts of those, one at a time (BENCHMARKS.md 2026-12-03, fourteenth version)
       {128, 128, 256, 4, 1, TS_SCALES, 0},
       {128, 128, 256, 4, 1, TS_TOKENS | TS_ONE_COLUMN, 0},
       {128, 128, 256, 4, 1, TS_TOKENS | TS_ONE_COLUMN | TS_SCALES, 0},  // the producer since 8e6970f, at B = 1
