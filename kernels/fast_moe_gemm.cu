@@ -159,8 +159,9 @@ DSV4_INLINE int fmoe_stage_at(const FmoeItem& it, int i) {
   return kb < it.nks ? kb : kb - it.nks;
 }
 
-// Activation row of token column c (c < n; columns past n are not gathered: fmoe_produce). Up reads x rows
-// (one per token), down reads h rows (one per (token, slot), the output row of the assignment).
+// Activation row of token column c (column 0's for c >= n: the producer's lanes of those columns form an
+// address and copy nothing, fmoe_produce). Up reads x rows (one per token), down reads h rows (one per
+// (token, slot), the output row of the assignment).
 template <bool UP>
 DSV4_INLINE int fmoe_act_row(const FmoeArgs& a, const FmoeItem& it, int c) {
   const int i = c < it.n ? c : 0;
