@@ -3,14 +3,16 @@
 //
 // fmoe_up_kernel:   hq, hs = act_quant(bf16(silu(min(bf16(W1 x), L)) · clamp(bf16(W3 x), ±L) · w))
 // fmoe_down_kernel: y = bf16(W2 hq)
+// fmoe_experts_kernel: both in one launch, the same items and bits (the decode path's; the two kernels stay
+// for comparison). Its down items wait for their tile's up items through counters in global memory.
 //
 // Work items. The plan (moe_plan_kernel, tile_rows = FMOE_TOKENS) lists (expert, start, count) tiles of at
 // most FMOE_TOKENS routed assignments; the shared expert adds ceil(T / FMOE_TOKENS) tiles of consecutive
 // tokens after them. Each tile is cut into row blocks of FMOE_ROWS = 256 weight rows: for up, FMOE_UP_J =
 // 128 j as gate rows j.. then up rows j.. (so SwiGLU and the per-128 FP8 quantisation of h stay inside the
 // block); for down, FMOE_DOWN_ROWS = 256 output rows. Blocks are persistent and take items blockIdx.x,
-// + gridDim.x, ... in order; an item's outputs depend only on the item, so they are deterministic bit for
-// bit whichever block computes them.
+// + gridDim.x, ... in order (fmoe_experts_kernel: from a queue); an item's outputs depend only on the item, so
+// they are deterministic bit for bit whichever block computes them.
 //
 // The pipeline. Each block has FMOE_WARPGROUPS consumer warpgroups and one producer warp, joined by a ring
 // of FMOE_STAGES shared-memory slots with a "full" and an "empty" mbarrier each. The producer walks the
@@ -179,87 +181,161 @@ DSV4_INLINE int fmoe_out_row(const FmoeArgs& a, const FmoeItem& it, int c) {
 DSV4_INLINE unsigned fmoe_full(unsigned smem, int s) { return fmoe_ring_full(smem + FMOE_BARS, s); }
 DSV4_INLINE unsigned fmoe_empty(unsigned smem, int s) { return fmoe_ring_empty(smem + FMOE_BARS, FMOE_STAGES, s); }
 
-// The producer warp: fills the ring with every stage of the block's items, in the order the consumers
-// read them. Per stage, lane 0 announces the TMA bytes and issues the weight (and FP4 scale) boxes: rows
-// 0..127 of the stage from matrix A (up: W1 j = row0 ..; down: W2 rows row0 ..), rows 128..255 from matrix
-// B (up: W3 j = row0 ..; down: W2 rows row0 + 128 .., zeros past N as TMA fills out-of-range rows, as it
-// fills the k past K of a half FP4 stage). Every lane gathers tokens by cp.async: lane L copies the k16
-// chunks L / 16, L / 16 + 2, ... of token column L % 16, and its scale of block L / 16; lanes 0 and 1 copy
-// FP8's two block scales. The slot's full barrier expects lane 0's arrival with the TMA bytes and one
-// cp.async arrival per lane.
-template <bool UP>
-DSV4_INLINE void fmoe_produce(const FmoeArgs& a, unsigned smem, int my_items) {
-  const int lane = threadIdx.x & 31, col = lane & 15, half = lane >> 4;
-  const int K = a.K;
-  int slot = 0;
-  unsigned phase = 0;
-  // Token columns past an item's n are computed and never stored, so they are not gathered (copying column 0
-  // into all 16, as this did, had every block of a one-token batch read the same lines 16 times a stage: the
-  // stream then ran at 1.6 of the 3.9 TB/s its weights alone reach). They hold what an earlier stage left, or
-  // these zeros: finite codes and scales either way.
+// The ring position (slot and phase) the producer and the consumers each walk in the same order.
+DSV4_INLINE void fmoe_ring_advance(int& slot, unsigned& phase) {
+  if (++slot == FMOE_STAGES) {
+    slot = 0;
+    phase ^= 1;
+  }
+}
+
+// The fused kernel's item header: the item's index at the end of its first stage's slot (the producer's lane 0
+// stores it before its arrival on the slot's full barrier, so the consumers read it after their wait), or -1:
+// no more items.
+#define FMOE_SLOT_HDR (FMOE_SLOT_W + FMOE_SLOT_S + FMOE_SLOT_A + FMOE_SLOT_AS)
+static_assert(FMOE_SLOT_HDR + 4 <= FMOE_SLOT, "fast_moe_gemm: the item header fits in the slot's padding");
+DSV4_INLINE void fmoe_store_header(unsigned slot_addr, int header) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(slot_addr + FMOE_SLOT_HDR), "r"(header) : "memory");
+}
+DSV4_INLINE int fmoe_load_header(unsigned slot_addr) {
+  int h;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(h) : "r"(slot_addr + FMOE_SLOT_HDR) : "memory");
+  return h;
+}
+
+// Token columns past an item's n are computed and never stored, so they are not gathered (copying column 0 into
+// all 16, as this did, had every block of a one-token batch read the same lines 16 times a stage: the stream then
+// ran at 1.6 of the 3.9 TB/s its weights alone reach). They hold what an earlier stage left, or these zeros
+// (the producer warp's first act): finite codes and scales either way.
+DSV4_INLINE void fmoe_zero_token_slots(unsigned smem) {
+  const int lane = threadIdx.x & 31;
   for (int i = lane; i < FMOE_STAGES * (FMOE_SLOT_A + FMOE_SLOT_AS) / 16; i += 32) {
     const int per_slot = (FMOE_SLOT_A + FMOE_SLOT_AS) / 16;
     st_shared_zero16(smem + (i / per_slot) * FMOE_SLOT + FMOE_SLOT_W + FMOE_SLOT_S + 16 * (i % per_slot));
   }
   fence_proxy_async_shared();  // the wgmmas read the zeros through the async proxy
+}
+
+// Waits (every lane of the producer warp) until the u32 at `flag` reaches `target`, with acquire semantics:
+// the copies issued after it see what the writers published before their release. A wait that cannot end (a
+// bug) traps after ~2^22 polls (seconds) instead of hanging the device.
+DSV4_INLINE unsigned fmoe_load_acquire(const unsigned* flag) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  return v;
+}
+DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
+  for (unsigned polls = 0;; ++polls) {
+    if (fmoe_load_acquire(flag) >= target) return;
+    if (polls > (1u << 22)) __trap();
+    __nanosleep(64);
+  }
+}
+
+// One item's stages into the ring, in the order the consumers read them (the producer warp). Per stage, lane 0
+// announces the TMA bytes and issues the weight (and FP4 scale) boxes: rows 0..127 of the stage from matrix A
+// (up: W1 j = row0 ..; down: W2 rows row0 ..), rows 128..255 from matrix B (up: W3 j = row0 ..; down: W2 rows
+// row0 + 128 .., zeros past N as TMA fills out-of-range rows, as it fills the k past K of a half FP4 stage).
+// Every lane gathers tokens by cp.async: lane L copies the k16 chunks L / 16, L / 16 + 2, ... of token column
+// L % 16, and its scale of block L / 16; lanes 0 and 1 copy FP8's two block scales. The slot's full barrier
+// expects lane 0's arrival with the TMA bytes and one cp.async arrival per lane.
+// `header` >= 0: stored as the item's header in its first slot (the fused kernel). `ready` non-NULL: the item's
+// activations are complete once *ready reaches `target` (the fused kernel's down items wait for their tile's up
+// items); the weights of its first FMOE_STAGES stages are requested before that wait, their tokens after it.
+template <bool UP>
+DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsigned smem, int& slot, unsigned& phase,
+                                   int header, const unsigned* ready, unsigned target) {
+  const int lane = threadIdx.x & 31, col = lane & 15, half = lane >> 4;
+  const int K = a.K;
+  const bool gather = col < it.n;  // this lane's token column is one of the item's
+  const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
+  const long long arow = fmoe_act_row<UP>(a, it, col);
+  const unsigned char* act = a.act + arow * K;
+  const float* as = a.act_s + arow * (K / 128) + half;
+  const unsigned char* map_a = it.maps + (UP ? FMOE_MAP_W1 : FMOE_MAP_W2) * FMOE_MAP_BYTES;
+  const unsigned char* map_b = it.maps + (UP ? FMOE_MAP_W3 : FMOE_MAP_W2) * FMOE_MAP_BYTES;
+  const unsigned char* smap_a = it.maps + (UP ? FMOE_MAP_S1 : FMOE_MAP_S2) * FMOE_MAP_BYTES;
+  const unsigned char* smap_b = it.maps + (UP ? FMOE_MAP_S3 : FMOE_MAP_S2) * FMOE_MAP_BYTES;
+  const int row_b = UP ? it.row0 : it.row0 + FMOE_BOX_ROWS;
+  // FP8 block scale of lane 0 (rows 0..127) or lane 1 (rows 128..255) at k 0.
+  const float* fs = nullptr;
+  if (!it.fp4 && lane < 2) {
+    const int grow = (lane == 0 || UP) ? it.row0 : min(row_b, a.N - 1);
+    fs = (lane == 0 ? it.sa : it.sb) + (long long)(grow / 128) * (K / 128);
+  }
+  const unsigned tx = FMOE_SLOT_W + (!it.fp4 ? 0 : !it.s8 ? FMOE_SLOT_S : it.sc8_b != nullptr ? 2048 : 1024);
+  // The weights of stage i (the item's i-th) into slot s, once the consumers have freed it.
+  auto weights = [&](int i, int s, unsigned ph) {
+    const int kb = fmoe_stage_at(it, i);
+    mbar_wait(fmoe_empty(smem, s), ph ^ 1);
+    const unsigned st = smem + s * FMOE_SLOT, full = fmoe_full(smem, s);
+    if (lane == 0) {
+      if (i == 0 && header >= 0) fmoe_store_header(st, header);
+      mbar_arrive_expect_tx(full, tx);
+      tma_load_2d(st, map_a, kb * FMOE_RB, it.row0, full);
+      tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full);
+      if (it.s8) {
+        bulk_load(st + FMOE_SLOT_W, it.sc8_a + kb * 1024, 1024, full);
+        if (it.sc8_b != nullptr) bulk_load(st + FMOE_SLOT_W + 1024, it.sc8_b + kb * 1024, 1024, full);
+      } else if (it.fp4) {
+        tma_load_2d(st + FMOE_SLOT_W, smap_a, kb * 8, it.row0, full);
+        tma_load_2d(st + FMOE_SLOT_W + FMOE_BOX_ROWS * 32, smap_b, kb * 8, row_b, full);
+      }
+    }
+    if (fs != nullptr) cp_async_4(st + FMOE_SLOT_W + 4 * lane, fs + kb);
+  };
+  // The tokens of stage i into slot s, then the lane's arrival.
+  auto tokens = [&](int i, int s) {
+    const int kb = fmoe_stage_at(it, i);
+    const unsigned st = smem + s * FMOE_SLOT;
+    const int blocks = fmoe_stage_blocks(it.fp4, K, kb);
+    const unsigned adst = st + FMOE_SLOT_W + FMOE_SLOT_S;
+    // Chunks half, half + 2, ...: constant offsets from one address each, so every copy is one instruction.
+    const unsigned dst0 = adst + half * (FMOE_TOKENS * 16) + col * 16;
+    const unsigned char* src0 = act + (long long)kb * kbytes + 16 * half;
+    if (gather) {
+      if (blocks == 2) {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) cp_async_16(dst0 + 2 * c * (FMOE_TOKENS * 16), src0 + 32 * c);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) cp_async_16(dst0 + 2 * c * (FMOE_TOKENS * 16), src0 + 32 * c);
+      }
+      if (half < blocks) cp_async_4(adst + FMOE_SLOT_A + lane * 4, as + kb * (kbytes / 128));
+    }
+    cp_async_mbar_arrive(fmoe_full(smem, s));
+  };
+  int i = 0;
+  if (ready != nullptr) {
+    const int early = min(it.nks, FMOE_STAGES);
+    int s = slot;
+    unsigned ph = phase;
+    for (; i < early; ++i) {
+      weights(i, s, ph);
+      fmoe_ring_advance(s, ph);
+    }
+    fmoe_wait_count(ready, target);
+    for (int j = 0; j < early; ++j) {
+      tokens(j, slot);
+      fmoe_ring_advance(slot, phase);
+    }
+  }
+  for (; i < it.nks; ++i) {
+    weights(i, slot, phase);
+    tokens(i, slot);
+    fmoe_ring_advance(slot, phase);
+  }
+}
+
+// The producer warp of the two-kernel path: every stage of the block's items (blockIdx.x + n · gridDim.x).
+template <bool UP>
+DSV4_INLINE void fmoe_produce(const FmoeArgs& a, unsigned smem, int my_items) {
+  int slot = 0;
+  unsigned phase = 0;
+  fmoe_zero_token_slots(smem);
   for (int n = 0; n < my_items; ++n) {
     const FmoeItem it = fmoe_item<UP>(a, blockIdx.x + n * gridDim.x);
-    if (it.skip) continue;
-    const bool gather = col < it.n;  // this lane's token column is one of the item's
-    const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
-    const long long arow = fmoe_act_row<UP>(a, it, col);
-    const unsigned char* act = a.act + arow * K;
-    const float* as = a.act_s + arow * (K / 128) + half;
-    const unsigned char* map_a = it.maps + (UP ? FMOE_MAP_W1 : FMOE_MAP_W2) * FMOE_MAP_BYTES;
-    const unsigned char* map_b = it.maps + (UP ? FMOE_MAP_W3 : FMOE_MAP_W2) * FMOE_MAP_BYTES;
-    const unsigned char* smap_a = it.maps + (UP ? FMOE_MAP_S1 : FMOE_MAP_S2) * FMOE_MAP_BYTES;
-    const unsigned char* smap_b = it.maps + (UP ? FMOE_MAP_S3 : FMOE_MAP_S2) * FMOE_MAP_BYTES;
-    const int row_b = UP ? it.row0 : it.row0 + FMOE_BOX_ROWS;
-    // FP8 block scale of lane 0 (rows 0..127) or lane 1 (rows 128..255) at k 0.
-    const float* fs = nullptr;
-    if (!it.fp4 && lane < 2) {
-      const int grow = (lane == 0 || UP) ? it.row0 : min(row_b, a.N - 1);
-      fs = (lane == 0 ? it.sa : it.sb) + (long long)(grow / 128) * (K / 128);
-    }
-    const unsigned tx = FMOE_SLOT_W + (!it.fp4 ? 0 : !it.s8 ? FMOE_SLOT_S : it.sc8_b != nullptr ? 2048 : 1024);
-    for (int i = 0; i < it.nks; ++i) {
-      const int kb = fmoe_stage_at(it, i);
-      mbar_wait(fmoe_empty(smem, slot), phase ^ 1);
-      const unsigned st = smem + slot * FMOE_SLOT, full = fmoe_full(smem, slot);
-      const int blocks = fmoe_stage_blocks(it.fp4, K, kb);
-      if (lane == 0) {
-        mbar_arrive_expect_tx(full, tx);
-        tma_load_2d(st, map_a, kb * FMOE_RB, it.row0, full);
-        tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full);
-        if (it.s8) {
-          bulk_load(st + FMOE_SLOT_W, it.sc8_a + kb * 1024, 1024, full);
-          if (it.sc8_b != nullptr) bulk_load(st + FMOE_SLOT_W + 1024, it.sc8_b + kb * 1024, 1024, full);
-        } else if (it.fp4) {
-          tma_load_2d(st + FMOE_SLOT_W, smap_a, kb * 8, it.row0, full);
-          tma_load_2d(st + FMOE_SLOT_W + FMOE_BOX_ROWS * 32, smap_b, kb * 8, row_b, full);
-        }
-      }
-      if (fs != nullptr) cp_async_4(st + FMOE_SLOT_W + 4 * lane, fs + kb);
-      const unsigned adst = st + FMOE_SLOT_W + FMOE_SLOT_S;
-      // Chunks half, half + 2, ...: constant offsets from one address each, so every copy is one instruction.
-      const unsigned dst0 = adst + half * (FMOE_TOKENS * 16) + col * 16;
-      const unsigned char* src0 = act + (long long)kb * kbytes + 16 * half;
-      if (gather) {
-        if (blocks == 2) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) cp_async_16(dst0 + 2 * i * (FMOE_TOKENS * 16), src0 + 32 * i);
-        } else {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) cp_async_16(dst0 + 2 * i * (FMOE_TOKENS * 16), src0 + 32 * i);
-        }
-        if (half < blocks) cp_async_4(adst + FMOE_SLOT_A + lane * 4, as + kb * (kbytes / 128));
-      }
-      cp_async_mbar_arrive(full);
-      if (++slot == FMOE_STAGES) {
-        slot = 0;
-        phase ^= 1;
-      }
-    }
+    if (!it.skip) fmoe_produce_item<UP>(a, it, smem, slot, phase, -1, nullptr, 0);
   }
   cp_async_wait_all();  // the copies land before the warp exits
 }
@@ -578,59 +654,211 @@ extern "C" __global__ void fmoe_rows8_kernel(int nex, int D, int I, unsigned cha
   ex[fmoe_sc8_row_flags(D, I, m) + rb] = foldable ? 1 : 0;
 }
 
-// Shared body of both kernels. UP: K = D, weight rows j of W1/W3 (N = I of them), act = xq [T][D] with xs;
-// out hq [T*k + T][I] codes in fragment order and hs [T*k + T][I/128]. DOWN: K = I, rows of W2 (N = D),
-// act = hq with hs; out y [T*k + T][D] bf16.
+// The consumers' part of one item: every stage from the ring into acc (from zero).
+template <bool UP>
+DSV4_INLINE void fmoe_consume_item(const FmoeArgs& a, const FmoeItem& it, unsigned smem, int& slot, unsigned& phase,
+                                   float (&acc)[8]) {
+  extern __shared__ __align__(1024) unsigned char fmoe_smem[];
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
+  for (int i = 0; i < it.nks; ++i) {
+    const int kb = fmoe_stage_at(it, i);
+    mbar_wait(fmoe_full(smem, slot), phase);
+    // The tokens arrived by cp.async (generic proxy); wgmma reads them through the async proxy.
+    fence_proxy_async_shared();
+    fmoe_compute(fmoe_smem + slot * FMOE_SLOT, it, a.K, kb, acc);
+    // The warp's wgmmas and loads of the slot are done (fmoe_block_finish waited for them): release it.
+    __syncwarp();
+    if (lane == 0) mbar_arrive(fmoe_empty(smem, slot));
+    fmoe_ring_advance(slot, phase);
+  }
+}
+
+// The up epilogue of an item (all consumer threads): SwiGLU, the routing weight and h's FP8 quantisation.
+// `parity` picks the gate / up value buffers: they alternate by item, so a thread writes item n + 2's values
+// only after the barrier of item n + 1, which every thread reaches after its part of item n's quantisation.
+// The barrier between the stash and the quantisation is over `stash_threads` (the consumers, and in the fused
+// kernel its publishing warp).
+DSV4_INLINE void fmoe_up_epilogue(const FmoeArgs& a, const FmoeItem& it, const float (&acc)[8], int parity,
+                                  const float* route_w, float limit, unsigned char* out_q, float* out_s,
+                                  unsigned stash_threads) {
+  extern __shared__ __align__(1024) unsigned char fmoe_smem[];
+  float* gv = reinterpret_cast<float*>(fmoe_smem + FMOE_STAGES * FMOE_SLOT) + parity * FMOE_GU_FLOATS;
+  float* uv = gv + FMOE_TOKENS * FMOE_GU_STRIDE;
+  fmoe_up_stash(it, acc, gv, uv);
+  named_barrier(1, stash_threads);
+  fmoe_up_quant(a, it, gv, uv, route_w, limit, out_q, out_s);
+}
+
+// Block setup of both paths: the 1024-byte aligned slots the swizzle addressing needs (fmoe_compute_stage),
+// and the ring's barriers.
+DSV4_INLINE unsigned fmoe_block_init() {
+  extern __shared__ __align__(1024) unsigned char fmoe_smem[];
+  const unsigned smem = smem_addr(fmoe_smem);
+  if ((smem & 1023u) != 0) __trap();
+  if (threadIdx.x == 0) fmoe_ring_init(smem + FMOE_BARS, FMOE_STAGES, FMOE_CONSUMERS / 32, 32);
+  __syncthreads();
+  return smem;
+}
+
+// Shared tiles (token tiles of the shared expert) after the plan's routed ones.
+DSV4_INLINE int fmoe_shared_tiles(const FmoeArgs& a) {
+  return a.shared_fmt != 0 ? (a.T + FMOE_TOKENS - 1) / FMOE_TOKENS : 0;
+}
+
+// Body of the two-kernel path's kernels. UP: K = D, weight rows j of W1/W3 (N = I of them), act = xq [T][D]
+// with xs; out hq [T*k + T][I] codes in fragment order and hs [T*k + T][I/128]. DOWN: K = I, rows of W2 (N =
+// D), act = hq with hs; out y [T*k + T][D] bf16. Block b takes items b, b + gridDim.x, ...
 template <bool UP>
 DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit, unsigned char* out_q, float* out_s,
                            bf16_t* out_y) {
-  extern __shared__ __align__(1024) unsigned char fmoe_smem[];
-  const unsigned smem = smem_addr(fmoe_smem);
-  // The swizzle addressing (fmoe_compute_stage) needs 1024-byte aligned slots.
-  if ((smem & 1023u) != 0) __trap();
-  const int nsh = a.shared_fmt != 0 ? (a.T + FMOE_TOKENS - 1) / FMOE_TOKENS : 0;
-  const int total = (a.nrt + nsh) * fmoe_rblocks(UP, a.N);
+  const unsigned smem = fmoe_block_init();
+  const int total = (a.nrt + fmoe_shared_tiles(a)) * fmoe_rblocks(UP, a.N);
   const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  if (threadIdx.x == 0) fmoe_ring_init(smem + FMOE_BARS, FMOE_STAGES, FMOE_CONSUMERS / 32, 32);
-  __syncthreads();
   if (threadIdx.x >= FMOE_CONSUMERS) {
     fmoe_produce<UP>(a, smem, my_items);
     return;
   }
   // Consumers: the same (item, stage) sequence as the producer.
-  const int lane = threadIdx.x & 31;
   int slot = 0;
   unsigned phase = 0;
   float acc[8];
   for (int n = 0; n < my_items; ++n) {
     const FmoeItem it = fmoe_item<UP>(a, blockIdx.x + n * gridDim.x);
     if (it.skip) continue;
-#pragma unroll
-    for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
-    for (int i = 0; i < it.nks; ++i) {
-      const int kb = fmoe_stage_at(it, i);
-      mbar_wait(fmoe_full(smem, slot), phase);
-      // The tokens arrived by cp.async (generic proxy); wgmma reads them through the async proxy.
-      fence_proxy_async_shared();
-      fmoe_compute(fmoe_smem + slot * FMOE_SLOT, it, a.K, kb, acc);
-      // The warp's wgmmas and loads of the slot are done (fmoe_block_finish waited for them): release it.
+    fmoe_consume_item<UP>(a, it, smem, slot, phase, acc);
+    if (UP)
+      fmoe_up_epilogue(a, it, acc, n & 1, route_w, limit, out_q, out_s, FMOE_CONSUMERS);
+    else
+      fmoe_down_store(a, it, acc, out_y);
+  }
+}
+
+// The fused kernel's synchronisation words (`sync`, u32, zero between launches: the last block out resets
+// them): the queue's head, the blocks that have finished, then per tile the up items whose h rows are stored.
+#define FMOE_SYNC_NEXT 0
+#define FMOE_SYNC_DONE 1
+#define FMOE_SYNC_TILES 2
+
+// Makes this block's h stores (published to this thread through a barrier) visible at GPU scope, then counts
+// one more finished up item of the tile.
+DSV4_INLINE void fmoe_count_ready(unsigned* flag) {
+  asm volatile("fence.acq_rel.gpu;\nred.relaxed.gpu.global.add.u32 [%0], 1;\n" ::"l"(flag) : "memory");
+}
+
+// The fused kernel's block: the two-kernel path's warps, then the publishing warp.
+#define FMOE_FUSED_THREADS (FMOE_THREADS + 32)
+
+extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
+    fmoe_experts_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
+                        const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
+                        const unsigned long long* s1, const unsigned long long* s3, const unsigned long long* s2,
+                        int fmt, int fmt2, int shared_fmt, int shared_fmt2, const float* shared_s1,
+                        const float* shared_s3, const float* shared_s2, const unsigned char* sc8,
+                        const float* route_w, float limit, unsigned char* hq, float* hs, unsigned short* y,
+                        unsigned* sync) {
+  dsv4_pdl_begin();
+  const FmoeArgs up = fmoe_args(xq, xs, T, D, I, k, rows, tiles, ntiles, e_begin, e_end, maps, s1, s3, fmt,
+                                shared_fmt, shared_s1, shared_s3, sc8, D, I);
+  const FmoeArgs dn = fmoe_args(hq, hs, T, I, D, k, rows, tiles, ntiles, e_begin, e_end, maps, s2, s2, fmt2,
+                                shared_fmt2, shared_s2, shared_s2, sc8, D, I);
+  const unsigned smem = fmoe_block_init();
+  const int ntile = up.nrt + fmoe_shared_tiles(up);
+  const int rb_up = fmoe_rblocks(true, I), rb_dn = fmoe_rblocks(false, D);
+  const int nup = ntile * rb_up, total = nup + ntile * rb_dn;
+  unsigned* next = sync + FMOE_SYNC_NEXT;
+  unsigned* tile_ready = sync + FMOE_SYNC_TILES;
+  const int lane = threadIdx.x & 31;
+  // The tile of up item n (n counted by the consumers) at pub_tile[n & 1], or -1: no more up items.
+  __shared__ volatile int pub_tile[2];
+  if (threadIdx.x >= FMOE_THREADS) {
+    // The publisher: after each up item's h stores (warps 0-7, fmoe_up_quant), makes them visible at GPU scope
+    // and counts the item in. Its fence stalls it for a while: done by a consumer warp, that stall held up the
+    // ring (the layer 1-3% slower than without the fence). It joins each up item's stash barrier, so it reads
+    // the item's tile there, and no consumer passes the next item's stash barrier before it has published
+    // this one.
+    for (int n = 0;; ++n) {
+      named_barrier(1, FMOE_CONSUMERS + 32);
+      const int tile = pub_tile[n & 1];
+      if (tile < 0) break;
+      named_barrier(2, 256 + 32);
+      if (lane == 0) fmoe_count_ready(tile_ready + tile);
       __syncwarp();
-      if (lane == 0) mbar_arrive(fmoe_empty(smem, slot));
-      if (++slot == FMOE_STAGES) {
-        slot = 0;
-        phase ^= 1;
+    }
+  } else if (threadIdx.x >= FMOE_CONSUMERS) {
+    // The producer: items in the order the queue hands them out, the next one taken while this one streams
+    // (any block may take any item: an item's outputs depend on it alone).
+    int slot = 0;
+    unsigned phase = 0;
+    fmoe_zero_token_slots(smem);
+    int w = 0;
+    if (lane == 0) w = (int)atomicAdd(next, 1u);
+    w = __shfl_sync(0xffffffffu, w, 0);
+    while (w < total) {
+      int w_next = 0;
+      if (lane == 0) w_next = (int)atomicAdd(next, 1u);
+      if (w < nup) {
+        const FmoeItem it = fmoe_item<true>(up, w);
+        if (!it.skip) fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0);
+      } else {
+        const FmoeItem it = fmoe_item<false>(dn, w - nup);
+        const unsigned* ready = tile_ready + (w - nup) / rb_dn;
+        // Usually the tile's up items are long done: one look while the ring still holds the last item's
+        // stages, and the item streams as any other. Else its first weights go out before the wait (waiting
+        // for each item's tokens behind its weights cost ~1.5 us a down item).
+        if (fmoe_load_acquire(ready) >= (unsigned)rb_up) ready = nullptr;
+        if (!it.skip) fmoe_produce_item<false>(dn, it, smem, slot, phase, w, ready, (unsigned)rb_up);
+      }
+      w = __shfl_sync(0xffffffffu, w_next, 0);
+    }
+    // The end: a header of -1 in the next slot.
+    mbar_wait(fmoe_empty(smem, slot), phase ^ 1);
+    const unsigned full = fmoe_full(smem, slot);
+    if (lane == 0) {
+      fmoe_store_header(smem + slot * FMOE_SLOT, -1);
+      mbar_arrive(full);
+    }
+    cp_async_mbar_arrive(full);
+    cp_async_wait_all();
+  } else {
+    // The consumers: each item's header in its first slot says what it is.
+    int slot = 0;
+    unsigned phase = 0;
+    float acc[8];
+    int nup_done = 0;
+    const int warp = threadIdx.x >> 5;
+    for (;;) {
+      mbar_wait(fmoe_full(smem, slot), phase);
+      const int w = fmoe_load_header(smem + slot * FMOE_SLOT);
+      if (w < 0) break;
+      if (w < nup) {
+        const FmoeItem it = fmoe_item<true>(up, w);
+        fmoe_consume_item<true>(up, it, smem, slot, phase, acc);
+        const int n = nup_done++;
+        if (threadIdx.x == 0) pub_tile[n & 1] = w / rb_up;
+        fmoe_up_epilogue(up, it, acc, n & 1, route_w, limit, hq, hs, FMOE_CONSUMERS + 32);
+        // Warps 0-7 quantised and stored h: the publisher takes it from here.
+        if (warp < 8) asm volatile("bar.arrive 2, 288;\n" ::: "memory");
+      } else {
+        const FmoeItem it = fmoe_item<false>(dn, w - nup);
+        fmoe_consume_item<false>(dn, it, smem, slot, phase, acc);
+        fmoe_down_store(dn, it, acc, y);
       }
     }
-    if (UP) {
-      // gv / uv alternate by item: a thread writes item n + 2's values only after the barrier of item
-      // n + 1, which every thread reaches after its part of item n's quantisation.
-      float* gv = reinterpret_cast<float*>(fmoe_smem + FMOE_STAGES * FMOE_SLOT) + (n & 1) * FMOE_GU_FLOATS;
-      float* uv = gv + FMOE_TOKENS * FMOE_GU_STRIDE;
-      fmoe_up_stash(it, acc, gv, uv);
-      named_barrier(1, FMOE_CONSUMERS);
-      fmoe_up_quant(a, it, gv, uv, route_w, limit, out_q, out_s);
-    } else {
-      fmoe_down_store(a, it, acc, out_y);
+    if (threadIdx.x == 0) pub_tile[nup_done & 1] = -1;
+    named_barrier(1, FMOE_CONSUMERS + 32);
+  }
+  // The last block out resets the synchronisation words for the next launch: every other block has taken its
+  // last item and counted its last up item before counting itself done.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(sync + FMOE_SYNC_DONE, 1u) == gridDim.x - 1) {
+      __threadfence();
+      for (int i = 0; i < ntile; ++i) tile_ready[i] = 0u;
+      sync[FMOE_SYNC_NEXT] = 0u;
+      sync[FMOE_SYNC_DONE] = 0u;
     }
   }
 }

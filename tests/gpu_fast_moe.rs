@@ -204,6 +204,8 @@ fn batch(e: &Env, sh: &MoeShape, t: usize, x: &[f32], tokens: &[i32], s: Borrowe
     for q in &p[2..] {
         arena::memset_async(*q, 0xff, s).unwrap(); // NaN poison
     }
+    // Except the decode GEMMs' synchronisation words: zero, as the engine's arena makes them.
+    arena::memset_async(ws.sync, 0, s).unwrap();
     Batch {
         t,
         x: p[0],
@@ -724,6 +726,32 @@ fn check_case(
     // 1. The fast layer on its own routing, twice: bit-identical.
     let f1 = fast(e, l, b, r, None, path, router, s);
     let f2 = fast(e, l, b, r, None, path, router, s);
+    if matches!(path, GemmPath::Decode | GemmPath::DecodeFused) {
+        // The decode GEMMs in one launch and in two make the same bits; the one launch leaves its
+        // synchronisation words zero for the next (of the runs so far, the last fused one).
+        let other_path = if path == GemmPath::Decode {
+            GemmPath::DecodeFused
+        } else {
+            GemmPath::Decode
+        };
+        let other = fast(e, l, b, r, None, other_path, router, s);
+        let words = fast_moe_gemm::sync_words(t, sh.k, sh.experts);
+        let sync = get::<u32>(e.ctx, b.ws.sync, words, s);
+        assert!(
+            sync.iter().all(|&w| w == 0),
+            "{what}: synchronisation words left nonzero: {:?}",
+            sync.iter()
+                .enumerate()
+                .filter(|(_, w)| **w != 0)
+                .take(8)
+                .collect::<Vec<_>>()
+        );
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same(&f1.out, &other.out) && same(&f1.hq, &other.hq),
+            "{what}: one launch and two launches differ"
+        );
+    }
     assert!(
         f1.out
             .iter()

@@ -54,8 +54,11 @@ pub fn parse_paths(v: &str) -> Result<Vec<Option<GemmPath>>, String> {
         .map(|p| match p.trim() {
             "auto" => Ok(None),
             "decode" => Ok(Some(GemmPath::Decode)),
+            "decode-fused" => Ok(Some(GemmPath::DecodeFused)),
             "prefill" => Ok(Some(GemmPath::Prefill)),
-            o => Err(format!("--path takes auto, decode, prefill; got `{o}`")),
+            o => Err(format!(
+                "--path takes auto, decode, decode-fused, prefill; got `{o}`"
+            )),
         })
         .collect()
 }
@@ -79,6 +82,7 @@ fn router_name(r: RouterPath) -> &'static str {
 fn path_name(p: GemmPath) -> &'static str {
     match p {
         GemmPath::Decode => "decode",
+        GemmPath::DecodeFused => "decode-fused",
         GemmPath::Prefill => "prefill",
     }
 }
@@ -193,7 +197,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
                 host_sec * 1e6,
                 touched_bytes as f64 / sec / 1e9,
                 flops / sec / 1e12,
-                FastMoe::LAUNCHES_PER_LAYER,
+                FastMoe::launches_per_layer(path),
                 launches * reps,
             );
             std::io::stdout().flush().ok();

@@ -42,7 +42,7 @@ const USAGE: &str = "usage:
   dsv4 bench load [--config FILE | --model DIR] [--device ...] [--staging-mb N]
   dsv4 bench refit [--config FILE] [--device cuda[:N]]
   dsv4 dummy-checkpoint --config FILE --out DIR [--seed S]
-  dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,prefill]
+  dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,decode-fused,prefill]
                  [--router auto|few|wide] [--ids-dir DIR] [--device cuda[:N]]
   dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--read-probe N[,N...]]
                    [--device cuda[:N]]

@@ -6,16 +6,17 @@
 //! 2. `fmoe_select_kernel`: scores, top-k or hash selection, weights;
 //! 3. `moe_plan_kernel` (the moe family): assignments grouped by expert into tiles of the GEMM
 //!    path's tokens per item ([`GemmPath::tile_rows`]);
-//! 4. `fmoe_up_kernel`: GEMM1 + SwiGLU x routing weight + FP8 quantisation of h, with the shared
-//!    expert as more tiles of the same launch;
-//! 5. `fmoe_down_kernel`: GEMM2 into bf16 rows per (token, slot);
+//! 4. GEMM1 + SwiGLU x routing weight + FP8 quantisation of h, with the shared expert as more
+//!    tiles, and GEMM2 into bf16 rows per (token, slot), on the path [`GemmPath::for_tokens`]
+//!    picks: `fmoe_up_kernel` then `fmoe_down_kernel` (decode), both in one launch,
+//!    `fmoe_experts_kernel`, whose down items wait for their tile's up items (fused decode,
+//!    [`fast_moe_gemm::FUSED_TOKENS`]), or from [`fast_moe_wide::MIN_TOKENS`](super::fast_moe_wide)
+//!    tokens on `fmw_up_kernel` then `fmw_down_kernel` (prefill);
+//! 5. `fmoe_combine_kernel`: the fixed-order f32 sum per token, rounded to bf16.
 //!
-//!    (4 and 5 on the decode path; from [`fast_moe_wide::MIN_TOKENS`](super::fast_moe_wide)
-//!    tokens on, `fmw_up_kernel` and `fmw_down_kernel`, the prefill path: [`GemmPath`]);
-//! 6. `fmoe_combine_kernel`: the fixed-order f32 sum per token, rounded to bf16.
-//!
-//! Six launches, each a programmatic dependent of the one before (`#[pdl(true)]`: its launch and
-//! block start overlap the previous kernel's tail), no host sync, nothing allocated: the
+//! Six launches (five on the fused decode path), each a programmatic dependent of the one before
+//! (`#[pdl(true)]`: its launch and block start overlap the previous kernel's tail), no host
+//! sync, nothing allocated: the
 //! workspace is sized at create for `max_num_tokens`. Experts are read in their stored layout
 //! (FP4 e2m1 with f32 per-32 scales, or FP8 e4m3 with f32 128x128 block scales) through the
 //! per-layer tensor maps and scale tables the backend rebuilds at finalize and refit. A layer the
@@ -251,6 +252,9 @@ pub struct FastMoeWorkspace {
     pub hs: DevicePtr,
     /// Expert outputs `bf16[T*k + T, D]`.
     pub y: DevicePtr,
+    /// The decode path's synchronisation words (`u32[`[`fast_moe_gemm::sync_words`]`]`): zero at
+    /// create, and every launch leaves them zero.
+    pub sync: DevicePtr,
 }
 
 impl FastMoeWorkspace {
@@ -276,6 +280,7 @@ impl FastMoeWorkspace {
             hq: p[9],
             hs: p[10],
             y: p[11],
+            sync: p[12],
         }
     }
 }
@@ -288,7 +293,7 @@ pub fn workspace_buffers(
     i: usize,
     k: usize,
     experts: usize,
-) -> [(&'static str, Elem, usize); 12] {
+) -> [(&'static str, Elem, usize); 13] {
     let plan = MoePlan::buffer_bytes(t, k, experts, fast_moe_gemm::TOKENS).map(|b| b / 4);
     let rows = t * k + t;
     [
@@ -304,6 +309,12 @@ pub fn workspace_buffers(
         ("hq", Elem::U8, rows * i),
         ("hs", Elem::F32, rows * i / 128),
         ("y", Elem::Bf16, rows * d),
+        // u32 words, declared as I32 (the same bytes; the arena zeroes them).
+        (
+            "gemm_sync",
+            Elem::I32,
+            fast_moe_gemm::sync_words(t, k, experts),
+        ),
     ]
 }
 
@@ -319,8 +330,14 @@ fn internal(msg: String) -> Error {
 }
 
 impl FastMoe {
-    /// Kernel launches of one [`FastMoe::layer`].
-    pub const LAUNCHES_PER_LAYER: usize = 6;
+    /// Kernel launches of one [`FastMoe::layer`] whose expert GEMMs take `path`: the fused decode
+    /// path runs both GEMMs in one.
+    pub fn launches_per_layer(path: GemmPath) -> usize {
+        match path {
+            GemmPath::DecodeFused => 5,
+            GemmPath::Decode | GemmPath::Prefill => 6,
+        }
+    }
 
     /// Resolves the kernels; `reg` must hold the fast_moe, fast_moe_gemm and moe families.
     pub fn new(reg: &crate::cuda::registry::Registry) -> Result<FastMoe> {
@@ -535,7 +552,12 @@ impl FastMoe {
         };
         self.moe.plan(ctx, ws.ids, &plan, stream)?;
         let ws = FastMoeWorkspace { plan, ..*ws };
-        self.gemm.up(ctx, layer, t, &ws, path, stream)?;
-        self.gemm.down(ctx, layer, t, &ws, path, stream)
+        match path {
+            GemmPath::DecodeFused => self.gemm.up_down(ctx, layer, t, &ws, stream),
+            GemmPath::Decode | GemmPath::Prefill => {
+                self.gemm.up(ctx, layer, t, &ws, path, stream)?;
+                self.gemm.down(ctx, layer, t, &ws, path, stream)
+            }
+        }
     }
 }

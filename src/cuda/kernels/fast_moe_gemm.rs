@@ -21,6 +21,9 @@ pub const TOKENS: usize = 16;
 pub const WARPGROUPS: usize = 4;
 /// Threads of a GEMM block: the consumer warpgroups and one producer warp.
 pub const THREADS: usize = WARPGROUPS * 128 + 32;
+/// Threads of an `fmoe_experts_kernel` block: [`THREADS`] and a warp that publishes each up item's
+/// h rows to the down items of other blocks.
+pub const FUSED_THREADS: usize = THREADS + 32;
 /// Slots of the shared-memory ring (FMOE_STAGES); a stage is 128 bytes of each weight row (FP4: 256 k,
 /// FP8: 128 k).
 pub const STAGES: usize = 4;
@@ -71,6 +74,19 @@ crate::kernel_family! {
         shared_s1: Option<*const f32>, shared_s3: Option<*const f32>, sc8: Option<*const u8>,
         route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32,
     );
+    /// Both GEMMs in one launch (the decode path): up items, then down items, from one queue; a
+    /// down item's tokens wait for its tile's up items (`sync`: [`sync_words`] u32, zero between
+    /// launches: the last block out resets them).
+    #[smem(SMEM_BYTES as u32)]
+    #[pdl(true)]
+    fn fmoe_experts_kernel(
+        xq: *const u8, xs: *const f32, t: i32, d: i32, i: i32, k: i32, rows: *const i32,
+        tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
+        s1: *const u64, s3: *const u64, s2: *const u64, fmt: i32, fmt2: i32, shared_fmt: i32,
+        shared_fmt2: i32, shared_s1: Option<*const f32>, shared_s3: Option<*const f32>,
+        shared_s2: Option<*const f32>, sc8: Option<*const u8>, route_w: *const f32, limit: f32,
+        hq: *mut u8, hs: *mut f32, y: *mut u16, sync: *mut u32,
+    );
     /// GEMM2 into bf16 rows per (token, slot).
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
@@ -95,6 +111,7 @@ crate::launchers! {
     pub struct FastMoeGemm {
         up: fmoe_up_kernel,
         down: fmoe_down_kernel,
+        experts: fmoe_experts_kernel,
         wide_up: fmw_up_kernel,
         wide_down: fmw_down_kernel,
         scales8: fmoe_scales8_kernel,
@@ -106,17 +123,30 @@ crate::launchers! {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmPath {
     /// This family: items of [`TOKENS`] tokens, promotion every k32; streams the touched experts'
-    /// bytes at few tokens per expert.
+    /// bytes at few tokens per expert. Two launches: `fmoe_up_kernel`, then `fmoe_down_kernel`.
     Decode,
+    /// The same items and sums, bit for bit, in one launch (`fmoe_experts_kernel`): a down item
+    /// starts once its own tile's up items are done, and blocks take items from a queue.
+    DecodeFused,
     /// fast_moe_wide: items of [`wide::TOKENS`] tokens, one promotion per 128 of K.
     Prefill,
 }
 
+/// Token counts that take [`GemmPath::DecodeFused`]: where it measured faster than the two
+/// launches (the layer at Flash shapes on the H200, µs two / one launch, best of two alternating
+/// rounds in one call: B = 4 131.1 / 124.4, 8 212.0 / 205.2, 16 337.4 / 328.8; slower at B = 1,
+/// 57.4 / 59.5, and 32, 533.6 / 545.8; from 64 within 1-2%: BENCHMARKS.md, issue 11 fifteenth
+/// version).
+pub const FUSED_TOKENS: std::ops::RangeInclusive<usize> = 4..=16;
+
 impl GemmPath {
-    /// The path for a batch of `t` tokens: prefill from [`wide::MIN_TOKENS`] on.
+    /// The path for a batch of `t` tokens: prefill from [`wide::MIN_TOKENS`] on, the one-launch
+    /// decode path for [`FUSED_TOKENS`].
     pub fn for_tokens(t: usize) -> GemmPath {
         if t >= wide::MIN_TOKENS {
             GemmPath::Prefill
+        } else if FUSED_TOKENS.contains(&t) {
+            GemmPath::DecodeFused
         } else {
             GemmPath::Decode
         }
@@ -125,7 +155,7 @@ impl GemmPath {
     /// The plan's tile size on this path: tokens per work item.
     pub fn tile_rows(self) -> usize {
         match self {
-            GemmPath::Decode => TOKENS,
+            GemmPath::DecodeFused | GemmPath::Decode => TOKENS,
             GemmPath::Prefill => wide::TOKENS,
         }
     }
@@ -141,7 +171,7 @@ impl GemmPath {
     ) -> (u32, u32, u32) {
         let n = if up { layer.i } else { layer.d }; // weight rows (up: j)
         match self {
-            GemmPath::Decode => {
+            GemmPath::DecodeFused | GemmPath::Decode => {
                 let row_tiles = if up { n / UP_J } else { n.div_ceil(DOWN_ROWS) };
                 let items = max_items(layer, t, TOKENS, row_tiles);
                 (grid(ctx, items), THREADS as u32, SMEM_BYTES as u32)
@@ -190,6 +220,14 @@ fn max_items(layer: &FastMoeLayer, t: usize, tile: usize, row_tiles: usize) -> u
         0
     };
     (routed + shared) * row_tiles
+}
+
+/// u32 words of the decode path's synchronisation buffer for `t` tokens (`fmoe_experts_kernel`'s
+/// `sync`): the item queue's head, the blocks that have finished, and per tile the plan can make
+/// (routed and shared) a count of its up items done. Zero at create (the arena zeroes it); every
+/// launch leaves it zero.
+pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
+    2 + (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
 }
 
 /// Persistent grid: one block per SM (the ring fills most of its shared memory), never more
@@ -295,11 +333,61 @@ impl FastMoeGemm {
         let _g = ctx.enter()?;
         let (g, b, sm) = path.launch_shape(ctx, layer, t, true);
         match path {
-            GemmPath::Decode => self.up.launch(g, b, sm, stream, up_args!(fmoe_up_kernel)),
+            GemmPath::DecodeFused | GemmPath::Decode => {
+                self.up.launch(g, b, sm, stream, up_args!(fmoe_up_kernel))
+            }
             GemmPath::Prefill => self
                 .wide_up
                 .launch(g, b, sm, stream, up_args!(fmw_up_kernel)),
         }
+    }
+
+    /// The decode path's two GEMMs in one launch (`fmoe_experts_kernel`): `ws.hq` / `ws.hs` and
+    /// `ws.y` as [`Self::up`] then [`Self::down`] on [`GemmPath::DecodeFused`] make them, bit for bit.
+    pub fn up_down(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        t: usize,
+        ws: &FastMoeWorkspace,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "fmoe_experts_kernel";
+        let (d, i, k) = (layer.d, layer.i, layer.k);
+        let rows_out = t * k + t;
+        need(K, "xq", ws.xq, t * d)?;
+        need(K, "xs", ws.xs, t * d / 128 * 4)?;
+        need(K, "hq", ws.hq, rows_out * i)?;
+        need(K, "hs", ws.hs, rows_out * i / 128 * 4)?;
+        need(K, "route_w", ws.weights, t * k * 4)?;
+        need(K, "y", ws.y, rows_out * d * 2)?;
+        need(K, "sync", ws.sync, sync_words(t, k, layer.experts) * 4)?;
+        let sh = layer.shared.as_ref();
+        let args = gemm_args!(fmoe_experts_kernel, K, layer, ws, t;
+            xq: ws.xq,
+            xs: ws.xs,
+            s1: layer.w1.scales,
+            s3: layer.w3.scales,
+            s2: layer.w2.scales,
+            fmt: layer.w1.format.code(),
+            fmt2: layer.w2.format.code(),
+            shared_fmt: sh.map_or(0, |s| s.w1.format.code()),
+            shared_fmt2: sh.map_or(0, |s| s.w2.format.code()),
+            shared_s1: sh.and_then(|s| s.w1.scales),
+            shared_s3: sh.and_then(|s| s.w3.scales),
+            shared_s2: sh.and_then(|s| s.w2.scales),
+            route_w: ws.weights,
+            limit: layer.limit,
+            hq: ws.hq,
+            hs: ws.hs,
+            y: ws.y,
+            sync: ws.sync,
+        );
+        let _g = ctx.enter()?;
+        let (g_up, _, sm) = GemmPath::DecodeFused.launch_shape(ctx, layer, t, true);
+        let (g_dn, _, _) = GemmPath::DecodeFused.launch_shape(ctx, layer, t, false);
+        let block = FUSED_THREADS as u32;
+        self.experts.launch(g_up.max(g_dn), block, sm, stream, args)
     }
 
     /// `ws.y` = GEMM2 of every routed tile and of the shared expert, bf16 rows per (token, slot).
@@ -335,9 +423,10 @@ impl FastMoeGemm {
         let _g = ctx.enter()?;
         let (g, b, sm) = path.launch_shape(ctx, layer, t, false);
         match path {
-            GemmPath::Decode => self
-                .down
-                .launch(g, b, sm, stream, down_args!(fmoe_down_kernel)),
+            GemmPath::DecodeFused | GemmPath::Decode => {
+                self.down
+                    .launch(g, b, sm, stream, down_args!(fmoe_down_kernel))
+            }
             GemmPath::Prefill => {
                 self.wide_down
                     .launch(g, b, sm, stream, down_args!(fmw_down_kernel))
