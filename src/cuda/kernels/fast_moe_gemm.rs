@@ -230,6 +230,27 @@ pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
     2 + (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
 }
 
+/// Checks the buffers of `ws` that GEMM1 reads and writes for `t` tokens (`who`: the kernel, for
+/// errors): x's codes and scales, h's, the routing weights.
+fn need_up(who: &str, layer: &FastMoeLayer, t: usize, ws: &FastMoeWorkspace) -> Result<()> {
+    let (d, i, k) = (layer.d, layer.i, layer.k);
+    let rows_out = t * k + t;
+    need(who, "xq", ws.xq, t * d)?;
+    need(who, "xs", ws.xs, t * d / 128 * 4)?;
+    need(who, "hq", ws.hq, rows_out * i)?;
+    need(who, "hs", ws.hs, rows_out * i / 128 * 4)?;
+    need(who, "route_w", ws.weights, t * k * 4)
+}
+
+/// GEMM2's likewise: h's codes and scales, y.
+fn need_down(who: &str, layer: &FastMoeLayer, t: usize, ws: &FastMoeWorkspace) -> Result<()> {
+    let (d, i, k) = (layer.d, layer.i, layer.k);
+    let rows_out = t * k + t;
+    need(who, "hq", ws.hq, rows_out * i)?;
+    need(who, "hs", ws.hs, rows_out * i / 128 * 4)?;
+    need(who, "y", ws.y, rows_out * d * 2)
+}
+
 /// Persistent grid: one block per SM (the ring fills most of its shared memory), never more
 /// blocks than items.
 fn grid(ctx: &Context, items: usize) -> u32 {
@@ -303,13 +324,7 @@ impl FastMoeGemm {
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fmoe_up_kernel";
-        let (d, i, k) = (layer.d, layer.i, layer.k);
-        let rows_out = t * k + t;
-        need(K, "xq", ws.xq, t * d)?;
-        need(K, "xs", ws.xs, t * d / 128 * 4)?;
-        need(K, "hq", ws.hq, rows_out * i)?;
-        need(K, "hs", ws.hs, rows_out * i / 128 * 4)?;
-        need(K, "route_w", ws.weights, t * k * 4)?;
+        need_up(K, layer, t, ws)?;
         let sh = layer.shared.as_ref();
         // Both paths' kernels take the same arguments.
         macro_rules! up_args {
@@ -353,15 +368,14 @@ impl FastMoeGemm {
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fmoe_experts_kernel";
-        let (d, i, k) = (layer.d, layer.i, layer.k);
-        let rows_out = t * k + t;
-        need(K, "xq", ws.xq, t * d)?;
-        need(K, "xs", ws.xs, t * d / 128 * 4)?;
-        need(K, "hq", ws.hq, rows_out * i)?;
-        need(K, "hs", ws.hs, rows_out * i / 128 * 4)?;
-        need(K, "route_w", ws.weights, t * k * 4)?;
-        need(K, "y", ws.y, rows_out * d * 2)?;
-        need(K, "sync", ws.sync, sync_words(t, k, layer.experts) * 4)?;
+        need_up(K, layer, t, ws)?;
+        need_down(K, layer, t, ws)?;
+        need(
+            K,
+            "sync",
+            ws.sync,
+            sync_words(t, layer.k, layer.experts) * 4,
+        )?;
         let sh = layer.shared.as_ref();
         let args = gemm_args!(fmoe_experts_kernel, K, layer, ws, t;
             xq: ws.xq,
@@ -401,11 +415,7 @@ impl FastMoeGemm {
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fmoe_down_kernel";
-        let (d, i, k) = (layer.d, layer.i, layer.k);
-        let rows_out = t * k + t;
-        need(K, "hq", ws.hq, rows_out * i)?;
-        need(K, "hs", ws.hs, rows_out * i / 128 * 4)?;
-        need(K, "y", ws.y, rows_out * d * 2)?;
+        need_down(K, layer, t, ws)?;
         let sh = layer.shared.as_ref();
         macro_rules! down_args {
             ($kernel:ident) => {
