@@ -34,7 +34,9 @@
 //!   at B = 1 measured 1.1e-2 once, one flipped h code of 1152 weighing more than in a 2048-wide
 //!   one).
 //! - The whole fast layer (its own routing): outputs of tokens whose selection agrees, same
-//!   bound; and two runs are bit-identical (no order-dependent atomics).
+//!   bound; and two runs are bit-identical (no order-dependent atomics). On the decode path the
+//!   GEMMs also run in the other of their two forms (two launches, or one), which must give the
+//!   same bits, and the one launch must leave its synchronisation words zero.
 //! - Both GEMM paths: the Flash cases take the one the layer picks by B; the small shape runs
 //!   every case on both, with the FP4 scales as UE8M0 bytes folded into the codes (whole rows;
 //!   one row whose groups take the fold's smallest shifts; one row folded per 128-block), as bytes

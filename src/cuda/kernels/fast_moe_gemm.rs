@@ -74,7 +74,7 @@ crate::kernel_family! {
         shared_s1: Option<*const f32>, shared_s3: Option<*const f32>, sc8: Option<*const u8>,
         route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32,
     );
-    /// Both GEMMs in one launch (the decode path): up items, then down items, from one queue; a
+    /// Both GEMMs in one launch (the fused decode path): up items, then down items, from one queue; a
     /// down item's tokens wait for its tile's up items (`sync`: [`sync_words`] u32, zero between
     /// launches: the last block out resets them).
     #[smem(SMEM_BYTES as u32)]
@@ -358,7 +358,7 @@ impl FastMoeGemm {
     }
 
     /// The decode path's two GEMMs in one launch (`fmoe_experts_kernel`): `ws.hq` / `ws.hs` and
-    /// `ws.y` as [`Self::up`] then [`Self::down`] on [`GemmPath::DecodeFused`] make them, bit for bit.
+    /// `ws.y` as [`Self::up`] then [`Self::down`] on [`GemmPath::Decode`] make them, bit for bit.
     pub fn up_down(
         &self,
         ctx: &Context,
