@@ -92,6 +92,14 @@ DSV4_INLINE void fmoe_fp4_scales(const float* sc, int r, int b, bool byte_scales
 // consumer warp has released the slot.
 DSV4_INLINE unsigned fmoe_ring_full(unsigned bars, int s) { return bars + 8 * s; }
 DSV4_INLINE unsigned fmoe_ring_empty(unsigned bars, int stages, int s) { return bars + 8 * (stages + s); }
+// The next ring position (slot and phase) of a ring of `stages` slots: the producer and the consumers each walk
+// the ring in the same order.
+DSV4_INLINE void fmoe_ring_advance(int& slot, unsigned& phase, int stages) {
+  if (++slot == stages) {
+    slot = 0;
+    phase ^= 1;
+  }
+}
 
 DSV4_INLINE void fmoe_ring_init(unsigned bars, int stages, int consumer_warps, int producer_threads) {
   for (int s = 0; s < stages; ++s) {

@@ -3,8 +3,9 @@
 //
 // fmoe_up_kernel:   hq, hs = act_quant(bf16(silu(min(bf16(W1 x), L)) · clamp(bf16(W3 x), ±L) · w))
 // fmoe_down_kernel: y = bf16(W2 hq)
-// fmoe_experts_kernel: both in one launch, the same items and bits (the decode path's; the two kernels stay
-// for comparison). Its down items wait for their tile's up items through counters in global memory.
+// fmoe_experts_kernel: both in one launch, the same items and bits (the fused decode path, 4-16 tokens; the two
+// kernels run the other decode batches). Its down items wait for their tile's up items through counters in
+// global memory.
 //
 // Work items. The plan (moe_plan_kernel, tile_rows = FMOE_TOKENS) lists (expert, start, count) tiles of at
 // most FMOE_TOKENS routed assignments; the shared expert adds ceil(T / FMOE_TOKENS) tiles of consecutive
@@ -181,14 +182,6 @@ DSV4_INLINE int fmoe_out_row(const FmoeArgs& a, const FmoeItem& it, int c) {
 DSV4_INLINE unsigned fmoe_full(unsigned smem, int s) { return fmoe_ring_full(smem + FMOE_BARS, s); }
 DSV4_INLINE unsigned fmoe_empty(unsigned smem, int s) { return fmoe_ring_empty(smem + FMOE_BARS, FMOE_STAGES, s); }
 
-// The ring position (slot and phase) the producer and the consumers each walk in the same order.
-DSV4_INLINE void fmoe_ring_advance(int& slot, unsigned& phase) {
-  if (++slot == FMOE_STAGES) {
-    slot = 0;
-    phase ^= 1;
-  }
-}
-
 // The fused kernel's item header: the item's index at the end of its first stage's slot (the producer's lane 0
 // stores it before its arrival on the slot's full barrier, so the consumers read it after their wait), or -1:
 // no more items.
@@ -216,14 +209,15 @@ DSV4_INLINE void fmoe_zero_token_slots(unsigned smem) {
   fence_proxy_async_shared();  // the wgmmas read the zeros through the async proxy
 }
 
-// Waits (every lane of the producer warp) until the u32 at `flag` reaches `target`, with acquire semantics:
-// the copies issued after it see what the writers published before their release. A wait that cannot end (a
-// bug) traps after ~2^22 polls (seconds) instead of hanging the device.
+// The u32 at `flag`, with acquire semantics: the copies issued after it see what the writers published before
+// their release.
 DSV4_INLINE unsigned fmoe_load_acquire(const unsigned* flag) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
   return v;
 }
+// Waits (every lane of the producer warp) until the u32 at `flag` reaches `target` (acquire). A wait that
+// cannot end (a bug) traps after ~2^22 polls (seconds) instead of hanging the device.
 DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
   for (unsigned polls = 0;; ++polls) {
     if (fmoe_load_acquire(flag) >= target) return;
@@ -312,18 +306,18 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
     unsigned ph = phase;
     for (; i < early; ++i) {
       weights(i, s, ph);
-      fmoe_ring_advance(s, ph);
+      fmoe_ring_advance(s, ph, FMOE_STAGES);
     }
     fmoe_wait_count(ready, target);
     for (int j = 0; j < early; ++j) {
       tokens(j, slot);
-      fmoe_ring_advance(slot, phase);
+      fmoe_ring_advance(slot, phase, FMOE_STAGES);
     }
   }
   for (; i < it.nks; ++i) {
     weights(i, slot, phase);
     tokens(i, slot);
-    fmoe_ring_advance(slot, phase);
+    fmoe_ring_advance(slot, phase, FMOE_STAGES);
   }
 }
 
@@ -671,7 +665,7 @@ DSV4_INLINE void fmoe_consume_item(const FmoeArgs& a, const FmoeItem& it, unsign
     // The warp's wgmmas and loads of the slot are done (fmoe_block_finish waited for them): release it.
     __syncwarp();
     if (lane == 0) mbar_arrive(fmoe_empty(smem, slot));
-    fmoe_ring_advance(slot, phase);
+    fmoe_ring_advance(slot, phase, FMOE_STAGES);
   }
 }
 

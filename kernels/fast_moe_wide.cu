@@ -252,10 +252,7 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
           }
         }
         cp_async_mbar_arrive(full);
-        if (++slot == FMW_STAGES) {
-          slot = 0;
-          phase ^= 1;
-        }
+        fmoe_ring_advance(slot, phase, FMW_STAGES);
       }
     }
   }
@@ -418,12 +415,7 @@ struct FmwRing {
   unsigned phase;
 };
 
-DSV4_INLINE void fmw_next(FmwRing& r) {
-  if (++r.slot == FMW_STAGES) {
-    r.slot = 0;
-    r.phase ^= 1;
-  }
-}
+DSV4_INLINE void fmw_next(FmwRing& r) { fmoe_ring_advance(r.slot, r.phase, FMW_STAGES); }
 
 // Waits for the slot's data (the tokens came by cp.async through the generic proxy; wgmma reads them
 // through the async proxy).
