@@ -11,13 +11,37 @@
 // SCORE_* come from
 // dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
 
-// x's official act_quant of 128-block b of tokens t0 .. t0 + nt - 1, by one warp: the e4m3 codes in fragment
-// order (fp8_mma.cuh) into xq[t][d], the block's scale into xs[t][b] (value x scale bit-identical to
-// act_quant_kernel).
+// x's official act_quant of 128-block b of token t, by one warp whose lane holds the block's values 4·lane ..
+// 4·lane + 3 in v: the e4m3 codes in fragment order (fp8_mma.cuh) into xq[t][d], the block's scale into xs[t][b]
+// (value x scale bit-identical to act_quant_kernel).
+DSV4_INLINE void fmoe_quant_x_store(float4 v, long long t, int D, int b, unsigned char* xq, float* xs) {
+  const int lane = threadIdx.x & 31;
+  const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+  const float s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
+  // s is a power of two, so v · (1 / s) is v / s exactly (one rounding either way).
+  const float inv = 1.0f / s;
+  const float vv[4] = {v.x, v.y, v.z, v.w};
+  unsigned code[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    float q = vv[c] * inv;
+    q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
+    code[c] = e4m3_code_rn(q);
+  }
+  // Fragment order (fp8_mma.cuh): this lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th
+  // 32-block (t8 = lane % 8 / 2); c = 0, 2 are even elements (positions 4·t8 + 2·(lane % 2) + 0, 1),
+  // c = 1, 3 odd ones (the same + 16).
+  unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1) + 2 * (lane & 1);
+  *reinterpret_cast<unsigned short*>(blk) = (unsigned short)(code[0] | (code[2] << 8));
+  *reinterpret_cast<unsigned short*>(blk + 16) = (unsigned short)(code[1] | (code[3] << 8));
+  if (lane == 0) xs[t * (D / 128) + b] = s;
+}
+
+// x's act_quant (fmoe_quant_x_store) of 128-block b of tokens t0 .. t0 + nt - 1, by one warp.
 DSV4_INLINE void fmoe_quant_x_block(const float* x, int t0, int nt, int D, int b, unsigned char* xq, float* xs) {
   const int lane = threadIdx.x & 31;
-  // Eight rows' loads in flight at a time: one at a time, the wide router's 64-row blocks waited on memory
-  // for each row in turn.
+  // Eight rows' loads in flight at a time: one at a time, a 64-row block waited on memory for each row in
+  // turn.
   for (int r0 = 0; r0 < nt; r0 += 8) {
     float4 v8[8];
 #pragma unroll
@@ -26,27 +50,24 @@ DSV4_INLINE void fmoe_quant_x_block(const float* x, int t0, int nt, int D, int b
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if (r0 + i >= nt) break;  // uniform over the warp
-      const long long t = t0 + r0 + i;
-      const float4 v = v8[i];
-      const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-      const float s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
-      // s is a power of two, so v · (1 / s) is v / s exactly (one rounding either way).
-      const float inv = 1.0f / s;
-      const float vv[4] = {v.x, v.y, v.z, v.w};
-      unsigned code[4];
+      fmoe_quant_x_store(v8[i], t0 + r0 + i, D, b, xq, xs);
+    }
+  }
+}
+
+// x's act_quant of every 128-block of token t, by one warp: eight blocks' loads in flight at a time.
+DSV4_INLINE void fmoe_quant_x_row(const float* x, long long t, int D, unsigned char* xq, float* xs) {
+  const int lane = threadIdx.x & 31, nb = D / 128;
+  const float4* row = reinterpret_cast<const float4*>(x + t * D);
+  for (int b0 = 0; b0 < nb; b0 += 8) {
+    float4 v8[8];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float q = vv[c] * inv;
-        q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
-        code[c] = e4m3_code_rn(q);
-      }
-      // Fragment order (fp8_mma.cuh): this lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th
-      // 32-block (t8 = lane % 8 / 2); c = 0, 2 are even elements (positions 4·t8 + 2·(lane % 2) + 0, 1),
-      // c = 1, 3 odd ones (the same + 16).
-      unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1) + 2 * (lane & 1);
-      *reinterpret_cast<unsigned short*>(blk) = (unsigned short)(code[0] | (code[2] << 8));
-      *reinterpret_cast<unsigned short*>(blk + 16) = (unsigned short)(code[1] | (code[3] << 8));
-      if (lane == 0) xs[t * (D / 128) + b] = s;
+    for (int i = 0; i < 8; ++i)
+      if (b0 + i < nb) v8[i] = row[(b0 + i) * 32 + lane];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (b0 + i >= nb) break;  // uniform over the warp
+      fmoe_quant_x_store(v8[i], t, D, b0 + i, xq, xs);
     }
   }
 }
@@ -117,114 +138,247 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
   }
 }
 
-// The same scores and quantisation for many tokens, as a register-tiled f32 GEMM: block (bx, by) computes the
-// logits of FMOE_WIDE_TOKENS tokens t0 = by * FMOE_WIDE_TOKENS .. and FMOE_WIDE_EXPERTS experts e0 = bx *
-// FMOE_WIDE_EXPERTS ..; thread (ty, tx) = (tid / 16, tid % 16) owns tokens t0 + ty + 16i (i < 4) and
-// experts e0 + tx + 16j (j < 8). x's and the gate's rows pass through shared memory FMOE_WIDE_KC k at a time
-// ([row][k], rows padded to FMOE_WIDE_KC + 4 floats, so the 16-byte reads of a warp's 2 consecutive token
-// rows, or 16 consecutive expert rows, take the fewest wavefronts), in a ring of FMOE_WIDE_STAGES stages
-// filled by cp.async. The order of each logit's sum, fixed (so a token's logits do not depend on the batch
-// or the tile): per 128-block of k an FMA chain from zero in k order, then the blocks' sums added in order
-// to the logit: an f32 error ≤ (128 + D / 128) · 2^-24 · Σ_d |x_d g_ed| (gpu_fast_moe's bound). Warps
-// w of blocks with b = bx * FMOE_WIDE_WARPS + w (+ the grid's x extent's warps, ...) < D / 128 also run
-// fmoe_quant_x_block of block b for the block's tokens, first (the GEMM's x reads then hit L2).
-// At B = 4096 it takes 0.49 ms (ncu; ~18 TFLOP/s, under half the FP32 pipe's peak: 8 warps an SM, issue
-// slots 55% busy), where the kernel it replaced, a warp per 4 experts with per-lane partial sums over D / 32
-// k, took 1.0 ms of the layer's 5.3. Requires D % 128 == 0.
-#define FMOE_WIDE_ROW (FMOE_WIDE_KC + 4)  // floats per shared row
-#define FMOE_WIDE_STAGE ((FMOE_WIDE_TOKENS + FMOE_WIDE_EXPERTS) * FMOE_WIDE_ROW)
-static_assert(FMOE_WIDE_WARPS * 32 == 256 && FMOE_WIDE_TOKENS == 64 && FMOE_WIDE_EXPERTS == 128,
-              "fmoe_logits_wide_kernel: 16 x 16 threads of 4 tokens x 8 experts");
-static_assert(128 % FMOE_WIDE_KC == 0 && FMOE_WIDE_KC % 4 == 0, "fmoe_logits_wide_kernel: k stages tile a 128-block");
-static_assert(FMOE_WIDE_STAGES * FMOE_WIDE_STAGE * 4 <= 48 * 1024, "fmoe_logits_wide_kernel: static shared memory");
+// The router scores for many tokens, on the BF16 tensor cores: block (bx, by) computes the logits of
+// FMOE_TC_TOKENS tokens t0 = by * FMOE_TC_TOKENS .. and FMOE_TC_EXPERTS experts e0 = bx * FMOE_TC_EXPERTS .. with
+// wgmma m64nNk16 (f32 accumulators), both operands K-major in shared memory (128-byte swizzle). Its products are
+// exact, as an f32 GEMM's are before their rounding: x holds BF16 values (the fast set runs official numerics:
+// the MoE input is the BF16 output of ffn_norm; a precondition), and every f32 gate value g splits exactly into
+// three BF16 planes, g = hi + lo + lo2 (hi = bf16(g), lo = bf16(g - hi), lo2 = g - hi - lo, each difference
+// exact in f32 and lo2 BF16-representable for |g| >= 2^-110), so every product x·hi, x·lo, x·lo2 the tensor core
+// forms is exact. The planes lo, lo2 of a BF16 gate (a released checkpoint's) are zero, and their wgmmas are
+// skipped for a stage whose block-wide lo / lo2 are all zero: a decision made from the weights alone, so a
+// token's logits still do not depend on the batch or the tile.
+//
+// Order and error. Per 64-k stage the block's wgmmas start from zero (lo2's four k16 steps, then lo's, then
+// hi's: the small terms first), and the stage's sums are added to the f32 logits in k order. The tensor core
+// forms each k16 step's 16 exact products and the incoming sum in one non-IEEE addition; modelled as aligning
+// all 17 terms to the largest and truncating to f32's 24 bits, then truncating the sum (no guard bits assumed,
+// the worst case), a step errs by < 68 · 2^-24 · (its largest term). Over a stage that is < 4 · 68 · (1 +
+// 2^-7) + 8 · 68 · 2^-7 < 280 units of 2^-24 · Σ_stage |x·g| (hi's steps; lo and lo2 are ≤ 2^-8 and 2^-16 of
+// hi), and the D/64 promotions add one f32 rounding each: |Δlogit| ≤ (280 + D/64) · 2^-24 · Σ_d |x_d g_ed|
+// (gpu_fast_moe's bound for this kernel).
+//
+// The pipeline. The block's x and gate rows arrive as f32 through a cp.async ring of FMOE_TC_RAW_STAGES raw
+// stages of FMOE_TC_KC k (rows of 128 bytes); every thread then converts its share of a raw stage into the BF16
+// stage buffer (x: hi only; the gate: three planes) in the swizzled layout the descriptors read, two raw stages
+// a 64-k stage. Two stage buffers: stage s is converted while stage s - 1's wgmmas run. x's act_quant is not
+// made here but by fmoe_select_kernel, a warp a token: in this kernel's preamble (as fmoe_logits_kernel makes
+// it) a block's 8 warps took a third of its time (ncu). Requires D % 128 == 0.
+#define FMOE_TC_THREADS 256                                 // two warpgroups
+#define FMOE_TC_KC 32                                       // k of a raw stage: f32 rows of 128 bytes
+#define FMOE_TC_RAW_ROWS (FMOE_TC_TOKENS + FMOE_TC_EXPERTS)  // x's rows, then the gate's
+#define FMOE_TC_RAW (FMOE_TC_RAW_ROWS * 128)
+#define FMOE_TC_A (FMOE_TC_TOKENS * 128)  // a stage's token tile: 64 k of BF16, rows of 128 bytes
+#define FMOE_TC_B (FMOE_TC_EXPERTS * 128)  // one plane of its expert tile
+#define FMOE_TC_STAGE (FMOE_TC_A + 3 * FMOE_TC_B)
+// The two warpgroups split the block's tile: by tokens (128 tokens, each warpgroup 64 tokens x 128 experts) or
+// by experts (64 tokens, each 64 x 64).
+#define FMOE_TC_N (FMOE_TC_EXPERTS * FMOE_TC_TOKENS / 128)  // experts per warpgroup: the wgmma's N
+static_assert(FMOE_TC_EXPERTS == 128 && (FMOE_TC_TOKENS == 64 || FMOE_TC_TOKENS == 128),
+              "fmoe_logits_tc_kernel: two warpgroups of m64n64 or m64n128");
+static_assert(FMOE_TC_RAW % 1024 == 0 && FMOE_TC_STAGE % 1024 == 0, "fmoe_logits_tc_kernel: 1024-byte aligned tiles");
+static_assert(FMOE_TC_RAW_STAGES * FMOE_TC_RAW + 2 * FMOE_TC_STAGE <= FMOE_TC_SMEM_BYTES,
+              "fmoe_logits_tc_kernel: shared memory layout exceeds FMOE_TC_SMEM_BYTES");
+static_assert(FMOE_TC_RAW_STAGES >= 2, "fmoe_logits_tc_kernel: a raw ring of at least two stages");
 
-// Copies stage kb (k = kb · FMOE_WIDE_KC ..) of the block's x and gate rows into ring slot `dst`: 16 bytes a
-// copy, rows past T or E repeat the last row (computed, never stored).
-DSV4_INLINE void fmoe_wide_fill(const float* x, int T, int D, int E, const float* gate, int t0, int e0, int kb,
-                                float* dst) {
-  constexpr int kChunks = FMOE_WIDE_KC / 4;  // 16-byte chunks of a row
-  for (int c = threadIdx.x; c < (FMOE_WIDE_TOKENS + FMOE_WIDE_EXPERTS) * kChunks; c += FMOE_WIDE_WARPS * 32) {
-    const int r = c / kChunks, q = c % kChunks;
-    const float* src = r < FMOE_WIDE_TOKENS ? x + (long long)min(t0 + r, T - 1) * D
-                                             : gate + (long long)min(e0 + r - FMOE_WIDE_TOKENS, E - 1) * D;
-    cp_async_16(smem_addr(dst + r * FMOE_WIDE_ROW + 4 * q), src + kb * FMOE_WIDE_KC + 4 * q);
+#define FMOE_TC_COPIES (FMOE_TC_RAW_ROWS * 8 / FMOE_TC_THREADS)  // a thread's 16-byte copies of a raw stage
+static_assert(FMOE_TC_RAW_ROWS * 8 % FMOE_TC_THREADS == 0, "fmoe_logits_tc_kernel: whole copies a thread");
+
+// The thread's copies of a raw stage: chunk c = tid + FMOE_TC_THREADS·i (row c / 8, 16-byte piece c % 8) from
+// src[i] + r·FMOE_TC_KC (x's rows, then the gate's; rows past T or E repeat the last row: computed, never
+// stored) to byte 16·c of the slot. The sources are made once: per stage, their address arithmetic was a
+// quarter of the loop's instructions (ncu).
+struct FmoeTcSources {
+  const float* src[FMOE_TC_COPIES];
+};
+
+DSV4_INLINE FmoeTcSources fmoe_tc_sources(const float* x, int T, int D, int E, const float* gate, int t0, int e0) {
+  FmoeTcSources s;
+#pragma unroll
+  for (int i = 0; i < FMOE_TC_COPIES; ++i) {
+    const int c = threadIdx.x + i * FMOE_TC_THREADS, row = c >> 3, q = c & 7;
+    s.src[i] = (row < FMOE_TC_TOKENS ? x + (long long)min(t0 + row, T - 1) * D
+                                     : gate + (long long)min(e0 + row - FMOE_TC_TOKENS, E - 1) * D) +
+               4 * q;
   }
+  return s;
 }
 
-// The thread's 4 token rows and 8 expert rows at k .. k + 3 of a stage.
-DSV4_INLINE void fmoe_wide_operands(const float* xr, const float* gr, int k, float4 (&xv)[4], float4 (&gv)[8]) {
+// Copies raw stage r (k = r · FMOE_TC_KC ..) of the block's x and gate rows into `dst`.
+DSV4_INLINE void fmoe_tc_fill(const FmoeTcSources& s, int r, unsigned char* dst) {
+  const unsigned d0 = smem_addr(dst) + 16 * threadIdx.x;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) xv[i] = *reinterpret_cast<const float4*>(xr + 16 * i * FMOE_WIDE_ROW + k);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) gv[j] = *reinterpret_cast<const float4*>(gr + 16 * j * FMOE_WIDE_ROW + k);
+  for (int i = 0; i < FMOE_TC_COPIES; ++i) cp_async_16(d0 + 16 * FMOE_TC_THREADS * i, s.src[i] + r * FMOE_TC_KC);
 }
 
-extern "C" __global__ void __launch_bounds__(FMOE_WIDE_WARPS * 32, 1)
-    fmoe_logits_wide_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
-                            unsigned char* xq, float* xs) {
-  dsv4_pdl_begin();
-  __shared__ __align__(16) float ring[FMOE_WIDE_STAGES * FMOE_WIDE_STAGE];
-  const int warp = threadIdx.x >> 5;
-  const int t0 = blockIdx.y * FMOE_WIDE_TOKENS, e0 = blockIdx.x * FMOE_WIDE_EXPERTS;
-  const int nt = min(FMOE_WIDE_TOKENS, T - t0);
-  for (int b = blockIdx.x * FMOE_WIDE_WARPS + warp; b < D / 128; b += gridDim.x * FMOE_WIDE_WARPS)
-    fmoe_quant_x_block(x, t0, nt, D, b, xq, xs);
-  const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
-  const int nkb = D / FMOE_WIDE_KC;
+// Eight f32 values as BF16 (round to nearest even), in order, one 16-byte unit.
+DSV4_INLINE uint4 fmoe_tc_bf16x8(const float (&v)[8]) {
+  unsigned w[4];
 #pragma unroll
-  for (int s = 0; s < FMOE_WIDE_STAGES - 1; ++s) {
-    if (s < nkb) fmoe_wide_fill(x, T, D, E, gate, t0, e0, s, ring + s * FMOE_WIDE_STAGE);
-    cp_async_commit();
-  }
-  float acc[4][8], logit[4][8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f, logit[i][j] = 0.0f;
-#pragma unroll 1
-  for (int kb = 0; kb < nkb; ++kb) {
-    cp_async_wait<FMOE_WIDE_STAGES - 2>();
-    __syncthreads();  // stage kb has landed for every thread, and stage kb - 1's slot is no longer read
-    if (kb + FMOE_WIDE_STAGES - 1 < nkb)
-      fmoe_wide_fill(x, T, D, E, gate, t0, e0, kb + FMOE_WIDE_STAGES - 1,
-                     ring + (kb + FMOE_WIDE_STAGES - 1) % FMOE_WIDE_STAGES * FMOE_WIDE_STAGE);
-    cp_async_commit();
-    const float* st = ring + kb % FMOE_WIDE_STAGES * FMOE_WIDE_STAGE;
-    const float* xr = st + ty * FMOE_WIDE_ROW;
-    const float* gr = st + (FMOE_WIDE_TOKENS + tx) * FMOE_WIDE_ROW;
-    // Operands of 4 k at a time, the next 4 loaded while these are used (two register sets: with one,
-    // every group waited for its loads; 8 warps an SM hid too little of that).
-    float4 xv[2][4], gv[2][8];
-    fmoe_wide_operands(xr, gr, 0, xv[0], gv[0]);
-#pragma unroll
-    for (int q = 0; q < FMOE_WIDE_KC / 4; ++q) {
-      if (q + 1 < FMOE_WIDE_KC / 4) fmoe_wide_operands(xr, gr, 4 * (q + 1), xv[(q + 1) & 1], gv[(q + 1) & 1]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float4 a = xv[q & 1][i], g = gv[q & 1][j];
-          acc[i][j] = fmaf(a.x, g.x, acc[i][j]);
-          acc[i][j] = fmaf(a.y, g.y, acc[i][j]);
-          acc[i][j] = fmaf(a.z, g.z, acc[i][j]);
-          acc[i][j] = fmaf(a.w, g.w, acc[i][j]);
-        }
-    }
-    if ((kb + 1) % (128 / FMOE_WIDE_KC) == 0) {  // a 128-block's sums join the logits
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) logit[i][j] += acc[i][j], acc[i][j] = 0.0f;
-    }
-  }
+  for (int i = 0; i < 4; ++i) asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(w[i]) : "f"(v[2 * i + 1]), "f"(v[2 * i]));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// v -= the unit's BF16 values (exact: v's f32 remainder below its BF16 rounding).
+DSV4_INLINE void fmoe_tc_subtract(float (&v)[8], uint4 u) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int t = t0 + ty + 16 * i;
+    v[2 * i] -= __uint_as_float(w[i] << 16);
+    v[2 * i + 1] -= __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+// Converts raw stage `raw` into half h (k 32h .. 32h + 31) of the stage buffer `st`: thread units of 8 k (two
+// 16-byte chunks of a raw row) into 16-byte unit 4h + (its pair) of the row, at that unit ^ (row % 8). Returns
+// whether any of the thread's lo / lo2 values is nonzero.
+DSV4_INLINE unsigned fmoe_tc_convert(const unsigned char* raw, unsigned char* st, int h) {
+  unsigned nz = 0u;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int e = e0 + tx + 16 * j;
-      if (t < T && e < E) scores[(long long)t * E + e] = fmoe_score(logit[i][j], scoring);
+  for (int i = 0; i < FMOE_TC_RAW_ROWS * 4 / FMOE_TC_THREADS; ++i) {
+    const int p = threadIdx.x + i * FMOE_TC_THREADS, row = p >> 2, pair = p & 3;
+    const float4* src = reinterpret_cast<const float4*>(raw + row * 128 + pair * 32);
+    const float4 a = src[0], b = src[1];
+    float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    const int u = 4 * h + pair;
+    if (row < FMOE_TC_TOKENS) {  // uniform over the warp: FMOE_TC_TOKENS * 4 is a multiple of 32
+      *reinterpret_cast<uint4*>(st + row * 128 + ((u ^ (row & 7)) << 4)) = fmoe_tc_bf16x8(v);
+    } else {
+      const int er = row - FMOE_TC_TOKENS;
+      unsigned char* dst = st + FMOE_TC_A + er * 128 + ((u ^ (er & 7)) << 4);
+      const uint4 hi = fmoe_tc_bf16x8(v);
+      fmoe_tc_subtract(v, hi);
+      uint4 lo = make_uint4(0u, 0u, 0u, 0u), lo2 = lo;
+      bool exact = true;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) exact = exact && v[c] == 0.0f;
+      // A warp whose values are all BF16 (a released checkpoint's gate) skips the two roundings; it still
+      // writes its zero planes, which the block's wgmmas read when another warp's values need them.
+      if (!__all_sync(0xffffffffu, exact)) {
+        lo = fmoe_tc_bf16x8(v);
+        fmoe_tc_subtract(v, lo);
+        lo2 = fmoe_tc_bf16x8(v);
+        nz |= lo.x | lo.y | lo.z | lo.w | lo2.x | lo2.y | lo2.z | lo2.w;
+      }
+      *reinterpret_cast<uint4*>(dst) = hi;
+      *reinterpret_cast<uint4*>(dst + FMOE_TC_B) = lo;
+      *reinterpret_cast<uint4*>(dst + 2 * FMOE_TC_B) = lo2;
     }
+  }
+  return nz;
+}
+
+// d (64 tokens x FMOE_TC_N experts, f32) = (scale_d ? d : 0) + A B^T over one k16 step.
+DSV4_INLINE void fmoe_tc_wgmma(float (&d)[FMOE_TC_N / 2], unsigned long long adesc, unsigned long long bdesc,
+                               int scale_d) {
+#if FMOE_TC_N == 128
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0; }\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(adesc), "l"(bdesc), "r"(scale_d));
+#else
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0; }\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(adesc), "l"(bdesc), "r"(scale_d));
+#endif
+}
+
+// The warpgroup's wgmmas over stage buffer `st` (lo2's and lo's k16 steps when `low`, then hi's), from zero.
+DSV4_INLINE void fmoe_tc_issue(const unsigned char* st, bool low, float (&d)[FMOE_TC_N / 2]) {
+  const int wg = threadIdx.x >> 7;
+  const bool by_tokens = FMOE_TC_TOKENS == 128;
+  const unsigned long long a = wgmma_desc_sw128(st + (by_tokens ? wg * 64 * 128 : 0));
+  const unsigned long long b = wgmma_desc_sw128(st + FMOE_TC_A + (by_tokens ? 0 : wg * 64 * 128));
+  wgmma_fence();
+  int first = 1;
+#pragma unroll
+  for (int plane = 2; plane >= 0; --plane) {
+    if (plane > 0 && !low) continue;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // k16 step q: 32 bytes on along the rows
+      fmoe_tc_wgmma(d, a + 2 * q, b + ((plane * FMOE_TC_B) >> 4) + 2 * q, !first);
+      first = 0;
+    }
+  }
+  wgmma_commit();
+}
+
+extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
+    fmoe_logits_tc_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores) {
+  dsv4_pdl_begin();
+  extern __shared__ __align__(1024) unsigned char fmoe_tc_smem[];
+  if ((smem_addr(fmoe_tc_smem) & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned tiles
+  const int warp = threadIdx.x >> 5;
+  const int t0 = blockIdx.y * FMOE_TC_TOKENS, e0 = blockIdx.x * FMOE_TC_EXPERTS;
+  const FmoeTcSources src = fmoe_tc_sources(x, T, D, E, gate, t0, e0);
+  unsigned char* raw = fmoe_tc_smem;
+  unsigned char* stages = fmoe_tc_smem + FMOE_TC_RAW_STAGES * FMOE_TC_RAW;
+  const int nraw = D / FMOE_TC_KC;
+#pragma unroll
+  for (int r = 0; r < FMOE_TC_RAW_STAGES - 1; ++r) {
+    if (r < nraw) fmoe_tc_fill(src, r, raw + r * FMOE_TC_RAW);
+    cp_async_commit();
+  }
+  float d[FMOE_TC_N / 2], logit[FMOE_TC_N / 2];
+#pragma unroll
+  for (int v = 0; v < FMOE_TC_N / 2; ++v) d[v] = 0.0f, logit[v] = 0.0f;
+#pragma unroll 1
+  for (int s = 0; s < D / 64; ++s) {
+    unsigned char* st = stages + (s & 1) * FMOE_TC_STAGE;
+    unsigned nz = 0u;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 2 * s + h;
+      cp_async_wait<FMOE_TC_RAW_STAGES - 2>();
+      // Raw stage r has landed for every thread, raw stage r - 1's slot is converted, and stage s - 2's
+      // wgmmas (which read this stage buffer) are done in both warpgroups.
+      __syncthreads();
+      const int next = r + FMOE_TC_RAW_STAGES - 1;
+      if (next < nraw) fmoe_tc_fill(src, next, raw + next % FMOE_TC_RAW_STAGES * FMOE_TC_RAW);
+      cp_async_commit();
+      nz |= fmoe_tc_convert(raw + r % FMOE_TC_RAW_STAGES * FMOE_TC_RAW, st, h);
+    }
+    fence_proxy_async_shared();  // the generic-proxy stores, before the wgmmas read them
+    const bool low = __syncthreads_or(nz != 0u) != 0;
+    if (s > 0) {  // stage s - 1's sums join the logits
+      wgmma_wait<0>();
+      wgmma_fence_operand(d);
+#pragma unroll
+      for (int v = 0; v < FMOE_TC_N / 2; ++v) logit[v] += d[v];
+    }
+    fmoe_tc_issue(st, low, d);
+  }
+  wgmma_wait<0>();
+  wgmma_fence_operand(d);
+  // d[4j + c]: token 16·(warp % 4) + g + 8·(c >> 1) of the warpgroup's 64, expert 8j + 2t + (c & 1) of its N.
+  const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int tb = t0 + (FMOE_TC_TOKENS == 128 ? 64 * wg : 0) + 16 * (warp & 3) + g;
+  const int eb = e0 + (FMOE_TC_TOKENS == 128 ? 0 : 64 * wg) + 2 * t;
+#pragma unroll
+  for (int v = 0; v < FMOE_TC_N / 2; ++v) {
+    const int tok = tb + 8 * ((v & 3) >> 1), e = eb + 8 * (v >> 2) + (v & 1);
+    if (tok < T && e < E) scores[(long long)tok * E + e] = fmoe_score(logit[v] + d[v], scoring);
   }
 }
 
@@ -233,15 +387,18 @@ extern "C" __global__ void __launch_bounds__(FMOE_WIDE_WARPS * 32, 1)
 // 2. selection: the hash row tid2eid[tokens[t]] when tid2eid is given, else the top-k of score + bias
 //    (bias may be NULL; NaN ranks below everything; ties to the lower index);
 // 3. weights: the selected scores, divided by their f32 sum (in selection order) when `renorm`, times
-//    route_scale -> ids[t][j], weights[t][j].
+//    route_scale -> ids[t][j], weights[t][j];
+// 4. when x is given (the router kernel did not), x's act_quant of token t (fmoe_quant_x_row) into xq, xs.
 // Requires E <= 32 * FMOE_MAX_EPL, k <= 32.
 extern "C" __global__ void __launch_bounds__(FMOE_SELECT_WARPS * 32)
     fmoe_select_kernel(const float* scores, int T, int E, int k, const float* bias, const int* tid2eid,
-                       const int* tokens, int scoring, int renorm, float route_scale, int* ids, float* weights) {
+                       const int* tokens, int scoring, int renorm, float route_scale, int* ids, float* weights,
+                       const float* x, int D, unsigned char* xq, float* xs) {
   dsv4_pdl_begin();
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x * FMOE_SELECT_WARPS + (threadIdx.x >> 5);
   if (t >= T) return;  // whole warp
+  if (x != nullptr) fmoe_quant_x_row(x, t, D, xq, xs);
 
   float sc[FMOE_MAX_EPL], key[FMOE_MAX_EPL];
   const float* lt = scores + (long long)t * E;

@@ -7,10 +7,12 @@
 //! What is compared, and the bound each is held to:
 //! - x's FP8 quantisation: bit for bit (the same exact operation).
 //! - Routing: the fast routers accumulate their logits in f32: the few-token kernel per lane over
-//!   D/128 terms, then a 5-level butterfly and 4 parts (D/128 + 9 roundings); the wide kernel an
-//!   FMA chain per 128-block of k, then the D/128 blocks' sums in order (128 + D/128, the larger).
-//!   So |Δlogit| ≤ (128 + D/128)·2⁻²⁴·Σ_d |x_d·g_ed| (the reference's logit is the correctly
-//!   rounded f32); sqrtsoftplus has slope ≤ 1/2 for these logits... so a
+//!   D/128 terms, then a 5-level butterfly and 4 parts (D/128 + 9 roundings); the tensor-core
+//!   kernel exact BF16 products (x's BF16 values times the gate's three BF16 planes) summed by the
+//!   tensor core per 64 of k, then the D/64 sums in order (280 + D/64: kernels/fast_moe.cu
+//!   derives it without assuming the tensor core's guard bits). So |Δlogit| ≤ (that count)·2⁻²⁴·
+//!   Σ_d |x_d·g_ed| (the reference's logit is the correctly rounded f32;
+//!   RouterPath::logit_error_terms); sqrtsoftplus has slope ≤ 1/2 for these logits... so a
 //!   selection may differ from the reference only where the two keys it swaps are closer than
 //!   the sum of their bounds (checked on the host in f64). Weights of agreeing tokens: the same
 //!   selected scores up to that error, so |Δw| ≤ 2⁻¹⁰·w (renormalised by a sum of six).
@@ -37,10 +39,12 @@
 //!   bound; and two runs are bit-identical (no order-dependent atomics). On the decode path the
 //!   GEMMs also run in the other of their two forms (two launches, or one), which must give the
 //!   same bits, and the one launch must leave its synchronisation words zero.
-//! - Both GEMM paths: the Flash cases take the one the layer picks by B; the small shape runs
-//!   every case on both, with the FP4 scales as UE8M0 bytes folded into the codes (whole rows;
-//!   one row whose groups take the fold's smallest shifts; one row folded per 128-block), as bytes
-//!   that cannot be folded (one 128-block spanning 2^16), and as f32.
+//! - Both GEMM paths and both routers: the Flash cases take the ones the layer picks by B; the
+//!   small shape runs every case on both (the decode path with the few-token router, the prefill
+//!   path with the tensor-core one), on a BF16 gate and, in one test, on f32 gate values, with the
+//!   FP4 scales as UE8M0 bytes folded into the codes (whole rows; one row whose groups take the
+//!   fold's smallest shifts; one row folded per 128-block), as bytes that cannot be folded (one
+//!   128-block spanning 2^16), and as f32.
 //!
 //! Without a CUDA device every test prints `skipped: no CUDA device`.
 
@@ -405,9 +409,9 @@ fn sorted(v: &[i32]) -> Vec<i32> {
     v
 }
 
-/// Host f64 key (score + bias) of expert `ex` for token row `xr`, and the bound of the fast
-/// router's f32 error on it (module doc).
-fn key_and_bound(l: &SyntheticMoe, xr: &[f32], ex: usize) -> (f64, f64) {
+/// Host f64 key (score + bias) of expert `ex` for token row `xr`, and the bound of `router`'s
+/// f32 error on it (module doc).
+fn key_and_bound(l: &SyntheticMoe, xr: &[f32], ex: usize, router: RouterPath) -> (f64, f64) {
     let Dims { D, .. } = dims(&l.shape);
     let g = &l.gate_host[ex * D..(ex + 1) * D];
     let (mut dot, mut abs) = (0f64, 0f64);
@@ -419,7 +423,8 @@ fn key_and_bound(l: &SyntheticMoe, xr: &[f32], ex: usize) -> (f64, f64) {
     let key = sp.sqrt() + l.bias_host[ex] as f64;
     // The logit's f32 error, through a slope below 1/2, plus a few f32 ulps of the score
     // functions and the bias add on either side.
-    let bound = (128 + D / 128) as f64 * 2f64.powi(-24) * abs + 2f64.powi(-20) * (key.abs() + 1.0);
+    let terms = router.logit_error_terms(D) as f64;
+    let bound = terms * 2f64.powi(-24) * abs + 2f64.powi(-20) * (key.abs() + 1.0);
     (key, bound)
 }
 
@@ -430,6 +435,7 @@ fn check_routing(
     l: &SyntheticMoe,
     x: &[f32],
     r: Routing,
+    router: RouterPath,
     f: &FastOut,
     rf: &RefOut,
 ) -> Vec<bool> {
@@ -479,8 +485,8 @@ fn check_routing(
             )
         };
         for (&fe, &re) in only_fast.iter().zip(&only_ref) {
-            let (kf, bf) = key_and_bound(l, xr, fe as usize);
-            let (kr, br) = key_and_bound(l, xr, re as usize);
+            let (kf, bf) = key_and_bound(l, xr, fe as usize, router);
+            let (kr, br) = key_and_bound(l, xr, re as usize, router);
             assert!(
                 (kr - kf).abs() <= bf + br,
                 "{what}: token {tok}: fast picked {fe} (key {kf:.9}), reference {re} (key {kr:.9}): \
@@ -634,20 +640,44 @@ impl Scales {
 enum Paths {
     /// The one the layer picks for B ([`GemmPath::for_tokens`]).
     Auto,
-    /// The decode GEMMs with the few-token router, then the prefill GEMMs with the wide router.
+    /// The decode GEMMs with the few-token router, then the prefill GEMMs with the tensor-core
+    /// router.
     Both,
+}
+
+/// The router's gate values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Gate {
+    /// BF16 values, as a released checkpoint stores them: the tensor-core router's lo planes are
+    /// zero and their wgmmas skipped.
+    Bf16,
+    /// f32 values that BF16 cannot hold (a refit from f32, a float fixture): the tensor-core router
+    /// multiplies all three of its BF16 planes.
+    F32,
 }
 
 /// Runs `cases` (B, routing) on one layer of shape `sh`: both routings' checks (module doc), on
 /// each path of `paths`.
-fn run_cases(sh: MoeShape, scales: Scales, paths: Paths, cases: &[(usize, Routing)]) {
+fn run_cases(sh: MoeShape, scales: Scales, gate: Gate, paths: Paths, cases: &[(usize, Routing)]) {
     let Some(e) = env() else {
         return;
     };
     let mut rng = Rng::from_env("gpu_fast_moe");
     let stream = OwnedStream::new(e.ctx).unwrap();
     let s = stream.borrow();
-    let l = SyntheticMoe::new(e.ctx, s, sh, rng.u64()).unwrap();
+    let mut l = SyntheticMoe::new(e.ctx, s, sh, rng.u64()).unwrap();
+    if gate == Gate::F32 {
+        // Each value times (1 + u·2^-9), u in [-1, 1): the low bits BF16 drops, at every magnitude.
+        for g in &mut l.gate_host {
+            *g *= 1.0 + rng.uniform(-1.0, 1.0) * 2f32.powi(-9);
+        }
+        let inexact = l.gate_host.iter().filter(|g| bf16(**g) != **g).count();
+        assert!(
+            inexact * 2 > l.gate_host.len(),
+            "the f32 gate holds {inexact} values BF16 cannot"
+        );
+        put(e.ctx, l.gate, &l.gate_host, s);
+    }
     if scales != Scales::Bytes {
         // Expert 0's w1 scales of row 0: k 0..31 times 0.75 (not a UE8M0 value) or 2^-16 (a
         // 128-block spanning 2^16), or k 0..127 times 2^-7 (a row spanning 2^7 to 2^11, as the
@@ -698,7 +728,7 @@ fn run_cases(sh: MoeShape, scales: Scales, paths: Paths, cases: &[(usize, Routin
             Paths::Auto => &[(GemmPath::for_tokens(t), RouterPath::for_tokens(t))],
             Paths::Both => &[
                 (GemmPath::Decode, RouterPath::Few),
-                (GemmPath::Prefill, RouterPath::Wide),
+                (GemmPath::Prefill, RouterPath::Tensor),
             ],
         };
         for &(path, router) in on {
@@ -773,7 +803,7 @@ fn check_case(
             .all(|(a, b)| a.to_bits() == b.to_bits()),
         "{what}: x's FP8 quantisation differs from act_quant"
     );
-    let agree = check_routing(what, l, x, r, &f1, rf);
+    let agree = check_routing(what, l, x, r, router, &f1, rf);
     if r == Routing::HashSkewed {
         let hot = f1.ids.iter().filter(|&&i| i == HOT_EXPERT as i32).count();
         println!("{what}: expert {HOT_EXPERT} takes {hot} of {t} tokens");
@@ -804,6 +834,7 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
     run_cases(
         MoeShape::FLASH,
         Scales::Bytes,
+        Gate::Bf16,
         Paths::Auto,
         &[
             (1, Routing::TopK),
@@ -826,6 +857,7 @@ fn fast_moe_matches_the_reference_kernels_at_odd_widths() {
     run_cases(
         SMALL,
         Scales::Bytes,
+        Gate::Bf16,
         Paths::Both,
         &[
             (1, Routing::TopK),
@@ -837,6 +869,19 @@ fn fast_moe_matches_the_reference_kernels_at_odd_widths() {
     );
 }
 
+/// A gate whose values BF16 cannot hold: the tensor-core router multiplies all three of its BF16
+/// planes, and every router still selects within its bound.
+#[test]
+fn fast_moe_routes_on_a_gate_of_f32_values() {
+    run_cases(
+        SMALL,
+        Scales::Bytes,
+        Gate::F32,
+        Paths::Both,
+        &[(64, Routing::TopK), (1000, Routing::TopK)],
+    );
+}
+
 /// FP4 scales that are not powers of two (a checkpoint with f32 scales): the GEMMs read them as
 /// f32, and still match.
 #[test]
@@ -844,6 +889,7 @@ fn fast_moe_reads_f32_scales_when_one_is_not_a_power_of_two() {
     run_cases(
         SMALL,
         Scales::F32,
+        Gate::Bf16,
         Paths::Both,
         &[
             (1, Routing::TopK),
@@ -860,6 +906,7 @@ fn fast_moe_folds_rows_that_span_up_to_2_to_the_11() {
     run_cases(
         SMALL,
         Scales::DeepFold,
+        Gate::Bf16,
         Paths::Both,
         &[(9, Routing::TopK), (300, Routing::HashSkewed)],
     );
@@ -872,6 +919,7 @@ fn fast_moe_folds_per_block_where_a_row_spans_more_than_2_to_the_11() {
     run_cases(
         SMALL,
         Scales::RowUnfoldable,
+        Gate::Bf16,
         Paths::Both,
         &[(9, Routing::TopK), (300, Routing::HashSkewed)],
     );
@@ -884,6 +932,7 @@ fn fast_moe_promotes_every_k32_when_scales_cannot_be_folded() {
     run_cases(
         SMALL,
         Scales::Unfoldable,
+        Gate::Bf16,
         Paths::Both,
         &[(7, Routing::TopK), (300, Routing::HashSkewed)],
     );

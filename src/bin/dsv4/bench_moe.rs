@@ -67,15 +67,15 @@ pub fn parse_router(v: &str) -> Result<Option<RouterPath>, String> {
     match v.trim() {
         "auto" => Ok(None),
         "few" => Ok(Some(RouterPath::Few)),
-        "wide" => Ok(Some(RouterPath::Wide)),
-        o => Err(format!("--router takes auto, few, wide; got `{o}`")),
+        "tensor" => Ok(Some(RouterPath::Tensor)),
+        o => Err(format!("--router takes auto, few, tensor; got `{o}`")),
     }
 }
 
 fn router_name(r: RouterPath) -> &'static str {
     match r {
         RouterPath::Few => "few",
-        RouterPath::Wide => "wide",
+        RouterPath::Tensor => "tensor",
     }
 }
 

@@ -14,7 +14,7 @@
 //!   checkpoint (dummy_checkpoint.rs).
 //! - `dsv4 bench moe [--batches N,N...] [--routing uniform,skewed,topk] [--path P] [--router R]
 //!   [--ids-dir DIR]`: the fast MoE layer alone at Flash shapes, one JSON line per case (bench_moe.rs).
-//!   `--path` and `--router` (auto, few, wide) force the expert GEMMs' and the router's kernels.
+//!   `--path` and `--router` (auto, few, tensor) force the expert GEMMs' and the router's kernels.
 //! - `dsv4 bench dense [--tokens N,N...] [--projection NAME] [--read-probe N,N...]`: the fast
 //!   set's dense projections alone at Flash shapes, one JSON line per case (bench_dense.rs);
 //!   `--read-probe` adds each projection's bytes read by a kernel that only reads them, at N
@@ -43,7 +43,7 @@ const USAGE: &str = "usage:
   dsv4 bench refit [--config FILE] [--device cuda[:N]]
   dsv4 dummy-checkpoint --config FILE --out DIR [--seed S]
   dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,decode-fused,prefill]
-                 [--router auto|few|wide] [--ids-dir DIR] [--device cuda[:N]]
+                 [--router auto|few|tensor] [--ids-dir DIR] [--device cuda[:N]]
   dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--read-probe N[,N...]]
                    [--device cuda[:N]]
   dsv4 bench attn [--contexts N[,N...]] [--batches N[,N...]] [--indexer-chunks N[,N...]]

@@ -1,9 +1,11 @@
 //! Rust side of the `fast_moe` kernel family (kernels/fast_moe.cu) and the fast MoE layer it
 //! drives with [`super::fast_moe_gemm`] (DESIGN.md §5 "MegaMoE", ../shared/KERNELS.md §3):
 //!
-//! 1. `fmoe_logits_kernel` (few tokens) or `fmoe_logits_wide_kernel` (many): router logits in f32
-//!    and their scores, and x quantized to FP8 per 128;
-//! 2. `fmoe_select_kernel`: scores, top-k or hash selection, weights;
+//! 1. `fmoe_logits_kernel` (few tokens: f32 dot products) or `fmoe_logits_tc_kernel` (many: BF16
+//!    tensor cores on x's BF16 values and the gate split exactly into three BF16 planes): router
+//!    logits in f32 and their scores, and (the first) x quantized to FP8 per 128;
+//! 2. `fmoe_select_kernel`: scores, top-k or hash selection, weights (and x's quantisation after
+//!    the tensor-core router);
 //! 3. `moe_plan_kernel` (the moe family): assignments grouped by expert into tiles of the GEMM
 //!    path's tokens per item ([`GemmPath::tile_rows`]);
 //! 4. GEMM1 + SwiGLU x routing weight + FP8 quantisation of h, with the shared expert as more
@@ -40,37 +42,56 @@ pub const LOGIT_EXPERTS: usize = 2;
 pub const LOGIT_SPLIT: usize = 4;
 /// Tokens per `fmoe_logits_kernel` block (FMOE_LOGIT_TOKENS).
 pub const LOGIT_TOKENS: usize = 8;
-/// `fmoe_logits_wide_kernel` (many tokens), a register-tiled f32 GEMM: tokens (FMOE_WIDE_TOKENS)
-/// and experts (FMOE_WIDE_EXPERTS) per block, its warps (FMOE_WIDE_WARPS), k per shared-memory
-/// stage (FMOE_WIDE_KC) and stages in its cp.async ring (FMOE_WIDE_STAGES).
-pub const WIDE_TOKENS: usize = 64;
-pub const WIDE_EXPERTS: usize = 128;
-pub const WIDE_WARPS: usize = 8;
-pub const WIDE_KC: usize = 16;
-pub const WIDE_STAGES: usize = 3;
-/// Fewest tokens routed by `fmoe_logits_wide_kernel` (`RouterPath::for_tokens`): below, its
-/// 64-token tiles leave SMs idle and `fmoe_logits_kernel`'s many small blocks are faster (the
-/// layer at Flash shapes on the H200, µs few / wide: 1024 2468 / 2622, 1536 2987 / 3073, 2048
-/// 3196 / 3109, 4096 4280 / 3699). The wide kernel it replaced beat both at 1024-1536 tokens, by
-/// 2-3.5% of the layer (BENCHMARKS.md, issue 11 tenth version): a smaller tile is the way back.
-pub const WIDE_MIN_TOKENS: usize = 2048;
+/// `fmoe_logits_tc_kernel` (many tokens, BF16 tensor cores): tokens (FMOE_TC_TOKENS) and experts
+/// (FMOE_TC_EXPERTS) per block, two warpgroups splitting the tile (by tokens at 128, by experts at
+/// 64), and the raw f32 stages of its cp.async ring (FMOE_TC_RAW_STAGES, as many as fit beside the
+/// two BF16 stage buffers). 64 tokens: the layer at Flash shapes, µs with 64 / 128 (H200, same
+/// call): B = 1024 2313 / 2358, 2048 2848 / 2887, 4096 3450 / 3494, 16384 12196 / 12065.
+pub const TC_TOKENS: usize = 64;
+pub const TC_EXPERTS: usize = 128;
+pub const TC_RAW_STAGES: usize = if TC_TOKENS == 128 { 3 } else { 4 };
+/// Dynamic shared memory of a `fmoe_logits_tc_kernel` block (FMOE_TC_SMEM_BYTES): the raw ring (x's
+/// and the gate's rows, 32 f32 each) and two stage buffers (64 k of x in BF16, the gate's three BF16
+/// planes).
+pub const TC_SMEM_BYTES: usize =
+    TC_RAW_STAGES * (TC_TOKENS + TC_EXPERTS) * 128 + 2 * (TC_TOKENS + 3 * TC_EXPERTS) * 128;
+const _: () = assert!(
+    TC_SMEM_BYTES <= 227 * 1024,
+    "an sm_90 block takes at most 227 KiB"
+);
+/// Fewest tokens routed by `fmoe_logits_tc_kernel` ([`RouterPath::for_tokens`]): below, its few
+/// blocks (two per 64 tokens) leave SMs idle. The layer at Flash shapes, µs with
+/// `fmoe_logits_kernel` / this one (H200, same call): B = 512 1365 / 1372, 1024 2436 / 2313,
+/// 2048 3199 / 2848. (It replaced a register-tiled f32 GEMM, with which the layer was 6-10%
+/// slower from 1024 tokens up: BENCHMARKS.md, issue 11 sixteenth version.)
+pub const TC_MIN_TOKENS: usize = 1024;
 
 /// Which kernel computes the router's logits (and x's quantisation).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RouterPath {
     /// `fmoe_logits_kernel`: 8 tokens a block, every block streams its experts' gate rows.
     Few,
-    /// `fmoe_logits_wide_kernel`: 64 x 128 tiles of a register-tiled f32 GEMM.
-    Wide,
+    /// `fmoe_logits_tc_kernel`: tiles of a BF16 tensor-core GEMM, the f32 gate split exactly into
+    /// three BF16 planes (x must hold BF16 values, as the fast set's official numerics give).
+    Tensor,
 }
 
 impl RouterPath {
     /// The path `FastMoe::route` takes for `t` tokens.
     pub fn for_tokens(t: usize) -> RouterPath {
-        if t >= WIDE_MIN_TOKENS {
-            RouterPath::Wide
+        if t >= TC_MIN_TOKENS {
+            RouterPath::Tensor
         } else {
             RouterPath::Few
+        }
+    }
+
+    /// The bound, in units of `2^-24 · Σ_d |x_d·g_ed|`, of the f32 error of the logits this
+    /// router computes (kernels/fast_moe.cu: each kernel's order of sums).
+    pub fn logit_error_terms(self, d: usize) -> usize {
+        match self {
+            RouterPath::Few => d / 128 + 9,
+            RouterPath::Tensor => 280 + d / 64,
         }
     }
 }
@@ -90,18 +111,20 @@ crate::kernel_family! {
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
         xq: *mut u8, xs: *mut f32,
     );
-    /// The same for many tokens (fewer reads of x and the gate per token).
+    /// The same on the BF16 tensor cores (x's values BF16).
+    #[smem(TC_SMEM_BYTES as u32)]
     #[pdl(true)]
-    fn fmoe_logits_wide_kernel(
+    fn fmoe_logits_tc_kernel(
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
-        xq: *mut u8, xs: *mut f32,
     );
-    /// Top-k selection (`bias` optional) or hash routing (`tid2eid` and `tokens`, both set).
+    /// Top-k selection (`bias` optional) or hash routing (`tid2eid` and `tokens`, both set);
+    /// with `x`, also x's FP8 quantisation (the tensor-core router leaves it to this kernel).
     #[pdl(true)]
     fn fmoe_select_kernel(
         scores: *const f32, t: i32, e: i32, k: i32, bias: Option<*const f32>,
         tid2eid: Option<*const i32>, tokens: Option<*const i32>, scoring: i32, renorm: bool,
-        route_scale: f32, ids: *mut i32, weights: *mut f32,
+        route_scale: f32, ids: *mut i32, weights: *mut f32, x: Option<*const f32>, d: i32,
+        xq: *mut u8, xs: *mut f32,
     );
     #[pdl(true)]
     fn fmoe_combine_kernel(
@@ -114,7 +137,7 @@ crate::launchers! {
     /// The fast_moe family's entry points, resolved from a loaded registry.
     pub struct FastMoeRoute {
         logits: fmoe_logits_kernel,
-        logits_wide: fmoe_logits_wide_kernel,
+        logits_tc: fmoe_logits_tc_kernel,
         select: fmoe_select_kernel,
         combine: fmoe_combine_kernel,
     }
@@ -428,33 +451,24 @@ impl FastMoe {
         let (bias, tid2eid, toks) = layer.selection.kernel_args(K, t, e, k)?;
         let _g = ctx.enter()?;
         let scoring = moe::scoring_code(layer.router.scoring);
-        // Both router kernels take the same arguments.
-        macro_rules! logits_args {
-            ($kernel:ident) => {
-                $kernel::Args {
-                    x,
-                    t: t32,
-                    d: d32,
-                    e: e32,
-                    gate: layer.gate,
-                    scoring,
-                    scores: ws.logits,
-                    xq: ws.xq,
-                    xs: ws.xs,
-                }
-            };
-        }
-        if router == RouterPath::Wide {
+        if router == RouterPath::Tensor {
             let grid = (
-                e.div_ceil(WIDE_EXPERTS) as u32,
-                t.div_ceil(WIDE_TOKENS) as u32,
+                e.div_ceil(TC_EXPERTS) as u32,
+                t.div_ceil(TC_TOKENS) as u32,
                 1,
             );
-            let args = logits_args!(fmoe_logits_wide_kernel);
-            let block = (WIDE_WARPS * 32) as u32;
+            let args = fmoe_logits_tc_kernel::Args {
+                x,
+                t: t32,
+                d: d32,
+                e: e32,
+                gate: layer.gate,
+                scoring,
+                scores: ws.logits,
+            };
             self.route
-                .logits_wide
-                .launch(grid, block, 0, stream, args)?;
+                .logits_tc
+                .launch(grid, 256u32, TC_SMEM_BYTES as u32, stream, args)?;
         } else {
             let grid = (
                 e.div_ceil(LOGIT_EXPERTS)
@@ -462,7 +476,17 @@ impl FastMoe {
                 t.div_ceil(LOGIT_TOKENS) as u32,
                 1,
             );
-            let args = logits_args!(fmoe_logits_kernel);
+            let args = fmoe_logits_kernel::Args {
+                x,
+                t: t32,
+                d: d32,
+                e: e32,
+                gate: layer.gate,
+                scoring,
+                scores: ws.logits,
+                xq: ws.xq,
+                xs: ws.xs,
+            };
             let block = (LOGIT_WARPS * 32) as u32;
             self.route.logits.launch(grid, block, 0, stream, args)?;
         }
@@ -485,6 +509,10 @@ impl FastMoe {
                 route_scale: r.route_scale,
                 ids: ws.ids,
                 weights: ws.weights,
+                x: (router == RouterPath::Tensor).then_some(x),
+                d: d32,
+                xq: ws.xq,
+                xs: ws.xs,
             },
         )
     }
