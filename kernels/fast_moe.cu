@@ -1,8 +1,9 @@
 // fast_moe kernel family: the fast set's MoE routing and combine (kernels/SPEC.md ## fast_moe.cu).
 //
-// fmoe_logits_kernel (+ FP8 quantisation of x) -> fmoe_select_kernel -> moe_plan_kernel (moe.cu, with
-// tile_rows = FMOE_TOKENS) -> fmoe_up_kernel -> fmoe_down_kernel (fast_moe_gemm.cu) -> fmoe_combine_kernel.
-// f32 arithmetic in a fixed order (no atomics): deterministic bit for bit, not bit-identical to the f64
+// fmoe_logits_kernel (+ FP8 quantisation of x), or fmoe_logits_tc_kernel for many tokens -> fmoe_select_kernel
+// (+ x's quantisation after the latter) -> moe_plan_kernel (moe.cu, with tile_rows = the GEMM path's tokens per
+// item) -> the expert GEMMs (fast_moe_gemm.cu, fast_moe_wide.cu) -> fmoe_combine_kernel. f32 arithmetic (and
+// the tensor core's) in a fixed order (no atomics): deterministic bit for bit, not bit-identical to the f64
 // reference kernels.
 #include "common.cuh"
 #include "fp8_mma.cuh"

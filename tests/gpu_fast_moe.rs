@@ -26,7 +26,9 @@
 //!   |g| except where the sum cancels. A bf16 rounding of g, v or h may then flip, and a flipped
 //!   h moves its FP8 code by one e4m3 step (≤ 2⁻³ of the value); where silu(g)·u nearly cancels,
 //!   the carried error can exceed a step of that small code. So: every h code agrees, or differs
-//!   by at most one step plus 2⁻⁹ of its 128-block's largest |h|; at most 1/16 of the codes
+//!   by at most one step plus 2⁻⁹ of its 128-block's largest |h| (2⁻⁷ on the prefill path, whose
+//!   carried error is 4x: a sign flip of an h near 2⁻¹⁰ of its block's largest, where u nearly
+//!   cancelled, exceeded 2⁻⁹ there once in a full gpu-check); at most 1/16 of the codes
 //!   differ; per token the output's relative L2 error is ≤ 2⁻⁵, and on average over tokens
 //!   ≤ 2⁻⁸. These last two are ceilings, not derived: the worst case 2⁻¹⁰·Σ|w·x| allows far
 //!   more than random rows show (measured at every B: max ≈ 9e-3, mean ≈ 2e-3, most of it the
@@ -502,8 +504,22 @@ fn check_routing(
 }
 
 /// The expert path: h codes and outputs of the tokens in `rows` (module doc's bounds).
-fn check_experts(what: &str, sh: &MoeShape, f: &FastOut, rf: &RefOut, agree: &[bool]) {
+fn check_experts(
+    what: &str,
+    sh: &MoeShape,
+    path: GemmPath,
+    f: &FastOut,
+    rf: &RefOut,
+    agree: &[bool],
+) {
     let Dims { D, I, K, .. } = dims(sh);
+    // The absolute part of an h code's allowance: the accumulator's error carried by g and u
+    // (module doc), 4x on the prefill path.
+    let carried = if path == GemmPath::Prefill {
+        2f32.powi(-7)
+    } else {
+        2f32.powi(-9)
+    };
     let t = agree.len();
     // h: routed rows a = t*k + j, then the shared expert's rows (counted apart: [routed, shared]).
     let (mut differ, mut total) = ([0usize; 2], [0usize; 2]);
@@ -513,7 +529,7 @@ fn check_experts(what: &str, sh: &MoeShape, f: &FastOut, rf: &RefOut, agree: &[b
             // step s·2^-9 of the block scale s = ue8m0(amax / 448) < amax·2^-7.8. Plus the
             // wgmma accumulator's error carried by g and u (module doc): where silu(g)·u is
             // small against its block, that can exceed a step of its own code, so an absolute
-            // 2^-9 of the block's largest |h| is allowed too.
+            // `carried` of the block's largest |h| is allowed too.
             let amax = rb.iter().chain(fb).fold(0f32, |m, v| m.max(v.abs()));
             for (c, (&a, &b)) in fb.iter().zip(rb).enumerate() {
                 total[x] += 1;
@@ -523,7 +539,7 @@ fn check_experts(what: &str, sh: &MoeShape, f: &FastOut, rf: &RefOut, agree: &[b
                 differ[x] += 1;
                 let m = a.abs().max(b.abs());
                 assert!(
-                    (a - b).abs() <= m * 0.125 + amax * 2f32.powi(-9),
+                    (a - b).abs() <= m * 0.125 + amax * carried,
                     "{what}: h {row} column {}: {a} vs reference {b}: more than one e4m3 step",
                     blk * 128 + c
                 );
@@ -818,10 +834,11 @@ fn check_case(
     println!(
         "{what}: output error from the fast down GEMM max {dm:.3e} mean {da:.3e}; from differing h codes max {hm:.3e} mean {ha:.3e}"
     );
-    check_experts(&format!("{what}, own routing"), &sh, &f1, rf, &agree);
+    check_experts(&format!("{what}, own routing"), &sh, path, &f1, rf, &agree);
     check_experts(
         &format!("{what}, reference routing"),
         &sh,
+        path,
         &f3,
         rf,
         &vec![true; t],
