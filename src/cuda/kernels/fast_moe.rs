@@ -66,7 +66,8 @@ const _: () = assert!(
 /// slower from 1024 tokens up: BENCHMARKS.md, issue 11 sixteenth version.)
 pub const TC_MIN_TOKENS: usize = 1024;
 
-/// Which kernel computes the router's logits (and x's quantisation).
+/// Which kernel computes the router's logits (and, `Few`, x's quantisation; after `Tensor`,
+/// `fmoe_select_kernel` makes it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RouterPath {
     /// `fmoe_logits_kernel`: 8 tokens a block, every block streams its experts' gate rows.
