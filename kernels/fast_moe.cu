@@ -187,8 +187,8 @@ static_assert(FMOE_TC_RAW_ROWS * 8 % FMOE_TC_THREADS == 0, "fmoe_logits_tc_kerne
 
 // The thread's copies of a raw stage: chunk c = tid + FMOE_TC_THREADS·i (row c / 8, 16-byte piece c % 8) from
 // src[i] + r·FMOE_TC_KC (x's rows, then the gate's; rows past T or E repeat the last row: computed, never
-// stored) to byte 16·c of the slot. The sources are made once: per stage, their address arithmetic was a
-// quarter of the loop's instructions (ncu).
+// stored) to byte 16·c of the slot. The sources are made once: per stage, the fills that made them were
+// half of the loop's instructions (ncu).
 struct FmoeTcSources {
   const float* src[FMOE_TC_COPIES];
 };
