@@ -141,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 
 // The router scores for many tokens, on the BF16 tensor cores: block (bx, by) computes the logits of
 // FMOE_TC_TOKENS tokens t0 = by * FMOE_TC_TOKENS .. and FMOE_TC_EXPERTS experts e0 = bx * FMOE_TC_EXPERTS .. with
-// wgmma m64nNk16 (f32 accumulators), both operands K-major in shared memory (128-byte swizzle). Its products are
+// wgmma m64n64k16 (f32 accumulators), both operands K-major in shared memory (128-byte swizzle). Its products are
 // exact, as an f32 GEMM's are before their rounding: x holds BF16 values (the fast set runs official numerics:
 // the MoE input is the BF16 output of ffn_norm; a precondition), and every f32 gate value g splits exactly into
 // three BF16 planes, g = hi + lo + lo2 (hi = bf16(g), lo = bf16(g - hi), lo2 = g - hi - lo, each difference
@@ -172,11 +172,8 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 #define FMOE_TC_A (FMOE_TC_TOKENS * 128)  // a stage's token tile: 64 k of BF16, rows of 128 bytes
 #define FMOE_TC_B (FMOE_TC_EXPERTS * 128)  // one plane of its expert tile
 #define FMOE_TC_STAGE (FMOE_TC_A + 3 * FMOE_TC_B)
-// The two warpgroups split the block's tile: by tokens (128 tokens, each warpgroup 64 tokens x 128 experts) or
-// by experts (64 tokens, each 64 x 64).
-#define FMOE_TC_N (FMOE_TC_EXPERTS * FMOE_TC_TOKENS / 128)  // experts per warpgroup: the wgmma's N
-static_assert(FMOE_TC_EXPERTS == 128 && (FMOE_TC_TOKENS == 64 || FMOE_TC_TOKENS == 128),
-              "fmoe_logits_tc_kernel: two warpgroups of m64n64 or m64n128");
+// The two warpgroups split the block's tile by experts: each takes the 64 tokens and 64 experts (m64n64).
+static_assert(FMOE_TC_EXPERTS == 128 && FMOE_TC_TOKENS == 64, "fmoe_logits_tc_kernel: two warpgroups of m64n64");
 static_assert(FMOE_TC_RAW % 1024 == 0 && FMOE_TC_STAGE % 1024 == 0, "fmoe_logits_tc_kernel: 1024-byte aligned tiles");
 static_assert(FMOE_TC_RAW_STAGES * FMOE_TC_RAW + 2 * FMOE_TC_STAGE <= FMOE_TC_SMEM_BYTES,
               "fmoe_logits_tc_kernel: shared memory layout exceeds FMOE_TC_SMEM_BYTES");
@@ -214,10 +211,8 @@ DSV4_INLINE void fmoe_tc_fill(const FmoeTcSources& s, int r, unsigned char* dst)
 
 // Eight f32 values as BF16 (round to nearest even), in order, one 16-byte unit.
 DSV4_INLINE uint4 fmoe_tc_bf16x8(const float (&v)[8]) {
-  unsigned w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(w[i]) : "f"(v[2 * i + 1]), "f"(v[2 * i]));
-  return make_uint4(w[0], w[1], w[2], w[3]);
+  return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
+                    pack_bf16x2(v[6], v[7]));
 }
 
 // v -= the unit's BF16 values (exact: v's f32 remainder below its BF16 rounding).
@@ -269,28 +264,8 @@ DSV4_INLINE unsigned fmoe_tc_convert(const unsigned char* raw, unsigned char* st
   return nz;
 }
 
-// d (64 tokens x FMOE_TC_N experts, f32) = (scale_d ? d : 0) + A B^T over one k16 step.
-DSV4_INLINE void fmoe_tc_wgmma(float (&d)[FMOE_TC_N / 2], unsigned long long adesc, unsigned long long bdesc,
-                               int scale_d) {
-#if FMOE_TC_N == 128
-  asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, 0; }\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(adesc), "l"(bdesc), "r"(scale_d));
-#else
+// d (64 tokens x 64 experts, f32) = (scale_d ? d : 0) + A B^T over one k16 step.
+DSV4_INLINE void fmoe_tc_wgmma(float (&d)[32], unsigned long long adesc, unsigned long long bdesc, int scale_d) {
   asm volatile(
       "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -302,15 +277,13 @@ DSV4_INLINE void fmoe_tc_wgmma(float (&d)[FMOE_TC_N / 2], unsigned long long ade
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(adesc), "l"(bdesc), "r"(scale_d));
-#endif
 }
 
 // The warpgroup's wgmmas over stage buffer `st` (lo2's and lo's k16 steps when `low`, then hi's), from zero.
-DSV4_INLINE void fmoe_tc_issue(const unsigned char* st, bool low, float (&d)[FMOE_TC_N / 2]) {
+DSV4_INLINE void fmoe_tc_issue(const unsigned char* st, bool low, float (&d)[32]) {
   const int wg = threadIdx.x >> 7;
-  const bool by_tokens = FMOE_TC_TOKENS == 128;
-  const unsigned long long a = wgmma_desc_sw128(st + (by_tokens ? wg * 64 * 128 : 0));
-  const unsigned long long b = wgmma_desc_sw128(st + FMOE_TC_A + (by_tokens ? 0 : wg * 64 * 128));
+  const unsigned long long a = wgmma_desc_sw128(st);
+  const unsigned long long b = wgmma_desc_sw128(st + FMOE_TC_A + wg * 64 * 128);
   wgmma_fence();
   int first = 1;
 #pragma unroll
@@ -341,9 +314,9 @@ extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
     if (r < nraw) fmoe_tc_fill(src, r, raw + r * FMOE_TC_RAW);
     cp_async_commit();
   }
-  float d[FMOE_TC_N / 2], logit[FMOE_TC_N / 2];
+  float d[32], logit[32];
 #pragma unroll
-  for (int v = 0; v < FMOE_TC_N / 2; ++v) d[v] = 0.0f, logit[v] = 0.0f;
+  for (int v = 0; v < 32; ++v) d[v] = 0.0f, logit[v] = 0.0f;
 #pragma unroll 1
   for (int s = 0; s < D / 64; ++s) {
     unsigned char* st = stages + (s & 1) * FMOE_TC_STAGE;
@@ -366,18 +339,18 @@ extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
       wgmma_wait<0>();
       wgmma_fence_operand(d);
 #pragma unroll
-      for (int v = 0; v < FMOE_TC_N / 2; ++v) logit[v] += d[v];
+      for (int v = 0; v < 32; ++v) logit[v] += d[v];
     }
     fmoe_tc_issue(st, low, d);
   }
   wgmma_wait<0>();
   wgmma_fence_operand(d);
-  // d[4j + c]: token 16·(warp % 4) + g + 8·(c >> 1) of the warpgroup's 64, expert 8j + 2t + (c & 1) of its N.
+  // d[4j + c]: token 16·(warp % 4) + g + 8·(c >> 1), expert 8j + 2t + (c & 1) of the warpgroup's 64.
   const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int tb = t0 + (FMOE_TC_TOKENS == 128 ? 64 * wg : 0) + 16 * (warp & 3) + g;
-  const int eb = e0 + (FMOE_TC_TOKENS == 128 ? 0 : 64 * wg) + 2 * t;
+  const int tb = t0 + 16 * (warp & 3) + g;
+  const int eb = e0 + 64 * wg + 2 * t;
 #pragma unroll
-  for (int v = 0; v < FMOE_TC_N / 2; ++v) {
+  for (int v = 0; v < 32; ++v) {
     const int tok = tb + 8 * ((v & 3) >> 1), e = eb + 8 * (v >> 2) + (v & 1);
     if (tok < T && e < E) scores[(long long)tok * E + e] = fmoe_score(logit[v] + d[v], scoring);
   }

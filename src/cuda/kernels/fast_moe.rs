@@ -43,13 +43,14 @@ pub const LOGIT_SPLIT: usize = 4;
 /// Tokens per `fmoe_logits_kernel` block (FMOE_LOGIT_TOKENS).
 pub const LOGIT_TOKENS: usize = 8;
 /// `fmoe_logits_tc_kernel` (many tokens, BF16 tensor cores): tokens (FMOE_TC_TOKENS) and experts
-/// (FMOE_TC_EXPERTS) per block, two warpgroups splitting the tile (by tokens at 128, by experts at
-/// 64), and the raw f32 stages of its cp.async ring (FMOE_TC_RAW_STAGES, as many as fit beside the
-/// two BF16 stage buffers). 64 tokens: the layer at Flash shapes, µs with 64 / 128 (H200, same
-/// call): B = 1024 2313 / 2358, 2048 2848 / 2887, 4096 3450 / 3494, 16384 12196 / 12065.
+/// (FMOE_TC_EXPERTS) per block, two warpgroups of 64 experts each, and the raw f32 stages of its
+/// cp.async ring (FMOE_TC_RAW_STAGES, as many as fit beside the two BF16 stage buffers). 64 tokens
+/// rather than 128 (two warpgroups of 64 tokens): the layer at Flash shapes, µs with 64 / 128
+/// (H200, same call): B = 1024 2313 / 2358, 2048 2848 / 2887, 4096 3450 / 3494, 16384 12196 /
+/// 12065 (BENCHMARKS.md, issue 11 sixteenth version).
 pub const TC_TOKENS: usize = 64;
 pub const TC_EXPERTS: usize = 128;
-pub const TC_RAW_STAGES: usize = if TC_TOKENS == 128 { 3 } else { 4 };
+pub const TC_RAW_STAGES: usize = 4;
 /// Dynamic shared memory of a `fmoe_logits_tc_kernel` block (FMOE_TC_SMEM_BYTES): the raw ring (x's
 /// and the gate's rows, 32 f32 each) and two stage buffers (64 k of x in BF16, the gate's three BF16
 /// planes).
