@@ -103,6 +103,11 @@ struct FmwItem {
 
 DSV4_INLINE int fmw_passes(bool up) { return up ? 2 : 1; }
 
+// The wgmmas' N for a tile of n tokens (1 .. FMW_TOKENS): n rounded up to a multiple of 32. Only the folded
+// FP4 passes (the routed experts of a released checkpoint) take it: the shared expert's tiles are full but
+// the last, and the other passes are fallbacks.
+DSV4_INLINE int fmw_tile_n(int n) { return (n + 31) / 32 * 32; }
+
 template <bool UP>
 DSV4_INLINE int fmw_total_items(const FmoeArgs& a) {
   const int nsh = a.shared_fmt != 0 ? (a.T + FMW_TOKENS - 1) / FMW_TOKENS : 0;
@@ -259,24 +264,69 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
   cp_async_wait_all();  // the copies land before the thread exits
 }
 
+// One wgmma m64nNk32 e4m3 (A from registers, B the first N tokens of the block's B tile): d[0 .. N/2) of the
+// accumulator layout (d[4j + c]: token 8j + 2t + (c & 1), j < N/8). N in {32, 64, 96, 128}: an item whose
+// tile holds n tokens runs the smallest N >= n (fmw_tile_n), so a partial tile's columns past N cost neither
+// tensor-core time nor promotion.
+template <int N>
 DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long long desc, int accumulate) {
-  asm volatile(
+  static_assert(N == 32 || N == 64 || N == 96 || N == 128, "fmw_wgmma: N");
+  if constexpr (false) {
+  } else if constexpr (N == 32) {
+    asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1; }\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  } else if constexpr (N == 64) {
+    asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1; }\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  } else if constexpr (N == 96) {
+    asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %53, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+      "{%48, %49, %50, %51}, %52, p, 1, 1; }\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  } else if constexpr (N == 128) {
+    asm volatile(
       "{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
       "{%64, %65, %66, %67}, %68, p, 1, 1; }\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
 }
 
 // The first two of a thread's 16-byte scale words of a block (fmw_scale_pos: j = 0..3), read ahead of the
@@ -290,15 +340,15 @@ DSV4_INLINE FmwScaleHead fmw_scale_head(const float* as) {
   return {as4[0], as4[4]};
 }
 
-// acc += d · (w0 for row g, w8 for row g + 8) · (the token's activation scale), over the thread's 64 values
-// (d[4j + c]: row 16·warp + g + 8·(c >> 1) of the pass, token 8j + 2t + (c & 1)). ROWS (whole-row fold):
-// without w0, w8, whose row factors are applied once after the pass.
-template <bool ROWS>
+// acc += d · (w0 for row g, w8 for row g + 8) · (the token's activation scale), over the thread's N / 2
+// values (d[4j + c]: row 16·warp + g + 8·(c >> 1) of the pass, token 8j + 2t + (c & 1)). ROWS (whole-row
+// fold): without w0, w8, whose row factors are applied once after the pass.
+template <bool ROWS, int N>
 DSV4_INLINE void fmw_promote(float (&acc)[64], const float (&d)[64], float w0, float w8, const float* as,
                              const FmwScaleHead& head) {
   const float4* as4 = reinterpret_cast<const float4*>(as) + (threadIdx.x & 3);
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < N / 8; ++j) {
     // fmw_scale_pos: tokens 8j + 2t, + 1 of j and j ^ 1
     const float4 s4 = j < 2 ? head.w0 : j < 4 ? head.w1 : as4[4 * (j >> 1)];
     const float2 s = (j & 1) ? make_float2(s4.z, s4.w) : make_float2(s4.x, s4.y);
@@ -398,14 +448,24 @@ DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, unsigned base0, 
   }
 }
 
+// A pass's tensor-core block sums, defined before its first wgmma (ptxas serialises wgmmas on undefined
+// accumulators, C7511); every block's first wgmma overwrites them. Each pass has its own: a set shared by
+// the passes of different N would keep the 64 registers live through the smaller wgmmas, and ptxas then
+// serialises them for want of registers (C7511 again).
+DSV4_INLINE void fmw_define(float (&d)[64]) {
+#pragma unroll
+  for (int v = 0; v < 64; ++v) d[v] = 0.0f;
+}
+
 // The block's four wgmmas, chained in the tensor core under one fence and one commit (a fence between
 // chained wgmmas makes ptxas wait for each: WARPGROUP.DEPBAR 0).
+template <int N>
 DSV4_INLINE void fmw_issue(const FmwBlock& blk, float (&d)[64]) {
   wgmma_fence();
-  fmw_wgmma(d, blk.a[0], fmw_desc_step(blk.desc, 0), 0);
-  fmw_wgmma(d, blk.a[1], fmw_desc_step(blk.desc, 1), 1);
-  fmw_wgmma(d, blk.a[2], fmw_desc_step(blk.desc, 2), 1);
-  fmw_wgmma(d, blk.a[3], fmw_desc_step(blk.desc, 3), 1);
+  fmw_wgmma<N>(d, blk.a[0], fmw_desc_step(blk.desc, 0), 0);
+  fmw_wgmma<N>(d, blk.a[1], fmw_desc_step(blk.desc, 1), 1);
+  fmw_wgmma<N>(d, blk.a[2], fmw_desc_step(blk.desc, 2), 1);
+  fmw_wgmma<N>(d, blk.a[3], fmw_desc_step(blk.desc, 3), 1);
   wgmma_commit();
 }
 
@@ -432,21 +492,23 @@ DSV4_INLINE void fmw_release(unsigned smem, const FmwRing& r) {
 }
 
 // Waits for the block's wgmmas and adds their sums to acc.
-template <bool ROWS>
+template <bool ROWS, int N>
 DSV4_INLINE void fmw_finish(const FmwBlock& blk, float (&d)[64], float (&acc)[64]) {
   const FmwScaleHead head = fmw_scale_head(blk.as);
   wgmma_wait<0>();
   wgmma_fence_operand(d);
-  fmw_promote<ROWS>(acc, d, blk.w0, blk.w8, blk.as, head);
+  fmw_promote<ROWS, N>(acc, d, blk.w0, blk.w8, blk.as, head);
 }
 
 // acc += one folded FP4 pass (nks stages of two 128-blocks, the last one of one when K % 256 == 128),
 // software-pipelined one block deep: while block 0's wgmmas run the warpgroup decodes block 1, while block
 // 1's run it acquires the next stage and decodes its block 0; each block is promoted once its wgmmas are
-// done, and the stage released after its last.
-template <bool ROWS>
+// done, and the stage released after its last. N: the wgmmas' tokens (fmw_wgmma).
+template <bool ROWS, int N>
 DSV4_INLINE void fmw_pass_fp4(unsigned char* smem_base, unsigned smem, FmwRing& ring, int K, int nks, unsigned base0,
-                              unsigned base8, float (&d)[64], float (&acc)[64]) {
+                              unsigned base8, float (&acc)[64]) {
+  float d[64];
+  fmw_define(d);
   FmwBlock b0, b1;
   const unsigned char* st = fmw_acquire(smem_base, smem, ring);
   fmw_load_block<true, ROWS>(st, 0, base0, base8, b0);
@@ -454,18 +516,18 @@ DSV4_INLINE void fmw_pass_fp4(unsigned char* smem_base, unsigned smem, FmwRing& 
   for (int kb = 0; kb < nks; ++kb) {
     FmwRing next = ring;
     fmw_next(next);
-    fmw_issue(b0, d);
+    fmw_issue<N>(b0, d);
     if (fmoe_stage_blocks(true, K, kb) == 1) {  // a half stage: the pass's last
-      fmw_finish<ROWS>(b0, d, acc);
+      fmw_finish<ROWS, N>(b0, d, acc);
     } else {
       fmw_load_block<true, ROWS>(st, 1, base0, base8, b1);
-      fmw_finish<ROWS>(b0, d, acc);
-      fmw_issue(b1, d);
+      fmw_finish<ROWS, N>(b0, d, acc);
+      fmw_issue<N>(b1, d);
       if (kb + 1 < nks) {
         st = fmw_acquire(smem_base, smem, next);
         fmw_load_block<true, ROWS>(st, 0, base0, base8, b0);
       }
-      fmw_finish<ROWS>(b1, d, acc);
+      fmw_finish<ROWS, N>(b1, d, acc);
     }
     fmw_release(smem, ring);
     ring = next;
@@ -475,8 +537,9 @@ DSV4_INLINE void fmw_pass_fp4(unsigned char* smem_base, unsigned smem, FmwRing& 
 // acc += one FP8 pass (nks stages of one 128-block, the block scale as the rows' factor), pipelined the same
 // way: while stage kb's wgmmas run, the warpgroup acquires stage kb + 1 and loads its fragments. Two stages
 // per iteration, so blk[] is indexed by constants and stays in registers.
-DSV4_INLINE void fmw_pass_fp8(unsigned char* smem_base, unsigned smem, FmwRing& ring, int nks, float (&d)[64],
-                              float (&acc)[64]) {
+DSV4_INLINE void fmw_pass_fp8(unsigned char* smem_base, unsigned smem, FmwRing& ring, int nks, float (&acc)[64]) {
+  float d[64];
+  fmw_define(d);
   FmwBlock blk[2];
   fmw_load_block<false, false>(fmw_acquire(smem_base, smem, ring), 0, 0u, 0u, blk[0]);
 #pragma unroll 1
@@ -486,9 +549,9 @@ DSV4_INLINE void fmw_pass_fp8(unsigned char* smem_base, unsigned smem, FmwRing& 
       if (kb + i == nks) break;
       FmwRing next = ring;
       fmw_next(next);
-      fmw_issue(blk[i], d);
+      fmw_issue<FMW_TOKENS>(blk[i], d);
       if (kb + i + 1 < nks) fmw_load_block<false, false>(fmw_acquire(smem_base, smem, next), 0, 0u, 0u, blk[i ^ 1]);
-      fmw_finish<false>(blk[i], d, acc);
+      fmw_finish<false, FMW_TOKENS>(blk[i], d, acc);
       fmw_release(smem, ring);
       ring = next;
     }
@@ -499,7 +562,9 @@ DSV4_INLINE void fmw_pass_fp8(unsigned char* smem_base, unsigned smem, FmwRing& 
 // every k32 step is promoted with its own per-32 scale (times 2^6, the plain bit move). The fallback: correct
 // for any scales, several times slower.
 DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwRing& ring, const FmwItem& it,
-                                   int K, int nks, float (&d)[64], float (&acc)[64]) {
+                                   int K, int nks, float (&acc)[64]) {
+  float d[64];
+  fmw_define(d);
   const int lane = threadIdx.x & 31, g = lane >> 2, r16 = (threadIdx.x >> 5) * 16;
 #pragma unroll 1
   for (int kb = 0; kb < nks; ++kb) {
@@ -522,11 +587,11 @@ DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwR
         e2m1x8_to_e4m3_eo(frag[h], a[0], a[2]);
         e2m1x8_to_e4m3_eo(frag[h + 1], a[1], a[3]);
         wgmma_fence();
-        fmw_wgmma(d, a, fmw_desc_step(desc, q), 0);
+        fmw_wgmma<FMW_TOKENS>(d, a, fmw_desc_step(desc, q), 0);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(d);
-        fmw_promote<false>(acc, d, w0[q], w8[q], as, fmw_scale_head(as));
+        fmw_promote<false, FMW_TOKENS>(acc, d, w0[q], w8[q], as, fmw_scale_head(as));
       }
     }
     fmw_release(smem, ring);
@@ -682,11 +747,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   bf16_t* ep = reinterpret_cast<bf16_t*>(fmw_smem + FMW_STAGES * FMW_SLOT);
   float* wt = reinterpret_cast<float*>(fmw_smem + FMW_WT);
   FmwRing ring = {0, 0u};
-  // The tensor core's block sums: defined once (ptxas serialises wgmmas on undefined accumulators, C7511);
-  // every block's first wgmma overwrites them.
-  float d[64], acc[64];
-#pragma unroll
-  for (int v = 0; v < 64; ++v) d[v] = 0.0f;
+  float acc[64];
   for (int n = 0; n < my_items; ++n) {
     const FmwItem it = fmw_item<UP, true>(a, blockIdx.x + n * gridDim.x);
     if (it.skip) continue;
@@ -695,12 +756,18 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
 #pragma unroll
       for (int v = 0; v < 64; ++v) acc[v] = 0.0f;
       if (!it.fp4) {
-        fmw_pass_fp8(fmw_smem, smem, ring, nks, d, acc);
+        fmw_pass_fp8(fmw_smem, smem, ring, nks, acc);
       } else if (a.fold && it.s8 && (pass == 0 ? it.rowfold[0] : it.rowfold[1])) {
         const int r = (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);  // row g of the thread's warp
         const unsigned char* rowe = pass == 0 ? it.rowe[0] : it.rowe[1];
         const unsigned er0 = rowe[r], er8 = rowe[r + 8];
-        fmw_pass_fp4<true>(fmw_smem, smem, ring, a.K, nks, fmw_fold_base(er0), fmw_fold_base(er8), d, acc);
+        const unsigned base0 = fmw_fold_base(er0), base8 = fmw_fold_base(er8);
+        switch (fmw_tile_n(it.n)) {  // uniform over the block
+          case 32: fmw_pass_fp4<true, 32>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); break;
+          case 64: fmw_pass_fp4<true, 64>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); break;
+          case 96: fmw_pass_fp4<true, 96>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); break;
+          default: fmw_pass_fp4<true, 128>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc);
+        }
         const float w0 = fmw_row_factor(er0), w8 = fmw_row_factor(er8);  // exact: powers of two
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
@@ -708,9 +775,9 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
           acc[4 * j + 2] *= w8, acc[4 * j + 3] *= w8;
         }
       } else if (a.fold && it.s8) {
-        fmw_pass_fp4<false>(fmw_smem, smem, ring, a.K, nks, 0u, 0u, d, acc);
+        fmw_pass_fp4<false, FMW_TOKENS>(fmw_smem, smem, ring, a.K, nks, 0u, 0u, acc);
       } else {
-        fmw_pass_unfolded(fmw_smem, smem, ring, it, a.K, nks, d, acc);
+        fmw_pass_unfolded(fmw_smem, smem, ring, it, a.K, nks, acc);
       }
       if (!UP)
         fmw_down_store(a, it, acc, ep, out_y);
