@@ -22,6 +22,12 @@
 // FMOE_SC8_FOLDABLE flag, set at finalize and refit) or whose scales are read as f32 promotes every k32
 // instead, with the plain bit move: slower, as exact.
 //
+// Tile-sized wgmmas. A folded FP4 pass (the routed experts of a released checkpoint) runs wgmma m64nNk32 with
+// N = the tile's token count rounded up to 32 (fmw_tile_n): at ~100 tokens per expert (B = 4096) a quarter of
+// a 128-column wgmma and of its promotion was spent on columns no token fills; at 24-48 (B = 1024-2048) over
+// half. The decode, which does not depend on N, is the same. (Layer: 1408 tokens 2734 -> 2267 µs, 2048
+// 2865 -> 2458, 4096 3449 -> 3322, 16384 12286 -> 12085: BENCHMARKS.md, issue 11 seventeenth version.)
+//
 // Work items. The plan (moe_plan_kernel, tile_rows = FMW_TOKENS) lists (expert, start, count) tiles; the
 // shared expert adds ceil(T / FMW_TOKENS) tiles of consecutive tokens. A tile is cut into 128-row blocks
 // rb: down, rows rb·128 .. of W2; up, j = rb·128 .. in two passes, W1's rows (gate) then W3's (up), so
@@ -599,11 +605,13 @@ DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwR
   }
 }
 
-// bf16(acc) into buf[token][row] (stride in elements), r: the buffer row of d[0] (row g).
-DSV4_INLINE void fmw_stash(const float (&acc)[64], bf16_t* buf, int stride, int r) {
+// bf16(acc) into buf[token][row] (stride in elements), r: the buffer row of d[0] (row g); the groups of 8
+// tokens that hold one of the tile's n (the others are never read).
+DSV4_INLINE void fmw_stash(const float (&acc)[64], bf16_t* buf, int stride, int r, int n) {
   const int t = threadIdx.x & 3;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
+    if (8 * j >= n) break;  // uniform over the block
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int row = r + 8 * (c >> 1), tok = 8 * j + 2 * t + (c & 1);
@@ -621,11 +629,13 @@ DSV4_INLINE int fmw_ep_index(int tok, int j) { return tok * 128 + ((((j >> 3) ^ 
 // bf16(acc) into an up matrix: the thread's rows r = 16·warp + g and r + 8 of tokens 8j + 2t + {0, 1}. The
 // hardware rounding (one cvt a value, where f32_to_bf16 takes ~8): it differs from f32_to_bf16 only in a
 // NaN's payload, and h, its codes and its scale are the same for every NaN of g or u (fminf and the clamp
-// treat them alike, an h NaN is code 0x7f and is skipped by the amax).
-DSV4_INLINE void fmw_up_stash(const float (&acc)[64], bf16_t* m) {
+// treat them alike, an h NaN is code 0x7f and is skipped by the amax). Only the groups of 8 tokens that hold
+// one of the tile's n: the quantisation reads no other.
+DSV4_INLINE void fmw_up_stash(const float (&acc)[64], bf16_t* m, int n) {
   const int t = threadIdx.x & 3, r = (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
+    if (8 * j >= n) break;  // uniform over the block
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       m[fmw_ep_index(8 * j + 2 * t + (c & 1), r + 8 * (c >> 1))] =
@@ -641,7 +651,7 @@ DSV4_INLINE void fmw_up_gate(const FmoeArgs& a, const FmwItem& it, const float* 
   named_barrier(1, FMW_CONSUMERS);  // the previous item's quantisation has read ep and wt
   if (tid < FMW_TOKENS)
     wt[tid] = (!it.shared && route_w != nullptr && tid < it.n) ? route_w[fmw_out_row(a, it, tid)] : 1.0f;
-  fmw_up_stash(acc, ep);
+  fmw_up_stash(acc, ep, it.n);
 }
 
 // Up, up pass: the bf16 up values into the second matrix; then two threads a token (64 j each) make h from
@@ -653,7 +663,7 @@ DSV4_INLINE void fmw_up_gate(const FmoeArgs& a, const FmwItem& it, const float* 
 DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const float (&acc)[64], float limit, bf16_t* ep,
                                 const float* wt, unsigned char* out_q, float* out_s) {
   const int tid = threadIdx.x;
-  fmw_up_stash(acc, ep + FMW_UP_MATRIX);
+  fmw_up_stash(acc, ep + FMW_UP_MATRIX, it.n);
   named_barrier(1, FMW_CONSUMERS);  // both matrices and wt are written
   const int tok = tid >> 1, half = tid & 1;
   uint4* gate = reinterpret_cast<uint4*>(ep + tok * 128);
@@ -715,7 +725,7 @@ DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const floa
     orow[i] = tok < it.n ? fmw_out_row(a, it, tok) : -1;
   }
   named_barrier(2 + wg, 128);  // the warpgroup's previous copy-out has read buf
-  fmw_stash(acc, buf, FMW_DOWN_STRIDE, ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2));
+  fmw_stash(acc, buf, FMW_DOWN_STRIDE, ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2), it.n);
   named_barrier(2 + wg, 128);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {

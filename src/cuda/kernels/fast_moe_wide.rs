@@ -5,8 +5,8 @@
 //! ([`super::fast_moe_gemm`], whose [`FastMoeGemm`](super::fast_moe_gemm::FastMoeGemm) launches both
 //! and picks the path: [`GemmPath`](super::fast_moe_gemm::GemmPath)).
 
-/// Tokens per work item (FMW_TOKENS): the plan's `tile_rows` on this path, and the N of its
-/// wgmma (m64n128k32).
+/// Tokens per work item (FMW_TOKENS): the plan's `tile_rows` on this path, and the largest N of
+/// its wgmma (m64nNk32; a folded FP4 pass runs N = its tile's tokens rounded up to 32).
 pub const TOKENS: usize = 128;
 /// Weight rows per pass of an item: one TMA box, two warpgroups of 64.
 pub const ROWS: usize = 128;
@@ -29,12 +29,12 @@ const _: () = assert!(
     SMEM_BYTES <= 227 * 1024,
     "an sm_90 block takes at most 227 KiB"
 );
-/// Tokens from which a layer runs this path. Measured (BENCHMARKS.md, "the up epilogue through shared
-/// memory": both paths timed at Flash shapes, uniform routing, µs, decode / prefill): B = 1024
-/// 2420 / 2697, 1152 2637 / 2855, 1280 2858 / 2870, 1408 3139 / 2925, 1536 3371 / 2960, 2048 4293
-/// / 3140. The lines cross near 1290; from 1408 this path is measured faster. (It was 2048 before
-/// the up epilogue went through shared memory, 3072 before that.)
-pub const MIN_TOKENS: usize = 1408;
+/// Tokens from which a layer runs this path. Measured with the folded FP4 passes' wgmmas sized to
+/// their tiles (BENCHMARKS.md, issue 11 seventeenth version: both paths at Flash shapes, µs decode /
+/// prefill, uniform and skewed routing): B = 512 1369 / 1959, 768 1968 / 2068 (skewed 1927 / 2086),
+/// 1024 2331 / 2046 (2338 / 2108), 1280 2718 / 2240 (2730 / 2228). (It was 1408 before the tile-sized
+/// wgmmas, 2048 before the up epilogue went through shared memory, 3072 before that.)
+pub const MIN_TOKENS: usize = 1024;
 
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
