@@ -86,7 +86,7 @@
 #define FMW_BARS (FMW_RTBL + FMW_TOKENS * 4)
 #define FMW_SMEM_USED (FMW_BARS + 2 * FMW_STAGES * 8)
 static_assert(FMW_SMEM_USED <= FMW_SMEM_BYTES, "fast_moe_wide: shared memory layout exceeds FMW_SMEM_BYTES");
-static_assert(FMW_TOKENS == 128, "fast_moe_wide: the wgmma shape is m64n128k32");
+static_assert(FMW_TOKENS == 128, "fast_moe_wide: the largest wgmma is m64n128k32");
 static_assert((FMW_SLOT_W + FMW_SLOT_S) % 1024 == 0, "fast_moe_wide: the B blocks need the swizzle's 1024-byte alignment");
 static_assert(2 * FMW_TOKENS * FMW_DOWN_STRIDE <= 2 * FMW_UP_MATRIX, "fast_moe_wide: epilogue buffer");
 static_assert(FMOE_MAP_BYTES == 128, "fast_moe_wide: a CUtensorMap is 128 bytes");
@@ -274,18 +274,21 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
 // accumulator layout (d[4j + c]: token 8j + 2t + (c & 1), j < N/8). N in {32, 64, 96, 128}: an item whose
 // tile holds n tokens runs the smallest N >= n (fmw_tile_n), so a partial tile's columns past N cost neither
 // tensor-core time nor promotion.
+// The "+f" operands d[o] .. d[o + 7] of a wgmma's accumulator list.
+#define FMW_ACC8(o)                                                                                       \
+  "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), \
+      "+f"(d[o + 7])
+
 template <int N>
 DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long long desc, int accumulate) {
   static_assert(N == 32 || N == 64 || N == 96 || N == 128, "fmw_wgmma: N");
-  if constexpr (false) {
-  } else if constexpr (N == 32) {
+  if constexpr (N == 32) {
     asm volatile(
       "{ .reg .pred p; setp.ne.b32 p, %21, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
       "{%16, %17, %18, %19}, %20, p, 1, 1; }\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : FMW_ACC8(0), FMW_ACC8(8)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
   } else if constexpr (N == 64) {
     asm volatile(
@@ -294,10 +297,7 @@ DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "{%32, %33, %34, %35}, %36, p, 1, 1; }\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : FMW_ACC8(0), FMW_ACC8(8), FMW_ACC8(16), FMW_ACC8(24)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
   } else if constexpr (N == 96) {
     asm volatile(
@@ -307,12 +307,7 @@ DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
       "{%48, %49, %50, %51}, %52, p, 1, 1; }\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : FMW_ACC8(0), FMW_ACC8(8), FMW_ACC8(16), FMW_ACC8(24), FMW_ACC8(32), FMW_ACC8(40)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
   } else if constexpr (N == 128) {
     asm volatile(
@@ -323,14 +318,7 @@ DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
       "{%64, %65, %66, %67}, %68, p, 1, 1; }\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : FMW_ACC8(0), FMW_ACC8(8), FMW_ACC8(16), FMW_ACC8(24), FMW_ACC8(32), FMW_ACC8(40), FMW_ACC8(48), FMW_ACC8(56)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
   }
 }
