@@ -270,15 +270,15 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
   cp_async_wait_all();  // the copies land before the thread exits
 }
 
-// One wgmma m64nNk32 e4m3 (A from registers, B the first N tokens of the block's B tile): d[0 .. N/2) of the
-// accumulator layout (d[4j + c]: token 8j + 2t + (c & 1), j < N/8). N in {32, 64, 96, 128}: an item whose
-// tile holds n tokens runs the smallest N >= n (fmw_tile_n), so a partial tile's columns past N cost neither
-// tensor-core time nor promotion.
 // The "+f" operands d[o] .. d[o + 7] of a wgmma's accumulator list.
 #define FMW_ACC8(o)                                                                                       \
   "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), \
       "+f"(d[o + 7])
 
+// One wgmma m64nNk32 e4m3 (A from registers, B the first N tokens of the block's B tile): d[0 .. N/2) of the
+// accumulator layout (d[4j + c]: token 8j + 2t + (c & 1), j < N/8). N in {32, 64, 96, 128}: an item whose
+// tile holds n tokens runs the smallest N >= n (fmw_tile_n), so a partial tile's columns past N cost neither
+// tensor-core time nor promotion.
 template <int N>
 DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long long desc, int accumulate) {
   static_assert(N == 32 || N == 64 || N == 96 || N == 128, "fmw_wgmma: N");
