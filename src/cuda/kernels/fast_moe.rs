@@ -506,7 +506,7 @@ impl FastMoe {
                 bias,
                 tid2eid,
                 tokens: toks,
-                scoring: moe::scoring_code(r.scoring),
+                scoring,
                 renorm: r.renorm,
                 route_scale: r.route_scale,
                 ids: ws.ids,
