@@ -62,7 +62,7 @@
 // Registers per thread after setmaxnreg: the producer warpgroup gives most of its share to the consumers
 // (the block's 64 K: 256 · 232 + 128 · 40 = 64512; launch bounds alone allow 168 to all). At 224 / 56 the
 // consumers spilled 3 (down) and 7 (up) values, reloaded in the folded mainloop just before its wgmmas;
-// at 232 / 40 neither side spills (the producer keeps its activation rows in shared memory, FMW_RTBL).
+// at 232 / 40 neither side spills (the producer keeps its activation rows in shared memory, FMW_ATBL).
 #define FMW_CONSUMER_REGS 232
 #define FMW_PRODUCER_REGS 40
 #define FMW_ROWS 128                      // weight rows of a pass: one TMA box
@@ -82,8 +82,8 @@
 #define FMW_DOWN_STRIDE 72
 #define FMW_EP_BYTES (2 * FMW_UP_MATRIX * 2)
 #define FMW_WT (FMW_STAGES * FMW_SLOT + FMW_EP_BYTES)  // the tile's routing weights, FMW_TOKENS floats
-#define FMW_RTBL (FMW_WT + FMW_TOKENS * 4)  // the producer's activation rows of the tile, FMW_TOKENS ints
-#define FMW_BARS (FMW_RTBL + FMW_TOKENS * 4)
+#define FMW_ATBL (FMW_WT + FMW_TOKENS * 4)  // the producer's pointers to the tile's activation rows (8-aligned)
+#define FMW_BARS (FMW_ATBL + FMW_TOKENS * 8)
 #define FMW_SMEM_USED (FMW_BARS + 2 * FMW_STAGES * 8)
 static_assert(FMW_SMEM_USED <= FMW_SMEM_BYTES, "fast_moe_wide: shared memory layout exceeds FMW_SMEM_BYTES");
 static_assert(FMW_TOKENS == 128, "fast_moe_wide: the largest wgmma is m64n128k32");
@@ -197,16 +197,27 @@ DSV4_INLINE int fmw_scale_pos(int p) { return (p >> 4) * 16 + ((p >> 1) & 3) * 4
 
 // The producer warpgroup: every stage of every pass of the block's items, in the consumers' order. Thread p
 // (0 .. 127) copies 16-byte chunk j = p % 8 of each 128-block of tokens p / 8 + 16 i (i = 0 .. 7, those below
-// the tile's count) and, for j < the stage's blocks, those tokens' scales of block j; thread 0 also
-// announces the TMA bytes and issues the weight box and the FP4 scales (or copies FP8's block scale). The
-// slot's full barrier expects thread 0's arrival and one cp.async arrival per producer thread. Why all four
-// warps: one warp gathering all 128 tokens (64 16-byte copies a lane per stage) could not keep up: the
-// consumers found the next slot empty at nearly every stage (ncu, B = 4096).
+// the tile's count), and the stage's activation scales of token p; thread 0 also announces the TMA bytes and
+// issues the weight box and the FP4 scales (or copies FP8's block scale). The slot's full barrier expects
+// thread 0's arrival and one cp.async arrival per producer thread. Why all four warps: one warp gathering all
+// 128 tokens (64 16-byte copies a lane per stage) could not keep up: the consumers found the next slot empty
+// at nearly every stage (ncu, B = 4096).
+//
+// Few instructions a copy: the producer's warps share the schedulers with the consumers' (one each), and every
+// slot they issue in is one a consumer warp may have waited for. So each item's token rows become pointers
+// once (a table in shared memory, FMW_ATBL: the producer's 40 registers cannot hold them), a stage adds one
+// offset to them, and a token's scales are its own thread's. (When each copy recomputed its row's address
+// from the row index, the producer issued 22% of the up GEMM's instructions, ~43 per token row and stage;
+// the consumers' mainloop 54%: ncu, B = 4096.)
 template <bool UP>
 DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsigned smem, int my_items) {
   const int p = threadIdx.x - FMW_CONSUMERS;
   const int K = a.K;
-  int* rtbl = reinterpret_cast<int*>(smem_base + FMW_RTBL);
+  unsigned long long* atbl = reinterpret_cast<unsigned long long*>(smem_base + FMW_ATBL);
+  const int j = p & 7;  // the thread's 16-byte chunk of a token's 128-byte block
+  // Token (p / 8 + 16 i)'s row in the 128-byte swizzle: chunk j at j ^ (token % 8) = j ^ (p / 8 % 8).
+  const unsigned chunk_at = (p >> 3) * 128 + ((j ^ ((p >> 3) & 7)) << 4);
+  const unsigned scale_at = FMW_SLOT_A + fmw_scale_pos(p) * 4;  // token p's scale of block 0
   int slot = 0;
   unsigned phase = 0;
   for (int n = 0; n < my_items; ++n) {
@@ -214,11 +225,14 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
     if (it.skip) continue;
     const int nks = fmoe_stages(it.fp4, K);
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
-    // The tile's activation rows, one per token column (-1 past its count), in shared memory for the
-    // stages' copies (in registers, the producer's 56 would spill).
+    // The tile's activation rows as addresses, one per token column (0 past its count: integers, so that no
+    // null pointer takes an offset), and this thread's token's scales.
+    const bool mine = p < it.n;
+    const long long row = mine ? fmw_act_row<UP>(a, it, p) : 0;
     named_barrier(4, FMW_THREADS - FMW_CONSUMERS);  // every producer thread has read the last item's
-    rtbl[p] = p < it.n ? (int)fmw_act_row<UP>(a, it, p) : -1;
+    atbl[p] = mine ? (unsigned long long)(a.act + row * K) : 0ull;
     named_barrier(4, FMW_THREADS - FMW_CONSUMERS);
+    const float* my_scales = a.act_s + row * (K / 128);
     const unsigned tx = FMW_SLOT_W + (!it.fp4 ? 0 : it.s8 ? 1024 : FMW_SLOT_S);
     for (int pass = 0; pass < fmw_passes(UP); ++pass) {
       const int m = UP ? (pass == 0 ? FMOE_MAP_W1 : FMOE_MAP_W3) : FMOE_MAP_W2;
@@ -232,7 +246,7 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
       for (int kb = 0; kb < nks; ++kb) {
         mbar_wait(fmw_empty(smem, slot), phase ^ 1);
         const unsigned st = smem + slot * FMW_SLOT, full = fmw_full(smem, slot);
-        const int blocks = fmoe_stage_blocks(it.fp4, K, kb);
+        const bool two = fmoe_stage_blocks(it.fp4, K, kb) == 2;
         if (p == 0) {
           mbar_arrive_expect_tx(full, tx);
           tma_load_2d(st, map, kb * FMW_RB, it.rb * FMW_ROWS, full);
@@ -243,25 +257,19 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
           else
             cp_async_4(st + FMW_SLOT_W, fs + kb);
         }
-        {  // the tokens
-          const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
-          const int j = p & 7;
-          // Token (p / 8 + 16 i)'s row in the 128-byte swizzle: chunk j at j ^ (token % 8) = j ^ (p / 8 % 8).
-          const unsigned dst = adst + (p >> 3) * 128 + ((j ^ ((p >> 3) & 7)) << 4);
+        const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
+        const int koff = kb * kbytes + 16 * j;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const int row = rtbl[(p >> 3) + 16 * i];
-            if (row < 0) continue;
-            const unsigned char* s = a.act + (long long)row * K + (long long)kb * kbytes + 16 * j;
-            cp_async_16(dst + i * 16 * 128, s);
-            if (blocks == 2) cp_async_16(dst + i * 16 * 128 + FMW_B_PANEL, s + 128);
-            if (j < blocks) {
-              const int sp = fmw_scale_pos((p >> 3) + 16 * i);
-              cp_async_4(adst + FMW_SLOT_A + (j * FMW_TOKENS + sp) * 4,
-                         a.act_s + (long long)row * (K / 128) + kb * (kbytes / 128) + j);
-            }
-          }
+        for (int i = 0; i < 8; ++i) {
+          const unsigned long long row_at = atbl[(p >> 3) + 16 * i];
+          const unsigned char* src = reinterpret_cast<const unsigned char*>(row_at + koff);
+          const unsigned dst = adst + chunk_at + i * 16 * 128;
+          cp_async_16_if(dst, src, row_at != 0);
+          cp_async_16_if(dst + FMW_B_PANEL, src + 128, row_at != 0 && two);
         }
+        const float* s = my_scales + kb * (kbytes / 128);
+        cp_async_4_if(adst + scale_at, s, mine);
+        cp_async_4_if(adst + scale_at + FMW_TOKENS * 4, s + 1, mine && two);
         cp_async_mbar_arrive(full);
         fmoe_ring_advance(slot, phase, FMW_STAGES);
       }

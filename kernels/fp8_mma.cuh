@@ -172,6 +172,15 @@ DSV4_INLINE void cp_async_16(unsigned dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
+// cp_async_16 when `copy`, else nothing: a predicated copy, no branch (the address need not be valid when
+// not copying).
+DSV4_INLINE void cp_async_16_if(unsigned dst, const void* src, bool copy) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %2, 0;\n"
+      "@p cp.async.cg.shared.global [%0], [%1], 16; }\n" ::"r"(dst),
+      "l"(src), "r"((int)copy));
+}
+
 // Sixteen zero bytes at shared-space address `dst` (16-byte aligned).
 DSV4_INLINE void st_shared_zero16(unsigned dst) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0) : "memory");
@@ -180,6 +189,14 @@ DSV4_INLINE void st_shared_zero16(unsigned dst) {
 // 4-byte asynchronous copy (through L1).
 DSV4_INLINE void cp_async_4(unsigned dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+
+// cp_async_4 when `copy`, else nothing (cp_async_16_if).
+DSV4_INLINE void cp_async_4_if(unsigned dst, const void* src, bool copy) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %2, 0;\n"
+      "@p cp.async.ca.shared.global [%0], [%1], 4; }\n" ::"r"(dst),
+      "l"(src), "r"((int)copy));
 }
 
 DSV4_INLINE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -20,10 +20,10 @@ pub const STAGES: usize = 3;
 /// fits): the ring of 1024-byte aligned slots (128 weight rows of 128 bytes, their FP4 scales as
 /// f32, the tokens' codes over 256 k and their scales), the epilogue's bf16 buffer (up: the gate and
 /// up values of the item's 128 j for its tokens), the tile's routing weights, the producer's table
-/// of the tile's activation rows and the mbarriers.
+/// of the tile's activation row addresses and the mbarriers.
 pub const SMEM_BYTES: usize = {
     let slot = (ROWS * 128 + ROWS * 32 + 16 * TOKENS * 16 + 2 * TOKENS * 4).div_ceil(1024) * 1024;
-    STAGES * slot + 2 * TOKENS * ROWS * 2 + 2 * TOKENS * 4 + 2 * STAGES * 8
+    STAGES * slot + 2 * TOKENS * ROWS * 2 + TOKENS * 4 + TOKENS * 8 + 2 * STAGES * 8
 };
 const _: () = assert!(
     SMEM_BYTES <= 227 * 1024,
