@@ -29,12 +29,12 @@ const _: () = assert!(
     SMEM_BYTES <= 227 * 1024,
     "an sm_90 block takes at most 227 KiB"
 );
-/// Tokens from which a layer runs this path. Measured with the folded FP4 passes' wgmmas sized to
-/// their tiles (BENCHMARKS.md, issue 11 seventeenth version: both paths at Flash shapes, µs decode /
-/// prefill, uniform and skewed routing): B = 512 1369 / 1959, 768 1968 / 2068 (skewed 1927 / 2086),
-/// 1024 2331 / 2046 (2338 / 2108), 1280 2718 / 2240 (2730 / 2228). (It was 1408 before the tile-sized
-/// wgmmas, 2048 before the up epilogue went through shared memory, 3072 before that.)
-pub const MIN_TOKENS: usize = 1024;
+/// Tokens from which a layer runs this path. Measured with the producer's row-address table
+/// (BENCHMARKS.md, issue 11 eighteenth version: both paths at Flash shapes, µs decode / prefill,
+/// uniform and skewed routing): B = 512 1365 / 1806 (skewed 1446 / 1814), 768 1975 / 1910 (1946 /
+/// 1937), 1024 2350 / 1890 (2353 / 1940). (It was 1024 before that table, 1408 before the
+/// tile-sized wgmmas, 2048 before the up epilogue went through shared memory, 3072 before that.)
+pub const MIN_TOKENS: usize = 768;
 
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
