@@ -13,9 +13,10 @@
 // dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
 
 // x's official act_quant of 128-block b of token t, by one warp whose lane holds the block's values 4·lane ..
-// 4·lane + 3 in v: the e4m3 codes in fragment order (fp8_mma.cuh) into xq[t][d], the block's scale into xs[t][b]
+// 4·lane + 3 in v: the e4m3 codes into xq[t][d] in the order of the GEMMs that read them (fp8_mma.cuh: the
+// halves order for the prefill path's, `halves`, else the fragment order), the block's scale into xs[t][b]
 // (value x scale bit-identical to act_quant_kernel).
-DSV4_INLINE void fmoe_quant_x_store(float4 v, long long t, int D, int b, unsigned char* xq, float* xs) {
+DSV4_INLINE void fmoe_quant_x_store(float4 v, long long t, int D, int b, bool halves, unsigned char* xq, float* xs) {
   const int lane = threadIdx.x & 31;
   const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
   const float s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
@@ -29,17 +30,20 @@ DSV4_INLINE void fmoe_quant_x_store(float4 v, long long t, int D, int b, unsigne
     q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
     code[c] = e4m3_code_rn(q);
   }
-  // Fragment order (fp8_mma.cuh): this lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th
-  // 32-block (t8 = lane % 8 / 2); c = 0, 2 are even elements (positions 4·t8 + 2·(lane % 2) + 0, 1),
-  // c = 1, 3 odd ones (the same + 16).
-  unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1) + 2 * (lane & 1);
-  *reinterpret_cast<unsigned short*>(blk) = (unsigned short)(code[0] | (code[2] << 8));
-  *reinterpret_cast<unsigned short*>(blk + 16) = (unsigned short)(code[1] | (code[3] << 8));
+  // This lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th 32-block (t8 = lane % 8 / 2).
+  unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1);
+  if (halves) {  // positions 4·t8 + 16·(lane % 2) + c: one word
+    *reinterpret_cast<unsigned*>(blk + 16 * (lane & 1)) = code[0] | (code[1] << 8) | (code[2] << 16) | (code[3] << 24);
+  } else {  // c = 0, 2 are even elements (positions 4·t8 + 2·(lane % 2) + 0, 1), c = 1, 3 odd ones (+ 16)
+    *reinterpret_cast<unsigned short*>(blk + 2 * (lane & 1)) = (unsigned short)(code[0] | (code[2] << 8));
+    *reinterpret_cast<unsigned short*>(blk + 2 * (lane & 1) + 16) = (unsigned short)(code[1] | (code[3] << 8));
+  }
   if (lane == 0) xs[t * (D / 128) + b] = s;
 }
 
 // x's act_quant (fmoe_quant_x_store) of 128-block b of tokens t0 .. t0 + nt - 1, by one warp.
-DSV4_INLINE void fmoe_quant_x_block(const float* x, int t0, int nt, int D, int b, unsigned char* xq, float* xs) {
+DSV4_INLINE void fmoe_quant_x_block(const float* x, int t0, int nt, int D, int b, bool halves, unsigned char* xq,
+                                   float* xs) {
   const int lane = threadIdx.x & 31;
   // Eight rows' loads in flight at a time: one at a time, a 64-row block waited on memory for each row in
   // turn.
@@ -51,13 +55,13 @@ DSV4_INLINE void fmoe_quant_x_block(const float* x, int t0, int nt, int D, int b
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if (r0 + i >= nt) break;  // uniform over the warp
-      fmoe_quant_x_store(v8[i], t0 + r0 + i, D, b, xq, xs);
+      fmoe_quant_x_store(v8[i], t0 + r0 + i, D, b, halves, xq, xs);
     }
   }
 }
 
 // x's act_quant of every 128-block of token t, by one warp: eight blocks' loads in flight at a time.
-DSV4_INLINE void fmoe_quant_x_row(const float* x, long long t, int D, unsigned char* xq, float* xs) {
+DSV4_INLINE void fmoe_quant_x_row(const float* x, long long t, int D, bool halves, unsigned char* xq, float* xs) {
   const int lane = threadIdx.x & 31, nb = D / 128;
   const float4* row = reinterpret_cast<const float4*>(x + t * D);
   for (int b0 = 0; b0 < nb; b0 += 8) {
@@ -68,7 +72,7 @@ DSV4_INLINE void fmoe_quant_x_row(const float* x, long long t, int D, unsigned c
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if (b0 + i >= nb) break;  // uniform over the warp
-      fmoe_quant_x_store(v8[i], t, D, b0 + i, xq, xs);
+      fmoe_quant_x_store(v8[i], t, D, b0 + i, halves, xq, xs);
     }
   }
 }
@@ -91,7 +95,7 @@ DSV4_INLINE float fmoe_score(float l, int scoring) {
 // Requires D % (4 * FMOE_LOGIT_SPLIT) == 0 and D % 128 == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
     fmoe_logits_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
-                       unsigned char* xq, float* xs) {
+                       int halves, unsigned char* xq, float* xs) {
   dsv4_pdl_begin();
   __shared__ float part_sum[FMOE_LOGIT_WARPS][FMOE_LOGIT_TOKENS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -99,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
   const int nt = min(FMOE_LOGIT_TOKENS, T - t0);
   if (nt <= 0) return;  // whole block
   const int b = blockIdx.x * FMOE_LOGIT_WARPS + warp;
-  if (b < D / 128) fmoe_quant_x_block(x, t0, nt, D, b, xq, xs);
+  if (b < D / 128) fmoe_quant_x_block(x, t0, nt, D, b, halves != 0, xq, xs);
   const int e = blockIdx.x * FMOE_LOGIT_EXPERTS + warp / FMOE_LOGIT_SPLIT;
   const int part = warp % FMOE_LOGIT_SPLIT;
   const int c_begin = part * (D / 4 / FMOE_LOGIT_SPLIT), c_end = c_begin + D / 4 / FMOE_LOGIT_SPLIT;
@@ -367,12 +371,12 @@ extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
 extern "C" __global__ void __launch_bounds__(FMOE_SELECT_WARPS * 32)
     fmoe_select_kernel(const float* scores, int T, int E, int k, const float* bias, const int* tid2eid,
                        const int* tokens, int scoring, int renorm, float route_scale, int* ids, float* weights,
-                       const float* x, int D, unsigned char* xq, float* xs) {
+                       const float* x, int D, int halves, unsigned char* xq, float* xs) {
   dsv4_pdl_begin();
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x * FMOE_SELECT_WARPS + (threadIdx.x >> 5);
   if (t >= T) return;  // whole warp
-  if (x != nullptr) fmoe_quant_x_row(x, t, D, xq, xs);
+  if (x != nullptr) fmoe_quant_x_row(x, t, D, halves != 0, xq, xs);
 
   float sc[FMOE_MAX_EPL], key[FMOE_MAX_EPL];
   const float* lt = scores + (long long)t * E;

@@ -31,17 +31,22 @@ DSV4_INLINE float fmoe_h_scale(float amax) { return ue8m0_scale(fmaxf(amax, 1e-4
 DSV4_INLINE float fmoe_h_inv(float s) { return 1.0f / s; }
 
 // The e4m3 codes of 8 consecutive physical k of h (hv[c]: k 8·t8 + c) times inv = fmoe_h_inv(s), as the two
-// words of fragment order (fp8_mma.cuh: .x the even elements 0, 2, 4, 6 at block + 4·t8, .y the odd ones at
-// block + 16 + 4·t8, byte order). The hardware conversion, two codes an instruction: it saturates at ±448
-// as act_quant's clamp does (smoke_roundtrip checks it against e4m3_encode on every bf16 pattern).
+// words a 32-block holds them in (fp8_mma.cuh), .x at block + 4·t8 and .y at block + 16 + 4·t8, byte order:
+// HALVES (the prefill path's halves order) .x elements 0..3, .y 4..7; else (the decode path's fragment order)
+// .x the even elements 0, 2, 4, 6, .y the odd ones. The hardware conversion, two codes an instruction: it
+// saturates at ±448 as act_quant's clamp does (smoke_roundtrip checks it against e4m3_encode on every bf16
+// pattern).
+template <bool HALVES>
 DSV4_INLINE uint2 fmoe_h_words8(const float (&hv)[8], float inv) {
+  const int o = HALVES ? 4 : 1, step = HALVES ? 1 : 2;  // .y's first element; elements a word apart
   uint2 w;
-  w.x = e4m3x2_code_hw(hv[0] * inv, hv[2] * inv) | (e4m3x2_code_hw(hv[4] * inv, hv[6] * inv) << 16);
-  w.y = e4m3x2_code_hw(hv[1] * inv, hv[3] * inv) | (e4m3x2_code_hw(hv[5] * inv, hv[7] * inv) << 16);
+  w.x = e4m3x2_code_hw(hv[0] * inv, hv[step] * inv) | (e4m3x2_code_hw(hv[2 * step] * inv, hv[3 * step] * inv) << 16);
+  w.y = e4m3x2_code_hw(hv[o] * inv, hv[o + step] * inv) |
+        (e4m3x2_code_hw(hv[o + 2 * step] * inv, hv[o + 3 * step] * inv) << 16);
   return w;
 }
 
-// Stores fmoe_h_words8's words at their fragment-order positions in a 32-block.
+// Stores fmoe_h_words8's words at their positions in a 32-block.
 DSV4_INLINE void fmoe_store_h_words(unsigned char* block, int t8, uint2 w) {
   *reinterpret_cast<unsigned*>(block + 4 * t8) = w.x;
   *reinterpret_cast<unsigned*>(block + 16 + 4 * t8) = w.y;
@@ -54,16 +59,23 @@ DSV4_INLINE unsigned fmoe_fp8_a_addr(unsigned row, int g, int t) {
   return row | ((unsigned)((t >> 1) ^ g) << 4) | (8u * (t & 1));
 }
 
-// The thread's A fragment of k32 step q from its address `la` (fmoe_fp8_a_addr), e4m3 codes in fragment order
-// (fp8_mma.cuh): row g + 8 is 8 rows (1024 bytes) on, and step q's 32 bytes are chunks 2q, 2q + 1 of the row:
-// the swizzle XORs the chunk index, so step q XORs the address by q << 5.
+// The thread's A fragment of k32 step q from its address `la` (fmoe_fp8_a_addr): row g + 8 is 8 rows (1024
+// bytes) on, and step q's 32 bytes are chunks 2q, 2q + 1 of the row: the swizzle XORs the chunk index, so
+// step q XORs the address by q << 5. The row's bytes 8t .. 8t + 7 are a0 then a2 as loaded in the halves
+// order (HALVES, fp8_mma.cuh); the fragment order takes their even and odd bytes (two byte permutes a word).
+template <bool HALVES>
 DSV4_INLINE void fmoe_fp8_a_frag(unsigned la, int q, unsigned (&a)[4]) {
   const uint2 u0 = lds_u64(la ^ (unsigned)(q << 5));
   const uint2 u8 = lds_u64((la + 1024u) ^ (unsigned)(q << 5));
-  a[0] = __byte_perm(u0.x, u0.y, 0x6420);
-  a[2] = __byte_perm(u0.x, u0.y, 0x7531);
-  a[1] = __byte_perm(u8.x, u8.y, 0x6420);
-  a[3] = __byte_perm(u8.x, u8.y, 0x7531);
+  if (HALVES) {
+    a[0] = u0.x, a[2] = u0.y;
+    a[1] = u8.x, a[3] = u8.y;
+  } else {
+    a[0] = __byte_perm(u0.x, u0.y, 0x6420);
+    a[2] = __byte_perm(u0.x, u0.y, 0x7531);
+    a[1] = __byte_perm(u8.x, u8.y, 0x6420);
+    a[3] = __byte_perm(u8.x, u8.y, 0x7531);
+  }
 }
 
 // The per-32 scales of 128-block b of an FP4 stage for stage rows r (s0) and r + 8 (s8), from the slot's
@@ -128,7 +140,7 @@ DSV4_INLINE int fmoe_stage_blocks(bool fp4, int K, int kb) { return fp4 ? min(2,
 // The header's ints: [0] 1 when every scale is exact (FMOE_SC8_EXACT), [1] 1 when moreover the four
 // scales of every 128-block of a row are within 2^FMOE_FOLD_SPAN of each other (FMOE_SC8_FOLDABLE:
 // fast_moe_wide.cu folds them into the e4m3 codes, the largest as value · 2^(FMOE_FOLD_TOP - 6), the
-// others shifted down by their distance to it: e2m1x8_to_e4m3_shifted_eo takes shifts 1 .. 12).
+// others shifted down by their distance to it: fp4_table_shifted takes shifts 1 .. 12).
 #define FMOE_SC8_HEADER 256
 #define FMOE_SC8_EXACT 0
 #define FMOE_SC8_FOLDABLE 1
@@ -159,7 +171,7 @@ DSV4_INLINE bool fmoe_sc8_foldable(const unsigned char* table) {
 // The expert GEMMs' common arguments: both families' up and down kernels take the same parameters
 // (FastMoeGemm launches either with one argument list) and turn them into this with fmoe_args.
 struct FmoeArgs {
-  const unsigned char* act;  // [rows][K] e4m3 codes in fragment order
+  const unsigned char* act;  // [rows][K] e4m3 codes in the family's order (fp8_mma.cuh)
   const float* act_s;        // [rows][K/128]
   int T, K, N, k;
   const int* rows;

@@ -375,7 +375,7 @@ DSV4_INLINE void fmoe_a_frag(unsigned la, const unsigned (&frag)[4], int q, unsi
     e2m1x8_to_e4m3_eo(frag[h], a[0], a[2]);      // row g: k 4t.. (even elements), 16 + 4t.. (odd)
     e2m1x8_to_e4m3_eo(frag[h + 1], a[1], a[3]);  // row g + 8
   } else {
-    fmoe_fp8_a_frag(la, q, a);
+    fmoe_fp8_a_frag<false>(la, q, a);
   }
 }
 
@@ -540,7 +540,7 @@ DSV4_INLINE void fmoe_up_quant(const FmoeArgs& a, const FmoeItem& it, const floa
     const float s = fmoe_h_scale(m);
     const long long orow = fmoe_out_row(a, it, i);
     unsigned char* dst = out_q + orow * a.N + it.row0 + 32 * (c16 >> 2);
-    fmoe_store_h_words(dst, c16 & 3, fmoe_h_words8(hv, fmoe_h_inv(s)));
+    fmoe_store_h_words(dst, c16 & 3, fmoe_h_words8<false>(hv, fmoe_h_inv(s)));
     if (c16 == 0) out_s[orow * (a.N / 128) + it.row0 / 128] = s;
   }
 }

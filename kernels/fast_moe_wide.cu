@@ -13,7 +13,7 @@
 // per 128 of K (the DeepGEMM recipe; the issue's "at least every 128").
 //
 // The fold. Per weight row and 128-block the four UE8M0 exponents e_q have a maximum E; the codes of group
-// q are re-encoded exactly as value · 2^(t_q - 6) with t_q = 12 - (E - e_q) (e2m1x8_to_e4m3_shifted_eo,
+// q are re-encoded exactly as value · 2^(t_q - 6) with t_q = 12 - (E - e_q) (e2m1x8_to_e4m3_halves,
 // exact for 1 <= t_q <= 12, so E - e_q <= FMOE_FOLD_SPAN = 11), so the block's product carries one factor
 // 2^(E - 133) per row. Where every row of a 128-row block has all its exponents within 2^11 of its largest
 // (the table's row-block flag), E is the row's largest over the whole row instead: the factor is then the
@@ -47,7 +47,8 @@
 // independent).
 //
 // The math. Warpgroup w owns the pass's rows 64w .. 64w + 63 (one m64 tile). A 128-block's A fragments
-// (ldmatrix then the shifted bit move for FP4; 8-byte loads for FP8) are built for its four k32 steps, then
+// (ldmatrix then the shifted bit move for FP4; 8-byte loads for FP8; both in the halves order, fp8_mma.cuh,
+// which the activations x and h of this path are stored in) are built for its four k32 steps, then
 // four wgmma m64n128k32 e4m3 (A from registers, B = the 128 tokens) accumulate in the tensor core under one
 // fence and commit; the block's sum is added to the f32 accumulators times (row factor) · (token's
 // activation scale). Blocks are software-pipelined one deep: the next block is decoded while the current
@@ -62,7 +63,9 @@
 // Registers per thread after setmaxnreg: the producer warpgroup gives most of its share to the consumers
 // (the block's 64 K: 256 · 232 + 128 · 40 = 64512; launch bounds alone allow 168 to all). At 224 / 56 the
 // consumers spilled 3 (down) and 7 (up) values, reloaded in the folded mainloop just before its wgmmas;
-// at 232 / 40 neither side spills (the producer keeps its activation rows in shared memory, FMW_ATBL).
+// at 232 / 40 the producer does not spill (it keeps its activation rows in shared memory, FMW_ATBL), and
+// the consumers one value (4 bytes: stored and reloaded once a stage in the N = 128 folded FP4 loop, since
+// the halves order's decode; before it, none).
 #define FMW_CONSUMER_REGS 232
 #define FMW_PRODUCER_REGS 40
 #define FMW_ROWS 128                      // weight rows of a pass: one TMA box
@@ -438,14 +441,15 @@ DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, unsigned base0, 
       ldmatrix_x4(la ^ (unsigned)((4 * b + q) << 4), frag);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        e2m1x8_to_e4m3_shifted_eo(frag[2 * h], byte_of(tv0, q + h), blk.a[q + h][0], blk.a[q + h][2]);
-        e2m1x8_to_e4m3_shifted_eo(frag[2 * h + 1], byte_of(tv8, q + h), blk.a[q + h][1], blk.a[q + h][3]);
+        const Fp4Table tab0 = fp4_table_shifted(byte_of(tv0, q + h)), tab8 = fp4_table_shifted(byte_of(tv8, q + h));
+        e2m1x8_to_e4m3_halves(frag[2 * h], tab0, blk.a[q + h][0], blk.a[q + h][2]);
+        e2m1x8_to_e4m3_halves(frag[2 * h + 1], tab8, blk.a[q + h][1], blk.a[q + h][3]);
       }
     }
   } else {
     const unsigned la = fmoe_fp8_a_addr(smem_addr(st) + (r16 + g) * FMW_RB, g, t);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) fmoe_fp8_a_frag(la, q, blk.a[q]);
+    for (int q = 0; q < 4; ++q) fmoe_fp8_a_frag<true>(la, q, blk.a[q]);
     blk.w0 = blk.w8 = *reinterpret_cast<const float*>(st + FMW_SLOT_W);  // the rows' 128x128 block scale
   }
 }
@@ -586,8 +590,8 @@ DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwR
         unsigned frag[4], a[4];
         ldmatrix_x4(la ^ (unsigned)((4 * b + (q & ~1)) << 4), frag);
         const int h = (q & 1) * 2;
-        e2m1x8_to_e4m3_eo(frag[h], a[0], a[2]);
-        e2m1x8_to_e4m3_eo(frag[h + 1], a[1], a[3]);
+        e2m1x8_to_e4m3_halves(frag[h], fp4_table_plain(), a[0], a[2]);
+        e2m1x8_to_e4m3_halves(frag[h + 1], fp4_table_plain(), a[1], a[3]);
         wgmma_fence();
         fmw_wgmma<FMW_TOKENS>(d, a, fmw_desc_step(desc, q), 0);
         wgmma_commit();
@@ -651,7 +655,7 @@ DSV4_INLINE void fmw_up_gate(const FmoeArgs& a, const FmwItem& it, const float* 
 }
 
 // Up, up pass: the bf16 up values into the second matrix; then two threads a token (64 j each) make h from
-// the two matrices (into the first, in place), and the per-128 act_quant: codes in fragment order and the
+// the two matrices (into the first, in place), and the per-128 act_quant: codes in the halves order and the
 // scale. A thread visits its 8 chunks in the order i ^ 4·half so that a quarter warp's reads hit 8 distinct
 // bank groups (fmw_ep_index). (Before, h was made in the fragment layout from a copy of the 64 sums that the
 // loop indexed by group: the copy went through local memory, which missed L1 beside 224 KB of shared memory:
@@ -701,7 +705,7 @@ DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const floa
         hv[2 * c] = __uint_as_float(hw[c] << 16);
         hv[2 * c + 1] = __uint_as_float(hw[c] & 0xffff0000u);
       }
-      fmoe_store_h_words(dst + 32 * (c8 >> 2), c8 & 3, fmoe_h_words8(hv, inv));
+      fmoe_store_h_words(dst + 32 * (c8 >> 2), c8 & 3, fmoe_h_words8<true>(hv, inv));
     }
     if (half == 0) out_s[orow * (a.N / 128) + it.rb] = s;
   }

@@ -21,7 +21,8 @@
 //   logical 16 + 4t + i <- physical 8t + 2i + 1
 // Activations (the B operand) are stored in this fragment order: position 4t + i + 16h of each 32-block
 // holds the code of physical k 8t + 2i + h. Any permutation of k within a 32-block leaves the dot product
-// unchanged, as long as A and B agree.
+// unchanged, as long as A and B agree. (The indexer's keys and the fast MoE's decode path use this order;
+// its prefill path, fast_moe_wide.cu, the halves order below.)
 
 // Eight packed e2m1 codes (byte i holds element 2i in its low nibble, 2i+1 in its high nibble) -> e4m3
 // codes of exactly value · 2^-6: sign bit 3 -> bit 7, the two exponent bits and the mantissa bit -> bits
@@ -45,23 +46,54 @@ DSV4_INLINE unsigned prmt(unsigned a, unsigned b, unsigned sel) {
 // Byte q (0..3) of w, as an integer: one byte permute.
 DSV4_INLINE unsigned byte_of(unsigned w, int q) { return prmt(w, 0u, 0x4440u | (unsigned)q); }
 
-// The bit move with a power of two folded in: eight packed e2m1 codes -> e4m3 codes of exactly value ·
-// 2^(t - 6), 1 <= t <= 12 (6 · 2^6 = 384 is the largest, below e4m3's 448). Every nonzero value is then
-// normal: magnitude code c (0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6) becomes exponent field t + (c >> 1) - 1 +
-// [c == 1] with mantissa 4·(c & 1)·[c >= 2], a table of 8 bytes that depends on t only through 8t added to
-// its nonzero entries (two IMADs); a byte permute looks the 4 magnitudes of each output word up, the sign
-// bits are moved as in the plain bit move. (t = 0 would need code 1 on the subnormal 0x04: the fold keeps
-// t >= 1, FMOE_FOLD_SPAN.) 13 integer ops.
-DSV4_INLINE void e2m1x8_to_e4m3_shifted_eo(unsigned w, unsigned t, unsigned& even, unsigned& odd) {
-  const unsigned lo = t * 0x08080800u + 0x0C080000u;  // c = 0..3
-  const unsigned hi = t * 0x08080808u + 0x1C181410u;  // c = 4..7
-  const unsigned me = w & 0x07070707u, mo = (w >> 4) & 0x07070707u;  // byte i: magnitude of element 2i / 2i+1
-  // Selector nibbles 0..3 = the magnitudes of bytes 0..3: byte 0 of (m | m >> 4) holds bytes 0 and 1's,
-  // byte 2 holds bytes 2 and 3's (bit 3 of every nibble stays clear: magnitudes are below 8).
-  const unsigned se = prmt(me | (me >> 4), 0u, 0x0020u);
-  const unsigned so = prmt(mo | (mo >> 4), 0u, 0x0020u);
-  even = prmt(lo, hi, se) | ((w << 4) & 0x80808080u);
-  odd = prmt(lo, hi, so) | (w & 0x80808080u);
+// ---------------------------------------------------------------------------------------------------------
+// The halves order (the fast MoE's prefill path, kernels/SPEC.md): the same A fragment built from the
+// thread's 8 stored values of a row with their order kept, a0 = physical 8t .. 8t+3, a2 = 8t+4 .. 8t+7:
+//   logical 4t + i      <- physical 8t + i        (i = 0..3)
+//   logical 16 + 4t + i <- physical 8t + 4 + i
+// so position 4t + i + 16h of each 32-block holds the code of physical k 8t + 4h + i. Why not the fragment
+// order: an FP8 row's 8 bytes are then a0 and a2 as loaded (no byte permutes), and the FP4 decode reads a0's
+// four magnitudes straight from the word's low nibbles as a byte-permute selector (e2m1x8_to_e4m3_halves):
+// 9 integer ops per 8 values where the even/odd split of the shifted bit move took 12-13 (the prefill GEMMs'
+// folded FP4 loop: 200 -> 154 ALU-pipe instructions a stage). In that loop the split's PRMT, LOP3, SHF and
+// LEA drew half of the stall samples, mostly waiting for the ALU pipe (ncu). It pays only since the
+// producer's copies left the consumers more issue slots (BENCHMARKS.md, issue 11 eighteenth version; before,
+// it measured 1-5% slower). (The plain bit move, e2m1x8_to_e4m3_eo, needs no table: the decode path keeps the
+// fragment order, where it costs fewer instructions than e2m1x8_to_e4m3_halves.)
+
+// A magnitude table of the e2m1 -> e4m3 decode: byte c (0..7) of {lo, hi} is the e4m3 code (sign clear) of
+// e2m1 magnitude code c (0, 0.5, 1, 1.5, 2, 3, 4, 6) times 2^(t - 6).
+struct Fp4Table {
+  unsigned lo, hi;
+};
+
+// t = 0, the plain bit move (value · 2^-6, callers fold 2^6 into the scale): code c << 2 (0.5 lands on the
+// subnormal 2^-7, code 0x04).
+DSV4_INLINE Fp4Table fp4_table_plain() { return {0x0C080400u, 0x1C181410u}; }
+
+// 1 <= t <= 12, the bit move with a power of two folded in (value · 2^(t - 6); 6 · 2^6 = 384 is the largest,
+// below e4m3's 448): every nonzero value is then normal, magnitude code c becomes exponent field
+// t + (c >> 1) - 1 + [c == 1] with mantissa 4·(c & 1)·[c >= 2], so the table depends on t only through 8t
+// added to its nonzero entries. (t = 0 would need code 1 on the subnormal 0x04: the fold keeps t >= 1,
+// FMOE_FOLD_SPAN.) Two IMADs.
+DSV4_INLINE Fp4Table fp4_table_shifted(unsigned t) { return {t * 0x08080800u + 0x0C080000u, t * 0x08080808u + 0x1C181410u}; }
+
+// Eight packed e2m1 codes as stored (element j in nibble j: magnitude bits 4j .. 4j+2, sign bit 4j+3) -> e4m3
+// codes in the halves order: a0 byte i = element i, a2 byte i = element 4 + i, magnitudes looked up in `tab`.
+// 9 integer ops (LOP3, two shifts, four PRMT, two LOP3 merging the signs), all on the ALU pipe but a shift
+// ptxas may give to the FMA pipe (IMAD.SHL). (Both shifts as multiplies, to keep them off the ALU pipe, made
+// the prefill GEMMs 4% slower: BENCHMARKS.md, issue 11 seventeenth version.)
+DSV4_INLINE void e2m1x8_to_e4m3_halves(unsigned w, Fp4Table tab, unsigned& a0, unsigned& a2) {
+  // A byte permute reads only its selector's low 16 bits, a nibble per output byte, and a nibble with bit 3
+  // set would replicate a sign: clear the signs once; the high half, moved down, selects a2's.
+  const unsigned sel = w & 0x77777777u;
+  const unsigned sel_hi = sel >> 16;
+  // Element j's sign (bit 4j + 3) is bit 7 of byte j / 2 of w for odd j, of w << 4 for even j: one byte
+  // permute of {w, w << 4} puts each of a0's (a2's) four signs on its byte's bit 7.
+  const unsigned w4 = w << 4;
+  const unsigned s0 = prmt(w, w4, 0x1504u), s2 = prmt(w, w4, 0x3726u);
+  a0 = prmt(tab.lo, tab.hi, sel) | (s0 & 0x80808080u);
+  a2 = prmt(tab.lo, tab.hi, sel_hi) | (s2 & 0x80808080u);
 }
 
 // The e4m3fn code of x rounded to nearest, ties to even, for |x| <= 448 (callers clamp first); NaN -> 0x7f,

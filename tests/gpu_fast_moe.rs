@@ -342,15 +342,16 @@ fn rel_l2(a: &[f32], b: &[f32], d: usize) -> (f64, f64) {
     (worst, sum / n.max(1) as f64)
 }
 
-/// The fast kernels' activations (e4m3 codes in fragment order, kernels/fp8_mma.cuh) times their
-/// per-128 scales, in natural order: position 4t + i + 16h of each 32-block holds k 8t + 2i + h.
-fn dequant(codes: &[u8], scales: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+/// The fast kernels' activations (e4m3 codes, kernels/fp8_mma.cuh) times their per-128 scales, in
+/// natural order: position 4t + i + 16h of each 32-block holds k 8t + 4h + i in the halves order
+/// (`halves`, the prefill path's), k 8t + 2i + h in the fragment order (the decode path's).
+fn dequant(codes: &[u8], scales: &[f32], rows: usize, cols: usize, halves: bool) -> Vec<f32> {
     let mut v = vec![0f32; rows * cols];
     for r in 0..rows {
         for c in 0..cols {
             let (block, pos) = (c / 32 * 32, c % 32);
             let (t, i, h) = (pos % 16 / 4, pos % 4, pos / 16);
-            let k = block + 8 * t + 2 * i + h;
+            let k = block + 8 * t + if halves { 4 * h + i } else { 2 * i + h };
             v[r * cols + k] =
                 E4M3_LUT[codes[r * cols + c] as usize] * scales[r * (cols / 128) + k / 128];
         }
@@ -382,7 +383,9 @@ fn fast(
             arena::memset_async(p, 0xff, s).unwrap();
         }
     }
-    e.fast.route_on(ctx, &fl, b.x, t, &b.ws, router, s).unwrap();
+    e.fast
+        .route_on(ctx, &fl, b.x, t, &b.ws, router, path, s)
+        .unwrap();
     if let Some((ids, w)) = routing {
         put(ctx, b.ws.ids, ids, s);
         put(ctx, b.ws.weights, w, s);
@@ -397,8 +400,8 @@ fn fast(
     FastOut {
         ids: get(ctx, b.ws.ids, t * K, s),
         weights: get(ctx, b.ws.weights, t * K, s),
-        xq: dequant(&xq, &xs, t, D),
-        hq: dequant(&hq, &hs, rows, I),
+        xq: dequant(&xq, &xs, t, D, path.halves_order()),
+        hq: dequant(&hq, &hs, rows, I, path.halves_order()),
         out: get(ctx, b.out, t * D, s),
     }
 }

@@ -148,7 +148,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
             let tr = |j: usize| ip[1].slice(j * t * 4, t * 4).unwrap();
             let call = |j: usize| {
                 let fl = layer.fast_layer(r, tr(j));
-                fast.route_on(&ctx, &fl, xr(j), t, &ws, router, s)?;
+                fast.route_on(&ctx, &fl, xr(j), t, &ws, router, path, s)?;
                 fast.experts_on(&ctx, &fl, t, &ws, path, s)?;
                 fast.combine(&ctx, &fl, t, &ws, out, s)
             };

@@ -111,7 +111,7 @@ crate::kernel_family! {
     #[pdl(true)]
     fn fmoe_logits_kernel(
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
-        xq: *mut u8, xs: *mut f32,
+        halves: bool, xq: *mut u8, xs: *mut f32,
     );
     /// The same on the BF16 tensor cores (x's values BF16).
     #[smem(TC_SMEM_BYTES as u32)]
@@ -126,7 +126,7 @@ crate::kernel_family! {
         scores: *const f32, t: i32, e: i32, k: i32, bias: Option<*const f32>,
         tid2eid: Option<*const i32>, tokens: Option<*const i32>, scoring: i32, renorm: bool,
         route_scale: f32, ids: *mut i32, weights: *mut f32, x: Option<*const f32>, d: i32,
-        xq: *mut u8, xs: *mut f32,
+        halves: bool, xq: *mut u8, xs: *mut f32,
     );
     #[pdl(true)]
     fn fmoe_combine_kernel(
@@ -415,10 +415,13 @@ impl FastMoe {
         ws: &FastMoeWorkspace,
         stream: BorrowedStream,
     ) -> Result<()> {
-        self.route_on(ctx, layer, x, t, ws, RouterPath::for_tokens(t), stream)
+        let (router, path) = (RouterPath::for_tokens(t), GemmPath::for_tokens(t));
+        self.route_on(ctx, layer, x, t, ws, router, path, stream)
     }
 
     /// [`FastMoe::route`] with the router kernel chosen by the caller (tests, `dsv4 bench moe`).
+    /// x's codes are written in the order of the GEMMs of `path` ([`GemmPath::halves_order`]):
+    /// [`FastMoe::experts_on`] must then run that path.
     #[allow(clippy::too_many_arguments)]
     pub fn route_on(
         &self,
@@ -428,6 +431,7 @@ impl FastMoe {
         t: usize,
         ws: &FastMoeWorkspace,
         router: RouterPath,
+        path: GemmPath,
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fmoe_select_kernel";
@@ -486,6 +490,7 @@ impl FastMoe {
                 gate: layer.gate,
                 scoring,
                 scores: ws.logits,
+                halves: path.halves_order(),
                 xq: ws.xq,
                 xs: ws.xs,
             };
@@ -513,6 +518,7 @@ impl FastMoe {
                 weights: ws.weights,
                 x: (router == RouterPath::Tensor).then_some(x),
                 d: d32,
+                halves: path.halves_order(),
                 xq: ws.xq,
                 xs: ws.xs,
             },

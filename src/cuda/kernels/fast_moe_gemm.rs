@@ -152,6 +152,14 @@ impl GemmPath {
         }
     }
 
+    /// Whether this path's kernels read their activations (x's and h's e4m3 codes) in the halves
+    /// order, else in the fragment order (kernels/fp8_mma.cuh): the prefill path's FP4 decode and
+    /// FP8 fragments are cheaper in the halves order, the decode path's plain FP4 bit move in the
+    /// fragment order.
+    pub fn halves_order(self) -> bool {
+        self == GemmPath::Prefill
+    }
+
     /// The plan's tile size on this path: tokens per work item.
     pub fn tile_rows(self) -> usize {
         match self {
