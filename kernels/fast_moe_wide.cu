@@ -85,7 +85,7 @@
 #define FMW_DOWN_STRIDE 72
 #define FMW_EP_BYTES (2 * FMW_UP_MATRIX * 2)
 #define FMW_WT (FMW_STAGES * FMW_SLOT + FMW_EP_BYTES)  // the tile's routing weights, FMW_TOKENS floats
-#define FMW_ATBL (FMW_WT + FMW_TOKENS * 4)  // the producer's pointers to the tile's activation rows (8-aligned)
+#define FMW_ATBL (FMW_WT + FMW_TOKENS * 4)  // the producer's addresses of the tile's activation rows (8-aligned)
 #define FMW_BARS (FMW_ATBL + FMW_TOKENS * 8)
 #define FMW_SMEM_USED (FMW_BARS + 2 * FMW_STAGES * 8)
 static_assert(FMW_SMEM_USED <= FMW_SMEM_BYTES, "fast_moe_wide: shared memory layout exceeds FMW_SMEM_BYTES");

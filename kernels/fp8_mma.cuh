@@ -81,8 +81,8 @@ DSV4_INLINE Fp4Table fp4_table_shifted(unsigned t) { return {t * 0x08080800u + 0
 // Eight packed e2m1 codes as stored (element j in nibble j: magnitude bits 4j .. 4j+2, sign bit 4j+3) -> e4m3
 // codes in the halves order: a0 byte i = element i, a2 byte i = element 4 + i, magnitudes looked up in `tab`.
 // 9 integer ops (LOP3, two shifts, four PRMT, two LOP3 merging the signs), all on the ALU pipe but a shift
-// ptxas may give to the FMA pipe (IMAD.SHL). (Both shifts as multiplies, to keep them off the ALU pipe, made
-// the prefill GEMMs 4% slower: BENCHMARKS.md, issue 11 seventeenth version.)
+// ptxas may give to the FMA pipe (IMAD.SHL). (Both shifts as multiplies, to keep them off the ALU pipe,
+// measured 3% slower than as shifts: BENCHMARKS.md, issue 11 seventeenth version.)
 DSV4_INLINE void e2m1x8_to_e4m3_halves(unsigned w, Fp4Table tab, unsigned& a0, unsigned& a2) {
   // A byte permute reads only its selector's low 16 bits, a nibble per output byte, and a nibble with bit 3
   // set would replicate a sign: clear the signs once; the high half, moved down, selects a2's.
