@@ -265,8 +265,9 @@ pub struct FastMoeWorkspace {
     /// `i32[T, k]`, `f32[T, k]`.
     pub ids: DevicePtr,
     pub weights: DevicePtr,
-    /// x's e4m3 codes in fragment order (kernels/fp8_mma.cuh) `u8[T, D]` and its per-128 scales
-    /// `f32[T, D/128]`.
+    /// x's e4m3 codes `u8[T, D]`, in the order of the GEMM path that reads them (the fragment
+    /// order, or the prefill path's halves order: [`GemmPath::halves_order`], kernels/fp8_mma.cuh),
+    /// and its per-128 scales `f32[T, D/128]`.
     pub xq: DevicePtr,
     pub xs: DevicePtr,
     /// The routing plan, sized for the decode path's tiles (fast_moe_gemm::TOKENS, the smallest:
