@@ -864,6 +864,9 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
             (64, Routing::TopK),
             (256, Routing::TopK),
             (256, Routing::HashSkewed),
+            // The first batch on the prefill GEMMs, still with the few-token router (below
+            // fast_moe::TC_MIN_TOKENS): x quantised in the halves order by the logits kernel.
+            (fast_moe_wide::MIN_TOKENS, Routing::TopK),
             (1024, Routing::Hash),
             (4096, Routing::TopK),
             (16384, Routing::HashSkewed),
