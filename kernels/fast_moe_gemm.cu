@@ -349,7 +349,7 @@ DSV4_INLINE void fmoe_wgmma(float (&d)[8], const unsigned (&a)[4], unsigned long
         "{ .reg .pred p; setp.ne.b32 p, %13, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, "
         "1, 1; }\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : WGMMA_ACC8(d, 0)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
   }
 }

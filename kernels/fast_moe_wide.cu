@@ -281,11 +281,6 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
   cp_async_wait_all();  // the copies land before the thread exits
 }
 
-// The "+f" operands d[o] .. d[o + 7] of a wgmma's accumulator list.
-#define FMW_ACC8(o)                                                                                       \
-  "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), \
-      "+f"(d[o + 7])
-
 // One wgmma m64nNk32 e4m3 (A from registers, B the first N tokens of the block's B tile): d[0 .. N/2) of the
 // accumulator layout (d[4j + c]: token 8j + 2t + (c & 1), j < N/8). N in {32, 64, 96, 128}: an item whose
 // tile holds n tokens runs the smallest N >= n (fmw_tile_n), so a partial tile's columns past N cost neither
@@ -299,7 +294,7 @@ DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long
       "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
       "{%16, %17, %18, %19}, %20, p, 1, 1; }\n"
-        : FMW_ACC8(0), FMW_ACC8(8)
+        : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
   } else if constexpr (N == 64) {
     asm volatile(
@@ -308,7 +303,7 @@ DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "{%32, %33, %34, %35}, %36, p, 1, 1; }\n"
-        : FMW_ACC8(0), FMW_ACC8(8), FMW_ACC8(16), FMW_ACC8(24)
+        : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
   } else if constexpr (N == 96) {
     asm volatile(
@@ -318,7 +313,8 @@ DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
       "{%48, %49, %50, %51}, %52, p, 1, 1; }\n"
-        : FMW_ACC8(0), FMW_ACC8(8), FMW_ACC8(16), FMW_ACC8(24), FMW_ACC8(32), FMW_ACC8(40)
+        : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24), WGMMA_ACC8(d, 32),
+          WGMMA_ACC8(d, 40)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
   } else if constexpr (N == 128) {
     asm volatile(
@@ -329,7 +325,8 @@ DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
       "{%64, %65, %66, %67}, %68, p, 1, 1; }\n"
-        : FMW_ACC8(0), FMW_ACC8(8), FMW_ACC8(16), FMW_ACC8(24), FMW_ACC8(32), FMW_ACC8(40), FMW_ACC8(48), FMW_ACC8(56)
+        : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24), WGMMA_ACC8(d, 32),
+          WGMMA_ACC8(d, 40), WGMMA_ACC8(d, 48), WGMMA_ACC8(d, 56)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
   }
 }

@@ -76,7 +76,9 @@ DSV4_INLINE Fp4Table fp4_table_plain() { return {0x0C080400u, 0x1C181410u}; }
 // t + (c >> 1) - 1 + [c == 1] with mantissa 4·(c & 1)·[c >= 2], so the table depends on t only through 8t
 // added to its nonzero entries. (t = 0 would need code 1 on the subnormal 0x04: the fold keeps t >= 1,
 // FMOE_FOLD_SPAN.) Two IMADs.
-DSV4_INLINE Fp4Table fp4_table_shifted(unsigned t) { return {t * 0x08080800u + 0x0C080000u, t * 0x08080808u + 0x1C181410u}; }
+DSV4_INLINE Fp4Table fp4_table_shifted(unsigned t) {
+  return {t * 0x08080800u + 0x0C080000u, t * 0x08080808u + 0x1C181410u};
+}
 
 // Eight packed e2m1 codes as stored (element j in nibble j: magnitude bits 4j .. 4j+2, sign bit 4j+3) -> e4m3
 // codes in the halves order: a0 byte i = element i, a2 byte i = element 4 + i, magnitudes looked up in `tab`.
@@ -334,6 +336,12 @@ DSV4_INLINE unsigned long long wgmma_desc_sw128(const void* smem) {
   const unsigned long long a = smem_addr(smem);
   return ((a & 0x3FFFFull) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
+
+// The "+f" operands d[o] .. d[o + 7] of a wgmma's accumulator list (an asm operand list has to name each
+// register; a wgmma of N tokens takes N / 2 of them, so its list is N / 16 of these).
+#define WGMMA_ACC8(d, o)                                                                                  \
+  "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), \
+      "+f"(d[o + 7])
 
 // Required before a wgmma whose accumulator or A registers other instructions wrote.
 DSV4_INLINE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
