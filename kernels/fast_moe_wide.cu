@@ -61,13 +61,13 @@
 #define FMW_CONSUMERS 256                 // two warpgroups
 #define FMW_THREADS (FMW_CONSUMERS + 128)  // then the producer warpgroup
 // Registers per thread after setmaxnreg: the producer warpgroup gives most of its share to the consumers
-// (the block's 64 K: 256 · 232 + 128 · 40 = 64512; launch bounds alone allow 168 to all). At 224 / 56 the
-// consumers spilled 3 (down) and 7 (up) values, reloaded in the folded mainloop just before its wgmmas;
-// at 232 / 40 the producer does not spill (it keeps its activation rows in shared memory, FMW_ATBL), and
-// the consumers one value (4 bytes: stored and reloaded once a stage in the N = 128 folded FP4 loop, since
-// the halves order's decode; before it, none).
-#define FMW_CONSUMER_REGS 232
-#define FMW_PRODUCER_REGS 40
+// (the block's 64 K: 256 · 240 + 128 · 24 = 64512; launch bounds alone allow 168 to all). At 224 / 56 the
+// consumers spilled 3 (down) and 7 (up) values, reloaded in the folded mainloop just before its wgmmas; at
+// 232 / 40, with the halves order's decode, one value in the N = 128 folded loop, and ptxas re-read threadIdx
+// there (5 S2R a stage); at 240 / 24 neither side spills (the producer keeps its row addresses in shared
+// memory, FMW_ATBL, and its scales' offset in 32 bits). NOT MEASURED yet.
+#define FMW_CONSUMER_REGS 240
+#define FMW_PRODUCER_REGS 24
 #define FMW_ROWS 128                      // weight rows of a pass: one TMA box
 #define FMW_RB 128                        // bytes of a weight row per stage
 #define FMW_SLOT_W (FMW_ROWS * FMW_RB)
@@ -235,7 +235,9 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
     named_barrier(4, FMW_THREADS - FMW_CONSUMERS);  // every producer thread has read the last item's
     atbl[p] = mine ? (unsigned long long)(a.act + row * K) : 0ull;
     named_barrier(4, FMW_THREADS - FMW_CONSUMERS);
-    const float* my_scales = a.act_s + row * (K / 128);
+    // (An offset of 32 bits, with the kernel parameter's base added at each stage: a 64-bit pointer held
+    // across the stages spilled at 24 registers. rows · K / 128 < 2^32 for any T the workspace holds.)
+    const unsigned my_scales = (unsigned)(row * (K / 128));
     const unsigned tx = FMW_SLOT_W + (!it.fp4 ? 0 : it.s8 ? 1024 : FMW_SLOT_S);
     for (int pass = 0; pass < fmw_passes(UP); ++pass) {
       const int m = UP ? (pass == 0 ? FMOE_MAP_W1 : FMOE_MAP_W3) : FMOE_MAP_W2;
@@ -270,7 +272,7 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
           cp_async_16_if(dst, src, row_at != 0);
           cp_async_16_if(dst + FMW_B_PANEL, src + 128, row_at != 0 && two);
         }
-        const float* s = my_scales + kb * (kbytes / 128);
+        const float* s = a.act_s + my_scales + kb * (kbytes / 128);
         cp_async_4_if(adst + scale_at, s, mine);
         cp_async_4_if(adst + scale_at + FMW_TOKENS * 4, s + 1, mine && two);
         cp_async_mbar_arrive(full);
