@@ -65,7 +65,8 @@
 // consumers spilled 3 (down) and 7 (up) values, reloaded in the folded mainloop just before its wgmmas; at
 // 232 / 40, with the halves order's decode, one value in the N = 128 folded loop, and ptxas re-read threadIdx
 // there (5 S2R a stage); at 240 / 24 neither side spills (the producer keeps its row addresses in shared
-// memory, FMW_ATBL, and its scales' offset in 32 bits). NOT MEASURED yet.
+// memory, FMW_ATBL, and its scales' offset in 32 bits): layer 16384 tokens 11089 -> 10850 µs, 4096 2993 -> 2939
+// (uniform; BENCHMARKS.md, issue 11 nineteenth version).
 #define FMW_CONSUMER_REGS 240
 #define FMW_PRODUCER_REGS 24
 #define FMW_ROWS 128                      // weight rows of a pass: one TMA box
