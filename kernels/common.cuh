@@ -201,6 +201,32 @@ DSV4_INLINE ue8m0_t ue8m0_code(float amax, float qmax) { return (ue8m0_t)(ue8m0_
 // The UE8M0 scale value 2^ceil(log2(amax / qmax)).
 DSV4_INLINE float ue8m0_scale(float amax, float qmax) { return dsv4_pow2(ue8m0_exponent(amax, qmax)); }
 
+// ---------------------------------------------------------------------------------- SiLU
+
+// x · sigmoid(x) = x / (1 + e^-x) in f32: expf (CUDA's, within 2 ulp) and an IEEE division (div.rn).
+DSV4_INLINE float silu_div_rn(float x) { return x / (1.0f + expf(-x)); }
+
+// silu_div_rn(x), bit for bit, wherever it sets `ok` (and leaves `ok` as it was elsewhere): the same expf,
+// then the quotient by the instructions of div.rn's fast path (an approximate reciprocal, one Newton step,
+// the quotient and one correction by its exact remainder). div.rn checks each quotient's operands (FCHK)
+// and branches to a slow path where an intermediate could leave the normal range; the check and its branch
+// cut a loop of SiLUs into one dependent chain per value (ptxas does not move code across them), so a
+// thread's values never overlap their latencies. Here the range is the caller's test, once for many values:
+// ok only for 2^-100 <= |x| <= 64, where 1 <= y <= 1 + e^64 and |x / y| >= 2^-86 stay normal; the caller
+// recomputes the rest (|x| > 64, tiny, zero, NaN: rare) with silu_div_rn. smoke_silu_exhaustive checks
+// the equality on every one of the 2^32 f32 bit patterns that set ok (tests/gpu_runtime.rs).
+DSV4_INLINE float silu_newton(float x, bool& ok) {
+  const float y = 1.0f + expf(-x);
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(y));
+  r = fmaf(r, fmaf(-y, r, 1.0f), r);
+  const float q = x * r;
+  const float q1 = fmaf(r, fmaf(-y, q, x), q);
+  const float ax = fabsf(x);
+  ok = ok && ax >= 0x1p-100f && ax <= 64.0f;
+  return q1;
+}
+
 // ----------------------------------------------------------------------------- reductions
 
 // Butterfly reductions over a full warp (all 32 lanes must call). Every lane gets the same

@@ -6,21 +6,30 @@
 // Rust's f32::clamp(v, -l, l): NaN stays NaN.
 DSV4_INLINE float fmoe_clamp_sym(float v, float l) { return v < -l ? -l : (v > l ? l : v); }
 
-// x · sigmoid(x) in f32 (IEEE expf and division: no fast math).
-DSV4_INLINE float fmoe_silu(float x) { return x / (1.0f + expf(-x)); }
-
-// h = bf16(silu(min(g, L)) · clamp(u, ±L) · w) from the bf16-rounded gate g and up u; `limit` <= 0: no
-// clamp; `routed`: times the routing weight w (the shared expert's h is not weighted).
-DSV4_INLINE float fmoe_h_value(float g, float u, float w, float limit, bool routed) {
-  if (limit > 0.0f) {
-    g = fminf(g, limit);
-    u = fmoe_clamp_sym(u, limit);
-  }
-  float h = fmoe_silu(g) * u;
+// h = bf16(silu(min(g, L)) · clamp(u, ±L) · w) from the bf16-rounded gate g and up u, given `silu_g`, the
+// SiLU of the clamped gate (fmoe_gate); `routed`: times the routing weight w (the shared expert's h is not
+// weighted). The hardware rounding: round_bf16's value except for a NaN's payload, and a NaN h of any
+// payload gives the same code (e4m3x2_code_hw) and is skipped by the amax (fmaxf).
+DSV4_INLINE float fmoe_gate(float g, float limit) { return limit > 0.0f ? fminf(g, limit) : g; }
+DSV4_INLINE float fmoe_h_round(float silu_g, float u, float w, float limit, bool routed) {
+  if (limit > 0.0f) u = fmoe_clamp_sym(u, limit);
+  float h = silu_g * u;
   if (routed) h = h * w;
-  // The hardware rounding: round_bf16's value except for a NaN's payload, and a NaN h of any payload gives
-  // the same code (e4m3x2_code_hw) and is skipped by the amax (fmaxf).
   return round_bf16_nonnan(h);
+}
+
+// h of 8 (g, u) pairs (`limit` <= 0: no clamp). The SiLUs by silu_newton, the same bits as silu_div_rn: the
+// 8 values' instructions interleave (the up epilogue's h loop was a chain of dependent latencies, one value
+// at a time); the rare group with a gate out of silu_newton's range is redone with silu_div_rn.
+DSV4_INLINE void fmoe_h_values8(const float (&g)[8], const float (&u)[8], float w, float limit, bool routed,
+                                float (&h)[8]) {
+  bool ok = true;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) h[c] = fmoe_h_round(silu_newton(fmoe_gate(g[c], limit), ok), u[c], w, limit, routed);
+  if (!ok) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) h[c] = fmoe_h_round(silu_div_rn(fmoe_gate(g[c], limit)), u[c], w, limit, routed);
+  }
 }
 
 // act_quant's scale of a 128-block of h whose largest |h| is `amax`.

@@ -676,15 +676,18 @@ DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const floa
       const int chunk = ((8 * half) | (i ^ (4 * half))) ^ (tok & 15);
       const uint4 g4 = gate[chunk], u4 = up[chunk];
       const unsigned gw[4] = {g4.x, g4.y, g4.z, g4.w}, uw[4] = {u4.x, u4.y, u4.z, u4.w};
+      float gv[8], uv[8], hv[8];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        gv[2 * c] = __uint_as_float(gw[c] << 16), gv[2 * c + 1] = __uint_as_float(gw[c] & 0xffff0000u);
+        uv[2 * c] = __uint_as_float(uw[c] << 16), uv[2 * c + 1] = __uint_as_float(uw[c] & 0xffff0000u);
+      }
+      fmoe_h_values8(gv, uv, w, limit, !it.shared, hv);
       unsigned hw[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const float h0 = fmoe_h_value(__uint_as_float(gw[c] << 16), __uint_as_float(uw[c] << 16), w, limit,
-                                      !it.shared);
-        const float h1 = fmoe_h_value(__uint_as_float(gw[c] & 0xffff0000u), __uint_as_float(uw[c] & 0xffff0000u),
-                                      w, limit, !it.shared);
-        m = fmaxf(m, fmaxf(fabsf(h0), fabsf(h1)));
-        hw[c] = (__float_as_uint(h0) >> 16) | (__float_as_uint(h1) & 0xffff0000u);  // h is bf16-rounded
+        m = fmaxf(m, fmaxf(fabsf(hv[2 * c]), fabsf(hv[2 * c + 1])));
+        hw[c] = (__float_as_uint(hv[2 * c]) >> 16) | (__float_as_uint(hv[2 * c + 1]) & 0xffff0000u);  // bf16 h
       }
       gate[chunk] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
     }

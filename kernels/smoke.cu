@@ -1,6 +1,7 @@
 // smoke.cu — the runtime's own tiny kernel family, used only by tests: it proves that NVRTC
 // compilation, the CUBIN cache, module loading, parameter passing and launches on a borrowed
-// stream work, and that every helper of common.cuh matches the CPU reference bit for bit.
+// stream work, and that every helper of common.cuh matches the CPU reference bit for bit (silu_newton
+// matches silu_div_rn, on the device).
 // No model code may depend on it.
 #include "common.cuh"
 
@@ -76,4 +77,29 @@ extern "C" __global__ void smoke_reduce(const float* x, float* sums, float* maxs
   const float s0 = sums[blockIdx.x], m0 = maxs[blockIdx.x];
   if (__float_as_uint(s0) != __float_as_uint(s) || __float_as_uint(m0) != __float_as_uint(m))
     atomicOr(agree + blockIdx.x, 1u);
+}
+
+// silu_newton (common.cuh) against silu_div_rn on the f32 bit patterns first + i·step (mod 2^32), i < n:
+// counts[0] += the patterns where silu_newton set ok, counts[1] += those of them where the two results'
+// bits differ, counts[2] = the smallest such pattern (stays 2^64 - 1 when none; integer atomics: the
+// counts do not depend on the order).
+extern "C" __global__ void smoke_silu_exhaustive(unsigned long long first, unsigned long long step,
+                                                 unsigned long long n, unsigned long long* counts) {
+  unsigned long long ok_n = 0, bad_n = 0, bad_min = ~0ull;
+  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    const unsigned bits = (unsigned)(first + i * step);
+    const float x = __uint_as_float(bits);
+    bool ok = true;
+    const float fast = silu_newton(x, ok);
+    if (!ok) continue;
+    ++ok_n;
+    if (__float_as_uint(fast) != __float_as_uint(silu_div_rn(x))) {
+      ++bad_n;
+      bad_min = bits < bad_min ? bits : bad_min;
+    }
+  }
+  atomicAdd(counts, ok_n);
+  atomicAdd(counts + 1, bad_n);
+  if (bad_n != 0) atomicMin(counts + 2, bad_min);
 }

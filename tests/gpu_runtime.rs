@@ -329,6 +329,55 @@ fn warp_and_block_reductions_match_their_reference_order() {
     }
 }
 
+/// The f32 patterns where silu_newton claims its result (kernels/common.cuh): 2^-100 <= |x| <= 64.
+fn silu_newton_claims(x: f32) -> bool {
+    (2f32.powi(-100)..=64.0).contains(&x.abs())
+}
+
+#[test]
+fn silu_newton_equals_the_ieee_division_on_every_pattern_it_claims() {
+    let Some(rig) = smoke_or_skip("gpu-silu") else {
+        return;
+    };
+    let (s, sm, ctx) = (rig.stream.borrow(), &rig.sm, &rig.ctx);
+    // Every f32 bit pattern; under compute-sanitizer every 4099th (each exponent, both signs).
+    let (step, n) = if under_sanitizer() {
+        (4099u32, (1u64 << 32).div_ceil(4099))
+    } else {
+        (1u32, 1u64 << 32)
+    };
+    let claimed: u64 = if step == 1 {
+        // Per sign: exponents -100 ..= 5 with every mantissa, and 64 itself.
+        2 * (106 * (1 << 23) + 1)
+    } else {
+        (0..n)
+            .filter(|&i| silu_newton_claims(f32::from_bits((i * step as u64) as u32)))
+            .count() as u64
+    };
+    let mut plan = ArenaPlan::new();
+    let id = plan.reserve("counts", 3 * 8, 256).unwrap();
+    let a = Arena::from_plan(ctx, &plan).unwrap();
+    let counts = a.region(id);
+    let _g = ctx.enter().unwrap();
+    arena::copy_to_device_sync(counts, &[0u64, 0, u64::MAX], s).unwrap();
+    sm.silu_exhaustive(ctx, 0, step, n, counts, s).unwrap();
+    let mut got = [0u64; 3];
+    arena::copy_to_host_sync(&mut got, counts, s).unwrap();
+    println!(
+        "silu_newton: {n} patterns (step {step}), {} claimed, {} differ from silu_div_rn (first {:#x})",
+        got[0], got[1], got[2]
+    );
+    assert_eq!(
+        got[0], claimed,
+        "silu_newton's range is not 2^-100 <= |x| <= 64"
+    );
+    assert_eq!(
+        got[1], 0,
+        "silu_newton differs from silu_div_rn (first pattern {:#x})",
+        got[2]
+    );
+}
+
 #[test]
 fn arena_is_stable_and_launches_allocate_nothing() {
     let Some(rig) = smoke_or_skip("gpu-arena") else {

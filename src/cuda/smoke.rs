@@ -18,6 +18,7 @@ crate::kernel_family! {
     fn smoke_reduce(
         x: *const f32, sums: *mut f32, maxs: *mut f32, warp_sums: *mut f32, agree: *mut u32,
     );
+    fn smoke_silu_exhaustive(first: u64, step: u64, n: u64, counts: *mut u64);
 }
 
 /// Columns written per element by `smoke_roundtrip` (u32 bit patterns), in order.
@@ -61,6 +62,7 @@ crate::launchers! {
         fill: smoke_fill,
         roundtrip: smoke_roundtrip,
         reduce: smoke_reduce,
+        silu_exhaustive: smoke_silu_exhaustive,
     }
 }
 
@@ -164,6 +166,31 @@ impl Smoke {
             agree,
         };
         self.reduce.launch(rows, threads, 0, stream, args)
+    }
+
+    /// silu_newton against silu_div_rn (kernels/common.cuh) on the f32 bit patterns
+    /// `first + i * step` (mod 2^32), `i < n`. `counts`: 3 u64, set to `[0, 0, u64::MAX]`
+    /// before: they come back as [patterns where silu_newton claimed its result, of them those
+    /// whose bits differ from silu_div_rn's, the smallest such pattern (or `u64::MAX`)].
+    pub fn silu_exhaustive(
+        &self,
+        ctx: &Context,
+        first: u32,
+        step: u32,
+        n: u64,
+        counts: DevicePtr,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        need("counts", counts, 3 * 8)?;
+        let _g = ctx.enter()?;
+        let args = smoke_silu_exhaustive::Args {
+            first: first as u64,
+            step: step as u64,
+            n,
+            counts,
+        };
+        // Enough blocks to fill any current GPU; each thread strides over the patterns.
+        self.silu_exhaustive.launch(4096, 256, 0, stream, args)
     }
 }
 
