@@ -85,6 +85,14 @@ DSV4_INLINE float round_bf16_nonnan(float x) {
   return __uint_as_float((unsigned)h << 16);
 }
 
+// The bf16 codes of lo and hi in one word (lo in the low half), round_bf16_nonnan's rounding: one cvt for
+// both (a NaN comes back as some NaN).
+DSV4_INLINE unsigned bf16x2_code_hw(float lo, float hi) {
+  unsigned w;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(w) : "f"(hi), "f"(lo));
+  return w;
+}
+
 // The e4m3fn codes of lo and hi (low byte lo), round to nearest even, saturating at ±448 (cvt ...satfinite):
 // e4m3_encode's codes for every x, NaN included.
 DSV4_INLINE unsigned e4m3x2_code_hw(float lo, float hi) {

@@ -80,8 +80,8 @@
 #define FMW_SLOT (((FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A + FMW_SLOT_AS) + 1023) / 1024 * 1024)
 // Epilogue buffer (bf16). Up: two [token][128 j] matrices, the gate values then the up values of the item's
 // 128 j (fmw_ep_index's swizzle); the gate's becomes h in place. Down: one [token][FMW_DOWN_STRIDE] block per
-// warpgroup (its 64 rows) to write y in 16-byte pieces, the stride padded so the fragment-layout stores
-// spread over the banks.
+// warpgroup (its 64 rows) to write y in 16-byte pieces, the stride padded so that the 8 token rows a
+// stmatrix writes at once (fmw_stash_pair; 144 bytes apart) fall in distinct banks.
 #define FMW_UP_MATRIX (FMW_TOKENS * 128)  // elements of one up matrix
 #define FMW_DOWN_STRIDE 72
 #define FMW_EP_BYTES (2 * FMW_UP_MATRIX * 2)
@@ -605,19 +605,18 @@ DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwR
   }
 }
 
-// bf16(acc) into buf[token][row] (stride in elements), r: the buffer row of d[0] (row g); the groups of 8
-// tokens that hold one of the tile's n (the others are never read).
-DSV4_INLINE void fmw_stash(const float (&acc)[64], bf16_t* buf, int stride, int r, int n) {
-  const int t = threadIdx.x & 3;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    if (8 * j >= n) break;  // uniform over the block
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int row = r + 8 * (c >> 1), tok = 8 * j + 2 * t + (c & 1);
-      buf[tok * stride + row] = f32_to_bf16(acc[4 * j + c]);
-    }
-  }
+// The stash of a warp's accumulators into a [token][row] bf16 buffer, by stmatrix (fp8_mma.cuh): the
+// accumulator layout is stmatrix's fragment layout with rows = the warp's 16 weight rows and columns =
+// tokens, so the transposed store writes 8 rows of a token as 16 bytes. One instruction stores the tokens
+// 16p .. 16p + 15 (pair p of 8-token groups: acc[8p .. 8p + 7]); lane L gives the address of token
+// fmw_stash_token(p) and rows fmw_stash_row() .. + 7 of the warp's 16. Rounding: the hardware cvt
+// (bf16x2_code_hw), f32_to_bf16's value except for a NaN's payload. (Before: one 2-byte store, and for y
+// f32_to_bf16's ~8 instructions, a value.)
+DSV4_INLINE int fmw_stash_token(int p) { return 16 * p + 8 * ((threadIdx.x >> 4) & 1) + (threadIdx.x & 7); }
+DSV4_INLINE int fmw_stash_row() { return 8 * ((threadIdx.x >> 3) & 1); }
+DSV4_INLINE void fmw_stash_pair(const float (&acc)[64], int p, unsigned addr) {
+  stmatrix_x4_trans(addr, bf16x2_code_hw(acc[8 * p], acc[8 * p + 1]), bf16x2_code_hw(acc[8 * p + 2], acc[8 * p + 3]),
+                    bf16x2_code_hw(acc[8 * p + 4], acc[8 * p + 5]), bf16x2_code_hw(acc[8 * p + 6], acc[8 * p + 7]));
 }
 
 // Element (tok, j) of an up matrix: token rows of 256 bytes whose 16-byte chunks (8 j) are XOR-swizzled by
@@ -626,21 +625,15 @@ DSV4_INLINE void fmw_stash(const float (&acc)[64], bf16_t* buf, int stride, int 
 // two halves) then spread over all banks.
 DSV4_INLINE int fmw_ep_index(int tok, int j) { return tok * 128 + ((((j >> 3) ^ (tok & 15)) << 3) | (j & 7)); }
 
-// bf16(acc) into an up matrix: the thread's rows r = 16·warp + g and r + 8 of tokens 8j + 2t + {0, 1}. The
-// hardware rounding (one cvt a value, where f32_to_bf16 takes ~8): it differs from f32_to_bf16 only in a
-// NaN's payload, and h, its codes and its scale are the same for every NaN of g or u (fminf and the clamp
-// treat them alike, an h NaN is code 0x7f and is skipped by the amax). Only the groups of 8 tokens that hold
-// one of the tile's n: the quantisation reads no other.
+// bf16(acc) into an up matrix (fmw_stash_pair): the thread's warp's rows 16·warp .. + 15. Only the pairs of
+// 8-token groups that hold one of the tile's n: the quantisation reads no other.
 DSV4_INLINE void fmw_up_stash(const float (&acc)[64], bf16_t* m, int n) {
-  const int t = threadIdx.x & 3, r = (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);
+  const unsigned base = smem_addr(m);
+  const int j = (threadIdx.x >> 5) * 16 + fmw_stash_row();
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    if (8 * j >= n) break;  // uniform over the block
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      m[fmw_ep_index(8 * j + 2 * t + (c & 1), r + 8 * (c >> 1))] =
-          (bf16_t)(__float_as_uint(round_bf16_nonnan(acc[4 * j + c])) >> 16);
-    }
+  for (int p = 0; p < 8; ++p) {
+    if (16 * p >= n) break;  // uniform over the block
+    fmw_stash_pair(acc, p, base + 2u * (unsigned)fmw_ep_index(fmw_stash_token(p), j));
   }
 }
 
@@ -728,7 +721,12 @@ DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const floa
     orow[i] = tok < it.n ? fmw_out_row(a, it, tok) : -1;
   }
   named_barrier(2 + wg, 128);  // the warpgroup's previous copy-out has read buf
-  fmw_stash(acc, buf, FMW_DOWN_STRIDE, ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2), it.n);
+  const unsigned at = smem_addr(buf) + 2u * (unsigned)(((tid >> 5) & 3) * 16 + fmw_stash_row());
+#pragma unroll
+  for (int p = 0; p < 8; ++p) {
+    if (16 * p >= it.n) break;  // uniform over the block
+    fmw_stash_pair(acc, p, at + 2u * (unsigned)(fmw_stash_token(p) * FMW_DOWN_STRIDE));
+  }
   named_barrier(2 + wg, 128);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {

@@ -179,6 +179,16 @@ DSV4_INLINE void ldmatrix_x4_trans(unsigned addr, unsigned (&r)[4]) {
                : "r"(addr));
 }
 
+// Stores four 8x8 b16 matrices transposed (ldmatrix_x4_trans's inverse): word m of lane L holds row L / 4,
+// columns 2·(L % 4) and + 1 of matrix m (an mma accumulator fragment's layout, low half first); lane L
+// gives the address of stored row L % 8 of matrix L / 8, which receives that matrix's column L % 8 (16
+// bytes). `addr`: a shared-space address (smem_addr), 16-byte aligned.
+DSV4_INLINE void stmatrix_x4_trans(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // BF16 mma.sync (the sparse attention and the indexer: operands decoded exactly to BF16).
 

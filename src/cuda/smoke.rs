@@ -22,7 +22,7 @@ crate::kernel_family! {
 }
 
 /// Columns written per element by `smoke_roundtrip` (u32 bit patterns), in order.
-pub const ROUNDTRIP_COLS: usize = 18;
+pub const ROUNDTRIP_COLS: usize = 19;
 
 /// What each column of `smoke_roundtrip` holds, as the CPU reference computes it
 /// (inputs: `x` a float, `u` a u32 whose low bits supply codes).
@@ -44,6 +44,7 @@ pub const ROUNDTRIP_COLUMNS: [&str; ROUNDTRIP_COLS] = [
     "ue8m0_exponent(x, 1)",
     "round_bf16_nonnan(x) (NaN x: any NaN)",
     "e4m3x2_code_hw(x, -x)",
+    "bf16x2_code_hw(x, -x) (NaN x: any NaNs)",
     "canary 0x5a5a5a5a",
 ];
 
@@ -226,15 +227,25 @@ pub fn roundtrip_ref(x: f32, u: u32) -> [u32; ROUNDTRIP_COLS] {
         (ue8m0_scale(x, 1.0).0 as i32 - 127) as u32,
         half::bf16::from_f32(x).to_f32().to_bits(),
         e4m3_encode(x) as u32 | (e4m3_encode(-x) as u32) << 8,
+        half::bf16::from_f32(x).to_bits() as u32
+            | (half::bf16::from_f32(-x).to_bits() as u32) << 16,
         0x5a5a_5a5a,
     ]
 }
 
 /// Does a device result match the reference for column `col`? Bit-exact, except that a NaN
 /// produced by a decoder may carry any payload (Rust does not pin NaN bits of arithmetic), and
-/// so may `round_bf16_nonnan`'s (the hardware conversion does not keep it).
+/// so may `round_bf16_nonnan`'s and each half of `bf16x2_code_hw`'s (the hardware conversion
+/// does not keep it).
 pub fn roundtrip_col_matches(col: usize, got: u32, want: u32) -> bool {
     let nan_any = matches!(col, 3 | 13 | 15);
+    if col == 17 {
+        let bf16_nan = |h: u32| (h & 0x7f80) == 0x7f80 && (h & 0x7f) != 0;
+        return [0, 16].iter().all(|&sh| {
+            let (g, w) = ((got >> sh) & 0xffff, (want >> sh) & 0xffff);
+            g == w || (bf16_nan(g) && bf16_nan(w))
+        });
+    }
     got == want || (nan_any && f32::from_bits(got).is_nan() && f32::from_bits(want).is_nan())
 }
 
@@ -478,6 +489,7 @@ mod tests {
             ue8m0_exponent(x, 1.0) as u32,
             f32::from_bits((f32_to_bf16(x) as u32) << 16).to_bits(),
             e4m3_encode(x) as u32 | (e4m3_encode(-x) as u32) << 8,
+            f32_to_bf16(x) as u32 | (f32_to_bf16(-x) as u32) << 16,
             0x5a5a_5a5a,
         ]
     }
