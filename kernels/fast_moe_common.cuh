@@ -18,7 +18,18 @@ DSV4_INLINE float fmoe_h_round(float silu_g, float u, float w, float limit, bool
   return round_bf16_nonnan(h);
 }
 
-// h of 8 (g, u) pairs (`limit` <= 0: no clamp). The SiLUs by silu_newton, the same bits as silu_div_rn: the
+// h of one (g, u) pair (`limit` <= 0: no clamp), SiLU by silu_div_rn.
+DSV4_INLINE float fmoe_h_value(float g, float u, float w, float limit, bool routed) {
+  if (limit > 0.0f) {
+    g = fminf(g, limit);
+    u = fmoe_clamp_sym(u, limit);
+  }
+  float h = silu_div_rn(g) * u;
+  if (routed) h = h * w;
+  return round_bf16_nonnan(h);
+}
+
+// h of 8 (g, u) pairs, fmoe_h_value's bits. The SiLUs by silu_newton, the same bits as silu_div_rn: the
 // 8 values' instructions interleave (the up epilogue's h loop was a chain of dependent latencies, one value
 // at a time); the rare group with a gate out of silu_newton's range is redone with silu_div_rn.
 DSV4_INLINE void fmoe_h_values8(const float (&g)[8], const float (&u)[8], float w, float limit, bool routed,
@@ -28,7 +39,7 @@ DSV4_INLINE void fmoe_h_values8(const float (&g)[8], const float (&u)[8], float 
   for (int c = 0; c < 8; ++c) h[c] = fmoe_h_round(silu_newton(fmoe_gate(g[c], limit), ok), u[c], w, limit, routed);
   if (!ok) {
 #pragma unroll
-    for (int c = 0; c < 8; ++c) h[c] = fmoe_h_round(silu_div_rn(fmoe_gate(g[c], limit)), u[c], w, limit, routed);
+    for (int c = 0; c < 8; ++c) h[c] = fmoe_h_value(g[c], u[c], w, limit, routed);
   }
 }
 
