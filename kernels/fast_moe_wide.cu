@@ -625,8 +625,10 @@ DSV4_INLINE void fmw_stash_pair(const float (&acc)[64], int p, unsigned addr) {
 // two halves) then spread over all banks.
 DSV4_INLINE int fmw_ep_index(int tok, int j) { return tok * 128 + ((((j >> 3) ^ (tok & 15)) << 3) | (j & 7)); }
 
-// bf16(acc) into an up matrix (fmw_stash_pair): the thread's warp's rows 16·warp .. + 15. Only the pairs of
-// 8-token groups that hold one of the tile's n: the quantisation reads no other.
+// bf16(acc) into an up matrix (fmw_stash_pair): the thread's warp's rows 16·warp .. + 15. The hardware
+// rounding loses only a NaN's payload, and h, its codes and its scale are the same for every NaN of g or u
+// (fminf and the clamp treat them alike). Only the pairs of 8-token groups that hold one of the tile's n: the
+// quantisation reads no other.
 DSV4_INLINE void fmw_up_stash(const float (&acc)[64], bf16_t* m, int n) {
   const unsigned base = smem_addr(m);
   const int j = (threadIdx.x >> 5) * 16 + fmw_stash_row();

@@ -1,6 +1,6 @@
 //! GPU runtime tests (src/cuda): primary context, arena, NVRTC registry with its disk cache,
 //! launches on a host-style stream, and common.cuh's number formats bit for bit against the
-//! CPU reference. Without a CUDA device every test prints `skipped: no CUDA device` and
+//! CPU reference (its silu_newton against silu_div_rn, on every f32 pattern, on the device). Without a CUDA device every test prints `skipped: no CUDA device` and
 //! returns; on the GPU machine scripts/gpu-check.sh runs this binary (also under
 //! compute-sanitizer) and treats that line as a failure.
 //!
