@@ -18,7 +18,9 @@ DSV4_INLINE float fmoe_h_round(float silu_g, float u, float w, float limit, bool
   return round_bf16_nonnan(h);
 }
 
-// h of one (g, u) pair (`limit` <= 0: no clamp), SiLU by silu_div_rn.
+// h of one (g, u) pair (`limit` <= 0: no clamp), SiLU by silu_div_rn: fmoe_h_round(silu_div_rn(fmoe_gate(g,
+// limit)), u, w, limit, routed), spelled out as it was so that the decode kernels compile to the SASS measured
+// there (the composed form schedules differently).
 DSV4_INLINE float fmoe_h_value(float g, float u, float w, float limit, bool routed) {
   if (limit > 0.0f) {
     g = fminf(g, limit);

@@ -209,7 +209,7 @@ DSV4_INLINE int fmw_scale_pos(int p) { return (p >> 4) * 16 + ((p >> 1) & 3) * 4
 //
 // Few instructions a copy: the producer's warps share the schedulers with the consumers' (one each), and every
 // slot they issue in is one a consumer warp may have waited for. So each item's token rows become pointers
-// once (a table in shared memory, FMW_ATBL: the producer's 40 registers cannot hold them), a stage adds one
+// once (a table in shared memory, FMW_ATBL: the producer's 24 registers cannot hold them), a stage adds one
 // offset to them, and a token's scales are its own thread's. (When each copy recomputed its row's address
 // from the row index, the producer issued 22% of the up GEMM's instructions, ~43 per token row and stage;
 // the consumers' mainloop 54%: ncu, B = 4096.)
