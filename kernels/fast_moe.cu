@@ -144,73 +144,62 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 }
 
 // The router scores for many tokens, on the BF16 tensor cores: block (bx, by) computes the logits of
-// FMOE_TC_TOKENS tokens t0 = by * FMOE_TC_TOKENS .. and FMOE_TC_EXPERTS experts e0 = bx * FMOE_TC_EXPERTS .. with
-// wgmma m64n64k16 (f32 accumulators), both operands K-major in shared memory (128-byte swizzle). Its products are
-// exact, as an f32 GEMM's are before their rounding: x holds BF16 values (the fast set runs official numerics:
-// the MoE input is the BF16 output of ffn_norm; a precondition), and every f32 gate value g splits exactly into
-// three BF16 planes, g = hi + lo + lo2 (hi = bf16(g), lo = bf16(g - hi), lo2 = g - hi - lo, each difference
-// exact in f32 and lo2 BF16-representable for |g| >= 2^-110), so every product x·hi, x·lo, x·lo2 the tensor core
-// forms is exact. The planes lo, lo2 of a BF16 gate (a released checkpoint's) are zero, and their wgmmas are
-// skipped for a stage whose block-wide lo / lo2 are all zero: a decision made from the weights alone, so a
-// token's logits still do not depend on the batch or the tile.
+// FMOE_TC_TOKENS tokens t0 = by * FMOE_TC_TOKENS .. and FMOE_TC_BLOCK_EXPERTS experts e0 = bx *
+// FMOE_TC_BLOCK_EXPERTS .., warpgroup w the experts e0 + w * FMOE_TC_WG_EXPERTS .. with wgmma m64nNk16 (N =
+// FMOE_TC_WG_EXPERTS; f32 accumulators), x as the A operand from registers, the gate as the B operand from
+// shared memory (K-major, 128-byte swizzle). Its products are exact, as an f32 GEMM's are before their
+// rounding: x holds BF16 values (the fast set runs official numerics: the MoE input is the BF16 output of
+// ffn_norm; a precondition), and every f32 gate value g splits exactly into three BF16 planes, g = hi + lo +
+// lo2 (hi = bf16(g), lo = bf16(g - hi), lo2 = g - hi - lo, each difference exact in f32 and lo2
+// BF16-representable for |g| >= 2^-110), so every product x·hi, x·lo, x·lo2 the tensor core forms is exact.
+// The planes are a derived tensor (fmoe_gate_planes_kernel, at finalize and refit). The planes lo, lo2 of a
+// BF16 gate (a released checkpoint's) are zero; a 64-k stage whose lo / lo2 are zero for every expert skips
+// their loads and wgmmas: a decision made from the weights alone, so a token's logits still do not depend on
+// the batch or the tile.
 //
-// Order and error. Per 64-k stage the block's wgmmas start from zero (lo2's four k16 steps, then lo's, then
-// hi's: the small terms first), and the stage's sums are added to the f32 logits in k order. The tensor core
-// forms each k16 step's 16 exact products and the incoming sum in one non-IEEE addition; modelled as aligning
-// all 17 terms to the largest and truncating to f32's 24 bits, then truncating the sum (no guard bits assumed,
-// the worst case), a step errs by < 68 · 2^-24 · (its largest term). Over a stage that is < 4 · 68 · (1 +
-// 2^-7) + 8 · 68 · 2^-7 < 280 units of 2^-24 · Σ_stage |x·g| (hi's steps; lo and lo2 are ≤ 2^-8 and 2^-16 of
-// hi), and the D/64 promotions add one f32 rounding each: |Δlogit| ≤ (280 + D/64) · 2^-24 · Σ_d |x_d g_ed|
-// (gpu_fast_moe's bound for this kernel).
+// Order and error. Per 64-k stage the warpgroup's wgmmas start from zero (lo2's four k16 steps, then lo's,
+// then hi's: the small terms first), and the stage's sums are added to the f32 logits in k order. The tensor
+// core forms each k16 step's 16 exact products and the incoming sum in one non-IEEE addition; modelled as
+// aligning all 17 terms to the largest and truncating to f32's 24 bits, then truncating the sum (no guard
+// bits assumed, the worst case), a step errs by < 68 · 2^-24 · (its largest term). Over a stage that is < 4 ·
+// 68 · (1 + 2^-7) + 8 · 68 · 2^-7 < 280 units of 2^-24 · Σ_stage |x·g| (hi's steps; lo and lo2 are ≤ 2^-8
+// and 2^-16 of hi), and the D/64 promotions add one f32 rounding each: |Δlogit| ≤ (280 + D/64) · 2^-24 · Σ_d
+// |x_d g_ed| (gpu_fast_moe's bound for this kernel).
 //
-// The pipeline. The block's x and gate rows arrive as f32 through a cp.async ring of FMOE_TC_RAW_STAGES raw
-// stages of FMOE_TC_KC k (rows of 128 bytes); every thread then converts its share of a raw stage into the BF16
-// stage buffer (x: hi only; the gate: three planes) in the swizzled layout the descriptors read, two raw stages
-// a 64-k stage. Two stage buffers: stage s is converted while stage s - 1's wgmmas run. x's act_quant is not
-// made here but by fmoe_select_kernel, a warp a token: in this kernel's preamble (as fmoe_logits_kernel makes
-// it) a block's 8 warps took a third of its time (ncu). Requires D % 128 == 0.
-#define FMOE_TC_THREADS 256                                 // two warpgroups
-#define FMOE_TC_KC 32                                       // k of a raw stage: f32 rows of 128 bytes
-#define FMOE_TC_RAW_ROWS (FMOE_TC_TOKENS + FMOE_TC_EXPERTS)  // x's rows, then the gate's
-#define FMOE_TC_RAW (FMOE_TC_RAW_ROWS * 128)
-#define FMOE_TC_A (FMOE_TC_TOKENS * 128)  // a stage's token tile: 64 k of BF16, rows of 128 bytes
-#define FMOE_TC_B (FMOE_TC_EXPERTS * 128)  // one plane of its expert tile
-#define FMOE_TC_STAGE (FMOE_TC_A + 3 * FMOE_TC_B)
-// The two warpgroups split the block's tile by experts: each takes the 64 tokens and 64 experts (m64n64).
-static_assert(FMOE_TC_EXPERTS == 128 && FMOE_TC_TOKENS == 64, "fmoe_logits_tc_kernel: two warpgroups of m64n64");
-static_assert(FMOE_TC_RAW % 1024 == 0 && FMOE_TC_STAGE % 1024 == 0, "fmoe_logits_tc_kernel: 1024-byte aligned tiles");
-static_assert(FMOE_TC_RAW_STAGES * FMOE_TC_RAW + 2 * FMOE_TC_STAGE <= FMOE_TC_SMEM_BYTES,
+// The pipeline. A producer warp fills a ring of FMOE_TC_SLOTS slots with 1-D bulk copies (TMA without a
+// tensor map), one slot per (stage, plane) item in the consumers' order: x's 64 rows of the stage as f32
+// (256 bytes a row, at a padded stride), and the plane's chunk of the block's experts, stored by
+// fmoe_gate_planes_kernel exactly as the swizzled layout the descriptors read. x's rows are read as loaded:
+// each consumer thread converts its own A fragment to BF16 in registers (no shared-memory round trip, no
+// barrier between the warpgroups), so neither the gate nor x is converted in the block's loop (the kernel
+// before converted the f32 gate into its three planes in every token block, every stage: 127 µs at 4096
+// tokens, ~8x its floor). x's act_quant is not made here but by fmoe_select_kernel. Requires D % 64 == 0,
+// D / 64 <= FMOE_TC_MAX_STAGES.
+#define FMOE_TC_THREADS 288  // two consumer warpgroups, then the producer warp
+#define FMOE_TC_BLOCK_EXPERTS (2 * FMOE_TC_WG_EXPERTS)
+#define FMOE_TC_CHUNKS (FMOE_TC_BLOCK_EXPERTS / FMOE_GATE_TILE)  // plane chunks a block's item loads
+#define FMOE_GATE_CHUNK (FMOE_GATE_TILE * 128)                   // one plane, one stage, FMOE_GATE_TILE experts
+// x's rows in a slot: 64 f32 and 32 bytes of padding, so the A fragments' 8-byte loads (rows g, k 2t of a
+// half-warp: words 72g + 2t) meet no bank conflict.
+#define FMOE_TC_X_ROW 288
+#define FMOE_TC_X_BYTES (FMOE_TC_TOKENS * FMOE_TC_X_ROW)
+#define FMOE_TC_SLOT (FMOE_TC_X_BYTES + FMOE_TC_CHUNKS * FMOE_GATE_CHUNK)
+#define FMOE_TC_TX (FMOE_TC_TOKENS * 256 + FMOE_TC_CHUNKS * FMOE_GATE_CHUNK)  // bytes a slot's copies bring
+static_assert(FMOE_TC_TOKENS == 64, "fmoe_logits_tc_kernel: one m64 token tile a block");
+static_assert(FMOE_TC_WG_EXPERTS == 64 || FMOE_TC_WG_EXPERTS == 128, "fmoe_logits_tc_kernel: N = 64 or 128");
+static_assert(FMOE_TC_BLOCK_EXPERTS % FMOE_GATE_TILE == 0 && 256 % FMOE_TC_BLOCK_EXPERTS == 0,
+              "fmoe_logits_tc_kernel: a block's experts are whole chunks of a 256-expert group");
+static_assert(FMOE_TC_X_BYTES % 1024 == 0 && FMOE_TC_SLOT % 1024 == 0, "fmoe_logits_tc_kernel: 1024-byte aligned tiles");
+static_assert(FMOE_TC_SLOTS * FMOE_TC_SLOT + 4 * FMOE_TC_MAX_STAGES + 16 * FMOE_TC_SLOTS <= FMOE_TC_SMEM_BYTES,
               "fmoe_logits_tc_kernel: shared memory layout exceeds FMOE_TC_SMEM_BYTES");
-static_assert(FMOE_TC_RAW_STAGES >= 2, "fmoe_logits_tc_kernel: a raw ring of at least two stages");
 
-#define FMOE_TC_COPIES (FMOE_TC_RAW_ROWS * 8 / FMOE_TC_THREADS)  // a thread's 16-byte copies of a raw stage
-static_assert(FMOE_TC_RAW_ROWS * 8 % FMOE_TC_THREADS == 0, "fmoe_logits_tc_kernel: whole copies a thread");
-
-// The thread's copies of a raw stage: chunk c = tid + FMOE_TC_THREADS·i (row c / 8, 16-byte piece c % 8) from
-// src[i] + r·FMOE_TC_KC (x's rows, then the gate's; rows past T or E repeat the last row: computed, never
-// stored) to byte 16·c of the slot. The sources are made once: per stage, the fills that made them were
-// half of the loop's instructions (ncu).
-struct FmoeTcSources {
-  const float* src[FMOE_TC_COPIES];
-};
-
-DSV4_INLINE FmoeTcSources fmoe_tc_sources(const float* x, int T, int D, int E, const float* gate, int t0, int e0) {
-  FmoeTcSources s;
-#pragma unroll
-  for (int i = 0; i < FMOE_TC_COPIES; ++i) {
-    const int c = threadIdx.x + i * FMOE_TC_THREADS, row = c >> 3, q = c & 7;
-    s.src[i] = (row < FMOE_TC_TOKENS ? x + (long long)min(t0 + row, T - 1) * D
-                                     : gate + (long long)min(e0 + row - FMOE_TC_TOKENS, E - 1) * D) +
-               4 * q;
-  }
-  return s;
-}
-
-// Copies raw stage r (k = r · FMOE_TC_KC ..) of the block's x and gate rows into `dst`.
-DSV4_INLINE void fmoe_tc_fill(const FmoeTcSources& s, int r, unsigned char* dst) {
-  const unsigned d0 = smem_addr(dst) + 16 * threadIdx.x;
-#pragma unroll
-  for (int i = 0; i < FMOE_TC_COPIES; ++i) cp_async_16(d0 + 16 * FMOE_TC_THREADS * i, s.src[i] + r * FMOE_TC_KC);
+// The derived gate planes (fmoe_gate_planes_kernel): nt = 2 · ceil(E / 256) tiles of FMOE_GATE_TILE experts
+// (rows past E are zero), S = D / 64 stages. Chunk (plane p, tile et, stage s) holds the tile's 128-byte rows of
+// BF16 k 64s .. 64s + 63, 16-byte unit u of row r at u ^ (r % 8); chunks in (p, et, s) order, then the words
+// low[et][s] (1: the tile's lo or lo2 is nonzero in stage s).
+DSV4_INLINE int fmoe_gate_tiles(int E) { return 2 * ((E + 255) / 256); }
+DSV4_INLINE long long fmoe_gate_chunk_at(int p, int et, int s, int nt, int S) {
+  return (((long long)p * nt + et) * S + s) * FMOE_GATE_CHUNK;
 }
 
 // Eight f32 values as BF16 (round to nearest even), in order, one 16-byte unit.
@@ -229,131 +218,157 @@ DSV4_INLINE void fmoe_tc_subtract(float (&v)[8], uint4 u) {
   }
 }
 
-// Converts raw stage `raw` into half h (k 32h .. 32h + 31) of the stage buffer `st`: thread units of 8 k (two
-// 16-byte chunks of a raw row) into 16-byte unit 4h + (its pair) of the row, at that unit ^ (row % 8). Returns
-// whether any of the thread's lo / lo2 values is nonzero.
-DSV4_INLINE unsigned fmoe_tc_convert(const unsigned char* raw, unsigned char* st, int h) {
+// Builds the gate planes of f32 `gate` [E][D] (the layout above): block (et, s) makes the three chunks of tile
+// et, stage s, and its low word. Launched with grid (fmoe_gate_tiles(E), D / 64) and 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+    fmoe_gate_planes_kernel(const float* gate, int E, int D, unsigned char* planes) {
+  const int et = blockIdx.x, s = blockIdx.y, nt = gridDim.x, S = gridDim.y;
   unsigned nz = 0u;
 #pragma unroll
-  for (int i = 0; i < FMOE_TC_RAW_ROWS * 4 / FMOE_TC_THREADS; ++i) {
-    const int p = threadIdx.x + i * FMOE_TC_THREADS, row = p >> 2, pair = p & 3;
-    const float4* src = reinterpret_cast<const float4*>(raw + row * 128 + pair * 32);
-    const float4 a = src[0], b = src[1];
-    float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    const int u = 4 * h + pair;
-    if (row < FMOE_TC_TOKENS) {  // uniform over the warp: FMOE_TC_TOKENS * 4 is a multiple of 32
-      *reinterpret_cast<uint4*>(st + row * 128 + ((u ^ (row & 7)) << 4)) = fmoe_tc_bf16x8(v);
-    } else {
-      const int er = row - FMOE_TC_TOKENS;
-      unsigned char* dst = st + FMOE_TC_A + er * 128 + ((u ^ (er & 7)) << 4);
-      const uint4 hi = fmoe_tc_bf16x8(v);
+  for (int i = 0; i < FMOE_GATE_TILE * 8 / 256; ++i) {
+    const int c = threadIdx.x + 256 * i, row = c >> 3, u = c & 7, e = et * FMOE_GATE_TILE + row;
+    uint4 hi = make_uint4(0u, 0u, 0u, 0u), lo = hi, lo2 = hi;
+    if (e < E) {
+      const float4* src = reinterpret_cast<const float4*>(gate + (long long)e * D + 64 * s + 8 * u);
+      const float4 a = src[0], b = src[1];
+      float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      hi = fmoe_tc_bf16x8(v);
       fmoe_tc_subtract(v, hi);
-      uint4 lo = make_uint4(0u, 0u, 0u, 0u), lo2 = lo;
-      bool exact = true;
-#pragma unroll
-      for (int c = 0; c < 8; ++c) exact = exact && v[c] == 0.0f;
-      // A warp whose values are all BF16 (a released checkpoint's gate) skips the two roundings; it still
-      // writes its zero planes, which the block's wgmmas read when another warp's values need them.
-      if (!__all_sync(0xffffffffu, exact)) {
-        lo = fmoe_tc_bf16x8(v);
-        fmoe_tc_subtract(v, lo);
-        lo2 = fmoe_tc_bf16x8(v);
-        nz |= lo.x | lo.y | lo.z | lo.w | lo2.x | lo2.y | lo2.z | lo2.w;
-      }
-      *reinterpret_cast<uint4*>(dst) = hi;
-      *reinterpret_cast<uint4*>(dst + FMOE_TC_B) = lo;
-      *reinterpret_cast<uint4*>(dst + 2 * FMOE_TC_B) = lo2;
+      lo = fmoe_tc_bf16x8(v);
+      fmoe_tc_subtract(v, lo);
+      lo2 = fmoe_tc_bf16x8(v);
+      nz |= lo.x | lo.y | lo.z | lo.w | lo2.x | lo2.y | lo2.z | lo2.w;
     }
+    const int at = row * 128 + ((u ^ (row & 7)) << 4);
+    *reinterpret_cast<uint4*>(planes + fmoe_gate_chunk_at(0, et, s, nt, S) + at) = hi;
+    *reinterpret_cast<uint4*>(planes + fmoe_gate_chunk_at(1, et, s, nt, S) + at) = lo;
+    *reinterpret_cast<uint4*>(planes + fmoe_gate_chunk_at(2, et, s, nt, S) + at) = lo2;
   }
-  return nz;
+  const int low = __syncthreads_or(nz != 0u);
+  if (threadIdx.x == 0)
+    reinterpret_cast<unsigned*>(planes + fmoe_gate_chunk_at(3, 0, 0, nt, S))[et * S + s] = low ? 1u : 0u;
 }
 
-// d (64 tokens x 64 experts, f32) = (scale_d ? d : 0) + A B^T over one k16 step.
-DSV4_INLINE void fmoe_tc_wgmma(float (&d)[32], unsigned long long adesc, unsigned long long bdesc, int scale_d) {
+// d (64 tokens x FMOE_TC_WG_EXPERTS experts, f32) = (scale_d ? d : 0) + A B^T over one k16 step, A (x, BF16)
+// from the registers a (the m64k16 fragment: rows g, g + 8 of the warp's 16, k 2t, 2t + 1 and + 8), B from the
+// descriptor.
+DSV4_INLINE void fmoe_tc_wgmma(float (&d)[FMOE_TC_WG_EXPERTS / 2], const unsigned (&a)[4], unsigned long long bdesc,
+                               int scale_d) {
+#if FMOE_TC_WG_EXPERTS == 128
   asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
+      "{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0; }\n"
+      : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24), WGMMA_ACC8(d, 32),
+        WGMMA_ACC8(d, 40), WGMMA_ACC8(d, 48), WGMMA_ACC8(d, 56)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bdesc), "r"(scale_d));
+#else
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, 0, 0; }\n"
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0; }\n"
       : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24)
-      : "l"(adesc), "l"(bdesc), "r"(scale_d));
-}
-
-// The warpgroup's wgmmas over stage buffer `st` (lo2's and lo's k16 steps when `low`, then hi's), from zero.
-DSV4_INLINE void fmoe_tc_issue(const unsigned char* st, bool low, float (&d)[32]) {
-  const int wg = threadIdx.x >> 7;
-  const unsigned long long a = wgmma_desc_sw128(st);
-  const unsigned long long b = wgmma_desc_sw128(st + FMOE_TC_A + wg * 64 * 128);
-  wgmma_fence();
-  int first = 1;
-#pragma unroll
-  for (int plane = 2; plane >= 0; --plane) {
-    if (plane > 0 && !low) continue;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {  // k16 step q: 32 bytes on along the rows
-      fmoe_tc_wgmma(d, a + 2 * q, b + ((plane * FMOE_TC_B) >> 4) + 2 * q, !first);
-      first = 0;
-    }
-  }
-  wgmma_commit();
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bdesc), "r"(scale_d));
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
-    fmoe_logits_tc_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores) {
+    fmoe_logits_tc_kernel(const float* x, int T, int D, int E, const unsigned char* planes, int scoring,
+                          float* scores) {
   dsv4_pdl_begin();
   extern __shared__ __align__(1024) unsigned char fmoe_tc_smem[];
   if ((smem_addr(fmoe_tc_smem) & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned tiles
-  const int warp = threadIdx.x >> 5;
-  const int t0 = blockIdx.y * FMOE_TC_TOKENS, e0 = blockIdx.x * FMOE_TC_EXPERTS;
-  const FmoeTcSources src = fmoe_tc_sources(x, T, D, E, gate, t0, e0);
-  unsigned char* raw = fmoe_tc_smem;
-  unsigned char* stages = fmoe_tc_smem + FMOE_TC_RAW_STAGES * FMOE_TC_RAW;
-  const int nraw = D / FMOE_TC_KC;
-#pragma unroll
-  for (int r = 0; r < FMOE_TC_RAW_STAGES - 1; ++r) {
-    if (r < nraw) fmoe_tc_fill(src, r, raw + r * FMOE_TC_RAW);
-    cp_async_commit();
+  const int S = D / 64, nt = fmoe_gate_tiles(E);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t0 = blockIdx.y * FMOE_TC_TOKENS, et0 = blockIdx.x * FMOE_TC_CHUNKS;
+  // low[s]: stage s multiplies the lo planes (for any expert: the same items in every block).
+  unsigned* low = reinterpret_cast<unsigned*>(fmoe_tc_smem + FMOE_TC_SLOTS * FMOE_TC_SLOT);
+  const unsigned full0 = smem_addr(low + FMOE_TC_MAX_STAGES), empty0 = full0 + 8 * FMOE_TC_SLOTS;
+  const unsigned* low_words = reinterpret_cast<const unsigned*>(planes + fmoe_gate_chunk_at(3, 0, 0, nt, S));
+  for (int s = threadIdx.x; s < S; s += FMOE_TC_THREADS) {
+    unsigned f = 0u;
+    for (int et = 0; et < nt; ++et) f |= low_words[et * S + s];
+    low[s] = f;
   }
-  float d[32], logit[32];
-#pragma unroll
-  for (int v = 0; v < 32; ++v) d[v] = 0.0f, logit[v] = 0.0f;
-#pragma unroll 1
-  for (int s = 0; s < D / 64; ++s) {
-    unsigned char* st = stages + (s & 1) * FMOE_TC_STAGE;
-    unsigned nz = 0u;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 2 * s + h;
-      cp_async_wait<FMOE_TC_RAW_STAGES - 2>();
-      // Raw stage r has landed for every thread, raw stage r - 1's slot is converted, and stage s - 2's
-      // wgmmas (which read this stage buffer) are done in both warpgroups.
-      __syncthreads();
-      const int next = r + FMOE_TC_RAW_STAGES - 1;
-      if (next < nraw) fmoe_tc_fill(src, next, raw + next % FMOE_TC_RAW_STAGES * FMOE_TC_RAW);
-      cp_async_commit();
-      nz |= fmoe_tc_convert(raw + r % FMOE_TC_RAW_STAGES * FMOE_TC_RAW, st, h);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < FMOE_TC_SLOTS; ++i) {
+      mbar_init(full0 + 8 * i, 1);      // the producer's arrive_expect_tx, then the copies' bytes
+      mbar_init(empty0 + 8 * i, 8);     // one arrival a consumer warp
     }
-    fence_proxy_async_shared();  // the generic-proxy stores, before the wgmmas read them
-    const bool low = __syncthreads_or(nz != 0u) != 0;
-    if (s > 0) {  // stage s - 1's sums join the logits
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (warp == 8) {  // the producer warp: item n = (stage, plane) into slot n % FMOE_TC_SLOTS
+    int n = 0;
+    for (int s = 0; s < S; ++s) {
+      for (int p = low[s] ? 2 : 0; p >= 0; --p, ++n) {
+        const int slot = n % FMOE_TC_SLOTS;
+        const unsigned full = full0 + 8 * slot, dst = smem_addr(fmoe_tc_smem + slot * FMOE_TC_SLOT);
+        mbar_wait(empty0 + 8 * slot, ((n / FMOE_TC_SLOTS) & 1) ^ 1);  // a fresh barrier's parity 1 is complete
+        if (lane == 0) mbar_arrive_expect_tx(full, FMOE_TC_TX);
+        __syncwarp();
+        for (int r = lane; r < FMOE_TC_TOKENS; r += 32)  // rows past T repeat the last row: computed, never stored
+          bulk_load(dst + r * FMOE_TC_X_ROW, x + (long long)min(t0 + r, T - 1) * D + 64 * s, 256, full);
+        if (lane < FMOE_TC_CHUNKS)
+          bulk_load(dst + FMOE_TC_X_BYTES + lane * FMOE_GATE_CHUNK, planes + fmoe_gate_chunk_at(p, et0 + lane, s, nt, S),
+                    FMOE_GATE_CHUNK, full);
+      }
+    }
+    return;
+  }
+
+  // Consumer warpgroup wg: rows r0 = 16 (warp % 4) + g and r0 + 8 of the tokens, its FMOE_TC_WG_EXPERTS experts.
+  const int wg = warp >> 2, g = lane >> 2, t = lane & 3, r0 = 16 * (warp & 3) + g;
+  float d[FMOE_TC_WG_EXPERTS / 2], logit[FMOE_TC_WG_EXPERTS / 2];
+#pragma unroll
+  for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) d[v] = 0.0f, logit[v] = 0.0f;
+  int n = 0;
+#pragma unroll 1
+  for (int s = 0; s < S; ++s) {
+    const int top = low[s] ? 2 : 0;
+#pragma unroll 1
+    for (int p = top; p >= 0; --p, ++n) {
+      const int slot = n % FMOE_TC_SLOTS;
+      const unsigned char* sl = fmoe_tc_smem + slot * FMOE_TC_SLOT;
+      mbar_wait(full0 + 8 * slot, (n / FMOE_TC_SLOTS) & 1);
+      // The A fragments of the stage's four k16 steps: a[q][2h + i] = x[r0 + 8i][16q + 8h + 2t, + 1] as bf16x2.
+      unsigned a[4][4];
+      const unsigned xa = smem_addr(sl) + r0 * FMOE_TC_X_ROW + 8 * t;
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint2 v = lds_u64(xa + (j & 1) * 8 * FMOE_TC_X_ROW + 4 * (16 * q + 8 * (j >> 1)));
+          a[q][j] = pack_bf16x2(__uint_as_float(v.x), __uint_as_float(v.y));
+        }
+      const unsigned long long b = wgmma_desc_sw128(sl + FMOE_TC_X_BYTES + wg * FMOE_TC_WG_EXPERTS * 128);
+      wgmma_fence();
+#pragma unroll
+      for (int q = 0; q < 4; ++q) fmoe_tc_wgmma(d, a[q], b + 2 * q, p == top && q == 0 ? 0 : 1);
+      wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operand(d);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + 8 * slot);  // the slot's x and gate are read
+      if (p == 0) {  // the stage's sums join the logits
 #pragma unroll
-      for (int v = 0; v < 32; ++v) logit[v] += d[v];
+        for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) logit[v] += d[v];
+      }
     }
-    fmoe_tc_issue(st, low, d);
   }
-  wgmma_wait<0>();
-  wgmma_fence_operand(d);
-  // d[4j + c]: token 16·(warp % 4) + g + 8·(c >> 1), expert 8j + 2t + (c & 1) of the warpgroup's 64.
-  const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int tb = t0 + 16 * (warp & 3) + g;
-  const int eb = e0 + 64 * wg + 2 * t;
+  // d[4j + c]: token r0 + 8·(c >> 1), expert 8j + 2t + (c & 1) of the warpgroup's.
+  const int tb = t0 + r0, eb = et0 * FMOE_GATE_TILE + wg * FMOE_TC_WG_EXPERTS + 2 * t;
 #pragma unroll
-  for (int v = 0; v < 32; ++v) {
+  for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) {
     const int tok = tb + 8 * ((v & 3) >> 1), e = eb + 8 * (v >> 2) + (v & 1);
-    if (tok < T && e < E) scores[(long long)tok * E + e] = fmoe_score(logit[v] + d[v], scoring);
+    if (tok < T && e < E) scores[(long long)tok * E + e] = fmoe_score(logit[v], scoring);
   }
 }
 

@@ -686,6 +686,9 @@ fn run_cases(sh: MoeShape, scales: Scales, gate: Gate, paths: Paths, cases: &[(u
     let s = stream.borrow();
     let mut l = SyntheticMoe::new(e.ctx, s, sh, rng.u64()).unwrap();
     if gate == Gate::F32 {
+        // The derived tensors of the BF16 gate first, as a finalize builds them: the derive below
+        // must then replace every gate plane and stage flag, as after a refit of the gate.
+        l.derive_fast(e.ctx, &e.fast, s).unwrap();
         // Each value times (1 + u·2^-9), u in [-1, 1): the low bits BF16 drops, at every magnitude.
         for g in &mut l.gate_host {
             *g *= 1.0 + rng.uniform(-1.0, 1.0) * 2f32.powi(-9);

@@ -6,7 +6,7 @@ use crate::config::ModelConfig;
 use crate::cuda::arena::{DevicePtr, RegionId};
 use crate::cuda::backend::DEVICE_ERROR_NAME;
 use crate::cuda::kernels::batch::CheckedBatch;
-use crate::cuda::kernels::fast_moe_gemm;
+use crate::cuda::kernels::{fast_moe, fast_moe_gemm};
 use crate::cuda::kv_pages::{KvFormat, KvPagesDev, KvRows};
 use crate::cuda::memory_plan::{BufferKind, Buffers, Elem, MemoryPlan};
 use crate::error::Result;
@@ -54,6 +54,9 @@ pub struct ExpertTables {
     /// The fast set's UE8M0 copy of the FP4 experts' scales
     /// ([`crate::cuda::kernels::fast_moe_gemm::scales8_bytes`]); None for the reference set.
     pub scales8: Option<DevicePtr>,
+    /// The fast set's BF16 planes of the router's gate
+    /// ([`crate::cuda::kernels::fast_moe::gate_planes_bytes`]); None for the reference set.
+    pub gate_planes: Option<DevicePtr>,
 }
 
 /// One compressor's per-slot streaming state.
@@ -165,6 +168,7 @@ pub(crate) struct PlannedBuffers {
     /// Per held layer, the fast set's tensor map table and UE8M0 scale table.
     tensor_maps: Vec<Option<RegionId>>,
     scales8: Vec<Option<RegionId>>,
+    gate_planes: Vec<Option<RegionId>>,
     inv_freq: Vec<RegionId>,
     hc0_fold: RegionId,
     layer_state: Vec<LayerStateIds>,
@@ -315,6 +319,7 @@ pub(crate) fn plan_model(
     let mut expert_tables = vec![];
     let mut tensor_maps = vec![];
     let mut scales8 = vec![];
+    let mut gate_planes = vec![];
     for l in placement.layers.clone() {
         let mut ids = [RegionId(0); 6];
         for (j, nm) in ["w1", "w2", "w3", "s1", "s2", "s3"].iter().enumerate() {
@@ -356,6 +361,18 @@ pub(crate) fn plan_model(
             })
             .transpose()?;
         scales8.push(scales8_table);
+        let planes = (opts.kernel_set() == KernelSetName::Fast)
+            .then(|| {
+                let bytes = fast_moe::gate_planes_bytes(cfg.n_routed_experts, cfg.hidden_size);
+                plan.declare(
+                    BufferKind::Derived,
+                    format!("derived:layers.{l}.ffn.gate.bf16_planes"),
+                    Elem::U8,
+                    &[bytes],
+                )
+            })
+            .transpose()?;
+        gate_planes.push(planes);
     }
     let inv_freq = placement
         .layers
@@ -433,6 +450,7 @@ pub(crate) fn plan_model(
         expert_tables,
         tensor_maps,
         scales8,
+        gate_planes,
         inv_freq,
         hc0_fold,
         layer_state,
@@ -470,9 +488,11 @@ impl PlannedBuffers {
             .expert_tables
             .iter()
             .zip(self.tensor_maps.iter().zip(&self.scales8))
-            .map(|(ids, (maps, sc8))| ExpertTables {
+            .zip(&self.gate_planes)
+            .map(|((ids, (maps, sc8)), planes)| ExpertTables {
                 maps: maps.map(p),
                 scales8: sc8.map(p),
+                gate_planes: planes.map(p),
                 w1: p(ids[0]),
                 w2: p(ids[1]),
                 w3: p(ids[2]),

@@ -9,7 +9,7 @@
 
 use crate::config::ScoringFunc;
 use crate::cuda::arena::{self, Arena, ArenaPlan, DevicePtr};
-use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared};
+use crate::cuda::kernels::fast_moe::{self, FastExperts, FastMoe, FastMoeLayer, FastShared};
 use crate::cuda::kernels::fast_moe_gemm::{self, ExpertMatrices};
 use crate::cuda::kernels::linear::WeightDev;
 use crate::cuda::kernels::moe::{ExpertsDev, RouterParams, Selection};
@@ -115,6 +115,8 @@ pub struct SyntheticMoe {
     pub maps: DevicePtr,
     /// The fast GEMMs' UE8M0 scale table: built by [`SyntheticMoe::derive_fast`].
     pub scales8: DevicePtr,
+    /// The tensor-core router's gate planes: built by [`SyntheticMoe::derive_fast`].
+    pub gate_planes: DevicePtr,
 }
 
 fn hash_table(rng: &mut Rng, sh: &MoeShape, skewed: bool) -> Vec<i32> {
@@ -159,6 +161,7 @@ impl SyntheticMoe {
         // shared expert.
         sizes.push((e + 1) * fast_moe_gemm::MAPS_PER_EXPERT * fast_moe_gemm::MAP_BYTES);
         sizes.push(fast_moe_gemm::scales8_bytes(d, i, e + 1));
+        sizes.push(fast_moe::gate_planes_bytes(e, d));
         let mut plan = ArenaPlan::new();
         let ids: Vec<_> = sizes
             .iter()
@@ -256,6 +259,7 @@ impl SyntheticMoe {
         Ok(SyntheticMoe {
             maps,
             scales8: p[23],
+            gate_planes: p[24],
             shape: sh,
             gate: p[0],
             bias: p[1],
@@ -330,6 +334,7 @@ impl SyntheticMoe {
             experts: sh.experts,
             local: 0..sh.experts,
             gate: self.gate,
+            gate_planes: self.gate_planes,
             selection: self.selection(routing, tokens),
             router: self.router(),
             w1: fe(&self.routed[0]),

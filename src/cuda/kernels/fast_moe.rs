@@ -42,24 +42,40 @@ pub const LOGIT_EXPERTS: usize = 2;
 pub const LOGIT_SPLIT: usize = 4;
 /// Tokens per `fmoe_logits_kernel` block (FMOE_LOGIT_TOKENS).
 pub const LOGIT_TOKENS: usize = 8;
-/// `fmoe_logits_tc_kernel` (many tokens, BF16 tensor cores): tokens (FMOE_TC_TOKENS) and experts
-/// (FMOE_TC_EXPERTS) per block, two warpgroups of 64 experts each, and the raw f32 stages of its
-/// cp.async ring (FMOE_TC_RAW_STAGES, as many as fit beside the two BF16 stage buffers). 64 tokens
-/// rather than 128 (two warpgroups of 64 tokens): the layer at Flash shapes, µs with 64 / 128
-/// (H200, same call): B = 1024 2313 / 2358, 2048 2848 / 2887, 4096 3450 / 3494, 16384 12196 /
-/// 12065 (BENCHMARKS.md, issue 11 sixteenth version).
+/// `fmoe_logits_tc_kernel` (many tokens, BF16 tensor cores): tokens per block (FMOE_TC_TOKENS, one
+/// m64 tile) and experts per warpgroup (FMOE_TC_WG_EXPERTS, the wgmma's N; two consumer warpgroups
+/// a block, so a block takes twice as many experts).
 pub const TC_TOKENS: usize = 64;
-pub const TC_EXPERTS: usize = 128;
-pub const TC_RAW_STAGES: usize = 4;
-/// Dynamic shared memory of a `fmoe_logits_tc_kernel` block (FMOE_TC_SMEM_BYTES): the raw ring (x's
-/// and the gate's rows, 32 f32 each) and two stage buffers (64 k of x in BF16, the gate's three BF16
-/// planes).
-pub const TC_SMEM_BYTES: usize =
-    TC_RAW_STAGES * (TC_TOKENS + TC_EXPERTS) * 128 + 2 * (TC_TOKENS + 3 * TC_EXPERTS) * 128;
+pub const TC_WG_EXPERTS: usize = 128;
+/// Threads of a `fmoe_logits_tc_kernel` block: two consumer warpgroups and a producer warp.
+pub const TC_THREADS: usize = 288;
+/// Experts of one chunk of the derived gate planes (FMOE_GATE_TILE; [`gate_planes_bytes`]).
+pub const GATE_TILE: usize = 128;
+/// Most 64-k stages (D / 64) `fmoe_logits_tc_kernel` takes (FMOE_TC_MAX_STAGES: its per-stage
+/// flags sit in shared memory).
+pub const TC_MAX_STAGES: usize = 256;
+/// One ring slot of `fmoe_logits_tc_kernel`: x's 64 rows of a stage in f32 at a 288-byte stride,
+/// then one BF16 plane of the block's experts (128 bytes a row).
+const TC_SLOT: usize = TC_TOKENS * 288 + 2 * TC_WG_EXPERTS * 128;
+/// Its ring slots (FMOE_TC_SLOTS): as many as fit beside the stage flags and the mbarriers.
+pub const TC_SLOTS: usize = (227 * 1024 - 4 * TC_MAX_STAGES - 16 * 8) / TC_SLOT;
+/// Dynamic shared memory of a `fmoe_logits_tc_kernel` block (FMOE_TC_SMEM_BYTES).
+pub const TC_SMEM_BYTES: usize = TC_SLOTS * TC_SLOT + 4 * TC_MAX_STAGES + 16 * TC_SLOTS;
 const _: () = assert!(
-    TC_SMEM_BYTES <= 227 * 1024,
-    "an sm_90 block takes at most 227 KiB"
+    TC_SMEM_BYTES <= 227 * 1024 && TC_SLOTS >= 2,
+    "an sm_90 block takes at most 227 KiB; the ring needs two slots"
 );
+
+/// Bytes of a layer's derived gate planes (`fmoe_gate_planes_kernel`, kernels/fast_moe.cu): the
+/// f32 gate `[E, D]` split exactly into three BF16 planes, in chunks of [`GATE_TILE`] experts x 64
+/// k laid out as the tensor-core router's shared memory reads them (rows past E zero; E rounded
+/// up to 256), then one u32 a chunk of stage flags. 1.5x the f32 gate's bytes: the price of a
+/// router that converts nothing per token block (BENCHMARKS.md, issue 11 twentieth version).
+pub fn gate_planes_bytes(e: usize, d: usize) -> usize {
+    let chunks = 2 * e.div_ceil(256) * (d / 64);
+    chunks * (3 * GATE_TILE * 128 + 4)
+}
+
 /// Fewest tokens routed by `fmoe_logits_tc_kernel` ([`RouterPath::for_tokens`]): below, its few
 /// blocks (two per 64 tokens) leave SMs idle. The layer at Flash shapes, µs with
 /// `fmoe_logits_kernel` / this one (H200, same call): B = 512 1365 / 1372, 1024 2436 / 2313,
@@ -113,12 +129,14 @@ crate::kernel_family! {
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
         halves: bool, xq: *mut u8, xs: *mut f32,
     );
-    /// The same on the BF16 tensor cores (x's values BF16).
+    /// The same on the BF16 tensor cores (x's values BF16), from the derived gate planes.
     #[smem(TC_SMEM_BYTES as u32)]
     #[pdl(true)]
     fn fmoe_logits_tc_kernel(
-        x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
+        x: *const f32, t: i32, d: i32, e: i32, planes: *const u8, scoring: i32, scores: *mut f32,
     );
+    /// Builds the derived gate planes ([`gate_planes_bytes`]) from the f32 gate.
+    fn fmoe_gate_planes_kernel(gate: *const f32, e: i32, d: i32, planes: *mut u8);
     /// Top-k selection (`bias` optional) or hash routing (`tid2eid` and `tokens`, both set);
     /// with `x`, also x's FP8 quantisation (the tensor-core router leaves it to this kernel).
     #[pdl(true)]
@@ -140,8 +158,36 @@ crate::launchers! {
     pub struct FastMoeRoute {
         logits: fmoe_logits_kernel,
         logits_tc: fmoe_logits_tc_kernel,
+        gate_planes: fmoe_gate_planes_kernel,
         select: fmoe_select_kernel,
         combine: fmoe_combine_kernel,
+    }
+}
+
+impl FastMoeRoute {
+    /// Builds `layer.gate_planes` from `layer.gate` (finalize, refit: after the gate was written).
+    pub fn derive_gate_planes(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "fmoe_gate_planes_kernel";
+        let (d, e) = (layer.d, layer.experts);
+        if !d.is_multiple_of(64) || d / 64 > TC_MAX_STAGES || e == 0 {
+            return Err(internal(format!("{K}: D {d}, E {e}")));
+        }
+        need(K, "gate", layer.gate, e * d * 4)?;
+        need(K, "planes", layer.gate_planes, gate_planes_bytes(e, d))?;
+        let _g = ctx.enter()?;
+        let grid = ((2 * e.div_ceil(256)) as u32, (d / 64) as u32, 1);
+        let args = fmoe_gate_planes_kernel::Args {
+            gate: layer.gate,
+            e: to_i32(K, "E", e)?,
+            d: to_i32(K, "D", d)?,
+            planes: layer.gate_planes,
+        };
+        self.gate_planes.launch(grid, 256, 0, stream, args)
     }
 }
 
@@ -175,6 +221,9 @@ pub struct FastMoeLayer {
     pub local: Range<usize>,
     /// `f32[E, D]`.
     pub gate: DevicePtr,
+    /// The gate's derived BF16 planes ([`gate_planes_bytes`], built by [`FastMoe::derive`]), which
+    /// the tensor-core router reads.
+    pub gate_planes: DevicePtr,
     pub selection: Selection,
     pub router: RouterParams,
     pub w1: FastExperts,
@@ -214,6 +263,9 @@ impl FastMoeLayer {
         if !d.is_multiple_of(128) || !i.is_multiple_of(128) {
             return Some(Unsupported::NotMultipleOf128 { d, i });
         }
+        if d > 64 * TC_MAX_STAGES {
+            return Some(Unsupported::Hidden(d));
+        }
         if experts == 0 || experts > 32 * MAX_EPL {
             return Some(Unsupported::Experts(experts));
         }
@@ -237,6 +289,7 @@ impl FastMoeLayer {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unsupported {
     NotMultipleOf128 { d: usize, i: usize },
+    Hidden(usize),
     Experts(usize),
     TopK(usize),
     Routed(StorageFormat, [usize; 2]),
@@ -249,6 +302,7 @@ impl std::fmt::Display for Unsupported {
             Unsupported::NotMultipleOf128 { d, i } => {
                 write!(f, "hidden {d} and moe_inter {i} must be multiples of 128")
             }
+            Unsupported::Hidden(d) => write!(f, "hidden {d} (at most {})", 64 * TC_MAX_STAGES),
             Unsupported::Experts(e) => write!(f, "{e} experts (1..={})", 32 * MAX_EPL),
             Unsupported::TopK(k) => write!(f, "experts_per_tok {k}"),
             Unsupported::Routed(fm, b) => write!(f, "routed experts stored {fm:?} {b:?}"),
@@ -374,14 +428,15 @@ impl FastMoe {
         })
     }
 
-    /// Rebuilds the layer's derived tensors that need a kernel (its UE8M0 scale table), after its
-    /// weights were written (finalize, refit).
+    /// Rebuilds the layer's derived tensors that need a kernel (the router's gate planes and the
+    /// experts' UE8M0 scale table), after its weights were written (finalize, refit).
     pub fn derive(
         &self,
         ctx: &Context,
         layer: &FastMoeLayer,
         stream: BorrowedStream,
     ) -> Result<()> {
+        self.route.derive_gate_planes(ctx, layer, stream)?;
         self.gemm.derive_scales8(ctx, layer, stream)
     }
 
@@ -459,8 +514,9 @@ impl FastMoe {
         let _g = ctx.enter()?;
         let scoring = moe::scoring_code(layer.router.scoring);
         if router == RouterPath::Tensor {
+            need(K, "gate_planes", layer.gate_planes, gate_planes_bytes(e, d))?;
             let grid = (
-                e.div_ceil(TC_EXPERTS) as u32,
+                e.div_ceil(2 * TC_WG_EXPERTS) as u32,
                 t.div_ceil(TC_TOKENS) as u32,
                 1,
             );
@@ -469,13 +525,14 @@ impl FastMoe {
                 t: t32,
                 d: d32,
                 e: e32,
-                gate: layer.gate,
+                planes: layer.gate_planes,
                 scoring,
                 scores: ws.logits,
             };
+            let threads = TC_THREADS as u32;
             self.route
                 .logits_tc
-                .launch(grid, 256u32, TC_SMEM_BYTES as u32, stream, args)?;
+                .launch(grid, threads, TC_SMEM_BYTES as u32, stream, args)?;
         } else {
             let grid = (
                 e.div_ceil(LOGIT_EXPERTS)

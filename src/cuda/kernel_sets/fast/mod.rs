@@ -126,7 +126,8 @@ impl FastSet {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fallback {
     NoExperts,
-    /// The engine's plan holds no tensor maps (only a fast-set engine declares them).
+    /// The engine's plan holds no tensor maps or gate planes (only a fast-set engine declares
+    /// them).
     NoTensorMaps,
     MixedRouted([StorageFormat; 3]),
     MixedShared,
@@ -137,7 +138,9 @@ impl std::fmt::Display for Fallback {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Fallback::NoExperts => write!(f, "no routed experts"),
-            Fallback::NoTensorMaps => write!(f, "no expert tensor maps in this engine"),
+            Fallback::NoTensorMaps => {
+                write!(f, "no expert tensor maps or gate planes in this engine")
+            }
             Fallback::MixedRouted([a, b, c]) => {
                 write!(f, "routed projections stored {a:?}/{b:?}/{c:?}")
             }
@@ -202,6 +205,7 @@ fn moe_layer_of(
         },
     };
     let maps = tables.maps.ok_or(Fallback::NoTensorMaps)?;
+    let gate_planes = tables.gate_planes.ok_or(Fallback::NoTensorMaps)?;
     let experts = |scales, w: crate::cuda::kernels::linear::WeightDev| FastExperts {
         format: w.format,
         scales,
@@ -213,6 +217,7 @@ fn moe_layer_of(
         experts: cfg.n_routed_experts,
         local: 0..cfg.n_routed_experts,
         gate: weights[lw.gate].data,
+        gate_planes,
         selection,
         router: RouterParams::from_config(cfg),
         w1: experts(tables.s1, w1),
