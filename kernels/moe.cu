@@ -221,6 +221,50 @@ DSV4_INLINE int block_excl_scan(int v, int* wsum, int* total) {
   return base + inc - v;
 }
 
+// From the per-expert totals eoff[0 .. E) (shared memory, all threads): eoff[e] becomes expert e's offset
+// (exclusive sum in expert order) and eoff[E] the total; tiles (expert, start, count) cover every expert's
+// range with at most tile_rows rows each, in expert order; *ntiles their number. Every thread must call;
+// ends with a barrier. Thread tid owns experts [tid*C, tid*C + C).
+DSV4_INLINE void plan_offsets_and_tiles(int* eoff, int E, int tile_rows, int* wsum, int* tiles, int* ntiles) {
+  const int tid = threadIdx.x;
+  const int C = (E + blockDim.x - 1) / blockDim.x;
+  const int e0 = tid * C;
+  int tot_local = 0, tiles_local = 0;
+  for (int c = 0; c < C; ++c) {
+    const int e = e0 + c;
+    if (e < E) {
+      tot_local += eoff[e];
+      tiles_local += (eoff[e] + tile_rows - 1) / tile_rows;
+    }
+  }
+  int tot_all, tiles_all;
+  const int tot_pre = block_excl_scan(tot_local, wsum, &tot_all);
+  const int tiles_pre = block_excl_scan(tiles_local, wsum, &tiles_all);
+  {
+    int run = tot_pre, trun = tiles_pre;
+    for (int c = 0; c < C; ++c) {
+      const int e = e0 + c;
+      if (e >= E) break;
+      const int ce = eoff[e];
+      eoff[e] = run;
+      const int nt = (ce + tile_rows - 1) / tile_rows;
+      for (int i = 0; i < nt; ++i) {
+        const int tl = trun + i;
+        tiles[3 * tl + 0] = e;
+        tiles[3 * tl + 1] = run + i * tile_rows;
+        tiles[3 * tl + 2] = min(tile_rows, ce - i * tile_rows);
+      }
+      run += ce;
+      trun += nt;
+    }
+  }
+  if (tid == 0) {
+    eoff[E] = tot_all;
+    *ntiles = tiles_all;
+  }
+  __syncthreads();
+}
+
 // One block of PLAN_THREADS threads; dynamic shared memory (PLAN_WARPS + 1) * E + 1 ints.
 // Groups the assignments a = t*k + j by expert, stable in a: offsets[e] .. offsets[e+1] is expert
 // e's range of `rows`, rows[r] the assignment; tiles (expert, start, count) cover every expert's
@@ -263,43 +307,7 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
     eoff[e] = run;
   }
   __syncthreads();
-  // Offsets and tiles: thread tid owns experts [tid*C, tid*C + C).
-  const int C = (E + blockDim.x - 1) / blockDim.x;
-  const int e0 = tid * C;
-  int tot_local = 0, tiles_local = 0;
-  for (int c = 0; c < C; ++c) {
-    const int e = e0 + c;
-    if (e < E) {
-      tot_local += eoff[e];
-      tiles_local += (eoff[e] + tile_rows - 1) / tile_rows;
-    }
-  }
-  int tot_all, tiles_all;
-  const int tot_pre = block_excl_scan(tot_local, wsum, &tot_all);
-  const int tiles_pre = block_excl_scan(tiles_local, wsum, &tiles_all);
-  {
-    int run = tot_pre, trun = tiles_pre;
-    for (int c = 0; c < C; ++c) {
-      const int e = e0 + c;
-      if (e >= E) break;
-      const int ce = eoff[e];
-      eoff[e] = run;
-      const int nt = (ce + tile_rows - 1) / tile_rows;
-      for (int i = 0; i < nt; ++i) {
-        const int tl = trun + i;
-        tiles[3 * tl + 0] = e;
-        tiles[3 * tl + 1] = run + i * tile_rows;
-        tiles[3 * tl + 2] = min(tile_rows, ce - i * tile_rows);
-      }
-      run += ce;
-      trun += nt;
-    }
-  }
-  if (tid == 0) {
-    eoff[E] = tot_all;
-    *ntiles = tiles_all;
-  }
-  __syncthreads();
+  plan_offsets_and_tiles(eoff, E, tile_rows, wsum, tiles, ntiles);
   for (int e = tid; e <= E; e += blockDim.x) offsets[e] = eoff[e];
   // Pass 2: place every assignment at offset + warp base + rank among earlier peers.
   for (int a0 = a_begin; a0 < a_end; a0 += 32) {
@@ -312,6 +320,78 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
     if (e >= 0 && (peers & lt_mask) == 0u) cnt[warp * E + e] += __popc(peers);
     __syncwarp();
   }
+}
+
+// The same plan over many blocks, for many assignments (the fast set from fast_moe::WIDE_PLAN_MIN_TOKENS tokens):
+// moe_plan_kernel's one block walks 24 576 assignments at 4096 tokens x 6 in 16 warps, one dependent
+// 32-assignment step after another (61 µs, H200). Three launches, each wide, with moe_plan_kernel's outputs
+// bit for bit (the same stable order: blocks, then warps, then lanes, in a):
+// 1. moe_plan_count_kernel: block b counts its PLAN_CHUNK assignments b·PLAN_CHUNK .. per expert into
+//    counts[b][e], and gives each assignment its rank among the block's earlier ones of its expert (ranks[a];
+//    -1 for an id outside [0, E)).
+// 2. moe_plan_scan_kernel (one block): counts[b][e] becomes the number of expert e's assignments in blocks
+//    before b; offsets, tiles and *ntiles as moe_plan_kernel makes them.
+// 3. moe_plan_place_kernel: rows[offsets[e] + counts[a / PLAN_CHUNK][e] + ranks[a]] = a.
+
+// Block b of PLAN_CHUNK threads (one assignment each); dynamic shared memory (PLAN_CHUNK / 32) * E ints.
+extern "C" __global__ void __launch_bounds__(PLAN_CHUNK)
+    moe_plan_count_kernel(const int* ids, int n, int E, int* counts, int* ranks) {
+  dsv4_pdl_begin();
+  extern __shared__ int wcnt[];  // [PLAN_CHUNK / 32][E]: per-warp counts, then bases
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int a = blockIdx.x * PLAN_CHUNK + tid;
+  int e = a < n ? ids[a] : -1;
+  if (e < 0 || e >= E) e = -1;
+  for (int i = tid; i < (PLAN_CHUNK / 32) * E; i += PLAN_CHUNK) wcnt[i] = 0;
+  __syncthreads();
+  const unsigned peers = __match_any_sync(FULL_MASK, e), below = peers & ((1u << lane) - 1u);
+  if (e >= 0 && below == 0u) wcnt[warp * E + e] = __popc(peers);
+  __syncthreads();
+  for (int x = tid; x < E; x += PLAN_CHUNK) {
+    int run = 0;
+    for (int w = 0; w < PLAN_CHUNK / 32; ++w) {
+      const int c = wcnt[w * E + x];
+      wcnt[w * E + x] = run;
+      run += c;
+    }
+    counts[(long long)blockIdx.x * E + x] = run;
+  }
+  __syncthreads();
+  if (a < n) ranks[a] = e >= 0 ? wcnt[warp * E + e] + __popc(below) : -1;
+}
+
+// One block of PLAN_THREADS threads over nb count blocks; dynamic shared memory E + 1 ints.
+extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
+    moe_plan_scan_kernel(int nb, int E, int tile_rows, int* counts, int* offsets, int* tiles, int* ntiles) {
+  dsv4_pdl_begin();
+  extern __shared__ int eoff[];  // [E + 1]: totals, then offsets
+  __shared__ int wsum[32];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int run = 0;
+#pragma unroll 8
+    for (int b = 0; b < nb; ++b) {
+      const int c = counts[(long long)b * E + e];
+      counts[(long long)b * E + e] = run;
+      run += c;
+    }
+    eoff[e] = run;
+  }
+  __syncthreads();
+  plan_offsets_and_tiles(eoff, E, tile_rows, wsum, tiles, ntiles);
+  for (int e = threadIdx.x; e <= E; e += blockDim.x) offsets[e] = eoff[e];
+}
+
+// One thread an assignment.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_plan_place_kernel(const int* ids, int n, int E, const int* counts, const int* offsets, const int* ranks,
+                          int* rows) {
+  dsv4_pdl_begin();
+  const int a = blockIdx.x * 256 + threadIdx.x;
+  if (a >= n) return;
+  const int r = ranks[a];
+  if (r < 0) return;
+  const int e = ids[a];
+  rows[offsets[e] + counts[(long long)(a / PLAN_CHUNK) * E + e] + r] = a;
 }
 
 // ------------------------------------------------------------------------- expert GEMMs

@@ -600,6 +600,89 @@ fn moe_layer_matches_the_reference_bit_for_bit() {
     println!("MoE layer: {runs} runs bit-exact");
 }
 
+/// The wide plan (three launches over many blocks) makes `moe_plan_kernel`'s offsets, rows and
+/// tiles bit for bit, and both group the assignments as the host does: one block and many,
+/// partial last blocks, ids outside [0, E) left out, a hot expert, 1 to 512 experts.
+#[test]
+fn wide_plan_equals_the_one_block_plan_bit_for_bit() {
+    let Some((e, stream)) = env() else { return };
+    let s = stream.borrow();
+    let mut rng = Rng::from_env("moe wide plan");
+    // (tokens, k, experts, tile_rows)
+    let cases = [
+        (1, 1, 1, 8),
+        (170, 6, 40, 8),
+        (1024, 1, 256, 128),
+        (683, 3, 384, 16),
+        (4096, 6, 256, 128),
+        (4099, 6, 512, 64),
+        (16384, 6, 256, 128),
+    ];
+    for (t, k, ne, tile_rows) in cases {
+        let n = t * k;
+        // Mostly uniform ids, a quarter on one hot expert, and 1 in 64 outside [0, E).
+        let hot = rng.below(ne) as i32;
+        let ids: Vec<i32> = (0..n)
+            .map(|_| match rng.below(64) {
+                0 => [-1, ne as i32, ne as i32 + 7, i32::MIN][rng.below(4)],
+                1..=16 => hot,
+                _ => rng.below(ne) as i32,
+            })
+            .collect();
+        let [ob, rb, tb, nb] = MoePlan::buffer_bytes(t, k, ne, tile_rows);
+        let [counts, ranks] = moe::plan_wide_scratch(n, ne);
+        let mut b = Bufs::default();
+        let id = b.add_init(bytes_i32(&ids));
+        let one: Vec<usize> = [ob, rb, tb, nb].iter().map(|&x| b.add(x)).collect();
+        let wide: Vec<usize> = [ob, rb, tb, nb].iter().map(|&x| b.add(x)).collect();
+        let scratch = [b.add(counts * 4), b.add(ranks * 4)];
+        let (_a, p) = b.alloc(e.ctx, s);
+        let plan_at = |q: &[usize]| MoePlan {
+            offsets: p[q[0]],
+            rows: p[q[1]],
+            tiles: p[q[2]],
+            ntiles: p[q[3]],
+            tokens: t,
+            k,
+            experts: ne,
+            tile_rows,
+        };
+        let (p1, pw) = (plan_at(&one), plan_at(&wide));
+        e.moe.plan(e.ctx, p[id], &p1, s).unwrap();
+        let (c, r) = (p[scratch[0]], p[scratch[1]]);
+        e.moe.plan_wide(e.ctx, p[id], &pw, c, r, s).unwrap();
+        s.synchronize().unwrap();
+        let what = format!("T {t} x k {k}, {ne} experts, tiles of {tile_rows}");
+        // The host's grouping: stable by expert, then tiles in expert order.
+        let mut rows = vec![];
+        let mut offsets = vec![0i32];
+        let mut tiles = vec![];
+        for ex in 0..ne as i32 {
+            let start = rows.len();
+            rows.extend((0..n as i32).filter(|&a| ids[a as usize] == ex));
+            let c = rows.len() - start;
+            for j in (0..c).step_by(tile_rows) {
+                tiles.extend([ex, (start + j) as i32, (c - j).min(tile_rows) as i32]);
+            }
+            offsets.push(rows.len() as i32);
+        }
+        for (name, q) in [("moe_plan_kernel", &p1), ("wide plan", &pw)] {
+            let got_offsets: Vec<i32> = down(q.offsets, ne + 1, s);
+            assert_eq!(got_offsets, offsets, "{what}: {name} offsets");
+            let got_rows: Vec<i32> = down(q.rows, n, s);
+            assert_eq!(&got_rows[..rows.len()], &rows[..], "{what}: {name} rows");
+            let got_n: Vec<i32> = down(q.ntiles, 1, s);
+            assert_eq!(got_n[0] as usize, tiles.len() / 3, "{what}: {name} tiles");
+            let got_tiles: Vec<i32> = down(q.tiles, tiles.len().max(1), s);
+            assert_eq!(
+                &got_tiles[..tiles.len()],
+                &tiles[..],
+                "{what}: {name} tiles"
+            );
+        }
+    }
+}
+
 #[test]
 fn moe_wrappers_refuse_out_of_bounds_launches() {
     let Some((e, stream)) = env() else { return };

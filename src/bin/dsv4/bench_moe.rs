@@ -197,7 +197,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
                 host_sec * 1e6,
                 touched_bytes as f64 / sec / 1e9,
                 flops / sec / 1e12,
-                FastMoe::launches_per_layer(path),
+                FastMoe::launches_per_layer(path, t),
                 launches * reps,
             );
             std::io::stdout().flush().ok();

@@ -114,6 +114,14 @@ impl RouterPath {
     }
 }
 
+/// Fewest tokens whose routing plan [`FastMoe::experts_on`] makes with the wide plan
+/// ([`Moe::plan_wide`]: three launches over many blocks) rather than `moe_plan_kernel`'s one block.
+pub const WIDE_PLAN_MIN_TOKENS: usize = 1024;
+const _: () = assert!(
+    32 * MAX_EPL <= moe::PLAN_WIDE_MAX_EXPERTS,
+    "the wide plan takes every layer the fast kernels take"
+);
+
 /// Tokens (warps) per `fmoe_select_kernel` block (FMOE_SELECT_WARPS).
 pub const SELECT_WARPS: usize = 4;
 /// Router entries each lane holds (FMOE_MAX_EPL): at most 32 x this many experts.
@@ -335,6 +343,9 @@ pub struct FastMoeWorkspace {
     /// The decode path's synchronisation words (`u32[`[`fast_moe_gemm::sync_words`]`]`): zero at
     /// create, and every launch leaves them zero.
     pub sync: DevicePtr,
+    /// The wide plan's scratch ([`moe::plan_wide_scratch`]): block counts and ranks.
+    pub plan_counts: DevicePtr,
+    pub plan_ranks: DevicePtr,
 }
 
 impl FastMoeWorkspace {
@@ -361,6 +372,8 @@ impl FastMoeWorkspace {
             hs: p[10],
             y: p[11],
             sync: p[12],
+            plan_counts: p[13],
+            plan_ranks: p[14],
         }
     }
 }
@@ -373,8 +386,9 @@ pub fn workspace_buffers(
     i: usize,
     k: usize,
     experts: usize,
-) -> [(&'static str, Elem, usize); 13] {
+) -> [(&'static str, Elem, usize); 15] {
     let plan = MoePlan::buffer_bytes(t, k, experts, fast_moe_gemm::TOKENS).map(|b| b / 4);
+    let [counts, ranks] = moe::plan_wide_scratch(t * k, experts);
     let rows = t * k + t;
     [
         ("logits", Elem::F32, t * experts),
@@ -395,6 +409,8 @@ pub fn workspace_buffers(
             Elem::I32,
             fast_moe_gemm::sync_words(t, k, experts),
         ),
+        ("plan_counts", Elem::I32, counts),
+        ("plan_ranks", Elem::I32, ranks),
     ]
 }
 
@@ -410,12 +426,13 @@ fn internal(msg: String) -> Error {
 }
 
 impl FastMoe {
-    /// Kernel launches of one [`FastMoe::layer`] whose expert GEMMs take `path`: the fused decode
-    /// path runs both GEMMs in one.
-    pub fn launches_per_layer(path: GemmPath) -> usize {
-        match path {
-            GemmPath::DecodeFused => 5,
-            GemmPath::Decode | GemmPath::Prefill => 6,
+    /// Kernel launches of one [`FastMoe::layer`] of `t` tokens whose expert GEMMs take `path`: the
+    /// fused decode path runs both GEMMs in one, the wide plan takes three launches for one.
+    pub fn launches_per_layer(path: GemmPath, t: usize) -> usize {
+        let plan = if t >= WIDE_PLAN_MIN_TOKENS { 3 } else { 1 };
+        plan + match path {
+            GemmPath::DecodeFused => 4,
+            GemmPath::Decode | GemmPath::Prefill => 5,
         }
     }
 
@@ -644,7 +661,13 @@ impl FastMoe {
             tile_rows: path.tile_rows(),
             ..ws.plan
         };
-        self.moe.plan(ctx, ws.ids, &plan, stream)?;
+        if t >= WIDE_PLAN_MIN_TOKENS {
+            let (counts, ranks) = (ws.plan_counts, ws.plan_ranks);
+            self.moe
+                .plan_wide(ctx, ws.ids, &plan, counts, ranks, stream)?;
+        } else {
+            self.moe.plan(ctx, ws.ids, &plan, stream)?;
+        }
         let ws = FastMoeWorkspace { plan, ..*ws };
         match path {
             GemmPath::DecodeFused => self.gemm.up_down(ctx, layer, t, &ws, stream),

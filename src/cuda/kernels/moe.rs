@@ -37,6 +37,22 @@ crate::kernel_family! {
         ids: *const i32, t: i32, k: i32, e: i32, tile_rows: i32, offsets: *mut i32,
         rows: *mut i32, tiles: *mut i32, ntiles: *mut i32,
     );
+    /// The wide plan ([`Moe::plan_wide`]): counts and ranks, block by block.
+    #[smem(PLAN_COUNT_SMEM_MAX as u32)]
+    #[pdl(true)]
+    fn moe_plan_count_kernel(ids: *const i32, n: i32, e: i32, counts: *mut i32, ranks: *mut i32);
+    /// The wide plan: block bases, offsets and tiles.
+    #[pdl(true)]
+    fn moe_plan_scan_kernel(
+        nb: i32, e: i32, tile_rows: i32, counts: *mut i32, offsets: *mut i32, tiles: *mut i32,
+        ntiles: *mut i32,
+    );
+    /// The wide plan: every assignment into its row.
+    #[pdl(true)]
+    fn moe_plan_place_kernel(
+        ids: *const i32, n: i32, e: i32, counts: *const i32, offsets: *const i32,
+        ranks: *const i32, rows: *mut i32,
+    );
     /// `w1`, `w3`, `s1`, `s3`: arrays of per-expert device addresses (`s*` NULL when the
     /// format has no scales).
     #[pdl(true)]
@@ -78,6 +94,11 @@ pub const GEMM_THREADS: u32 = super::linear::LINEAR_THREADS;
 /// Threads (and warps) of the single `moe_plan_kernel` block.
 pub const PLAN_THREADS: u32 = 512;
 pub const PLAN_WARPS: usize = 16;
+/// Assignments (threads) of a `moe_plan_count_kernel` block, and the most experts the wide plan
+/// takes (its per-warp count table is `PLAN_CHUNK / 32 x experts` ints of shared memory).
+pub const PLAN_CHUNK: usize = 1024;
+pub const PLAN_WIDE_MAX_EXPERTS: usize = 512;
+const PLAN_COUNT_SMEM_MAX: usize = PLAN_CHUNK / 32 * PLAN_WIDE_MAX_EXPERTS * 4;
 /// Largest experts_per_tok the router supports (ROUTER_MAX_K).
 pub const MAX_TOPK: usize = 32;
 /// Default dynamic shared memory allowance (the registry raises none for this family).
@@ -98,6 +119,12 @@ pub const fn scoring_code(s: ScoringFunc) -> i32 {
 /// Tiles the plan may produce for `assignments` rows: `ceil(assignments / tile_rows) + experts`.
 pub fn max_tiles(assignments: usize, tile_rows: usize, experts: usize) -> usize {
     assignments.div_ceil(tile_rows.max(1)) + experts
+}
+
+/// Ints of the wide plan's scratch ([`Moe::plan_wide`]): its block counts
+/// (`ceil(assignments / PLAN_CHUNK) x experts`) and its ranks (one per assignment).
+pub fn plan_wide_scratch(assignments: usize, experts: usize) -> [usize; 2] {
+    [assignments.div_ceil(PLAN_CHUNK) * experts, assignments]
 }
 
 /// Dynamic shared memory of `moe_plan_kernel` for `experts` experts.
@@ -292,6 +319,9 @@ crate::launchers! {
     pub struct Moe {
         router: router_kernel,
         plan: moe_plan_kernel,
+        plan_count: moe_plan_count_kernel,
+        plan_scan: moe_plan_scan_kernel,
+        plan_place: moe_plan_place_kernel,
         up: moe_up_kernel,
         down: moe_down_kernel,
         swiglu: swiglu_kernel,
@@ -401,6 +431,71 @@ impl Moe {
         };
         self.plan
             .launch(1u32, PLAN_THREADS, smem as u32, stream, args)
+    }
+
+    /// [`Moe::plan`]'s outputs, bit for bit, from three wide launches (kernels/moe.cu): for many
+    /// assignments, where the one block of `moe_plan_kernel` walks them one step after another.
+    /// `counts` and `ranks` are scratch of [`plan_wide_scratch`] ints.
+    pub fn plan_wide(
+        &self,
+        ctx: &Context,
+        ids: DevicePtr,
+        plan: &MoePlan,
+        counts: DevicePtr,
+        ranks: DevicePtr,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "moe_plan_count_kernel";
+        plan.validate(K)?;
+        let (n, e) = (plan.assignments(), plan.experts);
+        if e > PLAN_WIDE_MAX_EXPERTS {
+            return Err(internal(format!(
+                "{K}: {e} experts (at most {PLAN_WIDE_MAX_EXPERTS})"
+            )));
+        }
+        need(K, "ids", ids, n * 4)?;
+        let [nc, nr] = plan_wide_scratch(n, e);
+        need(K, "counts", counts, nc * 4)?;
+        need(K, "ranks", ranks, nr * 4)?;
+        if n == 0 {
+            return self.plan(ctx, ids, plan, stream);
+        }
+        let _g = ctx.enter()?;
+        // (`validate` checked that tokens * k fits an int.)
+        let (n32, e32) = (n as i32, e as i32);
+        let nb = n.div_ceil(PLAN_CHUNK);
+        let args = moe_plan_count_kernel::Args {
+            ids,
+            n: n32,
+            e: e32,
+            counts,
+            ranks,
+        };
+        let smem = (PLAN_CHUNK / 32 * e * 4) as u32;
+        self.plan_count
+            .launch(nb as u32, PLAN_CHUNK as u32, smem, stream, args)?;
+        let args = moe_plan_scan_kernel::Args {
+            nb: nb as i32,
+            e: e32,
+            tile_rows: to_i32(K, "tile_rows", plan.tile_rows)?,
+            counts,
+            offsets: plan.offsets,
+            tiles: plan.tiles,
+            ntiles: plan.ntiles,
+        };
+        self.plan_scan
+            .launch(1u32, PLAN_THREADS, ((e + 1) * 4) as u32, stream, args)?;
+        let args = moe_plan_place_kernel::Args {
+            ids,
+            n: n32,
+            e: e32,
+            counts,
+            offsets: plan.offsets,
+            ranks,
+            rows: plan.rows,
+        };
+        self.plan_place
+            .launch(n.div_ceil(256) as u32, 256u32, 0, stream, args)
     }
 
     /// Up projection of every assignment: `h[a, :]` (f32 `[T*k, I]`, I = `w1.rows`) from `xq`
