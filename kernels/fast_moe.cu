@@ -1,10 +1,10 @@
 // fast_moe kernel family: the fast set's MoE routing and combine (kernels/SPEC.md ## fast_moe.cu).
 //
 // fmoe_logits_kernel (+ FP8 quantisation of x), or fmoe_logits_tc_kernel for many tokens -> fmoe_select_kernel
-// (+ x's quantisation after the latter) -> moe_plan_kernel (moe.cu, with tile_rows = the GEMM path's tokens per
-// item) -> the expert GEMMs (fast_moe_gemm.cu, fast_moe_wide.cu) -> fmoe_combine_kernel. f32 arithmetic (and
+// (+ x's quantisation after the latter) -> moe_plan_kernel or the wide plan (moe.cu, with tile_rows = the GEMM
+// path's tokens per item) -> the expert GEMMs (fast_moe_gemm.cu, fast_moe_wide.cu) -> fmoe_combine_kernel. f32 arithmetic (and
 // the tensor core's) in a fixed order (no atomics): deterministic bit for bit, not bit-identical to the f64
-// reference kernels.
+// reference kernels. fmoe_gate_planes_kernel builds the tensor-core router's derived gate planes (finalize, refit).
 #include "common.cuh"
 #include "fp8_mma.cuh"
 
@@ -166,10 +166,11 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 // and 2^-16 of hi), and the D/64 promotions add one f32 rounding each: |Δlogit| ≤ (280 + D/64) · 2^-24 · Σ_d
 // |x_d g_ed| (gpu_fast_moe's bound for this kernel).
 //
-// The pipeline. A producer warp fills a ring of FMOE_TC_SLOTS slots with 1-D bulk copies (TMA without a
-// tensor map), one slot per (stage, plane) item in the consumers' order: x's 64 rows of the stage as f32
-// (256 bytes a row, at a padded stride), and the plane's chunk of the block's experts, stored by
-// fmoe_gate_planes_kernel exactly as the swizzled layout the descriptors read. x's rows are read as loaded:
+// The pipeline. A producer warp fills a ring of FMOE_TC_SLOTS slots, one slot per (stage, plane) item in the
+// consumers' order: the plane's chunks of the block's experts by 1-D bulk copies (TMA without a tensor map),
+// stored by fmoe_gate_planes_kernel exactly as the swizzled layout the descriptors read, and x's 64 rows of
+// the stage as f32 (256 bytes a row, at a padded stride) by 16-byte cp.async (64 bulk copies of a row each
+// took ~2.5 µs a slot: the TMA unit's rate for small copies, not the bytes). x's rows are read as loaded:
 // each consumer thread converts its own A fragment to BF16 in registers (no shared-memory round trip, no
 // barrier between the warpgroups), so neither the gate nor x is converted in the block's loop (the kernel
 // before converted the f32 gate into its three planes in every token block, every stage: 127 µs at 4096
@@ -184,7 +185,6 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 #define FMOE_TC_X_ROW 288
 #define FMOE_TC_X_BYTES (FMOE_TC_TOKENS * FMOE_TC_X_ROW)
 #define FMOE_TC_SLOT (FMOE_TC_X_BYTES + FMOE_TC_CHUNKS * FMOE_GATE_CHUNK)
-#define FMOE_TC_TX (FMOE_TC_TOKENS * 256 + FMOE_TC_CHUNKS * FMOE_GATE_CHUNK)  // bytes a slot's copies bring
 static_assert(FMOE_TC_TOKENS == 64, "fmoe_logits_tc_kernel: one m64 token tile a block");
 static_assert(FMOE_TC_WG_EXPERTS == 64 || FMOE_TC_WG_EXPERTS == 128, "fmoe_logits_tc_kernel: N = 64 or 128");
 static_assert(FMOE_TC_BLOCK_EXPERTS % FMOE_GATE_TILE == 0 && 256 % FMOE_TC_BLOCK_EXPERTS == 0,
@@ -298,7 +298,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
   }
   if (threadIdx.x == 0) {
     for (int i = 0; i < FMOE_TC_SLOTS; ++i) {
-      mbar_init(full0 + 8 * i, 1);      // the producer's arrive_expect_tx, then the copies' bytes
+      mbar_init(full0 + 8 * i, 33);     // the producer's arrive_expect_tx (then the gate's bytes), x's 32 lanes
       mbar_init(empty0 + 8 * i, 8);     // one arrival a consumer warp
     }
     fence_mbar_init();
@@ -312,13 +312,20 @@ extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
         const int slot = n % FMOE_TC_SLOTS;
         const unsigned full = full0 + 8 * slot, dst = smem_addr(fmoe_tc_smem + slot * FMOE_TC_SLOT);
         mbar_wait(empty0 + 8 * slot, ((n / FMOE_TC_SLOTS) & 1) ^ 1);  // a fresh barrier's parity 1 is complete
-        if (lane == 0) mbar_arrive_expect_tx(full, FMOE_TC_TX);
-        __syncwarp();
-        for (int r = lane; r < FMOE_TC_TOKENS; r += 32)  // rows past T repeat the last row: computed, never stored
-          bulk_load(dst + r * FMOE_TC_X_ROW, x + (long long)min(t0 + r, T - 1) * D + 64 * s, 256, full);
-        if (lane < FMOE_TC_CHUNKS)
-          bulk_load(dst + FMOE_TC_X_BYTES + lane * FMOE_GATE_CHUNK, planes + fmoe_gate_chunk_at(p, et0 + lane, s, nt, S),
-                    FMOE_GATE_CHUNK, full);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(full, FMOE_TC_CHUNKS * FMOE_GATE_CHUNK);
+          for (int c = 0; c < FMOE_TC_CHUNKS; ++c)
+            bulk_load(dst + FMOE_TC_X_BYTES + c * FMOE_GATE_CHUNK, planes + fmoe_gate_chunk_at(p, et0 + c, s, nt, S),
+                      FMOE_GATE_CHUNK, full);
+        }
+        // x's rows by 16-byte copies, half a warp a row (rows past T repeat the last row: computed, never
+        // stored); each lane's arrival once its copies have landed.
+#pragma unroll 8
+        for (int i = 0; i < FMOE_TC_TOKENS / 2; ++i) {
+          const int r = 2 * i + (lane >> 4), q = lane & 15;
+          cp_async_16(dst + r * FMOE_TC_X_ROW + 16 * q, x + (long long)min(t0 + r, T - 1) * D + 64 * s + 4 * q);
+        }
+        cp_async_mbar_arrive(full);
       }
     }
     return;

@@ -2,12 +2,13 @@
 //! drives with [`super::fast_moe_gemm`] (DESIGN.md §5 "MegaMoE", ../shared/KERNELS.md §3):
 //!
 //! 1. `fmoe_logits_kernel` (few tokens: f32 dot products) or `fmoe_logits_tc_kernel` (many: BF16
-//!    tensor cores on x's BF16 values and the gate split exactly into three BF16 planes): router
-//!    logits in f32 and their scores, and (the first) x quantized to FP8 per 128;
+//!    tensor cores on x's BF16 values and the gate split exactly into three BF16 planes, a derived
+//!    tensor): router logits in f32 and their scores, and (the first) x quantized to FP8 per 128;
 //! 2. `fmoe_select_kernel`: scores, top-k or hash selection, weights (and x's quantisation after
 //!    the tensor-core router);
-//! 3. `moe_plan_kernel` (the moe family): assignments grouped by expert into tiles of the GEMM
-//!    path's tokens per item ([`GemmPath::tile_rows`]);
+//! 3. `moe_plan_kernel`, or from [`WIDE_PLAN_MIN_TOKENS`] the wide plan's three launches (the moe
+//!    family): assignments grouped by expert into tiles of the GEMM path's tokens per item
+//!    ([`GemmPath::tile_rows`]);
 //! 4. GEMM1 + SwiGLU x routing weight + FP8 quantisation of h, with the shared expert as more
 //!    tiles, and GEMM2 into bf16 rows per (token, slot), on the path [`GemmPath::for_tokens`]
 //!    picks: `fmoe_up_kernel` then `fmoe_down_kernel` (decode), both in one launch,
@@ -16,12 +17,14 @@
 //!    tokens on `fmw_up_kernel` then `fmw_down_kernel` (prefill);
 //! 5. `fmoe_combine_kernel`: the fixed-order f32 sum per token, rounded to bf16.
 //!
-//! Six launches (five on the fused decode path), each a programmatic dependent of the one before
+//! Six launches (five on the fused decode path, eight with the wide plan), each a programmatic
+//! dependent of the one before
 //! (`#[pdl(true)]`: its launch and block start overlap the previous kernel's tail), no host
 //! sync, nothing allocated: the
 //! workspace is sized at create for `max_num_tokens`. Experts are read in their stored layout
 //! (FP4 e2m1 with f32 per-32 scales, or FP8 e4m3 with f32 128x128 block scales) through the
-//! per-layer tensor maps and scale tables the backend rebuilds at finalize and refit. A layer the
+//! per-layer tensor maps and scale tables the backend rebuilds at finalize and refit (with the
+//! router's gate planes: [`FastMoe::derive`]). A layer the
 //! kernels cannot run ([`FastMoeLayer::unsupported`]) runs the reference kernels instead.
 
 use super::fast_moe_gemm::{self, FastMoeGemm, GemmPath};

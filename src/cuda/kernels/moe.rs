@@ -99,6 +99,10 @@ pub const PLAN_WARPS: usize = 16;
 pub const PLAN_CHUNK: usize = 1024;
 pub const PLAN_WIDE_MAX_EXPERTS: usize = 512;
 const PLAN_COUNT_SMEM_MAX: usize = PLAN_CHUNK / 32 * PLAN_WIDE_MAX_EXPERTS * 4;
+const _: () = assert!(
+    PLAN_WIDE_MAX_EXPERTS <= PLAN_CHUNK,
+    "moe_plan_scan_kernel: a thread or more an expert"
+);
 /// Largest experts_per_tok the router supports (ROUTER_MAX_K).
 pub const MAX_TOPK: usize = 32;
 /// Default dynamic shared memory allowance (the registry raises none for this family).
@@ -483,8 +487,9 @@ impl Moe {
             tiles: plan.tiles,
             ntiles: plan.ntiles,
         };
+        let smem = ((e + 1 + PLAN_CHUNK) * 4) as u32;
         self.plan_scan
-            .launch(1u32, PLAN_THREADS, ((e + 1) * 4) as u32, stream, args)?;
+            .launch(1u32, PLAN_CHUNK as u32, smem, stream, args)?;
         let args = moe_plan_place_kernel::Args {
             ids,
             n: n32,
