@@ -166,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 // and 2^-16 of hi), and the D/64 promotions add one f32 rounding each: |Δlogit| ≤ (280 + D/64) · 2^-24 · Σ_d
 // |x_d g_ed| (gpu_fast_moe's bound for this kernel).
 //
-// The pipeline. A producer warp fills a ring of FMOE_TC_SLOTS slots, one slot per (stage, plane) item in the
+// The pipeline. Producer warps fill a ring of FMOE_TC_SLOTS slots, one slot per (stage, plane) item in the
 // consumers' order: the plane's chunks of the block's experts by 1-D bulk copies (TMA without a tensor map),
 // stored by fmoe_gate_planes_kernel exactly as the swizzled layout the descriptors read, and x's 64 rows of
 // the stage as f32 (256 bytes a row, at a padded stride) by 16-byte cp.async (64 bulk copies of a row each
@@ -176,7 +176,10 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 // before converted the f32 gate into its three planes in every token block, every stage: 127 µs at 4096
 // tokens, ~8x its floor). x's act_quant is not made here but by fmoe_select_kernel. Requires D % 64 == 0,
 // D / 64 <= FMOE_TC_MAX_STAGES.
-#define FMOE_TC_THREADS 288  // two consumer warpgroups, then the producer warp
+// Two consumer warpgroups, then FMOE_TC_PRODUCERS producer warps (16 of x's rows each: with one producer warp
+// its address arithmetic and copies, ~300 instructions an item, set the pace, ~1 µs an item).
+#define FMOE_TC_THREADS (256 + 32 * FMOE_TC_PRODUCERS)
+static_assert(FMOE_TC_PRODUCERS * 16 == FMOE_TC_TOKENS, "fmoe_logits_tc_kernel: 16 rows of x a producer warp");
 #define FMOE_TC_BLOCK_EXPERTS (2 * FMOE_TC_WG_EXPERTS)
 #define FMOE_TC_CHUNKS (FMOE_TC_BLOCK_EXPERTS / FMOE_GATE_TILE)  // plane chunks a block's item loads
 #define FMOE_GATE_CHUNK (FMOE_GATE_TILE * 128)                   // one plane, one stage, FMOE_GATE_TILE experts
@@ -298,34 +301,37 @@ extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
   }
   if (threadIdx.x == 0) {
     for (int i = 0; i < FMOE_TC_SLOTS; ++i) {
-      mbar_init(full0 + 8 * i, 33);     // the producer's arrive_expect_tx (then the gate's bytes), x's 32 lanes
+      mbar_init(full0 + 8 * i, 1 + 32 * FMOE_TC_PRODUCERS);  // the gate's arrive_expect_tx (then its bytes), x's lanes
       mbar_init(empty0 + 8 * i, 8);     // one arrival a consumer warp
     }
     fence_mbar_init();
   }
   __syncthreads();
 
-  if (warp == 8) {  // the producer warp: item n = (stage, plane) into slot n % FMOE_TC_SLOTS
+  if (warp >= 8) {  // producer warp pw: item n = (stage, plane) into slot n % FMOE_TC_SLOTS
+    // x's rows 16 pw .. 16 pw + 15 by 16-byte copies, half a warp a row: lane's row 16 pw + 2i + lane / 16 (rows
+    // past T repeat the last row: computed, never stored), bytes 16 (lane % 16) .. of its 256 in the stage.
+    const int pw = warp - 8;
+    const float* src[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      src[i] = x + (long long)min(t0 + 16 * pw + 2 * i + (lane >> 4), T - 1) * D + 4 * (lane & 15);
+    const unsigned lane_at = (16 * pw + (lane >> 4)) * FMOE_TC_X_ROW + 16 * (lane & 15);
     int n = 0;
     for (int s = 0; s < S; ++s) {
       for (int p = low[s] ? 2 : 0; p >= 0; --p, ++n) {
         const int slot = n % FMOE_TC_SLOTS;
         const unsigned full = full0 + 8 * slot, dst = smem_addr(fmoe_tc_smem + slot * FMOE_TC_SLOT);
         mbar_wait(empty0 + 8 * slot, ((n / FMOE_TC_SLOTS) & 1) ^ 1);  // a fresh barrier's parity 1 is complete
-        if (lane == 0) {
+        if (pw == 0 && lane == 0) {
           mbar_arrive_expect_tx(full, FMOE_TC_CHUNKS * FMOE_GATE_CHUNK);
           for (int c = 0; c < FMOE_TC_CHUNKS; ++c)
             bulk_load(dst + FMOE_TC_X_BYTES + c * FMOE_GATE_CHUNK, planes + fmoe_gate_chunk_at(p, et0 + c, s, nt, S),
                       FMOE_GATE_CHUNK, full);
         }
-        // x's rows by 16-byte copies, half a warp a row (rows past T repeat the last row: computed, never
-        // stored); each lane's arrival once its copies have landed.
-#pragma unroll 8
-        for (int i = 0; i < FMOE_TC_TOKENS / 2; ++i) {
-          const int r = 2 * i + (lane >> 4), q = lane & 15;
-          cp_async_16(dst + r * FMOE_TC_X_ROW + 16 * q, x + (long long)min(t0 + r, T - 1) * D + 64 * s + 4 * q);
-        }
-        cp_async_mbar_arrive(full);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) cp_async_16(dst + lane_at + 2 * i * FMOE_TC_X_ROW, src[i] + 64 * s);
+        cp_async_mbar_arrive(full);  // once this lane's copies have landed
       }
     }
     return;

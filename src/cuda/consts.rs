@@ -82,6 +82,7 @@ pub const SHARED: &[Shared] = shared! {
     "FMOE_TC_TOKENS" = Int(fast_moe::TC_TOKENS as i64) from "fast_moe::TC_TOKENS";
     "FMOE_TC_WG_EXPERTS" = Int(fast_moe::TC_WG_EXPERTS as i64) from "fast_moe::TC_WG_EXPERTS";
     "FMOE_TC_SLOTS" = Int(fast_moe::TC_SLOTS as i64) from "fast_moe::TC_SLOTS";
+    "FMOE_TC_PRODUCERS" = Int(fast_moe::TC_PRODUCERS as i64) from "fast_moe::TC_PRODUCERS";
     "FMOE_TC_MAX_STAGES" = Int(fast_moe::TC_MAX_STAGES as i64) from "fast_moe::TC_MAX_STAGES";
     "FMOE_GATE_TILE" = Int(fast_moe::GATE_TILE as i64) from "fast_moe::GATE_TILE";
     "FMOE_TC_SMEM_BYTES" = Int(fast_moe::TC_SMEM_BYTES as i64) from "fast_moe::TC_SMEM_BYTES";

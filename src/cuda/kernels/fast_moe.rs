@@ -50,8 +50,10 @@ pub const LOGIT_TOKENS: usize = 8;
 /// a block, so a block takes twice as many experts).
 pub const TC_TOKENS: usize = 64;
 pub const TC_WG_EXPERTS: usize = 128;
-/// Threads of a `fmoe_logits_tc_kernel` block: two consumer warpgroups and a producer warp.
-pub const TC_THREADS: usize = 288;
+/// Producer warps of a `fmoe_logits_tc_kernel` block (FMOE_TC_PRODUCERS: 16 of x's rows each), and
+/// its threads: two consumer warpgroups, then the producers.
+pub const TC_PRODUCERS: usize = 4;
+pub const TC_THREADS: usize = 256 + 32 * TC_PRODUCERS;
 /// Experts of one chunk of the derived gate planes (FMOE_GATE_TILE; [`gate_planes_bytes`]).
 pub const GATE_TILE: usize = 128;
 /// Most 64-k stages (D / 64) `fmoe_logits_tc_kernel` takes (FMOE_TC_MAX_STAGES: its per-stage
