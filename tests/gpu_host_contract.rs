@@ -105,6 +105,13 @@ fn derived_tensors_and_buffer_spans_are_reported() {
             names.iter().any(|n| n.ends_with("experts.w1_ptrs")),
             "{names:?}"
         );
+        // The fast set's tensor-core router reads its gate as derived BF16 planes.
+        assert!(
+            names
+                .iter()
+                .any(|n| n == "derived:layers.2.ffn.gate.bf16_planes"),
+            "{names:?}"
+        );
         // Every buffer lies inside its span; the spans do not overlap.
         let inside = |p: u64, n: u64, base: *const std::ffi::c_void, bytes: u64| {
             p >= base as u64 && p + n <= base as u64 + bytes
@@ -223,6 +230,50 @@ fn refit_of_one_expert_equals_a_fresh_load() {
         })
         .collect();
     refit_equals_fresh_load(&changed, &format!("refit of expert {expert}"));
+}
+
+/// A refit of a layer's router gate rebuilds the gate's derived BF16 planes: a prefill long
+/// enough for the fast set's tensor-core router (`fast_moe::TC_MIN_TOKENS`) and its wide routing
+/// plan gives, after the refit, exactly a fresh load's logits. (The other rigs' 64 tokens take the
+/// f32 router, which reads the gate itself.)
+#[test]
+fn refit_of_a_router_gate_rebuilds_its_planes_for_many_tokens() {
+    let _turn = common::gpu::turn();
+    if !has_cuda() {
+        println!("skipped: no CUDA device");
+        return;
+    }
+    let ck = checkpoint("tiny");
+    // Layer 2 routes top-k (layers 0 and 1 hash, whose weights still come from the gate).
+    let gate = perturbed_bf16(find(&ck, "model.layers.2.ffn.gate.weight"), -1.5);
+    let n = dsv4::cuda::kernels::fast_moe::TC_MIN_TOKENS + 8;
+    let long = Step::of(&[(0, 0, tokens(3, n))]);
+    let options = |dev| {
+        let mut o = RigOptions::new("tiny", dev);
+        o.weight_format = Some(TINY_FORMAT);
+        o.max_num_tokens = n as i32;
+        o.max_seq_len = n as i32 + 8;
+        o
+    };
+    for dev in devices().into_iter().filter(|&d| d >= 0) {
+        let r = Rig::build(&options(dev), &[]);
+        let before = r.forward_finite(&long);
+        let ptrs = r.pointers();
+        r.refit(std::slice::from_ref(&gate), true);
+        let got = r.forward_finite(&long);
+        let want = Rig::build(&options(dev), std::slice::from_ref(&gate)).forward_finite(&long);
+        assert_ne!(
+            bits(&got),
+            bits(&before),
+            "device {dev}: the gate's refit changed nothing"
+        );
+        assert_same(
+            &got,
+            &want,
+            &format!("device {dev}: refit of layers.2.ffn.gate.weight differs from a fresh load"),
+        );
+        assert_eq!(r.pointers(), ptrs, "device {dev}: a pointer moved");
+    }
 }
 
 #[test]
