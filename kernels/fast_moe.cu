@@ -189,7 +189,8 @@ static_assert(FMOE_TC_PRODUCERS * 16 == FMOE_TC_TOKENS, "fmoe_logits_tc_kernel: 
 #define FMOE_TC_X_BYTES (FMOE_TC_TOKENS * FMOE_TC_X_ROW)
 #define FMOE_TC_SLOT (FMOE_TC_X_BYTES + FMOE_TC_CHUNKS * FMOE_GATE_CHUNK)
 static_assert(FMOE_TC_TOKENS == 64, "fmoe_logits_tc_kernel: one m64 token tile a block");
-static_assert(FMOE_TC_WG_EXPERTS == 64 || FMOE_TC_WG_EXPERTS == 128, "fmoe_logits_tc_kernel: N = 64 or 128");
+// N = 64 (fmoe_tc_wgmma's m64n64k16; m64n128 measured slower at 1024-4096 tokens: fast_moe.rs TC_WG_EXPERTS).
+static_assert(FMOE_TC_WG_EXPERTS == 64, "fmoe_logits_tc_kernel: N = 64");
 static_assert(FMOE_TC_BLOCK_EXPERTS % FMOE_GATE_TILE == 0 && 256 % FMOE_TC_BLOCK_EXPERTS == 0,
               "fmoe_logits_tc_kernel: a block's experts are whole chunks of a 256-expert group");
 static_assert(FMOE_TC_X_BYTES % 1024 == 0 && FMOE_TC_SLOT % 1024 == 0, "fmoe_logits_tc_kernel: 1024-byte aligned tiles");
@@ -199,7 +200,7 @@ static_assert(FMOE_TC_SLOTS * FMOE_TC_SLOT + 4 * FMOE_TC_MAX_STAGES + 16 * FMOE_
 // The derived gate planes (fmoe_gate_planes_kernel): nt = 2 · ceil(E / 256) tiles of FMOE_GATE_TILE experts
 // (rows past E are zero), S = D / 64 stages. Chunk (plane p, tile et, stage s) holds the tile's 128-byte rows of
 // BF16 k 64s .. 64s + 63, 16-byte unit u of row r at u ^ (r % 8); chunks in (p, et, s) order, then the words
-// low[et][s] (1: the tile's lo or lo2 is nonzero in stage s).
+// low[et][s] (1: the tile's lo or lo2 is nonzero in stage s), at fmoe_gate_chunk_at(3, 0, 0, nt, S).
 DSV4_INLINE int fmoe_gate_tiles(int E) { return 2 * ((E + 255) / 256); }
 DSV4_INLINE long long fmoe_gate_chunk_at(int p, int et, int s, int nt, int S) {
   return (((long long)p * nt + et) * S + s) * FMOE_GATE_CHUNK;
@@ -257,19 +258,6 @@ extern "C" __global__ void __launch_bounds__(256)
 // descriptor.
 DSV4_INLINE void fmoe_tc_wgmma(float (&d)[FMOE_TC_WG_EXPERTS / 2], const unsigned (&a)[4], unsigned long long bdesc,
                                int scale_d) {
-#if FMOE_TC_WG_EXPERTS == 128
-  asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 0; }\n"
-      : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24), WGMMA_ACC8(d, 32),
-        WGMMA_ACC8(d, 40), WGMMA_ACC8(d, 48), WGMMA_ACC8(d, 56)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bdesc), "r"(scale_d));
-#else
   asm volatile(
       "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -278,7 +266,6 @@ DSV4_INLINE void fmoe_tc_wgmma(float (&d)[FMOE_TC_WG_EXPERTS / 2], const unsigne
       "{%32, %33, %34, %35}, %36, p, 1, 1, 0; }\n"
       : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bdesc), "r"(scale_d));
-#endif
 }
 
 extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)

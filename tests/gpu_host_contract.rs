@@ -21,14 +21,19 @@ use dsv4::ffi::*;
 
 // ------------------------------------------------------------------------------ plumbing
 
-/// create -> load -> `overrides` -> finalize of `model` on `dev` in official numerics (4
-/// slots, 64 tokens, 96 positions, 4 threads; logits poisoned with NaN).
-fn rig_with(model: &str, dev: i32, load: Load, weight_format: i32, overrides: &[Entry]) -> Rig {
+/// The options of `model` on `dev` in official numerics (4 slots, 64 tokens, 96 positions, 4
+/// threads; logits poisoned with NaN).
+fn options(model: &str, dev: i32, load: Load, weight_format: i32) -> RigOptions {
     let mut o = RigOptions::new(model, dev);
     o.load = load;
     o.weight_format = Some(weight_format);
     o.numerics = DSV4_NUMERICS_OFFICIAL;
-    Rig::build(&o, overrides)
+    o
+}
+
+/// create -> load -> `overrides` -> finalize of `model` on `dev` ([`options`]).
+fn rig_with(model: &str, dev: i32, load: Load, weight_format: i32, overrides: &[Entry]) -> Rig {
+    Rig::build(&options(model, dev, load, weight_format), overrides)
 }
 
 fn rig(model: &str, dev: i32, load: Load, weight_format: i32) -> Rig {
@@ -175,16 +180,27 @@ fn finalize_twice_and_refit_twice_are_idempotent() {
 // ----------------------------------------------------------- refit rebuilds derived data
 
 /// Refitting `changed` into a loaded engine gives exactly a fresh load with the change, and
-/// the change is visible.
+/// the change is visible (the `tiny` rigs, [`prefill`], every device).
 fn refit_equals_fresh_load(changed: &[Entry], what: &str) {
-    for dev in devices() {
-        let r = tiny(dev, Load::Checkpoint);
-        let before = r.forward_finite(&prefill());
+    let tiny = |dev| options("tiny", dev, Load::Checkpoint, TINY_FORMAT);
+    refit_equals_fresh_load_on(&devices(), &tiny, &prefill(), changed, what);
+}
+
+/// [`refit_equals_fresh_load`] on the rigs `options` makes for `devs`, over `step`.
+fn refit_equals_fresh_load_on(
+    devs: &[i32],
+    options: &dyn Fn(i32) -> RigOptions,
+    step: &Step,
+    changed: &[Entry],
+    what: &str,
+) {
+    for &dev in devs {
+        let r = Rig::build(&options(dev), &[]);
+        let before = r.forward_finite(step);
         let ptrs = r.pointers();
         r.refit(changed, dev >= 0);
-        let got = r.forward_finite(&prefill());
-        let want = rig_with("tiny", dev, Load::Checkpoint, TINY_FORMAT, changed)
-            .forward_finite(&prefill());
+        let got = r.forward_finite(step);
+        let want = Rig::build(&options(dev), changed).forward_finite(step);
         assert_ne!(
             bits(&got),
             bits(&before),
@@ -247,33 +263,21 @@ fn refit_of_a_router_gate_rebuilds_its_planes_for_many_tokens() {
     // Layer 2 routes top-k (layers 0 and 1 hash, whose weights still come from the gate).
     let gate = perturbed_bf16(find(&ck, "model.layers.2.ffn.gate.weight"), -1.5);
     let n = dsv4::cuda::kernels::fast_moe::TC_MIN_TOKENS + 8;
-    let long = Step::of(&[(0, 0, tokens(3, n))]);
-    let options = |dev| {
-        let mut o = RigOptions::new("tiny", dev);
-        o.weight_format = Some(TINY_FORMAT);
+    let long = |dev| {
+        let mut o = options("tiny", dev, Load::Checkpoint, TINY_FORMAT);
         o.max_num_tokens = n as i32;
         o.max_seq_len = n as i32 + 8;
         o
     };
-    for dev in devices().into_iter().filter(|&d| d >= 0) {
-        let r = Rig::build(&options(dev), &[]);
-        let before = r.forward_finite(&long);
-        let ptrs = r.pointers();
-        r.refit(std::slice::from_ref(&gate), true);
-        let got = r.forward_finite(&long);
-        let want = Rig::build(&options(dev), std::slice::from_ref(&gate)).forward_finite(&long);
-        assert_ne!(
-            bits(&got),
-            bits(&before),
-            "device {dev}: the gate's refit changed nothing"
-        );
-        assert_same(
-            &got,
-            &want,
-            &format!("device {dev}: refit of layers.2.ffn.gate.weight differs from a fresh load"),
-        );
-        assert_eq!(r.pointers(), ptrs, "device {dev}: a pointer moved");
-    }
+    let cuda: Vec<i32> = devices().into_iter().filter(|&d| d >= 0).collect();
+    let step = Step::of(&[(0, 0, tokens(3, n))]);
+    refit_equals_fresh_load_on(
+        &cuda,
+        &long,
+        &step,
+        std::slice::from_ref(&gate),
+        "refit of layers.2.ffn.gate.weight",
+    );
 }
 
 #[test]

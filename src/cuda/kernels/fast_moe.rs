@@ -46,11 +46,11 @@ pub const LOGIT_SPLIT: usize = 4;
 /// Tokens per `fmoe_logits_kernel` block (FMOE_LOGIT_TOKENS).
 pub const LOGIT_TOKENS: usize = 8;
 /// `fmoe_logits_tc_kernel` (many tokens, BF16 tensor cores): tokens per block (FMOE_TC_TOKENS, one
-/// m64 tile) and experts per warpgroup (FMOE_TC_WG_EXPERTS, the wgmma's N: 64 or 128; two consumer
-/// warpgroups a block, so a block takes twice as many experts). 64: twice the blocks, each item's
-/// slot half the gate bytes; kernel µs 128 / 64 (H200, same call): 1024 tokens 73.4 / 44.4, 4096
-/// 74.2 / 45.5, 16384 135.8 / 177.6; the layer at 16384 0.5-0.7% slower with 64, 1.6-1.8% faster at
-/// 1024-4096 (BENCHMARKS.md, issue 11 twentieth version).
+/// m64 tile) and experts per warpgroup (FMOE_TC_WG_EXPERTS, the wgmma's N; two consumer warpgroups
+/// a block, so a block takes twice as many experts). 64 rather than 128: twice the blocks, each
+/// item's slot half the gate bytes; kernel µs 128 / 64 (H200, same call): 1024 tokens 73.4 / 44.4,
+/// 4096 74.2 / 45.5, 16384 135.8 / 177.6; the layer at 16384 0.5-0.7% slower with 64, 1.6-1.8%
+/// faster at 1024-4096 (BENCHMARKS.md, issue 11 twentieth version; the kernel takes 64 only).
 pub const TC_TOKENS: usize = 64;
 pub const TC_WG_EXPERTS: usize = 64;
 /// Producer warps of a `fmoe_logits_tc_kernel` block (FMOE_TC_PRODUCERS: 16 of x's rows each), and
