@@ -23,10 +23,13 @@
 // instead, with the plain bit move: slower, as exact.
 //
 // Tile-sized wgmmas. A folded FP4 pass (the routed experts of a released checkpoint) runs wgmma m64nNk32 with
-// N = the tile's token count rounded up to 32 (fmw_tile_n): at ~100 tokens per expert (B = 4096) a quarter of
+// N = the tile's token count rounded up to 8 (fmw_tile_n): at ~100 tokens per expert (B = 4096) a quarter of
 // a 128-column wgmma and of its promotion was spent on columns no token fills; at 24-48 (B = 1024-2048) over
-// half. The decode, which does not depend on N, is the same. (Layer: 1408 tokens 2734 -> 2267 µs, 2048
-// 2865 -> 2458, 4096 3449 -> 3322, 16384 12286 -> 12085: BENCHMARKS.md, issue 11 seventeenth version.)
+// half. The decode, which does not depend on N, is the same. (Rounded up to 32, layer: 1408 tokens 2734 ->
+// 2267 µs, 2048 2865 -> 2458, 4096 3449 -> 3322, 16384 12286 -> 12085: BENCHMARKS.md, issue 11 seventeenth
+// version. Then to 8, since at ~96 tokens per expert about half the tiles held 97-120 and ran N = 128: 2048
+// 1897 -> 1828, 4096 2619 -> 2538, 16384 10290 -> 10202; twenty-first version. To 16 gained half as much; to
+// 32 with all sixteen shapes compiled measured as before, so the larger code costs nothing.)
 //
 // Work items. The plan (moe_plan_kernel, tile_rows = FMW_TOKENS) lists (expert, start, count) tiles; the
 // shared expert adds ceil(T / FMW_TOKENS) tiles of consecutive tokens. A tile is cut into 128-row blocks
@@ -113,10 +116,14 @@ struct FmwItem {
 
 DSV4_INLINE int fmw_passes(bool up) { return up ? 2 : 1; }
 
-// The wgmmas' N for a tile of n tokens (1 .. FMW_TOKENS): n rounded up to a multiple of 32. Only the folded
-// FP4 passes (the routed experts of a released checkpoint) take it: the shared expert's tiles are full but
-// the last, and the other passes are fallbacks.
-DSV4_INLINE int fmw_tile_n(int n) { return (n + 31) / 32 * 32; }
+// The wgmmas' N for a tile of n tokens (1 .. FMW_TOKENS): n rounded up to a multiple of FMW_TILE_STEP. Only
+// the folded FP4 passes (the routed experts of a released checkpoint) take it: the shared expert's tiles are
+// full but the last, and the other passes are fallbacks.
+#ifndef FMW_TILE_STEP
+#define FMW_TILE_STEP 8
+#endif
+static_assert(FMW_TILE_STEP % 8 == 0 && FMW_TOKENS % FMW_TILE_STEP == 0, "fast_moe_wide: FMW_TILE_STEP");
+DSV4_INLINE int fmw_tile_n(int n) { return (n + FMW_TILE_STEP - 1) / FMW_TILE_STEP * FMW_TILE_STEP; }
 
 template <bool UP>
 DSV4_INLINE int fmw_total_items(const FmoeArgs& a) {
@@ -285,52 +292,81 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
 }
 
 // One wgmma m64nNk32 e4m3 (A from registers, B the first N tokens of the block's B tile): d[0 .. N/2) of the
-// accumulator layout (d[4j + c]: token 8j + 2t + (c & 1), j < N/8). N in {32, 64, 96, 128}: an item whose
-// tile holds n tokens runs the smallest N >= n (fmw_tile_n), so a partial tile's columns past N cost neither
-// tensor-core time nor promotion.
+// accumulator layout (d[4j + c]: token 8j + 2t + (c & 1), j < N/8). N any multiple of 8 up to 128: an item whose
+// tile holds n tokens runs the smallest N >= n of FMW_TILE_STEP's multiples (fmw_tile_n), so a partial tile's
+// columns past N cost neither tensor-core time nor promotion.
+//
+// The asm's operands: an asm numbers its outputs first, so the A registers, the descriptor and the accumulate
+// flag are passed as read-write operands %0 .. %5 ahead of the N / 2 accumulators (%6 ..): then the
+// accumulator list of every N is a prefix of one sequence (FMW_ACC_Rn: n registers) and one template serves
+// every shape. (The compiler keeps copies only of what is read after the asm: nothing here.)
+#define FMW_ACC_R4 "%6, %7, %8, %9"
+#define FMW_ACC_R8 FMW_ACC_R4 ", %10, %11, %12, %13"
+#define FMW_ACC_R12 FMW_ACC_R8 ", %14, %15, %16, %17"
+#define FMW_ACC_R16 FMW_ACC_R12 ", %18, %19, %20, %21"
+#define FMW_ACC_R20 FMW_ACC_R16 ", %22, %23, %24, %25"
+#define FMW_ACC_R24 FMW_ACC_R20 ", %26, %27, %28, %29"
+#define FMW_ACC_R28 FMW_ACC_R24 ", %30, %31, %32, %33"
+#define FMW_ACC_R32 FMW_ACC_R28 ", %34, %35, %36, %37"
+#define FMW_ACC_R36 FMW_ACC_R32 ", %38, %39, %40, %41"
+#define FMW_ACC_R40 FMW_ACC_R36 ", %42, %43, %44, %45"
+#define FMW_ACC_R44 FMW_ACC_R40 ", %46, %47, %48, %49"
+#define FMW_ACC_R48 FMW_ACC_R44 ", %50, %51, %52, %53"
+#define FMW_ACC_R52 FMW_ACC_R48 ", %54, %55, %56, %57"
+#define FMW_ACC_R56 FMW_ACC_R52 ", %58, %59, %60, %61"
+#define FMW_ACC_R60 FMW_ACC_R56 ", %62, %63, %64, %65"
+#define FMW_ACC_R64 FMW_ACC_R60 ", %66, %67, %68, %69"
+// "+f" operands d[o] .. d[o + 3] (WGMMA_ACC8, fp8_mma.cuh: eight).
+#define FMW_ACC4(d, o) "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3])
+#define FMW_WGMMA_ASM(NN, REGS, ...)                                                                        \
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %5, 0;\n"                                                  \
+               "wgmma.mma_async.sync.aligned.m64n" #NN "k32.f32.e4m3.e4m3 "                                \
+               "{" REGS "}, {%0, %1, %2, %3}, %4, p, 1, 1; }\n"                                          \
+               : "+r"(a0), "+r"(a1), "+r"(a2), "+r"(a3), "+l"(desc), "+r"(accumulate), __VA_ARGS__)
 template <int N>
 DSV4_INLINE void fmw_wgmma(float (&d)[64], const unsigned (&a)[4], unsigned long long desc, int accumulate) {
-  static_assert(N == 32 || N == 64 || N == 96 || N == 128, "fmw_wgmma: N");
-  if constexpr (N == 32) {
-    asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "{%16, %17, %18, %19}, %20, p, 1, 1; }\n"
-        : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  static_assert(N % 8 == 0 && N >= 8 && N <= 128, "fmw_wgmma: N");
+  unsigned a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+  if constexpr (N == 8) {
+    FMW_WGMMA_ASM(8, FMW_ACC_R4, FMW_ACC4(d, 0));
+  } else if constexpr (N == 16) {
+    FMW_WGMMA_ASM(16, FMW_ACC_R8, WGMMA_ACC8(d, 0));
+  } else if constexpr (N == 24) {
+    FMW_WGMMA_ASM(24, FMW_ACC_R12, WGMMA_ACC8(d, 0), FMW_ACC4(d, 8));
+  } else if constexpr (N == 32) {
+    FMW_WGMMA_ASM(32, FMW_ACC_R16, WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8));
+  } else if constexpr (N == 40) {
+    FMW_WGMMA_ASM(40, FMW_ACC_R20, WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), FMW_ACC4(d, 16));
+  } else if constexpr (N == 48) {
+    FMW_WGMMA_ASM(48, FMW_ACC_R24, WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16));
+  } else if constexpr (N == 56) {
+    FMW_WGMMA_ASM(56, FMW_ACC_R28, WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), FMW_ACC4(d, 24));
   } else if constexpr (N == 64) {
-    asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1; }\n"
-        : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+    FMW_WGMMA_ASM(64, FMW_ACC_R32, WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24));
+  } else if constexpr (N == 72) {
+    FMW_WGMMA_ASM(72, FMW_ACC_R36, WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24),
+                  FMW_ACC4(d, 32));
+  } else if constexpr (N == 80) {
+    FMW_WGMMA_ASM(80, FMW_ACC_R40, WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24),
+                  WGMMA_ACC8(d, 32));
+  } else if constexpr (N == 88) {
+    FMW_WGMMA_ASM(88, FMW_ACC_R44, WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24),
+                  WGMMA_ACC8(d, 32), FMW_ACC4(d, 40));
   } else if constexpr (N == 96) {
-    asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %53, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
-      "{%48, %49, %50, %51}, %52, p, 1, 1; }\n"
-        : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24), WGMMA_ACC8(d, 32),
-          WGMMA_ACC8(d, 40)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+    FMW_WGMMA_ASM(96, FMW_ACC_R48, WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24),
+                  WGMMA_ACC8(d, 32), WGMMA_ACC8(d, 40));
+  } else if constexpr (N == 104) {
+    FMW_WGMMA_ASM(104, FMW_ACC_R52, WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24),
+                  WGMMA_ACC8(d, 32), WGMMA_ACC8(d, 40), FMW_ACC4(d, 48));
+  } else if constexpr (N == 112) {
+    FMW_WGMMA_ASM(112, FMW_ACC_R56, WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24),
+                  WGMMA_ACC8(d, 32), WGMMA_ACC8(d, 40), WGMMA_ACC8(d, 48));
+  } else if constexpr (N == 120) {
+    FMW_WGMMA_ASM(120, FMW_ACC_R60, WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24),
+                  WGMMA_ACC8(d, 32), WGMMA_ACC8(d, 40), WGMMA_ACC8(d, 48), FMW_ACC4(d, 56));
   } else if constexpr (N == 128) {
-    asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1; }\n"
-        : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24), WGMMA_ACC8(d, 32),
-          WGMMA_ACC8(d, 40), WGMMA_ACC8(d, 48), WGMMA_ACC8(d, 56)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+    FMW_WGMMA_ASM(128, FMW_ACC_R64, WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24),
+                  WGMMA_ACC8(d, 32), WGMMA_ACC8(d, 40), WGMMA_ACC8(d, 48), WGMMA_ACC8(d, 56));
   }
 }
 
@@ -775,12 +811,19 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
         const unsigned char* rowe = pass == 0 ? it.rowe[0] : it.rowe[1];
         const unsigned er0 = rowe[r], er8 = rowe[r + 8];
         const unsigned base0 = fmw_fold_base(er0), base8 = fmw_fold_base(er8);
+#define FMW_PASS_N(NN)                                                        \
+  case NN:                                                                    \
+    if constexpr (NN % FMW_TILE_STEP == 0) {                                  \
+      fmw_pass_fp4<true, NN>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); \
+      break;                                                                  \
+    }
         switch (fmw_tile_n(it.n)) {  // uniform over the block
-          case 32: fmw_pass_fp4<true, 32>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); break;
-          case 64: fmw_pass_fp4<true, 64>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); break;
-          case 96: fmw_pass_fp4<true, 96>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); break;
+          FMW_PASS_N(8) FMW_PASS_N(16) FMW_PASS_N(24) FMW_PASS_N(32) FMW_PASS_N(40) FMW_PASS_N(48)
+          FMW_PASS_N(56) FMW_PASS_N(64) FMW_PASS_N(72) FMW_PASS_N(80) FMW_PASS_N(88) FMW_PASS_N(96)
+          FMW_PASS_N(104) FMW_PASS_N(112) FMW_PASS_N(120)
           default: fmw_pass_fp4<true, 128>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc);
         }
+#undef FMW_PASS_N
         const float w0 = fmw_row_factor(er0), w8 = fmw_row_factor(er8);  // exact: powers of two
 #pragma unroll
         for (int j = 0; j < 16; ++j) {

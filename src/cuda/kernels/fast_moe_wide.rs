@@ -6,7 +6,7 @@
 //! and picks the path: [`GemmPath`](super::fast_moe_gemm::GemmPath)).
 
 /// Tokens per work item (FMW_TOKENS): the plan's `tile_rows` on this path, and the largest N of
-/// its wgmma (m64nNk32; a folded FP4 pass runs N = its tile's tokens rounded up to 32).
+/// its wgmma (m64nNk32; a folded FP4 pass runs N = its tile's tokens rounded up to 8).
 pub const TOKENS: usize = 128;
 /// Weight rows per pass of an item: one TMA box, two warpgroups of 64.
 pub const ROWS: usize = 128;
