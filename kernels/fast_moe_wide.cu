@@ -116,14 +116,10 @@ struct FmwItem {
 
 DSV4_INLINE int fmw_passes(bool up) { return up ? 2 : 1; }
 
-// The wgmmas' N for a tile of n tokens (1 .. FMW_TOKENS): n rounded up to a multiple of FMW_TILE_STEP. Only
-// the folded FP4 passes (the routed experts of a released checkpoint) take it: the shared expert's tiles are
-// full but the last, and the other passes are fallbacks.
-#ifndef FMW_TILE_STEP
-#define FMW_TILE_STEP 8
-#endif
-static_assert(FMW_TILE_STEP % 8 == 0 && FMW_TOKENS % FMW_TILE_STEP == 0, "fast_moe_wide: FMW_TILE_STEP");
-DSV4_INLINE int fmw_tile_n(int n) { return (n + FMW_TILE_STEP - 1) / FMW_TILE_STEP * FMW_TILE_STEP; }
+// The wgmmas' N for a tile of n tokens (1 .. FMW_TOKENS): n rounded up to a multiple of 8, wgmma's step (the
+// dispatch in fmw_gemm has a case for each). Only the folded FP4 passes (the routed experts of a released
+// checkpoint) take it: the shared expert's tiles are full but the last, and the other passes are fallbacks.
+DSV4_INLINE int fmw_tile_n(int n) { return (n + 7) / 8 * 8; }
 
 template <bool UP>
 DSV4_INLINE int fmw_total_items(const FmoeArgs& a) {
@@ -293,8 +289,8 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
 
 // One wgmma m64nNk32 e4m3 (A from registers, B the first N tokens of the block's B tile): d[0 .. N/2) of the
 // accumulator layout (d[4j + c]: token 8j + 2t + (c & 1), j < N/8). N any multiple of 8 up to 128: an item whose
-// tile holds n tokens runs the smallest N >= n of FMW_TILE_STEP's multiples (fmw_tile_n), so a partial tile's
-// columns past N cost neither tensor-core time nor promotion.
+// tile holds n tokens runs the smallest such N >= n (fmw_tile_n), so a partial tile's columns past N cost
+// neither tensor-core time nor promotion.
 //
 // The asm's operands: an asm numbers its outputs first, so the A registers, the descriptor and the accumulate
 // flag are passed as read-write operands %0 .. %5 ahead of the N / 2 accumulators (%6 ..): then the
@@ -811,12 +807,10 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
         const unsigned char* rowe = pass == 0 ? it.rowe[0] : it.rowe[1];
         const unsigned er0 = rowe[r], er8 = rowe[r + 8];
         const unsigned base0 = fmw_fold_base(er0), base8 = fmw_fold_base(er8);
-#define FMW_PASS_N(NN)                                                        \
-  case NN:                                                                    \
-    if constexpr (NN % FMW_TILE_STEP == 0) {                                  \
-      fmw_pass_fp4<true, NN>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); \
-      break;                                                                  \
-    }
+#define FMW_PASS_N(NN)                                                           \
+  case NN:                                                                       \
+    fmw_pass_fp4<true, NN>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); \
+    break;
         switch (fmw_tile_n(it.n)) {  // uniform over the block
           FMW_PASS_N(8) FMW_PASS_N(16) FMW_PASS_N(24) FMW_PASS_N(32) FMW_PASS_N(40) FMW_PASS_N(48)
           FMW_PASS_N(56) FMW_PASS_N(64) FMW_PASS_N(72) FMW_PASS_N(80) FMW_PASS_N(88) FMW_PASS_N(96)
