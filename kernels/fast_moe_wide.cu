@@ -41,13 +41,16 @@
 // FMW_STAGES slots with full/empty mbarriers; the producer warpgroup hands most of its registers to the
 // consumers (setmaxnreg): a few addresses per thread are all it needs. A stage is 128 bytes of each of the
 // pass's 128 weight rows (one TMA box: FP4 256 k, FP8 128 k) with their scales (UE8M0 bytes by a 1 KiB
-// bulk copy, f32 by TMA, or FP8's block scale), and the tile's tokens over the same k, gathered by cp.async
-// into wgmma's K-major B layout (per 128-block, a row of 128 bytes per token in the 128-byte swizzle) with
-// their per-128 scales. Eight producer threads copy one token's 128 bytes (one line): a line then lands in
-// shared memory in one piece, where 16 bytes per token and thread (the first layout) took ~29 shared-memory
-// wavefronts per warp copy instead of ~4, over half of the kernel's wavefronts (ncu, B = 4096). Tokens past
-// the tile's count are not loaded: their columns compute garbage that is never stored (wgmma's columns are
-// independent).
+// bulk copy, f32 by TMA, or FP8's block scale), and the tile's tokens over the same k in wgmma's K-major B
+// layout (per 128-block, a row of 128 bytes per token in the 128-byte swizzle) with their per-128 scales.
+// Up, x's rows are gathered by cp.async (fmw_produce_gather): eight producer threads copy one token's 128
+// bytes (one line), which then lands in shared memory in one piece, where 16 bytes per token and thread (the
+// first layout) took ~29 shared-memory wavefronts per warp copy instead of ~4, over half of the kernel's
+// wavefronts (ncu, B = 4096). Down, the up GEMM has stored h in this path's own layout (fmw_h_row,
+// fmw_h_scale_at: a tile's rows consecutive, its scales in the consumers' order), so one producer thread
+// copies them by TMA and one bulk copy (fmw_produce_tma; layer B = 4096 2572 -> 2504 µs uniform, 2734 ->
+// 2627 skewed, 16384 10091 -> 9825: BENCHMARKS.md, issue 11 twenty-second version). Token columns past the
+// tile's count compute garbage that is never stored (wgmma's columns are independent).
 //
 // The math. Warpgroup w owns the pass's rows 64w .. 64w + 63 (one m64 tile). A 128-block's A fragments
 // (ldmatrix then the shifted bit move for FP4; 8-byte loads for FP8; both in the halves order, fp8_mma.cuh,
@@ -74,6 +77,7 @@
 #define FMW_PRODUCER_REGS 24
 #define FMW_ROWS 128                      // weight rows of a pass: one TMA box
 #define FMW_RB 128                        // bytes of a weight row per stage
+#define FMW_HBOX 32  // rows of the down GEMM's TMA boxes of h (fmw_produce_tma): a tile reads n rounded up to it
 #define FMW_SLOT_W (FMW_ROWS * FMW_RB)
 #define FMW_SLOT_S (FMW_ROWS * 8 * 4)  // FP4: 8 per-32 scales a row (f32, or UE8M0 bytes in the first 1 KiB);
                                        // FP8: the block scale
@@ -107,6 +111,7 @@ struct FmwItem {
   int n;        // tokens in the tile, 1..FMW_TOKENS
   int start;    // first plan row (routed) or first token (shared)
   int rb;       // row block: up, j = 128·rb ..; down, W2 rows 128·rb ..
+  int tile;     // the item's tile: the plan's routed tiles, then the shared expert's (h's scales, fmw_h_scale_at)
   const unsigned char* maps;   // the expert's tensor maps
   const float* fs[2];          // FP8: block scales of pass 0 and 1 (up: W1, W3; down: W2)
   const unsigned char* sc8[2]; // UE8M0: the 1 KiB blocks of stage 0 of the passes' row block
@@ -134,6 +139,7 @@ DSV4_INLINE FmwItem fmw_item(const FmoeArgs& a, int wi) {
   const int tile = wi / rb_n;
   FmwItem it;
   it.rb = wi - tile * rb_n;
+  it.tile = tile;
   it.skip = false;
   it.s8 = false;
   it.fs[0] = it.fs[1] = nullptr;
@@ -179,17 +185,21 @@ DSV4_INLINE FmwItem fmw_item(const FmoeArgs& a, int wi) {
   return it;
 }
 
-// Activation row of token column c < n: up reads x rows, down reads h rows (one per (token, slot)).
-template <bool UP>
-DSV4_INLINE long long fmw_act_row(const FmoeArgs& a, const FmwItem& it, int c) {
-  if (it.shared) return UP ? it.start + c : (long long)a.T * a.k + it.start + c;
-  const int r = a.rows[it.start + c];
-  return UP ? r / a.k : r;
+// x's row of token column c < n (the up GEMM's activations, gathered by token).
+DSV4_INLINE long long fmw_x_row(const FmoeArgs& a, const FmwItem& it, int c) {
+  return it.shared ? it.start + c : a.rows[it.start + c] / a.k;
 }
 
-// Output row (of hq / y) of token column c < n.
+// Output row (of y; up, of the routing weights) of token column c < n: one per (token, slot), then the
+// shared expert's per token.
 DSV4_INLINE long long fmw_out_row(const FmoeArgs& a, const FmwItem& it, int c) {
   return it.shared ? (long long)a.T * a.k + it.start + c : a.rows[it.start + c];
+}
+
+// h's row of token column c in this path's layout: a routed tile's at its plan rows, so that a tile's h rows
+// are consecutive and the down GEMM's producer reads them by TMA; the shared expert's at T·k + its token.
+DSV4_INLINE long long fmw_h_row(const FmoeArgs& a, const FmwItem& it, int c) {
+  return it.shared ? (long long)a.T * a.k + it.start + c : it.start + c;
 }
 
 // The ring's barriers (fmoe_ring_*).
@@ -202,13 +212,43 @@ DSV4_INLINE unsigned fmw_empty(unsigned smem, int s) { return fmoe_ring_empty(sm
 // 64 contiguous bytes: conflict-free, and half as many loads as 8-byte ones in token order.
 DSV4_INLINE int fmw_scale_pos(int p) { return (p >> 4) * 16 + ((p >> 1) & 3) * 4 + ((p >> 3) & 1) * 2 + (p & 1); }
 
-// The producer warpgroup: every stage of every pass of the block's items, in the consumers' order. Thread p
-// (0 .. 127) copies 16-byte chunk j = p % 8 of each 128-block of tokens p / 8 + 16 i (i = 0 .. 7, those below
-// the tile's count), and the stage's activation scales of token p; thread 0 also announces the TMA bytes and
-// issues the weight box and the FP4 scales (or copies FP8's block scale). The slot's full barrier expects
-// thread 0's arrival and one cp.async arrival per producer thread. Why all four warps: one warp gathering all
-// 128 tokens (64 16-byte copies a lane per stage) could not keep up: the consumers found the next slot empty
-// at nearly every stage (ncu, B = 4096).
+// h's scale of token column c and 128-block b (of `blocks` = I / 128) of the item's tile, in this path's
+// layout: [tile][block][FMW_TOKENS] floats at fmw_scale_pos(c), the consumers' order, so the down GEMM's
+// producer copies a stage's scales in one piece. (Slots of the tile's columns past its count are not written.)
+DSV4_INLINE long long fmw_h_scale_at(const FmwItem& it, int blocks, int b, int c) {
+  return ((long long)it.tile * blocks + b) * FMW_TOKENS + fmw_scale_pos(c);
+}
+
+// A stage's weights for the producer's thread 0: the weight box of the pass's 128 rows and, for FP4, their
+// scales (UE8M0 bytes by a 1 KiB bulk copy, f32 by TMA) or, for FP8, the block scale by a 4-byte cp.async
+// (its thread's cp.async arrival on the full barrier covers it). Bytes the TMA copies complete: fmw_weight_tx.
+template <bool UP>
+DSV4_INLINE void fmw_load_weights(const FmwItem& it, int pass, int K, int kb, unsigned st, unsigned full) {
+  const int m = UP ? (pass == 0 ? FMOE_MAP_W1 : FMOE_MAP_W3) : FMOE_MAP_W2;
+  const int sm = UP ? (pass == 0 ? FMOE_MAP_S1 : FMOE_MAP_S3) : FMOE_MAP_S2;
+  tma_load_2d(st, it.maps + m * FMOE_MAP_BYTES, kb * FMW_RB, it.rb * FMW_ROWS, full);
+  if (it.s8) {
+    // (Selects, not it.sc8[pass]: a dynamic index would put the item in local memory.)
+    bulk_load(st + FMW_SLOT_W, (pass == 0 ? it.sc8[0] : it.sc8[1]) + kb * 1024, 1024, full);
+  } else if (it.fp4) {
+    tma_load_2d(st + FMW_SLOT_W, it.maps + sm * FMOE_MAP_BYTES, kb * 8, it.rb * FMW_ROWS, full);
+  } else {
+    const float* fs = pass == 0 ? it.fs[0] : it.fs[1];
+    cp_async_4(st + FMW_SLOT_W, fs + (long long)it.rb * (K / 128) + kb);
+  }
+}
+
+DSV4_INLINE unsigned fmw_weight_tx(const FmwItem& it) {
+  return FMW_SLOT_W + (!it.fp4 ? 0 : it.s8 ? 1024 : FMW_SLOT_S);
+}
+
+// The up GEMM's producer warpgroup: every stage of every pass of the block's items, in the consumers' order.
+// Thread p (0 .. 127) copies 16-byte chunk j = p % 8 of each 128-block of tokens p / 8 + 16 i (i = 0 .. 7, those
+// below the tile's count) from x's rows, which the tile's tokens reach by index, and the stage's activation
+// scales of token p; thread 0 also announces the TMA bytes and loads the weights (fmw_load_weights). The
+// slot's full barrier expects thread 0's arrival and one cp.async arrival per producer thread. Why all four
+// warps: one warp gathering all 128 tokens (64 16-byte copies a lane per stage) could not keep up: the
+// consumers found the next slot empty at nearly every stage (ncu, B = 4096).
 //
 // Few instructions a copy: the producer's warps share the schedulers with the consumers' (one each), and every
 // slot they issue in is one a consumer warp may have waited for. So each item's token rows become pointers
@@ -216,8 +256,7 @@ DSV4_INLINE int fmw_scale_pos(int p) { return (p >> 4) * 16 + ((p >> 1) & 3) * 4
 // offset to them, and a token's scales are its own thread's. (When each copy recomputed its row's address
 // from the row index, the producer issued 22% of the up GEMM's instructions, ~43 per token row and stage;
 // the consumers' mainloop 54%: ncu, B = 4096.)
-template <bool UP>
-DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsigned smem, int my_items) {
+DSV4_INLINE void fmw_produce_gather(const FmoeArgs& a, unsigned char* smem_base, unsigned smem, int my_items) {
   const int p = threadIdx.x - FMW_CONSUMERS;
   const int K = a.K;
   unsigned long long* atbl = reinterpret_cast<unsigned long long*>(smem_base + FMW_ATBL);
@@ -228,43 +267,29 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
   int slot = 0;
   unsigned phase = 0;
   for (int n = 0; n < my_items; ++n) {
-    const FmwItem it = fmw_item<UP, false>(a, blockIdx.x + n * gridDim.x);
+    const FmwItem it = fmw_item<true, false>(a, blockIdx.x + n * gridDim.x);
     if (it.skip) continue;
     const int nks = fmoe_stages(it.fp4, K);
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
     // The tile's activation rows as addresses, one per token column (0 past its count: integers, so that no
     // null pointer takes an offset), and this thread's token's scales.
     const bool mine = p < it.n;
-    const long long row = mine ? fmw_act_row<UP>(a, it, p) : 0;
+    const long long row = mine ? fmw_x_row(a, it, p) : 0;
     named_barrier(4, FMW_THREADS - FMW_CONSUMERS);  // every producer thread has read the last item's
     atbl[p] = mine ? (unsigned long long)(a.act + row * K) : 0ull;
     named_barrier(4, FMW_THREADS - FMW_CONSUMERS);
     // (An offset of 32 bits, with the kernel parameter's base added at each stage: a 64-bit pointer held
     // across the stages spilled at 24 registers. rows · K / 128 < 2^32 for any T the workspace holds.)
     const unsigned my_scales = (unsigned)(row * (K / 128));
-    const unsigned tx = FMW_SLOT_W + (!it.fp4 ? 0 : it.s8 ? 1024 : FMW_SLOT_S);
-    for (int pass = 0; pass < fmw_passes(UP); ++pass) {
-      const int m = UP ? (pass == 0 ? FMOE_MAP_W1 : FMOE_MAP_W3) : FMOE_MAP_W2;
-      const int sm = UP ? (pass == 0 ? FMOE_MAP_S1 : FMOE_MAP_S3) : FMOE_MAP_S2;
-      const unsigned char* map = it.maps + m * FMOE_MAP_BYTES;
-      const unsigned char* smap = it.maps + sm * FMOE_MAP_BYTES;
-      // (Selects, not it.sc8[pass]: a dynamic index would put the item in local memory.)
-      const unsigned char* sc8 = pass == 0 ? it.sc8[0] : it.sc8[1];
-      const float* fs0 = pass == 0 ? it.fs[0] : it.fs[1];
-      const float* fs = fs0 != nullptr ? fs0 + (long long)it.rb * (K / 128) : nullptr;
+    const unsigned tx = fmw_weight_tx(it);
+    for (int pass = 0; pass < 2; ++pass) {
       for (int kb = 0; kb < nks; ++kb) {
         mbar_wait(fmw_empty(smem, slot), phase ^ 1);
         const unsigned st = smem + slot * FMW_SLOT, full = fmw_full(smem, slot);
         const bool two = fmoe_stage_blocks(it.fp4, K, kb) == 2;
         if (p == 0) {
           mbar_arrive_expect_tx(full, tx);
-          tma_load_2d(st, map, kb * FMW_RB, it.rb * FMW_ROWS, full);
-          if (it.s8)
-            bulk_load(st + FMW_SLOT_W, sc8 + kb * 1024, 1024, full);
-          else if (it.fp4)
-            tma_load_2d(st + FMW_SLOT_W, smap, kb * 8, it.rb * FMW_ROWS, full);
-          else
-            cp_async_4(st + FMW_SLOT_W, fs + kb);
+          fmw_load_weights<true>(it, pass, K, kb, st, full);
         }
         const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
         const int koff = kb * kbytes + 16 * j;
@@ -282,6 +307,46 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, unsigned char* smem_base, unsign
         cp_async_mbar_arrive(full);
         fmoe_ring_advance(slot, phase, FMW_STAGES);
       }
+    }
+  }
+  cp_async_wait_all();  // the copies land before the thread exits
+}
+
+// The down GEMM's producer: one thread. Its activations are h in this path's layout (fmw_h_row,
+// fmw_h_scale_at): a tile's rows are consecutive, so per stage and 128-block it copies the tile's codes by
+// TMA (boxes of FMW_HBOX rows x 128 bytes in the 128-byte swizzle, the B tile's layout: ceil(n / FMW_HBOX) of
+// them, rows past the tile's count are other tiles' or zeros past the map, computed and never stored) and
+// their scales in one bulk copy of FMW_TOKENS floats. (The gather by the four producer warps issued 14% of
+// the up GEMM's instructions, and its per-token 4-byte scale copies cost a shared-memory wavefront each;
+// ncu, B = 4096.) The full barrier expects the thread's expect_tx arrival and its cp.async arrival (FP8's
+// block scale).
+DSV4_INLINE void fmw_produce_tma(const FmoeArgs& a, const unsigned char* h_map, unsigned smem, int my_items) {
+  if (threadIdx.x != FMW_CONSUMERS) return;
+  const int K = a.K;
+  int slot = 0;
+  unsigned phase = 0;
+  for (int n = 0; n < my_items; ++n) {
+    const FmwItem it = fmw_item<false, false>(a, blockIdx.x + n * gridDim.x);
+    if (it.skip) continue;
+    const int nks = fmoe_stages(it.fp4, K);
+    const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
+    const int boxes = (it.n + FMW_HBOX - 1) / FMW_HBOX;
+    const int row0 = (int)fmw_h_row(a, it, 0);
+    const float* hs = a.act_s + fmw_h_scale_at(it, K / 128, 0, 0);
+    const unsigned tx_w = fmw_weight_tx(it), tx_block = boxes * FMW_HBOX * 128 + FMW_TOKENS * 4;
+    for (int kb = 0; kb < nks; ++kb) {
+      mbar_wait(fmw_empty(smem, slot), phase ^ 1);
+      const unsigned st = smem + slot * FMW_SLOT, full = fmw_full(smem, slot);
+      const int blocks = fmoe_stage_blocks(it.fp4, K, kb), k0 = kb * kbytes;
+      mbar_arrive_expect_tx(full, tx_w + blocks * tx_block);
+      fmw_load_weights<false>(it, 0, K, kb, st, full);
+      const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
+      for (int b = 0; b < blocks; ++b)
+        for (int r = 0; r < boxes; ++r)
+          tma_load_2d(adst + b * FMW_B_PANEL + r * (FMW_HBOX * 128), h_map, k0 + 128 * b, row0 + r * FMW_HBOX, full);
+      bulk_load(adst + FMW_SLOT_A, hs + (k0 / 128) * FMW_TOKENS, blocks * FMW_TOKENS * 4, full);
+      cp_async_mbar_arrive(full);
+      fmoe_ring_advance(slot, phase, FMW_STAGES);
     }
   }
   cp_async_wait_all();  // the copies land before the thread exits
@@ -722,8 +787,7 @@ DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const floa
   m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
   if (tok < it.n) {
     const float s = fmoe_h_scale(m), inv = fmoe_h_inv(s);
-    const long long orow = fmw_out_row(a, it, tok);
-    unsigned char* dst = out_q + orow * a.N + it.rb * FMW_ROWS + 64 * half;
+    unsigned char* dst = out_q + fmw_h_row(a, it, tok) * a.N + it.rb * FMW_ROWS + 64 * half;
 #pragma unroll 1
     for (int i = 0; i < 8; ++i) {
       const int c8 = i ^ (4 * half);
@@ -737,7 +801,7 @@ DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const floa
       }
       fmoe_store_h_words(dst + 32 * (c8 >> 2), c8 & 3, fmoe_h_words8<true>(hv, inv));
     }
-    if (half == 0) out_s[orow * (a.N / 128) + it.rb] = s;
+    if (half == 0) out_s[fmw_h_scale_at(it, a.N / 128, it.rb, tok)] = s;
   }
 }
 
@@ -774,18 +838,21 @@ DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const floa
 // Shared body of both kernels (see fast_moe_gemm.cu's fmoe_gemm for the operands).
 template <bool UP>
 DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, unsigned char* out_q, float* out_s,
-                          bf16_t* out_y) {
+                          bf16_t* out_y, const unsigned char* h_map) {
   extern __shared__ __align__(1024) unsigned char fmw_smem[];
   const unsigned smem = smem_addr(fmw_smem);
   if ((smem & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned slots
   const int total = fmw_total_items<UP>(a);
   const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  if (threadIdx.x == 0)
-    fmoe_ring_init(smem + FMW_BARS, FMW_STAGES, FMW_CONSUMERS / 32, FMW_THREADS - FMW_CONSUMERS);
+  if (threadIdx.x == 0)  // the full barriers' cp.async arrivals: up, every producer thread's; down, one
+    fmoe_ring_init(smem + FMW_BARS, FMW_STAGES, FMW_CONSUMERS / 32, UP ? FMW_THREADS - FMW_CONSUMERS : 1);
   __syncthreads();
   if (threadIdx.x >= FMW_CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FMW_PRODUCER_REGS));
-    fmw_produce<UP>(a, fmw_smem, smem, my_items);
+    if (UP)
+      fmw_produce_gather(a, fmw_smem, smem, my_items);
+    else
+      fmw_produce_tma(a, h_map, smem, my_items);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FMW_CONSUMER_REGS));
@@ -850,17 +917,18 @@ extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
   dsv4_pdl_begin();
   const FmoeArgs a = fmoe_args(xq, xs, T, D, I, k, rows, tiles, ntiles, e_begin, e_end, maps, s1, s3, fmt,
                                shared_fmt, shared_s1, shared_s3, sc8, D, I);
-  fmw_gemm<true>(a, route_w, limit, hq, hs, nullptr);
+  fmw_gemm<true>(a, route_w, limit, hq, hs, nullptr, nullptr);
 }
 
-// GEMM2: the same operands as fmoe_down_kernel, with the plan made for FMW_TOKENS-token tiles.
+// GEMM2: fmoe_down_kernel's operands, with the plan made for FMW_TOKENS-token tiles, h in this path's layout
+// (the up kernel's) and h_map, a tensor map over hq's rows (fast_moe_wide::h_tensor_map).
 extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
     fmw_down_kernel(const unsigned char* hq, const float* hs, int T, int I, int D, int k, const int* rows,
                     const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
                     const unsigned long long* s2, int fmt, int shared_fmt, const float* shared_s2,
-                    const unsigned char* sc8, unsigned short* y) {
+                    const unsigned char* sc8, const unsigned char* h_map, unsigned short* y) {
   dsv4_pdl_begin();
   const FmoeArgs a = fmoe_args(hq, hs, T, I, D, k, rows, tiles, ntiles, e_begin, e_end, maps, s2, s2, fmt,
                                shared_fmt, shared_s2, shared_s2, sc8, D, I);
-  fmw_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y);
+  fmw_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y, h_map);
 }

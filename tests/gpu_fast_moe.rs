@@ -212,8 +212,10 @@ fn batch(e: &Env, sh: &MoeShape, t: usize, x: &[f32], tokens: &[i32], s: Borrowe
     for q in &p[2..] {
         arena::memset_async(*q, 0xff, s).unwrap(); // NaN poison
     }
-    // Except the decode GEMMs' synchronisation words: zero, as the engine's arena makes them.
+    // Except the decode GEMMs' synchronisation words: zero, as the engine's arena makes them,
+    // and the prefill path's tensor map over h.
     arena::memset_async(ws.sync, 0, s).unwrap();
+    ws.write_h_map(e.ctx, I, s).unwrap();
     Batch {
         t,
         x: p[0],
@@ -345,6 +347,45 @@ fn rel_l2(a: &[f32], b: &[f32], d: usize) -> (f64, f64) {
 /// The fast kernels' activations (e4m3 codes, kernels/fp8_mma.cuh) times their per-128 scales, in
 /// natural order: position 4t + i + 16h of each 32-block holds k 8t + 4h + i in the halves order
 /// (`halves`, the prefill path's), k 8t + 2i + h in the fragment order (the decode path's).
+/// The prefill path's h (codes at plan rows, scales tile by tile: fast_moe_wide::h_scale_index)
+/// in the decode path's layout, rows per (token, slot) then the shared expert's, through the plan
+/// the run left in `b.ws`. Rows no tile wrote stay NaN-coded (0xff codes, NaN scales).
+fn wide_h_by_token(
+    ctx: &Context,
+    b: &Batch,
+    hq: &[u8],
+    hs: &[f32],
+    i: usize,
+    k: usize,
+    s: BorrowedStream,
+) -> (Vec<u8>, Vec<f32>) {
+    let t = b.t;
+    let (rows, blocks) = (t * k + t, i / 128);
+    let nt = get::<i32>(ctx, b.ws.plan.ntiles, 1, s)[0] as usize;
+    let tiles: Vec<i32> = get(ctx, b.ws.plan.tiles, 3 * nt, s);
+    let plan_rows: Vec<i32> = get(ctx, b.ws.plan.rows, t * k, s);
+    let (mut q, mut sc) = (vec![0xffu8; rows * i], vec![f32::NAN; rows * blocks]);
+    let mut put_row = |tile: usize, c: usize, from: usize, to: usize| {
+        q[to * i..(to + 1) * i].copy_from_slice(&hq[from * i..(from + 1) * i]);
+        for blk in 0..blocks {
+            sc[to * blocks + blk] = hs[fast_moe_wide::h_scale_index(tile, blk, blocks, c)];
+        }
+    };
+    for tile in 0..nt {
+        let (start, n) = (tiles[3 * tile + 1] as usize, tiles[3 * tile + 2] as usize);
+        for c in 0..n {
+            put_row(tile, c, start + c, plan_rows[start + c] as usize);
+        }
+    }
+    for st in 0..t.div_ceil(fast_moe_wide::TOKENS) {
+        for c in 0..fast_moe_wide::TOKENS.min(t - st * fast_moe_wide::TOKENS) {
+            let row = t * k + st * fast_moe_wide::TOKENS + c;
+            put_row(nt + st, c, row, row);
+        }
+    }
+    (q, sc)
+}
+
 fn dequant(codes: &[u8], scales: &[f32], rows: usize, cols: usize, halves: bool) -> Vec<f32> {
     let mut v = vec![0f32; rows * cols];
     for r in 0..rows {
@@ -395,8 +436,16 @@ fn fast(
     let rows = t * K + t;
     let xq: Vec<u8> = get(ctx, b.ws.xq, t * D, s);
     let xs: Vec<f32> = get(ctx, b.ws.xs, t * D / 128, s);
-    let hq: Vec<u8> = get(ctx, b.ws.hq, rows * I, s);
-    let hs: Vec<f32> = get(ctx, b.ws.hs, rows * I / 128, s);
+    let (hq, hs) = if path == GemmPath::Prefill {
+        let scales = fast_moe_wide::h_scale_floats(t, K, dims(&l.shape).E, I);
+        let (hq, hs) = (get(ctx, b.ws.hq, rows * I, s), get(ctx, b.ws.hs, scales, s));
+        wide_h_by_token(ctx, b, &hq, &hs, I, K, s)
+    } else {
+        (
+            get(ctx, b.ws.hq, rows * I, s),
+            get(ctx, b.ws.hs, rows * I / 128, s),
+        )
+    };
     FastOut {
         ids: get(ctx, b.ws.ids, t * K, s),
         weights: get(ctx, b.ws.weights, t * K, s),

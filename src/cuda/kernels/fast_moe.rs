@@ -28,6 +28,7 @@
 //! kernels cannot run ([`FastMoeLayer::unsupported`]) runs the reference kernels instead.
 
 use super::fast_moe_gemm::{self, FastMoeGemm, GemmPath};
+use super::fast_moe_wide;
 use super::linear::WeightDev;
 use super::moe::{self, Moe, MoePlan, RouterParams, Selection};
 use super::{need, to_i32};
@@ -343,7 +344,9 @@ pub struct FastMoeWorkspace {
     /// The routing plan, sized for the decode path's tiles (fast_moe_gemm::TOKENS, the smallest:
     /// the most tiles); [`FastMoe::experts_on`] plans with its path's tile size.
     pub plan: MoePlan,
-    /// h likewise: `u8[T*k + T, I]` and scales `f32[T*k + T, I/128]` (routed rows, then shared).
+    /// h likewise: `u8[T*k + T, I]` and scales `f32[T*k + T, I/128]` (routed rows, then shared),
+    /// on the prefill path in its own layout ([`fast_moe_wide::h_scale_index`]; `hs` is sized
+    /// for both).
     pub hq: DevicePtr,
     pub hs: DevicePtr,
     /// Expert outputs `bf16[T*k + T, D]`.
@@ -354,6 +357,8 @@ pub struct FastMoeWorkspace {
     /// The wide plan's scratch ([`moe::plan_wide_scratch`]): block counts and ranks.
     pub plan_counts: DevicePtr,
     pub plan_ranks: DevicePtr,
+    /// The prefill path's tensor map over `hq` (128 bytes, [`FastMoeWorkspace::write_h_map`]).
+    pub h_map: DevicePtr,
 }
 
 impl FastMoeWorkspace {
@@ -382,7 +387,21 @@ impl FastMoeWorkspace {
             sync: p[12],
             plan_counts: p[13],
             plan_ranks: p[14],
+            h_map: p[15],
         }
+    }
+
+    /// Writes `h_map`: the prefill path's tensor map over all of `hq`'s rows of `i` bytes
+    /// ([`fast_moe_wide::h_tensor_map`]). Once the buffers' addresses are final (the fast set's
+    /// finalize and refit; tests and benches after [`FastMoeWorkspace::at`]) and before any
+    /// prefill-path down GEMM; host work and one small copy, never in a forward.
+    pub fn write_h_map(&self, ctx: &Context, i: usize, stream: BorrowedStream) -> Result<()> {
+        if i == 0 || self.hq.bytes() < i {
+            return Ok(()); // no experts: no GEMM reads it
+        }
+        let map = fast_moe_wide::h_tensor_map(self.hq.addr(), self.hq.bytes() / i, i)?;
+        let _g = ctx.enter()?;
+        crate::cuda::arena::copy_to_device_sync(self.h_map, &map, stream)
     }
 }
 
@@ -394,7 +413,7 @@ pub fn workspace_buffers(
     i: usize,
     k: usize,
     experts: usize,
-) -> [(&'static str, Elem, usize); 15] {
+) -> [(&'static str, Elem, usize); 16] {
     let plan = MoePlan::buffer_bytes(t, k, experts, fast_moe_gemm::TOKENS).map(|b| b / 4);
     let [counts, ranks] = moe::plan_wide_scratch(t * k, experts);
     let rows = t * k + t;
@@ -409,7 +428,11 @@ pub fn workspace_buffers(
         ("plan_tiles", Elem::I32, plan[2]),
         ("plan_ntiles", Elem::I32, plan[3]),
         ("hq", Elem::U8, rows * i),
-        ("hs", Elem::F32, rows * i / 128),
+        (
+            "hs",
+            Elem::F32,
+            (rows * i / 128).max(fast_moe_wide::h_scale_floats(t, k, experts, i)),
+        ),
         ("y", Elem::Bf16, rows * d),
         // u32 words, declared as I32 (the same bytes; the arena zeroes them).
         (
@@ -419,6 +442,7 @@ pub fn workspace_buffers(
         ),
         ("plan_counts", Elem::I32, counts),
         ("plan_ranks", Elem::I32, ranks),
+        ("h_map", Elem::U8, fast_moe_gemm::MAP_BYTES),
     ]
 }
 

@@ -240,23 +240,52 @@ pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
 
 /// Checks the buffers of `ws` that GEMM1 reads and writes for `t` tokens (`who`: the kernel, for
 /// errors): x's codes and scales, h's, the routing weights.
-fn need_up(who: &str, layer: &FastMoeLayer, t: usize, ws: &FastMoeWorkspace) -> Result<()> {
-    let (d, i, k) = (layer.d, layer.i, layer.k);
-    let rows_out = t * k + t;
+fn need_up(
+    who: &str,
+    layer: &FastMoeLayer,
+    t: usize,
+    ws: &FastMoeWorkspace,
+    path: GemmPath,
+) -> Result<()> {
+    let (d, k) = (layer.d, layer.k);
     need(who, "xq", ws.xq, t * d)?;
     need(who, "xs", ws.xs, t * d / 128 * 4)?;
-    need(who, "hq", ws.hq, rows_out * i)?;
-    need(who, "hs", ws.hs, rows_out * i / 128 * 4)?;
+    need_h(who, layer, t, ws, path)?;
     need(who, "route_w", ws.weights, t * k * 4)
 }
 
 /// GEMM2's likewise: h's codes and scales, y.
-fn need_down(who: &str, layer: &FastMoeLayer, t: usize, ws: &FastMoeWorkspace) -> Result<()> {
-    let (d, i, k) = (layer.d, layer.i, layer.k);
+fn need_down(
+    who: &str,
+    layer: &FastMoeLayer,
+    t: usize,
+    ws: &FastMoeWorkspace,
+    path: GemmPath,
+) -> Result<()> {
+    let rows_out = t * layer.k + t;
+    need_h(who, layer, t, ws, path)?;
+    need(who, "y", ws.y, rows_out * layer.d * 2)
+}
+
+/// h's codes and scales in `path`'s layout (and the prefill path's tensor map over them).
+fn need_h(
+    who: &str,
+    layer: &FastMoeLayer,
+    t: usize,
+    ws: &FastMoeWorkspace,
+    path: GemmPath,
+) -> Result<()> {
+    let (i, k) = (layer.i, layer.k);
     let rows_out = t * k + t;
     need(who, "hq", ws.hq, rows_out * i)?;
-    need(who, "hs", ws.hs, rows_out * i / 128 * 4)?;
-    need(who, "y", ws.y, rows_out * d * 2)
+    let scales = match path {
+        GemmPath::Prefill => {
+            need(who, "h_map", ws.h_map, MAP_BYTES)?;
+            wide::h_scale_floats(t, k, layer.experts, i)
+        }
+        GemmPath::Decode | GemmPath::DecodeFused => rows_out * i / 128,
+    };
+    need(who, "hs", ws.hs, scales * 4)
 }
 
 /// Persistent grid: one block per SM (the ring fills most of its shared memory), never more
@@ -332,7 +361,7 @@ impl FastMoeGemm {
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fmoe_up_kernel";
-        need_up(K, layer, t, ws)?;
+        need_up(K, layer, t, ws, path)?;
         let sh = layer.shared.as_ref();
         // Both paths' kernels take the same arguments.
         macro_rules! up_args {
@@ -376,8 +405,8 @@ impl FastMoeGemm {
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fmoe_experts_kernel";
-        need_up(K, layer, t, ws)?;
-        need_down(K, layer, t, ws)?;
+        need_up(K, layer, t, ws, GemmPath::DecodeFused)?;
+        need_down(K, layer, t, ws, GemmPath::DecodeFused)?;
         need(
             K,
             "sync",
@@ -423,10 +452,10 @@ impl FastMoeGemm {
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fmoe_down_kernel";
-        need_down(K, layer, t, ws)?;
+        need_down(K, layer, t, ws, path)?;
         let sh = layer.shared.as_ref();
         macro_rules! down_args {
-            ($kernel:ident) => {
+            ($kernel:ident $(, $field:ident: $value:expr)*) => {
                 gemm_args!($kernel, K, layer, ws, t;
                     hq: ws.hq,
                     hs: ws.hs,
@@ -435,6 +464,7 @@ impl FastMoeGemm {
                     shared_fmt: sh.map_or(0, |s| s.w2.format.code()),
                     shared_s2: sh.and_then(|s| s.w2.scales),
                     y: ws.y,
+                    $($field: $value),*
                 )
             };
         }
@@ -445,10 +475,13 @@ impl FastMoeGemm {
                 self.down
                     .launch(g, b, sm, stream, down_args!(fmoe_down_kernel))
             }
-            GemmPath::Prefill => {
-                self.wide_down
-                    .launch(g, b, sm, stream, down_args!(fmw_down_kernel))
-            }
+            GemmPath::Prefill => self.wide_down.launch(
+                g,
+                b,
+                sm,
+                stream,
+                down_args!(fmw_down_kernel, h_map: ws.h_map),
+            ),
         }
     }
 }
@@ -551,14 +584,14 @@ pub fn tensor_maps(d: usize, i: usize, experts: &[ExpertMatrices]) -> Result<Vec
 
 /// Element types of the tensor maps.
 #[derive(Clone, Copy)]
-enum TensorElem {
+pub(crate) enum TensorElem {
     U8,
     F32,
 }
 
 /// One 2-D tiled tensor map: `dims` = (elements of a row, rows), rows packed, boxes of `boxd`
 /// elements; out-of-range elements read as zeros.
-fn encode_2d(
+pub(crate) fn encode_2d(
     addr: u64,
     elem: TensorElem,
     dims: [usize; 2],

@@ -5,6 +5,9 @@
 //! ([`super::fast_moe_gemm`], whose [`FastMoeGemm`](super::fast_moe_gemm::FastMoeGemm) launches both
 //! and picks the path: [`GemmPath`](super::fast_moe_gemm::GemmPath)).
 
+use super::fast_moe_gemm::{MAP_BYTES, TensorElem, encode_2d};
+use crate::error::Result;
+
 /// Tokens per work item (FMW_TOKENS): the plan's `tile_rows` on this path, and the largest N of
 /// its wgmma (m64nNk32; a folded FP4 pass runs N = its tile's tokens rounded up to 8).
 pub const TOKENS: usize = 128;
@@ -36,6 +39,40 @@ const _: () = assert!(
 /// tile-sized wgmmas, 2048 before the up epilogue went through shared memory, 3072 before that.)
 pub const MIN_TOKENS: usize = 768;
 
+/// Rows of the down GEMM's TMA boxes of h (FMW_HBOX): a tile of n tokens reads n rounded up to it.
+pub const H_BOX_ROWS: usize = 32;
+
+/// Where this path's up GEMM writes h and the down GEMM reads it (kernels/SPEC.md): a routed
+/// tile's rows at their plan rows (`rows[start + c]`'s position `start + c`, so a tile's h rows
+/// are consecutive and a TMA box reads them), the shared expert's at `T*k + token`; and the
+/// scales tile by tile. This is the index of the scale of column `c` (0..[`TOKENS`]) of tile
+/// `tile` (the plan's routed tiles, then the shared expert's `ceil(T / TOKENS)`), 128-block
+/// `block` of `blocks` (= I / 128), in the consumers' order (FMW_scale_pos: 16-byte words of
+/// tokens {8j + 2t, + 1} for j = 2i, 2i + 1 at 16i + 4t).
+pub fn h_scale_index(tile: usize, block: usize, blocks: usize, c: usize) -> usize {
+    let pos = (c >> 4) * 16 + ((c >> 1) & 3) * 4 + ((c >> 3) & 1) * 2 + (c & 1);
+    (tile * blocks + block) * TOKENS + pos
+}
+
+/// Floats of h's scales in this path's layout for up to `t` tokens (`k` slots, `experts`
+/// experts, width `i`): every tile the plan can make and the shared expert's.
+pub fn h_scale_floats(t: usize, k: usize, experts: usize, i: usize) -> usize {
+    (crate::cuda::kernels::moe::max_tiles(t * k, TOKENS, experts) + t.div_ceil(TOKENS)) * i
+}
+
+/// The down GEMM's tensor map over h's codes at `hq` (`rows` rows of `i` bytes, the workspace's
+/// capacity: rows past a batch's are read only into columns that are never stored): boxes of 128
+/// bytes x [`H_BOX_ROWS`] rows in the 128-byte swizzle, rows past `rows` read as zeros.
+pub fn h_tensor_map(hq: u64, rows: usize, i: usize) -> Result<[u8; MAP_BYTES]> {
+    encode_2d(
+        hq,
+        TensorElem::U8,
+        [i, rows],
+        [128, H_BOX_ROWS as u32],
+        true,
+    )
+}
+
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
     pub const SOURCE = "fast_moe_wide", include_str!("../../../kernels/fast_moe_wide.cu");
@@ -50,13 +87,15 @@ crate::kernel_family! {
         shared_s1: Option<*const f32>, shared_s3: Option<*const f32>, sc8: Option<*const u8>,
         route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32,
     );
-    /// GEMM2 into bf16 rows per (token, slot) (fmoe_down_kernel's operands).
+    /// GEMM2 into bf16 rows per (token, slot): fmoe_down_kernel's operands, h in this path's
+    /// layout ([`h_scale_index`]) and `h_map`, the workspace's tensor map over `hq`
+    /// ([`h_tensor_map`]).
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
     fn fmw_down_kernel(
         hq: *const u8, hs: *const f32, t: i32, i: i32, d: i32, k: i32, rows: *const i32,
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
         s2: *const u64, fmt: i32, shared_fmt: i32, shared_s2: Option<*const f32>,
-        sc8: Option<*const u8>, y: *mut u16,
+        sc8: Option<*const u8>, h_map: *const u8, y: *mut u16,
     );
 }
