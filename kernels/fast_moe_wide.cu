@@ -2,6 +2,7 @@
 // expert), kernels/SPEC.md ## fast_moe_wide.cu, ../shared/KERNELS.md §3 "Prefill". Same inputs, outputs and
 // numerics contract as fast_moe_gemm.cu (the decode path):
 //
+// fmw_gather_x_kernel: x's codes and scales in this path's layout (the tiles' rows consecutive)
 // fmw_up_kernel:   hq, hs = act_quant(bf16(silu(min(bf16(W1 x), L)) · clamp(bf16(W3 x), ±L) · w))
 // fmw_down_kernel: y = bf16(W2 hq)
 //
@@ -70,14 +71,14 @@
 // (the block's 64 K: 256 · 240 + 128 · 24 = 64512; launch bounds alone allow 168 to all). At 224 / 56 the
 // consumers spilled 3 (down) and 7 (up) values, reloaded in the folded mainloop just before its wgmmas; at
 // 232 / 40, with the halves order's decode, one value in the N = 128 folded loop, and ptxas re-read threadIdx
-// there (5 S2R a stage); at 240 / 24 neither side spills (the producer keeps its row addresses in shared
-// memory, FMW_ATBL, and its scales' offset in 32 bits): layer 16384 tokens 11089 -> 10850 µs, 4096 2993 -> 2939
-// (uniform; BENCHMARKS.md, issue 11 nineteenth version).
+// there (5 S2R a stage); at 240 / 24 neither side spills (the producer, then four warps gathering tokens,
+// kept their row addresses in shared memory): layer 16384 tokens 11089 -> 10850 µs, 4096 2993 -> 2939
+// (uniform; BENCHMARKS.md, issue 11 nineteenth version). The producer is one thread since (fmw_produce).
 #define FMW_CONSUMER_REGS 240
 #define FMW_PRODUCER_REGS 24
 #define FMW_ROWS 128                      // weight rows of a pass: one TMA box
 #define FMW_RB 128                        // bytes of a weight row per stage
-#define FMW_HBOX 32  // rows of the down GEMM's TMA boxes of h (fmw_produce_tma): a tile reads n rounded up to it
+#define FMW_HBOX 32  // rows of the activations' TMA boxes (fmw_produce): a tile reads n rounded up to it
 #define FMW_SLOT_W (FMW_ROWS * FMW_RB)
 #define FMW_SLOT_S (FMW_ROWS * 8 * 4)  // FP4: 8 per-32 scales a row (f32, or UE8M0 bytes in the first 1 KiB);
                                        // FP8: the block scale
@@ -93,8 +94,7 @@
 #define FMW_DOWN_STRIDE 72
 #define FMW_EP_BYTES (2 * FMW_UP_MATRIX * 2)
 #define FMW_WT (FMW_STAGES * FMW_SLOT + FMW_EP_BYTES)  // the tile's routing weights, FMW_TOKENS floats
-#define FMW_ATBL (FMW_WT + FMW_TOKENS * 4)  // the producer's addresses of the tile's activation rows (8-aligned)
-#define FMW_BARS (FMW_ATBL + FMW_TOKENS * 8)
+#define FMW_BARS (FMW_WT + FMW_TOKENS * 4)
 #define FMW_SMEM_USED (FMW_BARS + 2 * FMW_STAGES * 8)
 static_assert(FMW_SMEM_USED <= FMW_SMEM_BYTES, "fast_moe_wide: shared memory layout exceeds FMW_SMEM_BYTES");
 static_assert(FMW_TOKENS == 128, "fast_moe_wide: the largest wgmma is m64n128k32");
@@ -185,19 +185,15 @@ DSV4_INLINE FmwItem fmw_item(const FmoeArgs& a, int wi) {
   return it;
 }
 
-// x's row of token column c < n (the up GEMM's activations, gathered by token).
-DSV4_INLINE long long fmw_x_row(const FmoeArgs& a, const FmwItem& it, int c) {
-  return it.shared ? it.start + c : a.rows[it.start + c] / a.k;
-}
-
 // Output row (of y; up, of the routing weights) of token column c < n: one per (token, slot), then the
 // shared expert's per token.
 DSV4_INLINE long long fmw_out_row(const FmoeArgs& a, const FmwItem& it, int c) {
   return it.shared ? (long long)a.T * a.k + it.start + c : a.rows[it.start + c];
 }
 
-// h's row of token column c in this path's layout: a routed tile's at its plan rows, so that a tile's h rows
-// are consecutive and the down GEMM's producer reads them by TMA; the shared expert's at T·k + its token.
+// The activations' row of token column c in this path's layout (x's, made by fmw_gather_x_kernel, and h's):
+// a routed tile's at its plan rows, so that a tile's rows are consecutive and the producer reads them by TMA;
+// the shared expert's at T·k + its token.
 DSV4_INLINE long long fmw_h_row(const FmoeArgs& a, const FmwItem& it, int c) {
   return it.shared ? (long long)a.T * a.k + it.start + c : it.start + c;
 }
@@ -212,139 +208,94 @@ DSV4_INLINE unsigned fmw_empty(unsigned smem, int s) { return fmoe_ring_empty(sm
 // 64 contiguous bytes: conflict-free, and half as many loads as 8-byte ones in token order.
 DSV4_INLINE int fmw_scale_pos(int p) { return (p >> 4) * 16 + ((p >> 1) & 3) * 4 + ((p >> 3) & 1) * 2 + (p & 1); }
 
-// h's scale of token column c and 128-block b (of `blocks` = I / 128) of the item's tile, in this path's
-// layout: [tile][block][FMW_TOKENS] floats at fmw_scale_pos(c), the consumers' order, so the down GEMM's
-// producer copies a stage's scales in one piece. (Slots of the tile's columns past its count are not written.)
+// The activations' scale of token column c and 128-block b (of `blocks` = K / 128) of the item's tile, in this
+// path's layout: [tile][block][FMW_TOKENS] floats at fmw_scale_pos(c), the consumers' order, so the producer
+// copies a stage's scales in one piece. (Slots of the tile's columns past its count are not written.)
 DSV4_INLINE long long fmw_h_scale_at(const FmwItem& it, int blocks, int b, int c) {
   return ((long long)it.tile * blocks + b) * FMW_TOKENS + fmw_scale_pos(c);
 }
 
-// A stage's weights for the producer's thread 0: the weight box of the pass's 128 rows and, for FP4, their
-// scales (UE8M0 bytes by a 1 KiB bulk copy, f32 by TMA) or, for FP8, the block scale by a 4-byte cp.async
-// (its thread's cp.async arrival on the full barrier covers it). Bytes the TMA copies complete: fmw_weight_tx.
+// Where a pass's weights come from: the codes' tensor map (the f32 FP4 scales' map is FMOE_MAP_S1 -
+// FMOE_MAP_W1 maps after it) and the scales' source by format: the UE8M0 bytes of the row block's stage 0, or
+// FP8's block scales of the row block. Made once a pass, so that the stages hold two addresses, not the item's
+// eight (the producer has 24 registers).
+static_assert(FMOE_MAP_S1 - FMOE_MAP_W1 == FMOE_MAP_S3 - FMOE_MAP_W3 && FMOE_MAP_S1 - FMOE_MAP_W1 == FMOE_MAP_S2 - FMOE_MAP_W2,
+              "fast_moe_wide: a matrix's scale map sits a fixed distance after its code map");
+struct FmwPassSrc {
+  const unsigned char* map;
+  const void* scales;
+};
+
 template <bool UP>
-DSV4_INLINE void fmw_load_weights(const FmwItem& it, int pass, int K, int kb, unsigned st, unsigned full) {
+DSV4_INLINE FmwPassSrc fmw_pass_src(const FmwItem& it, int pass, int K) {
   const int m = UP ? (pass == 0 ? FMOE_MAP_W1 : FMOE_MAP_W3) : FMOE_MAP_W2;
-  const int sm = UP ? (pass == 0 ? FMOE_MAP_S1 : FMOE_MAP_S3) : FMOE_MAP_S2;
-  tma_load_2d(st, it.maps + m * FMOE_MAP_BYTES, kb * FMW_RB, it.rb * FMW_ROWS, full);
-  if (it.s8) {
-    // (Selects, not it.sc8[pass]: a dynamic index would put the item in local memory.)
-    bulk_load(st + FMW_SLOT_W, (pass == 0 ? it.sc8[0] : it.sc8[1]) + kb * 1024, 1024, full);
-  } else if (it.fp4) {
-    tma_load_2d(st + FMW_SLOT_W, it.maps + sm * FMOE_MAP_BYTES, kb * 8, it.rb * FMW_ROWS, full);
-  } else {
-    const float* fs = pass == 0 ? it.fs[0] : it.fs[1];
-    cp_async_4(st + FMW_SLOT_W, fs + (long long)it.rb * (K / 128) + kb);
-  }
+  // (Selects, not it.sc8[pass]: a dynamic index would put the item in local memory.)
+  const void* scales;
+  if (it.s8)
+    scales = pass == 0 ? it.sc8[0] : it.sc8[1];
+  else
+    scales = (pass == 0 ? it.fs[0] : it.fs[1]) + (long long)it.rb * (K / 128);  // FP8 (unused for f32 FP4)
+  return {it.maps + m * FMOE_MAP_BYTES, scales};
+}
+
+// A stage's weights for the producer thread: the weight box of the pass's 128 rows and, for FP4, their scales
+// (UE8M0 bytes by a 1 KiB bulk copy, f32 by TMA) or, for FP8, the block scale by a 4-byte cp.async (the
+// thread's cp.async arrival on the full barrier covers it). Bytes the TMA copies complete: fmw_weight_tx.
+DSV4_INLINE void fmw_load_weights(const FmwItem& it, const FmwPassSrc& src, int kb, unsigned st, unsigned full) {
+  tma_load_2d(st, src.map, kb * FMW_RB, it.rb * FMW_ROWS, full);
+  if (it.s8)
+    bulk_load(st + FMW_SLOT_W, static_cast<const unsigned char*>(src.scales) + kb * 1024, 1024, full);
+  else if (it.fp4)
+    tma_load_2d(st + FMW_SLOT_W, src.map + (FMOE_MAP_S1 - FMOE_MAP_W1) * FMOE_MAP_BYTES, kb * 8, it.rb * FMW_ROWS, full);
+  else
+    cp_async_4(st + FMW_SLOT_W, static_cast<const float*>(src.scales) + kb);
 }
 
 DSV4_INLINE unsigned fmw_weight_tx(const FmwItem& it) {
   return FMW_SLOT_W + (!it.fp4 ? 0 : it.s8 ? 1024 : FMW_SLOT_S);
 }
 
-// The up GEMM's producer warpgroup: every stage of every pass of the block's items, in the consumers' order.
-// Thread p (0 .. 127) copies 16-byte chunk j = p % 8 of each 128-block of tokens p / 8 + 16 i (i = 0 .. 7, those
-// below the tile's count) from x's rows, which the tile's tokens reach by index, and the stage's activation
-// scales of token p; thread 0 also announces the TMA bytes and loads the weights (fmw_load_weights). The
-// slot's full barrier expects thread 0's arrival and one cp.async arrival per producer thread. Why all four
-// warps: one warp gathering all 128 tokens (64 16-byte copies a lane per stage) could not keep up: the
-// consumers found the next slot empty at nearly every stage (ncu, B = 4096).
-//
-// Few instructions a copy: the producer's warps share the schedulers with the consumers' (one each), and every
-// slot they issue in is one a consumer warp may have waited for. So each item's token rows become pointers
-// once (a table in shared memory, FMW_ATBL: the producer's 24 registers cannot hold them), a stage adds one
-// offset to them, and a token's scales are its own thread's. (When each copy recomputed its row's address
-// from the row index, the producer issued 22% of the up GEMM's instructions, ~43 per token row and stage;
-// the consumers' mainloop 54%: ncu, B = 4096.)
-DSV4_INLINE void fmw_produce_gather(const FmoeArgs& a, unsigned char* smem_base, unsigned smem, int my_items) {
-  const int p = threadIdx.x - FMW_CONSUMERS;
-  const int K = a.K;
-  unsigned long long* atbl = reinterpret_cast<unsigned long long*>(smem_base + FMW_ATBL);
-  const int j = p & 7;  // the thread's 16-byte chunk of a token's 128-byte block
-  // Token (p / 8 + 16 i)'s row in the 128-byte swizzle: chunk j at j ^ (token % 8) = j ^ (p / 8 % 8).
-  const unsigned chunk_at = (p >> 3) * 128 + ((j ^ ((p >> 3) & 7)) << 4);
-  const unsigned scale_at = FMW_SLOT_A + fmw_scale_pos(p) * 4;  // token p's scale of block 0
-  int slot = 0;
-  unsigned phase = 0;
-  for (int n = 0; n < my_items; ++n) {
-    const FmwItem it = fmw_item<true, false>(a, blockIdx.x + n * gridDim.x);
-    if (it.skip) continue;
-    const int nks = fmoe_stages(it.fp4, K);
-    const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
-    // The tile's activation rows as addresses, one per token column (0 past its count: integers, so that no
-    // null pointer takes an offset), and this thread's token's scales.
-    const bool mine = p < it.n;
-    const long long row = mine ? fmw_x_row(a, it, p) : 0;
-    named_barrier(4, FMW_THREADS - FMW_CONSUMERS);  // every producer thread has read the last item's
-    atbl[p] = mine ? (unsigned long long)(a.act + row * K) : 0ull;
-    named_barrier(4, FMW_THREADS - FMW_CONSUMERS);
-    // (An offset of 32 bits, with the kernel parameter's base added at each stage: a 64-bit pointer held
-    // across the stages spilled at 24 registers. rows · K / 128 < 2^32 for any T the workspace holds.)
-    const unsigned my_scales = (unsigned)(row * (K / 128));
-    const unsigned tx = fmw_weight_tx(it);
-    for (int pass = 0; pass < 2; ++pass) {
-      for (int kb = 0; kb < nks; ++kb) {
-        mbar_wait(fmw_empty(smem, slot), phase ^ 1);
-        const unsigned st = smem + slot * FMW_SLOT, full = fmw_full(smem, slot);
-        const bool two = fmoe_stage_blocks(it.fp4, K, kb) == 2;
-        if (p == 0) {
-          mbar_arrive_expect_tx(full, tx);
-          fmw_load_weights<true>(it, pass, K, kb, st, full);
-        }
-        const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
-        const int koff = kb * kbytes + 16 * j;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const unsigned long long row_at = atbl[(p >> 3) + 16 * i];
-          const unsigned char* src = reinterpret_cast<const unsigned char*>(row_at + koff);
-          const unsigned dst = adst + chunk_at + i * 16 * 128;
-          cp_async_16_if(dst, src, row_at != 0);
-          cp_async_16_if(dst + FMW_B_PANEL, src + 128, row_at != 0 && two);
-        }
-        const float* s = a.act_s + my_scales + kb * (kbytes / 128);
-        cp_async_4_if(adst + scale_at, s, mine);
-        cp_async_4_if(adst + scale_at + FMW_TOKENS * 4, s + 1, mine && two);
-        cp_async_mbar_arrive(full);
-        fmoe_ring_advance(slot, phase, FMW_STAGES);
-      }
-    }
-  }
-  cp_async_wait_all();  // the copies land before the thread exits
-}
-
-// The down GEMM's producer: one thread. Its activations are h in this path's layout (fmw_h_row,
-// fmw_h_scale_at): a tile's rows are consecutive, so per stage and 128-block it copies the tile's codes by
-// TMA (boxes of FMW_HBOX rows x 128 bytes in the 128-byte swizzle, the B tile's layout: ceil(n / FMW_HBOX) of
-// them, rows past the tile's count are other tiles' or zeros past the map, computed and never stored) and
-// their scales in one bulk copy of FMW_TOKENS floats. (The gather by the four producer warps issued 14% of
-// the up GEMM's instructions, and its per-token 4-byte scale copies cost a shared-memory wavefront each;
-// ncu, B = 4096.) The full barrier expects the thread's expect_tx arrival and its cp.async arrival (FP8's
-// block scale).
-DSV4_INLINE void fmw_produce_tma(const FmoeArgs& a, const unsigned char* h_map, unsigned smem, int my_items) {
+// The producer: one thread. Both GEMMs' activations (x for up, made by fmw_gather_x_kernel; h for down, by
+// the up GEMM) are stored in this path's own layout (fmw_h_row, fmw_h_scale_at): a tile's rows consecutive,
+// its scales in the consumers' order. So per stage and 128-block the thread copies the tile's codes by TMA
+// (`act_map`: boxes of FMW_HBOX rows x 128 bytes in the 128-byte swizzle, the B tile's layout; ceil(n /
+// FMW_HBOX) of them, rows past the tile's count are other tiles' or zeros past the map, computed and never
+// stored) and their scales by one bulk copy of FMW_TOKENS floats, beside the weights (fmw_load_weights). The
+// full barrier expects the thread's expect_tx arrival and its cp.async arrival (FP8's block scale).
+// (Before, all four producer warps gathered the tokens' rows by cp.async, 8 threads a 128-byte line, and
+// their 4-byte scales one per thread: 14% of the up GEMM's instructions, the scales one shared-memory
+// wavefront each, and retries of the ring's waits; ncu, B = 4096.)
+template <bool UP>
+DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, unsigned smem, int my_items) {
   if (threadIdx.x != FMW_CONSUMERS) return;
   const int K = a.K;
   int slot = 0;
   unsigned phase = 0;
-  for (int n = 0; n < my_items; ++n) {
-    const FmwItem it = fmw_item<false, false>(a, blockIdx.x + n * gridDim.x);
+  // One loop over (item, pass), the item made again for each pass: what a pass needs of it held across both
+  // passes spilled at 24 registers.
+  for (int q = 0; q < my_items * fmw_passes(UP); ++q) {
+    const int pass = UP ? q & 1 : 0;
+    const FmwItem it = fmw_item<UP, false>(a, blockIdx.x + (UP ? q >> 1 : q) * gridDim.x);
     if (it.skip) continue;
     const int nks = fmoe_stages(it.fp4, K);
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
     const int boxes = (it.n + FMW_HBOX - 1) / FMW_HBOX;
     const int row0 = (int)fmw_h_row(a, it, 0);
-    const float* hs = a.act_s + fmw_h_scale_at(it, K / 128, 0, 0);
-    const unsigned tx_w = fmw_weight_tx(it), tx_block = boxes * FMW_HBOX * 128 + FMW_TOKENS * 4;
+    // (An offset of 32 bits, added to the kernel parameter at each stage: a pointer held across the stages
+    // spilled at 24 registers. Below 2^32 for any T the workspace holds.)
+    const unsigned scales = (unsigned)fmw_h_scale_at(it, K / 128, 0, 0);
+    const FmwPassSrc src = fmw_pass_src<UP>(it, pass, K);
     for (int kb = 0; kb < nks; ++kb) {
       mbar_wait(fmw_empty(smem, slot), phase ^ 1);
       const unsigned st = smem + slot * FMW_SLOT, full = fmw_full(smem, slot);
       const int blocks = fmoe_stage_blocks(it.fp4, K, kb), k0 = kb * kbytes;
-      mbar_arrive_expect_tx(full, tx_w + blocks * tx_block);
-      fmw_load_weights<false>(it, 0, K, kb, st, full);
+      mbar_arrive_expect_tx(full, fmw_weight_tx(it) + blocks * (boxes * FMW_HBOX * 128 + FMW_TOKENS * 4));
+      fmw_load_weights(it, src, kb, st, full);
       const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
       for (int b = 0; b < blocks; ++b)
         for (int r = 0; r < boxes; ++r)
-          tma_load_2d(adst + b * FMW_B_PANEL + r * (FMW_HBOX * 128), h_map, k0 + 128 * b, row0 + r * FMW_HBOX, full);
-      bulk_load(adst + FMW_SLOT_A, hs + (k0 / 128) * FMW_TOKENS, blocks * FMW_TOKENS * 4, full);
+          tma_load_2d(adst + b * FMW_B_PANEL + r * (FMW_HBOX * 128), act_map, k0 + 128 * b, row0 + r * FMW_HBOX, full);
+      bulk_load(adst + FMW_SLOT_A, a.act_s + scales + (k0 / 128) * FMW_TOKENS, blocks * FMW_TOKENS * 4, full);
       cp_async_mbar_arrive(full);
       fmoe_ring_advance(slot, phase, FMW_STAGES);
     }
@@ -838,21 +789,18 @@ DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const floa
 // Shared body of both kernels (see fast_moe_gemm.cu's fmoe_gemm for the operands).
 template <bool UP>
 DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, unsigned char* out_q, float* out_s,
-                          bf16_t* out_y, const unsigned char* h_map) {
+                          bf16_t* out_y, const unsigned char* act_map) {
   extern __shared__ __align__(1024) unsigned char fmw_smem[];
   const unsigned smem = smem_addr(fmw_smem);
   if ((smem & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned slots
   const int total = fmw_total_items<UP>(a);
   const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  if (threadIdx.x == 0)  // the full barriers' cp.async arrivals: up, every producer thread's; down, one
-    fmoe_ring_init(smem + FMW_BARS, FMW_STAGES, FMW_CONSUMERS / 32, UP ? FMW_THREADS - FMW_CONSUMERS : 1);
+  if (threadIdx.x == 0)  // the full barriers' cp.async arrivals: the producer thread's (fmw_produce)
+    fmoe_ring_init(smem + FMW_BARS, FMW_STAGES, FMW_CONSUMERS / 32, 1);
   __syncthreads();
   if (threadIdx.x >= FMW_CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FMW_PRODUCER_REGS));
-    if (UP)
-      fmw_produce_gather(a, fmw_smem, smem, my_items);
-    else
-      fmw_produce_tma(a, h_map, smem, my_items);
+    fmw_produce<UP>(a, act_map, smem, my_items);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FMW_CONSUMER_REGS));
@@ -906,18 +854,59 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   }
 }
 
-// GEMM1 + SwiGLU + routing weight + FP8 quantisation of h; the same operands as fmoe_up_kernel, with the plan
-// made for FMW_TOKENS-token tiles.
+// x's codes and scales (act_quant, as fmoe_select_kernel or the logits kernel stored them by token) in this
+// path's layout for fmw_up_kernel (fmw_h_row, fmw_h_scale_at): block (b, y) copies tile b's token columns y,
+// y + FMW_GATHER_Y, .. (a warp a row, 16 bytes a lane) and their scales. Tiles b < *ntiles are the plan's
+// routed tiles (other ranks' experts skipped), the next ceil(T / FMW_TOKENS) the shared expert's (when
+// has_shared); blocks past them return. A copy of x per assignment (T·k·D bytes, 100 MB at 4096 tokens of
+// Flash) buys the up GEMM a producer of one thread (fmw_produce).
+#define FMW_GATHER_Y 4
+extern "C" __global__ void __launch_bounds__(256)
+    fmw_gather_x_kernel(const unsigned char* xq, const float* xs, int T, int D, int k, const int* rows,
+                        const int* tiles, const int* ntiles, int e_begin, int e_end, int has_shared,
+                        unsigned char* xq_plan, float* xs_plan) {
+  dsv4_pdl_begin();
+  const int nrt = *ntiles, b = blockIdx.x;
+  FmwItem it;  // only the fields fmw_h_row and fmw_h_scale_at read
+  it.tile = b;
+  if (b < nrt) {
+    const int e = tiles[3 * b];
+    if (e < e_begin || e >= e_end) return;
+    it.shared = false;
+    it.start = tiles[3 * b + 1];
+    it.n = tiles[3 * b + 2];
+  } else {
+    it.shared = true;
+    it.start = (b - nrt) * FMW_TOKENS;
+    if (!has_shared || it.start >= T) return;
+    it.n = min(FMW_TOKENS, T - it.start);
+  }
+  FmoeArgs a;  // likewise
+  a.T = T;
+  a.k = k;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, blocks = D / 128;
+  for (int c = blockIdx.y + FMW_GATHER_Y * warp; c < it.n; c += FMW_GATHER_Y * 8) {
+    const long long token = it.shared ? it.start + c : rows[it.start + c] / k;
+    const uint4* src = reinterpret_cast<const uint4*>(xq + token * D);
+    uint4* dst = reinterpret_cast<uint4*>(xq_plan + fmw_h_row(a, it, c) * D);
+    for (int v = lane; v < D / 16; v += 32) dst[v] = src[v];
+    for (int blk = lane; blk < blocks; blk += 32) xs_plan[fmw_h_scale_at(it, blocks, blk, c)] = xs[token * blocks + blk];
+  }
+}
+
+// GEMM1 + SwiGLU + routing weight + FP8 quantisation of h; fmoe_up_kernel's operands, with the plan made for
+// FMW_TOKENS-token tiles, x in this path's layout (fmw_gather_x_kernel: xs, and x_map, a tensor map over its
+// codes; xq is not read).
 extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
     fmw_up_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
                   const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
                   const unsigned long long* s1, const unsigned long long* s3, int fmt, int shared_fmt,
                   const float* shared_s1, const float* shared_s3, const unsigned char* sc8, const float* route_w,
-                  float limit, unsigned char* hq, float* hs) {
+                  float limit, const unsigned char* x_map, unsigned char* hq, float* hs) {
   dsv4_pdl_begin();
   const FmoeArgs a = fmoe_args(xq, xs, T, D, I, k, rows, tiles, ntiles, e_begin, e_end, maps, s1, s3, fmt,
                                shared_fmt, shared_s1, shared_s3, sc8, D, I);
-  fmw_gemm<true>(a, route_w, limit, hq, hs, nullptr, nullptr);
+  fmw_gemm<true>(a, route_w, limit, hq, hs, nullptr, x_map);
 }
 
 // GEMM2: fmoe_down_kernel's operands, with the plan made for FMW_TOKENS-token tiles, h in this path's layout

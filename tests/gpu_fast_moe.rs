@@ -215,7 +215,7 @@ fn batch(e: &Env, sh: &MoeShape, t: usize, x: &[f32], tokens: &[i32], s: Borrowe
     // Except the decode GEMMs' synchronisation words: zero, as the engine's arena makes them,
     // and the prefill path's tensor map over h.
     arena::memset_async(ws.sync, 0, s).unwrap();
-    ws.write_h_map(e.ctx, I, s).unwrap();
+    ws.write_act_maps(e.ctx, D, I, s).unwrap();
     Batch {
         t,
         x: p[0],
@@ -347,7 +347,7 @@ fn rel_l2(a: &[f32], b: &[f32], d: usize) -> (f64, f64) {
 /// The fast kernels' activations (e4m3 codes, kernels/fp8_mma.cuh) times their per-128 scales, in
 /// natural order: position 4t + i + 16h of each 32-block holds k 8t + 4h + i in the halves order
 /// (`halves`, the prefill path's), k 8t + 2i + h in the fragment order (the decode path's).
-/// The prefill path's h (codes at plan rows, scales tile by tile: fast_moe_wide::h_scale_index)
+/// The prefill path's h (codes at plan rows, scales tile by tile: fast_moe_wide::act_scale_index)
 /// in the decode path's layout, rows per (token, slot) then the shared expert's, through the plan
 /// the run left in `b.ws`. Rows no tile wrote stay NaN-coded (0xff codes, NaN scales).
 fn wide_h_by_token(
@@ -368,7 +368,7 @@ fn wide_h_by_token(
     let mut put_row = |tile: usize, c: usize, from: usize, to: usize| {
         q[to * i..(to + 1) * i].copy_from_slice(&hq[from * i..(from + 1) * i]);
         for blk in 0..blocks {
-            sc[to * blocks + blk] = hs[fast_moe_wide::h_scale_index(tile, blk, blocks, c)];
+            sc[to * blocks + blk] = hs[fast_moe_wide::act_scale_index(tile, blk, blocks, c)];
         }
     };
     for tile in 0..nt {
@@ -437,7 +437,7 @@ fn fast(
     let xq: Vec<u8> = get(ctx, b.ws.xq, t * D, s);
     let xs: Vec<f32> = get(ctx, b.ws.xs, t * D / 128, s);
     let (hq, hs) = if path == GemmPath::Prefill {
-        let scales = fast_moe_wide::h_scale_floats(t, K, dims(&l.shape).E, I);
+        let scales = fast_moe_wide::act_scale_floats(t, K, dims(&l.shape).E, I);
         let (hq, hs) = (get(ctx, b.ws.hq, rows * I, s), get(ctx, b.ws.hs, scales, s));
         wide_h_by_token(ctx, b, &hq, &hs, I, K, s)
     } else {

@@ -121,7 +121,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
     let wsb = fast_moe::workspace_buffers(max_b, d, i, k, ne);
     let (_ws_arena, wp) = alloc(&ctx, "bench_moe", &wsb.map(|(_, el, n)| el.size() * n))?;
     let ws = FastMoeWorkspace::at(&wp, max_b, k, ne);
-    ws.write_h_map(&ctx, i, s).map_err(e)?;
+    ws.write_act_maps(&ctx, d, i, s).map_err(e)?;
     let mut rng = Rng::new(0xB0B);
     for &t in &b.batches {
         // R input batches per graph: together at least ~64 MB of distinct expert bytes.

@@ -345,11 +345,15 @@ pub struct FastMoeWorkspace {
     /// the most tiles); [`FastMoe::experts_on`] plans with its path's tile size.
     pub plan: MoePlan,
     /// h likewise: `u8[T*k + T, I]` and scales `f32[T*k + T, I/128]` (routed rows, then shared),
-    /// on the prefill path in its own layout ([`fast_moe_wide::h_scale_index`]; `hs` is sized
+    /// on the prefill path in its own layout ([`fast_moe_wide::act_scale_index`]; `hs` is sized
     /// for both).
     pub hq: DevicePtr,
     pub hs: DevicePtr,
-    /// Expert outputs `bf16[T*k + T, D]`.
+    /// Expert outputs `bf16[T*k + T, D]`. On the prefill path its first `(T*k + T) * D` bytes
+    /// hold x's codes in that path's layout first (`fmw_gather_x_kernel`, read by the up GEMM):
+    /// only the down GEMM writes y, and its programmatic wait lets it start only once the up
+    /// GEMM has finished (DESIGN.md: every kernel waits for the one before before it touches
+    /// memory), so the two never overlap and x costs no memory of its own.
     pub y: DevicePtr,
     /// The decode path's synchronisation words (`u32[`[`fast_moe_gemm::sync_words`]`]`): zero at
     /// create, and every launch leaves them zero.
@@ -357,8 +361,11 @@ pub struct FastMoeWorkspace {
     /// The wide plan's scratch ([`moe::plan_wide_scratch`]): block counts and ranks.
     pub plan_counts: DevicePtr,
     pub plan_ranks: DevicePtr,
-    /// The prefill path's tensor map over `hq` (128 bytes, [`FastMoeWorkspace::write_h_map`]).
-    pub h_map: DevicePtr,
+    /// The prefill path's x scales in its layout (`f32[`[`fast_moe_wide::act_scale_floats`]`]`).
+    pub xs_plan: DevicePtr,
+    /// The prefill path's tensor maps over its x codes (in `y`) and over `hq`, 128 bytes each
+    /// ([`FastMoeWorkspace::write_act_maps`]).
+    pub act_maps: DevicePtr,
 }
 
 impl FastMoeWorkspace {
@@ -387,21 +394,39 @@ impl FastMoeWorkspace {
             sync: p[12],
             plan_counts: p[13],
             plan_ranks: p[14],
-            h_map: p[15],
+            xs_plan: p[15],
+            act_maps: p[16],
         }
     }
 
-    /// Writes `h_map`: the prefill path's tensor map over all of `hq`'s rows of `i` bytes
-    /// ([`fast_moe_wide::h_tensor_map`]). Once the buffers' addresses are final (the fast set's
-    /// finalize and refit; tests and benches after [`FastMoeWorkspace::at`]) and before any
-    /// prefill-path down GEMM; host work and one small copy, never in a forward.
-    pub fn write_h_map(&self, ctx: &Context, i: usize, stream: BorrowedStream) -> Result<()> {
-        if i == 0 || self.hq.bytes() < i {
-            return Ok(()); // no experts: no GEMM reads it
+    /// The prefill GEMMs' tensor map over x's codes (in `y`) or h's: `act_maps` at this offset.
+    pub fn x_map(&self) -> Result<DevicePtr> {
+        self.act_maps.slice(0, fast_moe_gemm::MAP_BYTES)
+    }
+    pub fn h_map(&self) -> Result<DevicePtr> {
+        self.act_maps
+            .slice(fast_moe_gemm::MAP_BYTES, fast_moe_gemm::MAP_BYTES)
+    }
+
+    /// Writes `act_maps`: the prefill path's tensor maps over all of x's rows of `d` bytes (in
+    /// `y`) and `hq`'s of `i` ([`fast_moe_wide::act_tensor_map`]). Once the buffers' addresses
+    /// are final (the fast set's finalize and refit; tests and benches after
+    /// [`FastMoeWorkspace::at`]) and before any prefill-path GEMM; host work and one small copy,
+    /// never in a forward.
+    pub fn write_act_maps(
+        &self,
+        ctx: &Context,
+        d: usize,
+        i: usize,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        if d == 0 || i == 0 || self.hq.bytes() < i || self.y.bytes() < d {
+            return Ok(()); // no experts: no GEMM reads them
         }
-        let map = fast_moe_wide::h_tensor_map(self.hq.addr(), self.hq.bytes() / i, i)?;
+        let x = fast_moe_wide::act_tensor_map(self.y.addr(), self.y.bytes() / d, d)?;
+        let h = fast_moe_wide::act_tensor_map(self.hq.addr(), self.hq.bytes() / i, i)?;
         let _g = ctx.enter()?;
-        crate::cuda::arena::copy_to_device_sync(self.h_map, &map, stream)
+        crate::cuda::arena::copy_to_device_sync(self.act_maps, &[x, h].concat(), stream)
     }
 }
 
@@ -413,7 +438,7 @@ pub fn workspace_buffers(
     i: usize,
     k: usize,
     experts: usize,
-) -> [(&'static str, Elem, usize); 16] {
+) -> [(&'static str, Elem, usize); 17] {
     let plan = MoePlan::buffer_bytes(t, k, experts, fast_moe_gemm::TOKENS).map(|b| b / 4);
     let [counts, ranks] = moe::plan_wide_scratch(t * k, experts);
     let rows = t * k + t;
@@ -431,7 +456,7 @@ pub fn workspace_buffers(
         (
             "hs",
             Elem::F32,
-            (rows * i / 128).max(fast_moe_wide::h_scale_floats(t, k, experts, i)),
+            (rows * i / 128).max(fast_moe_wide::act_scale_floats(t, k, experts, i)),
         ),
         ("y", Elem::Bf16, rows * d),
         // u32 words, declared as I32 (the same bytes; the arena zeroes them).
@@ -442,7 +467,12 @@ pub fn workspace_buffers(
         ),
         ("plan_counts", Elem::I32, counts),
         ("plan_ranks", Elem::I32, ranks),
-        ("h_map", Elem::U8, fast_moe_gemm::MAP_BYTES),
+        (
+            "xs_plan",
+            Elem::F32,
+            fast_moe_wide::act_scale_floats(t, k, experts, d),
+        ),
+        ("act_maps", Elem::U8, 2 * fast_moe_gemm::MAP_BYTES),
     ]
 }
 
@@ -464,7 +494,8 @@ impl FastMoe {
         let plan = if t >= WIDE_PLAN_MIN_TOKENS { 3 } else { 1 };
         plan + match path {
             GemmPath::DecodeFused => 4,
-            GemmPath::Decode | GemmPath::Prefill => 5,
+            GemmPath::Decode => 5,
+            GemmPath::Prefill => 6, // and x's gather
         }
     }
 

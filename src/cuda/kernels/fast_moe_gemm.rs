@@ -7,7 +7,7 @@
 //! See kernels/SPEC.md and [`super::fast_moe`], which runs a whole layer with them.
 
 use super::fast_moe::{FastMoeLayer, FastMoeWorkspace};
-use super::fast_moe_wide::{self as wide, fmw_down_kernel, fmw_up_kernel};
+use super::fast_moe_wide::{self as wide, fmw_down_kernel, fmw_gather_x_kernel, fmw_up_kernel};
 use super::{need, to_i32};
 use crate::cuda::Context;
 use crate::cuda::stream::BorrowedStream;
@@ -112,6 +112,7 @@ crate::launchers! {
         up: fmoe_up_kernel,
         down: fmoe_down_kernel,
         experts: fmoe_experts_kernel,
+        wide_gather: fmw_gather_x_kernel,
         wide_up: fmw_up_kernel,
         wide_down: fmw_down_kernel,
         scales8: fmoe_scales8_kernel,
@@ -250,6 +251,16 @@ fn need_up(
     let (d, k) = (layer.d, layer.k);
     need(who, "xq", ws.xq, t * d)?;
     need(who, "xs", ws.xs, t * d / 128 * 4)?;
+    if path == GemmPath::Prefill {
+        // x in the path's layout: its codes in y's buffer, its scales.
+        need(who, "y", ws.y, (t * k + t) * d)?;
+        need(
+            who,
+            "xs_plan",
+            ws.xs_plan,
+            wide::act_scale_floats(t, k, layer.experts, d) * 4,
+        )?;
+    }
     need_h(who, layer, t, ws, path)?;
     need(who, "route_w", ws.weights, t * k * 4)
 }
@@ -280,8 +291,8 @@ fn need_h(
     need(who, "hq", ws.hq, rows_out * i)?;
     let scales = match path {
         GemmPath::Prefill => {
-            need(who, "h_map", ws.h_map, MAP_BYTES)?;
-            wide::h_scale_floats(t, k, layer.experts, i)
+            need(who, "act_maps", ws.act_maps, 2 * MAP_BYTES)?;
+            wide::act_scale_floats(t, k, layer.experts, i)
         }
         GemmPath::Decode | GemmPath::DecodeFused => rows_out * i / 128,
     };
@@ -363,12 +374,12 @@ impl FastMoeGemm {
         const K: &str = "fmoe_up_kernel";
         need_up(K, layer, t, ws, path)?;
         let sh = layer.shared.as_ref();
-        // Both paths' kernels take the same arguments.
+        // Both paths' kernels take the same arguments (the prefill path's x in its own layout).
         macro_rules! up_args {
-            ($kernel:ident) => {
+            ($kernel:ident, $xs:expr $(, $field:ident: $value:expr)*) => {
                 gemm_args!($kernel, K, layer, ws, t;
                     xq: ws.xq,
-                    xs: ws.xs,
+                    xs: $xs,
                     s1: layer.w1.scales,
                     s3: layer.w3.scales,
                     fmt: layer.w1.format.code(),
@@ -379,6 +390,7 @@ impl FastMoeGemm {
                     limit: layer.limit,
                     hq: ws.hq,
                     hs: ws.hs,
+                    $($field: $value),*
                 )
             };
         }
@@ -386,11 +398,32 @@ impl FastMoeGemm {
         let (g, b, sm) = path.launch_shape(ctx, layer, t, true);
         match path {
             GemmPath::DecodeFused | GemmPath::Decode => {
-                self.up.launch(g, b, sm, stream, up_args!(fmoe_up_kernel))
+                self.up
+                    .launch(g, b, sm, stream, up_args!(fmoe_up_kernel, ws.xs))
             }
-            GemmPath::Prefill => self
-                .wide_up
-                .launch(g, b, sm, stream, up_args!(fmw_up_kernel)),
+            GemmPath::Prefill => {
+                let tiles = super::moe::max_tiles(t * layer.k, wide::TOKENS, layer.experts)
+                    + t.div_ceil(wide::TOKENS);
+                let gather = fmw_gather_x_kernel::Args {
+                    xq: ws.xq,
+                    xs: ws.xs,
+                    t: to_i32(K, "T", t)?,
+                    d: to_i32(K, "D", layer.d)?,
+                    k: to_i32(K, "k", layer.k)?,
+                    rows: ws.plan.rows,
+                    tiles: ws.plan.tiles,
+                    ntiles: ws.plan.ntiles,
+                    e_begin: to_i32(K, "e_begin", layer.local.start)?,
+                    e_end: to_i32(K, "e_end", layer.local.end)?,
+                    has_shared: sh.is_some(),
+                    xq_plan: ws.y,
+                    xs_plan: ws.xs_plan,
+                };
+                let grid = (to_i32(K, "tiles", tiles)? as u32, wide::GATHER_Y as u32, 1);
+                self.wide_gather.launch(grid, 256, 0, stream, gather)?;
+                let args = up_args!(fmw_up_kernel, ws.xs_plan, x_map: ws.x_map()?);
+                self.wide_up.launch(g, b, sm, stream, args)
+            }
         }
     }
 
@@ -480,7 +513,7 @@ impl FastMoeGemm {
                 b,
                 sm,
                 stream,
-                down_args!(fmw_down_kernel, h_map: ws.h_map),
+                down_args!(fmw_down_kernel, h_map: ws.h_map()?),
             ),
         }
     }

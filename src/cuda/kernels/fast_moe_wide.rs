@@ -13,20 +13,18 @@ use crate::error::Result;
 pub const TOKENS: usize = 128;
 /// Weight rows per pass of an item: one TMA box, two warpgroups of 64.
 pub const ROWS: usize = 128;
-/// Threads of a block: two consumer warpgroups and a producer warpgroup (all four of its warps
-/// gather tokens, thread 0 also issues the weights' TMA; it gives most of its registers to the
-/// consumers).
+/// Threads of a block: two consumer warpgroups and a producer warpgroup (its thread 0 issues
+/// every copy; the warpgroup gives most of its registers to the consumers).
 pub const THREADS: usize = 3 * 128;
 /// Slots of the shared-memory ring (FMW_STAGES).
 pub const STAGES: usize = 3;
 /// Dynamic shared memory of a block (FMW_SMEM_BYTES; kernels/fast_moe_wide.cu checks its layout
 /// fits): the ring of 1024-byte aligned slots (128 weight rows of 128 bytes, their FP4 scales as
 /// f32, the tokens' codes over 256 k and their scales), the epilogue's bf16 buffer (up: the gate and
-/// up values of the item's 128 j for its tokens), the tile's routing weights, the producer's table
-/// of the tile's activation row addresses and the mbarriers.
+/// up values of the item's 128 j for its tokens), the tile's routing weights and the mbarriers.
 pub const SMEM_BYTES: usize = {
     let slot = (ROWS * 128 + ROWS * 32 + 16 * TOKENS * 16 + 2 * TOKENS * 4).div_ceil(1024) * 1024;
-    STAGES * slot + 2 * TOKENS * ROWS * 2 + TOKENS * 4 + TOKENS * 8 + 2 * STAGES * 8
+    STAGES * slot + 2 * TOKENS * ROWS * 2 + TOKENS * 4 + 2 * STAGES * 8
 };
 const _: () = assert!(
     SMEM_BYTES <= 227 * 1024,
@@ -39,36 +37,42 @@ const _: () = assert!(
 /// tile-sized wgmmas, 2048 before the up epilogue went through shared memory, 3072 before that.)
 pub const MIN_TOKENS: usize = 768;
 
-/// Rows of the down GEMM's TMA boxes of h (FMW_HBOX): a tile of n tokens reads n rounded up to it.
-pub const H_BOX_ROWS: usize = 32;
+/// Rows of the GEMMs' TMA boxes of their activations (FMW_HBOX): a tile of n tokens reads n
+/// rounded up to it.
+pub const ACT_BOX_ROWS: usize = 32;
 
-/// Where this path's up GEMM writes h and the down GEMM reads it (kernels/SPEC.md): a routed
-/// tile's rows at their plan rows (`rows[start + c]`'s position `start + c`, so a tile's h rows
-/// are consecutive and a TMA box reads them), the shared expert's at `T*k + token`; and the
-/// scales tile by tile. This is the index of the scale of column `c` (0..[`TOKENS`]) of tile
-/// `tile` (the plan's routed tiles, then the shared expert's `ceil(T / TOKENS)`), 128-block
-/// `block` of `blocks` (= I / 128), in the consumers' order (FMW_scale_pos: 16-byte words of
-/// tokens {8j + 2t, + 1} for j = 2i, 2i + 1 at 16i + 4t).
-pub fn h_scale_index(tile: usize, block: usize, blocks: usize, c: usize) -> usize {
+/// Blocks per tile of `fmw_gather_x_kernel` (FMW_GATHER_Y).
+pub const GATHER_Y: usize = 4;
+
+/// Where this path keeps both GEMMs' activations, x (`fmw_gather_x_kernel` makes it) and h
+/// (kernels/SPEC.md): a routed tile's rows at their plan rows (`rows[start + c]`'s position
+/// `start + c`, so a tile's rows are consecutive and a TMA box reads them), the shared expert's
+/// at `T*k + token`; and the scales tile by tile. This is the index of the scale of column `c`
+/// (0..[`TOKENS`]) of tile `tile` (the plan's routed tiles, then the shared expert's
+/// `ceil(T / TOKENS)`), 128-block `block` of `blocks` (= K / 128), in the consumers' order
+/// (fmw_scale_pos: 16-byte words of tokens {8j + 2t, + 1} for j = 2i, 2i + 1 at 16i + 4t).
+pub fn act_scale_index(tile: usize, block: usize, blocks: usize, c: usize) -> usize {
     let pos = (c >> 4) * 16 + ((c >> 1) & 3) * 4 + ((c >> 3) & 1) * 2 + (c & 1);
     (tile * blocks + block) * TOKENS + pos
 }
 
-/// Floats of h's scales in this path's layout for up to `t` tokens (`k` slots, `experts`
-/// experts, width `i`): every tile the plan can make and the shared expert's.
-pub fn h_scale_floats(t: usize, k: usize, experts: usize, i: usize) -> usize {
-    (crate::cuda::kernels::moe::max_tiles(t * k, TOKENS, experts) + t.div_ceil(TOKENS)) * i
+/// Floats of an activation's scales in this path's layout for up to `t` tokens (`k` slots,
+/// `experts` experts, `width` = K of the GEMM that reads them): every tile the plan can make
+/// and the shared expert's.
+pub fn act_scale_floats(t: usize, k: usize, experts: usize, width: usize) -> usize {
+    (crate::cuda::kernels::moe::max_tiles(t * k, TOKENS, experts) + t.div_ceil(TOKENS)) * width
 }
 
-/// The down GEMM's tensor map over h's codes at `hq` (`rows` rows of `i` bytes, the workspace's
-/// capacity: rows past a batch's are read only into columns that are never stored): boxes of 128
-/// bytes x [`H_BOX_ROWS`] rows in the 128-byte swizzle, rows past `rows` read as zeros.
-pub fn h_tensor_map(hq: u64, rows: usize, i: usize) -> Result<[u8; MAP_BYTES]> {
+/// A GEMM's tensor map over its activations' codes at `addr` (`rows` rows of `width` bytes, the
+/// workspace's capacity: rows past a batch's are read only into columns that are never stored):
+/// boxes of 128 bytes x [`ACT_BOX_ROWS`] rows in the 128-byte swizzle, rows past `rows` read as
+/// zeros.
+pub fn act_tensor_map(addr: u64, rows: usize, width: usize) -> Result<[u8; MAP_BYTES]> {
     encode_2d(
-        hq,
+        addr,
         TensorElem::U8,
-        [i, rows],
-        [128, H_BOX_ROWS as u32],
+        [width, rows],
+        [128, ACT_BOX_ROWS as u32],
         true,
     )
 }
@@ -77,7 +81,17 @@ crate::kernel_family! {
     /// The family as the registry compiles and loads it.
     pub const SOURCE = "fast_moe_wide", include_str!("../../../kernels/fast_moe_wide.cu");
 
-    /// GEMM1 + SwiGLU + routing weight + FP8 quantisation of h (fmoe_up_kernel's operands).
+    /// x's codes and scales (by token) in this path's layout ([`act_scale_index`]): grid
+    /// (every tile the plan can make and the shared expert's, [`GATHER_Y`]), 256 threads.
+    #[pdl(true)]
+    fn fmw_gather_x_kernel(
+        xq: *const u8, xs: *const f32, t: i32, d: i32, k: i32, rows: *const i32,
+        tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, has_shared: bool,
+        xq_plan: *mut u8, xs_plan: *mut f32,
+    );
+    /// GEMM1 + SwiGLU + routing weight + FP8 quantisation of h: fmoe_up_kernel's operands, x in
+    /// this path's layout (`xs` its scales, `x_map` a tensor map over its codes; `xq` is not
+    /// read), h likewise.
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
     fn fmw_up_kernel(
@@ -85,11 +99,10 @@ crate::kernel_family! {
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
         s1: *const u64, s3: *const u64, fmt: i32, shared_fmt: i32,
         shared_s1: Option<*const f32>, shared_s3: Option<*const f32>, sc8: Option<*const u8>,
-        route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32,
+        route_w: *const f32, limit: f32, x_map: *const u8, hq: *mut u8, hs: *mut f32,
     );
     /// GEMM2 into bf16 rows per (token, slot): fmoe_down_kernel's operands, h in this path's
-    /// layout ([`h_scale_index`]) and `h_map`, the workspace's tensor map over `hq`
-    /// ([`h_tensor_map`]).
+    /// layout ([`act_scale_index`]) and `h_map`, a tensor map over `hq` ([`act_tensor_map`]).
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
     fn fmw_down_kernel(

@@ -244,7 +244,9 @@ impl KernelSet for FastSet {
     ) -> Result<()> {
         // Not derived from the weights, but written at the same times: after the workspace's
         // addresses are final, and again (the same bytes) at each refit.
-        self.ws.moe.write_h_map(ctx, cfg.moe_inter, stream)?;
+        self.ws
+            .moe
+            .write_act_maps(ctx, cfg.hidden_size, cfg.moe_inter, stream)?;
         // The token ids are read by routing only, never by the derived tensors.
         let no_tokens = model.slot_len;
         for l in 0..model.experts.len() {
