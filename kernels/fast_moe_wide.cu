@@ -889,7 +889,16 @@ extern "C" __global__ void __launch_bounds__(256)
     const long long token = it.shared ? it.start + c : rows[it.start + c] / k;
     const uint4* src = reinterpret_cast<const uint4*>(xq + token * D);
     uint4* dst = reinterpret_cast<uint4*>(xq_plan + fmw_h_row(a, it, c) * D);
-    for (int v = lane; v < D / 16; v += 32) dst[v] = src[v];
+    // Eight 16-byte loads a lane in flight before their stores (a row of Flash's 4096 in one round).
+    for (int v0 = 0; v0 < D / 16; v0 += 8 * 32) {
+      uint4 r[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (v0 + 32 * u + lane < D / 16) r[u] = src[v0 + 32 * u + lane];
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (v0 + 32 * u + lane < D / 16) dst[v0 + 32 * u + lane] = r[u];
+    }
     for (int blk = lane; blk < blocks; blk += 32) xs_plan[fmw_h_scale_at(it, blocks, blk, c)] = xs[token * blocks + blk];
   }
 }
