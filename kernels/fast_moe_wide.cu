@@ -64,7 +64,8 @@
 #include "fp8_mma.cuh"
 #include "fast_moe_common.cuh"
 
-// FMW_TOKENS, FMW_STAGES and FMW_SMEM_BYTES come from dsv4_consts.cuh (src/cuda/kernels/fast_moe_wide.rs).
+// FMW_TOKENS, FMW_STAGES, FMW_SMEM_BYTES and FMW_HBOX (rows of the activations' TMA boxes, fmw_produce: a tile
+// reads n rounded up to it; its tensor maps' box) come from dsv4_consts.cuh (src/cuda/kernels/fast_moe_wide.rs).
 #define FMW_CONSUMERS 256                 // two warpgroups
 #define FMW_THREADS (FMW_CONSUMERS + 128)  // then the producer warpgroup
 // Registers per thread after setmaxnreg: the producer warpgroup gives most of its share to the consumers
@@ -78,7 +79,6 @@
 #define FMW_PRODUCER_REGS 24
 #define FMW_ROWS 128                      // weight rows of a pass: one TMA box
 #define FMW_RB 128                        // bytes of a weight row per stage
-#define FMW_HBOX 32  // rows of the activations' TMA boxes (fmw_produce): a tile reads n rounded up to it
 #define FMW_SLOT_W (FMW_ROWS * FMW_RB)
 #define FMW_SLOT_S (FMW_ROWS * 8 * 4)  // FP4: 8 per-32 scales a row (f32, or UE8M0 bytes in the first 1 KiB);
                                        // FP8: the block scale
@@ -856,11 +856,10 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
 
 // x's codes and scales (act_quant, as fmoe_select_kernel or the logits kernel stored them by token) in this
 // path's layout for fmw_up_kernel (fmw_h_row, fmw_h_scale_at): block (b, y) copies tile b's token columns y,
-// y + FMW_GATHER_Y, .. (a warp a row, 16 bytes a lane) and their scales. Tiles b < *ntiles are the plan's
+// y + gridDim.y, .. (a warp a row, 16 bytes a lane) and their scales. Tiles b < *ntiles are the plan's
 // routed tiles (other ranks' experts skipped), the next ceil(T / FMW_TOKENS) the shared expert's (when
 // has_shared); blocks past them return. A copy of x per assignment (T·k·D bytes, 100 MB at 4096 tokens of
 // Flash) buys the up GEMM a producer of one thread (fmw_produce).
-#define FMW_GATHER_Y 4
 extern "C" __global__ void __launch_bounds__(256)
     fmw_gather_x_kernel(const unsigned char* xq, const float* xs, int T, int D, int k, const int* rows,
                         const int* tiles, const int* ntiles, int e_begin, int e_end, int has_shared,
@@ -885,7 +884,7 @@ extern "C" __global__ void __launch_bounds__(256)
   a.T = T;
   a.k = k;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, blocks = D / 128;
-  for (int c = blockIdx.y + FMW_GATHER_Y * warp; c < it.n; c += FMW_GATHER_Y * 8) {
+  for (int c = blockIdx.y + gridDim.y * warp; c < it.n; c += gridDim.y * 8) {
     const long long token = it.shared ? it.start + c : rows[it.start + c] / k;
     const uint4* src = reinterpret_cast<const uint4*>(xq + token * D);
     uint4* dst = reinterpret_cast<uint4*>(xq_plan + fmw_h_row(a, it, c) * D);

@@ -41,7 +41,7 @@ pub const MIN_TOKENS: usize = 768;
 /// rounded up to it.
 pub const ACT_BOX_ROWS: usize = 32;
 
-/// Blocks per tile of `fmw_gather_x_kernel` (FMW_GATHER_Y).
+/// Blocks per tile of `fmw_gather_x_kernel` (its grid's y).
 pub const GATHER_Y: usize = 4;
 
 /// Where this path keeps both GEMMs' activations, x (`fmw_gather_x_kernel` makes it) and h
