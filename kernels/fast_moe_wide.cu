@@ -99,7 +99,8 @@
 static_assert(FMW_SMEM_USED <= FMW_SMEM_BYTES, "fast_moe_wide: shared memory layout exceeds FMW_SMEM_BYTES");
 static_assert(FMW_TOKENS == 128, "fast_moe_wide: the largest wgmma is m64n128k32");
 static_assert((FMW_SLOT_W + FMW_SLOT_S) % 1024 == 0, "fast_moe_wide: the B blocks need the swizzle's 1024-byte alignment");
-static_assert(2 * FMW_TOKENS * FMW_DOWN_STRIDE <= 2 * FMW_UP_MATRIX, "fast_moe_wide: epilogue buffer");
+static_assert(2 * FMW_TOKENS * FMW_DOWN_STRIDE * 2 + 2 * FMW_TOKENS * 4 <= FMW_EP_BYTES,
+              "fast_moe_wide: the down epilogue's buffers and output rows");
 static_assert(FMOE_MAP_BYTES == 128, "fast_moe_wide: a CUtensorMap is 128 bytes");
 
 // One work item: a token tile and a 128-row block.
@@ -688,13 +689,12 @@ DSV4_INLINE void fmw_up_stash(const float (&acc)[64], bf16_t* m, int n) {
   }
 }
 
-// Up, gate pass: the bf16 gate values into the first up matrix; the tile's routing weights into wt.
-DSV4_INLINE void fmw_up_gate(const FmoeArgs& a, const FmwItem& it, const float* route_w, const float (&acc)[64],
-                             bf16_t* ep, float* wt) {
+// Up, gate pass: the bf16 gate values into the first up matrix; the tile's routing weights into wt (thread
+// tid < FMW_TOKENS gives token tid's, fmw_epilogue_read).
+DSV4_INLINE void fmw_up_gate(const FmwItem& it, float route_w, const float (&acc)[64], bf16_t* ep, float* wt) {
   const int tid = threadIdx.x;
   named_barrier(1, FMW_CONSUMERS);  // the previous item's quantisation has read ep and wt
-  if (tid < FMW_TOKENS)
-    wt[tid] = (!it.shared && route_w != nullptr && tid < it.n) ? route_w[fmw_out_row(a, it, tid)] : 1.0f;
+  if (tid < FMW_TOKENS) wt[tid] = route_w;
   fmw_up_stash(acc, ep, it.n);
 }
 
@@ -758,19 +758,15 @@ DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const floa
 }
 
 // Down: y[out row][row] = bf16(acc), staged per warpgroup so each token's 64 rows leave in 16-byte pieces.
-DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const float (&acc)[64], bf16_t* ep, bf16_t* y) {
+// Thread l of a warpgroup gives token l's output row (fmw_epilogue_read; -1 past the tile's count) through
+// shared memory to the threads that copy that token's pieces.
+DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const float (&acc)[64], int my_row, bf16_t* ep,
+                                bf16_t* y) {
   const int tid = threadIdx.x, wg = tid >> 7, l = tid & 127;
   bf16_t* buf = ep + wg * (FMW_TOKENS * FMW_DOWN_STRIDE);
-  // The thread copies 16 bytes of tokens l / 8 + 16 i: their output rows are read first, all at once (in the
-  // copy loop each read waited for the store before it, which may alias).
-  const int c8 = l & 7;
-  long long orow[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int tok = (l >> 3) + 16 * i;
-    orow[i] = tok < it.n ? fmw_out_row(a, it, tok) : -1;
-  }
-  named_barrier(2 + wg, 128);  // the warpgroup's previous copy-out has read buf
+  int* out_rows = reinterpret_cast<int*>(ep + 2 * FMW_TOKENS * FMW_DOWN_STRIDE) + wg * FMW_TOKENS;
+  named_barrier(2 + wg, 128);  // the warpgroup's previous copy-out has read buf and out_rows
+  out_rows[l] = my_row;
   const unsigned at = smem_addr(buf) + 2u * (unsigned)(((tid >> 5) & 3) * 16 + fmw_stash_row());
 #pragma unroll
   for (int p = 0; p < 8; ++p) {
@@ -778,13 +774,39 @@ DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const floa
     fmw_stash_pair(acc, p, at + 2u * (unsigned)(fmw_stash_token(p) * FMW_DOWN_STRIDE));
   }
   named_barrier(2 + wg, 128);
+  // The thread copies 16 bytes of tokens l / 8 + 16 i.
+  const int c8 = l & 7;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int tok = (l >> 3) + 16 * i;
-    if (orow[i] >= 0)
-      *reinterpret_cast<uint4*>(y + orow[i] * a.N + it.rb * FMW_ROWS + 64 * wg + 8 * c8) =
+    const int orow = out_rows[tok];
+    if (orow >= 0)
+      *reinterpret_cast<uint4*>(y + (long long)orow * a.N + it.rb * FMW_ROWS + 64 * wg + 8 * c8) =
           *reinterpret_cast<const uint4*>(buf + tok * FMW_DOWN_STRIDE + 8 * c8);
   }
+}
+
+// What an item's epilogue reads from global memory, read when the item starts so that the reads' latency
+// hides under the mainloop (each read where the epilogue needed it cost the consumers a global round trip, two
+// chained for the routing weight, per item): up, thread tid < FMW_TOKENS token tid's routing weight (1 for the
+// shared expert and past the tile's count); down, thread l of each warpgroup token l's output row (-1 past the
+// count).
+struct FmwEpilogueRead {
+  float route_w;
+  int out_row;
+};
+
+template <bool UP>
+DSV4_INLINE FmwEpilogueRead fmw_epilogue_read(const FmoeArgs& a, const FmwItem& it, const float* route_w) {
+  const int tok = threadIdx.x & (FMW_TOKENS - 1);
+  FmwEpilogueRead r = {1.0f, -1};
+  if (UP) {
+    if (threadIdx.x < FMW_TOKENS && !it.shared && route_w != nullptr && tok < it.n)
+      r.route_w = route_w[fmw_out_row(a, it, tok)];
+  } else if (tok < it.n) {
+    r.out_row = (int)fmw_out_row(a, it, tok);
+  }
+  return r;
 }
 
 // Shared body of both kernels (see fast_moe_gemm.cu's fmoe_gemm for the operands).
@@ -812,6 +834,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   for (int n = 0; n < my_items; ++n) {
     const FmwItem it = fmw_item<UP, true>(a, blockIdx.x + n * gridDim.x);
     if (it.skip) continue;
+    const FmwEpilogueRead er = fmw_epilogue_read<UP>(a, it, route_w);
     const int nks = fmoe_stages(it.fp4, a.K);
     for (int pass = 0; pass < fmw_passes(UP); ++pass) {
 #pragma unroll
@@ -846,9 +869,9 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
         fmw_pass_unfolded(fmw_smem, smem, ring, it, a.K, nks, acc);
       }
       if (!UP)
-        fmw_down_store(a, it, acc, ep, out_y);
+        fmw_down_store(a, it, acc, er.out_row, ep, out_y);
       else if (pass == 0)
-        fmw_up_gate(a, it, route_w, acc, ep, wt);
+        fmw_up_gate(it, er.route_w, acc, ep, wt);
       else
         fmw_up_h_quant(a, it, acc, limit, ep, wt, out_q, out_s);
     }
