@@ -30,12 +30,14 @@ const _: () = assert!(
     SMEM_BYTES <= 227 * 1024,
     "an sm_90 block takes at most 227 KiB"
 );
-/// Tokens from which a layer runs this path. Measured with the producer's row-address table
-/// (BENCHMARKS.md, issue 11 eighteenth version: both paths at Flash shapes, µs decode / prefill,
-/// uniform and skewed routing): B = 512 1365 / 1806 (skewed 1446 / 1814), 768 1975 / 1910 (1946 /
-/// 1937), 1024 2350 / 1890 (2353 / 1940). (It was 1024 before that table, 1408 before the
-/// tile-sized wgmmas, 2048 before the up epilogue went through shared memory, 3072 before that.)
-pub const MIN_TOKENS: usize = 768;
+/// Tokens from which a layer runs this path. Measured with both GEMMs' producers on TMA
+/// (BENCHMARKS.md, issue 11 twenty-second version: both paths at Flash shapes, µs decode /
+/// prefill, best of two rounds, uniform and skewed routing): B = 512 1360 / 1448 (skewed 1426 /
+/// 1444), 544 1410 / 1469 (1429 / 1463), 576 1487 / 1480 (1515 / 1479), 608 1541 / 1494 (1606 /
+/// 1489), 640 1636 / 1502 (1632 / 1501). (It was 768 before that table, 1024 before the
+/// producer's row-address table, 1408 before the tile-sized wgmmas, 2048 before the up epilogue
+/// went through shared memory, 3072 before that.)
+pub const MIN_TOKENS: usize = 576;
 
 /// Rows of the GEMMs' TMA boxes of their activations (FMW_HBOX): a tile of n tokens reads n
 /// rounded up to it.
