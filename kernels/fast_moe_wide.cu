@@ -47,8 +47,8 @@
 // Up, x's rows are gathered by cp.async (fmw_produce_gather): eight producer threads copy one token's 128
 // bytes (one line), which then lands in shared memory in one piece, where 16 bytes per token and thread (the
 // first layout) took ~29 shared-memory wavefronts per warp copy instead of ~4, over half of the kernel's
-// wavefronts (ncu, B = 4096). Down, the up GEMM has stored h in this path's own layout (fmw_h_row,
-// fmw_h_scale_at: a tile's rows consecutive, its scales in the consumers' order), so one producer thread
+// wavefronts (ncu, B = 4096). Down, the up GEMM has stored h in this path's own layout (fmw_act_row,
+// fmw_act_scale_at: a tile's rows consecutive, its scales in the consumers' order), so one producer thread
 // copies them by TMA and one bulk copy (fmw_produce_tma; layer B = 4096 2572 -> 2504 µs uniform, 2734 ->
 // 2627 skewed, 16384 10091 -> 9825: BENCHMARKS.md, issue 11 twenty-second version). Token columns past the
 // tile's count compute garbage that is never stored (wgmma's columns are independent).
@@ -112,7 +112,7 @@ struct FmwItem {
   int n;        // tokens in the tile, 1..FMW_TOKENS
   int start;    // first plan row (routed) or first token (shared)
   int rb;       // row block: up, j = 128·rb ..; down, W2 rows 128·rb ..
-  int tile;     // the item's tile: the plan's routed tiles, then the shared expert's (h's scales, fmw_h_scale_at)
+  int tile;     // the item's tile: the plan's routed tiles, then the shared expert's (h's scales, fmw_act_scale_at)
   const unsigned char* maps;   // the expert's tensor maps
   const float* fs[2];          // FP8: block scales of pass 0 and 1 (up: W1, W3; down: W2)
   const unsigned char* sc8[2]; // UE8M0: the 1 KiB blocks of stage 0 of the passes' row block
@@ -195,7 +195,7 @@ DSV4_INLINE long long fmw_out_row(const FmoeArgs& a, const FmwItem& it, int c) {
 // The activations' row of token column c in this path's layout (x's, made by fmw_gather_x_kernel, and h's):
 // a routed tile's at its plan rows, so that a tile's rows are consecutive and the producer reads them by TMA;
 // the shared expert's at T·k + its token.
-DSV4_INLINE long long fmw_h_row(const FmoeArgs& a, const FmwItem& it, int c) {
+DSV4_INLINE long long fmw_act_row(const FmoeArgs& a, const FmwItem& it, int c) {
   return it.shared ? (long long)a.T * a.k + it.start + c : it.start + c;
 }
 
@@ -212,7 +212,7 @@ DSV4_INLINE int fmw_scale_pos(int p) { return (p >> 4) * 16 + ((p >> 1) & 3) * 4
 // The activations' scale of token column c and 128-block b (of `blocks` = K / 128) of the item's tile, in this
 // path's layout: [tile][block][FMW_TOKENS] floats at fmw_scale_pos(c), the consumers' order, so the producer
 // copies a stage's scales in one piece. (Slots of the tile's columns past its count are not written.)
-DSV4_INLINE long long fmw_h_scale_at(const FmwItem& it, int blocks, int b, int c) {
+DSV4_INLINE long long fmw_act_scale_at(const FmwItem& it, int blocks, int b, int c) {
   return ((long long)it.tile * blocks + b) * FMW_TOKENS + fmw_scale_pos(c);
 }
 
@@ -257,7 +257,7 @@ DSV4_INLINE unsigned fmw_weight_tx(const FmwItem& it) {
 }
 
 // The producer: one thread. Both GEMMs' activations (x for up, made by fmw_gather_x_kernel; h for down, by
-// the up GEMM) are stored in this path's own layout (fmw_h_row, fmw_h_scale_at): a tile's rows consecutive,
+// the up GEMM) are stored in this path's own layout (fmw_act_row, fmw_act_scale_at): a tile's rows consecutive,
 // its scales in the consumers' order. So per stage and 128-block the thread copies the tile's codes by TMA
 // (`act_map`: boxes of FMW_HBOX rows x 128 bytes in the 128-byte swizzle, the B tile's layout; ceil(n /
 // FMW_HBOX) of them, rows past the tile's count are other tiles' or zeros past the map, computed and never
@@ -281,10 +281,10 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
     const int nks = fmoe_stages(it.fp4, K);
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
     const int boxes = (it.n + FMW_HBOX - 1) / FMW_HBOX;
-    const int row0 = (int)fmw_h_row(a, it, 0);
+    const int row0 = (int)fmw_act_row(a, it, 0);
     // (An offset of 32 bits, added to the kernel parameter at each stage: a pointer held across the stages
     // spilled at 24 registers. Below 2^32 for any T the workspace holds.)
-    const unsigned scales = (unsigned)fmw_h_scale_at(it, K / 128, 0, 0);
+    const unsigned scales = (unsigned)fmw_act_scale_at(it, K / 128, 0, 0);
     const FmwPassSrc src = fmw_pass_src<UP>(it, pass, K);
     for (int kb = 0; kb < nks; ++kb) {
       mbar_wait(fmw_empty(smem, slot), phase ^ 1);
@@ -739,7 +739,7 @@ DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const floa
   m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
   if (tok < it.n) {
     const float s = fmoe_h_scale(m), inv = fmoe_h_inv(s);
-    unsigned char* dst = out_q + fmw_h_row(a, it, tok) * a.N + it.rb * FMW_ROWS + 64 * half;
+    unsigned char* dst = out_q + fmw_act_row(a, it, tok) * a.N + it.rb * FMW_ROWS + 64 * half;
 #pragma unroll 1
     for (int i = 0; i < 8; ++i) {
       const int c8 = i ^ (4 * half);
@@ -753,7 +753,7 @@ DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const floa
       }
       fmoe_store_h_words(dst + 32 * (c8 >> 2), c8 & 3, fmoe_h_words8<true>(hv, inv));
     }
-    if (half == 0) out_s[fmw_h_scale_at(it, a.N / 128, it.rb, tok)] = s;
+    if (half == 0) out_s[fmw_act_scale_at(it, a.N / 128, it.rb, tok)] = s;
   }
 }
 
@@ -879,7 +879,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
 }
 
 // x's codes and scales (act_quant, as fmoe_select_kernel or the logits kernel stored them by token) in this
-// path's layout for fmw_up_kernel (fmw_h_row, fmw_h_scale_at): block (b, y) copies tile b's token columns y,
+// path's layout for fmw_up_kernel (fmw_act_row, fmw_act_scale_at): block (b, y) copies tile b's token columns y,
 // y + gridDim.y, .. (a warp a row, 16 bytes a lane) and their scales. Tiles b < *ntiles are the plan's
 // routed tiles (other ranks' experts skipped), the next ceil(T / FMW_TOKENS) the shared expert's (when
 // has_shared); blocks past them return. A copy of x per assignment (T·k·D bytes, 100 MB at 4096 tokens of
@@ -890,7 +890,7 @@ extern "C" __global__ void __launch_bounds__(256)
                         unsigned char* xq_plan, float* xs_plan) {
   dsv4_pdl_begin();
   const int nrt = *ntiles, b = blockIdx.x;
-  FmwItem it;  // only the fields fmw_h_row and fmw_h_scale_at read
+  FmwItem it;  // only the fields fmw_act_row and fmw_act_scale_at read
   it.tile = b;
   if (b < nrt) {
     const int e = tiles[3 * b];
@@ -911,7 +911,7 @@ extern "C" __global__ void __launch_bounds__(256)
   for (int c = blockIdx.y + gridDim.y * warp; c < it.n; c += gridDim.y * 8) {
     const long long token = it.shared ? it.start + c : rows[it.start + c] / k;
     const uint4* src = reinterpret_cast<const uint4*>(xq + token * D);
-    uint4* dst = reinterpret_cast<uint4*>(xq_plan + fmw_h_row(a, it, c) * D);
+    uint4* dst = reinterpret_cast<uint4*>(xq_plan + fmw_act_row(a, it, c) * D);
     // Eight 16-byte loads a lane in flight before their stores (a row of Flash's 4096 in one round).
     for (int v0 = 0; v0 < D / 16; v0 += 8 * 32) {
       uint4 r[8];
@@ -922,7 +922,7 @@ extern "C" __global__ void __launch_bounds__(256)
       for (int u = 0; u < 8; ++u)
         if (v0 + 32 * u + lane < D / 16) dst[v0 + 32 * u + lane] = r[u];
     }
-    for (int blk = lane; blk < blocks; blk += 32) xs_plan[fmw_h_scale_at(it, blocks, blk, c)] = xs[token * blocks + blk];
+    for (int blk = lane; blk < blocks; blk += 32) xs_plan[fmw_act_scale_at(it, blocks, blk, c)] = xs[token * blocks + blk];
   }
 }
 
