@@ -350,10 +350,10 @@ pub struct FastMoeWorkspace {
     pub hq: DevicePtr,
     pub hs: DevicePtr,
     /// Expert outputs `bf16[T*k + T, D]`. On the prefill path its first `(T*k + T) * D` bytes
-    /// hold x's codes in that path's layout first (`fmw_gather_x_kernel`, read by the up GEMM):
-    /// only the down GEMM writes y, and its programmatic wait lets it start only once the up
-    /// GEMM has finished (DESIGN.md: every kernel waits for the one before before it touches
-    /// memory), so the two never overlap and x costs no memory of its own.
+    /// hold x's codes in that path's layout before that (`fmw_gather_x_kernel`, read by the up
+    /// GEMM): only the down GEMM writes y, and it touches memory only after its programmatic
+    /// wait, once the up GEMM has finished (kernels/SPEC.md, fast_moe: every kernel of the layer
+    /// begins with `dsv4_pdl_begin`), so the two never overlap and x costs no memory of its own.
     pub y: DevicePtr,
     /// The decode path's synchronisation words (`u32[`[`fast_moe_gemm::sync_words`]`]`): zero at
     /// create, and every launch leaves them zero.
