@@ -213,7 +213,7 @@ fn batch(e: &Env, sh: &MoeShape, t: usize, x: &[f32], tokens: &[i32], s: Borrowe
         arena::memset_async(*q, 0xff, s).unwrap(); // NaN poison
     }
     // Except the decode GEMMs' synchronisation words: zero, as the engine's arena makes them,
-    // and the prefill path's tensor map over h.
+    // and the prefill path's tensor maps over x and h.
     arena::memset_async(ws.sync, 0, s).unwrap();
     ws.write_act_maps(e.ctx, D, I, s).unwrap();
     Batch {

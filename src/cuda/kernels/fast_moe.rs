@@ -399,10 +399,12 @@ impl FastMoeWorkspace {
         }
     }
 
-    /// The prefill GEMMs' tensor map over x's codes (in `y`) or h's: `act_maps` at this offset.
+    /// The prefill up GEMM's tensor map over x's codes (in `y`): the first of `act_maps`.
     pub fn x_map(&self) -> Result<DevicePtr> {
         self.act_maps.slice(0, fast_moe_gemm::MAP_BYTES)
     }
+
+    /// The prefill down GEMM's tensor map over h's codes: the second of `act_maps`.
     pub fn h_map(&self) -> Result<DevicePtr> {
         self.act_maps
             .slice(fast_moe_gemm::MAP_BYTES, fast_moe_gemm::MAP_BYTES)

@@ -402,8 +402,7 @@ impl FastMoeGemm {
                     .launch(g, b, sm, stream, up_args!(fmoe_up_kernel, ws.xs))
             }
             GemmPath::Prefill => {
-                let tiles = super::moe::max_tiles(t * layer.k, wide::TOKENS, layer.experts)
-                    + t.div_ceil(wide::TOKENS);
+                let tiles = wide::act_tiles(t, layer.k, layer.experts);
                 let gather = fmw_gather_x_kernel::Args {
                     xq: ws.xq,
                     xs: ws.xs,

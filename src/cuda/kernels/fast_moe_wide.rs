@@ -58,11 +58,16 @@ pub fn act_scale_index(tile: usize, block: usize, blocks: usize, c: usize) -> us
     (tile * blocks + block) * TOKENS + pos
 }
 
-/// Floats of an activation's scales in this path's layout for up to `t` tokens (`k` slots,
-/// `experts` experts, `width` = K of the GEMM that reads them): every tile the plan can make
-/// and the shared expert's.
+/// Tiles this path may see for up to `t` tokens (`k` slots, `experts` experts): every routed
+/// tile the plan can make, then the shared expert's.
+pub fn act_tiles(t: usize, k: usize, experts: usize) -> usize {
+    crate::cuda::kernels::moe::max_tiles(t * k, TOKENS, experts) + t.div_ceil(TOKENS)
+}
+
+/// Floats of an activation's scales in this path's layout for up to `t` tokens (`width` = K of
+/// the GEMM that reads them): [`TOKENS`] a tile and 128-block.
 pub fn act_scale_floats(t: usize, k: usize, experts: usize, width: usize) -> usize {
-    (crate::cuda::kernels::moe::max_tiles(t * k, TOKENS, experts) + t.div_ceil(TOKENS)) * width
+    act_tiles(t, k, experts) * width
 }
 
 /// A GEMM's tensor map over its activations' codes at `addr` (`rows` rows of `width` bytes, the
@@ -84,7 +89,7 @@ crate::kernel_family! {
     pub const SOURCE = "fast_moe_wide", include_str!("../../../kernels/fast_moe_wide.cu");
 
     /// x's codes and scales (by token) in this path's layout ([`act_scale_index`]): grid
-    /// (every tile the plan can make and the shared expert's, [`GATHER_Y`]), 256 threads.
+    /// ([`act_tiles`], [`GATHER_Y`]), 256 threads.
     #[pdl(true)]
     fn fmw_gather_x_kernel(
         xq: *const u8, xs: *const f32, t: i32, d: i32, k: i32, rows: *const i32,
@@ -113,4 +118,23 @@ crate::kernel_family! {
         s2: *const u64, fmt: i32, shared_fmt: i32, shared_s2: Option<*const f32>,
         sc8: Option<*const u8>, h_map: *const u8, y: *mut u16,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scales of a tile's 128-block fill its TOKENS slots, one column each (the kernel's
+    /// fmw_scale_pos is the same formula; gpu_fast_moe reads the device's layout through it).
+    #[test]
+    fn act_scale_index_places_each_column_of_a_block_once() {
+        let blocks = 16;
+        let mut seen = vec![false; TOKENS];
+        for c in 0..TOKENS {
+            let at = act_scale_index(3, 5, blocks, c);
+            assert_eq!(at / TOKENS, 3 * blocks + 5, "column {c} left its block");
+            assert!(!seen[at % TOKENS], "column {c} shares a slot");
+            seen[at % TOKENS] = true;
+        }
+    }
 }
