@@ -129,7 +129,7 @@ mod tests {
     #[test]
     fn act_scale_index_places_each_column_of_a_block_once() {
         let blocks = 16;
-        let mut seen = vec![false; TOKENS];
+        let mut seen = [false; TOKENS];
         for c in 0..TOKENS {
             let at = act_scale_index(3, 5, blocks, c);
             assert_eq!(at / TOKENS, 3 * blocks + 5, "column {c} left its block");
