@@ -116,7 +116,11 @@ struct FmwItem {
   const unsigned char* maps;   // the expert's tensor maps
   const float* fs[2];          // FP8: block scales of pass 0 and 1 (up: W1, W3; down: W2)
   const unsigned char* sc8[2]; // UE8M0: the 1 KiB blocks of stage 0 of the passes' row block
-  const unsigned char* rowe[2]; // UE8M0: the largest exponent of each of the passes' 128 rows
+  // UE8M0, the consumers' (ROWS): the largest exponents of the thread's rows g and g + 8 (bits 0-7, 8-15) in
+  // each pass's row block (fmoe_sc8_rows), read with the row block's fold flag, so that neither waits for
+  // the other (read after the flag's branch they were a third chained global load before the item's first
+  // wgmma: 2.5% of the down GEMM's stall samples, ncu at B = 4096).
+  unsigned rowe[2];
   bool rowfold[2];              // UE8M0: every row of the pass's block folds whole (fmoe_rows8_kernel)
 };
 
@@ -145,7 +149,7 @@ DSV4_INLINE FmwItem fmw_item(const FmoeArgs& a, int wi) {
   it.s8 = false;
   it.fs[0] = it.fs[1] = nullptr;
   it.sc8[0] = it.sc8[1] = nullptr;
-  it.rowe[0] = it.rowe[1] = nullptr;
+  it.rowe[0] = it.rowe[1] = 0u;
   it.rowfold[0] = it.rowfold[1] = false;
   const int nloc = a.e_end - a.e_begin;
   int x = nloc;  // the item's entry in the per-expert tables
@@ -177,9 +181,11 @@ DSV4_INLINE FmwItem fmw_item(const FmoeArgs& a, int wi) {
     const long long w13 = fmoe_sc8_matrix(a.I, a.D);
     it.sc8[0] = ex + (UP ? 0 : 2 * w13) + at;  // W1 or W2
     it.sc8[1] = ex + w13 + at;                 // W3 (up only)
+    const int r = (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);  // row g of the thread's warp
     for (int pass = 0; ROWS && pass < fmw_passes(UP); ++pass) {
       const int m = UP ? pass : 2;  // w1, w3 or w2
-      it.rowe[pass] = ex + fmoe_sc8_rows(a.D, a.I, m) + it.rb * FMW_ROWS;
+      const unsigned char* rows = ex + fmoe_sc8_rows(a.D, a.I, m) + it.rb * FMW_ROWS;
+      it.rowe[pass] = rows[r] | (unsigned)rows[r + 8] << 8;
       it.rowfold[pass] = ex[fmoe_sc8_row_flags(a.D, a.I, m) + it.rb] != 0;
     }
   }
@@ -842,9 +848,8 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
       if (!it.fp4) {
         fmw_pass_fp8(fmw_smem, smem, ring, nks, acc);
       } else if (a.fold && it.s8 && (pass == 0 ? it.rowfold[0] : it.rowfold[1])) {
-        const int r = (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);  // row g of the thread's warp
-        const unsigned char* rowe = pass == 0 ? it.rowe[0] : it.rowe[1];
-        const unsigned er0 = rowe[r], er8 = rowe[r + 8];
+        const unsigned rowe = pass == 0 ? it.rowe[0] : it.rowe[1];
+        const unsigned er0 = rowe & 0xffu, er8 = rowe >> 8;
         const unsigned base0 = fmw_fold_base(er0), base8 = fmw_fold_base(er8);
 #define FMW_PASS_N(NN)                                                           \
   case NN:                                                                       \
