@@ -90,6 +90,24 @@ __device__ __forceinline__ void skel_step(const unsigned char* st, int b, unsign
 }
 
 
+// The end of a timed loop (after the consumers' barrier): thread 0's clock64 and %globaltimer spans (from c0,
+// t0) into cycles and ns, then each of the block's `threads` consumers' acc[64] and d[64] into out (the check
+// reads them).
+__device__ __forceinline__ void skel_record(long long c0, unsigned long long t0, int threads, const float (&d)[64],
+                                            const float (&acc)[64], float* out, long long* cycles,
+                                            unsigned long long* ns) {
+  const long long c1 = clock64();
+  unsigned long long t1;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+  if (threadIdx.x == 0) {
+    cycles[blockIdx.x] = c1 - c0;
+    ns[blockIdx.x] = t1 - t0;
+  }
+  float* o = out + ((long long)blockIdx.x * threads + threadIdx.x) * 128;
+#pragma unroll
+  for (int v = 0; v < 64; ++v) o[v] = acc[v], o[64 + v] = d[v];
+}
+
 // Modes 6-8: the A operand from shared memory (SS wgmma), as if FP4 were decoded to e4m3 into shared memory
 // once per block by other warps. Does the promotion then overlap the other warpgroup's wgmmas? (Mode 1 says
 // it does not with A from registers: 449 -> 680 cycles a block step from one to two warpgroups.)
@@ -203,16 +221,7 @@ __global__ void __launch_bounds__(384, 1)
     skel_ss_step<MODE>(st, 1, d, acc);
   }
   named_barrier(2, 128 * wgs);
-  const long long c1 = clock64();
-  unsigned long long t1;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
-  if (threadIdx.x == 0) {
-    cycles[blockIdx.x] = c1 - c0;
-    ns[blockIdx.x] = t1 - t0;
-  }
-  float* o = out + ((long long)blockIdx.x * 128 * wgs + threadIdx.x) * 128;
-#pragma unroll
-  for (int v = 0; v < 64; ++v) o[v] = acc[v], o[64 + v] = d[v];
+  skel_record(c0, t0, 128 * wgs, d, acc, out, cycles, ns);
 }
 
 // out: each thread's acc[64] then d[64] (the check reads them); cycles: thread 0's clock64 around the loop,
@@ -242,16 +251,7 @@ __global__ void __launch_bounds__(256, 1)
     skel_step<MODE>(st, 0, base, b1, b0, d, acc, false, it + 1 == iters);  // and the other way round
   }
   __syncthreads();
-  const long long c1 = clock64();
-  unsigned long long t1;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
-  if (threadIdx.x == 0) {
-    cycles[blockIdx.x] = c1 - c0;
-    ns[blockIdx.x] = t1 - t0;
-  }
-  float* o = out + ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 128;
-#pragma unroll
-  for (int v = 0; v < 64; ++v) o[v] = acc[v], o[64 + v] = d[v];
+  skel_record(c0, t0, blockDim.x, d, acc, out, cycles, ns);
 }
 
 struct SkelRun {
