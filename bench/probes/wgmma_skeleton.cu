@@ -89,7 +89,6 @@ __device__ __forceinline__ void skel_step(const unsigned char* st, int b, unsign
   }
 }
 
-
 // The end of a timed loop (after the consumers' barrier): thread 0's clock64 and %globaltimer spans (from c0,
 // t0) into cycles and ns, then each of the block's `threads` consumers' acc[64] and d[64] into out (the check
 // reads them).
@@ -198,6 +197,9 @@ __global__ void __launch_bounds__(384, 1)
   skel_fill_a(st, check != 0);
   fence_proxy_async_shared();
   __syncthreads();
+  // Mode 8's registers: the block is launched with 384 x 168 of them, and setmaxnreg.inc waits until the pool
+  // holds what it asks for, so the consumers' 256 x 200 and the decoders' 128 x 104 must fit in those 64512
+  // (208 / 96 hung: the first run, 2026-12-04).
   if (threadIdx.x >= 128 * wgs) {  // mode 8's decoders
     asm volatile("setmaxnreg.dec.sync.aligned.u32 104;\n");
     const unsigned base = fmw_fold_base(127);
