@@ -895,7 +895,8 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
 
 // x's codes and scales (act_quant, as fmoe_select_kernel or the logits kernel stored them by token) in this
 // path's layout for fmw_up_kernel (fmw_act_row, fmw_act_scale_at): block (b, y) copies tile b's token columns y,
-// y + gridDim.y, .. (a warp a row, 16 bytes a lane) and their scales. Tiles b < *ntiles are the plan's
+// y + gridDim.y, .. (a warp a row, 16 bytes a lane) and the scales of its 128-blocks y, y + gridDim.y, .. (a
+// warp a block, a lane a column). Tiles b < *ntiles are the plan's
 // routed tiles (other ranks' experts skipped), the next ceil(T / FMW_TOKENS) the shared expert's (when
 // has_shared); blocks past them return. A copy of x per assignment (T·k·D bytes, 100 MB at 4096 tokens of
 // Flash) buys the up GEMM a producer of one thread (fmw_produce).
@@ -922,12 +923,13 @@ extern "C" __global__ void __launch_bounds__(256)
   FmoeArgs a;  // likewise
   a.T = T;
   a.k = k;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, blocks = D / 128;
-  for (int c = blockIdx.y + gridDim.y * warp; c < it.n; c += gridDim.y * 8) {
-    const long long token = it.shared ? it.start + c : rows[it.start + c] / k;
-    const uint4* src = reinterpret_cast<const uint4*>(xq + token * D);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, blocks = D / 128, step = gridDim.y * 8;
+  auto token_of = [&](int c) -> long long { return it.shared ? it.start + c : rows[it.start + c] / k; };
+  // The codes: a warp a row, eight 16-byte loads a lane in flight before their stores (a row of Flash's 4096
+  // in one round).
+  for (int c = blockIdx.y + gridDim.y * warp; c < it.n; c += step) {
+    const uint4* src = reinterpret_cast<const uint4*>(xq + token_of(c) * D);
     uint4* dst = reinterpret_cast<uint4*>(xq_plan + fmw_act_row(a, it, c) * D);
-    // Eight 16-byte loads a lane in flight before their stores (a row of Flash's 4096 in one round).
     for (int v0 = 0; v0 < D / 16; v0 += 8 * 32) {
       uint4 r[8];
 #pragma unroll
@@ -937,8 +939,12 @@ extern "C" __global__ void __launch_bounds__(256)
       for (int u = 0; u < 8; ++u)
         if (v0 + 32 * u + lane < D / 16) dst[v0 + 32 * u + lane] = r[u];
     }
-    for (int blk = lane; blk < blocks; blk += 32) xs_plan[fmw_act_scale_at(it, blocks, blk, c)] = xs[token * blocks + blk];
   }
+  // The scales: a warp a 128-block, a lane a token column, so that each store of the warp fills 32 consecutive
+  // floats of the tile's [block][FMW_TOKENS] (fmw_scale_pos permutes within them); the loads gather instead.
+  // (Copied by the codes' warps, a lane a block, every store touched 32 lines 512 bytes apart.)
+  for (int blk = blockIdx.y + gridDim.y * warp; blk < blocks; blk += step)
+    for (int c = lane; c < it.n; c += 32) xs_plan[fmw_act_scale_at(it, blocks, blk, c)] = xs[token_of(c) * blocks + blk];
 }
 
 // GEMM1 + SwiGLU + routing weight + FP8 quantisation of h; fmoe_up_kernel's operands, with the plan made for
