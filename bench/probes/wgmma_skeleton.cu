@@ -264,7 +264,6 @@ struct SkelRun {
   double decoder_cycles_per_step;  // mode 8: the decoders' clock64 cycles per block step
 };
 
-
 template <int MODE>
 static void launch(int wgs, int iters, int check, float* out, long long* cyc, unsigned long long* ns) {
   if constexpr (MODE >= 6) {
