@@ -23,27 +23,31 @@
 
 // Grid (T, ceil(maxe / chunk_keys)), chunk_keys <= FI_CHUNK_KEYS (fewer keys a block where few
 // tokens would leave SMs idle; whole tiles in practice), FI_THREADS = 128 threads: one warpgroup,
-// whose m64 wgmma rows are the heads (warp w: heads 16w .. 16w + 15, thread (g, t): heads 16w + g
-// and 16w + g + 8). HI <= FI_MAX_HEADS = 64, DI % 32 == 0 and <= FI_MAX_DIM (the wrapper
+// whose m64 wgmma rows are a tile's keys (warp w: keys 16w .. 16w + 15 of the tile, thread (g, t):
+// keys 16w + g and 16w + g + 8) and whose n64 columns are the heads (thread (g, t): heads 8j + 2t,
+// 8j + 2t + 1, j < 8). HI <= FI_MAX_HEADS = 64, DI % 32 == 0 and <= FI_MAX_DIM (the wrapper
 // checks). ikeys: official indexer-key pages (kv_pages.cuh) through itable. scores: [T][maxe],
 // entries < visible of real tokens written.
 //
 // The products on FP8 tensor cores, exactly: official queries and keys are FP4 values (e2m1 x a
-// power of two per 32 of the dims), and so is every product's pair of factors in e4m3.
-// - A (the queries, registers, built once a block): head h's 32-block b as e4m3 codes of q / 2^e,
-//   e = floor(log2 amax) - 7 (amax of the block's 32 values: every value then lies in [2^3, 2^8)
-//   with at most two significant bits, exact in e4m3), in fragment order (fp8_mma.cuh), and the
-//   row factor 2^e.
-// - B (a tile of FI_TILE_KEYS keys, shared memory, [DI / 16 chunks][key][16 bytes], the MoE's
-//   activation layout): the FP4 bit move of each key's codes (e4m3 of value x 2^-6; even elements
-//   in chunk 2b, odd in 2b + 1: fragment order) and the column factor 2^6 x the key's block scale.
-// - Per 32-block, one wgmma m64n64k32 from zero, then acc += d x row factor x column factor (the
+// power of two per 32 of the dims), and so is every product's pair of factors in e4m3. Both
+// operands in shared memory, K-major, [DI / 16 chunks][row][16 bytes] (no swizzle: 8 rows of a
+// chunk are one core matrix), even dims of each 32-block in chunk 2b and odd ones in 2b + 1.
+// - A (a tile of FI_TILE_KEYS keys): the FP4 bit move of each key's codes (e4m3 of value x 2^-6)
+//   and the key factor 2^6 x the key's block scale.
+// - B (the token's queries, built once a block, heads past HI zero): head h's 32-block b as e4m3
+//   codes of q / 2^e, e = floor(log2 amax) - 7 (amax of the block's 32 values: every value then
+//   lies in [2^3, 2^8) with at most two significant bits, exact in e4m3), and the head factor 2^e.
+// - Per 32-block, one wgmma m64n64k32 from zero, then acc += d x (head factor x key factor) (the
 //   block's 32-term sum is the tensor core's; promoting each keeps its reduced-precision
-//   accumulator to 32 terms, ../shared/KERNELS.md §1).
-// Then d_h = bf16(acc), score = bf16(sum_h relu(d_h) * w_h): the f32 head sum in a fixed order (the
-// warp's 16 heads by shuffles, then the 4 warps in order).
-// Shared memory (dynamic): K tile [DI / 16][FI_TILE_KEYS][16] bytes, column factors [DI / 32]
-// [FI_TILE_KEYS] f32, w [FI_MAX_HEADS] f32, partial scores [FI_WARPS][FI_TILE_KEYS] f32, the
+//   accumulator to 32 terms, ../shared/KERNELS.md §1), two blocks' wgmmas a commit group.
+// Then d_h = bf16(acc), score = bf16(sum_h relu(d_h) * w_h): the f32 head sum in a fixed order, each
+// thread's 16 heads of a key in order (8j + 2t + e by j, then e), then its quad's four sums by two
+// shuffles. A key's heads sit in one quad, so a warp scores its own 16 keys. (With the heads as the
+// m64 rows, as before, each value took three shuffles and a key's sum crossed the 4 warps through
+// shared memory: ~40% of the kernel's instructions.)
+// Shared memory (dynamic): K tile [DI / 16][FI_TILE_KEYS][16] bytes, Q [DI / 16][FI_MAX_HEADS][16]
+// bytes, key factors [DI / 32][FI_TILE_KEYS] f32, head factors [DI / 32][FI_MAX_HEADS] f32, the
 // chunk's key row and scale addresses [2][FI_CHUNK_KEYS] (8 bytes each).
 // Memory latency: the chunk's block-table lookups are made once, together, at the start; a tile's
 // code and scale loads (FI_DECODE_TASKS a thread, one 32-block of one key each) are all issued
@@ -51,17 +55,30 @@
 #define FI_BLOCKS (FI_MAX_DIM / 32)
 #define FI_DECODE_TASKS (FI_TILE_KEYS * FI_BLOCKS / FI_THREADS)
 
-// One wgmma m64n64k32 e4m3 x e4m3 -> f32 from zero: d = A B (A: the thread's fragment words, B: the
-// descriptor's tile).
-DSV4_INLINE void fi_wgmma(float (&d)[32], const unsigned (&a)[4], unsigned long long desc) {
+// One wgmma m64n64k32 e4m3 x e4m3 -> f32 from zero: d = A B^T (A: the keys' tile, B: the queries',
+// both shared-memory descriptors).
+DSV4_INLINE void fi_wgmma(float (&d)[32], unsigned long long adesc, unsigned long long bdesc) {
   asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
+      "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1; }\n"
+      "%32, %33, p, 1, 1; }\n"
       : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
+      : "l"(adesc), "l"(bdesc), "r"(0));
+}
+
+// acc += d x (head factor x key factor) for the thread's values (layout: fi_score_kernel).
+DSV4_INLINE void fi_promote(float (&acc)[32], const float (&d)[32], const float* qf, float k0, float k1) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float2 q = *reinterpret_cast<const float2*>(qf + 8 * j + 2 * t);
+    acc[4 * j + 0] = fmaf(d[4 * j + 0], __fmul_rn(q.x, k0), acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(d[4 * j + 1], __fmul_rn(q.y, k0), acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(d[4 * j + 2], __fmul_rn(q.x, k1), acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(d[4 * j + 3], __fmul_rn(q.y, k1), acc[4 * j + 3]);
+  }
 }
 
 // The e4m3 codes of 4 values (|v| < 448, exactly representable: see above) as one word, byte i = v[i]:
@@ -97,10 +114,10 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
   const int g = lane >> 2, cq = lane & 3;
   const int nblk = DI / 32;
   unsigned char* kt = fi_smem;                                    // [DI / 16][FI_TILE_KEYS][16]
-  float* kf = (float*)(kt + DI * FI_TILE_KEYS);                   // [DI / 32][FI_TILE_KEYS]
-  float* ws = kf + nblk * FI_TILE_KEYS;                           // [FI_MAX_HEADS]
-  float* part = ws + FI_MAX_HEADS;                                // [FI_WARPS][FI_TILE_KEYS]
-  const unsigned char** krow = (const unsigned char**)(part + FI_WARPS * FI_TILE_KEYS);
+  unsigned char* qt = kt + DI * FI_TILE_KEYS;                     // [DI / 16][FI_MAX_HEADS][16]
+  float* kf = (float*)(qt + DI * FI_MAX_HEADS);                   // [DI / 32][FI_TILE_KEYS]
+  float* qf = kf + nblk * FI_TILE_KEYS;                           // [DI / 32][FI_MAX_HEADS]
+  const unsigned char** krow = (const unsigned char**)(qf + nblk * FI_MAX_HEADS);
   const unsigned char** ksc = krow + FI_CHUNK_KEYS;
   const KvRowFmt kf_fmt = kv_fmt_index(DI, 1);
 
@@ -110,41 +127,39 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
     krow[j] = p.row;
     ksc[j] = p.sc;
   }
-  for (int h = tid; h < FI_MAX_HEADS; h += FI_THREADS) ws[h] = h < HI ? iw[(long long)t * HI + h] : 0.0f;
-
-  // A: heads h0 = 16 warp + g (row g of the warp's fragment) and h1 = h0 + 8; per 32-block b the
-  // thread's physical k 8 cq .. 8 cq + 7 (even ones -> a0 / a1, odd ones -> a2 / a3).
-  const int h0 = warp * 16 + g, h1 = h0 + 8;
-  unsigned af[FI_BLOCKS][4];
-  float rf[FI_BLOCKS][2];
-#pragma unroll
-  for (int b = 0; b < FI_BLOCKS; ++b) {
-    af[b][0] = af[b][1] = af[b][2] = af[b][3] = 0u;
-    rf[b][0] = rf[b][1] = 0.0f;
-    if (b < nblk) {  // uniform
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int h = r == 0 ? h0 : h1;
-        float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        if (h < HI) {
-          const float* q = qi + ((long long)t * HI + h) * DI + 32 * b + 8 * cq;
-          const float4 x0 = *(const float4*)q, x1 = *(const float4*)(q + 4);
-          v[0] = x0.x; v[1] = x0.y; v[2] = x0.z; v[3] = x0.w;
-          v[4] = x1.x; v[5] = x1.y; v[6] = x1.z; v[7] = x1.w;
-        }
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the 4 threads of the row
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        const int e = amax > 0.0f && amax <= 3.0e38f ? dsv4_floor_log2(amax) - 7 : 0;
-        const float inv = dsv4_pow2(-e);
-        rf[b][r] = dsv4_pow2(e);
-        af[b][r] = fi_e4m3x4(v[0] * inv, v[2] * inv, v[4] * inv, v[6] * inv);      // a0 (row g) / a1 (g + 8)
-        af[b][2 + r] = fi_e4m3x4(v[1] * inv, v[3] * inv, v[5] * inv, v[7] * inv);  // a2 / a3
-      }
+  // B: the queries, four threads a (head, 32-block): thread c4 has the block's dims 8 c4 .. 8 c4 + 7,
+  // whose even ones are codes 4 c4 .. 4 c4 + 3 of chunk 2b and odd ones of chunk 2b + 1.
+  for (int i = tid; i < 4 * FI_MAX_HEADS * nblk; i += FI_THREADS) {
+    const int c4 = i & 3, pair = i >> 2, h = pair % FI_MAX_HEADS, b = pair / FI_MAX_HEADS;
+    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (h < HI) {
+      const float* q = qi + ((long long)t * HI + h) * DI + 32 * b + 8 * c4;
+      const float4 x0 = *(const float4*)q, x1 = *(const float4*)(q + 4);
+      v[0] = x0.x; v[1] = x0.y; v[2] = x0.z; v[3] = x0.w;
+      v[4] = x1.x; v[5] = x1.y; v[6] = x1.z; v[7] = x1.w;
     }
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the 4 threads of the pair (uniform trip count)
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const int e = amax > 0.0f && amax <= 3.0e38f ? dsv4_floor_log2(amax) - 7 : 0;
+    const float inv = dsv4_pow2(-e);
+    *(unsigned*)(qt + ((2 * b) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
+        fi_e4m3x4(v[0] * inv, v[2] * inv, v[4] * inv, v[6] * inv);
+    *(unsigned*)(qt + ((2 * b + 1) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
+        fi_e4m3x4(v[1] * inv, v[3] * inv, v[5] * inv, v[7] * inv);
+    if (c4 == 0) qf[b * FI_MAX_HEADS + h] = h < HI ? dsv4_pow2(e) : 0.0f;
   }
+  // The thread's heads' weights: wv[2j + e] for head 8j + 2cq + e (0 past HI).
+  float wv[16];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int h = 8 * j + 2 * cq + e;
+      wv[2 * j + e] = h < HI ? iw[(long long)t * HI + h] : 0.0f;
+    }
 
   // A tile's decode tasks: task i = tid + FI_THREADS u is key row i / nblk, 32-block i % nblk: 16
   // code bytes (32 nibbles, low = even channel) and one scale byte.
@@ -163,11 +178,17 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
       }
     }
   };
-  __syncthreads();  // the addresses and w written
+  __syncthreads();  // the addresses written
   fetch(e_begin);
 
+  // Two accumulator sets for a round's two 32-blocks' products: defined once, so ptxas keeps the wgmmas
+  // asynchronous (C7511); the wgmmas start from zero (scale-d 0).
+  float d[2][32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) d[0][i] = d[1][i] = 0.0f;
+  const int r0 = 16 * warp + g;  // the thread's keys r0 and r0 + 8 of the tile
   for (int e0 = e_begin; e0 < e_end; e0 += FI_TILE_KEYS) {
-    __syncthreads();  // the previous tile's K and partials consumed
+    __syncthreads();  // the previous tile's K consumed
     // Keys e0 .. e0 + FI_TILE_KEYS - 1 (past e_end: zero codes and factors).
 #pragma unroll
     for (int u = 0; u < FI_DECODE_TASKS; ++u) {
@@ -184,58 +205,52 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
     }
     // The next tile's loads go out now: in flight during this tile's products.
     if (e0 + FI_TILE_KEYS < e_end) fetch(e0 + FI_TILE_KEYS);
-    fence_proxy_async_shared();  // the tile's codes, for the wgmmas (async proxy)
+    fence_proxy_async_shared();  // the tile's codes (and, the first time, the queries), for the wgmmas
     __syncthreads();
 
-    // acc[4j + c]: head 16 warp + g + 8 (c >> 1), key 8j + 2 cq + (c & 1) of the tile.
+    // acc[4j + c]: key r0 + 8 (c >> 1) of the tile, head 8j + 2cq + (c & 1).
     float acc[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+    auto issue = [&](int b, float(&db)[32]) {
+      fi_wgmma(db, wgmma_desc_noswizzle(kt + 2 * b * FI_TILE_KEYS * 16, FI_TILE_KEYS * 16, 128),
+               wgmma_desc_noswizzle(qt + 2 * b * FI_MAX_HEADS * 16, FI_MAX_HEADS * 16, 128));
+    };
+    // Two 32-blocks a round: both wgmmas in one commit group, one wait, then both promoted in block order.
+    // (Waiting for block b in the round that issues b + 1 would leave a wgmma's wait in the next round than
+    // its commit, and ptxas then serialises every wgmma: C7514.)
 #pragma unroll
-    for (int b = 0; b < FI_BLOCKS; ++b) {
+    for (int b = 0; b < FI_BLOCKS; b += 2) {
       if (b < nblk) {  // uniform
-        float d[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+        const bool two = b + 1 < nblk;
         wgmma_fence();
-        fi_wgmma(d, af[b], wgmma_desc_noswizzle(kt + 2 * b * FI_TILE_KEYS * 16, FI_TILE_KEYS * 16, 128));
+        issue(b, d[0]);
+        issue(b + 1, d[1]);  // past DI when nblk is odd: reads what follows K and Q in shared memory, unused
         wgmma_commit();
         wgmma_wait<0>();
-        wgmma_fence_operand(d);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float c0 = kf[b * FI_TILE_KEYS + 8 * j + 2 * cq], c1 = kf[b * FI_TILE_KEYS + 8 * j + 2 * cq + 1];
-          acc[4 * j + 0] = fmaf(d[4 * j + 0], __fmul_rn(rf[b][0], c0), acc[4 * j + 0]);
-          acc[4 * j + 1] = fmaf(d[4 * j + 1], __fmul_rn(rf[b][0], c1), acc[4 * j + 1]);
-          acc[4 * j + 2] = fmaf(d[4 * j + 2], __fmul_rn(rf[b][1], c0), acc[4 * j + 2]);
-          acc[4 * j + 3] = fmaf(d[4 * j + 3], __fmul_rn(rf[b][1], c1), acc[4 * j + 3]);
-        }
+        wgmma_fence_operand(d[0]);
+        wgmma_fence_operand(d[1]);
+        fi_promote(acc, d[0], qf + b * FI_MAX_HEADS, kf[b * FI_TILE_KEYS + r0], kf[b * FI_TILE_KEYS + r0 + 8]);
+        if (two)
+          fi_promote(acc, d[1], qf + (b + 1) * FI_MAX_HEADS, kf[(b + 1) * FI_TILE_KEYS + r0],
+                     kf[(b + 1) * FI_TILE_KEYS + r0 + 8]);
       }
     }
-    // relu(bf16(d_h)) * w_h summed over the warp's heads per key: rows g and g + 8 of the
-    // thread, then the 8 row groups of the warp (lanes with the same cq). (A NaN d_h, from a NaN
-    // scale, is 0 after fmaxf however it was rounded.)
-    const float w0 = ws[h0], w1 = ws[h1];
+    // score = bf16(sum_h relu(bf16(d_h)) * w_h) of keys r0 (sk[0]) and r0 + 8 (sk[1]): the thread's 16
+    // heads in order, then the quad's four partial sums (the same bits in each of its lanes). A NaN d_h
+    // (from a NaN scale) is 0 after fmaxf however it was rounded.
+    float sk[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int n = 0; n < FI_TILE_KEYS / 8; ++n) {
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float v = __fadd_rn(__fmul_rn(fmaxf(round_bf16_nonnan(acc[4 * n + e]), 0.0f), w0),
-                            __fmul_rn(fmaxf(round_bf16_nonnan(acc[4 * n + 2 + e]), 0.0f), w1));
-        v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 4));
-        v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 8));
-        v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 16));
-        if (g == 0) part[warp * FI_TILE_KEYS + 8 * n + 2 * cq + e] = v;
-      }
-    }
-    __syncthreads();
-    // The warps' partials in warp order, bf16.
-    for (int j = tid; j < FI_TILE_KEYS; j += FI_THREADS) {
-      if (e0 + j < e_end) {
-        float s = part[j];
-        for (int w = 1; w < FI_WARPS; ++w) s = __fadd_rn(s, part[w * FI_TILE_KEYS + j]);
-        scores[(long long)t * maxe + e0 + j] = round_bf16(s);
-      }
+      for (int c = 0; c < 4; ++c)
+        sk[c >> 1] = __fadd_rn(sk[c >> 1], __fmul_rn(fmaxf(round_bf16_nonnan(acc[4 * j + c]), 0.0f), wv[2 * j + (c & 1)]));
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      sk[r] = __fadd_rn(sk[r], __shfl_xor_sync(0xffffffffu, sk[r], 1));
+      sk[r] = __fadd_rn(sk[r], __shfl_xor_sync(0xffffffffu, sk[r], 2));
+      const int e = e0 + r0 + 8 * r;
+      if (cq == r && e < e_end) scores[(long long)t * maxe + e] = round_bf16(sk[r]);
     }
   }
 }

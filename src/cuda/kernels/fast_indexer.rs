@@ -16,8 +16,8 @@ use crate::cuda::kv_pages::{KvFormat, RowKind};
 use crate::cuda::stream::BorrowedStream;
 use crate::error::{Error, Result, Status};
 
-/// Threads of a scoring block (FI_THREADS): one warpgroup, 4 warps of 16 heads (the m64 rows of
-/// its wgmmas).
+/// Threads of a scoring block (FI_THREADS): one warpgroup, 4 warps of 16 keys (the m64 rows of
+/// its wgmmas; the heads are their n64 columns).
 pub const THREADS: usize = 128;
 /// Keys decoded and scored together (FI_TILE_KEYS).
 pub const TILE_KEYS: usize = 64;
@@ -36,19 +36,15 @@ pub const TOPK_CLUSTER: usize = 8;
 /// four times.
 pub const TOPK_STAGE_KEYS: usize = 32768;
 
-/// Dynamic shared memory of a scoring block for head dim `di`: one key tile as e4m3 codes
-/// (`di` bytes a key) and its column factors (one f32 a key and 32-block), the head weights, the
-/// warps' partial scores, the chunk's key row and scale addresses.
+/// Dynamic shared memory of a scoring block for head dim `di`: one key tile and the token's queries
+/// as e4m3 codes (`di` bytes a key or head), their factors (one f32 a key or head and 32-block),
+/// the chunk's key row and scale addresses.
 pub const fn score_smem_bytes(di: usize) -> usize {
-    di * TILE_KEYS
-        + 4 * (di / 32) * TILE_KEYS
-        + 4 * MAX_HEADS
-        + 4 * (THREADS / 32) * TILE_KEYS
-        + 2 * 8 * CHUNK_KEYS
+    di * (TILE_KEYS + MAX_HEADS) + 4 * (di / 32) * (TILE_KEYS + MAX_HEADS) + 2 * 8 * CHUNK_KEYS
 }
 
-// One warpgroup whose m64 wgmma rows are all the heads.
-const _: () = assert!(THREADS == 128 && MAX_HEADS == 64);
+// One warpgroup whose m64 wgmma rows are a tile's keys and whose n64 columns are all the heads.
+const _: () = assert!(THREADS == 128 && MAX_HEADS == 64 && TILE_KEYS == 64);
 
 /// The largest scoring block (the registry raises the kernel's limit to it).
 pub const MAX_SMEM: usize = score_smem_bytes(MAX_DIM);
