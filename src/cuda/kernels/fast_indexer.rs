@@ -37,10 +37,14 @@ pub const TOPK_CLUSTER: usize = 8;
 pub const TOPK_STAGE_KEYS: usize = 32768;
 
 /// Dynamic shared memory of a scoring block for head dim `di`: one key tile and the token's queries
-/// as e4m3 codes (`di` bytes a key or head), their factors (one f32 a key or head and 32-block),
-/// the chunk's key row and scale addresses.
+/// as e4m3 codes (`di` bytes a key or head), the chunk's keys as stored (`di / 2` code bytes and
+/// `di / 32` scale bytes a key), the factors (one f32 a tile key or head and 32-block), the chunk's
+/// key row and scale addresses.
 pub const fn score_smem_bytes(di: usize) -> usize {
-    di * (TILE_KEYS + MAX_HEADS) + 4 * (di / 32) * (TILE_KEYS + MAX_HEADS) + 2 * 8 * CHUNK_KEYS
+    di * (TILE_KEYS + MAX_HEADS)
+        + CHUNK_KEYS * (di / 2 + di / 32)
+        + 4 * (di / 32) * (TILE_KEYS + MAX_HEADS)
+        + 2 * 8 * CHUNK_KEYS
 }
 
 // One warpgroup whose m64 wgmma rows are a tile's keys and whose n64 columns are all the heads.
