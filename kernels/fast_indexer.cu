@@ -54,6 +54,9 @@
 // before any is used, and the next tile's before this tile's products.
 #define FI_BLOCKS (FI_MAX_DIM / 32)
 #define FI_DECODE_TASKS (FI_TILE_KEYS * FI_BLOCKS / FI_THREADS)
+// A thread's scale bytes of a chunk (the prologue's), and the query items whose loads go out together.
+#define FI_PRO_SCALES (FI_CHUNK_KEYS * FI_BLOCKS / FI_THREADS)
+#define FI_Q_BATCH 8
 
 // One wgmma m64n64k32 e4m3 x e4m3 -> f32 from zero: d = A B^T (A: the keys' tile, B: the queries',
 // both shared-memory descriptors).
@@ -92,7 +95,8 @@ DSV4_INLINE unsigned fi_e4m3x4(float v0, float v1, float v2, float v3) {
   return (unsigned)lo | ((unsigned)hi << 16);
 }
 
-extern "C" __global__ void __launch_bounds__(FI_THREADS)
+// Four blocks an SM (128 registers): with 148 the prologue's loads left room for three.
+extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
     fi_score_kernel(const float* qi, const float* iw, const unsigned char* ikeys,
                     const int* itable, int ipps, const int* positions, const int* seq_of,
                     const int* seq_slots, int T, int HI, int DI, int ratio, int maxe,
@@ -139,34 +143,54 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS)
     cp_async_16(smem_addr(raw + 16 * i), krow[r] + 16 * b);
   }
   cp_async_commit();
-#pragma unroll 4
-  for (int i = tid; i < ntask; i += FI_THREADS) {
-    const int r = i / nblk, b = i - r * nblk;
-    rsc[i] = ksc[r][b];
-  }
-  // B: the queries, four threads a (head, 32-block): thread c4 has the block's dims 8 c4 .. 8 c4 + 7,
-  // whose even ones are codes 4 c4 .. 4 c4 + 3 of chunk 2b and odd ones of chunk 2b + 1.
-  for (int i = tid; i < 4 * FI_MAX_HEADS * nblk; i += FI_THREADS) {
-    const int c4 = i & 3, pair = i >> 2, h = pair % FI_MAX_HEADS, b = pair / FI_MAX_HEADS;
-    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (h < HI) {
-      const float* q = qi + ((long long)t * HI + h) * DI + 32 * b + 8 * c4;
-      const float4 x0 = *(const float4*)q, x1 = *(const float4*)(q + 4);
-      v[0] = x0.x; v[1] = x0.y; v[2] = x0.z; v[3] = x0.w;
-      v[4] = x1.x; v[5] = x1.y; v[6] = x1.z; v[7] = x1.w;
-    }
-    float amax = 0.0f;
+  // The scale bytes: every load issued before the queries' loads, stored after them.
+  unsigned scv[FI_PRO_SCALES];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the 4 threads of the pair (uniform trip count)
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    const int e = amax > 0.0f && amax <= 3.0e38f ? dsv4_floor_log2(amax) - 7 : 0;
-    const float inv = dsv4_pow2(-e);
-    *(unsigned*)(qt + ((2 * b) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
-        fi_e4m3x4(v[0] * inv, v[2] * inv, v[4] * inv, v[6] * inv);
-    *(unsigned*)(qt + ((2 * b + 1) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
-        fi_e4m3x4(v[1] * inv, v[3] * inv, v[5] * inv, v[7] * inv);
-    if (c4 == 0) qf[b * FI_MAX_HEADS + h] = h < HI ? dsv4_pow2(e) : 0.0f;
+  for (int u = 0; u < FI_PRO_SCALES; ++u) {
+    const int i = tid + FI_THREADS * u, r = i / nblk, b = i - r * nblk;
+    scv[u] = i < ntask ? ksc[r][b] : 0u;
+  }
+  // B: the queries, four threads a (head, 32-block) pair: thread c4 has the block's dims 8 c4 .. 8 c4 + 7,
+  // whose even ones are codes 4 c4 .. 4 c4 + 3 of chunk 2b and odd ones of chunk 2b + 1. Item u of the
+  // thread is i = tid + FI_THREADS u (u < 2 nblk): its loads go out FI_Q_BATCH items at a time, all before
+  // any is used.
+#pragma unroll
+  for (int u0 = 0; u0 < 2 * FI_BLOCKS; u0 += FI_Q_BATCH) {
+    float4 x[FI_Q_BATCH][2];
+#pragma unroll
+    for (int k = 0; k < FI_Q_BATCH; ++k) {
+      const int i = tid + FI_THREADS * (u0 + k), h = (i >> 2) % FI_MAX_HEADS, b = (i >> 2) / FI_MAX_HEADS;
+      x[k][0] = x[k][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (u0 + k < 2 * nblk && h < HI) {
+        const float* q = qi + ((long long)t * HI + h) * DI + 32 * b + 8 * (i & 3);
+        x[k][0] = *(const float4*)q;
+        x[k][1] = *(const float4*)(q + 4);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < FI_Q_BATCH; ++k) {
+      if (u0 + k < 2 * nblk) {  // uniform
+        const int i = tid + FI_THREADS * (u0 + k), c4 = i & 3, h = (i >> 2) % FI_MAX_HEADS, b = (i >> 2) / FI_MAX_HEADS;
+        const float v[8] = {x[k][0].x, x[k][0].y, x[k][0].z, x[k][0].w, x[k][1].x, x[k][1].y, x[k][1].z, x[k][1].w};
+        float amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the 4 threads of the pair
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        const int e = amax > 0.0f && amax <= 3.0e38f ? dsv4_floor_log2(amax) - 7 : 0;
+        const float inv = dsv4_pow2(-e);
+        *(unsigned*)(qt + ((2 * b) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
+            fi_e4m3x4(v[0] * inv, v[2] * inv, v[4] * inv, v[6] * inv);
+        *(unsigned*)(qt + ((2 * b + 1) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
+            fi_e4m3x4(v[1] * inv, v[3] * inv, v[5] * inv, v[7] * inv);
+        if (c4 == 0) qf[b * FI_MAX_HEADS + h] = h < HI ? dsv4_pow2(e) : 0.0f;
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < FI_PRO_SCALES; ++u) {
+    const int i = tid + FI_THREADS * u;
+    if (i < ntask) rsc[i] = (unsigned char)scv[u];
   }
   // The thread's heads' weights: wv[2j + e] for head 8j + 2cq + e (0 past HI).
   float wv[16];
