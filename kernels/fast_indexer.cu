@@ -47,15 +47,15 @@
 // m64 rows, as before, each value took three shuffles and a key's sum crossed the 4 warps through
 // shared memory: ~40% of the kernel's instructions.)
 // Shared memory (dynamic): K tile [DI / 16][FI_TILE_KEYS][16] bytes, Q [DI / 16][FI_MAX_HEADS][16]
-// bytes, key factors [DI / 32][FI_TILE_KEYS] f32, head factors [DI / 32][FI_MAX_HEADS] f32, the
-// chunk's key row and scale addresses [2][FI_CHUNK_KEYS] (8 bytes each).
-// Memory latency: the chunk's block-table lookups are made once, together, at the start; a tile's
-// code and scale loads (FI_DECODE_TASKS a thread, one 32-block of one key each) are all issued
-// before any is used, and the next tile's before this tile's products.
+// bytes, the chunk's keys as stored [FI_CHUNK_KEYS][DI / 32][16] code bytes, key factors [DI / 32]
+// [FI_TILE_KEYS] f32, head factors [DI / 32][FI_MAX_HEADS] f32, the chunk's scale bytes
+// [FI_CHUNK_KEYS][DI / 32].
+// Memory latency: the whole chunk's keys are asked for at the start (block-table lookup, cp.async of
+// the codes, the scale bytes' loads), and the queries' loads go out before any is used.
 #define FI_BLOCKS (FI_MAX_DIM / 32)
 #define FI_DECODE_TASKS (FI_TILE_KEYS * FI_BLOCKS / FI_THREADS)
-// A thread's scale bytes of a chunk (the prologue's), and the query items whose loads go out together.
-#define FI_PRO_SCALES (FI_CHUNK_KEYS * FI_BLOCKS / FI_THREADS)
+// The keys a thread copies in a chunk's prologue, and the query items whose loads go out together.
+#define FI_PRO_KEYS (FI_CHUNK_KEYS / FI_THREADS)
 #define FI_Q_BATCH 8
 
 // One wgmma m64n64k32 e4m3 x e4m3 -> f32 from zero: d = A B^T (A: the keys' tile, B: the queries',
@@ -123,33 +123,28 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
   float* kf = (float*)(raw + FI_CHUNK_KEYS * DI / 2);             // [DI / 32][FI_TILE_KEYS]
   float* qf = kf + nblk * FI_TILE_KEYS;                           // [DI / 32][FI_MAX_HEADS]
   unsigned char* rsc = (unsigned char*)(qf + nblk * FI_MAX_HEADS);  // [FI_CHUNK_KEYS][DI / 32]
-  const unsigned char** krow = (const unsigned char**)(rsc + FI_CHUNK_KEYS * nblk);
-  const unsigned char** ksc = krow + FI_CHUNK_KEYS;
   const KvRowFmt kf_fmt = kv_fmt_index(DI, 1);
 
-  // The chunk's key addresses (one block-table lookup a key).
-  for (int j = tid; j < e_end - e_begin; j += FI_THREADS) {
-    const KvRowPtr p = kv_row(kf_fmt, ikeys, itable, ipps, slot, e_begin + j);
-    krow[j] = p.row;
-    ksc[j] = p.sc;
-  }
-  __syncthreads();  // the addresses written
-  // The chunk's key codes, all of them at once, into shared memory by cp.async (16 bytes a key and
-  // 32-block), and its scale bytes: in flight while the queries are made. (Loaded a tile ahead into
-  // registers, as before, a block kept ~4 KB in flight and the kernel read 0.45 TB/s at 64K, T = 64.)
-  const int ntask = (e_end - e_begin) * nblk;
-  for (int i = tid; i < ntask; i += FI_THREADS) {
-    const int r = i / nblk, b = i - r * nblk;
-    cp_async_16(smem_addr(raw + 16 * i), krow[r] + 16 * b);
+  // The chunk's keys as stored, all at once: thread tid looks up keys tid + FI_THREADS u (one block-table
+  // lookup a key), copies their code bytes into shared memory by cp.async (16 bytes a 32-block) and loads
+  // their scale bytes, all in flight while the queries are made below. (Loaded a tile ahead into
+  // registers, as before, a block kept ~4 KB in flight and the kernel read 0.5 TB/s at 64K, T = 64.)
+  const int nkeys = e_end - e_begin;
+  unsigned scv[FI_PRO_KEYS][FI_BLOCKS];
+#pragma unroll
+  for (int u = 0; u < FI_PRO_KEYS; ++u) {
+    const int j = tid + FI_THREADS * u;
+    if (j < nkeys) {
+      const KvRowPtr p = kv_row(kf_fmt, ikeys, itable, ipps, slot, e_begin + j);
+#pragma unroll
+      for (int b = 0; b < FI_BLOCKS; ++b)
+        if (b < nblk) {
+          cp_async_16(smem_addr(raw + 16 * (j * nblk + b)), p.row + 16 * b);
+          scv[u][b] = p.sc[b];
+        }
+    }
   }
   cp_async_commit();
-  // The scale bytes: every load issued before the queries' loads, stored after them.
-  unsigned scv[FI_PRO_SCALES];
-#pragma unroll
-  for (int u = 0; u < FI_PRO_SCALES; ++u) {
-    const int i = tid + FI_THREADS * u, r = i / nblk, b = i - r * nblk;
-    scv[u] = i < ntask ? ksc[r][b] : 0u;
-  }
   // B: the queries, four threads a (head, 32-block) pair: thread c4 has the block's dims 8 c4 .. 8 c4 + 7,
   // whose even ones are codes 4 c4 .. 4 c4 + 3 of chunk 2b and odd ones of chunk 2b + 1. Item u of the
   // thread is i = tid + FI_THREADS u (u < 2 nblk): its loads go out FI_Q_BATCH items at a time, all before
@@ -188,9 +183,11 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
     }
   }
 #pragma unroll
-  for (int u = 0; u < FI_PRO_SCALES; ++u) {
-    const int i = tid + FI_THREADS * u;
-    if (i < ntask) rsc[i] = (unsigned char)scv[u];
+  for (int u = 0; u < FI_PRO_KEYS; ++u) {
+    const int j = tid + FI_THREADS * u;
+#pragma unroll
+    for (int b = 0; b < FI_BLOCKS; ++b)
+      if (j < nkeys && b < nblk) rsc[j * nblk + b] = (unsigned char)scv[u][b];
   }
   // The thread's heads' weights: wv[2j + e] for head 8j + 2cq + e (0 past HI).
   float wv[16];

@@ -38,17 +38,16 @@ pub const TOPK_STAGE_KEYS: usize = 32768;
 
 /// Dynamic shared memory of a scoring block for head dim `di`: one key tile and the token's queries
 /// as e4m3 codes (`di` bytes a key or head), the chunk's keys as stored (`di / 2` code bytes and
-/// `di / 32` scale bytes a key), the factors (one f32 a tile key or head and 32-block), the chunk's
-/// key row and scale addresses.
+/// `di / 32` scale bytes a key) and the factors (one f32 a tile key or head and 32-block).
 pub const fn score_smem_bytes(di: usize) -> usize {
     di * (TILE_KEYS + MAX_HEADS)
         + CHUNK_KEYS * (di / 2 + di / 32)
         + 4 * (di / 32) * (TILE_KEYS + MAX_HEADS)
-        + 2 * 8 * CHUNK_KEYS
 }
 
 // One warpgroup whose m64 wgmma rows are a tile's keys and whose n64 columns are all the heads.
-const _: () = assert!(THREADS == 128 && MAX_HEADS == 64 && TILE_KEYS == 64);
+const _: () =
+    assert!(THREADS == 128 && MAX_HEADS == 64 && TILE_KEYS == 64 && CHUNK_KEYS % THREADS == 0);
 
 /// The largest scoring block (the registry raises the kernel's limit to it).
 pub const MAX_SMEM: usize = score_smem_bytes(MAX_DIM);
