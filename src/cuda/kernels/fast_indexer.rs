@@ -101,11 +101,15 @@ pub fn stage_keys_for(maxe: usize) -> usize {
 }
 
 /// Keys a scoring block takes at `tokens` tokens: whole tiles, fewer where few tokens would
-/// leave SMs idle (a block's fixed cost, its queries as A fragments, is paid once a chunk).
+/// leave SMs idle (a block's fixed cost, its queries' codes, is paid once a chunk). Measured
+/// (`dsv4 bench attn --indexer-chunks 64,128,256`, H200, µs at 8K / 64K contexts): 1 token
+/// 12.6 / 15.4 at 64 keys (14.5 / 16.9 at 128); 8 tokens 14.8 / 40.8 at 64, 15.9 / 33.4 at 128,
+/// 18.6 / 33.2 at 256; 16 tokens 19.9 / 71.4, 20.0 / 55.3, 20.9 / 48.2; 64 tokens 43.7 / 252.0,
+/// 35.3 / 184.0, 31.7 / 150.5. (The scores do not depend on the chunks.)
 pub fn chunk_keys_for(tokens: usize) -> usize {
     match tokens {
         0..=2 => TILE_KEYS,
-        3..=16 => 2 * TILE_KEYS,
+        3..=8 => 2 * TILE_KEYS,
         _ => CHUNK_KEYS,
     }
 }
