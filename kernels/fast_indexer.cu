@@ -19,7 +19,6 @@
 
 // FI_THREADS, FI_TILE_KEYS, FI_CHUNK_KEYS, FI_MAX_HEADS, FI_MAX_DIM, FI_TOPK_THREADS,
 // FI_TOPK_CLUSTER (dsv4_consts.cuh).
-#define FI_WARPS (FI_THREADS / 32)
 
 // Grid (T, ceil(maxe / chunk_keys)), chunk_keys <= FI_CHUNK_KEYS (fewer keys a block where few
 // tokens would leave SMs idle; whole tiles in practice), FI_THREADS = 128 threads: one warpgroup,
@@ -45,7 +44,7 @@
 // thread's 16 heads of a key in order (8j + 2t + e by j, then e), then its quad's four sums by two
 // shuffles. A key's heads sit in one quad, so a warp scores its own 16 keys. (With the heads as the
 // m64 rows, as before, each value took three shuffles and a key's sum crossed the 4 warps through
-// shared memory: ~40% of the kernel's instructions.)
+// shared memory and a second barrier a tile.)
 // Shared memory (dynamic): K tile [DI / 16][FI_TILE_KEYS][16] bytes, Q [DI / 16][FI_MAX_HEADS][16]
 // bytes, the chunk's keys as stored [FI_CHUNK_KEYS][DI / 32][16] code bytes, key factors [DI / 32]
 // [FI_TILE_KEYS] f32, head factors [DI / 32][FI_MAX_HEADS] f32, the chunk's scale bytes
