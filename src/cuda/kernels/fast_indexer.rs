@@ -46,8 +46,9 @@ pub const fn score_smem_bytes(di: usize) -> usize {
 }
 
 // One warpgroup whose m64 wgmma rows are a tile's keys and whose n64 columns are all the heads.
-const _: () =
-    assert!(THREADS == 128 && MAX_HEADS == 64 && TILE_KEYS == 64 && CHUNK_KEYS % THREADS == 0);
+const _: () = assert!(
+    THREADS == 128 && MAX_HEADS == 64 && TILE_KEYS == 64 && CHUNK_KEYS.is_multiple_of(THREADS)
+);
 
 /// The largest scoring block (the registry raises the kernel's limit to it).
 pub const MAX_SMEM: usize = score_smem_bytes(MAX_DIM);
