@@ -238,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
                wgmma_desc_noswizzle(qt + 2 * b * FI_MAX_HEADS * 16, FI_MAX_HEADS * 16, 128));
     };
     // Two 32-blocks a round: both wgmmas in one commit group, one wait, then both promoted in block order.
-    // (Waiting for block b in the round that issues b + 1 would leave a wgmma's wait in the next round than
+    // (Waiting for block b in the round that issues b + 1 would put a wgmma's wait in a later round than
     // its commit, and ptxas then serialises every wgmma: C7514.)
 #pragma unroll
     for (int b = 0; b < FI_BLOCKS; b += 2) {
