@@ -83,6 +83,15 @@ DSV4_INLINE void fi_promote(float (&acc)[32], const float (&d)[32], const float*
   }
 }
 
+// relu of two bf16 values (a word of bf16x2 codes): max with +0 on the packed pair, one instruction. A NaN
+// becomes +0 (max without .NaN returns the other operand), as fmaxf(NaN, 0) did; -0 stays -0 or becomes
+// +0, which adds the same to a sum that starts at +0.
+DSV4_INLINE unsigned fi_relu_bf16x2(unsigned v) {
+  unsigned r;
+  asm("max.bf16x2 %0, %1, %2;\n" : "=r"(r) : "r"(v), "r"(0u));
+  return r;
+}
+
 // The e4m3 codes of 4 values (|v| < 448, exactly representable: see above) as one word, byte i = v[i]:
 // the hardware conversion, two values an instruction (cvt's first source goes to the high byte). The
 // values are exact, so any rounding gives the same codes as e4m3_code_rn, at a tenth of its
@@ -258,14 +267,18 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
       }
     }
     // score = bf16(sum_h relu(bf16(d_h)) * w_h) of keys r0 (sk[0]) and r0 + 8 (sk[1]): the thread's 16
-    // heads in order, then the quad's four partial sums (the same bits in each of its lanes). A NaN d_h
-    // (from a NaN scale) is 0 after fmaxf however it was rounded.
+    // heads in order, then the quad's four partial sums (the same bits in each of its lanes). Two heads'
+    // d_h are rounded by one cvt and their relu is one packed max (fi_relu_bf16x2): a NaN d_h (from a NaN
+    // scale) is 0 after it however it was rounded.
     float sk[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-        sk[c >> 1] = __fadd_rn(sk[c >> 1], __fmul_rn(fmaxf(round_bf16_nonnan(acc[4 * j + c]), 0.0f), wv[2 * j + (c & 1)]));
+      for (int k = 0; k < 2; ++k) {  // key r0 + 8k: heads 8j + 2cq (low half) and 8j + 2cq + 1 (high half)
+        const unsigned d2 = fi_relu_bf16x2(bf16x2_code_hw(acc[4 * j + 2 * k], acc[4 * j + 2 * k + 1]));
+        sk[k] = __fadd_rn(sk[k], __fmul_rn(__uint_as_float(d2 << 16), wv[2 * j]));
+        sk[k] = __fadd_rn(sk[k], __fmul_rn(__uint_as_float(d2 & 0xffff0000u), wv[2 * j + 1]));
+      }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       sk[r] = __fadd_rn(sk[r], __shfl_xor_sync(0xffffffffu, sk[r], 1));
