@@ -92,6 +92,13 @@ DSV4_INLINE unsigned fi_relu_bf16x2(unsigned v) {
   return r;
 }
 
+// A key's factor 2^6 x its UE8M0 block scale 2^(s - 127), without branches: 2^(s - 121) (a normal f32 for
+// s = 0 too), +inf from s = 249 (the product's overflow), NaN for s = 255 (e8m0_to_f32's NaN).
+DSV4_INLINE float fi_key_factor(unsigned s) {
+  const float f = s >= 249u ? DSV4_F32_INF : __uint_as_float((s + 6u) << 23);
+  return s == 255u ? DSV4_F32_NAN : f;
+}
+
 // The e4m3 codes of 4 values (|v| < 448, exactly representable: see above) as one word, byte i = v[i]:
 // the hardware conversion, two values an instruction (cvt's first source goes to the high byte). The
 // values are exact, so any rounding gives the same codes as e4m3_code_rn, at a tenth of its
@@ -132,6 +139,11 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
   float* qf = kf + nblk * FI_TILE_KEYS;                           // [DI / 32][FI_MAX_HEADS]
   unsigned char* rsc = (unsigned char*)(qf + nblk * FI_MAX_HEADS);  // [FI_CHUNK_KEYS][DI / 32]
   const KvRowFmt kf_fmt = kv_fmt_index(DI, 1);
+  // i / nblk = (i x div_nblk) >> 16 for the decode tasks' i < FI_TILE_KEYS x nblk <= 512: with div_nblk =
+  // ceil(2^16 / nblk) the product overshoots i / nblk by less than i / 2^16 < 1/128, less than the 1/nblk
+  // that the fraction of i / nblk stays below 1 by. (A division in the tile loop was ~25 instructions a
+  // task, three of them on the slow conversion and MUFU pipes.)
+  const unsigned div_nblk = (65536u + nblk - 1) / nblk;
 
   // The chunk's keys as stored, all at once: thread tid looks up keys tid + FI_THREADS u (one block-table
   // lookup a key), copies their code bytes into shared memory by cp.async (16 bytes a 32-block) and loads
@@ -221,7 +233,7 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
     // (key row, 32-block) tasks: 16 code bytes (32 nibbles, low = even channel) and one scale byte.
 #pragma unroll
     for (int u = 0; u < FI_DECODE_TASKS; ++u) {
-      const int i = tid + FI_THREADS * u, r = i / nblk, b = i - r * nblk;
+      const int i = tid + FI_THREADS * u, r = (int)(((unsigned)i * div_nblk) >> 16), b = i - r * nblk;
       if (i < FI_TILE_KEYS * nblk) {
         const bool in = e0 + r < e_end;
         const int at = (e0 - e_begin + r) * nblk + b;
@@ -232,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
         for (int k = 0; k < 4; ++k) e2m1x8_to_e4m3_eo(w[k], ev[k], od[k]);
         *(uint4*)(kt + ((2 * b) * FI_TILE_KEYS + r) * 16) = make_uint4(ev[0], ev[1], ev[2], ev[3]);
         *(uint4*)(kt + ((2 * b + 1) * FI_TILE_KEYS + r) * 16) = make_uint4(od[0], od[1], od[2], od[3]);
-        kf[b * FI_TILE_KEYS + r] = in ? __fmul_rn(64.0f, e8m0_to_f32((ue8m0_t)rsc[at])) : 0.0f;
+        kf[b * FI_TILE_KEYS + r] = in ? fi_key_factor(rsc[at]) : 0.0f;
       }
     }
     fence_proxy_async_shared();  // the tile's codes (and, the first time, the queries), for the wgmmas
