@@ -231,20 +231,29 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
     __syncthreads();  // the previous tile's K consumed
     // Keys e0 .. e0 + FI_TILE_KEYS - 1 (past e_end: zero codes and factors), a thread FI_DECODE_TASKS
     // (key row, 32-block) tasks: 16 code bytes (32 nibbles, low = even channel) and one scale byte.
+    // Every task's loads first: the compiler cannot move a shared-memory load above a store to another
+    // shared array (they might alias), so loads after the first task's stores waited for them.
+    uint4 code[FI_DECODE_TASKS];
+    unsigned scale[FI_DECODE_TASKS];
+#pragma unroll
+    for (int u = 0; u < FI_DECODE_TASKS; ++u) {
+      const int i = tid + FI_THREADS * u, r = (int)(((unsigned)i * div_nblk) >> 16), b = i - r * nblk;
+      const bool in = i < FI_TILE_KEYS * nblk && e0 + r < e_end;
+      const int at = (e0 - e_begin + r) * nblk + b;
+      code[u] = in ? *(const uint4*)(raw + 16 * at) : make_uint4(0u, 0u, 0u, 0u);
+      scale[u] = in ? rsc[at] : 0u;
+    }
 #pragma unroll
     for (int u = 0; u < FI_DECODE_TASKS; ++u) {
       const int i = tid + FI_THREADS * u, r = (int)(((unsigned)i * div_nblk) >> 16), b = i - r * nblk;
       if (i < FI_TILE_KEYS * nblk) {
-        const bool in = e0 + r < e_end;
-        const int at = (e0 - e_begin + r) * nblk + b;
-        const uint4 c = in ? *(const uint4*)(raw + 16 * at) : make_uint4(0u, 0u, 0u, 0u);
-        const unsigned w[4] = {c.x, c.y, c.z, c.w};
+        const unsigned w[4] = {code[u].x, code[u].y, code[u].z, code[u].w};
         unsigned ev[4], od[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) e2m1x8_to_e4m3_eo(w[k], ev[k], od[k]);
         *(uint4*)(kt + ((2 * b) * FI_TILE_KEYS + r) * 16) = make_uint4(ev[0], ev[1], ev[2], ev[3]);
         *(uint4*)(kt + ((2 * b + 1) * FI_TILE_KEYS + r) * 16) = make_uint4(od[0], od[1], od[2], od[3]);
-        kf[b * FI_TILE_KEYS + r] = in ? fi_key_factor(rsc[at]) : 0.0f;
+        kf[b * FI_TILE_KEYS + r] = e0 + r < e_end ? fi_key_factor(scale[u]) : 0.0f;
       }
     }
     fence_proxy_async_shared();  // the tile's codes (and, the first time, the queries), for the wgmmas
