@@ -85,9 +85,11 @@ DSV4_INLINE float round_bf16_nonnan(float x) {
   return __uint_as_float((unsigned)h << 16);
 }
 
-// The bf16 codes of lo and hi in one word (lo in the low half), round_bf16_nonnan's rounding: one cvt for
-// both (a NaN comes back as some NaN).
-DSV4_INLINE unsigned bf16x2_code_hw(float lo, float hi) {
+// Two floats as a bf16x2 word (lo in the low half), round to nearest even (round_bf16_nonnan's rounding;
+// exact for BF16 values; a NaN comes back as some NaN): the hardware conversion, one instruction for both
+// (cvt's first source goes to the high half; f32_to_bf16 gives the same bits for every non-NaN value at ~8
+// instructions a value).
+DSV4_INLINE unsigned pack_bf16x2(float lo, float hi) {
   unsigned w;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(w) : "f"(hi), "f"(lo));
   return w;

@@ -296,7 +296,7 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int k = 0; k < 2; ++k) {  // key r0 + 8k: heads 8j + 2cq (low half) and 8j + 2cq + 1 (high half)
-        const unsigned d2 = fi_relu_bf16x2(bf16x2_code_hw(acc[4 * j + 2 * k], acc[4 * j + 2 * k + 1]));
+        const unsigned d2 = fi_relu_bf16x2(pack_bf16x2(acc[4 * j + 2 * k], acc[4 * j + 2 * k + 1]));
         sk[k] = __fadd_rn(sk[k], __fmul_rn(__uint_as_float(d2 << 16), wv[2 * j]));
         sk[k] = __fadd_rn(sk[k], __fmul_rn(__uint_as_float(d2 & 0xffff0000u), wv[2 * j + 1]));
       }

@@ -666,13 +666,13 @@ DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwR
 // tokens, so the transposed store writes 8 rows of a token as 16 bytes. One instruction stores the tokens
 // 16p .. 16p + 15 (pair p of 8-token groups: acc[8p .. 8p + 7]); lane L gives the address of token
 // fmw_stash_token(p) and rows fmw_stash_row() .. + 7 of the warp's 16. Rounding: the hardware cvt
-// (bf16x2_code_hw), f32_to_bf16's value except for a NaN's payload. (Before: one 2-byte store, and for y
+// (pack_bf16x2), f32_to_bf16's value except for a NaN's payload. (Before: one 2-byte store, and for y
 // f32_to_bf16's ~8 instructions, a value.)
 DSV4_INLINE int fmw_stash_token(int p) { return 16 * p + 8 * ((threadIdx.x >> 4) & 1) + (threadIdx.x & 7); }
 DSV4_INLINE int fmw_stash_row() { return 8 * ((threadIdx.x >> 3) & 1); }
 DSV4_INLINE void fmw_stash_pair(const float (&acc)[64], int p, unsigned addr) {
-  stmatrix_x4_trans(addr, bf16x2_code_hw(acc[8 * p], acc[8 * p + 1]), bf16x2_code_hw(acc[8 * p + 2], acc[8 * p + 3]),
-                    bf16x2_code_hw(acc[8 * p + 4], acc[8 * p + 5]), bf16x2_code_hw(acc[8 * p + 6], acc[8 * p + 7]));
+  stmatrix_x4_trans(addr, pack_bf16x2(acc[8 * p], acc[8 * p + 1]), pack_bf16x2(acc[8 * p + 2], acc[8 * p + 3]),
+                    pack_bf16x2(acc[8 * p + 4], acc[8 * p + 5]), pack_bf16x2(acc[8 * p + 6], acc[8 * p + 7]));
 }
 
 // Element (tok, j) of an up matrix: token rows of 256 bytes whose 16-byte chunks (8 j) are XOR-swizzled by

@@ -192,15 +192,6 @@ DSV4_INLINE void stmatrix_x4_trans(unsigned addr, unsigned r0, unsigned r1, unsi
 // ---------------------------------------------------------------------------------------------------------
 // BF16 mma.sync (the sparse attention and the indexer: operands decoded exactly to BF16).
 
-// Two floats as a bf16x2 word (round to nearest even; exact for BF16 values), low half first: the
-// hardware conversion, one instruction for both (cvt's first source goes to the high half; f32_to_bf16
-// gives the same bits for every non-NaN value at ~8 instructions a value).
-DSV4_INLINE unsigned pack_bf16x2(float lo, float hi) {
-  unsigned d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-
 // d += a (16x16 bf16, row) * b (16x8 bf16, col), f32 accumulators.
 DSV4_INLINE void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
   asm volatile(

@@ -44,7 +44,7 @@ pub const ROUNDTRIP_COLUMNS: [&str; ROUNDTRIP_COLS] = [
     "ue8m0_exponent(x, 1)",
     "round_bf16_nonnan(x) (NaN x: any NaN)",
     "e4m3x2_code_hw(x, -x)",
-    "bf16x2_code_hw(x, -x) (NaN x: any NaNs)",
+    "pack_bf16x2(x, -x) (NaN x: any NaNs)",
     "canary 0x5a5a5a5a",
 ];
 
@@ -235,7 +235,7 @@ pub fn roundtrip_ref(x: f32, u: u32) -> [u32; ROUNDTRIP_COLS] {
 
 /// Does a device result match the reference for column `col`? Bit-exact, except that a NaN
 /// produced by a decoder may carry any payload (Rust does not pin NaN bits of arithmetic), and
-/// so may `round_bf16_nonnan`'s and each half of `bf16x2_code_hw`'s (the hardware conversion
+/// so may `round_bf16_nonnan`'s and each half of `pack_bf16x2`'s (the hardware conversion
 /// does not keep it).
 pub fn roundtrip_col_matches(col: usize, got: u32, want: u32) -> bool {
     let nan_any = matches!(col, 3 | 13 | 15);
