@@ -3,7 +3,8 @@
 //! their 128 x 128 f32 block scales against e4m3 activations with an f32 scale per (token, 128 of
 //! k) (`BLK128x128_32F` x `VEC128_32F`, cuBLAS 12.9+ on Hopper), and BF16 weights against BF16
 //! activations; f32 accumulation and f32 output (`y`'s BF16 rounding, where the model has one, is
-//! a separate pass: kernels/fast_dense.cu `fd_round_bf16_kernel`).
+//! a separate pass: kernels/fast_dense.cu `fd_round_bf16_kernel`). A shape may ask for BF16 output
+//! instead ([`GemmOut`]); the fast set's consumers read f32, so only `dsv4 bench dense` does.
 //!
 //! `y[t, j] = Σ_c a[t, c] · W[j, c]`. In cuBLAS's column-major terms: D (n x m, ld `ldy`) =
 //! op(A) · B with A = W as stored (K x N column-major, ld K, transposed) and B = the activation
@@ -36,12 +37,38 @@ pub enum GemmKind {
     Bf16,
 }
 
-/// A weight's shape: `n` rows (outputs) of `k`.
+/// What the GEMM writes: f32 (what the fast set's consumers read now), or BF16 (half the
+/// bytes, rounded by cuBLASLt's epilogue: `dsv4 bench dense` measures what that would save).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GemmOut {
+    F32,
+    Bf16,
+}
+
+impl GemmOut {
+    fn data_type(self) -> sys::cudaDataType_t {
+        match self {
+            GemmOut::F32 => sys::cudaDataType_t::CUDA_R_32F,
+            GemmOut::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+        }
+    }
+
+    /// Bytes of one output element.
+    pub fn size(self) -> usize {
+        match self {
+            GemmOut::F32 => 4,
+            GemmOut::Bf16 => 2,
+        }
+    }
+}
+
+/// A weight's shape: `n` rows (outputs) of `k`, and what the GEMM writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GemmShape {
     pub kind: GemmKind,
     pub n: usize,
     pub k: usize,
+    pub out: GemmOut,
 }
 
 impl GemmShape {
@@ -84,7 +111,7 @@ pub struct GemmCall {
     pub a: DevicePtr,
     /// FP8: `[k/128, m]` f32, token-fastest.
     pub ascale: Option<DevicePtr>,
-    /// `[m, ldy]` f32.
+    /// `[m, ldy]` f32, or BF16 for [`GemmOut::Bf16`] shapes.
     pub y: DevicePtr,
     pub ldy: usize,
 }
@@ -248,7 +275,7 @@ impl Descriptors {
                 sys::cublasLtMatrixLayoutInit_internal(
                     Self::layout(&mut d.d),
                     size,
-                    sys::cudaDataType_t::CUDA_R_32F,
+                    shape.out.data_type(),
                     n,
                     m as u64,
                     ldy as i64,
@@ -259,7 +286,12 @@ impl Descriptors {
     }
 }
 
+/// One of cuBLASLt's algorithms for a shape ([`BlockScaledGemm::candidates`]).
+#[derive(Clone, Copy)]
+pub struct GemmAlgo(sys::cublasLtMatmulAlgo_t);
+
 /// The algorithm chosen for a shape at m up to `m_max`.
+#[derive(Clone, Copy)]
 struct Plan {
     shape: GemmShape,
     m_max: usize,
@@ -347,16 +379,38 @@ impl BlockScaledGemm {
 
     /// cuBLASLt's first choice for `shape` at `m` tokens, or None when it has none.
     fn heuristic(&self, shape: &GemmShape, m: usize) -> Result<Option<sys::cublasLtMatmulAlgo_t>> {
+        Ok(self.heuristics(shape, m, 1)?.into_iter().next())
+    }
+
+    /// cuBLASLt's first `count` choices for `shape` at `m` tokens, best first (`dsv4 bench dense
+    /// --lt-candidates` times them: whether another algorithm beats the first).
+    pub fn candidates(&self, shape: &GemmShape, m: usize, count: usize) -> Result<Vec<GemmAlgo>> {
+        Ok(self
+            .heuristics(shape, m, count)?
+            .into_iter()
+            .map(GemmAlgo)
+            .collect())
+    }
+
+    fn heuristics(
+        &self,
+        shape: &GemmShape,
+        m: usize,
+        count: usize,
+    ) -> Result<Vec<sys::cublasLtMatmulAlgo_t>> {
         // Placeholder scale addresses: the heuristic only reads the descriptor's modes.
         let ws = self.workspace.addr();
         let mut d = Descriptors::new(shape, m, shape.n, ws, ws)?;
         let mut pref = Opaque::new();
         let p: sys::cublasLtMatmulPreference_t = (&mut pref as *mut Opaque).cast();
         let bytes = WORKSPACE_BYTES as u64;
-        let mut result: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        let count = count.clamp(1, 64);
+        // SAFETY: an all-zero heuristic result is a valid value of this plain C struct.
+        let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> =
+            vec![unsafe { std::mem::zeroed() }; count];
         let mut found = 0i32;
-        // SAFETY: descriptors and preference point at live, large enough storage; `result`
-        // holds the one result asked for.
+        // SAFETY: descriptors and preference point at live, large enough storage; `results`
+        // holds the `count` results asked for.
         let status = unsafe {
             check(
                 "preference",
@@ -384,15 +438,16 @@ impl BlockScaledGemm {
                 dd,
                 dd,
                 p,
-                1,
-                &mut result,
+                count as i32,
+                results.as_mut_ptr(),
                 &mut found,
             )
         };
-        if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || found < 1 {
-            return Ok(None);
+        if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Ok(Vec::new());
         }
-        Ok(Some(result.algo))
+        results.truncate(found.clamp(0, count as i32) as usize);
+        Ok(results.into_iter().map(|r| r.algo).collect())
     }
 
     /// Whether an algorithm is planned for `shape` at `m` tokens (a call may still find it does
@@ -435,9 +490,31 @@ impl BlockScaledGemm {
     /// Runs `call` on `stream` and returns true, or returns false having launched nothing (no
     /// algorithm planned for this shape and m, or the planned one does not fit this exact m).
     pub fn run(&self, ctx: &Context, call: &GemmCall, stream: BorrowedStream) -> Result<bool> {
+        self.run_with(ctx, call, None, stream)
+    }
+
+    /// [`Self::run`] with `algo` (one of [`Self::candidates`]) instead of the planned algorithm.
+    pub fn run_with(
+        &self,
+        ctx: &Context,
+        call: &GemmCall,
+        algo: Option<GemmAlgo>,
+        stream: BorrowedStream,
+    ) -> Result<bool> {
         let s = &call.shape;
-        let Some(plan) = self.plan(s, call.m) else {
+        let Some(planned) = self.plan(s, call.m) else {
             return Ok(false);
+        };
+        let chosen;
+        let plan = match algo {
+            Some(GemmAlgo(a)) => {
+                chosen = Plan {
+                    algo: a,
+                    ..*planned
+                };
+                &chosen
+            }
+            None => planned,
         };
         let fp8 = s.kind == GemmKind::Fp8BlockScaled;
         let bad = |what: &str| {
@@ -446,14 +523,17 @@ impl BlockScaledGemm {
                 format!("cuBLASLt GEMM {}x{} at m {}: {what}", s.n, s.k, call.m),
             ))
         };
-        if call.ldy < s.n || !call.ldy.is_multiple_of(4) {
+        // Rows of y start 16-byte aligned.
+        if call.ldy < s.n || !(call.ldy * s.out.size()).is_multiple_of(16) {
             return bad("output stride");
         }
         let esize = s.operand_size();
         if call.w.bytes() < s.n * s.k * esize || call.a.bytes() < call.m * s.k * esize {
             return bad("operand smaller than its shape");
         }
-        if call.y.bytes() < crate::cuda::kernels::linear::strided_bytes(call.m, s.n, call.ldy) {
+        let y_bytes =
+            crate::cuda::kernels::linear::strided_bytes(call.m, s.n, call.ldy) / 4 * s.out.size();
+        if call.y.bytes() < y_bytes {
             return bad("output smaller than its shape");
         }
         let (wscale, ascale) = match (fp8, call.wscale, call.ascale) {
@@ -540,6 +620,7 @@ mod tests {
             kind: GemmKind::Fp8BlockScaled,
             n,
             k,
+            out: GemmOut::F32,
         };
         // Flash's FP8 projections are all covered.
         for (n, k) in FLASH_FP8_PROJECTIONS {
@@ -552,6 +633,7 @@ mod tests {
             kind: GemmKind::Bf16,
             n: 64,
             k: 384,
+            out: GemmOut::Bf16,
         };
         assert!(bf16.supported());
         assert_eq!(bucket(1), MIN_M);

@@ -9,8 +9,11 @@
 //! first. From `blockscaled_gemm::MIN_M` tokens, the projections cuBLASLt takes (all but wo_a's
 //! grouped einsum) also run the GEMM path (`path: "cublaslt"`: operand kernel, cuBLASLt, BF16
 //! rounding where the model rounds: the whole call, as the fast set runs it) and the cuBLASLt
-//! GEMM alone (`"cublaslt_gemm_only"`); the gemv lines are `path: "gemv"`. Together they are the
-//! crossover table (which path the fast set should take at each T).
+//! GEMM alone (`"cublaslt_gemm_only"`, and `"cublaslt_gemm_only_bf16_out"` writing BF16
+//! instead of f32: what a consumer reading BF16 would save); the gemv lines are `path: "gemv"`.
+//! Together they are the crossover table (which path the fast set should take at each T).
+//! `--lt-candidates N` adds `dense_lt_candidate` lines: cuBLASLt alone with each of its first N
+//! algorithms for the shape, both outputs.
 //!
 //! `--projection groups` (and the default, after the projections): the grouped launches the fast
 //! set runs up to `GROUP_MAX_T` tokens, a CSA layer's seven projections of its input u and its two
@@ -26,7 +29,7 @@ use std::io::Write;
 
 use crate::bench_util::{Rng, alloc, e, time_graph};
 use dsv4::cuda::arena;
-use dsv4::cuda::blockscaled_gemm::{self, BlockScaledGemm, GemmCall, GemmKind, GemmShape};
+use dsv4::cuda::blockscaled_gemm::{self, BlockScaledGemm, GemmCall, GemmKind, GemmOut, GemmShape};
 use dsv4::cuda::context::Context;
 use dsv4::cuda::kernels::fast_dense::{
     self, ActMode, DenseOp, DenseWorkspace, FastDense, Shape, TOKENS,
@@ -116,8 +119,10 @@ enum Path {
     Gemv { fused: bool, warp_split: bool },
     /// The fast set's GEMM path: operand kernel, cuBLASLt, BF16 rounding.
     Gemm,
-    /// cuBLASLt alone on an operand made beforehand.
-    GemmOnly,
+    /// cuBLASLt alone on an operand made beforehand, writing f32 (`bf16_out`: false, what the
+    /// fast set runs) or BF16 (what a consumer reading BF16 would let the call write instead of
+    /// f32 and its rounding pass).
+    GemmOnly { bf16_out: bool },
 }
 
 impl Path {
@@ -128,7 +133,8 @@ impl Path {
             } => "gemv_cross_split",
             Path::Gemv { .. } => "gemv",
             Path::Gemm => "cublaslt",
-            Path::GemmOnly => "cublaslt_gemm_only",
+            Path::GemmOnly { bf16_out: false } => "cublaslt_gemm_only",
+            Path::GemmOnly { bf16_out: true } => "cublaslt_gemm_only_bf16_out",
         }
     }
 }
@@ -157,6 +163,7 @@ pub fn run(
     tokens: &[usize],
     only: Option<&str>,
     read_probe_blocks: &[usize],
+    lt_candidates: usize,
 ) -> Result<(), String> {
     let ctx = Context::retain(device).map_err(e)?;
     let _g = ctx.enter().map_err(e)?;
@@ -205,7 +212,20 @@ pub fn run(
     let gemm_shape = |p: &Projection| {
         fast_dense_gemm::gemm_shape(p.format, [128, 128], p.rows(), p.k, p.groups, p.mode)
     };
-    let gemm_shapes: Vec<GemmShape> = FLASH.iter().filter_map(gemm_shape).collect();
+    // Each shape also with a BF16 output, for the GemmOnly { bf16_out } lines.
+    let gemm_shapes: Vec<GemmShape> = FLASH
+        .iter()
+        .filter_map(gemm_shape)
+        .flat_map(|s| {
+            [
+                s,
+                GemmShape {
+                    out: GemmOut::Bf16,
+                    ..s
+                },
+            ]
+        })
+        .collect();
     let [codes, gscale] = fast_dense_gemm::gemm_workspace_sizes(&gemm_shapes, tmax);
     let grouped: Vec<_> = FLASH.iter().map(|p| (p.n, p.k, p.groups)).collect();
     let gweight = fast_dense_gemm::gemm_weight_bytes(&grouped);
@@ -296,7 +316,8 @@ pub fn run(
                     },
                 ),
                 (t, Path::Gemm),
-                (t, Path::GemmOnly),
+                (t, Path::GemmOnly { bf16_out: false }),
+                (t, Path::GemmOnly { bf16_out: true }),
             ]
             .into_iter()
             .filter(move |&(t, path)| match path {
@@ -321,11 +342,25 @@ pub fn run(
                 }
                 // (A grouped weight's GEMMs take the operand and weight of each group in turn:
                 // no GEMM-only timing.)
-                Path::GemmOnly if p.groups > 1 => false,
-                Path::Gemm | Path::GemmOnly => {
+                Path::GemmOnly { .. } if p.groups > 1 => false,
+                Path::Gemm | Path::GemmOnly { bf16_out: false } => {
                     t >= blockscaled_gemm::MIN_M
                         && t.is_multiple_of(fast_dense_gemm::M_GRANULE)
                         && gemm_at(t).is_some()
+                }
+                // Only where cuBLASLt has an algorithm for the BF16 output too.
+                Path::GemmOnly { bf16_out: true } => {
+                    t >= blockscaled_gemm::MIN_M
+                        && t.is_multiple_of(fast_dense_gemm::M_GRANULE)
+                        && gemm_at(t).is_some_and(|(g, s)| {
+                            g.covers(
+                                &GemmShape {
+                                    out: GemmOut::Bf16,
+                                    ..s
+                                },
+                                t,
+                            )
+                        })
                 }
             })
         });
@@ -355,7 +390,7 @@ pub fn run(
                     0
                 },
             };
-            if path == Path::GemmOnly {
+            if matches!(path, Path::GemmOnly { .. }) {
                 // The operand once, outside the timing: each replay is cuBLASLt alone.
                 let (g, _) = gemm_at(t).unwrap();
                 if !fast_dense_gemm::run_gemm(&dense, g, &ctx, &op_of(0), &gws, &ws, s)
@@ -378,8 +413,14 @@ pub fn run(
                             ))
                         }
                     }
-                    Path::GemmOnly => {
+                    Path::GemmOnly { bf16_out } => {
                         let (g, shape) = gemm_at(t).unwrap();
+                        let out = if bf16_out {
+                            GemmOut::Bf16
+                        } else {
+                            GemmOut::F32
+                        };
+                        let shape = GemmShape { out, ..shape };
                         let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
                         let w = weight(j);
                         let call = GemmCall {
@@ -426,11 +467,94 @@ pub fn run(
                     // grouped weight: dequantization, operand and GEMM a group, one rounding.
                     Path::Gemm if p.groups > 1 => 3 * p.groups + usize::from(p.round),
                     Path::Gemm => 2 + usize::from(p.round),
-                    Path::GemmOnly => 1,
+                    Path::GemmOnly { .. } => 1,
                 },
                 replays * copies,
             );
             std::io::stdout().flush().ok();
+        }
+        // `--lt-candidates N`: cuBLASLt alone with each of its first N algorithms for the shape
+        // (both outputs), against the planned first choice (`cublaslt_gemm_only` above).
+        for &t in tokens.iter().filter(|_| lt_candidates > 0 && p.groups == 1) {
+            let Some((g, shape)) = gemm_at(t) else {
+                continue;
+            };
+            if t < blockscaled_gemm::MIN_M || !t.is_multiple_of(fast_dense_gemm::M_GRANULE) {
+                continue;
+            }
+            let op = DenseOp {
+                x,
+                ldx: width,
+                t,
+                w: weight(0),
+                groups: 1,
+                mode: p.mode,
+                round: p.round,
+                y,
+                ldy: outs,
+                fused_act_max_t: 0,
+                warp_split_max_t: 0,
+            };
+            // The operand once, outside the timing.
+            if !fast_dense_gemm::run_gemm(&dense, g, &ctx, &op, &gws, &ws, s).map_err(e)? {
+                continue;
+            }
+            let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
+            for out in [GemmOut::F32, GemmOut::Bf16] {
+                let shape = GemmShape { out, ..shape };
+                for (i, algo) in g
+                    .candidates(&shape, t, lt_candidates)
+                    .map_err(e)?
+                    .into_iter()
+                    .enumerate()
+                {
+                    let call = |j: usize| -> dsv4::Result<()> {
+                        let w = weight(j);
+                        let call = GemmCall {
+                            shape,
+                            m: t,
+                            w: w.data,
+                            wscale: if fp8 { w.scales } else { None },
+                            a: gws.codes,
+                            ascale: fp8.then_some(gws.scale),
+                            y,
+                            ldy: outs,
+                        };
+                        if g.run_with(&ctx, &call, Some(algo), s)? {
+                            Ok(())
+                        } else {
+                            Err(dsv4::Error::new(dsv4::Status::Internal, "declined"))
+                        }
+                    };
+                    // A candidate that does not take this exact call (workspace, alignment) is
+                    // reported as such, not timed.
+                    let timing = match time_graph(s, copies, 21, call) {
+                        Ok(tm) => tm,
+                        Err(why) => {
+                            println!(
+                                "{{\"bench\": \"dense_lt_candidate\", \"projection\": \"{}\", \"T\": {t}, \"bf16_out\": {}, \"candidate\": {i}, \"error\": {:?}}}",
+                                p.name,
+                                out == GemmOut::Bf16,
+                                why
+                            );
+                            continue;
+                        }
+                    };
+                    let sec = timing.device_s;
+                    let flops = 2.0 * t as f64 * (p.rows() * p.k) as f64;
+                    println!(
+                        "{{\"bench\": \"dense_lt_candidate\", \"projection\": \"{}\", \"format\": \"{}\", \"T\": {t}, \"N\": {}, \"K\": {}, \"bf16_out\": {}, \"candidate\": {i}, \"time_us\": {:.2}, \"tflop_per_s\": {:.2}, \"flops\": {flops:.4e}}}",
+                        p.name,
+                        p.format_name(),
+                        p.n,
+                        p.k,
+                        out == GemmOut::Bf16,
+                        sec * 1e6,
+                        flops / sec / 1e12,
+                    );
+                    std::io::stdout().flush().ok();
+                }
+            }
         }
         // One read_probe line: `fields` say which probe, `call` runs it on weight copy j.
         let time_probe = |fields: String, call: &dyn Fn(usize) -> dsv4::Result<()>| {

@@ -15,10 +15,11 @@
 //! - `dsv4 bench moe [--batches N,N...] [--routing uniform,skewed,topk] [--path P] [--router R]
 //!   [--ids-dir DIR]`: the fast MoE layer alone at Flash shapes, one JSON line per case (bench_moe.rs).
 //!   `--path` and `--router` (auto, few, tensor) force the expert GEMMs' and the router's kernels.
-//! - `dsv4 bench dense [--tokens N,N...] [--projection NAME] [--read-probe N,N...]`: the fast
-//!   set's dense projections alone at Flash shapes, one JSON line per case (bench_dense.rs);
-//!   `--read-probe` adds each projection's bytes read by a kernel that only reads them, at N
-//!   blocks an SM.
+//! - `dsv4 bench dense [--tokens N,N...] [--projection NAME] [--read-probe N,N...]
+//!   [--lt-candidates N]`: the fast set's dense projections alone at Flash shapes, one JSON line
+//!   per case (bench_dense.rs); `--read-probe` adds each projection's bytes read by a kernel that
+//!   only reads them, at N blocks an SM; `--lt-candidates` times cuBLASLt's first N algorithms
+//!   for each GEMM shape, f32 and BF16 output.
 
 mod bench_attn;
 mod bench_dense;
@@ -44,7 +45,7 @@ const USAGE: &str = "usage:
   dsv4 dummy-checkpoint --config FILE --out DIR [--seed S]
   dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,decode-fused,prefill]
                  [--router auto|few|tensor] [--ids-dir DIR] [--device cuda[:N]]
-  dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--read-probe N[,N...]]
+  dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--read-probe N[,N...]] [--lt-candidates N]
                    [--device cuda[:N]]
   dsv4 bench attn [--contexts N[,N...]] [--batches N[,N...]] [--indexer-chunks N[,N...]]
                   [--device cuda[:N]]";
@@ -695,7 +696,14 @@ fn bench(a: &Args) -> Result<(), String> {
                 Some(v) => positive_list(v, "read-probe")?,
                 None => vec![],
             };
-            return bench_dense::run(dev, &tokens, a.get("projection"), &probe);
+            let candidates = match a.get("lt-candidates") {
+                Some(v) => positive_list(v, "lt-candidates")?
+                    .first()
+                    .copied()
+                    .unwrap_or(0),
+                None => 0,
+            };
+            return bench_dense::run(dev, &tokens, a.get("projection"), &probe, candidates);
         }
         Some("attn") => {
             let dev = cuda_device(a, "bench attn")?;

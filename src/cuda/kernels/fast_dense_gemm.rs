@@ -19,7 +19,7 @@
 //! states and asserts the bound.
 
 use super::fast_dense::{ActMode, DenseOp, DenseWorkspace, FastDense, LtOperand};
-use crate::cuda::blockscaled_gemm::{BlockScaledGemm, GemmCall, GemmKind, GemmShape};
+use crate::cuda::blockscaled_gemm::{BlockScaledGemm, GemmCall, GemmKind, GemmOut, GemmShape};
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::Result;
@@ -123,6 +123,7 @@ pub fn gemm_shape(
             kind: GemmKind::Bf16,
             n,
             k,
+            out: GemmOut::F32,
         };
         return (grouped && s.supported()).then_some(s);
     }
@@ -131,7 +132,12 @@ pub fn gemm_shape(
         (StorageFormat::Bf16, ActMode::Bf16) => GemmKind::Bf16,
         _ => return None,
     };
-    let s = GemmShape { kind, n: rows, k };
+    let s = GemmShape {
+        kind,
+        n: rows,
+        k,
+        out: GemmOut::F32,
+    };
     s.supported().then_some(s)
 }
 

@@ -224,7 +224,14 @@ mod tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         let cfg = ModelConfig::from_path(&dir.join("configs/flash-shaped-4-layers.json")).unwrap();
         let shapes = gemm_shapes(&cfg);
-        let has = |kind, n, k| shapes.contains(&GemmShape { kind, n, k });
+        let has = |kind, n, k| {
+            shapes.contains(&GemmShape {
+                kind,
+                n,
+                k,
+                out: crate::cuda::blockscaled_gemm::GemmOut::F32,
+            })
+        };
         // wq_a, wq_b, wkv, wo_b, indexer wq_b as FP8; weights_proj, the compressors, the head.
         for (n, k) in crate::cuda::blockscaled_gemm::FLASH_FP8_PROJECTIONS {
             assert!(has(Fp8BlockScaled, n, k), "FP8 {n} x {k}");
