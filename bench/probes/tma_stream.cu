@@ -7,7 +7,9 @@
 // bytes, disjoint between blocks, a fresh region every launch so L2 holds none of it) stage by stage; a
 // stage is `rows` x `inner` bytes in boxes of `box_rows` rows x `inner` bytes; one thread issues the boxes
 // once a slot is free, one warp waits for each slot to fill and frees it at once. Prints one JSON line a
-// case: GB/s over all SMs and per SM.
+// case: GB/s over all SMs and per SM. The cases with FP4 rows (2048 bytes up, 1024 down) make each launch one
+// item a block, as at B = 1, so their time includes each launch's start and tail; TS_TILED cases read the same
+// bytes laid out stage by stage (what a derived weight layout would give the GEMMs).
 //
 // Build and run on the GPU machine:
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a bench/probes/tma_stream.cu -o ts -lcuda && ./ts
@@ -43,6 +45,10 @@ __device__ __forceinline__ void ts_wait(unsigned bar, unsigned phase) {
 #define TS_TOKENS 1
 #define TS_SCALES 2
 #define TS_ONE_COLUMN 4
+// TS_TILED: the weights in stage tiles (each stage's `rows` x `inner` bytes one contiguous run, an item's
+// stages one after another), as a layout derived for the kernel would hold them, instead of rows of
+// `row_bytes` where a stage takes `inner` bytes of every row (the checkpoint's layout, the GEMMs' now).
+#define TS_TILED 8
 
 __global__ void ts_kernel(const __grid_constant__ CUtensorMap map, int rows, int box_rows, int inner, int nks,
                           int stages, int slot_bytes, int row_base, int side, const unsigned char* tokens,
@@ -72,12 +78,16 @@ __global__ void ts_kernel(const __grid_constant__ CUtensorMap map, int rows, int
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full),
                      "r"(stage_bytes + ((side & TS_SCALES) ? 2048u : 0u))
                      : "memory");
-        for (int b = 0; b < boxes; ++b)
+        for (int b = 0; b < boxes; ++b) {
+          // Tiled: the map's rows are `inner` bytes; the item at row0 starts at tile row row0 * nks.
+          const int x = (side & TS_TILED) ? 0 : i * inner;
+          const int y = (side & TS_TILED) ? row0 * nks + i * rows + b * box_rows : row0 + b * box_rows;
           asm volatile(
               "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
               "%3}], [%4];\n" ::"r"(dst + b * box_rows * inner),
-              "l"(&map), "r"(i * inner), "r"(row0 + b * box_rows), "r"(full)
+              "l"(&map), "r"(x), "r"(y), "r"(full)
               : "memory");
+        }
         if (side & TS_SCALES)
           for (int q = 0; q < 2; ++q)
             asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 1024, [%2];\n" ::"r"(
@@ -112,13 +122,13 @@ int main() {
   cuInit(0);
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  const long long row_bytes = 4096;  // an FP8 up row (K = 4096); FP4 rows are half as long
-  const long long total_rows = 1LL << 18;  // 1 GiB
+  const long long total_bytes = 1LL << 30;  // 1 GiB
   unsigned char* w = nullptr;
-  if (cudaMalloc(&w, total_rows * row_bytes) != cudaSuccess) return 1;
-  cudaMemset(w, 0x11, total_rows * row_bytes);
+  if (cudaMalloc(&w, total_bytes) != cudaSuccess) return 1;
+  cudaMemset(w, 0x11, total_bytes);
   struct Case {
     int inner, box_rows, rows, stages, blocks_per_sm, side, grid_blocks;  // grid_blocks 0: SMs x blocks_per_sm
+    int row_bytes = 4096;  // an FP8 up row (K = 4096); FP4 up rows are 2048 bytes, FP4 down rows (K = 2048) 1024
   };
   const std::vector<Case> cases = {
       {128, 128, 256, 4, 1, 0, 0},  // the decode GEMMs' stage and ring
@@ -131,6 +141,14 @@ int main() {
       {128, 64, 256, 4, 1, 0, 0},   {128, 256, 256, 4, 1, 0, 0},   {128, 128, 256, 6, 1, 0, 0},
       {128, 128, 128, 4, 2, 0, 0},  {64, 128, 256, 8, 1, 0, 0},    {256, 128, 256, 2, 1, 0, 0},
       {256, 128, 256, 3, 1, 0, 0},  {256, 128, 128, 3, 2, 0, 0},
+      // FP4 rows (a launch is then one item a block: 16 stages up, 8 down, as at B = 1), and the same bytes
+      // in stage tiles.
+      {128, 128, 256, 4, 1, 0, 0, 2048}, {128, 128, 256, 4, 1, 0, 112, 2048}, {128, 128, 256, 4, 1, 0, 0, 1024},
+      {128, 128, 256, 4, 1, TS_TILED, 0, 2048}, {128, 128, 256, 4, 1, TS_TILED, 112, 2048},
+      {128, 128, 256, 4, 1, TS_TILED, 0, 1024}, {128, 128, 256, 4, 1, TS_TILED, 0, 4096},
+      {128, 256, 256, 4, 1, TS_TILED, 112, 2048}, {128, 128, 256, 6, 1, TS_TILED, 112, 2048},
+      {128, 128, 256, 4, 1, TS_TOKENS | TS_ONE_COLUMN | TS_SCALES, 112, 2048},
+      {128, 128, 256, 4, 1, TS_TOKENS | TS_ONE_COLUMN | TS_SCALES | TS_TILED, 112, 2048},
   };
   unsigned char *tokens = nullptr, *scales = nullptr;
   cudaMalloc(&tokens, 16 * 256);
@@ -142,8 +160,11 @@ int main() {
   cudaEventCreate(&b);
   for (const Case& c : cases) {
     CUtensorMap map;
-    const cuuint64_t dims[2] = {(cuuint64_t)row_bytes, (cuuint64_t)total_rows};
-    const cuuint64_t strides[1] = {(cuuint64_t)row_bytes};
+    const long long row_bytes = c.row_bytes, total_rows = total_bytes / row_bytes;
+    const bool tiled = (c.side & TS_TILED) != 0;
+    const cuuint64_t map_row = tiled ? (cuuint64_t)c.inner : (cuuint64_t)row_bytes;
+    const cuuint64_t dims[2] = {map_row, (cuuint64_t)(total_bytes / map_row)};
+    const cuuint64_t strides[1] = {map_row};
     const cuuint32_t box[2] = {(cuuint32_t)c.inner, (cuuint32_t)c.box_rows};
     const cuuint32_t estr[2] = {1, 1};
     const CUtensorMapSwizzle sw = c.inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
@@ -178,9 +199,11 @@ int main() {
     cudaEventElapsedTime(&ms, a, b);
     const double bytes = (double)launches * per_launch * row_bytes;
     const double gbs = bytes / (ms * 1e-3) / 1e9;
-    printf("{\"inner\": %d, \"box_rows\": %d, \"rows\": %d, \"stages\": %d, \"blocks\": %d, \"side_copies\": %d, "
-           "\"us_per_launch\": %.2f, \"gb_per_s\": %.1f, \"gb_per_s_per_block\": %.2f}\n",
-           c.inner, c.box_rows, c.rows, c.stages, grid, c.side, ms * 1000.0 / launches, gbs, gbs / grid);
+    printf("{\"row_bytes\": %d, \"tiled\": %d, \"inner\": %d, \"box_rows\": %d, \"rows\": %d, \"stages\": %d, "
+           "\"blocks\": %d, \"side_copies\": %d, \"us_per_launch\": %.2f, \"gb_per_s\": %.1f, "
+           "\"gb_per_s_per_block\": %.2f}\n",
+           c.row_bytes, tiled ? 1 : 0, c.inner, c.box_rows, c.rows, c.stages, grid, c.side, ms * 1000.0 / launches,
+           gbs, gbs / grid);
   }
   return 0;
 }
