@@ -292,6 +292,21 @@ pub fn run(
         // and by fd_act_kernel first, both timed up to 16 tokens.
         let gshape = gemm_shape(p);
         let gemm_at = |t: usize| gemm.as_ref().zip(gshape).filter(|(g, s)| g.covers(s, t));
+        // cuBLASLt alone at t tokens on weight copy j, on the operand made beforehand in gws.
+        let lt_call = |shape: GemmShape, t: usize, j: usize| {
+            let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
+            let w = weight(j);
+            GemmCall {
+                shape,
+                m: t,
+                w: w.data,
+                wscale: if fp8 { w.scales } else { None },
+                a: gws.codes,
+                ascale: fp8.then_some(gws.scale),
+                y,
+                ldy: outs,
+            }
+        };
         let variants = tokens.iter().flat_map(|&t| {
             [
                 (
@@ -420,19 +435,7 @@ pub fn run(
                         } else {
                             GemmOut::F32
                         };
-                        let shape = GemmShape { out, ..shape };
-                        let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
-                        let w = weight(j);
-                        let call = GemmCall {
-                            shape,
-                            m: t,
-                            w: w.data,
-                            wscale: if fp8 { w.scales } else { None },
-                            a: gws.codes,
-                            ascale: fp8.then_some(gws.scale),
-                            y,
-                            ldy: outs,
-                        };
+                        let call = lt_call(GemmShape { out, ..shape }, t, j);
                         if g.run(&ctx, &call, s)? {
                             Ok(())
                         } else {
@@ -499,7 +502,6 @@ pub fn run(
             if !fast_dense_gemm::run_gemm(&dense, g, &ctx, &op, &gws, &ws, s).map_err(e)? {
                 continue;
             }
-            let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
             for out in [GemmOut::F32, GemmOut::Bf16] {
                 let shape = GemmShape { out, ..shape };
                 for (i, algo) in g
@@ -509,18 +511,7 @@ pub fn run(
                     .enumerate()
                 {
                     let call = |j: usize| -> dsv4::Result<()> {
-                        let w = weight(j);
-                        let call = GemmCall {
-                            shape,
-                            m: t,
-                            w: w.data,
-                            wscale: if fp8 { w.scales } else { None },
-                            a: gws.codes,
-                            ascale: fp8.then_some(gws.scale),
-                            y,
-                            ldy: outs,
-                        };
-                        if g.run_with(&ctx, &call, Some(algo), s)? {
+                        if g.run_with(&ctx, &lt_call(shape, t, j), Some(algo), s)? {
                             Ok(())
                         } else {
                             Err(dsv4::Error::new(dsv4::Status::Internal, "declined"))
