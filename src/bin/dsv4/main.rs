@@ -696,13 +696,7 @@ fn bench(a: &Args) -> Result<(), String> {
                 Some(v) => positive_list(v, "read-probe")?,
                 None => vec![],
             };
-            let candidates = match a.get("lt-candidates") {
-                Some(v) => positive_list(v, "lt-candidates")?
-                    .first()
-                    .copied()
-                    .unwrap_or(0),
-                None => 0,
-            };
+            let candidates = a.num("lt-candidates", 0)?;
             return bench_dense::run(dev, &tokens, a.get("projection"), &probe, candidates);
         }
         Some("attn") => {
