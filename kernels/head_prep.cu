@@ -49,10 +49,14 @@ DSV4_INLINE void hp_sim_pair(float& a, float& b, int p, int sim_nope, bool held)
 //    (rope_kernel re-rounds the nope channels with round_out: they are bf16 already here.)
 // 3. KV sim (kv_sim_kernel) when sim_nope > 0 (at most nope): channels [0, sim_nope) in blocks of
 //    64, amax = max(max |x|, 1e-4), s = ue8m0(amax / 448), x = e4m3(clamp(x / s, ±448)) * s.
+// With round_in, x is first rounded to bf16 as loaded: the projection that wrote x leaves its official bf16
+// rounding to this kernel, its only reader (the rounding is the same function wherever it is applied, and
+// a cuBLASLt projection then needs no rounding pass over its f32 output).
 // Grid rows * heads, 32 * ceil(head_dim / 64) threads.
 extern "C" __global__ void __launch_bounds__(2 * HP_MAX_PAIRS)
     head_prep_kernel(float* x, int rows, int ld, int heads, int head_dim, const float* weight, float eps,
-                     const int* pos, const float* inv_freq, int half_rope, int sim_nope, int round_out) {
+                     const int* pos, const float* inv_freq, int half_rope, int sim_nope, int round_out,
+                     int round_in) {
   dsv4_pdl_begin();
   __shared__ double scratch[32];
   const long long item = blockIdx.x;
@@ -63,8 +67,8 @@ extern "C" __global__ void __launch_bounds__(2 * HP_MAX_PAIRS)
 
   float a = 0.0f, b = 0.0f;
   if (mine) {
-    a = hx[2 * p];
-    b = hx[2 * p + 1];
+    a = round_in ? round_bf16(hx[2 * p]) : hx[2 * p];
+    b = round_in ? round_bf16(hx[2 * p + 1]) : hx[2 * p + 1];
   }
   const double da = (double)a, db = (double)b;
   const double sq = __dadd_rn(__dmul_rn(da, da), __dmul_rn(db, db));
@@ -89,11 +93,12 @@ extern "C" __global__ void __launch_bounds__(2 * HP_MAX_PAIRS)
 // once into shared memory (head_prep_kernel: once per head), and a head's sum of squares is the
 // lanes' f64 sums added by ref_warp_sum_f64 (another grouping of the same f64 terms, as any
 // thread layout groups them: docs/numerics.md); every other value goes through the same
-// operations as in head_prep_kernel. The KV sim's 64-channel block i is pair slot i of the warp.
-// Grid rows (at most the device's limit), 32 * HP_ROWS_WARPS threads.
+// operations as in head_prep_kernel (round_in included). The KV sim's 64-channel block i is pair slot i of
+// the warp. Grid rows (at most the device's limit), 32 * HP_ROWS_WARPS threads.
 extern "C" __global__ void __launch_bounds__(32 * HP_ROWS_WARPS)
     head_prep_rows_kernel(float* x, int rows, int ld, int heads, int head_dim, const float* weight, float eps,
-                          const int* pos, const float* inv_freq, int half_rope, int sim_nope, int round_out) {
+                          const int* pos, const float* inv_freq, int half_rope, int sim_nope, int round_out,
+                          int round_in) {
   dsv4_pdl_begin();
   __shared__ float cs[2 * 32 * HP_ROWS_LANE_PAIRS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -117,8 +122,8 @@ extern "C" __global__ void __launch_bounds__(32 * HP_ROWS_WARPS)
         a[i] = b[i] = 0.0f;
         if (p < pairs) {
           const float2 v = *(const float2*)(hx + 2 * p);
-          a[i] = v.x;
-          b[i] = v.y;
+          a[i] = round_in ? round_bf16(v.x) : v.x;
+          b[i] = round_in ? round_bf16(v.y) : v.y;
         }
         const double da = (double)a[i], db = (double)b[i];
         sq = __dadd_rn(sq, __dadd_rn(__dmul_rn(da, da), __dmul_rn(db, db)));

@@ -248,18 +248,31 @@ fn head_prep_matches_reference_bit_for_bit() {
         (norm_rope::ROPE_ROWS_MIN + 5, 16, 512, false, false),
         (norm_rope::ROPE_ROWS_MIN + 1, 8, 200, true, true),
     ];
-    for official in [false, true] {
+    // round_in (official only, as the engine uses it): x holds f32 values that are not bf16,
+    // and the kernel must give what it gives on x rounded to bf16 first.
+    for (official, round_in) in [(false, false), (true, false), (true, true)] {
         for &(rows, heads, hd, with_w, sim) in &cases {
             assert!(NormRope::head_prep_covers(hd, half), "head_dim {hd}");
             let width = heads * hd;
             let nope = hd - 2 * half;
             let sim_nope = if sim && official { nope } else { 0 };
-            let x = rows_of(&mut rng, rows, width, official);
+            let x = rows_of(&mut rng, rows, width, official && !round_in);
+            if round_in {
+                let mut rounded = x.clone();
+                round_bf16(&mut rounded);
+                assert_ne!(
+                    rounded, x,
+                    "the round_in case needs inputs that are not bf16"
+                );
+            }
             let w: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
             let pos: Vec<i32> = (0..rows)
                 .map(|r| if r == 0 { 0 } else { rng.below(1 << 17) as i32 })
                 .collect();
             let mut want = x.clone();
+            if round_in {
+                Prec { official: true }.bf16(&mut want);
+            }
             for (r, row) in want.chunks_exact_mut(width).enumerate() {
                 rms_norm(row, hd, with_w.then_some(&w[..]), 1e-6);
                 Prec { official }.bf16(row);
@@ -289,13 +302,14 @@ fn head_prep_matches_reference_bit_for_bit() {
                 half,
                 sim_nope,
                 official,
+                round_in,
                 d.s(),
             )
             .unwrap();
             let got: Vec<f32> = d.get(p[0], x.len());
             assert_bits(
                 &format!(
-                    "head_prep rows {rows} heads {heads} head_dim {hd} weight {with_w} sim_nope {sim_nope} official {official}"
+                    "head_prep rows {rows} heads {heads} head_dim {hd} weight {with_w} sim_nope {sim_nope} official {official} round_in {round_in}"
                 ),
                 &got,
                 &want,

@@ -56,7 +56,8 @@ struct Projection {
 #[rustfmt::skip]
 const FLASH: &[Projection] = &[
     Projection { name: "wq_a", n: 1024, k: 4096, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
-    Projection { name: "wq_b", n: 32768, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
+    // (wq_b's bf16 rounding is done by head_prep_kernel as it loads q: the call itself does not round.)
+    Projection { name: "wq_b", n: 32768, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: false },
     Projection { name: "wkv", n: 512, k: 4096, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
     Projection { name: "wo_a", n: 1024, k: 4096, groups: 8, format: FP8, mode: ActMode::F16, round: true },
     Projection { name: "wo_b", n: 4096, k: 8192, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
@@ -80,7 +81,7 @@ const GROUPS: &[(&str, &[Projection])] = &[
         Projection { name: "indexer.weights_proj", n: 64, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: true },
     ]),
     ("q_lora (CSA layer)", &[
-        Projection { name: "wq_b", n: 32768, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
+        Projection { name: "wq_b", n: 32768, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: false },
         Projection { name: "indexer.wq_b", n: 8192, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
     ]),
 ];

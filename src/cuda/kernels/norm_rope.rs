@@ -85,13 +85,13 @@ crate::kernel_family! {
     fn head_prep_kernel(
         x: *mut f32, rows: i32, ld: i32, heads: i32, head_dim: i32, weight: Option<*const f32>,
         eps: f32, pos: *const i32, inv_freq: *const f32, half_rope: i32, sim_nope: i32,
-        round_out: bool,
+        round_out: bool, round_in: bool,
     );
     #[pdl(true)]
     fn head_prep_rows_kernel(
         x: *mut f32, rows: i32, ld: i32, heads: i32, head_dim: i32, weight: Option<*const f32>,
         eps: f32, pos: *const i32, inv_freq: *const f32, half_rope: i32, sim_nope: i32,
-        round_out: bool,
+        round_out: bool, round_in: bool,
     );
 }
 
@@ -325,7 +325,8 @@ impl NormRope {
     /// head's [`Self::rmsnorm`] (optional `weight[head_dim]`), then [`Self::rope`] (sign +1),
     /// then with `sim_nope > 0` [`Self::kv_sim`] of its first `sim_nope` channels, in one launch
     /// and bit for bit as the three ([`Self::head_prep_covers`] must hold; `sim_nope` at most
-    /// the nope channels).
+    /// the nope channels). With `round_in`, x is first rounded to bf16 as it is loaded: the
+    /// projection that wrote it may leave its bf16 rounding to this, its only reader.
     #[allow(clippy::too_many_arguments)]
     pub fn head_prep(
         &self,
@@ -342,6 +343,7 @@ impl NormRope {
         half_rope: usize,
         sim_nope: usize,
         round_out: bool,
+        round_in: bool,
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "head_prep_kernel";
@@ -381,6 +383,7 @@ impl NormRope {
                     half_rope: to_i32(K, "half_rope", half_rope)?,
                     sim_nope: to_i32(K, "sim_nope", sim_nope)?,
                     round_out,
+                    round_in,
                 }
             };
         }
