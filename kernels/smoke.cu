@@ -55,7 +55,7 @@ extern "C" __global__ void smoke_roundtrip(const float* xf, const unsigned* xu, 
   o[14] = (unsigned)ue8m0_exponent(x, 1.0f);  // signed exponent as bits; x itself (any sign)
   o[15] = __float_as_uint(round_bf16_nonnan(x));
   o[16] = e4m3x2_code_hw(x, -x);               // both bytes: the high one is -x's code
-  o[17] = pack_bf16x2(x, -x);               // the high half: -x's code
+  o[17] = pack_bf16x2(x, -x);                  // the high half: -x's code
   o[18] = 0x5a5a5a5au;                         // canary: proves the row was written
 }
 

@@ -235,31 +235,29 @@ impl Run<'_> {
 
     /// Query path: q_norm(u wq_a) -> wq_b -> per-head unit RMS -> RoPE; on CSA layers the
     /// indexer's queries from the same normed q_lora (wq_b -> qi, with the main wq_b as one
-    /// group). wq_b's official bf16 rounding is done by `head_prep_kernel` as it loads q (q's
-    /// only reader) where that kernel takes the heads: the same values, and a many-token wq_b
-    /// through cuBLASLt then needs no rounding pass over its f32 output (0.5 GB at 4096 tokens).
+    /// group). wq_b's official bf16 rounding is done by [`Self::head_prep`] as it loads q (q's
+    /// only reader): the same values, and a many-token wq_b through cuBLASLt then needs no
+    /// rounding pass over its f32 output (0.5 GB at 4096 tokens).
     fn query(&self, a: &AttnLayer) -> Result<()> {
         let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
         let (h, hd, ql) = (cfg.num_heads, cfg.head_dim, cfg.q_lora_rank);
         let (t, official) = (a.meta.num_tokens, self.official());
         self.norm(a, ws.qr, t, ql, Some(lw.q_norm))?;
-        let prep_rounds = official && NormRope::head_prep_covers(hd, cfg.rope_dim / 2);
-        let q_round = official && !prep_rounds;
         let mut group = LinearGroup::default();
-        group.push(self.call(a, ws.qr, ql, lw.wq_b, h * hd, ws.q, official, q_round)?)?;
+        group.push(self.call(a, ws.qr, ql, lw.wq_b, h * hd, ws.q, official, false)?)?;
         if let Some((ix, _, _)) = self.indexer(a) {
             let n = cfg.index_n_heads * cfg.index_head_dim;
             group.push(self.call(a, ws.qr, ql, ix.wq_b, n, ws.qi, official, official)?)?;
         }
         self.linear_group(a, &group)?;
-        self.head_prep(a, ws.q, h, None, false, prep_rounds)
+        self.head_prep(a, ws.q, h, None, false, official)
     }
 
     /// Per head of `heads` of every token row of `x`: unit RMS (`weight` None) or RMSNorm,
     /// RoPE, and with `kv_sim` (official numerics) the FP8 simulation of the nope channels; one
     /// `head_prep_kernel` launch where it covers the head (bit for bit the three kernels), else
-    /// the three. `round_in`: x is rounded to bf16 as loaded (only where the one launch covers
-    /// the head: the caller's projection then leaves that rounding to it).
+    /// the three. `round_in`: x is first rounded to bf16 (by `head_prep_kernel` as it loads x,
+    /// else by a rounding pass), so the projection that wrote x may leave that rounding to it.
     fn head_prep(
         &self,
         a: &AttnLayer,
@@ -296,10 +294,7 @@ impl Run<'_> {
             );
         }
         if round_in {
-            return Err(crate::error::Error::new(
-                crate::error::Status::Internal,
-                "head_prep: round_in where head_prep_kernel does not take the heads",
-            ));
+            a.k8.nr.round_bf16(self.ctx, x, t * heads * hd, a.st)?;
         }
         self.norm(a, x, t * heads, hd, weight)?;
         self.rope(a, x, heads * hd, heads, hd, 1.0)?;
