@@ -20,8 +20,12 @@
 // its blocks; 4.6 ms with norm_rope.rs's launch shape (a prefill now takes rope_rows_kernel below).
 // At decode a call went 5.6 -> 9.6 us while a thread loaded its heads one after another after the
 // cos / sin; it now loads them all first. (ROPE_HEADS: dsv4_consts.cuh, norm_rope.rs ROPE_HEADS.)
+// With round_in the head is first rounded to bf16 as loaded (the rotated pairs before their rotation, the
+// nope channels by the same pass as round_out's): the projection that wrote x may leave its official bf16
+// rounding to this kernel, its first reader.
 extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, int head_dim, const int* pos,
-                                       const float* inv_freq, int half_rope, float sign, int round_out) {
+                                       const float* inv_freq, int half_rope, float sign, int round_out,
+                                       int round_in) {
   dsv4_pdl_begin();
   const int nope = head_dim - 2 * half_rope;
   const int items = half_rope * ((heads + ROPE_HEADS - 1) / ROPE_HEADS);
@@ -38,8 +42,8 @@ extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, in
 #pragma unroll
       for (int j = 0; j < ROPE_HEADS; ++j) {
         if (j < nh) {
-          a[j] = t0[(long long)j * head_dim];
-          b[j] = t0[(long long)j * head_dim + 1];
+          a[j] = round_in ? round_bf16(t0[(long long)j * head_dim]) : t0[(long long)j * head_dim];
+          b[j] = round_in ? round_bf16(t0[(long long)j * head_dim + 1]) : t0[(long long)j * head_dim + 1];
         }
       }
       float c, s;
@@ -53,7 +57,7 @@ extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, in
         }
       }
     }
-    if (round_out && nope > 0) {
+    if ((round_out || round_in) && nope > 0) {
       for (int q = first; q < heads * nope; q += step) {
         const int h = q / nope, i = q - h * nope;
         float* v = row + (long long)h * head_dim + i;
@@ -71,7 +75,7 @@ extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, in
 // every value as rope_kernel: the same bits. half_rope <= ROPE_ROWS_MAX_PAIRS (dsv4_consts.cuh).
 extern "C" __global__ void rope_rows_kernel(float* x, int rows, int ld, int heads, int head_dim, const int* pos,
                                             const float* inv_freq, int half_rope, float sign, int round_out,
-                                            int vec4) {
+                                            int round_in, int vec4) {
   dsv4_pdl_begin();
   __shared__ float cs[2 * ROPE_ROWS_MAX_PAIRS];
   const int nope = head_dim - 2 * half_rope;
@@ -89,12 +93,12 @@ extern "C" __global__ void rope_rows_kernel(float* x, int rows, int ld, int head
     for (int i = threadIdx.x; i < heads * half_rope; i += blockDim.x) {
       const int h = i / half_rope, k = i - h * half_rope;
       float* t = row + (long long)h * head_dim + nope + 2 * k;
-      float a = t[0], b = t[1];
+      float a = round_in ? round_bf16(t[0]) : t[0], b = round_in ? round_bf16(t[1]) : t[1];
       ref_rope_rotate(a, b, cs[2 * k], cs[2 * k + 1], round_out);
       t[0] = a;
       t[1] = b;
     }
-    if (round_out && nope > 0) {
+    if ((round_out || round_in) && nope > 0) {
       for (int h = warp; h < heads; h += nwarps) {
         float* v = row + (long long)h * head_dim;
         if (vec4) {

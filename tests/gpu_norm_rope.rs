@@ -163,11 +163,13 @@ fn rope_matches_reference_bit_for_bit() {
     for (fname, freqs) in &freq_sets {
         let (_f, fp) = d.alloc(&[freqs.len() * 4]);
         d.put(fp[0], freqs);
-        for official in [false, true] {
+        // round_in (official, as the engine uses it): inputs that are not bf16, and the result
+        // of rounding them first.
+        for (official, round_in) in [(false, false), (true, false), (true, true)] {
             for sign in [1.0f32, -1.0] {
                 for &(rows, heads, hd, ld) in &cases {
                     let width = heads * hd;
-                    let x = rows_of(&mut rng, rows, width, official);
+                    let x = rows_of(&mut rng, rows, width, official && !round_in);
                     // Positions: the first few, random up to 2^17, and a few large ones.
                     let pos: Vec<i32> = (0..rows)
                         .map(|r| match r {
@@ -178,6 +180,10 @@ fn rope_matches_reference_bit_for_bit() {
                         })
                         .collect();
                     let mut want = x.clone();
+                    if round_in {
+                        round_bf16(&mut want);
+                        assert_ne!(want, x, "the round_in case needs inputs that are not bf16");
+                    }
                     for (r, row) in want.chunks_exact_mut(width).enumerate() {
                         for head in row.chunks_exact_mut(hd) {
                             rope::apply(head, freqs, pos[r] as usize, sign);
@@ -200,13 +206,14 @@ fn rope_matches_reference_bit_for_bit() {
                         half,
                         sign,
                         official,
+                        round_in,
                         d.s(),
                     )
                     .unwrap();
                     let got: Vec<f32> = d.get(p[0], xs.len());
                     assert_bits(
                         &format!(
-                            "rope {fname} rows {rows} heads {heads} head_dim {hd} ld {ld} sign {sign} official {official}"
+                            "rope {fname} rows {rows} heads {heads} head_dim {hd} ld {ld} sign {sign} official {official} round_in {round_in}"
                         ),
                         &got,
                         &strided(&want, rows, width, ld),

@@ -61,7 +61,8 @@ const FLASH: &[Projection] = &[
     Projection { name: "wkv", n: 512, k: 4096, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
     Projection { name: "wo_a", n: 1024, k: 4096, groups: 8, format: FP8, mode: ActMode::F16, round: true },
     Projection { name: "wo_b", n: 4096, k: 8192, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
-    Projection { name: "indexer.wq_b", n: 8192, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
+    // (The indexer's wq_b: rounded by rope_kernel as it loads qi.)
+    Projection { name: "indexer.wq_b", n: 8192, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: false },
     Projection { name: "compressor.wkv", n: 1024, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: false },
     Projection { name: "indexer.weights_proj", n: 64, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: true },
     Projection { name: "head", n: 129280, k: 4096, groups: 1, format: BF16, mode: ActMode::Bf16, round: false },
@@ -82,7 +83,7 @@ const GROUPS: &[(&str, &[Projection])] = &[
     ]),
     ("q_lora (CSA layer)", &[
         Projection { name: "wq_b", n: 32768, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: false },
-        Projection { name: "indexer.wq_b", n: 8192, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
+        Projection { name: "indexer.wq_b", n: 8192, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: false },
     ]),
 ];
 

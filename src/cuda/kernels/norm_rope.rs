@@ -36,12 +36,13 @@ crate::kernel_family! {
 
     fn rope_kernel(
         x: *mut f32, rows: i32, ld: i32, heads: i32, head_dim: i32, pos: *const i32,
-        inv_freq: *const f32, half_rope: i32, sign: f32, round_out: bool,
+        inv_freq: *const f32, half_rope: i32, sign: f32, round_out: bool, round_in: bool,
     );
     #[pdl(true)]
     fn rope_rows_kernel(
         x: *mut f32, rows: i32, ld: i32, heads: i32, head_dim: i32, pos: *const i32,
-        inv_freq: *const f32, half_rope: i32, sign: f32, round_out: bool, vec4: bool,
+        inv_freq: *const f32, half_rope: i32, sign: f32, round_out: bool, round_in: bool,
+        vec4: bool,
     );
 }
 
@@ -231,6 +232,8 @@ impl NormRope {
     /// values: the last `2 * half_rope` channels of every head rotate by `pos[row] *
     /// inv_freq[k]` (`pos`: i32 per row, `inv_freq`: `half_rope` f32), `sign` -1 rotates back.
     /// With `round_out` the whole head is then rounded to bf16. `rope::apply` (+ `Prec::bf16`).
+    /// With `round_in` the head is first rounded to bf16 as loaded: the projection that wrote x
+    /// may leave its bf16 rounding to this, its first reader.
     #[allow(clippy::too_many_arguments)]
     pub fn rope(
         &self,
@@ -245,6 +248,7 @@ impl NormRope {
         half_rope: usize,
         sign: f32,
         round_out: bool,
+        round_in: bool,
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "rope_kernel";
@@ -276,6 +280,7 @@ impl NormRope {
                     half_rope: to_i32(K, "half_rope", half_rope)?,
                     sign,
                     round_out,
+                    round_in,
                     $($extra,)?
                 }
             };

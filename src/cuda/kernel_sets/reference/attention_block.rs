@@ -55,6 +55,7 @@ impl Run<'_> {
 
     /// RoPE (`sign` 1) or its inverse (-1) on `heads` heads of `head_dim` per token row of
     /// `x` (row stride `ld`), at the batch's positions with this layer's frequencies.
+    #[allow(clippy::too_many_arguments)]
     fn rope(
         &self,
         a: &AttnLayer,
@@ -63,6 +64,7 @@ impl Run<'_> {
         heads: usize,
         head_dim: usize,
         sign: f32,
+        round_in: bool,
     ) -> Result<()> {
         a.k8.nr.rope(
             self.ctx,
@@ -76,6 +78,7 @@ impl Run<'_> {
             self.cfg.rope_dim / 2,
             sign,
             self.official(),
+            round_in,
             a.st,
         )
     }
@@ -247,7 +250,8 @@ impl Run<'_> {
         group.push(self.call(a, ws.qr, ql, lw.wq_b, h * hd, ws.q, official, false)?)?;
         if let Some((ix, _, _)) = self.indexer(a) {
             let n = cfg.index_n_heads * cfg.index_head_dim;
-            group.push(self.call(a, ws.qr, ql, ix.wq_b, n, ws.qi, official, official)?)?;
+            // Rounded by rope_kernel as it loads qi, its first reader (compress_and_select).
+            group.push(self.call(a, ws.qr, ql, ix.wq_b, n, ws.qi, official, false)?)?;
         }
         self.linear_group(a, &group)?;
         self.head_prep(a, ws.q, h, None, false, official)
@@ -297,7 +301,7 @@ impl Run<'_> {
             a.k8.nr.round_bf16(self.ctx, x, t * heads * hd, a.st)?;
         }
         self.norm(a, x, t * heads, hd, weight)?;
-        self.rope(a, x, heads * hd, heads, hd, 1.0)?;
+        self.rope(a, x, heads * hd, heads, hd, 1.0, false)?;
         if sim_nope > 0 {
             a.k8.nr.kv_sim(self.ctx, x, t, hd, sim_nope, a.st)?;
         }
@@ -337,7 +341,8 @@ impl Run<'_> {
         let t = meta.num_tokens;
         let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
         // qi (query) and iw (input_projections) are already projected.
-        self.rope(a, ws.qi, hi * di, hi, di, 1.0)?;
+        // qi's official bf16 rounding: here, as rope_kernel loads it (see query).
+        self.rope(a, ws.qi, hi * di, hi, di, 1.0, official)?;
         if official {
             k8.nr.index_sim(self.ctx, ws.qi, t * hi, di, st)?;
         }
@@ -407,7 +412,7 @@ impl Run<'_> {
             official: self.official(),
         };
         a.k8.attn.ring_update(self.ctx, a.meta, &ring, a.st)?;
-        self.rope(a, ws.o, h * hd, h, hd, -1.0)
+        self.rope(a, ws.o, h * hd, h, hd, -1.0, false)
     }
 
     /// Grouped output projection: the heads of group g through rows g*R.. of wo_a (BF16
