@@ -110,6 +110,7 @@ pub const SHARED: &[Shared] = shared! {
     "FMW_HBOX" = Int(fast_moe_wide::ACT_BOX_ROWS as i64) from "fast_moe_wide::ACT_BOX_ROWS";
     // fast_dense.cu.
     "FD_WARPS" = Int(fast_dense::WARPS as i64) from "fast_dense::WARPS";
+    "FD_LT_ITEMS" = Int(fast_dense::LT_ITEMS as i64) from "fast_dense::LT_ITEMS";
     "FD_TOKENS" = Int(fast_dense::TOKENS as i64) from "fast_dense::TOKENS";
     "FD_MAX_SLICES" = Int(fast_dense::MAX_SLICES as i64) from "fast_dense::MAX_SLICES";
     "FD_MAX_SLICE" = Int(fast_dense::MAX_SLICE as i64) from "fast_dense::MAX_SLICE";

@@ -28,6 +28,8 @@ use crate::weights::format::StorageFormat;
 
 /// Warps of a block (FD_WARPS); each owns 16 weight rows.
 pub const WARPS: usize = 8;
+/// (token, 128-block) items a warp of `fd_lt_operand_kernel` makes, its loads all issued first.
+pub const LT_ITEMS: usize = 4;
 /// Weight rows per block.
 pub const ROWS: usize = 16 * WARPS;
 /// Most tokens one launch takes (FD_TOKENS); a call loops over chunks of this many.
@@ -826,7 +828,7 @@ impl FastDense {
         let items = op.t * op.k / 128;
         let _g = ctx.enter()?;
         self.lt_operand.launch(
-            items.div_ceil(WARPS) as u32,
+            items.div_ceil(WARPS * LT_ITEMS) as u32,
             (WARPS * 32) as u32,
             0,
             stream,
