@@ -568,6 +568,41 @@ fn act_quant_operands_are_the_reference_values_bit_for_bit() {
             );
         }
     }
+    // cuBLASLt's operand (fd_lt_operand_kernel, several items a warp: 37 x 8 items leave the
+    // last warp part of its share) holds the same values: e4m3 bytes [t, k], scales [k/128, t].
+    let (_la, lp) = d.alloc(&[t * k, t * k / 128 * 4]);
+    d.poison(lp[0]);
+    d.poison(lp[1]);
+    d.k.dense
+        .lt_operand(
+            d.ctx(),
+            &fast_dense::LtOperand {
+                x: p[0],
+                ldx: k,
+                t,
+                k,
+                mode: ActMode::Quant,
+                codes: lp[0],
+                scale: lp[1],
+            },
+            d.s(),
+        )
+        .unwrap();
+    let codes: Vec<u8> = d.get(lp[0], t * k);
+    let lt_scales: Vec<f32> = d.get(lp[1], t * k / 128);
+    for ti in 0..t {
+        for kk in 0..k {
+            let v = dsv4::weights::dtype::e4m3_to_f32(codes[ti * k + kk])
+                * lt_scales[kk / 128 * t + ti];
+            let r = want[ti * k + kk];
+            assert_eq!(
+                v.to_bits(),
+                r.to_bits(),
+                "x[{ti}, {kk}] = {}: cuBLASLt operand x scale {v} against act_quant {r}",
+                x[ti * k + kk]
+            );
+        }
+    }
 }
 
 #[test]
@@ -1101,6 +1136,143 @@ fn gemm_projections_match_the_reference() {
             differ <= 0.25,
             "{name}: {:.1}% of the BF16 outputs differ from the reference",
             100.0 * differ
+        );
+    }
+}
+
+/// A group of projections of one input through the GEMM path (`run_gemm_group`, as the fast set
+/// runs the attention sub-block's projections of u from 32 tokens): every member it runs gives
+/// the bits `run_gemm` gives that member alone (one operand per K and mode serves them all), a
+/// member below its crossover (small FP8 weights, below 128 tokens) is left to the caller
+/// untouched, and reruns are bit-identical.
+#[test]
+fn gemm_groups_share_operands_and_give_each_members_bits() {
+    let Some(d) = dev() else { return };
+    let _s = serial();
+    let mut rng = Rng::from_env("gemm_groups_share_operands_and_give_each_members_bits");
+    let k = 4096;
+    // (format, rows, BF16 output): wq_a and wkv (FP8 under 8 MiB), a larger FP8 weight, the
+    // compressor's wkv (BF16, f32 out), weights_proj (BF16, BF16 out).
+    let members = [
+        (StorageFormat::Fp8, 1024, true),
+        (StorageFormat::Bf16, 1024, false),
+        (StorageFormat::Fp8, 512, true),
+        (StorageFormat::Fp8, 2048, false),
+        (StorageFormat::Bf16, 64, true),
+    ];
+    let shapes: Vec<GemmShape> = members
+        .iter()
+        .map(|&(f, n, _)| {
+            let mode = if f == StorageFormat::Fp8 {
+                ActMode::Quant
+            } else {
+                ActMode::Bf16
+            };
+            fast_dense_gemm::gemm_shape(f, [128, 128], n, k, 1, mode).unwrap()
+        })
+        .collect();
+    let tmax = 300;
+    let (_ga, gemm, gws) = gemm_for(&d, &shapes, &[], tmax);
+    let dense_shapes: Vec<Shape> = members
+        .iter()
+        .map(|&(_, n, _)| Shape { n, k, groups: 1 })
+        .collect();
+    let (_wsa, dws) = workspace(&d, &dense_shapes);
+    let weights: Vec<_> = members
+        .iter()
+        .map(|&(f, n, _)| HostWeight::random(&mut rng, f, n, k).upload(&d))
+        .collect();
+    let sizes: Vec<usize> = std::iter::once(tmax * k * 4)
+        .chain(members.iter().flat_map(|&(_, n, _)| [tmax * n * 4; 3]))
+        .collect();
+    let (_a, p) = d.alloc(&sizes);
+    let x = p[0];
+    for t in [64, 129, 300] {
+        d.put(x, &activations(&mut rng, t, k));
+        let ops: Vec<DenseOp> = members
+            .iter()
+            .zip(&weights)
+            .enumerate()
+            .map(|(i, (&(f, n, round), (_, w)))| DenseOp {
+                x,
+                ldx: k,
+                t,
+                w: *w,
+                groups: 1,
+                mode: if f == StorageFormat::Fp8 {
+                    ActMode::Quant
+                } else {
+                    ActMode::Bf16
+                },
+                round,
+                y: p[1 + 3 * i],
+                ldy: n,
+                fused_act_max_t: fast_dense::FUSED_ACT_MAX_T,
+                warp_split_max_t: fast_dense::WARP_SPLIT_MAX_T,
+            })
+            .collect();
+        let mut runs = Vec::new();
+        for rerun in 0..2 {
+            let ops: Vec<DenseOp> = ops
+                .iter()
+                .enumerate()
+                .map(|(i, op)| DenseOp {
+                    y: p[1 + 3 * i + rerun],
+                    ..*op
+                })
+                .collect();
+            for op in &ops {
+                d.poison(op.y);
+            }
+            let ran = fast_dense_gemm::run_gemm_group(
+                &d.k.dense,
+                &gemm,
+                d.ctx(),
+                &ops,
+                &gws,
+                &dws,
+                d.s(),
+            )
+            .unwrap();
+            runs.push(ran);
+        }
+        assert_eq!(runs[0], runs[1], "T={t}: the same members ran");
+        for (i, op) in ops.iter().enumerate() {
+            let (f, n, _) = members[i];
+            let got: Vec<u32> = d.get(op.y, t * n);
+            let again: Vec<u32> = d.get(p[1 + 3 * i + 1], t * n);
+            let small_fp8 = f == StorageFormat::Fp8 && n * k < fast_dense_gemm::SMALL_FP8_BYTES;
+            let expect_ran = !small_fp8 || t >= fast_dense_gemm::SMALL_FP8_MIN_TOKENS;
+            assert_eq!(
+                runs[0][i], expect_ran,
+                "T={t}: member {i} ({f:?} {n} x {k})"
+            );
+            if !expect_ran {
+                assert!(
+                    got.iter().all(|&b| b == u32::MAX),
+                    "T={t}: member {i} was left to the caller but its y was written"
+                );
+                continue;
+            }
+            assert_eq!(got, again, "T={t}: member {i}: rerun");
+            let alone = DenseOp {
+                y: p[1 + 3 * i + 2],
+                ..*op
+            };
+            d.poison(alone.y);
+            assert!(
+                fast_dense_gemm::run_gemm(&d.k.dense, &gemm, d.ctx(), &alone, &gws, &dws, d.s())
+                    .unwrap()
+            );
+            let want: Vec<u32> = d.get(alone.y, t * n);
+            assert!(
+                got == want,
+                "T={t}: member {i} ({f:?} {n} x {k}): the group's output differs from its own call's"
+            );
+        }
+        println!(
+            "T={t}: members run through the shared operands: {:?}",
+            runs[0]
         );
     }
 }

@@ -18,7 +18,9 @@
 //! `--projection groups` (and the default, after the projections): the grouped launches the fast
 //! set runs up to `GROUP_MAX_T` tokens, a CSA layer's seven projections of its input u and its two
 //! of q_lora, one JSON line per (group, T, path): `grouped` (one launch) and `separate` (one
-//! call per member, as without grouping), with the members' weight bytes and GB/s.
+//! call per member, as without grouping), with the members' weight bytes and GB/s; from
+//! `GEMM_MIN_TOKENS`, `gemm_shared` (cuBLASLt with one operand per input and mode, as the fast set
+//! runs a group of many tokens) and `gemm_separate` (one call per member), with TFLOP/s.
 //!
 //! Timing: each case captures one call on each of R copies of the weight (together at least
 //! 256 MB, so the 50 MB L2 holds none of them between calls) into a CUDA graph, replays it G
@@ -215,8 +217,9 @@ pub fn run(
         fast_dense_gemm::gemm_shape(p.format, [128, 128], p.rows(), p.k, p.groups, p.mode)
     };
     // Each shape also with a BF16 output, for the GemmOnly { bf16_out } lines.
-    let gemm_shapes: Vec<GemmShape> = FLASH
+    let mut gemm_shapes: Vec<GemmShape> = FLASH
         .iter()
+        .chain(GROUPS.iter().flat_map(|(_, members)| members.iter()))
         .filter_map(gemm_shape)
         .flat_map(|s| {
             [
@@ -228,6 +231,8 @@ pub fn run(
             ]
         })
         .collect();
+    gemm_shapes.sort_by_key(|g| (g.n, g.k, g.kind as u8, g.out as u8));
+    gemm_shapes.dedup();
     let [codes, gscale] = fast_dense_gemm::gemm_workspace_sizes(&gemm_shapes, tmax);
     let grouped: Vec<_> = FLASH.iter().map(|p| (p.n, p.k, p.groups)).collect();
     let gweight = fast_dense_gemm::gemm_weight_bytes(&grouped);
@@ -256,7 +261,8 @@ pub fn run(
     let mut rng = Rng(0x5EED_D15E);
     if only.is_none_or(|o| o == "groups") {
         for (name, members) in GROUPS {
-            run_group(&ctx, &dense, &ws, s, &mut rng, name, members, tokens)?;
+            let lt = gemm.as_ref().map(|g| (g, &gws));
+            run_group(&ctx, &dense, &ws, lt, s, &mut rng, name, members, tokens)?;
         }
     }
     for p in FLASH.iter().filter(|p| only.is_none_or(|o| o == p.name)) {
@@ -613,13 +619,16 @@ pub fn run(
     Ok(())
 }
 
-/// Times one group of projections of the same input at every T up to `GROUP_MAX_T`: one grouped
-/// launch against one call per member.
+/// Times one group of projections of the same input: at every T up to `GROUP_MAX_T`, one grouped
+/// launch against one call per member; from `GEMM_MIN_TOKENS` (with cuBLASLt), the GEMMs with one
+/// operand per input and mode (`gemm_shared`, `run_gemm_group`, as the fast set runs a group)
+/// against one call per member (`gemm_separate`), each member on the path the fast set picks.
 #[allow(clippy::too_many_arguments)]
 fn run_group(
     ctx: &Context,
     dense: &FastDense,
     ws: &DenseWorkspace,
+    lt: Option<(&BlockScaledGemm, &GemmWorkspace)>,
     s: dsv4::cuda::stream::BorrowedStream,
     rng: &mut Rng,
     name: &str,
@@ -629,7 +638,13 @@ fn run_group(
     let k = members[0].k;
     let wbytes: usize = members.iter().map(Projection::weight_bytes).sum();
     let copies = (256usize << 20).div_ceil(wbytes).clamp(2, 64);
-    let tmax = fast_dense::GROUP_MAX_T;
+    let gemm_tokens = |t: &usize| *t >= fast_dense_gemm::GEMM_MIN_TOKENS && lt.is_some();
+    let tmax = tokens
+        .iter()
+        .copied()
+        .filter(|t| *t <= fast_dense::GROUP_MAX_T || gemm_tokens(t))
+        .max()
+        .unwrap_or(1);
     // Per member: `copies` weights, its scales and its output.
     let mut sizes = vec![tmax * k * 4];
     let mut data = Vec::new();
@@ -686,7 +701,12 @@ fn run_group(
             warp_split_max_t: fast_dense::WARP_SPLIT_MAX_T,
         }
     };
-    for &t in tokens.iter().filter(|&&t| t <= tmax) {
+    if let Some((gemm, gws)) = lt {
+        for &t in tokens.iter().filter(|t| gemm_tokens(t)) {
+            time_gemm_group(ctx, dense, ws, gemm, gws, s, name, members, copies, t, &op)?;
+        }
+    }
+    for &t in tokens.iter().filter(|&&t| t <= fast_dense::GROUP_MAX_T) {
         let ops =
             |copy: usize| -> Vec<DenseOp> { (0..members.len()).map(|i| op(i, copy, t)).collect() };
         let chosen = fast_dense::group_slices(&ops(0)).unwrap_or(0);
@@ -730,6 +750,69 @@ fn run_group(
             );
             std::io::stdout().flush().ok();
         }
+    }
+    Ok(())
+}
+
+/// The `gemm_shared` and `gemm_separate` lines of one group at `t` tokens (see [`run_group`]);
+/// `op(i, copy, t)` is member i on weight copy `copy`.
+#[allow(clippy::too_many_arguments)]
+fn time_gemm_group(
+    ctx: &Context,
+    dense: &FastDense,
+    ws: &DenseWorkspace,
+    gemm: &BlockScaledGemm,
+    gws: &GemmWorkspace,
+    s: dsv4::cuda::stream::BorrowedStream,
+    name: &str,
+    members: &[Projection],
+    copies: usize,
+    t: usize,
+    op: &dyn Fn(usize, usize, usize) -> DenseOp,
+) -> Result<(), String> {
+    let k = members[0].k;
+    let wbytes: usize = members.iter().map(Projection::weight_bytes).sum();
+    let flops: f64 = members.iter().map(|p| 2.0 * (t * p.n * p.k) as f64).sum();
+    // A member alone, as the fast set's try_linear runs it.
+    let alone = |o: &DenseOp| -> dsv4::Result<()> {
+        let pays =
+            fast_dense_gemm::gemm_shape(o.w.format, o.w.block, o.w.rows, o.w.cols, 1, o.mode)
+                .is_some_and(|g| fast_dense_gemm::gemm_pays(&g, 1, o.t));
+        if pays && fast_dense_gemm::run_gemm(dense, gemm, ctx, o, gws, ws, s)? {
+            return Ok(());
+        }
+        dense.run(ctx, o, ws, s)
+    };
+    for shared in [true, false] {
+        let call = |copy: usize| -> dsv4::Result<()> {
+            let ops: Vec<DenseOp> = (0..members.len()).map(|i| op(i, copy, t)).collect();
+            if !shared {
+                return ops.iter().try_for_each(alone);
+            }
+            let ran = fast_dense_gemm::run_gemm_group(dense, gemm, ctx, &ops, gws, ws, s)?;
+            ops.iter()
+                .zip(ran)
+                .filter(|(_, ran)| !ran)
+                .try_for_each(|(o, _)| alone(o))
+        };
+        let replays = 21;
+        let timing = time_graph(s, copies, replays, call)?;
+        let sec = timing.device_s;
+        println!(
+            "{{\"bench\": \"dense_group\", \"group\": \"{name}\", \"members\": {}, \"T\": {t}, \"K\": {k}, \"path\": \"{}\", \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"flops\": {flops:.4e}, \"tflop_per_s\": {:.2}, \"calls_timed\": {}}}",
+            members.len(),
+            if shared {
+                "gemm_shared"
+            } else {
+                "gemm_separate"
+            },
+            sec * 1e6,
+            timing.host_s * 1e6,
+            wbytes as f64 / sec / 1e9,
+            flops / sec / 1e12,
+            replays * copies,
+        );
+        std::io::stdout().flush().ok();
     }
     Ok(())
 }

@@ -18,7 +18,7 @@
 //! FP8 block-scaled GEMMs promote every 128 of k to apply the scales); tests/gpu_fast_dense.rs
 //! states and asserts the bound.
 
-use super::fast_dense::{ActMode, DenseOp, DenseWorkspace, FastDense, LtOperand};
+use super::fast_dense::{ActMode, DenseOp, DenseWorkspace, FastDense, GROUP_MAX, LtOperand};
 use crate::cuda::blockscaled_gemm::{BlockScaledGemm, GemmCall, GemmKind, GemmOut, GemmShape};
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
@@ -141,6 +141,87 @@ pub fn gemm_shape(
     s.supported().then_some(s)
 }
 
+/// The single-group GEMM shape of `op` and the tokens cuBLASLt takes of it (`m`), or None
+/// where it cannot run `op`: grouped weights ([`run_grouped`]), shapes cuBLASLt's block scaling
+/// does not cover, or an `m` without a planned algorithm. (Whether the GEMM pays at `op`'s
+/// tokens is [`gemm_pays`], the caller's rule.)
+fn single_gemm(gemm: &BlockScaledGemm, op: &DenseOp) -> Option<(GemmShape, usize)> {
+    let w = &op.w;
+    let shape = gemm_shape(w.format, w.block, w.rows, w.cols, op.groups, op.mode)?;
+    let m = op.t / M_GRANULE * M_GRANULE;
+    (op.groups == 1 && m > 0 && gemm.covers(&shape, m)).then_some((shape, m))
+}
+
+/// The activation operand of `op`'s first `m` tokens in the workspace, made by one
+/// `fd_lt_operand_kernel` launch: `(codes, scale)` (scale only for FP8), or None, having
+/// launched nothing, where the workspace is too small.
+fn make_operand(
+    dense: &FastDense,
+    ctx: &Context,
+    op: &DenseOp,
+    shape: &GemmShape,
+    m: usize,
+    ws: &GemmWorkspace,
+    stream: BorrowedStream,
+) -> Result<Option<(DevicePtr, Option<DevicePtr>)>> {
+    let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
+    let codes_bytes = m * shape.k * shape.operand_size();
+    let scale_bytes = m * shape.k / 128 * 4;
+    if ws.codes.bytes() < codes_bytes || (fp8 && ws.scale.bytes() < scale_bytes) {
+        return Ok(None);
+    }
+    let codes = ws.codes.slice(0, codes_bytes)?;
+    let scale = fp8.then(|| ws.scale.slice(0, scale_bytes)).transpose()?;
+    dense.lt_operand(
+        ctx,
+        &LtOperand {
+            x: op.x,
+            ldx: op.ldx,
+            t: m,
+            k: shape.k,
+            mode: op.mode,
+            codes,
+            scale: scale.unwrap_or(ws.scale),
+        },
+        stream,
+    )?;
+    Ok(Some((codes, scale)))
+}
+
+/// `op`'s GEMM from an operand [`make_operand`] made of the same x, then its rounding and its
+/// last tokens through the gemv; false, having written nothing to y, where cuBLASLt declines
+/// this exact m (the caller's gemv then runs `op`).
+#[allow(clippy::too_many_arguments)]
+fn gemm_from_operand(
+    dense: &FastDense,
+    gemm: &BlockScaledGemm,
+    ctx: &Context,
+    op: &DenseOp,
+    (shape, m): (GemmShape, usize),
+    (codes, scale): (DevicePtr, Option<DevicePtr>),
+    gemv_ws: &DenseWorkspace,
+    stream: BorrowedStream,
+) -> Result<bool> {
+    let call = GemmCall {
+        shape,
+        m,
+        w: op.w.data,
+        wscale: if scale.is_some() { op.w.scales } else { None },
+        a: codes,
+        ascale: scale,
+        y: op.y,
+        ldy: op.ldy,
+    };
+    if !gemm.run(ctx, &call, stream)? {
+        return Ok(false);
+    }
+    if op.round {
+        dense.round_bf16(ctx, op.y, op.ldy, m, shape.n, stream)?;
+    }
+    run_tail(dense, ctx, op, m, gemv_ws, stream)?;
+    Ok(true)
+}
+
 /// Runs `op` through cuBLASLt (its last `t % M_GRANULE` tokens through the gemv, with
 /// `gemv_ws`) and returns true, or returns false having run nothing that writes `y` (the
 /// caller's gemv runs it): see the module doc for what is declined.
@@ -154,64 +235,79 @@ pub fn run_gemm(
     stream: BorrowedStream,
 ) -> Result<bool> {
     let w = &op.w;
-    let Some(shape) = gemm_shape(w.format, w.block, w.rows, w.cols, op.groups, op.mode) else {
-        return Ok(false);
-    };
-    let m = op.t / M_GRANULE * M_GRANULE;
-    if m == 0 || !gemm.covers(&shape, m) {
-        return Ok(false);
-    }
     if op.groups > 1 {
-        if !run_grouped(dense, gemm, ctx, op, shape, m, ws, stream)? {
+        let Some(shape) = gemm_shape(w.format, w.block, w.rows, w.cols, op.groups, op.mode) else {
+            return Ok(false);
+        };
+        let m = op.t / M_GRANULE * M_GRANULE;
+        if m == 0
+            || !gemm.covers(&shape, m)
+            || !run_grouped(dense, gemm, ctx, op, shape, m, ws, stream)?
+        {
             return Ok(false);
         }
         return run_tail(dense, ctx, op, m, gemv_ws, stream).map(|()| true);
     }
-    let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
-    let codes_bytes = m * shape.k * shape.operand_size();
-    let scale_bytes = m * shape.k / 128 * 4;
-    if ws.codes.bytes() < codes_bytes || (fp8 && ws.scale.bytes() < scale_bytes) {
+    let Some(plan) = single_gemm(gemm, op) else {
         return Ok(false);
-    }
-    let codes = ws.codes.slice(0, codes_bytes)?;
-    let scale = if fp8 {
-        ws.scale.slice(0, scale_bytes)?
-    } else {
-        ws.scale
     };
-    dense.lt_operand(
-        ctx,
-        &LtOperand {
-            x: op.x,
-            ldx: op.ldx,
-            t: m,
-            k: shape.k,
-            mode: op.mode,
-            codes,
-            scale,
-        },
-        stream,
-    )?;
-    let call = GemmCall {
-        shape,
-        m,
-        w: w.data,
-        wscale: if fp8 { w.scales } else { None },
-        a: codes,
-        ascale: fp8.then_some(scale),
-        y: op.y,
-        ldy: op.ldy,
+    let Some(operand) = make_operand(dense, ctx, op, &plan.0, plan.1, ws, stream)? else {
+        return Ok(false);
     };
     // Declined only when the planned algorithm does not fit this exact m: the operand just
     // made is then unused (the workspace holds nothing else).
-    if !gemm.run(ctx, &call, stream)? {
-        return Ok(false);
+    gemm_from_operand(dense, gemm, ctx, op, plan, operand, gemv_ws, stream)
+}
+
+/// The members of a group of linears (`ops`, at most [`GROUP_MAX`]) that take the GEMM path
+/// (where cuBLASLt runs them and [`gemm_pays`]), with one operand for all members of the same input, K and mode: the
+/// attention sub-block's projections of u (wq_a and wkv: one FP8 operand; the compressors'
+/// wkv / wgate and weights_proj: one BF16 operand) and of the normed q_lora (wq_b and the
+/// indexer's wq_b). One operand a member cost a 4096-token prefill ~70 µs for u's FP8 operand and
+/// ~39 µs for each BF16 one (ncu). Each member gives the same bits as [`run_gemm`] gives it.
+/// Returns which members ran; the caller's gemv runs the others.
+pub fn run_gemm_group(
+    dense: &FastDense,
+    gemm: &BlockScaledGemm,
+    ctx: &Context,
+    ops: &[DenseOp],
+    ws: &GemmWorkspace,
+    gemv_ws: &DenseWorkspace,
+    stream: BorrowedStream,
+) -> Result<[bool; GROUP_MAX]> {
+    let mut ran = [false; GROUP_MAX];
+    let mut plans = [None; GROUP_MAX];
+    for (plan, op) in plans.iter_mut().zip(ops) {
+        *plan = single_gemm(gemm, op).filter(|(shape, _)| gemm_pays(shape, 1, op.t));
     }
-    if op.round {
-        dense.round_bf16(ctx, op.y, op.ldy, m, shape.n, stream)?;
+    let same_operand =
+        |a: &DenseOp, pa: &(GemmShape, usize), b: &DenseOp, pb: &(GemmShape, usize)| {
+            a.x.addr() == b.x.addr()
+                && a.ldx == b.ldx
+                && a.mode == b.mode
+                && pa.0.k == pb.0.k
+                && pa.0.kind == pb.0.kind
+                && pa.1 == pb.1
+        };
+    for i in 0..ops.len().min(GROUP_MAX) {
+        let Some(plan) = plans[i] else { continue };
+        if ran[i] {
+            continue;
+        }
+        let Some(operand) = make_operand(dense, ctx, &ops[i], &plan.0, plan.1, ws, stream)? else {
+            continue;
+        };
+        for j in i..ops.len().min(GROUP_MAX) {
+            let Some(pj) = plans[j] else { continue };
+            if !ran[j] && same_operand(&ops[i], &plan, &ops[j], &pj) {
+                ran[j] =
+                    gemm_from_operand(dense, gemm, ctx, &ops[j], pj, operand, gemv_ws, stream)?;
+                // A declined member is not offered the operand again.
+                plans[j] = ran[j].then_some(pj);
+            }
+        }
     }
-    run_tail(dense, ctx, op, m, gemv_ws, stream)?;
-    Ok(true)
+    Ok(ran)
 }
 
 /// The tokens from `m` on of `op` through the gemv (fewer than [`M_GRANULE`]).

@@ -30,7 +30,7 @@ use crate::cuda::kernels::fast_dense::{
     DenseOp, FUSED_ACT_MAX_T, FastDense, GROUP_MAX, GROUP_MAX_T,
 };
 use crate::cuda::kernels::fast_dense_gemm::{
-    GEMM_MIN_TOKENS, GemmWorkspace, gemm_pays, gemm_shape, run_gemm,
+    GEMM_MIN_TOKENS, GemmWorkspace, gemm_pays, gemm_shape, run_gemm, run_gemm_group,
 };
 use crate::cuda::kernels::fast_indexer::FastIndexer;
 use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared, Unsupported};
@@ -118,6 +118,27 @@ impl FastSet {
             ws,
             reported: AtomicBool::new(false),
         })
+    }
+
+    /// Runs `op` through cuBLASLt where that pays ([`gemm_pays`]) and cuBLASLt takes it, else
+    /// through the gemv; returns true.
+    fn linear_op(&self, ctx: &Context, op: &DenseOp, stream: BorrowedStream) -> Result<bool> {
+        if let Some((gemm, operand)) = &self.gemm
+            && gemm_shape(
+                op.w.format,
+                op.w.block,
+                op.w.rows,
+                op.w.cols,
+                op.groups,
+                op.mode,
+            )
+            .is_some_and(|shape| gemm_pays(&shape, op.groups, op.t))
+            && run_gemm(&self.dense, gemm, ctx, op, operand, &self.ws.dense, stream)?
+        {
+            return Ok(true);
+        }
+        self.dense.run(ctx, op, &self.ws.dense, stream)?;
+        Ok(true)
     }
 }
 
@@ -342,28 +363,15 @@ impl FastOps for FastSet {
         let Some(op) = dense_op(call, FUSED_ACT_MAX_T) else {
             return Ok(false);
         };
-        if let Some((gemm, operand)) = &self.gemm
-            && gemm_shape(
-                op.w.format,
-                op.w.block,
-                op.w.rows,
-                op.w.cols,
-                op.groups,
-                op.mode,
-            )
-            .is_some_and(|shape| gemm_pays(&shape, op.groups, op.t))
-            && run_gemm(&self.dense, gemm, ctx, &op, operand, &self.ws.dense, stream)?
-        {
-            return Ok(true);
-        }
-        self.dense.run(ctx, &op, &self.ws.dense, stream)?;
-        Ok(true)
+        self.linear_op(ctx, &op, stream)
     }
 
-    /// Up to [`GROUP_MAX_T`] tokens (below cuBLASLt's crossover, [`GEMM_MIN_TOKENS`]), one
-    /// grouped gemv launch runs a group whose every linear the gemv covers
-    /// ([`FastDense::group_covers`]) where it beats one call each ([`FastDense::group_pays`]);
-    /// otherwise each linear runs on its own.
+    /// From cuBLASLt's crossover ([`GEMM_MIN_TOKENS`]) a group whose every linear the dense
+    /// kernels cover runs its GEMMs with one operand per input, K and mode
+    /// ([`run_gemm_group`]), and the gemv the members below their crossover. Up to
+    /// [`GROUP_MAX_T`] tokens, one grouped gemv launch runs a group whose every linear the gemv
+    /// covers ([`FastDense::group_covers`]) where it beats one call each
+    /// ([`FastDense::group_pays`]). Otherwise each linear runs on its own.
     fn try_linear_group(
         &self,
         ctx: &Context,
@@ -373,20 +381,40 @@ impl FastOps for FastSet {
         let Some(first) = group.iter().next() else {
             return Ok(false);
         };
-        if first.t > GROUP_MAX_T || first.t >= GEMM_MIN_TOKENS || group.len() > GROUP_MAX {
+        let many = first.t >= GEMM_MIN_TOKENS;
+        if (!many && first.t > GROUP_MAX_T) || group.len() > GROUP_MAX {
             return Ok(false);
         }
-        let Some(first_op) = dense_op(first, GROUP_MAX_T) else {
+        let fused_act_max_t = if many { FUSED_ACT_MAX_T } else { GROUP_MAX_T };
+        let Some(first_op) = dense_op(first, fused_act_max_t) else {
             return Ok(false);
         };
         let mut ops = [first_op; GROUP_MAX];
         for (slot, call) in ops.iter_mut().zip(group.iter()).skip(1) {
-            let Some(op) = dense_op(call, GROUP_MAX_T) else {
+            let Some(op) = dense_op(call, fused_act_max_t) else {
                 return Ok(false);
             };
             *slot = op;
         }
         let members = &ops[..group.len()];
+        if many {
+            let Some((gemm, operand)) = &self.gemm else {
+                return Ok(false);
+            };
+            let ran = run_gemm_group(
+                &self.dense,
+                gemm,
+                ctx,
+                members,
+                operand,
+                &self.ws.dense,
+                stream,
+            )?;
+            for (op, _) in members.iter().zip(ran).filter(|(_, ran)| !ran) {
+                self.linear_op(ctx, op, stream)?;
+            }
+            return Ok(true);
+        }
         if !FastDense::group_covers(members) || !FastDense::group_pays(members) {
             return Ok(false);
         }
