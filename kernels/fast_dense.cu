@@ -100,21 +100,54 @@ DSV4_INLINE void fd_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, un
   }
 }
 
+// The official act_quant of one lane's four values of a (token, 128-block) whose largest |x| is amax:
+// the block's scale s = ue8m0(max(amax, 1e-4) / 448) and the e4m3 codes of clamp(x / s, ±448), byte i
+// for value i. The hardware's conversions give act_quant_kernel's values with fewer instructions (a
+// 4096-token prefill's operands took ~60 a value with the division and e4m3_round in software):
+// - x · 2^-e is x / 2^e: s is a power of two whose reciprocal is a float (e <= 127), so both are the
+//   correctly rounded value of the same real number.
+// - cvt.rn.satfinite.e4m3x2.f32 rounds to the nearest e4m3fn value, ties to even, subnormals
+//   included, and gives ±0 with x's sign below half the smallest subnormal: e4m3_round's grid; the
+//   clamp before it leaves nothing to saturate. NaN stays NaN (code 0x7f).
+DSV4_INLINE unsigned fd_quant_codes(float4 v4, float amax, float& s) {
+  const int e = ue8m0_exponent(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
+  s = dsv4_pow2(e);
+  const float inv = dsv4_pow2(-e);
+  const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+  float q[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    q[i] = v[i] * inv;
+    // Rust's clamp, as act_quant_kernel: NaN stays NaN.
+    q[i] = q[i] < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q[i] > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q[i]);
+  }
+  unsigned short lo, hi;
+  // The second source operand goes to the upper byte.
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(q[1]), "f"(q[0]));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(q[3]), "f"(q[2]));
+  return (unsigned)lo | ((unsigned)hi << 16);
+}
+
+// The largest |x| of a warp's 128 values, four a lane: every lane of the warp must call.
+DSV4_INLINE float fd_warp_amax(float4 v) {
+  return warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+}
+
 // The operands of one lane's four values of a (token, 128-block) in `mode` (module comment), and the
 // block's scale: every lane of the warp must call (the block's amax is a warp reduction).
 DSV4_INLINE void fd_operands(float4 v4, int mode, float& s, unsigned short (&h)[4]) {
   const float v[4] = {v4.x, v4.y, v4.z, v4.w};
-  const float amax = warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+  const float amax = fd_warp_amax(v4);
   s = 1.0f;
   if (mode == FD_ACT_QUANT) {
-    s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float q = v[i] / s;
-      // Rust's clamp, as act_quant_kernel: NaN stays NaN.
-      q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
-      h[i] = fd_f16_rn(e4m3_round(q));
-    }
+    // An e4m3 value is an f16 value: the conversion is exact.
+    const unsigned codes = fd_quant_codes(v4, amax, s);
+    const unsigned h01 = fd_e4m3x2_to_f16x2((unsigned short)(codes & 0xffffu));
+    const unsigned h23 = fd_e4m3x2_to_f16x2((unsigned short)(codes >> 16));
+    h[0] = (unsigned short)(h01 & 0xffffu);
+    h[1] = (unsigned short)(h01 >> 16);
+    h[2] = (unsigned short)(h23 & 0xffffu);
+    h[3] = (unsigned short)(h23 >> 16);
   } else if (mode == FD_ACT_F16) {
     if (amax > 0.0f && amax <= 3.0e38f) s = dsv4_pow2(max(dsv4_floor_log2(amax) - 14, -126));
 #pragma unroll
@@ -182,28 +215,18 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
 #pragma unroll
   for (int i = 0; i < FD_LT_ITEMS; ++i) {
     const long long item = first + i;
-    if (item >= items) break;  // uniform per warp: fd_operands' reduction needs every lane
+    if (item >= items) break;  // uniform per warp: the amax reduction needs every lane
     const int t = (int)(item / nb), b = (int)(item - (long long)t * nb);
-    float s;
-    unsigned short h[4];
-    fd_operands(v[i], mode, s, h);
     if (mode == FD_ACT_QUANT) {
-      // h holds f16 values of e4m3 numbers: the conversion back to e4m3 is exact.
-      unsigned packed = 0;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        unsigned short c;
-        asm("{\n .reg .f32 f;\n cvt.f32.f16 f, %1;\n cvt.rn.satfinite.e4m3x2.f32 %0, f, f;\n}\n"
-            : "=h"(c)
-            : "h"(h[j]));
-        packed |= (unsigned)(c & 0xffu) << (8 * j);
-      }
-      *reinterpret_cast<unsigned*>(codes + (long long)t * K + b * 128 + 4 * lane) = packed;
+      float s;
+      const unsigned q = fd_quant_codes(v[i], fd_warp_amax(v[i]), s);
+      *reinterpret_cast<unsigned*>(codes + (long long)t * K + b * 128 + 4 * lane) = q;
       if (lane == 0) scale[(long long)b * T + t] = s;
     } else {
+      // fd_operands' BF16 values, without its amax (a BF16 operand has no scale).
       uint2 packed;
-      packed.x = (unsigned)h[0] | ((unsigned)h[1] << 16);
-      packed.y = (unsigned)h[2] | ((unsigned)h[3] << 16);
+      packed.x = (unsigned)f32_to_bf16(v[i].x) | ((unsigned)f32_to_bf16(v[i].y) << 16);
+      packed.y = (unsigned)f32_to_bf16(v[i].z) | ((unsigned)f32_to_bf16(v[i].w) << 16);
       *reinterpret_cast<uint2*>(codes + ((long long)t * K + b * 128 + 4 * lane) * 2) = packed;
     }
   }

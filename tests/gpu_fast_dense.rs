@@ -603,6 +603,32 @@ fn act_quant_operands_are_the_reference_values_bit_for_bit() {
             );
         }
     }
+    // Its BF16 operand: bf16(x), nearest, ties to even.
+    let (_ba, bp) = d.alloc(&[t * k * 2]);
+    d.poison(bp[0]);
+    d.k.dense
+        .lt_operand(
+            d.ctx(),
+            &fast_dense::LtOperand {
+                x: p[0],
+                ldx: k,
+                t,
+                k,
+                mode: ActMode::Bf16,
+                codes: bp[0],
+                scale: lp[1],
+            },
+            d.s(),
+        )
+        .unwrap();
+    let bf: Vec<u16> = d.get(bp[0], t * k);
+    for (i, (&b, &v)) in bf.iter().zip(&x).enumerate() {
+        assert_eq!(
+            b,
+            half::bf16::from_f32(v).to_bits(),
+            "x[{i}] = {v}: BF16 operand"
+        );
+    }
 }
 
 #[test]
