@@ -192,11 +192,13 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
 
 // The activation operand of a cuBLASLt GEMM (many tokens; src/cuda/blockscaled_gemm.rs), a warp per
 // FD_LT_ITEMS consecutive (token, 128-block) items: QUANT: the e4m3 codes of the official act_quant
-// (fd_operands' values, as bytes) into codes [T, K] and its scale into scale [K / 128, T] (token-fastest,
-// cuBLASLt's VEC128_32F layout); BF16: bf16(x) (exact for BF16 values) into codes as [T, K] 16-bit. A warp
-// issues all of its items' loads before the first item's reduction: with one item a warp (a 16-byte load a
-// thread, then the block exits) the kernel moved ~1.2 TB/s (QUANT) and ~2.6 TB/s (BF16) of x and codes
-// (ncu, a 4096-token prefill). Grid ceil(T * K / 128 / (FD_WARPS * FD_LT_ITEMS)), FD_THREADS threads.
+// (fd_quant_codes: fd_operands' values, as bytes) into codes [T, K] and its scale into scale [K / 128, T]
+// (token-fastest, cuBLASLt's VEC128_32F layout); BF16: bf16(x) (exact for BF16 values) into codes as
+// [T, K] 16-bit. A warp issues all of its items' loads before the first item's reduction. With one item a
+// warp, the division and e4m3_round in software, the kernel moved ~1.2 TB/s (QUANT) and ~2.6 TB/s (BF16)
+// of x and codes (ncu, a 4096-token prefill); wo_b's whole call at 4096 tokens went 350 -> 312 us with
+// both changes (bench dense, one call; four items alone did not move it: the QUANT math was the cost).
+// Grid ceil(T * K / 128 / (FD_WARPS * FD_LT_ITEMS)), FD_THREADS threads.
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
     fd_lt_operand_kernel(const float* x, int ldx, int T, int K, int mode, unsigned char* codes, float* scale) {
   dsv4_pdl_begin();

@@ -2,7 +2,8 @@
 //! ([`crate::cuda::blockscaled_gemm`]) fed by `fd_lt_operand_kernel` (the official act_quant's
 //! e4m3 codes and scales, or BF16 values) and followed by `fd_round_bf16_kernel` where the
 //! model's output is BF16 (kernels/fast_dense.cu). Three launches a call (two without the
-//! rounding), against one gemv launch per 64 tokens that re-reads the weight each time.
+//! rounding), against one gemv launch per 64 tokens that re-reads the weight each time. The
+//! projections of one input share their operand ([`run_gemm_group`]).
 //!
 //! The same `DenseOp` as the gemv path; what this path cannot take (shapes cuBLASLt's block
 //! scaling does not cover, m without a planned algorithm) it declines and the gemv runs it.
