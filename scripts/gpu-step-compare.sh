@@ -4,7 +4,9 @@
 # usage: scripts/gpu-step-compare.sh LABEL=CLI [LABEL=CLI ...]
 #   e.g. scripts/gpu-step-compare.sh before=target/gpu-prev/dsv4 after=target/gpu-bin/dsv4
 # Each CLI runs `dsv4 bench --config $STEP_CONFIG --device cuda --tokens 4096 --decode-steps 16
-# --decode-batch 1,8 --graph 1` (STEP_ARGS replaces everything after the config). Writes
+# --decode-batch 1,8 --graph 1 --prefill-repeats 3` (STEP_ARGS replaces everything after the
+# config). Compare prefills by `prefill_ms_repeats_median`: an engine's first prefill
+# (`prefill_ms`) also pays one-time costs and moves by several ms from run to run. Writes
 # $OUT/step-LABEL.jsonl and $OUT/step.json ({date, gpu, command, runs: {LABEL: [lines]}}, the
 # file to commit as bench/results/<date>-step-<what>.json once its "note" says what each label
 # is).
@@ -14,7 +16,7 @@ OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 config=${STEP_CONFIG:-configs/flash-shaped-4-layers.json}
-args=${STEP_ARGS:---device cuda --tokens 4096 --decode-steps 16 --decode-batch 1,8 --graph 1}
+args=${STEP_ARGS:---device cuda --tokens 4096 --decode-steps 16 --decode-batch 1,8 --graph 1 --prefill-repeats 3}
 [ $# -ge 1 ] || { echo "usage: $0 LABEL=CLI [LABEL=CLI ...]" >&2; exit 2; }
 rc=0
 labels=()
@@ -42,6 +44,7 @@ json.dump(doc, open(f"{out}/step.json", "w"), indent=1)
 for l, rs in runs.items():
     for r in rs:
         print(f"{l}: decode batch {r.get('decode_batch')}: graph {r.get('graph_decode_ms_median')} ms, "
-              f"prefill {r.get('prefill_seqs')} x {r.get('prefill_tokens') // max(r.get('prefill_seqs') or 1, 1)}: {r.get('prefill_ms')} ms")
+              f"prefill {r.get('prefill_seqs')} x {r.get('prefill_tokens') // max(r.get('prefill_seqs') or 1, 1)}: "
+              f"{r.get('prefill_ms_repeats_median', '-')} ms repeated (first {r.get('prefill_ms')} ms)")
 PY
 exit $rc
