@@ -570,24 +570,22 @@ fn act_quant_operands_are_the_reference_values_bit_for_bit() {
     }
     // cuBLASLt's operand (fd_lt_operand_kernel, several items a warp: 37 x 8 items leave the
     // last warp part of its share) holds the same values: e4m3 bytes [t, k], scales [k/128, t].
-    let (_la, lp) = d.alloc(&[t * k, t * k / 128 * 4]);
-    d.poison(lp[0]);
-    d.poison(lp[1]);
-    d.k.dense
-        .lt_operand(
-            d.ctx(),
-            &fast_dense::LtOperand {
-                x: p[0],
-                ldx: k,
-                t,
-                k,
-                mode: ActMode::Quant,
-                codes: lp[0],
-                scale: lp[1],
-            },
-            d.s(),
-        )
-        .unwrap();
+    let (_la, lp) = d.alloc(&[t * k, t * k / 128 * 4, t * k * 2]);
+    let lt_operand = |mode, codes| {
+        d.poison(codes);
+        d.poison(lp[1]);
+        let op = fast_dense::LtOperand {
+            x: p[0],
+            ldx: k,
+            t,
+            k,
+            mode,
+            codes,
+            scale: lp[1],
+        };
+        d.k.dense.lt_operand(d.ctx(), &op, d.s()).unwrap();
+    };
+    lt_operand(ActMode::Quant, lp[0]);
     let codes: Vec<u8> = d.get(lp[0], t * k);
     let lt_scales: Vec<f32> = d.get(lp[1], t * k / 128);
     for ti in 0..t {
@@ -604,24 +602,8 @@ fn act_quant_operands_are_the_reference_values_bit_for_bit() {
         }
     }
     // Its BF16 operand: bf16(x), nearest, ties to even.
-    let (_ba, bp) = d.alloc(&[t * k * 2]);
-    d.poison(bp[0]);
-    d.k.dense
-        .lt_operand(
-            d.ctx(),
-            &fast_dense::LtOperand {
-                x: p[0],
-                ldx: k,
-                t,
-                k,
-                mode: ActMode::Bf16,
-                codes: bp[0],
-                scale: lp[1],
-            },
-            d.s(),
-        )
-        .unwrap();
-    let bf: Vec<u16> = d.get(bp[0], t * k);
+    lt_operand(ActMode::Bf16, lp[2]);
+    let bf: Vec<u16> = d.get(lp[2], t * k);
     for (i, (&b, &v)) in bf.iter().zip(&x).enumerate() {
         assert_eq!(
             b,
