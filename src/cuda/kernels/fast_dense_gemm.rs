@@ -261,12 +261,12 @@ pub fn run_gemm(
 }
 
 /// The members of a group of linears (`ops`, at most [`GROUP_MAX`]) that take the GEMM path
-/// (where cuBLASLt runs them and [`gemm_pays`]), with one operand for all members of the same input, K and mode: the
-/// attention sub-block's projections of u (wq_a and wkv: one FP8 operand; the compressors'
-/// wkv / wgate and weights_proj: one BF16 operand) and of the normed q_lora (wq_b and the
-/// indexer's wq_b). One operand a member cost a 4096-token prefill ~70 µs for u's FP8 operand and
-/// ~39 µs for each BF16 one (ncu). Each member gives the same bits as [`run_gemm`] gives it.
-/// Returns which members ran; the caller's gemv runs the others.
+/// (where cuBLASLt runs them and [`gemm_pays`]), with one operand for all members of the same
+/// input, K and mode: the attention sub-block's projections of u (wq_a and wkv: one FP8
+/// operand; the compressors' wkv / wgate and weights_proj: one BF16 operand) and of the normed
+/// q_lora (wq_b and the indexer's wq_b). One operand a member cost a 4096-token prefill ~70 µs
+/// for u's FP8 operand and ~39 µs for each BF16 one (ncu). Each member gives the same bits as
+/// [`run_gemm`] gives it. Returns which members ran; the caller runs the others.
 pub fn run_gemm_group(
     dense: &FastDense,
     gemm: &BlockScaledGemm,
