@@ -774,15 +774,7 @@ fn time_gemm_group(
     let wbytes: usize = members.iter().map(Projection::weight_bytes).sum();
     let flops: f64 = members.iter().map(|p| 2.0 * (t * p.n * p.k) as f64).sum();
     // A member alone, as the fast set's try_linear runs it.
-    let alone = |o: &DenseOp| -> dsv4::Result<()> {
-        let pays =
-            fast_dense_gemm::gemm_shape(o.w.format, o.w.block, o.w.rows, o.w.cols, 1, o.mode)
-                .is_some_and(|g| fast_dense_gemm::gemm_pays(&g, 1, o.t));
-        if pays && fast_dense_gemm::run_gemm(dense, gemm, ctx, o, gws, ws, s)? {
-            return Ok(());
-        }
-        dense.run(ctx, o, ws, s)
-    };
+    let alone = |o: &DenseOp| fast_dense_gemm::run_linear(dense, Some((gemm, gws)), ctx, o, ws, s);
     for shared in [true, false] {
         let call = |copy: usize| -> dsv4::Result<()> {
             let ops: Vec<DenseOp> = (0..members.len()).map(|i| op(i, copy, t)).collect();

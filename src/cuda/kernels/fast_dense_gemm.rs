@@ -260,6 +260,28 @@ pub fn run_gemm(
     gemm_from_operand(dense, gemm, ctx, op, plan, operand, gemv_ws, stream)
 }
 
+/// Runs `op` as the fast set runs a linear: through cuBLASLt where that pays ([`gemm_pays`]) and
+/// cuBLASLt takes it (`lt`: the planner and its operand workspace, None without cuBLASLt), else
+/// through the gemv.
+pub fn run_linear(
+    dense: &FastDense,
+    lt: Option<(&BlockScaledGemm, &GemmWorkspace)>,
+    ctx: &Context,
+    op: &DenseOp,
+    gemv_ws: &DenseWorkspace,
+    stream: BorrowedStream,
+) -> Result<()> {
+    let w = &op.w;
+    if let Some((gemm, ws)) = lt
+        && gemm_shape(w.format, w.block, w.rows, w.cols, op.groups, op.mode)
+            .is_some_and(|shape| gemm_pays(&shape, op.groups, op.t))
+        && run_gemm(dense, gemm, ctx, op, ws, gemv_ws, stream)?
+    {
+        return Ok(());
+    }
+    dense.run(ctx, op, gemv_ws, stream)
+}
+
 /// The members of a group of linears (`ops`, at most [`GROUP_MAX`]) that take the GEMM path
 /// (where cuBLASLt runs them and [`gemm_pays`]), with one operand for all members of the same
 /// input, K and mode: the attention sub-block's projections of u (wq_a and wkv: one FP8

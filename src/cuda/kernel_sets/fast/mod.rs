@@ -30,7 +30,7 @@ use crate::cuda::kernels::fast_dense::{
     DenseOp, FUSED_ACT_MAX_T, FastDense, GROUP_MAX, GROUP_MAX_T,
 };
 use crate::cuda::kernels::fast_dense_gemm::{
-    GEMM_MIN_TOKENS, GemmWorkspace, gemm_pays, gemm_shape, run_gemm, run_gemm_group,
+    GEMM_MIN_TOKENS, GemmWorkspace, run_gemm_group, run_linear,
 };
 use crate::cuda::kernels::fast_indexer::FastIndexer;
 use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared, Unsupported};
@@ -65,7 +65,7 @@ pub struct FastSet {
     attention: FastAttention,
     indexer: FastIndexer,
     dense: FastDense,
-    /// cuBLASLt's GEMMs for projections of many tokens ([`gemm_pays`]); None when the
+    /// cuBLASLt's GEMMs for projections of many tokens ([`run_linear`]); None when the
     /// engine's token capacity stays below that or cuBLASLt cannot be loaded (said at WARN):
     /// the gemv runs every projection then.
     gemm: Option<(BlockScaledGemm, GemmWorkspace)>,
@@ -120,24 +120,11 @@ impl FastSet {
         })
     }
 
-    /// Runs `op` through cuBLASLt where that pays ([`gemm_pays`]) and cuBLASLt takes it, else
+    /// Runs `op` through cuBLASLt where that pays and cuBLASLt takes it ([`run_linear`]), else
     /// through the gemv; returns true.
     fn linear_op(&self, ctx: &Context, op: &DenseOp, stream: BorrowedStream) -> Result<bool> {
-        if let Some((gemm, operand)) = &self.gemm
-            && gemm_shape(
-                op.w.format,
-                op.w.block,
-                op.w.rows,
-                op.w.cols,
-                op.groups,
-                op.mode,
-            )
-            .is_some_and(|shape| gemm_pays(&shape, op.groups, op.t))
-            && run_gemm(&self.dense, gemm, ctx, op, operand, &self.ws.dense, stream)?
-        {
-            return Ok(true);
-        }
-        self.dense.run(ctx, op, &self.ws.dense, stream)?;
+        let lt = self.gemm.as_ref().map(|(gemm, operand)| (gemm, operand));
+        run_linear(&self.dense, lt, ctx, op, &self.ws.dense, stream)?;
         Ok(true)
     }
 }
