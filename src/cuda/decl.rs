@@ -26,7 +26,8 @@
 //! Parameter types ([`Param`]): `*const T` / `*mut T` take a [`DevicePtr`]; `Option<*const T>`
 //! / `Option<*mut T>` take an `Option<DevicePtr>` (None passes NULL: the kernel treats the
 //! pointer as optional); `i32`, `i64`, `u64`, `f32` take themselves; `bool` is a C `int` flag
-//! taking a Rust bool (0/1). `T` is `f32`, `f64`, `i32`, `u16`, `u32`, `u64`, `u8` or `c_void`.
+//! taking a Rust bool (0/1); [`TmaMapParam`] is a tensor map by value (`const __grid_constant__
+//! DsvTmaMap`), taking a [`TmaMap`]. `T` is `f32`, `f64`, `i32`, `u16`, `u32`, `u64`, `u8` or `c_void`.
 //!
 //! The `unsafe` launch lives in [`Launcher::launch`] only. What it relies on: the argument
 //! layout (guaranteed by the declaration, checked against the kernel source in CI), and the
@@ -35,7 +36,7 @@
 
 use super::arena::DevicePtr;
 use super::registry::{Kernel, KernelFn, Registry};
-use super::stream::{BorrowedStream, Dim3, KernelArgs, launch_clustered};
+use super::stream::{BorrowedStream, Dim3, KernelArgs, TmaMap, launch_clustered};
 use crate::error::Result;
 use std::ffi::c_void;
 use std::marker::PhantomData;
@@ -47,8 +48,20 @@ pub trait Param {
     const C: &'static str;
     /// What a launch passes for it.
     type Arg: Copy + std::fmt::Debug;
-    /// The argument's 8-byte kernel-argument slot (see [`KernelArgs`]).
-    fn slot(a: Self::Arg) -> u64;
+    /// Appends the argument to a launch's arguments (see [`KernelArgs`]).
+    fn push(a: Self::Arg, args: &mut KernelArgs);
+}
+
+/// A tensor map passed by value: the kernel's `const __grid_constant__ DsvTmaMap` parameter
+/// (kernels/fast_fp8_gemm.cu), 128 bytes.
+pub struct TmaMapParam;
+
+impl Param for TmaMapParam {
+    const C: &'static str = "const __grid_constant__ DsvTmaMap";
+    type Arg = TmaMap;
+    fn push(m: TmaMap, args: &mut KernelArgs) {
+        args.tma_map(&m);
+    }
 }
 
 macro_rules! scalar_param {
@@ -56,8 +69,8 @@ macro_rules! scalar_param {
         impl Param for $t {
             const C: &'static str = $c;
             type Arg = $t;
-            fn slot($v: $t) -> u64 {
-                $slot
+            fn push($v: $t, args: &mut KernelArgs) {
+                args.u64($slot);
             }
         }
     )*};
@@ -77,29 +90,29 @@ macro_rules! pointer_param {
         impl Param for *const $t {
             const C: &'static str = concat!("const ", $c, "*");
             type Arg = DevicePtr;
-            fn slot(p: DevicePtr) -> u64 {
-                p.addr()
+            fn push(p: DevicePtr, args: &mut KernelArgs) {
+                args.u64(p.addr());
             }
         }
         impl Param for *mut $t {
             const C: &'static str = concat!($c, "*");
             type Arg = DevicePtr;
-            fn slot(p: DevicePtr) -> u64 {
-                p.addr()
+            fn push(p: DevicePtr, args: &mut KernelArgs) {
+                args.u64(p.addr());
             }
         }
         impl Param for Option<*const $t> {
             const C: &'static str = <*const $t as Param>::C;
             type Arg = Option<DevicePtr>;
-            fn slot(p: Option<DevicePtr>) -> u64 {
-                p.map_or(0, DevicePtr::addr)
+            fn push(p: Option<DevicePtr>, args: &mut KernelArgs) {
+                args.u64(p.map_or(0, DevicePtr::addr));
             }
         }
         impl Param for Option<*mut $t> {
             const C: &'static str = <*mut $t as Param>::C;
             type Arg = Option<DevicePtr>;
-            fn slot(p: Option<DevicePtr>) -> u64 {
-                p.map_or(0, DevicePtr::addr)
+            fn push(p: Option<DevicePtr>, args: &mut KernelArgs) {
+                args.u64(p.map_or(0, DevicePtr::addr));
             }
         }
     )*};
@@ -194,7 +207,7 @@ impl<A: KernelDecl> Launcher<A> {
         let mut a = KernelArgs::new();
         args.pack(&mut a);
         debug_assert_eq!(a.len(), A::FN.params.len());
-        // SAFETY: `A` was generated from the kernel's declaration, so `a` holds one slot per
+        // SAFETY: `A` was generated from the kernel's declaration, so `a` holds one argument per
         // parameter in the kernel's order with the declared C types (tests/kernel_decls.rs
         // checks each declaration against the `extern "C" __global__` signature in the .cu
         // source); the pointers' extents were checked by the calling wrapper.
@@ -290,7 +303,7 @@ macro_rules! kernel_family {
                     const FAMILY: &'static str = $family;
                     const FN: $crate::cuda::registry::KernelFn = FN;
                     fn pack(&self, a: &mut $crate::cuda::stream::KernelArgs) {
-                        $(a.u64(<$ty as Param>::slot(self.$arg));)*
+                        $(<$ty as Param>::push(self.$arg, a);)*
                     }
                 }
             }

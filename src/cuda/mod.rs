@@ -51,7 +51,7 @@ pub use context::{Context, CurrentGuard, DeviceInfo, arch_for};
 pub use registry::{
     CacheOutcome, Kernel, KernelCache, KernelFn, KernelSource, Registry, RegistryStats,
 };
-pub use stream::{BorrowedStream, Dim3, KernelArgs, OwnedStream, launch};
+pub use stream::{BorrowedStream, Dim3, KernelArgs, OwnedStream, TmaMap, launch};
 
 use crate::error::{Error, Result, Status};
 use cudarc::driver::result::DriverError;

@@ -122,18 +122,41 @@ impl From<(u32, u32, u32)> for Dim3 {
 /// Most parameters one kernel may take through [`KernelArgs`].
 pub const MAX_KERNEL_ARGS: usize = 40;
 
-/// Kernel parameters in declaration order, each a scalar of at most 8 bytes stored in its
-/// own 8-byte slot (the driver reads `sizeof(param)` bytes from the slot's start, which on
-/// little-endian hosts is the value). Fixed capacity: building args allocates nothing.
+/// 8-byte slots [`KernelArgs`] holds: every parameter's, and the [`TMA_MAP_SLOTS`] of each
+/// tensor map passed by value ([`KernelArgs::tma_map`]) at a 64-byte boundary.
+const ARG_SLOTS: usize = 96;
+
+/// Slots of one tensor map parameter (a `CUtensorMap`: 128 bytes).
+pub const TMA_MAP_SLOTS: usize = 16;
+
+/// A `CUtensorMap` as `cuTensorMapEncodeTiled` wrote it, passed to a kernel by value (a
+/// `const __grid_constant__ DsvTmaMap` parameter, kernels/fast_fp8_gemm.cu): the map lives in
+/// the launch's parameter space, so it needs no device memory and no copy before the launch,
+/// and a captured graph keeps it with the node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C, align(64))]
+pub struct TmaMap(pub [u64; TMA_MAP_SLOTS]);
+
+/// Kernel parameters in declaration order. A scalar of at most 8 bytes is stored in its own
+/// 8-byte slot (the driver reads `sizeof(param)` bytes from the slot's start, which on
+/// little-endian hosts is the value); a tensor map in [`TMA_MAP_SLOTS`] consecutive slots from
+/// a 64-byte boundary (its C type's alignment). Fixed capacity: building args allocates
+/// nothing.
 ///
 /// ```ignore
 /// let mut a = KernelArgs::new();
 /// a.ptr(out).ptr(inp).i32(n).f32(eps);
 /// ```
 #[derive(Clone)]
+#[repr(C, align(64))]
 pub struct KernelArgs {
-    slots: [u64; MAX_KERNEL_ARGS],
+    slots: [u64; ARG_SLOTS],
+    /// The first slot of each parameter.
+    starts: [u8; MAX_KERNEL_ARGS],
+    /// Parameters pushed.
     len: usize,
+    /// Slots used.
+    used: usize,
 }
 
 impl Default for KernelArgs {
@@ -145,19 +168,34 @@ impl Default for KernelArgs {
 impl KernelArgs {
     pub fn new() -> KernelArgs {
         KernelArgs {
-            slots: [0; MAX_KERNEL_ARGS],
+            slots: [0; ARG_SLOTS],
+            starts: [0; MAX_KERNEL_ARGS],
             len: 0,
+            used: 0,
         }
     }
 
-    fn push(&mut self, v: u64) -> &mut Self {
+    /// Records a parameter of `words` slots starting at slot `at`.
+    fn push_words(&mut self, at: usize, words: &[u64]) -> &mut Self {
         assert!(
-            self.len < MAX_KERNEL_ARGS,
-            "more than {MAX_KERNEL_ARGS} kernel arguments"
+            self.len < MAX_KERNEL_ARGS && at + words.len() <= ARG_SLOTS,
+            "more than {MAX_KERNEL_ARGS} kernel arguments or {ARG_SLOTS} argument slots"
         );
-        self.slots[self.len] = v;
+        self.slots[at..at + words.len()].copy_from_slice(words);
+        self.starts[self.len] = at as u8;
         self.len += 1;
+        self.used = at + words.len();
         self
+    }
+
+    fn push(&mut self, v: u64) -> &mut Self {
+        self.push_words(self.used, &[v])
+    }
+
+    /// A tensor map by value (`const __grid_constant__ DsvTmaMap`): 128 bytes from the next
+    /// 64-byte boundary of the slots (the struct is 64-byte aligned).
+    pub fn tma_map(&mut self, m: &TmaMap) -> &mut Self {
+        self.push_words(self.used.next_multiple_of(8), &m.0)
     }
 
     /// A device pointer (`T*` in the kernel).
@@ -190,6 +228,7 @@ impl KernelArgs {
         self.push(v as u64)
     }
 
+    /// Parameters pushed.
     pub fn len(&self) -> usize {
         self.len
     }
@@ -274,10 +313,12 @@ pub unsafe fn launch_clustered(
             "dynamic shared memory above what the registry configured",
         ));
     }
-    let mut slots = args.slots;
+    // A copy the driver reads from, 64-byte aligned like `args` (a tensor map's slots start
+    // on a 64-byte boundary of it).
+    let mut own = args.clone();
     let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_KERNEL_ARGS];
-    for (p, s) in ptrs.iter_mut().zip(slots.iter_mut()).take(args.len) {
-        *p = s as *mut u64 as *mut c_void;
+    for (p, &at) in ptrs.iter_mut().zip(&own.starts).take(own.len) {
+        *p = (&mut own.slots[at as usize]) as *mut u64 as *mut c_void;
     }
     // A programmatic dependent (KernelFn::pdl) may start before the previous kernel on the
     // stream has finished, and waits for it itself (kernels/common.cuh dsv4_pdl_begin);
@@ -332,7 +373,7 @@ pub unsafe fn launch_clustered(
         (r, "cuLaunchKernelEx")
     } else {
         // SAFETY: the caller guarantees the arguments match the kernel; `ptrs` points into
-        // `slots`, which outlives the call (cuLaunchKernel copies the values before returning).
+        // `own`, which outlives the call (cuLaunchKernel copies the values before returning).
         let r = unsafe {
             sys::cuLaunchKernel(
                 kernel.func,
@@ -389,6 +430,27 @@ mod tests {
         // The first 4 bytes of a slot are the 32-bit value (what the driver copies).
         let b = a.slots[1].to_ne_bytes();
         assert_eq!(i32::from_ne_bytes([b[0], b[1], b[2], b[3]]), -2);
+    }
+
+    /// A tensor map takes 16 slots from a 64-byte boundary; the parameters around it keep one
+    /// slot each, and each parameter's start is where the driver will read it.
+    #[test]
+    fn tensor_maps_take_sixteen_aligned_slots() {
+        let map = |b: u64| TmaMap(std::array::from_fn(|i| b + i as u64));
+        let mut a = KernelArgs::new();
+        a.tma_map(&map(100)).tma_map(&map(200)).ptr(7u64).i32(3);
+        assert_eq!(a.len(), 4);
+        assert_eq!(&a.starts[..4], &[0, 16, 32, 33]);
+        assert_eq!(&a.slots[..16], &map(100).0);
+        assert_eq!(&a.slots[16..32], &map(200).0);
+        assert_eq!((a.slots[32], a.slots[33]), (7, 3));
+        // After a scalar, the next map starts at the next multiple of 8 slots (64 bytes).
+        let mut b = KernelArgs::new();
+        b.i32(1).tma_map(&map(0)).i32(2);
+        assert_eq!(&b.starts[..3], &[0, 8, 24]);
+        let base = b.slots.as_ptr() as usize;
+        assert_eq!(base % 64, 0, "the slots start 64-byte aligned");
+        assert_eq!((base + 8 * b.starts[1] as usize) % 64, 0);
     }
 
     #[test]
