@@ -5,8 +5,8 @@
 //! CUBIN cache key).
 
 use super::kernels::{
-    attention, batch, compressor, fast_attention, fast_dense, fast_indexer, fast_moe,
-    fast_moe_gemm, fast_moe_wide, indexer, linear, mhc, moe, norm_rope,
+    attention, batch, compressor, fast_attention, fast_dense, fast_fp8_gemm, fast_indexer,
+    fast_moe, fast_moe_gemm, fast_moe_wide, indexer, linear, mhc, moe, norm_rope,
 };
 use super::kv_pages;
 use super::smoke;
@@ -103,6 +103,10 @@ pub const SHARED: &[Shared] = shared! {
     "FMOE_MAP_S1" = Int(fast_moe_gemm::Map::S1 as i64) from "fast_moe_gemm::Map::S1";
     "FMOE_MAP_S3" = Int(fast_moe_gemm::Map::S3 as i64) from "fast_moe_gemm::Map::S3";
     "FMOE_MAP_S2" = Int(fast_moe_gemm::Map::S2 as i64) from "fast_moe_gemm::Map::S2";
+    // fast_fp8_gemm.cu.
+    "FFG_STAGES_N128" = Int(fast_fp8_gemm::TileN::N128.stages() as i64) from "fast_fp8_gemm::TileN::stages";
+    "FFG_STAGES_N256" = Int(fast_fp8_gemm::TileN::N256.stages() as i64) from "fast_fp8_gemm::TileN::stages";
+    "FFG_SMEM_BYTES" = Int(fast_fp8_gemm::SMEM_BYTES as i64) from "fast_fp8_gemm::SMEM_BYTES";
     // fast_moe_wide.cu.
     "FMW_TOKENS" = Int(fast_moe_wide::TOKENS as i64) from "fast_moe_wide::TOKENS";
     "FMW_STAGES" = Int(fast_moe_wide::STAGES as i64) from "fast_moe_wide::STAGES";

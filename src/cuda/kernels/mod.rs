@@ -7,6 +7,7 @@ pub mod compressor;
 pub mod fast_attention;
 pub mod fast_dense;
 pub mod fast_dense_gemm;
+pub mod fast_fp8_gemm;
 pub mod fast_indexer;
 pub mod fast_moe;
 pub mod fast_moe_gemm;
@@ -67,6 +68,7 @@ pub static FAST_FAMILIES: &[&KernelSource] = &[
     &fast_attention::SOURCE,
     &fast_indexer::SOURCE,
     &fast_dense::SOURCE,
+    &fast_fp8_gemm::SOURCE,
     &fast_moe::SOURCE,
     &fast_moe_gemm::SOURCE,
     &fast_moe_wide::SOURCE,

@@ -1,0 +1,246 @@
+//! Rust side of the `fast_fp8_gemm` kernel family (kernels/fast_fp8_gemm.cu): the fast set's own
+//! FP8 block-scaled GEMM for projections of many tokens (issue 12), on exactly the operands
+//! cuBLASLt's block-scaled GEMM takes ([`GemmCall`]: e4m3 codes of the activations with an f32
+//! scale per token and 128 of k, e4m3 weight codes with 128 x 128 f32 block scales, f32 output),
+//! so either runs from the same `fd_lt_operand_kernel` operand
+//! ([`super::fast_dense_gemm`] picks). What it adds: a persistent kernel whose producer runs ahead
+//! across tiles, so that a short K (1024: 8 blocks a tile) keeps the tensor cores fed while a
+//! tile's outputs leave, and the outputs' bf16 rounding in its epilogue instead of a pass.
+//!
+//! The tensor maps of both operands are encoded on the host for each call and passed by value
+//! ([`TmaMap`], a `__grid_constant__` parameter): no device memory, nothing to rebuild at refit
+//! (a map holds the weight's address, which never moves), and a captured graph keeps them.
+
+use super::fast_moe_gemm::{MAP_BYTES, TensorElem, encode_2d};
+use super::{need, to_i32};
+use crate::cuda::Context;
+use crate::cuda::blockscaled_gemm::{GemmCall, GemmKind, GemmOut};
+use crate::cuda::decl::TmaMapParam;
+use crate::cuda::stream::{BorrowedStream, TMA_MAP_SLOTS, TmaMap};
+use crate::error::{Error, Result, Status};
+
+/// Tokens of a tile (two consumer warpgroups of 64).
+pub const TILE_M: usize = 128;
+/// k of a stage: one 128-block of the scales.
+pub const BLOCK_K: usize = 128;
+/// Threads of a block: two consumer warpgroups and a producer warpgroup.
+pub const THREADS: usize = 3 * 128;
+
+/// Outputs of a tile: the two entry points of the family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TileN {
+    /// 128 outputs (`ffg_gemm_kernel`).
+    N128,
+    /// 256 outputs (`ffg_gemm_n256_kernel`): the activations cross L2 and shared memory half as
+    /// often per output; the two 128-output halves run one after the other.
+    N256,
+}
+
+impl TileN {
+    pub const ALL: [TileN; 2] = [TileN::N128, TileN::N256];
+
+    pub fn outputs(self) -> usize {
+        match self {
+            TileN::N128 => 128,
+            TileN::N256 => 256,
+        }
+    }
+
+    /// Slots of the ring (FFG_STAGES_N128 / FFG_STAGES_N256): as many as the shared memory holds.
+    /// At K = 1024 a tile has 8 stages, so the ring holds most of the next tile when this one's
+    /// epilogue starts.
+    pub const fn stages(self) -> usize {
+        match self {
+            TileN::N128 => 6,
+            TileN::N256 => 4,
+        }
+    }
+
+    /// Bytes of one slot: the tile's token codes and weight codes over 128 k, the tokens' 128
+    /// scales and the weight rows' block scales, rounded up to the 128-byte swizzle's 1024.
+    const fn slot_bytes(self) -> usize {
+        let outputs = match self {
+            TileN::N128 => 128,
+            TileN::N256 => 256,
+        };
+        (TILE_M * BLOCK_K + outputs * BLOCK_K + TILE_M * 4 + 16).div_ceil(1024) * 1024
+    }
+
+    /// Shared memory of its ring and mbarriers.
+    const fn smem_bytes(self) -> usize {
+        self.stages() * self.slot_bytes() + 2 * self.stages() * 8
+    }
+}
+
+/// The tile the fast set runs. Not yet measured against [`TileN::N256`] (`dsv4 bench dense`'s
+/// `own_fp8_gemm_only` lines time both).
+pub const DEFAULT_TILE_N: TileN = TileN::N128;
+
+/// Dynamic shared memory of a block, the larger layout's (FFG_SMEM_BYTES; the kernel checks both
+/// fit).
+pub const SMEM_BYTES: usize = {
+    let (a, b) = (TileN::N128.smem_bytes(), TileN::N256.smem_bytes());
+    if a > b { a } else { b }
+};
+const _: () = assert!(
+    SMEM_BYTES <= 227 * 1024,
+    "an sm_90 block takes at most 227 KiB"
+);
+
+crate::kernel_family! {
+    /// The family as the registry compiles and loads it.
+    pub const SOURCE = "fast_fp8_gemm", include_str!("../../../kernels/fast_fp8_gemm.cu");
+
+    /// `y = Σ_b (a_b · W_bᵀ) · sa[b] · sw[b]` (bf16-rounded where `round`), [`GemmCall`]'s
+    /// operands, tiles of 128 outputs; `a_map` / `w_map` over the codes ([`FastFp8Gemm::run`]
+    /// encodes them). Grid: up to one block an SM, [`THREADS`] threads.
+    #[smem(SMEM_BYTES as u32)]
+    #[pdl(true)]
+    fn ffg_gemm_kernel(
+        a_map: TmaMapParam, w_map: TmaMapParam, sa: *const f32, sw: *const f32, m: i32, n: i32,
+        k: i32, round: bool, y: *mut f32, ldy: i32,
+    );
+    /// The same with tiles of 256 outputs.
+    #[smem(SMEM_BYTES as u32)]
+    #[pdl(true)]
+    fn ffg_gemm_n256_kernel(
+        a_map: TmaMapParam, w_map: TmaMapParam, sa: *const f32, sw: *const f32, m: i32, n: i32,
+        k: i32, round: bool, y: *mut f32, ldy: i32,
+    );
+}
+
+crate::launchers! {
+    /// The family's entry point, resolved from a loaded registry.
+    pub struct FastFp8Gemm {
+        n128: ffg_gemm_kernel,
+        n256: ffg_gemm_n256_kernel,
+    }
+}
+
+/// A tensor map over a row-major `[rows, k]` matrix of e4m3 codes at `addr`: boxes of 128 bytes
+/// x `box_rows` rows in the 128-byte swizzle (wgmma's K-major layout), rows past `rows` read as
+/// zeros.
+fn codes_map(addr: u64, rows: usize, k: usize, box_rows: usize) -> Result<TmaMap> {
+    let boxd = [BLOCK_K as u32, box_rows as u32];
+    let bytes: [u8; MAP_BYTES] = encode_2d(addr, TensorElem::U8, [k, rows], boxd, true)?;
+    let mut words = [0u64; TMA_MAP_SLOTS];
+    for (w, b) in words.iter_mut().zip(bytes.chunks_exact(8)) {
+        *w = u64::from_ne_bytes(b.try_into().expect("8 bytes"));
+    }
+    Ok(TmaMap(words))
+}
+
+impl FastFp8Gemm {
+    /// Whether the kernel with `tile` takes `call`: FP8 block-scaled with both scales, f32
+    /// output, N a multiple of the tile's outputs, K of [`BLOCK_K`], m a positive multiple of 4
+    /// (the scales' rows are copied 16 bytes at a time), the codes 16-byte aligned (TMA) and y's
+    /// rows 8-byte aligned (the epilogue stores output pairs).
+    pub fn takes(call: &GemmCall, tile: TileN) -> bool {
+        let s = &call.shape;
+        s.kind == GemmKind::Fp8BlockScaled
+            && s.out == GemmOut::F32
+            && call.wscale.is_some()
+            && call.ascale.is_some()
+            && s.n > 0
+            && s.n.is_multiple_of(tile.outputs())
+            && s.k > 0
+            && s.k.is_multiple_of(BLOCK_K)
+            && call.m > 0
+            && call.m.is_multiple_of(4)
+            && call.ldy >= s.n
+            && call.ldy.is_multiple_of(2)
+            && call.y.addr().is_multiple_of(8)
+            && call.a.addr().is_multiple_of(16)
+            && call.w.addr().is_multiple_of(16)
+            && call.ascale.is_some_and(|p| p.addr().is_multiple_of(16))
+    }
+
+    /// The tile the fast set runs `call` with: [`DEFAULT_TILE_N`] where it takes the call, else
+    /// the other one where that does, else None (cuBLASLt runs it).
+    pub fn tile_for(call: &GemmCall) -> Option<TileN> {
+        [DEFAULT_TILE_N, TileN::N128, TileN::N256]
+            .into_iter()
+            .find(|&tile| Self::takes(call, tile))
+    }
+
+    /// Enqueues `call` (which [`Self::takes`] must accept for `tile`), its outputs rounded to
+    /// bf16 values when `round`: one launch of up to one block an SM.
+    pub fn run(
+        &self,
+        ctx: &Context,
+        call: &GemmCall,
+        tile: TileN,
+        round: bool,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const WHO: &str = "ffg_gemm_kernel";
+        let (Some(ascale), Some(wscale)) = (call.ascale, call.wscale) else {
+            return Err(Error::new(Status::Internal, format!("{WHO}: no scales")));
+        };
+        if !Self::takes(call, tile) {
+            return Err(Error::new(
+                Status::Internal,
+                format!(
+                    "{WHO}: a call it does not take with {tile:?} ({:?}, m = {}, ldy = {})",
+                    call.shape, call.m, call.ldy
+                ),
+            ));
+        }
+        let (m, n, k) = (call.m, call.shape.n, call.shape.k);
+        need(WHO, "a", call.a, m * k)?;
+        need(WHO, "w", call.w, n * k)?;
+        need(WHO, "ascale", ascale, k / BLOCK_K * m * 4)?;
+        need(WHO, "wscale", wscale, n / 128 * (k / BLOCK_K) * 4)?;
+        need(WHO, "y", call.y, ((m - 1) * call.ldy + n) * 4)?;
+        let args = ffg_gemm_kernel::Args {
+            a_map: codes_map(call.a.addr(), m, k, TILE_M)?,
+            w_map: codes_map(call.w.addr(), n, k, tile.outputs())?,
+            sa: ascale,
+            sw: wscale,
+            m: to_i32(WHO, "m", m)?,
+            n: to_i32(WHO, "n", n)?,
+            k: to_i32(WHO, "k", k)?,
+            round,
+            y: call.y,
+            ldy: to_i32(WHO, "ldy", call.ldy)?,
+        };
+        let tiles = m.div_ceil(TILE_M) * (n / tile.outputs());
+        let grid = tiles.clamp(1, ctx.info().multiprocessors.max(1) as usize) as u32;
+        let (threads, smem) = (THREADS as u32, SMEM_BYTES as u32);
+        let _g = ctx.enter()?;
+        match tile {
+            TileN::N128 => self.n128.launch(grid, threads, smem, stream, args),
+            TileN::N256 => {
+                let a = ffg_gemm_n256_kernel::Args {
+                    a_map: args.a_map,
+                    w_map: args.w_map,
+                    sa: args.sa,
+                    sw: args.sw,
+                    m: args.m,
+                    n: args.n,
+                    k: args.k,
+                    round: args.round,
+                    y: args.y,
+                    ldy: args.ldy,
+                };
+                self.n256.launch(grid, threads, smem, stream, a)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 128 outputs: six slots of 33 KiB (two 16 KiB code tiles, 528 bytes of scales, rounded to
+    /// 1 KiB) and twelve mbarriers; 256 outputs: four of 49 KiB and eight mbarriers. The block
+    /// takes the larger.
+    #[test]
+    fn rings_fit_and_slots_are_swizzle_aligned() {
+        assert_eq!(TileN::N128.smem_bytes(), 6 * 33 * 1024 + 96);
+        assert_eq!(TileN::N256.smem_bytes(), 4 * 49 * 1024 + 64);
+        assert_eq!(SMEM_BYTES, TileN::N128.smem_bytes());
+        assert_eq!((TILE_M * BLOCK_K) % 1024, 0);
+    }
+}
