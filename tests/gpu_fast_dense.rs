@@ -33,18 +33,20 @@ use common::gpu::{Dev, family_gpu, print_kernel_resources};
 use common::rng::Rng;
 use dsv4::cuda::DevicePtr;
 use dsv4::cuda::kernels::fast_dense::{self, ActMode, DenseOp, DenseWorkspace, FastDense, Shape};
+use dsv4::cuda::kernels::fast_fp8_gemm::{self, FastFp8Gemm, TileN};
 use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat, WeightDev};
 use std::sync::Mutex;
 
 struct Kernels {
     dense: FastDense,
     lin: Linear,
+    fp8: FastFp8Gemm,
 }
 
 /// The device with both families, or None after the skip line. Tests share one device and run
 /// one at a time (their timings and memory stay apart).
 fn dev() -> Option<Dev<Kernels>> {
-    let g = family_gpu(&[&linear::SOURCE, &fast_dense::SOURCE])?;
+    let g = family_gpu(&[&linear::SOURCE, &fast_dense::SOURCE, &fast_fp8_gemm::SOURCE])?;
     static PRINTED: std::sync::Once = std::sync::Once::new();
     PRINTED.call_once(|| print_kernel_resources(&g.reg));
     Some(Dev::new(
@@ -52,6 +54,7 @@ fn dev() -> Option<Dev<Kernels>> {
         Kernels {
             dense: FastDense::new(&g.reg).unwrap(),
             lin: Linear::new(&g.reg).unwrap(),
+            fp8: FastFp8Gemm::new(&g.reg).unwrap(),
         },
     ))
 }
@@ -987,7 +990,15 @@ fn gemm_for(
 /// bound above; returns the largest error relative to A (f32 outputs) and the largest fraction of
 /// BF16 outputs that differ. A grouped case (wo_a) runs a BF16 GEMM a group on its dequantized
 /// weight: BF16 products (the weights' power-of-two scales keep them exact), the BF16 bound.
-fn check_gemm_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> (f64, f64) {
+/// `own`: the FP8 GEMMs through our kernel ([`FastFp8Gemm`], where it takes them) instead of
+/// cuBLASLt; the same bound holds (see `own_fp8_gemm_matches_a_host_sum`).
+fn check_gemm_case(
+    d: &Dev<Kernels>,
+    rng: &mut Rng,
+    c: &Case,
+    ts: &[usize],
+    own: bool,
+) -> (f64, f64) {
     let (width, outs) = (c.groups * c.k, c.groups * c.n);
     let hw = HostWeight::random(rng, c.format, outs, c.k);
     let (_wa, w) = hw.upload(d);
@@ -1020,6 +1031,7 @@ fn check_gemm_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> (
         GemmKind::Bf16 => (c.k / 16 + 4) as f64 * 2f64.powi(-23),
     };
     let (mut worst, mut worst_differ) = (0f64, 0f64);
+    let path = if own { "own FP8 GEMM" } else { "GEMM" };
     for &t in ts {
         let x = activations(rng, t, width);
         let xabs: Vec<f32> = x.iter().map(|v| v.abs()).collect();
@@ -1040,9 +1052,10 @@ fn check_gemm_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> (
         };
         d.poison(py);
         d.poison(py2);
+        let o = own.then_some(&d.k.fp8);
         for y in [py, py2] {
             let ran =
-                fast_dense_gemm::run_gemm(&d.k.dense, &gemm, d.ctx(), &op(y), &gws, &dws, d.s())
+                fast_dense_gemm::run_gemm(&d.k.dense, &gemm, o, d.ctx(), &op(y), &gws, &dws, d.s())
                     .unwrap();
             assert!(ran, "{}: T={t}: the GEMM path declined", c.name);
         }
@@ -1053,19 +1066,18 @@ fn check_gemm_case(d: &Dev<Kernels>, rng: &mut Rng, c: &Case, ts: &[usize]) -> (
         common::assert_bits(&format!("{}: T={t}: rerun", c.name), &again, &got);
         let want: Vec<f32> = d.get(pr, t * outs);
         let abs: Vec<f32> = d.get(pabs, t * outs);
-        let label = format!("{} (GEMM)", c.name);
+        let label = format!("{} ({path})", c.name);
         let (differ, w) = compare(c, &label, t, (outs, ldy), &got, &want, &abs, e_rel);
         worst = worst.max(w);
         let frac = differ as f64 / (t * outs) as f64;
         worst_differ = worst_differ.max(if c.round { frac } else { 0.0 });
         println!(
-            "{} (GEMM): T={t}: {differ} of {} outputs differ from the reference",
-            c.name,
+            "{label}: T={t}: {differ} of {} outputs differ from the reference",
             t * outs
         );
     }
     println!(
-        "{} (GEMM): largest |Δ| / Σ|a·w| (f32 outputs) {worst:.3e}; bound {e_rel:.3e}; BF16 outputs differing at most {:.2}%",
+        "{} ({path}): largest |Δ| / Σ|a·w| (f32 outputs) {worst:.3e}; bound {e_rel:.3e}; BF16 outputs differing at most {:.2}%",
         c.name,
         100.0 * worst_differ
     );
@@ -1139,12 +1151,16 @@ fn gemm_projections_match_the_reference() {
         } else {
             &[16, 17, 64, 129, 1000]
         };
-        let (_, differ) = check_gemm_case(&d, &mut rng, &c, ts);
-        assert!(
-            differ <= 0.25,
-            "{name}: {:.1}% of the BF16 outputs differ from the reference",
-            100.0 * differ
-        );
+        // FP8 single-group cases also through our kernel (it declines N % 128 != 0: cuBLASLt).
+        let own_too = format == StorageFormat::Fp8 && groups == 1;
+        for own in [false, true].into_iter().filter(|&own| !own || own_too) {
+            let (_, differ) = check_gemm_case(&d, &mut rng, &c, ts, own);
+            assert!(
+                differ <= 0.25,
+                "{name} (own: {own}): {:.1}% of the BF16 outputs differ from the reference",
+                100.0 * differ
+            );
+        }
     }
 }
 
@@ -1195,7 +1211,11 @@ fn gemm_groups_share_operands_and_give_each_members_bits() {
         .collect();
     let (_a, p) = d.alloc(&sizes);
     let x = p[0];
-    for t in [64, 129, 300] {
+    // With cuBLASLt for every member, then as the fast set runs them: FP8 through our kernel.
+    for (t, own) in [64, 129, 300]
+        .into_iter()
+        .flat_map(|t| [(t, None), (t, Some(&d.k.fp8))])
+    {
         d.put(x, &activations(&mut rng, t, k));
         let ops: Vec<DenseOp> = members
             .iter()
@@ -1235,6 +1255,7 @@ fn gemm_groups_share_operands_and_give_each_members_bits() {
             let ran = fast_dense_gemm::run_gemm_group(
                 &d.k.dense,
                 &gemm,
+                own,
                 d.ctx(),
                 &ops,
                 &gws,
@@ -1269,8 +1290,17 @@ fn gemm_groups_share_operands_and_give_each_members_bits() {
             };
             d.poison(alone.y);
             assert!(
-                fast_dense_gemm::run_gemm(&d.k.dense, &gemm, d.ctx(), &alone, &gws, &dws, d.s())
-                    .unwrap()
+                fast_dense_gemm::run_gemm(
+                    &d.k.dense,
+                    &gemm,
+                    own,
+                    d.ctx(),
+                    &alone,
+                    &gws,
+                    &dws,
+                    d.s()
+                )
+                .unwrap()
             );
             let want: Vec<u32> = d.get(alone.y, t * n);
             assert!(
@@ -1279,7 +1309,8 @@ fn gemm_groups_share_operands_and_give_each_members_bits() {
             );
         }
         println!(
-            "T={t}: members run through the shared operands: {:?}",
+            "T={t} (own FP8 GEMM: {}): members run through the shared operands: {:?}",
+            own.is_some(),
             runs[0]
         );
     }
@@ -1335,9 +1366,292 @@ fn the_gemm_path_declines_what_it_does_not_cover() {
     for t in [t, fast_dense_gemm::M_GRANULE - 1] {
         let op = DenseOp { t, ..op };
         assert!(
-            !fast_dense_gemm::run_gemm(&d.k.dense, &gemm, d.ctx(), &op, &gws, &dws, d.s()).unwrap()
+            !fast_dense_gemm::run_gemm(&d.k.dense, &gemm, None, d.ctx(), &op, &gws, &dws, d.s())
+                .unwrap()
         );
         let y: Vec<u32> = d.get(p[1], t * n);
         assert!(y.iter().all(|&b| b == u32::MAX), "a declined call wrote y");
     }
+}
+
+// ---- Our FP8 GEMM (kernels/fast_fp8_gemm.cu) against an exact host sum ----
+//
+// The same bound as cuBLASLt's above: each 128-block summed by four chained wgmma k32 steps
+// (2^-10 of the running |sum| a step: 2^-8 · A_block), then added to an f32 accumulator times its
+// two power-of-two scales by one FFMA (one f32 rounding a block: K/128 · 2^-24 · A), so
+// E = (2^-8 + (K/128 + 4) · 2^-24) · A; bf16-rounded outputs: |Δ| ≤ E + 2^-8 (|got| + |exact|).
+
+use dsv4::cuda::blockscaled_gemm::{GemmCall, GemmOut};
+
+/// The value of an e4m3fn code (NaN codes excluded by the callers).
+fn e4m3_value(c: u8) -> f64 {
+    let sign = if c & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = (((c >> 3) & 0xf) as i32, (c & 7) as f64);
+    sign * if e == 0 {
+        m * 2f64.powi(-9)
+    } else {
+        (1.0 + m / 8.0) * 2f64.powi(e - 7)
+    }
+}
+
+/// `n` random e4m3fn codes, NaN excluded.
+fn e4m3_codes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    (0..n)
+        .map(|_| {
+            loop {
+                let c = (rng.u64() & 0xff) as u8;
+                if c & 0x7f != 0x7f {
+                    break c;
+                }
+            }
+        })
+        .collect()
+}
+
+/// The kernel alone on operands made here (codes and power-of-two scales over a wide range, in
+/// cuBLASLt's layouts: `[m, k]` codes with `[k / 128, m]` scales, `[n, k]` codes with
+/// `[n / 128, k / 128]` block scales) against the exact sum in f64, with both tiles where N
+/// allows: partial token tiles, one tile, a long K, and more tiles than SMs (the persistent
+/// blocks loop over tiles and the ring wraps across them); outputs past n (a strided y) and rows
+/// past m keep their poison, and a rerun gives the same bits.
+#[test]
+fn own_fp8_gemm_matches_a_host_sum() {
+    let Some(d) = dev() else { return };
+    let _s = serial();
+    let mut rng = Rng::from_env("own_fp8_gemm_matches_a_host_sum");
+    let sms = d.ctx().info().multiprocessors as usize;
+    for (m, n, k, round) in [
+        (4usize, 128usize, 128usize, false),
+        (260, 384, 1024, true),
+        (132, 256, 4096, false),
+        (1040, 3840, 256, true),
+        (1000, 512, 1024, false),
+    ] {
+        let (kb, ldy) = (k / 128, n + 8);
+        let a = e4m3_codes(&mut rng, m * k);
+        let w = e4m3_codes(&mut rng, n * k);
+        let sa: Vec<f32> = (0..kb * m)
+            .map(|_| 2f32.powi(-(rng.below(12) as i32)))
+            .collect();
+        let sw: Vec<f32> = (0..n / 128 * kb)
+            .map(|_| 2f32.powi(-(4 + rng.below(9) as i32)))
+            .collect();
+        // The exact outputs and Σ|a·w| of each, in f64 (every product and partial sum exact).
+        let av: Vec<f64> = a.iter().map(|&c| e4m3_value(c)).collect();
+        let wv: Vec<f64> = w.iter().map(|&c| e4m3_value(c)).collect();
+        let (mut exact, mut abs) = (vec![0f64; m * n], vec![0f64; m * n]);
+        for t in 0..m {
+            for j in 0..n {
+                for b in 0..kb {
+                    let (mut s, mut sabs) = (0f64, 0f64);
+                    for c in b * 128..(b + 1) * 128 {
+                        let prod = av[t * k + c] * wv[j * k + c];
+                        s += prod;
+                        sabs += prod.abs();
+                    }
+                    let scale = sa[b * m + t] as f64 * sw[(j / 128) * kb + b] as f64;
+                    exact[t * n + j] += s * scale;
+                    abs[t * n + j] += sabs * scale;
+                }
+            }
+        }
+        let (_arena, p) = d.alloc(&[
+            a.len(),
+            w.len(),
+            sa.len() * 4,
+            sw.len() * 4,
+            (m + 4) * ldy * 4,
+            (m + 4) * ldy * 4,
+        ]);
+        d.put(p[0], &a);
+        d.put(p[1], &w);
+        d.put(p[2], &sa);
+        d.put(p[3], &sw);
+        let call = |y: DevicePtr| GemmCall {
+            shape: GemmShape {
+                kind: GemmKind::Fp8BlockScaled,
+                n,
+                k,
+                out: GemmOut::F32,
+            },
+            m,
+            w: p[1],
+            wscale: Some(p[3]),
+            a: p[0],
+            ascale: Some(p[2]),
+            y,
+            ldy,
+        };
+        let e_rel = 2f64.powi(-8) + (kb + 4) as f64 * 2f64.powi(-24);
+        for tile in TileN::ALL {
+            let label = format!("{m} x {n} x {k} ({tile:?})");
+            if !n.is_multiple_of(tile.outputs()) {
+                assert!(!FastFp8Gemm::takes(&call(p[4]), tile), "{label}: taken");
+                continue;
+            }
+            assert!(FastFp8Gemm::takes(&call(p[4]), tile), "{label}: declined");
+            for y in [p[4], p[5]] {
+                d.poison(y);
+                d.k.fp8.run(d.ctx(), &call(y), tile, round, d.s()).unwrap();
+            }
+            let got: Vec<f32> = d.get(p[4], (m + 4) * ldy);
+            let again: Vec<f32> = d.get(p[5], (m + 4) * ldy);
+            common::assert_bits(&format!("{label}: rerun"), &again, &got);
+            let mut worst = 0f64;
+            for t in 0..m + 4 {
+                for j in 0..ldy {
+                    let g = got[t * ldy + j];
+                    if t >= m || j >= n {
+                        assert_eq!(
+                            g.to_bits(),
+                            u32::MAX,
+                            "{label}: y[{t}, {j}] outside the outputs was written"
+                        );
+                        continue;
+                    }
+                    let (x, sum_abs) = (exact[t * n + j], abs[t * n + j]);
+                    let e = e_rel * sum_abs;
+                    let allowed = if round {
+                        assert_eq!(
+                            g.to_bits() & 0xffff,
+                            0,
+                            "{label}: y[{t}, {j}] = {g} is not a bf16 value"
+                        );
+                        e + 2f64.powi(-8) * ((g as f64).abs() + x.abs())
+                    } else {
+                        e
+                    };
+                    let diff = (g as f64 - x).abs();
+                    assert!(
+                        diff <= allowed,
+                        "{label}: y[{t}, {j}] = {g}, exact {x}, bound {allowed:e} (Σ|a·w| = {sum_abs:e})"
+                    );
+                    if sum_abs > 0.0 && !round {
+                        worst = worst.max(diff / sum_abs);
+                    }
+                }
+            }
+            let tiles = m.div_ceil(fast_fp8_gemm::TILE_M) * (n / tile.outputs());
+            println!(
+                "own FP8 GEMM {label} (round {round}): {tiles} tiles on {sms} SMs, largest |Δ| / Σ|a·w| {worst:.3e}, bound {e_rel:.3e}"
+            );
+        }
+    }
+}
+
+/// What the kernel does not take ([`FastFp8Gemm::takes`]) it refuses before launching, naming
+/// itself, and writes nothing; the GEMM path then runs cuBLASLt.
+#[test]
+fn own_fp8_gemm_declines_what_it_does_not_take() {
+    let Some(d) = dev() else { return };
+    let _s = serial();
+    let (m, n, k) = (8, 256, 256);
+    let (_arena, p) = d.alloc(&[
+        m * k,
+        n * k,
+        k / 128 * m * 4,
+        n / 128 * k / 128 * 4,
+        m * n * 4 + 8,
+    ]);
+    let call = GemmCall {
+        shape: GemmShape {
+            kind: GemmKind::Fp8BlockScaled,
+            n,
+            k,
+            out: GemmOut::F32,
+        },
+        m,
+        w: p[1],
+        wscale: Some(p[3]),
+        a: p[0],
+        ascale: Some(p[2]),
+        y: p[4],
+        ldy: n,
+    };
+    assert!(FastFp8Gemm::takes(&call, TileN::N128) && FastFp8Gemm::takes(&call, TileN::N256));
+    let shape = call.shape;
+    for (what, bad) in [
+        (
+            "N not a multiple of 128",
+            GemmCall {
+                shape: GemmShape { n: 192, ..shape },
+                ..call
+            },
+        ),
+        (
+            "K not a multiple of 128",
+            GemmCall {
+                shape: GemmShape { k: 192, ..shape },
+                ..call
+            },
+        ),
+        ("m not a multiple of 4", GemmCall { m: 6, ..call }),
+        ("no tokens", GemmCall { m: 0, ..call }),
+        ("odd ldy", GemmCall { ldy: n + 1, ..call }),
+        (
+            "y not 8-byte aligned",
+            GemmCall {
+                y: p[4].slice(4, m * n * 4).unwrap(),
+                ..call
+            },
+        ),
+        (
+            "BF16 operands",
+            GemmCall {
+                shape: GemmShape {
+                    kind: GemmKind::Bf16,
+                    ..shape
+                },
+                ..call
+            },
+        ),
+        (
+            "BF16 output",
+            GemmCall {
+                shape: GemmShape {
+                    out: GemmOut::Bf16,
+                    ..shape
+                },
+                ..call
+            },
+        ),
+        (
+            "no weight scales",
+            GemmCall {
+                wscale: None,
+                ..call
+            },
+        ),
+    ] {
+        assert!(FastFp8Gemm::tile_for(&bad).is_none(), "{what}: taken");
+        d.poison(p[4]);
+        let err =
+            d.k.fp8
+                .run(d.ctx(), &bad, TileN::N128, true, d.s())
+                .unwrap_err();
+        assert!(
+            err.message.contains("ffg_gemm_kernel"),
+            "{what}: {}",
+            err.message
+        );
+        let y: Vec<u32> = d.get(p[4], m * n);
+        assert!(y.iter().all(|&b| b == u32::MAX), "{what}: y was written");
+    }
+    // 384 outputs: the 128-output tile only.
+    let n384 = GemmCall {
+        shape: GemmShape { n: 384, ..shape },
+        ..call
+    };
+    assert!(FastFp8Gemm::takes(&n384, TileN::N128) && !FastFp8Gemm::takes(&n384, TileN::N256));
+    assert_eq!(FastFp8Gemm::tile_for(&n384), Some(TileN::N128));
+    // A y too small for m rows: refused by the extent checks.
+    let short = GemmCall {
+        y: p[4].slice(0, (m - 1) * n * 4).unwrap(),
+        ..call
+    };
+    let err =
+        d.k.fp8
+            .run(d.ctx(), &short, TileN::N128, false, d.s())
+            .unwrap_err();
+    assert!(err.message.contains("`y`"), "{}", err.message);
 }

@@ -10,7 +10,11 @@
 //! grouped einsum) also run the GEMM path (`path: "cublaslt"`: operand kernel, cuBLASLt, BF16
 //! rounding where the model rounds: the whole call, as the fast set runs it) and the cuBLASLt
 //! GEMM alone (`"cublaslt_gemm_only"`, and `"cublaslt_gemm_only_bf16_out"` writing BF16
-//! instead of f32: what a consumer reading BF16 would save); the gemv lines are `path: "gemv"`.
+//! instead of f32: what a consumer reading BF16 would save); the FP8 ones our own GEMM takes also
+//! run the GEMM path with it (`"own_fp8_gemm"`: operand kernel, kernels/fast_fp8_gemm.cu with the
+//! rounding in its epilogue, the fast set's tile) and it alone (`"own_fp8_gemm_only"`, tiles of
+//! 128 outputs, and `"own_fp8_gemm_only_n256"`, of 256; f32 out: cuBLASLt-alone's work); the gemv
+//! lines are `path: "gemv"`.
 //! Together they are the crossover table (which path the fast set should take at each T).
 //! `--lt-candidates N` adds `dense_lt_candidate` lines: cuBLASLt alone with each of its first N
 //! algorithms for the shape, both outputs.
@@ -20,7 +24,8 @@
 //! of q_lora, one JSON line per (group, T, path): `grouped` (one launch) and `separate` (one
 //! call per member, as without grouping), with the members' weight bytes and GB/s; from
 //! `GEMM_MIN_TOKENS`, `gemm_shared` (cuBLASLt with one operand per input and mode, as the fast set
-//! runs a group of many tokens) and `gemm_separate` (one call per member), with TFLOP/s.
+//! runs a group of many tokens) and `gemm_separate` (one call per member), with TFLOP/s, each
+//! also with the FP8 members through our own GEMM (`_own_fp8` suffix: as the fast set runs them).
 //!
 //! Timing: each case captures one call on each of R copies of the weight (together at least
 //! 256 MB, so the 50 MB L2 holds none of them between calls) into a CUDA graph, replays it G
@@ -37,6 +42,7 @@ use dsv4::cuda::kernels::fast_dense::{
     self, ActMode, DenseOp, DenseWorkspace, FastDense, Shape, TOKENS,
 };
 use dsv4::cuda::kernels::fast_dense_gemm::{self, GemmWorkspace};
+use dsv4::cuda::kernels::fast_fp8_gemm::{self, FastFp8Gemm, TileN};
 use dsv4::cuda::kernels::linear::{StorageFormat, WeightDev};
 use dsv4::cuda::read_probe::{self, ReadProbe};
 use dsv4::cuda::registry::{KernelCache, Registry};
@@ -121,8 +127,12 @@ enum Path {
     /// split inside the blocks where `fast_dense::warp_split` takes the launch (`warp_split`:
     /// the default) or never (across blocks, path `gemv_cross_split`).
     Gemv { fused: bool, warp_split: bool },
-    /// The fast set's GEMM path: operand kernel, cuBLASLt, BF16 rounding.
-    Gemm,
+    /// The fast set's GEMM path: operand kernel, cuBLASLt and its BF16 rounding pass (`own`:
+    /// false), or our FP8 GEMM with the rounding in its epilogue (`own`: true, FP8 shapes only).
+    Gemm { own: bool },
+    /// Our FP8 GEMM alone with tiles of `tile` outputs on an operand made beforehand, writing f32
+    /// without rounding: the same work as `GemmOnly { bf16_out: false }`.
+    OwnOnly { tile: TileN },
     /// cuBLASLt alone on an operand made beforehand, writing f32 (`bf16_out`: false, what the
     /// fast set runs) or BF16 (what a consumer reading BF16 would let the call write instead of
     /// f32 and its rounding pass).
@@ -136,7 +146,10 @@ impl Path {
                 warp_split: false, ..
             } => "gemv_cross_split",
             Path::Gemv { .. } => "gemv",
-            Path::Gemm => "cublaslt",
+            Path::Gemm { own: false } => "cublaslt",
+            Path::Gemm { own: true } => "own_fp8_gemm",
+            Path::OwnOnly { tile: TileN::N128 } => "own_fp8_gemm_only",
+            Path::OwnOnly { tile: TileN::N256 } => "own_fp8_gemm_only_n256",
             Path::GemmOnly { bf16_out: false } => "cublaslt_gemm_only",
             Path::GemmOnly { bf16_out: true } => "cublaslt_gemm_only_bf16_out",
         }
@@ -175,11 +188,16 @@ pub fn run(
     let s = stream.borrow();
     let reg = Registry::load_families(
         &ctx,
-        &[&fast_dense::SOURCE, &read_probe::SOURCE],
+        &[
+            &fast_dense::SOURCE,
+            &fast_fp8_gemm::SOURCE,
+            &read_probe::SOURCE,
+        ],
         &KernelCache::new(None),
     )
     .map_err(e)?;
     let dense = FastDense::new(&reg).map_err(e)?;
+    let own = FastFp8Gemm::new(&reg).map_err(e)?;
     let probe = ReadProbe::new(&reg).map_err(e)?;
     let sms = ctx.info().multiprocessors.max(1) as usize;
     // A word a probe block: the most blocks of a linear probe, or of a row probe (a block a 128-row
@@ -262,7 +280,9 @@ pub fn run(
     if only.is_none_or(|o| o == "groups") {
         for (name, members) in GROUPS {
             let lt = gemm.as_ref().map(|g| (g, &gws));
-            run_group(&ctx, &dense, &ws, lt, s, &mut rng, name, members, tokens)?;
+            run_group(
+                &ctx, &dense, &ws, lt, &own, s, &mut rng, name, members, tokens,
+            )?;
         }
     }
     for p in FLASH.iter().filter(|p| only.is_none_or(|o| o == p.name)) {
@@ -338,7 +358,10 @@ pub fn run(
                         warp_split: false,
                     },
                 ),
-                (t, Path::Gemm),
+                (t, Path::Gemm { own: false }),
+                (t, Path::Gemm { own: true }),
+                (t, Path::OwnOnly { tile: TileN::N128 }),
+                (t, Path::OwnOnly { tile: TileN::N256 }),
                 (t, Path::GemmOnly { bf16_out: false }),
                 (t, Path::GemmOnly { bf16_out: true }),
             ]
@@ -366,10 +389,26 @@ pub fn run(
                 // (A grouped weight's GEMMs take the operand and weight of each group in turn:
                 // no GEMM-only timing.)
                 Path::GemmOnly { .. } if p.groups > 1 => false,
-                Path::Gemm | Path::GemmOnly { bf16_out: false } => {
+                Path::Gemm { own: false } | Path::GemmOnly { bf16_out: false } => {
                     t >= blockscaled_gemm::MIN_M
                         && t.is_multiple_of(fast_dense_gemm::M_GRANULE)
                         && gemm_at(t).is_some()
+                }
+                // Where our kernel takes the call the GEMM path makes.
+                Path::Gemm { own: true } => {
+                    t >= blockscaled_gemm::MIN_M
+                        && t.is_multiple_of(fast_dense_gemm::M_GRANULE)
+                        && p.groups == 1
+                        && gemm_at(t).is_some_and(|(_, s)| {
+                            FastFp8Gemm::tile_for(&lt_call(s, t, 0)).is_some()
+                        })
+                }
+                Path::OwnOnly { tile } => {
+                    t >= blockscaled_gemm::MIN_M
+                        && t.is_multiple_of(fast_dense_gemm::M_GRANULE)
+                        && p.groups == 1
+                        && gemm_at(t)
+                            .is_some_and(|(_, s)| FastFp8Gemm::takes(&lt_call(s, t, 0), tile))
                 }
                 // Only where cuBLASLt has an algorithm for the BF16 output too.
                 Path::GemmOnly { bf16_out: true } => {
@@ -413,10 +452,10 @@ pub fn run(
                     0
                 },
             };
-            if matches!(path, Path::GemmOnly { .. }) {
-                // The operand once, outside the timing: each replay is cuBLASLt alone.
+            if matches!(path, Path::GemmOnly { .. } | Path::OwnOnly { .. }) {
+                // The operand once, outside the timing: each replay is the GEMM alone.
                 let (g, _) = gemm_at(t).unwrap();
-                if !fast_dense_gemm::run_gemm(&dense, g, &ctx, &op_of(0), &gws, &ws, s)
+                if !fast_dense_gemm::run_gemm(&dense, g, None, &ctx, &op_of(0), &gws, &ws, s)
                     .map_err(e)?
                 {
                     return Err(format!("{}: T={t}: the GEMM path declined", p.name));
@@ -425,9 +464,10 @@ pub fn run(
             let call = |j: usize| -> dsv4::Result<()> {
                 match path {
                     Path::Gemv { .. } => dense.run(&ctx, &op_of(j), &ws, s),
-                    Path::Gemm => {
+                    Path::Gemm { own: use_own } => {
                         let (g, _) = gemm_at(t).unwrap();
-                        if fast_dense_gemm::run_gemm(&dense, g, &ctx, &op_of(j), &gws, &ws, s)? {
+                        let o = use_own.then_some(&own);
+                        if fast_dense_gemm::run_gemm(&dense, g, o, &ctx, &op_of(j), &gws, &ws, s)? {
                             Ok(())
                         } else {
                             Err(dsv4::Error::new(
@@ -435,6 +475,10 @@ pub fn run(
                                 format!("{} at T={t}: the GEMM path declined", p.name),
                             ))
                         }
+                    }
+                    Path::OwnOnly { tile } => {
+                        let (_, shape) = gemm_at(t).unwrap();
+                        own.run(&ctx, &lt_call(shape, t, j), tile, false, s)
                     }
                     Path::GemmOnly { bf16_out } => {
                         let (g, shape) = gemm_at(t).unwrap();
@@ -476,9 +520,10 @@ pub fn run(
                     Path::Gemv { fused, .. } => t.div_ceil(TOKENS) * if fused { 1 } else { 2 },
                     // Ours, plus cuBLASLt's (one kernel, or two with a split-K reduction); a
                     // grouped weight: dequantization, operand and GEMM a group, one rounding.
-                    Path::Gemm if p.groups > 1 => 3 * p.groups + usize::from(p.round),
-                    Path::Gemm => 2 + usize::from(p.round),
-                    Path::GemmOnly { .. } => 1,
+                    Path::Gemm { .. } if p.groups > 1 => 3 * p.groups + usize::from(p.round),
+                    Path::Gemm { own: false } => 2 + usize::from(p.round),
+                    Path::Gemm { own: true } => 2,
+                    Path::GemmOnly { .. } | Path::OwnOnly { .. } => 1,
                 },
                 replays * copies,
             );
@@ -507,7 +552,7 @@ pub fn run(
                 warp_split_max_t: 0,
             };
             // The operand once, outside the timing.
-            if !fast_dense_gemm::run_gemm(&dense, g, &ctx, &op, &gws, &ws, s).map_err(e)? {
+            if !fast_dense_gemm::run_gemm(&dense, g, None, &ctx, &op, &gws, &ws, s).map_err(e)? {
                 continue;
             }
             for out in [GemmOut::F32, GemmOut::Bf16] {
@@ -629,6 +674,7 @@ fn run_group(
     dense: &FastDense,
     ws: &DenseWorkspace,
     lt: Option<(&BlockScaledGemm, &GemmWorkspace)>,
+    own: &FastFp8Gemm,
     s: dsv4::cuda::stream::BorrowedStream,
     rng: &mut Rng,
     name: &str,
@@ -703,7 +749,10 @@ fn run_group(
     };
     if let Some((gemm, gws)) = lt {
         for &t in tokens.iter().filter(|t| gemm_tokens(t)) {
-            time_gemm_group(ctx, dense, ws, gemm, gws, s, name, members, copies, t, &op)?;
+            for o in [None, Some(own)] {
+                let g = (gemm, o);
+                time_gemm_group(ctx, dense, ws, g, gws, s, name, members, copies, t, &op)?;
+            }
         }
     }
     for &t in tokens.iter().filter(|&&t| t <= fast_dense::GROUP_MAX_T) {
@@ -761,7 +810,7 @@ fn time_gemm_group(
     ctx: &Context,
     dense: &FastDense,
     ws: &DenseWorkspace,
-    gemm: &BlockScaledGemm,
+    (gemm, own): (&BlockScaledGemm, Option<&FastFp8Gemm>),
     gws: &GemmWorkspace,
     s: dsv4::cuda::stream::BorrowedStream,
     name: &str,
@@ -774,14 +823,15 @@ fn time_gemm_group(
     let wbytes: usize = members.iter().map(Projection::weight_bytes).sum();
     let flops: f64 = members.iter().map(|p| 2.0 * (t * p.n * p.k) as f64).sum();
     // A member alone, as the fast set's try_linear runs it.
-    let alone = |o: &DenseOp| fast_dense_gemm::run_linear(dense, Some((gemm, gws)), ctx, o, ws, s);
+    let alone =
+        |o: &DenseOp| fast_dense_gemm::run_linear(dense, Some((gemm, gws)), own, ctx, o, ws, s);
     for shared in [true, false] {
         let call = |copy: usize| -> dsv4::Result<()> {
             let ops: Vec<DenseOp> = (0..members.len()).map(|i| op(i, copy, t)).collect();
             if !shared {
                 return ops.iter().try_for_each(alone);
             }
-            let ran = fast_dense_gemm::run_gemm_group(dense, gemm, ctx, &ops, gws, ws, s)?;
+            let ran = fast_dense_gemm::run_gemm_group(dense, gemm, own, ctx, &ops, gws, ws, s)?;
             ops.iter()
                 .zip(ran)
                 .filter(|(_, ran)| !ran)
@@ -793,10 +843,11 @@ fn time_gemm_group(
         println!(
             "{{\"bench\": \"dense_group\", \"group\": \"{name}\", \"members\": {}, \"T\": {t}, \"K\": {k}, \"path\": \"{}\", \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"flops\": {flops:.4e}, \"tflop_per_s\": {:.2}, \"calls_timed\": {}}}",
             members.len(),
-            if shared {
-                "gemm_shared"
-            } else {
-                "gemm_separate"
+            match (shared, own.is_some()) {
+                (true, false) => "gemm_shared",
+                (false, false) => "gemm_separate",
+                (true, true) => "gemm_shared_own_fp8",
+                (false, true) => "gemm_separate_own_fp8",
             },
             sec * 1e6,
             timing.host_s * 1e6,

@@ -3,7 +3,9 @@
 //! e4m3 codes and scales, or BF16 values) and followed by `fd_round_bf16_kernel` where the
 //! model's output is BF16 (kernels/fast_dense.cu). Three launches a call (two without the
 //! rounding), against one gemv launch per 64 tokens that re-reads the weight each time. The
-//! projections of one input share their operand ([`run_gemm_group`]).
+//! projections of one input share their operand ([`run_gemm_group`]). An FP8 GEMM that our own
+//! kernel takes ([`FastFp8Gemm`], kernels/fast_fp8_gemm.cu: the same operands, the rounding in
+//! its epilogue) runs there instead of cuBLASLt when the caller passes it (`own`).
 //!
 //! The same `DenseOp` as the gemv path; what this path cannot take (shapes cuBLASLt's block
 //! scaling does not cover, m without a planned algorithm) it declines and the gemv runs it.
@@ -20,6 +22,7 @@
 //! states and asserts the bound.
 
 use super::fast_dense::{ActMode, DenseOp, DenseWorkspace, FastDense, GROUP_MAX, LtOperand};
+use super::fast_fp8_gemm::FastFp8Gemm;
 use crate::cuda::blockscaled_gemm::{BlockScaledGemm, GemmCall, GemmKind, GemmOut, GemmShape};
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
@@ -191,11 +194,13 @@ fn make_operand(
 
 /// `op`'s GEMM from an operand [`make_operand`] made of the same x, then its rounding and its
 /// last tokens through the gemv; false, having written nothing to y, where cuBLASLt declines
-/// this exact m (the caller's gemv then runs `op`).
+/// this exact m (the caller's gemv then runs `op`). An FP8 block-scaled GEMM that `own` (our
+/// kernel, [`FastFp8Gemm`]) takes runs there instead of cuBLASLt, its rounding in its epilogue.
 #[allow(clippy::too_many_arguments)]
 fn gemm_from_operand(
     dense: &FastDense,
     gemm: &BlockScaledGemm,
+    own: Option<&FastFp8Gemm>,
     ctx: &Context,
     op: &DenseOp,
     (shape, m): (GemmShape, usize),
@@ -213,22 +218,29 @@ fn gemm_from_operand(
         y: op.y,
         ldy: op.ldy,
     };
-    if !gemm.run(ctx, &call, stream)? {
-        return Ok(false);
-    }
-    if op.round {
-        dense.round_bf16(ctx, op.y, op.ldy, m, shape.n, stream)?;
+    if let Some((own, tile)) = own.zip(FastFp8Gemm::tile_for(&call)) {
+        own.run(ctx, &call, tile, op.round, stream)?;
+    } else {
+        if !gemm.run(ctx, &call, stream)? {
+            return Ok(false);
+        }
+        if op.round {
+            dense.round_bf16(ctx, op.y, op.ldy, m, shape.n, stream)?;
+        }
     }
     run_tail(dense, ctx, op, m, gemv_ws, stream)?;
     Ok(true)
 }
 
-/// Runs `op` through cuBLASLt (its last `t % M_GRANULE` tokens through the gemv, with
-/// `gemv_ws`) and returns true, or returns false having run nothing that writes `y` (the
-/// caller's gemv runs it): see the module doc for what is declined.
+/// Runs `op` through cuBLASLt, or our FP8 GEMM where `own` takes it ([`gemm_from_operand`]),
+/// its last `t % M_GRANULE` tokens through the gemv (with `gemv_ws`), and returns true, or
+/// returns false having run nothing that writes `y` (the caller's gemv runs it): see the module
+/// doc for what is declined.
+#[allow(clippy::too_many_arguments)]
 pub fn run_gemm(
     dense: &FastDense,
     gemm: &BlockScaledGemm,
+    own: Option<&FastFp8Gemm>,
     ctx: &Context,
     op: &DenseOp,
     ws: &GemmWorkspace,
@@ -257,15 +269,16 @@ pub fn run_gemm(
     };
     // Declined only when the planned algorithm does not fit this exact m: the operand just
     // made is then unused (the workspace holds nothing else).
-    gemm_from_operand(dense, gemm, ctx, op, plan, operand, gemv_ws, stream)
+    gemm_from_operand(dense, gemm, own, ctx, op, plan, operand, gemv_ws, stream)
 }
 
-/// Runs `op` as the fast set runs a linear: through cuBLASLt where that pays ([`gemm_pays`]) and
-/// cuBLASLt takes it (`lt`: the planner and its operand workspace, None without cuBLASLt), else
-/// through the gemv.
+/// Runs `op` as the fast set runs a linear: through the GEMM path where that pays
+/// ([`gemm_pays`]) and cuBLASLt's planner takes it (`lt`: the planner and its operand
+/// workspace, None without cuBLASLt; `own`: our FP8 GEMM, [`run_gemm`]), else through the gemv.
 pub fn run_linear(
     dense: &FastDense,
     lt: Option<(&BlockScaledGemm, &GemmWorkspace)>,
+    own: Option<&FastFp8Gemm>,
     ctx: &Context,
     op: &DenseOp,
     gemv_ws: &DenseWorkspace,
@@ -275,7 +288,7 @@ pub fn run_linear(
     if let Some((gemm, ws)) = lt
         && gemm_shape(w.format, w.block, w.rows, w.cols, op.groups, op.mode)
             .is_some_and(|shape| gemm_pays(&shape, op.groups, op.t))
-        && run_gemm(dense, gemm, ctx, op, ws, gemv_ws, stream)?
+        && run_gemm(dense, gemm, own, ctx, op, ws, gemv_ws, stream)?
     {
         return Ok(());
     }
@@ -288,10 +301,12 @@ pub fn run_linear(
 /// operand; the compressors' wkv / wgate and weights_proj: one BF16 operand) and of the normed
 /// q_lora (wq_b and the indexer's wq_b). One operand a member cost a 4096-token prefill ~70 µs
 /// for u's FP8 operand and ~39 µs for each BF16 one (ncu). Each member gives the same bits as
-/// [`run_gemm`] gives it. Returns which members ran; the caller runs the others.
+/// [`run_gemm`] gives it (`own` as there). Returns which members ran; the caller runs the others.
+#[allow(clippy::too_many_arguments)]
 pub fn run_gemm_group(
     dense: &FastDense,
     gemm: &BlockScaledGemm,
+    own: Option<&FastFp8Gemm>,
     ctx: &Context,
     ops: &[DenseOp],
     ws: &GemmWorkspace,
@@ -323,8 +338,9 @@ pub fn run_gemm_group(
         for j in i..ops.len().min(GROUP_MAX) {
             let Some(pj) = plans[j] else { continue };
             if !ran[j] && same_operand(&ops[i], &plan, &ops[j], &pj) {
-                ran[j] =
-                    gemm_from_operand(dense, gemm, ctx, &ops[j], pj, operand, gemv_ws, stream)?;
+                ran[j] = gemm_from_operand(
+                    dense, gemm, own, ctx, &ops[j], pj, operand, gemv_ws, stream,
+                )?;
                 // A declined member is not offered the operand again.
                 plans[j] = ran[j].then_some(pj);
             }
