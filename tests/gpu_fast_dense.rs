@@ -1497,6 +1497,28 @@ fn own_fp8_gemm_matches_a_host_sum() {
             let got: Vec<f32> = d.get(p[4], (m + 4) * ldy);
             let again: Vec<f32> = d.get(p[5], (m + 4) * ldy);
             common::assert_bits(&format!("{label}: rerun"), &again, &got);
+            if round {
+                // The epilogue's rounding is round_bf16 (half's from_f32) of the sums it would
+                // have stored unrounded, bit for bit.
+                d.k.fp8
+                    .run(d.ctx(), &call(p[5]), tile, false, d.s())
+                    .unwrap();
+                let raw: Vec<f32> = d.get(p[5], (m + 4) * ldy);
+                let rounded: Vec<f32> = raw
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_f32())
+                    .collect();
+                let outputs = |v: &[f32]| -> Vec<f32> {
+                    (0..m)
+                        .flat_map(|t| v[t * ldy..t * ldy + n].to_vec())
+                        .collect()
+                };
+                common::assert_bits(
+                    &format!("{label}: rounded in the epilogue"),
+                    &outputs(&got),
+                    &outputs(&rounded),
+                );
+            }
             let mut worst = 0f64;
             for t in 0..m + 4 {
                 for j in 0..ldy {
