@@ -1408,6 +1408,31 @@ fn e4m3_codes(rng: &mut Rng, n: usize) -> Vec<u8> {
         .collect()
 }
 
+/// The FP8 block-scaled call of `m` tokens (`n` outputs of `k`) over `p` = [activation codes,
+/// weight codes, activation scales, weight scales], into `y` with row stride `ldy`.
+fn fp8_call(
+    p: &[DevicePtr],
+    (m, n, k): (usize, usize, usize),
+    y: DevicePtr,
+    ldy: usize,
+) -> GemmCall {
+    GemmCall {
+        shape: GemmShape {
+            kind: GemmKind::Fp8BlockScaled,
+            n,
+            k,
+            out: GemmOut::F32,
+        },
+        m,
+        w: p[1],
+        wscale: Some(p[3]),
+        a: p[0],
+        ascale: Some(p[2]),
+        y,
+        ldy,
+    }
+}
+
 /// The kernel alone on operands made here (codes and power-of-two scales over a wide range, in
 /// cuBLASLt's layouts: `[m, k]` codes with `[k / 128, m]` scales, `[n, k]` codes with
 /// `[n / 128, k / 128]` block scales) against the exact sum in f64, with both tiles where N
@@ -1467,21 +1492,7 @@ fn own_fp8_gemm_matches_a_host_sum() {
         d.put(p[1], &w);
         d.put(p[2], &sa);
         d.put(p[3], &sw);
-        let call = |y: DevicePtr| GemmCall {
-            shape: GemmShape {
-                kind: GemmKind::Fp8BlockScaled,
-                n,
-                k,
-                out: GemmOut::F32,
-            },
-            m,
-            w: p[1],
-            wscale: Some(p[3]),
-            a: p[0],
-            ascale: Some(p[2]),
-            y,
-            ldy,
-        };
+        let call = |y: DevicePtr| fp8_call(&p, (m, n, k), y, ldy);
         let e_rel = 2f64.powi(-8) + (kb + 4) as f64 * 2f64.powi(-24);
         for tile in TileN::ALL {
             let label = format!("{m} x {n} x {k} ({tile:?})");
@@ -1575,21 +1586,7 @@ fn own_fp8_gemm_declines_what_it_does_not_take() {
         n / 128 * k / 128 * 4,
         m * n * 4 + 8,
     ]);
-    let call = GemmCall {
-        shape: GemmShape {
-            kind: GemmKind::Fp8BlockScaled,
-            n,
-            k,
-            out: GemmOut::F32,
-        },
-        m,
-        w: p[1],
-        wscale: Some(p[3]),
-        a: p[0],
-        ascale: Some(p[2]),
-        y: p[4],
-        ldy: n,
-    };
+    let call = fp8_call(&p, (m, n, k), p[4], n);
     assert!(FastFp8Gemm::takes(&call, TileN::N128) && FastFp8Gemm::takes(&call, TileN::N256));
     let shape = call.shape;
     for (what, bad) in [

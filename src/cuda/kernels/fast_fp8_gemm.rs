@@ -192,38 +192,44 @@ impl FastFp8Gemm {
         need(WHO, "ascale", ascale, k / BLOCK_K * m * 4)?;
         need(WHO, "wscale", wscale, n / 128 * (k / BLOCK_K) * 4)?;
         need(WHO, "y", call.y, ((m - 1) * call.ldy + n) * 4)?;
-        let args = ffg_gemm_kernel::Args {
-            a_map: codes_map(call.a.addr(), m, k, TILE_M)?,
-            w_map: codes_map(call.w.addr(), n, k, tile.outputs())?,
-            sa: ascale,
-            sw: wscale,
-            m: to_i32(WHO, "m", m)?,
-            n: to_i32(WHO, "n", n)?,
-            k: to_i32(WHO, "k", k)?,
-            round,
-            y: call.y,
-            ldy: to_i32(WHO, "ldy", call.ldy)?,
-        };
+        let (a_map, w_map) = (
+            codes_map(call.a.addr(), m, k, TILE_M)?,
+            codes_map(call.w.addr(), n, k, tile.outputs())?,
+        );
+        let (m32, n32, k32) = (
+            to_i32(WHO, "m", m)?,
+            to_i32(WHO, "n", n)?,
+            to_i32(WHO, "k", k)?,
+        );
+        let ldy = to_i32(WHO, "ldy", call.ldy)?;
+        // Both entry points take the same arguments (their Args are two structs).
+        macro_rules! args {
+            ($kernel:ident) => {
+                $kernel::Args {
+                    a_map,
+                    w_map,
+                    sa: ascale,
+                    sw: wscale,
+                    m: m32,
+                    n: n32,
+                    k: k32,
+                    round,
+                    y: call.y,
+                    ldy,
+                }
+            };
+        }
         let tiles = m.div_ceil(TILE_M) * (n / tile.outputs());
         let grid = tiles.clamp(1, ctx.info().multiprocessors.max(1) as usize) as u32;
         let (threads, smem) = (THREADS as u32, SMEM_BYTES as u32);
         let _g = ctx.enter()?;
         match tile {
-            TileN::N128 => self.n128.launch(grid, threads, smem, stream, args),
+            TileN::N128 => self
+                .n128
+                .launch(grid, threads, smem, stream, args!(ffg_gemm_kernel)),
             TileN::N256 => {
-                let a = ffg_gemm_n256_kernel::Args {
-                    a_map: args.a_map,
-                    w_map: args.w_map,
-                    sa: args.sa,
-                    sw: args.sw,
-                    m: args.m,
-                    n: args.n,
-                    k: args.k,
-                    round: args.round,
-                    y: args.y,
-                    ldy: args.ldy,
-                };
-                self.n256.launch(grid, threads, smem, stream, a)
+                self.n256
+                    .launch(grid, threads, smem, stream, args!(ffg_gemm_n256_kernel))
             }
         }
     }
