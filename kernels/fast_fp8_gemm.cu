@@ -115,6 +115,9 @@ DSV4_INLINE void ffg_produce(const DsvTmaMap* a_map, const DsvTmaMap* w_map, con
                              int M, int K, int mt, int tiles, unsigned smem) {
   using L = FfgLayout<BN>;
   if (threadIdx.x != FFG_CONSUMERS) return;
+  // The maps into the cache before the first copies need them.
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(a_map) : "memory");
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(w_map) : "memory");
   const int kbs = K / FFG_BK;
   int slot = 0;
   unsigned phase = 0;
