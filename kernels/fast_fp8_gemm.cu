@@ -1,8 +1,9 @@
 // fast_fp8_gemm kernel family: the fast set's own FP8 block-scaled GEMM for projections of many tokens
 // (issue 12), kernels/SPEC.md ## fast_fp8_gemm.cu, ../shared/KERNELS.md §2.
 //
-// ffg_gemm_kernel, ffg_gemm_n256_kernel: y[t, j] = Σ_b (Σ_{c in block b} a[t, c] · W[j, c]) · sa[b, t] ·
-// sw[j / 128, b] (bf16-rounded where `round`), t < M, j < N, 128-blocks b of K; tiles of 128 or 256 outputs.
+// ffg_gemm_kernel, ffg_gemm_n256_kernel, ffg_gemm_m192_kernel:
+//   y[t, j] = Σ_b (Σ_{c in block b} a[t, c] · W[j, c]) · sa[b, t] · sw[j / 128, b]  (bf16-rounded where `round`)
+// for t < M, j < N, 128-blocks b of K; tiles of 128 x 128, 128 x 256 and 192 x 128 (tokens x outputs).
 //
 // The operands are cuBLASLt's (src/cuda/blockscaled_gemm.rs), so either GEMM runs from the same
 // fd_lt_operand_kernel output: a = [M, K] e4m3 codes (the official act_quant), sa = [K / 128, M] f32 token-
@@ -17,58 +18,60 @@
 // bf16 rounding of the outputs, a separate pass after cuBLASLt (2.1 GB of traffic for wq_b at 8192 tokens),
 // is done in the epilogue.
 //
-// Tiles. 128 tokens x BN = 128 or 256 outputs (FfgLayout), numbered with the token tiles fastest: tile i is token
-// tile i % mt of output tile i / mt, so the ~132 tiles in flight share a few weight tiles and all of the
-// (small) activation operand stays in L2. Block b takes tiles b, b + gridDim.x, ...; a tile's outputs depend
-// only on the tile: deterministic, run to run and for any grid.
+// Tiles (FfgCfg<BM, BN>). BM = 64 · WGS tokens (WGS consumer warpgroups of 64) x BN outputs, numbered with the
+// token tiles fastest: tile i is token tile i % mt of output tile i / mt, so the ~132 tiles in flight share a few
+// weight tiles and all of the (small) activation operand stays in L2. Block b takes tiles b, b + gridDim.x, ...;
+// a tile's outputs depend only on the tile: deterministic, run to run and for any grid. Which shape is fastest
+// is measured (`dsv4 bench dense`): 128 x 256 and 192 x 128 move fewer bytes through L2 and shared memory an
+// output than 128 x 128; 192 x 128 also keeps three warpgroups' wgmmas queued while one promotes, at 160
+// registers a consumer thread.
 //
-// The pipeline (as fast_moe_wide.cu): 2 consumer warpgroups and a producer warpgroup share a ring of
-// FfgLayout<BN>::STAGES slots with full / empty mbarriers; one producer thread issues every copy, and its warpgroup
-// hands most of its registers to the consumers (setmaxnreg). A stage is one 128-block of K: the tile's 128
-// token rows (16 KB, one TMA box in the 128-byte swizzle), its BN weight rows (likewise), the tokens' 128
-// scales of the block (one bulk copy) and the weight tile's block scales (4-byte cp.asyncs, whose arrival the
-// full barrier also counts).
+// The pipeline (as fast_moe_wide.cu): the consumer warpgroups and a producer warpgroup share a ring of STAGES
+// slots with full / empty mbarriers; one producer thread issues every copy, and its warpgroup hands most of its
+// registers to the consumers (setmaxnreg). A stage is one 128-block of K: the tile's BM token rows (one TMA box
+// in the 128-byte swizzle), its BN weight rows (likewise), the tokens' BM scales of the block (one bulk copy)
+// and the weight tile's block scales (4-byte cp.asyncs, whose arrival the full barrier also counts).
 //
 // The math. Warpgroup w owns the tile's tokens 64w .. 64w + 63; per 128 outputs, four wgmma m64n128k32 e4m3 (A =
-// its 64 token rows, B = 128 weight rows, both K-major from shared memory in the 128-byte swizzle) sum the block in the
-// tensor core under one fence and commit; then the sums are added to f32 accumulators times sa · sw (one FFMA
-// each: the DeepGEMM recipe, promoted every 128 of K as the issue asks). The weight scale is one value a stage
-// and 128 outputs, the token scales one per accumulator row. Thread (warp q of the warpgroup, g = lane / 4, t = lane % 4) holds
-// d[4j + c] = token 64w + 16q + g + 8·(c >> 1), output 8j + 2t + (c & 1).
+// its 64 token rows, B = 128 weight rows, both K-major from shared memory in the 128-byte swizzle) sum the block
+// in the tensor core under one fence and commit; then the sums are added to f32 accumulators times sa · sw (one
+// FFMA each: the DeepGEMM recipe, promoted every 128 of K as the issue asks). The weight scale is one value a
+// stage and 128 outputs, the token scales one per accumulator row. Thread (warp q of the warpgroup, g = lane / 4,
+// t = lane % 4) holds d[4j + c] = token 64w + 16q + g + 8·(c >> 1), output 8j + 2t + (c & 1) of the 128.
 #include "common.cuh"
 #include "fp8_mma.cuh"
 
-// FFG_STAGES_N128, FFG_STAGES_N256 and FFG_SMEM_BYTES come from dsv4_consts.cuh (src/cuda/kernels/fast_fp8_gemm.rs).
-#define FFG_BM 128  // tokens a tile
+// FFG_STAGES_M128_N128, FFG_STAGES_M128_N256, FFG_STAGES_M192_N128 and FFG_SMEM_BYTES come from dsv4_consts.cuh
+// (src/cuda/kernels/fast_fp8_gemm.rs).
 #define FFG_BK 128  // k a stage: one scale block
-#define FFG_CONSUMERS 256
-#define FFG_THREADS (FFG_CONSUMERS + 128)
-// Registers after setmaxnreg: the consumers hold 64 wgmma sums and BN / 2 accumulators; the producer thread a
-// tile loop's few values. 256 · 232 + 128 · 40 = 64512 of the block's 64 K.
-#define FFG_CONSUMER_REGS 232
-#define FFG_PRODUCER_REGS 40
-#define FFG_SLOT_A (FFG_BM * FFG_BK)  // the tokens' codes
-static_assert(FFG_SLOT_A % 1024 == 0, "fast_fp8_gemm: the B tile needs the swizzle's 1024-byte alignment");
 
-// A tile's outputs BN (128 or 256) and the ring's layout for it. BN = 256 halves the activations' trips through
-// L2 and shared memory per output (the tile's 128 tokens serve twice the outputs) for fewer, larger slots; its
-// two 128-output halves run one after the other on the same 64 wgmma sums (both at once would need 128 more
-// registers). A slot: the tokens' codes, the weight rows' codes (HALVES boxes of 128 rows), the tokens' 128
-// scales of the block, the block scales of the tile's HALVES 128-row weight blocks.
-template <int BN>
-struct FfgLayout {
-  static_assert(BN == 128 || BN == 256, "fast_fp8_gemm: BN");
+// A tile shape's block and ring. A slot: the tokens' codes, the weight rows' codes (HALVES boxes of 128 rows),
+// the tokens' BM scales of the block, the block scales of the tile's HALVES 128-row weight blocks. BN = 256 runs
+// its two 128-output halves one after the other on the same 64 wgmma sums (both at once would need 64 more
+// registers than a consumer has).
+template <int BM, int BN>
+struct FfgCfg {
+  static_assert((BM == 128 && (BN == 128 || BN == 256)) || (BM == 192 && BN == 128), "fast_fp8_gemm: tile shape");
+  static constexpr int WGS = BM / 64;  // consumer warpgroups
+  static constexpr int CONSUMERS = 128 * WGS;
+  static constexpr int THREADS = CONSUMERS + 128;  // then the producer warpgroup
+  // Registers after setmaxnreg (of 64 K a block): two consumer warpgroups hold 64 wgmma sums and BN / 2
+  // accumulators at 232 each (256 · 232 + 128 · 40 = 64512); three hold 64 + 64 at 160 (384 · 160 + 128 · 24).
+  static constexpr int CONSUMER_REGS = WGS == 2 ? 232 : 160;
+  static constexpr int PRODUCER_REGS = WGS == 2 ? 40 : 24;
   static constexpr int HALVES = BN / 128;
+  static constexpr int SLOT_A = BM * FFG_BK;
   static constexpr int SLOT_B = BN * FFG_BK;
-  static constexpr int SA = FFG_SLOT_A + SLOT_B;
-  static constexpr int SW = SA + FFG_BM * 4;
+  static constexpr int SA = SLOT_A + SLOT_B;
+  static constexpr int SW = SA + BM * 4;
   static constexpr int SLOT = (SW + 16 + 1023) / 1024 * 1024;
-  static constexpr int STAGES = BN == 128 ? FFG_STAGES_N128 : FFG_STAGES_N256;
+  static constexpr int STAGES = BM == 192 ? FFG_STAGES_M192_N128 : BN == 256 ? FFG_STAGES_M128_N256 : FFG_STAGES_M128_N128;
   static constexpr int BARS = STAGES * SLOT;
   static constexpr int USED = BARS + 2 * STAGES * 8;
+  static_assert(SLOT_A % 1024 == 0, "fast_fp8_gemm: the B tile needs the swizzle's 1024-byte alignment");
+  static_assert(USED <= FFG_SMEM_BYTES, "fast_fp8_gemm: shared memory layout exceeds FFG_SMEM_BYTES");
+  static_assert(WGS * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS <= 65536, "fast_fp8_gemm: registers");
 };
-static_assert(FfgLayout<128>::USED <= FFG_SMEM_BYTES && FfgLayout<256>::USED <= FFG_SMEM_BYTES,
-              "fast_fp8_gemm: shared memory layout exceeds FFG_SMEM_BYTES");
 
 // A CUtensorMap as the host encoded it (cuTensorMapEncodeTiled), passed by value as a __grid_constant__
 // parameter: its address in the parameter space is what TMA reads (no copy to global memory, so a map made
@@ -78,18 +81,18 @@ struct __align__(64) DsvTmaMap {
 };
 
 // The ring's barriers: full[s] then empty[s], 8 bytes each, after the slots.
-template <int BN>
+template <class C>
 DSV4_INLINE unsigned ffg_full(unsigned smem, int s) {
-  return smem + FfgLayout<BN>::BARS + 8 * s;
+  return smem + C::BARS + 8 * s;
 }
-template <int BN>
+template <class C>
 DSV4_INLINE unsigned ffg_empty(unsigned smem, int s) {
-  return smem + FfgLayout<BN>::BARS + 8 * (FfgLayout<BN>::STAGES + s);
+  return smem + C::BARS + 8 * (C::STAGES + s);
 }
 
-template <int BN>
+template <class C>
 DSV4_INLINE void ffg_advance(int& slot, unsigned& phase) {
-  if (++slot == FfgLayout<BN>::STAGES) {
+  if (++slot == C::STAGES) {
     slot = 0;
     phase ^= 1;
   }
@@ -99,22 +102,21 @@ struct FfgTile {
   int m0, n0;  // first token, first output
 };
 
-template <int BN>
+template <int BM, int BN>
 DSV4_INLINE FfgTile ffg_tile(int i, int mt) {
   const int nb = i / mt;
-  return {(i - nb * mt) * FFG_BM, nb * BN};
+  return {(i - nb * mt) * BM, nb * BN};
 }
 
 // The producer: one thread walks the same tiles and stages as the consumers. Per stage: the token box and the
-// weight box (BN rows) by TMA (rows past M read as zeros and are counted in the transaction bytes), the
-// tokens' scales of the block by one bulk copy of their rows rounded up to 4 (M is a multiple of 4, so the copy
-// never passes the block's M floats), the weight's block scales by cp.async (whose arrival is the full
-// barrier's second).
-template <int BN>
+// weight box by TMA (rows past M read as zeros and are counted in the transaction bytes), the tokens' scales of
+// the block by one bulk copy of their rows rounded up to 4 (M is a multiple of 4, so the copy never passes the
+// block's M floats), the weight's block scales by cp.async (whose arrival is the full barrier's second).
+template <int BM, int BN>
 DSV4_INLINE void ffg_produce(const DsvTmaMap* a_map, const DsvTmaMap* w_map, const float* sa, const float* sw,
                              int M, int K, int mt, int tiles, unsigned smem) {
-  using L = FfgLayout<BN>;
-  if (threadIdx.x != FFG_CONSUMERS) return;
+  using C = FfgCfg<BM, BN>;
+  if (threadIdx.x != C::CONSUMERS) return;
   // The maps into the cache before the first copies need them.
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(a_map) : "memory");
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(w_map) : "memory");
@@ -122,20 +124,20 @@ DSV4_INLINE void ffg_produce(const DsvTmaMap* a_map, const DsvTmaMap* w_map, con
   int slot = 0;
   unsigned phase = 0;
   for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
-    const FfgTile tl = ffg_tile<BN>(i, mt);
-    const int rows = min(FFG_BM, M - tl.m0);
+    const FfgTile tl = ffg_tile<BM, BN>(i, mt);
+    const int rows = min(BM, M - tl.m0);
     const unsigned sa_bytes = (unsigned)((rows + 3) / 4) * 16u;
     for (int kb = 0; kb < kbs; ++kb) {
-      mbar_wait(ffg_empty<BN>(smem, slot), phase ^ 1);
-      const unsigned st = smem + slot * L::SLOT, full = ffg_full<BN>(smem, slot);
-      mbar_arrive_expect_tx(full, FFG_SLOT_A + L::SLOT_B + sa_bytes);
+      mbar_wait(ffg_empty<C>(smem, slot), phase ^ 1);
+      const unsigned st = smem + slot * C::SLOT, full = ffg_full<C>(smem, slot);
+      mbar_arrive_expect_tx(full, C::SLOT_A + C::SLOT_B + sa_bytes);
       tma_load_2d(st, a_map, kb * FFG_BK, tl.m0, full);
-      tma_load_2d(st + FFG_SLOT_A, w_map, kb * FFG_BK, tl.n0, full);
-      bulk_load(st + L::SA, sa + (long long)kb * M + tl.m0, sa_bytes, full);
+      tma_load_2d(st + C::SLOT_A, w_map, kb * FFG_BK, tl.n0, full);
+      bulk_load(st + C::SA, sa + (long long)kb * M + tl.m0, sa_bytes, full);
 #pragma unroll
-      for (int h = 0; h < L::HALVES; ++h) cp_async_4(st + L::SW + 4 * h, sw + (long long)(tl.n0 / 128 + h) * kbs + kb);
+      for (int h = 0; h < C::HALVES; ++h) cp_async_4(st + C::SW + 4 * h, sw + (long long)(tl.n0 / 128 + h) * kbs + kb);
       cp_async_mbar_arrive(full);
-      ffg_advance<BN>(slot, phase);
+      ffg_advance<C>(slot, phase);
     }
   }
   cp_async_wait_all();  // the copies land before the thread exits
@@ -189,10 +191,10 @@ DSV4_INLINE void ffg_store(const float (&acc)[BN / 2], float* y, int ldy, int ro
 // The consumers: warpgroup w, for each tile, each stage: wait for the slot; per 128-output half, four chained
 // wgmmas over the block, the half's scales read while they run, wait, promote (the slot released after the
 // last half's wait). Then the tile's outputs.
-template <int BN>
+template <int BM, int BN>
 DSV4_INLINE void ffg_consume(float* y, int ldy, int M, int K, int mt, int tiles, bool round, unsigned char* smem_base,
                              unsigned smem) {
-  using L = FfgLayout<BN>;
+  using C = FfgCfg<BM, BN>;
   const int w = threadIdx.x >> 7, q = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int r0 = 64 * w + 16 * q + g;  // the thread's first token row in the tile; the second is r0 + 8
@@ -203,29 +205,29 @@ DSV4_INLINE void ffg_consume(float* y, int ldy, int M, int K, int mt, int tiles,
 #pragma unroll
   for (int v = 0; v < 64; ++v) d[v] = 0.0f;  // defined before the first wgmma (ptxas C7511)
   for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
-    const FfgTile tl = ffg_tile<BN>(i, mt);
+    const FfgTile tl = ffg_tile<BM, BN>(i, mt);
 #pragma unroll
     for (int v = 0; v < BN / 2; ++v) acc[v] = 0.0f;
 #pragma unroll 1
     for (int kb = 0; kb < kbs; ++kb) {
-      mbar_wait(ffg_full<BN>(smem, slot), phase);
-      const unsigned char* st = smem_base + slot * L::SLOT;
+      mbar_wait(ffg_full<C>(smem, slot), phase);
+      const unsigned char* st = smem_base + slot * C::SLOT;
       const unsigned long long da = wgmma_desc_sw128(st + 64 * w * FFG_BK);
-      const float* sas = reinterpret_cast<const float*>(st + L::SA);
+      const float* sas = reinterpret_cast<const float*>(st + C::SA);
 #pragma unroll
-      for (int h = 0; h < L::HALVES; ++h) {
-        const unsigned long long db = wgmma_desc_sw128(st + FFG_SLOT_A + h * 128 * FFG_BK);
+      for (int h = 0; h < C::HALVES; ++h) {
+        const unsigned long long db = wgmma_desc_sw128(st + C::SLOT_A + h * 128 * FFG_BK);
         wgmma_fence();
 #pragma unroll
         for (int k32 = 0; k32 < 4; ++k32) ffg_wgmma(d, da + 2 * k32, db + 2 * k32, k32);
         wgmma_commit();
-        const float swv = reinterpret_cast<const float*>(st + L::SW)[h];
+        const float swv = reinterpret_cast<const float*>(st + C::SW)[h];
         const float s0 = sas[r0] * swv, s8 = sas[r0 + 8] * swv;
         wgmma_wait<0>();
         wgmma_fence_operand(d);
-        if (h == L::HALVES - 1) {
+        if (h == C::HALVES - 1) {
           __syncwarp();
-          if (lane == 0) mbar_arrive(ffg_empty<BN>(smem, slot));
+          if (lane == 0) mbar_arrive(ffg_empty<C>(smem, slot));
         }
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
@@ -235,53 +237,59 @@ DSV4_INLINE void ffg_consume(float* y, int ldy, int M, int K, int mt, int tiles,
           acc[64 * h + 4 * j + 3] = fmaf(d[4 * j + 3], s8, acc[64 * h + 4 * j + 3]);
         }
       }
-      ffg_advance<BN>(slot, phase);
+      ffg_advance<C>(slot, phase);
     }
     ffg_store<BN>(acc, y, ldy, tl.m0 + r0, M, tl.n0 + 2 * t, round);
   }
 }
 
 // The kernels' shared body: barriers, the warpgroups' roles and registers.
-template <int BN>
+template <int BM, int BN>
 DSV4_INLINE void ffg_gemm(const DsvTmaMap* a_map, const DsvTmaMap* w_map, const float* sa, const float* sw, int M,
                           int N, int K, int round, float* y, int ldy) {
-  using L = FfgLayout<BN>;
+  using C = FfgCfg<BM, BN>;
   extern __shared__ __align__(1024) unsigned char ffg_smem[];
   const unsigned smem = smem_addr(ffg_smem);
   if ((smem & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned slots
-  const int mt = (M + FFG_BM - 1) / FFG_BM, tiles = mt * (N / BN);
+  const int mt = (M + BM - 1) / BM, tiles = mt * (N / BN);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < L::STAGES; ++s) {
-      mbar_init(ffg_full<BN>(smem, s), 2);                      // the expect_tx arrival and the cp.async one
-      mbar_init(ffg_empty<BN>(smem, s), FFG_CONSUMERS / 32);  // every consumer warp
+    for (int s = 0; s < C::STAGES; ++s) {
+      mbar_init(ffg_full<C>(smem, s), 2);                   // the expect_tx arrival and the cp.async one
+      mbar_init(ffg_empty<C>(smem, s), C::CONSUMERS / 32);  // every consumer warp
     }
     fence_mbar_init();
   }
   __syncthreads();
-  if (threadIdx.x >= FFG_CONSUMERS) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FFG_PRODUCER_REGS));
-    ffg_produce<BN>(a_map, w_map, sa, sw, M, K, mt, tiles, smem);
+  if (threadIdx.x >= C::CONSUMERS) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::PRODUCER_REGS));
+    ffg_produce<BM, BN>(a_map, w_map, sa, sw, M, K, mt, tiles, smem);
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FFG_CONSUMER_REGS));
-  ffg_consume<BN>(y, ldy, M, K, mt, tiles, round != 0, ffg_smem, smem);
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS));
+  ffg_consume<BM, BN>(y, ldy, M, K, mt, tiles, round != 0, ffg_smem, smem);
 }
 
-// y = the block-scaled product above, tiles of 128 tokens x 128 outputs (ffg_gemm_kernel) or x 256 outputs
-// (ffg_gemm_n256_kernel); grid: up to one block per SM (persistent), FFG_THREADS threads, FFG_SMEM_BYTES of
-// dynamic shared memory. a_map: the codes [M, K] as a 2-D byte tensor in boxes of 128 bytes x 128 rows, 128-byte
-// swizzle; w_map: W's [N, K] likewise in boxes of 128 bytes x BN rows. M a multiple of 4, N of BN, K of 128; y's
-// rows 8-byte aligned (ldy even).
-extern "C" __global__ void __launch_bounds__(FFG_THREADS, 1)
+// y = the block-scaled product above; grid: up to one block per SM (persistent), FfgCfg::THREADS threads
+// (384, 384, 512), FFG_SMEM_BYTES of dynamic shared memory. a_map: the codes [M, K] as a 2-D byte tensor in
+// boxes of 128 bytes x BM rows, 128-byte swizzle; w_map: W's [N, K] likewise in boxes of 128 bytes x BN rows.
+// M a multiple of 4, N of BN, K of 128; y's rows 8-byte aligned (ldy even).
+extern "C" __global__ void __launch_bounds__(FfgCfg<128, 128>::THREADS, 1)
     ffg_gemm_kernel(const __grid_constant__ DsvTmaMap a_map, const __grid_constant__ DsvTmaMap w_map,
                     const float* sa, const float* sw, int M, int N, int K, int round, float* y, int ldy) {
   dsv4_pdl_begin();
-  ffg_gemm<128>(&a_map, &w_map, sa, sw, M, N, K, round, y, ldy);
+  ffg_gemm<128, 128>(&a_map, &w_map, sa, sw, M, N, K, round, y, ldy);
 }
 
-extern "C" __global__ void __launch_bounds__(FFG_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(FfgCfg<128, 256>::THREADS, 1)
     ffg_gemm_n256_kernel(const __grid_constant__ DsvTmaMap a_map, const __grid_constant__ DsvTmaMap w_map,
                          const float* sa, const float* sw, int M, int N, int K, int round, float* y, int ldy) {
   dsv4_pdl_begin();
-  ffg_gemm<256>(&a_map, &w_map, sa, sw, M, N, K, round, y, ldy);
+  ffg_gemm<128, 256>(&a_map, &w_map, sa, sw, M, N, K, round, y, ldy);
+}
+
+extern "C" __global__ void __launch_bounds__(FfgCfg<192, 128>::THREADS, 1)
+    ffg_gemm_m192_kernel(const __grid_constant__ DsvTmaMap a_map, const __grid_constant__ DsvTmaMap w_map,
+                         const float* sa, const float* sw, int M, int N, int K, int round, float* y, int ldy) {
+  dsv4_pdl_begin();
+  ffg_gemm<192, 128>(&a_map, &w_map, sa, sw, M, N, K, round, y, ldy);
 }

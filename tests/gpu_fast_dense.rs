@@ -33,7 +33,7 @@ use common::gpu::{Dev, family_gpu, print_kernel_resources};
 use common::rng::Rng;
 use dsv4::cuda::DevicePtr;
 use dsv4::cuda::kernels::fast_dense::{self, ActMode, DenseOp, DenseWorkspace, FastDense, Shape};
-use dsv4::cuda::kernels::fast_fp8_gemm::{self, FastFp8Gemm, TileN};
+use dsv4::cuda::kernels::fast_fp8_gemm::{self, FastFp8Gemm, TileShape};
 use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat, WeightDev};
 use std::sync::Mutex;
 
@@ -1494,7 +1494,7 @@ fn own_fp8_gemm_matches_a_host_sum() {
         d.put(p[3], &sw);
         let call = |y: DevicePtr| fp8_call(&p, (m, n, k), y, ldy);
         let e_rel = 2f64.powi(-8) + (kb + 4) as f64 * 2f64.powi(-24);
-        for tile in TileN::ALL {
+        for tile in TileShape::ALL {
             let label = format!("{m} x {n} x {k} ({tile:?})");
             if !n.is_multiple_of(tile.outputs()) {
                 assert!(!FastFp8Gemm::takes(&call(p[4]), tile), "{label}: taken");
@@ -1564,7 +1564,7 @@ fn own_fp8_gemm_matches_a_host_sum() {
                     }
                 }
             }
-            let tiles = m.div_ceil(fast_fp8_gemm::TILE_M) * (n / tile.outputs());
+            let tiles = m.div_ceil(tile.tokens()) * (n / tile.outputs());
             println!(
                 "own FP8 GEMM {label} (round {round}): {tiles} tiles on {sms} SMs, largest |Δ| / Σ|a·w| {worst:.3e}, bound {e_rel:.3e}"
             );
@@ -1587,7 +1587,10 @@ fn own_fp8_gemm_declines_what_it_does_not_take() {
         m * n * 4 + 8,
     ]);
     let call = fp8_call(&p, (m, n, k), p[4], n);
-    assert!(FastFp8Gemm::takes(&call, TileN::N128) && FastFp8Gemm::takes(&call, TileN::N256));
+    assert!(
+        FastFp8Gemm::takes(&call, TileShape::M128N128)
+            && FastFp8Gemm::takes(&call, TileShape::M128N256)
+    );
     let shape = call.shape;
     for (what, bad) in [
         (
@@ -1646,7 +1649,7 @@ fn own_fp8_gemm_declines_what_it_does_not_take() {
         d.poison(p[4]);
         let err =
             d.k.fp8
-                .run(d.ctx(), &bad, TileN::N128, true, d.s())
+                .run(d.ctx(), &bad, TileShape::M128N128, true, d.s())
                 .unwrap_err();
         assert!(
             err.message.contains("ffg_gemm_kernel"),
@@ -1661,8 +1664,11 @@ fn own_fp8_gemm_declines_what_it_does_not_take() {
         shape: GemmShape { n: 384, ..shape },
         ..call
     };
-    assert!(FastFp8Gemm::takes(&n384, TileN::N128) && !FastFp8Gemm::takes(&n384, TileN::N256));
-    assert_eq!(FastFp8Gemm::tile_for(&n384), Some(TileN::N128));
+    assert!(
+        FastFp8Gemm::takes(&n384, TileShape::M128N128)
+            && !FastFp8Gemm::takes(&n384, TileShape::M128N256)
+    );
+    assert_eq!(FastFp8Gemm::tile_for(&n384), Some(TileShape::M128N128));
     // A y too small for m rows: refused by the extent checks.
     let short = GemmCall {
         y: p[4].slice(0, (m - 1) * n * 4).unwrap(),
@@ -1670,7 +1676,7 @@ fn own_fp8_gemm_declines_what_it_does_not_take() {
     };
     let err =
         d.k.fp8
-            .run(d.ctx(), &short, TileN::N128, false, d.s())
+            .run(d.ctx(), &short, TileShape::M128N128, false, d.s())
             .unwrap_err();
     assert!(err.message.contains("`y`"), "{}", err.message);
 }

@@ -104,8 +104,9 @@ pub const SHARED: &[Shared] = shared! {
     "FMOE_MAP_S3" = Int(fast_moe_gemm::Map::S3 as i64) from "fast_moe_gemm::Map::S3";
     "FMOE_MAP_S2" = Int(fast_moe_gemm::Map::S2 as i64) from "fast_moe_gemm::Map::S2";
     // fast_fp8_gemm.cu.
-    "FFG_STAGES_N128" = Int(fast_fp8_gemm::TileN::N128.stages() as i64) from "fast_fp8_gemm::TileN::stages";
-    "FFG_STAGES_N256" = Int(fast_fp8_gemm::TileN::N256.stages() as i64) from "fast_fp8_gemm::TileN::stages";
+    "FFG_STAGES_M128_N128" = Int(fast_fp8_gemm::TileShape::M128N128.stages() as i64) from "fast_fp8_gemm::TileShape::stages";
+    "FFG_STAGES_M128_N256" = Int(fast_fp8_gemm::TileShape::M128N256.stages() as i64) from "fast_fp8_gemm::TileShape::stages";
+    "FFG_STAGES_M192_N128" = Int(fast_fp8_gemm::TileShape::M192N128.stages() as i64) from "fast_fp8_gemm::TileShape::stages";
     "FFG_SMEM_BYTES" = Int(fast_fp8_gemm::SMEM_BYTES as i64) from "fast_fp8_gemm::SMEM_BYTES";
     // fast_moe_wide.cu.
     "FMW_TOKENS" = Int(fast_moe_wide::TOKENS as i64) from "fast_moe_wide::TOKENS";

@@ -13,8 +13,8 @@
 //! instead of f32: what a consumer reading BF16 would save); the FP8 ones our own GEMM takes also
 //! run the GEMM path with it (`"own_fp8_gemm"`: operand kernel, kernels/fast_fp8_gemm.cu with the
 //! rounding in its epilogue, the fast set's tile) and it alone (`"own_fp8_gemm_only"`, tiles of
-//! 128 outputs, and `"own_fp8_gemm_only_n256"`, of 256; f32 out: cuBLASLt-alone's work); the gemv
-//! lines are `path: "gemv"`.
+//! 128 x 128, `"own_fp8_gemm_only_n256"`, 128 x 256, `"own_fp8_gemm_only_m192"`, 192 x 128; f32
+//! out: cuBLASLt-alone's work); the gemv lines are `path: "gemv"`.
 //! Together they are the crossover table (which path the fast set should take at each T).
 //! `--lt-candidates N` adds `dense_lt_candidate` lines: cuBLASLt alone with each of its first N
 //! algorithms for the shape, both outputs.
@@ -42,7 +42,7 @@ use dsv4::cuda::kernels::fast_dense::{
     self, ActMode, DenseOp, DenseWorkspace, FastDense, Shape, TOKENS,
 };
 use dsv4::cuda::kernels::fast_dense_gemm::{self, GemmWorkspace};
-use dsv4::cuda::kernels::fast_fp8_gemm::{self, FastFp8Gemm, TileN};
+use dsv4::cuda::kernels::fast_fp8_gemm::{self, FastFp8Gemm, TileShape};
 use dsv4::cuda::kernels::linear::{StorageFormat, WeightDev};
 use dsv4::cuda::read_probe::{self, ReadProbe};
 use dsv4::cuda::registry::{KernelCache, Registry};
@@ -132,7 +132,7 @@ enum Path {
     Gemm { own: bool },
     /// Our FP8 GEMM alone with tiles of `tile` outputs on an operand made beforehand, writing f32
     /// without rounding: the same work as `GemmOnly { bf16_out: false }`.
-    OwnOnly { tile: TileN },
+    OwnOnly { tile: TileShape },
     /// cuBLASLt alone on an operand made beforehand, writing f32 (`bf16_out`: false, what the
     /// fast set runs) or BF16 (what a consumer reading BF16 would let the call write instead of
     /// f32 and its rounding pass).
@@ -148,8 +148,15 @@ impl Path {
             Path::Gemv { .. } => "gemv",
             Path::Gemm { own: false } => "cublaslt",
             Path::Gemm { own: true } => "own_fp8_gemm",
-            Path::OwnOnly { tile: TileN::N128 } => "own_fp8_gemm_only",
-            Path::OwnOnly { tile: TileN::N256 } => "own_fp8_gemm_only_n256",
+            Path::OwnOnly {
+                tile: TileShape::M128N128,
+            } => "own_fp8_gemm_only",
+            Path::OwnOnly {
+                tile: TileShape::M128N256,
+            } => "own_fp8_gemm_only_n256",
+            Path::OwnOnly {
+                tile: TileShape::M192N128,
+            } => "own_fp8_gemm_only_m192",
             Path::GemmOnly { bf16_out: false } => "cublaslt_gemm_only",
             Path::GemmOnly { bf16_out: true } => "cublaslt_gemm_only_bf16_out",
         }
@@ -360,8 +367,24 @@ pub fn run(
                 ),
                 (t, Path::Gemm { own: false }),
                 (t, Path::Gemm { own: true }),
-                (t, Path::OwnOnly { tile: TileN::N128 }),
-                (t, Path::OwnOnly { tile: TileN::N256 }),
+                (
+                    t,
+                    Path::OwnOnly {
+                        tile: TileShape::M128N128,
+                    },
+                ),
+                (
+                    t,
+                    Path::OwnOnly {
+                        tile: TileShape::M128N256,
+                    },
+                ),
+                (
+                    t,
+                    Path::OwnOnly {
+                        tile: TileShape::M192N128,
+                    },
+                ),
                 (t, Path::GemmOnly { bf16_out: false }),
                 (t, Path::GemmOnly { bf16_out: true }),
             ]

@@ -19,51 +19,67 @@ use crate::cuda::decl::TmaMapParam;
 use crate::cuda::stream::{BorrowedStream, TMA_MAP_SLOTS, TmaMap};
 use crate::error::{Error, Result, Status};
 
-/// Tokens of a tile (two consumer warpgroups of 64).
-pub const TILE_M: usize = 128;
 /// k of a stage: one 128-block of the scales.
 pub const BLOCK_K: usize = 128;
-/// Threads of a block: two consumer warpgroups and a producer warpgroup.
-pub const THREADS: usize = 3 * 128;
 
-/// Outputs of a tile: the two entry points of the family.
+/// A tile's tokens x outputs: the family's three entry points. Which is fastest for a shape is
+/// measured (`dsv4 bench dense`'s `own_fp8_gemm_only*` lines).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TileN {
-    /// 128 outputs (`ffg_gemm_kernel`).
-    N128,
-    /// 256 outputs (`ffg_gemm_n256_kernel`): the activations cross L2 and shared memory half as
-    /// often per output; the two 128-output halves run one after the other.
-    N256,
+pub enum TileShape {
+    /// 128 x 128 (`ffg_gemm_kernel`): two consumer warpgroups.
+    M128N128,
+    /// 128 x 256 (`ffg_gemm_n256_kernel`): the activations cross L2 and shared memory half as
+    /// often an output; the two 128-output halves run one after the other.
+    M128N256,
+    /// 192 x 128 (`ffg_gemm_m192_kernel`): three consumer warpgroups (one promotes while two
+    /// keep the tensor cores busy), the weights cross L2 two thirds as often an output.
+    M192N128,
 }
 
-impl TileN {
-    pub const ALL: [TileN; 2] = [TileN::N128, TileN::N256];
+impl TileShape {
+    pub const ALL: [TileShape; 3] = [
+        TileShape::M128N128,
+        TileShape::M128N256,
+        TileShape::M192N128,
+    ];
 
-    pub fn outputs(self) -> usize {
+    /// Tokens of a tile (64 a consumer warpgroup).
+    pub const fn tokens(self) -> usize {
         match self {
-            TileN::N128 => 128,
-            TileN::N256 => 256,
+            TileShape::M192N128 => 192,
+            _ => 128,
         }
     }
 
-    /// Slots of the ring (FFG_STAGES_N128 / FFG_STAGES_N256): as many as the shared memory holds.
-    /// At K = 1024 a tile has 8 stages, so the ring holds most of the next tile when this one's
-    /// epilogue starts.
+    /// Outputs of a tile.
+    pub const fn outputs(self) -> usize {
+        match self {
+            TileShape::M128N256 => 256,
+            _ => 128,
+        }
+    }
+
+    /// Threads of a block: the consumer warpgroups, then the producer warpgroup.
+    pub const fn threads(self) -> usize {
+        self.tokens() / 64 * 128 + 128
+    }
+
+    /// Slots of the ring (FFG_STAGES_M*_N*): as many as the shared memory holds. At K = 1024 a
+    /// tile has 8 stages, so the ring holds most of the next tile when this one's epilogue
+    /// starts.
     pub const fn stages(self) -> usize {
         match self {
-            TileN::N128 => 6,
-            TileN::N256 => 4,
+            TileShape::M128N128 => 6,
+            TileShape::M128N256 => 4,
+            TileShape::M192N128 => 5,
         }
     }
 
-    /// Bytes of one slot: the tile's token codes and weight codes over 128 k, the tokens' 128
+    /// Bytes of one slot: the tile's token codes and weight codes over 128 k, the tokens'
     /// scales and the weight rows' block scales, rounded up to the 128-byte swizzle's 1024.
     const fn slot_bytes(self) -> usize {
-        let outputs = match self {
-            TileN::N128 => 128,
-            TileN::N256 => 256,
-        };
-        (TILE_M * BLOCK_K + outputs * BLOCK_K + TILE_M * 4 + 16).div_ceil(1024) * 1024
+        (self.tokens() * BLOCK_K + self.outputs() * BLOCK_K + self.tokens() * 4 + 16).div_ceil(1024)
+            * 1024
     }
 
     /// Shared memory of its ring and mbarriers.
@@ -72,15 +88,19 @@ impl TileN {
     }
 }
 
-/// The tile the fast set runs. Not yet measured against [`TileN::N256`] (`dsv4 bench dense`'s
-/// `own_fp8_gemm_only` lines time both).
-pub const DEFAULT_TILE_N: TileN = TileN::N128;
+/// The tile the fast set runs where it takes the call. Not yet measured against the others.
+pub const DEFAULT_TILE: TileShape = TileShape::M128N128;
 
-/// Dynamic shared memory of a block, the larger layout's (FFG_SMEM_BYTES; the kernel checks both
-/// fit).
+/// Dynamic shared memory of a block, the largest layout's (FFG_SMEM_BYTES; the kernel checks
+/// each fits).
 pub const SMEM_BYTES: usize = {
-    let (a, b) = (TileN::N128.smem_bytes(), TileN::N256.smem_bytes());
-    if a > b { a } else { b }
+    let (a, b, c) = (
+        TileShape::M128N128.smem_bytes(),
+        TileShape::M128N256.smem_bytes(),
+        TileShape::M192N128.smem_bytes(),
+    );
+    let ab = if a > b { a } else { b };
+    if ab > c { ab } else { c }
 };
 const _: () = assert!(
     SMEM_BYTES <= 227 * 1024,
@@ -92,18 +112,25 @@ crate::kernel_family! {
     pub const SOURCE = "fast_fp8_gemm", include_str!("../../../kernels/fast_fp8_gemm.cu");
 
     /// `y = Σ_b (a_b · W_bᵀ) · sa[b] · sw[b]` (bf16-rounded where `round`), [`GemmCall`]'s
-    /// operands, tiles of 128 outputs; `a_map` / `w_map` over the codes ([`FastFp8Gemm::run`]
-    /// encodes them). Grid: up to one block an SM, [`THREADS`] threads.
+    /// operands, tiles of 128 x 128; `a_map` / `w_map` over the codes ([`FastFp8Gemm::run`]
+    /// encodes them). Grid: up to one block an SM, [`TileShape::threads`] threads.
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
     fn ffg_gemm_kernel(
         a_map: TmaMapParam, w_map: TmaMapParam, sa: *const f32, sw: *const f32, m: i32, n: i32,
         k: i32, round: bool, y: *mut f32, ldy: i32,
     );
-    /// The same with tiles of 256 outputs.
+    /// The same with tiles of 128 x 256.
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
     fn ffg_gemm_n256_kernel(
+        a_map: TmaMapParam, w_map: TmaMapParam, sa: *const f32, sw: *const f32, m: i32, n: i32,
+        k: i32, round: bool, y: *mut f32, ldy: i32,
+    );
+    /// The same with tiles of 192 x 128.
+    #[smem(SMEM_BYTES as u32)]
+    #[pdl(true)]
+    fn ffg_gemm_m192_kernel(
         a_map: TmaMapParam, w_map: TmaMapParam, sa: *const f32, sw: *const f32, m: i32, n: i32,
         k: i32, round: bool, y: *mut f32, ldy: i32,
     );
@@ -112,8 +139,9 @@ crate::kernel_family! {
 crate::launchers! {
     /// The family's entry point, resolved from a loaded registry.
     pub struct FastFp8Gemm {
-        n128: ffg_gemm_kernel,
-        n256: ffg_gemm_n256_kernel,
+        m128n128: ffg_gemm_kernel,
+        m128n256: ffg_gemm_n256_kernel,
+        m192n128: ffg_gemm_m192_kernel,
     }
 }
 
@@ -135,7 +163,7 @@ impl FastFp8Gemm {
     /// output, N a multiple of the tile's outputs, K of [`BLOCK_K`], m a positive multiple of 4
     /// (the scales' rows are copied 16 bytes at a time), the codes 16-byte aligned (TMA) and y's
     /// rows 8-byte aligned (the epilogue stores output pairs).
-    pub fn takes(call: &GemmCall, tile: TileN) -> bool {
+    pub fn takes(call: &GemmCall, tile: TileShape) -> bool {
         let s = &call.shape;
         s.kind == GemmKind::Fp8BlockScaled
             && s.out == GemmOut::F32
@@ -155,11 +183,11 @@ impl FastFp8Gemm {
             && call.ascale.is_some_and(|p| p.addr().is_multiple_of(16))
     }
 
-    /// The tile the fast set runs `call` with: [`DEFAULT_TILE_N`] where it takes the call, else
+    /// The tile the fast set runs `call` with: [`DEFAULT_TILE`] where it takes the call, else
     /// the other one where that does, else None (cuBLASLt runs it).
-    pub fn tile_for(call: &GemmCall) -> Option<TileN> {
-        [DEFAULT_TILE_N, TileN::N128, TileN::N256]
-            .into_iter()
+    pub fn tile_for(call: &GemmCall) -> Option<TileShape> {
+        std::iter::once(DEFAULT_TILE)
+            .chain(TileShape::ALL)
             .find(|&tile| Self::takes(call, tile))
     }
 
@@ -169,7 +197,7 @@ impl FastFp8Gemm {
         &self,
         ctx: &Context,
         call: &GemmCall,
-        tile: TileN,
+        tile: TileShape,
         round: bool,
         stream: BorrowedStream,
     ) -> Result<()> {
@@ -193,7 +221,7 @@ impl FastFp8Gemm {
         need(WHO, "wscale", wscale, n / 128 * (k / BLOCK_K) * 4)?;
         need(WHO, "y", call.y, ((m - 1) * call.ldy + n) * 4)?;
         let (a_map, w_map) = (
-            codes_map(call.a.addr(), m, k, TILE_M)?,
+            codes_map(call.a.addr(), m, k, tile.tokens())?,
             codes_map(call.w.addr(), n, k, tile.outputs())?,
         );
         let (m32, n32, k32) = (
@@ -219,17 +247,22 @@ impl FastFp8Gemm {
                 }
             };
         }
-        let tiles = m.div_ceil(TILE_M) * (n / tile.outputs());
+        let tiles = m.div_ceil(tile.tokens()) * (n / tile.outputs());
         let grid = tiles.clamp(1, ctx.info().multiprocessors.max(1) as usize) as u32;
-        let (threads, smem) = (THREADS as u32, SMEM_BYTES as u32);
+        let (threads, smem) = (tile.threads() as u32, SMEM_BYTES as u32);
         let _g = ctx.enter()?;
         match tile {
-            TileN::N128 => self
-                .n128
-                .launch(grid, threads, smem, stream, args!(ffg_gemm_kernel)),
-            TileN::N256 => {
-                self.n256
-                    .launch(grid, threads, smem, stream, args!(ffg_gemm_n256_kernel))
+            TileShape::M128N128 => {
+                let args = args!(ffg_gemm_kernel);
+                self.m128n128.launch(grid, threads, smem, stream, args)
+            }
+            TileShape::M128N256 => {
+                let args = args!(ffg_gemm_n256_kernel);
+                self.m128n256.launch(grid, threads, smem, stream, args)
+            }
+            TileShape::M192N128 => {
+                let args = args!(ffg_gemm_m192_kernel);
+                self.m192n128.launch(grid, threads, smem, stream, args)
             }
         }
     }
@@ -239,14 +272,20 @@ impl FastFp8Gemm {
 mod tests {
     use super::*;
 
-    /// 128 outputs: six slots of 33 KiB (two 16 KiB code tiles, 528 bytes of scales, rounded to
-    /// 1 KiB) and twelve mbarriers; 256 outputs: four of 49 KiB and eight mbarriers. The block
-    /// takes the larger.
+    /// 128 x 128: six slots of 33 KiB (two 16 KiB code tiles, 528 bytes of scales, rounded to
+    /// 1 KiB) and twelve mbarriers; 128 x 256: four of 49 KiB; 192 x 128: five of 41 KiB, the
+    /// largest, which the block takes. Each tile's token codes end on a 1024-byte boundary (the
+    /// weight codes' swizzle), and the blocks have 384, 384 and 512 threads.
     #[test]
     fn rings_fit_and_slots_are_swizzle_aligned() {
-        assert_eq!(TileN::N128.smem_bytes(), 6 * 33 * 1024 + 96);
-        assert_eq!(TileN::N256.smem_bytes(), 4 * 49 * 1024 + 64);
-        assert_eq!(SMEM_BYTES, TileN::N128.smem_bytes());
-        assert_eq!((TILE_M * BLOCK_K) % 1024, 0);
+        assert_eq!(TileShape::M128N128.smem_bytes(), 6 * 33 * 1024 + 96);
+        assert_eq!(TileShape::M128N256.smem_bytes(), 4 * 49 * 1024 + 64);
+        assert_eq!(TileShape::M192N128.smem_bytes(), 5 * 41 * 1024 + 80);
+        assert_eq!(SMEM_BYTES, TileShape::M192N128.smem_bytes());
+        for t in TileShape::ALL {
+            assert_eq!((t.tokens() * BLOCK_K) % 1024, 0, "{t:?}");
+        }
+        let threads: Vec<usize> = TileShape::ALL.iter().map(|t| t.threads()).collect();
+        assert_eq!(threads, [384, 384, 512]);
     }
 }
