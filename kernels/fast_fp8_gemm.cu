@@ -1,9 +1,10 @@
 // fast_fp8_gemm kernel family: the fast set's own FP8 block-scaled GEMM for projections of many tokens
 // (issue 12), kernels/SPEC.md ## fast_fp8_gemm.cu, ../shared/KERNELS.md §2.
 //
-// ffg_gemm_kernel, ffg_gemm_n256_kernel, ffg_gemm_m192_kernel:
+// ffg_gemm_kernel, ffg_gemm_n256_kernel, ffg_gemm_m192_kernel, ffg_gemm_pair_kernel:
 //   y[t, j] = Σ_b (Σ_{c in block b} a[t, c] · W[j, c]) · sa[b, t] · sw[j / 128, b]  (bf16-rounded where `round`)
-// for t < M, j < N, 128-blocks b of K; tiles of 128 x 128, 128 x 256 and 192 x 128 (tokens x outputs).
+// for t < M, j < N, 128-blocks b of K; tiles of 128 x 128, 128 x 256 and 192 x 128 (tokens x outputs), and
+// 128 x 256 in clusters of two blocks that share the weight tile (the pair's tiles are 256 x 256).
 //
 // The operands are cuBLASLt's (src/cuda/blockscaled_gemm.rs), so either GEMM runs from the same
 // fd_lt_operand_kernel output: a = [M, K] e4m3 codes (the official act_quant), sa = [K / 128, M] f32 token-
@@ -25,6 +26,16 @@
 // is measured (`dsv4 bench dense`): 128 x 256 and 192 x 128 move fewer bytes through L2 and shared memory an
 // output than 128 x 128; 192 x 128 also keeps three warpgroups' wgmmas queued while one promotes, at 160
 // registers a consumer thread.
+//
+// Pairs (PAIR: ffg_gemm_pair_kernel). At ~1000 TFLOP/s a 128 x 256 tile reads ~6 TB/s from L2, a 128 x 128 one
+// ~8: near what Hopper's L2 is reported to give. A cluster of two blocks takes token tiles 2i and 2i + 1 of the
+// same 256 outputs, and each block's producer loads half of the weight tile (128 rows) by a TMA multicast into
+// both blocks' slot: the weight tile crosses L2 once for the two, a third less L2 traffic an output. A slot is
+// then free only when both blocks' consumers have released it (each consumer warp arrives on its own block's
+// empty barrier and on the other's), the full barrier counts the other block's half among its bytes, and both
+// blocks leave together (a cluster barrier), so that neither's shared memory is written or its barriers
+// arrived on after it exits. The last pair of an odd count of token tiles has a block whose tokens are all past
+// M: it loads zeros (TMA's out-of-range fill) and stores nothing, but takes its part in the multicasts.
 //
 // The pipeline (as fast_moe_wide.cu): the consumer warpgroups and a producer warpgroup share a ring of STAGES
 // slots with full / empty mbarriers; one producer thread issues every copy, and its warpgroup hands most of its
@@ -49,9 +60,10 @@
 // the tokens' BM scales of the block, the block scales of the tile's HALVES 128-row weight blocks. BN = 256 runs
 // its two 128-output halves one after the other on the same 64 wgmma sums (both at once would need 64 more
 // registers than a consumer has).
-template <int BM, int BN>
+template <int BM, int BN, bool PAIR = false>
 struct FfgCfg {
   static_assert((BM == 128 && (BN == 128 || BN == 256)) || (BM == 192 && BN == 128), "fast_fp8_gemm: tile shape");
+  static_assert(!PAIR || (BM == 128 && BN == 256), "fast_fp8_gemm: pairs of 128 x 256 tiles");
   static constexpr int WGS = BM / 64;  // consumer warpgroups
   static constexpr int CONSUMERS = 128 * WGS;
   static constexpr int THREADS = CONSUMERS + 128;  // then the producer warpgroup
@@ -66,6 +78,8 @@ struct FfgCfg {
   static constexpr int SW = SA + BM * 4;
   static constexpr int SLOT = (SW + 16 + 1023) / 1024 * 1024;
   static constexpr int STAGES = BM == 192 ? FFG_STAGES_M192_N128 : BN == 256 ? FFG_STAGES_M128_N256 : FFG_STAGES_M128_N128;
+  // Arrivals a phase of an empty barrier: every consumer warp of the block, and of the other block of a pair.
+  static constexpr int EMPTY_ARRIVALS = (PAIR ? 2 : 1) * CONSUMERS / 32;
   static constexpr int BARS = STAGES * SLOT;
   static constexpr int USED = BARS + 2 * STAGES * 8;
   static_assert(SLOT_A % 1024 == 0, "fast_fp8_gemm: the B tile needs the swizzle's 1024-byte alignment");
@@ -108,32 +122,93 @@ DSV4_INLINE FfgTile ffg_tile(int i, int mt) {
   return {(i - nb * mt) * BM, nb * BN};
 }
 
+// The work a block walks: tiles blockIdx.x, + gridDim.x, ... of `tiles`; or, in pairs, the cluster's pair
+// index c, + clusters, ... of `tiles` pairs (token tiles 2i, 2i + 1 of an output tile), this block's tile of each
+// (`rank`). Both blocks of a pair walk the same sequence.
+struct FfgWalk {
+  int first, step, count, mpairs, rank;
+};
+
+template <bool PAIR>
+DSV4_INLINE FfgWalk ffg_walk(int mt, int nt) {
+  if (!PAIR) return {(int)blockIdx.x, (int)gridDim.x, mt * nt, 0, 0};
+  unsigned rank;
+  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  const int mpairs = (mt + 1) / 2;
+  return {(int)blockIdx.x >> 1, (int)gridDim.x >> 1, mpairs * nt, mpairs, (int)rank};
+}
+
+template <int BM, int BN, bool PAIR>
+DSV4_INLINE FfgTile ffg_walk_tile(const FfgWalk& wk, int i, int mt) {
+  if (!PAIR) return ffg_tile<BM, BN>(i, mt);
+  const int nb = i / wk.mpairs;
+  return {(2 * (i - nb * wk.mpairs) + wk.rank) * BM, nb * BN};
+}
+
+// One arrival on the mbarrier at this block's shared address `bar` in block `rank` of the cluster (release at
+// cluster scope: this warp's reads of its slot come before the other block's producer overwrites it).
+DSV4_INLINE void ffg_arrive_remote(unsigned bar, unsigned rank) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_map(bar, rank))
+               : "memory");
+}
+
+// mbar_wait at cluster scope (the empty barriers of a pair: the other block's consumers arrive on them).
+DSV4_INLINE void ffg_wait_cluster(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{ .reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// tma_load_2d into the same shared address of every block of `mask` in the cluster, completing its bytes on
+// each one's mbarrier at `bar`.
+DSV4_INLINE void ffg_tma_multicast(unsigned dst, const void* map, int x, int y, unsigned bar, unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
+      "[%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(bar), "h"(mask)
+      : "memory");
+}
+
 // The producer: one thread walks the same tiles and stages as the consumers. Per stage: the token box and the
 // weight box by TMA (rows past M read as zeros and are counted in the transaction bytes), the tokens' scales of
 // the block by one bulk copy of their rows rounded up to 4 (M is a multiple of 4, so the copy never passes the
 // block's M floats), the weight's block scales by cp.async (whose arrival is the full barrier's second).
-template <int BM, int BN>
+template <int BM, int BN, bool PAIR>
 DSV4_INLINE void ffg_produce(const DsvTmaMap* a_map, const DsvTmaMap* w_map, const float* sa, const float* sw,
-                             int M, int K, int mt, int tiles, unsigned smem) {
-  using C = FfgCfg<BM, BN>;
+                             int M, int N, int K, unsigned smem) {
+  using C = FfgCfg<BM, BN, PAIR>;
   if (threadIdx.x != C::CONSUMERS) return;
+  const int mt = (M + BM - 1) / BM;
+  const FfgWalk wk = ffg_walk<PAIR>(mt, N / BN);
   // The maps into the cache before the first copies need them.
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(a_map) : "memory");
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(w_map) : "memory");
   const int kbs = K / FFG_BK;
   int slot = 0;
   unsigned phase = 0;
-  for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
-    const FfgTile tl = ffg_tile<BM, BN>(i, mt);
-    const int rows = min(BM, M - tl.m0);
+  for (int i = wk.first; i < wk.count; i += wk.step) {
+    const FfgTile tl = ffg_walk_tile<BM, BN, PAIR>(wk, i, mt);
+    const int rows = max(0, min(BM, M - tl.m0));  // 0: a pair's block past M
     const unsigned sa_bytes = (unsigned)((rows + 3) / 4) * 16u;
     for (int kb = 0; kb < kbs; ++kb) {
-      mbar_wait(ffg_empty<C>(smem, slot), phase ^ 1);
+      if (PAIR)
+        ffg_wait_cluster(ffg_empty<C>(smem, slot), phase ^ 1);
+      else
+        mbar_wait(ffg_empty<C>(smem, slot), phase ^ 1);
       const unsigned st = smem + slot * C::SLOT, full = ffg_full<C>(smem, slot);
       mbar_arrive_expect_tx(full, C::SLOT_A + C::SLOT_B + sa_bytes);
       tma_load_2d(st, a_map, kb * FFG_BK, tl.m0, full);
-      tma_load_2d(st + C::SLOT_A, w_map, kb * FFG_BK, tl.n0, full);
-      bulk_load(st + C::SA, sa + (long long)kb * M + tl.m0, sa_bytes, full);
+      if (PAIR)  // this block's 128 weight rows into both blocks' slot (w_map's boxes are 128 rows here)
+        ffg_tma_multicast(st + C::SLOT_A + wk.rank * 128 * FFG_BK, w_map, kb * FFG_BK, tl.n0 + 128 * wk.rank, full,
+                          (unsigned short)3);
+      else
+        tma_load_2d(st + C::SLOT_A, w_map, kb * FFG_BK, tl.n0, full);
+      if (sa_bytes != 0) bulk_load(st + C::SA, sa + (long long)kb * M + tl.m0, sa_bytes, full);
 #pragma unroll
       for (int h = 0; h < C::HALVES; ++h) cp_async_4(st + C::SW + 4 * h, sw + (long long)(tl.n0 / 128 + h) * kbs + kb);
       cp_async_mbar_arrive(full);
@@ -191,10 +266,12 @@ DSV4_INLINE void ffg_store(const float (&acc)[BN / 2], float* y, int ldy, int ro
 // The consumers: warpgroup w, for each tile, each stage: wait for the slot; per 128-output half, four chained
 // wgmmas over the block, the half's scales read while they run, wait, promote (the slot released after the
 // last half's wait). Then the tile's outputs.
-template <int BM, int BN>
-DSV4_INLINE void ffg_consume(float* y, int ldy, int M, int K, int mt, int tiles, bool round, unsigned char* smem_base,
+template <int BM, int BN, bool PAIR>
+DSV4_INLINE void ffg_consume(float* y, int ldy, int M, int N, int K, bool round, unsigned char* smem_base,
                              unsigned smem) {
-  using C = FfgCfg<BM, BN>;
+  using C = FfgCfg<BM, BN, PAIR>;
+  const int mt = (M + BM - 1) / BM;
+  const FfgWalk wk = ffg_walk<PAIR>(mt, N / BN);
   const int w = threadIdx.x >> 7, q = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int r0 = 64 * w + 16 * q + g;  // the thread's first token row in the tile; the second is r0 + 8
@@ -204,8 +281,8 @@ DSV4_INLINE void ffg_consume(float* y, int ldy, int M, int K, int mt, int tiles,
   float d[64], acc[BN / 2];
 #pragma unroll
   for (int v = 0; v < 64; ++v) d[v] = 0.0f;  // defined before the first wgmma (ptxas C7511)
-  for (int i = blockIdx.x; i < tiles; i += gridDim.x) {
-    const FfgTile tl = ffg_tile<BM, BN>(i, mt);
+  for (int i = wk.first; i < wk.count; i += wk.step) {
+    const FfgTile tl = ffg_walk_tile<BM, BN, PAIR>(wk, i, mt);
 #pragma unroll
     for (int v = 0; v < BN / 2; ++v) acc[v] = 0.0f;
 #pragma unroll 1
@@ -228,6 +305,7 @@ DSV4_INLINE void ffg_consume(float* y, int ldy, int M, int K, int mt, int tiles,
         if (h == C::HALVES - 1) {
           __syncwarp();
           if (lane == 0) mbar_arrive(ffg_empty<C>(smem, slot));
+          if (PAIR && lane == 1) ffg_arrive_remote(ffg_empty<C>(smem, slot), (unsigned)wk.rank ^ 1u);
         }
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
@@ -244,35 +322,46 @@ DSV4_INLINE void ffg_consume(float* y, int ldy, int M, int K, int mt, int tiles,
 }
 
 // The kernels' shared body: barriers, the warpgroups' roles and registers.
-template <int BM, int BN>
+template <int BM, int BN, bool PAIR = false>
 DSV4_INLINE void ffg_gemm(const DsvTmaMap* a_map, const DsvTmaMap* w_map, const float* sa, const float* sw, int M,
                           int N, int K, int round, float* y, int ldy) {
-  using C = FfgCfg<BM, BN>;
+  using C = FfgCfg<BM, BN, PAIR>;
   extern __shared__ __align__(1024) unsigned char ffg_smem[];
   const unsigned smem = smem_addr(ffg_smem);
   if ((smem & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned slots
-  const int mt = (M + BM - 1) / BM, tiles = mt * (N / BN);
+  // (Each role works out its tiles after its setmaxnreg: values live across it are spilled.)
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::STAGES; ++s) {
-      mbar_init(ffg_full<C>(smem, s), 2);                   // the expect_tx arrival and the cp.async one
-      mbar_init(ffg_empty<C>(smem, s), C::CONSUMERS / 32);  // every consumer warp
+      mbar_init(ffg_full<C>(smem, s), 2);                    // the expect_tx arrival and the cp.async one
+      mbar_init(ffg_empty<C>(smem, s), C::EMPTY_ARRIVALS);  // the consumer warps (of both blocks of a pair)
     }
     fence_mbar_init();
   }
-  __syncthreads();
+  // A pair's barriers are initialised in both blocks before either block's copies or arrivals reach them.
+  if (PAIR)
+    cluster_sync();
+  else
+    __syncthreads();
   if (threadIdx.x >= C::CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::PRODUCER_REGS));
-    ffg_produce<BM, BN>(a_map, w_map, sa, sw, M, K, mt, tiles, smem);
-    return;
+    ffg_produce<BM, BN, PAIR>(a_map, w_map, sa, sw, M, N, K, smem);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS));
+    ffg_consume<BM, BN, PAIR>(y, ldy, M, N, K, round != 0, ffg_smem, smem);
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS));
-  ffg_consume<BM, BN>(y, ldy, M, K, mt, tiles, round != 0, ffg_smem, smem);
+  // A pair's blocks leave together: the other block's multicasts into this one's slots and its consumers'
+  // arrivals on this one's barriers are all done (each precedes the other block's arrival here).
+  if (PAIR) {
+    __syncwarp();
+    cluster_sync();
+  }
 }
 
-// y = the block-scaled product above; grid: up to one block per SM (persistent), FfgCfg::THREADS threads
-// (384, 384, 512), FFG_SMEM_BYTES of dynamic shared memory. a_map: the codes [M, K] as a 2-D byte tensor in
-// boxes of 128 bytes x BM rows, 128-byte swizzle; w_map: W's [N, K] likewise in boxes of 128 bytes x BN rows.
-// M a multiple of 4, N of BN, K of 128; y's rows 8-byte aligned (ldy even).
+// y = the block-scaled product above; grid: up to one block per SM (persistent; the pair kernel in clusters
+// of 2, an even grid), FfgCfg::THREADS threads (384, 384, 512, 384), FFG_SMEM_BYTES of dynamic shared memory.
+// a_map: the codes [M, K] as a 2-D byte tensor in boxes of 128 bytes x BM rows, 128-byte swizzle; w_map: W's
+// [N, K] likewise in boxes of 128 bytes x BN rows (the pair kernel: 128 rows, each block's half). M a multiple
+// of 4, N of BN, K of 128; y's rows 8-byte aligned (ldy even).
 extern "C" __global__ void __launch_bounds__(FfgCfg<128, 128>::THREADS, 1)
     ffg_gemm_kernel(const __grid_constant__ DsvTmaMap a_map, const __grid_constant__ DsvTmaMap w_map,
                     const float* sa, const float* sw, int M, int N, int K, int round, float* y, int ldy) {
@@ -292,4 +381,11 @@ extern "C" __global__ void __launch_bounds__(FfgCfg<192, 128>::THREADS, 1)
                          const float* sa, const float* sw, int M, int N, int K, int round, float* y, int ldy) {
   dsv4_pdl_begin();
   ffg_gemm<192, 128>(&a_map, &w_map, sa, sw, M, N, K, round, y, ldy);
+}
+
+extern "C" __global__ void __launch_bounds__(FfgCfg<128, 256, true>::THREADS, 1)
+    ffg_gemm_pair_kernel(const __grid_constant__ DsvTmaMap a_map, const __grid_constant__ DsvTmaMap w_map,
+                         const float* sa, const float* sw, int M, int N, int K, int round, float* y, int ldy) {
+  dsv4_pdl_begin();
+  ffg_gemm<128, 256, true>(&a_map, &w_map, sa, sw, M, N, K, round, y, ldy);
 }

@@ -13,8 +13,9 @@
 //! instead of f32: what a consumer reading BF16 would save); the FP8 ones our own GEMM takes also
 //! run the GEMM path with it (`"own_fp8_gemm"`: operand kernel, kernels/fast_fp8_gemm.cu with the
 //! rounding in its epilogue, the fast set's tile) and it alone (`"own_fp8_gemm_only"`, tiles of
-//! 128 x 128, `"own_fp8_gemm_only_n256"`, 128 x 256, `"own_fp8_gemm_only_m192"`, 192 x 128; f32
-//! out: cuBLASLt-alone's work); the gemv lines are `path: "gemv"`.
+//! 128 x 128, `"own_fp8_gemm_only_n256"`, 128 x 256, `"own_fp8_gemm_only_m192"`, 192 x 128,
+//! `"own_fp8_gemm_only_pair"`, 128 x 256 in clusters of two sharing the weight tile; f32 out:
+//! cuBLASLt-alone's work); the gemv lines are `path: "gemv"`.
 //! Together they are the crossover table (which path the fast set should take at each T).
 //! `--lt-candidates N` adds `dense_lt_candidate` lines: cuBLASLt alone with each of its first N
 //! algorithms for the shape, both outputs.
@@ -157,6 +158,9 @@ impl Path {
             Path::OwnOnly {
                 tile: TileShape::M192N128,
             } => "own_fp8_gemm_only_m192",
+            Path::OwnOnly {
+                tile: TileShape::M128N256Pair,
+            } => "own_fp8_gemm_only_pair",
             Path::GemmOnly { bf16_out: false } => "cublaslt_gemm_only",
             Path::GemmOnly { bf16_out: true } => "cublaslt_gemm_only_bf16_out",
         }
@@ -383,6 +387,12 @@ pub fn run(
                     t,
                     Path::OwnOnly {
                         tile: TileShape::M192N128,
+                    },
+                ),
+                (
+                    t,
+                    Path::OwnOnly {
+                        tile: TileShape::M128N256Pair,
                     },
                 ),
                 (t, Path::GemmOnly { bf16_out: false }),

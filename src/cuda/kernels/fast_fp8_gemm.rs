@@ -34,13 +34,18 @@ pub enum TileShape {
     /// 192 x 128 (`ffg_gemm_m192_kernel`): three consumer warpgroups (one promotes while two
     /// keep the tensor cores busy), the weights cross L2 two thirds as often an output.
     M192N128,
+    /// 128 x 256 in clusters of two blocks on adjacent token tiles (`ffg_gemm_pair_kernel`):
+    /// each block loads half of the shared weight tile into both by a TMA multicast, so the
+    /// weights cross L2 half as often as with [`TileShape::M128N256`].
+    M128N256Pair,
 }
 
 impl TileShape {
-    pub const ALL: [TileShape; 3] = [
+    pub const ALL: [TileShape; 4] = [
         TileShape::M128N128,
         TileShape::M128N256,
         TileShape::M192N128,
+        TileShape::M128N256Pair,
     ];
 
     /// Tokens of a tile (64 a consumer warpgroup).
@@ -54,9 +59,22 @@ impl TileShape {
     /// Outputs of a tile.
     pub const fn outputs(self) -> usize {
         match self {
-            TileShape::M128N256 => 256,
+            TileShape::M128N256 | TileShape::M128N256Pair => 256,
             _ => 128,
         }
+    }
+
+    /// Blocks of a cluster (the pairs share their weight tile), 1 otherwise.
+    pub const fn cluster(self) -> usize {
+        match self {
+            TileShape::M128N256Pair => 2,
+            _ => 1,
+        }
+    }
+
+    /// Weight rows of the weight's TMA box: a block's half of the tile in a pair, else the tile's.
+    const fn weight_box_rows(self) -> usize {
+        self.outputs() / self.cluster()
     }
 
     /// Threads of a block: the consumer warpgroups, then the producer warpgroup.
@@ -70,7 +88,7 @@ impl TileShape {
     pub const fn stages(self) -> usize {
         match self {
             TileShape::M128N128 => 6,
-            TileShape::M128N256 => 4,
+            TileShape::M128N256 | TileShape::M128N256Pair => 4,
             TileShape::M192N128 => 5,
         }
     }
@@ -134,6 +152,13 @@ crate::kernel_family! {
         a_map: TmaMapParam, w_map: TmaMapParam, sa: *const f32, sw: *const f32, m: i32, n: i32,
         k: i32, round: bool, y: *mut f32, ldy: i32,
     );
+    /// The same with tiles of 128 x 256 in clusters of two (`w_map`'s boxes 128 rows).
+    #[smem(SMEM_BYTES as u32)]
+    #[pdl(true)]
+    fn ffg_gemm_pair_kernel(
+        a_map: TmaMapParam, w_map: TmaMapParam, sa: *const f32, sw: *const f32, m: i32, n: i32,
+        k: i32, round: bool, y: *mut f32, ldy: i32,
+    );
 }
 
 crate::launchers! {
@@ -142,6 +167,7 @@ crate::launchers! {
         m128n128: ffg_gemm_kernel,
         m128n256: ffg_gemm_n256_kernel,
         m192n128: ffg_gemm_m192_kernel,
+        m128n256_pair: ffg_gemm_pair_kernel,
     }
 }
 
@@ -222,7 +248,7 @@ impl FastFp8Gemm {
         need(WHO, "y", call.y, ((m - 1) * call.ldy + n) * 4)?;
         let (a_map, w_map) = (
             codes_map(call.a.addr(), m, k, tile.tokens())?,
-            codes_map(call.w.addr(), n, k, tile.outputs())?,
+            codes_map(call.w.addr(), n, k, tile.weight_box_rows())?,
         );
         let (m32, n32, k32) = (
             to_i32(WHO, "m", m)?,
@@ -247,8 +273,11 @@ impl FastFp8Gemm {
                 }
             };
         }
-        let tiles = m.div_ceil(tile.tokens()) * (n / tile.outputs());
-        let grid = tiles.clamp(1, ctx.info().multiprocessors.max(1) as usize) as u32;
+        // Up to one block an SM; a pair's clusters take two token tiles each.
+        let cl = tile.cluster();
+        let units = m.div_ceil(tile.tokens()).div_ceil(cl) * (n / tile.outputs());
+        let sms = ctx.info().multiprocessors.max(1) as usize;
+        let grid = (cl * units.clamp(1, (sms / cl).max(1))) as u32;
         let (threads, smem) = (tile.threads() as u32, SMEM_BYTES as u32);
         let _g = ctx.enter()?;
         match tile {
@@ -263,6 +292,12 @@ impl FastFp8Gemm {
             TileShape::M192N128 => {
                 let args = args!(ffg_gemm_m192_kernel);
                 self.m192n128.launch(grid, threads, smem, stream, args)
+            }
+            TileShape::M128N256Pair => {
+                let args = args!(ffg_gemm_pair_kernel);
+                let c = (cl as u32, 1, 1);
+                self.m128n256_pair
+                    .launch_clustered(grid, threads, smem, stream, args, c)
             }
         }
     }
@@ -286,6 +321,13 @@ mod tests {
             assert_eq!((t.tokens() * BLOCK_K) % 1024, 0, "{t:?}");
         }
         let threads: Vec<usize> = TileShape::ALL.iter().map(|t| t.threads()).collect();
-        assert_eq!(threads, [384, 384, 512]);
+        assert_eq!(threads, [384, 384, 512, 384]);
+        // A pair's blocks load half of the weight tile each.
+        assert_eq!(
+            TileShape::M128N256Pair.smem_bytes(),
+            TileShape::M128N256.smem_bytes()
+        );
+        assert_eq!(TileShape::M128N256Pair.weight_box_rows(), 128);
+        assert_eq!(TileShape::M128N256.weight_box_rows(), 256);
     }
 }
