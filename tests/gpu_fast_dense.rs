@@ -26,6 +26,9 @@
 //! act_quant's values bit for bit (the f16 operands times the scales), bit-identical reruns,
 //! a token's outputs alike alone and in a batch of 64 (the split depends on the shape only),
 //! and nothing written outside the `[t, n]` outputs (strided y keeps its poison).
+//!
+//! The many-token path (cuBLASLt, and our own FP8 GEMM, kernels/fast_fp8_gemm.cu, every tile
+//! shape against an exact host sum and through the GEMM path) has its bound further down.
 
 mod common;
 
@@ -1211,7 +1214,7 @@ fn gemm_groups_share_operands_and_give_each_members_bits() {
         .collect();
     let (_a, p) = d.alloc(&sizes);
     let x = p[0];
-    // With cuBLASLt for every member, then as the fast set runs them: FP8 through our kernel.
+    // With cuBLASLt for every member, then with the FP8 members through our kernel.
     for (t, own) in [64, 129, 300]
         .into_iter()
         .flat_map(|t| [(t, None), (t, Some(&d.k.fp8))])
