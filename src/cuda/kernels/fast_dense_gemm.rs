@@ -232,7 +232,7 @@ fn gemm_from_operand(
     Ok(true)
 }
 
-/// Runs `op` through cuBLASLt, or our FP8 GEMM where `own` takes it ([`gemm_from_operand`]),
+/// Runs `op` through cuBLASLt, or our FP8 GEMM where `own` takes it (`gemm_from_operand`),
 /// its last `t % M_GRANULE` tokens through the gemv (with `gemv_ws`), and returns true, or
 /// returns false having run nothing that writes `y` (the caller's gemv runs it): see the module
 /// doc for what is declined.
