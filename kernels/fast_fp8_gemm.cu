@@ -2,7 +2,8 @@
 // (issue 12), kernels/SPEC.md ## fast_fp8_gemm.cu, ../shared/KERNELS.md §2.
 //
 // ffg_gemm_kernel, ffg_gemm_n256_kernel, ffg_gemm_m192_kernel, ffg_gemm_pair_kernel:
-//   y[t, j] = Σ_b (Σ_{c in block b} a[t, c] · W[j, c]) · sa[b, t] · sw[j / 128, b]  (bf16-rounded where `round`)
+//   y[t, j] = Σ_b (Σ_{c in block b} a[t, c] · W[j, c]) · sa[b, t] · sw[j / 128, b]
+// stored as f32, as f32 rounded to bf16 values, or as bf16 (`out`: FFG_OUT_F32, _F32_ROUNDED, _BF16)
 // for t < M, j < N, 128-blocks b of K; tiles of 128 x 128, 128 x 256 and 192 x 128 (tokens x outputs), and
 // 128 x 256 in clusters of two blocks that share the weight tile (the pair's tiles are 256 x 256).
 //
@@ -244,21 +245,27 @@ DSV4_INLINE float2 ffg_round_pair(float2 v) {
   return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 
-// The outputs of the thread's two token rows: round (bf16 values, as fd_round_bf16_kernel makes them) and
-// store, 8 bytes an output pair (a warp's store covers 8 rows x 32 contiguous bytes). acc[64h + 4j + c]: row
+// The outputs of the thread's two token rows in `out`'s form: f32, or rounded to bf16 values (as
+// fd_round_bf16_kernel makes them) and stored as f32 or as their bf16 bits (the top half of the rounded f32),
+// an output pair at a time (a warp's store covers 8 rows x 32 or 16 contiguous bytes). acc[64h + 4j + c]: row
 // row0 + 8·(c >> 1), output col0 + 128h + 8j + (c & 1). Rows past M are not stored (N is a multiple of BN).
 template <int BN>
-DSV4_INLINE void ffg_store(const float (&acc)[BN / 2], float* y, int ldy, int row0, int M, int col0, bool round) {
+DSV4_INLINE void ffg_store(const float (&acc)[BN / 2], void* y, int ldy, int row0, int M, int col0, int out) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 8 * r;
     if (row >= M) continue;
-    float* yr = y + (long long)row * ldy + col0;
+    const long long at = (long long)row * ldy + col0;
+    const bool rounded = out == FFG_OUT_F32_ROUNDED || out == FFG_OUT_BF16;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       float2 v = make_float2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
-      if (round) v = ffg_round_pair(v);
-      *reinterpret_cast<float2*>(yr + 8 * j) = v;
+      if (rounded) v = ffg_round_pair(v);
+      if (out == FFG_OUT_BF16)
+        *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(y) + at + 8 * j) =
+            (__float_as_uint(v.x) >> 16) | (__float_as_uint(v.y) & 0xffff0000u);
+      else
+        *reinterpret_cast<float2*>(static_cast<float*>(y) + at + 8 * j) = v;
     }
   }
 }
@@ -267,7 +274,7 @@ DSV4_INLINE void ffg_store(const float (&acc)[BN / 2], float* y, int ldy, int ro
 // wgmmas over the block, the half's scales read while they run, wait, promote (the slot released after the
 // last half's wait). Then the tile's outputs.
 template <int BM, int BN, bool PAIR>
-DSV4_INLINE void ffg_consume(float* y, int ldy, int M, int N, int K, bool round, unsigned char* smem_base,
+DSV4_INLINE void ffg_consume(void* y, int ldy, int M, int N, int K, int out, unsigned char* smem_base,
                              unsigned smem) {
   using C = FfgCfg<BM, BN, PAIR>;
   const int mt = (M + BM - 1) / BM;
@@ -317,14 +324,14 @@ DSV4_INLINE void ffg_consume(float* y, int ldy, int M, int N, int K, bool round,
       }
       ffg_advance<C>(slot, phase);
     }
-    ffg_store<BN>(acc, y, ldy, tl.m0 + r0, M, tl.n0 + 2 * t, round);
+    ffg_store<BN>(acc, y, ldy, tl.m0 + r0, M, tl.n0 + 2 * t, out);
   }
 }
 
 // The kernels' shared body: barriers, the warpgroups' roles and registers.
 template <int BM, int BN, bool PAIR = false>
 DSV4_INLINE void ffg_gemm(const DsvTmaMap* a_map, const DsvTmaMap* w_map, const float* sa, const float* sw, int M,
-                          int N, int K, int round, float* y, int ldy) {
+                          int N, int K, int out, void* y, int ldy) {
   using C = FfgCfg<BM, BN, PAIR>;
   extern __shared__ __align__(1024) unsigned char ffg_smem[];
   const unsigned smem = smem_addr(ffg_smem);
@@ -347,7 +354,7 @@ DSV4_INLINE void ffg_gemm(const DsvTmaMap* a_map, const DsvTmaMap* w_map, const 
     ffg_produce<BM, BN, PAIR>(a_map, w_map, sa, sw, M, N, K, smem);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS));
-    ffg_consume<BM, BN, PAIR>(y, ldy, M, N, K, round != 0, ffg_smem, smem);
+    ffg_consume<BM, BN, PAIR>(y, ldy, M, N, K, out, ffg_smem, smem);
   }
   // A pair's blocks leave together: the other block's multicasts into this one's slots and its consumers'
   // arrivals on this one's barriers are all done (each precedes the other block's arrival here).
@@ -361,31 +368,32 @@ DSV4_INLINE void ffg_gemm(const DsvTmaMap* a_map, const DsvTmaMap* w_map, const 
 // of 2, an even grid), FfgCfg::THREADS threads (384, 384, 512, 384), FFG_SMEM_BYTES of dynamic shared memory.
 // a_map: the codes [M, K] as a 2-D byte tensor in boxes of 128 bytes x BM rows, 128-byte swizzle; w_map: W's
 // [N, K] likewise in boxes of 128 bytes x BN rows (the pair kernel: 128 rows, each block's half). M a multiple
-// of 4, N of BN, K of 128; y's rows 8-byte aligned (ldy even).
+// of 4, N of BN, K of 128; y [M, ldy] in `out`'s element type (f32, or bf16 for FFG_OUT_BF16), ldy even, 8-byte
+// aligned.
 extern "C" __global__ void __launch_bounds__(FfgCfg<128, 128>::THREADS, 1)
     ffg_gemm_kernel(const __grid_constant__ DsvTmaMap a_map, const __grid_constant__ DsvTmaMap w_map,
-                    const float* sa, const float* sw, int M, int N, int K, int round, float* y, int ldy) {
+                    const float* sa, const float* sw, int M, int N, int K, int out, void* y, int ldy) {
   dsv4_pdl_begin();
-  ffg_gemm<128, 128>(&a_map, &w_map, sa, sw, M, N, K, round, y, ldy);
+  ffg_gemm<128, 128>(&a_map, &w_map, sa, sw, M, N, K, out, y, ldy);
 }
 
 extern "C" __global__ void __launch_bounds__(FfgCfg<128, 256>::THREADS, 1)
     ffg_gemm_n256_kernel(const __grid_constant__ DsvTmaMap a_map, const __grid_constant__ DsvTmaMap w_map,
-                         const float* sa, const float* sw, int M, int N, int K, int round, float* y, int ldy) {
+                         const float* sa, const float* sw, int M, int N, int K, int out, void* y, int ldy) {
   dsv4_pdl_begin();
-  ffg_gemm<128, 256>(&a_map, &w_map, sa, sw, M, N, K, round, y, ldy);
+  ffg_gemm<128, 256>(&a_map, &w_map, sa, sw, M, N, K, out, y, ldy);
 }
 
 extern "C" __global__ void __launch_bounds__(FfgCfg<192, 128>::THREADS, 1)
     ffg_gemm_m192_kernel(const __grid_constant__ DsvTmaMap a_map, const __grid_constant__ DsvTmaMap w_map,
-                         const float* sa, const float* sw, int M, int N, int K, int round, float* y, int ldy) {
+                         const float* sa, const float* sw, int M, int N, int K, int out, void* y, int ldy) {
   dsv4_pdl_begin();
-  ffg_gemm<192, 128>(&a_map, &w_map, sa, sw, M, N, K, round, y, ldy);
+  ffg_gemm<192, 128>(&a_map, &w_map, sa, sw, M, N, K, out, y, ldy);
 }
 
 extern "C" __global__ void __launch_bounds__(FfgCfg<128, 256, true>::THREADS, 1)
     ffg_gemm_pair_kernel(const __grid_constant__ DsvTmaMap a_map, const __grid_constant__ DsvTmaMap w_map,
-                         const float* sa, const float* sw, int M, int N, int K, int round, float* y, int ldy) {
+                         const float* sa, const float* sw, int M, int N, int K, int out, void* y, int ldy) {
   dsv4_pdl_begin();
-  ffg_gemm<128, 256, true>(&a_map, &w_map, sa, sw, M, N, K, round, y, ldy);
+  ffg_gemm<128, 256, true>(&a_map, &w_map, sa, sw, M, N, K, out, y, ldy);
 }

@@ -1438,10 +1438,11 @@ fn fp8_call(
 
 /// The kernel alone on operands made here (codes and power-of-two scales over a wide range, in
 /// cuBLASLt's layouts: `[m, k]` codes with `[k / 128, m]` scales, `[n, k]` codes with
-/// `[n / 128, k / 128]` block scales) against the exact sum in f64, with both tiles where N
-/// allows: partial token tiles, one tile, a long K, and more tiles than SMs (the persistent
-/// blocks loop over tiles and the ring wraps across them); outputs past n (a strided y) and rows
-/// past m keep their poison, and a rerun gives the same bits.
+/// `[n / 128, k / 128]` block scales) against the exact sum in f64, with every tile shape that
+/// takes the case: partial token tiles, one tile, a long K, and more tiles than SMs (the
+/// persistent blocks loop over tiles and the ring wraps across them); outputs past n (a strided
+/// y) and rows past m keep their poison, a rerun gives the same bits, and the rounded f32 and
+/// the BF16 outputs are half's roundings of the unrounded sums, bit for bit.
 #[test]
 fn own_fp8_gemm_matches_a_host_sum() {
     let Some(d) = dev() else { return };
@@ -1532,6 +1533,29 @@ fn own_fp8_gemm_matches_a_host_sum() {
                     &outputs(&got),
                     &outputs(&rounded),
                 );
+                // A BF16 output holds the same roundings' bits, ldy elements a row.
+                let bf16_call = GemmCall {
+                    shape: GemmShape {
+                        out: GemmOut::Bf16,
+                        ..call(p[5]).shape
+                    },
+                    ..call(p[5])
+                };
+                d.poison(p[5]);
+                d.k.fp8
+                    .run(d.ctx(), &bf16_call, tile, false, d.s())
+                    .unwrap();
+                let bf16: Vec<u16> = d.get(p[5], (m + 4) * ldy);
+                for t in 0..m + 4 {
+                    for j in 0..ldy {
+                        let (b, at) = (bf16[t * ldy + j], format!("{label}: BF16 y[{t}, {j}]"));
+                        if t >= m || j >= n {
+                            assert_eq!(b, u16::MAX, "{at} outside the outputs was written");
+                        } else {
+                            assert_eq!(b, half::bf16::from_f32(raw[t * ldy + j]).to_bits(), "{at}");
+                        }
+                    }
+                }
             }
             let mut worst = 0f64;
             for t in 0..m + 4 {
@@ -1625,16 +1649,6 @@ fn own_fp8_gemm_declines_what_it_does_not_take() {
             GemmCall {
                 shape: GemmShape {
                     kind: GemmKind::Bf16,
-                    ..shape
-                },
-                ..call
-            },
-        ),
-        (
-            "BF16 output",
-            GemmCall {
-                shape: GemmShape {
-                    out: GemmOut::Bf16,
                     ..shape
                 },
                 ..call

@@ -108,6 +108,9 @@ pub const SHARED: &[Shared] = shared! {
     "FFG_STAGES_M128_N256" = Int(fast_fp8_gemm::TileShape::M128N256.stages() as i64) from "fast_fp8_gemm::TileShape::stages";
     "FFG_STAGES_M192_N128" = Int(fast_fp8_gemm::TileShape::M192N128.stages() as i64) from "fast_fp8_gemm::TileShape::stages";
     "FFG_SMEM_BYTES" = Int(fast_fp8_gemm::SMEM_BYTES as i64) from "fast_fp8_gemm::SMEM_BYTES";
+    "FFG_OUT_F32" = Int(fast_fp8_gemm::OutMode::F32 as i64) from "fast_fp8_gemm::OutMode::F32";
+    "FFG_OUT_F32_ROUNDED" = Int(fast_fp8_gemm::OutMode::F32Rounded as i64) from "fast_fp8_gemm::OutMode::F32Rounded";
+    "FFG_OUT_BF16" = Int(fast_fp8_gemm::OutMode::Bf16 as i64) from "fast_fp8_gemm::OutMode::Bf16";
     // fast_moe_wide.cu.
     "FMW_TOKENS" = Int(fast_moe_wide::TOKENS as i64) from "fast_moe_wide::TOKENS";
     "FMW_STAGES" = Int(fast_moe_wide::STAGES as i64) from "fast_moe_wide::STAGES";

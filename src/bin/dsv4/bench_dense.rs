@@ -15,7 +15,8 @@
 //! rounding in its epilogue, the fast set's tile) and it alone (`"own_fp8_gemm_only"`, tiles of
 //! 128 x 128, `"own_fp8_gemm_only_n256"`, 128 x 256, `"own_fp8_gemm_only_m192"`, 192 x 128,
 //! `"own_fp8_gemm_only_pair"`, 128 x 256 in clusters of two sharing the weight tile; f32 out:
-//! cuBLASLt-alone's work); the gemv lines are `path: "gemv"`.
+//! cuBLASLt-alone's work; `"own_fp8_gemm_only_bf16_out"`, the default tile writing BF16); the gemv
+//! lines are `path: "gemv"`.
 //! Together they are the crossover table (which path the fast set should take at each T).
 //! `--lt-candidates N` adds `dense_lt_candidate` lines: cuBLASLt alone with each of its first N
 //! algorithms for the shape, both outputs.
@@ -131,9 +132,10 @@ enum Path {
     /// The fast set's GEMM path: operand kernel, cuBLASLt and its BF16 rounding pass (`own`:
     /// false), or our FP8 GEMM with the rounding in its epilogue (`own`: true, FP8 shapes only).
     Gemm { own: bool },
-    /// Our FP8 GEMM alone with tiles of `tile` outputs on an operand made beforehand, writing f32
-    /// without rounding: the same work as `GemmOnly { bf16_out: false }`.
-    OwnOnly { tile: TileShape },
+    /// Our FP8 GEMM alone with tiles of `tile` on an operand made beforehand, writing f32 without
+    /// rounding (the same work as `GemmOnly { bf16_out: false }`) or, with `bf16_out`, BF16 (as
+    /// `GemmOnly { bf16_out: true }`; the default tile only).
+    OwnOnly { tile: TileShape, bf16_out: bool },
     /// cuBLASLt alone on an operand made beforehand, writing f32 (`bf16_out`: false, what the
     /// fast set runs) or BF16 (what a consumer reading BF16 would let the call write instead of
     /// f32 and its rounding pass).
@@ -151,16 +153,21 @@ impl Path {
             Path::Gemm { own: true } => "own_fp8_gemm",
             Path::OwnOnly {
                 tile: TileShape::M128N128,
+                bf16_out: false,
             } => "own_fp8_gemm_only",
             Path::OwnOnly {
                 tile: TileShape::M128N256,
+                bf16_out: false,
             } => "own_fp8_gemm_only_n256",
             Path::OwnOnly {
                 tile: TileShape::M192N128,
+                bf16_out: false,
             } => "own_fp8_gemm_only_m192",
             Path::OwnOnly {
                 tile: TileShape::M128N256Pair,
+                bf16_out: false,
             } => "own_fp8_gemm_only_pair",
+            Path::OwnOnly { bf16_out: true, .. } => "own_fp8_gemm_only_bf16_out",
             Path::GemmOnly { bf16_out: false } => "cublaslt_gemm_only",
             Path::GemmOnly { bf16_out: true } => "cublaslt_gemm_only_bf16_out",
         }
@@ -375,24 +382,35 @@ pub fn run(
                     t,
                     Path::OwnOnly {
                         tile: TileShape::M128N128,
+                        bf16_out: false,
                     },
                 ),
                 (
                     t,
                     Path::OwnOnly {
                         tile: TileShape::M128N256,
+                        bf16_out: false,
                     },
                 ),
                 (
                     t,
                     Path::OwnOnly {
                         tile: TileShape::M192N128,
+                        bf16_out: false,
                     },
                 ),
                 (
                     t,
                     Path::OwnOnly {
                         tile: TileShape::M128N256Pair,
+                        bf16_out: false,
+                    },
+                ),
+                (
+                    t,
+                    Path::OwnOnly {
+                        tile: fast_fp8_gemm::DEFAULT_TILE,
+                        bf16_out: true,
                     },
                 ),
                 (t, Path::GemmOnly { bf16_out: false }),
@@ -436,7 +454,7 @@ pub fn run(
                             FastFp8Gemm::tile_for(&lt_call(s, t, 0)).is_some()
                         })
                 }
-                Path::OwnOnly { tile } => {
+                Path::OwnOnly { tile, .. } => {
                     t >= blockscaled_gemm::MIN_M
                         && t.is_multiple_of(fast_dense_gemm::M_GRANULE)
                         && p.groups == 1
@@ -509,9 +527,15 @@ pub fn run(
                             ))
                         }
                     }
-                    Path::OwnOnly { tile } => {
+                    Path::OwnOnly { tile, bf16_out } => {
                         let (_, shape) = gemm_at(t).unwrap();
-                        own.run(&ctx, &lt_call(shape, t, j), tile, false, s)
+                        let out = if bf16_out {
+                            GemmOut::Bf16
+                        } else {
+                            GemmOut::F32
+                        };
+                        let call = lt_call(GemmShape { out, ..shape }, t, j);
+                        own.run(&ctx, &call, tile, false, s)
                     }
                     Path::GemmOnly { bf16_out } => {
                         let (g, shape) = gemm_at(t).unwrap();

@@ -18,6 +18,7 @@ use crate::cuda::blockscaled_gemm::{GemmCall, GemmKind, GemmOut};
 use crate::cuda::decl::TmaMapParam;
 use crate::cuda::stream::{BorrowedStream, TMA_MAP_SLOTS, TmaMap};
 use crate::error::{Error, Result, Status};
+use std::ffi::c_void;
 
 /// k of a stage: one 128-block of the scales.
 pub const BLOCK_K: usize = 128;
@@ -106,6 +107,17 @@ impl TileShape {
     }
 }
 
+/// What the kernel stores (FFG_OUT_*): the f32 sums, the f32 sums rounded to bf16 values (the
+/// official output of a projection the model rounds), or their bf16 bits (half the bytes: what a
+/// consumer reading BF16 would take; `dsv4 bench dense` measures it, the fast set reads f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum OutMode {
+    F32 = 0,
+    F32Rounded = 1,
+    Bf16 = 2,
+}
+
 /// The tile the fast set runs where it takes the call. Not yet measured against the others.
 pub const DEFAULT_TILE: TileShape = TileShape::M128N128;
 
@@ -129,35 +141,35 @@ crate::kernel_family! {
     /// The family as the registry compiles and loads it.
     pub const SOURCE = "fast_fp8_gemm", include_str!("../../../kernels/fast_fp8_gemm.cu");
 
-    /// `y = Σ_b (a_b · W_bᵀ) · sa[b] · sw[b]` (bf16-rounded where `round`), [`GemmCall`]'s
+    /// `y = Σ_b (a_b · W_bᵀ) · sa[b] · sw[b]` stored as `out` says ([`OutMode`]), [`GemmCall`]'s
     /// operands, tiles of 128 x 128; `a_map` / `w_map` over the codes ([`FastFp8Gemm::run`]
     /// encodes them). Grid: up to one block an SM, [`TileShape::threads`] threads.
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
     fn ffg_gemm_kernel(
         a_map: TmaMapParam, w_map: TmaMapParam, sa: *const f32, sw: *const f32, m: i32, n: i32,
-        k: i32, round: bool, y: *mut f32, ldy: i32,
+        k: i32, out: i32, y: *mut c_void, ldy: i32,
     );
     /// The same with tiles of 128 x 256.
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
     fn ffg_gemm_n256_kernel(
         a_map: TmaMapParam, w_map: TmaMapParam, sa: *const f32, sw: *const f32, m: i32, n: i32,
-        k: i32, round: bool, y: *mut f32, ldy: i32,
+        k: i32, out: i32, y: *mut c_void, ldy: i32,
     );
     /// The same with tiles of 192 x 128.
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
     fn ffg_gemm_m192_kernel(
         a_map: TmaMapParam, w_map: TmaMapParam, sa: *const f32, sw: *const f32, m: i32, n: i32,
-        k: i32, round: bool, y: *mut f32, ldy: i32,
+        k: i32, out: i32, y: *mut c_void, ldy: i32,
     );
     /// The same with tiles of 128 x 256 in clusters of two (`w_map`'s boxes 128 rows).
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
     fn ffg_gemm_pair_kernel(
         a_map: TmaMapParam, w_map: TmaMapParam, sa: *const f32, sw: *const f32, m: i32, n: i32,
-        k: i32, round: bool, y: *mut f32, ldy: i32,
+        k: i32, out: i32, y: *mut c_void, ldy: i32,
     );
 }
 
@@ -185,14 +197,14 @@ fn codes_map(addr: u64, rows: usize, k: usize, box_rows: usize) -> Result<TmaMap
 }
 
 impl FastFp8Gemm {
-    /// Whether the kernel with `tile` takes `call`: FP8 block-scaled with both scales, f32
-    /// output, N a multiple of the tile's outputs, K of [`BLOCK_K`], m a positive multiple of 4
+    /// Whether the kernel with `tile` takes `call`: FP8 block-scaled with both scales, f32 or
+    /// BF16 output, N a multiple of the tile's outputs, K of [`BLOCK_K`], m a positive multiple of 4
     /// (the scales' rows are copied 16 bytes at a time), the codes 16-byte aligned (TMA) and y's
     /// rows 8-byte aligned (the epilogue stores output pairs).
     pub fn takes(call: &GemmCall, tile: TileShape) -> bool {
         let s = &call.shape;
         s.kind == GemmKind::Fp8BlockScaled
-            && s.out == GemmOut::F32
+            && matches!(s.out, GemmOut::F32 | GemmOut::Bf16)
             && call.wscale.is_some()
             && call.ascale.is_some()
             && s.n > 0
@@ -217,8 +229,9 @@ impl FastFp8Gemm {
             .find(|&tile| Self::takes(call, tile))
     }
 
-    /// Enqueues `call` (which [`Self::takes`] must accept for `tile`), its outputs rounded to
-    /// bf16 values when `round`: one launch of up to one block an SM.
+    /// Enqueues `call` (which [`Self::takes`] must accept for `tile`): f32 outputs rounded to
+    /// bf16 values when `round`, a BF16 output ([`GemmOut::Bf16`]) always rounded; one launch of
+    /// up to one block an SM (a pair's clusters: two).
     pub fn run(
         &self,
         ctx: &Context,
@@ -245,7 +258,17 @@ impl FastFp8Gemm {
         need(WHO, "w", call.w, n * k)?;
         need(WHO, "ascale", ascale, k / BLOCK_K * m * 4)?;
         need(WHO, "wscale", wscale, n / 128 * (k / BLOCK_K) * 4)?;
-        need(WHO, "y", call.y, ((m - 1) * call.ldy + n) * 4)?;
+        need(
+            WHO,
+            "y",
+            call.y,
+            ((m - 1) * call.ldy + n) * call.shape.out.size(),
+        )?;
+        let out = match (call.shape.out, round) {
+            (GemmOut::Bf16, _) => OutMode::Bf16,
+            (GemmOut::F32, true) => OutMode::F32Rounded,
+            (GemmOut::F32, false) => OutMode::F32,
+        } as i32;
         let (a_map, w_map) = (
             codes_map(call.a.addr(), m, k, tile.tokens())?,
             codes_map(call.w.addr(), n, k, tile.weight_box_rows())?,
@@ -267,7 +290,7 @@ impl FastFp8Gemm {
                     m: m32,
                     n: n32,
                     k: k32,
-                    round,
+                    out,
                     y: call.y,
                     ldy,
                 }
