@@ -1,7 +1,8 @@
 //! Rust side of the `fast_fp8_gemm` kernel family (kernels/fast_fp8_gemm.cu): the fast set's own
 //! FP8 block-scaled GEMM for projections of many tokens (issue 12), on exactly the operands
 //! cuBLASLt's block-scaled GEMM takes ([`GemmCall`]: e4m3 codes of the activations with an f32
-//! scale per token and 128 of k, e4m3 weight codes with 128 x 128 f32 block scales, f32 output),
+//! scale per token and 128 of k, e4m3 weight codes with 128 x 128 f32 block scales, f32 or BF16
+//! output),
 //! so either runs from the same `fd_lt_operand_kernel` operand
 //! ([`super::fast_dense_gemm`] picks). What it adds: a persistent kernel whose producer runs ahead
 //! across tiles, so that a short K (1024: 8 blocks a tile) keeps the tensor cores fed while a
@@ -23,7 +24,7 @@ use std::ffi::c_void;
 /// k of a stage: one 128-block of the scales.
 pub const BLOCK_K: usize = 128;
 
-/// A tile's tokens x outputs: the family's three entry points. Which is fastest for a shape is
+/// A tile's tokens x outputs: the family's four entry points. Which is fastest for a shape is
 /// measured (`dsv4 bench dense`'s `own_fp8_gemm_only*` lines).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TileShape {
@@ -221,8 +222,8 @@ impl FastFp8Gemm {
             && call.ascale.is_some_and(|p| p.addr().is_multiple_of(16))
     }
 
-    /// The tile the fast set runs `call` with: [`DEFAULT_TILE`] where it takes the call, else
-    /// the other one where that does, else None (cuBLASLt runs it).
+    /// The tile the fast set runs `call` with: [`DEFAULT_TILE`] where it takes the call, else the
+    /// first of [`TileShape::ALL`] that does, else None (cuBLASLt runs it).
     pub fn tile_for(call: &GemmCall) -> Option<TileShape> {
         std::iter::once(DEFAULT_TILE)
             .chain(TileShape::ALL)
