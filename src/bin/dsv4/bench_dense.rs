@@ -27,7 +27,7 @@
 //! call per member, as without grouping), with the members' weight bytes and GB/s; from
 //! `GEMM_MIN_TOKENS`, `gemm_shared` (cuBLASLt with one operand per input and mode, as the fast set
 //! runs a group of many tokens) and `gemm_separate` (one call per member), with TFLOP/s, each
-//! also with the FP8 members through our own GEMM (`_own_fp8` suffix: as the fast set runs them).
+//! also with the FP8 members through our own GEMM (`_own_fp8` suffix).
 //!
 //! Timing: each case captures one call on each of R copies of the weight (together at least
 //! 256 MB, so the 50 MB L2 holds none of them between calls) into a CUDA graph, replays it G
