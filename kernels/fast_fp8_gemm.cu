@@ -146,35 +146,6 @@ DSV4_INLINE FfgTile ffg_walk_tile(const FfgWalk& wk, int i, int mt) {
   return {(2 * (i - nb * wk.mpairs) + wk.rank) * BM, nb * BN};
 }
 
-// One arrival on the mbarrier at this block's shared address `bar` in block `rank` of the cluster (release at
-// cluster scope: this warp's reads of its slot come before the other block's producer overwrites it).
-DSV4_INLINE void ffg_arrive_remote(unsigned bar, unsigned rank) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_map(bar, rank))
-               : "memory");
-}
-
-// mbar_wait at cluster scope (the empty barriers of a pair: the other block's consumers arrive on them).
-DSV4_INLINE void ffg_wait_cluster(unsigned bar, unsigned parity) {
-  asm volatile(
-      "{ .reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-// tma_load_2d into the same shared address of every block of `mask` in the cluster, completing its bytes on
-// each one's mbarrier at `bar`.
-DSV4_INLINE void ffg_tma_multicast(unsigned dst, const void* map, int x, int y, unsigned bar, unsigned short mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
-      "[%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
-      "l"(map), "r"(x), "r"(y), "r"(bar), "h"(mask)
-      : "memory");
-}
-
 // The producer: one thread walks the same tiles and stages as the consumers. Per stage: the token box and the
 // weight box by TMA (rows past M read as zeros and are counted in the transaction bytes), the tokens' scales of
 // the block by one bulk copy of their rows rounded up to 4 (M is a multiple of 4, so the copy never passes the
@@ -197,15 +168,12 @@ DSV4_INLINE void ffg_produce(const DsvTmaMap* a_map, const DsvTmaMap* w_map, con
     const int rows = max(0, min(BM, M - tl.m0));  // 0: a pair's block past M
     const unsigned sa_bytes = (unsigned)((rows + 3) / 4) * 16u;
     for (int kb = 0; kb < kbs; ++kb) {
-      if (PAIR)
-        ffg_wait_cluster(ffg_empty<C>(smem, slot), phase ^ 1);
-      else
-        mbar_wait(ffg_empty<C>(smem, slot), phase ^ 1);
+      mbar_wait<PAIR>(ffg_empty<C>(smem, slot), phase ^ 1);
       const unsigned st = smem + slot * C::SLOT, full = ffg_full<C>(smem, slot);
       mbar_arrive_expect_tx(full, C::SLOT_A + C::SLOT_B + sa_bytes);
       tma_load_2d(st, a_map, kb * FFG_BK, tl.m0, full);
       if (PAIR)  // this block's 128 weight rows into both blocks' slot (w_map's boxes are 128 rows here)
-        ffg_tma_multicast(st + C::SLOT_A + wk.rank * 128 * FFG_BK, w_map, kb * FFG_BK, tl.n0 + 128 * wk.rank, full,
+        tma_load_2d_multicast(st + C::SLOT_A + wk.rank * 128 * FFG_BK, w_map, kb * FFG_BK, tl.n0 + 128 * wk.rank, full,
                           (unsigned short)3);
       else
         tma_load_2d(st + C::SLOT_A, w_map, kb * FFG_BK, tl.n0, full);
@@ -312,7 +280,7 @@ DSV4_INLINE void ffg_consume(void* y, int ldy, int M, int N, int K, int out, uns
         if (h == C::HALVES - 1) {
           __syncwarp();
           if (lane == 0) mbar_arrive(ffg_empty<C>(smem, slot));
-          if (PAIR && lane == 1) ffg_arrive_remote(ffg_empty<C>(smem, slot), (unsigned)wk.rank ^ 1u);
+          if (PAIR && lane == 1) mbar_arrive_cluster(ffg_empty<C>(smem, slot), (unsigned)wk.rank ^ 1u);
         }
 #pragma unroll
         for (int j = 0; j < 16; ++j) {

@@ -273,16 +273,35 @@ DSV4_INLINE void cp_async_mbar_arrive(unsigned bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
+// One arrival on the mbarrier at this block's shared address `bar` in block `rank` of the cluster, released at
+// cluster scope (this thread's earlier shared-memory reads come before what the arrival lets another block do).
+DSV4_INLINE void mbar_arrive_cluster(unsigned bar, unsigned rank) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_map(bar, rank))
+               : "memory");
+}
+
 // Waits until the phase of parity `parity` has completed (a fresh barrier counts parity 1 as complete).
+// CLUSTER: acquire at cluster scope, for a barrier other blocks of the cluster arrive on (mbar_arrive_cluster).
+template <bool CLUSTER = false>
 DSV4_INLINE void mbar_wait(unsigned bar, unsigned parity) {
-  asm volatile(
-      "{ .reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+  if constexpr (CLUSTER)
+    asm volatile(
+        "{ .reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+  else
+    asm volatile(
+        "{ .reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
 }
 
 // Waits for all of this thread's cp.async copies.
@@ -295,6 +314,17 @@ DSV4_INLINE void tma_load_2d(unsigned dst, const void* map, int x, int y, unsign
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
       "[%4];\n" ::"r"(dst),
       "l"(map), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+// tma_load_2d into the same shared-space address of every block of the cluster in `mask`, completing its bytes on
+// each one's mbarrier at `bar`.
+DSV4_INLINE void tma_load_2d_multicast(unsigned dst, const void* map, int x, int y, unsigned bar,
+                                       unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
+      "[%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(bar), "h"(mask)
       : "memory");
 }
 

@@ -174,6 +174,15 @@ impl Path {
     }
 }
 
+/// What a GEMM-alone line writes.
+fn out_of(bf16_out: bool) -> GemmOut {
+    if bf16_out {
+        GemmOut::Bf16
+    } else {
+        GemmOut::F32
+    }
+}
+
 /// Weight bytes as stored: FP8 codes (no NaN) or BF16 values ~ N(0, 0.05) like real weights.
 fn weight_data(rng: &mut Rng, p: &Projection) -> Vec<u8> {
     let n = p.rows() * p.k;
@@ -529,22 +538,26 @@ pub fn run(
                     }
                     Path::OwnOnly { tile, bf16_out } => {
                         let (_, shape) = gemm_at(t).unwrap();
-                        let out = if bf16_out {
-                            GemmOut::Bf16
-                        } else {
-                            GemmOut::F32
-                        };
-                        let call = lt_call(GemmShape { out, ..shape }, t, j);
+                        let call = lt_call(
+                            GemmShape {
+                                out: out_of(bf16_out),
+                                ..shape
+                            },
+                            t,
+                            j,
+                        );
                         own.run(&ctx, &call, tile, false, s)
                     }
                     Path::GemmOnly { bf16_out } => {
                         let (g, shape) = gemm_at(t).unwrap();
-                        let out = if bf16_out {
-                            GemmOut::Bf16
-                        } else {
-                            GemmOut::F32
-                        };
-                        let call = lt_call(GemmShape { out, ..shape }, t, j);
+                        let call = lt_call(
+                            GemmShape {
+                                out: out_of(bf16_out),
+                                ..shape
+                            },
+                            t,
+                            j,
+                        );
                         if g.run(&ctx, &call, s)? {
                             Ok(())
                         } else {
