@@ -198,9 +198,14 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
 // warp, the division and e4m3_round in software, the kernel moved ~1.2 TB/s (QUANT) and ~2.6 TB/s (BF16)
 // of x and codes (ncu, a 4096-token prefill); wo_b's whole call at 4096 tokens went 350 -> 312 us with
 // both changes (bench dense, one call; four items alone did not move it: the QUANT math was the cost).
+// round_in (QUANT only): x holds a projection's unrounded f32 sums whose official values are their bf16
+// roundings (wo_a's, for wo_b: fast_dense_gemm.rs run_gemm_chain); each value is rounded first, so the
+// codes and scales are those of the rounded x, bit for bit, and the rounding pass over x is not needed.
+// (round_bf16_nonnan: a NaN stays a NaN, whose e4m3 code does not depend on its payload.)
 // Grid ceil(T * K / 128 / (FD_WARPS * FD_LT_ITEMS)), FD_THREADS threads.
 extern "C" __global__ void __launch_bounds__(FD_THREADS)
-    fd_lt_operand_kernel(const float* x, int ldx, int T, int K, int mode, unsigned char* codes, float* scale) {
+    fd_lt_operand_kernel(const float* x, int ldx, int T, int K, int mode, int round_in, unsigned char* codes,
+                         float* scale) {
   dsv4_pdl_begin();
   const int nb = K / 128, lane = threadIdx.x & 31;
   const long long items = (long long)T * nb;
@@ -220,6 +225,12 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
     if (item >= items) break;  // uniform per warp: the amax reduction needs every lane
     const int t = (int)(item / nb), b = (int)(item - (long long)t * nb);
     if (mode == FD_ACT_QUANT) {
+      if (round_in) {
+        v[i].x = round_bf16_nonnan(v[i].x);
+        v[i].y = round_bf16_nonnan(v[i].y);
+        v[i].z = round_bf16_nonnan(v[i].z);
+        v[i].w = round_bf16_nonnan(v[i].w);
+      }
       float s;
       const unsigned q = fd_quant_codes(v[i], fd_warp_amax(v[i]), s);
       *reinterpret_cast<unsigned*>(codes + (long long)t * K + b * 128 + 4 * lane) = q;

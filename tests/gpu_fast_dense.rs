@@ -577,7 +577,7 @@ fn act_quant_operands_are_the_reference_values_bit_for_bit() {
     // cuBLASLt's operand (fd_lt_operand_kernel, several items a warp: 37 x 8 items leave the
     // last warp part of its share) holds the same values: e4m3 bytes [t, k], scales [k/128, t].
     let (_la, lp) = d.alloc(&[t * k, t * k / 128 * 4, t * k * 2]);
-    let lt_operand = |mode, codes| {
+    let lt_operand_of = |mode, round_in, codes| {
         d.poison(codes);
         d.poison(lp[1]);
         let op = fast_dense::LtOperand {
@@ -586,11 +586,13 @@ fn act_quant_operands_are_the_reference_values_bit_for_bit() {
             t,
             k,
             mode,
+            round_in,
             codes,
             scale: lp[1],
         };
         d.k.dense.lt_operand(d.ctx(), &op, d.s()).unwrap();
     };
+    let lt_operand = |mode, codes| lt_operand_of(mode, false, codes);
     lt_operand(ActMode::Quant, lp[0]);
     let codes: Vec<u8> = d.get(lp[0], t * k);
     let lt_scales: Vec<f32> = d.get(lp[1], t * k / 128);
@@ -617,6 +619,44 @@ fn act_quant_operands_are_the_reference_values_bit_for_bit() {
             "x[{i}] = {v}: BF16 operand"
         );
     }
+    // With round_in (the pass that finishes wo_a and makes wo_b's operand, run_gemm_chain), the
+    // operand of unrounded f32 sums is that of their bf16 roundings, bit for bit: x with random
+    // low mantissa bits (its zeros kept), through round_in, against its host rounding through the
+    // plain operand.
+    let unrounded: Vec<f32> = x
+        .iter()
+        .map(|&v| match v {
+            0.0 => v,
+            _ => f32::from_bits(v.to_bits() ^ (rng.u64() as u32 & 0xffff)),
+        })
+        .collect();
+    let rounded: Vec<f32> = unrounded
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect();
+    assert!(rounded.iter().all(|v| v.is_finite()));
+    d.put(p[0], &rounded);
+    lt_operand(ActMode::Quant, lp[0]);
+    let (want_codes, want_scales): (Vec<u8>, Vec<f32>) =
+        (d.get(lp[0], t * k), d.get(lp[1], t * k / 128));
+    d.put(p[0], &unrounded);
+    lt_operand_of(ActMode::Quant, true, lp[0]);
+    let (got_codes, got_scales): (Vec<u8>, Vec<f32>) =
+        (d.get(lp[0], t * k), d.get(lp[1], t * k / 128));
+    assert!(
+        got_codes == want_codes,
+        "round_in: the codes differ from those of the rounded x"
+    );
+    common::assert_bits("round_in: scales", &got_scales, &want_scales);
+    assert!(
+        unrounded
+            .iter()
+            .zip(&rounded)
+            .filter(|(u, r)| u != r)
+            .count()
+            > t * k / 2,
+        "the unrounded x must differ from its rounding"
+    );
 }
 
 #[test]
@@ -1316,6 +1356,166 @@ fn gemm_groups_share_operands_and_give_each_members_bits() {
             own.is_some(),
             runs[0]
         );
+    }
+}
+
+/// wo_a then wo_b through `run_gemm_chain` (wo_b's act_quant made by the pass that finishes
+/// wo_a, from its unrounded sums) give wo_b the bits `run_gemm` gives it after `run_gemm` of wo_a,
+/// with cuBLASLt and with our FP8 GEMM for wo_b; wo_a's output is left unrounded only for the
+/// tokens the GEMMs took (its rounding is each value's official one), the tail's rows are the
+/// gemv's; reruns are bit-identical; below the grouped crossover the chain declines having
+/// written nothing.
+#[test]
+fn gemm_chain_gives_wo_b_the_bits_of_the_two_calls() {
+    let Some(d) = dev() else { return };
+    let _s = serial();
+    let mut rng = Rng::from_env("gemm_chain_gives_wo_b_the_bits_of_the_two_calls");
+    // (groups, rows a group, k a group, wo_b's outputs): Flash's wo_a and wo_b, and odd ones.
+    for (groups, n, k, outs) in [(8, 1024, 4096, 4096), (3, 256, 640, 384)] {
+        let (width, mid) = (groups * k, groups * n);
+        let first_shape = fast_dense_gemm::gemm_shape(
+            StorageFormat::Fp8,
+            [128, 128],
+            mid,
+            k,
+            groups,
+            ActMode::F16,
+        )
+        .expect("a grouped GEMM shape");
+        let second_shape = fast_dense_gemm::gemm_shape(
+            StorageFormat::Fp8,
+            [128, 128],
+            outs,
+            mid,
+            1,
+            ActMode::Quant,
+        )
+        .expect("an FP8 GEMM shape");
+        let tmax = 300;
+        let (_ga, gemm, gws) = gemm_for(&d, &[first_shape, second_shape], &[(n, k, groups)], tmax);
+        let (_wsa, dws) = workspace(
+            &d,
+            &[
+                Shape { n, k, groups },
+                Shape {
+                    n: outs,
+                    k: mid,
+                    groups: 1,
+                },
+            ],
+        );
+        let (_w1, wo_a) = HostWeight::random(&mut rng, StorageFormat::Fp8, mid, k).upload(&d);
+        let (_w2, wo_b) = HostWeight::random(&mut rng, StorageFormat::Fp8, outs, mid).upload(&d);
+        let (_a, p) = d.alloc(&[
+            tmax * width * 4,
+            tmax * mid * 4,
+            tmax * mid * 4,
+            tmax * outs * 4,
+            tmax * outs * 4,
+            tmax * outs * 4,
+        ]);
+        let (x, z_want, z_got, a_want, a_got, a_again) = (p[0], p[1], p[2], p[3], p[4], p[5]);
+        for (t, own) in [64, 128, 131, 300]
+            .into_iter()
+            .flat_map(|t| [(t, None), (t, Some(&d.k.fp8))])
+        {
+            d.put(x, &activations(&mut rng, t, width));
+            let first = |z| DenseOp {
+                x,
+                ldx: width,
+                t,
+                w: wo_a,
+                groups,
+                mode: ActMode::F16,
+                round: true,
+                y: z,
+                ldy: mid,
+                fused_act_max_t: fast_dense::FUSED_ACT_MAX_T,
+                warp_split_max_t: fast_dense::WARP_SPLIT_MAX_T,
+            };
+            let second = |z, a| DenseOp {
+                x: z,
+                ldx: mid,
+                t,
+                w: wo_b,
+                groups: 1,
+                mode: ActMode::Quant,
+                round: true,
+                y: a,
+                ldy: outs,
+                fused_act_max_t: fast_dense::FUSED_ACT_MAX_T,
+                warp_split_max_t: fast_dense::WARP_SPLIT_MAX_T,
+            };
+            let run = |op: &DenseOp| {
+                fast_dense_gemm::run_gemm(&d.k.dense, &gemm, own, d.ctx(), op, &gws, &dws, d.s())
+                    .unwrap()
+            };
+            let chain = |z, a| {
+                fast_dense_gemm::run_gemm_chain(
+                    &d.k.dense,
+                    &gemm,
+                    own,
+                    d.ctx(),
+                    &first(z),
+                    &second(z, a),
+                    &gws,
+                    &dws,
+                    d.s(),
+                )
+                .unwrap()
+            };
+            for ptr in [z_want, z_got, a_want, a_got, a_again] {
+                d.poison(ptr);
+            }
+            let label = format!(
+                "{groups} x {n} x {k} then {outs}: T={t} (own: {})",
+                own.is_some()
+            );
+            if t < fast_dense_gemm::GROUPED_MIN_TOKENS {
+                assert!(
+                    !chain(z_got, a_got),
+                    "{label}: below the crossover, chained"
+                );
+                let z: Vec<u32> = d.get(z_got, t * mid);
+                let a: Vec<u32> = d.get(a_got, t * outs);
+                assert!(
+                    z.iter().chain(&a).all(|&b| b == u32::MAX),
+                    "{label}: the declined chain wrote"
+                );
+                continue;
+            }
+            assert!(run(&first(z_want)), "{label}: wo_a's GEMM path declined");
+            assert!(
+                run(&second(z_want, a_want)),
+                "{label}: wo_b's GEMM path declined"
+            );
+            assert!(chain(z_got, a_got), "{label}: the chain declined");
+            assert!(
+                chain(z_got, a_again),
+                "{label}: the chain declined on a rerun"
+            );
+            let want: Vec<f32> = d.get(a_want, t * outs);
+            let got: Vec<f32> = d.get(a_got, t * outs);
+            let again: Vec<f32> = d.get(a_again, t * outs);
+            common::assert_bits(&format!("{label}: wo_b chained"), &got, &want);
+            common::assert_bits(&format!("{label}: wo_b rerun"), &again, &got);
+            // wo_a's output: unrounded for the GEMMs' tokens (each rounds to the two calls'
+            // value), the gemv's rounded rows for the rest.
+            let m = t / fast_dense_gemm::M_GRANULE * fast_dense_gemm::M_GRANULE;
+            let z_w: Vec<f32> = d.get(z_want, t * mid);
+            let z_g: Vec<f32> = d.get(z_got, t * mid);
+            let rounded: Vec<f32> = z_g[..m * mid]
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_f32())
+                .collect();
+            common::assert_bits(&format!("{label}: wo_a rounded"), &rounded, &z_w[..m * mid]);
+            common::assert_bits(
+                &format!("{label}: wo_a tail"),
+                &z_g[m * mid..],
+                &z_w[m * mid..],
+            );
+            println!("{label}: wo_b chained after wo_a: the bits of the two calls");
+        }
     }
 }
 

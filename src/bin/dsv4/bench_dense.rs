@@ -29,6 +29,9 @@
 //! runs a group of many tokens) and `gemm_separate` (one call per member), with TFLOP/s, each
 //! also with the FP8 members through our own GEMM (`_own_fp8` suffix).
 //!
+//! `--projection output_chain` (and the default, after the groups): wo_a then wo_b chained, wo_b's
+//! act_quant made by the pass that finishes wo_a, against the two calls (bench_dense_chain.rs).
+//!
 //! Timing: each case captures one call on each of R copies of the weight (together at least
 //! 256 MB, so the 50 MB L2 holds none of them between calls) into a CUDA graph, replays it G
 //! times between CUDA events (bench_util::time_graph), and reports the median replay / R
@@ -36,6 +39,7 @@
 
 use std::io::Write;
 
+use crate::bench_dense_chain;
 use crate::bench_util::{Rng, alloc, e, time_graph};
 use dsv4::cuda::arena;
 use dsv4::cuda::blockscaled_gemm::{self, BlockScaledGemm, GemmCall, GemmKind, GemmOut, GemmShape};
@@ -51,20 +55,20 @@ use dsv4::cuda::registry::{KernelCache, Registry};
 use dsv4::cuda::stream::OwnedStream;
 
 /// One projection as the fast set runs it in a Flash layer.
-struct Projection {
-    name: &'static str,
-    n: usize,
-    k: usize,
-    groups: usize,
-    format: StorageFormat,
-    mode: ActMode,
-    round: bool,
+pub(crate) struct Projection {
+    pub(crate) name: &'static str,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) groups: usize,
+    pub(crate) format: StorageFormat,
+    pub(crate) mode: ActMode,
+    pub(crate) round: bool,
 }
 
 /// Flash's dense projections (hidden 4096, q_lora 1024, 64 heads x 512, 8 output groups of
 /// 1024, indexer 64 x 128, overlapping compressors) and the LM head (vocab 129280).
 #[rustfmt::skip]
-const FLASH: &[Projection] = &[
+pub(crate) const FLASH: &[Projection] = &[
     Projection { name: "wq_a", n: 1024, k: 4096, groups: 1, format: FP8, mode: ActMode::Quant, round: true },
     // (wq_b's bf16 rounding is done by head_prep_kernel as it loads q: the call itself does not round.)
     Projection { name: "wq_b", n: 32768, k: 1024, groups: 1, format: FP8, mode: ActMode::Quant, round: false },
@@ -101,12 +105,12 @@ const FP8: StorageFormat = StorageFormat::Fp8;
 const BF16: StorageFormat = StorageFormat::Bf16;
 
 impl Projection {
-    fn rows(&self) -> usize {
+    pub(crate) fn rows(&self) -> usize {
         self.n * self.groups
     }
 
     /// Bytes the kernels read of the weight: codes or values, and FP8's f32 block scales.
-    fn weight_bytes(&self) -> usize {
+    pub(crate) fn weight_bytes(&self) -> usize {
         let (r, k) = (self.rows(), self.k);
         match self.format {
             StorageFormat::Fp8 => r * k + r.div_ceil(128) * (k / 128) * 4,
@@ -183,8 +187,16 @@ fn out_of(bf16_out: bool) -> GemmOut {
     }
 }
 
+/// An FP8 weight's 128 x 128 block scales: powers of two from 2^-12 to 2^-4.
+pub(crate) fn block_scales(rng: &mut Rng, p: &Projection) -> Vec<f32> {
+    let nsc = p.rows().div_ceil(128) * (p.k / 128);
+    (0..nsc)
+        .map(|_| 2f32.powi(-4 - (rng.next() % 9) as i32))
+        .collect()
+}
+
 /// Weight bytes as stored: FP8 codes (no NaN) or BF16 values ~ N(0, 0.05) like real weights.
-fn weight_data(rng: &mut Rng, p: &Projection) -> Vec<u8> {
+pub(crate) fn weight_data(rng: &mut Rng, p: &Projection) -> Vec<u8> {
     let n = p.rows() * p.k;
     match p.format {
         StorageFormat::Fp8 => (0..n)
@@ -312,14 +324,18 @@ pub fn run(
             )?;
         }
     }
+    if let Some(g) = gemm
+        .as_ref()
+        .filter(|_| only.is_none_or(|o| o == "output_chain"))
+    {
+        bench_dense_chain::run(&ctx, &dense, &ws, (g, &gws), &own, s, &mut rng, tokens)?;
+    }
     for p in FLASH.iter().filter(|p| only.is_none_or(|o| o == p.name)) {
         let wbytes = p.weight_bytes();
         let copies = (256usize << 20).div_ceil(wbytes).clamp(2, 64);
         let data = weight_data(&mut rng, p);
-        let nsc = p.rows().div_ceil(128) * (p.k / 128);
-        let scales: Vec<f32> = (0..nsc)
-            .map(|_| 2f32.powi(-4 - (rng.next() % 9) as i32))
-            .collect();
+        let scales = block_scales(&mut rng, p);
+        let nsc = scales.len();
         let width = p.groups * p.k;
         let fp8_weight = p.format == StorageFormat::Fp8;
         let outs = p.groups * p.n;
@@ -767,12 +783,8 @@ fn run_group(
     let mut scales = Vec::new();
     for p in members {
         let d = weight_data(rng, p);
-        let nsc = p.rows().div_ceil(128) * (p.k / 128);
-        scales.push(
-            (0..nsc)
-                .map(|_| 2f32.powi(-4 - (rng.next() % 9) as i32))
-                .collect::<Vec<f32>>(),
-        );
+        scales.push(block_scales(rng, p));
+        let nsc = scales.last().map_or(0, Vec::len);
         sizes.extend(std::iter::repeat_n(d.len(), copies));
         sizes.extend([nsc.max(1) * 4, tmax * p.n * 4]);
         data.push(d);

@@ -23,6 +23,7 @@
 
 mod bench_attn;
 mod bench_dense;
+mod bench_dense_chain;
 mod bench_load;
 mod bench_moe;
 mod bench_refit;

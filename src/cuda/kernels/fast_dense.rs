@@ -141,10 +141,11 @@ crate::kernel_family! {
     fn fd_act_kernel(
         x: *const f32, ldx: i32, t: i32, k: i32, mode: i32, act: *mut u16, scale: *mut f32,
     );
-    /// `mode` is [`ActMode::Quant`] or [`ActMode::Bf16`].
+    /// `mode` is [`ActMode::Quant`] or [`ActMode::Bf16`]; `round_in` only with Quant.
     #[pdl(true)]
     fn fd_lt_operand_kernel(
-        x: *const f32, ldx: i32, t: i32, k: i32, mode: i32, codes: *mut u8, scale: Option<*mut f32>,
+        x: *const f32, ldx: i32, t: i32, k: i32, mode: i32, round_in: bool, codes: *mut u8,
+        scale: Option<*mut f32>,
     );
     #[pdl(true)]
     fn fd_round_bf16_kernel(y: *mut f32, ldy: i32, t: i32, n: i32);
@@ -785,6 +786,10 @@ pub struct LtOperand {
     pub t: usize,
     pub k: usize,
     pub mode: ActMode,
+    /// [`ActMode::Quant`] of `bf16(x)`: x holds a projection's unrounded f32 sums whose official
+    /// values are their BF16 roundings, so the operand is that of the rounded x, bit for bit,
+    /// without a rounding pass over x first (wo_a's output for wo_b: `run_gemm_chain`).
+    pub round_in: bool,
     pub codes: DevicePtr,
     pub scale: DevicePtr,
 }
@@ -801,6 +806,9 @@ impl FastDense {
             ActMode::Bf16 => false,
             ActMode::F16 => return Err(internal(format!("{K}: no F16 operands"))),
         };
+        if op.round_in && !quant {
+            return Err(internal(format!("{K}: rounding x first is for act_quant")));
+        }
         if op.t == 0 {
             return Ok(());
         }
@@ -838,6 +846,7 @@ impl FastDense {
                 t: to_i32(K, "T", op.t)?,
                 k: to_i32(K, "K", op.k)?,
                 mode: op.mode as i32,
+                round_in: op.round_in,
                 codes: op.codes,
                 scale: quant.then_some(op.scale),
             },

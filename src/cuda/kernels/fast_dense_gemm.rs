@@ -26,7 +26,7 @@ use super::fast_fp8_gemm::FastFp8Gemm;
 use crate::cuda::blockscaled_gemm::{BlockScaledGemm, GemmCall, GemmKind, GemmOut, GemmShape};
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
-use crate::error::Result;
+use crate::error::{Error, Result, Status};
 use crate::weights::format::StorageFormat;
 
 /// Fewest tokens any projection runs through cuBLASLt ([`gemm_pays`] has the rule).
@@ -156,22 +156,32 @@ fn single_gemm(gemm: &BlockScaledGemm, op: &DenseOp) -> Option<(GemmShape, usize
     (op.groups == 1 && m > 0 && gemm.covers(&shape, m)).then_some((shape, m))
 }
 
+/// Whether the workspace holds the activation operand of `m` tokens of `shape`.
+fn operand_fits(ws: &GemmWorkspace, shape: &GemmShape, m: usize) -> bool {
+    let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
+    ws.codes.bytes() >= m * shape.k * shape.operand_size()
+        && (!fp8 || ws.scale.bytes() >= m * shape.k / 128 * 4)
+}
+
 /// The activation operand of `op`'s first `m` tokens in the workspace, made by one
 /// `fd_lt_operand_kernel` launch: `(codes, scale)` (scale only for FP8), or None, having
-/// launched nothing, where the workspace is too small.
+/// launched nothing, where the workspace is too small. `round_in`: op's x holds unrounded sums
+/// whose official values are their bf16 roundings ([`LtOperand::round_in`]).
+#[allow(clippy::too_many_arguments)]
 fn make_operand(
     dense: &FastDense,
     ctx: &Context,
     op: &DenseOp,
     shape: &GemmShape,
     m: usize,
+    round_in: bool,
     ws: &GemmWorkspace,
     stream: BorrowedStream,
 ) -> Result<Option<(DevicePtr, Option<DevicePtr>)>> {
     let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
     let codes_bytes = m * shape.k * shape.operand_size();
     let scale_bytes = m * shape.k / 128 * 4;
-    if ws.codes.bytes() < codes_bytes || (fp8 && ws.scale.bytes() < scale_bytes) {
+    if !operand_fits(ws, shape, m) {
         return Ok(None);
     }
     let codes = ws.codes.slice(0, codes_bytes)?;
@@ -184,6 +194,7 @@ fn make_operand(
             t: m,
             k: shape.k,
             mode: op.mode,
+            round_in,
             codes,
             scale: scale.unwrap_or(ws.scale),
         },
@@ -255,7 +266,7 @@ pub fn run_gemm(
         let m = op.t / M_GRANULE * M_GRANULE;
         if m == 0
             || !gemm.covers(&shape, m)
-            || !run_grouped(dense, gemm, ctx, op, shape, m, ws, stream)?
+            || !run_grouped(dense, gemm, ctx, op, shape, m, op.round, ws, stream)?
         {
             return Ok(false);
         }
@@ -264,7 +275,7 @@ pub fn run_gemm(
     let Some(plan) = single_gemm(gemm, op) else {
         return Ok(false);
     };
-    let Some(operand) = make_operand(dense, ctx, op, &plan.0, plan.1, ws, stream)? else {
+    let Some(operand) = make_operand(dense, ctx, op, &plan.0, plan.1, false, ws, stream)? else {
         return Ok(false);
     };
     // Declined only when the planned algorithm does not fit this exact m: the operand just
@@ -332,7 +343,8 @@ pub fn run_gemm_group(
         if ran[i] {
             continue;
         }
-        let Some(operand) = make_operand(dense, ctx, &ops[i], &plan.0, plan.1, ws, stream)? else {
+        let Some(operand) = make_operand(dense, ctx, &ops[i], &plan.0, plan.1, false, ws, stream)?
+        else {
             continue;
         };
         for j in i..ops.len().min(GROUP_MAX) {
@@ -347,6 +359,96 @@ pub fn run_gemm_group(
         }
     }
     Ok(ran)
+}
+
+/// The plans of [`run_gemm_chain`]'s two projections: `(first's grouped shape, second's shape,
+/// m)`, or None where the chain does not take them (see there).
+fn chain_plan(
+    gemm: &BlockScaledGemm,
+    first: &DenseOp,
+    second: &DenseOp,
+    ws: &GemmWorkspace,
+) -> Option<(GemmShape, GemmShape, usize)> {
+    let w = &first.w;
+    let grouped = gemm_shape(w.format, w.block, w.rows, w.cols, first.groups, first.mode)?;
+    let (shape, m) = single_gemm(gemm, second)?;
+    let takes = first.groups > 1
+        && first.round
+        && gemm_pays(&grouped, first.groups, first.t)
+        && gemm.covers(&grouped, m)
+        && ws.codes.bytes() >= m * grouped.k * 2
+        && ws.weight.bytes() >= grouped.n * grouped.k * 2
+        && second.mode == ActMode::Quant
+        && gemm_pays(&shape, 1, second.t)
+        && operand_fits(ws, &shape, m)
+        && second.t == first.t
+        && second.x.addr() == first.y.addr()
+        && second.ldx == first.ldy
+        && shape.k == first.groups * grouped.n;
+    takes.then_some((grouped, shape, m))
+}
+
+/// Two projections in sequence, the second reading the first's output, through the GEMM path:
+/// the attention's output projection, wo_a (grouped, BF16 einsum, `first`) then wo_b (FP8 with
+/// the official act_quant, `second`, whose x is first's y). wo_b's act_quant is made by the pass
+/// that finishes wo_a in place of wo_a's rounding pass: one `fd_lt_operand_kernel` launch reads
+/// wo_a's unrounded sums, rounds each to bf16 (wo_a's official output) and writes wo_b's e4m3
+/// codes and scales ([`LtOperand::round_in`]). A 4096-token prefill so saves a pass over wo_a's
+/// output (T x 8192 f32) each layer: before, the rounding pass read and wrote it and wo_b's operand
+/// pass read it again. wo_b's GEMM then runs from that operand (`own` as in [`run_gemm`]), and
+/// both projections give exactly the bits of [`run_gemm`] run on each in turn.
+///
+/// Afterwards first's y holds, for its first `m` tokens (the multiple of [`M_GRANULE`] the GEMMs
+/// take), the unrounded sums, not wo_a's official values: a caller whose first y has another
+/// reader must not chain. Its last `t - m` tokens run the gemv as in [`run_gemm`] (rounded), and
+/// so do second's, from them.
+///
+/// Returns false, having launched nothing, where the chain does not take the pair: first not
+/// grouped or not rounded, second not FP8 with act_quant, second's x not first's y, either below
+/// its crossover ([`gemm_pays`]), no planned algorithm for the tokens, or a workspace too small.
+/// The caller then runs each as before. Where cuBLASLt declines second's exact m after first has
+/// run, first's sums are rounded and the gemv runs second: true either way from there.
+#[allow(clippy::too_many_arguments)]
+pub fn run_gemm_chain(
+    dense: &FastDense,
+    gemm: &BlockScaledGemm,
+    own: Option<&FastFp8Gemm>,
+    ctx: &Context,
+    first: &DenseOp,
+    second: &DenseOp,
+    ws: &GemmWorkspace,
+    gemv_ws: &DenseWorkspace,
+    stream: BorrowedStream,
+) -> Result<bool> {
+    let Some((grouped, shape, m)) = chain_plan(gemm, first, second, ws) else {
+        return Ok(false);
+    };
+    if !run_grouped(dense, gemm, ctx, first, grouped, m, false, ws, stream)? {
+        return Ok(false);
+    }
+    run_tail(dense, ctx, first, m, gemv_ws, stream)?;
+    let Some(operand) = make_operand(dense, ctx, second, &shape, m, true, ws, stream)? else {
+        // (chain_plan checked the workspace.)
+        return Err(Error::new(
+            Status::Internal,
+            "run_gemm_chain: no room for the operand chain_plan found room for".to_string(),
+        ));
+    };
+    if !gemm_from_operand(
+        dense,
+        gemm,
+        own,
+        ctx,
+        second,
+        (shape, m),
+        operand,
+        gemv_ws,
+        stream,
+    )? {
+        dense.round_bf16(ctx, first.y, first.ldy, m, shape.k, stream)?;
+        dense.run(ctx, second, gemv_ws, stream)?;
+    }
+    Ok(true)
 }
 
 /// The tokens from `m` on of `op` through the gemv (fewer than [`M_GRANULE`]).
@@ -372,9 +474,11 @@ fn run_tail(
 
 /// The first `m` tokens of a grouped projection (wo_a), a group at a time: group g's FP8 rows
 /// dequantized to BF16 into `ws.weight`, its BF16 operand (columns g·K ..) into `ws.codes`, and
-/// a BF16 GEMM into y's columns g·n ..; then y's BF16 rounding. Each step reuses the workspace
-/// after the stream has finished the previous group's GEMM with it. Returns false, having written
-/// nothing to y, where the workspace is too small or cuBLASLt declines this m.
+/// a BF16 GEMM into y's columns g·n ..; then, with `round_out`, y's BF16 rounding (without, y
+/// keeps the unrounded f32 sums: [`run_gemm_chain`] rounds them as it quantizes them). Each step
+/// reuses the workspace after the stream has finished the previous group's GEMM with it. Returns
+/// false, having written nothing to y, where the workspace is too small or cuBLASLt declines
+/// this m.
 #[allow(clippy::too_many_arguments)]
 fn run_grouped(
     dense: &FastDense,
@@ -383,6 +487,7 @@ fn run_grouped(
     op: &DenseOp,
     shape: GemmShape,
     m: usize,
+    round_out: bool,
     ws: &GemmWorkspace,
     stream: BorrowedStream,
 ) -> Result<bool> {
@@ -405,6 +510,7 @@ fn run_grouped(
                 t: m,
                 k,
                 mode: ActMode::Bf16,
+                round_in: false,
                 codes,
                 scale: ws.scale,
             },
@@ -425,7 +531,7 @@ fn run_grouped(
             return Ok(false);
         }
     }
-    if op.round {
+    if round_out {
         dense.round_bf16(ctx, op.y, op.ldy, m, op.groups * n, stream)?;
     }
     Ok(true)
