@@ -15,10 +15,10 @@
 // (wq_b, the indexer's wq_b) and 70-76% on K >= 4096 (BENCHMARKS.md, issue 12 eighteenth part): with K = 1024 a
 // 128 x 128 tile has 8 k-blocks, and a kernel that fills its pipeline and writes its tile before it starts the
 // next leaves the tensor cores idle for a large share of each tile. Here blocks are persistent and the
-// producer runs ahead across tiles, so the next tile's stages are in shared memory while the consumers write
-// this one's outputs (stores from registers, which the SM drains while the next tile's wgmmas run); and the
-// bf16 rounding of the outputs, a separate pass after cuBLASLt (2.1 GB of traffic for wq_b at 8192 tokens),
-// is done in the epilogue.
+// producer runs ahead across tiles, so the next tile's stages are in shared memory when a tile ends, and the
+// consumers store a tile's outputs (from registers) while the next tile's first wgmmas run; and the bf16
+// rounding of the outputs, a separate pass after cuBLASLt (2.1 GB of traffic for wq_b at 8192 tokens), is done
+// in the epilogue.
 //
 // Tiles (FfgCfg<BM, BN>). BM = 64 · WGS tokens (WGS consumer warpgroups of 64) x BN outputs, numbered with the
 // token tiles fastest: tile i is token tile i % mt of output tile i / mt, so the ~132 tiles in flight share a few
@@ -240,7 +240,12 @@ DSV4_INLINE void ffg_store(const float (&acc)[BN / 2], void* y, int ldy, int row
 
 // The consumers: warpgroup w, for each tile, each stage: wait for the slot; per 128-output half, four chained
 // wgmmas over the block, the half's scales read while they run, wait, promote (the slot released after the
-// last half's wait). Then the tile's outputs.
+// last half's wait). A tile's outputs are stored while the NEXT tile's first wgmmas run: after those are
+// issued and before their wait, so the tensor core works through the epilogue (each warpgroup's rounding and
+// stores, ~100-150 instructions a thread, would otherwise leave it idle once a tile: at K = 1024 a tile has
+// only 8 stages). The first stage's promotion then starts its sums from +0 (fmaf(d, s, 0), the bits the
+// zeroed accumulators gave) rather than from accumulators the epilogue may still be reading. The last tile's
+// outputs are stored after the loop.
 template <int BM, int BN, bool PAIR>
 DSV4_INLINE void ffg_consume(void* y, int ldy, int M, int N, int K, int out, unsigned char* smem_base,
                              unsigned smem) {
@@ -256,10 +261,11 @@ DSV4_INLINE void ffg_consume(void* y, int ldy, int M, int N, int K, int out, uns
   float d[64], acc[BN / 2];
 #pragma unroll
   for (int v = 0; v < 64; ++v) d[v] = 0.0f;  // defined before the first wgmma (ptxas C7511)
+#pragma unroll
+  for (int v = 0; v < BN / 2; ++v) acc[v] = 0.0f;
+  FfgTile prev = {-1, 0};  // the tile whose outputs acc holds, not yet stored (m0 < 0: none)
   for (int i = wk.first; i < wk.count; i += wk.step) {
     const FfgTile tl = ffg_walk_tile<BM, BN, PAIR>(wk, i, mt);
-#pragma unroll
-    for (int v = 0; v < BN / 2; ++v) acc[v] = 0.0f;
 #pragma unroll 1
     for (int kb = 0; kb < kbs; ++kb) {
       mbar_wait(ffg_full<C>(smem, slot), phase);
@@ -273,6 +279,8 @@ DSV4_INLINE void ffg_consume(void* y, int ldy, int M, int N, int K, int out, uns
 #pragma unroll
         for (int k32 = 0; k32 < 4; ++k32) ffg_wgmma(d, da + 2 * k32, db + 2 * k32, k32);
         wgmma_commit();
+        // The previous tile's outputs, while this tile's first wgmmas run (acc is not theirs).
+        if (kb == 0 && h == 0 && prev.m0 >= 0) ffg_store<BN>(acc, y, ldy, prev.m0 + r0, M, prev.n0 + 2 * t, out);
         const float swv = reinterpret_cast<const float*>(st + C::SW)[h];
         const float s0 = sas[r0] * swv, s8 = sas[r0 + 8] * swv;
         wgmma_wait<0>();
@@ -282,18 +290,29 @@ DSV4_INLINE void ffg_consume(void* y, int ldy, int M, int N, int K, int out, uns
           if (lane == 0) mbar_arrive(ffg_empty<C>(smem, slot));
           if (PAIR && lane == 1) mbar_arrive_cluster(ffg_empty<C>(smem, slot), (unsigned)wk.rank ^ 1u);
         }
+        if (kb == 0) {
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          acc[64 * h + 4 * j + 0] = fmaf(d[4 * j + 0], s0, acc[64 * h + 4 * j + 0]);
-          acc[64 * h + 4 * j + 1] = fmaf(d[4 * j + 1], s0, acc[64 * h + 4 * j + 1]);
-          acc[64 * h + 4 * j + 2] = fmaf(d[4 * j + 2], s8, acc[64 * h + 4 * j + 2]);
-          acc[64 * h + 4 * j + 3] = fmaf(d[4 * j + 3], s8, acc[64 * h + 4 * j + 3]);
+          for (int j = 0; j < 16; ++j) {
+            acc[64 * h + 4 * j + 0] = fmaf(d[4 * j + 0], s0, 0.0f);
+            acc[64 * h + 4 * j + 1] = fmaf(d[4 * j + 1], s0, 0.0f);
+            acc[64 * h + 4 * j + 2] = fmaf(d[4 * j + 2], s8, 0.0f);
+            acc[64 * h + 4 * j + 3] = fmaf(d[4 * j + 3], s8, 0.0f);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            acc[64 * h + 4 * j + 0] = fmaf(d[4 * j + 0], s0, acc[64 * h + 4 * j + 0]);
+            acc[64 * h + 4 * j + 1] = fmaf(d[4 * j + 1], s0, acc[64 * h + 4 * j + 1]);
+            acc[64 * h + 4 * j + 2] = fmaf(d[4 * j + 2], s8, acc[64 * h + 4 * j + 2]);
+            acc[64 * h + 4 * j + 3] = fmaf(d[4 * j + 3], s8, acc[64 * h + 4 * j + 3]);
+          }
         }
       }
       ffg_advance<C>(slot, phase);
     }
-    ffg_store<BN>(acc, y, ldy, tl.m0 + r0, M, tl.n0 + 2 * t, out);
+    prev = tl;
   }
+  if (prev.m0 >= 0) ffg_store<BN>(acc, y, ldy, prev.m0 + r0, M, prev.n0 + 2 * t, out);
 }
 
 // The kernels' shared body: barriers, the warpgroups' roles and registers.
