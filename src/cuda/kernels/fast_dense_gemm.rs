@@ -7,6 +7,9 @@
 //! kernel takes ([`FastFp8Gemm`], kernels/fast_fp8_gemm.cu: the same operands, the rounding in
 //! its epilogue) runs there instead of cuBLASLt when the caller passes it (`own`).
 //!
+//! wo_a then wo_b can run as one chain ([`run_gemm_chain`]): wo_b's operand made from wo_a's
+//! unrounded output by the pass that would have rounded it.
+//!
 //! The same `DenseOp` as the gemv path; what this path cannot take (shapes cuBLASLt's block
 //! scaling does not cover, m without a planned algorithm) it declines and the gemv runs it.
 //! wo_a's grouped BF16 einsum of FP8 weights runs a group at a time: the group's weight
@@ -403,10 +406,11 @@ fn chain_plan(
 /// reader must not chain. Its last `t - m` tokens run the gemv as in [`run_gemm`] (rounded), and
 /// so do second's, from them.
 ///
-/// Returns false, having launched nothing, where the chain does not take the pair: first not
+/// Returns false, having written neither y, where the chain does not take the pair: first not
 /// grouped or not rounded, second not FP8 with act_quant, second's x not first's y, either below
-/// its crossover ([`gemm_pays`]), no planned algorithm for the tokens, or a workspace too small.
-/// The caller then runs each as before. Where cuBLASLt declines second's exact m after first has
+/// its crossover ([`gemm_pays`]), no planned algorithm for the tokens, a workspace too small, or
+/// cuBLASLt declining first's exact m (as [`run_gemm`] declines it). The caller then runs each as
+/// before. Where cuBLASLt declines second's exact m after first has
 /// run, first's sums are rounded and the gemv runs second: true either way from there.
 #[allow(clippy::too_many_arguments)]
 pub fn run_gemm_chain(
