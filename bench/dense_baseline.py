@@ -13,6 +13,9 @@ gemv kernels, the cuBLASLt GEMM path, cuBLASLt alone), then on the same GPU:
         activation scales, 128 x 128 weight scales), i.e. cuBLASLt, the GEMM alone (the
         activations are quantized outside the timing);
   - `read_probe` lines (`--read-probe`): the byte floor and fraction of HBM only;
+  - `dense_chain` lines (wo_a then wo_b, chained or as two calls): the FLOP floor (wo_a's BF16
+    FLOPs on the BF16 ceiling plus wo_b's FP8 FLOPs on the FP8 one), the time over it, and the
+    chain's speed-up over the two calls of the same T (with the same GEMM for wo_b);
   - adds per case the byte floor (weight bytes / HBM ceiling), the fraction of HBM bandwidth, the
     fraction of FP8 peak (FP8 projections) or of BF16 peak (BF16 ones) and the speed-up over each
     baseline (each baseline timed once per projection and T), and writes one JSON document.
@@ -90,8 +93,20 @@ def main():
     # A grouped launch's in-run baseline: the same group at the same T, one call per member.
     separate = {(c["group"], c["T"]): c["time_us"] for c in cases
                 if c.get("bench") == "dense_group" and c["path"] == "separate"}
+    # A chained pair's in-run baseline: the two calls at the same T, wo_b on the same GEMM.
+    two_calls = {(c["T"], c["path"].replace("two_calls", "chained")): c["time_us"] for c in cases
+                 if c.get("bench") == "dense_chain" and c["path"].startswith("two_calls")}
     for c in cases:
         ours = c["time_us"] * 1e-6
+        if c.get("bench") == "dense_chain":
+            floor = c["flops_bf16"] / peak16 + c["flops_fp8"] / peak
+            c["floor_us"] = round(floor * 1e6, 2)
+            c["floor_bound"] = "compute"
+            c["time_over_floor"] = round(ours / floor, 3)
+            if (c["T"], c["path"]) in two_calls:
+                c["speedup_vs_two_calls"] = round(two_calls[(c["T"], c["path"])] / c["time_us"], 3)
+            print(json.dumps(c), flush=True)
+            continue
         if c.get("bench") == "read_probe":
             # The projection's bytes read by a kernel that only reads them: its size's ceiling.
             c["floor_us"] = round(c["bytes"] / bw * 1e6, 2)

@@ -126,7 +126,10 @@ pub fn run(
         };
         (first, second)
     };
-    let flops = |t: usize| 2.0 * t as f64 * (mid * pa.k + outs * pb.k) as f64;
+    // wo_a's BF16 FLOPs and wo_b's FP8 ones (bench/dense_baseline.py puts each on its peak).
+    let flops_bf16 = |t: usize| 2.0 * t as f64 * (mid * pa.k) as f64;
+    let flops_fp8 = |t: usize| 2.0 * t as f64 * (outs * pb.k) as f64;
+    let flops = |t: usize| flops_bf16(t) + flops_fp8(t);
     for &t in &tokens {
         for (chained, o) in [
             (true, None),
@@ -167,10 +170,12 @@ pub fn run(
                 (false, true) => "two_calls_own_fp8",
             };
             println!(
-                "{{\"bench\": \"dense_chain\", \"chain\": \"wo_a -> wo_b\", \"T\": {t}, \"path\": \"{path}\", \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"flops\": {:.4e}, \"tflop_per_s\": {:.2}, \"calls_timed\": {}}}",
+                "{{\"bench\": \"dense_chain\", \"chain\": \"wo_a -> wo_b\", \"T\": {t}, \"path\": \"{path}\", \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"flops\": {:.4e}, \"flops_bf16\": {:.4e}, \"flops_fp8\": {:.4e}, \"tflop_per_s\": {:.2}, \"calls_timed\": {}}}",
                 sec * 1e6,
                 timing.host_s * 1e6,
                 flops(t),
+                flops_bf16(t),
+                flops_fp8(t),
                 flops(t) / sec / 1e12,
                 replays * copies,
             );
