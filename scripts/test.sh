@@ -90,6 +90,10 @@ fi
 echo "== pytest bindings/python"
 DSV4_LIBRARY="$PWD/target/release/libdsv4.so" "$py" -m pytest -q bindings/python/tests
 
+# bench/musts.py (where the issues' performance musts stand, from the committed bench results).
+echo "== pytest bench/tests"
+"$py" -m pytest -q bench/tests
+
 # The binding as a package, on a fresh venv (target/pkgenv, recreated each run; numpy from
 # PyPI or pip's cache): `pip install ./bindings/python`, then import it from outside the
 # checkout and check it loads the library DSV4_LIBRARY names.

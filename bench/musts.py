@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Where the open issues' performance musts stand, read from `dsv4 bench` result files.
+
+The files are the JSON documents the *_baseline.py scripts write under bench/results/ (ceilings
+and PyTorch baselines measured in the same run as the cases, each case with its ratios). Nothing
+here is measured: this reads the ratios those runs recorded and sets each beside its must
+(PERF.md "must"; the issues' "Must show"), so a claim in BENCHMARKS.md or an issue note can be
+checked against the data it cites.
+
+Each must is judged on the NEWEST file that has any of its cases (one bench run, one build: cases
+an older run measured and a newer one did not are not mixed in), files ordered by the time git
+added them (files git does not know come last, in the order given). A must is met only if every
+case of that file is.
+
+- Issue 11 (`bench: moe`): decode B <= 256 at >= 75% of HBM on touched-expert bytes, prefill
+  B >= 4096 at >= 50% of the FP8 peak, each batch size's fastest path in the file (the path the
+  fast set's crossover should pick); >= 4x torch `_grouped_mm` at B >= 64 and >= 20x at B <= 8.
+- Issue 12 (`bench: dense`, `bench: attn`): decode projections (T = 1, the gemv with its
+  operands made inside it, as the fast set runs them) >= 75% of HBM on weight bytes; the head at
+  T = 1 >= 85%; prefill projections (the file's largest T, >= 2048; whole calls as the fast set
+  runs them: `cublaslt` or `own_fp8_gemm`, the faster) >= 70% of the FP8 peak (BF16 weights: of
+  the BF16 peak); sparse attention + indexer at decode, contexts 8K-64K, >= 70% of HBM on the
+  bytes both gather (CSA: the byte floors of `fast` and `indexer_fast` over their summed times;
+  HCA: `fast` alone).
+
+usage: musts.py FILE [FILE ...] [--json]
+"""
+import json
+import os
+import subprocess
+import sys
+
+# (name, threshold) per must.
+MUSTS = {
+    "11 decode >= 75% HBM (B <= 256)": 0.75,
+    "11 prefill >= 50% FP8 peak (B >= 4096)": 0.50,
+    "11 >= 4x torch (B >= 64)": 4.0,
+    "11 >= 20x torch (B <= 8)": 20.0,
+    "12 decode projections >= 75% HBM (T = 1)": 0.75,
+    "12 head >= 85% HBM (T = 1)": 0.85,
+    "12 prefill projections >= 70% of peak": 0.70,
+    "12 attention + indexer >= 70% HBM (8K-64K)": 0.70,
+}
+
+
+def added_at(path):
+    """When git added `path` (seconds), or None: the order of the result files' measurements
+    (their names and `date` fields do not order a day's files)."""
+    full = os.path.abspath(path)
+    try:
+        log = subprocess.run(["git", "log", "--diff-filter=A", "--format=%ct", "--", full],
+                             capture_output=True, text=True, check=True,
+                             cwd=os.path.dirname(full)).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return int(log[-1]) if log else None
+
+
+def load(paths):
+    """Every case of every file, as (file, case), oldest file first (added_at)."""
+    order = {p: i for i, p in enumerate(paths)}
+    known = {p: added_at(p) for p in paths}
+    paths = sorted(paths, key=lambda p: (known[p] is None, known[p] or 0, order[p]))
+    out = []
+    for p in paths:
+        with open(p) as f:
+            doc = json.load(f)
+        if isinstance(doc, dict) and isinstance(doc.get("cases"), list):
+            out.extend((p, c) for c in doc["cases"] if isinstance(c, dict))
+    return out
+
+
+def newest(rows):
+    """rows: (key, value, label, file) in file order (load's). The rows of the last file that has
+    any, by key (a key twice in that file: its last)."""
+    if not rows:
+        return {}
+    last = rows[-1][3]
+    return {key: (value, label, path) for key, value, label, path in rows if path == last}
+
+
+def moe_rows(cases):
+    """Issue 11: per (B, routing) the fastest path's ratios."""
+    best = {}
+    for path, c in cases:
+        if c.get("bench") != "moe" or "fraction_of_hbm" not in c or "B" not in c:
+            continue
+        key = (c["B"], c.get("routing", ""))
+        prev = best.get((path, key))
+        if prev is None or c["time_us"] < prev["time_us"]:
+            best[(path, key)] = c
+    decode, prefill, torch_lo, torch_hi = [], [], [], []
+    for (path, (b, routing)), c in best.items():
+        label = f"B = {b} {routing} ({c.get('path', '?')}, {c['time_us']} us)"
+        if b <= 256:
+            decode.append(((b, routing), c["fraction_of_hbm"], label, path))
+        if b >= 4096 and "fraction_of_fp8_peak" in c:
+            prefill.append(((b, routing), c["fraction_of_fp8_peak"], label, path))
+        if "speedup_vs_torch" in c:
+            if b >= 64:
+                torch_hi.append(((b, routing), c["speedup_vs_torch"], label, path))
+            if b <= 8:
+                torch_lo.append(((b, routing), c["speedup_vs_torch"], label, path))
+    return {
+        "11 decode >= 75% HBM (B <= 256)": newest(decode),
+        "11 prefill >= 50% FP8 peak (B >= 4096)": newest(prefill),
+        "11 >= 4x torch (B >= 64)": newest(torch_hi),
+        "11 >= 20x torch (B <= 8)": newest(torch_lo),
+    }
+
+
+def dense_rows(cases):
+    """Issue 12's projections: decode at T = 1, the head, prefill at each file's largest T."""
+    decode, head, prefill = [], [], []
+    largest = {}
+    for path, c in cases:
+        if c.get("bench") == "dense" and "T" in c:
+            largest[path] = max(largest.get(path, 0), c["T"])
+    whole = {}
+    for path, c in cases:
+        if c.get("bench") != "dense" or "projection" not in c or "fraction_of_hbm" not in c:
+            continue
+        name, t = c["projection"], c["T"]
+        if t == 1 and c.get("path") == "gemv" and c.get("act_in_gemv"):
+            label = f"{name} ({c['time_us']} us)"
+            row = (name, c["fraction_of_hbm"], label, path)
+            (head if name == "head" else decode).append(row)
+        if t == largest[path] and t >= 2048 and c.get("path") in ("cublaslt", "own_fp8_gemm"):
+            peak = "fraction_of_bf16_peak" if c.get("format") == "bf16" else "fraction_of_fp8_peak"
+            if peak in c:
+                prev = whole.get((path, name))
+                if prev is None or c[peak] > prev[1]:
+                    label = f"{name} T = {t} ({c['path']}, {c['time_us']} us)"
+                    whole[(path, name)] = (name, c[peak], label, path)
+    prefill = list(whole.values())
+    return {
+        "12 decode projections >= 75% HBM (T = 1)": newest(decode),
+        "12 head >= 85% HBM (T = 1)": newest(head),
+        "12 prefill projections >= 70% of peak": newest(prefill),
+    }
+
+
+def attn_rows(cases):
+    """Issue 12's attention + indexer at decode, contexts 8K-64K."""
+    by = {}
+    for path, c in cases:
+        if c.get("bench") != "attn" or not 8192 <= c.get("context", 0) <= 65536:
+            continue
+        if c.get("kernel") in ("fast", "indexer_fast") and "byte_floor_us" in c:
+            by.setdefault((path, c["layer"], c["context"], c["T"]), {})[c["kernel"]] = c
+    rows = []
+    for (path, layer, ctx, t), k in by.items():
+        a = k.get("fast")
+        if a is None:
+            continue
+        floor, time = a["byte_floor_us"], a["time_us"]
+        if layer == "csa":
+            i = k.get("indexer_fast")
+            if i is None:
+                continue
+            floor, time = floor + i["byte_floor_us"], time + i["time_us"]
+        label = f"{layer} {ctx // 1024}K T = {t} ({time:.2f} us, floor {floor:.2f})"
+        rows.append(((layer, ctx, t), floor / time, label, path))
+    return {"12 attention + indexer >= 70% HBM (8K-64K)": newest(rows)}
+
+
+def standing(paths):
+    """{must: {"threshold", "met", "cases": [{case, value, met, file}]}} over the files."""
+    cases = load(paths)
+    found = {}
+    for part in (moe_rows(cases), dense_rows(cases), attn_rows(cases)):
+        found.update(part)
+    out = {}
+    for must, threshold in MUSTS.items():
+        rows = found.get(must, {})
+        listed = [
+            {"case": label, "value": round(value, 3), "met": value >= threshold, "file": path}
+            for key, (value, label, path) in sorted(rows.items(), key=lambda kv: str(kv[0]))
+        ]
+        out[must] = {
+            "threshold": threshold,
+            "met": bool(listed) and all(r["met"] for r in listed),
+            "cases": listed,
+        }
+    return out
+
+
+def main(argv):
+    paths = [a for a in argv if not a.startswith("--")]
+    if not paths:
+        print(__doc__.strip().splitlines()[-1], file=sys.stderr)
+        return 2
+    result = standing(paths)
+    if "--json" in argv:
+        print(json.dumps(result, indent=1))
+        return 0
+    for must, r in result.items():
+        verdict = "no data" if not r["cases"] else ("MET" if r["met"] else "not met")
+        print(f"{must}: {verdict}")
+        for row in r["cases"]:
+            mark = "ok " if row["met"] else "-- "
+            print(f"  {mark}{row['value']:>8}  {row['case']}  [{row['file']}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
