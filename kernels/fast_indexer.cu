@@ -110,13 +110,28 @@ DSV4_INLINE unsigned fi_e4m3x4(float v0, float v1, float v2, float v3) {
   return (unsigned)lo | ((unsigned)hi << 16);
 }
 
-// Four blocks an SM (128 registers): with 148 the prologue's loads left room for three.
-extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
-    fi_score_kernel(const float* qi, const float* iw, const unsigned char* ikeys,
-                    const int* itable, int ipps, const int* positions, const int* seq_of,
-                    const int* seq_slots, int T, int HI, int DI, int ratio, int maxe,
-                    int chunk_keys, float* scores) {
-  dsv4_pdl_begin();
+// The head sum on the BF16 tensor core (fi_score_tc_kernel): s[key][n] += A B over one k16 step of the heads,
+// A = the relu'd bf16 d_h from registers (the m64n64 sums' fragment is the A fragment of m64nNk16: heads
+// 16s + 2cq (+1) in a0 / a1, 16s + 8 + 2cq (+1) in a2 / a3, keys r0 / r0 + 8), B = the head weights in shared
+// memory, K-major ([8 k-chunks of 8 heads][8 columns][16 bytes], no swizzle), column 0 the weights' bf16 high
+// parts and column 1 their low parts (w = hi + lo within 2^-18 |w|), columns 2-7 zero. scale_d 0 starts from 0.
+DSV4_INLINE void fi_wgmma_head_sum(float (&d)[4], const unsigned (&a)[4], unsigned long long bdesc, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0; }\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bdesc), "r"(scale_d));
+}
+
+// Bytes of the head-sum weights' B operand (fi_wgmma_head_sum): 64 heads x 8 columns of bf16.
+#define FI_WB_BYTES (FI_MAX_HEADS * 8 * 2)
+
+// The scoring kernels' body. TC_SUM: the head sum on the tensor core (fi_score_tc_kernel), else in f32 in a
+// fixed order on the CUDA cores (fi_score_kernel).
+template <bool TC_SUM>
+DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
+                          const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
+                          int ratio, int maxe, int chunk_keys, float* scores) {
   extern __shared__ __align__(128) unsigned char fi_smem[];
   const int t = blockIdx.x, chunk = blockIdx.y;
   if (t >= T) return;
@@ -138,6 +153,7 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
   float* kf = (float*)(raw + FI_CHUNK_KEYS * DI / 2);             // [DI / 32][FI_TILE_KEYS]
   float* qf = kf + nblk * FI_TILE_KEYS;                           // [DI / 32][FI_MAX_HEADS]
   unsigned char* rsc = (unsigned char*)(qf + nblk * FI_MAX_HEADS);  // [FI_CHUNK_KEYS][DI / 32]
+  unsigned char* wb = rsc + FI_CHUNK_KEYS * nblk;                   // TC_SUM: [8][8][16] (fi_wgmma_head_sum)
   const KvRowFmt kf_fmt = kv_fmt_index(DI, 1);
   // i / nblk = (i x div_nblk) >> 16 for the decode tasks' i < FI_TILE_KEYS x nblk <= 512: with div_nblk =
   // ceil(2^16 / nblk) the product overshoots i / nblk by less than i / 2^16 < 1/128, less than the 1/nblk
@@ -209,15 +225,28 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
     for (int b = 0; b < FI_BLOCKS; ++b)
       if (j < nkeys && b < nblk) rsc[j * nblk + b] = (unsigned char)scv[u][b];
   }
-  // The thread's heads' weights: wv[2j + e] for head 8j + 2cq + e (0 past HI).
+  // The thread's heads' weights: wv[2j + e] for head 8j + 2cq + e (0 past HI). TC_SUM: the weights as the
+  // head sum's B operand instead, thread h < 64 writing head h's column entries (hi = bf16(w), lo =
+  // bf16(w - hi); the first tile's fence and barrier make them visible to the wgmmas).
   float wv[16];
+  if constexpr (TC_SUM) {
+    if (tid < FI_MAX_HEADS) {
+      const float w = tid < HI ? iw[(long long)t * HI + tid] : 0.0f;
+      const unsigned short hi = f32_to_bf16(w);
+      const unsigned short lo = f32_to_bf16(__fsub_rn(w, bf16_to_f32(hi)));
+      unsigned short* col = (unsigned short*)(wb + (tid >> 3) * 128 + (tid & 7) * 2);
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int h = 8 * j + 2 * cq + e;
-      wv[2 * j + e] = h < HI ? iw[(long long)t * HI + h] : 0.0f;
+      for (int n = 0; n < 8; ++n) col[n * 8] = n == 0 ? hi : (n == 1 ? lo : (unsigned short)0);
     }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int h = 8 * j + 2 * cq + e;
+        wv[2 * j + e] = h < HI ? iw[(long long)t * HI + h] : 0.0f;
+      }
+  }
 
   cp_async_wait_all();  // this thread's copies; the first tile's barrier makes everyone's visible
 
@@ -226,6 +255,7 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
   float d[2][32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) d[0][i] = d[1][i] = 0.0f;
+  float hs[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // TC_SUM's head sums (defined once: C7511)
   const int r0 = 16 * warp + g;  // the thread's keys r0 and r0 + 8 of the tile
   for (int e0 = e_begin; e0 < e_end; e0 += FI_TILE_KEYS) {
     __syncthreads();  // the previous tile's K consumed
@@ -287,6 +317,34 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
                      kf[(b + 1) * FI_TILE_KEYS + r0 + 8]);
       }
     }
+    if constexpr (TC_SUM) {
+      // score = bf16(sum_h relu(bf16(d_h)) * (hi_h + lo_h)): the relu'd d_h as the A fragments of four k16
+      // steps over the heads, summed against the two weight columns by the tensor core; lane cq == 0
+      // holds both columns of keys r0 (hs[0], hs[1]) and r0 + 8 (hs[2], hs[3]).
+      unsigned a[4][4];
+#pragma unroll
+      for (int st = 0; st < 4; ++st)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int j = 2 * st + half;
+          a[st][2 * half] = fi_relu_bf16x2(pack_bf16x2(acc[4 * j], acc[4 * j + 1]));
+          a[st][2 * half + 1] = fi_relu_bf16x2(pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]));
+        }
+      wgmma_fence();
+#pragma unroll
+      for (int st = 0; st < 4; ++st) fi_wgmma_head_sum(hs, a[st], wgmma_desc_noswizzle(wb + st * 256, 128, 128), st);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operand(hs);
+      if (cq == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int e = e0 + r0 + 8 * r;
+          if (e < e_end) scores[(long long)t * maxe + e] = round_bf16(__fadd_rn(hs[2 * r], hs[2 * r + 1]));
+        }
+      }
+      continue;
+    }
     // score = bf16(sum_h relu(bf16(d_h)) * w_h) of keys r0 (sk[0]) and r0 + 8 (sk[1]): the thread's 16
     // heads in order, then the quad's four partial sums (the same bits in each of its lanes). Two heads'
     // d_h are rounded by one cvt and their relu is one packed max (fi_relu_bf16x2): a NaN d_h (from a NaN
@@ -308,6 +366,32 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
       if (cq == r && e < e_end) scores[(long long)t * maxe + e] = round_bf16(sk[r]);
     }
   }
+}
+
+// Four blocks an SM (128 registers): with 148 the prologue's loads left room for three.
+extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
+    fi_score_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
+                    const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI, int ratio,
+                    int maxe, int chunk_keys, float* scores) {
+  dsv4_pdl_begin();
+  fi_score<false>(qi, iw, ikeys, itable, ipps, positions, seq_of, seq_slots, T, HI, DI, ratio, maxe, chunk_keys,
+                  scores);
+}
+
+// fi_score_kernel with the head sum on the BF16 tensor core (fi_wgmma_head_sum): from the first conversion to
+// the scores' stores, 119 instructions a thread and tile of 64 keys (SASS; 16 F2FP, 16 packed max, four
+// wgmmas, ~30 of them on the uniform datapath for the descriptors) where the f32 sum takes 184 (36 FADD, 32
+// FMUL, the unpacking), in a kernel whose issue slots bound it (BENCHMARKS.md, issue 12 seventeenth part). The
+// sum's order and rounding are the tensor core's and w is split into two bf16 columns, so the scores are not
+// fi_score_kernel's bits; tests/gpu_fast_indexer.rs states the bound for both. FI_WB_BYTES more dynamic
+// shared memory.
+extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
+    fi_score_tc_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
+                       const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
+                       int ratio, int maxe, int chunk_keys, float* scores) {
+  dsv4_pdl_begin();
+  fi_score<true>(qi, iw, ikeys, itable, ipps, positions, seq_of, seq_slots, T, HI, DI, ratio, maxe, chunk_keys,
+                 scores);
 }
 
 // A score's 16-bit order key: larger score, larger key; NaN as -inf; -0 as +0 (the reference's

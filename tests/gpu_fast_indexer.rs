@@ -16,6 +16,11 @@
 //!   of the DI/32 blocks); times |w_h| over the heads, the f32 head sum (HI + 2) 2^-24 Σ|D_h w_h|,
 //!   and both final BF16 roundings: |s_f - s_r| <= (1 + 2^-8) [Σ_h |w_h| (2^-8 |D_h| + 1.01 ε_h)
 //!   + (HI + 2) 2^-24 (1 + 2^-7) Σ_h |D_h w_h|] + 2^-8 |s_r|;
+//! - with the head sum on the tensor core (`HeadSum::TensorCore`: the relu'd bf16 d_h against w
+//!   split into bf16 hi + lo, |w - hi - lo| <= 2^-18 |w|; each column's 64 exact products added in
+//!   f32 by the tensor core, allowed one f32 ulp an add (truncating adders), then hi + lo in f32)
+//!   the head sum's term is ((HI + 2) 2^-23 (1 + 2^-8) + 2^-18 + 2^-24) (1 + 2^-7) Σ_h |D_h w_h|
+//!   in place of (HI + 2) 2^-24 (1 + 2^-7) Σ_h |D_h w_h|;
 //! - the selected sets equal the reference's wherever the margin exceeds that rounding: an
 //!   entry selected by one and not the other has a reference score within 2 B (B the token's
 //!   largest bound) of the reference's k-th score;
@@ -30,7 +35,7 @@ use common::kv::{BatchLayout, scrambled_table};
 use common::rng::XorShift;
 use dsv4::cuda::arena;
 use dsv4::cuda::kernels::attention::BatchMeta;
-use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, SelectPlan};
+use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, HeadSum, SelectPlan};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::KernelSource;
@@ -169,8 +174,9 @@ impl Batch {
     }
 }
 
-/// The derived bound (module doc) of each of token i's visible scores.
-fn bounds(b: &Batch, keys: &Keys, i: usize, s_ref: &[f32]) -> Vec<f64> {
+/// The derived bound (module doc) of each of token i's visible scores, for the fast kernel's
+/// `head_sum`.
+fn bounds(b: &Batch, keys: &Keys, i: usize, s_ref: &[f32], head_sum: HeadSum) -> Vec<f64> {
     let Some((slot, visible)) = b.visible(i) else {
         return vec![];
     };
@@ -193,7 +199,13 @@ fn bounds(b: &Batch, keys: &Keys, i: usize, s_ref: &[f32]) -> Vec<f64> {
                 per_head += w * (u * d.abs() + 1.01 * eps);
                 dw += (d * w).abs();
             }
-            let sum = (hi as f64 + 2.0) * 2f64.powi(-24) * (1.0 + 2.0 * u) * dw;
+            let per_add = match head_sum {
+                HeadSum::Ordered => (hi as f64 + 2.0) * 2f64.powi(-24),
+                HeadSum::TensorCore => {
+                    (hi as f64 + 2.0) * 2f64.powi(-23) * (1.0 + u) + 2f64.powi(-18) + 2f64.powi(-24)
+                }
+            };
+            let sum = per_add * (1.0 + 2.0 * u) * dw;
             (1.0 + u) * (per_head + sum) + u * (s_ref[e] as f64).abs() + 1e-30
         })
         .collect()
@@ -321,9 +333,9 @@ fn run_plans(
     (r, fast_runs)
 }
 
-/// All checks of one batch (module doc), tokens in parallel; returns (largest |diff| / bound,
-/// selections that differ from the reference's).
-fn check(name: &str, keys: &Keys, b: &Batch, r: &Run, f: &Run) -> (f64, usize) {
+/// All checks of one batch (module doc), tokens in parallel, `f` made with `head_sum`; returns
+/// (largest |diff| / bound, selections that differ from the reference's).
+fn check(name: &str, keys: &Keys, b: &Batch, r: &Run, f: &Run, head_sum: HeadSum) -> (f64, usize) {
     let t = b.t();
     let threads = std::thread::available_parallelism()
         .map_or(4, |n| n.get())
@@ -358,7 +370,7 @@ fn check(name: &str, keys: &Keys, b: &Batch, r: &Run, f: &Run) -> (f64, usize) {
                     }
                     // Scores within the bound.
                     let sr = &r.scores[i * MAXE..][..visible];
-                    let bnd = bounds(b, keys, i, sr);
+                    let bnd = bounds(b, keys, i, sr, head_sum);
                     let mut big = 0.0f64;
                     for e in 0..visible {
                         let d = (sf[e] as f64 - sr[e] as f64).abs();
@@ -429,7 +441,7 @@ fn check_against_reference(
     name: &str,
 ) {
     let [r, f, again] = run(reference, fast, keys, b, s);
-    check(name, keys, b, &r, &f);
+    check(name, keys, b, &r, &f, HeadSum::Ordered);
     assert!(
         f.scores
             .iter()
@@ -473,7 +485,7 @@ fn tied_scores_select_the_lowest_indices() {
             let b = Batch::new(&mut rng, &seqs, DI);
             let [r, f, again] = run(reference, fast, &keys, &b, s);
             let name = format!("{patterns} key pattern(s)");
-            check(&name, &keys, &b, &r, &f);
+            check(&name, &keys, &b, &r, &f, HeadSum::Ordered);
             assert!(
                 f.selected == again.selected,
                 "{name}: two runs select differently"
@@ -518,6 +530,7 @@ fn every_work_split_gives_the_same_result() {
                 Some(SelectPlan {
                     chunk_keys,
                     stage_keys,
+                    head_sum: HeadSum::Ordered,
                 })
             })
             .chain([None])
@@ -525,7 +538,7 @@ fn every_work_split_gives_the_same_result() {
         let (r, f) = run_plans(reference, fast, &keys, &b, s, &plans);
         for (plan, run) in plans.iter().zip(&f) {
             let name = format!("{plan:?}");
-            check(&name, &keys, &b, &r, run);
+            check(&name, &keys, &b, &r, run, HeadSum::Ordered);
             assert!(
                 run.scores
                     .iter()
@@ -561,6 +574,84 @@ fn other_index_head_dims_match_the_reference() {
                 let name = format!("{hi} heads of {di}, batch {k}");
                 check_against_reference(reference, fast, &keys, &b, s, &name);
             }
+        }
+    });
+}
+
+/// The head sum on the tensor core (`HeadSum::TensorCore`, `fi_score_tc_kernel`): its scores within
+/// their bound (module doc) of the reference's and its selection the exact top-k of its own scores,
+/// at Flash's shapes (decode batches of 1, 8 and 64 tokens, a prefill chunk, padding, nothing
+/// visible yet), at every work split (the same bits: a key's sum does not depend on the chunk), at
+/// head dims 32, 64 and 256, and with tied scores (equal keys sum alike); reruns bit-identical.
+#[test]
+fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
+    with_indexers(|reference, fast, s| {
+        let mut rng = XorShift(0x7c_5eed);
+        let plan = |chunk_keys, stage_keys| {
+            Some(SelectPlan {
+                chunk_keys,
+                stage_keys,
+                head_sum: HeadSum::TensorCore,
+            })
+        };
+        let own = |t| {
+            plan(
+                fast_indexer::chunk_keys_for(t),
+                fast_indexer::stage_keys_for(MAXE),
+            )
+        };
+        let keys = Keys::random(&mut rng, DI);
+        let batches = [
+            decode(1, &[65_000]),
+            decode(8, &[0, 2, 3, 700, 2047, 2048, 30_000, 65_535]),
+            decode(64, &[5, 100, 1500, 2100, 8000]),
+            vec![(1, 1000, 150), (2, 0, 150), (-1, 0, 4)],
+        ];
+        for (k, seqs) in batches.iter().enumerate() {
+            let b = Batch::new(&mut rng, seqs, DI);
+            let all = fast_indexer::stage_keys_for(MAXE);
+            // Its own split twice (reruns), then others.
+            let plans = [
+                own(b.t()),
+                own(b.t()),
+                plan(64, 0),
+                plan(192, 16),
+                plan(256, all),
+            ];
+            let (r, f) = run_plans(reference, fast, &keys, &b, s, &plans);
+            let name = format!("tensor-core head sum, batch {k}");
+            check(&name, &keys, &b, &r, &f[0], HeadSum::TensorCore);
+            for (plan, run) in plans.iter().zip(&f).skip(1) {
+                assert!(
+                    run.scores
+                        .iter()
+                        .zip(&f[0].scores)
+                        .all(|(a, b)| a.to_bits() == b.to_bits())
+                        && run.selected == f[0].selected
+                        && run.nsel == f[0].nsel,
+                    "{name}: {plan:?} differs from the fast set's split"
+                );
+            }
+        }
+        for (di, hi) in [(32, HI), (64, HI), (fast_indexer::MAX_DIM, HI / 4)] {
+            let keys = Keys::random(&mut rng, di);
+            let b = Batch::with_heads(
+                &mut rng,
+                &decode(8, &[0, 3, 700, 2047, 2048, 5000, 9000, 12_000]),
+                di,
+                hi,
+            );
+            let (r, f) = run_plans(reference, fast, &keys, &b, s, &[own(b.t())]);
+            let name = format!("tensor-core head sum, {hi} heads of {di}");
+            check(&name, &keys, &b, &r, &f[0], HeadSum::TensorCore);
+        }
+        for patterns in [1, 3] {
+            let keys = Keys::from_patterns(&mut rng, Some(patterns), DI);
+            let seqs = decode(8, &[3, 700, 2047, 2048, 2049, 5000, 30_000, 65_535]);
+            let b = Batch::new(&mut rng, &seqs, DI);
+            let (r, f) = run_plans(reference, fast, &keys, &b, s, &[own(b.t())]);
+            let name = format!("tensor-core head sum, {patterns} key pattern(s)");
+            check(&name, &keys, &b, &r, &f[0], HeadSum::TensorCore);
         }
     });
 }

@@ -6,8 +6,10 @@
 //! per (layer kind, context, batch, kernel): time per call, keys per token, the KV bytes gathered
 //! and the bytes a call must move (KV rows + BF16 q and o), GB/s on them. CSA cases also time
 //! the indexer (kernels/fast_indexer.cu: scoring all C/4 visible keys, then the top-512;
-//! `kernel: indexer_fast`). The reference kernels (attention_kernel, indexer_kernel, f64) run
-//! the same cases up to 8 tokens as the in-run baseline; bench/attn_baseline.py adds the HBM
+//! `kernel: indexer_fast`; `indexer_fast_tc`: the same with its head sum on the tensor core,
+//! `fi_score_tc_kernel`, not yet the fast set's). The reference kernels (attention_kernel,
+//! indexer_kernel, f64) run the same cases up to 8 tokens as the in-run baseline;
+//! bench/attn_baseline.py adds the HBM
 //! ceiling, floors, ratios and PyTorch.
 //!
 //! Timing: the state is replicated into enough copies (as if layers: together at least 256 MB,
@@ -25,7 +27,7 @@ use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta};
 use dsv4::cuda::kernels::fast_attention::{
     self, AttentionPath, FastAttention, FastAttentionWorkspace,
 };
-use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, SelectPlan};
+use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, HeadSum, SelectPlan};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::{KernelCache, Registry};
@@ -375,9 +377,9 @@ fn indexer_case(
     // (The reference indexer ranks every visible key against the others: beyond 64K positions
     // it takes seconds a call.)
     let kernels: &[&str] = if t <= REFERENCE_MAX_T && ctx_len <= 65536 {
-        &["indexer_fast", "indexer_reference"]
+        &["indexer_fast", "indexer_fast_tc", "indexer_reference"]
     } else {
-        &["indexer_fast"]
+        &["indexer_fast", "indexer_fast_tc"]
     };
     // Times `call` over `n` state copies and prints its line: `fields`, then the timing.
     let timed = |fields: String, n: usize, call: &dyn Fn(usize) -> dsv4::Result<()>| {
@@ -400,6 +402,16 @@ fn indexer_case(
         );
         if kernel == "indexer_fast" {
             timed(fields, copies, &|j| ix.fast.select(ctx, meta, &args(j), s))?;
+        } else if kernel == "indexer_fast_tc" {
+            // The fast set's work split, the head sum on the tensor core.
+            let plan = SelectPlan {
+                chunk_keys: fast_indexer::chunk_keys_for(t),
+                stage_keys: fast_indexer::stage_keys_for(maxe),
+                head_sum: HeadSum::TensorCore,
+            };
+            timed(fields, copies, &|j| {
+                ix.fast.select_with(ctx, meta, &args(j), plan, s)
+            })?;
         } else {
             timed(fields, copies.min(2), &|j| {
                 ix.reference.select(ctx, meta, &args(j), s)
@@ -410,6 +422,7 @@ fn indexer_case(
         let plan = SelectPlan {
             chunk_keys,
             stage_keys: fast_indexer::stage_keys_for(maxe),
+            head_sum: HeadSum::Ordered,
         };
         let chosen = chunk_keys == fast_indexer::chunk_keys_for(t);
         let fields = format!(

@@ -4,7 +4,9 @@
 //! sum promoted into f32), `fi_topk_kernel` selects the top min(topk, visible) exactly on those
 //! scores (radix select on their BF16 bits over a cluster of blocks, ties to the lower index,
 //! listed in index order). Takes the reference's [`IndexerArgs`]; the keys must be stored in the
-//! official format.
+//! official format. `fi_score_tc_kernel` is the scoring with the sum over the heads on the BF16
+//! tensor core ([`HeadSum::TensorCore`]): measured next to the other by `dsv4 bench attn`
+//! (`indexer_fast_tc`), not yet the fast set's.
 //! tests/gpu_fast_indexer.rs bounds the scores against the reference kernel and checks the
 //! selection against an exact top-k of the fast scores.
 
@@ -36,13 +38,33 @@ pub const TOPK_CLUSTER: usize = 8;
 /// four times.
 pub const TOPK_STAGE_KEYS: usize = 32768;
 
+/// Bytes of the head weights as the tensor-core head sum's B operand (FI_WB_BYTES): 64 heads x 8
+/// columns of bf16 ([`HeadSum::TensorCore`]).
+pub const HEAD_SUM_B_BYTES: usize = MAX_HEADS * 8 * 2;
+
 /// Dynamic shared memory of a scoring block for head dim `di`: one key tile and the token's queries
 /// as e4m3 codes (`di` bytes a key or head), the chunk's keys as stored (`di / 2` code bytes and
-/// `di / 32` scale bytes a key) and the factors (one f32 a tile key or head and 32-block).
-pub const fn score_smem_bytes(di: usize) -> usize {
+/// `di / 32` scale bytes a key) and the factors (one f32 a tile key or head and 32-block); with
+/// the head sum on the tensor core, its weights ([`HEAD_SUM_B_BYTES`]).
+pub const fn score_smem_bytes(di: usize, head_sum: HeadSum) -> usize {
     di * (TILE_KEYS + MAX_HEADS)
         + CHUNK_KEYS * (di / 2 + di / 32)
         + 4 * (di / 32) * (TILE_KEYS + MAX_HEADS)
+        + match head_sum {
+            HeadSum::Ordered => 0,
+            HeadSum::TensorCore => HEAD_SUM_B_BYTES,
+        }
+}
+
+/// How a score's sum over the heads, `Σ_h relu(bf16(d_h)) · w_h`, is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadSum {
+    /// In f32 in a fixed order on the CUDA cores (`fi_score_kernel`; the fast set's).
+    Ordered,
+    /// On the BF16 tensor core (`fi_score_tc_kernel`): the relu'd d_h as registers against the
+    /// weights split into two bf16 columns; fewer instructions, other rounding (the tests' bound
+    /// covers both). Not yet measured: the fast set takes [`HeadSum::Ordered`].
+    TensorCore,
 }
 
 // One warpgroup whose m64 wgmma rows are a tile's keys and whose n64 columns are all the heads.
@@ -51,7 +73,7 @@ const _: () = assert!(
 );
 
 /// The largest scoring block (the registry raises the kernel's limit to it).
-pub const MAX_SMEM: usize = score_smem_bytes(MAX_DIM);
+pub const MAX_SMEM: usize = score_smem_bytes(MAX_DIM, HeadSum::TensorCore);
 
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
@@ -60,6 +82,14 @@ crate::kernel_family! {
     #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
     fn fi_score_kernel(
+        qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
+        positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
+        di: i32, ratio: i32, maxe: i32, chunk_keys: i32, scores: *mut f32,
+    );
+    /// fi_score_kernel with the head sum on the tensor core ([`HeadSum::TensorCore`]).
+    #[smem(MAX_SMEM as u32)]
+    #[pdl(true)]
+    fn fi_score_tc_kernel(
         qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
         positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
         di: i32, ratio: i32, maxe: i32, chunk_keys: i32, scores: *mut f32,
@@ -77,6 +107,7 @@ crate::launchers! {
     /// The fast_indexer family's entry points, resolved from a loaded registry.
     pub struct FastIndexer {
         score: fi_score_kernel,
+        score_tc: fi_score_tc_kernel,
         topk: fi_topk_kernel,
     }
 }
@@ -91,6 +122,8 @@ pub struct SelectPlan {
     /// Order keys the top-k block stages in shared memory (0 ..= TOPK_STAGE_KEYS): a token with
     /// more visible entries reads its scores row in every pass.
     pub stage_keys: usize,
+    /// How the scores sum over the heads (the selection follows the scores).
+    pub head_sum: HeadSum,
 }
 
 /// Order keys a top-k block stages for `maxe` entries a token: its whole run (a multiple of 32),
@@ -142,12 +175,14 @@ impl FastIndexer {
         let plan = SelectPlan {
             chunk_keys: chunk_keys_for(b.num_tokens),
             stage_keys: stage_keys_for(x.maxe),
+            head_sum: HeadSum::Ordered,
         };
         self.select_with(ctx, b, x, plan, stream)
     }
 
     /// [`FastIndexer::select`] with the work split chosen by the caller (the tests take every
-    /// path with it: unstaged top-k, each chunk size). The results do not depend on it.
+    /// path with it: unstaged top-k, each chunk size). The results do not depend on the split;
+    /// they do on [`SelectPlan::head_sum`] (its rounding).
     pub fn select_with(
         &self,
         ctx: &Context,
@@ -181,26 +216,41 @@ impl FastIndexer {
                 .ok()
                 .filter(|&c| c <= 65535)
                 .ok_or_else(|| bad(format!("{} entries: too many chunks", x.maxe)))?;
-            let args = fi_score_kernel::Args {
-                qi: x.qi,
-                iw: x.iw,
-                ikeys: x.ikeys.pool,
-                itable: x.ikeys.table,
-                ipps: i("pages per slot", x.ikeys.pages_per_slot)?,
-                positions: b.positions,
-                seq_of: b.seq_of,
-                seq_slots: b.seq_slots,
-                t: i("num_tokens", t)?,
-                hi: i("heads", hi)?,
-                di: i("dim", di)?,
-                ratio: i("ratio", x.ratio)?,
-                maxe: i("maxe", x.maxe)?,
-                chunk_keys: i("chunk keys", plan.chunk_keys)?,
-                scores: x.scores,
-            };
-            let smem = score_smem_bytes(di) as u32;
-            self.score
-                .launch((blocks, chunks), THREADS as u32, smem, stream, args)?;
+            macro_rules! score_args {
+                ($kernel:ident) => {
+                    $kernel::Args {
+                        qi: x.qi,
+                        iw: x.iw,
+                        ikeys: x.ikeys.pool,
+                        itable: x.ikeys.table,
+                        ipps: i("pages per slot", x.ikeys.pages_per_slot)?,
+                        positions: b.positions,
+                        seq_of: b.seq_of,
+                        seq_slots: b.seq_slots,
+                        t: i("num_tokens", t)?,
+                        hi: i("heads", hi)?,
+                        di: i("dim", di)?,
+                        ratio: i("ratio", x.ratio)?,
+                        maxe: i("maxe", x.maxe)?,
+                        chunk_keys: i("chunk keys", plan.chunk_keys)?,
+                        scores: x.scores,
+                    }
+                };
+            }
+            let smem = score_smem_bytes(di, plan.head_sum) as u32;
+            let grid = (blocks, chunks);
+            match plan.head_sum {
+                HeadSum::Ordered => {
+                    let args = score_args!(fi_score_kernel);
+                    self.score
+                        .launch(grid, THREADS as u32, smem, stream, args)?
+                }
+                HeadSum::TensorCore => {
+                    let args = score_args!(fi_score_tc_kernel);
+                    self.score_tc
+                        .launch(grid, THREADS as u32, smem, stream, args)?
+                }
+            }
         }
         let args = fi_topk_kernel::Args {
             scores: x.scores,
