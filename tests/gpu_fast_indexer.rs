@@ -430,6 +430,16 @@ fn check(name: &str, keys: &Keys, b: &Batch, r: &Run, f: &Run, head_sum: HeadSum
     (worst, swaps)
 }
 
+/// Whether two runs gave the same scores (bit for bit), selection and counts.
+fn same_result(a: &Run, b: &Run) -> bool {
+    a.scores
+        .iter()
+        .zip(&b.scores)
+        .all(|(x, y)| x.to_bits() == y.to_bits())
+        && a.selected == b.selected
+        && a.nsel == b.nsel
+}
+
 /// Runs a batch (`run`), checks the fast result against the reference's (`check`) and that the
 /// fast indexer's two runs are bit-identical.
 fn check_against_reference(
@@ -442,14 +452,7 @@ fn check_against_reference(
 ) {
     let [r, f, again] = run(reference, fast, keys, b, s);
     check(name, keys, b, &r, &f, HeadSum::Ordered);
-    assert!(
-        f.scores
-            .iter()
-            .zip(&again.scores)
-            .all(|(a, b)| a.to_bits() == b.to_bits())
-            && f.selected == again.selected,
-        "{name}: two runs differ"
-    );
+    assert!(same_result(&f, &again), "{name}: two runs differ");
 }
 
 /// Runs `f` with the reference and fast indexers and a stream, the GPU's context current and the
@@ -494,18 +497,28 @@ fn tied_scores_select_the_lowest_indices() {
     });
 }
 
+/// Flash-shaped batches: decode at 1, 8 and 64 tokens (contexts up to 64K, one token with nothing
+/// visible yet), and a 150-token prefill chunk of two sequences beside padding.
+fn flash_batches() -> [Vec<(i32, usize, usize)>; 4] {
+    [
+        decode(1, &[65_000]),
+        decode(8, &[0, 2, 3, 700, 2047, 2048, 30_000, 65_535]),
+        decode(64, &[5, 100, 1500, 2100, 8000]),
+        vec![(1, 1000, 150), (2, 0, 150), (-1, 0, 4)],
+    ]
+}
+
+/// The other head dims the fast kernel covers, with the heads the reference kernel's shared
+/// memory takes at each (see `other_index_head_dims_match_the_reference`).
+const OTHER_DIMS: [(usize, usize); 3] = [(32, HI), (64, HI), (fast_indexer::MAX_DIM, HI / 4)];
+
 #[test]
 fn fast_indexer_matches_the_reference_within_the_bound() {
     with_indexers(|reference, fast, s| {
         print_kernel_resources(&family_gpu(&FAMILIES).unwrap().reg);
         let mut rng = XorShift(0x1d3_5eed);
         let keys = Keys::random(&mut rng, DI);
-        let batches = [
-            decode(1, &[65_000]),
-            decode(8, &[0, 2, 3, 700, 2047, 2048, 30_000, 65_535]),
-            decode(64, &[5, 100, 1500, 2100, 8000]),
-            vec![(1, 1000, 150), (2, 0, 150), (-1, 0, 4)],
-        ];
+        let batches = flash_batches();
         for (k, seqs) in batches.iter().enumerate() {
             let b = Batch::new(&mut rng, seqs, DI);
             check_against_reference(reference, fast, &keys, &b, s, &format!("batch {k}"));
@@ -540,12 +553,7 @@ fn every_work_split_gives_the_same_result() {
             let name = format!("{plan:?}");
             check(&name, &keys, &b, &r, run, HeadSum::Ordered);
             assert!(
-                run.scores
-                    .iter()
-                    .zip(&f[0].scores)
-                    .all(|(a, b)| a.to_bits() == b.to_bits())
-                    && run.selected == f[0].selected
-                    && run.nsel == f[0].nsel,
+                same_result(run, &f[0]),
                 "{name}: differs from {:?}",
                 plans[0]
             );
@@ -563,7 +571,7 @@ fn other_index_head_dims_match_the_reference() {
         // 256 (every decode register of a thread), at 16 heads: the reference kernel's shared memory
         // holds a token's queries and its per-head dots, and 64 or 32 heads of 256 do not fit its
         // 96 KB (169 KB, 101 KB).
-        for (di, hi) in [(32, HI), (64, HI), (fast_indexer::MAX_DIM, HI / 4)] {
+        for (di, hi) in OTHER_DIMS {
             let keys = Keys::random(&mut rng, di);
             let batches = [
                 decode(8, &[0, 3, 700, 2047, 2048, 5000, 9000, 12_000]),
@@ -601,12 +609,7 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
             )
         };
         let keys = Keys::random(&mut rng, DI);
-        let batches = [
-            decode(1, &[65_000]),
-            decode(8, &[0, 2, 3, 700, 2047, 2048, 30_000, 65_535]),
-            decode(64, &[5, 100, 1500, 2100, 8000]),
-            vec![(1, 1000, 150), (2, 0, 150), (-1, 0, 4)],
-        ];
+        let batches = flash_batches();
         for (k, seqs) in batches.iter().enumerate() {
             let b = Batch::new(&mut rng, seqs, DI);
             let all = fast_indexer::stage_keys_for(MAXE);
@@ -623,17 +626,12 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
             check(&name, &keys, &b, &r, &f[0], HeadSum::TensorCore);
             for (plan, run) in plans.iter().zip(&f).skip(1) {
                 assert!(
-                    run.scores
-                        .iter()
-                        .zip(&f[0].scores)
-                        .all(|(a, b)| a.to_bits() == b.to_bits())
-                        && run.selected == f[0].selected
-                        && run.nsel == f[0].nsel,
+                    same_result(run, &f[0]),
                     "{name}: {plan:?} differs from the fast set's split"
                 );
             }
         }
-        for (di, hi) in [(32, HI), (64, HI), (fast_indexer::MAX_DIM, HI / 4)] {
+        for (di, hi) in OTHER_DIMS {
             let keys = Keys::random(&mut rng, di);
             let b = Batch::with_heads(
                 &mut rng,
