@@ -7,7 +7,9 @@
 //   keys on FP8 tensor cores (wgmma): queries and keys are official FP4 values (e2m1 x 2^k, exact
 //   in e4m3), so the products are exact; each 32-block's sum is the tensor core's, promoted into
 //   f32. d_h = bf16(q_h . k), score = bf16(sum_h relu(d_h) * w_h) (f32 sums over heads in a fixed
-//   tree order). Writes the scores (BF16 values) to the workspace row.
+//   tree order). Writes the scores (BF16 values) to the workspace row. fi_score_tc_kernel: the same
+//   with the sum over the heads on the BF16 tensor core (other rounding; selectable, not yet the fast
+//   set's).
 // - fi_topk_kernel: a cluster of blocks per token, exact selection on the scores: a 16-bit order
 //   key per BF16 score, two 8-bit radix histograms (warp-aggregated shared atomics, added over the
 //   cluster through distributed shared memory) find the k-th key; the keys above it and the
