@@ -146,7 +146,8 @@ def attn_rows(cases):
     for path, c in cases:
         if c.get("bench") != "attn" or not 8192 <= c.get("context", 0) <= 65536:
             continue
-        if c.get("kernel") in ("fast", "indexer_fast") and "byte_floor_us" in c:
+        # (Lines with chunk_keys are a work-split sweep, not the fast set's call.)
+        if c.get("kernel") in ("fast", "indexer_fast") and "byte_floor_us" in c and "chunk_keys" not in c:
             by.setdefault((path, c["layer"], c["context"], c["T"]), {})[c["kernel"]] = c
     rows = []
     for (path, layer, ctx, t), k in by.items():

@@ -9,7 +9,8 @@
 //   f32. d_h = bf16(q_h . k), score = bf16(sum_h relu(d_h) * w_h) (f32 sums over heads in a fixed
 //   tree order). Writes the scores (BF16 values) to the workspace row. fi_score_tc_kernel: the same
 //   with the sum over the heads on the BF16 tensor core (other rounding; selectable, not yet the fast
-//   set's).
+//   set's). fi_score_fold_kernel, fi_score_fold_tc_kernel: the 32-block scales folded into the codes ("the
+//   scale fold" below): one chain of wgmmas a key tile and no promotion; several chunks a block (selectable).
 // - fi_topk_kernel: a cluster of blocks per token, exact selection on the scores: a 16-bit order
 //   key per BF16 score, two 8-bit radix histograms (warp-aggregated shared atomics, added over the
 //   cluster through distributed shared memory) find the k-th key; the keys above it and the
@@ -72,6 +73,65 @@ DSV4_INLINE void fi_wgmma(float (&d)[32], unsigned long long adesc, unsigned lon
       : "l"(adesc), "l"(bdesc), "r"(0));
 }
 
+// The scale fold (fi_score_fold_kernel, fi_score_fold_tc_kernel): each key's 32-block scales folded into its
+// e4m3 codes and each query head's into its codes, so that a key's dot with a head is ONE chain of wgmmas over
+// all of DI (at most FI_FOLD_BLOCKS blocks: promoted at least every 128 of K, DESIGN.md §4) with no promotion
+// at all: the two factors left are powers of two, and
+//   bf16(raw x 2^(qe_h + ke)) = bf16(raw) x 2^(qe_h + ke),   relu(x 2^a) = relu(x) x 2^a
+// while nothing leaves the normal range, so 2^qe_h goes into the head's weight and 2^ke multiplies the
+// key's finished score: score = bf16(2^ke x sum_h relu(bf16(raw_h)) x (w_h 2^qe_h)).
+// - A key folds when its blocks' UE8M0 exponents lie within FI_FOLD_SPAN of their largest E (fp4_table_shifted's
+//   exact range, t = s - E + 12 in [1, 12]) and FI_FOLD_E_MIN <= E <= FI_FOLD_E_MAX: codes e2m1 x 2^(s - E + 6),
+//   key factor 2^ke, ke = E - 133 in [-37, 27].
+// - A head folds when every nonzero block's amax is within FI_FOLD_SPAN octaves of the head's (official FP4
+//   blocks: the smallest nonzero value is at least amax / 12, so every value then keeps its two significant
+//   bits above e4m3's 2^-9 at the head's e = floor(log2 amax) - 7), |qe_h| <= FI_FOLD_QE and its weight is 0 or
+//   within 2^+-FI_FOLD_QE. The token's queries fold when all its heads do (one decision a block).
+// With these ranges every value on the way is normal: |raw| in [2^-18, 2^25), |w 2^qe| in [2^-64, 2^64], the
+// score in [2^-119, 2^122]. A 64-key tile whose keys do not all fold (or a token whose queries do not) takes
+// the per-32-block promotion instead, with 2^qe_h still in the weights (its query factors are then 1).
+#define FI_FOLD_BLOCKS 4
+#define FI_FOLD_SPAN 11
+#define FI_FOLD_E_MIN 96
+#define FI_FOLD_E_MAX 160
+#define FI_FOLD_QE 32
+
+// d (+)= A B^T over one 32-block, the chain's step (scale_d 0: from zero).
+DSV4_INLINE void fi_wgmma_acc(float (&d)[32], unsigned long long adesc, unsigned long long bdesc, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1; }\n"
+      : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24)
+      : "l"(adesc), "l"(bdesc), "r"(scale_d));
+}
+
+// acc = the tile's raw sums over all N 32-blocks: one chain of N wgmmas, one commit, one wait.
+template <int N>
+DSV4_INLINE void fi_chain_n(float (&acc)[32], const unsigned char* kt, const unsigned char* qt) {
+  wgmma_fence();
+#pragma unroll
+  for (int b = 0; b < N; ++b)
+    fi_wgmma_acc(acc, wgmma_desc_noswizzle(kt + 2 * b * FI_TILE_KEYS * 16, FI_TILE_KEYS * 16, 128),
+                 wgmma_desc_noswizzle(qt + 2 * b * FI_MAX_HEADS * 16, FI_MAX_HEADS * 16, 128), b);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operand(acc);
+}
+
+// fi_chain_n for the layer's nblk (1 .. FI_FOLD_BLOCKS; uniform): each count its own straight-line chain, as
+// ptxas keeps a wgmma sequence asynchronous only without branches inside it.
+DSV4_INLINE void fi_chain(float (&acc)[32], const unsigned char* kt, const unsigned char* qt, int nblk) {
+  switch (nblk) {
+    case 1: fi_chain_n<1>(acc, kt, qt); break;
+    case 2: fi_chain_n<2>(acc, kt, qt); break;
+    case 3: fi_chain_n<3>(acc, kt, qt); break;
+    default: fi_chain_n<4>(acc, kt, qt); break;
+  }
+}
+
 // acc += d x (head factor x key factor) for the thread's values (layout: fi_score_kernel).
 DSV4_INLINE void fi_promote(float (&acc)[32], const float (&d)[32], const float* qf, float k0, float k1) {
   const int t = threadIdx.x & 3;
@@ -101,6 +161,12 @@ DSV4_INLINE float fi_key_factor(unsigned s) {
   return s == 255u ? DSV4_F32_NAN : f;
 }
 
+// The factor a folding tile's finished score takes for its key of largest scale exponent E (in [FI_FOLD_E_MIN,
+// FI_FOLD_E_MAX]): 2^ke = 2^(E - 133), a normal f32; 1 in a tile that does not fold.
+DSV4_INLINE float fi_fold_factor(bool tile_fold, unsigned top) {
+  return tile_fold ? __uint_as_float((top - 6u) << 23) : 1.0f;
+}
+
 // The e4m3 codes of 4 values (|v| < 448, exactly representable: see above) as one word, byte i = v[i]:
 // the hardware conversion, two values an instruction (cvt's first source goes to the high byte). The
 // values are exact, so any rounding gives the same codes as e4m3_code_rn, at a tenth of its
@@ -110,6 +176,85 @@ DSV4_INLINE unsigned fi_e4m3x4(float v0, float v1, float v2, float v3) {
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(v1), "f"(v0));
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(v3), "f"(v2));
   return (unsigned)lo | ((unsigned)hi << 16);
+}
+
+// The fold kernels' queries (the B operand) in the halves order of e2m1x8_to_e4m3_halves, which their keys'
+// decode leaves: block b's dims 8c .. 8c + 3 (c < 4) in chunk 2b at bytes 4c .. 4c + 3, dims 8c + 4 .. 8c + 7 in
+// chunk 2b + 1 (both operands permute K alike, so the products are the same). Returns, the same in every
+// thread, whether the token's queries fold (the scale fold's comment above); then head h's codes are q / 2^qe_h,
+// its block factors qf 1 and qexp[h] = qe_h, else as fi_score_kernel's: q / 2^e per (head, block), qf 2^e.
+// Thread tid's items u < 2 nblk (i = tid + FI_THREADS u, four threads a (head, block) pair as in fi_score) are
+// blocks u / 2 of heads tid / 4 (u even) and tid / 4 + 32 (u odd): all blocks of its two heads, one batch at
+// nblk <= FI_FOLD_BLOCKS, where the fold is tried (a wider DI never folds).
+DSV4_INLINE bool fi_queries_halves(const float* qi, const float* iw, int t, int HI, int DI, int nblk,
+                                   unsigned char* qt, float* qf, signed char* qexp) {
+  const int tid = threadIdx.x;
+  bool fold = false;
+  int qe[2] = {0, 0};
+#pragma unroll
+  for (int u0 = 0; u0 < 2 * FI_BLOCKS; u0 += FI_Q_BATCH) {
+    if (u0 >= 2 * nblk) break;  // uniform
+    float4 x[FI_Q_BATCH][2];
+#pragma unroll
+    for (int k = 0; k < FI_Q_BATCH; ++k) {
+      const int i = tid + FI_THREADS * (u0 + k), h = (i >> 2) % FI_MAX_HEADS, b = (i >> 2) / FI_MAX_HEADS;
+      x[k][0] = x[k][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (u0 + k < 2 * nblk && h < HI) {
+        const float* q = qi + ((long long)t * HI + h) * DI + 32 * b + 8 * (i & 3);
+        x[k][0] = *(const float4*)q;
+        x[k][1] = *(const float4*)(q + 4);
+      }
+    }
+    float am[FI_Q_BATCH];  // each item's block amax (its four threads')
+#pragma unroll
+    for (int k = 0; k < FI_Q_BATCH; ++k) {
+      const float v[8] = {x[k][0].x, x[k][0].y, x[k][0].z, x[k][0].w, x[k][1].x, x[k][1].y, x[k][1].z, x[k][1].w};
+      float a = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a = fmaxf(a, fabsf(v[j]));
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+      am[k] = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
+    }
+    if (u0 == 0 && nblk <= FI_FOLD_BLOCKS) {  // uniform: every item of the thread's two heads is here
+      // lb[p]: floor(log2) of head p's amax (-1000: all zero). A NaN or infinite value never folds.
+      int lb[2] = {-1000, -1000};
+      bool ok = true;
+#pragma unroll
+      for (int k = 0; k < FI_Q_BATCH; ++k)
+        if (k < 2 * nblk) {
+          if (!(am[k] <= 3.0e38f)) ok = false;
+          else if (am[k] > 0.0f) lb[k & 1] = max(lb[k & 1], dsv4_floor_log2(am[k]));
+        }
+#pragma unroll
+      for (int k = 0; k < FI_Q_BATCH; ++k)
+        if (k < 2 * nblk && am[k] > 0.0f && am[k] <= 3.0e38f && dsv4_floor_log2(am[k]) < lb[k & 1] - FI_FOLD_SPAN)
+          ok = false;
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int h = (tid >> 2) + 32 * p;
+        qe[p] = lb[p] == -1000 ? 0 : lb[p] - 7;
+        if (qe[p] < -FI_FOLD_QE || qe[p] > FI_FOLD_QE) ok = false;
+        const float w = fabsf(h < HI ? iw[(long long)t * HI + h] : 0.0f);
+        if (!(w == 0.0f || (w >= 0x1p-32f && w <= 0x1p32f))) ok = false;
+        if ((tid & 3) == 0) qexp[h] = (signed char)qe[p];  // read after the barrier below, when folding
+      }
+      fold = !__syncthreads_or(!ok);
+    }
+#pragma unroll
+    for (int k = 0; k < FI_Q_BATCH; ++k) {
+      if (u0 + k < 2 * nblk) {  // uniform
+        const int i = tid + FI_THREADS * (u0 + k), c4 = i & 3, h = (i >> 2) % FI_MAX_HEADS, b = (i >> 2) / FI_MAX_HEADS;
+        const int e = fold ? qe[k & 1] : (am[k] > 0.0f && am[k] <= 3.0e38f ? dsv4_floor_log2(am[k]) - 7 : 0);
+        const float inv = dsv4_pow2(-e);
+        *(unsigned*)(qt + ((2 * b) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
+            fi_e4m3x4(x[k][0].x * inv, x[k][0].y * inv, x[k][0].z * inv, x[k][0].w * inv);
+        *(unsigned*)(qt + ((2 * b + 1) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
+            fi_e4m3x4(x[k][1].x * inv, x[k][1].y * inv, x[k][1].z * inv, x[k][1].w * inv);
+        if (c4 == 0) qf[b * FI_MAX_HEADS + h] = h < HI ? (fold ? 1.0f : dsv4_pow2(e)) : 0.0f;
+      }
+    }
+  }
+  return fold;
 }
 
 // The head sum on the BF16 tensor core (fi_score_tc_kernel): s[key][n] += A B over one k16 step of the heads,
@@ -129,19 +274,23 @@ DSV4_INLINE void fi_wgmma_head_sum(float (&d)[4], const unsigned (&a)[4], unsign
 #define FI_WB_BYTES (FI_MAX_HEADS * 8 * 2)
 
 // The scoring kernels' body. TC_SUM: the head sum on the tensor core (fi_score_tc_kernel), else in f32 in a
-// fixed order on the CUDA cores (fi_score_kernel).
-template <bool TC_SUM>
+// fixed order on the CUDA cores (fi_score_kernel). FOLD: the scale fold (see above; fi_score_fold_kernel,
+// fi_score_fold_tc_kernel), both operands in the halves order.
+template <bool TC_SUM, bool FOLD>
 DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
                           const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
                           int ratio, int maxe, int chunk_keys, float* scores) {
   extern __shared__ __align__(128) unsigned char fi_smem[];
-  const int t = blockIdx.x, chunk = blockIdx.y;
+  // FOLD: the block scores chunks blockIdx.y, + gridDim.y, ... of its token (the queries made once), else
+  // chunk blockIdx.y alone.
+  const int t = blockIdx.x;
+  int chunk = blockIdx.y;
   if (t >= T) return;
   const int slot = seq_slots[seq_of[t]];
   if (slot < 0) return;  // padding: nothing is scored (fi_topk_kernel selects nothing)
   int visible = (positions[t] + 1) / ratio;
   if (visible > maxe) visible = maxe;
-  const int e_begin = chunk * chunk_keys;
+  int e_begin = chunk * chunk_keys;
   if (e_begin >= visible) return;
   int e_end = e_begin + chunk_keys;
   if (e_end > visible) e_end = visible;
@@ -156,6 +305,11 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
   float* qf = kf + nblk * FI_TILE_KEYS;                           // [DI / 32][FI_MAX_HEADS]
   unsigned char* rsc = (unsigned char*)(qf + nblk * FI_MAX_HEADS);  // [FI_CHUNK_KEYS][DI / 32]
   unsigned char* wb = rsc + FI_CHUNK_KEYS * nblk;                   // TC_SUM: [8][8][16] (fi_wgmma_head_sum)
+  // FOLD: each chunk key's largest scale exponent E, a flag per 32 chunk keys (some key does not fold) and
+  // each head's qe.
+  unsigned char* ktop = wb + (TC_SUM ? FI_WB_BYTES : 0);             // [FI_CHUNK_KEYS]
+  unsigned char* bad32 = ktop + FI_CHUNK_KEYS;                       // [FI_CHUNK_KEYS / 32]
+  signed char* qexp = (signed char*)(bad32 + 16);                    // [FI_MAX_HEADS]
   const KvRowFmt kf_fmt = kv_fmt_index(DI, 1);
   // i / nblk = (i x div_nblk) >> 16 for the decode tasks' i < FI_TILE_KEYS x nblk <= 512: with div_nblk =
   // ceil(2^16 / nblk) the product overshoots i / nblk by less than i / 2^16 < 1/128, less than the 1/nblk
@@ -167,73 +321,110 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
   // lookup a key), copies their code bytes into shared memory by cp.async (16 bytes a 32-block) and loads
   // their scale bytes, all in flight while the queries are made below. (Loaded a tile ahead into
   // registers, as before, a block kept ~4 KB in flight and the kernel read 0.5 TB/s at 64K, T = 64.)
-  const int nkeys = e_end - e_begin;
+  int nkeys = e_end - e_begin;
   unsigned scv[FI_PRO_KEYS][FI_BLOCKS];
+  auto load_chunk = [&]() {
 #pragma unroll
-  for (int u = 0; u < FI_PRO_KEYS; ++u) {
-    const int j = tid + FI_THREADS * u;
-    if (j < nkeys) {
-      const KvRowPtr p = kv_row(kf_fmt, ikeys, itable, ipps, slot, e_begin + j);
+    for (int u = 0; u < FI_PRO_KEYS; ++u) {
+      const int j = tid + FI_THREADS * u;
+      if (j < nkeys) {
+        const KvRowPtr p = kv_row(kf_fmt, ikeys, itable, ipps, slot, e_begin + j);
+#pragma unroll
+        for (int b = 0; b < FI_BLOCKS; ++b)
+          if (b < nblk) {
+            cp_async_16(smem_addr(raw + 16 * (j * nblk + b)), p.row + 16 * b);
+            scv[u][b] = p.sc[b];
+          }
+      }
+    }
+    cp_async_commit();
+  };
+  load_chunk();
+  bool fold_q = false;  // FOLD: the token's queries fold (the same in every thread)
+  if constexpr (FOLD) {
+    fold_q = fi_queries_halves(qi, iw, t, HI, DI, nblk, qt, qf, qexp);
+  } else {
+    // B: the queries, four threads a (head, 32-block) pair: thread c4 has the block's dims 8 c4 .. 8 c4 + 7,
+    // whose even ones are codes 4 c4 .. 4 c4 + 3 of chunk 2b and odd ones of chunk 2b + 1. Item u of the
+    // thread is i = tid + FI_THREADS u (u < 2 nblk): its loads go out FI_Q_BATCH items at a time, all before
+    // any is used.
+#pragma unroll
+    for (int u0 = 0; u0 < 2 * FI_BLOCKS; u0 += FI_Q_BATCH) {
+      float4 x[FI_Q_BATCH][2];
+#pragma unroll
+      for (int k = 0; k < FI_Q_BATCH; ++k) {
+        const int i = tid + FI_THREADS * (u0 + k), h = (i >> 2) % FI_MAX_HEADS, b = (i >> 2) / FI_MAX_HEADS;
+        x[k][0] = x[k][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (u0 + k < 2 * nblk && h < HI) {
+          const float* q = qi + ((long long)t * HI + h) * DI + 32 * b + 8 * (i & 3);
+          x[k][0] = *(const float4*)q;
+          x[k][1] = *(const float4*)(q + 4);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < FI_Q_BATCH; ++k) {
+        if (u0 + k < 2 * nblk) {  // uniform
+          const int i = tid + FI_THREADS * (u0 + k), c4 = i & 3, h = (i >> 2) % FI_MAX_HEADS, b = (i >> 2) / FI_MAX_HEADS;
+          const float v[8] = {x[k][0].x, x[k][0].y, x[k][0].z, x[k][0].w, x[k][1].x, x[k][1].y, x[k][1].z, x[k][1].w};
+          float amax = 0.0f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the 4 threads of the pair
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+          const int e = amax > 0.0f && amax <= 3.0e38f ? dsv4_floor_log2(amax) - 7 : 0;
+          const float inv = dsv4_pow2(-e);
+          *(unsigned*)(qt + ((2 * b) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
+              fi_e4m3x4(v[0] * inv, v[2] * inv, v[4] * inv, v[6] * inv);
+          *(unsigned*)(qt + ((2 * b + 1) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
+              fi_e4m3x4(v[1] * inv, v[3] * inv, v[5] * inv, v[7] * inv);
+          if (c4 == 0) qf[b * FI_MAX_HEADS + h] = h < HI ? dsv4_pow2(e) : 0.0f;
+        }
+      }
+    }
+  }
+  // The chunk's scale bytes into shared memory (and FOLD: its keys' E and flags).
+  auto store_chunk_scales = [&]() {
+#pragma unroll
+    for (int u = 0; u < FI_PRO_KEYS; ++u) {
+      const int j = tid + FI_THREADS * u;
 #pragma unroll
       for (int b = 0; b < FI_BLOCKS; ++b)
-        if (b < nblk) {
-          cp_async_16(smem_addr(raw + 16 * (j * nblk + b)), p.row + 16 * b);
-          scv[u][b] = p.sc[b];
+        if (j < nkeys && b < nblk) rsc[j * nblk + b] = (unsigned char)scv[u][b];
+    }
+    if constexpr (FOLD) {
+      // Each chunk key's E (133 past the keys: factor 1, codes zero) and, per 32 keys (a warp's, by one ballot),
+      // whether one of them does not fold; read after the first tile's barrier.
+#pragma unroll
+      for (int u = 0; u < FI_PRO_KEYS; ++u) {
+        const int j = tid + FI_THREADS * u;
+        unsigned top = 133u;
+        bool bad = false;
+        if (j < nkeys) {
+          unsigned lo = 255u;
+          top = 0u;
+#pragma unroll
+          for (int b = 0; b < FI_BLOCKS; ++b)
+            if (b < nblk) {
+              top = max(top, scv[u][b]);
+              lo = min(lo, scv[u][b]);
+            }
+          bad = top - lo > FI_FOLD_SPAN || top < FI_FOLD_E_MIN || top > FI_FOLD_E_MAX;
         }
-    }
-  }
-  cp_async_commit();
-  // B: the queries, four threads a (head, 32-block) pair: thread c4 has the block's dims 8 c4 .. 8 c4 + 7,
-  // whose even ones are codes 4 c4 .. 4 c4 + 3 of chunk 2b and odd ones of chunk 2b + 1. Item u of the
-  // thread is i = tid + FI_THREADS u (u < 2 nblk): its loads go out FI_Q_BATCH items at a time, all before
-  // any is used.
-#pragma unroll
-  for (int u0 = 0; u0 < 2 * FI_BLOCKS; u0 += FI_Q_BATCH) {
-    float4 x[FI_Q_BATCH][2];
-#pragma unroll
-    for (int k = 0; k < FI_Q_BATCH; ++k) {
-      const int i = tid + FI_THREADS * (u0 + k), h = (i >> 2) % FI_MAX_HEADS, b = (i >> 2) / FI_MAX_HEADS;
-      x[k][0] = x[k][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (u0 + k < 2 * nblk && h < HI) {
-        const float* q = qi + ((long long)t * HI + h) * DI + 32 * b + 8 * (i & 3);
-        x[k][0] = *(const float4*)q;
-        x[k][1] = *(const float4*)(q + 4);
+        ktop[j] = (unsigned char)top;
+        const unsigned any = __ballot_sync(0xffffffffu, bad);
+        if (lane == 0) bad32[j >> 5] = any != 0u;
       }
     }
-#pragma unroll
-    for (int k = 0; k < FI_Q_BATCH; ++k) {
-      if (u0 + k < 2 * nblk) {  // uniform
-        const int i = tid + FI_THREADS * (u0 + k), c4 = i & 3, h = (i >> 2) % FI_MAX_HEADS, b = (i >> 2) / FI_MAX_HEADS;
-        const float v[8] = {x[k][0].x, x[k][0].y, x[k][0].z, x[k][0].w, x[k][1].x, x[k][1].y, x[k][1].z, x[k][1].w};
-        float amax = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the 4 threads of the pair
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        const int e = amax > 0.0f && amax <= 3.0e38f ? dsv4_floor_log2(amax) - 7 : 0;
-        const float inv = dsv4_pow2(-e);
-        *(unsigned*)(qt + ((2 * b) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
-            fi_e4m3x4(v[0] * inv, v[2] * inv, v[4] * inv, v[6] * inv);
-        *(unsigned*)(qt + ((2 * b + 1) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
-            fi_e4m3x4(v[1] * inv, v[3] * inv, v[5] * inv, v[7] * inv);
-        if (c4 == 0) qf[b * FI_MAX_HEADS + h] = h < HI ? dsv4_pow2(e) : 0.0f;
-      }
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < FI_PRO_KEYS; ++u) {
-    const int j = tid + FI_THREADS * u;
-#pragma unroll
-    for (int b = 0; b < FI_BLOCKS; ++b)
-      if (j < nkeys && b < nblk) rsc[j * nblk + b] = (unsigned char)scv[u][b];
-  }
+  };
+  store_chunk_scales();
   // The thread's heads' weights: wv[2j + e] for head 8j + 2cq + e (0 past HI). TC_SUM: the weights as the
   // head sum's B operand instead, thread h < 64 writing head h's column entries (hi = bf16(w), lo =
   // bf16(w - hi); the first tile's fence and barrier make them visible to the wgmmas).
   float wv[16];
   if constexpr (TC_SUM) {
     if (tid < FI_MAX_HEADS) {
-      const float w = tid < HI ? iw[(long long)t * HI + tid] : 0.0f;
+      float w = tid < HI ? iw[(long long)t * HI + tid] : 0.0f;
+      if (FOLD && fold_q) w = __fmul_rn(w, dsv4_pow2(qexp[tid]));  // exact: w 2^qe_h stays normal
       const unsigned short hi = f32_to_bf16(w);
       const unsigned short lo = f32_to_bf16(__fsub_rn(w, bf16_to_f32(hi)));
       unsigned short* col = (unsigned short*)(wb + (tid >> 3) * 128 + (tid & 7) * 2);
@@ -247,6 +438,7 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
       for (int e = 0; e < 2; ++e) {
         const int h = 8 * j + 2 * cq + e;
         wv[2 * j + e] = h < HI ? iw[(long long)t * HI + h] : 0.0f;
+        if (FOLD && fold_q) wv[2 * j + e] = __fmul_rn(wv[2 * j + e], dsv4_pow2(qexp[h]));
       }
   }
 
@@ -259,14 +451,21 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
   for (int i = 0; i < 32; ++i) d[0][i] = d[1][i] = 0.0f;
   float hs[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // TC_SUM's head sums (defined once: C7511)
   const int r0 = 16 * warp + g;  // the thread's keys r0 and r0 + 8 of the tile
+  for (;;) {  // the block's chunks (one unless FOLD)
   for (int e0 = e_begin; e0 < e_end; e0 += FI_TILE_KEYS) {
     __syncthreads();  // the previous tile's K consumed
+    // FOLD: whether this tile's keys and the token's queries all fold (the same in every thread: the flags are
+    // shared memory, written before the first barrier). Tiles start at multiples of FI_TILE_KEYS (the host
+    // keeps chunk_keys one), so a key's scores do not depend on the work split.
+    bool tile_fold = false;
+    if constexpr (FOLD)
+      tile_fold = fold_q && *(const unsigned short*)(bad32 + 2 * ((e0 - e_begin) / FI_TILE_KEYS)) == 0;
     // Keys e0 .. e0 + FI_TILE_KEYS - 1 (past e_end: zero codes and factors), a thread FI_DECODE_TASKS
     // (key row, 32-block) tasks: 16 code bytes (32 nibbles, low = even channel) and one scale byte.
     // Every task's loads first: the compiler cannot move a shared-memory load above a store to another
     // shared array (they might alias), so loads after the first task's stores waited for them.
     uint4 code[FI_DECODE_TASKS];
-    unsigned scale[FI_DECODE_TASKS];
+    unsigned scale[FI_DECODE_TASKS], top[FI_DECODE_TASKS];
 #pragma unroll
     for (int u = 0; u < FI_DECODE_TASKS; ++u) {
       const int i = tid + FI_THREADS * u, r = (int)(((unsigned)i * div_nblk) >> 16), b = i - r * nblk;
@@ -274,11 +473,23 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
       const int at = (e0 - e_begin + r) * nblk + b;
       code[u] = in ? *(const uint4*)(raw + 16 * at) : make_uint4(0u, 0u, 0u, 0u);
       scale[u] = in ? rsc[at] : 0u;
+      if constexpr (FOLD) top[u] = in && tile_fold ? ktop[e0 - e_begin + r] : 12u;
     }
 #pragma unroll
     for (int u = 0; u < FI_DECODE_TASKS; ++u) {
       const int i = tid + FI_THREADS * u, r = (int)(((unsigned)i * div_nblk) >> 16), b = i - r * nblk;
-      if (i < FI_TILE_KEYS * nblk) {
+      if (FOLD && i < FI_TILE_KEYS * nblk) {
+        // The halves order; a folding tile's codes are e2m1 x 2^(s - E + 6) (t = s - E + 12 in [1, 12]; zero
+        // codes past e_end decode to zero with any table), the others' the plain bit move with their factors.
+        const Fp4Table tab = tile_fold ? fp4_table_shifted(scale[u] + 12u - top[u]) : fp4_table_plain();
+        const unsigned w[4] = {code[u].x, code[u].y, code[u].z, code[u].w};
+        unsigned a0[4], a2[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) e2m1x8_to_e4m3_halves(w[k], tab, a0[k], a2[k]);
+        *(uint4*)(kt + ((2 * b) * FI_TILE_KEYS + r) * 16) = make_uint4(a0[0], a0[1], a0[2], a0[3]);
+        *(uint4*)(kt + ((2 * b + 1) * FI_TILE_KEYS + r) * 16) = make_uint4(a2[0], a2[1], a2[2], a2[3]);
+        if (!tile_fold) kf[b * FI_TILE_KEYS + r] = e0 + r < e_end ? fi_key_factor(scale[u]) : 0.0f;
+      } else if (i < FI_TILE_KEYS * nblk) {
         const unsigned w[4] = {code[u].x, code[u].y, code[u].z, code[u].w};
         unsigned ev[4], od[4];
 #pragma unroll
@@ -302,9 +513,10 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
     // Two 32-blocks a round: both wgmmas in one commit group, one wait, then both promoted in block order.
     // (Waiting for block b in the round that issues b + 1 would put a wgmma's wait in a later round than
     // its commit, and ptxas then serialises every wgmma: C7514.)
+    if (FOLD && tile_fold) fi_chain(acc, kt, qt, nblk);  // the raw sums; no promotion
 #pragma unroll
     for (int b = 0; b < FI_BLOCKS; b += 2) {
-      if (b < nblk) {  // uniform
+      if (!(FOLD && tile_fold) && b < nblk) {  // uniform
         const bool two = b + 1 < nblk;
         wgmma_fence();
         issue(b, d[0]);
@@ -342,7 +554,11 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int e = e0 + r0 + 8 * r;
-          if (e < e_end) scores[(long long)t * maxe + e] = round_bf16(__fadd_rn(hs[2 * r], hs[2 * r + 1]));
+          if (e < e_end) {
+            float v = __fadd_rn(hs[2 * r], hs[2 * r + 1]);
+            if constexpr (FOLD) v = __fmul_rn(v, fi_fold_factor(tile_fold, ktop[e - e_begin]));
+            scores[(long long)t * maxe + e] = round_bf16(v);
+          }
         }
       }
       continue;
@@ -365,7 +581,26 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
       sk[r] = __fadd_rn(sk[r], __shfl_xor_sync(0xffffffffu, sk[r], 1));
       sk[r] = __fadd_rn(sk[r], __shfl_xor_sync(0xffffffffu, sk[r], 2));
       const int e = e0 + r0 + 8 * r;
-      if (cq == r && e < e_end) scores[(long long)t * maxe + e] = round_bf16(sk[r]);
+      if (cq == r && e < e_end) {
+        if constexpr (FOLD) sk[r] = __fmul_rn(sk[r], fi_fold_factor(tile_fold, ktop[e - e_begin]));
+        scores[(long long)t * maxe + e] = round_bf16(sk[r]);
+      }
+    }
+  }
+    if constexpr (!FOLD) {
+      break;
+    } else {
+      // The next chunk: its keys' copies go out, then (every thread past the last tile's scores, which read
+      // ktop) its scales and flags replace the last chunk's.
+      chunk += gridDim.y;
+      e_begin = chunk * chunk_keys;
+      if (e_begin >= visible) break;  // uniform
+      e_end = min(e_begin + chunk_keys, visible);
+      nkeys = e_end - e_begin;
+      load_chunk();
+      __syncthreads();
+      store_chunk_scales();
+      cp_async_wait_all();
     }
   }
 }
@@ -376,7 +611,7 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
                     const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI, int ratio,
                     int maxe, int chunk_keys, float* scores) {
   dsv4_pdl_begin();
-  fi_score<false>(qi, iw, ikeys, itable, ipps, positions, seq_of, seq_slots, T, HI, DI, ratio, maxe, chunk_keys,
+  fi_score<false, false>(qi, iw, ikeys, itable, ipps, positions, seq_of, seq_slots, T, HI, DI, ratio, maxe, chunk_keys,
                   scores);
 }
 
@@ -392,8 +627,30 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
                        const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
                        int ratio, int maxe, int chunk_keys, float* scores) {
   dsv4_pdl_begin();
-  fi_score<true>(qi, iw, ikeys, itable, ipps, positions, seq_of, seq_slots, T, HI, DI, ratio, maxe, chunk_keys,
+  fi_score<true, false>(qi, iw, ikeys, itable, ipps, positions, seq_of, seq_slots, T, HI, DI, ratio, maxe, chunk_keys,
                  scores);
+}
+
+// fi_score_kernel with the scale fold (see above): one chain of wgmmas a tile and no promotion where the keys and
+// queries fold, the per-block promotion elsewhere. Scores within the fold's bound (tests/gpu_fast_indexer.rs),
+// not fi_score_kernel's bits. Selectable (SelectPlan::fold_scales), not yet the fast set's.
+extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
+    fi_score_fold_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
+                         const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
+                         int ratio, int maxe, int chunk_keys, float* scores) {
+  dsv4_pdl_begin();
+  fi_score<false, true>(qi, iw, ikeys, itable, ipps, positions, seq_of, seq_slots, T, HI, DI, ratio, maxe,
+                        chunk_keys, scores);
+}
+
+// The scale fold with the head sum on the tensor core.
+extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
+    fi_score_fold_tc_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable,
+                            int ipps, const int* positions, const int* seq_of, const int* seq_slots, int T, int HI,
+                            int DI, int ratio, int maxe, int chunk_keys, float* scores) {
+  dsv4_pdl_begin();
+  fi_score<true, true>(qi, iw, ikeys, itable, ipps, positions, seq_of, seq_slots, T, HI, DI, ratio, maxe,
+                       chunk_keys, scores);
 }
 
 // A score's 16-bit order key: larger score, larger key; NaN as -inf; -0 as +0 (the reference's

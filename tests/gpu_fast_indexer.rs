@@ -21,6 +21,12 @@
 //!   f32 by the tensor core, allowed one f32 ulp an add (truncating adders), then hi + lo in f32)
 //!   the head sum's term is ((HI + 2) 2^-23 (1 + 2^-8) + 2^-18 + 2^-24) (1 + 2^-7) Σ_h |D_h w_h|
 //!   in place of (HI + 2) 2^-24 (1 + 2^-7) Σ_h |D_h w_h|;
+//! - with the scales folded (`SelectPlan::fold_scales`: a key's dot with a head one chain of
+//!   DI/32 wgmmas on the FP8 tensor core, each adding 32 exact products to the incoming sum, every
+//!   one of the 33 inputs allowed 2^-13 of the largest, at most A_h; the powers of two moved into
+//!   the weight and the score are exact) ε_h = ((DI/32) 33 2^-13 + (DI/32 + 2) 2^-24) A_h: 4x the
+//!   per-block bound at DI = 128 (DESIGN.md §4 allows promotion every 128 of K). Tiles and tokens
+//!   that do not fold take the per-block promotion, inside the same bound;
 //! - the selected sets equal the reference's wherever the margin exceeds that rounding: an
 //!   entry selected by one and not the other has a reference score within 2 B (B the token's
 //!   largest bound) of the reference's k-th score;
@@ -39,7 +45,7 @@ use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, HeadSum, SelectPlan};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::KernelSource;
-use dsv4::cuda::{BorrowedStream, DevicePtr, OwnedStream};
+use dsv4::cuda::{Arena, BorrowedStream, Context, DevicePtr, OwnedStream};
 use dsv4::reference::ops::top_k;
 use dsv4::weights::dtype::{FP4_LUT, e8m0_to_f32};
 use std::sync::Mutex;
@@ -72,6 +78,26 @@ struct Keys {
 impl Keys {
     fn random(rng: &mut XorShift, di: usize) -> Keys {
         Keys::from_patterns(rng, None, di)
+    }
+
+    /// Random keys of which about one in `every` cannot take the scale fold: its 32-block
+    /// exponents span more than 11 octaves (a block at 2^-27), or its largest lies outside the
+    /// fold's [96, 160] (all blocks at 2^-36 .. 2^-34, or at 2^38), so tiles of both kinds meet.
+    fn with_unfoldable(rng: &mut XorShift, di: usize, every: u64) -> Keys {
+        let mut k = Keys::random(rng, di);
+        let (rb, pb) = (k.rows.scale_bytes(), k.rows.page_bytes());
+        for page in k.pool.chunks_exact_mut(pb) {
+            for r in 0..KV_PAGE {
+                let sc = &mut page[KV_PAGE * k.rows.row_bytes() + r * rb..][..di / 32];
+                match rng.below(every) {
+                    0 => sc[rng.below(sc.len() as u64) as usize] = 100,
+                    1 => sc.iter_mut().for_each(|v| *v = 91 + rng.below(3) as u8),
+                    2 => sc.iter_mut().for_each(|v| *v = 165),
+                    _ => {}
+                }
+            }
+        }
+        k
     }
 
     /// Every key row a copy of one of `patterns` random rows (None: every row its own), so a
@@ -164,6 +190,28 @@ impl Batch {
         self.layout.tokens()
     }
 
+    /// Makes some tokens' queries unable to take the scale fold: one 32-block of a head scaled by
+    /// 2^-20 (its values stay official FP4 values; the head then spans more than 11 octaves), a
+    /// weight of 2^-40 (outside the fold's 2^+-32), and a zero weight (which folds).
+    fn with_unfoldable_tokens(mut self) -> Batch {
+        let (hi, di) = (self.hi, self.di);
+        let t = self.t();
+        for i in (0..t).step_by(5) {
+            let h = (7 * i) % hi;
+            let blk = i % (di / 32);
+            for v in &mut self.qi[(i * hi + h) * di + 32 * blk..][..32] {
+                *v *= 2f32.powi(-20);
+            }
+        }
+        for i in (1..t).step_by(5) {
+            self.iw[i * hi + (3 * i) % hi] = 2f32.powi(-40);
+        }
+        for i in (2..t).step_by(5) {
+            self.iw[i * hi + (5 * i) % hi] = 0.0;
+        }
+        self
+    }
+
     /// Token i's slot and visible key count (None: padding).
     fn visible(&self, i: usize) -> Option<(usize, usize)> {
         let slot = self.layout.seq_slots[self.layout.seq_of[i] as usize];
@@ -174,9 +222,34 @@ impl Batch {
     }
 }
 
+/// How a fast run's scores were rounded: its head sum, and whether its scales were folded.
+#[derive(Clone, Copy, Debug)]
+struct Rounding {
+    head_sum: HeadSum,
+    fold: bool,
+}
+
+const ORDERED: Rounding = Rounding {
+    head_sum: HeadSum::Ordered,
+    fold: false,
+};
+const TENSOR_CORE: Rounding = Rounding {
+    head_sum: HeadSum::TensorCore,
+    fold: false,
+};
+
+impl From<&SelectPlan> for Rounding {
+    fn from(p: &SelectPlan) -> Rounding {
+        Rounding {
+            head_sum: p.head_sum,
+            fold: p.fold_scales,
+        }
+    }
+}
+
 /// The derived bound (module doc) of each of token i's visible scores, for the fast kernel's
-/// `head_sum`.
-fn bounds(b: &Batch, keys: &Keys, i: usize, s_ref: &[f32], head_sum: HeadSum) -> Vec<f64> {
+/// rounding `how`.
+fn bounds(b: &Batch, keys: &Keys, i: usize, s_ref: &[f32], how: Rounding) -> Vec<f64> {
     let Some((slot, visible)) = b.visible(i) else {
         return vec![];
     };
@@ -194,12 +267,18 @@ fn bounds(b: &Batch, keys: &Keys, i: usize, s_ref: &[f32], head_sum: HeadSum) ->
                     d += p;
                     a += p.abs();
                 }
-                let eps = (2f64.powi(-8) + (di as f64 / 32.0 + 2.0) * 2f64.powi(-24)) * a;
+                let blocks = di as f64 / 32.0;
+                let eps = if how.fold {
+                    // One chain of DI/32 wgmmas: 32 products and the incoming sum each.
+                    (blocks * 33.0 * 2f64.powi(-13) + (blocks + 2.0) * 2f64.powi(-24)) * a
+                } else {
+                    (2f64.powi(-8) + (blocks + 2.0) * 2f64.powi(-24)) * a
+                };
                 let w = (b.iw[i * hi + h] as f64).abs();
                 per_head += w * (u * d.abs() + 1.01 * eps);
                 dw += (d * w).abs();
             }
-            let per_add = match head_sum {
+            let per_add = match how.head_sum {
                 HeadSum::Ordered => (hi as f64 + 2.0) * 2f64.powi(-24),
                 HeadSum::TensorCore => {
                     (hi as f64 + 2.0) * 2f64.powi(-23) * (1.0 + u) + 2f64.powi(-18) + 2f64.powi(-24)
@@ -217,31 +296,15 @@ struct Run {
     nsel: Vec<i32>,
 }
 
-/// Runs the reference indexer, then the fast one twice; returns the three results.
-fn run(
-    reference: &Indexer,
-    fast: &FastIndexer,
+/// The batch's keys, queries and layout on the device, and the indexer's outputs (scores,
+/// selection, counts: p[8], p[9], p[10]); the arena holds them.
+fn device_inputs(
+    ctx: &Context,
     keys: &Keys,
     b: &Batch,
     s: BorrowedStream,
-) -> [Run; 3] {
-    let (r, mut f) = run_plans(reference, fast, keys, b, s, &[None, None]);
-    let again = f.pop().unwrap();
-    [r, f.pop().unwrap(), again]
-}
-
-/// Runs the reference indexer, then the fast one once per plan (None: `select`'s own); returns
-/// the reference's result and the fast ones in order.
-fn run_plans(
-    reference: &Indexer,
-    fast: &FastIndexer,
-    keys: &Keys,
-    b: &Batch,
-    s: BorrowedStream,
-    plans: &[Option<SelectPlan>],
-) -> (Run, Vec<Run>) {
+) -> (Arena, Vec<DevicePtr>, BatchMeta, IndexerArgs) {
     assert_eq!(keys.di, b.di, "keys and queries of one head dim");
-    let g = family_gpu(&FAMILIES).unwrap();
     let t = b.t();
     let sizes = [
         keys.pool.len(),
@@ -256,7 +319,7 @@ fn run_plans(
         t * TOPK * 4,
         t * 4,
     ];
-    let (_arena, p) = alloc(&g.ctx, &sizes);
+    let (arena, p) = alloc(ctx, &sizes);
     arena::copy_to_device_sync(p[0], &keys.pool, s).unwrap();
     arena::copy_to_device_sync(p[1], &keys.table, s).unwrap();
     for (d, v) in [
@@ -297,6 +360,51 @@ fn run_plans(
         selected: p[9],
         nsel: p[10],
     };
+    (arena, p, meta, args)
+}
+
+/// The error `select_with` gives for `plan` on the batch (it must refuse it).
+fn refused(
+    ctx: &Context,
+    fast: &FastIndexer,
+    keys: &Keys,
+    b: &Batch,
+    plan: SelectPlan,
+    s: BorrowedStream,
+) -> String {
+    let (_arena, _p, meta, args) = device_inputs(ctx, keys, b, s);
+    match fast.select_with(ctx, &meta, &args, plan, s) {
+        Ok(()) => panic!("{plan:?} was run"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// Runs the reference indexer, then the fast one twice; returns the three results.
+fn run(
+    reference: &Indexer,
+    fast: &FastIndexer,
+    keys: &Keys,
+    b: &Batch,
+    s: BorrowedStream,
+) -> [Run; 3] {
+    let (r, mut f) = run_plans(reference, fast, keys, b, s, &[None, None]);
+    let again = f.pop().unwrap();
+    [r, f.pop().unwrap(), again]
+}
+
+/// Runs the reference indexer, then the fast one once per plan (None: `select`'s own); returns
+/// the reference's result and the fast ones in order.
+fn run_plans(
+    reference: &Indexer,
+    fast: &FastIndexer,
+    keys: &Keys,
+    b: &Batch,
+    s: BorrowedStream,
+    plans: &[Option<SelectPlan>],
+) -> (Run, Vec<Run>) {
+    let g = family_gpu(&FAMILIES).unwrap();
+    let t = b.t();
+    let (_arena, p, meta, args) = device_inputs(&g.ctx, keys, b, s);
     assert!(FastIndexer::covers(&args));
     let get = |d: DevicePtr, n: usize| -> Vec<u32> {
         let mut v = vec![0u32; n];
@@ -333,9 +441,9 @@ fn run_plans(
     (r, fast_runs)
 }
 
-/// All checks of one batch (module doc), tokens in parallel, `f` made with `head_sum`; returns
+/// All checks of one batch (module doc), tokens in parallel, `f` rounded as `how`; returns
 /// (largest |diff| / bound, selections that differ from the reference's).
-fn check(name: &str, keys: &Keys, b: &Batch, r: &Run, f: &Run, head_sum: HeadSum) -> (f64, usize) {
+fn check(name: &str, keys: &Keys, b: &Batch, r: &Run, f: &Run, how: Rounding) -> (f64, usize) {
     let t = b.t();
     let threads = std::thread::available_parallelism()
         .map_or(4, |n| n.get())
@@ -370,7 +478,7 @@ fn check(name: &str, keys: &Keys, b: &Batch, r: &Run, f: &Run, head_sum: HeadSum
                     }
                     // Scores within the bound.
                     let sr = &r.scores[i * MAXE..][..visible];
-                    let bnd = bounds(b, keys, i, sr, head_sum);
+                    let bnd = bounds(b, keys, i, sr, how);
                     let mut big = 0.0f64;
                     for e in 0..visible {
                         let d = (sf[e] as f64 - sr[e] as f64).abs();
@@ -451,7 +559,7 @@ fn check_against_reference(
     name: &str,
 ) {
     let [r, f, again] = run(reference, fast, keys, b, s);
-    check(name, keys, b, &r, &f, HeadSum::Ordered);
+    check(name, keys, b, &r, &f, ORDERED);
     assert!(same_result(&f, &again), "{name}: two runs differ");
 }
 
@@ -488,7 +596,7 @@ fn tied_scores_select_the_lowest_indices() {
             let b = Batch::new(&mut rng, &seqs, DI);
             let [r, f, again] = run(reference, fast, &keys, &b, s);
             let name = format!("{patterns} key pattern(s)");
-            check(&name, &keys, &b, &r, &f, HeadSum::Ordered);
+            check(&name, &keys, &b, &r, &f, ORDERED);
             assert!(
                 f.selected == again.selected,
                 "{name}: two runs select differently"
@@ -544,6 +652,8 @@ fn every_work_split_gives_the_same_result() {
                     chunk_keys,
                     stage_keys,
                     head_sum: HeadSum::Ordered,
+                    fold_scales: false,
+                    chunks_per_block: 1,
                 })
             })
             .chain([None])
@@ -551,7 +661,7 @@ fn every_work_split_gives_the_same_result() {
         let (r, f) = run_plans(reference, fast, &keys, &b, s, &plans);
         for (plan, run) in plans.iter().zip(&f) {
             let name = format!("{plan:?}");
-            check(&name, &keys, &b, &r, run, HeadSum::Ordered);
+            check(&name, &keys, &b, &r, run, ORDERED);
             assert!(
                 same_result(run, &f[0]),
                 "{name}: differs from {:?}",
@@ -600,6 +710,8 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
                 chunk_keys,
                 stage_keys,
                 head_sum: HeadSum::TensorCore,
+                fold_scales: false,
+                chunks_per_block: 1,
             })
         };
         let own = |t| {
@@ -623,7 +735,7 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
             ];
             let (r, f) = run_plans(reference, fast, &keys, &b, s, &plans);
             let name = format!("tensor-core head sum, batch {k}");
-            check(&name, &keys, &b, &r, &f[0], HeadSum::TensorCore);
+            check(&name, &keys, &b, &r, &f[0], TENSOR_CORE);
             for (plan, run) in plans.iter().zip(&f).skip(1) {
                 assert!(
                     same_result(run, &f[0]),
@@ -641,7 +753,7 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
             );
             let (r, f) = run_plans(reference, fast, &keys, &b, s, &[own(b.t())]);
             let name = format!("tensor-core head sum, {hi} heads of {di}");
-            check(&name, &keys, &b, &r, &f[0], HeadSum::TensorCore);
+            check(&name, &keys, &b, &r, &f[0], TENSOR_CORE);
         }
         for patterns in [1, 3] {
             let keys = Keys::from_patterns(&mut rng, Some(patterns), DI);
@@ -649,7 +761,133 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
             let b = Batch::new(&mut rng, &seqs, DI);
             let (r, f) = run_plans(reference, fast, &keys, &b, s, &[own(b.t())]);
             let name = format!("tensor-core head sum, {patterns} key pattern(s)");
-            check(&name, &keys, &b, &r, &f[0], HeadSum::TensorCore);
+            check(&name, &keys, &b, &r, &f[0], TENSOR_CORE);
+        }
+    });
+}
+
+/// The scale fold (`SelectPlan::fold_scales`: fi_score_fold_kernel and fi_score_fold_tc_kernel)
+/// with each head sum: scores within the fold's bound (module doc) of the reference's and the
+/// selection the exact top-k of its own scores, at Flash's shapes, at head dims 32 and 64 (where it
+/// folds) and 256 (where it never does), with tied scores, and with keys and tokens that cannot
+/// fold beside those that do; every work split (chunk sizes, chunks a block) gives the same bits,
+/// and reruns too. Plans the kernels cannot run are refused.
+#[test]
+fn folded_scales_match_the_reference_within_their_bound() {
+    with_indexers(|reference, fast, s| {
+        let mut rng = XorShift(0xf01d_5eed);
+        for head_sum in [HeadSum::TensorCore, HeadSum::Ordered] {
+            let plan = |chunk_keys, stage_keys, chunks_per_block| SelectPlan {
+                chunk_keys,
+                stage_keys,
+                head_sum,
+                fold_scales: true,
+                chunks_per_block,
+            };
+            let own = |t| {
+                let chunk_keys = fast_indexer::chunk_keys_for(t);
+                plan(
+                    chunk_keys,
+                    fast_indexer::stage_keys_for(MAXE),
+                    fast_indexer::chunks_per_block_for(t, MAXE, chunk_keys),
+                )
+            };
+            let all = fast_indexer::stage_keys_for(MAXE);
+            let how = Rounding {
+                head_sum,
+                fold: true,
+            };
+            let check_splits = |name: &str, keys: &Keys, b: &Batch| {
+                let plans: Vec<Option<SelectPlan>> = [
+                    own(b.t()),
+                    own(b.t()),
+                    plan(64, 0, 1),
+                    plan(128, 300, 3),
+                    plan(192, 16, 2),
+                    plan(256, all, 8),
+                ]
+                .into_iter()
+                .map(Some)
+                .collect();
+                let (r, f) = run_plans(reference, fast, keys, b, s, &plans);
+                check(name, keys, b, &r, &f[0], how);
+                for (p, run) in plans.iter().zip(&f).skip(1) {
+                    assert!(
+                        same_result(run, &f[0]),
+                        "{name}: {p:?} differs from {:?}",
+                        plans[0]
+                    );
+                }
+            };
+            let keys = Keys::random(&mut rng, DI);
+            for (k, seqs) in flash_batches().iter().enumerate() {
+                let b = Batch::new(&mut rng, seqs, DI);
+                check_splits(&format!("fold {head_sum:?}, batch {k}"), &keys, &b);
+            }
+            let keys = Keys::with_unfoldable(&mut rng, DI, 300);
+            for (k, seqs) in flash_batches().iter().enumerate() {
+                let b = Batch::new(&mut rng, seqs, DI).with_unfoldable_tokens();
+                check_splits(
+                    &format!("fold {head_sum:?}, some keys and tokens unfoldable, batch {k}"),
+                    &keys,
+                    &b,
+                );
+            }
+            for (di, hi) in OTHER_DIMS {
+                let keys = Keys::with_unfoldable(&mut rng, di, 300);
+                let b = Batch::with_heads(
+                    &mut rng,
+                    &decode(8, &[0, 3, 700, 2047, 2048, 5000, 9000, 12_000]),
+                    di,
+                    hi,
+                );
+                check_splits(&format!("fold {head_sum:?}, {hi} heads of {di}"), &keys, &b);
+            }
+            for patterns in [1, 3] {
+                let keys = Keys::from_patterns(&mut rng, Some(patterns), DI);
+                let seqs = decode(8, &[3, 700, 2047, 2048, 2049, 5000, 30_000, 65_535]);
+                let b = Batch::new(&mut rng, &seqs, DI);
+                let (r, f) = run_plans(reference, fast, &keys, &b, s, &[Some(own(b.t()))]);
+                check(
+                    &format!("fold {head_sum:?}, {patterns} key pattern(s)"),
+                    &keys,
+                    &b,
+                    &r,
+                    &f[0],
+                    how,
+                );
+            }
+        }
+        // Plans the kernels cannot run: refused before any launch.
+        let keys = Keys::random(&mut rng, DI);
+        let b = Batch::new(&mut rng, &decode(1, &[5000]), DI);
+        let bad = [
+            SelectPlan {
+                chunk_keys: 100,
+                stage_keys: 0,
+                head_sum: HeadSum::TensorCore,
+                fold_scales: true,
+                chunks_per_block: 1,
+            },
+            SelectPlan {
+                chunk_keys: 128,
+                stage_keys: 0,
+                head_sum: HeadSum::Ordered,
+                fold_scales: false,
+                chunks_per_block: 2,
+            },
+            SelectPlan {
+                chunk_keys: 128,
+                stage_keys: 0,
+                head_sum: HeadSum::Ordered,
+                fold_scales: true,
+                chunks_per_block: 0,
+            },
+        ];
+        for p in bad {
+            let g = family_gpu(&FAMILIES).unwrap();
+            let err = refused(&g.ctx, fast, &keys, &b, p, s);
+            assert!(err.contains("out of range"), "{p:?}: {err}");
         }
     });
 }

@@ -83,6 +83,9 @@ def test_attention_and_indexer_add_their_floors_and_times(tmp_path):
         attn("csa", "indexer_fast", 65536, 64, 144.09, 17.07),
         attn("hca", "fast", 65536, 64, 10.0, 7.5),
         attn("csa", "fast", 262144, 64, 1.0, 1.0),  # past 64K: not the must's
+        # A work-split sweep's line (chunk_keys) is not the fast set's call, nor another kernel's.
+        dict(attn("csa", "indexer_fast", 65536, 64, 1.0, 17.07), chunk_keys=64),
+        attn("csa", "indexer_fast_fold_tc", 65536, 64, 2.0, 17.07),
     ])
     cases = musts.standing([f])["12 attention + indexer >= 70% HBM (8K-64K)"]["cases"]
     got = {c["case"].split(" (")[0]: c["value"] for c in cases}

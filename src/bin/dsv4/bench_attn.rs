@@ -7,7 +7,9 @@
 //! and the bytes a call must move (KV rows + BF16 q and o), GB/s on them. CSA cases also time
 //! the indexer (kernels/fast_indexer.cu: scoring all C/4 visible keys, then the top-512;
 //! `kernel: indexer_fast`; `indexer_fast_tc`: the same with its head sum on the tensor core,
-//! `fi_score_tc_kernel`, not yet the fast set's). The reference kernels (attention_kernel,
+//! `fi_score_tc_kernel`; `indexer_fast_fold` and `indexer_fast_fold_tc`: the scale fold
+//! (`fi_score_fold_kernel`, `fi_score_fold_tc_kernel`), also at 1, 2, 4 and 8 chunks a block
+//! (lines with `chunks_per_block`); none of those yet the fast set's). The reference kernels (attention_kernel,
 //! indexer_kernel, f64) run the same cases up to 8 tokens as the in-run baseline;
 //! bench/attn_baseline.py adds the HBM
 //! ceiling, floors, ratios and PyTorch.
@@ -376,10 +378,35 @@ fn indexer_case(
     let io_bytes = kv_bytes + t * (H * DI * 2 + H * 4 + TOPK * 4);
     // (The reference indexer ranks every visible key against the others: beyond 64K positions
     // it takes seconds a call.)
-    let kernels: &[&str] = if t <= REFERENCE_MAX_T && ctx_len <= 65536 {
-        &["indexer_fast", "indexer_fast_tc", "indexer_reference"]
+    let fast_kernels = [
+        "indexer_fast",
+        "indexer_fast_tc",
+        "indexer_fast_fold",
+        "indexer_fast_fold_tc",
+    ];
+    let kernels: Vec<&str> = if t <= REFERENCE_MAX_T && ctx_len <= 65536 {
+        fast_kernels
+            .iter()
+            .copied()
+            .chain(["indexer_reference"])
+            .collect()
     } else {
-        &["indexer_fast", "indexer_fast_tc"]
+        fast_kernels.to_vec()
+    };
+    // The fast set's work split with a kernel's head sum and scale fold.
+    let plan_for = |head_sum, fold_scales| {
+        let chunk_keys = fast_indexer::chunk_keys_for(t);
+        SelectPlan {
+            chunk_keys,
+            stage_keys: fast_indexer::stage_keys_for(maxe),
+            head_sum,
+            fold_scales,
+            chunks_per_block: if fold_scales {
+                fast_indexer::chunks_per_block_for(t, maxe, chunk_keys)
+            } else {
+                1
+            },
+        }
     };
     // Times `call` over `n` state copies and prints its line: `fields`, then the timing.
     let timed = |fields: String, n: usize, call: &dyn Fn(usize) -> dsv4::Result<()>| {
@@ -396,19 +423,20 @@ fn indexer_case(
         std::io::stdout().flush().ok();
         Ok::<(), String>(())
     };
-    for &kernel in kernels {
+    for &kernel in &kernels {
         let fields = format!(
             "\"kernel\": \"{kernel}\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"splits\": 1"
         );
+        let variant = match kernel {
+            "indexer_fast_tc" => Some(plan_for(HeadSum::TensorCore, false)),
+            "indexer_fast_fold" => Some(plan_for(HeadSum::Ordered, true)),
+            "indexer_fast_fold_tc" => Some(plan_for(HeadSum::TensorCore, true)),
+            _ => None,
+        };
         if kernel == "indexer_fast" {
             timed(fields, copies, &|j| ix.fast.select(ctx, meta, &args(j), s))?;
-        } else if kernel == "indexer_fast_tc" {
-            // The fast set's work split, the head sum on the tensor core.
-            let plan = SelectPlan {
-                chunk_keys: fast_indexer::chunk_keys_for(t),
-                stage_keys: fast_indexer::stage_keys_for(maxe),
-                head_sum: HeadSum::TensorCore,
-            };
+        } else if let Some(plan) = variant {
+            let fields = format!("{fields}, \"chunks_per_block\": {}", plan.chunks_per_block);
             timed(fields, copies, &|j| {
                 ix.fast.select_with(ctx, meta, &args(j), plan, s)
             })?;
@@ -418,11 +446,29 @@ fn indexer_case(
             })?;
         }
     }
+    // The fold kernel with the tensor-core head sum at each number of chunks a block.
+    let own = plan_for(HeadSum::TensorCore, true);
+    for chunks_per_block in [1, 2, 4, 8] {
+        let plan = SelectPlan {
+            chunks_per_block,
+            ..own
+        };
+        let fields = format!(
+            "\"kernel\": \"indexer_fast_fold_tc\", \"context\": {ctx_len}, \"T\": {t}, \"chunk_keys\": {}, \"chunks_per_block\": {chunks_per_block}, \"chosen\": {}",
+            plan.chunk_keys,
+            chunks_per_block == own.chunks_per_block
+        );
+        timed(fields, copies, &|j| {
+            ix.fast.select_with(ctx, meta, &args(j), plan, s)
+        })?;
+    }
     for &chunk_keys in &ix.chunks {
         let plan = SelectPlan {
             chunk_keys,
             stage_keys: fast_indexer::stage_keys_for(maxe),
             head_sum: HeadSum::Ordered,
+            fold_scales: false,
+            chunks_per_block: 1,
         };
         let chosen = chunk_keys == fast_indexer::chunk_keys_for(t);
         let fields = format!(

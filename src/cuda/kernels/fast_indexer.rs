@@ -6,7 +6,12 @@
 //! listed in index order). Takes the reference's [`IndexerArgs`]; the keys must be stored in the
 //! official format. `fi_score_tc_kernel` is the scoring with the sum over the heads on the BF16
 //! tensor core ([`HeadSum::TensorCore`]): measured next to the other by `dsv4 bench attn`
-//! (`indexer_fast_tc`), not yet the fast set's.
+//! (`indexer_fast_tc`), not yet the fast set's. `fi_score_fold_kernel` and
+//! `fi_score_fold_tc_kernel` fold the 32-block scales into the codes ([`SelectPlan::fold_scales`]):
+//! where a tile's keys and the token's queries allow it, a key's dot with a head is one chain of
+//! wgmmas over the whole head dim, and the two power-of-two factors left move into the head's
+//! weight and the key's finished score (no promotion); `indexer_fast_fold` and
+//! `indexer_fast_fold_tc` in the bench, not yet the fast set's.
 //! tests/gpu_fast_indexer.rs bounds the scores against the reference kernel and checks the
 //! selection against an exact top-k of the fast scores.
 
@@ -42,11 +47,16 @@ pub const TOPK_STAGE_KEYS: usize = 32768;
 /// columns of bf16 ([`HeadSum::TensorCore`]).
 pub const HEAD_SUM_B_BYTES: usize = MAX_HEADS * 8 * 2;
 
+/// Bytes the scale fold adds to a scoring block ([`SelectPlan::fold_scales`]): each chunk key's
+/// largest scale exponent, a flag a 32 keys (padded to 16 bytes) and each head's exponent.
+pub const FOLD_BYTES: usize = CHUNK_KEYS + 16 + MAX_HEADS;
+
 /// Dynamic shared memory of a scoring block for head dim `di`: one key tile and the token's queries
 /// as e4m3 codes (`di` bytes a key or head), the chunk's keys as stored (`di / 2` code bytes and
 /// `di / 32` scale bytes a key) and the factors (one f32 a tile key or head and 32-block); with
-/// the head sum on the tensor core, its weights ([`HEAD_SUM_B_BYTES`]).
-pub const fn score_smem_bytes(di: usize, head_sum: HeadSum) -> usize {
+/// the head sum on the tensor core, its weights ([`HEAD_SUM_B_BYTES`]); with the scale fold,
+/// [`FOLD_BYTES`].
+pub const fn score_smem_bytes(di: usize, head_sum: HeadSum, fold_scales: bool) -> usize {
     di * (TILE_KEYS + MAX_HEADS)
         + CHUNK_KEYS * (di / 2 + di / 32)
         + 4 * (di / 32) * (TILE_KEYS + MAX_HEADS)
@@ -54,6 +64,7 @@ pub const fn score_smem_bytes(di: usize, head_sum: HeadSum) -> usize {
             HeadSum::Ordered => 0,
             HeadSum::TensorCore => HEAD_SUM_B_BYTES,
         }
+        + if fold_scales { FOLD_BYTES } else { 0 }
 }
 
 /// How a score's sum over the heads, `Σ_h relu(bf16(d_h)) · w_h`, is made.
@@ -73,7 +84,7 @@ const _: () = assert!(
 );
 
 /// The largest scoring block (the registry raises the kernel's limit to it).
-pub const MAX_SMEM: usize = score_smem_bytes(MAX_DIM, HeadSum::TensorCore);
+pub const MAX_SMEM: usize = score_smem_bytes(MAX_DIM, HeadSum::TensorCore, true);
 
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
@@ -94,6 +105,22 @@ crate::kernel_family! {
         positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
         di: i32, ratio: i32, maxe: i32, chunk_keys: i32, scores: *mut f32,
     );
+    /// fi_score_kernel with the scale fold ([`SelectPlan::fold_scales`]).
+    #[smem(MAX_SMEM as u32)]
+    #[pdl(true)]
+    fn fi_score_fold_kernel(
+        qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
+        positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
+        di: i32, ratio: i32, maxe: i32, chunk_keys: i32, scores: *mut f32,
+    );
+    /// The scale fold with the head sum on the tensor core.
+    #[smem(MAX_SMEM as u32)]
+    #[pdl(true)]
+    fn fi_score_fold_tc_kernel(
+        qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
+        positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
+        di: i32, ratio: i32, maxe: i32, chunk_keys: i32, scores: *mut f32,
+    );
     #[smem((2 * TOPK_STAGE_KEYS) as u32)]
     #[pdl(true)]
     fn fi_topk_kernel(
@@ -108,6 +135,8 @@ crate::launchers! {
     pub struct FastIndexer {
         score: fi_score_kernel,
         score_tc: fi_score_tc_kernel,
+        score_fold: fi_score_fold_kernel,
+        score_fold_tc: fi_score_fold_tc_kernel,
         topk: fi_topk_kernel,
     }
 }
@@ -124,6 +153,14 @@ pub struct SelectPlan {
     pub stage_keys: usize,
     /// How the scores sum over the heads (the selection follows the scores).
     pub head_sum: HeadSum,
+    /// Fold the 32-block scales into the e4m3 codes where a tile's keys and the token's queries
+    /// allow it (kernels/fast_indexer.cu, "the scale fold"): no promotion, another rounding (the
+    /// tests' bound). Needs `chunk_keys` a multiple of [`TILE_KEYS`], so that the tiles, and with
+    /// them the fold's decisions, do not depend on the split.
+    pub fold_scales: bool,
+    /// Chunks a scoring block takes (its token's chunks `blockIdx.y`, `+ gridDim.y`, ...), its
+    /// queries' codes made once: 1, or more with `fold_scales` (whose kernels loop).
+    pub chunks_per_block: usize,
 }
 
 /// Order keys a top-k block stages for `maxe` entries a token: its whole run (a multiple of 32),
@@ -132,6 +169,19 @@ pub fn stage_keys_for(maxe: usize) -> usize {
     maxe.div_ceil(TOPK_CLUSTER)
         .next_multiple_of(32)
         .min(TOPK_STAGE_KEYS)
+}
+
+/// Blocks a scoring launch aims at (about two waves of four blocks on an H200's 132 SMs) when
+/// [`chunks_per_block_for`] gives a block several chunks.
+const SCORE_BLOCKS: usize = 1024;
+
+/// Chunks a fold kernel's scoring block takes ([`SelectPlan::chunks_per_block`]) for `tokens`
+/// tokens of up to `maxe` entries in chunks of `chunk_keys`: as many as keep about
+/// [`SCORE_BLOCKS`] blocks, at most 8 (each block makes its token's query codes once instead of
+/// once a chunk). Not measured yet: `dsv4 bench attn` sweeps 1, 2, 4 and 8.
+pub fn chunks_per_block_for(tokens: usize, maxe: usize, chunk_keys: usize) -> usize {
+    let chunks = tokens * maxe.div_ceil(chunk_keys.max(1));
+    (chunks / SCORE_BLOCKS).clamp(1, 8)
 }
 
 /// Keys a scoring block takes at `tokens` tokens: whole tiles, fewer where few tokens would
@@ -176,6 +226,8 @@ impl FastIndexer {
             chunk_keys: chunk_keys_for(b.num_tokens),
             stage_keys: stage_keys_for(x.maxe),
             head_sum: HeadSum::Ordered,
+            fold_scales: false,
+            chunks_per_block: 1,
         };
         self.select_with(ctx, b, x, plan, stream)
     }
@@ -192,7 +244,12 @@ impl FastIndexer {
         stream: BorrowedStream,
     ) -> Result<()> {
         b.check(FAMILY)?;
-        if plan.chunk_keys == 0 || plan.chunk_keys > CHUNK_KEYS || plan.stage_keys > TOPK_STAGE_KEYS
+        if plan.chunk_keys == 0
+            || plan.chunk_keys > CHUNK_KEYS
+            || plan.stage_keys > TOPK_STAGE_KEYS
+            || (plan.fold_scales && !plan.chunk_keys.is_multiple_of(TILE_KEYS))
+            || plan.chunks_per_block == 0
+            || (plan.chunks_per_block > 1 && !plan.fold_scales)
         {
             return Err(bad(format!("{plan:?} out of range")));
         }
@@ -210,7 +267,10 @@ impl FastIndexer {
             .ok_or_else(|| bad(format!("{t} tokens: too many blocks")))?;
         let i = |what: &str, v: usize| to_i32(FAMILY, what, v);
         let _g = ctx.enter()?;
-        let chunks = x.maxe.div_ceil(plan.chunk_keys);
+        let chunks = x
+            .maxe
+            .div_ceil(plan.chunk_keys)
+            .div_ceil(plan.chunks_per_block);
         if chunks > 0 {
             let chunks = u32::try_from(chunks)
                 .ok()
@@ -237,17 +297,27 @@ impl FastIndexer {
                     }
                 };
             }
-            let smem = score_smem_bytes(di, plan.head_sum) as u32;
+            let smem = score_smem_bytes(di, plan.head_sum, plan.fold_scales) as u32;
             let grid = (blocks, chunks);
-            match plan.head_sum {
-                HeadSum::Ordered => {
+            match (plan.head_sum, plan.fold_scales) {
+                (HeadSum::Ordered, false) => {
                     let args = score_args!(fi_score_kernel);
                     self.score
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
-                HeadSum::TensorCore => {
+                (HeadSum::TensorCore, false) => {
                     let args = score_args!(fi_score_tc_kernel);
                     self.score_tc
+                        .launch(grid, THREADS as u32, smem, stream, args)?
+                }
+                (HeadSum::Ordered, true) => {
+                    let args = score_args!(fi_score_fold_kernel);
+                    self.score_fold
+                        .launch(grid, THREADS as u32, smem, stream, args)?
+                }
+                (HeadSum::TensorCore, true) => {
+                    let args = score_args!(fi_score_fold_tc_kernel);
+                    self.score_fold_tc
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
             }
