@@ -21,7 +21,7 @@
 #include "kv_pages.cuh"
 
 // FI_THREADS, FI_TILE_KEYS, FI_CHUNK_KEYS, FI_MAX_HEADS, FI_MAX_DIM, FI_TOPK_THREADS,
-// FI_TOPK_CLUSTER (dsv4_consts.cuh).
+// FI_TOPK_CLUSTER, FI_FOLD_DIM (dsv4_consts.cuh).
 
 // Grid (T, ceil(maxe / chunk_keys)), chunk_keys <= FI_CHUNK_KEYS (fewer keys a block where few
 // tokens would leave SMs idle; whole tiles in practice), FI_THREADS = 128 threads: one warpgroup,
@@ -73,10 +73,11 @@ DSV4_INLINE void fi_wgmma(float (&d)[32], unsigned long long adesc, unsigned lon
       : "l"(adesc), "l"(bdesc), "r"(0));
 }
 
-// The scale fold (fi_score_fold_kernel, fi_score_fold_tc_kernel): each key's 32-block scales folded into its
-// e4m3 codes and each query head's into its codes, so that a key's dot with a head is ONE chain of wgmmas over
-// all of DI (at most FI_FOLD_BLOCKS blocks: promoted at least every 128 of K, DESIGN.md §4) with no promotion
-// at all: the two factors left are powers of two, and
+// The scale fold (fi_score_fold_kernel, fi_score_fold_tc_kernel; head dim FI_FOLD_DIM = 128 only, Flash's and
+// Pro's, compiled for it: the host runs the other kernels at other dims): each key's 32-block scales folded into
+// its e4m3 codes and each query head's into its codes, so that a key's dot with a head is ONE chain of four
+// wgmmas over all 128 dims (promoted at least every 128 of K, DESIGN.md §4) with no promotion at all: the two
+// factors left are powers of two, and
 //   bf16(raw x 2^(qe_h + ke)) = bf16(raw) x 2^(qe_h + ke),   relu(x 2^a) = relu(x) x 2^a
 // while nothing leaves the normal range, so 2^qe_h goes into the head's weight and 2^ke multiplies the
 // key's finished score: score = bf16(2^ke x sum_h relu(bf16(raw_h)) x (w_h 2^qe_h)).
@@ -90,7 +91,7 @@ DSV4_INLINE void fi_wgmma(float (&d)[32], unsigned long long adesc, unsigned lon
 // With these ranges every value on the way is normal: |raw| in [2^-18, 2^25), |w 2^qe| in [2^-64, 2^64], the
 // score in [2^-119, 2^122]. A 64-key tile whose keys do not all fold (or a token whose queries do not) takes
 // the per-32-block promotion instead, with 2^qe_h still in the weights (its query factors are then 1).
-#define FI_FOLD_BLOCKS 4
+#define FI_FOLD_BLOCKS (FI_FOLD_DIM / 32)  // FI_FOLD_DIM: dsv4_consts.cuh (fast_indexer::FOLD_DIM)
 #define FI_FOLD_SPAN 11
 #define FI_FOLD_E_MIN 96
 #define FI_FOLD_E_MAX 160
@@ -108,28 +109,16 @@ DSV4_INLINE void fi_wgmma_acc(float (&d)[32], unsigned long long adesc, unsigned
       : "l"(adesc), "l"(bdesc), "r"(scale_d));
 }
 
-// acc = the tile's raw sums over all N 32-blocks: one chain of N wgmmas, one commit, one wait.
-template <int N>
-DSV4_INLINE void fi_chain_n(float (&acc)[32], const unsigned char* kt, const unsigned char* qt) {
+// acc = the tile's raw sums over all FI_FOLD_BLOCKS 32-blocks: one chain of wgmmas, one commit, one wait.
+DSV4_INLINE void fi_chain(float (&acc)[32], const unsigned char* kt, const unsigned char* qt) {
   wgmma_fence();
 #pragma unroll
-  for (int b = 0; b < N; ++b)
+  for (int b = 0; b < FI_FOLD_BLOCKS; ++b)
     fi_wgmma_acc(acc, wgmma_desc_noswizzle(kt + 2 * b * FI_TILE_KEYS * 16, FI_TILE_KEYS * 16, 128),
                  wgmma_desc_noswizzle(qt + 2 * b * FI_MAX_HEADS * 16, FI_MAX_HEADS * 16, 128), b);
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operand(acc);
-}
-
-// fi_chain_n for the layer's nblk (1 .. FI_FOLD_BLOCKS; uniform): each count its own straight-line chain, as
-// ptxas keeps a wgmma sequence asynchronous only without branches inside it.
-DSV4_INLINE void fi_chain(float (&acc)[32], const unsigned char* kt, const unsigned char* qt, int nblk) {
-  switch (nblk) {
-    case 1: fi_chain_n<1>(acc, kt, qt); break;
-    case 2: fi_chain_n<2>(acc, kt, qt); break;
-    case 3: fi_chain_n<3>(acc, kt, qt); break;
-    default: fi_chain_n<4>(acc, kt, qt); break;
-  }
 }
 
 // acc += d x (head factor x key factor) for the thread's values (layout: fi_score_kernel).
@@ -183,76 +172,64 @@ DSV4_INLINE unsigned fi_e4m3x4(float v0, float v1, float v2, float v3) {
 // chunk 2b + 1 (both operands permute K alike, so the products are the same). Returns, the same in every
 // thread, whether the token's queries fold (the scale fold's comment above); then head h's codes are q / 2^qe_h,
 // its block factors qf 1 and qexp[h] = qe_h, else as fi_score_kernel's: q / 2^e per (head, block), qf 2^e.
-// Thread tid's items u < 2 nblk (i = tid + FI_THREADS u, four threads a (head, block) pair as in fi_score) are
-// blocks u / 2 of heads tid / 4 (u even) and tid / 4 + 32 (u odd): all blocks of its two heads, one batch at
-// nblk <= FI_FOLD_BLOCKS, where the fold is tried (a wider DI never folds).
-DSV4_INLINE bool fi_queries_halves(const float* qi, const float* iw, int t, int HI, int DI, int nblk,
-                                   unsigned char* qt, float* qf, signed char* qexp) {
+// Thread tid's FI_Q_BATCH = 2 FI_FOLD_BLOCKS items u (i = tid + FI_THREADS u, four threads a (head, block) pair as
+// in fi_score) are blocks u / 2 of heads tid / 4 (u even) and tid / 4 + 32 (u odd): all blocks of its two heads.
+DSV4_INLINE bool fi_queries_halves(const float* qi, const float* iw, int t, int HI, unsigned char* qt, float* qf,
+                                   signed char* qexp) {
+  static_assert(FI_Q_BATCH == 2 * FI_FOLD_BLOCKS, "one batch of items holds a thread's two heads");
   const int tid = threadIdx.x;
-  bool fold = false;
-  int qe[2] = {0, 0};
+  float4 x[FI_Q_BATCH][2];
 #pragma unroll
-  for (int u0 = 0; u0 < 2 * FI_BLOCKS; u0 += FI_Q_BATCH) {
-    if (u0 >= 2 * nblk) break;  // uniform
-    float4 x[FI_Q_BATCH][2];
-#pragma unroll
-    for (int k = 0; k < FI_Q_BATCH; ++k) {
-      const int i = tid + FI_THREADS * (u0 + k), h = (i >> 2) % FI_MAX_HEADS, b = (i >> 2) / FI_MAX_HEADS;
-      x[k][0] = x[k][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (u0 + k < 2 * nblk && h < HI) {
-        const float* q = qi + ((long long)t * HI + h) * DI + 32 * b + 8 * (i & 3);
-        x[k][0] = *(const float4*)q;
-        x[k][1] = *(const float4*)(q + 4);
-      }
+  for (int k = 0; k < FI_Q_BATCH; ++k) {
+    const int i = tid + FI_THREADS * k, h = (i >> 2) % FI_MAX_HEADS, b = (i >> 2) / FI_MAX_HEADS;
+    x[k][0] = x[k][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (h < HI) {
+      const float* q = qi + ((long long)t * HI + h) * FI_FOLD_DIM + 32 * b + 8 * (i & 3);
+      x[k][0] = *(const float4*)q;
+      x[k][1] = *(const float4*)(q + 4);
     }
-    float am[FI_Q_BATCH];  // each item's block amax (its four threads')
+  }
+  float am[FI_Q_BATCH];  // each item's block amax (its four threads')
 #pragma unroll
-    for (int k = 0; k < FI_Q_BATCH; ++k) {
-      const float v[8] = {x[k][0].x, x[k][0].y, x[k][0].z, x[k][0].w, x[k][1].x, x[k][1].y, x[k][1].z, x[k][1].w};
-      float a = 0.0f;
+  for (int k = 0; k < FI_Q_BATCH; ++k) {
+    const float v[8] = {x[k][0].x, x[k][0].y, x[k][0].z, x[k][0].w, x[k][1].x, x[k][1].y, x[k][1].z, x[k][1].w};
+    float a = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) a = fmaxf(a, fabsf(v[j]));
-      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
-      am[k] = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
-    }
-    if (u0 == 0 && nblk <= FI_FOLD_BLOCKS) {  // uniform: every item of the thread's two heads is here
-      // lb[p]: floor(log2) of head p's amax (-1000: all zero). A NaN or infinite value never folds.
-      int lb[2] = {-1000, -1000};
-      bool ok = true;
+    for (int j = 0; j < 8; ++j) a = fmaxf(a, fabsf(v[j]));
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+    am[k] = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
+  }
+  // lb[p]: floor(log2) of head p's amax (-1000: all zero). A NaN or infinite value never folds.
+  int lb[2] = {-1000, -1000}, qe[2];
+  bool ok = true;
 #pragma unroll
-      for (int k = 0; k < FI_Q_BATCH; ++k)
-        if (k < 2 * nblk) {
-          if (!(am[k] <= 3.0e38f)) ok = false;
-          else if (am[k] > 0.0f) lb[k & 1] = max(lb[k & 1], dsv4_floor_log2(am[k]));
-        }
+  for (int k = 0; k < FI_Q_BATCH; ++k) {
+    if (!(am[k] <= 3.0e38f)) ok = false;
+    else if (am[k] > 0.0f) lb[k & 1] = max(lb[k & 1], dsv4_floor_log2(am[k]));
+  }
 #pragma unroll
-      for (int k = 0; k < FI_Q_BATCH; ++k)
-        if (k < 2 * nblk && am[k] > 0.0f && am[k] <= 3.0e38f && dsv4_floor_log2(am[k]) < lb[k & 1] - FI_FOLD_SPAN)
-          ok = false;
+  for (int k = 0; k < FI_Q_BATCH; ++k)
+    if (am[k] > 0.0f && am[k] <= 3.0e38f && dsv4_floor_log2(am[k]) < lb[k & 1] - FI_FOLD_SPAN) ok = false;
 #pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        const int h = (tid >> 2) + 32 * p;
-        qe[p] = lb[p] == -1000 ? 0 : lb[p] - 7;
-        if (qe[p] < -FI_FOLD_QE || qe[p] > FI_FOLD_QE) ok = false;
-        const float w = fabsf(h < HI ? iw[(long long)t * HI + h] : 0.0f);
-        if (!(w == 0.0f || (w >= 0x1p-32f && w <= 0x1p32f))) ok = false;
-        if ((tid & 3) == 0) qexp[h] = (signed char)qe[p];  // read after the barrier below, when folding
-      }
-      fold = !__syncthreads_or(!ok);
-    }
+  for (int p = 0; p < 2; ++p) {
+    const int h = (tid >> 2) + 32 * p;
+    qe[p] = lb[p] == -1000 ? 0 : lb[p] - 7;
+    if (qe[p] < -FI_FOLD_QE || qe[p] > FI_FOLD_QE) ok = false;
+    const float w = fabsf(h < HI ? iw[(long long)t * HI + h] : 0.0f);
+    if (!(w == 0.0f || (w >= 0x1p-32f && w <= 0x1p32f))) ok = false;
+    if ((tid & 3) == 0) qexp[h] = (signed char)qe[p];  // read after the barrier below, when folding
+  }
+  const bool fold = !__syncthreads_or(!ok);
 #pragma unroll
-    for (int k = 0; k < FI_Q_BATCH; ++k) {
-      if (u0 + k < 2 * nblk) {  // uniform
-        const int i = tid + FI_THREADS * (u0 + k), c4 = i & 3, h = (i >> 2) % FI_MAX_HEADS, b = (i >> 2) / FI_MAX_HEADS;
-        const int e = fold ? qe[k & 1] : (am[k] > 0.0f && am[k] <= 3.0e38f ? dsv4_floor_log2(am[k]) - 7 : 0);
-        const float inv = dsv4_pow2(-e);
-        *(unsigned*)(qt + ((2 * b) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
-            fi_e4m3x4(x[k][0].x * inv, x[k][0].y * inv, x[k][0].z * inv, x[k][0].w * inv);
-        *(unsigned*)(qt + ((2 * b + 1) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
-            fi_e4m3x4(x[k][1].x * inv, x[k][1].y * inv, x[k][1].z * inv, x[k][1].w * inv);
-        if (c4 == 0) qf[b * FI_MAX_HEADS + h] = h < HI ? (fold ? 1.0f : dsv4_pow2(e)) : 0.0f;
-      }
-    }
+  for (int k = 0; k < FI_Q_BATCH; ++k) {
+    const int i = tid + FI_THREADS * k, c4 = i & 3, h = (i >> 2) % FI_MAX_HEADS, b = (i >> 2) / FI_MAX_HEADS;
+    const int e = fold ? qe[k & 1] : (am[k] > 0.0f && am[k] <= 3.0e38f ? dsv4_floor_log2(am[k]) - 7 : 0);
+    const float inv = dsv4_pow2(-e);
+    *(unsigned*)(qt + ((2 * b) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
+        fi_e4m3x4(x[k][0].x * inv, x[k][0].y * inv, x[k][0].z * inv, x[k][0].w * inv);
+    *(unsigned*)(qt + ((2 * b + 1) * FI_MAX_HEADS + h) * 16 + 4 * c4) =
+        fi_e4m3x4(x[k][1].x * inv, x[k][1].y * inv, x[k][1].z * inv, x[k][1].w * inv);
+    if (c4 == 0) qf[b * FI_MAX_HEADS + h] = h < HI ? (fold ? 1.0f : dsv4_pow2(e)) : 0.0f;
   }
   return fold;
 }
@@ -275,7 +252,8 @@ DSV4_INLINE void fi_wgmma_head_sum(float (&d)[4], const unsigned (&a)[4], unsign
 
 // The scoring kernels' body. TC_SUM: the head sum on the tensor core (fi_score_tc_kernel), else in f32 in a
 // fixed order on the CUDA cores (fi_score_kernel). FOLD: the scale fold (see above; fi_score_fold_kernel,
-// fi_score_fold_tc_kernel), both operands in the halves order.
+// fi_score_fold_tc_kernel), both operands in the halves order, DI = FI_FOLD_DIM (a compile-time constant there:
+// the loops over blocks and decode tasks unroll to exactly what 128 dims need).
 template <bool TC_SUM, bool FOLD>
 DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
                           const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
@@ -297,7 +275,8 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, cq = lane & 3;
-  const int nblk = DI / 32;
+  if (FOLD && DI != FI_FOLD_DIM) return;  // the host runs the fold kernels at FI_FOLD_DIM only
+  const int nblk = FOLD ? FI_FOLD_BLOCKS : DI / 32;
   unsigned char* kt = fi_smem;                                    // [DI / 16][FI_TILE_KEYS][16]
   unsigned char* qt = kt + DI * FI_TILE_KEYS;                     // [DI / 16][FI_MAX_HEADS][16]
   unsigned char* raw = qt + DI * FI_MAX_HEADS;                    // [FI_CHUNK_KEYS][DI / 32][16]
@@ -342,7 +321,7 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
   load_chunk();
   bool fold_q = false;  // FOLD: the token's queries fold (the same in every thread)
   if constexpr (FOLD) {
-    fold_q = fi_queries_halves(qi, iw, t, HI, DI, nblk, qt, qf, qexp);
+    fold_q = fi_queries_halves(qi, iw, t, HI, qt, qf, qexp);
   } else {
     // B: the queries, four threads a (head, 32-block) pair: thread c4 has the block's dims 8 c4 .. 8 c4 + 7,
     // whose even ones are codes 4 c4 .. 4 c4 + 3 of chunk 2b and odd ones of chunk 2b + 1. Item u of the
@@ -464,10 +443,12 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
     // (key row, 32-block) tasks: 16 code bytes (32 nibbles, low = even channel) and one scale byte.
     // Every task's loads first: the compiler cannot move a shared-memory load above a store to another
     // shared array (they might alias), so loads after the first task's stores waited for them.
-    uint4 code[FI_DECODE_TASKS];
-    unsigned scale[FI_DECODE_TASKS], top[FI_DECODE_TASKS];
+    // (FOLD: 128 dims, exactly two tasks a thread.)
+    constexpr int TASKS = FOLD ? FI_TILE_KEYS * FI_FOLD_BLOCKS / FI_THREADS : FI_DECODE_TASKS;
+    uint4 code[TASKS];
+    unsigned scale[TASKS], top[TASKS];
 #pragma unroll
-    for (int u = 0; u < FI_DECODE_TASKS; ++u) {
+    for (int u = 0; u < TASKS; ++u) {
       const int i = tid + FI_THREADS * u, r = (int)(((unsigned)i * div_nblk) >> 16), b = i - r * nblk;
       const bool in = i < FI_TILE_KEYS * nblk && e0 + r < e_end;
       const int at = (e0 - e_begin + r) * nblk + b;
@@ -476,7 +457,7 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
       if constexpr (FOLD) top[u] = in && tile_fold ? ktop[e0 - e_begin + r] : 12u;
     }
 #pragma unroll
-    for (int u = 0; u < FI_DECODE_TASKS; ++u) {
+    for (int u = 0; u < TASKS; ++u) {
       const int i = tid + FI_THREADS * u, r = (int)(((unsigned)i * div_nblk) >> 16), b = i - r * nblk;
       if (FOLD && i < FI_TILE_KEYS * nblk) {
         // The halves order; a folding tile's codes are e2m1 x 2^(s - E + 6) (t = s - E + 12 in [1, 12]; zero
@@ -513,7 +494,7 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
     // Two 32-blocks a round: both wgmmas in one commit group, one wait, then both promoted in block order.
     // (Waiting for block b in the round that issues b + 1 would put a wgmma's wait in a later round than
     // its commit, and ptxas then serialises every wgmma: C7514.)
-    if (FOLD && tile_fold) fi_chain(acc, kt, qt, nblk);  // the raw sums; no promotion
+    if (FOLD && tile_fold) fi_chain(acc, kt, qt);  // the raw sums; no promotion
 #pragma unroll
     for (int b = 0; b < FI_BLOCKS; b += 2) {
       if (!(FOLD && tile_fold) && b < nblk) {  // uniform
@@ -556,8 +537,11 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
           const int e = e0 + r0 + 8 * r;
           if (e < e_end) {
             float v = __fadd_rn(hs[2 * r], hs[2 * r + 1]);
-            if constexpr (FOLD) v = __fmul_rn(v, fi_fold_factor(tile_fold, ktop[e - e_begin]));
-            scores[(long long)t * maxe + e] = round_bf16(v);
+            if constexpr (FOLD) {
+              scores[(long long)t * maxe + e] = round_bf16_nonnan(__fmul_rn(v, fi_fold_factor(tile_fold, ktop[e - e_begin])));
+            } else {
+              scores[(long long)t * maxe + e] = round_bf16(v);
+            }
           }
         }
       }
@@ -582,8 +566,11 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
       sk[r] = __fadd_rn(sk[r], __shfl_xor_sync(0xffffffffu, sk[r], 2));
       const int e = e0 + r0 + 8 * r;
       if (cq == r && e < e_end) {
-        if constexpr (FOLD) sk[r] = __fmul_rn(sk[r], fi_fold_factor(tile_fold, ktop[e - e_begin]));
-        scores[(long long)t * maxe + e] = round_bf16(sk[r]);
+        if constexpr (FOLD) {
+          scores[(long long)t * maxe + e] = round_bf16_nonnan(__fmul_rn(sk[r], fi_fold_factor(tile_fold, ktop[e - e_begin])));
+        } else {
+          scores[(long long)t * maxe + e] = round_bf16(sk[r]);
+        }
       }
     }
   }

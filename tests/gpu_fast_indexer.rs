@@ -766,12 +766,12 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
     });
 }
 
-/// The scale fold (`SelectPlan::fold_scales`: fi_score_fold_kernel and fi_score_fold_tc_kernel)
-/// with each head sum: scores within the fold's bound (module doc) of the reference's and the
-/// selection the exact top-k of its own scores, at Flash's shapes, at head dims 32 and 64 (where it
-/// folds) and 256 (where it never does), with tied scores, and with keys and tokens that cannot
-/// fold beside those that do; every work split (chunk sizes, chunks a block) gives the same bits,
-/// and reruns too. Plans the kernels cannot run are refused.
+/// The scale fold (`SelectPlan::fold_scales`: fi_score_fold_kernel and fi_score_fold_tc_kernel,
+/// head dim 128) with each head sum: scores within the fold's bound (module doc) of the
+/// reference's and the selection the exact top-k of its own scores, at Flash's shapes, with tied
+/// scores, and with keys and tokens that cannot fold beside those that do; every work split
+/// (chunk sizes, chunks a block) gives the same bits, and reruns too. At head dims 32, 64 and 256
+/// the plan runs the plain kernels (their bits). Plans the kernels cannot run are refused.
 #[test]
 fn folded_scales_match_the_reference_within_their_bound() {
     with_indexers(|reference, fast, s| {
@@ -833,15 +833,38 @@ fn folded_scales_match_the_reference_within_their_bound() {
                     &b,
                 );
             }
+            // Other head dims run the plain kernels: the same bits as without the fold.
             for (di, hi) in OTHER_DIMS {
-                let keys = Keys::with_unfoldable(&mut rng, di, 300);
+                let keys = Keys::random(&mut rng, di);
                 let b = Batch::with_heads(
                     &mut rng,
                     &decode(8, &[0, 3, 700, 2047, 2048, 5000, 9000, 12_000]),
                     di,
                     hi,
                 );
-                check_splits(&format!("fold {head_sum:?}, {hi} heads of {di}"), &keys, &b);
+                let t = b.t();
+                let plain = SelectPlan {
+                    fold_scales: false,
+                    chunks_per_block: 1,
+                    ..own(t)
+                };
+                let (r, f) = run_plans(reference, fast, &keys, &b, s, &[Some(own(t)), Some(plain)]);
+                let name = format!("fold {head_sum:?}, {hi} heads of {di}");
+                check(
+                    &name,
+                    &keys,
+                    &b,
+                    &r,
+                    &f[0],
+                    Rounding {
+                        head_sum,
+                        fold: false,
+                    },
+                );
+                assert!(
+                    same_result(&f[0], &f[1]),
+                    "{name}: not the plain kernel's result"
+                );
             }
             for patterns in [1, 3] {
                 let keys = Keys::from_patterns(&mut rng, Some(patterns), DI);

@@ -140,6 +140,7 @@ pub const SHARED: &[Shared] = shared! {
     "FI_MAX_DIM" = Int(fast_indexer::MAX_DIM as i64) from "fast_indexer::MAX_DIM";
     "FI_TOPK_THREADS" = Int(fast_indexer::TOPK_THREADS as i64) from "fast_indexer::TOPK_THREADS";
     "FI_TOPK_CLUSTER" = Int(fast_indexer::TOPK_CLUSTER as i64) from "fast_indexer::TOPK_CLUSTER";
+    "FI_FOLD_DIM" = Int(fast_indexer::FOLD_DIM as i64) from "fast_indexer::FOLD_DIM";
     // attention.cu, compressor.cu, indexer.cu, mhc.cu.
     "ATTN_MAX_CPT" = Int(attention::ATTN_MAX_CHANNELS_PER_THREAD as i64)
         from "attention::ATTN_MAX_CHANNELS_PER_THREAD";

@@ -10,7 +10,8 @@
 //! `fi_score_fold_tc_kernel` fold the 32-block scales into the codes ([`SelectPlan::fold_scales`]):
 //! where a tile's keys and the token's queries allow it, a key's dot with a head is one chain of
 //! wgmmas over the whole head dim, and the two power-of-two factors left move into the head's
-//! weight and the key's finished score (no promotion); `indexer_fast_fold` and
+//! weight and the key's finished score (no promotion); compiled for head dim [`FOLD_DIM`] only
+//! (Flash's and Pro's), other dims run the plain kernels; `indexer_fast_fold` and
 //! `indexer_fast_fold_tc` in the bench, not yet the fast set's.
 //! tests/gpu_fast_indexer.rs bounds the scores against the reference kernel and checks the
 //! selection against an exact top-k of the fast scores.
@@ -46,6 +47,10 @@ pub const TOPK_STAGE_KEYS: usize = 32768;
 /// Bytes of the head weights as the tensor-core head sum's B operand (FI_WB_BYTES): 64 heads x 8
 /// columns of bf16 ([`HeadSum::TensorCore`]).
 pub const HEAD_SUM_B_BYTES: usize = MAX_HEADS * 8 * 2;
+
+/// The head dim the scale-fold kernels are compiled for (FI_FOLD_DIM): [`SelectPlan::fold_scales`]
+/// at another dim runs the plain kernels (and one chunk a block).
+pub const FOLD_DIM: usize = 128;
 
 /// Bytes the scale fold adds to a scoring block ([`SelectPlan::fold_scales`]): each chunk key's
 /// largest scale exponent, a flag a 32 keys (padded to 16 bytes) and each head's exponent.
@@ -156,10 +161,12 @@ pub struct SelectPlan {
     /// Fold the 32-block scales into the e4m3 codes where a tile's keys and the token's queries
     /// allow it (kernels/fast_indexer.cu, "the scale fold"): no promotion, another rounding (the
     /// tests' bound). Needs `chunk_keys` a multiple of [`TILE_KEYS`], so that the tiles, and with
-    /// them the fold's decisions, do not depend on the split.
+    /// them the fold's decisions, do not depend on the split. At head dims other than
+    /// [`FOLD_DIM`] the plain kernels run (the same scores as without it).
     pub fold_scales: bool,
     /// Chunks a scoring block takes (its token's chunks `blockIdx.y`, `+ gridDim.y`, ...), its
-    /// queries' codes made once: 1, or more with `fold_scales` (whose kernels loop).
+    /// queries' codes made once: 1, or more with `fold_scales` (whose kernels loop; at other
+    /// head dims than [`FOLD_DIM`] it is taken as 1).
     pub chunks_per_block: usize,
 }
 
@@ -267,10 +274,10 @@ impl FastIndexer {
             .ok_or_else(|| bad(format!("{t} tokens: too many blocks")))?;
         let i = |what: &str, v: usize| to_i32(FAMILY, what, v);
         let _g = ctx.enter()?;
-        let chunks = x
-            .maxe
-            .div_ceil(plan.chunk_keys)
-            .div_ceil(plan.chunks_per_block);
+        // The fold kernels at their head dim only, and only they take several chunks a block.
+        let fold = plan.fold_scales && di == FOLD_DIM;
+        let chunks_per_block = if fold { plan.chunks_per_block } else { 1 };
+        let chunks = x.maxe.div_ceil(plan.chunk_keys).div_ceil(chunks_per_block);
         if chunks > 0 {
             let chunks = u32::try_from(chunks)
                 .ok()
@@ -297,9 +304,9 @@ impl FastIndexer {
                     }
                 };
             }
-            let smem = score_smem_bytes(di, plan.head_sum, plan.fold_scales) as u32;
+            let smem = score_smem_bytes(di, plan.head_sum, fold) as u32;
             let grid = (blocks, chunks);
-            match (plan.head_sum, plan.fold_scales) {
+            match (plan.head_sum, fold) {
                 (HeadSum::Ordered, false) => {
                     let args = score_args!(fi_score_kernel);
                     self.score
