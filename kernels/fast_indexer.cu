@@ -60,19 +60,6 @@
 #define FI_PRO_KEYS (FI_CHUNK_KEYS / FI_THREADS)
 #define FI_Q_BATCH 8
 
-// One wgmma m64n64k32 e4m3 x e4m3 -> f32 from zero: d = A B^T (A: the keys' tile, B: the queries',
-// both shared-memory descriptors).
-DSV4_INLINE void fi_wgmma(float (&d)[32], unsigned long long adesc, unsigned long long bdesc) {
-  asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1; }\n"
-      : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24)
-      : "l"(adesc), "l"(bdesc), "r"(0));
-}
-
 // The scale fold (fi_score_fold_kernel, fi_score_fold_tc_kernel; head dim FI_FOLD_DIM = 128 only, Flash's and
 // Pro's, compiled for it: the host runs the other kernels at other dims): each key's 32-block scales folded into
 // its e4m3 codes and each query head's into its codes, so that a key's dot with a head is ONE chain of four
@@ -97,7 +84,8 @@ DSV4_INLINE void fi_wgmma(float (&d)[32], unsigned long long adesc, unsigned lon
 #define FI_FOLD_E_MAX 160
 #define FI_FOLD_QE 32
 
-// d (+)= A B^T over one 32-block, the chain's step (scale_d 0: from zero).
+// One wgmma m64n64k32 e4m3 x e4m3 -> f32: d = A B^T (scale_d 0) or d += A B^T (A: the keys' tile, B: the
+// queries', both shared-memory descriptors).
 DSV4_INLINE void fi_wgmma_acc(float (&d)[32], unsigned long long adesc, unsigned long long bdesc, int scale_d) {
   asm volatile(
       "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
@@ -107,6 +95,11 @@ DSV4_INLINE void fi_wgmma_acc(float (&d)[32], unsigned long long adesc, unsigned
       "%32, %33, p, 1, 1; }\n"
       : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24)
       : "l"(adesc), "l"(bdesc), "r"(scale_d));
+}
+
+// One wgmma m64n64k32 from zero: d = A B^T.
+DSV4_INLINE void fi_wgmma(float (&d)[32], unsigned long long adesc, unsigned long long bdesc) {
+  fi_wgmma_acc(d, adesc, bdesc, 0);
 }
 
 // acc = the tile's raw sums over all FI_FOLD_BLOCKS 32-blocks: one chain of wgmmas, one commit, one wait.

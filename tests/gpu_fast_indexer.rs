@@ -884,27 +884,28 @@ fn folded_scales_match_the_reference_within_their_bound() {
         // Plans the kernels cannot run: refused before any launch.
         let keys = Keys::random(&mut rng, DI);
         let b = Batch::new(&mut rng, &decode(1, &[5000]), DI);
+        let base = SelectPlan {
+            chunk_keys: 128,
+            stage_keys: 0,
+            head_sum: HeadSum::Ordered,
+            fold_scales: true,
+            chunks_per_block: 1,
+        };
         let bad = [
+            // Chunks that are not whole tiles, with the fold.
             SelectPlan {
                 chunk_keys: 100,
-                stage_keys: 0,
-                head_sum: HeadSum::TensorCore,
-                fold_scales: true,
-                chunks_per_block: 1,
+                ..base
             },
+            // Several chunks a block, without it.
             SelectPlan {
-                chunk_keys: 128,
-                stage_keys: 0,
-                head_sum: HeadSum::Ordered,
                 fold_scales: false,
                 chunks_per_block: 2,
+                ..base
             },
             SelectPlan {
-                chunk_keys: 128,
-                stage_keys: 0,
-                head_sum: HeadSum::Ordered,
-                fold_scales: true,
                 chunks_per_block: 0,
+                ..base
             },
         ];
         for p in bad {
