@@ -620,6 +620,12 @@ fn flash_batches() -> [Vec<(i32, usize, usize)>; 4] {
 /// memory takes at each (see `other_index_head_dims_match_the_reference`).
 const OTHER_DIMS: [(usize, usize); 3] = [(32, HI), (64, HI), (fast_indexer::MAX_DIM, HI / 4)];
 
+/// A decode batch of 8 tokens (nothing visible yet to 3000 keys) at another head dim.
+fn other_dims_batch(rng: &mut XorShift, di: usize, hi: usize) -> Batch {
+    let seqs = decode(8, &[0, 3, 700, 2047, 2048, 5000, 9000, 12_000]);
+    Batch::with_heads(rng, &seqs, di, hi)
+}
+
 #[test]
 fn fast_indexer_matches_the_reference_within_the_bound() {
     with_indexers(|reference, fast, s| {
@@ -745,12 +751,7 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
         }
         for (di, hi) in OTHER_DIMS {
             let keys = Keys::random(&mut rng, di);
-            let b = Batch::with_heads(
-                &mut rng,
-                &decode(8, &[0, 3, 700, 2047, 2048, 5000, 9000, 12_000]),
-                di,
-                hi,
-            );
+            let b = other_dims_batch(&mut rng, di, hi);
             let (r, f) = run_plans(reference, fast, &keys, &b, s, &[own(b.t())]);
             let name = format!("tensor-core head sum, {hi} heads of {di}");
             check(&name, &keys, &b, &r, &f[0], TENSOR_CORE);
@@ -836,12 +837,7 @@ fn folded_scales_match_the_reference_within_their_bound() {
             // Other head dims run the plain kernels: the same bits as without the fold.
             for (di, hi) in OTHER_DIMS {
                 let keys = Keys::random(&mut rng, di);
-                let b = Batch::with_heads(
-                    &mut rng,
-                    &decode(8, &[0, 3, 700, 2047, 2048, 5000, 9000, 12_000]),
-                    di,
-                    hi,
-                );
+                let b = other_dims_batch(&mut rng, di, hi);
                 let t = b.t();
                 let plain = SelectPlan {
                     fold_scales: false,
