@@ -799,6 +799,12 @@ fn folded_scales_match_the_reference_within_their_bound() {
                 fold: true,
             };
             let check_splits = |name: &str, keys: &Keys, b: &Batch| {
+                // The splits, then the plain kernel of the same head sum (last; its own bound).
+                let plain = SelectPlan {
+                    fold_scales: false,
+                    chunks_per_block: 1,
+                    ..own(b.t())
+                };
                 let plans: Vec<Option<SelectPlan>> = [
                     own(b.t()),
                     own(b.t()),
@@ -806,19 +812,42 @@ fn folded_scales_match_the_reference_within_their_bound() {
                     plan(128, 300, 3),
                     plan(192, 16, 2),
                     plan(256, all, 8),
+                    plain,
                 ]
                 .into_iter()
                 .map(Some)
                 .collect();
                 let (r, f) = run_plans(reference, fast, keys, b, s, &plans);
-                check(name, keys, b, &r, &f[0], how);
-                for (p, run) in plans.iter().zip(&f).skip(1) {
+                let (worst, swaps) = check(name, keys, b, &r, &f[0], how);
+                let splits = plans.len() - 1;
+                for (p, run) in plans[..splits].iter().zip(&f).skip(1) {
                     assert!(
                         same_result(run, &f[0]),
                         "{name}: {p:?} differs from {:?}",
                         plans[0]
                     );
                 }
+                // Beside the plain kernel: its distance and swaps against the reference, and how many
+                // scores the fold changed (none would mean no tile folded: a report, not a check, as
+                // the tensor core's sums may happen to agree).
+                let plain_name = format!("{name} (plain kernel)");
+                let (plain_worst, plain_swaps) = check(
+                    &plain_name,
+                    keys,
+                    b,
+                    &r,
+                    &f[splits],
+                    Rounding { fold: false, ..how },
+                );
+                let changed = f[0]
+                    .scores
+                    .iter()
+                    .zip(&f[splits].scores)
+                    .filter(|(x, y)| x.to_bits() != y.to_bits())
+                    .count();
+                println!(
+                    "{name}: fold / plain: max |fast - ref| / bound {worst:.3} / {plain_worst:.3}, selected entries that differ from the reference {swaps} / {plain_swaps}, scores the fold changed {changed}"
+                );
             };
             let keys = Keys::random(&mut rng, DI);
             for (k, seqs) in flash_batches().iter().enumerate() {
