@@ -454,7 +454,7 @@ fn indexer_case(
             ..own
         };
         let fields = format!(
-            "\"kernel\": \"indexer_fast_fold_tc\", \"context\": {ctx_len}, \"T\": {t}, \"chunk_keys\": {}, \"chunks_per_block\": {chunks_per_block}, \"chosen\": {}",
+            "\"kernel\": \"indexer_fast_fold_tc\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"chunk_keys\": {}, \"chunks_per_block\": {chunks_per_block}, \"chosen\": {}",
             plan.chunk_keys,
             chunks_per_block == own.chunks_per_block
         );
@@ -472,7 +472,7 @@ fn indexer_case(
         };
         let chosen = chunk_keys == fast_indexer::chunk_keys_for(t);
         let fields = format!(
-            "\"kernel\": \"indexer_fast\", \"context\": {ctx_len}, \"T\": {t}, \"chunk_keys\": {chunk_keys}, \"chosen\": {chosen}"
+            "\"kernel\": \"indexer_fast\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"chunk_keys\": {chunk_keys}, \"chosen\": {chosen}"
         );
         timed(fields, copies, &|j| {
             ix.fast.select_with(ctx, meta, &args(j), plan, s)
