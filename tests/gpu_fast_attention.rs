@@ -476,6 +476,11 @@ fn run_layer(
             .filter(|(a, b)| a.to_bits() != b.to_bits())
             .count();
         println!("{name} batch {k}: the two fast kernels differ in {apart} values");
+        // fast_attention.rs: two kernels, the same bits.
+        assert_eq!(
+            apart, 0,
+            "{name} batch {k}: the mma.sync and wgmma kernels differ"
+        );
         for (path, (o_fast, o_again)) in PATHS.iter().zip(&fast_runs) {
             let tag = format!("{name} batch {k} {path:?}");
             check(&tag, &st, &b, &o_ref, o_fast);
@@ -520,7 +525,9 @@ fn csa_attention_matches_the_reference_within_the_bound() {
 }
 
 /// HCA at 256K positions (up to 2048 entries + the window): decode batches of 1, 8 and 64,
-/// positions below the ratio (no entry yet), a 300-token prefill.
+/// positions below the ratio (no entry yet), a 300-token prefill, and 72 tokens (unsplit blocks)
+/// whose longest take more tiles than the wgmma kernel's address table holds (it then looks a
+/// tile's addresses up with its fetch) beside short ones (the table).
 #[test]
 fn hca_attention_matches_the_reference_within_the_bound() {
     run_layer(
@@ -533,6 +540,7 @@ fn hca_attention_matches_the_reference_within_the_bound() {
             decode(8, &[3, 127, 128, 1000, 100_000, 200_000]),
             decode(64, &[10, 500, 70_000, 262_100]),
             vec![(0, 5_000, 150), (1, 0, 150)],
+            decode(72, &[10, 150_000, 262_100]),
         ],
     );
 }
