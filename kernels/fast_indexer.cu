@@ -97,6 +97,24 @@ DSV4_INLINE void fi_wgmma_acc(float (&d)[32], unsigned long long adesc, unsigned
       : "l"(adesc), "l"(bdesc), "r"(scale_d));
 }
 
+// fi_chain in two chains of FI_FOLD_BLOCKS / 2 32-blocks (64 of K each) into d0 and d1, one commit and wait,
+// then acc = d0 + d1 in f32 (fold_chains == 2: half the chain's accumulator error, 32 more adds a tile).
+DSV4_INLINE void fi_chain_pair(float (&acc)[32], float (&d0)[32], float (&d1)[32], const unsigned char* kt,
+                               const unsigned char* qt) {
+  constexpr int HALF = FI_FOLD_BLOCKS / 2;
+  wgmma_fence();
+#pragma unroll
+  for (int b = 0; b < FI_FOLD_BLOCKS; ++b)
+    fi_wgmma_acc(b < HALF ? d0 : d1, wgmma_desc_noswizzle(kt + 2 * b * FI_TILE_KEYS * 16, FI_TILE_KEYS * 16, 128),
+                 wgmma_desc_noswizzle(qt + 2 * b * FI_MAX_HEADS * 16, FI_MAX_HEADS * 16, 128), b % HALF);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operand(d0);
+  wgmma_fence_operand(d1);
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = __fadd_rn(d0[i], d1[i]);
+}
+
 // One wgmma m64n64k32 from zero: d = A B^T.
 DSV4_INLINE void fi_wgmma(float (&d)[32], unsigned long long adesc, unsigned long long bdesc) {
   fi_wgmma_acc(d, adesc, bdesc, 0);
@@ -250,7 +268,7 @@ DSV4_INLINE void fi_wgmma_head_sum(float (&d)[4], const unsigned (&a)[4], unsign
 template <bool TC_SUM, bool FOLD>
 DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
                           const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
-                          int ratio, int maxe, int chunk_keys, float* scores) {
+                          int ratio, int maxe, int chunk_keys, int fold_chains, float* scores) {
   extern __shared__ __align__(128) unsigned char fi_smem[];
   // FOLD: the block scores chunks blockIdx.y, + gridDim.y, ... of its token (the queries made once), else
   // chunk blockIdx.y alone.
@@ -487,7 +505,12 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
     // Two 32-blocks a round: both wgmmas in one commit group, one wait, then both promoted in block order.
     // (Waiting for block b in the round that issues b + 1 would put a wgmma's wait in a later round than
     // its commit, and ptxas then serialises every wgmma: C7514.)
-    if (FOLD && tile_fold) fi_chain(acc, kt, qt);  // the raw sums; no promotion
+    if (FOLD && tile_fold) {  // the raw sums; no promotion
+      if (fold_chains == 2)
+        fi_chain_pair(acc, d[0], d[1], kt, qt);
+      else
+        fi_chain(acc, kt, qt);
+    }
 #pragma unroll
     for (int b = 0; b < FI_BLOCKS; b += 2) {
       if (!(FOLD && tile_fold) && b < nblk) {  // uniform
@@ -592,7 +615,7 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
                     int maxe, int chunk_keys, float* scores) {
   dsv4_pdl_begin();
   fi_score<false, false>(qi, iw, ikeys, itable, ipps, positions, seq_of, seq_slots, T, HI, DI, ratio, maxe, chunk_keys,
-                  scores);
+                         1, scores);
 }
 
 // fi_score_kernel with the head sum on the BF16 tensor core (fi_wgmma_head_sum): from the first conversion to
@@ -608,29 +631,30 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
                        int ratio, int maxe, int chunk_keys, float* scores) {
   dsv4_pdl_begin();
   fi_score<true, false>(qi, iw, ikeys, itable, ipps, positions, seq_of, seq_slots, T, HI, DI, ratio, maxe, chunk_keys,
-                 scores);
+                        1, scores);
 }
 
 // fi_score_kernel with the scale fold (see above): one chain of wgmmas a tile and no promotion where the keys and
 // queries fold, the per-block promotion elsewhere. Scores within the fold's bound (tests/gpu_fast_indexer.rs),
-// not fi_score_kernel's bits. Selectable (SelectPlan::fold_scales), not yet the fast set's.
+// not fi_score_kernel's bits. fold_chains: 1 (one chain of the four 32-blocks) or 2 (fi_chain_pair). Selectable
+// (SelectPlan::fold), not yet the fast set's.
 extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
     fi_score_fold_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
                          const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
-                         int ratio, int maxe, int chunk_keys, float* scores) {
+                         int ratio, int maxe, int chunk_keys, int fold_chains, float* scores) {
   dsv4_pdl_begin();
   fi_score<false, true>(qi, iw, ikeys, itable, ipps, positions, seq_of, seq_slots, T, HI, DI, ratio, maxe,
-                        chunk_keys, scores);
+                        chunk_keys, fold_chains, scores);
 }
 
 // The scale fold with the head sum on the tensor core.
 extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
     fi_score_fold_tc_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable,
                             int ipps, const int* positions, const int* seq_of, const int* seq_slots, int T, int HI,
-                            int DI, int ratio, int maxe, int chunk_keys, float* scores) {
+                            int DI, int ratio, int maxe, int chunk_keys, int fold_chains, float* scores) {
   dsv4_pdl_begin();
   fi_score<true, true>(qi, iw, ikeys, itable, ipps, positions, seq_of, seq_slots, T, HI, DI, ratio, maxe,
-                       chunk_keys, scores);
+                       chunk_keys, fold_chains, scores);
 }
 
 // A score's 16-bit order key: larger score, larger key; NaN as -inf; -0 as +0 (the reference's

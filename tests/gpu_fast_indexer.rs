@@ -21,12 +21,14 @@
 //!   f32 by the tensor core, allowed one f32 ulp an add (truncating adders), then hi + lo in f32)
 //!   the head sum's term is ((HI + 2) 2^-23 (1 + 2^-8) + 2^-18 + 2^-24) (1 + 2^-7) Σ_h |D_h w_h|
 //!   in place of (HI + 2) 2^-24 (1 + 2^-7) Σ_h |D_h w_h|;
-//! - with the scales folded (`SelectPlan::fold_scales`: a key's dot with a head one chain of
-//!   DI/32 wgmmas on the FP8 tensor core, each adding 32 exact products to the incoming sum, every
-//!   one of the 33 inputs allowed 2^-13 of the largest, at most A_h; the powers of two moved into
-//!   the weight and the score are exact) ε_h = ((DI/32) 33 2^-13 + (DI/32 + 2) 2^-24) A_h: 4x the
-//!   per-block bound at DI = 128 (DESIGN.md §4 allows promotion every 128 of K). Tiles and tokens
-//!   that do not fold take the per-block promotion, inside the same bound;
+//! - with the scales folded (`SelectPlan::fold`: a key's dot with a head c chains of DI/32/c
+//!   wgmmas on the FP8 tensor core, each adding 32 exact products to the incoming sum, every one
+//!   of the 33 inputs allowed 2^-13 of the largest, at most A_h, the chains then added in f32;
+//!   the powers of two moved into the weight and the score are exact) ε_h = ((DI/32/c) 33 2^-13 +
+//!   (DI/32 + 2) 2^-24) A_h: at DI = 128, 4x the per-block bound with one chain
+//!   (`ScaleFold::Chain128`; DESIGN.md §4 allows promotion every 128 of K), 2x with two
+//!   (`ScaleFold::Chain64`). Tiles and tokens that do not fold take the per-block promotion,
+//!   inside the same bound;
 //! - the selected sets equal the reference's wherever the margin exceeds that rounding: an
 //!   entry selected by one and not the other has a reference score within 2 B (B the token's
 //!   largest bound) of the reference's k-th score;
@@ -41,7 +43,7 @@ use common::kv::{BatchLayout, scrambled_table};
 use common::rng::XorShift;
 use dsv4::cuda::arena;
 use dsv4::cuda::kernels::attention::BatchMeta;
-use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, HeadSum, SelectPlan};
+use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, HeadSum, ScaleFold, SelectPlan};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::KernelSource;
@@ -226,26 +228,17 @@ impl Batch {
 #[derive(Clone, Copy, Debug)]
 struct Rounding {
     head_sum: HeadSum,
-    fold: bool,
+    fold: ScaleFold,
 }
 
 const ORDERED: Rounding = Rounding {
     head_sum: HeadSum::Ordered,
-    fold: false,
+    fold: ScaleFold::Off,
 };
 const TENSOR_CORE: Rounding = Rounding {
     head_sum: HeadSum::TensorCore,
-    fold: false,
+    fold: ScaleFold::Off,
 };
-
-impl From<&SelectPlan> for Rounding {
-    fn from(p: &SelectPlan) -> Rounding {
-        Rounding {
-            head_sum: p.head_sum,
-            fold: p.fold_scales,
-        }
-    }
-}
 
 /// The derived bound (module doc) of each of token i's visible scores, for the fast kernel's
 /// rounding `how`.
@@ -268,9 +261,10 @@ fn bounds(b: &Batch, keys: &Keys, i: usize, s_ref: &[f32], how: Rounding) -> Vec
                     a += p.abs();
                 }
                 let blocks = di as f64 / 32.0;
-                let eps = if how.fold {
-                    // One chain of DI/32 wgmmas: 32 products and the incoming sum each.
-                    (blocks * 33.0 * 2f64.powi(-13) + (blocks + 2.0) * 2f64.powi(-24)) * a
+                let eps = if how.fold != ScaleFold::Off {
+                    // Chains of DI/32/c wgmmas: 32 products and the incoming sum each.
+                    let chain = blocks / how.fold.chains() as f64;
+                    (chain * 33.0 * 2f64.powi(-13) + (blocks + 2.0) * 2f64.powi(-24)) * a
                 } else {
                     (2f64.powi(-8) + (blocks + 2.0) * 2f64.powi(-24)) * a
                 };
@@ -658,7 +652,7 @@ fn every_work_split_gives_the_same_result() {
                     chunk_keys,
                     stage_keys,
                     head_sum: HeadSum::Ordered,
-                    fold_scales: false,
+                    fold: ScaleFold::Off,
                     chunks_per_block: 1,
                 })
             })
@@ -716,7 +710,7 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
                 chunk_keys,
                 stage_keys,
                 head_sum: HeadSum::TensorCore,
-                fold_scales: false,
+                fold: ScaleFold::Off,
                 chunks_per_block: 1,
             })
         };
@@ -767,22 +761,29 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
     });
 }
 
-/// The scale fold (`SelectPlan::fold_scales`: fi_score_fold_kernel and fi_score_fold_tc_kernel,
-/// head dim 128) with each head sum: scores within the fold's bound (module doc) of the
-/// reference's and the selection the exact top-k of its own scores, at Flash's shapes, with tied
-/// scores, and with keys and tokens that cannot fold beside those that do; every work split
-/// (chunk sizes, chunks a block) gives the same bits, and reruns too. At head dims 32, 64 and 256
-/// the plan runs the plain kernels (their bits). Plans the kernels cannot run are refused.
+/// The scale fold (`SelectPlan::fold`: fi_score_fold_kernel and fi_score_fold_tc_kernel, head dim
+/// 128) with each head sum and each chain length: scores within the fold's bound (module doc) of
+/// the reference's and the selection the exact top-k of its own scores, at Flash's shapes, with
+/// tied scores, and with keys and tokens that cannot fold beside those that do (one chain of 128
+/// with each head sum: the paths that differ), beside the plain kernel; every work split (chunk
+/// sizes, chunks a block) gives the same bits, and reruns too. At head dims 32, 64 and 256 the
+/// plan runs the plain kernels (their bits). Plans the kernels cannot run are refused.
 #[test]
 fn folded_scales_match_the_reference_within_their_bound() {
     with_indexers(|reference, fast, s| {
         let mut rng = XorShift(0xf01d_5eed);
-        for head_sum in [HeadSum::TensorCore, HeadSum::Ordered] {
+        for (head_sum, fold) in [
+            (HeadSum::TensorCore, ScaleFold::Chain128),
+            (HeadSum::Ordered, ScaleFold::Chain128),
+            (HeadSum::TensorCore, ScaleFold::Chain64),
+            (HeadSum::Ordered, ScaleFold::Chain64),
+        ] {
+            let full = fold == ScaleFold::Chain128;
             let plan = |chunk_keys, stage_keys, chunks_per_block| SelectPlan {
                 chunk_keys,
                 stage_keys,
                 head_sum,
-                fold_scales: true,
+                fold,
                 chunks_per_block,
             };
             let own = |t| {
@@ -794,14 +795,11 @@ fn folded_scales_match_the_reference_within_their_bound() {
                 )
             };
             let all = fast_indexer::stage_keys_for(MAXE);
-            let how = Rounding {
-                head_sum,
-                fold: true,
-            };
+            let how = Rounding { head_sum, fold };
             let check_splits = |name: &str, keys: &Keys, b: &Batch| {
                 // The splits, then the plain kernel of the same head sum (last; its own bound).
                 let plain = SelectPlan {
-                    fold_scales: false,
+                    fold: ScaleFold::Off,
                     chunks_per_block: 1,
                     ..own(b.t())
                 };
@@ -837,7 +835,10 @@ fn folded_scales_match_the_reference_within_their_bound() {
                     b,
                     &r,
                     &f[splits],
-                    Rounding { fold: false, ..how },
+                    Rounding {
+                        fold: ScaleFold::Off,
+                        ..how
+                    },
                 );
                 let changed = f[0]
                     .scores
@@ -852,13 +853,16 @@ fn folded_scales_match_the_reference_within_their_bound() {
             let keys = Keys::random(&mut rng, DI);
             for (k, seqs) in flash_batches().iter().enumerate() {
                 let b = Batch::new(&mut rng, seqs, DI);
-                check_splits(&format!("fold {head_sum:?}, batch {k}"), &keys, &b);
+                check_splits(&format!("{fold:?} {head_sum:?}, batch {k}"), &keys, &b);
+            }
+            if !full {
+                continue;
             }
             let keys = Keys::with_unfoldable(&mut rng, DI, 300);
             for (k, seqs) in flash_batches().iter().enumerate() {
                 let b = Batch::new(&mut rng, seqs, DI).with_unfoldable_tokens();
                 check_splits(
-                    &format!("fold {head_sum:?}, some keys and tokens unfoldable, batch {k}"),
+                    &format!("{fold:?} {head_sum:?}, some keys and tokens unfoldable, batch {k}"),
                     &keys,
                     &b,
                 );
@@ -869,12 +873,12 @@ fn folded_scales_match_the_reference_within_their_bound() {
                 let b = other_dims_batch(&mut rng, di, hi);
                 let t = b.t();
                 let plain = SelectPlan {
-                    fold_scales: false,
+                    fold: ScaleFold::Off,
                     chunks_per_block: 1,
                     ..own(t)
                 };
                 let (r, f) = run_plans(reference, fast, &keys, &b, s, &[Some(own(t)), Some(plain)]);
-                let name = format!("fold {head_sum:?}, {hi} heads of {di}");
+                let name = format!("{fold:?} {head_sum:?}, {hi} heads of {di}");
                 check(
                     &name,
                     &keys,
@@ -883,7 +887,7 @@ fn folded_scales_match_the_reference_within_their_bound() {
                     &f[0],
                     Rounding {
                         head_sum,
-                        fold: false,
+                        fold: ScaleFold::Off,
                     },
                 );
                 assert!(
@@ -897,7 +901,7 @@ fn folded_scales_match_the_reference_within_their_bound() {
                 let b = Batch::new(&mut rng, &seqs, DI);
                 let (r, f) = run_plans(reference, fast, &keys, &b, s, &[Some(own(b.t()))]);
                 check(
-                    &format!("fold {head_sum:?}, {patterns} key pattern(s)"),
+                    &format!("{fold:?} {head_sum:?}, {patterns} key pattern(s)"),
                     &keys,
                     &b,
                     &r,
@@ -913,7 +917,7 @@ fn folded_scales_match_the_reference_within_their_bound() {
             chunk_keys: 128,
             stage_keys: 0,
             head_sum: HeadSum::Ordered,
-            fold_scales: true,
+            fold: ScaleFold::Chain128,
             chunks_per_block: 1,
         };
         let bad = [
@@ -924,7 +928,7 @@ fn folded_scales_match_the_reference_within_their_bound() {
             },
             // Several chunks a block, without it.
             SelectPlan {
-                fold_scales: false,
+                fold: ScaleFold::Off,
                 chunks_per_block: 2,
                 ..base
             },

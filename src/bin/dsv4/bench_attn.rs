@@ -7,9 +7,10 @@
 //! and the bytes a call must move (KV rows + BF16 q and o), GB/s on them. CSA cases also time
 //! the indexer (kernels/fast_indexer.cu: scoring all C/4 visible keys, then the top-512;
 //! `kernel: indexer_fast`; `indexer_fast_tc`: the same with its head sum on the tensor core,
-//! `fi_score_tc_kernel`; `indexer_fast_fold` and `indexer_fast_fold_tc`: the scale fold
-//! (`fi_score_fold_kernel`, `fi_score_fold_tc_kernel`), also at 1, 2, 4 and 8 chunks a block
-//! (lines with `chunks_per_block`); none of those yet the fast set's). The reference kernels (attention_kernel,
+//! `fi_score_tc_kernel`; `indexer_fast_fold` and `indexer_fast_fold_tc`: the scale fold with
+//! one chain of 128 dims (`fi_score_fold_kernel`, `fi_score_fold_tc_kernel`), the latter also at
+//! 1, 2, 4 and 8 chunks a block (lines with `chunk_keys`); `indexer_fast_fold64_tc`: two chains
+//! of 64; none of those yet the fast set's). The reference kernels (attention_kernel,
 //! indexer_kernel, f64) run the same cases up to 8 tokens as the in-run baseline;
 //! bench/attn_baseline.py adds the HBM
 //! ceiling, floors, ratios and PyTorch.
@@ -29,7 +30,7 @@ use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta};
 use dsv4::cuda::kernels::fast_attention::{
     self, AttentionPath, FastAttention, FastAttentionWorkspace,
 };
-use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, HeadSum, SelectPlan};
+use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, HeadSum, ScaleFold, SelectPlan};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::{KernelCache, Registry};
@@ -383,6 +384,7 @@ fn indexer_case(
         "indexer_fast_tc",
         "indexer_fast_fold",
         "indexer_fast_fold_tc",
+        "indexer_fast_fold64_tc",
     ];
     let kernels: Vec<&str> = if t <= REFERENCE_MAX_T && ctx_len <= 65536 {
         fast_kernels
@@ -394,17 +396,17 @@ fn indexer_case(
         fast_kernels.to_vec()
     };
     // The fast set's work split with a kernel's head sum and scale fold.
-    let plan_for = |head_sum, fold_scales| {
+    let plan_for = |head_sum, fold| {
         let chunk_keys = fast_indexer::chunk_keys_for(t);
         SelectPlan {
             chunk_keys,
             stage_keys: fast_indexer::stage_keys_for(maxe),
             head_sum,
-            fold_scales,
-            chunks_per_block: if fold_scales {
-                fast_indexer::chunks_per_block_for(t, maxe, chunk_keys)
-            } else {
+            fold,
+            chunks_per_block: if fold == ScaleFold::Off {
                 1
+            } else {
+                fast_indexer::chunks_per_block_for(t, maxe, chunk_keys)
             },
         }
     };
@@ -428,9 +430,10 @@ fn indexer_case(
             "\"kernel\": \"{kernel}\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"splits\": 1"
         );
         let variant = match kernel {
-            "indexer_fast_tc" => Some(plan_for(HeadSum::TensorCore, false)),
-            "indexer_fast_fold" => Some(plan_for(HeadSum::Ordered, true)),
-            "indexer_fast_fold_tc" => Some(plan_for(HeadSum::TensorCore, true)),
+            "indexer_fast_tc" => Some(plan_for(HeadSum::TensorCore, ScaleFold::Off)),
+            "indexer_fast_fold" => Some(plan_for(HeadSum::Ordered, ScaleFold::Chain128)),
+            "indexer_fast_fold_tc" => Some(plan_for(HeadSum::TensorCore, ScaleFold::Chain128)),
+            "indexer_fast_fold64_tc" => Some(plan_for(HeadSum::TensorCore, ScaleFold::Chain64)),
             _ => None,
         };
         if kernel == "indexer_fast" {
@@ -447,7 +450,7 @@ fn indexer_case(
         }
     }
     // The fold kernel with the tensor-core head sum at each number of chunks a block.
-    let own = plan_for(HeadSum::TensorCore, true);
+    let own = plan_for(HeadSum::TensorCore, ScaleFold::Chain128);
     for chunks_per_block in [1, 2, 4, 8] {
         let plan = SelectPlan {
             chunks_per_block,
@@ -467,7 +470,7 @@ fn indexer_case(
             chunk_keys,
             stage_keys: fast_indexer::stage_keys_for(maxe),
             head_sum: HeadSum::Ordered,
-            fold_scales: false,
+            fold: ScaleFold::Off,
             chunks_per_block: 1,
         };
         let chosen = chunk_keys == fast_indexer::chunk_keys_for(t);

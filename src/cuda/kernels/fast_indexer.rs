@@ -7,12 +7,13 @@
 //! official format. `fi_score_tc_kernel` is the scoring with the sum over the heads on the BF16
 //! tensor core ([`HeadSum::TensorCore`]): measured next to the other by `dsv4 bench attn`
 //! (`indexer_fast_tc`), not yet the fast set's. `fi_score_fold_kernel` and
-//! `fi_score_fold_tc_kernel` fold the 32-block scales into the codes ([`SelectPlan::fold_scales`]):
+//! `fi_score_fold_tc_kernel` fold the 32-block scales into the codes ([`SelectPlan::fold`]):
 //! where a tile's keys and the token's queries allow it, a key's dot with a head is one chain of
-//! wgmmas over the whole head dim, and the two power-of-two factors left move into the head's
-//! weight and the key's finished score (no promotion); compiled for head dim [`FOLD_DIM`] only
-//! (Flash's and Pro's), other dims run the plain kernels; `indexer_fast_fold` and
-//! `indexer_fast_fold_tc` in the bench, not yet the fast set's.
+//! wgmmas over the whole head dim ([`ScaleFold::Chain128`]; or two of 64, added in f32:
+//! [`ScaleFold::Chain64`]), and the two power-of-two factors left move into the head's weight and
+//! the key's finished score (no promotion); compiled for head dim [`FOLD_DIM`] only (Flash's and
+//! Pro's), other dims run the plain kernels; `indexer_fast_fold`, `indexer_fast_fold_tc` and
+//! `indexer_fast_fold64_tc` in the bench, not yet the fast set's.
 //! tests/gpu_fast_indexer.rs bounds the scores against the reference kernel and checks the
 //! selection against an exact top-k of the fast scores.
 
@@ -48,11 +49,11 @@ pub const TOPK_STAGE_KEYS: usize = 32768;
 /// columns of bf16 ([`HeadSum::TensorCore`]).
 pub const HEAD_SUM_B_BYTES: usize = MAX_HEADS * 8 * 2;
 
-/// The head dim the scale-fold kernels are compiled for (FI_FOLD_DIM): [`SelectPlan::fold_scales`]
+/// The head dim the scale-fold kernels are compiled for (FI_FOLD_DIM): a [`SelectPlan::fold`]
 /// at another dim runs the plain kernels (and one chunk a block).
 pub const FOLD_DIM: usize = 128;
 
-/// Bytes the scale fold adds to a scoring block ([`SelectPlan::fold_scales`]): each chunk key's
+/// Bytes the scale fold adds to a scoring block ([`SelectPlan::fold`]): each chunk key's
 /// largest scale exponent, a flag a 32 keys (padded to 16 bytes) and each head's exponent.
 pub const FOLD_BYTES: usize = CHUNK_KEYS + 16 + MAX_HEADS;
 
@@ -110,13 +111,14 @@ crate::kernel_family! {
         positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
         di: i32, ratio: i32, maxe: i32, chunk_keys: i32, scores: *mut f32,
     );
-    /// fi_score_kernel with the scale fold ([`SelectPlan::fold_scales`]).
+    /// fi_score_kernel with the scale fold ([`SelectPlan::fold`]; `fold_chains`: 1 or 2, its
+    /// [`ScaleFold::chains`]).
     #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
     fn fi_score_fold_kernel(
         qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
         positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
-        di: i32, ratio: i32, maxe: i32, chunk_keys: i32, scores: *mut f32,
+        di: i32, ratio: i32, maxe: i32, chunk_keys: i32, fold_chains: i32, scores: *mut f32,
     );
     /// The scale fold with the head sum on the tensor core.
     #[smem(MAX_SMEM as u32)]
@@ -124,7 +126,7 @@ crate::kernel_family! {
     fn fi_score_fold_tc_kernel(
         qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
         positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
-        di: i32, ratio: i32, maxe: i32, chunk_keys: i32, scores: *mut f32,
+        di: i32, ratio: i32, maxe: i32, chunk_keys: i32, fold_chains: i32, scores: *mut f32,
     );
     #[smem((2 * TOPK_STAGE_KEYS) as u32)]
     #[pdl(true)]
@@ -158,16 +160,42 @@ pub struct SelectPlan {
     pub stage_keys: usize,
     /// How the scores sum over the heads (the selection follows the scores).
     pub head_sum: HeadSum,
-    /// Fold the 32-block scales into the e4m3 codes where a tile's keys and the token's queries
-    /// allow it (kernels/fast_indexer.cu, "the scale fold"): no promotion, another rounding (the
-    /// tests' bound). Needs `chunk_keys` a multiple of [`TILE_KEYS`], so that the tiles, and with
-    /// them the fold's decisions, do not depend on the split. At head dims other than
-    /// [`FOLD_DIM`] the plain kernels run (the same scores as without it).
-    pub fold_scales: bool,
+    /// Whether and how the 32-block scales are folded into the e4m3 codes ([`ScaleFold`]).
+    /// Folding needs `chunk_keys` a multiple of [`TILE_KEYS`], so that the tiles, and with them
+    /// the fold's decisions, do not depend on the split. At head dims other than [`FOLD_DIM`]
+    /// the plain kernels run (the same scores as [`ScaleFold::Off`]).
+    pub fold: ScaleFold,
     /// Chunks a scoring block takes (its token's chunks `blockIdx.y`, `+ gridDim.y`, ...), its
-    /// queries' codes made once: 1, or more with `fold_scales` (whose kernels loop; at other
-    /// head dims than [`FOLD_DIM`] it is taken as 1).
+    /// queries' codes made once: 1, or more with a fold (whose kernels loop; at other head dims
+    /// than [`FOLD_DIM`] it is taken as 1).
     pub chunks_per_block: usize,
+}
+
+/// The scale fold of the scoring (kernels/fast_indexer.cu, "the scale fold"): where a 64-key
+/// tile's keys and the token's queries allow it, the keys' and heads' 32-block scales are folded
+/// into their e4m3 codes and a key's dots need no promotion; elsewhere the per-32-block promotion
+/// runs as without the fold. Another rounding than [`ScaleFold::Off`] (the tests' bound).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleFold {
+    /// No fold: the per-32-block promotion everywhere (`fi_score_kernel`, `fi_score_tc_kernel`).
+    Off,
+    /// A key's dot with a head as one chain of four wgmmas over its 128 dims (DESIGN.md §4's
+    /// longest: promotion at least every 128 of K).
+    Chain128,
+    /// Two chains of 64 dims added in f32: half the chain's accumulator error, 32 more adds a
+    /// thread and tile.
+    Chain64,
+}
+
+impl ScaleFold {
+    /// Chains a key tile's dots take (the fold kernels' `fold_chains`); 0 without the fold.
+    pub fn chains(self) -> usize {
+        match self {
+            ScaleFold::Off => 0,
+            ScaleFold::Chain128 => 1,
+            ScaleFold::Chain64 => 2,
+        }
+    }
 }
 
 /// Order keys a top-k block stages for `maxe` entries a token: its whole run (a multiple of 32),
@@ -233,7 +261,7 @@ impl FastIndexer {
             chunk_keys: chunk_keys_for(b.num_tokens),
             stage_keys: stage_keys_for(x.maxe),
             head_sum: HeadSum::Ordered,
-            fold_scales: false,
+            fold: ScaleFold::Off,
             chunks_per_block: 1,
         };
         self.select_with(ctx, b, x, plan, stream)
@@ -254,9 +282,9 @@ impl FastIndexer {
         if plan.chunk_keys == 0
             || plan.chunk_keys > CHUNK_KEYS
             || plan.stage_keys > TOPK_STAGE_KEYS
-            || (plan.fold_scales && !plan.chunk_keys.is_multiple_of(TILE_KEYS))
+            || (plan.fold != ScaleFold::Off && !plan.chunk_keys.is_multiple_of(TILE_KEYS))
             || plan.chunks_per_block == 0
-            || (plan.chunks_per_block > 1 && !plan.fold_scales)
+            || (plan.chunks_per_block > 1 && plan.fold == ScaleFold::Off)
         {
             return Err(bad(format!("{plan:?} out of range")));
         }
@@ -275,7 +303,7 @@ impl FastIndexer {
         let i = |what: &str, v: usize| to_i32(FAMILY, what, v);
         let _g = ctx.enter()?;
         // The fold kernels at their head dim only, and only they take several chunks a block.
-        let fold = plan.fold_scales && di == FOLD_DIM;
+        let fold = plan.fold != ScaleFold::Off && di == FOLD_DIM;
         let chunks_per_block = if fold { plan.chunks_per_block } else { 1 };
         let chunks = x.maxe.div_ceil(plan.chunk_keys).div_ceil(chunks_per_block);
         if chunks > 0 {
@@ -284,8 +312,9 @@ impl FastIndexer {
                 .filter(|&c| c <= 65535)
                 .ok_or_else(|| bad(format!("{} entries: too many chunks", x.maxe)))?;
             macro_rules! score_args {
-                ($kernel:ident) => {
+                ($kernel:ident $(, $extra:ident: $value:expr)?) => {
                     $kernel::Args {
+                        $($extra: $value,)?
                         qi: x.qi,
                         iw: x.iw,
                         ikeys: x.ikeys.pool,
@@ -305,6 +334,7 @@ impl FastIndexer {
                 };
             }
             let smem = score_smem_bytes(di, plan.head_sum, fold) as u32;
+            let chains = i("fold chains", plan.fold.chains())?;
             let grid = (blocks, chunks);
             match (plan.head_sum, fold) {
                 (HeadSum::Ordered, false) => {
@@ -318,12 +348,12 @@ impl FastIndexer {
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
                 (HeadSum::Ordered, true) => {
-                    let args = score_args!(fi_score_fold_kernel);
+                    let args = score_args!(fi_score_fold_kernel, fold_chains: chains);
                     self.score_fold
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
                 (HeadSum::TensorCore, true) => {
-                    let args = score_args!(fi_score_fold_tc_kernel);
+                    let args = score_args!(fi_score_fold_tc_kernel, fold_chains: chains);
                     self.score_fold_tc
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
