@@ -62,7 +62,7 @@ pub const FOLD_BYTES: usize = CHUNK_KEYS + 16 + MAX_HEADS;
 /// `di / 32` scale bytes a key) and the factors (one f32 a tile key or head and 32-block); with
 /// the head sum on the tensor core, its weights ([`HEAD_SUM_B_BYTES`]); with the scale fold,
 /// [`FOLD_BYTES`].
-pub const fn score_smem_bytes(di: usize, head_sum: HeadSum, fold_scales: bool) -> usize {
+pub const fn score_smem_bytes(di: usize, head_sum: HeadSum, folded: bool) -> usize {
     di * (TILE_KEYS + MAX_HEADS)
         + CHUNK_KEYS * (di / 2 + di / 32)
         + 4 * (di / 32) * (TILE_KEYS + MAX_HEADS)
@@ -70,7 +70,7 @@ pub const fn score_smem_bytes(di: usize, head_sum: HeadSum, fold_scales: bool) -
             HeadSum::Ordered => 0,
             HeadSum::TensorCore => HEAD_SUM_B_BYTES,
         }
-        + if fold_scales { FOLD_BYTES } else { 0 }
+        + if folded { FOLD_BYTES } else { 0 }
 }
 
 /// How a score's sum over the heads, `Σ_h relu(bf16(d_h)) · w_h`, is made.
