@@ -9,8 +9,8 @@
 //! `kernel: indexer_fast`; `indexer_fast_tc`: the same with its head sum on the tensor core,
 //! `fi_score_tc_kernel`; `indexer_fast_fold` and `indexer_fast_fold_tc`: the scale fold with
 //! one chain of 128 dims (`fi_score_fold_kernel`, `fi_score_fold_tc_kernel`), the latter also at
-//! 1, 2, 4 and 8 chunks a block (lines with `chunk_keys`); `indexer_fast_fold64_tc`: two chains
-//! of 64; none of those yet the fast set's). The reference kernels (attention_kernel,
+//! chunks of 64, 128 and 256 keys and 1, 2, 4 and 8 chunks a block (lines with `chunk_keys`);
+//! `indexer_fast_fold64_tc`: two chains of 64; none of those yet the fast set's). The reference kernels (attention_kernel,
 //! indexer_kernel, f64) run the same cases up to 8 tokens as the in-run baseline;
 //! bench/attn_baseline.py adds the HBM
 //! ceiling, floors, ratios and PyTorch.
@@ -449,21 +449,29 @@ fn indexer_case(
             })?;
         }
     }
-    // The fold kernel with the tensor-core head sum at each number of chunks a block.
+    // The fold kernel with the tensor-core head sum at each chunk size and number of chunks a
+    // block (its tiles are cheaper than the plain kernel's, so the plain kernel's chunk rule,
+    // which weighed a chunk's query encoding against idle SMs, may not be its best).
     let own = plan_for(HeadSum::TensorCore, ScaleFold::Chain128);
-    for chunks_per_block in [1, 2, 4, 8] {
-        let plan = SelectPlan {
-            chunks_per_block,
-            ..own
-        };
-        let fields = format!(
-            "\"kernel\": \"indexer_fast_fold_tc\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"chunk_keys\": {}, \"chunks_per_block\": {chunks_per_block}, \"chosen\": {}",
-            plan.chunk_keys,
-            chunks_per_block == own.chunks_per_block
-        );
-        timed(fields, copies, &|j| {
-            ix.fast.select_with(ctx, meta, &args(j), plan, s)
-        })?;
+    for chunk_keys in [
+        fast_indexer::TILE_KEYS,
+        2 * fast_indexer::TILE_KEYS,
+        fast_indexer::CHUNK_KEYS,
+    ] {
+        for chunks_per_block in [1, 2, 4, 8] {
+            let plan = SelectPlan {
+                chunk_keys,
+                chunks_per_block,
+                ..own
+            };
+            let fields = format!(
+                "\"kernel\": \"indexer_fast_fold_tc\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"chunk_keys\": {chunk_keys}, \"chunks_per_block\": {chunks_per_block}, \"chosen\": {}",
+                chunk_keys == own.chunk_keys && chunks_per_block == own.chunks_per_block
+            );
+            timed(fields, copies, &|j| {
+                ix.fast.select_with(ctx, meta, &args(j), plan, s)
+            })?;
+        }
     }
     for &chunk_keys in &ix.chunks {
         let plan = SelectPlan {
