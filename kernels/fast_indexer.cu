@@ -8,9 +8,9 @@
 //   in e4m3), so the products are exact; each 32-block's sum is the tensor core's, promoted into
 //   f32. d_h = bf16(q_h . k), score = bf16(sum_h relu(d_h) * w_h) (f32 sums over heads in a fixed
 //   tree order). Writes the scores (BF16 values) to the workspace row. fi_score_tc_kernel: the same
-//   with the sum over the heads on the BF16 tensor core (other rounding; selectable, not yet the fast
-//   set's). fi_score_fold_kernel, fi_score_fold_tc_kernel: the 32-block scales folded into the codes ("the
-//   scale fold" below): one chain of wgmmas a key tile and no promotion; several chunks a block (selectable).
+//   with the sum over the heads on the BF16 tensor core (other rounding; selectable). fi_score_fold_kernel,
+//   fi_score_fold_tc_kernel: the 32-block scales folded into the codes ("the scale fold" below): one chain of
+//   wgmmas a key tile and no promotion; several chunks a block. The fast set runs fi_score_fold_tc_kernel.
 // - fi_topk_kernel: a cluster of blocks per token, exact selection on the scores: a 16-bit order
 //   key per BF16 score, two 8-bit radix histograms (warp-aggregated shared atomics, added over the
 //   cluster through distributed shared memory) find the k-th key; the keys above it and the
@@ -637,7 +637,7 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
 // fi_score_kernel with the scale fold (see above): one chain of wgmmas a tile and no promotion where the keys and
 // queries fold, the per-block promotion elsewhere. Scores within the fold's bound (tests/gpu_fast_indexer.rs),
 // not fi_score_kernel's bits. fold_chains: 1 (one chain of the four 32-blocks) or 2 (fi_chain_pair). Selectable
-// (SelectPlan::fold), not yet the fast set's.
+// (SelectPlan::fold); fi_score_fold_tc_kernel with one chain is the fast set's (fast_indexer.rs fast_plan).
 extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
     fi_score_fold_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
                          const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,

@@ -373,7 +373,19 @@ fn refused(
     }
 }
 
-/// Runs the reference indexer, then the fast one twice; returns the three results.
+/// The plain scoring kernel (`fi_score_kernel`: per-32-block promotion, the ordered head sum) at
+/// the fast set's chunk size for `t` tokens: what the tests below the fold's check.
+fn plain(t: usize) -> SelectPlan {
+    SelectPlan {
+        chunk_keys: fast_indexer::chunk_keys_for(t),
+        stage_keys: fast_indexer::stage_keys_for(MAXE),
+        head_sum: HeadSum::Ordered,
+        fold: ScaleFold::Off,
+        chunks_per_block: 1,
+    }
+}
+
+/// Runs the reference indexer, then the plain fast kernel twice; returns the three results.
 fn run(
     reference: &Indexer,
     fast: &FastIndexer,
@@ -381,7 +393,8 @@ fn run(
     b: &Batch,
     s: BorrowedStream,
 ) -> [Run; 3] {
-    let (r, mut f) = run_plans(reference, fast, keys, b, s, &[None, None]);
+    let plan = Some(plain(b.t()));
+    let (r, mut f) = run_plans(reference, fast, keys, b, s, &[plan, plan]);
     let again = f.pop().unwrap();
     [r, f.pop().unwrap(), again]
 }
@@ -656,7 +669,7 @@ fn every_work_split_gives_the_same_result() {
                     chunks_per_block: 1,
                 })
             })
-            .chain([None])
+            .chain([Some(plain(b.t()))])
             .collect();
         let (r, f) = run_plans(reference, fast, &keys, &b, s, &plans);
         for (plan, run) in plans.iter().zip(&f) {
@@ -803,18 +816,22 @@ fn folded_scales_match_the_reference_within_their_bound() {
                     chunks_per_block: 1,
                     ..own(b.t())
                 };
-                let plans: Vec<Option<SelectPlan>> = [
+                let mut plans: Vec<Option<SelectPlan>> = [
                     own(b.t()),
                     own(b.t()),
                     plan(64, 0, 1),
                     plan(128, 300, 3),
                     plan(192, 16, 2),
                     plan(256, all, 8),
-                    plain,
                 ]
                 .into_iter()
                 .map(Some)
                 .collect();
+                // The fast set's own call (`select`, fast_indexer::fast_plan) is this one: the same bits.
+                if own(b.t()) == fast_indexer::fast_plan(b.t(), MAXE) {
+                    plans.push(None);
+                }
+                plans.push(Some(plain));
                 let (r, f) = run_plans(reference, fast, keys, b, s, &plans);
                 let (worst, swaps) = check(name, keys, b, &r, &f[0], how);
                 let splits = plans.len() - 1;

@@ -6,11 +6,13 @@
 //! per (layer kind, context, batch, kernel): time per call, keys per token, the KV bytes gathered
 //! and the bytes a call must move (KV rows + BF16 q and o), GB/s on them. CSA cases also time
 //! the indexer (kernels/fast_indexer.cu: scoring all C/4 visible keys, then the top-512;
-//! `kernel: indexer_fast`; `indexer_fast_tc`: the same with its head sum on the tensor core,
-//! `fi_score_tc_kernel`; `indexer_fast_fold` and `indexer_fast_fold_tc`: the scale fold with
+//! `kernel: indexer_fast`, the fast set's call: the scale fold with the tensor-core head sum;
+//! `indexer_plain`: `fi_score_kernel`, the per-32-block promotion and the ordered head sum;
+//! `indexer_fast_tc`: the same with its head sum on the tensor core, `fi_score_tc_kernel`;
+//! `indexer_fast_fold` and `indexer_fast_fold_tc`: the scale fold with
 //! one chain of 128 dims (`fi_score_fold_kernel`, `fi_score_fold_tc_kernel`), the latter also at
 //! chunks of 64, 128 and 256 keys and 1, 2, 4 and 8 chunks a block (lines with `chunk_keys`);
-//! `indexer_fast_fold64_tc`: two chains of 64; none of those yet the fast set's). The reference kernels (attention_kernel,
+//! `indexer_fast_fold64_tc`: two chains of 64). The reference kernels (attention_kernel,
 //! indexer_kernel, f64) run the same cases up to 8 tokens as the in-run baseline;
 //! bench/attn_baseline.py adds the HBM
 //! ceiling, floors, ratios and PyTorch.
@@ -381,6 +383,7 @@ fn indexer_case(
     // it takes seconds a call.)
     let fast_kernels = [
         "indexer_fast",
+        "indexer_plain",
         "indexer_fast_tc",
         "indexer_fast_fold",
         "indexer_fast_fold_tc",
@@ -430,6 +433,7 @@ fn indexer_case(
             "\"kernel\": \"{kernel}\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"splits\": 1"
         );
         let variant = match kernel {
+            "indexer_plain" => Some(plan_for(HeadSum::Ordered, ScaleFold::Off)),
             "indexer_fast_tc" => Some(plan_for(HeadSum::TensorCore, ScaleFold::Off)),
             "indexer_fast_fold" => Some(plan_for(HeadSum::Ordered, ScaleFold::Chain128)),
             "indexer_fast_fold_tc" => Some(plan_for(HeadSum::TensorCore, ScaleFold::Chain128)),

@@ -6,14 +6,14 @@
 //! listed in index order). Takes the reference's [`IndexerArgs`]; the keys must be stored in the
 //! official format. `fi_score_tc_kernel` is the scoring with the sum over the heads on the BF16
 //! tensor core ([`HeadSum::TensorCore`]): measured next to the other by `dsv4 bench attn`
-//! (`indexer_fast_tc`), not yet the fast set's. `fi_score_fold_kernel` and
+//! (`indexer_fast_tc`). `fi_score_fold_kernel` and
 //! `fi_score_fold_tc_kernel` fold the 32-block scales into the codes ([`SelectPlan::fold`]):
 //! where a tile's keys and the token's queries allow it, a key's dot with a head is one chain of
 //! wgmmas over the whole head dim ([`ScaleFold::Chain128`]; or two of 64, added in f32:
 //! [`ScaleFold::Chain64`]), and the two power-of-two factors left move into the head's weight and
 //! the key's finished score (no promotion); compiled for head dim [`FOLD_DIM`] only (Flash's and
-//! Pro's), other dims run the plain kernels; `indexer_fast_fold`, `indexer_fast_fold_tc` and
-//! `indexer_fast_fold64_tc` in the bench, not yet the fast set's.
+//! Pro's), other dims run the plain kernels. The fast set runs the fold with the tensor-core head
+//! sum ([`fast_plan`]; `dsv4 bench attn`: `indexer_fast`, beside `indexer_plain`, the others).
 //! tests/gpu_fast_indexer.rs bounds the scores against the reference kernel and checks the
 //! selection against an exact top-k of the fast scores.
 
@@ -76,11 +76,11 @@ pub const fn score_smem_bytes(di: usize, head_sum: HeadSum, folded: bool) -> usi
 /// How a score's sum over the heads, `Σ_h relu(bf16(d_h)) · w_h`, is made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HeadSum {
-    /// In f32 in a fixed order on the CUDA cores (`fi_score_kernel`; the fast set's).
+    /// In f32 in a fixed order on the CUDA cores (`fi_score_kernel`, `fi_score_fold_kernel`).
     Ordered,
-    /// On the BF16 tensor core (`fi_score_tc_kernel`): the relu'd d_h as registers against the
-    /// weights split into two bf16 columns; fewer instructions, other rounding (the tests' bound
-    /// covers both). Not yet measured: the fast set takes [`HeadSum::Ordered`].
+    /// On the BF16 tensor core (`fi_score_tc_kernel`, `fi_score_fold_tc_kernel`): the relu'd d_h
+    /// as registers against the weights split into two bf16 columns; fewer instructions, other
+    /// rounding (the tests' bound covers both). The fast set's ([`fast_plan`]).
     TensorCore,
 }
 
@@ -151,7 +151,7 @@ crate::launchers! {
 const FAMILY: &str = "fast_indexer";
 
 /// How [`FastIndexer::select_with`] splits the work.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SelectPlan {
     /// Keys a scoring block takes (1 ..= CHUNK_KEYS).
     pub chunk_keys: usize,
@@ -206,17 +206,36 @@ pub fn stage_keys_for(maxe: usize) -> usize {
         .min(TOPK_STAGE_KEYS)
 }
 
-/// Blocks a scoring launch aims at (about two waves of four blocks on an H200's 132 SMs) when
-/// [`chunks_per_block_for`] gives a block several chunks.
-const SCORE_BLOCKS: usize = 1024;
+/// Blocks a scoring launch aims at when [`chunks_per_block_for`] gives a block several chunks:
+/// about one wave of four blocks on an H200's 132 SMs.
+const SCORE_BLOCKS: usize = 512;
 
 /// Chunks a fold kernel's scoring block takes ([`SelectPlan::chunks_per_block`]) for `tokens`
 /// tokens of up to `maxe` entries in chunks of `chunk_keys`: as many as keep about
 /// [`SCORE_BLOCKS`] blocks, at most 8 (each block makes its token's query codes once instead of
-/// once a chunk). Not measured yet: `dsv4 bench attn` sweeps 1, 2, 4 and 8.
+/// once a chunk). Measured (`dsv4 bench attn`, H200, `fi_score_fold_tc_kernel`, µs, chunk keys /
+/// chunks a block): 64K, 64 tokens 138.2 (128/1), 104.7 (256/1), 82.4 (256/4), **78.8 (256/8)**;
+/// 8K, 64 tokens **26.0 (256/1)**, 31.7 (256/2), 25.6 (128/2); 64K, 8 tokens 28.0 (128/1),
+/// **27.7 (128/2)**, 25.9 (256/2); 1 token: 64/1 best at 8K and 64K.
 pub fn chunks_per_block_for(tokens: usize, maxe: usize, chunk_keys: usize) -> usize {
     let chunks = tokens * maxe.div_ceil(chunk_keys.max(1));
     (chunks / SCORE_BLOCKS).clamp(1, 8)
+}
+
+/// The fast set's plan for `tokens` tokens of up to `maxe` entries: the scale fold (one chain of
+/// 128 dims) with the head sum on the tensor core, in chunks of [`chunk_keys_for`], several a
+/// block by [`chunks_per_block_for`]. Measured against the plain kernel with the ordered head sum
+/// (`dsv4 bench attn`, H200, the whole select, µs): 64K, 64 tokens 143.5 → 78.8; 64K, 8 tokens
+/// 32.4 → 27.7; 8K, 64 tokens 30.9 → 26.0; one token 15.4 → 14.7 (64K) and 12.4 → 11.4 (8K).
+pub fn fast_plan(tokens: usize, maxe: usize) -> SelectPlan {
+    let chunk_keys = chunk_keys_for(tokens);
+    SelectPlan {
+        chunk_keys,
+        stage_keys: stage_keys_for(maxe),
+        head_sum: HeadSum::TensorCore,
+        fold: ScaleFold::Chain128,
+        chunks_per_block: chunks_per_block_for(tokens, maxe, chunk_keys),
+    }
 }
 
 /// Keys a scoring block takes at `tokens` tokens: whole tiles, fewer where few tokens would
@@ -249,7 +268,8 @@ impl FastIndexer {
     }
 
     /// Scores every visible key of each token's slot and selects the top min(topk, visible)
-    /// (the reference's [`IndexerArgs`], which [`FastIndexer::covers`]); two launches.
+    /// (the reference's [`IndexerArgs`], which [`FastIndexer::covers`]); two launches, with
+    /// [`fast_plan`]'s kernels and split.
     pub fn select(
         &self,
         ctx: &Context,
@@ -257,14 +277,7 @@ impl FastIndexer {
         x: &IndexerArgs,
         stream: BorrowedStream,
     ) -> Result<()> {
-        let plan = SelectPlan {
-            chunk_keys: chunk_keys_for(b.num_tokens),
-            stage_keys: stage_keys_for(x.maxe),
-            head_sum: HeadSum::Ordered,
-            fold: ScaleFold::Off,
-            chunks_per_block: 1,
-        };
-        self.select_with(ctx, b, x, plan, stream)
+        self.select_with(ctx, b, x, fast_plan(b.num_tokens, x.maxe), stream)
     }
 
     /// [`FastIndexer::select`] with the work split chosen by the caller (the tests take every
