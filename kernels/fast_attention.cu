@@ -178,12 +178,12 @@ DSV4_INLINE void fa_locate(const FaSlots& s, const AttnKeys& keys, int nk, int t
   }
 }
 
-// Where keys of tiles tile0 .. tile0 + n - 1 are, tile tile0 + i into address slot i (nothing at or past tile1
-// or nk, as fa_locate), n <= FA_WG_ADDR_TILES: every thread takes keys tid, tid + FA_THREADS, ... (at most
-// FA_LOCATE_PER) in three passes, so that their loads are in flight together: every selection lookup, then
-// every block-table lookup, then the stores (a store between them would keep the next key's loads behind it:
-// the compiler cannot tell shared-memory stores from the global loads through generic pointers; and each key's
-// block-table lookup waits for its selection).
+// Where keys of tiles tile0 .. tile0 + n - 1 are, tile tile0 + i into address slot i (every thread, a key at
+// a time: all the lookups in flight together; nothing at or past tile1 or nk, as fa_locate).
+// n <= FA_WG_ADDR_TILES: a thread's keys (at most FA_LOCATE_PER) in three passes, so that their loads are in
+// flight together: every selection lookup, then every block-table lookup, then the stores (a store between
+// them would keep the next key's loads behind it: the compiler cannot tell shared-memory stores from the
+// global loads through generic pointers; and each key's block-table lookup waits for its selection).
 #define FA_LOCATE_PER ((FA_WG_ADDR_TILES * FA_TILE_KEYS + FA_THREADS - 1) / FA_THREADS)
 DSV4_INLINE void fa_locate_tiles(const FaSlots& s, const AttnKeys& keys, int nk, int tile0, int n, int tile1, int tid,
                                  const unsigned char* staged, const KvRowFmt& sf) {
