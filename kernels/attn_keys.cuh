@@ -17,39 +17,22 @@ struct AttnKeys {
   const int* sel;  // CSA selection in shared memory, NULL for HCA
 };
 
-// The j-th key row's bytes for a window key (j < k.nw); `stored` says whether it is a stored row (else an f32
-// batch row).
-DSV4_INLINE KvRowPtr attn_window_key(const AttnKeys& k, int j, bool* stored) {
-  const int pos = k.lo + j;
-  if (pos < k.p0) {
-    *stored = true;
-    return kv_row(k.state, k.ring, 0, kv_ring_pages(k.W), k.slot, pos % k.W);
-  }
-  *stored = false;
-  KvRowPtr p;
-  p.row = (unsigned char*)(k.kv + (long long)(k.t0 + pos - k.p0) * k.batch.dim);
-  p.sc = 0;
-  return p;
-}
-
 // The j-th key row's bytes; `stored` says whether it is a stored row (else an f32 batch row).
 DSV4_INLINE KvRowPtr attn_key(const AttnKeys& k, int j, bool* stored) {
-  if (j < k.nw) return attn_window_key(k, j, stored);
+  if (j < k.nw) {
+    const int pos = k.lo + j;
+    if (pos < k.p0) {
+      *stored = true;
+      return kv_row(k.state, k.ring, 0, kv_ring_pages(k.W), k.slot, pos % k.W);
+    }
+    *stored = false;
+    KvRowPtr p;
+    p.row = (unsigned char*)(k.kv + (long long)(k.t0 + pos - k.p0) * k.batch.dim);
+    p.sc = 0;
+    return p;
+  }
   *stored = true;
   const int e = k.sel != 0 ? k.sel[j - k.nw] : j - k.nw;
-  return kv_row(k.state, k.entries, k.etable, k.epps, k.slot, e);
-}
-
-// attn_key in two steps, so that a caller with several keys can have all their selection loads in flight before
-// their block-table lookups: the compressed entry the j-th key is (j >= k.nw: its selection's load for CSA; -1
-// for a window key), then the row given it.
-DSV4_INLINE int attn_key_entry(const AttnKeys& k, int j) {
-  if (j < k.nw) return -1;
-  return k.sel != 0 ? k.sel[j - k.nw] : j - k.nw;
-}
-DSV4_INLINE KvRowPtr attn_key_at(const AttnKeys& k, int j, int e, bool* stored) {
-  if (j < k.nw) return attn_window_key(k, j, stored);
-  *stored = true;
   return kv_row(k.state, k.entries, k.etable, k.epps, k.slot, e);
 }
 

@@ -125,53 +125,27 @@ struct FaSlots {
   int* kind;
 };
 
-// Key j's kind, given its row `p` from attn_key / attn_key_at and whether it is stored. With `staged` (the
-// batch's rows in the stored format, fa_stage_rows_kernel) a batch row is fetched and decoded like a stored one:
-// the same values, read through the async copies instead of the decode's own f32 loads (p then points there).
-DSV4_INLINE int fa_key_kind(const AttnKeys& keys, int j, bool stored, const unsigned char* staged, const KvRowFmt& sf,
-                            KvRowPtr& p) {
-  if (!stored && staged != 0) {  // window position lo + j at or past the batch's first, p0
-    p.row = (unsigned char*)staged + (long long)(keys.t0 + keys.lo + j - keys.p0) * fa_staged_stride(sf);
-    p.sc = p.row + sf.row_bytes;
-    stored = true;
-  }
-  return stored ? FA_KEY_STORED : FA_KEY_BATCH;
-}
-
-// Where key r of tile `tile` is (its row and scale addresses) and its kind (FA_KEY_NONE at or past tile1 or
-// nk): its selection and block-table lookups (attn_key).
-DSV4_INLINE int fa_find(const AttnKeys& keys, int nk, int tile, int tile1, int r, const unsigned char* staged,
-                        const KvRowFmt& sf, KvRowPtr& p) {
-  const int j = tile * FA_TILE_KEYS + r;
-  p.row = p.sc = 0;
-  if (tile >= tile1 || j >= nk) return FA_KEY_NONE;
-  bool stored;
-  p = attn_key(keys, j, &stored);
-  return fa_key_kind(keys, j, stored, staged, sf, p);
-}
-
-// fa_find in two steps (attn_key_entry, attn_key_at): the entry of key r of tile `tile` (-1 at or past tile1
-// or nk, or a window key), then where the key is given it.
-DSV4_INLINE int fa_entry(const AttnKeys& keys, int nk, int tile, int tile1, int r) {
-  const int j = tile * FA_TILE_KEYS + r;
-  return tile >= tile1 || j >= nk ? -1 : attn_key_entry(keys, j);
-}
-DSV4_INLINE int fa_find_at(const AttnKeys& keys, int nk, int tile, int tile1, int r, int e,
-                           const unsigned char* staged, const KvRowFmt& sf, KvRowPtr& p) {
-  const int j = tile * FA_TILE_KEYS + r;
-  p.row = p.sc = 0;
-  if (tile >= tile1 || j >= nk) return FA_KEY_NONE;
-  bool stored;
-  p = attn_key_at(keys, j, e, &stored);
-  return fa_key_kind(keys, j, stored, staged, sf, p);
-}
-
-// Where tile `tile`'s keys are, into address slot b (threads tid < FA_TILE_KEYS, one a key: fa_find).
+// Where tile `tile`'s keys are, into address slot b (threads tid < FA_TILE_KEYS, one a key: its
+// selection and block-table lookups; nothing at or past tile1 or nk). With `staged` (the batch's
+// rows in the stored format, fa_stage_rows_kernel) a batch row is fetched and decoded like a stored
+// one: the same values, read through the async copies instead of the decode's own f32 loads.
 DSV4_INLINE void fa_locate(const FaSlots& s, const AttnKeys& keys, int nk, int tile, int tile1, int b, int tid,
                            const unsigned char* staged, const KvRowFmt& sf) {
   if (tid < FA_TILE_KEYS) {
+    const int j = tile * FA_TILE_KEYS + tid;
+    int k = FA_KEY_NONE;
     KvRowPtr p;
-    const int k = fa_find(keys, nk, tile, tile1, tid, staged, sf, p);
+    p.row = p.sc = 0;
+    if (tile < tile1 && j < nk) {
+      bool stored;
+      p = attn_key(keys, j, &stored);
+      if (!stored && staged != 0) {  // window position lo + j at or past the batch's first, p0
+        p.row = (unsigned char*)staged + (long long)(keys.t0 + keys.lo + j - keys.p0) * fa_staged_stride(sf);
+        p.sc = p.row + sf.row_bytes;
+        stored = true;
+      }
+      k = stored ? FA_KEY_STORED : FA_KEY_BATCH;
+    }
     s.krow[b * FA_TILE_KEYS + tid] = (unsigned long long)p.row;
     s.ksc[b * FA_TILE_KEYS + tid] = (unsigned long long)p.sc;
     s.kind[b * FA_TILE_KEYS + tid] = k;
@@ -180,36 +154,12 @@ DSV4_INLINE void fa_locate(const FaSlots& s, const AttnKeys& keys, int nk, int t
 
 // Where keys of tiles tile0 .. tile0 + n - 1 are, tile tile0 + i into address slot i (every thread, a key at
 // a time: all the lookups in flight together; nothing at or past tile1 or nk, as fa_locate).
-// n <= FA_WG_ADDR_TILES: a thread's keys (at most FA_LOCATE_PER) in three passes, so that their loads are in
-// flight together: every selection lookup, then every block-table lookup, then the stores (a store between
-// them would keep the next key's loads behind it: the compiler cannot tell shared-memory stores from the
-// global loads through generic pointers; and each key's block-table lookup waits for its selection).
-#define FA_LOCATE_PER ((FA_WG_ADDR_TILES * FA_TILE_KEYS + FA_THREADS - 1) / FA_THREADS)
 DSV4_INLINE void fa_locate_tiles(const FaSlots& s, const AttnKeys& keys, int nk, int tile0, int n, int tile1, int tid,
                                  const unsigned char* staged, const KvRowFmt& sf) {
-  int e[FA_LOCATE_PER];
-#pragma unroll
-  for (int u = 0; u < FA_LOCATE_PER; ++u) {
-    const int i = tid + u * FA_THREADS, slot = i / FA_TILE_KEYS;
-    e[u] = i < n * FA_TILE_KEYS ? fa_entry(keys, nk, tile0 + slot, tile1, i - slot * FA_TILE_KEYS) : -1;
-  }
-  KvRowPtr p[FA_LOCATE_PER];
-  int k[FA_LOCATE_PER];
-#pragma unroll
-  for (int u = 0; u < FA_LOCATE_PER; ++u) {
-    const int i = tid + u * FA_THREADS, slot = i / FA_TILE_KEYS;
-    k[u] = i < n * FA_TILE_KEYS
-               ? fa_find_at(keys, nk, tile0 + slot, tile1, i - slot * FA_TILE_KEYS, e[u], staged, sf, p[u])
-               : FA_KEY_NONE;
-  }
-#pragma unroll
-  for (int u = 0; u < FA_LOCATE_PER; ++u) {
-    const int i = tid + u * FA_THREADS;
-    if (i < n * FA_TILE_KEYS) {
-      s.krow[i] = (unsigned long long)p[u].row;
-      s.ksc[i] = (unsigned long long)p[u].sc;
-      s.kind[i] = k[u];
-    }
+  for (int i = tid; i < n * FA_TILE_KEYS; i += FA_THREADS) {
+    const int slot = i / FA_TILE_KEYS, r = i - slot * FA_TILE_KEYS;
+    const FaSlots row = {s.krow + slot * FA_TILE_KEYS, s.ksc + slot * FA_TILE_KEYS, s.kind + slot * FA_TILE_KEYS};
+    fa_locate(row, keys, nk, tile0 + slot, tile1, 0, r, staged, sf);
   }
 }
 
