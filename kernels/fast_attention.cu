@@ -152,30 +152,18 @@ DSV4_INLINE void fa_locate(const FaSlots& s, const AttnKeys& keys, int nk, int t
   }
 }
 
-// Where keys of tiles tile0 .. tile0 + n - 1 are, tile tile0 + i into address slot i (every thread, a key at
-// a time: all the lookups in flight together; nothing at or past tile1 or nk, as fa_locate).
-DSV4_INLINE void fa_locate_tiles(const FaSlots& s, const AttnKeys& keys, int nk, int tile0, int n, int tile1, int tid,
-                                 const unsigned char* staged, const KvRowFmt& sf) {
-  for (int i = tid; i < n * FA_TILE_KEYS; i += FA_THREADS) {
-    const int slot = i / FA_TILE_KEYS, r = i - slot * FA_TILE_KEYS;
-    const FaSlots row = {s.krow + slot * FA_TILE_KEYS, s.ksc + slot * FA_TILE_KEYS, s.kind + slot * FA_TILE_KEYS};
-    fa_locate(row, keys, nk, tile0 + slot, tile1, 0, r, staged, sf);
-  }
-}
-
-// The stored rows of address slot a into raw tile b (raw + b * FA_TILE_KEYS * raw_stride),
+// The stored rows of address slot b into raw tile b (raw + b * FA_TILE_KEYS * raw_stride),
 // asynchronously, one commit group a call: 8 threads a row (so a row's kind and addresses are read
 // once), 16-byte copies of the value bytes, 4-byte copies of the scale record.
 #if FA_THREADS != 8 * FA_TILE_KEYS
 #error "fa_fetch and the wgmma decode give each key row of a tile 8 threads"
 #endif
-DSV4_INLINE void fa_fetch(const FaSlots& s, const KvRowFmt& sf, unsigned char* raw, int raw_stride, int b, int a,
-                         int tid) {
+DSV4_INLINE void fa_fetch(const FaSlots& s, const KvRowFmt& sf, unsigned char* raw, int raw_stride, int b, int tid) {
   const int r = tid >> 3, u = tid & 7;
-  if (s.kind[a * FA_TILE_KEYS + r] == FA_KEY_STORED) {
+  if (s.kind[b * FA_TILE_KEYS + r] == FA_KEY_STORED) {
     unsigned char* dst = raw + (b * FA_TILE_KEYS + r) * raw_stride;
-    const unsigned char* src = (const unsigned char*)s.krow[a * FA_TILE_KEYS + r];
-    const unsigned char* sc = (const unsigned char*)s.ksc[a * FA_TILE_KEYS + r];
+    const unsigned char* src = (const unsigned char*)s.krow[b * FA_TILE_KEYS + r];
+    const unsigned char* sc = (const unsigned char*)s.ksc[b * FA_TILE_KEYS + r];
     for (int c = u; c < sf.row_bytes / 16; c += 8) cp_async_16(smem_addr(dst + 16 * c), src + 16 * c);
     for (int o4 = 4 * u; o4 < sf.scale_bytes; o4 += 32) cp_async_4(smem_addr(dst + sf.row_bytes + o4), sc + o4);
   }
@@ -396,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   fa_locate(sl, keys, nk, tile0 + 1, tile1, 1, tid, staged, sf);
   fa_load_q(q, t, H, hd, warp, lane, [&](int r, int c, uint2 w) { *(uint2*)(qs + r * stride + 4 * c) = w; });
   __syncthreads();  // tile0's addresses
-  fa_fetch(sl, sf, raw, raw_stride, 0, 0, tid);
+  fa_fetch(sl, sf, raw, raw_stride, 0, tid);
 
   const float scale = (float)(1.0 / sqrt((double)hd));
   float acc[FA_MAX_HD / 16][4];  // O: n-tiles of 8 dims of this warp's half
@@ -417,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const int j0 = tile * FA_TILE_KEYS;
     const int b = (tile - tile0) & 1;
     __syncthreads();  // tile i + 1's addresses are visible; tile i - 1's K, raw, S consumed
-    fa_fetch(sl, sf, raw, raw_stride, b ^ 1, b ^ 1, tid);
+    fa_fetch(sl, sf, raw, raw_stride, b ^ 1, tid);
     cp_async_wait<1>();
     __syncthreads();  // tile i's raw rows have landed
     // Decode the tile's keys into K (rows past nk zero).
@@ -473,15 +461,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 // Pipeline per tile i: S(i) is in flight on entry; tile i + 1's raw rows are decoded into the
 // other K buffer while it runs; S(i)'s wait, the softmax, then P V(i) and S(i + 1) issued and P V(i)
 // waited (every wait in the iteration of its commits: see the loop). Raw rows are fetched up to
-// three tiles ahead (FA_WG_RAW slots: the tile being decoded and two in flight). Where the block's
-// tiles, and the FA_WG_RAW past them that the pipeline names, fit in FA_WG_ADDR_TILES address slots
-// (a Flash or Pro token's keys do, unsplit), every key's address is looked up in the prologue, all at
-// once; else a tile's with its fetch, as fa_attention_kernel does (one warp's two dependent L2 round
-// trips a tile, selection then block table, before the softmax's barrier).
+// three tiles ahead (FA_WG_RAW slots: the tile being decoded and two in flight; addresses looked
+// up with them).
 // Deterministic: fixed tiles and order. Not batch invariant (the split count depends on T).
 #define FA_WG_HD 512
 #define FA_WG_RAW 3
-// FA_WG_ADDR_TILES: dsv4_consts.cuh (fast_attention::WGMMA_ADDR_TILES).
 #define FA_WG_Q_CHUNK (FA_MAX_HEADS * 128)  // bytes of a 64-dim chunk of Q
 #define FA_WG_K_CHUNK (FA_TILE_KEYS * 128)  // bytes of a 64-dim chunk of a key tile
 #define FA_WG_K_TILE (8 * FA_WG_K_CHUNK)
@@ -544,7 +528,7 @@ DSV4_INLINE void fa_wgmma_pv(float (&d)[FA_MAX_HD / 16][4], const unsigned (&a)[
 
 // Grid (T, splits), FA_THREADS threads, the inputs and outputs of fa_attention_kernel; hd == FA_WG_HD
 // (the wrapper checks). Dynamic shared memory 1024-byte aligned: Q, two K tiles, the S exchange,
-// FA_WG_RAW raw tiles and FA_WG_ADDR_TILES tiles' address slots (fast_attention.rs wgmma_smem_bytes).
+// FA_WG_RAW raw tiles and address slots (fast_attention.rs wgmma_smem_bytes).
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     fa_attention_wgmma_kernel(const float* q, const float* kv, const unsigned char* staged,
                               const unsigned char* ring,
@@ -569,8 +553,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   unsigned char* raw = (unsigned char*)(xs + FA_THREADS * 16);
   FaSlots sl;
   sl.krow = (unsigned long long*)(raw + FA_WG_RAW * FA_TILE_KEYS * raw_stride);
-  sl.ksc = sl.krow + FA_WG_ADDR_TILES * FA_TILE_KEYS;
-  sl.kind = (int*)(sl.ksc + FA_WG_ADDR_TILES * FA_TILE_KEYS);
+  sl.ksc = sl.krow + FA_WG_RAW * FA_TILE_KEYS;
+  sl.kind = (int*)(sl.ksc + FA_WG_RAW * FA_TILE_KEYS);
   const int dim0 = half * (FA_WG_HD / 2);
   const long long part = (long long)t * splits + split;
   float2* ml = (float2*)part_ml;
@@ -582,17 +566,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     fa_empty(t, H, hd, tid, part, splits, ml, o);
     return;
   }
-  // Whether every address the pipeline names (tiles tile0 .. tile1 - 1 + FA_WG_RAW) has its own slot, looked
-  // up in the prologue (uniform); tile x's address slot is then x - tile0, else its raw slot.
-  const bool table = tile1 - tile0 + FA_WG_RAW <= FA_WG_ADDR_TILES;
-  auto aslot = [&](int x) { return table ? x - tile0 : (x - tile0) % FA_WG_RAW; };
-  // The keys of raw slot rs (addresses in slot as) decoded into K buffer kb: 8 threads a key row (its kind
-  // and addresses read once), thread u of a row taking the 16-byte unit u of each 64-dim chunk.
-  auto decode = [&](int rs, int as, int kb) {
+  // The keys of raw / address slot rs decoded into K buffer kb: 8 threads a key row (its kind and
+  // addresses read once), thread u of a row taking the 16-byte unit u of each 64-dim chunk.
+  auto decode = [&](int rs, int kb) {
     const int r = tid >> 3, u = tid & 7;
-    const int k = sl.kind[as * FA_TILE_KEYS + r];
+    const int k = sl.kind[rs * FA_TILE_KEYS + r];
     const unsigned char* rr = raw + (rs * FA_TILE_KEYS + r) * raw_stride;
-    const float* fr = (const float*)sl.krow[as * FA_TILE_KEYS + r];
+    const float* fr = (const float*)sl.krow[rs * FA_TILE_KEYS + r];
     unsigned char* dst = ks + kb * FA_WG_K_TILE + fa_sw(r, u, FA_WG_K_CHUNK);
 #pragma unroll
     for (int j = 0; j < FA_WG_HD / 64; ++j) {
@@ -606,18 +586,15 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     }
     fence_proxy_async_shared();  // generic-proxy writes, read next by wgmma (async proxy)
   };
-  if (table)
-    fa_locate_tiles(sl, keys, nk, tile0, tile1 - tile0 + FA_WG_RAW, tile1, tid, staged, sf);
-  else
-    for (int i = 0; i < FA_WG_RAW; ++i) fa_locate(sl, keys, nk, tile0 + i, tile1, i, tid, staged, sf);
+  for (int i = 0; i < FA_WG_RAW; ++i) fa_locate(sl, keys, nk, tile0 + i, tile1, i, tid, staged, sf);
   fa_load_q(q, t, H, hd, warp, lane, [&](int r, int c, uint2 w) {
     *(uint2*)(qs + fa_sw(r, c >> 1, FA_WG_Q_CHUNK) + 8 * (c & 1)) = w;
   });
   __syncthreads();  // the first tiles' addresses
-  for (int i = 0; i < FA_WG_RAW; ++i) fa_fetch(sl, sf, raw, raw_stride, i, i, tid);
+  for (int i = 0; i < FA_WG_RAW; ++i) fa_fetch(sl, sf, raw, raw_stride, i, tid);
   cp_async_wait<FA_WG_RAW - 1>();
   __syncthreads();  // tile0's raw rows have landed
-  decode(0, 0, 0);  // (and Q's stores fenced for the async proxy)
+  decode(0, 0);     // (and Q's stores fenced for the async proxy)
   cp_async_wait<FA_WG_RAW - 2>();
   __syncthreads();  // K buffer 0 and Q complete; tile0 + 1's raw rows landed
 
@@ -649,18 +626,18 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 
   // Tile i: S(i) is in flight on entry. Every wait is in the iteration of its commits (ptxas then sees
   // which group retires; a wait<1> retiring the previous iteration's P V made it serialize every wgmma).
-  int rcur = 0;  // raw slot of tile i (i mod FA_WG_RAW)
+  int rcur = 0;  // raw / address slot of tile i (i mod FA_WG_RAW)
   for (int tile = tile0; tile < tile1; ++tile) {
     const int b = (tile - tile0) & 1;  // K buffer of tile i
     const int rnext = rcur + 1 == FA_WG_RAW ? 0 : rcur + 1;
-    decode(rnext, aslot(tile + 1), b ^ 1);  // tile i + 1 (zeros past the split's keys) while S(i) runs
-    if (!table) fa_locate(sl, keys, nk, tile + FA_WG_RAW, tile1, rcur, tid, staged, sf);  // into tile i's slot
+    decode(rnext, b ^ 1);  // tile i + 1 (zeros past the split's keys) while S(i) runs
+    fa_locate(sl, keys, nk, tile + FA_WG_RAW, tile1, rcur, tid, staged, sf);  // into tile i's slot, decoded already
     wgmma_wait<0>();  // S(i)
     wgmma_fence_operand(sc);
     unsigned pa[2][4];
     // (Its barrier: K buffer b ^ 1 and the new addresses complete.)
     fa_softmax_tile(sc, xs, tid, half, cq, tile * FA_TILE_KEYS, nk, scale, mrow, lrow, acc, pa);
-    fa_fetch(sl, sf, raw, raw_stride, rcur, aslot(tile + FA_WG_RAW), tid);  // tile i + FA_WG_RAW
+    fa_fetch(sl, sf, raw, raw_stride, rcur, tid);  // tile i + FA_WG_RAW
     // P V(i) over this warpgroup's dims, two k16 steps of 16 keys (2048 bytes of rows apart), then
     // S(i + 1) (past the split: zero keys, never read).
     wgmma_fence_operand(acc);

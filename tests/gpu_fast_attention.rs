@@ -525,9 +525,8 @@ fn csa_attention_matches_the_reference_within_the_bound() {
 }
 
 /// HCA at 256K positions (up to 2048 entries + the window): decode batches of 1, 8 and 64,
-/// positions below the ratio (no entry yet), a 300-token prefill, and 72 tokens (unsplit blocks)
-/// whose longest take more tiles than the wgmma kernel's address table holds (it then looks a
-/// tile's addresses up with its fetch) beside short ones (the table).
+/// positions below the ratio (no entry yet), a 300-token prefill, and 72 tokens (unsplit blocks
+/// of up to 68 key tiles beside blocks of one).
 #[test]
 fn hca_attention_matches_the_reference_within_the_bound() {
     run_layer(

@@ -58,23 +58,17 @@ const _: () = assert!(MAX_SMEM <= SM90_MAX_SMEM);
 pub const WGMMA_HD: usize = 512;
 /// Raw tiles the wgmma path keeps (FA_WG_RAW): the one being decoded and two in flight.
 pub const WGMMA_RAW_TILES: usize = 3;
-/// Tiles whose key addresses a wgmma-path block holds (FA_WG_ADDR_TILES): a block whose tiles
-/// and the [`WGMMA_RAW_TILES`] past them fit (up to 37 tiles, 1184 keys: a Flash or Pro token's
-/// window and top-k unsplit) looks every address up in its prologue, all at once, instead of a
-/// tile's with its fetch (two dependent L2 round trips a tile on one warp, before a barrier).
-/// 40: what fits beside the rest in [`SM90_MAX_SMEM`] with official rows.
-pub const WGMMA_ADDR_TILES: usize = 40;
 
 /// Dynamic shared memory of a wgmma-path block whose stored rows take `raw_row` bytes: Q (all
 /// heads) and two key tiles as swizzled bf16, the S exchange, [`WGMMA_RAW_TILES`] raw tiles and
-/// [`WGMMA_ADDR_TILES`] tiles' address slots. The kernel needs its start 1024-byte aligned (a
-/// dynamic allocation without static shared memory is).
+/// their address slots. The kernel needs its start 1024-byte aligned (a dynamic allocation
+/// without static shared memory is).
 pub const fn wgmma_smem_bytes(raw_row: usize) -> usize {
     2 * MAX_HEADS * WGMMA_HD
         + 2 * 2 * TILE_KEYS * WGMMA_HD
         + 4 * THREADS * 16
         + WGMMA_RAW_TILES * TILE_KEYS * raw_row.next_multiple_of(16)
-        + WGMMA_ADDR_TILES * TILE_KEYS * 20
+        + WGMMA_RAW_TILES * TILE_KEYS * 20
 }
 
 /// Which kernel runs the attention: [`AttentionPath::Mma`] (mma.sync, any head dim it covers) or
