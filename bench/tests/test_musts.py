@@ -58,18 +58,29 @@ def test_dense_musts_read_the_paths_the_fast_set_runs(tmp_path):
         dense("wq_b", 1, "gemv", 0.685, 0.0, act=False),  # operands by a separate kernel
         dense("wo_b", 1, "gemv", 0.659, 0.0),
         dense("head", 1, "gemv", 1.016, 0.0, fmt="bf16"),
-        dense("wq_b", 8192, "cublaslt", 0.0, 0.57),
-        dense("wq_b", 8192, "own_fp8_gemm", 0.0, 0.74),  # the faster whole call counts
+        dense("wq_b", 8192, "cublaslt", 0.0, 0.74),
+        dense("wq_b", 8192, "own_fp8_gemm", 0.0, 0.80),  # not the fast set's GEMM
         dense("wq_b", 8192, "cublaslt_gemm_only", 0.0, 0.90),  # a GEMM alone is not a call
-        dense("wq_b", 2048, "own_fp8_gemm", 0.0, 0.10),  # not the file's largest T
+        dense("wq_b", 2048, "cublaslt", 0.0, 0.10),  # not the file's largest T
         dense("compressor.wkv", 8192, "cublaslt", 0.0, 0.30, fmt="bf16", bf16=0.72),
+        # wo_a: FP8 storage, a BF16 einsum: judged on the BF16 peak.
+        dict(dense("wo_a", 8192, "cublaslt", 0.0, 0.36, bf16=0.71), groups=8),
     ])
     r = musts.standing([f])
     dec = r["12 decode projections >= 75% HBM (T = 1)"]
     assert sorted(c["value"] for c in dec["cases"]) == [0.659, 0.756] and not dec["met"]
     assert r["12 head >= 85% HBM (T = 1)"]["met"]
     pre = r["12 prefill projections >= 70% of peak"]
-    assert sorted(c["value"] for c in pre["cases"]) == [0.72, 0.74] and pre["met"]
+    assert sorted(c["value"] for c in pre["cases"]) == [0.71, 0.72, 0.74] and pre["met"]
+
+
+def test_a_grouped_projection_without_its_bf16_ratio_takes_the_files_bf16_ceiling(tmp_path):
+    p = tmp_path / "g.json"
+    wo_a = dict(dense("wo_a", 8192, "cublaslt", 0.0, 0.28), groups=8, flops=5.5e11, time_us=1375.0)
+    p.write_text(json.dumps({"date": "x", "ceilings": {"bf16_flop_per_s": 8.0e14}, "cases": [wo_a]}))
+    pre = musts.standing([str(p)])["12 prefill projections >= 70% of peak"]
+    # 5.5e11 flop in 1375 us = 4.0e14 flop/s, half the BF16 ceiling.
+    assert [c["value"] for c in pre["cases"]] == [0.5] and not pre["met"]
 
 
 def attn(layer, kernel, ctx, t, time, floor):
