@@ -178,6 +178,19 @@ pub trait FastOps {
         Ok(false)
     }
 
+    /// Runs `first`, then `second` on first's output (`second.x` is `first.y`, which has no
+    /// other reader: the set may leave it unrounded where only second needs its rounding), and
+    /// returns true, or returns false having launched nothing: each then runs on its own.
+    fn try_linear_chain(
+        &self,
+        _ctx: &Context,
+        _first: &LinearCall,
+        _second: &LinearCall,
+        _stream: BorrowedStream,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
     /// Runs the indexer's scoring and top-k (the reference `indexer_kernel`'s operation) and
     /// returns true, or returns false having launched nothing.
     fn try_select(

@@ -30,7 +30,7 @@ use crate::cuda::kernels::fast_dense::{
     DenseOp, FUSED_ACT_MAX_T, FastDense, GROUP_MAX, GROUP_MAX_T,
 };
 use crate::cuda::kernels::fast_dense_gemm::{
-    GEMM_MIN_TOKENS, GemmWorkspace, run_gemm_group, run_linear,
+    GEMM_MIN_TOKENS, GemmWorkspace, run_gemm_chain, run_gemm_group, run_linear,
 };
 use crate::cuda::kernels::fast_indexer::FastIndexer;
 use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared, Unsupported};
@@ -409,6 +409,36 @@ impl FastOps for FastSet {
         }
         self.dense.run_group(ctx, members, &self.ws.dense, stream)?;
         Ok(true)
+    }
+
+    /// The output projection of many tokens (wo_a then wo_b): wo_b's act_quant made by the
+    /// pass that finishes wo_a, from its unrounded sums, where the GEMM path takes both
+    /// ([`run_gemm_chain`]; the bits of the two calls).
+    fn try_linear_chain(
+        &self,
+        ctx: &Context,
+        first: &LinearCall,
+        second: &LinearCall,
+        stream: BorrowedStream,
+    ) -> Result<bool> {
+        let (Some((gemm, operand)), Some(a), Some(b)) = (
+            &self.gemm,
+            dense_op(first, FUSED_ACT_MAX_T),
+            dense_op(second, FUSED_ACT_MAX_T),
+        ) else {
+            return Ok(false);
+        };
+        run_gemm_chain(
+            &self.dense,
+            gemm,
+            None,
+            ctx,
+            &a,
+            &b,
+            operand,
+            &self.ws.dense,
+            stream,
+        )
     }
 
     /// The fast indexer runs every CSA layer whose heads, dims, top-k and stored format it

@@ -416,7 +416,8 @@ impl Run<'_> {
     }
 
     /// Grouped output projection: the heads of group g through rows g*R.. of wo_a (BF16
-    /// einsum: no activation quantisation), then wo_b into `ws.a`.
+    /// einsum: no activation quantisation), then wo_b into `ws.a`; offered to the fast set as one
+    /// chain first (`ws.z`, wo_a's output, has no reader but wo_b).
     fn output_projection(&self, a: &AttnLayer) -> Result<()> {
         let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
         let (h, hd, d) = (cfg.num_heads, cfg.head_dim, cfg.hidden_size);
@@ -435,6 +436,27 @@ impl Run<'_> {
             y: ws.z,
             ldy: g * r,
         };
+        let wo_b = self.weights[lw.wo_b];
+        let second = LinearCall {
+            x: ws.z,
+            ldx: g * r,
+            t,
+            w: if wo_b.rows == d {
+                wo_b
+            } else {
+                wo_b.rows(0, d)?
+            },
+            groups: 1,
+            quant_act: official,
+            round: official,
+            y: ws.a,
+            ldy: d,
+        };
+        if let Some(f) = self.fast
+            && f.try_linear_chain(self.ctx, &grouped, &second, a.st)?
+        {
+            return Ok(());
+        }
         let fast = match self.fast {
             Some(f) => f.try_linear(self.ctx, &grouped, a.st)?,
             None => false,
