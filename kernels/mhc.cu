@@ -215,9 +215,11 @@ extern "C" __global__ void hc_pre_kernel(const float* x, int T, int N, int D, co
 
 // In place over x [T, N, D]: x'[t, k, i] = post[t, k] * a[t, i] + f32(Σ_j f64(C[t, j, k]) *
 // f64(x[t, j, i])) (the sum in order j = 0..N, from -0.0), bf16 if round_out. One thread per
-// (t, i): it reads all N streams before writing any, so in place is safe.
+// (t, i): it reads all N streams before writing any, so in place is safe. round_in: a holds a
+// projection's unrounded f32 outputs whose official values are their bf16 roundings (the attention's
+// wo_b: its many-token GEMM then needs no rounding pass over its output), rounded here as read.
 extern "C" __global__ void hc_post_kernel(float* x, const float* a, const float* post, const float* comb, int T, int N,
-                                          int D, int round_out) {
+                                          int D, int round_in, int round_out) {
   dsv4_pdl_begin();
   const long long total = (long long)T * D;
   for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x) {
@@ -227,7 +229,7 @@ extern "C" __global__ void hc_post_kernel(float* x, const float* a, const float*
     float xs[HC_MAX_N];
 #pragma unroll
     for (int j = 0; j < HC_MAX_N; ++j) xs[j] = j < N ? xt[(long long)j * D] : 0.0f;
-    const float av = a[t * D + i];
+    const float av = round_in ? round_bf16(a[t * D + i]) : a[t * D + i];
 #pragma unroll
     for (int k = 0; k < HC_MAX_N; ++k) {
       if (k >= N) break;

@@ -263,7 +263,8 @@ fn hc_post_matches_reference_bit_for_bit() {
             let st = site(&mut rng, MIX, dd, 3, 3.0);
             // post / comb as hc_pre makes them (the reference's), the block output `a`.
             let pre = hc_pre(Threads(4), &x, N, dd, &st.params(), ITERS, HC_EPS, RMS_EPS);
-            let a = bf16_if(official, rng.normals(t * dd, 0.7));
+            let a_raw = rng.normals(t * dd, 0.7);
+            let a = bf16_if(official, a_raw.clone());
             let mut want = x.clone();
             let pre_ref = HcPre {
                 u: vec![],
@@ -274,14 +275,23 @@ fn hc_post_matches_reference_bit_for_bit() {
             if official {
                 round_bf16(&mut want);
             }
-            let (_a, p) = d.alloc(&[x.len() * 4, a.len() * 4, t * N * 4, t * N * N * 4]);
-            d.put(p[0], &x);
-            d.put(p[1], &a);
-            d.put(p[2], &pre.post);
-            d.put(p[3], &pre.comb);
-            d.k.hc_post(d.ctx(), p[0], p[1], p[2], p[3], t, N, dd, official, d.s())
-                .unwrap();
-            assert_bits(&what, &d.get(p[0], x.len()), &want);
+            // Official: also with `a` unrounded and rounded as read (round_in, as the attention's
+            // wo_b output comes), against the same reference.
+            for round_in in [false, true].into_iter().filter(|&r| !r || official) {
+                let (_a, p) = d.alloc(&[x.len() * 4, a.len() * 4, t * N * 4, t * N * N * 4]);
+                d.put(p[0], &x);
+                d.put(p[1], if round_in { &a_raw } else { &a });
+                d.put(p[2], &pre.post);
+                d.put(p[3], &pre.comb);
+                let rounds = (round_in, official);
+                d.k.hc_post(d.ctx(), p[0], p[1], p[2], p[3], t, N, dd, rounds, d.s())
+                    .unwrap();
+                assert_bits(
+                    &format!("{what} round_in {round_in}"),
+                    &d.get(p[0], x.len()),
+                    &want,
+                );
+            }
         }
     }
 }
@@ -345,6 +355,6 @@ fn wrappers_reject_bad_shapes() {
     assert!(pre.is_err());
     let head = k.hc_head(ctx, b, 1, N, 256, site, HC_EPS, RMS_EPS, false, b, b, s);
     assert!(head.is_err());
-    let post = k.hc_post(ctx, b, b, b, b, 0, N, 16, false, s);
+    let post = k.hc_post(ctx, b, b, b, b, 0, N, 16, (false, false), s);
     assert!(post.is_ok(), "no tokens is a no-op");
 }

@@ -24,7 +24,7 @@ crate::kernel_family! {
     #[pdl(true)]
     fn hc_post_kernel(
         x: *mut f32, a: *const f32, post: *const f32, comb: *const f32, t: i32, n: i32, d: i32,
-        round_out: bool,
+        round_in: bool, round_out: bool,
     );
     #[pdl(true)]
     fn hc_head_kernel(
@@ -305,7 +305,8 @@ impl Mhc {
 
     /// hc_post in place over `x` [t, n, d] (`reference::mhc::hc_post`): `x'[k] = post_k * a +
     /// Σ_j C[j, k] x[j]` with `a` [t, d], `post` [t, n], `comb` [t, n, n] from hc_pre; bf16 if
-    /// `round_out` (the official `prec.bf16(&mut x)` folded in).
+    /// `round_out` (the official `prec.bf16(&mut x)` folded in); `round_in`: `a` rounded to bf16
+    /// as read (its writer left its official rounding to this reader).
     #[allow(clippy::too_many_arguments)]
     pub fn hc_post(
         &self,
@@ -317,7 +318,7 @@ impl Mhc {
         t: usize,
         n: usize,
         d: usize,
-        round_out: bool,
+        (round_in, round_out): (bool, bool),
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "hc_post_kernel";
@@ -338,6 +339,7 @@ impl Mhc {
             t: to_i32(K, "T", t)?,
             n: n as i32,
             d: d as i32,
+            round_in,
             round_out,
         };
         let blocks = (t * d).div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS) as u32;

@@ -106,28 +106,6 @@ impl Run<'_> {
         )
     }
 
-    /// `y[t, 0..n] = x[t, 0..k] . W[row0 + j, :]` with this layer's token count, BF16 output
-    /// and activation quantisation in official mode.
-    #[allow(clippy::too_many_arguments)]
-    fn project(
-        &self,
-        a: &AttnLayer,
-        x: DevicePtr,
-        ldx: usize,
-        w: usize,
-        row0: usize,
-        n: usize,
-        y: DevicePtr,
-        ldy: usize,
-    ) -> Result<()> {
-        let official = self.official();
-        let t = a.meta.num_tokens;
-        let w = self.weights[w];
-        self.linear(
-            a.k8, x, ldx, t, &w, row0, n, y, ldy, official, official, a.st,
-        )
-    }
-
     /// The linear `y[t, 0..n] = x[t, :] . W[j, :]` of weight index `w`'s first `n` rows, for a
     /// [`LinearGroup`].
     #[allow(clippy::too_many_arguments)]
@@ -417,7 +395,9 @@ impl Run<'_> {
 
     /// Grouped output projection: the heads of group g through rows g*R.. of wo_a (BF16
     /// einsum: no activation quantisation), then wo_b into `ws.a`; offered to the fast set as one
-    /// chain first (`ws.z`, wo_a's output, has no reader but wo_b).
+    /// chain first (`ws.z`, wo_a's output, has no reader but wo_b). wo_b's official bf16 rounding
+    /// is left to `ws.a`'s only reader, the hc_post after the sub-block (`post`: the same values;
+    /// a many-token wo_b through cuBLASLt then needs no rounding pass over its output).
     fn output_projection(&self, a: &AttnLayer) -> Result<()> {
         let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
         let (h, hd, d) = (cfg.num_heads, cfg.head_dim, cfg.hidden_size);
@@ -448,7 +428,7 @@ impl Run<'_> {
             },
             groups: 1,
             quant_act: official,
-            round: official,
+            round: false,
             y: ws.a,
             ldy: d,
         };
@@ -479,7 +459,20 @@ impl Run<'_> {
                 a.st,
             )?;
         }
-        self.project(a, ws.z, g * r, lw.wo_b, 0, d, ws.a, d)
+        self.linear(
+            a.k8,
+            second.x,
+            second.ldx,
+            t,
+            &wo_b,
+            0,
+            d,
+            second.y,
+            second.ldy,
+            second.quant_act,
+            second.round,
+            a.st,
+        )
     }
 
     /// One compressor (main KV or indexer keys) over the batch's tokens, from its projections

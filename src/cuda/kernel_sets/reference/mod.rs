@@ -120,11 +120,14 @@ impl ReferenceSet {
         }
     }
 
-    /// hc_post of the sub-block that ran: its output mixed back into the residual streams.
+    /// hc_post of the sub-block that ran: its output mixed back into the residual streams. In
+    /// official mode the attention's output (wo_b's) is rounded to bf16 here, as read: its
+    /// projection leaves that rounding to this, its only reader (`output_projection`).
     fn post(&self, s: &Step, done: Branch) -> Result<()> {
         let (cfg, ws) = (s.cfg, &self.ws);
         let (n, d) = (cfg.hc_mult, cfg.hidden_size);
         let official = s.opts.numerics == Numerics::Official;
+        let round_in = official && matches!(done, Branch::Attention(_));
         self.k.mhc.hc_post(
             s.ctx,
             ws.x,
@@ -134,7 +137,7 @@ impl ReferenceSet {
             s.meta.num_tokens,
             n,
             d,
-            official,
+            (round_in, official),
             s.stream,
         )
     }
