@@ -85,7 +85,10 @@ fn rmsnorm_matches_reference_bit_for_bit() {
     let mut rng = Rng::new(1);
     // (rows, dim, ld, with weight): hidden sizes, per-head q norm (no weight), q_lora with a
     // padded stride, the released hidden size (past the registers path: the strided loop), a row
-    // whose last threads hold fewer values.
+    // whose last threads hold fewer values; then rows enough for rmsnorm_rows_kernel
+    // (norm_rope::RMSNORM_ROWS_MIN): Flash's hidden size and q_lora (padded stride), a row
+    // that leaves the last values part-filled, and a row too wide for it (rmsnorm_kernel).
+    let many = norm_rope::RMSNORM_ROWS_MIN;
     let cases = [
         (37, 256, 256, true),
         (5, 4096, 4096, true),
@@ -94,6 +97,10 @@ fn rmsnorm_matches_reference_bit_for_bit() {
         (9, 1536, 1600, true),
         (3, 7168, 7168, true),
         (1, 64, 64, true),
+        (many + 7, 4096, 4096, true),
+        (many, 1024, 1056, false),
+        (many + 1, 4000, 4000, true),
+        (many, 7168, 7168, true),
     ];
     for official in [false, true] {
         for &(rows, dim, ld, with_w) in &cases {

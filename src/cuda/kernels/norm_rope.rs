@@ -26,6 +26,11 @@ crate::kernel_family! {
         x: *mut f32, rows: i32, dim: i32, ld: i32, weight: Option<*const f32>, eps: f32,
         round_out: bool,
     );
+    #[pdl(true)]
+    fn rmsnorm_rows_kernel(
+        x: *mut f32, rows: i32, dim: i32, ld: i32, weight: Option<*const f32>, eps: f32,
+        round_out: bool,
+    );
 }
 
 crate::kernel_family! {
@@ -118,6 +123,13 @@ const ROW_THREADS: u32 = 256;
 /// values a thread is read once, every load in flight at once.
 pub const RMSNORM_VALUES: usize = 4;
 
+/// Fewest rows [`NormRope::rmsnorm`] gives `rmsnorm_rows_kernel` (a prefill's).
+pub const RMSNORM_ROWS_MIN: usize = 256;
+/// Values an `rmsnorm_rows_kernel` thread holds in registers (RN_ROWS_VALS).
+pub const RMSNORM_ROWS_VALUES: usize = 16;
+/// Threads of an `rmsnorm_rows_kernel` block (RN_ROWS_THREADS): rows of up to 4096 values.
+pub const RMSNORM_ROWS_THREADS: usize = 256;
+
 /// Threads of an `rmsnorm_kernel` block for rows of `dim` values: 128 up to 128 values,
 /// [`ROW_THREADS`] up to 1024, then enough (at most 1024) for [`RMSNORM_VALUES`] a thread, so
 /// the hidden size's rows (4096 on Flash) take the registers path.
@@ -167,6 +179,7 @@ crate::launchers! {
     /// The entry points of the five families, resolved from a loaded registry.
     pub struct NormRope {
         rmsnorm: rmsnorm_kernel,
+        rmsnorm_rows: rmsnorm_rows_kernel,
         rope: rope_kernel,
         rope_rows: rope_rows_kernel,
         head_prep_rows: head_prep_rows_kernel,
@@ -213,8 +226,28 @@ impl NormRope {
             to_i32(K, "dim", dim)?,
             to_i32(K, "ld", ld)?,
         );
-        let threads = rmsnorm_threads(dim);
         let _g = ctx.enter()?;
+        if rows >= RMSNORM_ROWS_MIN && dim <= RMSNORM_ROWS_VALUES * RMSNORM_ROWS_THREADS {
+            // Eight rows an SM where rmsnorm_kernel's 1024-thread blocks for the hidden size's
+            // rows hold two (see kernels/norm.cu).
+            let args = rmsnorm_rows_kernel::Args {
+                x,
+                rows: r32,
+                dim: d32,
+                ld: l32,
+                weight,
+                eps,
+                round_out,
+            };
+            return self.rmsnorm_rows.launch(
+                row_blocks(rows),
+                RMSNORM_ROWS_THREADS as u32,
+                0,
+                stream,
+                args,
+            );
+        }
+        let threads = rmsnorm_threads(dim);
         let args = rmsnorm_kernel::Args {
             x,
             rows: r32,
