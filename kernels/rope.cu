@@ -22,10 +22,12 @@
 // cos / sin; it now loads them all first. (ROPE_HEADS: dsv4_consts.cuh, norm_rope.rs ROPE_HEADS.)
 // With round_in the head is first rounded to bf16 as loaded (the rotated pairs before their rotation, the
 // nope channels by the same pass as round_out's): the projection that wrote x may leave its official bf16
-// rounding to this kernel, its first reader.
+// rounding to this kernel, its first reader. With out_bf16 (non-null; round_out set) every value is also
+// written as its bf16 bits to out_bf16 [rows, ld_out] (the heads at the same columns): a BF16 copy for a
+// reader that takes BF16 (wo_a's grouped GEMM), so that it needs no conversion pass of its own.
 extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, int head_dim, const int* pos,
                                        const float* inv_freq, int half_rope, float sign, int round_out,
-                                       int round_in) {
+                                       int round_in, unsigned short* out_bf16, int ld_out) {
   dsv4_pdl_begin();
   const int nope = head_dim - 2 * half_rope;
   const int items = half_rope * ((heads + ROPE_HEADS - 1) / ROPE_HEADS);
@@ -54,6 +56,10 @@ extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, in
           ref_rope_rotate(a[j], b[j], c, s, round_out);
           t0[(long long)j * head_dim] = a[j];
           t0[(long long)j * head_dim + 1] = b[j];
+          if (out_bf16) {
+            const long long o = (long long)r * ld_out + (long long)(hc * ROPE_HEADS + j) * head_dim + nope + 2 * k;
+            *reinterpret_cast<unsigned*>(out_bf16 + o) = (unsigned)f32_to_bf16(a[j]) | ((unsigned)f32_to_bf16(b[j]) << 16);
+          }
         }
       }
     }
@@ -62,6 +68,7 @@ extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, in
         const int h = q / nope, i = q - h * nope;
         float* v = row + (long long)h * head_dim + i;
         *v = round_bf16(*v);
+        if (out_bf16) out_bf16[(long long)r * ld_out + (long long)h * head_dim + i] = f32_to_bf16(*v);
       }
     }
   }
@@ -72,10 +79,11 @@ extern "C" __global__ void rope_kernel(float* x, int rows, int ld, int heads, in
 // shares them, where rope_kernel computes one per ROPE_HEADS heads), then every (head, pair) rotated
 // by ref_rope_rotate, then with round_out the nope channels rounded, a warp a head, four values a
 // thread where the row layout allows a 16-byte access (vec4), else one. The same operations on
-// every value as rope_kernel: the same bits. half_rope <= ROPE_ROWS_MAX_PAIRS (dsv4_consts.cuh).
+// every value as rope_kernel: the same bits, and the same BF16 copy with out_bf16 (vec4 then also asks
+// ld_out and out_bf16 to allow 8-byte stores). half_rope <= ROPE_ROWS_MAX_PAIRS (dsv4_consts.cuh).
 extern "C" __global__ void rope_rows_kernel(float* x, int rows, int ld, int heads, int head_dim, const int* pos,
                                             const float* inv_freq, int half_rope, float sign, int round_out,
-                                            int round_in, int vec4) {
+                                            int round_in, unsigned short* out_bf16, int ld_out, int vec4) {
   dsv4_pdl_begin();
   __shared__ float cs[2 * ROPE_ROWS_MAX_PAIRS];
   const int nope = head_dim - 2 * half_rope;
@@ -97,18 +105,31 @@ extern "C" __global__ void rope_rows_kernel(float* x, int rows, int ld, int head
       ref_rope_rotate(a, b, cs[2 * k], cs[2 * k + 1], round_out);
       t[0] = a;
       t[1] = b;
+      if (out_bf16) {
+        const long long o = (long long)r * ld_out + (long long)h * head_dim + nope + 2 * k;
+        *reinterpret_cast<unsigned*>(out_bf16 + o) = (unsigned)f32_to_bf16(a) | ((unsigned)f32_to_bf16(b) << 16);
+      }
     }
     if ((round_out || round_in) && nope > 0) {
       for (int h = warp; h < heads; h += nwarps) {
         float* v = row + (long long)h * head_dim;
+        unsigned short* ob = out_bf16 ? out_bf16 + (long long)r * ld_out + (long long)h * head_dim : nullptr;
         if (vec4) {
           for (int c = 4 * lane; c < nope; c += 128) {
             float4 w = *(float4*)(v + c);
             w = make_float4(round_bf16(w.x), round_bf16(w.y), round_bf16(w.z), round_bf16(w.w));
             *(float4*)(v + c) = w;
+            if (ob) {
+              *reinterpret_cast<uint2*>(ob + c) =
+                  make_uint2((unsigned)f32_to_bf16(w.x) | ((unsigned)f32_to_bf16(w.y) << 16),
+                             (unsigned)f32_to_bf16(w.z) | ((unsigned)f32_to_bf16(w.w) << 16));
+            }
           }
         } else {
-          for (int c = lane; c < nope; c += 32) v[c] = round_bf16(v[c]);
+          for (int c = lane; c < nope; c += 32) {
+            v[c] = round_bf16(v[c]);
+            if (ob) ob[c] = f32_to_bf16(v[c]);
+          }
         }
       }
     }

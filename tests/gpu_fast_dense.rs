@@ -1458,6 +1458,7 @@ fn gemm_chain_gives_wo_b_the_bits_of_the_two_calls() {
                     own,
                     d.ctx(),
                     &first(z),
+                    None,
                     &second(z, a),
                     &gws,
                     &dws,
@@ -1518,6 +1519,116 @@ fn gemm_chain_gives_wo_b_the_bits_of_the_two_calls() {
             println!("{label}: wo_b chained after wo_a: the bits of the two calls");
         }
     }
+}
+
+/// wo_a's grouped GEMMs reading a BF16 copy of x (`run_grouped_gemm` with `x_bf16`, as the fast
+/// set runs them where the inverse RoPE wrote o's copy) give the bits they give from x (their
+/// operand passes make the same BF16 values); where the copy is not 16-byte aligned they run
+/// from x. `grouped_reads_bf16` asks for the copy from the grouped crossover on.
+#[test]
+fn grouped_gemms_from_a_bf16_copy_give_the_same_bits() {
+    let Some(d) = dev() else { return };
+    let _s = serial();
+    let mut rng = Rng::from_env("grouped_gemms_from_a_bf16_copy_give_the_same_bits");
+    // (groups, rows a group, k, extra columns of x's stride)
+    for (groups, n, k, pad) in [(8, 1024, 4096, 0), (3, 256, 640, 64)] {
+        let width = groups * k;
+        let ldx = width + pad;
+        let hw = HostWeight::random(&mut rng, StorageFormat::Fp8, groups * n, k);
+        let (_wa, w) = hw.upload(&d);
+        let shape = fast_dense_gemm::gemm_shape(
+            StorageFormat::Fp8,
+            [128, 128],
+            groups * n,
+            k,
+            groups,
+            ActMode::F16,
+        )
+        .unwrap();
+        let tmax = 300;
+        let (_ga, gemm, gws) = gemm_for(&d, &[shape], &[(n, k, groups)], tmax);
+        let (_wsa, dws) = workspace(&d, &[Shape { n, k, groups }]);
+        let (_a, p) = d.alloc(&[
+            tmax * ldx * 4,
+            tmax * ldx * 2 + 16,
+            tmax * groups * n * 4,
+            tmax * groups * n * 4,
+        ]);
+        for t in [64, 129, 300] {
+            let x = strided_vals(&activations(&mut rng, t, width), t, width, ldx);
+            let xb: Vec<u16> = x
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            d.put(p[0], &x);
+            let op = |y| DenseOp {
+                x: p[0],
+                ldx,
+                t,
+                w,
+                groups,
+                mode: ActMode::F16,
+                round: true,
+                y,
+                ldy: groups * n,
+                fused_act_max_t: fast_dense::FUSED_ACT_MAX_T,
+                warp_split_max_t: fast_dense::WARP_SPLIT_MAX_T,
+            };
+            let reads = fast_dense_gemm::grouped_reads_bf16(&gemm, &gws, &op(p[2]));
+            assert_eq!(reads, t >= fast_dense_gemm::GROUPED_MIN_TOKENS, "T={t}");
+            if !reads {
+                continue;
+            }
+            d.poison(p[2]);
+            assert!(
+                fast_dense_gemm::run_gemm(
+                    &d.k.dense,
+                    &gemm,
+                    None,
+                    d.ctx(),
+                    &op(p[2]),
+                    &gws,
+                    &dws,
+                    d.s()
+                )
+                .unwrap()
+            );
+            let want: Vec<u32> = d.get(p[2], t * groups * n);
+            // The copy at its own address, then 2 bytes off (not 16-byte aligned: from x).
+            for off in [0, 2] {
+                d.put(p[1].slice(off, xb.len() * 2).unwrap(), &xb);
+                d.poison(p[3]);
+                let copy = p[1].slice(off, xb.len() * 2).unwrap();
+                assert!(
+                    fast_dense_gemm::run_grouped_gemm(
+                        &d.k.dense,
+                        &gemm,
+                        d.ctx(),
+                        &op(p[3]),
+                        Some(copy),
+                        &gws,
+                        &dws,
+                        d.s()
+                    )
+                    .unwrap()
+                );
+                let got: Vec<u32> = d.get(p[3], t * groups * n);
+                assert!(
+                    got == want,
+                    "{groups} x {n} x {k}, ldx {ldx}, T={t}, copy offset {off}: the outputs differ from the operand passes'"
+                );
+            }
+        }
+    }
+}
+
+/// `rows` rows of `width` values at stride `ld` (zeros between).
+fn strided_vals(vals: &[f32], rows: usize, width: usize, ld: usize) -> Vec<f32> {
+    let mut out = vec![0f32; rows * ld];
+    for r in 0..rows {
+        out[r * ld..r * ld + width].copy_from_slice(&vals[r * width..(r + 1) * width]);
+    }
+    out
 }
 
 #[test]
@@ -1631,6 +1742,7 @@ fn fp8_call(
         w: p[1],
         wscale: Some(p[3]),
         a: p[0],
+        lda: k,
         ascale: Some(p[2]),
         y,
         ldy,
@@ -1859,6 +1971,13 @@ fn own_fp8_gemm_declines_what_it_does_not_take() {
             "no weight scales",
             GemmCall {
                 wscale: None,
+                ..call
+            },
+        ),
+        (
+            "strided activation rows",
+            GemmCall {
+                lda: k + 16,
                 ..call
             },
         ),

@@ -231,6 +231,108 @@ fn rope_matches_reference_bit_for_bit() {
     }
 }
 
+/// `rope_with_bf16_copy` (official RoPE, the inverse one as the attention output's): x gets the
+/// bits `rope` gives it, and the copy every value's bf16 bits at the same columns of its own
+/// stride, its padding untouched: through rope_kernel and rope_rows_kernel, with 8-byte copy
+/// stores (copy stride a multiple of 4) and without.
+#[test]
+fn rope_bf16_copy_is_the_rounded_values() {
+    let Some(d) = dev() else { return };
+    let mut rng = Rng::new(12);
+    let cfg = ModelConfig::tiny_default();
+    let freqs = rope::inv_freq(&cfg, AttnKind::Csa);
+    let half = cfg.rope_dim / 2;
+    let (_f, fp) = d.alloc(&[freqs.len() * 4]);
+    d.put(fp[0], &freqs);
+    let many = norm_rope::ROPE_ROWS_MIN;
+    // (rows, heads, head_dim, ld, copy stride - width)
+    let cases = [
+        (13, 4, 128, 512, 8),
+        (7, 3, 128, 3 * 128 + 17, 2),
+        (many + 44, 16, 512, 16 * 512, 8),
+        (many + 3, 3, 128, 3 * 128 + 17, 2),
+        (many + 1, 4, 2 * half, 4 * 2 * half, 4),
+    ];
+    for &(rows, heads, hd, ld, extra) in &cases {
+        let width = heads * hd;
+        let ld_out = width + extra;
+        let x = strided(&rows_of(&mut rng, rows, width, true), rows, width, ld);
+        let pos: Vec<i32> = (0..rows).map(|_| rng.below(1 << 17) as i32).collect();
+        let (_a, p) = d.alloc(&[x.len() * 4, x.len() * 4, rows * 4, rows * ld_out * 2]);
+        d.put(p[0], &x);
+        d.put(p[1], &x);
+        d.put(p[2], &pos);
+        d.put(p[3], &vec![0xA5A5u16; rows * ld_out]);
+        let what = format!("rows {rows} heads {heads} head_dim {hd} ld {ld} ld_out {ld_out}");
+        d.k.rope(
+            d.ctx(),
+            p[0],
+            rows,
+            ld,
+            heads,
+            hd,
+            p[2],
+            fp[0],
+            half,
+            -1.0,
+            true,
+            false,
+            d.s(),
+        )
+        .unwrap();
+        d.k.rope_with_bf16_copy(
+            d.ctx(),
+            p[1],
+            rows,
+            ld,
+            heads,
+            hd,
+            p[2],
+            fp[0],
+            half,
+            -1.0,
+            (p[3], ld_out),
+            d.s(),
+        )
+        .unwrap();
+        let want: Vec<f32> = d.get(p[0], x.len());
+        let got: Vec<f32> = d.get(p[1], x.len());
+        assert_bits(&format!("{what}: x"), &got, &want);
+        let mut want_copy = vec![0xA5A5u16; rows * ld_out];
+        for r in 0..rows {
+            for c in 0..width {
+                want_copy[r * ld_out + c] = (want[r * ld + c].to_bits() >> 16) as u16;
+                assert_eq!(
+                    want[r * ld + c].to_bits() & 0xffff,
+                    0,
+                    "{what}: official RoPE values are bf16"
+                );
+            }
+        }
+        let copy: Vec<u16> = d.get(p[3], rows * ld_out);
+        assert_u16(&format!("{what}: the BF16 copy"), &copy, &want_copy);
+    }
+    // A copy stride narrower than the heads is refused.
+    let (_a, p) = d.alloc(&[8 * 512 * 4, 8 * 4, 8 * 512 * 2]);
+    let err =
+        d.k.rope_with_bf16_copy(
+            d.ctx(),
+            p[0],
+            8,
+            512,
+            4,
+            128,
+            p[1],
+            fp[0],
+            half,
+            -1.0,
+            (p[2], 511),
+            d.s(),
+        )
+        .unwrap_err();
+    assert!(err.message.contains("ld_out"), "{}", err.message);
+}
+
 // ----------------------------------------------------------------- head_prep (fused)
 
 /// head_prep_kernel against the CPU reference's three steps (ops::rms_norm, rope::apply,

@@ -107,8 +107,11 @@ pub struct GemmCall {
     pub w: DevicePtr,
     /// FP8: `[ceil(n/128), k/128]` f32.
     pub wscale: Option<DevicePtr>,
-    /// `[m, k]` e4m3 codes or BF16 values.
+    /// `[m, k]` e4m3 codes or BF16 values, rows `lda` elements apart.
     pub a: DevicePtr,
+    /// The activations' row stride in elements (`k` for a contiguous operand; more where `a` is
+    /// a column range of wider rows, as wo_a's groups are of o).
+    pub lda: usize,
     /// FP8: `[k/128, m]` f32, token-fastest.
     pub ascale: Option<DevicePtr>,
     /// `[m, ldy]` f32, or BF16 for [`GemmOut::Bf16`] shapes.
@@ -166,10 +169,12 @@ impl Descriptors {
         (o as *mut Opaque).cast()
     }
 
-    /// Descriptors of `shape` at `m` tokens with output stride `ldy` and these scale pointers.
+    /// Descriptors of `shape` at `m` tokens with activation stride `lda`, output stride `ldy`
+    /// and these scale pointers.
     fn new(
         shape: &GemmShape,
         m: usize,
+        lda: usize,
         ldy: usize,
         wscale: u64,
         ascale: u64,
@@ -267,7 +272,7 @@ impl Descriptors {
                     dt,
                     k,
                     m as u64,
-                    k as i64,
+                    lda as i64,
                 ),
             )?;
             check(
@@ -400,7 +405,7 @@ impl BlockScaledGemm {
     ) -> Result<Vec<sys::cublasLtMatmulAlgo_t>> {
         // Placeholder scale addresses: the heuristic only reads the descriptor's modes.
         let ws = self.workspace.addr();
-        let mut d = Descriptors::new(shape, m, shape.n, ws, ws)?;
+        let mut d = Descriptors::new(shape, m, shape.k, shape.n, ws, ws)?;
         let mut pref = Opaque::new();
         let p: sys::cublasLtMatmulPreference_t = (&mut pref as *mut Opaque).cast();
         let bytes = WORKSPACE_BYTES as u64;
@@ -469,7 +474,7 @@ impl BlockScaledGemm {
             return Ok(false);
         };
         let ws = self.workspace.addr();
-        let mut d = Descriptors::new(shape, m, ldy, ws, ws)?;
+        let mut d = Descriptors::new(shape, m, shape.k, ldy, ws, ws)?;
         Ok(self.check_algo(&mut d, plan))
     }
 
@@ -528,7 +533,16 @@ impl BlockScaledGemm {
             return bad("output stride");
         }
         let esize = s.operand_size();
-        if call.w.bytes() < s.n * s.k * esize || call.a.bytes() < call.m * s.k * esize {
+        // Rows of the activations start 16-byte aligned.
+        if call.lda < s.k || !(call.lda * esize).is_multiple_of(16) {
+            return bad("activation stride");
+        }
+        let a_bytes = if call.m == 0 {
+            0
+        } else {
+            ((call.m - 1) * call.lda + s.k) * esize
+        };
+        if call.w.bytes() < s.n * s.k * esize || call.a.bytes() < a_bytes {
             return bad("operand smaller than its shape");
         }
         let y_bytes =
@@ -553,7 +567,7 @@ impl BlockScaledGemm {
                 return bad("operands must be 16-byte aligned");
             }
         }
-        let mut d = Descriptors::new(s, call.m, call.ldy, wscale, ascale)?;
+        let mut d = Descriptors::new(s, call.m, call.lda, call.ldy, wscale, ascale)?;
         if !self.check_algo(&mut d, plan) {
             return Ok(false);
         }

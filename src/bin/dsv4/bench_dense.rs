@@ -373,6 +373,7 @@ pub fn run(
                 w: w.data,
                 wscale: if fp8 { w.scales } else { None },
                 a: gws.codes,
+                lda: shape.k,
                 ascale: fp8.then_some(gws.scale),
                 y,
                 ldy: outs,

@@ -147,7 +147,7 @@ pub fn run(
                 let (first, second) = ops(copy, t);
                 if chained {
                     if !fast_dense_gemm::run_gemm_chain(
-                        dense, gemm, o, ctx, &first, &second, gws, ws, s,
+                        dense, gemm, o, ctx, &first, None, &second, gws, ws, s,
                     )? {
                         return Err(declined("the chain"));
                     }

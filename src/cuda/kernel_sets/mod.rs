@@ -116,6 +116,10 @@ pub struct LinearCall {
     pub round: bool,
     pub y: DevicePtr,
     pub ldy: usize,
+    /// x's values already as BF16 (`[t, ldx]` 16-bit, the same columns), where the caller made
+    /// them because the set asked ([`FastOps::reads_bf16_x`]); x holds the same values, so a
+    /// set that does not read this copy runs the call from x.
+    pub x_bf16: Option<DevicePtr>,
 }
 
 /// Most linears one [`LinearGroup`] holds: the seven of a CSA attention sub-block's input (wq_a,
@@ -165,6 +169,12 @@ pub trait FastOps {
     /// Runs `call` and returns true, or returns false having launched nothing: the reference
     /// kernels run it.
     fn try_linear(&self, ctx: &Context, call: &LinearCall, stream: BorrowedStream) -> Result<bool>;
+
+    /// Whether this set, offered `call` with [`LinearCall::x_bf16`], would read that BF16 copy
+    /// of x (so that the caller's kernel that writes x should make it).
+    fn reads_bf16_x(&self, _call: &LinearCall) -> bool {
+        false
+    }
 
     /// Runs every linear of `group` (one input; outputs that overlap neither it nor each other)
     /// and returns true, or returns false having launched nothing: each then runs on its own
@@ -355,6 +365,7 @@ mod tests {
             round: false,
             y: p,
             ldy,
+            x_bf16: None,
         };
         let mut g = LinearGroup::default();
         assert!(g.is_empty());

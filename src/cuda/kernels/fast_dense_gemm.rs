@@ -228,6 +228,7 @@ fn gemm_from_operand(
         w: op.w.data,
         wscale: if scale.is_some() { op.w.scales } else { None },
         a: codes,
+        lda: shape.k,
         ascale: scale,
         y: op.y,
         ldy: op.ldy,
@@ -261,19 +262,8 @@ pub fn run_gemm(
     gemv_ws: &DenseWorkspace,
     stream: BorrowedStream,
 ) -> Result<bool> {
-    let w = &op.w;
     if op.groups > 1 {
-        let Some(shape) = gemm_shape(w.format, w.block, w.rows, w.cols, op.groups, op.mode) else {
-            return Ok(false);
-        };
-        let m = op.t / M_GRANULE * M_GRANULE;
-        if m == 0
-            || !gemm.covers(&shape, m)
-            || !run_grouped(dense, gemm, ctx, op, shape, m, op.round, ws, stream)?
-        {
-            return Ok(false);
-        }
-        return run_tail(dense, ctx, op, m, gemv_ws, stream).map(|()| true);
+        return run_grouped_gemm(dense, gemm, ctx, op, None, ws, gemv_ws, stream);
     }
     let Some(plan) = single_gemm(gemm, op) else {
         return Ok(false);
@@ -307,6 +297,85 @@ pub fn run_linear(
         return Ok(());
     }
     dense.run(ctx, op, gemv_ws, stream)
+}
+
+/// Whether [`run_grouped_gemm`] takes the grouped projection `op` (wo_a) at its tokens where
+/// the caller offers x as BF16 too: where its GEMM pays ([`gemm_pays`]), cuBLASLt has an
+/// algorithm for the tokens and the workspace holds a group's weight. (A caller that then made
+/// the copy still passes x: where cuBLASLt refuses the copy's row stride, the call runs from x.)
+pub fn grouped_reads_bf16(gemm: &BlockScaledGemm, ws: &GemmWorkspace, op: &DenseOp) -> bool {
+    let w = &op.w;
+    let m = op.t / M_GRANULE * M_GRANULE;
+    op.groups > 1
+        && m > 0
+        && gemm_shape(w.format, w.block, w.rows, w.cols, op.groups, op.mode).is_some_and(|s| {
+            gemm_pays(&s, op.groups, op.t)
+                && gemm.covers(&s, m)
+                && ws.weight.bytes() >= s.n * s.k * 2
+        })
+}
+
+/// A grouped projection (wo_a) through cuBLASLt, as [`run_gemm`] runs it; with `x_bf16` (x's
+/// values as BF16, `[t, ldx]` 16-bit, rows 16-byte aligned) each group's GEMM reads its
+/// columns of that copy in place of an operand pass of its own (8 passes over o a layer, ~39
+/// µs each at 4096 tokens, ncu), and falls back to the passes where cuBLASLt refuses the copy's
+/// row stride. The same BF16 values either way, so the same bits.
+#[allow(clippy::too_many_arguments)]
+pub fn run_grouped_gemm(
+    dense: &FastDense,
+    gemm: &BlockScaledGemm,
+    ctx: &Context,
+    op: &DenseOp,
+    x_bf16: Option<DevicePtr>,
+    ws: &GemmWorkspace,
+    gemv_ws: &DenseWorkspace,
+    stream: BorrowedStream,
+) -> Result<bool> {
+    grouped_gemm(dense, gemm, ctx, op, x_bf16, op.round, ws, gemv_ws, stream)
+}
+
+/// [`run_grouped_gemm`] with its first `m` tokens' rounding only where `round_out` (the tail's
+/// gemv rounds as `op` says): without, they keep the unrounded sums ([`run_gemm_chain`]).
+#[allow(clippy::too_many_arguments)]
+fn grouped_gemm(
+    dense: &FastDense,
+    gemm: &BlockScaledGemm,
+    ctx: &Context,
+    op: &DenseOp,
+    x_bf16: Option<DevicePtr>,
+    round_out: bool,
+    ws: &GemmWorkspace,
+    gemv_ws: &DenseWorkspace,
+    stream: BorrowedStream,
+) -> Result<bool> {
+    let w = &op.w;
+    let Some(shape) = gemm_shape(w.format, w.block, w.rows, w.cols, op.groups, op.mode) else {
+        return Ok(false);
+    };
+    let m = op.t / M_GRANULE * M_GRANULE;
+    if op.groups < 2 || m == 0 || !gemm.covers(&shape, m) {
+        return Ok(false);
+    }
+    let aligned = |x: DevicePtr| x.addr().is_multiple_of(16) && (op.ldx * 2).is_multiple_of(16);
+    let ran = match x_bf16.filter(|&x| aligned(x)) {
+        Some(x) => run_grouped(
+            dense,
+            gemm,
+            ctx,
+            op,
+            shape,
+            m,
+            Some(x),
+            round_out,
+            ws,
+            stream,
+        )?,
+        None => false,
+    };
+    if !ran && !run_grouped(dense, gemm, ctx, op, shape, m, None, round_out, ws, stream)? {
+        return Ok(false);
+    }
+    run_tail(dense, ctx, op, m, gemv_ws, stream).map(|()| true)
 }
 
 /// The members of a group of linears (`ops`, at most [`GROUP_MAX`]) that take the GEMM path
@@ -364,14 +433,14 @@ pub fn run_gemm_group(
     Ok(ran)
 }
 
-/// The plans of [`run_gemm_chain`]'s two projections: `(first's grouped shape, second's shape,
-/// m)`, or None where the chain does not take them (see there).
+/// second's GEMM shape and the tokens both GEMMs take (`m`), or None where [`run_gemm_chain`]
+/// does not take its two projections (see there).
 fn chain_plan(
     gemm: &BlockScaledGemm,
     first: &DenseOp,
     second: &DenseOp,
     ws: &GemmWorkspace,
-) -> Option<(GemmShape, GemmShape, usize)> {
+) -> Option<(GemmShape, usize)> {
     let w = &first.w;
     let grouped = gemm_shape(w.format, w.block, w.rows, w.cols, first.groups, first.mode)?;
     let (shape, m) = single_gemm(gemm, second)?;
@@ -388,7 +457,7 @@ fn chain_plan(
         && second.x.addr() == first.y.addr()
         && second.ldx == first.ldy
         && shape.k == first.groups * grouped.n;
-    takes.then_some((grouped, shape, m))
+    takes.then_some((shape, m))
 }
 
 /// Two projections in sequence, the second reading the first's output, through the GEMM path:
@@ -399,7 +468,8 @@ fn chain_plan(
 /// codes and scales ([`LtOperand::round_in`]). A 4096-token prefill so saves a pass over wo_a's
 /// output (T x 8192 f32) each layer: before, the rounding pass read and wrote it and wo_b's operand
 /// pass read it again. wo_b's GEMM then runs from that operand (`own` as in [`run_gemm`]), and
-/// both projections give exactly the bits of [`run_gemm`] run on each in turn.
+/// both projections give exactly the bits of [`run_gemm`] run on each in turn. `x_bf16`: first's
+/// x as BF16, which its groups' GEMMs read where cuBLASLt takes the copy ([`run_grouped_gemm`]).
 ///
 /// Afterwards first's y holds, for its first `m` tokens (the multiple of [`M_GRANULE`] the GEMMs
 /// take), the unrounded sums, not wo_a's official values: a caller whose first y has another
@@ -419,18 +489,18 @@ pub fn run_gemm_chain(
     own: Option<&FastFp8Gemm>,
     ctx: &Context,
     first: &DenseOp,
+    x_bf16: Option<DevicePtr>,
     second: &DenseOp,
     ws: &GemmWorkspace,
     gemv_ws: &DenseWorkspace,
     stream: BorrowedStream,
 ) -> Result<bool> {
-    let Some((grouped, shape, m)) = chain_plan(gemm, first, second, ws) else {
+    let Some((shape, m)) = chain_plan(gemm, first, second, ws) else {
         return Ok(false);
     };
-    if !run_grouped(dense, gemm, ctx, first, grouped, m, false, ws, stream)? {
+    if !grouped_gemm(dense, gemm, ctx, first, x_bf16, false, ws, gemv_ws, stream)? {
         return Ok(false);
     }
-    run_tail(dense, ctx, first, m, gemv_ws, stream)?;
     let Some(operand) = make_operand(dense, ctx, second, &shape, m, true, ws, stream)? else {
         // (chain_plan checked the workspace.)
         return Err(Error::new(
@@ -477,12 +547,12 @@ fn run_tail(
 }
 
 /// The first `m` tokens of a grouped projection (wo_a), a group at a time: group g's FP8 rows
-/// dequantized to BF16 into `ws.weight`, its BF16 operand (columns g·K ..) into `ws.codes`, and
-/// a BF16 GEMM into y's columns g·n ..; then, with `round_out`, y's BF16 rounding (without, y
-/// keeps the unrounded f32 sums: [`run_gemm_chain`] rounds them as it quantizes them). Each step
-/// reuses the workspace after the stream has finished the previous group's GEMM with it. Returns
-/// false, having written nothing to y, where the workspace is too small or cuBLASLt declines
-/// this m.
+/// dequantized to BF16 into `ws.weight`, its BF16 operand (columns g·K ..: of `x_bf16` where
+/// given, else made into `ws.codes`), and a BF16 GEMM into y's columns g·n ..; then, with
+/// `round_out`, y's BF16 rounding (without, y keeps the unrounded f32 sums: [`run_gemm_chain`]
+/// rounds them as it quantizes them). Each step reuses the workspace after the stream has
+/// finished the previous group's GEMM with it. Returns false, having written nothing to y, where
+/// the workspace is too small or cuBLASLt declines this m (or, for `x_bf16`, its row stride).
 #[allow(clippy::too_many_arguments)]
 fn run_grouped(
     dense: &FastDense,
@@ -491,41 +561,48 @@ fn run_grouped(
     op: &DenseOp,
     shape: GemmShape,
     m: usize,
+    x_bf16: Option<DevicePtr>,
     round_out: bool,
     ws: &GemmWorkspace,
     stream: BorrowedStream,
 ) -> Result<bool> {
     let (n, k) = (shape.n, shape.k);
-    let (codes_bytes, weight_bytes) = (m * k * 2, n * k * 2);
+    let codes_bytes = if x_bf16.is_some() { 0 } else { m * k * 2 };
+    let weight_bytes = n * k * 2;
     if ws.codes.bytes() < codes_bytes || ws.weight.bytes() < weight_bytes {
         return Ok(false);
     }
-    let (codes, weight) = (
-        ws.codes.slice(0, codes_bytes)?,
-        ws.weight.slice(0, weight_bytes)?,
-    );
+    let weight = ws.weight.slice(0, weight_bytes)?;
     for g in 0..op.groups {
         dense.dequant_bf16(ctx, &op.w, g * n, n, weight, stream)?;
-        dense.lt_operand(
-            ctx,
-            &LtOperand {
-                x: op.x.slice(g * k * 4, op.x.bytes() - g * k * 4)?,
-                ldx: op.ldx,
-                t: m,
-                k,
-                mode: ActMode::Bf16,
-                round_in: false,
-                codes,
-                scale: ws.scale,
-            },
-            stream,
-        )?;
+        let (a, lda) = match x_bf16 {
+            Some(x) => (x.slice(g * k * 2, x.bytes() - g * k * 2)?, op.ldx),
+            None => {
+                let codes = ws.codes.slice(0, codes_bytes)?;
+                dense.lt_operand(
+                    ctx,
+                    &LtOperand {
+                        x: op.x.slice(g * k * 4, op.x.bytes() - g * k * 4)?,
+                        ldx: op.ldx,
+                        t: m,
+                        k,
+                        mode: ActMode::Bf16,
+                        round_in: false,
+                        codes,
+                        scale: ws.scale,
+                    },
+                    stream,
+                )?;
+                (codes, k)
+            }
+        };
         let call = GemmCall {
             shape,
             m,
             w: weight,
             wscale: None,
-            a: codes,
+            a,
+            lda,
             ascale: None,
             y: op.y.slice(g * n * 4, op.y.bytes() - g * n * 4)?,
             ldy: op.ldy,

@@ -198,8 +198,8 @@ fn codes_map(addr: u64, rows: usize, k: usize, box_rows: usize) -> Result<TmaMap
 }
 
 impl FastFp8Gemm {
-    /// Whether the kernel with `tile` takes `call`: FP8 block-scaled with both scales, f32 or
-    /// BF16 output, N a multiple of the tile's outputs, K of [`BLOCK_K`], m a positive multiple of 4
+    /// Whether the kernel with `tile` takes `call`: FP8 block-scaled with both scales, packed
+    /// activation rows (`lda` = K), f32 or BF16 output, N a multiple of the tile's outputs, K of [`BLOCK_K`], m a positive multiple of 4
     /// (the scales' rows are copied 16 bytes at a time), the codes 16-byte aligned (TMA) and y's
     /// rows 8-byte aligned (the epilogue stores output pairs).
     pub fn takes(call: &GemmCall, tile: TileShape) -> bool {
@@ -214,6 +214,7 @@ impl FastFp8Gemm {
             && s.k.is_multiple_of(BLOCK_K)
             && call.m > 0
             && call.m.is_multiple_of(4)
+            && call.lda == s.k
             && call.ldy >= s.n
             && call.ldy.is_multiple_of(2)
             && call.y.addr().is_multiple_of(8)

@@ -42,12 +42,13 @@ crate::kernel_family! {
     fn rope_kernel(
         x: *mut f32, rows: i32, ld: i32, heads: i32, head_dim: i32, pos: *const i32,
         inv_freq: *const f32, half_rope: i32, sign: f32, round_out: bool, round_in: bool,
+        out_bf16: Option<*mut u16>, ld_out: i32,
     );
     #[pdl(true)]
     fn rope_rows_kernel(
         x: *mut f32, rows: i32, ld: i32, heads: i32, head_dim: i32, pos: *const i32,
         inv_freq: *const f32, half_rope: i32, sign: f32, round_out: bool, round_in: bool,
-        vec4: bool,
+        out_bf16: Option<*mut u16>, ld_out: i32, vec4: bool,
     );
 }
 
@@ -175,6 +176,19 @@ fn flat_blocks(n: usize) -> u32 {
     n.div_ceil(FLAT_THREADS as usize).clamp(1, MAX_BLOCKS) as u32
 }
 
+/// The rows a RoPE call rotates: `rows` rows of `heads` heads of `head_dim` f32 values at stride
+/// `ld`, the last `2 * half_rope` of each head rotating by `pos[row] * inv_freq[k]`.
+struct RopeShape {
+    x: DevicePtr,
+    rows: usize,
+    ld: usize,
+    heads: usize,
+    head_dim: usize,
+    pos: DevicePtr,
+    inv_freq: DevicePtr,
+    half_rope: usize,
+}
+
 crate::launchers! {
     /// The entry points of the five families, resolved from a loaded registry.
     pub struct NormRope {
@@ -284,13 +298,103 @@ impl NormRope {
         round_in: bool,
         stream: BorrowedStream,
     ) -> Result<()> {
+        let shape = RopeShape {
+            x,
+            rows,
+            ld,
+            heads,
+            head_dim,
+            pos,
+            inv_freq,
+            half_rope,
+        };
+        self.launch_rope(ctx, &shape, sign, round_out, round_in, None, stream)
+    }
+
+    /// [`Self::rope`] with `round_out` that also writes every value's bf16 bits to `out`
+    /// (`[rows, ld_out]` 16-bit, the heads at the columns they have in x): a BF16 copy for a
+    /// reader that takes BF16 (the fast set's grouped wo_a GEMM reads o's), made while the values
+    /// are in registers instead of by a conversion pass of its own. x is written as by
+    /// [`Self::rope`]. `ld_out` even, `out` 4-byte aligned.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_with_bf16_copy(
+        &self,
+        ctx: &Context,
+        x: DevicePtr,
+        rows: usize,
+        ld: usize,
+        heads: usize,
+        head_dim: usize,
+        pos: DevicePtr,
+        inv_freq: DevicePtr,
+        half_rope: usize,
+        sign: f32,
+        (out, ld_out): (DevicePtr, usize),
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        let shape = RopeShape {
+            x,
+            rows,
+            ld,
+            heads,
+            head_dim,
+            pos,
+            inv_freq,
+            half_rope,
+        };
+        self.launch_rope(ctx, &shape, sign, true, false, Some((out, ld_out)), stream)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_rope(
+        &self,
+        ctx: &Context,
+        shape: &RopeShape,
+        sign: f32,
+        round_out: bool,
+        round_in: bool,
+        out: Option<(DevicePtr, usize)>,
+        stream: BorrowedStream,
+    ) -> Result<()> {
         const K: &str = "rope_kernel";
+        let &RopeShape {
+            x,
+            rows,
+            ld,
+            heads,
+            head_dim,
+            pos,
+            inv_freq,
+            half_rope,
+        } = shape;
         if 2 * half_rope > head_dim || heads * head_dim > ld || half_rope == 0 {
             return Err(err(format!(
                 "{K}: heads = {heads}, head_dim = {head_dim}, half_rope = {half_rope}, ld = {ld}"
             )));
         }
         need(K, "x", x, strided_bytes(rows, heads * head_dim, ld))?;
+        if let Some((o, ld_out)) = out {
+            if !round_out
+                || heads * head_dim > ld_out
+                || !ld_out.is_multiple_of(2)
+                || !head_dim.is_multiple_of(2)
+                || !o.addr().is_multiple_of(4)
+            {
+                return Err(err(format!(
+                    "{K}: a BF16 copy needs round_out, an even ld_out >= heads x head_dim and 4-byte alignment (ld_out = {ld_out})"
+                )));
+            }
+            need(
+                K,
+                "out_bf16",
+                o,
+                strided_bytes(rows, heads * head_dim, ld_out) / 2,
+            )?;
+        }
+        let (out_bf16, ld_out) = match out {
+            Some((o, l)) => (Some(o), to_i32(K, "ld_out", l)?),
+            None => (None, 0),
+        };
         need(K, "pos", pos, rows * 4)?;
         need(K, "inv_freq", inv_freq, half_rope * 4)?;
         if rows == 0 || heads == 0 {
@@ -314,6 +418,8 @@ impl NormRope {
                     sign,
                     round_out,
                     round_in,
+                    out_bf16,
+                    ld_out,
                     $($extra,)?
                 }
             };
@@ -324,7 +430,8 @@ impl NormRope {
             let vec4 = x.addr().is_multiple_of(16)
                 && ld.is_multiple_of(4)
                 && head_dim.is_multiple_of(4)
-                && nope.is_multiple_of(4);
+                && nope.is_multiple_of(4)
+                && out.is_none_or(|(o, l)| o.addr().is_multiple_of(8) && l.is_multiple_of(4));
             return self.rope_rows.launch(
                 row_blocks(rows),
                 THREADS as u32,

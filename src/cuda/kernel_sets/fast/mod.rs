@@ -30,7 +30,8 @@ use crate::cuda::kernels::fast_dense::{
     DenseOp, FUSED_ACT_MAX_T, FastDense, GROUP_MAX, GROUP_MAX_T,
 };
 use crate::cuda::kernels::fast_dense_gemm::{
-    GEMM_MIN_TOKENS, GemmWorkspace, run_gemm_chain, run_gemm_group, run_linear,
+    GEMM_MIN_TOKENS, GemmWorkspace, grouped_reads_bf16, run_gemm_chain, run_gemm_group,
+    run_grouped_gemm, run_linear,
 };
 use crate::cuda::kernels::fast_indexer::FastIndexer;
 use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared, Unsupported};
@@ -351,7 +352,33 @@ impl FastOps for FastSet {
         let Some(op) = dense_op(call, FUSED_ACT_MAX_T) else {
             return Ok(false);
         };
+        if let (Some(x_bf16), Some((gemm, operand))) = (call.x_bf16, &self.gemm)
+            && grouped_reads_bf16(gemm, operand, &op)
+            && run_grouped_gemm(
+                &self.dense,
+                gemm,
+                ctx,
+                &op,
+                Some(x_bf16),
+                operand,
+                &self.ws.dense,
+                stream,
+            )?
+        {
+            return Ok(true);
+        }
         self.linear_op(ctx, &op, stream)
+    }
+
+    /// A grouped projection (wo_a) the GEMM path takes at its tokens
+    /// ([`grouped_reads_bf16`]): its groups' GEMMs read the BF16 copy in place of their
+    /// operand passes.
+    fn reads_bf16_x(&self, call: &LinearCall) -> bool {
+        dense_op(call, FUSED_ACT_MAX_T).is_some_and(|op| {
+            self.gemm
+                .as_ref()
+                .is_some_and(|(gemm, operand)| grouped_reads_bf16(gemm, operand, &op))
+        })
     }
 
     /// From cuBLASLt's crossover ([`GEMM_MIN_TOKENS`]) a group whose every linear the dense
@@ -434,6 +461,7 @@ impl FastOps for FastSet {
             None,
             ctx,
             &a,
+            first.x_bf16,
             &b,
             operand,
             &self.ws.dense,

@@ -131,6 +131,7 @@ impl Run<'_> {
             round,
             y,
             ldy: n,
+            x_bf16: None,
         })
     }
 
@@ -352,8 +353,8 @@ impl Run<'_> {
         Ok(Some((ws.selected, ws.nsel)))
     }
 
-    /// One softmax over window + compressed keys with the per-head sink, the ring update,
-    /// then the inverse RoPE of the output.
+    /// One softmax over window + compressed keys with the per-head sink, then the ring update
+    /// (the output's inverse RoPE is [`Self::output_projection`]'s).
     fn attend(&self, a: &AttnLayer, selected: Option<(DevicePtr, DevicePtr)>) -> Result<()> {
         let (cfg, ws, ls) = (self.cfg, self.ws, &a.ls);
         let (h, hd) = (cfg.num_heads, cfg.head_dim);
@@ -389,15 +390,18 @@ impl Run<'_> {
             num_slots: self.opts.max_num_seqs,
             official: self.official(),
         };
-        a.k8.attn.ring_update(self.ctx, a.meta, &ring, a.st)?;
-        self.rope(a, ws.o, h * hd, h, hd, -1.0, false)
+        a.k8.attn.ring_update(self.ctx, a.meta, &ring, a.st)
     }
 
-    /// Grouped output projection: the heads of group g through rows g*R.. of wo_a (BF16
-    /// einsum: no activation quantisation), then wo_b into `ws.a`; offered to the fast set as one
-    /// chain first (`ws.z`, wo_a's output, has no reader but wo_b). wo_b's official bf16 rounding
-    /// is left to `ws.a`'s only reader, the hc_post after the sub-block (`post`: the same values;
-    /// a many-token wo_b through cuBLASLt then needs no rounding pass over its output).
+    /// The inverse RoPE of the attention's output o, then the grouped output projection: the
+    /// heads of group g through rows g*R.. of wo_a (BF16 einsum: no activation quantisation),
+    /// then wo_b into `ws.a`. Where the fast set reads wo_a's input as BF16
+    /// ([`FastOps::reads_bf16_x`]), the inverse RoPE also writes o's BF16 copy, into q's buffer
+    /// (q is dead once the attention has run): the values are bf16 already (official rounding),
+    /// so the copy is exact and wo_a's GEMMs need no conversion pass of their own. Offered to the
+    /// fast set as one chain first (`ws.z`, wo_a's output, has no reader but wo_b). wo_b's
+    /// official bf16 rounding is left to `ws.a`'s only reader, the hc_post after the sub-block
+    /// (`post`: the same values; a many-token wo_b through cuBLASLt then needs no rounding pass).
     fn output_projection(&self, a: &AttnLayer) -> Result<()> {
         let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
         let (h, hd, d) = (cfg.num_heads, cfg.head_dim, cfg.hidden_size);
@@ -405,7 +409,7 @@ impl Run<'_> {
         let (t, official) = (a.meta.num_tokens, self.official());
         let wo_a = self.weights[lw.wo_a];
         let gin = h * hd / g;
-        let grouped = LinearCall {
+        let mut grouped = LinearCall {
             x: ws.o,
             ldx: h * hd,
             t,
@@ -415,7 +419,28 @@ impl Run<'_> {
             round: official,
             y: ws.z,
             ldy: g * r,
+            x_bf16: Some(ws.q),
         };
+        let copy = official && self.fast.is_some_and(|f| f.reads_bf16_x(&grouped));
+        if copy {
+            a.k8.nr.rope_with_bf16_copy(
+                self.ctx,
+                ws.o,
+                t,
+                h * hd,
+                h,
+                hd,
+                a.meta.positions,
+                a.ls.inv_freq,
+                cfg.rope_dim / 2,
+                -1.0,
+                (ws.q, h * hd),
+                a.st,
+            )?;
+        } else {
+            grouped.x_bf16 = None;
+            self.rope(a, ws.o, h * hd, h, hd, -1.0, false)?;
+        }
         let wo_b = self.weights[lw.wo_b];
         let second = LinearCall {
             x: ws.z,
@@ -431,6 +456,7 @@ impl Run<'_> {
             round: false,
             y: ws.a,
             ldy: d,
+            x_bf16: None,
         };
         if let Some(f) = self.fast
             && f.try_linear_chain(self.ctx, &grouped, &second, a.st)?

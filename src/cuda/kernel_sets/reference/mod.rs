@@ -391,6 +391,7 @@ impl Run<'_> {
                 round,
                 y,
                 ldy,
+                x_bf16: None,
             };
             if fast.try_linear(self.ctx, &call, st)? {
                 return Ok(());
