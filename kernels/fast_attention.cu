@@ -206,13 +206,30 @@ DSV4_INLINE void fa_load_q(const float* q, int t, int H, int hd, int warp, int l
   }
 }
 
+// The softmax's exponential, e^x as 2^(x log2 e) on the SFU (ex2.approx: ~2 instructions where expf
+// takes ~8; the ncu profile of 2026-12-05 counted 18 exponentials in the ~509 instructions of a
+// tile's softmax). Relative error <= 2^-21 + |x| 2^-23 (the SFU's, and the product's rounding),
+// far inside p's bf16 rounding (2^-9); results below 2^-126 flush to zero, an absolute error
+// below 2^-126 on a p beside the row max's p >= 1. tests/gpu_fast_attention.rs's bound carries it.
+DSV4_INLINE float fa_exp(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(__fmul_rn(x, 1.44269504088896341f)));
+  return y;
+}
+
+// The lazy running max (FlashAttention-4's): a row's max moves only when a tile's max beats it by
+// more than this, so O's rescale (128 multiplies a thread) runs on few tiles, and p = e^(s - m) <=
+// e^5.5 ~ 245: bf16's relative rounding and f32's sums do not depend on that scale, and the combine
+// and the sink take each split's m as it is.
+#define FA_LAZY_MAX 5.5f
+
 // One tile's softmax step for a thread's two head rows (g and g + 8 of its warp's 16), shared by both
 // kernels: sc holds this warp's half-dims part of S (sc[n][e]: key 8n + 2cq + (e & 1), row g + 8 (e >> 1)),
 // exchanged through xs with the warp of the other dims half (tid ^ FA_THREADS / 2: the same heads) so both
-// hold S = S_lo + S_hi; then the online softmax (running max per row, p = bf16(exp(s - max)) as the
-// reference rounds it, the exp sum from the unrounded exps), O rescaled by exp(old max - new max), and P
-// packed as the A fragments of the two k16 steps of P V. The rescale is skipped when no row's max moved in
-// the whole warp: the factor is then exactly 1 (expf(0)), so the bits are the same. Has a __syncthreads.
+// hold S = S_lo + S_hi; then the online softmax (lazy running max per row, FA_LAZY_MAX; p = bf16(exp(s -
+// max)) as the reference rounds it, fa_exp, the exp sum from the unrounded exps), O rescaled by exp(old max
+// - new max), and P packed as the A fragments of the two k16 steps of P V. The rescale is skipped when no
+// row's max moved in the whole warp (the factor is then exactly 1). Has a __syncthreads.
 DSV4_INLINE void fa_softmax_tile(float (&sc)[4][4], float* xs, int tid, int half, int cq, int j0, int nk, float scale,
                                  float (&mrow)[2], float (&lrow)[2], float (&acc)[FA_MAX_HD / 16][4],
                                  unsigned (&pa)[2][4]) {
@@ -242,14 +259,15 @@ DSV4_INLINE void fa_softmax_tile(float (&sc)[4][4], float* xs, int tid, int half
     for (int n = 0; n < 4; ++n) mx = fmaxf(mx, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float mnew = fmaxf(mrow[r], mx);  // finite: every tile holds a real key
-    corr[r] = mrow[r] == -DSV4_F32_INF ? 0.0f : expf(__fsub_rn(mrow[r], mnew));
+    // mx is finite: every tile holds a real key. The max moves only past FA_LAZY_MAX (fa_exp).
+    const float mnew = mx > mrow[r] + FA_LAZY_MAX ? mx : mrow[r];
+    corr[r] = mrow[r] == -DSV4_F32_INF ? 0.0f : mnew == mrow[r] ? 1.0f : fa_exp(__fsub_rn(mrow[r], mnew));
     mrow[r] = mnew;
     float sum = 0.0f;
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
-      const float e0 = expf(__fsub_rn(sc[n][2 * r], mnew));
-      const float e1 = expf(__fsub_rn(sc[n][2 * r + 1], mnew));
+      const float e0 = fa_exp(__fsub_rn(sc[n][2 * r], mnew));
+      const float e1 = fa_exp(__fsub_rn(sc[n][2 * r + 1], mnew));
       sum = __fadd_rn(__fadd_rn(sum, e0), e1);
       sc[n][2 * r] = e0;
       sc[n][2 * r + 1] = e1;

@@ -10,11 +10,14 @@
 //! The error bound, per output value o[t, h, c] (derived in `bound` below) uses the exact
 //! softmax weights w_j = e^{l_j - m} / (Σ e^{l - m} + e^{sink - m}) computed here in f64, and
 //! S_c = Σ_j w_j |v_jc|: both kernels round p_j to BF16 (2^-9 relative each, the fast one from
-//! its running max), the fast logits carry the tensor core's f32 accumulation (a chain of hd/32
+//! its lazy running max), the fast exponentials are the SFU's (`fa_exp`: relative error
+//! ε_exp = 2^-21 + (g + 6) 2^-23, g = max_j (m - l_j), the 6 for the lazy max's lag of up to 5.5),
+//! the fast logits carry the tensor core's f32 accumulation (a chain of hd/32
 //! k16 steps in either kernel, then the two dims halves added:
 //! δ_j = (hd/32 + 3) 2^-22 scale Σ_i |q_i k_ji|), its P·V and denominators f32 sums, and both
 //! outputs are rounded to BF16:
-//! |o_fast - o_ref| <= (1 + 2^-8) [S_c (2^-8 + 2.1 max δ + ε_acc) + ε_den |o_ref|] + 2^-8 (1 + 2^-8) |o_ref|,
+//! |o_fast - o_ref| <= (1 + 2^-8) [S_c (2^-8 + 2.1 max δ + ε_acc + ε_exp) + (ε_den + ε_exp) |o_ref|]
+//! + 2^-8 (1 + 2^-8) |o_ref|,
 //! ε_acc = (nk/16 + 4) 2^-22, ε_den = (nk + 20) 2^-23.
 //! Also: the fast kernel is bit-identical run to run and padding tokens get zeros.
 //!
@@ -240,6 +243,8 @@ fn bound(b: &Batch, st: &State, i: usize, o_ref: &[f32]) -> Vec<f64> {
             delta = delta.max((HD as f64 / 32.0 + 3.0) * 2f64.powi(-22) * scale * abs);
         }
         let m = l.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let gap = l.iter().map(|x| m - x).fold(0.0, f64::max);
+        let eps_exp = 2f64.powi(-21) + (gap + 6.0) * 2f64.powi(-23);
         let e: Vec<f64> = l.iter().map(|x| (x - m).exp()).collect();
         let den: f64 = e.iter().sum::<f64>() + (b.sinks[h] as f64 - m).exp();
         for c in 0..HD {
@@ -249,7 +254,8 @@ fn bound(b: &Batch, st: &State, i: usize, o_ref: &[f32]) -> Vec<f64> {
                 .map(|(k, e)| e / den * (k[c] as f64).abs())
                 .sum();
             let o = (o_ref[(i * H + h) * HD + c] as f64).abs();
-            out[h * HD + c] = (1.0 + tiny) * (s * (tiny + 2.1 * delta + eps_acc) + eps_den * o)
+            out[h * HD + c] = (1.0 + tiny)
+                * (s * (tiny + 2.1 * delta + eps_acc + eps_exp) + (eps_den + eps_exp) * o)
                 + tiny * (1.0 + tiny) * o
                 + 1e-30;
         }
