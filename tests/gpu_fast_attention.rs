@@ -16,8 +16,8 @@
 //! k16 steps in either kernel, then the two dims halves added:
 //! δ_j = (hd/32 + 3) 2^-22 scale Σ_i |q_i k_ji|), its P·V and denominators f32 sums, and both
 //! outputs are rounded to BF16:
-//! |o_fast - o_ref| <= (1 + 2^-8) [S_c (2^-8 + 2.1 max δ + ε_acc + ε_exp) + (ε_den + ε_exp) |o_ref|]
-//! + 2^-8 (1 + 2^-8) |o_ref|,
+//! |o_fast - o_ref| <= (1 + 2^-8) [S_c (2^-8 + 2.1 max δ + ε_acc + ε_exp) + (ε_den + ε_exp) |o_ref|] +
+//! 2^-8 (1 + 2^-8) |o_ref|,
 //! ε_acc = (nk/16 + 4) 2^-22, ε_den = (nk + 20) 2^-23.
 //! Also: the fast kernel is bit-identical run to run and padding tokens get zeros.
 //!
