@@ -152,20 +152,20 @@ DSV4_INLINE void fa_locate(const FaSlots& s, const AttnKeys& keys, int nk, int t
   }
 }
 
-// The stored rows of address slot b into raw tile b (raw + b * FA_TILE_KEYS * raw_stride),
-// asynchronously, one commit group a call: 8 threads a row (so a row's kind and addresses are read
-// once), 16-byte copies of the value bytes, 4-byte copies of the scale record.
-#if FA_THREADS != 8 * FA_TILE_KEYS
-#error "fa_fetch and the wgmma decode give each key row of a tile 8 threads"
-#endif
-DSV4_INLINE void fa_fetch(const FaSlots& s, const KvRowFmt& sf, unsigned char* raw, int raw_stride, int b, int tid) {
-  const int r = tid >> 3, u = tid & 7;
+// The stored rows of address slot b into raw tile rb (raw + rb * FA_TILE_KEYS * raw_stride),
+// asynchronously, one commit group a call: TPR threads a row (so a row's kind and addresses are read
+// once; `tid` counts from 0 over FA_TILE_KEYS * TPR threads), 16-byte copies of the value bytes, 4-byte
+// copies of the scale record.
+template <int TPR>
+DSV4_INLINE void fa_fetch(const FaSlots& s, const KvRowFmt& sf, unsigned char* raw, int raw_stride, int b, int rb,
+                          int tid) {
+  const int r = (int)((unsigned)tid / TPR), u = (int)((unsigned)tid % TPR);  // (tid >= 0: shifts)
   if (s.kind[b * FA_TILE_KEYS + r] == FA_KEY_STORED) {
-    unsigned char* dst = raw + (b * FA_TILE_KEYS + r) * raw_stride;
+    unsigned char* dst = raw + (rb * FA_TILE_KEYS + r) * raw_stride;
     const unsigned char* src = (const unsigned char*)s.krow[b * FA_TILE_KEYS + r];
     const unsigned char* sc = (const unsigned char*)s.ksc[b * FA_TILE_KEYS + r];
-    for (int c = u; c < sf.row_bytes / 16; c += 8) cp_async_16(smem_addr(dst + 16 * c), src + 16 * c);
-    for (int o4 = 4 * u; o4 < sf.scale_bytes; o4 += 32) cp_async_4(smem_addr(dst + sf.row_bytes + o4), sc + o4);
+    for (int c = u; c < sf.row_bytes / 16; c += TPR) cp_async_16(smem_addr(dst + 16 * c), src + 16 * c);
+    for (int o4 = 4 * u; o4 < sf.scale_bytes; o4 += 4 * TPR) cp_async_4(smem_addr(dst + sf.row_bytes + o4), sc + o4);
   }
   cp_async_commit();
 }
@@ -229,10 +229,14 @@ DSV4_INLINE float fa_exp(float x) {
 // hold S = S_lo + S_hi; then the online softmax (lazy running max per row, FA_LAZY_MAX; p = bf16(exp(s -
 // max)) as the reference rounds it, fa_exp, the exp sum from the unrounded exps), O rescaled by exp(old max
 // - new max), and P packed as the A fragments of the two k16 steps of P V. The rescale is skipped when no
-// row's max moved in the whole warp (the factor is then exactly 1). Has a __syncthreads.
+// row's max moved in the whole warp (the factor is then exactly 1). `exchange()` is the barrier between
+// the two warps' stores to xs and their loads (the mma kernel's __syncthreads, the wgmma kernel's pair of
+// warps); `before_o()` runs after the maxima and sums, before O is first touched (the warp-specialized
+// kernel waits there for the P V still writing O).
+template <class Exchange, class BeforeO>
 DSV4_INLINE void fa_softmax_tile(float (&sc)[4][4], float* xs, int tid, int half, int cq, int j0, int nk, float scale,
                                  float (&mrow)[2], float (&lrow)[2], float (&acc)[FA_MAX_HD / 16][4],
-                                 unsigned (&pa)[2][4]) {
+                                 unsigned (&pa)[2][4], Exchange exchange, BeforeO before_o) {
   // (Value v of a thread at xs[v][thread]: consecutive lanes, consecutive banks.)
   float* mine = xs + tid;
   const float* other = xs + (tid ^ (FA_THREADS / 2));
@@ -240,7 +244,7 @@ DSV4_INLINE void fa_softmax_tile(float (&sc)[4][4], float* xs, int tid, int half
   for (int n = 0; n < 4; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) mine[(n * 4 + e) * FA_THREADS] = sc[n][e];
-  __syncthreads();
+  exchange();
 #pragma unroll
   for (int n = 0; n < 4; ++n)
 #pragma unroll
@@ -274,6 +278,7 @@ DSV4_INLINE void fa_softmax_tile(float (&sc)[4][4], float* xs, int tid, int half
     }
     lrow[r] = __fadd_rn(__fmul_rn(lrow[r], corr[r]), sum);
   }
+  before_o();
   if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
     for (int r = 0; r < 2; ++r)
@@ -402,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   fa_locate(sl, keys, nk, tile0 + 1, tile1, 1, tid, staged, sf);
   fa_load_q(q, t, H, hd, warp, lane, [&](int r, int c, uint2 w) { *(uint2*)(qs + r * stride + 4 * c) = w; });
   __syncthreads();  // tile0's addresses
-  fa_fetch(sl, sf, raw, raw_stride, 0, tid);
+  fa_fetch<FA_THREADS / FA_TILE_KEYS>(sl, sf, raw, raw_stride, 0, 0, tid);
 
   const float scale = (float)(1.0 / sqrt((double)hd));
   float acc[FA_MAX_HD / 16][4];  // O: n-tiles of 8 dims of this warp's half
@@ -423,7 +428,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const int j0 = tile * FA_TILE_KEYS;
     const int b = (tile - tile0) & 1;
     __syncthreads();  // tile i + 1's addresses are visible; tile i - 1's K, raw, S consumed
-    fa_fetch(sl, sf, raw, raw_stride, b ^ 1, tid);
+    fa_fetch<FA_THREADS / FA_TILE_KEYS>(sl, sf, raw, raw_stride, b ^ 1, b ^ 1, tid);
     cp_async_wait<1>();
     __syncthreads();  // tile i's raw rows have landed
     // Decode the tile's keys into K (rows past nk zero).
@@ -448,7 +453,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
       mma_bf16_16816(sc[3], a, b23[2], b23[3]);
     }
     unsigned pa[2][4];  // P as the A fragments of the two k16 steps of P V
-    fa_softmax_tile(sc, xs, tid, half, cq, j0, nk, scale, mrow, lrow, acc, pa);
+    fa_softmax_tile(sc, xs, tid, half, cq, j0, nk, scale, mrow, lrow, acc, pa, [] { __syncthreads(); }, [] {});
     // O += P V over this warp's dims (n-tile pairs of 16 dims).
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
@@ -609,7 +614,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     *(uint2*)(qs + fa_sw(r, c >> 1, FA_WG_Q_CHUNK) + 8 * (c & 1)) = w;
   });
   __syncthreads();  // the first tiles' addresses
-  for (int i = 0; i < FA_WG_RAW; ++i) fa_fetch(sl, sf, raw, raw_stride, i, tid);
+  for (int i = 0; i < FA_WG_RAW; ++i) fa_fetch<FA_THREADS / FA_TILE_KEYS>(sl, sf, raw, raw_stride, i, i, tid);
   cp_async_wait<FA_WG_RAW - 1>();
   __syncthreads();  // tile0's raw rows have landed
   decode(0, 0);     // (and Q's stores fenced for the async proxy)
@@ -654,8 +659,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     wgmma_fence_operand(sc);
     unsigned pa[2][4];
     // (Its barrier: K buffer b ^ 1 and the new addresses complete.)
-    fa_softmax_tile(sc, xs, tid, half, cq, tile * FA_TILE_KEYS, nk, scale, mrow, lrow, acc, pa);
-    fa_fetch(sl, sf, raw, raw_stride, rcur, tid);  // tile i + FA_WG_RAW
+    fa_softmax_tile(sc, xs, tid, half, cq, tile * FA_TILE_KEYS, nk, scale, mrow, lrow, acc, pa, [] { __syncthreads(); },
+                    [] {});
+    fa_fetch<FA_THREADS / FA_TILE_KEYS>(sl, sf, raw, raw_stride, rcur, rcur, tid);  // tile i + FA_WG_RAW
     // P V(i) over this warpgroup's dims, two k16 steps of 16 keys (2048 bytes of rows apart), then
     // S(i + 1) (past the split: zero keys, never read).
     wgmma_fence_operand(acc);
@@ -673,6 +679,236 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   wgmma_wait<0>();  // the S past the last tile
   wgmma_fence_operand(sc);
   cp_async_wait<0>();
+  fa_finish(acc, mrow, lrow, t, H, hd, hg, g, cq, half, dim0, part, splits, sinks, part_o, ml, o);
+}
+
+// ------------------------------------------------------------------------------ warp-specialized wgmma path
+
+// fa_attention_wgmma_ws_kernel: the wgmma path's attention (the same operands, products, softmax code
+// and bits), warp-specialized. Roles (FA_WS_THREADS threads): warpgroups 0 and 1 are the consumers of the
+// wgmma path above (all 64 heads, a dims half each); warpgroup 2 is the producer, which looks up each
+// tile's key addresses, fetches its raw rows (cp.async, up to two tiles ahead) and decodes them into a
+// ring of FA_WS_KBUF K buffers, signalling each full on an mbarrier; the consumers free a buffer on
+// another once the P V that read it has completed. setmaxnreg gives the producer's registers to the
+// consumers (FA_WS_CONSUMER_REGS / FA_WS_PRODUCER_REGS).
+//
+// The consumers' pipeline per tile i: S(i) has completed and P V(i - 1) may still run on entry; S(i + 1)
+// is issued first, so the tensor cores run P V(i - 1) and S(i + 1) during the first part of the softmax
+// of tile i (the halves' exchange, the maxima, the exps and sums); the softmax then waits for both
+// (before_o) before it touches O, and P V(i) is issued. So neither the decode (the producer's) nor S
+// waits in the softmax's chain. Every wait retires all groups: ptxas serialized every wgmma when a
+// wait had to leave one in flight across the loop's back edge (or a copy of S's accumulators crossed
+// it), so the two S register sets alternate (the loop takes tiles in pairs).
+// The two warps of a head group's halves (w and w + 4) exchange their halves of S through xs with a
+// 64-thread barrier of their own (two a tile: one before the stores, so the partner has read the last
+// tile's values, and one after).
+// Deterministic: fixed tiles and order. Not batch invariant (the split count depends on T).
+#define FA_WS_THREADS (FA_THREADS + 128)
+#define FA_WS_PRODUCER0 FA_THREADS  // first thread of the producer warpgroup
+// FA_WS_KBUF (K buffers), FA_WS_RAW (raw tiles), FA_WS_ADDR (address slots) come from dsv4_consts.cuh
+// (fast_attention.rs). The producer decodes tile i + 1 while the consumers run tile i and the P V of
+// tile i - 1 may still read its buffer: three buffers. Raw tiles: the one being decoded and one in
+// flight; address slots: those two and the one being looked up.
+#define FA_WS_CONSUMER_REGS 224  // 256 x 224 + 128 x 56 = 64512 of the SM's 65536
+#define FA_WS_PRODUCER_REGS 56
+// Named barriers (0 is __syncthreads): the consumers' 256 threads, the producer's 128, and the
+// pair of warps w, w + 4 (FA_WS_BAR_PAIR0 + w).
+#define FA_WS_BAR_CONSUMERS 1
+#define FA_WS_BAR_PRODUCER 2
+#define FA_WS_BAR_PAIR0 3
+// The warp-specialized block's shared memory (dynamic, 1024-byte aligned start): Q, FA_WS_KBUF K tiles,
+// the S exchange, FA_WS_RAW raw tiles, FA_WS_ADDR address slots, then the K ring's mbarriers:
+// full[FA_WS_KBUF] (the producer's 128 threads arrive) and empty[FA_WS_KBUF] (the consumers' 256).
+// fast_attention.rs wgmma_ws_smem_bytes is its size.
+struct FaWsSmem {
+  unsigned char* qs;
+  unsigned char* ks;
+  float* xs;
+  unsigned char* raw;
+  FaSlots sl;
+  unsigned bars;  // shared-space address
+  __device__ __forceinline__ FaWsSmem(unsigned char* base, int raw_stride) {
+    qs = base;
+    ks = qs + FA_WG_Q_BYTES;
+    xs = (float*)(ks + FA_WS_KBUF * FA_WG_K_TILE);
+    raw = (unsigned char*)(xs + FA_THREADS * 16);
+    sl.krow = (unsigned long long*)(raw + FA_WS_RAW * FA_TILE_KEYS * raw_stride);
+    sl.ksc = sl.krow + FA_WS_ADDR * FA_TILE_KEYS;
+    sl.kind = (int*)(sl.ksc + FA_WS_ADDR * FA_TILE_KEYS);
+    bars = smem_addr(sl.kind + FA_WS_ADDR * FA_TILE_KEYS);
+  }
+  __device__ __forceinline__ unsigned full(int kb) const { return bars + 8u * kb; }
+  __device__ __forceinline__ unsigned empty(int kb) const { return bars + 8u * (FA_WS_KBUF + kb); }
+};
+#if (FA_WS_ADDR * FA_TILE_KEYS * 20) % 8 != 0
+#error "the mbarriers after the address slots need 8-byte alignment"
+#endif
+
+// The producer warpgroup (p = 0 .. 127): tiles [tile0, tile1) of the token's keys, each looked up
+// FA_WS_ADDR - 1 tiles ahead (threads p < FA_TILE_KEYS, fa_locate), fetched FA_WS_RAW - 1 ahead (4
+// threads a row) and decoded into K buffer i mod FA_WS_KBUF once the consumers have freed it: 4
+// threads a key row, thread u the 16-byte units u and u + 4 of each 64-dim chunk, exact to BF16 (zeros
+// past the split's keys), then a proxy fence and an arrival on the buffer's full barrier.
+#if FA_TILE_KEYS * 4 != 128
+#error "the producer gives each key row of a tile 4 threads"
+#endif
+DSV4_INLINE void fa_ws_produce(const FaWsSmem& m, const AttnKeys& keys, int nk, int tile0, int tile1,
+                               const unsigned char* staged, const KvRowFmt& sf, int raw_stride, int p) {
+  for (int i = 0; i < FA_WS_ADDR; ++i) fa_locate(m.sl, keys, nk, tile0 + i, tile1, i, p, staged, sf);
+  named_barrier(FA_WS_BAR_PRODUCER, 128);  // the first tiles' addresses
+  for (int i = 0; i < FA_WS_RAW; ++i) fa_fetch<4>(m.sl, sf, m.raw, raw_stride, i, i, p);
+  const int r = p >> 2, u0 = p & 3;
+  int as = 0, rs = 0, kb = 0;  // address slot, raw tile, K buffer of tile i
+  for (int i = 0; tile0 + i < tile1; ++i) {
+    cp_async_wait<FA_WS_RAW - 1>();           // this thread's copies of tile i
+    named_barrier(FA_WS_BAR_PRODUCER, 128);  // everyone's; tile i + FA_WS_RAW's addresses
+    if (i >= FA_WS_KBUF) mbar_wait(m.empty(kb), (unsigned)((i / FA_WS_KBUF - 1) & 1));
+    const int k = m.sl.kind[as * FA_TILE_KEYS + r];
+    const unsigned char* rr = m.raw + (rs * FA_TILE_KEYS + r) * raw_stride;
+    const float* fr = (const float*)m.sl.krow[as * FA_TILE_KEYS + r];
+    unsigned char* dst = m.ks + kb * FA_WG_K_TILE + r * 128;
+#pragma unroll
+    for (int j = 0; j < FA_WG_HD / 64; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int u = u0 + 4 * h, c0 = 64 * j + 8 * u;
+        uint4 w = make_uint4(0u, 0u, 0u, 0u);
+        if (k == FA_KEY_STORED)
+          w = fa_stored_chunk(sf, rr, c0);
+        else if (k == FA_KEY_BATCH)
+          w = fa_f32_chunk(fr, c0);
+        *(uint4*)(dst + j * FA_WG_K_CHUNK + ((u ^ (r & 7)) << 4)) = w;
+      }
+    fence_proxy_async_shared();  // generic-proxy writes, read next by wgmma (async proxy)
+    mbar_arrive(m.full(kb));
+    named_barrier(FA_WS_BAR_PRODUCER, 128);  // raw tile rs and address slot as are read
+    const int as_fetch = as + FA_WS_RAW < FA_WS_ADDR ? as + FA_WS_RAW : as + FA_WS_RAW - FA_WS_ADDR;
+    fa_fetch<4>(m.sl, sf, m.raw, raw_stride, as_fetch, rs, p);  // tile i + FA_WS_RAW
+    fa_locate(m.sl, keys, nk, tile0 + i + FA_WS_ADDR, tile1, as, p, staged, sf);
+    as = as + 1 == FA_WS_ADDR ? 0 : as + 1;
+    rs = rs + 1 == FA_WS_RAW ? 0 : rs + 1;
+    kb = kb + 1 == FA_WS_KBUF ? 0 : kb + 1;
+  }
+  cp_async_wait<0>();
+}
+
+// Grid (T, splits), FA_WS_THREADS threads, the inputs and outputs of fa_attention_kernel; hd == FA_WG_HD
+// (the wrapper checks). Dynamic shared memory as FaWsSmem. Not yet AttentionPath::Auto's: it has not run
+// on a device (fast_attention.rs).
+extern "C" __global__ void __launch_bounds__(FA_WS_THREADS, 1)
+    fa_attention_wgmma_ws_kernel(const float* q, const float* kv, const unsigned char* staged,
+                                 const unsigned char* ring, const unsigned char* entries, const int* etable,
+                                 int epps, const int* selected, const int* nsel, const int* positions,
+                                 const int* seq_of, const int* query_start, const int* seq_slots,
+                                 const float* sinks, int T, int H, int hd, int nope, int W, int ratio,
+                                 int maxe, int topk, int splits, float* part_o, float* part_ml, float* o) {
+  dsv4_pdl_begin();
+  extern __shared__ __align__(1024) unsigned char fa_smem[];
+  if ((smem_addr(fa_smem) & 1023u) != 0) __trap();  // the swizzle needs 1024-byte aligned operands
+  const int t = blockIdx.x, split = blockIdx.y;
+  if (t >= T) return;
+  const KvRowFmt sf = kv_fmt_kv(hd, nope, 1);  // the stored rows
+  const int raw_stride = kv_round_up(sf.row_bytes + sf.scale_bytes, 16);
+  const FaWsSmem m(fa_smem, raw_stride);
+  if (threadIdx.x == 0) {
+    for (int kb = 0; kb < FA_WS_KBUF; ++kb) {
+      mbar_init(m.full(kb), 128);
+      mbar_init(m.empty(kb), FA_THREADS);
+    }
+  }
+  __syncthreads();
+  // (Each role works out its keys after its setmaxnreg: values live across it would be spilled.)
+  AttnKeys keys;
+  int nk, tile0, tile1;
+  if (threadIdx.x >= FA_WS_PRODUCER0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FA_WS_PRODUCER_REGS));
+    if (fa_split_tiles(&keys, &nk, &tile0, &tile1, t, split, splits, kv, ring, entries, etable, epps, selected, nsel,
+                       positions, seq_of, query_start, seq_slots, hd, nope, W, ratio, maxe, topk))
+      fa_ws_produce(m, keys, nk, tile0, tile1, staged, sf, raw_stride, threadIdx.x - FA_WS_PRODUCER0);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FA_WS_CONSUMER_REGS));
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int hg = warp & 3, half = warp >> 2;  // head group (16 rows of the m64), warpgroup = dims half
+  const int g = lane >> 2, cq = lane & 3;      // accumulator fragment row / column pair
+  const int dim0 = half * (FA_WG_HD / 2);
+  const long long part = (long long)t * splits + split;
+  float2* ml = (float2*)part_ml;
+  if (!fa_split_tiles(&keys, &nk, &tile0, &tile1, t, split, splits, kv, ring, entries, etable, epps, selected, nsel,
+                      positions, seq_of, query_start, seq_slots, hd, nope, W, ratio, maxe, topk)) {
+    fa_empty(t, H, hd, tid, part, splits, ml, o);
+    return;
+  }
+  fa_load_q(q, t, H, hd, warp, lane, [&](int r, int c, uint2 w) {
+    *(uint2*)(m.qs + fa_sw(r, c >> 1, FA_WG_Q_CHUNK) + 8 * (c & 1)) = w;
+  });
+  fence_proxy_async_shared();  // Q's generic-proxy stores, read by wgmma
+  named_barrier(FA_WS_BAR_CONSUMERS, FA_THREADS);
+
+  const float scale = (float)(1.0 / sqrt((double)hd));
+  float acc[FA_MAX_HD / 16][4];  // O: 64 heads x this warpgroup's 256 dims (wgmma D fragments)
+#pragma unroll
+  for (int n = 0; n < FA_MAX_HD / 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  float mrow[2] = {-DSV4_F32_INF, -DSV4_F32_INF};
+  float lrow[2] = {0.0f, 0.0f};
+  // Descriptors of this warpgroup's dims half: Q and a K tile (K-major), V (N-major).
+  const unsigned long long qd = wgmma_desc_sw128(m.qs + half * 4 * FA_WG_Q_CHUNK);
+  const unsigned long long kd0 = wgmma_desc_sw128(m.ks + half * 4 * FA_WG_K_CHUNK);
+  // V: N-major 128-byte swizzle (CUTLASS's canonical MN-major SW128 layout): atoms of 8 key rows x 128
+  // bytes of dims, LBO the step between 64-dim chunks (along N), SBO between 8-row groups (along K).
+  const unsigned long long vd0 = wgmma_desc(m.ks + half * 4 * FA_WG_K_CHUNK, FA_WG_K_CHUNK, 1024, 1);
+  // S of the tile in K buffer kb into s: this warpgroup's 256 dims, 16 k16 steps (a 64-dim chunk is 4
+  // steps of 32 bytes), one commit group.
+  auto issue_s = [&](float (&s)[4][4], int kb) {
+    const unsigned long long kd = kd0 + ((kb * FA_WG_K_TILE) >> 4);
+    wgmma_fence();
+#pragma unroll
+    for (int st = 0; st < 16; ++st)
+      fa_wgmma_s(s, qd + (((st >> 2) * FA_WG_Q_CHUNK + (st & 3) * 32) >> 4),
+                 kd + (((st >> 2) * FA_WG_K_CHUNK + (st & 3) * 32) >> 4), st > 0);
+    wgmma_commit();
+  };
+  const unsigned pair_bar = FA_WS_BAR_PAIR0 + (warp & 3);  // warps w and w + 4 (tid ^ FA_THREADS / 2)
+  // Tile i (sc: S(i), complete; sn: the other set, for S(i + 1)).
+  int kb = 0;  // K buffer of tile i
+  auto step = [&](float (&sc)[4][4], float (&sn)[4][4], int i) {
+    const int tile = tile0 + i;
+    const int kprev = kb == 0 ? FA_WS_KBUF - 1 : kb - 1;
+    const int knext = kb + 1 == FA_WS_KBUF ? 0 : kb + 1;
+    wgmma_fence_operand(sc);  // S(i): retired by the last wait (the last tile's before_o, or the prologue's)
+    // Past the split's last tile S(i + 1) reads the stale buffer knext (no writer: the producer stops at
+    // tile1) and is never used: issued on one path either way (a branch around wgmmas made ptxas
+    // serialize them; the accumulators merged from two paths).
+    if (tile + 1 < tile1) mbar_wait(m.full(knext), (unsigned)(((i + 1) / FA_WS_KBUF) & 1));
+    issue_s(sn, knext);
+    unsigned pa[2][4];
+    named_barrier(pair_bar, 64);  // the partner has read the last tile's S half from xs
+    fa_softmax_tile(
+        sc, m.xs, tid, half, cq, tile * FA_TILE_KEYS, nk, scale, mrow, lrow, acc, pa,
+        [&] { named_barrier(pair_bar, 64); },
+        [&] {
+          wgmma_wait<0>();  // P V(i - 1) and S(i + 1): O is ours again, and K buffer kprev free
+          wgmma_fence_operand(acc);
+          if (i > 0) mbar_arrive(m.empty(kprev));
+        });
+    // P V(i) over this warpgroup's dims, two k16 steps of 16 keys (2048 bytes of rows apart).
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) fa_wgmma_pv(acc, pa[kk], vd0 + ((kb * FA_WG_K_TILE + kk * 2048) >> 4));
+    wgmma_commit();
+    kb = knext;
+  };
+  float sa[4][4], sb[4][4];
+  mbar_wait(m.full(0), 0u);
+  issue_s(sa, 0);
+  wgmma_wait<0>();
+  for (int i = 0; tile0 + i < tile1; i += 2) {
+    step(sa, sb, i);
+    if (tile0 + i + 1 >= tile1) break;
+    step(sb, sa, i + 1);
+  }
+  wgmma_wait<0>();
+  wgmma_fence_operand(acc);
   fa_finish(acc, mrow, lrow, t, H, hd, hg, g, cq, half, dim0, part, splits, sinks, part_o, ml, o);
 }
 

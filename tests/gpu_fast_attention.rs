@@ -263,8 +263,13 @@ fn bound(b: &Batch, st: &State, i: usize, o_ref: &[f32]) -> Vec<f64> {
     out
 }
 
-/// The fast kernels each case runs: mma.sync and wgmma (this file's shapes are the wgmma path's).
-const PATHS: [AttentionPath; 2] = [AttentionPath::Mma, AttentionPath::Wgmma];
+/// The fast kernels each case runs: mma.sync, wgmma and the warp-specialized wgmma (this file's
+/// shapes are the wgmma path's).
+const PATHS: [AttentionPath; 3] = [
+    AttentionPath::Mma,
+    AttentionPath::Wgmma,
+    AttentionPath::WgmmaWs,
+];
 
 /// A fast kernel's output from two runs of the same batch.
 type TwoRuns = (Vec<f32>, Vec<f32>);
@@ -475,18 +480,20 @@ fn run_layer(
     for (k, seqs) in batches.iter().enumerate() {
         let b = Batch::new(&mut rng, &st, seqs);
         let (o_ref, fast_runs) = run(&attn, &fast, &st, &b, s);
-        let apart = fast_runs[0]
-            .0
-            .iter()
-            .zip(&fast_runs[1].0)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
-        println!("{name} batch {k}: the two fast kernels differ in {apart} values");
-        // fast_attention.rs: two kernels, the same bits.
-        assert_eq!(
-            apart, 0,
-            "{name} batch {k}: the mma.sync and wgmma kernels differ"
-        );
+        // fast_attention.rs: the kernels give the same bits.
+        for (path, (o_fast, _)) in PATHS.iter().zip(&fast_runs).skip(1) {
+            let apart = fast_runs[0]
+                .0
+                .iter()
+                .zip(o_fast)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            println!("{name} batch {k}: {path:?} differs from mma.sync in {apart} values");
+            assert_eq!(
+                apart, 0,
+                "{name} batch {k}: the mma.sync and {path:?} kernels differ"
+            );
+        }
         for (path, (o_fast, o_again)) in PATHS.iter().zip(&fast_runs) {
             let tag = format!("{name} batch {k} {path:?}");
             check(&tag, &st, &b, &o_ref, o_fast);

@@ -246,12 +246,18 @@ pub fn run(
                 let keys = W.min(ctx_len) + if csa { nsel } else { visible };
                 let kv_bytes = t * keys * rows.bytes_per_row();
                 let io_bytes = kv_bytes + t * 2 * H * HD * 2;
-                // "fast" is the path the fast set picks (AttentionPath::Auto); both kernels are
+                // "fast" is the path the fast set picks (AttentionPath::Auto); every kernel is
                 // timed besides it for the crossover.
                 let kernels: &[&str] = if t <= REFERENCE_MAX_T {
-                    &["fast", "fast_mma", "fast_wgmma", "reference"]
+                    &[
+                        "fast",
+                        "fast_mma",
+                        "fast_wgmma",
+                        "fast_wgmma_ws",
+                        "reference",
+                    ]
                 } else {
-                    &["fast", "fast_mma", "fast_wgmma"]
+                    &["fast", "fast_mma", "fast_wgmma", "fast_wgmma_ws"]
                 };
                 for &kernel in kernels {
                     let call = |j: usize| -> dsv4::Result<()> {
@@ -260,6 +266,7 @@ pub fn run(
                             "fast" => on(AttentionPath::Auto),
                             "fast_mma" => on(AttentionPath::Mma),
                             "fast_wgmma" => on(AttentionPath::Wgmma),
+                            "fast_wgmma_ws" => on(AttentionPath::WgmmaWs),
                             _ => reference.attention(&ctx, &meta, &args(j), s),
                         }
                     };

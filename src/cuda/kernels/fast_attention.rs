@@ -2,8 +2,9 @@
 //! sparse attention over window + compressed keys with the per-head sink, MLA style (one block
 //! per token and run of keys takes every head, so each key row is read and decoded once per
 //! token), on BF16 tensor cores with an online softmax, split over blocks for few tokens and
-//! combined in split order. Two kernels, the same bits: mma.sync (any head dim it covers; few
-//! tokens) and wgmma (head dim 512, from [`WGMMA_MIN_TOKENS`]), picked by [`AttentionPath`]; from
+//! combined in split order. Three kernels, the same bits: mma.sync (any head dim it covers; few
+//! tokens) and wgmma (head dim 512, from [`WGMMA_MIN_TOKENS`]), picked by [`AttentionPath`], and
+//! a warp-specialized wgmma kernel (a producer warpgroup; not picked yet: not measured); from
 //! [`STAGE_MIN_TOKENS`] the batch's own rows are first staged in the stored format. Takes the
 //! reference's [`AttentionArgs`]; the state must be stored in the official format.
 //! tests/gpu_fast_attention.rs derives and asserts the error bound of both against the reference
@@ -71,14 +72,42 @@ pub const fn wgmma_smem_bytes(raw_row: usize) -> usize {
         + WGMMA_RAW_TILES * TILE_KEYS * 20
 }
 
-/// Which kernel runs the attention: [`AttentionPath::Mma`] (mma.sync, any head dim it covers) or
-/// [`AttentionPath::Wgmma`] (wgmma, head dim [`WGMMA_HD`] only); [`AttentionPath::Auto`] picks
-/// by [`AttentionPath::for_layer`].
+/// Threads of a warp-specialized wgmma block (FA_WS_THREADS, [`AttentionPath::WgmmaWs`]): the two
+/// consumer warpgroups of [`THREADS`] and the producer warpgroup that fetches and decodes the key
+/// tiles.
+pub const WS_THREADS: usize = THREADS + 128;
+/// Decoded key tiles of the warp-specialized kernel (FA_WS_KBUF): the one the consumers' S and
+/// P V read, the one the previous tile's P V may still read, and the one the producer decodes.
+pub const WS_K_TILES: usize = 3;
+/// Its raw tiles (FA_WS_RAW): the one being decoded and one in flight.
+pub const WS_RAW_TILES: usize = 2;
+/// Its address slots (FA_WS_ADDR): the raw tiles' and the one being looked up.
+pub const WS_ADDR_SLOTS: usize = 3;
+
+/// Dynamic shared memory of a warp-specialized wgmma block whose stored rows take `raw_row` bytes:
+/// Q (all heads) and [`WS_K_TILES`] key tiles as swizzled bf16, the S exchange,
+/// [`WS_RAW_TILES`] raw tiles, [`WS_ADDR_SLOTS`] address slots and the key ring's two mbarriers a
+/// tile (the start 1024-byte aligned, as [`wgmma_smem_bytes`]'s).
+pub const fn wgmma_ws_smem_bytes(raw_row: usize) -> usize {
+    2 * MAX_HEADS * WGMMA_HD
+        + WS_K_TILES * 2 * TILE_KEYS * WGMMA_HD
+        + 4 * THREADS * 16
+        + WS_RAW_TILES * TILE_KEYS * raw_row.next_multiple_of(16)
+        + WS_ADDR_SLOTS * TILE_KEYS * 20
+        + 2 * WS_K_TILES * 8
+}
+
+/// Which kernel runs the attention: [`AttentionPath::Mma`] (mma.sync, any head dim it covers),
+/// [`AttentionPath::Wgmma`] (wgmma, head dim [`WGMMA_HD`] only) or [`AttentionPath::WgmmaWs`]
+/// (the same, warp-specialized: a producer warpgroup decodes the key tiles, the consumers' S runs
+/// during the softmax; the same bits); [`AttentionPath::Auto`] picks by
+/// [`AttentionPath::for_layer`], which does not take `WgmmaWs` until a device has measured it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttentionPath {
     Auto,
     Mma,
     Wgmma,
+    WgmmaWs,
 }
 
 crate::kernel_family! {
@@ -111,6 +140,17 @@ crate::kernel_family! {
         hd: i32, nope: i32, w: i32, ratio: i32, maxe: i32, topk: i32, splits: i32,
         part_o: Option<*mut f32>, part_ml: Option<*mut f32>, o: *mut f32,
     );
+    /// The same, warp-specialized ([`WS_THREADS`] threads).
+    #[smem(SM90_MAX_SMEM as u32)]
+    #[pdl(true)]
+    fn fa_attention_wgmma_ws_kernel(
+        q: *const f32, kv: *const f32, staged: Option<*const u8>, ring: *const u8, entries: Option<*const u8>,
+        etable: Option<*const i32>, epps: i32, selected: Option<*const i32>,
+        nsel: Option<*const i32>, positions: *const i32, seq_of: *const i32,
+        query_start: *const i32, seq_slots: *const i32, sinks: *const f32, t: i32, h: i32,
+        hd: i32, nope: i32, w: i32, ratio: i32, maxe: i32, topk: i32, splits: i32,
+        part_o: Option<*mut f32>, part_ml: Option<*mut f32>, o: *mut f32,
+    );
     #[pdl(true)]
     fn fa_combine_kernel(
         part_o: *const f32, part_ml: *const f32, sinks: *const f32, t: i32, h: i32, hd: i32,
@@ -123,6 +163,7 @@ crate::launchers! {
     pub struct FastAttention {
         attention: fa_attention_kernel,
         attention_wgmma: fa_attention_wgmma_kernel,
+        attention_wgmma_ws: fa_attention_wgmma_ws_kernel,
         stage: fa_stage_rows_kernel,
         combine: fa_combine_kernel,
     }
@@ -207,12 +248,14 @@ impl FastAttention {
             && nope <= x.head_dim
     }
 
-    /// Whether the wgmma kernel takes this layer too: [`FastAttention::covers`], head dim
-    /// [`WGMMA_HD`], and its block within [`SM90_MAX_SMEM`].
+    /// Whether both wgmma kernels take this layer too: [`FastAttention::covers`], head dim
+    /// [`WGMMA_HD`], and their blocks within [`SM90_MAX_SMEM`].
     pub fn covers_wgmma(x: &AttentionArgs) -> bool {
+        let raw_row = x.ring.rows.bytes_per_row();
         Self::covers(x)
             && x.head_dim == WGMMA_HD
-            && wgmma_smem_bytes(x.ring.rows.bytes_per_row()) <= SM90_MAX_SMEM
+            && wgmma_smem_bytes(raw_row) <= SM90_MAX_SMEM
+            && wgmma_ws_smem_bytes(raw_row) <= SM90_MAX_SMEM
     }
 
     /// o = softmax-with-sink over each token's keys (the reference's [`AttentionArgs`], which
@@ -246,18 +289,15 @@ impl FastAttention {
                 x.heads, x.head_dim, x.ring.rows, x.official
             )));
         }
-        let wgmma = match path {
-            AttentionPath::Auto => {
-                AttentionPath::for_layer(x, b.num_tokens) == AttentionPath::Wgmma
-            }
-            AttentionPath::Mma => false,
-            AttentionPath::Wgmma if Self::covers_wgmma(x) => true,
-            AttentionPath::Wgmma => {
+        let path = match path {
+            AttentionPath::Auto => AttentionPath::for_layer(x, b.num_tokens),
+            AttentionPath::Wgmma | AttentionPath::WgmmaWs if !Self::covers_wgmma(x) => {
                 return Err(bad(format!(
-                    "the wgmma kernel takes head dim {WGMMA_HD} only, not {}",
+                    "the wgmma kernels take head dim {WGMMA_HD} only, not {}",
                     x.head_dim
                 )));
             }
+            p => p,
         };
         // The reference wrapper's checks: state sizes, formats, selection buffers.
         let checked = x.check(FAMILY, b.num_tokens)?;
@@ -325,24 +365,29 @@ impl FastAttention {
             };
         }
         let grid = (blocks, splits as u32);
-        if wgmma {
-            let smem = wgmma_smem_bytes(x.ring.rows.bytes_per_row());
-            self.attention_wgmma.launch(
+        let raw_row = x.ring.rows.bytes_per_row();
+        match path {
+            AttentionPath::Wgmma => self.attention_wgmma.launch(
                 grid,
                 THREADS as u32,
-                smem as u32,
+                wgmma_smem_bytes(raw_row) as u32,
                 stream,
                 args!(fa_attention_wgmma_kernel),
-            )?;
-        } else {
-            let smem = smem_bytes(hd, x.ring.rows.bytes_per_row());
-            self.attention.launch(
+            )?,
+            AttentionPath::WgmmaWs => self.attention_wgmma_ws.launch(
+                grid,
+                WS_THREADS as u32,
+                wgmma_ws_smem_bytes(raw_row) as u32,
+                stream,
+                args!(fa_attention_wgmma_ws_kernel),
+            )?,
+            _ => self.attention.launch(
                 grid,
                 THREADS as u32,
-                smem as u32,
+                smem_bytes(hd, raw_row) as u32,
                 stream,
                 args!(fa_attention_kernel),
-            )?;
+            )?,
         }
         if splits == 1 {
             return Ok(());
@@ -371,12 +416,14 @@ mod tests {
         use crate::cuda::kv_pages::{KvFormat, KvRows};
         // Flash: 448 FP8 nope channels + 64 BF16 RoPE, 592 bytes a staged row.
         let flash = KvRows::kv(KvFormat::Official, WGMMA_HD, 448).bytes_per_row();
-        let bytes = wgmma_smem_bytes(flash);
-        assert!(bytes <= SM90_MAX_SMEM, "{bytes} bytes");
-        assert!(bytes > MAX_SMEM.min(smem_bytes(WGMMA_HD, flash)));
+        for bytes in [wgmma_smem_bytes(flash), wgmma_ws_smem_bytes(flash)] {
+            assert!(bytes <= SM90_MAX_SMEM, "{bytes} bytes");
+            assert!(bytes > MAX_SMEM.min(smem_bytes(WGMMA_HD, flash)));
+        }
         // An all-BF16 row (no FP8 part) would need more than a block has: covers_wgmma refuses it.
         let bf16 = KvRows::kv(KvFormat::Official, WGMMA_HD, 0).bytes_per_row();
         assert!(wgmma_smem_bytes(bf16) > SM90_MAX_SMEM);
+        assert!(wgmma_ws_smem_bytes(bf16) > SM90_MAX_SMEM);
     }
 
     #[test]
