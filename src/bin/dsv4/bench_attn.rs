@@ -4,7 +4,9 @@
 //! RoPE rows). CSA layers attend to the window + 512 selected entries (random distinct-ish
 //! indices among the C/4 visible), HCA layers to the window + all C/128 entries. One JSON line
 //! per (layer kind, context, batch, kernel): time per call, keys per token, the KV bytes gathered
-//! and the bytes a call must move (KV rows + BF16 q and o), GB/s on them. CSA cases also time
+//! and the bytes a call must move (KV rows + BF16 q and o), GB/s on them. The attention kernels:
+//! `fast` (the fast set's pick), `fast_mma`, `fast_wgmma`, `fast_wgmma_ws` (the warp-specialized
+//! wgmma kernel) and, from 32 tokens where the split rule splits, `fast_wgmma_ws_unsplit`. CSA cases also time
 //! the indexer (kernels/fast_indexer.cu: scoring all C/4 visible keys, then the top-512;
 //! `kernel: indexer_fast`, the fast set's call: the scale fold with the tensor-core head sum;
 //! `indexer_plain`: `fi_score_kernel`, the per-32-block promotion and the ordered head sum;
@@ -47,6 +49,9 @@ const TOPK: usize = 512;
 const DI: usize = 128;
 /// Largest batch the reference kernel is timed at (it takes seconds beyond).
 const REFERENCE_MAX_T: usize = 8;
+/// Smallest batch the warp-specialized kernel is also timed unsplit at (below, one block a token
+/// leaves most SMs idle).
+const UNSPLIT_MIN_T: usize = 32;
 
 /// The layer kinds: (name, compression ratio, CSA).
 const KINDS: [(&str, usize, bool); 2] = [("csa", 4, true), ("hca", 128, false)];
@@ -247,26 +252,28 @@ pub fn run(
                 let kv_bytes = t * keys * rows.bytes_per_row();
                 let io_bytes = kv_bytes + t * 2 * H * HD * 2;
                 // "fast" is the path the fast set picks (AttentionPath::Auto); every kernel is
-                // timed besides it for the crossover.
-                let kernels: &[&str] = if t <= REFERENCE_MAX_T {
-                    &[
-                        "fast",
-                        "fast_mma",
-                        "fast_wgmma",
-                        "fast_wgmma_ws",
-                        "reference",
-                    ]
-                } else {
-                    &["fast", "fast_mma", "fast_wgmma", "fast_wgmma_ws"]
-                };
-                for &kernel in kernels {
+                // timed besides it for the crossover, and the warp-specialized one unsplit too
+                // where the rule splits many tokens' keys (`_unsplit`: which side of the split
+                // rule it wants).
+                let rule_splits = fast_attention::splits(t, W + if csa { TOPK } else { maxe });
+                let mut kernels = vec!["fast", "fast_mma", "fast_wgmma", "fast_wgmma_ws"];
+                if t >= UNSPLIT_MIN_T && rule_splits > 1 {
+                    kernels.push("fast_wgmma_ws_unsplit");
+                }
+                if t <= REFERENCE_MAX_T {
+                    kernels.push("reference");
+                }
+                for &kernel in &kernels {
                     let call = |j: usize| -> dsv4::Result<()> {
-                        let on = |path| fast.attention_on(path, &ctx, &meta, &args(j), &ws, s);
+                        let on = |path, splits| {
+                            fast.attention_split(path, splits, &ctx, &meta, &args(j), &ws, s)
+                        };
                         match kernel {
-                            "fast" => on(AttentionPath::Auto),
-                            "fast_mma" => on(AttentionPath::Mma),
-                            "fast_wgmma" => on(AttentionPath::Wgmma),
-                            "fast_wgmma_ws" => on(AttentionPath::WgmmaWs),
+                            "fast" => on(AttentionPath::Auto, None),
+                            "fast_mma" => on(AttentionPath::Mma, None),
+                            "fast_wgmma" => on(AttentionPath::Wgmma, None),
+                            "fast_wgmma_ws" => on(AttentionPath::WgmmaWs, None),
+                            "fast_wgmma_ws_unsplit" => on(AttentionPath::WgmmaWs, Some(1)),
                             _ => reference.attention(&ctx, &meta, &args(j), s),
                         }
                     };
@@ -281,10 +288,9 @@ pub fn run(
                     let sec = timing.device_s;
                     println!(
                         "{{\"bench\": \"attn\", \"layer\": \"{kind}\", \"kernel\": \"{kernel}\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {HD}, \"keys_per_token\": {keys}, \"splits\": {}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"kv_bytes\": {kv_bytes}, \"io_bytes\": {io_bytes}, \"gb_per_s\": {:.1}, \"state_copies\": {n}, \"calls_timed\": {}}}",
-                        if kernel != "reference" {
-                            fast_attention::splits(t, W + if csa { TOPK } else { maxe })
-                        } else {
-                            1
+                        match kernel {
+                            "reference" | "fast_wgmma_ws_unsplit" => 1,
+                            _ => rule_splits,
                         },
                         sec * 1e6,
                         timing.host_s * 1e6,

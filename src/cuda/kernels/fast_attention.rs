@@ -282,6 +282,23 @@ impl FastAttention {
         ws: &FastAttentionWorkspace,
         stream: BorrowedStream,
     ) -> Result<()> {
+        self.attention_split(path, None, ctx, b, x, ws, stream)
+    }
+
+    /// The same with `splits` splits of each token's keys instead of [`splits`]'s count (`None`:
+    /// that count), so a bench can time the split rule's alternatives: at most [`MAX_SPLITS`],
+    /// and tokens x splits within the workspace's [`SPLIT_TARGET`] unless unsplit.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_split(
+        &self,
+        path: AttentionPath,
+        splits: Option<usize>,
+        ctx: &Context,
+        b: &BatchMeta,
+        x: &AttentionArgs,
+        ws: &FastAttentionWorkspace,
+        stream: BorrowedStream,
+    ) -> Result<()> {
         b.check(FAMILY)?;
         if !Self::covers(x) {
             return Err(bad(format!(
@@ -306,7 +323,19 @@ impl FastAttention {
             .ok()
             .filter(|&v| v <= i32::MAX as u32)
             .ok_or_else(|| bad(format!("{t} tokens: too many blocks")))?;
-        let splits = splits(t, x.max_keys());
+        let splits = match splits {
+            None => self::splits(t, x.max_keys()),
+            Some(n) if (1..=MAX_SPLITS).contains(&n) && (n == 1 || t * n <= SPLIT_TARGET) => n,
+            Some(n) => {
+                return Err(Error::new(
+                    Status::InvalidArgument,
+                    format!(
+                        "{FAMILY}: {n} splits of {t} tokens' keys: at most {MAX_SPLITS}, and \
+                         tokens x splits at most {SPLIT_TARGET} (the split workspace)"
+                    ),
+                ));
+            }
+        };
         let [po, pml] = workspace_floats(h, hd);
         let part = (splits > 1).then_some((ws.part_o, ws.part_ml));
         if splits > 1 {
