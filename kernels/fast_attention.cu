@@ -74,13 +74,10 @@ DSV4_INLINE float fa_e8m0(unsigned e) {
   return e == 255u ? DSV4_F32_NAN : __uint_as_float(bits);
 }
 
-// Values c0 .. c0 + 7 of a stored official row as 8 bf16 (one 16-byte word), from its bytes
-// `raw` (value bytes, then the scale record at row_bytes). nope % 16 == 0, so the 8 values
-// are 8 codes of one scale block or 8 BF16 values.
-DSV4_INLINE uint4 fa_stored_chunk(const KvRowFmt& f, const unsigned char* raw, int c0) {
-  if (c0 >= f.nope) return *(const uint4*)(raw + f.nope + 2 * (c0 - f.nope));
-  const uint2 codes = *(const uint2*)(raw + c0);
-  const float s = fa_e8m0(raw[f.row_bytes + c0 / KV_FP8_BLOCK]);
+// 8 e4m3 codes (at `codes`, 8-byte aligned) times their block's scale s as 8 bf16 (one 16-byte word):
+// exact (an e4m3 value times a power of two is a BF16 value, as the reference decodes it).
+DSV4_INLINE uint4 fa_fp8_chunk(const unsigned char* codes8, float s) {
+  const uint2 codes = *(const uint2*)codes8;
   unsigned w[4];
   const unsigned c[2] = {codes.x, codes.y};
 #pragma unroll
@@ -89,6 +86,14 @@ DSV4_INLINE uint4 fa_stored_chunk(const KvRowFmt& f, const unsigned char* raw, i
     w[i] = pack_bf16x2(__fmul_rn(v.x, s), __fmul_rn(v.y, s));
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Values c0 .. c0 + 7 of a stored official row as 8 bf16 (one 16-byte word), from its bytes
+// `raw` (value bytes, then the scale record at row_bytes). nope % 16 == 0, so the 8 values
+// are 8 codes of one scale block or 8 BF16 values.
+DSV4_INLINE uint4 fa_stored_chunk(const KvRowFmt& f, const unsigned char* raw, int c0) {
+  if (c0 >= f.nope) return *(const uint4*)(raw + f.nope + 2 * (c0 - f.nope));
+  return fa_fp8_chunk(raw + c0, fa_e8m0(raw[f.row_bytes + c0 / KV_FP8_BLOCK]));
 }
 
 // Values c0 .. c0 + 7 of an f32 row (the batch's own official rows: BF16 values) as 8 bf16.
@@ -752,6 +757,9 @@ struct FaWsSmem {
 #if FA_TILE_KEYS * 4 != 128
 #error "the producer gives each key row of a tile 4 threads"
 #endif
+#if KV_FP8_BLOCK % 64 != 0
+#error "the producer reads one scale for the two units of a 64-dim chunk"
+#endif
 DSV4_INLINE void fa_ws_produce(const FaWsSmem& m, const AttnKeys& keys, int nk, int tile0, int tile1,
                                const unsigned char* staged, const KvRowFmt& sf, int raw_stride, int p) {
   for (int i = 0; i < FA_WS_ADDR; ++i) fa_locate(m.sl, keys, nk, tile0 + i, tile1, i, p, staged, sf);
@@ -763,22 +771,42 @@ DSV4_INLINE void fa_ws_produce(const FaWsSmem& m, const AttnKeys& keys, int nk, 
     cp_async_wait<FA_WS_RAW - 1>();           // this thread's copies of tile i
     named_barrier(FA_WS_BAR_PRODUCER, 128);  // everyone's; tile i + FA_WS_RAW's addresses
     if (i >= FA_WS_KBUF) mbar_wait(m.empty(kb), (unsigned)((i / FA_WS_KBUF - 1) & 1));
+    // The row's kind decides once for its 16 units (a branch per unit cost ~20 instructions each).
     const int k = m.sl.kind[as * FA_TILE_KEYS + r];
-    const unsigned char* rr = m.raw + (rs * FA_TILE_KEYS + r) * raw_stride;
-    const float* fr = (const float*)m.sl.krow[as * FA_TILE_KEYS + r];
     unsigned char* dst = m.ks + kb * FA_WG_K_TILE + r * 128;
+    const int sw0 = (u0 ^ (r & 7)) << 4, sw1 = ((u0 + 4) ^ (r & 7)) << 4;  // units u0, u0 + 4 of a chunk
+    if (k == FA_KEY_STORED) {
+      const unsigned char* rr = m.raw + (rs * FA_TILE_KEYS + r) * raw_stride;
+      const int fp8_chunks = sf.nope / 64;  // chunks all of whose values are FP8
 #pragma unroll
-    for (int j = 0; j < FA_WG_HD / 64; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int u = u0 + 4 * h, c0 = 64 * j + 8 * u;
-        uint4 w = make_uint4(0u, 0u, 0u, 0u);
-        if (k == FA_KEY_STORED)
-          w = fa_stored_chunk(sf, rr, c0);
-        else if (k == FA_KEY_BATCH)
-          w = fa_f32_chunk(fr, c0);
-        *(uint4*)(dst + j * FA_WG_K_CHUNK + ((u ^ (r & 7)) << 4)) = w;
+      for (int j = 0; j < FA_WG_HD / 64; ++j) {
+        const int c0 = 64 * j + 8 * u0, c1 = c0 + 32;
+        uint4 w0, w1;
+        if (j < fp8_chunks) {  // both FP8, of one scale block (KV_FP8_BLOCK % 64 == 0): its scale once
+          const float sc = fa_e8m0(rr[sf.row_bytes + c0 / KV_FP8_BLOCK]);
+          w0 = fa_fp8_chunk(rr + c0, sc);
+          w1 = fa_fp8_chunk(rr + c1, sc);
+        } else {
+          w0 = fa_stored_chunk(sf, rr, c0);
+          w1 = fa_stored_chunk(sf, rr, c1);
+        }
+        *(uint4*)(dst + j * FA_WG_K_CHUNK + sw0) = w0;
+        *(uint4*)(dst + j * FA_WG_K_CHUNK + sw1) = w1;
       }
+    } else if (k == FA_KEY_BATCH) {
+      const float* fr = (const float*)m.sl.krow[as * FA_TILE_KEYS + r];
+#pragma unroll
+      for (int j = 0; j < FA_WG_HD / 64; ++j) {
+        *(uint4*)(dst + j * FA_WG_K_CHUNK + sw0) = fa_f32_chunk(fr, 64 * j + 8 * u0);
+        *(uint4*)(dst + j * FA_WG_K_CHUNK + sw1) = fa_f32_chunk(fr, 64 * j + 8 * u0 + 32);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < FA_WG_HD / 64; ++j) {
+        *(uint4*)(dst + j * FA_WG_K_CHUNK + sw0) = make_uint4(0u, 0u, 0u, 0u);
+        *(uint4*)(dst + j * FA_WG_K_CHUNK + sw1) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
     fence_proxy_async_shared();  // generic-proxy writes, read next by wgmma (async proxy)
     mbar_arrive(m.full(kb));
     named_barrier(FA_WS_BAR_PRODUCER, 128);  // raw tile rs and address slot as are read
