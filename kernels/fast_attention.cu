@@ -857,7 +857,9 @@ extern "C" __global__ void __launch_bounds__(FA_WS_THREADS, 1)
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FA_WS_CONSUMER_REGS));
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int hg = warp & 3, half = warp >> 2;  // head group (16 rows of the m64), warpgroup = dims half
+  // The warpgroup index through a shuffle, so the compiler knows it is the same in the whole warp: the
+  // descriptors built from it then live in uniform registers (no R2UR per wgmma).
+  const int hg = warp & 3, half = __shfl_sync(0xffffffffu, warp >> 2, 0);
   const int g = lane >> 2, cq = lane & 3;      // accumulator fragment row / column pair
   const int dim0 = half * (FA_WG_HD / 2);
   const long long part = (long long)t * splits + split;
@@ -867,6 +869,10 @@ extern "C" __global__ void __launch_bounds__(FA_WS_THREADS, 1)
     fa_empty(t, H, hd, tid, part, splits, ml, o);
     return;
   }
+  // (The same in every thread; shuffled so the compiler knows it: the loop and its K buffer index are
+  // then warp-uniform, and so are the descriptors.)
+  tile0 = __shfl_sync(0xffffffffu, tile0, 0);
+  tile1 = __shfl_sync(0xffffffffu, tile1, 0);
   fa_load_q(q, t, H, hd, warp, lane, [&](int r, int c, uint2 w) {
     *(uint2*)(m.qs + fa_sw(r, c >> 1, FA_WG_Q_CHUNK) + 8 * (c & 1)) = w;
   });
