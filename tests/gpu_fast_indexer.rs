@@ -377,7 +377,7 @@ fn refused(
 /// the fast set's chunk size for `t` tokens: what the tests below the fold's check.
 fn plain(t: usize) -> SelectPlan {
     SelectPlan {
-        chunk_keys: fast_indexer::chunk_keys_for(t),
+        chunk_keys: fast_indexer::chunk_keys_for(t, MAXE),
         stage_keys: fast_indexer::stage_keys_for(MAXE),
         head_sum: HeadSum::Ordered,
         fold: ScaleFold::Off,
@@ -729,7 +729,7 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
         };
         let own = |t| {
             plan(
-                fast_indexer::chunk_keys_for(t),
+                fast_indexer::chunk_keys_for(t, MAXE),
                 fast_indexer::stage_keys_for(MAXE),
             )
         };
@@ -800,7 +800,7 @@ fn folded_scales_match_the_reference_within_their_bound() {
                 chunks_per_block,
             };
             let own = |t| {
-                let chunk_keys = fast_indexer::chunk_keys_for(t);
+                let chunk_keys = fast_indexer::chunk_keys_for(t, MAXE);
                 plan(
                     chunk_keys,
                     fast_indexer::stage_keys_for(MAXE),

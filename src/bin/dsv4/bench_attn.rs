@@ -413,7 +413,7 @@ fn indexer_case(
     };
     // The fast set's work split with a kernel's head sum and scale fold.
     let plan_for = |head_sum, fold| {
-        let chunk_keys = fast_indexer::chunk_keys_for(t);
+        let chunk_keys = fast_indexer::chunk_keys_for(t, maxe);
         SelectPlan {
             chunk_keys,
             stage_keys: fast_indexer::stage_keys_for(maxe),
@@ -498,7 +498,7 @@ fn indexer_case(
             fold: ScaleFold::Off,
             chunks_per_block: 1,
         };
-        let chosen = chunk_keys == fast_indexer::chunk_keys_for(t);
+        let chosen = chunk_keys == fast_indexer::chunk_keys_for(t, maxe);
         let fields = format!(
             "\"kernel\": \"indexer_fast\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"chunk_keys\": {chunk_keys}, \"chosen\": {chosen}"
         );

@@ -209,26 +209,42 @@ pub fn stage_keys_for(maxe: usize) -> usize {
 /// Blocks a scoring launch aims at when [`chunks_per_block_for`] gives a block several chunks:
 /// about one wave of four blocks on an H200's 132 SMs.
 const SCORE_BLOCKS: usize = 512;
+/// The same for launches of at most [`FEW_TOKENS`] tokens: half as many, larger blocks.
+const FEW_TOKENS_SCORE_BLOCKS: usize = 256;
+/// Tokens up to which [`FEW_TOKENS_SCORE_BLOCKS`] applies and [`chunk_keys_for`] keeps chunks
+/// smaller than [`CHUNK_KEYS`] where a token has few entries.
+const FEW_TOKENS: usize = 8;
+/// Entries a token has from which launches of 3 to [`FEW_TOKENS`] tokens take whole
+/// [`CHUNK_KEYS`] chunks (a 64K context's CSA entries).
+const FEW_TOKENS_WIDE_MAXE: usize = 16384;
 
 /// Chunks a fold kernel's scoring block takes ([`SelectPlan::chunks_per_block`]) for `tokens`
 /// tokens of up to `maxe` entries in chunks of `chunk_keys`: as many as keep about
-/// [`SCORE_BLOCKS`] blocks, at most 8 (each block makes its token's query codes once instead of
-/// once a chunk). Measured (`dsv4 bench attn`, H200, `fi_score_fold_tc_kernel`, µs, chunk keys /
-/// chunks a block): 64K, 64 tokens 138.2 (128/1), 104.7 (256/1), 82.4 (256/4), **78.8 (256/8)**;
-/// 8K, 64 tokens **26.0 (256/1)**, 31.7 (256/2), 25.6 (128/2); 64K, 8 tokens 28.0 (128/1),
-/// **27.7 (128/2)**, 25.9 (256/2); 1 token: 64/1 best at 8K and 64K.
+/// [`SCORE_BLOCKS`] blocks ([`FEW_TOKENS_SCORE_BLOCKS`] up to [`FEW_TOKENS`] tokens), at most 8
+/// (each block makes its token's query codes once instead of once a chunk). Measured (`dsv4
+/// bench attn`, H200, `fi_score_fold_tc_kernel`, µs, chunk keys / chunks a block; two calls of
+/// 2026-12-05 alike): 64K, 64 tokens 138.2 (128/1), 104.7 (256/1), 82.4 (256/4), **78.8
+/// (256/8)**; 8K, 64 tokens **26.0 (256/1)**, 31.7 (256/2), 25.6 (128/2); 64K, 8 tokens 28.0
+/// (128/1), 27.7 (128/2), 26.6 (128/4), **25.9 (256/2)**, 28.0 (256/1); 8K, 8 tokens **13.8
+/// (128/1)**, 14.1 (256/1); 1 token: 64/1 best at 8K and 64K.
 pub fn chunks_per_block_for(tokens: usize, maxe: usize, chunk_keys: usize) -> usize {
     let chunks = tokens * maxe.div_ceil(chunk_keys.max(1));
-    (chunks / SCORE_BLOCKS).clamp(1, 8)
+    let target = if tokens <= FEW_TOKENS {
+        FEW_TOKENS_SCORE_BLOCKS
+    } else {
+        SCORE_BLOCKS
+    };
+    (chunks / target).clamp(1, 8)
 }
 
 /// The fast set's plan for `tokens` tokens of up to `maxe` entries: the scale fold (one chain of
 /// 128 dims) with the head sum on the tensor core, in chunks of [`chunk_keys_for`], several a
 /// block by [`chunks_per_block_for`]. Measured against the plain kernel with the ordered head sum
 /// (`dsv4 bench attn`, H200, the whole select, µs): 64K, 64 tokens 143.5 → 78.8; 64K, 8 tokens
-/// 32.4 → 27.7; 8K, 64 tokens 30.9 → 26.0; one token 15.4 → 14.7 (64K) and 12.4 → 11.4 (8K).
+/// 32.4 → 27.7 (25.9 with 256-key chunks, two a block: the rule since); 8K, 64 tokens 30.9 →
+/// 26.0; one token 15.4 → 14.7 (64K) and 12.4 → 11.4 (8K).
 pub fn fast_plan(tokens: usize, maxe: usize) -> SelectPlan {
-    let chunk_keys = chunk_keys_for(tokens);
+    let chunk_keys = chunk_keys_for(tokens, maxe);
     SelectPlan {
         chunk_keys,
         stage_keys: stage_keys_for(maxe),
@@ -238,16 +254,18 @@ pub fn fast_plan(tokens: usize, maxe: usize) -> SelectPlan {
     }
 }
 
-/// Keys a scoring block takes at `tokens` tokens: whole tiles, fewer where few tokens would
-/// leave SMs idle (a block's fixed cost, its queries' codes, is paid once a chunk). Measured
-/// (`dsv4 bench attn --indexer-chunks 64,128,256`, H200, µs at 8K / 64K contexts): 1 token
-/// 12.6 / 15.4 at 64 keys (14.5 / 16.9 at 128); 8 tokens 14.8 / 40.8 at 64, 15.9 / 33.4 at 128,
-/// 18.6 / 33.2 at 256; 16 tokens 19.9 / 71.4, 20.0 / 55.3, 20.9 / 48.2; 64 tokens 43.7 / 252.0,
-/// 35.3 / 184.0, 31.7 / 150.5. (The scores do not depend on the chunks.)
-pub fn chunk_keys_for(tokens: usize) -> usize {
+/// Keys a scoring block takes at `tokens` tokens of up to `maxe` entries: whole tiles, fewer
+/// where few tokens would leave SMs idle (a block's fixed cost, its queries' codes, is paid once
+/// a chunk), unless a token has [`FEW_TOKENS_WIDE_MAXE`] entries or more (then several whole
+/// chunks a block, [`chunks_per_block_for`]). Measured (`dsv4 bench attn --indexer-chunks
+/// 64,128,256`, H200, µs at 8K / 64K contexts, one chunk a block): 1 token 12.6 / 15.4 at 64
+/// keys (14.5 / 16.9 at 128); 8 tokens 14.8 / 40.8 at 64, 15.9 / 33.4 at 128, 18.6 / 33.2 at
+/// 256; 16 tokens 19.9 / 71.4, 20.0 / 55.3, 20.9 / 48.2; 64 tokens 43.7 / 252.0, 35.3 / 184.0,
+/// 31.7 / 150.5. (The scores do not depend on the chunks.)
+pub fn chunk_keys_for(tokens: usize, maxe: usize) -> usize {
     match tokens {
         0..=2 => TILE_KEYS,
-        3..=8 => 2 * TILE_KEYS,
+        3..=FEW_TOKENS if maxe < FEW_TOKENS_WIDE_MAXE => 2 * TILE_KEYS,
         _ => CHUNK_KEYS,
     }
 }
@@ -392,5 +410,40 @@ impl FastIndexer {
         let cluster = (TOPK_CLUSTER as u32, 1, 1);
         self.topk
             .launch_clustered(grid, TOPK_THREADS as u32, smem, stream, args, cluster)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_work_split_is_the_measured_best_at_the_benched_sizes() {
+        // (tokens, entries a token: 8K / 64K contexts' CSA entries) -> (chunk keys, chunks a
+        // block), the sweep's best of `chunks_per_block_for`'s table (8K, 64 tokens: 256/1, within
+        // 2% of the best 128/2).
+        let cases = [
+            ((1, 2048), (64, 1)),
+            ((1, 16384), (64, 1)),
+            ((8, 2048), (128, 1)),
+            ((8, 16384), (256, 2)),
+            ((64, 2048), (256, 1)),
+            ((64, 16384), (256, 8)),
+        ];
+        for ((t, maxe), want) in cases {
+            let p = fast_plan(t, maxe);
+            assert_eq!(
+                (p.chunk_keys, p.chunks_per_block),
+                want,
+                "{t} tokens, {maxe}"
+            );
+        }
+        // A block's chunks stay within 1..=8 at any size.
+        for t in [0, 1, 3, 9, 500, 100_000] {
+            for maxe in [0, 1, 300, 1 << 20] {
+                let c = fast_plan(t, maxe).chunks_per_block;
+                assert!((1..=8).contains(&c), "{t} tokens, {maxe}: {c}");
+            }
+        }
     }
 }
