@@ -209,7 +209,7 @@ pub fn stage_keys_for(maxe: usize) -> usize {
 /// Blocks a scoring launch aims at when [`chunks_per_block_for`] gives a block several chunks:
 /// about one wave of four blocks on an H200's 132 SMs.
 const SCORE_BLOCKS: usize = 512;
-/// The same for launches of at most [`FEW_TOKENS`] tokens: half as many, larger blocks.
+/// The same for launches of 3 to [`FEW_TOKENS`] tokens: half as many, larger blocks.
 const FEW_TOKENS_SCORE_BLOCKS: usize = 256;
 /// Tokens up to which [`FEW_TOKENS_SCORE_BLOCKS`] applies and [`chunk_keys_for`] keeps chunks
 /// smaller than [`CHUNK_KEYS`] where a token has few entries.
@@ -220,7 +220,7 @@ const FEW_TOKENS_WIDE_MAXE: usize = 16384;
 
 /// Chunks a fold kernel's scoring block takes ([`SelectPlan::chunks_per_block`]) for `tokens`
 /// tokens of up to `maxe` entries in chunks of `chunk_keys`: as many as keep about
-/// [`SCORE_BLOCKS`] blocks ([`FEW_TOKENS_SCORE_BLOCKS`] up to [`FEW_TOKENS`] tokens), at most 8
+/// [`SCORE_BLOCKS`] blocks ([`FEW_TOKENS_SCORE_BLOCKS`] from 3 to [`FEW_TOKENS`] tokens), at most 8
 /// (each block makes its token's query codes once instead of once a chunk). Measured (`dsv4
 /// bench attn`, H200, `fi_score_fold_tc_kernel`, µs, chunk keys / chunks a block; two calls of
 /// 2026-12-05 alike): 64K, 64 tokens 138.2 (128/1), 104.7 (256/1), 82.4 (256/4), **78.8
@@ -229,7 +229,9 @@ const FEW_TOKENS_WIDE_MAXE: usize = 16384;
 /// (128/1)**, 14.1 (256/1); 1 token: 64/1 best at 8K and 64K.
 pub fn chunks_per_block_for(tokens: usize, maxe: usize, chunk_keys: usize) -> usize {
     let chunks = tokens * maxe.div_ceil(chunk_keys.max(1));
-    let target = if tokens <= FEW_TOKENS {
+    // (One or two tokens' 64-key chunks keep the wider target: at one token 64 keys a block was
+    // best, 64/2 and 64/4 slower.)
+    let target = if (3..=FEW_TOKENS).contains(&tokens) {
         FEW_TOKENS_SCORE_BLOCKS
     } else {
         SCORE_BLOCKS
@@ -429,6 +431,8 @@ mod tests {
             ((8, 16384), (256, 2)),
             ((64, 2048), (256, 1)),
             ((64, 16384), (256, 8)),
+            // 256K contexts, one token: two chunks a block, as before the few-token target.
+            ((1, 65536), (64, 2)),
         ];
         for ((t, maxe), want) in cases {
             let p = fast_plan(t, maxe);
