@@ -30,8 +30,8 @@
 
 // FA_THREADS, FA_TILE_KEYS, FA_MAX_HEADS, FA_MAX_HD (dsv4_consts.cuh).
 #define FA_WARPS (FA_THREADS / 32)
-// The prologue's Q rows: warp w takes rows w + 2 FA_WARPS i and w + FA_WARPS + 2 FA_WARPS i, lane l
-// the 16-byte words l + 32 u of each (8 loads in flight a thread at hd = 512; no index division).
+// The prologue's Q rows (fa_load_q): warp w takes rows w + a FA_WARPS + ROWS FA_WARPS i (a < ROWS), lane
+// l the 16-byte words l + 32 u of each (4 ROWS loads in flight a thread at hd = 512; no index division).
 #if FA_MAX_HEADS % (2 * FA_WARPS) != 0
 #error "the Q prologue takes FA_MAX_HEADS rows two per warp at a time"
 #endif
@@ -185,14 +185,17 @@ DSV4_INLINE uint4 fa_key_chunk(const FaSlots& s, const KvRowFmt& sf, const unsig
 }
 
 // Token t's Q as bf16: store(r, c, w) gets the 4 values 4c .. 4c + 3 of head row r < FA_MAX_HEADS
-// (rows past H zero) packed in w; two rows a warp at a time (FA_Q_WORDS above).
-template <class Store>
+// (rows past H zero) packed in w; ROWS rows a warp at a time (FA_Q_WORDS loads each in flight: 2 rows,
+// 8 loads, in the kernels whose registers hold O already; all a warp's 8 in the warp-specialized one,
+// whose consumers load Q before O is live).
+template <int ROWS = 2, class Store>
 DSV4_INLINE void fa_load_q(const float* q, int t, int H, int hd, int warp, int lane, Store store) {
+  static_assert(FA_MAX_HEADS % (ROWS * FA_WARPS) == 0, "the rows split evenly over the warps");
   const int q4 = hd / 4;
-  for (int r0 = warp; r0 < FA_MAX_HEADS; r0 += 2 * FA_WARPS) {
-    float4 v[2][FA_Q_WORDS];
+  for (int r0 = warp; r0 < FA_MAX_HEADS; r0 += ROWS * FA_WARPS) {
+    float4 v[ROWS][FA_Q_WORDS];
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < ROWS; ++a)
 #pragma unroll
       for (int u = 0; u < FA_Q_WORDS; ++u) {
         const int r = r0 + a * FA_WARPS, c = lane + 32 * u;
@@ -200,7 +203,7 @@ DSV4_INLINE void fa_load_q(const float* q, int t, int H, int hd, int warp, int l
                                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < ROWS; ++a)
 #pragma unroll
       for (int u = 0; u < FA_Q_WORDS; ++u) {
         const int c = lane + 32 * u;
@@ -873,7 +876,7 @@ extern "C" __global__ void __launch_bounds__(FA_WS_THREADS, 1)
   // then warp-uniform, and so are the descriptors.)
   tile0 = __shfl_sync(0xffffffffu, tile0, 0);
   tile1 = __shfl_sync(0xffffffffu, tile1, 0);
-  fa_load_q(q, t, H, hd, warp, lane, [&](int r, int c, uint2 w) {
+  fa_load_q<FA_MAX_HEADS / FA_WARPS>(q, t, H, hd, warp, lane, [&](int r, int c, uint2 w) {
     *(uint2*)(m.qs + fa_sw(r, c >> 1, FA_WG_Q_CHUNK) + 8 * (c & 1)) = w;
   });
   fence_proxy_async_shared();  // Q's generic-proxy stores, read by wgmma
