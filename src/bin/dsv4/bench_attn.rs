@@ -6,9 +6,9 @@
 //! per (layer kind, context, batch, kernel): time per call, keys per token, the KV bytes gathered
 //! and the bytes a call must move (KV rows + BF16 q and o), GB/s on them. The attention kernels:
 //! `fast` (the fast set's pick), `fast_mma`, `fast_wgmma`, `fast_wgmma_ws` (the warp-specialized
-//! wgmma kernel) and, from 32 tokens where the split rule splits, `fast_wgmma_ws_unsplit`. CSA cases also time
-//! the indexer (kernels/fast_indexer.cu: scoring all C/4 visible keys, then the top-512;
-//! `kernel: indexer_fast`, the fast set's call: the scale fold with the tensor-core head sum;
+//! wgmma kernel) and, from 32 tokens where the split rule splits, `fast_wgmma_ws_unsplit`. CSA
+//! cases also time the indexer (kernels/fast_indexer.cu: scoring all C/4 visible keys, then the
+//! top-512; `kernel: indexer_fast`, the fast set's call: the scale fold with the tensor-core head sum;
 //! `indexer_plain`: `fi_score_kernel`, the per-32-block promotion and the ordered head sum;
 //! `indexer_fast_tc`: the same with its head sum on the tensor core, `fi_score_tc_kernel`;
 //! `indexer_fast_fold` and `indexer_fast_fold_tc`: the scale fold with
