@@ -198,6 +198,23 @@ pub fn splits(t: usize, max_keys: usize) -> usize {
         .max(1)
 }
 
+/// The split count of a launch of `t` tokens of up to `max_keys` keys: [`splits`]'s, or the
+/// `requested` one if the workspace holds it (at most [`MAX_SPLITS`], and tokens x splits at most
+/// [`SPLIT_TARGET`] unless unsplit); `InvalidArgument` otherwise.
+pub fn split_count(t: usize, max_keys: usize, requested: Option<usize>) -> Result<usize> {
+    match requested {
+        None => Ok(splits(t, max_keys)),
+        Some(n) if (1..=MAX_SPLITS).contains(&n) && (n == 1 || t * n <= SPLIT_TARGET) => Ok(n),
+        Some(n) => Err(Error::new(
+            Status::InvalidArgument,
+            format!(
+                "{FAMILY}: {n} splits of {t} tokens' keys: at most {MAX_SPLITS}, and tokens x \
+                 splits at most {SPLIT_TARGET} (the split workspace)"
+            ),
+        )),
+    }
+}
+
 /// Floats of the split workspace: partial outputs and (max, sum) pairs for every (token, split,
 /// head), at most [`SPLIT_TARGET`] token-splits (more tokens run unsplit).
 pub fn workspace_floats(heads: usize, head_dim: usize) -> [usize; 2] {
@@ -323,19 +340,7 @@ impl FastAttention {
             .ok()
             .filter(|&v| v <= i32::MAX as u32)
             .ok_or_else(|| bad(format!("{t} tokens: too many blocks")))?;
-        let splits = match splits {
-            None => self::splits(t, x.max_keys()),
-            Some(n) if (1..=MAX_SPLITS).contains(&n) && (n == 1 || t * n <= SPLIT_TARGET) => n,
-            Some(n) => {
-                return Err(Error::new(
-                    Status::InvalidArgument,
-                    format!(
-                        "{FAMILY}: {n} splits of {t} tokens' keys: at most {MAX_SPLITS}, and \
-                         tokens x splits at most {SPLIT_TARGET} (the split workspace)"
-                    ),
-                ));
-            }
-        };
+        let splits = split_count(t, x.max_keys(), splits)?;
         let [po, pml] = workspace_floats(h, hd);
         let part = (splits > 1).then_some((ws.part_o, ws.part_ml));
         if splits > 1 {
@@ -453,6 +458,19 @@ mod tests {
         let bf16 = KvRows::kv(KvFormat::Official, WGMMA_HD, 0).bytes_per_row();
         assert!(wgmma_smem_bytes(bf16) > SM90_MAX_SMEM);
         assert!(wgmma_ws_smem_bytes(bf16) > SM90_MAX_SMEM);
+    }
+
+    #[test]
+    fn a_requested_split_count_is_checked_against_the_workspace() {
+        assert_eq!(split_count(64, 640, None).unwrap(), splits(64, 640));
+        assert_eq!(split_count(64, 640, Some(1)).unwrap(), 1);
+        assert_eq!(split_count(64, 640, Some(2)).unwrap(), 2);
+        assert_eq!(split_count(100_000, 640, Some(1)).unwrap(), 1); // unsplit: no workspace
+        for (t, n) in [(64, 3), (1, 0), (1, MAX_SPLITS + 1), (SPLIT_TARGET, 2)] {
+            let e = split_count(t, 640, Some(n)).unwrap_err();
+            assert_eq!(e.status, Status::InvalidArgument, "{t} tokens, {n} splits");
+            assert!(e.to_string().contains(&format!("{n} splits")), "{e}");
+        }
     }
 
     #[test]
