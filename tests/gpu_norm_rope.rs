@@ -31,6 +31,23 @@ fn dev() -> Option<Dev> {
     Some(Dev::new(g, NormRope::new(&g.reg).unwrap()))
 }
 
+/// The tiny config's YaRN inverse frequencies (a CSA layer's) on the host, the rope half
+/// width, and the table uploaded (its arena, whose first pointer the kernels read).
+fn yarn_table(
+    d: &Dev,
+) -> (
+    Vec<f32>,
+    usize,
+    dsv4::cuda::Arena,
+    Vec<dsv4::cuda::DevicePtr>,
+) {
+    let cfg = ModelConfig::tiny_default();
+    let freqs = rope::inv_freq(&cfg, AttnKind::Csa);
+    let (arena, fp) = d.alloc(&[freqs.len() * 4]);
+    d.put(fp[0], &freqs);
+    (freqs, cfg.rope_dim / 2, arena, fp)
+}
+
 fn bf16_all(mut v: Vec<f32>) -> Vec<f32> {
     round_bf16(&mut v);
     v
@@ -239,11 +256,7 @@ fn rope_matches_reference_bit_for_bit() {
 fn rope_bf16_copy_is_the_rounded_values() {
     let Some(d) = dev() else { return };
     let mut rng = Rng::new(12);
-    let cfg = ModelConfig::tiny_default();
-    let freqs = rope::inv_freq(&cfg, AttnKind::Csa);
-    let half = cfg.rope_dim / 2;
-    let (_f, fp) = d.alloc(&[freqs.len() * 4]);
-    d.put(fp[0], &freqs);
+    let (_, half, _f, fp) = yarn_table(&d);
     let many = norm_rope::ROPE_ROWS_MIN;
     // (rows, heads, head_dim, ld, copy stride - width)
     let cases = [
@@ -342,11 +355,7 @@ fn rope_bf16_copy_is_the_rounded_values() {
 fn head_prep_matches_reference_bit_for_bit() {
     let Some(d) = dev() else { return };
     let mut rng = Rng::new(7);
-    let cfg = ModelConfig::tiny_default();
-    let freqs = rope::inv_freq(&cfg, AttnKind::Csa);
-    let half = cfg.rope_dim / 2;
-    let (_f, fp) = d.alloc(&[freqs.len() * 4]);
-    d.put(fp[0], &freqs);
+    let (freqs, half, _f, fp) = yarn_table(&d);
     // (rows, heads, head_dim, weight, sim): Flash's queries (64 heads of 512, unit norm) and
     // window KV (one head with kv_norm, nope FP8-simulated), the tiny model's, a head whose
     // pairs leave the last warp part-filled (200 = 100 pairs) with a short last KV
