@@ -657,6 +657,333 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
                        chunk_keys, fold_chains, scores);
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// fi_score_stream_kernel: the scale fold with the tensor-core head sum (fi_score_fold_tc_kernel's operation) as a
+// stream of whole key pages through a ring, the keys decoded straight into the wgmmas' A registers.
+//
+// Why. fi_score_fold_tc_kernel's tile is a chain within one warpgroup: decode the keys into shared memory, fence,
+// block barrier, wgmmas, head sum, stores; its chunk's keys are copied in one batch when the chunk starts and
+// waited for there, so a block's HBM reads and its tensor-core work take turns, and only the four blocks an SM
+// overlap them (64K context, 64 tokens: 79 us against a 17 us floor, BENCHMARKS.md). Here:
+// - a 64-key tile is exactly one page (FI_TILE_KEYS == KV_PAGE; tiles start at multiples of 64), so a tile is ONE
+//   bulk copy of the page as stored (its 64 rows of code bytes, then their scale records) into a ring slot,
+//   completing on the slot's mbarrier;
+// - FI_STREAM_WGS warpgroups take the block's tiles in turn (warpgroup c: the block's tiles c, c + WGS, ...), each
+//   with its own FI_STREAM_SLOTS / WGS slots, kept FI_STREAM_SLOTS / WGS - 1 tiles ahead by its first thread;
+// - each thread loads its two key rows' 16 code bytes (one 16-byte load a row, no bank conflict) and scale
+//   records, decodes them in registers into the A fragments of the four m64n64k32 wgmmas: no shared-memory copy
+//   of the decoded keys, no fence, no block barrier in the loop;
+// - the token's queries are encoded once a block (both k orders below), while the first pages arrive.
+// Tiles are interleaved over a token's blocks (block y: tiles y, y + gridDim.y, ...); a tile's scores depend only
+// on the tile, so the grid does not change them.
+//
+// The k order. A thread's 16-byte load of row r holds the row's 32-block cq (its quad lane) as four words; word s
+// is the thread's part of wgmma step s: step s sums dims 32 cq' + 8 s .. 32 cq' + 8 s + 7 over the quad's lanes
+// cq', a0 / a2 the low / high four of them (e2m1x8_to_e4m3_halves). The queries' B operand in this "A order" puts
+// dims 32 y + 8 x + i (i < 4) in chunk 2x at bytes 4y + i, dims 32 y + 8 x + 4 + i in chunk 2x + 1. The products
+// are those of fi_score_fold_tc_kernel's chain, grouped into other k32 steps, so the tensor core's sums may round
+// otherwise: the same bound (tests/gpu_fast_indexer.rs, ScaleFold::Chain128), not the same bits.
+// A tile that does not fold (a key's scales too far apart or out of range, or the token's queries; decided by a
+// warpgroup-wide vote, bar.red.or) takes the per-32-block promotion, whose steps must each lie in one 32-block:
+// its threads load word 4b + cq of each row for step b (four 4-byte loads a row) against the queries in the tiled
+// kernels' "B order" (fi_queries_halves's).
+//
+// Shared memory: the ring of FI_STREAM_SLOTS pages, the queries in the A order and in the B order, the block
+// factors qf [4][64] (B-order tiles), the head sum's weights, one mbarrier a slot.
+#define FI_S_CODES (KV_PAGE * FI_FOLD_DIM / 2)  // a page's code bytes (64 a key)
+#define FI_S_PAGE (KV_PAGE * (FI_FOLD_DIM / 2 + FI_FOLD_BLOCKS))  // the page as stored: codes, then scale records
+#define FI_S_Q (FI_FOLD_DIM * FI_MAX_HEADS)
+#define FI_S_QA (FI_STREAM_SLOTS * FI_S_PAGE)
+#define FI_S_QB (FI_S_QA + FI_S_Q)
+#define FI_S_QF (FI_S_QB + FI_S_Q)
+#define FI_S_WB (FI_S_QF + 4 * FI_FOLD_BLOCKS * FI_MAX_HEADS)
+#define FI_S_BARS (FI_S_WB + FI_WB_BYTES)
+#define FI_S_BYTES (FI_S_BARS + 8 * FI_STREAM_SLOTS)
+#define FI_S_WG_SLOTS (FI_STREAM_SLOTS / FI_STREAM_WGS)  // a warpgroup's ring
+#define FI_S_BAR_WG 1  // named barrier 1 + c: warpgroup c's fold vote
+static_assert(FI_TILE_KEYS == KV_PAGE, "fi_score_stream_kernel: a tile is one page");
+static_assert(FI_FOLD_DIM / 2 % KV_ROW_ALIGN == 0 && FI_FOLD_BLOCKS % KV_SCALE_ALIGN == 0,
+              "fi_score_stream_kernel: rows and scale records without padding");
+static_assert(FI_S_PAGE % 16 == 0 && FI_S_QA % 16 == 0 && FI_S_BARS % 8 == 0, "fi_score_stream_kernel: alignment");
+static_assert(FI_S_BYTES <= FI_STREAM_SMEM, "fi_score_stream_kernel: shared memory exceeds FI_STREAM_SMEM");
+static_assert(FI_STREAM_THREADS == 128 * FI_STREAM_WGS && FI_MAX_HEADS * 4 == FI_STREAM_THREADS &&
+                  FI_STREAM_SLOTS % FI_STREAM_WGS == 0 && FI_S_WG_SLOTS >= 2,
+              "fi_score_stream_kernel: two warpgroups (four threads a head), two slots or more each");
+
+// Whether `v` holds in any of the `threads` threads (a multiple of 32) that reach named barrier `id`.
+DSV4_INLINE bool bar_red_or(unsigned id, unsigned threads, bool v) {
+  unsigned r;
+  asm volatile(
+      "{ .reg .pred p, q;\n setp.ne.u32 q, %1, 0;\n bar.red.or.pred p, %2, %3, q;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(r)
+      : "r"((unsigned)v), "r"(id), "r"(threads)
+      : "memory");
+  return r != 0u;
+}
+
+// One wgmma m64n64k32 e4m3 x e4m3 -> f32 with A (the tile's keys) from registers: d = A B^T (scale_d 0) or
+// d += A B^T.
+DSV4_INLINE void fi_wgmma_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long bdesc, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1; }\n"
+      : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bdesc), "r"(scale_d));
+}
+
+// The largest and smallest byte of a scale record (a key's four UE8M0 exponents).
+DSV4_INLINE void fi_record_range(unsigned rec, unsigned& top, unsigned& lo) {
+  const unsigned b0 = rec & 0xffu, b1 = (rec >> 8) & 0xffu, b2 = (rec >> 16) & 0xffu, b3 = rec >> 24;
+  top = max(max(b0, b1), max(b2, b3));
+  lo = min(min(b0, b1), min(b2, b3));
+}
+
+// The streamed kernel's queries, by all FI_STREAM_THREADS threads (thread tid: head tid / 4, part c4 = tid % 4 of
+// each of the head's four 32-blocks, dims 32 b + 8 c4 .. + 7): the fold decision (the same in every thread;
+// fi_queries_halves's rule), the codes in the B order (qb, with qf) and in the A order (qa), and the head sum's
+// weights (with 2^qe_h folded in when the queries fold). The caller fences and synchronises before the wgmmas
+// read them.
+DSV4_INLINE bool fi_stream_queries(const float* qi, const float* iw, int t, int HI, unsigned char* qa,
+                                   unsigned char* qb, float* qf, unsigned char* wb) {
+  const int tid = threadIdx.x, h = tid >> 2, c4 = tid & 3;
+  float4 x[FI_FOLD_BLOCKS][2];
+#pragma unroll
+  for (int b = 0; b < FI_FOLD_BLOCKS; ++b) {
+    x[b][0] = x[b][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (h < HI) {
+      const float* q = qi + ((long long)t * HI + h) * FI_FOLD_DIM + 32 * b + 8 * c4;
+      x[b][0] = *(const float4*)q;
+      x[b][1] = *(const float4*)(q + 4);
+    }
+  }
+  const float w = h < HI ? iw[(long long)t * HI + h] : 0.0f;
+  float am[FI_FOLD_BLOCKS];  // each block's amax (the quad's)
+#pragma unroll
+  for (int b = 0; b < FI_FOLD_BLOCKS; ++b) {
+    const float v[8] = {x[b][0].x, x[b][0].y, x[b][0].z, x[b][0].w, x[b][1].x, x[b][1].y, x[b][1].z, x[b][1].w};
+    float a = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a = fmaxf(a, fabsf(v[j]));
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+    am[b] = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
+  }
+  int lb = -1000;  // floor(log2) of the head's amax (-1000: all zero); a NaN or infinite value never folds
+  bool ok = true;
+#pragma unroll
+  for (int b = 0; b < FI_FOLD_BLOCKS; ++b) {
+    if (!(am[b] <= 3.0e38f)) ok = false;
+    else if (am[b] > 0.0f) lb = max(lb, dsv4_floor_log2(am[b]));
+  }
+#pragma unroll
+  for (int b = 0; b < FI_FOLD_BLOCKS; ++b)
+    if (am[b] > 0.0f && am[b] <= 3.0e38f && dsv4_floor_log2(am[b]) < lb - FI_FOLD_SPAN) ok = false;
+  const int qe = lb == -1000 ? 0 : lb - 7;
+  if (qe < -FI_FOLD_QE || qe > FI_FOLD_QE) ok = false;
+  if (!(fabsf(w) == 0.0f || (fabsf(w) >= 0x1p-32f && fabsf(w) <= 0x1p32f))) ok = false;
+  const bool fold = !__syncthreads_or(!ok);
+#pragma unroll
+  for (int b = 0; b < FI_FOLD_BLOCKS; ++b) {
+    const int e = fold ? qe : (am[b] > 0.0f && am[b] <= 3.0e38f ? dsv4_floor_log2(am[b]) - 7 : 0);
+    const float inv = dsv4_pow2(-e);
+    const unsigned lo = fi_e4m3x4(x[b][0].x * inv, x[b][0].y * inv, x[b][0].z * inv, x[b][0].w * inv);
+    const unsigned hi = fi_e4m3x4(x[b][1].x * inv, x[b][1].y * inv, x[b][1].z * inv, x[b][1].w * inv);
+    *(unsigned*)(qb + ((2 * b) * FI_MAX_HEADS + h) * 16 + 4 * c4) = lo;
+    *(unsigned*)(qb + ((2 * b + 1) * FI_MAX_HEADS + h) * 16 + 4 * c4) = hi;
+    *(unsigned*)(qa + ((2 * c4) * FI_MAX_HEADS + h) * 16 + 4 * b) = lo;
+    *(unsigned*)(qa + ((2 * c4 + 1) * FI_MAX_HEADS + h) * 16 + 4 * b) = hi;
+    if (c4 == 0) qf[b * FI_MAX_HEADS + h] = h < HI ? (fold ? 1.0f : dsv4_pow2(e)) : 0.0f;
+  }
+  if (c4 == 0) {
+    // The head sum's B operand (fi_wgmma_head_sum): column 0 bf16(w'), column 1 bf16(w' - bf16(w')), w' = w 2^qe_h
+    // when folding (exact: w' stays normal), else w.
+    const float wf = fold ? __fmul_rn(w, dsv4_pow2(qe)) : w;
+    const unsigned short whi = f32_to_bf16(wf);
+    const unsigned short wlo = f32_to_bf16(__fsub_rn(wf, bf16_to_f32(whi)));
+    unsigned short* col = (unsigned short*)(wb + (h >> 3) * 128 + (h & 7) * 2);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) col[n * 8] = n == 0 ? whi : (n == 1 ? wlo : (unsigned short)0);
+  }
+  return fold;
+}
+
+// One page into a warpgroup's ring slot: its bytes announced on, and completing, the slot's mbarrier.
+DSV4_INLINE void fi_stream_copy(const unsigned char* ikeys, long long page, unsigned dst, unsigned bar) {
+  mbar_arrive_expect_tx(bar, FI_S_PAGE);
+  bulk_load(dst, ikeys + page * FI_S_PAGE, FI_S_PAGE, bar);
+}
+
+// Grid (T, blocks a token), FI_STREAM_THREADS threads: FI_STREAM_WGS warpgroups. Head dim FI_FOLD_DIM only (the
+// host runs the plain kernels at others), HI <= FI_MAX_HEADS. Scores as fi_score_fold_tc_kernel's (its comment),
+// within the same bound; each tile's decisions (fold or not) are its own.
+extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
+    fi_score_stream_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
+                           const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
+                           int ratio, int maxe, float* scores) {
+  dsv4_pdl_begin();
+  extern __shared__ __align__(128) unsigned char fi_smem[];
+  const int t = blockIdx.x;
+  if (t >= T || DI != FI_FOLD_DIM) return;
+  const int slot = seq_slots[seq_of[t]];
+  if (slot < 0) return;  // padding: nothing is scored (fi_topk_kernel selects nothing)
+  int visible = (positions[t] + 1) / ratio;
+  if (visible > maxe) visible = maxe;
+  const int tiles = (visible + FI_TILE_KEYS - 1) / FI_TILE_KEYS;
+  const int first = blockIdx.y, step = gridDim.y;
+  if (first >= tiles) return;
+  const int mine = (tiles - first + step - 1) / step;  // the block's tiles
+
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
+  const unsigned sbase = smem_addr(fi_smem);
+  // Warpgroup wg: the block's tiles k = wg + WGS i, i < n, in its slots wg SW + i % SW (SW = FI_S_WG_SLOTS).
+  const int n = mine > wg ? (mine - wg + FI_STREAM_WGS - 1) / FI_STREAM_WGS : 0;
+  const unsigned ring = sbase + wg * FI_S_WG_SLOTS * FI_S_PAGE;
+  const unsigned bars = sbase + FI_S_BARS + 8 * wg * FI_S_WG_SLOTS;
+  // The page of the warpgroup's tile i (kv_row's lookup).
+  const long long row0 = (long long)slot * ipps + first;
+  auto page_of = [&](int i) -> long long {
+    const long long r = row0 + (long long)(wg + FI_STREAM_WGS * i) * step;
+    return itable != 0 ? (long long)itable[r] : r;
+  };
+  if (tid == 0) {
+    for (int s = 0; s < FI_STREAM_SLOTS; ++s) mbar_init(sbase + FI_S_BARS + 8 * s, 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+  // The issuer (the warpgroup's first thread) asks for its first SW pages at once (their table entries loaded
+  // together), then keeps the ring SW - 1 tiles ahead; `next` holds the page of the tile it asks for next.
+  long long next = 0;
+  if (wtid == 0) {
+    long long pg[FI_S_WG_SLOTS];
+#pragma unroll
+    for (int i = 0; i < FI_S_WG_SLOTS; ++i) pg[i] = i < n ? page_of(i) : 0;
+#pragma unroll
+    for (int i = 0; i < FI_S_WG_SLOTS; ++i)
+      if (i < n) fi_stream_copy(ikeys, pg[i], ring + i * FI_S_PAGE, bars + 8 * i);
+    if (FI_S_WG_SLOTS < n) next = page_of(FI_S_WG_SLOTS);
+  }
+
+  unsigned char* qa = fi_smem + FI_S_QA;
+  unsigned char* qb = fi_smem + FI_S_QB;
+  float* qf = (float*)(fi_smem + FI_S_QF);
+  unsigned char* wb = fi_smem + FI_S_WB;
+  const bool fold_q = fi_stream_queries(qi, iw, t, HI, qa, qb, qf, wb);
+  fence_proxy_async_shared();  // the queries and weights, for the wgmmas
+  __syncthreads();
+
+  const int lane = tid & 31, warp = (tid >> 5) & 3, cq = lane & 3;
+  const int r0 = 16 * warp + (lane >> 2);  // the thread's key rows r0 and r0 + 8 of a tile
+  // Accumulators defined once, so ptxas keeps the wgmmas asynchronous (C7511).
+  float acc[32], d[32], hs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = d[i] = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const int s = i % FI_S_WG_SLOTS;
+    const int e0 = (first + (wg + FI_STREAM_WGS * i) * step) * FI_TILE_KEYS;
+    const unsigned char* pg = fi_smem + (ring - sbase) + s * FI_S_PAGE;
+    mbar_wait(bars + 8 * s, (i / FI_S_WG_SLOTS) & 1);
+    // The thread's two rows: 16 code bytes (its 32-block cq) and the scale record. Rows past the visible keys
+    // read as zero codes with exponents 133 (factors 2^12: finite, and they fold).
+    const bool in0 = e0 + r0 < visible, in1 = e0 + r0 + 8 < visible;
+    uint4 c0 = *(const uint4*)(pg + r0 * (FI_FOLD_DIM / 2) + 16 * cq);
+    uint4 c1 = *(const uint4*)(pg + (r0 + 8) * (FI_FOLD_DIM / 2) + 16 * cq);
+    unsigned s0 = *(const unsigned*)(pg + FI_S_CODES + 4 * r0);
+    unsigned s1 = *(const unsigned*)(pg + FI_S_CODES + 4 * (r0 + 8));
+    if (!in0) {
+      c0 = make_uint4(0u, 0u, 0u, 0u);
+      s0 = 0x85858585u;
+    }
+    if (!in1) {
+      c1 = make_uint4(0u, 0u, 0u, 0u);
+      s1 = 0x85858585u;
+    }
+    unsigned top0, lo0, top1, lo1;
+    fi_record_range(s0, top0, lo0);
+    fi_record_range(s1, top1, lo1);
+    const bool bad = top0 - lo0 > FI_FOLD_SPAN || top0 < FI_FOLD_E_MIN || top0 > FI_FOLD_E_MAX ||
+                     top1 - lo1 > FI_FOLD_SPAN || top1 < FI_FOLD_E_MIN || top1 > FI_FOLD_E_MAX;
+    // The vote; past it every thread of the warpgroup is done with tile i - 1's slot (all its reads came before
+    // that tile's wgmmas), so the issuer refills it with tile i - 1 + SW.
+    const bool tile_fold = !bar_red_or(FI_S_BAR_WG + wg, 128, bad || !fold_q);
+    if (wtid == 0 && i >= 1 && i - 1 + FI_S_WG_SLOTS < n) {
+      const int j = i - 1 + FI_S_WG_SLOTS, sj = j % FI_S_WG_SLOTS;
+      fi_stream_copy(ikeys, next, ring + sj * FI_S_PAGE, bars + 8 * sj);
+      if (j + 1 < n) next = page_of(j + 1);
+    }
+    if (tile_fold) {
+      // The A order: step st is word st of each row's 16 bytes, decoded with the row's shifted table for its
+      // block cq (t = s - E + 12 in [1, 12]: the fold's exact range).
+      const Fp4Table t0 = fp4_table_shifted(byte_of(s0, cq) + 12u - top0);
+      const Fp4Table t1 = fp4_table_shifted(byte_of(s1, cq) + 12u - top1);
+      const unsigned w0[4] = {c0.x, c0.y, c0.z, c0.w}, w1[4] = {c1.x, c1.y, c1.z, c1.w};
+      unsigned a[4][4];
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        e2m1x8_to_e4m3_halves(w0[st], t0, a[st][0], a[st][2]);
+        e2m1x8_to_e4m3_halves(w1[st], t1, a[st][1], a[st][3]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int st = 0; st < 4; ++st)
+        fi_wgmma_rs(acc, a[st], wgmma_desc_noswizzle(qa + 2 * st * FI_MAX_HEADS * 16, FI_MAX_HEADS * 16, 128), st);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operand(acc);
+    } else {
+      // The B order: step b is word 4b + cq of each row (block b), the plain bit move (value 2^-6, the 2^6 in the
+      // key factor), each block's sum promoted with its factors (fi_score's per-block path).
+      unsigned w0[4], w1[4];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        w0[b] = in0 ? *(const unsigned*)(pg + r0 * (FI_FOLD_DIM / 2) + 16 * b + 4 * cq) : 0u;
+        w1[b] = in1 ? *(const unsigned*)(pg + (r0 + 8) * (FI_FOLD_DIM / 2) + 16 * b + 4 * cq) : 0u;
+      }
+#pragma unroll
+      for (int j = 0; j < 32; ++j) acc[j] = 0.0f;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        unsigned a[4];
+        e2m1x8_to_e4m3_halves(w0[b], fp4_table_plain(), a[0], a[2]);
+        e2m1x8_to_e4m3_halves(w1[b], fp4_table_plain(), a[1], a[3]);
+        wgmma_fence();
+        fi_wgmma_rs(d, a, wgmma_desc_noswizzle(qb + 2 * b * FI_MAX_HEADS * 16, FI_MAX_HEADS * 16, 128), 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(d);
+        fi_promote(acc, d, qf + b * FI_MAX_HEADS, fi_key_factor(byte_of(s0, b)), fi_key_factor(byte_of(s1, b)));
+      }
+    }
+    // score = bf16(2^ke sum_h relu(bf16(d_h)) (hi_h + lo_h)) on the BF16 tensor core (fi_score's TC_SUM path).
+    unsigned ah[4][4];
+#pragma unroll
+    for (int st = 0; st < 4; ++st)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * st + half;
+        ah[st][2 * half] = fi_relu_bf16x2(pack_bf16x2(acc[4 * j], acc[4 * j + 1]));
+        ah[st][2 * half + 1] = fi_relu_bf16x2(pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]));
+      }
+    wgmma_fence();
+#pragma unroll
+    for (int st = 0; st < 4; ++st) fi_wgmma_head_sum(hs, ah[st], wgmma_desc_noswizzle(wb + st * 256, 128, 128), st);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operand(hs);
+    if (cq == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int e = e0 + r0 + 8 * r;
+        if (e < visible) {
+          const float v = __fadd_rn(hs[2 * r], hs[2 * r + 1]);
+          scores[(long long)t * maxe + e] = round_bf16_nonnan(__fmul_rn(v, fi_fold_factor(tile_fold, r ? top1 : top0)));
+        }
+      }
+    }
+  }
+}
+
 // A score's 16-bit order key: larger score, larger key; NaN as -inf; -0 as +0 (the reference's
 // top_k compares them equal). Scores are BF16 values, so the top half of their bits is exact.
 DSV4_INLINE unsigned fi_key16(float v) {

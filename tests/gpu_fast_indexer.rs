@@ -29,6 +29,8 @@
 //!   (`ScaleFold::Chain128`; DESIGN.md §4 allows promotion every 128 of K), 2x with two
 //!   (`ScaleFold::Chain64`). Tiles and tokens that do not fold take the per-block promotion,
 //!   inside the same bound;
+//! - the streamed kernel (`SelectPlan::streamed`) is the fold with one chain and the tensor-core
+//!   head sum, inside the same bound (its k32 steps group the products otherwise);
 //! - the selected sets equal the reference's wherever the margin exceeds that rounding: an
 //!   entry selected by one and not the other has a reference score within 2 B (B the token's
 //!   largest bound) of the reference's k-th score;
@@ -382,6 +384,7 @@ fn plain(t: usize) -> SelectPlan {
         head_sum: HeadSum::Ordered,
         fold: ScaleFold::Off,
         chunks_per_block: 1,
+        streamed: false,
     }
 }
 
@@ -667,6 +670,7 @@ fn every_work_split_gives_the_same_result() {
                     head_sum: HeadSum::Ordered,
                     fold: ScaleFold::Off,
                     chunks_per_block: 1,
+                    streamed: false,
                 })
             })
             .chain([Some(plain(b.t()))])
@@ -725,6 +729,7 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
                 head_sum: HeadSum::TensorCore,
                 fold: ScaleFold::Off,
                 chunks_per_block: 1,
+                streamed: false,
             })
         };
         let own = |t| {
@@ -798,6 +803,7 @@ fn folded_scales_match_the_reference_within_their_bound() {
                 head_sum,
                 fold,
                 chunks_per_block,
+                streamed: false,
             };
             let own = |t| {
                 let chunk_keys = fast_indexer::chunk_keys_for(t, MAXE);
@@ -936,6 +942,7 @@ fn folded_scales_match_the_reference_within_their_bound() {
             head_sum: HeadSum::Ordered,
             fold: ScaleFold::Chain128,
             chunks_per_block: 1,
+            streamed: false,
         };
         let bad = [
             // Chunks that are not whole tiles, with the fold.
@@ -951,6 +958,133 @@ fn folded_scales_match_the_reference_within_their_bound() {
             },
             SelectPlan {
                 chunks_per_block: 0,
+                ..base
+            },
+        ];
+        for p in bad {
+            let g = family_gpu(&FAMILIES).unwrap();
+            let err = refused(&g.ctx, fast, &keys, &b, p, s);
+            assert!(err.contains("out of range"), "{p:?}: {err}");
+        }
+    });
+}
+
+/// The streamed kernel (`SelectPlan::streamed`: fi_score_stream_kernel, one page a tile through a
+/// ring, the keys decoded into the wgmmas' registers): scores within the fold's bound with one chain
+/// (module doc; its k32 steps group the products otherwise than the tiled fold kernel's, so not
+/// that kernel's bits) and the selection the exact top-k of its own scores, at Flash's shapes, with
+/// tied scores and with keys and tokens that cannot fold; every number of tiles a block (odd ones,
+/// one warpgroup idle, a block per tile) gives the same bits, and reruns too. At other head dims the
+/// plan runs the plain kernel with its head sum (its bits). Streamed plans without the fold or the
+/// tensor-core head sum are refused.
+#[test]
+fn streamed_scores_match_the_reference_within_the_fold_bound() {
+    with_indexers(|reference, fast, s| {
+        let mut rng = XorShift(0x57ea_5eed);
+        let how = Rounding {
+            head_sum: HeadSum::TensorCore,
+            fold: ScaleFold::Chain128,
+        };
+        let tiled = |t| fast_indexer::fast_plan(t, MAXE);
+        let check_splits = |name: &str, keys: &Keys, b: &Batch| {
+            let own = fast_indexer::stream_plan(b.t(), MAXE);
+            let own_tiles = own.chunks_per_block;
+            let plans: Vec<Option<SelectPlan>> = [own_tiles, own_tiles, 1, 2, 5, 64]
+                .into_iter()
+                .map(|tiles| {
+                    Some(SelectPlan {
+                        chunks_per_block: tiles,
+                        ..own
+                    })
+                })
+                .chain([Some(tiled(b.t()))])
+                .collect();
+            let (r, f) = run_plans(reference, fast, keys, b, s, &plans);
+            let (worst, swaps) = check(name, keys, b, &r, &f[0], how);
+            let streamed = plans.len() - 1;
+            for (p, run) in plans[..streamed].iter().zip(&f).skip(1) {
+                assert!(
+                    same_result(run, &f[0]),
+                    "{name}: {p:?} differs from {:?}",
+                    plans[0]
+                );
+            }
+            // Beside the tiled fold kernel (the fast set's): how many scores the k order changed.
+            let changed = f[0]
+                .scores
+                .iter()
+                .zip(&f[streamed].scores)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            println!(
+                "{name}: streamed: max |fast - ref| / bound {worst:.3}, selected entries that differ from the reference {swaps}, scores that differ from the tiled fold kernel's {changed}"
+            );
+        };
+        let keys = Keys::random(&mut rng, DI);
+        for (k, seqs) in flash_batches().iter().enumerate() {
+            let b = Batch::new(&mut rng, seqs, DI);
+            check_splits(&format!("batch {k}"), &keys, &b);
+        }
+        let keys = Keys::with_unfoldable(&mut rng, DI, 300);
+        for (k, seqs) in flash_batches().iter().enumerate() {
+            let b = Batch::new(&mut rng, seqs, DI).with_unfoldable_tokens();
+            check_splits(
+                &format!("some keys and tokens unfoldable, batch {k}"),
+                &keys,
+                &b,
+            );
+        }
+        for patterns in [1, 3] {
+            let keys = Keys::from_patterns(&mut rng, Some(patterns), DI);
+            let seqs = decode(8, &[3, 700, 2047, 2048, 2049, 5000, 30_000, 65_535]);
+            let b = Batch::new(&mut rng, &seqs, DI);
+            check_splits(&format!("{patterns} key pattern(s)"), &keys, &b);
+        }
+        // Other head dims run the plain kernel of the plan's head sum: its bits.
+        for (di, hi) in OTHER_DIMS {
+            let keys = Keys::random(&mut rng, di);
+            let b = other_dims_batch(&mut rng, di, hi);
+            let own = fast_indexer::stream_plan(b.t(), MAXE);
+            let plain = SelectPlan {
+                fold: ScaleFold::Off,
+                chunks_per_block: 1,
+                streamed: false,
+                ..own
+            };
+            let (r, f) = run_plans(reference, fast, &keys, &b, s, &[Some(own), Some(plain)]);
+            let name = format!("streamed, {hi} heads of {di}");
+            check(
+                &name,
+                &keys,
+                &b,
+                &r,
+                &f[0],
+                Rounding {
+                    head_sum: HeadSum::TensorCore,
+                    fold: ScaleFold::Off,
+                },
+            );
+            assert!(
+                same_result(&f[0], &f[1]),
+                "{name}: not the plain kernel's result"
+            );
+        }
+        // Streamed plans the kernel cannot run: refused before any launch.
+        let keys = Keys::random(&mut rng, DI);
+        let b = Batch::new(&mut rng, &decode(1, &[5000]), DI);
+        let base = fast_indexer::stream_plan(1, MAXE);
+        let bad = [
+            SelectPlan {
+                fold: ScaleFold::Off,
+                chunks_per_block: 1,
+                ..base
+            },
+            SelectPlan {
+                fold: ScaleFold::Chain64,
+                ..base
+            },
+            SelectPlan {
+                head_sum: HeadSum::Ordered,
                 ..base
             },
         ];

@@ -144,6 +144,10 @@ pub const SHARED: &[Shared] = shared! {
     "FI_TOPK_THREADS" = Int(fast_indexer::TOPK_THREADS as i64) from "fast_indexer::TOPK_THREADS";
     "FI_TOPK_CLUSTER" = Int(fast_indexer::TOPK_CLUSTER as i64) from "fast_indexer::TOPK_CLUSTER";
     "FI_FOLD_DIM" = Int(fast_indexer::FOLD_DIM as i64) from "fast_indexer::FOLD_DIM";
+    "FI_STREAM_WGS" = Int(fast_indexer::STREAM_WGS as i64) from "fast_indexer::STREAM_WGS";
+    "FI_STREAM_SLOTS" = Int(fast_indexer::STREAM_SLOTS as i64) from "fast_indexer::STREAM_SLOTS";
+    "FI_STREAM_THREADS" = Int(fast_indexer::STREAM_THREADS as i64) from "fast_indexer::STREAM_THREADS";
+    "FI_STREAM_SMEM" = Int(fast_indexer::STREAM_SMEM as i64) from "fast_indexer::STREAM_SMEM";
     // attention.cu, compressor.cu, indexer.cu, mhc.cu.
     "ATTN_MAX_CPT" = Int(attention::ATTN_MAX_CHANNELS_PER_THREAD as i64)
         from "attention::ATTN_MAX_CHANNELS_PER_THREAD";

@@ -401,6 +401,7 @@ fn indexer_case(
         "indexer_fast_fold",
         "indexer_fast_fold_tc",
         "indexer_fast_fold64_tc",
+        "indexer_stream",
     ];
     let kernels: Vec<&str> = if t <= REFERENCE_MAX_T && ctx_len <= 65536 {
         fast_kernels
@@ -424,6 +425,7 @@ fn indexer_case(
             } else {
                 fast_indexer::chunks_per_block_for(t, maxe, chunk_keys)
             },
+            streamed: false,
         }
     };
     // Times `call` over `n` state copies and prints its line: `fields`, then the timing.
@@ -451,6 +453,7 @@ fn indexer_case(
             "indexer_fast_fold" => Some(plan_for(HeadSum::Ordered, ScaleFold::Chain128)),
             "indexer_fast_fold_tc" => Some(plan_for(HeadSum::TensorCore, ScaleFold::Chain128)),
             "indexer_fast_fold64_tc" => Some(plan_for(HeadSum::TensorCore, ScaleFold::Chain64)),
+            "indexer_stream" => Some(fast_indexer::stream_plan(t, maxe)),
             _ => None,
         };
         if kernel == "indexer_fast" {
@@ -490,6 +493,23 @@ fn indexer_case(
             })?;
         }
     }
+    // The streamed kernel at each number of 64-key tiles a block (its plan's line says which it
+    // takes: "chosen").
+    let stream_own = fast_indexer::stream_plan(t, maxe);
+    for tiles in [2, 4, 8, 16, 32, 64] {
+        let plan = SelectPlan {
+            chunks_per_block: tiles,
+            ..stream_own
+        };
+        let fields = format!(
+            "\"kernel\": \"indexer_stream\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"chunk_keys\": {}, \"chunks_per_block\": {tiles}, \"chosen\": {}",
+            plan.chunk_keys,
+            tiles == stream_own.chunks_per_block
+        );
+        timed(fields, copies, &|j| {
+            ix.fast.select_with(ctx, meta, &args(j), plan, s)
+        })?;
+    }
     for &chunk_keys in &ix.chunks {
         let plan = SelectPlan {
             chunk_keys,
@@ -497,6 +517,7 @@ fn indexer_case(
             head_sum: HeadSum::Ordered,
             fold: ScaleFold::Off,
             chunks_per_block: 1,
+            streamed: false,
         };
         let chosen = chunk_keys == fast_indexer::chunk_keys_for(t, maxe);
         let fields = format!(

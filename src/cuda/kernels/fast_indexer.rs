@@ -14,6 +14,9 @@
 //! the key's finished score (no promotion); compiled for head dim [`FOLD_DIM`] only (Flash's and
 //! Pro's), other dims run the plain kernels. The fast set runs the fold with the tensor-core head
 //! sum ([`fast_plan`]; `dsv4 bench attn`: `indexer_fast`, beside `indexer_plain`, the others).
+//! `fi_score_stream_kernel` is the same operation as a stream ([`SelectPlan::streamed`],
+//! [`stream_plan`]; `indexer_stream` in the bench): a producer warp copies each 64-key tile's page
+//! whole into a ring, consumer warpgroups decode the keys straight into the wgmmas' registers.
 //! tests/gpu_fast_indexer.rs bounds the scores against the reference kernel and checks the
 //! selection against an exact top-k of the fast scores.
 
@@ -21,7 +24,7 @@ use super::attention::BatchMeta;
 use super::indexer::IndexerArgs;
 use super::to_i32;
 use crate::cuda::Context;
-use crate::cuda::kv_pages::{KvFormat, RowKind};
+use crate::cuda::kv_pages::{KV_PAGE, KvFormat, RowKind};
 use crate::cuda::stream::BorrowedStream;
 use crate::error::{Error, Result, Status};
 
@@ -89,6 +92,25 @@ const _: () = assert!(
     THREADS == 128 && MAX_HEADS == 64 && TILE_KEYS == 64 && CHUNK_KEYS.is_multiple_of(THREADS)
 );
 
+/// Warpgroups of a `fi_score_stream_kernel` block (FI_STREAM_WGS), which take its tiles in turn,
+/// and its threads (FI_STREAM_THREADS).
+pub const STREAM_WGS: usize = 2;
+pub const STREAM_THREADS: usize = 128 * STREAM_WGS;
+/// Pages of a streamed block's ring (FI_STREAM_SLOTS): [`STREAM_SLOTS`] / [`STREAM_WGS`] a
+/// warpgroup, which keeps one fewer tiles in flight ahead of the one it scores.
+pub const STREAM_SLOTS: usize = 12;
+/// Dynamic shared memory of a streamed block (FI_STREAM_SMEM): the ring's pages as stored
+/// ([`KV_PAGE`] keys of `FOLD_DIM / 2` code bytes and `FOLD_DIM / 32` scale bytes), the queries'
+/// codes in two k orders ([`FOLD_DIM`] bytes a head each), their block factors (an f32 a head and
+/// 32-block), the head sum's weights and an mbarrier a slot.
+pub const STREAM_SMEM: usize = STREAM_SLOTS * KV_PAGE * (FOLD_DIM / 2 + FOLD_DIM / 32)
+    + 2 * FOLD_DIM * MAX_HEADS
+    + 4 * (FOLD_DIM / 32) * MAX_HEADS
+    + HEAD_SUM_B_BYTES
+    + 8 * STREAM_SLOTS;
+// A streamed tile is one page; four consumer threads a head build the queries.
+const _: () = assert!(TILE_KEYS == KV_PAGE && 128 * STREAM_WGS == 4 * MAX_HEADS);
+
 /// The largest scoring block (the registry raises the kernel's limit to it).
 pub const MAX_SMEM: usize = score_smem_bytes(MAX_DIM, HeadSum::TensorCore, true);
 
@@ -128,6 +150,14 @@ crate::kernel_family! {
         positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
         di: i32, ratio: i32, maxe: i32, chunk_keys: i32, fold_chains: i32, scores: *mut f32,
     );
+    /// The scale fold with the tensor-core head sum as a stream of pages ([`SelectPlan::streamed`]).
+    #[smem(STREAM_SMEM as u32)]
+    #[pdl(true)]
+    fn fi_score_stream_kernel(
+        qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
+        positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
+        di: i32, ratio: i32, maxe: i32, scores: *mut f32,
+    );
     #[smem((2 * TOPK_STAGE_KEYS) as u32)]
     #[pdl(true)]
     fn fi_topk_kernel(
@@ -144,6 +174,7 @@ crate::launchers! {
         score_tc: fi_score_tc_kernel,
         score_fold: fi_score_fold_kernel,
         score_fold_tc: fi_score_fold_tc_kernel,
+        score_stream: fi_score_stream_kernel,
         topk: fi_topk_kernel,
     }
 }
@@ -169,6 +200,13 @@ pub struct SelectPlan {
     /// queries' codes made once: 1, or more with a fold (whose kernels loop; at other head dims
     /// than [`FOLD_DIM`] it is taken as 1).
     pub chunks_per_block: usize,
+    /// Whether the folded scoring runs as a stream of pages (`fi_score_stream_kernel`): needs
+    /// [`ScaleFold::Chain128`] and [`HeadSum::TensorCore`]. A block then takes `chunk_keys x
+    /// chunks_per_block` keys' worth of 64-key tiles, interleaved over its token's blocks (tile y,
+    /// y + blocks, ...). Its scores are within the fold's bound, not the tiled kernel's bits (the
+    /// wgmmas group the products into other k32 steps). At head dims other than [`FOLD_DIM`] the
+    /// plain kernels run.
+    pub streamed: bool,
 }
 
 /// The scale fold of the scoring (kernels/fast_indexer.cu, "the scale fold"): where a 64-key
@@ -253,6 +291,29 @@ pub fn fast_plan(tokens: usize, maxe: usize) -> SelectPlan {
         head_sum: HeadSum::TensorCore,
         fold: ScaleFold::Chain128,
         chunks_per_block: chunks_per_block_for(tokens, maxe, chunk_keys),
+        streamed: false,
+    }
+}
+
+/// Blocks a streamed scoring launch aims at: two an SM (256 threads of at most 128 registers)
+/// on an H200's 132 SMs, so that every block's stream starts at once.
+const STREAM_BLOCKS: usize = 264;
+
+/// The streamed kernel's plan ([`SelectPlan::streamed`]) for `tokens` tokens of up to `maxe`
+/// entries: 64-key chunks, as many a block as spread a token's tiles over its share of
+/// [`STREAM_BLOCKS`], and at least one a consumer warpgroup. Not yet measured against
+/// [`fast_plan`]: `dsv4 bench attn` times both (`indexer_stream`, `indexer_fast`) and sweeps the
+/// tiles a block.
+pub fn stream_plan(tokens: usize, maxe: usize) -> SelectPlan {
+    let tiles = maxe.div_ceil(TILE_KEYS);
+    let blocks_per_token = (STREAM_BLOCKS / tokens.max(1)).max(1);
+    SelectPlan {
+        chunk_keys: TILE_KEYS,
+        stage_keys: stage_keys_for(maxe),
+        head_sum: HeadSum::TensorCore,
+        fold: ScaleFold::Chain128,
+        chunks_per_block: tiles.div_ceil(blocks_per_token).max(STREAM_WGS),
+        streamed: true,
     }
 }
 
@@ -318,6 +379,8 @@ impl FastIndexer {
             || (plan.fold != ScaleFold::Off && !plan.chunk_keys.is_multiple_of(TILE_KEYS))
             || plan.chunks_per_block == 0
             || (plan.chunks_per_block > 1 && plan.fold == ScaleFold::Off)
+            || (plan.streamed
+                && (plan.fold != ScaleFold::Chain128 || plan.head_sum != HeadSum::TensorCore))
         {
             return Err(bad(format!("{plan:?} out of range")));
         }
@@ -345,9 +408,9 @@ impl FastIndexer {
                 .filter(|&c| c <= 65535)
                 .ok_or_else(|| bad(format!("{} entries: too many chunks", x.maxe)))?;
             macro_rules! score_args {
-                ($kernel:ident $(, $extra:ident: $value:expr)?) => {
+                ($kernel:ident $(, $extra:ident: $value:expr)*) => {
                     $kernel::Args {
-                        $($extra: $value,)?
+                        $($extra: $value,)*
                         qi: x.qi,
                         iw: x.iw,
                         ikeys: x.ikeys.pool,
@@ -361,32 +424,42 @@ impl FastIndexer {
                         di: i("dim", di)?,
                         ratio: i("ratio", x.ratio)?,
                         maxe: i("maxe", x.maxe)?,
-                        chunk_keys: i("chunk keys", plan.chunk_keys)?,
                         scores: x.scores,
                     }
                 };
             }
+            let chunk_keys = i("chunk keys", plan.chunk_keys)?;
             let smem = score_smem_bytes(di, plan.head_sum, fold) as u32;
             let chains = i("fold chains", plan.fold.chains())?;
             let grid = (blocks, chunks);
             match (plan.head_sum, fold) {
+                (_, true) if plan.streamed => {
+                    let args = score_args!(fi_score_stream_kernel);
+                    self.score_stream.launch(
+                        grid,
+                        STREAM_THREADS as u32,
+                        STREAM_SMEM as u32,
+                        stream,
+                        args,
+                    )?
+                }
                 (HeadSum::Ordered, false) => {
-                    let args = score_args!(fi_score_kernel);
+                    let args = score_args!(fi_score_kernel, chunk_keys: chunk_keys);
                     self.score
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
                 (HeadSum::TensorCore, false) => {
-                    let args = score_args!(fi_score_tc_kernel);
+                    let args = score_args!(fi_score_tc_kernel, chunk_keys: chunk_keys);
                     self.score_tc
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
                 (HeadSum::Ordered, true) => {
-                    let args = score_args!(fi_score_fold_kernel, fold_chains: chains);
+                    let args = score_args!(fi_score_fold_kernel, chunk_keys: chunk_keys, fold_chains: chains);
                     self.score_fold
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
                 (HeadSum::TensorCore, true) => {
-                    let args = score_args!(fi_score_fold_tc_kernel, fold_chains: chains);
+                    let args = score_args!(fi_score_fold_tc_kernel, chunk_keys: chunk_keys, fold_chains: chains);
                     self.score_fold_tc
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
@@ -441,6 +514,38 @@ mod tests {
                 want,
                 "{t} tokens, {maxe}"
             );
+        }
+        // The streamed plan: tiles a block at the benched sizes, and at most about two blocks an SM
+        // (or a block a token) at any size.
+        let cases = [
+            ((1, 2048), 2),
+            ((1, 16384), 2),
+            ((8, 2048), 2),
+            ((8, 16384), 8),
+            ((64, 2048), 8),
+            ((64, 16384), 64),
+        ];
+        for ((t, maxe), want) in cases {
+            let p = stream_plan(t, maxe);
+            assert!(
+                p.streamed && p.fold == ScaleFold::Chain128 && p.head_sum == HeadSum::TensorCore
+            );
+            assert_eq!(
+                (p.chunk_keys, p.chunks_per_block),
+                (TILE_KEYS, want),
+                "{t} tokens, {maxe}"
+            );
+        }
+        for t in [1, 3, 9, 64, 500, 100_000] {
+            for maxe in [1, 300, 16384, 1 << 20] {
+                let p = stream_plan(t, maxe);
+                let blocks = t * maxe.div_ceil(TILE_KEYS).div_ceil(p.chunks_per_block);
+                assert!(
+                    p.chunks_per_block >= STREAM_WGS && blocks <= STREAM_BLOCKS.max(t) + t,
+                    "{t} tokens, {maxe}: {} tiles a block, {blocks} blocks",
+                    p.chunks_per_block
+                );
+            }
         }
         // A block's chunks stay within 1..=8 at any size.
         for t in [0, 1, 3, 9, 500, 100_000] {
