@@ -178,6 +178,17 @@ DSV4_INLINE unsigned fi_e4m3x4(float v0, float v1, float v2, float v3) {
   return (unsigned)lo | ((unsigned)hi << 16);
 }
 
+// The largest |value| of a query 32-block held by a quad, 8 values a thread (v[0], v[1]: its dims 8c .. 8c + 7):
+// the thread's, then the quad's by two shuffles (every lane of the warp takes part).
+DSV4_INLINE float fi_quad_amax(const float4 (&v)[2]) {
+  const float x[8] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w};
+  float a = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) a = fmaxf(a, fabsf(x[j]));
+  a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+  return fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
+}
+
 // The fold kernels' queries (the B operand) in the halves order of e2m1x8_to_e4m3_halves, which their keys'
 // decode leaves: block b's dims 8c .. 8c + 3 (c < 4) in chunk 2b at bytes 4c .. 4c + 3, dims 8c + 4 .. 8c + 7 in
 // chunk 2b + 1 (both operands permute K alike, so the products are the same). Returns, the same in every
@@ -202,14 +213,7 @@ DSV4_INLINE bool fi_queries_halves(const float* qi, const float* iw, int t, int 
   }
   float am[FI_Q_BATCH];  // each item's block amax (its four threads')
 #pragma unroll
-  for (int k = 0; k < FI_Q_BATCH; ++k) {
-    const float v[8] = {x[k][0].x, x[k][0].y, x[k][0].z, x[k][0].w, x[k][1].x, x[k][1].y, x[k][1].z, x[k][1].w};
-    float a = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) a = fmaxf(a, fabsf(v[j]));
-    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
-    am[k] = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
-  }
+  for (int k = 0; k < FI_Q_BATCH; ++k) am[k] = fi_quad_amax(x[k]);
   // lb[p]: floor(log2) of head p's amax (-1000: all zero). A NaN or infinite value never folds.
   int lb[2] = {-1000, -1000}, qe[2];
   bool ok = true;
@@ -260,6 +264,27 @@ DSV4_INLINE void fi_wgmma_head_sum(float (&d)[4], const unsigned (&a)[4], unsign
 
 // Bytes of the head-sum weights' B operand (fi_wgmma_head_sum): 64 heads x 8 columns of bf16.
 #define FI_WB_BYTES (FI_MAX_HEADS * 8 * 2)
+
+// hs = a tile's head sums on the tensor core, sum_h relu(bf16(d_h)) x (hi_h, lo_h): the relu'd d_h of `acc` (key
+// rows, head columns: fi_score's layout) as the A fragments of four k16 steps over the heads, against the two
+// weight columns at `wb`; lane cq == 0 then holds both columns of keys r0 (hs[0], hs[1]) and r0 + 8 (hs[2], hs[3]).
+DSV4_INLINE void fi_head_sum_tc(const float (&acc)[32], float (&hs)[4], const unsigned char* wb) {
+  unsigned a[4][4];
+#pragma unroll
+  for (int st = 0; st < 4; ++st)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int j = 2 * st + half;
+      a[st][2 * half] = fi_relu_bf16x2(pack_bf16x2(acc[4 * j], acc[4 * j + 1]));
+      a[st][2 * half + 1] = fi_relu_bf16x2(pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]));
+    }
+  wgmma_fence();
+#pragma unroll
+  for (int st = 0; st < 4; ++st) fi_wgmma_head_sum(hs, a[st], wgmma_desc_noswizzle(wb + st * 256, 128, 128), st);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operand(hs);
+}
 
 // The scoring kernels' body. TC_SUM: the head sum on the tensor core (fi_score_tc_kernel), else in f32 in a
 // fixed order on the CUDA cores (fi_score_kernel). FOLD: the scale fold (see above; fi_score_fold_kernel,
@@ -529,24 +554,8 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
       }
     }
     if constexpr (TC_SUM) {
-      // score = bf16(sum_h relu(bf16(d_h)) * (hi_h + lo_h)): the relu'd d_h as the A fragments of four k16
-      // steps over the heads, summed against the two weight columns by the tensor core; lane cq == 0
-      // holds both columns of keys r0 (hs[0], hs[1]) and r0 + 8 (hs[2], hs[3]).
-      unsigned a[4][4];
-#pragma unroll
-      for (int st = 0; st < 4; ++st)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int j = 2 * st + half;
-          a[st][2 * half] = fi_relu_bf16x2(pack_bf16x2(acc[4 * j], acc[4 * j + 1]));
-          a[st][2 * half + 1] = fi_relu_bf16x2(pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]));
-        }
-      wgmma_fence();
-#pragma unroll
-      for (int st = 0; st < 4; ++st) fi_wgmma_head_sum(hs, a[st], wgmma_desc_noswizzle(wb + st * 256, 128, 128), st);
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operand(hs);
+      // score = bf16(sum_h relu(bf16(d_h)) * (hi_h + lo_h)), the sum on the tensor core (fi_head_sum_tc).
+      fi_head_sum_tc(acc, hs, wb);
       if (cq == 0) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -762,14 +771,7 @@ DSV4_INLINE bool fi_stream_queries(const float* qi, const float* iw, int t, int 
   const float w = h < HI ? iw[(long long)t * HI + h] : 0.0f;
   float am[FI_FOLD_BLOCKS];  // each block's amax (the quad's)
 #pragma unroll
-  for (int b = 0; b < FI_FOLD_BLOCKS; ++b) {
-    const float v[8] = {x[b][0].x, x[b][0].y, x[b][0].z, x[b][0].w, x[b][1].x, x[b][1].y, x[b][1].z, x[b][1].w};
-    float a = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) a = fmaxf(a, fabsf(v[j]));
-    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
-    am[b] = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
-  }
+  for (int b = 0; b < FI_FOLD_BLOCKS; ++b) am[b] = fi_quad_amax(x[b]);
   int lb = -1000;  // floor(log2) of the head's amax (-1000: all zero); a NaN or infinite value never folds
   bool ok = true;
 #pragma unroll
@@ -823,7 +825,7 @@ extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
                            const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
                            int ratio, int maxe, float* scores) {
   dsv4_pdl_begin();
-  extern __shared__ __align__(128) unsigned char fi_smem[];
+  extern __shared__ __align__(128) unsigned char fis_smem[];
   const int t = blockIdx.x;
   if (t >= T || DI != FI_FOLD_DIM) return;
   const int slot = seq_slots[seq_of[t]];
@@ -836,7 +838,7 @@ extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
   const int mine = (tiles - first + step - 1) / step;  // the block's tiles
 
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
-  const unsigned sbase = smem_addr(fi_smem);
+  const unsigned sbase = smem_addr(fis_smem);
   // Warpgroup wg: the block's tiles k = wg + WGS i, i < n, in its slots wg SW + i % SW (SW = FI_S_WG_SLOTS).
   const int n = mine > wg ? (mine - wg + FI_STREAM_WGS - 1) / FI_STREAM_WGS : 0;
   const unsigned ring = sbase + wg * FI_S_WG_SLOTS * FI_S_PAGE;
@@ -865,10 +867,10 @@ extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
     if (FI_S_WG_SLOTS < n) next = page_of(FI_S_WG_SLOTS);
   }
 
-  unsigned char* qa = fi_smem + FI_S_QA;
-  unsigned char* qb = fi_smem + FI_S_QB;
-  float* qf = (float*)(fi_smem + FI_S_QF);
-  unsigned char* wb = fi_smem + FI_S_WB;
+  unsigned char* qa = fis_smem + FI_S_QA;
+  unsigned char* qb = fis_smem + FI_S_QB;
+  float* qf = (float*)(fis_smem + FI_S_QF);
+  unsigned char* wb = fis_smem + FI_S_WB;
   const bool fold_q = fi_stream_queries(qi, iw, t, HI, qa, qb, qf, wb);
   fence_proxy_async_shared();  // the queries and weights, for the wgmmas
   __syncthreads();
@@ -882,7 +884,7 @@ extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
   for (int i = 0; i < n; ++i) {
     const int s = i % FI_S_WG_SLOTS;
     const int e0 = (first + (wg + FI_STREAM_WGS * i) * step) * FI_TILE_KEYS;
-    const unsigned char* pg = fi_smem + (ring - sbase) + s * FI_S_PAGE;
+    const unsigned char* pg = fis_smem + (ring - sbase) + s * FI_S_PAGE;
     mbar_wait(bars + 8 * s, (i / FI_S_WG_SLOTS) & 1);
     // The thread's two rows: 16 code bytes (its 32-block cq) and the scale record. Rows past the visible keys
     // read as zero codes with exponents 133 (factors 2^12: finite, and they fold).
@@ -956,21 +958,7 @@ extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
       }
     }
     // score = bf16(2^ke sum_h relu(bf16(d_h)) (hi_h + lo_h)) on the BF16 tensor core (fi_score's TC_SUM path).
-    unsigned ah[4][4];
-#pragma unroll
-    for (int st = 0; st < 4; ++st)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int j = 2 * st + half;
-        ah[st][2 * half] = fi_relu_bf16x2(pack_bf16x2(acc[4 * j], acc[4 * j + 1]));
-        ah[st][2 * half + 1] = fi_relu_bf16x2(pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]));
-      }
-    wgmma_fence();
-#pragma unroll
-    for (int st = 0; st < 4; ++st) fi_wgmma_head_sum(hs, ah[st], wgmma_desc_noswizzle(wb + st * 256, 128, 128), st);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operand(hs);
+    fi_head_sum_tc(acc, hs, wb);
     if (cq == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {

@@ -548,6 +548,90 @@ fn check(name: &str, keys: &Keys, b: &Batch, r: &Run, f: &Run, how: Rounding) ->
     (worst, swaps)
 }
 
+/// Asserts that the runs `f` of all of `plans` but the last gave the first one's result, bit for
+/// bit (the last is another kernel, compared by the caller).
+fn assert_all_but_last_alike(name: &str, plans: &[Option<SelectPlan>], f: &[Run]) {
+    let alike = plans.len() - 1;
+    for (p, run) in plans[..alike].iter().zip(f).skip(1) {
+        assert!(
+            same_result(run, &f[0]),
+            "{name}: {p:?} differs from {:?}",
+            plans[0]
+        );
+    }
+}
+
+/// At the other head dims ([`OTHER_DIMS`]) a fold plan (`plan_for(tokens)`) runs the plain kernel
+/// of its head sum: that kernel's result (its plan without the fold, one chunk a block), within
+/// its bound of the reference's.
+fn other_dims_run_the_plain_kernel(
+    reference: &Indexer,
+    fast: &FastIndexer,
+    s: BorrowedStream,
+    rng: &mut XorShift,
+    label: &str,
+    plan_for: &dyn Fn(usize) -> SelectPlan,
+) {
+    for (di, hi) in OTHER_DIMS {
+        let keys = Keys::random(rng, di);
+        let b = other_dims_batch(rng, di, hi);
+        let own = plan_for(b.t());
+        let plain = SelectPlan {
+            fold: ScaleFold::Off,
+            chunks_per_block: 1,
+            streamed: false,
+            ..own
+        };
+        let (r, f) = run_plans(reference, fast, &keys, &b, s, &[Some(own), Some(plain)]);
+        let name = format!("{label}, {hi} heads of {di}");
+        let how = Rounding {
+            head_sum: own.head_sum,
+            fold: ScaleFold::Off,
+        };
+        check(&name, &keys, &b, &r, &f[0], how);
+        assert!(
+            same_result(&f[0], &f[1]),
+            "{name}: not the plain kernel's result"
+        );
+    }
+}
+
+/// How many scores two runs gave different bits.
+fn scores_differing(a: &Run, b: &Run) -> usize {
+    a.scores
+        .iter()
+        .zip(&b.scores)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}
+
+/// `check` on the Flash batches over fresh random keys, then (with `unfoldable`) over keys and
+/// tokens of which some cannot take the scale fold; each batch named after `label`.
+fn fold_batches(
+    rng: &mut XorShift,
+    label: &str,
+    unfoldable: bool,
+    check: &dyn Fn(&str, &Keys, &Batch),
+) {
+    let keys = Keys::random(rng, DI);
+    for (k, seqs) in flash_batches().iter().enumerate() {
+        let b = Batch::new(rng, seqs, DI);
+        check(&format!("{label}batch {k}"), &keys, &b);
+    }
+    if !unfoldable {
+        return;
+    }
+    let keys = Keys::with_unfoldable(rng, DI, 300);
+    for (k, seqs) in flash_batches().iter().enumerate() {
+        let b = Batch::new(rng, seqs, DI).with_unfoldable_tokens();
+        check(
+            &format!("{label}some keys and tokens unfoldable, batch {k}"),
+            &keys,
+            &b,
+        );
+    }
+}
+
 /// Whether two runs gave the same scores (bit for bit), selection and counts.
 fn same_result(a: &Run, b: &Run) -> bool {
     a.scores
@@ -841,13 +925,7 @@ fn folded_scales_match_the_reference_within_their_bound() {
                 let (r, f) = run_plans(reference, fast, keys, b, s, &plans);
                 let (worst, swaps) = check(name, keys, b, &r, &f[0], how);
                 let splits = plans.len() - 1;
-                for (p, run) in plans[..splits].iter().zip(&f).skip(1) {
-                    assert!(
-                        same_result(run, &f[0]),
-                        "{name}: {p:?} differs from {:?}",
-                        plans[0]
-                    );
-                }
+                assert_all_but_last_alike(name, &plans, &f);
                 // Beside the plain kernel: its distance and swaps against the reference, and how many
                 // scores the fold changed (none would mean no tile folded: a report, not a check, as
                 // the tensor core's sums may happen to agree).
@@ -863,61 +941,23 @@ fn folded_scales_match_the_reference_within_their_bound() {
                         ..how
                     },
                 );
-                let changed = f[0]
-                    .scores
-                    .iter()
-                    .zip(&f[splits].scores)
-                    .filter(|(x, y)| x.to_bits() != y.to_bits())
-                    .count();
+                let changed = scores_differing(&f[0], &f[splits]);
                 println!(
                     "{name}: fold / plain: max |fast - ref| / bound {worst:.3} / {plain_worst:.3}, selected entries that differ from the reference {swaps} / {plain_swaps}, scores the fold changed {changed}"
                 );
             };
-            let keys = Keys::random(&mut rng, DI);
-            for (k, seqs) in flash_batches().iter().enumerate() {
-                let b = Batch::new(&mut rng, seqs, DI);
-                check_splits(&format!("{fold:?} {head_sum:?}, batch {k}"), &keys, &b);
-            }
+            fold_batches(
+                &mut rng,
+                &format!("{fold:?} {head_sum:?}, "),
+                full,
+                &check_splits,
+            );
             if !full {
                 continue;
             }
-            let keys = Keys::with_unfoldable(&mut rng, DI, 300);
-            for (k, seqs) in flash_batches().iter().enumerate() {
-                let b = Batch::new(&mut rng, seqs, DI).with_unfoldable_tokens();
-                check_splits(
-                    &format!("{fold:?} {head_sum:?}, some keys and tokens unfoldable, batch {k}"),
-                    &keys,
-                    &b,
-                );
-            }
             // Other head dims run the plain kernels: the same bits as without the fold.
-            for (di, hi) in OTHER_DIMS {
-                let keys = Keys::random(&mut rng, di);
-                let b = other_dims_batch(&mut rng, di, hi);
-                let t = b.t();
-                let plain = SelectPlan {
-                    fold: ScaleFold::Off,
-                    chunks_per_block: 1,
-                    ..own(t)
-                };
-                let (r, f) = run_plans(reference, fast, &keys, &b, s, &[Some(own(t)), Some(plain)]);
-                let name = format!("{fold:?} {head_sum:?}, {hi} heads of {di}");
-                check(
-                    &name,
-                    &keys,
-                    &b,
-                    &r,
-                    &f[0],
-                    Rounding {
-                        head_sum,
-                        fold: ScaleFold::Off,
-                    },
-                );
-                assert!(
-                    same_result(&f[0], &f[1]),
-                    "{name}: not the plain kernel's result"
-                );
-            }
+            let label = format!("{fold:?} {head_sum:?}");
+            other_dims_run_the_plain_kernel(reference, fast, s, &mut rng, &label, &own);
             for patterns in [1, 3] {
                 let keys = Keys::from_patterns(&mut rng, Some(patterns), DI);
                 let seqs = decode(8, &[3, 700, 2047, 2048, 2049, 5000, 30_000, 65_535]);
@@ -1002,38 +1042,14 @@ fn streamed_scores_match_the_reference_within_the_fold_bound() {
             let (r, f) = run_plans(reference, fast, keys, b, s, &plans);
             let (worst, swaps) = check(name, keys, b, &r, &f[0], how);
             let streamed = plans.len() - 1;
-            for (p, run) in plans[..streamed].iter().zip(&f).skip(1) {
-                assert!(
-                    same_result(run, &f[0]),
-                    "{name}: {p:?} differs from {:?}",
-                    plans[0]
-                );
-            }
+            assert_all_but_last_alike(name, &plans, &f);
             // Beside the tiled fold kernel (the fast set's): how many scores the k order changed.
-            let changed = f[0]
-                .scores
-                .iter()
-                .zip(&f[streamed].scores)
-                .filter(|(x, y)| x.to_bits() != y.to_bits())
-                .count();
+            let changed = scores_differing(&f[0], &f[streamed]);
             println!(
                 "{name}: streamed: max |fast - ref| / bound {worst:.3}, selected entries that differ from the reference {swaps}, scores that differ from the tiled fold kernel's {changed}"
             );
         };
-        let keys = Keys::random(&mut rng, DI);
-        for (k, seqs) in flash_batches().iter().enumerate() {
-            let b = Batch::new(&mut rng, seqs, DI);
-            check_splits(&format!("batch {k}"), &keys, &b);
-        }
-        let keys = Keys::with_unfoldable(&mut rng, DI, 300);
-        for (k, seqs) in flash_batches().iter().enumerate() {
-            let b = Batch::new(&mut rng, seqs, DI).with_unfoldable_tokens();
-            check_splits(
-                &format!("some keys and tokens unfoldable, batch {k}"),
-                &keys,
-                &b,
-            );
-        }
+        fold_batches(&mut rng, "", true, &check_splits);
         for patterns in [1, 3] {
             let keys = Keys::from_patterns(&mut rng, Some(patterns), DI);
             let seqs = decode(8, &[3, 700, 2047, 2048, 2049, 5000, 30_000, 65_535]);
@@ -1041,34 +1057,8 @@ fn streamed_scores_match_the_reference_within_the_fold_bound() {
             check_splits(&format!("{patterns} key pattern(s)"), &keys, &b);
         }
         // Other head dims run the plain kernel of the plan's head sum: its bits.
-        for (di, hi) in OTHER_DIMS {
-            let keys = Keys::random(&mut rng, di);
-            let b = other_dims_batch(&mut rng, di, hi);
-            let own = fast_indexer::stream_plan(b.t(), MAXE);
-            let plain = SelectPlan {
-                fold: ScaleFold::Off,
-                chunks_per_block: 1,
-                streamed: false,
-                ..own
-            };
-            let (r, f) = run_plans(reference, fast, &keys, &b, s, &[Some(own), Some(plain)]);
-            let name = format!("streamed, {hi} heads of {di}");
-            check(
-                &name,
-                &keys,
-                &b,
-                &r,
-                &f[0],
-                Rounding {
-                    head_sum: HeadSum::TensorCore,
-                    fold: ScaleFold::Off,
-                },
-            );
-            assert!(
-                same_result(&f[0], &f[1]),
-                "{name}: not the plain kernel's result"
-            );
-        }
+        let stream_plan = |t| fast_indexer::stream_plan(t, MAXE);
+        other_dims_run_the_plain_kernel(reference, fast, s, &mut rng, "streamed", &stream_plan);
         // Streamed plans the kernel cannot run: refused before any launch.
         let keys = Keys::random(&mut rng, DI);
         let b = Batch::new(&mut rng, &decode(1, &[5000]), DI);
