@@ -265,10 +265,21 @@ DSV4_INLINE void fi_wgmma_head_sum(float (&d)[4], const unsigned (&a)[4], unsign
 // Bytes of the head-sum weights' B operand (fi_wgmma_head_sum): 64 heads x 8 columns of bf16.
 #define FI_WB_BYTES (FI_MAX_HEADS * 8 * 2)
 
+// The descriptors of the head sum's weights at `wb` (fi_wgmma_head_sum's B, 16-byte rows, core matrices 128 bytes
+// apart) and of a tile's queries at `q` ([chunk][FI_MAX_HEADS rows][16 bytes], chunks FI_MAX_HEADS x 16 apart).
+// Made once; a later operand at `bytes` past it is fi_desc_step's add to the address field (addresses >> 4 in
+// 14 bits: shared memory stays below 256 KB, so the add never carries out of the field).
+DSV4_INLINE unsigned long long fi_desc_wb(const unsigned char* wb) { return wgmma_desc_noswizzle(wb, 128, 128); }
+DSV4_INLINE unsigned long long fi_desc_q(const unsigned char* q) {
+  return wgmma_desc_noswizzle(q, FI_MAX_HEADS * 16, 128);
+}
+DSV4_INLINE unsigned long long fi_desc_step(unsigned long long desc, unsigned bytes) { return desc + (bytes >> 4); }
+
 // hs = a tile's head sums on the tensor core, sum_h relu(bf16(d_h)) x (hi_h, lo_h): the relu'd d_h of `acc` (key
 // rows, head columns: fi_score's layout) as the A fragments of four k16 steps over the heads, against the two
-// weight columns at `wb`; lane cq == 0 then holds both columns of keys r0 (hs[0], hs[1]) and r0 + 8 (hs[2], hs[3]).
-DSV4_INLINE void fi_head_sum_tc(const float (&acc)[32], float (&hs)[4], const unsigned char* wb) {
+// weight columns at `wb` (its descriptor: fi_desc_wb); lane cq == 0 then holds both columns of keys r0 (hs[0],
+// hs[1]) and r0 + 8 (hs[2], hs[3]).
+DSV4_INLINE void fi_head_sum_tc(const float (&acc)[32], float (&hs)[4], unsigned long long wdesc) {
   unsigned a[4][4];
 #pragma unroll
   for (int st = 0; st < 4; ++st)
@@ -280,7 +291,7 @@ DSV4_INLINE void fi_head_sum_tc(const float (&acc)[32], float (&hs)[4], const un
     }
   wgmma_fence();
 #pragma unroll
-  for (int st = 0; st < 4; ++st) fi_wgmma_head_sum(hs, a[st], wgmma_desc_noswizzle(wb + st * 256, 128, 128), st);
+  for (int st = 0; st < 4; ++st) fi_wgmma_head_sum(hs, a[st], fi_desc_step(wdesc, st * 256), st);
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operand(hs);
@@ -555,7 +566,7 @@ DSV4_INLINE void fi_score(const float* qi, const float* iw, const unsigned char*
     }
     if constexpr (TC_SUM) {
       // score = bf16(sum_h relu(bf16(d_h)) * (hi_h + lo_h)), the sum on the tensor core (fi_head_sum_tc).
-      fi_head_sum_tc(acc, hs, wb);
+      fi_head_sum_tc(acc, hs, fi_desc_wb(wb));
       if (cq == 0) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -877,6 +888,7 @@ extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
 
   const int lane = tid & 31, warp = (tid >> 5) & 3, cq = lane & 3;
   const int r0 = 16 * warp + (lane >> 2);  // the thread's key rows r0 and r0 + 8 of a tile
+  const unsigned long long dqa = fi_desc_q(qa), dqb = fi_desc_q(qb), dwb = fi_desc_wb(wb);
   // Accumulators defined once, so ptxas keeps the wgmmas asynchronous (C7511).
   float acc[32], d[32], hs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -929,7 +941,7 @@ extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
       wgmma_fence();
 #pragma unroll
       for (int st = 0; st < 4; ++st)
-        fi_wgmma_rs(acc, a[st], wgmma_desc_noswizzle(qa + 2 * st * FI_MAX_HEADS * 16, FI_MAX_HEADS * 16, 128), st);
+        fi_wgmma_rs(acc, a[st], fi_desc_step(dqa, 2 * st * FI_MAX_HEADS * 16), st);
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operand(acc);
@@ -950,7 +962,7 @@ extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
         e2m1x8_to_e4m3_halves(w0[b], fp4_table_plain(), a[0], a[2]);
         e2m1x8_to_e4m3_halves(w1[b], fp4_table_plain(), a[1], a[3]);
         wgmma_fence();
-        fi_wgmma_rs(d, a, wgmma_desc_noswizzle(qb + 2 * b * FI_MAX_HEADS * 16, FI_MAX_HEADS * 16, 128), 0);
+        fi_wgmma_rs(d, a, fi_desc_step(dqb, 2 * b * FI_MAX_HEADS * 16), 0);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(d);
@@ -958,7 +970,7 @@ extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
       }
     }
     // score = bf16(2^ke sum_h relu(bf16(d_h)) (hi_h + lo_h)) on the BF16 tensor core (fi_score's TC_SUM path).
-    fi_head_sum_tc(acc, hs, wb);
+    fi_head_sum_tc(acc, hs, dwb);
     if (cq == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
