@@ -122,11 +122,13 @@ def main():
             torch.cuda.empty_cache()
         c["torch_bf16_us"] = round(memo[key] * 1e6, 2)
         c["speedup_vs_torch_bf16"] = round(memo[key] / ours, 2)
-        if (c["kernel"] == "fast" or c["kernel"].startswith("indexer_fast")) and key in reference:
+        # The fast indexer's kernels: the fast set's (`indexer_fast*`) and the streamed one.
+        fast_kind = c["kernel"].startswith("indexer_fast") or c["kernel"].startswith("indexer_stream")
+        if (c["kernel"] == "fast" or fast_kind) and key in reference:
             c["speedup_vs_reference_kernel"] = round(reference[key] * 1e-6 / ours, 1)
         own = fast_indexer.get((c["layer"], c["context"], c["T"]))
         variant = c["kernel"] != "indexer_fast" or "chunk_keys" in c
-        if c["kernel"].startswith("indexer_fast") and variant and own is not None:
+        if fast_kind and variant and own is not None:
             c["speedup_vs_indexer_fast"] = round(own * 1e-6 / ours, 3)
         print(json.dumps(c), flush=True)
     write_result(args.out, args.commit,
