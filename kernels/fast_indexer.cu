@@ -11,6 +11,8 @@
 //   with the sum over the heads on the BF16 tensor core (other rounding; selectable). fi_score_fold_kernel,
 //   fi_score_fold_tc_kernel: the 32-block scales folded into the codes ("the scale fold" below): one chain of
 //   wgmmas a key tile and no promotion; several chunks a block. The fast set runs fi_score_fold_tc_kernel.
+//   fi_score_stream_kernel: fi_score_fold_tc_kernel's operation as a stream of whole pages into per-warpgroup
+//   rings, the keys decoded into the wgmmas' A registers (its own section below; selectable, SelectPlan::streamed).
 // - fi_topk_kernel: a cluster of blocks per token, exact selection on the scores: a 16-bit order
 //   key per BF16 score, two 8-bit radix histograms (warp-aggregated shared atomics, added over the
 //   cluster through distributed shared memory) find the k-th key; the keys above it and the

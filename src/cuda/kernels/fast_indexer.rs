@@ -15,8 +15,9 @@
 //! Pro's), other dims run the plain kernels. The fast set runs the fold with the tensor-core head
 //! sum ([`fast_plan`]; `dsv4 bench attn`: `indexer_fast`, beside `indexer_plain`, the others).
 //! `fi_score_stream_kernel` is the same operation as a stream ([`SelectPlan::streamed`],
-//! [`stream_plan`]; `indexer_stream` in the bench): a producer warp copies each 64-key tile's page
-//! whole into a ring, consumer warpgroups decode the keys straight into the wgmmas' registers.
+//! [`stream_plan`]; `indexer_stream` in the bench): each 64-key tile's page is copied whole, by one
+//! bulk copy, into a ring of the warpgroup that scores it, which decodes the keys straight into the
+//! wgmmas' registers.
 //! tests/gpu_fast_indexer.rs bounds the scores against the reference kernel and checks the
 //! selection against an exact top-k of the fast scores.
 
