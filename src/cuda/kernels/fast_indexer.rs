@@ -296,6 +296,13 @@ pub fn fast_plan(tokens: usize, maxe: usize) -> SelectPlan {
     }
 }
 
+/// The plan [`FastIndexer::select`] (the fast set's call) runs for `tokens` tokens of up to `maxe`
+/// entries: [`fast_plan`]'s, the tiled fold kernel's, until the streamed kernel ([`stream_plan`])
+/// has been measured against it on a device.
+pub fn select_plan(tokens: usize, maxe: usize) -> SelectPlan {
+    fast_plan(tokens, maxe)
+}
+
 /// Blocks a streamed scoring launch aims at: two an SM (256 threads of at most 128 registers)
 /// on an H200's 132 SMs, so that every block's stream starts at once.
 const STREAM_BLOCKS: usize = 264;
@@ -351,7 +358,7 @@ impl FastIndexer {
 
     /// Scores every visible key of each token's slot and selects the top min(topk, visible)
     /// (the reference's [`IndexerArgs`], which [`FastIndexer::covers`]); two launches, with
-    /// [`fast_plan`]'s kernels and split.
+    /// [`select_plan`]'s kernels and split.
     pub fn select(
         &self,
         ctx: &Context,
@@ -359,7 +366,7 @@ impl FastIndexer {
         x: &IndexerArgs,
         stream: BorrowedStream,
     ) -> Result<()> {
-        self.select_with(ctx, b, x, fast_plan(b.num_tokens, x.maxe), stream)
+        self.select_with(ctx, b, x, select_plan(b.num_tokens, x.maxe), stream)
     }
 
     /// [`FastIndexer::select`] with the work split chosen by the caller (the tests take every
