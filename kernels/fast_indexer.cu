@@ -191,6 +191,28 @@ DSV4_INLINE float fi_quad_amax(const float4 (&v)[2]) {
   return fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
 }
 
+// One head's part of the query fold rule (the scale fold's comment above): from the amax of its four 32-blocks
+// (am[b]) and its weight w, the head's exponent qe = floor(log2 of its amax) - 7 (0 when all zero), and whether
+// the head folds: every value finite, every nonzero block within FI_FOLD_SPAN octaves of the head's amax,
+// |qe| <= FI_FOLD_QE, and w 0 or within 2^+-32.
+DSV4_INLINE bool fi_head_folds(const float (&am)[FI_FOLD_BLOCKS], float w, int& qe) {
+  int lb = -1000;  // floor(log2) of the head's amax (-1000: all zero)
+  bool ok = true;
+#pragma unroll
+  for (int b = 0; b < FI_FOLD_BLOCKS; ++b) {
+    if (!(am[b] <= 3.0e38f)) ok = false;
+    else if (am[b] > 0.0f) lb = max(lb, dsv4_floor_log2(am[b]));
+  }
+#pragma unroll
+  for (int b = 0; b < FI_FOLD_BLOCKS; ++b)
+    if (am[b] > 0.0f && am[b] <= 3.0e38f && dsv4_floor_log2(am[b]) < lb - FI_FOLD_SPAN) ok = false;
+  qe = lb == -1000 ? 0 : lb - 7;
+  if (qe < -FI_FOLD_QE || qe > FI_FOLD_QE) ok = false;
+  w = fabsf(w);
+  if (!(w == 0.0f || (w >= 0x1p-32f && w <= 0x1p32f))) ok = false;
+  return ok;
+}
+
 // The fold kernels' queries (the B operand) in the halves order of e2m1x8_to_e4m3_halves, which their keys'
 // decode leaves: block b's dims 8c .. 8c + 3 (c < 4) in chunk 2b at bytes 4c .. 4c + 3, dims 8c + 4 .. 8c + 7 in
 // chunk 2b + 1 (both operands permute K alike, so the products are the same). Returns, the same in every
@@ -201,6 +223,7 @@ DSV4_INLINE float fi_quad_amax(const float4 (&v)[2]) {
 DSV4_INLINE bool fi_queries_halves(const float* qi, const float* iw, int t, int HI, unsigned char* qt, float* qf,
                                    signed char* qexp) {
   static_assert(FI_Q_BATCH == 2 * FI_FOLD_BLOCKS, "one batch of items holds a thread's two heads");
+  static_assert(FI_FOLD_BLOCKS == 4, "a head's four blocks are items p, p + 2, p + 4, p + 6");
   const int tid = threadIdx.x;
   float4 x[FI_Q_BATCH][2];
 #pragma unroll
@@ -216,24 +239,14 @@ DSV4_INLINE bool fi_queries_halves(const float* qi, const float* iw, int t, int 
   float am[FI_Q_BATCH];  // each item's block amax (its four threads')
 #pragma unroll
   for (int k = 0; k < FI_Q_BATCH; ++k) am[k] = fi_quad_amax(x[k]);
-  // lb[p]: floor(log2) of head p's amax (-1000: all zero). A NaN or infinite value never folds.
-  int lb[2] = {-1000, -1000}, qe[2];
+  // Head p (tid / 4 + 32 p): items k = p, p + 2, ... hold its blocks 0, 1, ...
+  int qe[2];
   bool ok = true;
-#pragma unroll
-  for (int k = 0; k < FI_Q_BATCH; ++k) {
-    if (!(am[k] <= 3.0e38f)) ok = false;
-    else if (am[k] > 0.0f) lb[k & 1] = max(lb[k & 1], dsv4_floor_log2(am[k]));
-  }
-#pragma unroll
-  for (int k = 0; k < FI_Q_BATCH; ++k)
-    if (am[k] > 0.0f && am[k] <= 3.0e38f && dsv4_floor_log2(am[k]) < lb[k & 1] - FI_FOLD_SPAN) ok = false;
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
     const int h = (tid >> 2) + 32 * p;
-    qe[p] = lb[p] == -1000 ? 0 : lb[p] - 7;
-    if (qe[p] < -FI_FOLD_QE || qe[p] > FI_FOLD_QE) ok = false;
-    const float w = fabsf(h < HI ? iw[(long long)t * HI + h] : 0.0f);
-    if (!(w == 0.0f || (w >= 0x1p-32f && w <= 0x1p32f))) ok = false;
+    const float ah[FI_FOLD_BLOCKS] = {am[p], am[p + 2], am[p + 4], am[p + 6]};
+    if (!fi_head_folds(ah, h < HI ? iw[(long long)t * HI + h] : 0.0f, qe[p])) ok = false;
     if ((tid & 3) == 0) qexp[h] = (signed char)qe[p];  // read after the barrier below, when folding
   }
   const bool fold = !__syncthreads_or(!ok);
@@ -785,20 +798,8 @@ DSV4_INLINE bool fi_stream_queries(const float* qi, const float* iw, int t, int 
   float am[FI_FOLD_BLOCKS];  // each block's amax (the quad's)
 #pragma unroll
   for (int b = 0; b < FI_FOLD_BLOCKS; ++b) am[b] = fi_quad_amax(x[b]);
-  int lb = -1000;  // floor(log2) of the head's amax (-1000: all zero); a NaN or infinite value never folds
-  bool ok = true;
-#pragma unroll
-  for (int b = 0; b < FI_FOLD_BLOCKS; ++b) {
-    if (!(am[b] <= 3.0e38f)) ok = false;
-    else if (am[b] > 0.0f) lb = max(lb, dsv4_floor_log2(am[b]));
-  }
-#pragma unroll
-  for (int b = 0; b < FI_FOLD_BLOCKS; ++b)
-    if (am[b] > 0.0f && am[b] <= 3.0e38f && dsv4_floor_log2(am[b]) < lb - FI_FOLD_SPAN) ok = false;
-  const int qe = lb == -1000 ? 0 : lb - 7;
-  if (qe < -FI_FOLD_QE || qe > FI_FOLD_QE) ok = false;
-  if (!(fabsf(w) == 0.0f || (fabsf(w) >= 0x1p-32f && fabsf(w) <= 0x1p32f))) ok = false;
-  const bool fold = !__syncthreads_or(!ok);
+  int qe;
+  const bool fold = !__syncthreads_or(!fi_head_folds(am, w, qe));
 #pragma unroll
   for (int b = 0; b < FI_FOLD_BLOCKS; ++b) {
     const int e = fold ? qe : (am[b] > 0.0f && am[b] <= 3.0e38f ? dsv4_floor_log2(am[b]) - 7 : 0);
