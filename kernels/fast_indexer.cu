@@ -2,7 +2,7 @@
 //
 // The fast set's lightning indexer: `indexer_kernel`'s operation (scores of every visible
 // indexer key, then the top min(topk, visible): larger first, ties to the lower entry index, NaN
-// lowest) in two launches.
+// lowest) in two launches, or one (fi_select_stream_kernel).
 // - fi_score_kernel: per (token, chunk of keys), all heads of the token against a chunk of its
 //   keys on FP8 tensor cores (wgmma): queries and keys are official FP4 values (e2m1 x 2^k, exact
 //   in e4m3), so the products are exact; each 32-block's sum is the tensor core's, promoted into
@@ -18,6 +18,9 @@
 //   cluster through distributed shared memory) find the k-th key; the keys above it and the
 //   lowest-index keys equal to it are written in index order (block, warp and ballot counts: no
 //   atomics decide anything). The reference lists them in rank order; the set is the same.
+// - fi_select_stream_kernel: both in one launch, a cluster a token: the streamed scoring of contiguous runs of
+//   tiles into each block's shared memory, then fi_topk_kernel's selection on them there (the scores do not go
+//   to memory; selectable, SelectPlan::fused_topk).
 #include "common.cuh"
 #include "fp8_mma.cuh"
 #include "kv_pages.cuh"
@@ -693,6 +696,9 @@ extern "C" __global__ void __launch_bounds__(FI_THREADS, 4)
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// A score's 16-bit order key (fi_topk_kernel's section below), which the fused kernel stages.
+DSV4_INLINE unsigned fi_key16(float v);
+
 // fi_score_stream_kernel: the scale fold with the tensor-core head sum (fi_score_fold_tc_kernel's operation) as a
 // stream of whole key pages through a ring, the keys decoded straight into the wgmmas' A registers.
 //
@@ -831,26 +837,16 @@ DSV4_INLINE void fi_stream_copy(const unsigned char* ikeys, long long page, unsi
   bulk_load(dst, ikeys + page * FI_S_PAGE, FI_S_PAGE, bar);
 }
 
-// Grid (T, blocks a token), FI_STREAM_THREADS threads: FI_STREAM_WGS warpgroups. Head dim FI_FOLD_DIM only (the
-// host runs the plain kernels at others), HI <= FI_MAX_HEADS. Scores as fi_score_fold_tc_kernel's (its comment),
-// within the same bound; each tile's decisions (fold or not) are its own.
-extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
-    fi_score_stream_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
-                           const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
-                           int ratio, int maxe, float* scores) {
-  dsv4_pdl_begin();
-  extern __shared__ __align__(128) unsigned char fis_smem[];
-  const int t = blockIdx.x;
-  if (t >= T || DI != FI_FOLD_DIM) return;
-  const int slot = seq_slots[seq_of[t]];
-  if (slot < 0) return;  // padding: nothing is scored (fi_topk_kernel selects nothing)
-  int visible = (positions[t] + 1) / ratio;
-  if (visible > maxe) visible = maxe;
-  const int tiles = (visible + FI_TILE_KEYS - 1) / FI_TILE_KEYS;
-  const int first = blockIdx.y, step = gridDim.y;
-  if (first >= tiles) return;
-  const int mine = (tiles - first + step - 1) / step;  // the block's tiles
-
+// Scores the tiles first, first + step, ... (mine of them, mine >= 1) of token t (keys in slot `slot`, `visible` of
+// them) by the block: FI_STREAM_THREADS threads, the whole block calls it. Writes each visible entry e's score
+// to scores_row[e] and, FUSED (then step == 1), its order key (fi_key16) to the block's stage, the u16 at
+// FI_STREAM_SMEM + 2 (e - 64 first) of the dynamic shared memory (whose start is the stream's, FI_S_BYTES), the
+// scores row then optional (null: not written). (The stage's place is a constant and its index comes from
+// `first`, which the loop holds anyway: no pointer or offset more in the tile loop's registers.)
+template <bool FUSED>
+DSV4_INLINE void fi_stream_score(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable,
+                                 int ipps, int slot, int t, int HI, int visible, int first, int step, int mine,
+                                 float* scores_row, unsigned char* fis_smem) {
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
   const unsigned sbase = smem_addr(fis_smem);
   // Warpgroup wg: the block's tiles k = wg + WGS i, i < n, in its slots wg SW + i % SW (SW = FI_S_WG_SLOTS).
@@ -980,11 +976,38 @@ extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
         const int e = e0 + r0 + 8 * r;
         if (e < visible) {
           const float v = __fadd_rn(hs[2 * r], hs[2 * r + 1]);
-          scores[(long long)t * maxe + e] = round_bf16_nonnan(__fmul_rn(v, fi_fold_factor(tile_fold, r ? top1 : top0)));
+          const float score = round_bf16_nonnan(__fmul_rn(v, fi_fold_factor(tile_fold, r ? top1 : top0)));
+          if (!FUSED || scores_row != 0) scores_row[e] = score;
+          if (FUSED)
+            ((unsigned short*)(fis_smem + FI_STREAM_SMEM))[e - first * FI_TILE_KEYS] = (unsigned short)fi_key16(score);
         }
       }
     }
   }
+}
+
+// Grid (T, blocks a token), FI_STREAM_THREADS threads: FI_STREAM_WGS warpgroups. Head dim FI_FOLD_DIM only (the
+// host runs the plain kernels at others), HI <= FI_MAX_HEADS. Scores as fi_score_fold_tc_kernel's (its comment),
+// within the same bound; each tile's decisions (fold or not) are its own. Block y of a token takes its tiles y,
+// y + gridDim.y, ...
+extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
+    fi_score_stream_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
+                           const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
+                           int ratio, int maxe, float* scores) {
+  dsv4_pdl_begin();
+  extern __shared__ __align__(128) unsigned char fis_smem[];
+  const int t = blockIdx.x;
+  if (t >= T || DI != FI_FOLD_DIM) return;
+  const int slot = seq_slots[seq_of[t]];
+  if (slot < 0) return;  // padding: nothing is scored (fi_topk_kernel selects nothing)
+  int visible = (positions[t] + 1) / ratio;
+  if (visible > maxe) visible = maxe;
+  const int tiles = (visible + FI_TILE_KEYS - 1) / FI_TILE_KEYS;
+  const int first = blockIdx.y, step = gridDim.y;
+  if (first >= tiles) return;
+  const int mine = (tiles - first + step - 1) / step;  // the block's tiles
+  fi_stream_score<false>(qi, iw, ikeys, itable, ipps, slot, t, HI, visible, first, step, mine,
+                         scores + (long long)t * maxe, fis_smem);
 }
 
 // A score's 16-bit order key: larger score, larger key; NaN as -inf; -0 as +0 (the reference's
@@ -1013,83 +1036,60 @@ DSV4_INLINE void fi_hist_add(int* hist, unsigned bin, bool active) {
   if ((threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1)) atomicAdd(&hist[bin], __popc(peers));
 }
 
-// Entries a lane has in flight in each pass of fi_topk_kernel (its loads all issued before any is
+// Entries a lane has in flight in each pass of the selection (its loads all issued before any is
 // used: a pass over a warp's segment of global scores is a few round trips, not one a 32 entries).
 #define FI_TOPK_BATCH 8
 
-// The int at `p` (this block's shared memory) in each block of the cluster, v[r] from block r:
-// every load issued before any is used (one at a time, each waited for, 64 a lane cost a block
-// ~25 us).
-DSV4_INLINE void fi_ld_cluster_all(const int* p, int (&v)[FI_TOPK_CLUSTER]) {
+// The int at `p` (this block's shared memory) in each block r < nc of the cluster, v[r] from block r
+// (0 for r >= nc): every load issued before any is used (one at a time, each waited for, 64 a lane
+// cost a block ~25 us).
+DSV4_INLINE void fi_ld_cluster_all(const int* p, int nc, int (&v)[FI_TOPK_CLUSTER]) {
   const unsigned a = smem_addr(p);
 #pragma unroll
-  for (int r = 0; r < FI_TOPK_CLUSTER; ++r) v[r] = ld_cluster_s32(cluster_map(a, r));
+  for (int r = 0; r < FI_TOPK_CLUSTER; ++r) v[r] = r < nc ? ld_cluster_s32(cluster_map(a, r)) : 0;
 }
 
-// One cluster of FI_TOPK_CLUSTER blocks per token (grid FI_TOPK_CLUSTER x T, block r of token t at
-// blockIdx.x = FI_TOPK_CLUSTER t + r), FI_TOPK_THREADS threads a block. One block took ~35 us for
-// 16K entries (the SM's instruction issue, not memory): the cluster splits every pass eight ways.
-// Block r owns a contiguous run of the token's visible entries, its warp w a contiguous run of
-// that (each a multiple of 32), read 32 at a time by the lanes (coalesced; (i, lane) order is
-// index order within the warp), FI_TOPK_BATCH a lane in flight. The first pass stages the run's
-// order keys (u16) in the block's dynamic shared memory when they fit (run <= stage_keys), and the
-// later passes read them there instead of the scores.
-// - The k-th largest order key, a byte at a time: each block histograms its run (high byte, then
-//   the low byte of the keys in the chosen high bin; shared atomics aggregated per warp); after a
-//   cluster barrier every block adds the cluster's histograms (distributed shared memory; integer
-//   sums, any order) and finds the same bin.
-// - Then the selection, in index order: entry e is taken when its key is above the k-th, or equal
-//   to it with fewer than `need` equal keys before it (ties to the lower index), and it goes to
-//   position (keys above the k-th before e) + min(equal keys before e, need). The counts before e
-//   come from per-block totals (shared through the cluster), per-warp totals and ballots: no
-//   atomics decide anything, and the k positions are written once each.
-// selected: [T][topk] in increasing entry index (the attention's softmax does not depend on the
-// order; the set is `top_k`'s: larger score, ties to the lower index, NaN lowest), -1 past
-// nsel[t] = min(topk, visible).
-extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
-    fi_topk_kernel(const float* scores, const int* positions, const int* seq_of,
-                   const int* seq_slots, int T, int ratio, int maxe, int topk, int stage_keys,
-                   int* selected, int* nsel) {
-  dsv4_pdl_begin();
-  extern __shared__ __align__(16) unsigned short fi_staged[];  // [stage_keys] order keys
-  __shared__ int hist[2][256];
-  __shared__ int total[256];  // the cluster's histogram of the pass
-  __shared__ int warp_gt[FI_TOPK_THREADS / 32], warp_eq[FI_TOPK_THREADS / 32];
-  __shared__ int block_cnt[2];  // this block's keys above / equal to the k-th
-  __shared__ int sh_bin, sh_above, sh_gt0, sh_eq0;
-  const int t = blockIdx.x / FI_TOPK_CLUSTER, rank = blockIdx.x % FI_TOPK_CLUSTER;
-  if (t >= T) return;  // the whole cluster (FI_TOPK_CLUSTER divides the grid)
+// A selecting block's own shared memory besides its staged keys (fi_cluster_select).
+struct FiTopkShared {
+  int hist[2][256];
+  int total[256];  // the cluster's histogram of the pass
+  int warp_gt[FI_TOPK_THREADS / 32], warp_eq[FI_TOPK_THREADS / 32];
+  int block_cnt[2];  // this block's keys above / equal to the k-th
+  int bin, above, gt0, eq0;
+};
+
+// The exact top-k of one token over a cluster of nc <= FI_TOPK_CLUSTER blocks (FI_TOPK_THREADS threads each),
+// block `rank` of which owns the token's visible entries blo .. bhi - 1 (contiguous, in rank order, blo a multiple
+// of 32), its warp w a contiguous run of that (each a multiple of 32), read 32 at a time by the lanes (coalesced;
+// (i, lane) order is index order within the warp), FI_TOPK_BATCH a lane in flight. The order keys (u16) are
+// read either from the scores row (`row`, the scores as fi_score's kernels write them) or, where the block's run
+// fits (`staged`), from `stage` ([bhi - blo] keys from entry blo), which the first pass fills from the row; or,
+// with FROM_STAGE, from `stage` only, which the caller filled (and made visible to the block) before the call.
+// - The k-th largest order key, a byte at a time: each block histograms its run (high byte, then the low byte of
+//   the keys in the chosen high bin; shared atomics aggregated per warp); after a cluster barrier every block adds
+//   the cluster's histograms (distributed shared memory; integer sums, any order) and finds the same bin.
+// - Then the selection, in index order: entry e is taken when its key is above the k-th, or equal to it with fewer
+//   than `need` equal keys before it (ties to the lower index), and it goes to position (keys above the k-th
+//   before e) + min(equal keys before e, need). The counts before e come from per-block totals (shared through the
+//   cluster), per-warp totals and ballots: no atomics decide anything, and the k positions are written once each.
+// sel: the token's [topk] row, in increasing entry index (the attention's softmax does not depend on the order;
+// the set is `top_k`'s: larger score, ties to the lower index, NaN lowest), -1 past nsel = k = min(topk,
+// visible) >= 1 (written by rank 0). Every block of the cluster calls this, with the same k, nc and topk.
+template <bool FROM_STAGE>
+DSV4_INLINE void fi_cluster_select(const float* row, unsigned short* stage, bool staged, int blo, int bhi, int nc,
+                                   int rank, int k, int topk, int* sel, int* nsel, FiTopkShared& sh) {
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nwarps = nt >> 5;
-  int* sel = selected + (long long)t * topk;
-  const int slot = seq_slots[seq_of[t]];
-  int visible = 0;
-  if (slot >= 0) {
-    visible = (positions[t] + 1) / ratio;
-    if (visible > maxe) visible = maxe;
-  }
-  const int k = topk < visible ? topk : visible;
-  if (k == 0) {  // padding, or nothing visible yet (the whole cluster returns here)
-    if (rank == 0) {
-      for (int r = tid; r < topk; r += nt) sel[r] = -1;
-      if (tid == 0) nsel[t] = 0;
-    }
-    return;
-  }
-  const float* row = scores + (long long)t * maxe;
-  const int bseg = ((visible + FI_TOPK_CLUSTER - 1) / FI_TOPK_CLUSTER + 31) & ~31;
-  const int blo = min(rank * bseg, visible), bhi = min(blo + bseg, visible);
-  const bool staged = bhi - blo <= stage_keys;  // uniform over the block
   const int wseg = ((bhi - blo + nwarps - 1) / nwarps + 31) & ~31;
   const int lo = min(blo + warp * wseg, bhi), hi = min(lo + wseg, bhi);
   // The order keys of entries e0 + 32 u + lane (u < FI_TOPK_BATCH; 0 at or past hi): every load
   // issued before any key is used. `from_scores` reads the scores row (the first pass), else the
   // staged keys when the block's run fits, the scores otherwise.
   auto keys_at = [&](int e0, bool from_scores, unsigned (&key)[FI_TOPK_BATCH]) {
-    if (staged && !from_scores) {
+    if (FROM_STAGE || (staged && !from_scores)) {
 #pragma unroll
       for (int u = 0; u < FI_TOPK_BATCH; ++u) {
         const int e = e0 + 32 * u + lane;
-        key[u] = e < hi ? fi_staged[e - blo] : 0u;
+        key[u] = e < hi ? stage[e - blo] : 0u;
       }
     } else {
       float v[FI_TOPK_BATCH];
@@ -1104,7 +1104,7 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
   };
   const int step = 32 * FI_TOPK_BATCH;
 
-  for (int b = tid; b < 2 * 256; b += nt) hist[b >> 8][b & 255] = 0;
+  for (int b = tid; b < 2 * 256; b += nt) sh.hist[b >> 8][b & 255] = 0;
   __syncthreads();
   // The k-th largest key, a byte at a time. The cluster's count of bin b is the sum of its blocks';
   // warp 0 of each block finds the bin: lane l sums bins 255 - 8l down to 248 - 8l, an inclusive
@@ -1119,26 +1119,26 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
 #pragma unroll
       for (int u = 0; u < FI_TOPK_BATCH; ++u) {
         const int e = e0 + 32 * u + lane;
-        if (pass == 0 && staged && e < hi) fi_staged[e - blo] = (unsigned short)key[u];
+        if (!FROM_STAGE && pass == 0 && staged && e < hi) stage[e - blo] = (unsigned short)key[u];
         const bool in = e < hi && (pass == 0 || (key[u] >> 8) == prefix);
-        fi_hist_add(hist[pass], pass == 0 ? key[u] >> 8 : key[u] & 0xffu, in);
+        fi_hist_add(sh.hist[pass], pass == 0 ? key[u] >> 8 : key[u] & 0xffu, in);
       }
     }
     cluster_sync();  // every block's histogram (and this block's staged keys) complete
     for (int b = tid; b < 256; b += nt) {
       int v[FI_TOPK_CLUSTER];
-      fi_ld_cluster_all(&hist[pass][b], v);
+      fi_ld_cluster_all(&sh.hist[pass][b], nc, v);
       int sum = 0;
 #pragma unroll
       for (int r = 0; r < FI_TOPK_CLUSTER; ++r) sum += v[r];
-      total[b] = sum;
+      sh.total[b] = sum;
     }
     __syncthreads();
     if (warp == 0) {
       int mine[8], sum = 0;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        mine[i] = total[255 - 8 * lane - i];
+        mine[i] = sh.total[255 - 8 * lane - i];
         sum += mine[i];
       }
       int incl = sum;  // bins 255 .. 248 - 8 lane together
@@ -1154,14 +1154,14 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
       if (lane == first) {
         int acc = before, i = 0;
         for (; i < 7 && acc + mine[i] < need; ++i) acc += mine[i];
-        sh_bin = 255 - 8 * lane - i;
-        sh_above = acc;
+        sh.bin = 255 - 8 * lane - i;
+        sh.above = acc;
       }
     }
     __syncthreads();
-    prefix = pass == 0 ? (unsigned)sh_bin : (prefix << 8) | (unsigned)sh_bin;
-    above += sh_above;
-    need -= sh_above;
+    prefix = pass == 0 ? (unsigned)sh.bin : (prefix << 8) | (unsigned)sh.bin;
+    above += sh.above;
+    need -= sh.above;
   }
   const unsigned kth = prefix;  // exactly `above` keys are larger; `need` more equal it
 
@@ -1178,30 +1178,30 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
     }
   }
   if (lane == 0) {
-    warp_gt[warp] = gt;
-    warp_eq[warp] = eq;
+    sh.warp_gt[warp] = gt;
+    sh.warp_eq[warp] = eq;
   }
   __syncthreads();
   if (tid == 0) {
     int a = 0, q = 0;
     for (int i = 0; i < nwarps; ++i) {
-      const int x = warp_gt[i], y = warp_eq[i];
-      warp_gt[i] = a;
-      warp_eq[i] = q;
+      const int x = sh.warp_gt[i], y = sh.warp_eq[i];
+      sh.warp_gt[i] = a;
+      sh.warp_eq[i] = q;
       a += x;
       q += y;
     }
-    block_cnt[0] = a;
-    block_cnt[1] = q;
+    sh.block_cnt[0] = a;
+    sh.block_cnt[1] = q;
   }
   cluster_sync();  // every block's counts (and the last pass's histogram reads) done
   if (tid < 2) {  // thread i: the cluster's blocks before this one, count i
     int v[FI_TOPK_CLUSTER];
-    fi_ld_cluster_all(&block_cnt[tid], v);
+    fi_ld_cluster_all(&sh.block_cnt[tid], nc, v);
     int a = 0;
 #pragma unroll
     for (int r = 0; r < FI_TOPK_CLUSTER; ++r) a += r < rank ? v[r] : 0;
-    (tid == 0 ? sh_gt0 : sh_eq0) = a;
+    (tid == 0 ? sh.gt0 : sh.eq0) = a;
   }
   // This block reads no other block's shared memory after this point; the wait before it exits
   // keeps its own readable until every block has arrived.
@@ -1209,7 +1209,7 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
   __syncthreads();
 
   // The gather, in index order (see above).
-  int og = sh_gt0 + warp_gt[warp], oe = sh_eq0 + warp_eq[warp];
+  int og = sh.gt0 + sh.warp_gt[warp], oe = sh.eq0 + sh.warp_eq[warp];
   const unsigned below = fi_lanes_below();
   for (int e0 = lo; e0 < hi; e0 += step) {
     unsigned key[FI_TOPK_BATCH];
@@ -1227,7 +1227,107 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
   }
   if (rank == 0) {
     for (int r = k + tid; r < topk; r += nt) sel[r] = -1;
-    if (tid == 0) nsel[t] = k;
+    if (tid == 0) *nsel = k;
   }
   cluster_wait();
+}
+
+// The token's visible entries (positions[t] + 1) / ratio, at most maxe; 0 for padding (a slot < 0).
+DSV4_INLINE int fi_visible(const int* positions, const int* seq_of, const int* seq_slots, int t, int ratio,
+                           int maxe) {
+  if (seq_slots[seq_of[t]] < 0) return 0;
+  const int visible = (positions[t] + 1) / ratio;
+  return visible < maxe ? visible : maxe;
+}
+
+// One cluster of FI_TOPK_CLUSTER blocks per token (grid FI_TOPK_CLUSTER x T, block r of token t at
+// blockIdx.x = FI_TOPK_CLUSTER t + r), FI_TOPK_THREADS threads a block: fi_cluster_select over the scores
+// rows fi_score's kernels wrote. One block took ~35 us for 16K entries (the SM's instruction issue, not memory):
+// the cluster splits every pass eight ways. Block r owns a contiguous run of the token's visible entries (a
+// multiple of 32), whose order keys the first pass stages in the block's dynamic shared memory when they fit
+// (run <= stage_keys), and the later passes read them there instead of the scores.
+// selected: [T][topk] (fi_cluster_select's row), nsel[t] = min(topk, visible).
+extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
+    fi_topk_kernel(const float* scores, const int* positions, const int* seq_of,
+                   const int* seq_slots, int T, int ratio, int maxe, int topk, int stage_keys,
+                   int* selected, int* nsel) {
+  dsv4_pdl_begin();
+  extern __shared__ __align__(16) unsigned short fi_staged[];  // [stage_keys] order keys
+  __shared__ FiTopkShared sh;
+  const int t = blockIdx.x / FI_TOPK_CLUSTER, rank = blockIdx.x % FI_TOPK_CLUSTER;
+  if (t >= T) return;  // the whole cluster (FI_TOPK_CLUSTER divides the grid)
+  int* sel = selected + (long long)t * topk;
+  const int visible = fi_visible(positions, seq_of, seq_slots, t, ratio, maxe);
+  const int k = topk < visible ? topk : visible;
+  if (k == 0) {  // padding, or nothing visible yet (the whole cluster returns here)
+    if (rank == 0) {
+      for (int r = threadIdx.x; r < topk; r += blockDim.x) sel[r] = -1;
+      if (threadIdx.x == 0) nsel[t] = 0;
+    }
+    return;
+  }
+  const int bseg = ((visible + FI_TOPK_CLUSTER - 1) / FI_TOPK_CLUSTER + 31) & ~31;
+  const int blo = min(rank * bseg, visible), bhi = min(blo + bseg, visible);
+  fi_cluster_select<false>(scores + (long long)t * maxe, fi_staged, bhi - blo <= stage_keys, blo, bhi,
+                           FI_TOPK_CLUSTER, rank, k, topk, sel, nsel + t, sh);
+}
+
+// A token's run in fi_select_stream_kernel's block `rank` of nc: m = ceil(tiles / nc) tiles a block, the block's
+// first tile and its count (mine, possibly 0), its entries blo .. bhi - 1.
+struct FiFusedRun {
+  int m, first, mine, blo, bhi;
+};
+DSV4_INLINE FiFusedRun fi_fused_run(int visible, int nc, int rank) {
+  const int tiles = (visible + FI_TILE_KEYS - 1) / FI_TILE_KEYS;
+  const int m = (tiles + nc - 1) / nc, first = rank * m;
+  const int blo = min(first * FI_TILE_KEYS, visible);
+  return {m, first, max(0, min(m, tiles - first)), blo, min(blo + m * FI_TILE_KEYS, visible)};
+}
+
+// fi_select_stream_kernel: the streamed scoring and the top-k in one launch, the scores never leaving the SMs.
+// Grid (T, nc), clusters of (1, nc, 1): one cluster a token, nc <= FI_TOPK_CLUSTER blocks of FI_STREAM_THREADS (==
+// FI_TOPK_THREADS) threads. Block r scores the token's tiles r m .. r m + m - 1 (fi_fused_run: a contiguous run,
+// as the selection needs) with fi_stream_score, their order keys into the block's stage (dynamic shared memory
+// from FI_STREAM_SMEM, stage_keys >= 64 m keys: the host checks), then fi_cluster_select runs on the stage: the
+// same scores, tile for tile, as fi_score_stream_kernel's and the same selection as fi_topk_kernel's on them.
+// `scores` may be null (the row is then not written); the tests pass it to compare the scores. Saves the scores
+// row's write and read and the top-k's launch; costs the scoring's spread over T x nc blocks, so it pays only
+// where many tokens fill the GPU (SelectPlan::fused_topk).
+// Nothing the selection needs is held in registers across the scoring (ptxas spilled 72 bytes in its tile loop
+// when the run, k and the row pointers were): the visible count goes through shared memory and the rest is made
+// again from it. ptxas still spills 44 bytes there (five of the wgmmas' descriptors, reloaded from L1 a tile),
+// where fi_score_stream_kernel's loop keeps them in uniform registers: the selection's code in the same kernel
+// changes its allocation even with constant arguments (and out of line, as a call, the scoring's wgmmas were
+// serialized). To be weighed on the device against the launch and the scores' round trip it saves.
+extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
+    fi_select_stream_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
+                            const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
+                            int ratio, int maxe, int topk, int stage_keys, float* scores, int* selected, int* nsel) {
+  dsv4_pdl_begin();
+  extern __shared__ __align__(128) unsigned char fis_smem[];
+  __shared__ FiTopkShared sh;
+  __shared__ int sh_visible;
+  const int t = blockIdx.x;
+  if (t >= T || DI != FI_FOLD_DIM) return;  // whole clusters (a cluster is one token's blocks)
+  {
+    const int visible = fi_visible(positions, seq_of, seq_slots, t, ratio, maxe);
+    if (min(topk, visible) == 0) {  // padding, or nothing visible yet (the whole cluster returns here)
+      if (blockIdx.y == 0) {
+        for (int r = threadIdx.x; r < topk; r += blockDim.x) selected[(long long)t * topk + r] = -1;
+        if (threadIdx.x == 0) nsel[t] = 0;
+      }
+      return;
+    }
+    sh_visible = visible;  // (every thread: the same value)
+    const FiFusedRun run = fi_fused_run(visible, gridDim.y, blockIdx.y);
+    if (run.m * FI_TILE_KEYS > stage_keys) __trap();  // the host sized the stage for maxe
+    if (run.mine > 0)  // uniform over the block; the stage from entry blo = 64 first
+      fi_stream_score<true>(qi, iw, ikeys, itable, ipps, seq_slots[seq_of[t]], t, HI, visible, run.first, 1,
+                            run.mine, scores != 0 ? scores + (long long)t * maxe : nullptr, fis_smem);
+  }
+  // (fi_cluster_select's first barrier makes the stage's keys visible to the whole block.)
+  const int visible = sh_visible;
+  const FiFusedRun run = fi_fused_run(visible, gridDim.y, blockIdx.y);
+  fi_cluster_select<true>(nullptr, (unsigned short*)(fis_smem + FI_STREAM_SMEM), true, run.blo, run.bhi, gridDim.y,
+                          blockIdx.y, min(topk, visible), topk, selected + (long long)t * topk, nsel + t, sh);
 }

@@ -45,7 +45,9 @@ use common::kv::{BatchLayout, scrambled_table};
 use common::rng::XorShift;
 use dsv4::cuda::arena;
 use dsv4::cuda::kernels::attention::BatchMeta;
-use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, HeadSum, ScaleFold, SelectPlan};
+use dsv4::cuda::kernels::fast_indexer::{
+    self, FastIndexer, FusedTopk, HeadSum, ScaleFold, SelectPlan,
+};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::KernelSource;
@@ -385,6 +387,7 @@ fn plain(t: usize) -> SelectPlan {
         fold: ScaleFold::Off,
         chunks_per_block: 1,
         streamed: false,
+        fused_topk: None,
     }
 }
 
@@ -580,6 +583,7 @@ fn other_dims_run_the_plain_kernel(
             fold: ScaleFold::Off,
             chunks_per_block: 1,
             streamed: false,
+            fused_topk: None,
             ..own
         };
         let (r, f) = run_plans(reference, fast, &keys, &b, s, &[Some(own), Some(plain)]);
@@ -755,6 +759,7 @@ fn every_work_split_gives_the_same_result() {
                     fold: ScaleFold::Off,
                     chunks_per_block: 1,
                     streamed: false,
+                    fused_topk: None,
                 })
             })
             .chain([Some(plain(b.t()))])
@@ -814,6 +819,7 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
                 fold: ScaleFold::Off,
                 chunks_per_block: 1,
                 streamed: false,
+                fused_topk: None,
             })
         };
         let own = |t| {
@@ -888,6 +894,7 @@ fn folded_scales_match_the_reference_within_their_bound() {
                 fold,
                 chunks_per_block,
                 streamed: false,
+                fused_topk: None,
             };
             let own = |t| {
                 let chunk_keys = fast_indexer::chunk_keys_for(t, MAXE);
@@ -984,6 +991,7 @@ fn folded_scales_match_the_reference_within_their_bound() {
             fold: ScaleFold::Chain128,
             chunks_per_block: 1,
             streamed: false,
+            fused_topk: None,
         };
         let bad = [
             // Chunks that are not whole tiles, with the fold.
@@ -1010,14 +1018,45 @@ fn folded_scales_match_the_reference_within_their_bound() {
     });
 }
 
+/// The cluster sizes the fused plans' tests run (fi_select_stream_kernel takes any up to
+/// TOPK_CLUSTER: 3 gives uneven runs).
+const FUSED_CLUSTERS: [usize; 5] = [1, 2, 3, 4, fast_indexer::TOPK_CLUSTER];
+
+/// `fused_plan`'s plan for `t` tokens over clusters of `cluster` blocks, writing the scores row
+/// (`write_scores`) or not.
+fn fused(t: usize, cluster: usize, write_scores: bool) -> SelectPlan {
+    let plan = fast_indexer::fused_plan(t, MAXE, cluster).expect("MAXE's runs fit the stage");
+    SelectPlan {
+        fused_topk: Some(FusedTopk {
+            cluster,
+            write_scores,
+        }),
+        ..plan
+    }
+}
+
+/// A streamed plan with the top-k in its launch over `cluster` blocks, in range or not.
+fn fused_with(cluster: usize) -> SelectPlan {
+    SelectPlan {
+        fused_topk: Some(FusedTopk {
+            cluster,
+            write_scores: true,
+        }),
+        ..fast_indexer::stream_plan(1, MAXE)
+    }
+}
+
 /// The streamed kernel (`SelectPlan::streamed`: fi_score_stream_kernel, one page a tile through a
 /// ring, the keys decoded into the wgmmas' registers): scores within the fold's bound with one chain
 /// (module doc; its k32 steps group the products otherwise than the tiled fold kernel's, so not
 /// that kernel's bits) and the selection the exact top-k of its own scores, at Flash's shapes, with
 /// tied scores and with keys and tokens that cannot fold; every number of tiles a block (odd ones,
-/// one warpgroup idle, a block per tile) gives the same bits, and reruns too. At other head dims the
-/// plan runs the plain kernel with its head sum (its bits). Streamed plans without the fold or the
-/// tensor-core head sum are refused.
+/// one warpgroup idle, a block per tile) gives the same bits, and reruns too; so does the top-k in
+/// the scoring launch (`SelectPlan::fused_topk`: fi_select_stream_kernel) at every cluster size,
+/// and without the scores row it writes none and selects the same. At other head dims the plan runs
+/// the plain kernel with its head sum (its bits). Streamed plans without the fold or the
+/// tensor-core head sum, and fused ones without the stream or with clusters out of range or too
+/// small for the runs, are refused.
 #[test]
 fn streamed_scores_match_the_reference_within_the_fold_bound() {
     with_indexers(|reference, fast, s| {
@@ -1039,16 +1078,35 @@ fn streamed_scores_match_the_reference_within_the_fold_bound() {
                     })
                 })
                 .collect();
+            // The top-k in the scoring launch, at every cluster size (uneven runs, idle blocks),
+            // writing the scores row too: the same scores and selection.
+            plans.extend(FUSED_CLUSTERS.map(|cluster| Some(fused(b.t(), cluster, true))));
             // Where the fast set's own call (`select`, fast_indexer::select_plan) is this one: the
             // same bits.
             if own == fast_indexer::select_plan(b.t(), MAXE) {
                 plans.push(None);
             }
             plans.push(Some(tiled(b.t())));
-            let (r, f) = run_plans(reference, fast, keys, b, s, &plans);
+            // Then the fused plans as the fast set would run them: the scores row is not written
+            // (it keeps its poison), the selection is the same.
+            let quiet = FUSED_CLUSTERS.map(|cluster| Some(fused(b.t(), cluster, false)));
+            let all: Vec<_> = plans.iter().chain(&quiet).copied().collect();
+            let (r, mut f) = run_plans(reference, fast, keys, b, s, &all);
+            let q = f.split_off(plans.len());
             let (worst, swaps) = check(name, keys, b, &r, &f[0], how);
             let streamed = plans.len() - 1;
             assert_all_but_last_alike(name, &plans, &f);
+            for (p, run) in quiet.iter().zip(&q) {
+                assert!(
+                    run.scores.iter().all(|v| v.to_bits() == u32::MAX),
+                    "{name}: {p:?} wrote the scores row"
+                );
+                assert!(
+                    run.selected == f[0].selected && run.nsel == f[0].nsel,
+                    "{name}: {p:?} selects otherwise than {:?}",
+                    plans[0]
+                );
+            }
             // Beside the tiled fold kernel (the fast set's): how many scores the k order changed.
             let changed = scores_differing(&f[0], &f[streamed]);
             println!(
@@ -1065,6 +1123,8 @@ fn streamed_scores_match_the_reference_within_the_fold_bound() {
         // Other head dims run the plain kernel of the plan's head sum: its bits.
         let stream_plan = |t| fast_indexer::stream_plan(t, MAXE);
         other_dims_run_the_plain_kernel(reference, fast, s, &mut rng, "streamed", &stream_plan);
+        let fused_plan = |t| fused(t, 4, true);
+        other_dims_run_the_plain_kernel(reference, fast, s, &mut rng, "fused", &fused_plan);
         // Streamed plans the kernel cannot run: refused before any launch.
         let keys = Keys::random(&mut rng, DI);
         let b = Batch::new(&mut rng, &decode(1, &[5000]), DI);
@@ -1083,6 +1143,14 @@ fn streamed_scores_match_the_reference_within_the_fold_bound() {
                 head_sum: HeadSum::Ordered,
                 ..base
             },
+            // The top-k in the launch: not streamed, no cluster, one past the portable size (runs
+            // that do not fit the stage: the module's unit test).
+            SelectPlan {
+                streamed: false,
+                ..fused(1, 2, true)
+            },
+            fused_with(0),
+            fused_with(fast_indexer::TOPK_CLUSTER + 1),
         ];
         for p in bad {
             let g = family_gpu(&FAMILIES).unwrap();

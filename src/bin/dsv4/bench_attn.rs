@@ -426,6 +426,7 @@ fn indexer_case(
                 fast_indexer::chunks_per_block_for(t, maxe, chunk_keys)
             },
             streamed: false,
+            fused_topk: None,
         }
     };
     // Times `call` over `n` state copies and prints its line: `fields`, then the timing.
@@ -510,6 +511,18 @@ fn indexer_case(
             ix.fast.select_with(ctx, meta, &args(j), plan, s)
         })?;
     }
+    // The streamed scoring with the top-k in its launch, at each cluster size whose runs fit.
+    for cluster in [2, 4, 8] {
+        let Some(plan) = fast_indexer::fused_plan(t, maxe, cluster) else {
+            continue;
+        };
+        let fields = format!(
+            "\"kernel\": \"indexer_fused\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"cluster\": {cluster}"
+        );
+        timed(fields, copies, &|j| {
+            ix.fast.select_with(ctx, meta, &args(j), plan, s)
+        })?;
+    }
     for &chunk_keys in &ix.chunks {
         let plan = SelectPlan {
             chunk_keys,
@@ -518,6 +531,7 @@ fn indexer_case(
             fold: ScaleFold::Off,
             chunks_per_block: 1,
             streamed: false,
+            fused_topk: None,
         };
         let chosen = chunk_keys == fast_indexer::chunk_keys_for(t, maxe);
         let fields = format!(

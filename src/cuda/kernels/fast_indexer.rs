@@ -17,7 +17,9 @@
 //! `fi_score_stream_kernel` is the same operation as a stream ([`SelectPlan::streamed`],
 //! [`stream_plan`]; `indexer_stream` in the bench): each 64-key tile's page is copied whole, by one
 //! bulk copy, into a ring of the warpgroup that scores it, which decodes the keys straight into the
-//! wgmmas' registers.
+//! wgmmas' registers. `fi_select_stream_kernel` runs that scoring and the top-k in one launch, a
+//! cluster of blocks a token whose scores stay in shared memory ([`SelectPlan::fused_topk`],
+//! [`fused_plan`]; `indexer_fused` in the bench).
 //! tests/gpu_fast_indexer.rs bounds the scores against the reference kernel and checks the
 //! selection against an exact top-k of the fast scores.
 
@@ -115,6 +117,15 @@ const _: () = assert!(TILE_KEYS == KV_PAGE && 128 * STREAM_WGS == 4 * MAX_HEADS)
 /// The largest scoring block (the registry raises the kernel's limit to it).
 pub const MAX_SMEM: usize = score_smem_bytes(MAX_DIM, HeadSum::TensorCore, true);
 
+/// Most order keys (u16) a `fi_select_stream_kernel` block stages after [`STREAM_SMEM`]: its run
+/// of the token's entries (64K entries a token at the largest cluster: 256K positions at ratio 4).
+/// With the selection's own ~3 KB, two blocks still fit an SM (2 x 107 KB).
+pub const FUSED_STAGE_KEYS: usize = 16384;
+/// Dynamic shared memory of the largest `fi_select_stream_kernel` block.
+pub const FUSED_MAX_SMEM: usize = STREAM_SMEM + 2 * FUSED_STAGE_KEYS;
+// The fused launch's blocks are the stream's and the selection's at once.
+const _: () = assert!(STREAM_THREADS == TOPK_THREADS && STREAM_SMEM.is_multiple_of(16));
+
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
     pub const SOURCE = "fast_indexer", include_str!("../../../kernels/fast_indexer.cu");
@@ -159,6 +170,16 @@ crate::kernel_family! {
         positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
         di: i32, ratio: i32, maxe: i32, scores: *mut f32,
     );
+    /// The streamed scoring and the top-k in one clustered launch ([`SelectPlan::fused_topk`]);
+    /// `scores` None: the row is not written.
+    #[smem(FUSED_MAX_SMEM as u32)]
+    #[pdl(true)]
+    fn fi_select_stream_kernel(
+        qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
+        positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
+        di: i32, ratio: i32, maxe: i32, topk: i32, stage_keys: i32, scores: Option<*mut f32>,
+        selected: *mut i32, nsel: *mut i32,
+    );
     #[smem((2 * TOPK_STAGE_KEYS) as u32)]
     #[pdl(true)]
     fn fi_topk_kernel(
@@ -176,6 +197,7 @@ crate::launchers! {
         score_fold: fi_score_fold_kernel,
         score_fold_tc: fi_score_fold_tc_kernel,
         score_stream: fi_score_stream_kernel,
+        select_stream: fi_select_stream_kernel,
         topk: fi_topk_kernel,
     }
 }
@@ -208,6 +230,34 @@ pub struct SelectPlan {
     /// wgmmas group the products into other k32 steps). At head dims other than [`FOLD_DIM`] the
     /// plain kernels run.
     pub streamed: bool,
+    /// With `streamed`: the top-k in the scoring launch ([`FusedTopk`]); None, a launch of its own
+    /// (`fi_topk_kernel`, reading the scores row). The same scores and selection either way. At
+    /// head dims other than [`FOLD_DIM`] the plain kernels and the separate top-k run.
+    pub fused_topk: Option<FusedTopk>,
+}
+
+/// The top-k inside the streamed scoring launch (`fi_select_stream_kernel`): a cluster of
+/// `cluster` blocks a token, block r scoring the token's tiles r m .. r m + m - 1 (m = its tiles /
+/// `cluster`, rounded up: contiguous runs, as the selection wants them) into its shared memory,
+/// then the cluster selecting on them as `fi_topk_kernel` does on the scores row
+/// ([`SelectPlan::chunks_per_block`] is not used). Needs every run to fit [`FUSED_STAGE_KEYS`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedTopk {
+    /// Blocks a token (1 ..= [`TOPK_CLUSTER`]).
+    pub cluster: usize,
+    /// Whether the launch also writes the scores row (the tests compare it with the unfused
+    /// kernels'); the fast set's plans do not, so that the scores never leave the SMs.
+    pub write_scores: bool,
+}
+
+/// Order keys a `fi_select_stream_kernel` block stages for `maxe` entries a token over `cluster`
+/// blocks: its run of whole tiles; None past [`FUSED_STAGE_KEYS`] (or for no cluster).
+pub fn fused_stage_keys(maxe: usize, cluster: usize) -> Option<usize> {
+    if cluster == 0 {
+        return None;
+    }
+    let keys = maxe.div_ceil(TILE_KEYS).div_ceil(cluster) * TILE_KEYS;
+    (keys <= FUSED_STAGE_KEYS).then_some(keys)
 }
 
 /// The scale fold of the scoring (kernels/fast_indexer.cu, "the scale fold"): where a 64-key
@@ -293,6 +343,7 @@ pub fn fast_plan(tokens: usize, maxe: usize) -> SelectPlan {
         fold: ScaleFold::Chain128,
         chunks_per_block: chunks_per_block_for(tokens, maxe, chunk_keys),
         streamed: false,
+        fused_topk: None,
     }
 }
 
@@ -322,7 +373,28 @@ pub fn stream_plan(tokens: usize, maxe: usize) -> SelectPlan {
         fold: ScaleFold::Chain128,
         chunks_per_block: tiles.div_ceil(blocks_per_token).max(STREAM_WGS),
         streamed: true,
+        fused_topk: None,
     }
+}
+
+/// The streamed plan with the top-k in its launch ([`SelectPlan::fused_topk`]) over clusters of
+/// `cluster` blocks, the scores row not written; None where a block's run would not fit
+/// [`FUSED_STAGE_KEYS`] or `cluster` is out of 1 ..= [`TOPK_CLUSTER`]. Not yet measured against
+/// [`stream_plan`] and [`fast_plan`]: `dsv4 bench attn` times it at each cluster size
+/// (`indexer_fused`). A token's scoring then runs on `cluster` blocks, not [`STREAM_BLOCKS`] /
+/// tokens, so it can pay only where many tokens fill the GPU.
+pub fn fused_plan(tokens: usize, maxe: usize, cluster: usize) -> Option<SelectPlan> {
+    if !(1..=TOPK_CLUSTER).contains(&cluster) {
+        return None;
+    }
+    fused_stage_keys(maxe, cluster)?;
+    Some(SelectPlan {
+        fused_topk: Some(FusedTopk {
+            cluster,
+            write_scores: false,
+        }),
+        ..stream_plan(tokens, maxe)
+    })
 }
 
 /// Keys a scoring block takes at `tokens` tokens of up to `maxe` entries: whole tiles, fewer
@@ -389,6 +461,11 @@ impl FastIndexer {
             || (plan.chunks_per_block > 1 && plan.fold == ScaleFold::Off)
             || (plan.streamed
                 && (plan.fold != ScaleFold::Chain128 || plan.head_sum != HeadSum::TensorCore))
+            || plan.fused_topk.is_some_and(|f| {
+                !plan.streamed
+                    || !(1..=TOPK_CLUSTER).contains(&f.cluster)
+                    || fused_stage_keys(x.maxe, f.cluster).is_none()
+            })
         {
             return Err(bad(format!("{plan:?} out of range")));
         }
@@ -408,6 +485,9 @@ impl FastIndexer {
         let _g = ctx.enter()?;
         // The fold kernels at their head dim only, and only they take several chunks a block.
         let fold = plan.fold != ScaleFold::Off && di == FOLD_DIM;
+        if let Some(f) = plan.fused_topk.filter(|_| fold) {
+            return self.select_fused(b, x, f, stream);
+        }
         let chunks_per_block = if fold { plan.chunks_per_block } else { 1 };
         let chunks = x.maxe.div_ceil(plan.chunk_keys).div_ceil(chunks_per_block);
         if chunks > 0 {
@@ -494,6 +574,52 @@ impl FastIndexer {
         self.topk
             .launch_clustered(grid, TOPK_THREADS as u32, smem, stream, args, cluster)
     }
+
+    /// The scoring and the top-k in one launch (`fi_select_stream_kernel`), a cluster of
+    /// `f.cluster` blocks a token; the caller checked the plan and the arguments.
+    fn select_fused(
+        &self,
+        b: &BatchMeta,
+        x: &IndexerArgs,
+        f: FusedTopk,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        let i = |what: &str, v: usize| to_i32(FAMILY, what, v);
+        let t = b.num_tokens;
+        let stage_keys = fused_stage_keys(x.maxe, f.cluster)
+            .ok_or_else(|| bad(format!("{} entries over {} blocks", x.maxe, f.cluster)))?;
+        let args = fi_select_stream_kernel::Args {
+            qi: x.qi,
+            iw: x.iw,
+            ikeys: x.ikeys.pool,
+            itable: x.ikeys.table,
+            ipps: i("pages per slot", x.ikeys.pages_per_slot)?,
+            positions: b.positions,
+            seq_of: b.seq_of,
+            seq_slots: b.seq_slots,
+            t: i("num_tokens", t)?,
+            hi: i("heads", x.heads)?,
+            di: i("dim", x.dim)?,
+            ratio: i("ratio", x.ratio)?,
+            maxe: i("maxe", x.maxe)?,
+            topk: i("topk", x.topk)?,
+            stage_keys: i("stage keys", stage_keys)?,
+            scores: f.write_scores.then_some(x.scores),
+            selected: x.selected,
+            nsel: x.nsel,
+        };
+        let tokens = u32::try_from(t).map_err(|_| bad(format!("{t} tokens: too many blocks")))?;
+        let cluster = f.cluster as u32;
+        let smem = (STREAM_SMEM + 2 * stage_keys) as u32;
+        self.select_stream.launch_clustered(
+            (tokens, cluster),
+            STREAM_THREADS as u32,
+            smem,
+            stream,
+            args,
+            (1, cluster, 1),
+        )
+    }
 }
 
 #[cfg(test)]
@@ -555,6 +681,27 @@ mod tests {
                 );
             }
         }
+        // The fused plans: a block's run of whole tiles in its stage, refused past it or out of
+        // the portable cluster sizes.
+        assert_eq!(fused_stage_keys(16384, 4), Some(4096));
+        assert_eq!(fused_stage_keys(16384, 1), Some(FUSED_STAGE_KEYS));
+        assert_eq!(fused_stage_keys(16385, 1), None);
+        assert_eq!(fused_stage_keys(16385, 2), Some(8256));
+        assert_eq!(fused_stage_keys(0, 3), Some(0));
+        assert_eq!(fused_stage_keys(100, 0), None);
+        let p = fused_plan(64, 16384, 4).unwrap();
+        assert!(p.streamed && p.fold == ScaleFold::Chain128 && p.head_sum == HeadSum::TensorCore);
+        assert_eq!(
+            p.fused_topk,
+            Some(FusedTopk {
+                cluster: 4,
+                write_scores: false
+            })
+        );
+        assert_eq!(fused_plan(1, 1 << 18, TOPK_CLUSTER), None);
+        assert!(fused_plan(1, 65536, 4).is_some());
+        assert_eq!(fused_plan(8, 2048, 0), None);
+        assert_eq!(fused_plan(8, 2048, TOPK_CLUSTER + 1), None);
         // A block's chunks stay within 1..=8 at any size.
         for t in [0, 1, 3, 9, 500, 100_000] {
             for maxe in [0, 1, 300, 1 << 20] {
