@@ -703,10 +703,16 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 // The consumers' pipeline per tile i: S(i) has completed and P V(i - 1) may still run on entry; S(i + 1)
 // is issued first, so the tensor cores run P V(i - 1) and S(i + 1) during the first part of the softmax
 // of tile i (the halves' exchange, the maxima, the exps and sums); the softmax then waits for both
-// (before_o) before it touches O, and P V(i) is issued. So neither the decode (the producer's) nor S
-// waits in the softmax's chain. Every wait retires all groups: ptxas serialized every wgmma when a
-// wait had to leave one in flight across the loop's back edge (or a copy of S's accumulators crossed
-// it), so the two S register sets alternate (the loop takes tiles in pairs).
+// (before_o) before it touches O, and P V(i) is issued. So S does not wait in the softmax's chain. The
+// decode does, in part: with FA_WS_KBUF = 3 every buffer is taken at a step's start (tile i - 1's by P V(i -
+// 1), tile i's, tile i + 1's by S(i + 1)), so the producer can start tile i + 1 only once P V(i - 2) has
+// retired (step i - 1's before_o), and step i waits for it at its first instruction: the decode overlaps the end
+// of step i - 1 (O's rescale, P's packing, P V's issue) and P V(i - 1), not a whole softmax. A fourth buffer
+// (32 KB) would let the producer run a tile ahead, but does not fit beside two raw tiles (252,848 bytes of
+// 232,448); with one raw tile the fetch's latency would land on the producer instead.
+// Every wait retires all groups: ptxas serialized every wgmma when a wait had to leave one in flight
+// across the loop's back edge (or a copy of S's accumulators crossed it), so the two S register sets
+// alternate (the loop takes tiles in pairs).
 // The two warps of a head group's halves (w and w + 4) exchange their halves of S through xs with a
 // 64-thread barrier of their own (two a tile: one before the stores, so the partner has read the last
 // tile's values, and one after).
@@ -714,11 +720,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 #define FA_WS_THREADS (FA_THREADS + 128)
 #define FA_WS_PRODUCER0 FA_THREADS  // first thread of the producer warpgroup
 // FA_WS_KBUF (K buffers), FA_WS_RAW (raw tiles), FA_WS_ADDR (address slots) come from dsv4_consts.cuh
-// (fast_attention.rs). The producer decodes tile i + 1 while the consumers run tile i and the P V of
-// tile i - 1 may still read its buffer: three buffers. Raw tiles: the one being decoded and one in
-// flight; address slots: those two and the one being looked up.
-#define FA_WS_CONSUMER_REGS 224  // 256 x 224 + 128 x 56 = 64512 of the SM's 65536
-#define FA_WS_PRODUCER_REGS 56
+// (fast_attention.rs). Three K buffers: tile i - 1's (its P V), tile i's and tile i + 1's (S(i + 1)); so the
+// producer decodes tile i + 1 between P V(i - 2)'s retirement and step i's start (above). Raw tiles: the one
+// being decoded and one in flight; address slots: those two and the one being looked up.
+// FA_WS_CONSUMER_REGS and FA_WS_PRODUCER_REGS (setmaxnreg's counts) come from dsv4_consts.cuh too: the host
+// refuses the launch unless ptxas gave the kernel the registers they add up to (with fewer, the consumers'
+// setmaxnreg.inc would wait forever).
 // Named barriers (0 is __syncthreads): the consumers' 256 threads, the producer's 128, and the
 // pair of warps w, w + 4 (FA_WS_BAR_PAIR0 + w).
 #define FA_WS_BAR_CONSUMERS 1

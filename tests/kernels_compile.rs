@@ -186,6 +186,39 @@ fn fast_kernels_keep_wgmma_asynchronous() {
     }
 }
 
+/// The warp-specialized attention's roles trade registers with `setmaxnreg`, which takes them from
+/// the block's pool: if ptxas gives the kernel fewer registers a thread than the pool needs
+/// (`fast_attention::WS_MIN_REGS`), the consumers' `setmaxnreg.inc` waits forever. The host
+/// refuses such a launch; this says so at build time, without a GPU.
+#[test]
+fn warp_specialized_attention_gets_its_register_pool() {
+    use dsv4::cuda::kernels::fast_attention::{self, WS_MIN_REGS};
+    if !nvrtc_or_skip() {
+        return;
+    }
+    for fam in chosen([&fast_attention::SOURCE]) {
+        let (_, log) = fam
+            .compile_with_log(ARCH, &["--ptxas-options=-v"])
+            .unwrap_or_else(|e| panic!("{}: {e}", fam.family));
+        let kernel = "fa_attention_wgmma_ws_kernel";
+        let regs = registers_of(&log, kernel)
+            .unwrap_or_else(|| panic!("no register count for {kernel} in ptxas's log:\n{log}"));
+        println!("{kernel}: {regs} registers a thread, the pool needs {WS_MIN_REGS}");
+        assert!(
+            regs >= WS_MIN_REGS,
+            "{kernel}: ptxas gave {regs} registers a thread, setmaxnreg's pool needs {WS_MIN_REGS}"
+        );
+    }
+}
+
+/// The registers ptxas's verbose log gives `kernel` ("Compiling entry function 'k'", then its
+/// "Used N registers").
+fn registers_of(log: &str, kernel: &str) -> Option<usize> {
+    let start = log.find(&format!("entry function '{kernel}'"))?;
+    let used = &log[start..][log[start..].find("Used ")? + 5..];
+    used.split_whitespace().next()?.parse().ok()
+}
+
 /// nvdisasm for the SASS checks: DSV4_NVDISASM (scripts/test.sh installs pip's
 /// nvidia-cuda-nvdisasm and sets it), else `nvdisasm` on PATH. Without one this prints
 /// `skipped: ...`, except under CI, where it fails.

@@ -135,6 +135,8 @@ pub const SHARED: &[Shared] = shared! {
     "FA_WS_KBUF" = Int(fast_attention::WS_K_TILES as i64) from "fast_attention::WS_K_TILES";
     "FA_WS_RAW" = Int(fast_attention::WS_RAW_TILES as i64) from "fast_attention::WS_RAW_TILES";
     "FA_WS_ADDR" = Int(fast_attention::WS_ADDR_SLOTS as i64) from "fast_attention::WS_ADDR_SLOTS";
+    "FA_WS_CONSUMER_REGS" = Int(fast_attention::WS_CONSUMER_REGS as i64) from "fast_attention::WS_CONSUMER_REGS";
+    "FA_WS_PRODUCER_REGS" = Int(fast_attention::WS_PRODUCER_REGS as i64) from "fast_attention::WS_PRODUCER_REGS";
     // fast_indexer.cu.
     "FI_THREADS" = Int(fast_indexer::THREADS as i64) from "fast_indexer::THREADS";
     "FI_TILE_KEYS" = Int(fast_indexer::TILE_KEYS as i64) from "fast_indexer::TILE_KEYS";

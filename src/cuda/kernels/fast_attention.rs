@@ -83,6 +83,21 @@ pub const WS_K_TILES: usize = 3;
 pub const WS_RAW_TILES: usize = 2;
 /// Its address slots (FA_WS_ADDR): the raw tiles' and the one being looked up.
 pub const WS_ADDR_SLOTS: usize = 3;
+/// Registers a consumer thread (FA_WS_CONSUMER_REGS) and a producer thread (FA_WS_PRODUCER_REGS)
+/// of the warp-specialized block take by `setmaxnreg`, from the block's pool.
+pub const WS_CONSUMER_REGS: usize = 224;
+pub const WS_PRODUCER_REGS: usize = 56;
+/// Registers a thread ptxas must give the warp-specialized kernel for that pool: the consumers'
+/// `setmaxnreg.inc` waits until the pool holds what they ask, so with fewer it would wait forever.
+/// [`FastAttention::attention_split`] refuses the launch then.
+pub const WS_MIN_REGS: usize =
+    (THREADS * WS_CONSUMER_REGS + 128 * WS_PRODUCER_REGS).div_ceil(WS_THREADS);
+// The pool fits an SM's 64K registers, in setmaxnreg's steps of 8.
+const _: () = assert!(
+    THREADS * WS_CONSUMER_REGS + 128 * WS_PRODUCER_REGS <= 65536
+        && WS_CONSUMER_REGS.is_multiple_of(8)
+        && WS_PRODUCER_REGS.is_multiple_of(8)
+);
 
 /// Dynamic shared memory of a warp-specialized wgmma block whose stored rows take `raw_row` bytes:
 /// Q (all heads) and [`WS_K_TILES`] key tiles as swizzled bf16, the S exchange,
@@ -408,13 +423,21 @@ impl FastAttention {
                 stream,
                 args!(fa_attention_wgmma_kernel),
             )?,
-            AttentionPath::WgmmaWs => self.attention_wgmma_ws.launch(
-                grid,
-                WS_THREADS as u32,
-                wgmma_ws_smem_bytes(raw_row) as u32,
-                stream,
-                args!(fa_attention_wgmma_ws_kernel),
-            )?,
+            AttentionPath::WgmmaWs => {
+                let regs = self.attention_wgmma_ws.kernel().num_regs;
+                if usize::try_from(regs).is_ok_and(|r| r < WS_MIN_REGS) {
+                    return Err(bad(format!(
+                        "fa_attention_wgmma_ws_kernel has {regs} registers a thread; its setmaxnreg pool needs {WS_MIN_REGS} (launching it would hang)"
+                    )));
+                }
+                self.attention_wgmma_ws.launch(
+                    grid,
+                    WS_THREADS as u32,
+                    wgmma_ws_smem_bytes(raw_row) as u32,
+                    stream,
+                    args!(fa_attention_wgmma_ws_kernel),
+                )?
+            }
             _ => self.attention.launch(
                 grid,
                 THREADS as u32,
