@@ -118,7 +118,7 @@ const _: () = assert!(TILE_KEYS == KV_PAGE && 128 * STREAM_WGS == 4 * MAX_HEADS)
 pub const MAX_SMEM: usize = score_smem_bytes(MAX_DIM, HeadSum::TensorCore, true);
 
 /// Most order keys (u16) a `fi_select_stream_kernel` block stages after [`STREAM_SMEM`]: its run
-/// of the token's entries (64K entries a token at the largest cluster: 256K positions at ratio 4).
+/// of the token's entries (128K entries a token at the largest cluster: 512K positions at ratio 4).
 /// With the selection's own ~3 KB, two blocks still fit an SM (2 x 107 KB).
 pub const FUSED_STAGE_KEYS: usize = 16384;
 /// Dynamic shared memory of the largest `fi_select_stream_kernel` block.
@@ -462,9 +462,10 @@ impl FastIndexer {
             || (plan.streamed
                 && (plan.fold != ScaleFold::Chain128 || plan.head_sum != HeadSum::TensorCore))
             || plan.fused_topk.is_some_and(|f| {
+                // (The runs must fit the stage only where the fused kernel runs.)
                 !plan.streamed
                     || !(1..=TOPK_CLUSTER).contains(&f.cluster)
-                    || fused_stage_keys(x.maxe, f.cluster).is_none()
+                    || (x.dim == FOLD_DIM && fused_stage_keys(x.maxe, f.cluster).is_none())
             })
         {
             return Err(bad(format!("{plan:?} out of range")));
