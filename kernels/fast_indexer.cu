@@ -751,13 +751,16 @@ static_assert(FI_STREAM_THREADS == 128 * FI_STREAM_WGS && FI_MAX_HEADS * 4 == FI
                   FI_STREAM_SLOTS % FI_STREAM_WGS == 0 && FI_S_WG_SLOTS >= 2,
               "fi_score_stream_kernel: two warpgroups (four threads a head), two slots or more each");
 
-// Whether `v` holds in any of the `threads` threads (a multiple of 32) that reach named barrier `id`.
-DSV4_INLINE bool bar_red_or(unsigned id, unsigned threads, bool v) {
+// Whether `v` holds in any of the `threads` threads (a multiple of 32) that reach named barrier ID. The id is
+// an immediate: with an id in a register ptxas reserves all 16 of the block's barriers, and named barriers
+// have been seen to limit how many blocks an SM holds (two blocks an SM is this kernel's design).
+template <unsigned ID>
+DSV4_INLINE bool bar_red_or(unsigned threads, bool v) {
   unsigned r;
   asm volatile(
       "{ .reg .pred p, q;\n setp.ne.u32 q, %1, 0;\n bar.red.or.pred p, %2, %3, q;\n selp.u32 %0, 1, 0, p;\n}\n"
       : "=r"(r)
-      : "r"((unsigned)v), "r"(id), "r"(threads)
+      : "r"((unsigned)v), "n"(ID), "r"(threads)
       : "memory");
   return r != 0u;
 }
@@ -919,7 +922,8 @@ DSV4_INLINE void fi_stream_score(const float* qi, const float* iw, const unsigne
                      top1 - lo1 > FI_FOLD_SPAN || top1 < FI_FOLD_E_MIN || top1 > FI_FOLD_E_MAX;
     // The vote; past it every thread of the warpgroup is done with tile i - 1's slot (all its reads came before
     // that tile's wgmmas), so the issuer refills it with tile i - 1 + SW.
-    const bool tile_fold = !bar_red_or(FI_S_BAR_WG + wg, 128, bad || !fold_q);
+    const bool vote = bad || !fold_q;
+    const bool tile_fold = !(wg == 0 ? bar_red_or<FI_S_BAR_WG>(128, vote) : bar_red_or<FI_S_BAR_WG + 1>(128, vote));
     if (wtid == 0 && i >= 1 && i - 1 + FI_S_WG_SLOTS < n) {
       const int j = i - 1 + FI_S_WG_SLOTS, sj = j % FI_S_WG_SLOTS;
       fi_stream_copy(ikeys, next, ring + sj * FI_S_PAGE, bars + 8 * sj);
