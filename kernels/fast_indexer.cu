@@ -1044,13 +1044,14 @@ DSV4_INLINE void fi_hist_add(int* hist, unsigned bin, bool active) {
 // used: a pass over a warp's segment of global scores is a few round trips, not one a 32 entries).
 #define FI_TOPK_BATCH 8
 
-// The int at `p` (this block's shared memory) in each block r < nc of the cluster, v[r] from block r
-// (0 for r >= nc): every load issued before any is used (one at a time, each waited for, 64 a lane
-// cost a block ~25 us).
-DSV4_INLINE void fi_ld_cluster_all(const int* p, int nc, int (&v)[FI_TOPK_CLUSTER]) {
+// The int at `p` (this block's shared memory) in each block r < nc <= MAXC of the cluster, v[r] from block
+// r (0 for r >= nc): every load issued before any is used (one at a time, each waited for, 64 a lane cost a
+// block ~25 us).
+template <int MAXC>
+DSV4_INLINE void fi_ld_cluster_all(const int* p, int nc, int (&v)[MAXC]) {
   const unsigned a = smem_addr(p);
 #pragma unroll
-  for (int r = 0; r < FI_TOPK_CLUSTER; ++r) v[r] = r < nc ? ld_cluster_s32(cluster_map(a, r)) : 0;
+  for (int r = 0; r < MAXC; ++r) v[r] = r < nc ? ld_cluster_s32(cluster_map(a, r)) : 0;
 }
 
 // A selecting block's own shared memory besides its staged keys (fi_cluster_select).
@@ -1062,7 +1063,7 @@ struct FiTopkShared {
   int bin, above, gt0, eq0;
 };
 
-// The exact top-k of one token over a cluster of nc <= FI_TOPK_CLUSTER blocks (FI_TOPK_THREADS threads each),
+// The exact top-k of one token over a cluster of nc <= MAXC blocks (FI_TOPK_THREADS threads each),
 // block `rank` of which owns the token's visible entries blo .. bhi - 1 (contiguous, in rank order, blo a multiple
 // of 32), its warp w a contiguous run of that (each a multiple of 32), read 32 at a time by the lanes (coalesced;
 // (i, lane) order is index order within the warp), FI_TOPK_BATCH a lane in flight. The order keys (u16) are
@@ -1079,7 +1080,7 @@ struct FiTopkShared {
 // sel: the token's [topk] row, in increasing entry index (the attention's softmax does not depend on the order;
 // the set is `top_k`'s: larger score, ties to the lower index, NaN lowest), -1 past nsel = k = min(topk,
 // visible) >= 1 (written by rank 0). Every block of the cluster calls this, with the same k, nc and topk.
-template <bool FROM_STAGE>
+template <bool FROM_STAGE, int MAXC>
 DSV4_INLINE void fi_cluster_select(const float* row, unsigned short* stage, bool staged, int blo, int bhi, int nc,
                                    int rank, int k, int topk, int* sel, int* nsel, FiTopkShared& sh) {
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nwarps = nt >> 5;
@@ -1130,11 +1131,11 @@ DSV4_INLINE void fi_cluster_select(const float* row, unsigned short* stage, bool
     }
     cluster_sync();  // every block's histogram (and this block's staged keys) complete
     for (int b = tid; b < 256; b += nt) {
-      int v[FI_TOPK_CLUSTER];
-      fi_ld_cluster_all(&sh.hist[pass][b], nc, v);
+      int v[MAXC];
+      fi_ld_cluster_all<MAXC>(&sh.hist[pass][b], nc, v);
       int sum = 0;
 #pragma unroll
-      for (int r = 0; r < FI_TOPK_CLUSTER; ++r) sum += v[r];
+      for (int r = 0; r < MAXC; ++r) sum += v[r];
       sh.total[b] = sum;
     }
     __syncthreads();
@@ -1200,11 +1201,11 @@ DSV4_INLINE void fi_cluster_select(const float* row, unsigned short* stage, bool
   }
   cluster_sync();  // every block's counts (and the last pass's histogram reads) done
   if (tid < 2) {  // thread i: the cluster's blocks before this one, count i
-    int v[FI_TOPK_CLUSTER];
-    fi_ld_cluster_all(&sh.block_cnt[tid], nc, v);
+    int v[MAXC];
+    fi_ld_cluster_all<MAXC>(&sh.block_cnt[tid], nc, v);
     int a = 0;
 #pragma unroll
-    for (int r = 0; r < FI_TOPK_CLUSTER; ++r) a += r < rank ? v[r] : 0;
+    for (int r = 0; r < MAXC; ++r) a += r < rank ? v[r] : 0;
     (tid == 0 ? sh.gt0 : sh.eq0) = a;
   }
   // This block reads no other block's shared memory after this point; the wait before it exits
@@ -1272,8 +1273,8 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
   }
   const int bseg = ((visible + FI_TOPK_CLUSTER - 1) / FI_TOPK_CLUSTER + 31) & ~31;
   const int blo = min(rank * bseg, visible), bhi = min(blo + bseg, visible);
-  fi_cluster_select<false>(scores + (long long)t * maxe, fi_staged, bhi - blo <= stage_keys, blo, bhi,
-                           FI_TOPK_CLUSTER, rank, k, topk, sel, nsel + t, sh);
+  fi_cluster_select<false, FI_TOPK_CLUSTER>(scores + (long long)t * maxe, fi_staged, bhi - blo <= stage_keys, blo,
+                                            bhi, FI_TOPK_CLUSTER, rank, k, topk, sel, nsel + t, sh);
 }
 
 // A token's run in fi_select_stream_kernel's block `rank` of nc: m = ceil(tiles / nc) tiles a block, the block's
@@ -1289,8 +1290,8 @@ DSV4_INLINE FiFusedRun fi_fused_run(int visible, int nc, int rank) {
 }
 
 // fi_select_stream_kernel: the streamed scoring and the top-k in one launch, the scores never leaving the SMs.
-// Grid (T, nc), clusters of (1, nc, 1): one cluster a token, nc <= FI_TOPK_CLUSTER blocks of FI_STREAM_THREADS (==
-// FI_TOPK_THREADS) threads. Block r scores the token's tiles r m .. r m + m - 1 (fi_fused_run: a contiguous run,
+// Grid (T, nc), clusters of (1, nc, 1): one cluster a token, nc <= FI_FUSED_MAX_CLUSTER (16: a non-portable
+// size above 8, which H100 / H200 schedule) blocks of FI_STREAM_THREADS (== FI_TOPK_THREADS) threads. Block r scores the token's tiles r m .. r m + m - 1 (fi_fused_run: a contiguous run,
 // as the selection needs) with fi_stream_score, their order keys into the block's stage (dynamic shared memory
 // from FI_STREAM_SMEM, stage_keys >= 64 m keys: the host checks), then fi_cluster_select runs on the stage: the
 // same scores, tile for tile, as fi_score_stream_kernel's and the same selection as fi_topk_kernel's on them.
@@ -1332,6 +1333,7 @@ extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
   // (fi_cluster_select's first barrier makes the stage's keys visible to the whole block.)
   const int visible = sh_visible;
   const FiFusedRun run = fi_fused_run(visible, gridDim.y, blockIdx.y);
-  fi_cluster_select<true>(nullptr, (unsigned short*)(fis_smem + FI_STREAM_SMEM), true, run.blo, run.bhi, gridDim.y,
-                          blockIdx.y, min(topk, visible), topk, selected + (long long)t * topk, nsel + t, sh);
+  fi_cluster_select<true, FI_FUSED_MAX_CLUSTER>(nullptr, (unsigned short*)(fis_smem + FI_STREAM_SMEM), true, run.blo,
+                                                run.bhi, gridDim.y, blockIdx.y, min(topk, visible), topk,
+                                                selected + (long long)t * topk, nsel + t, sh);
 }

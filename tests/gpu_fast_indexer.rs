@@ -1018,8 +1018,8 @@ fn folded_scales_match_the_reference_within_their_bound() {
     });
 }
 
-/// The cluster sizes the fused plans' tests run (fi_select_stream_kernel takes any up to
-/// TOPK_CLUSTER: 3 gives uneven runs).
+/// The portable cluster sizes the fused plans' tests run (fi_select_stream_kernel takes any up to
+/// FUSED_MAX_CLUSTER: 3 gives uneven runs; the non-portable ones have a test of their own).
 const FUSED_CLUSTERS: [usize; 5] = [1, 2, 3, 4, fast_indexer::TOPK_CLUSTER];
 
 /// `fused_plan`'s plan for `t` tokens over clusters of `cluster` blocks, writing the scores row
@@ -1143,19 +1143,56 @@ fn streamed_scores_match_the_reference_within_the_fold_bound() {
                 head_sum: HeadSum::Ordered,
                 ..base
             },
-            // The top-k in the launch: not streamed, no cluster, one past the portable size (runs
-            // that do not fit the stage: the module's unit test).
+            // The top-k in the launch: not streamed, no cluster, one past the largest (runs that do
+            // not fit the stage: the module's unit test).
             SelectPlan {
                 streamed: false,
                 ..fused(1, 2, true)
             },
             fused_with(0),
-            fused_with(fast_indexer::TOPK_CLUSTER + 1),
+            fused_with(fast_indexer::FUSED_MAX_CLUSTER + 1),
         ];
         for p in bad {
             let g = family_gpu(&FAMILIES).unwrap();
             let err = refused(&g.ctx, fast, &keys, &b, p, s);
             assert!(err.contains("out of range"), "{p:?}: {err}");
+        }
+    });
+}
+
+/// The top-k in the scoring launch over clusters above the portable 8 (FUSED_MAX_CLUSTER = 16, which
+/// the registry allows for fi_select_stream_kernel and H100 / H200 schedule): the streamed kernel's
+/// scores and selection, bit for bit, with and without the scores row, on the Flash batches and one
+/// token of a 64K context (16 runs of 1024 keys). Apart from the portable sizes' test, so that a
+/// device that cannot schedule such a cluster fails here alone.
+#[test]
+fn fused_plans_run_in_clusters_of_16() {
+    with_indexers(|reference, fast, s| {
+        let mut rng = XorShift(0xc105_7e16);
+        let cluster = fast_indexer::FUSED_MAX_CLUSTER;
+        assert!(cluster > fast_indexer::TOPK_CLUSTER);
+        let keys = Keys::random(&mut rng, DI);
+        let mut batches = flash_batches().to_vec();
+        batches.push(decode(1, &[65_535]));
+        for (k, seqs) in batches.iter().enumerate() {
+            let b = Batch::new(&mut rng, seqs, DI);
+            let stream = fast_indexer::stream_plan(b.t(), MAXE);
+            let plans = [
+                Some(stream),
+                Some(fused(b.t(), cluster, true)),
+                Some(fused(b.t(), cluster, false)),
+            ];
+            let (_, f) = run_plans(reference, fast, &keys, &b, s, &plans);
+            let name = format!("batch {k}, clusters of {cluster}");
+            assert!(same_result(&f[1], &f[0]), "{name}: not the stream's result");
+            assert!(
+                f[2].scores.iter().all(|v| v.to_bits() == u32::MAX),
+                "{name}: wrote the scores row"
+            );
+            assert!(
+                f[2].selected == f[0].selected && f[2].nsel == f[0].nsel,
+                "{name}: selects otherwise without the scores row"
+            );
         }
     });
 }

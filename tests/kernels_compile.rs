@@ -401,6 +401,7 @@ const K: KernelFn = KernelFn {
     dynamic_smem: 0,
     params: &[],
     pdl: false,
+    max_cluster: dsv4::cuda::registry::PORTABLE_CLUSTER,
 };
 
 /// A family calling a helper that does not exist.

@@ -150,6 +150,7 @@ pub const SHARED: &[Shared] = shared! {
     "FI_STREAM_SLOTS" = Int(fast_indexer::STREAM_SLOTS as i64) from "fast_indexer::STREAM_SLOTS";
     "FI_STREAM_THREADS" = Int(fast_indexer::STREAM_THREADS as i64) from "fast_indexer::STREAM_THREADS";
     "FI_STREAM_SMEM" = Int(fast_indexer::STREAM_SMEM as i64) from "fast_indexer::STREAM_SMEM";
+    "FI_FUSED_MAX_CLUSTER" = Int(fast_indexer::FUSED_MAX_CLUSTER as i64) from "fast_indexer::FUSED_MAX_CLUSTER";
     // attention.cu, compressor.cu, indexer.cu, mhc.cu.
     "ATTN_MAX_CPT" = Int(attention::ATTN_MAX_CHANNELS_PER_THREAD as i64)
         from "attention::ATTN_MAX_CHANNELS_PER_THREAD";

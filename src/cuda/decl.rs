@@ -18,6 +18,11 @@
 //!     /// Starts with dsv4_pdl_begin(): launched as a programmatic dependent (KernelFn::pdl).
 //!     #[pdl(true)]
 //!     fn fmoe_combine_kernel(...);
+//!     /// Clusters of up to 16 blocks (KernelFn::max_cluster; 8 without the attribute).
+//!     #[smem(FUSED_MAX_SMEM as u32)]
+//!     #[pdl(true)]
+//!     #[cluster(16)]
+//!     fn fi_select_stream_kernel(...);
 //! }
 //! // launch: fields by name, so argument order cannot be got wrong at the call site.
 //! self.act_quant.launch(grid, block, 0, stream, act_quant_kernel::Args { x, ldx, rows, k, xq })
@@ -262,6 +267,7 @@ macro_rules! kernel_family {
             $(#[doc = $doc:literal])*
             $(#[smem($smem:expr)])?
             $(#[pdl($pdl:expr)])?
+            $(#[cluster($cluster:expr)])?
             fn $name:ident($($arg:ident: $ty:ty),* $(,)?);
         )*
     ) => {
@@ -286,6 +292,7 @@ macro_rules! kernel_family {
                     dynamic_smem: $crate::kernel_family!(@smem $($smem)?),
                     params: &[$(<$ty as Param>::C),*],
                     pdl: $crate::kernel_family!(@pdl $($pdl)?),
+                    max_cluster: $crate::kernel_family!(@cluster $($cluster)?),
                 };
                 const _: () = assert!(
                     FN.params.len() <= $crate::cuda::stream::MAX_KERNEL_ARGS,
@@ -313,4 +320,6 @@ macro_rules! kernel_family {
     (@pdl $e:expr) => { $e };
     (@smem) => { 0 };
     (@smem $e:expr) => { $e };
+    (@cluster) => { $crate::cuda::registry::PORTABLE_CLUSTER };
+    (@cluster $e:expr) => { $e };
 }

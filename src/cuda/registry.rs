@@ -46,7 +46,15 @@ pub struct KernelFn {
     /// launched as a programmatic dependent (sm_90 on) and its launch and block scheduling
     /// overlap the previous kernel's tail (tests/kernel_decls.rs checks the source).
     pub pdl: bool,
+    /// Most blocks a cluster of its launches may hold: [`PORTABLE_CLUSTER`], or more (16 on
+    /// H100 / H200), for which the registry allows non-portable cluster sizes
+    /// (CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED). Whether a device schedules such a
+    /// cluster depends on the kernel's resources; a launch it cannot schedule fails.
+    pub max_cluster: u32,
 }
+
+/// The largest thread-block cluster every device with clusters runs (CUDA's portable size).
+pub const PORTABLE_CLUSTER: u32 = 8;
 
 /// A kernel family: one .cu file and the entry points it defines.
 #[derive(Clone, Copy, Debug)]
@@ -522,6 +530,8 @@ pub struct Kernel {
     pub local_bytes: i32,
     /// Launched as a programmatic dependent ([`KernelFn::pdl`], on a device that has it).
     pub pdl: bool,
+    /// Most blocks a cluster of its launches may hold ([`KernelFn::max_cluster`]).
+    pub max_cluster: u32,
 }
 
 // SAFETY: a CUfunction is a handle valid in its context from any thread.
@@ -730,6 +740,25 @@ fn resolve(
         Ok(v)
     };
     let static_smem = attr(A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?;
+    let max_cluster = if f.max_cluster > PORTABLE_CLUSTER {
+        // SAFETY: valid function handle and attribute value.
+        check(
+            format!(
+                "cuFuncSetAttribute({}, NON_PORTABLE_CLUSTER_SIZE_ALLOWED)",
+                what()
+            ),
+            unsafe {
+                cu::cuFuncSetAttribute(
+                    func,
+                    A::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                    1,
+                )
+            },
+        )?;
+        f.max_cluster
+    } else {
+        PORTABLE_CLUSTER
+    };
     let max_dynamic_smem = if f.dynamic_smem > DEFAULT_SMEM_LIMIT {
         let optin = ctx.info().max_shared_mem_per_block_optin as i64;
         if static_smem as i64 + f.dynamic_smem as i64 > optin {
@@ -771,6 +800,7 @@ fn resolve(
         local_bytes: attr(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?,
         // griddepcontrol is sm_90's; graphs capture programmatic launches from CUDA 12.3.
         pdl: f.pdl && ctx.info().compute_capability.0 >= 9 && ctx.info().driver_version >= 12030,
+        max_cluster,
     })
 }
 

@@ -289,6 +289,17 @@ pub unsafe fn launch_clustered(
             "grid not a multiple of the cluster",
         ));
     }
+    if let Some(c) = cluster
+        && c.x as u64 * c.y as u64 * c.z as u64 > kernel.max_cluster as u64
+    {
+        return Err(launch_error(
+            kernel,
+            grid,
+            block,
+            dynamic_smem,
+            "cluster above the kernel's declared size (KernelFn::max_cluster)",
+        ));
+    }
     let threads = block.x as u64 * block.y as u64 * block.z as u64;
     if threads == 0
         || threads > kernel.max_threads_per_block as u64
@@ -410,6 +421,38 @@ fn launch_error(k: &super::Kernel, grid: Dim3, block: Dim3, smem: u32, why: &str
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Clusters the kernel was not declared for, and grids they do not divide, are refused before
+    /// anything reaches the driver (so no device is needed here).
+    #[test]
+    fn clusters_past_the_declared_size_are_refused() {
+        let kernel = |max_cluster| super::super::Kernel {
+            family: "probe",
+            name: "k",
+            func: std::ptr::null_mut(),
+            max_dynamic_smem: 0,
+            max_threads_per_block: 1024,
+            num_regs: 32,
+            static_smem: 0,
+            local_bytes: 0,
+            pdl: false,
+            max_cluster,
+        };
+        let stream = BorrowedStream::from_raw(std::ptr::null_mut());
+        let args = KernelArgs::new();
+        let refused = |k: &super::super::Kernel, grid: (u32, u32), cluster: (u32, u32, u32)| {
+            // SAFETY: every case below is refused before the launch.
+            let e = unsafe {
+                launch_clustered(k, grid, 256u32, 0, stream, &args, Some(cluster.into()))
+            };
+            e.expect_err("refused").to_string()
+        };
+        let portable = kernel(super::super::registry::PORTABLE_CLUSTER);
+        assert!(refused(&portable, (4, 16), (1, 16, 1)).contains("declared size"));
+        assert!(refused(&portable, (4, 10), (1, 3, 1)).contains("not a multiple"));
+        assert!(refused(&kernel(16), (4, 32), (1, 17, 1)).contains("not a multiple"));
+        assert!(refused(&kernel(16), (4, 34), (1, 17, 1)).contains("declared size"));
+    }
 
     #[test]
     fn args_pack_values_little_endian() {

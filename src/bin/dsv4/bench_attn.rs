@@ -512,7 +512,7 @@ fn indexer_case(
         })?;
     }
     // The streamed scoring with the top-k in its launch, at each cluster size whose runs fit.
-    for cluster in [2, 4, 8] {
+    for cluster in [2, 4, 8, fast_indexer::FUSED_MAX_CLUSTER] {
         let Some(plan) = fast_indexer::fused_plan(t, maxe, cluster) else {
             continue;
         };

@@ -117,14 +117,21 @@ const _: () = assert!(TILE_KEYS == KV_PAGE && 128 * STREAM_WGS == 4 * MAX_HEADS)
 /// The largest scoring block (the registry raises the kernel's limit to it).
 pub const MAX_SMEM: usize = score_smem_bytes(MAX_DIM, HeadSum::TensorCore, true);
 
+/// Most blocks of a `fi_select_stream_kernel` cluster (FI_FUSED_MAX_CLUSTER): 16, a non-portable
+/// size (above [`TOPK_CLUSTER`]) that H100 / H200 schedule, for few tokens of long contexts.
+pub const FUSED_MAX_CLUSTER: usize = 16;
 /// Most order keys (u16) a `fi_select_stream_kernel` block stages after [`STREAM_SMEM`]: its run
-/// of the token's entries (128K entries a token at the largest cluster: 512K positions at ratio 4).
+/// of the token's entries (256K entries a token at the largest cluster: 1M positions at ratio 4).
 /// With the selection's own ~3 KB, two blocks still fit an SM (2 x 107 KB).
 pub const FUSED_STAGE_KEYS: usize = 16384;
 /// Dynamic shared memory of the largest `fi_select_stream_kernel` block.
 pub const FUSED_MAX_SMEM: usize = STREAM_SMEM + 2 * FUSED_STAGE_KEYS;
 // The fused launch's blocks are the stream's and the selection's at once.
-const _: () = assert!(STREAM_THREADS == TOPK_THREADS && STREAM_SMEM.is_multiple_of(16));
+const _: () = assert!(
+    STREAM_THREADS == TOPK_THREADS
+        && STREAM_SMEM.is_multiple_of(16)
+        && FUSED_MAX_CLUSTER >= TOPK_CLUSTER
+);
 
 crate::kernel_family! {
     /// The family as the registry compiles and loads it.
@@ -174,6 +181,7 @@ crate::kernel_family! {
     /// `scores` None: the row is not written.
     #[smem(FUSED_MAX_SMEM as u32)]
     #[pdl(true)]
+    #[cluster(FUSED_MAX_CLUSTER as u32)]
     fn fi_select_stream_kernel(
         qi: *const f32, iw: *const f32, ikeys: *const u8, itable: Option<*const i32>, ipps: i32,
         positions: *const i32, seq_of: *const i32, seq_slots: *const i32, t: i32, hi: i32,
@@ -243,7 +251,8 @@ pub struct SelectPlan {
 /// ([`SelectPlan::chunks_per_block`] is not used). Needs every run to fit [`FUSED_STAGE_KEYS`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FusedTopk {
-    /// Blocks a token (1 ..= [`TOPK_CLUSTER`]).
+    /// Blocks a token (1 ..= [`FUSED_MAX_CLUSTER`]; above [`TOPK_CLUSTER`] a non-portable
+    /// cluster size).
     pub cluster: usize,
     /// Whether the launch also writes the scores row (the tests compare it with the unfused
     /// kernels'); the fast set's plans do not, so that the scores never leave the SMs.
@@ -379,12 +388,12 @@ pub fn stream_plan(tokens: usize, maxe: usize) -> SelectPlan {
 
 /// The streamed plan with the top-k in its launch ([`SelectPlan::fused_topk`]) over clusters of
 /// `cluster` blocks, the scores row not written; None where a block's run would not fit
-/// [`FUSED_STAGE_KEYS`] or `cluster` is out of 1 ..= [`TOPK_CLUSTER`]. Not yet measured against
+/// [`FUSED_STAGE_KEYS`] or `cluster` is out of 1 ..= [`FUSED_MAX_CLUSTER`]. Not yet measured against
 /// [`stream_plan`] and [`fast_plan`]: `dsv4 bench attn` times it at each cluster size
 /// (`indexer_fused`). A token's scoring then runs on `cluster` blocks, not [`STREAM_BLOCKS`] /
 /// tokens, so it can pay only where many tokens fill the GPU.
 pub fn fused_plan(tokens: usize, maxe: usize, cluster: usize) -> Option<SelectPlan> {
-    if !(1..=TOPK_CLUSTER).contains(&cluster) {
+    if !(1..=FUSED_MAX_CLUSTER).contains(&cluster) {
         return None;
     }
     fused_stage_keys(maxe, cluster)?;
@@ -464,7 +473,7 @@ impl FastIndexer {
             || plan.fused_topk.is_some_and(|f| {
                 // (The runs must fit the stage only where the fused kernel runs.)
                 !plan.streamed
-                    || !(1..=TOPK_CLUSTER).contains(&f.cluster)
+                    || !(1..=FUSED_MAX_CLUSTER).contains(&f.cluster)
                     || (x.dim == FOLD_DIM && fused_stage_keys(x.maxe, f.cluster).is_none())
             })
         {
@@ -699,10 +708,11 @@ mod tests {
                 write_scores: false
             })
         );
-        assert_eq!(fused_plan(1, 1 << 18, TOPK_CLUSTER), None);
+        assert_eq!(fused_plan(1, 1 << 19, FUSED_MAX_CLUSTER), None);
+        assert!(fused_plan(1, 1 << 18, FUSED_MAX_CLUSTER).is_some());
         assert!(fused_plan(1, 65536, 4).is_some());
         assert_eq!(fused_plan(8, 2048, 0), None);
-        assert_eq!(fused_plan(8, 2048, TOPK_CLUSTER + 1), None);
+        assert_eq!(fused_plan(8, 2048, FUSED_MAX_CLUSTER + 1), None);
         // A block's chunks stay within 1..=8 at any size.
         for t in [0, 1, 3, 9, 500, 100_000] {
             for maxe in [0, 1, 300, 1 << 20] {
