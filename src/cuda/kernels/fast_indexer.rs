@@ -438,8 +438,8 @@ impl FastIndexer {
     }
 
     /// Scores every visible key of each token's slot and selects the top min(topk, visible)
-    /// (the reference's [`IndexerArgs`], which [`FastIndexer::covers`]); two launches, with
-    /// [`select_plan`]'s kernels and split.
+    /// (the reference's [`IndexerArgs`], which [`FastIndexer::covers`]); two launches (one with a
+    /// fused top-k, [`SelectPlan::fused_topk`]), with [`select_plan`]'s kernels and split.
     pub fn select(
         &self,
         ctx: &Context,
@@ -692,7 +692,7 @@ mod tests {
             }
         }
         // The fused plans: a block's run of whole tiles in its stage, refused past it or out of
-        // the portable cluster sizes.
+        // 1 ..= FUSED_MAX_CLUSTER.
         assert_eq!(fused_stage_keys(16384, 4), Some(4096));
         assert_eq!(fused_stage_keys(16384, 1), Some(FUSED_STAGE_KEYS));
         assert_eq!(fused_stage_keys(16385, 1), None);
