@@ -1055,8 +1055,8 @@ fn fused_with(cluster: usize) -> SelectPlan {
 /// the scoring launch (`SelectPlan::fused_topk`: fi_select_stream_kernel) at every cluster size,
 /// and without the scores row it writes none and selects the same. At other head dims the plan runs
 /// the plain kernel with its head sum (its bits). Streamed plans without the fold or the
-/// tensor-core head sum, and fused ones without the stream or with clusters out of range or too
-/// small for the runs, are refused.
+/// tensor-core head sum, and fused ones without the stream or with clusters out of range, are
+/// refused (runs too long for the stage: the module's unit test).
 #[test]
 fn streamed_scores_match_the_reference_within_the_fold_bound() {
     with_indexers(|reference, fast, s| {
