@@ -422,6 +422,30 @@ pub fn chunk_keys_for(tokens: usize, maxe: usize) -> usize {
     }
 }
 
+/// A scoring kernel's `Args`: the indexer's inputs and the batch's layout as every scoring kernel
+/// takes them (`$b`: [`BatchMeta`], `$x`: [`IndexerArgs`], `$i`: the i32 conversion that names
+/// a value in its error), then the kernel's own fields (`scores` among them: optional in one).
+macro_rules! score_args {
+    ($kernel:ident, $b:expr, $x:expr, $i:expr $(, $extra:ident: $value:expr)*) => {
+        $kernel::Args {
+            $($extra: $value,)*
+            qi: $x.qi,
+            iw: $x.iw,
+            ikeys: $x.ikeys.pool,
+            itable: $x.ikeys.table,
+            ipps: $i("pages per slot", $x.ikeys.pages_per_slot)?,
+            positions: $b.positions,
+            seq_of: $b.seq_of,
+            seq_slots: $b.seq_slots,
+            t: $i("num_tokens", $b.num_tokens)?,
+            hi: $i("heads", $x.heads)?,
+            di: $i("dim", $x.dim)?,
+            ratio: $i("ratio", $x.ratio)?,
+            maxe: $i("maxe", $x.maxe)?,
+        }
+    };
+}
+
 fn bad(msg: String) -> Error {
     Error::new(Status::Internal, format!("{FAMILY}: {msg}"))
 }
@@ -485,7 +509,7 @@ impl FastIndexer {
                 x.heads, x.dim, x.ikeys.rows, x.topk, x.official
             )));
         }
-        let (t, hi, di) = (b.num_tokens, x.heads, x.dim);
+        let (t, di) = (b.num_tokens, x.dim);
         x.check(FAMILY, t)?;
         let blocks = u32::try_from(t)
             .ok()
@@ -505,34 +529,13 @@ impl FastIndexer {
                 .ok()
                 .filter(|&c| c <= 65535)
                 .ok_or_else(|| bad(format!("{} entries: too many chunks", x.maxe)))?;
-            macro_rules! score_args {
-                ($kernel:ident $(, $extra:ident: $value:expr)*) => {
-                    $kernel::Args {
-                        $($extra: $value,)*
-                        qi: x.qi,
-                        iw: x.iw,
-                        ikeys: x.ikeys.pool,
-                        itable: x.ikeys.table,
-                        ipps: i("pages per slot", x.ikeys.pages_per_slot)?,
-                        positions: b.positions,
-                        seq_of: b.seq_of,
-                        seq_slots: b.seq_slots,
-                        t: i("num_tokens", t)?,
-                        hi: i("heads", hi)?,
-                        di: i("dim", di)?,
-                        ratio: i("ratio", x.ratio)?,
-                        maxe: i("maxe", x.maxe)?,
-                        scores: x.scores,
-                    }
-                };
-            }
             let chunk_keys = i("chunk keys", plan.chunk_keys)?;
             let smem = score_smem_bytes(di, plan.head_sum, fold) as u32;
             let chains = i("fold chains", plan.fold.chains())?;
             let grid = (blocks, chunks);
             match (plan.head_sum, fold) {
                 (_, true) if plan.streamed => {
-                    let args = score_args!(fi_score_stream_kernel);
+                    let args = score_args!(fi_score_stream_kernel, b, x, i, scores: x.scores);
                     self.score_stream.launch(
                         grid,
                         STREAM_THREADS as u32,
@@ -542,22 +545,22 @@ impl FastIndexer {
                     )?
                 }
                 (HeadSum::Ordered, false) => {
-                    let args = score_args!(fi_score_kernel, chunk_keys: chunk_keys);
+                    let args = score_args!(fi_score_kernel, b, x, i, chunk_keys: chunk_keys, scores: x.scores);
                     self.score
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
                 (HeadSum::TensorCore, false) => {
-                    let args = score_args!(fi_score_tc_kernel, chunk_keys: chunk_keys);
+                    let args = score_args!(fi_score_tc_kernel, b, x, i, chunk_keys: chunk_keys, scores: x.scores);
                     self.score_tc
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
                 (HeadSum::Ordered, true) => {
-                    let args = score_args!(fi_score_fold_kernel, chunk_keys: chunk_keys, fold_chains: chains);
+                    let args = score_args!(fi_score_fold_kernel, b, x, i, chunk_keys: chunk_keys, fold_chains: chains, scores: x.scores);
                     self.score_fold
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
                 (HeadSum::TensorCore, true) => {
-                    let args = score_args!(fi_score_fold_tc_kernel, chunk_keys: chunk_keys, fold_chains: chains);
+                    let args = score_args!(fi_score_fold_tc_kernel, b, x, i, chunk_keys: chunk_keys, fold_chains: chains, scores: x.scores);
                     self.score_fold_tc
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
@@ -598,26 +601,13 @@ impl FastIndexer {
         let t = b.num_tokens;
         let stage_keys = fused_stage_keys(x.maxe, f.cluster)
             .ok_or_else(|| bad(format!("{} entries over {} blocks", x.maxe, f.cluster)))?;
-        let args = fi_select_stream_kernel::Args {
-            qi: x.qi,
-            iw: x.iw,
-            ikeys: x.ikeys.pool,
-            itable: x.ikeys.table,
-            ipps: i("pages per slot", x.ikeys.pages_per_slot)?,
-            positions: b.positions,
-            seq_of: b.seq_of,
-            seq_slots: b.seq_slots,
-            t: i("num_tokens", t)?,
-            hi: i("heads", x.heads)?,
-            di: i("dim", x.dim)?,
-            ratio: i("ratio", x.ratio)?,
-            maxe: i("maxe", x.maxe)?,
+        let args = score_args!(fi_select_stream_kernel, b, x, i,
             topk: i("topk", x.topk)?,
             stage_keys: i("stage keys", stage_keys)?,
             scores: f.write_scores.then_some(x.scores),
             selected: x.selected,
-            nsel: x.nsel,
-        };
+            nsel: x.nsel
+        );
         let tokens = u32::try_from(t).map_err(|_| bad(format!("{t} tokens: too many blocks")))?;
         let cluster = f.cluster as u32;
         let smem = (STREAM_SMEM + 2 * stage_keys) as u32;
