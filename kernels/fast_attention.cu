@@ -920,9 +920,10 @@ extern "C" __global__ void __launch_bounds__(FA_WS_THREADS, 1)
     const int kprev = kb == 0 ? FA_WS_KBUF - 1 : kb - 1;
     const int knext = kb + 1 == FA_WS_KBUF ? 0 : kb + 1;
     wgmma_fence_operand(sc);  // S(i): retired by the last wait (the last tile's before_o, or the prologue's)
-    // Past the split's last tile S(i + 1) reads the stale buffer knext (no writer: the producer stops at
-    // tile1) and is never used: issued on one path either way (a branch around wgmmas made ptxas
-    // serialize them; the accumulators merged from two paths).
+    // Past the split's last tile S(i + 1) reads buffer knext as it is (an earlier tile's keys, or never
+    // written in a block of one or two tiles; no writer now: the producer stops at tile1) and is never
+    // used: issued on one path either way (a branch around wgmmas made ptxas serialize them; the
+    // accumulators merged from two paths).
     if (tile + 1 < tile1) mbar_wait(m.full(knext), (unsigned)(((i + 1) / FA_WS_KBUF) & 1));
     issue_s(sn, knext);
     unsigned pa[2][4];
