@@ -840,6 +840,20 @@ DSV4_INLINE void fi_stream_copy(const unsigned char* ikeys, long long page, unsi
   bulk_load(dst, ikeys + page * FI_S_PAGE, FI_S_PAGE, bar);
 }
 
+// A wgmma descriptor made where it is used, OPAQUE: through an asm ptxas cannot look through, so its per-step
+// offsets are added at each use (uniform-datapath adds) instead of being hoisted out of the tile loop, each
+// step's descriptor then held across it. fi_select_stream_kernel's selection code, in the same kernel, left
+// ptxas too few uniform registers for all twelve held descriptors: five were spilled and reloaded every tile
+// (44 bytes); with the head sum's and the non-folding path's descriptors made here it has no spills. The
+// streamed kernel alone keeps them held (OPAQUE false: the descriptor as it is).
+template <bool OPAQUE>
+DSV4_INLINE unsigned long long fi_desc_here(unsigned long long desc) {
+  if (!OPAQUE) return desc;
+  unsigned long long d;
+  asm volatile("mov.b64 %0, %1;" : "=l"(d) : "l"(desc));
+  return d;
+}
+
 // Scores the tiles first, first + step, ... (mine of them, mine >= 1) of token t (keys in slot `slot`, `visible` of
 // them) by the block: FI_STREAM_THREADS threads, the whole block calls it. Writes each visible entry e's score
 // to scores_row[e] and, FUSED (then step == 1), its order key (fi_key16) to the block's stage, the u16 at
@@ -965,7 +979,7 @@ DSV4_INLINE void fi_stream_score(const float* qi, const float* iw, const unsigne
         e2m1x8_to_e4m3_halves(w0[b], fp4_table_plain(), a[0], a[2]);
         e2m1x8_to_e4m3_halves(w1[b], fp4_table_plain(), a[1], a[3]);
         wgmma_fence();
-        fi_wgmma_rs(d, a, fi_desc_step(dqb, 2 * b * FI_MAX_HEADS * 16), 0);
+        fi_wgmma_rs(d, a, fi_desc_step(fi_desc_here<FUSED>(dqb), 2 * b * FI_MAX_HEADS * 16), 0);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(d);
@@ -973,7 +987,7 @@ DSV4_INLINE void fi_stream_score(const float* qi, const float* iw, const unsigne
       }
     }
     // score = bf16(2^ke sum_h relu(bf16(d_h)) (hi_h + lo_h)) on the BF16 tensor core (fi_score's TC_SUM path).
-    fi_head_sum_tc(acc, hs, dwb);
+    fi_head_sum_tc(acc, hs, fi_desc_here<FUSED>(dwb));
     if (cq == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -1300,10 +1314,10 @@ DSV4_INLINE FiFusedRun fi_fused_run(int visible, int nc, int rank) {
 // where many tokens fill the GPU (SelectPlan::fused_topk).
 // Nothing the selection needs is held in registers across the scoring (ptxas spilled 72 bytes in its tile loop
 // when the run, k and the row pointers were): the visible count goes through shared memory and the rest is made
-// again from it. ptxas still spills 44 bytes there (five of the wgmmas' descriptors, reloaded from L1 a tile),
-// where fi_score_stream_kernel's loop keeps them in uniform registers: the selection's code in the same kernel
-// changes its allocation even with constant arguments (and out of line, as a call, the scoring's wgmmas were
-// serialized). To be weighed on the device against the launch and the scores' round trip it saves.
+// again from it. With that alone ptxas still spilled 44 bytes there (five of the wgmmas' descriptors, reloaded
+// from L1 a tile; the selection's code in the same kernel changed the loop's allocation even with constant
+// arguments, and out of line, as a call, the scoring's wgmmas were serialized): fi_desc_here makes the head
+// sum's and the non-folding path's descriptors at their use, and the kernel has 125 registers and no spills.
 extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
     fi_select_stream_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
                             const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
