@@ -692,7 +692,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 
 // ------------------------------------------------------------------------------ warp-specialized wgmma path
 
-// fa_attention_wgmma_ws_kernel: the wgmma path's attention (the same operands, products, softmax code
+// fa_attention_wgmma_ws_kernel (and fa_attention_wgmma_ws_early_kernel, below: fa_attention_ws's EARLY_PV):
+// the wgmma path's attention (the same operands, products, softmax code
 // and bits), warp-specialized. Roles (FA_WS_THREADS threads): warpgroups 0 and 1 are the consumers of the
 // wgmma path above (all 64 heads, a dims half each); warpgroup 2 is the producer, which looks up each
 // tile's key addresses, fetches its raw rows (cp.async, up to two tiles ahead) and decodes them into a
@@ -830,17 +831,26 @@ DSV4_INLINE void fa_ws_produce(const FaWsSmem& m, const AttnKeys& keys, int nk, 
   cp_async_wait<0>();
 }
 
-// Grid (T, splits), FA_WS_THREADS threads, the inputs and outputs of fa_attention_kernel; hd == FA_WG_HD
-// (the wrapper checks). Dynamic shared memory as FaWsSmem. Not yet AttentionPath::Auto's: it has not run
-// on a device (fast_attention.rs).
-extern "C" __global__ void __launch_bounds__(FA_WS_THREADS, 1)
-    fa_attention_wgmma_ws_kernel(const float* q, const float* kv, const unsigned char* staged,
+// The warp-specialized kernels' body (fa_attention_wgmma_ws_kernel, fa_attention_wgmma_ws_early_kernel):
+// grid (T, splits), FA_WS_THREADS threads, the inputs and outputs of fa_attention_kernel; hd == FA_WG_HD (the
+// wrapper checks). Dynamic shared memory as FaWsSmem. EARLY_PV: where the consumers retire P V(i - 1) and free
+// its K buffer.
+// - false: at the softmax's first touch of O (before_o), with S(i + 1), which was issued at step i's start.
+//   The producer can then decode tile i + 1 only from step i - 1's before_o on, and step i waits for it at its
+//   start (the comment above).
+// - true: at the softmax's exchange (after the S halves are stored and the pair's barrier), before S(i + 1) is
+//   issued; before_o then retires S(i + 1) alone. P V(i - 1), issued at step i - 1's end, is exposed for what
+//   the stores and the barrier do not cover; in return the producer decodes tile i + 2 from step i's exchange
+//   on, a step ahead, and the decode leaves the consumers' path. The same operations either way, so the same
+//   bits; which one is faster is the device's to say (`dsv4 bench attn`: fast_wgmma_ws, fast_wgmma_ws_early).
+// Not yet AttentionPath::Auto's: neither has run on a device (fast_attention.rs).
+template <bool EARLY_PV>
+DSV4_INLINE void fa_attention_ws(const float* q, const float* kv, const unsigned char* staged,
                                  const unsigned char* ring, const unsigned char* entries, const int* etable,
                                  int epps, const int* selected, const int* nsel, const int* positions,
                                  const int* seq_of, const int* query_start, const int* seq_slots,
                                  const float* sinks, int T, int H, int hd, int nope, int W, int ratio,
                                  int maxe, int topk, int splits, float* part_o, float* part_ml, float* o) {
-  dsv4_pdl_begin();
   extern __shared__ __align__(1024) unsigned char fa_smem[];
   if ((smem_addr(fa_smem) & 1023u) != 0) __trap();  // the swizzle needs 1024-byte aligned operands
   const int t = blockIdx.x, split = blockIdx.y;
@@ -924,17 +934,31 @@ extern "C" __global__ void __launch_bounds__(FA_WS_THREADS, 1)
     // written in a block of one or two tiles; no writer now: the producer stops at tile1) and is never
     // used: issued on one path either way (a branch around wgmmas made ptxas serialize them; the
     // accumulators merged from two paths).
-    if (tile + 1 < tile1) mbar_wait(m.full(knext), (unsigned)(((i + 1) / FA_WS_KBUF) & 1));
-    issue_s(sn, knext);
+    auto next_s = [&] {
+      if (tile + 1 < tile1) mbar_wait(m.full(knext), (unsigned)(((i + 1) / FA_WS_KBUF) & 1));
+      issue_s(sn, knext);
+    };
+    // P V(i - 1) retired: O is ours again, and K buffer kprev free.
+    auto pv_done = [&] {
+      wgmma_fence_operand(acc);
+      if (i > 0) mbar_arrive(m.empty(kprev));
+    };
+    if (!EARLY_PV) next_s();
     unsigned pa[2][4];
     named_barrier(pair_bar, 64);  // the partner has read the last tile's S half from xs
     fa_softmax_tile(
         sc, m.xs, tid, half, cq, tile * FA_TILE_KEYS, nk, scale, mrow, lrow, acc, pa,
-        [&] { named_barrier(pair_bar, 64); },
         [&] {
-          wgmma_wait<0>();  // P V(i - 1) and S(i + 1): O is ours again, and K buffer kprev free
-          wgmma_fence_operand(acc);
-          if (i > 0) mbar_arrive(m.empty(kprev));
+          named_barrier(pair_bar, 64);
+          if (EARLY_PV) {
+            wgmma_wait<0>();  // P V(i - 1)
+            pv_done();
+            next_s();
+          }
+        },
+        [&] {
+          wgmma_wait<0>();  // S(i + 1), and (!EARLY_PV) P V(i - 1)
+          if (!EARLY_PV) pv_done();
         });
     // P V(i) over this warpgroup's dims, two k16 steps of 16 keys (2048 bytes of rows apart).
     wgmma_fence();
@@ -955,6 +979,31 @@ extern "C" __global__ void __launch_bounds__(FA_WS_THREADS, 1)
   wgmma_wait<0>();
   wgmma_fence_operand(acc);
   fa_finish(acc, mrow, lrow, t, H, hd, hg, g, cq, half, dim0, part, splits, sinks, part_o, ml, o);
+}
+
+// (Written out twice: tests/kernel_decls.rs reads each entry point's signature from this text.)
+extern "C" __global__ void __launch_bounds__(FA_WS_THREADS, 1)
+    fa_attention_wgmma_ws_kernel(const float* q, const float* kv, const unsigned char* staged,
+                                 const unsigned char* ring, const unsigned char* entries, const int* etable,
+                                 int epps, const int* selected, const int* nsel, const int* positions,
+                                 const int* seq_of, const int* query_start, const int* seq_slots,
+                                 const float* sinks, int T, int H, int hd, int nope, int W, int ratio,
+                                 int maxe, int topk, int splits, float* part_o, float* part_ml, float* o) {
+  dsv4_pdl_begin();
+  fa_attention_ws<false>(q, kv, staged, ring, entries, etable, epps, selected, nsel, positions, seq_of, query_start,
+                         seq_slots, sinks, T, H, hd, nope, W, ratio, maxe, topk, splits, part_o, part_ml, o);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_WS_THREADS, 1)
+    fa_attention_wgmma_ws_early_kernel(const float* q, const float* kv, const unsigned char* staged,
+                                       const unsigned char* ring, const unsigned char* entries, const int* etable,
+                                       int epps, const int* selected, const int* nsel, const int* positions,
+                                       const int* seq_of, const int* query_start, const int* seq_slots,
+                                       const float* sinks, int T, int H, int hd, int nope, int W, int ratio,
+                                       int maxe, int topk, int splits, float* part_o, float* part_ml, float* o) {
+  dsv4_pdl_begin();
+  fa_attention_ws<true>(q, kv, staged, ring, entries, etable, epps, selected, nsel, positions, seq_of, query_start,
+                        seq_slots, sinks, T, H, hd, nope, W, ratio, maxe, topk, splits, part_o, part_ml, o);
 }
 
 // The splits of fa_attention_kernel combined, in split order: m = max_s m_s, w_s = exp(m_s - m)

@@ -263,12 +263,13 @@ fn bound(b: &Batch, st: &State, i: usize, o_ref: &[f32]) -> Vec<f64> {
     out
 }
 
-/// The fast kernels each case runs: mma.sync, wgmma and the warp-specialized wgmma (this file's
-/// shapes are the wgmma path's).
-const PATHS: [AttentionPath; 3] = [
+/// The fast kernels each case runs: mma.sync, wgmma and the warp-specialized wgmma with either
+/// P V schedule (this file's shapes are the wgmma path's).
+const PATHS: [AttentionPath; 4] = [
     AttentionPath::Mma,
     AttentionPath::Wgmma,
     AttentionPath::WgmmaWs,
+    AttentionPath::WgmmaWsEarlyPv,
 ];
 
 /// A fast kernel's output from two runs of the same batch.

@@ -200,14 +200,18 @@ fn warp_specialized_attention_gets_its_register_pool() {
         let (_, log) = fam
             .compile_with_log(ARCH, &["--ptxas-options=-v"])
             .unwrap_or_else(|e| panic!("{}: {e}", fam.family));
-        let kernel = "fa_attention_wgmma_ws_kernel";
-        let regs = registers_of(&log, kernel)
-            .unwrap_or_else(|| panic!("no register count for {kernel} in ptxas's log:\n{log}"));
-        println!("{kernel}: {regs} registers a thread, the pool needs {WS_MIN_REGS}");
-        assert!(
-            regs >= WS_MIN_REGS,
-            "{kernel}: ptxas gave {regs} registers a thread, setmaxnreg's pool needs {WS_MIN_REGS}"
-        );
+        for kernel in [
+            "fa_attention_wgmma_ws_kernel",
+            "fa_attention_wgmma_ws_early_kernel",
+        ] {
+            let regs = registers_of(&log, kernel)
+                .unwrap_or_else(|| panic!("no register count for {kernel} in ptxas's log:\n{log}"));
+            println!("{kernel}: {regs} registers a thread, the pool needs {WS_MIN_REGS}");
+            assert!(
+                regs >= WS_MIN_REGS,
+                "{kernel}: ptxas gave {regs} registers a thread, setmaxnreg's pool needs {WS_MIN_REGS}"
+            );
+        }
     }
 }
 

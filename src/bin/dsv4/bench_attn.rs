@@ -256,7 +256,13 @@ pub fn run(
                 // where the rule splits many tokens' keys (`_unsplit`: which side of the split
                 // rule it wants).
                 let rule_splits = fast_attention::splits(t, W + if csa { TOPK } else { maxe });
-                let mut kernels = vec!["fast", "fast_mma", "fast_wgmma", "fast_wgmma_ws"];
+                let mut kernels = vec![
+                    "fast",
+                    "fast_mma",
+                    "fast_wgmma",
+                    "fast_wgmma_ws",
+                    "fast_wgmma_ws_early",
+                ];
                 if t >= UNSPLIT_MIN_T && rule_splits > 1 {
                     kernels.push("fast_wgmma_ws_unsplit");
                 }
@@ -274,6 +280,7 @@ pub fn run(
                             "fast_wgmma" => on(AttentionPath::Wgmma, None),
                             "fast_wgmma_ws" => on(AttentionPath::WgmmaWs, None),
                             "fast_wgmma_ws_unsplit" => on(AttentionPath::WgmmaWs, Some(1)),
+                            "fast_wgmma_ws_early" => on(AttentionPath::WgmmaWsEarlyPv, None),
                             _ => reference.attention(&ctx, &meta, &args(j), s),
                         }
                     };

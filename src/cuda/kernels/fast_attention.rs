@@ -113,16 +113,19 @@ pub const fn wgmma_ws_smem_bytes(raw_row: usize) -> usize {
 }
 
 /// Which kernel runs the attention: [`AttentionPath::Mma`] (mma.sync, any head dim it covers),
-/// [`AttentionPath::Wgmma`] (wgmma, head dim [`WGMMA_HD`] only) or [`AttentionPath::WgmmaWs`]
+/// [`AttentionPath::Wgmma`] (wgmma, head dim [`WGMMA_HD`] only), [`AttentionPath::WgmmaWs`]
 /// (the same, warp-specialized: a producer warpgroup decodes the key tiles, the consumers' S runs
-/// during the softmax; the same bits); [`AttentionPath::Auto`] picks by
-/// [`AttentionPath::for_layer`], which does not take `WgmmaWs` until a device has measured it.
+/// during the softmax; the same bits) or [`AttentionPath::WgmmaWsEarlyPv`] (the same kernel
+/// retiring each P V a softmax earlier, so that the producer decodes a tile ahead; the same bits);
+/// [`AttentionPath::Auto`] picks by [`AttentionPath::for_layer`], which does not take the
+/// warp-specialized kernels until a device has measured them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttentionPath {
     Auto,
     Mma,
     Wgmma,
     WgmmaWs,
+    WgmmaWsEarlyPv,
 }
 
 crate::kernel_family! {
@@ -166,6 +169,18 @@ crate::kernel_family! {
         hd: i32, nope: i32, w: i32, ratio: i32, maxe: i32, topk: i32, splits: i32,
         part_o: Option<*mut f32>, part_ml: Option<*mut f32>, o: *mut f32,
     );
+    /// The warp-specialized kernel retiring each P V at the next softmax's exchange
+    /// ([`AttentionPath::WgmmaWsEarlyPv`]).
+    #[smem(SM90_MAX_SMEM as u32)]
+    #[pdl(true)]
+    fn fa_attention_wgmma_ws_early_kernel(
+        q: *const f32, kv: *const f32, staged: Option<*const u8>, ring: *const u8, entries: Option<*const u8>,
+        etable: Option<*const i32>, epps: i32, selected: Option<*const i32>,
+        nsel: Option<*const i32>, positions: *const i32, seq_of: *const i32,
+        query_start: *const i32, seq_slots: *const i32, sinks: *const f32, t: i32, h: i32,
+        hd: i32, nope: i32, w: i32, ratio: i32, maxe: i32, topk: i32, splits: i32,
+        part_o: Option<*mut f32>, part_ml: Option<*mut f32>, o: *mut f32,
+    );
     #[pdl(true)]
     fn fa_combine_kernel(
         part_o: *const f32, part_ml: *const f32, sinks: *const f32, t: i32, h: i32, hd: i32,
@@ -179,6 +194,7 @@ crate::launchers! {
         attention: fa_attention_kernel,
         attention_wgmma: fa_attention_wgmma_kernel,
         attention_wgmma_ws: fa_attention_wgmma_ws_kernel,
+        attention_wgmma_ws_early: fa_attention_wgmma_ws_early_kernel,
         stage: fa_stage_rows_kernel,
         combine: fa_combine_kernel,
     }
@@ -196,6 +212,18 @@ impl AttentionPath {
             AttentionPath::Mma
         }
     }
+}
+
+/// Refuses a warp-specialized kernel that ptxas gave fewer registers a thread than its
+/// `setmaxnreg` pool needs ([`WS_MIN_REGS`]): the consumers' `setmaxnreg.inc` would wait forever.
+fn ws_pool_holds(k: &crate::cuda::registry::Kernel) -> Result<()> {
+    if usize::try_from(k.num_regs).is_ok_and(|r| r < WS_MIN_REGS) {
+        return Err(bad(format!(
+            "{} has {} registers a thread; its setmaxnreg pool needs {WS_MIN_REGS} (launching it would hang)",
+            k.name, k.num_regs
+        )));
+    }
+    Ok(())
 }
 
 /// Tokens from which [`AttentionPath::Auto`] takes the wgmma kernel. Measured (bench attn, H200,
@@ -340,7 +368,9 @@ impl FastAttention {
         }
         let path = match path {
             AttentionPath::Auto => AttentionPath::for_layer(x, b.num_tokens),
-            AttentionPath::Wgmma | AttentionPath::WgmmaWs if !Self::covers_wgmma(x) => {
+            AttentionPath::Wgmma | AttentionPath::WgmmaWs | AttentionPath::WgmmaWsEarlyPv
+                if !Self::covers_wgmma(x) =>
+            {
                 return Err(bad(format!(
                     "the wgmma kernels take head dim {WGMMA_HD} only, not {}",
                     x.head_dim
@@ -424,18 +454,23 @@ impl FastAttention {
                 args!(fa_attention_wgmma_kernel),
             )?,
             AttentionPath::WgmmaWs => {
-                let regs = self.attention_wgmma_ws.kernel().num_regs;
-                if usize::try_from(regs).is_ok_and(|r| r < WS_MIN_REGS) {
-                    return Err(bad(format!(
-                        "fa_attention_wgmma_ws_kernel has {regs} registers a thread; its setmaxnreg pool needs {WS_MIN_REGS} (launching it would hang)"
-                    )));
-                }
+                ws_pool_holds(self.attention_wgmma_ws.kernel())?;
                 self.attention_wgmma_ws.launch(
                     grid,
                     WS_THREADS as u32,
                     wgmma_ws_smem_bytes(raw_row) as u32,
                     stream,
                     args!(fa_attention_wgmma_ws_kernel),
+                )?
+            }
+            AttentionPath::WgmmaWsEarlyPv => {
+                ws_pool_holds(self.attention_wgmma_ws_early.kernel())?;
+                self.attention_wgmma_ws_early.launch(
+                    grid,
+                    WS_THREADS as u32,
+                    wgmma_ws_smem_bytes(raw_row) as u32,
+                    stream,
+                    args!(fa_attention_wgmma_ws_early_kernel),
                 )?
             }
             _ => self.attention.launch(
