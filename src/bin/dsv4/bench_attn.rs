@@ -6,7 +6,8 @@
 //! per (layer kind, context, batch, kernel): time per call, keys per token, the KV bytes gathered
 //! and the bytes a call must move (KV rows + BF16 q and o), GB/s on them. The attention kernels:
 //! `fast` (the fast set's pick), `fast_mma`, `fast_wgmma`, `fast_wgmma_ws` (the warp-specialized
-//! wgmma kernel) and, from 32 tokens where the split rule splits, `fast_wgmma_ws_unsplit`. CSA
+//! wgmma kernel), `fast_wgmma_ws_early` (the same retiring each P V at the next softmax's
+//! exchange) and, from 32 tokens where the split rule splits, `fast_wgmma_ws_unsplit`. CSA
 //! cases also time the indexer (kernels/fast_indexer.cu: scoring all C/4 visible keys, then the
 //! top-512; `kernel: indexer_fast`, the fast set's call: the scale fold with the tensor-core head sum;
 //! `indexer_plain`: `fi_score_kernel`, the per-32-block promotion and the ordered head sum;
@@ -14,7 +15,10 @@
 //! `indexer_fast_fold` and `indexer_fast_fold_tc`: the scale fold with
 //! one chain of 128 dims (`fi_score_fold_kernel`, `fi_score_fold_tc_kernel`), the latter also at
 //! chunks of 64, 128 and 256 keys and 1, 2, 4 and 8 chunks a block (lines with `chunk_keys`);
-//! `indexer_fast_fold64_tc`: two chains of 64). The reference kernels (attention_kernel,
+//! `indexer_fast_fold64_tc`: two chains of 64; `indexer_stream`: the streamed scoring,
+//! `fi_score_stream_kernel`, also at 2 to 64 tiles a block; `indexer_fused`: the streamed scoring
+//! with the top-k in its launch, `fi_select_stream_kernel`, at clusters of 2, 4, 8 and 16 blocks a
+//! token where the runs fit). The reference kernels (attention_kernel,
 //! indexer_kernel, f64) run the same cases up to 8 tokens as the in-run baseline;
 //! bench/attn_baseline.py adds the HBM
 //! ceiling, floors, ratios and PyTorch.

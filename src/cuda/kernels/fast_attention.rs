@@ -72,7 +72,8 @@ pub const fn wgmma_smem_bytes(raw_row: usize) -> usize {
         + WGMMA_RAW_TILES * TILE_KEYS * 20
 }
 
-/// Threads of a warp-specialized wgmma block (FA_WS_THREADS, [`AttentionPath::WgmmaWs`]): the two
+/// Threads of a warp-specialized wgmma block (FA_WS_THREADS, [`AttentionPath::WgmmaWs`] and
+/// [`AttentionPath::WgmmaWsEarlyPv`]): the two
 /// consumer warpgroups of [`THREADS`] and the producer warpgroup that fetches and decodes the key
 /// tiles.
 pub const WS_THREADS: usize = THREADS + 128;
