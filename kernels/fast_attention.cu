@@ -134,6 +134,9 @@ struct FaSlots {
 // selection and block-table lookups; nothing at or past tile1 or nk). With `staged` (the batch's
 // rows in the stored format, fa_stage_rows_kernel) a batch row is fetched and decoded like a stored
 // one: the same values, read through the async copies instead of the decode's own f32 loads.
+// PREFETCH: each stored row's lines (its values, then its scale record) are asked into L2 as well, so that
+// the row's fetch, tiles later, waits for L2 rather than for HBM.
+template <bool PREFETCH = false>
 DSV4_INLINE void fa_locate(const FaSlots& s, const AttnKeys& keys, int nk, int tile, int tile1, int b, int tid,
                            const unsigned char* staged, const KvRowFmt& sf) {
   if (tid < FA_TILE_KEYS) {
@@ -150,6 +153,10 @@ DSV4_INLINE void fa_locate(const FaSlots& s, const AttnKeys& keys, int nk, int t
         stored = true;
       }
       k = stored ? FA_KEY_STORED : FA_KEY_BATCH;
+      if (PREFETCH && stored) {
+        for (int o = 0; o < sf.row_bytes; o += 128) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.row + o));
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.sc));
+      }
     }
     s.krow[b * FA_TILE_KEYS + tid] = (unsigned long long)p.row;
     s.ksc[b * FA_TILE_KEYS + tid] = (unsigned long long)p.sc;
@@ -723,7 +730,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 // FA_WS_KBUF (K buffers), FA_WS_RAW (raw tiles), FA_WS_ADDR (address slots) come from dsv4_consts.cuh
 // (fast_attention.rs). Three K buffers: tile i - 1's (its P V), tile i's and tile i + 1's (S(i + 1)); so the
 // producer decodes tile i + 1 between P V(i - 2)'s retirement and step i's start (above). Raw tiles: the one
-// being decoded and one in flight; address slots: those two and the one being looked up.
+// being decoded and one in flight; address slots: those two and two looked up ahead (their rows asked into L2
+// then: fa_locate<true>), so a tile's fetch comes two tiles after its lookup.
 // FA_WS_CONSUMER_REGS and FA_WS_PRODUCER_REGS (setmaxnreg's counts) come from dsv4_consts.cuh too: the host
 // refuses the launch unless ptxas gave the kernel the registers they add up to (with fewer, the consumers'
 // setmaxnreg.inc would wait forever).
@@ -773,7 +781,7 @@ struct FaWsSmem {
 #endif
 DSV4_INLINE void fa_ws_produce(const FaWsSmem& m, const AttnKeys& keys, int nk, int tile0, int tile1,
                                const unsigned char* staged, const KvRowFmt& sf, int raw_stride, int p) {
-  for (int i = 0; i < FA_WS_ADDR; ++i) fa_locate(m.sl, keys, nk, tile0 + i, tile1, i, p, staged, sf);
+  for (int i = 0; i < FA_WS_ADDR; ++i) fa_locate<true>(m.sl, keys, nk, tile0 + i, tile1, i, p, staged, sf);
   named_barrier(FA_WS_BAR_PRODUCER, 128);  // the first tiles' addresses
   for (int i = 0; i < FA_WS_RAW; ++i) fa_fetch<4>(m.sl, sf, m.raw, raw_stride, i, i, p);
   const int r = p >> 2, u0 = p & 3;
@@ -823,7 +831,7 @@ DSV4_INLINE void fa_ws_produce(const FaWsSmem& m, const AttnKeys& keys, int nk, 
     named_barrier(FA_WS_BAR_PRODUCER, 128);  // raw tile rs and address slot as are read
     const int as_fetch = as + FA_WS_RAW < FA_WS_ADDR ? as + FA_WS_RAW : as + FA_WS_RAW - FA_WS_ADDR;
     fa_fetch<4>(m.sl, sf, m.raw, raw_stride, as_fetch, rs, p);  // tile i + FA_WS_RAW
-    fa_locate(m.sl, keys, nk, tile0 + i + FA_WS_ADDR, tile1, as, p, staged, sf);
+    fa_locate<true>(m.sl, keys, nk, tile0 + i + FA_WS_ADDR, tile1, as, p, staged, sf);
     as = as + 1 == FA_WS_ADDR ? 0 : as + 1;
     rs = rs + 1 == FA_WS_RAW ? 0 : rs + 1;
     kb = kb + 1 == FA_WS_KBUF ? 0 : kb + 1;

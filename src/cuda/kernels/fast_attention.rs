@@ -82,8 +82,10 @@ pub const WS_THREADS: usize = THREADS + 128;
 pub const WS_K_TILES: usize = 3;
 /// Its raw tiles (FA_WS_RAW): the one being decoded and one in flight.
 pub const WS_RAW_TILES: usize = 2;
-/// Its address slots (FA_WS_ADDR): the raw tiles' and the one being looked up.
-pub const WS_ADDR_SLOTS: usize = 3;
+/// Its address slots (FA_WS_ADDR): the raw tiles', the one being looked up, and one more, so that
+/// a tile is looked up (and its rows asked into L2: `fa_locate`'s prefetch) two tiles before its
+/// rows are fetched, which then wait for L2 rather than HBM.
+pub const WS_ADDR_SLOTS: usize = 4;
 /// Registers a consumer thread (FA_WS_CONSUMER_REGS) and a producer thread (FA_WS_PRODUCER_REGS)
 /// of the warp-specialized block take by `setmaxnreg`, from the block's pool.
 pub const WS_CONSUMER_REGS: usize = 224;
