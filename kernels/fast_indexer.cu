@@ -1317,7 +1317,7 @@ DSV4_INLINE FiFusedRun fi_fused_run(int visible, int nc, int rank) {
 // again from it. With that alone ptxas still spilled 44 bytes there (five of the wgmmas' descriptors, reloaded
 // from L1 a tile; the selection's code in the same kernel changed the loop's allocation even with constant
 // arguments, and out of line, as a call, the scoring's wgmmas were serialized): fi_desc_here makes the head
-// sum's and the non-folding path's descriptors at their use, and the kernel has 125 registers and no spills.
+// sum's and the non-folding path's descriptors at their use, and the kernel has 124 registers and no spills.
 extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
     fi_select_stream_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
                             const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
@@ -1337,7 +1337,8 @@ extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
       }
       return;
     }
-    sh_visible = visible;  // (every thread: the same value)
+    if (threadIdx.x == 0) sh_visible = visible;
+    __syncthreads();  // (sh_visible read by every thread after the scoring)
     const FiFusedRun run = fi_fused_run(visible, gridDim.y, blockIdx.y);
     if (run.m * FI_TILE_KEYS > stage_keys) __trap();  // the host sized the stage for maxe
     if (run.mine > 0)  // uniform over the block; the stage from entry blo = 64 first
