@@ -362,7 +362,11 @@ fn run(
         official: true,
         o: p[12],
     };
-    assert!(FastAttention::covers(&args) && FastAttention::covers_wgmma(&args));
+    assert!(
+        FastAttention::covers(&args)
+            && FastAttention::covers_wgmma(&args)
+            && FastAttention::covers_wgmma_ws(&args)
+    );
     let ws = FastAttentionWorkspace {
         part_o: p[13],
         part_ml: p[14],

@@ -2,9 +2,10 @@
 //! sparse attention over window + compressed keys with the per-head sink, MLA style (one block
 //! per token and run of keys takes every head, so each key row is read and decoded once per
 //! token), on BF16 tensor cores with an online softmax, split over blocks for few tokens and
-//! combined in split order. Three kernels, the same bits: mma.sync (any head dim it covers; few
+//! combined in split order. Kernels with the same bits: mma.sync (any head dim it covers; few
 //! tokens) and wgmma (head dim 512, from [`WGMMA_MIN_TOKENS`]), picked by [`AttentionPath`], and
-//! a warp-specialized wgmma kernel (a producer warpgroup; not picked yet: not measured); from
+//! the warp-specialized wgmma kernel in two schedules (a producer warpgroup; not picked yet: not
+//! measured); from
 //! [`STAGE_MIN_TOKENS`] the batch's own rows are first staged in the stored format. Takes the
 //! reference's [`AttentionArgs`]; the state must be stored in the official format.
 //! tests/gpu_fast_attention.rs derives and asserts the error bound of both against the reference
@@ -311,14 +312,19 @@ impl FastAttention {
             && nope <= x.head_dim
     }
 
-    /// Whether both wgmma kernels take this layer too: [`FastAttention::covers`], head dim
-    /// [`WGMMA_HD`], and their blocks within [`SM90_MAX_SMEM`].
+    /// Whether the wgmma kernel takes this layer too: [`FastAttention::covers`], head dim
+    /// [`WGMMA_HD`], and its block within [`SM90_MAX_SMEM`].
     pub fn covers_wgmma(x: &AttentionArgs) -> bool {
-        let raw_row = x.ring.rows.bytes_per_row();
         Self::covers(x)
             && x.head_dim == WGMMA_HD
-            && wgmma_smem_bytes(raw_row) <= SM90_MAX_SMEM
-            && wgmma_ws_smem_bytes(raw_row) <= SM90_MAX_SMEM
+            && wgmma_smem_bytes(x.ring.rows.bytes_per_row()) <= SM90_MAX_SMEM
+    }
+
+    /// The same for the warp-specialized kernels (both schedules): their block within
+    /// [`SM90_MAX_SMEM`] too. (Asked of `AttentionPath::Auto`'s wgmma kernel, it would have let the
+    /// untaken kernels' larger ring decide the default path.)
+    pub fn covers_wgmma_ws(x: &AttentionArgs) -> bool {
+        Self::covers_wgmma(x) && wgmma_ws_smem_bytes(x.ring.rows.bytes_per_row()) <= SM90_MAX_SMEM
     }
 
     /// o = softmax-with-sink over each token's keys (the reference's [`AttentionArgs`], which
@@ -371,12 +377,18 @@ impl FastAttention {
         }
         let path = match path {
             AttentionPath::Auto => AttentionPath::for_layer(x, b.num_tokens),
-            AttentionPath::Wgmma | AttentionPath::WgmmaWs | AttentionPath::WgmmaWsEarlyPv
-                if !Self::covers_wgmma(x) =>
-            {
+            AttentionPath::Wgmma if !Self::covers_wgmma(x) => {
                 return Err(bad(format!(
-                    "the wgmma kernels take head dim {WGMMA_HD} only, not {}",
-                    x.head_dim
+                    "the wgmma kernel takes head dim {WGMMA_HD} only (and rows whose block fits), not {} ({} bytes a row)",
+                    x.head_dim,
+                    x.ring.rows.bytes_per_row()
+                )));
+            }
+            AttentionPath::WgmmaWs | AttentionPath::WgmmaWsEarlyPv if !Self::covers_wgmma_ws(x) => {
+                return Err(bad(format!(
+                    "the warp-specialized wgmma kernels take head dim {WGMMA_HD} only (and rows whose block fits), not {} ({} bytes a row)",
+                    x.head_dim,
+                    x.ring.rows.bytes_per_row()
                 )));
             }
             p => p,
@@ -515,7 +527,8 @@ mod tests {
             assert!(bytes <= SM90_MAX_SMEM, "{bytes} bytes");
             assert!(bytes > MAX_SMEM.min(smem_bytes(WGMMA_HD, flash)));
         }
-        // An all-BF16 row (no FP8 part) would need more than a block has: covers_wgmma refuses it.
+        // An all-BF16 row (no FP8 part) would need more than a block has: covers_wgmma and
+        // covers_wgmma_ws refuse it.
         let bf16 = KvRows::kv(KvFormat::Official, WGMMA_HD, 0).bytes_per_row();
         assert!(wgmma_smem_bytes(bf16) > SM90_MAX_SMEM);
         assert!(wgmma_ws_smem_bytes(bf16) > SM90_MAX_SMEM);
