@@ -455,10 +455,14 @@ fn indexer_case(
         std::io::stdout().flush().ok();
         Ok::<(), String>(())
     };
+    // A line's fields that name the case: the kernel, then the shapes.
+    let case = |kernel: &str| {
+        format!(
+            "\"kernel\": \"{kernel}\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}"
+        )
+    };
     for &kernel in &kernels {
-        let fields = format!(
-            "\"kernel\": \"{kernel}\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"splits\": 1"
-        );
+        let fields = format!("{}, \"splits\": 1", case(kernel));
         let variant = match kernel {
             "indexer_plain" => Some(plan_for(HeadSum::Ordered, ScaleFold::Off)),
             "indexer_fast_tc" => Some(plan_for(HeadSum::TensorCore, ScaleFold::Off)),
@@ -497,7 +501,8 @@ fn indexer_case(
                 ..own
             };
             let fields = format!(
-                "\"kernel\": \"indexer_fast_fold_tc\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"chunk_keys\": {chunk_keys}, \"chunks_per_block\": {chunks_per_block}, \"chosen\": {}",
+                "{}, \"chunk_keys\": {chunk_keys}, \"chunks_per_block\": {chunks_per_block}, \"chosen\": {}",
+                case("indexer_fast_fold_tc"),
                 chunk_keys == own.chunk_keys && chunks_per_block == own.chunks_per_block
             );
             timed(fields, copies, &|j| {
@@ -514,7 +519,8 @@ fn indexer_case(
             ..stream_own
         };
         let fields = format!(
-            "\"kernel\": \"indexer_stream\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"chunk_keys\": {}, \"chunks_per_block\": {tiles}, \"chosen\": {}",
+            "{}, \"chunk_keys\": {}, \"chunks_per_block\": {tiles}, \"chosen\": {}",
+            case("indexer_stream"),
             plan.chunk_keys,
             tiles == stream_own.chunks_per_block
         );
@@ -527,9 +533,7 @@ fn indexer_case(
         let Some(plan) = fast_indexer::fused_plan(t, maxe, cluster) else {
             continue;
         };
-        let fields = format!(
-            "\"kernel\": \"indexer_fused\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"cluster\": {cluster}"
-        );
+        let fields = format!("{}, \"cluster\": {cluster}", case("indexer_fused"));
         timed(fields, copies, &|j| {
             ix.fast.select_with(ctx, meta, &args(j), plan, s)
         })?;
@@ -546,7 +550,8 @@ fn indexer_case(
         };
         let chosen = chunk_keys == fast_indexer::chunk_keys_for(t, maxe);
         let fields = format!(
-            "\"kernel\": \"indexer_fast\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {DI}, \"keys_per_token\": {maxe}, \"topk\": {TOPK}, \"chunk_keys\": {chunk_keys}, \"chosen\": {chosen}"
+            "{}, \"chunk_keys\": {chunk_keys}, \"chosen\": {chosen}",
+            case("indexer_fast")
         );
         timed(fields, copies, &|j| {
             ix.fast.select_with(ctx, meta, &args(j), plan, s)
