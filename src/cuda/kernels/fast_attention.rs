@@ -89,6 +89,8 @@ pub const WS_RAW_TILES: usize = 2;
 pub const WS_ADDR_SLOTS: usize = 4;
 /// Registers a consumer thread (FA_WS_CONSUMER_REGS) and a producer thread (FA_WS_PRODUCER_REGS)
 /// of the warp-specialized block take by `setmaxnreg`, from the block's pool.
+/// At 56 the producer spills (ptxas: 36 B stored, 60 B loaded, in its tile lookup and L2
+/// prefetch); branch next/attn-ws-producer-72 moves to 72 / 216, to be timed against this split.
 pub const WS_CONSUMER_REGS: usize = 224;
 pub const WS_PRODUCER_REGS: usize = 56;
 /// Registers a thread ptxas must give the warp-specialized kernel for that pool: the consumers'
