@@ -731,11 +731,15 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
   }
 }
 
-// The fused kernel's synchronisation words (`sync`, u32, zero between launches: the last block out resets
-// them): the queue's head, the blocks that have finished, then per tile the up items whose h rows are stored.
+// The fused kernel's synchronisation words (`sync`, u32, zero at each launch's start: the layer's plan,
+// moe_plan_kernel, clears them just before): the queue's head, then per tile the up items whose h rows are
+// stored. (The last block out had reset them at the kernel's end: every block's fence and atomic, and the last
+// one's stores, before the launch could end; at one token the launch lost the second launch it saved,
+// BENCHMARKS.md, issue 11 fifteenth version. Every item, a block's first too, still comes from the queue: an
+// item given to a block by its index could wait, unstarted, for an SM that blocks spinning on its up items
+// hold.)
 #define FMOE_SYNC_NEXT 0
-#define FMOE_SYNC_DONE 1
-#define FMOE_SYNC_TILES 2
+#define FMOE_SYNC_TILES 1
 
 // Makes this block's h stores (published to this thread through a barrier) visible at GPU scope, then counts
 // one more finished up item of the tile.
@@ -844,18 +848,6 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     }
     if (threadIdx.x == 0) pub_tile[nup_done & 1] = -1;
     named_barrier(1, FMOE_CONSUMERS + 32);
-  }
-  // The last block out resets the synchronisation words for the next launch: every other block has taken its
-  // last item and counted its last up item before counting itself done.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(sync + FMOE_SYNC_DONE, 1u) == gridDim.x - 1) {
-      __threadfence();
-      for (int i = 0; i < ntile; ++i) tile_ready[i] = 0u;
-      sync[FMOE_SYNC_NEXT] = 0u;
-      sync[FMOE_SYNC_DONE] = 0u;
-    }
   }
 }
 

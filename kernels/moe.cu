@@ -269,11 +269,14 @@ DSV4_INLINE void plan_offsets_and_tiles(int* eoff, int E, int tile_rows, int* ws
 // Groups the assignments a = t*k + j by expert, stable in a: offsets[e] .. offsets[e+1] is expert
 // e's range of `rows`, rows[r] the assignment; tiles (expert, start, count) cover every expert's
 // range with at most tile_rows rows each, in expert order; *ntiles their number. Ids outside
-// [0, E) are left out.
+// [0, E) are left out. `clear` (may be NULL): clear_words u32 zeroed as well, for the fast set's fused
+// expert GEMMs that run next (their synchronisation words, fast_moe_gemm.cu).
 extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
     moe_plan_kernel(const int* ids, int T, int k, int E, int tile_rows, int* offsets, int* rows, int* tiles,
-                    int* ntiles) {
+                    int* ntiles, unsigned* clear, int clear_words) {
   dsv4_pdl_begin();
+  if (clear != 0)
+    for (int i = threadIdx.x; i < clear_words; i += blockDim.x) clear[i] = 0u;
   extern __shared__ int psm[];
   int* cnt = psm;                   // [PLAN_WARPS][E]: per-warp counts, then bases
   int* eoff = psm + PLAN_WARPS * E;  // [E + 1]: totals, then offsets

@@ -355,8 +355,8 @@ pub struct FastMoeWorkspace {
     /// wait, once the up GEMM has finished (kernels/SPEC.md, fast_moe: every kernel of the layer
     /// begins with `dsv4_pdl_begin`), so the two never overlap and x costs no memory of its own.
     pub y: DevicePtr,
-    /// The decode path's synchronisation words (`u32[`[`fast_moe_gemm::sync_words`]`]`): zero at
-    /// create, and every launch leaves them zero.
+    /// The decode path's synchronisation words (`u32[`[`fast_moe_gemm::sync_words`]`]`): the
+    /// fused path's plan zeroes them before each launch ([`FastMoe::experts_on`]).
     pub sync: DevicePtr,
     /// The wide plan's scratch ([`moe::plan_wide_scratch`]): block counts and ranks.
     pub plan_counts: DevicePtr,
@@ -461,7 +461,7 @@ pub fn workspace_buffers(
             (rows * i / 128).max(fast_moe_wide::act_scale_floats(t, k, experts, i)),
         ),
         ("y", Elem::Bf16, rows * d),
-        // u32 words, declared as I32 (the same bytes; the arena zeroes them).
+        // u32 words, declared as I32 (the same bytes; the fused path's plan zeroes them).
         (
             "gemm_sync",
             Elem::I32,
@@ -726,7 +726,13 @@ impl FastMoe {
             tile_rows: path.tile_rows(),
             ..ws.plan
         };
-        if t >= WIDE_PLAN_MIN_TOKENS {
+        if path == GemmPath::DecodeFused {
+            // The fused GEMMs' synchronisation words zeroed by the plan, the launch before theirs
+            // (one block's plan at any token count: the fused path is the decode path's).
+            let words = fast_moe_gemm::sync_words(t, layer.k, layer.experts);
+            self.moe
+                .plan_clearing(ctx, ws.ids, &plan, Some((ws.sync, words)), stream)?;
+        } else if t >= WIDE_PLAN_MIN_TOKENS {
             let (counts, ranks) = (ws.plan_counts, ws.plan_ranks);
             self.moe
                 .plan_wide(ctx, ws.ids, &plan, counts, ranks, stream)?;

@@ -75,8 +75,8 @@ crate::kernel_family! {
         route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32,
     );
     /// Both GEMMs in one launch (the fused decode path): up items, then down items, from one queue; a
-    /// down item's tokens wait for its tile's up items (`sync`: [`sync_words`] u32, zero between
-    /// launches: the last block out resets them).
+    /// down item's tokens wait for its tile's up items (`sync`: [`sync_words`] u32, zero when the
+    /// launch starts).
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
     fn fmoe_experts_kernel(
@@ -232,11 +232,11 @@ fn max_items(layer: &FastMoeLayer, t: usize, tile: usize, row_tiles: usize) -> u
 }
 
 /// u32 words of the decode path's synchronisation buffer for `t` tokens (`fmoe_experts_kernel`'s
-/// `sync`): the item queue's head, the blocks that have finished, and per tile the plan can make
-/// (routed and shared) a count of its up items done. Zero at create (the arena zeroes it); every
-/// launch leaves it zero.
+/// `sync`): the item queue's head and per tile the plan can make (routed and shared) a count of
+/// its up items done. They must be zero when the launch starts: `FastMoe::experts_on` has the
+/// plan zero them (`Moe::plan_clearing`), the launch before.
 pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
-    2 + (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
+    1 + (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
 }
 
 /// Checks the buffers of `ws` that GEMM1 reads and writes for `t` tokens (`who`: the kernel, for
@@ -428,7 +428,9 @@ impl FastMoeGemm {
 
     /// The decode path's two GEMMs in one launch (`fmoe_experts_kernel`): `ws.hq` / `ws.hs` and
     /// `ws.y` as [`Self::up`] then [`Self::down`] on [`GemmPath::Decode`] make them, bit for bit.
-    pub fn up_down(
+    /// `ws.sync` must be zero ([`sync_words`]; the plan before zeroes it in the layer's sequence,
+    /// `FastMoe::experts_on`).
+    pub(crate) fn up_down(
         &self,
         ctx: &Context,
         layer: &FastMoeLayer,

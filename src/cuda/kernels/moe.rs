@@ -32,10 +32,12 @@ crate::kernel_family! {
         tid2eid: Option<*const i32>, tokens: Option<*const i32>, scoring: i32, renorm: bool,
         route_scale: f32, ids: *mut i32, weights: *mut f32,
     );
+    /// `clear` (None: nothing): `clear_words` u32 zeroed too ([`Moe::plan_clearing`]).
     #[pdl(true)]
     fn moe_plan_kernel(
         ids: *const i32, t: i32, k: i32, e: i32, tile_rows: i32, offsets: *mut i32,
-        rows: *mut i32, tiles: *mut i32, ntiles: *mut i32,
+        rows: *mut i32, tiles: *mut i32, ntiles: *mut i32, clear: Option<*mut u32>,
+        clear_words: i32,
     );
     /// The wide plan ([`Moe::plan_wide`]): counts and ranks, block by block.
     #[smem(PLAN_COUNT_SMEM_MAX as u32)]
@@ -410,9 +412,26 @@ impl Moe {
         plan: &MoePlan,
         stream: BorrowedStream,
     ) -> Result<()> {
+        self.plan_clearing(ctx, ids, plan, None, stream)
+    }
+
+    /// [`Moe::plan`], zeroing `clear`'s `(buffer, u32 words)` too in the same launch: the fast
+    /// set's fused expert GEMMs need their synchronisation words zero when they start
+    /// (`fast_moe_gemm::sync_words`), and the plan is the launch just before them.
+    pub fn plan_clearing(
+        &self,
+        ctx: &Context,
+        ids: DevicePtr,
+        plan: &MoePlan,
+        clear: Option<(DevicePtr, usize)>,
+        stream: BorrowedStream,
+    ) -> Result<()> {
         const K: &str = "moe_plan_kernel";
         plan.validate(K)?;
         need(K, "ids", ids, plan.assignments() * 4)?;
+        if let Some((buf, words)) = clear {
+            need(K, "clear", buf, words * 4)?;
+        }
         let smem = plan_smem_bytes(plan.experts);
         if smem + PLAN_STATIC_SMEM > SMEM_LIMIT {
             return Err(internal(format!(
@@ -432,6 +451,8 @@ impl Moe {
             rows: plan.rows,
             tiles: plan.tiles,
             ntiles: plan.ntiles,
+            clear: clear.map(|(buf, _)| buf),
+            clear_words: to_i32(K, "clear words", clear.map_or(0, |(_, words)| words))?,
         };
         self.plan
             .launch(1u32, PLAN_THREADS, smem as u32, stream, args)
