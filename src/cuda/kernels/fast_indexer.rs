@@ -358,10 +358,11 @@ pub fn fast_plan(tokens: usize, maxe: usize) -> SelectPlan {
 
 /// The plan [`FastIndexer::select`] (the fast set's call) runs for `tokens` tokens of up to `maxe`
 /// entries: the streamed kernel's ([`stream_plan`]). Measured against the tiled fold kernel
-/// ([`fast_plan`]) on an H100 (`dsv4 bench attn`, the whole select, µs): 64K, 1 / 8 / 64 tokens
-/// 15.04 / 26.62 / 77.50 → 13.71 / 22.62 / 66.71; 8K 12.08 / 14.85 / 26.76 → 11.35 / 12.27 / 21.62.
-/// The top-k fused into the scoring launch ([`fused_plan`]) is faster still at 8K (10.99 / 11.21 /
-/// 17.98) but slower at 64K (17.17 / 23.94 / 81.53): a context rule waits on the crossover.
+/// ([`fast_plan`]) on an H100 (`dsv4 bench attn`, the whole select, µs, best of two rounds): 64K,
+/// 1 / 8 / 64 tokens 15.04 / 26.62 / 77.50 → 14.00 / 23.99 / 66.71; 8K 12.08 / 14.85 / 26.76 →
+/// 11.62 / 12.79 / 21.79. The top-k fused into the scoring launch ([`fused_plan`]), at its best
+/// cluster, is faster still at 8K (10.99 / 11.21 / 17.98, clusters 16 / 8 / 2) and slower at 64K
+/// (17.17 / 23.94 / 81.53): a context rule waits on the crossover.
 pub fn select_plan(tokens: usize, maxe: usize) -> SelectPlan {
     stream_plan(tokens, maxe)
 }
