@@ -373,9 +373,10 @@ const STREAM_BLOCKS: usize = 264;
 
 /// The streamed kernel's plan ([`SelectPlan::streamed`]) for `tokens` tokens of up to `maxe`
 /// entries: 64-key chunks, as many a block as spread a token's tiles over its share of
-/// [`STREAM_BLOCKS`], and at least one a consumer warpgroup. Not yet measured against
-/// [`fast_plan`]: `dsv4 bench attn` times both (`indexer_stream`, `indexer_fast`) and sweeps the
-/// tiles a block.
+/// [`STREAM_BLOCKS`], and at least one a consumer warpgroup. `dsv4 bench attn` sweeps the tiles
+/// a block (`indexer_stream` lines with `chunk_keys`); on an H100 this rule's pick was the best
+/// or within 1% of it at 64 tokens (8K: 8 tiles, 64K: 64), and 3-5% behind 4 tiles a block at
+/// 8 tokens (8K 12.58 against 12.27 µs, 64K 23.73 against 22.62).
 pub fn stream_plan(tokens: usize, maxe: usize) -> SelectPlan {
     let tiles = maxe.div_ceil(TILE_KEYS);
     let blocks_per_token = (STREAM_BLOCKS / tokens.max(1)).max(1);
@@ -392,10 +393,10 @@ pub fn stream_plan(tokens: usize, maxe: usize) -> SelectPlan {
 
 /// The streamed plan with the top-k in its launch ([`SelectPlan::fused_topk`]) over clusters of
 /// `cluster` blocks, the scores row not written; None where a block's run would not fit
-/// [`FUSED_STAGE_KEYS`] or `cluster` is out of 1 ..= [`FUSED_MAX_CLUSTER`]. Not yet measured against
-/// [`stream_plan`] and [`fast_plan`]: `dsv4 bench attn` times it at each cluster size
-/// (`indexer_fused`). A token's scoring then runs on `cluster` blocks, not [`STREAM_BLOCKS`] /
-/// tokens, so it can pay only where many tokens fill the GPU.
+/// [`FUSED_STAGE_KEYS`] or `cluster` is out of 1 ..= [`FUSED_MAX_CLUSTER`]. `dsv4 bench attn` times
+/// it at each cluster size (`indexer_fused`). A token's scoring then runs on `cluster` blocks, not
+/// [`STREAM_BLOCKS`] / tokens: on an H100 it beat the stream at 8K (see [`select_plan`]), where a
+/// token's 32 tiles fit a few blocks, and lost at 64K, where they do not.
 pub fn fused_plan(tokens: usize, maxe: usize, cluster: usize) -> Option<SelectPlan> {
     if !(1..=FUSED_MAX_CLUSTER).contains(&cluster) {
         return None;
