@@ -90,7 +90,9 @@ pub const WS_ADDR_SLOTS: usize = 4;
 /// Registers a consumer thread (FA_WS_CONSUMER_REGS) and a producer thread (FA_WS_PRODUCER_REGS)
 /// of the warp-specialized block take by `setmaxnreg`, from the block's pool.
 /// At 56 the producer spills (ptxas: 36 B stored, 60 B loaded, in its tile lookup and L2
-/// prefetch); branch next/attn-ws-producer-72 moves to 72 / 216, to be timed against this split.
+/// prefetch). 72 / 216 removes those spills (ws_early: none; ws: 12 B stored in the consumers'
+/// setup) but was measured no better (bench attn, H100, 64 tokens: CSA 64K ws_early 63.55
+/// against 65.28 µs, HCA 64K 61.21 against 59.40; BENCHMARKS.md 2026-12-05, twenty-eighth part).
 pub const WS_CONSUMER_REGS: usize = 224;
 pub const WS_PRODUCER_REGS: usize = 56;
 /// Registers a thread ptxas must give the warp-specialized kernel for that pool: the consumers'
@@ -124,7 +126,9 @@ pub const fn wgmma_ws_smem_bytes(raw_row: usize) -> usize {
 /// during the softmax; the same bits) or [`AttentionPath::WgmmaWsEarlyPv`] (the same kernel
 /// retiring each P V a softmax earlier, so that the producer decodes a tile ahead; the same bits);
 /// [`AttentionPath::Auto`] picks by [`AttentionPath::for_layer`], which does not take the
-/// warp-specialized kernels until a device has measured them.
+/// warp-specialized kernels: on an H100 they were 1-10% slower than the wgmma kernel in every case
+/// of `dsv4 bench attn` (CSA / HCA, 8K / 64K, 1 / 8 / 64 tokens; BENCHMARKS.md 2026-12-05,
+/// twenty-eighth part), and 1-4% slower in the whole step's prefill.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttentionPath {
     Auto,
