@@ -362,7 +362,9 @@ pub fn fast_plan(tokens: usize, maxe: usize) -> SelectPlan {
 /// 1 / 8 / 64 tokens 15.04 / 26.62 / 77.50 → 14.00 / 23.99 / 66.71; 8K 12.08 / 14.85 / 26.76 →
 /// 11.62 / 12.79 / 21.79. The top-k fused into the scoring launch ([`fused_plan`]), at its best
 /// cluster, is faster still at 8K (10.99 / 11.21 / 17.98, clusters 16 / 8 / 2) and slower at 64K
-/// (17.17 / 23.94 / 81.53): a context rule waits on the crossover.
+/// (17.17 / 23.94 / 81.53); at 16K it wins from 8 tokens, at 32K only at 8 (BENCHMARKS.md
+/// 2026-12-05, twenty-eighth part). The plan follows the slot's capacity (`maxe`), not the live
+/// context, so a fused rule would pay only in engines built with a short max_seq_len: not taken.
 pub fn select_plan(tokens: usize, maxe: usize) -> SelectPlan {
     stream_plan(tokens, maxe)
 }
