@@ -16,8 +16,10 @@
 // half of the output dims (16 x 256 f32 accumulators: 128 per thread). Keys per block: a run of
 // whole 32-key tiles of the token's keys (split `blockIdx.y` of `splits`); more than one split
 // writes its unnormalised O, running max and exp sum to a workspace and fa_combine_kernel adds
-// the splits in order with the sink. Deterministic run to run: fixed tiles, fixed split order,
-// no atomics. The split count comes from the batch size (kernels/SPEC.md), so a token's output
+// the splits in order with the sink; launched as one thread-block cluster a token (at most
+// FA_CLUSTER_MAX_SPLITS splits), the splits combine through distributed shared memory instead
+// (fa_cluster_combine: the same operations, the same bits). Deterministic run to run: fixed tiles,
+// fixed split order, no atomics. The split count comes from the batch size (kernels/SPEC.md), so a token's output
 // may differ in rounding between batch sizes (the reference kernels bound both).
 //
 // fa_attention_wgmma_kernel (the second half of this file) is the same attention with both products
@@ -312,12 +314,28 @@ DSV4_INLINE void fa_softmax_tile(float (&sc)[4][4], float* xs, int tid, int half
   }
 }
 
+// ------------------------------------------------------------------------- the split combine in a cluster
+// A token's splits launched as one cluster (1, splits, 1) (fast_attention.rs: up to FA_CLUSTER_MAX_SPLITS)
+// leave their partials in their own shared memory (the loop's buffers, free by then; the host sizes the
+// block for them, cluster_smem_bytes): the unnormalised O [FA_MAX_HEADS][hd + 8] f32 (8 more a row: a warp's
+// float2 stores of 8 rows in distinct banks) and (max, Σ e) [FA_MAX_HEADS]. Then block r of the cluster
+// combines dims r hd / splits .. (r + 1) hd / splits of every head from every block's partials, read through
+// distributed shared memory, with fa_combine_kernel's operations in its order (the same bits), and writes o.
+// That saves the workspace's write and read of the partials (T x splits x H x hd f32: 16.8 MB at 64 tokens of
+// 2 splits) and the combine's launch.
+DSV4_INLINE int fa_cl_row(int hd) { return hd + 8; }  // f32 a partial row
+// Byte offsets in the block's shared memory: the (max, Σ e) pairs, the weights [FA_CLUSTER_MAX_SPLITS]
+// [FA_MAX_HEADS], then den and max [FA_MAX_HEADS] each (fast_attention.rs cluster_smem_bytes is the end).
+DSV4_INLINE int fa_cl_ml(int hd) { return 4 * FA_MAX_HEADS * fa_cl_row(hd); }
+DSV4_INLINE int fa_cl_w(int hd) { return fa_cl_ml(hd) + 8 * FA_MAX_HEADS; }
+
 // The block's result for a thread's two head rows (hg * 16 + g, + 8), dims dim0 + 8n + 2cq (+1) for
-// 8n < hd / 2: splits == 1 writes o = bf16(O / (Σ e + exp(sink - max))); else the unnormalised O to
-// part_o and (max, Σ e) to part_ml for fa_combine_kernel.
+// 8n < hd / 2: splits == 1 writes o = bf16(O / (Σ e + exp(sink - max))); else the unnormalised O and
+// (max, Σ e): to part_o and part_ml for fa_combine_kernel, or with `cl` (a cluster launch: the block's
+// shared memory, every warp past its last read of it) to cl for fa_cluster_combine.
 DSV4_INLINE void fa_finish(const float (&acc)[FA_MAX_HD / 16][4], const float (&mrow)[2], float (&lrow)[2], int t,
                            int H, int hd, int hg, int g, int cq, int half, int dim0, long long part, int splits,
-                           const float* sinks, float* part_o, float2* ml, float* o) {
+                           const float* sinks, float* part_o, float2* ml, float* o, unsigned char* cl = nullptr) {
   const int hh = hd / 2;
   // Exp sums of whole rows (the quad's four parts, in a fixed order).
 #pragma unroll
@@ -338,11 +356,14 @@ DSV4_INLINE void fa_finish(const float (&acc)[FA_MAX_HD / 16][4], const float (&
           *(float2*)(orow + n * 8 + 2 * cq) = make_float2(round_bf16(__fdiv_rn(acc[n][2 * r], den)),
                                                           round_bf16(__fdiv_rn(acc[n][2 * r + 1], den)));
     } else {
-      float* prow = part_o + (part * H + h) * hd + dim0;
+      float* prow = cl != nullptr ? (float*)cl + h * fa_cl_row(hd) + dim0 : part_o + (part * H + h) * hd + dim0;
 #pragma unroll
       for (int n = 0; n < FA_MAX_HD / 16; ++n)
         if (n * 8 < hh) *(float2*)(prow + n * 8 + 2 * cq) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
-      if (half == 0 && cq == 0) ml[part * H + h] = make_float2(mrow[r], lrow[r]);
+      if (half == 0 && cq == 0) {
+        float2* dst = cl != nullptr ? (float2*)(cl + fa_cl_ml(hd)) + h : ml + part * H + h;
+        *dst = make_float2(mrow[r], lrow[r]);
+      }
     }
   }
 }
@@ -366,13 +387,86 @@ DSV4_INLINE bool fa_split_tiles(AttnKeys* keys, int* nk, int* tile0, int* tile1,
   return *tile0 < *tile1;
 }
 
-// A block whose token has no keys in its split (padding, or an empty split): o zero / max -inf.
-DSV4_INLINE void fa_empty(int t, int H, int hd, int tid, long long part, int splits, float2* ml, float* o) {
-  if (splits == 1) {
+// A block whose token has no keys in its split (padding, or an empty split): o zero / max -inf (in
+// the workspace, or with `cl` in the block's shared memory for fa_cluster_combine).
+DSV4_INLINE void fa_empty(int t, int H, int hd, int tid, long long part, int splits, float2* ml, float* o,
+                          unsigned char* cl = nullptr) {
+  if (cl != nullptr) {
+    for (int h = tid; h < H; h += FA_THREADS) ((float2*)(cl + fa_cl_ml(hd)))[h] = make_float2(-DSV4_F32_INF, 0.0f);
+  } else if (splits == 1) {
     for (int i = tid; i < H * hd; i += FA_THREADS) o[(long long)t * H * hd + i] = 0.0f;
   } else {
     for (int h = tid; h < H; h += FA_THREADS) ml[part * H + h] = make_float2(-DSV4_F32_INF, 0.0f);
   }
+}
+
+// The cluster's splits of token t combined (see "the split combine in a cluster" above), after every block
+// left its partials in `cl` (fa_finish / fa_empty): weights and denominators of each head by threads h < H
+// (fa_combine_kernel's warp 0, with a serial max: exact in any order), then this block's dims slice, each
+// float4 of it from every split in split order. Every thread of every block of the cluster calls it.
+DSV4_INLINE void fa_cluster_combine(int t, int H, int hd, int splits, const float* sinks, float* o,
+                                    unsigned char* cl, int tid) {
+  cluster_sync();  // every block's partials written
+  const unsigned rank = cluster_rank();
+  const unsigned base = smem_addr(cl);
+  float* wsh = (float*)(cl + fa_cl_w(hd));  // [FA_CLUSTER_MAX_SPLITS][FA_MAX_HEADS]
+  float* den_sh = wsh + FA_CLUSTER_MAX_SPLITS * FA_MAX_HEADS;
+  float* max_sh = den_sh + FA_MAX_HEADS;
+  if (tid < H) {
+    const int h = tid;
+    float2 v[FA_CLUSTER_MAX_SPLITS];
+#pragma unroll
+    for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
+      if (s < splits) {
+        const unsigned a = cluster_map(base + fa_cl_ml(hd) + 8u * h, (unsigned)s);
+        v[s] = make_float2(ld_cluster_f32(a), ld_cluster_f32(a + 4u));
+      }
+    float m = -DSV4_F32_INF;
+#pragma unroll
+    for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
+      if (s < splits) m = fmaxf(m, v[s].x);
+    float den = 0.0f;
+#pragma unroll
+    for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
+      if (s < splits) {
+        const bool empty = v[s].x == -DSV4_F32_INF;
+        const float w = empty ? 0.0f : expf(__fsub_rn(v[s].x, m));
+        wsh[s * FA_MAX_HEADS + h] = w;
+        den = __fadd_rn(den, empty ? 0.0f : __fmul_rn(v[s].y, w));
+      }
+    if (m != -DSV4_F32_INF) den = __fadd_rn(den, expf(__fsub_rn(sinks[h], m)));
+    den_sh[h] = den;
+    max_sh[h] = m;
+  }
+  __syncthreads();
+  const int slice = hd / splits, q4 = slice / 4;  // (hd % 32 == 0, splits <= 8: whole float4s)
+  for (int idx = tid; idx < H * q4; idx += FA_THREADS) {
+    const int h = idx / q4, c = (int)rank * slice + 4 * (idx - h * q4);
+    float* orow = o + ((long long)t * H + h) * hd + c;
+    if (max_sh[h] == -DSV4_F32_INF) {
+      *(float4*)orow = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      continue;
+    }
+    float4 p[FA_CLUSTER_MAX_SPLITS];
+#pragma unroll
+    for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
+      if (s < splits) p[s] = ld_cluster_f32x4(cluster_map(base + 4u * (h * fa_cl_row(hd) + c), (unsigned)s));
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s) {
+      const float w = s < splits ? wsh[s * FA_MAX_HEADS + h] : 0.0f;
+      if (w != 0.0f) {  // (an empty split's partial was never written)
+        v.x = __fadd_rn(v.x, __fmul_rn(p[s].x, w));
+        v.y = __fadd_rn(v.y, __fmul_rn(p[s].y, w));
+        v.z = __fadd_rn(v.z, __fmul_rn(p[s].z, w));
+        v.w = __fadd_rn(v.w, __fmul_rn(p[s].w, w));
+      }
+    }
+    const float den = den_sh[h];
+    *(float4*)orow = make_float4(round_bf16(__fdiv_rn(v.x, den)), round_bf16(__fdiv_rn(v.y, den)),
+                                 round_bf16(__fdiv_rn(v.z, den)), round_bf16(__fdiv_rn(v.w, den)));
+  }
+  cluster_sync();  // no block leaves while another may still read its shared memory
 }
 
 // Grid (T, splits), FA_THREADS threads. Inputs as attention_kernel (kernels/SPEC.md), plus `staged`
@@ -410,12 +504,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   const int dim0 = half * hh;      // this warp's first dim
   const long long part = (long long)t * splits + split;
   float2* ml = (float2*)part_ml;  // (max, exp sum) pairs
+  unsigned char* cl = splits > 1 && cluster_blocks() == (unsigned)splits ? fa_smem : nullptr;  // a cluster a token
 
   AttnKeys keys;
   int nk, tile0, tile1;
   if (!fa_split_tiles(&keys, &nk, &tile0, &tile1, t, split, splits, kv, ring, entries, etable, epps, selected, nsel,
                       positions, seq_of, query_start, seq_slots, hd, nope, W, ratio, maxe, topk)) {
-    fa_empty(t, H, hd, tid, part, splits, ml, o);
+    fa_empty(t, H, hd, tid, part, splits, ml, o, cl);
+    if (cl != nullptr) fa_cluster_combine(t, H, hd, splits, sinks, o, cl, tid);
     return;
   }
   fa_locate(sl, keys, nk, tile0, tile1, 0, tid, staged, sf);
@@ -482,7 +578,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         }
       }
   }
-  fa_finish(acc, mrow, lrow, t, H, hd, hg, g, cq, half, dim0, part, splits, sinks, part_o, ml, o);
+  if (cl != nullptr) {
+    cp_async_wait<0>();
+    __syncthreads();  // every warp past its last read of K: the shared memory takes the partials
+  }
+  fa_finish(acc, mrow, lrow, t, H, hd, hg, g, cq, half, dim0, part, splits, sinks, part_o, ml, o, cl);
+  if (cl != nullptr) fa_cluster_combine(t, H, hd, splits, sinks, o, cl, tid);
 }
 
 // ------------------------------------------------------------------------------------------ wgmma path
@@ -596,12 +697,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   const int dim0 = half * (FA_WG_HD / 2);
   const long long part = (long long)t * splits + split;
   float2* ml = (float2*)part_ml;
+  unsigned char* cl = splits > 1 && cluster_blocks() == (unsigned)splits ? fa_smem : nullptr;  // a cluster a token
 
   AttnKeys keys;
   int nk, tile0, tile1;
   if (!fa_split_tiles(&keys, &nk, &tile0, &tile1, t, split, splits, kv, ring, entries, etable, epps, selected, nsel,
                       positions, seq_of, query_start, seq_slots, hd, nope, W, ratio, maxe, topk)) {
-    fa_empty(t, H, hd, tid, part, splits, ml, o);
+    fa_empty(t, H, hd, tid, part, splits, ml, o, cl);
+    if (cl != nullptr) fa_cluster_combine(t, H, hd, splits, sinks, o, cl, tid);
     return;
   }
   // The keys of raw / address slot rs decoded into K buffer kb: 8 threads a key row (its kind and
@@ -694,7 +797,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   wgmma_wait<0>();  // the S past the last tile
   wgmma_fence_operand(sc);
   cp_async_wait<0>();
-  fa_finish(acc, mrow, lrow, t, H, hd, hg, g, cq, half, dim0, part, splits, sinks, part_o, ml, o);
+  if (cl != nullptr) __syncthreads();  // both warpgroups' wgmmas done with K: the shared memory takes the partials
+  fa_finish(acc, mrow, lrow, t, H, hd, hg, g, cq, half, dim0, part, splits, sinks, part_o, ml, o, cl);
+  if (cl != nullptr) fa_cluster_combine(t, H, hd, splits, sinks, o, cl, tid);
 }
 
 // ------------------------------------------------------------------------------ warp-specialized wgmma path

@@ -149,6 +149,25 @@ DSV4_INLINE float ld_cluster_f32(unsigned remote) {
   asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
   return v;
 }
+DSV4_INLINE float4 ld_cluster_f32x4(unsigned remote) {  // (16-byte aligned)
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
+}
+// This block's rank in its cluster, and the cluster's block count (1 without a cluster launch).
+DSV4_INLINE unsigned cluster_rank() {
+  unsigned r;
+  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+DSV4_INLINE unsigned cluster_blocks() {
+  unsigned n;
+  asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
+  return n;
+}
 DSV4_INLINE int ld_cluster_s32(unsigned remote) {
   int v;
   asm volatile("ld.shared::cluster.s32 %0, [%1];\n" : "=r"(v) : "r"(remote) : "memory");

@@ -31,7 +31,8 @@ use common::rng::XorShift;
 use dsv4::cuda::arena;
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta};
 use dsv4::cuda::kernels::fast_attention::{
-    self, AttentionPath, FastAttention, FastAttentionWorkspace, splits, workspace_floats,
+    self, AttentionPath, FastAttention, FastAttentionWorkspace, SplitCombine, splits,
+    workspace_floats,
 };
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::KernelSource;
@@ -264,12 +265,17 @@ fn bound(b: &Batch, st: &State, i: usize, o_ref: &[f32]) -> Vec<f64> {
 }
 
 /// The fast kernels each case runs: mma.sync, wgmma and the warp-specialized wgmma with either
-/// P V schedule (this file's shapes are the wgmma path's).
-const PATHS: [AttentionPath; 4] = [
-    AttentionPath::Mma,
-    AttentionPath::Wgmma,
-    AttentionPath::WgmmaWs,
-    AttentionPath::WgmmaWsEarlyPv,
+/// P V schedule (this file's shapes are the wgmma path's), the first two with their splits combined
+/// in a cluster where the split count allows (2 to CLUSTER_MAX_SPLITS: the 64-token decodes, the
+/// window-only layer's) and again through the workspace and fa_combine_kernel. Every output is
+/// compared bit for bit with the first, so the cluster combine is checked against the workspace's.
+const PATHS: [(AttentionPath, SplitCombine); 6] = [
+    (AttentionPath::Mma, SplitCombine::Cluster),
+    (AttentionPath::Wgmma, SplitCombine::Cluster),
+    (AttentionPath::WgmmaWs, SplitCombine::Cluster),
+    (AttentionPath::WgmmaWsEarlyPv, SplitCombine::Cluster),
+    (AttentionPath::Mma, SplitCombine::Workspace),
+    (AttentionPath::Wgmma, SplitCombine::Workspace),
 ];
 
 /// A fast kernel's output from two runs of the same batch.
@@ -382,10 +388,10 @@ fn run(
     attn.attention(&g.ctx, &meta, &args, s).unwrap();
     let o_ref = download(p[12]);
     let mut fast_runs = vec![];
-    for path in PATHS {
+    for (path, combine) in PATHS {
         let once = || {
             poison();
-            fast.attention_on(path, &g.ctx, &meta, &args, &ws, s)
+            fast.attention_split(path, None, combine, &g.ctx, &meta, &args, &ws, s)
                 .unwrap();
             download(p[12])
         };
@@ -522,8 +528,9 @@ fn run_layer(
     }
 }
 
-/// CSA at 64K positions: decode batches of 1, 8, 64 (early positions too: no selection, a
-/// ring still filling), a padding sequence, a 300-token prefill chunk continuing a slot.
+/// CSA at 64K positions: decode batches of 1, 8, 16 and 64 (early positions too: no selection, a
+/// ring still filling; 16 and 64 tokens split 8 and 2 ways, combined in a cluster), a padding
+/// sequence, a 300-token prefill chunk continuing a slot.
 #[test]
 fn csa_attention_matches_the_reference_within_the_bound() {
     let mut pre = vec![(1, 40_000, 200), (2, 0, 100)];
@@ -536,6 +543,7 @@ fn csa_attention_matches_the_reference_within_the_bound() {
         &[
             decode(1, &[65_000]),
             decode(8, &[2, 5, 150, 9_000, 30_000, 65_500]),
+            decode(16, &[1_000, 33_000, 65_400]),
             decode(64, &[0, 60, 127, 128, 4_000, 16_000, 64_000]),
             pre,
         ],

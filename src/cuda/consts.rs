@@ -132,6 +132,7 @@ pub const SHARED: &[Shared] = shared! {
     "FA_MAX_HEADS" = Int(fast_attention::MAX_HEADS as i64) from "fast_attention::MAX_HEADS";
     "FA_MAX_HD" = Int(fast_attention::MAX_HD as i64) from "fast_attention::MAX_HD";
     "FA_MAX_SPLITS" = Int(fast_attention::MAX_SPLITS as i64) from "fast_attention::MAX_SPLITS";
+    "FA_CLUSTER_MAX_SPLITS" = Int(fast_attention::CLUSTER_MAX_SPLITS as i64) from "fast_attention::CLUSTER_MAX_SPLITS";
     "FA_WS_KBUF" = Int(fast_attention::WS_K_TILES as i64) from "fast_attention::WS_K_TILES";
     "FA_WS_RAW" = Int(fast_attention::WS_RAW_TILES as i64) from "fast_attention::WS_RAW_TILES";
     "FA_WS_ADDR" = Int(fast_attention::WS_ADDR_SLOTS as i64) from "fast_attention::WS_ADDR_SLOTS";

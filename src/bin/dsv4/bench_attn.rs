@@ -36,7 +36,7 @@ use dsv4::cuda::arena::{self, DevicePtr};
 use dsv4::cuda::context::Context;
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta};
 use dsv4::cuda::kernels::fast_attention::{
-    self, AttentionPath, FastAttention, FastAttentionWorkspace,
+    self, AttentionPath, CLUSTER_MAX_SPLITS, FastAttention, FastAttentionWorkspace, SplitCombine,
 };
 use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, HeadSum, ScaleFold, SelectPlan};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
@@ -260,36 +260,43 @@ pub fn run(
                 // where the rule splits many tokens' keys (`_unsplit`: which side of the split
                 // rule it wants).
                 let rule_splits = fast_attention::splits(t, W + if csa { TOPK } else { maxe });
-                let mut kernels = vec![
-                    "fast",
-                    "fast_mma",
-                    "fast_wgmma",
-                    "fast_wgmma_ws",
-                    "fast_wgmma_ws_early",
+                // (name, kernel, splits: None = the rule's, combine); None kernel = the reference.
+                let cl = SplitCombine::Cluster;
+                let mut kernels: Vec<(String, Option<AttentionPath>, Option<usize>, SplitCombine)> = vec![
+                    ("fast".into(), Some(AttentionPath::Auto), None, cl),
+                    ("fast_mma".into(), Some(AttentionPath::Mma), None, cl),
+                    ("fast_wgmma".into(), Some(AttentionPath::Wgmma), None, cl),
+                    ("fast_wgmma_ws".into(), Some(AttentionPath::WgmmaWs), None, cl),
+                    ("fast_wgmma_ws_early".into(), Some(AttentionPath::WgmmaWsEarlyPv), None, cl),
                 ];
+                // Where the rule's splits combine in a cluster: the workspace's combine beside it.
+                if (2..=CLUSTER_MAX_SPLITS).contains(&rule_splits) {
+                    for (name, path) in [("fast_mma", AttentionPath::Mma), ("fast_wgmma", AttentionPath::Wgmma)] {
+                        kernels.push((format!("{name}_workspace"), Some(path), None, SplitCombine::Workspace));
+                    }
+                }
+                // The fast set's pick at the other cluster-sized split counts (`fast_splits`, the
+                // split rule's alternatives).
+                for n in [2, 4, 8] {
+                    if n != rule_splits && t * n <= fast_attention::SPLIT_TARGET {
+                        kernels.push(("fast_splits".into(), Some(AttentionPath::Auto), Some(n), cl));
+                    }
+                }
                 if t >= UNSPLIT_MIN_T && rule_splits > 1 {
-                    kernels.push("fast_wgmma_ws_unsplit");
+                    kernels.push(("fast_wgmma_ws_unsplit".into(), Some(AttentionPath::WgmmaWs), Some(1), cl));
                 }
                 if t <= REFERENCE_MAX_T {
-                    kernels.push("reference");
+                    kernels.push(("reference".into(), None, Some(1), cl));
                 }
-                for &kernel in &kernels {
+                for (kernel, path, splits, combine) in &kernels {
                     let call = |j: usize| -> dsv4::Result<()> {
-                        let on = |path, splits| {
-                            fast.attention_split(path, splits, &ctx, &meta, &args(j), &ws, s)
-                        };
-                        match kernel {
-                            "fast" => on(AttentionPath::Auto, None),
-                            "fast_mma" => on(AttentionPath::Mma, None),
-                            "fast_wgmma" => on(AttentionPath::Wgmma, None),
-                            "fast_wgmma_ws" => on(AttentionPath::WgmmaWs, None),
-                            "fast_wgmma_ws_unsplit" => on(AttentionPath::WgmmaWs, Some(1)),
-                            "fast_wgmma_ws_early" => on(AttentionPath::WgmmaWsEarlyPv, None),
-                            _ => reference.attention(&ctx, &meta, &args(j), s),
+                        match path {
+                            Some(p) => fast.attention_split(*p, *splits, *combine, &ctx, &meta, &args(j), &ws, s),
+                            None => reference.attention(&ctx, &meta, &args(j), s),
                         }
                     };
                     // The reference takes long: a few copies suffice to time it.
-                    let n = if kernel != "reference" {
+                    let n = if path.is_some() {
                         copies
                     } else {
                         copies.min(4)
@@ -298,11 +305,15 @@ pub fn run(
                     let timing = time_graph(s, n, replays, call)?;
                     let sec = timing.device_s;
                     println!(
-                        "{{\"bench\": \"attn\", \"layer\": \"{kind}\", \"kernel\": \"{kernel}\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {HD}, \"keys_per_token\": {keys}, \"splits\": {}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"kv_bytes\": {kv_bytes}, \"io_bytes\": {io_bytes}, \"gb_per_s\": {:.1}, \"state_copies\": {n}, \"calls_timed\": {}}}",
-                        match kernel {
-                            "reference" | "fast_wgmma_ws_unsplit" => 1,
-                            _ => rule_splits,
-                        },
+                        "{{\"bench\": \"attn\", \"layer\": \"{kind}\", \"kernel\": \"{kernel}\", \"context\": {ctx_len}, \"T\": {t}, \"heads\": {H}, \"head_dim\": {HD}, \"keys_per_token\": {keys}, \"splits\": {}, \"cluster_combine\": {}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"kv_bytes\": {kv_bytes}, \"io_bytes\": {io_bytes}, \"gb_per_s\": {:.1}, \"state_copies\": {n}, \"calls_timed\": {}}}",
+                        splits.unwrap_or(rule_splits),
+                        path.is_some_and(|p| {
+                            let p = match p {
+                                AttentionPath::Auto => AttentionPath::for_layer(&args(0), t),
+                                p => p,
+                            };
+                            combine.in_cluster(p, splits.unwrap_or(rule_splits))
+                        }),
                         sec * 1e6,
                         timing.host_s * 1e6,
                         io_bytes as f64 / sec / 1e9,

@@ -37,6 +37,43 @@ pub const SPLIT_TARGET: usize = 128;
 /// CSA's blocks took two tiles: 26.5 us against HCA's 19.1 with one).
 pub const MAX_SPLITS: usize = 32;
 
+/// Most splits of a token that combine inside one thread-block cluster (FA_CLUSTER_MAX_SPLITS;
+/// [`SplitCombine::Cluster`]): 8, the portable cluster size (the kernels take a whole SM each, and
+/// every GPC of an H100 / H200 holds 8).
+pub const CLUSTER_MAX_SPLITS: usize = 8;
+
+/// How a token's split partials are combined.
+///
+/// `Cluster` (the default): where 2 to [`CLUSTER_MAX_SPLITS`] splits run on the mma.sync or wgmma
+/// kernel, the token's blocks are launched as one thread-block cluster and combine through
+/// distributed shared memory in the attention's launch, writing `o` directly (kernels/
+/// fast_attention.cu `fa_cluster_combine`, fa_combine_kernel's operations: the same bits). That
+/// saves the workspace's write and read of T x splits x heads x head_dim f32 (16.8 MB at 64 tokens
+/// of 2 splits) and the combine's launch. Elsewhere (more splits, the warp-specialized kernels) the
+/// workspace's path runs. `Workspace`: always the workspace and `fa_combine_kernel` (benches and
+/// tests compare the two).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitCombine {
+    Cluster,
+    Workspace,
+}
+
+impl SplitCombine {
+    /// Whether `splits` splits on kernel `path` (resolved: not `Auto`) combine in a cluster.
+    pub fn in_cluster(self, path: AttentionPath, splits: usize) -> bool {
+        self == SplitCombine::Cluster
+            && (2..=CLUSTER_MAX_SPLITS).contains(&splits)
+            && matches!(path, AttentionPath::Mma | AttentionPath::Wgmma)
+    }
+}
+
+/// Dynamic shared memory a block needs for the cluster combine at head dim `hd` (the kernels'
+/// fa_cl_* offsets): the partial O of every head (rows of `hd + 8` f32), its (max, sum) pairs, the
+/// combine's weights and each head's denominator and max.
+pub const fn cluster_smem_bytes(hd: usize) -> usize {
+    4 * MAX_HEADS * (hd + 8) + 8 * MAX_HEADS + 4 * (CLUSTER_MAX_SPLITS * MAX_HEADS + 2 * MAX_HEADS)
+}
+
 /// Dynamic shared memory of a block for head dim `hd` whose stored rows take `raw_row` bytes
 /// (values and scale record, [`crate::cuda::kv_pages::KvRows::bytes_per_row`]): Q (all heads) and one key tile as bf16
 /// rows padded by 8 values, the S exchange (16 f32 per thread), two raw tiles of rows
@@ -54,6 +91,7 @@ pub const MAX_SMEM: usize = smem_bytes(MAX_HD, 2 * MAX_HD + 16);
 /// Shared memory a Hopper block may use.
 pub const SM90_MAX_SMEM: usize = 227 * 1024;
 const _: () = assert!(MAX_SMEM <= SM90_MAX_SMEM);
+const _: () = assert!(cluster_smem_bytes(MAX_HD) <= MAX_SMEM);
 
 /// The head dim of the wgmma path (FA_WG_HD): 8 chunks of 64 dims, each warpgroup's P V one
 /// m64n256 wgmma.
@@ -357,17 +395,19 @@ impl FastAttention {
         ws: &FastAttentionWorkspace,
         stream: BorrowedStream,
     ) -> Result<()> {
-        self.attention_split(path, None, ctx, b, x, ws, stream)
+        self.attention_split(path, None, SplitCombine::Cluster, ctx, b, x, ws, stream)
     }
 
     /// The same with `splits` splits of each token's keys instead of [`splits`]'s count (`None`:
     /// that count), so a bench can time the split rule's alternatives: at most [`MAX_SPLITS`],
-    /// and tokens x splits within the workspace's [`SPLIT_TARGET`] unless unsplit.
+    /// and tokens x splits within the workspace's [`SPLIT_TARGET`] unless unsplit; and the
+    /// partials combined as `combine` says where it applies ([`SplitCombine`]).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_split(
         &self,
         path: AttentionPath,
         splits: Option<usize>,
+        combine: SplitCombine,
         ctx: &Context,
         b: &BatchMeta,
         x: &AttentionArgs,
@@ -407,9 +447,10 @@ impl FastAttention {
             .filter(|&v| v <= i32::MAX as u32)
             .ok_or_else(|| bad(format!("{t} tokens: too many blocks")))?;
         let splits = split_count(t, x.max_keys(), splits)?;
+        let clustered = combine.in_cluster(path, splits);
         let [po, pml] = workspace_floats(h, hd);
         let part = (splits > 1).then_some((ws.part_o, ws.part_ml));
-        if splits > 1 {
+        if splits > 1 && !clustered {
             need(FAMILY, "part_o", ws.part_o, po * 4)?;
             need(FAMILY, "part_ml", ws.part_ml, pml * 4)?;
         }
@@ -466,7 +507,18 @@ impl FastAttention {
         }
         let grid = (blocks, splits as u32);
         let raw_row = x.ring.rows.bytes_per_row();
+        // A clustered launch's blocks also hold their partials for the combine.
+        let cluster_smem = if clustered { cluster_smem_bytes(hd) } else { 0 };
+        let cluster = (1, splits as u32, 1);
         match path {
+            AttentionPath::Wgmma if clustered => self.attention_wgmma.launch_clustered(
+                grid,
+                THREADS as u32,
+                wgmma_smem_bytes(raw_row).max(cluster_smem) as u32,
+                stream,
+                args!(fa_attention_wgmma_kernel),
+                cluster,
+            )?,
             AttentionPath::Wgmma => self.attention_wgmma.launch(
                 grid,
                 THREADS as u32,
@@ -494,6 +546,14 @@ impl FastAttention {
                     args!(fa_attention_wgmma_ws_early_kernel),
                 )?
             }
+            _ if clustered => self.attention.launch_clustered(
+                grid,
+                THREADS as u32,
+                smem_bytes(hd, raw_row).max(cluster_smem) as u32,
+                stream,
+                args!(fa_attention_kernel),
+                cluster,
+            )?,
             _ => self.attention.launch(
                 grid,
                 THREADS as u32,
@@ -502,7 +562,7 @@ impl FastAttention {
                 args!(fa_attention_kernel),
             )?,
         }
-        if splits == 1 {
+        if splits == 1 || clustered {
             return Ok(());
         }
         let args = fa_combine_kernel::Args {
