@@ -319,7 +319,7 @@ DSV4_INLINE void fa_softmax_tile(float (&sc)[4][4], float* xs, int tid, int half
 // leave their partials in their own shared memory (the loop's buffers, free by then; the host sizes the
 // block for them, cluster_smem_bytes): the unnormalised O [FA_MAX_HEADS][hd + 8] f32 (8 more a row: a warp's
 // float2 stores of 8 rows in distinct banks) and (max, Σ e) [FA_MAX_HEADS]. Then block r of the cluster
-// combines dims r hd / splits .. (r + 1) hd / splits of every head from every block's partials, read through
+// combines its share of the dims (whole float4s, split evenly) of every head from every block's partials, read through
 // distributed shared memory, with fa_combine_kernel's operations in its order (the same bits), and writes o.
 // That saves the workspace's write and read of the partials (T x splits x H x hd f32: 16.8 MB at 64 tokens of
 // 2 splits) and the combine's launch.
@@ -439,9 +439,10 @@ DSV4_INLINE void fa_cluster_combine(int t, int H, int hd, int splits, const floa
     max_sh[h] = m;
   }
   __syncthreads();
-  const int slice = hd / splits, q4 = slice / 4;  // (hd % 32 == 0, splits <= 8: whole float4s)
+  // This block's float4 columns: quads q0 .. q1 - 1 of the hd / 4 (hd % 32 == 0), split evenly.
+  const int quads = hd / 4, q0 = (int)rank * quads / splits, q4 = ((int)rank + 1) * quads / splits - q0;
   for (int idx = tid; idx < H * q4; idx += FA_THREADS) {
-    const int h = idx / q4, c = (int)rank * slice + 4 * (idx - h * q4);
+    const int h = idx / q4, c = 4 * (q0 + idx - h * q4);
     float* orow = o + ((long long)t * H + h) * hd + c;
     if (max_sh[h] == -DSV4_F32_INF) {
       *(float4*)orow = make_float4(0.0f, 0.0f, 0.0f, 0.0f);

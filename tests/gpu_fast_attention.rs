@@ -266,8 +266,8 @@ fn bound(b: &Batch, st: &State, i: usize, o_ref: &[f32]) -> Vec<f64> {
 
 /// The fast kernels each case runs: mma.sync, wgmma and the warp-specialized wgmma with either
 /// P V schedule (this file's shapes are the wgmma path's), the first two with their splits combined
-/// in a cluster where the split count allows (2 to CLUSTER_MAX_SPLITS: the 64-token decodes, the
-/// window-only layer's) and again through the workspace and fa_combine_kernel. Every output is
+/// in a cluster where the split count allows (2 to CLUSTER_MAX_SPLITS: the 64-token decodes, some
+/// with an empty split) and again through the workspace and fa_combine_kernel. Every output is
 /// compared bit for bit with the first, so the cluster combine is checked against the workspace's.
 const PATHS: [(AttentionPath, SplitCombine); 6] = [
     (AttentionPath::Mma, SplitCombine::Cluster),
@@ -529,7 +529,7 @@ fn run_layer(
 }
 
 /// CSA at 64K positions: decode batches of 1, 8, 16 and 64 (early positions too: no selection, a
-/// ring still filling; 16 and 64 tokens split 8 and 2 ways, combined in a cluster), a padding
+/// ring still filling; 64 tokens split 2 ways, combined in a cluster; 16 tokens 8 ways), a padding
 /// sequence, a 300-token prefill chunk continuing a slot.
 #[test]
 fn csa_attention_matches_the_reference_within_the_bound() {

@@ -275,8 +275,8 @@ pub fn run(
                         kernels.push((format!("{name}_workspace"), Some(path), None, SplitCombine::Workspace));
                     }
                 }
-                // The fast set's pick at the other cluster-sized split counts (`fast_splits`, the
-                // split rule's alternatives).
+                // The fast set's pick at other split counts (`fast_splits`: the split rule's
+                // alternatives; each combined as SplitCombine::Cluster says, `cluster_combine`).
                 for n in [2, 4, 8] {
                     if n != rule_splits && t * n <= fast_attention::SPLIT_TARGET {
                         kernels.push(("fast_splits".into(), Some(AttentionPath::Auto), Some(n), cl));

@@ -38,9 +38,13 @@ pub const SPLIT_TARGET: usize = 128;
 pub const MAX_SPLITS: usize = 32;
 
 /// Most splits of a token that combine inside one thread-block cluster (FA_CLUSTER_MAX_SPLITS;
-/// [`SplitCombine::Cluster`]): 8, the portable cluster size (the kernels take a whole SM each, and
-/// every GPC of an H100 / H200 holds 8).
-pub const CLUSTER_MAX_SPLITS: usize = 8;
+/// [`SplitCombine::Cluster`]): 2, as measured (bench attn, H100, BENCHMARKS.md 2026-12-05,
+/// twenty-ninth part). 64 tokens of 2 splits: CSA 64K 63.26 -> 57.06 us, 8K 59.80 -> 54.18. But
+/// 16 tokens of 8 splits took 46.4 us in clusters against 26.8 through the workspace (CSA 8K):
+/// the blocks take a whole SM each, a GPC (16-18 SMs) holds two clusters of 8, so 16 such
+/// clusters do not all fit at once. Clusters of 4 (17-32 tokens) are not measured yet; the
+/// kernel takes up to the portable 8 once the rule admits them.
+pub const CLUSTER_MAX_SPLITS: usize = 2;
 
 /// How a token's split partials are combined.
 ///
