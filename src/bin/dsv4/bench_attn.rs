@@ -7,7 +7,11 @@
 //! and the bytes a call must move (KV rows + BF16 q and o), GB/s on them. The attention kernels:
 //! `fast` (the fast set's pick), `fast_mma`, `fast_wgmma`, `fast_wgmma_ws` (the warp-specialized
 //! wgmma kernel), `fast_wgmma_ws_early` (the same retiring each P V at the next softmax's
-//! exchange) and, from 32 tokens where the split rule splits, `fast_wgmma_ws_unsplit`. CSA
+//! exchange) and, from 32 tokens where the split rule splits, `fast_wgmma_ws_unsplit`; where the
+//! rule's splits combine in a thread-block cluster, `fast_mma_workspace` and `fast_wgmma_workspace`
+//! (the same kernels combining through the workspace and fa_combine_kernel); `fast_splits`: the
+//! fast set's pick at 2, 4 and 8 splits (the rule's alternatives). Each line says its `splits` and
+//! whether they combined in a cluster (`cluster_combine`). CSA
 //! cases also time the indexer (kernels/fast_indexer.cu: scoring all C/4 visible keys, then the
 //! top-512; `kernel: indexer_fast`, the fast set's call: the scale fold with the tensor-core head sum;
 //! `indexer_plain`: `fi_score_kernel`, the per-32-block promotion and the ordered head sum;
@@ -266,24 +270,52 @@ pub fn run(
                     ("fast".into(), Some(AttentionPath::Auto), None, cl),
                     ("fast_mma".into(), Some(AttentionPath::Mma), None, cl),
                     ("fast_wgmma".into(), Some(AttentionPath::Wgmma), None, cl),
-                    ("fast_wgmma_ws".into(), Some(AttentionPath::WgmmaWs), None, cl),
-                    ("fast_wgmma_ws_early".into(), Some(AttentionPath::WgmmaWsEarlyPv), None, cl),
+                    (
+                        "fast_wgmma_ws".into(),
+                        Some(AttentionPath::WgmmaWs),
+                        None,
+                        cl,
+                    ),
+                    (
+                        "fast_wgmma_ws_early".into(),
+                        Some(AttentionPath::WgmmaWsEarlyPv),
+                        None,
+                        cl,
+                    ),
                 ];
                 // Where the rule's splits combine in a cluster: the workspace's combine beside it.
                 if (2..=CLUSTER_MAX_SPLITS).contains(&rule_splits) {
-                    for (name, path) in [("fast_mma", AttentionPath::Mma), ("fast_wgmma", AttentionPath::Wgmma)] {
-                        kernels.push((format!("{name}_workspace"), Some(path), None, SplitCombine::Workspace));
+                    for (name, path) in [
+                        ("fast_mma", AttentionPath::Mma),
+                        ("fast_wgmma", AttentionPath::Wgmma),
+                    ] {
+                        kernels.push((
+                            format!("{name}_workspace"),
+                            Some(path),
+                            None,
+                            SplitCombine::Workspace,
+                        ));
                     }
                 }
                 // The fast set's pick at other split counts (`fast_splits`: the split rule's
                 // alternatives; each combined as SplitCombine::Cluster says, `cluster_combine`).
                 for n in [2, 4, 8] {
                     if n != rule_splits && t * n <= fast_attention::SPLIT_TARGET {
-                        kernels.push(("fast_splits".into(), Some(AttentionPath::Auto), Some(n), cl));
+                        kernels.push((
+                            "fast_splits".into(),
+                            Some(AttentionPath::Auto),
+                            Some(n),
+                            cl,
+                        ));
                     }
                 }
                 if t >= UNSPLIT_MIN_T && rule_splits > 1 {
-                    kernels.push(("fast_wgmma_ws_unsplit".into(), Some(AttentionPath::WgmmaWs), Some(1), cl));
+                    kernels.push((
+                        "fast_wgmma_ws_unsplit".into(),
+                        Some(AttentionPath::WgmmaWs),
+                        Some(1),
+                        cl,
+                    ));
                 }
                 if t <= REFERENCE_MAX_T {
                     kernels.push(("reference".into(), None, Some(1), cl));
@@ -291,7 +323,16 @@ pub fn run(
                 for (kernel, path, splits, combine) in &kernels {
                     let call = |j: usize| -> dsv4::Result<()> {
                         match path {
-                            Some(p) => fast.attention_split(*p, *splits, *combine, &ctx, &meta, &args(j), &ws, s),
+                            Some(p) => fast.attention_split(
+                                *p,
+                                *splits,
+                                *combine,
+                                &ctx,
+                                &meta,
+                                &args(j),
+                                &ws,
+                                s,
+                            ),
                             None => reference.attention(&ctx, &meta, &args(j), s),
                         }
                     };

@@ -2,10 +2,11 @@
 //! sparse attention over window + compressed keys with the per-head sink, MLA style (one block
 //! per token and run of keys takes every head, so each key row is read and decoded once per
 //! token), on BF16 tensor cores with an online softmax, split over blocks for few tokens and
-//! combined in split order. Kernels with the same bits: mma.sync (any head dim it covers; few
-//! tokens) and wgmma (head dim 512, from [`WGMMA_MIN_TOKENS`]), picked by [`AttentionPath`], and
-//! the warp-specialized wgmma kernel in two schedules (a producer warpgroup; not picked yet: not
-//! measured); from
+//! combined in split order (in a thread-block cluster for 2 splits, [`SplitCombine`]; else through
+//! a workspace and a second launch). Kernels with the same bits: mma.sync (any head dim it covers;
+//! few tokens) and wgmma (head dim 512, from [`WGMMA_MIN_TOKENS`]), picked by [`AttentionPath`],
+//! and the warp-specialized wgmma kernel in two schedules (a producer warpgroup; measured slower,
+//! not picked); from
 //! [`STAGE_MIN_TOKENS`] the batch's own rows are first staged in the stored format. Takes the
 //! reference's [`AttentionArgs`]; the state must be stored in the official format.
 //! tests/gpu_fast_attention.rs derives and asserts the error bound of both against the reference
@@ -39,7 +40,7 @@ pub const MAX_SPLITS: usize = 32;
 
 /// Most splits of a token that combine inside one thread-block cluster (FA_CLUSTER_MAX_SPLITS;
 /// [`SplitCombine::Cluster`]): 2, as measured (bench attn, H100, BENCHMARKS.md 2026-12-05,
-/// twenty-ninth part). 64 tokens of 2 splits: CSA 64K 63.26 -> 57.06 us, 8K 59.80 -> 54.18. But
+/// twenty-ninth part). 64 tokens of 2 splits: CSA 64K 63.74 -> 55.78 us, HCA 8K 38.28 -> 28.74. But
 /// 16 tokens of 8 splits took 46.4 us in clusters against 26.8 through the workspace (CSA 8K):
 /// the blocks take a whole SM each, a GPC (16-18 SMs) holds two clusters of 8, so 16 such
 /// clusters do not all fit at once. Clusters of 4 (17-32 tokens) are not measured yet; the
