@@ -161,11 +161,11 @@ fn fast_kernels_keep_wgmma_asynchronous() {
         let (_, log) = fam
             .compile_with_log(ARCH, &["--ptxas-options=-v"])
             .unwrap_or_else(|e| panic!("{}: {e}", fam.family));
-        // Registers and spills, for whoever tunes these kernels.
-        for l in log
-            .lines()
-            .filter(|l| l.contains("registers") || l.contains("spill"))
-        {
+        // Registers and spills of each entry point (its "Compiling entry function" line first), for
+        // whoever tunes these kernels.
+        for l in log.lines().filter(|l| {
+            l.contains("registers") || l.contains("spill") || l.contains("entry function")
+        }) {
             println!("{}: {}", fam.family, l.trim());
         }
         let serialized: Vec<&str> = log
