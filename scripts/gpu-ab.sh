@@ -2,8 +2,10 @@
 # `dsv4 bench KIND` (dense, moe, attn) of several builds in ONE device call, alternating them ROUNDS
 # times (default 2) so their numbers share the machine's state; then each case's best time per build,
 # side by side. Builds nothing. Writes $OUT/ab_LABEL_ROUND.txt (the bench's lines) and $OUT/ab_summary.txt.
-# usage: scripts/gpu-ab.sh KIND LABEL=CLI [LABEL=CLI ...]
+# usage: scripts/gpu-ab.sh KIND LABEL=CLI[@DEFINES] [LABEL=CLI[@DEFINES] ...]
 #   e.g. ARGS="--tokens 1,2,8,16" scripts/gpu-ab.sh dense main=target/gpu-prev/main new=target/gpu-bin/dsv4
+#        scripts/gpu-ab.sh attn main=target/gpu-bin/dsv4 nosoftmax=target/gpu-bin/dsv4@FA_ABLATE=1
+#   (@DEFINES: the CLI's `--defines`, comma-separated: a kernel's #if variant from the same build)
 #        ARGS="--batches 4096,16384 --routing uniform --path prefill" scripts/gpu-ab.sh moe main=... new=...
 # ARGS: the bench's arguments (default none: the bench's own cases). Labels must not contain '_'.
 set -uo pipefail
@@ -19,8 +21,13 @@ for r in $(seq 1 "$rounds"); do
   for spec in "$@"; do
     label=${spec%%=*}
     cli=${spec#*=}
+    defs=()
+    if [[ $cli == *@* ]]; then
+      defs=(--defines "${cli#*@}")
+      cli=${cli%%@*}
+    fi
     # shellcheck disable=SC2086 # args is a word list
-    timeout 300 "$cli" bench "$kind" $args >"$OUT/ab_${label}_$r.txt" 2>&1
+    timeout 300 "$cli" bench "$kind" $args "${defs[@]}" >"$OUT/ab_${label}_$r.txt" 2>&1
     echo "bench $kind $label round $r: rc=$?"
   done
 done

@@ -448,6 +448,36 @@ fn compile_errors_name_the_family_and_the_first_error() {
     assert!(e.message.contains("`sysheader`"), "{e}");
 }
 
+/// A cache's defines reach the compiler, and a cached CUBIN of one define set is not served to
+/// another: a family that compiles only with `DSV4_TEST_VARIANT=2` (`dsv4 bench --defines`).
+#[test]
+fn cache_defines_reach_nvrtc_and_key_their_own_files() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    const VARIANT: KernelSource = KernelSource {
+        family: "variant",
+        source: "#if !defined(DSV4_TEST_VARIANT) || DSV4_TEST_VARIANT != 2\n#error \"variant 2 only\"\n#endif\n\
+                 extern \"C\" __global__ void k() {}\n",
+        functions: &[],
+    };
+    let dir = TempDir::new("kernel-defines");
+    let with = |d: &str| {
+        KernelCache::new(Some(&dir.0))
+            .with_defines(&[d.to_string()])
+            .unwrap()
+    };
+    let (cubin, outcome) = with("DSV4_TEST_VARIANT=2").cubin(&VARIANT, ARCH).unwrap();
+    assert!(cubin_defines(&cubin, "k") && outcome == CacheOutcome::Compiled);
+    let (_, again) = with("DSV4_TEST_VARIANT=2").cubin(&VARIANT, ARCH).unwrap();
+    assert_eq!(again, CacheOutcome::Hit);
+    // Another value, or none, is not the cached file's: it compiles, and fails.
+    for cache in [with("DSV4_TEST_VARIANT=3"), KernelCache::new(Some(&dir.0))] {
+        let e = cache.cubin(&VARIANT, ARCH).unwrap_err();
+        assert!(e.message.contains("variant 2 only"), "{e}");
+    }
+}
+
 #[test]
 fn sm_90a_enables_hopper_arch_specific_instructions() {
     if !nvrtc_or_skip() {

@@ -380,9 +380,15 @@ pub enum CacheOutcome {
 /// `$XDG_CACHE_HOME/dsv4`, else `~/.cache/dsv4`. Files are written atomically (temp file +
 /// rename); a corrupt file is recompiled and replaced; an unwritable directory only costs
 /// recompiling (logged as a warning), never a failure.
+///
+/// A cache may also carry preprocessor defines ([`KernelCache::with_defines`]) that every family it
+/// compiles gets, keyed separately: the kernel-level benches' `--defines` (one build timing several
+/// `#if` variants of a kernel in one device call). An engine's own registry never has any.
 #[derive(Clone, Debug)]
 pub struct KernelCache {
     dir: Option<PathBuf>,
+    /// `-DNAME[=VALUE]` options after the usual ones.
+    defines: Vec<String>,
 }
 
 impl KernelCache {
@@ -390,12 +396,54 @@ impl KernelCache {
     pub fn new(option: Option<&Path>) -> KernelCache {
         KernelCache {
             dir: option.map(Path::to_path_buf).or_else(default_cache_dir),
+            defines: vec![],
         }
     }
 
     /// A cache that stores nothing (every lookup compiles).
     pub fn disabled() -> KernelCache {
-        KernelCache { dir: None }
+        KernelCache {
+            dir: None,
+            defines: vec![],
+        }
+    }
+
+    /// The same cache compiling every family with these preprocessor defines, each `NAME` or
+    /// `NAME=VALUE` (NAME an identifier, VALUE without spaces or commas); `InvalidArgument` naming
+    /// the first that is not. A benchmark tool's variants: the kernels' own constants come from
+    /// the generated dsv4_consts.cuh, and a define of one of them fails to compile.
+    pub fn with_defines(mut self, defines: &[String]) -> Result<KernelCache> {
+        for d in defines {
+            let (name, value) = d.split_once('=').unwrap_or((d, ""));
+            let ident = name
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !ident || value.contains(|c: char| c.is_whitespace() || c == ',') {
+                return Err(Error::new(
+                    Status::InvalidArgument,
+                    format!("kernel define `{d}`: expected NAME or NAME=VALUE"),
+                ));
+            }
+        }
+        self.defines = defines.iter().map(|d| format!("-D{d}")).collect();
+        Ok(self)
+    }
+
+    /// The key of `src`'s CUBIN for `arch` under this cache's defines.
+    fn key(&self, src: &KernelSource, arch: &str, nvrtc: (i32, i32)) -> u64 {
+        let mut h = Fnv(src.cache_key(arch, nvrtc));
+        for d in &self.defines {
+            h.field(d.as_bytes());
+        }
+        h.0
+    }
+
+    /// `src` compiled for `arch` with this cache's defines.
+    fn compile(&self, src: &KernelSource, arch: &str) -> Result<Vec<u8>> {
+        let extra: Vec<&str> = self.defines.iter().map(String::as_str).collect();
+        src.compile_with_log(arch, &extra).map(|(cubin, _)| cubin)
     }
 
     pub fn dir(&self) -> Option<&Path> {
@@ -408,7 +456,7 @@ impl KernelCache {
             return Ok(None);
         };
         let v = nvrtc_version()?;
-        let key = src.cache_key(arch, v);
+        let key = self.key(src, arch, v);
         Ok(Some(
             dir.join(format!("{}-{arch}-{key:016x}.cubin", src.family)),
         ))
@@ -418,9 +466,9 @@ impl KernelCache {
     /// and stored.
     pub fn cubin(&self, src: &KernelSource, arch: &str) -> Result<(Vec<u8>, CacheOutcome)> {
         let v = nvrtc_version()?;
-        let key = src.cache_key(arch, v);
+        let key = self.key(src, arch, v);
         let Some(path) = self.path_for(src, arch)? else {
-            return Ok((src.compile(arch)?, CacheOutcome::Compiled));
+            return Ok((self.compile(src, arch)?, CacheOutcome::Compiled));
         };
         let outcome = match std::fs::read(&path) {
             Ok(bytes) => match decode_entry(&bytes, key) {
@@ -435,16 +483,16 @@ impl KernelCache {
             },
             Err(_) => CacheOutcome::Compiled,
         };
-        let cubin = src.compile(arch)?;
+        let cubin = self.compile(src, arch)?;
         self.store(&path, key, &cubin);
         Ok((cubin, outcome))
     }
 
     /// Compiles `src` again, ignoring any cache file, and rewrites the file.
     pub fn recompile(&self, src: &KernelSource, arch: &str) -> Result<Vec<u8>> {
-        let cubin = src.compile(arch)?;
+        let cubin = self.compile(src, arch)?;
         if let Some(path) = self.path_for(src, arch)? {
-            self.store(&path, src.cache_key(arch, nvrtc_version()?), &cubin);
+            self.store(&path, self.key(src, arch, nvrtc_version()?), &cubin);
         }
         Ok(cubin)
     }
@@ -839,6 +887,37 @@ mod tests {
         assert_ne!(k, B.cache_key("sm_90a", (13, 0)));
         assert_ne!(k, A.cache_key("sm_80", (13, 0)));
         assert_ne!(k, A.cache_key("sm_90a", (13, 1)));
+    }
+
+    #[test]
+    fn defines_key_apart_and_refuse_what_is_not_a_define() {
+        const A: KernelSource = KernelSource {
+            family: "a",
+            source: "x",
+            functions: &[],
+        };
+        let v = (13, 0);
+        let plain = KernelCache::disabled();
+        let d = |list: &[&str]| {
+            let list: Vec<String> = list.iter().map(|s| s.to_string()).collect();
+            KernelCache::disabled().with_defines(&list)
+        };
+        let one = d(&["FA_ABLATE=1"]).unwrap();
+        let two = d(&["FA_ABLATE=2"]).unwrap();
+        let flag = d(&["_X1"]).unwrap();
+        assert_eq!(plain.key(&A, "sm_90a", v), A.cache_key("sm_90a", v));
+        let keys = [&plain, &one, &two, &flag].map(|c| c.key(&A, "sm_90a", v));
+        for i in 0..keys.len() {
+            for j in 0..i {
+                assert_ne!(keys[i], keys[j], "caches {i} and {j} share a key");
+            }
+        }
+        assert_eq!(one.defines, ["-DFA_ABLATE=1"]);
+        for bad in ["", "=1", "1X=2", "A B", "A=1 2", "A=1,B=2", "A-B=1"] {
+            let e = d(&[bad]).unwrap_err();
+            assert_eq!(e.status, Status::InvalidArgument, "{bad:?}");
+            assert!(e.to_string().contains(&format!("`{bad}`")), "{e}");
+        }
     }
 
     #[test]

@@ -35,7 +35,7 @@
 
 use std::io::Write;
 
-use crate::bench_util::{Rng, alloc, e, time_graph};
+use crate::bench_util::{Rng, alloc, e, kernel_cache, time_graph};
 use dsv4::cuda::arena::{self, DevicePtr};
 use dsv4::cuda::context::Context;
 use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta};
@@ -45,7 +45,7 @@ use dsv4::cuda::kernels::fast_attention::{
 use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, HeadSum, ScaleFold, SelectPlan};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
-use dsv4::cuda::registry::{KernelCache, Registry};
+use dsv4::cuda::registry::Registry;
 use dsv4::cuda::stream::OwnedStream;
 
 const H: usize = 64;
@@ -123,7 +123,7 @@ pub fn run(
             &indexer::SOURCE,
             &fast_indexer::SOURCE,
         ],
-        &KernelCache::new(None),
+        &kernel_cache()?,
     )
     .map_err(e)?;
     let reference = Attention::new(&reg).map_err(e)?;

@@ -40,7 +40,7 @@
 use std::io::Write;
 
 use crate::bench_dense_chain;
-use crate::bench_util::{Rng, alloc, e, time_graph};
+use crate::bench_util::{Rng, alloc, e, kernel_cache, time_graph};
 use dsv4::cuda::arena;
 use dsv4::cuda::blockscaled_gemm::{self, BlockScaledGemm, GemmCall, GemmKind, GemmOut, GemmShape};
 use dsv4::cuda::context::Context;
@@ -51,7 +51,7 @@ use dsv4::cuda::kernels::fast_dense_gemm::{self, GemmWorkspace};
 use dsv4::cuda::kernels::fast_fp8_gemm::{self, FastFp8Gemm, TileShape};
 use dsv4::cuda::kernels::linear::{StorageFormat, WeightDev};
 use dsv4::cuda::read_probe::{self, ReadProbe};
-use dsv4::cuda::registry::{KernelCache, Registry};
+use dsv4::cuda::registry::Registry;
 use dsv4::cuda::stream::OwnedStream;
 
 /// One projection as the fast set runs it in a Flash layer.
@@ -232,7 +232,7 @@ pub fn run(
             &fast_fp8_gemm::SOURCE,
             &read_probe::SOURCE,
         ],
-        &KernelCache::new(None),
+        &kernel_cache()?,
     )
     .map_err(e)?;
     let dense = FastDense::new(&reg).map_err(e)?;

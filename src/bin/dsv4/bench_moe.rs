@@ -13,14 +13,14 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::bench_util::{alloc, e, time_replays};
+use crate::bench_util::{alloc, e, kernel_cache, time_replays};
 use dsv4::cuda::arena;
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
 use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeWorkspace, RouterPath};
 use dsv4::cuda::kernels::fast_moe_gemm::GemmPath;
 use dsv4::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
-use dsv4::cuda::registry::{KernelCache, Registry};
+use dsv4::cuda::registry::Registry;
 use dsv4::cuda::stream::OwnedStream;
 use dsv4::cuda::synthetic_moe::{HOT_EXPERT, MoeShape, Rng, Routing, SyntheticMoe};
 
@@ -107,7 +107,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
         .chain(FAST_FAMILIES.iter())
         .copied()
         .collect();
-    let reg = Registry::load_families(&ctx, &families, &KernelCache::new(None)).map_err(e)?;
+    let reg = Registry::load_families(&ctx, &families, &kernel_cache()?).map_err(e)?;
     let fast = FastMoe::new(&reg).map_err(e)?;
     let t0 = Instant::now();
     let layer = SyntheticMoe::new(&ctx, s, sh, 0x5EED).map_err(e)?;

@@ -4,9 +4,46 @@
 use dsv4::cuda::arena::{Arena, ArenaPlan, DevicePtr};
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
+use dsv4::cuda::registry::KernelCache;
 use dsv4::cuda::stream::BorrowedStream;
 use dsv4::cuda::timer::DeviceTimer;
+use std::sync::OnceLock;
 use std::time::Instant;
+
+/// The kernel benches' `--defines NAME[=VALUE],...` (set once by main).
+static DEFINES: OnceLock<Vec<String>> = OnceLock::new();
+
+/// Sets the kernel benches' preprocessor defines from `--defines` (comma-separated): every
+/// family they compile gets them (kernels' `#if` variants timed from one build). When any are
+/// given, the bench prints them first as a JSON line (`"bench": "defines"`), so its lines are
+/// never mistaken for the default kernels'.
+pub fn set_kernel_defines(list: Option<&str>) -> Result<(), String> {
+    let v: Vec<String> = list
+        .map(|l| {
+            l.split(',')
+                .filter(|d| !d.is_empty())
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default();
+    KernelCache::disabled().with_defines(&v).map_err(e)?;
+    if !v.is_empty() {
+        let quoted: Vec<String> = v.iter().map(|d| format!("\"{d}\"")).collect();
+        println!(
+            "{{\"bench\": \"defines\", \"defines\": [{}]}}",
+            quoted.join(", ")
+        );
+    }
+    DEFINES
+        .set(v)
+        .map_err(|_| "kernel defines set twice".to_string())
+}
+
+/// The kernel cache the benches compile through: the default directory, with `--defines`.
+pub fn kernel_cache() -> Result<KernelCache, String> {
+    let d = DEFINES.get().map(Vec::as_slice).unwrap_or_default();
+    KernelCache::new(None).with_defines(d).map_err(e)
+}
 
 /// A library error as the CLI prints it.
 pub fn e(x: dsv4::Error) -> String {

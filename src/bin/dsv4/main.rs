@@ -20,6 +20,9 @@
 //!   per case (bench_dense.rs); `--read-probe` adds each projection's bytes read by a kernel that
 //!   only reads them, at N blocks an SM; `--lt-candidates` times cuBLASLt's first N algorithms
 //!   for each GEMM shape, f32 and BF16 output.
+//! - `bench moe`, `bench dense` and `bench attn` take `--defines NAME[=VALUE],...`: preprocessor
+//!   defines for every kernel family they compile (cached apart), so one build times several
+//!   `#if` variants of a kernel in one device call (bench_util.rs).
 
 mod bench_attn;
 mod bench_dense;
@@ -50,7 +53,9 @@ const USAGE: &str = "usage:
   dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--read-probe N[,N...]] [--lt-candidates N]
                    [--device cuda[:N]]
   dsv4 bench attn [--contexts N[,N...]] [--batches N[,N...]] [--indexer-chunks N[,N...]]
-                  [--device cuda[:N]]";
+                  [--device cuda[:N]]
+  (bench moe, dense and attn also take --defines NAME[=VALUE][,...]: preprocessor defines for
+   every kernel they compile, to time a kernel's #if variants from one build)";
 
 struct Args {
     cmd: String,
@@ -688,6 +693,13 @@ fn cuda_device(a: &Args, what: &str) -> Result<i32, String> {
 }
 
 fn bench(a: &Args) -> Result<(), String> {
+    if matches!(a.sub.as_deref(), Some("moe" | "dense" | "attn")) {
+        bench_util::set_kernel_defines(a.get("defines"))?;
+    } else if a.get("defines").is_some() {
+        return Err(format!(
+            "--defines is for bench moe, dense and attn\n{USAGE}"
+        ));
+    }
     match a.sub.as_deref() {
         None => {}
         Some("moe") => {
