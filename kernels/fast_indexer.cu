@@ -1008,7 +1008,12 @@ DSV4_INLINE void fi_stream_score(const float* qi, const float* iw, const unsigne
 // host runs the plain kernels at others), HI <= FI_MAX_HEADS. Scores as fi_score_fold_tc_kernel's (its comment),
 // within the same bound; each tile's decisions (fold or not) are its own. Block y of a token takes its tiles y,
 // y + gridDim.y, ...
-extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, 2)
+// FI_STREAM_MIN_BLOCKS: the blocks an SM ptxas must leave room for (its register cap). 2 (123 registers, no
+// spills); `dsv4 bench attn --defines FI_STREAM_MIN_BLOCKS=3` times three (80 registers, with spills).
+#ifndef FI_STREAM_MIN_BLOCKS
+#define FI_STREAM_MIN_BLOCKS 2
+#endif
+extern "C" __global__ void __launch_bounds__(FI_STREAM_THREADS, FI_STREAM_MIN_BLOCKS)
     fi_score_stream_kernel(const float* qi, const float* iw, const unsigned char* ikeys, const int* itable, int ipps,
                            const int* positions, const int* seq_of, const int* seq_slots, int T, int HI, int DI,
                            int ratio, int maxe, float* scores) {
