@@ -440,9 +440,9 @@ DSV4_INLINE void fa_cluster_combine(int t, int H, int hd, int splits, const floa
   }
   __syncthreads();
   // This block's float4 columns: quads q0 .. q1 - 1 of the hd / 4 (hd % 32 == 0), split evenly.
-  const int quads = hd / 4, q0 = (int)rank * quads / splits, q4 = ((int)rank + 1) * quads / splits - q0;
-  for (int idx = tid; idx < H * q4; idx += FA_THREADS) {
-    const int h = idx / q4, c = 4 * (q0 + idx - h * q4);
+  const int quads = hd / 4, q0 = (int)rank * quads / splits, nq = ((int)rank + 1) * quads / splits - q0;
+  for (int idx = tid; idx < H * nq; idx += FA_THREADS) {
+    const int h = idx / nq, c = 4 * (q0 + idx - h * nq);
     float* orow = o + ((long long)t * H + h) * hd + c;
     if (max_sh[h] == -DSV4_F32_INF) {
       *(float4*)orow = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
