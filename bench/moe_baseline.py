@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -53,6 +54,11 @@ def parse_cases(*required):
     ap.add_argument("--commit", default=os.environ.get("DSV4_COMMIT", "unknown"))
     args = ap.parse_args()
     cases = [json.loads(l) for l in open(args.cases) if l.startswith("{")]
+    # A bench run with `--defines` timed kernel variants, not the kernels its results would
+    # name: no baseline file for it.
+    variant = [c["defines"] for c in cases if c.get("bench") == "defines"]
+    if variant:
+        sys.exit(f"{args.cases}: timed with --defines {variant[0]}; the baselines are for the default kernels")
     return args, cases
 
 
