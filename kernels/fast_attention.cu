@@ -314,6 +314,24 @@ DSV4_INLINE void fa_softmax_tile(float (&sc)[4][4], float* xs, int tid, int half
   }
 }
 
+// The combine's two steps, shared by fa_combine_kernel and fa_cluster_combine (so the two give the same
+// bits): split s's weight w = exp(m_s - m) and denominator term l_s w (both 0 for a split without keys,
+// m_s = -inf), and v += p w for a float4 of its unnormalised O (skipped at w = 0: that partial was never
+// written).
+DSV4_INLINE float fa_split_weight(float2 ml_s, float m, float& term) {
+  const bool empty = ml_s.x == -DSV4_F32_INF;
+  const float w = empty ? 0.0f : expf(__fsub_rn(ml_s.x, m));
+  term = empty ? 0.0f : __fmul_rn(ml_s.y, w);
+  return w;
+}
+DSV4_INLINE void fa_add_weighted(float4& v, const float4& p, float w) {
+  if (w == 0.0f) return;
+  v.x = __fadd_rn(v.x, __fmul_rn(p.x, w));
+  v.y = __fadd_rn(v.y, __fmul_rn(p.y, w));
+  v.z = __fadd_rn(v.z, __fmul_rn(p.z, w));
+  v.w = __fadd_rn(v.w, __fmul_rn(p.w, w));
+}
+
 // ------------------------------------------------------------------------- the split combine in a cluster
 // A token's splits launched as one cluster (1, splits, 1) (fast_attention.rs: up to FA_CLUSTER_MAX_SPLITS)
 // leave their partials in their own shared memory (the loop's buffers, free by then; the host sizes the
@@ -429,10 +447,9 @@ DSV4_INLINE void fa_cluster_combine(int t, int H, int hd, int splits, const floa
 #pragma unroll
     for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
       if (s < splits) {
-        const bool empty = v[s].x == -DSV4_F32_INF;
-        const float w = empty ? 0.0f : expf(__fsub_rn(v[s].x, m));
-        wsh[s * FA_MAX_HEADS + h] = w;
-        den = __fadd_rn(den, empty ? 0.0f : __fmul_rn(v[s].y, w));
+        float term;
+        wsh[s * FA_MAX_HEADS + h] = fa_split_weight(v[s], m, term);
+        den = __fadd_rn(den, term);
       }
     if (m != -DSV4_F32_INF) den = __fadd_rn(den, expf(__fsub_rn(sinks[h], m)));
     den_sh[h] = den;
@@ -454,15 +471,8 @@ DSV4_INLINE void fa_cluster_combine(int t, int H, int hd, int splits, const floa
       if (s < splits) p[s] = ld_cluster_f32x4(cluster_map(base + 4u * (h * fa_cl_row(hd) + c), (unsigned)s));
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-    for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s) {
-      const float w = s < splits ? wsh[s * FA_MAX_HEADS + h] : 0.0f;
-      if (w != 0.0f) {  // (an empty split's partial was never written)
-        v.x = __fadd_rn(v.x, __fmul_rn(p[s].x, w));
-        v.y = __fadd_rn(v.y, __fmul_rn(p[s].y, w));
-        v.z = __fadd_rn(v.z, __fmul_rn(p[s].z, w));
-        v.w = __fadd_rn(v.w, __fmul_rn(p[s].w, w));
-      }
-    }
+    for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
+      if (s < splits) fa_add_weighted(v, p[s], wsh[s * FA_MAX_HEADS + h]);
     const float den = den_sh[h];
     *(float4*)orow = make_float4(round_bf16(__fdiv_rn(v.x, den)), round_bf16(__fdiv_rn(v.y, den)),
                                  round_bf16(__fdiv_rn(v.z, den)), round_bf16(__fdiv_rn(v.w, den)));
@@ -1146,8 +1156,8 @@ extern "C" __global__ void fa_combine_kernel(const float* part_o, const float* p
     float m = v.x;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    const float w = v.x == -DSV4_F32_INF ? 0.0f : expf(__fsub_rn(v.x, m));
-    const float term = v.x == -DSV4_F32_INF ? 0.0f : __fmul_rn(v.y, w);
+    float term;
+    const float w = fa_split_weight(v, m, term);
     if (s < FA_MAX_SPLITS) wsh[s] = w;
     // den in split order, every lane adding each lane's term in turn. An empty split's term is
     // +0, and den (a sum of non-negative terms from +0) + 0 == den: the serial form's skip.
@@ -1176,16 +1186,8 @@ extern "C" __global__ void fa_combine_kernel(const float* part_o, const float* p
       for (int u = 0; u < FA_COMBINE_LOADS; ++u)
         if (s0 + u < splits) p[u] = *(const float4*)(part_o + ((base + s0 + u) * H + h) * hd + c);
 #pragma unroll
-      for (int u = 0; u < FA_COMBINE_LOADS; ++u) {
-        const int s = s0 + u;
-        const float w = s < splits ? wsh[s] : 0.0f;
-        if (w != 0.0f) {  // (an empty split's partial was never written)
-          v.x = __fadd_rn(v.x, __fmul_rn(p[u].x, w));
-          v.y = __fadd_rn(v.y, __fmul_rn(p[u].y, w));
-          v.z = __fadd_rn(v.z, __fmul_rn(p[u].z, w));
-          v.w = __fadd_rn(v.w, __fmul_rn(p[u].w, w));
-        }
-      }
+      for (int u = 0; u < FA_COMBINE_LOADS; ++u)
+        if (s0 + u < splits) fa_add_weighted(v, p[u], wsh[s0 + u]);
     }
     *(float4*)(orow + c) = make_float4(round_bf16(__fdiv_rn(v.x, den)), round_bf16(__fdiv_rn(v.y, den)),
                                        round_bf16(__fdiv_rn(v.z, den)), round_bf16(__fdiv_rn(v.w, den)));

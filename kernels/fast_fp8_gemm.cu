@@ -133,10 +133,8 @@ struct FfgWalk {
 template <bool PAIR>
 DSV4_INLINE FfgWalk ffg_walk(int mt, int nt) {
   if (!PAIR) return {(int)blockIdx.x, (int)gridDim.x, mt * nt, 0, 0};
-  unsigned rank;
-  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
   const int mpairs = (mt + 1) / 2;
-  return {(int)blockIdx.x >> 1, (int)gridDim.x >> 1, mpairs * nt, mpairs, (int)rank};
+  return {(int)blockIdx.x >> 1, (int)gridDim.x >> 1, mpairs * nt, mpairs, (int)cluster_rank()};
 }
 
 template <int BM, int BN, bool PAIR>
