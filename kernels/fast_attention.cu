@@ -347,6 +347,123 @@ DSV4_INLINE int fa_cl_row(int hd) { return hd + 8; }  // f32 a partial row
 DSV4_INLINE int fa_cl_ml(int hd) { return 4 * FA_MAX_HEADS * fa_cl_row(hd); }
 DSV4_INLINE int fa_cl_w(int hd) { return fa_cl_ml(hd) + 8 * FA_MAX_HEADS; }
 
+// FA_SOFTMAX_SPLIT (default 1: 1.5-2.5% faster at 64 tokens on an H100, BENCHMARKS.md 2026-12-05; `dsv4 bench attn
+// --defines FA_SOFTMAX_SPLIT=0` times the unshared form, fa_softmax_tile): the two warps of a head group (dims halves w
+// and w + 4, which hold the same 16 heads x 32 keys of S, each its half-dims part) share the softmax instead of both
+// computing all of it: warp half h takes keys 16 h .. 16 h + 15 of the tile (its n-blocks 2h, 2h + 1) and P V's k16
+// step h. Three exchanges through xs: the S parts of the partner's keys (8 values, the first `exchange`, which the
+// kernels also use as their tile barrier), the rows' maxima over each warp's keys (2; `pair`), and the packed P of each
+// warp's k16 step (4 words; `pair`). The same S, maxima, p and P as fa_softmax_tile; each warp's exp sums cover its own
+// keys, and fa_pair_lsum adds the two in a fixed order (half 0's first) before fa_finish, so the denominators round
+// otherwise (within the bound's ε_den: the same terms in another order).
+#ifndef FA_SOFTMAX_SPLIT
+#define FA_SOFTMAX_SPLIT 1
+#endif
+// xs slots (of 16 a thread): 0 .. 7 the S parts, 8, 9 the maxima, 10 .. 13 P, 14, 15 the exp sums.
+template <class Exchange, class Pair, class BeforeO>
+DSV4_INLINE void fa_softmax_tile_split(float (&sc)[4][4], float* xs, int tid, int half, int cq, int j0, int nk,
+                                       float scale, float (&mrow)[2], float (&lrow)[2],
+                                       float (&acc)[FA_MAX_HD / 16][4], unsigned (&pa)[2][4], Exchange exchange,
+                                       Pair pair, BeforeO before_o) {
+  float* mine = xs + tid;
+  const float* other = xs + (tid ^ (FA_THREADS / 2));
+  const int own = 2 * half;  // this warp's first n-block (its keys: 8 own .. 8 own + 15 of the tile)
+  // (Selects between constant indices: a runtime index into sc would take S's wgmma accumulators out of
+  // registers.)
+#pragma unroll
+  for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mine[(nn * 4 + e) * FA_THREADS] = half == 0 ? sc[2 + nn][e] : sc[nn][e];
+  exchange();
+  float v[2][4];  // S of this warp's keys: v[nn][e] is key j0 + 8 (own + nn) + 2 cq + (e & 1)
+#pragma unroll
+  for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = j0 + 8 * (own + nn) + 2 * cq + (e & 1);
+      // (lo + hi in either order: IEEE addition commutes.)
+      const float part = half == 0 ? sc[nn][e] : sc[2 + nn][e];
+      v[nn][e] = j < nk ? __fmul_rn(__fadd_rn(part, other[(nn * 4 + e) * FA_THREADS]), scale) : -DSV4_F32_INF;
+    }
+  float mx[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float m = fmaxf(fmaxf(v[0][2 * r], v[0][2 * r + 1]), fmaxf(v[1][2 * r], v[1][2 * r + 1]));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    mine[(8 + r) * FA_THREADS] = m;  // -inf where all 16 of this warp's keys lie past nk
+    mx[r] = m;
+  }
+  pair();
+  float corr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m = fmaxf(mx[r], other[(8 + r) * FA_THREADS]);  // finite: the tile holds a real key
+    const float mnew = m > mrow[r] + FA_LAZY_MAX ? m : mrow[r];
+    corr[r] = mrow[r] == -DSV4_F32_INF ? 0.0f : mnew == mrow[r] ? 1.0f : fa_exp(__fsub_rn(mrow[r], mnew));
+    mrow[r] = mnew;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn) {
+      const float e0 = fa_exp(__fsub_rn(v[nn][2 * r], mnew));
+      const float e1 = fa_exp(__fsub_rn(v[nn][2 * r + 1], mnew));
+      sum = __fadd_rn(__fadd_rn(sum, e0), e1);
+      v[nn][2 * r] = e0;
+      v[nn][2 * r + 1] = e1;
+    }
+    lrow[r] = __fadd_rn(__fmul_rn(lrow[r], corr[r]), sum);
+  }
+  // This warp's k16 step of P V (keys 16 half ..), then the partner's from it.
+  const unsigned p4[4] = {pack_bf16x2(v[0][0], v[0][1]), pack_bf16x2(v[0][2], v[0][3]),
+                          pack_bf16x2(v[1][0], v[1][1]), pack_bf16x2(v[1][2], v[1][3])};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) mine[(10 + k) * FA_THREADS] = __uint_as_float(p4[k]);
+  pair();
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const unsigned q = __float_as_uint(other[(10 + k) * FA_THREADS]);
+    pa[0][k] = half == 0 ? p4[k] : q;
+    pa[1][k] = half == 0 ? q : p4[k];
+  }
+  before_o();
+  if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int n = 0; n < FA_MAX_HD / 16; ++n) {
+        acc[n][2 * r] = __fmul_rn(acc[n][2 * r], corr[r]);
+        acc[n][2 * r + 1] = __fmul_rn(acc[n][2 * r + 1], corr[r]);
+      }
+  }
+}
+
+// With FA_SOFTMAX_SPLIT, a thread's exp sums cover its warp's keys only: add the partner's (the same rows and
+// column pair over the other keys), half 0's first, so both warps hold the same sums. `pair` is the barrier
+// of the two warps; xs is free (past the loop).
+template <class Pair>
+DSV4_INLINE void fa_pair_lsum(float (&lrow)[2], float* xs, int tid, int half, Pair pair) {
+  if (!FA_SOFTMAX_SPLIT) return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) xs[(14 + r) * FA_THREADS + tid] = lrow[r];
+  pair();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float o = xs[(14 + r) * FA_THREADS + (tid ^ (FA_THREADS / 2))];
+    lrow[r] = half == 0 ? __fadd_rn(lrow[r], o) : __fadd_rn(o, lrow[r]);
+  }
+}
+
+// The tile's softmax step as FA_SOFTMAX_SPLIT picks (`pair`: the two warps' barrier; unused without it).
+template <class Exchange, class Pair, class BeforeO>
+DSV4_INLINE void fa_softmax(float (&sc)[4][4], float* xs, int tid, int half, int cq, int j0, int nk, float scale,
+                            float (&mrow)[2], float (&lrow)[2], float (&acc)[FA_MAX_HD / 16][4], unsigned (&pa)[2][4],
+                            Exchange exchange, Pair pair, BeforeO before_o) {
+  if (FA_SOFTMAX_SPLIT)
+    fa_softmax_tile_split(sc, xs, tid, half, cq, j0, nk, scale, mrow, lrow, acc, pa, exchange, pair, before_o);
+  else
+    fa_softmax_tile(sc, xs, tid, half, cq, j0, nk, scale, mrow, lrow, acc, pa, exchange, before_o);
+}
+
 // The block's result for a thread's two head rows (hg * 16 + g, + 8), dims dim0 + 8n + 2cq (+1) for
 // 8n < hd / 2: splits == 1 writes o = bf16(O / (Σ e + exp(sink - max))); else the unnormalised O and
 // (max, Σ e): to part_o and part_ml for fa_combine_kernel, or with `cl` (a cluster launch: the block's
@@ -500,6 +617,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hg = warp & 3, half = warp >> 2;  // head group (16 heads), dims half
   const int g = lane >> 2, cq = lane & 3;      // mma fragment row / column pair
+  const auto pair = [warp] { named_barrier(1u + (warp & 3), 64); };  // warps w, w + 4 (FA_SOFTMAX_SPLIT)
   const int stride = fa_row_stride(hd);
   unsigned short* qs = (unsigned short*)fa_smem;
   unsigned short* ks = qs + FA_MAX_HEADS * stride;
@@ -575,7 +693,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
       mma_bf16_16816(sc[3], a, b23[2], b23[3]);
     }
     unsigned pa[2][4];  // P as the A fragments of the two k16 steps of P V
-    fa_softmax_tile(sc, xs, tid, half, cq, j0, nk, scale, mrow, lrow, acc, pa, [] { __syncthreads(); }, [] {});
+    fa_softmax(sc, xs, tid, half, cq, j0, nk, scale, mrow, lrow, acc, pa, [] { __syncthreads(); }, pair, [] {});
     // O += P V over this warp's dims (n-tile pairs of 16 dims).
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
@@ -589,6 +707,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         }
       }
   }
+  fa_pair_lsum(lrow, xs, tid, half, pair);
   if (cl != nullptr) {
     cp_async_wait<0>();
     __syncthreads();  // every warp past its last read of K: the shared memory takes the partials
@@ -695,6 +814,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hg = warp & 3, half = warp >> 2;  // head group (16 rows of the m64), warpgroup = dims half
   const int g = lane >> 2, cq = lane & 3;      // accumulator fragment row / column pair
+  const auto pair = [warp] { named_barrier(1u + (warp & 3), 64); };  // warps w, w + 4 (FA_SOFTMAX_SPLIT)
   unsigned char* qs = fa_smem;
   unsigned char* ks = qs + FA_WG_Q_BYTES;
   float* xs = (float*)(ks + 2 * FA_WG_K_TILE);
@@ -788,8 +908,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     wgmma_fence_operand(sc);
     unsigned pa[2][4];
     // (Its barrier: K buffer b ^ 1 and the new addresses complete.)
-    fa_softmax_tile(sc, xs, tid, half, cq, tile * FA_TILE_KEYS, nk, scale, mrow, lrow, acc, pa, [] { __syncthreads(); },
-                    [] {});
+    fa_softmax(sc, xs, tid, half, cq, tile * FA_TILE_KEYS, nk, scale, mrow, lrow, acc, pa, [] { __syncthreads(); },
+               pair, [] {});
     fa_fetch<FA_THREADS / FA_TILE_KEYS>(sl, sf, raw, raw_stride, rcur, rcur, tid);  // tile i + FA_WG_RAW
     // P V(i) over this warpgroup's dims, two k16 steps of 16 keys (2048 bytes of rows apart), then
     // S(i + 1) (past the split: zero keys, never read).
@@ -808,6 +928,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   wgmma_wait<0>();  // the S past the last tile
   wgmma_fence_operand(sc);
   cp_async_wait<0>();
+  fa_pair_lsum(lrow, xs, tid, half, pair);
   if (cl != nullptr) __syncthreads();  // both warpgroups' wgmmas done with K: the shared memory takes the partials
   fa_finish(acc, mrow, lrow, t, H, hd, hg, g, cq, half, dim0, part, splits, sinks, part_o, ml, o, cl);
   if (cl != nullptr) fa_cluster_combine(t, H, hd, splits, sinks, o, cl, tid);
@@ -1070,7 +1191,7 @@ DSV4_INLINE void fa_attention_ws(const float* q, const float* kv, const unsigned
     if (!EARLY_PV) next_s();
     unsigned pa[2][4];
     named_barrier(pair_bar, 64);  // the partner has read the last tile's S half from xs
-    fa_softmax_tile(
+    fa_softmax(
         sc, m.xs, tid, half, cq, tile * FA_TILE_KEYS, nk, scale, mrow, lrow, acc, pa,
         [&] {
           named_barrier(pair_bar, 64);
@@ -1080,6 +1201,7 @@ DSV4_INLINE void fa_attention_ws(const float* q, const float* kv, const unsigned
             next_s();
           }
         },
+        [&] { named_barrier(pair_bar, 64); },
         [&] {
           wgmma_wait<0>();  // S(i + 1), and (!EARLY_PV) P V(i - 1)
           if (!EARLY_PV) pv_done();
@@ -1102,6 +1224,7 @@ DSV4_INLINE void fa_attention_ws(const float* q, const float* kv, const unsigned
   }
   wgmma_wait<0>();
   wgmma_fence_operand(acc);
+  fa_pair_lsum(lrow, m.xs, tid, half, [&] { named_barrier(pair_bar, 64); });
   fa_finish(acc, mrow, lrow, t, H, hd, hg, g, cq, half, dim0, part, splits, sinks, part_o, ml, o);
 }
 
