@@ -1309,8 +1309,8 @@ extern "C" __global__ void fa_combine_kernel(const float* part_o, const float* p
       for (int u = 0; u < FA_COMBINE_LOADS; ++u)
         if (s0 + u < splits) p[u] = *(const float4*)(part_o + ((base + s0 + u) * H + h) * hd + c);
 #pragma unroll
-      for (int u = 0; u < FA_COMBINE_LOADS; ++u)
-        if (s0 + u < splits) fa_add_weighted(v, p[u], wsh[s0 + u]);
+      for (int u = 0; u < FA_COMBINE_LOADS; ++u)  // (the weight as a select, not a branch: 91a4ca4's
+        fa_add_weighted(v, p[u], s0 + u < splits ? wsh[s0 + u] : 0.0f);  // branch cost 0.8 us at T = 1)
     }
     *(float4*)(orow + c) = make_float4(round_bf16(__fdiv_rn(v.x, den)), round_bf16(__fdiv_rn(v.y, den)),
                                        round_bf16(__fdiv_rn(v.z, den)), round_bf16(__fdiv_rn(v.w, den)));
