@@ -347,15 +347,15 @@ DSV4_INLINE int fa_cl_row(int hd) { return hd + 8; }  // f32 a partial row
 DSV4_INLINE int fa_cl_ml(int hd) { return 4 * FA_MAX_HEADS * fa_cl_row(hd); }
 DSV4_INLINE int fa_cl_w(int hd) { return fa_cl_ml(hd) + 8 * FA_MAX_HEADS; }
 
-// FA_SOFTMAX_SPLIT (default 1: 1.5-2.5% faster at 64 tokens on an H100, BENCHMARKS.md 2026-12-05; `dsv4 bench attn
-// --defines FA_SOFTMAX_SPLIT=0` times the unshared form, fa_softmax_tile): the two warps of a head group (dims halves w
-// and w + 4, which hold the same 16 heads x 32 keys of S, each its half-dims part) share the softmax instead of both
-// computing all of it: warp half h takes keys 16 h .. 16 h + 15 of the tile (its n-blocks 2h, 2h + 1) and P V's k16
-// step h. Three exchanges through xs: the S parts of the partner's keys (8 values, the first `exchange`, which the
-// kernels also use as their tile barrier), the rows' maxima over each warp's keys (2; `pair`), and the packed P of each
-// warp's k16 step (4 words; `pair`). The same S, maxima, p and P as fa_softmax_tile; each warp's exp sums cover its own
-// keys, and fa_pair_lsum adds the two in a fixed order (half 0's first) before fa_finish, so the denominators round
-// otherwise (within the bound's ε_den: the same terms in another order).
+// FA_SOFTMAX_SPLIT (default 1; `dsv4 bench attn --defines FA_SOFTMAX_SPLIT=0` times the unshared form, fa_softmax_tile:
+// 0.3-1% slower at 64 tokens on an H100 in the same build, BENCHMARKS.md 2026-12-05): the two warps of a head group
+// (dims halves w and w + 4, which hold the same 16 heads x 32 keys of S, each its half-dims part) share the softmax
+// instead of both computing all of it: warp half h takes keys 16 h .. 16 h + 15 of the tile (its n-blocks 2h, 2h + 1)
+// and P V's k16 step h. Three exchanges through xs: the S parts of the partner's keys (8 values, the first `exchange`,
+// which the kernels also use as their tile barrier), the rows' maxima over each warp's keys (2; `pair`), and the packed
+// P of each warp's k16 step (4 words; `pair`). The same S, maxima, p and P as fa_softmax_tile; each warp's exp sums
+// cover its own keys, and fa_pair_lsum adds the two in a fixed order (half 0's first) before fa_finish, so the
+// denominators round otherwise (within the bound's ε_den: the same terms in another order).
 #ifndef FA_SOFTMAX_SPLIT
 #define FA_SOFTMAX_SPLIT 1
 #endif
