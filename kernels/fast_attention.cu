@@ -240,6 +240,41 @@ DSV4_INLINE float fa_exp(float x) {
 // and the sink take each split's m as it is.
 #define FA_LAZY_MAX 5.5f
 
+// Row r (of the fragment's two, r = e >> 1) of a tile's softmax over the column pairs of s (N blocks of 8
+// keys): the lazy running max moves to mx only past FA_LAZY_MAX (fa_exp), s becomes p = e^(s - m) in
+// place, and lrow takes the tile's exp sum (keys in order); returns O's correction factor (1 where the max
+// stays, 0 on the first tile).
+template <int N>
+DSV4_INLINE float fa_row_step(float (&s)[N][4], int r, float mx, float& mrow, float& lrow) {
+  const float mnew = mx > mrow + FA_LAZY_MAX ? mx : mrow;
+  const float corr = mrow == -DSV4_F32_INF ? 0.0f : mnew == mrow ? 1.0f : fa_exp(__fsub_rn(mrow, mnew));
+  mrow = mnew;
+  float sum = 0.0f;
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    const float e0 = fa_exp(__fsub_rn(s[n][2 * r], mnew));
+    const float e1 = fa_exp(__fsub_rn(s[n][2 * r + 1], mnew));
+    sum = __fadd_rn(__fadd_rn(sum, e0), e1);
+    s[n][2 * r] = e0;
+    s[n][2 * r + 1] = e1;
+  }
+  lrow = __fadd_rn(__fmul_rn(lrow, corr), sum);
+  return corr;
+}
+
+// O's two rows times their correction factors, skipped when no row's max moved in the whole warp (every
+// factor is then exactly 1).
+DSV4_INLINE void fa_rescale_o(float (&acc)[FA_MAX_HD / 16][4], const float (&corr)[2]) {
+  if (!__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int n = 0; n < FA_MAX_HD / 16; ++n) {
+      acc[n][2 * r] = __fmul_rn(acc[n][2 * r], corr[r]);
+      acc[n][2 * r + 1] = __fmul_rn(acc[n][2 * r + 1], corr[r]);
+    }
+}
+
 // One tile's softmax step for a thread's two head rows (g and g + 8 of its warp's 16), shared by both
 // kernels: sc holds this warp's half-dims part of S (sc[n][e]: key 8n + 2cq + (e & 1), row g + 8 (e >> 1)),
 // exchanged through xs with the warp of the other dims half (tid ^ FA_THREADS / 2: the same heads) so both
@@ -280,31 +315,10 @@ DSV4_INLINE void fa_softmax_tile(float (&sc)[4][4], float* xs, int tid, int half
     for (int n = 0; n < 4; ++n) mx = fmaxf(mx, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    // mx is finite: every tile holds a real key. The max moves only past FA_LAZY_MAX (fa_exp).
-    const float mnew = mx > mrow[r] + FA_LAZY_MAX ? mx : mrow[r];
-    corr[r] = mrow[r] == -DSV4_F32_INF ? 0.0f : mnew == mrow[r] ? 1.0f : fa_exp(__fsub_rn(mrow[r], mnew));
-    mrow[r] = mnew;
-    float sum = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const float e0 = fa_exp(__fsub_rn(sc[n][2 * r], mnew));
-      const float e1 = fa_exp(__fsub_rn(sc[n][2 * r + 1], mnew));
-      sum = __fadd_rn(__fadd_rn(sum, e0), e1);
-      sc[n][2 * r] = e0;
-      sc[n][2 * r + 1] = e1;
-    }
-    lrow[r] = __fadd_rn(__fmul_rn(lrow[r], corr[r]), sum);
+    corr[r] = fa_row_step(sc, r, mx, mrow[r], lrow[r]);  // (mx is finite: every tile holds a real key)
   }
   before_o();
-  if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int n = 0; n < FA_MAX_HD / 16; ++n) {
-        acc[n][2 * r] = __fmul_rn(acc[n][2 * r], corr[r]);
-        acc[n][2 * r + 1] = __fmul_rn(acc[n][2 * r + 1], corr[r]);
-      }
-  }
+  fa_rescale_o(acc, corr);
 #pragma unroll
   for (int kk = 0; kk < 2; ++kk) {
     pa[kk][0] = pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]);
@@ -399,19 +413,7 @@ DSV4_INLINE void fa_softmax_tile_split(float (&sc)[4][4], float* xs, int tid, in
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float m = fmaxf(mx[r], other[(8 + r) * FA_THREADS]);  // finite: the tile holds a real key
-    const float mnew = m > mrow[r] + FA_LAZY_MAX ? m : mrow[r];
-    corr[r] = mrow[r] == -DSV4_F32_INF ? 0.0f : mnew == mrow[r] ? 1.0f : fa_exp(__fsub_rn(mrow[r], mnew));
-    mrow[r] = mnew;
-    float sum = 0.0f;
-#pragma unroll
-    for (int nn = 0; nn < 2; ++nn) {
-      const float e0 = fa_exp(__fsub_rn(v[nn][2 * r], mnew));
-      const float e1 = fa_exp(__fsub_rn(v[nn][2 * r + 1], mnew));
-      sum = __fadd_rn(__fadd_rn(sum, e0), e1);
-      v[nn][2 * r] = e0;
-      v[nn][2 * r + 1] = e1;
-    }
-    lrow[r] = __fadd_rn(__fmul_rn(lrow[r], corr[r]), sum);
+    corr[r] = fa_row_step(v, r, m, mrow[r], lrow[r]);
   }
   // This warp's k16 step of P V (keys 16 half ..), then the partner's from it.
   const unsigned p4[4] = {pack_bf16x2(v[0][0], v[0][1]), pack_bf16x2(v[0][2], v[0][3]),
@@ -426,15 +428,7 @@ DSV4_INLINE void fa_softmax_tile_split(float (&sc)[4][4], float* xs, int tid, in
     pa[1][k] = half == 0 ? q : p4[k];
   }
   before_o();
-  if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int n = 0; n < FA_MAX_HD / 16; ++n) {
-        acc[n][2 * r] = __fmul_rn(acc[n][2 * r], corr[r]);
-        acc[n][2 * r + 1] = __fmul_rn(acc[n][2 * r + 1], corr[r]);
-      }
-  }
+  fa_rescale_o(acc, corr);
 }
 
 // With FA_SOFTMAX_SPLIT, a thread's exp sums cover its warp's keys only: add the partner's (the same rows and
