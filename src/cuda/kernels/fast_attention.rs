@@ -43,9 +43,10 @@ pub const MAX_SPLITS: usize = 32;
 /// twenty-ninth part). 64 tokens of 2 splits: CSA 64K 63.74 -> 55.78 us, HCA 8K 38.28 -> 28.74. But
 /// 16 tokens of 8 splits took 46.4 us in clusters against 26.8 through the workspace (CSA 8K):
 /// the blocks take a whole SM each, a GPC (16-18 SMs) holds two clusters of 8, so 16 such
-/// clusters do not all fit at once. Clusters of 4 (17-32 tokens) are not measured yet (branch
-/// `next/attn-cluster-4`); raising this constant admits them (the kernels size their combine's
-/// arrays by it, up to the portable 8).
+/// clusters do not all fit at once. Clusters of 4 (17-32 tokens) lose the same way: 32 tokens
+/// 39.70 -> 61.76 us (CSA 8K, H100, BENCHMARKS.md 2026-12-05, thirtieth part). Raising this
+/// constant admits larger clusters (the kernels size their combine's arrays by it, up to the
+/// portable 8).
 pub const CLUSTER_MAX_SPLITS: usize = 2;
 
 /// How a token's split partials are combined.
