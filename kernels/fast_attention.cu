@@ -32,12 +32,6 @@
 
 // FA_THREADS, FA_TILE_KEYS, FA_MAX_HEADS, FA_MAX_HD (dsv4_consts.cuh).
 #define FA_WARPS (FA_THREADS / 32)
-// The prologue's Q rows (fa_load_q): warp w takes rows w + a FA_WARPS + ROWS FA_WARPS i (a < ROWS), lane
-// l the 16-byte words l + 32 u of each (4 ROWS loads in flight a thread at hd = 512; no index division).
-#if FA_MAX_HEADS % (2 * FA_WARPS) != 0
-#error "the Q prologue takes FA_MAX_HEADS rows two per warp at a time"
-#endif
-#define FA_Q_WORDS (FA_MAX_HD / 128)
 // Split partials fa_combine_kernel has in flight per thread (float4 each).
 #define FA_COMBINE_LOADS 8
 
@@ -193,33 +187,36 @@ DSV4_INLINE uint4 fa_key_chunk(const FaSlots& s, const KvRowFmt& sf, const unsig
   return make_uint4(0u, 0u, 0u, 0u);
 }
 
-// Token t's Q as bf16: store(r, c, w) gets the 4 values 4c .. 4c + 3 of head row r < FA_MAX_HEADS
-// (rows past H zero) packed in w; ROWS rows a warp at a time (FA_Q_WORDS loads each in flight: 2 rows,
-// 8 loads, in the kernels whose registers hold O already; all a warp's 8 in the warp-specialized one,
-// whose consumers load Q before O is live).
-template <int ROWS = 2, class Store>
-DSV4_INLINE void fa_load_q(const float* q, int t, int H, int hd, int warp, int lane, Store store) {
-  static_assert(FA_MAX_HEADS % (ROWS * FA_WARPS) == 0, "the rows split evenly over the warps");
-  const int q4 = hd / 4;
-  for (int r0 = warp; r0 < FA_MAX_HEADS; r0 += ROWS * FA_WARPS) {
-    float4 v[ROWS][FA_Q_WORDS];
-#pragma unroll
-    for (int a = 0; a < ROWS; ++a)
-#pragma unroll
-      for (int u = 0; u < FA_Q_WORDS; ++u) {
-        const int r = r0 + a * FA_WARPS, c = lane + 32 * u;
-        v[a][u] = r < H && c < q4 ? *(const float4*)(q + ((long long)t * H + r) * hd + 4 * c)
-                                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-#pragma unroll
-    for (int a = 0; a < ROWS; ++a)
-#pragma unroll
-      for (int u = 0; u < FA_Q_WORDS; ++u) {
-        const int c = lane + 32 * u;
-        if (c < q4)
-          store(r0 + a * FA_WARPS, c,
-                make_uint2(pack_bf16x2(v[a][u].x, v[a][u].y), pack_bf16x2(v[a][u].z, v[a][u].w)));
-      }
+// Token t's Q into shared memory by cp.async: q is the BF16 copy [T][H][hd] that head_prep writes for the
+// fast attention (official queries are BF16 values). One 16-byte unit (8 dims) a copy; thread tid of
+// FA_THREADS takes units tid, tid + FA_THREADS, ... of the [FA_MAX_HEADS][hd / 8] grid, unit u of row r
+// to byte at(r, u) of base; rows past H are zeroed by stores. Nothing is committed: the caller's next
+// cp_async_commit takes the copies into its group, whose wait (and a barrier) makes Q visible. No
+// register holds Q: the prologue's f32 loads and conversions (128 KB a block, read again by every split of
+// a token) had been its longest part at few tokens. The kernels issue the copies after the first tiles'
+// address lookups, not before them: issued first (they need only t), they delayed the lookups' chain of
+// dependent loads (bench attn, H100: the mma.sync kernel 0.15-0.6 us slower at 1 to 16 tokens;
+// BENCHMARKS.md 2026-12-05, thirty-first part).
+template <class At>
+DSV4_INLINE void fa_copy_q(const unsigned short* q, int t, int H, int hd, int tid, unsigned char* base, At at) {
+  const unsigned short* qt = q + (long long)t * H * hd;
+  for (FaWalk it(tid, hd / 8); it.r < FA_MAX_HEADS; it.next()) {
+    unsigned char* dst = base + at(it.r, it.c);
+    if (it.r < H)
+      cp_async_16(smem_addr(dst), qt + (long long)it.r * hd + 8 * it.c);
+    else
+      *(uint4*)dst = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// q (f32 [n4 * 4]) as BF16 for the attention kernels, where the caller has no BF16 copy (the forward's
+// head_prep writes one; tests and benches may pass f32 queries): exact on BF16 values, round to nearest
+// even otherwise. Grid-stride, 4 values a thread a step.
+extern "C" __global__ void fa_q_bf16_kernel(const float* q, long long n4, unsigned short* out) {
+  dsv4_pdl_begin();
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
+    const float4 v = ((const float4*)q)[i];
+    ((uint2*)out)[i] = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
   }
 }
 
@@ -598,7 +595,7 @@ DSV4_INLINE void fa_cluster_combine(int t, int H, int hd, int splits, const floa
 // [T][splits][H][hd] (unnormalised) and part_ml [T][splits][H] (running max, exp sum; max -inf
 // for a split without keys), which fa_combine_kernel reads.
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
-    fa_attention_kernel(const float* q, const float* kv, const unsigned char* staged, const unsigned char* ring,
+    fa_attention_kernel(const unsigned short* q, const float* kv, const unsigned char* staged, const unsigned char* ring,
                         const unsigned char* entries, const int* etable, int epps,
                         const int* selected, const int* nsel, const int* positions,
                         const int* seq_of, const int* query_start, const int* seq_slots,
@@ -639,7 +636,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   }
   fa_locate(sl, keys, nk, tile0, tile1, 0, tid, staged, sf);
   fa_locate(sl, keys, nk, tile0 + 1, tile1, 1, tid, staged, sf);
-  fa_load_q(q, t, H, hd, warp, lane, [&](int r, int c, uint2 w) { *(uint2*)(qs + r * stride + 4 * c) = w; });
+  // Q's copies: the oldest copy group, landed by the loop's first wait.
+  fa_copy_q(q, t, H, hd, tid, (unsigned char*)qs, [stride](int r, int u) { return 2 * (r * stride + 8 * u); });
+  cp_async_commit();
   __syncthreads();  // tile0's addresses
   fa_fetch<FA_THREADS / FA_TILE_KEYS>(sl, sf, raw, raw_stride, 0, 0, tid);
 
@@ -664,7 +663,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     __syncthreads();  // tile i + 1's addresses are visible; tile i - 1's K, raw, S consumed
     fa_fetch<FA_THREADS / FA_TILE_KEYS>(sl, sf, raw, raw_stride, b ^ 1, b ^ 1, tid);
     cp_async_wait<1>();
-    __syncthreads();  // tile i's raw rows have landed
+    __syncthreads();  // tile i's raw rows (and, at the first tile, Q) have landed
     // Decode the tile's keys into K (rows past nk zero).
     for (FaWalk it(tid, hd / 8); it.r < FA_TILE_KEYS; it.next())
       *(uint4*)(ks + it.r * stride + 8 * it.c) = fa_key_chunk(sl, sf, raw, raw_stride, b, it.r, 8 * it.c);
@@ -793,7 +792,7 @@ DSV4_INLINE void fa_wgmma_pv(float (&d)[FA_MAX_HD / 16][4], const unsigned (&a)[
 // (the wrapper checks). Dynamic shared memory 1024-byte aligned: Q, two K tiles, the S exchange,
 // FA_WG_RAW raw tiles and address slots (fast_attention.rs wgmma_smem_bytes).
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
-    fa_attention_wgmma_kernel(const float* q, const float* kv, const unsigned char* staged,
+    fa_attention_wgmma_kernel(const unsigned short* q, const float* kv, const unsigned char* staged,
                               const unsigned char* ring,
                               const unsigned char* entries, const int* etable, int epps,
                               const int* selected, const int* nsel, const int* positions,
@@ -853,14 +852,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     fence_proxy_async_shared();  // generic-proxy writes, read next by wgmma (async proxy)
   };
   for (int i = 0; i < FA_WG_RAW; ++i) fa_locate(sl, keys, nk, tile0 + i, tile1, i, tid, staged, sf);
-  fa_load_q(q, t, H, hd, warp, lane, [&](int r, int c, uint2 w) {
-    *(uint2*)(qs + fa_sw(r, c >> 1, FA_WG_Q_CHUNK) + 8 * (c & 1)) = w;
-  });
+  // Q's copies: the oldest copy group, landed by the prologue's first wait.
+  fa_copy_q(q, t, H, hd, tid, qs, [](int r, int u) { return fa_sw(r, u, FA_WG_Q_CHUNK); });
+  cp_async_commit();
   __syncthreads();  // the first tiles' addresses
   for (int i = 0; i < FA_WG_RAW; ++i) fa_fetch<FA_THREADS / FA_TILE_KEYS>(sl, sf, raw, raw_stride, i, i, tid);
   cp_async_wait<FA_WG_RAW - 1>();
-  __syncthreads();  // tile0's raw rows have landed
-  decode(0, 0);     // (and Q's stores fenced for the async proxy)
+  __syncthreads();  // Q and tile0's raw rows have landed
+  decode(0, 0);     // (its fence also orders this thread's Q copies and zero rows before the wgmmas)
   cp_async_wait<FA_WG_RAW - 2>();
   __syncthreads();  // K buffer 0 and Q complete; tile0 + 1's raw rows landed
 
@@ -1084,7 +1083,7 @@ DSV4_INLINE void fa_ws_produce(const FaWsSmem& m, const AttnKeys& keys, int nk, 
 //   bits; which one is faster is the device's to say (`dsv4 bench attn`: fast_wgmma_ws, fast_wgmma_ws_early).
 // Not yet AttentionPath::Auto's: neither has run on a device (fast_attention.rs).
 template <bool EARLY_PV>
-DSV4_INLINE void fa_attention_ws(const float* q, const float* kv, const unsigned char* staged,
+DSV4_INLINE void fa_attention_ws(const unsigned short* q, const float* kv, const unsigned char* staged,
                                  const unsigned char* ring, const unsigned char* entries, const int* etable,
                                  int epps, const int* selected, const int* nsel, const int* positions,
                                  const int* seq_of, const int* query_start, const int* seq_slots,
@@ -1128,14 +1127,15 @@ DSV4_INLINE void fa_attention_ws(const float* q, const float* kv, const unsigned
     fa_empty(t, H, hd, tid, part, splits, ml, o);
     return;
   }
+  // Q's copies by the consumers (the producer's copy groups are its own threads').
+  fa_copy_q(q, t, H, hd, tid, m.qs, [](int r, int u) { return fa_sw(r, u, FA_WG_Q_CHUNK); });
+  cp_async_commit();
   // (The same in every thread; shuffled so the compiler knows it: the loop and its K buffer index are
   // then warp-uniform, and so are the descriptors.)
   tile0 = __shfl_sync(0xffffffffu, tile0, 0);
   tile1 = __shfl_sync(0xffffffffu, tile1, 0);
-  fa_load_q<FA_MAX_HEADS / FA_WARPS>(q, t, H, hd, warp, lane, [&](int r, int c, uint2 w) {
-    *(uint2*)(m.qs + fa_sw(r, c >> 1, FA_WG_Q_CHUNK) + 8 * (c & 1)) = w;
-  });
-  fence_proxy_async_shared();  // Q's generic-proxy stores, read by wgmma
+  cp_async_wait<0>();          // this thread's Q copies
+  fence_proxy_async_shared();  // Q's generic-proxy writes (the copies, the zero rows), read by wgmma
   named_barrier(FA_WS_BAR_CONSUMERS, FA_THREADS);
 
   const float scale = (float)(1.0 / sqrt((double)hd));
@@ -1224,7 +1224,7 @@ DSV4_INLINE void fa_attention_ws(const float* q, const float* kv, const unsigned
 
 // (Written out twice: tests/kernel_decls.rs reads each entry point's signature from this text.)
 extern "C" __global__ void __launch_bounds__(FA_WS_THREADS, 1)
-    fa_attention_wgmma_ws_kernel(const float* q, const float* kv, const unsigned char* staged,
+    fa_attention_wgmma_ws_kernel(const unsigned short* q, const float* kv, const unsigned char* staged,
                                  const unsigned char* ring, const unsigned char* entries, const int* etable,
                                  int epps, const int* selected, const int* nsel, const int* positions,
                                  const int* seq_of, const int* query_start, const int* seq_slots,
@@ -1236,7 +1236,7 @@ extern "C" __global__ void __launch_bounds__(FA_WS_THREADS, 1)
 }
 
 extern "C" __global__ void __launch_bounds__(FA_WS_THREADS, 1)
-    fa_attention_wgmma_ws_early_kernel(const float* q, const float* kv, const unsigned char* staged,
+    fa_attention_wgmma_ws_early_kernel(const unsigned short* q, const float* kv, const unsigned char* staged,
                                        const unsigned char* ring, const unsigned char* entries, const int* etable,
                                        int epps, const int* selected, const int* nsel, const int* positions,
                                        const int* seq_of, const int* query_start, const int* seq_slots,

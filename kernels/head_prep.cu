@@ -52,11 +52,13 @@ DSV4_INLINE void hp_sim_pair(float& a, float& b, int p, int sim_nope, bool held)
 // With round_in, x is first rounded to bf16 as loaded: the projection that wrote x leaves its official bf16
 // rounding to this kernel, its only reader (the rounding is the same function wherever it is applied, and
 // a cuBLASLt projection then needs no rounding pass over its f32 output).
+// With out_bf16 (not null) the results go there as bf16, [rows][heads][head_dim] (dense), instead of back
+// into x: the fast attention's queries (exact where round_out has made them bf16 values).
 // Grid rows * heads, 32 * ceil(head_dim / 64) threads.
 extern "C" __global__ void __launch_bounds__(2 * HP_MAX_PAIRS)
     head_prep_kernel(float* x, int rows, int ld, int heads, int head_dim, const float* weight, float eps,
                      const int* pos, const float* inv_freq, int half_rope, int sim_nope, int round_out,
-                     int round_in) {
+                     int round_in, unsigned short* out_bf16) {
   dsv4_pdl_begin();
   __shared__ double scratch[32];
   const long long item = blockIdx.x;
@@ -81,7 +83,9 @@ extern "C" __global__ void __launch_bounds__(2 * HP_MAX_PAIRS)
     if (2 * p >= nope) ref_rope_pair(a, b, __int2float_rn(pos[r]), inv_freq[p - nope / 2], 1.0f, round_out);
   }
   if (64 * (p >> 5) < sim_nope) hp_sim_pair(a, b, p, sim_nope, true);  // uniform per warp
-  if (mine) {
+  if (mine && out_bf16 != nullptr) {
+    *(unsigned*)(out_bf16 + item * head_dim + 2 * p) = pack_bf16x2(a, b);
+  } else if (mine) {
     hx[2 * p] = a;
     hx[2 * p + 1] = b;
   }
@@ -102,12 +106,12 @@ DSV4_INLINE void hp_rows_load(const float* hx, bool valid, int pairs, int lane, 
 // once into shared memory (head_prep_kernel: once per head), and a head's sum of squares is the
 // lanes' f64 sums added by ref_warp_sum_f64 (another grouping of the same f64 terms, as any
 // thread layout groups them: docs/numerics.md); every other value goes through the same
-// operations as in head_prep_kernel (round_in included). The KV sim's 64-channel block i is pair slot i of
-// the warp. Grid rows (at most the device's limit), 32 * HP_ROWS_WARPS threads.
+// operations as in head_prep_kernel (round_in and out_bf16 included). The KV sim's 64-channel block i is pair
+// slot i of the warp. Grid rows (at most the device's limit), 32 * HP_ROWS_WARPS threads.
 extern "C" __global__ void __launch_bounds__(32 * HP_ROWS_WARPS)
     head_prep_rows_kernel(float* x, int rows, int ld, int heads, int head_dim, const float* weight, float eps,
                           const int* pos, const float* inv_freq, int half_rope, int sim_nope, int round_out,
-                          int round_in) {
+                          int round_in, unsigned short* out_bf16) {
   dsv4_pdl_begin();
   __shared__ float cs[2 * 32 * HP_ROWS_LANE_PAIRS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -160,7 +164,10 @@ extern "C" __global__ void __launch_bounds__(32 * HP_ROWS_WARPS)
           }
         }
         if (64 * i < sim_nope) hp_sim_pair(a[i], b[i], p, sim_nope, p < pairs);  // uniform per warp
-        if (p < pairs) *(float2*)(hx + 2 * p) = make_float2(a[i], b[i]);
+        if (p < pairs && out_bf16 != nullptr)
+          *(unsigned*)(out_bf16 + ((long long)r * heads + h) * head_dim + 2 * p) = pack_bf16x2(a[i], b[i]);
+        else if (p < pairs)
+          *(float2*)(hx + 2 * p) = make_float2(a[i], b[i]);
       }
     }
   }

@@ -677,6 +677,7 @@ fn run_layer(
         }
         let x = AttentionArgs {
             q: d.q,
+            q_bf16: None,
             kv: d.kv,
             ring: ring_pages,
             entries: (ratio > 0).then_some(entry_pages),

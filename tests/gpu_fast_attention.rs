@@ -310,6 +310,8 @@ fn run(
         po * 4,
         pml * 4,
         t * fast_attention::staged_row_bytes(HD, NOPE),
+        t * fast_attention::q_bf16_bytes(H, HD),
+        t * fast_attention::q_bf16_bytes(H, HD),
     ];
     let (_arena, p) = alloc(&g.ctx, &sizes);
     let up = |d: DevicePtr, v: &[u8]| arena::copy_to_device_sync(d, v, s).unwrap();
@@ -331,6 +333,12 @@ fn run(
     for (d, v) in [(p[7], &b.q), (p[8], &b.kv), (p[11], &b.sinks)] {
         arena::copy_to_device_sync(d, v, s).unwrap();
     }
+    // The queries' BF16 copy as the forward's head_prep writes it (the same values: b.q is BF16).
+    let q16: Vec<u16> =
+        b.q.iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+    arena::copy_to_device_sync(p[17], &q16, s).unwrap();
     let meta = BatchMeta {
         positions: p[3],
         query_start: p[4],
@@ -351,8 +359,9 @@ fn run(
         pages_per_slot: st.pps(),
         rows: st.rows,
     });
-    let args = AttentionArgs {
+    let mut args = AttentionArgs {
         q: p[7],
+        q_bf16: None,
         kv: p[8],
         ring,
         entries,
@@ -377,6 +386,7 @@ fn run(
         part_o: p[13],
         part_ml: p[14],
         staged: p[15],
+        q_bf16: p[16],
     };
     let download = |d: DevicePtr| {
         let mut v = vec![0f32; t * H * HD];
@@ -388,15 +398,19 @@ fn run(
     attn.attention(&g.ctx, &meta, &args, s).unwrap();
     let o_ref = download(p[12]);
     let mut fast_runs = vec![];
+    // Each path twice: from the caller's BF16 queries (the forward's form), then from the f32
+    // ones, which the wrapper converts into the workspace (poisoned first): the same bits.
     for (path, combine) in PATHS {
-        let once = || {
+        let mut once = |q_bf16: Option<DevicePtr>| {
             poison();
+            arena::memset_async(p[16], 0xff, s).unwrap();
+            args.q_bf16 = q_bf16;
             fast.attention_split(path, None, combine, &g.ctx, &meta, &args, &ws, s)
                 .unwrap();
             download(p[12])
         };
-        let o_fast = once();
-        let o_again = once();
+        let o_fast = once(Some(p[17]));
+        let o_again = once(None);
         fast_runs.push((o_fast, o_again));
     }
     (o_ref, fast_runs)
@@ -513,7 +527,7 @@ fn run_layer(
                     .iter()
                     .zip(o_again)
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{tag}: two runs differ"
+                "{tag}: two runs differ (from the caller's BF16 queries, then converted by the wrapper)"
             );
             for (i, &sl) in b.layout.seq_of.iter().enumerate() {
                 if b.layout.seq_slots[sl as usize] < 0 {

@@ -409,36 +409,57 @@ fn head_prep_matches_reference_bit_for_bit() {
                     }
                 }
             }
-            let (_a, p) = d.alloc(&[x.len() * 4, rows * 4, hd * 4]);
+            let (_a, p) = d.alloc(&[x.len() * 4, rows * 4, hd * 4, x.len() * 2]);
             d.put(p[0], &x);
             d.put(p[1], &pos);
             d.put(p[2], &w);
-            d.k.head_prep(
-                d.ctx(),
-                p[0],
-                rows,
-                width,
-                heads,
-                hd,
-                with_w.then_some(p[2]),
-                1e-6,
-                p[1],
-                fp[0],
-                half,
-                sim_nope,
-                official,
-                round_in,
-                d.s(),
-            )
-            .unwrap();
+            let launch = |out_bf16| {
+                d.k.head_prep(
+                    d.ctx(),
+                    p[0],
+                    rows,
+                    width,
+                    heads,
+                    hd,
+                    with_w.then_some(p[2]),
+                    1e-6,
+                    p[1],
+                    fp[0],
+                    half,
+                    sim_nope,
+                    official,
+                    round_in,
+                    out_bf16,
+                    d.s(),
+                )
+                .unwrap()
+            };
+            launch(None);
             let got: Vec<f32> = d.get(p[0], x.len());
-            assert_bits(
-                &format!(
-                    "head_prep rows {rows} heads {heads} head_dim {hd} weight {with_w} sim_nope {sim_nope} official {official} round_in {round_in}"
-                ),
-                &got,
-                &want,
+            let tag = format!(
+                "head_prep rows {rows} heads {heads} head_dim {hd} weight {with_w} sim_nope {sim_nope} official {official} round_in {round_in}"
             );
+            assert_bits(&tag, &got, &want);
+            // Official (bf16 results): the same values as BF16 into out_bf16 (poisoned first),
+            // x left as it was.
+            if official {
+                d.put(p[0], &x);
+                d.put(p[3], &vec![0xffffu16; x.len()]);
+                launch(Some(p[3]));
+                let got16: Vec<u16> = d.get(p[3], x.len());
+                let want16: Vec<u16> = want
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                    .collect();
+                assert!(
+                    want.iter()
+                        .all(|&v| half::bf16::from_f32(v).to_f32().to_bits() == v.to_bits()),
+                    "{tag}: the official results are bf16 values"
+                );
+                assert_eq!(got16, want16, "{tag}: out_bf16");
+                let after: Vec<f32> = d.get(p[0], x.len());
+                assert_bits(&format!("{tag}: x with out_bf16"), &after, &x);
+            }
         }
     }
     // What it does not cover is refused before launching.

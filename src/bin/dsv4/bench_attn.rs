@@ -159,11 +159,18 @@ pub fn run(
             po * 4,
             pml * 4,
             tmax * fast_attention::staged_row_bytes(HD, NOPE),
+            tmax * fast_attention::q_bf16_bytes(H, HD),
         ],
     )?;
     arena::copy_to_device_sync(sp[0], &tpl, s).map_err(e)?;
     let q: Vec<f32> = (0..tmax * H * HD).map(|_| rng.bf16()).collect();
     arena::copy_to_device_sync(sp[5], &q, s).map_err(e)?;
+    // The BF16 copy the forward's head_prep writes for the fast kernels (the same values).
+    let q16: Vec<u16> = q
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect();
+    arena::copy_to_device_sync(sp[14], &q16, s).map_err(e)?;
     // (The batch's own KV row: BF16 values; their nope part is not FP8-simulated here, which
     // changes nothing the kernel does.)
     let kv: Vec<f32> = (0..tmax * HD).map(|_| rng.bf16()).collect();
@@ -174,6 +181,7 @@ pub fn run(
         part_o: sp[11],
         part_ml: sp[12],
         staged: sp[13],
+        q_bf16: sp[14],
     };
     for &(kind, ratio, csa) in &KINDS {
         for &ctx_len in contexts {
@@ -231,6 +239,7 @@ pub fn run(
                 };
                 let args = |j: usize| AttentionArgs {
                     q: sp[5],
+                    q_bf16: Some(sp[14]),
                     kv: sp[6],
                     ring: KvPagesDev {
                         pool: st[2 * j],

@@ -213,6 +213,14 @@ pub trait FastOps {
         Ok(false)
     }
 
+    /// Where this set's attention core reads the queries as BF16: the buffer into which the
+    /// caller's head_prep should write them ([`AttentionArgs::q_bf16`], then passed to
+    /// [`Self::try_attention`]) in place of the f32 `args.q`. Some only where `try_attention`
+    /// takes `args`' layer, since `args.q` is then never written.
+    fn attention_q_bf16(&self, _args: &AttentionArgs) -> Option<DevicePtr> {
+        None
+    }
+
     /// Runs the attention core (the reference `attention_kernel`'s operation, its output
     /// before the inverse RoPE) and returns true, or returns false having launched nothing.
     fn try_attention(

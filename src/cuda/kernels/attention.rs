@@ -79,6 +79,11 @@ impl BatchMeta {
 pub struct AttentionArgs {
     /// Queries after norm + RoPE: [T, H, head_dim] f32.
     pub q: DevicePtr,
+    /// The same queries as BF16 (the same values in official numerics), where head_prep wrote
+    /// only those for the fast attention, which reads them ([`crate::cuda::kernel_sets::FastOps::
+    /// attention_q_bf16`]); `q` is then not written. None: `q` holds them (the reference kernel
+    /// reads only `q`).
+    pub q_bf16: Option<DevicePtr>,
     /// This batch's window vectors: [T, head_dim].
     pub kv: DevicePtr,
     /// Window ring: `window` KV rows per slot, without a block table.

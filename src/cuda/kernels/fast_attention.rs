@@ -190,12 +190,15 @@ crate::kernel_family! {
     /// The batch's KV rows in the stored format, for the attention's fetch path.
     #[pdl(true)]
     fn fa_stage_rows_kernel(kv: *const f32, t: i32, hd: i32, nope: i32, staged: *mut u8);
+    /// f32 queries as the BF16 copy the attention kernels read, where the caller has none.
+    #[pdl(true)]
+    fn fa_q_bf16_kernel(q: *const f32, n4: i64, out: *mut u16);
     /// `entries`, `etable` NULL on window-only layers; `selected` / `nsel` NULL except on CSA;
     /// `staged` NULL or the batch's rows from `fa_stage_rows_kernel`.
     #[smem(MAX_SMEM as u32)]
     #[pdl(true)]
     fn fa_attention_kernel(
-        q: *const f32, kv: *const f32, staged: Option<*const u8>, ring: *const u8, entries: Option<*const u8>,
+        q: *const u16, kv: *const f32, staged: Option<*const u8>, ring: *const u8, entries: Option<*const u8>,
         etable: Option<*const i32>, epps: i32, selected: Option<*const i32>,
         nsel: Option<*const i32>, positions: *const i32, seq_of: *const i32,
         query_start: *const i32, seq_slots: *const i32, sinks: *const f32, t: i32, h: i32,
@@ -206,7 +209,7 @@ crate::kernel_family! {
     #[smem(SM90_MAX_SMEM as u32)]
     #[pdl(true)]
     fn fa_attention_wgmma_kernel(
-        q: *const f32, kv: *const f32, staged: Option<*const u8>, ring: *const u8, entries: Option<*const u8>,
+        q: *const u16, kv: *const f32, staged: Option<*const u8>, ring: *const u8, entries: Option<*const u8>,
         etable: Option<*const i32>, epps: i32, selected: Option<*const i32>,
         nsel: Option<*const i32>, positions: *const i32, seq_of: *const i32,
         query_start: *const i32, seq_slots: *const i32, sinks: *const f32, t: i32, h: i32,
@@ -217,7 +220,7 @@ crate::kernel_family! {
     #[smem(SM90_MAX_SMEM as u32)]
     #[pdl(true)]
     fn fa_attention_wgmma_ws_kernel(
-        q: *const f32, kv: *const f32, staged: Option<*const u8>, ring: *const u8, entries: Option<*const u8>,
+        q: *const u16, kv: *const f32, staged: Option<*const u8>, ring: *const u8, entries: Option<*const u8>,
         etable: Option<*const i32>, epps: i32, selected: Option<*const i32>,
         nsel: Option<*const i32>, positions: *const i32, seq_of: *const i32,
         query_start: *const i32, seq_slots: *const i32, sinks: *const f32, t: i32, h: i32,
@@ -229,7 +232,7 @@ crate::kernel_family! {
     #[smem(SM90_MAX_SMEM as u32)]
     #[pdl(true)]
     fn fa_attention_wgmma_ws_early_kernel(
-        q: *const f32, kv: *const f32, staged: Option<*const u8>, ring: *const u8, entries: Option<*const u8>,
+        q: *const u16, kv: *const f32, staged: Option<*const u8>, ring: *const u8, entries: Option<*const u8>,
         etable: Option<*const i32>, epps: i32, selected: Option<*const i32>,
         nsel: Option<*const i32>, positions: *const i32, seq_of: *const i32,
         query_start: *const i32, seq_slots: *const i32, sinks: *const f32, t: i32, h: i32,
@@ -251,6 +254,7 @@ crate::launchers! {
         attention_wgmma_ws: fa_attention_wgmma_ws_kernel,
         attention_wgmma_ws_early: fa_attention_wgmma_ws_early_kernel,
         stage: fa_stage_rows_kernel,
+        q_bf16: fa_q_bf16_kernel,
         combine: fa_combine_kernel,
     }
 }
@@ -281,11 +285,13 @@ fn ws_pool_holds(k: &crate::cuda::registry::Kernel) -> Result<()> {
     Ok(())
 }
 
-/// Tokens from which [`AttentionPath::Auto`] takes the wgmma kernel. Measured (bench attn, H200,
-/// CSA / HCA at 8K and 64K): at 1 and 8 tokens the mma.sync kernel, whose splits are one or two
-/// tiles, is 0-1.6 us faster; from 64 the wgmma one is as fast or faster (CSA 8K: 58 against 69
-/// us at 64 tokens, 2523 against 3236 at 4096).
-pub const WGMMA_MIN_TOKENS: usize = 64;
+/// Tokens from which [`AttentionPath::Auto`] takes the wgmma kernel. Measured (bench attn, H100,
+/// CSA / HCA at 8K and 64K, both kernels reading the BF16 queries; BENCHMARKS.md 2026-12-05,
+/// thirty-first part): at 16 tokens the wgmma kernel is 3-9% faster (CSA 64K 25.18 against 27.60
+/// us), at 8 tokens the mma.sync one in three of the four cases (HCA 8K 13.42 against 14.82), at 1
+/// token in all four; from 64 tokens the wgmma one wins more (CSA 8K: 58 against 69 us at 64
+/// tokens, 2523 against 3236 at 4096, H200).
+pub const WGMMA_MIN_TOKENS: usize = 16;
 
 /// Splits of each token's keys for a batch of `t` tokens attending to at most `max_keys` keys:
 /// enough blocks for the GPU at few tokens, one per token from [`SPLIT_TARGET`] / 2 tokens on.
@@ -321,8 +327,9 @@ pub fn workspace_floats(heads: usize, head_dim: usize) -> [usize; 2] {
 
 /// Tokens from which the batch's KV rows are staged in the stored format before the attention
 /// (`fa_stage_rows_kernel`, one launch), so both kernels fetch them with their async copies
-/// instead of loading f32 rows in the decode. Below, a token's only batch row is usually its own.
-pub const STAGE_MIN_TOKENS: usize = WGMMA_MIN_TOKENS;
+/// instead of loading f32 rows in the decode. Below, a token's only batch row is usually its own
+/// (the wgmma kernel's 16-token measurement behind [`WGMMA_MIN_TOKENS`] ran without the staging).
+pub const STAGE_MIN_TOKENS: usize = 64;
 
 /// Bytes of one staged row (the kernel's `fa_staged_stride`): value bytes and scale record,
 /// 16-byte aligned.
@@ -332,7 +339,13 @@ pub fn staged_row_bytes(head_dim: usize, nope: usize) -> usize {
         .next_multiple_of(16)
 }
 
-/// The split workspace and the staged batch rows at their arena addresses.
+/// Bytes of the queries' BF16 copy a token ([`FastAttentionWorkspace::q_bf16`]).
+pub fn q_bf16_bytes(heads: usize, head_dim: usize) -> usize {
+    2 * heads * head_dim
+}
+
+/// The split workspace, the staged batch rows and the queries' BF16 copy at their arena
+/// addresses.
 #[derive(Clone, Copy, Debug)]
 pub struct FastAttentionWorkspace {
     pub part_o: DevicePtr,
@@ -340,6 +353,11 @@ pub struct FastAttentionWorkspace {
     /// Room for [`staged_row_bytes`] a token of the largest batch; null (or too small for a
     /// batch) to read the batch's f32 rows directly.
     pub staged: DevicePtr,
+    /// Room for [`q_bf16_bytes`] a token of the largest batch: the kernels read the queries as
+    /// BF16 ([T, H, head_dim]). The forward's head_prep writes them there
+    /// ([`AttentionArgs::q_bf16`]); where a caller passes f32 queries only, the wrapper converts
+    /// them into this first (one more launch).
+    pub q_bf16: DevicePtr,
 }
 
 fn bad(msg: String) -> Error {
@@ -463,6 +481,26 @@ impl FastAttention {
         }
         let i = |what: &str, v: usize| to_i32(FAMILY, what, v);
         let _g = ctx.enter()?;
+        let q_bytes = t * q_bf16_bytes(h, hd);
+        let q = match x.q_bf16 {
+            Some(q) => {
+                need(FAMILY, "q_bf16", q, q_bytes)?;
+                q
+            }
+            None => {
+                need(FAMILY, "workspace q_bf16", ws.q_bf16, q_bytes)?;
+                need(FAMILY, "q", x.q, 2 * q_bytes)?;
+                let n4 = t * h * hd / 4; // (hd % 32 == 0: covers)
+                let args = fa_q_bf16_kernel::Args {
+                    q: x.q,
+                    n4: n4 as i64,
+                    out: ws.q_bf16,
+                };
+                let blocks = n4.div_ceil(256).clamp(1, 1024) as u32;
+                self.q_bf16.launch(blocks, 256, 0, stream, args)?;
+                ws.q_bf16
+            }
+        };
         let staged = (t >= STAGE_MIN_TOKENS
             && ws.staged.bytes() >= t * staged_row_bytes(hd, checked.nope))
         .then_some(ws.staged);
@@ -480,7 +518,7 @@ impl FastAttention {
         macro_rules! args {
             ($k:ident) => {
                 $k::Args {
-                    q: x.q,
+                    q,
                     kv: x.kv,
                     staged,
                     ring: x.ring.pool,

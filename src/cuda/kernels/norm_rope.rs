@@ -92,13 +92,13 @@ crate::kernel_family! {
     fn head_prep_kernel(
         x: *mut f32, rows: i32, ld: i32, heads: i32, head_dim: i32, weight: Option<*const f32>,
         eps: f32, pos: *const i32, inv_freq: *const f32, half_rope: i32, sim_nope: i32,
-        round_out: bool, round_in: bool,
+        round_out: bool, round_in: bool, out_bf16: Option<*mut u16>,
     );
     #[pdl(true)]
     fn head_prep_rows_kernel(
         x: *mut f32, rows: i32, ld: i32, heads: i32, head_dim: i32, weight: Option<*const f32>,
         eps: f32, pos: *const i32, inv_freq: *const f32, half_rope: i32, sim_nope: i32,
-        round_out: bool, round_in: bool,
+        round_out: bool, round_in: bool, out_bf16: Option<*mut u16>,
     );
 }
 
@@ -471,7 +471,10 @@ impl NormRope {
     /// then with `sim_nope > 0` [`Self::kv_sim`] of its first `sim_nope` channels, in one launch
     /// and bit for bit as the three ([`Self::head_prep_covers`] must hold; `sim_nope` at most
     /// the nope channels). With `round_in`, x is first rounded to bf16 as it is loaded: the
-    /// projection that wrote it may leave its bf16 rounding to this, its only reader.
+    /// projection that wrote it may leave its bf16 rounding to this, its only reader. With
+    /// `out_bf16` the results go there as BF16 (`[rows][heads][head_dim]`, dense; exact with
+    /// `round_out`, which makes them bf16 values) instead of back into x: the fast attention's
+    /// queries.
     #[allow(clippy::too_many_arguments)]
     pub fn head_prep(
         &self,
@@ -489,6 +492,7 @@ impl NormRope {
         sim_nope: usize,
         round_out: bool,
         round_in: bool,
+        out_bf16: Option<DevicePtr>,
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "head_prep_kernel";
@@ -506,6 +510,9 @@ impl NormRope {
         need(K, "inv_freq", inv_freq, half_rope * 4)?;
         if let Some(w) = weight {
             need(K, "weight", w, head_dim * 4)?;
+        }
+        if let Some(out) = out_bf16 {
+            need(K, "out_bf16", out, rows * heads * head_dim * 2)?;
         }
         if rows == 0 || heads == 0 {
             return Ok(());
@@ -529,6 +536,7 @@ impl NormRope {
                     sim_nope: to_i32(K, "sim_nope", sim_nope)?,
                     round_out,
                     round_in,
+                    out_bf16,
                 }
             };
         }

@@ -486,6 +486,13 @@ impl FastOps for FastSet {
         Ok(true)
     }
 
+    /// The fast attention reads the queries as BF16 wherever it takes the layer: head_prep
+    /// writes them into the workspace's copy (half the f32 bytes for every split block to read,
+    /// and copied into shared memory as they are).
+    fn attention_q_bf16(&self, args: &AttentionArgs) -> Option<DevicePtr> {
+        FastAttention::covers(args).then_some(self.ws.attention.q_bf16)
+    }
+
     /// The fast attention runs every layer whose heads, dims and stored format it covers
     /// ([`FastAttention::covers`]).
     fn try_attention(

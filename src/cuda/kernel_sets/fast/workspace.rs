@@ -1,8 +1,8 @@
 //! The fast set's own workspace (beside the reference set's, which it shares): the fast MoE's
-//! buffers for `max_num_tokens`, the sparse attention's split partials and staged batch rows, the
-//! dense projections' (for their largest shape) and, when `max_num_tokens` reaches the cuBLASLt
-//! crossover, the GEMM path's activation operand and cuBLASLt's own workspace, declared in the
-//! engine's memory plan at create.
+//! buffers for `max_num_tokens`, the sparse attention's split partials, staged batch rows and BF16
+//! queries, the dense projections' (for their largest shape) and, when `max_num_tokens` reaches
+//! the cuBLASLt crossover, the GEMM path's activation operand and cuBLASLt's own workspace,
+//! declared in the engine's memory plan at create.
 
 use crate::config::ModelConfig;
 use crate::cuda::DevicePtr;
@@ -23,7 +23,7 @@ pub struct Workspace {
     pub dense: DenseWorkspace,
     /// The GEMM path's operand and cuBLASLt's workspace, when planned.
     pub gemm: Option<(GemmWorkspace, DevicePtr)>,
-    /// The sparse attention's split partials and staged batch rows.
+    /// The sparse attention's split partials, staged batch rows and BF16 queries.
     pub attention: FastAttentionWorkspace,
 }
 
@@ -33,7 +33,7 @@ pub struct WorkspaceIds {
     ids: Vec<RegionId>,
     dense: [RegionId; 4],
     gemm: Option<[RegionId; 4]>,
-    attention: [RegionId; 3],
+    attention: [RegionId; 4],
     t: usize,
     k: usize,
     experts: usize,
@@ -115,6 +115,11 @@ impl Workspace {
             attn("part_o", Elem::F32, po)?,
             attn("part_ml", Elem::F32, pml)?,
             attn("staged_rows", Elem::U8, staged)?,
+            attn(
+                "q_bf16",
+                Elem::U8,
+                t * fast_attention::q_bf16_bytes(cfg.num_heads, cfg.head_dim),
+            )?,
         ];
         Ok(WorkspaceIds {
             ids,
@@ -151,6 +156,7 @@ impl Workspace {
                 part_o: arena.region(w.attention[0]),
                 part_ml: arena.region(w.attention[1]),
                 staged: arena.region(w.attention[2]),
+                q_bf16: arena.region(w.attention[3]),
             },
         }
     }

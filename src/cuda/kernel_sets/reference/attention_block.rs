@@ -11,7 +11,7 @@ use crate::cuda::kernels::indexer::IndexerArgs;
 use crate::cuda::kernels::norm_rope::NormRope;
 use crate::cuda::kv_pages::KvPagesDev;
 use crate::cuda::stream::BorrowedStream;
-use crate::error::Result;
+use crate::error::{Error, Result, Status};
 use crate::model::{CompressorWeights, IndexerWeights, LayerWeights};
 
 /// One layer's attention sub-block as its parts see it.
@@ -45,11 +45,14 @@ impl Run<'_> {
             meta,
             st,
         };
+        // (Known before the query is made: whether the attention core reads it as BF16.)
+        let args = self.attention_args(&a);
         self.input_projections(&a)?;
-        self.query(&a)?;
+        self.query(&a, args.q_bf16)?;
         self.window_kv(&a)?;
         let selected = self.compress_and_select(&a)?;
-        self.attend(&a, selected)?;
+        debug_assert_eq!(selected, args.selected);
+        self.attend(&a, &args)?;
         self.output_projection(&a)
     }
 
@@ -220,7 +223,9 @@ impl Run<'_> {
     /// group). wq_b's official bf16 rounding is done by [`Self::head_prep`] as it loads q (q's
     /// only reader): the same values, and a many-token wq_b through cuBLASLt then needs no
     /// rounding pass over its f32 output (0.5 GB at 4096 tokens).
-    fn query(&self, a: &AttnLayer) -> Result<()> {
+    /// `q_bf16`: the queries go there as BF16 instead of into `ws.q`
+    /// ([`FastOps::attention_q_bf16`]).
+    fn query(&self, a: &AttnLayer, q_bf16: Option<DevicePtr>) -> Result<()> {
         let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
         let (h, hd, ql) = (cfg.num_heads, cfg.head_dim, cfg.q_lora_rank);
         let (t, official) = (a.meta.num_tokens, self.official());
@@ -233,7 +238,7 @@ impl Run<'_> {
             group.push(self.call(a, ws.qr, ql, ix.wq_b, n, ws.qi, official, false)?)?;
         }
         self.linear_group(a, &group)?;
-        self.head_prep(a, ws.q, h, None, false, official)
+        self.head_prep(a, ws.q, h, None, false, official, q_bf16)
     }
 
     /// Per head of `heads` of every token row of `x`: unit RMS (`weight` None) or RMSNorm,
@@ -241,6 +246,9 @@ impl Run<'_> {
     /// `head_prep_kernel` launch where it covers the head (bit for bit the three kernels), else
     /// the three. `round_in`: x is first rounded to bf16 (by `head_prep_kernel` as it loads x,
     /// else by a rounding pass), so the projection that wrote x may leave that rounding to it.
+    /// `out_bf16`: the results go there as BF16 instead of back into x (official numerics: they
+    /// are bf16 values, so the copy is exact).
+    #[allow(clippy::too_many_arguments)]
     fn head_prep(
         &self,
         a: &AttnLayer,
@@ -249,6 +257,7 @@ impl Run<'_> {
         weight: Option<usize>,
         kv_sim: bool,
         round_in: bool,
+        out_bf16: Option<DevicePtr>,
     ) -> Result<()> {
         let cfg = self.cfg;
         let (hd, half, t) = (cfg.head_dim, cfg.rope_dim / 2, a.meta.num_tokens);
@@ -273,6 +282,7 @@ impl Run<'_> {
                 sim_nope,
                 self.official(),
                 round_in,
+                out_bf16,
                 a.st,
             );
         }
@@ -284,12 +294,15 @@ impl Run<'_> {
         if sim_nope > 0 {
             a.k8.nr.kv_sim(self.ctx, x, t, hd, sim_nope, a.st)?;
         }
-        Ok(())
+        match out_bf16 {
+            Some(out) => a.k8.nr.to_bf16(self.ctx, x, out, t * heads * hd, a.st),
+            None => Ok(()),
+        }
     }
 
     /// Window KV: one vector per token (key and value), normed, RoPE'd, FP8-simulated.
     fn window_kv(&self, a: &AttnLayer) -> Result<()> {
-        self.head_prep(a, self.ws.kv, 1, Some(a.lw.kv_norm), true, false)
+        self.head_prep(a, self.ws.kv, 1, Some(a.lw.kv_norm), true, false, None)
     }
 
     /// The compressors (f32 projections, tokens in order per sequence), then on CSA layers
@@ -353,20 +366,21 @@ impl Run<'_> {
         Ok(Some((ws.selected, ws.nsel)))
     }
 
-    /// One softmax over window + compressed keys with the per-head sink, then the ring update
-    /// (the output's inverse RoPE is [`Self::output_projection`]'s).
-    fn attend(&self, a: &AttnLayer, selected: Option<(DevicePtr, DevicePtr)>) -> Result<()> {
+    /// The attention core's arguments for layer `a`: the selection buffers on CSA layers (what
+    /// [`Self::compress_and_select`] returns), and `q_bf16` where the fast set reads the queries
+    /// as BF16 ([`FastOps::attention_q_bf16`]: [`Self::query`] then writes only those).
+    fn attention_args(&self, a: &AttnLayer) -> AttentionArgs {
         let (cfg, ws, ls) = (self.cfg, self.ws, &a.ls);
-        let (h, hd) = (cfg.num_heads, cfg.head_dim);
-        let args = AttentionArgs {
+        let mut args = AttentionArgs {
             q: ws.q,
+            q_bf16: None,
             kv: ws.kv,
             ring: ls.ring,
             entries: ls.entries,
-            selected,
+            selected: self.indexer(a).map(|_| (ws.selected, ws.nsel)),
             sinks: self.weights[a.lw.sink].data,
-            heads: h,
-            head_dim: hd,
+            heads: cfg.num_heads,
+            head_dim: cfg.head_dim,
             window: cfg.sliding_window,
             ratio: cfg.layers[a.l].ratio,
             maxe: ls.maxe,
@@ -375,16 +389,35 @@ impl Run<'_> {
             official: self.official(),
             o: ws.o,
         };
+        args.q_bf16 = self.fast.and_then(|f| f.attention_q_bf16(&args));
+        args
+    }
+
+    /// One softmax over window + compressed keys with the per-head sink, then the ring update
+    /// (the output's inverse RoPE is [`Self::output_projection`]'s).
+    fn attend(&self, a: &AttnLayer, args: &AttentionArgs) -> Result<()> {
+        let (cfg, ws) = (self.cfg, self.ws);
+        let hd = cfg.head_dim;
         let fast = match self.fast {
-            Some(f) => f.try_attention(self.ctx, a.meta, &args, a.st)?,
+            Some(f) => f.try_attention(self.ctx, a.meta, args, a.st)?,
             None => false,
         };
         if !fast {
-            a.k8.attn.attention(self.ctx, a.meta, &args, a.st)?;
+            if args.q_bf16.is_some() {
+                // (attention_q_bf16 promised the layer: `q` was never written.)
+                return Err(Error::new(
+                    Status::Internal,
+                    format!(
+                        "layer {}: the fast attention asked for BF16 queries, then did not take the layer",
+                        a.l
+                    ),
+                ));
+            }
+            a.k8.attn.attention(self.ctx, a.meta, args, a.st)?;
         }
         let ring = RingArgs {
             kv: ws.kv,
-            ring: ls.ring,
+            ring: a.ls.ring,
             window: cfg.sliding_window,
             head_dim: hd,
             num_slots: self.opts.max_num_seqs,
