@@ -805,7 +805,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   const int t = blockIdx.x, split = blockIdx.y;
   if (t >= T) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int hg = warp & 3, half = warp >> 2;  // head group (16 rows of the m64), warpgroup = dims half
+  // head group (16 rows of the m64), warpgroup = dims half. The warpgroup index goes through a shuffle, and so
+  // do the split's tiles below, so that the compiler knows they are the same in the whole warp: the wgmma
+  // descriptors made from them then live in uniform registers, with no move to them before each wgmma (the
+  // tile loop's SASS: 68 R2UR -> 20, 1305 instructions -> 1193 with the decode's branch below; bench attn,
+  // H200, 16 and 64 tokens: 2-3% faster, BENCHMARKS.md 2026-12-05, thirty-first part).
+  const int hg = warp & 3, half = __shfl_sync(0xffffffffu, warp >> 2, 0);
   const int g = lane >> 2, cq = lane & 3;      // accumulator fragment row / column pair
   const auto pair = [warp] { named_barrier(1u + (warp & 3), 64); };  // warps w, w + 4 (FA_SOFTMAX_SPLIT)
   unsigned char* qs = fa_smem;
@@ -831,6 +836,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     if (cl != nullptr) fa_cluster_combine(t, H, hd, splits, sinks, o, cl, tid);
     return;
   }
+  tile0 = __shfl_sync(0xffffffffu, tile0, 0);  // (see `half`: the tile loop and its K buffer index warp-uniform)
+  tile1 = __shfl_sync(0xffffffffu, tile1, 0);
   // The keys of raw / address slot rs decoded into K buffer kb: 8 threads a key row (its kind and
   // addresses read once), thread u of a row taking the 16-byte unit u of each 64-dim chunk.
   auto decode = [&](int rs, int kb) {
@@ -839,15 +846,16 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const unsigned char* rr = raw + (rs * FA_TILE_KEYS + r) * raw_stride;
     const float* fr = (const float*)sl.krow[rs * FA_TILE_KEYS + r];
     unsigned char* dst = ks + kb * FA_WG_K_TILE + fa_sw(r, u, FA_WG_K_CHUNK);
+    if (k == FA_KEY_STORED) {  // (a stored row, the common case: one branch a row, not one a chunk)
 #pragma unroll
-    for (int j = 0; j < FA_WG_HD / 64; ++j) {
-      const int c0 = 64 * j + 8 * u;
-      uint4 w = make_uint4(0u, 0u, 0u, 0u);
-      if (k == FA_KEY_STORED)
-        w = fa_stored_chunk(sf, rr, c0);
-      else if (k == FA_KEY_BATCH)
-        w = fa_f32_chunk(fr, c0);
-      *(uint4*)(dst + j * FA_WG_K_CHUNK) = w;
+      for (int j = 0; j < FA_WG_HD / 64; ++j) *(uint4*)(dst + j * FA_WG_K_CHUNK) = fa_stored_chunk(sf, rr, 64 * j + 8 * u);
+    } else {  // a batch row's f32 values, or zeros past the split's keys
+#pragma unroll
+      for (int j = 0; j < FA_WG_HD / 64; ++j) {
+        uint4 w = make_uint4(0u, 0u, 0u, 0u);
+        if (k == FA_KEY_BATCH) w = fa_f32_chunk(fr, 64 * j + 8 * u);
+        *(uint4*)(dst + j * FA_WG_K_CHUNK) = w;
+      }
     }
     fence_proxy_async_shared();  // generic-proxy writes, read next by wgmma (async proxy)
   };
