@@ -353,14 +353,6 @@ DSV4_INLINE void fa_add_weighted(float4& v, const float4& p, float w) {
 // That saves the workspace's write and read of the partials (T x splits x H x hd f32: 16.8 MB at 64 tokens of
 // 2 splits) and the combine's launch.
 DSV4_INLINE int fa_cl_row(int hd) { return hd + 8; }  // f32 a partial row
-// FA_CL_BATCH (default 1; a variant for `dsv4 bench attn --defines FA_CL_BATCH=4`, compile-checked, not yet run on a
-// device): the float4s a thread combines a round, all their remote loads issued before the first is used. Each
-// remote load is an asm volatile with a memory clobber, so the compiler keeps every iteration's load, sums and
-// store in order: one distributed-shared-memory round trip an iteration, 16 a thread at 64 heads x 512 dims over 2
-// splits. The same operations on each value (the same bits).
-#ifndef FA_CL_BATCH
-#define FA_CL_BATCH 1
-#endif
 // Byte offsets in the block's shared memory: the (max, Σ e) pairs, the weights [FA_CLUSTER_MAX_SPLITS]
 // [FA_MAX_HEADS], then den and max [FA_MAX_HEADS] each (fast_attention.rs cluster_smem_bytes is the end).
 DSV4_INLINE int fa_cl_ml(int hd) { return 4 * FA_MAX_HEADS * fa_cl_row(hd); }
@@ -574,43 +566,6 @@ DSV4_INLINE void fa_cluster_combine(int t, int H, int hd, int splits, const floa
   __syncthreads();
   // This block's float4 columns: quads q0 .. q1 - 1 of the hd / 4 (hd % 32 == 0), split evenly.
   const int quads = hd / 4, q0 = (int)rank * quads / splits, nq = ((int)rank + 1) * quads / splits - q0;
-#if FA_CL_BATCH > 1
-  // FA_CL_BATCH float4s a thread a round: every one's remote loads first, then their sums and stores.
-  const int n = H * nq;
-  for (int i0 = tid; i0 < n; i0 += FA_CL_BATCH * FA_THREADS) {
-    float4 p[FA_CL_BATCH][FA_CLUSTER_MAX_SPLITS];
-    int hb[FA_CL_BATCH], cb[FA_CL_BATCH];
-#pragma unroll
-    for (int b = 0; b < FA_CL_BATCH; ++b) {
-      const int idx = i0 + b * FA_THREADS;
-      hb[b] = idx < n ? idx / nq : 0;
-      cb[b] = 4 * (q0 + idx - hb[b] * nq);
-      const bool live = idx < n && max_sh[hb[b]] != -DSV4_F32_INF;
-#pragma unroll
-      for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
-        p[b][s] = live && s < splits
-                      ? ld_cluster_f32x4(cluster_map(base + 4u * (hb[b] * fa_cl_row(hd) + cb[b]), (unsigned)s))
-                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-#pragma unroll
-    for (int b = 0; b < FA_CL_BATCH; ++b) {
-      if (i0 + b * FA_THREADS >= n) break;
-      const int h = hb[b];
-      float* orow = o + ((long long)t * H + h) * hd + cb[b];
-      if (max_sh[h] == -DSV4_F32_INF) {
-        *(float4*)orow = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        continue;
-      }
-      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-      for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
-        if (s < splits) fa_add_weighted(v, p[b][s], wsh[s * FA_MAX_HEADS + h]);
-      const float den = den_sh[h];
-      *(float4*)orow = make_float4(round_bf16(__fdiv_rn(v.x, den)), round_bf16(__fdiv_rn(v.y, den)),
-                                   round_bf16(__fdiv_rn(v.z, den)), round_bf16(__fdiv_rn(v.w, den)));
-    }
-  }
-#else
   for (int idx = tid; idx < H * nq; idx += FA_THREADS) {
     const int h = idx / nq, c = 4 * (q0 + idx - h * nq);
     float* orow = o + ((long long)t * H + h) * hd + c;
@@ -630,7 +585,6 @@ DSV4_INLINE void fa_cluster_combine(int t, int H, int hd, int splits, const floa
     *(float4*)orow = make_float4(round_bf16(__fdiv_rn(v.x, den)), round_bf16(__fdiv_rn(v.y, den)),
                                  round_bf16(__fdiv_rn(v.z, den)), round_bf16(__fdiv_rn(v.w, den)));
   }
-#endif
   cluster_sync();  // no block leaves while another may still read its shared memory
 }
 
