@@ -1089,7 +1089,7 @@ DSV4_INLINE void fa_ws_produce(const FaWsSmem& m, const AttnKeys& keys, int nk, 
 //   the stores and the barrier do not cover; in return the producer decodes tile i + 2 from step i's exchange
 //   on, a step ahead, and the decode leaves the consumers' path. The same operations either way, so the same
 //   bits; which one is faster is the device's to say (`dsv4 bench attn`: fast_wgmma_ws, fast_wgmma_ws_early).
-// Not yet AttentionPath::Auto's: neither has run on a device (fast_attention.rs).
+// Not AttentionPath::Auto's: both measured slower than the wgmma kernel (fast_attention.rs, AttentionPath).
 template <bool EARLY_PV>
 DSV4_INLINE void fa_attention_ws(const unsigned short* q, const float* kv, const unsigned char* staged,
                                  const unsigned char* ring, const unsigned char* entries, const int* etable,

@@ -488,8 +488,7 @@ impl FastAttention {
                 q
             }
             None => {
-                need(FAMILY, "workspace q_bf16", ws.q_bf16, q_bytes)?;
-                need(FAMILY, "q", x.q, 2 * q_bytes)?;
+                need(FAMILY, "workspace q_bf16", ws.q_bf16, q_bytes)?; // (x.q: checked above)
                 let n4 = t * h * hd / 4; // (hd % 32 == 0: covers)
                 let args = fa_q_bf16_kernel::Args {
                     q: x.q,

@@ -50,8 +50,7 @@ impl Run<'_> {
         self.input_projections(&a)?;
         self.query(&a, args.q_bf16)?;
         self.window_kv(&a)?;
-        let selected = self.compress_and_select(&a)?;
-        debug_assert_eq!(selected, args.selected);
+        self.compress_and_select(&a)?;
         self.attend(&a, &args)?;
         self.output_projection(&a)
     }
@@ -306,8 +305,8 @@ impl Run<'_> {
     }
 
     /// The compressors (f32 projections, tokens in order per sequence), then on CSA layers
-    /// the indexer's top-k: its `(selected, nsel)` buffers.
-    fn compress_and_select(&self, a: &AttnLayer) -> Result<Option<(DevicePtr, DevicePtr)>> {
+    /// the indexer's top-k into `ws.selected` / `ws.nsel` ([`Self::attention_args`]'s selection).
+    fn compress_and_select(&self, a: &AttnLayer) -> Result<()> {
         let (cfg, ws, ls) = (self.cfg, self.ws, &a.ls);
         let (k8, meta, st) = (a.k8, a.meta, a.st);
         let official = self.official();
@@ -316,7 +315,7 @@ impl Run<'_> {
             self.compress(k8, &cw, &cs, bufs, entries, ls, CompressKind::Kv, meta, st)?;
         }
         let Some((ix, cs, keys)) = self.indexer(a) else {
-            return Ok(None);
+            return Ok(());
         };
         let (cw, bufs) = (&ix.compressor, (ws.icomp_a, ws.icomp_z));
         self.compress(
@@ -363,11 +362,11 @@ impl Run<'_> {
         if !fast {
             k8.idx.select(self.ctx, meta, &args, st)?;
         }
-        Ok(Some((ws.selected, ws.nsel)))
+        Ok(())
     }
 
-    /// The attention core's arguments for layer `a`: the selection buffers on CSA layers (what
-    /// [`Self::compress_and_select`] returns), and `q_bf16` where the fast set reads the queries
+    /// The attention core's arguments for layer `a`: the selection buffers on CSA layers (which
+    /// [`Self::compress_and_select`] writes), and `q_bf16` where the fast set reads the queries
     /// as BF16 ([`FastOps::attention_q_bf16`]: [`Self::query`] then writes only those).
     fn attention_args(&self, a: &AttnLayer) -> AttentionArgs {
         let (cfg, ws, ls) = (self.cfg, self.ws, &a.ls);
