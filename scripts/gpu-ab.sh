@@ -4,7 +4,7 @@
 # side by side. Builds nothing. Writes $OUT/ab_LABEL_ROUND.txt (the bench's lines) and $OUT/ab_summary.txt.
 # usage: scripts/gpu-ab.sh KIND LABEL=CLI[@DEFINES] [LABEL=CLI[@DEFINES] ...]
 #   e.g. ARGS="--tokens 1,2,8,16" scripts/gpu-ab.sh dense main=target/gpu-prev/main new=target/gpu-bin/dsv4
-#        scripts/gpu-ab.sh attn main=target/gpu-bin/dsv4 nosoftmax=target/gpu-bin/dsv4@FA_ABLATE=1
+#        scripts/gpu-ab.sh attn main=target/gpu-bin/dsv4 unshared=target/gpu-bin/dsv4@FA_SOFTMAX_SPLIT=0
 #   (@DEFINES: the CLI's `--defines`, comma-separated: a kernel's #if variant from the same build)
 #        ARGS="--batches 4096,16384 --routing uniform --path prefill" scripts/gpu-ab.sh moe main=... new=...
 # ARGS: the bench's arguments (default none: the bench's own cases). Labels must not contain '_'.
