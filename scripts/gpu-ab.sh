@@ -35,7 +35,8 @@ python3 - "$OUT" <<'PY' | tee "$OUT/ab_summary.txt"
 import json, glob, os, sys, collections
 out = sys.argv[1]
 # The fields that name a case (whichever a bench writes); everything else is a measurement.
-ids = ["projection", "group", "layer", "kernel", "context", "T", "B", "routing", "path", "router", "slices"]
+ids = ["projection", "group", "layer", "kernel", "context", "T", "B", "routing", "path", "router", "slices",
+       "splits", "chunk_keys", "chunks_per_block", "topk_cluster", "cluster"]
 d = collections.defaultdict(list)
 for f in sorted(glob.glob(out + "/ab_*_*.txt")):
     label = os.path.basename(f).split("_")[1]
