@@ -353,6 +353,11 @@ DSV4_INLINE void fa_add_weighted(float4& v, const float4& p, float w) {
 // That saves the workspace's write and read of the partials (T x splits x H x hd f32: 16.8 MB at 64 tokens of
 // 2 splits) and the combine's launch.
 DSV4_INLINE int fa_cl_row(int hd) { return hd + 8; }  // f32 a partial row
+// Items (float4 columns of a head) a thread combines together, their remote loads all in flight first
+// (fa_cluster_combine). `dsv4 bench attn --defines FA_CL_BATCH=N` times others (1: an item a round trip).
+#ifndef FA_CL_BATCH
+#define FA_CL_BATCH 4
+#endif
 // Byte offsets in the block's shared memory: the (max, Σ e) pairs, the weights [FA_CLUSTER_MAX_SPLITS]
 // [FA_MAX_HEADS], then den and max [FA_MAX_HEADS] each (fast_attention.rs cluster_smem_bytes is the end).
 DSV4_INLINE int fa_cl_ml(int hd) { return 4 * FA_MAX_HEADS * fa_cl_row(hd); }
@@ -564,26 +569,43 @@ DSV4_INLINE void fa_cluster_combine(int t, int H, int hd, int splits, const floa
     max_sh[h] = m;
   }
   __syncthreads();
-  // This block's float4 columns: quads q0 .. q1 - 1 of the hd / 4 (hd % 32 == 0), split evenly.
+  // This block's float4 columns: quads q0 .. q1 - 1 of the hd / 4 (hd % 32 == 0), split evenly. A thread's
+  // items go FA_CL_BATCH at a time: every remote load of the batch is issued before any sum uses one (each
+  // ld.shared::cluster is volatile, so one item a round trip otherwise: 16 at 64 tokens of 2 splits).
   const int quads = hd / 4, q0 = (int)rank * quads / splits, nq = ((int)rank + 1) * quads / splits - q0;
-  for (int idx = tid; idx < H * nq; idx += FA_THREADS) {
-    const int h = idx / nq, c = 4 * (q0 + idx - h * nq);
-    float* orow = o + ((long long)t * H + h) * hd + c;
-    if (max_sh[h] == -DSV4_F32_INF) {
-      *(float4*)orow = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      continue;
+  const int items = H * nq;
+  unsigned remote[FA_CLUSTER_MAX_SPLITS];  // each block's partials in the cluster's window
+#pragma unroll
+  for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s) remote[s] = s < splits ? cluster_map(base, (unsigned)s) : 0u;
+  for (int i0 = tid; i0 < items; i0 += FA_CL_BATCH * FA_THREADS) {
+    float4 p[FA_CL_BATCH][FA_CLUSTER_MAX_SPLITS];
+#pragma unroll
+    for (int b = 0; b < FA_CL_BATCH; ++b) {
+      const int idx = i0 + b * FA_THREADS;
+      if (idx >= items) break;
+      const int h = idx / nq, c = 4 * (q0 + idx - h * nq);
+#pragma unroll
+      for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
+        if (s < splits) p[b][s] = ld_cluster_f32x4(remote[s] + 4u * (h * fa_cl_row(hd) + c));
     }
-    float4 p[FA_CLUSTER_MAX_SPLITS];
 #pragma unroll
-    for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
-      if (s < splits) p[s] = ld_cluster_f32x4(cluster_map(base + 4u * (h * fa_cl_row(hd) + c), (unsigned)s));
-    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int b = 0; b < FA_CL_BATCH; ++b) {
+      const int idx = i0 + b * FA_THREADS;
+      if (idx >= items) break;
+      const int h = idx / nq, c = 4 * (q0 + idx - h * nq);
+      float* orow = o + ((long long)t * H + h) * hd + c;
+      if (max_sh[h] == -DSV4_F32_INF) {
+        *(float4*)orow = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        continue;
+      }
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-    for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
-      if (s < splits) fa_add_weighted(v, p[s], wsh[s * FA_MAX_HEADS + h]);
-    const float den = den_sh[h];
-    *(float4*)orow = make_float4(round_bf16(__fdiv_rn(v.x, den)), round_bf16(__fdiv_rn(v.y, den)),
-                                 round_bf16(__fdiv_rn(v.z, den)), round_bf16(__fdiv_rn(v.w, den)));
+      for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
+        if (s < splits) fa_add_weighted(v, p[b][s], wsh[s * FA_MAX_HEADS + h]);
+      const float den = den_sh[h];
+      *(float4*)orow = make_float4(round_bf16(__fdiv_rn(v.x, den)), round_bf16(__fdiv_rn(v.y, den)),
+                                   round_bf16(__fdiv_rn(v.z, den)), round_bf16(__fdiv_rn(v.w, den)));
+    }
   }
   cluster_sync();  // no block leaves while another may still read its shared memory
 }
