@@ -1059,6 +1059,13 @@ DSV4_INLINE void fi_hist_add(int* hist, unsigned bin, bool active) {
   if ((threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1)) atomicAdd(&hist[bin], __popc(peers));
 }
 
+// FI_TOPK_PLAIN_LOW (bench variant, default 0: `dsv4 bench attn --defines FI_TOPK_PLAIN_LOW=1`): the second
+// pass's histogram (the low byte of the keys in the chosen high bin, spread over many bins) by one plain shared
+// atomic a lane instead of fi_hist_add's aggregation. The same counts.
+#ifndef FI_TOPK_PLAIN_LOW
+#define FI_TOPK_PLAIN_LOW 0
+#endif
+
 // Entries a lane has in flight in each pass of the selection (its loads all issued before any is
 // used: a pass over a warp's segment of global scores is a few round trips, not one a 32 entries).
 #define FI_TOPK_BATCH 8
@@ -1145,7 +1152,11 @@ DSV4_INLINE void fi_cluster_select(const float* row, unsigned short* stage, bool
         const int e = e0 + 32 * u + lane;
         if (!FROM_STAGE && pass == 0 && staged && e < hi) stage[e - blo] = (unsigned short)key[u];
         const bool in = e < hi && (pass == 0 || (key[u] >> 8) == prefix);
-        fi_hist_add(sh.hist[pass], pass == 0 ? key[u] >> 8 : key[u] & 0xffu, in);
+        if (FI_TOPK_PLAIN_LOW && pass == 1) {
+          if (in) atomicAdd(&sh.hist[1][key[u] & 0xffu], 1);
+        } else {
+          fi_hist_add(sh.hist[pass], pass == 0 ? key[u] >> 8 : key[u] & 0xffu, in);
+        }
       }
     }
     cluster_sync();  // every block's histogram (and this block's staged keys) complete
@@ -1264,22 +1275,22 @@ DSV4_INLINE int fi_visible(const int* positions, const int* seq_of, const int* s
   return visible < maxe ? visible : maxe;
 }
 
-// One cluster of FI_TOPK_CLUSTER blocks per token (grid FI_TOPK_CLUSTER x T, block r of token t at
-// blockIdx.x = FI_TOPK_CLUSTER t + r), FI_TOPK_THREADS threads a block: fi_cluster_select over the scores
+// One cluster of nc <= FI_TOPK_CLUSTER blocks per token (grid nc x T, block r of token t at blockIdx.x =
+// nc t + r; the host picks nc by the token count), FI_TOPK_THREADS threads a block: fi_cluster_select over the scores
 // rows fi_score's kernels wrote. One block took ~35 us for 16K entries (the SM's instruction issue, not memory):
-// the cluster splits every pass eight ways. Block r owns a contiguous run of the token's visible entries (a
+// the cluster splits every pass nc ways. Block r owns a contiguous run of the token's visible entries (a
 // multiple of 32), whose order keys the first pass stages in the block's dynamic shared memory when they fit
 // (run <= stage_keys), and the later passes read them there instead of the scores.
 // selected: [T][topk] (fi_cluster_select's row), nsel[t] = min(topk, visible).
 extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
     fi_topk_kernel(const float* scores, const int* positions, const int* seq_of,
-                   const int* seq_slots, int T, int ratio, int maxe, int topk, int stage_keys,
+                   const int* seq_slots, int T, int ratio, int maxe, int topk, int stage_keys, int nc,
                    int* selected, int* nsel) {
   dsv4_pdl_begin();
   extern __shared__ __align__(16) unsigned short fi_staged[];  // [stage_keys] order keys
   __shared__ FiTopkShared sh;
-  const int t = blockIdx.x / FI_TOPK_CLUSTER, rank = blockIdx.x % FI_TOPK_CLUSTER;
-  if (t >= T) return;  // the whole cluster (FI_TOPK_CLUSTER divides the grid)
+  const int t = blockIdx.x / nc, rank = blockIdx.x % nc;
+  if (t >= T) return;  // the whole cluster (nc divides the grid)
   int* sel = selected + (long long)t * topk;
   const int visible = fi_visible(positions, seq_of, seq_slots, t, ratio, maxe);
   const int k = topk < visible ? topk : visible;
@@ -1290,10 +1301,10 @@ extern "C" __global__ void __launch_bounds__(FI_TOPK_THREADS)
     }
     return;
   }
-  const int bseg = ((visible + FI_TOPK_CLUSTER - 1) / FI_TOPK_CLUSTER + 31) & ~31;
+  const int bseg = ((visible + nc - 1) / nc + 31) & ~31;
   const int blo = min(rank * bseg, visible), bhi = min(blo + bseg, visible);
   fi_cluster_select<false, FI_TOPK_CLUSTER>(scores + (long long)t * maxe, fi_staged, bhi - blo <= stage_keys, blo,
-                                            bhi, FI_TOPK_CLUSTER, rank, k, topk, sel, nsel + t, sh);
+                                            bhi, nc, rank, k, topk, sel, nsel + t, sh);
 }
 
 // A token's run in fi_select_stream_kernel's block `rank` of nc: m = ceil(tiles / nc) tiles a block, the block's

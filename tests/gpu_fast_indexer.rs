@@ -382,12 +382,13 @@ fn refused(
 fn plain(t: usize) -> SelectPlan {
     SelectPlan {
         chunk_keys: fast_indexer::chunk_keys_for(t, MAXE),
-        stage_keys: fast_indexer::stage_keys_for(MAXE),
+        stage_keys: fast_indexer::stage_keys_for(MAXE, fast_indexer::TOPK_CLUSTER),
         head_sum: HeadSum::Ordered,
         fold: ScaleFold::Off,
         chunks_per_block: 1,
         streamed: false,
         fused_topk: None,
+        topk_cluster: fast_indexer::TOPK_CLUSTER,
     }
 }
 
@@ -584,6 +585,7 @@ fn other_dims_run_the_plain_kernel(
             chunks_per_block: 1,
             streamed: false,
             fused_topk: None,
+            topk_cluster: fast_indexer::TOPK_CLUSTER,
             ..own
         };
         let (r, f) = run_plans(reference, fast, &keys, &b, s, &[Some(own), Some(plain)]);
@@ -743,15 +745,23 @@ fn every_work_split_gives_the_same_result() {
     with_indexers(|reference, fast, s| {
         let mut rng = XorShift(0x5b1_17ed);
         let keys = Keys::random(&mut rng, DI);
-        // Tokens from nothing visible to 16K entries (a top-k block's run: up to 2048 entries).
-        // With 300 staged keys a block, the top-k blocks of some tokens stage their keys and the
-        // others read the scores in every pass; with 0 or 16, none stages.
+        // Tokens from nothing visible to 16K entries (a top-k block's run: up to 2048 entries
+        // in a cluster of 8, all of them in a cluster of 1). With 300 staged keys a block, the
+        // top-k blocks of some tokens stage their keys and the others read the scores in every
+        // pass; with 0 or 16, none stages. The top-k's cluster: 8, 2, 4, 8, 1 blocks a token.
         let seqs = decode(8, &[2, 700, 2047, 5000, 11_999, 12_003, 30_000, 65_535]);
         let b = Batch::new(&mut rng, &seqs, DI);
-        let all = fast_indexer::stage_keys_for(MAXE);
-        let plans: Vec<Option<SelectPlan>> = [(64, 0), (128, 300), (192, 16), (256, all)]
+        let all = |cluster| fast_indexer::stage_keys_for(MAXE, cluster);
+        let splits = [
+            (64, 0, 8),
+            (128, 300, 2),
+            (192, 16, 4),
+            (256, all(8), 8),
+            (256, all(1), 1),
+        ];
+        let plans: Vec<Option<SelectPlan>> = splits
             .iter()
-            .map(|&(chunk_keys, stage_keys)| {
+            .map(|&(chunk_keys, stage_keys, topk_cluster)| {
                 Some(SelectPlan {
                     chunk_keys,
                     stage_keys,
@@ -760,6 +770,7 @@ fn every_work_split_gives_the_same_result() {
                     chunks_per_block: 1,
                     streamed: false,
                     fused_topk: None,
+                    topk_cluster,
                 })
             })
             .chain([Some(plain(b.t()))])
@@ -820,19 +831,20 @@ fn tensor_core_head_sum_matches_the_reference_within_its_bound() {
                 chunks_per_block: 1,
                 streamed: false,
                 fused_topk: None,
+                topk_cluster: fast_indexer::TOPK_CLUSTER,
             })
         };
         let own = |t| {
             plan(
                 fast_indexer::chunk_keys_for(t, MAXE),
-                fast_indexer::stage_keys_for(MAXE),
+                fast_indexer::stage_keys_for(MAXE, fast_indexer::TOPK_CLUSTER),
             )
         };
         let keys = Keys::random(&mut rng, DI);
         let batches = flash_batches();
         for (k, seqs) in batches.iter().enumerate() {
             let b = Batch::new(&mut rng, seqs, DI);
-            let all = fast_indexer::stage_keys_for(MAXE);
+            let all = fast_indexer::stage_keys_for(MAXE, fast_indexer::TOPK_CLUSTER);
             // Its own split twice (reruns), then others.
             let plans = [
                 own(b.t()),
@@ -895,16 +907,17 @@ fn folded_scales_match_the_reference_within_their_bound() {
                 chunks_per_block,
                 streamed: false,
                 fused_topk: None,
+                topk_cluster: fast_indexer::TOPK_CLUSTER,
             };
             let own = |t| {
                 let chunk_keys = fast_indexer::chunk_keys_for(t, MAXE);
                 plan(
                     chunk_keys,
-                    fast_indexer::stage_keys_for(MAXE),
+                    fast_indexer::stage_keys_for(MAXE, fast_indexer::TOPK_CLUSTER),
                     fast_indexer::chunks_per_block_for(t, MAXE, chunk_keys),
                 )
             };
-            let all = fast_indexer::stage_keys_for(MAXE);
+            let all = fast_indexer::stage_keys_for(MAXE, fast_indexer::TOPK_CLUSTER);
             let how = Rounding { head_sum, fold };
             let check_splits = |name: &str, keys: &Keys, b: &Batch| {
                 // The splits, then the plain kernel of the same head sum (last; its own bound).
@@ -992,6 +1005,7 @@ fn folded_scales_match_the_reference_within_their_bound() {
             chunks_per_block: 1,
             streamed: false,
             fused_topk: None,
+            topk_cluster: fast_indexer::TOPK_CLUSTER,
         };
         let bad = [
             // Chunks that are not whole tiles, with the fold.
@@ -1007,6 +1021,15 @@ fn folded_scales_match_the_reference_within_their_bound() {
             },
             SelectPlan {
                 chunks_per_block: 0,
+                ..base
+            },
+            // A top-k cluster of none, or past the portable size.
+            SelectPlan {
+                topk_cluster: 0,
+                ..base
+            },
+            SelectPlan {
+                topk_cluster: fast_indexer::TOPK_CLUSTER + 1,
                 ..base
             },
         ];

@@ -20,7 +20,8 @@
 //! one chain of 128 dims (`fi_score_fold_kernel`, `fi_score_fold_tc_kernel`), the latter also at
 //! chunks of 64, 128 and 256 keys and 1, 2, 4 and 8 chunks a block (lines with `chunk_keys`);
 //! `indexer_fast_fold64_tc`: two chains of 64; `indexer_stream`: the streamed scoring,
-//! `fi_score_stream_kernel`, also at 2 to 64 tiles a block; `indexer_fused`: the streamed scoring
+//! `fi_score_stream_kernel`, also at 2 to 64 tiles a block; `indexer_topk`: the same with its
+//! separate top-k (`fi_topk_kernel`) at clusters of 1, 2, 4 and 8 blocks a token; `indexer_fused`: the streamed scoring
 //! with the top-k in its launch, `fi_select_stream_kernel`, at clusters of 2, 4, 8 and 16 blocks a
 //! token where the runs fit). The reference kernels (attention_kernel,
 //! indexer_kernel, f64) run the same cases up to 8 tokens as the in-run baseline;
@@ -489,7 +490,7 @@ fn indexer_case(
         let chunk_keys = fast_indexer::chunk_keys_for(t, maxe);
         SelectPlan {
             chunk_keys,
-            stage_keys: fast_indexer::stage_keys_for(maxe),
+            stage_keys: fast_indexer::stage_keys_for(maxe, fast_indexer::topk_cluster_for(t)),
             head_sum,
             fold,
             chunks_per_block: if fold == ScaleFold::Off {
@@ -499,6 +500,7 @@ fn indexer_case(
             },
             streamed: false,
             fused_topk: None,
+            topk_cluster: fast_indexer::topk_cluster_for(t),
         }
     };
     // Times `call` over `n` state copies and prints its line: `fields`, then the timing.
@@ -589,6 +591,23 @@ fn indexer_case(
             ix.fast.select_with(ctx, meta, &args(j), plan, s)
         })?;
     }
+    // The streamed plan with its separate top-k at each cluster size (the plan's line says which
+    // it takes: "chosen").
+    for topk_cluster in [1, 2, 4, fast_indexer::TOPK_CLUSTER] {
+        let plan = SelectPlan {
+            topk_cluster,
+            stage_keys: fast_indexer::stage_keys_for(maxe, topk_cluster),
+            ..stream_own
+        };
+        let fields = format!(
+            "{}, \"topk_cluster\": {topk_cluster}, \"chosen\": {}",
+            case("indexer_topk"),
+            topk_cluster == stream_own.topk_cluster
+        );
+        timed(fields, copies, &|j| {
+            ix.fast.select_with(ctx, meta, &args(j), plan, s)
+        })?;
+    }
     // The streamed scoring with the top-k in its launch, at each cluster size whose runs fit.
     for cluster in [2, 4, 8, fast_indexer::FUSED_MAX_CLUSTER] {
         let Some(plan) = fast_indexer::fused_plan(t, maxe, cluster) else {
@@ -602,12 +621,13 @@ fn indexer_case(
     for &chunk_keys in &ix.chunks {
         let plan = SelectPlan {
             chunk_keys,
-            stage_keys: fast_indexer::stage_keys_for(maxe),
+            stage_keys: fast_indexer::stage_keys_for(maxe, fast_indexer::topk_cluster_for(t)),
             head_sum: HeadSum::Ordered,
             fold: ScaleFold::Off,
             chunks_per_block: 1,
             streamed: false,
             fused_topk: None,
+            topk_cluster: fast_indexer::topk_cluster_for(t),
         };
         let chosen = chunk_keys == fast_indexer::chunk_keys_for(t, maxe);
         let fields = format!(

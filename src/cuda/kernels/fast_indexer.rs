@@ -43,8 +43,8 @@ pub const MAX_HEADS: usize = 64;
 pub const MAX_DIM: usize = 256;
 /// Threads of a top-k block (FI_TOPK_THREADS).
 pub const TOPK_THREADS: usize = 256;
-/// Blocks of a token's top-k (FI_TOPK_CLUSTER): one thread-block cluster (8: the portable
-/// cluster size), each a contiguous run of the token's entries.
+/// Most blocks of a token's top-k (FI_TOPK_CLUSTER): one thread-block cluster (8: the portable
+/// cluster size), each a contiguous run of the token's entries; [`topk_cluster_for`] picks how many.
 pub const TOPK_CLUSTER: usize = 8;
 /// Most order keys (u16) a top-k block stages in shared memory (64 KB): a block whose run of
 /// entries fits (up to 256K entries a token: 1M positions at ratio 4) reads its scores once, not
@@ -192,8 +192,8 @@ crate::kernel_family! {
     #[pdl(true)]
     fn fi_topk_kernel(
         scores: *const f32, positions: *const i32, seq_of: *const i32, seq_slots: *const i32,
-        t: i32, ratio: i32, maxe: i32, topk: i32, stage_keys: i32, selected: *mut i32,
-        nsel: *mut i32,
+        t: i32, ratio: i32, maxe: i32, topk: i32, stage_keys: i32, nc: i32,
+        selected: *mut i32, nsel: *mut i32,
     );
 }
 
@@ -242,6 +242,10 @@ pub struct SelectPlan {
     /// (`fi_topk_kernel`, reading the scores row). The same scores and selection either way. At
     /// head dims other than [`FOLD_DIM`] the plain kernels and the separate top-k run.
     pub fused_topk: Option<FusedTopk>,
+    /// Blocks of a token's separate top-k launch (`fi_topk_kernel`: one thread-block cluster,
+    /// 1 ..= [`TOPK_CLUSTER`]; [`topk_cluster_for`]). Not used with `fused_topk`. The selection
+    /// does not depend on it.
+    pub topk_cluster: usize,
 }
 
 /// The top-k inside the streamed scoring launch (`fi_select_stream_kernel`): a cluster of
@@ -296,12 +300,20 @@ impl ScaleFold {
     }
 }
 
-/// Order keys a top-k block stages for `maxe` entries a token: its whole run (a multiple of 32),
-/// up to [`TOPK_STAGE_KEYS`].
-pub fn stage_keys_for(maxe: usize) -> usize {
-    maxe.div_ceil(TOPK_CLUSTER)
+/// Order keys a top-k block of a `cluster`-block top-k stages for `maxe` entries a token: its whole
+/// run (a multiple of 32), up to [`TOPK_STAGE_KEYS`].
+pub fn stage_keys_for(maxe: usize, cluster: usize) -> usize {
+    maxe.div_ceil(cluster.max(1))
         .next_multiple_of(32)
         .min(TOPK_STAGE_KEYS)
+}
+
+/// Blocks of a token's separate top-k ([`SelectPlan::topk_cluster`]) for `tokens` tokens: a
+/// cluster of [`TOPK_CLUSTER`] splits one token's passes eight ways (one block took ~35 µs for
+/// 16K entries, its own instruction issue). `dsv4 bench attn` times 1, 2, 4 and 8 blocks
+/// (`indexer_topk` lines).
+pub fn topk_cluster_for(_tokens: usize) -> usize {
+    TOPK_CLUSTER
 }
 
 /// Blocks a scoring launch aims at when [`chunks_per_block_for`] gives a block several chunks:
@@ -347,12 +359,13 @@ pub fn fast_plan(tokens: usize, maxe: usize) -> SelectPlan {
     let chunk_keys = chunk_keys_for(tokens, maxe);
     SelectPlan {
         chunk_keys,
-        stage_keys: stage_keys_for(maxe),
+        stage_keys: stage_keys_for(maxe, topk_cluster_for(tokens)),
         head_sum: HeadSum::TensorCore,
         fold: ScaleFold::Chain128,
         chunks_per_block: chunks_per_block_for(tokens, maxe, chunk_keys),
         streamed: false,
         fused_topk: None,
+        topk_cluster: topk_cluster_for(tokens),
     }
 }
 
@@ -384,12 +397,13 @@ pub fn stream_plan(tokens: usize, maxe: usize) -> SelectPlan {
     let blocks_per_token = (STREAM_BLOCKS / tokens.max(1)).max(1);
     SelectPlan {
         chunk_keys: TILE_KEYS,
-        stage_keys: stage_keys_for(maxe),
+        stage_keys: stage_keys_for(maxe, topk_cluster_for(tokens)),
         head_sum: HeadSum::TensorCore,
         fold: ScaleFold::Chain128,
         chunks_per_block: tiles.div_ceil(blocks_per_token).max(STREAM_WGS),
         streamed: true,
         fused_topk: None,
+        topk_cluster: topk_cluster_for(tokens),
     }
 }
 
@@ -498,6 +512,7 @@ impl FastIndexer {
             || plan.stage_keys > TOPK_STAGE_KEYS
             || (plan.fold != ScaleFold::Off && !plan.chunk_keys.is_multiple_of(TILE_KEYS))
             || plan.chunks_per_block == 0
+            || !(1..=TOPK_CLUSTER).contains(&plan.topk_cluster)
             || (plan.chunks_per_block > 1 && plan.fold == ScaleFold::Off)
             || (plan.streamed
                 && (plan.fold != ScaleFold::Chain128 || plan.head_sum != HeadSum::TensorCore))
@@ -583,14 +598,15 @@ impl FastIndexer {
             maxe: i("maxe", x.maxe)?,
             topk: i("topk", x.topk)?,
             stage_keys: i("stage keys", plan.stage_keys)?,
+            nc: i("top-k cluster", plan.topk_cluster)?,
             selected: x.selected,
             nsel: x.nsel,
         };
         let smem = (2 * plan.stage_keys).next_multiple_of(16) as u32;
         let grid = blocks
-            .checked_mul(TOPK_CLUSTER as u32)
+            .checked_mul(plan.topk_cluster as u32)
             .ok_or_else(|| bad(format!("{t} tokens: too many blocks")))?;
-        let cluster = (TOPK_CLUSTER as u32, 1, 1);
+        let cluster = (plan.topk_cluster as u32, 1, 1);
         self.topk
             .launch_clustered(grid, TOPK_THREADS as u32, smem, stream, args, cluster)
     }
