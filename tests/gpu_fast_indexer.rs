@@ -46,7 +46,7 @@ use common::rng::XorShift;
 use dsv4::cuda::arena;
 use dsv4::cuda::kernels::attention::BatchMeta;
 use dsv4::cuda::kernels::fast_indexer::{
-    self, FastIndexer, FusedTopk, HeadSum, ScaleFold, SelectPlan,
+    self, FastIndexer, FusedTopk, HeadSum, ScaleFold, SelectPart, SelectPlan,
 };
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
@@ -420,24 +420,8 @@ fn run_plans(
     let t = b.t();
     let (_arena, p, meta, args) = device_inputs(&g.ctx, keys, b, s);
     assert!(FastIndexer::covers(&args));
-    let get = |d: DevicePtr, n: usize| -> Vec<u32> {
-        let mut v = vec![0u32; n];
-        arena::copy_to_host_sync(&mut v, d, s).unwrap();
-        v
-    };
-    let result = || Run {
-        scores: get(p[8], t * MAXE)
-            .into_iter()
-            .map(f32::from_bits)
-            .collect(),
-        selected: get(p[9], t * TOPK).into_iter().map(|v| v as i32).collect(),
-        nsel: get(p[10], t).into_iter().map(|v| v as i32).collect(),
-    };
-    let poison = || {
-        for d in [p[8], p[9], p[10]] {
-            arena::memset_async(d, 0xff, s).unwrap();
-        }
-    };
+    let result = || read_run(&p, t, s);
+    let poison = || poison_outputs(&p[8..], s);
     poison();
     reference.select(&g.ctx, &meta, &args, s).unwrap();
     let r = result();
@@ -453,6 +437,30 @@ fn run_plans(
         })
         .collect();
     (r, fast_runs)
+}
+
+/// The indexer's outputs of `t` tokens as device_inputs placed them (p[8], p[9], p[10]).
+fn read_run(p: &[DevicePtr], t: usize, s: BorrowedStream) -> Run {
+    let get = |d: DevicePtr, n: usize| -> Vec<u32> {
+        let mut v = vec![0u32; n];
+        arena::copy_to_host_sync(&mut v, d, s).unwrap();
+        v
+    };
+    Run {
+        scores: get(p[8], t * MAXE)
+            .into_iter()
+            .map(f32::from_bits)
+            .collect(),
+        selected: get(p[9], t * TOPK).into_iter().map(|v| v as i32).collect(),
+        nsel: get(p[10], t).into_iter().map(|v| v as i32).collect(),
+    }
+}
+
+/// Every byte of the buffers `outputs` set to 0xff (NaN scores, selections and counts of -1).
+fn poison_outputs(outputs: &[DevicePtr], s: BorrowedStream) {
+    for &d in outputs {
+        arena::memset_async(d, 0xff, s).unwrap();
+    }
 }
 
 /// All checks of one batch (module doc), tokens in parallel, `f` rounded as `how`; returns
@@ -784,6 +792,61 @@ fn every_work_split_gives_the_same_result() {
                 "{name}: differs from {:?}",
                 plans[0]
             );
+        }
+    });
+}
+
+/// The scoring and the top-k launched apart (`select_part`, as `dsv4 bench attn` times them)
+/// give the whole select's bits: the scoring alone writes the scores row and leaves the
+/// selection (poisoned) alone, the top-k alone selects on that row. A fused plan runs only
+/// whole.
+#[test]
+fn the_launches_apart_give_the_whole_select() {
+    with_indexers(|_reference, fast, s| {
+        let mut rng = XorShift(0x5e1_ec75);
+        let keys = Keys::random(&mut rng, DI);
+        let seqs = decode(8, &[2, 700, 2047, 5000, 11_999, 12_003, 30_000, 65_535]);
+        let b = Batch::new(&mut rng, &seqs, DI);
+        let g = family_gpu(&FAMILIES).unwrap();
+        let (_arena, p, meta, args) = device_inputs(&g.ctx, &keys, &b, s);
+        let t = b.t();
+        for topk_cluster in [1, 2, fast_indexer::TOPK_CLUSTER] {
+            let plan = SelectPlan {
+                topk_cluster,
+                stage_keys: fast_indexer::stage_keys_for(MAXE, topk_cluster),
+                ..fast_indexer::select_plan(t, MAXE)
+            };
+            let name = format!("{plan:?}");
+            poison_outputs(&p[8..], s);
+            fast.select_with(&g.ctx, &meta, &args, plan, s).unwrap();
+            let whole = read_run(&p, t, s);
+            poison_outputs(&p[8..], s);
+            fast.select_part(&g.ctx, &meta, &args, plan, SelectPart::Scoring, s)
+                .unwrap();
+            let scored = read_run(&p, t, s);
+            let scores_same = scored
+                .scores
+                .iter()
+                .zip(&whole.scores)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(scores_same, "{name}: the scoring alone wrote other scores");
+            assert!(
+                scored.selected.iter().all(|&v| v == -1) && scored.nsel.iter().all(|&v| v == -1),
+                "{name}: the scoring alone wrote a selection"
+            );
+            poison_outputs(&p[9..], s);
+            fast.select_part(&g.ctx, &meta, &args, plan, SelectPart::TopK, s)
+                .unwrap();
+            let apart = read_run(&p, t, s);
+            assert!(same_result(&apart, &whole), "{name}: apart != whole");
+        }
+        let fused = fast_indexer::fused_plan(t, MAXE, 8).expect("runs of 8 blocks fit");
+        for part in [SelectPart::Scoring, SelectPart::TopK] {
+            let err = fast
+                .select_part(&g.ctx, &meta, &args, fused, part, s)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("out of range"), "{part:?} of {fused:?}: {err}");
         }
     });
 }

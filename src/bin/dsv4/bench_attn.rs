@@ -20,8 +20,10 @@
 //! one chain of 128 dims (`fi_score_fold_kernel`, `fi_score_fold_tc_kernel`), the latter also at
 //! chunks of 64, 128 and 256 keys and 1, 2, 4 and 8 chunks a block (lines with `chunk_keys`);
 //! `indexer_fast_fold64_tc`: two chains of 64; `indexer_stream`: the streamed scoring,
-//! `fi_score_stream_kernel`, also at 2 to 64 tiles a block; `indexer_topk`: the same with its
-//! separate top-k (`fi_topk_kernel`) at clusters of 1, 2, 4 and 8 blocks a token; `indexer_fused`: the streamed scoring
+//! `fi_score_stream_kernel`, also at 2 to 64 tiles a block; `indexer_score`: its scoring launch
+//! alone; `indexer_topk_only`: its top-k launch (`fi_topk_kernel`) alone, on the scores the last
+//! scoring left, and `indexer_topk`: both, at clusters of 1, 2, 4 and 8 blocks a token;
+//! `indexer_fused`: the streamed scoring
 //! with the top-k in its launch, `fi_select_stream_kernel`, at clusters of 2, 4, 8 and 16 blocks a
 //! token where the runs fit). The reference kernels (attention_kernel,
 //! indexer_kernel, f64) run the same cases up to 8 tokens as the in-run baseline;
@@ -43,7 +45,9 @@ use dsv4::cuda::kernels::attention::{self, Attention, AttentionArgs, BatchMeta};
 use dsv4::cuda::kernels::fast_attention::{
     self, AttentionPath, CLUSTER_MAX_SPLITS, FastAttention, FastAttentionWorkspace, SplitCombine,
 };
-use dsv4::cuda::kernels::fast_indexer::{self, FastIndexer, HeadSum, ScaleFold, SelectPlan};
+use dsv4::cuda::kernels::fast_indexer::{
+    self, FastIndexer, HeadSum, ScaleFold, SelectPart, SelectPlan,
+};
 use dsv4::cuda::kernels::indexer::{self, Indexer, IndexerArgs};
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
 use dsv4::cuda::registry::Registry;
@@ -591,22 +595,33 @@ fn indexer_case(
             ix.fast.select_with(ctx, meta, &args(j), plan, s)
         })?;
     }
-    // The streamed plan with its separate top-k at each cluster size (the plan's line says which
-    // it takes: "chosen").
+    // The streamed plan's two launches apart: its scoring alone, then (on the scores that left)
+    // its separate top-k alone, and the whole select, at each top-k cluster size (the plan's
+    // lines say which it takes: "chosen").
+    let fields = format!("{}, \"chosen\": true", case("indexer_score"));
+    timed(fields, copies, &|j| {
+        ix.fast
+            .select_part(ctx, meta, &args(j), stream_own, SelectPart::Scoring, s)
+    })?;
     for topk_cluster in [1, 2, 4, fast_indexer::TOPK_CLUSTER] {
         let plan = SelectPlan {
             topk_cluster,
             stage_keys: fast_indexer::stage_keys_for(maxe, topk_cluster),
             ..stream_own
         };
-        let fields = format!(
-            "{}, \"topk_cluster\": {topk_cluster}, \"chosen\": {}",
-            case("indexer_topk"),
-            topk_cluster == stream_own.topk_cluster
-        );
-        timed(fields, copies, &|j| {
-            ix.fast.select_with(ctx, meta, &args(j), plan, s)
-        })?;
+        let chosen = topk_cluster == stream_own.topk_cluster;
+        for (kernel, part) in [
+            ("indexer_topk_only", SelectPart::TopK),
+            ("indexer_topk", SelectPart::Both),
+        ] {
+            let fields = format!(
+                "{}, \"topk_cluster\": {topk_cluster}, \"chosen\": {chosen}",
+                case(kernel)
+            );
+            timed(fields, copies, &|j| {
+                ix.fast.select_part(ctx, meta, &args(j), plan, part, s)
+            })?;
+        }
     }
     // The streamed scoring with the top-k in its launch, at each cluster size whose runs fit.
     for cluster in [2, 4, 8, fast_indexer::FUSED_MAX_CLUSTER] {

@@ -248,6 +248,17 @@ pub struct SelectPlan {
     pub topk_cluster: usize,
 }
 
+/// Which of a select's launches [`FastIndexer::select_part`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SelectPart {
+    /// The scoring, then the top-k: the select.
+    Both,
+    /// The scoring alone (it writes the scores row).
+    Scoring,
+    /// The top-k alone, on the scores row as the last scoring left it.
+    TopK,
+}
+
 /// The top-k inside the streamed scoring launch (`fi_select_stream_kernel`): a cluster of
 /// `cluster` blocks a token, block r scoring the token's tiles r m .. r m + m - 1 (m = its tiles /
 /// `cluster`, rounded up: contiguous runs, as the selection wants them) into its shared memory,
@@ -506,6 +517,21 @@ impl FastIndexer {
         plan: SelectPlan,
         stream: BorrowedStream,
     ) -> Result<()> {
+        self.select_part(ctx, b, x, plan, SelectPart::Both, stream)
+    }
+
+    /// [`FastIndexer::select_with`], or one of its two launches alone ([`SelectPart`]: `dsv4
+    /// bench attn` times the scoring and the top-k apart; the top-k alone reads the scores row
+    /// the last scoring left). A fused plan runs only as [`SelectPart::Both`].
+    pub fn select_part(
+        &self,
+        ctx: &Context,
+        b: &BatchMeta,
+        x: &IndexerArgs,
+        plan: SelectPlan,
+        part: SelectPart,
+        stream: BorrowedStream,
+    ) -> Result<()> {
         b.check(FAMILY)?;
         if plan.chunk_keys == 0
             || plan.chunk_keys > CHUNK_KEYS
@@ -518,7 +544,8 @@ impl FastIndexer {
                 && (plan.fold != ScaleFold::Chain128 || plan.head_sum != HeadSum::TensorCore))
             || plan.fused_topk.is_some_and(|f| {
                 // (The runs must fit the stage only where the fused kernel runs.)
-                !plan.streamed
+                part != SelectPart::Both
+                    || !plan.streamed
                     || !(1..=FUSED_MAX_CLUSTER).contains(&f.cluster)
                     || (x.dim == FOLD_DIM && fused_stage_keys(x.maxe, f.cluster).is_none())
             })
@@ -546,7 +573,7 @@ impl FastIndexer {
         }
         let chunks_per_block = if fold { plan.chunks_per_block } else { 1 };
         let chunks = x.maxe.div_ceil(plan.chunk_keys).div_ceil(chunks_per_block);
-        if chunks > 0 {
+        if chunks > 0 && part != SelectPart::TopK {
             let chunks = u32::try_from(chunks)
                 .ok()
                 .filter(|&c| c <= 65535)
@@ -587,6 +614,9 @@ impl FastIndexer {
                         .launch(grid, THREADS as u32, smem, stream, args)?
                 }
             }
+        }
+        if part == SelectPart::Scoring {
+            return Ok(());
         }
         let args = fi_topk_kernel::Args {
             scores: x.scores,
