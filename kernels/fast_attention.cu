@@ -92,6 +92,53 @@ DSV4_INLINE uint4 fa_stored_chunk(const KvRowFmt& f, const unsigned char* raw, i
   return fa_fp8_chunk(raw + c0, fa_e8m0(raw[f.row_bytes + c0 / KV_FP8_BLOCK]));
 }
 
+// FA_DECODE_FAST (bench variant, default 0: `dsv4 bench attn --defines FA_DECODE_FAST=1`; gpu_fast_attention
+// compares its bits with the default's): the wgmma kernel decodes a stored row of Flash's format (FA_DF_NOPE = 448
+// FP8 channels in 7 blocks of 64, then 64 BF16 RoPE channels) whose 7 block exponents all lie in
+// [FA_DF_E_MIN, 254] with fewer instructions, the same values:
+// - the row's scale record is read once (8 bytes), not a byte a chunk, and each block's scale is its BF16 bits,
+//   e << 7 (2^(e - 127)), with no select for e = 0 or 255 (those rows take the default decode);
+// - a pair of codes goes e4m3x2 -> f16x2 -> two f32 -> bf16x2, all exact (unscaled e4m3 values are BF16 values),
+//   then ONE mul.rn.bf16x2 by the scale instead of two f32 multiplies: the product is a BF16 value and exact as
+//   long as it is normal, which e >= FA_DF_E_MIN makes sure of (the smallest e4m3 value 2^-9 times 2^(e - 127) is
+//   at least 2^-126); past 2^128 both forms give inf; NaN codes give NaN, which bf16 conversion makes canonical
+//   in both;
+// - the RoPE chunk is known by its index (no per-chunk comparison with nope).
+#ifndef FA_DECODE_FAST
+#define FA_DECODE_FAST 0
+#endif
+#define FA_DF_NOPE 448
+#define FA_DF_BLOCKS (FA_DF_NOPE / 64)
+#define FA_DF_E_MIN 10u
+
+// Whether every block exponent of a scale record (bytes 0 .. FA_DF_BLOCKS - 1 of rec) takes the fast decode.
+DSV4_INLINE bool fa_df_record_ok(uint2 rec) {
+  bool ok = true;
+#pragma unroll
+  for (int j = 0; j < FA_DF_BLOCKS; ++j) {
+    const unsigned e = ((j < 4 ? rec.x : rec.y) >> (8 * (j & 3))) & 0xffu;
+    ok = ok && e - FA_DF_E_MIN <= 254u - FA_DF_E_MIN;
+  }
+  return ok;
+}
+
+// 8 e4m3 codes (at codes8, 8-byte aligned) times 2^(e - 127) as 8 bf16, e the block's exponent (fa_df_record_ok):
+// fa_fp8_chunk's values.
+DSV4_INLINE uint4 fa_df_chunk(const unsigned char* codes8, unsigned e) {
+  const uint2 codes = *(const uint2*)codes8;
+  const unsigned s2 = e * 0x00800080u;  // bf16x2 of 2^(e - 127) in both halves: e << 7, e << 23
+  unsigned w[4];
+  const unsigned c[2] = {codes.x, codes.y};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 v = kv_e4m3x2_to_f32((unsigned short)(c[i >> 1] >> (16 * (i & 1))));
+    unsigned x = pack_bf16x2(v.x, v.y);
+    asm("mul.rn.bf16x2 %0, %0, %1;\n" : "+r"(x) : "r"(s2));
+    w[i] = x;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // Values c0 .. c0 + 7 of an f32 row (the batch's own official rows: BF16 values) as 8 bf16.
 DSV4_INLINE uint4 fa_f32_chunk(const float* row, int c0) {
   const float4 a = *(const float4*)(row + c0), b = *(const float4*)(row + c0 + 4);
@@ -841,6 +888,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
   const KvRowFmt sf = kv_fmt_kv(hd, nope, 1);  // the stored rows
   const int raw_stride = kv_round_up(sf.row_bytes + sf.scale_bytes, 16);
   unsigned char* raw = (unsigned char*)(xs + FA_THREADS * 16);
+  const bool flash_rows = sf.nope == FA_DF_NOPE && sf.scale_bytes >= 8;  // (FA_DECODE_FAST: the record's 8 bytes)
   FaSlots sl;
   sl.krow = (unsigned long long*)(raw + FA_WG_RAW * FA_TILE_KEYS * raw_stride);
   sl.ksc = sl.krow + FA_WG_RAW * FA_TILE_KEYS;
@@ -868,6 +916,20 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const unsigned char* rr = raw + (rs * FA_TILE_KEYS + r) * raw_stride;
     const float* fr = (const float*)sl.krow[rs * FA_TILE_KEYS + r];
     unsigned char* dst = ks + kb * FA_WG_K_TILE + fa_sw(r, u, FA_WG_K_CHUNK);
+    if (FA_DECODE_FAST && flash_rows && k == FA_KEY_STORED) {
+      const uint2 rec = *(const uint2*)(rr + sf.row_bytes);
+      if (fa_df_record_ok(rec)) {
+#pragma unroll
+        for (int j = 0; j < FA_DF_BLOCKS; ++j)
+          *(uint4*)(dst + j * FA_WG_K_CHUNK) =
+              fa_df_chunk(rr + 64 * j + 8 * u, ((j < 4 ? rec.x : rec.y) >> (8 * (j & 3))) & 0xffu);
+#pragma unroll
+        for (int j = FA_DF_BLOCKS; j < FA_WG_HD / 64; ++j)
+          *(uint4*)(dst + j * FA_WG_K_CHUNK) = *(const uint4*)(rr + FA_DF_NOPE + 2 * (64 * j + 8 * u - FA_DF_NOPE));
+        fence_proxy_async_shared();
+        return;
+      }
+    }
     if (k == FA_KEY_STORED) {  // (a stored row, the common case: one branch a row, not one a chunk)
 #pragma unroll
       for (int j = 0; j < FA_WG_HD / 64; ++j) *(uint4*)(dst + j * FA_WG_K_CHUNK) = fa_stored_chunk(sf, rr, 64 * j + 8 * u);

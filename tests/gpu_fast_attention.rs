@@ -19,7 +19,8 @@
 //! |o_fast - o_ref| <= (1 + 2^-8) [S_c (2^-8 + 2.1 max δ + ε_acc + ε_exp) + (ε_den + ε_exp) |o_ref|] +
 //! 2^-8 (1 + 2^-8) |o_ref|,
 //! ε_acc = (nk/16 + 4) 2^-22, ε_den = (nk + 20) 2^-23.
-//! Also: the fast kernel is bit-identical run to run and padding tokens get zeros.
+//! Also: the fast kernel is bit-identical run to run and padding tokens get zeros, and every kernel
+//! (and each bench variant of `VARIANTS`, compiled with its define) gives mma.sync's bits.
 //!
 //! Without a CUDA device the GPU tests print `skipped: no CUDA device`.
 
@@ -35,10 +36,10 @@ use dsv4::cuda::kernels::fast_attention::{
     workspace_floats,
 };
 use dsv4::cuda::kv_pages::{KV_PAGE, KvFormat, KvPagesDev, KvRows};
-use dsv4::cuda::registry::KernelSource;
+use dsv4::cuda::registry::{KernelCache, KernelSource, Registry};
 use dsv4::cuda::{BorrowedStream, DevicePtr, OwnedStream};
 use dsv4::reference::precision::Prec;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 const FAMILIES: [&KernelSource; 2] = [&attention::SOURCE, &fast_attention::SOURCE];
 
@@ -72,7 +73,7 @@ struct State {
 }
 
 impl State {
-    /// Random official pages: e4m3 codes (never NaN), scales 2^-10 .. 2^-6, BF16 RoPE values
+    /// Random official pages: e4m3 codes (never NaN), scales 2^-10 .. 2^-6 (one in 64: 2^-118), BF16 RoPE values
     /// in [-1, 1); the entries' block table a permutation of the pool.
     fn random(rng: &mut XorShift, ratio: usize, csa: bool, max_seq_len: usize) -> State {
         let rows = KvRows::kv(KvFormat::Official, HD, NOPE);
@@ -95,9 +96,15 @@ impl State {
                         let v = half::bf16::from_f32(rng.f(1.0)).to_bits().to_le_bytes();
                         row[NOPE + 2 * c..NOPE + 2 * c + 2].copy_from_slice(&v);
                     }
+                    // (One block in 64 at 2^-118: below FA_DECODE_FAST's range, so that its
+                    // variant meets rows of both decodes.)
                     let sc = KV_PAGE * rows.row_bytes() + r * rows.scale_bytes();
                     for b in &mut page[sc..sc + NOPE / 64] {
-                        *b = 117 + rng.below(5) as u8;
+                        *b = if rng.below(64) == 0 {
+                            9
+                        } else {
+                            117 + rng.below(5) as u8
+                        };
                     }
                 }
             }
@@ -278,14 +285,51 @@ const PATHS: [(AttentionPath, SplitCombine); 6] = [
     (AttentionPath::Wgmma, SplitCombine::Workspace),
 ];
 
+/// Kernel variants (preprocessor defines of fast_attention.cu, `dsv4 bench attn --defines`) whose
+/// output must be the default kernels' bits: each runs the wgmma kernel with a cluster combine
+/// after [`PATHS`], from a registry of its own.
+const VARIANTS: [&str; 1] = ["FA_DECODE_FAST=1"];
+
+/// The variants' registries, compiled once (each is the fast_attention family with its define).
+fn variant_registries() -> &'static [Registry] {
+    static REGS: OnceLock<Vec<Registry>> = OnceLock::new();
+    REGS.get_or_init(|| {
+        let g = family_gpu(&FAMILIES).unwrap();
+        VARIANTS
+            .iter()
+            .map(|d| {
+                let cache = KernelCache::disabled()
+                    .with_defines(&[d.to_string()])
+                    .unwrap();
+                Registry::load_families(&g.ctx, &[&fast_attention::SOURCE], &cache)
+                    .unwrap_or_else(|e| panic!("{d}: {e}"))
+            })
+            .collect()
+    })
+}
+
+/// What each of `run`'s fast outputs is: [`PATHS`], then [`VARIANTS`].
+fn run_labels() -> Vec<String> {
+    PATHS
+        .iter()
+        .map(|p| format!("{p:?}"))
+        .chain(
+            VARIANTS
+                .iter()
+                .map(|d| format!("(Wgmma, Cluster) with {d}")),
+        )
+        .collect()
+}
+
 /// A fast kernel's output from two runs of the same batch.
 type TwoRuns = (Vec<f32>, Vec<f32>);
 
-/// Runs the reference and each fast kernel of [`PATHS`] (twice) on `b`; returns the reference
-/// and, per path, (fast, fast again).
+/// Runs the reference and each fast kernel of [`PATHS`], then each of `variants` ([`VARIANTS`]),
+/// twice on `b`; returns the reference and, per run ([`run_labels`]), (fast, fast again).
 fn run(
     attn: &Attention,
     fast: &FastAttention,
+    variants: &[FastAttention],
     st: &State,
     b: &Batch,
     s: BorrowedStream,
@@ -400,12 +444,21 @@ fn run(
     let mut fast_runs = vec![];
     // Each path twice: from the caller's BF16 queries (the forward's form), then from the f32
     // ones, which the wrapper converts into the workspace (poisoned first): the same bits.
-    for (path, combine) in PATHS {
+    let runs = PATHS
+        .iter()
+        .map(|&(path, combine)| (fast, path, combine))
+        .chain(
+            variants
+                .iter()
+                .map(|v| (v, AttentionPath::Wgmma, SplitCombine::Cluster)),
+        );
+    for (kernels, path, combine) in runs {
         let mut once = |q_bf16: Option<DevicePtr>| {
             poison();
             arena::memset_async(p[16], 0xff, s).unwrap();
             args.q_bf16 = q_bf16;
-            fast.attention_split(path, None, combine, &g.ctx, &meta, &args, &ws, s)
+            kernels
+                .attention_split(path, None, combine, &g.ctx, &meta, &args, &ws, s)
                 .unwrap();
             download(p[12])
         };
@@ -497,6 +550,11 @@ fn run_layer(
     print_kernel_resources(&g.reg);
     let attn = Attention::new(&g.reg).unwrap();
     let fast = FastAttention::new(&g.reg).unwrap();
+    let variants: Vec<FastAttention> = variant_registries()
+        .iter()
+        .map(|r| FastAttention::new(r).unwrap())
+        .collect();
+    let labels = run_labels();
     let stream = OwnedStream::new(&g.ctx).unwrap();
     let s = stream.borrow();
     let _c = g.ctx.enter().unwrap();
@@ -504,23 +562,23 @@ fn run_layer(
     let st = State::random(&mut rng, ratio, csa, max_seq_len);
     for (k, seqs) in batches.iter().enumerate() {
         let b = Batch::new(&mut rng, &st, seqs);
-        let (o_ref, fast_runs) = run(&attn, &fast, &st, &b, s);
-        // fast_attention.rs: the kernels give the same bits.
-        for (path, (o_fast, _)) in PATHS.iter().zip(&fast_runs).skip(1) {
+        let (o_ref, fast_runs) = run(&attn, &fast, &variants, &st, &b, s);
+        // fast_attention.rs: the kernels (and the variants) give the same bits.
+        for (path, (o_fast, _)) in labels.iter().zip(&fast_runs).skip(1) {
             let apart = fast_runs[0]
                 .0
                 .iter()
                 .zip(o_fast)
                 .filter(|(a, b)| a.to_bits() != b.to_bits())
                 .count();
-            println!("{name} batch {k}: {path:?} differs from mma.sync in {apart} values");
+            println!("{name} batch {k}: {path} differs from mma.sync in {apart} values");
             assert_eq!(
                 apart, 0,
-                "{name} batch {k}: the mma.sync and {path:?} kernels differ"
+                "{name} batch {k}: the mma.sync and {path} kernels differ"
             );
         }
-        for (path, (o_fast, o_again)) in PATHS.iter().zip(&fast_runs) {
-            let tag = format!("{name} batch {k} {path:?}");
+        for (path, (o_fast, o_again)) in labels.iter().zip(&fast_runs) {
+            let tag = format!("{name} batch {k} {path}");
             check(&tag, &st, &b, &o_ref, o_fast);
             assert!(
                 o_fast

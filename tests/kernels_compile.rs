@@ -186,6 +186,51 @@ fn fast_kernels_keep_wgmma_asynchronous() {
     }
 }
 
+/// The fast kernels' bench variants (`#ifndef` defines that `dsv4 bench --defines` times against
+/// the defaults) compile too, and keep their wgmmas asynchronous: a variant that fails here would
+/// cost a device call its bench line. (Their registers and spills are printed; some variants, such
+/// as three indexer blocks an SM, spill by design.)
+#[test]
+fn bench_variants_compile_and_keep_wgmma_asynchronous() {
+    use dsv4::cuda::kernels::{fast_attention, fast_indexer};
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let variants: [(&KernelSource, &str); 6] = [
+        (&fast_attention::SOURCE, "FA_DECODE_FAST=1"),
+        (&fast_attention::SOURCE, "FA_CL_BATCH=1"),
+        (&fast_attention::SOURCE, "FA_CL_BATCH=8"),
+        (&fast_attention::SOURCE, "FA_SOFTMAX_SPLIT=0"),
+        (&fast_indexer::SOURCE, "FI_STREAM_MIN_BLOCKS=3"),
+        (&fast_indexer::SOURCE, "FI_TOPK_PLAIN_LOW=1"),
+    ];
+    for (fam, define) in variants {
+        if chosen([fam]).is_empty() {
+            continue;
+        }
+        let flag = format!("-D{define}");
+        let (_, log) = fam
+            .compile_with_log(ARCH, &[flag.as_str(), "--ptxas-options=-v"])
+            .unwrap_or_else(|e| panic!("{} with {define}: {e}", fam.family));
+        for l in log
+            .lines()
+            .filter(|l| l.contains("spill") || l.contains("entry function"))
+        {
+            println!("{} {define}: {}", fam.family, l.trim());
+        }
+        let serialized: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("C7511") || l.contains("C7514"))
+            .collect();
+        assert!(
+            serialized.is_empty(),
+            "kernel family `{}` with {define}: ptxas serialises wgmma:\n{}",
+            fam.family,
+            serialized.join("\n")
+        );
+    }
+}
+
 /// The warp-specialized attention's roles trade registers with `setmaxnreg`, which takes them from
 /// the block's pool: if ptxas gives the kernel fewer registers a thread than the pool needs
 /// (`fast_attention::WS_MIN_REGS`), the consumers' `setmaxnreg.inc` waits forever. The host
