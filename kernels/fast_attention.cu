@@ -107,7 +107,16 @@ DSV4_INLINE uint4 fa_stored_chunk(const KvRowFmt& f, const unsigned char* raw, i
 #ifndef FA_DECODE_FAST
 #define FA_DECODE_FAST 0
 #endif
+// FA_FETCH_FAST (bench variant, default 0): fa_fetch copies a row of Flash's size (FA_DF_ROW_BYTES value bytes, an
+// FA_DF_SCALE_BYTES scale record) by unrolled copies with immediate offsets instead of its general loops (whose
+// trip counts and 64-bit address arithmetic cost ~90 instructions a thread and tile in the wgmma kernel's SASS,
+// between the softmax and P V); the same bytes land in the same places.
+#ifndef FA_FETCH_FAST
+#define FA_FETCH_FAST 0
+#endif
 #define FA_DF_NOPE 448
+#define FA_DF_ROW_BYTES (FA_DF_NOPE + 2 * 64)
+#define FA_DF_SCALE_BYTES 8
 #define FA_DF_BLOCKS (FA_DF_NOPE / 64)
 #define FA_DF_E_MIN 10u
 
@@ -219,8 +228,23 @@ DSV4_INLINE void fa_fetch(const FaSlots& s, const KvRowFmt& sf, unsigned char* r
     unsigned char* dst = raw + (rb * FA_TILE_KEYS + r) * raw_stride;
     const unsigned char* src = (const unsigned char*)s.krow[b * FA_TILE_KEYS + r];
     const unsigned char* sc = (const unsigned char*)s.ksc[b * FA_TILE_KEYS + r];
-    for (int c = u; c < sf.row_bytes / 16; c += TPR) cp_async_16(smem_addr(dst + 16 * c), src + 16 * c);
-    for (int o4 = 4 * u; o4 < sf.scale_bytes; o4 += 4 * TPR) cp_async_4(smem_addr(dst + sf.row_bytes + o4), sc + o4);
+    if (FA_FETCH_FAST && sf.row_bytes == FA_DF_ROW_BYTES && sf.scale_bytes == FA_DF_SCALE_BYTES) {
+      // Flash's rows (FA_FETCH_FAST): the same copies with the row's size known, unrolled with their
+      // offsets as immediates; the scale record by the last thread of the row, which has one chunk fewer.
+      constexpr int CHUNKS = FA_DF_ROW_BYTES / 16;
+      const unsigned d = smem_addr(dst);
+#pragma unroll
+      for (int i = 0; i < CHUNKS / TPR; ++i) cp_async_16(d + 16 * (u + TPR * i), src + 16 * (u + TPR * i));
+      if (CHUNKS % TPR != 0)
+        cp_async_16_if(d + 16 * (u + TPR * (CHUNKS / TPR)), src + 16 * (u + TPR * (CHUNKS / TPR)),
+                       u < CHUNKS % TPR);
+      cp_async_4_if(d + FA_DF_ROW_BYTES, sc, u == TPR - 1);
+      cp_async_4_if(d + FA_DF_ROW_BYTES + 4, sc + 4, u == TPR - 1);
+    } else {
+      for (int c = u; c < sf.row_bytes / 16; c += TPR) cp_async_16(smem_addr(dst + 16 * c), src + 16 * c);
+      for (int o4 = 4 * u; o4 < sf.scale_bytes; o4 += 4 * TPR)
+        cp_async_4(smem_addr(dst + sf.row_bytes + o4), sc + o4);
+    }
   }
   cp_async_commit();
 }

@@ -286,9 +286,15 @@ const PATHS: [(AttentionPath, SplitCombine); 6] = [
 ];
 
 /// Kernel variants (preprocessor defines of fast_attention.cu, `dsv4 bench attn --defines`) whose
-/// output must be the default kernels' bits: each runs the wgmma kernel with a cluster combine
-/// after [`PATHS`], from a registry of its own.
-const VARIANTS: [&str; 1] = ["FA_DECODE_FAST=1"];
+/// output must be the default kernels' bits: each runs the kernels it changes (with a cluster
+/// combine) after [`PATHS`], from a registry of its own.
+const VARIANTS: [(&str, &[AttentionPath]); 2] = [
+    ("FA_DECODE_FAST=1", &[AttentionPath::Wgmma]),
+    (
+        "FA_FETCH_FAST=1",
+        &[AttentionPath::Mma, AttentionPath::Wgmma],
+    ),
+];
 
 /// The variants' registries, compiled once (each is the fast_attention family with its define).
 fn variant_registries() -> &'static [Registry] {
@@ -297,7 +303,7 @@ fn variant_registries() -> &'static [Registry] {
         let g = family_gpu(&FAMILIES).unwrap();
         VARIANTS
             .iter()
-            .map(|d| {
+            .map(|(d, _)| {
                 let cache = KernelCache::disabled()
                     .with_defines(&[d.to_string()])
                     .unwrap();
@@ -313,11 +319,11 @@ fn run_labels() -> Vec<String> {
     PATHS
         .iter()
         .map(|p| format!("{p:?}"))
-        .chain(
-            VARIANTS
+        .chain(VARIANTS.iter().flat_map(|(d, paths)| {
+            paths
                 .iter()
-                .map(|d| format!("(Wgmma, Cluster) with {d}")),
-        )
+                .map(move |p| format!("({p:?}, Cluster) with {d}"))
+        }))
         .collect()
 }
 
@@ -444,14 +450,13 @@ fn run(
     let mut fast_runs = vec![];
     // Each path twice: from the caller's BF16 queries (the forward's form), then from the f32
     // ones, which the wrapper converts into the workspace (poisoned first): the same bits.
-    let runs = PATHS
-        .iter()
-        .map(|&(path, combine)| (fast, path, combine))
-        .chain(
-            variants
-                .iter()
-                .map(|v| (v, AttentionPath::Wgmma, SplitCombine::Cluster)),
-        );
+    let runs =
+        PATHS
+            .iter()
+            .map(|&(path, combine)| (fast, path, combine))
+            .chain(variants.iter().zip(VARIANTS).flat_map(|(v, (_, paths))| {
+                paths.iter().map(move |&p| (v, p, SplitCombine::Cluster))
+            }));
     for (kernels, path, combine) in runs {
         let mut once = |q_bf16: Option<DevicePtr>| {
             poison();

@@ -196,8 +196,9 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
     if !nvrtc_or_skip() {
         return;
     }
-    let variants: [(&KernelSource, &str); 6] = [
+    let variants: [(&KernelSource, &str); 7] = [
         (&fast_attention::SOURCE, "FA_DECODE_FAST=1"),
+        (&fast_attention::SOURCE, "FA_FETCH_FAST=1"),
         (&fast_attention::SOURCE, "FA_CL_BATCH=1"),
         (&fast_attention::SOURCE, "FA_CL_BATCH=8"),
         (&fast_attention::SOURCE, "FA_SOFTMAX_SPLIT=0"),
