@@ -531,6 +531,19 @@ DSV4_INLINE void fa_softmax(float (&sc)[4][4], float* xs, int tid, int half, int
     fa_softmax_tile(sc, xs, tid, half, cq, j0, nk, scale, mrow, lrow, acc, pa, exchange, before_o);
 }
 
+// round_bf16 of each value: by the hardware conversion (one cvt.rn.bf16x2 a pair; round_bf16_nonnan's rounding,
+// the same value for every non-NaN input, where round_bf16's integer steps took ~10 SASS instructions a value)
+// unless one is NaN (then round_bf16's own bits).
+DSV4_INLINE float2 fa_round_bf16x2(float2 v) {
+  if (v.x != v.x || v.y != v.y) return make_float2(round_bf16(v.x), round_bf16(v.y));
+  const unsigned w = pack_bf16x2(v.x, v.y);
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+DSV4_INLINE float4 fa_round_bf16x4(float4 v) {
+  const float2 lo = fa_round_bf16x2(make_float2(v.x, v.y)), hi = fa_round_bf16x2(make_float2(v.z, v.w));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
 // The block's result for a thread's two head rows (hg * 16 + g, + 8), dims dim0 + 8n + 2cq (+1) for
 // 8n < hd / 2: splits == 1 writes o = bf16(O / (Σ e + exp(sink - max))); else the unnormalised O and
 // (max, Σ e): to part_o and part_ml for fa_combine_kernel, or with `cl` (a cluster launch: the block's
@@ -555,8 +568,8 @@ DSV4_INLINE void fa_finish(const float (&acc)[FA_MAX_HD / 16][4], const float (&
 #pragma unroll
       for (int n = 0; n < FA_MAX_HD / 16; ++n)
         if (n * 8 < hh)
-          *(float2*)(orow + n * 8 + 2 * cq) = make_float2(round_bf16(__fdiv_rn(acc[n][2 * r], den)),
-                                                          round_bf16(__fdiv_rn(acc[n][2 * r + 1], den)));
+          *(float2*)(orow + n * 8 + 2 * cq) =
+              fa_round_bf16x2(make_float2(__fdiv_rn(acc[n][2 * r], den), __fdiv_rn(acc[n][2 * r + 1], den)));
     } else {
       float* prow = cl != nullptr ? (float*)cl + h * fa_cl_row(hd) + dim0 : part_o + (part * H + h) * hd + dim0;
 #pragma unroll
@@ -648,22 +661,26 @@ DSV4_INLINE void fa_cluster_combine(int t, int H, int hd, int splits, const floa
   unsigned remote[FA_CLUSTER_MAX_SPLITS];  // each block's partials in the cluster's window
 #pragma unroll
   for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s) remote[s] = s < splits ? cluster_map(base, (unsigned)s) : 0u;
+  // Item idx = (head idx / nq, quad q0 + idx % nq), stepped without a division an item (one took ~25 SASS
+  // instructions: nq is a runtime value).
+  FaWalk walk(tid, nq);
   for (int i0 = tid; i0 < items; i0 += FA_CL_BATCH * FA_THREADS) {
     float4 p[FA_CL_BATCH][FA_CLUSTER_MAX_SPLITS];
+    int hb[FA_CL_BATCH], cb[FA_CL_BATCH];
 #pragma unroll
     for (int b = 0; b < FA_CL_BATCH; ++b) {
-      const int idx = i0 + b * FA_THREADS;
-      if (idx >= items) break;
-      const int h = idx / nq, c = 4 * (q0 + idx - h * nq);
+      if (i0 + b * FA_THREADS >= items) break;
+      hb[b] = walk.r;
+      cb[b] = 4 * (q0 + walk.c);
+      walk.next();
 #pragma unroll
       for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
-        if (s < splits) p[b][s] = ld_cluster_f32x4(remote[s] + 4u * (h * fa_cl_row(hd) + c));
+        if (s < splits) p[b][s] = ld_cluster_f32x4(remote[s] + 4u * (hb[b] * fa_cl_row(hd) + cb[b]));
     }
 #pragma unroll
     for (int b = 0; b < FA_CL_BATCH; ++b) {
-      const int idx = i0 + b * FA_THREADS;
-      if (idx >= items) break;
-      const int h = idx / nq, c = 4 * (q0 + idx - h * nq);
+      if (i0 + b * FA_THREADS >= items) break;
+      const int h = hb[b], c = cb[b];
       float* orow = o + ((long long)t * H + h) * hd + c;
       if (max_sh[h] == -DSV4_F32_INF) {
         *(float4*)orow = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -674,8 +691,8 @@ DSV4_INLINE void fa_cluster_combine(int t, int H, int hd, int splits, const floa
       for (int s = 0; s < FA_CLUSTER_MAX_SPLITS; ++s)
         if (s < splits) fa_add_weighted(v, p[b][s], wsh[s * FA_MAX_HEADS + h]);
       const float den = den_sh[h];
-      *(float4*)orow = make_float4(round_bf16(__fdiv_rn(v.x, den)), round_bf16(__fdiv_rn(v.y, den)),
-                                   round_bf16(__fdiv_rn(v.z, den)), round_bf16(__fdiv_rn(v.w, den)));
+      *(float4*)orow = fa_round_bf16x4(
+          make_float4(__fdiv_rn(v.x, den), __fdiv_rn(v.y, den), __fdiv_rn(v.z, den), __fdiv_rn(v.w, den)));
     }
   }
   cluster_sync();  // no block leaves while another may still read its shared memory
@@ -1422,7 +1439,7 @@ extern "C" __global__ void fa_combine_kernel(const float* part_o, const float* p
       for (int u = 0; u < FA_COMBINE_LOADS; ++u)  // (the weight as a select, not a branch: 91a4ca4's
         fa_add_weighted(v, p[u], s0 + u < splits ? wsh[s0 + u] : 0.0f);  // branch cost 0.8 us at T = 1)
     }
-    *(float4*)(orow + c) = make_float4(round_bf16(__fdiv_rn(v.x, den)), round_bf16(__fdiv_rn(v.y, den)),
-                                       round_bf16(__fdiv_rn(v.z, den)), round_bf16(__fdiv_rn(v.w, den)));
+    *(float4*)(orow + c) = fa_round_bf16x4(
+        make_float4(__fdiv_rn(v.x, den), __fdiv_rn(v.y, den), __fdiv_rn(v.z, den), __fdiv_rn(v.w, den)));
   }
 }
