@@ -531,16 +531,9 @@ DSV4_INLINE void fa_softmax(float (&sc)[4][4], float* xs, int tid, int half, int
     fa_softmax_tile(sc, xs, tid, half, cq, j0, nk, scale, mrow, lrow, acc, pa, exchange, before_o);
 }
 
-// round_bf16 of each value: by the hardware conversion (one cvt.rn.bf16x2 a pair; round_bf16_nonnan's rounding,
-// the same value for every non-NaN input, where round_bf16's integer steps took ~10 SASS instructions a value)
-// unless one is NaN (then round_bf16's own bits).
-DSV4_INLINE float2 fa_round_bf16x2(float2 v) {
-  if (v.x != v.x || v.y != v.y) return make_float2(round_bf16(v.x), round_bf16(v.y));
-  const unsigned w = pack_bf16x2(v.x, v.y);
-  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-}
+// round_bf16 of each of four values (common.cuh round_bf16x2: the hardware conversion for non-NaN pairs).
 DSV4_INLINE float4 fa_round_bf16x4(float4 v) {
-  const float2 lo = fa_round_bf16x2(make_float2(v.x, v.y)), hi = fa_round_bf16x2(make_float2(v.z, v.w));
+  const float2 lo = round_bf16x2(make_float2(v.x, v.y)), hi = round_bf16x2(make_float2(v.z, v.w));
   return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 
@@ -569,7 +562,7 @@ DSV4_INLINE void fa_finish(const float (&acc)[FA_MAX_HD / 16][4], const float (&
       for (int n = 0; n < FA_MAX_HD / 16; ++n)
         if (n * 8 < hh)
           *(float2*)(orow + n * 8 + 2 * cq) =
-              fa_round_bf16x2(make_float2(__fdiv_rn(acc[n][2 * r], den), __fdiv_rn(acc[n][2 * r + 1], den)));
+              round_bf16x2(make_float2(__fdiv_rn(acc[n][2 * r], den), __fdiv_rn(acc[n][2 * r + 1], den)));
     } else {
       float* prow = cl != nullptr ? (float*)cl + h * fa_cl_row(hd) + dim0 : part_o + (part * H + h) * hd + dim0;
 #pragma unroll

@@ -201,16 +201,6 @@ DSV4_INLINE void ffg_wgmma(float (&d)[64], unsigned long long desc_a, unsigned l
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-// round_bf16 of an output pair (fd_round_bf16_kernel's values, bit for bit): the hardware conversion, one cvt
-// for both, gives round_bf16's value for every non-NaN; a pair holding a NaN (never, from finite operands) takes
-// round_bf16 itself, for its NaN's bits. round_bf16 for every value would cost ~8 integer instructions each, ~1000
-// a thread and tile at 256 outputs, beside a mainloop of ~4000 cycles.
-DSV4_INLINE float2 ffg_round_pair(float2 v) {
-  if (v.x != v.x || v.y != v.y) return make_float2(round_bf16(v.x), round_bf16(v.y));
-  const unsigned w = pack_bf16x2(v.x, v.y);
-  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-}
-
 // The outputs of the thread's two token rows in `out`'s form: f32, or rounded to bf16 values (as
 // fd_round_bf16_kernel makes them) and stored as f32 or as their bf16 bits (the top half of the rounded f32),
 // an output pair at a time (a warp's store covers 8 rows x 32 or 16 contiguous bytes). acc[64h + 4j + c]: row
@@ -226,7 +216,7 @@ DSV4_INLINE void ffg_store(const float (&acc)[BN / 2], void* y, int ldy, int row
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       float2 v = make_float2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
-      if (rounded) v = ffg_round_pair(v);
+      if (rounded) v = round_bf16x2(v);  // (fd_round_bf16_kernel's values, bit for bit)
       if (out == FFG_OUT_BF16)
         *reinterpret_cast<unsigned*>(static_cast<unsigned short*>(y) + at + 8 * j) =
             (__float_as_uint(v.x) >> 16) | (__float_as_uint(v.y) & 0xffff0000u);
