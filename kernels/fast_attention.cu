@@ -101,8 +101,8 @@ DSV4_INLINE uint4 fa_stored_chunk(const KvRowFmt& f, const unsigned char* raw, i
 // - a pair of codes goes e4m3x2 -> f16x2 -> two f32 -> bf16x2, all exact (unscaled e4m3 values are BF16 values),
 //   then ONE mul.rn.bf16x2 by the scale instead of two f32 multiplies: the product is a BF16 value and exact as
 //   long as it is normal, which e >= FA_DF_E_MIN makes sure of (the smallest e4m3 value 2^-9 times 2^(e - 127) is
-//   at least 2^-126); past 2^128 both forms give inf; NaN codes give NaN, which bf16 conversion makes canonical
-//   in both;
+//   at least 2^-126); past 2^128 both forms give inf; a NaN code gives NaN in both, possibly with other payload
+//   bits (the official writer's satfinite conversion never stores one);
 // - the RoPE chunk is known by its index (no per-chunk comparison with nope).
 #ifndef FA_DECODE_FAST
 #define FA_DECODE_FAST 0
