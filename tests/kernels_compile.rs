@@ -161,29 +161,30 @@ fn fast_kernels_keep_wgmma_asynchronous() {
         let (_, log) = fam
             .compile_with_log(ARCH, &["--ptxas-options=-v"])
             .unwrap_or_else(|e| panic!("{}: {e}", fam.family));
-        // Registers and spills of each entry point (its "Compiling entry function" line first), for
-        // whoever tunes these kernels.
-        for l in log.lines().filter(|l| {
-            l.contains("registers") || l.contains("spill") || l.contains("entry function")
-        }) {
-            println!("{}: {}", fam.family, l.trim());
-        }
-        let serialized: Vec<&str> = log
-            .lines()
-            .filter(|l| l.contains("C7511") || l.contains("C7514"))
-            .collect();
-        println!(
-            "{}: {} wgmma serialisation notes",
-            fam.family,
-            serialized.len()
-        );
-        assert!(
-            serialized.is_empty(),
-            "kernel family `{}`: ptxas serialises wgmma:\n{}",
-            fam.family,
-            serialized.join("\n")
-        );
+        check_wgmma_asynchronous(fam.family, &log);
     }
+}
+
+/// Prints each entry point's registers and spills from ptxas's verbose `log` (its "Compiling entry
+/// function" line first, for whoever tunes these kernels) and asserts that ptxas serialised no
+/// wgmma (C7511, C7514). `what` names the build in both.
+fn check_wgmma_asynchronous(what: &str, log: &str) {
+    for l in log
+        .lines()
+        .filter(|l| l.contains("registers") || l.contains("spill") || l.contains("entry function"))
+    {
+        println!("{what}: {}", l.trim());
+    }
+    let serialized: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("C7511") || l.contains("C7514"))
+        .collect();
+    println!("{what}: {} wgmma serialisation notes", serialized.len());
+    assert!(
+        serialized.is_empty(),
+        "kernel family `{what}`: ptxas serialises wgmma:\n{}",
+        serialized.join("\n")
+    );
 }
 
 /// The fast kernels' bench variants (`#ifndef` defines that `dsv4 bench --defines` times against
@@ -213,22 +214,7 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         let (_, log) = fam
             .compile_with_log(ARCH, &[flag.as_str(), "--ptxas-options=-v"])
             .unwrap_or_else(|e| panic!("{} with {define}: {e}", fam.family));
-        for l in log
-            .lines()
-            .filter(|l| l.contains("spill") || l.contains("entry function"))
-        {
-            println!("{} {define}: {}", fam.family, l.trim());
-        }
-        let serialized: Vec<&str> = log
-            .lines()
-            .filter(|l| l.contains("C7511") || l.contains("C7514"))
-            .collect();
-        assert!(
-            serialized.is_empty(),
-            "kernel family `{}` with {define}: ptxas serialises wgmma:\n{}",
-            fam.family,
-            serialized.join("\n")
-        );
+        check_wgmma_asynchronous(&format!("{} with {define}", fam.family), &log);
     }
 }
 
