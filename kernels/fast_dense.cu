@@ -38,6 +38,7 @@
 // - BF16 (BF16 weights): s = 1, bf16(x): exact for BF16 values (docs/numerics.md: every such input is).
 #include "common.cuh"
 #include "fp8_mma.cuh"  // cp.async, clusters
+#include "norm_row.cuh"  // fd_norm_operands_kernel
 
 // FD_WARPS, FD_LT_ITEMS, FD_TOKENS, FD_MAX_SLICES, FD_MAX_SLICE, FD_ACT_QUANT / FD_ACT_F16 / FD_ACT_BF16 come from dsv4_consts.cuh.
 #define FD_THREADS (32 * FD_WARPS)
@@ -109,23 +110,34 @@ DSV4_INLINE void fd_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, un
 // - cvt.rn.satfinite.e4m3x2.f32 rounds to the nearest e4m3fn value, ties to even, subnormals
 //   included, and gives ±0 with x's sign below half the smallest subnormal: e4m3_round's grid; the
 //   clamp before it leaves nothing to saturate. NaN stays NaN (code 0x7f).
+// The block's scale exponent e (s = 2^e) for its largest |x|, amax.
+DSV4_INLINE int fd_quant_exponent(float amax) { return ue8m0_exponent(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX); }
+// x · 2^-e (inv = 2^-e) clamped to ±448 as Rust's clamp, act_quant_kernel's: NaN stays NaN.
+DSV4_INLINE float fd_quant_clamped(float x, float inv) {
+  const float q = x * inv;
+  return q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
+}
 DSV4_INLINE unsigned fd_quant_codes(float4 v4, float amax, float& s) {
-  const int e = ue8m0_exponent(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
+  const int e = fd_quant_exponent(amax);
   s = dsv4_pow2(e);
   const float inv = dsv4_pow2(-e);
   const float v[4] = {v4.x, v4.y, v4.z, v4.w};
   float q[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    q[i] = v[i] * inv;
-    // Rust's clamp, as act_quant_kernel: NaN stays NaN.
-    q[i] = q[i] < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q[i] > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q[i]);
-  }
+  for (int i = 0; i < 4; ++i) q[i] = fd_quant_clamped(v[i], inv);
   unsigned short lo, hi;
   // The second source operand goes to the upper byte.
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(q[1]), "f"(q[0]));
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(q[3]), "f"(q[2]));
   return (unsigned)lo | ((unsigned)hi << 16);
+}
+
+// One value's code of the same act_quant (inv = 2^-e of its block's scale): fd_quant_codes' byte for it (the
+// conversion rounds each of its two sources alone).
+DSV4_INLINE unsigned char fd_quant_code(float x, float inv) {
+  unsigned short c;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(c) : "f"(0.0f), "f"(fd_quant_clamped(x, inv)));
+  return (unsigned char)(c & 0xffu);
 }
 
 // The largest |x| of a warp's 128 values, four a lane: every lane of the warp must call.
@@ -242,6 +254,58 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
       packed.y = (unsigned)f32_to_bf16(v[i].z) | ((unsigned)f32_to_bf16(v[i].w) << 16);
       *reinterpret_cast<uint2*>(codes + ((long long)t * K + b * 128 + 4 * lane) * 2) = packed;
     }
+  }
+}
+
+// RMSNorm of `rows` rows in place (rmsnorm_rows_kernel's operation and bits: the same row code, norm_row.cuh,
+// the same block shape) and, from the normed values still in registers, the cuBLASLt operands that
+// fd_lt_operand_kernel would make of the first m rows: with `codes`, the official act_quant's e4m3 codes [m][dim]
+// and scales [dim / 128][m] (token-fastest); with `bf16`, bf16(x) [m][dim]. A GEMM group's input thus needs no
+// operand pass over it (a 4096-token prefill's u: two passes, ~70 + ~39 us a layer, ncu; q_lora's: one).
+// Value i = tid + j * RN_ROWS_THREADS of a row sits in thread tid (norm_row.cuh's order), so a 128-block of k is
+// one j across four warps: each warp's largest |x| goes through shared memory, and the block's is the largest of
+// its four (a maximum, so in any order fd_warp_amax's value: fmaxf skips NaNs alike). Each value's code is then
+// fd_quant_codes' byte (fd_quant_code), stored a byte a lane: a warp's 32 consecutive bytes. Requires dim % 128
+// == 0 and dim <= RN_ROWS_VALS * RN_ROWS_THREADS (the wrapper checks). Grid-stride over rows, RN_ROWS_THREADS
+// threads.
+static_assert(RN_ROWS_THREADS % 128 == 0, "fd_norm_operands_kernel: a 128-block is four whole warps of one j");
+extern "C" __global__ void __launch_bounds__(RN_ROWS_THREADS)
+    fd_norm_operands_kernel(float* x, int rows, int dim, int ld, const float* weight, float eps, int round_out,
+                            int m, unsigned char* codes, float* scale, unsigned short* bf16) {
+  dsv4_pdl_begin();
+  __shared__ double scratch[32];
+  __shared__ float warp_amax[RN_ROWS_VALS][RN_ROWS_THREADS / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+    float o[RN_ROWS_VALS];
+    rmsnorm_row_in_registers<RN_ROWS_VALS>(x + (long long)r * ld, dim, weight, eps, round_out, scratch, o);
+    if (r >= m) continue;  // uniform over the block
+    const long long row0 = (long long)r * dim;
+    if (bf16 != nullptr) {
+#pragma unroll
+      for (int j = 0; j < RN_ROWS_VALS; ++j) {
+        const int i = tid + j * RN_ROWS_THREADS;
+        if (i < dim) bf16[row0 + i] = f32_to_bf16(o[j]);
+      }
+    }
+    if (codes == nullptr) continue;  // uniform
+#pragma unroll
+    for (int j = 0; j < RN_ROWS_VALS; ++j) {
+      if (j * RN_ROWS_THREADS >= dim) break;  // uniform; o[j] is 0 past dim, its block never stored
+      const float a = warp_max(fabsf(o[j]));
+      if (lane == 0) warp_amax[j][warp] = a;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < RN_ROWS_VALS; ++j) {
+      const int i = tid + j * RN_ROWS_THREADS;
+      if (i >= dim) break;  // whole 128-blocks: dim % 128 == 0
+      const float* wa = warp_amax[j] + (warp & ~3);
+      const int e = fd_quant_exponent(fmaxf(fmaxf(wa[0], wa[1]), fmaxf(wa[2], wa[3])));
+      codes[row0 + i] = fd_quant_code(o[j], dsv4_pow2(-e));
+      if ((tid & 127) == 0) scale[(long long)(i >> 7) * m + r] = dsv4_pow2(e);
+    }
+    __syncthreads();  // warp_amax is the next row's
   }
 }
 

@@ -6,41 +6,9 @@
 //     once; rsqrt is evaluated in double precision and rounded once (ref_math.cuh).
 #include "common.cuh"
 #include "ref_math.cuh"
+#include "norm_row.cuh"
 
 // ---------------------------------------------------------------------------------- RMSNorm
-
-// One row of rmsnorm_kernel's registers path (below): a row of at most VALS * blockDim.x values, thread
-// values i = threadIdx.x + j * blockDim.x (the strided loop's order), all loads issued before the
-// first use; every thread of the block must call (the f64 sum is a block reduction).
-template <int VALS>
-DSV4_INLINE void rmsnorm_row_in_registers(float* row, int dim, const float* weight, float eps, int round_out,
-                                          double* scratch) {
-  float v[VALS], w[VALS];
-#pragma unroll
-  for (int j = 0; j < VALS; ++j) {
-    const int i = threadIdx.x + j * blockDim.x;
-    v[j] = i < dim ? row[i] : 0.0f;
-    w[j] = weight != nullptr && i < dim ? weight[i] : 1.0f;
-  }
-  double acc = 0.0;  // the strided loop's per-thread order: i, i + blockDim.x, ...
-#pragma unroll
-  for (int j = 0; j < VALS; ++j) {
-    if (threadIdx.x + j * blockDim.x < dim) acc = __dadd_rn(acc, __dmul_rn((double)v[j], (double)v[j]));
-  }
-  const double s = ref_block_sum_f64(acc, scratch);
-  const float ms = (float)__ddiv_rn(s, (double)dim);
-  const float rr = ref_rsqrt(__fadd_rn(ms, eps));
-#pragma unroll
-  for (int j = 0; j < VALS; ++j) {
-    const int i = threadIdx.x + j * blockDim.x;
-    if (i < dim) {
-      float o = __fmul_rn(v[j], rr);
-      if (weight != nullptr) o = __fmul_rn(o, w[j]);
-      if (round_out) o = round_bf16(o);
-      row[i] = o;
-    }
-  }
-}
 
 // In place over `rows` rows of `dim` values at stride `ld`: ms = f32(Σ f64 x² / dim),
 // r = rsqrt(ms + eps) (f32 add, f64 rsqrt), x = x * r * w (f32, that order; x * r without a
@@ -58,7 +26,8 @@ extern "C" __global__ void rmsnorm_kernel(float* x, int rows, int dim, int ld, c
   for (int r = blockIdx.x; r < rows; r += gridDim.x) {
     float* row = x + (long long)r * ld;
     if (in_registers) {
-      rmsnorm_row_in_registers<RN_VALS>(row, dim, weight, eps, round_out, scratch);
+      float out[RN_VALS];
+      rmsnorm_row_in_registers<RN_VALS>(row, dim, weight, eps, round_out, scratch, out);
       continue;
     }
     double acc = 0.0;
@@ -88,6 +57,8 @@ extern "C" __global__ void __launch_bounds__(RN_ROWS_THREADS)
     rmsnorm_rows_kernel(float* x, int rows, int dim, int ld, const float* weight, float eps, int round_out) {
   dsv4_pdl_begin();
   __shared__ double scratch[32];
-  for (int r = blockIdx.x; r < rows; r += gridDim.x)
-    rmsnorm_row_in_registers<RN_ROWS_VALS>(x + (long long)r * ld, dim, weight, eps, round_out, scratch);
+  for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+    float out[RN_ROWS_VALS];
+    rmsnorm_row_in_registers<RN_ROWS_VALS>(x + (long long)r * ld, dim, weight, eps, round_out, scratch, out);
+  }
 }

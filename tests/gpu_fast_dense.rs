@@ -38,18 +38,25 @@ use dsv4::cuda::DevicePtr;
 use dsv4::cuda::kernels::fast_dense::{self, ActMode, DenseOp, DenseWorkspace, FastDense, Shape};
 use dsv4::cuda::kernels::fast_fp8_gemm::{self, FastFp8Gemm, TileShape};
 use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat, WeightDev};
+use dsv4::cuda::kernels::norm_rope::{self, NormRope};
 use std::sync::Mutex;
 
 struct Kernels {
     dense: FastDense,
     lin: Linear,
     fp8: FastFp8Gemm,
+    /// The reference RMSNorm, which `fd_norm_operands_kernel` must match bit for bit.
+    nr: NormRope,
 }
 
-/// The device with both families, or None after the skip line. Tests share one device and run
+/// The device with the families, or None after the skip line. Tests share one device and run
 /// one at a time (their timings and memory stay apart).
 fn dev() -> Option<Dev<Kernels>> {
-    let g = family_gpu(&[&linear::SOURCE, &fast_dense::SOURCE, &fast_fp8_gemm::SOURCE])?;
+    let families: Vec<_> = [&linear::SOURCE, &fast_dense::SOURCE, &fast_fp8_gemm::SOURCE]
+        .into_iter()
+        .chain(norm_rope::FAMILIES)
+        .collect();
+    let g = family_gpu(&families)?;
     static PRINTED: std::sync::Once = std::sync::Once::new();
     PRINTED.call_once(|| print_kernel_resources(&g.reg));
     Some(Dev::new(
@@ -58,6 +65,7 @@ fn dev() -> Option<Dev<Kernels>> {
             dense: FastDense::new(&g.reg).unwrap(),
             lin: Linear::new(&g.reg).unwrap(),
             fp8: FastFp8Gemm::new(&g.reg).unwrap(),
+            nr: NormRope::new(&g.reg).unwrap(),
         },
     ))
 }
@@ -1006,14 +1014,16 @@ use dsv4::cuda::blockscaled_gemm::{self, BlockScaledGemm, GemmKind, GemmShape};
 use dsv4::cuda::kernels::fast_dense_gemm::{self, GemmWorkspace};
 
 /// A GEMM planner for `shapes` up to `max_t` tokens with its operand workspace (and room for one
-/// group of a grouped weight of `grouped` = (rows per group, k, groups)), on its own arena.
+/// group of a grouped weight of `grouped` = (rows per group, k, groups); for a norm's operands
+/// at each K of `norm_ks`), on its own arena.
 fn gemm_for(
     d: &Dev<Kernels>,
     shapes: &[GemmShape],
     grouped: &[(usize, usize, usize)],
     max_t: usize,
+    norm_ks: &[usize],
 ) -> (dsv4::cuda::arena::Arena, BlockScaledGemm, GemmWorkspace) {
-    let [codes, scale] = fast_dense_gemm::gemm_workspace_sizes(shapes, max_t);
+    let [codes, scale] = fast_dense_gemm::gemm_workspace_sizes(shapes, max_t, norm_ks);
     let weight = fast_dense_gemm::gemm_weight_bytes(grouped).max(1);
     let (a, p) = d.alloc(&[codes, scale * 4, blockscaled_gemm::WORKSPACE_BYTES, weight]);
     let g = BlockScaledGemm::new(d.ctx(), shapes, max_t, p[2])
@@ -1049,7 +1059,7 @@ fn check_gemm_case(
     let shape = fast_dense_gemm::gemm_shape(c.format, [128, 128], outs, c.k, c.groups, c.mode)
         .unwrap_or_else(|| panic!("{}: not a GEMM shape", c.name));
     let tmax = *ts.iter().max().unwrap();
-    let (_ga, gemm, gws) = gemm_for(d, &[shape], &[(c.n, c.k, c.groups)], tmax);
+    let (_ga, gemm, gws) = gemm_for(d, &[shape], &[(c.n, c.k, c.groups)], tmax, &[]);
     let (_wsa, dws) = workspace(
         d,
         &[Shape {
@@ -1239,7 +1249,7 @@ fn gemm_groups_share_operands_and_give_each_members_bits() {
         })
         .collect();
     let tmax = 300;
-    let (_ga, gemm, gws) = gemm_for(&d, &shapes, &[], tmax);
+    let (_ga, gemm, gws) = gemm_for(&d, &shapes, &[], tmax, &[]);
     let dense_shapes: Vec<Shape> = members
         .iter()
         .map(|&(_, n, _)| Shape { n, k, groups: 1 })
@@ -1393,7 +1403,13 @@ fn gemm_chain_gives_wo_b_the_bits_of_the_two_calls() {
         )
         .expect("an FP8 GEMM shape");
         let tmax = 300;
-        let (_ga, gemm, gws) = gemm_for(&d, &[first_shape, second_shape], &[(n, k, groups)], tmax);
+        let (_ga, gemm, gws) = gemm_for(
+            &d,
+            &[first_shape, second_shape],
+            &[(n, k, groups)],
+            tmax,
+            &[],
+        );
         let (_wsa, dws) = workspace(
             &d,
             &[
@@ -1546,7 +1562,7 @@ fn grouped_gemms_from_a_bf16_copy_give_the_same_bits() {
         )
         .unwrap();
         let tmax = 300;
-        let (_ga, gemm, gws) = gemm_for(&d, &[shape], &[(n, k, groups)], tmax);
+        let (_ga, gemm, gws) = gemm_for(&d, &[shape], &[(n, k, groups)], tmax, &[]);
         let (_wsa, dws) = workspace(&d, &[Shape { n, k, groups }]);
         let (_a, p) = d.alloc(&[
             tmax * ldx * 4,
@@ -1647,7 +1663,7 @@ fn the_gemm_path_declines_what_it_does_not_cover() {
     let shape =
         fast_dense_gemm::gemm_shape(StorageFormat::Fp8, [128, 128], n, k, 1, ActMode::Quant)
             .unwrap();
-    let (_ga, gemm, gws) = gemm_for(&d, &[shape], &[], 64);
+    let (_ga, gemm, gws) = gemm_for(&d, &[shape], &[], 64, &[]);
     assert!(gemm.covers(&shape, 64) && !gemm.covers(&shape, 65));
     // Which m the planned algorithms accept (why cuBLASLt gets multiples of M_GRANULE only).
     let fitting: Vec<usize> = (16..=64)
@@ -2017,4 +2033,335 @@ fn own_fp8_gemm_declines_what_it_does_not_take() {
             .run(d.ctx(), &short, TileShape::M128N128, false, d.s())
             .unwrap_err();
     assert!(err.message.contains("`y`"), "{}", err.message);
+}
+
+// ---- A norm that makes its output's GEMM operands (fd_norm_operands_kernel) ----
+
+/// A prefill's norm input: `t` rows of `dim` BF16 values at magnitudes that move from block to
+/// block, row 1 all zeros (its rms is 0: every output 0) and row 2 all NaN (NaN outputs: NaN
+/// codes, the 1e-4 floor's scale).
+fn norm_input(rng: &mut Rng, t: usize, dim: usize) -> Vec<f32> {
+    let mut x = activations(rng, t, dim);
+    x[dim..2 * dim].fill(0.0);
+    x[2 * dim..3 * dim].fill(f32::NAN);
+    x
+}
+
+/// A norm weight of `dim` values: normal ones, a 128-block of zeros (a block of zero outputs:
+/// amax 0) and a block of tiny ones (codes of small scales, near e4m3's subnormals).
+fn norm_weight(rng: &mut Rng, dim: usize) -> Vec<f32> {
+    let mut w: Vec<f32> = (0..dim).map(|_| 1.0 + 0.25 * rng.normal()).collect();
+    w[..128].fill(0.0);
+    for v in &mut w[128..256.min(dim)] {
+        *v *= 1e-30;
+    }
+    w
+}
+
+/// `fd_norm_operands_kernel` writes the normed rows `NormRope::rmsnorm` writes (the rows kernel:
+/// the same bits) and, for the first m rows, the FP8 codes, the scales and the BF16 values
+/// `fd_lt_operand_kernel` makes of those rows, byte for byte; the rows past m keep the operand
+/// buffers' poison; at Flash's u and q_lora widths and an odd one (384: a 128-block without its
+/// pair of the same j), with and without the weight and the BF16 rounding.
+#[test]
+fn norm_operands_give_the_norms_and_the_operand_passes_bits() {
+    let Some(d) = dev() else { return };
+    let _s = serial();
+    let mut rng = Rng::from_env("norm_operands_give_the_norms_and_the_operand_passes_bits");
+    let rows = norm_rope::RMSNORM_ROWS_MIN + 44;
+    assert!(fast_dense::norm_operands_cover(rows, 4096));
+    assert!(
+        !fast_dense::norm_operands_cover(rows - 45, 4096),
+        "below the rows kernel's rows"
+    );
+    assert!(
+        !fast_dense::norm_operands_cover(rows, 4096 + 64),
+        "not whole 128-blocks"
+    );
+    let eps = 1e-6;
+    for (dim, m, weighted, round_out) in [
+        (4096, rows, true, true),
+        (4096, rows - 4, true, false),
+        (1024, rows - 4, true, true),
+        (384, rows, false, true),
+    ] {
+        let x0 = norm_input(&mut rng, rows, dim);
+        let w = norm_weight(&mut rng, dim);
+        // x twice (fused, reference), the weight, the fused kernel's operands, the passes'.
+        let (_a, p) = d.alloc(&[
+            rows * dim * 4,
+            rows * dim * 4,
+            dim * 4,
+            rows * dim,
+            rows * dim / 128 * 4,
+            rows * dim * 2,
+            rows * dim,
+            rows * dim / 128 * 4,
+            rows * dim * 2,
+        ]);
+        d.put(p[0], &x0);
+        d.put(p[1], &x0);
+        d.put(p[2], &w);
+        for &q in &p[3..] {
+            d.poison(q);
+        }
+        let weight = weighted.then_some(p[2]);
+        let op = fast_dense::NormOperands {
+            x: p[0],
+            rows,
+            dim,
+            ld: dim,
+            weight,
+            eps,
+            round_out,
+            m,
+            fp8: Some((p[3], p[4])),
+            bf16: Some(p[5]),
+        };
+        d.k.dense.norm_operands(d.ctx(), &op, d.s()).unwrap();
+        d.k.nr
+            .rmsnorm(d.ctx(), p[1], rows, dim, dim, weight, eps, round_out, d.s())
+            .unwrap();
+        for (mode, codes, scale) in [(ActMode::Quant, p[6], p[7]), (ActMode::Bf16, p[8], p[7])] {
+            let lt = fast_dense::LtOperand {
+                x: p[1],
+                ldx: dim,
+                t: m,
+                k: dim,
+                mode,
+                round_in: false,
+                codes,
+                scale,
+            };
+            d.k.dense.lt_operand(d.ctx(), &lt, d.s()).unwrap();
+        }
+        let case = format!("dim {dim}, m {m}, weight {weighted}, round {round_out}");
+        let (fused, want): (Vec<u32>, Vec<u32>) =
+            (d.get(p[0], rows * dim), d.get(p[1], rows * dim));
+        assert!(
+            fused == want,
+            "{case}: the normed rows differ from rmsnorm's"
+        );
+        assert!(
+            fused[2 * dim..3 * dim]
+                .iter()
+                .all(|&b| f32::from_bits(b).is_nan()),
+            "{case}: the NaN row"
+        );
+        let codes: Vec<u8> = d.get(p[3], rows * dim);
+        let want_codes: Vec<u8> = d.get(p[6], m * dim);
+        assert!(
+            codes[..m * dim] == want_codes[..],
+            "{case}: the e4m3 codes differ"
+        );
+        assert!(
+            codes[m * dim..].iter().all(|&c| c == 0xff),
+            "{case}: codes past row m were written"
+        );
+        let scales: Vec<u32> = d.get(p[4], rows * dim / 128);
+        let want_scales: Vec<u32> = d.get(p[7], m * dim / 128);
+        assert!(
+            scales[..m * dim / 128] == want_scales[..],
+            "{case}: the scales differ"
+        );
+        let bf16: Vec<u16> = d.get(p[5], rows * dim);
+        let want_bf16: Vec<u16> = d.get(p[8], m * dim);
+        assert!(
+            bf16[..m * dim] == want_bf16[..],
+            "{case}: the BF16 values differ"
+        );
+        assert!(
+            bf16[m * dim..].iter().all(|&c| c == 0xffff),
+            "{case}: BF16 values past row m were written"
+        );
+        // The cases the operands must cover: zero blocks, NaN codes, small scales.
+        let zero_block =
+            (0..m).any(|r| codes[r * dim..r * dim + 128].iter().all(|&c| c & 0x7f == 0));
+        assert!(zero_block || !weighted, "{case}: no zero block");
+        assert!(codes.contains(&0x7f), "{case}: no NaN code");
+        println!("{case}: rows, codes, scales and BF16 values as the two passes make them");
+    }
+}
+
+/// A norm and the group of its output, as the fast set runs them from `fd_norm_operands_kernel`
+/// (`norm_group_operands`, `run_gemm_group_from`), give the bits of the norm, then
+/// `run_gemm_group`: u's group at Flash's width (FP8 members under and over the small-weight
+/// crossover, BF16 members with f32 and BF16 outputs: one FP8 and one BF16 operand side by side in
+/// the workspace) and q_lora's (FP8 only), at a token count cuBLASLt takes whole and one that
+/// leaves a tail to the gemv; the members left to the caller are the same; the workspace sized by
+/// `gemm_workspace_sizes` holds both operands; reruns are bit-identical.
+#[test]
+fn norm_groups_give_the_bits_of_the_norm_then_the_group() {
+    let Some(d) = dev() else { return };
+    let _s = serial();
+    let mut rng = Rng::from_env("norm_groups_give_the_bits_of_the_norm_then_the_group");
+    let mode_of = |f| {
+        if f == StorageFormat::Fp8 {
+            ActMode::Quant
+        } else {
+            ActMode::Bf16
+        }
+    };
+    // (k, members as (format, rows, BF16 output)).
+    type Members = &'static [(StorageFormat, usize, bool)];
+    let groups: [(usize, Members); 2] = [
+        (
+            4096,
+            &[
+                (StorageFormat::Fp8, 1024, true),
+                (StorageFormat::Fp8, 512, true),
+                (StorageFormat::Bf16, 256, false),
+                (StorageFormat::Bf16, 64, true),
+                (StorageFormat::Fp8, 2048, false),
+            ],
+        ),
+        (
+            1024,
+            &[
+                (StorageFormat::Fp8, 4096, false),
+                (StorageFormat::Fp8, 2048, false),
+            ],
+        ),
+    ];
+    let tmax = norm_rope::RMSNORM_ROWS_MIN + 44;
+    for (k, members) in groups {
+        let shapes: Vec<GemmShape> = members
+            .iter()
+            .map(|&(f, n, _)| {
+                fast_dense_gemm::gemm_shape(f, [128, 128], n, k, 1, mode_of(f)).unwrap()
+            })
+            .collect();
+        let (_ga, gemm, gws) = gemm_for(&d, &shapes, &[], tmax, &[k]);
+        let dense_shapes: Vec<Shape> = members
+            .iter()
+            .map(|&(_, n, _)| Shape { n, k, groups: 1 })
+            .collect();
+        let (_wsa, dws) = workspace(&d, &dense_shapes);
+        let weights: Vec<_> = members
+            .iter()
+            .map(|&(f, n, _)| HostWeight::random(&mut rng, f, n, k).upload(&d))
+            .collect();
+        // x for the fused path and for the two calls, the norm weight, each member's y x 3.
+        let sizes: Vec<usize> = [tmax * k * 4, tmax * k * 4, k * 4]
+            .into_iter()
+            .chain(members.iter().flat_map(|&(_, n, _)| [tmax * n * 4; 3]))
+            .collect();
+        let (_a, p) = d.alloc(&sizes);
+        d.put(p[2], &norm_weight(&mut rng, k));
+        for t in [tmax, tmax - 2] {
+            let x0 = norm_input(&mut rng, t, k);
+            let ops_of = |x: DevicePtr, out: usize| -> Vec<DenseOp> {
+                members
+                    .iter()
+                    .zip(&weights)
+                    .enumerate()
+                    .map(|(i, (&(f, n, round), (_, w)))| DenseOp {
+                        x,
+                        ldx: k,
+                        t,
+                        w: *w,
+                        groups: 1,
+                        mode: mode_of(f),
+                        round,
+                        y: p[3 + 3 * i + out],
+                        ldy: n,
+                        fused_act_max_t: fast_dense::FUSED_ACT_MAX_T,
+                        warp_split_max_t: fast_dense::WARP_SPLIT_MAX_T,
+                    })
+                    .collect()
+            };
+            // The norm, then the group making its operands (p[1], outputs 2).
+            d.put(p[1], &x0);
+            let plain = ops_of(p[1], 2);
+            for op in &plain {
+                d.poison(op.y);
+            }
+            d.k.nr
+                .rmsnorm(d.ctx(), p[1], t, k, k, Some(p[2]), 1e-6, true, d.s())
+                .unwrap();
+            let want_ran = fast_dense_gemm::run_gemm_group(
+                &d.k.dense,
+                &gemm,
+                None,
+                d.ctx(),
+                &plain,
+                &gws,
+                &dws,
+                d.s(),
+            )
+            .unwrap();
+            // The norm making them (p[0], outputs 0 then 1).
+            let mut runs = Vec::new();
+            for rerun in 0..2 {
+                d.put(p[0], &x0);
+                let fused = ops_of(p[0], rerun);
+                for op in &fused {
+                    d.poison(op.y);
+                }
+                let made = fast_dense_gemm::norm_group_operands(&gemm, &gws, &fused, p[0], k, k)
+                    .unwrap_or_else(|| panic!("k {k}, T={t}: the norm's operands are not planned"));
+                assert_eq!(made.m, t / 4 * 4, "k {k}, T={t}: cuBLASLt's tokens");
+                assert!(made.fp8.is_some(), "k {k}: an FP8 operand");
+                assert_eq!(made.bf16.is_some(), k == 4096, "k {k}: a BF16 operand");
+                d.k.dense
+                    .norm_operands(
+                        d.ctx(),
+                        &fast_dense::NormOperands {
+                            x: p[0],
+                            rows: t,
+                            dim: k,
+                            ld: k,
+                            weight: Some(p[2]),
+                            eps: 1e-6,
+                            round_out: true,
+                            m: made.m,
+                            fp8: made.fp8,
+                            bf16: made.bf16,
+                        },
+                        d.s(),
+                    )
+                    .unwrap();
+                runs.push(
+                    fast_dense_gemm::run_gemm_group_from(
+                        &d.k.dense,
+                        &gemm,
+                        None,
+                        d.ctx(),
+                        &fused,
+                        &made,
+                        &gws,
+                        &dws,
+                        d.s(),
+                    )
+                    .unwrap(),
+                );
+            }
+            let case = format!("k {k}, T={t}");
+            assert_eq!(
+                runs[0], want_ran,
+                "{case}: the same members take the GEMM path"
+            );
+            assert_eq!(runs[0], runs[1], "{case}: rerun");
+            let (xf, xp): (Vec<u32>, Vec<u32>) = (d.get(p[0], t * k), d.get(p[1], t * k));
+            assert!(xf == xp, "{case}: the normed x");
+            for (i, &(f, n, _)) in members.iter().enumerate() {
+                let ys: Vec<Vec<u32>> = (0..3).map(|o| d.get(p[3 + 3 * i + o], t * n)).collect();
+                assert!(
+                    ys[0] == ys[2],
+                    "{case}: member {i} ({f:?} {n} x {k}) differs from the group's"
+                );
+                assert!(ys[0] == ys[1], "{case}: member {i}: rerun");
+                if !runs[0][i] {
+                    assert!(
+                        ys[0].iter().all(|&b| b == u32::MAX),
+                        "{case}: member {i} was written"
+                    );
+                }
+            }
+            println!(
+                "{case}: the members through the norm's operands: {:?}",
+                runs[0]
+            );
+        }
+    }
 }

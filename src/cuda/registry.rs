@@ -67,11 +67,12 @@ pub struct KernelSource {
 /// Headers every family may `#include "<name>"`, injected into NVRTC (no include path):
 /// the files in kernels/ and `dsv4_consts.cuh`, generated from Rust ([`super::consts`]).
 /// Their contents are part of every family's cache key.
-pub fn headers() -> [(&'static str, &'static str); 8] {
+pub fn headers() -> [(&'static str, &'static str); 9] {
     [
         (super::consts::HEADER_NAME, super::consts::header()),
         ("common.cuh", include_str!("../../kernels/common.cuh")),
         ("ref_math.cuh", include_str!("../../kernels/ref_math.cuh")),
+        ("norm_row.cuh", include_str!("../../kernels/norm_row.cuh")),
         ("kv_pages.cuh", include_str!("../../kernels/kv_pages.cuh")),
         ("attn_keys.cuh", include_str!("../../kernels/attn_keys.cuh")),
         ("gemm_core.cuh", include_str!("../../kernels/gemm_core.cuh")),

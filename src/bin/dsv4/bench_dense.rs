@@ -50,6 +50,7 @@ use dsv4::cuda::kernels::fast_dense::{
 use dsv4::cuda::kernels::fast_dense_gemm::{self, GemmWorkspace};
 use dsv4::cuda::kernels::fast_fp8_gemm::{self, FastFp8Gemm, TileShape};
 use dsv4::cuda::kernels::linear::{StorageFormat, WeightDev};
+use dsv4::cuda::kernels::norm_rope::{self, NormRope};
 use dsv4::cuda::read_probe::{self, ReadProbe};
 use dsv4::cuda::registry::Registry;
 use dsv4::cuda::stream::OwnedStream;
@@ -225,17 +226,17 @@ pub fn run(
     let _g = ctx.enter().map_err(e)?;
     let stream = OwnedStream::new(&ctx).map_err(e)?;
     let s = stream.borrow();
-    let reg = Registry::load_families(
-        &ctx,
-        &[
-            &fast_dense::SOURCE,
-            &fast_fp8_gemm::SOURCE,
-            &read_probe::SOURCE,
-        ],
-        &kernel_cache()?,
-    )
-    .map_err(e)?;
+    let families: Vec<_> = [
+        &fast_dense::SOURCE,
+        &fast_fp8_gemm::SOURCE,
+        &read_probe::SOURCE,
+    ]
+    .into_iter()
+    .chain(norm_rope::FAMILIES)
+    .collect();
+    let reg = Registry::load_families(&ctx, &families, &kernel_cache()?).map_err(e)?;
     let dense = FastDense::new(&reg).map_err(e)?;
+    let nr = NormRope::new(&reg).map_err(e)?;
     let own = FastFp8Gemm::new(&reg).map_err(e)?;
     let probe = ReadProbe::new(&reg).map_err(e)?;
     let sms = ctx.info().multiprocessors.max(1) as usize;
@@ -290,7 +291,9 @@ pub fn run(
         .collect();
     gemm_shapes.sort_by_key(|g| (g.n, g.k, g.kind as u8, g.out as u8));
     gemm_shapes.dedup();
-    let [codes, gscale] = fast_dense_gemm::gemm_workspace_sizes(&gemm_shapes, tmax);
+    // Room for a norm's two operands of each group's input (`norm_group` lines).
+    let norm_ks: Vec<usize> = GROUPS.iter().map(|(_, members)| members[0].k).collect();
+    let [codes, gscale] = fast_dense_gemm::gemm_workspace_sizes(&gemm_shapes, tmax, &norm_ks);
     let grouped: Vec<_> = FLASH.iter().map(|p| (p.n, p.k, p.groups)).collect();
     let gweight = fast_dense_gemm::gemm_weight_bytes(&grouped);
     let (_gemm_arena, gp) = alloc(
@@ -320,7 +323,7 @@ pub fn run(
         for (name, members) in GROUPS {
             let lt = gemm.as_ref().map(|g| (g, &gws));
             run_group(
-                &ctx, &dense, &ws, lt, &own, s, &mut rng, name, members, tokens,
+                &ctx, &dense, &nr, &ws, lt, &own, s, &mut rng, name, members, tokens,
             )?;
         }
     }
@@ -754,11 +757,15 @@ pub fn run(
 /// Times one group of projections of the same input: at every T up to `GROUP_MAX_T`, one grouped
 /// launch against one call per member; from `GEMM_MIN_TOKENS` (with cuBLASLt), the GEMMs with one
 /// operand per input and mode (`gemm_shared`, `run_gemm_group`, as the fast set runs a group)
-/// against one call per member (`gemm_separate`), each member on the path the fast set picks.
+/// against one call per member (`gemm_separate`), each member on the path the fast set picks;
+/// where `fd_norm_operands_kernel` takes the input's norm, that norm with the group (`norm_group`:
+/// the norm makes the operands, as the fast set runs the attention's norms of many tokens)
+/// against the norm, then `gemm_shared` (`norm_then_group`).
 #[allow(clippy::too_many_arguments)]
 fn run_group(
     ctx: &Context,
     dense: &FastDense,
+    nr: &NormRope,
     ws: &DenseWorkspace,
     lt: Option<(&BlockScaledGemm, &GemmWorkspace)>,
     own: &FastFp8Gemm,
@@ -836,6 +843,10 @@ fn run_group(
                 let g = (gemm, o);
                 time_gemm_group(ctx, dense, ws, g, gws, s, name, members, copies, t, &op)?;
             }
+            if fast_dense::norm_operands_cover(t, k) {
+                let g = (dense, nr, gemm);
+                time_norm_group(ctx, g, ws, gws, s, name, members, copies, t, &op)?;
+            }
         }
     }
     for &t in tokens.iter().filter(|&&t| t <= fast_dense::GROUP_MAX_T) {
@@ -882,6 +893,86 @@ fn run_group(
             );
             std::io::stdout().flush().ok();
         }
+    }
+    Ok(())
+}
+
+/// The `norm_group` and `norm_then_group` lines of one group at `t` tokens (see [`run_group`]):
+/// a unit-weight RMSNorm of x in place (official rounding; x's values stay put after the first
+/// replay) with the group's GEMMs, the norm making their operands or not; `op(i, copy, t)` is
+/// member i on weight copy `copy`.
+#[allow(clippy::too_many_arguments)]
+fn time_norm_group(
+    ctx: &Context,
+    (dense, nr, gemm): (&FastDense, &NormRope, &BlockScaledGemm),
+    ws: &DenseWorkspace,
+    gws: &GemmWorkspace,
+    s: dsv4::cuda::stream::BorrowedStream,
+    name: &str,
+    members: &[Projection],
+    copies: usize,
+    t: usize,
+    op: &dyn Fn(usize, usize, usize) -> DenseOp,
+) -> Result<(), String> {
+    let k = members[0].k;
+    let wbytes: usize = members.iter().map(Projection::weight_bytes).sum();
+    let flops: f64 = members.iter().map(|p| 2.0 * (t * p.n * p.k) as f64).sum();
+    let alone =
+        |o: &DenseOp| fast_dense_gemm::run_linear(dense, Some((gemm, gws)), None, ctx, o, ws, s);
+    let x = op(0, 0, t).x;
+    // Where the operands go: the same for every weight copy (they depend on x and the shapes).
+    let first: Vec<DenseOp> = (0..members.len()).map(|i| op(i, 0, t)).collect();
+    let Some(made) = fast_dense_gemm::norm_group_operands(gemm, gws, &first, x, k, k) else {
+        eprintln!("bench dense: {name} at T = {t}: the norm makes no operand (no member's GEMM)");
+        return Ok(());
+    };
+    for fused in [true, false] {
+        let call = |copy: usize| -> dsv4::Result<()> {
+            let ops: Vec<DenseOp> = (0..members.len()).map(|i| op(i, copy, t)).collect();
+            let ran = if fused {
+                let norm = fast_dense::NormOperands {
+                    x,
+                    rows: t,
+                    dim: k,
+                    ld: k,
+                    weight: None,
+                    eps: 1e-6,
+                    round_out: true,
+                    m: made.m,
+                    fp8: made.fp8,
+                    bf16: made.bf16,
+                };
+                dense.norm_operands(ctx, &norm, s)?;
+                fast_dense_gemm::run_gemm_group_from(
+                    dense, gemm, None, ctx, &ops, &made, gws, ws, s,
+                )?
+            } else {
+                nr.rmsnorm(ctx, x, t, k, k, None, 1e-6, true, s)?;
+                fast_dense_gemm::run_gemm_group(dense, gemm, None, ctx, &ops, gws, ws, s)?
+            };
+            ops.iter()
+                .zip(ran)
+                .filter(|(_, ran)| !ran)
+                .try_for_each(|(o, _)| alone(o))
+        };
+        let replays = 21;
+        let timing = time_graph(s, copies, replays, call)?;
+        let sec = timing.device_s;
+        println!(
+            "{{\"bench\": \"dense_group\", \"group\": \"{name}\", \"members\": {}, \"T\": {t}, \"K\": {k}, \"path\": \"{}\", \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"flops\": {flops:.4e}, \"tflop_per_s\": {:.2}, \"calls_timed\": {}}}",
+            members.len(),
+            if fused {
+                "norm_group"
+            } else {
+                "norm_then_group"
+            },
+            sec * 1e6,
+            timing.host_s * 1e6,
+            wbytes as f64 / sec / 1e9,
+            flops / sec / 1e12,
+            replays * copies,
+        );
+        std::io::stdout().flush().ok();
     }
     Ok(())
 }

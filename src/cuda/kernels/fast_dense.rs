@@ -147,6 +147,13 @@ crate::kernel_family! {
         x: *const f32, ldx: i32, t: i32, k: i32, mode: i32, round_in: bool, codes: *mut u8,
         scale: Option<*mut f32>,
     );
+    /// RMSNorm rows in place and the GEMM operands of the first `m` ([`NormOperands`]).
+    #[pdl(true)]
+    fn fd_norm_operands_kernel(
+        x: *mut f32, rows: i32, dim: i32, ld: i32, weight: Option<*const f32>, eps: f32,
+        round_out: bool, m: i32, codes: Option<*mut u8>, scale: Option<*mut f32>,
+        bf16: Option<*mut u16>,
+    );
     #[pdl(true)]
     fn fd_round_bf16_kernel(y: *mut f32, ldy: i32, t: i32, n: i32);
     #[pdl(true)]
@@ -218,6 +225,7 @@ crate::launchers! {
     pub struct FastDense {
         act: fd_act_kernel,
         lt_operand: fd_lt_operand_kernel,
+        norm_operands: fd_norm_operands_kernel,
         round_bf16: fd_round_bf16_kernel,
         dequant_bf16: fd_dequant_bf16_kernel,
         t8: fd_gemv_t8_kernel,
@@ -794,8 +802,47 @@ pub struct LtOperand {
     pub scale: DevicePtr,
 }
 
+/// An RMSNorm of `rows` rows of `x` (`dim` values at row stride `ld`, in place; `weight`, `eps`,
+/// and the BF16 rounding of its output when `round_out`), made as [`NormRope::rmsnorm`] makes it
+/// for a prefill's rows (the same bits: one row code, kernels/norm_row.cuh), together with
+/// the cuBLASLt operands [`FastDense::lt_operand`] would make of its first `m` rows: `fp8` the
+/// official act_quant's codes `[m, dim]` and scales `[dim / 128, m]`, `bf16` the BF16 values
+/// `[m, dim]` (16-bit). One launch of `fd_norm_operands_kernel`, for [`norm_operands_cover`]ed
+/// shapes.
+///
+/// [`NormRope::rmsnorm`]: super::norm_rope::NormRope::rmsnorm
+#[derive(Clone, Copy, Debug)]
+pub struct NormOperands {
+    pub x: DevicePtr,
+    pub rows: usize,
+    pub dim: usize,
+    pub ld: usize,
+    pub weight: Option<DevicePtr>,
+    pub eps: f32,
+    pub round_out: bool,
+    pub m: usize,
+    pub fp8: Option<(DevicePtr, DevicePtr)>,
+    pub bf16: Option<DevicePtr>,
+}
+
+/// Whether `fd_norm_operands_kernel` takes a norm of `rows` rows of `dim` values: exactly where
+/// [`NormRope::rmsnorm`] runs `rmsnorm_rows_kernel` (so its normed values are that kernel's, on
+/// the same block shape), with whole 128-blocks of k for the operands.
+///
+/// [`NormRope::rmsnorm`]: super::norm_rope::NormRope::rmsnorm
+pub fn norm_operands_cover(rows: usize, dim: usize) -> bool {
+    use super::norm_rope::{RMSNORM_ROWS_MIN, RMSNORM_ROWS_THREADS, RMSNORM_ROWS_VALUES};
+    rows >= RMSNORM_ROWS_MIN
+        && dim > 0
+        && dim.is_multiple_of(128)
+        && dim <= RMSNORM_ROWS_VALUES * RMSNORM_ROWS_THREADS
+}
+
 /// Most rows one `fd_round_bf16_kernel` launch takes (its grid's y).
 const ROUND_ROWS: usize = 65535;
+
+/// Most blocks of an `fd_norm_operands_kernel` launch (a block a row, grid-stride beyond).
+const NORM_OPERANDS_MAX_BLOCKS: usize = 1 << 20;
 
 impl FastDense {
     /// Makes `op`'s operand (see [`LtOperand`]); one launch.
@@ -849,6 +896,58 @@ impl FastDense {
                 round_in: op.round_in,
                 codes: op.codes,
                 scale: quant.then_some(op.scale),
+            },
+        )
+    }
+
+    /// Runs `op` (see [`NormOperands`]); one launch.
+    pub fn norm_operands(
+        &self,
+        ctx: &Context,
+        op: &NormOperands,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "fd_norm_operands_kernel";
+        if !norm_operands_cover(op.rows, op.dim) || op.ld < op.dim || op.m > op.rows {
+            return Err(internal(format!(
+                "{K}: rows {} / dim {} / ld {} / m {}",
+                op.rows, op.dim, op.ld, op.m
+            )));
+        }
+        need(
+            K,
+            "x",
+            op.x,
+            super::linear::strided_bytes(op.rows, op.dim, op.ld),
+        )?;
+        if let Some(w) = op.weight {
+            need(K, "weight", w, op.dim * 4)?;
+        }
+        if let Some((codes, scale)) = op.fp8 {
+            need(K, "codes", codes, op.m * op.dim)?;
+            need(K, "scale", scale, op.m * op.dim / 128 * 4)?;
+        }
+        if let Some(bf16) = op.bf16 {
+            need(K, "bf16", bf16, op.m * op.dim * 2)?;
+        }
+        let _g = ctx.enter()?;
+        self.norm_operands.launch(
+            op.rows.min(NORM_OPERANDS_MAX_BLOCKS) as u32,
+            super::norm_rope::RMSNORM_ROWS_THREADS as u32,
+            0,
+            stream,
+            fd_norm_operands_kernel::Args {
+                x: op.x,
+                rows: to_i32(K, "rows", op.rows)?,
+                dim: to_i32(K, "dim", op.dim)?,
+                ld: to_i32(K, "ld", op.ld)?,
+                weight: op.weight,
+                eps: op.eps,
+                round_out: op.round_out,
+                m: to_i32(K, "m", op.m)?,
+                codes: op.fp8.map(|(codes, _)| codes),
+                scale: op.fp8.map(|(_, scale)| scale),
+                bf16: op.bf16,
             },
         )
     }

@@ -3,9 +3,11 @@
 //! e4m3 codes and scales, or BF16 values) and followed by `fd_round_bf16_kernel` where the
 //! model's output is BF16 (kernels/fast_dense.cu). Three launches a call (two without the
 //! rounding), against one gemv launch per 64 tokens that re-reads the weight each time. The
-//! projections of one input share their operand ([`run_gemm_group`]). An FP8 GEMM that our own
-//! kernel takes ([`FastFp8Gemm`], kernels/fast_fp8_gemm.cu: the same operands, the rounding in
-//! its epilogue) runs there instead of cuBLASLt when the caller passes it (`own`).
+//! projections of one input share their operand ([`run_gemm_group`]), which the RMSNorm that
+//! makes that input can make in its own launch instead ([`norm_group_operands`],
+//! [`run_gemm_group_from`]). An FP8 GEMM that our own kernel takes ([`FastFp8Gemm`],
+//! kernels/fast_fp8_gemm.cu: the same operands, the rounding in its epilogue) runs there instead
+//! of cuBLASLt when the caller passes it (`own`).
 //!
 //! wo_a then wo_b can run as one chain ([`run_gemm_chain`]): wo_b's operand made from wo_a's
 //! unrounded output by the pass that would have rounded it.
@@ -93,13 +95,19 @@ pub fn gemm_weight_bytes(shapes: &[(usize, usize, usize)]) -> usize {
 }
 
 /// Bytes of [`GemmWorkspace::codes`] and elements of [`GemmWorkspace::scale`] for `shapes` at
-/// up to `max_t` tokens.
-pub fn gemm_workspace_sizes(shapes: &[GemmShape], max_t: usize) -> [usize; 2] {
-    let codes = shapes
-        .iter()
-        .map(|s| s.k * s.operand_size())
-        .max()
-        .unwrap_or(0);
+/// up to `max_t` tokens: the largest operand of one shape, and for each K in `norm_ks` (the
+/// widths of the norms whose groups read their output: the attention's u and q_lora) one operand
+/// of each kind some shape of that K reads, side by side ([`norm_group_operands`]: u's FP8 and
+/// BF16 operands, 12 KiB a token at Flash shapes, within the 16 KiB of wo_b's BF16 plan).
+pub fn gemm_workspace_sizes(shapes: &[GemmShape], max_t: usize, norm_ks: &[usize]) -> [usize; 2] {
+    let at_k = |k: usize, kind: GemmKind| shapes.iter().any(|o| o.k == k && o.kind == kind);
+    let one = shapes.iter().map(|s| s.k * s.operand_size()).max();
+    let side_by_side = norm_ks.iter().map(|&k| {
+        let fp8 = at_k(k, GemmKind::Fp8BlockScaled);
+        let bf16 = at_k(k, GemmKind::Bf16);
+        k * (usize::from(fp8) + 2 * usize::from(bf16))
+    });
+    let codes = one.into_iter().chain(side_by_side).max().unwrap_or(0);
     let k = shapes.iter().map(|s| s.k).max().unwrap_or(0);
     [max_t * codes, max_t * k / 128]
 }
@@ -159,6 +167,15 @@ fn single_gemm(gemm: &BlockScaledGemm, op: &DenseOp) -> Option<(GemmShape, usize
     (op.groups == 1 && m > 0 && gemm.covers(&shape, m)).then_some((shape, m))
 }
 
+/// `op`'s GEMM shape and tokens where it takes the GEMM path in a group ([`run_gemm_group`]):
+/// cuBLASLt runs it ([`single_gemm`]) and that pays ([`gemm_pays`]).
+fn member_plan(gemm: &BlockScaledGemm, op: &DenseOp) -> Option<(GemmShape, usize)> {
+    single_gemm(gemm, op).filter(|(shape, _)| gemm_pays(shape, 1, op.t))
+}
+
+/// An operand as the GEMMs read it: the codes (or BF16 values) and, for FP8, the scales.
+type OperandRef = (DevicePtr, Option<DevicePtr>);
+
 /// Whether the workspace holds the activation operand of `m` tokens of `shape`.
 fn operand_fits(ws: &GemmWorkspace, shape: &GemmShape, m: usize) -> bool {
     let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
@@ -180,7 +197,7 @@ fn make_operand(
     round_in: bool,
     ws: &GemmWorkspace,
     stream: BorrowedStream,
-) -> Result<Option<(DevicePtr, Option<DevicePtr>)>> {
+) -> Result<Option<OperandRef>> {
     let fp8 = shape.kind == GemmKind::Fp8BlockScaled;
     let codes_bytes = m * shape.k * shape.operand_size();
     let scale_bytes = m * shape.k / 128 * 4;
@@ -218,7 +235,7 @@ fn gemm_from_operand(
     ctx: &Context,
     op: &DenseOp,
     (shape, m): (GemmShape, usize),
-    (codes, scale): (DevicePtr, Option<DevicePtr>),
+    (codes, scale): OperandRef,
     gemv_ws: &DenseWorkspace,
     stream: BorrowedStream,
 ) -> Result<bool> {
@@ -396,11 +413,143 @@ pub fn run_gemm_group(
     gemv_ws: &DenseWorkspace,
     stream: BorrowedStream,
 ) -> Result<[bool; GROUP_MAX]> {
+    gemm_group(dense, gemm, own, ctx, ops, None, ws, gemv_ws, stream)
+}
+
+/// The GEMM operands of a group's input made before the group runs, by the RMSNorm that made
+/// that input (`fd_norm_operands_kernel`, [`norm_group_operands`]): of x's first `m` tokens at
+/// K = `k`, the official act_quant's (`fp8`: codes and scales, as `fd_lt_operand_kernel` lays
+/// them out) and the BF16 values (`bf16`), each where a member reads it.
+#[derive(Clone, Copy, Debug)]
+pub struct GroupOperands {
+    pub x: DevicePtr,
+    pub k: usize,
+    pub m: usize,
+    pub fp8: Option<(DevicePtr, DevicePtr)>,
+    pub bf16: Option<DevicePtr>,
+}
+
+impl GroupOperands {
+    /// The operand of member `op` planned as `plan` ([`member_plan`]), if made.
+    fn of(&self, op: &DenseOp, (shape, m): &(GemmShape, usize)) -> Option<OperandRef> {
+        if op.x.addr() != self.x.addr() || shape.k != self.k || *m != self.m {
+            return None;
+        }
+        match (shape.kind, op.mode) {
+            (GemmKind::Fp8BlockScaled, ActMode::Quant) => self.fp8.map(|(c, s)| (c, Some(s))),
+            (GemmKind::Bf16, ActMode::Bf16) => self.bf16.map(|c| (c, None)),
+            _ => None,
+        }
+    }
+}
+
+/// The operands of the group `ops`, whose every member reads `x` (`[t, k]` at row stride `ldx`:
+/// the output of an RMSNorm `fd_norm_operands_kernel` can run), for that norm to make: one FP8
+/// operand where a member taking the GEMM path ([`member_plan`]) is an act_quant FP8 one, one
+/// BF16 operand where one is BF16, both in `ws` (the BF16 values first, the FP8 codes after
+/// them, the scales in [`GemmWorkspace::scale`]). None where no member takes the GEMM path,
+/// where one that does reads another operand (another x, row stride, K or token count), or
+/// where `ws` is too small: the group then makes its operands itself ([`run_gemm_group`]).
+pub fn norm_group_operands(
+    gemm: &BlockScaledGemm,
+    ws: &GemmWorkspace,
+    ops: &[DenseOp],
+    x: DevicePtr,
+    ldx: usize,
+    k: usize,
+) -> Option<GroupOperands> {
+    let kinds = ops
+        .iter()
+        .filter_map(|op| member_plan(gemm, op).map(|plan| (op, plan)))
+        .map(|(op, (shape, m))| {
+            let same_x = op.x.addr() == x.addr() && op.ldx == ldx && shape.k == k;
+            let kind = match (shape.kind, op.mode) {
+                (GemmKind::Fp8BlockScaled, ActMode::Quant) => Some(true),
+                (GemmKind::Bf16, ActMode::Bf16) => Some(false),
+                _ => None,
+            };
+            same_x.then_some(kind).flatten().map(|fp8| (fp8, m))
+        });
+    let (mut fp8, mut bf16, mut m) = (false, false, None);
+    for kind in kinds {
+        let (is_fp8, mt) = kind?;
+        if *m.get_or_insert(mt) != mt {
+            return None;
+        }
+        fp8 |= is_fp8;
+        bf16 |= !is_fp8;
+    }
+    let m = m?;
+    let bf16_bytes = if bf16 { m * k * 2 } else { 0 };
+    let fp8_bytes = if fp8 { m * k } else { 0 };
+    let scale_bytes = if fp8 { m * k / 128 * 4 } else { 0 };
+    if ws.codes.bytes() < bf16_bytes + fp8_bytes || ws.scale.bytes() < scale_bytes {
+        return None;
+    }
+    let fp8 = if fp8 {
+        let codes = ws.codes.slice(bf16_bytes, fp8_bytes).ok()?;
+        Some((codes, ws.scale.slice(0, scale_bytes).ok()?))
+    } else {
+        None
+    };
+    let bf16 = if bf16 {
+        Some(ws.codes.slice(0, bf16_bytes).ok()?)
+    } else {
+        None
+    };
+    Some(GroupOperands { x, k, m, fp8, bf16 })
+}
+
+/// [`run_gemm_group`] from `operands` (made by the norm that made the members' x,
+/// [`norm_group_operands`]): the members that take the GEMM path read them and no operand is
+/// made here. The same bits as [`run_gemm_group`]'s, whose operand passes make the same values.
+/// Returns which members ran; the caller runs the others.
+#[allow(clippy::too_many_arguments)]
+pub fn run_gemm_group_from(
+    dense: &FastDense,
+    gemm: &BlockScaledGemm,
+    own: Option<&FastFp8Gemm>,
+    ctx: &Context,
+    ops: &[DenseOp],
+    operands: &GroupOperands,
+    ws: &GemmWorkspace,
+    gemv_ws: &DenseWorkspace,
+    stream: BorrowedStream,
+) -> Result<[bool; GROUP_MAX]> {
+    gemm_group(
+        dense,
+        gemm,
+        own,
+        ctx,
+        ops,
+        Some(operands),
+        ws,
+        gemv_ws,
+        stream,
+    )
+}
+
+/// The members of `ops` that take the GEMM path, one operand for all members of the same
+/// input, K and mode: from `made` where given (a member whose operand it lacks is left to the
+/// caller), else made here ([`make_operand`]).
+#[allow(clippy::too_many_arguments)]
+fn gemm_group(
+    dense: &FastDense,
+    gemm: &BlockScaledGemm,
+    own: Option<&FastFp8Gemm>,
+    ctx: &Context,
+    ops: &[DenseOp],
+    made: Option<&GroupOperands>,
+    ws: &GemmWorkspace,
+    gemv_ws: &DenseWorkspace,
+    stream: BorrowedStream,
+) -> Result<[bool; GROUP_MAX]> {
     let mut ran = [false; GROUP_MAX];
     let mut plans = [None; GROUP_MAX];
     for (plan, op) in plans.iter_mut().zip(ops) {
-        *plan = single_gemm(gemm, op).filter(|(shape, _)| gemm_pays(shape, 1, op.t));
+        *plan = member_plan(gemm, op);
     }
+
     let same_operand =
         |a: &DenseOp, pa: &(GemmShape, usize), b: &DenseOp, pb: &(GemmShape, usize)| {
             a.x.addr() == b.x.addr()
@@ -415,8 +564,11 @@ pub fn run_gemm_group(
         if ran[i] {
             continue;
         }
-        let Some(operand) = make_operand(dense, ctx, &ops[i], &plan.0, plan.1, false, ws, stream)?
-        else {
+        let operand = match made {
+            Some(made) => made.of(&ops[i], &plan),
+            None => make_operand(dense, ctx, &ops[i], &plan.0, plan.1, false, ws, stream)?,
+        };
+        let Some(operand) = operand else {
             continue;
         };
         for j in i..ops.len().min(GROUP_MAX) {
@@ -673,6 +825,15 @@ mod tests {
         assert!(gemm_shape(StorageFormat::Fp4, [1, 32], 1024, 4096, 1, ActMode::Quant).is_none());
         // The operand holds the widest K of either kind at the most tokens.
         let shapes = [fp8(4096, 8192).unwrap(), bf16(1024, 4096).unwrap()];
-        assert_eq!(gemm_workspace_sizes(&shapes, 100), [100 * 8192, 100 * 64]);
+        assert_eq!(
+            gemm_workspace_sizes(&shapes, 100, &[]),
+            [100 * 8192, 100 * 64]
+        );
+        // A norm's K read by both kinds holds both operands side by side.
+        let u = [fp8(1024, 4096).unwrap(), bf16(64, 4096).unwrap()];
+        assert_eq!(
+            gemm_workspace_sizes(&u, 100, &[4096]),
+            [100 * 3 * 4096, 100 * 32]
+        );
     }
 }

@@ -77,7 +77,8 @@ impl Workspace {
         }
         let shapes = gemm_shapes(cfg);
         let gemm = if t >= GEMM_MIN_TOKENS && !shapes.is_empty() {
-            let [codes, scale] = fast_dense_gemm::gemm_workspace_sizes(&shapes, t);
+            let norm_ks = [cfg.hidden_size, cfg.q_lora_rank];
+            let [codes, scale] = fast_dense_gemm::gemm_workspace_sizes(&shapes, t, &norm_ks);
             let grouped: Vec<_> = dense_shapes(cfg)
                 .iter()
                 .map(|s| (s.n, s.k, s.groups))
@@ -247,6 +248,41 @@ mod tests {
         }
         // wo_a's groups are not a GEMM shape.
         assert!(!has(Fp8BlockScaled, 8192, 4096));
+    }
+
+    /// The GEMM operand buffer holds the largest one operand (wo_b's K = 8192 planned as BF16
+    /// too: 16 KiB a token at Flash shapes) and, at a norm's K, one operand of each kind side by
+    /// side (`norm_group_operands`: u's FP8 and BF16 operands at 4096, 12 KiB, within that); a
+    /// norm's K read by one kind needs that operand alone; the scales cover the largest K.
+    #[test]
+    fn the_gemm_operand_buffer_holds_a_norms_two_operands() {
+        use crate::cuda::blockscaled_gemm::{GemmKind, GemmOut};
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let cfg = ModelConfig::from_path(&dir.join("configs/flash-shaped-4-layers.json")).unwrap();
+        let t = 300;
+        let norm_ks = [cfg.hidden_size, cfg.q_lora_rank];
+        let [codes, scale] = fast_dense_gemm::gemm_workspace_sizes(&gemm_shapes(&cfg), t, &norm_ks);
+        assert_eq!(codes, t * 2 * 8192);
+        assert_eq!(scale, t * 8192 / 128);
+        let shape = |kind, k| GemmShape {
+            kind,
+            n: 512,
+            k,
+            out: GemmOut::F32,
+        };
+        let u = [
+            shape(GemmKind::Fp8BlockScaled, 4096),
+            shape(GemmKind::Bf16, 4096),
+            shape(GemmKind::Fp8BlockScaled, 1024),
+        ];
+        let sizes = |ks: &[usize]| fast_dense_gemm::gemm_workspace_sizes(&u, t, ks)[0];
+        assert_eq!(sizes(&[]), t * 2 * 4096, "one operand");
+        assert_eq!(
+            sizes(&[4096, 1024]),
+            t * 3 * 4096,
+            "u's two operands side by side"
+        );
+        assert_eq!(sizes(&[1024]), t * 2 * 4096, "q_lora's FP8 operand alone");
     }
 
     /// Every matrix the fast set may hand the dense kernels (stored FP8 or BF16) fits the

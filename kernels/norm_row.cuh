@@ -1,0 +1,43 @@
+// norm_row.cuh — one RMSNorm row held in registers, shared by norm.cu (rmsnorm_kernel's registers path,
+// rmsnorm_rows_kernel) and fast_dense.cu (fd_norm_operands_kernel, which makes GEMM operands from the same
+// values): one copy of the operation, so every caller writes the same bits (`#include "norm_row.cuh"` after
+// common.cuh; injected by the registry like it).
+#pragma once
+#include "common.cuh"
+#include "ref_math.cuh"
+
+// One row of a row-per-block RMSNorm: a row of at most VALS * blockDim.x values, thread values
+// i = threadIdx.x + j * blockDim.x (the strided loop's order), all loads issued before the first use; every
+// thread of the block must call (the f64 sum is a block reduction). Writes the row in place and leaves the
+// written values in `out` (out[j] for value i; 0 past dim) for callers that use them again.
+template <int VALS>
+DSV4_INLINE void rmsnorm_row_in_registers(float* row, int dim, const float* weight, float eps, int round_out,
+                                          double* scratch, float (&out)[VALS]) {
+  float v[VALS], w[VALS];
+#pragma unroll
+  for (int j = 0; j < VALS; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    v[j] = i < dim ? row[i] : 0.0f;
+    w[j] = weight != nullptr && i < dim ? weight[i] : 1.0f;
+  }
+  double acc = 0.0;  // the strided loop's per-thread order: i, i + blockDim.x, ...
+#pragma unroll
+  for (int j = 0; j < VALS; ++j) {
+    if (threadIdx.x + j * blockDim.x < dim) acc = __dadd_rn(acc, __dmul_rn((double)v[j], (double)v[j]));
+  }
+  const double s = ref_block_sum_f64(acc, scratch);
+  const float ms = (float)__ddiv_rn(s, (double)dim);
+  const float rr = ref_rsqrt(__fadd_rn(ms, eps));
+#pragma unroll
+  for (int j = 0; j < VALS; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    out[j] = 0.0f;
+    if (i < dim) {
+      float o = __fmul_rn(v[j], rr);
+      if (weight != nullptr) o = __fmul_rn(o, w[j]);
+      if (round_out) o = round_bf16(o);
+      row[i] = o;
+      out[j] = o;
+    }
+  }
+}
