@@ -405,3 +405,58 @@ fn max_seq_len_below_the_ratio_runs_like_the_cpu() {
         }
     });
 }
+
+/// A prefill long enough for the fast set to move the attention's input norm out of the residual
+/// boundary and into the sub-block (`norm_operands_cover`: 256 rows or more; with cuBLASLt, one
+/// launch making u's and q_lora's GEMM operands with the norm), then a decode step, runs like the
+/// CPU reference in official numerics on every set of that mode: random tokens, 300 of one
+/// sequence and 20 of another in one forward.
+#[test]
+fn a_long_prefill_runs_like_the_cpu() {
+    let _turn = device_turn();
+    if !has_cuda() {
+        println!("skipped: no CUDA device");
+        return;
+    }
+    let (long, short) = (300usize, 20usize);
+    let opts = |device: i32, set: KernelSetName| EngineOptions {
+        kernel_set: Some(set),
+        device,
+        max_num_seqs: 2,
+        max_num_tokens: long + short,
+        max_seq_len: long + 8,
+        numerics: Numerics::Official,
+        num_threads: 4,
+        ..Default::default()
+    };
+    for model in ["tiny_fp8", "tiny"] {
+        let mut cpu = fixture_engine(model, opts(-1, KernelSetName::Reference));
+        let vocab = cpu.config().vocab_size;
+        let mut rng = common::rng::Rng::from_env("a_long_prefill_runs_like_the_cpu");
+        let toks: Vec<i32> = (0..long + short).map(|_| rng.below(vocab) as i32).collect();
+        let pos: Vec<i32> = (0..long as i32).chain(0..short as i32).collect();
+        let qs = [0, long as i32, (long + short) as i32];
+        let decode = [toks[3], toks[long + 1]];
+        let decode_pos = [long as i32, short as i32];
+        type Step<'a> = (&'a [i32], &'a [i32], &'a [i32], &'a [i32]);
+        let steps: [Step; 2] = [
+            (&toks, &pos, &[0, 1], &qs),
+            (&decode, &decode_pos, &[0, 1], &[0, 1, 2]),
+        ];
+        let want: Vec<Vec<f32>> = steps
+            .iter()
+            .map(|(t, p, s, q)| forward_all_rows(&mut cpu, t, p, s, q))
+            .collect();
+        let host = Host::new();
+        for_each_set(Numerics::Official, |set, tol| {
+            let mut gpu = fixture_engine(model, opts(0, set));
+            for (k, (t, p, s, q)) in steps.iter().enumerate() {
+                let got = host.forward(&mut gpu, t, p, s, q);
+                let (md, cos, top1) = compare(&[got], &[want[k].clone()], vocab);
+                let case = format!("{model} {} tokens, set {}, step {k}", t.len(), set.name());
+                println!("{case}: max |d| {md:.3e}, cosine {cos:.7}, top-1 {top1}");
+                tol.check(&case, md, cos, top1);
+            }
+        });
+    }
+}

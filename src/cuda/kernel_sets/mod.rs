@@ -82,7 +82,9 @@ pub trait KernelSet {
     fn embed(&self, s: &Step) -> Result<()>;
 
     /// A residual boundary: the post of the sub-block that ran (`done`; None before layer
-    /// 0's attention), then the pre of `next` and its RMSNorm: `next`'s input.
+    /// 0's attention), then the pre of `next` and its RMSNorm: `next`'s input. (A set may
+    /// leave that norm to `next`'s sub-block, which then runs it first: the fast set does for
+    /// the attention of many tokens, whose GEMM operands it makes in the norm's own launch.)
     fn boundary(&self, s: &Step, done: Option<Branch>, next: Branch) -> Result<()>;
 
     /// The attention sub-block of layer `layer` (writes the window, compressor and indexer
@@ -120,6 +122,22 @@ pub struct LinearCall {
     /// them because the set asked ([`FastOps::reads_bf16_x`]); x holds the same values, so a
     /// set that does not read this copy runs the call from x.
     pub x_bf16: Option<DevicePtr>,
+}
+
+/// An RMSNorm of a launch sequence, in place ([`NormRope::rmsnorm`]'s operation): `rows` rows
+/// of `dim` values of `x` at row stride `ld`, times `weight` (None: none), with `eps`, rounded
+/// to BF16 when `round_out` (official numerics).
+///
+/// [`NormRope::rmsnorm`]: crate::cuda::kernels::norm_rope::NormRope::rmsnorm
+#[derive(Clone, Copy, Debug)]
+pub struct NormCall {
+    pub x: DevicePtr,
+    pub rows: usize,
+    pub dim: usize,
+    pub ld: usize,
+    pub weight: Option<DevicePtr>,
+    pub eps: f32,
+    pub round_out: bool,
 }
 
 /// Most linears one [`LinearGroup`] holds: the seven of a CSA attention sub-block's input (wq_a,
@@ -182,6 +200,21 @@ pub trait FastOps {
     fn try_linear_group(
         &self,
         _ctx: &Context,
+        _group: &LinearGroup,
+        _stream: BorrowedStream,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Runs `norm`, then every linear of `group`, whose input is the norm's output (each
+    /// member's `x` is `norm.x`, its `ldx` the norm's `ld` and its `t` the norm's rows), and
+    /// returns true, or returns false having launched nothing: the caller then runs the norm and
+    /// offers the group to [`Self::try_linear_group`]. A set may make the group's GEMM operands
+    /// in the norm's own launch, from the normed values, instead of in passes over its output.
+    fn try_norm_group(
+        &self,
+        _ctx: &Context,
+        _norm: &NormCall,
         _group: &LinearGroup,
         _stream: BorrowedStream,
     ) -> Result<bool> {

@@ -22,16 +22,16 @@ use crate::cuda::blockscaled_gemm::BlockScaledGemm;
 use crate::cuda::device_model::DeviceModel;
 use crate::cuda::kernel_sets::reference::{self, ReferenceSet};
 use crate::cuda::kernel_sets::{
-    Branch, FastOps, KernelSet, LinearCall, LinearGroup, LogitsTarget, Step,
+    Branch, FastOps, KernelSet, LinearCall, LinearGroup, LogitsTarget, NormCall, Step,
 };
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta};
 use crate::cuda::kernels::fast_attention::FastAttention;
 use crate::cuda::kernels::fast_dense::{
-    DenseOp, FUSED_ACT_MAX_T, FastDense, GROUP_MAX, GROUP_MAX_T,
+    DenseOp, FUSED_ACT_MAX_T, FastDense, GROUP_MAX, GROUP_MAX_T, NormOperands, norm_operands_cover,
 };
 use crate::cuda::kernels::fast_dense_gemm::{
-    GEMM_MIN_TOKENS, GemmWorkspace, grouped_reads_bf16, run_gemm_chain, run_gemm_group,
-    run_grouped_gemm, run_linear,
+    GEMM_MIN_TOKENS, GemmWorkspace, grouped_reads_bf16, norm_group_operands, run_gemm_chain,
+    run_gemm_group, run_gemm_group_from, run_grouped_gemm, run_linear,
 };
 use crate::cuda::kernels::fast_indexer::FastIndexer;
 use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared, Unsupported};
@@ -273,13 +273,15 @@ impl KernelSet for FastSet {
     }
 
     fn boundary(&self, s: &Step, done: Option<Branch>, next: Branch) -> Result<()> {
-        self.reference.boundary(s, done, next)
+        let norm_next = !(matches!(next, Branch::Attention(_)) && self.norms_attention_input(s));
+        self.reference.boundary_with(s, done, next, norm_next)
     }
 
     fn attention(&self, s: &Step, layer: usize) -> Result<()> {
         // The fast set runs official numerics only (create refuses it with exact ones), where
         // every activation the dense kernels take holds BF16 values (docs/numerics.md).
-        self.reference.attention_with(s, layer, self)
+        let norm_input = self.norms_attention_input(s);
+        self.reference.attention_with(s, layer, self, norm_input)
     }
 
     fn moe(&self, s: &Step, layer: usize) -> Result<()> {
@@ -320,6 +322,18 @@ impl KernelSet for FastSet {
 
     fn head(&self, s: &Step, done: Option<Branch>, out: &LogitsTarget) -> Result<()> {
         self.reference.head_with(s, done, out, Some(self))
+    }
+}
+
+impl FastSet {
+    /// Whether the attention sub-block of forward `s` runs its input's RMSNorm itself (the
+    /// boundary before it leaves it: [`ReferenceSet::boundary_with`]), so that the norm can make
+    /// the GEMM operands of u's projections in its own launch ([`FastOps::try_norm_group`]):
+    /// where cuBLASLt runs the many-token projections and `fd_norm_operands_kernel` takes the
+    /// norm ([`norm_operands_cover`]). A pure function of the step, asked by both the boundary
+    /// and the sub-block, so the two always agree on who runs the norm.
+    fn norms_attention_input(&self, s: &Step) -> bool {
+        self.gemm.is_some() && norm_operands_cover(s.meta.num_tokens, s.cfg.hidden_size)
     }
 }
 
@@ -436,6 +450,86 @@ impl FastOps for FastSet {
             return Ok(false);
         }
         self.dense.run_group(ctx, members, &self.ws.dense, stream)?;
+        Ok(true)
+    }
+
+    /// A norm and the group of its output, from cuBLASLt's crossover, where the GEMM path takes
+    /// a member: the norm's launch (`fd_norm_operands_kernel`) also makes the one FP8 and the
+    /// one BF16 operand the members read ([`norm_group_operands`]), so the group makes none
+    /// ([`run_gemm_group_from`]): u's two operand passes (~70 + ~39 µs a layer of a 4096-token
+    /// prefill, ncu) and q_lora's one go. The members below their crossover run the gemv on
+    /// the normed x. The bits of the norm, then [`Self::try_linear_group`].
+    fn try_norm_group(
+        &self,
+        ctx: &Context,
+        norm: &NormCall,
+        group: &LinearGroup,
+        stream: BorrowedStream,
+    ) -> Result<bool> {
+        let Some((gemm, operand_ws)) = &self.gemm else {
+            return Ok(false);
+        };
+        if !norm_operands_cover(norm.rows, norm.dim)
+            || norm.rows < GEMM_MIN_TOKENS
+            || group.is_empty()
+            || group.len() > GROUP_MAX
+        {
+            return Ok(false);
+        }
+        // A fixed array, as try_linear_group's: the forward allocates nothing.
+        let mut ops: [Option<DenseOp>; GROUP_MAX] = [None; GROUP_MAX];
+        for (slot, call) in ops.iter_mut().zip(group.iter()) {
+            if call.x.addr() != norm.x.addr() || call.ldx != norm.ld || call.t != norm.rows {
+                return Ok(false);
+            }
+            *slot = dense_op(call, FUSED_ACT_MAX_T);
+        }
+        let Some(first) = ops[0] else {
+            return Ok(false);
+        };
+        let mut dense_ops = [first; GROUP_MAX];
+        for (slot, op) in dense_ops.iter_mut().zip(&ops[..group.len()]) {
+            let Some(op) = op else {
+                return Ok(false);
+            };
+            *slot = *op;
+        }
+        let members = &dense_ops[..group.len()];
+        let Some(operands) =
+            norm_group_operands(gemm, operand_ws, members, norm.x, norm.ld, norm.dim)
+        else {
+            return Ok(false);
+        };
+        self.dense.norm_operands(
+            ctx,
+            &NormOperands {
+                x: norm.x,
+                rows: norm.rows,
+                dim: norm.dim,
+                ld: norm.ld,
+                weight: norm.weight,
+                eps: norm.eps,
+                round_out: norm.round_out,
+                m: operands.m,
+                fp8: operands.fp8,
+                bf16: operands.bf16,
+            },
+            stream,
+        )?;
+        let ran = run_gemm_group_from(
+            &self.dense,
+            gemm,
+            None,
+            ctx,
+            members,
+            &operands,
+            operand_ws,
+            &self.ws.dense,
+            stream,
+        )?;
+        for (op, _) in members.iter().zip(ran).filter(|(_, ran)| !ran) {
+            self.linear_op(ctx, op, stream)?;
+        }
         Ok(true)
     }
 

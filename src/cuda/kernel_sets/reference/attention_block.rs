@@ -4,7 +4,7 @@
 use super::{Kernels, Run, from};
 use crate::cuda::arena::DevicePtr;
 use crate::cuda::backend::{CompressorDev, LayerStateDev};
-use crate::cuda::kernel_sets::{LinearCall, LinearGroup};
+use crate::cuda::kernel_sets::{LinearCall, LinearGroup, NormCall};
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta, RingArgs};
 use crate::cuda::kernels::compressor::{CompressArgs, CompressKind};
 use crate::cuda::kernels::indexer::IndexerArgs;
@@ -28,13 +28,15 @@ impl Run<'_> {
     /// Attention sub-block of layer `l`: `ws.u` -> `ws.a` (reference/attention.rs): the
     /// projections of u, the query path, the window KV, the compressors (and the indexer's
     /// selection on CSA layers), one softmax over window + compressed keys, the grouped
-    /// output projection.
+    /// output projection. `norm_input`: u is hc_pre's output still, and its RMSNorm (the
+    /// layer's `attn_norm`) runs here with the projections of u ([`Self::norm_then_group`]).
     pub(super) fn attention(
         &self,
         k8: &Kernels,
         l: usize,
         lw: &LayerWeights,
         meta: &BatchMeta,
+        norm_input: bool,
         st: BorrowedStream,
     ) -> Result<()> {
         let a = AttnLayer {
@@ -47,7 +49,7 @@ impl Run<'_> {
         };
         // (Known before the query is made: whether the attention core reads it as BF16.)
         let args = self.attention_args(&a);
-        self.input_projections(&a)?;
+        self.input_projections(&a, norm_input)?;
         self.query(&a, args.q_bf16)?;
         self.window_kv(&a)?;
         self.compress_and_select(&a)?;
@@ -86,26 +88,44 @@ impl Run<'_> {
     }
 
     /// RMSNorm of `rows` rows of `dim` values of `x`, with `weight` (the norm's weight index).
-    fn norm(
-        &self,
-        a: &AttnLayer,
-        x: DevicePtr,
-        rows: usize,
-        dim: usize,
-        weight: Option<usize>,
-    ) -> Result<()> {
-        let w = weight.map(|i| self.weights[i].data);
-        a.k8.nr.rmsnorm(
-            self.ctx,
+    fn norm_call(&self, x: DevicePtr, rows: usize, dim: usize, weight: Option<usize>) -> NormCall {
+        NormCall {
             x,
             rows,
             dim,
-            dim,
-            w,
-            self.cfg.rms_norm_eps,
-            self.official(),
+            ld: dim,
+            weight: weight.map(|i| self.weights[i].data),
+            eps: self.cfg.rms_norm_eps,
+            round_out: self.official(),
+        }
+    }
+
+    /// Runs `norm` with the reference kernel.
+    fn norm(&self, a: &AttnLayer, norm: &NormCall) -> Result<()> {
+        a.k8.nr.rmsnorm(
+            self.ctx,
+            norm.x,
+            norm.rows,
+            norm.dim,
+            norm.ld,
+            norm.weight,
+            norm.eps,
+            norm.round_out,
             a.st,
         )
+    }
+
+    /// Runs `norm`, then the linears of `group`, which read its output: offered to the fast set
+    /// as one (it may make their GEMM operands in the norm's launch), else the norm, then the
+    /// group as [`Self::linear_group`] runs it.
+    fn norm_then_group(&self, a: &AttnLayer, norm: &NormCall, group: &LinearGroup) -> Result<()> {
+        if let Some(f) = self.fast
+            && f.try_norm_group(self.ctx, norm, group, a.st)?
+        {
+            return Ok(());
+        }
+        self.norm(a, norm)?;
+        self.linear_group(a, group)
     }
 
     /// The linear `y[t, 0..n] = x[t, :] . W[j, :]` of weight index `w`'s first `n` rows, for a
@@ -187,8 +207,8 @@ impl Run<'_> {
     /// Every projection of the sub-block's input u, as one group: wq_a -> qr and wkv -> kv
     /// (official act_quant and BF16 outputs in official mode), the compressors' wkv / wgate ->
     /// comp_a / comp_z and icomp_a / icomp_z (f32 in and out), the indexer's weights_proj -> iw
-    /// (f32 in, BF16 out in official mode).
-    fn input_projections(&self, a: &AttnLayer) -> Result<()> {
+    /// (f32 in, BF16 out in official mode). `norm_input`: u's RMSNorm first, with the group.
+    fn input_projections(&self, a: &AttnLayer, norm_input: bool) -> Result<()> {
         let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
         let (d, official) = (cfg.hidden_size, self.official());
         let mut group = LinearGroup::default();
@@ -214,6 +234,10 @@ impl Run<'_> {
             let hi = cfg.index_n_heads;
             group.push(from_u(ix.weights_proj, hi, ws.iw, false, official)?)?;
         }
+        if norm_input {
+            let norm = self.norm_call(ws.u, a.meta.num_tokens, d, Some(lw.attn_norm));
+            return self.norm_then_group(a, &norm, &group);
+        }
         self.linear_group(a, &group)
     }
 
@@ -228,7 +252,6 @@ impl Run<'_> {
         let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
         let (h, hd, ql) = (cfg.num_heads, cfg.head_dim, cfg.q_lora_rank);
         let (t, official) = (a.meta.num_tokens, self.official());
-        self.norm(a, ws.qr, t, ql, Some(lw.q_norm))?;
         let mut group = LinearGroup::default();
         group.push(self.call(a, ws.qr, ql, lw.wq_b, h * hd, ws.q, official, false)?)?;
         if let Some((ix, _, _)) = self.indexer(a) {
@@ -236,7 +259,8 @@ impl Run<'_> {
             // Rounded by rope_kernel as it loads qi, its first reader (compress_and_select).
             group.push(self.call(a, ws.qr, ql, ix.wq_b, n, ws.qi, official, false)?)?;
         }
-        self.linear_group(a, &group)?;
+        let norm = self.norm_call(ws.qr, t, ql, Some(lw.q_norm));
+        self.norm_then_group(a, &norm, &group)?;
         self.head_prep(a, ws.q, h, None, false, official, q_bf16)
     }
 
@@ -288,7 +312,7 @@ impl Run<'_> {
         if round_in {
             a.k8.nr.round_bf16(self.ctx, x, t * heads * hd, a.st)?;
         }
-        self.norm(a, x, t * heads, hd, weight)?;
+        self.norm(a, &self.norm_call(x, t * heads, hd, weight))?;
         self.rope(a, x, heads * hd, heads, hd, 1.0, false)?;
         if sim_nope > 0 {
             a.k8.nr.kv_sim(self.ctx, x, t, hd, sim_nope, a.st)?;

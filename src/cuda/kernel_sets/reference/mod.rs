@@ -26,7 +26,7 @@ use crate::cuda::kernels::norm_rope::NormRope;
 use crate::cuda::kernels::{MODEL_FAMILIES, batch};
 use crate::cuda::registry::{KernelSource, Registry};
 use crate::cuda::stream::BorrowedStream;
-use crate::error::Result;
+use crate::error::{Error, Result, Status};
 use crate::model::{HcSite, ModelWeights};
 use crate::options::{EngineOptions, Numerics};
 use crate::weights::format::StorageFormat;
@@ -106,10 +106,19 @@ impl ReferenceSet {
     }
 
     /// The attention sub-block with `fast` offered every linear and the attention core first
-    /// (the fast set's dense projections and sparse attention).
-    pub fn attention_with(&self, s: &Step, layer: usize, fast: &dyn FastOps) -> Result<()> {
+    /// (the fast set's dense projections and sparse attention). `norm_input`: the boundary
+    /// before left u's RMSNorm to this sub-block ([`Self::boundary_with`]), which runs it with
+    /// its projections of u ([`FastOps::try_norm_group`] first).
+    pub fn attention_with(
+        &self,
+        s: &Step,
+        layer: usize,
+        fast: &dyn FastOps,
+        norm_input: bool,
+    ) -> Result<()> {
         let r = self.run_with(s, Some(fast));
-        r.attention(&self.k, layer, &r.handles.layers[layer], &s.meta, s.stream)
+        let lw = &r.handles.layers[layer];
+        r.attention(&self.k, layer, lw, &s.meta, norm_input, s.stream)
     }
 
     /// The buffer a sub-block writes its output to.
@@ -165,6 +174,59 @@ impl KernelSet for ReferenceSet {
     }
 
     fn boundary(&self, s: &Step, done: Option<Branch>, next: Branch) -> Result<()> {
+        self.boundary_with(s, done, next, true)
+    }
+
+    fn attention(&self, s: &Step, layer: usize) -> Result<()> {
+        let r = self.run(s);
+        let lw = &r.handles.layers[layer];
+        r.attention(&self.k, layer, lw, &s.meta, false, s.stream)
+    }
+
+    fn moe(&self, s: &Step, layer: usize) -> Result<()> {
+        let r = self.run(s);
+        let t = s.meta.num_tokens;
+        r.moe(
+            &self.k,
+            layer,
+            &r.handles.layers[layer],
+            t,
+            s.tokens,
+            s.stream,
+        )
+    }
+
+    fn commit_slots(&self, s: &Step) -> Result<()> {
+        self.k.attn.slot_len(
+            s.ctx,
+            &s.meta,
+            s.model.slot_len,
+            s.opts.max_num_seqs,
+            s.stream,
+        )
+    }
+
+    fn head(&self, s: &Step, done: Option<Branch>, out: &LogitsTarget) -> Result<()> {
+        self.head_with(s, done, out, None)
+    }
+}
+
+impl ReferenceSet {
+    /// [`KernelSet::boundary`], its last step, `next`'s RMSNorm, only where `norm_next`; else
+    /// `next` (an attention sub-block) runs it: [`Self::attention_with`]'s `norm_input`.
+    pub fn boundary_with(
+        &self,
+        s: &Step,
+        done: Option<Branch>,
+        next: Branch,
+        norm_next: bool,
+    ) -> Result<()> {
+        if !norm_next && !matches!(next, Branch::Attention(_)) {
+            return Err(Error::new(
+                Status::Internal,
+                format!("only an attention sub-block runs its own input norm, not {next:?}'s"),
+            ));
+        }
         if let Some(done) = done {
             self.post(s, done)?;
         }
@@ -205,6 +267,9 @@ impl KernelSet for ReferenceSet {
             ws.hc_partials,
             s.stream,
         )?;
+        if !norm_next {
+            return Ok(());
+        }
         self.k.nr.rmsnorm(
             s.ctx,
             ws.u,
@@ -218,40 +283,6 @@ impl KernelSet for ReferenceSet {
         )
     }
 
-    fn attention(&self, s: &Step, layer: usize) -> Result<()> {
-        let r = self.run(s);
-        r.attention(&self.k, layer, &r.handles.layers[layer], &s.meta, s.stream)
-    }
-
-    fn moe(&self, s: &Step, layer: usize) -> Result<()> {
-        let r = self.run(s);
-        let t = s.meta.num_tokens;
-        r.moe(
-            &self.k,
-            layer,
-            &r.handles.layers[layer],
-            t,
-            s.tokens,
-            s.stream,
-        )
-    }
-
-    fn commit_slots(&self, s: &Step) -> Result<()> {
-        self.k.attn.slot_len(
-            s.ctx,
-            &s.meta,
-            s.model.slot_len,
-            s.opts.max_num_seqs,
-            s.stream,
-        )
-    }
-
-    fn head(&self, s: &Step, done: Option<Branch>, out: &LogitsTarget) -> Result<()> {
-        self.head_with(s, done, out, None)
-    }
-}
-
-impl ReferenceSet {
     /// [`KernelSet::head`] with `fast` offered the LM head's linear first.
     pub fn head_with(
         &self,
