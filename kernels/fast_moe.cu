@@ -1,12 +1,15 @@
 // fast_moe kernel family: the fast set's MoE routing and combine (kernels/SPEC.md ## fast_moe.cu).
 //
-// fmoe_logits_kernel (+ FP8 quantisation of x), or fmoe_logits_tc_kernel for many tokens -> fmoe_select_kernel
-// (+ x's quantisation after the latter) -> moe_plan_kernel or the wide plan (moe.cu, with tile_rows = the GEMM
-// path's tokens per item) -> the expert GEMMs (fast_moe_gemm.cu, fast_moe_wide.cu) -> fmoe_combine_kernel. f32 arithmetic (and
+// [fmoe_norm_x_kernel: the input's norm with x's FP8 quantisation, where the fast set runs the norm here] ->
+// fmoe_logits_kernel (+ FP8 quantisation of x, if not made), or fmoe_logits_tc_kernel for many tokens ->
+// fmoe_select_kernel (+ x's quantisation after the latter, if not made) -> moe_plan_kernel or the wide plan
+// (moe.cu, with tile_rows = the GEMM path's tokens per item) -> the expert GEMMs (fast_moe_gemm.cu,
+// fast_moe_wide.cu) -> fmoe_combine_kernel. f32 arithmetic (and
 // the tensor core's) in a fixed order (no atomics): deterministic bit for bit, not bit-identical to the f64
 // reference kernels. fmoe_gate_planes_kernel builds the tensor-core router's derived gate planes (finalize, refit).
 #include "common.cuh"
 #include "fp8_mma.cuh"
+#include "norm_row.cuh"  // fmoe_norm_x_kernel
 
 // FMOE_LOGIT_WARPS, FMOE_LOGIT_EXPERTS, FMOE_LOGIT_SPLIT, FMOE_LOGIT_TOKENS, FMOE_SELECT_WARPS, FMOE_MAX_EPL and
 // SCORE_* come from
@@ -16,20 +19,39 @@
 // 4·lane + 3 in v: the e4m3 codes into xq[t][d] in the order of the GEMMs that read them (fp8_mma.cuh: the
 // halves order for the prefill path's, `halves`, else the fragment order), the block's scale into xs[t][b]
 // (value x scale bit-identical to act_quant_kernel).
+// x's block scale s for the block's largest |x|, amax: the official act_quant's.
+DSV4_INLINE float fmoe_x_scale(float amax) { return ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX); }
+
+// The e4m3 code of value v of a block whose scale's reciprocal is inv = 1 / s: s is a power of two, so v · (1 / s)
+// is v / s exactly (one rounding either way); clamped as Rust's clamp (NaN stays NaN).
+DSV4_INLINE unsigned fmoe_x_code(float v, float inv) {
+  float q = v * inv;
+  q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
+  return e4m3_code_rn(q);
+}
+
+// fmoe_x_code's code by the hardware's conversion: cvt.rn.satfinite.e4m3x2.f32 rounds to the nearest e4m3fn
+// value, ties to even, subnormals and signed zeros included (e4m3_code_rn's grid: kernels/fast_dense.cu
+// fd_quant_codes, checked against act_quant_kernel bit for bit), the clamp before it leaves nothing to saturate,
+// and a NaN takes e4m3_code_rn's 0x7f whatever its sign. A tenth of the software rounding's instructions.
+DSV4_INLINE unsigned fmoe_x_code_hw(float v, float inv) {
+  float q = v * inv;
+  q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
+  if (q != q) return 0x7fu;
+  unsigned short c;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(c) : "f"(0.0f), "f"(q));  // q's code in the low byte
+  return c & 0xffu;
+}
+
 DSV4_INLINE void fmoe_quant_x_store(float4 v, long long t, int D, int b, bool halves, unsigned char* xq, float* xs) {
   const int lane = threadIdx.x & 31;
   const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-  const float s = ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
-  // s is a power of two, so v · (1 / s) is v / s exactly (one rounding either way).
+  const float s = fmoe_x_scale(amax);
   const float inv = 1.0f / s;
   const float vv[4] = {v.x, v.y, v.z, v.w};
   unsigned code[4];
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    float q = vv[c] * inv;
-    q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
-    code[c] = e4m3_code_rn(q);
-  }
+  for (int c = 0; c < 4; ++c) code[c] = fmoe_x_code(vv[c], inv);
   // This lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th 32-block (t8 = lane % 8 / 2).
   unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1);
   if (halves) {  // positions 4·t8 + 16·(lane % 2) + c: one word
@@ -39,6 +61,79 @@ DSV4_INLINE void fmoe_quant_x_store(float4 v, long long t, int D, int b, bool ha
     *reinterpret_cast<unsigned short*>(blk + 2 * (lane & 1) + 16) = (unsigned short)(code[1] | (code[3] << 8));
   }
   if (lane == 0) xs[t * (D / 128) + b] = s;
+}
+
+// The byte of value k (0..127) of a 128-block in xq, where fmoe_quant_x_store puts it: lane k / 4, c = k % 4.
+DSV4_INLINE int fmoe_x_pos(int k, bool halves) {
+  const int lane = k >> 2, c = k & 3;
+  const int base = 32 * (lane >> 3) + 4 * ((lane & 7) >> 1);
+  return halves ? base + 16 * (lane & 1) + c : base + 2 * (lane & 1) + (c >> 1) + 16 * (c & 1);
+}
+
+// The MoE's input norm and x's act_quant in one launch: an RMSNorm of `rows` rows in place, with the row code and
+// block shape NormRope::rmsnorm gives those rows (norm_row.cuh: the registers path of rmsnorm_kernel, VALS =
+// RN_VALS, or rmsnorm_rows_kernel, VALS = RN_ROWS_VALS; the same bits), then, from the normed values in
+// registers, fmoe_quant_x_store's codes and scales of every row, in the order of the GEMMs that read them
+// (`halves`). A 128-block of a row is one j of the strided layout across four warps (blockDim % 128 == 0): each
+// warp's largest |x| through shared memory, the block's the fmaxf of the four (any order: the same maximum, NaNs
+// skipped as warp_max skips them), then each value's code (fmoe_x_code_hw: fmoe_x_code's byte) stored a byte a
+// thread at its place (fmoe_x_pos). The router kernels then leave x's quantisation out (fmoe_logits_kernel's xq
+// NULL, fmoe_select_kernel's x NULL): a decode step's first four router blocks no longer quantise x before their
+// gate rows, and a prefill's selection no longer reads x. Requires dim % 128 == 0 and dim <= VALS * blockDim (the
+// wrapper checks). Grid-stride over rows. (128 registers on the rows kernel's block, two blocks an SM as
+// rmsnorm_rows_kernel; with a code's address made at each j it took 157.)
+#define FMOE_NX_AMAX 128  // the warps' maxima a block keeps: VALS x warps of either shape
+static_assert(RN_VALS * 32 <= FMOE_NX_AMAX && RN_ROWS_VALS * (RN_ROWS_THREADS / 32) <= FMOE_NX_AMAX,
+              "fmoe_norm_x: the warps' maxima of a row");
+template <int VALS, int THREADS>
+DSV4_INLINE void fmoe_norm_x(float* x, int rows, int dim, const float* weight, float eps, int round_out, int halves,
+                             unsigned char* xq, float* xs) {
+  __shared__ double scratch[32];
+  __shared__ float warp_amax[FMOE_NX_AMAX];
+  // THREADS: the block's threads where a compile-time constant (the rows kernel's), else 0 (blockDim.x).
+  const int nthreads = THREADS > 0 ? THREADS : (int)blockDim.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = nthreads >> 5;
+  for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+    float o[VALS];
+    rmsnorm_row_in_registers<VALS>(x + (long long)r * dim, dim, weight, eps, round_out, scratch, o);
+#pragma unroll
+    for (int j = 0; j < VALS; ++j) {
+      if (j * nthreads >= dim) break;  // uniform; o[j] is 0 past dim, its block never stored
+      const float a = warp_max(fabsf(o[j]));
+      if (lane == 0) warp_amax[j * nwarps + warp] = a;
+    }
+    __syncthreads();
+    // Value i = tid + j * nthreads is k = tid % 128 of block i / 128 = tid / 128 + j * nthreads / 128 (nthreads %
+    // 128 == 0): the same place in its block at every j, so a row's two bases, then a constant step a j.
+    unsigned char* q_at = xq + (long long)r * dim + 128 * (tid >> 7) + fmoe_x_pos(tid & 127, halves != 0);
+    float* s_at = xs + (long long)r * (dim >> 7) + (tid >> 7);
+#pragma unroll
+    for (int j = 0; j < VALS; ++j) {
+      if (tid + j * nthreads >= dim) break;  // whole 128-blocks: dim % 128 == 0
+      const float* wa = warp_amax + j * nwarps + (warp & ~3);
+      // fmoe_x_scale's s = 2^e, and 1 / s as 2^-e (the same float: no division a value).
+      const int e = ue8m0_exponent(fmaxf(fmaxf(fmaxf(wa[0], wa[1]), fmaxf(wa[2], wa[3])), 1e-4f), DSV4_E4M3_MAX);
+      q_at[j * nthreads] = (unsigned char)fmoe_x_code_hw(o[j], dsv4_pow2(-e));
+      if ((tid & 127) == 0) s_at[j * (nthreads >> 7)] = dsv4_pow2(e);
+    }
+    __syncthreads();  // warp_amax is the next row's
+  }
+}
+
+// fmoe_norm_x for few rows, rmsnorm_kernel's block (a row of up to RN_VALS values a thread).
+extern "C" __global__ void __launch_bounds__(1024)
+    fmoe_norm_x_kernel(float* x, int rows, int dim, const float* weight, float eps, int round_out, int halves,
+                       unsigned char* xq, float* xs) {
+  dsv4_pdl_begin();
+  fmoe_norm_x<RN_VALS, 0>(x, rows, dim, weight, eps, round_out, halves, xq, xs);
+}
+
+// fmoe_norm_x for a prefill's rows, rmsnorm_rows_kernel's block (RN_ROWS_THREADS threads, RN_ROWS_VALS a thread).
+extern "C" __global__ void __launch_bounds__(RN_ROWS_THREADS)
+    fmoe_norm_x_rows_kernel(float* x, int rows, int dim, const float* weight, float eps, int round_out, int halves,
+                            unsigned char* xq, float* xs) {
+  dsv4_pdl_begin();
+  fmoe_norm_x<RN_ROWS_VALS, RN_ROWS_THREADS>(x, rows, dim, weight, eps, round_out, halves, xq, xs);
 }
 
 // x's act_quant (fmoe_quant_x_store) of 128-block b of tokens t0 .. t0 + nt - 1, by one warp.
@@ -91,7 +186,8 @@ DSV4_INLINE float fmoe_score(float l, int scoring) {
 // - warp w: expert e = bx * FMOE_LOGIT_EXPERTS + w / FMOE_LOGIT_SPLIT, its part w % FMOE_LOGIT_SPLIT of the
 //   dot products with 16-byte loads, per-lane sums in k order, a fixed butterfly, then the parts summed in
 //   order: the logit l, scores[t][e] = fmoe_score(l);
-// - warp w of blocks with b = bx * FMOE_LOGIT_WARPS + w < D / 128: fmoe_quant_x_block of block b.
+// - warp w of blocks with b = bx * FMOE_LOGIT_WARPS + w < D / 128: fmoe_quant_x_block of block b (unless xq is
+//   NULL: the norm made them).
 // Requires D % (4 * FMOE_LOGIT_SPLIT) == 0 and D % 128 == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
     fmoe_logits_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
@@ -103,7 +199,8 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
   const int nt = min(FMOE_LOGIT_TOKENS, T - t0);
   if (nt <= 0) return;  // whole block
   const int b = blockIdx.x * FMOE_LOGIT_WARPS + warp;
-  if (b < D / 128) fmoe_quant_x_block(x, t0, nt, D, b, halves != 0, xq, xs);
+  // (xq NULL: the input's norm made x's codes already, fmoe_norm_x_kernel.)
+  if (xq != nullptr && b < D / 128) fmoe_quant_x_block(x, t0, nt, D, b, halves != 0, xq, xs);
   const int e = blockIdx.x * FMOE_LOGIT_EXPERTS + warp / FMOE_LOGIT_SPLIT;
   const int part = warp % FMOE_LOGIT_SPLIT;
   const int c_begin = part * (D / 4 / FMOE_LOGIT_SPLIT), c_end = c_begin + D / 4 / FMOE_LOGIT_SPLIT;

@@ -61,6 +61,7 @@ use dsv4::cuda::kernels::fast_moe_gemm::{self, GemmPath};
 use dsv4::cuda::kernels::fast_moe_wide;
 use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat};
 use dsv4::cuda::kernels::moe::{self, Moe, MoePlan};
+use dsv4::cuda::kernels::norm_rope::{self, NormRope};
 use dsv4::cuda::synthetic_moe::{HOT_EXPERT, MoeShape, Routing, SyntheticMoe};
 use dsv4::cuda::{BorrowedStream, Context, DevicePtr, OwnedStream};
 use dsv4::weights::dtype::E4M3_LUT;
@@ -101,17 +102,23 @@ struct Env {
     lin: Linear,
     moe: Moe,
     fast: FastMoe,
+    /// The reference RMSNorm, which `fmoe_norm_x_kernel` must match bit for bit.
+    nr: NormRope,
 }
 
 fn env() -> Option<&'static Env> {
     static ENV: OnceLock<Env> = OnceLock::new();
-    let g = family_gpu(&[
+    let families: Vec<_> = [
         &linear::SOURCE,
         &moe::SOURCE,
         &fast_moe::SOURCE,
         &fast_moe_gemm::SOURCE,
         &fast_moe_wide::SOURCE,
-    ])?;
+    ]
+    .into_iter()
+    .chain(norm_rope::FAMILIES)
+    .collect();
+    let g = family_gpu(&families)?;
     Some(ENV.get_or_init(|| {
         print_kernel_resources(&g.reg);
         Env {
@@ -119,6 +126,7 @@ fn env() -> Option<&'static Env> {
             lin: Linear::new(&g.reg).unwrap(),
             moe: Moe::new(&g.reg).unwrap(),
             fast: FastMoe::new(&g.reg).unwrap(),
+            nr: NormRope::new(&g.reg).unwrap(),
         }
     }))
 }
@@ -424,7 +432,7 @@ fn fast(
         }
     }
     e.fast
-        .route_on(ctx, &fl, b.x, t, &b.ws, router, path, s)
+        .route_on(ctx, &fl, b.x, t, &b.ws, router, path, false, s)
         .unwrap();
     if let Some((ids, w)) = routing {
         put(ctx, b.ws.ids, ids, s);
@@ -1078,4 +1086,100 @@ fn the_fast_set_reports_which_moe_layers_run_the_fast_kernels() {
         println!("{model}:\n{log}");
     }
     set_sink(None, Level::Warn);
+}
+
+/// `fmoe_norm_x_kernel` (the fast set's MoE input norm with x's quantisation, `FastMoe::norm_x`)
+/// writes the normed rows `NormRope::rmsnorm` writes and the codes and scales the router kernels
+/// make of them (`route_on` without `x_made`: `fmoe_logits_kernel` at few tokens,
+/// `fmoe_select_kernel` behind the tensor-core router), byte for byte, in both code orders, on
+/// both of the norm's blocks (a row a 256- or 1024-thread block; the rows kernel's from 256 rows),
+/// at a width of 384 and at Flash's 4096 (few small experts: only the router runs), with a zero
+/// row; and the routers, told the codes are made, leave them and route as before.
+#[test]
+fn norm_x_gives_the_norms_rows_and_the_routers_codes() {
+    let Some(e) = env() else {
+        return;
+    };
+    let mut rng = Rng::from_env("norm_x_gives_the_norms_rows_and_the_routers_codes");
+    let stream = OwnedStream::new(e.ctx).unwrap();
+    let s = stream.borrow();
+    let wide = MoeShape {
+        d: 4096,
+        i: 128,
+        experts: 16,
+        k: 2,
+        vocab: 1024,
+        limit: 1.5,
+    };
+    for sh in [SMALL, wide] {
+        let l = SyntheticMoe::new(e.ctx, s, sh, rng.u64()).unwrap();
+        // The tensor-core router's gate planes, as a finalize derives them.
+        l.derive_fast(e.ctx, &e.fast, s).unwrap();
+        let d = sh.d;
+        let w: Vec<f32> = (0..d).map(|_| 1.0 + 0.25 * rng.normal()).collect();
+        let (_wa, wp) = alloc(e.ctx, &[d * 4]);
+        put(e.ctx, wp[0], &w, s);
+        let norm = fast_moe::MoeNorm {
+            weight: Some(wp[0]),
+            eps: 1e-6,
+            round_out: true,
+        };
+        for t in [1, 8, 300, fast_moe::TC_MIN_TOKENS + 76] {
+            assert!(fast_moe::norm_x_covers(t, d), "d {d}, T={t}");
+            let (mut x, tokens) = inputs(&mut rng, &sh, t);
+            if t > 1 {
+                x[..d].fill(0.0);
+            }
+            let (router, path) = (RouterPath::for_tokens(t), GemmPath::for_tokens(t));
+            let case = format!("d {d}, T={t}, {router:?} router, {path:?} order");
+            // The norm, then the router making x's codes; the norm making them, then the router.
+            let (a, b) = (
+                batch(e, &sh, t, &x, &tokens, s),
+                batch(e, &sh, t, &x, &tokens, s),
+            );
+            let fl = l.fast_layer(Routing::TopK, a.tokens);
+            e.nr.rmsnorm(e.ctx, a.x, t, d, d, norm.weight, norm.eps, true, s)
+                .unwrap();
+            e.fast
+                .route_on(e.ctx, &fl, a.x, t, &a.ws, router, path, false, s)
+                .unwrap();
+            let fl_b = l.fast_layer(Routing::TopK, b.tokens);
+            e.fast
+                .norm_x(e.ctx, &fl_b, b.x, t, &norm, path, &b.ws, s)
+                .unwrap();
+            let made: Vec<u8> = get(e.ctx, b.ws.xq, t * d, s);
+            e.fast
+                .route_on(e.ctx, &fl_b, b.x, t, &b.ws, router, path, true, s)
+                .unwrap();
+            let u = |p| get::<u32>(e.ctx, p, t * d, s);
+            assert!(
+                u(a.x) == u(b.x),
+                "{case}: the normed rows differ from rmsnorm's"
+            );
+            let (qa, qb): (Vec<u8>, Vec<u8>) =
+                (get(e.ctx, a.ws.xq, t * d, s), get(e.ctx, b.ws.xq, t * d, s));
+            assert!(qa == made, "{case}: x's codes differ from the router's");
+            assert!(
+                qb == made,
+                "{case}: the router rewrote the codes it was told were made"
+            );
+            let sc = |p| get::<u32>(e.ctx, p, t * d / 128, s);
+            assert!(sc(a.ws.xs) == sc(b.ws.xs), "{case}: x's scales differ");
+            let ids = |p| get::<i32>(e.ctx, p, t * sh.k, s);
+            let wts = |p| get::<u32>(e.ctx, p, t * sh.k, s);
+            assert!(
+                ids(a.ws.ids) == ids(b.ws.ids),
+                "{case}: the selection differs"
+            );
+            assert!(
+                wts(a.ws.weights) == wts(b.ws.weights),
+                "{case}: the weights differ"
+            );
+            let zero_codes = made[..128].iter().all(|&c| c & 0x7f == 0);
+            assert!(t == 1 || zero_codes, "{case}: the zero row's codes");
+            println!(
+                "{case}: rows, codes, scales and routing as the norm and the router make them"
+            );
+        }
+    }
 }

@@ -19,6 +19,7 @@ use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
 use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeWorkspace, RouterPath};
 use dsv4::cuda::kernels::fast_moe_gemm::GemmPath;
+use dsv4::cuda::kernels::norm_rope::NormRope;
 use dsv4::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
 use dsv4::cuda::registry::Registry;
 use dsv4::cuda::stream::OwnedStream;
@@ -109,6 +110,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
         .collect();
     let reg = Registry::load_families(&ctx, &families, &kernel_cache()?).map_err(e)?;
     let fast = FastMoe::new(&reg).map_err(e)?;
+    let nr = NormRope::new(&reg).map_err(e)?;
     let t0 = Instant::now();
     let layer = SyntheticMoe::new(&ctx, s, sh, 0x5EED).map_err(e)?;
     layer.derive_fast(&ctx, &fast, s).map_err(e)?;
@@ -149,7 +151,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
             let tr = |j: usize| ip[1].slice(j * t * 4, t * 4).unwrap();
             let call = |j: usize| {
                 let fl = layer.fast_layer(r, tr(j));
-                fast.route_on(&ctx, &fl, xr(j), t, &ws, router, path, s)?;
+                fast.route_on(&ctx, &fl, xr(j), t, &ws, router, path, false, s)?;
                 fast.experts_on(&ctx, &fl, t, &ws, path, s)?;
                 fast.combine(&ctx, &fl, t, &ws, out, s)
             };
@@ -202,6 +204,56 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
                 launches * reps,
             );
             std::io::stdout().flush().ok();
+        }
+        // The input's norm with the routing, the norm making x's codes or not (once a batch size, on
+        // the first routing: what the fast set's boundary leaving ffn_norm to the layer changes).
+        if let Some(&r) = b.routings.first()
+            && fast_moe::norm_x_covers(t, d)
+        {
+            let path = b
+                .paths
+                .first()
+                .copied()
+                .flatten()
+                .unwrap_or(GemmPath::for_tokens(t));
+            let router = b.router.unwrap_or(RouterPath::for_tokens(t));
+            let xr = |j: usize| ip[0].slice(j * t * d * 4, t * d * 4).unwrap();
+            let tr = |j: usize| ip[1].slice(j * t * 4, t * 4).unwrap();
+            let norm = fast_moe::MoeNorm {
+                weight: None,
+                eps: 1e-6,
+                round_out: true,
+            };
+            for made in [true, false] {
+                let call = |j: usize| {
+                    let fl = layer.fast_layer(r, tr(j));
+                    if made {
+                        fast.norm_x(&ctx, &fl, xr(j), t, &norm, path, &ws, s)?;
+                    } else {
+                        nr.rmsnorm(&ctx, xr(j), t, d, d, None, 1e-6, true, s)?;
+                    }
+                    fast.route_on(&ctx, &fl, xr(j), t, &ws, router, path, made, s)
+                };
+                let g = Graph::capture(s, || (0..reps).try_for_each(call)).map_err(e)?;
+                g.launch(s).map_err(e)?;
+                s.synchronize().map_err(e)?;
+                let launches = (20usize.div_ceil(reps)).max(5);
+                let timing = time_replays(s, &g, reps, launches)?;
+                println!(
+                    "{{\"bench\": \"moe_norm_route\", \"B\": {t}, \"routing\": \"{}\", \"path\": \"{}\", \"router\": \"{}\", \"hidden\": {d}, \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"calls_timed\": {}}}",
+                    routing_name(r),
+                    if made {
+                        "norm_x_route"
+                    } else {
+                        "norm_then_route"
+                    },
+                    router_name(router),
+                    timing.device_s * 1e6,
+                    timing.host_s * 1e6,
+                    launches * reps,
+                );
+                std::io::stdout().flush().ok();
+            }
         }
     }
     Ok(())

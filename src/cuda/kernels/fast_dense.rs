@@ -831,11 +831,8 @@ pub struct NormOperands {
 ///
 /// [`NormRope::rmsnorm`]: super::norm_rope::NormRope::rmsnorm
 pub fn norm_operands_cover(rows: usize, dim: usize) -> bool {
-    use super::norm_rope::{RMSNORM_ROWS_MIN, RMSNORM_ROWS_THREADS, RMSNORM_ROWS_VALUES};
-    rows >= RMSNORM_ROWS_MIN
-        && dim > 0
-        && dim.is_multiple_of(128)
-        && dim <= RMSNORM_ROWS_VALUES * RMSNORM_ROWS_THREADS
+    use super::norm_rope::{RmsnormBlock, rmsnorm_block};
+    dim > 0 && dim.is_multiple_of(128) && rmsnorm_block(rows, dim) == RmsnormBlock::Rows
 }
 
 /// Most rows one `fd_round_bf16_kernel` launch takes (its grid's y).

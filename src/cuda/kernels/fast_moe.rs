@@ -31,6 +31,7 @@ use super::fast_moe_gemm::{self, FastMoeGemm, GemmPath};
 use super::fast_moe_wide;
 use super::linear::WeightDev;
 use super::moe::{self, Moe, MoePlan, RouterParams, Selection};
+use super::norm_rope::{RMSNORM_ROWS_THREADS, RmsnormBlock, rmsnorm_block};
 use super::{need, to_i32};
 use crate::backend::Elem;
 use crate::cuda::stream::BorrowedStream;
@@ -140,10 +141,23 @@ crate::kernel_family! {
     /// The family as the registry compiles and loads it.
     pub const SOURCE = "fast_moe", include_str!("../../../kernels/fast_moe.cu");
 
-    /// Router scores (logits for softmax scoring) and x's FP8 quantisation.
+    /// Router scores (logits for softmax scoring) and x's FP8 quantisation (none without `xq`).
     #[pdl(true)]
     fn fmoe_logits_kernel(
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
+        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>,
+    );
+    /// The MoE input's RMSNorm in place with x's FP8 quantisation, on `rmsnorm_kernel`'s block
+    /// ([`MoeNorm`]).
+    #[pdl(true)]
+    fn fmoe_norm_x_kernel(
+        x: *mut f32, rows: i32, dim: i32, weight: Option<*const f32>, eps: f32, round_out: bool,
+        halves: bool, xq: *mut u8, xs: *mut f32,
+    );
+    /// The same on `rmsnorm_rows_kernel`'s block (a prefill's rows).
+    #[pdl(true)]
+    fn fmoe_norm_x_rows_kernel(
+        x: *mut f32, rows: i32, dim: i32, weight: Option<*const f32>, eps: f32, round_out: bool,
         halves: bool, xq: *mut u8, xs: *mut f32,
     );
     /// The same on the BF16 tensor cores (x's values BF16), from the derived gate planes.
@@ -174,6 +188,8 @@ crate::launchers! {
     /// The fast_moe family's entry points, resolved from a loaded registry.
     pub struct FastMoeRoute {
         logits: fmoe_logits_kernel,
+        norm_x: fmoe_norm_x_kernel,
+        norm_x_rows: fmoe_norm_x_rows_kernel,
         logits_tc: fmoe_logits_tc_kernel,
         gate_planes: fmoe_gate_planes_kernel,
         select: fmoe_select_kernel,
@@ -478,6 +494,41 @@ pub fn workspace_buffers(
     ]
 }
 
+/// The RMSNorm that makes a MoE layer's input ([`FastMoe::layer`], [`FastMoe::norm_x`]): x's
+/// rows times `weight` (None: none), with `eps`, rounded to BF16 when `round_out`.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeNorm {
+    pub weight: Option<DevicePtr>,
+    pub eps: f32,
+    pub round_out: bool,
+}
+
+/// The block [`FastMoe::norm_x`] runs `t` rows of `d` values on ([`rmsnorm_block`]'s, so the
+/// normed values are [`NormRope::rmsnorm`]'s), or None where it does not take them: the strided
+/// loop's rows, a block whose 128-blocks of a row would straddle two of its thread strides, or
+/// widths not a multiple of 128.
+///
+/// [`NormRope::rmsnorm`]: super::norm_rope::NormRope::rmsnorm
+fn norm_x_block(t: usize, d: usize) -> Option<RmsnormBlock> {
+    let block = rmsnorm_block(t, d);
+    let takes = match block {
+        RmsnormBlock::Rows => true,
+        RmsnormBlock::Row {
+            threads,
+            in_registers,
+        } => in_registers && threads.is_multiple_of(128),
+    };
+    (t > 0 && d > 0 && d.is_multiple_of(128) && takes).then_some(block)
+}
+
+/// Whether [`FastMoe::norm_x`] takes `t` rows of `d` values.
+pub fn norm_x_covers(t: usize, d: usize) -> bool {
+    norm_x_block(t, d).is_some()
+}
+
+/// Most blocks of an `fmoe_norm_x*` launch (a block a row, grid-stride beyond).
+const NORM_X_MAX_BLOCKS: usize = 1 << 20;
+
 /// The fast MoE: routing + combine kernels, the GEMMs, and the moe family's plan.
 pub struct FastMoe {
     route: FastMoeRoute,
@@ -523,7 +574,9 @@ impl FastMoe {
     }
 
     /// One MoE layer: `out[t] = MoE(x[t])` for `t` tokens (`x`, `out`: `f32[T, D]`, x's values BF16;
-    /// hash layers read the token ids of `layer.selection`). Launches only; no host sync.
+    /// hash layers read the token ids of `layer.selection`). With `norm`, x is the input before its
+    /// RMSNorm, which runs first, in place, with x's quantisation ([`FastMoe::norm_x`]). Launches
+    /// only; no host sync.
     #[allow(clippy::too_many_arguments)]
     pub fn layer(
         &self,
@@ -531,6 +584,7 @@ impl FastMoe {
         layer: &FastMoeLayer,
         x: DevicePtr,
         t: usize,
+        norm: Option<&MoeNorm>,
         ws: &FastMoeWorkspace,
         out: DevicePtr,
         stream: BorrowedStream,
@@ -538,9 +592,83 @@ impl FastMoe {
         if t == 0 {
             return Ok(());
         }
-        self.route(ctx, layer, x, t, ws, stream)?;
+        let (router, path) = (RouterPath::for_tokens(t), GemmPath::for_tokens(t));
+        if let Some(norm) = norm {
+            self.norm_x(ctx, layer, x, t, norm, path, ws, stream)?;
+        }
+        self.route_on(ctx, layer, x, t, ws, router, path, norm.is_some(), stream)?;
         self.experts(ctx, layer, t, ws, stream)?;
         self.combine(ctx, layer, t, ws, out, stream)
+    }
+
+    /// The layer's input RMSNorm (`norm`) of x's `t` rows in place, with the bits and block
+    /// [`NormRope::rmsnorm`] gives them ([`rmsnorm_block`]), and x's FP8 quantisation from the
+    /// normed values into `ws.xq` / `ws.xs` in the order of `path`'s GEMMs: the codes and scales
+    /// the router kernels would make ([`FastMoe::route_on`] with `x_made` then skips them). One
+    /// launch; [`norm_x_covers`] the shapes it takes.
+    ///
+    /// [`NormRope::rmsnorm`]: super::norm_rope::NormRope::rmsnorm
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_x(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        x: DevicePtr,
+        t: usize,
+        norm: &MoeNorm,
+        path: GemmPath,
+        ws: &FastMoeWorkspace,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "fmoe_norm_x_kernel";
+        let d = layer.d;
+        let Some(block) = norm_x_block(t, d) else {
+            return Err(internal(format!("{K}: {t} rows of {d}")));
+        };
+        need(K, "x", x, t * d * 4)?;
+        if let Some(w) = norm.weight {
+            need(K, "weight", w, d * 4)?;
+        }
+        need(K, "xq", ws.xq, t * d)?;
+        need(K, "xs", ws.xs, t * d / 128 * 4)?;
+        let (rows, dim) = (to_i32(K, "rows", t)?, to_i32(K, "dim", d)?);
+        let _g = ctx.enter()?;
+        let grid = t.min(NORM_X_MAX_BLOCKS) as u32;
+        let (halves, xq, xs) = (path.halves_order(), ws.xq, ws.xs);
+        let (weight, eps, round_out) = (norm.weight, norm.eps, norm.round_out);
+        match block {
+            RmsnormBlock::Rows => {
+                let args = fmoe_norm_x_rows_kernel::Args {
+                    x,
+                    rows,
+                    dim,
+                    weight,
+                    eps,
+                    round_out,
+                    halves,
+                    xq,
+                    xs,
+                };
+                let threads = RMSNORM_ROWS_THREADS as u32;
+                self.route
+                    .norm_x_rows
+                    .launch(grid, threads, 0, stream, args)
+            }
+            RmsnormBlock::Row { threads, .. } => {
+                let args = fmoe_norm_x_kernel::Args {
+                    x,
+                    rows,
+                    dim,
+                    weight,
+                    eps,
+                    round_out,
+                    halves,
+                    xq,
+                    xs,
+                };
+                self.route.norm_x.launch(grid, threads, 0, stream, args)
+            }
+        }
     }
 
     /// Steps 1-2: logits, selection and weights into `ws.ids` / `ws.weights`, x into `ws.xq` / `ws.xs`.
@@ -554,12 +682,13 @@ impl FastMoe {
         stream: BorrowedStream,
     ) -> Result<()> {
         let (router, path) = (RouterPath::for_tokens(t), GemmPath::for_tokens(t));
-        self.route_on(ctx, layer, x, t, ws, router, path, stream)
+        self.route_on(ctx, layer, x, t, ws, router, path, false, stream)
     }
 
     /// [`FastMoe::route`] with the router kernel chosen by the caller (tests, `dsv4 bench moe`).
     /// x's codes are written in the order of the GEMMs of `path` ([`GemmPath::halves_order`]):
-    /// [`FastMoe::experts_on`] must then run that path.
+    /// [`FastMoe::experts_on`] must then run that path. `x_made`: [`FastMoe::norm_x`] made them
+    /// already (in that order), and the router kernels leave them.
     #[allow(clippy::too_many_arguments)]
     pub fn route_on(
         &self,
@@ -570,6 +699,7 @@ impl FastMoe {
         ws: &FastMoeWorkspace,
         router: RouterPath,
         path: GemmPath,
+        x_made: bool,
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fmoe_select_kernel";
@@ -631,8 +761,8 @@ impl FastMoe {
                 scoring,
                 scores: ws.logits,
                 halves: path.halves_order(),
-                xq: ws.xq,
-                xs: ws.xs,
+                xq: (!x_made).then_some(ws.xq),
+                xs: (!x_made).then_some(ws.xs),
             };
             let block = (LOGIT_WARPS * 32) as u32;
             self.route.logits.launch(grid, block, 0, stream, args)?;
@@ -656,7 +786,7 @@ impl FastMoe {
                 route_scale: r.route_scale,
                 ids: ws.ids,
                 weights: ws.weights,
-                x: (router == RouterPath::Tensor).then_some(x),
+                x: (router == RouterPath::Tensor && !x_made).then_some(x),
                 d: d32,
                 halves: path.halves_order(),
                 xq: ws.xq,

@@ -138,6 +138,31 @@ fn rmsnorm_threads(dim: usize) -> u32 {
     let base = if dim <= 128 { 128 } else { ROW_THREADS };
     base.max(dim.div_ceil(RMSNORM_VALUES).next_multiple_of(32).min(1024) as u32)
 }
+
+/// The kernel and block [`NormRope::rmsnorm`] gives `rows` rows of `dim` values; another
+/// kernel that must write the same bits (it runs the same row code, kernels/norm_row.cuh)
+/// takes the same block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RmsnormBlock {
+    /// `rmsnorm_rows_kernel`: [`RMSNORM_ROWS_THREADS`] threads, [`RMSNORM_ROWS_VALUES`] values a
+    /// thread in registers.
+    Rows,
+    /// `rmsnorm_kernel` with `threads` threads: its registers path ([`RMSNORM_VALUES`] a thread)
+    /// where `in_registers`, else its strided loop.
+    Row { threads: u32, in_registers: bool },
+}
+
+/// The block of `rows` rows of `dim` values (see [`RmsnormBlock`]).
+pub fn rmsnorm_block(rows: usize, dim: usize) -> RmsnormBlock {
+    if rows >= RMSNORM_ROWS_MIN && dim <= RMSNORM_ROWS_VALUES * RMSNORM_ROWS_THREADS {
+        return RmsnormBlock::Rows;
+    }
+    let threads = rmsnorm_threads(dim);
+    RmsnormBlock::Row {
+        threads,
+        in_registers: dim <= RMSNORM_VALUES * threads as usize,
+    }
+}
 /// Threads per block of the flat elementwise kernels.
 const FLAT_THREADS: u32 = 256;
 /// Most blocks of a launch; the kernels loop (grid-stride) over the rest.
@@ -241,7 +266,7 @@ impl NormRope {
             to_i32(K, "ld", ld)?,
         );
         let _g = ctx.enter()?;
-        if rows >= RMSNORM_ROWS_MIN && dim <= RMSNORM_ROWS_VALUES * RMSNORM_ROWS_THREADS {
+        if rmsnorm_block(rows, dim) == RmsnormBlock::Rows {
             // Eight rows an SM where rmsnorm_kernel's 1024-thread blocks for the hidden size's
             // rows hold two (see kernels/norm.cu).
             let args = rmsnorm_rows_kernel::Args {

@@ -34,7 +34,9 @@ use crate::cuda::kernels::fast_dense_gemm::{
     run_gemm_group, run_gemm_group_from, run_grouped_gemm, run_linear,
 };
 use crate::cuda::kernels::fast_indexer::FastIndexer;
-use crate::cuda::kernels::fast_moe::{FastExperts, FastMoe, FastMoeLayer, FastShared, Unsupported};
+use crate::cuda::kernels::fast_moe::{
+    FastExperts, FastMoe, FastMoeLayer, FastShared, MoeNorm, Unsupported, norm_x_covers,
+};
 use crate::cuda::kernels::indexer::IndexerArgs;
 use crate::cuda::kernels::moe::{RouterParams, Selection};
 use crate::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
@@ -45,6 +47,7 @@ use crate::error::Result;
 use crate::error::Status;
 use crate::log::{self, Level, log};
 use crate::model::ModelWeights;
+use crate::options::Numerics;
 use crate::weights::format::StorageFormat;
 use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -273,8 +276,12 @@ impl KernelSet for FastSet {
     }
 
     fn boundary(&self, s: &Step, done: Option<Branch>, next: Branch) -> Result<()> {
-        let norm_next = !(matches!(next, Branch::Attention(_)) && self.norms_attention_input(s));
-        self.reference.boundary_with(s, done, next, norm_next)
+        let sub_block_norms = match next {
+            Branch::Attention(_) => self.norms_attention_input(s),
+            Branch::Moe(l) => norms_moe_input(s, l),
+        };
+        self.reference
+            .boundary_with(s, done, next, !sub_block_norms)
     }
 
     fn attention(&self, s: &Step, layer: usize) -> Result<()> {
@@ -305,11 +312,18 @@ impl KernelSet for FastSet {
             Err(_) => return self.reference.moe(s, layer),
         };
         let rws = self.reference.workspace();
+        // The input's norm with x's quantisation where the boundary left it (norms_moe_input).
+        let norm = norms_moe_input(s, layer).then(|| MoeNorm {
+            weight: Some(s.model.weights[s.model.handles.layers[layer].ffn_norm].data),
+            eps: s.cfg.rms_norm_eps,
+            round_out: s.opts.numerics == Numerics::Official,
+        });
         self.moe.layer(
             s.ctx,
             &fl,
             rws.u,
             s.meta.num_tokens,
+            norm.as_ref(),
             &self.ws.moe,
             rws.f,
             s.stream,
@@ -323,6 +337,15 @@ impl KernelSet for FastSet {
     fn head(&self, s: &Step, done: Option<Branch>, out: &LogitsTarget) -> Result<()> {
         self.reference.head_with(s, done, out, Some(self))
     }
+}
+
+/// Whether the MoE sub-block of layer `l` in forward `s` runs its input's RMSNorm itself (the
+/// boundary before it leaves it: [`ReferenceSet::boundary_with`]), with x's FP8 quantisation in
+/// the same launch ([`FastMoe::norm_x`]): wherever the fast MoE takes the layer ([`moe_layer`])
+/// and the norm's block ([`norm_x_covers`]). A pure function of the step and the layer, asked
+/// by both the boundary and the sub-block, so the two always agree on who runs the norm.
+fn norms_moe_input(s: &Step, l: usize) -> bool {
+    norm_x_covers(s.meta.num_tokens, s.cfg.hidden_size) && moe_layer(s, l).is_ok()
 }
 
 impl FastSet {

@@ -26,7 +26,7 @@ use crate::cuda::kernels::norm_rope::NormRope;
 use crate::cuda::kernels::{MODEL_FAMILIES, batch};
 use crate::cuda::registry::{KernelSource, Registry};
 use crate::cuda::stream::BorrowedStream;
-use crate::error::{Error, Result, Status};
+use crate::error::Result;
 use crate::model::{HcSite, ModelWeights};
 use crate::options::{EngineOptions, Numerics};
 use crate::weights::format::StorageFormat;
@@ -213,7 +213,8 @@ impl KernelSet for ReferenceSet {
 
 impl ReferenceSet {
     /// [`KernelSet::boundary`], its last step, `next`'s RMSNorm, only where `norm_next`; else
-    /// `next` (an attention sub-block) runs it: [`Self::attention_with`]'s `norm_input`.
+    /// the caller's `next` runs it (an attention sub-block through [`Self::attention_with`]'s
+    /// `norm_input`; the fast set's own MoE with its input's quantisation).
     pub fn boundary_with(
         &self,
         s: &Step,
@@ -221,12 +222,6 @@ impl ReferenceSet {
         next: Branch,
         norm_next: bool,
     ) -> Result<()> {
-        if !norm_next && !matches!(next, Branch::Attention(_)) {
-            return Err(Error::new(
-                Status::Internal,
-                format!("only an attention sub-block runs its own input norm, not {next:?}'s"),
-            ));
-        }
         if let Some(done) = done {
             self.post(s, done)?;
         }
