@@ -38,7 +38,7 @@ use dsv4::cuda::DevicePtr;
 use dsv4::cuda::kernels::fast_dense::{self, ActMode, DenseOp, DenseWorkspace, FastDense, Shape};
 use dsv4::cuda::kernels::fast_fp8_gemm::{self, FastFp8Gemm, TileShape};
 use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat, WeightDev};
-use dsv4::cuda::kernels::norm_rope::{self, NormRope};
+use dsv4::cuda::kernels::norm_rope::{self, NormRope, RmsNorm};
 use std::sync::Mutex;
 
 struct Kernels {
@@ -2107,13 +2107,15 @@ fn norm_operands_give_the_norms_and_the_operand_passes_bits() {
         }
         let weight = weighted.then_some(p[2]);
         let op = fast_dense::NormOperands {
-            x: p[0],
-            rows,
-            dim,
-            ld: dim,
-            weight,
-            eps,
-            round_out,
+            norm: RmsNorm {
+                x: p[0],
+                rows,
+                dim,
+                ld: dim,
+                weight,
+                eps,
+                round_out,
+            },
             m,
             fp8: Some((p[3], p[4])),
             bf16: Some(p[5]),
@@ -2307,13 +2309,15 @@ fn norm_groups_give_the_bits_of_the_norm_then_the_group() {
                     .norm_operands(
                         d.ctx(),
                         &fast_dense::NormOperands {
-                            x: p[0],
-                            rows: t,
-                            dim: k,
-                            ld: k,
-                            weight: Some(p[2]),
-                            eps: 1e-6,
-                            round_out: true,
+                            norm: RmsNorm {
+                                x: p[0],
+                                rows: t,
+                                dim: k,
+                                ld: k,
+                                weight: Some(p[2]),
+                                eps: 1e-6,
+                                round_out: true,
+                            },
                             m: made.m,
                             fp8: made.fp8,
                             bf16: made.bf16,

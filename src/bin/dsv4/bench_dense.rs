@@ -40,7 +40,7 @@
 use std::io::Write;
 
 use crate::bench_dense_chain;
-use crate::bench_util::{Rng, alloc, e, kernel_cache, time_graph};
+use crate::bench_util::{GraphTiming, Rng, alloc, e, kernel_cache, time_graph};
 use dsv4::cuda::arena;
 use dsv4::cuda::blockscaled_gemm::{self, BlockScaledGemm, GemmCall, GemmKind, GemmOut, GemmShape};
 use dsv4::cuda::context::Context;
@@ -50,7 +50,7 @@ use dsv4::cuda::kernels::fast_dense::{
 use dsv4::cuda::kernels::fast_dense_gemm::{self, GemmWorkspace};
 use dsv4::cuda::kernels::fast_fp8_gemm::{self, FastFp8Gemm, TileShape};
 use dsv4::cuda::kernels::linear::{StorageFormat, WeightDev};
-use dsv4::cuda::kernels::norm_rope::{self, NormRope};
+use dsv4::cuda::kernels::norm_rope::{self, NormRope, RmsNorm};
 use dsv4::cuda::read_probe::{self, ReadProbe};
 use dsv4::cuda::registry::Registry;
 use dsv4::cuda::stream::OwnedStream;
@@ -915,8 +915,6 @@ fn time_norm_group(
     op: &dyn Fn(usize, usize, usize) -> DenseOp,
 ) -> Result<(), String> {
     let k = members[0].k;
-    let wbytes: usize = members.iter().map(Projection::weight_bytes).sum();
-    let flops: f64 = members.iter().map(|p| 2.0 * (t * p.n * p.k) as f64).sum();
     let alone =
         |o: &DenseOp| fast_dense_gemm::run_linear(dense, Some((gemm, gws)), None, ctx, o, ws, s);
     let x = op(0, 0, t).x;
@@ -931,13 +929,15 @@ fn time_norm_group(
             let ops: Vec<DenseOp> = (0..members.len()).map(|i| op(i, copy, t)).collect();
             let ran = if fused {
                 let norm = fast_dense::NormOperands {
-                    x,
-                    rows: t,
-                    dim: k,
-                    ld: k,
-                    weight: None,
-                    eps: 1e-6,
-                    round_out: true,
+                    norm: RmsNorm {
+                        x,
+                        rows: t,
+                        dim: k,
+                        ld: k,
+                        weight: None,
+                        eps: 1e-6,
+                        round_out: true,
+                    },
                     m: made.m,
                     fp8: made.fp8,
                     bf16: made.bf16,
@@ -957,22 +957,12 @@ fn time_norm_group(
         };
         let replays = 21;
         let timing = time_graph(s, copies, replays, call)?;
-        let sec = timing.device_s;
-        println!(
-            "{{\"bench\": \"dense_group\", \"group\": \"{name}\", \"members\": {}, \"T\": {t}, \"K\": {k}, \"path\": \"{}\", \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"flops\": {flops:.4e}, \"tflop_per_s\": {:.2}, \"calls_timed\": {}}}",
-            members.len(),
-            if fused {
-                "norm_group"
-            } else {
-                "norm_then_group"
-            },
-            sec * 1e6,
-            timing.host_s * 1e6,
-            wbytes as f64 / sec / 1e9,
-            flops / sec / 1e12,
-            replays * copies,
-        );
-        std::io::stdout().flush().ok();
+        let path = if fused {
+            "norm_group"
+        } else {
+            "norm_then_group"
+        };
+        print_group_gemm_line(name, members, t, path, &timing, replays * copies);
     }
     Ok(())
 }
@@ -993,9 +983,6 @@ fn time_gemm_group(
     t: usize,
     op: &dyn Fn(usize, usize, usize) -> DenseOp,
 ) -> Result<(), String> {
-    let k = members[0].k;
-    let wbytes: usize = members.iter().map(Projection::weight_bytes).sum();
-    let flops: f64 = members.iter().map(|p| 2.0 * (t * p.n * p.k) as f64).sum();
     // A member alone, as the fast set's try_linear runs it.
     let alone =
         |o: &DenseOp| fast_dense_gemm::run_linear(dense, Some((gemm, gws)), own, ctx, o, ws, s);
@@ -1013,23 +1000,38 @@ fn time_gemm_group(
         };
         let replays = 21;
         let timing = time_graph(s, copies, replays, call)?;
-        let sec = timing.device_s;
-        println!(
-            "{{\"bench\": \"dense_group\", \"group\": \"{name}\", \"members\": {}, \"T\": {t}, \"K\": {k}, \"path\": \"{}\", \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"flops\": {flops:.4e}, \"tflop_per_s\": {:.2}, \"calls_timed\": {}}}",
-            members.len(),
-            match (shared, own.is_some()) {
-                (true, false) => "gemm_shared",
-                (false, false) => "gemm_separate",
-                (true, true) => "gemm_shared_own_fp8",
-                (false, true) => "gemm_separate_own_fp8",
-            },
-            sec * 1e6,
-            timing.host_s * 1e6,
-            wbytes as f64 / sec / 1e9,
-            flops / sec / 1e12,
-            replays * copies,
-        );
-        std::io::stdout().flush().ok();
+        let path = match (shared, own.is_some()) {
+            (true, false) => "gemm_shared",
+            (false, false) => "gemm_separate",
+            (true, true) => "gemm_shared_own_fp8",
+            (false, true) => "gemm_separate_own_fp8",
+        };
+        print_group_gemm_line(name, members, t, path, &timing, replays * copies);
     }
     Ok(())
+}
+
+/// One `dense_group` line of a group's many-token path `path` at `t` tokens: its time, the
+/// members' weight bytes and FLOPs, and their rates.
+fn print_group_gemm_line(
+    name: &str,
+    members: &[Projection],
+    t: usize,
+    path: &str,
+    timing: &GraphTiming,
+    calls: usize,
+) {
+    let k = members[0].k;
+    let wbytes: usize = members.iter().map(Projection::weight_bytes).sum();
+    let flops: f64 = members.iter().map(|p| 2.0 * (t * p.n * p.k) as f64).sum();
+    let sec = timing.device_s;
+    println!(
+        "{{\"bench\": \"dense_group\", \"group\": \"{name}\", \"members\": {}, \"T\": {t}, \"K\": {k}, \"path\": \"{path}\", \"time_us\": {:.2}, \"host_time_us\": {:.2}, \"weight_bytes\": {wbytes}, \"gb_per_s\": {:.1}, \"flops\": {flops:.4e}, \"tflop_per_s\": {:.2}, \"calls_timed\": {calls}}}",
+        members.len(),
+        sec * 1e6,
+        timing.host_s * 1e6,
+        wbytes as f64 / sec / 1e9,
+        flops / sec / 1e12,
+    );
+    std::io::stdout().flush().ok();
 }

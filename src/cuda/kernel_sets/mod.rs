@@ -23,6 +23,7 @@ use crate::cuda::context::{Context, DeviceInfo};
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta};
 use crate::cuda::kernels::indexer::IndexerArgs;
 use crate::cuda::kernels::linear::WeightDev;
+use crate::cuda::kernels::norm_rope::RmsNorm;
 use crate::cuda::memory_plan::MemoryPlan;
 use crate::cuda::registry::{KernelSource, Registry};
 use crate::cuda::stream::BorrowedStream;
@@ -124,22 +125,6 @@ pub struct LinearCall {
     pub x_bf16: Option<DevicePtr>,
 }
 
-/// An RMSNorm of a launch sequence, in place ([`NormRope::rmsnorm`]'s operation): `rows` rows
-/// of `dim` values of `x` at row stride `ld`, times `weight` (None: none), with `eps`, rounded
-/// to BF16 when `round_out` (official numerics).
-///
-/// [`NormRope::rmsnorm`]: crate::cuda::kernels::norm_rope::NormRope::rmsnorm
-#[derive(Clone, Copy, Debug)]
-pub struct NormCall {
-    pub x: DevicePtr,
-    pub rows: usize,
-    pub dim: usize,
-    pub ld: usize,
-    pub weight: Option<DevicePtr>,
-    pub eps: f32,
-    pub round_out: bool,
-}
-
 /// Most linears one [`LinearGroup`] holds: the seven of a CSA attention sub-block's input (wq_a,
 /// wkv, both compressors' wkv / wgate, the indexer's weights_proj).
 pub const LINEAR_GROUP_MAX: usize = 7;
@@ -214,7 +199,7 @@ pub trait FastOps {
     fn try_norm_group(
         &self,
         _ctx: &Context,
-        _norm: &NormCall,
+        _norm: &RmsNorm,
         _group: &LinearGroup,
         _stream: BorrowedStream,
     ) -> Result<bool> {

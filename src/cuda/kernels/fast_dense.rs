@@ -20,6 +20,7 @@
 //! order and the tensor core's accumulator; tests/gpu_fast_dense.rs derives and asserts the bound.
 
 use super::linear::WeightDev;
+use super::norm_rope::RmsNorm;
 use super::{need, to_i32};
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
@@ -802,24 +803,16 @@ pub struct LtOperand {
     pub scale: DevicePtr,
 }
 
-/// An RMSNorm of `rows` rows of `x` (`dim` values at row stride `ld`, in place; `weight`, `eps`,
-/// and the BF16 rounding of its output when `round_out`), made as [`NormRope::rmsnorm`] makes it
-/// for a prefill's rows (the same bits: one row code, kernels/norm_row.cuh), together with
-/// the cuBLASLt operands [`FastDense::lt_operand`] would make of its first `m` rows: `fp8` the
-/// official act_quant's codes `[m, dim]` and scales `[dim / 128, m]`, `bf16` the BF16 values
-/// `[m, dim]` (16-bit). One launch of `fd_norm_operands_kernel`, for [`norm_operands_cover`]ed
-/// shapes.
+/// An RMSNorm (`norm`), made as [`NormRope::rmsnorm`] makes it for a prefill's rows (the same
+/// bits: one row code, kernels/norm_row.cuh), together with the cuBLASLt operands
+/// [`FastDense::lt_operand`] would make of its first `m` rows: `fp8` the official act_quant's
+/// codes `[m, dim]` and scales `[dim / 128, m]`, `bf16` the BF16 values `[m, dim]` (16-bit). One
+/// launch of `fd_norm_operands_kernel`, for [`norm_operands_cover`]ed shapes.
 ///
 /// [`NormRope::rmsnorm`]: super::norm_rope::NormRope::rmsnorm
 #[derive(Clone, Copy, Debug)]
 pub struct NormOperands {
-    pub x: DevicePtr,
-    pub rows: usize,
-    pub dim: usize,
-    pub ld: usize,
-    pub weight: Option<DevicePtr>,
-    pub eps: f32,
-    pub round_out: bool,
+    pub norm: RmsNorm,
     pub m: usize,
     pub fp8: Option<(DevicePtr, DevicePtr)>,
     pub bf16: Option<DevicePtr>,
@@ -905,42 +898,43 @@ impl FastDense {
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fd_norm_operands_kernel";
-        if !norm_operands_cover(op.rows, op.dim) || op.ld < op.dim || op.m > op.rows {
+        let n = &op.norm;
+        if !norm_operands_cover(n.rows, n.dim) || n.ld < n.dim || op.m > n.rows {
             return Err(internal(format!(
                 "{K}: rows {} / dim {} / ld {} / m {}",
-                op.rows, op.dim, op.ld, op.m
+                n.rows, n.dim, n.ld, op.m
             )));
         }
         need(
             K,
             "x",
-            op.x,
-            super::linear::strided_bytes(op.rows, op.dim, op.ld),
+            n.x,
+            super::linear::strided_bytes(n.rows, n.dim, n.ld),
         )?;
-        if let Some(w) = op.weight {
-            need(K, "weight", w, op.dim * 4)?;
+        if let Some(w) = n.weight {
+            need(K, "weight", w, n.dim * 4)?;
         }
         if let Some((codes, scale)) = op.fp8 {
-            need(K, "codes", codes, op.m * op.dim)?;
-            need(K, "scale", scale, op.m * op.dim / 128 * 4)?;
+            need(K, "codes", codes, op.m * n.dim)?;
+            need(K, "scale", scale, op.m * n.dim / 128 * 4)?;
         }
         if let Some(bf16) = op.bf16 {
-            need(K, "bf16", bf16, op.m * op.dim * 2)?;
+            need(K, "bf16", bf16, op.m * n.dim * 2)?;
         }
         let _g = ctx.enter()?;
         self.norm_operands.launch(
-            op.rows.min(NORM_OPERANDS_MAX_BLOCKS) as u32,
+            n.rows.min(NORM_OPERANDS_MAX_BLOCKS) as u32,
             super::norm_rope::RMSNORM_ROWS_THREADS as u32,
             0,
             stream,
             fd_norm_operands_kernel::Args {
-                x: op.x,
-                rows: to_i32(K, "rows", op.rows)?,
-                dim: to_i32(K, "dim", op.dim)?,
-                ld: to_i32(K, "ld", op.ld)?,
-                weight: op.weight,
-                eps: op.eps,
-                round_out: op.round_out,
+                x: n.x,
+                rows: to_i32(K, "rows", n.rows)?,
+                dim: to_i32(K, "dim", n.dim)?,
+                ld: to_i32(K, "ld", n.ld)?,
+                weight: n.weight,
+                eps: n.eps,
+                round_out: n.round_out,
                 m: to_i32(K, "m", op.m)?,
                 codes: op.fp8.map(|(codes, _)| codes),
                 scale: op.fp8.map(|(_, scale)| scale),

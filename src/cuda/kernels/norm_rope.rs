@@ -139,6 +139,21 @@ fn rmsnorm_threads(dim: usize) -> u32 {
     base.max(dim.div_ceil(RMSNORM_VALUES).next_multiple_of(32).min(1024) as u32)
 }
 
+/// An RMSNorm in place ([`NormRope::rmsnorm`]'s operation): `rows` rows of `dim` values of `x` at
+/// row stride `ld`, times `weight` (None: none), with `eps`, rounded to BF16 when `round_out`
+/// (official numerics). The launch sequences pass it to a fast set that may run it together with
+/// its output's readers (`FastOps::try_norm_group`).
+#[derive(Clone, Copy, Debug)]
+pub struct RmsNorm {
+    pub x: DevicePtr,
+    pub rows: usize,
+    pub dim: usize,
+    pub ld: usize,
+    pub weight: Option<DevicePtr>,
+    pub eps: f32,
+    pub round_out: bool,
+}
+
 /// The kernel and block [`NormRope::rmsnorm`] gives `rows` rows of `dim` values; another
 /// kernel that must write the same bits (it runs the same row code, kernels/norm_row.cuh)
 /// takes the same block.
@@ -234,6 +249,12 @@ crate::launchers! {
 }
 
 impl NormRope {
+    /// Runs `n` ([`Self::rmsnorm`]).
+    pub fn run(&self, ctx: &Context, n: &RmsNorm, stream: BorrowedStream) -> Result<()> {
+        let (x, w) = (n.x, n.weight);
+        self.rmsnorm(ctx, x, n.rows, n.dim, n.ld, w, n.eps, n.round_out, stream)
+    }
+
     /// In-place RMSNorm of `rows` f32 rows of `dim` values at stride `ld` (values), with an
     /// optional f32 `weight[dim]`; bf16 output if `round_out`. `ops::rms_norm` (+ `Prec::bf16`).
     #[allow(clippy::too_many_arguments)]

@@ -22,7 +22,7 @@ use crate::cuda::blockscaled_gemm::BlockScaledGemm;
 use crate::cuda::device_model::DeviceModel;
 use crate::cuda::kernel_sets::reference::{self, ReferenceSet};
 use crate::cuda::kernel_sets::{
-    Branch, FastOps, KernelSet, LinearCall, LinearGroup, LogitsTarget, NormCall, Step,
+    Branch, FastOps, KernelSet, LinearCall, LinearGroup, LogitsTarget, Step,
 };
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta};
 use crate::cuda::kernels::fast_attention::FastAttention;
@@ -39,6 +39,7 @@ use crate::cuda::kernels::fast_moe::{
 };
 use crate::cuda::kernels::indexer::IndexerArgs;
 use crate::cuda::kernels::moe::{RouterParams, Selection};
+use crate::cuda::kernels::norm_rope::RmsNorm;
 use crate::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
 use crate::cuda::registry::{KernelSource, Registry};
 use crate::cuda::stream::BorrowedStream;
@@ -485,7 +486,7 @@ impl FastOps for FastSet {
     fn try_norm_group(
         &self,
         ctx: &Context,
-        norm: &NormCall,
+        norm: &RmsNorm,
         group: &LinearGroup,
         stream: BorrowedStream,
     ) -> Result<bool> {
@@ -526,13 +527,7 @@ impl FastOps for FastSet {
         self.dense.norm_operands(
             ctx,
             &NormOperands {
-                x: norm.x,
-                rows: norm.rows,
-                dim: norm.dim,
-                ld: norm.ld,
-                weight: norm.weight,
-                eps: norm.eps,
-                round_out: norm.round_out,
+                norm: *norm,
                 m: operands.m,
                 fp8: operands.fp8,
                 bf16: operands.bf16,

@@ -4,11 +4,11 @@
 use super::{Kernels, Run, from};
 use crate::cuda::arena::DevicePtr;
 use crate::cuda::backend::{CompressorDev, LayerStateDev};
-use crate::cuda::kernel_sets::{LinearCall, LinearGroup, NormCall};
+use crate::cuda::kernel_sets::{LinearCall, LinearGroup};
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta, RingArgs};
 use crate::cuda::kernels::compressor::{CompressArgs, CompressKind};
 use crate::cuda::kernels::indexer::IndexerArgs;
-use crate::cuda::kernels::norm_rope::NormRope;
+use crate::cuda::kernels::norm_rope::{NormRope, RmsNorm};
 use crate::cuda::kv_pages::KvPagesDev;
 use crate::cuda::stream::BorrowedStream;
 use crate::error::{Error, Result, Status};
@@ -88,8 +88,8 @@ impl Run<'_> {
     }
 
     /// RMSNorm of `rows` rows of `dim` values of `x`, with `weight` (the norm's weight index).
-    fn norm_call(&self, x: DevicePtr, rows: usize, dim: usize, weight: Option<usize>) -> NormCall {
-        NormCall {
+    fn norm_call(&self, x: DevicePtr, rows: usize, dim: usize, weight: Option<usize>) -> RmsNorm {
+        RmsNorm {
             x,
             rows,
             dim,
@@ -101,24 +101,14 @@ impl Run<'_> {
     }
 
     /// Runs `norm` with the reference kernel.
-    fn norm(&self, a: &AttnLayer, norm: &NormCall) -> Result<()> {
-        a.k8.nr.rmsnorm(
-            self.ctx,
-            norm.x,
-            norm.rows,
-            norm.dim,
-            norm.ld,
-            norm.weight,
-            norm.eps,
-            norm.round_out,
-            a.st,
-        )
+    fn norm(&self, a: &AttnLayer, norm: &RmsNorm) -> Result<()> {
+        a.k8.nr.run(self.ctx, norm, a.st)
     }
 
     /// Runs `norm`, then the linears of `group`, which read its output: offered to the fast set
     /// as one (it may make their GEMM operands in the norm's launch), else the norm, then the
     /// group as [`Self::linear_group`] runs it.
-    fn norm_then_group(&self, a: &AttnLayer, norm: &NormCall, group: &LinearGroup) -> Result<()> {
+    fn norm_then_group(&self, a: &AttnLayer, norm: &RmsNorm, group: &LinearGroup) -> Result<()> {
         if let Some(f) = self.fast
             && f.try_norm_group(self.ctx, norm, group, a.st)?
         {
