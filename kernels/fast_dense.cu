@@ -126,7 +126,7 @@ DSV4_INLINE unsigned fd_quant_codes(float4 v4, float amax, float& s) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) q[i] = fd_quant_clamped(v[i], inv);
   unsigned short lo, hi;
-  // The second source operand goes to the upper byte.
+  // The first source operand goes to the upper byte (PTX: a's value in d's upper 8 bits, b's in the lower).
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(q[1]), "f"(q[0]));
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(q[3]), "f"(q[2]));
   return (unsigned)lo | ((unsigned)hi << 16);

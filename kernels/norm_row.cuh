@@ -1,7 +1,7 @@
 // norm_row.cuh — one RMSNorm row held in registers, shared by norm.cu (rmsnorm_kernel's registers path,
-// rmsnorm_rows_kernel) and fast_dense.cu (fd_norm_operands_kernel, which makes GEMM operands from the same
-// values): one copy of the operation, so every caller writes the same bits (`#include "norm_row.cuh"` after
-// common.cuh; injected by the registry like it).
+// rmsnorm_rows_kernel), fast_dense.cu (fd_norm_operands_kernel: GEMM operands from the same values) and
+// fast_moe.cu (fmoe_norm_x_kernel: x's codes for the experts): one copy of the operation, so every caller on the
+// same block writes the same bits (`#include "norm_row.cuh"` after common.cuh; injected by the registry like it).
 #pragma once
 #include "common.cuh"
 #include "ref_math.cuh"
