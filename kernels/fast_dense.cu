@@ -257,56 +257,94 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
   }
 }
 
-// RMSNorm of `rows` rows in place (rmsnorm_rows_kernel's operation and bits: the same row code, norm_row.cuh,
-// the same block shape) and, from the normed values still in registers, the cuBLASLt operands that
-// fd_lt_operand_kernel would make of the first m rows: with `codes`, the official act_quant's e4m3 codes [m][dim]
-// and scales [dim / 128][m] (token-fastest); with `bf16`, bf16(x) [m][dim]. A GEMM group's input thus needs no
-// operand pass over it (a 4096-token prefill's u: two passes, ~70 + ~39 us a layer, ncu; q_lora's: one).
-// Value i = tid + j * RN_ROWS_THREADS of a row sits in thread tid (norm_row.cuh's order), so a 128-block of k is
-// one j across four warps: each warp's largest |x| goes through shared memory, and the block's is the largest of
-// its four (a maximum, so in any order fd_warp_amax's value: fmaxf skips NaNs alike). Each value's code is then
-// fd_quant_codes' byte (fd_quant_code), stored a byte a lane: a warp's 32 consecutive bytes. Requires dim % 128
-// == 0 and dim <= RN_ROWS_VALS * RN_ROWS_THREADS (the wrapper checks). Grid-stride over rows, RN_ROWS_THREADS
-// threads.
-static_assert(RN_ROWS_THREADS % 128 == 0, "fd_norm_operands_kernel: a 128-block is four whole warps of one j");
-extern "C" __global__ void __launch_bounds__(RN_ROWS_THREADS)
-    fd_norm_operands_kernel(float* x, int rows, int dim, int ld, const float* weight, float eps, int round_out,
-                            int m, unsigned char* codes, float* scale, unsigned short* bf16) {
-  dsv4_pdl_begin();
+// RMSNorm of `rows` rows in place, NormRope::rmsnorm's operation, bits and block (norm_row.cuh's row code:
+// rmsnorm_rows_kernel's block for a prefill's rows, VALS = RN_ROWS_VALS; rmsnorm_kernel's registers path for
+// fewer, VALS = RN_VALS) and, from the normed values still in registers, the operands of the first m rows that
+// the projections reading them would make otherwise:
+// - for cuBLASLt (fd_lt_operand_kernel's bytes): with `codes`, the official act_quant's e4m3 codes [m][dim] and
+//   scales [dim / 128][m] (token-fastest); with `bf16`, bf16(x) [m][dim];
+// - for the gemv (fd_act_kernel's QUANT operand): with `act`, the f16 value of each e4m3 code [m][dim] and the
+//   scales [m][dim / 128] in `act_scale`.
+// So a group's input needs no operand pass over it (a 4096-token prefill's u: two passes, ~70 + ~39 us a layer,
+// ncu; q_lora's: one) and a decode step's q_lora no fd_act_kernel launch (or in-block quantisation) before each
+// of wq_b and the indexer's wq_b. Value i = tid + j * nthreads of a row sits in thread tid (norm_row.cuh's
+// order), so a 128-block of k is one j across four warps (nthreads % 128 == 0): each warp's largest |x| goes
+// through shared memory, and the block's is the largest of its four (a maximum, so in any order fd_warp_amax's
+// value: fmaxf skips NaNs alike). Each value's code is then fd_quant_codes' byte (fd_quant_code), stored a byte a
+// lane: a warp's 32 consecutive bytes. Requires dim % 128 == 0 and dim <= VALS * nthreads (the wrapper checks).
+// Grid-stride over rows.
+#define FD_NO_AMAX 128  // the warps' maxima a block keeps: VALS x warps of either block
+static_assert(RN_ROWS_THREADS % 128 == 0, "fd_norm_operands: a 128-block is four whole warps of one j");
+static_assert(RN_VALS * 32 <= FD_NO_AMAX && RN_ROWS_VALS * (RN_ROWS_THREADS / 32) <= FD_NO_AMAX,
+              "fd_norm_operands: the warps' maxima of a row");
+template <int VALS, int THREADS>
+DSV4_INLINE void fd_norm_operands(float* x, int rows, int dim, int ld, const float* weight, float eps, int round_out,
+                                  int m, unsigned char* codes, float* scale, unsigned short* bf16,
+                                  unsigned short* act, float* act_scale) {
   __shared__ double scratch[32];
-  __shared__ float warp_amax[RN_ROWS_VALS][RN_ROWS_THREADS / 32];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  __shared__ float warp_amax[FD_NO_AMAX];
+  // THREADS: the block's threads where a compile-time constant (the rows kernel's), else 0 (blockDim.x).
+  const int nthreads = THREADS > 0 ? THREADS : (int)blockDim.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = nthreads >> 5;
   for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-    float o[RN_ROWS_VALS];
-    rmsnorm_row_in_registers<RN_ROWS_VALS>(x + (long long)r * ld, dim, weight, eps, round_out, scratch, o);
+    float o[VALS];
+    rmsnorm_row_in_registers<VALS>(x + (long long)r * ld, dim, weight, eps, round_out, scratch, o);
     if (r >= m) continue;  // uniform over the block
     const long long row0 = (long long)r * dim;
     if (bf16 != nullptr) {
 #pragma unroll
-      for (int j = 0; j < RN_ROWS_VALS; ++j) {
-        const int i = tid + j * RN_ROWS_THREADS;
+      for (int j = 0; j < VALS; ++j) {
+        const int i = tid + j * nthreads;
         if (i < dim) bf16[row0 + i] = f32_to_bf16(o[j]);
       }
     }
-    if (codes == nullptr) continue;  // uniform
+    if (codes == nullptr && act == nullptr) continue;  // uniform
 #pragma unroll
-    for (int j = 0; j < RN_ROWS_VALS; ++j) {
-      if (j * RN_ROWS_THREADS >= dim) break;  // uniform; o[j] is 0 past dim, its block never stored
+    for (int j = 0; j < VALS; ++j) {
+      if (j * nthreads >= dim) break;  // uniform; o[j] is 0 past dim, its block never stored
       const float a = warp_max(fabsf(o[j]));
-      if (lane == 0) warp_amax[j][warp] = a;
+      if (lane == 0) warp_amax[j * nwarps + warp] = a;
     }
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < RN_ROWS_VALS; ++j) {
-      const int i = tid + j * RN_ROWS_THREADS;
+    for (int j = 0; j < VALS; ++j) {
+      const int i = tid + j * nthreads;
       if (i >= dim) break;  // whole 128-blocks: dim % 128 == 0
-      const float* wa = warp_amax[j] + (warp & ~3);
+      const float* wa = warp_amax + j * nwarps + (warp & ~3);
       const int e = fd_quant_exponent(fmaxf(fmaxf(wa[0], wa[1]), fmaxf(wa[2], wa[3])));
-      codes[row0 + i] = fd_quant_code(o[j], dsv4_pow2(-e));
-      if ((tid & 127) == 0) scale[(long long)(i >> 7) * m + r] = dsv4_pow2(e);
+      const unsigned char code = fd_quant_code(o[j], dsv4_pow2(-e));
+      const bool first = (tid & 127) == 0;  // a block's scale by its first thread
+      if (codes != nullptr) {
+        codes[row0 + i] = code;
+        if (first) scale[(long long)(i >> 7) * m + r] = dsv4_pow2(e);
+      }
+      if (act != nullptr) {
+        // An e4m3 value is an f16 value: the conversion is exact (fd_operands' f16 of the code).
+        act[row0 + i] = (unsigned short)(fd_e4m3x2_to_f16x2(code) & 0xffffu);
+        if (first) act_scale[(long long)r * (dim >> 7) + (i >> 7)] = dsv4_pow2(e);
+      }
     }
     __syncthreads();  // warp_amax is the next row's
   }
+}
+
+// fd_norm_operands for a prefill's rows: rmsnorm_rows_kernel's block.
+extern "C" __global__ void __launch_bounds__(RN_ROWS_THREADS)
+    fd_norm_operands_kernel(float* x, int rows, int dim, int ld, const float* weight, float eps, int round_out,
+                            int m, unsigned char* codes, float* scale, unsigned short* bf16, unsigned short* act,
+                            float* act_scale) {
+  dsv4_pdl_begin();
+  fd_norm_operands<RN_ROWS_VALS, RN_ROWS_THREADS>(x, rows, dim, ld, weight, eps, round_out, m, codes, scale, bf16,
+                                                  act, act_scale);
+}
+
+// fd_norm_operands for fewer rows: rmsnorm_kernel's block (its registers path; blockDim % 128 == 0).
+extern "C" __global__ void __launch_bounds__(1024)
+    fd_norm_operands_row_kernel(float* x, int rows, int dim, int ld, const float* weight, float eps, int round_out,
+                                int m, unsigned char* codes, float* scale, unsigned short* bf16, unsigned short* act,
+                                float* act_scale) {
+  dsv4_pdl_begin();
+  fd_norm_operands<RN_VALS, 0>(x, rows, dim, ld, weight, eps, round_out, m, codes, scale, bf16, act, act_scale);
 }
 
 // out[j, c] = bf16(e4m3(w[j, c]) * wscale[j / 128, c / 128]) for j < N, c < K (K a multiple of 128): an FP8

@@ -2058,32 +2058,34 @@ fn norm_weight(rng: &mut Rng, dim: usize) -> Vec<f32> {
     w
 }
 
-/// `fd_norm_operands_kernel` writes the normed rows `NormRope::rmsnorm` writes (the rows kernel:
-/// the same bits) and, for the first m rows, the FP8 codes, the scales and the BF16 values
-/// `fd_lt_operand_kernel` makes of those rows, byte for byte; the rows past m keep the operand
-/// buffers' poison; at Flash's u and q_lora widths and an odd one (384: a 128-block without its
-/// pair of the same j), with and without the weight and the BF16 rounding.
+/// `fd_norm_operands_kernel` writes the normed rows `NormRope::rmsnorm` writes (on its block: the
+/// rows kernel's from 256 rows, rmsnorm_kernel's below; the same bits) and, for the first m rows,
+/// the FP8 codes, the scales and the BF16 values `fd_lt_operand_kernel` makes of those rows, byte
+/// for byte; the rows past m keep the operand buffers' poison; at Flash's u and q_lora widths and
+/// an odd one (384: a 128-block without its pair of the same j), with and without the weight and
+/// the BF16 rounding.
 #[test]
 fn norm_operands_give_the_norms_and_the_operand_passes_bits() {
     let Some(d) = dev() else { return };
     let _s = serial();
     let mut rng = Rng::from_env("norm_operands_give_the_norms_and_the_operand_passes_bits");
     let rows = norm_rope::RMSNORM_ROWS_MIN + 44;
-    assert!(fast_dense::norm_operands_cover(rows, 4096));
+    let cover = fast_dense::norm_operands_cover;
+    assert!(cover(rows, 4096) && cover(100, 4096), "both blocks");
     assert!(
-        !fast_dense::norm_operands_cover(rows - 45, 4096),
-        "below the rows kernel's rows"
+        !cover(rows, 4224) && !cover(100, 4224),
+        "a row not held in registers"
     );
-    assert!(
-        !fast_dense::norm_operands_cover(rows, 4096 + 64),
-        "not whole 128-blocks"
-    );
+    assert!(!cover(rows, 4096 + 64), "not whole 128-blocks");
     let eps = 1e-6;
-    for (dim, m, weighted, round_out) in [
-        (4096, rows, true, true),
-        (4096, rows - 4, true, false),
-        (1024, rows - 4, true, true),
-        (384, rows, false, true),
+    // (width, rows, m, weight, rounding): the rows kernel's block, then rmsnorm_kernel's (fewer rows).
+    for (dim, rows, m, weighted, round_out) in [
+        (4096, rows, rows, true, true),
+        (4096, rows, rows - 4, true, false),
+        (1024, rows, rows - 4, true, true),
+        (384, rows, rows, false, true),
+        (4096, 100, 96, true, true),
+        (1024, 37, 36, true, true),
     ] {
         let x0 = norm_input(&mut rng, rows, dim);
         let w = norm_weight(&mut rng, dim);
@@ -2119,6 +2121,7 @@ fn norm_operands_give_the_norms_and_the_operand_passes_bits() {
             m,
             fp8: Some((p[3], p[4])),
             bf16: Some(p[5]),
+            gemv: None,
         };
         d.k.dense.norm_operands(d.ctx(), &op, d.s()).unwrap();
         d.k.nr
@@ -2250,7 +2253,9 @@ fn norm_groups_give_the_bits_of_the_norm_then_the_group() {
             .collect();
         let (_a, p) = d.alloc(&sizes);
         d.put(p[2], &norm_weight(&mut rng, k));
-        for t in [tmax, tmax - 2] {
+        // The rows kernel's block (all tokens to cuBLASLt, then a tail of 2 to the gemv), and
+        // rmsnorm_kernel's (129: one token to the gemv).
+        for t in [tmax, tmax - 2, 129] {
             let x0 = norm_input(&mut rng, t, k);
             let ops_of = |x: DevicePtr, out: usize| -> Vec<DenseOp> {
                 members
@@ -2321,6 +2326,7 @@ fn norm_groups_give_the_bits_of_the_norm_then_the_group() {
                             m: made.m,
                             fp8: made.fp8,
                             bf16: made.bf16,
+                            gemv: None,
                         },
                         d.s(),
                     )
@@ -2367,5 +2373,125 @@ fn norm_groups_give_the_bits_of_the_norm_then_the_group() {
                 runs[0]
             );
         }
+    }
+}
+
+/// At a decode step's few rows (`rmsnorm_kernel`'s block), `fd_norm_operands_row_kernel` writes the
+/// normed rows `NormRope::rmsnorm` writes and the gemv operand `fd_act_kernel` makes of them (the
+/// f16 of each act_quant code and the scales, byte for byte); a gemv from it (`run_from_act`: no
+/// operand launch, none made in the blocks) gives the bits of the gemv that makes its own, with K
+/// split across blocks and inside them; at q_lora's width (1024, a 256-thread block), Flash's
+/// hidden size (4096, 1024 threads) and an odd one (384), with zero and NaN rows.
+#[test]
+fn norm_operands_give_the_gemvs_operands_at_few_rows() {
+    let Some(d) = dev() else { return };
+    let _s = serial();
+    let mut rng = Rng::from_env("norm_operands_give_the_gemvs_operands_at_few_rows");
+    let eps = 1e-6;
+    // (width, rows, weight rows): the weight's rows choose the gemv's K split (wq_b-like tiles
+    // for 1024, the indexer wq_b's in-block split at 4 tokens or fewer).
+    for (dim, rows, n) in [
+        (1024, 1, 8192),
+        (1024, 4, 8192),
+        (1024, 8, 32768),
+        (4096, 3, 1024),
+        (4096, 64, 512),
+        (384, 5, 256),
+    ] {
+        assert!(fast_dense::norm_operands_cover(rows, dim), "{dim} x {rows}");
+        let x0 = if rows >= 3 {
+            norm_input(&mut rng, rows, dim)
+        } else {
+            activations(&mut rng, rows, dim)
+        };
+        let w = norm_weight(&mut rng, dim);
+        let hw = HostWeight::random(&mut rng, StorageFormat::Fp8, n, dim);
+        let (_wa, wd) = hw.upload(&d);
+        let shape = [Shape {
+            n,
+            k: dim,
+            groups: 1,
+        }];
+        let (_wsa, ws_a) = workspace(&d, &shape);
+        let (_wsb, ws_b) = workspace(&d, &shape);
+        // x twice (the norm then the gemv making its operands; the norm making them), the norm's
+        // weight, y twice.
+        let (_a, p) = d.alloc(&[
+            rows * dim * 4,
+            rows * dim * 4,
+            dim * 4,
+            rows * n * 4,
+            rows * n * 4,
+        ]);
+        d.put(p[0], &x0);
+        d.put(p[1], &x0);
+        d.put(p[2], &w);
+        d.poison(p[3]);
+        d.poison(p[4]);
+        let op = |x, y, fused_act_max_t| DenseOp {
+            x,
+            ldx: dim,
+            t: rows,
+            w: wd,
+            groups: 1,
+            mode: ActMode::Quant,
+            round: false,
+            y,
+            ldy: n,
+            fused_act_max_t,
+            warp_split_max_t: fast_dense::WARP_SPLIT_MAX_T,
+        };
+        d.k.nr
+            .rmsnorm(d.ctx(), p[0], rows, dim, dim, Some(p[2]), eps, true, d.s())
+            .unwrap();
+        // fd_act_kernel makes the operands (0 tokens made in the blocks) and leaves them in ws_a.
+        d.k.dense
+            .run(d.ctx(), &op(p[0], p[3], 0), &ws_a, d.s())
+            .unwrap();
+        let made = fast_dense::NormOperands {
+            norm: RmsNorm {
+                x: p[1],
+                rows,
+                dim,
+                ld: dim,
+                weight: Some(p[2]),
+                eps,
+                round_out: true,
+            },
+            m: rows,
+            fp8: None,
+            bf16: None,
+            gemv: Some((ws_b.act, ws_b.scale)),
+        };
+        d.k.dense.norm_operands(d.ctx(), &made, d.s()).unwrap();
+        let act_b: Vec<u16> = d.get(ws_b.act, rows * dim);
+        d.k.dense
+            .run_from_act(
+                d.ctx(),
+                &op(p[1], p[4], fast_dense::FUSED_ACT_MAX_T),
+                &ws_b,
+                d.s(),
+            )
+            .unwrap();
+        let case = format!("{dim} x {rows} rows, {n} weight rows");
+        let (xa, xb): (Vec<u32>, Vec<u32>) = (d.get(p[0], rows * dim), d.get(p[1], rows * dim));
+        assert!(xa == xb, "{case}: the normed rows differ from rmsnorm's");
+        let act_a: Vec<u16> = d.get(ws_a.act, rows * dim);
+        assert!(
+            act_a == act_b,
+            "{case}: the f16 operands differ from fd_act_kernel's"
+        );
+        let (sa, sb): (Vec<u32>, Vec<u32>) = (
+            d.get(ws_a.scale, rows * dim / 128),
+            d.get(ws_b.scale, rows * dim / 128),
+        );
+        assert!(sa == sb, "{case}: the scales differ from fd_act_kernel's");
+        let (ya, yb): (Vec<u32>, Vec<u32>) = (d.get(p[3], rows * n), d.get(p[4], rows * n));
+        assert!(ya == yb, "{case}: the gemv from the made operands differs");
+        assert!(
+            ya.iter().any(|&b| b != u32::MAX),
+            "{case}: y was not written"
+        );
+        println!("{case}: rows, operands and the gemv's outputs as the unfused calls make them");
     }
 }

@@ -893,6 +893,65 @@ fn run_group(
             );
             std::io::stdout().flush().ok();
         }
+        let all_quant = members
+            .iter()
+            .all(|p| p.mode == ActMode::Quant && p.groups == 1);
+        if all_quant && fast_dense::norm_operands_cover(t, k) {
+            time_norm_gemv(ctx, (dense, nr), ws, s, name, members, copies, t, &op)?;
+        }
+    }
+    Ok(())
+}
+
+/// The `norm_gemv` and `norm_then_gemv` lines of one group at `t` tokens, its members' gemvs one
+/// call each (see [`run_group`]): a unit-weight RMSNorm of x in place making the gemv's operand
+/// (`run_from_act`, as the fast set runs q_lora's pair at decode), or the norm, then each gemv
+/// making its own; `op(i, copy, t)` is member i on weight copy `copy`.
+#[allow(clippy::too_many_arguments)]
+fn time_norm_gemv(
+    ctx: &Context,
+    (dense, nr): (&FastDense, &NormRope),
+    ws: &DenseWorkspace,
+    s: dsv4::cuda::stream::BorrowedStream,
+    name: &str,
+    members: &[Projection],
+    copies: usize,
+    t: usize,
+    op: &dyn Fn(usize, usize, usize) -> DenseOp,
+) -> Result<(), String> {
+    let k = members[0].k;
+    let x = op(0, 0, t).x;
+    for made in [true, false] {
+        let call = |copy: usize| -> dsv4::Result<()> {
+            let ops: Vec<DenseOp> = (0..members.len()).map(|i| op(i, copy, t)).collect();
+            let norm = RmsNorm {
+                x,
+                rows: t,
+                dim: k,
+                ld: k,
+                weight: None,
+                eps: 1e-6,
+                round_out: true,
+            };
+            if !made {
+                nr.run(ctx, &norm, s)?;
+                return ops.iter().try_for_each(|o| dense.run(ctx, o, ws, s));
+            }
+            let operands = fast_dense::NormOperands {
+                norm,
+                m: t,
+                fp8: None,
+                bf16: None,
+                gemv: Some((ws.act, ws.scale)),
+            };
+            dense.norm_operands(ctx, &operands, s)?;
+            ops.iter()
+                .try_for_each(|o| dense.run_from_act(ctx, o, ws, s))
+        };
+        let replays = 21;
+        let timing = time_graph(s, copies, replays, call)?;
+        let path = if made { "norm_gemv" } else { "norm_then_gemv" };
+        print_group_gemm_line(name, members, t, path, &timing, replays * copies);
     }
     Ok(())
 }
@@ -941,6 +1000,7 @@ fn time_norm_group(
                     m: made.m,
                     fp8: made.fp8,
                     bf16: made.bf16,
+                    gemv: None,
                 };
                 dense.norm_operands(ctx, &norm, s)?;
                 fast_dense_gemm::run_gemm_group_from(

@@ -20,7 +20,7 @@
 //! order and the tensor core's accumulator; tests/gpu_fast_dense.rs derives and asserts the bound.
 
 use super::linear::WeightDev;
-use super::norm_rope::RmsNorm;
+use super::norm_rope::{RMSNORM_ROWS_THREADS, RmsNorm, RmsnormBlock, register_block};
 use super::{need, to_i32};
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
@@ -148,12 +148,20 @@ crate::kernel_family! {
         x: *const f32, ldx: i32, t: i32, k: i32, mode: i32, round_in: bool, codes: *mut u8,
         scale: Option<*mut f32>,
     );
-    /// RMSNorm rows in place and the GEMM operands of the first `m` ([`NormOperands`]).
+    /// RMSNorm rows in place and the operands of the first `m` ([`NormOperands`]), on
+    /// `rmsnorm_rows_kernel`'s block.
     #[pdl(true)]
     fn fd_norm_operands_kernel(
         x: *mut f32, rows: i32, dim: i32, ld: i32, weight: Option<*const f32>, eps: f32,
         round_out: bool, m: i32, codes: Option<*mut u8>, scale: Option<*mut f32>,
-        bf16: Option<*mut u16>,
+        bf16: Option<*mut u16>, act: Option<*mut u16>, act_scale: Option<*mut f32>,
+    );
+    /// The same on `rmsnorm_kernel`'s block (fewer rows).
+    #[pdl(true)]
+    fn fd_norm_operands_row_kernel(
+        x: *mut f32, rows: i32, dim: i32, ld: i32, weight: Option<*const f32>, eps: f32,
+        round_out: bool, m: i32, codes: Option<*mut u8>, scale: Option<*mut f32>,
+        bf16: Option<*mut u16>, act: Option<*mut u16>, act_scale: Option<*mut f32>,
     );
     #[pdl(true)]
     fn fd_round_bf16_kernel(y: *mut f32, ldy: i32, t: i32, n: i32);
@@ -227,6 +235,7 @@ crate::launchers! {
         act: fd_act_kernel,
         lt_operand: fd_lt_operand_kernel,
         norm_operands: fd_norm_operands_kernel,
+        norm_operands_row: fd_norm_operands_row_kernel,
         round_bf16: fd_round_bf16_kernel,
         dequant_bf16: fd_dequant_bf16_kernel,
         t8: fd_gemv_t8_kernel,
@@ -455,6 +464,38 @@ impl FastDense {
         ws: &DenseWorkspace,
         stream: BorrowedStream,
     ) -> Result<()> {
+        self.run_on(ctx, op, ws, false, stream)
+    }
+
+    /// [`Self::run`] from x's operands already in `ws.act` / `ws.scale` (`fd_act_kernel`'s
+    /// layout for `op.mode`, `[t, K]` and `[t, K / 128]`: made by the norm that made x,
+    /// [`NormOperands::gemv`]): no operand launch and no operands made in the blocks, the same
+    /// bits. At most [`TOKENS`] tokens (one launch's).
+    pub fn run_from_act(
+        &self,
+        ctx: &Context,
+        op: &DenseOp,
+        ws: &DenseWorkspace,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        if op.t > TOKENS {
+            return Err(internal(format!(
+                "fd_gemv_kernel: {} tokens from made operands (at most {TOKENS})",
+                op.t
+            )));
+        }
+        self.run_on(ctx, op, ws, true, stream)
+    }
+
+    /// [`Self::run`], its operands in `ws` already where `act_made`.
+    fn run_on(
+        &self,
+        ctx: &Context,
+        op: &DenseOp,
+        ws: &DenseWorkspace,
+        act_made: bool,
+        stream: BorrowedStream,
+    ) -> Result<()> {
         const K: &str = "fd_gemv_kernel";
         Self::check(op, K)?;
         if op.t == 0 {
@@ -485,8 +526,8 @@ impl FastDense {
                 op.x.slice(t0 * op.ldx * 4, op.x.bytes() - t0 * op.ldx * 4)?;
             let y =
                 op.y.slice(t0 * op.ldy * 4, op.y.bytes() - t0 * op.ldy * 4)?;
-            let fused = tc <= op.fused_act_max_t;
-            if !fused {
+            let fused = !act_made && tc <= op.fused_act_max_t;
+            if !fused && !act_made {
                 let items = tc * width / 128;
                 self.act.launch(
                     items.div_ceil(WARPS) as u32,
@@ -803,11 +844,13 @@ pub struct LtOperand {
     pub scale: DevicePtr,
 }
 
-/// An RMSNorm (`norm`), made as [`NormRope::rmsnorm`] makes it for a prefill's rows (the same
-/// bits: one row code, kernels/norm_row.cuh), together with the cuBLASLt operands
-/// [`FastDense::lt_operand`] would make of its first `m` rows: `fp8` the official act_quant's
-/// codes `[m, dim]` and scales `[dim / 128, m]`, `bf16` the BF16 values `[m, dim]` (16-bit). One
-/// launch of `fd_norm_operands_kernel`, for [`norm_operands_cover`]ed shapes.
+/// An RMSNorm (`norm`), made as [`NormRope::rmsnorm`] makes it (the same bits: one row code,
+/// kernels/norm_row.cuh, on the same block), together with the operands its first `m` rows'
+/// readers would make of them: for cuBLASLt ([`FastDense::lt_operand`]'s), `fp8` the official
+/// act_quant's codes `[m, dim]` and scales `[dim / 128, m]`, `bf16` the BF16 values `[m, dim]`
+/// (16-bit); for the gemv (`fd_act_kernel`'s, [`ActMode::Quant`]), `gemv` the f16 values of the
+/// codes `[m, dim]` and their scales `[m, dim / 128]`. One launch of `fd_norm_operands_kernel`
+/// (or its `_row` form), for [`norm_operands_cover`]ed shapes.
 ///
 /// [`NormRope::rmsnorm`]: super::norm_rope::NormRope::rmsnorm
 #[derive(Clone, Copy, Debug)]
@@ -816,16 +859,16 @@ pub struct NormOperands {
     pub m: usize,
     pub fp8: Option<(DevicePtr, DevicePtr)>,
     pub bf16: Option<DevicePtr>,
+    pub gemv: Option<(DevicePtr, DevicePtr)>,
 }
 
-/// Whether `fd_norm_operands_kernel` takes a norm of `rows` rows of `dim` values: exactly where
-/// [`NormRope::rmsnorm`] runs `rmsnorm_rows_kernel` (so its normed values are that kernel's, on
-/// the same block shape), with whole 128-blocks of k for the operands.
+/// Whether `fd_norm_operands_kernel` takes a norm of `rows` rows of `dim` values: on the block
+/// [`NormRope::rmsnorm`] gives them, holding the row in registers with whole 128-blocks of k
+/// ([`register_block`]).
 ///
 /// [`NormRope::rmsnorm`]: super::norm_rope::NormRope::rmsnorm
 pub fn norm_operands_cover(rows: usize, dim: usize) -> bool {
-    use super::norm_rope::{RmsnormBlock, rmsnorm_block};
-    dim > 0 && dim.is_multiple_of(128) && rmsnorm_block(rows, dim) == RmsnormBlock::Rows
+    register_block(rows, dim).is_some()
 }
 
 /// Most rows one `fd_round_bf16_kernel` launch takes (its grid's y).
@@ -899,12 +942,13 @@ impl FastDense {
     ) -> Result<()> {
         const K: &str = "fd_norm_operands_kernel";
         let n = &op.norm;
-        if !norm_operands_cover(n.rows, n.dim) || n.ld < n.dim || op.m > n.rows {
+        let block = register_block(n.rows, n.dim);
+        let Some(block) = block.filter(|_| n.ld >= n.dim && op.m <= n.rows) else {
             return Err(internal(format!(
                 "{K}: rows {} / dim {} / ld {} / m {}",
                 n.rows, n.dim, n.ld, op.m
             )));
-        }
+        };
         need(
             K,
             "x",
@@ -921,26 +965,47 @@ impl FastDense {
         if let Some(bf16) = op.bf16 {
             need(K, "bf16", bf16, op.m * n.dim * 2)?;
         }
+        if let Some((act, scale)) = op.gemv {
+            need(K, "act", act, op.m * n.dim * 2)?;
+            need(K, "act_scale", scale, op.m * n.dim / 128 * 4)?;
+        }
         let _g = ctx.enter()?;
-        self.norm_operands.launch(
-            n.rows.min(NORM_OPERANDS_MAX_BLOCKS) as u32,
-            super::norm_rope::RMSNORM_ROWS_THREADS as u32,
-            0,
-            stream,
-            fd_norm_operands_kernel::Args {
-                x: n.x,
-                rows: to_i32(K, "rows", n.rows)?,
-                dim: to_i32(K, "dim", n.dim)?,
-                ld: to_i32(K, "ld", n.ld)?,
-                weight: n.weight,
-                eps: n.eps,
-                round_out: n.round_out,
-                m: to_i32(K, "m", op.m)?,
-                codes: op.fp8.map(|(codes, _)| codes),
-                scale: op.fp8.map(|(_, scale)| scale),
-                bf16: op.bf16,
-            },
-        )
+        let grid = n.rows.min(NORM_OPERANDS_MAX_BLOCKS) as u32;
+        macro_rules! launch {
+            ($field:ident, $kernel:ident, $threads:expr) => {
+                self.$field.launch(
+                    grid,
+                    $threads,
+                    0,
+                    stream,
+                    $kernel::Args {
+                        x: n.x,
+                        rows: to_i32(K, "rows", n.rows)?,
+                        dim: to_i32(K, "dim", n.dim)?,
+                        ld: to_i32(K, "ld", n.ld)?,
+                        weight: n.weight,
+                        eps: n.eps,
+                        round_out: n.round_out,
+                        m: to_i32(K, "m", op.m)?,
+                        codes: op.fp8.map(|(codes, _)| codes),
+                        scale: op.fp8.map(|(_, scale)| scale),
+                        bf16: op.bf16,
+                        act: op.gemv.map(|(act, _)| act),
+                        act_scale: op.gemv.map(|(_, scale)| scale),
+                    },
+                )
+            };
+        }
+        match block {
+            RmsnormBlock::Rows => launch!(
+                norm_operands,
+                fd_norm_operands_kernel,
+                RMSNORM_ROWS_THREADS as u32
+            ),
+            RmsnormBlock::Row { threads, .. } => {
+                launch!(norm_operands_row, fd_norm_operands_row_kernel, threads)
+            }
+        }
     }
 
     /// `y[t, j] = bf16(y[t, j])` for `t < t`, `j < n` (row stride `ldy`), in place.

@@ -31,7 +31,7 @@ use super::fast_moe_gemm::{self, FastMoeGemm, GemmPath};
 use super::fast_moe_wide;
 use super::linear::WeightDev;
 use super::moe::{self, Moe, MoePlan, RouterParams, Selection};
-use super::norm_rope::{RMSNORM_ROWS_THREADS, RmsnormBlock, rmsnorm_block};
+use super::norm_rope::{RMSNORM_ROWS_THREADS, RmsnormBlock, register_block};
 use super::{need, to_i32};
 use crate::backend::Elem;
 use crate::cuda::stream::BorrowedStream;
@@ -503,22 +503,12 @@ pub struct MoeNorm {
     pub round_out: bool,
 }
 
-/// The block [`FastMoe::norm_x`] runs `t` rows of `d` values on ([`rmsnorm_block`]'s, so the
-/// normed values are [`NormRope::rmsnorm`]'s), or None where it does not take them: the strided
-/// loop's rows, a block whose 128-blocks of a row would straddle two of its thread strides, or
-/// widths not a multiple of 128.
+/// The block [`FastMoe::norm_x`] runs `t` rows of `d` values on ([`register_block`]: so the
+/// normed values are [`NormRope::rmsnorm`]'s), or None where it does not take them.
 ///
 /// [`NormRope::rmsnorm`]: super::norm_rope::NormRope::rmsnorm
 fn norm_x_block(t: usize, d: usize) -> Option<RmsnormBlock> {
-    let block = rmsnorm_block(t, d);
-    let takes = match block {
-        RmsnormBlock::Rows => true,
-        RmsnormBlock::Row {
-            threads,
-            in_registers,
-        } => in_registers && threads.is_multiple_of(128),
-    };
-    (t > 0 && d > 0 && d.is_multiple_of(128) && takes).then_some(block)
+    register_block(t, d)
 }
 
 /// Whether [`FastMoe::norm_x`] takes `t` rows of `d` values.

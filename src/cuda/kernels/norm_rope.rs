@@ -167,6 +167,22 @@ pub enum RmsnormBlock {
     Row { threads: u32, in_registers: bool },
 }
 
+/// The block of `rows` rows of `dim` values where a kernel that quantizes the normed row per 128
+/// of k can run on it (kernels/norm_row.cuh's callers in the fast families): the row held in
+/// registers, each 128-block of k four whole warps of one register slot (threads a multiple of
+/// 128), and `dim` a multiple of 128; else None.
+pub fn register_block(rows: usize, dim: usize) -> Option<RmsnormBlock> {
+    let block = rmsnorm_block(rows, dim);
+    let held = match block {
+        RmsnormBlock::Rows => true,
+        RmsnormBlock::Row {
+            threads,
+            in_registers,
+        } => in_registers && threads.is_multiple_of(128),
+    };
+    (rows > 0 && dim > 0 && dim.is_multiple_of(128) && held).then_some(block)
+}
+
 /// The block of `rows` rows of `dim` values (see [`RmsnormBlock`]).
 pub fn rmsnorm_block(rows: usize, dim: usize) -> RmsnormBlock {
     if rows >= RMSNORM_ROWS_MIN && dim <= RMSNORM_ROWS_VALUES * RMSNORM_ROWS_THREADS {

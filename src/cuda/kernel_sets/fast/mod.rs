@@ -27,7 +27,8 @@ use crate::cuda::kernel_sets::{
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta};
 use crate::cuda::kernels::fast_attention::FastAttention;
 use crate::cuda::kernels::fast_dense::{
-    DenseOp, FUSED_ACT_MAX_T, FastDense, GROUP_MAX, GROUP_MAX_T, NormOperands, norm_operands_cover,
+    ActMode, DenseOp, FUSED_ACT_MAX_T, FastDense, GROUP_MAX, GROUP_MAX_T, NormOperands,
+    TOKENS as DENSE_TOKENS, norm_operands_cover,
 };
 use crate::cuda::kernels::fast_dense_gemm::{
     GEMM_MIN_TOKENS, GemmWorkspace, grouped_reads_bf16, norm_group_operands, run_gemm_chain,
@@ -353,11 +354,91 @@ impl FastSet {
     /// Whether the attention sub-block of forward `s` runs its input's RMSNorm itself (the
     /// boundary before it leaves it: [`ReferenceSet::boundary_with`]), so that the norm can make
     /// the GEMM operands of u's projections in its own launch ([`FastOps::try_norm_group`]):
-    /// where cuBLASLt runs the many-token projections and `fd_norm_operands_kernel` takes the
-    /// norm ([`norm_operands_cover`]). A pure function of the step, asked by both the boundary
-    /// and the sub-block, so the two always agree on who runs the norm.
+    /// from cuBLASLt's crossover (below it u's group is one grouped gemv launch, whose blocks make
+    /// their operands themselves) and where `fd_norm_operands_kernel` takes the norm
+    /// ([`norm_operands_cover`]). A pure function of the step, asked by both the boundary and the
+    /// sub-block, so the two always agree on who runs the norm.
     fn norms_attention_input(&self, s: &Step) -> bool {
-        self.gemm.is_some() && norm_operands_cover(s.meta.num_tokens, s.cfg.hidden_size)
+        let t = s.meta.num_tokens;
+        self.gemm.is_some() && t >= GEMM_MIN_TOKENS && norm_operands_cover(t, s.cfg.hidden_size)
+    }
+
+    /// [`FastOps::try_norm_group`] from cuBLASLt's crossover: see there.
+    fn norm_group_gemm(
+        &self,
+        ctx: &Context,
+        norm: &RmsNorm,
+        members: &[DenseOp],
+        stream: BorrowedStream,
+    ) -> Result<bool> {
+        let Some((gemm, operand_ws)) = &self.gemm else {
+            return Ok(false);
+        };
+        let Some(operands) =
+            norm_group_operands(gemm, operand_ws, members, norm.x, norm.ld, norm.dim)
+        else {
+            return Ok(false);
+        };
+        let made = NormOperands {
+            norm: *norm,
+            m: operands.m,
+            fp8: operands.fp8,
+            bf16: operands.bf16,
+            gemv: None,
+        };
+        self.dense.norm_operands(ctx, &made, stream)?;
+        let ws = &self.ws.dense;
+        let ran = run_gemm_group_from(
+            &self.dense,
+            gemm,
+            None,
+            ctx,
+            members,
+            &operands,
+            operand_ws,
+            ws,
+            stream,
+        )?;
+        for (op, _) in members.iter().zip(ran).filter(|(_, ran)| !ran) {
+            self.linear_op(ctx, op, stream)?;
+        }
+        Ok(true)
+    }
+
+    /// [`FastOps::try_norm_group`] below cuBLASLt's crossover: see there. Declined (nothing
+    /// launched) where the members run as one grouped launch (its blocks make their operands
+    /// from x: `try_linear_group`), above one gemv launch's tokens, or where the members' modes
+    /// differ or are not act_quant FP8 (the one operand the norm makes).
+    fn norm_group_gemv(
+        &self,
+        ctx: &Context,
+        norm: &RmsNorm,
+        members: &[DenseOp],
+        stream: BorrowedStream,
+    ) -> Result<bool> {
+        let t = norm.rows;
+        let grouped =
+            t <= GROUP_MAX_T && FastDense::group_covers(members) && FastDense::group_pays(members);
+        let one_operand = members
+            .iter()
+            .all(|op| op.mode == ActMode::Quant && op.groups == 1 && op.w.cols == norm.dim);
+        let ws = &self.ws.dense;
+        let fits = ws.act.bytes() >= t * norm.dim * 2 && ws.scale.bytes() >= t * norm.dim / 128 * 4;
+        if grouped || !one_operand || t > DENSE_TOKENS || !fits {
+            return Ok(false);
+        }
+        let made = NormOperands {
+            norm: *norm,
+            m: t,
+            fp8: None,
+            bf16: None,
+            gemv: Some((ws.act, ws.scale)),
+        };
+        self.dense.norm_operands(ctx, &made, stream)?;
+        for op in members {
+            self.dense.run_from_act(ctx, op, ws, stream)?;
+        }
+        Ok(true)
     }
 }
 
@@ -477,12 +558,17 @@ impl FastOps for FastSet {
         Ok(true)
     }
 
-    /// A norm and the group of its output, from cuBLASLt's crossover, where the GEMM path takes
-    /// a member: the norm's launch (`fd_norm_operands_kernel`) also makes the one FP8 and the
-    /// one BF16 operand the members read ([`norm_group_operands`]), so the group makes none
-    /// ([`run_gemm_group_from`]): u's two operand passes (~70 + ~39 µs a layer of a 4096-token
-    /// prefill, ncu) and q_lora's one go. The members below their crossover run the gemv on
-    /// the normed x. The bits of the norm, then [`Self::try_linear_group`].
+    /// A norm and the group of its output, the norm's launch (`fd_norm_operands_kernel`) also
+    /// making the operands the members read, so the members make none; the bits of the norm,
+    /// then [`Self::try_linear_group`]:
+    /// - from cuBLASLt's crossover, where the GEMM path takes a member, the one FP8 and the one
+    ///   BF16 operand of cuBLASLt ([`norm_group_operands`], [`run_gemm_group_from`]): u's two
+    ///   operand passes (~70 + ~39 µs a layer of a 4096-token prefill, ncu) and q_lora's one go;
+    ///   the members below their crossover run the gemv on the normed x;
+    /// - below it, where the members run the gemv one call each (not one grouped launch) with the
+    ///   same activation mode, the gemv's operand ([`NormOperands::gemv`],
+    ///   [`FastDense::run_from_act`]): a decode step's q_lora loses the `fd_act_kernel` launch (or
+    ///   the in-block quantisation) before each of wq_b and the indexer's wq_b.
     fn try_norm_group(
         &self,
         ctx: &Context,
@@ -490,23 +576,19 @@ impl FastOps for FastSet {
         group: &LinearGroup,
         stream: BorrowedStream,
     ) -> Result<bool> {
-        let Some((gemm, operand_ws)) = &self.gemm else {
-            return Ok(false);
-        };
-        if !norm_operands_cover(norm.rows, norm.dim)
-            || norm.rows < GEMM_MIN_TOKENS
-            || group.is_empty()
-            || group.len() > GROUP_MAX
+        if !norm_operands_cover(norm.rows, norm.dim) || group.is_empty() || group.len() > GROUP_MAX
         {
             return Ok(false);
         }
+        let many = norm.rows >= GEMM_MIN_TOKENS;
+        let fused_act_max_t = if many { FUSED_ACT_MAX_T } else { GROUP_MAX_T };
         // A fixed array, as try_linear_group's: the forward allocates nothing.
         let mut ops: [Option<DenseOp>; GROUP_MAX] = [None; GROUP_MAX];
         for (slot, call) in ops.iter_mut().zip(group.iter()) {
             if call.x.addr() != norm.x.addr() || call.ldx != norm.ld || call.t != norm.rows {
                 return Ok(false);
             }
-            *slot = dense_op(call, FUSED_ACT_MAX_T);
+            *slot = dense_op(call, fused_act_max_t);
         }
         let Some(first) = ops[0] else {
             return Ok(false);
@@ -519,36 +601,11 @@ impl FastOps for FastSet {
             *slot = *op;
         }
         let members = &dense_ops[..group.len()];
-        let Some(operands) =
-            norm_group_operands(gemm, operand_ws, members, norm.x, norm.ld, norm.dim)
-        else {
-            return Ok(false);
-        };
-        self.dense.norm_operands(
-            ctx,
-            &NormOperands {
-                norm: *norm,
-                m: operands.m,
-                fp8: operands.fp8,
-                bf16: operands.bf16,
-            },
-            stream,
-        )?;
-        let ran = run_gemm_group_from(
-            &self.dense,
-            gemm,
-            None,
-            ctx,
-            members,
-            &operands,
-            operand_ws,
-            &self.ws.dense,
-            stream,
-        )?;
-        for (op, _) in members.iter().zip(ran).filter(|(_, ran)| !ran) {
-            self.linear_op(ctx, op, stream)?;
+        if many {
+            self.norm_group_gemm(ctx, norm, members, stream)
+        } else {
+            self.norm_group_gemv(ctx, norm, members, stream)
         }
-        Ok(true)
     }
 
     /// The output projection of many tokens (wo_a then wo_b): wo_b's act_quant made by the
