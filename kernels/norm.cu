@@ -49,10 +49,11 @@ extern "C" __global__ void rmsnorm_kernel(float* x, int rows, int dim, int ld, c
 
 // rmsnorm_kernel for many rows (a prefill's, RN_ROWS_MIN or more) of at most RN_ROWS_VALS * RN_ROWS_THREADS
 // values: the registers path with RN_ROWS_THREADS threads a block, so that more rows are in flight on an
-// SM. rmsnorm_kernel gives a 4096-value row a block of 1024 threads (two rows an SM): the u norm of a
-// 4096-token prefill took ~95 us for 134 MB (ncu), waiting on each row's load, block sum and f64
-// rsqrt in turn. Here eight rows an SM. The f64 sum of squares is grouped by this block's threads (another
-// grouping of the same f64 terms, as any thread layout groups them: docs/numerics.md).
+// SM. rmsnorm_kernel gives a 4096-value row a block of 1024 threads: the u norm of a 4096-token prefill took
+// ~95 us for 134 MB (ncu), waiting on each row's load, block sum and f64 rsqrt in turn. By the thread limit
+// eight such blocks fit an SM where two of rmsnorm_kernel's would; by registers (ptxas: 88 a thread here, 59
+// there) two, where one of rmsnorm_kernel's fills the register file. The f64 sum of squares is grouped by this
+// block's threads (another grouping of the same f64 terms, as any thread layout groups them: docs/numerics.md).
 extern "C" __global__ void __launch_bounds__(RN_ROWS_THREADS)
     rmsnorm_rows_kernel(float* x, int rows, int dim, int ld, const float* weight, float eps, int round_out) {
   dsv4_pdl_begin();

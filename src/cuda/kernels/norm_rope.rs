@@ -304,8 +304,8 @@ impl NormRope {
         );
         let _g = ctx.enter()?;
         if rmsnorm_block(rows, dim) == RmsnormBlock::Rows {
-            // Eight rows an SM where rmsnorm_kernel's 1024-thread blocks for the hidden size's
-            // rows hold two (see kernels/norm.cu).
+            // More rows an SM than rmsnorm_kernel's 1024-thread blocks for the hidden size's rows
+            // (see kernels/norm.cu: two against one, by registers).
             let args = rmsnorm_rows_kernel::Args {
                 x,
                 rows: r32,
