@@ -863,4 +863,42 @@ mod tests {
             );
         }
     }
+
+    /// `register_block`: the blocks on which the fast families' fused norms (norm_row.cuh) write
+    /// `rmsnorm`'s bits and quantize per 128 of k: the rows kernel's from RMSNORM_ROWS_MIN rows,
+    /// rmsnorm_kernel's registers path below, where its threads are whole 128s; never the strided
+    /// loop (V4 Pro's 7168), a block of 288 threads (1152: its 128-blocks would straddle two
+    /// register slots) or a width that is not whole 128-blocks.
+    #[test]
+    fn the_fused_norms_take_the_blocks_that_hold_whole_128_blocks() {
+        let row = |threads| {
+            Some(RmsnormBlock::Row {
+                threads,
+                in_registers: true,
+            })
+        };
+        assert_eq!(register_block(1, 4096), row(1024));
+        assert_eq!(register_block(1, 1024), row(256));
+        assert_eq!(register_block(255, 384), row(256));
+        assert_eq!(register_block(1, 128), row(128));
+        assert_eq!(
+            register_block(RMSNORM_ROWS_MIN, 4096),
+            Some(RmsnormBlock::Rows)
+        );
+        assert_eq!(
+            register_block(RMSNORM_ROWS_MIN, 1024),
+            Some(RmsnormBlock::Rows)
+        );
+        assert_eq!(register_block(1, 7168), None);
+        assert_eq!(register_block(RMSNORM_ROWS_MIN, 7168), None);
+        assert_eq!(register_block(1, 1536), row(384));
+        assert_eq!(register_block(1, 1152), None);
+        assert_eq!(register_block(1, 4096 + 64), None);
+        assert_eq!(register_block(0, 4096), None);
+        for (rows, dim) in [(1, 4096), (8, 1024), (RMSNORM_ROWS_MIN, 4096)] {
+            // The block is rmsnorm's own (so the normed rows are its bits).
+            let block = register_block(rows, dim).unwrap();
+            assert_eq!(block, rmsnorm_block(rows, dim), "{rows} x {dim}");
+        }
+    }
 }
