@@ -92,8 +92,11 @@ DSV4_INLINE uint4 fa_stored_chunk(const KvRowFmt& f, const unsigned char* raw, i
   return fa_fp8_chunk(raw + c0, fa_e8m0(raw[f.row_bytes + c0 / KV_FP8_BLOCK]));
 }
 
-// FA_DECODE_FAST (bench variant, default 0: `dsv4 bench attn --defines FA_DECODE_FAST=1`; gpu_fast_attention
-// compares its bits with the default's): the wgmma kernel decodes a stored row of Flash's format (FA_DF_NOPE = 448
+// FA_DECODE_FAST (default 1; `dsv4 bench attn --defines FA_DECODE_FAST=0` times the general decode, which rows of
+// other formats and exponents take anyway; gpu_fast_attention compares the =0 build's bits with the default's).
+// Measured with FA_FETCH_FAST (bench attn, H100, best of 2 rounds, the fast path, µs: 0 / 1 for both): CSA 64K
+// 64 tokens 49.28 / 47.97, 32 tokens 36.29 / 35.84; CSA 8K 64 tokens 47.06 / 46.05; HCA 64K 64 tokens 43.47 /
+// 42.70; 8 tokens within 0.1 either way (BENCHMARKS.md 2026-12-05, thirty-third part). The wgmma kernel decodes a stored row of Flash's format (FA_DF_NOPE = 448
 // FP8 channels in 7 blocks of 64, then 64 BF16 RoPE channels) whose 7 block exponents all lie in
 // [FA_DF_E_MIN, 254] with fewer instructions, the same values:
 // - the row's scale record is read once (8 bytes), not a byte a chunk, and each block's scale is its BF16 bits,
@@ -105,14 +108,14 @@ DSV4_INLINE uint4 fa_stored_chunk(const KvRowFmt& f, const unsigned char* raw, i
 //   bits (the official writer's satfinite conversion never stores one);
 // - the RoPE chunk is known by its index (no per-chunk comparison with nope).
 #ifndef FA_DECODE_FAST
-#define FA_DECODE_FAST 0
+#define FA_DECODE_FAST 1
 #endif
-// FA_FETCH_FAST (bench variant, default 0): fa_fetch copies a row of Flash's size (FA_DF_ROW_BYTES value bytes, an
+// FA_FETCH_FAST (default 1, measured with FA_DECODE_FAST above; =0 the general loops): fa_fetch copies a row of Flash's size (FA_DF_ROW_BYTES value bytes, an
 // FA_DF_SCALE_BYTES scale record) by unrolled copies with immediate offsets instead of its general loops (whose
 // trip counts and 64-bit address arithmetic cost ~90 instructions a thread and tile in the wgmma kernel's SASS,
 // between the softmax and P V); the same bytes land in the same places.
 #ifndef FA_FETCH_FAST
-#define FA_FETCH_FAST 0
+#define FA_FETCH_FAST 1
 #endif
 #define FA_DF_NOPE 448
 #define FA_DF_ROW_BYTES (FA_DF_NOPE + 2 * 64)

@@ -1059,11 +1059,14 @@ DSV4_INLINE void fi_hist_add(int* hist, unsigned bin, bool active) {
   if ((threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1)) atomicAdd(&hist[bin], __popc(peers));
 }
 
-// FI_TOPK_PLAIN_LOW (bench variant, default 0: `dsv4 bench attn --defines FI_TOPK_PLAIN_LOW=1`): the second
-// pass's histogram (the low byte of the keys in the chosen high bin, spread over many bins) by one plain shared
-// atomic a lane instead of fi_hist_add's aggregation. The same counts.
+// FI_TOPK_PLAIN_LOW (default 1; `dsv4 bench attn --defines FI_TOPK_PLAIN_LOW=0` times the aggregated form): the
+// second pass's histogram (the low byte of the keys in the chosen high bin, spread over many bins) by one plain
+// shared atomic a lane instead of fi_hist_add's aggregation. The same counts. Measured (bench attn, H100, best of
+// 2 rounds, the fast set's whole select, µs, 0 / 1): 64K 64 tokens 67.20 / 66.09, 8 tokens 24.02 / 23.20; 8K 64
+// tokens 22.20 / 22.11, 8 tokens 13.13 / 13.02; a one-block top-k 116.5 / 107.5 (BENCHMARKS.md 2026-12-05,
+// thirty-third part).
 #ifndef FI_TOPK_PLAIN_LOW
-#define FI_TOPK_PLAIN_LOW 0
+#define FI_TOPK_PLAIN_LOW 1
 #endif
 
 // Entries a lane has in flight in each pass of the selection (its loads all issued before any is

@@ -289,9 +289,9 @@ const PATHS: [(AttentionPath, SplitCombine); 6] = [
 /// output must be the default kernels' bits: each runs the kernels it changes (with a cluster
 /// combine) after [`PATHS`], from a registry of its own.
 const VARIANTS: [(&str, &[AttentionPath]); 2] = [
-    ("FA_DECODE_FAST=1", &[AttentionPath::Wgmma]),
+    ("FA_DECODE_FAST=0", &[AttentionPath::Wgmma]),
     (
-        "FA_FETCH_FAST=1",
+        "FA_FETCH_FAST=0",
         &[AttentionPath::Mma, AttentionPath::Wgmma],
     ),
 ];

@@ -406,11 +406,10 @@ fn max_seq_len_below_the_ratio_runs_like_the_cpu() {
     });
 }
 
-/// A prefill long enough for the fast set to move the attention's input norm out of the residual
-/// boundary and into the sub-block (`norm_operands_cover`: 256 rows or more; with cuBLASLt, one
-/// launch making u's and q_lora's GEMM operands with the norm), then a decode step, runs like the
-/// CPU reference in official numerics on every set of that mode: random tokens, 300 of one
-/// sequence and 20 of another in one forward.
+/// A prefill of many tokens (the rows kernels' blocks, cuBLASLt's projections), then a decode
+/// step (q_lora's norm making its gemvs' operand), runs like the CPU reference in official
+/// numerics on every set of that mode: random tokens, 300 of one sequence and 20 of another in
+/// one forward.
 #[test]
 fn a_long_prefill_runs_like_the_cpu() {
     let _turn = device_turn();

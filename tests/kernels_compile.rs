@@ -198,13 +198,13 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         return;
     }
     let variants: [(&KernelSource, &str); 7] = [
-        (&fast_attention::SOURCE, "FA_DECODE_FAST=1"),
-        (&fast_attention::SOURCE, "FA_FETCH_FAST=1"),
+        (&fast_attention::SOURCE, "FA_DECODE_FAST=0"),
+        (&fast_attention::SOURCE, "FA_FETCH_FAST=0"),
         (&fast_attention::SOURCE, "FA_CL_BATCH=1"),
         (&fast_attention::SOURCE, "FA_CL_BATCH=8"),
         (&fast_attention::SOURCE, "FA_SOFTMAX_SPLIT=0"),
         (&fast_indexer::SOURCE, "FI_STREAM_MIN_BLOCKS=3"),
-        (&fast_indexer::SOURCE, "FI_TOPK_PLAIN_LOW=1"),
+        (&fast_indexer::SOURCE, "FI_TOPK_PLAIN_LOW=0"),
     ];
     for (fam, define) in variants {
         if chosen([fam]).is_empty() {

@@ -494,7 +494,7 @@ fn indexer_case(
         let chunk_keys = fast_indexer::chunk_keys_for(t, maxe);
         SelectPlan {
             chunk_keys,
-            stage_keys: fast_indexer::stage_keys_for(maxe, fast_indexer::topk_cluster_for(t)),
+            stage_keys: fast_indexer::stage_keys_for(maxe, fast_indexer::topk_cluster_for(t, maxe)),
             head_sum,
             fold,
             chunks_per_block: if fold == ScaleFold::Off {
@@ -504,7 +504,7 @@ fn indexer_case(
             },
             streamed: false,
             fused_topk: None,
-            topk_cluster: fast_indexer::topk_cluster_for(t),
+            topk_cluster: fast_indexer::topk_cluster_for(t, maxe),
         }
     };
     // Times `call` over `n` state copies and prints its line: `fields`, then the timing.
@@ -636,13 +636,13 @@ fn indexer_case(
     for &chunk_keys in &ix.chunks {
         let plan = SelectPlan {
             chunk_keys,
-            stage_keys: fast_indexer::stage_keys_for(maxe, fast_indexer::topk_cluster_for(t)),
+            stage_keys: fast_indexer::stage_keys_for(maxe, fast_indexer::topk_cluster_for(t, maxe)),
             head_sum: HeadSum::Ordered,
             fold: ScaleFold::Off,
             chunks_per_block: 1,
             streamed: false,
             fused_topk: None,
-            topk_cluster: fast_indexer::topk_cluster_for(t),
+            topk_cluster: fast_indexer::topk_cluster_for(t, maxe),
         };
         let chosen = chunk_keys == fast_indexer::chunk_keys_for(t, maxe);
         let fields = format!(

@@ -319,13 +319,28 @@ pub fn stage_keys_for(maxe: usize, cluster: usize) -> usize {
         .min(TOPK_STAGE_KEYS)
 }
 
-/// Blocks of a token's separate top-k ([`SelectPlan::topk_cluster`]) for `tokens` tokens: a
-/// cluster of [`TOPK_CLUSTER`] splits one token's passes eight ways (one block took ~35 µs for
-/// 16K entries, its own instruction issue). `dsv4 bench attn` times 1, 2, 4 and 8 blocks
-/// (`indexer_topk` lines).
-pub fn topk_cluster_for(_tokens: usize) -> usize {
-    TOPK_CLUSTER
+/// Blocks of a token's separate top-k ([`SelectPlan::topk_cluster`]) for `tokens` tokens of up
+/// to `maxe` entries: a cluster of [`TOPK_CLUSTER`] splits one token's passes eight ways (one
+/// block took ~35 µs for 16K entries, its own instruction issue), but few entries a block cost
+/// more in the cluster's exchanges than they save. `dsv4 bench attn` times 1, 2, 4 and 8 blocks
+/// (`indexer_topk` lines: the whole select). Measured (H100, best of 2 rounds, µs for 1 / 2 / 4
+/// / 8 blocks; BENCHMARKS.md 2026-12-05, thirty-third part): 8K (2048 entries) 8 tokens 13.55 /
+/// **12.49** / 12.91 / 13.18, 32 tokens 20.40 / 18.25 / **17.38** / 17.92, 64 tokens 24.01 /
+/// 21.90 / **21.10** / 22.00; 64K (16384 entries) 8 tokens 57.58 / 31.42 / 29.45 / **23.97**,
+/// 32 tokens **42.25** with 8, 64 tokens **67.78** with 8. Between (16K, 32K contexts) not
+/// measured: 8 from there.
+pub fn topk_cluster_for(tokens: usize, maxe: usize) -> usize {
+    if maxe > SMALL_TOPK_ENTRIES {
+        TOPK_CLUSTER
+    } else if tokens <= 8 {
+        2
+    } else {
+        4
+    }
 }
+
+/// Most entries a token has where [`topk_cluster_for`] takes clusters of 2 or 4 (an 8K context's).
+const SMALL_TOPK_ENTRIES: usize = 2048;
 
 /// Blocks a scoring launch aims at when [`chunks_per_block_for`] gives a block several chunks:
 /// about one wave of four blocks on an H200's 132 SMs.
@@ -370,13 +385,13 @@ pub fn fast_plan(tokens: usize, maxe: usize) -> SelectPlan {
     let chunk_keys = chunk_keys_for(tokens, maxe);
     SelectPlan {
         chunk_keys,
-        stage_keys: stage_keys_for(maxe, topk_cluster_for(tokens)),
+        stage_keys: stage_keys_for(maxe, topk_cluster_for(tokens, maxe)),
         head_sum: HeadSum::TensorCore,
         fold: ScaleFold::Chain128,
         chunks_per_block: chunks_per_block_for(tokens, maxe, chunk_keys),
         streamed: false,
         fused_topk: None,
-        topk_cluster: topk_cluster_for(tokens),
+        topk_cluster: topk_cluster_for(tokens, maxe),
     }
 }
 
@@ -408,13 +423,13 @@ pub fn stream_plan(tokens: usize, maxe: usize) -> SelectPlan {
     let blocks_per_token = (STREAM_BLOCKS / tokens.max(1)).max(1);
     SelectPlan {
         chunk_keys: TILE_KEYS,
-        stage_keys: stage_keys_for(maxe, topk_cluster_for(tokens)),
+        stage_keys: stage_keys_for(maxe, topk_cluster_for(tokens, maxe)),
         head_sum: HeadSum::TensorCore,
         fold: ScaleFold::Chain128,
         chunks_per_block: tiles.div_ceil(blocks_per_token).max(STREAM_WGS),
         streamed: true,
         fused_topk: None,
-        topk_cluster: topk_cluster_for(tokens),
+        topk_cluster: topk_cluster_for(tokens, maxe),
     }
 }
 

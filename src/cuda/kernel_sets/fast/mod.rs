@@ -31,8 +31,8 @@ use crate::cuda::kernels::fast_dense::{
     TOKENS as DENSE_TOKENS, norm_operands_cover,
 };
 use crate::cuda::kernels::fast_dense_gemm::{
-    GEMM_MIN_TOKENS, GemmWorkspace, grouped_reads_bf16, norm_group_operands, run_gemm_chain,
-    run_gemm_group, run_gemm_group_from, run_grouped_gemm, run_linear,
+    GEMM_MIN_TOKENS, GemmWorkspace, grouped_reads_bf16, run_gemm_chain, run_gemm_group,
+    run_grouped_gemm, run_linear,
 };
 use crate::cuda::kernels::fast_indexer::FastIndexer;
 use crate::cuda::kernels::fast_moe::{
@@ -279,7 +279,7 @@ impl KernelSet for FastSet {
 
     fn boundary(&self, s: &Step, done: Option<Branch>, next: Branch) -> Result<()> {
         let sub_block_norms = match next {
-            Branch::Attention(_) => self.norms_attention_input(s),
+            Branch::Attention(_) => false,
             Branch::Moe(l) => norms_moe_input(s, l),
         };
         self.reference
@@ -289,8 +289,7 @@ impl KernelSet for FastSet {
     fn attention(&self, s: &Step, layer: usize) -> Result<()> {
         // The fast set runs official numerics only (create refuses it with exact ones), where
         // every activation the dense kernels take holds BF16 values (docs/numerics.md).
-        let norm_input = self.norms_attention_input(s);
-        self.reference.attention_with(s, layer, self, norm_input)
+        self.reference.attention_with(s, layer, self)
     }
 
     fn moe(&self, s: &Step, layer: usize) -> Result<()> {
@@ -343,69 +342,26 @@ impl KernelSet for FastSet {
 
 /// Whether the MoE sub-block of layer `l` in forward `s` runs its input's RMSNorm itself (the
 /// boundary before it leaves it: [`ReferenceSet::boundary_with`]), with x's FP8 quantisation in
-/// the same launch ([`FastMoe::norm_x`]): wherever the fast MoE takes the layer ([`moe_layer`])
-/// and the norm's block ([`norm_x_covers`]). A pure function of the step and the layer, asked
-/// by both the boundary and the sub-block, so the two always agree on who runs the norm.
+/// the same launch ([`FastMoe::norm_x`]): where the fast MoE takes the layer ([`moe_layer`]), the
+/// norm's block ([`norm_x_covers`]) and the tokens ([`NORM_X_TOKENS`]). A pure function of the
+/// step and the layer, asked by both the boundary and the sub-block, so the two always agree on
+/// who runs the norm.
 fn norms_moe_input(s: &Step, l: usize) -> bool {
-    norm_x_covers(s.meta.num_tokens, s.cfg.hidden_size) && moe_layer(s, l).is_ok()
+    let t = s.meta.num_tokens;
+    NORM_X_TOKENS.contains(&t) && norm_x_covers(t, s.cfg.hidden_size) && moe_layer(s, l).is_ok()
 }
 
+/// Tokens where the MoE input's norm makes x's codes ([`norms_moe_input`]). Measured (`dsv4
+/// bench moe`, `moe_norm_route` lines: the norm and the routing, µs, H100; BENCHMARKS.md
+/// 2026-12-05, thirty-third part), the norm making them / the router making them: B = 1 12.67 /
+/// 10.90, 8 13.87 / 15.20, 64 27.84 / 28.19, 4096 175.01 / 161.26. At one token the added work
+/// lengthens the norm's one block where the router's four quantising blocks had overlapped the
+/// others' gate rows; at a prefill's rows the rows block's longer chain costs more than the
+/// selection's read of x.
+const NORM_X_TOKENS: std::ops::RangeInclusive<usize> = 8..=64;
+
 impl FastSet {
-    /// Whether the attention sub-block of forward `s` runs its input's RMSNorm itself (the
-    /// boundary before it leaves it: [`ReferenceSet::boundary_with`]), so that the norm can make
-    /// the GEMM operands of u's projections in its own launch ([`FastOps::try_norm_group`]):
-    /// from cuBLASLt's crossover (below it u's group is one grouped gemv launch, whose blocks make
-    /// their operands themselves) and where `fd_norm_operands_kernel` takes the norm
-    /// ([`norm_operands_cover`]). A pure function of the step, asked by both the boundary and the
-    /// sub-block, so the two always agree on who runs the norm.
-    fn norms_attention_input(&self, s: &Step) -> bool {
-        let t = s.meta.num_tokens;
-        self.gemm.is_some() && t >= GEMM_MIN_TOKENS && norm_operands_cover(t, s.cfg.hidden_size)
-    }
-
-    /// [`FastOps::try_norm_group`] from cuBLASLt's crossover: see there.
-    fn norm_group_gemm(
-        &self,
-        ctx: &Context,
-        norm: &RmsNorm,
-        members: &[DenseOp],
-        stream: BorrowedStream,
-    ) -> Result<bool> {
-        let Some((gemm, operand_ws)) = &self.gemm else {
-            return Ok(false);
-        };
-        let Some(operands) =
-            norm_group_operands(gemm, operand_ws, members, norm.x, norm.ld, norm.dim)
-        else {
-            return Ok(false);
-        };
-        let made = NormOperands {
-            norm: *norm,
-            m: operands.m,
-            fp8: operands.fp8,
-            bf16: operands.bf16,
-            gemv: None,
-        };
-        self.dense.norm_operands(ctx, &made, stream)?;
-        let ws = &self.ws.dense;
-        let ran = run_gemm_group_from(
-            &self.dense,
-            gemm,
-            None,
-            ctx,
-            members,
-            &operands,
-            operand_ws,
-            ws,
-            stream,
-        )?;
-        for (op, _) in members.iter().zip(ran).filter(|(_, ran)| !ran) {
-            self.linear_op(ctx, op, stream)?;
-        }
-        Ok(true)
-    }
-
-    /// [`FastOps::try_norm_group`] below cuBLASLt's crossover: see there. Declined (nothing
+    /// [`FastOps::try_norm_group`]'s work: see there. Declined (nothing
     /// launched) where the members run as one grouped launch (its blocks make their operands
     /// from x: `try_linear_group`), above one gemv launch's tokens, or where the members' modes
     /// differ or are not act_quant FP8 (the one operand the norm makes).
@@ -558,17 +514,19 @@ impl FastOps for FastSet {
         Ok(true)
     }
 
-    /// A norm and the group of its output, the norm's launch (`fd_norm_operands_kernel`) also
-    /// making the operands the members read, so the members make none; the bits of the norm,
-    /// then [`Self::try_linear_group`]:
-    /// - from cuBLASLt's crossover, where the GEMM path takes a member, the one FP8 and the one
-    ///   BF16 operand of cuBLASLt ([`norm_group_operands`], [`run_gemm_group_from`]): u's two
-    ///   operand passes (~70 + ~39 µs a layer of a 4096-token prefill, ncu) and q_lora's one go;
-    ///   the members below their crossover run the gemv on the normed x;
-    /// - below it, where the members run the gemv one call each (not one grouped launch) with the
-    ///   same activation mode, the gemv's operand ([`NormOperands::gemv`],
-    ///   [`FastDense::run_from_act`]): a decode step's q_lora loses the `fd_act_kernel` launch (or
-    ///   the in-block quantisation) before each of wq_b and the indexer's wq_b.
+    /// A norm and the group of its output below cuBLASLt's crossover, where the members run the
+    /// gemv one call each (not one grouped launch) with act_quant FP8 weights: the norm's launch
+    /// (`fd_norm_operands_row_kernel`) also makes the gemv's operand ([`NormOperands::gemv`]) and
+    /// the members read it ([`FastDense::run_from_act`]), so a decode step's q_lora loses the
+    /// `fd_act_kernel` launch (or the in-block quantisation) before each of wq_b and the
+    /// indexer's wq_b; the bits of the norm, then [`Self::try_linear_group`]. Measured (`dsv4
+    /// bench dense --projection groups`, H100, µs, `norm_gemv` / `norm_then_gemv`): 1 token
+    /// 19.92 / 20.64, 2 19.75 / 21.44, 8 22.29 / 25.72, 16 25.32 / 29.27. From the crossover it
+    /// declines: the norm making cuBLASLt's operands there (`norm_group_operands`,
+    /// `run_gemm_group_from`) measured slower than the norm, then the operand passes (u 346.00 /
+    /// 341.27 at 4096 tokens, 675.42 / 668.56 at 8192; q_lora 496.22 / 480.74, 1022.63 /
+    /// 964.38: its rows block's longer chain, two blocks an SM, costs more than the passes it
+    /// saves). BENCHMARKS.md 2026-12-05, thirty-third part.
     fn try_norm_group(
         &self,
         ctx: &Context,
@@ -576,12 +534,15 @@ impl FastOps for FastSet {
         group: &LinearGroup,
         stream: BorrowedStream,
     ) -> Result<bool> {
-        if !norm_operands_cover(norm.rows, norm.dim) || group.is_empty() || group.len() > GROUP_MAX
+        if norm.rows >= GEMM_MIN_TOKENS
+            || !norm_operands_cover(norm.rows, norm.dim)
+            || group.is_empty()
+            || group.len() > GROUP_MAX
         {
             return Ok(false);
         }
-        let many = norm.rows >= GEMM_MIN_TOKENS;
-        let fused_act_max_t = if many { FUSED_ACT_MAX_T } else { GROUP_MAX_T };
+        // As try_linear_group's few-token path takes them.
+        let fused_act_max_t = GROUP_MAX_T;
         // A fixed array, as try_linear_group's: the forward allocates nothing.
         let mut ops: [Option<DenseOp>; GROUP_MAX] = [None; GROUP_MAX];
         for (slot, call) in ops.iter_mut().zip(group.iter()) {
@@ -601,11 +562,7 @@ impl FastOps for FastSet {
             *slot = *op;
         }
         let members = &dense_ops[..group.len()];
-        if many {
-            self.norm_group_gemm(ctx, norm, members, stream)
-        } else {
-            self.norm_group_gemv(ctx, norm, members, stream)
-        }
+        self.norm_group_gemv(ctx, norm, members, stream)
     }
 
     /// The output projection of many tokens (wo_a then wo_b): wo_b's act_quant made by the

@@ -77,8 +77,8 @@ impl Workspace {
         }
         let shapes = gemm_shapes(cfg);
         let gemm = if t >= GEMM_MIN_TOKENS && !shapes.is_empty() {
-            let norm_ks = [cfg.hidden_size, cfg.q_lora_rank];
-            let [codes, scale] = fast_dense_gemm::gemm_workspace_sizes(&shapes, t, &norm_ks);
+            // (No norm makes cuBLASLt's operands in the forward: FastOps::try_norm_group.)
+            let [codes, scale] = fast_dense_gemm::gemm_workspace_sizes(&shapes, t, &[]);
             let grouped: Vec<_> = dense_shapes(cfg)
                 .iter()
                 .map(|s| (s.n, s.k, s.groups))

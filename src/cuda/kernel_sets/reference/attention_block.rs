@@ -28,15 +28,13 @@ impl Run<'_> {
     /// Attention sub-block of layer `l`: `ws.u` -> `ws.a` (reference/attention.rs): the
     /// projections of u, the query path, the window KV, the compressors (and the indexer's
     /// selection on CSA layers), one softmax over window + compressed keys, the grouped
-    /// output projection. `norm_input`: u is hc_pre's output still, and its RMSNorm (the
-    /// layer's `attn_norm`) runs here with the projections of u ([`Self::norm_then_group`]).
+    /// output projection.
     pub(super) fn attention(
         &self,
         k8: &Kernels,
         l: usize,
         lw: &LayerWeights,
         meta: &BatchMeta,
-        norm_input: bool,
         st: BorrowedStream,
     ) -> Result<()> {
         let a = AttnLayer {
@@ -49,7 +47,7 @@ impl Run<'_> {
         };
         // (Known before the query is made: whether the attention core reads it as BF16.)
         let args = self.attention_args(&a);
-        self.input_projections(&a, norm_input)?;
+        self.input_projections(&a)?;
         self.query(&a, args.q_bf16)?;
         self.window_kv(&a)?;
         self.compress_and_select(&a)?;
@@ -197,8 +195,8 @@ impl Run<'_> {
     /// Every projection of the sub-block's input u, as one group: wq_a -> qr and wkv -> kv
     /// (official act_quant and BF16 outputs in official mode), the compressors' wkv / wgate ->
     /// comp_a / comp_z and icomp_a / icomp_z (f32 in and out), the indexer's weights_proj -> iw
-    /// (f32 in, BF16 out in official mode). `norm_input`: u's RMSNorm first, with the group.
-    fn input_projections(&self, a: &AttnLayer, norm_input: bool) -> Result<()> {
+    /// (f32 in, BF16 out in official mode).
+    fn input_projections(&self, a: &AttnLayer) -> Result<()> {
         let (cfg, ws, lw) = (self.cfg, self.ws, a.lw);
         let (d, official) = (cfg.hidden_size, self.official());
         let mut group = LinearGroup::default();
@@ -223,10 +221,6 @@ impl Run<'_> {
             }
             let hi = cfg.index_n_heads;
             group.push(from_u(ix.weights_proj, hi, ws.iw, false, official)?)?;
-        }
-        if norm_input {
-            let norm = self.norm_call(ws.u, a.meta.num_tokens, d, Some(lw.attn_norm));
-            return self.norm_then_group(a, &norm, &group);
         }
         self.linear_group(a, &group)
     }

@@ -106,19 +106,10 @@ impl ReferenceSet {
     }
 
     /// The attention sub-block with `fast` offered every linear and the attention core first
-    /// (the fast set's dense projections and sparse attention). `norm_input`: the boundary
-    /// before left u's RMSNorm to this sub-block ([`Self::boundary_with`]), which runs it with
-    /// its projections of u ([`FastOps::try_norm_group`] first).
-    pub fn attention_with(
-        &self,
-        s: &Step,
-        layer: usize,
-        fast: &dyn FastOps,
-        norm_input: bool,
-    ) -> Result<()> {
+    /// (the fast set's dense projections and sparse attention).
+    pub fn attention_with(&self, s: &Step, layer: usize, fast: &dyn FastOps) -> Result<()> {
         let r = self.run_with(s, Some(fast));
-        let lw = &r.handles.layers[layer];
-        r.attention(&self.k, layer, lw, &s.meta, norm_input, s.stream)
+        r.attention(&self.k, layer, &r.handles.layers[layer], &s.meta, s.stream)
     }
 
     /// The buffer a sub-block writes its output to.
@@ -179,8 +170,7 @@ impl KernelSet for ReferenceSet {
 
     fn attention(&self, s: &Step, layer: usize) -> Result<()> {
         let r = self.run(s);
-        let lw = &r.handles.layers[layer];
-        r.attention(&self.k, layer, lw, &s.meta, false, s.stream)
+        r.attention(&self.k, layer, &r.handles.layers[layer], &s.meta, s.stream)
     }
 
     fn moe(&self, s: &Step, layer: usize) -> Result<()> {
@@ -213,8 +203,7 @@ impl KernelSet for ReferenceSet {
 
 impl ReferenceSet {
     /// [`KernelSet::boundary`], its last step, `next`'s RMSNorm, only where `norm_next`; else
-    /// the caller's `next` runs it (an attention sub-block through [`Self::attention_with`]'s
-    /// `norm_input`; the fast set's own MoE with its input's quantisation).
+    /// the caller's `next` runs it (the fast set's own MoE, with its input's quantisation).
     pub fn boundary_with(
         &self,
         s: &Step,
