@@ -407,7 +407,7 @@ fn max_seq_len_below_the_ratio_runs_like_the_cpu() {
 }
 
 /// A prefill of many tokens (the rows kernels' blocks, cuBLASLt's projections), then a decode
-/// step (q_lora's norm making its gemvs' operand), runs like the CPU reference in official
+/// step, runs like the CPU reference in official
 /// numerics on every set of that mode: random tokens, 300 of one sequence and 20 of another in
 /// one forward. The reference set is bit-identical; the fast set's decode step meets its
 /// tolerance, and its 320-token prefill a looser floor: over 300 positions the CSA layers pick 4

@@ -23,7 +23,6 @@ use crate::cuda::context::{Context, DeviceInfo};
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta};
 use crate::cuda::kernels::indexer::IndexerArgs;
 use crate::cuda::kernels::linear::WeightDev;
-use crate::cuda::kernels::norm_rope::RmsNorm;
 use crate::cuda::memory_plan::MemoryPlan;
 use crate::cuda::registry::{KernelSource, Registry};
 use crate::cuda::stream::BorrowedStream;
@@ -185,21 +184,6 @@ pub trait FastOps {
     fn try_linear_group(
         &self,
         _ctx: &Context,
-        _group: &LinearGroup,
-        _stream: BorrowedStream,
-    ) -> Result<bool> {
-        Ok(false)
-    }
-
-    /// Runs `norm`, then every linear of `group`, whose input is the norm's output (each
-    /// member's `x` is `norm.x`, its `ldx` the norm's `ld` and its `t` the norm's rows), and
-    /// returns true, or returns false having launched nothing: the caller then runs the norm and
-    /// offers the group to [`Self::try_linear_group`]. A set may make the group's GEMM operands
-    /// in the norm's own launch, from the normed values, instead of in passes over its output.
-    fn try_norm_group(
-        &self,
-        _ctx: &Context,
-        _norm: &RmsNorm,
         _group: &LinearGroup,
         _stream: BorrowedStream,
     ) -> Result<bool> {

@@ -850,7 +850,9 @@ pub struct LtOperand {
 /// act_quant's codes `[m, dim]` and scales `[dim / 128, m]`, `bf16` the BF16 values `[m, dim]`
 /// (16-bit); for the gemv (`fd_act_kernel`'s, [`ActMode::Quant`]), `gemv` the f16 values of the
 /// codes `[m, dim]` and their scales `[m, dim / 128]`. One launch of `fd_norm_operands_kernel`
-/// (or its `_row` form), for [`norm_operands_cover`]ed shapes.
+/// (or its `_row` form), for [`norm_operands_cover`]ed shapes. Measured and not taken by the
+/// fast set's forward (kernels/SPEC.md: slower at 4096-8192 tokens, and in the decode step):
+/// `dsv4 bench dense` and gpu_fast_dense run it.
 ///
 /// [`NormRope::rmsnorm`]: super::norm_rope::NormRope::rmsnorm
 #[derive(Clone, Copy, Debug)]

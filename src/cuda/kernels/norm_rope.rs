@@ -141,8 +141,7 @@ fn rmsnorm_threads(dim: usize) -> u32 {
 
 /// An RMSNorm in place ([`NormRope::rmsnorm`]'s operation): `rows` rows of `dim` values of `x` at
 /// row stride `ld`, times `weight` (None: none), with `eps`, rounded to BF16 when `round_out`
-/// (official numerics). The launch sequences pass it to a fast set that may run it together with
-/// its output's readers (`FastOps::try_norm_group`).
+/// (official numerics).
 #[derive(Clone, Copy, Debug)]
 pub struct RmsNorm {
     pub x: DevicePtr,

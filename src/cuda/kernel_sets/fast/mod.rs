@@ -27,8 +27,7 @@ use crate::cuda::kernel_sets::{
 use crate::cuda::kernels::attention::{AttentionArgs, BatchMeta};
 use crate::cuda::kernels::fast_attention::FastAttention;
 use crate::cuda::kernels::fast_dense::{
-    ActMode, DenseOp, FUSED_ACT_MAX_T, FastDense, GROUP_MAX, GROUP_MAX_T, NormOperands,
-    TOKENS as DENSE_TOKENS, norm_operands_cover,
+    DenseOp, FUSED_ACT_MAX_T, FastDense, GROUP_MAX, GROUP_MAX_T,
 };
 use crate::cuda::kernels::fast_dense_gemm::{
     GEMM_MIN_TOKENS, GemmWorkspace, grouped_reads_bf16, run_gemm_chain, run_gemm_group,
@@ -40,7 +39,6 @@ use crate::cuda::kernels::fast_moe::{
 };
 use crate::cuda::kernels::indexer::IndexerArgs;
 use crate::cuda::kernels::moe::{RouterParams, Selection};
-use crate::cuda::kernels::norm_rope::RmsNorm;
 use crate::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
 use crate::cuda::registry::{KernelSource, Registry};
 use crate::cuda::stream::BorrowedStream;
@@ -360,44 +358,6 @@ fn norms_moe_input(s: &Step, l: usize) -> bool {
 /// selection's read of x.
 const NORM_X_TOKENS: std::ops::RangeInclusive<usize> = 8..=64;
 
-impl FastSet {
-    /// [`FastOps::try_norm_group`]'s work: see there. Declined (nothing
-    /// launched) where the members run as one grouped launch (its blocks make their operands
-    /// from x: `try_linear_group`), above one gemv launch's tokens, or where the members' modes
-    /// differ or are not act_quant FP8 (the one operand the norm makes).
-    fn norm_group_gemv(
-        &self,
-        ctx: &Context,
-        norm: &RmsNorm,
-        members: &[DenseOp],
-        stream: BorrowedStream,
-    ) -> Result<bool> {
-        let t = norm.rows;
-        let grouped =
-            t <= GROUP_MAX_T && FastDense::group_covers(members) && FastDense::group_pays(members);
-        let one_operand = members
-            .iter()
-            .all(|op| op.mode == ActMode::Quant && op.groups == 1 && op.w.cols == norm.dim);
-        let ws = &self.ws.dense;
-        let fits = ws.act.bytes() >= t * norm.dim * 2 && ws.scale.bytes() >= t * norm.dim / 128 * 4;
-        if grouped || !one_operand || t > DENSE_TOKENS || !fits {
-            return Ok(false);
-        }
-        let made = NormOperands {
-            norm: *norm,
-            m: t,
-            fp8: None,
-            bf16: None,
-            gemv: Some((ws.act, ws.scale)),
-        };
-        self.dense.norm_operands(ctx, &made, stream)?;
-        for op in members {
-            self.dense.run_from_act(ctx, op, ws, stream)?;
-        }
-        Ok(true)
-    }
-}
-
 /// `call` as the dense kernels run it (operands made in the gemv blocks up to `fused_act_max_t`
 /// tokens), or None when they do not cover its weight ([`FastDense::mode_for`]) or its
 /// activations are not 16-byte aligned rows.
@@ -512,57 +472,6 @@ impl FastOps for FastSet {
         }
         self.dense.run_group(ctx, members, &self.ws.dense, stream)?;
         Ok(true)
-    }
-
-    /// A norm and the group of its output below cuBLASLt's crossover, where the members run the
-    /// gemv one call each (not one grouped launch) with act_quant FP8 weights: the norm's launch
-    /// (`fd_norm_operands_row_kernel`) also makes the gemv's operand ([`NormOperands::gemv`]) and
-    /// the members read it ([`FastDense::run_from_act`]), so a decode step's q_lora loses the
-    /// `fd_act_kernel` launch (or the in-block quantisation) before each of wq_b and the
-    /// indexer's wq_b; the bits of the norm, then [`Self::try_linear_group`]. Measured (`dsv4
-    /// bench dense --projection groups`, H100, µs, `norm_gemv` / `norm_then_gemv`): 1 token
-    /// 19.92 / 20.64, 2 19.75 / 21.44, 8 22.29 / 25.72, 16 25.32 / 29.27. From the crossover it
-    /// declines: the norm making cuBLASLt's operands there (`norm_group_operands`,
-    /// `run_gemm_group_from`) measured slower than the norm, then the operand passes (u 346.00 /
-    /// 341.27 at 4096 tokens, 675.42 / 668.56 at 8192; q_lora 496.22 / 480.74, 1022.63 /
-    /// 964.38: its rows block's longer chain, two blocks an SM, costs more than the passes it
-    /// saves). BENCHMARKS.md 2026-12-05, thirty-third part.
-    fn try_norm_group(
-        &self,
-        ctx: &Context,
-        norm: &RmsNorm,
-        group: &LinearGroup,
-        stream: BorrowedStream,
-    ) -> Result<bool> {
-        if norm.rows >= GEMM_MIN_TOKENS
-            || !norm_operands_cover(norm.rows, norm.dim)
-            || group.is_empty()
-            || group.len() > GROUP_MAX
-        {
-            return Ok(false);
-        }
-        // As try_linear_group's few-token path takes them.
-        let fused_act_max_t = GROUP_MAX_T;
-        // A fixed array, as try_linear_group's: the forward allocates nothing.
-        let mut ops: [Option<DenseOp>; GROUP_MAX] = [None; GROUP_MAX];
-        for (slot, call) in ops.iter_mut().zip(group.iter()) {
-            if call.x.addr() != norm.x.addr() || call.ldx != norm.ld || call.t != norm.rows {
-                return Ok(false);
-            }
-            *slot = dense_op(call, fused_act_max_t);
-        }
-        let Some(first) = ops[0] else {
-            return Ok(false);
-        };
-        let mut dense_ops = [first; GROUP_MAX];
-        for (slot, op) in dense_ops.iter_mut().zip(&ops[..group.len()]) {
-            let Some(op) = op else {
-                return Ok(false);
-            };
-            *slot = *op;
-        }
-        let members = &dense_ops[..group.len()];
-        self.norm_group_gemv(ctx, norm, members, stream)
     }
 
     /// The output projection of many tokens (wo_a then wo_b): wo_b's act_quant made by the

@@ -77,7 +77,8 @@ impl Workspace {
         }
         let shapes = gemm_shapes(cfg);
         let gemm = if t >= GEMM_MIN_TOKENS && !shapes.is_empty() {
-            // (No norm makes cuBLASLt's operands in the forward: FastOps::try_norm_group.)
+            // (No norm makes cuBLASLt's operands in the forward: fd_norm_operands_kernel measured
+            // slower than the operand passes, kernels/SPEC.md.)
             let [codes, scale] = fast_dense_gemm::gemm_workspace_sizes(&shapes, t, &[]);
             let grouped: Vec<_> = dense_shapes(cfg)
                 .iter()

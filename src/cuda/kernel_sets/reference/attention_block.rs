@@ -103,19 +103,6 @@ impl Run<'_> {
         a.k8.nr.run(self.ctx, norm, a.st)
     }
 
-    /// Runs `norm`, then the linears of `group`, which read its output: offered to the fast set
-    /// as one (it may make their GEMM operands in the norm's launch), else the norm, then the
-    /// group as [`Self::linear_group`] runs it.
-    fn norm_then_group(&self, a: &AttnLayer, norm: &RmsNorm, group: &LinearGroup) -> Result<()> {
-        if let Some(f) = self.fast
-            && f.try_norm_group(self.ctx, norm, group, a.st)?
-        {
-            return Ok(());
-        }
-        self.norm(a, norm)?;
-        self.linear_group(a, group)
-    }
-
     /// The linear `y[t, 0..n] = x[t, :] . W[j, :]` of weight index `w`'s first `n` rows, for a
     /// [`LinearGroup`].
     #[allow(clippy::too_many_arguments)]
@@ -243,8 +230,8 @@ impl Run<'_> {
             // Rounded by rope_kernel as it loads qi, its first reader (compress_and_select).
             group.push(self.call(a, ws.qr, ql, ix.wq_b, n, ws.qi, official, false)?)?;
         }
-        let norm = self.norm_call(ws.qr, t, ql, Some(lw.q_norm));
-        self.norm_then_group(a, &norm, &group)?;
+        self.norm(a, &self.norm_call(ws.qr, t, ql, Some(lw.q_norm)))?;
+        self.linear_group(a, &group)?;
         self.head_prep(a, ws.q, h, None, false, official, q_bf16)
     }
 
