@@ -285,7 +285,7 @@ DSV4_INLINE void fd_norm_operands(float* x, int rows, int dim, int ld, const flo
   __shared__ float warp_amax[FD_NO_AMAX];
   // THREADS: the block's threads where a compile-time constant (the rows kernel's), else 0 (blockDim.x).
   const int nthreads = THREADS > 0 ? THREADS : (int)blockDim.x;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = nthreads >> 5;
+  const int tid = threadIdx.x;
   for (int r = blockIdx.x; r < rows; r += gridDim.x) {
     float o[VALS];
     rmsnorm_row_in_registers<VALS>(x + (long long)r * ld, dim, weight, eps, round_out, scratch, o);
@@ -299,19 +299,12 @@ DSV4_INLINE void fd_norm_operands(float* x, int rows, int dim, int ld, const flo
       }
     }
     if (codes == nullptr && act == nullptr) continue;  // uniform
-#pragma unroll
-    for (int j = 0; j < VALS; ++j) {
-      if (j * nthreads >= dim) break;  // uniform; o[j] is 0 past dim, its block never stored
-      const float a = warp_max(fabsf(o[j]));
-      if (lane == 0) warp_amax[j * nwarps + warp] = a;
-    }
-    __syncthreads();
+    norm_row_warp_amax<VALS>(o, dim, nthreads, warp_amax);
 #pragma unroll
     for (int j = 0; j < VALS; ++j) {
       const int i = tid + j * nthreads;
       if (i >= dim) break;  // whole 128-blocks: dim % 128 == 0
-      const float* wa = warp_amax + j * nwarps + (warp & ~3);
-      const int e = fd_quant_exponent(fmaxf(fmaxf(wa[0], wa[1]), fmaxf(wa[2], wa[3])));
+      const int e = fd_quant_exponent(norm_row_block_amax(warp_amax, j, nthreads));
       const unsigned char code = fd_quant_code(o[j], dsv4_pow2(-e));
       const bool first = (tid & 127) == 0;  // a block's scale by its first thread
       if (codes != nullptr) {

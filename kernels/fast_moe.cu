@@ -92,17 +92,11 @@ DSV4_INLINE void fmoe_norm_x(float* x, int rows, int dim, const float* weight, f
   __shared__ float warp_amax[FMOE_NX_AMAX];
   // THREADS: the block's threads where a compile-time constant (the rows kernel's), else 0 (blockDim.x).
   const int nthreads = THREADS > 0 ? THREADS : (int)blockDim.x;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = nthreads >> 5;
+  const int tid = threadIdx.x;
   for (int r = blockIdx.x; r < rows; r += gridDim.x) {
     float o[VALS];
     rmsnorm_row_in_registers<VALS>(x + (long long)r * dim, dim, weight, eps, round_out, scratch, o);
-#pragma unroll
-    for (int j = 0; j < VALS; ++j) {
-      if (j * nthreads >= dim) break;  // uniform; o[j] is 0 past dim, its block never stored
-      const float a = warp_max(fabsf(o[j]));
-      if (lane == 0) warp_amax[j * nwarps + warp] = a;
-    }
-    __syncthreads();
+    norm_row_warp_amax<VALS>(o, dim, nthreads, warp_amax);
     // Value i = tid + j * nthreads is k = tid % 128 of block i / 128 = tid / 128 + j * nthreads / 128 (nthreads %
     // 128 == 0): the same place in its block at every j, so a row's two bases, then a constant step a j.
     unsigned char* q_at = xq + (long long)r * dim + 128 * (tid >> 7) + fmoe_x_pos(tid & 127, halves != 0);
@@ -110,9 +104,9 @@ DSV4_INLINE void fmoe_norm_x(float* x, int rows, int dim, const float* weight, f
 #pragma unroll
     for (int j = 0; j < VALS; ++j) {
       if (tid + j * nthreads >= dim) break;  // whole 128-blocks: dim % 128 == 0
-      const float* wa = warp_amax + j * nwarps + (warp & ~3);
       // fmoe_x_scale's s = 2^e, and 1 / s as 2^-e (the same float: no division a value).
-      const int e = ue8m0_exponent(fmaxf(fmaxf(fmaxf(wa[0], wa[1]), fmaxf(wa[2], wa[3])), 1e-4f), DSV4_E4M3_MAX);
+      const float amax = norm_row_block_amax(warp_amax, j, nthreads);
+      const int e = ue8m0_exponent(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
       q_at[j * nthreads] = (unsigned char)fmoe_x_code_hw(o[j], dsv4_pow2(-e));
       if ((tid & 127) == 0) s_at[j * (nthreads >> 7)] = dsv4_pow2(e);
     }

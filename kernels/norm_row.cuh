@@ -41,3 +41,26 @@ DSV4_INLINE void rmsnorm_row_in_registers(float* row, int dim, const float* weig
     }
   }
 }
+
+// The largest |x| of each 128-block of a row that rmsnorm_row_in_registers left in `o` (value i = threadIdx.x +
+// j * nthreads; nthreads, the block's threads, a multiple of 128, so a 128-block is one j across four warps):
+// each warp's largest goes to `warp_amax` (shared, VALS * nthreads / 32 floats, j-major), then a barrier. Every
+// thread of the block must call. norm_row_block_amax then reads a block's.
+template <int VALS>
+DSV4_INLINE void norm_row_warp_amax(const float (&o)[VALS], int dim, int nthreads, float* warp_amax) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = nthreads >> 5;
+#pragma unroll
+  for (int j = 0; j < VALS; ++j) {
+    if (j * nthreads >= dim) break;  // uniform; o[j] is 0 past dim, its block never read
+    const float a = warp_max(fabsf(o[j]));
+    if (lane == 0) warp_amax[j * nwarps + warp] = a;
+  }
+  __syncthreads();
+}
+
+// The largest |x| of the 128-block of this thread's value j (after norm_row_warp_amax): the fmaxf of its four
+// warps' (a maximum, so in any order the warp-wide reductions' value; fmaxf skips NaNs as warp_max does).
+DSV4_INLINE float norm_row_block_amax(const float* warp_amax, int j, int nthreads) {
+  const float* wa = warp_amax + j * (nthreads >> 5) + ((threadIdx.x >> 5) & ~3);
+  return fmaxf(fmaxf(wa[0], wa[1]), fmaxf(wa[2], wa[3]));
+}
