@@ -311,8 +311,9 @@ impl KernelSet for FastSet {
             Err(_) => return self.reference.moe(s, layer),
         };
         let rws = self.reference.workspace();
-        // The input's norm with x's quantisation where the boundary left it (norms_moe_input).
-        let norm = norms_moe_input(s, layer).then(|| MoeNorm {
+        // The input's norm with x's quantisation where the boundary left it (norms_moe_input: the
+        // fast MoE takes this layer, as `fl` says).
+        let norm = moe_input_norm_fits(s).then(|| MoeNorm {
             weight: Some(s.model.weights[s.model.handles.layers[layer].ffn_norm].data),
             eps: s.cfg.rms_norm_eps,
             round_out: s.opts.numerics == Numerics::Official,
@@ -345,8 +346,13 @@ impl KernelSet for FastSet {
 /// step and the layer, asked by both the boundary and the sub-block, so the two always agree on
 /// who runs the norm.
 fn norms_moe_input(s: &Step, l: usize) -> bool {
+    moe_input_norm_fits(s) && moe_layer(s, l).is_ok()
+}
+
+/// [`norms_moe_input`]'s part that does not depend on the layer: the tokens and the norm's block.
+fn moe_input_norm_fits(s: &Step) -> bool {
     let t = s.meta.num_tokens;
-    NORM_X_TOKENS.contains(&t) && norm_x_covers(t, s.cfg.hidden_size) && moe_layer(s, l).is_ok()
+    NORM_X_TOKENS.contains(&t) && norm_x_covers(t, s.cfg.hidden_size)
 }
 
 /// Tokens where the MoE input's norm makes x's codes ([`norms_moe_input`]). Measured (`dsv4
