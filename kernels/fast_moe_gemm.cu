@@ -48,6 +48,11 @@
 
 // FMOE_TOKENS, FMOE_WARPGROUPS, FMOE_STAGES, FMOE_UP_J, FMOE_DOWN_ROWS, FMOE_SMEM_BYTES and the tensor map
 // table's layout (FMOE_MAP_*) come from dsv4_consts.cuh (src/cuda/kernels/fast_moe_gemm.rs).
+// FMOE_STREAM_EVICT_FIRST (default 1): the experts' weight boxes are copied with L2's evict_first policy
+// (fmoe_produce_item); 0 gives the policy a fraction of 0, the default policy's behaviour.
+#ifndef FMOE_STREAM_EVICT_FIRST
+#define FMOE_STREAM_EVICT_FIRST 1
+#endif
 #define FMOE_CONSUMERS (FMOE_WARPGROUPS * 128)
 #define FMOE_THREADS (FMOE_CONSUMERS + 32)  // the consumer warpgroups, then the producer warp
 #define FMOE_ROWS (FMOE_WARPGROUPS * 64)    // weight rows of an item (and of a stage)
@@ -258,6 +263,12 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
     fs = (lane == 0 ? it.sa : it.sb) + (long long)(grow / 128) * (K / 128);
   }
   const unsigned tx = FMOE_SLOT_W + (!it.fp4 ? 0 : !it.s8 ? FMOE_SLOT_S : it.sc8_b != nullptr ? 2048 : 1024);
+  // An expert's weight boxes are copied with L2's evict_first policy (FMOE_STREAM_EVICT_FIRST): a routed expert's
+  // bytes are read once a layer (by the concurrent items of its tiles), so their stream should not push out of L2
+  // what the router's kernel asked it for ahead of the GEMMs, the shared expert's bytes (fmoe_logits_kernel),
+  // which the shared items then read (the same hint on them: a hit leaves the line to go first, once read). The
+  // policy is made at each stage (held across the item its 64 bits spilled in fmoe_experts_kernel, and chosen
+  // per item, routed or shared, so did the choice).
   // The weights of stage i (the item's i-th) into slot s, once the consumers have freed it.
   auto weights = [&](int i, int s, unsigned ph) {
     const int kb = fmoe_stage_at(it, i);
@@ -266,8 +277,9 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
     if (lane == 0) {
       if (i == 0 && header >= 0) fmoe_store_header(st, header);
       mbar_arrive_expect_tx(full, tx);
-      tma_load_2d(st, map_a, kb * FMOE_RB, it.row0, full);
-      tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full);
+      const unsigned long long policy = l2_policy_evict_first(FMOE_STREAM_EVICT_FIRST ? 1.0f : 0.0f);
+      tma_load_2d_hint(st, map_a, kb * FMOE_RB, it.row0, full, policy);
+      tma_load_2d_hint(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full, policy);
       if (it.s8) {
         bulk_load(st + FMOE_SLOT_W, it.sc8_a + kb * 1024, 1024, full);
         if (it.sc8_b != nullptr) bulk_load(st + FMOE_SLOT_W + 1024, it.sc8_b + kb * 1024, 1024, full);
