@@ -13,6 +13,7 @@ pub mod fast_moe;
 pub mod fast_moe_gemm;
 pub mod fast_moe_wide;
 pub mod indexer;
+pub mod l2_prefetch;
 pub mod linear;
 pub mod mhc;
 pub mod moe;
@@ -72,4 +73,5 @@ pub static FAST_FAMILIES: &[&KernelSource] = &[
     &fast_moe::SOURCE,
     &fast_moe_gemm::SOURCE,
     &fast_moe_wide::SOURCE,
+    &l2_prefetch::SOURCE,
 ];
