@@ -186,10 +186,11 @@ DSV4_INLINE float fmoe_score(float l, int scoring) {
 //
 // The shared expert's weights (pf_w1, pf_w3: pf_up_bytes each; pf_w2: pf_down_bytes; NULL: none), which the
 // layer's GEMMs read whatever the routing, are asked of L2 first (l2_prefetch_share: warps 0, 1, 2 of the
-// blocks with by == 0 take w1, w3, w2), before the programmatic wait: at few tokens this kernel, the selection
-// and the plan leave HBM nearly idle for their ~15 µs, enough to bring the shared expert's 25 MB (Flash) into
-// the 50 MB L2 before the GEMMs start; they then stream only the routed experts from HBM. FMOE_PF_SHARED = 0
-// leaves them out; FMOE_PF_EVICT_LAST = 1 asks with the evict_last policy.
+// blocks with by == 0 take w1, w3, w2), between the kernel's programmatic trigger and its wait: at few tokens
+// this kernel, the selection and the plan leave HBM nearly idle for their ~15 µs, enough to bring the shared
+// expert's 25 MB (Flash) into the 50 MB L2 before the GEMMs start; they then stream only the routed experts
+// from HBM. FMOE_PF_SHARED = 0 leaves them out (the trigger still comes first); FMOE_PF_EVICT_LAST = 1 asks
+// with the evict_last policy.
 #ifndef FMOE_PF_SHARED
 #define FMOE_PF_SHARED 1
 #endif
@@ -201,12 +202,13 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
                        int halves, unsigned char* xq, float* xs, const unsigned char* pf_w1,
                        const unsigned char* pf_w3, unsigned long long pf_up_bytes, const unsigned char* pf_w2,
                        unsigned long long pf_down_bytes) {
-  if (FMOE_PF_SHARED && blockIdx.y == 0 && threadIdx.x < 96) {  // weights only: before the wait
+  dsv4_pdl_trigger();  // (then only weights before the wait: common.cuh)
+  if (FMOE_PF_SHARED && blockIdx.y == 0 && threadIdx.x < 96) {
     const int w = threadIdx.x >> 5;
     l2_prefetch_share(w == 0 ? pf_w1 : w == 1 ? pf_w3 : pf_w2, w == 2 ? pf_down_bytes : pf_up_bytes, blockIdx.x,
                       gridDim.x, FMOE_PF_EVICT_LAST != 0);
   }
-  dsv4_pdl_begin();
+  dsv4_pdl_wait();
   __shared__ float part_sum[FMOE_LOGIT_WARPS][FMOE_LOGIT_TOKENS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t0 = blockIdx.y * FMOE_LOGIT_TOKENS;
