@@ -13,7 +13,6 @@ pub mod fast_moe;
 pub mod fast_moe_gemm;
 pub mod fast_moe_wide;
 pub mod indexer;
-pub mod l2_prefetch;
 pub mod linear;
 pub mod mhc;
 pub mod moe;
@@ -73,5 +72,4 @@ pub static FAST_FAMILIES: &[&KernelSource] = &[
     &fast_moe::SOURCE,
     &fast_moe_gemm::SOURCE,
     &fast_moe_wide::SOURCE,
-    &l2_prefetch::SOURCE,
 ];

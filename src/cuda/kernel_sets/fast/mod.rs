@@ -38,7 +38,6 @@ use crate::cuda::kernels::fast_moe::{
     FastExperts, FastMoe, FastMoeLayer, FastShared, MoeNorm, Unsupported, norm_x_covers,
 };
 use crate::cuda::kernels::indexer::IndexerArgs;
-use crate::cuda::kernels::l2_prefetch::L2Prefetch;
 use crate::cuda::kernels::moe::{RouterParams, Selection};
 use crate::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
 use crate::cuda::registry::{KernelSource, Registry};
@@ -70,7 +69,6 @@ pub struct FastSet {
     attention: FastAttention,
     indexer: FastIndexer,
     dense: FastDense,
-    prefetch: L2Prefetch,
     /// cuBLASLt's GEMMs for projections of many tokens ([`run_linear`]); None when the
     /// engine's token capacity stays below that or cuBLASLt cannot be loaded (said at WARN):
     /// the gemv runs every projection then.
@@ -120,7 +118,6 @@ impl FastSet {
             attention: FastAttention::new(reg)?,
             indexer: FastIndexer::new(reg)?,
             dense: FastDense::new(reg)?,
-            prefetch: L2Prefetch::new(reg)?,
             gemm,
             ws,
             reported: AtomicBool::new(false),
@@ -279,7 +276,6 @@ impl KernelSet for FastSet {
     }
 
     fn boundary(&self, s: &Step, done: Option<Branch>, next: Branch) -> Result<()> {
-        self.prefetch_sub_block(s, next)?;
         let sub_block_norms = match next {
             Branch::Attention(_) => false,
             Branch::Moe(l) => norms_moe_input(s, l),
@@ -340,39 +336,6 @@ impl KernelSet for FastSet {
 
     fn head(&self, s: &Step, done: Option<Branch>, out: &LogitsTarget) -> Result<()> {
         self.reference.head_with(s, done, out, Some(self))
-    }
-}
-
-/// Most tokens of a forward whose boundaries ask L2 for the next sub-block's first large weights
-/// ([`FastSet::prefetch_sub_block`]).
-pub const BOUNDARY_PREFETCH_MAX_TOKENS: usize = 16;
-
-impl FastSet {
-    /// At few tokens, the mHC boundary before a sub-block (reference kernels bound by their
-    /// dependent chains) leaves HBM idle for tens of µs: one launch first asks L2 for the weights
-    /// the sub-block streams first: the attention's wq_a, wkv and wq_b (44 MB at Flash shapes,
-    /// L2 holds 50), or the fast MoE's shared expert (25 MB; its router asks again, kernels/
-    /// fast_moe.cu). Asking costs no time on the chain (kernels/l2_prefetch.cu).
-    fn prefetch_sub_block(&self, s: &Step, next: Branch) -> Result<()> {
-        if s.meta.num_tokens > BOUNDARY_PREFETCH_MAX_TOKENS {
-            return Ok(());
-        }
-        let w = |i: usize| s.model.weights[i];
-        match next {
-            Branch::Attention(l) => {
-                let lw = &s.model.handles.layers[l];
-                let ws = [w(lw.wq_a), w(lw.wkv), w(lw.wq_b)];
-                self.prefetch.weights(s.ctx, &ws, s.stream)
-            }
-            Branch::Moe(l) => match moe_layer(s, l) {
-                Ok(FastMoeLayer {
-                    shared: Some(sh), ..
-                }) => self
-                    .prefetch
-                    .weights(s.ctx, &[sh.w1, sh.w3, sh.w2], s.stream),
-                _ => Ok(()),
-            },
-        }
     }
 }
 
