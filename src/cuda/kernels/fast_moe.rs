@@ -142,8 +142,8 @@ crate::kernel_family! {
     pub const SOURCE = "fast_moe", include_str!("../../../kernels/fast_moe.cu");
 
     /// Router scores (logits for softmax scoring) and x's FP8 quantisation (none without `xq`);
-    /// first, before its programmatic wait, L2 is asked for the shared expert's codes (`pf_*`,
-    /// None: no prefetch), which the GEMMs then read from it ([`SharedPrefetch`]).
+    /// first L2 is asked for the shared expert's codes (`pf_*`, None: no prefetch), which the
+    /// GEMMs then read from it ([`SharedPrefetch`]).
     #[pdl(true)]
     fn fmoe_logits_kernel(
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
@@ -245,8 +245,13 @@ pub struct FastShared {
 }
 
 /// Most tokens of a layer whose router kernel asks L2 for the shared expert's codes before the
-/// GEMMs read them ([`SharedPrefetch`]).
-pub const SHARED_PREFETCH_MAX_TOKENS: usize = TC_MIN_TOKENS - 1;
+/// GEMMs read them, and whose GEMMs copy expert weights with L2's evict_first policy
+/// ([`SharedPrefetch`]; FMOE_PF_MAX_T).
+pub const SHARED_PREFETCH_MAX_TOKENS: usize = 2;
+const _: () = assert!(
+    SHARED_PREFETCH_MAX_TOKENS < *fast_moe_gemm::FUSED_TOKENS.start(),
+    "the fused decode kernel copies without the evict_first policy (fmoe_experts_kernel)"
+);
 
 /// The shared expert's codes that `fmoe_logits_kernel` asks L2 for before its programmatic wait:
 /// at few tokens the router, the selection and the plan leave HBM nearly idle (~15 µs), and the
