@@ -183,33 +183,10 @@ DSV4_INLINE float fmoe_score(float l, int scoring) {
 // - warp w of blocks with b = bx * FMOE_LOGIT_WARPS + w < D / 128: fmoe_quant_x_block of block b (unless xq is
 //   NULL: the norm made them).
 // Requires D % (4 * FMOE_LOGIT_SPLIT) == 0 and D % 128 == 0.
-//
-// The shared expert's weights (pf_w1, pf_w3: pf_up_bytes each; pf_w2: pf_down_bytes; NULL: none), which the
-// layer's GEMMs read whatever the routing, are asked of L2 first (l2_prefetch_share: warps 0, 1, 2 of the
-// blocks with by == 0 take w1, w3, w2; the host passes them at up to FMOE_PF_MAX_T tokens): at one or two
-// tokens this kernel, the selection and the plan leave HBM nearly idle for their ~15 µs, enough to bring the
-// shared expert's 25 MB (Flash) into the 50 MB L2 before the GEMMs start, which then copy every expert's weights
-// with the evict_first policy (fast_moe_gemm.cu) and stream only the routed experts' from HBM. Asked after the
-// programmatic wait: asked before it, the kernel has to trigger first, which let the selection launch early and
-// cost more than the prefetch won (H100, B = 1: 73.5 against 67.8 µs a layer). FMOE_PF_SHARED = 0 leaves them
-// out; FMOE_PF_EVICT_LAST = 1 asks with the evict_last policy.
-#ifndef FMOE_PF_SHARED
-#define FMOE_PF_SHARED 1
-#endif
-#ifndef FMOE_PF_EVICT_LAST
-#define FMOE_PF_EVICT_LAST 0
-#endif
 extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
     fmoe_logits_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
-                       int halves, unsigned char* xq, float* xs, const unsigned char* pf_w1,
-                       const unsigned char* pf_w3, unsigned long long pf_up_bytes, const unsigned char* pf_w2,
-                       unsigned long long pf_down_bytes) {
+                       int halves, unsigned char* xq, float* xs) {
   dsv4_pdl_begin();
-  if (FMOE_PF_SHARED && blockIdx.y == 0 && threadIdx.x < 96) {
-    const int w = threadIdx.x >> 5;
-    l2_prefetch_share(w == 0 ? pf_w1 : w == 1 ? pf_w3 : pf_w2, w == 2 ? pf_down_bytes : pf_up_bytes, blockIdx.x,
-                      gridDim.x, FMOE_PF_EVICT_LAST != 0);
-  }
   __shared__ float part_sum[FMOE_LOGIT_WARPS][FMOE_LOGIT_TOKENS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t0 = blockIdx.y * FMOE_LOGIT_TOKENS;

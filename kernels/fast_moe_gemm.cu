@@ -48,11 +48,6 @@
 
 // FMOE_TOKENS, FMOE_WARPGROUPS, FMOE_STAGES, FMOE_UP_J, FMOE_DOWN_ROWS, FMOE_SMEM_BYTES and the tensor map
 // table's layout (FMOE_MAP_*) come from dsv4_consts.cuh (src/cuda/kernels/fast_moe_gemm.rs).
-// FMOE_STREAM_EVICT_FIRST (default 1): at up to FMOE_PF_MAX_T tokens the experts' weight boxes are copied with
-// L2's evict_first policy (fmoe_produce_item); 0 gives the policy a fraction of 0, the default's behaviour.
-#ifndef FMOE_STREAM_EVICT_FIRST
-#define FMOE_STREAM_EVICT_FIRST 1
-#endif
 #define FMOE_CONSUMERS (FMOE_WARPGROUPS * 128)
 #define FMOE_THREADS (FMOE_CONSUMERS + 32)  // the consumer warpgroups, then the producer warp
 #define FMOE_ROWS (FMOE_WARPGROUPS * 64)    // weight rows of an item (and of a stage)
@@ -241,7 +236,7 @@ DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
 // `header` >= 0: stored as the item's header in its first slot (the fused kernel). `ready` non-NULL: the item's
 // activations are complete once *ready reaches `target` (the fused kernel's down items wait for their tile's up
 // items); the weights of its first FMOE_STAGES stages are requested before that wait, their tokens after it.
-template <bool UP, bool EVICT_FIRST>
+template <bool UP>
 DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsigned smem, int& slot, unsigned& phase,
                                    int header, const unsigned* ready, unsigned target) {
   const int lane = threadIdx.x & 31, col = lane & 15, half = lane >> 4;
@@ -263,14 +258,6 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
     fs = (lane == 0 ? it.sa : it.sb) + (long long)(grow / 128) * (K / 128);
   }
   const unsigned tx = FMOE_SLOT_W + (!it.fp4 ? 0 : !it.s8 ? FMOE_SLOT_S : it.sc8_b != nullptr ? 2048 : 1024);
-  // At up to FMOE_PF_MAX_T tokens an expert's weight boxes are copied with L2's evict_first policy
-  // (FMOE_STREAM_EVICT_FIRST): the routed experts' stream then leaves in L2 what the router's kernel asked it
-  // for ahead of the GEMMs, the shared expert's bytes (fmoe_logits_kernel), which the shared items read (the same
-  // hint on them: a hit leaves the line to go first, once read). Measured on the H100 (µs a layer, B = 1 / 8 /
-  // 64 / 256): with the prefetch, 73.3 -> 67.5 at B = 1, but at every larger B slower (248.5 -> 258.7, 991 ->
-  // 1045, 1373 -> 1456), so only where the prefetch runs. The policy is made at each stage (held across the item
-  // its 64 bits spilled in fmoe_experts_kernel; so did a choice per item, routed or shared). EVICT_FIRST = false
-  // leaves the policy out (fmoe_experts_kernel, whose 4 .. 16 tokens never take it: the test alone spilled).
   // The weights of stage i (the item's i-th) into slot s, once the consumers have freed it.
   auto weights = [&](int i, int s, unsigned ph) {
     const int kb = fmoe_stage_at(it, i);
@@ -279,15 +266,8 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
     if (lane == 0) {
       if (i == 0 && header >= 0) fmoe_store_header(st, header);
       mbar_arrive_expect_tx(full, tx);
-      if (EVICT_FIRST) {
-        const unsigned long long policy =
-            l2_policy_evict_first(FMOE_STREAM_EVICT_FIRST && a.T <= FMOE_PF_MAX_T ? 1.0f : 0.0f);
-        tma_load_2d_hint(st, map_a, kb * FMOE_RB, it.row0, full, policy);
-        tma_load_2d_hint(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full, policy);
-      } else {
-        tma_load_2d(st, map_a, kb * FMOE_RB, it.row0, full);
-        tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full);
-      }
+      tma_load_2d(st, map_a, kb * FMOE_RB, it.row0, full);
+      tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full);
       if (it.s8) {
         bulk_load(st + FMOE_SLOT_W, it.sc8_a + kb * 1024, 1024, full);
         if (it.sc8_b != nullptr) bulk_load(st + FMOE_SLOT_W + 1024, it.sc8_b + kb * 1024, 1024, full);
@@ -349,7 +329,7 @@ DSV4_INLINE void fmoe_produce(const FmoeArgs& a, unsigned smem, int my_items) {
   fmoe_zero_token_slots(smem);
   for (int n = 0; n < my_items; ++n) {
     const FmoeItem it = fmoe_item<UP>(a, blockIdx.x + n * gridDim.x);
-    if (!it.skip) fmoe_produce_item<UP, true>(a, it, smem, slot, phase, -1, nullptr, 0);
+    if (!it.skip) fmoe_produce_item<UP>(a, it, smem, slot, phase, -1, nullptr, 0);
   }
   cp_async_wait_all();  // the copies land before the warp exits
 }
@@ -820,7 +800,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       if (lane == 0) w_next = (int)atomicAdd(next, 1u);
       if (w < nup) {
         const FmoeItem it = fmoe_item<true>(up, w);
-        if (!it.skip) fmoe_produce_item<true, false>(up, it, smem, slot, phase, w, nullptr, 0);
+        if (!it.skip) fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0);
       } else {
         const FmoeItem it = fmoe_item<false>(dn, w - nup);
         const unsigned* ready = tile_ready + (w - nup) / rb_dn;
@@ -828,7 +808,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         // stages, and the item streams as any other. Else its first weights go out before the wait (waiting
         // for each item's tokens behind its weights cost ~1.5 us a down item).
         if (fmoe_load_acquire(ready) >= (unsigned)rb_up) ready = nullptr;
-        if (!it.skip) fmoe_produce_item<false, false>(dn, it, smem, slot, phase, w, ready, (unsigned)rb_up);
+        if (!it.skip) fmoe_produce_item<false>(dn, it, smem, slot, phase, w, ready, (unsigned)rb_up);
       }
       w = __shfl_sync(0xffffffffu, w_next, 0);
     }

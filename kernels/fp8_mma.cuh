@@ -336,60 +336,6 @@ DSV4_INLINE void tma_load_2d(unsigned dst, const void* map, int x, int y, unsign
       : "memory");
 }
 
-// L2 cache policies for the `.L2::cache_hint` forms below: evict_first for bytes read once (a stream that should
-// not push out what others will read), evict_last for bytes asked for ahead of their reader.
-// evict_first for the given fraction (0 .. 1) of the accesses that use it, the others unchanged (0: the default
-// policy's behaviour).
-DSV4_INLINE unsigned long long l2_policy_evict_first(float fraction) {
-  unsigned long long p;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, %1;\n" : "=l"(p) : "f"(fraction));
-  return p;
-}
-DSV4_INLINE unsigned long long l2_policy_evict_last() {
-  unsigned long long p;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
-  return p;
-}
-
-// tma_load_2d with an L2 cache policy (l2_policy_*).
-DSV4_INLINE void tma_load_2d_hint(unsigned dst, const void* map, int x, int y, unsigned bar,
-                                  unsigned long long policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, "
-      "{%2, %3}], [%4], %5;\n" ::"r"(dst),
-      "l"(map), "r"(x), "r"(y), "r"(bar), "l"(policy)
-      : "memory");
-}
-
-// Asks L2 to fetch `bytes` (a multiple of 16) at p (16-byte aligned) from HBM now, without waiting and
-// without registers: a hint the memory system may drop (the later loads then go to HBM themselves).
-DSV4_INLINE void l2_prefetch(const void* p, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-}
-// l2_prefetch with an L2 cache policy (l2_policy_*).
-DSV4_INLINE void l2_prefetch_hint(const void* p, unsigned bytes, unsigned long long policy) {
-  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;\n" ::"l"(p), "r"(bytes), "l"(policy)
-               : "memory");
-}
-
-// Block `part` of `parts` asks L2 for its share of [p, p + bytes) (p 128-byte aligned, bytes a multiple of 16):
-// equal 4 KiB-aligned slices a block, each cut into 32 equal 128-byte-aligned pieces, one l2_prefetch a lane of
-// the calling warp. Reads nothing and waits for nothing, so it may run before a programmatic launch's wait when
-// the bytes are weights (common.cuh).
-DSV4_INLINE void l2_prefetch_share(const unsigned char* p, unsigned long long bytes, int part, int parts,
-                                   bool evict_last) {
-  if (p == nullptr || bytes == 0) return;
-  const unsigned long long slice = ((bytes + parts - 1) / parts + 4095) & ~4095ull;
-  const unsigned long long piece = slice / 32;  // a multiple of 128
-  const unsigned long long begin = (unsigned long long)part * slice + (threadIdx.x & 31) * piece;
-  if (begin >= bytes) return;
-  const unsigned long long end = begin + piece < bytes ? begin + piece : bytes;
-  const unsigned n = (unsigned)((end - begin) & ~15ull);
-  if (n == 0) return;
-  if (evict_last) l2_prefetch_hint(p + begin, n, l2_policy_evict_last());
-  else l2_prefetch(p + begin, n);
-}
-
 // tma_load_2d into the same shared-space address of every block of the cluster in `mask`, completing its bytes on
 // each one's mbarrier at `bar`.
 DSV4_INLINE void tma_load_2d_multicast(unsigned dst, const void* map, int x, int y, unsigned bar,

@@ -87,7 +87,6 @@ pub const SHARED: &[Shared] = shared! {
     "FMOE_GATE_TILE" = Int(fast_moe::GATE_TILE as i64) from "fast_moe::GATE_TILE";
     "FMOE_TC_SMEM_BYTES" = Int(fast_moe::TC_SMEM_BYTES as i64) from "fast_moe::TC_SMEM_BYTES";
     "FMOE_SELECT_WARPS" = Int(fast_moe::SELECT_WARPS as i64) from "fast_moe::SELECT_WARPS";
-    "FMOE_PF_MAX_T" = Int(fast_moe::SHARED_PREFETCH_MAX_TOKENS as i64) from "fast_moe::SHARED_PREFETCH_MAX_TOKENS";
     "FMOE_MAX_EPL" = Int(fast_moe::MAX_EPL as i64) from "fast_moe::MAX_EPL";
     "FMOE_TOKENS" = Int(fast_moe_gemm::TOKENS as i64) from "fast_moe_gemm::TOKENS";
     "FMOE_WARPGROUPS" = Int(fast_moe_gemm::WARPGROUPS as i64) from "fast_moe_gemm::WARPGROUPS";

@@ -141,14 +141,11 @@ crate::kernel_family! {
     /// The family as the registry compiles and loads it.
     pub const SOURCE = "fast_moe", include_str!("../../../kernels/fast_moe.cu");
 
-    /// Router scores (logits for softmax scoring) and x's FP8 quantisation (none without `xq`);
-    /// first L2 is asked for the shared expert's codes (`pf_*`, None: no prefetch), which the
-    /// GEMMs then read from it ([`SharedPrefetch`]).
+    /// Router scores (logits for softmax scoring) and x's FP8 quantisation (none without `xq`).
     #[pdl(true)]
     fn fmoe_logits_kernel(
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
-        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>, pf_w1: Option<*const u8>,
-        pf_w3: Option<*const u8>, pf_up_bytes: u64, pf_w2: Option<*const u8>, pf_down_bytes: u64,
+        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>,
     );
     /// The MoE input's RMSNorm in place with x's FP8 quantisation, on `rmsnorm_kernel`'s block
     /// ([`MoeNorm`]).
@@ -242,59 +239,6 @@ pub struct FastShared {
     pub w1: WeightDev,
     pub w3: WeightDev,
     pub w2: WeightDev,
-}
-
-/// Most tokens of a layer whose router kernel asks L2 for the shared expert's codes before the
-/// GEMMs read them, and whose GEMMs copy expert weights with L2's evict_first policy
-/// ([`SharedPrefetch`]; FMOE_PF_MAX_T).
-pub const SHARED_PREFETCH_MAX_TOKENS: usize = 2;
-const _: () = assert!(
-    SHARED_PREFETCH_MAX_TOKENS < *fast_moe_gemm::FUSED_TOKENS.start(),
-    "the fused decode kernel copies without the evict_first policy (fmoe_experts_kernel)"
-);
-
-/// The shared expert's codes that `fmoe_logits_kernel` asks L2 for before its programmatic wait:
-/// at few tokens the router, the selection and the plan leave HBM nearly idle (~15 µs), and the
-/// shared expert (25 MB at Flash shapes, a quarter of a one-token layer's bytes) is read by the
-/// GEMMs whatever the routing, so its bytes can move then instead of beside the routed experts'.
-/// The GEMMs copy the experts' weights with L2's evict_first policy so that the routed experts'
-/// stream leaves these in L2 (kernels/fast_moe_gemm.cu, FMOE_STREAM_EVICT_FIRST).
-#[derive(Clone, Copy, Debug)]
-pub struct SharedPrefetch {
-    pub w1: DevicePtr,
-    pub w3: DevicePtr,
-    pub up_bytes: u64,
-    pub w2: DevicePtr,
-    pub down_bytes: u64,
-}
-
-impl SharedPrefetch {
-    /// The prefetch of a layer's shared expert `shared` for a batch of `t` tokens, None where there
-    /// is no shared expert, the batch is larger than [`SHARED_PREFETCH_MAX_TOKENS`] or a buffer is
-    /// not 16-byte aligned and sized (the bulk prefetch's requirement).
-    pub fn of(shared: Option<&FastShared>, t: usize) -> Option<SharedPrefetch> {
-        let sh = shared?;
-        if t > SHARED_PREFETCH_MAX_TOKENS {
-            return None;
-        }
-        let bytes = |w: &WeightDev| w.format.data_bytes(w.rows, w.cols) as u64;
-        let (up_bytes, down_bytes) = (bytes(&sh.w1), bytes(&sh.w2));
-        let aligned = |w: &WeightDev| w.data.addr().is_multiple_of(16);
-        if bytes(&sh.w3) != up_bytes
-            || !up_bytes.is_multiple_of(16)
-            || !down_bytes.is_multiple_of(16)
-            || ![&sh.w1, &sh.w3, &sh.w2].into_iter().all(aligned)
-        {
-            return None;
-        }
-        Some(SharedPrefetch {
-            w1: sh.w1.data,
-            w3: sh.w3.data,
-            up_bytes,
-            w2: sh.w2.data,
-            down_bytes,
-        })
-    }
 }
 
 /// One MoE layer's device operands.
@@ -798,7 +742,6 @@ impl FastMoe {
                 t.div_ceil(LOGIT_TOKENS) as u32,
                 1,
             );
-            let pf = SharedPrefetch::of(layer.shared.as_ref(), t);
             let args = fmoe_logits_kernel::Args {
                 x,
                 t: t32,
@@ -810,11 +753,6 @@ impl FastMoe {
                 halves: path.halves_order(),
                 xq: (!x_made).then_some(ws.xq),
                 xs: (!x_made).then_some(ws.xs),
-                pf_w1: pf.map(|p| p.w1),
-                pf_w3: pf.map(|p| p.w3),
-                pf_up_bytes: pf.map_or(0, |p| p.up_bytes),
-                pf_w2: pf.map(|p| p.w2),
-                pf_down_bytes: pf.map_or(0, |p| p.down_bytes),
             };
             let block = (LOGIT_WARPS * 32) as u32;
             self.route.logits.launch(grid, block, 0, stream, args)?;
@@ -929,57 +867,5 @@ impl FastMoe {
                 self.gemm.down(ctx, layer, t, &ws, path, stream)
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn fp8(addr: u64, rows: usize, cols: usize) -> WeightDev {
-        WeightDev {
-            format: StorageFormat::Fp8,
-            // SAFETY: never dereferenced: the prefetch's ranges are only computed here.
-            data: unsafe { DevicePtr::from_raw(addr, rows * cols) },
-            scales: None,
-            block: [128, 128],
-            rows,
-            cols,
-        }
-    }
-
-    fn flash_shared(w1: u64) -> FastShared {
-        FastShared {
-            w1: fp8(w1, 2048, 4096),
-            w3: fp8(w1 + (8 << 20), 2048, 4096),
-            w2: fp8(w1 + (16 << 20), 4096, 2048),
-        }
-    }
-
-    #[test]
-    fn the_shared_prefetch_takes_each_matrix_whole_up_to_its_token_limit() {
-        let sh = flash_shared(1 << 30);
-        let pf = SharedPrefetch::of(Some(&sh), 1).expect("one token");
-        assert_eq!((pf.up_bytes, pf.down_bytes), (8 << 20, 8 << 20));
-        assert_eq!(
-            [pf.w1.addr(), pf.w3.addr(), pf.w2.addr()],
-            [sh.w1.data.addr(), sh.w3.data.addr(), sh.w2.data.addr()]
-        );
-        assert!(SharedPrefetch::of(Some(&sh), SHARED_PREFETCH_MAX_TOKENS).is_some());
-        assert!(SharedPrefetch::of(Some(&sh), SHARED_PREFETCH_MAX_TOKENS + 1).is_none());
-        assert!(SharedPrefetch::of(None, 1).is_none(), "no shared expert");
-    }
-
-    #[test]
-    fn the_shared_prefetch_refuses_what_the_bulk_prefetch_cannot_take() {
-        // A matrix not 16-byte aligned, and one whose bytes are not a multiple of 16.
-        assert!(SharedPrefetch::of(Some(&flash_shared((1 << 30) + 8)), 1).is_none());
-        let mut odd = flash_shared(1 << 30);
-        odd.w2 = fp8(odd.w2.data.addr(), 4095, 2041);
-        assert!(SharedPrefetch::of(Some(&odd), 1).is_none());
-        // w3 of another size than w1: the kernel takes one size for both.
-        let mut uneven = flash_shared(1 << 30);
-        uneven.w3 = fp8(uneven.w3.data.addr(), 1024, 4096);
-        assert!(SharedPrefetch::of(Some(&uneven), 1).is_none());
     }
 }
