@@ -7,10 +7,13 @@ here is measured: this reads the ratios those runs recorded and sets each beside
 (PERF.md "must"; the issues' "Must show"), so a claim in BENCHMARKS.md or an issue note can be
 checked against the data it cites.
 
-Each must is judged on the NEWEST file that has any of its cases (one bench run, one build: cases
-an older run measured and a newer one did not are not mixed in), files ordered by the time git
-added them (files git does not know come last, in the order given). A must is met only if every
-case of that file is.
+Each must is judged per GPU (the file's `gpu`: "H100", "H200", else as written; the ratios are to
+that machine's own ceilings, and the same kernel stands differently on each: an H100's HBM is
+slower, its tensor cores are not) on the NEWEST file of that GPU that has any of its cases (one
+bench run, one build: cases an older run measured and a newer one did not are not mixed in), files
+ordered by the time git added them (files git does not know come last, in the order given). A must
+is met on a GPU only if every case of that file is, and met only if it is met on every GPU with
+data.
 
 - Issue 11 (`bench: moe`): decode B <= 256 at >= 75% of HBM on touched-expert bytes, prefill
   B >= 4096 at >= 50% of the FP8 peak, each batch size's fastest path in the file (the path the
@@ -59,6 +62,18 @@ def added_at(path):
 
 # Each loaded file's in-run ceilings ({"fp8_flop_per_s": ..., ...}), by path.
 CEILINGS = {}
+# Each loaded file's GPU (gpu_kind), by path.
+GPUS = {}
+
+
+def gpu_kind(name):
+    """The GPU a result file names, as the musts are grouped: "H100" or "H200" (any variant's
+    name: "NVIDIA H100 80GB HBM3"), else the name as written ("unknown" if none)."""
+    name = str(name or "unknown")
+    for kind in ("H100", "H200"):
+        if kind in name:
+            return kind
+    return name
 
 
 def load(paths):
@@ -71,6 +86,7 @@ def load(paths):
     for p in paths:
         with open(p) as f:
             doc = json.load(f)
+        GPUS[p] = gpu_kind(doc.get("gpu") if isinstance(doc, dict) else None)
         if isinstance(doc, dict) and isinstance(doc.get("ceilings"), dict):
             CEILINGS[p] = doc["ceilings"]
         if isinstance(doc, dict) and isinstance(doc.get("cases"), list):
@@ -79,12 +95,16 @@ def load(paths):
 
 
 def newest(rows):
-    """rows: (key, value, label, file) in file order (load's). The rows of the last file that has
-    any, by key (a key twice in that file: its last)."""
-    if not rows:
-        return {}
-    last = rows[-1][3]
-    return {key: (value, label, path) for key, value, label, path in rows if path == last}
+    """rows: (key, value, label, file) in file order (load's). Per GPU (GPUS), the rows of that
+    GPU's last file that has any, by key (a key twice in that file: its last):
+    {gpu: {key: (value, label, file)}}."""
+    last = {}
+    for row in rows:
+        last[GPUS.get(row[3], "unknown")] = row[3]
+    return {
+        gpu: {key: (value, label, path) for key, value, label, path in rows if path == file}
+        for gpu, file in last.items()
+    }
 
 
 def moe_rows(cases):
@@ -191,22 +211,28 @@ def attn_rows(cases):
 
 
 def standing(paths):
-    """{must: {"threshold", "met", "cases": [{case, value, met, file}]}} over the files."""
+    """{must: {"threshold", "met", "by_gpu": {gpu: {"met", "cases"}}, "cases"}} over the files:
+    each case {case, value, met, file, gpu}; "cases" lists every GPU's, and "met" needs the must
+    met on every GPU with data (and some data)."""
     cases = load(paths)
     found = {}
     for part in (moe_rows(cases), dense_rows(cases), attn_rows(cases)):
         found.update(part)
     out = {}
     for must, threshold in MUSTS.items():
-        rows = found.get(must, {})
-        listed = [
-            {"case": label, "value": round(value, 3), "met": value >= threshold, "file": path}
-            for key, (value, label, path) in sorted(rows.items(), key=lambda kv: str(kv[0]))
-        ]
+        by_gpu = {}
+        for gpu, rows in sorted(found.get(must, {}).items()):
+            listed = [
+                {"case": label, "value": round(value, 3), "met": value >= threshold, "file": path,
+                 "gpu": gpu}
+                for key, (value, label, path) in sorted(rows.items(), key=lambda kv: str(kv[0]))
+            ]
+            by_gpu[gpu] = {"met": bool(listed) and all(r["met"] for r in listed), "cases": listed}
         out[must] = {
             "threshold": threshold,
-            "met": bool(listed) and all(r["met"] for r in listed),
-            "cases": listed,
+            "met": bool(by_gpu) and all(g["met"] for g in by_gpu.values()),
+            "by_gpu": by_gpu,
+            "cases": [c for g in by_gpu.values() for c in g["cases"]],
         }
     return out
 
@@ -223,9 +249,11 @@ def main(argv):
     for must, r in result.items():
         verdict = "no data" if not r["cases"] else ("MET" if r["met"] else "not met")
         print(f"{must}: {verdict}")
-        for row in r["cases"]:
-            mark = "ok " if row["met"] else "-- "
-            print(f"  {mark}{row['value']:>8}  {row['case']}  [{row['file']}]")
+        for gpu, g in r["by_gpu"].items():
+            print(f"  {gpu}: {'MET' if g['met'] else 'not met'}")
+            for row in g["cases"]:
+                mark = "ok " if row["met"] else "-- "
+                print(f"    {mark}{row['value']:>8}  {row['case']}  [{row['file']}]")
     return 0
 
 

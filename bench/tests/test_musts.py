@@ -10,9 +10,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 import musts  # noqa: E402
 
 
-def write(tmp_path, name, cases):
+def write(tmp_path, name, cases, gpu="NVIDIA H200"):
     p = tmp_path / name
-    p.write_text(json.dumps({"date": "x", "ceilings": {}, "cases": cases}))
+    p.write_text(json.dumps({"date": "x", "gpu": gpu, "ceilings": {}, "cases": cases}))
     return str(p)
 
 
@@ -42,6 +42,17 @@ def test_moe_takes_each_batch_size_fastest_path_and_the_newest_run(tmp_path):
     assert r["11 >= 4x torch (B >= 64)"]["cases"][0]["value"] == 3.1
     # Only the older run: its numbers, and the must met.
     assert musts.standing([old])["11 decode >= 75% HBM (B <= 256)"]["met"]
+
+
+def test_each_gpu_is_judged_on_its_own_newest_run(tmp_path):
+    h200 = write(tmp_path, "a.json", [moe(8, "decode", 200.0, 0.72)])
+    h100 = write(tmp_path, "b.json", [moe(8, "decode", 240.0, 0.85)], gpu="NVIDIA H100 80GB HBM3")
+    dec = musts.standing([h200, h100])["11 decode >= 75% HBM (B <= 256)"]
+    # The H100's newer run does not hide the H200's: each machine against its own ceiling.
+    assert {g: m["met"] for g, m in dec["by_gpu"].items()} == {"H100": True, "H200": False}
+    assert [c["gpu"] for c in dec["cases"]] == ["H100", "H200"] and not dec["met"]
+    assert musts.standing([h100])["11 decode >= 75% HBM (B <= 256)"]["met"]
+    assert musts.gpu_kind(None) == "unknown" and musts.gpu_kind("NVIDIA B200") == "NVIDIA B200"
 
 
 def dense(name, t, path, hbm, fp8, fmt="fp8", act=True, bf16=None):
