@@ -10,6 +10,7 @@
 # ARGS: the bench's arguments (default none: the bench's own cases). Labels must not contain '_'.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/gpu-unpack.sh  # the carried pack's binaries (scripts/gpu-unpack.sh)
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 kind=${1:?usage: $0 KIND LABEL=CLI [LABEL=CLI ...]}

@@ -19,6 +19,7 @@
 # DSV4_CLI: the dsv4 binary (default target/gpu-bin/dsv4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/gpu-unpack.sh  # the carried pack's binaries (scripts/gpu-unpack.sh)
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 CLI=${DSV4_CLI:-target/gpu-bin/dsv4}

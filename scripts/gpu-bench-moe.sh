@@ -6,6 +6,7 @@
 # Extra arguments go to `dsv4 bench moe` (e.g. --batches 1,8 --routing uniform).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/gpu-unpack.sh  # the carried pack's binaries (scripts/gpu-unpack.sh)
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 cli=${DSV4_CLI:-target/gpu-bin/dsv4}

@@ -8,6 +8,7 @@
 # usage: scripts/gpu-bench.sh KIND [arguments for `dsv4 bench KIND`]
 set -uo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/gpu-unpack.sh  # the carried pack's binaries (scripts/gpu-unpack.sh)
 kind=${1:?usage: $0 KIND [bench arguments]}
 shift
 OUT=${OUT:-./gpu-out}

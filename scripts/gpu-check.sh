@@ -111,10 +111,7 @@ if [ "${1:-}" = "--stage" ]; then
 fi
 
 # A carried pack (--stage above) unpacks next to it: target/gpu-bin (and target/gpu-prev).
-pack="${CARGO_TARGET_DIR:-target}/gpu-pack/bin.tar.xz"
-if [ -f "$pack" ] && [ ! -d "${CARGO_TARGET_DIR:-target}/gpu-bin" ]; then
-  tar xJf "$pack" -C "${CARGO_TARGET_DIR:-target}" || echo "could not unpack $pack" >&2
-fi
+bash scripts/gpu-unpack.sh
 
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"

@@ -10,6 +10,7 @@
 #        scripts/gpu-profile.sh attn --kernels fi_score_kernel -- --contexts 65536 --batches 64
 set -uo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/gpu-unpack.sh  # the carried pack's binaries (scripts/gpu-unpack.sh)
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 cli=${DSV4_CLI:-target/gpu-bin/dsv4}

@@ -12,6 +12,7 @@
 # is).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/gpu-unpack.sh  # the carried pack's binaries (scripts/gpu-unpack.sh)
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)

@@ -9,6 +9,7 @@
 # usage: scripts/gpu-step-timeline.sh CONFIG [BATCH] [TOKENS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/gpu-unpack.sh  # the carried pack's binaries (scripts/gpu-unpack.sh)
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 cfg=$1
