@@ -273,16 +273,13 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS)
 // value: fmaxf skips NaNs alike). Each value's code is then fd_quant_codes' byte (fd_quant_code), stored a byte a
 // lane: a warp's 32 consecutive bytes. Requires dim % 128 == 0 and dim <= VALS * nthreads (the wrapper checks).
 // Grid-stride over rows.
-#define FD_NO_AMAX 128  // the warps' maxima a block keeps: VALS x warps of either block
 static_assert(RN_ROWS_THREADS % 128 == 0, "fd_norm_operands: a 128-block is four whole warps of one j");
-static_assert(RN_VALS * 32 <= FD_NO_AMAX && RN_ROWS_VALS * (RN_ROWS_THREADS / 32) <= FD_NO_AMAX,
-              "fd_norm_operands: the warps' maxima of a row");
 template <int VALS, int THREADS>
 DSV4_INLINE void fd_norm_operands(float* x, int rows, int dim, int ld, const float* weight, float eps, int round_out,
                                   int m, unsigned char* codes, float* scale, unsigned short* bf16,
                                   unsigned short* act, float* act_scale) {
   __shared__ double scratch[32];
-  __shared__ float warp_amax[FD_NO_AMAX];
+  __shared__ float warp_amax[NORM_ROW_AMAX];
   // THREADS: the block's threads where a compile-time constant (the rows kernel's), else 0 (blockDim.x).
   const int nthreads = THREADS > 0 ? THREADS : (int)blockDim.x;
   const int tid = threadIdx.x;

@@ -82,14 +82,11 @@ DSV4_INLINE int fmoe_x_pos(int k, bool halves) {
 // gate rows, and a prefill's selection no longer reads x. Requires dim % 128 == 0 and dim <= VALS * blockDim (the
 // wrapper checks). Grid-stride over rows. (128 registers on the rows kernel's block, two blocks an SM as
 // rmsnorm_rows_kernel; with a code's address made at each j it took 157.)
-#define FMOE_NX_AMAX 128  // the warps' maxima a block keeps: VALS x warps of either shape
-static_assert(RN_VALS * 32 <= FMOE_NX_AMAX && RN_ROWS_VALS * (RN_ROWS_THREADS / 32) <= FMOE_NX_AMAX,
-              "fmoe_norm_x: the warps' maxima of a row");
 template <int VALS, int THREADS>
 DSV4_INLINE void fmoe_norm_x(float* x, int rows, int dim, const float* weight, float eps, int round_out, int halves,
                              unsigned char* xq, float* xs) {
   __shared__ double scratch[32];
-  __shared__ float warp_amax[FMOE_NX_AMAX];
+  __shared__ float warp_amax[NORM_ROW_AMAX];
   // THREADS: the block's threads where a compile-time constant (the rows kernel's), else 0 (blockDim.x).
   const int nthreads = THREADS > 0 ? THREADS : (int)blockDim.x;
   const int tid = threadIdx.x;

@@ -46,6 +46,10 @@ DSV4_INLINE void rmsnorm_row_in_registers(float* row, int dim, const float* weig
 // j * nthreads; nthreads, the block's threads, a multiple of 128, so a 128-block is one j across four warps):
 // each warp's largest goes to `warp_amax` (shared, VALS * nthreads / 32 floats, j-major), then a barrier. Every
 // thread of the block must call. norm_row_block_amax then reads a block's.
+// The warps' maxima a block keeps for norm_row_warp_amax (VALS x warps), enough for either rmsnorm block shape.
+#define NORM_ROW_AMAX 128
+static_assert(RN_VALS * 32 <= NORM_ROW_AMAX && RN_ROWS_VALS * (RN_ROWS_THREADS / 32) <= NORM_ROW_AMAX,
+              "norm_row_warp_amax: the warps' maxima of a row");
 template <int VALS>
 DSV4_INLINE void norm_row_warp_amax(const float (&o)[VALS], int dim, int nthreads, float* warp_amax) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = nthreads >> 5;
