@@ -9,26 +9,11 @@
 // reference kernels. fmoe_gate_planes_kernel builds the tensor-core router's derived gate planes (finalize, refit).
 #include "common.cuh"
 #include "fp8_mma.cuh"
-#include "norm_row.cuh"  // fmoe_norm_x_kernel
+#include "norm_row.cuh"        // fmoe_norm_x_kernel
+#include "fast_moe_route.cuh"  // x's quantisation, the logits' tiles, a token's selection
 
 // FMOE_LOGIT_WARPS, FMOE_LOGIT_EXPERTS, FMOE_LOGIT_SPLIT, FMOE_LOGIT_TOKENS, FMOE_SELECT_WARPS, FMOE_MAX_EPL and
-// SCORE_* come from
-// dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
-
-// x's official act_quant of 128-block b of token t, by one warp whose lane holds the block's values 4·lane ..
-// 4·lane + 3 in v: the e4m3 codes into xq[t][d] in the order of the GEMMs that read them (fp8_mma.cuh: the
-// halves order for the prefill path's, `halves`, else the fragment order), the block's scale into xs[t][b]
-// (value x scale bit-identical to act_quant_kernel).
-// x's block scale s for the block's largest |x|, amax: the official act_quant's.
-DSV4_INLINE float fmoe_x_scale(float amax) { return ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX); }
-
-// The e4m3 code of value v of a block whose scale's reciprocal is inv = 1 / s: s is a power of two, so v · (1 / s)
-// is v / s exactly (one rounding either way); clamped as Rust's clamp (NaN stays NaN).
-DSV4_INLINE unsigned fmoe_x_code(float v, float inv) {
-  float q = v * inv;
-  q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
-  return e4m3_code_rn(q);
-}
+// SCORE_* come from dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
 
 // fmoe_x_code's code by the hardware's conversion: cvt.rn.satfinite.e4m3x2.f32 rounds to the nearest e4m3fn
 // value, ties to even, subnormals and signed zeros included (e4m3_code_rn's grid: kernels/fast_dense.cu
@@ -41,26 +26,6 @@ DSV4_INLINE unsigned fmoe_x_code_hw(float v, float inv) {
   unsigned short c;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(c) : "f"(0.0f), "f"(q));  // q's code in the low byte
   return c & 0xffu;
-}
-
-DSV4_INLINE void fmoe_quant_x_store(float4 v, long long t, int D, int b, bool halves, unsigned char* xq, float* xs) {
-  const int lane = threadIdx.x & 31;
-  const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-  const float s = fmoe_x_scale(amax);
-  const float inv = 1.0f / s;
-  const float vv[4] = {v.x, v.y, v.z, v.w};
-  unsigned code[4];
-#pragma unroll
-  for (int c = 0; c < 4; ++c) code[c] = fmoe_x_code(vv[c], inv);
-  // This lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th 32-block (t8 = lane % 8 / 2).
-  unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1);
-  if (halves) {  // positions 4·t8 + 16·(lane % 2) + c: one word
-    *reinterpret_cast<unsigned*>(blk + 16 * (lane & 1)) = code[0] | (code[1] << 8) | (code[2] << 16) | (code[3] << 24);
-  } else {  // c = 0, 2 are even elements (positions 4·t8 + 2·(lane % 2) + 0, 1), c = 1, 3 odd ones (+ 16)
-    *reinterpret_cast<unsigned short*>(blk + 2 * (lane & 1)) = (unsigned short)(code[0] | (code[2] << 8));
-    *reinterpret_cast<unsigned short*>(blk + 2 * (lane & 1) + 16) = (unsigned short)(code[1] | (code[3] << 8));
-  }
-  if (lane == 0) xs[t * (D / 128) + b] = s;
 }
 
 // The byte of value k (0..127) of a 128-block in xq, where fmoe_quant_x_store puts it: lane k / 4, c = k % 4.
@@ -127,25 +92,6 @@ extern "C" __global__ void __launch_bounds__(RN_ROWS_THREADS)
   fmoe_norm_x<RN_ROWS_VALS, RN_ROWS_THREADS>(x, rows, dim, weight, eps, round_out, halves, xq, xs);
 }
 
-// x's act_quant (fmoe_quant_x_store) of 128-block b of tokens t0 .. t0 + nt - 1, by one warp.
-DSV4_INLINE void fmoe_quant_x_block(const float* x, int t0, int nt, int D, int b, bool halves, unsigned char* xq,
-                                   float* xs) {
-  const int lane = threadIdx.x & 31;
-  // Eight rows' loads in flight at a time: one at a time, a 64-row block waited on memory for each row in
-  // turn.
-  for (int r0 = 0; r0 < nt; r0 += 8) {
-    float4 v8[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (r0 + i < nt) v8[i] = reinterpret_cast<const float4*>(x + (long long)(t0 + r0 + i) * D + b * 128)[lane];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      if (r0 + i >= nt) break;  // uniform over the warp
-      fmoe_quant_x_store(v8[i], t0 + r0 + i, D, b, halves, xq, xs);
-    }
-  }
-}
-
 // x's act_quant of every 128-block of token t, by one warp: eight blocks' loads in flight at a time.
 DSV4_INLINE void fmoe_quant_x_row(const float* x, long long t, int D, bool halves, unsigned char* xq, float* xs) {
   const int lane = threadIdx.x & 31, nb = D / 128;
@@ -163,20 +109,10 @@ DSV4_INLINE void fmoe_quant_x_row(const float* x, long long t, int D, bool halve
   }
 }
 
-// The router score of logit l: sqrt(softplus(l)) (linear above 20) or sigmoid(l), or l itself for softmax
-// scoring (fmoe_select_kernel normalises over the experts).
-DSV4_INLINE float fmoe_score(float l, int scoring) {
-  if (scoring == SCORE_SQRTSOFTPLUS) return sqrtf(l > 20.0f ? l : log1pf(expf(l)));
-  if (scoring == SCORE_SIGMOID) return 1.0f / (1.0f + expf(-l));
-  return l;
-}
-
 // Router scores in f32, and x's act_quant, for few tokens. Block (bx, by) takes token group by *
 // FMOE_LOGIT_TOKENS + [0, FMOE_LOGIT_TOKENS); its FMOE_LOGIT_WARPS warps are FMOE_LOGIT_EXPERTS experts x
 // FMOE_LOGIT_SPLIT parts of D, so many warps stream the gate at once:
-// - warp w: expert e = bx * FMOE_LOGIT_EXPERTS + w / FMOE_LOGIT_SPLIT, its part w % FMOE_LOGIT_SPLIT of the
-//   dot products with 16-byte loads, per-lane sums in k order, a fixed butterfly, then the parts summed in
-//   order: the logit l, scores[t][e] = fmoe_score(l);
+// - the tile (bx, by) of the logits (fmoe_logits_tile, fast_moe_route.cuh);
 // - warp w of blocks with b = bx * FMOE_LOGIT_WARPS + w < D / 128: fmoe_quant_x_block of block b (unless xq is
 //   NULL: the norm made them).
 // Requires D % (4 * FMOE_LOGIT_SPLIT) == 0 and D % 128 == 0.
@@ -185,50 +121,15 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
                        int halves, unsigned char* xq, float* xs) {
   dsv4_pdl_begin();
   __shared__ float part_sum[FMOE_LOGIT_WARPS][FMOE_LOGIT_TOKENS];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warp = threadIdx.x >> 5;
   const int t0 = blockIdx.y * FMOE_LOGIT_TOKENS;
   const int nt = min(FMOE_LOGIT_TOKENS, T - t0);
   if (nt <= 0) return;  // whole block
   const int b = blockIdx.x * FMOE_LOGIT_WARPS + warp;
   // (xq NULL: the input's norm made x's codes already, fmoe_norm_x_kernel.)
   if (xq != nullptr && b < D / 128) fmoe_quant_x_block(x, t0, nt, D, b, halves != 0, xq, xs);
-  const int e = blockIdx.x * FMOE_LOGIT_EXPERTS + warp / FMOE_LOGIT_SPLIT;
-  const int part = warp % FMOE_LOGIT_SPLIT;
-  const int c_begin = part * (D / 4 / FMOE_LOGIT_SPLIT), c_end = c_begin + D / 4 / FMOE_LOGIT_SPLIT;
-  float acc[FMOE_LOGIT_TOKENS];
-#pragma unroll
-  for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) acc[r] = 0.0f;
-  if (e < E) {
-    const float4* g4 = reinterpret_cast<const float4*>(gate + (long long)e * D);
-#pragma unroll 4
-    for (int c = c_begin + lane; c < c_end; c += 32) {
-      const float4 gv = g4[c];
-#pragma unroll
-      for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
-        if (r < nt) {
-          const float4 xv = reinterpret_cast<const float4*>(x + (long long)(t0 + r) * D)[c];
-          acc[r] = fmaf(xv.x, gv.x, acc[r]);
-          acc[r] = fmaf(xv.y, gv.y, acc[r]);
-          acc[r] = fmaf(xv.z, gv.z, acc[r]);
-          acc[r] = fmaf(xv.w, gv.w, acc[r]);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
-    const float s = warp_sum(acc[r]);
-    if (lane == 0) part_sum[warp][r] = s;
-  }
-  __syncthreads();
-  // Thread (expert slot, token) = (tid / FMOE_LOGIT_TOKENS, tid % FMOE_LOGIT_TOKENS) finishes one logit.
-  const int slot = threadIdx.x / FMOE_LOGIT_TOKENS, r = threadIdx.x % FMOE_LOGIT_TOKENS;
-  const int ex = blockIdx.x * FMOE_LOGIT_EXPERTS + slot;
-  if (slot < FMOE_LOGIT_EXPERTS && ex < E && r < nt) {
-    float l = 0.0f;
-    for (int p = 0; p < FMOE_LOGIT_SPLIT; ++p) l += part_sum[slot * FMOE_LOGIT_SPLIT + p][r];
-    scores[(long long)(t0 + r) * E + ex] = fmoe_score(l, scoring);
-  }
+  fmoe_logits_tile(x, T, D, E, gate, scoring, scores, blockIdx.x, blockIdx.y, threadIdx.x, part_sum,
+                   [] { __syncthreads(); });
 }
 
 // The router scores for many tokens, on the BF16 tensor cores: block (bx, by) computes the logits of
@@ -460,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
   }
 }
 
-// One warp per token t:
+// One warp per token t (steps 1-3: fmoe_select_token, fast_moe_route.cuh):
 // 1. the scores of fmoe_logits_kernel (softmax scoring: the softmax of its logits over the experts);
 // 2. selection: the hash row tid2eid[tokens[t]] when tid2eid is given, else the top-k of score + bias
 //    (bias may be NULL; NaN ranks below everything; ties to the lower index);
@@ -473,92 +374,23 @@ extern "C" __global__ void __launch_bounds__(FMOE_SELECT_WARPS * 32)
                        const int* tokens, int scoring, int renorm, float route_scale, int* ids, float* weights,
                        const float* x, int D, int halves, unsigned char* xq, float* xs) {
   dsv4_pdl_begin();
-  const int lane = threadIdx.x & 31;
   const int t = blockIdx.x * FMOE_SELECT_WARPS + (threadIdx.x >> 5);
   if (t >= T) return;  // whole warp
   if (x != nullptr) fmoe_quant_x_row(x, t, D, halves != 0, xq, xs);
-
-  float sc[FMOE_MAX_EPL], key[FMOE_MAX_EPL];
-  const float* lt = scores + (long long)t * E;
-  float m = -DSV4_F32_INF;
-#pragma unroll
-  for (int i = 0; i < FMOE_MAX_EPL; ++i) {
-    const int e = lane + 32 * i;
-    sc[i] = e < E ? lt[e] : -DSV4_F32_INF;
-    m = fmaxf(m, sc[i]);
-  }
-  if (scoring == SCORE_SOFTMAX) {
-    m = warp_max(m);
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < FMOE_MAX_EPL; ++i) {
-      sc[i] = lane + 32 * i < E ? expf(sc[i] - m) : 0.0f;
-      s += sc[i];
-    }
-    s = warp_sum(s);
-#pragma unroll
-    for (int i = 0; i < FMOE_MAX_EPL; ++i) sc[i] = sc[i] / s;
-  }
-#pragma unroll
-  for (int i = 0; i < FMOE_MAX_EPL; ++i) {
-    const int e = lane + 32 * i;
-    float v = sc[i];
-    if (bias != nullptr && e < E) v = v + bias[e];
-    key[i] = v != v ? -DSV4_F32_INF : v;
-  }
-
-  unsigned taken = 0u;  // bit i: entry lane + 32 i is selected (or past E)
-#pragma unroll
-  for (int i = 0; i < FMOE_MAX_EPL; ++i)
-    if (lane + 32 * i >= E) taken |= 1u << i;
-  int my_id = -1;
-  float my_w = 0.0f, wsum = 0.0f;
-  for (int j = 0; j < k; ++j) {
-    int sel;
-    if (tid2eid != nullptr) {
-      sel = tid2eid[(long long)tokens[t] * k + j];
-    } else {
-      float bv = -DSV4_F32_INF;
-      int bi = -1;
-#pragma unroll
-      for (int i = 0; i < FMOE_MAX_EPL; ++i) {  // ascending index: strict > keeps the lower one
-        if (!(taken & (1u << i)) && (bi < 0 || key[i] > bv)) {
-          bv = key[i];
-          bi = lane + 32 * i;
-        }
-      }
-      warp_argmax(bv, bi);
-      sel = bi;
-      if (sel >= 0 && (sel & 31) == lane) taken |= 1u << (sel >> 5);
-    }
-    // The selected score, from the lane that holds it.
-    float mine = 0.0f;
-#pragma unroll
-    for (int i = 0; i < FMOE_MAX_EPL; ++i)
-      if (sel >= 0 && sel < E && (sel >> 5) == i) mine = sc[i];
-    const float s = __shfl_sync(0xffffffffu, mine, sel >= 0 ? (sel & 31) : 0);
-    const float ws = (sel >= 0 && sel < E) ? s : 0.0f;
-    wsum += ws;
-    if (lane == j) {
-      my_id = sel;
-      my_w = ws;
-    }
-  }
-  if (lane < k) {
-    const float w = renorm ? my_w / wsum : my_w;
-    ids[(long long)t * k + lane] = my_id;
-    weights[(long long)t * k + lane] = w * route_scale;
-  }
+  fmoe_select_token(scores, t, E, k, bias, tid2eid, tokens, scoring, renorm, route_scale, ids, weights);
 }
 
 // out[t][d] = bf16(Σ_j y[t*k + j][d] + y[T*k + t][d]) accumulated in f32 in that order (routed slots in
 // selection order, then the shared expert when has_shared), stored as f32. Slots whose id is outside
 // [0, E) are skipped. Thread (blockIdx.x * 128 + threadIdx.x) of row blockIdx.y sums 8 columns.
-// Requires D % 8 == 0.
+// `clear` (may be NULL): clear_words u32 zeroed as well, the synchronisation words of the
+// fmoe_route_experts_kernel launch before (fast_moe_gemm.cu), zero for the next one. Requires D % 8 == 0.
 extern "C" __global__ void __launch_bounds__(128)
     fmoe_combine_kernel(const unsigned short* y, const int* ids, int T, int k, int E, int D, int has_shared,
-                        float* out) {
+                        float* out, unsigned* clear, int clear_words) {
   dsv4_pdl_begin();
+  if (clear != nullptr && blockIdx.x == 0 && blockIdx.y == 0)
+    for (int i = threadIdx.x; i < clear_words; i += blockDim.x) clear[i] = 0u;
   const int t = blockIdx.y;
   const int d0 = (blockIdx.x * 128 + threadIdx.x) * 8;
   if (d0 >= D) return;

@@ -213,13 +213,14 @@ struct FmoeArgs {
 };
 
 // The arguments of a GEMM of K columns and N weight rows: up K = D, N = I; down K = I, N = D. `table` is the
-// layer's whole UE8M0 scale table (or NULL).
+// layer's whole UE8M0 scale table (or NULL). ntiles NULL: the plan is not made yet (fmoe_route_experts_kernel,
+// whose items do not read nrt).
 DSV4_INLINE FmoeArgs fmoe_args(const unsigned char* act, const float* act_s, int T, int K, int N, int k,
                                const int* rows, const int* tiles, const int* ntiles, int e_begin, int e_end,
                                const unsigned char* maps, const unsigned long long* sa,
                                const unsigned long long* sb, int fmt, int shared_fmt, const float* shared_sa,
                                const float* shared_sb, const unsigned char* table, int D, int I) {
   return {act,        act_s,     T,         K,          N,    k,   rows,        tiles,
-          *ntiles,    e_begin,   e_end,     maps,       sa,   sb,  fmt,         shared_fmt,
+          ntiles != nullptr ? *ntiles : 0, e_begin,   e_end,     maps,       sa,   sb,  fmt,         shared_fmt,
           shared_sa,  shared_sb, fmoe_sc8_data(table), fmoe_sc8_foldable(table), D, I};
 }

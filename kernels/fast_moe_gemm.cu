@@ -45,6 +45,8 @@
 #include "common.cuh"
 #include "fp8_mma.cuh"
 #include "fast_moe_common.cuh"
+#include "fast_moe_route.cuh"  // fmoe_route_experts_kernel's router steps
+#include "moe_plan.cuh"        // and its plan
 
 // FMOE_TOKENS, FMOE_WARPGROUPS, FMOE_STAGES, FMOE_UP_J, FMOE_DOWN_ROWS, FMOE_SMEM_BYTES and the tensor map
 // table's layout (FMOE_MAP_*) come from dsv4_consts.cuh (src/cuda/kernels/fast_moe_gemm.rs).
@@ -98,10 +100,22 @@ struct FmoeItem {
 
 DSV4_INLINE int fmoe_rblocks(bool up, int N) { return up ? N / FMOE_UP_J : (N + FMOE_DOWN_ROWS - 1) / FMOE_DOWN_ROWS; }
 
-template <bool UP>
+// Shared tiles (token tiles of the shared expert): after the plan's routed ones, or first (SHARED_FIRST).
+DSV4_INLINE int fmoe_shared_tiles(const FmoeArgs& a) {
+  return a.shared_fmt != 0 ? (a.T + FMOE_TOKENS - 1) / FMOE_TOKENS : 0;
+}
+
+// Work item wi: tile wi / (row blocks), row block wi % (row blocks). The tiles are the plan's routed ones, then
+// the shared expert's, or with SHARED_FIRST (fmoe_route_experts_kernel) the shared ones first: those items are
+// then known before the plan is.
+template <bool UP, bool SHARED_FIRST = false>
 DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
   const int rb_n = fmoe_rblocks(UP, a.N);
   const int tile = wi / rb_n, rb = wi - tile * rb_n;
+  const int nsh = SHARED_FIRST ? fmoe_shared_tiles(a) : 0;
+  const bool routed = SHARED_FIRST ? tile >= nsh : tile < a.nrt;
+  const int rt = tile - nsh;                           // the routed tile's index in the plan
+  const int st = SHARED_FIRST ? tile : tile - a.nrt;  // the shared token tile's
   FmoeItem it;
   it.skip = false;
   it.row0 = rb * (UP ? FMOE_UP_J : FMOE_DOWN_ROWS);
@@ -110,11 +124,11 @@ DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
   it.sc8_a = it.sc8_b = nullptr;
   const int nloc = a.e_end - a.e_begin;
   int x = nloc;  // the item's entry in the per-expert tables
-  if (tile < a.nrt) {
-    const int e = a.tiles[3 * tile];
+  if (routed) {
+    const int e = a.tiles[3 * rt];
     it.skip = e < a.e_begin || e >= a.e_end;
-    it.start = a.tiles[3 * tile + 1];
-    it.n = a.tiles[3 * tile + 2];
+    it.start = a.tiles[3 * rt + 1];
+    it.n = a.tiles[3 * rt + 2];
     it.shared = false;
     it.fp4 = a.fmt == WFMT_FP4;
     // The tables hold the local experts only (possibly none): read them for those.
@@ -126,7 +140,7 @@ DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
       it.sb = reinterpret_cast<const float*>(a.sb[le]);
     }
   } else {
-    it.start = (tile - a.nrt) * FMOE_TOKENS;
+    it.start = st * FMOE_TOKENS;
     it.n = min(FMOE_TOKENS, a.T - it.start);
     it.shared = true;
     it.fp4 = a.shared_fmt == WFMT_FP4;
@@ -698,11 +712,6 @@ DSV4_INLINE unsigned fmoe_block_init() {
   return smem;
 }
 
-// Shared tiles (token tiles of the shared expert) after the plan's routed ones.
-DSV4_INLINE int fmoe_shared_tiles(const FmoeArgs& a) {
-  return a.shared_fmt != 0 ? (a.T + FMOE_TOKENS - 1) / FMOE_TOKENS : 0;
-}
-
 // Body of the two-kernel path's kernels. UP: K = D, weight rows j of W1/W3 (N = I of them), act = xq [T][D]
 // with xs; out hq [T*k + T][I] codes in fragment order and hs [T*k + T][I/128]. DOWN: K = I, rows of W2 (N =
 // D), act = hq with hs; out y [T*k + T][D] bf16. Block b takes items b, b + gridDim.x, ...
@@ -842,6 +851,278 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         if (warp < 8) asm volatile("bar.arrive 2, 288;\n" ::: "memory");
       } else {
         const FmoeItem it = fmoe_item<false>(dn, w - nup);
+        fmoe_consume_item<false>(dn, it, smem, slot, phase, acc);
+        fmoe_down_store(dn, it, acc, y);
+      }
+    }
+    if (threadIdx.x == 0) pub_tile[nup_done & 1] = -1;
+    named_barrier(1, FMOE_CONSUMERS + 32);
+  }
+}
+
+// ------------------------------------------------------------------ the router and both GEMMs in one launch
+//
+// fmoe_route_experts_kernel: fmoe_logits_kernel, fmoe_select_kernel, moe_plan_kernel and fmoe_experts_kernel in
+// one launch, for few tokens (the layer's decode path at 1-3 tokens, fast_moe_gemm.rs ROUTED_TOKENS), the same
+// functions on the same data: the same bits. What it buys: the shared expert's up items (a quarter of a
+// one-token layer's bytes at Flash shapes) need no routing, so they stream from the launch's start while other
+// blocks compute the logits, the selection and the plan; the routed items start as soon as the plan is
+// published instead of after three more launches.
+//
+// The queue (as fmoe_experts_kernel's) hands out, in order: R router jobs, then the shared expert's up items,
+// the routed up items, then the down items (shared tiles first; fmoe_item's SHARED_FIRST numbering). A block's
+// producer posts a router job to its consumers as an item header of -2 - job (no data in the slot), then goes
+// on taking items; the consumers run the job (fmoe_router_job) and then the items behind it. So every wait is
+// for work that a running block holds (router jobs are taken before any item): no block waits on one that may
+// not be resident. The waits, through the synchronisation words:
+// - up items: x's codes, when the launch makes them (x_made 0): the first nq router jobs quantise x and count
+//   in at FMOE_RSYNC_X; the producer requests an item's first weight stages before it waits;
+// - routed items: the plan (FMOE_RSYNC_PLAN), published by the router job that finishes its logits last (its
+//   count at FMOE_RSYNC_LOGITS is R - 1): it selects every token and makes the plan, then counts it in;
+// - down items: their tile's up items, as in fmoe_experts_kernel.
+#define FMOE_RSYNC_NEXT 0    // the queue's head
+#define FMOE_RSYNC_X 1       // router jobs that have stored their part of x's codes
+#define FMOE_RSYNC_LOGITS 2  // router jobs done with their logit tiles
+#define FMOE_RSYNC_PLAN 3    // 1 once the selection and the plan are stored
+#define FMOE_RSYNC_TILES 4   // per tile (shared tiles first): its up items done
+// Item headers (fmoe_store_header): router job j, down item i (up items: their index; the end: -1). The
+// consumers then tell an item's kind without the plan's tile count.
+#define FMOE_ROUTER_HEADER(j) (-2 - (j))
+#define FMOE_DOWN_HEADER (1 << 30)
+static_assert(FMOE_LOGIT_WARPS * 64 == FMOE_CONSUMERS, "fast_moe_gemm: a router job is two logit tiles at once");
+static_assert((9 * 32 * FMOE_MAX_EPL + 1) * 4 <= 2 * FMOE_GU_FLOATS * 4,
+              "fast_moe_gemm: the router's plan fits in the up epilogue's buffers");
+
+// What the router steps read and write (fmoe_route_experts_kernel's arguments).
+struct FmoeRouter {
+  const float* x;  // [T][D], the MoE's input
+  int T, D, E, k;
+  const float* gate;
+  int scoring;
+  const float* bias;      // may be NULL
+  const int* tid2eid;     // hash layers: [vocab][k], else NULL
+  const int* tokens;      // hash layers: [T]
+  int renorm;
+  float route_scale;
+  float* scores;          // [T][E]
+  int* ids;               // [T][k]
+  float* weights;         // [T][k]
+  bool x_made;            // xq / xs hold x's codes already (the input's norm made them)
+  unsigned char* xq;
+  float* xs;
+  int *offsets, *rows, *tiles, *ntiles;  // the plan (tile_rows FMOE_TOKENS)
+};
+
+// Router jobs of a launch: two logit tiles a job (one a half of the consumer warps) over the blocks that do not
+// take a shared up item first, at least one.
+DSV4_INLINE int fmoe_router_jobs(const FmoeRouter& r, int shared_up_items) {
+  const int tiles = (r.E + FMOE_LOGIT_EXPERTS - 1) / FMOE_LOGIT_EXPERTS *
+                    ((r.T + FMOE_LOGIT_TOKENS - 1) / FMOE_LOGIT_TOKENS);
+  return max(1, min((tiles + 1) / 2, (int)gridDim.x - shared_up_items));
+}
+
+// Router jobs that quantise x (each takes 16 of its (token tile, 128-block) pairs at a time), or 0 when x_made.
+DSV4_INLINE int fmoe_router_quant_jobs(const FmoeRouter& r, int jobs) {
+  if (r.x_made) return 0;
+  const int pairs = (r.T + FMOE_LOGIT_TOKENS - 1) / FMOE_LOGIT_TOKENS * (r.D / 128);
+  return min(jobs, (pairs + 15) / 16);
+}
+
+// Router job `job` of `jobs`, by the block's consumer threads (warps 0-15; `scratch`: the up epilogue's buffers,
+// free between items):
+// 1. x's codes (unless made): pairs (token tile, 128-block) job·16 + warp, + 16·jobs, ... (fmoe_quant_x_block,
+//    the fragment order of the decode GEMMs), then counted in at FMOE_RSYNC_X;
+// 2. logit tiles 2·job + half, + 2·jobs, ... (fmoe_logits_tile; half = warp / 8), then counted in at
+//    FMOE_RSYNC_LOGITS;
+// 3. the job counted in last: every token's selection (fmoe_select_token, warp w the tokens w, w + 16, ...),
+//    the plan (moe_plan_block on warps 0-7), then FMOE_RSYNC_PLAN.
+static __device__ __noinline__ void fmoe_router_job(const FmoeRouter& r, int job, int jobs, int quant_jobs,
+                                                    unsigned* sync, unsigned char* scratch) {
+  __shared__ int is_last;
+  __shared__ int wsum[32];
+  const int tid = threadIdx.x, warp = tid >> 5, half = warp >> 3;
+  const int tg = (r.T + FMOE_LOGIT_TOKENS - 1) / FMOE_LOGIT_TOKENS;
+  named_barrier(3, FMOE_CONSUMERS);  // every warp is done with the last item's epilogue (the scratch)
+  if (job < quant_jobs) {
+    const int nb = r.D / 128, pairs = tg * nb;
+    for (int j = job * 16 + warp; j < pairs; j += jobs * 16) {
+      const int t0 = (j / nb) * FMOE_LOGIT_TOKENS;
+      fmoe_quant_x_block(r.x, t0, min(FMOE_LOGIT_TOKENS, r.T - t0), r.D, j % nb, false, r.xq, r.xs);
+    }
+    named_barrier(3, FMOE_CONSUMERS);
+    if (tid == 0) fmoe_count_ready(sync + FMOE_RSYNC_X);
+  }
+  float(*part_sum)[FMOE_LOGIT_TOKENS] =
+      reinterpret_cast<float(*)[FMOE_LOGIT_TOKENS]>(scratch) + half * FMOE_LOGIT_WARPS;
+  const int nbx = (r.E + FMOE_LOGIT_EXPERTS - 1) / FMOE_LOGIT_EXPERTS;
+  auto half_sync = [half] { named_barrier(4 + half, FMOE_LOGIT_WARPS * 32); };
+  for (int v = 2 * job + half; v < nbx * tg; v += 2 * jobs) {
+    fmoe_logits_tile(r.x, r.T, r.D, r.E, r.gate, r.scoring, r.scores, v % nbx, v / nbx, tid & 255, part_sum,
+                     half_sync);
+    half_sync();  // the parts are read before the next tile writes them
+  }
+  named_barrier(3, FMOE_CONSUMERS);
+  if (tid == 0) {
+    // Release this job's scores; the last job's acquire sees every job's.
+    unsigned before;
+    asm volatile("fence.acq_rel.gpu;\natom.add.acq_rel.gpu.global.u32 %0, [%1], 1;\n"
+                 : "=r"(before)
+                 : "l"(sync + FMOE_RSYNC_LOGITS)
+                 : "memory");
+    is_last = before == (unsigned)(jobs - 1);
+  }
+  named_barrier(3, FMOE_CONSUMERS);
+  if (!is_last) return;
+  for (int t = warp; t < r.T; t += FMOE_CONSUMERS / 32)
+    fmoe_select_token(r.scores, t, r.E, r.k, r.bias, r.tid2eid, r.tokens, r.scoring, r.renorm, r.route_scale,
+                      r.ids, r.weights);
+  named_barrier(3, FMOE_CONSUMERS);
+  if (warp < 8)
+    moe_plan_block<8>(r.ids, r.T, r.k, r.E, FMOE_TOKENS, r.offsets, r.rows, r.tiles, r.ntiles,
+                      reinterpret_cast<int*>(scratch), wsum, PlanSync{4u, 256u});
+  named_barrier(3, FMOE_CONSUMERS);
+  if (tid == 0) fmoe_count_ready(sync + FMOE_RSYNC_PLAN);
+}
+
+// The plan's routed tiles, once FMOE_RSYNC_PLAN says it is stored (every calling thread waits and acquires).
+DSV4_INLINE int fmoe_wait_plan(const unsigned* sync, const int* ntiles) {
+  fmoe_wait_count(sync + FMOE_RSYNC_PLAN, 1u);
+  return (int)fmoe_load_acquire(reinterpret_cast<const unsigned*>(ntiles));
+}
+
+// The router and both expert GEMMs of T tokens (see above). The router's arguments as fmoe_logits_kernel's and
+// fmoe_select_kernel's (x_made: xq / xs hold x's codes, in the fragment order; else the launch makes them), the
+// plan's as moe_plan_kernel's with tile_rows FMOE_TOKENS, the GEMMs' as fmoe_experts_kernel's. `sync`: the
+// FMOE_RSYNC_* words, zero when the launch starts (the layer's combine zeroes them after it). Requires E <= 32 *
+// FMOE_MAX_EPL, k <= 32, D % 128 == 0, D % (4 * FMOE_LOGIT_SPLIT) == 0, I % 128 == 0.
+extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
+    fmoe_route_experts_kernel(const float* x, int T, int D, int I, int k, int E, const float* gate, int scoring,
+                              const float* bias, const int* tid2eid, const int* tokens, int renorm,
+                              float route_scale, float* scores, int* ids, float* route_w, int x_made,
+                              unsigned char* xq, float* xs, int* offsets, int* rows, int* tiles, int* ntiles,
+                              int e_begin, int e_end, const unsigned char* maps, const unsigned long long* s1,
+                              const unsigned long long* s3, const unsigned long long* s2, int fmt, int fmt2,
+                              int shared_fmt, int shared_fmt2, const float* shared_s1, const float* shared_s3,
+                              const float* shared_s2, const unsigned char* sc8, float limit, unsigned char* hq,
+                              float* hs, unsigned short* y, unsigned* sync) {
+  dsv4_pdl_begin();
+  const FmoeRouter router = {x,      T,        D,     E,          k,        gate,  scoring, bias,
+                             tid2eid, tokens,  renorm, route_scale, scores, ids,   route_w, x_made != 0,
+                             xq,     xs,       offsets, rows,     tiles,    ntiles};
+  // No plan yet (nrt 0): the SHARED_FIRST items never read nrt.
+  const FmoeArgs up = fmoe_args(xq, xs, T, D, I, k, rows, tiles, nullptr, e_begin, e_end, maps, s1, s3, fmt, shared_fmt,
+                          shared_s1, shared_s3, sc8, D, I);
+  const FmoeArgs dn = fmoe_args(hq, hs, T, I, D, k, rows, tiles, nullptr, e_begin, e_end, maps, s2, s2, fmt2,
+                          shared_fmt2, shared_s2, shared_s2, sc8, D, I);
+  const unsigned smem = fmoe_block_init();
+  const int nsh = fmoe_shared_tiles(up);
+  const int rb_up = fmoe_rblocks(true, I), rb_dn = fmoe_rblocks(false, D);
+  const int sh_up = nsh * rb_up;  // the shared up items: known before the plan
+  const int jobs = fmoe_router_jobs(router, sh_up), quant_jobs = fmoe_router_quant_jobs(router, jobs);
+  unsigned* next = sync + FMOE_RSYNC_NEXT;
+  unsigned* tile_ready = sync + FMOE_RSYNC_TILES;
+  const int lane = threadIdx.x & 31;
+  __shared__ volatile int pub_tile[2];
+  if (threadIdx.x >= FMOE_THREADS) {
+    // The publisher, as fmoe_experts_kernel's.
+    for (int n = 0;; ++n) {
+      named_barrier(1, FMOE_CONSUMERS + 32);
+      const int tile = pub_tile[n & 1];
+      if (tile < 0) break;
+      named_barrier(2, 256 + 32);
+      if (lane == 0) fmoe_count_ready(tile_ready + tile);
+      __syncwarp();
+    }
+  } else if (threadIdx.x >= FMOE_CONSUMERS) {
+    // The producer: router jobs and items in the order the queue hands them out.
+    int slot = 0;
+    unsigned phase = 0;
+    fmoe_zero_token_slots(smem);
+    int nup = -1, total = -1;  // up items and all items, once the plan is known
+    bool x_ready = quant_jobs == 0;
+    int w = 0;
+    if (lane == 0) w = (int)atomicAdd(next, 1u);
+    w = __shfl_sync(0xffffffffu, w, 0);
+    for (;;) {
+      const int q = w - jobs;  // the item (q >= 0)
+      if (q >= sh_up && total < 0) {
+        const int nrt = fmoe_wait_plan(sync, ntiles);
+        nup = (nrt + nsh) * rb_up;
+        total = nup + (nrt + nsh) * rb_dn;
+      }
+      if (total >= 0 && q >= total) break;
+      int w_next = 0;
+      if (lane == 0) w_next = (int)atomicAdd(next, 1u);
+      if (q < 0) {
+        // A router job: a header and no data; the slot's full barrier still takes every lane's arrival.
+        mbar_wait(fmoe_empty(smem, slot), phase ^ 1);
+        const unsigned full = fmoe_full(smem, slot);
+        if (lane == 0) {
+          fmoe_store_header(smem + slot * FMOE_SLOT, FMOE_ROUTER_HEADER(w));
+          mbar_arrive(full);
+        }
+        cp_async_mbar_arrive(full);
+        fmoe_ring_advance(slot, phase, FMOE_STAGES);
+      } else if (q < (nup < 0 ? sh_up : nup)) {
+        const FmoeItem it = fmoe_item<true, true>(up, q);
+        const unsigned* ready = nullptr;
+        if (!x_ready) {
+          x_ready = fmoe_load_acquire(sync + FMOE_RSYNC_X) >= (unsigned)quant_jobs;
+          if (!x_ready) ready = sync + FMOE_RSYNC_X;
+        }
+        if (!it.skip) {
+          fmoe_produce_item<true>(up, it, smem, slot, phase, q, ready, (unsigned)quant_jobs);
+          x_ready = true;  // (it waited for them)
+        }
+      } else {
+        const FmoeItem it = fmoe_item<false, true>(dn, q - nup);
+        const unsigned* ready = tile_ready + (q - nup) / rb_dn;
+        if (fmoe_load_acquire(ready) >= (unsigned)rb_up) ready = nullptr;
+        if (!it.skip)
+          fmoe_produce_item<false>(dn, it, smem, slot, phase, FMOE_DOWN_HEADER | (q - nup), ready, (unsigned)rb_up);
+      }
+      w = __shfl_sync(0xffffffffu, w_next, 0);
+    }
+    mbar_wait(fmoe_empty(smem, slot), phase ^ 1);
+    const unsigned full = fmoe_full(smem, slot);
+    if (lane == 0) {
+      fmoe_store_header(smem + slot * FMOE_SLOT, -1);
+      mbar_arrive(full);
+    }
+    cp_async_mbar_arrive(full);
+    cp_async_wait_all();
+  } else {
+    // The consumers: router jobs, then items, each announced by its header. A producer's pulls from the queue
+    // only grow, so a block's router jobs (the queue's first) come before its first item: the jobs run here,
+    // outside the items' loop (a call inside it had the loop keep its ring phase in local memory).
+    extern __shared__ __align__(1024) unsigned char fmoe_smem[];
+    int slot = 0;
+    unsigned phase = 0;
+    int h;
+    for (;;) {
+      mbar_wait(fmoe_full(smem, slot), phase);
+      h = fmoe_load_header(smem + slot * FMOE_SLOT);
+      if (h >= -1) break;
+      __syncwarp();
+      if (lane == 0) mbar_arrive(fmoe_empty(smem, slot));
+      fmoe_ring_advance(slot, phase, FMOE_STAGES);
+      fmoe_router_job(router, -2 - h, jobs, quant_jobs, sync, fmoe_smem + FMOE_STAGES * FMOE_SLOT);
+    }
+    // A routed item's plan (tiles, rows, weights) is visible here: its producer acquired it before it posted
+    // the item, and the slot's barrier orders the consumers after the producer.
+    float acc[8];
+    int nup_done = 0;
+    const int warp = threadIdx.x >> 5;
+    for (; h != -1; mbar_wait(fmoe_full(smem, slot), phase), h = fmoe_load_header(smem + slot * FMOE_SLOT)) {
+      if (h < FMOE_DOWN_HEADER) {
+        const FmoeItem it = fmoe_item<true, true>(up, h);
+        fmoe_consume_item<true>(up, it, smem, slot, phase, acc);
+        const int n = nup_done++;
+        if (threadIdx.x == 0) pub_tile[n & 1] = h / rb_up;
+        fmoe_up_epilogue(up, it, acc, n & 1, route_w, limit, hq, hs, FMOE_CONSUMERS + 32);
+        if (warp < 8) asm volatile("bar.arrive 2, 288;\n" ::: "memory");
+      } else {
+        const FmoeItem it = fmoe_item<false, true>(dn, h - FMOE_DOWN_HEADER);
         fmoe_consume_item<false>(dn, it, smem, slot, phase, acc);
         fmoe_down_store(dn, it, acc, y);
       }

@@ -19,6 +19,7 @@
 // (PLAN_WARPS warps, each owning a contiguous segment of the assignments).
 
 #include "gemm_core.cuh"
+#include "moe_plan.cuh"  // the plan's block and scans
 // ------------------------------------------------------------------------ elementwise helpers
 
 // x * sigmoid(x) evaluated in f64, rounded once (ops.rs silu).
@@ -193,80 +194,8 @@ extern "C" __global__ void __launch_bounds__(1024)
 
 // --------------------------------------------------------------------------------- plan
 
-// Exclusive prefix sum of v over the block (blockDim a multiple of 32); *total gets the sum.
-// Every thread must call; ends with a barrier. wsum: __shared__ int[32].
-DSV4_INLINE int block_excl_scan(int v, int* wsum, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  int inc = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(FULL_MASK, inc, o);
-    if (lane >= o) inc += y;
-  }
-  if (lane == 31) wsum[warp] = inc;
-  __syncthreads();
-  if (warp == 0) {
-    int s = lane < nw ? wsum[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(FULL_MASK, s, o);
-      if (lane >= o) s += y;
-    }
-    wsum[lane] = s;
-  }
-  __syncthreads();
-  const int base = warp > 0 ? wsum[warp - 1] : 0;
-  *total = wsum[nw - 1];
-  __syncthreads();
-  return base + inc - v;
-}
-
-// From the per-expert totals eoff[0 .. E) (shared memory, all threads): eoff[e] becomes expert e's offset
-// (exclusive sum in expert order) and eoff[E] the total; tiles (expert, start, count) cover every expert's
-// range with at most tile_rows rows each, in expert order; *ntiles their number. Every thread must call;
-// ends with a barrier. Thread tid owns experts [tid*C, tid*C + C).
-DSV4_INLINE void plan_offsets_and_tiles(int* eoff, int E, int tile_rows, int* wsum, int* tiles, int* ntiles) {
-  const int tid = threadIdx.x;
-  const int C = (E + blockDim.x - 1) / blockDim.x;
-  const int e0 = tid * C;
-  int tot_local = 0, tiles_local = 0;
-  for (int c = 0; c < C; ++c) {
-    const int e = e0 + c;
-    if (e < E) {
-      tot_local += eoff[e];
-      tiles_local += (eoff[e] + tile_rows - 1) / tile_rows;
-    }
-  }
-  int tot_all, tiles_all;
-  const int tot_pre = block_excl_scan(tot_local, wsum, &tot_all);
-  const int tiles_pre = block_excl_scan(tiles_local, wsum, &tiles_all);
-  {
-    int run = tot_pre, trun = tiles_pre;
-    for (int c = 0; c < C; ++c) {
-      const int e = e0 + c;
-      if (e >= E) break;
-      const int ce = eoff[e];
-      eoff[e] = run;
-      const int nt = (ce + tile_rows - 1) / tile_rows;
-      for (int i = 0; i < nt; ++i) {
-        const int tl = trun + i;
-        tiles[3 * tl + 0] = e;
-        tiles[3 * tl + 1] = run + i * tile_rows;
-        tiles[3 * tl + 2] = min(tile_rows, ce - i * tile_rows);
-      }
-      run += ce;
-      trun += nt;
-    }
-  }
-  if (tid == 0) {
-    eoff[E] = tot_all;
-    *ntiles = tiles_all;
-  }
-  __syncthreads();
-}
-
-// One block of PLAN_THREADS threads; dynamic shared memory (PLAN_WARPS + 1) * E + 1 ints.
-// Groups the assignments a = t*k + j by expert, stable in a: offsets[e] .. offsets[e+1] is expert
+// One block of PLAN_THREADS threads (moe_plan_block, moe_plan.cuh); dynamic shared memory (PLAN_WARPS + 1) * E +
+// 1 ints. Groups the assignments a = t*k + j by expert, stable in a: offsets[e] .. offsets[e+1] is expert
 // e's range of `rows`, rows[r] the assignment; tiles (expert, start, count) cover every expert's
 // range with at most tile_rows rows each, in expert order; *ntiles their number. Ids outside
 // [0, E) are left out. `clear` (may be NULL): clear_words u32 zeroed as well, for the fast set's fused
@@ -278,51 +207,9 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
   if (clear != 0)
     for (int i = threadIdx.x; i < clear_words; i += blockDim.x) clear[i] = 0u;
   extern __shared__ int psm[];
-  int* cnt = psm;                   // [PLAN_WARPS][E]: per-warp counts, then bases
-  int* eoff = psm + PLAN_WARPS * E;  // [E + 1]: totals, then offsets
   __shared__ int wsum[32];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int n = T * k;
-  const int seg = (n + PLAN_WARPS - 1) / PLAN_WARPS;
-  const int a_begin = min(n, warp * seg), a_end = min(n, a_begin + seg);
-  const unsigned lt_mask = (1u << lane) - 1u;
-
-  for (int i = tid; i < PLAN_WARPS * E; i += blockDim.x) cnt[i] = 0;
-  __syncthreads();
-  // Pass 1: each warp counts its segment per expert (only a group's leader lane writes).
-  for (int a0 = a_begin; a0 < a_end; a0 += 32) {
-    const int a = a0 + lane;
-    int e = a < a_end ? ids[a] : -1;
-    if (e < 0 || e >= E) e = -1;
-    const unsigned peers = __match_any_sync(FULL_MASK, e);
-    if (e >= 0 && (peers & lt_mask) == 0u) cnt[warp * E + e] += __popc(peers);
-    __syncwarp();
-  }
-  __syncthreads();
-  // Per expert: warp bases (exclusive over warps) and the expert's total.
-  for (int e = tid; e < E; e += blockDim.x) {
-    int run = 0;
-    for (int w = 0; w < PLAN_WARPS; ++w) {
-      const int c = cnt[w * E + e];
-      cnt[w * E + e] = run;
-      run += c;
-    }
-    eoff[e] = run;
-  }
-  __syncthreads();
-  plan_offsets_and_tiles(eoff, E, tile_rows, wsum, tiles, ntiles);
-  for (int e = tid; e <= E; e += blockDim.x) offsets[e] = eoff[e];
-  // Pass 2: place every assignment at offset + warp base + rank among earlier peers.
-  for (int a0 = a_begin; a0 < a_end; a0 += 32) {
-    const int a = a0 + lane;
-    int e = a < a_end ? ids[a] : -1;
-    if (e < 0 || e >= E) e = -1;
-    const unsigned peers = __match_any_sync(FULL_MASK, e);
-    if (e >= 0) rows[eoff[e] + cnt[warp * E + e] + __popc(peers & lt_mask)] = a;
-    __syncwarp();
-    if (e >= 0 && (peers & lt_mask) == 0u) cnt[warp * E + e] += __popc(peers);
-    __syncwarp();
-  }
+  moe_plan_block<PLAN_WARPS>(ids, T, k, E, tile_rows, offsets, rows, tiles, ntiles, psm, wsum,
+                             PlanSync{0u, (unsigned)blockDim.x});
 }
 
 // The same plan over many blocks, for many assignments (the fast set from fast_moe::WIDE_PLAN_MIN_TOKENS tokens):
@@ -402,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(PLAN_CHUNK)
     }
   }
   __syncthreads();
-  plan_offsets_and_tiles(eoff, E, tile_rows, wsum, tiles, ntiles);
+  plan_offsets_and_tiles(eoff, E, tile_rows, wsum, tiles, ntiles, PlanSync{0u, (unsigned)blockDim.x});
   for (int x = threadIdx.x; x <= E; x += blockDim.x) offsets[x] = eoff[x];
 }
 

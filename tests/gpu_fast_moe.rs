@@ -39,8 +39,9 @@
 //!   one).
 //! - The whole fast layer (its own routing): outputs of tokens whose selection agrees, same
 //!   bound; and two runs are bit-identical (no order-dependent atomics). On the decode path the
-//!   GEMMs also run in the other of their two forms (two launches, or one), which must give the
-//!   same bits, and the one launch must leave its synchronisation words zero.
+//!   GEMMs also run in their other forms (two launches, one, and up to 16 tokens the router with
+//!   them in one), which must give the same bits (routing, x's codes, h, output), and the routed
+//!   launch's synchronisation words must be zero again after the layer.
 //! - Both GEMM paths and both routers: the Flash cases take the ones the layer picks by B; the
 //!   small shape runs every case on both (the decode path with the few-token router, the prefill
 //!   path with the tensor-core one), on a BF16 gate and, in one test, on f32 gate values, with the
@@ -431,15 +432,28 @@ fn fast(
             arena::memset_async(p, 0xff, s).unwrap();
         }
     }
-    e.fast
-        .route_on(ctx, &fl, b.x, t, &b.ws, router, path, false, s)
-        .unwrap();
-    if let Some((ids, w)) = routing {
-        put(ctx, b.ws.ids, ids, s);
-        put(ctx, b.ws.weights, w, s);
+    if path == GemmPath::DecodeRouted {
+        // The router runs inside the one launch: no routing can be put in between.
+        assert!(
+            routing.is_none(),
+            "the routed decode path makes its own routing"
+        );
+        e.fast
+            .route_and_experts(ctx, &fl, b.x, t, &b.ws, router, path, false, s)
+            .unwrap();
+    } else {
+        e.fast
+            .route_on(ctx, &fl, b.x, t, &b.ws, router, path, false, s)
+            .unwrap();
+        if let Some((ids, w)) = routing {
+            put(ctx, b.ws.ids, ids, s);
+            put(ctx, b.ws.weights, w, s);
+        }
+        e.fast.experts_on(ctx, &fl, t, &b.ws, path, s).unwrap();
     }
-    e.fast.experts_on(ctx, &fl, t, &b.ws, path, s).unwrap();
-    e.fast.combine(ctx, &fl, t, &b.ws, b.out, s).unwrap();
+    e.fast
+        .combine_on(ctx, &fl, t, &b.ws, path, b.out, s)
+        .unwrap();
     let rows = t * K + t;
     let xq: Vec<u8> = get(ctx, b.ws.xq, t * D, s);
     let xs: Vec<f32> = get(ctx, b.ws.xs, t * D / 128, s);
@@ -836,28 +850,72 @@ fn check_case(
     // 1. The fast layer on its own routing, twice: bit-identical.
     let f1 = fast(e, l, b, r, None, path, router, s);
     let f2 = fast(e, l, b, r, None, path, router, s);
-    if matches!(path, GemmPath::Decode | GemmPath::DecodeFused) {
-        // The decode GEMMs in one launch and in two make the same bits. The one launch needs its
-        // synchronisation words zero, which the plan before it makes them: poisoned first (as a
-        // launch leaves them, and more), they must change nothing.
-        let other_path = if path == GemmPath::Decode {
-            GemmPath::DecodeFused
-        } else {
-            GemmPath::Decode
-        };
-        let other = fast(e, l, b, r, None, other_path, router, s);
-        let words = fast_moe_gemm::sync_words(t, sh.k, sh.experts);
-        put(e.ctx, b.ws.sync, &vec![0x5a5a_5a5au32; words], s);
-        let fused = fast(e, l, b, r, None, GemmPath::DecodeFused, router, s);
+    let decode = [
+        GemmPath::Decode,
+        GemmPath::DecodeFused,
+        GemmPath::DecodeRouted,
+    ];
+    if decode.contains(&path) {
+        // Every decode form makes the same bits: the GEMMs in two launches or one, and the router
+        // with them in one (up to ROUTED_MAX_TOKENS). The fused launch needs its synchronisation
+        // words zero, which the plan before it makes them: poisoned first (as a launch leaves
+        // them, and more), they must change nothing. The routed launch's words must be zero
+        // again after the layer (its combine zeroes them for the next launch).
         let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(
-            same(&f1.out, &other.out) && same(&f1.hq, &other.hq),
-            "{what}: one launch and two launches differ"
-        );
-        assert!(
-            same(&f1.out, &fused.out) && same(&f1.hq, &fused.hq),
-            "{what}: the one launch after its synchronisation words were poisoned differs"
-        );
+        let ints = |a: &[i32], b: &[i32]| a == b;
+        for other_path in decode {
+            if other_path == path
+                || (other_path == GemmPath::DecodeRouted
+                    && (t > fast_moe_gemm::ROUTED_MAX_TOKENS || router != RouterPath::Few))
+            {
+                continue;
+            }
+            if other_path == GemmPath::DecodeFused {
+                let words = fast_moe_gemm::sync_words(t, sh.k, sh.experts);
+                put(e.ctx, b.ws.sync, &vec![0x5a5a_5a5au32; words], s);
+            }
+            let other = fast(e, l, b, r, None, other_path, router, s);
+            assert!(
+                same(&f1.out, &other.out) && same(&f1.hq, &other.hq),
+                "{what}: the {other_path:?} path's h or output differs"
+            );
+            assert!(
+                ints(&f1.ids, &other.ids)
+                    && same(&f1.weights, &other.weights)
+                    && same(&f1.xq, &other.xq),
+                "{what}: the {other_path:?} path's routing or x codes differ"
+            );
+        }
+        if path == GemmPath::DecodeRouted
+            || (t <= fast_moe_gemm::ROUTED_MAX_TOKENS && router == RouterPath::Few)
+        {
+            // x's codes made before the launch (as the input's norm makes them, in the same
+            // order: the decode paths' runs above left them): it leaves them and gives the same
+            // bits.
+            let fl = l.fast_layer(r, b.tokens);
+            let routed = GemmPath::DecodeRouted;
+            {
+                let _g = e.ctx.enter().unwrap();
+                arena::memset_async(b.out, 0xff, s).unwrap();
+            }
+            e.fast
+                .route_and_experts(e.ctx, &fl, b.x, t, &b.ws, router, routed, true, s)
+                .unwrap();
+            e.fast
+                .combine_on(e.ctx, &fl, t, &b.ws, routed, b.out, s)
+                .unwrap();
+            let out: Vec<f32> = get(e.ctx, b.out, t * sh.d, s);
+            assert!(
+                same(&f1.out, &out),
+                "{what}: the routed launch on x's codes made before differs"
+            );
+            let words = fast_moe_gemm::route_sync_words(t, sh.k, sh.experts);
+            let left: Vec<u32> = get(e.ctx, b.ws.route_sync, words, s);
+            assert!(
+                left.iter().all(|&w| w == 0),
+                "{what}: the routed launch's synchronisation words are not zero after the layer: {left:?}"
+            );
+        }
     }
     assert!(
         f1.out
@@ -883,8 +941,14 @@ fn check_case(
         let hot = f1.ids.iter().filter(|&&i| i == HOT_EXPERT as i32).count();
         println!("{what}: expert {HOT_EXPERT} takes {hot} of {t} tokens");
     }
-    // 2. On the reference's routing: every token compares.
-    let f3 = fast(e, l, b, r, Some((&rf.ids, &rf.weights)), path, router, s);
+    // 2. On the reference's routing: every token compares (the routed decode path makes its own
+    // routing: its GEMMs' bits are the decode path's, compared above).
+    let f3_path = if path == GemmPath::DecodeRouted {
+        GemmPath::Decode
+    } else {
+        path
+    };
+    let f3 = fast(e, l, b, r, Some((&rf.ids, &rf.weights)), f3_path, router, s);
     // Where the output error comes from: the down GEMM's arithmetic, or differing h codes.
     let n = t * sh.k;
     let via_h = reference_down_on(e, l, b, &f3.hq[..n * sh.i], &f3.hq[n * sh.i..], s);

@@ -67,7 +67,7 @@ pub struct KernelSource {
 /// Headers every family may `#include "<name>"`, injected into NVRTC (no include path):
 /// the files in kernels/ and `dsv4_consts.cuh`, generated from Rust ([`super::consts`]).
 /// Their contents are part of every family's cache key.
-pub fn headers() -> [(&'static str, &'static str); 9] {
+pub fn headers() -> [(&'static str, &'static str); 11] {
     [
         (super::consts::HEADER_NAME, super::consts::header()),
         ("common.cuh", include_str!("../../kernels/common.cuh")),
@@ -81,6 +81,11 @@ pub fn headers() -> [(&'static str, &'static str); 9] {
             "fast_moe_common.cuh",
             include_str!("../../kernels/fast_moe_common.cuh"),
         ),
+        (
+            "fast_moe_route.cuh",
+            include_str!("../../kernels/fast_moe_route.cuh"),
+        ),
+        ("moe_plan.cuh", include_str!("../../kernels/moe_plan.cuh")),
     ]
 }
 

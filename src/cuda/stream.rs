@@ -120,7 +120,7 @@ impl From<(u32, u32, u32)> for Dim3 {
 }
 
 /// Most parameters one kernel may take through [`KernelArgs`].
-pub const MAX_KERNEL_ARGS: usize = 40;
+pub const MAX_KERNEL_ARGS: usize = 48;
 
 /// 8-byte slots [`KernelArgs`] holds: every parameter's, and the [`TMA_MAP_SLOTS`] of each
 /// tensor map passed by value ([`KernelArgs::tma_map`]) at a 64-byte boundary.

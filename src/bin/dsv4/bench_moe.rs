@@ -18,7 +18,7 @@ use dsv4::cuda::arena;
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
 use dsv4::cuda::kernels::fast_moe::{self, FastMoe, FastMoeWorkspace, RouterPath};
-use dsv4::cuda::kernels::fast_moe_gemm::GemmPath;
+use dsv4::cuda::kernels::fast_moe_gemm::{self, GemmPath};
 use dsv4::cuda::kernels::norm_rope::NormRope;
 use dsv4::cuda::kernels::{FAST_FAMILIES, MODEL_FAMILIES};
 use dsv4::cuda::registry::Registry;
@@ -56,9 +56,10 @@ pub fn parse_paths(v: &str) -> Result<Vec<Option<GemmPath>>, String> {
             "auto" => Ok(None),
             "decode" => Ok(Some(GemmPath::Decode)),
             "decode-fused" => Ok(Some(GemmPath::DecodeFused)),
+            "decode-routed" => Ok(Some(GemmPath::DecodeRouted)),
             "prefill" => Ok(Some(GemmPath::Prefill)),
             o => Err(format!(
-                "--path takes auto, decode, decode-fused, prefill; got `{o}`"
+                "--path takes auto, decode, decode-fused, decode-routed, prefill; got `{o}`"
             )),
         })
         .collect()
@@ -84,6 +85,7 @@ fn path_name(p: GemmPath) -> &'static str {
     match p {
         GemmPath::Decode => "decode",
         GemmPath::DecodeFused => "decode-fused",
+        GemmPath::DecodeRouted => "decode-routed",
         GemmPath::Prefill => "prefill",
     }
 }
@@ -146,14 +148,20 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
             .flat_map(|r| b.paths.iter().map(move |p| (r, p)))
         {
             let path = p.unwrap_or(GemmPath::for_tokens(t));
+            if path == GemmPath::DecodeRouted && t > fast_moe_gemm::ROUTED_MAX_TOKENS {
+                eprintln!(
+                    "bench moe: B = {t}: the routed decode path takes at most {} tokens",
+                    fast_moe_gemm::ROUTED_MAX_TOKENS
+                );
+                continue;
+            }
             let router = b.router.unwrap_or(RouterPath::for_tokens(t));
             let xr = |j: usize| ip[0].slice(j * t * d * 4, t * d * 4).unwrap();
             let tr = |j: usize| ip[1].slice(j * t * 4, t * 4).unwrap();
             let call = |j: usize| {
                 let fl = layer.fast_layer(r, tr(j));
-                fast.route_on(&ctx, &fl, xr(j), t, &ws, router, path, false, s)?;
-                fast.experts_on(&ctx, &fl, t, &ws, path, s)?;
-                fast.combine(&ctx, &fl, t, &ws, out, s)
+                fast.route_and_experts(&ctx, &fl, xr(j), t, &ws, router, path, false, s)?;
+                fast.combine_on(&ctx, &fl, t, &ws, path, out, s)
             };
             // Eager once (touched experts from its ids), then the graph.
             call(0).map_err(e)?;

@@ -48,7 +48,7 @@ const USAGE: &str = "usage:
   dsv4 bench load [--config FILE | --model DIR] [--device ...] [--staging-mb N]
   dsv4 bench refit [--config FILE] [--device cuda[:N]]
   dsv4 dummy-checkpoint --config FILE --out DIR [--seed S]
-  dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,decode-fused,prefill]
+  dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,decode-fused,decode-routed,prefill]
                  [--router auto|few|tensor] [--ids-dir DIR] [--device cuda[:N]]
   dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--read-probe N[,N...]] [--lt-candidates N]
                    [--device cuda[:N]]

@@ -177,10 +177,12 @@ crate::kernel_family! {
         route_scale: f32, ids: *mut i32, weights: *mut f32, x: Option<*const f32>, d: i32,
         halves: bool, xq: *mut u8, xs: *mut f32,
     );
+    /// The per-token sum of the expert rows; with `clear`, also zeroes the synchronisation words
+    /// of the `fmoe_route_experts_kernel` launch before it.
     #[pdl(true)]
     fn fmoe_combine_kernel(
         y: *const u16, ids: *const i32, t: i32, k: i32, e: i32, d: i32, has_shared: bool,
-        out: *mut f32,
+        out: *mut f32, clear: Option<*mut u32>, clear_words: i32,
     );
 }
 
@@ -382,6 +384,10 @@ pub struct FastMoeWorkspace {
     /// The prefill path's tensor maps over its x codes (in `y`) and over `hq`, 128 bytes each
     /// ([`FastMoeWorkspace::write_act_maps`]).
     pub act_maps: DevicePtr,
+    /// The routed decode path's synchronisation words (`u32[`[`fast_moe_gemm::route_sync_words`]`]`):
+    /// zero when its launch starts; the arena starts them so and the layer's combine zeroes them
+    /// after each launch ([`FastMoe::route_and_experts`]).
+    pub route_sync: DevicePtr,
 }
 
 impl FastMoeWorkspace {
@@ -412,6 +418,7 @@ impl FastMoeWorkspace {
             plan_ranks: p[14],
             xs_plan: p[15],
             act_maps: p[16],
+            route_sync: p[17],
         }
     }
 
@@ -456,7 +463,7 @@ pub fn workspace_buffers(
     i: usize,
     k: usize,
     experts: usize,
-) -> [(&'static str, Elem, usize); 17] {
+) -> [(&'static str, Elem, usize); 18] {
     let plan = MoePlan::buffer_bytes(t, k, experts, fast_moe_gemm::TOKENS).map(|b| b / 4);
     let [counts, ranks] = moe::plan_wide_scratch(t * k, experts);
     let rows = t * k + t;
@@ -491,6 +498,12 @@ pub fn workspace_buffers(
             fast_moe_wide::act_scale_floats(t, k, experts, d),
         ),
         ("act_maps", Elem::U8, 2 * fast_moe_gemm::MAP_BYTES),
+        // u32 words likewise (zero from the arena on; each routed layer's combine re-zeroes them).
+        (
+            "route_sync",
+            Elem::I32,
+            fast_moe_gemm::route_sync_words(t, k, experts),
+        ),
     ]
 }
 
@@ -531,14 +544,16 @@ fn internal(msg: String) -> Error {
 }
 
 impl FastMoe {
-    /// Kernel launches of one [`FastMoe::layer`] of `t` tokens whose expert GEMMs take `path`: the
-    /// fused decode path runs both GEMMs in one, the wide plan takes three launches for one.
+    /// Kernel launches of one [`FastMoe::layer`] of `t` tokens whose expert GEMMs take `path`
+    /// (without the input's norm): the fused decode path runs both GEMMs in one, the routed one
+    /// the router too, the wide plan takes three launches for one.
     pub fn launches_per_layer(path: GemmPath, t: usize) -> usize {
         let plan = if t >= WIDE_PLAN_MIN_TOKENS { 3 } else { 1 };
-        plan + match path {
-            GemmPath::DecodeFused => 4,
-            GemmPath::Decode => 5,
-            GemmPath::Prefill => 6, // and x's gather
+        match path {
+            GemmPath::DecodeRouted => 2, // the router and GEMMs, the combine
+            GemmPath::DecodeFused => plan + 4,
+            GemmPath::Decode => plan + 5,
+            GemmPath::Prefill => plan + 6, // and x's gather
         }
     }
 
@@ -586,9 +601,49 @@ impl FastMoe {
         if let Some(norm) = norm {
             self.norm_x(ctx, layer, x, t, norm, path, ws, stream)?;
         }
-        self.route_on(ctx, layer, x, t, ws, router, path, norm.is_some(), stream)?;
-        self.experts(ctx, layer, t, ws, stream)?;
-        self.combine(ctx, layer, t, ws, out, stream)
+        self.route_and_experts(ctx, layer, x, t, ws, router, path, norm.is_some(), stream)?;
+        self.combine_on(ctx, layer, t, ws, path, out, stream)
+    }
+
+    /// Steps 1-5 on `path` with `router` (tests, `dsv4 bench moe`; [`FastMoe::layer`] picks both
+    /// by the tokens): [`FastMoe::route_on`] then [`FastMoe::experts_on`], or on
+    /// [`GemmPath::DecodeRouted`] (the f32 router only) one launch that makes the same bits. Then
+    /// [`FastMoe::combine_on`] on the same path must follow (the routed path's synchronisation
+    /// words are zeroed there). `x_made` as [`FastMoe::route_on`]'s.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_and_experts(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        x: DevicePtr,
+        t: usize,
+        ws: &FastMoeWorkspace,
+        router: RouterPath,
+        path: GemmPath,
+        x_made: bool,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        if path != GemmPath::DecodeRouted {
+            self.route_on(ctx, layer, x, t, ws, router, path, x_made, stream)?;
+            return self.experts_on(ctx, layer, t, ws, path, stream);
+        }
+        if router != RouterPath::Few {
+            return Err(internal(format!(
+                "fast MoE: the routed decode path computes the router in f32 ({router:?} asked)"
+            )));
+        }
+        if let Some(why) = FastMoeLayer::unsupported(
+            layer.d,
+            layer.i,
+            layer.k,
+            layer.experts,
+            (layer.w1.format, [128, 128]),
+            None,
+        ) {
+            return Err(internal(format!("fast MoE layer: {why}")));
+        }
+        self.gemm
+            .route_up_down(ctx, layer, x, t, x_made, ws, stream)
     }
 
     /// The layer's input RMSNorm (`norm`) of x's `t` rows in place, with the bits and block
@@ -795,10 +850,33 @@ impl FastMoe {
         out: DevicePtr,
         stream: BorrowedStream,
     ) -> Result<()> {
+        self.combine_on(ctx, layer, t, ws, GemmPath::Decode, out, stream)
+    }
+
+    /// [`FastMoe::combine`] after the experts of `path`: after [`GemmPath::DecodeRouted`]'s
+    /// launch it also zeroes that launch's synchronisation words (`ws.route_sync`) for the next.
+    #[allow(clippy::too_many_arguments)]
+    pub fn combine_on(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        t: usize,
+        ws: &FastMoeWorkspace,
+        path: GemmPath,
+        out: DevicePtr,
+        stream: BorrowedStream,
+    ) -> Result<()> {
         const K: &str = "fmoe_combine_kernel";
         let (d, k) = (layer.d, layer.k);
         need(K, "y", ws.y, (t * k + t) * d * 2)?;
         need(K, "out", out, t * d * 4)?;
+        let (clear, clear_words) = if path == GemmPath::DecodeRouted {
+            let words = fast_moe_gemm::route_sync_words(t, k, layer.experts);
+            need(K, "route_sync", ws.route_sync, words * 4)?;
+            (Some(ws.route_sync), to_i32(K, "clear_words", words)?)
+        } else {
+            (None, 0)
+        };
         let _g = ctx.enter()?;
         self.route.combine.launch(
             (d.div_ceil(8 * 128) as u32, t as u32, 1),
@@ -814,6 +892,8 @@ impl FastMoe {
                 d: to_i32(K, "D", d)?,
                 has_shared: layer.shared.is_some(),
                 out,
+                clear,
+                clear_words,
             },
         )
     }
@@ -841,6 +921,11 @@ impl FastMoe {
         path: GemmPath,
         stream: BorrowedStream,
     ) -> Result<()> {
+        if path == GemmPath::DecodeRouted {
+            return Err(internal(
+                "fast MoE: the routed decode path runs the router too (route_and_experts)".into(),
+            ));
+        }
         let plan = MoePlan {
             tokens: t,
             tile_rows: path.tile_rows(),
@@ -862,7 +947,7 @@ impl FastMoe {
         let ws = FastMoeWorkspace { plan, ..*ws };
         match path {
             GemmPath::DecodeFused => self.gemm.up_down(ctx, layer, t, &ws, stream),
-            GemmPath::Decode | GemmPath::Prefill => {
+            GemmPath::DecodeRouted | GemmPath::Decode | GemmPath::Prefill => {
                 self.gemm.up(ctx, layer, t, &ws, path, stream)?;
                 self.gemm.down(ctx, layer, t, &ws, path, stream)
             }

@@ -9,8 +9,8 @@
 use super::fast_moe::{FastMoeLayer, FastMoeWorkspace};
 use super::fast_moe_wide::{self as wide, fmw_down_kernel, fmw_gather_x_kernel, fmw_up_kernel};
 use super::{need, to_i32};
-use crate::cuda::Context;
 use crate::cuda::stream::BorrowedStream;
+use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
 use crate::weights::format::StorageFormat;
 
@@ -87,6 +87,23 @@ crate::kernel_family! {
         shared_s2: Option<*const f32>, sc8: Option<*const u8>, route_w: *const f32, limit: f32,
         hq: *mut u8, hs: *mut f32, y: *mut u16, sync: *mut u32,
     );
+    /// The router (logits, selection, plan) and both GEMMs in one launch (the routed decode
+    /// path): the same steps and bits as `fmoe_logits_kernel`, `fmoe_select_kernel`,
+    /// `moe_plan_kernel` and `fmoe_experts_kernel` (`sync`: [`route_sync_words`] u32, zero when
+    /// the launch starts; the layer's combine zeroes them after it).
+    #[smem(SMEM_BYTES as u32)]
+    #[pdl(true)]
+    fn fmoe_route_experts_kernel(
+        x: *const f32, t: i32, d: i32, i: i32, k: i32, e: i32, gate: *const f32, scoring: i32,
+        bias: Option<*const f32>, tid2eid: Option<*const i32>, tokens: Option<*const i32>,
+        renorm: bool, route_scale: f32, scores: *mut f32, ids: *mut i32, route_w: *mut f32,
+        x_made: bool, xq: *mut u8, xs: *mut f32, offsets: *mut i32, rows: *mut i32,
+        tiles: *mut i32, ntiles: *mut i32, e_begin: i32, e_end: i32, maps: *const u8,
+        s1: *const u64, s3: *const u64, s2: *const u64, fmt: i32, fmt2: i32, shared_fmt: i32,
+        shared_fmt2: i32, shared_s1: Option<*const f32>, shared_s3: Option<*const f32>,
+        shared_s2: Option<*const f32>, sc8: Option<*const u8>, limit: f32, hq: *mut u8,
+        hs: *mut f32, y: *mut u16, sync: *mut u32,
+    );
     /// GEMM2 into bf16 rows per (token, slot).
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
@@ -112,6 +129,7 @@ crate::launchers! {
         up: fmoe_up_kernel,
         down: fmoe_down_kernel,
         experts: fmoe_experts_kernel,
+        route_experts: fmoe_route_experts_kernel,
         wide_gather: fmw_gather_x_kernel,
         wide_up: fmw_up_kernel,
         wide_down: fmw_down_kernel,
@@ -129,6 +147,12 @@ pub enum GemmPath {
     /// The same items and sums, bit for bit, in one launch (`fmoe_experts_kernel`): a down item
     /// starts once its own tile's up items are done, and blocks take items from a queue.
     DecodeFused,
+    /// The router (logits, selection, plan) and the fused decode GEMMs in one launch
+    /// (`fmoe_route_experts_kernel`), the same bits as the router kernels and
+    /// [`GemmPath::DecodeFused`]: the shared expert's up items stream while other blocks route,
+    /// the routed items start once the plan is published. Takes the whole layer but the
+    /// combine ([`super::fast_moe::FastMoe::route_and_experts`]); the f32 router only.
+    DecodeRouted,
     /// fast_moe_wide: items of [`wide::TOKENS`] tokens, one promotion per 128 of K.
     Prefill,
 }
@@ -140,12 +164,21 @@ pub enum GemmPath {
 /// version).
 pub const FUSED_TOKENS: std::ops::RangeInclusive<usize> = 4..=16;
 
+/// Token counts that take [`GemmPath::DecodeRouted`] (to be measured against the other decode
+/// paths: BENCHMARKS.md, issue 11).
+pub const ROUTED_TOKENS: std::ops::RangeInclusive<usize> = 1..=3;
+
+/// The most tokens [`GemmPath::DecodeRouted`] takes: one token tile of the shared expert.
+pub const ROUTED_MAX_TOKENS: usize = TOKENS;
+
 impl GemmPath {
     /// The path for a batch of `t` tokens: prefill from [`wide::MIN_TOKENS`] on, the one-launch
-    /// decode path for [`FUSED_TOKENS`].
+    /// decode paths for [`ROUTED_TOKENS`] and [`FUSED_TOKENS`].
     pub fn for_tokens(t: usize) -> GemmPath {
         if t >= wide::MIN_TOKENS {
             GemmPath::Prefill
+        } else if ROUTED_TOKENS.contains(&t) {
+            GemmPath::DecodeRouted
         } else if FUSED_TOKENS.contains(&t) {
             GemmPath::DecodeFused
         } else {
@@ -164,7 +197,7 @@ impl GemmPath {
     /// The plan's tile size on this path: tokens per work item.
     pub fn tile_rows(self) -> usize {
         match self {
-            GemmPath::DecodeFused | GemmPath::Decode => TOKENS,
+            GemmPath::DecodeRouted | GemmPath::DecodeFused | GemmPath::Decode => TOKENS,
             GemmPath::Prefill => wide::TOKENS,
         }
     }
@@ -180,7 +213,7 @@ impl GemmPath {
     ) -> (u32, u32, u32) {
         let n = if up { layer.i } else { layer.d }; // weight rows (up: j)
         match self {
-            GemmPath::DecodeFused | GemmPath::Decode => {
+            GemmPath::DecodeRouted | GemmPath::DecodeFused | GemmPath::Decode => {
                 let row_tiles = if up { n / UP_J } else { n.div_ceil(DOWN_ROWS) };
                 let items = max_items(layer, t, TOKENS, row_tiles);
                 (grid(ctx, items), THREADS as u32, SMEM_BYTES as u32)
@@ -239,6 +272,14 @@ pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
     1 + (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
 }
 
+/// u32 words of the routed decode path's synchronisation buffer for `t` tokens
+/// (`fmoe_route_experts_kernel`'s `sync`): the queue's head, the router's three counts (x's codes,
+/// the logit tiles, the plan), then per tile a count of its up items done. Zero when the launch
+/// starts: the workspace starts so, and the layer's combine zeroes them after each launch.
+pub fn route_sync_words(t: usize, k: usize, experts: usize) -> usize {
+    3 + sync_words(t, k, experts)
+}
+
 /// Checks the buffers of `ws` that GEMM1 reads and writes for `t` tokens (`who`: the kernel, for
 /// errors): x's codes and scales, h's, the routing weights.
 fn need_up(
@@ -294,7 +335,7 @@ fn need_h(
             need(who, "act_maps", ws.act_maps, 2 * MAP_BYTES)?;
             wide::act_scale_floats(t, k, layer.experts, i)
         }
-        GemmPath::Decode | GemmPath::DecodeFused => rows_out * i / 128,
+        GemmPath::Decode | GemmPath::DecodeFused | GemmPath::DecodeRouted => rows_out * i / 128,
     };
     need(who, "hs", ws.hs, scales * 4)
 }
@@ -397,7 +438,7 @@ impl FastMoeGemm {
         let _g = ctx.enter()?;
         let (g, b, sm) = path.launch_shape(ctx, layer, t, true);
         match path {
-            GemmPath::DecodeFused | GemmPath::Decode => {
+            GemmPath::DecodeRouted | GemmPath::DecodeFused | GemmPath::Decode => {
                 self.up
                     .launch(g, b, sm, stream, up_args!(fmoe_up_kernel, ws.xs))
             }
@@ -475,6 +516,104 @@ impl FastMoeGemm {
         self.experts.launch(g_up.max(g_dn), block, sm, stream, args)
     }
 
+    /// The router and the decode path's two GEMMs in one launch (`fmoe_route_experts_kernel`):
+    /// `ws.logits`, `ws.ids`, `ws.weights`, the plan, `ws.hq` / `ws.hs` and `ws.y` as the f32
+    /// router ([`super::fast_moe::FastMoe::route_on`]), then [`Self::up_down`] make them, bit for
+    /// bit; x's codes too unless `x_made` ([`super::fast_moe::FastMoe::norm_x`] made them in the
+    /// fragment order). `ws.route_sync` must be zero ([`route_sync_words`]): the workspace starts
+    /// so and the layer's combine zeroes it after each launch.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn route_up_down(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        x: DevicePtr,
+        t: usize,
+        x_made: bool,
+        ws: &FastMoeWorkspace,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "fmoe_route_experts_kernel";
+        let (d, e, k) = (layer.d, layer.experts, layer.k);
+        if t == 0 || t > ROUTED_MAX_TOKENS {
+            return Err(Error::new(
+                Status::Internal,
+                format!("{K}: {t} tokens (the routed decode path takes 1..={ROUTED_MAX_TOKENS})"),
+            ));
+        }
+        need(K, "x", x, t * d * 4)?;
+        need(K, "gate", layer.gate, e * d * 4)?;
+        need(K, "logits", ws.logits, t * e * 4)?;
+        need(K, "ids", ws.ids, t * k * 4)?;
+        need_up(K, layer, t, ws, GemmPath::DecodeRouted)?;
+        need_down(K, layer, t, ws, GemmPath::DecodeRouted)?;
+        let plan = super::moe::MoePlan {
+            tokens: t,
+            tile_rows: TOKENS,
+            ..ws.plan
+        };
+        plan.validate(K)?;
+        need(
+            K,
+            "route_sync",
+            ws.route_sync,
+            route_sync_words(t, k, e) * 4,
+        )?;
+        let (bias, tid2eid, tokens) = layer.selection.kernel_args(K, t, e, k)?;
+        let sh = layer.shared.as_ref();
+        let r = &layer.router;
+        let args = fmoe_route_experts_kernel::Args {
+            x,
+            t: to_i32(K, "T", t)?,
+            d: to_i32(K, "D", d)?,
+            i: to_i32(K, "I", layer.i)?,
+            k: to_i32(K, "k", k)?,
+            e: to_i32(K, "E", e)?,
+            gate: layer.gate,
+            scoring: super::moe::scoring_code(r.scoring),
+            bias,
+            tid2eid,
+            tokens,
+            renorm: r.renorm,
+            route_scale: r.route_scale,
+            scores: ws.logits,
+            ids: ws.ids,
+            route_w: ws.weights,
+            x_made,
+            xq: ws.xq,
+            xs: ws.xs,
+            offsets: ws.plan.offsets,
+            rows: ws.plan.rows,
+            tiles: ws.plan.tiles,
+            ntiles: ws.plan.ntiles,
+            e_begin: to_i32(K, "e_begin", layer.local.start)?,
+            e_end: to_i32(K, "e_end", layer.local.end)?,
+            maps: layer.maps,
+            s1: layer.w1.scales,
+            s3: layer.w3.scales,
+            s2: layer.w2.scales,
+            fmt: layer.w1.format.code(),
+            fmt2: layer.w2.format.code(),
+            shared_fmt: sh.map_or(0, |s| s.w1.format.code()),
+            shared_fmt2: sh.map_or(0, |s| s.w2.format.code()),
+            shared_s1: sh.and_then(|s| s.w1.scales),
+            shared_s3: sh.and_then(|s| s.w3.scales),
+            shared_s2: sh.and_then(|s| s.w2.scales),
+            sc8: layer.scales8,
+            limit: layer.limit,
+            hq: ws.hq,
+            hs: ws.hs,
+            y: ws.y,
+            sync: ws.route_sync,
+        };
+        let _g = ctx.enter()?;
+        let (g_up, _, sm) = GemmPath::DecodeRouted.launch_shape(ctx, layer, t, true);
+        let (g_dn, _, _) = GemmPath::DecodeRouted.launch_shape(ctx, layer, t, false);
+        let block = FUSED_THREADS as u32;
+        self.route_experts
+            .launch(g_up.max(g_dn), block, sm, stream, args)
+    }
+
     /// `ws.y` = GEMM2 of every routed tile and of the shared expert, bf16 rows per (token, slot).
     pub fn down(
         &self,
@@ -505,7 +644,7 @@ impl FastMoeGemm {
         let _g = ctx.enter()?;
         let (g, b, sm) = path.launch_shape(ctx, layer, t, false);
         match path {
-            GemmPath::DecodeFused | GemmPath::Decode => {
+            GemmPath::DecodeRouted | GemmPath::DecodeFused | GemmPath::Decode => {
                 self.down
                     .launch(g, b, sm, stream, down_args!(fmoe_down_kernel))
             }

@@ -293,7 +293,8 @@ impl MoePlan {
         self.max_tiles().min(self.assignments())
     }
 
-    fn validate(&self, kernel: &str) -> Result<()> {
+    /// Checks the plan's sizes and buffers for `kernel` (named in the error).
+    pub(crate) fn validate(&self, kernel: &str) -> Result<()> {
         if self.tile_rows == 0 || self.experts == 0 || self.k == 0 {
             return Err(internal(format!(
                 "{kernel}: plan with tile_rows {}, experts {}, k {}",

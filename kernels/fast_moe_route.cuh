@@ -1,0 +1,203 @@
+// fast_moe_route.cuh — the fast set's router steps as device functions: x's FP8 quantisation, one tile of the
+// f32 router logits, one token's selection. fast_moe.cu's router kernels run them a block (a warp) at a time;
+// fast_moe_gemm.cu's fmoe_route_experts_kernel runs the same functions inside the one-launch layer, so both
+// make the same bits. kernels/SPEC.md ## fast_moe.cu.
+#pragma once
+
+// FMOE_LOGIT_WARPS, FMOE_LOGIT_EXPERTS, FMOE_LOGIT_SPLIT, FMOE_LOGIT_TOKENS, FMOE_MAX_EPL and SCORE_* come from
+// dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
+
+// x's block scale s for the block's largest |x|, amax: the official act_quant's.
+DSV4_INLINE float fmoe_x_scale(float amax) { return ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX); }
+
+// The e4m3 code of value v of a block whose scale's reciprocal is inv = 1 / s: s is a power of two, so v · (1 / s)
+// is v / s exactly (one rounding either way); clamped as Rust's clamp (NaN stays NaN).
+DSV4_INLINE unsigned fmoe_x_code(float v, float inv) {
+  float q = v * inv;
+  q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
+  return e4m3_code_rn(q);
+}
+
+// x's official act_quant of 128-block b of token t, by one warp whose lane holds the block's values 4·lane ..
+// 4·lane + 3 in v: the e4m3 codes into xq[t][d] in the order of the GEMMs that read them (fp8_mma.cuh: the
+// halves order for the prefill path's, `halves`, else the fragment order), the block's scale into xs[t][b]
+// (value x scale bit-identical to act_quant_kernel).
+DSV4_INLINE void fmoe_quant_x_store(float4 v, long long t, int D, int b, bool halves, unsigned char* xq, float* xs) {
+  const int lane = threadIdx.x & 31;
+  const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+  const float s = fmoe_x_scale(amax);
+  const float inv = 1.0f / s;
+  const float vv[4] = {v.x, v.y, v.z, v.w};
+  unsigned code[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) code[c] = fmoe_x_code(vv[c], inv);
+  // This lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th 32-block (t8 = lane % 8 / 2).
+  unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1);
+  if (halves) {  // positions 4·t8 + 16·(lane % 2) + c: one word
+    *reinterpret_cast<unsigned*>(blk + 16 * (lane & 1)) = code[0] | (code[1] << 8) | (code[2] << 16) | (code[3] << 24);
+  } else {  // c = 0, 2 are even elements (positions 4·t8 + 2·(lane % 2) + 0, 1), c = 1, 3 odd ones (+ 16)
+    *reinterpret_cast<unsigned short*>(blk + 2 * (lane & 1)) = (unsigned short)(code[0] | (code[2] << 8));
+    *reinterpret_cast<unsigned short*>(blk + 2 * (lane & 1) + 16) = (unsigned short)(code[1] | (code[3] << 8));
+  }
+  if (lane == 0) xs[t * (D / 128) + b] = s;
+}
+
+// x's act_quant (fmoe_quant_x_store) of 128-block b of tokens t0 .. t0 + nt - 1, by one warp.
+DSV4_INLINE void fmoe_quant_x_block(const float* x, int t0, int nt, int D, int b, bool halves, unsigned char* xq,
+                                   float* xs) {
+  const int lane = threadIdx.x & 31;
+  // Eight rows' loads in flight at a time: one at a time, a 64-row block waited on memory for each row in
+  // turn.
+  for (int r0 = 0; r0 < nt; r0 += 8) {
+    float4 v8[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (r0 + i < nt) v8[i] = reinterpret_cast<const float4*>(x + (long long)(t0 + r0 + i) * D + b * 128)[lane];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (r0 + i >= nt) break;  // uniform over the warp
+      fmoe_quant_x_store(v8[i], t0 + r0 + i, D, b, halves, xq, xs);
+    }
+  }
+}
+
+// The router score of logit l: sqrt(softplus(l)) (linear above 20) or sigmoid(l), or l itself for softmax
+// scoring (fmoe_select_kernel normalises over the experts).
+DSV4_INLINE float fmoe_score(float l, int scoring) {
+  if (scoring == SCORE_SQRTSOFTPLUS) return sqrtf(l > 20.0f ? l : log1pf(expf(l)));
+  if (scoring == SCORE_SIGMOID) return 1.0f / (1.0f + expf(-l));
+  return l;
+}
+
+// One tile of the router's f32 logits: fmoe_logits_kernel's block (bx, by), by FMOE_LOGIT_WARPS warps whose
+// threads are gtid = 0 .. 32·FMOE_LOGIT_WARPS - 1 (warp gtid / 32 of the group): tokens t0 = by ·
+// FMOE_LOGIT_TOKENS .. (at least one), experts bx · FMOE_LOGIT_EXPERTS ..; warp w takes expert bx ·
+// FMOE_LOGIT_EXPERTS + w / FMOE_LOGIT_SPLIT and its part w % FMOE_LOGIT_SPLIT of the dot products with 16-byte
+// loads, per-lane sums in k order, a fixed butterfly, then the parts summed in order: the logit l, scores[t][e] =
+// fmoe_score(l). part_sum: the group's [FMOE_LOGIT_WARPS][FMOE_LOGIT_TOKENS] floats of shared memory; `sync()`
+// is a barrier of the group's threads (the parts are written, then read). Requires D % (4 · FMOE_LOGIT_SPLIT)
+// == 0.
+template <typename Sync>
+DSV4_INLINE void fmoe_logits_tile(const float* x, int T, int D, int E, const float* gate, int scoring,
+                                  float* scores, int bx, int by, int gtid, float (*part_sum)[FMOE_LOGIT_TOKENS],
+                                  Sync sync) {
+  const int lane = gtid & 31, warp = gtid >> 5;
+  const int t0 = by * FMOE_LOGIT_TOKENS;
+  const int nt = min(FMOE_LOGIT_TOKENS, T - t0);
+  const int e = bx * FMOE_LOGIT_EXPERTS + warp / FMOE_LOGIT_SPLIT;
+  const int part = warp % FMOE_LOGIT_SPLIT;
+  const int c_begin = part * (D / 4 / FMOE_LOGIT_SPLIT), c_end = c_begin + D / 4 / FMOE_LOGIT_SPLIT;
+  float acc[FMOE_LOGIT_TOKENS];
+#pragma unroll
+  for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) acc[r] = 0.0f;
+  if (e < E) {
+    const float4* g4 = reinterpret_cast<const float4*>(gate + (long long)e * D);
+#pragma unroll 4
+    for (int c = c_begin + lane; c < c_end; c += 32) {
+      const float4 gv = g4[c];
+#pragma unroll
+      for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
+        if (r < nt) {
+          const float4 xv = reinterpret_cast<const float4*>(x + (long long)(t0 + r) * D)[c];
+          acc[r] = fmaf(xv.x, gv.x, acc[r]);
+          acc[r] = fmaf(xv.y, gv.y, acc[r]);
+          acc[r] = fmaf(xv.z, gv.z, acc[r]);
+          acc[r] = fmaf(xv.w, gv.w, acc[r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
+    const float s = warp_sum(acc[r]);
+    if (lane == 0) part_sum[warp][r] = s;
+  }
+  sync();
+  // Thread (expert slot, token) = (gtid / FMOE_LOGIT_TOKENS, gtid % FMOE_LOGIT_TOKENS) finishes one logit.
+  const int slot = gtid / FMOE_LOGIT_TOKENS, r = gtid % FMOE_LOGIT_TOKENS;
+  const int ex = bx * FMOE_LOGIT_EXPERTS + slot;
+  if (slot < FMOE_LOGIT_EXPERTS && ex < E && r < nt) {
+    float l = 0.0f;
+    for (int p = 0; p < FMOE_LOGIT_SPLIT; ++p) l += part_sum[slot * FMOE_LOGIT_SPLIT + p][r];
+    scores[(long long)(t0 + r) * E + ex] = fmoe_score(l, scoring);
+  }
+}
+
+// Steps 1-3 of fmoe_select_kernel (below) for token t, by one warp: the scores' softmax (softmax scoring), the
+// selection and the weights into ids[t][j], weights[t][j]. Requires E <= 32 * FMOE_MAX_EPL, k <= 32.
+DSV4_INLINE void fmoe_select_token(const float* scores, int t, int E, int k, const float* bias, const int* tid2eid,
+                                  const int* tokens, int scoring, int renorm, float route_scale, int* ids,
+                                  float* weights) {
+  const int lane = threadIdx.x & 31;
+  float sc[FMOE_MAX_EPL], key[FMOE_MAX_EPL];
+  const float* lt = scores + (long long)t * E;
+  float m = -DSV4_F32_INF;
+#pragma unroll
+  for (int i = 0; i < FMOE_MAX_EPL; ++i) {
+    const int e = lane + 32 * i;
+    sc[i] = e < E ? lt[e] : -DSV4_F32_INF;
+    m = fmaxf(m, sc[i]);
+  }
+  if (scoring == SCORE_SOFTMAX) {
+    m = warp_max(m);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < FMOE_MAX_EPL; ++i) {
+      sc[i] = lane + 32 * i < E ? expf(sc[i] - m) : 0.0f;
+      s += sc[i];
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int i = 0; i < FMOE_MAX_EPL; ++i) sc[i] = sc[i] / s;
+  }
+#pragma unroll
+  for (int i = 0; i < FMOE_MAX_EPL; ++i) {
+    const int e = lane + 32 * i;
+    float v = sc[i];
+    if (bias != nullptr && e < E) v = v + bias[e];
+    key[i] = v != v ? -DSV4_F32_INF : v;
+  }
+
+  unsigned taken = 0u;  // bit i: entry lane + 32 i is selected (or past E)
+#pragma unroll
+  for (int i = 0; i < FMOE_MAX_EPL; ++i)
+    if (lane + 32 * i >= E) taken |= 1u << i;
+  int my_id = -1;
+  float my_w = 0.0f, wsum = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    int sel;
+    if (tid2eid != nullptr) {
+      sel = tid2eid[(long long)tokens[t] * k + j];
+    } else {
+      float bv = -DSV4_F32_INF;
+      int bi = -1;
+#pragma unroll
+      for (int i = 0; i < FMOE_MAX_EPL; ++i) {  // ascending index: strict > keeps the lower one
+        if (!(taken & (1u << i)) && (bi < 0 || key[i] > bv)) {
+          bv = key[i];
+          bi = lane + 32 * i;
+        }
+      }
+      warp_argmax(bv, bi);
+      sel = bi;
+      if (sel >= 0 && (sel & 31) == lane) taken |= 1u << (sel >> 5);
+    }
+    // The selected score, from the lane that holds it.
+    float mine = 0.0f;
+#pragma unroll
+    for (int i = 0; i < FMOE_MAX_EPL; ++i)
+      if (sel >= 0 && sel < E && (sel >> 5) == i) mine = sc[i];
+    const float s = __shfl_sync(0xffffffffu, mine, sel >= 0 ? (sel & 31) : 0);
+    const float ws = (sel >= 0 && sel < E) ? s : 0.0f;
+    wsum += ws;
+    if (lane == j) {
+      my_id = sel;
+      my_w = ws;
+    }
+  }
+  if (lane < k) {
+    const float w = renorm ? my_w / wsum : my_w;
+    ids[(long long)t * k + lane] = my_id;
+    weights[(long long)t * k + lane] = w * route_scale;
+  }
+}
