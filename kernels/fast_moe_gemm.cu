@@ -965,7 +965,7 @@ static __device__ __noinline__ void fmoe_router_job(const FmoeRouter& r, int job
   if (tid == 0) {
     // Release this job's scores; the last job's acquire sees every job's.
     unsigned before;
-    asm volatile("fence.acq_rel.gpu;\natom.add.acq_rel.gpu.global.u32 %0, [%1], 1;\n"
+    asm volatile("fence.acq_rel.gpu;\natom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n"
                  : "=r"(before)
                  : "l"(sync + FMOE_RSYNC_LOGITS)
                  : "memory");

@@ -17,7 +17,12 @@
 //!    tokens on `fmw_up_kernel` then `fmw_down_kernel` (prefill);
 //! 5. `fmoe_combine_kernel`: the fixed-order f32 sum per token, rounded to bf16.
 //!
-//! Six launches (five on the fused decode path, eight with the wide plan), each a programmatic
+//! At [`fast_moe_gemm::ROUTED_TOKENS`] steps 1-4 are one launch, `fmoe_route_experts_kernel`
+//! (routed decode: the same device functions, the same bits), so the shared expert's weights
+//! stream while other blocks route ([`FastMoe::route_and_experts`]).
+//!
+//! Six launches (five on the fused decode path, two on the routed one, eight with the wide
+//! plan), each a programmatic
 //! dependent of the one before
 //! (`#[pdl(true)]`: its launch and block start overlap the previous kernel's tail), no host
 //! sync, nothing allocated: the
