@@ -756,8 +756,49 @@ DSV4_INLINE void fmoe_count_ready(unsigned* flag) {
   asm volatile("fence.acq_rel.gpu;\nred.relaxed.gpu.global.add.u32 [%0], 1;\n" ::"l"(flag) : "memory");
 }
 
-// The fused kernel's block: the two-kernel path's warps, then the publishing warp.
+// The fused kernels' block: the two-kernel path's warps, then the publishing warp.
 #define FMOE_FUSED_THREADS (FMOE_THREADS + 32)
+
+// The publishing warp of the fused kernels: after each up item's h stores (warps 0-7, fmoe_up_quant), makes
+// them visible at GPU scope and counts the item in at its tile's word. Its fence stalls it for a while: done by
+// a consumer warp, that stall held up the ring (the layer 1-3% slower than without the fence). It joins each up
+// item's stash barrier, so it reads the item's tile there (pub_tile[n & 1] for the consumers' n-th up item, -1:
+// no more), and no consumer passes the next item's stash barrier before it has published this one.
+DSV4_INLINE void fmoe_publish(unsigned* tile_ready, const volatile int* pub_tile) {
+  const int lane = threadIdx.x & 31;
+  for (int n = 0;; ++n) {
+    named_barrier(1, FMOE_CONSUMERS + 32);
+    const int tile = pub_tile[n & 1];
+    if (tile < 0) break;
+    named_barrier(2, 256 + 32);
+    if (lane == 0) fmoe_count_ready(tile_ready + tile);
+    __syncwarp();
+  }
+}
+
+// The consumers' part of a fused kernel's up item `it` of tile `tile`, their n-th up item: the GEMM, the tile
+// handed to the publisher, the epilogue, then warps 0-7 (which stored h) let the publisher go on.
+DSV4_INLINE void fmoe_fused_up_item(const FmoeArgs& a, const FmoeItem& it, int tile, int n, unsigned smem, int& slot,
+                                    unsigned& phase, float (&acc)[8], const float* route_w, float limit,
+                                    unsigned char* hq, float* hs, volatile int* pub_tile) {
+  fmoe_consume_item<true>(a, it, smem, slot, phase, acc);
+  if (threadIdx.x == 0) pub_tile[n & 1] = tile;
+  fmoe_up_epilogue(a, it, acc, n & 1, route_w, limit, hq, hs, FMOE_CONSUMERS + 32);
+  if ((threadIdx.x >> 5) < 8) asm volatile("bar.arrive 2, 288;\n" ::: "memory");
+}
+
+// Posts header `header` (-1: no more items; fmoe_route_experts_kernel's router jobs) in the ring's next slot,
+// with no data: every producer lane arrives on its full barrier as for a stage.
+DSV4_INLINE void fmoe_post_header(unsigned smem, int slot, unsigned phase, int header) {
+  const int lane = threadIdx.x & 31;
+  mbar_wait(fmoe_empty(smem, slot), phase ^ 1);
+  const unsigned full = fmoe_full(smem, slot);
+  if (lane == 0) {
+    fmoe_store_header(smem + slot * FMOE_SLOT, header);
+    mbar_arrive(full);
+  }
+  cp_async_mbar_arrive(full);
+}
 
 extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     fmoe_experts_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
@@ -782,19 +823,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
   // The tile of up item n (n counted by the consumers) at pub_tile[n & 1], or -1: no more up items.
   __shared__ volatile int pub_tile[2];
   if (threadIdx.x >= FMOE_THREADS) {
-    // The publisher: after each up item's h stores (warps 0-7, fmoe_up_quant), makes them visible at GPU scope
-    // and counts the item in. Its fence stalls it for a while: done by a consumer warp, that stall held up the
-    // ring (the layer 1-3% slower than without the fence). It joins each up item's stash barrier, so it reads
-    // the item's tile there, and no consumer passes the next item's stash barrier before it has published
-    // this one.
-    for (int n = 0;; ++n) {
-      named_barrier(1, FMOE_CONSUMERS + 32);
-      const int tile = pub_tile[n & 1];
-      if (tile < 0) break;
-      named_barrier(2, 256 + 32);
-      if (lane == 0) fmoe_count_ready(tile_ready + tile);
-      __syncwarp();
-    }
+    fmoe_publish(tile_ready, pub_tile);
   } else if (threadIdx.x >= FMOE_CONSUMERS) {
     // The producer: items in the order the queue hands them out, the next one taken while this one streams
     // (any block may take any item: an item's outputs depend on it alone).
@@ -821,14 +850,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       }
       w = __shfl_sync(0xffffffffu, w_next, 0);
     }
-    // The end: a header of -1 in the next slot.
-    mbar_wait(fmoe_empty(smem, slot), phase ^ 1);
-    const unsigned full = fmoe_full(smem, slot);
-    if (lane == 0) {
-      fmoe_store_header(smem + slot * FMOE_SLOT, -1);
-      mbar_arrive(full);
-    }
-    cp_async_mbar_arrive(full);
+    fmoe_post_header(smem, slot, phase, -1);  // the end
     cp_async_wait_all();
   } else {
     // The consumers: each item's header in its first slot says what it is.
@@ -836,19 +858,13 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     unsigned phase = 0;
     float acc[8];
     int nup_done = 0;
-    const int warp = threadIdx.x >> 5;
     for (;;) {
       mbar_wait(fmoe_full(smem, slot), phase);
       const int w = fmoe_load_header(smem + slot * FMOE_SLOT);
       if (w < 0) break;
       if (w < nup) {
         const FmoeItem it = fmoe_item<true>(up, w);
-        fmoe_consume_item<true>(up, it, smem, slot, phase, acc);
-        const int n = nup_done++;
-        if (threadIdx.x == 0) pub_tile[n & 1] = w / rb_up;
-        fmoe_up_epilogue(up, it, acc, n & 1, route_w, limit, hq, hs, FMOE_CONSUMERS + 32);
-        // Warps 0-7 quantised and stored h: the publisher takes it from here.
-        if (warp < 8) asm volatile("bar.arrive 2, 288;\n" ::: "memory");
+        fmoe_fused_up_item(up, it, w / rb_up, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile);
       } else {
         const FmoeItem it = fmoe_item<false>(dn, w - nup);
         fmoe_consume_item<false>(dn, it, smem, slot, phase, acc);
@@ -1024,15 +1040,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
   const int lane = threadIdx.x & 31;
   __shared__ volatile int pub_tile[2];
   if (threadIdx.x >= FMOE_THREADS) {
-    // The publisher, as fmoe_experts_kernel's.
-    for (int n = 0;; ++n) {
-      named_barrier(1, FMOE_CONSUMERS + 32);
-      const int tile = pub_tile[n & 1];
-      if (tile < 0) break;
-      named_barrier(2, 256 + 32);
-      if (lane == 0) fmoe_count_ready(tile_ready + tile);
-      __syncwarp();
-    }
+    fmoe_publish(tile_ready, pub_tile);
   } else if (threadIdx.x >= FMOE_CONSUMERS) {
     // The producer: router jobs and items in the order the queue hands them out.
     int slot = 0;
@@ -1054,14 +1062,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       int w_next = 0;
       if (lane == 0) w_next = (int)atomicAdd(next, 1u);
       if (q < 0) {
-        // A router job: a header and no data; the slot's full barrier still takes every lane's arrival.
-        mbar_wait(fmoe_empty(smem, slot), phase ^ 1);
-        const unsigned full = fmoe_full(smem, slot);
-        if (lane == 0) {
-          fmoe_store_header(smem + slot * FMOE_SLOT, FMOE_ROUTER_HEADER(w));
-          mbar_arrive(full);
-        }
-        cp_async_mbar_arrive(full);
+        fmoe_post_header(smem, slot, phase, FMOE_ROUTER_HEADER(w));  // a router job
         fmoe_ring_advance(slot, phase, FMOE_STAGES);
       } else if (q < (nup < 0 ? sh_up : nup)) {
         const FmoeItem it = fmoe_item<true, true>(up, q);
@@ -1083,13 +1084,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       }
       w = __shfl_sync(0xffffffffu, w_next, 0);
     }
-    mbar_wait(fmoe_empty(smem, slot), phase ^ 1);
-    const unsigned full = fmoe_full(smem, slot);
-    if (lane == 0) {
-      fmoe_store_header(smem + slot * FMOE_SLOT, -1);
-      mbar_arrive(full);
-    }
-    cp_async_mbar_arrive(full);
+    fmoe_post_header(smem, slot, phase, -1);  // the end
     cp_async_wait_all();
   } else {
     // The consumers: router jobs, then items, each announced by its header. A producer's pulls from the queue
@@ -1112,15 +1107,10 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     // the item, and the slot's barrier orders the consumers after the producer.
     float acc[8];
     int nup_done = 0;
-    const int warp = threadIdx.x >> 5;
     for (; h != -1; mbar_wait(fmoe_full(smem, slot), phase), h = fmoe_load_header(smem + slot * FMOE_SLOT)) {
       if (h < FMOE_DOWN_HEADER) {
         const FmoeItem it = fmoe_item<true, true>(up, h);
-        fmoe_consume_item<true>(up, it, smem, slot, phase, acc);
-        const int n = nup_done++;
-        if (threadIdx.x == 0) pub_tile[n & 1] = h / rb_up;
-        fmoe_up_epilogue(up, it, acc, n & 1, route_w, limit, hq, hs, FMOE_CONSUMERS + 32);
-        if (warp < 8) asm volatile("bar.arrive 2, 288;\n" ::: "memory");
+        fmoe_fused_up_item(up, it, h / rb_up, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile);
       } else {
         const FmoeItem it = fmoe_item<false, true>(dn, h - FMOE_DOWN_HEADER);
         fmoe_consume_item<false>(dn, it, smem, slot, phase, acc);

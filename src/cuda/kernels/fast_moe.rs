@@ -290,6 +290,15 @@ fn fast_format(format: StorageFormat, block: [usize; 2]) -> bool {
 }
 
 impl FastMoeLayer {
+    /// Err where the router kernels cannot take this layer's shapes ([`FastMoeLayer::unsupported`]).
+    pub fn check_router(&self) -> Result<()> {
+        let routed = (self.w1.format, [128, 128]);
+        match FastMoeLayer::unsupported(self.d, self.i, self.k, self.experts, routed, None) {
+            Some(why) => Err(internal(format!("fast MoE layer: {why}"))),
+            None => Ok(()),
+        }
+    }
+
     /// Why the fast kernels cannot run a layer of these shapes and formats (None: they can).
     /// `routed` is (format, FP8 block) of the routed experts, `shared` the shared expert's.
     pub fn unsupported(
@@ -637,16 +646,7 @@ impl FastMoe {
                 "fast MoE: the routed decode path computes the router in f32 ({router:?} asked)"
             )));
         }
-        if let Some(why) = FastMoeLayer::unsupported(
-            layer.d,
-            layer.i,
-            layer.k,
-            layer.experts,
-            (layer.w1.format, [128, 128]),
-            None,
-        ) {
-            return Err(internal(format!("fast MoE layer: {why}")));
-        }
+        layer.check_router()?;
         self.gemm
             .route_up_down(ctx, layer, x, t, x_made, ws, stream)
     }
@@ -754,11 +754,7 @@ impl FastMoe {
     ) -> Result<()> {
         const K: &str = "fmoe_select_kernel";
         let (d, e, k) = (layer.d, layer.experts, layer.k);
-        if let Some(why) =
-            FastMoeLayer::unsupported(d, layer.i, k, e, (layer.w1.format, [128, 128]), None)
-        {
-            return Err(internal(format!("fast MoE layer: {why}")));
-        }
+        layer.check_router()?;
         need(K, "x", x, t * d * 4)?;
         need(K, "gate", layer.gate, e * d * 4)?;
         need(K, "logits", ws.logits, t * e * 4)?;

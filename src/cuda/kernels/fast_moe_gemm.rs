@@ -562,33 +562,23 @@ impl FastMoeGemm {
         let (bias, tid2eid, tokens) = layer.selection.kernel_args(K, t, e, k)?;
         let sh = layer.shared.as_ref();
         let r = &layer.router;
-        let args = fmoe_route_experts_kernel::Args {
-            x,
-            t: to_i32(K, "T", t)?,
-            d: to_i32(K, "D", d)?,
-            i: to_i32(K, "I", layer.i)?,
-            k: to_i32(K, "k", k)?,
+        let args = gemm_args!(fmoe_route_experts_kernel, K, layer, ws, t;
+            x: x,
             e: to_i32(K, "E", e)?,
             gate: layer.gate,
             scoring: super::moe::scoring_code(r.scoring),
-            bias,
-            tid2eid,
-            tokens,
+            bias: bias,
+            tid2eid: tid2eid,
+            tokens: tokens,
             renorm: r.renorm,
             route_scale: r.route_scale,
             scores: ws.logits,
             ids: ws.ids,
             route_w: ws.weights,
-            x_made,
+            x_made: x_made,
             xq: ws.xq,
             xs: ws.xs,
             offsets: ws.plan.offsets,
-            rows: ws.plan.rows,
-            tiles: ws.plan.tiles,
-            ntiles: ws.plan.ntiles,
-            e_begin: to_i32(K, "e_begin", layer.local.start)?,
-            e_end: to_i32(K, "e_end", layer.local.end)?,
-            maps: layer.maps,
             s1: layer.w1.scales,
             s3: layer.w3.scales,
             s2: layer.w2.scales,
@@ -599,13 +589,12 @@ impl FastMoeGemm {
             shared_s1: sh.and_then(|s| s.w1.scales),
             shared_s3: sh.and_then(|s| s.w3.scales),
             shared_s2: sh.and_then(|s| s.w2.scales),
-            sc8: layer.scales8,
             limit: layer.limit,
             hq: ws.hq,
             hs: ws.hs,
             y: ws.y,
             sync: ws.route_sync,
-        };
+        );
         let _g = ctx.enter()?;
         let (g_up, _, sm) = GemmPath::DecodeRouted.launch_shape(ctx, layer, t, true);
         let (g_dn, _, _) = GemmPath::DecodeRouted.launch_shape(ctx, layer, t, false);
