@@ -875,15 +875,28 @@ fn check_case(
                 put(e.ctx, b.ws.sync, &vec![0x5a5a_5a5au32; words], s);
             }
             let other = fast(e, l, b, r, None, other_path, router, s);
-            assert!(
-                same(&f1.out, &other.out) && same(&f1.hq, &other.hq),
-                "{what}: the {other_path:?} path's h or output differs"
-            );
+            let first_diff = |a: &[f32], b: &[f32]| {
+                let n = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+                let at = a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits());
+                (n, at.map(|i| (i, a[i], b[i])))
+            };
             assert!(
                 ints(&f1.ids, &other.ids)
                     && same(&f1.weights, &other.weights)
                     && same(&f1.xq, &other.xq),
-                "{what}: the {other_path:?} path's routing or x codes differ"
+                "{what}: the {other_path:?} path's routing or x codes differ: ids {:?} / {:?}, weights {:?}, x codes {:?}",
+                f1.ids,
+                other.ids,
+                first_diff(&f1.weights, &other.weights),
+                first_diff(&f1.xq, &other.xq),
+            );
+            assert!(
+                same(&f1.out, &other.out) && same(&f1.hq, &other.hq),
+                "{what}: the {other_path:?} path's h or output differs: h {:?} (of {}), output {:?} (of {})",
+                first_diff(&f1.hq, &other.hq),
+                f1.hq.len(),
+                first_diff(&f1.out, &other.out),
+                f1.out.len(),
             );
         }
         if path == GemmPath::DecodeRouted
