@@ -230,14 +230,27 @@ DSV4_INLINE unsigned fmoe_load_acquire(const unsigned* flag) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
   return v;
 }
-// Waits (every lane of the producer warp) until the u32 at `flag` reaches `target` (acquire). A wait that
+// The u32 at `flag`, relaxed at GPU scope (from L2, without invalidating the SM's L1 as an acquire does).
+DSV4_INLINE unsigned fmoe_load_relaxed(const unsigned* flag) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  return v;
+}
+
+// Waits (every calling thread) until the u32 at `flag` reaches `target`, then acquires it. The polls are relaxed
+// and one acquire follows (FMOE_POLL_ACQUIRE: every poll an acquire): an acquire invalidates the SM's L1, and a
+// warp polling with acquires made the other warps of its SM miss L1 on every load, local memory too. A wait that
 // cannot end (a bug) traps after ~2^22 polls (seconds) instead of hanging the device.
+#ifndef FMOE_POLL_ACQUIRE
+#define FMOE_POLL_ACQUIRE 0
+#endif
 DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
   for (unsigned polls = 0;; ++polls) {
-    if (fmoe_load_acquire(flag) >= target) return;
+    if ((FMOE_POLL_ACQUIRE ? fmoe_load_acquire(flag) : fmoe_load_relaxed(flag)) >= target) break;
     if (polls > (1u << 22)) __trap();
     __nanosleep(64);
   }
+  if (!FMOE_POLL_ACQUIRE) fmoe_load_acquire(flag);
 }
 
 // One item's stages into the ring, in the order the consumers read them (the producer warp). Per stage, lane 0
@@ -931,11 +944,22 @@ struct FmoeRouter {
 
 // Router jobs of a launch: two logit tiles a job (one a half of the consumer warps) over the blocks that do not
 // take a shared up item first, at least one.
+// FMOE_ROUTER_JOBS_MAX > 0: at most that many (a measured variant).
+#ifndef FMOE_ROUTER_JOBS_MAX
+#define FMOE_ROUTER_JOBS_MAX 0
+#endif
 DSV4_INLINE int fmoe_router_jobs(const FmoeRouter& r, int shared_up_items) {
   const int tiles = (r.E + FMOE_LOGIT_EXPERTS - 1) / FMOE_LOGIT_EXPERTS *
                     ((r.T + FMOE_LOGIT_TOKENS - 1) / FMOE_LOGIT_TOKENS);
-  return max(1, min((tiles + 1) / 2, (int)gridDim.x - shared_up_items));
+  const int jobs = max(1, min((tiles + 1) / 2, (int)gridDim.x - shared_up_items));
+  return FMOE_ROUTER_JOBS_MAX > 0 ? min(jobs, FMOE_ROUTER_JOBS_MAX) : jobs;
 }
+
+// FMOE_ROUTER_HOLD 1 (a measured variant): a producer that posted a router job takes its next item only once
+// its consumers have run the job (named barrier 6), so its waits do not run beside the job.
+#ifndef FMOE_ROUTER_HOLD
+#define FMOE_ROUTER_HOLD 0
+#endif
 
 // Router jobs that quantise x (each takes 16 of its (token tile, 128-block) pairs at a time), or 0 when x_made.
 DSV4_INLINE int fmoe_router_quant_jobs(const FmoeRouter& r, int jobs) {
@@ -998,6 +1022,13 @@ static __device__ __noinline__ void fmoe_router_job(const FmoeRouter& r, int job
                       reinterpret_cast<int*>(scratch), wsum, PlanSync{4u, 256u});
   named_barrier(3, FMOE_CONSUMERS);
   if (tid == 0) fmoe_count_ready(sync + FMOE_RSYNC_PLAN);
+}
+
+// The consumers' router job, then (FMOE_ROUTER_HOLD) their producer let go.
+DSV4_INLINE void fmoe_run_router_job(const FmoeRouter& r, int job, int jobs, int quant_jobs, unsigned* sync,
+                                     unsigned char* scratch) {
+  fmoe_router_job(r, job, jobs, quant_jobs, sync, scratch);
+  if (FMOE_ROUTER_HOLD) asm volatile("bar.arrive 6, %0;\n" ::"n"(FMOE_CONSUMERS + 32) : "memory");
 }
 
 // The plan's routed tiles, once FMOE_RSYNC_PLAN says it is stored (every calling thread waits and acquires).
@@ -1064,6 +1095,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       if (q < 0) {
         fmoe_post_header(smem, slot, phase, FMOE_ROUTER_HEADER(w));  // a router job
         fmoe_ring_advance(slot, phase, FMOE_STAGES);
+        if (FMOE_ROUTER_HOLD) named_barrier(6, FMOE_CONSUMERS + 32);
       } else if (q < (nup < 0 ? sh_up : nup)) {
         const FmoeItem it = fmoe_item<true, true>(up, q);
         const unsigned* ready = nullptr;
@@ -1101,7 +1133,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(fmoe_empty(smem, slot));
       fmoe_ring_advance(slot, phase, FMOE_STAGES);
-      fmoe_router_job(router, -2 - h, jobs, quant_jobs, sync, fmoe_smem + FMOE_STAGES * FMOE_SLOT);
+      fmoe_run_router_job(router, -2 - h, jobs, quant_jobs, sync, fmoe_smem + FMOE_STAGES * FMOE_SLOT);
     }
     // A routed item's plan (tiles, rows, weights) is visible here: its producer acquired it before it posted
     // the item, and the slot's barrier orders the consumers after the producer.

@@ -221,6 +221,9 @@ fn batch(e: &Env, sh: &MoeShape, t: usize, x: &[f32], tokens: &[i32], s: Borrowe
     for q in &p[2..] {
         arena::memset_async(*q, 0xff, s).unwrap(); // NaN poison
     }
+    // But the routed decode launch's synchronisation words start zero, as the engine's arena
+    // gives them (each launch's combine zeroes them for the next).
+    arena::memset_async(ws.route_sync, 0, s).unwrap();
     // (The decode GEMMs' synchronisation words too: the fused path's plan zeroes them before each
     // launch.) Then the prefill path's tensor maps over x and h.
     ws.write_act_maps(e.ctx, D, I, s).unwrap();
@@ -876,8 +879,15 @@ fn check_case(
             }
             let other = fast(e, l, b, r, None, other_path, router, s);
             let first_diff = |a: &[f32], b: &[f32]| {
-                let n = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-                let at = a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits());
+                let n = a
+                    .iter()
+                    .zip(b)
+                    .filter(|(x, y)| x.to_bits() != y.to_bits())
+                    .count();
+                let at = a
+                    .iter()
+                    .zip(b)
+                    .position(|(x, y)| x.to_bits() != y.to_bits());
                 (n, at.map(|i| (i, a[i], b[i])))
             };
             assert!(
