@@ -892,7 +892,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
 // ------------------------------------------------------------------ the router and both GEMMs in one launch
 //
 // fmoe_route_experts_kernel: fmoe_logits_kernel, fmoe_select_kernel, moe_plan_kernel and fmoe_experts_kernel in
-// one launch, for few tokens (the layer's decode path at 1-3 tokens, fast_moe_gemm.rs ROUTED_TOKENS), the same
+// one launch, for few tokens (at most FMOE_TOKENS; opt-in: fast_moe_gemm.rs ROUTED_MAX_TOKENS), the same
 // functions on the same data: the same bits. What it buys: the shared expert's up items (a quarter of a
 // one-token layer's bytes at Flash shapes) need no routing, so they stream from the launch's start while other
 // blocks compute the logits, the selection and the plan; the routed items start as soon as the plan is

@@ -17,9 +17,10 @@
 //!    tokens on `fmw_up_kernel` then `fmw_down_kernel` (prefill);
 //! 5. `fmoe_combine_kernel`: the fixed-order f32 sum per token, rounded to bf16.
 //!
-//! At [`fast_moe_gemm::ROUTED_TOKENS`] steps 1-4 are one launch, `fmoe_route_experts_kernel`
-//! (routed decode: the same device functions, the same bits), so the shared expert's weights
-//! stream while other blocks route ([`FastMoe::route_and_experts`]).
+//! On the routed decode path (up to [`fast_moe_gemm::ROUTED_MAX_TOKENS`]; no batch takes it by
+//! default: measured slower) steps 1-4 are one launch, `fmoe_route_experts_kernel` (the same
+//! device functions, the same bits), so the shared expert's weights stream while other blocks
+//! route ([`FastMoe::route_and_experts`]).
 //!
 //! Six launches (five on the fused decode path, two on the routed one, eight with the wide
 //! plan), each a programmatic

@@ -158,27 +158,25 @@ pub enum GemmPath {
 }
 
 /// Token counts that take [`GemmPath::DecodeFused`]: where it measured faster than the two
-/// launches (the layer at Flash shapes on the H200, µs two / one launch, best of two alternating
-/// rounds in one call: B = 4 131.1 / 124.4, 8 212.0 / 205.2, 16 337.4 / 328.8; slower at B = 1,
-/// 57.4 / 59.5, and 32, 533.6 / 545.8; from 64 within 1-2%: BENCHMARKS.md, issue 11 fifteenth
-/// version).
-pub const FUSED_TOKENS: std::ops::RangeInclusive<usize> = 4..=16;
+/// launches (the layer at Flash shapes, µs two / one launch: on the H200, best of two alternating
+/// rounds in one call, B = 4 131.1 / 124.4, 8 212.0 / 205.2, 16 337.4 / 328.8, 32 533.6 / 545.8
+/// (slower), from 64 within 1-2%: BENCHMARKS.md, issue 11 fifteenth version; on the H100, one
+/// call, once the plan zeroed the one launch's words: B = 1 69.70 / 68.26, 2 101.52 / 98.32, 3
+/// 139.76 / 124.25: BENCHMARKS.md 2026-12-06, thirty-fifth session).
+pub const FUSED_TOKENS: std::ops::RangeInclusive<usize> = 1..=16;
 
-/// Token counts that take [`GemmPath::DecodeRouted`] (to be measured against the other decode
-/// paths: BENCHMARKS.md, issue 11).
-pub const ROUTED_TOKENS: std::ops::RangeInclusive<usize> = 1..=3;
-
-/// The most tokens [`GemmPath::DecodeRouted`] takes: one token tile of the shared expert.
+/// The most tokens [`GemmPath::DecodeRouted`] takes: one token tile of the shared expert. No
+/// token count takes it by default ([`GemmPath::for_tokens`]): it measured slower than
+/// [`GemmPath::DecodeFused`] (H100, B = 1 96.4 / 68.3 µs; BENCHMARKS.md 2026-12-06); the bench
+/// (`--path decode-routed`) and the tests run it.
 pub const ROUTED_MAX_TOKENS: usize = TOKENS;
 
 impl GemmPath {
     /// The path for a batch of `t` tokens: prefill from [`wide::MIN_TOKENS`] on, the one-launch
-    /// decode paths for [`ROUTED_TOKENS`] and [`FUSED_TOKENS`].
+    /// decode path for [`FUSED_TOKENS`].
     pub fn for_tokens(t: usize) -> GemmPath {
         if t >= wide::MIN_TOKENS {
             GemmPath::Prefill
-        } else if ROUTED_TOKENS.contains(&t) {
-            GemmPath::DecodeRouted
         } else if FUSED_TOKENS.contains(&t) {
             GemmPath::DecodeFused
         } else {
