@@ -250,6 +250,31 @@ macro_rules! gemm_args {
     };
 }
 
+/// The fused decode kernels' `Args` (`fmoe_experts_kernel`, `fmoe_route_experts_kernel`):
+/// [`gemm_args!`]'s fields, the three expert matrices' scales and formats (the shared expert's
+/// too), the SwiGLU clamp and h / y, then the kernel's own fields.
+macro_rules! fused_args {
+    ($kernel:ident, $who:expr, $layer:expr, $ws:expr, $t:expr; $($field:ident: $value:expr),* $(,)?) => {
+        gemm_args!($kernel, $who, $layer, $ws, $t;
+            s1: $layer.w1.scales,
+            s3: $layer.w3.scales,
+            s2: $layer.w2.scales,
+            fmt: $layer.w1.format.code(),
+            fmt2: $layer.w2.format.code(),
+            shared_fmt: $layer.shared.as_ref().map_or(0, |s| s.w1.format.code()),
+            shared_fmt2: $layer.shared.as_ref().map_or(0, |s| s.w2.format.code()),
+            shared_s1: $layer.shared.as_ref().and_then(|s| s.w1.scales),
+            shared_s3: $layer.shared.as_ref().and_then(|s| s.w3.scales),
+            shared_s2: $layer.shared.as_ref().and_then(|s| s.w2.scales),
+            limit: $layer.limit,
+            hq: $ws.hq,
+            hs: $ws.hs,
+            y: $ws.y,
+            $($field: $value),*
+        )
+    };
+}
+
 /// Work items a GEMM may see for `t` tokens in tiles of `tile` tokens: every routed tile the plan
 /// can make, plus the shared expert's token tiles, times the row tiles.
 fn max_items(layer: &FastMoeLayer, t: usize, tile: usize, row_tiles: usize) -> usize {
@@ -486,25 +511,10 @@ impl FastMoeGemm {
             ws.sync,
             sync_words(t, layer.k, layer.experts) * 4,
         )?;
-        let sh = layer.shared.as_ref();
-        let args = gemm_args!(fmoe_experts_kernel, K, layer, ws, t;
+        let args = fused_args!(fmoe_experts_kernel, K, layer, ws, t;
             xq: ws.xq,
             xs: ws.xs,
-            s1: layer.w1.scales,
-            s3: layer.w3.scales,
-            s2: layer.w2.scales,
-            fmt: layer.w1.format.code(),
-            fmt2: layer.w2.format.code(),
-            shared_fmt: sh.map_or(0, |s| s.w1.format.code()),
-            shared_fmt2: sh.map_or(0, |s| s.w2.format.code()),
-            shared_s1: sh.and_then(|s| s.w1.scales),
-            shared_s3: sh.and_then(|s| s.w3.scales),
-            shared_s2: sh.and_then(|s| s.w2.scales),
             route_w: ws.weights,
-            limit: layer.limit,
-            hq: ws.hq,
-            hs: ws.hs,
-            y: ws.y,
             sync: ws.sync,
         );
         let _g = ctx.enter()?;
@@ -558,9 +568,8 @@ impl FastMoeGemm {
             route_sync_words(t, k, e) * 4,
         )?;
         let (bias, tid2eid, tokens) = layer.selection.kernel_args(K, t, e, k)?;
-        let sh = layer.shared.as_ref();
         let r = &layer.router;
-        let args = gemm_args!(fmoe_route_experts_kernel, K, layer, ws, t;
+        let args = fused_args!(fmoe_route_experts_kernel, K, layer, ws, t;
             x: x,
             e: to_i32(K, "E", e)?,
             gate: layer.gate,
@@ -577,20 +586,6 @@ impl FastMoeGemm {
             xq: ws.xq,
             xs: ws.xs,
             offsets: ws.plan.offsets,
-            s1: layer.w1.scales,
-            s3: layer.w3.scales,
-            s2: layer.w2.scales,
-            fmt: layer.w1.format.code(),
-            fmt2: layer.w2.format.code(),
-            shared_fmt: sh.map_or(0, |s| s.w1.format.code()),
-            shared_fmt2: sh.map_or(0, |s| s.w2.format.code()),
-            shared_s1: sh.and_then(|s| s.w1.scales),
-            shared_s3: sh.and_then(|s| s.w3.scales),
-            shared_s2: sh.and_then(|s| s.w2.scales),
-            limit: layer.limit,
-            hq: ws.hq,
-            hs: ws.hs,
-            y: ws.y,
             sync: ws.route_sync,
         );
         let _g = ctx.enter()?;
