@@ -237,12 +237,13 @@ DSV4_INLINE unsigned fmoe_load_relaxed(const unsigned* flag) {
   return v;
 }
 
-// Waits (every calling thread) until the u32 at `flag` reaches `target`, then acquires it. The polls are relaxed
-// and one acquire follows (FMOE_POLL_ACQUIRE: every poll an acquire): an acquire invalidates the SM's L1, and a
-// warp polling with acquires made the other warps of its SM miss L1 on every load, local memory too. A wait that
-// cannot end (a bug) traps after ~2^22 polls (seconds) instead of hanging the device.
+// Waits (every calling thread) until the u32 at `flag` reaches `target`, with acquire semantics: every poll an
+// acquire (FMOE_POLL_ACQUIRE 1, the measured default), or relaxed polls and one acquire after them (0, a variant
+// not yet measured: an acquire invalidates the SM's L1 (SASS CCTL.IVALL), so a warp polling with acquires makes
+// the other warps of its SM miss L1, local memory included). A wait that cannot end (a bug) traps after ~2^22
+// polls (seconds) instead of hanging the device.
 #ifndef FMOE_POLL_ACQUIRE
-#define FMOE_POLL_ACQUIRE 0
+#define FMOE_POLL_ACQUIRE 1
 #endif
 DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
   for (unsigned polls = 0;; ++polls) {
