@@ -291,13 +291,28 @@ fn fast_format(format: StorageFormat, block: [usize; 2]) -> bool {
 }
 
 impl FastMoeLayer {
-    /// Err where the router kernels cannot take this layer's shapes ([`FastMoeLayer::unsupported`]).
-    pub fn check_router(&self) -> Result<()> {
+    /// Err where the router kernels cannot take this layer's shapes ([`FastMoeLayer::unsupported`])
+    /// or a buffer the router reads or writes for `t` tokens of `x` is short (`who`: the kernel,
+    /// for errors).
+    pub fn check_router(
+        &self,
+        who: &str,
+        x: DevicePtr,
+        t: usize,
+        ws: &FastMoeWorkspace,
+    ) -> Result<()> {
+        let (d, e, k) = (self.d, self.experts, self.k);
         let routed = (self.w1.format, [128, 128]);
-        match FastMoeLayer::unsupported(self.d, self.i, self.k, self.experts, routed, None) {
-            Some(why) => Err(internal(format!("fast MoE layer: {why}"))),
-            None => Ok(()),
+        if let Some(why) = FastMoeLayer::unsupported(d, self.i, k, e, routed, None) {
+            return Err(internal(format!("fast MoE layer: {why}")));
         }
+        need(who, "x", x, t * d * 4)?;
+        need(who, "gate", self.gate, e * d * 4)?;
+        need(who, "logits", ws.logits, t * e * 4)?;
+        need(who, "ids", ws.ids, t * k * 4)?;
+        need(who, "weights", ws.weights, t * k * 4)?;
+        need(who, "xq", ws.xq, t * d)?;
+        need(who, "xs", ws.xs, t * d / 128 * 4)
     }
 
     /// Why the fast kernels cannot run a layer of these shapes and formats (None: they can).
@@ -647,7 +662,6 @@ impl FastMoe {
                 "fast MoE: the routed decode path computes the router in f32 ({router:?} asked)"
             )));
         }
-        layer.check_router()?;
         self.gemm
             .route_up_down(ctx, layer, x, t, x_made, ws, stream)
     }
@@ -755,14 +769,7 @@ impl FastMoe {
     ) -> Result<()> {
         const K: &str = "fmoe_select_kernel";
         let (d, e, k) = (layer.d, layer.experts, layer.k);
-        layer.check_router()?;
-        need(K, "x", x, t * d * 4)?;
-        need(K, "gate", layer.gate, e * d * 4)?;
-        need(K, "logits", ws.logits, t * e * 4)?;
-        need(K, "ids", ws.ids, t * k * 4)?;
-        need(K, "weights", ws.weights, t * k * 4)?;
-        need(K, "xq", ws.xq, t * d)?;
-        need(K, "xs", ws.xs, t * d / 128 * 4)?;
+        layer.check_router(K, x, t, ws)?;
         let (t32, d32, e32, k32) = (
             to_i32(K, "T", t)?,
             to_i32(K, "D", d)?,
@@ -928,11 +935,7 @@ impl FastMoe {
                 "fast MoE: the routed decode path runs the router too (route_and_experts)".into(),
             ));
         }
-        let plan = MoePlan {
-            tokens: t,
-            tile_rows: path.tile_rows(),
-            ..ws.plan
-        };
+        let plan = ws.plan.sized(t, path.tile_rows());
         if path == GemmPath::DecodeFused {
             // The fused GEMMs' synchronisation words zeroed by the plan, the launch before theirs
             // (one block's plan at any token count: the fused path is the decode path's).

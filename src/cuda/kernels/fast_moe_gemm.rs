@@ -365,6 +365,14 @@ fn need_h(
 
 /// Persistent grid: one block per SM (the ring fills most of its shared memory), never more
 /// blocks than items.
+/// (grid, dynamic shared memory) of a fused decode launch of `t` tokens (`fmoe_experts_kernel`,
+/// `fmoe_route_experts_kernel`): the larger of its up and down GEMMs' grids.
+fn fused_grid(ctx: &Context, layer: &FastMoeLayer, t: usize) -> (u32, u32) {
+    let (g_up, _, smem) = GemmPath::DecodeFused.launch_shape(ctx, layer, t, true);
+    let (g_dn, _, _) = GemmPath::DecodeFused.launch_shape(ctx, layer, t, false);
+    (g_up.max(g_dn), smem)
+}
+
 fn grid(ctx: &Context, items: usize) -> u32 {
     items.clamp(1, ctx.info().multiprocessors.max(1) as usize) as u32
 }
@@ -518,10 +526,9 @@ impl FastMoeGemm {
             sync: ws.sync,
         );
         let _g = ctx.enter()?;
-        let (g_up, _, sm) = GemmPath::DecodeFused.launch_shape(ctx, layer, t, true);
-        let (g_dn, _, _) = GemmPath::DecodeFused.launch_shape(ctx, layer, t, false);
+        let (grid, smem) = fused_grid(ctx, layer, t);
         let block = FUSED_THREADS as u32;
-        self.experts.launch(g_up.max(g_dn), block, sm, stream, args)
+        self.experts.launch(grid, block, smem, stream, args)
     }
 
     /// The router and the decode path's two GEMMs in one launch (`fmoe_route_experts_kernel`):
@@ -542,25 +549,17 @@ impl FastMoeGemm {
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fmoe_route_experts_kernel";
-        let (d, e, k) = (layer.d, layer.experts, layer.k);
+        let (e, k) = (layer.experts, layer.k);
         if t == 0 || t > ROUTED_MAX_TOKENS {
             return Err(Error::new(
                 Status::Internal,
                 format!("{K}: {t} tokens (the routed decode path takes 1..={ROUTED_MAX_TOKENS})"),
             ));
         }
-        need(K, "x", x, t * d * 4)?;
-        need(K, "gate", layer.gate, e * d * 4)?;
-        need(K, "logits", ws.logits, t * e * 4)?;
-        need(K, "ids", ws.ids, t * k * 4)?;
+        layer.check_router(K, x, t, ws)?;
         need_up(K, layer, t, ws, GemmPath::DecodeRouted)?;
         need_down(K, layer, t, ws, GemmPath::DecodeRouted)?;
-        let plan = super::moe::MoePlan {
-            tokens: t,
-            tile_rows: TOKENS,
-            ..ws.plan
-        };
-        plan.validate(K)?;
+        ws.plan.sized(t, TOKENS).validate(K)?;
         need(
             K,
             "route_sync",
@@ -589,11 +588,9 @@ impl FastMoeGemm {
             sync: ws.route_sync,
         );
         let _g = ctx.enter()?;
-        let (g_up, _, sm) = GemmPath::DecodeRouted.launch_shape(ctx, layer, t, true);
-        let (g_dn, _, _) = GemmPath::DecodeRouted.launch_shape(ctx, layer, t, false);
+        let (grid, smem) = fused_grid(ctx, layer, t);
         let block = FUSED_THREADS as u32;
-        self.route_experts
-            .launch(g_up.max(g_dn), block, sm, stream, args)
+        self.route_experts.launch(grid, block, smem, stream, args)
     }
 
     /// `ws.y` = GEMM2 of every routed tile and of the shared expert, bf16 rows per (token, slot).

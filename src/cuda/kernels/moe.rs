@@ -279,6 +279,16 @@ impl MoePlan {
         ]
     }
 
+    /// This plan's buffers for `tokens` tokens in tiles of `tile_rows` (a workspace's plan is
+    /// sized for its most tokens and the smallest tiles).
+    pub fn sized(&self, tokens: usize, tile_rows: usize) -> MoePlan {
+        MoePlan {
+            tokens,
+            tile_rows,
+            ..*self
+        }
+    }
+
     pub fn assignments(&self) -> usize {
         self.tokens * self.k
     }
