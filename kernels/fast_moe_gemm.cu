@@ -77,6 +77,61 @@ static_assert(FMOE_ROWS == 2 * FMOE_UP_J && FMOE_ROWS == FMOE_DOWN_ROWS && FMOE_
               "fast_moe_gemm: items are two boxes of 128 weight rows");
 static_assert(FMOE_MAP_BYTES == 128, "fast_moe_gemm: a CUtensorMap is 128 bytes");
 
+// FMOE_TRACE 1 (a bench variant, `dsv4 bench moe --defines FMOE_TRACE=1 --trace DIR`): the fused decode kernels
+// log what each block does and when, so a launch's critical path can be read off (scripts/fmoe-trace.py). Each
+// event is two u64 in fmoe_trace_log: %globaltimer (ns), then block << 48 | SM << 40 | kind << 32 | arg (an
+// item: fmoe_trace_item; < 0 a router job, -2 - job). The host zeroes fmoe_trace_n before the launch it traces; events past the capacity are
+// counted and dropped. Off (0, the default) it compiles to nothing.
+#ifndef FMOE_TRACE
+#define FMOE_TRACE 0
+#endif
+#define FMOE_TRACE_CAP 65536
+#define FMOE_TRACE_SHARED (1 << 29)
+#define FMOE_TRACE_DOWN (1 << 30)
+enum FmoeTraceKind {
+  FMOE_EV_START = 1,         // producer: the block's first act
+  FMOE_EV_TAKE = 2,          // producer: took an item (arg: its header)
+  FMOE_EV_WAIT = 3,          // producer: waits for an item's inputs (x's codes or an up tile), weights out
+  FMOE_EV_WAITED = 4,        //   ... and they are there
+  FMOE_EV_PLAN_WAIT = 5,     // producer: waits for the plan
+  FMOE_EV_PLAN_WAITED = 6,   //   ... and it is published
+  FMOE_EV_ISSUED = 7,        // producer: the item's last stage requested
+  FMOE_EV_BEGIN = 8,         // consumers: an item's first stage is in (arg: header)
+  FMOE_EV_END = 9,           // consumers: its outputs stored
+  FMOE_EV_JOB = 10,          // consumers: a router job starts (arg: job)
+  FMOE_EV_JOB_QUANT = 11,    //   ... x's codes of it stored
+  FMOE_EV_JOB_LOGITS = 12,   //   ... its logit tiles stored (arg: 1 if it is the last, which makes the plan)
+  FMOE_EV_PLAN = 13,         //   ... the plan published
+  FMOE_EV_PUBLISH = 14,      // publishing warp: an up item counted in (arg: tile)
+  FMOE_EV_DONE = 15,         // producer: the end posted
+};
+// An item's trace arg: its index among the up (or down) items, and whether it is the shared expert's.
+DSV4_INLINE int fmoe_trace_item(bool up, int i, bool shared) {
+  return (up ? 0 : FMOE_TRACE_DOWN) | (shared ? FMOE_TRACE_SHARED : 0) | i;
+}
+#if FMOE_TRACE
+__device__ unsigned fmoe_trace_n;
+__device__ unsigned long long fmoe_trace_log[2 * FMOE_TRACE_CAP];
+#endif
+DSV4_INLINE void fmoe_trace(int kind, int arg) {
+#if FMOE_TRACE
+  unsigned long long t;
+  unsigned sm;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+  const unsigned i = atomicAdd(&fmoe_trace_n, 1u);
+  if (i < FMOE_TRACE_CAP) {
+    fmoe_trace_log[2 * i] = t;
+    fmoe_trace_log[2 * i + 1] = ((unsigned long long)(blockIdx.x & 0xffff) << 48) |
+                                ((unsigned long long)(sm & 0xff) << 40) | ((unsigned long long)(kind & 0xff) << 32) |
+                                (unsigned)arg;
+  }
+#else
+  (void)kind;
+  (void)arg;
+#endif
+}
+
 // One work item.
 struct FmoeItem {
   bool skip;                   // another rank's expert: nothing to load or compute (uniform over the block)
@@ -264,9 +319,10 @@ DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
 // `header` >= 0: stored as the item's header in its first slot (the fused kernel). `ready` non-NULL: the item's
 // activations are complete once *ready reaches `target` (the fused kernel's down items wait for their tile's up
 // items); the weights of its first FMOE_STAGES stages are requested before that wait, their tokens after it.
+// `trace`: the item's arg in FMOE_TRACE's log.
 template <bool UP>
 DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsigned smem, int& slot, unsigned& phase,
-                                   int header, const unsigned* ready, unsigned target) {
+                                   int header, const unsigned* ready, unsigned target, int trace = 0) {
   const int lane = threadIdx.x & 31, col = lane & 15, half = lane >> 4;
   const int K = a.K;
   const bool gather = col < it.n;  // this lane's token column is one of the item's
@@ -336,7 +392,9 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
       weights(i, s, ph);
       fmoe_ring_advance(s, ph, FMOE_STAGES);
     }
+    if (lane == 0) fmoe_trace(FMOE_EV_WAIT, trace);
     fmoe_wait_count(ready, target);
+    if (lane == 0) fmoe_trace(FMOE_EV_WAITED, trace);
     for (int j = 0; j < early; ++j) {
       tokens(j, slot);
       fmoe_ring_advance(slot, phase, FMOE_STAGES);
@@ -347,6 +405,7 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
     tokens(i, slot);
     fmoe_ring_advance(slot, phase, FMOE_STAGES);
   }
+  if (lane == 0) fmoe_trace(FMOE_EV_ISSUED, trace);
 }
 
 // The producer warp of the two-kernel path: every stage of the block's items (blockIdx.x + n · gridDim.x).
@@ -785,7 +844,10 @@ DSV4_INLINE void fmoe_publish(unsigned* tile_ready, const volatile int* pub_tile
     const int tile = pub_tile[n & 1];
     if (tile < 0) break;
     named_barrier(2, 256 + 32);
-    if (lane == 0) fmoe_count_ready(tile_ready + tile);
+    if (lane == 0) {
+      fmoe_count_ready(tile_ready + tile);
+      fmoe_trace(FMOE_EV_PUBLISH, tile);
+    }
     __syncwarp();
   }
 }
@@ -844,6 +906,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     int slot = 0;
     unsigned phase = 0;
     fmoe_zero_token_slots(smem);
+    if (lane == 0) fmoe_trace(FMOE_EV_START, 0);
     int w = 0;
     if (lane == 0) w = (int)atomicAdd(next, 1u);
     w = __shfl_sync(0xffffffffu, w, 0);
@@ -852,19 +915,24 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       if (lane == 0) w_next = (int)atomicAdd(next, 1u);
       if (w < nup) {
         const FmoeItem it = fmoe_item<true>(up, w);
-        if (!it.skip) fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0);
+        const int tr = fmoe_trace_item(true, w, it.shared);
+        if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
+        if (!it.skip) fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0, tr);
       } else {
         const FmoeItem it = fmoe_item<false>(dn, w - nup);
+        const int tr = fmoe_trace_item(false, w - nup, it.shared);
+        if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
         const unsigned* ready = tile_ready + (w - nup) / rb_dn;
         // Usually the tile's up items are long done: one look while the ring still holds the last item's
         // stages, and the item streams as any other. Else its first weights go out before the wait (waiting
         // for each item's tokens behind its weights cost ~1.5 us a down item).
         if (fmoe_load_acquire(ready) >= (unsigned)rb_up) ready = nullptr;
-        if (!it.skip) fmoe_produce_item<false>(dn, it, smem, slot, phase, w, ready, (unsigned)rb_up);
+        if (!it.skip) fmoe_produce_item<false>(dn, it, smem, slot, phase, w, ready, (unsigned)rb_up, tr);
       }
       w = __shfl_sync(0xffffffffu, w_next, 0);
     }
     fmoe_post_header(smem, slot, phase, -1);  // the end
+    if (lane == 0) fmoe_trace(FMOE_EV_DONE, 0);
     cp_async_wait_all();
   } else {
     // The consumers: each item's header in its first slot says what it is.
@@ -878,11 +946,17 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       if (w < 0) break;
       if (w < nup) {
         const FmoeItem it = fmoe_item<true>(up, w);
+        const int tr = fmoe_trace_item(true, w, it.shared);
+        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
         fmoe_fused_up_item(up, it, w / rb_up, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile);
+        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       } else {
         const FmoeItem it = fmoe_item<false>(dn, w - nup);
+        const int tr = fmoe_trace_item(false, w - nup, it.shared);
+        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
         fmoe_consume_item<false>(dn, it, smem, slot, phase, acc);
         fmoe_down_store(dn, it, acc, y);
+        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       }
     }
     if (threadIdx.x == 0) pub_tile[nup_done & 1] = -1;
@@ -984,6 +1058,7 @@ static __device__ __noinline__ void fmoe_router_job(const FmoeRouter& r, int job
   const int tid = threadIdx.x, warp = tid >> 5, half = warp >> 3;
   const int tg = (r.T + FMOE_LOGIT_TOKENS - 1) / FMOE_LOGIT_TOKENS;
   named_barrier(3, FMOE_CONSUMERS);  // every warp is done with the last item's epilogue (the scratch)
+  if (tid == 0) fmoe_trace(FMOE_EV_JOB, job);
   if (job < quant_jobs) {
     const int nb = r.D / 128, pairs = tg * nb;
     for (int j = job * 16 + warp; j < pairs; j += jobs * 16) {
@@ -991,7 +1066,10 @@ static __device__ __noinline__ void fmoe_router_job(const FmoeRouter& r, int job
       fmoe_quant_x_block(r.x, t0, min(FMOE_LOGIT_TOKENS, r.T - t0), r.D, j % nb, false, r.xq, r.xs);
     }
     named_barrier(3, FMOE_CONSUMERS);
-    if (tid == 0) fmoe_count_ready(sync + FMOE_RSYNC_X);
+    if (tid == 0) {
+      fmoe_count_ready(sync + FMOE_RSYNC_X);
+      fmoe_trace(FMOE_EV_JOB_QUANT, job);
+    }
   }
   float(*part_sum)[FMOE_LOGIT_TOKENS] =
       reinterpret_cast<float(*)[FMOE_LOGIT_TOKENS]>(scratch) + half * FMOE_LOGIT_WARPS;
@@ -1011,6 +1089,7 @@ static __device__ __noinline__ void fmoe_router_job(const FmoeRouter& r, int job
                  : "l"(sync + FMOE_RSYNC_LOGITS)
                  : "memory");
     is_last = before == (unsigned)(jobs - 1);
+    fmoe_trace(FMOE_EV_JOB_LOGITS, is_last);
   }
   named_barrier(3, FMOE_CONSUMERS);
   if (!is_last) return;
@@ -1022,7 +1101,10 @@ static __device__ __noinline__ void fmoe_router_job(const FmoeRouter& r, int job
     moe_plan_block<8>(r.ids, r.T, r.k, r.E, FMOE_TOKENS, r.offsets, r.rows, r.tiles, r.ntiles,
                       reinterpret_cast<int*>(scratch), wsum, PlanSync{4u, 256u});
   named_barrier(3, FMOE_CONSUMERS);
-  if (tid == 0) fmoe_count_ready(sync + FMOE_RSYNC_PLAN);
+  if (tid == 0) {
+    fmoe_count_ready(sync + FMOE_RSYNC_PLAN);
+    fmoe_trace(FMOE_EV_PLAN, job);
+  }
 }
 
 // The consumers' router job, then (FMOE_ROUTER_HOLD) their producer let go.
@@ -1080,13 +1162,16 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     fmoe_zero_token_slots(smem);
     int nup = -1, total = -1;  // up items and all items, once the plan is known
     bool x_ready = quant_jobs == 0;
+    if (lane == 0) fmoe_trace(FMOE_EV_START, 0);
     int w = 0;
     if (lane == 0) w = (int)atomicAdd(next, 1u);
     w = __shfl_sync(0xffffffffu, w, 0);
     for (;;) {
       const int q = w - jobs;  // the item (q >= 0)
       if (q >= sh_up && total < 0) {
+        if (lane == 0) fmoe_trace(FMOE_EV_PLAN_WAIT, q);
         const int nrt = fmoe_wait_plan(sync, ntiles);
+        if (lane == 0) fmoe_trace(FMOE_EV_PLAN_WAITED, q);
         nup = (nrt + nsh) * rb_up;
         total = nup + (nrt + nsh) * rb_dn;
       }
@@ -1094,30 +1179,37 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       int w_next = 0;
       if (lane == 0) w_next = (int)atomicAdd(next, 1u);
       if (q < 0) {
+        if (lane == 0) fmoe_trace(FMOE_EV_TAKE, FMOE_ROUTER_HEADER(w));
         fmoe_post_header(smem, slot, phase, FMOE_ROUTER_HEADER(w));  // a router job
         fmoe_ring_advance(slot, phase, FMOE_STAGES);
         if (FMOE_ROUTER_HOLD) named_barrier(6, FMOE_CONSUMERS + 32);
       } else if (q < (nup < 0 ? sh_up : nup)) {
         const FmoeItem it = fmoe_item<true, true>(up, q);
+        const int tr = fmoe_trace_item(true, q, it.shared);
+        if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
         const unsigned* ready = nullptr;
         if (!x_ready) {
           x_ready = fmoe_load_acquire(sync + FMOE_RSYNC_X) >= (unsigned)quant_jobs;
           if (!x_ready) ready = sync + FMOE_RSYNC_X;
         }
         if (!it.skip) {
-          fmoe_produce_item<true>(up, it, smem, slot, phase, q, ready, (unsigned)quant_jobs);
+          fmoe_produce_item<true>(up, it, smem, slot, phase, q, ready, (unsigned)quant_jobs, tr);
           x_ready = true;  // (it waited for them)
         }
       } else {
         const FmoeItem it = fmoe_item<false, true>(dn, q - nup);
+        const int tr = fmoe_trace_item(false, q - nup, it.shared);
+        if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
         const unsigned* ready = tile_ready + (q - nup) / rb_dn;
         if (fmoe_load_acquire(ready) >= (unsigned)rb_up) ready = nullptr;
         if (!it.skip)
-          fmoe_produce_item<false>(dn, it, smem, slot, phase, FMOE_DOWN_HEADER | (q - nup), ready, (unsigned)rb_up);
+          fmoe_produce_item<false>(dn, it, smem, slot, phase, FMOE_DOWN_HEADER | (q - nup), ready, (unsigned)rb_up,
+                                   tr);
       }
       w = __shfl_sync(0xffffffffu, w_next, 0);
     }
     fmoe_post_header(smem, slot, phase, -1);  // the end
+    if (lane == 0) fmoe_trace(FMOE_EV_DONE, 0);
     cp_async_wait_all();
   } else {
     // The consumers: router jobs, then items, each announced by its header. A producer's pulls from the queue
@@ -1143,11 +1235,17 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     for (; h != -1; mbar_wait(fmoe_full(smem, slot), phase), h = fmoe_load_header(smem + slot * FMOE_SLOT)) {
       if (h < FMOE_DOWN_HEADER) {
         const FmoeItem it = fmoe_item<true, true>(up, h);
+        const int tr = fmoe_trace_item(true, h, it.shared);
+        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
         fmoe_fused_up_item(up, it, h / rb_up, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile);
+        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       } else {
         const FmoeItem it = fmoe_item<false, true>(dn, h - FMOE_DOWN_HEADER);
+        const int tr = fmoe_trace_item(false, h - FMOE_DOWN_HEADER, it.shared);
+        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
         fmoe_consume_item<false>(dn, it, smem, slot, phase, acc);
         fmoe_down_store(dn, it, acc, y);
+        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       }
     }
     if (threadIdx.x == 0) pub_tile[nup_done & 1] = -1;

@@ -611,7 +611,8 @@ pub struct Registry {
     ctx: Context,
     arch: String,
     nvrtc: (i32, i32),
-    modules: Vec<cu::CUmodule>,
+    /// Each loaded family's module, with the family's name.
+    modules: Vec<(&'static str, cu::CUmodule)>,
     kernels: Vec<Kernel>,
     stats: RegistryStats,
 }
@@ -701,7 +702,7 @@ impl Registry {
                 }
                 (Err(e), _) => return Err(e),
             };
-            reg.modules.push(module);
+            reg.modules.push((fam.family, module));
             for f in fam.functions {
                 let k = resolve(ctx, fam.family, module, f)?;
                 reg.kernels.push(k);
@@ -728,6 +729,34 @@ impl Registry {
         &self.kernels
     }
 
+    /// The address and size of the `__device__` variable `name` of `family`'s module, or None
+    /// when that module has no such variable (a bench variant's, compiled only with its define,
+    /// such as fast_moe_gemm's `FMOE_TRACE` log); `Internal` if the family is not loaded.
+    pub fn global(&self, family: &str, name: &str) -> Result<Option<(cu::CUdeviceptr, usize)>> {
+        let module = self
+            .modules
+            .iter()
+            .find(|(f, _)| *f == family)
+            .map(|&(_, m)| m)
+            .ok_or_else(|| {
+                Error::new(
+                    Status::Internal,
+                    format!("kernel family `{family}` is not in the registry"),
+                )
+            })?;
+        let cname = CString::new(name)
+            .map_err(|_| Error::new(Status::Internal, format!("bad global name `{name}`")))?;
+        let (mut ptr, mut bytes) = (0, 0);
+        let _g = self.ctx.enter()?;
+        // SAFETY: valid module and NUL-terminated name; writes a pointer and a size.
+        let r = unsafe { cu::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, cname.as_ptr()) };
+        match r {
+            cu::CUresult::CUDA_SUCCESS => Ok(Some((ptr, bytes))),
+            cu::CUresult::CUDA_ERROR_NOT_FOUND => Ok(None),
+            e => check(format!("cuModuleGetGlobal({family}::{name})"), e).map(|_| None),
+        }
+    }
+
     pub fn stats(&self) -> RegistryStats {
         self.stats
     }
@@ -744,7 +773,7 @@ impl Registry {
 impl Drop for Registry {
     fn drop(&mut self) {
         if let Ok(_g) = self.ctx.enter() {
-            for &m in &self.modules {
+            for &(_, m) in &self.modules {
                 // SAFETY: loaded by us, unloaded once.
                 let _ = unsafe { cu::cuModuleUnload(m) };
             }

@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::bench_util::{alloc, e, kernel_cache, time_replays};
+use crate::moe_trace::TraceLog;
 use dsv4::cuda::arena;
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
@@ -37,6 +38,9 @@ pub struct MoeBench {
     /// Where to write each case's expert ids (`i32[B, k]` of the first input batch) for the
     /// PyTorch baseline.
     pub ids_dir: Option<PathBuf>,
+    /// Where to write each case's event log (moe_trace.rs; the kernels' `FMOE_TRACE=1` build):
+    /// one eager layer call after the timed ones, traced.
+    pub trace_dir: Option<PathBuf>,
 }
 
 pub fn parse_routings(v: &str) -> Result<Vec<Routing>, String> {
@@ -112,6 +116,10 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
         .collect();
     let reg = Registry::load_families(&ctx, &families, &kernel_cache()?).map_err(e)?;
     let fast = FastMoe::new(&reg).map_err(e)?;
+    let trace = match &b.trace_dir {
+        Some(_) => Some(TraceLog::find(&reg)?),
+        None => None,
+    };
     let nr = NormRope::new(&reg).map_err(e)?;
     let t0 = Instant::now();
     let layer = SyntheticMoe::new(&ctx, s, sh, 0x5EED).map_err(e)?;
@@ -212,6 +220,23 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
                 launches * reps,
             );
             std::io::stdout().flush().ok();
+            if let (Some(log), Some(dir)) = (&trace, &b.trace_dir) {
+                // Input batch 1: its experts are not the last replay's (reps >= 2), as in the timing.
+                log.reset(s)?;
+                call(1).map_err(e)?;
+                s.synchronize().map_err(e)?;
+                let name = format!(
+                    "fmoe_trace_B{t}_{}_{}.json",
+                    routing_name(r),
+                    path_name(path)
+                );
+                let labels = format!(
+                    "\"B\": {t}, \"routing\": \"{}\", \"path\": \"{}\", \"moe_inter\": {i}, \"hidden\": {d}, \"top_k\": {k}",
+                    routing_name(r),
+                    path_name(path)
+                );
+                log.write(s, &dir.join(name), &labels)?;
+            }
         }
         // The input's norm with the routing, the norm making x's codes or not (once a batch size, on
         // the first routing: what the fast set's boundary leaving ffn_norm to the layer changes).

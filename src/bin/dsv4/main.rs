@@ -13,8 +13,10 @@
 //! - `dsv4 dummy-checkpoint --config FILE --out DIR`: the dummy weights as a safetensors
 //!   checkpoint (dummy_checkpoint.rs).
 //! - `dsv4 bench moe [--batches N,N...] [--routing uniform,skewed,topk] [--path P] [--router R]
-//!   [--ids-dir DIR]`: the fast MoE layer alone at Flash shapes, one JSON line per case (bench_moe.rs).
-//!   `--path` and `--router` (auto, few, tensor) force the expert GEMMs' and the router's kernels.
+//!   [--ids-dir DIR] [--trace DIR]`: the fast MoE layer alone at Flash shapes, one JSON line per case
+//!   (bench_moe.rs). `--path` and `--router` (auto, few, tensor) force the expert GEMMs' and the
+//!   router's kernels; `--trace` (with `--defines FMOE_TRACE=1`) writes the fused decode kernels'
+//!   per-block event log of one layer call a case (moe_trace.rs, scripts/fmoe-trace.py).
 //! - `dsv4 bench dense [--tokens N,N...] [--projection NAME] [--read-probe N,N...]
 //!   [--lt-candidates N]`: the fast set's dense projections alone at Flash shapes, one JSON line
 //!   per case (bench_dense.rs); `--read-probe` adds each projection's bytes read by a kernel that
@@ -32,6 +34,7 @@ mod bench_moe;
 mod bench_refit;
 mod bench_util;
 mod dummy_checkpoint;
+mod moe_trace;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -49,7 +52,7 @@ const USAGE: &str = "usage:
   dsv4 bench refit [--config FILE] [--device cuda[:N]]
   dsv4 dummy-checkpoint --config FILE --out DIR [--seed S]
   dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,decode-fused,decode-routed,prefill]
-                 [--router auto|few|tensor] [--ids-dir DIR] [--device cuda[:N]]
+                 [--router auto|few|tensor] [--ids-dir DIR] [--trace DIR] [--device cuda[:N]]
   dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--read-probe N[,N...]] [--lt-candidates N]
                    [--device cuda[:N]]
   dsv4 bench attn [--contexts N[,N...]] [--batches N[,N...]] [--indexer-chunks N[,N...]]
@@ -716,6 +719,7 @@ fn bench(a: &Args) -> Result<(), String> {
                 paths: bench_moe::parse_paths(a.get("path").unwrap_or("auto"))?,
                 router: bench_moe::parse_router(a.get("router").unwrap_or("auto"))?,
                 ids_dir: a.get("ids-dir").map(PathBuf::from),
+                trace_dir: a.get("trace").map(PathBuf::from),
             });
         }
         Some("dense") => {
