@@ -104,6 +104,8 @@ enum FmoeTraceKind {
   FMOE_EV_PLAN = 13,         //   ... the plan published
   FMOE_EV_PUBLISH = 14,      // publishing warp: an up item counted in (arg: tile)
   FMOE_EV_DONE = 15,         // producer: the end posted
+  FMOE_EV_SELECTED = 16,     // consumers: the last router job has selected every token
+  FMOE_EV_PLANNED = 17,      //   ... and stored the plan (FMOE_EV_PLAN: once it is published)
 };
 // An item's trace arg: its index among the up (or down) items, and whether it is the shared expert's.
 DSV4_INLINE int fmoe_trace_item(bool up, int i, bool shared) {
@@ -309,6 +311,15 @@ DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
   if (!FMOE_POLL_ACQUIRE) fmoe_load_acquire(flag);
 }
 
+// FMOE_PF_AHEAD: how many stages ahead of the one it waits to put in the ring the producer asks L2 for an item's
+// weights (cp.async.bulk.prefetch, no shared memory), so the ring's TMA copies find them there. The ring alone
+// keeps FMOE_STAGES stages (128 KiB) in flight a block, and the consumers hold one of them while they compute:
+// at B = 1 an FP4 up item then streamed at ~22 GB/s a block, 2.7 TB/s over 112 blocks (FMOE_TRACE, H100),
+// where the TMA stream with no consumers reached 3.4. 0: no prefetch.
+#ifndef FMOE_PF_AHEAD
+#define FMOE_PF_AHEAD 4
+#endif
+
 // One item's stages into the ring, in the order the consumers read them (the producer warp). Per stage, lane 0
 // announces the TMA bytes and issues the weight (and FP4 scale) boxes: rows 0..127 of the stage from matrix A
 // (up: W1 j = row0 ..; down: W2 rows row0 ..), rows 128..255 from matrix B (up: W3 j = row0 ..; down: W2 rows
@@ -342,9 +353,28 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
     fs = (lane == 0 ? it.sa : it.sb) + (long long)(grow / 128) * (K / 128);
   }
   const unsigned tx = FMOE_SLOT_W + (!it.fp4 ? 0 : !it.s8 ? FMOE_SLOT_S : it.sc8_b != nullptr ? 2048 : 1024);
+  // Stage i's weight (and FP4 scale) bytes asked of L2 (lane 0), FMOE_PF_AHEAD stages before the ring reads them.
+  auto prefetch = [&](int i) {
+    if (i >= it.nks) return;
+    const int kb = fmoe_stage_at(it, i);
+    tma_prefetch_2d(map_a, kb * FMOE_RB, it.row0);
+    tma_prefetch_2d(map_b, kb * FMOE_RB, row_b);
+    if (it.s8) {
+      bulk_prefetch(it.sc8_a + kb * 1024, 1024);
+      if (it.sc8_b != nullptr) bulk_prefetch(it.sc8_b + kb * 1024, 1024);
+    } else if (it.fp4) {
+      tma_prefetch_2d(smap_a, kb * 8, it.row0);
+      tma_prefetch_2d(smap_b, kb * 8, row_b);
+    }
+  };
   // The weights of stage i (the item's i-th) into slot s, once the consumers have freed it.
   auto weights = [&](int i, int s, unsigned ph) {
     const int kb = fmoe_stage_at(it, i);
+    if (FMOE_PF_AHEAD > 0 && lane == 0) {
+      if (i == 0)
+        for (int p = 1; p < FMOE_PF_AHEAD; ++p) prefetch(p);
+      prefetch(i + FMOE_PF_AHEAD);
+    }
     mbar_wait(fmoe_empty(smem, s), ph ^ 1);
     const unsigned st = smem + s * FMOE_SLOT, full = fmoe_full(smem, s);
     if (lane == 0) {
@@ -407,6 +437,49 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
   }
   if (lane == 0) fmoe_trace(FMOE_EV_ISSUED, trace);
 }
+
+// FMOE_PF_SHARED 1: at its start each producer of the fused kernels asks L2 for a slice of the shared expert's
+// weights (fmoe_prefetch_shared). At B = 1 its 16 FP8 up items of 1 MiB were the launch's critical path (each
+// streamed by one block at ~35 GB/s while 96 others streamed the routed experts' half-size items, then its down
+// items waited for them: FMOE_TRACE, H100); in the routed launch the HBM is idle but for the gate while the
+// router runs. 0: no such prefetch.
+#ifndef FMOE_PF_SHARED
+#define FMOE_PF_SHARED 1
+#endif
+
+// Asks L2 for slice s of S of the shared expert's weight boxes (no-op without a shared expert): its up matrices'
+// boxes, then its down matrix's, each stage by stage in the rotated order its items read them (fmoe_stage_at),
+// so every slice asks for early stages first. A box is what one tma_load_2d of an item copies (128 bytes of 128
+// rows).
+DSV4_INLINE void fmoe_prefetch_shared(const FmoeArgs& up, const FmoeArgs& dn, int s, int S) {
+  if (up.shared_fmt == 0) return;
+  const unsigned char* maps = up.maps + (long long)(up.e_end - up.e_begin) * (FMOE_MAPS_PER_EXPERT * FMOE_MAP_BYTES);
+  const int nu = fmoe_stages(up.shared_fmt == WFMT_FP4, up.K), rbu = fmoe_rblocks(true, up.N);
+  const int nd = fmoe_stages(dn.shared_fmt == WFMT_FP4, dn.K), rbd = fmoe_rblocks(false, dn.N);
+  const int n_up = nu * rbu * 2, n_all = n_up + nd * rbd * 2;
+  for (int n = s; n < n_all; n += S) {
+    const bool is_up = n < n_up;
+    const int m = is_up ? n : n - n_up, per = 2 * (is_up ? rbu : rbd);
+    const int i = m / per, rb = (m % per) >> 1, half = m & 1;
+    const int stages = is_up ? nu : nd;
+    const int kb = (i + rb) % stages;
+    if (is_up) {
+      tma_prefetch_2d(maps + (half ? FMOE_MAP_W3 : FMOE_MAP_W1) * FMOE_MAP_BYTES, kb * FMOE_RB, rb * FMOE_UP_J);
+    } else {
+      const int row = rb * FMOE_DOWN_ROWS + half * FMOE_BOX_ROWS;
+      if (row < dn.N) tma_prefetch_2d(maps + FMOE_MAP_W2 * FMOE_MAP_BYTES, kb * FMOE_RB, row);
+    }
+  }
+}
+
+// FMOE_TAKE_EARLY 1: the fused kernels' producers take their next item from the queue as they start an item (the
+// atomic's latency hidden behind the item's stream), so each holds two. At B = 1 that left down items queued
+// behind others' waits on blocks that were busy while other blocks idled at the launch's end (FMOE_TRACE). 0: a
+// producer takes its next item once it has asked for the last stage of this one; the ring's stages still cover
+// the atomic.
+#ifndef FMOE_TAKE_EARLY
+#define FMOE_TAKE_EARLY 0
+#endif
 
 // The producer warp of the two-kernel path: every stage of the block's items (blockIdx.x + n · gridDim.x).
 template <bool UP>
@@ -909,10 +982,11 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     if (lane == 0) fmoe_trace(FMOE_EV_START, 0);
     int w = 0;
     if (lane == 0) w = (int)atomicAdd(next, 1u);
+    if (FMOE_PF_SHARED && lane == 0) fmoe_prefetch_shared(up, dn, blockIdx.x, gridDim.x);
     w = __shfl_sync(0xffffffffu, w, 0);
     while (w < total) {
       int w_next = 0;
-      if (lane == 0) w_next = (int)atomicAdd(next, 1u);
+      if (FMOE_TAKE_EARLY && lane == 0) w_next = (int)atomicAdd(next, 1u);
       if (w < nup) {
         const FmoeItem it = fmoe_item<true>(up, w);
         const int tr = fmoe_trace_item(true, w, it.shared);
@@ -929,6 +1003,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         if (fmoe_load_acquire(ready) >= (unsigned)rb_up) ready = nullptr;
         if (!it.skip) fmoe_produce_item<false>(dn, it, smem, slot, phase, w, ready, (unsigned)rb_up, tr);
       }
+      if (!FMOE_TAKE_EARLY && lane == 0) w_next = (int)atomicAdd(next, 1u);
       w = __shfl_sync(0xffffffffu, w_next, 0);
     }
     fmoe_post_header(smem, slot, phase, -1);  // the end
@@ -1030,10 +1105,12 @@ DSV4_INLINE int fmoe_router_jobs(const FmoeRouter& r, int shared_up_items) {
   return FMOE_ROUTER_JOBS_MAX > 0 ? min(jobs, FMOE_ROUTER_JOBS_MAX) : jobs;
 }
 
-// FMOE_ROUTER_HOLD 1 (a measured variant): a producer that posted a router job takes its next item only once
-// its consumers have run the job (named barrier 6), so its waits do not run beside the job.
+// FMOE_ROUTER_HOLD 1: a producer that posted a router job takes its next item only once its consumers have run
+// the job (named barrier 6): it takes no second job (taking the next entry at once, producers took up to two
+// and the last job to finish, which makes the plan, started at 13 us instead of 2: FMOE_TRACE, B = 1), and no
+// item whose stream would wait for the consumers. 0: it goes on taking items (the measured first version).
 #ifndef FMOE_ROUTER_HOLD
-#define FMOE_ROUTER_HOLD 0
+#define FMOE_ROUTER_HOLD 1
 #endif
 
 // Router jobs that quantise x (each takes 16 of its (token tile, 128-block) pairs at a time), or 0 when x_made.
@@ -1097,10 +1174,12 @@ static __device__ __noinline__ void fmoe_router_job(const FmoeRouter& r, int job
     fmoe_select_token(r.scores, t, r.E, r.k, r.bias, r.tid2eid, r.tokens, r.scoring, r.renorm, r.route_scale,
                       r.ids, r.weights);
   named_barrier(3, FMOE_CONSUMERS);
+  if (tid == 0) fmoe_trace(FMOE_EV_SELECTED, job);
   if (warp < 8)
     moe_plan_block<8>(r.ids, r.T, r.k, r.E, FMOE_TOKENS, r.offsets, r.rows, r.tiles, r.ntiles,
                       reinterpret_cast<int*>(scratch), wsum, PlanSync{4u, 256u});
   named_barrier(3, FMOE_CONSUMERS);
+  if (tid == 0) fmoe_trace(FMOE_EV_PLANNED, job);
   if (tid == 0) {
     fmoe_count_ready(sync + FMOE_RSYNC_PLAN);
     fmoe_trace(FMOE_EV_PLAN, job);
@@ -1165,6 +1244,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     if (lane == 0) fmoe_trace(FMOE_EV_START, 0);
     int w = 0;
     if (lane == 0) w = (int)atomicAdd(next, 1u);
+    if (FMOE_PF_SHARED && lane == 0) fmoe_prefetch_shared(up, dn, blockIdx.x, gridDim.x);
     w = __shfl_sync(0xffffffffu, w, 0);
     for (;;) {
       const int q = w - jobs;  // the item (q >= 0)
@@ -1177,7 +1257,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       }
       if (total >= 0 && q >= total) break;
       int w_next = 0;
-      if (lane == 0) w_next = (int)atomicAdd(next, 1u);
+      if (FMOE_TAKE_EARLY && lane == 0) w_next = (int)atomicAdd(next, 1u);
       if (q < 0) {
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, FMOE_ROUTER_HEADER(w));
         fmoe_post_header(smem, slot, phase, FMOE_ROUTER_HEADER(w));  // a router job
@@ -1206,6 +1286,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
           fmoe_produce_item<false>(dn, it, smem, slot, phase, FMOE_DOWN_HEADER | (q - nup), ready, (unsigned)rb_up,
                                    tr);
       }
+      if (!FMOE_TAKE_EARLY && lane == 0) w_next = (int)atomicAdd(next, 1u);
       w = __shfl_sync(0xffffffffu, w_next, 0);
     }
     fmoe_post_header(smem, slot, phase, -1);  // the end

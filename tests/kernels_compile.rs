@@ -197,7 +197,7 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
     if !nvrtc_or_skip() {
         return;
     }
-    let variants: [(&KernelSource, &str); 10] = [
+    let variants: [(&KernelSource, &str); 13] = [
         (&fast_attention::SOURCE, "FA_DECODE_FAST=0"),
         (&fast_attention::SOURCE, "FA_FETCH_FAST=0"),
         (&fast_attention::SOURCE, "FA_CL_BATCH=1"),
@@ -206,8 +206,11 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         (&fast_indexer::SOURCE, "FI_STREAM_MIN_BLOCKS=3"),
         (&fast_indexer::SOURCE, "FI_TOPK_PLAIN_LOW=0"),
         (&fast_moe_gemm::SOURCE, "FMOE_POLL_ACQUIRE=0"),
-        (&fast_moe_gemm::SOURCE, "FMOE_ROUTER_HOLD=1"),
+        (&fast_moe_gemm::SOURCE, "FMOE_ROUTER_HOLD=0"),
         (&fast_moe_gemm::SOURCE, "FMOE_TRACE=1"),
+        (&fast_moe_gemm::SOURCE, "FMOE_PF_AHEAD=0"),
+        (&fast_moe_gemm::SOURCE, "FMOE_PF_SHARED=0"),
+        (&fast_moe_gemm::SOURCE, "FMOE_TAKE_EARLY=1"),
     ];
     for (fam, define) in variants {
         if chosen([fam]).is_empty() {
