@@ -302,23 +302,19 @@ DSV4_INLINE unsigned fmoe_load_relaxed(const unsigned* flag) {
 #ifndef FMOE_POLL_ACQUIRE
 #define FMOE_POLL_ACQUIRE 1
 #endif
+// FMOE_POLL_SLEEP: nanoseconds a waiting thread sleeps between polls (a measured variant's knob: in the routed
+// launch ~130 producers poll the plan's one word while the router's last job selects and plans).
+#ifndef FMOE_POLL_SLEEP
+#define FMOE_POLL_SLEEP 64
+#endif
 DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
   for (unsigned polls = 0;; ++polls) {
     if ((FMOE_POLL_ACQUIRE ? fmoe_load_acquire(flag) : fmoe_load_relaxed(flag)) >= target) break;
     if (polls > (1u << 22)) __trap();
-    __nanosleep(64);
+    __nanosleep(FMOE_POLL_SLEEP);
   }
   if (!FMOE_POLL_ACQUIRE) fmoe_load_acquire(flag);
 }
-
-// FMOE_PF_AHEAD: how many stages ahead of the one it waits to put in the ring the producer asks L2 for an item's
-// weights (cp.async.bulk.prefetch, no shared memory), so the ring's TMA copies find them there. The ring alone
-// keeps FMOE_STAGES stages (128 KiB) in flight a block, and the consumers hold one of them while they compute:
-// at B = 1 an FP4 up item then streamed at ~22 GB/s a block, 2.7 TB/s over 112 blocks (FMOE_TRACE, H100),
-// where the TMA stream with no consumers reached 3.4. 0: no prefetch.
-#ifndef FMOE_PF_AHEAD
-#define FMOE_PF_AHEAD 4
-#endif
 
 // One item's stages into the ring, in the order the consumers read them (the producer warp). Per stage, lane 0
 // announces the TMA bytes and issues the weight (and FP4 scale) boxes: rows 0..127 of the stage from matrix A
@@ -353,28 +349,9 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
     fs = (lane == 0 ? it.sa : it.sb) + (long long)(grow / 128) * (K / 128);
   }
   const unsigned tx = FMOE_SLOT_W + (!it.fp4 ? 0 : !it.s8 ? FMOE_SLOT_S : it.sc8_b != nullptr ? 2048 : 1024);
-  // Stage i's weight (and FP4 scale) bytes asked of L2 (lane 0), FMOE_PF_AHEAD stages before the ring reads them.
-  auto prefetch = [&](int i) {
-    if (i >= it.nks) return;
-    const int kb = fmoe_stage_at(it, i);
-    tma_prefetch_2d(map_a, kb * FMOE_RB, it.row0);
-    tma_prefetch_2d(map_b, kb * FMOE_RB, row_b);
-    if (it.s8) {
-      bulk_prefetch(it.sc8_a + kb * 1024, 1024);
-      if (it.sc8_b != nullptr) bulk_prefetch(it.sc8_b + kb * 1024, 1024);
-    } else if (it.fp4) {
-      tma_prefetch_2d(smap_a, kb * 8, it.row0);
-      tma_prefetch_2d(smap_b, kb * 8, row_b);
-    }
-  };
   // The weights of stage i (the item's i-th) into slot s, once the consumers have freed it.
   auto weights = [&](int i, int s, unsigned ph) {
     const int kb = fmoe_stage_at(it, i);
-    if (FMOE_PF_AHEAD > 0 && lane == 0) {
-      if (i == 0)
-        for (int p = 1; p < FMOE_PF_AHEAD; ++p) prefetch(p);
-      prefetch(i + FMOE_PF_AHEAD);
-    }
     mbar_wait(fmoe_empty(smem, s), ph ^ 1);
     const unsigned st = smem + s * FMOE_SLOT, full = fmoe_full(smem, s);
     if (lane == 0) {
@@ -436,40 +413,6 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
     fmoe_ring_advance(slot, phase, FMOE_STAGES);
   }
   if (lane == 0) fmoe_trace(FMOE_EV_ISSUED, trace);
-}
-
-// FMOE_PF_SHARED 1: at its start each producer of the fused kernels asks L2 for a slice of the shared expert's
-// weights (fmoe_prefetch_shared). At B = 1 its 16 FP8 up items of 1 MiB were the launch's critical path (each
-// streamed by one block at ~35 GB/s while 96 others streamed the routed experts' half-size items, then its down
-// items waited for them: FMOE_TRACE, H100); in the routed launch the HBM is idle but for the gate while the
-// router runs. 0: no such prefetch.
-#ifndef FMOE_PF_SHARED
-#define FMOE_PF_SHARED 1
-#endif
-
-// Asks L2 for slice s of S of the shared expert's weight boxes (no-op without a shared expert): its up matrices'
-// boxes, then its down matrix's, each stage by stage in the rotated order its items read them (fmoe_stage_at),
-// so every slice asks for early stages first. A box is what one tma_load_2d of an item copies (128 bytes of 128
-// rows).
-DSV4_INLINE void fmoe_prefetch_shared(const FmoeArgs& up, const FmoeArgs& dn, int s, int S) {
-  if (up.shared_fmt == 0) return;
-  const unsigned char* maps = up.maps + (long long)(up.e_end - up.e_begin) * (FMOE_MAPS_PER_EXPERT * FMOE_MAP_BYTES);
-  const int nu = fmoe_stages(up.shared_fmt == WFMT_FP4, up.K), rbu = fmoe_rblocks(true, up.N);
-  const int nd = fmoe_stages(dn.shared_fmt == WFMT_FP4, dn.K), rbd = fmoe_rblocks(false, dn.N);
-  const int n_up = nu * rbu * 2, n_all = n_up + nd * rbd * 2;
-  for (int n = s; n < n_all; n += S) {
-    const bool is_up = n < n_up;
-    const int m = is_up ? n : n - n_up, per = 2 * (is_up ? rbu : rbd);
-    const int i = m / per, rb = (m % per) >> 1, half = m & 1;
-    const int stages = is_up ? nu : nd;
-    const int kb = (i + rb) % stages;
-    if (is_up) {
-      tma_prefetch_2d(maps + (half ? FMOE_MAP_W3 : FMOE_MAP_W1) * FMOE_MAP_BYTES, kb * FMOE_RB, rb * FMOE_UP_J);
-    } else {
-      const int row = rb * FMOE_DOWN_ROWS + half * FMOE_BOX_ROWS;
-      if (row < dn.N) tma_prefetch_2d(maps + FMOE_MAP_W2 * FMOE_MAP_BYTES, kb * FMOE_RB, row);
-    }
-  }
 }
 
 // FMOE_TAKE_EARLY 1: the fused kernels' producers take their next item from the queue as they start an item (the
@@ -980,13 +923,15 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     unsigned phase = 0;
     fmoe_zero_token_slots(smem);
     if (lane == 0) fmoe_trace(FMOE_EV_START, 0);
-    int w = 0;
-    if (lane == 0) w = (int)atomicAdd(next, 1u);
-    if (FMOE_PF_SHARED && lane == 0) fmoe_prefetch_shared(up, dn, blockIdx.x, gridDim.x);
-    w = __shfl_sync(0xffffffffu, w, 0);
+    // The queue's next entry, to every lane.
+    auto take = [&]() {
+      int v = 0;
+      if (lane == 0) v = (int)atomicAdd(next, 1u);
+      return __shfl_sync(0xffffffffu, v, 0);
+    };
+    int w = take();
     while (w < total) {
-      int w_next = 0;
-      if (FMOE_TAKE_EARLY && lane == 0) w_next = (int)atomicAdd(next, 1u);
+      const int w_next = FMOE_TAKE_EARLY ? take() : 0;
       if (w < nup) {
         const FmoeItem it = fmoe_item<true>(up, w);
         const int tr = fmoe_trace_item(true, w, it.shared);
@@ -1003,8 +948,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         if (fmoe_load_acquire(ready) >= (unsigned)rb_up) ready = nullptr;
         if (!it.skip) fmoe_produce_item<false>(dn, it, smem, slot, phase, w, ready, (unsigned)rb_up, tr);
       }
-      if (!FMOE_TAKE_EARLY && lane == 0) w_next = (int)atomicAdd(next, 1u);
-      w = __shfl_sync(0xffffffffu, w_next, 0);
+      w = FMOE_TAKE_EARLY ? w_next : take();
     }
     fmoe_post_header(smem, slot, phase, -1);  // the end
     if (lane == 0) fmoe_trace(FMOE_EV_DONE, 0);
@@ -1244,7 +1188,6 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     if (lane == 0) fmoe_trace(FMOE_EV_START, 0);
     int w = 0;
     if (lane == 0) w = (int)atomicAdd(next, 1u);
-    if (FMOE_PF_SHARED && lane == 0) fmoe_prefetch_shared(up, dn, blockIdx.x, gridDim.x);
     w = __shfl_sync(0xffffffffu, w, 0);
     for (;;) {
       const int q = w - jobs;  // the item (q >= 0)
