@@ -50,6 +50,13 @@
 
 // FMOE_TOKENS, FMOE_WARPGROUPS, FMOE_STAGES, FMOE_UP_J, FMOE_DOWN_ROWS, FMOE_SMEM_BYTES and the tensor map
 // table's layout (FMOE_MAP_*) come from dsv4_consts.cuh (src/cuda/kernels/fast_moe_gemm.rs).
+// FMOE_RING_SLOTS (a diagnostic variant): fewer ring slots than FMOE_STAGES (the host sizes the shared memory for
+// FMOE_STAGES), so fewer bytes in flight a block: what that costs says how much the stream is bound by them.
+#ifdef FMOE_RING_SLOTS
+static_assert(FMOE_RING_SLOTS >= 2 && FMOE_RING_SLOTS <= FMOE_STAGES, "fast_moe_gemm: FMOE_RING_SLOTS out of range");
+#undef FMOE_STAGES
+#define FMOE_STAGES FMOE_RING_SLOTS
+#endif
 #define FMOE_CONSUMERS (FMOE_WARPGROUPS * 128)
 #define FMOE_THREADS (FMOE_CONSUMERS + 32)  // the consumer warpgroups, then the producer warp
 #define FMOE_ROWS (FMOE_WARPGROUPS * 64)    // weight rows of an item (and of a stage)
