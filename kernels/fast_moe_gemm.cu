@@ -309,16 +309,11 @@ DSV4_INLINE unsigned fmoe_load_relaxed(const unsigned* flag) {
 #ifndef FMOE_POLL_ACQUIRE
 #define FMOE_POLL_ACQUIRE 1
 #endif
-// FMOE_POLL_SLEEP: nanoseconds a waiting thread sleeps between polls (a measured variant's knob: in the routed
-// launch ~130 producers poll the plan's one word while the router's last job selects and plans).
-#ifndef FMOE_POLL_SLEEP
-#define FMOE_POLL_SLEEP 64
-#endif
 DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
   for (unsigned polls = 0;; ++polls) {
     if ((FMOE_POLL_ACQUIRE ? fmoe_load_acquire(flag) : fmoe_load_relaxed(flag)) >= target) break;
     if (polls > (1u << 22)) __trap();
-    __nanosleep(FMOE_POLL_SLEEP);
+    __nanosleep(64);
   }
   if (!FMOE_POLL_ACQUIRE) fmoe_load_acquire(flag);
 }
@@ -1071,18 +1066,41 @@ DSV4_INLINE int fmoe_router_quant_jobs(const FmoeRouter& r, int jobs) {
   return min(jobs, (pairs + 15) / 16);
 }
 
+// Step 3 of a router job, by the consumer threads of the job counted in last: every token's selection
+// (fmoe_select_token, warp w the tokens w, w + 16, ...), the plan (moe_plan_block on warps 0-7), then FMOE_RSYNC_PLAN.
+// A call of its own, so that its registers are not the job's: inlined into fmoe_router_job, the selection's
+// per-lane scores went to local memory, whose loads missed the L1 that the block's shared memory leaves small
+// (FMOE_TRACE, B = 1: the selection took 7 us, the plan 6).
+static __device__ __noinline__ void fmoe_router_plan(const FmoeRouter& r, int job, unsigned* sync,
+                                                     unsigned char* scratch) {
+  __shared__ int wsum[32];
+  const int tid = threadIdx.x, warp = tid >> 5;
+  for (int t = warp; t < r.T; t += FMOE_CONSUMERS / 32)
+    fmoe_select_token(r.scores, t, r.E, r.k, r.bias, r.tid2eid, r.tokens, r.scoring, r.renorm, r.route_scale,
+                      r.ids, r.weights);
+  named_barrier(3, FMOE_CONSUMERS);
+  if (tid == 0) fmoe_trace(FMOE_EV_SELECTED, job);
+  if (warp < 8)
+    moe_plan_block<8>(r.ids, r.T, r.k, r.E, FMOE_TOKENS, r.offsets, r.rows, r.tiles, r.ntiles,
+                      reinterpret_cast<int*>(scratch), wsum, PlanSync{4u, 256u});
+  named_barrier(3, FMOE_CONSUMERS);
+  if (tid == 0) {
+    fmoe_trace(FMOE_EV_PLANNED, job);
+    fmoe_count_ready(sync + FMOE_RSYNC_PLAN);
+    fmoe_trace(FMOE_EV_PLAN, job);
+  }
+}
+
 // Router job `job` of `jobs`, by the block's consumer threads (warps 0-15; `scratch`: the up epilogue's buffers,
 // free between items):
 // 1. x's codes (unless made): pairs (token tile, 128-block) job·16 + warp, + 16·jobs, ... (fmoe_quant_x_block,
 //    the fragment order of the decode GEMMs), then counted in at FMOE_RSYNC_X;
 // 2. logit tiles 2·job + half, + 2·jobs, ... (fmoe_logits_tile; half = warp / 8), then counted in at
 //    FMOE_RSYNC_LOGITS;
-// 3. the job counted in last: every token's selection (fmoe_select_token, warp w the tokens w, w + 16, ...),
-//    the plan (moe_plan_block on warps 0-7), then FMOE_RSYNC_PLAN.
+// 3. the job counted in last: fmoe_router_plan.
 static __device__ __noinline__ void fmoe_router_job(const FmoeRouter& r, int job, int jobs, int quant_jobs,
                                                     unsigned* sync, unsigned char* scratch) {
   __shared__ int is_last;
-  __shared__ int wsum[32];
   const int tid = threadIdx.x, warp = tid >> 5, half = warp >> 3;
   const int tg = (r.T + FMOE_LOGIT_TOKENS - 1) / FMOE_LOGIT_TOKENS;
   named_barrier(3, FMOE_CONSUMERS);  // every warp is done with the last item's epilogue (the scratch)
@@ -1120,21 +1138,7 @@ static __device__ __noinline__ void fmoe_router_job(const FmoeRouter& r, int job
     fmoe_trace(FMOE_EV_JOB_LOGITS, is_last);
   }
   named_barrier(3, FMOE_CONSUMERS);
-  if (!is_last) return;
-  for (int t = warp; t < r.T; t += FMOE_CONSUMERS / 32)
-    fmoe_select_token(r.scores, t, r.E, r.k, r.bias, r.tid2eid, r.tokens, r.scoring, r.renorm, r.route_scale,
-                      r.ids, r.weights);
-  named_barrier(3, FMOE_CONSUMERS);
-  if (tid == 0) fmoe_trace(FMOE_EV_SELECTED, job);
-  if (warp < 8)
-    moe_plan_block<8>(r.ids, r.T, r.k, r.E, FMOE_TOKENS, r.offsets, r.rows, r.tiles, r.ntiles,
-                      reinterpret_cast<int*>(scratch), wsum, PlanSync{4u, 256u});
-  named_barrier(3, FMOE_CONSUMERS);
-  if (tid == 0) fmoe_trace(FMOE_EV_PLANNED, job);
-  if (tid == 0) {
-    fmoe_count_ready(sync + FMOE_RSYNC_PLAN);
-    fmoe_trace(FMOE_EV_PLAN, job);
-  }
+  if (is_last) fmoe_router_plan(r, job, sync, scratch);
 }
 
 // The consumers' router job, then (FMOE_ROUTER_HOLD) their producer let go.
@@ -1169,6 +1173,11 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
   const FmoeRouter router = {x,      T,        D,     E,          k,        gate,  scoring, bias,
                              tid2eid, tokens,  renorm, route_scale, scores, ids,   route_w, x_made != 0,
                              xq,     xs,       offsets, rows,     tiles,    ntiles};
+  // The router job (a call) reads its arguments through a reference: from shared memory, not from a copy in the
+  // caller's local memory, whose lines the job's gate loads evict from the small L1 this block's shared memory
+  // leaves (FMOE_TRACE, B = 1: the last job's selection took 7 us, its plan 6).
+  __shared__ FmoeRouter router_s;
+  if (threadIdx.x == 0) router_s = router;  // published by fmoe_block_init's barrier
   // No plan yet (nrt 0): the SHARED_FIRST items never read nrt.
   const FmoeArgs up = fmoe_args(xq, xs, T, D, I, k, rows, tiles, nullptr, e_begin, e_end, maps, s1, s3, fmt, shared_fmt,
                           shared_s1, shared_s3, sc8, D, I);
@@ -1257,7 +1266,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(fmoe_empty(smem, slot));
       fmoe_ring_advance(slot, phase, FMOE_STAGES);
-      fmoe_run_router_job(router, -2 - h, jobs, quant_jobs, sync, fmoe_smem + FMOE_STAGES * FMOE_SLOT);
+      fmoe_run_router_job(router_s, -2 - h, jobs, quant_jobs, sync, fmoe_smem + FMOE_STAGES * FMOE_SLOT);
     }
     // A routed item's plan (tiles, rows, weights) is visible here: its producer acquired it before it posted
     // the item, and the slot's barrier orders the consumers after the producer.

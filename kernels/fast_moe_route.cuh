@@ -182,12 +182,15 @@ DSV4_INLINE void fmoe_select_token(const float* scores, int t, int E, int k, con
       sel = bi;
       if (sel >= 0 && (sel & 31) == lane) taken |= 1u << (sel >> 5);
     }
-    // The selected score, from the lane that holds it.
-    float mine = 0.0f;
+    // The selected score, from the lane that holds it: a shuffle of each entry (sel is the warp's), not the
+    // holder's sc[sel >> 5], which the compiler makes an indexed load and so keeps sc in local memory (in
+    // fmoe_route_experts_kernel, whose shared memory leaves little L1, those loads missed).
+    float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < FMOE_MAX_EPL; ++i)
-      if (sel >= 0 && sel < E && (sel >> 5) == i) mine = sc[i];
-    const float s = __shfl_sync(0xffffffffu, mine, sel >= 0 ? (sel & 31) : 0);
+    for (int i = 0; i < FMOE_MAX_EPL; ++i) {
+      const float v = __shfl_sync(0xffffffffu, sc[i], sel >= 0 ? (sel & 31) : 0);
+      if (sel >= 0 && sel < E && (sel >> 5) == i) s = v;
+    }
     const float ws = (sel >= 0 && sel < E) ? s : 0.0f;
     wsum += ws;
     if (lane == j) {
