@@ -87,8 +87,8 @@ static_assert(FMOE_MAP_BYTES == 128, "fast_moe_gemm: a CUtensorMap is 128 bytes"
 // FMOE_TRACE 1 (a bench variant, `dsv4 bench moe --defines FMOE_TRACE=1 --trace DIR`): the fused decode kernels
 // log what each block does and when, so a launch's critical path can be read off (scripts/fmoe-trace.py). Each
 // event is two u64 in fmoe_trace_log: %globaltimer (ns), then block << 48 | SM << 40 | kind << 32 | arg (an
-// item: fmoe_trace_item; < 0 a router job, -2 - job). The host zeroes fmoe_trace_n before the launch it traces; events past the capacity are
-// counted and dropped. Off (0, the default) it compiles to nothing.
+// item, fmoe_trace_item; a router job, -2 - job). The host zeroes fmoe_trace_n before the launch it traces
+// (moe_trace.rs); events past the capacity are counted and dropped. Off (0, the default) it compiles to nothing.
 #ifndef FMOE_TRACE
 #define FMOE_TRACE 0
 #endif
@@ -97,13 +97,13 @@ static_assert(FMOE_MAP_BYTES == 128, "fast_moe_gemm: a CUtensorMap is 128 bytes"
 #define FMOE_TRACE_DOWN (1 << 30)
 enum FmoeTraceKind {
   FMOE_EV_START = 1,         // producer: the block's first act
-  FMOE_EV_TAKE = 2,          // producer: took an item (arg: its header)
+  FMOE_EV_TAKE = 2,          // producer: took an item or a router job (arg: which)
   FMOE_EV_WAIT = 3,          // producer: waits for an item's inputs (x's codes or an up tile), weights out
   FMOE_EV_WAITED = 4,        //   ... and they are there
   FMOE_EV_PLAN_WAIT = 5,     // producer: waits for the plan
   FMOE_EV_PLAN_WAITED = 6,   //   ... and it is published
   FMOE_EV_ISSUED = 7,        // producer: the item's last stage requested
-  FMOE_EV_BEGIN = 8,         // consumers: an item's first stage is in (arg: header)
+  FMOE_EV_BEGIN = 8,         // consumers: an item's first stage is in
   FMOE_EV_END = 9,           // consumers: its outputs stored
   FMOE_EV_JOB = 10,          // consumers: a router job starts (arg: job)
   FMOE_EV_JOB_QUANT = 11,    //   ... x's codes of it stored

@@ -11,7 +11,7 @@ import statistics
 import sys
 
 START, TAKE, WAIT, WAITED, PLAN_WAIT, PLAN_WAITED, ISSUED, BEGIN, END, JOB, JOB_QUANT, JOB_LOGITS, PLAN, \
-    PUBLISH, DONE = range(1, 16)
+    PUBLISH, DONE, SELECTED, PLANNED = range(1, 18)
 SHARED, DOWN = 1 << 29, 1 << 30
 
 
@@ -63,14 +63,16 @@ def report(path, show_blocks):
         by_kind.setdefault(item_kind(arg), []).append((b, arg, it))
 
     # The router.
-    jobs = [(b, t, kind, arg) for b, es in blocks.items() for t, kind, arg, _ in es if kind in (JOB, JOB_QUANT, JOB_LOGITS, PLAN)]
+    jobs = [(b, t, kind, arg) for b, es in blocks.items() for t, kind, arg, _ in es
+            if kind in (JOB, JOB_QUANT, JOB_LOGITS, SELECTED, PLANNED, PLAN)]
     if jobs:
         starts = [us(t) for _, t, k, _ in jobs if k == JOB]
         quant = [us(t) for _, t, k, _ in jobs if k == JOB_QUANT]
         logits = [us(t) for _, t, k, _ in jobs if k == JOB_LOGITS]
-        plan = [us(t) for _, t, k, _ in jobs if k == PLAN]
+        at = lambda kind: next((f"{us(t):.1f}" for _, t, k, _ in jobs if k == kind), "-")
         print(f"  router: {len(starts)} jobs start {stats(starts)}; x's codes stored {stats(quant)}; "
-              f"logits stored {stats(logits)}; plan published at {plan[0] if plan else float('nan'):.1f}")
+              f"logits stored {stats(logits)}; the last job's selection stored at {at(SELECTED)}, plan stored at "
+              f"{at(PLANNED)}, published at {at(PLAN)}")
     pw = [(us(t), b) for b, es in blocks.items() for t, kind, arg, _ in es if kind == PLAN_WAITED]
     pws = [us(t) for b, es in blocks.items() for t, kind, arg, _ in es if kind == PLAN_WAIT]
     if pw:
@@ -123,7 +125,8 @@ def report(path, show_blocks):
     if show_blocks:
         names = {TAKE: "take", WAIT: "wait", WAITED: "in", PLAN_WAIT: "planwait", PLAN_WAITED: "plan",
                  ISSUED: "issued", BEGIN: "begin", END: "end", JOB: "job", JOB_QUANT: "xq", JOB_LOGITS: "logits",
-                 PLAN: "PLAN", PUBLISH: "pub", START: "start", DONE: "done"}
+                 PLAN: "PLAN", PUBLISH: "pub", START: "start", DONE: "done", SELECTED: "selected",
+                 PLANNED: "planned"}
         for b in sorted(blocks):
             es = blocks[b]
             parts = []

@@ -117,7 +117,10 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
     let reg = Registry::load_families(&ctx, &families, &kernel_cache()?).map_err(e)?;
     let fast = FastMoe::new(&reg).map_err(e)?;
     let trace = match &b.trace_dir {
-        Some(_) => Some(TraceLog::find(&reg)?),
+        Some(dir) => {
+            std::fs::create_dir_all(dir).map_err(|x| format!("{}: {x}", dir.display()))?;
+            Some(TraceLog::find(&reg)?)
+        }
         None => None,
     };
     let nr = NormRope::new(&reg).map_err(e)?;
