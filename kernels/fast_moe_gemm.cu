@@ -50,13 +50,12 @@
 
 // FMOE_TOKENS, FMOE_WARPGROUPS, FMOE_STAGES, FMOE_UP_J, FMOE_DOWN_ROWS, FMOE_SMEM_BYTES and the tensor map
 // table's layout (FMOE_MAP_*) come from dsv4_consts.cuh (src/cuda/kernels/fast_moe_gemm.rs).
-// FMOE_RING_SLOTS (a diagnostic variant): fewer ring slots than FMOE_STAGES (the host sizes the shared memory for
-// FMOE_STAGES), so fewer bytes in flight a block: what that costs says how much the stream is bound by them.
-#ifdef FMOE_RING_SLOTS
-static_assert(FMOE_RING_SLOTS >= 2 && FMOE_RING_SLOTS <= FMOE_STAGES, "fast_moe_gemm: FMOE_RING_SLOTS out of range");
-#undef FMOE_STAGES
-#define FMOE_STAGES FMOE_RING_SLOTS
+// FMOE_RING_SLOTS: the ring's slots, FMOE_STAGES (the host sizes the shared memory for those), or fewer in a
+// diagnostic variant: fewer bytes in flight a block, and what that costs says how much the stream is bound by them.
+#ifndef FMOE_RING_SLOTS
+#define FMOE_RING_SLOTS FMOE_STAGES
 #endif
+static_assert(FMOE_RING_SLOTS >= 2 && FMOE_RING_SLOTS <= FMOE_STAGES, "fast_moe_gemm: FMOE_RING_SLOTS out of range");
 #define FMOE_CONSUMERS (FMOE_WARPGROUPS * 128)
 #define FMOE_THREADS (FMOE_CONSUMERS + 32)  // the consumer warpgroups, then the producer warp
 #define FMOE_ROWS (FMOE_WARPGROUPS * 64)    // weight rows of an item (and of a stage)
@@ -76,8 +75,8 @@ static_assert(FMOE_RING_SLOTS >= 2 && FMOE_RING_SLOTS <= FMOE_STAGES, "fast_moe_
 // the quantisation's loads spread over the banks; double-buffered by item parity (see fmoe_gemm).
 #define FMOE_GU_STRIDE (FMOE_UP_J + 4)
 #define FMOE_GU_FLOATS (2 * FMOE_TOKENS * FMOE_GU_STRIDE)
-#define FMOE_BARS (FMOE_STAGES * FMOE_SLOT + 2 * FMOE_GU_FLOATS * 4)
-#define FMOE_SMEM_USED (FMOE_BARS + 2 * FMOE_STAGES * 8)
+#define FMOE_BARS (FMOE_RING_SLOTS * FMOE_SLOT + 2 * FMOE_GU_FLOATS * 4)
+#define FMOE_SMEM_USED (FMOE_BARS + 2 * FMOE_RING_SLOTS * 8)
 static_assert(FMOE_SMEM_USED <= FMOE_SMEM_BYTES, "fast_moe_gemm: shared memory layout exceeds FMOE_SMEM_BYTES");
 static_assert(FMOE_TOKENS == 16, "fast_moe_gemm: the B operand layout assumes 16-token tiles");
 static_assert(FMOE_ROWS == 2 * FMOE_UP_J && FMOE_ROWS == FMOE_DOWN_ROWS && FMOE_ROWS == 2 * FMOE_BOX_ROWS,
@@ -258,7 +257,9 @@ DSV4_INLINE int fmoe_out_row(const FmoeArgs& a, const FmoeItem& it, int c) {
 
 // The ring's barriers (fmoe_ring_*), after the slots and the epilogue buffers.
 DSV4_INLINE unsigned fmoe_full(unsigned smem, int s) { return fmoe_ring_full(smem + FMOE_BARS, s); }
-DSV4_INLINE unsigned fmoe_empty(unsigned smem, int s) { return fmoe_ring_empty(smem + FMOE_BARS, FMOE_STAGES, s); }
+DSV4_INLINE unsigned fmoe_empty(unsigned smem, int s) {
+  return fmoe_ring_empty(smem + FMOE_BARS, FMOE_RING_SLOTS, s);
+}
 
 // The fused kernel's item header: the item's index at the end of its first stage's slot (the producer's lane 0
 // stores it before its arrival on the slot's full barrier, so the consumers read it after their wait), or -1:
@@ -280,7 +281,7 @@ DSV4_INLINE int fmoe_load_header(unsigned slot_addr) {
 // (the producer warp's first act): finite codes and scales either way.
 DSV4_INLINE void fmoe_zero_token_slots(unsigned smem) {
   const int lane = threadIdx.x & 31;
-  for (int i = lane; i < FMOE_STAGES * (FMOE_SLOT_A + FMOE_SLOT_AS) / 16; i += 32) {
+  for (int i = lane; i < FMOE_RING_SLOTS * (FMOE_SLOT_A + FMOE_SLOT_AS) / 16; i += 32) {
     const int per_slot = (FMOE_SLOT_A + FMOE_SLOT_AS) / 16;
     st_shared_zero16(smem + (i / per_slot) * FMOE_SLOT + FMOE_SLOT_W + FMOE_SLOT_S + 16 * (i % per_slot));
   }
@@ -394,25 +395,25 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
   };
   int i = 0;
   if (ready != nullptr) {
-    const int early = min(it.nks, FMOE_STAGES);
+    const int early = min(it.nks, FMOE_RING_SLOTS);
     int s = slot;
     unsigned ph = phase;
     for (; i < early; ++i) {
       weights(i, s, ph);
-      fmoe_ring_advance(s, ph, FMOE_STAGES);
+      fmoe_ring_advance(s, ph, FMOE_RING_SLOTS);
     }
     if (lane == 0) fmoe_trace(FMOE_EV_WAIT, trace);
     fmoe_wait_count(ready, target);
     if (lane == 0) fmoe_trace(FMOE_EV_WAITED, trace);
     for (int j = 0; j < early; ++j) {
       tokens(j, slot);
-      fmoe_ring_advance(slot, phase, FMOE_STAGES);
+      fmoe_ring_advance(slot, phase, FMOE_RING_SLOTS);
     }
   }
   for (; i < it.nks; ++i) {
     weights(i, slot, phase);
     tokens(i, slot);
-    fmoe_ring_advance(slot, phase, FMOE_STAGES);
+    fmoe_ring_advance(slot, phase, FMOE_RING_SLOTS);
   }
   if (lane == 0) fmoe_trace(FMOE_EV_ISSUED, trace);
 }
@@ -772,7 +773,7 @@ DSV4_INLINE void fmoe_consume_item(const FmoeArgs& a, const FmoeItem& it, unsign
     // The warp's wgmmas and loads of the slot are done (fmoe_block_finish waited for them): release it.
     __syncwarp();
     if (lane == 0) mbar_arrive(fmoe_empty(smem, slot));
-    fmoe_ring_advance(slot, phase, FMOE_STAGES);
+    fmoe_ring_advance(slot, phase, FMOE_RING_SLOTS);
   }
 }
 
@@ -785,7 +786,7 @@ DSV4_INLINE void fmoe_up_epilogue(const FmoeArgs& a, const FmoeItem& it, const f
                                   const float* route_w, float limit, unsigned char* out_q, float* out_s,
                                   unsigned stash_threads) {
   extern __shared__ __align__(1024) unsigned char fmoe_smem[];
-  float* gv = reinterpret_cast<float*>(fmoe_smem + FMOE_STAGES * FMOE_SLOT) + parity * FMOE_GU_FLOATS;
+  float* gv = reinterpret_cast<float*>(fmoe_smem + FMOE_RING_SLOTS * FMOE_SLOT) + parity * FMOE_GU_FLOATS;
   float* uv = gv + FMOE_TOKENS * FMOE_GU_STRIDE;
   fmoe_up_stash(it, acc, gv, uv);
   named_barrier(1, stash_threads);
@@ -798,7 +799,7 @@ DSV4_INLINE unsigned fmoe_block_init() {
   extern __shared__ __align__(1024) unsigned char fmoe_smem[];
   const unsigned smem = smem_addr(fmoe_smem);
   if ((smem & 1023u) != 0) __trap();
-  if (threadIdx.x == 0) fmoe_ring_init(smem + FMOE_BARS, FMOE_STAGES, FMOE_CONSUMERS / 32, 32);
+  if (threadIdx.x == 0) fmoe_ring_init(smem + FMOE_BARS, FMOE_RING_SLOTS, FMOE_CONSUMERS / 32, 32);
   __syncthreads();
   return smem;
 }
@@ -1220,7 +1221,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       if (q < 0) {
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, FMOE_ROUTER_HEADER(w));
         fmoe_post_header(smem, slot, phase, FMOE_ROUTER_HEADER(w));  // a router job
-        fmoe_ring_advance(slot, phase, FMOE_STAGES);
+        fmoe_ring_advance(slot, phase, FMOE_RING_SLOTS);
         if (FMOE_ROUTER_HOLD) named_barrier(6, FMOE_CONSUMERS + 32);
       } else if (q < (nup < 0 ? sh_up : nup)) {
         const FmoeItem it = fmoe_item<true, true>(up, q);
@@ -1265,8 +1266,8 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       if (h >= -1) break;
       __syncwarp();
       if (lane == 0) mbar_arrive(fmoe_empty(smem, slot));
-      fmoe_ring_advance(slot, phase, FMOE_STAGES);
-      fmoe_run_router_job(router_s, -2 - h, jobs, quant_jobs, sync, fmoe_smem + FMOE_STAGES * FMOE_SLOT);
+      fmoe_ring_advance(slot, phase, FMOE_RING_SLOTS);
+      fmoe_run_router_job(router_s, -2 - h, jobs, quant_jobs, sync, fmoe_smem + FMOE_RING_SLOTS * FMOE_SLOT);
     }
     // A routed item's plan (tiles, rows, weights) is visible here: its producer acquired it before it posted
     // the item, and the slot's barrier orders the consumers after the producer.
