@@ -427,6 +427,13 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
 #define FMOE_TAKE_EARLY 0
 #endif
 
+// The fused kernels' queue: its next entry (lane 0's atomicAdd at `head`), to every lane of the producer warp.
+DSV4_INLINE int fmoe_take(unsigned* head) {
+  int v = 0;
+  if ((threadIdx.x & 31) == 0) v = (int)atomicAdd(head, 1u);
+  return __shfl_sync(0xffffffffu, v, 0);
+}
+
 // The producer warp of the two-kernel path: every stage of the block's items (blockIdx.x + n · gridDim.x).
 template <bool UP>
 DSV4_INLINE void fmoe_produce(const FmoeArgs& a, unsigned smem, int my_items) {
@@ -920,21 +927,15 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
   if (threadIdx.x >= FMOE_THREADS) {
     fmoe_publish(tile_ready, pub_tile);
   } else if (threadIdx.x >= FMOE_CONSUMERS) {
-    // The producer: items in the order the queue hands them out, the next one taken while this one streams
-    // (any block may take any item: an item's outputs depend on it alone).
+    // The producer: items in the order the queue hands them out (any block may take any item: an item's
+    // outputs depend on it alone).
     int slot = 0;
     unsigned phase = 0;
     fmoe_zero_token_slots(smem);
     if (lane == 0) fmoe_trace(FMOE_EV_START, 0);
-    // The queue's next entry, to every lane.
-    auto take = [&]() {
-      int v = 0;
-      if (lane == 0) v = (int)atomicAdd(next, 1u);
-      return __shfl_sync(0xffffffffu, v, 0);
-    };
-    int w = take();
+    int w = fmoe_take(next);
     while (w < total) {
-      const int w_next = FMOE_TAKE_EARLY ? take() : 0;
+      const int w_next = FMOE_TAKE_EARLY ? fmoe_take(next) : 0;
       if (w < nup) {
         const FmoeItem it = fmoe_item<true>(up, w);
         const int tr = fmoe_trace_item(true, w, it.shared);
@@ -951,7 +952,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         if (fmoe_load_acquire(ready) >= (unsigned)rb_up) ready = nullptr;
         if (!it.skip) fmoe_produce_item<false>(dn, it, smem, slot, phase, w, ready, (unsigned)rb_up, tr);
       }
-      w = FMOE_TAKE_EARLY ? w_next : take();
+      w = FMOE_TAKE_EARLY ? w_next : fmoe_take(next);
     }
     fmoe_post_header(smem, slot, phase, -1);  // the end
     if (lane == 0) fmoe_trace(FMOE_EV_DONE, 0);
@@ -1203,9 +1204,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     int nup = -1, total = -1;  // up items and all items, once the plan is known
     bool x_ready = quant_jobs == 0;
     if (lane == 0) fmoe_trace(FMOE_EV_START, 0);
-    int w = 0;
-    if (lane == 0) w = (int)atomicAdd(next, 1u);
-    w = __shfl_sync(0xffffffffu, w, 0);
+    int w = fmoe_take(next);
     for (;;) {
       const int q = w - jobs;  // the item (q >= 0)
       if (q >= sh_up && total < 0) {
@@ -1216,8 +1215,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         total = nup + (nrt + nsh) * rb_dn;
       }
       if (total >= 0 && q >= total) break;
-      int w_next = 0;
-      if (FMOE_TAKE_EARLY && lane == 0) w_next = (int)atomicAdd(next, 1u);
+      const int w_next = FMOE_TAKE_EARLY ? fmoe_take(next) : 0;
       if (q < 0) {
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, FMOE_ROUTER_HEADER(w));
         fmoe_post_header(smem, slot, phase, FMOE_ROUTER_HEADER(w));  // a router job
@@ -1246,8 +1244,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
           fmoe_produce_item<false>(dn, it, smem, slot, phase, FMOE_DOWN_HEADER | (q - nup), ready, (unsigned)rb_up,
                                    tr);
       }
-      if (!FMOE_TAKE_EARLY && lane == 0) w_next = (int)atomicAdd(next, 1u);
-      w = __shfl_sync(0xffffffffu, w_next, 0);
+      w = FMOE_TAKE_EARLY ? w_next : fmoe_take(next);
     }
     fmoe_post_header(smem, slot, phase, -1);  // the end
     if (lane == 0) fmoe_trace(FMOE_EV_DONE, 0);
