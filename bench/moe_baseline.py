@@ -146,9 +146,11 @@ def main():
     args, cases = parse_cases("--ids-dir")
     bw = hbm_bandwidth()
     peak = fp8_peak()
-    c0 = cases[0]
+    # The layer's cases; the router chain's lines (`moe_norm_route`) go into the file as measured.
+    layers = [c for c in cases if c.get("bench") == "moe"]
+    c0 = layers[0]
     tm = TorchMoe(c0["hidden"], c0["moe_inter"], c0["experts"], c0["top_k"])
-    for c in cases:
+    for c in layers:
         b, k = c["B"], c["top_k"]
         path = os.path.join(args.ids_dir, f"moe_ids_B{b}_{c['routing']}.bin")
         ids = torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.int32).view(b, k)

@@ -69,6 +69,9 @@ DSV4_INLINE float fmoe_score(float l, int scoring) {
   return l;
 }
 
+// Gate words (float4) a lane loads at once in fmoe_logits_tile.
+#define FMOE_LOGIT_CHUNK 8
+
 // One tile of the router's f32 logits: fmoe_logits_kernel's block (bx, by), by FMOE_LOGIT_WARPS warps whose
 // threads are gtid = 0 .. 32·FMOE_LOGIT_WARPS - 1 (warp gtid / 32 of the group): tokens t0 = by ·
 // FMOE_LOGIT_TOKENS .. (at least one), experts bx · FMOE_LOGIT_EXPERTS ..; warp w takes expert bx ·
@@ -91,18 +94,31 @@ DSV4_INLINE void fmoe_logits_tile(const float* x, int T, int D, int E, const flo
 #pragma unroll
   for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) acc[r] = 0.0f;
   if (e < E) {
+    // The lane's gate words FMOE_LOGIT_CHUNK at a time, all loaded before the first is used: one HBM round trip
+    // a chunk (D = 4096: one in all). Loaded as they were used, a word, then the tokens' x, then its FMAs, the
+    // compiler kept one gate load in flight where registers were short (fmoe_route_experts_kernel's 96: eight
+    // round trips, ~8 us a router job, FMOE_TRACE at B = 1). Each acc[r] takes the same FMAs in the same order
+    // either way (c ascending, then x, y, z, w).
     const float4* g4 = reinterpret_cast<const float4*>(gate + (long long)e * D);
-#pragma unroll 4
-    for (int c = c_begin + lane; c < c_end; c += 32) {
-      const float4 gv = g4[c];
+    for (int c0 = c_begin + lane; c0 < c_end; c0 += 32 * FMOE_LOGIT_CHUNK) {
+      float4 gv[FMOE_LOGIT_CHUNK];
+#pragma unroll
+      for (int u = 0; u < FMOE_LOGIT_CHUNK; ++u)
+        if (c0 + 32 * u < c_end) gv[u] = __ldg(g4 + c0 + 32 * u);
 #pragma unroll
       for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
         if (r < nt) {
-          const float4 xv = reinterpret_cast<const float4*>(x + (long long)(t0 + r) * D)[c];
-          acc[r] = fmaf(xv.x, gv.x, acc[r]);
-          acc[r] = fmaf(xv.y, gv.y, acc[r]);
-          acc[r] = fmaf(xv.z, gv.z, acc[r]);
-          acc[r] = fmaf(xv.w, gv.w, acc[r]);
+          const float4* x4 = reinterpret_cast<const float4*>(x + (long long)(t0 + r) * D);
+#pragma unroll
+          for (int u = 0; u < FMOE_LOGIT_CHUNK; ++u) {
+            if (c0 + 32 * u < c_end) {
+              const float4 xv = x4[c0 + 32 * u];
+              acc[r] = fmaf(xv.x, gv[u].x, acc[r]);
+              acc[r] = fmaf(xv.y, gv[u].y, acc[r]);
+              acc[r] = fmaf(xv.z, gv[u].z, acc[r]);
+              acc[r] = fmaf(xv.w, gv[u].w, acc[r]);
+            }
+          }
         }
       }
     }
