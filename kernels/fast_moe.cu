@@ -11,7 +11,6 @@
 #include "fp8_mma.cuh"
 #include "norm_row.cuh"        // fmoe_norm_x_kernel
 #include "fast_moe_route.cuh"  // x's quantisation, the logits' tiles, a token's selection
-#include "moe_plan.cuh"        // fmoe_select_plan_kernel's plan
 
 // FMOE_LOGIT_WARPS, FMOE_LOGIT_EXPERTS, FMOE_LOGIT_SPLIT, FMOE_LOGIT_TOKENS, FMOE_SELECT_WARPS, FMOE_MAX_EPL and
 // SCORE_* come from dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
@@ -379,30 +378,6 @@ extern "C" __global__ void __launch_bounds__(FMOE_SELECT_WARPS * 32)
   if (t >= T) return;  // whole warp
   if (x != nullptr) fmoe_quant_x_row(x, t, D, halves != 0, xq, xs);
   fmoe_select_token(scores, t, E, k, bias, tid2eid, tokens, scoring, renorm, route_scale, ids, weights);
-}
-
-// fmoe_select_kernel's selection of T tokens (warp w: tokens w, w + PLAN_WARPS, ...), then moe_plan_kernel's plan of
-// them (moe_plan_block on the whole block; `clear` as moe_plan_kernel's): the two launches of the fused decode path
-// (1-16 tokens) in one, with their bits (the same device functions). One block of PLAN_THREADS threads; dynamic
-// shared memory: the plan's ((PLAN_WARPS + 1) * E + 1 ints). One launch fewer on a chain that decides nothing but
-// which weights the GEMMs stream next: one kernel boundary (its wait, its flush) less before them.
-extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
-    fmoe_select_plan_kernel(const float* scores, int T, int E, int k, const float* bias, const int* tid2eid,
-                            const int* tokens, int scoring, int renorm, float route_scale, int* ids, float* weights,
-                            const float* x, int D, int halves, unsigned char* xq, float* xs, int tile_rows,
-                            int* offsets, int* rows, int* tiles, int* ntiles, unsigned* clear, int clear_words) {
-  dsv4_pdl_begin();
-  if (clear != nullptr)
-    for (int i = threadIdx.x; i < clear_words; i += blockDim.x) clear[i] = 0u;
-  for (int t = threadIdx.x >> 5; t < T; t += PLAN_WARPS) {  // whole warps
-    if (x != nullptr) fmoe_quant_x_row(x, t, D, halves != 0, xq, xs);
-    fmoe_select_token(scores, t, E, k, bias, tid2eid, tokens, scoring, renorm, route_scale, ids, weights);
-  }
-  __syncthreads();  // every token's ids, stored to global memory, visible to the plan's threads
-  extern __shared__ int psm[];
-  __shared__ int wsum[32];
-  moe_plan_block<PLAN_WARPS>(ids, T, k, E, tile_rows, offsets, rows, tiles, ntiles, psm, wsum,
-                             PlanSync{0u, (unsigned)PLAN_THREADS});
 }
 
 // out[t][d] = bf16(Σ_j y[t*k + j][d] + y[T*k + t][d]) accumulated in f32 in that order (routed slots in

@@ -319,16 +319,6 @@ DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
   if (!FMOE_POLL_ACQUIRE) fmoe_load_acquire(flag);
 }
 
-// FMOE_WAIT_PREFETCH 1: a producer about to wait for an item's inputs (a fused kernel's down item whose tile's up
-// items are not all in) first asks L2 for the weight boxes of the item's stages past the ring's (as tensor
-// prefetches), so HBM streams them while the block waits and the stages then load from L2. In the stream such
-// prefetches stalled the producer (measured slower, BENCHMARKS.md 2026-12-06); here it waits anyway. At one
-// token the up-to-down hand-over leaves HBM half idle for ~4 us (FMOE_TRACE) and the shared expert's down items,
-// the launch's last, have 16 stages. 0: none (a measured variant).
-#ifndef FMOE_WAIT_PREFETCH
-#define FMOE_WAIT_PREFETCH 1
-#endif
-
 // One item's stages into the ring, in the order the consumers read them (the producer warp). Per stage, lane 0
 // announces the TMA bytes and issues the weight (and FP4 scale) boxes: rows 0..127 of the stage from matrix A
 // (up: W1 j = row0 ..; down: W2 rows row0 ..), rows 128..255 from matrix B (up: W3 j = row0 ..; down: W2 rows
@@ -412,12 +402,6 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
       weights(i, s, ph);
       fmoe_ring_advance(s, ph, FMOE_RING_SLOTS);
     }
-    if (FMOE_WAIT_PREFETCH && lane == 0)
-      for (int j = early; j < it.nks; ++j) {  // the rest of the item's weight boxes, asked of L2 (see above)
-        const int kb = fmoe_stage_at(it, j);
-        tma_prefetch_2d(map_a, kb * FMOE_RB, it.row0);
-        tma_prefetch_2d(map_b, kb * FMOE_RB, row_b);
-      }
     if (lane == 0) fmoe_trace(FMOE_EV_WAIT, trace);
     fmoe_wait_count(ready, target);
     if (lane == 0) fmoe_trace(FMOE_EV_WAITED, trace);

@@ -355,13 +355,6 @@ DSV4_INLINE void bulk_load(unsigned dst, const void* src, unsigned bytes, unsign
                : "memory");
 }
 
-// Asks L2 for the box at (x, y) of the 2-D tensor map at `map`, as tma_load_2d would read it, without copying it
-// anywhere: a later tma_load_2d of the box then finds it in L2.
-DSV4_INLINE void tma_prefetch_2d(const void* map, int x, int y) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(map), "r"(x), "r"(y)
-               : "memory");
-}
-
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32).
 DSV4_INLINE void named_barrier(unsigned id, unsigned threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

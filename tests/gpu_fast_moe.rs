@@ -435,9 +435,8 @@ fn fast(
             arena::memset_async(p, 0xff, s).unwrap();
         }
     }
-    if path == GemmPath::DecodeRouted || (path == GemmPath::DecodeFused && routing.is_none()) {
-        // The router runs inside the one launch (routed), or the selection and the plan share one
-        // (fused): no routing can be put in between.
+    if path == GemmPath::DecodeRouted {
+        // The router runs inside the one launch: no routing can be put in between.
         assert!(
             routing.is_none(),
             "the routed decode path makes its own routing"

@@ -8,8 +8,7 @@
 //!    the tensor-core router);
 //! 3. `moe_plan_kernel`, or from [`WIDE_PLAN_MIN_TOKENS`] the wide plan's three launches (the moe
 //!    family): assignments grouped by expert into tiles of the GEMM path's tokens per item
-//!    ([`GemmPath::tile_rows`]); on the fused decode path steps 2 and 3 are one launch,
-//!    `fmoe_select_plan_kernel` (the same device functions, the same bits);
+//!    ([`GemmPath::tile_rows`]);
 //! 4. GEMM1 + SwiGLU x routing weight + FP8 quantisation of h, with the shared expert as more
 //!    tiles, and GEMM2 into bf16 rows per (token, slot), on the path [`GemmPath::for_tokens`]
 //!    picks: `fmoe_up_kernel` then `fmoe_down_kernel` (decode), both in one launch,
@@ -23,7 +22,7 @@
 //! device functions, the same bits), so the shared expert's weights stream while other blocks
 //! route ([`FastMoe::route_and_experts`]).
 //!
-//! Six launches (four on the fused decode path, two on the routed one, eight with the wide
+//! Six launches (five on the fused decode path, two on the routed one, eight with the wide
 //! plan), each a programmatic
 //! dependent of the one before
 //! (`#[pdl(true)]`: its launch and block start overlap the previous kernel's tail), no host
@@ -184,17 +183,6 @@ crate::kernel_family! {
         route_scale: f32, ids: *mut i32, weights: *mut f32, x: Option<*const f32>, d: i32,
         halves: bool, xq: *mut u8, xs: *mut f32,
     );
-    /// `fmoe_select_kernel`'s selection and `moe_plan_kernel`'s plan (`clear` as its) in one
-    /// block: the fused decode path's ([`FastMoe::route_and_experts`]).
-    #[pdl(true)]
-    fn fmoe_select_plan_kernel(
-        scores: *const f32, t: i32, e: i32, k: i32, bias: Option<*const f32>,
-        tid2eid: Option<*const i32>, tokens: Option<*const i32>, scoring: i32, renorm: bool,
-        route_scale: f32, ids: *mut i32, weights: *mut f32, x: Option<*const f32>, d: i32,
-        halves: bool, xq: *mut u8, xs: *mut f32, tile_rows: i32, offsets: *mut i32,
-        rows: *mut i32, tiles: *mut i32, ntiles: *mut i32, clear: Option<*mut u32>,
-        clear_words: i32,
-    );
     /// The per-token sum of the expert rows; with `clear`, also zeroes the synchronisation words
     /// of the `fmoe_route_experts_kernel` launch before it.
     #[pdl(true)]
@@ -213,7 +201,6 @@ crate::launchers! {
         logits_tc: fmoe_logits_tc_kernel,
         gate_planes: fmoe_gate_planes_kernel,
         select: fmoe_select_kernel,
-        select_plan: fmoe_select_plan_kernel,
         combine: fmoe_combine_kernel,
     }
 }
@@ -593,8 +580,8 @@ impl FastMoe {
     pub fn launches_per_layer(path: GemmPath, t: usize) -> usize {
         let plan = if t >= WIDE_PLAN_MIN_TOKENS { 3 } else { 1 };
         match path {
-            GemmPath::DecodeRouted => 2,       // the router and GEMMs, the combine
-            GemmPath::DecodeFused => plan + 3, // the selection with the plan
+            GemmPath::DecodeRouted => 2, // the router and GEMMs, the combine
+            GemmPath::DecodeFused => plan + 4,
             GemmPath::Decode => plan + 5,
             GemmPath::Prefill => plan + 6, // and x's gather
         }
@@ -666,16 +653,6 @@ impl FastMoe {
         x_made: bool,
         stream: BorrowedStream,
     ) -> Result<()> {
-        if path == GemmPath::DecodeFused {
-            // The selection and the plan in one launch; the plan zeroes the fused GEMMs'
-            // synchronisation words, as in experts_on.
-            let plan = ws.plan.sized(t, path.tile_rows());
-            let words = fast_moe_gemm::sync_words(t, layer.k, layer.experts);
-            let planned = Some((&plan, (ws.sync, words)));
-            self.route_planned(ctx, layer, x, t, ws, router, path, x_made, planned, stream)?;
-            let ws = FastMoeWorkspace { plan, ..*ws };
-            return self.gemm.up_down(ctx, layer, t, &ws, stream);
-        }
         if path != GemmPath::DecodeRouted {
             self.route_on(ctx, layer, x, t, ws, router, path, x_made, stream)?;
             return self.experts_on(ctx, layer, t, ws, path, stream);
@@ -790,26 +767,6 @@ impl FastMoe {
         x_made: bool,
         stream: BorrowedStream,
     ) -> Result<()> {
-        self.route_planned(ctx, layer, x, t, ws, router, path, x_made, None, stream)
-    }
-
-    /// [`FastMoe::route_on`], with `planned` = (plan, synchronisation words to zero) the
-    /// selection's launch also makes the plan, as [`Moe::plan_clearing`] would after it (one block:
-    /// few tokens).
-    #[allow(clippy::too_many_arguments)]
-    fn route_planned(
-        &self,
-        ctx: &Context,
-        layer: &FastMoeLayer,
-        x: DevicePtr,
-        t: usize,
-        ws: &FastMoeWorkspace,
-        router: RouterPath,
-        path: GemmPath,
-        x_made: bool,
-        planned: Option<(&MoePlan, (DevicePtr, usize))>,
-        stream: BorrowedStream,
-    ) -> Result<()> {
         const K: &str = "fmoe_select_kernel";
         let (d, e, k) = (layer.d, layer.experts, layer.k);
         layer.check_router(K, x, t, ws)?;
@@ -865,51 +822,6 @@ impl FastMoe {
             self.route.logits.launch(grid, block, 0, stream, args)?;
         }
         let r = &layer.router;
-        let x_sel = (router == RouterPath::Tensor && !x_made).then_some(x);
-        if let Some((plan, (clear, words))) = planned {
-            const KP: &str = "fmoe_select_plan_kernel";
-            plan.validate(KP)?;
-            need(KP, "clear", clear, words * 4)?;
-            if plan.tokens != t || plan.k != k || plan.experts != e {
-                return Err(internal(format!(
-                    "{KP}: a plan of {} tokens x {} of {} experts for {t} x {k} of {e}",
-                    plan.tokens, plan.k, plan.experts
-                )));
-            }
-            let smem = moe::plan_smem_bytes(e);
-            return self.route.select_plan.launch(
-                1u32,
-                moe::PLAN_THREADS,
-                smem as u32,
-                stream,
-                fmoe_select_plan_kernel::Args {
-                    scores: ws.logits,
-                    t: t32,
-                    e: e32,
-                    k: k32,
-                    bias,
-                    tid2eid,
-                    tokens: toks,
-                    scoring,
-                    renorm: r.renorm,
-                    route_scale: r.route_scale,
-                    ids: ws.ids,
-                    weights: ws.weights,
-                    x: x_sel,
-                    d: d32,
-                    halves: path.halves_order(),
-                    xq: ws.xq,
-                    xs: ws.xs,
-                    tile_rows: to_i32(KP, "tile_rows", plan.tile_rows)?,
-                    offsets: plan.offsets,
-                    rows: plan.rows,
-                    tiles: plan.tiles,
-                    ntiles: plan.ntiles,
-                    clear: Some(clear),
-                    clear_words: to_i32(KP, "clear words", words)?,
-                },
-            );
-        }
         self.route.select.launch(
             t.div_ceil(SELECT_WARPS) as u32,
             (SELECT_WARPS * 32) as u32,
@@ -928,7 +840,7 @@ impl FastMoe {
                 route_scale: r.route_scale,
                 ids: ws.ids,
                 weights: ws.weights,
-                x: x_sel,
+                x: (router == RouterPath::Tensor && !x_made).then_some(x),
                 d: d32,
                 halves: path.halves_order(),
                 xq: ws.xq,
