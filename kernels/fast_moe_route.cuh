@@ -148,10 +148,13 @@ DSV4_INLINE void fmoe_select_token(const float* scores, int t, int E, int k, con
   float sc[FMOE_MAX_EPL], key[FMOE_MAX_EPL];
   const float* lt = scores + (long long)t * E;
   float m = -DSV4_F32_INF;
+  // The bias words (key, until the keys replace them) are loaded with the scores: asked for after the
+  // softmax's branch, they were a second memory round trip (a weight, so likely from HBM) on the router's chain.
 #pragma unroll
   for (int i = 0; i < FMOE_MAX_EPL; ++i) {
     const int e = lane + 32 * i;
     sc[i] = e < E ? lt[e] : -DSV4_F32_INF;
+    key[i] = (bias != nullptr && e < E) ? bias[e] : 0.0f;
     m = fmaxf(m, sc[i]);
   }
   if (scoring == SCORE_SOFTMAX) {
@@ -170,7 +173,7 @@ DSV4_INLINE void fmoe_select_token(const float* scores, int t, int E, int k, con
   for (int i = 0; i < FMOE_MAX_EPL; ++i) {
     const int e = lane + 32 * i;
     float v = sc[i];
-    if (bias != nullptr && e < E) v = v + bias[e];
+    if (bias != nullptr && e < E) v = v + key[i];
     key[i] = v != v ? -DSV4_F32_INF : v;
   }
 
