@@ -112,7 +112,19 @@ enum FmoeTraceKind {
   FMOE_EV_DONE = 15,         // producer: the end posted
   FMOE_EV_SELECTED = 16,     // consumers: the last router job has selected every token
   FMOE_EV_PLANNED = 17,      //   ... and stored the plan (FMOE_EV_PLAN: once it is published)
+  FMOE_EV_FULL_WAITS = 18,   // consumers (thread 0), an item's stages consumed: SM cycles spent waiting for them
+  FMOE_EV_EMPTY_WAITS = 19,  // producer, an item's last stage requested: SM cycles spent waiting for free slots
 };
+// START and DONE carry the SM's clock (low 32 bits), so the cycles of the two waits convert to time.
+// The SM's cycle counter where FMOE_TRACE is on (the waits' counts), else 0: the counting compiles away.
+DSV4_INLINE long long fmoe_trace_clock() {
+#if FMOE_TRACE
+  return clock64();
+#else
+  return 0;
+#endif
+}
+
 // An item's trace arg: its index among the up (or down) items, and whether it is the shared expert's.
 DSV4_INLINE int fmoe_trace_item(bool up, int i, bool shared) {
   return (up ? 0 : FMOE_TRACE_DOWN) | (shared ? FMOE_TRACE_SHARED : 0) | i;
@@ -353,9 +365,12 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
   }
   const unsigned tx = FMOE_SLOT_W + (!it.fp4 ? 0 : !it.s8 ? FMOE_SLOT_S : it.sc8_b != nullptr ? 2048 : 1024);
   // The weights of stage i (the item's i-th) into slot s, once the consumers have freed it.
+  long long slot_waits = 0;  // FMOE_TRACE: cycles waited for free slots
   auto weights = [&](int i, int s, unsigned ph) {
     const int kb = fmoe_stage_at(it, i);
+    const long long c0 = fmoe_trace_clock();
     mbar_wait(fmoe_empty(smem, s), ph ^ 1);
+    slot_waits += fmoe_trace_clock() - c0;
     const unsigned st = smem + s * FMOE_SLOT, full = fmoe_full(smem, s);
     if (lane == 0) {
       if (i == 0 && header >= 0) fmoe_store_header(st, header);
@@ -415,7 +430,10 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
     tokens(i, slot);
     fmoe_ring_advance(slot, phase, FMOE_RING_SLOTS);
   }
-  if (lane == 0) fmoe_trace(FMOE_EV_ISSUED, trace);
+  if (lane == 0) {
+    fmoe_trace(FMOE_EV_ISSUED, trace);
+    fmoe_trace(FMOE_EV_EMPTY_WAITS, (int)min(slot_waits, 0x7fffffffLL));
+  }
 }
 
 // FMOE_TAKE_EARLY 1: the fused kernels' producers take their next item from the queue as they start an item (the
@@ -771,9 +789,12 @@ DSV4_INLINE void fmoe_consume_item(const FmoeArgs& a, const FmoeItem& it, unsign
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
+  long long data_waits = 0;  // FMOE_TRACE: cycles thread 0 waited for the stages
   for (int i = 0; i < it.nks; ++i) {
     const int kb = fmoe_stage_at(it, i);
+    const long long c0 = fmoe_trace_clock();
     mbar_wait(fmoe_full(smem, slot), phase);
+    data_waits += fmoe_trace_clock() - c0;
     // The tokens arrived by cp.async (generic proxy); wgmma reads them through the async proxy.
     fence_proxy_async_shared();
     fmoe_compute(fmoe_smem + slot * FMOE_SLOT, it, a.K, kb, acc);
@@ -782,6 +803,7 @@ DSV4_INLINE void fmoe_consume_item(const FmoeArgs& a, const FmoeItem& it, unsign
     if (lane == 0) mbar_arrive(fmoe_empty(smem, slot));
     fmoe_ring_advance(slot, phase, FMOE_RING_SLOTS);
   }
+  if (FMOE_TRACE && threadIdx.x == 0) fmoe_trace(FMOE_EV_FULL_WAITS, (int)min(data_waits, 0x7fffffffLL));
 }
 
 // The up epilogue of an item (all consumer threads): SwiGLU, the routing weight and h's FP8 quantisation.
@@ -932,7 +954,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     int slot = 0;
     unsigned phase = 0;
     fmoe_zero_token_slots(smem);
-    if (lane == 0) fmoe_trace(FMOE_EV_START, 0);
+    if (lane == 0) fmoe_trace(FMOE_EV_START, (int)(unsigned)fmoe_trace_clock());
     int w = fmoe_take(next);
     while (w < total) {
       const int w_next = FMOE_TAKE_EARLY ? fmoe_take(next) : 0;
@@ -955,7 +977,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       w = FMOE_TAKE_EARLY ? w_next : fmoe_take(next);
     }
     fmoe_post_header(smem, slot, phase, -1);  // the end
-    if (lane == 0) fmoe_trace(FMOE_EV_DONE, 0);
+    if (lane == 0) fmoe_trace(FMOE_EV_DONE, (int)(unsigned)fmoe_trace_clock());
     cp_async_wait_all();
   } else {
     // The consumers: each item's header in its first slot says what it is.
@@ -1208,7 +1230,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     fmoe_zero_token_slots(smem);
     int nup = -1, total = -1;  // up items and all items, once the plan is known
     bool x_ready = quant_jobs == 0;
-    if (lane == 0) fmoe_trace(FMOE_EV_START, 0);
+    if (lane == 0) fmoe_trace(FMOE_EV_START, (int)(unsigned)fmoe_trace_clock());
     int w = fmoe_take(next);
     for (;;) {
       const int q = w - jobs;  // the item (q >= 0)
@@ -1252,7 +1274,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       w = FMOE_TAKE_EARLY ? w_next : fmoe_take(next);
     }
     fmoe_post_header(smem, slot, phase, -1);  // the end
-    if (lane == 0) fmoe_trace(FMOE_EV_DONE, 0);
+    if (lane == 0) fmoe_trace(FMOE_EV_DONE, (int)(unsigned)fmoe_trace_clock());
     cp_async_wait_all();
   } else {
     // The consumers: router jobs, then items, each announced by its header. A producer's pulls from the queue

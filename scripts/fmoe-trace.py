@@ -11,7 +11,7 @@ import statistics
 import sys
 
 START, TAKE, WAIT, WAITED, PLAN_WAIT, PLAN_WAITED, ISSUED, BEGIN, END, JOB, JOB_QUANT, JOB_LOGITS, PLAN, \
-    PUBLISH, DONE, SELECTED, PLANNED = range(1, 18)
+    PUBLISH, DONE, SELECTED, PLANNED, FULL_WAITS, EMPTY_WAITS = range(1, 20)
 SHARED, DOWN = 1 << 29, 1 << 30
 
 
@@ -62,6 +62,31 @@ def report(path, show_blocks):
     for (b, arg), it in items.items():
         by_kind.setdefault(item_kind(arg), []).append((b, arg, it))
 
+    # The SM clock (START and DONE carry its low 32 bits): cycles per ns, to read the waits' cycle counts.
+    rates = []
+    for b, es in blocks.items():
+        st = [(t, a) for t, k, a, _ in es if k == START]
+        dn = [(t, a) for t, k, a, _ in es if k == DONE]
+        if st and dn and dn[0][0] > st[0][0]:
+            rates.append(((dn[0][1] - st[0][1]) % (1 << 32)) / (dn[0][0] - st[0][0]))
+    ghz = statistics.median(rates) if rates else 0.0
+    # Each item's waits (cycles): the consumers' for its stages after the first (FULL_WAITS follows the item's
+    # BEGIN on its block), the producer's for free slots (EMPTY_WAITS follows its ISSUED).
+    data_wait, slot_wait = {}, {}
+    for b, es in blocks.items():
+        begun = issued = None
+        for t, kind, arg, _ in es:
+            if kind == BEGIN:
+                begun = arg
+            elif kind == ISSUED:
+                issued = arg
+            elif kind == FULL_WAITS and begun is not None:
+                data_wait[(b, begun)] = arg
+            elif kind == EMPTY_WAITS and issued is not None:
+                slot_wait[(b, issued)] = arg
+    if ghz:
+        print(f"  SM clock {ghz:.3f} GHz (START/DONE cycle counts over their times)")
+
     # The router.
     jobs = [(b, t, kind, arg) for b, es in blocks.items() for t, kind, arg, _ in es
             if kind in (JOB, JOB_QUANT, JOB_LOGITS, SELECTED, PLANNED, PLAN)]
@@ -94,6 +119,16 @@ def report(path, show_blocks):
         print(f"      take -> first stage in {stats(first)}; first stage -> stored {stats(dur)}")
         if waits:
             print(f"      waited for inputs ({len(waits)} of {len(its)}): {stats(waits)}")
+        if ghz:
+            dw = [data_wait[(b, arg)] / ghz / 1e3 for b, arg, it in its if (b, arg) in data_wait]
+            frac = [100 * data_wait[(b, arg)] / ghz / (it[END] - it[BEGIN]) for b, arg, it in its
+                    if (b, arg) in data_wait and BEGIN in it and END in it and it[END] > it[BEGIN]]
+            sw = [slot_wait[(b, arg)] / ghz / 1e3 for b, arg, _ in its if (b, arg) in slot_wait]
+            if dw:
+                print(f"      consumers waited for stages (after the first) {stats(dw)} µs, "
+                      f"% of first stage -> stored {stats(frac)}")
+            if sw:
+                print(f"      producer waited for free slots {stats(sw)} µs")
         print(f"      stored {stats(ends)}")
 
     # Streaming blocks over time: an item counts from its first stage in to its outputs stored.
@@ -126,7 +161,7 @@ def report(path, show_blocks):
         names = {TAKE: "take", WAIT: "wait", WAITED: "in", PLAN_WAIT: "planwait", PLAN_WAITED: "plan",
                  ISSUED: "issued", BEGIN: "begin", END: "end", JOB: "job", JOB_QUANT: "xq", JOB_LOGITS: "logits",
                  PLAN: "PLAN", PUBLISH: "pub", START: "start", DONE: "done", SELECTED: "selected",
-                 PLANNED: "planned"}
+                 PLANNED: "planned", FULL_WAITS: "data-wait-cycles", EMPTY_WAITS: "slot-wait-cycles"}
         for b in sorted(blocks):
             es = blocks[b]
             parts = []
@@ -136,6 +171,8 @@ def report(path, show_blocks):
                     what += " " + item_name(arg)
                 elif kind == PUBLISH:
                     what += f" t{arg}"
+                elif kind in (FULL_WAITS, EMPTY_WAITS, START, DONE):
+                    what += f" {arg}"
                 parts.append(f"{us(t):.1f} {what}")
             print(f"  block {b} (SM {es[0][3]}): " + "; ".join(parts))
 

@@ -20,6 +20,6 @@ echo "dsv4 bench moe --trace: rc=$rc"
 for f in "$OUT"/trace/fmoe_trace_*.json; do
   [ -e "$f" ] || continue
   python3 scripts/fmoe-trace.py "$f" >"${f%.json}.txt" 2>&1
-  grep -E "^==|span|router:|plan|blocks computing|last stored" "${f%.json}.txt" | cut -c1-300 >>"$OUT/trace_summary.txt"
+  grep -E "^==|span|router:|plan|blocks computing|last stored|SM clock|waited for stages|free slots|^  (up|down) " "${f%.json}.txt" | cut -c1-300 >>"$OUT/trace_summary.txt"
 done
 exit $rc
