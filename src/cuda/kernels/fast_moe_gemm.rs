@@ -72,7 +72,7 @@ crate::kernel_family! {
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
         s1: *const u64, s3: *const u64, fmt: i32, shared_fmt: i32,
         shared_s1: Option<*const f32>, shared_s3: Option<*const f32>, sc8: Option<*const u8>,
-        route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32,
+        route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32, ksplit: *mut u8,
     );
     /// Both GEMMs in one launch (the fused decode path): up items, then down items, from one queue; a
     /// down item's tokens wait for its tile's up items (`sync`: [`sync_words`] u32, zero when the
@@ -85,7 +85,7 @@ crate::kernel_family! {
         s1: *const u64, s3: *const u64, s2: *const u64, fmt: i32, fmt2: i32, shared_fmt: i32,
         shared_fmt2: i32, shared_s1: Option<*const f32>, shared_s3: Option<*const f32>,
         shared_s2: Option<*const f32>, sc8: Option<*const u8>, route_w: *const f32, limit: f32,
-        hq: *mut u8, hs: *mut f32, y: *mut u16, sync: *mut u32,
+        hq: *mut u8, hs: *mut f32, y: *mut u16, sync: *mut u32, ksplit: *mut u8,
     );
     /// The router (logits, selection, plan) and both GEMMs in one launch (the routed decode
     /// path): the same steps and bits as `fmoe_logits_kernel`, `fmoe_select_kernel`,
@@ -102,7 +102,7 @@ crate::kernel_family! {
         s1: *const u64, s3: *const u64, s2: *const u64, fmt: i32, fmt2: i32, shared_fmt: i32,
         shared_fmt2: i32, shared_s1: Option<*const f32>, shared_s3: Option<*const f32>,
         shared_s2: Option<*const f32>, sc8: Option<*const u8>, limit: f32, hq: *mut u8,
-        hs: *mut f32, y: *mut u16, sync: *mut u32,
+        hs: *mut f32, y: *mut u16, sync: *mut u32, ksplit: *mut u8,
     );
     /// GEMM2 into bf16 rows per (token, slot).
     #[smem(SMEM_BYTES as u32)]
@@ -295,6 +295,17 @@ pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
     1 + (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
 }
 
+/// Bytes of the up GEMMs' split-item scratch (`ksplit`, kernels/fast_moe_gemm.cu FMOE_SHARED_KSPLIT, a bench
+/// variant): a u32 counter per row block of `i` (in the first [`KSPLIT_HEAD`] bytes), then per row block
+/// and half each consumer thread's 8 f32 sums. The counters start zero (the arena) and each pair's second
+/// half zeroes its own.
+pub fn ksplit_bytes(i: usize) -> usize {
+    KSPLIT_HEAD + (i / UP_J) * 2 * WARPGROUPS * 128 * 8 * 4
+}
+
+/// The counters' room at the start of `ksplit` (FMOE_KSPLIT_HEAD): row blocks up to 64, I <= 8192.
+pub const KSPLIT_HEAD: usize = 256;
+
 /// u32 words of the routed decode path's synchronisation buffer for `t` tokens
 /// (`fmoe_route_experts_kernel`'s `sync`): the queue's head, the router's three counts (x's codes,
 /// the logit tiles, the plan), then per tile a count of its up items done. Zero when the launch
@@ -326,6 +337,18 @@ fn need_up(
         )?;
     }
     need_h(who, layer, t, ws, path)?;
+    if path != GemmPath::Prefill {
+        if layer.i / UP_J * 4 > KSPLIT_HEAD {
+            return Err(Error::new(
+                Status::Internal,
+                format!(
+                    "{who}: {} row blocks of I exceed the split items' counters",
+                    layer.i / UP_J
+                ),
+            ));
+        }
+        need(who, "ksplit", ws.ksplit, ksplit_bytes(layer.i))?;
+    }
     need(who, "route_w", ws.weights, t * k * 4)
 }
 
@@ -470,8 +493,8 @@ impl FastMoeGemm {
         let (g, b, sm) = path.launch_shape(ctx, layer, t, true);
         match path {
             GemmPath::DecodeRouted | GemmPath::DecodeFused | GemmPath::Decode => {
-                self.up
-                    .launch(g, b, sm, stream, up_args!(fmoe_up_kernel, ws.xs))
+                let args = up_args!(fmoe_up_kernel, ws.xs, ksplit: ws.ksplit);
+                self.up.launch(g, b, sm, stream, args)
             }
             GemmPath::Prefill => {
                 let tiles = wide::act_tiles(t, layer.k, layer.experts);
@@ -524,6 +547,7 @@ impl FastMoeGemm {
             xs: ws.xs,
             route_w: ws.weights,
             sync: ws.sync,
+            ksplit: ws.ksplit,
         );
         let _g = ctx.enter()?;
         let (grid, smem) = fused_grid(ctx, layer, t);
@@ -586,6 +610,7 @@ impl FastMoeGemm {
             xs: ws.xs,
             offsets: ws.plan.offsets,
             sync: ws.route_sync,
+            ksplit: ws.ksplit,
         );
         let _g = ctx.enter()?;
         let (grid, smem) = fused_grid(ctx, layer, t);
