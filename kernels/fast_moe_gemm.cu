@@ -208,9 +208,9 @@ DSV4_INLINE int fmoe_up_items(const FmoeArgs& a, int ntile) {
   return ntile * rb + (fmoe_ksplit(a) ? rb : 0);
 }
 
-// The split items' scratch (`ksplit`, fast_moe_gemm::ksplit_bytes): a counter per row block (the first
-// FMOE_KSPLIT_HEAD bytes), then per row block and half every consumer thread's 8 sums.
-#define FMOE_KSPLIT_HEAD 256
+// The split items' scratch (`ksplit`, fast_moe_gemm::ksplit_bytes): a counter per row block (rb of them, in the
+// first fmoe_ksplit_head(rb) bytes), then per row block and half every consumer thread's 8 sums.
+DSV4_INLINE int fmoe_ksplit_head(int rb) { return (rb * 4 + 255) / 256 * 256; }
 
 // Work item wi: tile wi / (row blocks), row block wi % (row blocks). The tiles are the plan's routed ones, then
 // the shared expert's, or with SHARED_FIRST (fmoe_route_experts_kernel) the shared ones first: those items are
@@ -327,13 +327,13 @@ DSV4_INLINE int fmoe_up_tile(const FmoeItem& it, int h, int rb_up) {
 // the half in at its row block's counter; true for the half counted second, whose acc then holds both halves'
 // sums (its own plus the other's: two terms, the same bits in either order) and which runs the epilogue (and
 // resets the counter for the next launch). Whole items: true, nothing done.
-DSV4_INLINE bool fmoe_ksplit_join(const FmoeItem& it, float (&acc)[8], unsigned char* ksplit) {
+DSV4_INLINE bool fmoe_ksplit_join(const FmoeArgs& a, const FmoeItem& it, float (&acc)[8], unsigned char* ksplit) {
 #if FMOE_SHARED_KSPLIT
   __shared__ int ksplit_last;
   if (it.half < 0) return true;
   const int tid = threadIdx.x;
   unsigned* cnt = reinterpret_cast<unsigned*>(ksplit) + it.row0 / FMOE_UP_J;
-  float* part = reinterpret_cast<float*>(ksplit + FMOE_KSPLIT_HEAD);
+  float* part = reinterpret_cast<float*>(ksplit + fmoe_ksplit_head(fmoe_rblocks(true, a.N)));
   float4* mine = reinterpret_cast<float4*>(part + ((long long)(2 * (it.row0 / FMOE_UP_J) + it.half) * FMOE_CONSUMERS + tid) * 8);
   const float4* other =
       reinterpret_cast<const float4*>(part + ((long long)(2 * (it.row0 / FMOE_UP_J) + 1 - it.half) * FMOE_CONSUMERS + tid) * 8);
@@ -364,6 +364,7 @@ DSV4_INLINE bool fmoe_ksplit_join(const FmoeItem& it, float (&acc)[8], unsigned 
   acc[7] += o1.w;
   return true;
 #else
+  (void)a;
   (void)it;
   (void)acc;
   (void)ksplit;
@@ -977,7 +978,7 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
     if (it.skip) continue;
     fmoe_consume_item<UP>(a, it, smem, slot, phase, acc);
     if (UP) {
-      if (!fmoe_ksplit_join(it, acc, ksplit)) continue;
+      if (!fmoe_ksplit_join(a, it, acc, ksplit)) continue;
       const int parity = (FMOE_SHARED_KSPLIT ? epilogues++ : n) & 1;
       fmoe_up_epilogue(a, it, acc, parity, route_w, limit, out_q, out_s, FMOE_CONSUMERS);
     } else {
@@ -1032,7 +1033,7 @@ DSV4_INLINE bool fmoe_fused_up_item(const FmoeArgs& a, const FmoeItem& it, int t
                                     unsigned& phase, float (&acc)[8], const float* route_w, float limit,
                                     unsigned char* hq, float* hs, volatile int* pub_tile, unsigned char* ksplit) {
   fmoe_consume_item<true>(a, it, smem, slot, phase, acc);
-  if (!fmoe_ksplit_join(it, acc, ksplit)) return false;
+  if (!fmoe_ksplit_join(a, it, acc, ksplit)) return false;
   if (threadIdx.x == 0) pub_tile[n & 1] = tile;
   fmoe_up_epilogue(a, it, acc, n & 1, route_w, limit, hq, hs, FMOE_CONSUMERS + 32);
   if ((threadIdx.x >> 5) < 8) asm volatile("bar.arrive 2, 288;\n" ::: "memory");

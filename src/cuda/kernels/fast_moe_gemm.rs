@@ -296,15 +296,17 @@ pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
 }
 
 /// Bytes of the up GEMMs' split-item scratch (`ksplit`, kernels/fast_moe_gemm.cu FMOE_SHARED_KSPLIT, a bench
-/// variant): a u32 counter per row block of `i` (in the first [`KSPLIT_HEAD`] bytes), then per row block
+/// variant): a u32 counter per row block of `i` (in the first [`ksplit_head`] bytes), then per row block
 /// and half each consumer thread's 8 f32 sums. The counters start zero (the arena) and each pair's second
 /// half zeroes its own.
 pub fn ksplit_bytes(i: usize) -> usize {
-    KSPLIT_HEAD + (i / UP_J) * 2 * WARPGROUPS * 128 * 8 * 4
+    ksplit_head(i) + (i / UP_J) * 2 * WARPGROUPS * 128 * 8 * 4
 }
 
-/// The counters' room at the start of `ksplit` (FMOE_KSPLIT_HEAD): row blocks up to 64, I <= 8192.
-pub const KSPLIT_HEAD: usize = 256;
+/// The counters' room at the start of `ksplit` (fmoe_ksplit_head): whole 256 bytes.
+pub fn ksplit_head(i: usize) -> usize {
+    ((i / UP_J) * 4).div_ceil(256) * 256
+}
 
 /// u32 words of the routed decode path's synchronisation buffer for `t` tokens
 /// (`fmoe_route_experts_kernel`'s `sync`): the queue's head, the router's three counts (x's codes,
@@ -338,15 +340,6 @@ fn need_up(
     }
     need_h(who, layer, t, ws, path)?;
     if path != GemmPath::Prefill {
-        if layer.i / UP_J * 4 > KSPLIT_HEAD {
-            return Err(Error::new(
-                Status::Internal,
-                format!(
-                    "{who}: {} row blocks of I exceed the split items' counters",
-                    layer.i / UP_J
-                ),
-            ));
-        }
         need(who, "ksplit", ws.ksplit, ksplit_bytes(layer.i))?;
     }
     need(who, "route_w", ws.weights, t * k * 4)
