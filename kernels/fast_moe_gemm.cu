@@ -1026,18 +1026,22 @@ DSV4_INLINE void fmoe_publish(unsigned* tile_ready, const volatile int* pub_tile
   }
 }
 
-// The consumers' part of a fused kernel's up item `it` of tile `tile`, their n-th up item with an epilogue: the
-// GEMM, the tile handed to the publisher, the epilogue, then warps 0-7 (which stored h) let the publisher go on.
-// False, with nothing after the GEMM, for a split item's half counted first (fmoe_ksplit_join).
-DSV4_INLINE bool fmoe_fused_up_item(const FmoeArgs& a, const FmoeItem& it, int tile, int n, unsigned smem, int& slot,
+// The consumers' part of a fused kernel's up item `it` of tile `tile` (trace: its FMOE_TRACE arg): the GEMM, then,
+// unless it is a split item's half counted first (fmoe_ksplit_join), the tile handed to the publisher, the
+// epilogue (the consumers' n-th; n counts it), and warps 0-7 (which stored h) let the publisher go on.
+DSV4_INLINE void fmoe_fused_up_item(const FmoeArgs& a, const FmoeItem& it, int tile, int& n, unsigned smem, int& slot,
                                     unsigned& phase, float (&acc)[8], const float* route_w, float limit,
-                                    unsigned char* hq, float* hs, volatile int* pub_tile, unsigned char* ksplit) {
+                                    unsigned char* hq, float* hs, volatile int* pub_tile, unsigned char* ksplit,
+                                    int trace) {
+  if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, trace);
   fmoe_consume_item<true>(a, it, smem, slot, phase, acc);
-  if (!fmoe_ksplit_join(a, it, acc, ksplit)) return false;
-  if (threadIdx.x == 0) pub_tile[n & 1] = tile;
-  fmoe_up_epilogue(a, it, acc, n & 1, route_w, limit, hq, hs, FMOE_CONSUMERS + 32);
-  if ((threadIdx.x >> 5) < 8) asm volatile("bar.arrive 2, 288;\n" ::: "memory");
-  return true;
+  if (fmoe_ksplit_join(a, it, acc, ksplit)) {
+    if (threadIdx.x == 0) pub_tile[n & 1] = tile;
+    fmoe_up_epilogue(a, it, acc, n & 1, route_w, limit, hq, hs, FMOE_CONSUMERS + 32);
+    if ((threadIdx.x >> 5) < 8) asm volatile("bar.arrive 2, 288;\n" ::: "memory");
+    ++n;
+  }
+  if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, trace);
 }
 
 // Posts header `header` (-1: no more items; fmoe_route_experts_kernel's router jobs) in the ring's next slot,
@@ -1120,12 +1124,8 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       if (w < 0) break;
       if (w < nup) {
         const FmoeItem it = fmoe_item<true>(up, w);
-        const int tr = fmoe_trace_item(true, w, it.shared);
-        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
-        if (fmoe_fused_up_item(up, it, fmoe_up_tile(it, w, rb_up), nup_done, smem, slot, phase, acc, route_w, limit,
-                               hq, hs, pub_tile, ksplit))
-          ++nup_done;
-        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
+        fmoe_fused_up_item(up, it, fmoe_up_tile(it, w, rb_up), nup_done, smem, slot, phase, acc, route_w, limit, hq,
+                           hs, pub_tile, ksplit, fmoe_trace_item(true, w, it.shared));
       } else {
         const FmoeItem it = fmoe_item<false>(dn, w - nup);
         const int tr = fmoe_trace_item(false, w - nup, it.shared);
@@ -1431,12 +1431,8 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     for (; h != -1; mbar_wait(fmoe_full(smem, slot), phase), h = fmoe_load_header(smem + slot * FMOE_SLOT)) {
       if (h < FMOE_DOWN_HEADER) {
         const FmoeItem it = fmoe_item<true, true>(up, h);
-        const int tr = fmoe_trace_item(true, h, it.shared);
-        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
-        if (fmoe_fused_up_item(up, it, fmoe_up_tile(it, h, rb_up), nup_done, smem, slot, phase, acc, route_w, limit,
-                               hq, hs, pub_tile, ksplit))
-          ++nup_done;
-        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
+        fmoe_fused_up_item(up, it, fmoe_up_tile(it, h, rb_up), nup_done, smem, slot, phase, acc, route_w, limit, hq,
+                           hs, pub_tile, ksplit, fmoe_trace_item(true, h, it.shared));
       } else {
         const FmoeItem it = fmoe_item<false, true>(dn, h - FMOE_DOWN_HEADER);
         const int tr = fmoe_trace_item(false, h - FMOE_DOWN_HEADER, it.shared);
