@@ -160,14 +160,8 @@ struct FmoeItem {
   int n;                       // tokens (assignments) in the tile, 1..FMOE_TOKENS
   int start;                   // first plan row (routed) or first token (shared)
   int row0;                    // first weight row of the block (up: first j)
-  int nks;                     // stages it reads (fmoe_stages; FMOE_SHARED_KSPLIT halves: about half of them)
+  int nks;                     // stages (fmoe_stages)
   int rot;                     // the first stage it reads (fmoe_stage_at)
-#if FMOE_SHARED_KSPLIT
-  int half;                    // -1, or which half of its row block's stages it reads (a split shared up item)
-  int k0;                      // the first of them in the row block's order (0, or the second half's start)
-  int kall;                    // the row block's stages
-  int tile;                    // its tile (the publisher's count; the down items wait on it)
-#endif
   const unsigned char* maps;   // the expert's FMOE_MAPS_PER_EXPERT tensor maps
   const float* sa;             // FP8 block scales ([rows/128][K/128]) of up: W1, down: W2
   const float* sb;             // up: W3, down: W2
@@ -179,17 +173,6 @@ struct FmoeItem {
 };
 
 
-// FMOE_SHARED_KSPLIT 1 (a bench variant, not yet measured): at one shared token tile (T <= FMOE_TOKENS) each of
-// the shared expert's up items is two items, the two halves of its stages (of K), so its 1 MiB FP8 row blocks
-// stream on twice the blocks: in the one-token fused launch they are its critical path (their tile is counted in
-// ~4.5 us after the routed tiles and its down items end the launch, FMOE_TRACE). Each half stores its f32 sums
-// (fmoe_ksplit_join); the one that finishes second adds the other's to its own (two terms: the same bits whichever
-// it is) and runs the epilogue, then resets the pair's counter. Other bits than the unsplit items, but the same in
-// every decode path (two launches, fused, routed), which all split alike.
-#ifndef FMOE_SHARED_KSPLIT
-#define FMOE_SHARED_KSPLIT 0
-#endif
-
 DSV4_INLINE int fmoe_rblocks(bool up, int N) { return up ? N / FMOE_UP_J : (N + FMOE_DOWN_ROWS - 1) / FMOE_DOWN_ROWS; }
 
 // Shared tiles (token tiles of the shared expert): after the plan's routed ones, or first (SHARED_FIRST).
@@ -197,44 +180,13 @@ DSV4_INLINE int fmoe_shared_tiles(const FmoeArgs& a) {
   return a.shared_fmt != 0 ? (a.T + FMOE_TOKENS - 1) / FMOE_TOKENS : 0;
 }
 
-// Whether this launch splits the shared expert's up items (FMOE_SHARED_KSPLIT; `a`: the up GEMM's arguments).
-DSV4_INLINE bool fmoe_ksplit(const FmoeArgs& a) {
-  return FMOE_SHARED_KSPLIT && a.shared_fmt != 0 && a.T <= FMOE_TOKENS;
-}
-
-// Up items of ntile tiles (the routed ones and the shared ones), the split shared ones counted twice.
-DSV4_INLINE int fmoe_up_items(const FmoeArgs& a, int ntile) {
-  const int rb = fmoe_rblocks(true, a.N);
-  return ntile * rb + (fmoe_ksplit(a) ? rb : 0);
-}
-
-// The split items' scratch (`ksplit`, fast_moe_gemm::ksplit_bytes): a counter per row block (rb of them, in the
-// first fmoe_ksplit_head(rb) bytes), then per row block and half every consumer thread's 8 sums.
-DSV4_INLINE int fmoe_ksplit_head(int rb) { return (rb * 4 + 255) / 256 * 256; }
-
 // Work item wi: tile wi / (row blocks), row block wi % (row blocks). The tiles are the plan's routed ones, then
 // the shared expert's, or with SHARED_FIRST (fmoe_route_experts_kernel) the shared ones first: those items are
 // then known before the plan is.
 template <bool UP, bool SHARED_FIRST = false>
 DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
   const int rb_n = fmoe_rblocks(UP, a.N);
-  int tile = wi / rb_n, rb = wi - tile * rb_n;
-#if FMOE_SHARED_KSPLIT
-  // The one shared tile's 2 · rb_n items (both halves of a row block adjacent) after the routed ones, or first.
-  int half = -1;
-  if (UP && fmoe_ksplit(a)) {
-    const int sh0 = SHARED_FIRST ? 0 : a.nrt * rb_n;
-    if (wi >= sh0 && wi < sh0 + 2 * rb_n) {
-      tile = SHARED_FIRST ? 0 : a.nrt;
-      rb = (wi - sh0) >> 1;
-      half = (wi - sh0) & 1;
-    } else {
-      const int w2 = SHARED_FIRST ? wi - rb_n : wi;
-      tile = w2 / rb_n;
-      rb = w2 - tile * rb_n;
-    }
-  }
-#endif
+  const int tile = wi / rb_n, rb = wi - tile * rb_n;
   const int nsh = SHARED_FIRST ? fmoe_shared_tiles(a) : 0;
   const bool routed = SHARED_FIRST ? tile >= nsh : tile < a.nrt;
   const int rt = tile - nsh;                           // the routed tile's index in the plan
@@ -286,13 +238,6 @@ DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
   }
   it.nks = fmoe_stages(it.fp4, a.K);
   it.rot = rb % it.nks;
-#if FMOE_SHARED_KSPLIT
-  it.half = half;
-  it.kall = it.nks;
-  it.k0 = half == 1 ? it.kall / 2 : 0;
-  if (half >= 0) it.nks = half == 0 ? it.kall / 2 : it.kall - it.kall / 2;
-  it.tile = tile;
-#endif
   return it;
 }
 
@@ -302,74 +247,8 @@ DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
 // (the layer at B = 1: 90 -> 72 us on the H200). Keyed by the row block alone, the order in which a row's
 // 128-blocks are summed does not depend on the batch or on which tile holds the token.
 DSV4_INLINE int fmoe_stage_at(const FmoeItem& it, int i) {
-#if FMOE_SHARED_KSPLIT
-  const int kb = it.k0 + i + it.rot;  // k0 + i < kall, rot < kall
-  return kb < it.kall ? kb : kb - it.kall;
-#else
   const int kb = i + it.rot;
   return kb < it.nks ? kb : kb - it.nks;
-#endif
-}
-
-// An up item's tile: item h of the launch's up items (rb_up row blocks a tile).
-DSV4_INLINE int fmoe_up_tile(const FmoeItem& it, int h, int rb_up) {
-#if FMOE_SHARED_KSPLIT
-  (void)h;
-  (void)rb_up;
-  return it.tile;
-#else
-  (void)it;
-  return h / rb_up;
-#endif
-}
-
-// A split item's half done (every consumer thread, after fmoe_consume_item): stores this thread's sums, counts
-// the half in at its row block's counter; true for the half counted second, whose acc then holds both halves'
-// sums (its own plus the other's: two terms, the same bits in either order) and which runs the epilogue (and
-// resets the counter for the next launch). Whole items: true, nothing done.
-DSV4_INLINE bool fmoe_ksplit_join(const FmoeArgs& a, const FmoeItem& it, float (&acc)[8], unsigned char* ksplit) {
-#if FMOE_SHARED_KSPLIT
-  __shared__ int ksplit_last;
-  if (it.half < 0) return true;
-  const int tid = threadIdx.x;
-  unsigned* cnt = reinterpret_cast<unsigned*>(ksplit) + it.row0 / FMOE_UP_J;
-  float* part = reinterpret_cast<float*>(ksplit + fmoe_ksplit_head(fmoe_rblocks(true, a.N)));
-  float4* mine = reinterpret_cast<float4*>(part + ((long long)(2 * (it.row0 / FMOE_UP_J) + it.half) * FMOE_CONSUMERS + tid) * 8);
-  const float4* other =
-      reinterpret_cast<const float4*>(part + ((long long)(2 * (it.row0 / FMOE_UP_J) + 1 - it.half) * FMOE_CONSUMERS + tid) * 8);
-  mine[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-  mine[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-  named_barrier(7, FMOE_CONSUMERS);  // every thread's sums stored
-  if (tid == 0) {
-    unsigned before;
-    asm volatile("fence.acq_rel.gpu;\natom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n"
-                 : "=r"(before)
-                 : "l"(cnt)
-                 : "memory");
-    ksplit_last = before == 1u;
-    if (before == 1u) *reinterpret_cast<volatile unsigned*>(cnt) = 0u;  // for the next launch
-  }
-  named_barrier(7, FMOE_CONSUMERS);
-  if (!ksplit_last) return false;
-  // (Thread 0's acquire, then the barrier: the other half's sums are visible; never read here before, so no
-  // stale L1 line; read past L1 all the same.)
-  const float4 o0 = __ldcg(other), o1 = __ldcg(other + 1);
-  acc[0] += o0.x;
-  acc[1] += o0.y;
-  acc[2] += o0.z;
-  acc[3] += o0.w;
-  acc[4] += o1.x;
-  acc[5] += o1.y;
-  acc[6] += o1.z;
-  acc[7] += o1.w;
-  return true;
-#else
-  (void)a;
-  (void)it;
-  (void)acc;
-  (void)ksplit;
-  return true;
-#endif
 }
 
 // Activation row of token column c (column 0's for c >= n: the producer's lanes of those columns form an
@@ -959,10 +838,9 @@ DSV4_INLINE unsigned fmoe_block_init() {
 // D), act = hq with hs; out y [T*k + T][D] bf16. Block b takes items b, b + gridDim.x, ...
 template <bool UP>
 DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit, unsigned char* out_q, float* out_s,
-                           bf16_t* out_y, unsigned char* ksplit) {
+                           bf16_t* out_y) {
   const unsigned smem = fmoe_block_init();
-  const int ntile = a.nrt + fmoe_shared_tiles(a);
-  const int total = UP ? fmoe_up_items(a, ntile) : ntile * fmoe_rblocks(UP, a.N);
+  const int total = (a.nrt + fmoe_shared_tiles(a)) * fmoe_rblocks(UP, a.N);
   const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   if (threadIdx.x >= FMOE_CONSUMERS) {
     fmoe_produce<UP>(a, smem, my_items);
@@ -972,18 +850,14 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
   int slot = 0;
   unsigned phase = 0;
   float acc[8];
-  int epilogues = 0;  // FMOE_SHARED_KSPLIT: the epilogue buffers alternate by this (a split item's first half runs none)
   for (int n = 0; n < my_items; ++n) {
     const FmoeItem it = fmoe_item<UP>(a, blockIdx.x + n * gridDim.x);
     if (it.skip) continue;
     fmoe_consume_item<UP>(a, it, smem, slot, phase, acc);
-    if (UP) {
-      if (!fmoe_ksplit_join(a, it, acc, ksplit)) continue;
-      const int parity = (FMOE_SHARED_KSPLIT ? epilogues++ : n) & 1;
-      fmoe_up_epilogue(a, it, acc, parity, route_w, limit, out_q, out_s, FMOE_CONSUMERS);
-    } else {
+    if (UP)
+      fmoe_up_epilogue(a, it, acc, n & 1, route_w, limit, out_q, out_s, FMOE_CONSUMERS);
+    else
       fmoe_down_store(a, it, acc, out_y);
-    }
   }
 }
 
@@ -1026,22 +900,15 @@ DSV4_INLINE void fmoe_publish(unsigned* tile_ready, const volatile int* pub_tile
   }
 }
 
-// The consumers' part of a fused kernel's up item `it` of tile `tile` (trace: its FMOE_TRACE arg): the GEMM, then,
-// unless it is a split item's half counted first (fmoe_ksplit_join), the tile handed to the publisher, the
-// epilogue (the consumers' n-th; n counts it), and warps 0-7 (which stored h) let the publisher go on.
-DSV4_INLINE void fmoe_fused_up_item(const FmoeArgs& a, const FmoeItem& it, int tile, int& n, unsigned smem, int& slot,
+// The consumers' part of a fused kernel's up item `it` of tile `tile`, their n-th up item: the GEMM, the tile
+// handed to the publisher, the epilogue, then warps 0-7 (which stored h) let the publisher go on.
+DSV4_INLINE void fmoe_fused_up_item(const FmoeArgs& a, const FmoeItem& it, int tile, int n, unsigned smem, int& slot,
                                     unsigned& phase, float (&acc)[8], const float* route_w, float limit,
-                                    unsigned char* hq, float* hs, volatile int* pub_tile, unsigned char* ksplit,
-                                    int trace) {
-  if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, trace);
+                                    unsigned char* hq, float* hs, volatile int* pub_tile) {
   fmoe_consume_item<true>(a, it, smem, slot, phase, acc);
-  if (fmoe_ksplit_join(a, it, acc, ksplit)) {
-    if (threadIdx.x == 0) pub_tile[n & 1] = tile;
-    fmoe_up_epilogue(a, it, acc, n & 1, route_w, limit, hq, hs, FMOE_CONSUMERS + 32);
-    if ((threadIdx.x >> 5) < 8) asm volatile("bar.arrive 2, 288;\n" ::: "memory");
-    ++n;
-  }
-  if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, trace);
+  if (threadIdx.x == 0) pub_tile[n & 1] = tile;
+  fmoe_up_epilogue(a, it, acc, n & 1, route_w, limit, hq, hs, FMOE_CONSUMERS + 32);
+  if ((threadIdx.x >> 5) < 8) asm volatile("bar.arrive 2, 288;\n" ::: "memory");
 }
 
 // Posts header `header` (-1: no more items; fmoe_route_experts_kernel's router jobs) in the ring's next slot,
@@ -1064,7 +931,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
                         int fmt, int fmt2, int shared_fmt, int shared_fmt2, const float* shared_s1,
                         const float* shared_s3, const float* shared_s2, const unsigned char* sc8,
                         const float* route_w, float limit, unsigned char* hq, float* hs, unsigned short* y,
-                        unsigned* sync, unsigned char* ksplit) {
+                        unsigned* sync) {
   dsv4_pdl_begin();
   const FmoeArgs up = fmoe_args(xq, xs, T, D, I, k, rows, tiles, ntiles, e_begin, e_end, maps, s1, s3, fmt,
                                 shared_fmt, shared_s1, shared_s3, sc8, D, I);
@@ -1073,7 +940,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
   const unsigned smem = fmoe_block_init();
   const int ntile = up.nrt + fmoe_shared_tiles(up);
   const int rb_up = fmoe_rblocks(true, I), rb_dn = fmoe_rblocks(false, D);
-  const int nup = fmoe_up_items(up, ntile), total = nup + ntile * rb_dn;
+  const int nup = ntile * rb_up, total = nup + ntile * rb_dn;
   unsigned* next = sync + FMOE_SYNC_NEXT;
   unsigned* tile_ready = sync + FMOE_SYNC_TILES;
   const int lane = threadIdx.x & 31;
@@ -1124,8 +991,10 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       if (w < 0) break;
       if (w < nup) {
         const FmoeItem it = fmoe_item<true>(up, w);
-        fmoe_fused_up_item(up, it, fmoe_up_tile(it, w, rb_up), nup_done, smem, slot, phase, acc, route_w, limit, hq,
-                           hs, pub_tile, ksplit, fmoe_trace_item(true, w, it.shared));
+        const int tr = fmoe_trace_item(true, w, it.shared);
+        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
+        fmoe_fused_up_item(up, it, w / rb_up, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile);
+        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       } else {
         const FmoeItem it = fmoe_item<false>(dn, w - nup);
         const int tr = fmoe_trace_item(false, w - nup, it.shared);
@@ -1328,7 +1197,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
                               const unsigned long long* s3, const unsigned long long* s2, int fmt, int fmt2,
                               int shared_fmt, int shared_fmt2, const float* shared_s1, const float* shared_s3,
                               const float* shared_s2, const unsigned char* sc8, float limit, unsigned char* hq,
-                              float* hs, unsigned short* y, unsigned* sync, unsigned char* ksplit) {
+                              float* hs, unsigned short* y, unsigned* sync) {
   dsv4_pdl_begin();
   const FmoeRouter router = {x,      T,        D,     E,          k,        gate,  scoring, bias,
                              tid2eid, tokens,  renorm, route_scale, scores, ids,   route_w, x_made != 0,
@@ -1346,7 +1215,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
   const unsigned smem = fmoe_block_init();
   const int nsh = fmoe_shared_tiles(up);
   const int rb_up = fmoe_rblocks(true, I), rb_dn = fmoe_rblocks(false, D);
-  const int sh_up = fmoe_up_items(up, nsh);  // the shared up items: known before the plan
+  const int sh_up = nsh * rb_up;  // the shared up items: known before the plan
   const int jobs = fmoe_router_jobs(router, sh_up), quant_jobs = fmoe_router_quant_jobs(router, jobs);
   unsigned* next = sync + FMOE_RSYNC_NEXT;
   unsigned* tile_ready = sync + FMOE_RSYNC_TILES;
@@ -1369,7 +1238,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         if (lane == 0) fmoe_trace(FMOE_EV_PLAN_WAIT, q);
         const int nrt = fmoe_wait_plan(sync, ntiles);
         if (lane == 0) fmoe_trace(FMOE_EV_PLAN_WAITED, q);
-        nup = fmoe_up_items(up, nrt + nsh);
+        nup = (nrt + nsh) * rb_up;
         total = nup + (nrt + nsh) * rb_dn;
       }
       if (total >= 0 && q >= total) break;
@@ -1431,8 +1300,10 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     for (; h != -1; mbar_wait(fmoe_full(smem, slot), phase), h = fmoe_load_header(smem + slot * FMOE_SLOT)) {
       if (h < FMOE_DOWN_HEADER) {
         const FmoeItem it = fmoe_item<true, true>(up, h);
-        fmoe_fused_up_item(up, it, fmoe_up_tile(it, h, rb_up), nup_done, smem, slot, phase, acc, route_w, limit, hq,
-                           hs, pub_tile, ksplit, fmoe_trace_item(true, h, it.shared));
+        const int tr = fmoe_trace_item(true, h, it.shared);
+        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
+        fmoe_fused_up_item(up, it, h / rb_up, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile);
+        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       } else {
         const FmoeItem it = fmoe_item<false, true>(dn, h - FMOE_DOWN_HEADER);
         const int tr = fmoe_trace_item(false, h - FMOE_DOWN_HEADER, it.shared);
@@ -1457,11 +1328,11 @@ extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
                    const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
                    const unsigned long long* s1, const unsigned long long* s3, int fmt, int shared_fmt,
                    const float* shared_s1, const float* shared_s3, const unsigned char* sc8,
-                   const float* route_w, float limit, unsigned char* hq, float* hs, unsigned char* ksplit) {
+                   const float* route_w, float limit, unsigned char* hq, float* hs) {
   dsv4_pdl_begin();
   const FmoeArgs a = fmoe_args(xq, xs, T, D, I, k, rows, tiles, ntiles, e_begin, e_end, maps, s1, s3, fmt,
                                shared_fmt, shared_s1, shared_s3, sc8, D, I);
-  fmoe_gemm<true>(a, route_w, limit, hq, hs, nullptr, ksplit);
+  fmoe_gemm<true>(a, route_w, limit, hq, hs, nullptr);
 }
 
 // GEMM2 (see fmoe_gemm): hq [T*k + T][I] (fragment order) with hs -> y [T*k + T][D] bf16. Requires
@@ -1474,5 +1345,5 @@ extern "C" __global__ void __launch_bounds__(FMOE_THREADS, 1)
   dsv4_pdl_begin();
   const FmoeArgs a = fmoe_args(hq, hs, T, I, D, k, rows, tiles, ntiles, e_begin, e_end, maps, s2, s2, fmt,
                                shared_fmt, shared_s2, shared_s2, sc8, D, I);
-  fmoe_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y, nullptr);
+  fmoe_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y);
 }

@@ -63,7 +63,6 @@ use dsv4::cuda::kernels::fast_moe_wide;
 use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat};
 use dsv4::cuda::kernels::moe::{self, Moe, MoePlan};
 use dsv4::cuda::kernels::norm_rope::{self, NormRope};
-use dsv4::cuda::registry::{KernelCache, KernelSource, Registry};
 use dsv4::cuda::synthetic_moe::{HOT_EXPERT, MoeShape, Routing, SyntheticMoe};
 use dsv4::cuda::{BorrowedStream, Context, DevicePtr, OwnedStream};
 use dsv4::weights::dtype::E4M3_LUT;
@@ -108,8 +107,9 @@ struct Env {
     nr: NormRope,
 }
 
-fn families() -> Vec<&'static KernelSource> {
-    [
+fn env() -> Option<&'static Env> {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    let families: Vec<_> = [
         &linear::SOURCE,
         &moe::SOURCE,
         &fast_moe::SOURCE,
@@ -118,41 +118,18 @@ fn families() -> Vec<&'static KernelSource> {
     ]
     .into_iter()
     .chain(norm_rope::FAMILIES)
-    .collect()
-}
-
-fn env_of(ctx: &'static Context, reg: &Registry) -> Env {
-    print_kernel_resources(reg);
-    Env {
-        ctx,
-        lin: Linear::new(reg).unwrap(),
-        moe: Moe::new(reg).unwrap(),
-        fast: FastMoe::new(reg).unwrap(),
-        nr: NormRope::new(reg).unwrap(),
-    }
-}
-
-fn env() -> Option<&'static Env> {
-    static ENV: OnceLock<Env> = OnceLock::new();
-    let g = family_gpu(&families())?;
-    Some(ENV.get_or_init(|| env_of(&g.ctx, &g.reg)))
-}
-
-/// The same kernels compiled with the bench variant FMOE_SHARED_KSPLIT=1 (kernels/fast_moe_gemm.cu: the
-/// shared expert's up items split in two halves of K at one shared token tile).
-fn ksplit_env() -> Option<&'static Env> {
-    static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
-    let g = family_gpu(&families())?;
-    let (_, e) = ENV.get_or_init(|| {
-        let cache = KernelCache::disabled()
-            .with_defines(&["FMOE_SHARED_KSPLIT=1".to_string()])
-            .unwrap();
-        let reg = Registry::load_families(&g.ctx, &families(), &cache)
-            .unwrap_or_else(|e| panic!("FMOE_SHARED_KSPLIT=1: {e}"));
-        let env = env_of(&g.ctx, &reg);
-        (reg, env)
-    });
-    Some(e)
+    .collect();
+    let g = family_gpu(&families)?;
+    Some(ENV.get_or_init(|| {
+        print_kernel_resources(&g.reg);
+        Env {
+            ctx: &g.ctx,
+            lin: Linear::new(&g.reg).unwrap(),
+            moe: Moe::new(&g.reg).unwrap(),
+            fast: FastMoe::new(&g.reg).unwrap(),
+            nr: NormRope::new(&g.reg).unwrap(),
+        }
+    }))
 }
 
 fn put<T: arena::Pod>(ctx: &Context, p: DevicePtr, v: &[T], s: BorrowedStream) {
@@ -774,20 +751,9 @@ enum Gate {
 /// Runs `cases` (B, routing) on one layer of shape `sh`: both routings' checks (module doc), on
 /// each path of `paths`.
 fn run_cases(sh: MoeShape, scales: Scales, gate: Gate, paths: Paths, cases: &[(usize, Routing)]) {
-    if let Some(e) = env() {
-        run_cases_on(e, sh, scales, gate, paths, cases);
-    }
-}
-
-/// [`run_cases`] on the kernels of `e`.
-fn run_cases_on(
-    e: &'static Env,
-    sh: MoeShape,
-    scales: Scales,
-    gate: Gate,
-    paths: Paths,
-    cases: &[(usize, Routing)],
-) {
+    let Some(e) = env() else {
+        return;
+    };
     let mut rng = Rng::from_env("gpu_fast_moe");
     let stream = OwnedStream::new(e.ctx).unwrap();
     let s = stream.borrow();
@@ -944,13 +910,6 @@ fn check_case(
                 f1.out.len(),
             );
         }
-        // The split items' counters (FMOE_SHARED_KSPLIT; untouched otherwise) are zero after every
-        // launch: each pair's second half zeroes its own.
-        let counters: Vec<u32> = get(e.ctx, b.ws.ksplit, sh.i / fast_moe_gemm::UP_J, s);
-        assert!(
-            counters.iter().all(|&c| c == 0),
-            "{what}: split-item counters left {counters:?}"
-        );
         if path == GemmPath::DecodeRouted
             || (t <= fast_moe_gemm::ROUTED_MAX_TOKENS && router == RouterPath::Few)
         {
@@ -1055,41 +1014,6 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
             (1024, Routing::Hash),
             (4096, Routing::TopK),
             (16384, Routing::HashSkewed),
-        ],
-    );
-}
-
-/// The bench variant that splits the shared expert's up items in two halves of K
-/// (FMOE_SHARED_KSPLIT, at one shared token tile: B <= 16) keeps every decode form's bits equal
-/// (two launches, fused, routed), matches the reference kernels within the same bounds, and leaves
-/// its counters zero; B = 17 (two shared tiles) does not split. The small shape's odd widths give
-/// the halves unequal stage counts.
-#[test]
-fn fast_moe_split_shared_items_match_the_reference_kernels() {
-    let Some(e) = ksplit_env() else { return };
-    run_cases_on(
-        e,
-        MoeShape::FLASH,
-        Scales::Bytes,
-        Gate::Bf16,
-        Paths::Auto,
-        &[
-            (1, Routing::TopK),
-            (2, Routing::Hash),
-            (16, Routing::TopK),
-            (17, Routing::TopK),
-        ],
-    );
-    run_cases_on(
-        e,
-        SMALL,
-        Scales::Bytes,
-        Gate::Bf16,
-        Paths::Both,
-        &[
-            (1, Routing::TopK),
-            (5, Routing::Hash),
-            (16, Routing::HashSkewed),
         ],
     );
 }

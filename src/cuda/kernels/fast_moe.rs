@@ -418,9 +418,6 @@ pub struct FastMoeWorkspace {
     /// zero when its launch starts; the arena starts them so and the layer's combine zeroes them
     /// after each launch ([`FastMoe::route_and_experts`]).
     pub route_sync: DevicePtr,
-    /// The decode up GEMMs' split-item scratch ([`fast_moe_gemm::ksplit_bytes`]; used by the bench
-    /// variant FMOE_SHARED_KSPLIT only): its counters start zero (the arena) and return to zero.
-    pub ksplit: DevicePtr,
 }
 
 impl FastMoeWorkspace {
@@ -452,7 +449,6 @@ impl FastMoeWorkspace {
             xs_plan: p[15],
             act_maps: p[16],
             route_sync: p[17],
-            ksplit: p[18],
         }
     }
 
@@ -497,7 +493,7 @@ pub fn workspace_buffers(
     i: usize,
     k: usize,
     experts: usize,
-) -> [(&'static str, Elem, usize); 19] {
+) -> [(&'static str, Elem, usize); 18] {
     let plan = MoePlan::buffer_bytes(t, k, experts, fast_moe_gemm::TOKENS).map(|b| b / 4);
     let [counts, ranks] = moe::plan_wide_scratch(t * k, experts);
     let rows = t * k + t;
@@ -538,8 +534,6 @@ pub fn workspace_buffers(
             Elem::I32,
             fast_moe_gemm::route_sync_words(t, k, experts),
         ),
-        // Counters (zero from the arena on; each returns to zero), then f32 sums.
-        ("ksplit", Elem::U8, fast_moe_gemm::ksplit_bytes(i)),
     ]
 }
 

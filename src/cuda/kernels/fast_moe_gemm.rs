@@ -72,7 +72,7 @@ crate::kernel_family! {
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
         s1: *const u64, s3: *const u64, fmt: i32, shared_fmt: i32,
         shared_s1: Option<*const f32>, shared_s3: Option<*const f32>, sc8: Option<*const u8>,
-        route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32, ksplit: *mut u8,
+        route_w: *const f32, limit: f32, hq: *mut u8, hs: *mut f32,
     );
     /// Both GEMMs in one launch (the fused decode path): up items, then down items, from one queue; a
     /// down item's tokens wait for its tile's up items (`sync`: [`sync_words`] u32, zero when the
@@ -85,7 +85,7 @@ crate::kernel_family! {
         s1: *const u64, s3: *const u64, s2: *const u64, fmt: i32, fmt2: i32, shared_fmt: i32,
         shared_fmt2: i32, shared_s1: Option<*const f32>, shared_s3: Option<*const f32>,
         shared_s2: Option<*const f32>, sc8: Option<*const u8>, route_w: *const f32, limit: f32,
-        hq: *mut u8, hs: *mut f32, y: *mut u16, sync: *mut u32, ksplit: *mut u8,
+        hq: *mut u8, hs: *mut f32, y: *mut u16, sync: *mut u32,
     );
     /// The router (logits, selection, plan) and both GEMMs in one launch (the routed decode
     /// path): the same steps and bits as `fmoe_logits_kernel`, `fmoe_select_kernel`,
@@ -102,7 +102,7 @@ crate::kernel_family! {
         s1: *const u64, s3: *const u64, s2: *const u64, fmt: i32, fmt2: i32, shared_fmt: i32,
         shared_fmt2: i32, shared_s1: Option<*const f32>, shared_s3: Option<*const f32>,
         shared_s2: Option<*const f32>, sc8: Option<*const u8>, limit: f32, hq: *mut u8,
-        hs: *mut f32, y: *mut u16, sync: *mut u32, ksplit: *mut u8,
+        hs: *mut f32, y: *mut u16, sync: *mut u32,
     );
     /// GEMM2 into bf16 rows per (token, slot).
     #[smem(SMEM_BYTES as u32)]
@@ -295,19 +295,6 @@ pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
     1 + (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
 }
 
-/// Bytes of the up GEMMs' split-item scratch (`ksplit`, kernels/fast_moe_gemm.cu FMOE_SHARED_KSPLIT, a bench
-/// variant): a u32 counter per row block of `i` (in the first [`ksplit_head`] bytes), then per row block
-/// and half each consumer thread's 8 f32 sums. The counters start zero (the arena) and each pair's second
-/// half zeroes its own.
-pub fn ksplit_bytes(i: usize) -> usize {
-    ksplit_head(i) + (i / UP_J) * 2 * WARPGROUPS * 128 * 8 * 4
-}
-
-/// The counters' room at the start of `ksplit` (fmoe_ksplit_head): whole 256 bytes.
-pub fn ksplit_head(i: usize) -> usize {
-    ((i / UP_J) * 4).div_ceil(256) * 256
-}
-
 /// u32 words of the routed decode path's synchronisation buffer for `t` tokens
 /// (`fmoe_route_experts_kernel`'s `sync`): the queue's head, the router's three counts (x's codes,
 /// the logit tiles, the plan), then per tile a count of its up items done. Zero when the launch
@@ -339,9 +326,6 @@ fn need_up(
         )?;
     }
     need_h(who, layer, t, ws, path)?;
-    if path != GemmPath::Prefill {
-        need(who, "ksplit", ws.ksplit, ksplit_bytes(layer.i))?;
-    }
     need(who, "route_w", ws.weights, t * k * 4)
 }
 
@@ -486,8 +470,8 @@ impl FastMoeGemm {
         let (g, b, sm) = path.launch_shape(ctx, layer, t, true);
         match path {
             GemmPath::DecodeRouted | GemmPath::DecodeFused | GemmPath::Decode => {
-                let args = up_args!(fmoe_up_kernel, ws.xs, ksplit: ws.ksplit);
-                self.up.launch(g, b, sm, stream, args)
+                self.up
+                    .launch(g, b, sm, stream, up_args!(fmoe_up_kernel, ws.xs))
             }
             GemmPath::Prefill => {
                 let tiles = wide::act_tiles(t, layer.k, layer.experts);
@@ -540,7 +524,6 @@ impl FastMoeGemm {
             xs: ws.xs,
             route_w: ws.weights,
             sync: ws.sync,
-            ksplit: ws.ksplit,
         );
         let _g = ctx.enter()?;
         let (grid, smem) = fused_grid(ctx, layer, t);
@@ -603,7 +586,6 @@ impl FastMoeGemm {
             xs: ws.xs,
             offsets: ws.plan.offsets,
             sync: ws.route_sync,
-            ksplit: ws.ksplit,
         );
         let _g = ctx.enter()?;
         let (grid, smem) = fused_grid(ctx, layer, t);
