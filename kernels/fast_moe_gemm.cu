@@ -1104,14 +1104,9 @@ static __device__ __noinline__ void fmoe_router_plan(const FmoeRouter& r, int jo
                       r.ids, r.weights);
   named_barrier(3, FMOE_CONSUMERS);
   if (tid == 0) fmoe_trace(FMOE_EV_SELECTED, job);
-  if (r.T * r.k <= MOE_PLAN_ONE_WARP_MAX) {
-    if (warp == 0)
-      moe_plan_block<1>(r.ids, r.T, r.k, r.E, FMOE_TOKENS, r.offsets, r.rows, r.tiles, r.ntiles,
-                        reinterpret_cast<int*>(scratch), wsum, PlanSync{4u, 32u});
-  } else if (warp < 8) {
+  if (warp < 8)
     moe_plan_block<8>(r.ids, r.T, r.k, r.E, FMOE_TOKENS, r.offsets, r.rows, r.tiles, r.ntiles,
                       reinterpret_cast<int*>(scratch), wsum, PlanSync{4u, 256u});
-  }
   named_barrier(3, FMOE_CONSUMERS);
   if (tid == 0) {
     fmoe_trace(FMOE_EV_PLANNED, job);

@@ -208,11 +208,6 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
     for (int i = threadIdx.x; i < clear_words; i += blockDim.x) clear[i] = 0u;
   extern __shared__ int psm[];
   __shared__ int wsum[32];
-  if (T * k <= MOE_PLAN_ONE_WARP_MAX) {  // (uniform over the block)
-    if (threadIdx.x < 32)
-      moe_plan_block<1>(ids, T, k, E, tile_rows, offsets, rows, tiles, ntiles, psm, wsum, PlanSync{1u, 32u});
-    return;
-  }
   moe_plan_block<PLAN_WARPS>(ids, T, k, E, tile_rows, offsets, rows, tiles, ntiles, psm, wsum,
                              PlanSync{0u, (unsigned)blockDim.x});
 }

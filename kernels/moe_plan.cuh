@@ -89,15 +89,6 @@ DSV4_INLINE void plan_offsets_and_tiles(int* eoff, int E, int tile_rows, int* ws
   plan_sync(ps);
 }
 
-// MOE_PLAN_ONE_WARP_MAX: plans of at most this many assignments (T·k) run on one warp (moe_plan_block<1>, warp 0,
-// its own named barrier) instead of the caller's many: the same plan (it does not depend on WARPS, below), with
-// warp-wide barriers instead of block-wide ones between its short steps. At decode the plan is a chain of ~10
-// barriers over a few dozen assignments (moe_plan_kernel ~3.7 us at one token, ncu, H200; the routed launch's
-// plan step 4.5 us, FMOE_TRACE, H100). 0 (the default): never; a variant to measure (`--defines`).
-#ifndef MOE_PLAN_ONE_WARP_MAX
-#define MOE_PLAN_ONE_WARP_MAX 0
-#endif
-
 // The plan by the ps.n = 32 · WARPS threads of `ps`, each warp owning a contiguous segment of the
 // assignments (the result does not depend on WARPS: every expert's rows are in assignment order).
 // Groups the assignments a = t*k + j by expert, stable in a: offsets[e] .. offsets[e+1] is expert

@@ -22,7 +22,6 @@ use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat, WeightDev};
 use dsv4::cuda::kernels::moe::{
     self, ExpertsDev, Moe, MoePlan, RouterParams, Selection, TILE_ROWS,
 };
-use dsv4::cuda::registry::{KernelCache, Registry};
 use dsv4::cuda::{Arena, BorrowedStream, Context, DevicePtr, OwnedStream};
 use dsv4::model::{LayerWeights, ModelWeights};
 use dsv4::reference::ops::Threads;
@@ -601,30 +600,13 @@ fn moe_layer_matches_the_reference_bit_for_bit() {
     println!("MoE layer: {runs} runs bit-exact");
 }
 
-/// `moe_plan_kernel` with every plan on one warp (the bench variant MOE_PLAN_ONE_WARP_MAX,
-/// kernels/moe_plan.cuh, at a bound no case reaches), compiled once.
-fn one_warp_plan() -> &'static Moe {
-    static MOE: OnceLock<Moe> = OnceLock::new();
-    MOE.get_or_init(|| {
-        let g = family_gpu(&[&linear::SOURCE, &moe::SOURCE]).unwrap();
-        let cache = KernelCache::disabled()
-            .with_defines(&["MOE_PLAN_ONE_WARP_MAX=1000000000".to_string()])
-            .unwrap();
-        let reg = Registry::load_families(&g.ctx, &[&moe::SOURCE], &cache)
-            .unwrap_or_else(|e| panic!("moe with MOE_PLAN_ONE_WARP_MAX: {e}"));
-        Moe::new(&reg).unwrap()
-    })
-}
-
-/// The wide plan (three launches over many blocks) and the plan on one warp (a bench variant of
-/// `moe_plan_kernel`) make `moe_plan_kernel`'s offsets, rows and tiles bit for bit, and all group
-/// the assignments as the host does: one block and many, partial last blocks, ids outside [0, E)
-/// left out, a hot expert, 1 to 512 experts.
+/// The wide plan (three launches over many blocks) makes `moe_plan_kernel`'s offsets, rows and
+/// tiles bit for bit, and both group the assignments as the host does: one block and many,
+/// partial last blocks, ids outside [0, E) left out, a hot expert, 1 to 512 experts.
 #[test]
 fn wide_plan_equals_the_one_block_plan_bit_for_bit() {
     let Some((e, stream)) = env() else { return };
     let s = stream.borrow();
-    let warp_moe = one_warp_plan();
     let mut rng = Rng::from_env("moe wide plan");
     // (tokens, k, experts, tile_rows)
     let cases = [
@@ -653,7 +635,6 @@ fn wide_plan_equals_the_one_block_plan_bit_for_bit() {
         let id = b.add_init(bytes_i32(&ids));
         let one: Vec<usize> = [ob, rb, tb, nb].iter().map(|&x| b.add(x)).collect();
         let wide: Vec<usize> = [ob, rb, tb, nb].iter().map(|&x| b.add(x)).collect();
-        let warp: Vec<usize> = [ob, rb, tb, nb].iter().map(|&x| b.add(x)).collect();
         let scratch = [b.add(counts * 4), b.add(ranks * 4)];
         let (_a, p) = b.alloc(e.ctx, s);
         let plan_at = |q: &[usize]| MoePlan {
@@ -666,11 +647,10 @@ fn wide_plan_equals_the_one_block_plan_bit_for_bit() {
             experts: ne,
             tile_rows,
         };
-        let (p1, pw, pj) = (plan_at(&one), plan_at(&wide), plan_at(&warp));
+        let (p1, pw) = (plan_at(&one), plan_at(&wide));
         e.moe.plan(e.ctx, p[id], &p1, s).unwrap();
         let (c, r) = (p[scratch[0]], p[scratch[1]]);
         e.moe.plan_wide(e.ctx, p[id], &pw, c, r, s).unwrap();
-        warp_moe.plan(e.ctx, p[id], &pj, s).unwrap();
         s.synchronize().unwrap();
         let what = format!("T {t} x k {k}, {ne} experts, tiles of {tile_rows}");
         // The host's grouping: stable by expert, then tiles in expert order.
@@ -686,11 +666,7 @@ fn wide_plan_equals_the_one_block_plan_bit_for_bit() {
             }
             offsets.push(rows.len() as i32);
         }
-        for (name, q) in [
-            ("moe_plan_kernel", &p1),
-            ("wide plan", &pw),
-            ("one-warp plan", &pj),
-        ] {
+        for (name, q) in [("moe_plan_kernel", &p1), ("wide plan", &pw)] {
             let got_offsets: Vec<i32> = down(q.offsets, ne + 1, s);
             assert_eq!(got_offsets, offsets, "{what}: {name} offsets");
             let got_rows: Vec<i32> = down(q.rows, n, s);
