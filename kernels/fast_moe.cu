@@ -369,38 +369,11 @@ extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
 //    route_scale -> ids[t][j], weights[t][j];
 // 4. when x is given (the router kernel did not), x's act_quant of token t (fmoe_quant_x_row) into xq, xs.
 // Requires E <= 32 * FMOE_MAX_EPL, k <= 32.
-// FMOE_SHARED_PREFETCH (a bench variant while it is measured; 0 off): the selection's first block asks L2 for the
-// shared expert's weights, which the expert GEMMs after the plan read whatever the routing: 1 its up projections
-// (W1, W3), 2 also its down projection (W2). The router's chain until the GEMMs' first stages reads a few MB
-// (the gate), so HBM idles for ~10 us at a decode step while the GEMM launch then streams every weight; asked for
-// here, the shared expert's 24 MB (Flash) move in that idle time. Fire and forget: nothing waits for them, and
-// they change no value (the weights are never written by a forward).
-#ifndef FMOE_SHARED_PREFETCH
-#define FMOE_SHARED_PREFETCH 0
-#endif
-#define FMOE_PREFETCH_CHUNK 65536
-
-// Asks L2 for bytes [0, n) of p (16-byte aligned; n a multiple of 16) in FMOE_PREFETCH_CHUNK pieces, the block's
-// threads taking every blockDim.x-th piece.
-DSV4_INLINE void fmoe_prefetch_l2_range(const unsigned char* p, long long n) {
-  if (p == nullptr) return;
-  for (long long o = (long long)threadIdx.x * FMOE_PREFETCH_CHUNK; o < n; o += (long long)blockDim.x * FMOE_PREFETCH_CHUNK) {
-    const unsigned bytes = (unsigned)min((long long)FMOE_PREFETCH_CHUNK, n - o) & ~15u;
-    if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p + o), "r"(bytes) : "memory");
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(FMOE_SELECT_WARPS * 32)
     fmoe_select_kernel(const float* scores, int T, int E, int k, const float* bias, const int* tid2eid,
                        const int* tokens, int scoring, int renorm, float route_scale, int* ids, float* weights,
-                       const float* x, int D, int halves, unsigned char* xq, float* xs, const unsigned char* pf_w1,
-                       const unsigned char* pf_w3, const unsigned char* pf_w2, long long pf_bytes) {
+                       const float* x, int D, int halves, unsigned char* xq, float* xs) {
   dsv4_pdl_begin();
-  if (FMOE_SHARED_PREFETCH > 0 && blockIdx.x == 0) {
-    fmoe_prefetch_l2_range(pf_w1, pf_bytes);
-    fmoe_prefetch_l2_range(pf_w3, pf_bytes);
-    if (FMOE_SHARED_PREFETCH > 1) fmoe_prefetch_l2_range(pf_w2, pf_bytes);
-  }
   const int t = blockIdx.x * FMOE_SELECT_WARPS + (threadIdx.x >> 5);
   if (t >= T) return;  // whole warp
   if (x != nullptr) fmoe_quant_x_row(x, t, D, halves != 0, xq, xs);

@@ -331,13 +331,6 @@ DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
   if (!FMOE_POLL_ACQUIRE) fmoe_load_acquire(flag);
 }
 
-// FMOE_ROUTED_EVICT_FIRST (a bench variant while it is measured; 0 off): the routed experts' weight boxes are
-// loaded with L2's evict-first policy, so a decode step's stream of them (read once) does not evict the shared
-// expert's weights that the selection asked L2 for (fast_moe.cu FMOE_SHARED_PREFETCH) before they are read.
-#ifndef FMOE_ROUTED_EVICT_FIRST
-#define FMOE_ROUTED_EVICT_FIRST 0
-#endif
-
 // One item's stages into the ring, in the order the consumers read them (the producer warp). Per stage, lane 0
 // announces the TMA bytes and issues the weight (and FP4 scale) boxes: rows 0..127 of the stage from matrix A
 // (up: W1 j = row0 ..; down: W2 rows row0 ..), rows 128..255 from matrix B (up: W3 j = row0 ..; down: W2 rows
@@ -382,14 +375,8 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
     if (lane == 0) {
       if (i == 0 && header >= 0) fmoe_store_header(st, header);
       mbar_arrive_expect_tx(full, tx);
-      if (FMOE_ROUTED_EVICT_FIRST && !it.shared) {
-        const unsigned long long policy = l2_policy_evict_first();
-        tma_load_2d_hint(st, map_a, kb * FMOE_RB, it.row0, full, policy);
-        tma_load_2d_hint(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full, policy);
-      } else {
-        tma_load_2d(st, map_a, kb * FMOE_RB, it.row0, full);
-        tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full);
-      }
+      tma_load_2d(st, map_a, kb * FMOE_RB, it.row0, full);
+      tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full);
       if (it.s8) {
         bulk_load(st + FMOE_SLOT_W, it.sc8_a + kb * 1024, 1024, full);
         if (it.sc8_b != nullptr) bulk_load(st + FMOE_SLOT_W + 1024, it.sc8_b + kb * 1024, 1024, full);

@@ -336,24 +336,6 @@ DSV4_INLINE void tma_load_2d(unsigned dst, const void* map, int x, int y, unsign
       : "memory");
 }
 
-// tma_load_2d with an L2 cache policy (l2_policy_evict_first's): how long its lines stay in L2.
-DSV4_INLINE void tma_load_2d_hint(unsigned dst, const void* map, int x, int y, unsigned bar,
-                                  unsigned long long policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, "
-      "{%2, %3}], [%4], %5;\n" ::"r"(dst),
-      "l"(map), "r"(x), "r"(y), "r"(bar), "l"(policy)
-      : "memory");
-}
-
-// The L2 policy "evict first" for every line an access touches: lines read once (a decode step's expert
-// weights) leave before the lines other readers still need.
-DSV4_INLINE unsigned long long l2_policy_evict_first() {
-  unsigned long long p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
-  return p;
-}
-
 // tma_load_2d into the same shared-space address of every block of the cluster in `mask`, completing its bytes on
 // each one's mbarrier at `bar`.
 DSV4_INLINE void tma_load_2d_multicast(unsigned dst, const void* map, int x, int y, unsigned bar,

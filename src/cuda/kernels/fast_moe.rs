@@ -181,8 +181,7 @@ crate::kernel_family! {
         scores: *const f32, t: i32, e: i32, k: i32, bias: Option<*const f32>,
         tid2eid: Option<*const i32>, tokens: Option<*const i32>, scoring: i32, renorm: bool,
         route_scale: f32, ids: *mut i32, weights: *mut f32, x: Option<*const f32>, d: i32,
-        halves: bool, xq: *mut u8, xs: *mut f32, pf_w1: Option<*const u8>,
-        pf_w3: Option<*const u8>, pf_w2: Option<*const u8>, pf_bytes: i64,
+        halves: bool, xq: *mut u8, xs: *mut f32,
     );
     /// The per-token sum of the expert rows; with `clear`, also zeroes the synchronisation words
     /// of the `fmoe_route_experts_kernel` launch before it.
@@ -547,21 +546,6 @@ pub struct MoeNorm {
     pub round_out: bool,
 }
 
-/// The shared expert's three weight matrices and their common size in bytes, which the selection
-/// kernel asks L2 for on the decode paths (kernels/fast_moe.cu FMOE_SHARED_PREFETCH): None on the
-/// prefill path (compute-bound: its GEMMs read each weight once for many tokens), without a
-/// shared expert, or where the three differ in size (not a DeepSeek-V4 layer).
-fn shared_prefetch(layer: &FastMoeLayer, path: GemmPath) -> Option<([DevicePtr; 3], usize)> {
-    let sh = layer
-        .shared
-        .as_ref()
-        .filter(|_| path != GemmPath::Prefill)?;
-    let bytes = |w: &WeightDev| w.format.data_bytes(w.rows, w.cols);
-    let n = bytes(&sh.w1);
-    (bytes(&sh.w3) == n && bytes(&sh.w2) == n && n.is_multiple_of(16))
-        .then_some(([sh.w1.data, sh.w3.data, sh.w2.data], n))
-}
-
 /// The block [`FastMoe::norm_x`] runs `t` rows of `d` values on ([`register_block`]: so the
 /// normed values are [`NormRope::rmsnorm`]'s), or None where it does not take them.
 ///
@@ -838,7 +822,6 @@ impl FastMoe {
             self.route.logits.launch(grid, block, 0, stream, args)?;
         }
         let r = &layer.router;
-        let pf = shared_prefetch(layer, path);
         self.route.select.launch(
             t.div_ceil(SELECT_WARPS) as u32,
             (SELECT_WARPS * 32) as u32,
@@ -862,10 +845,6 @@ impl FastMoe {
                 halves: path.halves_order(),
                 xq: ws.xq,
                 xs: ws.xs,
-                pf_w1: pf.map(|p| p.0[0]),
-                pf_w3: pf.map(|p| p.0[1]),
-                pf_w2: pf.map(|p| p.0[2]),
-                pf_bytes: pf.map_or(0, |p| p.1 as i64),
             },
         )
     }
