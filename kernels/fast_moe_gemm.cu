@@ -467,22 +467,21 @@ DSV4_INLINE void fmoe_produce(const FmoeArgs& a, unsigned smem, int my_items) {
 
 // One m64nNk32 step: d = A · B (from zero), A = the thread's e4m3 fragment registers, B = 8·NT8 tokens at
 // `desc`.
-// `accumulate` (a compile-time 0 or 1 where inlined): d += A · B instead.
 template <int NT8>
-DSV4_INLINE void fmoe_wgmma(float (&d)[8], const unsigned (&a)[4], unsigned long long desc, int accumulate = 0) {
+DSV4_INLINE void fmoe_wgmma(float (&d)[8], const unsigned (&a)[4], unsigned long long desc) {
   if (NT8 == 1) {
     asm volatile(
         "{ .reg .pred p; setp.ne.b32 p, %9, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1; }\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
   } else {
     asm volatile(
         "{ .reg .pred p; setp.ne.b32 p, %13, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, "
         "1, 1; }\n"
         : WGMMA_ACC8(d, 0)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
   }
 }
 
@@ -533,9 +532,7 @@ DSV4_INLINE void fmoe_block_frags(unsigned la, int b, unsigned (&af)[4][4]) {
 //    block's tokens (the descriptor's address field counts 16-byte units, so the steps add constant
 //    offsets; only the low word changes, and it cannot carry into the LBO field as shared addresses stay
 //    below 256 KiB).
-//    CHAINED (FMOE_FP8_CHAIN's FP8 blocks): the four steps into d[0] alone, each after the first added in the
-//    tensor core, so the block is promoted once (fmoe_block_finish_chained).
-template <int NT8, bool CHAINED = false>
+template <int NT8>
 DSV4_INLINE void fmoe_block_issue(const unsigned (&af)[4][4], const unsigned char* act, float (&d)[4][8]) {
   const unsigned long long desc0 = wgmma_desc_noswizzle(act, FMOE_TOKENS * 16, 128);
   wgmma_fence();
@@ -543,10 +540,7 @@ DSV4_INLINE void fmoe_block_issue(const unsigned (&af)[4][4], const unsigned cha
   for (int q = 0; q < 4; ++q) {
     const unsigned long long desc = ((unsigned long long)(unsigned)(desc0 >> 32) << 32) |
                                     ((unsigned)desc0 + (unsigned)(q * 2 * (FMOE_TOKENS * 16) / 16));
-    if (CHAINED)
-      fmoe_wgmma<NT8>(d[0], af[q], desc, q > 0 ? 1 : 0);
-    else
-      fmoe_wgmma<NT8>(d[q], af[q], desc);
+    fmoe_wgmma<NT8>(d[q], af[q], desc);
   }
   wgmma_commit();
 }
@@ -577,32 +571,6 @@ DSV4_INLINE void fmoe_block_finish(float (&d)[4][8], const float (&s0)[4], const
     acc[4 * j + 3] = fmaf(blk[4 * j + 3], sa1, acc[4 * j + 3]);
   }
 }
-
-// 3, chained (FP8 under FMOE_FP8_CHAIN): acc += d[0] · s · the tokens' activation scales, the block's one 128-term
-// tensor-core sum times its one weight scale s.
-template <int NT8>
-DSV4_INLINE void fmoe_block_finish_chained(float (&d)[4][8], float s, const float* as, float (&acc)[8]) {
-  const int t = threadIdx.x & 3;
-  wgmma_wait<0>();
-  wgmma_fence_operand(d[0]);
-#pragma unroll
-  for (int j = 0; j < NT8; ++j) {
-    const float sa0 = as[8 * j + 2 * t], sa1 = as[8 * j + 2 * t + 1];
-    acc[4 * j + 0] = fmaf(d[0][4 * j + 0] * s, sa0, acc[4 * j + 0]);
-    acc[4 * j + 1] = fmaf(d[0][4 * j + 1] * s, sa1, acc[4 * j + 1]);
-    acc[4 * j + 2] = fmaf(d[0][4 * j + 2] * s, sa0, acc[4 * j + 2]);
-    acc[4 * j + 3] = fmaf(d[0][4 * j + 3] * s, sa1, acc[4 * j + 3]);
-  }
-}
-
-// FMOE_FP8_CHAIN 1 (a bench variant while it is measured; 0: every k32 promoted, as FP4's per-32 scales need): an
-// FP8 stage's four k32 steps are summed in the tensor core and promoted once per 128-block, as the prefill path
-// (fast_moe_wide.cu) and DeepGEMM promote: its one 128x128 weight scale is the same for all four, so only the
-// tensor core's accumulation span changes (128 terms instead of 32). The shared expert's FP8 items are a decode
-// launch's critical path and bound by their consumers (~0.6 us a stage at one token: FMOE_TRACE).
-#ifndef FMOE_FP8_CHAIN
-#define FMOE_FP8_CHAIN 0
-#endif
 
 // acc += stage kb of an item in the slot at `st` (its one or two 128-blocks); FP4 scales as UE8M0 bytes when
 // `byte_scales`, else f32. The step products start from zero in the wgmma (scale-d = 0), but ptxas
@@ -644,13 +612,8 @@ DSV4_INLINE void fmoe_compute_stage(const unsigned char* st, int K, int kb, bool
     const float sw = sc[r16 >= 128 ? 1 : 0];  // the 128x128 block scale of the warp's rows
     const float s0[4] = {sw, sw, sw, sw};
     fmoe_block_frags<false>(la, 0, af);
-    if (FMOE_FP8_CHAIN) {
-      fmoe_block_issue<NT8, true>(af, act, d);
-      fmoe_block_finish_chained<NT8>(d, sw, as, acc);
-    } else {
-      fmoe_block_issue<NT8>(af, act, d);
-      fmoe_block_finish<false, NT8>(d, s0, s0, as, acc);
-    }
+    fmoe_block_issue<NT8>(af, act, d);
+    fmoe_block_finish<false, NT8>(d, s0, s0, as, acc);
   }
 }
 
