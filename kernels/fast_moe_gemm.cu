@@ -342,9 +342,12 @@ DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
 // activations are complete once *ready reaches `target` (the fused kernel's down items wait for their tile's up
 // items); the weights of its first FMOE_STAGES stages are requested before that wait, their tokens after it.
 // `trace`: the item's arg in FMOE_TRACE's log.
+// `wait_pdl` (fmoe_experts_kernel under FMOE_SHARED_EARLY, `ready` NULL): the same, with the kernel's programmatic
+// wait (dsv4_pdl_wait: the kernels before it have finished) in place of the counter.
 template <bool UP>
 DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsigned smem, int& slot, unsigned& phase,
-                                   int header, const unsigned* ready, unsigned target, int trace = 0) {
+                                   int header, const unsigned* ready, unsigned target, int trace = 0,
+                                   bool wait_pdl = false) {
   const int lane = threadIdx.x & 31, col = lane & 15, half = lane >> 4;
   const int K = a.K;
   const bool gather = col < it.n;  // this lane's token column is one of the item's
@@ -409,7 +412,7 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
     cp_async_mbar_arrive(fmoe_full(smem, s));
   };
   int i = 0;
-  if (ready != nullptr) {
+  if (ready != nullptr || wait_pdl) {
     const int early = min(it.nks, FMOE_RING_SLOTS);
     int s = slot;
     unsigned ph = phase;
@@ -418,7 +421,10 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
       fmoe_ring_advance(s, ph, FMOE_RING_SLOTS);
     }
     if (lane == 0) fmoe_trace(FMOE_EV_WAIT, trace);
-    fmoe_wait_count(ready, target);
+    if (wait_pdl)
+      dsv4_pdl_wait();
+    else
+      fmoe_wait_count(ready, target);
     if (lane == 0) fmoe_trace(FMOE_EV_WAITED, trace);
     for (int j = 0; j < early; ++j) {
       tokens(j, slot);
@@ -924,6 +930,16 @@ DSV4_INLINE void fmoe_post_header(unsigned smem, int slot, unsigned phase, int h
   cp_async_mbar_arrive(full);
 }
 
+#ifndef FMOE_SHARED_EARLY
+#define FMOE_SHARED_EARLY 0
+#endif
+// FMOE_SHARED_EARLY 1 (a bench variant while it is measured; 0: every item from the queue after the kernel's wait):
+// fmoe_experts_kernel triggers the next launch first and its blocks 0 .. n - 1 each take one of the shared
+// expert's n up items (shared tiles numbered first, fmoe_item's SHARED_FIRST) without the queue, asking for its
+// first stages' weights before the programmatic wait: they do not depend on the routing, so they stream while the
+// plan kernel before runs (HBM idles then) instead of after it, and the shared expert (the one-token launch's
+// critical path: FMOE_TRACE) starts earlier. The plan's tile count, the queue and the sync words are read after
+// each thread's wait.
 extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     fmoe_experts_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
                         const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
@@ -932,21 +948,30 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
                         const float* shared_s3, const float* shared_s2, const unsigned char* sc8,
                         const float* route_w, float limit, unsigned char* hq, float* hs, unsigned short* y,
                         unsigned* sync) {
-  dsv4_pdl_begin();
-  const FmoeArgs up = fmoe_args(xq, xs, T, D, I, k, rows, tiles, ntiles, e_begin, e_end, maps, s1, s3, fmt,
-                                shared_fmt, shared_s1, shared_s3, sc8, D, I);
-  const FmoeArgs dn = fmoe_args(hq, hs, T, I, D, k, rows, tiles, ntiles, e_begin, e_end, maps, s2, s2, fmt2,
-                                shared_fmt2, shared_s2, shared_s2, sc8, D, I);
+  dsv4_pdl_trigger();
+  if (!FMOE_SHARED_EARLY) dsv4_pdl_wait();
+  // Under FMOE_SHARED_EARLY the plan's tile count is read after each thread's wait (below).
+  FmoeArgs up = fmoe_args(xq, xs, T, D, I, k, rows, tiles, FMOE_SHARED_EARLY ? nullptr : ntiles, e_begin, e_end,
+                          maps, s1, s3, fmt, shared_fmt, shared_s1, shared_s3, sc8, D, I);
+  FmoeArgs dn = fmoe_args(hq, hs, T, I, D, k, rows, tiles, FMOE_SHARED_EARLY ? nullptr : ntiles, e_begin, e_end,
+                          maps, s2, s2, fmt2, shared_fmt2, shared_s2, shared_s2, sc8, D, I);
   const unsigned smem = fmoe_block_init();
-  const int ntile = up.nrt + fmoe_shared_tiles(up);
+  const int nsh = fmoe_shared_tiles(up);
   const int rb_up = fmoe_rblocks(true, I), rb_dn = fmoe_rblocks(false, D);
-  const int nup = ntile * rb_up, total = nup + ntile * rb_dn;
+  // FMOE_SHARED_EARLY: blocks 0 .. nstatic - 1 take the shared expert's up items 0 .. nstatic - 1 (items in the
+  // shared-first order) without the queue, the rest of the items come from the queue after them.
+  const int nstatic = FMOE_SHARED_EARLY ? min((int)gridDim.x, nsh * rb_up) : 0;
   unsigned* next = sync + FMOE_SYNC_NEXT;
   unsigned* tile_ready = sync + FMOE_SYNC_TILES;
   const int lane = threadIdx.x & 31;
+  // The plan's routed tiles, once this thread has waited for the kernels before (FMOE_SHARED_EARLY).
+  auto plan_tiles = [&] {
+    if (FMOE_SHARED_EARLY) up.nrt = dn.nrt = *ntiles;
+  };
   // The tile of up item n (n counted by the consumers) at pub_tile[n & 1], or -1: no more up items.
   __shared__ volatile int pub_tile[2];
   if (threadIdx.x >= FMOE_THREADS) {
+    if (FMOE_SHARED_EARLY) dsv4_pdl_wait();  // the plan zeroes tile_ready
     fmoe_publish(tile_ready, pub_tile);
   } else if (threadIdx.x >= FMOE_CONSUMERS) {
     // The producer: items in the order the queue hands them out (any block may take any item: an item's
@@ -955,16 +980,29 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     unsigned phase = 0;
     fmoe_zero_token_slots(smem);
     if (lane == 0) fmoe_trace(FMOE_EV_START, (int)(unsigned)fmoe_trace_clock());
-    int w = fmoe_take(next);
+    if ((int)blockIdx.x < nstatic) {
+      // A shared up item, known before the plan: its first stages' weights go out before the wait (the model's
+      // weights, which no kernel before writes: kernels/common.cuh), its tokens after it.
+      const int w = (int)blockIdx.x;
+      const FmoeItem it = fmoe_item<true, true>(up, w);
+      const int tr = fmoe_trace_item(true, w, true);
+      if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
+      fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0, tr, true);
+    } else if (FMOE_SHARED_EARLY) {
+      dsv4_pdl_wait();
+    }
+    plan_tiles();
+    const int nup = (up.nrt + nsh) * rb_up, total = nup + (up.nrt + nsh) * rb_dn;
+    int w = fmoe_take(next) + nstatic;
     while (w < total) {
-      const int w_next = FMOE_TAKE_EARLY ? fmoe_take(next) : 0;
+      const int w_next = FMOE_TAKE_EARLY ? fmoe_take(next) + nstatic : 0;
       if (w < nup) {
-        const FmoeItem it = fmoe_item<true>(up, w);
+        const FmoeItem it = fmoe_item<true, FMOE_SHARED_EARLY>(up, w);
         const int tr = fmoe_trace_item(true, w, it.shared);
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
         if (!it.skip) fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0, tr);
       } else {
-        const FmoeItem it = fmoe_item<false>(dn, w - nup);
+        const FmoeItem it = fmoe_item<false, FMOE_SHARED_EARLY>(dn, w - nup);
         const int tr = fmoe_trace_item(false, w - nup, it.shared);
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
         const unsigned* ready = tile_ready + (w - nup) / rb_dn;
@@ -974,13 +1012,16 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         if (fmoe_load_acquire(ready) >= (unsigned)rb_up) ready = nullptr;
         if (!it.skip) fmoe_produce_item<false>(dn, it, smem, slot, phase, w, ready, (unsigned)rb_up, tr);
       }
-      w = FMOE_TAKE_EARLY ? w_next : fmoe_take(next);
+      w = FMOE_TAKE_EARLY ? w_next : fmoe_take(next) + nstatic;
     }
     fmoe_post_header(smem, slot, phase, -1);  // the end
     if (lane == 0) fmoe_trace(FMOE_EV_DONE, (int)(unsigned)fmoe_trace_clock());
     cp_async_wait_all();
   } else {
     // The consumers: each item's header in its first slot says what it is.
+    if (FMOE_SHARED_EARLY) dsv4_pdl_wait();
+    plan_tiles();
+    const int nup = (up.nrt + nsh) * rb_up;
     int slot = 0;
     unsigned phase = 0;
     float acc[8];
@@ -990,13 +1031,13 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       const int w = fmoe_load_header(smem + slot * FMOE_SLOT);
       if (w < 0) break;
       if (w < nup) {
-        const FmoeItem it = fmoe_item<true>(up, w);
+        const FmoeItem it = fmoe_item<true, FMOE_SHARED_EARLY>(up, w);
         const int tr = fmoe_trace_item(true, w, it.shared);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
         fmoe_fused_up_item(up, it, w / rb_up, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       } else {
-        const FmoeItem it = fmoe_item<false>(dn, w - nup);
+        const FmoeItem it = fmoe_item<false, FMOE_SHARED_EARLY>(dn, w - nup);
         const int tr = fmoe_trace_item(false, w - nup, it.shared);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
         fmoe_consume_item<false>(dn, it, smem, slot, phase, acc);

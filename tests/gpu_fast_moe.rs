@@ -63,6 +63,7 @@ use dsv4::cuda::kernels::fast_moe_wide;
 use dsv4::cuda::kernels::linear::{self, Linear, StorageFormat};
 use dsv4::cuda::kernels::moe::{self, Moe, MoePlan};
 use dsv4::cuda::kernels::norm_rope::{self, NormRope};
+use dsv4::cuda::registry::{KernelCache, KernelSource, Registry};
 use dsv4::cuda::synthetic_moe::{HOT_EXPERT, MoeShape, Routing, SyntheticMoe};
 use dsv4::cuda::{BorrowedStream, Context, DevicePtr, OwnedStream};
 use dsv4::weights::dtype::E4M3_LUT;
@@ -107,9 +108,8 @@ struct Env {
     nr: NormRope,
 }
 
-fn env() -> Option<&'static Env> {
-    static ENV: OnceLock<Env> = OnceLock::new();
-    let families: Vec<_> = [
+fn families() -> Vec<&'static KernelSource> {
+    [
         &linear::SOURCE,
         &moe::SOURCE,
         &fast_moe::SOURCE,
@@ -118,18 +118,42 @@ fn env() -> Option<&'static Env> {
     ]
     .into_iter()
     .chain(norm_rope::FAMILIES)
-    .collect();
-    let g = family_gpu(&families)?;
-    Some(ENV.get_or_init(|| {
-        print_kernel_resources(&g.reg);
-        Env {
-            ctx: &g.ctx,
-            lin: Linear::new(&g.reg).unwrap(),
-            moe: Moe::new(&g.reg).unwrap(),
-            fast: FastMoe::new(&g.reg).unwrap(),
-            nr: NormRope::new(&g.reg).unwrap(),
-        }
-    }))
+    .collect()
+}
+
+fn env_of(ctx: &'static Context, reg: &Registry) -> Env {
+    print_kernel_resources(reg);
+    Env {
+        ctx,
+        lin: Linear::new(reg).unwrap(),
+        moe: Moe::new(reg).unwrap(),
+        fast: FastMoe::new(reg).unwrap(),
+        nr: NormRope::new(reg).unwrap(),
+    }
+}
+
+fn env() -> Option<&'static Env> {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    let g = family_gpu(&families())?;
+    Some(ENV.get_or_init(|| env_of(&g.ctx, &g.reg)))
+}
+
+/// The same kernels compiled with the bench variant FMOE_SHARED_EARLY=1 (kernels/fast_moe_gemm.cu:
+/// the fused launch's blocks take the shared expert's up items before the plan is known). The
+/// registry owns the compiled modules, so it lives as long as the kernels taken from it.
+fn shared_early_env() -> Option<&'static Env> {
+    static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
+    let g = family_gpu(&families())?;
+    let (_, e) = ENV.get_or_init(|| {
+        let cache = KernelCache::disabled()
+            .with_defines(&["FMOE_SHARED_EARLY=1".to_string()])
+            .unwrap();
+        let reg = Registry::load_families(&g.ctx, &families(), &cache)
+            .unwrap_or_else(|e| panic!("FMOE_SHARED_EARLY=1: {e}"));
+        let env = env_of(&g.ctx, &reg);
+        (reg, env)
+    });
+    Some(e)
 }
 
 fn put<T: arena::Pod>(ctx: &Context, p: DevicePtr, v: &[T], s: BorrowedStream) {
@@ -751,9 +775,20 @@ enum Gate {
 /// Runs `cases` (B, routing) on one layer of shape `sh`: both routings' checks (module doc), on
 /// each path of `paths`.
 fn run_cases(sh: MoeShape, scales: Scales, gate: Gate, paths: Paths, cases: &[(usize, Routing)]) {
-    let Some(e) = env() else {
-        return;
-    };
+    if let Some(e) = env() {
+        run_cases_on(e, sh, scales, gate, paths, cases);
+    }
+}
+
+/// [`run_cases`] on the kernels of `e`.
+fn run_cases_on(
+    e: &'static Env,
+    sh: MoeShape,
+    scales: Scales,
+    gate: Gate,
+    paths: Paths,
+    cases: &[(usize, Routing)],
+) {
     let mut rng = Rng::from_env("gpu_fast_moe");
     let stream = OwnedStream::new(e.ctx).unwrap();
     let s = stream.borrow();
@@ -1016,6 +1051,31 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
             (16384, Routing::HashSkewed),
         ],
     );
+}
+
+/// The bench variant whose fused launch takes the shared expert's up items before the plan is
+/// known (FMOE_SHARED_EARLY: shared tiles numbered first, their first weights asked for before the
+/// programmatic wait) gives the other decode forms' bits and the reference's bounds, with one and
+/// two shared token tiles (B = 16, 17: more shared up items than some shapes' blocks take early)
+/// and at the small shape's odd widths.
+#[test]
+fn fast_moe_shared_items_taken_early_match_the_reference_kernels() {
+    let Some(e) = shared_early_env() else { return };
+    let cases = [
+        (1, Routing::TopK),
+        (2, Routing::Hash),
+        (16, Routing::TopK),
+        (17, Routing::HashSkewed),
+    ];
+    run_cases_on(
+        e,
+        MoeShape::FLASH,
+        Scales::Bytes,
+        Gate::Bf16,
+        Paths::Auto,
+        &cases,
+    );
+    run_cases_on(e, SMALL, Scales::Bytes, Gate::Bf16, Paths::Auto, &cases);
 }
 
 /// The small shape's paths (see [`SMALL`]), from one token to many tiles per expert.
