@@ -930,16 +930,18 @@ DSV4_INLINE void fmoe_post_header(unsigned smem, int slot, unsigned phase, int h
   cp_async_mbar_arrive(full);
 }
 
+// FMOE_SHARED_EARLY 1 (the default): fmoe_experts_kernel triggers the next launch first and its blocks 0 .. n - 1
+// each take one of the shared expert's n up items (shared tiles numbered first, fmoe_item's SHARED_FIRST) without
+// the queue, asking for its first stages' weights before the programmatic wait: they do not depend on the
+// routing, so they stream while the plan kernel before runs (HBM idles then) instead of after it, and the shared
+// expert (the one-token launch's critical path: FMOE_TRACE) starts earlier; the queue's first down items are then
+// the shared ones too, whose first weights the blocks left over at B = 1 ask for while they wait for their tile.
+// The plan's tile count, the queue and the sync words are read after each thread's wait. H100, µs a layer
+// (BENCHMARKS.md 2026-12-06): B = 1 65.9 -> 60.3, B = 2 91.4 -> 84.8, B = 4-16 1-2% less. 0 (a diagnostic
+// variant): every item from the queue after the wait.
 #ifndef FMOE_SHARED_EARLY
-#define FMOE_SHARED_EARLY 0
+#define FMOE_SHARED_EARLY 1
 #endif
-// FMOE_SHARED_EARLY 1 (a bench variant while it is measured; 0: every item from the queue after the kernel's wait):
-// fmoe_experts_kernel triggers the next launch first and its blocks 0 .. n - 1 each take one of the shared
-// expert's n up items (shared tiles numbered first, fmoe_item's SHARED_FIRST) without the queue, asking for its
-// first stages' weights before the programmatic wait: they do not depend on the routing, so they stream while the
-// plan kernel before runs (HBM idles then) instead of after it, and the shared expert (the one-token launch's
-// critical path: FMOE_TRACE) starts earlier. The plan's tile count, the queue and the sync words are read after
-// each thread's wait.
 extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     fmoe_experts_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
                         const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,

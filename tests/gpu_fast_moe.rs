@@ -138,18 +138,19 @@ fn env() -> Option<&'static Env> {
     Some(ENV.get_or_init(|| env_of(&g.ctx, &g.reg)))
 }
 
-/// The same kernels compiled with the bench variant FMOE_SHARED_EARLY=1 (kernels/fast_moe_gemm.cu:
-/// the fused launch's blocks take the shared expert's up items before the plan is known). The
-/// registry owns the compiled modules, so it lives as long as the kernels taken from it.
-fn shared_early_env() -> Option<&'static Env> {
+/// The same kernels compiled with the diagnostic variant FMOE_SHARED_EARLY=0 (kernels/fast_moe_gemm.cu:
+/// the fused launch takes every item from its queue after the programmatic wait, as it did before
+/// the default took the shared expert's up items before the plan is known). The registry owns the
+/// compiled modules, so it lives as long as the kernels taken from it.
+fn queue_only_env() -> Option<&'static Env> {
     static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
     let g = family_gpu(&families())?;
     let (_, e) = ENV.get_or_init(|| {
         let cache = KernelCache::disabled()
-            .with_defines(&["FMOE_SHARED_EARLY=1".to_string()])
+            .with_defines(&["FMOE_SHARED_EARLY=0".to_string()])
             .unwrap();
         let reg = Registry::load_families(&g.ctx, &families(), &cache)
-            .unwrap_or_else(|e| panic!("FMOE_SHARED_EARLY=1: {e}"));
+            .unwrap_or_else(|e| panic!("FMOE_SHARED_EARLY=0: {e}"));
         let env = env_of(&g.ctx, &reg);
         (reg, env)
     });
@@ -1053,14 +1054,15 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
     );
 }
 
-/// The bench variant whose fused launch takes the shared expert's up items before the plan is
-/// known (FMOE_SHARED_EARLY: shared tiles numbered first, their first weights asked for before the
-/// programmatic wait) gives the other decode forms' bits and the reference's bounds, with one and
-/// two shared token tiles (B = 16, 17: more shared up items than some shapes' blocks take early)
-/// and at the small shape's odd widths.
+/// The fused launch takes the shared expert's up items before the plan is known by default
+/// (FMOE_SHARED_EARLY: shared tiles numbered first, their first weights asked for before the
+/// programmatic wait), which every decode case above runs; its diagnostic variant that takes
+/// every item from the queue after the wait gives the other decode forms' bits and the
+/// reference's bounds too, with one and two shared token tiles (B = 16, 17) and at the small
+/// shape's odd widths.
 #[test]
-fn fast_moe_shared_items_taken_early_match_the_reference_kernels() {
-    let Some(e) = shared_early_env() else { return };
+fn fast_moe_fused_launch_from_its_queue_alone_matches_the_reference_kernels() {
+    let Some(e) = queue_only_env() else { return };
     let cases = [
         (1, Routing::TopK),
         (2, Routing::Hash),

@@ -210,7 +210,7 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         (&fast_moe_gemm::SOURCE, "FMOE_TRACE=1"),
         (&fast_moe_gemm::SOURCE, "FMOE_RING_SLOTS=3"),
         (&fast_moe_gemm::SOURCE, "FMOE_TAKE_EARLY=1"),
-        (&fast_moe_gemm::SOURCE, "FMOE_SHARED_EARLY=1"),
+        (&fast_moe_gemm::SOURCE, "FMOE_SHARED_EARLY=0"),
     ];
     for (fam, define) in variants {
         if chosen([fam]).is_empty() {
