@@ -867,15 +867,19 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
   }
 }
 
-// The fused kernel's synchronisation words (`sync`, u32, zero at each launch's start: the layer's plan,
-// moe_plan_kernel, clears them just before): the queue's head, then per tile the up items whose h rows are
-// stored. (The last block out had reset them at the kernel's end: every block's fence and atomic, and the last
-// one's stores, before the launch could end; at one token the launch lost the second launch it saved,
-// BENCHMARKS.md, issue 11 fifteenth version. Every item, a block's first too, still comes from the queue: an
-// item given to a block by its index could wait, unstarted, for an SM that blocks spinning on its up items
-// hold.)
-#define FMOE_SYNC_NEXT 0
-#define FMOE_SYNC_TILES 1
+// The fused kernel's synchronisation words (`sync`, u32). First the start ticket (FMOE_SHARED_EARLY): each block
+// takes the next one as it starts, before the programmatic wait, so the plan cannot clear it; zero between
+// launches (the workspace starts so, and the block taking the launch's last ticket resets it: every other block
+// has taken its ticket by then). Then, zero at each launch's start (the layer's plan, moe_plan_kernel, clears them
+// just before): the queue's head, then per tile the up items whose h rows are stored. (The last block out had
+// reset those at the kernel's end: every block's fence and atomic, and the last one's stores, before the launch
+// could end; at one token the launch lost the second launch it saved, BENCHMARKS.md, issue 11 fifteenth version.)
+// Every item a block holds was taken once the block had started, from the queue or by its ticket: an item given
+// to a block by its index could wait, unstarted, for an SM that blocks spinning on its up items hold (another
+// stream's kernels or MPS can leave fewer SMs than the grid).
+#define FMOE_SYNC_TICKET 0
+#define FMOE_SYNC_NEXT 1
+#define FMOE_SYNC_TILES 2
 
 // Makes this block's h stores (published to this thread through a barrier) visible at GPU scope, then counts
 // one more finished up item of the tile.
@@ -930,9 +934,9 @@ DSV4_INLINE void fmoe_post_header(unsigned smem, int slot, unsigned phase, int h
   cp_async_mbar_arrive(full);
 }
 
-// FMOE_SHARED_EARLY 1 (the default): fmoe_experts_kernel triggers the next launch first and its blocks 0 .. n - 1
-// each take one of the shared expert's n up items (shared tiles numbered first, fmoe_item's SHARED_FIRST) without
-// the queue, asking for its first stages' weights before the programmatic wait: they do not depend on the
+// FMOE_SHARED_EARLY 1 (the default): fmoe_experts_kernel triggers the next launch first and the first n blocks to
+// start (FMOE_SYNC_TICKET) each take one of the shared expert's n up items (shared tiles numbered first,
+// fmoe_item's SHARED_FIRST) without the queue, asking for its first stages' weights before the programmatic wait: they do not depend on the
 // routing, so they stream while the plan kernel before runs (HBM idles then) instead of after it, and the shared
 // expert (the one-token launch's critical path: FMOE_TRACE) starts earlier; the queue's first down items are then
 // the shared ones too, whose first weights the blocks left over at B = 1 ask for while they wait for their tile.
@@ -960,8 +964,8 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
   const unsigned smem = fmoe_block_init();
   const int nsh = fmoe_shared_tiles(up);
   const int rb_up = fmoe_rblocks(true, I), rb_dn = fmoe_rblocks(false, D);
-  // FMOE_SHARED_EARLY: blocks 0 .. nstatic - 1 take the shared expert's up items 0 .. nstatic - 1 (items in the
-  // shared-first order) without the queue, the rest of the items come from the queue after them.
+  // FMOE_SHARED_EARLY: the blocks with start tickets 0 .. nstatic - 1 take the shared expert's up items 0 ..
+  // nstatic - 1 (the shared-first order) without the queue; the rest of the items come from the queue after them.
   const int nstatic = FMOE_SHARED_EARLY ? min((int)gridDim.x, nsh * rb_up) : 0;
   unsigned* next = sync + FMOE_SYNC_NEXT;
   unsigned* tile_ready = sync + FMOE_SYNC_TILES;
@@ -982,10 +986,20 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     unsigned phase = 0;
     fmoe_zero_token_slots(smem);
     if (lane == 0) fmoe_trace(FMOE_EV_START, (int)(unsigned)fmoe_trace_clock());
-    if ((int)blockIdx.x < nstatic) {
+    int ticket = nstatic;  // this block's place in the launch's start order (FMOE_SHARED_EARLY)
+    if (FMOE_SHARED_EARLY) {
+      unsigned* tickets = sync + FMOE_SYNC_TICKET;
+      int v = 0;
+      if (lane == 0) {
+        v = (int)atomicAdd(tickets, 1u);
+        if (v == (int)gridDim.x - 1) atomicExch(tickets, 0u);  // the last block to start: zero for the next launch
+      }
+      ticket = __shfl_sync(0xffffffffu, v, 0);
+    }
+    if (ticket < nstatic) {
       // A shared up item, known before the plan: its first stages' weights go out before the wait (the model's
       // weights, which no kernel before writes: kernels/common.cuh), its tokens after it.
-      const int w = (int)blockIdx.x;
+      const int w = ticket;
       const FmoeItem it = fmoe_item<true, true>(up, w);
       const int tr = fmoe_trace_item(true, w, true);
       if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);

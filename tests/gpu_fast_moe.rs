@@ -41,7 +41,8 @@
 //!   bound; and two runs are bit-identical (no order-dependent atomics). On the decode path the
 //!   GEMMs also run in their other forms (two launches, one, and up to 16 tokens the router with
 //!   them in one), which must give the same bits (routing, x's codes, h, output), and the routed
-//!   launch's synchronisation words must be zero again after the layer.
+//!   launch's synchronisation words and the fused launch's start ticket must be zero again after
+//!   the layer.
 //! - Both GEMM paths and both routers: the Flash cases take the ones the layer picks by B; the
 //!   small shape runs every case on both (the decode path with the few-token router, the prefill
 //!   path with the tensor-core one), on a BF16 gate and, in one test, on f32 gate values, with the
@@ -249,8 +250,10 @@ fn batch(e: &Env, sh: &MoeShape, t: usize, x: &[f32], tokens: &[i32], s: Borrowe
     // But the routed decode launch's synchronisation words start zero, as the engine's arena
     // gives them (each launch's combine zeroes them for the next).
     arena::memset_async(ws.route_sync, 0, s).unwrap();
-    // (The decode GEMMs' synchronisation words too: the fused path's plan zeroes them before each
-    // launch.) Then the prefill path's tensor maps over x and h.
+    // So does the fused launch's start ticket, its first synchronisation word (each launch leaves
+    // it zero; the fused path's plan zeroes the others before each launch). Then the prefill
+    // path's tensor maps over x and h.
+    arena::memset_async(ws.sync.slice(0, 4).unwrap(), 0, s).unwrap();
     ws.write_act_maps(e.ctx, D, I, s).unwrap();
     Batch {
         t,
@@ -911,8 +914,10 @@ fn check_case(
                 continue;
             }
             if other_path == GemmPath::DecodeFused {
-                let words = fast_moe_gemm::sync_words(t, sh.k, sh.experts);
-                put(e.ctx, b.ws.sync, &vec![0x5a5a_5a5au32; words], s);
+                // The words the plan zeroes (all but the start ticket, which must stay zero).
+                let words = fast_moe_gemm::plan_cleared_sync_words(t, sh.k, sh.experts);
+                let cleared = b.ws.sync.slice(4, words * 4).unwrap();
+                put(e.ctx, cleared, &vec![0x5a5a_5a5au32; words], s);
             }
             let other = fast(e, l, b, r, None, other_path, router, s);
             let first_diff = |a: &[f32], b: &[f32]| {
@@ -946,6 +951,14 @@ fn check_case(
                 f1.out.len(),
             );
         }
+        // The fused launch's start ticket is zero after every launch: its last block to start
+        // resets it for the next.
+        let ticket: Vec<u32> = get(e.ctx, b.ws.sync, 1, s);
+        assert_eq!(
+            ticket,
+            [0],
+            "{what}: the fused launch's start ticket after the layer"
+        );
         if path == GemmPath::DecodeRouted
             || (t <= fast_moe_gemm::ROUTED_MAX_TOKENS && router == RouterPath::Few)
         {

@@ -404,7 +404,8 @@ pub struct FastMoeWorkspace {
     /// begins with `dsv4_pdl_begin`), so the two never overlap and x costs no memory of its own.
     pub y: DevicePtr,
     /// The decode path's synchronisation words (`u32[`[`fast_moe_gemm::sync_words`]`]`): the
-    /// fused path's plan zeroes them before each launch ([`FastMoe::experts_on`]).
+    /// fused path's plan zeroes all but the first before each launch ([`FastMoe::experts_on`]);
+    /// the first, the blocks' start ticket, is zero from the arena on and each launch leaves it so.
     pub sync: DevicePtr,
     /// The wide plan's scratch ([`moe::plan_wide_scratch`]): block counts and ranks.
     pub plan_counts: DevicePtr,
@@ -514,7 +515,8 @@ pub fn workspace_buffers(
             (rows * i / 128).max(fast_moe_wide::act_scale_floats(t, k, experts, i)),
         ),
         ("y", Elem::Bf16, rows * d),
-        // u32 words, declared as I32 (the same bytes; the fused path's plan zeroes them).
+        // u32 words, declared as I32 (the same bytes; the fused path's plan zeroes all but the
+        // start ticket, which is zero from the arena on).
         (
             "gemm_sync",
             Elem::I32,
@@ -937,11 +939,13 @@ impl FastMoe {
         }
         let plan = ws.plan.sized(t, path.tile_rows());
         if path == GemmPath::DecodeFused {
-            // The fused GEMMs' synchronisation words zeroed by the plan, the launch before theirs
-            // (one block's plan at any token count: the fused path is the decode path's).
-            let words = fast_moe_gemm::sync_words(t, layer.k, layer.experts);
+            // The fused GEMMs' synchronisation words after the start ticket zeroed by the plan, the
+            // launch before theirs (one block's plan at any token count: the fused path is the
+            // decode path's).
+            let words = fast_moe_gemm::plan_cleared_sync_words(t, layer.k, layer.experts);
+            let cleared = ws.sync.slice(4, words * 4)?;
             self.moe
-                .plan_clearing(ctx, ws.ids, &plan, Some((ws.sync, words)), stream)?;
+                .plan_clearing(ctx, ws.ids, &plan, Some((cleared, words)), stream)?;
         } else if t >= WIDE_PLAN_MIN_TOKENS {
             let (counts, ranks) = (ws.plan_counts, ws.plan_ranks);
             self.moe

@@ -288,10 +288,17 @@ fn max_items(layer: &FastMoeLayer, t: usize, tile: usize, row_tiles: usize) -> u
 }
 
 /// u32 words of the decode path's synchronisation buffer for `t` tokens (`fmoe_experts_kernel`'s
-/// `sync`): the item queue's head and per tile the plan can make (routed and shared) a count of
-/// its up items done. They must be zero when the launch starts: `FastMoe::experts_on` has the
-/// plan zero them (`Moe::plan_clearing`), the launch before.
+/// `sync`, kernels/fast_moe_gemm.cu FMOE_SYNC_*): the blocks' start ticket, then the
+/// [`plan_cleared_sync_words`]. The ticket is zero between launches (the workspace starts so; the
+/// launch's last block to start resets it), since the blocks take it before the plan has run.
 pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
+    1 + plan_cleared_sync_words(t, k, experts)
+}
+
+/// The words after `sync`'s first: the item queue's head and per tile the plan can make (routed
+/// and shared) a count of its up items done. They must be zero when the launch starts:
+/// `FastMoe::experts_on` has the plan zero them (`Moe::plan_clearing`), the launch before.
+pub fn plan_cleared_sync_words(t: usize, k: usize, experts: usize) -> usize {
     1 + (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
 }
 
@@ -300,7 +307,7 @@ pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
 /// the logit tiles, the plan), then per tile a count of its up items done. Zero when the launch
 /// starts: the workspace starts so, and the layer's combine zeroes them after each launch.
 pub fn route_sync_words(t: usize, k: usize, experts: usize) -> usize {
-    3 + sync_words(t, k, experts)
+    3 + plan_cleared_sync_words(t, k, experts)
 }
 
 /// Checks the buffers of `ws` that GEMM1 reads and writes for `t` tokens (`who`: the kernel, for
@@ -500,8 +507,8 @@ impl FastMoeGemm {
 
     /// The decode path's two GEMMs in one launch (`fmoe_experts_kernel`): `ws.hq` / `ws.hs` and
     /// `ws.y` as [`Self::up`] then [`Self::down`] on [`GemmPath::Decode`] make them, bit for bit.
-    /// `ws.sync` must be zero ([`sync_words`]; the plan before zeroes it in the layer's sequence,
-    /// `FastMoe::experts_on`).
+    /// `ws.sync` must be zero ([`sync_words`]: the plan before zeroes all but the start ticket in
+    /// the layer's sequence, `FastMoe::experts_on`; the ticket returns to zero by itself).
     pub(crate) fn up_down(
         &self,
         ctx: &Context,

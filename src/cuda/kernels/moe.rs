@@ -428,7 +428,7 @@ impl Moe {
 
     /// [`Moe::plan`], zeroing `clear`'s `(buffer, u32 words)` too in the same launch: the fast
     /// set's fused expert GEMMs need their synchronisation words zero when they start
-    /// (`fast_moe_gemm::sync_words`), and the plan is the launch just before them.
+    /// (`fast_moe_gemm::plan_cleared_sync_words`), and the plan is the launch just before them.
     pub fn plan_clearing(
         &self,
         ctx: &Context,
