@@ -938,11 +938,12 @@ DSV4_INLINE void fmoe_post_header(unsigned smem, int slot, unsigned phase, int h
 // start (FMOE_SYNC_TICKET) each take one of the shared expert's n up items (shared tiles numbered first,
 // fmoe_item's SHARED_FIRST) without the queue, asking for its first stages' weights before the programmatic
 // wait: they do not depend on the routing, so they stream while the plan kernel before runs (HBM idles then)
-// instead of after it, and the shared expert (the one-token launch's critical path: FMOE_TRACE) starts earlier; the queue's first down items are then
-// the shared ones too, whose first weights the blocks left over at B = 1 ask for while they wait for their tile.
-// The plan's tile count, the queue and the sync words are read after each thread's wait. H100, µs a layer
-// (BENCHMARKS.md 2026-12-06): B = 1 65.9 -> 60.3, B = 2 91.4 -> 84.8, B = 4-16 1-2% less. 0 (a diagnostic
-// variant): every item from the queue after the wait.
+// instead of after it, and the shared expert (the one-token launch's critical path: FMOE_TRACE) starts earlier.
+// The queue's first down items are then the shared ones too, whose first weights the blocks left over at B = 1
+// ask for while they wait for their tile. The plan's tile count, the queue and the sync words are read after each
+// thread's wait. H100, µs a layer (BENCHMARKS.md 2026-12-06, by block index, before the start ticket): B = 1
+// 65.9 -> 60.3, B = 2 91.4 -> 84.8, B = 4-16 1-2% less. 0 (a diagnostic variant): every item from the queue
+// after the wait.
 #ifndef FMOE_SHARED_EARLY
 #define FMOE_SHARED_EARLY 1
 #endif
