@@ -331,6 +331,15 @@ DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
   if (!FMOE_POLL_ACQUIRE) fmoe_load_acquire(flag);
 }
 
+// FMOE_PROBE_FLAT 1 (a bench probe, wrong outputs: `dsv4 bench moe --defines FMOE_PROBE_FLAT=1` also rewrites the
+// layer's tensor maps, fast_moe_gemm::probe_flat_tensor_maps): each weight box is 16 KiB of consecutive bytes (the
+// matrix seen as rows of 128 bytes) instead of 128 bytes of each of 128 rows a row apart. The same bytes a stage,
+// the same ring and items: it times the decode stream as a stage-contiguous derived layout would read it (at one
+// token the up phase streams at ~2.3 TB/s against the read probe's 3.0).
+#ifndef FMOE_PROBE_FLAT
+#define FMOE_PROBE_FLAT 0
+#endif
+
 // One item's stages into the ring, in the order the consumers read them (the producer warp). Per stage, lane 0
 // announces the TMA bytes and issues the weight (and FP4 scale) boxes: rows 0..127 of the stage from matrix A
 // (up: W1 j = row0 ..; down: W2 rows row0 ..), rows 128..255 from matrix B (up: W3 j = row0 ..; down: W2 rows
@@ -378,8 +387,14 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
     if (lane == 0) {
       if (i == 0 && header >= 0) fmoe_store_header(st, header);
       mbar_arrive_expect_tx(full, tx);
-      tma_load_2d(st, map_a, kb * FMOE_RB, it.row0, full);
-      tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full);
+      if (FMOE_PROBE_FLAT) {  // box (row block, stage) of the maps of 128-byte rows: 16 KiB in a row
+        tma_load_2d(st, map_a, 0, ((it.row0 / FMOE_BOX_ROWS) * it.nks + kb) * FMOE_BOX_ROWS, full);
+        tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, 0, ((row_b / FMOE_BOX_ROWS) * it.nks + kb) * FMOE_BOX_ROWS,
+                    full);
+      } else {
+        tma_load_2d(st, map_a, kb * FMOE_RB, it.row0, full);
+        tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, kb * FMOE_RB, row_b, full);
+      }
       if (it.s8) {
         bulk_load(st + FMOE_SLOT_W, it.sc8_a + kb * 1024, 1024, full);
         if (it.sc8_b != nullptr) bulk_load(st + FMOE_SLOT_W + 1024, it.sc8_b + kb * 1024, 1024, full);

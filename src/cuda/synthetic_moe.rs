@@ -113,6 +113,8 @@ pub struct SyntheticMoe {
     pub shared: [WeightDev; 3],
     /// The fast GEMMs' tensor map table (routed experts, then the shared expert).
     pub maps: DevicePtr,
+    /// The matrices' addresses the table describes.
+    matrices: Vec<ExpertMatrices>,
     /// The fast GEMMs' UE8M0 scale table: built by [`SyntheticMoe::derive_fast`].
     pub scales8: DevicePtr,
     /// The tensor-core router's gate planes: built by [`SyntheticMoe::derive_fast`].
@@ -258,6 +260,7 @@ impl SyntheticMoe {
         s.synchronize()?;
         Ok(SyntheticMoe {
             maps,
+            matrices,
             scales8: p[23],
             gate_planes: p[24],
             shape: sh,
@@ -273,6 +276,14 @@ impl SyntheticMoe {
             shared: [shared[0], shared[1], shared[2]],
             _arena: arena,
         })
+    }
+
+    /// Rewrites the tensor map table as the bench probe FMOE_PROBE_FLAT reads it
+    /// ([`fast_moe_gemm::probe_flat_tensor_maps`]: timings only, the outputs are not the layer's).
+    pub fn write_probe_flat_maps(&self, s: BorrowedStream) -> Result<()> {
+        let (d, i) = (self.shape.d, self.shape.i);
+        let table = fast_moe_gemm::probe_flat_tensor_maps(d, i, &self.matrices)?;
+        arena::copy_to_device_sync(self.maps, &table, s)
     }
 
     /// The router: sqrtsoftplus, renormalised, routed scale 1.5 (V4-Flash).

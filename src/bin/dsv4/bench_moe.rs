@@ -13,7 +13,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::bench_util::{alloc, e, kernel_cache, time_replays};
+use crate::bench_util::{alloc, e, has_kernel_define, kernel_cache, time_replays};
 use crate::moe_trace::TraceLog;
 use dsv4::cuda::arena;
 use dsv4::cuda::context::Context;
@@ -127,6 +127,10 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
     let t0 = Instant::now();
     let layer = SyntheticMoe::new(&ctx, s, sh, 0x5EED).map_err(e)?;
     layer.derive_fast(&ctx, &fast, s).map_err(e)?;
+    if has_kernel_define("FMOE_PROBE_FLAT=1") {
+        // The probe reads the expert matrices through maps of 128-byte rows (timings only).
+        layer.write_probe_flat_maps(s).map_err(e)?;
+    }
     eprintln!(
         "bench moe: synthetic layer in {:.1} s",
         t0.elapsed().as_secs_f64()

@@ -39,6 +39,11 @@ pub fn set_kernel_defines(list: Option<&str>) -> Result<(), String> {
         .map_err(|_| "kernel defines set twice".to_string())
 }
 
+/// Whether `--defines` holds `define` (exactly, e.g. "FMOE_PROBE_FLAT=1").
+pub fn has_kernel_define(define: &str) -> bool {
+    DEFINES.get().is_some_and(|v| v.iter().any(|d| d == define))
+}
+
 /// The kernel cache the benches compile through: the default directory, with `--defines`.
 pub fn kernel_cache() -> Result<KernelCache, String> {
     let d = DEFINES.get().map(Vec::as_slice).unwrap_or_default();

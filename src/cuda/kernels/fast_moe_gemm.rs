@@ -714,6 +714,19 @@ impl ExpertMatrices {
 /// runs the reference kernels for such layers). The maps hold addresses only, so a refit, which writes
 /// the weights in place, leaves them valid; they are rebuilt with the other derived tensors anyway.
 pub fn tensor_maps(d: usize, i: usize, experts: &[ExpertMatrices]) -> Result<Vec<u8>> {
+    maps_table(d, i, experts, false)
+}
+
+/// [`tensor_maps`] for the bench probe FMOE_PROBE_FLAT (kernels/fast_moe_gemm.cu, `dsv4 bench moe
+/// --defines FMOE_PROBE_FLAT=1`): each matrix's codes as rows of 128 bytes, so that a box of 128
+/// of them is 16 KiB of consecutive bytes, the stage a stage-contiguous layout would give. The
+/// kernels then read the same number of bytes from the same matrices, not the values they
+/// multiply: timings only.
+pub fn probe_flat_tensor_maps(d: usize, i: usize, experts: &[ExpertMatrices]) -> Result<Vec<u8>> {
+    maps_table(d, i, experts, true)
+}
+
+fn maps_table(d: usize, i: usize, experts: &[ExpertMatrices], flat: bool) -> Result<Vec<u8>> {
     let mut table = vec![0u8; experts.len() * MAPS_PER_EXPERT * MAP_BYTES];
     for (x, e) in experts.iter().enumerate() {
         let fp4 = match e.format {
@@ -730,7 +743,12 @@ pub fn tensor_maps(d: usize, i: usize, experts: &[ExpertMatrices]) -> Result<Vec
         for (m, addr, sm, saddr, rows, cols) in mats {
             let at = |m: Map| (x * MAPS_PER_EXPERT + m as usize) * MAP_BYTES;
             let row_bytes = if fp4 { cols / 2 } else { cols };
-            let codes = encode_2d(addr, TensorElem::U8, [row_bytes, rows], [128, 128], true)?;
+            let dims = if flat {
+                [128, rows * row_bytes / 128]
+            } else {
+                [row_bytes, rows]
+            };
+            let codes = encode_2d(addr, TensorElem::U8, dims, [128, 128], true)?;
             table[at(m)..at(m) + MAP_BYTES].copy_from_slice(&codes);
             if fp4 {
                 let sc = encode_2d(saddr, TensorElem::F32, [cols / 32, rows], [8, 128], false)?;
