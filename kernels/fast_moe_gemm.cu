@@ -1002,16 +1002,10 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     unsigned phase = 0;
     fmoe_zero_token_slots(smem);
     if (lane == 0) fmoe_trace(FMOE_EV_START, (int)(unsigned)fmoe_trace_clock());
-    int ticket = nstatic;  // this block's place in the launch's start order (FMOE_SHARED_EARLY)
-    if (FMOE_SHARED_EARLY) {
-      unsigned* tickets = sync + FMOE_SYNC_TICKET;
-      int v = 0;
-      if (lane == 0) {
-        v = (int)atomicAdd(tickets, 1u);
-        if (v == (int)gridDim.x - 1) atomicExch(tickets, 0u);  // the last block to start: zero for the next launch
-      }
-      ticket = __shfl_sync(0xffffffffu, v, 0);
-    }
+    // This block's place in the launch's start order (FMOE_SHARED_EARLY); the last block to start zeroes the
+    // ticket word for the next launch.
+    const int ticket = FMOE_SHARED_EARLY ? fmoe_take(sync + FMOE_SYNC_TICKET) : nstatic;
+    if (FMOE_SHARED_EARLY && lane == 0 && ticket == (int)gridDim.x - 1) atomicExch(sync + FMOE_SYNC_TICKET, 0u);
     if (ticket < nstatic) {
       // A shared up item, known before the plan: its first stages' weights go out before the wait (the model's
       // weights, which no kernel before writes: kernels/common.cuh), its tokens after it.
