@@ -1105,6 +1105,15 @@ DSV4_INLINE void fmoe_post_header(unsigned smem, int slot, unsigned phase, int h
 #ifndef FMOE_SHARED_EARLY
 #define FMOE_SHARED_EARLY 1
 #endif
+// FMOE_DOWN_SHARED_LAST 1: the down items are numbered in the plan's order (routed tiles first, the shared one
+// last) while the up items stay shared-first. With the shared down items split in halves (FMOE_DOWN_SPLIT), the
+// shared-first order had the blocks that finished their routed up items first take shared halves and wait for
+// the shared up items (the last up items to end) instead of computing routed down items (FMOE_TRACE, one token:
+// 12 blocks idle ~8 us).
+#ifndef FMOE_DOWN_SHARED_LAST
+#define FMOE_DOWN_SHARED_LAST 0
+#endif
+#define FMOE_DOWN_SHARED_FIRST (FMOE_SHARED_EARLY && !FMOE_DOWN_SHARED_LAST)
 extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     fmoe_experts_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
                         const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
@@ -1171,7 +1180,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
         if (!it.skip) fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0, tr);
       } else {
-        const FmoeItem it = fmoe_item<false, FMOE_SHARED_EARLY, true>(dn, w - nup);
+        const FmoeItem it = fmoe_item<false, FMOE_DOWN_SHARED_FIRST, true>(dn, w - nup);
         const int tr = fmoe_trace_item(false, w - nup, it.shared);
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
         const unsigned* ready = tile_ready + it.tile;
@@ -1206,7 +1215,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         fmoe_fused_up_item(up, it, w / rb_up, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       } else {
-        const FmoeItem it = fmoe_item<false, FMOE_SHARED_EARLY, true>(dn, w - nup);
+        const FmoeItem it = fmoe_item<false, FMOE_DOWN_SHARED_FIRST, true>(dn, w - nup);
         const int tr = fmoe_trace_item(false, w - nup, it.shared);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
         // The epilogue buffer the block's last up item did not use (its down items follow all its up items).
