@@ -187,40 +187,49 @@ DSV4_INLINE int fmoe_shared_tiles(const FmoeArgs& a) {
 
 // The shared expert's down sums, in halves. A shared down item's row block sums its stages (in fmoe_stage_at's
 // order) as two halves, the first kall / 2 and the rest, added at the end: in every decode form and at every
-// token count, so the bits never depend on the form or the batch (a row block of one stage: one sum). Whole items keep the first half's sums aside
-// at the midpoint (FmoeItem::park); fmoe_experts_kernel at one shared tile splits each such item in two, the
-// halves on two blocks, joined by fmoe_split_join. Why (FMOE_TRACE, one token, H100): the 16 shared down items
-// (0.5 MiB of FP8 each) start last, once the shared up items (1 MiB each) are done, and ended the launch ~6 us
-// after the routed ones, 16 blocks streaming at ~0.6 us a stage while the rest idled.
-// FMOE_DOWN_SPLIT 1 (the default): the split; 0 (a diagnostic variant): whole items there too, the same bits.
+// token count, so the bits never depend on the form or the batch (a row block of one stage: one sum). Whole
+// items keep the first half's sums aside at the midpoint (FmoeItem::park); fmoe_experts_kernel at one shared
+// tile splits each such item in two, the halves on two blocks, joined by fmoe_split_join. Why (FMOE_TRACE, one
+// token, H100): the 16 shared down items (0.5 MiB of FP8 each) start last, once the shared up items (1 MiB each)
+// are done, and ended the launch ~6 us after the routed ones, 16 blocks streaming at ~0.6 us a stage while the
+// rest idled. FMOE_DOWN_SPLIT 1 (the default): the split; 0 (a diagnostic variant): whole items there too, the
+// same bits.
 #ifndef FMOE_DOWN_SPLIT
 #define FMOE_DOWN_SPLIT 1
 #endif
+// FMOE_UP_SPLIT 1 (a variant, other bits: the shared up sums in halves too, in every form): the shared up items
+// likewise, so that at one token the shared expert's 1 MiB up items (on the launch's critical path: they end
+// after the routed ones, which stream 0.5 MiB an item at the same rate) end with the routed ones.
+#ifndef FMOE_UP_SPLIT
+#define FMOE_UP_SPLIT 0
+#endif
 
-// Whether fmoe_experts_kernel splits the shared expert's down items (`a`: the down GEMM's arguments): one shared
-// token tile, and a counter a row block in the sync words (FMOE_SPLIT_MAX_RB of them).
-DSV4_INLINE bool fmoe_down_split(const FmoeArgs& a) {
-  return FMOE_DOWN_SPLIT && a.shared_fmt != 0 && a.T <= FMOE_TOKENS && fmoe_rblocks(false, a.N) <= FMOE_SPLIT_MAX_RB &&
-         fmoe_stages(a.shared_fmt == WFMT_FP4, a.K) >= 2;
+// Whether the shared expert's items of this GEMM (`a`) sum in halves (every form) and whether
+// fmoe_experts_kernel splits them: one shared token tile, a counter a row block in the sync words
+// (FMOE_SPLIT_MAX_RB for each GEMM), two stages or more.
+DSV4_INLINE bool fmoe_halves(bool up, const FmoeArgs& a) { return a.shared_fmt != 0 && (!up || FMOE_UP_SPLIT); }
+DSV4_INLINE bool fmoe_split(bool up, const FmoeArgs& a) {
+  return (up ? FMOE_UP_SPLIT : FMOE_DOWN_SPLIT) && fmoe_halves(up, a) && a.T <= FMOE_TOKENS &&
+         fmoe_rblocks(up, a.N) <= FMOE_SPLIT_MAX_RB && fmoe_stages(a.shared_fmt == WFMT_FP4, a.K) >= 2;
 }
 
-// Items of ntile tiles of the down GEMM (`a`), the split shared ones counted twice (SPLIT: fmoe_experts_kernel).
-template <bool SPLIT>
-DSV4_INLINE int fmoe_down_items(const FmoeArgs& a, int ntile) {
-  const int rb = fmoe_rblocks(false, a.N);
-  return ntile * rb + (SPLIT && fmoe_down_split(a) ? rb : 0);
+// Items of ntile tiles of a GEMM (`a`), the split shared ones counted twice (SPLIT: fmoe_experts_kernel).
+template <bool UP, bool SPLIT>
+DSV4_INLINE int fmoe_items(const FmoeArgs& a, int ntile) {
+  const int rb = fmoe_rblocks(UP, a.N);
+  return ntile * rb + (SPLIT && fmoe_split(UP, a) ? rb : 0);
 }
 
 // Work item wi: tile wi / (row blocks), row block wi % (row blocks). The tiles are the plan's routed ones, then
 // the shared expert's, or with SHARED_FIRST (fmoe_route_experts_kernel) the shared ones first: those items are
-// then known before the plan is. SPLIT (fmoe_experts_kernel's down items): where fmoe_down_split, the shared
-// tile's items are the two halves of each row block, adjacent.
+// then known before the plan is. SPLIT (fmoe_experts_kernel): where fmoe_split, the shared tile's items are the
+// two halves of each row block, adjacent.
 template <bool UP, bool SHARED_FIRST = false, bool SPLIT = false>
 DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
   const int rb_n = fmoe_rblocks(UP, a.N);
   int tile = wi / rb_n, rb = wi - tile * rb_n;
   int half = -1;
-  if (!UP && SPLIT && fmoe_down_split(a)) {
+  if (SPLIT && fmoe_split(UP, a)) {
     const int sh0 = SHARED_FIRST ? 0 : a.nrt * rb_n;  // the shared tile's first item
     if (wi >= sh0 && wi < sh0 + 2 * rb_n) {
       tile = SHARED_FIRST ? 0 : a.nrt;
@@ -286,7 +295,7 @@ DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
   it.first = (rb % it.kall + k0) % it.kall;
   it.half = half;
   it.nks = half < 0 ? it.kall : half == 0 ? it.kall / 2 : it.kall - it.kall / 2;
-  it.park = (!UP && it.shared && half < 0 && it.kall >= 2) ? it.kall / 2 : -1;
+  it.park = (fmoe_halves(UP, a) && it.shared && half < 0 && it.kall >= 2) ? it.kall / 2 : -1;
   it.tile = tile;
   return it;
 }
@@ -908,27 +917,28 @@ DSV4_INLINE void fmoe_consume_item(const FmoeArgs& a, const FmoeItem& it, unsign
   if (FMOE_TRACE && threadIdx.x == 0) fmoe_trace(FMOE_EV_FULL_WAITS, (int)min(data_waits, 0x7fffffffLL));
 }
 
-// A down item's stages (fmoe_consume_item), a whole shared one's with its park (in shared memory at `park`, or
-// with PARK = FMOE_PARK_REGS in registers).
-template <int PARK = FMOE_PARK_SMEM>
-DSV4_INLINE void fmoe_consume_down(const FmoeArgs& a, const FmoeItem& it, unsigned smem, int& slot, unsigned& phase,
-                                   float (&acc)[8], float* park) {
-  if (it.park >= 0)
-    fmoe_consume_item<false, PARK>(a, it, smem, slot, phase, acc, park);
+// An item's stages (fmoe_consume_item), a whole shared one's with its park (PARK: in shared memory at `park`, or
+// in registers). Up items have none unless FMOE_UP_SPLIT (so the default kernels' up loops stay one).
+template <bool UP, int PARK>
+DSV4_INLINE void fmoe_consume(const FmoeArgs& a, const FmoeItem& it, unsigned smem, int& slot, unsigned& phase,
+                              float (&acc)[8], float* park) {
+  if ((!UP || FMOE_UP_SPLIT) && it.park >= 0)
+    fmoe_consume_item<UP, PARK>(a, it, smem, slot, phase, acc, park);
   else
-    fmoe_consume_item<false>(a, it, smem, slot, phase, acc);
+    fmoe_consume_item<UP>(a, it, smem, slot, phase, acc);
 }
 
 // A split half's end (every consumer thread of fmoe_experts_kernel, after fmoe_consume_item): stores this thread's
-// sums at `sums` (its row block's pair of slots, each FMOE_CONSUMERS threads' 8 floats) and counts the half in at
-// the row block's counter; true for the half counted second, whose acc then holds both halves' sums (its own plus
-// the other's: two terms, the same bits in either order, and the same as a whole item's first_half + acc), which
-// stores y. Whole items: true, nothing done. The counters are zero when the launch starts (the plan clears them).
-DSV4_INLINE bool fmoe_split_join(const FmoeItem& it, float (&acc)[8], float* sums, unsigned* counters) {
+// sums in its row block's pair of slots at `sums` (row block rb; each slot FMOE_CONSUMERS threads' 8 floats) and
+// counts the half in at the row block's counter; true for the half counted second, whose acc then holds both
+// halves' sums (its own plus the other's: two terms, the same bits in either order, and the same as a whole
+// item's first_half + acc), which runs the item's epilogue. Whole items: true, nothing done. The counters are zero
+// when the launch starts (the plan clears them).
+DSV4_INLINE bool fmoe_split_join(const FmoeItem& it, float (&acc)[8], float* sums, unsigned* counters, int rb) {
   __shared__ int split_second;
   if (it.half < 0) return true;
   const int tid = threadIdx.x;
-  float* pair = sums + (long long)(it.row0 / FMOE_DOWN_ROWS) * (2 * FMOE_CONSUMERS * 8);
+  float* pair = sums + (long long)rb * (2 * FMOE_CONSUMERS * 8);
   float4* mine = reinterpret_cast<float4*>(pair + (it.half * FMOE_CONSUMERS + tid) * 8);
   const float4* other = reinterpret_cast<const float4*>(pair + ((1 - it.half) * FMOE_CONSUMERS + tid) * 8);
   mine[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
@@ -938,7 +948,7 @@ DSV4_INLINE bool fmoe_split_join(const FmoeItem& it, float (&acc)[8], float* sum
     unsigned before;
     asm volatile("fence.acq_rel.gpu;\natom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n"
                  : "=r"(before)
-                 : "l"(counters + it.row0 / FMOE_DOWN_ROWS)
+                 : "l"(counters + rb)
                  : "memory");
     split_second = before == 1u;
   }
@@ -1012,10 +1022,11 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
   for (int n = 0; n < my_items; ++n) {
     const FmoeItem it = fmoe_item<UP>(a, blockIdx.x + n * gridDim.x);
     if (it.skip) continue;
+    // A down block has no up epilogues, so their buffers are free; an up block's are not.
     if (UP)
-      fmoe_consume_item<true>(a, it, smem, slot, phase, acc);
+      fmoe_consume<true, FMOE_PARK_REGS>(a, it, smem, slot, phase, acc, nullptr);
     else
-      fmoe_consume_down(a, it, smem, slot, phase, acc, fmoe_gu_buffer(0));  // (no up epilogues here)
+      fmoe_consume<false, FMOE_PARK_SMEM>(a, it, smem, slot, phase, acc, fmoe_gu_buffer(0));
     if (UP)
       fmoe_up_epilogue(a, it, acc, n & 1, route_w, limit, out_q, out_s, FMOE_CONSUMERS);
     else
@@ -1028,7 +1039,7 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
 // launches (the workspace starts so, and the block taking the launch's last ticket resets it: every other block
 // has taken its ticket by then). Then, zero at each launch's start (the layer's plan, moe_plan_kernel, clears them
 // just before): the queue's head, FMOE_SPLIT_MAX_RB counters of split shared down halves done (fmoe_split_join),
-// then per tile the up items whose h rows are stored. (The last block out had
+// as many of split shared up halves (FMOE_UP_SPLIT), then per tile the up items whose h rows are stored. (The last block out had
 // reset those at the kernel's end: every block's fence and atomic, and the last one's stores, before the launch
 // could end; at one token the launch lost the second launch it saved, BENCHMARKS.md, issue 11 fifteenth version.)
 // Every item a block holds was taken once the block had started, from the queue or by its ticket: an item given
@@ -1037,7 +1048,8 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
 #define FMOE_SYNC_TICKET 0
 #define FMOE_SYNC_NEXT 1
 #define FMOE_SYNC_SPLIT 2
-#define FMOE_SYNC_TILES (2 + FMOE_SPLIT_MAX_RB)
+#define FMOE_SYNC_UP_SPLIT (2 + FMOE_SPLIT_MAX_RB)
+#define FMOE_SYNC_TILES (2 + 2 * FMOE_SPLIT_MAX_RB)
 
 // Makes this block's h stores (published to this thread through a barrier) visible at GPU scope, then counts
 // one more finished up item of the tile.
@@ -1068,15 +1080,19 @@ DSV4_INLINE void fmoe_publish(unsigned* tile_ready, const volatile int* pub_tile
   }
 }
 
-// The consumers' part of a fused kernel's up item `it` of tile `tile`, their n-th up item: the GEMM, the tile
-// handed to the publisher, the epilogue, then warps 0-7 (which stored h) let the publisher go on.
-DSV4_INLINE void fmoe_fused_up_item(const FmoeArgs& a, const FmoeItem& it, int tile, int n, unsigned smem, int& slot,
+// The consumers' part of a fused kernel's up item `it`, their n-th up item with an epilogue: the GEMM, the tile
+// handed to the publisher, the epilogue, then warps 0-7 (which stored h) let the publisher go on. False, with
+// nothing after the GEMM, for a split half counted first (fmoe_split_join: `sums`, `counters`).
+DSV4_INLINE bool fmoe_fused_up_item(const FmoeArgs& a, const FmoeItem& it, int n, unsigned smem, int& slot,
                                     unsigned& phase, float (&acc)[8], const float* route_w, float limit,
-                                    unsigned char* hq, float* hs, volatile int* pub_tile) {
-  fmoe_consume_item<true>(a, it, smem, slot, phase, acc);
-  if (threadIdx.x == 0) pub_tile[n & 1] = tile;
+                                    unsigned char* hq, float* hs, volatile int* pub_tile, float* sums,
+                                    unsigned* counters) {
+  fmoe_consume<true, FMOE_PARK_REGS>(a, it, smem, slot, phase, acc, nullptr);  // (both epilogue buffers in use)
+  if (FMOE_UP_SPLIT && !fmoe_split_join(it, acc, sums, counters, it.row0 / FMOE_UP_J)) return false;
+  if (threadIdx.x == 0) pub_tile[n & 1] = it.tile;
   fmoe_up_epilogue(a, it, acc, n & 1, route_w, limit, hq, hs, FMOE_CONSUMERS + 32);
   if ((threadIdx.x >> 5) < 8) asm volatile("bar.arrive 2, 288;\n" ::: "memory");
+  return true;
 }
 
 // Posts header `header` (-1: no more items; fmoe_route_experts_kernel's router jobs) in the ring's next slot,
@@ -1134,7 +1150,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
   const int rb_up = fmoe_rblocks(true, I);
   // FMOE_SHARED_EARLY: the blocks with start tickets 0 .. nstatic - 1 take the shared expert's up items 0 ..
   // nstatic - 1 (the shared-first order) without the queue; the rest of the items come from the queue after them.
-  const int nstatic = FMOE_SHARED_EARLY ? min((int)gridDim.x, nsh * rb_up) : 0;
+  const int nstatic = FMOE_SHARED_EARLY ? min((int)gridDim.x, fmoe_items<true, true>(up, nsh)) : 0;
   unsigned* next = sync + FMOE_SYNC_NEXT;
   unsigned* tile_ready = sync + FMOE_SYNC_TILES;
   const int lane = threadIdx.x & 31;
@@ -1162,7 +1178,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       // A shared up item, known before the plan: its first stages' weights go out before the wait (the model's
       // weights, which no kernel before writes: kernels/common.cuh), its tokens after it.
       const int w = ticket;
-      const FmoeItem it = fmoe_item<true, true>(up, w);
+      const FmoeItem it = fmoe_item<true, true, true>(up, w);
       const int tr = fmoe_trace_item(true, w, true);
       if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
       fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0, tr, true);
@@ -1170,12 +1186,12 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       dsv4_pdl_wait();
     }
     plan_tiles();
-    const int nup = (up.nrt + nsh) * rb_up, total = nup + fmoe_down_items<true>(dn, up.nrt + nsh);
+    const int nup = fmoe_items<true, true>(up, up.nrt + nsh), total = nup + fmoe_items<false, true>(dn, up.nrt + nsh);
     int w = fmoe_take(next) + nstatic;
     while (w < total) {
       const int w_next = FMOE_TAKE_EARLY ? fmoe_take(next) + nstatic : 0;
       if (w < nup) {
-        const FmoeItem it = fmoe_item<true, FMOE_SHARED_EARLY>(up, w);
+        const FmoeItem it = fmoe_item<true, FMOE_SHARED_EARLY, true>(up, w);
         const int tr = fmoe_trace_item(true, w, it.shared);
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
         if (!it.skip) fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0, tr);
@@ -1183,7 +1199,11 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         const FmoeItem it = fmoe_item<false, FMOE_DOWN_SHARED_FIRST, true>(dn, w - nup);
         const int tr = fmoe_trace_item(false, w - nup, it.shared);
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
-        const unsigned* ready = tile_ready + it.tile;
+        // Its tile's count, in the up items' numbering (shared tiles first under FMOE_SHARED_EARLY).
+        const int up_tile = FMOE_SHARED_EARLY && !FMOE_DOWN_SHARED_FIRST
+                                ? (it.shared ? it.tile - dn.nrt : it.tile + nsh)
+                                : it.tile;
+        const unsigned* ready = tile_ready + up_tile;
         // Usually the tile's up items are long done: one look while the ring still holds the last item's
         // stages, and the item streams as any other. Else its first weights go out before the wait (waiting
         // for each item's tokens behind its weights cost ~1.5 us a down item).
@@ -1199,7 +1219,9 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     // The consumers: each item's header in its first slot says what it is.
     if (FMOE_SHARED_EARLY) dsv4_pdl_wait();
     plan_tiles();
-    const int nup = (up.nrt + nsh) * rb_up;
+    const int nup = fmoe_items<true, true>(up, up.nrt + nsh);
+    // The split halves' sums: the down GEMM's row blocks', then the up GEMM's (fast_moe_gemm::split_sum_floats).
+    float* up_sums = split_sums + (long long)min(fmoe_rblocks(false, D), FMOE_SPLIT_MAX_RB) * (2 * FMOE_CONSUMERS * 8);
     int slot = 0;
     unsigned phase = 0;
     float acc[8];
@@ -1209,18 +1231,21 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       const int w = fmoe_load_header(smem + slot * FMOE_SLOT);
       if (w < 0) break;
       if (w < nup) {
-        const FmoeItem it = fmoe_item<true, FMOE_SHARED_EARLY>(up, w);
+        const FmoeItem it = fmoe_item<true, FMOE_SHARED_EARLY, true>(up, w);
         const int tr = fmoe_trace_item(true, w, it.shared);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
-        fmoe_fused_up_item(up, it, w / rb_up, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile);
+        if (fmoe_fused_up_item(up, it, nup_done, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile, up_sums,
+                               sync + FMOE_SYNC_UP_SPLIT))
+          ++nup_done;
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       } else {
         const FmoeItem it = fmoe_item<false, FMOE_DOWN_SHARED_FIRST, true>(dn, w - nup);
         const int tr = fmoe_trace_item(false, w - nup, it.shared);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
         // The epilogue buffer the block's last up item did not use (its down items follow all its up items).
-        fmoe_consume_down(dn, it, smem, slot, phase, acc, fmoe_gu_buffer(nup_done & 1));
-        if (fmoe_split_join(it, acc, split_sums, sync + FMOE_SYNC_SPLIT)) fmoe_down_store(dn, it, acc, y);
+        fmoe_consume<false, FMOE_PARK_SMEM>(dn, it, smem, slot, phase, acc, fmoe_gu_buffer(nup_done & 1));
+        if (fmoe_split_join(it, acc, split_sums, sync + FMOE_SYNC_SPLIT, it.row0 / FMOE_DOWN_ROWS))
+          fmoe_down_store(dn, it, acc, y);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       }
     }
@@ -1517,14 +1542,15 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         const FmoeItem it = fmoe_item<true, true>(up, h);
         const int tr = fmoe_trace_item(true, h, it.shared);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
-        fmoe_fused_up_item(up, it, h / rb_up, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile);
+        fmoe_fused_up_item(up, it, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile, nullptr,
+                           nullptr);  // (whole items: no join)
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       } else {
         const FmoeItem it = fmoe_item<false, true>(dn, h - FMOE_DOWN_HEADER);
         const int tr = fmoe_trace_item(false, h - FMOE_DOWN_HEADER, it.shared);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
         // (Its park in registers: the router jobs use both epilogue buffers.)
-        fmoe_consume_down<FMOE_PARK_REGS>(dn, it, smem, slot, phase, acc, nullptr);
+        fmoe_consume<false, FMOE_PARK_REGS>(dn, it, smem, slot, phase, acc, nullptr);
         fmoe_down_store(dn, it, acc, y);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       }

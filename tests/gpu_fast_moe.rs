@@ -155,6 +155,14 @@ fn down_shared_last_env() -> Option<&'static Env> {
     variant_env(&ENV, "FMOE_DOWN_SHARED_LAST=1")
 }
 
+/// The same kernels compiled with the variant FMOE_UP_SPLIT=1 (kernels/fast_moe_gemm.cu: the shared
+/// expert's up sums in halves too, every form; the fused launch splits those items at one shared
+/// token tile).
+fn up_split_env() -> Option<&'static Env> {
+    static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
+    variant_env(&ENV, "FMOE_UP_SPLIT=1")
+}
+
 /// The kernels compiled with `define`, in `cell`.
 fn variant_env(cell: &'static OnceLock<(Registry, Env)>, define: &str) -> Option<&'static Env> {
     let g = family_gpu(&families())?;
@@ -1113,6 +1121,31 @@ fn fast_moe_fused_launch_from_its_queue_alone_matches_the_reference_kernels() {
 #[test]
 fn fast_moe_fused_launch_with_its_shared_down_halves_last_matches_the_reference_kernels() {
     let Some(e) = down_shared_last_env() else {
+        return;
+    };
+    let cases = [
+        (1, Routing::TopK),
+        (2, Routing::Hash),
+        (16, Routing::TopK),
+        (17, Routing::HashSkewed),
+    ];
+    run_cases_on(
+        e,
+        MoeShape::FLASH,
+        Scales::Bytes,
+        Gate::Bf16,
+        Paths::Auto,
+        &cases,
+    );
+    run_cases_on(e, SMALL, Scales::Bytes, Gate::Bf16, Paths::Auto, &cases);
+}
+
+/// The shared expert's up items in halves of K too (the variant FMOE_UP_SPLIT=1: split into two
+/// items in the fused launch at one shared token tile, whole with the first half set aside in the
+/// other forms) give the same bits in every decode form and the reference's bounds.
+#[test]
+fn fast_moe_with_its_shared_up_sums_in_halves_matches_the_reference_kernels() {
+    let Some(e) = up_split_env() else {
         return;
     };
     let cases = [

@@ -540,7 +540,7 @@ pub fn workspace_buffers(
             Elem::I32,
             fast_moe_gemm::route_sync_words(t, k, experts),
         ),
-        ("split_sums", Elem::F32, fast_moe_gemm::split_sum_floats(d)),
+        ("split_sums", Elem::F32, fast_moe_gemm::split_sum_floats(d, i)),
     ]
 }
 

@@ -307,18 +307,20 @@ pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
 }
 
 /// The words after `sync`'s first: the item queue's head, [`SPLIT_MAX_ROW_BLOCKS`] counts of split
-/// shared down halves done, and per tile the plan can make a count of its up items done. They must
-/// be zero when the launch starts: `FastMoe::experts_on` has the plan zero them
-/// (`Moe::plan_clearing`), the launch before.
+/// shared down halves done and as many of up halves (the FMOE_UP_SPLIT variant), and per tile the
+/// plan can make a count of its up items done. They must be zero when the launch starts:
+/// `FastMoe::experts_on` has the plan zero them (`Moe::plan_clearing`), the launch before.
 pub fn plan_cleared_sync_words(t: usize, k: usize, experts: usize) -> usize {
-    1 + SPLIT_MAX_ROW_BLOCKS + tile_words(t, k, experts)
+    1 + 2 * SPLIT_MAX_ROW_BLOCKS + tile_words(t, k, experts)
 }
 
-/// f32s of `fmoe_experts_kernel`'s `split_sums` for a layer of hidden size `d` (any token count):
-/// per down row block it splits, each half's sums, 8 per consumer thread (`fmoe_split_join`).
-/// Written before they are read in every launch, so they need no clearing.
-pub fn split_sum_floats(d: usize) -> usize {
-    2 * d.div_ceil(DOWN_ROWS).min(SPLIT_MAX_ROW_BLOCKS) * WARPGROUPS * 128 * 8
+/// f32s of `fmoe_experts_kernel`'s `split_sums` for a layer of hidden size `d` and expert width
+/// `i` (any token count): per down row block it splits, then per up row block (the FMOE_UP_SPLIT
+/// variant), each half's sums, 8 per consumer thread (`fmoe_split_join`). Written before they are
+/// read in every launch, so they need no clearing.
+pub fn split_sum_floats(d: usize, i: usize) -> usize {
+    let blocks = d.div_ceil(DOWN_ROWS).min(SPLIT_MAX_ROW_BLOCKS) + (i / UP_J).min(SPLIT_MAX_ROW_BLOCKS);
+    2 * blocks * WARPGROUPS * 128 * 8
 }
 
 /// u32 words of the routed decode path's synchronisation buffer for `t` tokens
@@ -545,7 +547,7 @@ impl FastMoeGemm {
             ws.sync,
             sync_words(t, layer.k, layer.experts) * 4,
         )?;
-        need(K, "split_sums", ws.split_sums, split_sum_floats(layer.d) * 4)?;
+        need(K, "split_sums", ws.split_sums, split_sum_floats(layer.d, layer.i) * 4)?;
         let args = fused_args!(fmoe_experts_kernel, K, layer, ws, t;
             xq: ws.xq,
             xs: ws.xs,
