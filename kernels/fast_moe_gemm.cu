@@ -160,13 +160,8 @@ struct FmoeItem {
   int n;                       // tokens (assignments) in the tile, 1..FMOE_TOKENS
   int start;                   // first plan row (routed) or first token (shared)
   int row0;                    // first weight row of the block (up: first j)
-  int nks;                     // stages it reads (a split half: about half of its row block's)
-  int kall;                    // its row block's stages (fmoe_stages)
-  int first;                   // the first stage it reads (fmoe_stage_at)
-  int half;                    // -1, or which half of its row block's stages a split item reads (FMOE_DOWN_SPLIT)
-  int park;                    // a whole shared down item: after this many stages its sums so far are one half
-                               // (fmoe_consume_item); else -1
-  int tile;                    // its tile (the fused kernels' down items wait for the tile's up items)
+  int nks;                     // stages (fmoe_stages)
+  int rot;                     // the first stage it reads (fmoe_stage_at)
   const unsigned char* maps;   // the expert's FMOE_MAPS_PER_EXPERT tensor maps
   const float* sa;             // FP8 block scales ([rows/128][K/128]) of up: W1, down: W2
   const float* sb;             // up: W3, down: W2
@@ -185,62 +180,13 @@ DSV4_INLINE int fmoe_shared_tiles(const FmoeArgs& a) {
   return a.shared_fmt != 0 ? (a.T + FMOE_TOKENS - 1) / FMOE_TOKENS : 0;
 }
 
-// The shared expert's down sums, in halves. A shared down item's row block sums its stages (in fmoe_stage_at's
-// order) as two halves, the first kall / 2 and the rest, added at the end: in every decode form and at every
-// token count, so the bits never depend on the form or the batch (a row block of one stage: one sum). Whole
-// items keep the first half's sums aside at the midpoint (FmoeItem::park); fmoe_experts_kernel at one shared
-// tile splits each such item in two, the halves on two blocks, joined by fmoe_split_join. Why (FMOE_TRACE, one
-// token, H100): the 16 shared down items (0.5 MiB of FP8 each) start last, once the shared up items (1 MiB each)
-// are done, and ended the launch ~6 us after the routed ones, 16 blocks streaming at ~0.6 us a stage while the
-// rest idled. FMOE_DOWN_SPLIT 1 (the default): the split; 0 (a diagnostic variant): whole items there too, the
-// same bits.
-#ifndef FMOE_DOWN_SPLIT
-#define FMOE_DOWN_SPLIT 1
-#endif
-// FMOE_UP_SPLIT 1 (a variant, other bits: the shared up sums in halves too, in every form): the shared up items
-// likewise, so that at one token the shared expert's 1 MiB up items (on the launch's critical path: they end
-// after the routed ones, which stream 0.5 MiB an item at the same rate) end with the routed ones.
-#ifndef FMOE_UP_SPLIT
-#define FMOE_UP_SPLIT 0
-#endif
-
-// Whether the shared expert's items of this GEMM (`a`) sum in halves (every form) and whether
-// fmoe_experts_kernel splits them: one shared token tile, a counter a row block in the sync words
-// (FMOE_SPLIT_MAX_RB for each GEMM), two stages or more.
-DSV4_INLINE bool fmoe_halves(bool up, const FmoeArgs& a) { return a.shared_fmt != 0 && (!up || FMOE_UP_SPLIT); }
-DSV4_INLINE bool fmoe_split(bool up, const FmoeArgs& a) {
-  return (up ? FMOE_UP_SPLIT : FMOE_DOWN_SPLIT) && fmoe_halves(up, a) && a.T <= FMOE_TOKENS &&
-         fmoe_rblocks(up, a.N) <= FMOE_SPLIT_MAX_RB && fmoe_stages(a.shared_fmt == WFMT_FP4, a.K) >= 2;
-}
-
-// Items of ntile tiles of a GEMM (`a`), the split shared ones counted twice (SPLIT: fmoe_experts_kernel).
-template <bool UP, bool SPLIT>
-DSV4_INLINE int fmoe_items(const FmoeArgs& a, int ntile) {
-  const int rb = fmoe_rblocks(UP, a.N);
-  return ntile * rb + (SPLIT && fmoe_split(UP, a) ? rb : 0);
-}
-
 // Work item wi: tile wi / (row blocks), row block wi % (row blocks). The tiles are the plan's routed ones, then
 // the shared expert's, or with SHARED_FIRST (fmoe_route_experts_kernel) the shared ones first: those items are
-// then known before the plan is. SPLIT (fmoe_experts_kernel): where fmoe_split, the shared tile's items are the
-// two halves of each row block, adjacent.
-template <bool UP, bool SHARED_FIRST = false, bool SPLIT = false>
+// then known before the plan is.
+template <bool UP, bool SHARED_FIRST = false>
 DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
   const int rb_n = fmoe_rblocks(UP, a.N);
-  int tile = wi / rb_n, rb = wi - tile * rb_n;
-  int half = -1;
-  if (SPLIT && fmoe_split(UP, a)) {
-    const int sh0 = SHARED_FIRST ? 0 : a.nrt * rb_n;  // the shared tile's first item
-    if (wi >= sh0 && wi < sh0 + 2 * rb_n) {
-      tile = SHARED_FIRST ? 0 : a.nrt;
-      rb = (wi - sh0) >> 1;
-      half = (wi - sh0) & 1;
-    } else {
-      const int w2 = SHARED_FIRST ? wi - rb_n : wi;  // past the shared items' extra rb_n
-      tile = w2 / rb_n;
-      rb = w2 - tile * rb_n;
-    }
-  }
+  const int tile = wi / rb_n, rb = wi - tile * rb_n;
   const int nsh = SHARED_FIRST ? fmoe_shared_tiles(a) : 0;
   const bool routed = SHARED_FIRST ? tile >= nsh : tile < a.nrt;
   const int rt = tile - nsh;                           // the routed tile's index in the plan
@@ -290,25 +236,19 @@ DSV4_INLINE FmoeItem fmoe_item(const FmoeArgs& a, int wi) {
     else if (it.row0 + FMOE_BOX_ROWS < a.N)
       it.sc8_b = mb + (rb + 1) * per_rb;
   }
-  it.kall = fmoe_stages(it.fp4, a.K);
-  const int k0 = half == 1 ? it.kall / 2 : 0;  // the first stage it reads in its row block's order
-  it.first = (rb % it.kall + k0) % it.kall;
-  it.half = half;
-  it.nks = half < 0 ? it.kall : half == 0 ? it.kall / 2 : it.kall - it.kall / 2;
-  it.park = (fmoe_halves(UP, a) && it.shared && half < 0 && it.kall >= 2) ? it.kall / 2 : -1;
-  it.tile = tile;
+  it.nks = fmoe_stages(it.fp4, a.K);
+  it.rot = rb % it.nks;
   return it;
 }
 
-// The stage an item reads i-th: stage (i + rb) mod kall (rb: its row block). Without the offset, every block of
+// The stage an item reads i-th: stage (i + rot) mod nks, its row block's offset. Without it, every block of
 // a small batch starts at stage 0 and walks K in step with the others, so at any moment all of them read
 // the same 128-byte column of rows a fixed stride apart, which the DRAM address map puts in a few channels
 // (the layer at B = 1: 90 -> 72 us on the H200). Keyed by the row block alone, the order in which a row's
 // 128-blocks are summed does not depend on the batch or on which tile holds the token.
-// A split half reads its part of that order: the second half from stage kall / 2 of it on (FmoeItem::first).
 DSV4_INLINE int fmoe_stage_at(const FmoeItem& it, int i) {
-  const int kb = it.first + i;  // first < kall, i < nks <= kall
-  return kb < it.kall ? kb : kb - it.kall;
+  const int kb = i + it.rot;
+  return kb < it.nks ? kb : kb - it.nks;
 }
 
 // Activation row of token column c (column 0's for c >= n: the producer's lanes of those columns form an
@@ -448,8 +388,8 @@ DSV4_INLINE void fmoe_produce_item(const FmoeArgs& a, const FmoeItem& it, unsign
       if (i == 0 && header >= 0) fmoe_store_header(st, header);
       mbar_arrive_expect_tx(full, tx);
       if (FMOE_PROBE_FLAT) {  // box (row block, stage) of the maps of 128-byte rows: 16 KiB in a row
-        tma_load_2d(st, map_a, 0, ((it.row0 / FMOE_BOX_ROWS) * it.kall + kb) * FMOE_BOX_ROWS, full);
-        tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, 0, ((row_b / FMOE_BOX_ROWS) * it.kall + kb) * FMOE_BOX_ROWS,
+        tma_load_2d(st, map_a, 0, ((it.row0 / FMOE_BOX_ROWS) * it.nks + kb) * FMOE_BOX_ROWS, full);
+        tma_load_2d(st + FMOE_BOX_ROWS * FMOE_RB, map_b, 0, ((row_b / FMOE_BOX_ROWS) * it.nks + kb) * FMOE_BOX_ROWS,
                     full);
       } else {
         tma_load_2d(st, map_a, kb * FMOE_RB, it.row0, full);
@@ -863,37 +803,16 @@ extern "C" __global__ void fmoe_rows8_kernel(int nex, int D, int I, unsigned cha
 }
 
 // The consumers' part of one item: every stage from the ring into acc (from zero).
-// PARK (a whole shared down item, it.park >= 0: fmoe_consume_down) keeps the first half's sums aside from stage
-// it.park on: FMOE_PARK_SMEM at `park`, this thread's 8 floats in shared memory that nothing else uses then, or
-// FMOE_PARK_REGS in registers, which the kernels at 96 registers a thread spill around their stage loops
-// (ptxas). The other items' loop has none of it: with the midpoint's test in every item's loop, the fused launch
-// ran 10-19% slower (ptxas kept loop values in local memory).
-#define FMOE_PARK_NONE 0
-#define FMOE_PARK_SMEM 1
-#define FMOE_PARK_REGS 2
-template <bool UP, int PARK = FMOE_PARK_NONE>
+template <bool UP>
 DSV4_INLINE void fmoe_consume_item(const FmoeArgs& a, const FmoeItem& it, unsigned smem, int& slot, unsigned& phase,
-                                   float (&acc)[8], float* park = nullptr) {
+                                   float (&acc)[8]) {
   extern __shared__ __align__(1024) unsigned char fmoe_smem[];
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
   long long data_waits = 0;  // FMOE_TRACE: cycles thread 0 waited for the stages
-  float first_half[8];      // FMOE_PARK_REGS: the first half
-  float4* parked = reinterpret_cast<float4*>(park) + 2 * threadIdx.x;  // FMOE_PARK_SMEM: there
   for (int i = 0; i < it.nks; ++i) {
     const int kb = fmoe_stage_at(it, i);
-    if (PARK != FMOE_PARK_NONE && i == it.park) {
-      if (PARK == FMOE_PARK_SMEM) {
-        parked[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        parked[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-      } else {
-#pragma unroll
-        for (int v = 0; v < 8; ++v) first_half[v] = acc[v];
-      }
-#pragma unroll
-      for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
-    }
     const long long c0 = fmoe_trace_clock();
     mbar_wait(fmoe_full(smem, slot), phase);
     data_waits += fmoe_trace_clock() - c0;
@@ -905,75 +824,7 @@ DSV4_INLINE void fmoe_consume_item(const FmoeArgs& a, const FmoeItem& it, unsign
     if (lane == 0) mbar_arrive(fmoe_empty(smem, slot));
     fmoe_ring_advance(slot, phase, FMOE_RING_SLOTS);
   }
-  if (PARK != FMOE_PARK_NONE) {
-    if (PARK == FMOE_PARK_SMEM) {
-      const float4 p0 = parked[0], p1 = parked[1];
-      first_half[0] = p0.x, first_half[1] = p0.y, first_half[2] = p0.z, first_half[3] = p0.w;
-      first_half[4] = p1.x, first_half[5] = p1.y, first_half[6] = p1.z, first_half[7] = p1.w;
-    }
-#pragma unroll
-    for (int v = 0; v < 8; ++v) acc[v] = first_half[v] + acc[v];
-  }
   if (FMOE_TRACE && threadIdx.x == 0) fmoe_trace(FMOE_EV_FULL_WAITS, (int)min(data_waits, 0x7fffffffLL));
-}
-
-// An item's stages (fmoe_consume_item), a whole shared one's with its park (PARK: in shared memory at `park`, or
-// in registers). Up items have none unless FMOE_UP_SPLIT (so the default kernels' up loops stay one).
-template <bool UP, int PARK>
-DSV4_INLINE void fmoe_consume(const FmoeArgs& a, const FmoeItem& it, unsigned smem, int& slot, unsigned& phase,
-                              float (&acc)[8], float* park) {
-  if ((!UP || FMOE_UP_SPLIT) && it.park >= 0)
-    fmoe_consume_item<UP, PARK>(a, it, smem, slot, phase, acc, park);
-  else
-    fmoe_consume_item<UP>(a, it, smem, slot, phase, acc);
-}
-
-// A split half's end (every consumer thread of fmoe_experts_kernel, after fmoe_consume_item): stores this thread's
-// sums in its row block's pair of slots at `sums` (row block rb; each slot FMOE_CONSUMERS threads' 8 floats) and
-// counts the half in at the row block's counter; true for the half counted second, whose acc then holds both
-// halves' sums (its own plus the other's: two terms, the same bits in either order, and the same as a whole
-// item's first_half + acc), which runs the item's epilogue. Whole items: true, nothing done. The counters are zero
-// when the launch starts (the plan clears them).
-DSV4_INLINE bool fmoe_split_join(const FmoeItem& it, float (&acc)[8], float* sums, unsigned* counters, int rb) {
-  __shared__ int split_second;
-  if (it.half < 0) return true;
-  const int tid = threadIdx.x;
-  float* pair = sums + (long long)rb * (2 * FMOE_CONSUMERS * 8);
-  float4* mine = reinterpret_cast<float4*>(pair + (it.half * FMOE_CONSUMERS + tid) * 8);
-  const float4* other = reinterpret_cast<const float4*>(pair + ((1 - it.half) * FMOE_CONSUMERS + tid) * 8);
-  mine[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-  mine[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-  named_barrier(3, FMOE_CONSUMERS);  // every thread's sums stored
-  if (tid == 0) {
-    unsigned before;
-    asm volatile("fence.acq_rel.gpu;\natom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n"
-                 : "=r"(before)
-                 : "l"(counters + rb)
-                 : "memory");
-    split_second = before == 1u;
-  }
-  named_barrier(3, FMOE_CONSUMERS);
-  if (!split_second) return false;
-  // Thread 0's acquire, then the barrier: the other half's sums are visible. Read past L1 all the same (this SM
-  // never read them before, so it holds no stale line; the loads need no acquire of their own).
-  const float4 o0 = __ldcg(other), o1 = __ldcg(other + 1);
-  acc[0] += o0.x;
-  acc[1] += o0.y;
-  acc[2] += o0.z;
-  acc[3] += o0.w;
-  acc[4] += o1.x;
-  acc[5] += o1.y;
-  acc[6] += o1.z;
-  acc[7] += o1.w;
-  return true;
-}
-
-// The up epilogue's gate / up value buffer of `parity` (fmoe_up_epilogue), which a down item may use to keep its
-// first half's sums aside (fmoe_consume_item's `park`) while no up epilogue can use it.
-static_assert(FMOE_CONSUMERS * 8 <= FMOE_GU_FLOATS, "fast_moe_gemm: a parked half fits in an epilogue buffer");
-DSV4_INLINE float* fmoe_gu_buffer(int parity) {
-  extern __shared__ __align__(1024) unsigned char fmoe_smem[];
-  return reinterpret_cast<float*>(fmoe_smem + FMOE_RING_SLOTS * FMOE_SLOT) + parity * FMOE_GU_FLOATS;
 }
 
 // The up epilogue of an item (all consumer threads): SwiGLU, the routing weight and h's FP8 quantisation.
@@ -984,7 +835,8 @@ DSV4_INLINE float* fmoe_gu_buffer(int parity) {
 DSV4_INLINE void fmoe_up_epilogue(const FmoeArgs& a, const FmoeItem& it, const float (&acc)[8], int parity,
                                   const float* route_w, float limit, unsigned char* out_q, float* out_s,
                                   unsigned stash_threads) {
-  float* gv = fmoe_gu_buffer(parity);
+  extern __shared__ __align__(1024) unsigned char fmoe_smem[];
+  float* gv = reinterpret_cast<float*>(fmoe_smem + FMOE_RING_SLOTS * FMOE_SLOT) + parity * FMOE_GU_FLOATS;
   float* uv = gv + FMOE_TOKENS * FMOE_GU_STRIDE;
   fmoe_up_stash(it, acc, gv, uv);
   named_barrier(1, stash_threads);
@@ -1022,11 +874,7 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
   for (int n = 0; n < my_items; ++n) {
     const FmoeItem it = fmoe_item<UP>(a, blockIdx.x + n * gridDim.x);
     if (it.skip) continue;
-    // A down block has no up epilogues, so their buffers are free; an up block's are not.
-    if (UP)
-      fmoe_consume<true, FMOE_PARK_REGS>(a, it, smem, slot, phase, acc, nullptr);
-    else
-      fmoe_consume<false, FMOE_PARK_SMEM>(a, it, smem, slot, phase, acc, fmoe_gu_buffer(0));
+    fmoe_consume_item<UP>(a, it, smem, slot, phase, acc);
     if (UP)
       fmoe_up_epilogue(a, it, acc, n & 1, route_w, limit, out_q, out_s, FMOE_CONSUMERS);
     else
@@ -1038,8 +886,7 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
 // takes the next one as it starts, before the programmatic wait, so the plan cannot clear it; zero between
 // launches (the workspace starts so, and the block taking the launch's last ticket resets it: every other block
 // has taken its ticket by then). Then, zero at each launch's start (the layer's plan, moe_plan_kernel, clears them
-// just before): the queue's head, FMOE_SPLIT_MAX_RB counters of split shared down halves done (fmoe_split_join),
-// as many of split shared up halves (FMOE_UP_SPLIT), then per tile the up items whose h rows are stored. (The last block out had
+// just before): the queue's head, then per tile the up items whose h rows are stored. (The last block out had
 // reset those at the kernel's end: every block's fence and atomic, and the last one's stores, before the launch
 // could end; at one token the launch lost the second launch it saved, BENCHMARKS.md, issue 11 fifteenth version.)
 // Every item a block holds was taken once the block had started, from the queue or by its ticket: an item given
@@ -1047,9 +894,7 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
 // stream's kernels or MPS can leave fewer SMs than the grid).
 #define FMOE_SYNC_TICKET 0
 #define FMOE_SYNC_NEXT 1
-#define FMOE_SYNC_SPLIT 2
-#define FMOE_SYNC_UP_SPLIT (2 + FMOE_SPLIT_MAX_RB)
-#define FMOE_SYNC_TILES (2 + 2 * FMOE_SPLIT_MAX_RB)
+#define FMOE_SYNC_TILES 2
 
 // Makes this block's h stores (published to this thread through a barrier) visible at GPU scope, then counts
 // one more finished up item of the tile.
@@ -1080,19 +925,15 @@ DSV4_INLINE void fmoe_publish(unsigned* tile_ready, const volatile int* pub_tile
   }
 }
 
-// The consumers' part of a fused kernel's up item `it`, their n-th up item with an epilogue: the GEMM, the tile
-// handed to the publisher, the epilogue, then warps 0-7 (which stored h) let the publisher go on. False, with
-// nothing after the GEMM, for a split half counted first (fmoe_split_join: `sums`, `counters`).
-DSV4_INLINE bool fmoe_fused_up_item(const FmoeArgs& a, const FmoeItem& it, int n, unsigned smem, int& slot,
+// The consumers' part of a fused kernel's up item `it` of tile `tile`, their n-th up item: the GEMM, the tile
+// handed to the publisher, the epilogue, then warps 0-7 (which stored h) let the publisher go on.
+DSV4_INLINE void fmoe_fused_up_item(const FmoeArgs& a, const FmoeItem& it, int tile, int n, unsigned smem, int& slot,
                                     unsigned& phase, float (&acc)[8], const float* route_w, float limit,
-                                    unsigned char* hq, float* hs, volatile int* pub_tile, float* sums,
-                                    unsigned* counters) {
-  fmoe_consume<true, FMOE_PARK_REGS>(a, it, smem, slot, phase, acc, nullptr);  // (both epilogue buffers in use)
-  if (FMOE_UP_SPLIT && !fmoe_split_join(it, acc, sums, counters, it.row0 / FMOE_UP_J)) return false;
-  if (threadIdx.x == 0) pub_tile[n & 1] = it.tile;
+                                    unsigned char* hq, float* hs, volatile int* pub_tile) {
+  fmoe_consume_item<true>(a, it, smem, slot, phase, acc);
+  if (threadIdx.x == 0) pub_tile[n & 1] = tile;
   fmoe_up_epilogue(a, it, acc, n & 1, route_w, limit, hq, hs, FMOE_CONSUMERS + 32);
   if ((threadIdx.x >> 5) < 8) asm volatile("bar.arrive 2, 288;\n" ::: "memory");
-  return true;
 }
 
 // Posts header `header` (-1: no more items; fmoe_route_experts_kernel's router jobs) in the ring's next slot,
@@ -1121,15 +962,6 @@ DSV4_INLINE void fmoe_post_header(unsigned smem, int slot, unsigned phase, int h
 #ifndef FMOE_SHARED_EARLY
 #define FMOE_SHARED_EARLY 1
 #endif
-// FMOE_DOWN_SHARED_LAST 1: the down items are numbered in the plan's order (routed tiles first, the shared one
-// last) while the up items stay shared-first. With the shared down items split in halves (FMOE_DOWN_SPLIT), the
-// shared-first order had the blocks that finished their routed up items first take shared halves and wait for
-// the shared up items (the last up items to end) instead of computing routed down items (FMOE_TRACE, one token:
-// 12 blocks idle ~8 us).
-#ifndef FMOE_DOWN_SHARED_LAST
-#define FMOE_DOWN_SHARED_LAST 0
-#endif
-#define FMOE_DOWN_SHARED_FIRST (FMOE_SHARED_EARLY && !FMOE_DOWN_SHARED_LAST)
 extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     fmoe_experts_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
                         const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
@@ -1137,7 +969,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
                         int fmt, int fmt2, int shared_fmt, int shared_fmt2, const float* shared_s1,
                         const float* shared_s3, const float* shared_s2, const unsigned char* sc8,
                         const float* route_w, float limit, unsigned char* hq, float* hs, unsigned short* y,
-                        unsigned* sync, float* split_sums) {
+                        unsigned* sync) {
   dsv4_pdl_trigger();
   if (!FMOE_SHARED_EARLY) dsv4_pdl_wait();
   // Under FMOE_SHARED_EARLY the plan's tile count is read after each thread's wait (below).
@@ -1147,10 +979,10 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
                           maps, s2, s2, fmt2, shared_fmt2, shared_s2, shared_s2, sc8, D, I);
   const unsigned smem = fmoe_block_init();
   const int nsh = fmoe_shared_tiles(up);
-  const int rb_up = fmoe_rblocks(true, I);
+  const int rb_up = fmoe_rblocks(true, I), rb_dn = fmoe_rblocks(false, D);
   // FMOE_SHARED_EARLY: the blocks with start tickets 0 .. nstatic - 1 take the shared expert's up items 0 ..
   // nstatic - 1 (the shared-first order) without the queue; the rest of the items come from the queue after them.
-  const int nstatic = FMOE_SHARED_EARLY ? min((int)gridDim.x, fmoe_items<true, true>(up, nsh)) : 0;
+  const int nstatic = FMOE_SHARED_EARLY ? min((int)gridDim.x, nsh * rb_up) : 0;
   unsigned* next = sync + FMOE_SYNC_NEXT;
   unsigned* tile_ready = sync + FMOE_SYNC_TILES;
   const int lane = threadIdx.x & 31;
@@ -1178,7 +1010,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       // A shared up item, known before the plan: its first stages' weights go out before the wait (the model's
       // weights, which no kernel before writes: kernels/common.cuh), its tokens after it.
       const int w = ticket;
-      const FmoeItem it = fmoe_item<true, true, true>(up, w);
+      const FmoeItem it = fmoe_item<true, true>(up, w);
       const int tr = fmoe_trace_item(true, w, true);
       if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
       fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0, tr, true);
@@ -1186,24 +1018,20 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       dsv4_pdl_wait();
     }
     plan_tiles();
-    const int nup = fmoe_items<true, true>(up, up.nrt + nsh), total = nup + fmoe_items<false, true>(dn, up.nrt + nsh);
+    const int nup = (up.nrt + nsh) * rb_up, total = nup + (up.nrt + nsh) * rb_dn;
     int w = fmoe_take(next) + nstatic;
     while (w < total) {
       const int w_next = FMOE_TAKE_EARLY ? fmoe_take(next) + nstatic : 0;
       if (w < nup) {
-        const FmoeItem it = fmoe_item<true, FMOE_SHARED_EARLY, true>(up, w);
+        const FmoeItem it = fmoe_item<true, FMOE_SHARED_EARLY>(up, w);
         const int tr = fmoe_trace_item(true, w, it.shared);
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
         if (!it.skip) fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0, tr);
       } else {
-        const FmoeItem it = fmoe_item<false, FMOE_DOWN_SHARED_FIRST, true>(dn, w - nup);
+        const FmoeItem it = fmoe_item<false, FMOE_SHARED_EARLY>(dn, w - nup);
         const int tr = fmoe_trace_item(false, w - nup, it.shared);
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
-        // Its tile's count, in the up items' numbering (shared tiles first under FMOE_SHARED_EARLY).
-        const int up_tile = FMOE_SHARED_EARLY && !FMOE_DOWN_SHARED_FIRST
-                                ? (it.shared ? it.tile - dn.nrt : it.tile + nsh)
-                                : it.tile;
-        const unsigned* ready = tile_ready + up_tile;
+        const unsigned* ready = tile_ready + (w - nup) / rb_dn;
         // Usually the tile's up items are long done: one look while the ring still holds the last item's
         // stages, and the item streams as any other. Else its first weights go out before the wait (waiting
         // for each item's tokens behind its weights cost ~1.5 us a down item).
@@ -1219,9 +1047,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     // The consumers: each item's header in its first slot says what it is.
     if (FMOE_SHARED_EARLY) dsv4_pdl_wait();
     plan_tiles();
-    const int nup = fmoe_items<true, true>(up, up.nrt + nsh);
-    // The split halves' sums: the down GEMM's row blocks', then the up GEMM's (fast_moe_gemm::split_sum_floats).
-    float* up_sums = split_sums + (long long)min(fmoe_rblocks(false, D), FMOE_SPLIT_MAX_RB) * (2 * FMOE_CONSUMERS * 8);
+    const int nup = (up.nrt + nsh) * rb_up;
     int slot = 0;
     unsigned phase = 0;
     float acc[8];
@@ -1231,21 +1057,17 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       const int w = fmoe_load_header(smem + slot * FMOE_SLOT);
       if (w < 0) break;
       if (w < nup) {
-        const FmoeItem it = fmoe_item<true, FMOE_SHARED_EARLY, true>(up, w);
+        const FmoeItem it = fmoe_item<true, FMOE_SHARED_EARLY>(up, w);
         const int tr = fmoe_trace_item(true, w, it.shared);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
-        if (fmoe_fused_up_item(up, it, nup_done, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile, up_sums,
-                               sync + FMOE_SYNC_UP_SPLIT))
-          ++nup_done;
+        fmoe_fused_up_item(up, it, w / rb_up, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       } else {
-        const FmoeItem it = fmoe_item<false, FMOE_DOWN_SHARED_FIRST, true>(dn, w - nup);
+        const FmoeItem it = fmoe_item<false, FMOE_SHARED_EARLY>(dn, w - nup);
         const int tr = fmoe_trace_item(false, w - nup, it.shared);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
-        // The epilogue buffer the block's last up item did not use (its down items follow all its up items).
-        fmoe_consume<false, FMOE_PARK_SMEM>(dn, it, smem, slot, phase, acc, fmoe_gu_buffer(nup_done & 1));
-        if (fmoe_split_join(it, acc, split_sums, sync + FMOE_SYNC_SPLIT, it.row0 / FMOE_DOWN_ROWS))
-          fmoe_down_store(dn, it, acc, y);
+        fmoe_consume_item<false>(dn, it, smem, slot, phase, acc);
+        fmoe_down_store(dn, it, acc, y);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       }
     }
@@ -1542,15 +1364,13 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         const FmoeItem it = fmoe_item<true, true>(up, h);
         const int tr = fmoe_trace_item(true, h, it.shared);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
-        fmoe_fused_up_item(up, it, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile, nullptr,
-                           nullptr);  // (whole items: no join)
+        fmoe_fused_up_item(up, it, h / rb_up, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       } else {
         const FmoeItem it = fmoe_item<false, true>(dn, h - FMOE_DOWN_HEADER);
         const int tr = fmoe_trace_item(false, h - FMOE_DOWN_HEADER, it.shared);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
-        // (Its park in registers: the router jobs use both epilogue buffers.)
-        fmoe_consume<false, FMOE_PARK_REGS>(dn, it, smem, slot, phase, acc, nullptr);
+        fmoe_consume_item<false>(dn, it, smem, slot, phase, acc);
         fmoe_down_store(dn, it, acc, y);
         if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
       }

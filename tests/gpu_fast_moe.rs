@@ -145,33 +145,13 @@ fn env() -> Option<&'static Env> {
 /// compiled modules, so it lives as long as the kernels taken from it.
 fn queue_only_env() -> Option<&'static Env> {
     static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
-    variant_env(&ENV, "FMOE_SHARED_EARLY=0")
-}
-
-/// The same kernels compiled with the variant FMOE_DOWN_SHARED_LAST=1 (kernels/fast_moe_gemm.cu: the
-/// fused launch numbers its down items routed tiles first, the shared expert's split halves last).
-fn down_shared_last_env() -> Option<&'static Env> {
-    static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
-    variant_env(&ENV, "FMOE_DOWN_SHARED_LAST=1")
-}
-
-/// The same kernels compiled with the variant FMOE_UP_SPLIT=1 (kernels/fast_moe_gemm.cu: the shared
-/// expert's up sums in halves too, every form; the fused launch splits those items at one shared
-/// token tile).
-fn up_split_env() -> Option<&'static Env> {
-    static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
-    variant_env(&ENV, "FMOE_UP_SPLIT=1")
-}
-
-/// The kernels compiled with `define`, in `cell`.
-fn variant_env(cell: &'static OnceLock<(Registry, Env)>, define: &str) -> Option<&'static Env> {
     let g = family_gpu(&families())?;
-    let (_, e) = cell.get_or_init(|| {
+    let (_, e) = ENV.get_or_init(|| {
         let cache = KernelCache::disabled()
-            .with_defines(&[define.to_string()])
+            .with_defines(&["FMOE_SHARED_EARLY=0".to_string()])
             .unwrap();
         let reg = Registry::load_families(&g.ctx, &families(), &cache)
-            .unwrap_or_else(|e| panic!("{define}: {e}"));
+            .unwrap_or_else(|e| panic!("FMOE_SHARED_EARLY=0: {e}"));
         let env = env_of(&g.ctx, &reg);
         (reg, env)
     });
@@ -1096,58 +1076,6 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
 #[test]
 fn fast_moe_fused_launch_from_its_queue_alone_matches_the_reference_kernels() {
     let Some(e) = queue_only_env() else { return };
-    let cases = [
-        (1, Routing::TopK),
-        (2, Routing::Hash),
-        (16, Routing::TopK),
-        (17, Routing::HashSkewed),
-    ];
-    run_cases_on(
-        e,
-        MoeShape::FLASH,
-        Scales::Bytes,
-        Gate::Bf16,
-        Paths::Auto,
-        &cases,
-    );
-    run_cases_on(e, SMALL, Scales::Bytes, Gate::Bf16, Paths::Auto, &cases);
-}
-
-/// The shared expert's split down halves numbered after the routed down items (the variant
-/// FMOE_DOWN_SHARED_LAST=1) give the same bits as the other decode forms, which keep those items
-/// whole (their first half's sums set aside at the midpoint), and the reference's bounds: one
-/// shared token tile (the split) and two (whole items), Flash shapes and the small shape's odd
-/// widths (three stages a row block: halves of one and two).
-#[test]
-fn fast_moe_fused_launch_with_its_shared_down_halves_last_matches_the_reference_kernels() {
-    let Some(e) = down_shared_last_env() else {
-        return;
-    };
-    let cases = [
-        (1, Routing::TopK),
-        (2, Routing::Hash),
-        (16, Routing::TopK),
-        (17, Routing::HashSkewed),
-    ];
-    run_cases_on(
-        e,
-        MoeShape::FLASH,
-        Scales::Bytes,
-        Gate::Bf16,
-        Paths::Auto,
-        &cases,
-    );
-    run_cases_on(e, SMALL, Scales::Bytes, Gate::Bf16, Paths::Auto, &cases);
-}
-
-/// The shared expert's up items in halves of K too (the variant FMOE_UP_SPLIT=1: split into two
-/// items in the fused launch at one shared token tile, whole with the first half set aside in the
-/// other forms) give the same bits in every decode form and the reference's bounds.
-#[test]
-fn fast_moe_with_its_shared_up_sums_in_halves_matches_the_reference_kernels() {
-    let Some(e) = up_split_env() else {
-        return;
-    };
     let cases = [
         (1, Routing::TopK),
         (2, Routing::Hash),

@@ -419,9 +419,6 @@ pub struct FastMoeWorkspace {
     /// zero when its launch starts; the arena starts them so and the layer's combine zeroes them
     /// after each launch ([`FastMoe::route_and_experts`]).
     pub route_sync: DevicePtr,
-    /// The fused decode path's halves of the shared expert's split down items
-    /// (`f32[`[`fast_moe_gemm::split_sum_floats`]`]`, kernels/fast_moe_gemm.cu FMOE_DOWN_SPLIT).
-    pub split_sums: DevicePtr,
 }
 
 impl FastMoeWorkspace {
@@ -453,7 +450,6 @@ impl FastMoeWorkspace {
             xs_plan: p[15],
             act_maps: p[16],
             route_sync: p[17],
-            split_sums: p[18],
         }
     }
 
@@ -498,7 +494,7 @@ pub fn workspace_buffers(
     i: usize,
     k: usize,
     experts: usize,
-) -> [(&'static str, Elem, usize); 19] {
+) -> [(&'static str, Elem, usize); 18] {
     let plan = MoePlan::buffer_bytes(t, k, experts, fast_moe_gemm::TOKENS).map(|b| b / 4);
     let [counts, ranks] = moe::plan_wide_scratch(t * k, experts);
     let rows = t * k + t;
@@ -540,7 +536,6 @@ pub fn workspace_buffers(
             Elem::I32,
             fast_moe_gemm::route_sync_words(t, k, experts),
         ),
-        ("split_sums", Elem::F32, fast_moe_gemm::split_sum_floats(d, i)),
     ]
 }
 

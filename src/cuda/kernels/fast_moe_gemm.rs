@@ -32,11 +32,6 @@ pub const STAGES: usize = 4;
 pub const UP_J: usize = WARPGROUPS * 64 / 2;
 /// Output rows per down work item (FMOE_DOWN_ROWS).
 pub const DOWN_ROWS: usize = WARPGROUPS * 64;
-/// Most down row blocks (`ceil(D / DOWN_ROWS)`) for which `fmoe_experts_kernel` splits the shared
-/// expert's down items in two halves of K (FMOE_SPLIT_MAX_RB, kernels/fast_moe_gemm.cu
-/// FMOE_DOWN_SPLIT): one counter each in its synchronisation words. Wider layers run them whole, with
-/// the same bits.
-pub const SPLIT_MAX_ROW_BLOCKS: usize = 64;
 
 /// Dynamic shared memory of a GEMM block (FMOE_SMEM_BYTES; kernels/fast_moe_gemm.cu checks its layout
 /// fits, and it must stay within the 227 KiB an sm_90 block may take): the ring of 1024-byte aligned
@@ -90,7 +85,7 @@ crate::kernel_family! {
         s1: *const u64, s3: *const u64, s2: *const u64, fmt: i32, fmt2: i32, shared_fmt: i32,
         shared_fmt2: i32, shared_s1: Option<*const f32>, shared_s3: Option<*const f32>,
         shared_s2: Option<*const f32>, sc8: Option<*const u8>, route_w: *const f32, limit: f32,
-        hq: *mut u8, hs: *mut f32, y: *mut u16, sync: *mut u32, split_sums: *mut f32,
+        hq: *mut u8, hs: *mut f32, y: *mut u16, sync: *mut u32,
     );
     /// The router (logits, selection, plan) and both GEMMs in one launch (the routed decode
     /// path): the same steps and bits as `fmoe_logits_kernel`, `fmoe_select_kernel`,
@@ -292,12 +287,6 @@ fn max_items(layer: &FastMoeLayer, t: usize, tile: usize, row_tiles: usize) -> u
     (routed + shared) * row_tiles
 }
 
-/// Tiles the plan can make for `t` tokens (routed and shared): one count word each in the fused
-/// launches' synchronisation words.
-fn tile_words(t: usize, k: usize, experts: usize) -> usize {
-    (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
-}
-
 /// u32 words of the decode path's synchronisation buffer for `t` tokens (`fmoe_experts_kernel`'s
 /// `sync`, kernels/fast_moe_gemm.cu FMOE_SYNC_*): the blocks' start ticket, then the
 /// [`plan_cleared_sync_words`]. The ticket is zero between launches (the workspace starts so; the
@@ -306,21 +295,11 @@ pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
     1 + plan_cleared_sync_words(t, k, experts)
 }
 
-/// The words after `sync`'s first: the item queue's head, [`SPLIT_MAX_ROW_BLOCKS`] counts of split
-/// shared down halves done and as many of up halves (the FMOE_UP_SPLIT variant), and per tile the
-/// plan can make a count of its up items done. They must be zero when the launch starts:
+/// The words after `sync`'s first: the item queue's head and per tile the plan can make (routed
+/// and shared) a count of its up items done. They must be zero when the launch starts:
 /// `FastMoe::experts_on` has the plan zero them (`Moe::plan_clearing`), the launch before.
 pub fn plan_cleared_sync_words(t: usize, k: usize, experts: usize) -> usize {
-    1 + 2 * SPLIT_MAX_ROW_BLOCKS + tile_words(t, k, experts)
-}
-
-/// f32s of `fmoe_experts_kernel`'s `split_sums` for a layer of hidden size `d` and expert width
-/// `i` (any token count): per down row block it splits, then per up row block (the FMOE_UP_SPLIT
-/// variant), each half's sums, 8 per consumer thread (`fmoe_split_join`). Written before they are
-/// read in every launch, so they need no clearing.
-pub fn split_sum_floats(d: usize, i: usize) -> usize {
-    let blocks = d.div_ceil(DOWN_ROWS).min(SPLIT_MAX_ROW_BLOCKS) + (i / UP_J).min(SPLIT_MAX_ROW_BLOCKS);
-    2 * blocks * WARPGROUPS * 128 * 8
+    1 + (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
 }
 
 /// u32 words of the routed decode path's synchronisation buffer for `t` tokens
@@ -328,7 +307,7 @@ pub fn split_sum_floats(d: usize, i: usize) -> usize {
 /// the logit tiles, the plan), then per tile a count of its up items done. Zero when the launch
 /// starts: the workspace starts so, and the layer's combine zeroes them after each launch.
 pub fn route_sync_words(t: usize, k: usize, experts: usize) -> usize {
-    4 + tile_words(t, k, experts)
+    3 + plan_cleared_sync_words(t, k, experts)
 }
 
 /// Checks the buffers of `ws` that GEMM1 reads and writes for `t` tokens (`who`: the kernel, for
@@ -547,13 +526,11 @@ impl FastMoeGemm {
             ws.sync,
             sync_words(t, layer.k, layer.experts) * 4,
         )?;
-        need(K, "split_sums", ws.split_sums, split_sum_floats(layer.d, layer.i) * 4)?;
         let args = fused_args!(fmoe_experts_kernel, K, layer, ws, t;
             xq: ws.xq,
             xs: ws.xs,
             route_w: ws.weights,
             sync: ws.sync,
-            split_sums: ws.split_sums,
         );
         let _g = ctx.enter()?;
         let (grid, smem) = fused_grid(ctx, layer, t);
