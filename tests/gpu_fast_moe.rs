@@ -1091,21 +1091,23 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
 #[test]
 fn fast_moe_fused_launch_from_its_queue_alone_matches_the_reference_kernels() {
     let Some(e) = queue_only_env() else { return };
-    let cases = [
-        (1, Routing::TopK),
-        (2, Routing::Hash),
-        (16, Routing::TopK),
-        (17, Routing::HashSkewed),
-    ];
-    run_cases_on(
+    run_variant_cases(
         e,
-        MoeShape::FLASH,
-        Scales::Bytes,
-        Gate::Bf16,
-        Paths::Auto,
-        &cases,
+        &[
+            (1, Routing::TopK),
+            (2, Routing::Hash),
+            (16, Routing::TopK),
+            (17, Routing::HashSkewed),
+        ],
     );
-    run_cases_on(e, SMALL, Scales::Bytes, Gate::Bf16, Paths::Auto, &cases);
+}
+
+/// A variant's few-token `cases` at Flash shapes and the small shape's odd widths, on the automatic
+/// paths (the fused launch up to 16 tokens).
+fn run_variant_cases(e: &'static Env, cases: &[(usize, Routing)]) {
+    let flash = MoeShape::FLASH;
+    run_cases_on(e, flash, Scales::Bytes, Gate::Bf16, Paths::Auto, cases);
+    run_cases_on(e, SMALL, Scales::Bytes, Gate::Bf16, Paths::Auto, cases);
 }
 
 /// The shared expert's up items streamed before the plan, once the logits kernel has published x's
@@ -1115,22 +1117,16 @@ fn fast_moe_fused_launch_from_its_queue_alone_matches_the_reference_kernels() {
 #[test]
 fn fast_moe_fused_launch_with_x_published_early_matches_the_reference_kernels() {
     let Some(e) = x_early_env() else { return };
-    let cases = [
-        (1, Routing::TopK),
-        (2, Routing::Hash),
-        (8, Routing::TopK),
-        (16, Routing::TopK),
-        (17, Routing::HashSkewed),
-    ];
-    run_cases_on(
+    run_variant_cases(
         e,
-        MoeShape::FLASH,
-        Scales::Bytes,
-        Gate::Bf16,
-        Paths::Auto,
-        &cases,
+        &[
+            (1, Routing::TopK),
+            (2, Routing::Hash),
+            (8, Routing::TopK),
+            (16, Routing::TopK),
+            (17, Routing::HashSkewed),
+        ],
     );
-    run_cases_on(e, SMALL, Scales::Bytes, Gate::Bf16, Paths::Auto, &cases);
 }
 
 /// The small shape's paths (see [`SMALL`]), from one token to many tiles per expert.
