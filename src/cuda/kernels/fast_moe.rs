@@ -406,8 +406,9 @@ pub struct FastMoeWorkspace {
     /// begins with `dsv4_pdl_begin`), so the two never overlap and x costs no memory of its own.
     pub y: DevicePtr,
     /// The decode path's synchronisation words (`u32[`[`fast_moe_gemm::sync_words`]`]`): the
-    /// fused path's plan zeroes all but the first before each launch ([`FastMoe::experts_on`]);
-    /// the first, the blocks' start ticket, is zero from the arena on and each launch leaves it so.
+    /// fused path's plan zeroes all but the first [`fast_moe_gemm::UNCLEARED_SYNC_WORDS`] before
+    /// each launch ([`FastMoe::experts_on`]); those (the blocks' start ticket, the FMOE_X_EARLY
+    /// variant's words) are zero from the arena on and each launch leaves them so.
     pub sync: DevicePtr,
     /// The wide plan's scratch ([`moe::plan_wide_scratch`]): block counts and ranks.
     pub plan_counts: DevicePtr,

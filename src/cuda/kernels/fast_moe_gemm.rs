@@ -304,14 +304,20 @@ pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
 /// publishes x's codes to the fused launch under the FMOE_X_EARLY variant (kernels/
 /// fast_moe_route.cuh fmoe_x_publish): words 1-3.
 pub fn x_ready_words(sync: DevicePtr) -> Result<DevicePtr> {
-    sync.slice(4, 12)
+    sync.slice(4, 4 * (UNCLEARED_SYNC_WORDS - 1))
+}
+
+/// Tiles the plan can make for `t` tokens (routed and shared): a count of its up items done each,
+/// in both fused launches' synchronisation words.
+fn tile_words(t: usize, k: usize, experts: usize) -> usize {
+    (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
 }
 
 /// The words after the [`UNCLEARED_SYNC_WORDS`]: the item queue's head and per tile the plan can
 /// make (routed and shared) a count of its up items done. They must be zero when the launch starts:
 /// `FastMoe::experts_on` has the plan zero them (`Moe::plan_clearing`), the launch before.
 pub fn plan_cleared_sync_words(t: usize, k: usize, experts: usize) -> usize {
-    1 + (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
+    1 + tile_words(t, k, experts)
 }
 
 /// u32 words of the routed decode path's synchronisation buffer for `t` tokens
@@ -319,7 +325,7 @@ pub fn plan_cleared_sync_words(t: usize, k: usize, experts: usize) -> usize {
 /// the logit tiles, the plan), then per tile a count of its up items done. Zero when the launch
 /// starts: the workspace starts so, and the layer's combine zeroes them after each launch.
 pub fn route_sync_words(t: usize, k: usize, experts: usize) -> usize {
-    4 + (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
+    4 + tile_words(t, k, experts)
 }
 
 /// Checks the buffers of `ws` that GEMM1 reads and writes for `t` tokens (`who`: the kernel, for
