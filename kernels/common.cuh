@@ -52,24 +52,6 @@ DSV4_INLINE void dsv4_pdl_begin() {
 // before the wait ONLY the model's weights: no kernel that triggers early (none of them writes a
 // weight: uploads and refits run plain launches) can be writing them, so the reads may overlap the
 // previous kernel's tail. Everything else (activations, state, outputs) waits.
-// Or with dsv4_pdl_begin_early(trigger_first): dsv4_pdl_begin, the trigger first when `trigger_first` (a
-// variant's switch: FMOE_X_EARLY below), reading nothing before the wait.
-DSV4_INLINE void dsv4_pdl_begin_early(bool trigger_first) {
-  if (trigger_first) dsv4_pdl_trigger();
-  dsv4_pdl_begin();
-}
-
-// FMOE_X_EARLY 1 (a variant spanning the moe, fast_moe and fast_moe_gemm families; not yet measured): the MoE
-// plan triggers the fused expert launch first, so that launch is resident while the selection runs, and its
-// blocks holding the shared expert's up items stream them beyond their first stages as soon as the logits
-// kernel has published x's codes (fast_moe_route.cuh fmoe_x_publish), instead of after the plan: HBM otherwise
-// idles through the router chain (BENCHMARKS.md 2026-12-06, thirty-second version, Next). The one read before a
-// programmatic wait that is not a weight: x's codes, after an acquire of the flag the logits kernel stores with
-// release once they are all stored. (With the plan triggering first, the fused launch only starts once the
-// selection has waited for the logits kernel's end, so a flag another layer left set lets nothing through early.)
-#ifndef FMOE_X_EARLY
-#define FMOE_X_EARLY 0
-#endif
 
 // 2^k as a float for -149 <= k <= 127, exactly (normal or subnormal).
 DSV4_INLINE float dsv4_pow2(int k) {

@@ -114,13 +114,11 @@ DSV4_INLINE void fmoe_quant_x_row(const float* x, long long t, int D, bool halve
 // FMOE_LOGIT_SPLIT parts of D, so many warps stream the gate at once:
 // - the tile (bx, by) of the logits (fmoe_logits_tile, fast_moe_route.cuh);
 // - warp w of blocks with b = bx * FMOE_LOGIT_WARPS + w < D / 128: fmoe_quant_x_block of block b (unless xq is
-//   NULL: the norm made them);
-// - FMOE_X_EARLY with `x_ready` (not NULL: the fused expert launch follows): those blocks then publish x's codes
-//   (fmoe_x_publish) before their logits.
+//   NULL: the norm made them).
 // Requires D % (4 * FMOE_LOGIT_SPLIT) == 0 and D % 128 == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
     fmoe_logits_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
-                       int halves, unsigned char* xq, float* xs, unsigned* x_ready) {
+                       int halves, unsigned char* xq, float* xs) {
   dsv4_pdl_begin();
   __shared__ float part_sum[FMOE_LOGIT_WARPS][FMOE_LOGIT_TOKENS];
   const int warp = threadIdx.x >> 5;
@@ -130,13 +128,6 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
   const int b = blockIdx.x * FMOE_LOGIT_WARPS + warp;
   // (xq NULL: the input's norm made x's codes already, fmoe_norm_x_kernel.)
   if (xq != nullptr && b < D / 128) fmoe_quant_x_block(x, t0, nt, D, b, halves != 0, xq, xs);
-  // The blocks with x's 128-blocks to quantise (bx < x_cols; the same blocks when the norm made them).
-  const int x_cols = (D / 128 + FMOE_LOGIT_WARPS - 1) / FMOE_LOGIT_WARPS;
-  if (FMOE_X_EARLY && x_ready != nullptr && (int)blockIdx.x < x_cols) {
-    __syncthreads();  // the block's codes stored
-    const unsigned blocks = (unsigned)(x_cols * ((T + FMOE_LOGIT_TOKENS - 1) / FMOE_LOGIT_TOKENS));
-    if (threadIdx.x == 0) fmoe_x_publish(x_ready, blocks);
-  }
   fmoe_logits_tile(x, T, D, E, gate, scoring, scores, blockIdx.x, blockIdx.y, threadIdx.x, part_sum,
                    [] { __syncthreads(); });
 }

@@ -885,31 +885,16 @@ DSV4_INLINE void fmoe_gemm(const FmoeArgs& a, const float* route_w, float limit,
 // The fused kernel's synchronisation words (`sync`, u32). First the start ticket (FMOE_SHARED_EARLY): each block
 // takes the next one as it starts, before the programmatic wait, so the plan cannot clear it; zero between
 // launches (the workspace starts so, and the block taking the launch's last ticket resets it: every other block
-// has taken its ticket by then). Then FMOE_X_EARLY's three words (fast_moe_route.cuh fmoe_x_publish; zero between
-// layers too). Then, zero at each launch's start (the layer's plan, moe_plan_kernel, clears them just before):
-// the queue's head, then per tile the up items whose h rows are stored. (The last block out had
+// has taken its ticket by then). Then, zero at each launch's start (the layer's plan, moe_plan_kernel, clears them
+// just before): the queue's head, then per tile the up items whose h rows are stored. (The last block out had
 // reset those at the kernel's end: every block's fence and atomic, and the last one's stores, before the launch
 // could end; at one token the launch lost the second launch it saved, BENCHMARKS.md, issue 11 fifteenth version.)
 // Every item a block holds was taken once the block had started, from the queue or by its ticket: an item given
 // to a block by its index could wait, unstarted, for an SM that blocks spinning on its up items hold (another
 // stream's kernels or MPS can leave fewer SMs than the grid).
 #define FMOE_SYNC_TICKET 0
-#define FMOE_SYNC_X_READY 1
-#define FMOE_SYNC_NEXT 4
-#define FMOE_SYNC_TILES 5
-static_assert(FMOE_SYNC_NEXT == FMOE_UNCLEARED_SYNC_WORDS, "fast_moe_gemm: the plan clears sync from the queue's head on");
-
-// FMOE_X_EARLY: a block holding a shared up item has seen x's codes published (its producer warp, after its
-// acquire of the flag); the last of the `observers` clears the flag and the count for the next layer. (The
-// logits kernel of the next layer publishes only after this launch has ended: its programmatic wait follows
-// this kernel's end through the chain of waits between them.)
-DSV4_INLINE void fmoe_x_seen(unsigned* x_ready, unsigned observers) {
-  if ((threadIdx.x & 31) != 0) return;
-  if (atomicAdd(x_ready + 2, 1u) == observers - 1) {
-    x_ready[2] = 0u;
-    x_ready[0] = 0u;
-  }
-}
+#define FMOE_SYNC_NEXT 1
+#define FMOE_SYNC_TILES 2
 
 // Makes this block's h stores (published to this thread through a barrier) visible at GPU scope, then counts
 // one more finished up item of the tile.
@@ -1023,19 +1008,12 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     if (FMOE_SHARED_EARLY && lane == 0 && ticket == (int)gridDim.x - 1) atomicExch(sync + FMOE_SYNC_TICKET, 0u);
     if (ticket < nstatic) {
       // A shared up item, known before the plan: its first stages' weights go out before the wait (the model's
-      // weights, which no kernel before writes: kernels/common.cuh), its tokens after it, or under FMOE_X_EARLY
-      // once the logits kernel has published x's codes (all of the item then streams before the wait).
+      // weights, which no kernel before writes: kernels/common.cuh), its tokens after it.
       const int w = ticket;
       const FmoeItem it = fmoe_item<true, true>(up, w);
       const int tr = fmoe_trace_item(true, w, true);
       if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
-      if (FMOE_X_EARLY) {
-        fmoe_produce_item<true>(up, it, smem, slot, phase, w, sync + FMOE_SYNC_X_READY, 1u, tr);
-        fmoe_x_seen(sync + FMOE_SYNC_X_READY, (unsigned)nstatic);
-        dsv4_pdl_wait();
-      } else {
-        fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0, tr, true);
-      }
+      fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0, tr, true);
     } else if (FMOE_SHARED_EARLY) {
       dsv4_pdl_wait();
     }
@@ -1067,27 +1045,13 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     cp_async_wait_all();
   } else {
     // The consumers: each item's header in its first slot says what it is.
+    if (FMOE_SHARED_EARLY) dsv4_pdl_wait();
+    plan_tiles();
+    const int nup = (up.nrt + nsh) * rb_up;
     int slot = 0;
     unsigned phase = 0;
     float acc[8];
     int nup_done = 0;
-    if (FMOE_X_EARLY) {
-      // A shared up item taken by ticket (w < nstatic) needs no plan: computed before the wait. Its tokens came
-      // after the producer's acquire of x's codes; its h stores follow the stash barrier, which the publishing
-      // warp joins only after its own wait. (Another first item is left in its slot for the loop below.)
-      mbar_wait(fmoe_full(smem, slot), phase);
-      const int w = fmoe_load_header(smem + slot * FMOE_SLOT);
-      if (w >= 0 && w < nstatic) {
-        const FmoeItem it = fmoe_item<true, true>(up, w);
-        const int tr = fmoe_trace_item(true, w, true);
-        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_BEGIN, tr);
-        fmoe_fused_up_item(up, it, w / rb_up, nup_done++, smem, slot, phase, acc, route_w, limit, hq, hs, pub_tile);
-        if (threadIdx.x == 0) fmoe_trace(FMOE_EV_END, tr);
-      }
-    }
-    if (FMOE_SHARED_EARLY) dsv4_pdl_wait();
-    plan_tiles();
-    const int nup = (up.nrt + nsh) * rb_up;
     for (;;) {
       mbar_wait(fmoe_full(smem, slot), phase);
       const int w = fmoe_load_header(smem + slot * FMOE_SLOT);

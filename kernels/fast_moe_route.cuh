@@ -61,27 +61,6 @@ DSV4_INLINE void fmoe_quant_x_block(const float* x, int t0, int nt, int D, int b
   }
 }
 
-// x's codes published to the fused expert launch (FMOE_X_EARLY, common.cuh), in three u32 words at `x_ready`:
-// [0] the flag, 1 once every fmoe_logits_kernel block that has x's 128-blocks to quantise (or would have, when
-// the norm made the codes) is done with them; [1] those blocks counted so far; [2] the flag's observers
-// (fmoe_experts_kernel's blocks holding the shared expert's up items), the last of which clears [0] and [2].
-// Zero between layers (the workspace starts so).
-//
-// A block of fmoe_logits_kernel done with its part of x (its threads past a barrier): counts itself in; the last
-// of the `blocks` resets the count and sets the flag. Every block's fence and acq_rel atomic order its codes
-// before the count, and the last one's release store of the flag after all of them.
-DSV4_INLINE void fmoe_x_publish(unsigned* x_ready, unsigned blocks) {
-  unsigned before;
-  asm volatile("fence.acq_rel.gpu;\natom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n"
-               : "=r"(before)
-               : "l"(x_ready + 1)
-               : "memory");
-  if (before == blocks - 1) {
-    x_ready[1] = 0u;
-    asm volatile("st.release.gpu.global.u32 [%0], 1;\n" ::"l"(x_ready) : "memory");
-  }
-}
-
 // The router score of logit l: sqrt(softplus(l)) (linear above 20) or sigmoid(l), or l itself for softmax
 // scoring (fmoe_select_kernel normalises over the experts).
 DSV4_INLINE float fmoe_score(float l, int scoring) {

@@ -203,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
     moe_plan_kernel(const int* ids, int T, int k, int E, int tile_rows, int* offsets, int* rows, int* tiles,
                     int* ntiles, unsigned* clear, int clear_words) {
-  dsv4_pdl_begin_early(FMOE_X_EARLY);  // (FMOE_X_EARLY: the fused expert launch becomes resident meanwhile)
+  dsv4_pdl_begin();
   if (clear != 0)
     for (int i = threadIdx.x; i < clear_words; i += blockDim.x) clear[i] = 0u;
   extern __shared__ int psm[];

@@ -141,30 +141,17 @@ fn env() -> Option<&'static Env> {
 
 /// The same kernels compiled with the diagnostic variant FMOE_SHARED_EARLY=0 (kernels/fast_moe_gemm.cu:
 /// the fused launch takes every item from its queue after the programmatic wait, as it did before
-/// the default took the shared expert's up items before the plan is known).
+/// the default took the shared expert's up items before the plan is known). The registry owns the
+/// compiled modules, so it lives as long as the kernels taken from it.
 fn queue_only_env() -> Option<&'static Env> {
     static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
-    variant_env(&ENV, "FMOE_SHARED_EARLY=0")
-}
-
-/// The same kernels compiled with the variant FMOE_X_EARLY=1 (kernels/common.cuh: the plan
-/// triggers the fused launch first, and its blocks holding the shared expert's up items stream
-/// them once the logits kernel has published x's codes, before the programmatic wait).
-fn x_early_env() -> Option<&'static Env> {
-    static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
-    variant_env(&ENV, "FMOE_X_EARLY=1")
-}
-
-/// The kernels compiled with `define`, in `cell` (the registry owns the compiled modules, so it
-/// lives as long as the kernels taken from it).
-fn variant_env(cell: &'static OnceLock<(Registry, Env)>, define: &str) -> Option<&'static Env> {
     let g = family_gpu(&families())?;
-    let (_, e) = cell.get_or_init(|| {
+    let (_, e) = ENV.get_or_init(|| {
         let cache = KernelCache::disabled()
-            .with_defines(&[define.to_string()])
+            .with_defines(&["FMOE_SHARED_EARLY=0".to_string()])
             .unwrap();
         let reg = Registry::load_families(&g.ctx, &families(), &cache)
-            .unwrap_or_else(|e| panic!("{define}: {e}"));
+            .unwrap_or_else(|e| panic!("FMOE_SHARED_EARLY=0: {e}"));
         let env = env_of(&g.ctx, &reg);
         (reg, env)
     });
@@ -263,11 +250,10 @@ fn batch(e: &Env, sh: &MoeShape, t: usize, x: &[f32], tokens: &[i32], s: Borrowe
     // But the routed decode launch's synchronisation words start zero, as the engine's arena
     // gives them (each launch's combine zeroes them for the next).
     arena::memset_async(ws.route_sync, 0, s).unwrap();
-    // So do the fused launch's first synchronisation words, its start ticket and the FMOE_X_EARLY
-    // variant's (each launch leaves them zero; the fused path's plan zeroes the others before each
-    // launch). Then the prefill path's tensor maps over x and h.
-    let uncleared = 4 * fast_moe_gemm::UNCLEARED_SYNC_WORDS;
-    arena::memset_async(ws.sync.slice(0, uncleared).unwrap(), 0, s).unwrap();
+    // So does the fused launch's start ticket, its first synchronisation word (each launch leaves
+    // it zero; the fused path's plan zeroes the others before each launch). Then the prefill
+    // path's tensor maps over x and h.
+    arena::memset_async(ws.sync.slice(0, 4).unwrap(), 0, s).unwrap();
     ws.write_act_maps(e.ctx, D, I, s).unwrap();
     Batch {
         t,
@@ -928,10 +914,9 @@ fn check_case(
                 continue;
             }
             if other_path == GemmPath::DecodeFused {
-                // The words the plan zeroes (all but the first, which must stay zero).
+                // The words the plan zeroes (all but the start ticket, which must stay zero).
                 let words = fast_moe_gemm::plan_cleared_sync_words(t, sh.k, sh.experts);
-                let first = 4 * fast_moe_gemm::UNCLEARED_SYNC_WORDS;
-                let cleared = b.ws.sync.slice(first, words * 4).unwrap();
+                let cleared = b.ws.sync.slice(4, words * 4).unwrap();
                 put(e.ctx, cleared, &vec![0x5a5a_5a5au32; words], s);
             }
             let other = fast(e, l, b, r, None, other_path, router, s);
@@ -966,13 +951,13 @@ fn check_case(
                 f1.out.len(),
             );
         }
-        // The fused launch's first words are zero after every launch: its last block to start
-        // resets the ticket, and under FMOE_X_EARLY the last block to see x's codes published
-        // resets the flag and its counts.
-        let first: Vec<u32> = get(e.ctx, b.ws.sync, fast_moe_gemm::UNCLEARED_SYNC_WORDS, s);
-        assert!(
-            first.iter().all(|&w| w == 0),
-            "{what}: the fused launch's start ticket and x-ready words after the layer: {first:?}"
+        // The fused launch's start ticket is zero after every launch: its last block to start
+        // resets it for the next.
+        let ticket: Vec<u32> = get(e.ctx, b.ws.sync, 1, s);
+        assert_eq!(
+            ticket,
+            [0],
+            "{what}: the fused launch's start ticket after the layer"
         );
         if path == GemmPath::DecodeRouted
             || (t <= fast_moe_gemm::ROUTED_MAX_TOKENS && router == RouterPath::Few)
@@ -1108,25 +1093,6 @@ fn run_variant_cases(e: &'static Env, cases: &[(usize, Routing)]) {
     let flash = MoeShape::FLASH;
     run_cases_on(e, flash, Scales::Bytes, Gate::Bf16, Paths::Auto, cases);
     run_cases_on(e, SMALL, Scales::Bytes, Gate::Bf16, Paths::Auto, cases);
-}
-
-/// The shared expert's up items streamed before the plan, once the logits kernel has published x's
-/// codes (the variant FMOE_X_EARLY=1; the plan then triggers the fused launch first): the other
-/// decode forms' bits and the reference's bounds, its words zero after every layer, with one and
-/// two shared token tiles, Flash shapes and the small shape's odd widths.
-#[test]
-fn fast_moe_fused_launch_with_x_published_early_matches_the_reference_kernels() {
-    let Some(e) = x_early_env() else { return };
-    run_variant_cases(
-        e,
-        &[
-            (1, Routing::TopK),
-            (2, Routing::Hash),
-            (8, Routing::TopK),
-            (16, Routing::TopK),
-            (17, Routing::HashSkewed),
-        ],
-    );
 }
 
 /// The small shape's paths (see [`SMALL`]), from one token to many tiles per expert.

@@ -13,8 +13,7 @@ use dsv4::cuda::registry::{KernelFn, KernelSource, families};
 struct Signature {
     name: String,
     params: Vec<String>,
-    /// The body's first statement is `dsv4_pdl_begin();`, `dsv4_pdl_trigger();` or
-    /// `dsv4_pdl_begin_early(...)`.
+    /// The body's first statement is `dsv4_pdl_begin();` or `dsv4_pdl_trigger();`.
     pdl_begin: bool,
 }
 
@@ -101,9 +100,8 @@ fn parse_entry_points(src: &str) -> Result<Vec<Signature>, String> {
         let body = body.strip_prefix('{').ok_or(format!("{name}: no body"))?;
         // dsv4_pdl_trigger(): weights may be read before the kernel's dsv4_pdl_wait() (common.cuh).
         let first = body.trim_start();
-        let pdl_begin = first.starts_with("dsv4_pdl_begin();")
-            || first.starts_with("dsv4_pdl_trigger();")
-            || first.starts_with("dsv4_pdl_begin_early(");
+        let pdl_begin =
+            first.starts_with("dsv4_pdl_begin();") || first.starts_with("dsv4_pdl_trigger();");
         out.push(Signature {
             name,
             params,

@@ -94,8 +94,6 @@ pub const SHARED: &[Shared] = shared! {
     "FMOE_SMEM_BYTES" = Int(fast_moe_gemm::SMEM_BYTES as i64) from "fast_moe_gemm::SMEM_BYTES";
     "FMOE_UP_J" = Int(fast_moe_gemm::UP_J as i64) from "fast_moe_gemm::UP_J";
     "FMOE_DOWN_ROWS" = Int(fast_moe_gemm::DOWN_ROWS as i64) from "fast_moe_gemm::DOWN_ROWS";
-    "FMOE_UNCLEARED_SYNC_WORDS" = Int(fast_moe_gemm::UNCLEARED_SYNC_WORDS as i64)
-        from "fast_moe_gemm::UNCLEARED_SYNC_WORDS";
     "FMOE_MAP_BYTES" = Int(fast_moe_gemm::MAP_BYTES as i64) from "fast_moe_gemm::MAP_BYTES";
     "FMOE_MAPS_PER_EXPERT" = Int(fast_moe_gemm::MAPS_PER_EXPERT as i64)
         from "fast_moe_gemm::MAPS_PER_EXPERT";

@@ -147,13 +147,11 @@ crate::kernel_family! {
     /// The family as the registry compiles and loads it.
     pub const SOURCE = "fast_moe", include_str!("../../../kernels/fast_moe.cu");
 
-    /// Router scores (logits for softmax scoring) and x's FP8 quantisation (none without `xq`);
-    /// under FMOE_X_EARLY x's codes published at `x_ready` (the fused expert launch's words,
-    /// [`fast_moe_gemm::x_ready_words`]).
+    /// Router scores (logits for softmax scoring) and x's FP8 quantisation (none without `xq`).
     #[pdl(true)]
     fn fmoe_logits_kernel(
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
-        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>, x_ready: Option<*mut u32>,
+        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>,
     );
     /// The MoE input's RMSNorm in place with x's FP8 quantisation, on `rmsnorm_kernel`'s block
     /// ([`MoeNorm`]).
@@ -406,9 +404,8 @@ pub struct FastMoeWorkspace {
     /// begins with `dsv4_pdl_begin`), so the two never overlap and x costs no memory of its own.
     pub y: DevicePtr,
     /// The decode path's synchronisation words (`u32[`[`fast_moe_gemm::sync_words`]`]`): the
-    /// fused path's plan zeroes all but the first [`fast_moe_gemm::UNCLEARED_SYNC_WORDS`] before
-    /// each launch ([`FastMoe::experts_on`]); those (the blocks' start ticket, the FMOE_X_EARLY
-    /// variant's words) are zero from the arena on and each launch leaves them so.
+    /// fused path's plan zeroes all but the first before each launch ([`FastMoe::experts_on`]);
+    /// the first, the blocks' start ticket, is zero from the arena on and each launch leaves it so.
     pub sync: DevicePtr,
     /// The wide plan's scratch ([`moe::plan_wide_scratch`]): block counts and ranks.
     pub plan_counts: DevicePtr,
@@ -519,7 +516,7 @@ pub fn workspace_buffers(
         ),
         ("y", Elem::Bf16, rows * d),
         // u32 words, declared as I32 (the same bytes; the fused path's plan zeroes all but the
-        // first UNCLEARED_SYNC_WORDS, which are zero from the arena on and between launches).
+        // start ticket, which is zero from the arena on).
         (
             "gemm_sync",
             Elem::I32,
@@ -805,14 +802,6 @@ impl FastMoe {
                 .logits_tc
                 .launch(grid, threads, TC_SMEM_BYTES as u32, stream, args)?;
         } else {
-            // The words where the logits kernel publishes x's codes to the fused expert launch under the
-            // FMOE_X_EARLY variant (kernels/fast_moe_route.cuh fmoe_x_publish): on that path, where a
-            // shared expert's items wait for them.
-            let x_ready = if path == GemmPath::DecodeFused && layer.shared.is_some() {
-                Some(fast_moe_gemm::x_ready_words(ws.sync)?)
-            } else {
-                None
-            };
             let grid = (
                 e.div_ceil(LOGIT_EXPERTS)
                     .max((d / 128).div_ceil(LOGIT_WARPS)) as u32,
@@ -830,7 +819,6 @@ impl FastMoe {
                 halves: path.halves_order(),
                 xq: (!x_made).then_some(ws.xq),
                 xs: (!x_made).then_some(ws.xs),
-                x_ready,
             };
             let block = (LOGIT_WARPS * 32) as u32;
             self.route.logits.launch(grid, block, 0, stream, args)?;
@@ -955,9 +943,7 @@ impl FastMoe {
             // launch before theirs (one block's plan at any token count: the fused path is the
             // decode path's).
             let words = fast_moe_gemm::plan_cleared_sync_words(t, layer.k, layer.experts);
-            let cleared = ws
-                .sync
-                .slice(4 * fast_moe_gemm::UNCLEARED_SYNC_WORDS, words * 4)?;
+            let cleared = ws.sync.slice(4, words * 4)?;
             self.moe
                 .plan_clearing(ctx, ws.ids, &plan, Some((cleared, words)), stream)?;
         } else if t >= WIDE_PLAN_MIN_TOKENS {

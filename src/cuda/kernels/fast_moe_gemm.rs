@@ -287,24 +287,12 @@ fn max_items(layer: &FastMoeLayer, t: usize, tile: usize, row_tiles: usize) -> u
     (routed + shared) * row_tiles
 }
 
-/// The first words of the decode path's synchronisation buffer, which the plan does not clear: the
-/// blocks' start ticket, then the FMOE_X_EARLY variant's three ([`x_ready_words`]). Zero between
-/// launches: the workspace starts so, and each launch leaves them so (the ticket's last taker resets
-/// it; the variant's last observer its words).
-pub const UNCLEARED_SYNC_WORDS: usize = 4;
-
 /// u32 words of the decode path's synchronisation buffer for `t` tokens (`fmoe_experts_kernel`'s
-/// `sync`, kernels/fast_moe_gemm.cu FMOE_SYNC_*): the [`UNCLEARED_SYNC_WORDS`], since the blocks
-/// use them before the plan has run, then the [`plan_cleared_sync_words`].
+/// `sync`, kernels/fast_moe_gemm.cu FMOE_SYNC_*): the blocks' start ticket, then the
+/// [`plan_cleared_sync_words`]. The ticket is zero between launches (the workspace starts so; the
+/// launch's last block to start resets it), since the blocks take it before the plan has run.
 pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
-    UNCLEARED_SYNC_WORDS + plan_cleared_sync_words(t, k, experts)
-}
-
-/// The three words of `sync` (the decode path's synchronisation buffer) where the logits kernel
-/// publishes x's codes to the fused launch under the FMOE_X_EARLY variant (kernels/
-/// fast_moe_route.cuh fmoe_x_publish): words 1-3.
-pub fn x_ready_words(sync: DevicePtr) -> Result<DevicePtr> {
-    sync.slice(4, 4 * (UNCLEARED_SYNC_WORDS - 1))
+    1 + plan_cleared_sync_words(t, k, experts)
 }
 
 /// Tiles the plan can make for `t` tokens (routed and shared): a count of its up items done each,
@@ -313,8 +301,8 @@ fn tile_words(t: usize, k: usize, experts: usize) -> usize {
     (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
 }
 
-/// The words after the [`UNCLEARED_SYNC_WORDS`]: the item queue's head and per tile the plan can
-/// make (routed and shared) a count of its up items done. They must be zero when the launch starts:
+/// The words after `sync`'s first: the item queue's head and per tile the plan can make (routed
+/// and shared) a count of its up items done. They must be zero when the launch starts:
 /// `FastMoe::experts_on` has the plan zero them (`Moe::plan_clearing`), the launch before.
 pub fn plan_cleared_sync_words(t: usize, k: usize, experts: usize) -> usize {
     1 + tile_words(t, k, experts)
@@ -325,7 +313,7 @@ pub fn plan_cleared_sync_words(t: usize, k: usize, experts: usize) -> usize {
 /// the logit tiles, the plan), then per tile a count of its up items done. Zero when the launch
 /// starts: the workspace starts so, and the layer's combine zeroes them after each launch.
 pub fn route_sync_words(t: usize, k: usize, experts: usize) -> usize {
-    4 + tile_words(t, k, experts)
+    3 + plan_cleared_sync_words(t, k, experts)
 }
 
 /// Checks the buffers of `ws` that GEMM1 reads and writes for `t` tokens (`who`: the kernel, for
@@ -525,10 +513,8 @@ impl FastMoeGemm {
 
     /// The decode path's two GEMMs in one launch (`fmoe_experts_kernel`): `ws.hq` / `ws.hs` and
     /// `ws.y` as [`Self::up`] then [`Self::down`] on [`GemmPath::Decode`] make them, bit for bit.
-    /// `ws.sync` must be zero ([`sync_words`]: the plan before zeroes all but the
-    /// [`UNCLEARED_SYNC_WORDS`] in the layer's sequence, `FastMoe::experts_on`; those return to zero
-    /// by themselves). Under the FMOE_X_EARLY variant the launch's shared up items wait for the
-    /// logits kernel of `FastMoe::route_on` on this path to publish x's codes.
+    /// `ws.sync` must be zero ([`sync_words`]: the plan before zeroes all but the start ticket in
+    /// the layer's sequence, `FastMoe::experts_on`; the ticket returns to zero by itself).
     pub(crate) fn up_down(
         &self,
         ctx: &Context,
