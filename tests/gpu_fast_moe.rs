@@ -1088,7 +1088,7 @@ fn fast_moe_fused_launch_from_its_queue_alone_matches_the_reference_kernels() {
 }
 
 /// A variant's few-token `cases` at Flash shapes and the small shape's odd widths, on the automatic
-/// paths (the fused launch up to 16 tokens).
+/// paths (the fused launch at all of them).
 fn run_variant_cases(e: &'static Env, cases: &[(usize, Routing)]) {
     let flash = MoeShape::FLASH;
     run_cases_on(e, flash, Scales::Bytes, Gate::Bf16, Paths::Auto, cases);

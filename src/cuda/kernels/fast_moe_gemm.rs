@@ -158,12 +158,13 @@ pub enum GemmPath {
 }
 
 /// Token counts that take [`GemmPath::DecodeFused`]: where it measured faster than the two
-/// launches (the layer at Flash shapes, µs two / one launch: on the H200, best of two alternating
-/// rounds in one call, B = 4 131.1 / 124.4, 8 212.0 / 205.2, 16 337.4 / 328.8, 32 533.6 / 545.8
-/// (slower), from 64 within 1-2%: BENCHMARKS.md, issue 11 fifteenth version; on the H100, one
-/// call, once the plan zeroed the one launch's words: B = 1 69.70 / 68.26, 2 101.52 / 98.32, 3
-/// 139.76 / 124.25: BENCHMARKS.md 2026-12-06, thirty-fifth session).
-pub const FUSED_TOKENS: std::ops::RangeInclusive<usize> = 1..=16;
+/// launches (the layer at Flash shapes, µs two / one launch). On the H100, once the plan zeroed
+/// the one launch's words: B = 1 69.70 / 68.26, 2 101.52 / 98.32, 3 139.76 / 124.25 (one call,
+/// BENCHMARKS.md 2026-12-06, thirty-fifth session); with the start ticket, best of two rounds in
+/// one call, B = 32 675.44 / 644.77, 64 981.17 / 935.51, 128 1222.80 / 1167.07, 256 1361.41 /
+/// 1300.78 (4.5-4.8% faster; fortieth session). (On the H200, before the shared up items went
+/// first, it was 2.3% slower at 32 and within 1-2% from 64: issue 11 fifteenth version.)
+pub const FUSED_TOKENS: std::ops::RangeInclusive<usize> = 1..=256;
 
 /// The most tokens [`GemmPath::DecodeRouted`] takes: one token tile of the shared expert. No
 /// token count takes it by default ([`GemmPath::for_tokens`]): it measured slower than
