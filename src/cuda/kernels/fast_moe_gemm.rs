@@ -157,14 +157,16 @@ pub enum GemmPath {
     Prefill,
 }
 
-/// Token counts that take [`GemmPath::DecodeFused`]: where it measured faster than the two
-/// launches (the layer at Flash shapes, µs two / one launch). On the H100, once the plan zeroed
-/// the one launch's words: B = 1 69.70 / 68.26, 2 101.52 / 98.32, 3 139.76 / 124.25 (one call,
-/// BENCHMARKS.md 2026-12-06, thirty-fifth session); with the start ticket, best of two rounds in
-/// one call, B = 32 675.44 / 644.77, 64 981.17 / 935.51, 128 1222.80 / 1167.07, 256 1361.41 /
-/// 1300.78 (4.5-4.8% faster; fortieth session). (On the H200, before the shared up items went
+/// Token counts that take [`GemmPath::DecodeFused`]: every count below the prefill path's
+/// [`wide::MIN_TOKENS`], where it measured faster than the two launches (the layer at Flash
+/// shapes, µs two / one launch, H100). Once the plan zeroed the one launch's words: B = 1 69.70 /
+/// 68.26, 2 101.52 / 98.32, 3 139.76 / 124.25 (one call, BENCHMARKS.md 2026-12-06, thirty-fifth
+/// session). With the start ticket, best of two rounds in one call (fortieth session): B = 32
+/// 675.44 / 644.77, 64 981.17 / 935.51, 128 1222.80 / 1167.07, 256 1361.41 / 1300.78, and
+/// uniform / skewed 320 1412.9 / 1340.9 (1427.6 / 1360.8), 448 1498.3 / 1441.9 (1522.2 /
+/// 1467.2), 576 1622.6 / 1609.2 (1640.3 / 1622.9). (On the H200, before the shared up items went
 /// first, it was 2.3% slower at 32 and within 1-2% from 64: issue 11 fifteenth version.)
-pub const FUSED_TOKENS: std::ops::RangeInclusive<usize> = 1..=256;
+pub const FUSED_TOKENS: std::ops::RangeInclusive<usize> = 1..=(wide::MIN_TOKENS - 1);
 
 /// The most tokens [`GemmPath::DecodeRouted`] takes: one token tile of the shared expert. No
 /// token count takes it by default ([`GemmPath::for_tokens`]): it measured slower than

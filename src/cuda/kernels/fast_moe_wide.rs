@@ -30,14 +30,16 @@ const _: () = assert!(
     SMEM_BYTES <= 227 * 1024,
     "an sm_90 block takes at most 227 KiB"
 );
-/// Tokens from which a layer runs this path. Measured with both GEMMs' producers on TMA
-/// (BENCHMARKS.md, issue 11 twenty-second version: both paths at Flash shapes, µs decode /
-/// prefill, best of two rounds, uniform and skewed routing): B = 512 1360 / 1448 (skewed 1426 /
-/// 1444), 544 1410 / 1469 (1429 / 1463), 576 1487 / 1480 (1515 / 1479), 608 1541 / 1494 (1606 /
-/// 1489), 640 1636 / 1502 (1632 / 1501). (It was 768 before that table, 1024 before the
-/// producer's row-address table, 1408 before the tile-sized wgmmas, 2048 before the up epilogue
-/// went through shared memory, 3072 before that.)
-pub const MIN_TOKENS: usize = 576;
+/// Tokens from which a layer runs this path: where it measured faster than the decode path's one
+/// launch ([`super::fast_moe_gemm::FUSED_TOKENS`], which takes every count below). At Flash shapes,
+/// µs fused decode / prefill, best of two rounds, uniform and skewed routing (H100, fortieth
+/// session): B = 512 1513.8 / 1607.0 (skewed 1532.1 / 1607.4), 576 1609.2 / 1646.9 (1622.9 /
+/// 1637.9), 640 1711.4 / 1676.0 (1737.1 / 1676.2), 704 1870.4 / 1707.2 (1866.6 / 1699.7); 608 is
+/// between the last two measured. (Against the two-launch decode path it was 576, and 768 before
+/// BENCHMARKS.md's issue 11 twenty-second version, 1024 before the producer's row-address table,
+/// 1408 before the tile-sized wgmmas, 2048 before the up epilogue went through shared memory,
+/// 3072 before that.)
+pub const MIN_TOKENS: usize = 608;
 
 /// Rows of the GEMMs' TMA boxes of their activations (FMW_HBOX): a tile of n tokens reads n
 /// rounded up to it.
