@@ -12,8 +12,8 @@
 #include "norm_row.cuh"        // fmoe_norm_x_kernel
 #include "fast_moe_route.cuh"  // x's quantisation, the logits' tiles, a token's selection
 
-// FMOE_LOGIT_WARPS, FMOE_LOGIT_EXPERTS, FMOE_LOGIT_SPLIT, FMOE_LOGIT_TOKENS, FMOE_SELECT_WARPS, FMOE_MAX_EPL and
-// SCORE_* come from dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
+// FMOE_LOGIT_WARPS, FMOE_LOGIT_EXPERTS, FMOE_LOGIT_SPLIT, FMOE_LOGIT_TOKENS, FMOE_LOGIT_GROUP, FMOE_SELECT_WARPS,
+// FMOE_MAX_EPL and SCORE_* come from dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
 
 // fmoe_x_code's code by the hardware's conversion: cvt.rn.satfinite.e4m3x2.f32 rounds to the nearest e4m3fn
 // value, ties to even, subnormals and signed zeros included (e4m3_code_rn's grid: kernels/fast_dense.cu
@@ -110,17 +110,18 @@ DSV4_INLINE void fmoe_quant_x_row(const float* x, long long t, int D, bool halve
 }
 
 // Router scores in f32, and x's act_quant, for few tokens. Block (bx, by) takes token group by *
-// FMOE_LOGIT_TOKENS + [0, FMOE_LOGIT_TOKENS); its FMOE_LOGIT_WARPS warps are FMOE_LOGIT_EXPERTS experts x
-// FMOE_LOGIT_SPLIT parts of D, so many warps stream the gate at once:
-// - the tile (bx, by) of the logits (fmoe_logits_tile, fast_moe_route.cuh);
+// FMOE_LOGIT_TOKENS + [0, FMOE_LOGIT_TOKENS); its FMOE_LOGIT_WARPS warps are FMOE_LOGIT_EXPERTS x `group` experts
+// x FMOE_LOGIT_SPLIT parts of D, so many warps stream the gate at once:
+// - the tile (bx, by) of the logits (fmoe_logits_tile, fast_moe_route.cuh), each warp on `group` experts: 1, or
+//   FMOE_LOGIT_GROUP from fast_moe::LOGIT_GROUP_MIN_TOKENS tokens (the same bits, x read a quarter as often);
 // - warp w of blocks with b = bx * FMOE_LOGIT_WARPS + w < D / 128: fmoe_quant_x_block of block b (unless xq is
 //   NULL: the norm made them).
 // Requires D % (4 * FMOE_LOGIT_SPLIT) == 0 and D % 128 == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
     fmoe_logits_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
-                       int halves, unsigned char* xq, float* xs) {
+                       int halves, unsigned char* xq, float* xs, int group) {
   dsv4_pdl_begin();
-  __shared__ float part_sum[FMOE_LOGIT_WARPS][FMOE_LOGIT_TOKENS];
+  __shared__ float part_sum[FMOE_LOGIT_WARPS * FMOE_LOGIT_GROUP][FMOE_LOGIT_TOKENS];
   const int warp = threadIdx.x >> 5;
   const int t0 = blockIdx.y * FMOE_LOGIT_TOKENS;
   const int nt = min(FMOE_LOGIT_TOKENS, T - t0);
@@ -128,8 +129,12 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
   const int b = blockIdx.x * FMOE_LOGIT_WARPS + warp;
   // (xq NULL: the input's norm made x's codes already, fmoe_norm_x_kernel.)
   if (xq != nullptr && b < D / 128) fmoe_quant_x_block(x, t0, nt, D, b, halves != 0, xq, xs);
-  fmoe_logits_tile(x, T, D, E, gate, scoring, scores, blockIdx.x, blockIdx.y, threadIdx.x, part_sum,
-                   [] { __syncthreads(); });
+  if (group == FMOE_LOGIT_GROUP)
+    fmoe_logits_tile<FMOE_LOGIT_GROUP>(x, T, D, E, gate, scoring, scores, blockIdx.x, blockIdx.y, threadIdx.x,
+                                       part_sum, [] { __syncthreads(); });
+  else
+    fmoe_logits_tile<1>(x, T, D, E, gate, scoring, scores, blockIdx.x, blockIdx.y, threadIdx.x, part_sum,
+                        [] { __syncthreads(); });
 }
 
 // The router scores for many tokens, on the BF16 tensor cores: block (bx, by) computes the logits of

@@ -74,65 +74,87 @@ DSV4_INLINE float fmoe_score(float l, int scoring) {
 
 // One tile of the router's f32 logits: fmoe_logits_kernel's block (bx, by), by FMOE_LOGIT_WARPS warps whose
 // threads are gtid = 0 .. 32·FMOE_LOGIT_WARPS - 1 (warp gtid / 32 of the group): tokens t0 = by ·
-// FMOE_LOGIT_TOKENS .. (at least one), experts bx · FMOE_LOGIT_EXPERTS ..; warp w takes expert bx ·
-// FMOE_LOGIT_EXPERTS + w / FMOE_LOGIT_SPLIT and its part w % FMOE_LOGIT_SPLIT of the dot products with 16-byte
-// loads, per-lane sums in k order, a fixed butterfly, then the parts summed in order: the logit l, scores[t][e] =
-// fmoe_score(l). part_sum: the group's [FMOE_LOGIT_WARPS][FMOE_LOGIT_TOKENS] floats of shared memory; `sync()`
-// is a barrier of the group's threads (the parts are written, then read). Requires D % (4 · FMOE_LOGIT_SPLIT)
-// == 0.
-template <typename Sync>
+// FMOE_LOGIT_TOKENS .. (at least one), experts bx · FMOE_LOGIT_EXPERTS · GROUP ..; warp w takes the GROUP experts
+// bx · FMOE_LOGIT_EXPERTS · GROUP + (w / FMOE_LOGIT_SPLIT) · GROUP + j (slot s = (w / FMOE_LOGIT_SPLIT) · GROUP +
+// j) and its part w % FMOE_LOGIT_SPLIT of their dot products with 16-byte loads, per-lane sums in k order, a
+// fixed butterfly, then the parts summed in order: the logit l, scores[t][e] = fmoe_score(l). Each x word a lane
+// loads serves its GROUP experts: the tile reads x once per FMOE_LOGIT_EXPERTS · GROUP experts (at 256 tokens and
+// 256 experts, GROUP 1 read 512 MB of x from L2 in a ~80 us router chain). Every logit takes the same sums in
+// the same order whatever GROUP is, so every GROUP gives the same bits. part_sum: the group's [FMOE_LOGIT_WARPS ·
+// GROUP][FMOE_LOGIT_TOKENS] floats of shared memory (row s · FMOE_LOGIT_SPLIT + part); `sync()` is a barrier of
+// the group's threads (the parts are written, then read). Requires D % (4 · FMOE_LOGIT_SPLIT) == 0 and
+// FMOE_LOGIT_CHUNK % GROUP == 0.
+template <int GROUP, typename Sync>
 DSV4_INLINE void fmoe_logits_tile(const float* x, int T, int D, int E, const float* gate, int scoring,
                                   float* scores, int bx, int by, int gtid, float (*part_sum)[FMOE_LOGIT_TOKENS],
                                   Sync sync) {
+  static_assert(FMOE_LOGIT_CHUNK % GROUP == 0, "fmoe_logits_tile: a chunk's gate words split over the group");
+  constexpr int GC = FMOE_LOGIT_CHUNK / GROUP;  // gate words a lane loads at once per expert
   const int lane = gtid & 31, warp = gtid >> 5;
   const int t0 = by * FMOE_LOGIT_TOKENS;
   const int nt = min(FMOE_LOGIT_TOKENS, T - t0);
-  const int e = bx * FMOE_LOGIT_EXPERTS + warp / FMOE_LOGIT_SPLIT;
+  const int e0 = (bx * FMOE_LOGIT_EXPERTS + warp / FMOE_LOGIT_SPLIT) * GROUP;  // the warp's first expert
   const int part = warp % FMOE_LOGIT_SPLIT;
   const int c_begin = part * (D / 4 / FMOE_LOGIT_SPLIT), c_end = c_begin + D / 4 / FMOE_LOGIT_SPLIT;
-  float acc[FMOE_LOGIT_TOKENS];
+  float acc[GROUP][FMOE_LOGIT_TOKENS];
 #pragma unroll
-  for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) acc[r] = 0.0f;
-  if (e < E) {
-    // The lane's gate words FMOE_LOGIT_CHUNK at a time, all loaded before the first is used: one HBM round trip
-    // a chunk (D = 4096: one in all). Loaded as they were used, a word, then the tokens' x, then its FMAs, the
-    // compiler kept one gate load in flight where registers were short (fmoe_route_experts_kernel's 96: eight
-    // round trips, ~8 us a router job, FMOE_TRACE at B = 1). Each acc[r] takes the same FMAs in the same order
-    // either way (c ascending, then x, y, z, w).
-    const float4* g4 = reinterpret_cast<const float4*>(gate + (long long)e * D);
-    for (int c0 = c_begin + lane; c0 < c_end; c0 += 32 * FMOE_LOGIT_CHUNK) {
-      float4 gv[FMOE_LOGIT_CHUNK];
+  for (int j = 0; j < GROUP; ++j)
 #pragma unroll
-      for (int u = 0; u < FMOE_LOGIT_CHUNK; ++u)
-        if (c0 + 32 * u < c_end) gv[u] = __ldg(g4 + c0 + 32 * u);
+    for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) acc[j][r] = 0.0f;
+  if (e0 < E) {
+    // The lane's gate words FMOE_LOGIT_CHUNK at a time (GC per expert), all loaded before the first is used: one
+    // HBM round trip a chunk (D = 4096: one in all at GROUP 1). Loaded as they were used, a word, then the
+    // tokens' x, then its FMAs, the compiler kept one gate load in flight where registers were short
+    // (fmoe_route_experts_kernel's 96: eight round trips, ~8 us a router job, FMOE_TRACE at B = 1). Each
+    // acc[j][r] takes the same FMAs in the same order either way (c ascending, then x, y, z, w).
+    // The group's gate rows (experts past E read the last one's row, whose sums are not stored).
+    const float4* g4[GROUP];
+#pragma unroll
+    for (int j = 0; j < GROUP; ++j)
+      g4[j] = reinterpret_cast<const float4*>(gate + (long long)(j == 0 ? e0 : min(e0 + j, E - 1)) * D);
+    for (int c0 = c_begin + lane; c0 < c_end; c0 += 32 * GC) {
+      float4 gv[GROUP][GC];
+#pragma unroll
+      for (int j = 0; j < GROUP; ++j)
+#pragma unroll
+        for (int u = 0; u < GC; ++u)
+          gv[j][u] = __ldg(g4[j] + min(c0 + 32 * u, c_end - 1));  // (words past the part: not used)
 #pragma unroll
       for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
         if (r < nt) {
           const float4* x4 = reinterpret_cast<const float4*>(x + (long long)(t0 + r) * D);
 #pragma unroll
-          for (int u = 0; u < FMOE_LOGIT_CHUNK; ++u) {
+          for (int u = 0; u < GC; ++u) {
             if (c0 + 32 * u < c_end) {
               const float4 xv = x4[c0 + 32 * u];
-              acc[r] = fmaf(xv.x, gv[u].x, acc[r]);
-              acc[r] = fmaf(xv.y, gv[u].y, acc[r]);
-              acc[r] = fmaf(xv.z, gv[u].z, acc[r]);
-              acc[r] = fmaf(xv.w, gv[u].w, acc[r]);
+#pragma unroll
+              for (int j = 0; j < GROUP; ++j) {
+                acc[j][r] = fmaf(xv.x, gv[j][u].x, acc[j][r]);
+                acc[j][r] = fmaf(xv.y, gv[j][u].y, acc[j][r]);
+                acc[j][r] = fmaf(xv.z, gv[j][u].z, acc[j][r]);
+                acc[j][r] = fmaf(xv.w, gv[j][u].w, acc[j][r]);
+              }
             }
           }
         }
       }
     }
   }
+  const int s0 = (warp / FMOE_LOGIT_SPLIT) * GROUP;  // the warp's first slot
 #pragma unroll
-  for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
-    const float s = warp_sum(acc[r]);
-    if (lane == 0) part_sum[warp][r] = s;
-  }
+  for (int j = 0; j < GROUP; ++j)
+#pragma unroll
+    for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
+      const float s = warp_sum(acc[j][r]);
+      if (lane == 0) part_sum[(s0 + j) * FMOE_LOGIT_SPLIT + part][r] = s;
+    }
   sync();
   // Thread (expert slot, token) = (gtid / FMOE_LOGIT_TOKENS, gtid % FMOE_LOGIT_TOKENS) finishes one logit.
+  static_assert(FMOE_LOGIT_EXPERTS * GROUP * FMOE_LOGIT_TOKENS <= FMOE_LOGIT_WARPS * 32,
+                "fmoe_logits_tile: a thread a logit of the tile");
   const int slot = gtid / FMOE_LOGIT_TOKENS, r = gtid % FMOE_LOGIT_TOKENS;
-  const int ex = bx * FMOE_LOGIT_EXPERTS + slot;
-  if (slot < FMOE_LOGIT_EXPERTS && ex < E && r < nt) {
+  const int ex = bx * FMOE_LOGIT_EXPERTS * GROUP + slot;
+  if (slot < FMOE_LOGIT_EXPERTS * GROUP && ex < E && r < nt) {
     float l = 0.0f;
     for (int p = 0; p < FMOE_LOGIT_SPLIT; ++p) l += part_sum[slot * FMOE_LOGIT_SPLIT + p][r];
     scores[(long long)(t0 + r) * E + ex] = fmoe_score(l, scoring);

@@ -1348,3 +1348,66 @@ fn norm_x_gives_the_norms_rows_and_the_routers_codes() {
         }
     }
 }
+
+/// `fmoe_logits_kernel` with each warp on [`fast_moe::LOGIT_GROUP`] experts (the router from
+/// [`fast_moe::LOGIT_GROUP_MIN_TOKENS`] tokens) gives the logits and x's codes of its one-expert
+/// warps bit for bit: every logit takes the same sums in the same order. At Flash shapes, the
+/// small shape's odd widths, and 20 experts (the last block's group runs past E); token counts
+/// that fill no token tile, one, and many, with a partial last one.
+#[test]
+fn grouped_logit_warps_give_the_single_expert_warps_bits() {
+    let Some(e) = env() else {
+        return;
+    };
+    let mut rng = Rng::from_env("grouped_logit_warps_give_the_single_expert_warps_bits");
+    let stream = OwnedStream::new(e.ctx).unwrap();
+    let s = stream.borrow();
+    let twenty = MoeShape {
+        d: 1024,
+        i: 128,
+        experts: 20,
+        k: 2,
+        vocab: 1024,
+        limit: 1.5,
+    };
+    for sh in [MoeShape::FLASH, SMALL, twenty] {
+        let l = SyntheticMoe::new(e.ctx, s, sh, rng.u64()).unwrap();
+        let (d, ne) = (sh.d, sh.experts);
+        for t in [1, 5, 8, 33, 256] {
+            let (x, tokens) = inputs(&mut rng, &sh, t);
+            let b = batch(e, &sh, t, &x, &tokens, s);
+            let fl = l.fast_layer(Routing::TopK, b.tokens);
+            let path = GemmPath::for_tokens(t);
+            let run = |group: usize| {
+                {
+                    let _g = e.ctx.enter().unwrap();
+                    arena::memset_async(b.ws.logits, 0xff, s).unwrap(); // NaN poison
+                    arena::memset_async(b.ws.xq, 0xff, s).unwrap();
+                }
+                e.fast
+                    .logits_few(e.ctx, &fl, b.x, t, &b.ws, group, path, false, s)
+                    .unwrap();
+                (
+                    get::<u32>(e.ctx, b.ws.logits, t * ne, s),
+                    get::<u8>(e.ctx, b.ws.xq, t * d, s),
+                )
+            };
+            let case = format!("D {d}, E {ne}, T = {t}");
+            let (one, one_x) = run(1);
+            let (grouped, grouped_x) = run(fast_moe::LOGIT_GROUP);
+            assert!(
+                one.iter().all(|&v| f32::from_bits(v).is_finite()),
+                "{case}: a logit left unwritten"
+            );
+            let diff = one.iter().zip(&grouped).position(|(a, b)| a != b);
+            assert!(
+                diff.is_none(),
+                "{case}: grouped warps' logit {diff:?} differs ({:?} / {:?})",
+                diff.map(|i| f32::from_bits(one[i])),
+                diff.map(|i| f32::from_bits(grouped[i])),
+            );
+            assert!(one_x == grouped_x, "{case}: x's codes differ");
+            println!("{case}: grouped logit warps give the same bits");
+        }
+    }
+}

@@ -53,6 +53,13 @@ pub const LOGIT_EXPERTS: usize = 2;
 pub const LOGIT_SPLIT: usize = 4;
 /// Tokens per `fmoe_logits_kernel` block (FMOE_LOGIT_TOKENS).
 pub const LOGIT_TOKENS: usize = 8;
+/// Experts each `fmoe_logits_kernel` warp takes from [`LOGIT_GROUP_MIN_TOKENS`] tokens
+/// (FMOE_LOGIT_GROUP; one below): each x word a lane loads serves them all, so the kernel reads x
+/// a quarter as often (the same bits: kernels/fast_moe_route.cuh `fmoe_logits_tile`).
+pub const LOGIT_GROUP: usize = 4;
+/// Fewest tokens whose `fmoe_logits_kernel` groups its warps' experts ([`LOGIT_GROUP`]): below, a
+/// quarter of the blocks would stream the gate from HBM, which bounds the few-token router.
+pub const LOGIT_GROUP_MIN_TOKENS: usize = 16;
 /// `fmoe_logits_tc_kernel` (many tokens, BF16 tensor cores): tokens per block (FMOE_TC_TOKENS, one
 /// m64 tile) and experts per warpgroup (FMOE_TC_WG_EXPERTS, the wgmma's N; two consumer warpgroups
 /// a block, so a block takes twice as many experts). 64 rather than 128: twice the blocks, each
@@ -130,6 +137,16 @@ impl RouterPath {
     }
 }
 
+/// Experts each `fmoe_logits_kernel` warp takes for `t` tokens: [`LOGIT_GROUP`] from
+/// [`LOGIT_GROUP_MIN_TOKENS`], else 1.
+pub fn logit_group(t: usize) -> usize {
+    if t >= LOGIT_GROUP_MIN_TOKENS {
+        LOGIT_GROUP
+    } else {
+        1
+    }
+}
+
 /// Fewest tokens whose routing plan [`FastMoe::experts_on`] makes with the wide plan
 /// ([`Moe::plan_wide`]: three launches over many blocks) rather than `moe_plan_kernel`'s one block.
 pub const WIDE_PLAN_MIN_TOKENS: usize = 1024;
@@ -147,11 +164,12 @@ crate::kernel_family! {
     /// The family as the registry compiles and loads it.
     pub const SOURCE = "fast_moe", include_str!("../../../kernels/fast_moe.cu");
 
-    /// Router scores (logits for softmax scoring) and x's FP8 quantisation (none without `xq`).
+    /// Router scores (logits for softmax scoring) and x's FP8 quantisation (none without `xq`),
+    /// each warp on `group` experts (1 or [`LOGIT_GROUP`]).
     #[pdl(true)]
     fn fmoe_logits_kernel(
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
-        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>,
+        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>, group: i32,
     );
     /// The MoE input's RMSNorm in place with x's FP8 quantisation, on `rmsnorm_kernel`'s block
     /// ([`MoeNorm`]).
@@ -802,26 +820,8 @@ impl FastMoe {
                 .logits_tc
                 .launch(grid, threads, TC_SMEM_BYTES as u32, stream, args)?;
         } else {
-            let grid = (
-                e.div_ceil(LOGIT_EXPERTS)
-                    .max((d / 128).div_ceil(LOGIT_WARPS)) as u32,
-                t.div_ceil(LOGIT_TOKENS) as u32,
-                1,
-            );
-            let args = fmoe_logits_kernel::Args {
-                x,
-                t: t32,
-                d: d32,
-                e: e32,
-                gate: layer.gate,
-                scoring,
-                scores: ws.logits,
-                halves: path.halves_order(),
-                xq: (!x_made).then_some(ws.xq),
-                xs: (!x_made).then_some(ws.xs),
-            };
-            let block = (LOGIT_WARPS * 32) as u32;
-            self.route.logits.launch(grid, block, 0, stream, args)?;
+            let group = logit_group(t);
+            self.logits_few(ctx, layer, x, t, ws, group, path, x_made, stream)?;
         }
         let r = &layer.router;
         self.route.select.launch(
@@ -849,6 +849,54 @@ impl FastMoe {
                 xs: ws.xs,
             },
         )
+    }
+
+    /// The few-token router's logits (`fmoe_logits_kernel`, [`RouterPath::Few`]) into
+    /// `ws.logits`, each warp on `group` experts (1 or [`LOGIT_GROUP`]: the same bits; [`FastMoe::
+    /// route_on`] takes [`logit_group`]), and x's codes unless `x_made`, in `path`'s order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn logits_few(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        x: DevicePtr,
+        t: usize,
+        ws: &FastMoeWorkspace,
+        group: usize,
+        path: GemmPath,
+        x_made: bool,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        const K: &str = "fmoe_logits_kernel";
+        if group != 1 && group != LOGIT_GROUP {
+            return Err(internal(format!(
+                "{K}: experts a warp takes must be 1 or {LOGIT_GROUP}, got {group}"
+            )));
+        }
+        let (d, e) = (layer.d, layer.experts);
+        layer.check_router(K, x, t, ws)?;
+        let grid = (
+            e.div_ceil(LOGIT_EXPERTS * group)
+                .max((d / 128).div_ceil(LOGIT_WARPS)) as u32,
+            t.div_ceil(LOGIT_TOKENS) as u32,
+            1,
+        );
+        let args = fmoe_logits_kernel::Args {
+            x,
+            t: to_i32(K, "T", t)?,
+            d: to_i32(K, "D", d)?,
+            e: to_i32(K, "E", e)?,
+            gate: layer.gate,
+            scoring: moe::scoring_code(layer.router.scoring),
+            scores: ws.logits,
+            halves: path.halves_order(),
+            xq: (!x_made).then_some(ws.xq),
+            xs: (!x_made).then_some(ws.xs),
+            group: group as i32,
+        };
+        let _g = ctx.enter()?;
+        let block = (LOGIT_WARPS * 32) as u32;
+        self.route.logits.launch(grid, block, 0, stream, args)
     }
 
     /// Step 6: `out[t] = bf16(Σ_j y[t*k + j] + y[T*k + t])` as f32.
