@@ -1,7 +1,8 @@
 // fast_moe kernel family: the fast set's MoE routing and combine (kernels/SPEC.md ## fast_moe.cu).
 //
 // [fmoe_norm_x_kernel: the input's norm with x's FP8 quantisation, where the fast set runs the norm here] ->
-// fmoe_logits_kernel (+ FP8 quantisation of x, if not made), or fmoe_logits_tc_kernel for many tokens ->
+// fmoe_logits_kernel or fmoe_logits_grouped_kernel (+ FP8 quantisation of x, if not made), or
+// fmoe_logits_tc_kernel for many tokens ->
 // fmoe_select_kernel (+ x's quantisation after the latter, if not made) -> moe_plan_kernel or the wide plan
 // (moe.cu, with tile_rows = the GEMM path's tokens per item) -> the expert GEMMs (fast_moe_gemm.cu,
 // fast_moe_wide.cu) -> fmoe_combine_kernel. f32 arithmetic (and
@@ -110,18 +111,16 @@ DSV4_INLINE void fmoe_quant_x_row(const float* x, long long t, int D, bool halve
 }
 
 // Router scores in f32, and x's act_quant, for few tokens. Block (bx, by) takes token group by *
-// FMOE_LOGIT_TOKENS + [0, FMOE_LOGIT_TOKENS); its FMOE_LOGIT_WARPS warps are FMOE_LOGIT_EXPERTS x `group` experts
-// x FMOE_LOGIT_SPLIT parts of D, so many warps stream the gate at once:
-// - the tile (bx, by) of the logits (fmoe_logits_tile, fast_moe_route.cuh), each warp on `group` experts: 1, or
-//   FMOE_LOGIT_GROUP from fast_moe::LOGIT_GROUP_MIN_TOKENS tokens (the same bits, x read a quarter as often);
+// FMOE_LOGIT_TOKENS + [0, FMOE_LOGIT_TOKENS); its FMOE_LOGIT_WARPS warps are FMOE_LOGIT_EXPERTS x GROUP experts x
+// FMOE_LOGIT_SPLIT parts of D, so many warps stream the gate at once:
+// - the tile (bx, by) of the logits (fmoe_logits_tile, fast_moe_route.cuh), each warp on GROUP experts;
 // - warp w of blocks with b = bx * FMOE_LOGIT_WARPS + w < D / 128: fmoe_quant_x_block of block b (unless xq is
 //   NULL: the norm made them).
-// Requires D % (4 * FMOE_LOGIT_SPLIT) == 0 and D % 128 == 0.
-extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
-    fmoe_logits_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
-                       int halves, unsigned char* xq, float* xs, int group) {
-  dsv4_pdl_begin();
-  __shared__ float part_sum[FMOE_LOGIT_WARPS * FMOE_LOGIT_GROUP][FMOE_LOGIT_TOKENS];
+// Requires D % (4 * FMOE_LOGIT_SPLIT) == 0 and D % 128 == 0. The kernels below begin with dsv4_pdl_begin().
+template <int GROUP>
+DSV4_INLINE void fmoe_logits_block(const float* x, int T, int D, int E, const float* gate, int scoring,
+                                   float* scores, int halves, unsigned char* xq, float* xs) {
+  __shared__ float part_sum[FMOE_LOGIT_WARPS * GROUP][FMOE_LOGIT_TOKENS];
   const int warp = threadIdx.x >> 5;
   const int t0 = blockIdx.y * FMOE_LOGIT_TOKENS;
   const int nt = min(FMOE_LOGIT_TOKENS, T - t0);
@@ -129,12 +128,25 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
   const int b = blockIdx.x * FMOE_LOGIT_WARPS + warp;
   // (xq NULL: the input's norm made x's codes already, fmoe_norm_x_kernel.)
   if (xq != nullptr && b < D / 128) fmoe_quant_x_block(x, t0, nt, D, b, halves != 0, xq, xs);
-  if (group == FMOE_LOGIT_GROUP)
-    fmoe_logits_tile<FMOE_LOGIT_GROUP>(x, T, D, E, gate, scoring, scores, blockIdx.x, blockIdx.y, threadIdx.x,
-                                       part_sum, [] { __syncthreads(); });
-  else
-    fmoe_logits_tile<1>(x, T, D, E, gate, scoring, scores, blockIdx.x, blockIdx.y, threadIdx.x, part_sum,
-                        [] { __syncthreads(); });
+  fmoe_logits_tile<GROUP>(x, T, D, E, gate, scoring, scores, blockIdx.x, blockIdx.y, threadIdx.x, part_sum,
+                          [] { __syncthreads(); });
+}
+
+// fmoe_logits_block with a warp an expert (below fast_moe::LOGIT_GROUP_MIN_TOKENS tokens).
+extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
+    fmoe_logits_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
+                       int halves, unsigned char* xq, float* xs) {
+  dsv4_pdl_begin();
+  fmoe_logits_block<1>(x, T, D, E, gate, scoring, scores, halves, xq, xs);
+}
+
+// fmoe_logits_block with a warp FMOE_LOGIT_GROUP experts (from fast_moe::LOGIT_GROUP_MIN_TOKENS tokens: the same
+// bits, x read a quarter as often).
+extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
+    fmoe_logits_grouped_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
+                               int halves, unsigned char* xq, float* xs) {
+  dsv4_pdl_begin();
+  fmoe_logits_block<FMOE_LOGIT_GROUP>(x, T, D, E, gate, scoring, scores, halves, xq, xs);
 }
 
 // The router scores for many tokens, on the BF16 tensor cores: block (bx, by) computes the logits of

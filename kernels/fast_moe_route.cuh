@@ -81,7 +81,7 @@ DSV4_INLINE float fmoe_score(float l, int scoring) {
 // loads serves its GROUP experts: the tile reads x once per FMOE_LOGIT_EXPERTS · GROUP experts (at 256 tokens and
 // 256 experts, GROUP 1 read 512 MB of x from L2 in a ~80 us router chain). Every logit takes the same sums in
 // the same order whatever GROUP is, so every GROUP gives the same bits. part_sum: the group's [FMOE_LOGIT_WARPS ·
-// GROUP][FMOE_LOGIT_TOKENS] floats of shared memory (row s · FMOE_LOGIT_SPLIT + part); `sync()` is a barrier of
+// GROUP][FMOE_LOGIT_TOKENS] floats of shared memory (row w · GROUP + j); `sync()` is a barrier of
 // the group's threads (the parts are written, then read). Requires D % (4 · FMOE_LOGIT_SPLIT) == 0 and
 // FMOE_LOGIT_CHUNK % GROUP == 0.
 template <int GROUP, typename Sync>
@@ -96,29 +96,26 @@ DSV4_INLINE void fmoe_logits_tile(const float* x, int T, int D, int E, const flo
   const int e0 = (bx * FMOE_LOGIT_EXPERTS + warp / FMOE_LOGIT_SPLIT) * GROUP;  // the warp's first expert
   const int part = warp % FMOE_LOGIT_SPLIT;
   const int c_begin = part * (D / 4 / FMOE_LOGIT_SPLIT), c_end = c_begin + D / 4 / FMOE_LOGIT_SPLIT;
-  float acc[GROUP][FMOE_LOGIT_TOKENS];
+  float acc[GROUP * FMOE_LOGIT_TOKENS];  // acc[j · FMOE_LOGIT_TOKENS + r]: expert j of the group, token r
 #pragma unroll
-  for (int j = 0; j < GROUP; ++j)
-#pragma unroll
-    for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) acc[j][r] = 0.0f;
+  for (int i = 0; i < GROUP * FMOE_LOGIT_TOKENS; ++i) acc[i] = 0.0f;
   if (e0 < E) {
     // The lane's gate words FMOE_LOGIT_CHUNK at a time (GC per expert), all loaded before the first is used: one
     // HBM round trip a chunk (D = 4096: one in all at GROUP 1). Loaded as they were used, a word, then the
     // tokens' x, then its FMAs, the compiler kept one gate load in flight where registers were short
     // (fmoe_route_experts_kernel's 96: eight round trips, ~8 us a router job, FMOE_TRACE at B = 1). Each
-    // acc[j][r] takes the same FMAs in the same order either way (c ascending, then x, y, z, w).
-    // The group's gate rows (experts past E read the last one's row, whose sums are not stored).
-    const float4* g4[GROUP];
-#pragma unroll
-    for (int j = 0; j < GROUP; ++j)
-      g4[j] = reinterpret_cast<const float4*>(gate + (long long)(j == 0 ? e0 : min(e0 + j, E - 1)) * D);
+    // acc of expert j and token r takes the same FMAs in the same order either way (c ascending, then x, y, z, w). A group's
+    // experts past E read the last one's row (their sums are not stored).
+    const float4* g4 = reinterpret_cast<const float4*>(gate + (long long)e0 * D);
     for (int c0 = c_begin + lane; c0 < c_end; c0 += 32 * GC) {
-      float4 gv[GROUP][GC];
+      float4 gv[GROUP * GC];  // gv[j · GC + u]
 #pragma unroll
-      for (int j = 0; j < GROUP; ++j)
+      for (int j = 0; j < GROUP; ++j) {
+        const long long row = j == 0 ? 0 : (long long)min(j, E - 1 - e0) * (D / 4);
 #pragma unroll
         for (int u = 0; u < GC; ++u)
-          gv[j][u] = __ldg(g4[j] + min(c0 + 32 * u, c_end - 1));  // (words past the part: not used)
+          if (c0 + 32 * u < c_end) gv[j * GC + u] = __ldg(g4 + row + c0 + 32 * u);
+      }
 #pragma unroll
       for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
         if (r < nt) {
@@ -129,10 +126,12 @@ DSV4_INLINE void fmoe_logits_tile(const float* x, int T, int D, int E, const flo
               const float4 xv = x4[c0 + 32 * u];
 #pragma unroll
               for (int j = 0; j < GROUP; ++j) {
-                acc[j][r] = fmaf(xv.x, gv[j][u].x, acc[j][r]);
-                acc[j][r] = fmaf(xv.y, gv[j][u].y, acc[j][r]);
-                acc[j][r] = fmaf(xv.z, gv[j][u].z, acc[j][r]);
-                acc[j][r] = fmaf(xv.w, gv[j][u].w, acc[j][r]);
+                float& a = acc[j * FMOE_LOGIT_TOKENS + r];
+                const float4 g = gv[j * GC + u];
+                a = fmaf(xv.x, g.x, a);
+                a = fmaf(xv.y, g.y, a);
+                a = fmaf(xv.z, g.z, a);
+                a = fmaf(xv.w, g.w, a);
               }
             }
           }
@@ -140,13 +139,13 @@ DSV4_INLINE void fmoe_logits_tile(const float* x, int T, int D, int E, const flo
       }
     }
   }
-  const int s0 = (warp / FMOE_LOGIT_SPLIT) * GROUP;  // the warp's first slot
+  // Warp w's sums of expert j of its group in part_sum row w · GROUP + j.
 #pragma unroll
   for (int j = 0; j < GROUP; ++j)
 #pragma unroll
     for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
-      const float s = warp_sum(acc[j][r]);
-      if (lane == 0) part_sum[(s0 + j) * FMOE_LOGIT_SPLIT + part][r] = s;
+      const float s = warp_sum(acc[j * FMOE_LOGIT_TOKENS + r]);
+      if (lane == 0) part_sum[warp * GROUP + j][r] = s;
     }
   sync();
   // Thread (expert slot, token) = (gtid / FMOE_LOGIT_TOKENS, gtid % FMOE_LOGIT_TOKENS) finishes one logit.
@@ -155,8 +154,10 @@ DSV4_INLINE void fmoe_logits_tile(const float* x, int T, int D, int E, const flo
   const int slot = gtid / FMOE_LOGIT_TOKENS, r = gtid % FMOE_LOGIT_TOKENS;
   const int ex = bx * FMOE_LOGIT_EXPERTS * GROUP + slot;
   if (slot < FMOE_LOGIT_EXPERTS * GROUP && ex < E && r < nt) {
+    // The slot's parts: warps (slot / GROUP) · FMOE_LOGIT_SPLIT + p, their group's expert slot % GROUP.
+    const int w0 = slot / GROUP * FMOE_LOGIT_SPLIT, j = slot % GROUP;
     float l = 0.0f;
-    for (int p = 0; p < FMOE_LOGIT_SPLIT; ++p) l += part_sum[slot * FMOE_LOGIT_SPLIT + p][r];
+    for (int p = 0; p < FMOE_LOGIT_SPLIT; ++p) l += part_sum[(w0 + p) * GROUP + j][r];
     scores[(long long)(t0 + r) * E + ex] = fmoe_score(l, scoring);
   }
 }

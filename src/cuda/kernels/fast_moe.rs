@@ -53,13 +53,17 @@ pub const LOGIT_EXPERTS: usize = 2;
 pub const LOGIT_SPLIT: usize = 4;
 /// Tokens per `fmoe_logits_kernel` block (FMOE_LOGIT_TOKENS).
 pub const LOGIT_TOKENS: usize = 8;
-/// Experts each `fmoe_logits_kernel` warp takes from [`LOGIT_GROUP_MIN_TOKENS`] tokens
-/// (FMOE_LOGIT_GROUP; one below): each x word a lane loads serves them all, so the kernel reads x
-/// a quarter as often (the same bits: kernels/fast_moe_route.cuh `fmoe_logits_tile`).
+/// Experts each `fmoe_logits_grouped_kernel` warp takes (FMOE_LOGIT_GROUP; `fmoe_logits_kernel`
+/// takes one): each x word a lane loads serves them all, so the kernel reads x a quarter as often
+/// (the same bits: kernels/fast_moe_route.cuh `fmoe_logits_tile`).
 pub const LOGIT_GROUP: usize = 4;
-/// Fewest tokens whose `fmoe_logits_kernel` groups its warps' experts ([`LOGIT_GROUP`]): below, a
-/// quarter of the blocks would stream the gate from HBM, which bounds the few-token router.
-pub const LOGIT_GROUP_MIN_TOKENS: usize = 16;
+/// Fewest tokens whose router logits run `fmoe_logits_grouped_kernel` ([`LOGIT_GROUP`] experts a
+/// warp) rather than `fmoe_logits_kernel` (one). The router chain (the input's norm, the logits,
+/// the selection) at Flash shapes, µs one / four experts a warp (H100, best of two rounds, one
+/// call; fortieth session): B = 1 6.97 / 8.61, 8 13.08 / 16.99, 16 14.03 / 17.52, 32 17.33 /
+/// 19.26, 64 27.60 / 22.40, 128 43.72 / 34.33, 256 80.65 / 59.61, 512 150.26 / 107.60. Below,
+/// a quarter as many blocks stream the gate, which bounds the few-token router.
+pub const LOGIT_GROUP_MIN_TOKENS: usize = 64;
 /// `fmoe_logits_tc_kernel` (many tokens, BF16 tensor cores): tokens per block (FMOE_TC_TOKENS, one
 /// m64 tile) and experts per warpgroup (FMOE_TC_WG_EXPERTS, the wgmma's N; two consumer warpgroups
 /// a block, so a block takes twice as many experts). 64 rather than 128: twice the blocks, each
@@ -165,11 +169,17 @@ crate::kernel_family! {
     pub const SOURCE = "fast_moe", include_str!("../../../kernels/fast_moe.cu");
 
     /// Router scores (logits for softmax scoring) and x's FP8 quantisation (none without `xq`),
-    /// each warp on `group` experts (1 or [`LOGIT_GROUP`]).
+    /// each warp on one expert.
     #[pdl(true)]
     fn fmoe_logits_kernel(
         x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
-        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>, group: i32,
+        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>,
+    );
+    /// The same, each warp on [`LOGIT_GROUP`] experts (the same bits).
+    #[pdl(true)]
+    fn fmoe_logits_grouped_kernel(
+        x: *const f32, t: i32, d: i32, e: i32, gate: *const f32, scoring: i32, scores: *mut f32,
+        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>,
     );
     /// The MoE input's RMSNorm in place with x's FP8 quantisation, on `rmsnorm_kernel`'s block
     /// ([`MoeNorm`]).
@@ -214,6 +224,7 @@ crate::launchers! {
     /// The fast_moe family's entry points, resolved from a loaded registry.
     pub struct FastMoeRoute {
         logits: fmoe_logits_kernel,
+        logits_grouped: fmoe_logits_grouped_kernel,
         norm_x: fmoe_norm_x_kernel,
         norm_x_rows: fmoe_norm_x_rows_kernel,
         logits_tc: fmoe_logits_tc_kernel,
@@ -881,22 +892,35 @@ impl FastMoe {
             t.div_ceil(LOGIT_TOKENS) as u32,
             1,
         );
-        let args = fmoe_logits_kernel::Args {
-            x,
-            t: to_i32(K, "T", t)?,
-            d: to_i32(K, "D", d)?,
-            e: to_i32(K, "E", e)?,
-            gate: layer.gate,
-            scoring: moe::scoring_code(layer.router.scoring),
-            scores: ws.logits,
-            halves: path.halves_order(),
-            xq: (!x_made).then_some(ws.xq),
-            xs: (!x_made).then_some(ws.xs),
-            group: group as i32,
-        };
+        let (t32, d32, e32) = (to_i32(K, "T", t)?, to_i32(K, "D", d)?, to_i32(K, "E", e)?);
+        // Both kernels take the same arguments.
+        macro_rules! args {
+            ($kernel:ident) => {
+                $kernel::Args {
+                    x,
+                    t: t32,
+                    d: d32,
+                    e: e32,
+                    gate: layer.gate,
+                    scoring: moe::scoring_code(layer.router.scoring),
+                    scores: ws.logits,
+                    halves: path.halves_order(),
+                    xq: (!x_made).then_some(ws.xq),
+                    xs: (!x_made).then_some(ws.xs),
+                }
+            };
+        }
         let _g = ctx.enter()?;
         let block = (LOGIT_WARPS * 32) as u32;
-        self.route.logits.launch(grid, block, 0, stream, args)
+        if group == 1 {
+            let args = args!(fmoe_logits_kernel);
+            self.route.logits.launch(grid, block, 0, stream, args)
+        } else {
+            let args = args!(fmoe_logits_grouped_kernel);
+            self.route
+                .logits_grouped
+                .launch(grid, block, 0, stream, args)
+        }
     }
 
     /// Step 6: `out[t] = bf16(Σ_j y[t*k + j] + y[T*k + t])` as f32.
