@@ -13,8 +13,8 @@
 #include "norm_row.cuh"        // fmoe_norm_x_kernel
 #include "fast_moe_route.cuh"  // x's quantisation, the logits' tiles, a token's selection
 
-// FMOE_LOGIT_WARPS, FMOE_LOGIT_EXPERTS, FMOE_LOGIT_SPLIT, FMOE_LOGIT_TOKENS, FMOE_LOGIT_GROUP,
-// FMOE_LOGIT_GROUP_TOKENS, FMOE_SELECT_WARPS, FMOE_MAX_EPL and SCORE_* come from dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
+// FMOE_LOGIT_WARPS, FMOE_LOGIT_EXPERTS, FMOE_LOGIT_SPLIT, FMOE_LOGIT_TOKENS, FMOE_LOGIT_GROUP, FMOE_SELECT_WARPS,
+// FMOE_MAX_EPL and SCORE_* come from dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
 
 // fmoe_x_code's code by the hardware's conversion: cvt.rn.satfinite.e4m3x2.f32 rounds to the nearest e4m3fn
 // value, ties to even, subnormals and signed zeros included (e4m3_code_rn's grid: kernels/fast_dense.cu
@@ -110,44 +110,43 @@ DSV4_INLINE void fmoe_quant_x_row(const float* x, long long t, int D, bool halve
   }
 }
 
-// Router scores in f32, and x's act_quant, for few tokens. Block (bx, by) takes token group by * TOKENS + [0,
-// TOKENS); its FMOE_LOGIT_WARPS warps are FMOE_LOGIT_EXPERTS x GROUP experts x FMOE_LOGIT_SPLIT parts of D, so many
-// warps stream the gate at once:
+// Router scores in f32, and x's act_quant, for few tokens. Block (bx, by) takes token group by *
+// FMOE_LOGIT_TOKENS + [0, FMOE_LOGIT_TOKENS); its FMOE_LOGIT_WARPS warps are FMOE_LOGIT_EXPERTS x GROUP experts x
+// FMOE_LOGIT_SPLIT parts of D, so many warps stream the gate at once:
 // - the tile (bx, by) of the logits (fmoe_logits_tile, fast_moe_route.cuh), each warp on GROUP experts;
 // - warp w of blocks with b = bx * FMOE_LOGIT_WARPS + w < D / 128: fmoe_quant_x_block of block b (unless xq is
 //   NULL: the norm made them).
 // Requires D % (4 * FMOE_LOGIT_SPLIT) == 0 and D % 128 == 0. The kernels below begin with dsv4_pdl_begin().
-template <int GROUP, int TOKENS>
+template <int GROUP>
 DSV4_INLINE void fmoe_logits_block(const float* x, int T, int D, int E, const float* gate, int scoring,
                                    float* scores, int halves, unsigned char* xq, float* xs) {
-  __shared__ float part_sum[FMOE_LOGIT_WARPS * GROUP][TOKENS];
+  __shared__ float part_sum[FMOE_LOGIT_WARPS * GROUP][FMOE_LOGIT_TOKENS];
   const int warp = threadIdx.x >> 5;
-  const int t0 = blockIdx.y * TOKENS;
-  const int nt = min(TOKENS, T - t0);
+  const int t0 = blockIdx.y * FMOE_LOGIT_TOKENS;
+  const int nt = min(FMOE_LOGIT_TOKENS, T - t0);
   if (nt <= 0) return;  // whole block
   const int b = blockIdx.x * FMOE_LOGIT_WARPS + warp;
   // (xq NULL: the input's norm made x's codes already, fmoe_norm_x_kernel.)
   if (xq != nullptr && b < D / 128) fmoe_quant_x_block(x, t0, nt, D, b, halves != 0, xq, xs);
-  fmoe_logits_tile<GROUP, TOKENS>(x, T, D, E, gate, scoring, scores, blockIdx.x, blockIdx.y, threadIdx.x,
-                                  part_sum, [] { __syncthreads(); });
+  fmoe_logits_tile<GROUP>(x, T, D, E, gate, scoring, scores, blockIdx.x, blockIdx.y, threadIdx.x, part_sum,
+                          [] { __syncthreads(); });
 }
 
-// fmoe_logits_block with a warp an expert and FMOE_LOGIT_TOKENS tokens a block (below
-// fast_moe::LOGIT_GROUP_MIN_TOKENS tokens).
+// fmoe_logits_block with a warp an expert (below fast_moe::LOGIT_GROUP_MIN_TOKENS tokens).
 extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
     fmoe_logits_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
                        int halves, unsigned char* xq, float* xs) {
   dsv4_pdl_begin();
-  fmoe_logits_block<1, FMOE_LOGIT_TOKENS>(x, T, D, E, gate, scoring, scores, halves, xq, xs);
+  fmoe_logits_block<1>(x, T, D, E, gate, scoring, scores, halves, xq, xs);
 }
 
-// fmoe_logits_block with a warp FMOE_LOGIT_GROUP experts and FMOE_LOGIT_GROUP_TOKENS tokens a block (from
-// fast_moe::LOGIT_GROUP_MIN_TOKENS tokens: the same bits, x and the gate read from L2 fewer times).
+// fmoe_logits_block with a warp FMOE_LOGIT_GROUP experts (from fast_moe::LOGIT_GROUP_MIN_TOKENS tokens: the same
+// bits, x read a quarter as often).
 extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
     fmoe_logits_grouped_kernel(const float* x, int T, int D, int E, const float* gate, int scoring, float* scores,
                                int halves, unsigned char* xq, float* xs) {
   dsv4_pdl_begin();
-  fmoe_logits_block<FMOE_LOGIT_GROUP, FMOE_LOGIT_GROUP_TOKENS>(x, T, D, E, gate, scoring, scores, halves, xq, xs);
+  fmoe_logits_block<FMOE_LOGIT_GROUP>(x, T, D, E, gate, scoring, scores, halves, xq, xs);
 }
 
 // The router scores for many tokens, on the BF16 tensor cores: block (bx, by) computes the logits of

@@ -1213,8 +1213,8 @@ static __device__ __noinline__ void fmoe_router_job(const FmoeRouter& r, int job
   const int nbx = (r.E + FMOE_LOGIT_EXPERTS - 1) / FMOE_LOGIT_EXPERTS;
   auto half_sync = [half] { named_barrier(4 + half, FMOE_LOGIT_WARPS * 32); };
   for (int v = 2 * job + half; v < nbx * tg; v += 2 * jobs) {
-    fmoe_logits_tile<1, FMOE_LOGIT_TOKENS>(r.x, r.T, r.D, r.E, r.gate, r.scoring, r.scores, v % nbx, v / nbx,
-                                           tid & 255, part_sum, half_sync);
+    fmoe_logits_tile<1>(r.x, r.T, r.D, r.E, r.gate, r.scoring, r.scores, v % nbx, v / nbx, tid & 255, part_sum,
+                        half_sync);
     half_sync();  // the parts are read before the next tile writes them
   }
   named_barrier(3, FMOE_CONSUMERS);

@@ -73,32 +73,32 @@ DSV4_INLINE float fmoe_score(float l, int scoring) {
 #define FMOE_LOGIT_CHUNK 8
 
 // One tile of the router's f32 logits: fmoe_logits_kernel's block (bx, by), by FMOE_LOGIT_WARPS warps whose
-// threads are gtid = 0 .. 32·FMOE_LOGIT_WARPS - 1 (warp gtid / 32 of the group): tokens t0 = by · TOKENS ..
-// (at least one), experts bx · FMOE_LOGIT_EXPERTS · GROUP ..; warp w takes the GROUP experts
+// threads are gtid = 0 .. 32·FMOE_LOGIT_WARPS - 1 (warp gtid / 32 of the group): tokens t0 = by ·
+// FMOE_LOGIT_TOKENS .. (at least one), experts bx · FMOE_LOGIT_EXPERTS · GROUP ..; warp w takes the GROUP experts
 // bx · FMOE_LOGIT_EXPERTS · GROUP + (w / FMOE_LOGIT_SPLIT) · GROUP + j (slot s = (w / FMOE_LOGIT_SPLIT) · GROUP +
 // j) and its part w % FMOE_LOGIT_SPLIT of their dot products with 16-byte loads, per-lane sums in k order, a
 // fixed butterfly, then the parts summed in order: the logit l, scores[t][e] = fmoe_score(l). Each x word a lane
 // loads serves its GROUP experts: the tile reads x once per FMOE_LOGIT_EXPERTS · GROUP experts (at 256 tokens and
 // 256 experts, GROUP 1 read 512 MB of x from L2 in a ~80 us router chain). Every logit takes the same sums in
-// the same order whatever GROUP and TOKENS are, so all give the same bits. part_sum: the group's [FMOE_LOGIT_WARPS ·
-// GROUP][TOKENS] floats of shared memory (row w · GROUP + j); `sync()` is a barrier of the group's threads (the
-// parts are written, then read). Requires D % (4 · FMOE_LOGIT_SPLIT) == 0 and
+// the same order whatever GROUP is, so every GROUP gives the same bits. part_sum: the group's [FMOE_LOGIT_WARPS ·
+// GROUP][FMOE_LOGIT_TOKENS] floats of shared memory (row w · GROUP + j); `sync()` is a barrier of
+// the group's threads (the parts are written, then read). Requires D % (4 · FMOE_LOGIT_SPLIT) == 0 and
 // FMOE_LOGIT_CHUNK % GROUP == 0.
-template <int GROUP, int TOKENS, typename Sync>
+template <int GROUP, typename Sync>
 DSV4_INLINE void fmoe_logits_tile(const float* x, int T, int D, int E, const float* gate, int scoring,
-                                  float* scores, int bx, int by, int gtid, float (*part_sum)[TOKENS],
+                                  float* scores, int bx, int by, int gtid, float (*part_sum)[FMOE_LOGIT_TOKENS],
                                   Sync sync) {
   static_assert(FMOE_LOGIT_CHUNK % GROUP == 0, "fmoe_logits_tile: a chunk's gate words split over the group");
   constexpr int GC = FMOE_LOGIT_CHUNK / GROUP;  // gate words a lane loads at once per expert
   const int lane = gtid & 31, warp = gtid >> 5;
-  const int t0 = by * TOKENS;
-  const int nt = min(TOKENS, T - t0);
+  const int t0 = by * FMOE_LOGIT_TOKENS;
+  const int nt = min(FMOE_LOGIT_TOKENS, T - t0);
   const int e0 = (bx * FMOE_LOGIT_EXPERTS + warp / FMOE_LOGIT_SPLIT) * GROUP;  // the warp's first expert
   const int part = warp % FMOE_LOGIT_SPLIT;
   const int c_begin = part * (D / 4 / FMOE_LOGIT_SPLIT), c_end = c_begin + D / 4 / FMOE_LOGIT_SPLIT;
-  float acc[GROUP * TOKENS];  // acc[j · TOKENS + r]: expert j of the group, token r
+  float acc[GROUP * FMOE_LOGIT_TOKENS];  // acc[j · FMOE_LOGIT_TOKENS + r]: expert j of the group, token r
 #pragma unroll
-  for (int i = 0; i < GROUP * TOKENS; ++i) acc[i] = 0.0f;
+  for (int i = 0; i < GROUP * FMOE_LOGIT_TOKENS; ++i) acc[i] = 0.0f;
   if (e0 < E) {
     // The lane's gate words FMOE_LOGIT_CHUNK at a time (GC per expert), all loaded before the first is used: one
     // HBM round trip a chunk (D = 4096: one in all at GROUP 1). Loaded as they were used, a word, then the
@@ -117,7 +117,7 @@ DSV4_INLINE void fmoe_logits_tile(const float* x, int T, int D, int E, const flo
           if (c0 + 32 * u < c_end) gv[j * GC + u] = __ldg(g4 + row + c0 + 32 * u);
       }
 #pragma unroll
-      for (int r = 0; r < TOKENS; ++r) {
+      for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
         if (r < nt) {
           const float4* x4 = reinterpret_cast<const float4*>(x + (long long)(t0 + r) * D);
 #pragma unroll
@@ -126,7 +126,7 @@ DSV4_INLINE void fmoe_logits_tile(const float* x, int T, int D, int E, const flo
               const float4 xv = x4[c0 + 32 * u];
 #pragma unroll
               for (int j = 0; j < GROUP; ++j) {
-                float& a = acc[j * TOKENS + r];
+                float& a = acc[j * FMOE_LOGIT_TOKENS + r];
                 const float4 g = gv[j * GC + u];
                 a = fmaf(xv.x, g.x, a);
                 a = fmaf(xv.y, g.y, a);
@@ -143,15 +143,15 @@ DSV4_INLINE void fmoe_logits_tile(const float* x, int T, int D, int E, const flo
 #pragma unroll
   for (int j = 0; j < GROUP; ++j)
 #pragma unroll
-    for (int r = 0; r < TOKENS; ++r) {
-      const float s = warp_sum(acc[j * TOKENS + r]);
+    for (int r = 0; r < FMOE_LOGIT_TOKENS; ++r) {
+      const float s = warp_sum(acc[j * FMOE_LOGIT_TOKENS + r]);
       if (lane == 0) part_sum[warp * GROUP + j][r] = s;
     }
   sync();
-  // Thread (expert slot, token) = (gtid / TOKENS, gtid % TOKENS) finishes one logit.
-  static_assert(FMOE_LOGIT_EXPERTS * GROUP * TOKENS <= FMOE_LOGIT_WARPS * 32,
+  // Thread (expert slot, token) = (gtid / FMOE_LOGIT_TOKENS, gtid % FMOE_LOGIT_TOKENS) finishes one logit.
+  static_assert(FMOE_LOGIT_EXPERTS * GROUP * FMOE_LOGIT_TOKENS <= FMOE_LOGIT_WARPS * 32,
                 "fmoe_logits_tile: a thread a logit of the tile");
-  const int slot = gtid / TOKENS, r = gtid % TOKENS;
+  const int slot = gtid / FMOE_LOGIT_TOKENS, r = gtid % FMOE_LOGIT_TOKENS;
   const int ex = bx * FMOE_LOGIT_EXPERTS * GROUP + slot;
   if (slot < FMOE_LOGIT_EXPERTS * GROUP && ex < E && r < nt) {
     // The slot's parts: warps (slot / GROUP) · FMOE_LOGIT_SPLIT + p, their group's expert slot % GROUP.

@@ -80,8 +80,6 @@ pub const SHARED: &[Shared] = shared! {
     "FMOE_LOGIT_SPLIT" = Int(fast_moe::LOGIT_SPLIT as i64) from "fast_moe::LOGIT_SPLIT";
     "FMOE_LOGIT_TOKENS" = Int(fast_moe::LOGIT_TOKENS as i64) from "fast_moe::LOGIT_TOKENS";
     "FMOE_LOGIT_GROUP" = Int(fast_moe::LOGIT_GROUP as i64) from "fast_moe::LOGIT_GROUP";
-    "FMOE_LOGIT_GROUP_TOKENS" = Int(fast_moe::LOGIT_GROUP_TOKENS as i64)
-        from "fast_moe::LOGIT_GROUP_TOKENS";
     "FMOE_TC_TOKENS" = Int(fast_moe::TC_TOKENS as i64) from "fast_moe::TC_TOKENS";
     "FMOE_TC_WG_EXPERTS" = Int(fast_moe::TC_WG_EXPERTS as i64) from "fast_moe::TC_WG_EXPERTS";
     "FMOE_TC_SLOTS" = Int(fast_moe::TC_SLOTS as i64) from "fast_moe::TC_SLOTS";

@@ -57,9 +57,6 @@ pub const LOGIT_TOKENS: usize = 8;
 /// takes one): each x word a lane loads serves them all, so the kernel reads x a quarter as often
 /// (the same bits: kernels/fast_moe_route.cuh `fmoe_logits_tile`).
 pub const LOGIT_GROUP: usize = 4;
-/// Tokens per `fmoe_logits_grouped_kernel` block (FMOE_LOGIT_GROUP_TOKENS): each gate word a lane
-/// loads serves them all, so the kernel reads the gate once per this many tokens.
-pub const LOGIT_GROUP_TOKENS: usize = 16;
 /// Fewest tokens whose router logits run `fmoe_logits_grouped_kernel` ([`LOGIT_GROUP`] experts a
 /// warp) rather than `fmoe_logits_kernel` (one). The router chain (the input's norm, the logits,
 /// the selection) at Flash shapes, µs one / four experts a warp (H100, best of two rounds, one
@@ -889,15 +886,10 @@ impl FastMoe {
         }
         let (d, e) = (layer.d, layer.experts);
         layer.check_router(K, x, t, ws)?;
-        let tokens = if group == 1 {
-            LOGIT_TOKENS
-        } else {
-            LOGIT_GROUP_TOKENS
-        };
         let grid = (
             e.div_ceil(LOGIT_EXPERTS * group)
                 .max((d / 128).div_ceil(LOGIT_WARPS)) as u32,
-            t.div_ceil(tokens) as u32,
+            t.div_ceil(LOGIT_TOKENS) as u32,
             1,
         );
         let (t32, d32, e32) = (to_i32(K, "T", t)?, to_i32(K, "D", d)?, to_i32(K, "E", e)?);
