@@ -11,10 +11,11 @@
 //!    ([`GemmPath::tile_rows`]);
 //! 4. GEMM1 + SwiGLU x routing weight + FP8 quantisation of h, with the shared expert as more
 //!    tiles, and GEMM2 into bf16 rows per (token, slot), on the path [`GemmPath::for_tokens`]
-//!    picks: `fmoe_up_kernel` then `fmoe_down_kernel` (decode), both in one launch,
-//!    `fmoe_experts_kernel`, whose down items wait for their tile's up items (fused decode,
-//!    [`fast_moe_gemm::FUSED_TOKENS`]), or from [`fast_moe_wide::MIN_TOKENS`](super::fast_moe_wide)
-//!    tokens on `fmw_up_kernel` then `fmw_down_kernel` (prefill);
+//!    picks: `fmoe_experts_kernel`, whose down items wait for their tile's up items (fused decode,
+//!    [`fast_moe_gemm::FUSED_TOKENS`]; the same items as `fmoe_up_kernel` then `fmoe_down_kernel`,
+//!    the decode path, which the tests and the bench run), or from
+//!    [`fast_moe_wide::MIN_TOKENS`](super::fast_moe_wide) tokens on `fmw_up_kernel` then
+//!    `fmw_down_kernel` (prefill);
 //! 5. `fmoe_combine_kernel`: the fixed-order f32 sum per token, rounded to bf16.
 //!
 //! On the routed decode path (up to [`fast_moe_gemm::ROUTED_MAX_TOKENS`]; no batch takes it by

@@ -143,6 +143,8 @@ crate::launchers! {
 pub enum GemmPath {
     /// This family: items of [`TOKENS`] tokens, promotion every k32; streams the touched experts'
     /// bytes at few tokens per expert. Two launches: `fmoe_up_kernel`, then `fmoe_down_kernel`.
+    /// No batch takes it by default ([`GemmPath::for_tokens`]: the one launch measured faster at
+    /// every count); the tests and `dsv4 bench moe --path decode` run it.
     Decode,
     /// The same items and sums, bit for bit, in one launch (`fmoe_experts_kernel`): a down item
     /// starts once its own tile's up items are done, and blocks take items from a queue.
