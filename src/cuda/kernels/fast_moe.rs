@@ -863,10 +863,10 @@ impl FastMoe {
         )
     }
 
-    /// The few-token router's logits (`fmoe_logits_kernel`, [`RouterPath::Few`]) into
-    /// `ws.logits`, each warp on `group` experts (1 or [`LOGIT_GROUP`]: the same bits;
-    /// [`FastMoe::route_on`] takes [`logit_group`]), and x's codes unless `x_made`, in `path`'s
-    /// order.
+    /// The few-token router's logits ([`RouterPath::Few`]) into `ws.logits`, each warp on `group`
+    /// experts: 1 (`fmoe_logits_kernel`) or [`LOGIT_GROUP`] (`fmoe_logits_grouped_kernel`), the
+    /// same bits ([`FastMoe::route_on`] takes [`logit_group`]); and x's codes unless `x_made`, in
+    /// `path`'s order.
     #[allow(clippy::too_many_arguments)]
     pub fn logits_few(
         &self,
