@@ -104,7 +104,7 @@ DSV4_INLINE void fmoe_logits_tile(const float* x, int T, int D, int E, const flo
     // HBM round trip a chunk (D = 4096: one in all at GROUP 1). Loaded as they were used, a word, then the
     // tokens' x, then its FMAs, the compiler kept one gate load in flight where registers were short
     // (fmoe_route_experts_kernel's 96: eight round trips, ~8 us a router job, FMOE_TRACE at B = 1). Each
-    // acc of expert j and token r takes the same FMAs in the same order either way (c ascending, then x, y, z, w). A group's
+    // logit's acc takes the same FMAs in the same order either way (c ascending, then x, y, z, w). A group's
     // experts past E read the last one's row (their sums are not stored).
     const float4* g4 = reinterpret_cast<const float4*>(gate + (long long)e0 * D);
     for (int c0 = c_begin + lane; c0 < c_end; c0 += 32 * GC) {

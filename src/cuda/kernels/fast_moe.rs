@@ -62,7 +62,7 @@ pub const LOGIT_GROUP: usize = 4;
 /// warp) rather than `fmoe_logits_kernel` (one). The router chain (the input's norm, the logits,
 /// the selection) at Flash shapes, µs one / four experts a warp (H100, best of two rounds, one
 /// call; fortieth session): B = 1 6.97 / 8.61, 8 13.08 / 16.99, 16 14.03 / 17.52, 32 17.33 /
-/// 19.26, 64 27.60 / 22.40, 128 43.72 / 34.33, 256 80.65 / 59.61, 512 150.26 / 107.60. Below,
+/// 19.26, 64 27.60 / 22.51, 128 43.72 / 34.36, 256 80.65 / 59.01, 512 150.26 / 107.86. Below,
 /// a quarter as many blocks stream the gate, which bounds the few-token router.
 pub const LOGIT_GROUP_MIN_TOKENS: usize = 64;
 /// `fmoe_logits_tc_kernel` (many tokens, BF16 tensor cores): tokens per block (FMOE_TC_TOKENS, one
@@ -142,8 +142,8 @@ impl RouterPath {
     }
 }
 
-/// Experts each `fmoe_logits_kernel` warp takes for `t` tokens: [`LOGIT_GROUP`] from
-/// [`LOGIT_GROUP_MIN_TOKENS`], else 1.
+/// Experts each warp of the few-token router's logits takes for `t` tokens: [`LOGIT_GROUP`] from
+/// [`LOGIT_GROUP_MIN_TOKENS`] (`fmoe_logits_grouped_kernel`), else 1 (`fmoe_logits_kernel`).
 pub fn logit_group(t: usize) -> usize {
     if t >= LOGIT_GROUP_MIN_TOKENS {
         LOGIT_GROUP
@@ -880,21 +880,29 @@ impl FastMoe {
         x_made: bool,
         stream: BorrowedStream,
     ) -> Result<()> {
-        const K: &str = "fmoe_logits_kernel";
         if group != 1 && group != LOGIT_GROUP {
             return Err(internal(format!(
-                "{K}: experts a warp takes must be 1 or {LOGIT_GROUP}, got {group}"
+                "fast MoE router logits: experts a warp takes must be 1 or {LOGIT_GROUP}, got {group}"
             )));
         }
+        let k_name = if group == 1 {
+            "fmoe_logits_kernel"
+        } else {
+            "fmoe_logits_grouped_kernel"
+        };
         let (d, e) = (layer.d, layer.experts);
-        layer.check_router(K, x, t, ws)?;
+        layer.check_router(k_name, x, t, ws)?;
         let grid = (
             e.div_ceil(LOGIT_EXPERTS * group)
                 .max((d / 128).div_ceil(LOGIT_WARPS)) as u32,
             t.div_ceil(LOGIT_TOKENS) as u32,
             1,
         );
-        let (t32, d32, e32) = (to_i32(K, "T", t)?, to_i32(K, "D", d)?, to_i32(K, "E", e)?);
+        let (t32, d32, e32) = (
+            to_i32(k_name, "T", t)?,
+            to_i32(k_name, "D", d)?,
+            to_i32(k_name, "E", e)?,
+        );
         // Both kernels take the same arguments.
         macro_rules! args {
             ($kernel:ident) => {
