@@ -1350,8 +1350,8 @@ fn norm_x_gives_the_norms_rows_and_the_routers_codes() {
 }
 
 /// `fmoe_logits_grouped_kernel`, each warp on [`fast_moe::LOGIT_GROUP`] experts (the router from
-/// [`fast_moe::LOGIT_GROUP_MIN_TOKENS`] tokens) gives the logits and x's codes of its one-expert
-/// warps bit for bit: every logit takes the same sums in the same order. At Flash shapes, the
+/// [`fast_moe::LOGIT_GROUP_MIN_TOKENS`] tokens) gives the logits and x's codes of
+/// `fmoe_logits_kernel`'s one-expert warps bit for bit: every logit takes the same sums in the same order. At Flash shapes, the
 /// small shape's odd widths, and 20 experts (the last block's group runs past E); token counts
 /// that fill no token tile, one, and many, with a partial last one.
 #[test]
