@@ -1057,6 +1057,9 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
             (64, Routing::TopK),
             (256, Routing::TopK),
             (256, Routing::HashSkewed),
+            // The last batch on the fused decode launch (fast_moe_gemm::FUSED_TOKENS), its router
+            // logits four experts a warp (fast_moe::LOGIT_GROUP_MIN_TOKENS), partial tiles.
+            (fast_moe_wide::MIN_TOKENS - 1, Routing::HashSkewed),
             // The first batch on the prefill GEMMs, still with the few-token router (below
             // fast_moe::TC_MIN_TOKENS): x quantised in the halves order by the logits kernel.
             (fast_moe_wide::MIN_TOKENS, Routing::TopK),
