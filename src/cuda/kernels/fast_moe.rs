@@ -152,6 +152,15 @@ pub fn logit_group(t: usize) -> usize {
     }
 }
 
+/// The few-token router's logits kernel for warps of `group` experts (for errors).
+fn logits_kernel_name(group: usize) -> &'static str {
+    if group == 1 {
+        "fmoe_logits_kernel"
+    } else {
+        "fmoe_logits_grouped_kernel"
+    }
+}
+
 /// Fewest tokens whose routing plan [`FastMoe::experts_on`] makes with the wide plan
 /// ([`Moe::plan_wide`]: three launches over many blocks) rather than `moe_plan_kernel`'s one block.
 pub const WIDE_PLAN_MIN_TOKENS: usize = 1024;
@@ -832,8 +841,9 @@ impl FastMoe {
                 .logits_tc
                 .launch(grid, threads, TC_SMEM_BYTES as u32, stream, args)?;
         } else {
+            // (check_router above covers this launch's buffers.)
             let group = logit_group(t);
-            self.logits_few(ctx, layer, x, t, ws, group, path, x_made, stream)?;
+            self.launch_logits_few(ctx, layer, x, t, ws, group, path, x_made, stream)?;
         }
         let r = &layer.router;
         self.route.select.launch(
@@ -885,13 +895,27 @@ impl FastMoe {
                 "fast MoE router logits: experts a warp takes must be 1 or {LOGIT_GROUP}, got {group}"
             )));
         }
-        let k_name = if group == 1 {
-            "fmoe_logits_kernel"
-        } else {
-            "fmoe_logits_grouped_kernel"
-        };
+        layer.check_router(logits_kernel_name(group), x, t, ws)?;
+        self.launch_logits_few(ctx, layer, x, t, ws, group, path, x_made, stream)
+    }
+
+    /// [`FastMoe::logits_few`]'s launch alone: the caller has checked `group` and the layer's
+    /// router buffers ([`FastMoe::route_on`] checks them once for the whole router).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_logits_few(
+        &self,
+        ctx: &Context,
+        layer: &FastMoeLayer,
+        x: DevicePtr,
+        t: usize,
+        ws: &FastMoeWorkspace,
+        group: usize,
+        path: GemmPath,
+        x_made: bool,
+        stream: BorrowedStream,
+    ) -> Result<()> {
+        let k_name = logits_kernel_name(group);
         let (d, e) = (layer.d, layer.experts);
-        layer.check_router(k_name, x, t, ws)?;
         let grid = (
             e.div_ceil(LOGIT_EXPERTS * group)
                 .max((d / 128).div_ceil(LOGIT_WARPS)) as u32,

@@ -300,17 +300,11 @@ pub fn sync_words(t: usize, k: usize, experts: usize) -> usize {
     1 + plan_cleared_sync_words(t, k, experts)
 }
 
-/// Tiles the plan can make for `t` tokens (routed and shared): a count of its up items done each,
-/// in both fused launches' synchronisation words.
-fn tile_words(t: usize, k: usize, experts: usize) -> usize {
-    (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
-}
-
 /// The words after `sync`'s first: the item queue's head and per tile the plan can make (routed
 /// and shared) a count of its up items done. They must be zero when the launch starts:
 /// `FastMoe::experts_on` has the plan zero them (`Moe::plan_clearing`), the launch before.
 pub fn plan_cleared_sync_words(t: usize, k: usize, experts: usize) -> usize {
-    1 + tile_words(t, k, experts)
+    1 + (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
 }
 
 /// u32 words of the routed decode path's synchronisation buffer for `t` tokens
