@@ -1057,11 +1057,14 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
             (64, Routing::TopK),
             (256, Routing::TopK),
             (256, Routing::HashSkewed),
-            // The last batch on the fused decode launch (fast_moe_gemm::FUSED_TOKENS), its router
-            // logits four experts a warp (fast_moe::LOGIT_GROUP_MIN_TOKENS), partial tiles.
+            // The last batch on the few-token router (below fast_moe::TC_MIN_TOKENS), its logits
+            // four experts a warp (fast_moe::LOGIT_GROUP_MIN_TOKENS), on the fused decode launch.
+            (fast_moe::TC_MIN_TOKENS - 1, Routing::TopK),
+            // The last batch on the fused decode launch (fast_moe_gemm::FUSED_TOKENS), routed by
+            // the tensor-core router (x quantised by the selection), partial tiles.
             (fast_moe_wide::MIN_TOKENS - 1, Routing::HashSkewed),
-            // The first batch on the prefill GEMMs, still with the few-token router (below
-            // fast_moe::TC_MIN_TOKENS): x quantised in the halves order by the logits kernel.
+            // The first batch on the prefill GEMMs and the wide plan
+            // (fast_moe::WIDE_PLAN_MIN_TOKENS): x quantised in the halves order by the selection.
             (fast_moe_wide::MIN_TOKENS, Routing::TopK),
             (1024, Routing::Hash),
             (4096, Routing::TopK),
@@ -1292,7 +1295,15 @@ fn norm_x_gives_the_norms_rows_and_the_routers_codes() {
             eps: 1e-6,
             round_out: true,
         };
-        for t in [1, 8, 300, fast_moe::TC_MIN_TOKENS + 76] {
+        // The few-token router on the fused decode path, the tensor-core router on it and on the
+        // prefill path (whose GEMMs read x's codes in the halves order).
+        for t in [
+            1,
+            8,
+            300,
+            fast_moe::TC_MIN_TOKENS + 76,
+            fast_moe_wide::MIN_TOKENS + 76,
+        ] {
             assert!(fast_moe::norm_x_covers(t, d), "d {d}, T={t}");
             let (mut x, tokens) = inputs(&mut rng, &sh, t);
             if t > 1 {

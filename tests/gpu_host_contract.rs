@@ -17,6 +17,7 @@ use common::bits;
 use common::gpu::{devices, has_cuda};
 use common::rig::{Load, Rig, RigOptions, Step};
 use common::rng::{XorShift, tokens};
+use dsv4::cuda::kernels::fast_moe;
 use dsv4::ffi::*;
 
 // ------------------------------------------------------------------------------ plumbing
@@ -249,9 +250,9 @@ fn refit_of_one_expert_equals_a_fresh_load() {
 }
 
 /// A refit of a layer's router gate rebuilds the gate's derived BF16 planes: a prefill long
-/// enough for the fast set's tensor-core router (`fast_moe::TC_MIN_TOKENS`) and its wide routing
-/// plan gives, after the refit, exactly a fresh load's logits. (The other rigs' 64 tokens take the
-/// f32 router, which reads the gate itself.)
+/// enough for the fast set's tensor-core router (`fast_moe::TC_MIN_TOKENS`) and the wide routing
+/// plan (`fast_moe::WIDE_PLAN_MIN_TOKENS`) gives, after the refit, exactly a fresh load's logits.
+/// (The other rigs' 64 tokens take the f32 router, which reads the gate itself.)
 #[test]
 fn refit_of_a_router_gate_rebuilds_its_planes_for_many_tokens() {
     let _turn = common::gpu::turn();
@@ -262,7 +263,7 @@ fn refit_of_a_router_gate_rebuilds_its_planes_for_many_tokens() {
     let ck = checkpoint("tiny");
     // Layer 2 routes top-k (layers 0 and 1 hash, whose weights still come from the gate).
     let gate = perturbed_bf16(find(&ck, "model.layers.2.ffn.gate.weight"), -1.5);
-    let n = dsv4::cuda::kernels::fast_moe::TC_MIN_TOKENS + 8;
+    let n = fast_moe::TC_MIN_TOKENS.max(fast_moe::WIDE_PLAN_MIN_TOKENS) + 8;
     let long = |dev| {
         let mut o = options("tiny", dev, Load::Checkpoint, TINY_FORMAT);
         o.max_num_tokens = n as i32;

@@ -6,8 +6,9 @@
 //!    tensor): router logits in f32 and their scores, and (the first) x quantized to FP8 per 128;
 //! 2. `fmoe_select_kernel`: scores, top-k or hash selection, weights (and x's quantisation after
 //!    the tensor-core router);
-//! 3. `moe_plan_kernel`, or from [`WIDE_PLAN_MIN_TOKENS`] the wide plan's three launches (the moe
-//!    family): assignments grouped by expert into tiles of the GEMM path's tokens per item
+//! 3. `moe_plan_kernel` (which on the fused decode path also clears that launch's synchronisation
+//!    words), or from [`WIDE_PLAN_MIN_TOKENS`] (the prefill path's batches) the wide plan's three
+//!    launches (the moe family): assignments grouped by expert into tiles of the GEMM path's tokens per item
 //!    ([`GemmPath::tile_rows`]);
 //! 4. GEMM1 + SwiGLU x routing weight + FP8 quantisation of h, with the shared expert as more
 //!    tiles, and GEMM2 into bf16 rows per (token, slot), on the path [`GemmPath::for_tokens`]
@@ -105,11 +106,14 @@ pub fn gate_planes_bytes(e: usize, d: usize) -> usize {
 }
 
 /// Fewest tokens routed by `fmoe_logits_tc_kernel` ([`RouterPath::for_tokens`]): below, its few
-/// blocks (two per 64 tokens) leave SMs idle. The layer at Flash shapes, µs with
-/// `fmoe_logits_kernel` / this one (H200, same call): B = 512 1365 / 1372, 1024 2436 / 2313,
-/// 2048 3199 / 2848. (It replaced a register-tiled f32 GEMM, with which the layer was 6-10%
-/// slower from 1024 tokens up: BENCHMARKS.md, issue 11 sixteenth version.)
-pub const TC_MIN_TOKENS: usize = 1024;
+/// blocks (two per 64 tokens) leave SMs idle. The layer at Flash shapes, uniform routing, µs with
+/// `fmoe_logits_grouped_kernel` / this one (H100, best of two rounds, one call; forty-first
+/// session): B = 192 1234.6 / 1249.2, 256 1283.2 / 1286.1, 320 1324.2 / 1316.7, 384 1359.6 /
+/// 1338.4, 512 1464.0 / 1420.2, 576 1540.9 / 1500.6, 768 1643.3 / 1556.0; its router chain (the
+/// input's norm, the logits, the selection) at 512 108.9 / 67.8. (It replaced a register-tiled f32
+/// GEMM, with which the layer was 6-10% slower from 1024 tokens up: BENCHMARKS.md, issue 11
+/// sixteenth version; it took 1024 tokens up until the few-token logits were grouped.)
+pub const TC_MIN_TOKENS: usize = 320;
 
 /// Which kernel computes the router's logits (and, `Few`, x's quantisation; after `Tensor`,
 /// `fmoe_select_kernel` makes it).
@@ -162,8 +166,12 @@ fn logits_kernel_name(group: usize) -> &'static str {
 }
 
 /// Fewest tokens whose routing plan [`FastMoe::experts_on`] makes with the wide plan
-/// ([`Moe::plan_wide`]: three launches over many blocks) rather than `moe_plan_kernel`'s one block.
-pub const WIDE_PLAN_MIN_TOKENS: usize = 1024;
+/// ([`Moe::plan_wide`]: three launches over many blocks) rather than `moe_plan_kernel`'s one block:
+/// every batch of the prefill GEMMs. (The fused decode launch below them always takes the one
+/// block's plan, which also clears its synchronisation words.) The layer on the prefill path at
+/// Flash shapes, µs with the one block's plan / the wide one (H100, best of two rounds, one call;
+/// forty-first session): B = 608 1538.9 / 1534.9, 768 1560.7 / 1553.1, 1000 1593.3 / 1586.7.
+pub const WIDE_PLAN_MIN_TOKENS: usize = fast_moe_wide::MIN_TOKENS;
 const _: () = assert!(
     32 * MAX_EPL <= moe::PLAN_WIDE_MAX_EXPERTS,
     "the wide plan takes every layer the fast kernels take"
@@ -622,7 +630,7 @@ impl FastMoe {
         let plan = if t >= WIDE_PLAN_MIN_TOKENS { 3 } else { 1 };
         match path {
             GemmPath::DecodeRouted => 2, // the router and GEMMs, the combine
-            GemmPath::DecodeFused => plan + 4,
+            GemmPath::DecodeFused => 5,  // the one block's plan, whatever t
             GemmPath::Decode => plan + 5,
             GemmPath::Prefill => plan + 6, // and x's gather
         }
