@@ -91,7 +91,9 @@ static_assert(FMOE_MAP_BYTES == 128, "fast_moe_gemm: a CUtensorMap is 128 bytes"
 #ifndef FMOE_TRACE
 #define FMOE_TRACE 0
 #endif
+#ifndef FMOE_TRACE_CAP  // events the log holds (a trace of many tokens' launch may raise it)
 #define FMOE_TRACE_CAP 65536
+#endif
 #define FMOE_TRACE_SHARED (1 << 29)
 #define FMOE_TRACE_DOWN (1 << 30)
 enum FmoeTraceKind {
