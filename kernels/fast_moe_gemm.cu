@@ -964,6 +964,37 @@ DSV4_INLINE void fmoe_post_header(unsigned smem, int slot, unsigned phase, int h
 #ifndef FMOE_SHARED_EARLY
 #define FMOE_SHARED_EARLY 1
 #endif
+// FMOE_SPREAD_SHARED 1 (the default): once the shared expert's up items outnumber the blocks (more than 128
+// tokens at Flash shapes: 16 row blocks a 16-token tile), the queue no longer hands them all out first. In
+// shared-first order at 512 tokens every block spent the launch's first ~75 µs on the shared expert's 512 up items
+// and the down phase's first ~47 µs on its 512 down items (FMOE_TRACE), its 24 MB of weights read over and over
+// from L2 while HBM idled. So past the first round (the start tickets' items) its up items are spread over the
+// first half of the routed up items, and its down items over the first half of the routed down items (all its
+// tiles' up items are done by then), row block by row block: the tiles of one row block go out together, so
+// the blocks taking them read the same weights at about the same time (L2). Only the order changes: an item's
+// outputs depend on the item alone. 0 (a diagnostic variant): shared items first at every token count.
+#ifndef FMOE_SPREAD_SHARED
+#define FMOE_SPREAD_SHARED 1
+#endif
+
+// The item (fmoe_item's SHARED_FIRST numbering: the nsh shared tiles' rb_n row blocks each, then R routed items)
+// that queue position q of a phase hands out under FMOE_SPREAD_SHARED: positions below `lead` take shared items;
+// the other shared items go at evenly spaced positions among the first R / 2 routed ones (at most one a
+// position, so the map is one to one), each shared one in row-block-major order.
+DSV4_INLINE int fmoe_spread_item(int q, int lead, int nsh, int rb_n, int R) {
+  const int S = nsh * rb_n;
+  const long long rest = S - lead;
+  int j = q;  // the shared item's ordinal, row block major
+  if (q >= lead) {
+    if (rest == 0) return q;
+    const long long m = rest + R / 2, p = q - lead;
+    const long long c = min(rest, (p + 1) * rest / m), c0 = min(rest, p * rest / m);  // shared ones to p, before p
+    if (c == c0) return S + (int)(p - c);
+    j = lead + (int)c - 1;
+  }
+  return (j % nsh) * rb_n + j / nsh;
+}
+
 extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     fmoe_experts_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
                         const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
@@ -985,6 +1016,10 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
   // FMOE_SHARED_EARLY: the blocks with start tickets 0 .. nstatic - 1 take the shared expert's up items 0 ..
   // nstatic - 1 (the shared-first order) without the queue; the rest of the items come from the queue after them.
   const int nstatic = FMOE_SHARED_EARLY ? min((int)gridDim.x, nsh * rb_up) : 0;
+  // FMOE_SPREAD_SHARED: the item each queue position hands out (the routed counts once the plan is read).
+  const bool spread = FMOE_SHARED_EARLY && FMOE_SPREAD_SHARED && nsh * rb_up > (int)gridDim.x;
+  auto up_item = [&](int q) { return spread ? fmoe_spread_item(q, nstatic, nsh, rb_up, up.nrt * rb_up) : q; };
+  auto dn_item = [&](int q) { return spread ? fmoe_spread_item(q, 0, nsh, rb_dn, dn.nrt * rb_dn) : q; };
   unsigned* next = sync + FMOE_SYNC_NEXT;
   unsigned* tile_ready = sync + FMOE_SYNC_TILES;
   const int lane = threadIdx.x & 31;
@@ -1011,7 +1046,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     if (ticket < nstatic) {
       // A shared up item, known before the plan: its first stages' weights go out before the wait (the model's
       // weights, which no kernel before writes: kernels/common.cuh), its tokens after it.
-      const int w = ticket;
+      const int w = up_item(ticket);
       const FmoeItem it = fmoe_item<true, true>(up, w);
       const int tr = fmoe_trace_item(true, w, true);
       if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
@@ -1024,21 +1059,24 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     int w = fmoe_take(next) + nstatic;
     while (w < total) {
       const int w_next = FMOE_TAKE_EARLY ? fmoe_take(next) + nstatic : 0;
+      // The slot headers carry the items (the consumers' numbering), not the queue positions.
       if (w < nup) {
-        const FmoeItem it = fmoe_item<true, FMOE_SHARED_EARLY>(up, w);
-        const int tr = fmoe_trace_item(true, w, it.shared);
+        const int wi = up_item(w);
+        const FmoeItem it = fmoe_item<true, FMOE_SHARED_EARLY>(up, wi);
+        const int tr = fmoe_trace_item(true, wi, it.shared);
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
-        if (!it.skip) fmoe_produce_item<true>(up, it, smem, slot, phase, w, nullptr, 0, tr);
+        if (!it.skip) fmoe_produce_item<true>(up, it, smem, slot, phase, wi, nullptr, 0, tr);
       } else {
-        const FmoeItem it = fmoe_item<false, FMOE_SHARED_EARLY>(dn, w - nup);
-        const int tr = fmoe_trace_item(false, w - nup, it.shared);
+        const int wd = dn_item(w - nup);
+        const FmoeItem it = fmoe_item<false, FMOE_SHARED_EARLY>(dn, wd);
+        const int tr = fmoe_trace_item(false, wd, it.shared);
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
-        const unsigned* ready = tile_ready + (w - nup) / rb_dn;
+        const unsigned* ready = tile_ready + wd / rb_dn;
         // Usually the tile's up items are long done: one look while the ring still holds the last item's
         // stages, and the item streams as any other. Else its first weights go out before the wait (waiting
         // for each item's tokens behind its weights cost ~1.5 us a down item).
         if (fmoe_load_acquire(ready) >= (unsigned)rb_up) ready = nullptr;
-        if (!it.skip) fmoe_produce_item<false>(dn, it, smem, slot, phase, w, ready, (unsigned)rb_up, tr);
+        if (!it.skip) fmoe_produce_item<false>(dn, it, smem, slot, phase, nup + wd, ready, (unsigned)rb_up, tr);
       }
       w = FMOE_TAKE_EARLY ? w_next : fmoe_take(next) + nstatic;
     }
