@@ -972,9 +972,10 @@ DSV4_INLINE void fmoe_post_header(unsigned smem, int slot, unsigned phase, int h
 // first half of the routed up items, and its down items over the first half of the routed down items (all its
 // tiles' up items are done by then), row block by row block: the tiles of one row block go out together, so
 // the blocks taking them read the same weights at about the same time (L2). Only the order changes: an item's
-// outputs depend on the item alone. 0 (a diagnostic variant): shared items first at every token count.
+// outputs depend on the item alone. Opt-in (`--defines FMOE_SPREAD_SHARED=1`) until a device has timed it: built
+// in the forty-first session after its last device call; 0, the default, hands the shared items out first.
 #ifndef FMOE_SPREAD_SHARED
-#define FMOE_SPREAD_SHARED 1
+#define FMOE_SPREAD_SHARED 0
 #endif
 
 // The item (fmoe_item's SHARED_FIRST numbering: the nsh shared tiles' rb_n row blocks each, then R routed items)
@@ -1016,10 +1017,8 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
   // FMOE_SHARED_EARLY: the blocks with start tickets 0 .. nstatic - 1 take the shared expert's up items 0 ..
   // nstatic - 1 (the shared-first order) without the queue; the rest of the items come from the queue after them.
   const int nstatic = FMOE_SHARED_EARLY ? min((int)gridDim.x, nsh * rb_up) : 0;
-  // FMOE_SPREAD_SHARED: the item each queue position hands out (the routed counts once the plan is read).
-  const bool spread = FMOE_SHARED_EARLY && FMOE_SPREAD_SHARED && nsh * rb_up > (int)gridDim.x;
-  auto up_item = [&](int q) { return spread ? fmoe_spread_item(q, nstatic, nsh, rb_up, up.nrt * rb_up) : q; };
-  auto dn_item = [&](int q) { return spread ? fmoe_spread_item(q, 0, nsh, rb_dn, dn.nrt * rb_dn) : q; };
+  // FMOE_SPREAD_SHARED: queue positions hand out items in the spread order (fmoe_spread_item), else in order.
+  const bool spread = FMOE_SPREAD_SHARED && FMOE_SHARED_EARLY && nsh * rb_up > (int)gridDim.x;
   unsigned* next = sync + FMOE_SYNC_NEXT;
   unsigned* tile_ready = sync + FMOE_SYNC_TILES;
   const int lane = threadIdx.x & 31;
@@ -1046,7 +1045,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
     if (ticket < nstatic) {
       // A shared up item, known before the plan: its first stages' weights go out before the wait (the model's
       // weights, which no kernel before writes: kernels/common.cuh), its tokens after it.
-      const int w = up_item(ticket);
+      const int w = spread ? fmoe_spread_item(ticket, nstatic, nsh, rb_up, 0) : ticket;  // (below nstatic)
       const FmoeItem it = fmoe_item<true, true>(up, w);
       const int tr = fmoe_trace_item(true, w, true);
       if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
@@ -1061,13 +1060,13 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
       const int w_next = FMOE_TAKE_EARLY ? fmoe_take(next) + nstatic : 0;
       // The slot headers carry the items (the consumers' numbering), not the queue positions.
       if (w < nup) {
-        const int wi = up_item(w);
+        const int wi = spread ? fmoe_spread_item(w, nstatic, nsh, rb_up, up.nrt * rb_up) : w;
         const FmoeItem it = fmoe_item<true, FMOE_SHARED_EARLY>(up, wi);
         const int tr = fmoe_trace_item(true, wi, it.shared);
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
         if (!it.skip) fmoe_produce_item<true>(up, it, smem, slot, phase, wi, nullptr, 0, tr);
       } else {
-        const int wd = dn_item(w - nup);
+        const int wd = spread ? fmoe_spread_item(w - nup, 0, nsh, rb_dn, dn.nrt * rb_dn) : w - nup;
         const FmoeItem it = fmoe_item<false, FMOE_SHARED_EARLY>(dn, wd);
         const int tr = fmoe_trace_item(false, wd, it.shared);
         if (lane == 0) fmoe_trace(FMOE_EV_TAKE, tr);
@@ -1076,7 +1075,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         // stages, and the item streams as any other. Else its first weights go out before the wait (waiting
         // for each item's tokens behind its weights cost ~1.5 us a down item).
         if (fmoe_load_acquire(ready) >= (unsigned)rb_up) ready = nullptr;
-        if (!it.skip) fmoe_produce_item<false>(dn, it, smem, slot, phase, nup + wd, ready, (unsigned)rb_up, tr);
+        if (!it.skip) fmoe_produce_item<false>(dn, it, smem, slot, phase, spread ? nup + wd : w, ready, (unsigned)rb_up, tr);
       }
       w = FMOE_TAKE_EARLY ? w_next : fmoe_take(next) + nstatic;
     }

@@ -141,17 +141,29 @@ fn env() -> Option<&'static Env> {
 
 /// The same kernels compiled with the diagnostic variant FMOE_SHARED_EARLY=0 (kernels/fast_moe_gemm.cu:
 /// the fused launch takes every item from its queue after the programmatic wait, as it did before
-/// the default took the shared expert's up items before the plan is known). The registry owns the
-/// compiled modules, so it lives as long as the kernels taken from it.
+/// the default took the shared expert's up items before the plan is known).
 fn queue_only_env() -> Option<&'static Env> {
     static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
+    variant_env(&ENV, "FMOE_SHARED_EARLY=0")
+}
+
+/// The same kernels compiled with FMOE_SPREAD_SHARED=1 (kernels/fast_moe_gemm.cu: past the first
+/// round, the fused launch hands out the shared expert's items spread among the routed ones).
+fn spread_shared_env() -> Option<&'static Env> {
+    static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
+    variant_env(&ENV, "FMOE_SPREAD_SHARED=1")
+}
+
+/// The kernels compiled with `define`, once per `lock`. The registry owns the compiled modules, so
+/// it lives as long as the kernels taken from it.
+fn variant_env(lock: &'static OnceLock<(Registry, Env)>, define: &str) -> Option<&'static Env> {
     let g = family_gpu(&families())?;
-    let (_, e) = ENV.get_or_init(|| {
+    let (_, e) = lock.get_or_init(|| {
         let cache = KernelCache::disabled()
-            .with_defines(&["FMOE_SHARED_EARLY=0".to_string()])
+            .with_defines(&[define.to_string()])
             .unwrap();
         let reg = Registry::load_families(&g.ctx, &families(), &cache)
-            .unwrap_or_else(|e| panic!("FMOE_SHARED_EARLY=0: {e}"));
+            .unwrap_or_else(|e| panic!("{define}: {e}"));
         let env = env_of(&g.ctx, &reg);
         (reg, env)
     });
@@ -1093,7 +1105,26 @@ fn fast_moe_fused_launch_from_its_queue_alone_matches_the_reference_kernels() {
     );
 }
 
-/// A variant's few-token `cases` at Flash shapes and the small shape's odd widths, on the automatic
+/// The fused launch with the shared expert's items spread among the routed ones (FMOE_SPREAD_SHARED,
+/// from the first batch whose shared up items outnumber the blocks: 144 tokens at Flash shapes on
+/// a 132-SM H100, nine tiles of 16 row blocks) gives the other decode forms' bits and the
+/// reference's bounds, up to the last batch the fused launch takes; the small shape's tiles have
+/// fewer row blocks, so there the order is the default's.
+#[test]
+fn fast_moe_fused_launch_with_the_shared_items_spread_matches_the_reference_kernels() {
+    let Some(e) = spread_shared_env() else { return };
+    run_variant_cases(
+        e,
+        &[
+            (144, Routing::TopK),
+            (256, Routing::HashSkewed),
+            (512, Routing::TopK),
+            (fast_moe_wide::MIN_TOKENS - 1, Routing::Hash),
+        ],
+    );
+}
+
+/// A variant's `cases` at Flash shapes and the small shape's odd widths, on the automatic
 /// paths (the fused launch at all of them).
 fn run_variant_cases(e: &'static Env, cases: &[(usize, Routing)]) {
     let flash = MoeShape::FLASH;
