@@ -964,7 +964,7 @@ DSV4_INLINE void fmoe_post_header(unsigned smem, int slot, unsigned phase, int h
 #ifndef FMOE_SHARED_EARLY
 #define FMOE_SHARED_EARLY 1
 #endif
-// FMOE_SPREAD_SHARED 1 (the default): once the shared expert's up items outnumber the blocks (more than 128
+// FMOE_SPREAD_SHARED 1 (opt-in: see the default below): once the shared expert's up items outnumber the blocks (more than 128
 // tokens at Flash shapes: 16 row blocks a 16-token tile), the queue no longer hands them all out first. In
 // shared-first order at 512 tokens every block spent the launch's first ~75 µs on the shared expert's 512 up items
 // and the down phase's first ~47 µs on its 512 down items (FMOE_TRACE), its 24 MB of weights read over and over

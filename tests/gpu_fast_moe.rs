@@ -1106,8 +1106,8 @@ fn fast_moe_fused_launch_from_its_queue_alone_matches_the_reference_kernels() {
 }
 
 /// The fused launch with the shared expert's items spread among the routed ones (FMOE_SPREAD_SHARED,
-/// from the first batch whose shared up items outnumber the blocks: 144 tokens at Flash shapes on
-/// a 132-SM H100, nine tiles of 16 row blocks) gives the other decode forms' bits and the
+/// once the shared up items outnumber the blocks: from 129 tokens at Flash shapes on a 132-SM
+/// H100, nine tiles of 16 row blocks; 144 fills the ninth) gives the other decode forms' bits and the
 /// reference's bounds, up to the last batch the fused launch takes; the small shape's tiles have
 /// fewer row blocks, so there the order is the default's.
 #[test]
