@@ -964,16 +964,16 @@ DSV4_INLINE void fmoe_post_header(unsigned smem, int slot, unsigned phase, int h
 #ifndef FMOE_SHARED_EARLY
 #define FMOE_SHARED_EARLY 1
 #endif
-// FMOE_SPREAD_SHARED 1 (opt-in: see the default below): once the shared expert's up items outnumber the blocks (more than 128
-// tokens at Flash shapes: 16 row blocks a 16-token tile), the queue no longer hands them all out first. In
-// shared-first order at 512 tokens every block spent the launch's first ~75 µs on the shared expert's 512 up items
-// and the down phase's first ~47 µs on its 512 down items (FMOE_TRACE), its 24 MB of weights read over and over
-// from L2 while HBM idled. So past the first round (the start tickets' items) its up items are spread over the
-// first half of the routed up items, and its down items over the first half of the routed down items (all its
-// tiles' up items are done by then), row block by row block: the tiles of one row block go out together, so
-// the blocks taking them read the same weights at about the same time (L2). Only the order changes: an item's
-// outputs depend on the item alone. Opt-in (`--defines FMOE_SPREAD_SHARED=1`) until a device has timed it: built
-// in the forty-first session after its last device call; 0, the default, hands the shared items out first.
+// FMOE_SPREAD_SHARED 1 (opt-in: see the default below): once the shared expert's up items outnumber the blocks (more
+// than 128 tokens at Flash shapes: 16 row blocks a 16-token tile), the queue no longer hands them all out first. In
+// shared-first order at 512 tokens every block spent the launch's first ~75 µs on the shared expert's 512 up items and
+// the down phase's first ~47 µs on its 512 down items (FMOE_TRACE), its 24 MB of weights read over and over from L2
+// while HBM idled. So past the first round (the start tickets' items) its up items are spread over the first half of
+// the routed up items, and its down items over the first half of the routed down items (all its tiles' up items are
+// done by then), row block by row block: the tiles of one row block go out together, so the blocks taking them read the
+// same weights at about the same time (L2). Only the order changes: an item's outputs depend on the item alone. Opt-in
+// (`--defines FMOE_SPREAD_SHARED=1`) until a device has timed it: built in the forty-first session after its last
+// device call; 0, the default, hands the shared items out first.
 #ifndef FMOE_SPREAD_SHARED
 #define FMOE_SPREAD_SHARED 0
 #endif
