@@ -1075,7 +1075,8 @@ extern "C" __global__ void __launch_bounds__(FMOE_FUSED_THREADS, 1)
         // stages, and the item streams as any other. Else its first weights go out before the wait (waiting
         // for each item's tokens behind its weights cost ~1.5 us a down item).
         if (fmoe_load_acquire(ready) >= (unsigned)rb_up) ready = nullptr;
-        if (!it.skip) fmoe_produce_item<false>(dn, it, smem, slot, phase, spread ? nup + wd : w, ready, (unsigned)rb_up, tr);
+        if (!it.skip)
+          fmoe_produce_item<false>(dn, it, smem, slot, phase, spread ? nup + wd : w, ready, (unsigned)rb_up, tr);
       }
       w = FMOE_TAKE_EARLY ? w_next : fmoe_take(next) + nstatic;
     }
