@@ -24,12 +24,10 @@
 //! device functions, the same bits), so the shared expert's weights stream while other blocks
 //! route ([`FastMoe::route_and_experts`]).
 //!
-//! Six launches (five on the fused decode path, two on the routed one, eight with the wide
-//! plan), each a programmatic
-//! dependent of the one before
-//! (`#[pdl(true)]`: its launch and block start overlap the previous kernel's tail), no host
-//! sync, nothing allocated: the
-//! workspace is sized at create for `max_num_tokens`. Experts are read in their stored layout
+//! Six launches on the two-launch decode path (five on the fused one, two on the routed one, nine
+//! on the prefill path with its gather and the wide plan), each a programmatic dependent of the
+//! one before (`#[pdl(true)]`: its launch and block start overlap the previous kernel's tail), no
+//! host sync, nothing allocated: the workspace is sized at create for `max_num_tokens`. Experts are read in their stored layout
 //! (FP4 e2m1 with f32 per-32 scales, or FP8 e4m3 with f32 128x128 block scales) through the
 //! per-layer tensor maps and scale tables the backend rebuilds at finalize and refit (with the
 //! router's gate planes: [`FastMoe::derive`]). A layer the

@@ -35,7 +35,8 @@ use crate::cuda::kernels::fast_dense_gemm::{
 };
 use crate::cuda::kernels::fast_indexer::FastIndexer;
 use crate::cuda::kernels::fast_moe::{
-    FastExperts, FastMoe, FastMoeLayer, FastShared, MoeNorm, Unsupported, norm_x_covers,
+    FastExperts, FastMoe, FastMoeLayer, FastShared, MoeNorm, TC_MIN_TOKENS, Unsupported,
+    norm_x_covers,
 };
 use crate::cuda::kernels::indexer::IndexerArgs;
 use crate::cuda::kernels::moe::{RouterParams, Selection};
@@ -342,7 +343,7 @@ impl KernelSet for FastSet {
 /// Whether the MoE sub-block of layer `l` in forward `s` runs its input's RMSNorm itself (the
 /// boundary before it leaves it: [`ReferenceSet::boundary_with`]), with x's FP8 quantisation in
 /// the same launch ([`FastMoe::norm_x`]): where the fast MoE takes the layer ([`moe_layer`]), the
-/// norm's block ([`norm_x_covers`]) and the tokens ([`NORM_X_TOKENS`]). A pure function of the
+/// norm's block ([`norm_x_covers`]) and the tokens ([`norm_x_tokens`]). A pure function of the
 /// step and the layer, asked by both the boundary and the sub-block, so the two always agree on
 /// who runs the norm.
 fn norms_moe_input(s: &Step, l: usize) -> bool {
@@ -352,17 +353,24 @@ fn norms_moe_input(s: &Step, l: usize) -> bool {
 /// [`norms_moe_input`]'s part that does not depend on the layer: the tokens and the norm's block.
 fn moe_input_norm_fits(s: &Step) -> bool {
     let t = s.meta.num_tokens;
-    NORM_X_TOKENS.contains(&t) && norm_x_covers(t, s.cfg.hidden_size)
+    norm_x_tokens(t) && norm_x_covers(t, s.cfg.hidden_size)
 }
 
-/// Tokens where the MoE input's norm makes x's codes ([`norms_moe_input`]). Measured (`dsv4
-/// bench moe`, `moe_norm_route` lines: the norm and the routing, µs, H100; BENCHMARKS.md
-/// 2026-12-05, thirty-third part), the norm making them / the router making them: B = 1 12.67 /
-/// 10.90, 8 13.87 / 15.20, 64 27.84 / 28.19, 4096 175.01 / 161.26. At one token the added work
-/// lengthens the norm's one block where the router's four quantising blocks had overlapped the
-/// others' gate rows; at a prefill's rows the rows block's longer chain costs more than the
-/// selection's read of x.
-const NORM_X_TOKENS: std::ops::RangeInclusive<usize> = 8..=64;
+/// Whether, at `t` tokens, the MoE input's norm makes x's codes ([`norms_moe_input`]): at 8-64
+/// tokens, and where the tensor-core router takes the batch (from [`TC_MIN_TOKENS`]) up to
+/// 1024. Measured (`dsv4 bench moe`, `moe_norm_route` lines: the norm and the routing, µs, H100),
+/// the norm making them / the router making them: B = 1 12.67 / 10.90, 8 13.87 / 15.20, 64 27.84
+/// / 28.19, 4096 175.01 / 161.26 (BENCHMARKS.md 2026-12-05, thirty-third part); with the
+/// tensor-core router from 320 tokens, whose selection otherwise quantises x a warp a token, 320
+/// 59.64 / 66.24, 512 62.09 / 69.10, 768 68.31 / 72.84, 1024 75.33 / 78.65 (forty-first session,
+/// `2026-12-06-moe-h100-router-320*.json`; call 3 agrees from 320 to 1000). At one token the
+/// added work lengthens the norm's one block where the router's four quantising blocks had
+/// overlapped the others' gate rows; at 4096 rows the rows block's longer chain costs more than
+/// the selection's read of x. (At 32 tokens the norm making them has measured ~2 µs slower in
+/// every run since, 19.4 / 17.2: a sweep of 16-64 is still to do.)
+fn norm_x_tokens(t: usize) -> bool {
+    (8..=64).contains(&t) || (TC_MIN_TOKENS..=1024).contains(&t)
+}
 
 /// `call` as the dense kernels run it (operands made in the gemv blocks up to `fused_act_max_t`
 /// tokens), or None when they do not cover its weight ([`FastDense::mode_for`]) or its
