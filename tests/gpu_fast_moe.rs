@@ -1107,9 +1107,9 @@ fn fast_moe_fused_launch_from_its_queue_alone_matches_the_reference_kernels() {
 
 /// The fused launch with the shared expert's items spread among the routed ones (FMOE_SPREAD_SHARED,
 /// once the shared up items outnumber the blocks: from 129 tokens at Flash shapes on a 132-SM
-/// H100, nine tiles of 16 row blocks; 144 fills the ninth) gives the other decode forms' bits and the
-/// reference's bounds, up to the last batch the fused launch takes; the small shape's tiles have
-/// fewer row blocks, so there the order is the default's.
+/// H100, nine tiles of 16 row blocks; 144 fills the ninth) gives the other decode forms' bits and
+/// the reference's bounds, up to the last batch the fused launch takes; the small shape's tiles
+/// have fewer row blocks, so there the order is the default's.
 #[test]
 fn fast_moe_fused_launch_with_the_shared_items_spread_matches_the_reference_kernels() {
     let Some(e) = spread_shared_env() else { return };

@@ -8,8 +8,8 @@
 //!    the tensor-core router);
 //! 3. `moe_plan_kernel` (which on the fused decode path also clears that launch's synchronisation
 //!    words), or from [`WIDE_PLAN_MIN_TOKENS`] (the prefill path's batches) the wide plan's three
-//!    launches (the moe family): assignments grouped by expert into tiles of the GEMM path's tokens per item
-//!    ([`GemmPath::tile_rows`]);
+//!    launches (the moe family): assignments grouped by expert into tiles of the GEMM path's
+//!    tokens per item ([`GemmPath::tile_rows`]);
 //! 4. GEMM1 + SwiGLU x routing weight + FP8 quantisation of h, with the shared expert as more
 //!    tiles, and GEMM2 into bf16 rows per (token, slot), on the path [`GemmPath::for_tokens`]
 //!    picks: `fmoe_experts_kernel`, whose down items wait for their tile's up items (fused decode,
@@ -27,11 +27,11 @@
 //! Six launches on the two-launch decode path (five on the fused one, two on the routed one, nine
 //! on the prefill path with its gather and the wide plan), each a programmatic dependent of the
 //! one before (`#[pdl(true)]`: its launch and block start overlap the previous kernel's tail), no
-//! host sync, nothing allocated: the workspace is sized at create for `max_num_tokens`. Experts are read in their stored layout
-//! (FP4 e2m1 with f32 per-32 scales, or FP8 e4m3 with f32 128x128 block scales) through the
-//! per-layer tensor maps and scale tables the backend rebuilds at finalize and refit (with the
-//! router's gate planes: [`FastMoe::derive`]). A layer the
-//! kernels cannot run ([`FastMoeLayer::unsupported`]) runs the reference kernels instead.
+//! host sync, nothing allocated: the workspace is sized at create for `max_num_tokens`. Experts
+//! are read in their stored layout (FP4 e2m1 with f32 per-32 scales, or FP8 e4m3 with f32
+//! 128x128 block scales) through the per-layer tensor maps and scale tables the backend rebuilds
+//! at finalize and refit (with the router's gate planes: [`FastMoe::derive`]). A layer the kernels
+//! cannot run ([`FastMoeLayer::unsupported`]) runs the reference kernels instead.
 
 use super::fast_moe_gemm::{self, FastMoeGemm, GemmPath};
 use super::fast_moe_wide;
