@@ -2,7 +2,7 @@
 //
 // [fmoe_norm_x_kernel: the input's norm with x's FP8 quantisation, where the fast set runs the norm here] ->
 // fmoe_logits_kernel or fmoe_logits_grouped_kernel (+ FP8 quantisation of x, if not made), or
-// fmoe_logits_tc_kernel for many tokens ->
+// fmoe_logits_tc_kernel for many tokens (or, opt-in, fmoe_logits_tc_split_kernel: its stages split over a cluster) ->
 // fmoe_select_kernel (+ x's quantisation after the latter, if not made) -> moe_plan_kernel or the wide plan
 // (moe.cu, with tile_rows = the GEMM path's tokens per item) -> the expert GEMMs (fast_moe_gemm.cu,
 // fast_moe_wide.cu) -> fmoe_combine_kernel. f32 arithmetic (and
@@ -274,15 +274,37 @@ DSV4_INLINE void fmoe_tc_wgmma(float (&d)[FMOE_TC_WG_EXPERTS / 2], const unsigne
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bdesc), "r"(scale_d));
 }
 
-extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
-    fmoe_logits_tc_kernel(const float* x, int T, int D, int E, const unsigned char* planes, int scoring,
-                          float* scores) {
-  dsv4_pdl_begin();
+// The scores of a consumer thread's logits (fmoe_logits_tc): logit[4j + c] is token tb + 8·(c >> 1), expert
+// eb + 8j + (c & 1).
+DSV4_INLINE void fmoe_tc_store_scores(const float (&logit)[FMOE_TC_WG_EXPERTS / 2], int T, int E, int tb, int eb,
+                                      int scoring, float* scores) {
+#pragma unroll
+  for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) {
+    const int tok = tb + 8 * ((v & 3) >> 1), e = eb + 8 * (v >> 2) + (v & 1);
+    if (tok < T && e < E) scores[(long long)tok * E + e] = fmoe_score(logit[v], scoring);
+  }
+}
+
+// The K split (fmoe_logits_tc_split_kernel): a cluster of ks = cluster_blocks() blocks shares one tile of tokens
+// and experts, block r (its rank) taking stages r·S/ks .. (r+1)·S/ks - 1, so a few tokens' logits run on ks
+// times the blocks. At 320-1023 tokens the unsplit kernel has 10-32 blocks of 64 stages each, ~45 µs whatever the
+// tokens (its stages' latency, not its bytes). Each block's f32 sums over its stages (in k order) are its
+// partial logits; rank r > 0 leaves them in its shared memory, and rank 0 adds them to its own in rank order,
+// ((p0 + p1) + p2) + ..., then scores and stores the tile. ks is a constant of the launch (fast_moe.rs
+// TC_KSPLIT), so a token's logits still do not depend on the batch; they are not the unsplit kernel's bits (the
+// same products and stage sums, added in a different order). Error: the stage sums as above; the f32
+// additions number D/64 - 1 on any path through the sum, as before, so the bound above holds.
+template <bool SPLIT>
+DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsigned char* planes, int scoring,
+                                float* scores) {
   extern __shared__ __align__(1024) unsigned char fmoe_tc_smem[];
   if ((smem_addr(fmoe_tc_smem) & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned tiles
   const int S = D / 64, nt = fmoe_gate_tiles(E);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int t0 = blockIdx.y * FMOE_TC_TOKENS, et0 = blockIdx.x * FMOE_TC_CHUNKS;
+  // SPLIT: this block's rank in its cluster, the cluster's blocks (the split), and its stages.
+  const int ks = SPLIT ? (int)cluster_blocks() : 1, rank = SPLIT ? (int)cluster_rank() : 0;
+  const int s_begin = rank * (S / ks), s_end = s_begin + S / ks;
+  const int t0 = blockIdx.y * FMOE_TC_TOKENS, et0 = (SPLIT ? blockIdx.x / ks : blockIdx.x) * FMOE_TC_CHUNKS;
   // low[s]: stage s multiplies the lo planes (for any expert: the same items in every block).
   unsigned* low = reinterpret_cast<unsigned*>(fmoe_tc_smem + FMOE_TC_SLOTS * FMOE_TC_SLOT);
   const unsigned full0 = smem_addr(low + FMOE_TC_MAX_STAGES), empty0 = full0 + 8 * FMOE_TC_SLOTS;
@@ -311,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
       src[i] = x + (long long)min(t0 + 16 * pw + 2 * i + (lane >> 4), T - 1) * D + 4 * (lane & 15);
     const unsigned lane_at = (16 * pw + (lane >> 4)) * FMOE_TC_X_ROW + 16 * (lane & 15);
     int n = 0;
-    for (int s = 0; s < S; ++s) {
+    for (int s = s_begin; s < s_end; ++s) {
       for (int p = low[s] ? 2 : 0; p >= 0; --p, ++n) {
         const int slot = n % FMOE_TC_SLOTS;
         const unsigned full = full0 + 8 * slot, dst = smem_addr(fmoe_tc_smem + slot * FMOE_TC_SLOT);
@@ -327,6 +349,11 @@ extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
         cp_async_mbar_arrive(full);  // once this lane's copies have landed
       }
     }
+    // SPLIT: the cluster's two barriers below (every thread of every block arrives at each).
+    if (SPLIT) {
+      cluster_sync();
+      cluster_sync();
+    }
     return;
   }
 
@@ -337,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
   for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) d[v] = 0.0f, logit[v] = 0.0f;
   int n = 0;
 #pragma unroll 1
-  for (int s = 0; s < S; ++s) {
+  for (int s = s_begin; s < s_end; ++s) {
     const int top = low[s] ? 2 : 0;
 #pragma unroll 1
     for (int p = top; p >= 0; --p, ++n) {
@@ -369,13 +396,50 @@ extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
       }
     }
   }
-  // d[4j + c]: token r0 + 8·(c >> 1), expert 8j + 2t + (c & 1) of the warpgroup's.
-  const int tb = t0 + r0, eb = et0 * FMOE_GATE_TILE + wg * FMOE_TC_WG_EXPERTS + 2 * t;
+  if (SPLIT) {
+    // The partials of rank r > 0 go to its first ring slot, [v][consumer thread] (every item consumed: the
+    // producers' copies have all landed, and both warpgroups are past their last slot once the named barrier
+    // opens); rank 0 adds them to its own in rank order.
+    float* part = reinterpret_cast<float*>(fmoe_tc_smem);
+    if (rank > 0) {
+      named_barrier(1, 256);
 #pragma unroll
-  for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) {
-    const int tok = tb + 8 * ((v & 3) >> 1), e = eb + 8 * (v >> 2) + (v & 1);
-    if (tok < T && e < E) scores[(long long)tok * E + e] = fmoe_score(logit[v], scoring);
+      for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) part[v * 256 + threadIdx.x] = logit[v];
+    }
+    cluster_sync();  // the partials written
+    if (rank == 0) {
+      for (int r = 1; r < ks; ++r) {
+        const unsigned remote = cluster_map(smem_addr(part + threadIdx.x), (unsigned)r);
+        float p[FMOE_TC_WG_EXPERTS / 2];
+#pragma unroll
+        for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) p[v] = ld_cluster_f32(remote + 4u * 256u * v);
+#pragma unroll
+        for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) logit[v] += p[v];
+      }
+      fmoe_tc_store_scores(logit, T, E, t0 + r0, et0 * FMOE_GATE_TILE + wg * FMOE_TC_WG_EXPERTS + 2 * t, scoring,
+                           scores);
+    }
+    cluster_sync();  // no block leaves while rank 0 may still read its shared memory
+    return;
   }
+  fmoe_tc_store_scores(logit, T, E, t0 + r0, et0 * FMOE_GATE_TILE + wg * FMOE_TC_WG_EXPERTS + 2 * t, scoring,
+                       scores);
+}
+
+extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
+    fmoe_logits_tc_kernel(const float* x, int T, int D, int E, const unsigned char* planes, int scoring,
+                          float* scores) {
+  dsv4_pdl_begin();
+  fmoe_logits_tc<false>(x, T, D, E, planes, scoring, scores);
+}
+
+// The K split above, launched in clusters of (ks, 1, 1) blocks along x (grid.x = ks · the expert blocks). Requires
+// (D / 64) % ks == 0.
+extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
+    fmoe_logits_tc_split_kernel(const float* x, int T, int D, int E, const unsigned char* planes, int scoring,
+                                float* scores) {
+  dsv4_pdl_begin();
+  fmoe_logits_tc<true>(x, T, D, E, planes, scoring, scores);
 }
 
 // One warp per token t (steps 1-3: fmoe_select_token, fast_moe_route.cuh):

@@ -775,6 +775,9 @@ enum Paths {
     /// The decode GEMMs with the few-token router, then the prefill GEMMs with the tensor-core
     /// router.
     Both,
+    /// The path the layer picks, with the tensor-core router's stages split over a cluster
+    /// ([`RouterPath::TensorSplit`], opt-in).
+    TensorSplit,
 }
 
 /// The router's gate values.
@@ -872,6 +875,7 @@ fn run_cases_on(
         let rf = reference(e, &l, &b, r, s);
         let on: &[(GemmPath, RouterPath)] = match paths {
             Paths::Auto => &[(GemmPath::for_tokens(t), RouterPath::for_tokens(t))],
+            Paths::TensorSplit => &[(GemmPath::for_tokens(t), RouterPath::TensorSplit)],
             Paths::Both => &[
                 (GemmPath::Decode, RouterPath::Few),
                 (GemmPath::Prefill, RouterPath::Tensor),
@@ -1160,6 +1164,29 @@ fn fast_moe_routes_on_a_gate_of_f32_values() {
         Gate::F32,
         Paths::Both,
         &[(64, Routing::TopK), (1000, Routing::TopK)],
+    );
+}
+
+/// The tensor-core router with each tile's 64 stages split over a cluster of
+/// `fast_moe::TC_KSPLIT` blocks (`RouterPath::TensorSplit`, opt-in: its partial logits added in
+/// rank order) routes within its bound and gives every decode form's bits, at Flash shapes on the
+/// fused decode launch and the prefill path, with partial token tiles; and with a gate of f32
+/// values, whose lo planes every split multiplies.
+#[test]
+fn fast_moe_split_tensor_router_matches_the_reference_kernels() {
+    let cases = [
+        (fast_moe::TC_MIN_TOKENS, Routing::TopK),
+        (fast_moe_wide::MIN_TOKENS - 1, Routing::HashSkewed),
+        (1000, Routing::TopK),
+    ];
+    let flash = MoeShape::FLASH;
+    run_cases(flash, Scales::Bytes, Gate::Bf16, Paths::TensorSplit, &cases);
+    run_cases(
+        flash,
+        Scales::Bytes,
+        Gate::F32,
+        Paths::TensorSplit,
+        &cases[2..],
     );
 }
 

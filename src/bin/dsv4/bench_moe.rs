@@ -74,7 +74,10 @@ pub fn parse_router(v: &str) -> Result<Option<RouterPath>, String> {
         "auto" => Ok(None),
         "few" => Ok(Some(RouterPath::Few)),
         "tensor" => Ok(Some(RouterPath::Tensor)),
-        o => Err(format!("--router takes auto, few, tensor; got `{o}`")),
+        "tensor-split" => Ok(Some(RouterPath::TensorSplit)),
+        o => Err(format!(
+            "--router takes auto, few, tensor, tensor-split; got `{o}`"
+        )),
     }
 }
 
@@ -82,6 +85,7 @@ fn router_name(r: RouterPath) -> &'static str {
     match r {
         RouterPath::Few => "few",
         RouterPath::Tensor => "tensor",
+        RouterPath::TensorSplit => "tensor-split",
     }
 }
 

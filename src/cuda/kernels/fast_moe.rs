@@ -113,8 +113,15 @@ pub fn gate_planes_bytes(e: usize, d: usize) -> usize {
 /// sixteenth version; it took 1024 tokens up until the few-token logits were grouped.)
 pub const TC_MIN_TOKENS: usize = 320;
 
-/// Which kernel computes the router's logits (and, `Few`, x's quantisation; after `Tensor`,
-/// `fmoe_select_kernel` makes it).
+/// Blocks (a thread-block cluster) that split D's 64-k stages of one `fmoe_logits_tc_split_kernel`
+/// tile ([`RouterPath::TensorSplit`]): 4, so 512 tokens' 16 tiles run on 64 blocks of 16 stages
+/// each instead of 16 blocks of 64 (the unsplit kernel takes ~45 µs at 320-4096 tokens, the
+/// latency of its 64 stages: `ncu` 55.6 µs at 320 tokens, 56.3 at 512, forty-first session). A
+/// constant, so a token's logits do not depend on the batch. Not yet timed on a device.
+pub const TC_KSPLIT: usize = 4;
+
+/// Which kernel computes the router's logits (and, `Few`, x's quantisation; after `Tensor` or
+/// `TensorSplit`, `fmoe_select_kernel` makes it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RouterPath {
     /// `fmoe_logits_kernel`: 8 tokens a block, every block streams its experts' gate rows.
@@ -122,6 +129,11 @@ pub enum RouterPath {
     /// `fmoe_logits_tc_kernel`: tiles of a BF16 tensor-core GEMM, the f32 gate split exactly into
     /// three BF16 planes (x must hold BF16 values, as the fast set's official numerics give).
     Tensor,
+    /// `fmoe_logits_tc_split_kernel`: `Tensor`'s products and stage sums, each tile's stages
+    /// split over [`TC_KSPLIT`] blocks of a cluster and their partial logits added in rank order
+    /// (so not `Tensor`'s bits). Requires D / 64 to be a multiple of [`TC_KSPLIT`]. Opt-in (tests,
+    /// `dsv4 bench moe --router tensor-split`): no batch takes it by default until it is timed.
+    TensorSplit,
 }
 
 impl RouterPath {
@@ -139,8 +151,14 @@ impl RouterPath {
     pub fn logit_error_terms(self, d: usize) -> usize {
         match self {
             RouterPath::Few => d / 128 + 9,
-            RouterPath::Tensor => 280 + d / 64,
+            // The split adds the same D/64 stage sums in another order (kernels/fast_moe.cu).
+            RouterPath::Tensor | RouterPath::TensorSplit => 280 + d / 64,
         }
+    }
+
+    /// Whether the logits come from the tensor cores (x's quantisation then from the selection).
+    pub fn tensor_cores(self) -> bool {
+        self != RouterPath::Few
     }
 }
 
@@ -216,6 +234,12 @@ crate::kernel_family! {
     fn fmoe_logits_tc_kernel(
         x: *const f32, t: i32, d: i32, e: i32, planes: *const u8, scoring: i32, scores: *mut f32,
     );
+    /// The same with D's stages split over the blocks of a cluster ([`RouterPath::TensorSplit`]).
+    #[smem(TC_SMEM_BYTES as u32)]
+    #[pdl(true)]
+    fn fmoe_logits_tc_split_kernel(
+        x: *const f32, t: i32, d: i32, e: i32, planes: *const u8, scoring: i32, scores: *mut f32,
+    );
     /// Builds the derived gate planes ([`gate_planes_bytes`]) from the f32 gate.
     fn fmoe_gate_planes_kernel(gate: *const f32, e: i32, d: i32, planes: *mut u8);
     /// Top-k selection (`bias` optional) or hash routing (`tid2eid` and `tokens`, both set);
@@ -244,6 +268,7 @@ crate::launchers! {
         norm_x: fmoe_norm_x_kernel,
         norm_x_rows: fmoe_norm_x_rows_kernel,
         logits_tc: fmoe_logits_tc_kernel,
+        logits_tc_split: fmoe_logits_tc_split_kernel,
         gate_planes: fmoe_gate_planes_kernel,
         select: fmoe_select_kernel,
         combine: fmoe_combine_kernel,
@@ -826,26 +851,44 @@ impl FastMoe {
         let (bias, tid2eid, toks) = layer.selection.kernel_args(K, t, e, k)?;
         let _g = ctx.enter()?;
         let scoring = moe::scoring_code(layer.router.scoring);
-        if router == RouterPath::Tensor {
+        if router.tensor_cores() {
             need(K, "gate_planes", layer.gate_planes, gate_planes_bytes(e, d))?;
-            let grid = (
-                e.div_ceil(2 * TC_WG_EXPERTS) as u32,
-                t.div_ceil(TC_TOKENS) as u32,
-                1,
-            );
-            let args = fmoe_logits_tc_kernel::Args {
-                x,
-                t: t32,
-                d: d32,
-                e: e32,
-                planes: layer.gate_planes,
-                scoring,
-                scores: ws.logits,
-            };
-            let threads = TC_THREADS as u32;
-            self.route
-                .logits_tc
-                .launch(grid, threads, TC_SMEM_BYTES as u32, stream, args)?;
+            let split = router == RouterPath::TensorSplit;
+            if split && !(d / 64).is_multiple_of(TC_KSPLIT) {
+                return Err(internal(format!(
+                    "fmoe_logits_tc_split_kernel: D / 64 = {} stages do not split over {TC_KSPLIT} blocks",
+                    d / 64
+                )));
+            }
+            let blocks = e.div_ceil(2 * TC_WG_EXPERTS) * if split { TC_KSPLIT } else { 1 };
+            let grid = (blocks as u32, t.div_ceil(TC_TOKENS) as u32, 1);
+            let (threads, smem) = (TC_THREADS as u32, TC_SMEM_BYTES as u32);
+            // Both kernels take the same arguments.
+            macro_rules! args {
+                ($kernel:ident) => {
+                    $kernel::Args {
+                        x,
+                        t: t32,
+                        d: d32,
+                        e: e32,
+                        planes: layer.gate_planes,
+                        scoring,
+                        scores: ws.logits,
+                    }
+                };
+            }
+            if split {
+                let args = args!(fmoe_logits_tc_split_kernel);
+                let cluster = (TC_KSPLIT as u32, 1, 1);
+                self.route
+                    .logits_tc_split
+                    .launch_clustered(grid, threads, smem, stream, args, cluster)?;
+            } else {
+                let args = args!(fmoe_logits_tc_kernel);
+                self.route
+                    .logits_tc
+                    .launch(grid, threads, smem, stream, args)?;
+            }
         } else {
             // (check_router above covers this launch's buffers.)
             let group = logit_group(t);
@@ -870,7 +913,7 @@ impl FastMoe {
                 route_scale: r.route_scale,
                 ids: ws.ids,
                 weights: ws.weights,
-                x: (router == RouterPath::Tensor && !x_made).then_some(x),
+                x: (router.tensor_cores() && !x_made).then_some(x),
                 d: d32,
                 halves: path.halves_order(),
                 xq: ws.xq,
