@@ -292,8 +292,9 @@ DSV4_INLINE void fmoe_tc_store_scores(const float (&logit)[FMOE_TC_WG_EXPERTS / 
 // partial logits; rank r > 0 leaves them in its shared memory, and rank 0 adds them to its own in rank order,
 // ((p0 + p1) + p2) + ..., then scores and stores the tile. ks is a constant of the launch (fast_moe.rs
 // TC_KSPLIT), so a token's logits still do not depend on the batch; they are not the unsplit kernel's bits (the
-// same products and stage sums, added in a different order). Error: the stage sums as above; the f32
-// additions number D/64 - 1 on any path through the sum, as before, so the bound above holds.
+// same products and stage sums, added in a different order). Error: the stage sums as above, and fewer f32
+// additions on any path through the sum than the unsplit kernel's D/64 - 1 (D/(64 ks) - 1 + ks - 1), so the
+// bound above holds.
 template <bool SPLIT>
 DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsigned char* planes, int scoring,
                                 float* scores) {
