@@ -841,7 +841,6 @@ impl FastMoe {
     ) -> Result<()> {
         const K: &str = "fmoe_select_kernel";
         let (d, e, k) = (layer.d, layer.experts, layer.k);
-        layer.check_router(K, x, t, ws)?;
         let (t32, d32, e32, k32) = (
             to_i32(K, "T", t)?,
             to_i32(K, "D", d)?,
@@ -851,7 +850,9 @@ impl FastMoe {
         let (bias, tid2eid, toks) = layer.selection.kernel_args(K, t, e, k)?;
         let _g = ctx.enter()?;
         let scoring = moe::scoring_code(layer.router.scoring);
+        // Each branch checks the router's buffers (the selection's too) before its first launch.
         if router.tensor_cores() {
+            layer.check_router(K, x, t, ws)?;
             need(K, "gate_planes", layer.gate_planes, gate_planes_bytes(e, d))?;
             let split = router == RouterPath::TensorSplit;
             if split && !(d / 64).is_multiple_of(TC_KSPLIT) {
@@ -890,9 +891,8 @@ impl FastMoe {
                     .launch(grid, threads, smem, stream, args)?;
             }
         } else {
-            // (check_router above covers this launch's buffers.)
             let group = logit_group(t);
-            self.launch_logits_few(ctx, layer, x, t, ws, group, path, x_made, stream)?;
+            self.logits_few(ctx, layer, x, t, ws, group, path, x_made, stream)?;
         }
         let r = &layer.router;
         self.route.select.launch(
@@ -925,7 +925,7 @@ impl FastMoe {
     /// The few-token router's logits ([`RouterPath::Few`]) into `ws.logits`, each warp on `group`
     /// experts: 1 (`fmoe_logits_kernel`) or [`LOGIT_GROUP`] (`fmoe_logits_grouped_kernel`), the
     /// same bits ([`FastMoe::route_on`] takes [`logit_group`]); and x's codes unless `x_made`, in
-    /// `path`'s order.
+    /// `path`'s order. Checks the router's buffers first, the selection's included.
     #[allow(clippy::too_many_arguments)]
     pub fn logits_few(
         &self,
@@ -944,26 +944,8 @@ impl FastMoe {
                 "fast MoE router logits: experts a warp takes must be 1 or {LOGIT_GROUP}, got {group}"
             )));
         }
-        layer.check_router(logits_kernel_name(group), x, t, ws)?;
-        self.launch_logits_few(ctx, layer, x, t, ws, group, path, x_made, stream)
-    }
-
-    /// [`FastMoe::logits_few`]'s launch alone: the caller has checked `group` and the layer's
-    /// router buffers ([`FastMoe::route_on`] checks them once for the whole router).
-    #[allow(clippy::too_many_arguments)]
-    fn launch_logits_few(
-        &self,
-        ctx: &Context,
-        layer: &FastMoeLayer,
-        x: DevicePtr,
-        t: usize,
-        ws: &FastMoeWorkspace,
-        group: usize,
-        path: GemmPath,
-        x_made: bool,
-        stream: BorrowedStream,
-    ) -> Result<()> {
         let k_name = logits_kernel_name(group);
+        layer.check_router(k_name, x, t, ws)?;
         let (d, e) = (layer.d, layer.experts);
         let grid = (
             e.div_ceil(LOGIT_EXPERTS * group)
