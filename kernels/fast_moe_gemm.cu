@@ -964,18 +964,19 @@ DSV4_INLINE void fmoe_post_header(unsigned smem, int slot, unsigned phase, int h
 #ifndef FMOE_SHARED_EARLY
 #define FMOE_SHARED_EARLY 1
 #endif
-// FMOE_SPREAD_SHARED 1 (opt-in: see the default below): once the shared expert's up items outnumber the blocks (more
-// than 128 tokens at Flash shapes: 16 row blocks a 16-token tile), the queue no longer hands them all out first. In
-// shared-first order at 512 tokens every block spent the launch's first ~75 µs on the shared expert's 512 up items and
-// the down phase's first ~47 µs on its 512 down items (FMOE_TRACE), its 24 MB of weights read over and over from L2
-// while HBM idled. So past the first round (the start tickets' items) its up items are spread over the first half of
-// the routed up items, and its down items over the first half of the routed down items (all its tiles' up items are
-// done by then), row block by row block: the tiles of one row block go out together, so the blocks taking them read the
-// same weights at about the same time (L2). Only the order changes: an item's outputs depend on the item alone. Opt-in
-// (`--defines FMOE_SPREAD_SHARED=1`) until a device has timed it: built in the forty-first session after its last
-// device call; 0, the default, hands the shared items out first.
+// FMOE_SPREAD_SHARED 1 (the default): once the shared expert's up items outnumber the blocks (more than 128 tokens at
+// Flash shapes: 16 row blocks a 16-token tile), the queue no longer hands them all out first. In shared-first order at
+// 512 tokens every block spent the launch's first ~75 µs on the shared expert's 512 up items and the down phase's
+// first ~47 µs on its 512 down items (FMOE_TRACE), its 24 MB of weights read over and over from L2 while HBM idled.
+// So past the first round (the start tickets' items) its up items are spread over the first half of the routed up
+// items, and its down items over the first half of the routed down items (all its tiles' up items are done by then),
+// row block by row block: the tiles of one row block go out together, so the blocks taking them read the same weights
+// at about the same time (L2). Only the order changes: an item's outputs depend on the item alone. H100, the layer at
+// Flash shapes, uniform routing, µs shared-first / spread (best of two rounds, one call; forty-second session): B = 1
+// 61.0 / 61.2 (not active), 256 1262.4 / 1245.0, 384 1318.5 / 1283.6, 512 1406.4 / 1378.8, 576 1478.4 / 1485.3.
+// 0 (a diagnostic variant): the shared items first.
 #ifndef FMOE_SPREAD_SHARED
-#define FMOE_SPREAD_SHARED 0
+#define FMOE_SPREAD_SHARED 1
 #endif
 
 // The item (fmoe_item's SHARED_FIRST numbering: the nsh shared tiles' rb_n row blocks each, then R routed items)

@@ -147,11 +147,12 @@ fn queue_only_env() -> Option<&'static Env> {
     variant_env(&ENV, "FMOE_SHARED_EARLY=0")
 }
 
-/// The same kernels compiled with FMOE_SPREAD_SHARED=1 (kernels/fast_moe_gemm.cu: past the first
-/// round, the fused launch hands out the shared expert's items spread among the routed ones).
-fn spread_shared_env() -> Option<&'static Env> {
+/// The same kernels compiled with the diagnostic variant FMOE_SPREAD_SHARED=0 (kernels/fast_moe_gemm.cu:
+/// the fused launch hands out all the shared expert's items first, as it did before the default
+/// spread them among the routed ones past the first round).
+fn shared_first_env() -> Option<&'static Env> {
     static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
-    variant_env(&ENV, "FMOE_SPREAD_SHARED=1")
+    variant_env(&ENV, "FMOE_SPREAD_SHARED=0")
 }
 
 /// The kernels compiled with `define`, once per `lock`. The registry owns the compiled modules, so
@@ -775,9 +776,8 @@ enum Paths {
     /// The decode GEMMs with the few-token router, then the prefill GEMMs with the tensor-core
     /// router.
     Both,
-    /// The path the layer picks, with the tensor-core router's stages split over a cluster
-    /// ([`RouterPath::TensorSplit`], opt-in).
-    TensorSplit,
+    /// The path the layer picks, with this router.
+    Router(RouterPath),
 }
 
 /// The router's gate values.
@@ -874,8 +874,8 @@ fn run_cases_on(
         let b = batch(e, &sh, t, &x, &tokens, s);
         let rf = reference(e, &l, &b, r, s);
         let on: &[(GemmPath, RouterPath)] = match paths {
-            Paths::Auto => &[(GemmPath::for_tokens(t), RouterPath::for_tokens(t))],
-            Paths::TensorSplit => &[(GemmPath::for_tokens(t), RouterPath::TensorSplit)],
+            Paths::Auto => &[(GemmPath::for_tokens(t), RouterPath::for_tokens(t, sh.d))],
+            Paths::Router(router) => &[(GemmPath::for_tokens(t), router)],
             Paths::Both => &[
                 (GemmPath::Decode, RouterPath::Few),
                 (GemmPath::Prefill, RouterPath::Tensor),
@@ -1077,7 +1077,7 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
             // four experts a warp (fast_moe::LOGIT_GROUP_MIN_TOKENS), on the fused decode launch.
             (fast_moe::TC_MIN_TOKENS - 1, Routing::TopK),
             // The last batch on the fused decode launch (fast_moe_gemm::FUSED_TOKENS), routed by
-            // the tensor-core router (x quantised by the selection), partial tiles.
+            // the split tensor-core router (x quantised by the selection), partial tiles.
             (fast_moe_wide::MIN_TOKENS - 1, Routing::HashSkewed),
             // The first batch on the prefill GEMMs and the wide plan
             // (fast_moe::WIDE_PLAN_MIN_TOKENS): x quantised in the halves order by the selection.
@@ -1109,14 +1109,14 @@ fn fast_moe_fused_launch_from_its_queue_alone_matches_the_reference_kernels() {
     );
 }
 
-/// The fused launch with the shared expert's items spread among the routed ones (FMOE_SPREAD_SHARED,
-/// once the shared up items outnumber the blocks: from 129 tokens at Flash shapes on a 132-SM
-/// H100, nine tiles of 16 row blocks; 144 fills the ninth) gives the other decode forms' bits and
-/// the reference's bounds, up to the last batch the fused launch takes; the small shape's tiles
-/// have fewer row blocks, so there the order is the default's.
+/// The fused launch with the shared expert's items first (FMOE_SPREAD_SHARED=0; the default
+/// spreads them among the routed ones once the shared up items outnumber the blocks: from 129
+/// tokens at Flash shapes on a 132-SM H100, nine tiles of 16 row blocks; 144 fills the ninth) gives
+/// the other decode forms' bits and the reference's bounds too, up to the last batch the fused
+/// launch takes. The default's order at these counts is checked by the automatic paths' tests.
 #[test]
-fn fast_moe_fused_launch_with_the_shared_items_spread_matches_the_reference_kernels() {
-    let Some(e) = spread_shared_env() else { return };
+fn fast_moe_fused_launch_with_the_shared_items_first_matches_the_reference_kernels() {
+    let Some(e) = shared_first_env() else { return };
     run_variant_cases(
         e,
         &[
@@ -1167,27 +1167,24 @@ fn fast_moe_routes_on_a_gate_of_f32_values() {
     );
 }
 
-/// The tensor-core router with each tile's 64 stages split over a cluster of
-/// `fast_moe::TC_KSPLIT` blocks (`RouterPath::TensorSplit`, opt-in: its partial logits added in
-/// rank order) routes within its bound and gives every decode form's bits, at Flash shapes on the
-/// fused decode launch and the prefill path, with partial token tiles; and with a gate of f32
-/// values, whose lo planes every split multiplies.
+/// The tensor-core routers where the layer does not take them: the unsplit one on the fused decode
+/// launch (where the split one routes, `RouterPath::for_tokens`) and the split one on the prefill
+/// path (where the unsplit one routes), each within its bound and giving every decode form's bits,
+/// with partial token tiles; and the split one with a gate of f32 values, whose lo planes every
+/// split multiplies.
 #[test]
-fn fast_moe_split_tensor_router_matches_the_reference_kernels() {
-    let cases = [
+fn fast_moe_tensor_routers_on_the_other_paths_match_the_reference_kernels() {
+    let flash = MoeShape::FLASH;
+    let fused = [
         (fast_moe::TC_MIN_TOKENS, Routing::TopK),
         (fast_moe_wide::MIN_TOKENS - 1, Routing::HashSkewed),
-        (1000, Routing::TopK),
     ];
-    let flash = MoeShape::FLASH;
-    run_cases(flash, Scales::Bytes, Gate::Bf16, Paths::TensorSplit, &cases);
-    run_cases(
-        flash,
-        Scales::Bytes,
-        Gate::F32,
-        Paths::TensorSplit,
-        &cases[2..],
-    );
+    let unsplit = Paths::Router(RouterPath::Tensor);
+    run_cases(flash, Scales::Bytes, Gate::Bf16, unsplit, &fused);
+    let split = Paths::Router(RouterPath::TensorSplit);
+    let prefill = [(1000, Routing::TopK)];
+    run_cases(flash, Scales::Bytes, Gate::Bf16, split, &prefill);
+    run_cases(flash, Scales::Bytes, Gate::F32, split, &prefill);
 }
 
 /// FP4 scales that are not powers of two (a checkpoint with f32 scales): the GEMMs read them as
@@ -1367,7 +1364,7 @@ fn norm_x_gives_the_norms_rows_and_the_routers_codes() {
             if t > 1 {
                 x[..d].fill(0.0);
             }
-            let (router, path) = (RouterPath::for_tokens(t), GemmPath::for_tokens(t));
+            let (router, path) = (RouterPath::for_tokens(t, d), GemmPath::for_tokens(t));
             let case = format!("d {d}, T={t}, {router:?} router, {path:?} order");
             // The norm, then the router making x's codes; the norm making them, then the router.
             let (a, b) = (

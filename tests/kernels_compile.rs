@@ -211,7 +211,7 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         (&fast_moe_gemm::SOURCE, "FMOE_RING_SLOTS=3"),
         (&fast_moe_gemm::SOURCE, "FMOE_TAKE_EARLY=1"),
         (&fast_moe_gemm::SOURCE, "FMOE_SHARED_EARLY=0"),
-        (&fast_moe_gemm::SOURCE, "FMOE_SPREAD_SHARED=1"),
+        (&fast_moe_gemm::SOURCE, "FMOE_SPREAD_SHARED=0"),
         (&fast_moe_gemm::SOURCE, "FMOE_PROBE_FLAT=1"),
     ];
     for (fam, define) in variants {

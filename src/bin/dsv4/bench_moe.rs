@@ -174,7 +174,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
                 );
                 continue;
             }
-            let router = b.router.unwrap_or(RouterPath::for_tokens(t));
+            let router = b.router.unwrap_or(RouterPath::for_tokens(t, d));
             let xr = |j: usize| ip[0].slice(j * t * d * 4, t * d * 4).unwrap();
             let tr = |j: usize| ip[1].slice(j * t * 4, t * 4).unwrap();
             let call = |j: usize| {
@@ -260,7 +260,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
                 .copied()
                 .flatten()
                 .unwrap_or(GemmPath::for_tokens(t));
-            let router = b.router.unwrap_or(RouterPath::for_tokens(t));
+            let router = b.router.unwrap_or(RouterPath::for_tokens(t, d));
             let xr = |j: usize| ip[0].slice(j * t * d * 4, t * d * 4).unwrap();
             let tr = |j: usize| ip[1].slice(j * t * 4, t * 4).unwrap();
             let norm = fast_moe::MoeNorm {

@@ -117,7 +117,10 @@ pub const TC_MIN_TOKENS: usize = 320;
 /// tile ([`RouterPath::TensorSplit`]): 4, so 512 tokens' 16 tiles run on 64 blocks of 16 stages
 /// each instead of 16 blocks of 64 (the unsplit kernel takes ~45 µs at 320-4096 tokens, the
 /// latency of its 64 stages: `ncu` 55.6 µs at 320 tokens, 56.3 at 512, forty-first session). A
-/// constant, so a token's logits do not depend on the batch. Not yet timed on a device.
+/// constant, so a token's logits do not depend on the batch. The router chain (the input's norm
+/// making x's codes, the logits, the selection) at Flash shapes, µs unsplit / split (H100, best of
+/// two rounds, one call; forty-second session): 320 58.8 / 34.8, 512 62.5 / 37.1, 1024 75.6 /
+/// 70.6, 4096 158.6 / 214.4.
 pub const TC_KSPLIT: usize = 4;
 
 /// Which kernel computes the router's logits (and, `Few`, x's quantisation; after `Tensor` or
@@ -131,18 +134,25 @@ pub enum RouterPath {
     Tensor,
     /// `fmoe_logits_tc_split_kernel`: `Tensor`'s products and stage sums, each tile's stages
     /// split over [`TC_KSPLIT`] blocks of a cluster and their partial logits added in rank order
-    /// (so not `Tensor`'s bits). Requires D / 64 to be a multiple of [`TC_KSPLIT`]. Opt-in (tests,
-    /// `dsv4 bench moe --router tensor-split`): no batch takes it by default until it is timed.
+    /// (so not `Tensor`'s bits). Requires D / 64 to be a multiple of [`TC_KSPLIT`].
     TensorSplit,
 }
 
 impl RouterPath {
-    /// The path `FastMoe::route` takes for `t` tokens.
-    pub fn for_tokens(t: usize) -> RouterPath {
-        if t >= TC_MIN_TOKENS {
-            RouterPath::Tensor
-        } else {
+    /// The path `FastMoe::route` takes for `t` tokens of width `d`: below [`TC_MIN_TOKENS`] the
+    /// few-token router; up to the fused decode launch's last batch the split tensor-core router
+    /// (where D's stages split over [`TC_KSPLIT`]), whose 4x the blocks finish the logits ~25 µs
+    /// sooner at 320-512 tokens; from the prefill GEMMs' first batch the unsplit one. The layer at
+    /// Flash shapes, uniform routing, µs unsplit / split (H100, best of two rounds, one call;
+    /// forty-second session): B = 320 1289.5 / 1265.2, 512 1409.3 / 1377.8, 1024 (prefill)
+    /// 1565.1 / 1583.7 (though its router chain was 5 µs faster), 4096 2369.1 / 2408.9.
+    pub fn for_tokens(t: usize, d: usize) -> RouterPath {
+        if t < TC_MIN_TOKENS {
             RouterPath::Few
+        } else if t < WIDE_PLAN_MIN_TOKENS && (d / 64).is_multiple_of(TC_KSPLIT) {
+            RouterPath::TensorSplit
+        } else {
+            RouterPath::Tensor
         }
     }
 
@@ -699,7 +709,7 @@ impl FastMoe {
         if t == 0 {
             return Ok(());
         }
-        let (router, path) = (RouterPath::for_tokens(t), GemmPath::for_tokens(t));
+        let (router, path) = (RouterPath::for_tokens(t, layer.d), GemmPath::for_tokens(t));
         if let Some(norm) = norm {
             self.norm_x(ctx, layer, x, t, norm, path, ws, stream)?;
         }
@@ -818,7 +828,7 @@ impl FastMoe {
         ws: &FastMoeWorkspace,
         stream: BorrowedStream,
     ) -> Result<()> {
-        let (router, path) = (RouterPath::for_tokens(t), GemmPath::for_tokens(t));
+        let (router, path) = (RouterPath::for_tokens(t, layer.d), GemmPath::for_tokens(t));
         self.route_on(ctx, layer, x, t, ws, router, path, false, stream)
     }
 
