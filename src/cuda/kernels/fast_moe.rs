@@ -103,15 +103,16 @@ pub fn gate_planes_bytes(e: usize, d: usize) -> usize {
     chunks * (3 * GATE_TILE * 128 + 4)
 }
 
-/// Fewest tokens routed by `fmoe_logits_tc_kernel` ([`RouterPath::for_tokens`]): below, its few
-/// blocks (two per 64 tokens) leave SMs idle. The layer at Flash shapes, uniform routing, µs with
-/// `fmoe_logits_grouped_kernel` / this one (H100, best of two rounds, one call; forty-first
-/// session): B = 192 1234.6 / 1249.2, 256 1283.2 / 1286.1, 320 1324.2 / 1316.7, 384 1359.6 /
-/// 1338.4, 512 1464.0 / 1420.2, 576 1540.9 / 1500.6, 768 1643.3 / 1556.0; its router chain (the
-/// input's norm, the logits, the selection) at 512 108.9 / 67.8. (It replaced a register-tiled f32
-/// GEMM, with which the layer was 6-10% slower from 1024 tokens up: BENCHMARKS.md, issue 11
-/// sixteenth version; it took 1024 tokens up until the few-token logits were grouped.)
-pub const TC_MIN_TOKENS: usize = 320;
+/// Fewest tokens routed by the tensor-core routers ([`RouterPath::for_tokens`]): below, their few
+/// blocks (two per 64 tokens, times [`TC_KSPLIT`] split) leave SMs idle. The layer at Flash shapes,
+/// uniform routing, µs with `fmoe_logits_grouped_kernel` / the split tensor-core router (H100, best
+/// of two rounds, one call; forty-second session): B = 160 1209.6 / 1201.4, 192 1229.8 / 1219.3,
+/// 256 1267.7 / 1246.0, 288 1282.6 / 1255.0; its router chain (the input's norm making x's codes,
+/// the logits, the selection) 48.1 / 30.5 at 160, 60.3 / 30.3 at 256. (Unsplit, the tensor-core
+/// router took the layer from 320 tokens, 1024 before the forty-first session; before it, a
+/// register-tiled f32 GEMM was 6-10% slower from 1024 tokens up: BENCHMARKS.md, issue 11
+/// sixteenth version.) Below 160 not yet measured: the few-token chain is 33.9 µs at 128.
+pub const TC_MIN_TOKENS: usize = 160;
 
 /// Blocks (a thread-block cluster) that split D's 64-k stages of one `fmoe_logits_tc_split_kernel`
 /// tile ([`RouterPath::TensorSplit`]): 4, so 512 tokens' 16 tiles run on 64 blocks of 16 stages
@@ -142,7 +143,8 @@ impl RouterPath {
     /// The path `FastMoe::route` takes for `t` tokens of width `d`: below [`TC_MIN_TOKENS`] the
     /// few-token router; up to the fused decode launch's last batch the split tensor-core router
     /// (where D's stages split over [`TC_KSPLIT`]), whose 4x the blocks finish the logits ~25 µs
-    /// sooner at 320-512 tokens; from the prefill GEMMs' first batch the unsplit one. The layer at
+    /// sooner at 320-512 tokens; from the prefill GEMMs' first batch the unsplit one (and below it
+    /// where D does not split). The layer at
     /// Flash shapes, uniform routing, µs unsplit / split (H100, best of two rounds, one call;
     /// forty-second session): B = 320 1289.5 / 1265.2, 512 1409.3 / 1377.8, 1024 (prefill)
     /// 1565.1 / 1583.7 (though its router chain was 5 µs faster), 4096 2369.1 / 2408.9.

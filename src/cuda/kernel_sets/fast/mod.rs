@@ -35,7 +35,7 @@ use crate::cuda::kernels::fast_dense_gemm::{
 };
 use crate::cuda::kernels::fast_indexer::FastIndexer;
 use crate::cuda::kernels::fast_moe::{
-    FastExperts, FastMoe, FastMoeLayer, FastShared, MoeNorm, TC_MIN_TOKENS, Unsupported,
+    FastExperts, FastMoe, FastMoeLayer, FastShared, MoeNorm, Unsupported,
     norm_x_covers,
 };
 use crate::cuda::kernels::indexer::IndexerArgs;
@@ -356,20 +356,21 @@ fn moe_input_norm_fits(s: &Step) -> bool {
     norm_x_tokens(t) && norm_x_covers(t, s.cfg.hidden_size)
 }
 
-/// Whether, at `t` tokens, the MoE input's norm makes x's codes ([`norms_moe_input`]): at 8-64
-/// tokens, and where the tensor-core router takes the batch (from [`TC_MIN_TOKENS`]) up to
-/// 1024. Measured (`dsv4 bench moe`, `moe_norm_route` lines: the norm and the routing, µs, H100),
+/// Whether, at `t` tokens, the MoE input's norm makes x's codes ([`norms_moe_input`]): at 8-1024
+/// tokens. Measured (`dsv4 bench moe`, `moe_norm_route` lines: the norm and the routing, µs, H100),
 /// the norm making them / the router making them: B = 1 12.67 / 10.90, 8 13.87 / 15.20, 64 27.84
 /// / 28.19, 4096 175.01 / 161.26 (BENCHMARKS.md 2026-12-05, thirty-third part); with the
-/// tensor-core router from 320 tokens, whose selection otherwise quantises x a warp a token, 320
-/// 59.64 / 66.24, 512 62.09 / 69.10, 768 68.31 / 72.84, 1024 75.33 / 78.65 (forty-first session,
-/// `2026-12-06-moe-h100-router-320*.json`; call 3 agrees from 320 to 1000). At one token the
-/// added work lengthens the norm's one block where the router's four quantising blocks had
-/// overlapped the others' gate rows; at 4096 rows the rows block's longer chain costs more than
-/// the selection's read of x. (At 32 tokens the norm making them has measured ~2 µs slower in
-/// every run since, 19.4 / 17.2: a sweep of 16-64 is still to do.)
+/// tensor-core router, whose selection otherwise quantises x a warp a token, 320 59.64 / 66.24, 512
+/// 62.09 / 69.10, 768 68.31 / 72.84, 1024 75.33 / 78.65 (forty-first session); split, 160 30.5 /
+/// 39.3, 256 30.3 / 39.3 (forty-second session). A sweep of the few-token router (forty-second
+/// session, two rounds agreeing to 0.4 µs): 4 10.4 / 9.7, 8 12.3 / 13.1, 12 12.8 / 11.6, 16 13.4 /
+/// 14.1, 24 14.4 / 15.7, 32 19.5 / 17.2, 40 20.4 / 20.6, 48 21.5 / 22.8, 56 26.4 / 24.4, 64 21.9 /
+/// 22.5, 96 31.9 / 32.6, 128 33.9 / 34.9: faster but at 12, 32 and 56 tokens (1-2 µs of a 320-880
+/// µs layer; why those counts is not understood yet). At one token the added work lengthens the
+/// norm's one block where the router's four quantising blocks had overlapped the others' gate
+/// rows; at 4096 rows the rows block's longer chain costs more than the selection's read of x.
 fn norm_x_tokens(t: usize) -> bool {
-    (8..=64).contains(&t) || (TC_MIN_TOKENS..=1024).contains(&t)
+    (8..=1024).contains(&t)
 }
 
 /// `call` as the dense kernels run it (operands made in the gemv blocks up to `fused_act_max_t`
