@@ -1080,9 +1080,10 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
             // the split tensor-core router (x quantised by the selection), partial tiles.
             (fast_moe_wide::MIN_TOKENS - 1, Routing::HashSkewed),
             // The first batch on the prefill GEMMs and the wide plan
-            // (fast_moe::WIDE_PLAN_MIN_TOKENS): x quantised in the halves order by the selection.
+            // (fast_moe::WIDE_PLAN_MIN_TOKENS): x quantised in the halves order by the selection,
+            // the split tensor-core router; from fast_moe::TC_SPLIT_MAX_TOKENS + 1 the unsplit one.
             (fast_moe_wide::MIN_TOKENS, Routing::TopK),
-            (1024, Routing::Hash),
+            (fast_moe::TC_SPLIT_MAX_TOKENS + 1, Routing::Hash),
             (4096, Routing::TopK),
             (16384, Routing::HashSkewed),
         ],
@@ -1168,23 +1169,23 @@ fn fast_moe_routes_on_a_gate_of_f32_values() {
 }
 
 /// The tensor-core routers where the layer does not take them: the unsplit one on the fused decode
-/// launch (where the split one routes, `RouterPath::for_tokens`) and the split one on the prefill
-/// path (where the unsplit one routes), each within its bound and giving every decode form's bits,
-/// with partial token tiles; and the split one with a gate of f32 values, whose lo planes every
-/// split multiplies.
+/// launch and on the prefill path below `fast_moe::TC_SPLIT_MAX_TOKENS` (where the split one
+/// routes, `RouterPath::for_tokens`), and the split one above it (where the unsplit one routes),
+/// each within its bound and giving every decode form's bits, with partial token tiles; and the
+/// split one with a gate of f32 values, whose lo planes every split multiplies.
 #[test]
 fn fast_moe_tensor_routers_on_the_other_paths_match_the_reference_kernels() {
     let flash = MoeShape::FLASH;
-    let fused = [
-        (fast_moe::TC_MIN_TOKENS, Routing::TopK),
-        (fast_moe_wide::MIN_TOKENS - 1, Routing::HashSkewed),
-    ];
     let unsplit = Paths::Router(RouterPath::Tensor);
-    run_cases(flash, Scales::Bytes, Gate::Bf16, unsplit, &fused);
+    let below = [
+        (fast_moe::TC_MIN_TOKENS, Routing::TopK),
+        (1000, Routing::HashSkewed),
+    ];
+    run_cases(flash, Scales::Bytes, Gate::Bf16, unsplit, &below);
     let split = Paths::Router(RouterPath::TensorSplit);
-    let prefill = [(1000, Routing::TopK)];
-    run_cases(flash, Scales::Bytes, Gate::Bf16, split, &prefill);
-    run_cases(flash, Scales::Bytes, Gate::F32, split, &prefill);
+    let above = [(fast_moe::TC_SPLIT_MAX_TOKENS + 1, Routing::TopK)];
+    run_cases(flash, Scales::Bytes, Gate::Bf16, split, &above);
+    run_cases(flash, Scales::Bytes, Gate::F32, split, &above);
 }
 
 /// FP4 scales that are not powers of two (a checkpoint with f32 scales): the GEMMs read them as

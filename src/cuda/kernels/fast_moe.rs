@@ -124,6 +124,16 @@ pub const TC_MIN_TOKENS: usize = 160;
 /// 70.6, 4096 158.6 / 214.4.
 pub const TC_KSPLIT: usize = 4;
 
+/// Most tokens the split tensor-core router takes ([`RouterPath::for_tokens`]); from 1024 its 4x
+/// the blocks (64 a 64-token tile column at Flash shapes) outnumber what the SMs run at once. The
+/// layer at Flash shapes, uniform routing, µs unsplit / split (H100, best of two rounds, one call
+/// each; forty-second session): fused decode path 320 1289.5 / 1265.2, 512 1409.3 / 1377.8;
+/// prefill path 640 1535.3 / 1516.3, 768 1549.8 / 1534.6, 896 1570.9 / 1560.3, 1024 1588.2 /
+/// 1589.8 (and 1565.1 / 1583.7 in an earlier call), 1536 1717.5 / 1713.1, 4096 2369.1 / 2408.9.
+/// The router chain (the input's norm making x's codes, the logits, the selection) 66.4 / 43.2 at
+/// 640, 75.1 / 68.3 at 1024, 158.6 / 214.4 at 4096.
+pub const TC_SPLIT_MAX_TOKENS: usize = 1023;
+
 /// Which kernel computes the router's logits (and, `Few`, x's quantisation; after `Tensor` or
 /// `TensorSplit`, `fmoe_select_kernel` makes it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,17 +151,13 @@ pub enum RouterPath {
 
 impl RouterPath {
     /// The path `FastMoe::route` takes for `t` tokens of width `d`: below [`TC_MIN_TOKENS`] the
-    /// few-token router; up to the fused decode launch's last batch the split tensor-core router
-    /// (where D's stages split over [`TC_KSPLIT`]), whose 4x the blocks finish the logits ~25 µs
-    /// sooner at 320-512 tokens; from the prefill GEMMs' first batch the unsplit one (and below it
-    /// where D does not split). The layer at
-    /// Flash shapes, uniform routing, µs unsplit / split (H100, best of two rounds, one call;
-    /// forty-second session): B = 320 1289.5 / 1265.2, 512 1409.3 / 1377.8, 1024 (prefill)
-    /// 1565.1 / 1583.7 (though its router chain was 5 µs faster), 4096 2369.1 / 2408.9.
+    /// few-token router; up to [`TC_SPLIT_MAX_TOKENS`] the split tensor-core router (where D's
+    /// stages split over [`TC_KSPLIT`]), whose 4x the blocks finish the logits sooner; from there
+    /// above it (and wherever D does not split) the unsplit one.
     pub fn for_tokens(t: usize, d: usize) -> RouterPath {
         if t < TC_MIN_TOKENS {
             RouterPath::Few
-        } else if t < WIDE_PLAN_MIN_TOKENS && (d / 64).is_multiple_of(TC_KSPLIT) {
+        } else if t <= TC_SPLIT_MAX_TOKENS && (d / 64).is_multiple_of(TC_KSPLIT) {
             RouterPath::TensorSplit
         } else {
             RouterPath::Tensor
