@@ -35,7 +35,10 @@ const _: () = assert!(
 /// µs fused decode / prefill, best of two rounds, uniform and skewed routing (H100, fortieth
 /// session): B = 512 1513.8 / 1607.0 (skewed 1532.1 / 1607.4), 576 1609.2 / 1646.9 (1622.9 /
 /// 1637.9), 640 1711.4 / 1676.0 (1737.1 / 1676.2), 704 1870.4 / 1707.2 (1866.6 / 1699.7); 608 is
-/// between the last two measured. (Against the two-launch decode path it was 576, and 768 before
+/// between the last two measured. Measured again with the spread shared items and the split router
+/// on the fused launch (forty-second session; the prefill path with the unsplit router): 576
+/// 1464.2 / 1527.1 (1479.5 / 1514.6), 640 1569.3 / 1527.2 (1590.6 / 1534.9), 768 1817.2 / 1556.6
+/// (1827.9 / 1551.8): the crossover did not move. (Against the two-launch decode path it was 576, and 768 before
 /// BENCHMARKS.md's issue 11 twenty-second version, 1024 before the producer's row-address table,
 /// 1408 before the tile-sized wgmmas, 2048 before the up epilogue went through shared memory,
 /// 3072 before that.)
