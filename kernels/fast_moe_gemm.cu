@@ -342,6 +342,15 @@ DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
 #define FMOE_PROBE_FLAT 0
 #endif
 
+// FMOE_PROBE_NO_MATH 1 (a bench probe, wrong outputs: `dsv4 bench moe --defines FMOE_PROBE_NO_MATH=1`): the consumers
+// wait for each stage and release it without computing (acc stays zero; the epilogues, the publishing and the down
+// items' waits run as usual). The same stream, items and queue: the launch's time without the consumers' math, so
+// against the real kernel it says how much of the layer the math holds up (where the producer waits for free slots)
+// rather than the weights' stream.
+#ifndef FMOE_PROBE_NO_MATH
+#define FMOE_PROBE_NO_MATH 0
+#endif
+
 // One item's stages into the ring, in the order the consumers read them (the producer warp). Per stage, lane 0
 // announces the TMA bytes and issues the weight (and FP4 scale) boxes: rows 0..127 of the stage from matrix A
 // (up: W1 j = row0 ..; down: W2 rows row0 ..), rows 128..255 from matrix B (up: W3 j = row0 ..; down: W2 rows
@@ -820,7 +829,7 @@ DSV4_INLINE void fmoe_consume_item(const FmoeArgs& a, const FmoeItem& it, unsign
     data_waits += fmoe_trace_clock() - c0;
     // The tokens arrived by cp.async (generic proxy); wgmma reads them through the async proxy.
     fence_proxy_async_shared();
-    fmoe_compute(fmoe_smem + slot * FMOE_SLOT, it, a.K, kb, acc);
+    if (!FMOE_PROBE_NO_MATH) fmoe_compute(fmoe_smem + slot * FMOE_SLOT, it, a.K, kb, acc);
     // The warp's wgmmas and loads of the slot are done (fmoe_block_finish waited for them): release it.
     __syncwarp();
     if (lane == 0) mbar_arrive(fmoe_empty(smem, slot));
