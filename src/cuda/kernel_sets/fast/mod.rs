@@ -35,8 +35,7 @@ use crate::cuda::kernels::fast_dense_gemm::{
 };
 use crate::cuda::kernels::fast_indexer::FastIndexer;
 use crate::cuda::kernels::fast_moe::{
-    FastExperts, FastMoe, FastMoeLayer, FastShared, MoeNorm, Unsupported,
-    norm_x_covers,
+    FastExperts, FastMoe, FastMoeLayer, FastShared, MoeNorm, Unsupported, norm_x_covers,
 };
 use crate::cuda::kernels::indexer::IndexerArgs;
 use crate::cuda::kernels::moe::{RouterParams, Selection};
