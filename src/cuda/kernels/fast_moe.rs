@@ -152,8 +152,8 @@ pub enum RouterPath {
 impl RouterPath {
     /// The path `FastMoe::route` takes for `t` tokens of width `d`: below [`TC_MIN_TOKENS`] the
     /// few-token router; up to [`TC_SPLIT_MAX_TOKENS`] the split tensor-core router (where D's
-    /// stages split over [`TC_KSPLIT`]), whose 4x the blocks finish the logits sooner; from there
-    /// above it (and wherever D does not split) the unsplit one.
+    /// stages split over [`TC_KSPLIT`]), whose 4x the blocks finish the logits sooner; above it
+    /// (and wherever D does not split) the unsplit one.
     pub fn for_tokens(t: usize, d: usize) -> RouterPath {
         if t < TC_MIN_TOKENS {
             RouterPath::Few

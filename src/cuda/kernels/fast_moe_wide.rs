@@ -38,10 +38,10 @@ const _: () = assert!(
 /// between the last two measured. Measured again with the spread shared items and the split router
 /// on the fused launch (forty-second session; the prefill path with the unsplit router): 576
 /// 1464.2 / 1527.1 (1479.5 / 1514.6), 640 1569.3 / 1527.2 (1590.6 / 1534.9), 768 1817.2 / 1556.6
-/// (1827.9 / 1551.8): the crossover did not move. (Against the two-launch decode path it was 576, and 768 before
-/// BENCHMARKS.md's issue 11 twenty-second version, 1024 before the producer's row-address table,
-/// 1408 before the tile-sized wgmmas, 2048 before the up epilogue went through shared memory,
-/// 3072 before that.)
+/// (1827.9 / 1551.8): the crossover did not move. (Against the two-launch decode path it was 576,
+/// and 768 before BENCHMARKS.md's issue 11 twenty-second version, 1024 before the producer's
+/// row-address table, 1408 before the tile-sized wgmmas, 2048 before the up epilogue went through
+/// shared memory, 3072 before that.)
 pub const MIN_TOKENS: usize = 608;
 
 /// Rows of the GEMMs' TMA boxes of their activations (FMW_HBOX): a tile of n tokens reads n
