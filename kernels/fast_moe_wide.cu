@@ -77,6 +77,14 @@
 // (uniform; BENCHMARKS.md, issue 11 nineteenth version). The producer is one thread since (fmw_produce).
 #define FMW_CONSUMER_REGS 240
 #define FMW_PRODUCER_REGS 24
+// FMW_PROBE_NO_MATH 1 (a bench probe, wrong outputs: `dsv4 bench moe --path prefill --defines FMW_PROBE_NO_MATH=1`):
+// the consumers wait for each stage and release it without computing; the epilogues run as usual. The same
+// stream and items: the GEMMs' time without their math, so against the real kernels it says whether the math or
+// the stream (bytes in flight: FMW_STAGES slots of 16 KiB of weights a block) sets the prefill path's time where
+// its tiles hold few tokens (~18 an expert at 768 tokens).
+#ifndef FMW_PROBE_NO_MATH
+#define FMW_PROBE_NO_MATH 0
+#endif
 #define FMW_ROWS 128                      // weight rows of a pass: one TMA box
 #define FMW_RB 128                        // bytes of a weight row per stage
 #define FMW_SLOT_W (FMW_ROWS * FMW_RB)
@@ -855,7 +863,13 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
     for (int pass = 0; pass < fmw_passes(UP); ++pass) {
 #pragma unroll
       for (int v = 0; v < 64; ++v) acc[v] = 0.0f;
-      if (!it.fp4) {
+      if (FMW_PROBE_NO_MATH) {
+        for (int kb = 0; kb < nks; ++kb) {  // each stage waited for and released, nothing computed
+          fmw_acquire(fmw_smem, smem, ring);
+          fmw_release(smem, ring);
+          fmw_next(ring);
+        }
+      } else if (!it.fp4) {
         fmw_pass_fp8(fmw_smem, smem, ring, nks, acc);
       } else if (a.fold && it.s8 && (pass == 0 ? it.rowfold[0] : it.rowfold[1])) {
         const unsigned rowe = pass == 0 ? it.rowe[0] : it.rowe[1];

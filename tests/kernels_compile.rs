@@ -193,11 +193,11 @@ fn check_wgmma_asynchronous(what: &str, log: &str) {
 /// as three indexer blocks an SM, spill by design.)
 #[test]
 fn bench_variants_compile_and_keep_wgmma_asynchronous() {
-    use dsv4::cuda::kernels::{fast_attention, fast_indexer, fast_moe_gemm};
+    use dsv4::cuda::kernels::{fast_attention, fast_indexer, fast_moe_gemm, fast_moe_wide};
     if !nvrtc_or_skip() {
         return;
     }
-    let variants: [(&KernelSource, &str); 16] = [
+    let variants: [(&KernelSource, &str); 17] = [
         (&fast_attention::SOURCE, "FA_DECODE_FAST=0"),
         (&fast_attention::SOURCE, "FA_FETCH_FAST=0"),
         (&fast_attention::SOURCE, "FA_CL_BATCH=1"),
@@ -214,6 +214,7 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         (&fast_moe_gemm::SOURCE, "FMOE_SPREAD_SHARED=0"),
         (&fast_moe_gemm::SOURCE, "FMOE_PROBE_FLAT=1"),
         (&fast_moe_gemm::SOURCE, "FMOE_PROBE_NO_MATH=1"),
+        (&fast_moe_wide::SOURCE, "FMW_PROBE_NO_MATH=1"),
     ];
     for (fam, define) in variants {
         if chosen([fam]).is_empty() {
