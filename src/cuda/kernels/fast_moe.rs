@@ -106,12 +106,13 @@ pub fn gate_planes_bytes(e: usize, d: usize) -> usize {
 /// Fewest tokens routed by the tensor-core routers ([`RouterPath::for_tokens`]): below, their few
 /// blocks (two per 64 tokens, times [`TC_KSPLIT`] split) leave SMs idle. The layer at Flash shapes,
 /// uniform routing, µs with `fmoe_logits_grouped_kernel` / the split tensor-core router (H100, best
-/// of two rounds, one call; forty-second session): B = 160 1209.6 / 1201.4, 192 1229.8 / 1219.3,
-/// 256 1267.7 / 1246.0, 288 1282.6 / 1255.0; its router chain (the input's norm making x's codes,
-/// the logits, the selection) 48.1 / 30.5 at 160, 60.3 / 30.3 at 256. (Unsplit, the tensor-core
-/// router took the layer from 320 tokens, 1024 before the forty-first session; before it, a
-/// register-tiled f32 GEMM was 6-10% slower from 1024 tokens up: BENCHMARKS.md, issue 11
-/// sixteenth version.) Below 160 not yet measured: the few-token chain is 33.9 µs at 128.
+/// of two rounds, one call each; forty-second session): B = 96 1080.7 / 1083.8, 128 1157.7 /
+/// 1161.1, 144 1182.6 / 1179.5, 160 1209.6 / 1201.4, 192 1229.8 / 1219.3, 256 1267.7 / 1246.0, 288
+/// 1282.6 / 1255.0; its router chain (the input's norm making x's codes, the logits, the
+/// selection) 33.9 / 26.5 at 128 (a shorter chain, yet not a shorter layer), 48.1 / 30.5 at 160,
+/// 60.3 / 30.3 at 256. (Unsplit, the tensor-core router took the layer from 320 tokens, 1024
+/// before the forty-first session; before it, a register-tiled f32 GEMM was 6-10% slower from 1024
+/// tokens up: BENCHMARKS.md, issue 11 sixteenth version.)
 pub const TC_MIN_TOKENS: usize = 160;
 
 /// Blocks (a thread-block cluster) that split D's 64-k stages of one `fmoe_logits_tc_split_kernel`
