@@ -2,7 +2,8 @@
 //
 // [fmoe_norm_x_kernel: the input's norm with x's FP8 quantisation, where the fast set runs the norm here] ->
 // fmoe_logits_kernel or fmoe_logits_grouped_kernel (+ FP8 quantisation of x, if not made), or
-// fmoe_logits_tc_kernel for many tokens (or, opt-in, fmoe_logits_tc_split_kernel: its stages split over a cluster) ->
+// fmoe_logits_tc_split_kernel from fast_moe::TC_MIN_TOKENS (its stages split over a cluster), fmoe_logits_tc_kernel
+// from 1024 tokens ->
 // fmoe_select_kernel (+ x's quantisation after the latter, if not made) -> moe_plan_kernel or the wide plan
 // (moe.cu, with tile_rows = the GEMM path's tokens per item) -> the expert GEMMs (fast_moe_gemm.cu,
 // fast_moe_wide.cu) -> fmoe_combine_kernel. f32 arithmetic (and

@@ -84,7 +84,7 @@ pub trait KernelSet {
     /// A residual boundary: the post of the sub-block that ran (`done`; None before layer
     /// 0's attention), then the pre of `next` and its RMSNorm: `next`'s input. (A set may
     /// leave that norm to `next`'s sub-block, which then runs it first: the fast set does for
-    /// its MoE at 8-64 and 320-1024 tokens, whose x codes it makes in the norm's own launch.)
+    /// its MoE at 8-1024 tokens, whose x codes it makes in the norm's own launch.)
     fn boundary(&self, s: &Step, done: Option<Branch>, next: Branch) -> Result<()>;
 
     /// The attention sub-block of layer `layer` (writes the window, compressor and indexer
