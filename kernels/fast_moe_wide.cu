@@ -105,7 +105,10 @@
 #define FMW_BARS (FMW_WT + FMW_TOKENS * 4)
 #define FMW_SMEM_USED (FMW_BARS + 2 * FMW_STAGES * 8)
 static_assert(FMW_SMEM_USED <= FMW_SMEM_BYTES, "fast_moe_wide: shared memory layout exceeds FMW_SMEM_BYTES");
-static_assert(FMW_TOKENS == 128, "fast_moe_wide: the largest wgmma is m64n128k32");
+// A tile of 64 or 128 tokens (the largest wgmma is m64n128k32; the down epilogue's copy-out takes 16 tokens a
+// round; the activations' TMA boxes are FMW_HBOX rows).
+static_assert(FMW_TOKENS % 64 == 0 && FMW_TOKENS <= 128, "fast_moe_wide: FMW_TOKENS is 64 or 128");
+static_assert(FMW_TOKENS % FMW_HBOX == 0, "fast_moe_wide: a tile is whole activation boxes");
 static_assert((FMW_SLOT_W + FMW_SLOT_S) % 1024 == 0, "fast_moe_wide: the B blocks need the swizzle's 1024-byte alignment");
 static_assert(2 * FMW_TOKENS * FMW_DOWN_STRIDE * 2 + 2 * FMW_TOKENS * 4 <= FMW_EP_BYTES,
               "fast_moe_wide: the down epilogue's buffers and output rows");
@@ -790,7 +793,7 @@ DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const floa
   bf16_t* buf = ep + wg * (FMW_TOKENS * FMW_DOWN_STRIDE);
   int* out_rows = reinterpret_cast<int*>(ep + 2 * FMW_TOKENS * FMW_DOWN_STRIDE) + wg * FMW_TOKENS;
   named_barrier(2 + wg, 128);  // the warpgroup's previous copy-out has read buf and out_rows
-  out_rows[l] = my_row;
+  if (l < FMW_TOKENS) out_rows[l] = my_row;
   const unsigned at = smem_addr(buf) + 2u * (unsigned)(((tid >> 5) & 3) * 16 + fmw_stash_row());
 #pragma unroll
   for (int p = 0; p < 8; ++p) {
@@ -801,7 +804,7 @@ DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const floa
   // The thread copies 16 bytes of tokens l / 8 + 16 i.
   const int c8 = l & 7;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < FMW_TOKENS / 16; ++i) {
     const int tok = (l >> 3) + 16 * i;
     const int orow = out_rows[tok];
     if (orow >= 0)
@@ -875,15 +878,15 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
         const unsigned rowe = pass == 0 ? it.rowe[0] : it.rowe[1];
         const unsigned er0 = rowe & 0xffu, er8 = rowe >> 8;
         const unsigned base0 = fmw_fold_base(er0), base8 = fmw_fold_base(er8);
-#define FMW_PASS_N(NN)                                                           \
-  case NN:                                                                       \
-    fmw_pass_fp4<true, NN>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); \
+#define FMW_PASS_N(NN)                                                                                    \
+  case NN:                                                                                                \
+    if constexpr (NN < FMW_TOKENS) fmw_pass_fp4<true, NN>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); \
     break;
         switch (fmw_tile_n(it.n)) {  // uniform over the block
           FMW_PASS_N(8) FMW_PASS_N(16) FMW_PASS_N(24) FMW_PASS_N(32) FMW_PASS_N(40) FMW_PASS_N(48)
           FMW_PASS_N(56) FMW_PASS_N(64) FMW_PASS_N(72) FMW_PASS_N(80) FMW_PASS_N(88) FMW_PASS_N(96)
           FMW_PASS_N(104) FMW_PASS_N(112) FMW_PASS_N(120)
-          default: fmw_pass_fp4<true, 128>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc);
+          default: fmw_pass_fp4<true, FMW_TOKENS>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc);
         }
 #undef FMW_PASS_N
         const float w0 = fmw_row_factor(er0), w8 = fmw_row_factor(er8);  // exact: powers of two
