@@ -9,8 +9,8 @@
 // Why a second family. The decode kernels take 16 tokens per item and promote the tensor core's sums to f32
 // every k32 (one FP4 scale per 32 weights): at a few tokens per expert the weight bytes set the time, but
 // with ~100 tokens per expert the promotions and the FP4 decode, both repeated per 16 tokens, use every
-// issue slot. Here an item is a tile of up to FMW_TOKENS = 128 tokens, so a weight is decoded once per 128
-// tokens, and the per-32 scales of a 128-block are folded into the e4m3 codes, so the sums are promoted once
+// issue slot. Here an item is a tile of up to FMW_T = 128 (or 64: the tile shape, below) tokens, so a weight
+// is decoded once per tile, and the per-32 scales of a 128-block are folded into the e4m3 codes, so the sums are promoted once
 // per 128 of K (the DeepGEMM recipe; the issue's "at least every 128").
 //
 // The fold. Per weight row and 128-block the four UE8M0 exponents e_q have a maximum E; the codes of group
@@ -32,14 +32,14 @@
 // 1897 -> 1828, 4096 2619 -> 2538, 16384 10290 -> 10202; twenty-first version. To 16 gained half as much; to
 // 32 with all sixteen shapes compiled measured as before, so the larger code costs nothing.)
 //
-// Work items. The plan (moe_plan_kernel, tile_rows = FMW_TOKENS) lists (expert, start, count) tiles; the
-// shared expert adds ceil(T / FMW_TOKENS) tiles of consecutive tokens. A tile is cut into 128-row blocks
+// Work items. The plan (moe_plan_kernel, tile_rows = FMW_T) lists (expert, start, count) tiles; the
+// shared expert adds ceil(T / FMW_T) tiles of consecutive tokens. A tile is cut into 128-row blocks
 // rb: down, rows rb·128 .. of W2; up, j = rb·128 .. in two passes, W1's rows (gate) then W3's (up), so
 // SwiGLU and the per-128 quantisation of h stay in the block. Blocks are persistent and take items
 // blockIdx.x, + gridDim.x, ... in order; an item's outputs depend only on the item: deterministic.
 //
 // The pipeline (as fast_moe_gemm.cu): 2 consumer warpgroups and a producer warpgroup share a ring of
-// FMW_STAGES slots with full/empty mbarriers; the producer warpgroup hands most of its registers to the
+// FMW_NSTAGES slots with full/empty mbarriers; the producer warpgroup hands most of its registers to the
 // consumers (setmaxnreg): a few addresses per thread are all it needs. A stage is 128 bytes of each of the
 // pass's 128 weight rows (one TMA box: FP4 256 k, FP8 128 k) with their scales (UE8M0 bytes by a 1 KiB
 // bulk copy, f32 by TMA, or FP8's block scale), and the tile's tokens over the same k in wgmma's K-major B
@@ -64,8 +64,27 @@
 #include "fp8_mma.cuh"
 #include "fast_moe_common.cuh"
 
-// FMW_TOKENS, FMW_STAGES, FMW_SMEM_BYTES and FMW_HBOX (rows of the activations' TMA boxes, fmw_produce: a tile
-// reads n rounded up to it; its tensor maps' box) come from dsv4_consts.cuh (src/cuda/kernels/fast_moe_wide.rs).
+// The tile shape. This file compiles twice (src/cuda/kernels/fast_moe_wide.rs): as the family fast_moe_wide,
+// tiles of FMW_TOKENS = 128 tokens with a ring of FMW_STAGES slots, and, with FMW_NARROW defined, as
+// fast_moe_wide_narrow, tiles of FMW_NARROW_TOKENS = 64 with FMW_NARROW_STAGES slots: a slot's token panel is
+// half as large, so the ring holds 5 x 16 KiB of weights a block instead of 3 x 16 KiB. Where the tiles hold
+// few tokens (an expert's ~10-50 at 480-2048 tokens) the weights' stream sets the time, not the math (the
+// FMW_PROBE_NO_MATH probe: at 768 tokens 1465 µs without the math against 1534 with it), and the deeper ring
+// streams faster: layer 512 tokens 1462 -> 1324 µs, 768 1512 -> 1406, 1024 1564 -> 1477, 2048 1814 -> 1787;
+// at 4096 (~100 tokens an expert) twice the items' decode and promotions lose, 2379 -> 3273 (H100,
+// BENCHMARKS.md, issue 11 forty-third session). The layer takes the narrow tiles up to
+// fast_moe_wide::NARROW_MAX_TOKENS tokens. FMW_T, FMW_NSTAGES and FMW_SMEM are the shape compiled here;
+// these and FMW_HBOX (rows of the activations' TMA boxes, fmw_produce: a tile reads n rounded up to it; its
+// tensor maps' box) come from dsv4_consts.cuh.
+#if defined(FMW_NARROW)
+#define FMW_T FMW_NARROW_TOKENS
+#define FMW_NSTAGES FMW_NARROW_STAGES
+#define FMW_SMEM FMW_NARROW_SMEM_BYTES
+#else
+#define FMW_T FMW_TOKENS
+#define FMW_NSTAGES FMW_STAGES
+#define FMW_SMEM FMW_SMEM_BYTES
+#endif
 #define FMW_CONSUMERS 256                 // two warpgroups
 #define FMW_THREADS (FMW_CONSUMERS + 128)  // then the producer warpgroup
 // Registers per thread after setmaxnreg: the producer warpgroup gives most of its share to the consumers
@@ -80,8 +99,9 @@
 // FMW_PROBE_NO_MATH 1 (a bench probe, wrong outputs: `dsv4 bench moe --path prefill --defines FMW_PROBE_NO_MATH=1`):
 // the consumers wait for each stage and release it without computing; the epilogues run as usual. The same
 // stream and items: the GEMMs' time without their math, so against the real kernels it says whether the math or
-// the stream (bytes in flight: FMW_STAGES slots of 16 KiB of weights a block) sets the prefill path's time where
-// its tiles hold few tokens (~18 an expert at 768 tokens).
+// the stream (bytes in flight: FMW_NSTAGES slots of 16 KiB of weights a block) sets the prefill path's time where
+// its tiles hold few tokens (~18 an expert at 768 tokens). Measured (128-token tiles, H100): the stream, 640 tokens
+// 1453 µs without the math / 1515 with it, 768 1465 / 1534, 1024 1499 / 1584; hence the narrow shape.
 #ifndef FMW_PROBE_NO_MATH
 #define FMW_PROBE_NO_MATH 0
 #endif
@@ -90,27 +110,27 @@
 #define FMW_SLOT_W (FMW_ROWS * FMW_RB)
 #define FMW_SLOT_S (FMW_ROWS * 8 * 4)  // FP4: 8 per-32 scales a row (f32, or UE8M0 bytes in the first 1 KiB);
                                        // FP8: the block scale
-#define FMW_B_PANEL (FMW_TOKENS * 128)  // one 128-k block of the tokens' codes: a row of 128 bytes a token
+#define FMW_B_PANEL (FMW_T * 128)  // one 128-k block of the tokens' codes: a row of 128 bytes a token
 #define FMW_SLOT_A (2 * FMW_B_PANEL)     // a stage's token codes
-#define FMW_SLOT_AS (2 * FMW_TOKENS * 4)  // their scales, [128-block][token]
+#define FMW_SLOT_AS (2 * FMW_T * 4)  // their scales, [128-block][token]
 #define FMW_SLOT (((FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A + FMW_SLOT_AS) + 1023) / 1024 * 1024)
 // Epilogue buffer (bf16). Up: two [token][128 j] matrices, the gate values then the up values of the item's
 // 128 j (fmw_ep_index's swizzle); the gate's becomes h in place. Down: one [token][FMW_DOWN_STRIDE] block per
 // warpgroup (its 64 rows) to write y in 16-byte pieces, the stride padded so that the 8 token rows a
 // stmatrix writes at once (fmw_stash_pair; 144 bytes apart) fall in distinct banks.
-#define FMW_UP_MATRIX (FMW_TOKENS * 128)  // elements of one up matrix
+#define FMW_UP_MATRIX (FMW_T * 128)  // elements of one up matrix
 #define FMW_DOWN_STRIDE 72
 #define FMW_EP_BYTES (2 * FMW_UP_MATRIX * 2)
-#define FMW_WT (FMW_STAGES * FMW_SLOT + FMW_EP_BYTES)  // the tile's routing weights, FMW_TOKENS floats
-#define FMW_BARS (FMW_WT + FMW_TOKENS * 4)
-#define FMW_SMEM_USED (FMW_BARS + 2 * FMW_STAGES * 8)
-static_assert(FMW_SMEM_USED <= FMW_SMEM_BYTES, "fast_moe_wide: shared memory layout exceeds FMW_SMEM_BYTES");
+#define FMW_WT (FMW_NSTAGES * FMW_SLOT + FMW_EP_BYTES)  // the tile's routing weights, FMW_T floats
+#define FMW_BARS (FMW_WT + FMW_T * 4)
+#define FMW_SMEM_USED (FMW_BARS + 2 * FMW_NSTAGES * 8)
+static_assert(FMW_SMEM_USED <= FMW_SMEM, "fast_moe_wide: shared memory layout exceeds FMW_SMEM");
 // A tile of 64 or 128 tokens (the largest wgmma is m64n128k32; the down epilogue's copy-out takes 16 tokens a
 // round; the activations' TMA boxes are FMW_HBOX rows).
-static_assert(FMW_TOKENS % 64 == 0 && FMW_TOKENS <= 128, "fast_moe_wide: FMW_TOKENS is 64 or 128");
-static_assert(FMW_TOKENS % FMW_HBOX == 0, "fast_moe_wide: a tile is whole activation boxes");
+static_assert(FMW_T % 64 == 0 && FMW_T <= 128, "fast_moe_wide: FMW_T is 64 or 128");
+static_assert(FMW_T % FMW_HBOX == 0, "fast_moe_wide: a tile is whole activation boxes");
 static_assert((FMW_SLOT_W + FMW_SLOT_S) % 1024 == 0, "fast_moe_wide: the B blocks need the swizzle's 1024-byte alignment");
-static_assert(2 * FMW_TOKENS * FMW_DOWN_STRIDE * 2 + 2 * FMW_TOKENS * 4 <= FMW_EP_BYTES,
+static_assert(2 * FMW_T * FMW_DOWN_STRIDE * 2 + 2 * FMW_T * 4 <= FMW_EP_BYTES,
               "fast_moe_wide: the down epilogue's buffers and output rows");
 static_assert(FMOE_MAP_BYTES == 128, "fast_moe_wide: a CUtensorMap is 128 bytes");
 
@@ -120,7 +140,7 @@ struct FmwItem {
   bool shared;  // the shared expert's tile
   bool fp4;
   bool s8;      // FP4 scales as UE8M0 bytes
-  int n;        // tokens in the tile, 1..FMW_TOKENS
+  int n;        // tokens in the tile, 1..FMW_T
   int start;    // first plan row (routed) or first token (shared)
   int rb;       // row block: up, j = 128·rb ..; down, W2 rows 128·rb ..
   int tile;     // the item's tile: the plan's routed tiles, then the shared expert's (h's scales, fmw_act_scale_at)
@@ -137,14 +157,14 @@ struct FmwItem {
 
 DSV4_INLINE int fmw_passes(bool up) { return up ? 2 : 1; }
 
-// The wgmmas' N for a tile of n tokens (1 .. FMW_TOKENS): n rounded up to a multiple of 8, wgmma's step (the
+// The wgmmas' N for a tile of n tokens (1 .. FMW_T): n rounded up to a multiple of 8, wgmma's step (the
 // dispatch in fmw_gemm has a case for each). Only the folded FP4 passes (the routed experts of a released
 // checkpoint) take it: the shared expert's tiles are full but the last, and the other passes are fallbacks.
 DSV4_INLINE int fmw_tile_n(int n) { return (n + 7) / 8 * 8; }
 
 template <bool UP>
 DSV4_INLINE int fmw_total_items(const FmoeArgs& a) {
-  const int nsh = a.shared_fmt != 0 ? (a.T + FMW_TOKENS - 1) / FMW_TOKENS : 0;
+  const int nsh = a.shared_fmt != 0 ? (a.T + FMW_T - 1) / FMW_T : 0;
   return (a.nrt + nsh) * (a.N / FMW_ROWS);
 }
 
@@ -177,8 +197,8 @@ DSV4_INLINE FmwItem fmw_item(const FmoeArgs& a, int wi) {
       it.fs[1] = reinterpret_cast<const float*>(a.sb[x]);
     }
   } else {
-    it.start = (tile - a.nrt) * FMW_TOKENS;
-    it.n = min(FMW_TOKENS, a.T - it.start);
+    it.start = (tile - a.nrt) * FMW_T;
+    it.n = min(FMW_T, a.T - it.start);
     it.shared = true;
     it.fp4 = a.shared_fmt == WFMT_FP4;
     it.fs[0] = a.shared_sa;
@@ -218,19 +238,19 @@ DSV4_INLINE long long fmw_act_row(const FmoeArgs& a, const FmwItem& it, int c) {
 
 // The ring's barriers (fmoe_ring_*).
 DSV4_INLINE unsigned fmw_full(unsigned smem, int s) { return fmoe_ring_full(smem + FMW_BARS, s); }
-DSV4_INLINE unsigned fmw_empty(unsigned smem, int s) { return fmoe_ring_empty(smem + FMW_BARS, FMW_STAGES, s); }
+DSV4_INLINE unsigned fmw_empty(unsigned smem, int s) { return fmoe_ring_empty(smem + FMW_BARS, FMW_NSTAGES, s); }
 
-// Where token column p's activation scale sits among its block's FMW_TOKENS: thread t of the accumulator
+// Where token column p's activation scale sits among its block's FMW_T: thread t of the accumulator
 // layout (d[4j + c] is token 8j + 2t + c) reads the scales of tokens 8j + 2t + {0, 1} for j = 2i, 2i + 1 as
 // one 16-byte word at 16i + 4t, and the four t of a word's i are adjacent, so a warp's 16-byte loads touch
 // 64 contiguous bytes: conflict-free, and half as many loads as 8-byte ones in token order.
 DSV4_INLINE int fmw_scale_pos(int p) { return (p >> 4) * 16 + ((p >> 1) & 3) * 4 + ((p >> 3) & 1) * 2 + (p & 1); }
 
 // The activations' scale of token column c and 128-block b (of `blocks` = K / 128) of the item's tile, in this
-// path's layout: [tile][block][FMW_TOKENS] floats at fmw_scale_pos(c), the consumers' order, so the producer
+// path's layout: [tile][block][FMW_T] floats at fmw_scale_pos(c), the consumers' order, so the producer
 // copies a stage's scales in one piece. (Slots of the tile's columns past its count are not written.)
 DSV4_INLINE long long fmw_act_scale_at(const FmwItem& it, int blocks, int b, int c) {
-  return ((long long)it.tile * blocks + b) * FMW_TOKENS + fmw_scale_pos(c);
+  return ((long long)it.tile * blocks + b) * FMW_T + fmw_scale_pos(c);
 }
 
 // Where a pass's weights come from: the codes' tensor map (the f32 FP4 scales' map is FMOE_MAP_S1 -
@@ -278,7 +298,7 @@ DSV4_INLINE unsigned fmw_weight_tx(const FmwItem& it) {
 // its scales in the consumers' order. So per stage and 128-block the thread copies the tile's codes by TMA
 // (`act_map`: boxes of FMW_HBOX rows x 128 bytes in the 128-byte swizzle, the B tile's layout; ceil(n /
 // FMW_HBOX) of them, rows past the tile's count are other tiles' or zeros past the map, computed and never
-// stored) and their scales by one bulk copy of FMW_TOKENS floats, beside the weights (fmw_load_weights). The
+// stored) and their scales by one bulk copy of FMW_T floats, beside the weights (fmw_load_weights). The
 // full barrier expects the thread's expect_tx arrival and its cp.async arrival (FP8's block scale).
 // (Before, all four producer warps gathered the tokens' rows by cp.async, 8 threads a 128-byte line, and
 // their 4-byte scales one per thread: 14% of the up GEMM's instructions, the scales one shared-memory
@@ -307,15 +327,15 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
       mbar_wait(fmw_empty(smem, slot), phase ^ 1);
       const unsigned st = smem + slot * FMW_SLOT, full = fmw_full(smem, slot);
       const int blocks = fmoe_stage_blocks(it.fp4, K, kb), k0 = kb * kbytes;
-      mbar_arrive_expect_tx(full, fmw_weight_tx(it) + blocks * (boxes * FMW_HBOX * 128 + FMW_TOKENS * 4));
+      mbar_arrive_expect_tx(full, fmw_weight_tx(it) + blocks * (boxes * FMW_HBOX * 128 + FMW_T * 4));
       fmw_load_weights(it, src, kb, st, full);
       const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
       for (int b = 0; b < blocks; ++b)
         for (int r = 0; r < boxes; ++r)
           tma_load_2d(adst + b * FMW_B_PANEL + r * (FMW_HBOX * 128), act_map, k0 + 128 * b, row0 + r * FMW_HBOX, full);
-      bulk_load(adst + FMW_SLOT_A, a.act_s + scales + (k0 / 128) * FMW_TOKENS, blocks * FMW_TOKENS * 4, full);
+      bulk_load(adst + FMW_SLOT_A, a.act_s + scales + (k0 / 128) * FMW_T, blocks * FMW_T * 4, full);
       cp_async_mbar_arrive(full);
-      fmoe_ring_advance(slot, phase, FMW_STAGES);
+      fmoe_ring_advance(slot, phase, FMW_NSTAGES);
     }
   }
   cp_async_wait_all();  // the copies land before the thread exits
@@ -482,7 +502,7 @@ struct FmwBlock {
 template <bool FP4, bool ROWS>
 DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, unsigned base0, unsigned base8, FmwBlock& blk) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r16 = (threadIdx.x >> 5) * 16;
-  blk.as = reinterpret_cast<const float*>(st + FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A) + b * FMW_TOKENS;
+  blk.as = reinterpret_cast<const float*>(st + FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A) + b * FMW_T;
   blk.desc = fmw_desc(st, b);
   if (FP4) {
     const unsigned char* sb = st + FMW_SLOT_W;
@@ -547,7 +567,7 @@ struct FmwRing {
   unsigned phase;
 };
 
-DSV4_INLINE void fmw_next(FmwRing& r) { fmoe_ring_advance(r.slot, r.phase, FMW_STAGES); }
+DSV4_INLINE void fmw_next(FmwRing& r) { fmoe_ring_advance(r.slot, r.phase, FMW_NSTAGES); }
 
 // Waits for the slot's data. (No proxy fence: everything wgmma reads came by TMA, through the async proxy
 // itself; the one generic copy, FP8's block scale, is read by ld.shared. When the tokens came by cp.async the
@@ -622,9 +642,9 @@ DSV4_INLINE void fmw_pass_fp8(unsigned char* smem_base, unsigned smem, FmwRing& 
       if (kb + i == nks) break;
       FmwRing next = ring;
       fmw_next(next);
-      fmw_issue<FMW_TOKENS>(blk[i], d);
+      fmw_issue<FMW_T>(blk[i], d);
       if (kb + i + 1 < nks) fmw_load_block<false, false>(fmw_acquire(smem_base, smem, next), 0, 0u, 0u, blk[i ^ 1]);
-      fmw_finish<false, FMW_TOKENS>(blk[i], d, acc);
+      fmw_finish<false, FMW_T>(blk[i], d, acc);
       fmw_release(smem, ring);
       ring = next;
     }
@@ -650,7 +670,7 @@ DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwR
       fmoe_fp4_scales(sc, r16 + g, b, it.s8, w0, w8);
 #pragma unroll
       for (int q = 0; q < 4; ++q) w0[q] *= 64.0f, w8[q] *= 64.0f;  // the plain bit move's 2^-6
-      const float* as = reinterpret_cast<const float*>(st + FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A) + b * FMW_TOKENS;
+      const float* as = reinterpret_cast<const float*>(st + FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A) + b * FMW_T;
       const unsigned long long desc = fmw_desc(st, b);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
@@ -660,11 +680,11 @@ DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwR
         e2m1x8_to_e4m3_halves(frag[h], fp4_table_plain(), a[0], a[2]);
         e2m1x8_to_e4m3_halves(frag[h + 1], fp4_table_plain(), a[1], a[3]);
         wgmma_fence();
-        fmw_wgmma<FMW_TOKENS>(d, a, fmw_desc_step(desc, q), 0);
+        fmw_wgmma<FMW_T>(d, a, fmw_desc_step(desc, q), 0);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(d);
-        fmw_promote<false, FMW_TOKENS>(acc, d, w0[q], w8[q], as, fmw_scale_head(as));
+        fmw_promote<false, FMW_T>(acc, d, w0[q], w8[q], as, fmw_scale_head(as));
       }
     }
     fmw_release(smem, ring);
@@ -707,11 +727,11 @@ DSV4_INLINE void fmw_up_stash(const float (&acc)[64], bf16_t* m, int n) {
 }
 
 // Up, gate pass: the bf16 gate values into the first up matrix; the tile's routing weights into wt (thread
-// tid < FMW_TOKENS gives token tid's, fmw_epilogue_read).
+// tid < FMW_T gives token tid's, fmw_epilogue_read).
 DSV4_INLINE void fmw_up_gate(const FmwItem& it, float route_w, const float (&acc)[64], bf16_t* ep, float* wt) {
   const int tid = threadIdx.x;
   named_barrier(1, FMW_CONSUMERS);  // the previous item's quantisation has read ep and wt
-  if (tid < FMW_TOKENS) wt[tid] = route_w;
+  if (tid < FMW_T) wt[tid] = route_w;
   fmw_up_stash(acc, ep, it.n);
 }
 
@@ -790,10 +810,10 @@ DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const floa
 DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const float (&acc)[64], int my_row, bf16_t* ep,
                                 bf16_t* y) {
   const int tid = threadIdx.x, wg = tid >> 7, l = tid & 127;
-  bf16_t* buf = ep + wg * (FMW_TOKENS * FMW_DOWN_STRIDE);
-  int* out_rows = reinterpret_cast<int*>(ep + 2 * FMW_TOKENS * FMW_DOWN_STRIDE) + wg * FMW_TOKENS;
+  bf16_t* buf = ep + wg * (FMW_T * FMW_DOWN_STRIDE);
+  int* out_rows = reinterpret_cast<int*>(ep + 2 * FMW_T * FMW_DOWN_STRIDE) + wg * FMW_T;
   named_barrier(2 + wg, 128);  // the warpgroup's previous copy-out has read buf and out_rows
-  if (l < FMW_TOKENS) out_rows[l] = my_row;
+  if (l < FMW_T) out_rows[l] = my_row;
   const unsigned at = smem_addr(buf) + 2u * (unsigned)(((tid >> 5) & 3) * 16 + fmw_stash_row());
 #pragma unroll
   for (int p = 0; p < 8; ++p) {
@@ -804,7 +824,7 @@ DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const floa
   // The thread copies 16 bytes of tokens l / 8 + 16 i.
   const int c8 = l & 7;
 #pragma unroll
-  for (int i = 0; i < FMW_TOKENS / 16; ++i) {
+  for (int i = 0; i < FMW_T / 16; ++i) {
     const int tok = (l >> 3) + 16 * i;
     const int orow = out_rows[tok];
     if (orow >= 0)
@@ -815,7 +835,7 @@ DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const floa
 
 // What an item's epilogue reads from global memory, read when the item starts so that the reads' latency
 // hides under the mainloop (each read where the epilogue needed it cost the consumers a global round trip, two
-// chained for the routing weight, per item): up, thread tid < FMW_TOKENS token tid's routing weight (1 for the
+// chained for the routing weight, per item): up, thread tid < FMW_T token tid's routing weight (1 for the
 // shared expert and past the tile's count); down, thread l of each warpgroup token l's output row (-1 past the
 // count).
 struct FmwEpilogueRead {
@@ -825,10 +845,10 @@ struct FmwEpilogueRead {
 
 template <bool UP>
 DSV4_INLINE FmwEpilogueRead fmw_epilogue_read(const FmoeArgs& a, const FmwItem& it, const float* route_w) {
-  const int tok = threadIdx.x & (FMW_TOKENS - 1);
+  const int tok = threadIdx.x & (FMW_T - 1);
   FmwEpilogueRead r = {1.0f, -1};
   if (UP) {
-    if (threadIdx.x < FMW_TOKENS && !it.shared && route_w != nullptr && tok < it.n)
+    if (threadIdx.x < FMW_T && !it.shared && route_w != nullptr && tok < it.n)
       r.route_w = route_w[fmw_out_row(a, it, tok)];
   } else if (tok < it.n) {
     r.out_row = (int)fmw_out_row(a, it, tok);
@@ -846,7 +866,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   const int total = fmw_total_items<UP>(a);
   const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   if (threadIdx.x == 0)  // the full barriers' cp.async arrivals: the producer thread's (fmw_produce)
-    fmoe_ring_init(smem + FMW_BARS, FMW_STAGES, FMW_CONSUMERS / 32, 1);
+    fmoe_ring_init(smem + FMW_BARS, FMW_NSTAGES, FMW_CONSUMERS / 32, 1);
   __syncthreads();
   if (threadIdx.x >= FMW_CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FMW_PRODUCER_REGS));
@@ -854,7 +874,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FMW_CONSUMER_REGS));
-  bf16_t* ep = reinterpret_cast<bf16_t*>(fmw_smem + FMW_STAGES * FMW_SLOT);
+  bf16_t* ep = reinterpret_cast<bf16_t*>(fmw_smem + FMW_NSTAGES * FMW_SLOT);
   float* wt = reinterpret_cast<float*>(fmw_smem + FMW_WT);
   FmwRing ring = {0, 0u};
   float acc[64];
@@ -880,13 +900,13 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
         const unsigned base0 = fmw_fold_base(er0), base8 = fmw_fold_base(er8);
 #define FMW_PASS_N(NN)                                                                                    \
   case NN:                                                                                                \
-    if constexpr (NN < FMW_TOKENS) fmw_pass_fp4<true, NN>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); \
+    if constexpr (NN <= FMW_T) fmw_pass_fp4<true, NN>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); \
     break;
         switch (fmw_tile_n(it.n)) {  // uniform over the block
           FMW_PASS_N(8) FMW_PASS_N(16) FMW_PASS_N(24) FMW_PASS_N(32) FMW_PASS_N(40) FMW_PASS_N(48)
           FMW_PASS_N(56) FMW_PASS_N(64) FMW_PASS_N(72) FMW_PASS_N(80) FMW_PASS_N(88) FMW_PASS_N(96)
           FMW_PASS_N(104) FMW_PASS_N(112) FMW_PASS_N(120)
-          default: fmw_pass_fp4<true, FMW_TOKENS>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc);
+          default: fmw_pass_fp4<true, FMW_T>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc);
         }
 #undef FMW_PASS_N
         const float w0 = fmw_row_factor(er0), w8 = fmw_row_factor(er8);  // exact: powers of two
@@ -896,7 +916,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
           acc[4 * j + 2] *= w8, acc[4 * j + 3] *= w8;
         }
       } else if (a.fold && it.s8) {
-        fmw_pass_fp4<false, FMW_TOKENS>(fmw_smem, smem, ring, a.K, nks, 0u, 0u, acc);
+        fmw_pass_fp4<false, FMW_T>(fmw_smem, smem, ring, a.K, nks, 0u, 0u, acc);
       } else {
         fmw_pass_unfolded(fmw_smem, smem, ring, it, a.K, nks, acc);
       }
@@ -914,7 +934,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
 // path's layout for fmw_up_kernel (fmw_act_row, fmw_act_scale_at): block (b, y) copies tile b's token columns y,
 // y + gridDim.y, .. (a warp a row, 16 bytes a lane) and the scales of its 128-blocks y, y + gridDim.y, .. (a
 // warp a block, a lane a column). Tiles b < *ntiles are the plan's
-// routed tiles (other ranks' experts skipped), the next ceil(T / FMW_TOKENS) the shared expert's (when
+// routed tiles (other ranks' experts skipped), the next ceil(T / FMW_T) the shared expert's (when
 // has_shared); blocks past them return. A copy of x per assignment (T·k·D bytes, 100 MB at 4096 tokens of
 // Flash) buys the up GEMM a producer of one thread (fmw_produce).
 extern "C" __global__ void __launch_bounds__(256)
@@ -933,9 +953,9 @@ extern "C" __global__ void __launch_bounds__(256)
     it.n = tiles[3 * b + 2];
   } else {
     it.shared = true;
-    it.start = (b - nrt) * FMW_TOKENS;
+    it.start = (b - nrt) * FMW_T;
     if (!has_shared || it.start >= T) return;
-    it.n = min(FMW_TOKENS, T - it.start);
+    it.n = min(FMW_T, T - it.start);
   }
   FmoeArgs a;  // likewise
   a.T = T;
@@ -958,14 +978,14 @@ extern "C" __global__ void __launch_bounds__(256)
     }
   }
   // The scales: a warp a 128-block, a lane a token column, so that each store of the warp fills 32 consecutive
-  // floats of the tile's [block][FMW_TOKENS] (fmw_scale_pos permutes within them); the loads gather instead.
+  // floats of the tile's [block][FMW_T] (fmw_scale_pos permutes within them); the loads gather instead.
   // (Copied by the codes' warps, a lane a block, every store touched 32 lines 512 bytes apart.)
   for (int blk = blockIdx.y + gridDim.y * warp; blk < blocks; blk += step)
     for (int c = lane; c < it.n; c += 32) xs_plan[fmw_act_scale_at(it, blocks, blk, c)] = xs[token_of(c) * blocks + blk];
 }
 
 // GEMM1 + SwiGLU + routing weight + FP8 quantisation of h; fmoe_up_kernel's operands, with the plan made for
-// FMW_TOKENS-token tiles, x in this path's layout (fmw_gather_x_kernel: xs, and x_map, a tensor map over its
+// FMW_T-token tiles, x in this path's layout (fmw_gather_x_kernel: xs, and x_map, a tensor map over its
 // codes; xq is not read).
 extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
     fmw_up_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
@@ -979,7 +999,7 @@ extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
   fmw_gemm<true>(a, route_w, limit, hq, hs, nullptr, x_map);
 }
 
-// GEMM2: fmoe_down_kernel's operands, with the plan made for FMW_TOKENS-token tiles, h in this path's layout
+// GEMM2: fmoe_down_kernel's operands, with the plan made for FMW_T-token tiles, h in this path's layout
 // (the up kernel's) and h_map, a tensor map over hq's rows (fast_moe_wide::h_tensor_map).
 extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
     fmw_down_kernel(const unsigned char* hq, const float* hs, int T, int I, int D, int k, const int* rows,

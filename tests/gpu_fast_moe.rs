@@ -116,6 +116,7 @@ fn families() -> Vec<&'static KernelSource> {
         &fast_moe::SOURCE,
         &fast_moe_gemm::SOURCE,
         &fast_moe_wide::SOURCE,
+        &fast_moe_wide::NARROW_SOURCE,
     ]
     .into_iter()
     .chain(norm_rope::FAMILIES)
@@ -412,7 +413,7 @@ fn wide_h_by_token(
     s: BorrowedStream,
 ) -> (Vec<u8>, Vec<f32>) {
     let t = b.t;
-    let (rows, blocks) = (t * k + t, i / 128);
+    let (rows, blocks, tile_n) = (t * k + t, i / 128, fast_moe_wide::tile_tokens(t));
     let nt = get::<i32>(ctx, b.ws.plan.ntiles, 1, s)[0] as usize;
     let tiles: Vec<i32> = get(ctx, b.ws.plan.tiles, 3 * nt, s);
     let plan_rows: Vec<i32> = get(ctx, b.ws.plan.rows, t * k, s);
@@ -420,7 +421,8 @@ fn wide_h_by_token(
     let mut put_row = |tile: usize, c: usize, from: usize, to: usize| {
         q[to * i..(to + 1) * i].copy_from_slice(&hq[from * i..(from + 1) * i]);
         for blk in 0..blocks {
-            sc[to * blocks + blk] = hs[fast_moe_wide::act_scale_index(tile, blk, blocks, c)];
+            sc[to * blocks + blk] =
+                hs[fast_moe_wide::act_scale_index(tile, blk, blocks, c, tile_n)];
         }
     };
     for tile in 0..nt {
@@ -429,9 +431,9 @@ fn wide_h_by_token(
             put_row(tile, c, start + c, plan_rows[start + c] as usize);
         }
     }
-    for st in 0..t.div_ceil(fast_moe_wide::TOKENS) {
-        for c in 0..fast_moe_wide::TOKENS.min(t - st * fast_moe_wide::TOKENS) {
-            let row = t * k + st * fast_moe_wide::TOKENS + c;
+    for st in 0..t.div_ceil(tile_n) {
+        for c in 0..tile_n.min(t - st * tile_n) {
+            let row = t * k + st * tile_n + c;
             put_row(nt + st, c, row, row);
         }
     }
@@ -1084,6 +1086,10 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
             // the split tensor-core router; from fast_moe::TC_SPLIT_MAX_TOKENS + 1 the unsplit one.
             (fast_moe_wide::MIN_TOKENS, Routing::TopK),
             (fast_moe::TC_SPLIT_MAX_TOKENS + 1, Routing::Hash),
+            // The narrow tiles' last batch (fast_moe_wide::tile_tokens: full tiles of 64 for the
+            // hot expert), then the wide tiles' first, partial tiles of 128.
+            (fast_moe_wide::NARROW_MAX_TOKENS, Routing::HashSkewed),
+            (fast_moe_wide::NARROW_MAX_TOKENS + 1, Routing::TopK),
             (4096, Routing::TopK),
             (16384, Routing::HashSkewed),
         ],
@@ -1151,6 +1157,8 @@ fn fast_moe_matches_the_reference_kernels_at_odd_widths() {
             (64, Routing::TopK),
             (300, Routing::HashSkewed),
             (1000, Routing::TopK),
+            // The prefill path's wide tiles (from fast_moe_wide::NARROW_MAX_TOKENS + 1).
+            (fast_moe_wide::NARROW_MAX_TOKENS + 52, Routing::HashSkewed),
         ],
     );
 }

@@ -340,15 +340,18 @@ fn fast_gemms_keep_wgmmas_in_flight_in_the_sass() {
     let Some(nvdisasm) = nvdisasm_or_skip() else {
         return;
     };
-    let wide = sass_by_kernel(&fast_moe_wide::SOURCE, &nvdisasm);
-    for k in ["fmw_up_kernel", "fmw_down_kernel"] {
-        let (_, sass) = wide.iter().find(|(n, _)| n == k).expect(k);
-        let runs = wgmma_runs(sass);
-        println!("{k}: runs of chained wgmmas {runs:?}");
-        assert!(
-            runs.contains(&3) && runs.iter().all(|&r| r == 0 || r == 3),
-            "{k}: a 128-block's wgmmas are not chained four at a time: {runs:?}"
-        );
+    for family in [&fast_moe_wide::SOURCE, &fast_moe_wide::NARROW_SOURCE] {
+        let wide = sass_by_kernel(family, &nvdisasm);
+        for k in ["fmw_up_kernel", "fmw_down_kernel"] {
+            let (_, sass) = wide.iter().find(|(n, _)| n == k).expect(k);
+            let runs = wgmma_runs(sass);
+            println!("{} {k}: runs of chained wgmmas {runs:?}", family.family);
+            assert!(
+                runs.contains(&3) && runs.iter().all(|&r| r == 0 || r == 3),
+                "{} {k}: a 128-block's wgmmas are not chained four at a time: {runs:?}",
+                family.family
+            );
+        }
     }
     let decode = sass_by_kernel(&fast_moe_gemm::SOURCE, &nvdisasm);
     for k in ["fmoe_up_kernel", "fmoe_down_kernel"] {

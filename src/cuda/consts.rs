@@ -116,6 +116,9 @@ pub const SHARED: &[Shared] = shared! {
     "FMW_TOKENS" = Int(fast_moe_wide::TOKENS as i64) from "fast_moe_wide::TOKENS";
     "FMW_STAGES" = Int(fast_moe_wide::STAGES as i64) from "fast_moe_wide::STAGES";
     "FMW_SMEM_BYTES" = Int(fast_moe_wide::SMEM_BYTES as i64) from "fast_moe_wide::SMEM_BYTES";
+    "FMW_NARROW_TOKENS" = Int(fast_moe_wide::NARROW_TOKENS as i64) from "fast_moe_wide::NARROW_TOKENS";
+    "FMW_NARROW_STAGES" = Int(fast_moe_wide::NARROW_STAGES as i64) from "fast_moe_wide::NARROW_STAGES";
+    "FMW_NARROW_SMEM_BYTES" = Int(fast_moe_wide::NARROW_SMEM_BYTES as i64) from "fast_moe_wide::NARROW_SMEM_BYTES";
     "FMW_HBOX" = Int(fast_moe_wide::ACT_BOX_ROWS as i64) from "fast_moe_wide::ACT_BOX_ROWS";
     // fast_dense.cu.
     "FD_WARPS" = Int(fast_dense::WARPS as i64) from "fast_dense::WARPS";

@@ -167,6 +167,16 @@ impl<A: KernelDecl> Launcher<A> {
         })
     }
 
+    /// The entry point `A` declares, resolved in `family` instead of its own: a family compiled
+    /// from the same source with other defines, so the same entry points and parameters
+    /// (fast_moe_wide's narrow tiles).
+    pub fn in_family(reg: &Registry, family: &str) -> Result<Launcher<A>> {
+        Ok(Launcher {
+            kernel: reg.get(family, A::FN.name)?,
+            _args: PhantomData,
+        })
+    }
+
     /// The resolved kernel (limits, attributes).
     pub fn kernel(&self) -> &Kernel {
         &self.kernel
@@ -238,7 +248,7 @@ impl<A: KernelDecl> Launcher<A> {
 macro_rules! launchers {
     (
         $(#[$meta:meta])*
-        $vis:vis struct $name:ident { $($field:ident: $kernel:ident),* $(,)? }
+        $vis:vis struct $name:ident { $($field:ident: $kernel:ident $(in $family:expr)?),* $(,)? }
     ) => {
         $(#[$meta])*
         $vis struct $name {
@@ -246,14 +256,16 @@ macro_rules! launchers {
         }
 
         impl $name {
-            /// Resolves every entry point from `reg`, which must hold the family.
+            /// Resolves every entry point from `reg`, which must hold the families.
             pub fn new(reg: &$crate::cuda::registry::Registry) -> $crate::error::Result<$name> {
                 Ok($name {
-                    $($field: $crate::cuda::decl::Launcher::new(reg)?,)*
+                    $($field: $crate::launchers!(@resolve reg $(, $family)?)?,)*
                 })
             }
         }
     };
+    (@resolve $reg:ident) => { $crate::cuda::decl::Launcher::new($reg) };
+    (@resolve $reg:ident, $family:expr) => { $crate::cuda::decl::Launcher::in_family($reg, $family) };
 }
 
 /// Declares a kernel family and its entry points; see the module documentation.

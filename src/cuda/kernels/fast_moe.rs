@@ -1093,7 +1093,7 @@ impl FastMoe {
                 "fast MoE: the routed decode path runs the router too (route_and_experts)".into(),
             ));
         }
-        let plan = ws.plan.sized(t, path.tile_rows());
+        let plan = ws.plan.sized(t, path.tile_rows(t));
         if path == GemmPath::DecodeFused {
             // The fused GEMMs' synchronisation words after the start ticket zeroed by the plan, the
             // launch before theirs (one block's plan at any token count: the fused path is the

@@ -123,8 +123,8 @@ crate::kernel_family! {
 }
 
 crate::launchers! {
-    /// The expert GEMMs' entry points (this family's and the prefill path's, fast_moe_wide), resolved
-    /// from a loaded registry.
+    /// The expert GEMMs' entry points (this family's and the prefill path's, fast_moe_wide, in
+    /// its wide and narrow tiles' builds), resolved from a loaded registry.
     pub struct FastMoeGemm {
         up: fmoe_up_kernel,
         down: fmoe_down_kernel,
@@ -133,6 +133,9 @@ crate::launchers! {
         wide_gather: fmw_gather_x_kernel,
         wide_up: fmw_up_kernel,
         wide_down: fmw_down_kernel,
+        narrow_gather: fmw_gather_x_kernel in wide::NARROW_SOURCE.family,
+        narrow_up: fmw_up_kernel in wide::NARROW_SOURCE.family,
+        narrow_down: fmw_down_kernel in wide::NARROW_SOURCE.family,
         scales8: fmoe_scales8_kernel,
         rows8: fmoe_rows8_kernel,
     }
@@ -155,7 +158,8 @@ pub enum GemmPath {
     /// the routed items start once the plan is published. Takes the whole layer but the
     /// combine ([`super::fast_moe::FastMoe::route_and_experts`]); the f32 router only.
     DecodeRouted,
-    /// fast_moe_wide: items of [`wide::TOKENS`] tokens, one promotion per 128 of K.
+    /// fast_moe_wide: items of [`wide::tile_tokens`] tokens (64 up to
+    /// [`wide::NARROW_MAX_TOKENS`], then 128), one promotion per 128 of K.
     Prefill,
 }
 
@@ -197,11 +201,11 @@ impl GemmPath {
         self == GemmPath::Prefill
     }
 
-    /// The plan's tile size on this path: tokens per work item.
-    pub fn tile_rows(self) -> usize {
+    /// The plan's tile size on this path for a batch of `t` tokens: tokens per work item.
+    pub fn tile_rows(self, t: usize) -> usize {
         match self {
             GemmPath::DecodeRouted | GemmPath::DecodeFused | GemmPath::Decode => TOKENS,
-            GemmPath::Prefill => wide::TOKENS,
+            GemmPath::Prefill => wide::tile_tokens(t),
         }
     }
 
@@ -222,12 +226,14 @@ impl GemmPath {
                 (grid(ctx, items), THREADS as u32, SMEM_BYTES as u32)
             }
             GemmPath::Prefill => {
-                let items = max_items(layer, t, wide::TOKENS, n / wide::ROWS);
-                (
-                    grid(ctx, items),
-                    wide::THREADS as u32,
-                    wide::SMEM_BYTES as u32,
-                )
+                let tile = wide::tile_tokens(t);
+                let items = max_items(layer, t, tile, n / wide::ROWS);
+                let smem = if tile == wide::NARROW_TOKENS {
+                    wide::NARROW_SMEM_BYTES
+                } else {
+                    wide::SMEM_BYTES
+                };
+                (grid(ctx, items), wide::THREADS as u32, smem as u32)
             }
         }
     }
@@ -503,9 +509,14 @@ impl FastMoeGemm {
                     xs_plan: ws.xs_plan,
                 };
                 let grid = (to_i32(K, "tiles", tiles)? as u32, wide::GATHER_Y as u32, 1);
-                self.wide_gather.launch(grid, 256, 0, stream, gather)?;
                 let args = up_args!(fmw_up_kernel, ws.xs_plan, x_map: ws.x_map()?);
-                self.wide_up.launch(g, b, sm, stream, args)
+                if wide::tile_tokens(t) == wide::NARROW_TOKENS {
+                    self.narrow_gather.launch(grid, 256, 0, stream, gather)?;
+                    self.narrow_up.launch(g, b, sm, stream, args)
+                } else {
+                    self.wide_gather.launch(grid, 256, 0, stream, gather)?;
+                    self.wide_up.launch(g, b, sm, stream, args)
+                }
             }
         }
     }
@@ -639,13 +650,14 @@ impl FastMoeGemm {
                 self.down
                     .launch(g, b, sm, stream, down_args!(fmoe_down_kernel))
             }
-            GemmPath::Prefill => self.wide_down.launch(
-                g,
-                b,
-                sm,
-                stream,
-                down_args!(fmw_down_kernel, h_map: ws.h_map()?),
-            ),
+            GemmPath::Prefill => {
+                let args = down_args!(fmw_down_kernel, h_map: ws.h_map()?);
+                if wide::tile_tokens(t) == wide::NARROW_TOKENS {
+                    self.narrow_down.launch(g, b, sm, stream, args)
+                } else {
+                    self.wide_down.launch(g, b, sm, stream, args)
+                }
+            }
         }
     }
 }

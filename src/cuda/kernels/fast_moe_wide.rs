@@ -6,43 +6,73 @@
 //! and picks the path: [`GemmPath`](super::fast_moe_gemm::GemmPath)).
 
 use super::fast_moe_gemm::{MAP_BYTES, TensorElem, encode_2d};
+use crate::cuda::registry::KernelSource;
 use crate::error::Result;
 
-/// Tokens per work item (FMW_TOKENS): the plan's `tile_rows` on this path, and the largest N of
-/// its wgmma (m64nNk32; a folded FP4 pass runs N = its tile's tokens rounded up to 8).
+/// Tokens per work item of the wide tiles (FMW_TOKENS): the plan's `tile_rows` on this path
+/// above [`NARROW_MAX_TOKENS`] tokens, and the largest N of its wgmma (m64nNk32; a folded FP4
+/// pass runs N = its tile's tokens rounded up to 8).
 pub const TOKENS: usize = 128;
 /// Weight rows per pass of an item: one TMA box, two warpgroups of 64.
 pub const ROWS: usize = 128;
 /// Threads of a block: two consumer warpgroups and a producer warpgroup (its thread 0 issues
 /// every copy; the warpgroup gives most of its registers to the consumers).
 pub const THREADS: usize = 3 * 128;
-/// Slots of the shared-memory ring (FMW_STAGES).
+/// Slots of the wide tiles' shared-memory ring (FMW_STAGES).
 pub const STAGES: usize = 3;
-/// Dynamic shared memory of a block (FMW_SMEM_BYTES; kernels/fast_moe_wide.cu checks its layout
-/// fits): the ring of 1024-byte aligned slots (128 weight rows of 128 bytes, their FP4 scales as
-/// f32, the tokens' codes over 256 k and their scales), the epilogue's bf16 buffer (up: the gate and
-/// up values of the item's 128 j for its tokens), the tile's routing weights and the mbarriers.
-pub const SMEM_BYTES: usize = {
-    let slot = (ROWS * 128 + ROWS * 32 + 16 * TOKENS * 16 + 2 * TOKENS * 4).div_ceil(1024) * 1024;
-    STAGES * slot + 2 * TOKENS * ROWS * 2 + TOKENS * 4 + 2 * STAGES * 8
-};
+/// Dynamic shared memory of a block of the wide tiles (FMW_SMEM_BYTES; [`smem_bytes`]).
+pub const SMEM_BYTES: usize = smem_bytes(TOKENS, STAGES);
+
+/// Tokens per work item of the narrow tiles (FMW_NARROW_TOKENS): the family compiled again
+/// ([`NARROW_SOURCE`]) with half the token panel a slot, so that its ring holds
+/// [`NARROW_STAGES`] slots of weights instead of [`STAGES`]: where an expert's tiles hold few
+/// tokens the weights' stream, not the math, sets the time (kernels/fast_moe_wide.cu, the tile
+/// shape).
+pub const NARROW_TOKENS: usize = 64;
+/// Slots of the narrow tiles' ring (FMW_NARROW_STAGES).
+pub const NARROW_STAGES: usize = 5;
+/// Dynamic shared memory of a block of the narrow tiles (FMW_NARROW_SMEM_BYTES).
+pub const NARROW_SMEM_BYTES: usize = smem_bytes(NARROW_TOKENS, NARROW_STAGES);
+
+/// Batches up to which the layer takes the narrow tiles: layer µs wide / narrow at Flash shapes
+/// (H100, uniform routing, forty-third session): 512 1462 / 1324, 640 1487 / 1381, 768 1512 /
+/// 1406, 1024 1564 / 1477, 1536 1707 / 1615, 2048 1814 / 1787, 4096 2379 / 3273, 16384 8943 /
+/// 11205; skewed 768 1543 / 1424, 4096 2404 / 3319. 2049-4095 are not measured.
+pub const NARROW_MAX_TOKENS: usize = 2048;
+
+/// Tokens per tile for a batch of `t` tokens on this path: [`NARROW_TOKENS`] up to
+/// [`NARROW_MAX_TOKENS`], then [`TOKENS`].
+pub fn tile_tokens(t: usize) -> usize {
+    if t <= NARROW_MAX_TOKENS {
+        NARROW_TOKENS
+    } else {
+        TOKENS
+    }
+}
+
+/// Dynamic shared memory of a block of tiles of `tokens` tokens and a ring of `stages` slots
+/// (kernels/fast_moe_wide.cu checks its layout fits): the ring of 1024-byte aligned slots (128
+/// weight rows of 128 bytes, their FP4 scales as f32, the tokens' codes over 256 k and their
+/// scales), the epilogue's bf16 buffer (up: the gate and up values of the item's 128 j for its
+/// tokens), the tile's routing weights and the mbarriers.
+pub const fn smem_bytes(tokens: usize, stages: usize) -> usize {
+    let slot = (ROWS * 128 + ROWS * 32 + 16 * tokens * 16 + 2 * tokens * 4).div_ceil(1024) * 1024;
+    stages * slot + 2 * tokens * ROWS * 2 + tokens * 4 + 2 * stages * 8
+}
 const _: () = assert!(
-    SMEM_BYTES <= 227 * 1024,
+    SMEM_BYTES <= 227 * 1024 && NARROW_SMEM_BYTES <= 227 * 1024,
     "an sm_90 block takes at most 227 KiB"
 );
 /// Tokens from which a layer runs this path: where it measured faster than the decode path's one
 /// launch ([`super::fast_moe_gemm::FUSED_TOKENS`], which takes every count below). At Flash shapes,
-/// µs fused decode / prefill, best of two rounds, uniform and skewed routing (H100, fortieth
-/// session): B = 512 1513.8 / 1607.0 (skewed 1532.1 / 1607.4), 576 1609.2 / 1646.9 (1622.9 /
-/// 1637.9), 640 1711.4 / 1676.0 (1737.1 / 1676.2), 704 1870.4 / 1707.2 (1866.6 / 1699.7); 608 is
-/// between the last two measured. Measured again with the spread shared items and the split router
-/// on the fused launch (forty-second session; the prefill path with the unsplit router): 576
-/// 1464.2 / 1527.1 (1479.5 / 1514.6), 640 1569.3 / 1527.2 (1590.6 / 1534.9), 768 1817.2 / 1556.6
-/// (1827.9 / 1551.8): the crossover did not move. (Against the two-launch decode path it was 576,
-/// and 768 before BENCHMARKS.md's issue 11 twenty-second version, 1024 before the producer's
-/// row-address table, 1408 before the tile-sized wgmmas, 2048 before the up epilogue went through
-/// shared memory, 3072 before that.)
-pub const MIN_TOKENS: usize = 608;
+/// µs fused decode / prefill on the narrow tiles (H100, uniform routing, forty-third session, two
+/// calls): 256 1242.7 / 1303.0, 384 1289.4 / 1325.5, 448 1314.2 / 1339.4, 512 1364.3 / 1324.1,
+/// 576 1450.4 / 1362.5; 480 is between 448 and 512. (On the wide tiles it was 608: 576 1464.2 /
+/// 1527.1, 640 1569.3 / 1527.2; against the two-launch decode path 576, and 768 before
+/// BENCHMARKS.md's issue 11 twenty-second version, 1024 before the producer's row-address table,
+/// 1408 before the tile-sized wgmmas, 2048 before the up epilogue went through shared memory, 3072
+/// before that.)
+pub const MIN_TOKENS: usize = 480;
 
 /// Rows of the GEMMs' TMA boxes of their activations (FMW_HBOX): a tile of n tokens reads n
 /// rounded up to it.
@@ -55,24 +85,35 @@ pub const GATHER_Y: usize = 4;
 /// (kernels/SPEC.md): a routed tile's rows at their plan rows (`rows[start + c]`'s position
 /// `start + c`, so a tile's rows are consecutive and a TMA box reads them), the shared expert's
 /// at `T*k + token`; and the scales tile by tile. This is the index of the scale of column `c`
-/// (0..[`TOKENS`]) of tile `tile` (the plan's routed tiles, then the shared expert's
-/// `ceil(T / TOKENS)`), 128-block `block` of `blocks` (= K / 128), in the consumers' order
-/// (fmw_scale_pos: 16-byte words of tokens {8j + 2t, + 1} for j = 2i, 2i + 1 at 16i + 4t).
-pub fn act_scale_index(tile: usize, block: usize, blocks: usize, c: usize) -> usize {
+/// (0..`tile`, the batch's [`tile_tokens`]) of tile `tile_index` (the plan's routed tiles, then
+/// the shared expert's `ceil(T / tile)`), 128-block `block` of `blocks` (= K / 128), in the
+/// consumers' order (fmw_scale_pos: 16-byte words of tokens {8j + 2t, + 1} for j = 2i, 2i + 1
+/// at 16i + 4t).
+pub fn act_scale_index(
+    tile_index: usize,
+    block: usize,
+    blocks: usize,
+    c: usize,
+    tile: usize,
+) -> usize {
     let pos = (c >> 4) * 16 + ((c >> 1) & 3) * 4 + ((c >> 3) & 1) * 2 + (c & 1);
-    (tile * blocks + block) * TOKENS + pos
+    (tile_index * blocks + block) * tile + pos
 }
 
-/// Tiles this path may see for up to `t` tokens (`k` slots, `experts` experts): every routed
-/// tile the plan can make, then the shared expert's.
+/// Tiles this path may see for `t` tokens (`k` slots, `experts` experts): every routed tile the
+/// plan can make, then the shared expert's, of [`tile_tokens`]`(t)` tokens.
 pub fn act_tiles(t: usize, k: usize, experts: usize) -> usize {
-    crate::cuda::kernels::moe::max_tiles(t * k, TOKENS, experts) + t.div_ceil(TOKENS)
+    let tile = tile_tokens(t);
+    crate::cuda::kernels::moe::max_tiles(t * k, tile, experts) + t.div_ceil(tile)
 }
 
-/// Floats of an activation's scales in this path's layout for up to `t` tokens (`width` = K of
-/// the GEMM that reads them): [`TOKENS`] a tile and 128-block.
+/// Floats of an activation's scales in this path's layout for `t` tokens (`width` = K of the
+/// GEMM that reads them): the batch's tile size a tile and 128-block. Grows with `t`, across
+/// the switch to the wide tiles too (the plan's tiles leave at most one partial tile an expert,
+/// so the floats are about (t·k + t + tile·experts)·width/128): a workspace sized for `t` holds
+/// every smaller batch's.
 pub fn act_scale_floats(t: usize, k: usize, experts: usize, width: usize) -> usize {
-    act_tiles(t, k, experts) * width
+    act_tiles(t, k, experts) * (width / 128) * tile_tokens(t)
 }
 
 /// A GEMM's tensor map over its activations' codes at `addr` (`rows` rows of `width` bytes, the
@@ -89,8 +130,20 @@ pub fn act_tensor_map(addr: u64, rows: usize, width: usize) -> Result<[u8; MAP_B
     )
 }
 
+/// The narrow tiles' family ([`NARROW_TOKENS`]): the same file and entry points compiled with
+/// FMW_NARROW defined; its launchers are [`SOURCE`]'s resolved in it
+/// ([`Launcher::in_family`](crate::cuda::decl::Launcher::in_family)).
+pub const NARROW_SOURCE: KernelSource = KernelSource {
+    family: "fast_moe_wide_narrow",
+    source: concat!(
+        "#define FMW_NARROW 1\n",
+        include_str!("../../../kernels/fast_moe_wide.cu")
+    ),
+    functions: SOURCE.functions,
+};
+
 crate::kernel_family! {
-    /// The family as the registry compiles and loads it.
+    /// The family as the registry compiles and loads it: the wide tiles ([`TOKENS`]).
     pub const SOURCE = "fast_moe_wide", include_str!("../../../kernels/fast_moe_wide.cu");
 
     /// x's codes and scales (by token) in this path's layout ([`act_scale_index`]): grid
@@ -129,17 +182,42 @@ crate::kernel_family! {
 mod tests {
     use super::*;
 
-    /// The scales of a tile's 128-block fill its TOKENS slots, one column each (the kernel's
-    /// fmw_scale_pos is the same formula; gpu_fast_moe reads the device's layout through it).
+    /// The scales of a tile's 128-block fill its slots, one column each, at both tile sizes (the
+    /// kernel's fmw_scale_pos is the same formula; gpu_fast_moe reads the device's layout
+    /// through it).
     #[test]
     fn act_scale_index_places_each_column_of_a_block_once() {
         let blocks = 16;
-        let mut seen = [false; TOKENS];
-        for c in 0..TOKENS {
-            let at = act_scale_index(3, 5, blocks, c);
-            assert_eq!(at / TOKENS, 3 * blocks + 5, "column {c} left its block");
-            assert!(!seen[at % TOKENS], "column {c} shares a slot");
-            seen[at % TOKENS] = true;
+        for tile in [NARROW_TOKENS, TOKENS] {
+            let mut seen = vec![false; tile];
+            for c in 0..tile {
+                let at = act_scale_index(3, 5, blocks, c, tile);
+                assert_eq!(
+                    at / tile,
+                    3 * blocks + 5,
+                    "column {c} of {tile} left its block"
+                );
+                assert!(!seen[at % tile], "column {c} of {tile} shares a slot");
+                seen[at % tile] = true;
+            }
+        }
+    }
+
+    /// A workspace sized for a batch holds every smaller batch's scales, across the switch from
+    /// the narrow tiles to the wide ones (Flash: 6 of 256 experts; and 2 of 8).
+    #[test]
+    fn the_scales_of_a_batch_cover_every_smaller_batch() {
+        for (k, e) in [(6, 256), (2, 8)] {
+            let w = 2048;
+            let mut most = 0;
+            for t in 1..=3 * NARROW_MAX_TOKENS {
+                let need = act_scale_floats(t, k, e, w);
+                assert!(
+                    need >= most,
+                    "B = {t} needs less than a smaller batch ({k} of {e})"
+                );
+                most = need;
+            }
         }
     }
 }

@@ -72,4 +72,5 @@ pub static FAST_FAMILIES: &[&KernelSource] = &[
     &fast_moe::SOURCE,
     &fast_moe_gemm::SOURCE,
     &fast_moe_wide::SOURCE,
+    &fast_moe_wide::NARROW_SOURCE,
 ];
