@@ -125,9 +125,10 @@
 #define FMW_BARS (FMW_WT + FMW_T * 4)
 #define FMW_SMEM_USED (FMW_BARS + 2 * FMW_NSTAGES * 8)
 static_assert(FMW_SMEM_USED <= FMW_SMEM, "fast_moe_wide: shared memory layout exceeds FMW_SMEM");
-// A tile of 64 or 128 tokens (the largest wgmma is m64n128k32; the down epilogue's copy-out takes 16 tokens a
-// round; the activations' TMA boxes are FMW_HBOX rows).
-static_assert(FMW_T % 64 == 0 && FMW_T <= 128, "fast_moe_wide: FMW_T is 64 or 128");
+// A tile of 32, 64 or 128 tokens (the largest wgmma is m64n128k32; the down epilogue's copy-out takes 16 tokens
+// a round; the activations' TMA boxes are FMW_HBOX rows; the scale words' head, fmw_scale_head, reads the first
+// 32 tokens' scales).
+static_assert(FMW_T % 32 == 0 && FMW_T <= 128, "fast_moe_wide: FMW_T is 32, 64 or 128");
 static_assert(FMW_T % FMW_HBOX == 0, "fast_moe_wide: a tile is whole activation boxes");
 static_assert((FMW_SLOT_W + FMW_SLOT_S) % 1024 == 0, "fast_moe_wide: the B blocks need the swizzle's 1024-byte alignment");
 static_assert(2 * FMW_T * FMW_DOWN_STRIDE * 2 + 2 * FMW_T * 4 <= FMW_EP_BYTES,
