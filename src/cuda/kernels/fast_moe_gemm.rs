@@ -9,6 +9,7 @@
 use super::fast_moe::{FastMoeLayer, FastMoeWorkspace};
 use super::fast_moe_wide::{self as wide, fmw_down_kernel, fmw_gather_x_kernel, fmw_up_kernel};
 use super::{need, to_i32};
+use crate::cuda::decl::Launcher;
 use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
@@ -226,14 +227,9 @@ impl GemmPath {
                 (grid(ctx, items), THREADS as u32, SMEM_BYTES as u32)
             }
             GemmPath::Prefill => {
-                let tile = wide::tile_tokens(t);
-                let items = max_items(layer, t, tile, n / wide::ROWS);
-                let smem = if tile == wide::NARROW_TOKENS {
-                    wide::NARROW_SMEM_BYTES
-                } else {
-                    wide::SMEM_BYTES
-                };
-                (grid(ctx, items), wide::THREADS as u32, smem as u32)
+                let items = max_items(layer, t, wide::tile_tokens(t), n / wide::ROWS);
+                let smem = wide::smem_bytes_for(t) as u32;
+                (grid(ctx, items), wide::THREADS as u32, smem)
             }
         }
     }
@@ -450,6 +446,23 @@ impl FastMoeGemm {
             .launch(blocks.div_ceil(128) as u32, 128, 0, stream, args)
     }
 
+    /// The prefill path's gather, up and down kernels for a batch of `t` tokens: the build of
+    /// its tile size ([`wide::tile_tokens`]: the narrow tiles' family, or the wide tiles').
+    fn prefill_kernels(
+        &self,
+        t: usize,
+    ) -> (
+        Launcher<fmw_gather_x_kernel::Args>,
+        Launcher<fmw_up_kernel::Args>,
+        Launcher<fmw_down_kernel::Args>,
+    ) {
+        if wide::tile_tokens(t) == wide::NARROW_TOKENS {
+            (self.narrow_gather, self.narrow_up, self.narrow_down)
+        } else {
+            (self.wide_gather, self.wide_up, self.wide_down)
+        }
+    }
+
     /// `ws.hq`, `ws.hs` = GEMM1 of every routed tile of `ws`'s plan (made with `path`'s tile
     /// size) and of the shared expert.
     pub fn up(
@@ -509,14 +522,10 @@ impl FastMoeGemm {
                     xs_plan: ws.xs_plan,
                 };
                 let grid = (to_i32(K, "tiles", tiles)? as u32, wide::GATHER_Y as u32, 1);
+                let (gather_k, up_k, _) = self.prefill_kernels(t);
+                gather_k.launch(grid, 256, 0, stream, gather)?;
                 let args = up_args!(fmw_up_kernel, ws.xs_plan, x_map: ws.x_map()?);
-                if wide::tile_tokens(t) == wide::NARROW_TOKENS {
-                    self.narrow_gather.launch(grid, 256, 0, stream, gather)?;
-                    self.narrow_up.launch(g, b, sm, stream, args)
-                } else {
-                    self.wide_gather.launch(grid, 256, 0, stream, gather)?;
-                    self.wide_up.launch(g, b, sm, stream, args)
-                }
+                up_k.launch(g, b, sm, stream, args)
             }
         }
     }
@@ -652,11 +661,7 @@ impl FastMoeGemm {
             }
             GemmPath::Prefill => {
                 let args = down_args!(fmw_down_kernel, h_map: ws.h_map()?);
-                if wide::tile_tokens(t) == wide::NARROW_TOKENS {
-                    self.narrow_down.launch(g, b, sm, stream, args)
-                } else {
-                    self.wide_down.launch(g, b, sm, stream, args)
-                }
+                self.prefill_kernels(t).2.launch(g, b, sm, stream, args)
             }
         }
     }

@@ -50,6 +50,16 @@ pub fn tile_tokens(t: usize) -> usize {
     }
 }
 
+/// Dynamic shared memory of a block of this path for a batch of `t` tokens: its
+/// [`tile_tokens`]' build's.
+pub fn smem_bytes_for(t: usize) -> usize {
+    if tile_tokens(t) == NARROW_TOKENS {
+        NARROW_SMEM_BYTES
+    } else {
+        SMEM_BYTES
+    }
+}
+
 /// Dynamic shared memory of a block of tiles of `tokens` tokens and a ring of `stages` slots
 /// (kernels/fast_moe_wide.cu checks its layout fits): the ring of 1024-byte aligned slots (128
 /// weight rows of 128 bytes, their FP4 scales as f32, the tokens' codes over 256 k and their
