@@ -294,6 +294,35 @@ DSV4_INLINE unsigned fmw_weight_tx(const FmwItem& it) {
   return FMW_SLOT_W + (!it.fp4 ? 0 : it.s8 ? 1024 : FMW_SLOT_S);
 }
 
+// The lines the consumers read when they start item `it` (fmw_item's row exponents and fold flags of each pass,
+// fmw_epilogue_read's output rows), and the plan's tile of the block's next item, asked into the SM's L1 by the
+// producer thread when it starts the item, up to FMW_NSTAGES stages before the consumers do. An item's start is a
+// chain of dependent global loads (the plan's tile, then these), each an L2 round trip under the weights' stream;
+// the ring's slots stay full while the consumers wait, and the producer issues nothing while it waits, so the
+// stream stops. FMW_PREFETCH_ITEM: 2 all of these (the narrow build), 1 only the next tile (the wide build: with
+// the rest its consumers' item start spills, ptxas allocating the whole kernel at once), 0 none (a bench variant).
+#ifndef FMW_PREFETCH_ITEM
+#define FMW_PREFETCH_ITEM (FMW_T <= 64 ? 2 : 1)
+#endif
+template <bool UP>
+DSV4_INLINE void fmw_prefetch_item(const FmoeArgs& a, const FmwItem& it, int next_wi) {
+  if (!FMW_PREFETCH_ITEM) return;
+  const int next_tile = next_wi / (a.N / FMW_ROWS);
+  if (next_tile < a.nrt) prefetch_l1(a.tiles + 3 * next_tile);
+  if (FMW_PREFETCH_ITEM < 2 || it.shared) return;
+  prefetch_l1(a.rows + it.start);  // a tile's rows span at most 512 bytes: its first and last lines
+  prefetch_l1(a.rows + it.start + it.n - 1);
+  if (!it.s8) return;
+  // The expert's table, from the pass-0 block pointer fmw_item made (W1's, or W2's for down); the block flags of
+  // its three matrices are 64 consecutive bytes at Flash shapes (D / 128 + 2 I / 128), one or two lines.
+  const unsigned char* ex = it.sc8[0] - (UP ? 0 : 2 * fmoe_sc8_matrix(a.I, a.D)) -
+                            (long long)it.rb * fmoe_stages(true, a.K) * 1024;
+  const unsigned char* rows = ex + fmoe_sc8_rows(a.D, a.I, UP ? 0 : 2) + it.rb * FMW_ROWS;
+  prefetch_l1(rows);
+  if (UP) prefetch_l1(rows + a.I);  // W3's
+  prefetch_l1(ex + fmoe_sc8_row_flags(a.D, a.I, UP ? 0 : 2) + it.rb);
+}
+
 // The producer: one thread. Both GEMMs' activations (x for up, made by fmw_gather_x_kernel; h for down, by
 // the up GEMM) are stored in this path's own layout (fmw_act_row, fmw_act_scale_at): a tile's rows consecutive,
 // its scales in the consumers' order. So per stage and 128-block the thread copies the tile's codes by TMA
@@ -316,6 +345,7 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
     const int pass = UP ? q & 1 : 0;
     const FmwItem it = fmw_item<UP, false>(a, blockIdx.x + (UP ? q >> 1 : q) * gridDim.x);
     if (it.skip) continue;
+    if (pass == 0) fmw_prefetch_item<UP>(a, it, blockIdx.x + ((UP ? q >> 1 : q) + 1) * gridDim.x);
     const int nks = fmoe_stages(it.fp4, K);
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
     const int boxes = (it.n + FMW_HBOX - 1) / FMW_HBOX;

@@ -323,6 +323,10 @@ DSV4_INLINE void mbar_wait(unsigned bar, unsigned parity) {
         : "memory");
 }
 
+// Asks the SM's L1 for the line holding p (global memory) without waiting and without a register: a hint for a
+// load that another thread of the block makes later (fast_moe_wide.cu fmw_prefetch_item).
+DSV4_INLINE void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
+
 // Waits for all of this thread's cp.async copies.
 DSV4_INLINE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
