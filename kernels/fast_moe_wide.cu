@@ -299,10 +299,11 @@ DSV4_INLINE unsigned fmw_weight_tx(const FmwItem& it) {
 // producer thread when it starts the item, up to FMW_NSTAGES stages before the consumers do. An item's start is a
 // chain of dependent global loads (the plan's tile, then these), each an L2 round trip under the weights' stream;
 // the ring's slots stay full while the consumers wait, and the producer issues nothing while it waits, so the
-// stream stops. FMW_PREFETCH_ITEM: 2 all of these (the narrow build), 1 only the next tile (the wide build: with
-// the rest its consumers' item start spills, ptxas allocating the whole kernel at once), 0 none (a bench variant).
+// stream stops. FMW_PREFETCH_ITEM: 3 all of these (the narrow build); 2 the next tile and the output rows (the
+// wide build: with the row exponents' lines too its consumers' item start spills, ptxas allocating the whole
+// kernel's registers at once); 1 the next tile; 0 none (bench variants).
 #ifndef FMW_PREFETCH_ITEM
-#define FMW_PREFETCH_ITEM (FMW_T <= 64 ? 2 : 1)
+#define FMW_PREFETCH_ITEM (FMW_T <= 64 ? 3 : 2)
 #endif
 template <bool UP>
 DSV4_INLINE void fmw_prefetch_item(const FmoeArgs& a, const FmwItem& it, int next_wi) {
@@ -312,7 +313,7 @@ DSV4_INLINE void fmw_prefetch_item(const FmoeArgs& a, const FmwItem& it, int nex
   if (FMW_PREFETCH_ITEM < 2 || it.shared) return;
   prefetch_l1(a.rows + it.start);  // a tile's rows span at most 512 bytes: its first and last lines
   prefetch_l1(a.rows + it.start + it.n - 1);
-  if (!it.s8) return;
+  if (FMW_PREFETCH_ITEM < 3 || !it.s8) return;
   // The expert's table, from the pass-0 block pointer fmw_item made (W1's, or W2's for down); the block flags of
   // its three matrices are 64 consecutive bytes at Flash shapes (D / 128 + 2 I / 128), one or two lines.
   const unsigned char* ex = it.sc8[0] - (UP ? 0 : 2 * fmoe_sc8_matrix(a.I, a.D)) -
