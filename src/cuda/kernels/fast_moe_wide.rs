@@ -37,7 +37,9 @@ pub const NARROW_SMEM_BYTES: usize = smem_bytes(NARROW_TOKENS, NARROW_STAGES);
 /// Batches up to which the layer takes the narrow tiles: layer µs wide / narrow at Flash shapes
 /// (H100, uniform routing, forty-third session): 512 1462 / 1324, 640 1487 / 1381, 768 1512 /
 /// 1406, 1024 1564 / 1477, 1536 1707 / 1615, 2048 1814 / 1787, 4096 2379 / 3273, 16384 8943 /
-/// 11205; skewed 768 1543 / 1424, 4096 2404 / 3319. 2049-4095 are not measured.
+/// 11205; skewed 768 1543 / 1424, 4096 2404 / 3319. Between (forty-fourth session, wide / narrow,
+/// best of two rounds): 2304 1903.2 / 1939.7, 2560 1941.0 / 2187.1, 2816 2024.7 / 2482.0, 3072
+/// 2081.8 / 2789.6, 3584 2247.5 / 3092.0: the narrow tiles win up to 2048.
 pub const NARROW_MAX_TOKENS: usize = 2048;
 
 /// Tokens per tile for a batch of `t` tokens on this path: [`NARROW_TOKENS`] up to
