@@ -301,19 +301,20 @@ DSV4_INLINE unsigned fmw_weight_tx(const FmwItem& it) {
 // the ring's slots stay full while the consumers wait, and the producer issues nothing while it waits, so the
 // stream stops. FMW_PREFETCH_ITEM: 3 all of these (the narrow build); 2 the next tile and the output rows (the
 // wide build: with the row exponents' lines too its consumers' item start spills, ptxas allocating the whole
-// kernel's registers at once); 1 the next tile; 0 none (bench variants).
+// kernel's registers at once); 1 the next tile; 0 none (bench variants). 4 (a bench variant, not yet measured)
+// looks a whole item ahead: at item q's start the producer makes item q + 1 (its tile asked for at q - 1's
+// start, so in L1) and asks for q + 1's lines and its weights' tensor maps (`prefetch.tensormap`: the first
+// copy of a new expert then does not wait for its descriptor), and for item q + 2's tile.
 #ifndef FMW_PREFETCH_ITEM
 #define FMW_PREFETCH_ITEM (FMW_T <= 64 ? 3 : 2)
 #endif
+// The output rows (two lines: a tile's rows span at most 512 bytes) and, with `exps`, each pass's row exponents
+// and block flags of routed item `it`.
 template <bool UP>
-DSV4_INLINE void fmw_prefetch_item(const FmoeArgs& a, const FmwItem& it, int next_wi) {
-  if (!FMW_PREFETCH_ITEM) return;
-  const int next_tile = next_wi / (a.N / FMW_ROWS);
-  if (next_tile < a.nrt) prefetch_l1(a.tiles + 3 * next_tile);
-  if (FMW_PREFETCH_ITEM < 2 || it.shared) return;
-  prefetch_l1(a.rows + it.start);  // a tile's rows span at most 512 bytes: its first and last lines
+DSV4_INLINE void fmw_prefetch_lines(const FmoeArgs& a, const FmwItem& it, bool exps) {
+  prefetch_l1(a.rows + it.start);
   prefetch_l1(a.rows + it.start + it.n - 1);
-  if (FMW_PREFETCH_ITEM < 3 || !it.s8) return;
+  if (!exps || !it.s8) return;
   // The expert's table, from the pass-0 block pointer fmw_item made (W1's, or W2's for down); the block flags of
   // its three matrices are 64 consecutive bytes at Flash shapes (D / 128 + 2 I / 128), one or two lines.
   const unsigned char* ex = it.sc8[0] - (UP ? 0 : 2 * fmoe_sc8_matrix(a.I, a.D)) -
@@ -322,6 +323,25 @@ DSV4_INLINE void fmw_prefetch_item(const FmoeArgs& a, const FmwItem& it, int nex
   prefetch_l1(rows);
   if (UP) prefetch_l1(rows + a.I);  // W3's
   prefetch_l1(ex + fmoe_sc8_row_flags(a.D, a.I, UP ? 0 : 2) + it.rb);
+}
+template <bool UP>
+DSV4_INLINE void fmw_prefetch_item(const FmoeArgs& a, const FmwItem& it, int next_wi) {
+  if (!FMW_PREFETCH_ITEM) return;
+  const int rb_n = a.N / FMW_ROWS;
+  if (FMW_PREFETCH_ITEM >= 4) {
+    const int after_tile = (next_wi + (int)gridDim.x) / rb_n;
+    if (after_tile < a.nrt) prefetch_l1(a.tiles + 3 * after_tile);
+    if (next_wi >= fmw_total_items<UP>(a)) return;
+    const FmwItem nx = fmw_item<UP, false>(a, next_wi);
+    if (nx.skip) return;
+    prefetch_tensormap(nx.maps + (UP ? FMOE_MAP_W1 : FMOE_MAP_W2) * FMOE_MAP_BYTES);
+    if (UP) prefetch_tensormap(nx.maps + FMOE_MAP_W3 * FMOE_MAP_BYTES);
+    if (!nx.shared) fmw_prefetch_lines<UP>(a, nx, true);
+    return;
+  }
+  const int next_tile = next_wi / rb_n;
+  if (next_tile < a.nrt) prefetch_l1(a.tiles + 3 * next_tile);
+  if (FMW_PREFETCH_ITEM >= 2 && !it.shared) fmw_prefetch_lines<UP>(a, it, FMW_PREFETCH_ITEM >= 3);
 }
 
 // The producer: one thread. Both GEMMs' activations (x for up, made by fmw_gather_x_kernel; h for down, by

@@ -327,6 +327,10 @@ DSV4_INLINE void mbar_wait(unsigned bar, unsigned parity) {
 // load that another thread of the block makes later (fast_moe_wide.cu fmw_prefetch_item).
 DSV4_INLINE void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
 
+// Asks for the TMA descriptor at generic address `map` (a CUtensorMap in global memory) ahead of the copies that
+// use it, so the first of them does not wait for the descriptor's fetch.
+DSV4_INLINE void prefetch_tensormap(const void* map) { asm volatile("prefetch.tensormap [%0];\n" ::"l"(map)); }
+
 // Waits for all of this thread's cp.async copies.
 DSV4_INLINE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
