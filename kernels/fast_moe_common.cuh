@@ -224,3 +224,20 @@ DSV4_INLINE FmoeArgs fmoe_args(const unsigned char* act, const float* act_s, int
           ntiles != nullptr ? *ntiles : 0, e_begin,   e_end,     maps,       sa,   sb,  fmt,         shared_fmt,
           shared_sa,  shared_sb, fmoe_sc8_data(table), fmoe_sc8_foldable(table), D, I};
 }
+
+// One event of a kernel family's trace log (the bench's `--trace`, src/bin/dsv4/moe_trace.rs): two u64 at the next
+// index of *n in `log`, %globaltimer (ns) then block << 48 | SM << 40 | kind << 32 | arg; events past `cap` are
+// counted and dropped. The families' FMOE_TRACE / FMW_TRACE builds call it; their default builds never do.
+DSV4_INLINE void moe_trace_event(unsigned* n, unsigned long long* log, unsigned cap, int kind, int arg) {
+  unsigned long long t;
+  unsigned sm;
+  // (arg an input of the timer's read: an arg made from loaded values is complete before the time is taken.)
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t) : "r"(arg));
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+  const unsigned i = atomicAdd(n, 1u);
+  if (i < cap) {
+    log[2 * i] = t;
+    log[2 * i + 1] = ((unsigned long long)(blockIdx.x & 0xffff) << 48) | ((unsigned long long)(sm & 0xff) << 40) |
+                     ((unsigned long long)(kind & 0xff) << 32) | (unsigned)arg;
+  }
+}

@@ -137,17 +137,7 @@ __device__ unsigned long long fmoe_trace_log[2 * FMOE_TRACE_CAP];
 #endif
 DSV4_INLINE void fmoe_trace(int kind, int arg) {
 #if FMOE_TRACE
-  unsigned long long t;
-  unsigned sm;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
-  const unsigned i = atomicAdd(&fmoe_trace_n, 1u);
-  if (i < FMOE_TRACE_CAP) {
-    fmoe_trace_log[2 * i] = t;
-    fmoe_trace_log[2 * i + 1] = ((unsigned long long)(blockIdx.x & 0xffff) << 48) |
-                                ((unsigned long long)(sm & 0xff) << 40) | ((unsigned long long)(kind & 0xff) << 32) |
-                                (unsigned)arg;
-  }
+  moe_trace_event(&fmoe_trace_n, fmoe_trace_log, FMOE_TRACE_CAP, kind, arg);
 #else
   (void)kind;
   (void)arg;

@@ -105,6 +105,31 @@
 #ifndef FMW_PROBE_NO_MATH
 #define FMW_PROBE_NO_MATH 0
 #endif
+// FMW_TRACE 1 (a bench variant: `dsv4 bench moe --path prefill --defines FMW_TRACE=1 --trace DIR`, then
+// scripts/fmw-trace.py): both GEMMs log each item's boundaries (moe_trace_event; arg = the item's index, | FMW_TRACE_DOWN
+// for the down GEMM): the producer thread when it starts the item (PRODUCE), and consumer thread 0 when the item's
+// record is in (START: the plan's tile and the row exponents it waits for before its first wgmma, which the event's
+// arg depends on), when the item's first stage is full (DATA), when its last pass's mainloop ends (MATH) and when its
+// outputs are stored (DONE). So DONE -> START is the item start's own chain, START -> DATA waiting for the stream, and
+// the producer's PRODUCE ahead of START its lead. Off (0, the default) it compiles to nothing.
+#ifndef FMW_TRACE
+#define FMW_TRACE 0
+#endif
+#define FMW_TRACE_CAP 262144
+#define FMW_TRACE_DOWN (1 << 30)
+enum FmwTraceKind { FMW_EV_PRODUCE = 1, FMW_EV_START = 2, FMW_EV_DATA = 3, FMW_EV_MATH = 4, FMW_EV_DONE = 5 };
+#if FMW_TRACE
+__device__ unsigned fmw_trace_n;
+__device__ unsigned long long fmw_trace_log[2 * FMW_TRACE_CAP];
+#endif
+DSV4_INLINE void fmw_trace(int kind, int arg) {
+#if FMW_TRACE
+  moe_trace_event(&fmw_trace_n, fmw_trace_log, FMW_TRACE_CAP, kind, arg);
+#else
+  (void)kind;
+  (void)arg;
+#endif
+}
 #define FMW_ROWS 128                      // weight rows of a pass: one TMA box
 #define FMW_RB 128                        // bytes of a weight row per stage
 #define FMW_SLOT_W (FMW_ROWS * FMW_RB)
@@ -367,6 +392,8 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
     const FmwItem it = fmw_item<UP, false>(a, blockIdx.x + (UP ? q >> 1 : q) * gridDim.x);
     if (it.skip) continue;
     if (pass == 0) fmw_prefetch_item<UP>(a, it, blockIdx.x + ((UP ? q >> 1 : q) + 1) * gridDim.x);
+    if (FMW_TRACE && pass == 0)
+      fmw_trace(FMW_EV_PRODUCE, (UP ? 0 : FMW_TRACE_DOWN) | (blockIdx.x + (UP ? q >> 1 : q) * gridDim.x) | (it.n < 0));
     const int nks = fmoe_stages(it.fp4, K);
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
     const int boxes = (it.n + FMW_HBOX - 1) / FMW_HBOX;
@@ -933,6 +960,13 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   for (int n = 0; n < my_items; ++n) {
     const FmwItem it = fmw_item<UP, true>(a, blockIdx.x + n * gridDim.x);
     if (it.skip) continue;
+    const int trace_arg = (UP ? 0 : FMW_TRACE_DOWN) | (blockIdx.x + n * gridDim.x);
+    if (FMW_TRACE && threadIdx.x == 0) {
+      // (| 0 made from the record's loads: the event waits for them, as the first wgmma does.)
+      fmw_trace(FMW_EV_START, trace_arg | (it.n < 0) | (it.rowe[0] == 0xffffffffu) | (int)(it.rowfold[0] && it.n < 0));
+      mbar_wait(fmw_full(smem, ring.slot), ring.phase);  // the first stage, not consumed
+      fmw_trace(FMW_EV_DATA, trace_arg);
+    }
     const FmwEpilogueRead er = fmw_epilogue_read<UP>(a, it, route_w);
     const int nks = fmoe_stages(it.fp4, a.K);
     for (int pass = 0; pass < fmw_passes(UP); ++pass) {
@@ -972,6 +1006,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
       } else {
         fmw_pass_unfolded(fmw_smem, smem, ring, it, a.K, nks, acc);
       }
+      if (FMW_TRACE && threadIdx.x == 0 && pass == fmw_passes(UP) - 1) fmw_trace(FMW_EV_MATH, trace_arg);
       if (!UP)
         fmw_down_store(a, it, acc, er.out_row, ep, out_y);
       else if (pass == 0)
@@ -979,6 +1014,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
       else
         fmw_up_h_quant(a, it, acc, limit, ep, wt, out_q, out_s);
     }
+    if (FMW_TRACE && threadIdx.x == 0) fmw_trace(FMW_EV_DONE, trace_arg);
   }
 }
 

@@ -5,6 +5,8 @@
 # (one JSON log and its .txt summary a case, the bench's lines) and $OUT/trace_summary.txt (each
 # case's headline lines). Arguments go to `dsv4 bench moe`; the default is B = 1 and 2, uniform
 # routing, the fused and routed launches. Extra defines: DEFINES=NAME=V,... (FMOE_TRACE=1 is added).
+# The prefill GEMMs' trace (kernels/fast_moe_wide.cu FMW_TRACE, scripts/fmw-trace.py) the same way:
+#   e.g. DEFINES=FMW_TRACE=1 OUT=... bash scripts/gpu-moe-trace.sh --batches 1024 --routing uniform --path prefill
 #   e.g. OUT=... bash scripts/gpu-moe-trace.sh --batches 1 --routing uniform --path decode-routed
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,5 +23,11 @@ for f in "$OUT"/trace/fmoe_trace_*.json; do
   [ -e "$f" ] || continue
   python3 scripts/fmoe-trace.py "$f" >"${f%.json}.txt" 2>&1
   grep -E "^==|span|router:|plan|blocks computing|last stored|SM clock|waited for stages|free slots|^  (up|down) " "${f%.json}.txt" | cut -c1-300 >>"$OUT/trace_summary.txt"
+done
+# The prefill GEMMs' logs (DEFINES=FMW_TRACE=1 and prefill batches): scripts/fmw-trace.py, whole.
+for f in "$OUT"/trace/fmw_trace_*.json; do
+  [ -e "$f" ] || continue
+  python3 scripts/fmw-trace.py "$f" >"${f%.json}.txt" 2>&1
+  cat "${f%.json}.txt" >>"$OUT/trace_summary.txt"
 done
 exit $rc

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::bench_util::{alloc, e, has_kernel_define, kernel_cache, time_replays};
-use crate::moe_trace::TraceLog;
+use crate::moe_trace::TraceLogs;
 use dsv4::cuda::arena;
 use dsv4::cuda::context::Context;
 use dsv4::cuda::graph::Graph;
@@ -123,7 +123,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
     let trace = match &b.trace_dir {
         Some(dir) => {
             std::fs::create_dir_all(dir).map_err(|x| format!("{}: {x}", dir.display()))?;
-            Some(TraceLog::find(&reg)?)
+            Some(TraceLogs::find(&reg)?)
         }
         None => None,
     };
@@ -231,13 +231,19 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
                 launches * reps,
             );
             std::io::stdout().flush().ok();
-            if let (Some(log), Some(dir)) = (&trace, &b.trace_dir) {
+            // (A case whose kernels were built without their trace is timed, not traced.)
+            let traced = trace.as_ref().map(|logs| logs.for_case(path, t));
+            if let Some(Err(why)) = &traced {
+                eprintln!("bench moe: {why}; not traced");
+            }
+            if let (Some(Ok(log)), Some(dir)) = (traced, &b.trace_dir) {
                 // Input batch 1: its experts are not the last replay's (reps >= 2), as in the timing.
                 log.reset(s)?;
                 call(1).map_err(e)?;
                 s.synchronize().map_err(e)?;
                 let name = format!(
-                    "fmoe_trace_B{t}_{}_{}.json",
+                    "{}_B{t}_{}_{}.json",
+                    log.prefix,
                     routing_name(r),
                     path_name(path)
                 );

@@ -15,8 +15,9 @@
 //! - `dsv4 bench moe [--batches N,N...] [--routing uniform,skewed,topk] [--path P] [--router R]
 //!   [--ids-dir DIR] [--trace DIR]`: the fast MoE layer alone at Flash shapes, one JSON line per case
 //!   (bench_moe.rs). `--path` and `--router` (auto, few, tensor, tensor-split) force the expert GEMMs' and the
-//!   router's kernels; `--trace` (with `--defines FMOE_TRACE=1`) writes the fused decode kernels'
-//!   per-block event log of one layer call a case (moe_trace.rs, scripts/fmoe-trace.py).
+//!   router's kernels; `--trace` (with `--defines FMOE_TRACE=1` for the decode kernels, `FMW_TRACE=1`
+//!   for the prefill GEMMs) writes their per-block event log of one layer call a case (moe_trace.rs,
+//!   scripts/fmoe-trace.py, scripts/fmw-trace.py).
 //! - `dsv4 bench dense [--tokens N,N...] [--projection NAME] [--read-probe N,N...]
 //!   [--lt-candidates N]`: the fast set's dense projections alone at Flash shapes, one JSON line
 //!   per case (bench_dense.rs); `--read-probe` adds each projection's bytes read by a kernel that

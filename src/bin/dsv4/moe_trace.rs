@@ -1,41 +1,95 @@
-//! `dsv4 bench moe --trace DIR`: the event log of the fused decode kernels' `FMOE_TRACE` build
-//! (kernels/fast_moe_gemm.cu: what each block did and when, in %globaltimer nanoseconds), read
-//! back after one traced layer call and written as one JSON file a case for
-//! scripts/fmoe-trace.py. The log exists only in a build with `--defines FMOE_TRACE=1`; without
-//! it the bench says so instead of tracing.
+//! `dsv4 bench moe --trace DIR`: the event logs of the fast MoE kernels' trace builds, read back
+//! after one traced layer call and written as one JSON file a case: the fused decode kernels'
+//! `FMOE_TRACE` build (kernels/fast_moe_gemm.cu; scripts/fmoe-trace.py reads it) and the prefill
+//! GEMMs' `FMW_TRACE` build (kernels/fast_moe_wide.cu, both tile builds; scripts/fmw-trace.py):
+//! what each block did and when, in %globaltimer nanoseconds. A log exists only in a build with
+//! its define (`--defines FMOE_TRACE=1` / `FMW_TRACE=1`); without it the bench says so instead
+//! of tracing.
 
 use std::path::Path;
 
 use crate::bench_util::e;
 use dsv4::cuda::arena::{self, DevicePtr};
-use dsv4::cuda::kernels::fast_moe_gemm;
+use dsv4::cuda::kernels::fast_moe_gemm::{self, GemmPath};
+use dsv4::cuda::kernels::fast_moe_wide;
 use dsv4::cuda::registry::Registry;
 use dsv4::cuda::stream::BorrowedStream;
 
-/// The kernel family's log: its event count and its events (two u64 each).
+/// One kernel family's log: its event count and its events (two u64 each).
 pub struct TraceLog {
     count: DevicePtr,
     events: DevicePtr,
+    /// The case files' name prefix: `fmoe_trace` or `fmw_trace`.
+    pub prefix: &'static str,
+}
+
+/// The logs of the families the bench loaded with their trace define.
+pub struct TraceLogs {
+    /// fast_moe_gemm's (the decode paths).
+    decode: Option<TraceLog>,
+    /// fast_moe_wide's and fast_moe_wide_narrow's (the prefill path's two tile builds).
+    wide: Option<TraceLog>,
+    narrow: Option<TraceLog>,
+}
+
+impl TraceLogs {
+    /// Every log the loaded modules have, or an error naming the defines when none has one.
+    pub fn find(reg: &Registry) -> Result<TraceLogs, String> {
+        let logs = TraceLogs {
+            decode: TraceLog::of(reg, fast_moe_gemm::SOURCE.family, "fmoe_trace")?,
+            wide: TraceLog::of(reg, fast_moe_wide::SOURCE.family, "fmw_trace")?,
+            narrow: TraceLog::of(reg, fast_moe_wide::NARROW_SOURCE.family, "fmw_trace")?,
+        };
+        if logs.decode.is_none() && logs.wide.is_none() && logs.narrow.is_none() {
+            return Err(
+                "--trace needs a kernel trace build: add --defines FMOE_TRACE=1 (the decode \
+                 paths) or FMW_TRACE=1 (the prefill path)"
+                    .into(),
+            );
+        }
+        Ok(logs)
+    }
+
+    /// The log of the kernels a case of `t` tokens on `path` runs, or an error naming its define.
+    pub fn for_case(&self, path: GemmPath, t: usize) -> Result<&TraceLog, String> {
+        let (log, define) = if path == GemmPath::Prefill {
+            let narrow = fast_moe_wide::tile_tokens(t) == fast_moe_wide::NARROW_TOKENS;
+            (
+                if narrow { &self.narrow } else { &self.wide },
+                "FMW_TRACE=1",
+            )
+        } else {
+            (&self.decode, "FMOE_TRACE=1")
+        };
+        log.as_ref().ok_or_else(|| {
+            format!(
+                "--trace: B = {t} runs kernels built without their trace: add --defines {define}"
+            )
+        })
+    }
 }
 
 impl TraceLog {
-    /// The log of the loaded fast_moe_gemm module, or an error naming the define it needs.
-    pub fn find(reg: &Registry) -> Result<TraceLog, String> {
-        let family = fast_moe_gemm::SOURCE.family;
-        let get = |name: &str| -> Result<DevicePtr, String> {
-            match reg.global(family, name).map_err(e)? {
+    /// The log of `family`'s loaded module (its `{prefix}_n` and `{prefix}_log`), or `None`
+    /// where the family was built without its trace define.
+    fn of(reg: &Registry, family: &str, prefix: &'static str) -> Result<Option<TraceLog>, String> {
+        let get = |name: String| -> Result<Option<DevicePtr>, String> {
+            Ok(reg
+                .global(family, &name)
+                .map_err(e)?
                 // SAFETY: the module's own variable, alive as long as the registry.
-                Some((addr, bytes)) => Ok(unsafe { DevicePtr::from_raw(addr, bytes) }),
-                None => Err(format!(
-                    "--trace needs the kernels' trace build: add --defines FMOE_TRACE=1 \
-                     ({family} has no `{name}`)"
-                )),
-            }
+                .map(|(addr, bytes)| unsafe { DevicePtr::from_raw(addr, bytes) }))
         };
-        Ok(TraceLog {
-            count: get("fmoe_trace_n")?,
-            events: get("fmoe_trace_log")?,
-        })
+        Ok(
+            match (get(format!("{prefix}_n"))?, get(format!("{prefix}_log"))?) {
+                (Some(count), Some(events)) => Some(TraceLog {
+                    count,
+                    events,
+                    prefix,
+                }),
+                _ => None,
+            },
+        )
     }
 
     /// Empties the log (before the launch to trace; the stream is synchronised).
