@@ -325,13 +325,22 @@ DSV4_INLINE unsigned fmw_weight_tx(const FmwItem& it) {
 // chain of dependent global loads (the plan's tile, then these), each an L2 round trip under the weights' stream;
 // the ring's slots stay full while the consumers wait, and the producer issues nothing while it waits, so the
 // stream stops. FMW_PREFETCH_ITEM: 3 all of these (the narrow build); 2 the next tile and the output rows (the
-// wide build: with the row exponents' lines too its consumers' item start spills, ptxas allocating the whole
-// kernel's registers at once); 1 the next tile; 0 none (bench variants). 4 (a bench variant, not yet measured)
+// wide build, measured so: at 3 it spilled in its consumers' item start, until FMW_PREFETCH_OPAQUE below; 3 there is
+// a bench variant now, not yet measured); 1 the next tile; 0 none (bench variants). 4 (a bench variant, not yet measured)
 // looks a whole item ahead: at item q's start the producer makes item q + 1 (its tile asked for at q - 1's
 // start, so in L1) and asks for q + 1's lines and its weights' tensor maps (`prefetch.tensormap`: the first
 // copy of a new expert then does not wait for its descriptor), and for item q + 2's tile.
 #ifndef FMW_PREFETCH_ITEM
 #define FMW_PREFETCH_ITEM (FMW_T <= 64 ? 3 : 2)
+#endif
+// FMW_PREFETCH_OPAQUE 1: the row exponents' offsets are computed from copies of D, I and K that a volatile asm makes
+// opaque. Computed from the kernel's parameters, the same offsets as the consumers' fmw_item are hoisted above the
+// producer / consumer split and held through the consumers' loop, which is where the wide build spilled at level 3;
+// with this the wide build at FMW_PREFETCH_ITEM=3 does not spill (ptxas -v; a bench variant, not yet measured). On
+// in the wide build (where level 3 is not the default, so its SASS is unchanged), off in the narrow one (its measured
+// SASS; on, it schedules differently: a bench variant).
+#ifndef FMW_PREFETCH_OPAQUE
+#define FMW_PREFETCH_OPAQUE (FMW_T > 64)
 #endif
 // The output rows (two lines: a tile's rows span at most 512 bytes) and, with `exps`, each pass's row exponents
 // and block flags of routed item `it`.
@@ -342,12 +351,17 @@ DSV4_INLINE void fmw_prefetch_lines(const FmoeArgs& a, const FmwItem& it, bool e
   if (!exps || !it.s8) return;
   // The expert's table, from the pass-0 block pointer fmw_item made (W1's, or W2's for down); the block flags of
   // its three matrices are 64 consecutive bytes at Flash shapes (D / 128 + 2 I / 128), one or two lines.
-  const unsigned char* ex = it.sc8[0] - (UP ? 0 : 2 * fmoe_sc8_matrix(a.I, a.D)) -
-                            (long long)it.rb * fmoe_stages(true, a.K) * 1024;
-  const unsigned char* rows = ex + fmoe_sc8_rows(a.D, a.I, UP ? 0 : 2) + it.rb * FMW_ROWS;
+  int D = a.D, I = a.I, K = a.K;
+  if (FMW_PREFETCH_OPAQUE)  // (see FMW_PREFETCH_OPAQUE)
+    asm volatile("mov.b32 %0, %3;\n\tmov.b32 %1, %4;\n\tmov.b32 %2, %5;\n"
+                 : "=r"(D), "=r"(I), "=r"(K)
+                 : "r"(a.D), "r"(a.I), "r"(a.K));
+  const unsigned char* ex =
+      it.sc8[0] - (UP ? 0 : 2 * fmoe_sc8_matrix(I, D)) - (long long)it.rb * fmoe_stages(true, K) * 1024;
+  const unsigned char* rows = ex + fmoe_sc8_rows(D, I, UP ? 0 : 2) + it.rb * FMW_ROWS;
   prefetch_l1(rows);
-  if (UP) prefetch_l1(rows + a.I);  // W3's
-  prefetch_l1(ex + fmoe_sc8_row_flags(a.D, a.I, UP ? 0 : 2) + it.rb);
+  if (UP) prefetch_l1(rows + I);  // W3's
+  prefetch_l1(ex + fmoe_sc8_row_flags(D, I, UP ? 0 : 2) + it.rb);
 }
 template <bool UP>
 DSV4_INLINE void fmw_prefetch_item(const FmoeArgs& a, const FmwItem& it, int next_wi) {
