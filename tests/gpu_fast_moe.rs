@@ -1145,7 +1145,7 @@ fn fast_moe_fused_launch_with_the_shared_items_first_matches_the_reference_kerne
 
 /// The prefill GEMMs' look-ahead variant (FMW_PREFETCH_ITEM=4, a bench variant: only hints to the
 /// caches, so the same bits are expected) on both tile builds: narrow at 512 and 2048 tokens (full
-/// tiles of the hot expert), wide at 2049 (where it spills: fast_moe_wide.cu).
+/// tiles of the hot expert), wide at 2049 (where it spills 24 bytes: a variant's build).
 #[test]
 fn fast_moe_prefill_look_ahead_variant_matches_the_reference_kernels() {
     let Some(e) = look_ahead_env() else { return };

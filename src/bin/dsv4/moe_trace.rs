@@ -53,9 +53,12 @@ impl TraceLogs {
     /// The log of the kernels a case of `t` tokens on `path` runs, or an error naming its define.
     pub fn for_case(&self, path: GemmPath, t: usize) -> Result<&TraceLog, String> {
         let (log, define) = if path == GemmPath::Prefill {
-            let narrow = fast_moe_wide::tile_tokens(t) == fast_moe_wide::NARROW_TOKENS;
             (
-                if narrow { &self.narrow } else { &self.wide },
+                if fast_moe_wide::narrow_tiles(t) {
+                    &self.narrow
+                } else {
+                    &self.wide
+                },
                 "FMW_TRACE=1",
             )
         } else {

@@ -447,7 +447,7 @@ impl FastMoeGemm {
     }
 
     /// The prefill path's gather, up and down kernels for a batch of `t` tokens: the build of
-    /// its tile size ([`wide::tile_tokens`]: the narrow tiles' family, or the wide tiles').
+    /// its tile size ([`wide::narrow_tiles`]: the narrow tiles' family, or the wide tiles').
     fn prefill_kernels(
         &self,
         t: usize,
@@ -456,7 +456,7 @@ impl FastMoeGemm {
         Launcher<fmw_up_kernel::Args>,
         Launcher<fmw_down_kernel::Args>,
     ) {
-        if wide::tile_tokens(t) == wide::NARROW_TOKENS {
+        if wide::narrow_tiles(t) {
             (self.narrow_gather, self.narrow_up, self.narrow_down)
         } else {
             (self.wide_gather, self.wide_up, self.wide_down)

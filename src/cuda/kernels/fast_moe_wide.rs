@@ -42,20 +42,26 @@ pub const NARROW_SMEM_BYTES: usize = smem_bytes(NARROW_TOKENS, NARROW_STAGES);
 /// 2081.8 / 2789.6, 3584 2247.5 / 3092.0: the narrow tiles win up to 2048.
 pub const NARROW_MAX_TOKENS: usize = 2048;
 
-/// Tokens per tile for a batch of `t` tokens on this path: [`NARROW_TOKENS`] up to
-/// [`NARROW_MAX_TOKENS`], then [`TOKENS`].
+/// Whether a batch of `t` tokens on this path runs the narrow tiles' build ([`NARROW_SOURCE`]):
+/// up to [`NARROW_MAX_TOKENS`]. The one place that decides; the tiles' size, the launch's shared
+/// memory and the kernels launched follow it.
+pub fn narrow_tiles(t: usize) -> bool {
+    t <= NARROW_MAX_TOKENS
+}
+
+/// Tokens per tile for a batch of `t` tokens on this path: [`NARROW_TOKENS`] on the narrow tiles
+/// ([`narrow_tiles`]), else [`TOKENS`].
 pub fn tile_tokens(t: usize) -> usize {
-    if t <= NARROW_MAX_TOKENS {
+    if narrow_tiles(t) {
         NARROW_TOKENS
     } else {
         TOKENS
     }
 }
 
-/// Dynamic shared memory of a block of this path for a batch of `t` tokens: its
-/// [`tile_tokens`]' build's.
+/// Dynamic shared memory of a block of this path for a batch of `t` tokens: its build's.
 pub fn smem_bytes_for(t: usize) -> usize {
-    if tile_tokens(t) == NARROW_TOKENS {
+    if narrow_tiles(t) {
         NARROW_SMEM_BYTES
     } else {
         SMEM_BYTES
