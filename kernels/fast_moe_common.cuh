@@ -225,19 +225,40 @@ DSV4_INLINE FmoeArgs fmoe_args(const unsigned char* act, const float* act_s, int
           shared_sa,  shared_sb, fmoe_sc8_data(table), fmoe_sc8_foldable(table), D, I};
 }
 
-// One event of a kernel family's trace log (the bench's `--trace`, src/bin/dsv4/moe_trace.rs): two u64 at the next
-// index of *n in `log`, %globaltimer (ns) then block << 48 | SM << 40 | kind << 32 | arg; events past `cap` are
-// counted and dropped. The families' FMOE_TRACE / FMW_TRACE builds call it; their default builds never do.
-DSV4_INLINE void moe_trace_event(unsigned* n, unsigned long long* log, unsigned cap, int kind, int arg) {
+// A kernel family's trace log (the bench's `--trace`, src/bin/dsv4/moe_trace.rs): an event is two u64,
+// %globaltimer (ns) then block << 48 | SM << 40 | kind << 32 | arg; *n counts the events, and those at or past
+// `cap` are dropped. The host zeroes the log before the traced launch and reads the nonzero times. The families'
+// FMOE_TRACE / FMW_TRACE builds log; their default builds never do.
+DSV4_INLINE unsigned long long moe_trace_now(int arg) {
   unsigned long long t;
-  unsigned sm;
   // (arg an input of the timer's read: an arg made from loaded values is complete before the time is taken.)
   asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t) : "r"(arg));
+  return t;
+}
+DSV4_INLINE void moe_trace_store(unsigned long long* log, unsigned cap, unsigned slot, unsigned long long t, int kind,
+                                 int arg) {
+  unsigned sm;
   asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
-  const unsigned i = atomicAdd(n, 1u);
-  if (i < cap) {
-    log[2 * i] = t;
-    log[2 * i + 1] = ((unsigned long long)(blockIdx.x & 0xffff) << 48) | ((unsigned long long)(sm & 0xff) << 40) |
-                     ((unsigned long long)(kind & 0xff) << 32) | (unsigned)arg;
+  if (slot < cap) {
+    log[2 * slot] = t;
+    log[2 * slot + 1] = ((unsigned long long)(blockIdx.x & 0xffff) << 48) | ((unsigned long long)(sm & 0xff) << 40) |
+                        ((unsigned long long)(kind & 0xff) << 32) | (unsigned)arg;
   }
+}
+
+// An event at the log's next free index (*n's old value): the thread waits for the atomic's round trip, ~0.5 µs
+// under a GEMM's load, which the next interval it times then holds. FMOE_TRACE's events (per stage and warp) log
+// so; where the caller knows each event's slot in advance, moe_trace_event_at does not wait.
+DSV4_INLINE void moe_trace_event(unsigned* n, unsigned long long* log, unsigned cap, int kind, int arg) {
+  const unsigned long long t = moe_trace_now(arg);
+  moe_trace_store(log, cap, atomicAdd(n, 1u), t, kind, arg);
+}
+
+// An event at index `slot`, chosen by the caller; *n still counts it, by a reduction whose result the thread does
+// not wait for.
+DSV4_INLINE void moe_trace_event_at(unsigned* n, unsigned long long* log, unsigned cap, unsigned slot, int kind,
+                                    int arg) {
+  const unsigned long long t = moe_trace_now(arg);
+  atomicAdd(n, 1u);
+  moe_trace_store(log, cap, slot, t, kind, arg);
 }

@@ -106,7 +106,7 @@
 #define FMW_PROBE_NO_MATH 0
 #endif
 // FMW_TRACE 1 (a bench variant: `dsv4 bench moe --path prefill --defines FMW_TRACE=1 --trace DIR`, then
-// scripts/fmw-trace.py): both GEMMs log each item's boundaries (moe_trace_event; arg = the item's index, | FMW_TRACE_DOWN
+// scripts/fmw-trace.py): both GEMMs log each item's boundaries (fmw_trace; arg = the item's index, | FMW_TRACE_DOWN
 // for the down GEMM): the producer thread when it starts the item (PRODUCE), and consumer thread 0 when the item's
 // record is in (START: the plan's tile and the row exponents it waits for before its first wgmma, which the event's
 // arg depends on), when the item's first stage is full (DATA), when its last pass's mainloop ends (MATH) and when its
@@ -122,12 +122,19 @@ enum FmwTraceKind { FMW_EV_PRODUCE = 1, FMW_EV_START = 2, FMW_EV_DATA = 3, FMW_E
 __device__ unsigned fmw_trace_n;
 __device__ unsigned long long fmw_trace_log[2 * FMW_TRACE_CAP];
 #endif
-DSV4_INLINE void fmw_trace(int kind, int arg) {
+// Event `kind` of the block's item number `local` (its items blockIdx.x + local · gridDim.x): at a slot of its own,
+// so the logging thread does not wait for an atomic (moe_trace_event_at): the up GEMM's in the log's first half,
+// the down GEMM's in the second, each half cut into gridDim.x runs of 5 slots an item. (With the atomic's index,
+// each event delayed its thread ~0.5 µs: the item boundaries the trace times looked that much longer.)
+DSV4_INLINE void fmw_trace(int kind, int arg, int local) {
 #if FMW_TRACE
-  moe_trace_event(&fmw_trace_n, fmw_trace_log, FMW_TRACE_CAP, kind, arg);
+  const unsigned per_block = FMW_TRACE_CAP / 2 / gridDim.x, at = 5u * (unsigned)local + (unsigned)(kind - 1);
+  const unsigned slot = (arg & FMW_TRACE_DOWN ? FMW_TRACE_CAP / 2 : 0) + blockIdx.x * per_block + at;
+  moe_trace_event_at(&fmw_trace_n, fmw_trace_log, FMW_TRACE_CAP, at < per_block ? slot : FMW_TRACE_CAP, kind, arg);
 #else
   (void)kind;
   (void)arg;
+  (void)local;
 #endif
 }
 #define FMW_ROWS 128                      // weight rows of a pass: one TMA box
@@ -407,7 +414,8 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
     if (it.skip) continue;
     if (pass == 0) fmw_prefetch_item<UP>(a, it, blockIdx.x + ((UP ? q >> 1 : q) + 1) * gridDim.x);
     if (FMW_TRACE && pass == 0)
-      fmw_trace(FMW_EV_PRODUCE, (UP ? 0 : FMW_TRACE_DOWN) | (blockIdx.x + (UP ? q >> 1 : q) * gridDim.x) | (it.n < 0));
+      fmw_trace(FMW_EV_PRODUCE, (UP ? 0 : FMW_TRACE_DOWN) | (blockIdx.x + (UP ? q >> 1 : q) * gridDim.x) | (it.n < 0),
+                UP ? q >> 1 : q);
     const int nks = fmoe_stages(it.fp4, K);
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
     const int boxes = (it.n + FMW_HBOX - 1) / FMW_HBOX;
@@ -828,72 +836,75 @@ DSV4_INLINE void fmw_up_gate(const FmwItem& it, float route_w, const float (&acc
   fmw_up_stash(acc, ep, it.n);
 }
 
-// Up, up pass: the bf16 up values into the second matrix; then two threads a token (64 j each) make h from
-// the two matrices (into the first, in place), and the per-128 act_quant: codes in the halves order and the
-// scale. A thread visits its 8 chunks in the order i ^ 4·half so that a quarter warp's reads hit 8 distinct
-// bank groups (fmw_ep_index). (Before, h was made in the fragment layout from a copy of the 64 sums that the
-// loop indexed by group: the copy went through local memory, which missed L1 beside 224 KB of shared memory:
-// 13% of the up GEMM's stall samples, ncu, B = 4096.)
+// Up, up pass: the bf16 up values into the second matrix; then FMW_H_THREADS threads a token make h from the
+// two matrices and the per-128 act_quant: codes in the halves order and the scale. Thread `sub` of a token takes
+// its 16 j of 32-block sub / 2 (chunks 2·sub, + 1: 8 j each, fmw_ep_index), keeps h in registers, and the
+// token's eight threads (adjacent lanes) join their largest |h| by shuffles. A 32-block leaves as two 16-byte
+// words, word w holding .x (w = 0) or .y (w = 1) of its four chunks' fmoe_h_words8 (t8 = 0 .. 3): the pair of
+// threads that hold the block swap one half of their words, and the even one stores word 0, the odd one
+// word 1. A round covers FMW_CONSUMERS / FMW_H_THREADS = 32 tokens: at an expert's ~24 tokens (1024 tokens
+// a layer) every thread makes 16 values where two threads a token left 208 of the 256 idle and made 64 values
+// each, one after another, through an h buffer in shared memory: the epilogue was ~2.7 µs of a ~26 µs item,
+// the weights' stream stopped (fmw_trace, forty-fifth session).
+#define FMW_H_THREADS 8
 DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const float (&acc)[64], float limit, bf16_t* ep,
                                 const float* wt, unsigned char* out_q, float* out_s) {
-  const int tid = threadIdx.x;
   fmw_up_stash(acc, ep + FMW_UP_MATRIX, it.n);
   named_barrier(1, FMW_CONSUMERS);  // both matrices and wt are written
-  const int tok = tid >> 1, half = tid & 1;
-  uint4* gate = reinterpret_cast<uint4*>(ep + tok * 128);
-  const uint4* up = reinterpret_cast<const uint4*>(ep + FMW_UP_MATRIX + tok * 128);
-  float m = 0.0f;
-  if (tok < it.n) {
-    const float w = wt[tok];
+  const int sub = threadIdx.x & (FMW_H_THREADS - 1), blk = sub >> 1, odd = sub & 1;
 #pragma unroll 1
-    for (int i = 0; i < 8; ++i) {
-      const int chunk = ((8 * half) | (i ^ (4 * half))) ^ (tok & 15);
-      const uint4 g4 = gate[chunk], u4 = up[chunk];
-      const unsigned gw[4] = {g4.x, g4.y, g4.z, g4.w}, uw[4] = {u4.x, u4.y, u4.z, u4.w};
-      float gv[8], uv[8], hv[8];
+  for (int tok0 = 0; tok0 < it.n; tok0 += FMW_CONSUMERS / FMW_H_THREADS) {  // uniform over the block
+    const int tok = tok0 + threadIdx.x / FMW_H_THREADS;
+    const bool live = tok < it.n;
+    unsigned hw[2][4];  // h as bf16 pairs (exact: fmoe_h_round's values), half the registers of f32
+    float m = 0.0f;
+    if (live) {
+      const uint4* gate = reinterpret_cast<const uint4*>(ep + tok * 128);
+      const uint4* up = reinterpret_cast<const uint4*>(ep + FMW_UP_MATRIX + tok * 128);
+      const float w = wt[tok];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        gv[2 * c] = __uint_as_float(gw[c] << 16), gv[2 * c + 1] = __uint_as_float(gw[c] & 0xffff0000u);
-        uv[2 * c] = __uint_as_float(uw[c] << 16), uv[2 * c + 1] = __uint_as_float(uw[c] & 0xffff0000u);
-      }
-      fmoe_h_values8(gv, uv, w, limit, !it.shared, hv);
-      unsigned hw[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        m = fmaxf(m, fmaxf(fabsf(hv[2 * c]), fabsf(hv[2 * c + 1])));
-        hw[c] = (__float_as_uint(hv[2 * c]) >> 16) | (__float_as_uint(hv[2 * c + 1]) & 0xffff0000u);  // bf16 h
-      }
-      gate[chunk] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
-    }
-  }
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-  if (tok < it.n) {
-    const float s = fmoe_h_scale(m), inv = fmoe_h_inv(s);
-    unsigned char* dst = out_q + fmw_act_row(a, it, tok) * a.N + it.rb * FMW_ROWS + 64 * half;
-    // The thread's two 32-blocks, in the order the h loop visited its chunks. Each leaves as two 16-byte
-    // stores, its four chunks' words at fmoe_store_h_words' positions, instead of eight 4-byte stores: 1.3%
-    // (4096 tokens) and 2.5% (16384) off the layer (BENCHMARKS.md, issue 11 twenty-fourth version).
-#pragma unroll 1
-    for (int q = 0; q < 2; ++q) {
-      const int blk = q ^ half;
-      uint2 w[4];
-#pragma unroll
-      for (int t8 = 0; t8 < 4; ++t8) {
-        const uint4 h4 = gate[((8 * half) | (4 * blk + t8)) ^ (tok & 15)];
-        const unsigned hw[4] = {h4.x, h4.y, h4.z, h4.w};
-        float hv[8];
+      for (int e = 0; e < 2; ++e) {
+        const int chunk = (2 * sub + e) ^ (tok & 15);
+        const uint4 g4 = gate[chunk], u4 = up[chunk];
+        const unsigned gw[4] = {g4.x, g4.y, g4.z, g4.w}, uw[4] = {u4.x, u4.y, u4.z, u4.w};
+        float gv[8], uv[8];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          hv[2 * c] = __uint_as_float(hw[c] << 16);
-          hv[2 * c + 1] = __uint_as_float(hw[c] & 0xffff0000u);
+          gv[2 * c] = __uint_as_float(gw[c] << 16), gv[2 * c + 1] = __uint_as_float(gw[c] & 0xffff0000u);
+          uv[2 * c] = __uint_as_float(uw[c] << 16), uv[2 * c + 1] = __uint_as_float(uw[c] & 0xffff0000u);
         }
-        w[t8] = fmoe_h_words8<true>(hv, inv);
+        float hv[8];
+        fmoe_h_values8(gv, uv, w, limit, !it.shared, hv);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          m = fmaxf(m, fmaxf(fabsf(hv[2 * c]), fabsf(hv[2 * c + 1])));
+          hw[e][c] = (__float_as_uint(hv[2 * c]) >> 16) | (__float_as_uint(hv[2 * c + 1]) & 0xffff0000u);
+        }
       }
-      uint4* b16 = reinterpret_cast<uint4*>(dst + 32 * blk);
-      b16[0] = make_uint4(w[0].x, w[1].x, w[2].x, w[3].x);
-      b16[1] = make_uint4(w[0].y, w[1].y, w[2].y, w[3].y);
     }
-    if (half == 0) out_s[fmw_act_scale_at(it, a.N / 128, it.rb, tok)] = s;
+#pragma unroll
+    for (int o = 1; o < FMW_H_THREADS; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float s = fmoe_h_scale(m), inv = fmoe_h_inv(s);
+    uint2 wd[2] = {{0u, 0u}, {0u, 0u}};  // chunks t8 = 2·odd, + 1 of the block
+    if (live) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float hv[8];
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          hv[2 * c] = __uint_as_float(hw[e][c] << 16), hv[2 * c + 1] = __uint_as_float(hw[e][c] & 0xffff0000u);
+        wd[e] = fmoe_h_words8<true>(hv, inv);
+      }
+    }
+    const uint2 w0 = wd[0], w1 = wd[1];
+    // The even thread gives its .y words and takes the odd one's .x words (all lanes shuffle).
+    const unsigned r0 = __shfl_xor_sync(0xffffffffu, odd ? w0.x : w0.y, 1);
+    const unsigned r1 = __shfl_xor_sync(0xffffffffu, odd ? w1.x : w1.y, 1);
+    if (live) {
+      unsigned char* dst = out_q + fmw_act_row(a, it, tok) * a.N + it.rb * FMW_ROWS + 32 * blk + 16 * odd;
+      *reinterpret_cast<uint4*>(dst) = odd ? make_uint4(r0, r1, w0.y, w1.y) : make_uint4(w0.x, w1.x, r0, r1);
+      if (sub == 0) out_s[fmw_act_scale_at(it, a.N / 128, it.rb, tok)] = s;
+    }
   }
 }
 
@@ -977,9 +988,9 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
     const int trace_arg = (UP ? 0 : FMW_TRACE_DOWN) | (blockIdx.x + n * gridDim.x);
     if (FMW_TRACE && threadIdx.x == 0) {
       // (| 0 made from the record's loads: the event waits for them, as the first wgmma does.)
-      fmw_trace(FMW_EV_START, trace_arg | (it.n < 0) | (it.rowe[0] == 0xffffffffu) | (int)(it.rowfold[0] && it.n < 0));
+      fmw_trace(FMW_EV_START, trace_arg | (it.n < 0) | (it.rowe[0] == 0xffffffffu) | (int)(it.rowfold[0] && it.n < 0), n);
       mbar_wait(fmw_full(smem, ring.slot), ring.phase);  // the first stage, not consumed
-      fmw_trace(FMW_EV_DATA, trace_arg);
+      fmw_trace(FMW_EV_DATA, trace_arg, n);
     }
     const FmwEpilogueRead er = fmw_epilogue_read<UP>(a, it, route_w);
     const int nks = fmoe_stages(it.fp4, a.K);
@@ -1020,7 +1031,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
       } else {
         fmw_pass_unfolded(fmw_smem, smem, ring, it, a.K, nks, acc);
       }
-      if (FMW_TRACE && threadIdx.x == 0 && pass == fmw_passes(UP) - 1) fmw_trace(FMW_EV_MATH, trace_arg);
+      if (FMW_TRACE && threadIdx.x == 0 && pass == fmw_passes(UP) - 1) fmw_trace(FMW_EV_MATH, trace_arg, n);
       if (!UP)
         fmw_down_store(a, it, acc, er.out_row, ep, out_y);
       else if (pass == 0)
@@ -1028,7 +1039,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
       else
         fmw_up_h_quant(a, it, acc, limit, ep, wt, out_q, out_s);
     }
-    if (FMW_TRACE && threadIdx.x == 0) fmw_trace(FMW_EV_DONE, trace_arg);
+    if (FMW_TRACE && threadIdx.x == 0) fmw_trace(FMW_EV_DONE, trace_arg, n);
   }
 }
 

@@ -39,8 +39,8 @@ def report(path, show_blocks):
     d = json.load(open(path))
     ev = d["events"]
     print(f"== {path}: B={d['B']} {d['routing']} {d['path']}: {len(ev)} events"
-          + (f" (logged {d['events_logged']}, capacity {d['capacity']}: LOST SOME)"
-             if d["events_logged"] > d["capacity"] else ""))
+          + (f" (logged {d['events_logged']}, kept {len(d['events'])}: LOST SOME)"
+             if d["events_logged"] > len(d["events"]) else ""))
     if not ev:
         return
     t0 = ev[0][0]

@@ -87,9 +87,9 @@ def report_kernel(name, ev):
 def report(path):
     d = json.load(open(path))
     ev = d["events"]
-    lost = d["events_logged"] > d["capacity"]
+    lost = d["events_logged"] > len(ev)
     print(f"== {path}: B={d['B']} {d['routing']} {d['path']}: {len(ev)} events"
-          + (f" (logged {d['events_logged']}, capacity {d['capacity']}: LOST SOME)" if lost else ""))
+          + (f" (logged {d['events_logged']}, kept {len(ev)}: LOST SOME)" if lost else ""))
     report_kernel("up GEMM", [e for e in ev if not e[4] & DOWN])
     report_kernel("down GEMM", [e for e in ev if e[4] & DOWN])
 

@@ -95,23 +95,28 @@ impl TraceLog {
         )
     }
 
-    /// Empties the log (before the launch to trace; the stream is synchronised).
+    /// Empties the log (before the launch to trace; the stream is synchronised): the count and
+    /// every event, since a family may log at slots of its own choosing (FMW_TRACE,
+    /// kernels/fast_moe_common.cuh `moe_trace_event_at`) and [`TraceLog::write`] keeps the
+    /// events whose time is set.
     pub fn reset(&self, s: BorrowedStream) -> Result<(), String> {
-        arena::copy_to_device_sync(self.count, &[0u32], s).map_err(e)
+        arena::copy_to_device_sync(self.count, &[0u32], s).map_err(e)?;
+        arena::copy_to_device_sync(self.events, &vec![0u64; self.events.bytes() / 8], s).map_err(e)
     }
 
     /// Writes the events logged since [`TraceLog::reset`] to `path` as JSON: the case's labels,
-    /// the count (also what the log could not hold) and `[t_ns, block, sm, kind, arg]` rows
-    /// sorted by time. The stream is synchronised.
+    /// the count (more than the rows where the log could not hold them all) and `[t_ns, block,
+    /// sm, kind, arg]` rows sorted by time: the slots whose time is set. The stream is
+    /// synchronised.
     pub fn write(&self, s: BorrowedStream, path: &Path, labels: &str) -> Result<(), String> {
         let mut n = [0u32];
         arena::copy_to_host_sync(&mut n, self.count, s).map_err(e)?;
         let cap = self.events.bytes() / 16;
-        let kept = (n[0] as usize).min(cap);
         let mut raw = vec![0u64; 2 * cap];
         arena::copy_to_host_sync(&mut raw, self.events, s).map_err(e)?;
-        let mut rows: Vec<[i64; 5]> = raw[..2 * kept]
+        let mut rows: Vec<[i64; 5]> = raw
             .chunks_exact(2)
+            .filter(|ev| ev[0] != 0)
             .map(|ev| {
                 let w = ev[1];
                 [
