@@ -255,10 +255,10 @@ DSV4_INLINE void moe_trace_event(unsigned* n, unsigned long long* log, unsigned 
 }
 
 // An event at index `slot`, chosen by the caller; *n still counts it, by a reduction whose result the thread does
-// not wait for.
+// not wait for. t: its time where the caller took it earlier (moe_trace_now), else 0 (now).
 DSV4_INLINE void moe_trace_event_at(unsigned* n, unsigned long long* log, unsigned cap, unsigned slot, int kind,
-                                    int arg) {
-  const unsigned long long t = moe_trace_now(arg);
+                                    int arg, unsigned long long t = 0) {
+  if (t == 0) t = moe_trace_now(arg);
   atomicAdd(n, 1u);
   moe_trace_store(log, cap, slot, t, kind, arg);
 }

@@ -107,11 +107,11 @@
 #endif
 // FMW_TRACE 1 (a bench variant: `dsv4 bench moe --path prefill --defines FMW_TRACE=1 --trace DIR`, then
 // scripts/fmw-trace.py): both GEMMs log each item's boundaries (fmw_trace; arg = the item's index, | FMW_TRACE_DOWN
-// for the down GEMM): the producer thread when it starts the item (PRODUCE), and consumer thread 0 when the item's
-// record is in (START: the plan's tile and the row exponents it waits for before its first wgmma, which the event's
-// arg depends on), when the item's first stage is full (DATA), when its last pass's mainloop ends (MATH) and when its
-// outputs are stored (DONE). So DONE -> START is the item start's own chain, START -> DATA waiting for the stream, and
-// the producer's PRODUCE ahead of START its lead. Off (0, the default) it compiles to nothing.
+// for the down GEMM): the producer thread when it starts the item (PRODUCE), and consumer thread 0 when it begins
+// to wait for the item's record (START: the time taken before the wait, logged after it), when the record is in
+// with the item's first stage (DATA), when its last pass's mainloop ends (MATH) and when its outputs are stored
+// (DONE). So DONE -> START is the consumers' own work between items, START -> DATA waiting for the stream, and the
+// producer's PRODUCE ahead of START its lead. Off (0, the default) it compiles to nothing.
 #ifndef FMW_TRACE
 #define FMW_TRACE 0
 #endif
@@ -126,15 +126,17 @@ __device__ unsigned long long fmw_trace_log[2 * FMW_TRACE_CAP];
 // so the logging thread does not wait for an atomic (moe_trace_event_at): the up GEMM's in the log's first half,
 // the down GEMM's in the second, each half cut into gridDim.x runs of 5 slots an item. (With the atomic's index,
 // each event delayed its thread ~0.5 µs: the item boundaries the trace times looked that much longer.)
-DSV4_INLINE void fmw_trace(int kind, int arg, int local) {
+// t: the event's time where taken before (else 0: now).
+DSV4_INLINE void fmw_trace(int kind, int arg, int local, unsigned long long t = 0) {
 #if FMW_TRACE
   const unsigned per_block = FMW_TRACE_CAP / 2 / gridDim.x, at = 5u * (unsigned)local + (unsigned)(kind - 1);
   const unsigned slot = (arg & FMW_TRACE_DOWN ? FMW_TRACE_CAP / 2 : 0) + blockIdx.x * per_block + at;
-  moe_trace_event_at(&fmw_trace_n, fmw_trace_log, FMW_TRACE_CAP, at < per_block ? slot : FMW_TRACE_CAP, kind, arg);
+  moe_trace_event_at(&fmw_trace_n, fmw_trace_log, FMW_TRACE_CAP, at < per_block ? slot : FMW_TRACE_CAP, kind, arg, t);
 #else
   (void)kind;
   (void)arg;
   (void)local;
+  (void)t;
 #endif
 }
 #define FMW_ROWS 128                      // weight rows of a pass: one TMA box
@@ -155,7 +157,13 @@ DSV4_INLINE void fmw_trace(int kind, int arg, int local) {
 #define FMW_EP_BYTES (2 * FMW_UP_MATRIX * 2)
 #define FMW_WT (FMW_NSTAGES * FMW_SLOT + FMW_EP_BYTES)  // the tile's routing weights, FMW_T floats
 #define FMW_BARS (FMW_WT + FMW_T * 4)
-#define FMW_SMEM_USED (FMW_BARS + 2 * FMW_NSTAGES * 8)
+// Item records (fmw_put_record), one a ring slot: the record of an item sits beside its first stage's slot.
+// [0, 16) the head: item, n, start, the expert's table entry; UE8M0 only, [16, 32) each pass's fold flag's byte
+// in its line, and per pass p [32 + 16p, + 16) that 16-byte aligned line and [64 + 128p, + 128) the row block's
+// largest exponents (fmoe_sc8_rows).
+#define FMW_REC (FMW_BARS + 2 * FMW_NSTAGES * 8)
+#define FMW_REC_BYTES 320
+#define FMW_SMEM_USED (FMW_REC + FMW_NSTAGES * FMW_REC_BYTES)
 static_assert(FMW_SMEM_USED <= FMW_SMEM, "fast_moe_wide: shared memory layout exceeds FMW_SMEM");
 // A tile of 32, 64 or 128 tokens (the largest wgmma is m64n128k32; the down epilogue's copy-out takes 16 tokens
 // a round; the activations' TMA boxes are FMW_HBOX rows; the scale words' head, fmw_scale_head, reads the first
@@ -180,10 +188,8 @@ struct FmwItem {
   const unsigned char* maps;   // the expert's tensor maps
   const float* fs[2];          // FP8: block scales of pass 0 and 1 (up: W1, W3; down: W2)
   const unsigned char* sc8[2]; // UE8M0: the 1 KiB blocks of stage 0 of the passes' row block
-  // UE8M0, the consumers' (ROWS): the largest exponents of the thread's rows g and g + 8 (bits 0-7, 8-15) in
-  // each pass's row block (fmoe_sc8_rows), read with the row block's fold flag, so that neither waits for
-  // the other (read after the flag's branch they were a third chained global load before the item's first
-  // wgmma: 2.5% of the down GEMM's stall samples, ncu at B = 4096).
+  // UE8M0, the consumers' (from the item's record, fmw_item_of_record): the largest exponents of the thread's
+  // rows g and g + 8 (bits 0-7, 8-15) in each pass's row block (fmoe_sc8_rows).
   unsigned rowe[2];
   bool rowfold[2];              // UE8M0: every row of the pass's block folds whole (fmoe_rows8_kernel)
 };
@@ -201,41 +207,22 @@ DSV4_INLINE int fmw_total_items(const FmoeArgs& a) {
   return (a.nrt + nsh) * (a.N / FMW_ROWS);
 }
 
-// Item wi. ROWS: with the whole-row fold's row data (the consumers'; the producer does not need it).
-template <bool UP, bool ROWS>
-DSV4_INLINE FmwItem fmw_item(const FmoeArgs& a, int wi) {
-  const int rb_n = a.N / FMW_ROWS;
-  const int tile = wi / rb_n;
-  FmwItem it;
-  it.rb = wi - tile * rb_n;
-  it.tile = tile;
-  it.skip = false;
+// The rest of item `it` from its tile (it.rb, tile, n, start, shared, skip set) and x, its expert's entry in the
+// per-expert tables (e - e_begin; nloc for the shared expert): its format, scales and tensor maps.
+template <bool UP>
+DSV4_INLINE void fmw_item_tables(const FmoeArgs& a, FmwItem& it, int x) {
   it.s8 = false;
   it.fs[0] = it.fs[1] = nullptr;
   it.sc8[0] = it.sc8[1] = nullptr;
   it.rowe[0] = it.rowe[1] = 0u;
   it.rowfold[0] = it.rowfold[1] = false;
-  const int nloc = a.e_end - a.e_begin;
-  int x = nloc;  // the item's entry in the per-expert tables
-  if (tile < a.nrt) {
-    const int e = a.tiles[3 * tile];
-    it.skip = e < a.e_begin || e >= a.e_end;
-    it.start = a.tiles[3 * tile + 1];
-    it.n = a.tiles[3 * tile + 2];
-    it.shared = false;
-    it.fp4 = a.fmt == WFMT_FP4;
-    x = it.skip ? 0 : e - a.e_begin;
-    if (!it.skip && !it.fp4) {
-      it.fs[0] = reinterpret_cast<const float*>(a.sa[x]);
-      it.fs[1] = reinterpret_cast<const float*>(a.sb[x]);
-    }
-  } else {
-    it.start = (tile - a.nrt) * FMW_T;
-    it.n = min(FMW_T, a.T - it.start);
-    it.shared = true;
-    it.fp4 = a.shared_fmt == WFMT_FP4;
+  it.fp4 = (it.shared ? a.shared_fmt : a.fmt) == WFMT_FP4;
+  if (it.shared) {
     it.fs[0] = a.shared_sa;
     it.fs[1] = a.shared_sb;
+  } else if (!it.skip && !it.fp4) {
+    it.fs[0] = reinterpret_cast<const float*>(a.sa[x]);
+    it.fs[1] = reinterpret_cast<const float*>(a.sb[x]);
   }
   it.maps = a.maps + (long long)x * (FMOE_MAPS_PER_EXPERT * FMOE_MAP_BYTES);
   if (it.fp4 && !it.skip && a.sc8 != nullptr) {
@@ -245,15 +232,95 @@ DSV4_INLINE FmwItem fmw_item(const FmoeArgs& a, int wi) {
     const long long w13 = fmoe_sc8_matrix(a.I, a.D);
     it.sc8[0] = ex + (UP ? 0 : 2 * w13) + at;  // W1 or W2
     it.sc8[1] = ex + w13 + at;                 // W3 (up only)
+  }
+}
+
+// Item wi from the plan (the producer's; the consumers take theirs from its record, fmw_item_of_record), and in
+// *x its expert's entry in the per-expert tables.
+template <bool UP>
+DSV4_INLINE FmwItem fmw_item(const FmoeArgs& a, int wi, int* x) {
+  const int rb_n = a.N / FMW_ROWS;
+  const int tile = wi / rb_n;
+  FmwItem it;
+  it.rb = wi - tile * rb_n;
+  it.tile = tile;
+  it.skip = false;
+  *x = a.e_end - a.e_begin;
+  if (tile < a.nrt) {
+    const int e = a.tiles[3 * tile];
+    it.skip = e < a.e_begin || e >= a.e_end;
+    it.start = a.tiles[3 * tile + 1];
+    it.n = a.tiles[3 * tile + 2];
+    it.shared = false;
+    *x = it.skip ? 0 : e - a.e_begin;
+  } else {
+    it.start = (tile - a.nrt) * FMW_T;
+    it.n = min(FMW_T, a.T - it.start);
+    it.shared = true;
+  }
+  fmw_item_tables<UP>(a, it, *x);
+  return it;
+}
+
+// The producer's record of item wi (expert entry x, the plan's item `it`) into `rec` (the shared address of the
+// record of the item's first stage's slot, whose empty barrier it has passed; `full` that slot's full barrier):
+// the head by stores, which the stage's expect_tx arrival (fmw_produce, after this) releases to the consumers,
+// and UE8M0's row data by bulk copies onto the stage's full barrier, announced here (the copies may land before
+// the stage's arrival). wi = -1: the end of the block's items (the consumers stop there). Why: the consumers made
+// their item from the plan and the row table themselves, a chain of two global loads (~0.5 µs under the
+// weights' stream, fmw_trace) at every item start while the ring's slots stood full; the producer makes it
+// anyway, up to FMW_NSTAGES stages earlier. D, I and K are copied through an opaque asm: offsets made from the
+// parameters are otherwise hoisted out of the producer's loop (or above the producer / consumer split, into the
+// consumers' registers) and spill at 24 registers.
+DSV4_INLINE void fmw_record_head(unsigned rec, int wi, int n, int start, int x) {
+  asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(rec), "r"(wi), "r"(n), "r"(start), "r"(x) : "memory");
+}
+template <bool UP>
+DSV4_INLINE void fmw_put_record(const FmoeArgs& a, const FmwItem& it, int wi, int x, unsigned rec, unsigned full) {
+  fmw_record_head(rec, wi, it.n, it.start, x);
+  if (!it.s8) return;
+  int D, I, K;
+  asm volatile("mov.b32 %0, %3;\n\tmov.b32 %1, %4;\n\tmov.b32 %2, %5;\n"
+               : "=r"(D), "=r"(I), "=r"(K)
+               : "r"(a.D), "r"(a.I), "r"(a.K));
+  const unsigned char* ex =
+      it.sc8[0] - (UP ? 0 : 2 * fmoe_sc8_matrix(I, D)) - (long long)it.rb * fmoe_stages(true, K) * 1024;
+  mbar_expect_tx(full, fmw_passes(UP) * (128 + 16));
+  unsigned foff[2] = {0u, 0u};
+#pragma unroll
+  for (int p = 0; p < fmw_passes(UP); ++p) {
+    const unsigned char* flag = ex + fmoe_sc8_row_flags(D, I, UP ? p : 2) + it.rb;
+    foff[p] = (unsigned)reinterpret_cast<unsigned long long>(flag) & 15u;
+    bulk_load(rec + 32 + 16 * p, flag - foff[p], 16, full);
+    bulk_load(rec + 64 + 128 * p, ex + fmoe_sc8_rows(D, I, UP ? p : 2) + it.rb * FMW_ROWS, 128, full);
+  }
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(rec + 16), "r"(foff[0]), "r"(foff[1]) : "memory");
+}
+
+// The consumers' item from the record at `rec` (generic address; its first stage is full): its head, the tables
+// (fmw_item_tables) and, UE8M0, the largest exponents of the thread's rows g and g + 8 of each pass's row block and
+// its fold flag. Returns false at the end mark.
+template <bool UP>
+DSV4_INLINE bool fmw_item_of_record(const FmoeArgs& a, const unsigned char* rec, FmwItem& it) {
+  const int4 head = *reinterpret_cast<const int4*>(rec);
+  if (head.x < 0) return false;
+  const int rb_n = a.N / FMW_ROWS;
+  it.tile = head.x / rb_n;
+  it.rb = head.x - it.tile * rb_n;
+  it.n = head.y;
+  it.start = head.z;
+  it.shared = it.tile >= a.nrt;
+  it.skip = false;
+  fmw_item_tables<UP>(a, it, head.w);
+  if (it.s8) {
     const int r = (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);  // row g of the thread's warp
-    for (int pass = 0; ROWS && pass < fmw_passes(UP); ++pass) {
-      const int m = UP ? pass : 2;  // w1, w3 or w2
-      const unsigned char* rows = ex + fmoe_sc8_rows(a.D, a.I, m) + it.rb * FMW_ROWS;
-      it.rowe[pass] = rows[r] | (unsigned)rows[r + 8] << 8;
-      it.rowfold[pass] = ex[fmoe_sc8_row_flags(a.D, a.I, m) + it.rb] != 0;
+    const uint2 foff = *reinterpret_cast<const uint2*>(rec + 16);
+    for (int p = 0; p < fmw_passes(UP); ++p) {
+      it.rowe[p] = rec[64 + 128 * p + r] | (unsigned)rec[64 + 128 * p + r + 8] << 8;
+      it.rowfold[p] = rec[32 + 16 * p + (p == 0 ? foff.x : foff.y)] != 0;
     }
   }
-  return it;
+  return true;
 }
 
 // Output row (of y; up, of the routing weights) of token column c < n: one per (token, slot), then the
@@ -326,68 +393,25 @@ DSV4_INLINE unsigned fmw_weight_tx(const FmwItem& it) {
   return FMW_SLOT_W + (!it.fp4 ? 0 : it.s8 ? 1024 : FMW_SLOT_S);
 }
 
-// The lines the consumers read when they start item `it` (fmw_item's row exponents and fold flags of each pass,
-// fmw_epilogue_read's output rows), and the plan's tile of the block's next item, asked into the SM's L1 by the
-// producer thread when it starts the item, up to FMW_NSTAGES stages before the consumers do. An item's start is a
-// chain of dependent global loads (the plan's tile, then these), each an L2 round trip under the weights' stream;
-// the ring's slots stay full while the consumers wait, and the producer issues nothing while it waits, so the
-// stream stops. FMW_PREFETCH_ITEM: 3 all of these (the narrow build); 2 the next tile and the output rows (the
-// wide build, measured so: at 3 it spilled in its consumers' item start, until FMW_PREFETCH_OPAQUE below; 3 there is
-// a bench variant now, not yet measured); 1 the next tile; 0 none (bench variants). 4 (a bench variant, not yet measured)
-// looks a whole item ahead: at item q's start the producer makes item q + 1 (its tile asked for at q - 1's
-// start, so in L1) and asks for q + 1's lines and its weights' tensor maps (`prefetch.tensormap`: the first
-// copy of a new expert then does not wait for its descriptor), and for item q + 2's tile.
+// What the block's item starts read from global memory, asked into the SM's L1 by the producer thread when it
+// starts an item (up to FMW_NSTAGES stages before the consumers do): the plan's tile of the block's next item
+// (the producer's own next fmw_item) and the item's output rows (fmw_epilogue_read: the consumers read them at
+// the item's start for its epilogue). The consumers' row exponents come in the item's record (fmw_put_record).
+// FMW_PREFETCH_ITEM: 2 both (the default), 1 the next tile only, 0 none (bench variants). (Measured before the
+// records: these at item starts, layer 1.4-2.8% faster at 480-2048 tokens; a look-ahead of a whole item with the
+// next expert's tensor maps, no faster: BENCHMARKS.md, issue 11 forty-fourth and forty-fifth sessions.)
 #ifndef FMW_PREFETCH_ITEM
-#define FMW_PREFETCH_ITEM (FMW_T <= 64 ? 3 : 2)
+#define FMW_PREFETCH_ITEM 2
 #endif
-// FMW_PREFETCH_OPAQUE 1: the row exponents' offsets are computed from copies of D, I and K that a volatile asm makes
-// opaque. Computed from the kernel's parameters, the same offsets as the consumers' fmw_item are hoisted above the
-// producer / consumer split and held through the consumers' loop, which is where the wide build spilled at level 3;
-// with this the wide build at FMW_PREFETCH_ITEM=3 does not spill (ptxas -v; a bench variant, not yet measured). On
-// in the wide build (where level 3 is not the default, so its SASS is unchanged), off in the narrow one (its measured
-// SASS; on, it schedules differently: a bench variant).
-#ifndef FMW_PREFETCH_OPAQUE
-#define FMW_PREFETCH_OPAQUE (FMW_T > 64)
-#endif
-// The output rows (two lines: a tile's rows span at most 512 bytes) and, with `exps`, each pass's row exponents
-// and block flags of routed item `it`.
-template <bool UP>
-DSV4_INLINE void fmw_prefetch_lines(const FmoeArgs& a, const FmwItem& it, bool exps) {
-  prefetch_l1(a.rows + it.start);
-  prefetch_l1(a.rows + it.start + it.n - 1);
-  if (!exps || !it.s8) return;
-  // The expert's table, from the pass-0 block pointer fmw_item made (W1's, or W2's for down); the block flags of
-  // its three matrices are 64 consecutive bytes at Flash shapes (D / 128 + 2 I / 128), one or two lines.
-  int D = a.D, I = a.I, K = a.K;
-  if (FMW_PREFETCH_OPAQUE)  // (see FMW_PREFETCH_OPAQUE)
-    asm volatile("mov.b32 %0, %3;\n\tmov.b32 %1, %4;\n\tmov.b32 %2, %5;\n"
-                 : "=r"(D), "=r"(I), "=r"(K)
-                 : "r"(a.D), "r"(a.I), "r"(a.K));
-  const unsigned char* ex =
-      it.sc8[0] - (UP ? 0 : 2 * fmoe_sc8_matrix(I, D)) - (long long)it.rb * fmoe_stages(true, K) * 1024;
-  const unsigned char* rows = ex + fmoe_sc8_rows(D, I, UP ? 0 : 2) + it.rb * FMW_ROWS;
-  prefetch_l1(rows);
-  if (UP) prefetch_l1(rows + I);  // W3's
-  prefetch_l1(ex + fmoe_sc8_row_flags(D, I, UP ? 0 : 2) + it.rb);
-}
 template <bool UP>
 DSV4_INLINE void fmw_prefetch_item(const FmoeArgs& a, const FmwItem& it, int next_wi) {
   if (!FMW_PREFETCH_ITEM) return;
-  const int rb_n = a.N / FMW_ROWS;
-  if (FMW_PREFETCH_ITEM >= 4) {
-    const int after_tile = (next_wi + (int)gridDim.x) / rb_n;
-    if (after_tile < a.nrt) prefetch_l1(a.tiles + 3 * after_tile);
-    if (next_wi >= fmw_total_items<UP>(a)) return;
-    const FmwItem nx = fmw_item<UP, false>(a, next_wi);
-    if (nx.skip) return;
-    prefetch_tensormap(nx.maps + (UP ? FMOE_MAP_W1 : FMOE_MAP_W2) * FMOE_MAP_BYTES);
-    if (UP) prefetch_tensormap(nx.maps + FMOE_MAP_W3 * FMOE_MAP_BYTES);
-    if (!nx.shared) fmw_prefetch_lines<UP>(a, nx, true);
-    return;
-  }
-  const int next_tile = next_wi / rb_n;
+  const int next_tile = next_wi / (a.N / FMW_ROWS);
   if (next_tile < a.nrt) prefetch_l1(a.tiles + 3 * next_tile);
-  if (FMW_PREFETCH_ITEM >= 2 && !it.shared) fmw_prefetch_lines<UP>(a, it, FMW_PREFETCH_ITEM >= 3);
+  if (FMW_PREFETCH_ITEM >= 2 && !it.shared) {  // two lines: a tile's rows span at most 512 bytes
+    prefetch_l1(a.rows + it.start);
+    prefetch_l1(a.rows + it.start + it.n - 1);
+  }
 }
 
 // The producer: one thread. Both GEMMs' activations (x for up, made by fmw_gather_x_kernel; h for down, by
@@ -409,13 +433,18 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
   // One loop over (item, pass), the item made again for each pass: what a pass needs of it held across both
   // passes spilled at 24 registers.
   for (int q = 0; q < my_items * fmw_passes(UP); ++q) {
-    const int pass = UP ? q & 1 : 0;
-    const FmwItem it = fmw_item<UP, false>(a, blockIdx.x + (UP ? q >> 1 : q) * gridDim.x);
+    const int pass = UP ? q & 1 : 0, wi = blockIdx.x + (UP ? q >> 1 : q) * gridDim.x;
+    int x;
+    const FmwItem it = fmw_item<UP>(a, wi, &x);
     if (it.skip) continue;
     if (pass == 0) fmw_prefetch_item<UP>(a, it, blockIdx.x + ((UP ? q >> 1 : q) + 1) * gridDim.x);
     if (FMW_TRACE && pass == 0)
       fmw_trace(FMW_EV_PRODUCE, (UP ? 0 : FMW_TRACE_DOWN) | (blockIdx.x + (UP ? q >> 1 : q) * gridDim.x) | (it.n < 0),
                 UP ? q >> 1 : q);
+    if (pass == 0) {  // the item's record, beside its first stage (whose wait below then passes at once)
+      mbar_wait(fmw_empty(smem, slot), phase ^ 1);
+      fmw_put_record<UP>(a, it, wi, x, smem + FMW_REC + slot * FMW_REC_BYTES, fmw_full(smem, slot));
+    }
     const int nks = fmoe_stages(it.fp4, K);
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
     const int boxes = (it.n + FMW_HBOX - 1) / FMW_HBOX;
@@ -439,6 +468,11 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
       fmoe_ring_advance(slot, phase, FMW_NSTAGES);
     }
   }
+  // The end mark: a record with item -1 in the next slot, its stage full with no data.
+  mbar_wait(fmw_empty(smem, slot), phase ^ 1);
+  fmw_record_head(smem + FMW_REC + slot * FMW_REC_BYTES, -1, 0, 0, 0);
+  mbar_arrive_expect_tx(fmw_full(smem, slot), 0u);
+  cp_async_mbar_arrive(fmw_full(smem, slot));
   cp_async_wait_all();  // the copies land before the thread exits
 }
 
@@ -967,14 +1001,13 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   extern __shared__ __align__(1024) unsigned char fmw_smem[];
   const unsigned smem = smem_addr(fmw_smem);
   if ((smem & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned slots
-  const int total = fmw_total_items<UP>(a);
-  const int my_items = blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   if (threadIdx.x == 0)  // the full barriers' cp.async arrivals: the producer thread's (fmw_produce)
     fmoe_ring_init(smem + FMW_BARS, FMW_NSTAGES, FMW_CONSUMERS / 32, 1);
   __syncthreads();
   if (threadIdx.x >= FMW_CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FMW_PRODUCER_REGS));
-    fmw_produce<UP>(a, act_map, smem, my_items);
+    const int total = fmw_total_items<UP>(a);
+    fmw_produce<UP>(a, act_map, smem, blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FMW_CONSUMER_REGS));
@@ -982,15 +1015,18 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   float* wt = reinterpret_cast<float*>(fmw_smem + FMW_WT);
   FmwRing ring = {0, 0u};
   float acc[64];
-  for (int n = 0; n < my_items; ++n) {
-    const FmwItem it = fmw_item<UP, true>(a, blockIdx.x + n * gridDim.x);
-    if (it.skip) continue;
-    const int trace_arg = (UP ? 0 : FMW_TRACE_DOWN) | (blockIdx.x + n * gridDim.x);
+#pragma unroll 1
+  for (int n = 0;; ++n) {
+    // The item comes in its first stage's record (fmw_put_record): the producer skips other ranks' items and
+    // ends the block's with a mark.
+    const unsigned long long t_start = FMW_TRACE ? moe_trace_now(n) : 0ull;
+    mbar_wait(fmw_full(smem, ring.slot), ring.phase);  // the first stage, not consumed here
+    FmwItem it;
+    if (!fmw_item_of_record<UP>(a, fmw_smem + FMW_REC + ring.slot * FMW_REC_BYTES, it)) break;
+    const int trace_arg = (UP ? 0 : FMW_TRACE_DOWN) | (it.tile * (a.N / FMW_ROWS) + it.rb);
     if (FMW_TRACE && threadIdx.x == 0) {
-      // (| 0 made from the record's loads: the event waits for them, as the first wgmma does.)
-      fmw_trace(FMW_EV_START, trace_arg | (it.n < 0) | (it.rowe[0] == 0xffffffffu) | (int)(it.rowfold[0] && it.n < 0), n);
-      mbar_wait(fmw_full(smem, ring.slot), ring.phase);  // the first stage, not consumed
-      fmw_trace(FMW_EV_DATA, trace_arg, n);
+      fmw_trace(FMW_EV_START, trace_arg, n, t_start);  // the time it began to wait for the record
+      fmw_trace(FMW_EV_DATA, trace_arg | (int)(it.rowe[0] == 0xffffffffu && it.n < 0), n);  // (made from the record)
     }
     const FmwEpilogueRead er = fmw_epilogue_read<UP>(a, it, route_w);
     const int nks = fmoe_stages(it.fp4, a.K);

@@ -281,6 +281,12 @@ DSV4_INLINE void mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
+// Announces `bytes` more bytes of asynchronous transactions this phase, without an arrival: copies issued before
+// the phase's arrivals (its tx-count may go below zero meanwhile; the phase completes only with its arrivals).
+DSV4_INLINE void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
 // One arrival that also announces `bytes` more bytes of asynchronous transactions (TMA) this phase.
 DSV4_INLINE void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");

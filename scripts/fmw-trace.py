@@ -3,9 +3,9 @@
 src/bin/dsv4/moe_trace.rs; the events: kernels/fast_moe_wide.cu, FmwTraceKind) and prints, for the up and the
 down GEMM, where an item's time goes on its block:
 
-  start   the previous item's outputs stored (DONE) -> this item's record in (START): the chain of dependent
-          loads an item start waits for (the plan's tile, the row exponents);
-  data    START -> its first stage full (DATA): waiting for the weights' stream;
+  start   the previous item's outputs stored (DONE) -> the consumers begin to wait for this item's record
+          (START): their own work between items;
+  data    START -> the record in with the item's first stage (DATA): waiting for the weights' stream;
   math    DATA -> the last pass's mainloop done (MATH);
   epi     MATH -> outputs stored (DONE);
   lead    the producer thread's start of the item (PRODUCE) ahead of START.

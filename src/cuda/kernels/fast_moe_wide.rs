@@ -72,10 +72,11 @@ pub fn smem_bytes_for(t: usize) -> usize {
 /// (kernels/fast_moe_wide.cu checks its layout fits): the ring of 1024-byte aligned slots (128
 /// weight rows of 128 bytes, their FP4 scales as f32, the tokens' codes over 256 k and their
 /// scales), the epilogue's bf16 buffer (up: the gate and up values of the item's 128 j for its
-/// tokens), the tile's routing weights and the mbarriers.
+/// tokens), the tile's routing weights, the mbarriers and a slot's item record (FMW_REC_BYTES:
+/// the producer's copy of what the consumers' item start reads) each.
 pub const fn smem_bytes(tokens: usize, stages: usize) -> usize {
     let slot = (ROWS * 128 + ROWS * 32 + 16 * tokens * 16 + 2 * tokens * 4).div_ceil(1024) * 1024;
-    stages * slot + 2 * tokens * ROWS * 2 + tokens * 4 + 2 * stages * 8
+    stages * slot + 2 * tokens * ROWS * 2 + tokens * 4 + 2 * stages * 8 + stages * 320
 }
 const _: () = assert!(
     SMEM_BYTES <= 227 * 1024 && NARROW_SMEM_BYTES <= 227 * 1024,
