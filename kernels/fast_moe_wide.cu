@@ -149,7 +149,7 @@ DSV4_INLINE void fmw_trace(int kind, int arg, int local, unsigned long long t = 
 #define FMW_SLOT_AS (2 * FMW_T * 4)  // their scales, [128-block][token]
 #define FMW_SLOT (((FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A + FMW_SLOT_AS) + 1023) / 1024 * 1024)
 // Epilogue buffer (bf16). Up: two [token][128 j] matrices, the gate values then the up values of the item's
-// 128 j (fmw_ep_index's swizzle); the gate's becomes h in place. Down: one [token][FMW_DOWN_STRIDE] block per
+// 128 j (fmw_ep_index's swizzle), read by fmw_up_h_quant. Down: one [token][FMW_DOWN_STRIDE] block per
 // warpgroup (its 64 rows) to write y in 16-byte pieces, the stride padded so that the 8 token rows a
 // stmatrix writes at once (fmw_stash_pair; 144 bytes apart) fall in distinct banks.
 #define FMW_UP_MATRIX (FMW_T * 128)  // elements of one up matrix
@@ -843,8 +843,8 @@ DSV4_INLINE void fmw_stash_pair(const float (&acc)[64], int p, unsigned addr) {
 
 // Element (tok, j) of an up matrix: token rows of 256 bytes whose 16-byte chunks (8 j) are XOR-swizzled by
 // tok % 16. The fragment stash (fmw_up_stash: a warp's lanes write one chunk of 8 tokens 2 apart, 2 lanes a
-// word) and the quantising threads' 16-byte chunk reads (fmw_up_h_quant: a quarter warp reads 4 tokens'
-// two halves) then spread over all banks.
+// word) then spreads over all banks; the quantising threads' 16-byte chunk reads (fmw_up_h_quant: a quarter
+// warp reads the even, then the odd chunks of one token) over half of them, two wavefronts a read.
 DSV4_INLINE int fmw_ep_index(int tok, int j) { return tok * 128 + ((((j >> 3) ^ (tok & 15)) << 3) | (j & 7)); }
 
 // bf16(acc) into an up matrix (fmw_stash_pair): the thread's warp's rows 16·warp .. + 15. The hardware
