@@ -414,6 +414,25 @@ DSV4_INLINE void fmw_prefetch_item(const FmoeArgs& a, const FmwItem& it, int nex
   }
 }
 
+// FMW_L2_AHEAD P (a bench variant; 0, the default, off): the producer also asks L2 for the weight boxes of the
+// item's stages P ahead of those it copies into the ring (tma_prefetch_l2_2d; the item's first P when it starts
+// it, before it waits for the first slot; up, pass 0's run on into pass 1's). Why to try: the ring holds
+// FMW_NSTAGES stages of weights a block, and the stream's latency under load is about that many stages' time
+// (Little's law: a block streams one ring a latency); at an item's boundary the consumers wait for its first
+// stage and the ring stands full of landed data through the epilogue, so the block has nothing in flight.
+// Boxes asked for ahead are in flight without shared memory, and a stage copied from L2 lands sooner. Within an
+// item only: the next item's boxes would need its tile (the producer's next fmw_item) a whole item early.
+#ifndef FMW_L2_AHEAD
+#define FMW_L2_AHEAD 0
+#endif
+// Stage g (0 .. passes · nks) of the item's weight boxes into L2: pass g / nks's map (map0, pass 0's; up, W3's
+// sits a fixed distance after W1's), 128-byte column kb of its row block rb.
+template <bool UP>
+DSV4_INLINE void fmw_l2_stage(const unsigned char* map0, int rb, int nks, int g) {
+  const int pass = g >= nks, kb = g - pass * nks;
+  tma_prefetch_l2_2d(map0 + (UP && pass ? (FMOE_MAP_W3 - FMOE_MAP_W1) * FMOE_MAP_BYTES : 0), kb * FMW_RB, rb * FMW_ROWS);
+}
+
 // The producer: one thread. Both GEMMs' activations (x for up, made by fmw_gather_x_kernel; h for down, by
 // the up GEMM) are stored in this path's own layout (fmw_act_row, fmw_act_scale_at): a tile's rows consecutive,
 // its scales in the consumers' order. So per stage and 128-block the thread copies the tile's codes by TMA
@@ -442,6 +461,11 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
       fmw_trace(FMW_EV_PRODUCE, (UP ? 0 : FMW_TRACE_DOWN) | (blockIdx.x + (UP ? q >> 1 : q) * gridDim.x) | (it.n < 0),
                 UP ? q >> 1 : q);
     if (pass == 0) {  // the item's record, beside its first stage (whose wait below then passes at once)
+      if (FMW_L2_AHEAD > 0) {
+        const int item_nks = fmoe_stages(it.fp4, K);
+        for (int g = 0; g < min(FMW_L2_AHEAD, fmw_passes(UP) * item_nks); ++g)
+          fmw_l2_stage<UP>(fmw_pass_src<UP>(it, 0, K).map, it.rb, item_nks, g);
+      }
       mbar_wait(fmw_empty(smem, slot), phase ^ 1);
       fmw_put_record<UP>(a, it, wi, x, smem + FMW_REC + slot * FMW_REC_BYTES, fmw_full(smem, slot));
     }
@@ -459,6 +483,9 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
       const int blocks = fmoe_stage_blocks(it.fp4, K, kb), k0 = kb * kbytes;
       mbar_arrive_expect_tx(full, fmw_weight_tx(it) + blocks * (boxes * FMW_HBOX * 128 + FMW_T * 4));
       fmw_load_weights(it, src, kb, st, full);
+      if (FMW_L2_AHEAD > 0 && pass * nks + kb + FMW_L2_AHEAD < fmw_passes(UP) * nks)
+        fmw_l2_stage<UP>(pass == 0 ? src.map : src.map - (FMOE_MAP_W3 - FMOE_MAP_W1) * FMOE_MAP_BYTES, it.rb, nks,
+                         pass * nks + kb + FMW_L2_AHEAD);
       const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
       for (int b = 0; b < blocks; ++b)
         for (int r = 0; r < boxes; ++r)
