@@ -414,14 +414,14 @@ DSV4_INLINE void fmw_prefetch_item(const FmoeArgs& a, const FmwItem& it, int nex
   }
 }
 
-// FMW_L2_AHEAD P (a bench variant; 0, the default, off): the producer also asks L2 for the weight boxes of the
-// item's stages P ahead of those it copies into the ring (tma_prefetch_l2_2d; the item's first P when it starts
-// it, before it waits for the first slot; up, pass 0's run on into pass 1's). Why to try: the ring holds
-// FMW_NSTAGES stages of weights a block, and the stream's latency under load is about that many stages' time
-// (Little's law: a block streams one ring a latency); at an item's boundary the consumers wait for its first
-// stage and the ring stands full of landed data through the epilogue, so the block has nothing in flight.
-// Boxes asked for ahead are in flight without shared memory, and a stage copied from L2 lands sooner. Within an
-// item only: the next item's boxes would need its tile (the producer's next fmw_item) a whole item early.
+// FMW_L2_AHEAD P (a bench variant; 0, the default, off): the producer also asks L2 for the weight boxes P stages
+// ahead of those it copies into the ring (tma_prefetch_l2_2d), over the block's items in order: up, pass 0's run
+// on into pass 1's, and an item's last P stages ask for the next item's first (fmw_l2_next; the block's first
+// item's first P when it starts). Why to try: the ring holds FMW_NSTAGES stages of weights a block, and the
+// stream's latency under load is about that many stages' time (Little's law: a block streams one ring a
+// latency); at an item's boundary the consumers wait for its first stage and the ring stands full of landed data
+// through the epilogue, so the block has nothing in flight. Boxes asked for ahead are in flight without shared
+// memory, and a stage copied from L2 lands sooner.
 #ifndef FMW_L2_AHEAD
 #define FMW_L2_AHEAD 0
 #endif
@@ -431,6 +431,17 @@ template <bool UP>
 DSV4_INLINE void fmw_l2_stage(const unsigned char* map0, int rb, int nks, int g) {
   const int pass = g >= nks, kb = g - pass * nks;
   tma_prefetch_l2_2d(map0 + (UP && pass ? (FMOE_MAP_W3 - FMOE_MAP_W1) * FMOE_MAP_BYTES : 0), kb * FMW_RB, rb * FMW_ROWS);
+}
+
+// Stage s of the block's next item wi (if it has one, and it is this rank's) into L2: the item made again from
+// the plan (its tile asked into L1 at this item's start, fmw_prefetch_item).
+template <bool UP>
+DSV4_INLINE void fmw_l2_next(const FmoeArgs& a, int wi, int s) {
+  if (wi >= fmw_total_items<UP>(a)) return;
+  int x;
+  const FmwItem nx = fmw_item<UP>(a, wi, &x);
+  const int nks = fmoe_stages(nx.fp4, a.K);
+  if (!nx.skip && s < fmw_passes(UP) * nks) fmw_l2_stage<UP>(fmw_pass_src<UP>(nx, 0, a.K).map, nx.rb, nks, s);
 }
 
 // The producer: one thread. Both GEMMs' activations (x for up, made by fmw_gather_x_kernel; h for down, by
@@ -461,7 +472,7 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
       fmw_trace(FMW_EV_PRODUCE, (UP ? 0 : FMW_TRACE_DOWN) | (blockIdx.x + (UP ? q >> 1 : q) * gridDim.x) | (it.n < 0),
                 UP ? q >> 1 : q);
     if (pass == 0) {  // the item's record, beside its first stage (whose wait below then passes at once)
-      if (FMW_L2_AHEAD > 0) {
+      if (FMW_L2_AHEAD > 0 && q == 0) {  // the block's first item (the next ones: the item before asks)
         const int item_nks = fmoe_stages(it.fp4, K);
         for (int g = 0; g < min(FMW_L2_AHEAD, fmw_passes(UP) * item_nks); ++g)
           fmw_l2_stage<UP>(fmw_pass_src<UP>(it, 0, K).map, it.rb, item_nks, g);
@@ -483,9 +494,13 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
       const int blocks = fmoe_stage_blocks(it.fp4, K, kb), k0 = kb * kbytes;
       mbar_arrive_expect_tx(full, fmw_weight_tx(it) + blocks * (boxes * FMW_HBOX * 128 + FMW_T * 4));
       fmw_load_weights(it, src, kb, st, full);
-      if (FMW_L2_AHEAD > 0 && pass * nks + kb + FMW_L2_AHEAD < fmw_passes(UP) * nks)
-        fmw_l2_stage<UP>(pass == 0 ? src.map : src.map - (FMOE_MAP_W3 - FMOE_MAP_W1) * FMOE_MAP_BYTES, it.rb, nks,
-                         pass * nks + kb + FMW_L2_AHEAD);
+      if (FMW_L2_AHEAD > 0) {
+        const int g = pass * nks + kb + FMW_L2_AHEAD, all = fmw_passes(UP) * nks;
+        if (g < all)
+          fmw_l2_stage<UP>(pass == 0 ? src.map : src.map - (FMOE_MAP_W3 - FMOE_MAP_W1) * FMOE_MAP_BYTES, it.rb, nks, g);
+        else
+          fmw_l2_next<UP>(a, wi + gridDim.x, g - all);
+      }
       const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
       for (int b = 0; b < blocks; ++b)
         for (int r = 0; r < boxes; ++r)
