@@ -72,12 +72,16 @@ pub fn smem_bytes_for(t: usize) -> usize {
 /// (kernels/fast_moe_wide.cu checks its layout fits): the ring of 1024-byte aligned slots (128
 /// weight rows of 128 bytes, their FP4 scales as f32, the tokens' codes over 256 k and their
 /// scales), the epilogue's bf16 buffer (up: the gate and up values of the item's 128 j for its
-/// tokens), the tile's routing weights, the mbarriers and a slot's item record (FMW_REC_BYTES:
-/// the producer's copy of what the consumers' item start reads) each.
+/// tokens), the tile's routing weights, the mbarriers and a slot's item record
+/// ([`RECORD_BYTES`]) each.
 pub const fn smem_bytes(tokens: usize, stages: usize) -> usize {
     let slot = (ROWS * 128 + ROWS * 32 + 16 * tokens * 16 + 2 * tokens * 4).div_ceil(1024) * 1024;
-    stages * slot + 2 * tokens * ROWS * 2 + tokens * 4 + 2 * stages * 8 + stages * 320
+    stages * slot + 2 * tokens * ROWS * 2 + tokens * 4 + 2 * stages * 8 + stages * RECORD_BYTES
 }
+/// Bytes of an item's record beside a ring slot (kernels/fast_moe_wide.cu FMW_REC_BYTES, whose
+/// layout static_assert checks against the shared memory given): what the producer hands the
+/// consumers for an item's start (its head, and the UE8M0 row exponents and fold flags).
+pub const RECORD_BYTES: usize = 320;
 const _: () = assert!(
     SMEM_BYTES <= 227 * 1024 && NARROW_SMEM_BYTES <= 227 * 1024,
     "an sm_90 block takes at most 227 KiB"
