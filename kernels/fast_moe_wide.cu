@@ -463,20 +463,19 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
   // One loop over (item, pass), the item made again for each pass: what a pass needs of it held across both
   // passes spilled at 24 registers.
   for (int q = 0; q < my_items * fmw_passes(UP); ++q) {
-    const int pass = UP ? q & 1 : 0, wi = blockIdx.x + (UP ? q >> 1 : q) * gridDim.x;
+    const int pass = UP ? q & 1 : 0, local = UP ? q >> 1 : q, wi = blockIdx.x + local * gridDim.x;
     int x;
     const FmwItem it = fmw_item<UP>(a, wi, &x);
     if (it.skip) continue;
-    if (pass == 0) fmw_prefetch_item<UP>(a, it, blockIdx.x + ((UP ? q >> 1 : q) + 1) * gridDim.x);
-    if (FMW_TRACE && pass == 0)
-      fmw_trace(FMW_EV_PRODUCE, (UP ? 0 : FMW_TRACE_DOWN) | (blockIdx.x + (UP ? q >> 1 : q) * gridDim.x) | (it.n < 0),
-                UP ? q >> 1 : q);
-    if (pass == 0) {  // the item's record, beside its first stage (whose wait below then passes at once)
-      if (FMW_L2_AHEAD > 0 && q == 0) {  // the block's first item (the next ones: the item before asks)
+    if (pass == 0) {  // the item's start
+      fmw_prefetch_item<UP>(a, it, wi + gridDim.x);
+      if (FMW_TRACE) fmw_trace(FMW_EV_PRODUCE, (UP ? 0 : FMW_TRACE_DOWN) | wi | (it.n < 0), local);
+      if (FMW_L2_AHEAD > 0 && q == 0) {  // the block's first item's first boxes (later items': the item before's)
         const int item_nks = fmoe_stages(it.fp4, K);
         for (int g = 0; g < min(FMW_L2_AHEAD, fmw_passes(UP) * item_nks); ++g)
           fmw_l2_stage<UP>(fmw_pass_src<UP>(it, 0, K).map, it.rb, item_nks, g);
       }
+      // The item's record, beside its first stage (whose wait below then passes at once).
       mbar_wait(fmw_empty(smem, slot), phase ^ 1);
       fmw_put_record<UP>(a, it, wi, x, smem + FMW_REC + slot * FMW_REC_BYTES, fmw_full(smem, slot));
     }
