@@ -35,8 +35,12 @@
 // Work items. The plan (moe_plan_kernel, tile_rows = FMW_T) lists (expert, start, count) tiles; the
 // shared expert adds ceil(T / FMW_T) tiles of consecutive tokens. A tile is cut into 128-row blocks
 // rb: down, rows rb·128 .. of W2; up, j = rb·128 .. in two passes, W1's rows (gate) then W3's (up), so
-// SwiGLU and the per-128 quantisation of h stay in the block. Blocks are persistent and take items
-// blockIdx.x, + gridDim.x, ... in order; an item's outputs depend only on the item: deterministic.
+// SwiGLU and the per-128 quantisation of h stay in the block. Blocks are persistent and take the items in
+// order from a queue, a counter in global memory (fmw_take; the gather kernel zeroes both GEMMs' before the up
+// GEMM starts), so a block that drew short items takes more of them: on a fixed round robin (blockIdx.x,
+// + gridDim.x, ..) the blocks ended 825-865 µs into the up GEMM at 1024 tokens (fmw_trace), the items'
+// lengths differing with their token counts. An item's outputs depend only on the item, not on which
+// block takes it: deterministic.
 //
 // The pipeline (as fast_moe_gemm.cu): 2 consumer warpgroups and a producer warpgroup share a ring of
 // FMW_NSTAGES slots with full/empty mbarriers; the producer warpgroup hands most of its registers to the
@@ -122,7 +126,7 @@ enum FmwTraceKind { FMW_EV_PRODUCE = 1, FMW_EV_START = 2, FMW_EV_DATA = 3, FMW_E
 __device__ unsigned fmw_trace_n;
 __device__ unsigned long long fmw_trace_log[2 * FMW_TRACE_CAP];
 #endif
-// Event `kind` of the block's item number `local` (its items blockIdx.x + local · gridDim.x): at a slot of its own,
+// Event `kind` of the block's item number `local` (the local-th it takes from the queue): at a slot of its own,
 // so the logging thread does not wait for an atomic (moe_trace_event_at): the up GEMM's in the log's first half,
 // the down GEMM's in the second, each half cut into gridDim.x runs of 5 slots an item. (With the atomic's index,
 // each event delayed its thread ~0.5 µs: the item boundaries the trace times looked that much longer.)
@@ -158,10 +162,11 @@ DSV4_INLINE void fmw_trace(int kind, int arg, int local, unsigned long long t = 
 #define FMW_WT (FMW_NSTAGES * FMW_SLOT + FMW_EP_BYTES)  // the tile's routing weights, FMW_T floats
 #define FMW_BARS (FMW_WT + FMW_T * 4)
 // Item records (fmw_put_record), one a ring slot: the record of an item sits beside its first stage's slot.
-// [0, 16) the head: item, n, start, the expert's table entry; UE8M0 only, [16, 32) each pass's fold flag's byte
+// [0, 16) the head: item, n, start, the expert's table entry; UE8M0 only, [16, 24) each pass's fold flag's byte
 // in its line, and per pass p [32 + 16p, + 16) that 16-byte aligned line and [64 + 128p, + 128) the row block's
-// largest exponents (fmoe_sc8_rows).
+// largest exponents (fmoe_sc8_rows). [24, 32) of the first slot's record is the producer's (fmw_keep_item).
 #define FMW_REC (FMW_BARS + 2 * FMW_NSTAGES * 8)
+#define FMW_REC_ITEM 24
 #define FMW_REC_BYTES 320
 #define FMW_SMEM_USED (FMW_REC + FMW_NSTAGES * FMW_REC_BYTES)
 static_assert(FMW_SMEM_USED <= FMW_SMEM, "fast_moe_wide: shared memory layout exceeds FMW_SMEM");
@@ -393,55 +398,55 @@ DSV4_INLINE unsigned fmw_weight_tx(const FmwItem& it) {
   return FMW_SLOT_W + (!it.fp4 ? 0 : it.s8 ? 1024 : FMW_SLOT_S);
 }
 
-// What the block's item starts read from global memory, asked into the SM's L1 by the producer thread when it
-// starts an item (up to FMW_NSTAGES stages before the consumers do): the plan's tile of the block's next item
-// (the producer's own next fmw_item) and the item's output rows (fmw_epilogue_read: the consumers read them at
-// the item's start for its epilogue). The consumers' row exponents come in the item's record (fmw_put_record).
-// FMW_PREFETCH_ITEM: 2 both (the default), 1 the next tile only, 0 none (bench variants). (Measured before the
-// records: these at item starts, layer 1.4-2.8% faster at 480-2048 tokens; a look-ahead of a whole item with the
-// next expert's tensor maps, no faster: BENCHMARKS.md, issue 11 forty-fourth and forty-fifth sessions.)
+// What the block's item starts read from global memory, asked into the SM's L1 by the producer thread ahead of
+// the reads: the plan's tile of the block's next item (the producer's own next fmw_item; asked for during the
+// item before, once the queue has given its index, fmw_prefetch_tile) and the item's output rows
+// (fmw_epilogue_read: the consumers read them at the item's start for its epilogue; asked for when the producer
+// starts the item, up to FMW_NSTAGES stages before the consumers do, fmw_prefetch_rows). The consumers' row
+// exponents come in the item's record (fmw_put_record). FMW_PREFETCH_ITEM: 2 both (the default), 1 the next
+// tile only, 0 none (bench variants). (Measured before the records: these at item starts, layer 1.4-2.8% faster
+// at 480-2048 tokens; a look-ahead of a whole item with the next expert's tensor maps, no faster: BENCHMARKS.md,
+// issue 11 forty-fourth and forty-fifth sessions.)
 #ifndef FMW_PREFETCH_ITEM
 #define FMW_PREFETCH_ITEM 2
 #endif
 template <bool UP>
-DSV4_INLINE void fmw_prefetch_item(const FmoeArgs& a, const FmwItem& it, int next_wi) {
-  if (!FMW_PREFETCH_ITEM) return;
-  const int next_tile = next_wi / (a.N / FMW_ROWS);
-  if (next_tile < a.nrt) prefetch_l1(a.tiles + 3 * next_tile);
+DSV4_INLINE void fmw_prefetch_tile(const FmoeArgs& a, int wi) {
+  const int tile = wi / (a.N / FMW_ROWS);
+  if (FMW_PREFETCH_ITEM >= 1 && tile < a.nrt) prefetch_l1(a.tiles + 3 * tile);
+}
+DSV4_INLINE void fmw_prefetch_rows(const FmoeArgs& a, const FmwItem& it) {
   if (FMW_PREFETCH_ITEM >= 2 && !it.shared) {  // two lines: a tile's rows span at most 512 bytes
     prefetch_l1(a.rows + it.start);
     prefetch_l1(a.rows + it.start + it.n - 1);
   }
 }
 
-// FMW_L2_AHEAD P (a bench variant; 0, the default, off): the producer also asks L2 for the weight boxes P stages
-// ahead of those it copies into the ring (tma_prefetch_l2_2d), over the block's items in order: up, pass 0's run
-// on into pass 1's, and an item's last P stages ask for the next item's first (fmw_l2_next; the block's first
-// item's first P when it starts). Why to try: the ring holds FMW_NSTAGES stages of weights a block, and the
-// stream's latency under load is about that many stages' time (Little's law: a block streams one ring a
-// latency); at an item's boundary the consumers wait for its first stage and the ring stands full of landed data
-// through the epilogue, so the block has nothing in flight. Boxes asked for ahead are in flight without shared
-// memory, and a stage copied from L2 lands sooner.
-#ifndef FMW_L2_AHEAD
-#define FMW_L2_AHEAD 0
-#endif
-// Stage g (0 .. passes · nks) of the item's weight boxes into L2: pass g / nks's map (map0, pass 0's; up, W3's
-// sits a fixed distance after W1's), 128-byte column kb of its row block rb.
-template <bool UP>
-DSV4_INLINE void fmw_l2_stage(const unsigned char* map0, int rb, int nks, int g) {
-  const int pass = g >= nks, kb = g - pass * nks;
-  tma_prefetch_l2_2d(map0 + (UP && pass ? (FMOE_MAP_W3 - FMOE_MAP_W1) * FMOE_MAP_BYTES : 0), kb * FMW_RB, rb * FMW_ROWS);
+// The producer's copy of the GEMM's arguments at each of its items, with the shape (D, I, K, N, T) passed
+// through an opaque asm: values made from them (the tables' offsets, the items' division) are otherwise hoisted
+// out of the producer's loop, or above the producer / consumer split, and spill at 24 registers (200-370 bytes).
+DSV4_INLINE FmoeArgs fmw_opaque_shape(const FmoeArgs& a) {
+  FmoeArgs o = a;
+  asm volatile("mov.b32 %0, %0;\n\tmov.b32 %1, %1;\n\tmov.b32 %2, %2;\n\tmov.b32 %3, %3;\n\tmov.b32 %4, %4;\n"
+               : "+r"(o.D), "+r"(o.I), "+r"(o.K), "+r"(o.N), "+r"(o.T));
+  return o;
 }
 
-// Stage s of the block's next item wi (if it has one, and it is this rank's) into L2: the item made again from
-// the plan (its tile asked into L1 at this item's start, fmw_prefetch_item).
-template <bool UP>
-DSV4_INLINE void fmw_l2_next(const FmoeArgs& a, int wi, int s) {
-  if (wi >= fmw_total_items<UP>(a)) return;
-  int x;
-  const FmwItem nx = fmw_item<UP>(a, wi, &x);
-  const int nks = fmoe_stages(nx.fp4, a.K);
-  if (!nx.skip && s < fmw_passes(UP) * nks) fmw_l2_stage<UP>(fmw_pass_src<UP>(nx, 0, a.K).map, nx.rb, nks, s);
+// The block's next item: the queue's head, taken by the producer thread (the consumers follow its records).
+DSV4_INLINE int fmw_take(unsigned* queue) { return (int)atomicAdd(queue, 1u); }
+
+// The producer's item indices in shared memory, in the first slot's record's free words (FMW_REC_ITEM: the
+// current item, FMW_REC_ITEM + 4: the next one). Why not registers: an index read back from shared memory at a
+// uniform address is uniform to ptxas, so the item's fields made from it live in the uniform registers, as
+// they did when the items were blockIdx.x + i · gridDim.x; made from the atomic's result (one thread's), they
+// took the producer's 24 registers and spilled 200-370 bytes.
+DSV4_INLINE void fmw_keep_item(unsigned smem, int which, int wi) {
+  asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(smem + FMW_REC + FMW_REC_ITEM + 4 * which), "r"(wi) : "memory");
+}
+DSV4_INLINE int fmw_kept_item(unsigned smem, int which) {
+  int wi;
+  asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(wi) : "r"(smem + FMW_REC + FMW_REC_ITEM + 4 * which) : "memory");
+  return wi;
 }
 
 // The producer: one thread. Both GEMMs' activations (x for up, made by fmw_gather_x_kernel; h for down, by
@@ -455,34 +460,41 @@ DSV4_INLINE void fmw_l2_next(const FmoeArgs& a, int wi, int s) {
 // their 4-byte scales one per thread: 14% of the up GEMM's instructions, the scales one shared-memory
 // wavefront each, and retries of the ring's waits; ncu, B = 4096.)
 template <bool UP>
-DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, unsigned smem, int my_items) {
+DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, unsigned smem, unsigned* queue) {
   if (threadIdx.x != FMW_CONSUMERS) return;
-  const int K = a.K;
   int slot = 0;
   unsigned phase = 0;
+  // The block's items from the queue (fmw_take), their indices kept in shared memory (fmw_keep_item: 0 the
+  // current, 1 the next): the next one's taken when an item starts, and its tile asked into L1 once the item's
+  // record is out (fmw_prefetch_tile).
+  fmw_keep_item(smem, 0, fmw_take(queue));
+  int local = 0;
   // One loop over (item, pass), the item made again for each pass: what a pass needs of it held across both
   // passes spilled at 24 registers.
-  for (int q = 0; q < my_items * fmw_passes(UP); ++q) {
-    const int pass = UP ? q & 1 : 0, local = UP ? q >> 1 : q, wi = blockIdx.x + local * gridDim.x;
+  for (int pass = 0;;) {
+    const FmoeArgs sa = fmw_opaque_shape(a);
+    const int K = sa.K, wi = fmw_kept_item(smem, 0);
+    if (wi >= fmw_total_items<UP>(sa)) break;
     int x;
-    const FmwItem it = fmw_item<UP>(a, wi, &x);
-    if (it.skip) continue;
+    const FmwItem it = fmw_item<UP>(sa, wi, &x);
+    if (it.skip) {  // another rank's expert
+      fmw_keep_item(smem, 0, fmw_take(queue));
+      continue;
+    }
     if (pass == 0) {  // the item's start
-      fmw_prefetch_item<UP>(a, it, wi + gridDim.x);
+      const int next = fmw_take(queue);
+      fmw_prefetch_rows(sa, it);
       if (FMW_TRACE) fmw_trace(FMW_EV_PRODUCE, (UP ? 0 : FMW_TRACE_DOWN) | wi | (it.n < 0), local);
-      if (FMW_L2_AHEAD > 0 && q == 0) {  // the block's first item's first boxes (later items': the item before's)
-        const int item_nks = fmoe_stages(it.fp4, K);
-        for (int g = 0; g < min(FMW_L2_AHEAD, fmw_passes(UP) * item_nks); ++g)
-          fmw_l2_stage<UP>(fmw_pass_src<UP>(it, 0, K).map, it.rb, item_nks, g);
-      }
       // The item's record, beside its first stage (whose wait below then passes at once).
       mbar_wait(fmw_empty(smem, slot), phase ^ 1);
-      fmw_put_record<UP>(a, it, wi, x, smem + FMW_REC + slot * FMW_REC_BYTES, fmw_full(smem, slot));
+      fmw_put_record<UP>(sa, it, wi, x, smem + FMW_REC + slot * FMW_REC_BYTES, fmw_full(smem, slot));
+      fmw_keep_item(smem, 1, next);  // (the take's round trip ran under the wait for the slot)
+      fmw_prefetch_tile<UP>(sa, next);
     }
     const int nks = fmoe_stages(it.fp4, K);
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
     const int boxes = (it.n + FMW_HBOX - 1) / FMW_HBOX;
-    const int row0 = (int)fmw_act_row(a, it, 0);
+    const int row0 = (int)fmw_act_row(sa, it, 0);
     // (An offset of 32 bits, added to the kernel parameter at each stage: a pointer held across the stages
     // spilled at 24 registers. Below 2^32 for any T the workspace holds.)
     const unsigned scales = (unsigned)fmw_act_scale_at(it, K / 128, 0, 0);
@@ -493,20 +505,18 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
       const int blocks = fmoe_stage_blocks(it.fp4, K, kb), k0 = kb * kbytes;
       mbar_arrive_expect_tx(full, fmw_weight_tx(it) + blocks * (boxes * FMW_HBOX * 128 + FMW_T * 4));
       fmw_load_weights(it, src, kb, st, full);
-      if (FMW_L2_AHEAD > 0) {
-        const int g = pass * nks + kb + FMW_L2_AHEAD, all = fmw_passes(UP) * nks;
-        if (g < all)
-          fmw_l2_stage<UP>(pass == 0 ? src.map : src.map - (FMOE_MAP_W3 - FMOE_MAP_W1) * FMOE_MAP_BYTES, it.rb, nks, g);
-        else
-          fmw_l2_next<UP>(a, wi + gridDim.x, g - all);
-      }
       const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
       for (int b = 0; b < blocks; ++b)
         for (int r = 0; r < boxes; ++r)
           tma_load_2d(adst + b * FMW_B_PANEL + r * (FMW_HBOX * 128), act_map, k0 + 128 * b, row0 + r * FMW_HBOX, full);
-      bulk_load(adst + FMW_SLOT_A, a.act_s + scales + (k0 / 128) * FMW_T, blocks * FMW_T * 4, full);
+      bulk_load(adst + FMW_SLOT_A, sa.act_s + scales + (k0 / 128) * FMW_T, blocks * FMW_T * 4, full);
       cp_async_mbar_arrive(full);
       fmoe_ring_advance(slot, phase, FMW_NSTAGES);
+    }
+    if (++pass == fmw_passes(UP)) {  // the item's end
+      pass = 0;
+      ++local;
+      fmw_keep_item(smem, 0, fmw_kept_item(smem, 1));
     }
   }
   // The end mark: a record with item -1 in the next slot, its stage full with no data.
@@ -1038,7 +1048,7 @@ DSV4_INLINE FmwEpilogueRead fmw_epilogue_read(const FmoeArgs& a, const FmwItem& 
 // Shared body of both kernels (see fast_moe_gemm.cu's fmoe_gemm for the operands).
 template <bool UP>
 DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, unsigned char* out_q, float* out_s,
-                          bf16_t* out_y, const unsigned char* act_map) {
+                          bf16_t* out_y, const unsigned char* act_map, unsigned* queue) {
   extern __shared__ __align__(1024) unsigned char fmw_smem[];
   const unsigned smem = smem_addr(fmw_smem);
   if ((smem & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned slots
@@ -1047,8 +1057,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   __syncthreads();
   if (threadIdx.x >= FMW_CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FMW_PRODUCER_REGS));
-    const int total = fmw_total_items<UP>(a);
-    fmw_produce<UP>(a, act_map, smem, blockIdx.x < total ? (total - 1 - blockIdx.x) / gridDim.x + 1 : 0);
+    fmw_produce<UP>(a, act_map, smem, queue);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FMW_CONSUMER_REGS));
@@ -1130,8 +1139,11 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
 extern "C" __global__ void __launch_bounds__(256)
     fmw_gather_x_kernel(const unsigned char* xq, const float* xs, int T, int D, int k, const int* rows,
                         const int* tiles, const int* ntiles, int e_begin, int e_end, int has_shared,
-                        unsigned char* xq_plan, float* xs_plan) {
+                        unsigned char* xq_plan, float* xs_plan, unsigned* queues) {
   dsv4_pdl_begin();
+  // Both GEMMs' item queues (fmw_take) back to their first item: the up GEMM reads its queue only after its
+  // programmatic wait, once this kernel has finished, and the down GEMM after the up GEMM's.
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2) queues[threadIdx.x] = 0u;
   const int nrt = *ntiles, b = blockIdx.x;
   FmwItem it;  // only the fields fmw_act_row and fmw_act_scale_at read
   it.tile = b;
@@ -1182,11 +1194,11 @@ extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
                   const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
                   const unsigned long long* s1, const unsigned long long* s3, int fmt, int shared_fmt,
                   const float* shared_s1, const float* shared_s3, const unsigned char* sc8, const float* route_w,
-                  float limit, const unsigned char* x_map, unsigned char* hq, float* hs) {
+                  float limit, const unsigned char* x_map, unsigned char* hq, float* hs, unsigned* queue) {
   dsv4_pdl_begin();
   const FmoeArgs a = fmoe_args(xq, xs, T, D, I, k, rows, tiles, ntiles, e_begin, e_end, maps, s1, s3, fmt,
                                shared_fmt, shared_s1, shared_s3, sc8, D, I);
-  fmw_gemm<true>(a, route_w, limit, hq, hs, nullptr, x_map);
+  fmw_gemm<true>(a, route_w, limit, hq, hs, nullptr, x_map, queue);
 }
 
 // GEMM2: fmoe_down_kernel's operands, with the plan made for FMW_T-token tiles, h in this path's layout
@@ -1195,9 +1207,9 @@ extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
     fmw_down_kernel(const unsigned char* hq, const float* hs, int T, int I, int D, int k, const int* rows,
                     const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
                     const unsigned long long* s2, int fmt, int shared_fmt, const float* shared_s2,
-                    const unsigned char* sc8, const unsigned char* h_map, unsigned short* y) {
+                    const unsigned char* sc8, const unsigned char* h_map, unsigned short* y, unsigned* queue) {
   dsv4_pdl_begin();
   const FmoeArgs a = fmoe_args(hq, hs, T, I, D, k, rows, tiles, ntiles, e_begin, e_end, maps, s2, s2, fmt,
                                shared_fmt, shared_s2, shared_s2, sc8, D, I);
-  fmw_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y, h_map);
+  fmw_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y, h_map, queue);
 }

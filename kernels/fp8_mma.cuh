@@ -333,13 +333,6 @@ DSV4_INLINE void mbar_wait(unsigned bar, unsigned parity) {
 // load that another thread of the block makes later (fast_moe_wide.cu fmw_prefetch_item).
 DSV4_INLINE void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
 
-// TMA: asks L2 for the box at element coordinates (x, y) of the 2-D tensor map at generic address `map`, as
-// tma_load_2d would read it; no shared memory, no barrier, nothing to wait for.
-DSV4_INLINE void tma_prefetch_l2_2d(const void* map, int x, int y) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(map), "r"(x), "r"(y)
-               : "memory");
-}
-
 // Waits for all of this thread's cp.async copies.
 DSV4_INLINE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 

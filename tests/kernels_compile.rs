@@ -197,7 +197,7 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
     if !nvrtc_or_skip() {
         return;
     }
-    let variants: [(&KernelSource, &str); 23] = [
+    let variants: [(&KernelSource, &str); 21] = [
         (&fast_attention::SOURCE, "FA_DECODE_FAST=0"),
         (&fast_attention::SOURCE, "FA_FETCH_FAST=0"),
         (&fast_attention::SOURCE, "FA_CL_BATCH=1"),
@@ -217,8 +217,6 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         (&fast_moe_wide::SOURCE, "FMW_PROBE_NO_MATH=1"),
         (&fast_moe_wide::NARROW_SOURCE, "FMW_PREFETCH_ITEM=0"),
         (&fast_moe_wide::SOURCE, "FMW_PREFETCH_ITEM=1"),
-        (&fast_moe_wide::NARROW_SOURCE, "FMW_L2_AHEAD=4"),
-        (&fast_moe_wide::SOURCE, "FMW_L2_AHEAD=4"),
         (&fast_moe_wide::SOURCE, "FMW_TRACE=1"),
         (&fast_moe_wide::NARROW_SOURCE, "FMW_TRACE=1"),
     ];

@@ -309,6 +309,20 @@ pub fn plan_cleared_sync_words(t: usize, k: usize, experts: usize) -> usize {
     1 + (t * k).div_ceil(TOKENS) + experts + t.div_ceil(TOKENS)
 }
 
+/// The prefill path's item queues in the same buffer (kernels/fast_moe_wide.cu `fmw_take`): the up
+/// GEMM's head at this word, the down GEMM's at the next. `fmw_gather_x_kernel`, the launch before
+/// the up GEMM's, zeroes both. (The fused decode path's plan zeroes the same words before its own
+/// launch; the start ticket, word 0, is not touched.)
+pub const PREFILL_QUEUE_WORD: usize = 1;
+
+/// The prefill path's queue words, from [`PREFILL_QUEUE_WORD`]: `count` of them (2: both GEMMs'; 1
+/// and `down`: the down GEMM's).
+fn prefill_queues(who: &str, ws: &FastMoeWorkspace, down: bool, count: usize) -> Result<DevicePtr> {
+    let word = PREFILL_QUEUE_WORD + usize::from(down);
+    need(who, "sync", ws.sync, (word + count) * 4)?;
+    ws.sync.slice(word * 4, count * 4)
+}
+
 /// u32 words of the routed decode path's synchronisation buffer for `t` tokens
 /// (`fmoe_route_experts_kernel`'s `sync`): the queue's head, the router's three counts (x's codes,
 /// the logit tiles, the plan), then per tile a count of its up items done. Zero when the launch
@@ -520,11 +534,13 @@ impl FastMoeGemm {
                     has_shared: sh.is_some(),
                     xq_plan: ws.y,
                     xs_plan: ws.xs_plan,
+                    queues: prefill_queues(K, ws, false, 2)?,
                 };
                 let grid = (to_i32(K, "tiles", tiles)? as u32, wide::GATHER_Y as u32, 1);
                 let (gather_k, up_k, _) = self.prefill_kernels(t);
                 gather_k.launch(grid, 256, 0, stream, gather)?;
-                let args = up_args!(fmw_up_kernel, ws.xs_plan, x_map: ws.x_map()?);
+                let queue = prefill_queues(K, ws, false, 1)?;
+                let args = up_args!(fmw_up_kernel, ws.xs_plan, x_map: ws.x_map()?, queue: queue);
                 up_k.launch(g, b, sm, stream, args)
             }
         }
@@ -660,7 +676,8 @@ impl FastMoeGemm {
                     .launch(g, b, sm, stream, down_args!(fmoe_down_kernel))
             }
             GemmPath::Prefill => {
-                let args = down_args!(fmw_down_kernel, h_map: ws.h_map()?);
+                let queue = prefill_queues(K, ws, true, 1)?;
+                let args = down_args!(fmw_down_kernel, h_map: ws.h_map()?, queue: queue);
                 self.prefill_kernels(t).2.launch(g, b, sm, stream, args)
             }
         }

@@ -175,7 +175,7 @@ crate::kernel_family! {
     fn fmw_gather_x_kernel(
         xq: *const u8, xs: *const f32, t: i32, d: i32, k: i32, rows: *const i32,
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, has_shared: bool,
-        xq_plan: *mut u8, xs_plan: *mut f32,
+        xq_plan: *mut u8, xs_plan: *mut f32, queues: *mut u32,
     );
     /// GEMM1 + SwiGLU + routing weight + FP8 quantisation of h: fmoe_up_kernel's operands, x in
     /// this path's layout (`xs` its scales, `x_map` a tensor map over its codes; `xq` is not
@@ -188,6 +188,7 @@ crate::kernel_family! {
         s1: *const u64, s3: *const u64, fmt: i32, shared_fmt: i32,
         shared_s1: Option<*const f32>, shared_s3: Option<*const f32>, sc8: Option<*const u8>,
         route_w: *const f32, limit: f32, x_map: *const u8, hq: *mut u8, hs: *mut f32,
+        queue: *mut u32,
     );
     /// GEMM2 into bf16 rows per (token, slot): fmoe_down_kernel's operands, h in this path's
     /// layout ([`act_scale_index`]) and `h_map`, a tensor map over `hq` ([`act_tensor_map`]).
@@ -197,7 +198,7 @@ crate::kernel_family! {
         hq: *const u8, hs: *const f32, t: i32, i: i32, d: i32, k: i32, rows: *const i32,
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
         s2: *const u64, fmt: i32, shared_fmt: i32, shared_s2: Option<*const f32>,
-        sc8: Option<*const u8>, h_map: *const u8, y: *mut u16,
+        sc8: Option<*const u8>, h_map: *const u8, y: *mut u16, queue: *mut u32,
     );
 }
 
