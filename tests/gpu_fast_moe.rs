@@ -913,7 +913,12 @@ fn check_case(
     let f1 = fast(e, l, b, r, None, path, router, s);
     if path == GemmPath::Prefill {
         let word = fast_moe_gemm::PREFILL_QUEUE_WORD;
-        put(e.ctx, b.ws.sync.slice(word * 4, 8).unwrap(), &[0x5a5a_5a5au32; 2], s);
+        put(
+            e.ctx,
+            b.ws.sync.slice(word * 4, 8).unwrap(),
+            &[0x5a5a_5a5au32; 2],
+            s,
+        );
     }
     let f2 = fast(e, l, b, r, None, path, router, s);
     let decode = [

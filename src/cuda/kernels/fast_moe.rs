@@ -492,9 +492,11 @@ pub struct FastMoeWorkspace {
     /// wait, once the up GEMM has finished (kernels/SPEC.md, fast_moe: every kernel of the layer
     /// begins with `dsv4_pdl_begin`), so the two never overlap and x costs no memory of its own.
     pub y: DevicePtr,
-    /// The decode path's synchronisation words (`u32[`[`fast_moe_gemm::sync_words`]`]`): the
-    /// fused path's plan zeroes all but the first before each launch ([`FastMoe::experts_on`]);
+    /// The GEMMs' synchronisation words (`u32[`[`fast_moe_gemm::sync_words`]`]`): the fused
+    /// decode path's plan zeroes all but the first before each launch ([`FastMoe::experts_on`]);
     /// the first, the blocks' start ticket, is zero from the arena on and each launch leaves it so.
+    /// The prefill path's two item queues sit in the words after it
+    /// ([`fast_moe_gemm::PREFILL_QUEUE_WORD`]), zeroed by its gather kernel before the up GEMM.
     pub sync: DevicePtr,
     /// The wide plan's scratch ([`moe::plan_wide_scratch`]): block counts and ranks.
     pub plan_counts: DevicePtr,
