@@ -109,6 +109,13 @@
 #ifndef FMW_PROBE_NO_MATH
 #define FMW_PROBE_NO_MATH 0
 #endif
+// FMW_PROBE_NO_EPI 1 (a bench probe, wrong outputs): the up epilogue stashes the up pass and meets the other
+// warpgroup as usual, then stores nothing: h's rounds (fmw_up_h_quant's loop) are skipped. Against the real
+// kernels, what making h costs the layer apart from the wait for the slower warpgroup (the trace's "epi", MATH
+// -> DONE, holds both: 4.6 µs of a ~37 µs up item at 4096 tokens, H100).
+#ifndef FMW_PROBE_NO_EPI
+#define FMW_PROBE_NO_EPI 0
+#endif
 // FMW_TRACE 1 (a bench variant: `dsv4 bench moe --path prefill --defines FMW_TRACE=1 --trace DIR`, then
 // scripts/fmw-trace.py): both GEMMs log each item's boundaries (fmw_trace; arg = the item's index, | FMW_TRACE_DOWN
 // for the down GEMM): the producer thread when it starts the item (PRODUCE), and consumer thread 0 when it begins
@@ -936,6 +943,7 @@ DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const floa
                                 const float* wt, unsigned char* out_q, float* out_s) {
   fmw_up_stash(acc, ep + FMW_UP_MATRIX, it.n);
   named_barrier(1, FMW_CONSUMERS);  // both matrices and wt are written
+  if (FMW_PROBE_NO_EPI) return;
   const int sub = threadIdx.x & (FMW_H_THREADS - 1), blk = sub >> 1, odd = sub & 1;
 #pragma unroll 1
   for (int tok0 = 0; tok0 < it.n; tok0 += FMW_CONSUMERS / FMW_H_THREADS) {  // uniform over the block
