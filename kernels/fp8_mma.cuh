@@ -330,7 +330,7 @@ DSV4_INLINE void mbar_wait(unsigned bar, unsigned parity) {
 }
 
 // Asks the SM's L1 for the line holding p (global memory) without waiting and without a register: a hint for a
-// load that another thread of the block makes later (fast_moe_wide.cu fmw_prefetch_item).
+// load that another thread of the block makes later (fast_moe_wide.cu fmw_prefetch_tile, fmw_prefetch_rows).
 DSV4_INLINE void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
 
 // Waits for all of this thread's cp.async copies.
