@@ -100,8 +100,9 @@ impl TraceLog {
     /// kernels/fast_moe_common.cuh `moe_trace_event_at`) and [`TraceLog::write`] keeps the
     /// events whose time is set.
     pub fn reset(&self, s: BorrowedStream) -> Result<(), String> {
-        arena::copy_to_device_sync(self.count, &[0u32], s).map_err(e)?;
-        arena::copy_to_device_sync(self.events, &vec![0u64; self.events.bytes() / 8], s).map_err(e)
+        // (The events by a memset on the stream, which the count's synchronous copy then waits for.)
+        arena::memset_async(self.events, 0, s).map_err(e)?;
+        arena::copy_to_device_sync(self.count, &[0u32], s).map_err(e)
     }
 
     /// Writes the events logged since [`TraceLog::reset`] to `path` as JSON: the case's labels,

@@ -315,12 +315,11 @@ pub fn plan_cleared_sync_words(t: usize, k: usize, experts: usize) -> usize {
 /// launch; the start ticket, word 0, is not touched.)
 pub const PREFILL_QUEUE_WORD: usize = 1;
 
-/// The prefill path's queue words, from [`PREFILL_QUEUE_WORD`]: `count` of them (2: both GEMMs'; 1
-/// and `down`: the down GEMM's).
-fn prefill_queues(who: &str, ws: &FastMoeWorkspace, down: bool, count: usize) -> Result<DevicePtr> {
-    let word = PREFILL_QUEUE_WORD + usize::from(down);
-    need(who, "sync", ws.sync, (word + count) * 4)?;
-    ws.sync.slice(word * 4, count * 4)
+/// The prefill path's two queue words (from [`PREFILL_QUEUE_WORD`]): the up GEMM's, then the
+/// down GEMM's.
+fn prefill_queues(who: &str, ws: &FastMoeWorkspace) -> Result<DevicePtr> {
+    need(who, "sync", ws.sync, (PREFILL_QUEUE_WORD + 2) * 4)?;
+    ws.sync.slice(PREFILL_QUEUE_WORD * 4, 8)
 }
 
 /// u32 words of the routed decode path's synchronisation buffer for `t` tokens
@@ -534,12 +533,12 @@ impl FastMoeGemm {
                     has_shared: sh.is_some(),
                     xq_plan: ws.y,
                     xs_plan: ws.xs_plan,
-                    queues: prefill_queues(K, ws, false, 2)?,
+                    queues: prefill_queues(K, ws)?,
                 };
                 let grid = (to_i32(K, "tiles", tiles)? as u32, wide::GATHER_Y as u32, 1);
                 let (gather_k, up_k, _) = self.prefill_kernels(t);
                 gather_k.launch(grid, 256, 0, stream, gather)?;
-                let queue = prefill_queues(K, ws, false, 1)?;
+                let queue = prefill_queues(K, ws)?.slice(0, 4)?;
                 let args = up_args!(fmw_up_kernel, ws.xs_plan, x_map: ws.x_map()?, queue: queue);
                 up_k.launch(g, b, sm, stream, args)
             }
@@ -676,7 +675,7 @@ impl FastMoeGemm {
                     .launch(g, b, sm, stream, down_args!(fmoe_down_kernel))
             }
             GemmPath::Prefill => {
-                let queue = prefill_queues(K, ws, true, 1)?;
+                let queue = prefill_queues(K, ws)?.slice(4, 4)?;
                 let args = down_args!(fmw_down_kernel, h_map: ws.h_map()?, queue: queue);
                 self.prefill_kernels(t).2.launch(g, b, sm, stream, args)
             }
