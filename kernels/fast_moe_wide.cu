@@ -175,7 +175,9 @@ DSV4_INLINE void fmw_trace(int kind, int arg, int local, unsigned long long t = 
 #define FMW_REC (FMW_BARS + 2 * FMW_NSTAGES * 8)
 #define FMW_REC_ITEM 24
 #define FMW_REC_BYTES 320
-#define FMW_SMEM_USED (FMW_REC + FMW_NSTAGES * FMW_REC_BYTES)
+// Then the pending up item's h (FmwHItem, fmw_up_h_stash): 32 bytes.
+#define FMW_HPEND (FMW_REC + FMW_NSTAGES * FMW_REC_BYTES)
+#define FMW_SMEM_USED (FMW_HPEND + 32)
 static_assert(FMW_SMEM_USED <= FMW_SMEM, "fast_moe_wide: shared memory layout exceeds FMW_SMEM");
 // A tile of 32, 64 or 128 tokens (the largest wgmma is m64n128k32; the down epilogue's copy-out takes 16 tokens
 // a round; the activations' TMA boxes are FMW_HBOX rows; the scale words' head, fmw_scale_head, reads the first
@@ -932,7 +934,7 @@ DSV4_INLINE void fmw_up_gate(const FmwItem& it, float route_w, const float (&acc
 #define FMW_H_SLOTS (FMW_CONSUMERS / FMW_H_THREADS)  // tokens a round
 
 // What h's rounds need of an up item.
-struct FmwHItem {
+struct __align__(16) FmwHItem {
   int n;          // tokens in the tile
   bool routed;    // a routed expert's: h times the routing weight
   long long q0;   // hq's offset of the item's row block in token column 0's row (fmw_act_row)
@@ -945,11 +947,38 @@ DSV4_INLINE FmwHItem fmw_h_item(const FmoeArgs& a, const FmwItem& it) {
           (unsigned)fmw_act_scale_at(it, a.N / 128, it.rb, 0)};
 }
 
+// FMW_H_DEFER (bench variants; 0, the default: h right after the item's up pass, both warpgroups at once, the
+// tensor cores idle). 1 and 2 defer h so that the up pass's end does not stop both warpgroups together: each
+// stashes its up values, announces them (fmw_up_h_announce: named barrier 4 + wg, arrive; the item in shared
+// memory) and makes its tokens' h (fmw_h_tokens: threads 0-127 take tokens 0-15 of every 32) once the other's
+// are in (fmw_h_pending_rounds): 1, warpgroup 0 at the next item's start and warpgroup 1 after the next item's
+// first pass, so that each one's h overlaps the other's mainloop (warpgroup 1 runs up to the ring's slots ahead
+// while warpgroup 0 makes h, then warpgroup 0 catches up); 2, both at the next item's start, without meeting. The
+// block's last up item's h is made after its loop. The next item's gate epilogue (fmw_up_gate's meeting) writes
+// the matrices and wt only after both warpgroups' rounds have read them, and a warpgroup announces again only
+// after that meeting: an announcement is never counted twice. (Costs: ptxas spills the item's fields around the
+// rounds, and for 1 warpgroup 1's accumulators, which are live there. Inside the next item's mainloop, split
+// around h, the pass's values held across it spilled ~500 bytes at 240 registers, forty-seventh session.)
+#ifndef FMW_H_DEFER
+#define FMW_H_DEFER 0
+#endif
+DSV4_INLINE bool fmw_h_before_pass() { return FMW_H_DEFER == 2 || (FMW_H_DEFER == 1 && threadIdx.x < 128); }
+
 // Up, up pass: the bf16 up values into the second matrix; then FMW_H_THREADS threads a token make h from the
 // two matrices and the per-128 act_quant (fmw_h_rounds): codes in the halves order and the scale.
 DSV4_INLINE void fmw_up_h_stash(const FmwItem& it, const float (&acc)[64], bf16_t* ep) {
   fmw_up_stash(acc, ep + FMW_UP_MATRIX, it.n);
   named_barrier(1, FMW_CONSUMERS);  // both matrices and wt are written
+}
+
+// FMW_H_DEFER: the stash, the item in shared memory and this warpgroup's announcement.
+DSV4_INLINE void fmw_up_h_announce(const FmoeArgs& a, const FmwItem& it, const float (&acc)[64], bf16_t* ep,
+                                   FmwHItem* pend) {
+  fmw_up_stash(acc, ep + FMW_UP_MATRIX, it.n);
+  if (threadIdx.x == 0) *pend = fmw_h_item(a, it);  // (read by both warpgroups after the barriers below)
+  const unsigned wg = threadIdx.x >> 7;
+  named_barrier(2 + wg, 128);           // the warpgroup's own rows are in (its rounds read them)
+  named_arrive(4 + wg, FMW_CONSUMERS);  // and the other warpgroup may read them
 }
 
 // The eight bf16 of a 16-byte chunk as f32 (exact).
@@ -1082,6 +1111,16 @@ DSV4_INLINE void fmw_h_rounds(const FmwHItem& h, int N, float limit, const bf16_
   }
 }
 
+// The pending up item's h (`pending`: the block has stashed an up item whose h this warpgroup has not made),
+// made by the calling warpgroup once the other warpgroup's stash is in. The item comes from shared memory
+// (fmw_up_h_stash), not from registers held since: warpgroup 1 makes it after a mainloop, whose 240 registers
+// a thread are all taken (held there, 80-340 bytes spilled).
+DSV4_INLINE void fmw_h_pending_rounds(bool pending, const FmwHItem* pend, int N, float limit, const bf16_t* ep,
+                                      const float* wt, unsigned char* out_q, float* out_s) {
+  if (!pending) return;
+  named_barrier(4 + (1 - (threadIdx.x >> 7)), FMW_CONSUMERS);  // the other warpgroup's fmw_up_h_stash
+  fmw_h_rounds(*pend, N, limit, ep, wt, out_q, out_s);
+}
 
 // Down: y[out row][row] = bf16(acc), staged per warpgroup so each token's 64 rows leave in 16-byte pieces.
 // Thread l of a warpgroup gives token l's output row (fmw_epilogue_read; -1 past the tile's count) through
@@ -1155,8 +1194,10 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   float* wt = reinterpret_cast<float*>(fmw_smem + FMW_WT);
   FmwRing ring = {0, 0u};
   float acc[64];
+  FmwHItem* pend = reinterpret_cast<FmwHItem*>(fmw_smem + FMW_HPEND);  // up: the item whose h is to be made
+  int n = 0;  // the block's items so far
 #pragma unroll 1
-  for (int n = 0;; ++n) {
+  for (;; ++n) {
     // The item comes in its first stage's record (fmw_put_record): the producer skips other ranks' items and
     // ends the block's with a mark.
     const unsigned long long t_start = FMW_TRACE ? moe_trace_now(n) : 0ull;
@@ -1171,6 +1212,8 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
     const FmwEpilogueRead er = fmw_epilogue_read<UP>(a, it, route_w);
     const int nks = fmoe_stages(it.fp4, a.K);
     for (int pass = 0; pass < fmw_passes(UP); ++pass) {
+      if (UP && pass == 0 && fmw_h_before_pass())
+        fmw_h_pending_rounds(FMW_H_DEFER && n > 0, pend, a.N, limit, ep, wt, out_q, out_s);
 #pragma unroll
       for (int v = 0; v < 64; ++v) acc[v] = 0.0f;
       if (FMW_PROBE_NO_MATH) {
@@ -1211,14 +1254,20 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
       if (!UP) {
         fmw_down_store(a, it, acc, er.out_row, ep, out_y);
       } else if (pass == 0) {
+        if (!fmw_h_before_pass()) fmw_h_pending_rounds(FMW_H_DEFER && n > 0, pend, a.N, limit, ep, wt, out_q, out_s);
         fmw_up_gate(it, er.route_w, acc, ep, wt);
       } else {
-        fmw_up_h_stash(it, acc, ep);
-        fmw_h_rounds(fmw_h_item(a, it), a.N, limit, ep, wt, out_q, out_s);
+        if (FMW_H_DEFER) {
+          fmw_up_h_announce(a, it, acc, ep, pend);
+        } else {
+          fmw_up_h_stash(it, acc, ep);
+          fmw_h_rounds(fmw_h_item(a, it), a.N, limit, ep, wt, out_q, out_s);
+        }
       }
     }
     if (FMW_TRACE && threadIdx.x == 0) fmw_trace(FMW_EV_DONE, trace_arg, n);
   }
+  if (UP) fmw_h_pending_rounds(FMW_H_DEFER && n > 0, pend, a.N, limit, ep, wt, out_q, out_s);  // the last item
 }
 
 // x's codes and scales (act_quant, as fmoe_select_kernel or the logits kernel stored them by token) in this
