@@ -31,22 +31,18 @@ DSV4_INLINE float fmoe_h_value(float g, float u, float w, float limit, bool rout
   return round_bf16_nonnan(h);
 }
 
-// h of 8 (g, u) pairs, fmoe_h_value's bits where `ok` stays set: the SiLUs by silu_newton, the same bits as
-// silu_div_rn for gates in its range; the 8 values' instructions interleave (one value at a time, the up
-// epilogue's h loop was a chain of dependent latencies). `ok` is cleared where a gate is out of that range:
-// the caller then redoes the group with fmoe_h_exact8. (Apart, so that a caller can make several groups in
-// one run of independent instructions and check them after: fast_moe_wide.cu's fmw_h_tokens.)
-DSV4_INLINE void fmoe_h_newton8(const float (&g)[8], const float (&u)[8], float w, float limit, bool routed,
-                                float (&h)[8], bool& ok) {
+// h of 8 (g, u) pairs, fmoe_h_value's bits. The SiLUs by silu_newton, the same bits as silu_div_rn: the
+// 8 values' instructions interleave (the up epilogue's h loop was a chain of dependent latencies, one value
+// at a time); the rare group with a gate out of silu_newton's range is redone with silu_div_rn.
+DSV4_INLINE void fmoe_h_values8(const float (&g)[8], const float (&u)[8], float w, float limit, bool routed,
+                                float (&h)[8]) {
+  bool ok = true;
 #pragma unroll
   for (int c = 0; c < 8; ++c) h[c] = fmoe_h_round(silu_newton(fmoe_gate(g[c], limit), ok), u[c], w, limit, routed);
-}
-
-// h of 8 (g, u) pairs by fmoe_h_value (silu_div_rn): exact for any gate, slower.
-DSV4_INLINE void fmoe_h_exact8(const float (&g)[8], const float (&u)[8], float w, float limit, bool routed,
-                               float (&h)[8]) {
+  if (!ok) {
 #pragma unroll
-  for (int c = 0; c < 8; ++c) h[c] = fmoe_h_value(g[c], u[c], w, limit, routed);
+    for (int c = 0; c < 8; ++c) h[c] = fmoe_h_value(g[c], u[c], w, limit, routed);
+  }
 }
 
 // act_quant's scale of a 128-block of h whose largest |h| is `amax`.

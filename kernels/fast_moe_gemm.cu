@@ -680,9 +680,8 @@ DSV4_INLINE void fmoe_up_quant(const FmoeArgs& a, const FmoeItem& it, const floa
   const float4 ga = g4[0], gb = g4[1], ua = u4[0], ub = u4[1];
   const float gs[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
   const float us[8] = {ua.x, ua.y, ua.z, ua.w, ub.x, ub.y, ub.z, ub.w};
-  // One value at a time (fmoe_h_value; the same bits as fmoe_h_newton8 with its exact redo, which measured
-  // 1.5-1.8% slower at B = 64 and 256 in these 96-register kernels, where a thread makes 8 h values an item:
-  // one A/B, 2 rounds).
+  // One value at a time (fmoe_h_value; the same bits as fmoe_h_values8, which measured 1.5-1.8% slower at
+  // B = 64 and 256 in these 96-register kernels, where a thread makes 8 h values an item: one A/B, 2 rounds).
   float hv[8];
   float m = 0.0f;
 #pragma unroll

@@ -110,7 +110,7 @@
 #define FMW_PROBE_NO_MATH 0
 #endif
 // FMW_PROBE_NO_EPI 1 (a bench probe, wrong outputs): the up epilogue stashes the up pass and meets the other
-// warpgroup as usual, then stores nothing: h's rounds (fmw_h_rounds) are skipped. Against the real
+// warpgroup as usual, then stores nothing: h's rounds (fmw_up_h_quant's loop) are skipped. Against the real
 // kernels, what making h costs the layer apart from the wait for the slower warpgroup (the trace's "epi", MATH
 // -> DONE, holds both: 4.6 µs of a ~37 µs up item at 4096 tokens, H100).
 #ifndef FMW_PROBE_NO_EPI
@@ -160,7 +160,7 @@ DSV4_INLINE void fmw_trace(int kind, int arg, int local, unsigned long long t = 
 #define FMW_SLOT_AS (2 * FMW_T * 4)  // their scales, [128-block][token]
 #define FMW_SLOT (((FMW_SLOT_W + FMW_SLOT_S + FMW_SLOT_A + FMW_SLOT_AS) + 1023) / 1024 * 1024)
 // Epilogue buffer (bf16). Up: two [token][128 j] matrices, the gate values then the up values of the item's
-// 128 j (fmw_ep_index's swizzle), read by fmw_h_tokens. Down: one [token][FMW_DOWN_STRIDE] block per
+// 128 j (fmw_ep_index's swizzle), read by fmw_up_h_quant. Down: one [token][FMW_DOWN_STRIDE] block per
 // warpgroup (its 64 rows) to write y in 16-byte pieces, the stride padded so that the 8 token rows a
 // stmatrix writes at once (fmw_stash_pair; 144 bytes apart) fall in distinct banks.
 #define FMW_UP_MATRIX (FMW_T * 128)  // elements of one up matrix
@@ -175,9 +175,7 @@ DSV4_INLINE void fmw_trace(int kind, int arg, int local, unsigned long long t = 
 #define FMW_REC (FMW_BARS + 2 * FMW_NSTAGES * 8)
 #define FMW_REC_ITEM 24
 #define FMW_REC_BYTES 320
-// Then the pending up item's h (FmwHItem, fmw_up_h_stash): 32 bytes.
-#define FMW_HPEND (FMW_REC + FMW_NSTAGES * FMW_REC_BYTES)
-#define FMW_SMEM_USED (FMW_HPEND + 32)
+#define FMW_SMEM_USED (FMW_REC + FMW_NSTAGES * FMW_REC_BYTES)
 static_assert(FMW_SMEM_USED <= FMW_SMEM, "fast_moe_wide: shared memory layout exceeds FMW_SMEM");
 // A tile of 32, 64 or 128 tokens (the largest wgmma is m64n128k32; the down epilogue's copy-out takes 16 tokens
 // a round; the activations' TMA boxes are FMW_HBOX rows; the scale words' head, fmw_scale_head, reads the first
@@ -903,7 +901,7 @@ DSV4_INLINE void fmw_stash_pair(const float (&acc)[64], int p, unsigned addr) {
 
 // Element (tok, j) of an up matrix: token rows of 256 bytes whose 16-byte chunks (8 j) are XOR-swizzled by
 // tok % 16. The fragment stash (fmw_up_stash: a warp's lanes write one chunk of 8 tokens 2 apart, 2 lanes a
-// word) then spreads over all banks; the quantising threads' 16-byte chunk reads (fmw_h_tokens: a quarter
+// word) then spreads over all banks; the quantising threads' 16-byte chunk reads (fmw_up_h_quant: a quarter
 // warp reads the even, then the odd chunks of one token) over half of them, two wavefronts a read.
 DSV4_INLINE int fmw_ep_index(int tok, int j) { return tok * 128 + ((((j >> 3) ^ (tok & 15)) << 3) | (j & 7)); }
 
@@ -930,198 +928,77 @@ DSV4_INLINE void fmw_up_gate(const FmwItem& it, float route_w, const float (&acc
   fmw_up_stash(acc, ep, it.n);
 }
 
-#define FMW_H_THREADS 8                               // threads a token in h's rounds (fmw_h_tokens)
-#define FMW_H_SLOTS (FMW_CONSUMERS / FMW_H_THREADS)  // tokens a round
-
-// What h's rounds need of an up item.
-struct __align__(16) FmwHItem {
-  int n;          // tokens in the tile
-  bool routed;    // a routed expert's: h times the routing weight
-  long long q0;   // hq's offset of the item's row block in token column 0's row (fmw_act_row)
-  unsigned s0;    // hs's offset of column 0's scale of the item's (tile, row block) (fmw_act_scale_at; below 2^32
-                  // for any T the workspace holds, as the producer's)
-};
-
-DSV4_INLINE FmwHItem fmw_h_item(const FmoeArgs& a, const FmwItem& it) {
-  return {it.n, !it.shared, fmw_act_row(a, it, 0) * a.N + it.rb * FMW_ROWS,
-          (unsigned)fmw_act_scale_at(it, a.N / 128, it.rb, 0)};
-}
-
-// FMW_H_DEFER (bench variants; 0, the default: h right after the item's up pass, both warpgroups at once, the
-// tensor cores idle). 1 and 2 defer h so that the up pass's end does not stop both warpgroups together: each
-// stashes its up values, announces them (fmw_up_h_announce: named barrier 4 + wg, arrive; the item in shared
-// memory) and makes its tokens' h (fmw_h_tokens: threads 0-127 take tokens 0-15 of every 32) once the other's
-// are in (fmw_h_pending_rounds): 1, warpgroup 0 at the next item's start and warpgroup 1 after the next item's
-// first pass, so that each one's h overlaps the other's mainloop (warpgroup 1 runs up to the ring's slots ahead
-// while warpgroup 0 makes h, then warpgroup 0 catches up); 2, both at the next item's start, without meeting. The
-// block's last up item's h is made after its loop. The next item's gate epilogue (fmw_up_gate's meeting) writes
-// the matrices and wt only after both warpgroups' rounds have read them, and a warpgroup announces again only
-// after that meeting: an announcement is never counted twice. (Costs: ptxas spills the item's fields around the
-// rounds, and for 1 warpgroup 1's accumulators, which are live there. Inside the next item's mainloop, split
-// around h, the pass's values held across it spilled ~500 bytes at 240 registers, forty-seventh session.)
-#ifndef FMW_H_DEFER
-#define FMW_H_DEFER 0
-#endif
-DSV4_INLINE bool fmw_h_before_pass() { return FMW_H_DEFER == 2 || (FMW_H_DEFER == 1 && threadIdx.x < 128); }
-
 // Up, up pass: the bf16 up values into the second matrix; then FMW_H_THREADS threads a token make h from the
-// two matrices and the per-128 act_quant (fmw_h_rounds): codes in the halves order and the scale.
-DSV4_INLINE void fmw_up_h_stash(const FmwItem& it, const float (&acc)[64], bf16_t* ep) {
+// two matrices and the per-128 act_quant: codes in the halves order and the scale. Thread `sub` of a token takes
+// its 16 j of 32-block sub / 2 (chunks 2·sub, + 1: 8 j each, fmw_ep_index), keeps h in registers, and the
+// token's eight threads (adjacent lanes) join their largest |h| by shuffles. A 32-block leaves as two 16-byte
+// words, word w holding .x (w = 0) or .y (w = 1) of its four chunks' fmoe_h_words8 (t8 = 0 .. 3): the pair of
+// threads that hold the block swap one half of their words, and the even one stores word 0, the odd one
+// word 1. A round covers FMW_CONSUMERS / FMW_H_THREADS = 32 tokens: at an expert's ~24 tokens (1024 tokens
+// a layer) every thread makes 16 values where two threads a token left 208 of the 256 idle and made 64 values
+// each, one after another, through an h buffer in shared memory: the epilogue was ~2.7 µs of a ~26 µs item,
+// the weights' stream stopped (fmw_trace, forty-fifth session).
+#define FMW_H_THREADS 8
+DSV4_INLINE void fmw_up_h_quant(const FmoeArgs& a, const FmwItem& it, const float (&acc)[64], float limit, bf16_t* ep,
+                                const float* wt, unsigned char* out_q, float* out_s) {
   fmw_up_stash(acc, ep + FMW_UP_MATRIX, it.n);
   named_barrier(1, FMW_CONSUMERS);  // both matrices and wt are written
-}
-
-// FMW_H_DEFER: the stash, the item in shared memory and this warpgroup's announcement.
-DSV4_INLINE void fmw_up_h_announce(const FmoeArgs& a, const FmwItem& it, const float (&acc)[64], bf16_t* ep,
-                                   FmwHItem* pend) {
-  fmw_up_stash(acc, ep + FMW_UP_MATRIX, it.n);
-  if (threadIdx.x == 0) *pend = fmw_h_item(a, it);  // (read by both warpgroups after the barriers below)
-  const unsigned wg = threadIdx.x >> 7;
-  named_barrier(2 + wg, 128);           // the warpgroup's own rows are in (its rounds read them)
-  named_arrive(4 + wg, FMW_CONSUMERS);  // and the other warpgroup may read them
-}
-
-// The eight bf16 of a 16-byte chunk as f32 (exact).
-DSV4_INLINE void fmw_bf16x8(const uint4 v, float (&f)[8]) {
-  const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int c = 0; c < 4; ++c) f[2 * c] = __uint_as_float(w[c] << 16), f[2 * c + 1] = __uint_as_float(w[c] & 0xffff0000u);
-}
-
-// The gate and up values of group e (chunk 2·sub + e: 8 j) of token column tok from the up matrices.
-DSV4_INLINE void fmw_h_inputs(const bf16_t* ep, int tok, int sub, int e, float (&gv)[8], float (&uv)[8]) {
-  const int chunk = (2 * sub + e) ^ (tok & 15);
-  fmw_bf16x8(reinterpret_cast<const uint4*>(ep + tok * 128)[chunk], gv);
-  fmw_bf16x8(reinterpret_cast<const uint4*>(ep + FMW_UP_MATRIX + tok * 128)[chunk], uv);
-}
-
-// h's tokens tok0 + q + FMW_H_SLOTS·u (u < U) of the item, q = threadIdx.x / FMW_H_THREADS: the token's eight
-// threads (adjacent lanes) each take its 16 j of 32-block sub / 2 (sub = the lane's place among them; chunks
-// 2·sub, + 1 of 8 j, fmw_ep_index) and join their largest |h| by shuffles. A 32-block leaves as two 16-byte words,
-// word w holding .x (w = 0) or .y (w = 1) of its four chunks' fmoe_h_words8 (t8 = 0 .. 3): the pair of threads
-// that hold the block swap one half of their words, and the even one stores word 0, the odd one word 1.
-// (Eight threads a token: at an expert's ~24 tokens, 1024 a layer, two threads a token left 208 of the 256 idle;
-// forty-fifth session.) The U tokens' 16 U values are made in one run of independent instructions
-// (fmoe_h_newton8), then their amaxes joined together: U tokens cost about one token's chain of latencies. (One token a thread and round, the
-// rounds one after another: at an expert's ~100 tokens (4096 a layer) four rounds of MUFU and shuffle latencies,
-// ~4.6 µs of a ~37 µs item with the tensor cores idle, fmw_trace; forty-sixth session.) A group of 8 values with
-// a gate out of silu_newton's range is made again by silu_div_rn after the run (rare). Columns past n (below
-// FMW_T: fmw_h_rounds) read stale or other tokens' values and store nothing; they must not take that redo:
-// their gates are often zeros (out of range), and the redo's divisions, a warp's whole tile of them, made the
-// layer 6-16% slower (1024-4096 tokens, forty-seventh session).
-template <int U>
-DSV4_INLINE void fmw_h_tokens(const FmwHItem& h, int tok0, int N, float limit, const bf16_t* ep, const float* wt,
-                              unsigned char* out_q, float* out_s) {
+  if (FMW_PROBE_NO_EPI) return;
   const int sub = threadIdx.x & (FMW_H_THREADS - 1), blk = sub >> 1, odd = sub & 1;
-  const int q = threadIdx.x / FMW_H_THREADS;
-  unsigned hw[U][2][4];  // h as bf16 pairs (exact: fmoe_h_round's values), half the registers of f32
-  float m[U];
-  unsigned redo = 0u;    // bit 2u + e: group e of token u has a gate out of silu_newton's range
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int tok = tok0 + q + FMW_H_SLOTS * u;
-    m[u] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float gv[8], uv[8], hv[8];
-      fmw_h_inputs(ep, tok, sub, e, gv, uv);
-      bool ok = true;
-      fmoe_h_newton8(gv, uv, wt[tok], limit, h.routed, hv, ok);
-      if (!ok && tok < h.n) redo |= 1u << (2 * u + e);  // (a column past n: often a zero gate, out of range)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        m[u] = fmaxf(m[u], fmaxf(fabsf(hv[2 * c]), fabsf(hv[2 * c + 1])));
-        hw[u][e][c] = (__float_as_uint(hv[2 * c]) >> 16) | (__float_as_uint(hv[2 * c + 1]) & 0xffff0000u);
-      }
-    }
-  }
-  if (redo != 0u) {  // rare: those groups again with the exact SiLU, and their tokens' amaxes
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int tok = tok0 + q + FMW_H_SLOTS * u;
-      if ((redo >> (2 * u) & 3u) == 0u) continue;
-      m[u] = 0.0f;
+#pragma unroll 1
+  for (int tok0 = 0; tok0 < it.n; tok0 += FMW_CONSUMERS / FMW_H_THREADS) {  // uniform over the block
+    const int tok = tok0 + threadIdx.x / FMW_H_THREADS;
+    const bool live = tok < it.n;
+    unsigned hw[2][4];  // h as bf16 pairs (exact: fmoe_h_round's values), half the registers of f32
+    float m = 0.0f;
+    if (live) {
+      const uint4* gate = reinterpret_cast<const uint4*>(ep + tok * 128);
+      const uint4* up = reinterpret_cast<const uint4*>(ep + FMW_UP_MATRIX + tok * 128);
+      const float w = wt[tok];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float gv[8], uv[8], hv[8];
-        fmw_h_inputs(ep, tok, sub, e, gv, uv);
-        fmoe_h_exact8(gv, uv, wt[tok], limit, h.routed, hv);
+        const int chunk = (2 * sub + e) ^ (tok & 15);
+        const uint4 g4 = gate[chunk], u4 = up[chunk];
+        const unsigned gw[4] = {g4.x, g4.y, g4.z, g4.w}, uw[4] = {u4.x, u4.y, u4.z, u4.w};
+        float gv[8], uv[8];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          m[u] = fmaxf(m[u], fmaxf(fabsf(hv[2 * c]), fabsf(hv[2 * c + 1])));
-          hw[u][e][c] = (__float_as_uint(hv[2 * c]) >> 16) | (__float_as_uint(hv[2 * c + 1]) & 0xffff0000u);
+          gv[2 * c] = __uint_as_float(gw[c] << 16), gv[2 * c + 1] = __uint_as_float(gw[c] & 0xffff0000u);
+          uv[2 * c] = __uint_as_float(uw[c] << 16), uv[2 * c + 1] = __uint_as_float(uw[c] & 0xffff0000u);
+        }
+        float hv[8];
+        fmoe_h_values8(gv, uv, w, limit, !it.shared, hv);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          m = fmaxf(m, fmaxf(fabsf(hv[2 * c]), fabsf(hv[2 * c + 1])));
+          hw[e][c] = (__float_as_uint(hv[2 * c]) >> 16) | (__float_as_uint(hv[2 * c + 1]) & 0xffff0000u);
         }
       }
     }
-  }
 #pragma unroll
-  for (int o = 1; o < FMW_H_THREADS; o <<= 1)
+    for (int o = 1; o < FMW_H_THREADS; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float s = fmoe_h_scale(m), inv = fmoe_h_inv(s);
+    uint2 wd[2] = {{0u, 0u}, {0u, 0u}};  // chunks t8 = 2·odd, + 1 of the block
+    if (live) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) m[u] = fmaxf(m[u], __shfl_xor_sync(0xffffffffu, m[u], o));
+      for (int e = 0; e < 2; ++e) {
+        float hv[8];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int tok = tok0 + q + FMW_H_SLOTS * u;
-    const float s = fmoe_h_scale(m[u]), inv = fmoe_h_inv(s);
-    uint2 wd[2];  // chunks t8 = 2·odd, + 1 of the block
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float hv[8];
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        hv[2 * c] = __uint_as_float(hw[u][e][c] << 16), hv[2 * c + 1] = __uint_as_float(hw[u][e][c] & 0xffff0000u);
-      wd[e] = fmoe_h_words8<true>(hv, inv);
+        for (int c = 0; c < 4; ++c)
+          hv[2 * c] = __uint_as_float(hw[e][c] << 16), hv[2 * c + 1] = __uint_as_float(hw[e][c] & 0xffff0000u);
+        wd[e] = fmoe_h_words8<true>(hv, inv);
+      }
     }
+    const uint2 w0 = wd[0], w1 = wd[1];
     // The even thread gives its .y words and takes the odd one's .x words (all lanes shuffle).
-    const unsigned r0 = __shfl_xor_sync(0xffffffffu, odd ? wd[0].x : wd[0].y, 1);
-    const unsigned r1 = __shfl_xor_sync(0xffffffffu, odd ? wd[1].x : wd[1].y, 1);
-    if (tok < h.n) {
-      unsigned char* dst = out_q + h.q0 + (long long)tok * N + 32 * blk + 16 * odd;
-      *reinterpret_cast<uint4*>(dst) =
-          odd ? make_uint4(r0, r1, wd[0].y, wd[1].y) : make_uint4(wd[0].x, wd[1].x, r0, r1);
-      if (sub == 0) out_s[h.s0 + fmw_scale_pos(tok)] = s;
+    const unsigned r0 = __shfl_xor_sync(0xffffffffu, odd ? w0.x : w0.y, 1);
+    const unsigned r1 = __shfl_xor_sync(0xffffffffu, odd ? w1.x : w1.y, 1);
+    if (live) {
+      unsigned char* dst = out_q + fmw_act_row(a, it, tok) * a.N + it.rb * FMW_ROWS + 32 * blk + 16 * odd;
+      *reinterpret_cast<uint4*>(dst) = odd ? make_uint4(r0, r1, w0.y, w1.y) : make_uint4(w0.x, w1.x, r0, r1);
+      if (sub == 0) out_s[fmw_act_scale_at(it, a.N / 128, it.rb, tok)] = s;
     }
   }
-}
-
-// h of the item's n tokens, up to FMW_H_MAX_U a thread at once (fmw_h_tokens): ceil(n / FMW_H_SLOTS) a thread
-// up to that, so a tile of n tokens takes ceil(n / (FMW_H_SLOTS · FMW_H_MAX_U)) chains of latencies instead of
-// ceil(n / FMW_H_SLOTS). (tok0 + FMW_H_SLOTS · U <= ceil(n / FMW_H_SLOTS) · FMW_H_SLOTS <= FMW_T: every column a
-// thread reads is in the matrices.) A bench variant: FMW_H_MAX_U=1 is the rounds of one token a thread.
-#ifndef FMW_H_MAX_U
-#define FMW_H_MAX_U 4
-#endif
-static_assert(FMW_H_MAX_U >= 1 && FMW_H_MAX_U <= 4, "fast_moe_wide: FMW_H_MAX_U is 1 .. 4");
-DSV4_INLINE void fmw_h_rounds(const FmwHItem& h, int N, float limit, const bf16_t* ep, const float* wt,
-                              unsigned char* out_q, float* out_s) {
-  if (FMW_PROBE_NO_EPI) return;
-#pragma unroll 1
-  for (int tok0 = 0; tok0 < h.n;) {  // uniform over the block
-    const int U = min(FMW_H_MAX_U, (h.n - tok0 + FMW_H_SLOTS - 1) / FMW_H_SLOTS);
-    switch (U) {
-      case 1: fmw_h_tokens<1>(h, tok0, N, limit, ep, wt, out_q, out_s); break;
-#if FMW_H_MAX_U >= 2
-      case 2: fmw_h_tokens<2>(h, tok0, N, limit, ep, wt, out_q, out_s); break;
-#endif
-#if FMW_H_MAX_U >= 3
-      case 3: fmw_h_tokens<3>(h, tok0, N, limit, ep, wt, out_q, out_s); break;
-#endif
-#if FMW_H_MAX_U >= 4
-      case 4: fmw_h_tokens<4>(h, tok0, N, limit, ep, wt, out_q, out_s); break;
-#endif
-    }
-    tok0 += FMW_H_SLOTS * U;
-  }
-}
-
-// The pending up item's h (`pending`: the block has stashed an up item whose h this warpgroup has not made),
-// made by the calling warpgroup once the other warpgroup's stash is in. The item comes from shared memory
-// (fmw_up_h_stash), not from registers held since: warpgroup 1 makes it after a mainloop, whose 240 registers
-// a thread are all taken (held there, 80-340 bytes spilled).
-DSV4_INLINE void fmw_h_pending_rounds(bool pending, const FmwHItem* pend, int N, float limit, const bf16_t* ep,
-                                      const float* wt, unsigned char* out_q, float* out_s) {
-  if (!pending) return;
-  named_barrier(4 + (1 - (threadIdx.x >> 7)), FMW_CONSUMERS);  // the other warpgroup's fmw_up_h_stash
-  fmw_h_rounds(*pend, N, limit, ep, wt, out_q, out_s);
 }
 
 // Down: y[out row][row] = bf16(acc), staged per warpgroup so each token's 64 rows leave in 16-byte pieces.
@@ -1196,10 +1073,8 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   float* wt = reinterpret_cast<float*>(fmw_smem + FMW_WT);
   FmwRing ring = {0, 0u};
   float acc[64];
-  FmwHItem* pend = reinterpret_cast<FmwHItem*>(fmw_smem + FMW_HPEND);  // up: the item whose h is to be made
-  int n = 0;  // the block's items so far
 #pragma unroll 1
-  for (;; ++n) {
+  for (int n = 0;; ++n) {
     // The item comes in its first stage's record (fmw_put_record): the producer skips other ranks' items and
     // ends the block's with a mark.
     const unsigned long long t_start = FMW_TRACE ? moe_trace_now(n) : 0ull;
@@ -1214,8 +1089,6 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
     const FmwEpilogueRead er = fmw_epilogue_read<UP>(a, it, route_w);
     const int nks = fmoe_stages(it.fp4, a.K);
     for (int pass = 0; pass < fmw_passes(UP); ++pass) {
-      if (UP && pass == 0 && fmw_h_before_pass())
-        fmw_h_pending_rounds(FMW_H_DEFER && n > 0, pend, a.N, limit, ep, wt, out_q, out_s);
 #pragma unroll
       for (int v = 0; v < 64; ++v) acc[v] = 0.0f;
       if (FMW_PROBE_NO_MATH) {
@@ -1253,23 +1126,15 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
         fmw_pass_unfolded(fmw_smem, smem, ring, it, a.K, nks, acc);
       }
       if (FMW_TRACE && threadIdx.x == 0 && pass == fmw_passes(UP) - 1) fmw_trace(FMW_EV_MATH, trace_arg, n);
-      if (!UP) {
+      if (!UP)
         fmw_down_store(a, it, acc, er.out_row, ep, out_y);
-      } else if (pass == 0) {
-        if (!fmw_h_before_pass()) fmw_h_pending_rounds(FMW_H_DEFER && n > 0, pend, a.N, limit, ep, wt, out_q, out_s);
+      else if (pass == 0)
         fmw_up_gate(it, er.route_w, acc, ep, wt);
-      } else {
-        if (FMW_H_DEFER) {
-          fmw_up_h_announce(a, it, acc, ep, pend);
-        } else {
-          fmw_up_h_stash(it, acc, ep);
-          fmw_h_rounds(fmw_h_item(a, it), a.N, limit, ep, wt, out_q, out_s);
-        }
-      }
+      else
+        fmw_up_h_quant(a, it, acc, limit, ep, wt, out_q, out_s);
     }
     if (FMW_TRACE && threadIdx.x == 0) fmw_trace(FMW_EV_DONE, trace_arg, n);
   }
-  if (UP) fmw_h_pending_rounds(FMW_H_DEFER && n > 0, pend, a.N, limit, ep, wt, out_q, out_s);  // the last item
 }
 
 // x's codes and scales (act_quant, as fmoe_select_kernel or the logits kernel stored them by token) in this

@@ -370,13 +370,6 @@ DSV4_INLINE void named_barrier(unsigned id, unsigned threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// The calling threads' arrival on named barrier `id` without waiting for it (their shared-memory writes before it
-// are seen by the threads whose named_barrier(id, threads) it completes): one side of a producer / consumer
-// pair of thread groups, `threads` counting both.
-DSV4_INLINE void named_arrive(unsigned id, unsigned threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // wgmma.
 

@@ -197,7 +197,7 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
     if !nvrtc_or_skip() {
         return;
     }
-    let variants: [(&KernelSource, &str); 26] = [
+    let variants: [(&KernelSource, &str); 22] = [
         (&fast_attention::SOURCE, "FA_DECODE_FAST=0"),
         (&fast_attention::SOURCE, "FA_FETCH_FAST=0"),
         (&fast_attention::SOURCE, "FA_CL_BATCH=1"),
@@ -216,10 +216,6 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         (&fast_moe_gemm::SOURCE, "FMOE_PROBE_NO_MATH=1"),
         (&fast_moe_wide::SOURCE, "FMW_PROBE_NO_MATH=1"),
         (&fast_moe_wide::NARROW_SOURCE, "FMW_PROBE_NO_EPI=1"),
-        (&fast_moe_wide::SOURCE, "FMW_H_MAX_U=1"),
-        (&fast_moe_wide::SOURCE, "FMW_H_MAX_U=2"),
-        (&fast_moe_wide::SOURCE, "FMW_H_DEFER=1"),
-        (&fast_moe_wide::NARROW_SOURCE, "FMW_H_DEFER=2"),
         (&fast_moe_wide::NARROW_SOURCE, "FMW_PREFETCH_ITEM=0"),
         (&fast_moe_wide::SOURCE, "FMW_PREFETCH_ITEM=1"),
         (&fast_moe_wide::SOURCE, "FMW_TRACE=1"),

@@ -76,7 +76,7 @@ pub fn smem_bytes_for(t: usize) -> usize {
 /// ([`RECORD_BYTES`]) each.
 pub const fn smem_bytes(tokens: usize, stages: usize) -> usize {
     let slot = (ROWS * 128 + ROWS * 32 + 16 * tokens * 16 + 2 * tokens * 4).div_ceil(1024) * 1024;
-    stages * slot + 2 * tokens * ROWS * 2 + tokens * 4 + 2 * stages * 8 + stages * RECORD_BYTES + 32
+    stages * slot + 2 * tokens * ROWS * 2 + tokens * 4 + 2 * stages * 8 + stages * RECORD_BYTES
 }
 /// Bytes of an item's record beside a ring slot (kernels/fast_moe_wide.cu FMW_REC_BYTES, whose
 /// layout static_assert checks against the shared memory given): what the producer hands the
