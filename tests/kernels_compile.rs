@@ -171,9 +171,9 @@ fn fast_kernels_keep_wgmma_asynchronous() {
 
 /// Families whose registers are budgeted to fit without spilling, so that a spill is a regression
 /// (and a silent one: results stay right). The prefill GEMMs (kernels/fast_moe_wide.cu) hand their
-/// producer warpgroup's registers to the consumers (`setmaxnreg` 240 / 24), and every change there
-/// has been checked for spills by hand since: a value held across the mainloop, or an index from an
-/// atomic kept in a register, spilled 48-500 bytes (BENCHMARKS.md, issue 11 forty-sixth and
+/// producer warpgroup's registers to the consumers (`setmaxnreg` 240 / 24); until this check every
+/// change there was checked for spills by hand: a value held across the mainloop, or an index from
+/// an atomic kept in a register, spilled 48-500 bytes (BENCHMARKS.md, issue 11 forty-sixth and
 /// forty-seventh sessions). Other fast families spill a few bytes by design and are only printed.
 const NO_SPILL_FAMILIES: [&str; 2] = ["fast_moe_wide", "fast_moe_wide_narrow"];
 
