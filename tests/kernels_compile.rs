@@ -178,14 +178,18 @@ fn fast_kernels_keep_wgmma_asynchronous() {
 const NO_SPILL_FAMILIES: [&str; 2] = ["fast_moe_wide", "fast_moe_wide_narrow"];
 
 /// Asserts that ptxas's verbose `log` reports no spill stores or loads for any entry point of the
-/// build `what`.
+/// build `what`; the message names each spilling function (its "Compiling entry function" or
+/// "Function properties for" line comes before its spill line).
 fn check_no_spills(what: &str, log: &str) {
-    let spilling: Vec<&str> = log
-        .lines()
-        .filter(|l| {
-            l.contains("spill") && !l.contains(" 0 bytes spill stores, 0 bytes spill loads")
-        })
-        .collect();
+    let mut entry = "";
+    let mut spilling = Vec::new();
+    for l in log.lines() {
+        if l.contains("entry function") || l.contains("Function properties for") {
+            entry = l.trim();
+        } else if l.contains("spill") && !l.contains(" 0 bytes spill stores, 0 bytes spill loads") {
+            spilling.push(format!("{entry}: {}", l.trim()));
+        }
+    }
     assert!(
         spilling.is_empty(),
         "kernel family `{what}` spills (its register budget is meant to fit):\n{}",
