@@ -116,6 +116,14 @@
 #ifndef FMW_PROBE_NO_EPI
 #define FMW_PROBE_NO_EPI 0
 #endif
+// FMW_PROBE_SIGN_LAYOUT 1 (a bench probe, wrong outputs): the FP4 decode as it would be if the stored codes had
+// their signs on bits 8i + 7 (elements 0-3) and 8i + 3 (4-7), the magnitudes where they are
+// (e2m1x8_to_e4m3_halves_signs_moved: 7 integer ops per 8 values instead of 9). It reads today's bytes, so the
+// signs are wrong; the time says whether that layout (a derived copy or a permuted stored one, a design change
+// every FP4 reader would follow) pays in the prefill GEMMs before anyone builds it.
+#ifndef FMW_PROBE_SIGN_LAYOUT
+#define FMW_PROBE_SIGN_LAYOUT 0
+#endif
 // FMW_TRACE 1 (a bench variant: `dsv4 bench moe --path prefill --defines FMW_TRACE=1 --trace DIR`, then
 // scripts/fmw-trace.py): both GEMMs log each item's boundaries (fmw_trace; arg = the item's index, | FMW_TRACE_DOWN
 // for the down GEMM): the producer thread when it starts the item (PRODUCE), and consumer thread 0 when it begins
@@ -721,8 +729,13 @@ DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, unsigned base0, 
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const Fp4Table tab0 = fp4_table_shifted(byte_of(tv0, q + h)), tab8 = fp4_table_shifted(byte_of(tv8, q + h));
+#if FMW_PROBE_SIGN_LAYOUT
+        e2m1x8_to_e4m3_halves_signs_moved(frag[2 * h], tab0, blk.a[q + h][0], blk.a[q + h][2]);
+        e2m1x8_to_e4m3_halves_signs_moved(frag[2 * h + 1], tab8, blk.a[q + h][1], blk.a[q + h][3]);
+#else
         e2m1x8_to_e4m3_halves(frag[2 * h], tab0, blk.a[q + h][0], blk.a[q + h][2]);
         e2m1x8_to_e4m3_halves(frag[2 * h + 1], tab8, blk.a[q + h][1], blk.a[q + h][3]);
+#endif
       }
     }
   } else {

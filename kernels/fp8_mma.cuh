@@ -98,6 +98,16 @@ DSV4_INLINE void e2m1x8_to_e4m3_halves(unsigned w, Fp4Table tab, unsigned& a0, u
   a2 = prmt(tab.lo, tab.hi, sel_hi) | (s2 & 0x80808080u);
 }
 
+// e2m1x8_to_e4m3_halves for codes stored with the signs moved (a layout not in use: FMW_PROBE_SIGN_LAYOUT times
+// it): element i's sign on bit 8i + 7 (i = 0..3) and element 4 + i's on bit 8i + 3, the magnitudes on the
+// nibbles' low bits as stored. a0's signs are then w's bits 7 of each byte, a2's those of w << 4: 7 ops.
+DSV4_INLINE void e2m1x8_to_e4m3_halves_signs_moved(unsigned w, Fp4Table tab, unsigned& a0, unsigned& a2) {
+  const unsigned sel = w & 0x77777777u;
+  const unsigned sel_hi = sel >> 16;
+  a0 = prmt(tab.lo, tab.hi, sel) | (w & 0x80808080u);
+  a2 = prmt(tab.lo, tab.hi, sel_hi) | ((w << 4) & 0x80808080u);
+}
+
 // The e4m3fn code of x rounded to nearest, ties to even, for |x| <= 448 (callers clamp first); NaN -> 0x7f,
 // -0 keeps its sign bit. The same code as common.cuh's e4m3_encode, by integer rounding of the f32 bits.
 DSV4_INLINE unsigned e4m3_code_rn(float x) {
