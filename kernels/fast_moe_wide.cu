@@ -124,6 +124,12 @@
 #ifndef FMW_PROBE_SIGN_LAYOUT
 #define FMW_PROBE_SIGN_LAYOUT 0
 #endif
+// FMW_PROBE_NO_DECODE 1 (a bench probe, wrong outputs): the FP4 A fragments are the stored words with each byte's
+// high nibble cleared (small e4m3 values, never NaN), one op per 8 values and no tables: what the prefill GEMMs
+// take with the decode's ALU work gone, the bound of any cheaper decode.
+#ifndef FMW_PROBE_NO_DECODE
+#define FMW_PROBE_NO_DECODE 0
+#endif
 // FMW_TRACE 1 (a bench variant: `dsv4 bench moe --path prefill --defines FMW_TRACE=1 --trace DIR`, then
 // scripts/fmw-trace.py): both GEMMs log each item's boundaries (fmw_trace; arg = the item's index, | FMW_TRACE_DOWN
 // for the down GEMM): the producer thread when it starts the item (PRODUCE), and consumer thread 0 when it begins
@@ -729,7 +735,12 @@ DSV4_INLINE void fmw_load_block(const unsigned char* st, int b, unsigned base0, 
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const Fp4Table tab0 = fp4_table_shifted(byte_of(tv0, q + h)), tab8 = fp4_table_shifted(byte_of(tv8, q + h));
-#if FMW_PROBE_SIGN_LAYOUT
+#if FMW_PROBE_NO_DECODE
+        blk.a[q + h][0] = blk.a[q + h][2] = frag[2 * h] & 0x0F0F0F0Fu;
+        blk.a[q + h][1] = blk.a[q + h][3] = frag[2 * h + 1] & 0x0F0F0F0Fu;
+        (void)tab0;
+        (void)tab8;
+#elif FMW_PROBE_SIGN_LAYOUT
         e2m1x8_to_e4m3_halves_signs_moved(frag[2 * h], tab0, blk.a[q + h][0], blk.a[q + h][2]);
         e2m1x8_to_e4m3_halves_signs_moved(frag[2 * h + 1], tab8, blk.a[q + h][1], blk.a[q + h][3]);
 #else
