@@ -85,6 +85,10 @@ DSV4_INLINE Fp4Table fp4_table_shifted(unsigned t) {
 // 9 integer ops (LOP3, two shifts, four PRMT, two LOP3 merging the signs), all on the ALU pipe but a shift
 // ptxas may give to the FMA pipe (IMAD.SHL). (Both shifts as multiplies, to keep them off the ALU pipe,
 // measured 3% slower than as shifts: BENCHMARKS.md, issue 11 seventeenth version.)
+// A stored layout with the signs moved (element i's on bit 8i + 7, element 4 + i's on bit 8i + 3) would make this
+// 7 ops: timed with wrong signs, it took 0.6 / 3.1 / 2.3% off the prefill layer at 1024 / 2048 / 4096 tokens (H100;
+// no decode at all: 2.5 / 7.0 / 7.9%), but it breaks the decode path's bit move (e2m1x8_to_e4m3_eo) and changes
+// every FP4 reader's layout, so it is not built (BENCHMARKS.md, issue 11, fiftieth session).
 DSV4_INLINE void e2m1x8_to_e4m3_halves(unsigned w, Fp4Table tab, unsigned& a0, unsigned& a2) {
   // A byte permute reads only its selector's low 16 bits, a nibble per output byte, and a nibble with bit 3
   // set would replicate a sign: clear the signs once; the high half, moved down, selects a2's.
@@ -96,16 +100,6 @@ DSV4_INLINE void e2m1x8_to_e4m3_halves(unsigned w, Fp4Table tab, unsigned& a0, u
   const unsigned s0 = prmt(w, w4, 0x1504u), s2 = prmt(w, w4, 0x3726u);
   a0 = prmt(tab.lo, tab.hi, sel) | (s0 & 0x80808080u);
   a2 = prmt(tab.lo, tab.hi, sel_hi) | (s2 & 0x80808080u);
-}
-
-// e2m1x8_to_e4m3_halves for codes stored with the signs moved (a layout not in use: FMW_PROBE_SIGN_LAYOUT times
-// it): element i's sign on bit 8i + 7 (i = 0..3) and element 4 + i's on bit 8i + 3, the magnitudes on the
-// nibbles' low bits as stored. a0's signs are then w's bits 7 of each byte, a2's those of w << 4: 7 ops.
-DSV4_INLINE void e2m1x8_to_e4m3_halves_signs_moved(unsigned w, Fp4Table tab, unsigned& a0, unsigned& a2) {
-  const unsigned sel = w & 0x77777777u;
-  const unsigned sel_hi = sel >> 16;
-  a0 = prmt(tab.lo, tab.hi, sel) | (w & 0x80808080u);
-  a2 = prmt(tab.lo, tab.hi, sel_hi) | ((w << 4) & 0x80808080u);
 }
 
 // The e4m3fn code of x rounded to nearest, ties to even, for |x| <= 448 (callers clamp first); NaN -> 0x7f,

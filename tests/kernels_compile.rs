@@ -229,7 +229,7 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
     if !nvrtc_or_skip() {
         return;
     }
-    let variants: [(&KernelSource, &str); 26] = [
+    let variants: [(&KernelSource, &str); 24] = [
         (&fast_attention::SOURCE, "FA_DECODE_FAST=0"),
         (&fast_attention::SOURCE, "FA_FETCH_FAST=0"),
         (&fast_attention::SOURCE, "FA_CL_BATCH=1"),
@@ -248,8 +248,6 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         (&fast_moe_gemm::SOURCE, "FMOE_PROBE_NO_MATH=1"),
         (&fast_moe_wide::SOURCE, "FMW_PROBE_NO_MATH=1"),
         (&fast_moe_wide::NARROW_SOURCE, "FMW_PROBE_NO_EPI=1"),
-        (&fast_moe_wide::SOURCE, "FMW_PROBE_SIGN_LAYOUT=1"),
-        (&fast_moe_wide::NARROW_SOURCE, "FMW_PROBE_SIGN_LAYOUT=1"),
         (&fast_moe_wide::SOURCE, "FMW_PROBE_NO_DECODE=1"),
         (&fast_moe_wide::NARROW_SOURCE, "FMW_PROBE_NO_DECODE=1"),
         (&fast_moe_wide::NARROW_SOURCE, "FMW_PREFETCH_ITEM=0"),
