@@ -294,7 +294,8 @@ DSV4_INLINE void fmoe_tc_store_scores(const float (&logit)[FMOE_TC_WG_EXPERTS / 
 }
 
 // FMOE_TC_OVERLAP's A fragments of item n (slot n % FMOE_TC_SLOTS) once the slot is full, as the default loop
-// builds them: a[q][2h + i] = x[r0 + 8i][16q + 8h + 2t, + 1] as bf16x2, the stage's four k16 steps.
+// builds them: a[q][2h + i] = x[r0 + 8i][16q + 8h + 2t, + 1] as bf16x2, the stage's four k16 steps. (The default
+// keeps its own copy of these lines: calling this function there reorders its SASS, which was measured as it is.)
 DSV4_INLINE void fmoe_tc_a_frags(unsigned full0, int n, int r0, int t, unsigned (&a)[4][4]) {
   extern __shared__ __align__(1024) unsigned char fmoe_tc_smem[];
   const int slot = n % FMOE_TC_SLOTS;
