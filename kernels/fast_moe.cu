@@ -186,13 +186,6 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 // Two consumer warpgroups, then FMOE_TC_PRODUCERS producer warps (16 of x's rows each: with one producer warp
 // its address arithmetic and copies, ~300 instructions an item, set the pace, ~1 µs an item).
 #define FMOE_TC_THREADS (256 + 32 * FMOE_TC_PRODUCERS)
-// FMOE_TC_OVERLAP 1 (a bench variant, default 0; the same bits): each consumer warpgroup waits for the next
-// item's slot and builds its A fragments while the current item's wgmmas run, instead of after they retire.
-// The kernel's ~45 µs at 1024-4096 tokens (one 64-stage chain a block, ~0.7 µs a stage; BENCHMARKS.md, fiftieth
-// session) is that chain: full wait, 16 shared loads and conversions, four wgmmas, their wait, in a row.
-#ifndef FMOE_TC_OVERLAP
-#define FMOE_TC_OVERLAP 0
-#endif
 static_assert(FMOE_TC_PRODUCERS * 16 == FMOE_TC_TOKENS, "fmoe_logits_tc_kernel: 16 rows of x a producer warp");
 #define FMOE_TC_BLOCK_EXPERTS (2 * FMOE_TC_WG_EXPERTS)
 #define FMOE_TC_CHUNKS (FMOE_TC_BLOCK_EXPERTS / FMOE_GATE_TILE)  // plane chunks a block's item loads
@@ -293,23 +286,6 @@ DSV4_INLINE void fmoe_tc_store_scores(const float (&logit)[FMOE_TC_WG_EXPERTS / 
   }
 }
 
-// FMOE_TC_OVERLAP's A fragments of item n (slot n % FMOE_TC_SLOTS) once the slot is full, as the default loop
-// builds them: a[q][2h + i] = x[r0 + 8i][16q + 8h + 2t, + 1] as bf16x2, the stage's four k16 steps. (The default
-// keeps its own copy of these lines: calling this function there reorders its SASS, which was measured as it is.)
-DSV4_INLINE void fmoe_tc_a_frags(unsigned full0, int n, int r0, int t, unsigned (&a)[4][4]) {
-  extern __shared__ __align__(1024) unsigned char fmoe_tc_smem[];
-  const int slot = n % FMOE_TC_SLOTS;
-  mbar_wait(full0 + 8 * slot, (n / FMOE_TC_SLOTS) & 1);
-  const unsigned xa = smem_addr(fmoe_tc_smem + slot * FMOE_TC_SLOT) + r0 * FMOE_TC_X_ROW + 8 * t;
-#pragma unroll
-  for (int q = 0; q < 4; ++q)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint2 v = lds_u64(xa + (j & 1) * 8 * FMOE_TC_X_ROW + 4 * (16 * q + 8 * (j >> 1)));
-      a[q][j] = pack_bf16x2(__uint_as_float(v.x), __uint_as_float(v.y));
-    }
-}
-
 // The K split (fmoe_logits_tc_split_kernel): a cluster of ks = cluster_blocks() blocks shares one tile of tokens
 // and experts, block r (its rank) taking stages r·S/ks .. (r+1)·S/ks - 1, so a few tokens' logits run on ks
 // times the blocks. At 320-1023 tokens the unsplit kernel has 10-32 blocks of 64 stages each, ~45 µs whatever the
@@ -388,45 +364,6 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
   float d[FMOE_TC_WG_EXPERTS / 2], logit[FMOE_TC_WG_EXPERTS / 2];
 #pragma unroll
   for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) d[v] = 0.0f, logit[v] = 0.0f;
-#if FMOE_TC_OVERLAP
-  // Items in order: stage s's planes p = top .. 0, then stage s + 1's. Item n + 1's slot is waited for and its A
-  // fragments built while item n's wgmmas run; every wait retires its own iteration's group. (The default below
-  // does the same steps one after another; its SASS is kept as it was measured.)
-  unsigned a[4][4], an[4][4];
-  int s = s_begin, top = s < s_end && low[s] ? 2 : 0, p = top;
-  if (s < s_end) fmoe_tc_a_frags(full0, 0, r0, t, a);
-#pragma unroll 1
-  for (int n = 0; s < s_end; ++n) {
-    const int slot = n % FMOE_TC_SLOTS;
-    const unsigned long long b =
-        wgmma_desc_sw128(fmoe_tc_smem + slot * FMOE_TC_SLOT + FMOE_TC_X_BYTES + wg * FMOE_TC_WG_EXPERTS * 128);
-    wgmma_fence();
-#pragma unroll
-    for (int q = 0; q < 4; ++q) fmoe_tc_wgmma(d, a[q], b + 2 * q, p == top && q == 0 ? 0 : 1);
-    wgmma_commit();
-    const bool stage_done = p == 0;
-    int s2 = s, top2 = top, p2 = p - 1;
-    if (stage_done) {
-      ++s2;
-      top2 = s2 < s_end && low[s2] ? 2 : 0;
-      p2 = top2;
-    }
-    if (s2 < s_end) fmoe_tc_a_frags(full0, n + 1, r0, t, an);
-    wgmma_wait<0>();
-    wgmma_fence_operand(d);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty0 + 8 * slot);  // the slot's x and gate are read
-    if (stage_done) {
-#pragma unroll
-      for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) logit[v] += d[v];
-    }
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) a[q][j] = an[q][j];
-    s = s2, top = top2, p = p2;
-  }
-#else
   int n = 0;
 #pragma unroll 1
   for (int s = s_begin; s < s_end; ++s) {
@@ -461,7 +398,6 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
       }
     }
   }
-#endif
   if (SPLIT) {
     // The partials of rank r > 0 go to its first ring slot, [v][consumer thread] (every item consumed: the
     // producers' copies have all landed, and both warpgroups are past their last slot once the named barrier

@@ -156,13 +156,6 @@ fn shared_first_env() -> Option<&'static Env> {
     variant_env(&ENV, "FMOE_SPREAD_SHARED=0")
 }
 
-/// The same kernels compiled with the bench variant FMOE_TC_OVERLAP=1 (kernels/fast_moe.cu: the
-/// tensor-core routers build the next item's operands while the current item's wgmmas run).
-fn tc_overlap_env() -> Option<&'static Env> {
-    static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
-    variant_env(&ENV, "FMOE_TC_OVERLAP=1")
-}
-
 /// The kernels compiled with `define`, once per `lock`. The registry owns the compiled modules, so
 /// it lives as long as the kernels taken from it.
 fn variant_env(lock: &'static OnceLock<(Registry, Env)>, define: &str) -> Option<&'static Env> {
@@ -1513,75 +1506,3 @@ fn grouped_logit_warps_give_the_single_expert_warps_bits() {
     }
 }
 
-/// `FMOE_TC_OVERLAP=1` (kernels/fast_moe.cu, a bench variant) gives the default tensor-core
-/// routers' scores, selection, weights and x's codes bit for bit: the same products and stage sums
-/// in the same order, only the next item's slot wait and operand loads moved under the current
-/// item's wgmmas. Unsplit and split, a BF16-valued gate (one plane a stage) and an f32 one (three
-/// planes, whose items chain in one accumulator), at Flash shapes and the small shape; token counts
-/// with a partial last tile and several tiles.
-#[test]
-fn tensor_router_overlap_gives_the_default_bits() {
-    let (Some(e), Some(v)) = (env(), tc_overlap_env()) else {
-        return;
-    };
-    let mut rng = Rng::from_env("tensor_router_overlap_gives_the_default_bits");
-    let stream = OwnedStream::new(e.ctx).unwrap();
-    let s = stream.borrow();
-    for sh in [MoeShape::FLASH, SMALL] {
-        let Dims { D, E, K, .. } = dims(&sh);
-        for gate in [Gate::Bf16, Gate::F32] {
-            let mut l = SyntheticMoe::new(e.ctx, s, sh, rng.u64()).unwrap();
-            if gate == Gate::F32 {
-                gate_to_f32_values(e, &mut l, &mut rng, s);
-            }
-            l.derive_fast(e.ctx, &e.fast, s).unwrap();
-            for t in [fast_moe::TC_MIN_TOKENS + 3, 1000, 2100] {
-                let (x, tokens) = inputs(&mut rng, &sh, t);
-                let b = batch(e, &sh, t, &x, &tokens, s);
-                let fl = l.fast_layer(Routing::TopK, b.tokens);
-                let path = GemmPath::for_tokens(t);
-                for router in [RouterPath::Tensor, RouterPath::TensorSplit] {
-                    if router == RouterPath::TensorSplit
-                        && !(D / 64).is_multiple_of(fast_moe::TC_KSPLIT)
-                    {
-                        continue;
-                    }
-                    let run = |k: &Env| {
-                        {
-                            let _g = e.ctx.enter().unwrap();
-                            for q in [b.ws.logits, b.ws.ids, b.ws.weights, b.ws.xq] {
-                                arena::memset_async(q, 0xff, s).unwrap(); // NaN poison
-                            }
-                        }
-                        k.fast
-                            .route_on(e.ctx, &fl, b.x, t, &b.ws, router, path, false, s)
-                            .unwrap();
-                        (
-                            get::<u32>(e.ctx, b.ws.logits, t * E, s),
-                            get::<i32>(e.ctx, b.ws.ids, t * K, s),
-                            get::<u32>(e.ctx, b.ws.weights, t * K, s),
-                            get::<u8>(e.ctx, b.ws.xq, t * D, s),
-                        )
-                    };
-                    let case = format!("{D}x{E}, {gate:?} gate, T = {t}, {router:?}");
-                    let (def, ovl) = (run(e), run(v));
-                    assert!(
-                        def.0.iter().all(|&w| f32::from_bits(w).is_finite()),
-                        "{case}: a score left unwritten"
-                    );
-                    let diff = def.0.iter().zip(&ovl.0).position(|(a, b)| a != b);
-                    assert!(
-                        diff.is_none(),
-                        "{case}: score {diff:?} differs ({:?} / {:?})",
-                        diff.map(|i| f32::from_bits(def.0[i])),
-                        diff.map(|i| f32::from_bits(ovl.0[i])),
-                    );
-                    assert!(def.1 == ovl.1, "{case}: the selections differ");
-                    assert!(def.2 == ovl.2, "{case}: the weights differ");
-                    assert!(def.3 == ovl.3, "{case}: x's codes differ");
-                    println!("{case}: the overlapped router gives the default's bits");
-                }
-            }
-        }
-    }
-}
