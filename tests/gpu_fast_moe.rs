@@ -1099,11 +1099,12 @@ fn fast_moe_matches_the_reference_kernels_at_flash_shapes() {
             (fast_moe_wide::MIN_TOKENS - 1, Routing::HashSkewed),
             // The first batch on the prefill GEMMs and the wide plan
             // (fast_moe::WIDE_PLAN_MIN_TOKENS): x quantised in the halves order by the selection,
-            // the split tensor-core router; from fast_moe::TC_SPLIT_MAX_TOKENS + 1 the unsplit one.
+            // the split tensor-core router; from fast_moe::TC_SPLIT_MAX_TOKENS + 1 the paired one.
             (fast_moe_wide::MIN_TOKENS, Routing::TopK),
             (fast_moe::TC_SPLIT_MAX_TOKENS + 1, Routing::Hash),
             // The narrow tiles' last batch (fast_moe_wide::tile_tokens: full tiles of 64 for the
-            // hot expert), then the wide tiles' first, partial tiles of 128.
+            // hot expert) and the paired router's last (fast_moe::TC_PAIR_MAX_TOKENS), then the
+            // wide tiles' first, partial tiles of 128, on the unsplit router.
             (fast_moe_wide::NARROW_MAX_TOKENS, Routing::HashSkewed),
             (fast_moe_wide::NARROW_MAX_TOKENS + 1, Routing::TopK),
             (4096, Routing::TopK),
@@ -1193,10 +1194,11 @@ fn fast_moe_routes_on_a_gate_of_f32_values() {
 }
 
 /// The tensor-core routers where the layer does not take them: the unsplit one on the fused decode
-/// launch and on the prefill path below `fast_moe::TC_SPLIT_MAX_TOKENS` (where the split one
-/// routes, `RouterPath::for_tokens`), and the split one above it (where the unsplit one routes),
-/// each within its bound and giving every decode form's bits, with partial token tiles; and the
-/// split one with a gate of f32 values, whose lo planes every split multiplies.
+/// launch and on the prefill path below `fast_moe::TC_PAIR_MAX_TOKENS` (where the split and the
+/// paired ones route, `RouterPath::for_tokens`), the split one above `fast_moe::TC_SPLIT_MAX_TOKENS`
+/// and the paired one below and above its range, each within its bound and giving every decode
+/// form's bits, with partial token tiles; and the split and paired ones with a gate of f32 values,
+/// whose lo planes every split multiplies.
 #[test]
 fn fast_moe_tensor_routers_on_the_other_paths_match_the_reference_kernels() {
     let flash = MoeShape::FLASH;
@@ -1204,12 +1206,20 @@ fn fast_moe_tensor_routers_on_the_other_paths_match_the_reference_kernels() {
     let below = [
         (fast_moe::TC_MIN_TOKENS, Routing::TopK),
         (1000, Routing::HashSkewed),
+        (fast_moe::TC_SPLIT_MAX_TOKENS + 1, Routing::TopK),
     ];
     run_cases(flash, Scales::Bytes, Gate::Bf16, unsplit, &below);
     let split = Paths::Router(RouterPath::TensorSplit);
     let above = [(fast_moe::TC_SPLIT_MAX_TOKENS + 1, Routing::TopK)];
     run_cases(flash, Scales::Bytes, Gate::Bf16, split, &above);
     run_cases(flash, Scales::Bytes, Gate::F32, split, &above);
+    let pair = Paths::Router(RouterPath::TensorPair);
+    let outside = [
+        (fast_moe::TC_MIN_TOKENS + 3, Routing::HashSkewed),
+        (fast_moe::TC_PAIR_MAX_TOKENS + 1, Routing::TopK),
+    ];
+    run_cases(flash, Scales::Bytes, Gate::Bf16, pair, &outside);
+    run_cases(flash, Scales::Bytes, Gate::F32, pair, &outside[1..]);
 }
 
 /// FP4 scales that are not powers of two (a checkpoint with f32 scales): the GEMMs read them as
@@ -1505,4 +1515,3 @@ fn grouped_logit_warps_give_the_single_expert_warps_bits() {
         }
     }
 }
-

@@ -75,8 +75,9 @@ pub fn parse_router(v: &str) -> Result<Option<RouterPath>, String> {
         "few" => Ok(Some(RouterPath::Few)),
         "tensor" => Ok(Some(RouterPath::Tensor)),
         "tensor-split" => Ok(Some(RouterPath::TensorSplit)),
+        "tensor-pair" => Ok(Some(RouterPath::TensorPair)),
         o => Err(format!(
-            "--router takes auto, few, tensor, tensor-split; got `{o}`"
+            "--router takes auto, few, tensor, tensor-split, tensor-pair; got `{o}`"
         )),
     }
 }
@@ -86,6 +87,7 @@ fn router_name(r: RouterPath) -> &'static str {
         RouterPath::Few => "few",
         RouterPath::Tensor => "tensor",
         RouterPath::TensorSplit => "tensor-split",
+        RouterPath::TensorPair => "tensor-pair",
     }
 }
 

@@ -14,7 +14,7 @@
 //!   checkpoint (dummy_checkpoint.rs).
 //! - `dsv4 bench moe [--batches N,N...] [--routing uniform,skewed,topk] [--path P] [--router R]
 //!   [--ids-dir DIR] [--trace DIR]`: the fast MoE layer alone at Flash shapes, one JSON line per case
-//!   (bench_moe.rs). `--path` and `--router` (auto, few, tensor, tensor-split) force the expert GEMMs' and the
+//!   (bench_moe.rs). `--path` and `--router` (auto, few, tensor, tensor-split, tensor-pair) force the expert GEMMs' and the
 //!   router's kernels; `--trace` (with `--defines FMOE_TRACE=1` for the decode kernels, `FMW_TRACE=1`
 //!   for the prefill GEMMs) writes their per-block event log of one layer call a case (moe_trace.rs,
 //!   scripts/fmoe-trace.py, scripts/fmw-trace.py).
@@ -53,7 +53,7 @@ const USAGE: &str = "usage:
   dsv4 bench refit [--config FILE] [--device cuda[:N]]
   dsv4 dummy-checkpoint --config FILE --out DIR [--seed S]
   dsv4 bench moe [--batches N[,N...]] [--routing uniform,skewed,topk] [--path auto,decode,decode-fused,decode-routed,prefill]
-                 [--router auto|few|tensor|tensor-split] [--ids-dir DIR] [--trace DIR] [--device cuda[:N]]
+                 [--router auto|few|tensor|tensor-split|tensor-pair] [--ids-dir DIR] [--trace DIR] [--device cuda[:N]]
   dsv4 bench dense [--tokens N[,N...]] [--projection NAME] [--read-probe N[,N...]] [--lt-candidates N]
                    [--device cuda[:N]]
   dsv4 bench attn [--contexts N[,N...]] [--batches N[,N...]] [--indexer-chunks N[,N...]]

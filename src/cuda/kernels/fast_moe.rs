@@ -135,6 +135,20 @@ pub const TC_KSPLIT: usize = 4;
 /// 640, 75.1 / 68.3 at 1024, 158.6 / 214.4 at 4096.
 pub const TC_SPLIT_MAX_TOKENS: usize = 1023;
 
+/// Blocks (a pair) that split D's stages for [`RouterPath::TensorPair`]: from 1024 tokens four a
+/// tile outnumber what the SMs hold at once (clusters of four share a GPC), while pairs of the
+/// 2 x 16-32 tile columns of 1024-2048 tokens still fit one wave (64-128 blocks).
+pub const TC_PAIR_SPLIT: usize = 2;
+
+/// Most tokens the paired tensor-core router takes ([`RouterPath::for_tokens`]); above, the
+/// unsplit kernel's blocks fill the SMs by themselves and pairs run in two waves. The router chain
+/// (the input's norm making x's codes, the logits, the selection) and the layer at Flash shapes,
+/// uniform routing, prefill path, µs unsplit / paired (H100, best of three alternating rounds, one
+/// call; fifty-first session): chain 1024 76.3 / 59.6, 1536 90.9 / 74.9, 2048 103.6 / 89.1, 2560
+/// 117.1 / 127.3, 3072 132.0 / 145.0; layer 1024 1413.5 / 1396.2, 1536 1533.6 / 1524.5, 2048 1684.6
+/// / 1685.1, 2560 1909.7 / 1917.3, 3072 2037.3 / 2037.6.
+pub const TC_PAIR_MAX_TOKENS: usize = 2048;
+
 /// Which kernel computes the router's logits (and, `Few`, x's quantisation; after `Tensor` or
 /// `TensorSplit`, `fmoe_select_kernel` makes it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -148,20 +162,36 @@ pub enum RouterPath {
     /// split over [`TC_KSPLIT`] blocks of a cluster and their partial logits added in rank order
     /// (so not `Tensor`'s bits). Requires D / 64 to be a multiple of [`TC_KSPLIT`].
     TensorSplit,
+    /// The same kernel on clusters of [`TC_PAIR_SPLIT`] blocks (neither `Tensor`'s nor
+    /// `TensorSplit`'s bits). Requires D / 64 to be even.
+    TensorPair,
 }
 
 impl RouterPath {
     /// The path `FastMoe::route` takes for `t` tokens of width `d`: below [`TC_MIN_TOKENS`] the
     /// few-token router; up to [`TC_SPLIT_MAX_TOKENS`] the split tensor-core router (where D's
-    /// stages split over [`TC_KSPLIT`]), whose 4x the blocks finish the logits sooner; above it
-    /// (and wherever D does not split) the unsplit one.
+    /// stages split over [`TC_KSPLIT`]), whose 4x the blocks finish the logits sooner; up to
+    /// [`TC_PAIR_MAX_TOKENS`] the paired one (where they split in two); above (and wherever D
+    /// does not split) the unsplit one.
     pub fn for_tokens(t: usize, d: usize) -> RouterPath {
+        let splits = |ks: usize| (d / 64).is_multiple_of(ks);
         if t < TC_MIN_TOKENS {
             RouterPath::Few
-        } else if t <= TC_SPLIT_MAX_TOKENS && (d / 64).is_multiple_of(TC_KSPLIT) {
+        } else if t <= TC_SPLIT_MAX_TOKENS && splits(TC_KSPLIT) {
             RouterPath::TensorSplit
+        } else if t <= TC_PAIR_MAX_TOKENS && splits(TC_PAIR_SPLIT) {
+            RouterPath::TensorPair
         } else {
             RouterPath::Tensor
+        }
+    }
+
+    /// The blocks of a cluster that split a tensor-core tile's stages (1: not split).
+    pub fn stage_split(self) -> usize {
+        match self {
+            RouterPath::TensorSplit => TC_KSPLIT,
+            RouterPath::TensorPair => TC_PAIR_SPLIT,
+            RouterPath::Few | RouterPath::Tensor => 1,
         }
     }
 
@@ -171,7 +201,7 @@ impl RouterPath {
         match self {
             RouterPath::Few => d / 128 + 9,
             // The split adds the same D/64 stage sums in another order (kernels/fast_moe.cu).
-            RouterPath::Tensor | RouterPath::TensorSplit => 280 + d / 64,
+            RouterPath::Tensor | RouterPath::TensorSplit | RouterPath::TensorPair => 280 + d / 64,
         }
     }
 
@@ -253,7 +283,8 @@ crate::kernel_family! {
     fn fmoe_logits_tc_kernel(
         x: *const f32, t: i32, d: i32, e: i32, planes: *const u8, scoring: i32, scores: *mut f32,
     );
-    /// The same with D's stages split over the blocks of a cluster ([`RouterPath::TensorSplit`]).
+    /// The same with D's stages split over the blocks of a cluster ([`RouterPath::TensorSplit`],
+    /// [`RouterPath::TensorPair`]: the cluster's size is the split).
     #[smem(TC_SMEM_BYTES as u32)]
     #[pdl(true)]
     fn fmoe_logits_tc_split_kernel(
@@ -875,14 +906,15 @@ impl FastMoe {
         if router.tensor_cores() {
             layer.check_router(K, x, t, ws)?;
             need(K, "gate_planes", layer.gate_planes, gate_planes_bytes(e, d))?;
-            let split = router == RouterPath::TensorSplit;
-            if split && !(d / 64).is_multiple_of(TC_KSPLIT) {
+            let ks = router.stage_split();
+            let split = ks > 1;
+            if !(d / 64).is_multiple_of(ks) {
                 return Err(internal(format!(
-                    "fmoe_logits_tc_split_kernel: D / 64 = {} stages do not split over {TC_KSPLIT} blocks",
+                    "fmoe_logits_tc_split_kernel: D / 64 = {} stages do not split over {ks} blocks",
                     d / 64
                 )));
             }
-            let blocks = e.div_ceil(2 * TC_WG_EXPERTS) * if split { TC_KSPLIT } else { 1 };
+            let blocks = e.div_ceil(2 * TC_WG_EXPERTS) * ks;
             let grid = (blocks as u32, t.div_ceil(TC_TOKENS) as u32, 1);
             let (threads, smem) = (TC_THREADS as u32, TC_SMEM_BYTES as u32);
             // Both kernels take the same arguments.
@@ -901,7 +933,7 @@ impl FastMoe {
             }
             if split {
                 let args = args!(fmoe_logits_tc_split_kernel);
-                let cluster = (TC_KSPLIT as u32, 1, 1);
+                let cluster = (ks as u32, 1, 1);
                 self.route
                     .logits_tc_split
                     .launch_clustered(grid, threads, smem, stream, args, cluster)?;
@@ -1119,5 +1151,33 @@ impl FastMoe {
                 self.gemm.down(ctx, layer, t, &ws, path, stream)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_router_path_follows_the_token_count_and_what_d_splits_into() {
+        let at = |t| RouterPath::for_tokens(t, 4096);
+        assert_eq!(at(TC_MIN_TOKENS - 1), RouterPath::Few);
+        assert_eq!(at(TC_MIN_TOKENS), RouterPath::TensorSplit);
+        assert_eq!(at(TC_SPLIT_MAX_TOKENS), RouterPath::TensorSplit);
+        assert_eq!(at(TC_SPLIT_MAX_TOKENS + 1), RouterPath::TensorPair);
+        assert_eq!(at(TC_PAIR_MAX_TOKENS), RouterPath::TensorPair);
+        assert_eq!(at(TC_PAIR_MAX_TOKENS + 1), RouterPath::Tensor);
+        // D / 64 = 6 splits in two, not in four; 5 in neither.
+        assert_eq!(RouterPath::for_tokens(500, 384), RouterPath::TensorPair);
+        assert_eq!(RouterPath::for_tokens(500, 320), RouterPath::Tensor);
+        assert_eq!(RouterPath::for_tokens(1500, 320), RouterPath::Tensor);
+        let splits = [
+            RouterPath::Few,
+            RouterPath::Tensor,
+            RouterPath::TensorSplit,
+            RouterPath::TensorPair,
+        ]
+        .map(RouterPath::stage_split);
+        assert_eq!(splits, [1, 1, TC_KSPLIT, TC_PAIR_SPLIT]);
     }
 }
