@@ -149,8 +149,8 @@ pub const TC_PAIR_SPLIT: usize = 2;
 /// / 1685.1, 2560 1909.7 / 1917.3, 3072 2037.3 / 2037.6.
 pub const TC_PAIR_MAX_TOKENS: usize = 2048;
 
-/// Which kernel computes the router's logits (and, `Few`, x's quantisation; after `Tensor` or
-/// `TensorSplit`, `fmoe_select_kernel` makes it).
+/// Which kernel computes the router's logits (and, `Few`, x's quantisation; after a tensor-core
+/// router, `fmoe_select_kernel` makes it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RouterPath {
     /// `fmoe_logits_kernel`: 8 tokens a block, every block streams its experts' gate rows.
