@@ -294,9 +294,9 @@ DSV4_INLINE void fmoe_tc_store_scores(const float (&logit)[FMOE_TC_WG_EXPERTS / 
 // ((p0 + p1) + p2) + ..., then scores and stores the tile. ks is a constant of the launch for a range of token
 // counts (fast_moe.rs: TC_KSPLIT = 4 at 160-1023, TC_PAIR_SPLIT = 2 at 1024-2048, where four a tile would
 // outnumber the clusters the SMs hold at once), so within a range a token's logits do not depend on the batch;
-// they are not the unsplit kernel's bits (the same products and stage sums, added in a different order). Error: the stage sums as above, and fewer f32
-// additions on any path through the sum than the unsplit kernel's D/64 - 1 (D/(64 ks) - 1 + ks - 1), so the
-// bound above holds.
+// they are not the unsplit kernel's bits (the same products and stage sums, added in a different order).
+// Error: the stage sums as above, and fewer f32 additions on any path through the sum than the unsplit kernel's
+// D/64 - 1 (D/(64 ks) - 1 + ks - 1), so the bound above holds.
 template <bool SPLIT>
 DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsigned char* planes, int scoring,
                                 float* scores) {
