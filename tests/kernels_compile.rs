@@ -255,15 +255,29 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         (&fast_moe_wide::SOURCE, "FMW_TRACE=1"),
         (&fast_moe_wide::NARROW_SOURCE, "FMW_TRACE=1"),
     ];
+    // With nvdisasm, each variant's SASS also keeps its wgmmas' A registers untouched in flight
+    // (no_instruction_writes_the_a_registers_of_an_in_flight_wgmma).
+    let nvdisasm = nvdisasm_or_skip();
     for (fam, define) in variants {
         if chosen([fam]).is_empty() {
             continue;
         }
         let flag = format!("-D{define}");
-        let (_, log) = fam
+        let (cubin, log) = fam
             .compile_with_log(ARCH, &[flag.as_str(), "--ptxas-options=-v"])
             .unwrap_or_else(|e| panic!("{} with {define}: {e}", fam.family));
         check_wgmma_asynchronous(&format!("{} with {define}", fam.family), &log);
+        if let Some(nvdisasm) = &nvdisasm {
+            for (kernel, sass) in sass_of(fam, &cubin, nvdisasm) {
+                let found = in_flight_a_writes(&sass);
+                assert!(
+                    found.is_empty(),
+                    "{} {kernel} with {define}: writes to an in-flight wgmma's A registers:\n{}",
+                    fam.family,
+                    found.join("\n")
+                );
+            }
+        }
     }
 }
 
@@ -330,9 +344,14 @@ fn sass_by_kernel(fam: &KernelSource, nvdisasm: &std::path::Path) -> Vec<(String
     let (cubin, _) = fam
         .compile_with_log(ARCH, &[])
         .unwrap_or_else(|e| panic!("{}: {e}", fam.family));
+    sass_of(fam, &cubin, nvdisasm)
+}
+
+/// The SASS of each kernel of `cubin` (a CUBIN of `fam`), by name.
+fn sass_of(fam: &KernelSource, cubin: &[u8], nvdisasm: &std::path::Path) -> Vec<(String, String)> {
     let dir = TempDir::new("sass");
     let file = dir.0.join(format!("{}.cubin", fam.family));
-    std::fs::write(&file, &cubin).unwrap();
+    std::fs::write(&file, cubin).unwrap();
     let out = std::process::Command::new(nvdisasm)
         .arg("-c")
         .arg(&file)
@@ -404,6 +423,136 @@ fn fast_gemms_keep_wgmmas_in_flight_in_the_sass() {
             "{k}: a 128-block's wgmmas are not issued four at a time: {runs:?}"
         );
     }
+}
+
+/// No instruction writes a register that a wgmma still in flight reads as its A operand. A wgmma
+/// with A in registers (`HGMMA` / `QGMMA ..., Ra, gdesc[..]`) reads Ra .. Ra + 3 until its commit
+/// group is waited for (`WARPGROUP.DEPBAR.LE gsb0, n`); PTX leaves writing them before that
+/// undefined, and the compiler does not stop it: to the C++ the asm's inputs are dead once issued,
+/// so next operands built while these wgmmas run may get their registers (FMOE_TC_OVERLAP, fiftieth
+/// session: the next item's shared loads landed in the in-flight wgmmas' A registers before the
+/// wait, and an f32-gate case differed). No result test sees this reliably (the wgmma usually reads
+/// its A early); the SASS shows it. Every family with wgmmas, and every bench variant
+/// (`bench_variants_compile_and_keep_wgmma_asynchronous`), in their default builds.
+#[test]
+fn no_instruction_writes_the_a_registers_of_an_in_flight_wgmma() {
+    use dsv4::cuda::kernels::{
+        fast_attention, fast_indexer, fast_moe, fast_moe_gemm, fast_moe_wide,
+    };
+    // The check finds what it looks for: FMOE_TC_OVERLAP's SASS, cut down.
+    let overlap = "
+        /*1c20*/                   HGMMA.64x64x16.F32.BF16 R24, R56, gdesc[UR4], R24, UP0 ;
+        /*1c90*/                   HGMMA.64x64x16.F32.BF16 R24, R60, gdesc[UR4], R24 ;
+        /*1d20*/                   HGMMA.64x64x16.F32.BF16 R24, R68, gdesc[UR4], R24, gsb0 ;
+        /*1d70*/              @!P0 LDS R80, [R80+0x33000] ;
+        /*1ef0*/                   LDS.64 R56, [R110] ;
+        /*1fa0*/                   F2FP.BF16.F32.PACK_AB R71, R81, R80 ;
+        /*1fb0*/                   STS [R2], R60 ;
+        /*2100*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*2110*/                   LDS.64 R60, [R110+0x920] ;
+        /*2120*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, R112, gdesc[UR16], R24, gsb0 ;
+        /*2130*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, R116, gdesc[UR16], R24, gsb0 ;
+        /*2140*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*2150*/                   IMAD.WIDE.U32 R112, R1, 0x4, RZ ;
+        /*2160*/                   LDSM.16.M88.4 R116, [R3] ;
+    ";
+    let found = in_flight_a_writes(overlap);
+    assert_eq!(found.len(), 3, "{found:#?}");
+    assert!(
+        found[0].contains("LDS.64 R56") && found[1].contains("PACK_AB R71"),
+        "{found:#?}"
+    );
+    assert!(found[2].contains("LDSM.16.M88.4 R116"), "{found:#?}");
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let Some(nvdisasm) = nvdisasm_or_skip() else {
+        return;
+    };
+    let families = [
+        &fast_moe::SOURCE,
+        &fast_moe_gemm::SOURCE,
+        &fast_moe_wide::SOURCE,
+        &fast_moe_wide::NARROW_SOURCE,
+        &fast_indexer::SOURCE,
+        &fast_attention::SOURCE,
+    ];
+    for fam in chosen(families) {
+        for (kernel, sass) in sass_by_kernel(fam, &nvdisasm) {
+            let found = in_flight_a_writes(&sass);
+            assert!(
+                found.is_empty(),
+                "{} {kernel}: writes to an in-flight wgmma's A registers:\n{}",
+                fam.family,
+                found.join("\n")
+            );
+        }
+    }
+}
+
+/// The instructions of `sass` (nvdisasm's lines, one function, in address order) that write a
+/// register an in-flight wgmma reads as its A operand. Groups: a wgmma with `gsb0` closes the
+/// group its predecessors opened; `WARPGROUP.DEPBAR.LE gsb0, n` leaves the last n in flight. A
+/// written register is an instruction's first operand when it is `Rn` (stores and reductions
+/// start with an address); the width comes from the opcode (.64, .128, LDSM's .2 / .4, the wide
+/// IMAD, CS2R). The scan follows the addresses, not the branches: a group still in flight across
+/// a loop's back edge is checked only up to the end of the code.
+fn in_flight_a_writes(sass: &str) -> Vec<String> {
+    let (mut groups, mut open): (Vec<Vec<u32>>, Vec<u32>) = (vec![], vec![]);
+    let mut found = vec![];
+    for line in sass.lines() {
+        let Some(at) = line.find("*/") else { continue };
+        let text = line[at + 2..].split(';').next().unwrap_or("").trim();
+        let ins = text
+            .strip_prefix('@')
+            .map_or(text, |p| p.split_once(' ').map_or("", |(_, r)| r));
+        let (op, operands) = ins.split_once(' ').unwrap_or((ins, ""));
+        let reg = |s: &str| {
+            s.trim()
+                .strip_prefix('R')
+                .and_then(|n| n.parse::<u32>().ok())
+        };
+        if op.starts_with("WARPGROUP.DEPBAR") {
+            let keep = operands
+                .rsplit(',')
+                .next()
+                .and_then(|n| u32::from_str_radix(n.trim().trim_start_matches("0x"), 16).ok())
+                .unwrap_or(0) as usize;
+            groups.drain(..groups.len().saturating_sub(keep));
+            continue;
+        }
+        if ["HGMMA", "QGMMA", "IGMMA"]
+            .iter()
+            .any(|g| op.starts_with(g))
+        {
+            if let Some(a) = operands.split(',').nth(1).and_then(reg) {
+                open.extend(a..a + 4);
+            }
+            if operands.contains("gsb0") {
+                groups.push(std::mem::take(&mut open));
+            }
+            continue;
+        }
+        let Some(first) = operands.split(',').next().and_then(reg) else {
+            continue;
+        };
+        let width = if op.contains(".128") || (op.starts_with("LDSM") && op.ends_with(".4")) {
+            4
+        } else if op.contains(".64")
+            || op.starts_with("CS2R")
+            || op.starts_with("IMAD.WIDE")
+            || (op.starts_with("LDSM") && op.ends_with(".2"))
+        {
+            2
+        } else {
+            1
+        };
+        let live = groups.iter().flatten().chain(&open);
+        if live.clone().any(|r| (first..first + width).contains(r)) {
+            found.push(text.to_string());
+        }
+    }
+    found
 }
 
 /// The lengths of the runs of wgmmas without gsb0 before each one with it, in SASS order.
