@@ -429,11 +429,11 @@ fn fast_gemms_keep_wgmmas_in_flight_in_the_sass() {
 /// with A in registers (`HGMMA` / `QGMMA ..., Ra, gdesc[..]`) reads Ra .. Ra + 3 until its commit
 /// group is waited for (`WARPGROUP.DEPBAR.LE gsb0, n`); PTX leaves writing them before that
 /// undefined, and the compiler does not stop it: to the C++ the asm's inputs are dead once issued,
-/// so next operands built while these wgmmas run may get their registers (FMOE_TC_OVERLAP, fiftieth
-/// session: the next item's shared loads landed in the in-flight wgmmas' A registers before the
-/// wait, and an f32-gate case differed). No result test sees this reliably (the wgmma usually reads
-/// its A early); the SASS shows it. Every family with wgmmas, and every bench variant
-/// (`bench_variants_compile_and_keep_wgmma_asynchronous`), in their default builds.
+/// so next operands built while these wgmmas run may get their registers (FMOE_TC_OVERLAP, measured
+/// in the fifty-first session: the next item's shared loads landed in the in-flight wgmmas' A
+/// registers before the wait, and an f32-gate case differed). No result test sees this reliably
+/// (the wgmma usually reads its A early); the SASS shows it. Every fast family with wgmmas in its
+/// default build here, and every bench variant in `bench_variants_compile_and_keep_wgmma_asynchronous`.
 #[test]
 fn no_instruction_writes_the_a_registers_of_an_in_flight_wgmma() {
     use dsv4::cuda::kernels::{
