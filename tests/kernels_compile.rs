@@ -268,15 +268,8 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
             .unwrap_or_else(|e| panic!("{} with {define}: {e}", fam.family));
         check_wgmma_asynchronous(&format!("{} with {define}", fam.family), &log);
         if let Some(nvdisasm) = &nvdisasm {
-            for (kernel, sass) in sass_of(fam, &cubin, nvdisasm) {
-                let found = in_flight_a_writes(&sass);
-                assert!(
-                    found.is_empty(),
-                    "{} {kernel} with {define}: writes to an in-flight wgmma's A registers:\n{}",
-                    fam.family,
-                    found.join("\n")
-                );
-            }
+            let what = format!("{} with {define}", fam.family);
+            check_no_in_flight_a_writes(&what, sass_of(fam, &cubin, nvdisasm));
         }
     }
 }
@@ -478,15 +471,20 @@ fn no_instruction_writes_the_a_registers_of_an_in_flight_wgmma() {
         &fast_attention::SOURCE,
     ];
     for fam in chosen(families) {
-        for (kernel, sass) in sass_by_kernel(fam, &nvdisasm) {
-            let found = in_flight_a_writes(&sass);
-            assert!(
-                found.is_empty(),
-                "{} {kernel}: writes to an in-flight wgmma's A registers:\n{}",
-                fam.family,
-                found.join("\n")
-            );
-        }
+        check_no_in_flight_a_writes(fam.family, sass_by_kernel(fam, &nvdisasm));
+    }
+}
+
+/// Fails naming `what` and the kernel if any of `kernels` (name, SASS) writes an in-flight wgmma's
+/// A registers ([`in_flight_a_writes`]).
+fn check_no_in_flight_a_writes(what: &str, kernels: Vec<(String, String)>) {
+    for (kernel, sass) in kernels {
+        let found = in_flight_a_writes(&sass);
+        assert!(
+            found.is_empty(),
+            "{what} {kernel}: writes to an in-flight wgmma's A registers:\n{}",
+            found.join("\n")
+        );
     }
 }
 
