@@ -17,19 +17,6 @@
 // FMOE_LOGIT_WARPS, FMOE_LOGIT_EXPERTS, FMOE_LOGIT_SPLIT, FMOE_LOGIT_TOKENS, FMOE_LOGIT_GROUP, FMOE_SELECT_WARPS,
 // FMOE_MAX_EPL and SCORE_* come from dsv4_consts.cuh (src/cuda/kernels/fast_moe.rs, moe.rs).
 
-// fmoe_x_code's code by the hardware's conversion: cvt.rn.satfinite.e4m3x2.f32 rounds to the nearest e4m3fn
-// value, ties to even, subnormals and signed zeros included (e4m3_code_rn's grid: kernels/fast_dense.cu
-// fd_quant_codes, checked against act_quant_kernel bit for bit), the clamp before it leaves nothing to saturate,
-// and a NaN takes e4m3_code_rn's 0x7f whatever its sign. A tenth of the software rounding's instructions.
-DSV4_INLINE unsigned fmoe_x_code_hw(float v, float inv) {
-  float q = v * inv;
-  q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
-  if (q != q) return 0x7fu;
-  unsigned short c;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(c) : "f"(0.0f), "f"(q));  // q's code in the low byte
-  return c & 0xffu;
-}
-
 // The byte of value k (0..127) of a 128-block in xq, where fmoe_quant_x_store puts it: lane k / 4, c = k % 4.
 DSV4_INLINE int fmoe_x_pos(int k, bool halves) {
   const int lane = k >> 2, c = k & 3;
@@ -43,7 +30,7 @@ DSV4_INLINE int fmoe_x_pos(int k, bool halves) {
 // registers, fmoe_quant_x_store's codes and scales of every row, in the order of the GEMMs that read them
 // (`halves`). A 128-block of a row is one j of the strided layout across four warps (blockDim % 128 == 0): each
 // warp's largest |x| through shared memory, the block's the fmaxf of the four (any order: the same maximum, NaNs
-// skipped as warp_max skips them), then each value's code (fmoe_x_code_hw: fmoe_x_code's byte) stored a byte a
+// skipped as warp_max skips them), then each value's code (fmoe_x_code, fast_moe_route.cuh) stored a byte a
 // thread at its place (fmoe_x_pos). The router kernels then leave x's quantisation out (fmoe_logits_kernel's xq
 // NULL, fmoe_select_kernel's x NULL): a decode step's first four router blocks no longer quantise x before their
 // gate rows, and a prefill's selection no longer reads x. Requires dim % 128 == 0 and dim <= VALS * blockDim (the
@@ -71,7 +58,7 @@ DSV4_INLINE void fmoe_norm_x(float* x, int rows, int dim, const float* weight, f
       // fmoe_x_scale's s = 2^e, and 1 / s as 2^-e (the same float: no division a value).
       const float amax = norm_row_block_amax(warp_amax, j, nthreads);
       const int e = ue8m0_exponent(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX);
-      q_at[j * nthreads] = (unsigned char)fmoe_x_code_hw(o[j], dsv4_pow2(-e));
+      q_at[j * nthreads] = (unsigned char)fmoe_x_code(o[j], dsv4_pow2(-e));
       if ((tid & 127) == 0) s_at[j * (nthreads >> 7)] = dsv4_pow2(e);
     }
     __syncthreads();  // warp_amax is the next row's

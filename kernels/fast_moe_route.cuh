@@ -10,13 +10,32 @@
 // x's block scale s for the block's largest |x|, amax: the official act_quant's.
 DSV4_INLINE float fmoe_x_scale(float amax) { return ue8m0_scale(fmaxf(amax, 1e-4f), DSV4_E4M3_MAX); }
 
-// The e4m3 code of value v of a block whose scale's reciprocal is inv = 1 / s: s is a power of two, so v · (1 / s)
-// is v / s exactly (one rounding either way); clamped as Rust's clamp (NaN stays NaN).
-DSV4_INLINE unsigned fmoe_x_code(float v, float inv) {
-  float q = v * inv;
-  q = q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
-  return e4m3_code_rn(q);
+// Value v of a block whose scale's reciprocal is inv = 1 / s, as its e4m3 code rounds it: s is a power of two, so
+// v · (1 / s) is v / s exactly (one rounding either way); clamped as Rust's clamp (NaN stays NaN).
+DSV4_INLINE float fmoe_x_clamped(float v, float inv) {
+  const float q = v * inv;
+  return q < -DSV4_E4M3_MAX ? -DSV4_E4M3_MAX : (q > DSV4_E4M3_MAX ? DSV4_E4M3_MAX : q);
 }
+
+// The e4m3 codes of a and b (a's in the low byte, b's in the next) by the hardware's conversion:
+// cvt.rn.satfinite.e4m3x2.f32 rounds to the nearest e4m3fn value, ties to even, subnormals and signed zeros
+// included (e4m3_code_rn's grid: kernels/fast_dense.cu fd_quant_codes, checked against act_quant_kernel bit for
+// bit), the clamp before it leaves nothing to saturate, and a NaN takes e4m3_code_rn's 0x7f whatever its sign.
+// Two values a conversion, a tenth of the software rounding's instructions (fmoe_select_kernel, issue-bound on
+// this encoding, spent 55.6% of its issue slots at 4096 tokens with e4m3_code_rn: BENCHMARKS.md, issue 11
+// fifty-first session).
+DSV4_INLINE unsigned fmoe_x_codes2(float a, float b, float inv) {
+  const float qa = fmoe_x_clamped(a, inv), qb = fmoe_x_clamped(b, inv);
+  unsigned short c;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(c) : "f"(qb), "f"(qa));
+  unsigned r = c;
+  if (qa != qa) r = (r & 0xff00u) | 0x7fu;
+  if (qb != qb) r = (r & 0x00ffu) | 0x7f00u;
+  return r;
+}
+
+// One value's code (fmoe_x_codes2's low byte).
+DSV4_INLINE unsigned fmoe_x_code(float v, float inv) { return fmoe_x_codes2(v, 0.0f, inv) & 0xffu; }
 
 // x's official act_quant of 128-block b of token t, by one warp whose lane holds the block's values 4·lane ..
 // 4·lane + 3 in v: the e4m3 codes into xq[t][d] in the order of the GEMMs that read them (fp8_mma.cuh: the
@@ -27,17 +46,15 @@ DSV4_INLINE void fmoe_quant_x_store(float4 v, long long t, int D, int b, bool ha
   const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
   const float s = fmoe_x_scale(amax);
   const float inv = 1.0f / s;
-  const float vv[4] = {v.x, v.y, v.z, v.w};
-  unsigned code[4];
-#pragma unroll
-  for (int c = 0; c < 4; ++c) code[c] = fmoe_x_code(vv[c], inv);
+  // Codes c = 0..3 of the lane's values as bytes 0..3 of one word.
+  const unsigned codes = fmoe_x_codes2(v.x, v.y, inv) | (fmoe_x_codes2(v.z, v.w, inv) << 16);
   // This lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th 32-block (t8 = lane % 8 / 2).
   unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1);
   if (halves) {  // positions 4·t8 + 16·(lane % 2) + c: one word
-    *reinterpret_cast<unsigned*>(blk + 16 * (lane & 1)) = code[0] | (code[1] << 8) | (code[2] << 16) | (code[3] << 24);
+    *reinterpret_cast<unsigned*>(blk + 16 * (lane & 1)) = codes;
   } else {  // c = 0, 2 are even elements (positions 4·t8 + 2·(lane % 2) + 0, 1), c = 1, 3 odd ones (+ 16)
-    *reinterpret_cast<unsigned short*>(blk + 2 * (lane & 1)) = (unsigned short)(code[0] | (code[2] << 8));
-    *reinterpret_cast<unsigned short*>(blk + 2 * (lane & 1) + 16) = (unsigned short)(code[1] | (code[3] << 8));
+    *reinterpret_cast<unsigned short*>(blk + 2 * (lane & 1)) = (unsigned short)__byte_perm(codes, 0u, 0x0020u);
+    *reinterpret_cast<unsigned short*>(blk + 2 * (lane & 1) + 16) = (unsigned short)__byte_perm(codes, 0u, 0x0031u);
   }
   if (lane == 0) xs[t * (D / 128) + b] = s;
 }

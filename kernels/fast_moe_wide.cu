@@ -465,7 +465,7 @@ DSV4_INLINE int fmw_kept_item(unsigned smem, int which) {
 
 // The producer: one thread. Both GEMMs' activations (x for up, made by fmw_gather_x_kernel; h for down, by
 // the up GEMM) are stored in this path's own layout (fmw_act_row, fmw_act_scale_at): a tile's rows consecutive,
-// its scales in the consumers' order. So per stage and 128-block the thread copies the tile's codes by TMA
+// its scales in the consumers' order (but the shared expert's x codes, read where the router left them). So per stage and 128-block the thread copies the tile's codes by TMA
 // (`act_map`: boxes of FMW_HBOX rows x 128 bytes in the 128-byte swizzle, the B tile's layout; ceil(n /
 // FMW_HBOX) of them, rows past the tile's count are other tiles' or zeros past the map, computed and never
 // stored) and their scales by one bulk copy of FMW_T floats, beside the weights (fmw_load_weights). The
@@ -508,7 +508,11 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
     const int nks = fmoe_stages(it.fp4, K);
     const int kbytes = it.fp4 ? 256 : 128;  // k of a full stage
     const int boxes = (it.n + FMW_HBOX - 1) / FMW_HBOX;
-    const int row0 = (int)fmw_act_row(sa, it, 0);
+    // The up GEMM's shared items read x's codes where the router stored them, by token (the map after
+    // act_map: fmw_gather_x_kernel copies only the routed tiles' rows); every other item its plan rows.
+    const bool by_token = UP && it.shared;
+    const unsigned char* map = by_token ? act_map + FMOE_MAP_BYTES : act_map;
+    const int row0 = by_token ? it.start : (int)fmw_act_row(sa, it, 0);
     // (An offset of 32 bits, added to the kernel parameter at each stage: a pointer held across the stages
     // spilled at 24 registers. Below 2^32 for any T the workspace holds.)
     const unsigned scales = (unsigned)fmw_act_scale_at(it, K / 128, 0, 0);
@@ -522,7 +526,7 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
       const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
       for (int b = 0; b < blocks; ++b)
         for (int r = 0; r < boxes; ++r)
-          tma_load_2d(adst + b * FMW_B_PANEL + r * (FMW_HBOX * 128), act_map, k0 + 128 * b, row0 + r * FMW_HBOX, full);
+          tma_load_2d(adst + b * FMW_B_PANEL + r * (FMW_HBOX * 128), map, k0 + 128 * b, row0 + r * FMW_HBOX, full);
       bulk_load(adst + FMW_SLOT_A, sa.act_s + scales + (k0 / 128) * FMW_T, blocks * FMW_T * 4, full);
       cp_async_mbar_arrive(full);
       fmoe_ring_advance(slot, phase, FMW_NSTAGES);
@@ -1157,7 +1161,13 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
 // warp a block, a lane a column). Tiles b < *ntiles are the plan's
 // routed tiles (other ranks' experts skipped), the next ceil(T / FMW_T) the shared expert's (when
 // has_shared); blocks past them return. A copy of x per assignment (T·k·D bytes, 100 MB at 4096 tokens of
-// Flash) buys the up GEMM a producer of one thread (fmw_produce).
+// Flash) buys the up GEMM a producer of one thread (fmw_produce). The shared expert's tiles are x's rows in
+// token order already, so their codes are not copied: the up GEMM reads them from xq (the map after x_map),
+// and only their scales are put in the consumers' order here.
+// FMW_GATHER_UNROLL: 16-byte loads a lane in flight before their stores (registers: 4 each).
+#ifndef FMW_GATHER_UNROLL
+#define FMW_GATHER_UNROLL 8
+#endif
 extern "C" __global__ void __launch_bounds__(256)
     fmw_gather_x_kernel(const unsigned char* xq, const float* xs, int T, int D, int k, const int* rows,
                         const int* tiles, const int* ntiles, int e_begin, int e_end, int has_shared,
@@ -1186,18 +1196,19 @@ extern "C" __global__ void __launch_bounds__(256)
   a.k = k;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, blocks = D / 128, step = gridDim.y * 8;
   auto token_of = [&](int c) -> long long { return it.shared ? it.start + c : rows[it.start + c] / k; };
-  // The codes: a warp a row, eight 16-byte loads a lane in flight before their stores (a row of Flash's 4096
-  // in one round).
-  for (int c = blockIdx.y + gridDim.y * warp; c < it.n; c += step) {
+  // The routed tiles' codes: a warp a row, FMW_GATHER_UNROLL 16-byte loads a lane in flight before their
+  // stores (at 8, a row of Flash's 4096 in one round).
+  constexpr int U = FMW_GATHER_UNROLL;
+  for (int c = blockIdx.y + gridDim.y * warp; !it.shared && c < it.n; c += step) {
     const uint4* src = reinterpret_cast<const uint4*>(xq + token_of(c) * D);
     uint4* dst = reinterpret_cast<uint4*>(xq_plan + fmw_act_row(a, it, c) * D);
-    for (int v0 = 0; v0 < D / 16; v0 += 8 * 32) {
-      uint4 r[8];
+    for (int v0 = 0; v0 < D / 16; v0 += U * 32) {
+      uint4 r[U];
 #pragma unroll
-      for (int u = 0; u < 8; ++u)
+      for (int u = 0; u < U; ++u)
         if (v0 + 32 * u + lane < D / 16) r[u] = src[v0 + 32 * u + lane];
 #pragma unroll
-      for (int u = 0; u < 8; ++u)
+      for (int u = 0; u < U; ++u)
         if (v0 + 32 * u + lane < D / 16) dst[v0 + 32 * u + lane] = r[u];
     }
   }
@@ -1210,7 +1221,7 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // GEMM1 + SwiGLU + routing weight + FP8 quantisation of h; fmoe_up_kernel's operands, with the plan made for
 // FMW_T-token tiles, x in this path's layout (fmw_gather_x_kernel: xs, and x_map, a tensor map over its
-// codes; xq is not read).
+// codes followed by one over xq's rows by token, the shared expert's; xq is not read).
 extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
     fmw_up_kernel(const unsigned char* xq, const float* xs, int T, int D, int I, int k, const int* rows,
                   const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,

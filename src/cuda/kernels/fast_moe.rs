@@ -534,8 +534,8 @@ pub struct FastMoeWorkspace {
     pub plan_ranks: DevicePtr,
     /// The prefill path's x scales in its layout (`f32[`[`fast_moe_wide::act_scale_floats`]`]`).
     pub xs_plan: DevicePtr,
-    /// The prefill path's tensor maps over its x codes (in `y`) and over `hq`, 128 bytes each
-    /// ([`FastMoeWorkspace::write_act_maps`]).
+    /// The prefill path's tensor maps over its x codes (in `y`), over x's codes by token (`xq`:
+    /// the shared expert's rows) and over `hq`, 128 bytes each ([`FastMoeWorkspace::write_act_maps`]).
     pub act_maps: DevicePtr,
     /// The routed decode path's synchronisation words (`u32[`[`fast_moe_gemm::route_sync_words`]`]`):
     /// zero when its launch starts; the arena starts them so and the layer's combine zeroes them
@@ -575,20 +575,22 @@ impl FastMoeWorkspace {
         }
     }
 
-    /// The prefill up GEMM's tensor map over x's codes (in `y`): the first of `act_maps`.
+    /// The prefill up GEMM's tensor maps over x's codes: the first two of `act_maps`, the routed
+    /// tiles' rows (in `y`, where `fmw_gather_x_kernel` puts them) and then, the kernel finds it
+    /// right after, x's rows by token (`xq`, which the shared expert's tiles read in place).
     pub fn x_map(&self) -> Result<DevicePtr> {
-        self.act_maps.slice(0, fast_moe_gemm::MAP_BYTES)
+        self.act_maps.slice(0, 2 * fast_moe_gemm::MAP_BYTES)
     }
 
-    /// The prefill down GEMM's tensor map over h's codes: the second of `act_maps`.
+    /// The prefill down GEMM's tensor map over h's codes: the third of `act_maps`.
     pub fn h_map(&self) -> Result<DevicePtr> {
         self.act_maps
-            .slice(fast_moe_gemm::MAP_BYTES, fast_moe_gemm::MAP_BYTES)
+            .slice(2 * fast_moe_gemm::MAP_BYTES, fast_moe_gemm::MAP_BYTES)
     }
 
     /// Writes `act_maps`: the prefill path's tensor maps over all of x's rows of `d` bytes (in
-    /// `y`) and `hq`'s of `i` ([`fast_moe_wide::act_tensor_map`]). Once the buffers' addresses
-    /// are final (the fast set's finalize and refit; tests and benches after
+    /// `y`, then in `xq`) and `hq`'s of `i` ([`fast_moe_wide::act_tensor_map`]). Once the
+    /// buffers' addresses are final (the fast set's finalize and refit; tests and benches after
     /// [`FastMoeWorkspace::at`]) and before any prefill-path GEMM; host work and one small copy,
     /// never in a forward.
     pub fn write_act_maps(
@@ -598,13 +600,14 @@ impl FastMoeWorkspace {
         i: usize,
         stream: BorrowedStream,
     ) -> Result<()> {
-        if d == 0 || i == 0 || self.hq.bytes() < i || self.y.bytes() < d {
+        if d == 0 || i == 0 || self.hq.bytes() < i || self.y.bytes() < d || self.xq.bytes() < d {
             return Ok(()); // no experts: no GEMM reads them
         }
         let x = fast_moe_wide::act_tensor_map(self.y.addr(), self.y.bytes() / d, d)?;
+        let x_tokens = fast_moe_wide::act_tensor_map(self.xq.addr(), self.xq.bytes() / d, d)?;
         let h = fast_moe_wide::act_tensor_map(self.hq.addr(), self.hq.bytes() / i, i)?;
         let _g = ctx.enter()?;
-        crate::cuda::arena::copy_to_device_sync(self.act_maps, &[x, h].concat(), stream)
+        crate::cuda::arena::copy_to_device_sync(self.act_maps, &[x, x_tokens, h].concat(), stream)
     }
 }
 
@@ -651,7 +654,7 @@ pub fn workspace_buffers(
             Elem::F32,
             fast_moe_wide::act_scale_floats(t, k, experts, d),
         ),
-        ("act_maps", Elem::U8, 2 * fast_moe_gemm::MAP_BYTES),
+        ("act_maps", Elem::U8, 3 * fast_moe_gemm::MAP_BYTES),
         // u32 words likewise (zero from the arena on; each routed layer's combine re-zeroes them).
         (
             "route_sync",

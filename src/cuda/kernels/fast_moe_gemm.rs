@@ -382,7 +382,7 @@ fn need_h(
     need(who, "hq", ws.hq, rows_out * i)?;
     let scales = match path {
         GemmPath::Prefill => {
-            need(who, "act_maps", ws.act_maps, 2 * MAP_BYTES)?;
+            need(who, "act_maps", ws.act_maps, 3 * MAP_BYTES)?;
             wide::act_scale_floats(t, k, layer.experts, i)
         }
         GemmPath::Decode | GemmPath::DecodeFused | GemmPath::DecodeRouted => rows_out * i / 128,

@@ -178,7 +178,8 @@ crate::kernel_family! {
         xq_plan: *mut u8, xs_plan: *mut f32, queues: *mut u32,
     );
     /// GEMM1 + SwiGLU + routing weight + FP8 quantisation of h: fmoe_up_kernel's operands, x in
-    /// this path's layout (`xs` its scales, `x_map` a tensor map over its codes; `xq` is not
+    /// this path's layout (`xs` its scales, `x_map` two tensor maps: over the routed tiles' codes
+    /// in it, then over `xq` by token, which the shared expert's tiles read; `xq` itself is not
     /// read), h likewise.
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
