@@ -1168,6 +1168,25 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
 #ifndef FMW_GATHER_UNROLL
 #define FMW_GATHER_UNROLL 8
 #endif
+// FMW_GATHER_HINTS (bench variant): x's codes loaded with an L2 evict-last policy, the copies stored streaming
+// (st.global.cs), so that x, read once per assignment, stays in L2 while the copies pass through.
+#ifndef FMW_GATHER_HINTS
+#define FMW_GATHER_HINTS 0
+#endif
+DSV4_INLINE uint4 fmw_gather_load(const uint4* p, unsigned long long policy) {
+  if (!FMW_GATHER_HINTS) return *p;
+  uint4 r;
+  asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p), "l"(policy));
+  return r;
+}
+DSV4_INLINE void fmw_gather_store(uint4* p, uint4 v) {
+  if (FMW_GATHER_HINTS)
+    __stcs(p, v);
+  else
+    *p = v;
+}
 extern "C" __global__ void __launch_bounds__(256)
     fmw_gather_x_kernel(const unsigned char* xq, const float* xs, int T, int D, int k, const int* rows,
                         const int* tiles, const int* ntiles, int e_begin, int e_end, int has_shared,
@@ -1199,6 +1218,8 @@ extern "C" __global__ void __launch_bounds__(256)
   // The routed tiles' codes: a warp a row, FMW_GATHER_UNROLL 16-byte loads a lane in flight before their
   // stores (at 8, a row of Flash's 4096 in one round).
   constexpr int U = FMW_GATHER_UNROLL;
+  unsigned long long policy = 0;
+  if (FMW_GATHER_HINTS) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
   for (int c = blockIdx.y + gridDim.y * warp; !it.shared && c < it.n; c += step) {
     const uint4* src = reinterpret_cast<const uint4*>(xq + token_of(c) * D);
     uint4* dst = reinterpret_cast<uint4*>(xq_plan + fmw_act_row(a, it, c) * D);
@@ -1206,10 +1227,10 @@ extern "C" __global__ void __launch_bounds__(256)
       uint4 r[U];
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        if (v0 + 32 * u + lane < D / 16) r[u] = src[v0 + 32 * u + lane];
+        if (v0 + 32 * u + lane < D / 16) r[u] = fmw_gather_load(src + v0 + 32 * u + lane, policy);
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        if (v0 + 32 * u + lane < D / 16) dst[v0 + 32 * u + lane] = r[u];
+        if (v0 + 32 * u + lane < D / 16) fmw_gather_store(dst + v0 + 32 * u + lane, r[u]);
     }
   }
   // The scales: a warp a 128-block, a lane a token column, so that each store of the warp fills 32 consecutive
