@@ -67,6 +67,7 @@
 #include "common.cuh"
 #include "fp8_mma.cuh"
 #include "fast_moe_common.cuh"
+#include "moe_plan.cuh"  // block_excl_scan (fmw_gather_x_kernel)
 
 // The tile shape. This file compiles twice (src/cuda/kernels/fast_moe_wide.rs): as the family fast_moe_wide,
 // tiles of FMW_TOKENS = 128 tokens with a ring of FMW_STAGES slots, and, with FMW_NARROW defined, as
@@ -1156,20 +1157,29 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
 }
 
 // x's codes and scales (act_quant, as fmoe_select_kernel or the logits kernel stored them by token) in this
-// path's layout for fmw_up_kernel (fmw_act_row, fmw_act_scale_at): block (b, y) copies tile b's token columns y,
-// y + gridDim.y, .. (a warp a row, 16 bytes a lane) and the scales of its 128-blocks y, y + gridDim.y, .. (a
-// warp a block, a lane a column). Tiles b < *ntiles are the plan's
-// routed tiles (other ranks' experts skipped), the next ceil(T / FMW_T) the shared expert's (when
-// has_shared); blocks past them return. A copy of x per assignment (T·k·D bytes, 100 MB at 4096 tokens of
-// Flash) buys the up GEMM a producer of one thread (fmw_produce). The shared expert's tiles are x's rows in
-// token order already, so their codes are not copied: the up GEMM reads them from xq (the map after x_map),
-// and only their scales are put in the consumers' order here.
+// path's layout for fmw_up_kernel (fmw_act_row, fmw_act_scale_at). A copy of x per assignment (T·k·D bytes,
+// 100 MB at 4096 tokens of Flash) buys the up GEMM a producer of one thread (fmw_produce). The shared expert's
+// tiles are x's rows in token order already, so their codes are not copied: the up GEMM reads them from xq (the
+// map after x_map), and only their scales are put in the consumers' order here.
+//
+// By token (the default): a warp takes a token, loads its row once and stores it at each of its assignments'
+// plan rows, so x is read from DRAM once. (Copied by tile, block (b, y) taking tile b's rows y, y + 4, .., each
+// wave of blocks touched all of x and read it again per assignment: 413 MB of DRAM reads for x's 67 MB at 16384
+// tokens, 317 µs of the layer; BENCHMARKS.md, issue 11 fifty-first session. FMW_GATHER_BY_TILE=1 keeps that form
+// for comparison.) An assignment a = t·k + j of expert e has the plan row p the wide plan's place kernel gives it
+// (moe_plan_place_kernel: offsets[e] + counts[a / PLAN_CHUNK][e] + ranks[a], the scratch the plan leaves), so
+// this kernel needs the wide plan (FastMoe::experts_on makes it for every prefill-path batch) and its tile
+// (the plan's tiles of FMW_T rows, in expert order) is the tiles of the experts before e plus (p - offsets[e]) /
+// FMW_T. The grid is any (x, y): its blocks, flattened, stride over the tokens a warp each.
 // FMW_GATHER_UNROLL: 16-byte loads a lane in flight before their stores (registers: 4 each).
 #ifndef FMW_GATHER_UNROLL
 #define FMW_GATHER_UNROLL 8
 #endif
+#ifndef FMW_GATHER_BY_TILE
+#define FMW_GATHER_BY_TILE 0
+#endif
 // FMW_GATHER_HINTS (bench variant): x's codes loaded with an L2 evict-last policy, the copies stored streaming
-// (st.global.cs), so that x, read once per assignment, stays in L2 while the copies pass through.
+// (st.global.cs), so that x stays in L2 while the copies pass through.
 #ifndef FMW_GATHER_HINTS
 #define FMW_GATHER_HINTS 0
 #endif
@@ -1187,14 +1197,53 @@ DSV4_INLINE void fmw_gather_store(uint4* p, uint4 v) {
   else
     *p = v;
 }
-extern "C" __global__ void __launch_bounds__(256)
-    fmw_gather_x_kernel(const unsigned char* xq, const float* xs, int T, int D, int k, const int* rows,
-                        const int* tiles, const int* ntiles, int e_begin, int e_end, int has_shared,
-                        unsigned char* xq_plan, float* xs_plan, unsigned* queues) {
-  dsv4_pdl_begin();
-  // Both GEMMs' item queues (fmw_take) back to their first item: the up GEMM reads its queue only after its
-  // programmatic wait, once this kernel has finished, and the down GEMM after the up GEMM's.
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2) queues[threadIdx.x] = 0u;
+DSV4_INLINE unsigned long long fmw_gather_policy() {
+  unsigned long long policy = 0;
+  if (FMW_GATHER_HINTS) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// Where assignment a's copy goes: its plan row and its tile's (index, column); row < 0 for an assignment this
+// rank does not compute (an expert of another rank, or an id outside [0, E)). tile_base: the tiles of the
+// experts before each expert (shared memory).
+struct FmwPlace {
+  int row, tile, col;
+};
+DSV4_INLINE FmwPlace fmw_place(int a, int E, int e_begin, int e_end, const int* ids, const int* ranks,
+                               const int* counts, const int* offsets, const int* tile_base) {
+  const int r = ranks[a];
+  const int e = ids[a];
+  if (r < 0 || e < e_begin || e >= e_end) return {-1, 0, 0};
+  const int first = offsets[e];
+  const int within = counts[(long long)(a / PLAN_CHUNK) * E + e] + r;
+  return {first + within, tile_base[e] + within / FMW_T, within % FMW_T};
+}
+
+// tile_base[e] for e < E: the plan's tiles of experts 0 .. e - 1 (ceil(count / FMW_T) each, as
+// plan_offsets_and_tiles counts them). All the block's threads call; ends with a barrier.
+DSV4_INLINE void fmw_tile_bases(const int* offsets, int E, int* tile_base, int* wsum) {
+  const PlanSync ps{0u, (unsigned)blockDim.x};
+  const int C = (E + (int)blockDim.x - 1) / (int)blockDim.x, e0 = threadIdx.x * C;
+  int mine = 0;
+  for (int c = 0; c < C; ++c)
+    if (e0 + c < E) mine += (offsets[e0 + c + 1] - offsets[e0 + c] + FMW_T - 1) / FMW_T;
+  int total;
+  int run = block_excl_scan(mine, wsum, &total, ps);
+  for (int c = 0; c < C; ++c)
+    if (e0 + c < E) {
+      tile_base[e0 + c] = run;
+      run += (offsets[e0 + c + 1] - offsets[e0 + c] + FMW_T - 1) / FMW_T;
+    }
+  __syncthreads();
+}
+
+// The copy by tile (FMW_GATHER_BY_TILE=1, for comparison): block (b, y) copies tile b's token columns y,
+// y + gridDim.y, .. (a warp a row, 16 bytes a lane) and the scales of its 128-blocks y, y + gridDim.y, .. (a
+// warp a block, a lane a column). Tiles b < *ntiles are the plan's routed tiles (other ranks' experts skipped),
+// the next ceil(T / FMW_T) the shared expert's (when has_shared); blocks past them return.
+DSV4_INLINE void fmw_gather_by_tile(const unsigned char* xq, const float* xs, int T, int D, int k, const int* rows,
+                                    const int* tiles, const int* ntiles, int e_begin, int e_end, int has_shared,
+                                    unsigned char* xq_plan, float* xs_plan) {
   const int nrt = *ntiles, b = blockIdx.x;
   FmwItem it;  // only the fields fmw_act_row and fmw_act_scale_at read
   it.tile = b;
@@ -1218,8 +1267,7 @@ extern "C" __global__ void __launch_bounds__(256)
   // The routed tiles' codes: a warp a row, FMW_GATHER_UNROLL 16-byte loads a lane in flight before their
   // stores (at 8, a row of Flash's 4096 in one round).
   constexpr int U = FMW_GATHER_UNROLL;
-  unsigned long long policy = 0;
-  if (FMW_GATHER_HINTS) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+  const unsigned long long policy = fmw_gather_policy();
   for (int c = blockIdx.y + gridDim.y * warp; !it.shared && c < it.n; c += step) {
     const uint4* src = reinterpret_cast<const uint4*>(xq + token_of(c) * D);
     uint4* dst = reinterpret_cast<uint4*>(xq_plan + fmw_act_row(a, it, c) * D);
@@ -1238,6 +1286,65 @@ extern "C" __global__ void __launch_bounds__(256)
   // (Copied by the codes' warps, a lane a block, every store touched 32 lines 512 bytes apart.)
   for (int blk = blockIdx.y + gridDim.y * warp; blk < blocks; blk += step)
     for (int c = lane; c < it.n; c += 32) xs_plan[fmw_act_scale_at(it, blocks, blk, c)] = xs[token_of(c) * blocks + blk];
+}
+
+
+extern "C" __global__ void __launch_bounds__(256)
+    fmw_gather_x_kernel(const unsigned char* xq, const float* xs, int T, int D, int k, const int* rows,
+                        const int* tiles, const int* ntiles, int e_begin, int e_end, int has_shared,
+                        const int* ids, const int* ranks, const int* counts, const int* offsets, int E,
+                        unsigned char* xq_plan, float* xs_plan, unsigned* queues) {
+  dsv4_pdl_begin();
+  // Both GEMMs' item queues (fmw_take) back to their first item: the up GEMM reads its queue only after its
+  // programmatic wait, once this kernel has finished, and the down GEMM after the up GEMM's.
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2) queues[threadIdx.x] = 0u;
+#if FMW_GATHER_BY_TILE
+  fmw_gather_by_tile(xq, xs, T, D, k, rows, tiles, ntiles, e_begin, e_end, has_shared, xq_plan, xs_plan);
+#else
+  const int block = blockIdx.y * gridDim.x + blockIdx.x, nblocks = gridDim.x * gridDim.y;
+  if (block * 8 >= T) return;  // (whole block: no token)
+  __shared__ int tile_base[PLAN_WIDE_MAX_EXPERTS];
+  __shared__ int wsum[32];
+  fmw_tile_bases(offsets, E, tile_base, wsum);
+  const int nrt = *ntiles, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, blocks = D / 128;
+  const unsigned long long policy = fmw_gather_policy();
+  constexpr int U = FMW_GATHER_UNROLL;
+  static_assert(ROUTER_MAX_K <= 32, "fmw_gather_x_kernel: a lane holds one assignment's place");
+  for (int t = block * 8 + warp; t < T; t += nblocks * 8) {
+    // Lane j < k holds the place of the token's assignment j; the warp reads them by shuffles.
+    const FmwPlace mine =
+        lane < k ? fmw_place(t * k + lane, E, e_begin, e_end, ids, ranks, counts, offsets, tile_base) : FmwPlace{-1, 0, 0};
+    // The codes: the row U·512 bytes at a time, stored at each assignment's plan row.
+    const uint4* src = reinterpret_cast<const uint4*>(xq + (long long)t * D);
+    for (int v0 = 0; v0 < D / 16; v0 += U * 32) {
+      uint4 r[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (v0 + 32 * u + lane < D / 16) r[u] = fmw_gather_load(src + v0 + 32 * u + lane, policy);
+      for (int j = 0; j < k; ++j) {
+        const int row = __shfl_sync(0xffffffffu, mine.row, j);
+        if (row < 0) continue;
+        uint4* dst = reinterpret_cast<uint4*>(xq_plan + (long long)row * D);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (v0 + 32 * u + lane < D / 16) fmw_gather_store(dst + v0 + 32 * u + lane, r[u]);
+      }
+    }
+    // The scales: a lane a 128-block, into each assignment's tile and column (fmw_act_scale_at's layout), and
+    // the shared expert's tile (nrt + t / FMW_T, column t % FMW_T).
+    for (int b0 = 0; b0 < blocks; b0 += 32) {
+      const int b = b0 + lane;
+      const float sc = b < blocks ? xs[(long long)t * blocks + b] : 0.0f;
+      for (int j = 0; j < k; ++j) {
+        const int row = __shfl_sync(0xffffffffu, mine.row, j), tile = __shfl_sync(0xffffffffu, mine.tile, j),
+                  col = __shfl_sync(0xffffffffu, mine.col, j);
+        if (row >= 0 && b < blocks) xs_plan[((long long)tile * blocks + b) * FMW_T + fmw_scale_pos(col)] = sc;
+      }
+      if (has_shared && b < blocks)
+        xs_plan[((long long)(nrt + t / FMW_T) * blocks + b) * FMW_T + fmw_scale_pos(t % FMW_T)] = sc;
+    }
+  }
+#endif
 }
 
 // GEMM1 + SwiGLU + routing weight + FP8 quantisation of h; fmoe_up_kernel's operands, with the plan made for

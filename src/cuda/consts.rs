@@ -72,6 +72,7 @@ pub const SHARED: &[Shared] = shared! {
     "PLAN_THREADS" = Int(moe::PLAN_THREADS as i64) from "moe::PLAN_THREADS";
     "PLAN_WARPS" = Int(moe::PLAN_WARPS as i64) from "moe::PLAN_WARPS";
     "PLAN_CHUNK" = Int(moe::PLAN_CHUNK as i64) from "moe::PLAN_CHUNK";
+    "PLAN_WIDE_MAX_EXPERTS" = Int(moe::PLAN_WIDE_MAX_EXPERTS as i64) from "moe::PLAN_WIDE_MAX_EXPERTS";
     "MOE_UP_BNS" = Int(moe::UP_GRID_N as i64) from "moe::UP_GRID_N";
     "MOE_DOWN_BNS" = Int(moe::DOWN_GRID_N as i64) from "moe::DOWN_GRID_N";
     // fast_moe.cu, fast_moe_gemm.cu.

@@ -1139,7 +1139,9 @@ impl FastMoe {
             let cleared = ws.sync.slice(4, words * 4)?;
             self.moe
                 .plan_clearing(ctx, ws.ids, &plan, Some((cleared, words)), stream)?;
-        } else if t >= WIDE_PLAN_MIN_TOKENS {
+        } else if t >= WIDE_PLAN_MIN_TOKENS || path == GemmPath::Prefill {
+            // (The prefill path's gather places x's rows from the wide plan's scratch, so that
+            // path takes it at any count.)
             let (counts, ranks) = (ws.plan_counts, ws.plan_ranks);
             self.moe
                 .plan_wide(ctx, ws.ids, &plan, counts, ranks, stream)?;

@@ -351,6 +351,11 @@ fn need_up(
             ws.xs_plan,
             wide::act_scale_floats(t, k, layer.experts, d) * 4,
         )?;
+        // The wide plan's scratch, which the gather places x's rows from.
+        let [counts, ranks] = crate::cuda::kernels::moe::plan_wide_scratch(t * k, layer.experts);
+        need(who, "plan_counts", ws.plan_counts, counts * 4)?;
+        need(who, "plan_ranks", ws.plan_ranks, ranks * 4)?;
+        need(who, "ids", ws.ids, t * k * 4)?;
     }
     need_h(who, layer, t, ws, path)?;
     need(who, "route_w", ws.weights, t * k * 4)
@@ -531,6 +536,11 @@ impl FastMoeGemm {
                     e_begin: to_i32(K, "e_begin", layer.local.start)?,
                     e_end: to_i32(K, "e_end", layer.local.end)?,
                     has_shared: sh.is_some(),
+                    ids: ws.ids,
+                    ranks: ws.plan_ranks,
+                    counts: ws.plan_counts,
+                    offsets: ws.plan.offsets,
+                    e: to_i32(K, "experts", layer.experts)?,
                     xq_plan: ws.y,
                     xs_plan: ws.xs_plan,
                     queues: prefill_queues(K, ws)?,
