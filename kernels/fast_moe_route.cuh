@@ -34,8 +34,15 @@ DSV4_INLINE unsigned fmoe_x_codes2(float a, float b, float inv) {
   return r;
 }
 
-// One value's code (fmoe_x_codes2's low byte).
-DSV4_INLINE unsigned fmoe_x_code(float v, float inv) { return fmoe_x_codes2(v, 0.0f, inv) & 0xffu; }
+// One value's code: fmoe_x_codes2's low byte, its NaN case first (fmoe_norm_x_kernel's per-thread codes; as
+// fmoe_x_codes2(v, 0, inv) & 0xff it measured 4% slower in that kernel at 4096 tokens, H100).
+DSV4_INLINE unsigned fmoe_x_code(float v, float inv) {
+  const float q = fmoe_x_clamped(v, inv);
+  if (q != q) return 0x7fu;
+  unsigned short c;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(c) : "f"(0.0f), "f"(q));  // q's code in the low byte
+  return c & 0xffu;
+}
 
 // x's official act_quant of 128-block b of token t, by one warp whose lane holds the block's values 4·lane ..
 // 4·lane + 3 in v: the e4m3 codes into xq[t][d] in the order of the GEMMs that read them (fp8_mma.cuh: the
