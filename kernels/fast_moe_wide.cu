@@ -1162,11 +1162,12 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
 // tiles are x's rows in token order already, so their codes are not copied: the up GEMM reads them from xq (the
 // map after x_map), and only their scales are put in the consumers' order here.
 //
-// By token (the default): a warp takes a token, loads its row once and stores it at each of its assignments'
-// plan rows, so x is read from DRAM once. (Copied by tile, block (b, y) taking tile b's rows y, y + 4, .., each
-// wave of blocks touched all of x and read it again per assignment: 413 MB of DRAM reads for x's 67 MB at 16384
-// tokens, 317 µs of the layer; BENCHMARKS.md, issue 11 fifty-first session. FMW_GATHER_BY_TILE=1 keeps that form
-// for comparison.) An assignment a = t·k + j of expert e has the plan row p the wide plan's place kernel gives it
+// By token: a warp takes a token, loads its row once and stores it at each of its assignments' plan rows, so x
+// is read from DRAM once. (Copied by tile, block (b, y) taking tile b's rows y, y + 4, .., each wave of blocks
+// touched all of x and read it again per assignment: 413 MB of DRAM reads for x's 67 MB at 16384 tokens, 317 µs
+// of the layer, fifty-first session. The layer measured the same either way, 16384 tokens 8534 µs by token
+// against 8521 by tile, 4096 2323 / 2325 (H100, fifty-second session, BENCHMARKS.md): kept for the bytes, not
+// the time.) An assignment a = t·k + j of expert e has the plan row p the wide plan's place kernel gives it
 // (moe_plan_place_kernel: offsets[e] + counts[a / PLAN_CHUNK][e] + ranks[a], the scratch the plan leaves), so
 // this kernel needs the wide plan (FastMoe::experts_on makes it for every prefill-path batch) and its tile
 // (the plan's tiles of FMW_T rows, in expert order) is the tiles of the experts before e plus (p - offsets[e]) /
@@ -1174,9 +1175,6 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
 // FMW_GATHER_UNROLL: 16-byte loads a lane in flight before their stores (registers: 4 each).
 #ifndef FMW_GATHER_UNROLL
 #define FMW_GATHER_UNROLL 8
-#endif
-#ifndef FMW_GATHER_BY_TILE
-#define FMW_GATHER_BY_TILE 0
 #endif
 // FMW_GATHER_HINTS (bench variant): x's codes loaded with an L2 evict-last policy, the copies stored streaming
 // (st.global.cs), so that x stays in L2 while the copies pass through.
@@ -1237,70 +1235,14 @@ DSV4_INLINE void fmw_tile_bases(const int* offsets, int E, int* tile_base, int* 
   __syncthreads();
 }
 
-// The copy by tile (FMW_GATHER_BY_TILE=1, for comparison): block (b, y) copies tile b's token columns y,
-// y + gridDim.y, .. (a warp a row, 16 bytes a lane) and the scales of its 128-blocks y, y + gridDim.y, .. (a
-// warp a block, a lane a column). Tiles b < *ntiles are the plan's routed tiles (other ranks' experts skipped),
-// the next ceil(T / FMW_T) the shared expert's (when has_shared); blocks past them return.
-DSV4_INLINE void fmw_gather_by_tile(const unsigned char* xq, const float* xs, int T, int D, int k, const int* rows,
-                                    const int* tiles, const int* ntiles, int e_begin, int e_end, int has_shared,
-                                    unsigned char* xq_plan, float* xs_plan) {
-  const int nrt = *ntiles, b = blockIdx.x;
-  FmwItem it;  // only the fields fmw_act_row and fmw_act_scale_at read
-  it.tile = b;
-  if (b < nrt) {
-    const int e = tiles[3 * b];
-    if (e < e_begin || e >= e_end) return;
-    it.shared = false;
-    it.start = tiles[3 * b + 1];
-    it.n = tiles[3 * b + 2];
-  } else {
-    it.shared = true;
-    it.start = (b - nrt) * FMW_T;
-    if (!has_shared || it.start >= T) return;
-    it.n = min(FMW_T, T - it.start);
-  }
-  FmoeArgs a;  // likewise
-  a.T = T;
-  a.k = k;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, blocks = D / 128, step = gridDim.y * 8;
-  auto token_of = [&](int c) -> long long { return it.shared ? it.start + c : rows[it.start + c] / k; };
-  // The routed tiles' codes: a warp a row, FMW_GATHER_UNROLL 16-byte loads a lane in flight before their
-  // stores (at 8, a row of Flash's 4096 in one round).
-  constexpr int U = FMW_GATHER_UNROLL;
-  const unsigned long long policy = fmw_gather_policy();
-  for (int c = blockIdx.y + gridDim.y * warp; !it.shared && c < it.n; c += step) {
-    const uint4* src = reinterpret_cast<const uint4*>(xq + token_of(c) * D);
-    uint4* dst = reinterpret_cast<uint4*>(xq_plan + fmw_act_row(a, it, c) * D);
-    for (int v0 = 0; v0 < D / 16; v0 += U * 32) {
-      uint4 r[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (v0 + 32 * u + lane < D / 16) r[u] = fmw_gather_load(src + v0 + 32 * u + lane, policy);
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (v0 + 32 * u + lane < D / 16) fmw_gather_store(dst + v0 + 32 * u + lane, r[u]);
-    }
-  }
-  // The scales: a warp a 128-block, a lane a token column, so that each store of the warp fills 32 consecutive
-  // floats of the tile's [block][FMW_T] (fmw_scale_pos permutes within them); the loads gather instead.
-  // (Copied by the codes' warps, a lane a block, every store touched 32 lines 512 bytes apart.)
-  for (int blk = blockIdx.y + gridDim.y * warp; blk < blocks; blk += step)
-    for (int c = lane; c < it.n; c += 32) xs_plan[fmw_act_scale_at(it, blocks, blk, c)] = xs[token_of(c) * blocks + blk];
-}
-
-
 extern "C" __global__ void __launch_bounds__(256)
-    fmw_gather_x_kernel(const unsigned char* xq, const float* xs, int T, int D, int k, const int* rows,
-                        const int* tiles, const int* ntiles, int e_begin, int e_end, int has_shared,
-                        const int* ids, const int* ranks, const int* counts, const int* offsets, int E,
-                        unsigned char* xq_plan, float* xs_plan, unsigned* queues) {
+    fmw_gather_x_kernel(const unsigned char* xq, const float* xs, int T, int D, int k, const int* ntiles,
+                        int e_begin, int e_end, int has_shared, const int* ids, const int* ranks, const int* counts,
+                        const int* offsets, int E, unsigned char* xq_plan, float* xs_plan, unsigned* queues) {
   dsv4_pdl_begin();
   // Both GEMMs' item queues (fmw_take) back to their first item: the up GEMM reads its queue only after its
   // programmatic wait, once this kernel has finished, and the down GEMM after the up GEMM's.
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2) queues[threadIdx.x] = 0u;
-#if FMW_GATHER_BY_TILE
-  fmw_gather_by_tile(xq, xs, T, D, k, rows, tiles, ntiles, e_begin, e_end, has_shared, xq_plan, xs_plan);
-#else
   const int block = blockIdx.y * gridDim.x + blockIdx.x, nblocks = gridDim.x * gridDim.y;
   if (block * 8 >= T) return;  // (whole block: no token)
   __shared__ int tile_base[PLAN_WIDE_MAX_EXPERTS];
@@ -1344,7 +1286,6 @@ extern "C" __global__ void __launch_bounds__(256)
         xs_plan[((long long)(nrt + t / FMW_T) * blocks + b) * FMW_T + fmw_scale_pos(t % FMW_T)] = sc;
     }
   }
-#endif
 }
 
 // GEMM1 + SwiGLU + routing weight + FP8 quantisation of h; fmoe_up_kernel's operands, with the plan made for

@@ -530,8 +530,6 @@ impl FastMoeGemm {
                     t: to_i32(K, "T", t)?,
                     d: to_i32(K, "D", layer.d)?,
                     k: to_i32(K, "k", layer.k)?,
-                    rows: ws.plan.rows,
-                    tiles: ws.plan.tiles,
                     ntiles: ws.plan.ntiles,
                     e_begin: to_i32(K, "e_begin", layer.local.start)?,
                     e_end: to_i32(K, "e_end", layer.local.end)?,

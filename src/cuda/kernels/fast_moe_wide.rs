@@ -175,10 +175,9 @@ crate::kernel_family! {
     /// place each assignment, so the plan must be the wide one, of this family's tile size.
     #[pdl(true)]
     fn fmw_gather_x_kernel(
-        xq: *const u8, xs: *const f32, t: i32, d: i32, k: i32, rows: *const i32,
-        tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, has_shared: bool,
-        ids: *const i32, ranks: *const i32, counts: *const i32, offsets: *const i32, e: i32,
-        xq_plan: *mut u8, xs_plan: *mut f32, queues: *mut u32,
+        xq: *const u8, xs: *const f32, t: i32, d: i32, k: i32, ntiles: *const i32, e_begin: i32,
+        e_end: i32, has_shared: bool, ids: *const i32, ranks: *const i32, counts: *const i32,
+        offsets: *const i32, e: i32, xq_plan: *mut u8, xs_plan: *mut f32, queues: *mut u32,
     );
     /// GEMM1 + SwiGLU + routing weight + FP8 quantisation of h: fmoe_up_kernel's operands, x in
     /// this path's layout (`xs` its scales, `x_map` two tensor maps: over the routed tiles' codes
