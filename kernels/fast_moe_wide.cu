@@ -466,11 +466,12 @@ DSV4_INLINE int fmw_kept_item(unsigned smem, int which) {
 
 // The producer: one thread. Both GEMMs' activations (x for up, made by fmw_gather_x_kernel; h for down, by
 // the up GEMM) are stored in this path's own layout (fmw_act_row, fmw_act_scale_at): a tile's rows consecutive,
-// its scales in the consumers' order (but the shared expert's x codes, read where the router left them). So per stage and 128-block the thread copies the tile's codes by TMA
-// (`act_map`: boxes of FMW_HBOX rows x 128 bytes in the 128-byte swizzle, the B tile's layout; ceil(n /
-// FMW_HBOX) of them, rows past the tile's count are other tiles' or zeros past the map, computed and never
-// stored) and their scales by one bulk copy of FMW_T floats, beside the weights (fmw_load_weights). The
-// full barrier expects the thread's expect_tx arrival and its cp.async arrival (FP8's block scale).
+// its scales in the consumers' order (but the shared expert's x codes, read where the router left them). So per
+// stage and 128-block the thread copies the tile's codes by TMA (`act_map`: boxes of FMW_HBOX rows x 128 bytes
+// in the 128-byte swizzle, the B tile's layout; ceil(n / FMW_HBOX) of them, rows past the tile's count are other
+// tiles' or zeros past the map, computed and never stored) and their scales by one bulk copy of FMW_T floats,
+// beside the weights (fmw_load_weights). The full barrier expects the thread's expect_tx arrival and its cp.async
+// arrival (FP8's block scale).
 // (Before, all four producer warps gathered the tokens' rows by cp.async, 8 threads a 128-byte line, and
 // their 4-byte scales one per thread: 14% of the up GEMM's instructions, the scales one shared-memory
 // wavefront each, and retries of the ring's waits; ncu, B = 4096.)
@@ -1171,7 +1172,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
 // (moe_plan_place_kernel: offsets[e] + counts[a / PLAN_CHUNK][e] + ranks[a], the scratch the plan leaves), so
 // this kernel needs the wide plan (FastMoe::experts_on makes it for every prefill-path batch) and its tile
 // (the plan's tiles of FMW_T rows, in expert order) is the tiles of the experts before e plus (p - offsets[e]) /
-// FMW_T. The grid is any (x, y): its blocks, flattened, stride over the tokens a warp each.
+// FMW_T. A warp a token; the blocks' warps stride over the tokens, so any grid does.
 // FMW_GATHER_UNROLL: 16-byte loads a lane in flight before their stores (registers: 4 each).
 #ifndef FMW_GATHER_UNROLL
 #define FMW_GATHER_UNROLL 8
@@ -1243,8 +1244,8 @@ extern "C" __global__ void __launch_bounds__(256)
   // Both GEMMs' item queues (fmw_take) back to their first item: the up GEMM reads its queue only after its
   // programmatic wait, once this kernel has finished, and the down GEMM after the up GEMM's.
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2) queues[threadIdx.x] = 0u;
-  const int block = blockIdx.y * gridDim.x + blockIdx.x, nblocks = gridDim.x * gridDim.y;
-  if (block * 8 >= T) return;  // (whole block: no token)
+  const int warps = blockDim.x >> 5, first = blockIdx.x * warps, step = gridDim.x * warps;
+  if (first >= T) return;  // (whole block: no token)
   __shared__ int tile_base[PLAN_WIDE_MAX_EXPERTS];
   __shared__ int wsum[32];
   fmw_tile_bases(offsets, E, tile_base, wsum);
@@ -1252,10 +1253,10 @@ extern "C" __global__ void __launch_bounds__(256)
   const unsigned long long policy = fmw_gather_policy();
   constexpr int U = FMW_GATHER_UNROLL;
   static_assert(ROUTER_MAX_K <= 32, "fmw_gather_x_kernel: a lane holds one assignment's place");
-  for (int t = block * 8 + warp; t < T; t += nblocks * 8) {
+  for (int t = first + warp; t < T; t += step) {
     // Lane j < k holds the place of the token's assignment j; the warp reads them by shuffles.
-    const FmwPlace mine =
-        lane < k ? fmw_place(t * k + lane, E, e_begin, e_end, ids, ranks, counts, offsets, tile_base) : FmwPlace{-1, 0, 0};
+    FmwPlace mine{-1, 0, 0};
+    if (lane < k) mine = fmw_place(t * k + lane, E, e_begin, e_end, ids, ranks, counts, offsets, tile_base);
     // The codes: the row U·512 bytes at a time, stored at each assignment's plan row.
     const uint4* src = reinterpret_cast<const uint4*>(xq + (long long)t * D);
     for (int v0 = 0; v0 < D / 16; v0 += U * 32) {

@@ -523,7 +523,6 @@ impl FastMoeGemm {
                     .launch(g, b, sm, stream, up_args!(fmoe_up_kernel, ws.xs))
             }
             GemmPath::Prefill => {
-                let tiles = wide::act_tiles(t, layer.k, layer.experts);
                 let gather = fmw_gather_x_kernel::Args {
                     xq: ws.xq,
                     xs: ws.xs,
@@ -543,7 +542,8 @@ impl FastMoeGemm {
                     xs_plan: ws.xs_plan,
                     queues: prefill_queues(K, ws)?,
                 };
-                let grid = (to_i32(K, "tiles", tiles)? as u32, wide::GATHER_Y as u32, 1);
+                let blocks = t.div_ceil(wide::GATHER_TOKENS_PER_BLOCK);
+                let grid = (to_i32(K, "gather blocks", blocks)? as u32, 1, 1);
                 let (gather_k, up_k, _) = self.prefill_kernels(t);
                 gather_k.launch(grid, 256, 0, stream, gather)?;
                 let queue = prefill_queues(K, ws)?.slice(0, 4)?;

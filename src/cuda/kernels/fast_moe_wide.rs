@@ -101,8 +101,9 @@ pub const MIN_TOKENS: usize = 480;
 /// rounded up to it.
 pub const ACT_BOX_ROWS: usize = 32;
 
-/// Blocks per tile of `fmw_gather_x_kernel` (its grid's y).
-pub const GATHER_Y: usize = 4;
+/// Tokens per block of `fmw_gather_x_kernel` (a warp each; its blocks stride over the tokens,
+/// so any grid works).
+pub const GATHER_TOKENS_PER_BLOCK: usize = 8;
 
 /// Where this path keeps both GEMMs' activations, x (`fmw_gather_x_kernel` makes it) and h
 /// (kernels/SPEC.md): a routed tile's rows at their plan rows (`rows[start + c]`'s position
@@ -169,8 +170,8 @@ crate::kernel_family! {
     /// The family as the registry compiles and loads it: the wide tiles ([`TOKENS`]).
     pub const SOURCE = "fast_moe_wide", include_str!("../../../kernels/fast_moe_wide.cu");
 
-    /// x's codes and scales (by token) in this path's layout ([`act_scale_index`]): grid
-    /// ([`act_tiles`], [`GATHER_Y`]), 256 threads. Reads the wide plan's scratch (`ranks`,
+    /// x's codes and scales (by token) in this path's layout ([`act_scale_index`]): a warp a
+    /// token, [`GATHER_TOKENS_PER_BLOCK`] a block of 256 threads. Reads the wide plan's scratch (`ranks`,
     /// `counts` as [`Moe::plan_wide`](crate::cuda::kernels::moe::Moe::plan_wide) leaves them) to
     /// place each assignment, so the plan must be the wide one, of this family's tile size.
     #[pdl(true)]
