@@ -67,7 +67,7 @@
 #include "common.cuh"
 #include "fp8_mma.cuh"
 #include "fast_moe_common.cuh"
-#include "moe_plan.cuh"  // block_excl_scan (fmw_gather_x_kernel)
+#include "moe_plan.cuh"  // the wide plan's place and tile counts, block_excl_scan (fmw_gather_x_kernel)
 
 // The tile shape. This file compiles twice (src/cuda/kernels/fast_moe_wide.rs): as the family fast_moe_wide,
 // tiles of FMW_TOKENS = 128 tokens with a ring of FMW_STAGES slots, and, with FMW_NARROW defined, as
@@ -1210,28 +1210,26 @@ struct FmwPlace {
 };
 DSV4_INLINE FmwPlace fmw_place(int a, int E, int e_begin, int e_end, const int* ids, const int* ranks,
                                const int* counts, const int* offsets, const int* tile_base) {
-  const int r = ranks[a];
   const int e = ids[a];
-  if (r < 0 || e < e_begin || e >= e_end) return {-1, 0, 0};
-  const int first = offsets[e];
-  const int within = counts[(long long)(a / PLAN_CHUNK) * E + e] + r;
-  return {first + within, tile_base[e] + within / FMW_T, within % FMW_T};
+  if (ranks[a] < 0 || e < e_begin || e >= e_end) return {-1, 0, 0};
+  const int within = plan_wide_within(a, e, E, counts, ranks);
+  return {offsets[e] + within, tile_base[e] + within / FMW_T, within % FMW_T};
 }
 
-// tile_base[e] for e < E: the plan's tiles of experts 0 .. e - 1 (ceil(count / FMW_T) each, as
-// plan_offsets_and_tiles counts them). All the block's threads call; ends with a barrier.
+// tile_base[e] for e < E: the plan's tiles of experts 0 .. e - 1 (plan_tiles_of, as plan_offsets_and_tiles
+// counts them). All the block's threads call; ends with a barrier.
 DSV4_INLINE void fmw_tile_bases(const int* offsets, int E, int* tile_base, int* wsum) {
-  const PlanSync ps{0u, (unsigned)blockDim.x};
   const int C = (E + (int)blockDim.x - 1) / (int)blockDim.x, e0 = threadIdx.x * C;
+  auto tiles_of = [&](int e) { return plan_tiles_of(offsets[e + 1] - offsets[e], FMW_T); };
   int mine = 0;
   for (int c = 0; c < C; ++c)
-    if (e0 + c < E) mine += (offsets[e0 + c + 1] - offsets[e0 + c] + FMW_T - 1) / FMW_T;
+    if (e0 + c < E) mine += tiles_of(e0 + c);
   int total;
-  int run = block_excl_scan(mine, wsum, &total, ps);
+  int run = block_excl_scan(mine, wsum, &total, PlanSync{0u, (unsigned)blockDim.x});
   for (int c = 0; c < C; ++c)
     if (e0 + c < E) {
       tile_base[e0 + c] = run;
-      run += (offsets[e0 + c + 1] - offsets[e0 + c] + FMW_T - 1) / FMW_T;
+      run += tiles_of(e0 + c);
     }
   __syncthreads();
 }

@@ -300,10 +300,9 @@ extern "C" __global__ void __launch_bounds__(256)
   dsv4_pdl_begin();
   const int a = blockIdx.x * 256 + threadIdx.x;
   if (a >= n) return;
-  const int r = ranks[a];
-  if (r < 0) return;
+  if (ranks[a] < 0) return;
   const int e = ids[a];
-  rows[offsets[e] + counts[(long long)(a / PLAN_CHUNK) * E + e] + r] = a;
+  rows[offsets[e] + plan_wide_within(a, e, E, counts, ranks)] = a;
 }
 
 // ------------------------------------------------------------------------- expert GEMMs

@@ -44,6 +44,16 @@ DSV4_INLINE int block_excl_scan(int v, int* wsum, int* total, PlanSync ps) {
   return base + inc - v;
 }
 
+// Tiles of at most tile_rows rows that `count` rows take (the plan's tiles of one expert).
+DSV4_INLINE int plan_tiles_of(int count, int tile_rows) { return (count + tile_rows - 1) / tile_rows; }
+
+// Assignment a's index within its expert e's range of rows in the wide plan (moe.cu: its row is offsets[e] plus
+// this): the count kernel's rank among its block's earlier assignments of e (ranks[a] >= 0), plus the scan's count
+// of e's assignments in the blocks before (counts[a / PLAN_CHUNK][e]).
+DSV4_INLINE int plan_wide_within(int a, int e, int E, const int* counts, const int* ranks) {
+  return counts[(long long)(a / PLAN_CHUNK) * E + e] + ranks[a];
+}
+
 // From the per-expert totals eoff[0 .. E) (shared memory, all the plan's threads): eoff[e] becomes expert e's
 // offset (exclusive sum in expert order) and eoff[E] the total; tiles (expert, start, count) cover every
 // expert's range with at most tile_rows rows each, in expert order; *ntiles their number. Every one of the
@@ -58,7 +68,7 @@ DSV4_INLINE void plan_offsets_and_tiles(int* eoff, int E, int tile_rows, int* ws
     const int e = e0 + c;
     if (e < E) {
       tot_local += eoff[e];
-      tiles_local += (eoff[e] + tile_rows - 1) / tile_rows;
+      tiles_local += plan_tiles_of(eoff[e], tile_rows);
     }
   }
   int tot_all, tiles_all;
@@ -71,7 +81,7 @@ DSV4_INLINE void plan_offsets_and_tiles(int* eoff, int E, int tile_rows, int* ws
       if (e >= E) break;
       const int ce = eoff[e];
       eoff[e] = run;
-      const int nt = (ce + tile_rows - 1) / tile_rows;
+      const int nt = plan_tiles_of(ce, tile_rows);
       for (int i = 0; i < nt; ++i) {
         const int tl = trun + i;
         tiles[3 * tl + 0] = e;
