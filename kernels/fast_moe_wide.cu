@@ -124,6 +124,15 @@
 #ifndef FMW_PROBE_NO_DECODE
 #define FMW_PROBE_NO_DECODE 0
 #endif
+// FMW_PROBE_NO_STREAM (a bench probe, wrong outputs): bit 0 set, the producer copies no activation codes (the
+// tiles' TMA boxes), bit 1 set, no weight codes; the scales, records and barriers as usual, the ring's code
+// bytes zeroed once at the start (never NaN). Against the real kernels, what the L2 -> SM stream of each costs:
+// at a 96-token tile the codes of a 128-block are 12 KiB of activations (from L2, each tile's rows read again by
+// every row block) against 8 KiB of weights, so the activations' share says whether a cluster's multicast of
+// them would pay.
+#ifndef FMW_PROBE_NO_STREAM
+#define FMW_PROBE_NO_STREAM 0
+#endif
 // FMW_TRACE 1 (a bench variant: `dsv4 bench moe --path prefill --defines FMW_TRACE=1 --trace DIR`, then
 // scripts/fmw-trace.py): both GEMMs log each item's boundaries (fmw_trace; arg = the item's index, | FMW_TRACE_DOWN
 // for the down GEMM): the producer thread when it starts the item (PRODUCE), and consumer thread 0 when it begins
@@ -400,7 +409,7 @@ DSV4_INLINE FmwPassSrc fmw_pass_src(const FmwItem& it, int pass, int K) {
 // (UE8M0 bytes by a 1 KiB bulk copy, f32 by TMA) or, for FP8, the block scale by a 4-byte cp.async (the
 // thread's cp.async arrival on the full barrier covers it). Bytes the TMA copies complete: fmw_weight_tx.
 DSV4_INLINE void fmw_load_weights(const FmwItem& it, const FmwPassSrc& src, int kb, unsigned st, unsigned full) {
-  tma_load_2d(st, src.map, kb * FMW_RB, it.rb * FMW_ROWS, full);
+  if (!(FMW_PROBE_NO_STREAM & 2)) tma_load_2d(st, src.map, kb * FMW_RB, it.rb * FMW_ROWS, full);
   if (it.s8)
     bulk_load(st + FMW_SLOT_W, static_cast<const unsigned char*>(src.scales) + kb * 1024, 1024, full);
   else if (it.fp4)
@@ -523,11 +532,13 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
       mbar_wait(fmw_empty(smem, slot), phase ^ 1);
       const unsigned st = smem + slot * FMW_SLOT, full = fmw_full(smem, slot);
       const int blocks = fmoe_stage_blocks(it.fp4, K, kb), k0 = kb * kbytes;
-      mbar_arrive_expect_tx(full, fmw_weight_tx(it) + blocks * (boxes * FMW_HBOX * 128 + FMW_T * 4));
+      const int act_boxes = (FMW_PROBE_NO_STREAM & 1) ? 0 : boxes;
+      mbar_arrive_expect_tx(full, fmw_weight_tx(it) - ((FMW_PROBE_NO_STREAM & 2) ? FMW_SLOT_W : 0) +
+                                      blocks * (act_boxes * FMW_HBOX * 128 + FMW_T * 4));
       fmw_load_weights(it, src, kb, st, full);
       const unsigned adst = st + FMW_SLOT_W + FMW_SLOT_S;
       for (int b = 0; b < blocks; ++b)
-        for (int r = 0; r < boxes; ++r)
+        for (int r = 0; r < act_boxes; ++r)
           tma_load_2d(adst + b * FMW_B_PANEL + r * (FMW_HBOX * 128), map, k0 + 128 * b, row0 + r * FMW_HBOX, full);
       bulk_load(adst + FMW_SLOT_A, sa.act_s + scales + (k0 / 128) * FMW_T, blocks * FMW_T * 4, full);
       cp_async_mbar_arrive(full);
@@ -1082,6 +1093,10 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   if ((smem & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned slots
   if (threadIdx.x == 0)  // the full barriers' cp.async arrivals: the producer thread's (fmw_produce)
     fmoe_ring_init(smem + FMW_BARS, FMW_NSTAGES, FMW_CONSUMERS / 32, 1);
+  if (FMW_PROBE_NO_STREAM)  // the codes the probe does not copy: zeros, not stale bytes (NaN codes)
+    for (int i = threadIdx.x; i < FMW_NSTAGES * FMW_SLOT / 16; i += blockDim.x)
+      reinterpret_cast<uint4*>(fmw_smem)[i] = make_uint4(0u, 0u, 0u, 0u);
+  if (FMW_PROBE_NO_STREAM) fence_proxy_async_shared();  // (before the TMA writes the copied parts)
   __syncthreads();
   if (threadIdx.x >= FMW_CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FMW_PRODUCER_REGS));
