@@ -126,10 +126,14 @@
 #endif
 // FMW_PROBE_NO_STREAM (a bench probe, wrong outputs): bit 0 set, the producer copies no activation codes (the
 // tiles' TMA boxes), bit 1 set, no weight codes; the scales, records and barriers as usual, the ring's code
-// bytes zeroed once at the start (never NaN). Against the real kernels, what the L2 -> SM stream of each costs:
+// bytes set once at the start (never NaN). Against the real kernels, what the L2 -> SM stream of each costs:
 // at a 96-token tile the codes of a 128-block are 12 KiB of activations (from L2, each tile's rows read again by
-// every row block) against 8 KiB of weights, so the activations' share says whether a cluster's multicast of
-// them would pay.
+// every row block) against 8 KiB of weights. Measured (=1, H100, fifty-third session): layer 4096 tokens 2248
+// µs against ~2320, 16384 8002 against 8500-8668, so the activations' whole stream is 3-6% of the layer, and a
+// pair of blocks sharing it by TMA multicast (built: clusters of two taking row blocks 2i and 2i + 1 of a tile,
+// each block's producer copying half of its boxes into both slots) measured 7-8% slower at 2048-4096 tokens
+// and 2-7% at 16384, the pair's lockstep and item mailbox costing more than the halved stream saves
+// (BENCHMARKS.md; the patch is in bench/results/2026-12-07-fifty-third-calls.json).
 #ifndef FMW_PROBE_NO_STREAM
 #define FMW_PROBE_NO_STREAM 0
 #endif
@@ -1093,9 +1097,12 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   if ((smem & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned slots
   if (threadIdx.x == 0)  // the full barriers' cp.async arrivals: the producer thread's (fmw_produce)
     fmoe_ring_init(smem + FMW_BARS, FMW_NSTAGES, FMW_CONSUMERS / 32, 1);
-  if (FMW_PROBE_NO_STREAM)  // the codes the probe does not copy: zeros, not stale bytes (NaN codes)
+  // The codes the probe does not copy: bytes 0x38 (e4m3 1.0; FP4 nibbles 1.5 and -0), not stale bytes (NaN
+  // codes) and not zeros (with zeros the probe measured 13% slower than the real kernels at 4096 tokens, H100:
+  // an all-zero h, not the stream, set its time; unexplained).
+  if (FMW_PROBE_NO_STREAM)
     for (int i = threadIdx.x; i < FMW_NSTAGES * FMW_SLOT / 16; i += blockDim.x)
-      reinterpret_cast<uint4*>(fmw_smem)[i] = make_uint4(0u, 0u, 0u, 0u);
+      reinterpret_cast<uint4*>(fmw_smem)[i] = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
   if (FMW_PROBE_NO_STREAM) fence_proxy_async_shared();  // (before the TMA writes the copied parts)
   __syncthreads();
   if (threadIdx.x >= FMW_CONSUMERS) {
@@ -1188,34 +1195,11 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
 // this kernel needs the wide plan (FastMoe::experts_on makes it for every prefill-path batch) and its tile
 // (the plan's tiles of FMW_T rows, in expert order) is the tiles of the experts before e plus (p - offsets[e]) /
 // FMW_T. A warp a token; the blocks' warps stride over the tokens, so any grid does.
-// FMW_GATHER_UNROLL: 16-byte loads a lane in flight before their stores (registers: 4 each).
-#ifndef FMW_GATHER_UNROLL
+// FMW_GATHER_UNROLL: 16-byte loads a lane in flight before their stores (4 registers each). (Measured at 4 as a
+// bench variant, 39 registers instead of 60, six blocks an SM instead of four: layer 4096 tokens 2297 µs against
+// 2293, 16384 8553 / 8525; and x loaded with an L2 evict-last policy, the copies stored streaming: 2305 / 8577.
+// No change either way: H100, fifty-third session, BENCHMARKS.md.)
 #define FMW_GATHER_UNROLL 8
-#endif
-// FMW_GATHER_HINTS (bench variant): x's codes loaded with an L2 evict-last policy, the copies stored streaming
-// (st.global.cs), so that x stays in L2 while the copies pass through.
-#ifndef FMW_GATHER_HINTS
-#define FMW_GATHER_HINTS 0
-#endif
-DSV4_INLINE uint4 fmw_gather_load(const uint4* p, unsigned long long policy) {
-  if (!FMW_GATHER_HINTS) return *p;
-  uint4 r;
-  asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p), "l"(policy));
-  return r;
-}
-DSV4_INLINE void fmw_gather_store(uint4* p, uint4 v) {
-  if (FMW_GATHER_HINTS)
-    __stcs(p, v);
-  else
-    *p = v;
-}
-DSV4_INLINE unsigned long long fmw_gather_policy() {
-  unsigned long long policy = 0;
-  if (FMW_GATHER_HINTS) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
 
 // Where assignment a's copy goes: its plan row and its tile's (index, column); row < 0 for an assignment this
 // rank does not compute (an expert of another rank, or an id outside [0, E)). tile_base: the tiles of the
@@ -1263,7 +1247,6 @@ extern "C" __global__ void __launch_bounds__(256)
   __shared__ int wsum[32];
   fmw_tile_bases(offsets, E, tile_base, wsum);
   const int nrt = *ntiles, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, blocks = D / 128;
-  const unsigned long long policy = fmw_gather_policy();
   constexpr int U = FMW_GATHER_UNROLL;
   static_assert(ROUTER_MAX_K <= 32, "fmw_gather_x_kernel: a lane holds one assignment's place");
   for (int t = first + warp; t < T; t += step) {
@@ -1276,14 +1259,14 @@ extern "C" __global__ void __launch_bounds__(256)
       uint4 r[U];
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        if (v0 + 32 * u + lane < D / 16) r[u] = fmw_gather_load(src + v0 + 32 * u + lane, policy);
+        if (v0 + 32 * u + lane < D / 16) r[u] = *(src + v0 + 32 * u + lane);
       for (int j = 0; j < k; ++j) {
         const int row = __shfl_sync(0xffffffffu, mine.row, j);
         if (row < 0) continue;
         uint4* dst = reinterpret_cast<uint4*>(xq_plan + (long long)row * D);
 #pragma unroll
         for (int u = 0; u < U; ++u)
-          if (v0 + 32 * u + lane < D / 16) fmw_gather_store(dst + v0 + 32 * u + lane, r[u]);
+          if (v0 + 32 * u + lane < D / 16) *(dst + v0 + 32 * u + lane) = r[u];
       }
     }
     // The scales: a lane a 128-block, into each assignment's tile and column (fmw_act_scale_at's layout), and

@@ -304,6 +304,11 @@ DSV4_INLINE void cp_async_mbar_arrive(unsigned bar) {
 
 // One arrival on the mbarrier at this block's shared address `bar` in block `rank` of the cluster, released at
 // cluster scope (this thread's earlier shared-memory reads come before what the arrival lets another block do).
+// The cluster scope costs a MEMBAR.ALL.GPU before the arrival in the SASS (ptxas 13.0), which waits for the
+// thread's memory traffic to reach the GPU: as the release of a ring slot another block refills, once a stage,
+// it made a pair of fast_moe_wide blocks 64% slower (fifty-third session); a slot whose reads were the warp's
+// completed wgmmas needs only the block's scope (mbarrier.arrive.shared::cluster, as CUTLASS's cluster barrier
+// arrives). fast_fp8_gemm's pair kernel (not the fast set's GEMM) still takes this form.
 DSV4_INLINE void mbar_arrive_cluster(unsigned bar, unsigned rank) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_map(bar, rank))
                : "memory");

@@ -229,7 +229,7 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
     if !nvrtc_or_skip() {
         return;
     }
-    let variants: [(&KernelSource, &str); 29] = [
+    let variants: [(&KernelSource, &str); 27] = [
         (&fast_attention::SOURCE, "FA_DECODE_FAST=0"),
         (&fast_attention::SOURCE, "FA_FETCH_FAST=0"),
         (&fast_attention::SOURCE, "FA_CL_BATCH=1"),
@@ -254,8 +254,6 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         (&fast_moe_wide::SOURCE, "FMW_PREFETCH_ITEM=1"),
         (&fast_moe_wide::SOURCE, "FMW_TRACE=1"),
         (&fast_moe_wide::NARROW_SOURCE, "FMW_TRACE=1"),
-        (&fast_moe_wide::SOURCE, "FMW_GATHER_UNROLL=4"),
-        (&fast_moe_wide::SOURCE, "FMW_GATHER_HINTS=1"),
         (&fast_moe_wide::SOURCE, "FMW_PROBE_NO_STREAM=1"),
         (&fast_moe_wide::SOURCE, "FMW_PROBE_NO_STREAM=2"),
         (&fast_moe_wide::NARROW_SOURCE, "FMW_PROBE_NO_STREAM=1"),
