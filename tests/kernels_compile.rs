@@ -255,7 +255,7 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         (&fast_moe_wide::SOURCE, "FMW_TRACE=1"),
         (&fast_moe_wide::NARROW_SOURCE, "FMW_TRACE=1"),
         (&fast_moe_wide::SOURCE, "FMW_PROBE_NO_STREAM=1"),
-        (&fast_moe_wide::SOURCE, "FMW_PROBE_NO_STREAM=2"),
+        (&fast_moe_wide::SOURCE, "FMW_PROBE_NO_STREAM=3"),
         (&fast_moe_wide::NARROW_SOURCE, "FMW_PROBE_NO_STREAM=1"),
     ];
     // With nvdisasm, each variant's SASS also keeps its wgmmas' A registers untouched in flight
