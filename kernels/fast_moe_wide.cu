@@ -1100,10 +1100,11 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
   // The codes the probe does not copy: bytes 0x38 (e4m3 1.0; FP4 nibbles 1.5 and -0), not stale bytes (NaN
   // codes) and not zeros (with zeros the probe measured 13% slower than the real kernels at 4096 tokens, H100:
   // an all-zero h, not the stream, set its time; unexplained).
-  if (FMW_PROBE_NO_STREAM)
+  if (FMW_PROBE_NO_STREAM) {
     for (int i = threadIdx.x; i < FMW_NSTAGES * FMW_SLOT / 16; i += blockDim.x)
       reinterpret_cast<uint4*>(fmw_smem)[i] = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
-  if (FMW_PROBE_NO_STREAM) fence_proxy_async_shared();  // (before the TMA writes the copied parts)
+    fence_proxy_async_shared();  // (before the TMA writes the copied parts)
+  }
   __syncthreads();
   if (threadIdx.x >= FMW_CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FMW_PRODUCER_REGS));
