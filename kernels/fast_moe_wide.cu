@@ -143,25 +143,39 @@
 // to wait for the item's record (START: the time taken before the wait, logged after it), when the record is in
 // with the item's first stage (DATA), when its last pass's mainloop ends (MATH) and when its outputs are stored
 // (DONE). So DONE -> START is the consumers' own work between items, START -> DATA waiting for the stream, and the
-// producer's PRODUCE ahead of START its lead. Off (0, the default) it compiles to nothing.
+// producer's PRODUCE ahead of START its lead. With DONE, thread 0 also logs SM clock cycles as the events' times
+// (cycles + 1): those it spent during the item in its full-slot waits (WFULL: the stream not ahead of the math)
+// and in its wgmma waits (WMMA: the tensor core's queue, both warpgroups' blocks; FmwWaits), and the item's
+// cycles from DATA to DONE (CYCLES), so the waits' shares need no clock rate. Off (0, the default) it compiles
+// to nothing.
 #ifndef FMW_TRACE
 #define FMW_TRACE 0
 #endif
 #define FMW_TRACE_CAP 262144
 #define FMW_TRACE_DOWN (1 << 30)
-enum FmwTraceKind { FMW_EV_PRODUCE = 1, FMW_EV_START = 2, FMW_EV_DATA = 3, FMW_EV_MATH = 4, FMW_EV_DONE = 5 };
+enum FmwTraceKind {
+  FMW_EV_PRODUCE = 1,
+  FMW_EV_START = 2,
+  FMW_EV_DATA = 3,
+  FMW_EV_MATH = 4,
+  FMW_EV_DONE = 5,
+  FMW_EV_WFULL = 6,
+  FMW_EV_WMMA = 7,
+  FMW_EV_CYCLES = 8
+};
+#define FMW_TRACE_SLOTS 8  // events an item
 #if FMW_TRACE
 __device__ unsigned fmw_trace_n;
 __device__ unsigned long long fmw_trace_log[2 * FMW_TRACE_CAP];
 #endif
 // Event `kind` of the block's item number `local` (the local-th it takes from the queue): at a slot of its own,
 // so the logging thread does not wait for an atomic (moe_trace_event_at): the up GEMM's in the log's first half,
-// the down GEMM's in the second, each half cut into gridDim.x runs of 5 slots an item. (With the atomic's index,
+// the down GEMM's in the second, each half cut into gridDim.x runs of FMW_TRACE_SLOTS slots an item. (With the atomic's index,
 // each event delayed its thread ~0.5 µs: the item boundaries the trace times looked that much longer.)
 // t: the event's time where taken before (else 0: now).
 DSV4_INLINE void fmw_trace(int kind, int arg, int local, unsigned long long t = 0) {
 #if FMW_TRACE
-  const unsigned per_block = FMW_TRACE_CAP / 2 / gridDim.x, at = 5u * (unsigned)local + (unsigned)(kind - 1);
+  const unsigned per_block = FMW_TRACE_CAP / 2 / gridDim.x, at = FMW_TRACE_SLOTS * (unsigned)local + (unsigned)(kind - 1);
   const unsigned slot = (arg & FMW_TRACE_DOWN ? FMW_TRACE_CAP / 2 : 0) + blockIdx.x * per_block + at;
   moe_trace_event_at(&fmw_trace_n, fmw_trace_log, FMW_TRACE_CAP, at < per_block ? slot : FMW_TRACE_CAP, kind, arg, t);
 #else
@@ -789,6 +803,18 @@ DSV4_INLINE void fmw_issue(const FmwBlock& blk, float (&d)[64]) {
   wgmma_commit();
 }
 
+// FMW_TRACE: the SM clock cycles the thread spent in its waits during an item (the WFULL / WMMA events). The
+// default build never writes them (every update is under `if (FMW_TRACE)`), so they compile away.
+struct FmwWaits {
+  unsigned full, mma;
+};
+
+DSV4_INLINE unsigned fmw_clock() {
+  unsigned c = 0u;
+  if (FMW_TRACE) asm volatile("mov.u32 %0, %%clock;\n" : "=r"(c));
+  return c;
+}
+
 // The ring position of the consumers.
 struct FmwRing {
   int slot;
@@ -801,8 +827,11 @@ DSV4_INLINE void fmw_next(FmwRing& r) { fmoe_ring_advance(r.slot, r.phase, FMW_N
 // itself; the one generic copy, FP8's block scale, is read by ld.shared. When the tokens came by cp.async the
 // fence was needed: without it, layer 1024 tokens 1.5% faster, 4096 0.6-1.1%, 16384 within its noise, -1 to
 // +1%; BENCHMARKS.md, issue 11 twenty-second version.)
-DSV4_INLINE const unsigned char* fmw_acquire(unsigned char* smem_base, unsigned smem, const FmwRing& r) {
+DSV4_INLINE const unsigned char* fmw_acquire(unsigned char* smem_base, unsigned smem, const FmwRing& r,
+                                             FmwWaits& w) {
+  const unsigned t0 = fmw_clock();
   mbar_wait(fmw_full(smem, r.slot), r.phase);
+  if (FMW_TRACE) w.full += fmw_clock() - t0;
   return smem_base + r.slot * FMW_SLOT;
 }
 
@@ -814,9 +843,11 @@ DSV4_INLINE void fmw_release(unsigned smem, const FmwRing& r) {
 
 // Waits for the block's wgmmas and adds their sums to acc.
 template <bool ROWS, int N>
-DSV4_INLINE void fmw_finish(const FmwBlock& blk, float (&d)[64], float (&acc)[64]) {
+DSV4_INLINE void fmw_finish(const FmwBlock& blk, float (&d)[64], float (&acc)[64], FmwWaits& w) {
   const FmwScaleHead head = fmw_scale_head(blk.as);
+  const unsigned t0 = fmw_clock();
   wgmma_wait<0>();
+  if (FMW_TRACE) w.mma += fmw_clock() - t0;
   wgmma_fence_operand(d);
   fmw_promote<ROWS, N>(acc, d, blk.w0, blk.w8, blk.as, head);
 }
@@ -827,11 +858,11 @@ DSV4_INLINE void fmw_finish(const FmwBlock& blk, float (&d)[64], float (&acc)[64
 // done, and the stage released after its last. N: the wgmmas' tokens (fmw_wgmma).
 template <bool ROWS, int N>
 DSV4_INLINE void fmw_pass_fp4(unsigned char* smem_base, unsigned smem, FmwRing& ring, int K, int nks, unsigned base0,
-                              unsigned base8, float (&acc)[64]) {
+                              unsigned base8, float (&acc)[64], FmwWaits& w) {
   float d[64];
   fmw_define(d);
   FmwBlock b0, b1;
-  const unsigned char* st = fmw_acquire(smem_base, smem, ring);
+  const unsigned char* st = fmw_acquire(smem_base, smem, ring, w);
   fmw_load_block<true, ROWS>(st, 0, base0, base8, b0);
 #pragma unroll 1
   for (int kb = 0; kb < nks; ++kb) {
@@ -839,16 +870,16 @@ DSV4_INLINE void fmw_pass_fp4(unsigned char* smem_base, unsigned smem, FmwRing& 
     fmw_next(next);
     fmw_issue<N>(b0, d);
     if (fmoe_stage_blocks(true, K, kb) == 1) {  // a half stage: the pass's last
-      fmw_finish<ROWS, N>(b0, d, acc);
+      fmw_finish<ROWS, N>(b0, d, acc, w);
     } else {
       fmw_load_block<true, ROWS>(st, 1, base0, base8, b1);
-      fmw_finish<ROWS, N>(b0, d, acc);
+      fmw_finish<ROWS, N>(b0, d, acc, w);
       fmw_issue<N>(b1, d);
       if (kb + 1 < nks) {
-        st = fmw_acquire(smem_base, smem, next);
+        st = fmw_acquire(smem_base, smem, next, w);
         fmw_load_block<true, ROWS>(st, 0, base0, base8, b0);
       }
-      fmw_finish<ROWS, N>(b1, d, acc);
+      fmw_finish<ROWS, N>(b1, d, acc, w);
     }
     fmw_release(smem, ring);
     ring = next;
@@ -858,11 +889,12 @@ DSV4_INLINE void fmw_pass_fp4(unsigned char* smem_base, unsigned smem, FmwRing& 
 // acc += one FP8 pass (nks stages of one 128-block, the block scale as the rows' factor), pipelined the same
 // way: while stage kb's wgmmas run, the warpgroup acquires stage kb + 1 and loads its fragments. Two stages
 // per iteration, so blk[] is indexed by constants and stays in registers.
-DSV4_INLINE void fmw_pass_fp8(unsigned char* smem_base, unsigned smem, FmwRing& ring, int nks, float (&acc)[64]) {
+DSV4_INLINE void fmw_pass_fp8(unsigned char* smem_base, unsigned smem, FmwRing& ring, int nks, float (&acc)[64],
+                             FmwWaits& w) {
   float d[64];
   fmw_define(d);
   FmwBlock blk[2];
-  fmw_load_block<false, false>(fmw_acquire(smem_base, smem, ring), 0, 0u, 0u, blk[0]);
+  fmw_load_block<false, false>(fmw_acquire(smem_base, smem, ring, w), 0, 0u, 0u, blk[0]);
 #pragma unroll 1
   for (int kb = 0; kb < nks; kb += 2) {
 #pragma unroll
@@ -871,8 +903,9 @@ DSV4_INLINE void fmw_pass_fp8(unsigned char* smem_base, unsigned smem, FmwRing& 
       FmwRing next = ring;
       fmw_next(next);
       fmw_issue<FMW_T>(blk[i], d);
-      if (kb + i + 1 < nks) fmw_load_block<false, false>(fmw_acquire(smem_base, smem, next), 0, 0u, 0u, blk[i ^ 1]);
-      fmw_finish<false, FMW_T>(blk[i], d, acc);
+      if (kb + i + 1 < nks)
+        fmw_load_block<false, false>(fmw_acquire(smem_base, smem, next, w), 0, 0u, 0u, blk[i ^ 1]);
+      fmw_finish<false, FMW_T>(blk[i], d, acc, w);
       fmw_release(smem, ring);
       ring = next;
     }
@@ -883,13 +916,13 @@ DSV4_INLINE void fmw_pass_fp8(unsigned char* smem_base, unsigned smem, FmwRing& 
 // every k32 step is promoted with its own per-32 scale (times 2^6, the plain bit move). The fallback: correct
 // for any scales, several times slower.
 DSV4_INLINE void fmw_pass_unfolded(unsigned char* smem_base, unsigned smem, FmwRing& ring, const FmwItem& it,
-                                   int K, int nks, float (&acc)[64]) {
+                                   int K, int nks, float (&acc)[64], FmwWaits& w) {
   float d[64];
   fmw_define(d);
   const int lane = threadIdx.x & 31, g = lane >> 2, r16 = (threadIdx.x >> 5) * 16;
 #pragma unroll 1
   for (int kb = 0; kb < nks; ++kb) {
-    const unsigned char* st = fmw_acquire(smem_base, smem, ring);
+    const unsigned char* st = fmw_acquire(smem_base, smem, ring, w);
     const float* sc = reinterpret_cast<const float*>(st + FMW_SLOT_W);
     const unsigned la = fmw_fp4_addr(st);
 #pragma unroll 1
@@ -1131,30 +1164,32 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
     }
     const FmwEpilogueRead er = fmw_epilogue_read<UP>(a, it, route_w);
     const int nks = fmoe_stages(it.fp4, a.K);
+    FmwWaits waits = {0u, 0u};
+    const unsigned item_clock = fmw_clock();
     for (int pass = 0; pass < fmw_passes(UP); ++pass) {
 #pragma unroll
       for (int v = 0; v < 64; ++v) acc[v] = 0.0f;
       if (FMW_PROBE_NO_MATH) {
         for (int kb = 0; kb < nks; ++kb) {  // each stage waited for and released, nothing computed
-          fmw_acquire(fmw_smem, smem, ring);
+          fmw_acquire(fmw_smem, smem, ring, waits);
           fmw_release(smem, ring);
           fmw_next(ring);
         }
       } else if (!it.fp4) {
-        fmw_pass_fp8(fmw_smem, smem, ring, nks, acc);
+        fmw_pass_fp8(fmw_smem, smem, ring, nks, acc, waits);
       } else if (a.fold && it.s8 && (pass == 0 ? it.rowfold[0] : it.rowfold[1])) {
         const unsigned rowe = pass == 0 ? it.rowe[0] : it.rowe[1];
         const unsigned er0 = rowe & 0xffu, er8 = rowe >> 8;
         const unsigned base0 = fmw_fold_base(er0), base8 = fmw_fold_base(er8);
-#define FMW_PASS_N(NN)                                                                                    \
-  case NN:                                                                                                \
-    if constexpr (NN <= FMW_T) fmw_pass_fp4<true, NN>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc); \
+#define FMW_PASS_N(NN)                                                                                                \
+  case NN:                                                                                                            \
+    if constexpr (NN <= FMW_T) fmw_pass_fp4<true, NN>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc, waits);      \
     break;
         switch (fmw_tile_n(it.n)) {  // uniform over the block
           FMW_PASS_N(8) FMW_PASS_N(16) FMW_PASS_N(24) FMW_PASS_N(32) FMW_PASS_N(40) FMW_PASS_N(48)
           FMW_PASS_N(56) FMW_PASS_N(64) FMW_PASS_N(72) FMW_PASS_N(80) FMW_PASS_N(88) FMW_PASS_N(96)
           FMW_PASS_N(104) FMW_PASS_N(112) FMW_PASS_N(120)
-          default: fmw_pass_fp4<true, FMW_T>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc);
+          default: fmw_pass_fp4<true, FMW_T>(fmw_smem, smem, ring, a.K, nks, base0, base8, acc, waits);
         }
 #undef FMW_PASS_N
         const float w0 = fmw_row_factor(er0), w8 = fmw_row_factor(er8);  // exact: powers of two
@@ -1164,9 +1199,9 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
           acc[4 * j + 2] *= w8, acc[4 * j + 3] *= w8;
         }
       } else if (a.fold && it.s8) {
-        fmw_pass_fp4<false, FMW_T>(fmw_smem, smem, ring, a.K, nks, 0u, 0u, acc);
+        fmw_pass_fp4<false, FMW_T>(fmw_smem, smem, ring, a.K, nks, 0u, 0u, acc, waits);
       } else {
-        fmw_pass_unfolded(fmw_smem, smem, ring, it, a.K, nks, acc);
+        fmw_pass_unfolded(fmw_smem, smem, ring, it, a.K, nks, acc, waits);
       }
       if (FMW_TRACE && threadIdx.x == 0 && pass == fmw_passes(UP) - 1) fmw_trace(FMW_EV_MATH, trace_arg, n);
       if (!UP)
@@ -1176,7 +1211,12 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
       else
         fmw_up_h_quant(a, it, acc, limit, ep, wt, out_q, out_s);
     }
-    if (FMW_TRACE && threadIdx.x == 0) fmw_trace(FMW_EV_DONE, trace_arg, n);
+    if (FMW_TRACE && threadIdx.x == 0) {
+      fmw_trace(FMW_EV_DONE, trace_arg, n);
+      fmw_trace(FMW_EV_WFULL, trace_arg, n, waits.full + 1ull);  // (+ 1: a zero time means now)
+      fmw_trace(FMW_EV_WMMA, trace_arg, n, waits.mma + 1ull);
+      fmw_trace(FMW_EV_CYCLES, trace_arg, n, fmw_clock() - item_clock + 1ull);
+    }
   }
 }
 

@@ -10,6 +10,10 @@ down GEMM, where an item's time goes on its block:
   epi     MATH -> outputs stored (DONE);
   lead    the producer thread's start of the item (PRODUCE) ahead of START.
 
+and, from the SM clock cycles consumer thread 0 logs with each item (WFULL, WMMA, CYCLES), the share of its items'
+cycles (record in -> outputs stored) it spent waiting for full ring slots (the stream behind the math) and for its
+wgmmas (the tensor core's queue: both warpgroups' blocks), and the median cycles an item.
+
 and the share of the blocks' busy time (first START to last DONE) spent in `start` and `data`, and how unevenly
 the blocks end. A block's first item has no `start` (nothing before it on the block).
 
@@ -19,6 +23,7 @@ import statistics
 import sys
 
 PRODUCE, START, DATA, MATH, DONE = 1, 2, 3, 4, 5
+WFULL, WMMA, CYCLES = 6, 7, 8  # cycles (+ 1), not times
 DOWN = 1 << 30
 
 
@@ -32,6 +37,8 @@ def stats(xs):
 
 def report_kernel(name, ev):
     """ev: [t_ns, block, sm, kind, arg] rows of one GEMM (up or down)."""
+    cyc = [e for e in ev if e[3] >= WFULL]
+    ev = [e for e in ev if e[3] < WFULL]
     items = {}  # item -> {kind: t}
     blocks = {}  # block -> [item, ...] in START order
     for t, b, _sm, kind, arg in ev:
@@ -82,6 +89,23 @@ def report_kernel(name, ev):
               f"data {100 * sum(parts['data']) / busy:.1f}%")
     if ends:
         print(f"    blocks end at {min(ends):.1f} .. {max(ends):.1f} µs (median {statistics.median(ends):.1f})")
+    report_cycles(cyc)
+
+
+def report_cycles(cyc):
+    """cyc: the WFULL / WMMA / CYCLES rows (their time field holds cycles + 1)."""
+    per = {}  # (block, item) -> {kind: cycles}
+    for c, b, _sm, kind, arg in cyc:
+        per.setdefault((b, arg & (DOWN - 1)), {})[kind] = c - 1
+    whole = [r for r in per.values() if len(r) == 3 and r[CYCLES] > 0]
+    if not whole:
+        return
+    total = sum(r[CYCLES] for r in whole)
+    full = sum(r[WFULL] for r in whole)
+    mma = sum(r[WMMA] for r in whole)
+    print(f"    thread 0's cycles ({len(whole)} items, median {statistics.median(r[CYCLES] for r in whole):.0f} an "
+          f"item): full-slot waits {100 * full / total:.1f}%, wgmma waits {100 * mma / total:.1f}%, "
+          f"the rest {100 * (total - full - mma) / total:.1f}%")
 
 
 def report(path):
