@@ -137,6 +137,14 @@
 #ifndef FMW_PROBE_NO_STREAM
 #define FMW_PROBE_NO_STREAM 0
 #endif
+// FMW_SKEW (a bench variant, ns; 0, the default, compiles to nothing): the second consumer warpgroup sleeps
+// about that long before each pass's mainloop of the up GEMM (both warpgroups meet at each pass's epilogue) and
+// before the down GEMM's first item (they never meet there), so the two warpgroups run out of step: one promotes
+// while the other's wgmmas run, where in step both wait for the tensor core, then both promote while it idles.
+// (The tenth version's ping-pong made them take turns through named barriers every block, and lost.)
+#ifndef FMW_SKEW
+#define FMW_SKEW 0
+#endif
 // FMW_TRACE 1 (a bench variant: `dsv4 bench moe --path prefill --defines FMW_TRACE=1 --trace DIR`, then
 // scripts/fmw-trace.py): both GEMMs log each item's boundaries (fmw_trace; arg = the item's index, | FMW_TRACE_DOWN
 // for the down GEMM): the producer thread when it starts the item (PRODUCE), and consumer thread 0 when it begins
@@ -1167,6 +1175,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
     FmwWaits waits = {0u, 0u};
     const unsigned item_clock = fmw_clock();
     for (int pass = 0; pass < fmw_passes(UP); ++pass) {
+      if (FMW_SKEW > 0 && threadIdx.x >= 128 && (UP || n == 0)) __nanosleep(FMW_SKEW);
 #pragma unroll
       for (int v = 0; v < 64; ++v) acc[v] = 0.0f;
       if (FMW_PROBE_NO_MATH) {
