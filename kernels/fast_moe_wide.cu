@@ -64,6 +64,13 @@
 // fence and commit; the block's sum is added to the f32 accumulators times (row factor) · (token's
 // activation scale). Blocks are software-pipelined one deep: the next block is decoded while the current
 // one's wgmmas run, and the other warpgroup's work fills the tensor core while this one promotes.
+//
+// What bounds it (H100, 4096 tokens, fifty-fourth session, BENCHMARKS.md): neither the stream nor the tensor core.
+// Consumer thread 0 spends ~5% of an item's cycles waiting for full slots and ~2% for its wgmmas (FMW_TRACE's
+// WFULL / WMMA); the rest is its own instruction stream, issued at ~1 instruction per 4.5 cycles a warp: ncu's
+// samples are ~22% issuing, ~22% fixed-latency dependencies, ~17% shared-memory results (ldmatrix, exponents,
+// scales). The consumers are latency-bound with two warps a scheduler. (The warpgroups in step is not the cause:
+// one slept 150 or 400 ns at each pass start, so they ran out of step, layer 4096 tokens 2321 -> 2585 µs.)
 #include "common.cuh"
 #include "fp8_mma.cuh"
 #include "fast_moe_common.cuh"
@@ -136,14 +143,6 @@
 // (BENCHMARKS.md; the patch is in bench/results/2026-12-07-fifty-third-calls.json).
 #ifndef FMW_PROBE_NO_STREAM
 #define FMW_PROBE_NO_STREAM 0
-#endif
-// FMW_SKEW (a bench variant, ns; 0, the default, compiles to nothing): the second consumer warpgroup sleeps
-// about that long before each pass's mainloop of the up GEMM (both warpgroups meet at each pass's epilogue) and
-// before the down GEMM's first item (they never meet there), so the two warpgroups run out of step: one promotes
-// while the other's wgmmas run, where in step both wait for the tensor core, then both promote while it idles.
-// (The tenth version's ping-pong made them take turns through named barriers every block, and lost.)
-#ifndef FMW_SKEW
-#define FMW_SKEW 0
 #endif
 // FMW_TRACE 1 (a bench variant: `dsv4 bench moe --path prefill --defines FMW_TRACE=1 --trace DIR`, then
 // scripts/fmw-trace.py): both GEMMs log each item's boundaries (fmw_trace; arg = the item's index, | FMW_TRACE_DOWN
@@ -1175,7 +1174,6 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
     FmwWaits waits = {0u, 0u};
     const unsigned item_clock = fmw_clock();
     for (int pass = 0; pass < fmw_passes(UP); ++pass) {
-      if (FMW_SKEW > 0 && threadIdx.x >= 128 && (UP || n == 0)) __nanosleep(FMW_SKEW);
 #pragma unroll
       for (int v = 0; v < 64; ++v) acc[v] = 0.0f;
       if (FMW_PROBE_NO_MATH) {
