@@ -144,6 +144,11 @@
 #ifndef FMW_PROBE_NO_STREAM
 #define FMW_PROBE_NO_STREAM 0
 #endif
+// FMW_STAGE_UNROLL (a bench variant; 1, the default): the folded FP4 pass's stage loop unrolled that many times,
+// so ptxas may interleave one stage's decode and promotion with the next's (2: no spills, twice the code).
+#ifndef FMW_STAGE_UNROLL
+#define FMW_STAGE_UNROLL 1
+#endif
 // FMW_TRACE 1 (a bench variant: `dsv4 bench moe --path prefill --defines FMW_TRACE=1 --trace DIR`, then
 // scripts/fmw-trace.py): both GEMMs log each item's boundaries (fmw_trace; arg = the item's index, | FMW_TRACE_DOWN
 // for the down GEMM): the producer thread when it starts the item (PRODUCE), and consumer thread 0 when it begins
@@ -871,7 +876,7 @@ DSV4_INLINE void fmw_pass_fp4(unsigned char* smem_base, unsigned smem, FmwRing& 
   FmwBlock b0, b1;
   const unsigned char* st = fmw_acquire(smem_base, smem, ring, w);
   fmw_load_block<true, ROWS>(st, 0, base0, base8, b0);
-#pragma unroll 1
+#pragma unroll FMW_STAGE_UNROLL
   for (int kb = 0; kb < nks; ++kb) {
     FmwRing next = ring;
     fmw_next(next);
