@@ -70,7 +70,8 @@
 // WFULL / WMMA); the rest is its own instruction stream, issued at ~1 instruction per 4.5 cycles a warp: ncu's
 // samples are ~22% issuing, ~22% fixed-latency dependencies, ~17% shared-memory results (ldmatrix, exponents,
 // scales). The consumers are latency-bound with two warps a scheduler. (The warpgroups in step is not the cause:
-// one slept 150 or 400 ns at each pass start, so they ran out of step, layer 4096 tokens 2321 -> 2585 µs.)
+// one slept 150 or 400 ns at each pass start, so they ran out of step, layer 4096 tokens 2321 -> 2585 µs. Nor is
+// ptxas's window: the stage loop below unrolled twice, no spills, took 4096 tokens 2324 -> 2468 µs.)
 #include "common.cuh"
 #include "fp8_mma.cuh"
 #include "fast_moe_common.cuh"
@@ -143,11 +144,6 @@
 // (BENCHMARKS.md; the patch is in bench/results/2026-12-07-fifty-third-calls.json).
 #ifndef FMW_PROBE_NO_STREAM
 #define FMW_PROBE_NO_STREAM 0
-#endif
-// FMW_STAGE_UNROLL (a bench variant; 1, the default): the folded FP4 pass's stage loop unrolled that many times,
-// so ptxas may interleave one stage's decode and promotion with the next's (2: no spills, twice the code).
-#ifndef FMW_STAGE_UNROLL
-#define FMW_STAGE_UNROLL 1
 #endif
 // FMW_TRACE 1 (a bench variant: `dsv4 bench moe --path prefill --defines FMW_TRACE=1 --trace DIR`, then
 // scripts/fmw-trace.py): both GEMMs log each item's boundaries (fmw_trace; arg = the item's index, | FMW_TRACE_DOWN
@@ -876,7 +872,7 @@ DSV4_INLINE void fmw_pass_fp4(unsigned char* smem_base, unsigned smem, FmwRing& 
   FmwBlock b0, b1;
   const unsigned char* st = fmw_acquire(smem_base, smem, ring, w);
   fmw_load_block<true, ROWS>(st, 0, base0, base8, b0);
-#pragma unroll FMW_STAGE_UNROLL
+#pragma unroll 1
   for (int kb = 0; kb < nks; ++kb) {
     FmwRing next = ring;
     fmw_next(next);
