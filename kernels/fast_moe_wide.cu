@@ -67,7 +67,7 @@
 //
 // What bounds it (H100, 4096 tokens, fifty-fourth session, BENCHMARKS.md): neither the stream nor the tensor core.
 // Consumer thread 0 spends ~5% of an item's cycles waiting for full slots and ~2% for its wgmmas (FMW_TRACE's
-// WFULL / WMMA); the rest is its own instruction stream, issued at ~1 instruction per 4.5 cycles a warp: ncu's
+// WFULL / WMMA); the rest is its own instruction stream, 4.5 cycles between a warp's instructions (ncu), whose
 // samples are ~22% issuing, ~22% fixed-latency dependencies, ~17% shared-memory results (ldmatrix, exponents,
 // scales). The consumers are latency-bound with two warps a scheduler. (The warpgroups in step is not the cause:
 // one slept 150 or 400 ns at each pass start, so they ran out of step, layer 4096 tokens 2321 -> 2585 µs. Nor is
@@ -154,7 +154,7 @@
 // producer's PRODUCE ahead of START its lead. With DONE, thread 0 also logs SM clock cycles as the events' times
 // (cycles + 1): those it spent during the item in its full-slot waits (WFULL: the stream not ahead of the math)
 // and in its wgmma waits (WMMA: the tensor core's queue, both warpgroups' blocks; FmwWaits), and the item's
-// cycles from DATA to DONE (CYCLES), so the waits' shares need no clock rate. Off (0, the default) it compiles
+// cycles from its record in to DONE (CYCLES), so the waits' shares need no clock rate. Off (0, the default) it compiles
 // to nothing.
 #ifndef FMW_TRACE
 #define FMW_TRACE 0
@@ -178,12 +178,14 @@ __device__ unsigned long long fmw_trace_log[2 * FMW_TRACE_CAP];
 #endif
 // Event `kind` of the block's item number `local` (the local-th it takes from the queue): at a slot of its own,
 // so the logging thread does not wait for an atomic (moe_trace_event_at): the up GEMM's in the log's first half,
-// the down GEMM's in the second, each half cut into gridDim.x runs of FMW_TRACE_SLOTS slots an item. (With the atomic's index,
-// each event delayed its thread ~0.5 µs: the item boundaries the trace times looked that much longer.)
+// the down GEMM's in the second, each half cut into gridDim.x runs of FMW_TRACE_SLOTS slots an item. (With the
+// atomic's index, each event delayed its thread ~0.5 µs: the item boundaries the trace times looked that much
+// longer.)
 // t: the event's time where taken before (else 0: now).
 DSV4_INLINE void fmw_trace(int kind, int arg, int local, unsigned long long t = 0) {
 #if FMW_TRACE
-  const unsigned per_block = FMW_TRACE_CAP / 2 / gridDim.x, at = FMW_TRACE_SLOTS * (unsigned)local + (unsigned)(kind - 1);
+  const unsigned per_block = FMW_TRACE_CAP / 2 / gridDim.x;
+  const unsigned at = FMW_TRACE_SLOTS * (unsigned)local + (unsigned)(kind - 1);
   const unsigned slot = (arg & FMW_TRACE_DOWN ? FMW_TRACE_CAP / 2 : 0) + blockIdx.x * per_block + at;
   moe_trace_event_at(&fmw_trace_n, fmw_trace_log, FMW_TRACE_CAP, at < per_block ? slot : FMW_TRACE_CAP, kind, arg, t);
 #else

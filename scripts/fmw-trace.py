@@ -10,12 +10,12 @@ down GEMM, where an item's time goes on its block:
   epi     MATH -> outputs stored (DONE);
   lead    the producer thread's start of the item (PRODUCE) ahead of START.
 
-and, from the SM clock cycles consumer thread 0 logs with each item (WFULL, WMMA, CYCLES), the share of its items'
-cycles (record in -> outputs stored) it spent waiting for full ring slots (the stream behind the math) and for its
-wgmmas (the tensor core's queue: both warpgroups' blocks), and the median cycles an item.
-
 and the share of the blocks' busy time (first START to last DONE) spent in `start` and `data`, and how unevenly
 the blocks end. A block's first item has no `start` (nothing before it on the block).
+
+From the SM clock cycles consumer thread 0 logs with each item (WFULL, WMMA, CYCLES, kept apart from the times):
+the share of its items' cycles (record in -> outputs stored) it spent waiting for full ring slots (the stream
+behind the math) and for its wgmmas (the tensor core's queue: both warpgroups' blocks), and the median an item.
 
 usage: scripts/fmw-trace.py FILE.json [FILE.json ...]   Times in µs. Standard library only."""
 import json
