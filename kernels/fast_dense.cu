@@ -80,6 +80,12 @@ DSV4_INLINE uint4 fd_ld_stream(const unsigned char* p) {
   return r;
 }
 
+// Asks L2 to fetch `bytes` (a multiple of 16) at p (16-byte aligned) from HBM now, without waiting and
+// without registers: a hint the memory system may drop (the later loads then go to HBM themselves).
+DSV4_INLINE void fd_prefetch_l2(const unsigned char* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+}
+
 template <bool F16>
 DSV4_INLINE void fd_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
   if (F16) {
@@ -677,7 +683,7 @@ DSV4_INLINE void fd_gemv(const unsigned char* __restrict__ w, const float* __res
     const int after = FP8 && NT == 1 && !wsplit ? prefetch_after : 0;
     const int first = few ? 0 : AHEAD, last = few ? blocks : min(blocks, AHEAD + after);
     if (last > first)
-      prefetch_l2_bulk(w + ((long long)gz * N + n0 + lane) * row_bytes + (long long)(k0 + 128 * first) * KD::ESIZE,
+      fd_prefetch_l2(w + ((long long)gz * N + n0 + lane) * row_bytes + (long long)(k0 + 128 * first) * KD::ESIZE,
                      (unsigned)((last - first) * 128 * KD::ESIZE));
   }
   // The warp's FP8 block scales of the slice, copied to shared memory asynchronously before the wait

@@ -225,37 +225,6 @@ DSV4_INLINE FmoeArgs fmoe_args(const unsigned char* act, const float* act_s, int
           shared_sa,  shared_sb, fmoe_sc8_data(table), fmoe_sc8_foldable(table), D, I};
 }
 
-// The u32 at `flag`, with acquire semantics: the copies issued after it see what the writers published before
-// their release.
-DSV4_INLINE unsigned fmoe_load_acquire(const unsigned* flag) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
-  return v;
-}
-// The u32 at `flag`, relaxed at GPU scope (from L2, without invalidating the SM's L1 as an acquire does).
-DSV4_INLINE unsigned fmoe_load_relaxed(const unsigned* flag) {
-  unsigned v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
-  return v;
-}
-
-// Waits (every calling thread) until the u32 at `flag` reaches `target`, with acquire semantics: every poll an
-// acquire (FMOE_POLL_ACQUIRE 1, the measured default), or relaxed polls and one acquire after them (0, a variant
-// not yet measured: an acquire invalidates the SM's L1 (SASS CCTL.IVALL), so a warp polling with acquires makes
-// the other warps of its SM miss L1, local memory included). A wait that cannot end (a bug) traps after ~2^22
-// polls (seconds) instead of hanging the device.
-#ifndef FMOE_POLL_ACQUIRE
-#define FMOE_POLL_ACQUIRE 1
-#endif
-DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
-  for (unsigned polls = 0;; ++polls) {
-    if ((FMOE_POLL_ACQUIRE ? fmoe_load_acquire(flag) : fmoe_load_relaxed(flag)) >= target) break;
-    if (polls > (1u << 22)) __trap();
-    __nanosleep(64);
-  }
-  if (!FMOE_POLL_ACQUIRE) fmoe_load_acquire(flag);
-}
-
 // A kernel family's trace log (the bench's `--trace`, src/bin/dsv4/moe_trace.rs): an event is two u64,
 // %globaltimer (ns) then block << 48 | SM << 40 | kind << 32 | arg; *n counts the events, and those at or past
 // `cap` are dropped. The host zeroes the log before the traced launch and reads the nonzero times. The families'

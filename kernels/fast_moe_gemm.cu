@@ -292,7 +292,36 @@ DSV4_INLINE void fmoe_zero_token_slots(unsigned smem) {
   fence_proxy_async_shared();  // the wgmmas read the zeros through the async proxy
 }
 
-// (fmoe_load_acquire, fmoe_wait_count: fast_moe_common.cuh.)
+// The u32 at `flag`, with acquire semantics: the copies issued after it see what the writers published before
+// their release.
+DSV4_INLINE unsigned fmoe_load_acquire(const unsigned* flag) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  return v;
+}
+// The u32 at `flag`, relaxed at GPU scope (from L2, without invalidating the SM's L1 as an acquire does).
+DSV4_INLINE unsigned fmoe_load_relaxed(const unsigned* flag) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  return v;
+}
+
+// Waits (every calling thread) until the u32 at `flag` reaches `target`, with acquire semantics: every poll an
+// acquire (FMOE_POLL_ACQUIRE 1, the measured default), or relaxed polls and one acquire after them (0, a variant
+// not yet measured: an acquire invalidates the SM's L1 (SASS CCTL.IVALL), so a warp polling with acquires makes
+// the other warps of its SM miss L1, local memory included). A wait that cannot end (a bug) traps after ~2^22
+// polls (seconds) instead of hanging the device.
+#ifndef FMOE_POLL_ACQUIRE
+#define FMOE_POLL_ACQUIRE 1
+#endif
+DSV4_INLINE void fmoe_wait_count(const unsigned* flag, unsigned target) {
+  for (unsigned polls = 0;; ++polls) {
+    if ((FMOE_POLL_ACQUIRE ? fmoe_load_acquire(flag) : fmoe_load_relaxed(flag)) >= target) break;
+    if (polls > (1u << 22)) __trap();
+    __nanosleep(64);
+  }
+  if (!FMOE_POLL_ACQUIRE) fmoe_load_acquire(flag);
+}
 
 // FMOE_PROBE_FLAT 1 (a bench probe, wrong outputs: `dsv4 bench moe --defines FMOE_PROBE_FLAT=1` also rewrites the
 // layer's tensor maps, fast_moe_gemm::probe_flat_tensor_maps): each weight box is 16 KiB of consecutive bytes (the

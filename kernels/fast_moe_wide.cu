@@ -99,7 +99,6 @@
 #define FMW_SMEM FMW_SMEM_BYTES
 #endif
 #define FMW_CONSUMERS 256                 // two warpgroups
-#define FMW_CONSUMER_WARPS (FMW_CONSUMERS / 32)
 #define FMW_THREADS (FMW_CONSUMERS + 128)  // then the producer warpgroup
 // Registers per thread after setmaxnreg: the producer warpgroup gives most of its share to the consumers
 // (the block's 64 K: 256 · 240 + 128 · 24 = 64512; launch bounds alone allow 168 to all). At 224 / 56 the
@@ -212,8 +211,6 @@ DSV4_INLINE void fmw_trace(int kind, int arg, int local, unsigned long long t = 
 #define FMW_UP_MATRIX (FMW_T * 128)  // elements of one up matrix
 #define FMW_DOWN_STRIDE 72
 #define FMW_EP_BYTES (2 * FMW_UP_MATRIX * 2)
-// Down, after the two blocks and their output rows: the consumer warps' pending counts (fmw_pending).
-#define FMW_PENDING (FMW_NSTAGES * FMW_SLOT + 2 * FMW_T * FMW_DOWN_STRIDE * 2 + 2 * FMW_T * 4)
 #define FMW_WT (FMW_NSTAGES * FMW_SLOT + FMW_EP_BYTES)  // the tile's routing weights, FMW_T floats
 #define FMW_BARS (FMW_WT + FMW_T * 4)
 // Item records (fmw_put_record), one a ring slot: the record of an item sits beside its first stage's slot.
@@ -231,8 +228,8 @@ static_assert(FMW_SMEM_USED <= FMW_SMEM, "fast_moe_wide: shared memory layout ex
 static_assert(FMW_T % 32 == 0 && FMW_T <= 128, "fast_moe_wide: FMW_T is 32, 64 or 128");
 static_assert(FMW_T % FMW_HBOX == 0, "fast_moe_wide: a tile is whole activation boxes");
 static_assert((FMW_SLOT_W + FMW_SLOT_S) % 1024 == 0, "fast_moe_wide: the B blocks need the swizzle's 1024-byte alignment");
-static_assert(2 * FMW_T * FMW_DOWN_STRIDE * 2 + 2 * FMW_T * 4 + FMW_CONSUMER_WARPS * 4 <= FMW_EP_BYTES,
-              "fast_moe_wide: the down epilogue's buffers, output rows and pending counts");
+static_assert(2 * FMW_T * FMW_DOWN_STRIDE * 2 + 2 * FMW_T * 4 <= FMW_EP_BYTES,
+              "fast_moe_wide: the down epilogue's buffers and output rows");
 static_assert(FMOE_MAP_BYTES == 128, "fast_moe_wide: a CUtensorMap is 128 bytes");
 
 // One work item: a token tile and a 128-row block.
@@ -504,23 +501,6 @@ DSV4_INLINE int fmw_kept_item(unsigned smem, int which) {
   return wi;
 }
 
-// The routed rows that a shared tile's combine reads, asked into L2 by the producer when it starts one of the
-// tile's items: the tile's tokens' k rows each (rows t·k + j) are consecutive, so the tile's rb_n items, which run
-// at about the same time, each ask for their share of the whole run (one bulk prefetch; by the consumers, a line
-// each, the prefetches' addresses held registers across the mainloop, which spilled). (Asked before they are all
-// written is harmless: L2 is where the stores land.)
-// FMW_COMBINE_PREFETCH 0 (a bench variant): not asked for; the combine's loads then go to DRAM themselves.
-#ifndef FMW_COMBINE_PREFETCH
-#define FMW_COMBINE_PREFETCH 1
-#endif
-DSV4_INLINE void fmw_combine_prefetch(const FmoeArgs& a, const FmwItem& it, const bf16_t* y) {
-  const long long bytes = (long long)it.n * a.k * a.N * 2;
-  const long long share = (bytes / (a.N / FMW_ROWS) + 15) & ~15ll, from = share * it.rb;
-  if (from < bytes)
-    prefetch_l2_bulk(reinterpret_cast<const unsigned char*>(y + (long long)it.start * a.k * a.N) + from,
-                     (unsigned)min(share, bytes - from));
-}
-
 // The producer: one thread. Both GEMMs' activations (x for up, made by fmw_gather_x_kernel; h for down, by
 // the up GEMM) are stored in this path's own layout (fmw_act_row, fmw_act_scale_at): a tile's rows consecutive,
 // its scales in the consumers' order (but the shared expert's x codes, read where the router left them). So per
@@ -533,8 +513,7 @@ DSV4_INLINE void fmw_combine_prefetch(const FmoeArgs& a, const FmwItem& it, cons
 // their 4-byte scales one per thread: 14% of the up GEMM's instructions, the scales one shared-memory
 // wavefront each, and retries of the ring's waits; ncu, B = 4096.)
 template <bool UP>
-DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, unsigned smem, unsigned* queue,
-                             const bf16_t* combine_y) {
+DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, unsigned smem, unsigned* queue) {
   if (threadIdx.x != FMW_CONSUMERS) return;
   int slot = 0;
   unsigned phase = 0;
@@ -552,15 +531,12 @@ DSV4_INLINE void fmw_produce(const FmoeArgs& a, const unsigned char* act_map, un
     int x;
     const FmwItem it = fmw_item<UP>(sa, wi, &x);
     if (it.skip) {  // another rank's expert
-      // (The down GEMM's combine counts it done, FmwCombine, in the word after the queue.)
-      if (!UP && combine_y != nullptr) atomicAdd(queue + 1, (unsigned)FMW_CONSUMER_WARPS);
       fmw_keep_item(smem, 0, fmw_take(queue));
       continue;
     }
     if (pass == 0) {  // the item's start
       const int next = fmw_take(queue);
       fmw_prefetch_rows(sa, it);
-      if (!UP && FMW_COMBINE_PREFETCH && combine_y != nullptr && it.shared) fmw_combine_prefetch(sa, it, combine_y);
       if (FMW_TRACE) fmw_trace(FMW_EV_PRODUCE, (UP ? 0 : FMW_TRACE_DOWN) | wi | (it.n < 0), local);
       // The item's record, beside its first stage (whose wait below then passes at once).
       mbar_wait(fmw_empty(smem, slot), phase ^ 1);
@@ -1132,173 +1108,23 @@ DSV4_INLINE void fmw_down_store(const FmoeArgs& a, const FmwItem& it, const floa
   }
 }
 
-// The layer's combine in the down GEMM (fmw_down_kernel with `out`: the prefill path of a layer with a shared
-// expert): out[t] = bf16(Σ_j y[t·k + j] + y_shared[t]) in f32 in that order, fmoe_combine_kernel's operations and
-// bits (slots whose id is outside [0, E) left out), made by the shared expert's items, which the queue holds
-// after every routed item: each routed item stores its y rows as before; a shared item, once all of them are
-// counted done, reads its tokens' routed rows for its 128 columns, adds its own bf16 values (never stored) and
-// stores out. Why: the combine as a kernel of its own read every y row from DRAM after the down GEMM (7 rows of
-// 8 KB a token: 940 MB read and 268 MB written at 16384 tokens, ~386 µs, 4.5% of the layer, at the HBM ceiling);
-// here those reads run while other blocks' mainloops keep the tensor cores busy, the shared rows are neither
-// stored nor read again, and the routed rows are asked into L2 when the shared item starts (fmw_combine_prefetch).
-// Done counting (FmwCombine::done): each consumer warp of a routed item adds one, deferred to its next epilogue
-// (fmw_combine_flush), when its y stores have long finished, so its fence does not wait for them; the producer
-// adds a warp count for each item of another rank's expert it skips.
-struct FmwCombine {
-  const int* ids;     // [T][k] the routing's expert ids
-  const int* ntiles;  // the plan's routed tiles (read again at the wait: a.nrt held across the mainloop spilled)
-  int E;
-  float* out;         // [T][D] f32; NULL: not fused (the shared rows of y are stored, fmoe_combine_kernel combines)
-  unsigned* done;     // routed items' warps done (the word after the down GEMM's queue, zeroed with it)
-};
-
-// The warp's routed items whose y stores are not yet counted, in shared memory (FMW_PENDING: a register held
-// across the mainloop spilled), lane 0's: fmw_combine_flush makes the stores visible at GPU scope, then counts
-// them. Called at the warp's next down epilogue, at a shared item's start and after its last item.
-DSV4_INLINE unsigned* fmw_pending() {
-  extern __shared__ __align__(1024) unsigned char fmw_smem[];  // (fmw_gemm's: its address needs no register)
-  return reinterpret_cast<unsigned*>(fmw_smem + FMW_PENDING) + (threadIdx.x >> 5);
-}
-DSV4_INLINE void fmw_combine_flush(const FmwCombine& cb) {
-  unsigned* pending = fmw_pending();
-  __syncwarp();  // the lanes' stores, then lane 0's fence
-  if ((threadIdx.x & 31) == 0 && *pending != 0u) {
-    asm volatile("fence.acq_rel.gpu;\nred.relaxed.gpu.global.add.u32 [%0], %1;\n" ::"l"(cb.done), "r"(*pending)
-                 : "memory");
-    *pending = 0u;
-  }
-}
-
-// s += the 8 bf16 values of r, in f32 (fmoe_combine_kernel's order within a slot's row).
-DSV4_INLINE void fmw_add_bf16x8(float (&s)[8], uint4 r) {
-  const unsigned w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    s[2 * c] += __uint_as_float(w[c] << 16);
-    s[2 * c + 1] += __uint_as_float(w[c] & 0xffff0000u);
-  }
-}
-
-// FMW_COMBINE_TOKENS: tokens a thread's combine loads at once (their k rows each: 4 · 6 · 4 registers at Flash's
-// k). A bench variant.
-#ifndef FMW_COMBINE_TOKENS
-#define FMW_COMBINE_TOKENS 4
-#endif
-#define FMW_COMBINE_K 6  // the k whose slots' rows load together (Flash's); other k one row at a time
-// The combine of the thread's tokens l / 8 + 16 i at its 8 columns `col` (fmw_down_combine): KK = k, the slots'
-// rows of FMW_COMBINE_TOKENS tokens loaded together (a register array written under a condition went to local
-// memory), or KK = 0, any k, the rows one at a time.
-template <int KK>
-DSV4_INLINE void fmw_combine_rows(const FmoeArgs& a, const FmwItem& it, const bf16_t* y, const bf16_t* buf,
-                                  const unsigned* masks, float* out, int l, int col) {
-  const int c8 = l & 7;
-  constexpr int TB = KK > 0 ? FMW_COMBINE_TOKENS : 1;
-#pragma unroll 1
-  for (int i0 = 0; i0 < FMW_T / 16; i0 += TB) {
-    uint4 v[TB][KK > 0 ? KK : 1];
-    if (KK > 0) {
-#pragma unroll
-      for (int u = 0; u < TB; ++u) {
-        const int tok = min((l >> 3) + 16 * (i0 + u), it.n - 1);  // (past n: a row in range, not used)
-        const bf16_t* yr = y + (long long)(it.start + tok) * a.k * a.N + col;
-#pragma unroll
-        for (int j = 0; j < KK; ++j) v[u][j] = __ldcg(reinterpret_cast<const uint4*>(yr + (long long)j * a.N));
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < TB; ++u) {
-      const int tok = (l >> 3) + 16 * (i0 + u);
-      if (tok >= it.n) continue;
-      const unsigned m = masks[tok];
-      float s[8];
-#pragma unroll
-      for (int c = 0; c < 8; ++c) s[c] = 0.0f;
-      if (KK > 0) {
-#pragma unroll
-        for (int j = 0; j < KK; ++j)
-          if ((m >> j) & 1u) fmw_add_bf16x8(s, v[u][j]);
-      } else {
-        const bf16_t* yr = y + (long long)(it.start + tok) * a.k * a.N + col;
-        for (int j = 0; j < a.k; ++j)
-          if ((m >> j) & 1u) fmw_add_bf16x8(s, __ldcg(reinterpret_cast<const uint4*>(yr + (long long)j * a.N)));
-      }
-      const uint4 sh = *reinterpret_cast<const uint4*>(buf + tok * FMW_DOWN_STRIDE + 8 * c8);
-      const unsigned w[4] = {sh.x, sh.y, sh.z, sh.w};
-      float2 o[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        o[c] = round_bf16x2(make_float2(s[2 * c] + __uint_as_float(w[c] << 16),
-                                        s[2 * c + 1] + __uint_as_float(w[c] & 0xffff0000u)));
-      float4* dst = reinterpret_cast<float4*>(out + (long long)(it.start + tok) * a.N + col);
-      dst[0] = make_float4(o[0].x, o[0].y, o[1].x, o[1].y);
-      dst[1] = make_float4(o[2].x, o[2].y, o[3].x, o[3].y);
-    }
-  }
-}
-
-// Down, a shared item when fused (FmwCombine): the warpgroup's 64 columns of the tile's tokens into out. The
-// bf16 values staged as fmw_down_store does; thread l gives token l's valid slots as a bit mask; once every
-// routed item is done (one thread a warpgroup waits, then the warpgroup's barrier), a thread combines 8 columns
-// of tokens l / 8 + 16 i, FMW_COMBINE_TOKENS tokens' loads in flight at once.
-DSV4_INLINE void fmw_down_combine(const FmoeArgs& a, const FmwItem& it, const float (&acc)[64], bf16_t* ep,
-                                  const bf16_t* y, const FmwCombine& cb) {
-  const int tid = threadIdx.x, wg = tid >> 7, l = tid & 127;
-  bf16_t* buf = ep + wg * (FMW_T * FMW_DOWN_STRIDE);
-  unsigned* masks = reinterpret_cast<unsigned*>(ep + 2 * FMW_T * FMW_DOWN_STRIDE) + wg * FMW_T;
-  named_barrier(2 + wg, 128);  // the warpgroup's previous copy-out has read buf and masks
-  if (l < it.n) {
-    const int* id = cb.ids + (long long)(it.start + l) * a.k;
-    unsigned m = 0u;
-#pragma unroll 8
-    for (int j = 0; j < a.k; ++j) {
-      const int e = id[j];
-      if (e >= 0 && e < cb.E) m |= 1u << j;
-    }
-    masks[l] = m;
-  }
-  const unsigned at = smem_addr(buf) + 2u * (unsigned)(((tid >> 5) & 3) * 16 + fmw_stash_row());
-#pragma unroll
-  for (int p = 0; p < 8; ++p) {
-    if (16 * p >= it.n) break;  // uniform over the block
-    fmw_stash_pair(acc, p, at + 2u * (unsigned)(fmw_stash_token(p) * FMW_DOWN_STRIDE));
-  }
-  // Every routed item done (the shared items are last in the queue). A wait that cannot end (a bug) gives up
-  // after ~2^24 polls (over a second) and leaves wrong outputs, which the tests catch, instead of hanging the
-  // device (fmoe_wait_count's trap in this loop had ptxas spill ~7 KB across the kernel).
-  const unsigned routed = (unsigned)(*cb.ntiles * (a.N / FMW_ROWS) * FMW_CONSUMER_WARPS);
-  if (l == 0)
-    for (unsigned polls = 0; fmoe_load_acquire(cb.done) < routed && polls < (1u << 24); ++polls) __nanosleep(64);
-  named_barrier(2 + wg, 128);
-  const int col = it.rb * FMW_ROWS + 64 * wg + 8 * (l & 7);
-  if (a.k == FMW_COMBINE_K)
-    fmw_combine_rows<FMW_COMBINE_K>(a, it, y, buf, masks, cb.out, l, col);
-  else
-    fmw_combine_rows<0>(a, it, y, buf, masks, cb.out, l, col);
-}
-
 // What an item's epilogue reads from global memory, read when the item starts so that the reads' latency
 // hides under the mainloop (each read where the epilogue needed it cost the consumers a global round trip, two
 // chained for the routing weight, per item): up, thread tid < FMW_T token tid's routing weight (1 for the
 // shared expert and past the tile's count); down, thread l of each warpgroup token l's output row (-1 past the
-// count), or for every thread FMW_ROW_COMBINE where the item combines (`combine`: fused, FmwCombine, and the
-// shared expert's; so the epilogue's choice needs no register of its own across the mainloop, where one more
-// spilled).
+// count).
 struct FmwEpilogueRead {
   float route_w;
   int out_row;
 };
-#define FMW_ROW_COMBINE (-2)
 
 template <bool UP>
-DSV4_INLINE FmwEpilogueRead fmw_epilogue_read(const FmoeArgs& a, const FmwItem& it, const float* route_w,
-                                              bool combine) {
+DSV4_INLINE FmwEpilogueRead fmw_epilogue_read(const FmoeArgs& a, const FmwItem& it, const float* route_w) {
   const int tok = threadIdx.x & (FMW_T - 1);
   FmwEpilogueRead r = {1.0f, -1};
   if (UP) {
     if (threadIdx.x < FMW_T && !it.shared && route_w != nullptr && tok < it.n)
       r.route_w = route_w[fmw_out_row(a, it, tok)];
-  } else if (combine && it.shared) {
-    r.out_row = FMW_ROW_COMBINE;
   } else if (tok < it.n) {
     r.out_row = (int)fmw_out_row(a, it, tok);
   }
@@ -1308,7 +1134,7 @@ DSV4_INLINE FmwEpilogueRead fmw_epilogue_read(const FmoeArgs& a, const FmwItem& 
 // Shared body of both kernels (see fast_moe_gemm.cu's fmoe_gemm for the operands).
 template <bool UP>
 DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, unsigned char* out_q, float* out_s,
-                          bf16_t* out_y, const unsigned char* act_map, unsigned* queue, const FmwCombine& cb) {
+                          bf16_t* out_y, const unsigned char* act_map, unsigned* queue) {
   extern __shared__ __align__(1024) unsigned char fmw_smem[];
   const unsigned smem = smem_addr(fmw_smem);
   if ((smem & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned slots
@@ -1322,18 +1148,16 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
       reinterpret_cast<uint4*>(fmw_smem)[i] = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
     fence_proxy_async_shared();  // (before the TMA writes the copied parts)
   }
-  if (!UP && threadIdx.x < FMW_CONSUMER_WARPS) reinterpret_cast<unsigned*>(fmw_smem + FMW_PENDING)[threadIdx.x] = 0u;
   __syncthreads();
   if (threadIdx.x >= FMW_CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FMW_PRODUCER_REGS));
-    fmw_produce<UP>(a, act_map, smem, queue, cb.out != nullptr ? out_y : nullptr);
+    fmw_produce<UP>(a, act_map, smem, queue);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FMW_CONSUMER_REGS));
   bf16_t* ep = reinterpret_cast<bf16_t*>(fmw_smem + FMW_NSTAGES * FMW_SLOT);
   float* wt = reinterpret_cast<float*>(fmw_smem + FMW_WT);
   FmwRing ring = {0, 0u};
-  const bool fused = !UP && cb.out != nullptr;  // the down GEMM combines (FmwCombine)
   float acc[64];
 #pragma unroll 1
   for (int n = 0;; ++n) {
@@ -1348,8 +1172,7 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
       fmw_trace(FMW_EV_START, trace_arg, n, t_start);  // the time it began to wait for the record
       fmw_trace(FMW_EV_DATA, trace_arg | (int)(it.rowe[0] == 0xffffffffu && it.n < 0), n);  // (made from the record)
     }
-    const FmwEpilogueRead er = fmw_epilogue_read<UP>(a, it, route_w, fused);
-    if (fused && it.shared) fmw_combine_flush(cb);  // now, not after the mainloop: the other blocks wait for it
+    const FmwEpilogueRead er = fmw_epilogue_read<UP>(a, it, route_w);
     const int nks = fmoe_stages(it.fp4, a.K);
     FmwWaits waits = {0u, 0u};
     const unsigned item_clock = fmw_clock();
@@ -1391,13 +1214,9 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
         fmw_pass_unfolded(fmw_smem, smem, ring, it, a.K, nks, acc, waits);
       }
       if (FMW_TRACE && threadIdx.x == 0 && pass == fmw_passes(UP) - 1) fmw_trace(FMW_EV_MATH, trace_arg, n);
-      if (!UP && er.out_row == FMW_ROW_COMBINE) {  // (uniform over the block)
-        fmw_down_combine(a, it, acc, ep, out_y, cb);
-      } else if (!UP) {
-        if (fused) fmw_combine_flush(cb);  // the item before's stores have long finished
+      if (!UP)
         fmw_down_store(a, it, acc, er.out_row, ep, out_y);
-        if (fused && (threadIdx.x & 31) == 0) *fmw_pending() += 1u;
-      } else if (pass == 0)
+      else if (pass == 0)
         fmw_up_gate(it, er.route_w, acc, ep, wt);
       else
         fmw_up_h_quant(a, it, acc, limit, ep, wt, out_q, out_s);
@@ -1409,7 +1228,6 @@ DSV4_INLINE void fmw_gemm(const FmoeArgs& a, const float* route_w, float limit, 
       fmw_trace(FMW_EV_CYCLES, trace_arg, n, fmw_clock() - item_clock + 1ull);
     }
   }
-  if (fused) fmw_combine_flush(cb);  // a block whose last item was routed
 }
 
 // x's codes and scales (act_quant, as fmoe_select_kernel or the logits kernel stored them by token) in this
@@ -1471,10 +1289,9 @@ extern "C" __global__ void __launch_bounds__(256)
                         int e_begin, int e_end, int has_shared, const int* ids, const int* ranks, const int* counts,
                         const int* offsets, int E, unsigned char* xq_plan, float* xs_plan, unsigned* queues) {
   dsv4_pdl_begin();
-  // Both GEMMs' item queues (fmw_take) back to their first item, and the down GEMM's done count (FmwCombine):
-  // the up GEMM reads its queue only after its programmatic wait, once this kernel has finished, and the down
-  // GEMM after the up GEMM's.
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 3) queues[threadIdx.x] = 0u;
+  // Both GEMMs' item queues (fmw_take) back to their first item: the up GEMM reads its queue only after its
+  // programmatic wait, once this kernel has finished, and the down GEMM after the up GEMM's.
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2) queues[threadIdx.x] = 0u;
   const int warps = blockDim.x >> 5, first = blockIdx.x * warps, step = gridDim.x * warps;
   if (first >= T) return;  // (whole block: no token)
   __shared__ int tile_base[PLAN_WIDE_MAX_EXPERTS];
@@ -1531,23 +1348,18 @@ extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
   dsv4_pdl_begin();
   const FmoeArgs a = fmoe_args(xq, xs, T, D, I, k, rows, tiles, ntiles, e_begin, e_end, maps, s1, s3, fmt,
                                shared_fmt, shared_s1, shared_s3, sc8, D, I);
-  fmw_gemm<true>(a, route_w, limit, hq, hs, nullptr, x_map, queue, FmwCombine{nullptr, nullptr, 0, nullptr, nullptr});
+  fmw_gemm<true>(a, route_w, limit, hq, hs, nullptr, x_map, queue);
 }
 
 // GEMM2: fmoe_down_kernel's operands, with the plan made for FMW_T-token tiles, h in this path's layout
-// (the up kernel's) and h_map, a tensor map over hq's rows (fast_moe_wide::h_tensor_map). With `out` (a layer
-// with a shared expert) it also combines, out[t] = fmoe_combine_kernel's out[t] from ids and E, counting the
-// routed items done at `done`, the word after `queue` (FmwCombine; a parameter of its own: queue + 1 made once
-// held two registers across the mainloop, which spilled), and stores no shared row of y; without, y's rows.
+// (the up kernel's) and h_map, a tensor map over hq's rows (fast_moe_wide::h_tensor_map).
 extern "C" __global__ void __launch_bounds__(FMW_THREADS, 1)
     fmw_down_kernel(const unsigned char* hq, const float* hs, int T, int I, int D, int k, const int* rows,
                     const int* tiles, const int* ntiles, int e_begin, int e_end, const unsigned char* maps,
                     const unsigned long long* s2, int fmt, int shared_fmt, const float* shared_s2,
-                    const unsigned char* sc8, const unsigned char* h_map, unsigned short* y, unsigned* queue,
-                    const int* ids, int E, float* out, unsigned* done) {
+                    const unsigned char* sc8, const unsigned char* h_map, unsigned short* y, unsigned* queue) {
   dsv4_pdl_begin();
   const FmoeArgs a = fmoe_args(hq, hs, T, I, D, k, rows, tiles, ntiles, e_begin, e_end, maps, s2, s2, fmt,
                                shared_fmt, shared_s2, shared_s2, sc8, D, I);
-  const FmwCombine cb = {ids, ntiles, E, shared_fmt != 0 ? out : nullptr, done};
-  fmw_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y, h_map, queue, cb);
+  fmw_gemm<false>(a, nullptr, 0.0f, nullptr, nullptr, y, h_map, queue);
 }

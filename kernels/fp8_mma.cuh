@@ -338,12 +338,6 @@ DSV4_INLINE void mbar_wait(unsigned bar, unsigned parity) {
         : "memory");
 }
 
-// Asks L2 to fetch `bytes` (a multiple of 16) at p (16-byte aligned) from HBM now, without waiting and
-// without registers: a hint the memory system may drop (the later loads then go to HBM themselves).
-DSV4_INLINE void prefetch_l2_bulk(const void* p, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-}
-
 // Asks the SM's L1 for the line holding p (global memory) without waiting and without a register: a hint for a
 // load that another thread of the block makes later (fast_moe_wide.cu fmw_prefetch_tile, fmw_prefetch_rows).
 DSV4_INLINE void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }

@@ -229,7 +229,7 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
     if !nvrtc_or_skip() {
         return;
     }
-    let variants: [(&KernelSource, &str); 29] = [
+    let variants: [(&KernelSource, &str); 27] = [
         (&fast_attention::SOURCE, "FA_DECODE_FAST=0"),
         (&fast_attention::SOURCE, "FA_FETCH_FAST=0"),
         (&fast_attention::SOURCE, "FA_CL_BATCH=1"),
@@ -257,8 +257,6 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         (&fast_moe_wide::SOURCE, "FMW_PROBE_NO_STREAM=1"),
         (&fast_moe_wide::SOURCE, "FMW_PROBE_NO_STREAM=3"),
         (&fast_moe_wide::NARROW_SOURCE, "FMW_PROBE_NO_STREAM=1"),
-        (&fast_moe_wide::SOURCE, "FMW_COMBINE_TOKENS=2"),
-        (&fast_moe_wide::SOURCE, "FMW_COMBINE_PREFETCH=0"),
     ];
     // With nvdisasm, each variant's SASS also keeps its wgmmas' A registers untouched in flight
     // (no_instruction_writes_the_a_registers_of_an_in_flight_wgmma).

@@ -181,7 +181,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
             let tr = |j: usize| ip[1].slice(j * t * 4, t * 4).unwrap();
             let call = |j: usize| {
                 let fl = layer.fast_layer(r, tr(j));
-                fast.route_and_experts(&ctx, &fl, xr(j), t, &ws, router, path, false, out, s)?;
+                fast.route_and_experts(&ctx, &fl, xr(j), t, &ws, router, path, false, s)?;
                 fast.combine_on(&ctx, &fl, t, &ws, path, out, s)
             };
             // Eager once (touched experts from its ids), then the graph.
@@ -229,7 +229,7 @@ pub fn run(b: &MoeBench) -> Result<(), String> {
                 host_sec * 1e6,
                 touched_bytes as f64 / sec / 1e9,
                 flops / sec / 1e12,
-                FastMoe::launches_per_layer(path, t, layer.fast_layer(r, tr(0)).shared.is_some()),
+                FastMoe::launches_per_layer(path, t),
                 launches * reps,
             );
             std::io::stdout().flush().ok();

@@ -702,18 +702,15 @@ fn internal(msg: String) -> Error {
 
 impl FastMoe {
     /// Kernel launches of one [`FastMoe::layer`] of `t` tokens whose expert GEMMs take `path`
-    /// (without the input's norm), `shared`: the layer has a shared expert. The fused decode path
-    /// runs both GEMMs in one, the routed one the router too, the wide plan takes three launches
-    /// for one; the prefill path adds x's gather, and its down GEMM combines where the layer has
-    /// a shared expert.
-    pub fn launches_per_layer(path: GemmPath, t: usize, shared: bool) -> usize {
+    /// (without the input's norm): the fused decode path runs both GEMMs in one, the routed one
+    /// the router too, the wide plan takes three launches for one.
+    pub fn launches_per_layer(path: GemmPath, t: usize) -> usize {
         let plan = if t >= WIDE_PLAN_MIN_TOKENS { 3 } else { 1 };
         match path {
             GemmPath::DecodeRouted => 2, // the router and GEMMs, the combine
             GemmPath::DecodeFused => 5,  // the one block's plan, whatever t
             GemmPath::Decode => plan + 5,
-            GemmPath::Prefill if shared => 3 + 5, // the wide plan whatever t
-            GemmPath::Prefill => 3 + 6,
+            GemmPath::Prefill => plan + 6, // and x's gather
         }
     }
 
@@ -761,18 +758,7 @@ impl FastMoe {
         if let Some(norm) = norm {
             self.norm_x(ctx, layer, x, t, norm, path, ws, stream)?;
         }
-        self.route_and_experts(
-            ctx,
-            layer,
-            x,
-            t,
-            ws,
-            router,
-            path,
-            norm.is_some(),
-            out,
-            stream,
-        )?;
+        self.route_and_experts(ctx, layer, x, t, ws, router, path, norm.is_some(), stream)?;
         self.combine_on(ctx, layer, t, ws, path, out, stream)
     }
 
@@ -792,12 +778,11 @@ impl FastMoe {
         router: RouterPath,
         path: GemmPath,
         x_made: bool,
-        out: DevicePtr,
         stream: BorrowedStream,
     ) -> Result<()> {
         if path != GemmPath::DecodeRouted {
             self.route_on(ctx, layer, x, t, ws, router, path, x_made, stream)?;
-            return self.experts_on(ctx, layer, t, ws, path, out, stream);
+            return self.experts_on(ctx, layer, t, ws, path, stream);
         }
         if router != RouterPath::Few {
             return Err(internal(format!(
@@ -1074,7 +1059,6 @@ impl FastMoe {
 
     /// [`FastMoe::combine`] after the experts of `path`: after [`GemmPath::DecodeRouted`]'s
     /// launch it also zeroes that launch's synchronisation words (`ws.route_sync`) for the next.
-    /// Nothing where the down GEMM has combined already ([`fast_moe_gemm::combines_in_down`]).
     #[allow(clippy::too_many_arguments)]
     pub fn combine_on(
         &self,
@@ -1087,9 +1071,6 @@ impl FastMoe {
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fmoe_combine_kernel";
-        if fast_moe_gemm::combines_in_down(path, layer) {
-            return Ok(());
-        }
         let (d, k) = (layer.d, layer.k);
         need(K, "y", ws.y, (t * k + t) * d * 2)?;
         need(K, "out", out, t * d * 4)?;
@@ -1122,23 +1103,19 @@ impl FastMoe {
     }
 
     /// Steps 3-5 on an existing routing (ids / weights / xq / xs in `ws`): the plan and both GEMMs,
-    /// on the path [`GemmPath::for_tokens`] picks. `out` (`f32[T, D]`) is step 6's: the prefill
-    /// path's down GEMM combines into it where [`fast_moe_gemm::combines_in_down`] (then
-    /// [`FastMoe::combine_on`] launches nothing).
+    /// on the path [`GemmPath::for_tokens`] picks.
     pub fn experts(
         &self,
         ctx: &Context,
         layer: &FastMoeLayer,
         t: usize,
         ws: &FastMoeWorkspace,
-        out: DevicePtr,
         stream: BorrowedStream,
     ) -> Result<()> {
-        self.experts_on(ctx, layer, t, ws, GemmPath::for_tokens(t), out, stream)
+        self.experts_on(ctx, layer, t, ws, GemmPath::for_tokens(t), stream)
     }
 
     /// [`FastMoe::experts`] on the given path (tests and benchmarks compare both).
-    #[allow(clippy::too_many_arguments)]
     pub fn experts_on(
         &self,
         ctx: &Context,
@@ -1146,38 +1123,6 @@ impl FastMoe {
         t: usize,
         ws: &FastMoeWorkspace,
         path: GemmPath,
-        out: DevicePtr,
-        stream: BorrowedStream,
-    ) -> Result<()> {
-        self.experts_into(ctx, layer, t, ws, path, Some(out), stream)
-    }
-
-    /// [`FastMoe::experts_on`] whose down GEMM never combines: `ws.y` gets every row, the
-    /// shared expert's too, and [`FastMoe::combine`] (the combine kernel, whatever the path)
-    /// must follow. Tests compare the prefill path's combine in the down GEMM with it.
-    pub fn experts_to_y(
-        &self,
-        ctx: &Context,
-        layer: &FastMoeLayer,
-        t: usize,
-        ws: &FastMoeWorkspace,
-        path: GemmPath,
-        stream: BorrowedStream,
-    ) -> Result<()> {
-        self.experts_into(ctx, layer, t, ws, path, None, stream)
-    }
-
-    /// [`FastMoe::experts_on`], whose down GEMM combines into `out` where it can, or
-    /// [`FastMoe::experts_to_y`] (`out` None).
-    #[allow(clippy::too_many_arguments)]
-    fn experts_into(
-        &self,
-        ctx: &Context,
-        layer: &FastMoeLayer,
-        t: usize,
-        ws: &FastMoeWorkspace,
-        path: GemmPath,
-        out: Option<DevicePtr>,
         stream: BorrowedStream,
     ) -> Result<()> {
         if path == GemmPath::DecodeRouted {
@@ -1208,7 +1153,7 @@ impl FastMoe {
             GemmPath::DecodeFused => self.gemm.up_down(ctx, layer, t, &ws, stream),
             GemmPath::DecodeRouted | GemmPath::Decode | GemmPath::Prefill => {
                 self.gemm.up(ctx, layer, t, &ws, path, stream)?;
-                self.gemm.down(ctx, layer, t, &ws, path, out, stream)
+                self.gemm.down(ctx, layer, t, &ws, path, stream)
             }
         }
     }

@@ -310,25 +310,16 @@ pub fn plan_cleared_sync_words(t: usize, k: usize, experts: usize) -> usize {
 }
 
 /// The prefill path's item queues in the same buffer (kernels/fast_moe_wide.cu `fmw_take`): the up
-/// GEMM's head at this word, the down GEMM's at the next, then the down GEMM's count of routed
-/// items done (its combine's, `FmwCombine`). `fmw_gather_x_kernel`, the launch before the up
-/// GEMM's, zeroes all three. (The fused decode path's plan zeroes the same words before its own
+/// GEMM's head at this word, the down GEMM's at the next. `fmw_gather_x_kernel`, the launch before
+/// the up GEMM's, zeroes both. (The fused decode path's plan zeroes the same words before its own
 /// launch; the start ticket, word 0, is not touched.)
 pub const PREFILL_QUEUE_WORD: usize = 1;
 
-/// The prefill path's three words (from [`PREFILL_QUEUE_WORD`]): the up GEMM's queue, the down
-/// GEMM's, its done count.
+/// The prefill path's two queue words (from [`PREFILL_QUEUE_WORD`]): the up GEMM's, then the
+/// down GEMM's.
 fn prefill_queues(who: &str, ws: &FastMoeWorkspace) -> Result<DevicePtr> {
-    need(who, "sync", ws.sync, (PREFILL_QUEUE_WORD + 3) * 4)?;
-    ws.sync.slice(PREFILL_QUEUE_WORD * 4, 12)
-}
-
-/// Whether [`FastMoeGemm::down`] on `path` also makes the layer's combine (`out`), so that
-/// `FastMoe::combine_on` has nothing left to do: the prefill path of a layer with a shared expert
-/// (kernels/fast_moe_wide.cu `FmwCombine`: the shared expert's items, last in the queue, combine
-/// their tokens once every routed item is done).
-pub fn combines_in_down(path: GemmPath, layer: &FastMoeLayer) -> bool {
-    path == GemmPath::Prefill && layer.shared.is_some()
+    need(who, "sync", ws.sync, (PREFILL_QUEUE_WORD + 2) * 4)?;
+    ws.sync.slice(PREFILL_QUEUE_WORD * 4, 8)
 }
 
 /// u32 words of the routed decode path's synchronisation buffer for `t` tokens
@@ -657,10 +648,7 @@ impl FastMoeGemm {
         self.route_experts.launch(grid, block, smem, stream, args)
     }
 
-    /// `ws.y` = GEMM2 of every routed tile and of the shared expert, bf16 rows per (token, slot);
-    /// with `out` where [`combines_in_down`] (the prefill path of a layer with a shared expert),
-    /// the layer's combine into `out` (`f32[T, D]`) instead of the shared expert's rows.
-    #[allow(clippy::too_many_arguments)]
+    /// `ws.y` = GEMM2 of every routed tile and of the shared expert, bf16 rows per (token, slot).
     pub fn down(
         &self,
         ctx: &Context,
@@ -668,7 +656,6 @@ impl FastMoeGemm {
         t: usize,
         ws: &FastMoeWorkspace,
         path: GemmPath,
-        out: Option<DevicePtr>,
         stream: BorrowedStream,
     ) -> Result<()> {
         const K: &str = "fmoe_down_kernel";
@@ -696,17 +683,8 @@ impl FastMoeGemm {
                     .launch(g, b, sm, stream, down_args!(fmoe_down_kernel))
             }
             GemmPath::Prefill => {
-                let words = prefill_queues(K, ws)?;
-                let (queue, done) = (words.slice(4, 4)?, words.slice(8, 4)?);
-                let out = match out {
-                    Some(out) if combines_in_down(path, layer) => {
-                        need(K, "out", out, t * layer.d * 4)?;
-                        Some(out)
-                    }
-                    _ => None,
-                };
-                let args = down_args!(fmw_down_kernel, h_map: ws.h_map()?, queue: queue,
-                    ids: ws.ids, e: to_i32(K, "E", layer.experts)?, out: out, done: done);
+                let queue = prefill_queues(K, ws)?.slice(4, 4)?;
+                let args = down_args!(fmw_down_kernel, h_map: ws.h_map()?, queue: queue);
                 self.prefill_kernels(t).2.launch(g, b, sm, stream, args)
             }
         }

@@ -196,10 +196,6 @@ crate::kernel_family! {
     );
     /// GEMM2 into bf16 rows per (token, slot): fmoe_down_kernel's operands, h in this path's
     /// layout ([`act_scale_index`]) and `h_map`, a tensor map over `hq` ([`act_tensor_map`]).
-    /// `queue`: the item queue's word; `done` the next, its count of routed items done (both
-    /// zeroed by the gather). With `out` and a shared expert it also makes the layer's combine
-    /// (`fmoe_combine_kernel`'s `out[t]`, the same bits, from `ids` and `e`) and stores no
-    /// shared row of y.
     #[smem(SMEM_BYTES as u32)]
     #[pdl(true)]
     fn fmw_down_kernel(
@@ -207,7 +203,6 @@ crate::kernel_family! {
         tiles: *const i32, ntiles: *const i32, e_begin: i32, e_end: i32, maps: *const u8,
         s2: *const u64, fmt: i32, shared_fmt: i32, shared_s2: Option<*const f32>,
         sc8: Option<*const u8>, h_map: *const u8, y: *mut u16, queue: *mut u32,
-        ids: *const i32, e: i32, out: Option<*mut f32>, done: *mut u32,
     );
 }
 
