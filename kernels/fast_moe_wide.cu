@@ -72,6 +72,15 @@
 // scales). The consumers are latency-bound with two warps a scheduler. (The warpgroups in step is not the cause:
 // one slept 150 or 400 ns at each pass start, so they ran out of step, layer 4096 tokens 2321 -> 2585 µs. Nor is
 // ptxas's window: the stage loop below unrolled twice, no spills, took 4096 tokens 2324 -> 2468 µs.)
+//
+// The layer's combine stays a kernel of its own (fmoe_combine_kernel, at the HBM ceiling: 940 MB of y read at
+// 16384 tokens). Made by the down GEMM instead (the shared expert's items last in the queue, each combining its
+// tokens' 128 columns once a count says every routed item is done, the shared rows of y never stored; the same
+// bits, tested), the layer was slower: 4096 tokens 2323 -> 2493 µs, 16384 8701 -> 9160 (H100, fifty-fifth
+// session; without its L2 prefetch of the routed rows 2445 / 8988, with half the loads in flight 2496 / 9043).
+// The shared items' epilogues wait on DRAM with a few loads in flight a thread, at the kernel's end, where the
+// combine kernel streams with every SM's warps (BENCHMARKS.md; the patch is in
+// bench/results/2026-12-07-fifty-fifth-calls.json).
 #include "common.cuh"
 #include "fp8_mma.cuh"
 #include "fast_moe_common.cuh"
