@@ -78,8 +78,8 @@
 // tokens' 128 columns once a count says every routed item is done, the shared rows of y never stored; the same
 // bits, tested), the layer was slower: 4096 tokens 2323 -> 2493 µs, 16384 8701 -> 9160 (H100, fifty-fifth
 // session; without its L2 prefetch of the routed rows 2445 / 8988, with half the loads in flight 2496 / 9043).
-// The shared items' epilogues wait on DRAM with a few loads in flight a thread, at the kernel's end, where the
-// combine kernel streams with every SM's warps (BENCHMARKS.md; the patch is in
+// Likely (not traced): the shared items' epilogues wait on DRAM with a few loads in flight a thread, at the
+// kernel's end, where the combine kernel streams with every SM's warps (BENCHMARKS.md; the patch is in
 // bench/results/2026-12-07-fifty-fifth-calls.json).
 #include "common.cuh"
 #include "fp8_mma.cuh"
