@@ -48,14 +48,13 @@
 // pass's 128 weight rows (one TMA box: FP4 256 k, FP8 128 k) with their scales (UE8M0 bytes by a 1 KiB
 // bulk copy, f32 by TMA, or FP8's block scale), and the tile's tokens over the same k in wgmma's K-major B
 // layout (per 128-block, a row of 128 bytes per token in the 128-byte swizzle) with their per-128 scales.
-// Up, x's rows are gathered by cp.async (fmw_produce_gather): eight producer threads copy one token's 128
-// bytes (one line), which then lands in shared memory in one piece, where 16 bytes per token and thread (the
-// first layout) took ~29 shared-memory wavefronts per warp copy instead of ~4, over half of the kernel's
-// wavefronts (ncu, B = 4096). Down, the up GEMM has stored h in this path's own layout (fmw_act_row,
-// fmw_act_scale_at: a tile's rows consecutive, its scales in the consumers' order), so one producer thread
-// copies them by TMA and one bulk copy (fmw_produce_tma; layer B = 4096 2572 -> 2504 µs uniform, 2734 ->
-// 2627 skewed, 16384 10091 -> 9825: BENCHMARKS.md, issue 11 twenty-second version). Token columns past the
-// tile's count compute garbage that is never stored (wgmma's columns are independent).
+// Both GEMMs' activations are in this path's own layout (fmw_act_row, fmw_act_scale_at: a tile's rows
+// consecutive, its scales in the consumers' order): x's as fmw_gather_x_kernel copies them, h's as the up GEMM
+// stores them. So one producer thread copies a stage's tokens by TMA and their scales by one bulk copy
+// (fmw_produce; down first, layer B = 4096 2572 -> 2504 µs uniform, 16384 10091 -> 9825, twenty-second version;
+// then up, where four producer warps had gathered x's rows by cp.async, 4096 2501 -> 2463: BENCHMARKS.md, issue
+// 11). Token columns past the tile's count compute garbage that is never stored (wgmma's columns are
+// independent).
 //
 // The math. Warpgroup w owns the pass's rows 64w .. 64w + 63 (one m64 tile). A 128-block's A fragments
 // (ldmatrix then the shifted bit move for FP4; 8-byte loads for FP8; both in the halves order, fp8_mma.cuh,
