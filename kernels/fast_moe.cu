@@ -172,6 +172,16 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 // D / 64 <= FMOE_TC_MAX_STAGES.
 // Two consumer warpgroups, then FMOE_TC_PRODUCERS producer warps (16 of x's rows each: with one producer warp
 // its address arithmetic and copies, ~300 instructions an item, set the pace, ~1 µs an item).
+// FMOE_TC_PROBE (a bench probe, wrong outputs: `dsv4 bench moe --defines FMOE_TC_PROBE=N`, read its
+// moe_norm_route lines): bit 0 set, the producers copy no x rows (the ring's x is what shared memory held); bit 1,
+// no gate chunks; bit 2, the consumers wait for each slot and release it without reading it (no fragments, no
+// wgmmas, no x codes). The same ring, barriers and items otherwise. Against the default, which of the x stream,
+// the gate stream and the consumers' chain sets the ~1250 SM cycles a stage a block takes (fifty-first session,
+// ncu at 2048 tokens; the same at 4096 with twice the blocks, so not L2's aggregate rate). The probed logits are
+// garbage, so the selection routes every token to the lowest experts: the probed layer's own lines mean nothing.
+#ifndef FMOE_TC_PROBE
+#define FMOE_TC_PROBE 0
+#endif
 #define FMOE_TC_THREADS (256 + 32 * FMOE_TC_PRODUCERS)
 static_assert(FMOE_TC_PRODUCERS * 16 == FMOE_TC_TOKENS, "fmoe_logits_tc_kernel: 16 rows of x a producer warp");
 #define FMOE_TC_BLOCK_EXPERTS (2 * FMOE_TC_WG_EXPERTS)
@@ -379,13 +389,19 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
         const unsigned full = full0 + 8 * slot, dst = smem_addr(fmoe_tc_smem + slot * FMOE_TC_SLOT);
         mbar_wait(empty0 + 8 * slot, ((n / FMOE_TC_SLOTS) & 1) ^ 1);  // a fresh barrier's parity 1 is complete
         if (pw == 0 && lane == 0) {
-          mbar_arrive_expect_tx(full, FMOE_TC_CHUNKS * FMOE_GATE_CHUNK);
-          for (int c = 0; c < FMOE_TC_CHUNKS; ++c)
-            bulk_load(dst + FMOE_TC_X_BYTES + c * FMOE_GATE_CHUNK, planes + fmoe_gate_chunk_at(p, et0 + c, s, nt, S),
-                      FMOE_GATE_CHUNK, full);
+          if (FMOE_TC_PROBE & 2) {
+            mbar_arrive(full);
+          } else {
+            mbar_arrive_expect_tx(full, FMOE_TC_CHUNKS * FMOE_GATE_CHUNK);
+            for (int c = 0; c < FMOE_TC_CHUNKS; ++c)
+              bulk_load(dst + FMOE_TC_X_BYTES + c * FMOE_GATE_CHUNK, planes + fmoe_gate_chunk_at(p, et0 + c, s, nt, S),
+                        FMOE_GATE_CHUNK, full);
+          }
         }
+        if (!(FMOE_TC_PROBE & 1)) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) cp_async_16(dst + lane_at + 2 * i * FMOE_TC_X_ROW, src[i] + 64 * s);
+          for (int i = 0; i < 8; ++i) cp_async_16(dst + lane_at + 2 * i * FMOE_TC_X_ROW, src[i] + 64 * s);
+        }
         cp_async_mbar_arrive(full);  // once this lane's copies have landed
       }
     }
@@ -415,6 +431,11 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
       const int slot = n % FMOE_TC_SLOTS;
       const unsigned char* sl = fmoe_tc_smem + slot * FMOE_TC_SLOT;
       mbar_wait(full0 + 8 * slot, (n / FMOE_TC_SLOTS) & 1);
+      if (FMOE_TC_PROBE & 4) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * slot);
+        continue;
+      }
       // The A fragments of the stage's four k16 steps: a[q][2h + i] = x[r0 + 8i][16q + 8h + 2t, + 1] as bf16x2.
       unsigned a[4][4];
       const unsigned xa = smem_addr(sl) + r0 * FMOE_TC_X_ROW + 8 * t;

@@ -225,11 +225,13 @@ fn check_wgmma_asynchronous(what: &str, log: &str) {
 /// as three indexer blocks an SM, spill by design.)
 #[test]
 fn bench_variants_compile_and_keep_wgmma_asynchronous() {
-    use dsv4::cuda::kernels::{fast_attention, fast_indexer, fast_moe_gemm, fast_moe_wide};
+    use dsv4::cuda::kernels::{
+        fast_attention, fast_indexer, fast_moe, fast_moe_gemm, fast_moe_wide,
+    };
     if !nvrtc_or_skip() {
         return;
     }
-    let variants: [(&KernelSource, &str); 27] = [
+    let variants: [(&KernelSource, &str); 30] = [
         (&fast_attention::SOURCE, "FA_DECODE_FAST=0"),
         (&fast_attention::SOURCE, "FA_FETCH_FAST=0"),
         (&fast_attention::SOURCE, "FA_CL_BATCH=1"),
@@ -237,6 +239,9 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         (&fast_attention::SOURCE, "FA_SOFTMAX_SPLIT=0"),
         (&fast_indexer::SOURCE, "FI_STREAM_MIN_BLOCKS=3"),
         (&fast_indexer::SOURCE, "FI_TOPK_PLAIN_LOW=0"),
+        (&fast_moe::SOURCE, "FMOE_TC_PROBE=1"),
+        (&fast_moe::SOURCE, "FMOE_TC_PROBE=2"),
+        (&fast_moe::SOURCE, "FMOE_TC_PROBE=4"),
         (&fast_moe_gemm::SOURCE, "FMOE_POLL_ACQUIRE=0"),
         (&fast_moe_gemm::SOURCE, "FMOE_ROUTER_HOLD=0"),
         (&fast_moe_gemm::SOURCE, "FMOE_TRACE=1"),
