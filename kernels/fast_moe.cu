@@ -296,6 +296,16 @@ DSV4_INLINE void fmoe_tc_store_scores(const float (&logit)[FMOE_TC_WG_EXPERTS / 
   }
 }
 
+// The producers' item n: waits until its ring slot n % FMOE_TC_SLOTS is free (the consumers released the item
+// FMOE_TC_SLOTS before it), then gives the slot's full barrier and its shared-space address (smem0: the ring's).
+DSV4_INLINE void fmoe_tc_claim_slot(int n, unsigned smem0, unsigned full0, unsigned empty0, unsigned& full,
+                                    unsigned& dst) {
+  const int slot = n % FMOE_TC_SLOTS;
+  full = full0 + 8 * slot;
+  dst = smem0 + slot * FMOE_TC_SLOT;
+  mbar_wait(empty0 + 8 * slot, ((n / FMOE_TC_SLOTS) & 1) ^ 1);  // a fresh barrier's parity 1 is complete
+}
+
 // The byte offset in a ring slot of x's value k (0 .. 63 of the stage) of the tile's row r (0 .. 63): FMOE_TC_X_TMA,
 // box k / 32, row r's 128 bytes, its 16-byte chunk (k % 32) / 4 at chunk ^ (r % 8) (the 128-byte swizzle); else
 // row r at the padded stride.
@@ -408,9 +418,8 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
       int n = 0;
       for (int s = s_begin; s < s_end; ++s) {
         for (int p = low[s] ? 2 : 0; p >= 0; --p, ++n) {
-          const int slot = n % FMOE_TC_SLOTS;
-          const unsigned full = full0 + 8 * slot, dst = smem_addr(fmoe_tc_smem + slot * FMOE_TC_SLOT);
-          mbar_wait(empty0 + 8 * slot, ((n / FMOE_TC_SLOTS) & 1) ^ 1);  // a fresh barrier's parity 1 is complete
+          unsigned full, dst;
+          fmoe_tc_claim_slot(n, smem_addr(fmoe_tc_smem), full0, empty0, full, dst);
           if (bytes == 0u) {
             mbar_arrive(full);
             continue;
@@ -439,9 +448,8 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
     int n = 0;
     for (int s = s_begin; s < s_end; ++s) {
       for (int p = low[s] ? 2 : 0; p >= 0; --p, ++n) {
-        const int slot = n % FMOE_TC_SLOTS;
-        const unsigned full = full0 + 8 * slot, dst = smem_addr(fmoe_tc_smem + slot * FMOE_TC_SLOT);
-        mbar_wait(empty0 + 8 * slot, ((n / FMOE_TC_SLOTS) & 1) ^ 1);  // a fresh barrier's parity 1 is complete
+        unsigned full, dst;
+        fmoe_tc_claim_slot(n, smem_addr(fmoe_tc_smem), full0, empty0, full, dst);
         if (pw == 0 && lane == 0) {
           if (FMOE_TC_PROBE & 2) {
             mbar_arrive(full);
