@@ -88,6 +88,13 @@ struct FfgCfg {
   static_assert(WGS * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS <= 65536, "fast_fp8_gemm: registers");
 };
 
+// A CUtensorMap as the host encoded it (cuTensorMapEncodeTiled), passed by value as a __grid_constant__
+// parameter: its address in the parameter space is what TMA reads (no copy to global memory, so a map made
+// for this call's operand needs no device write before the launch, and a captured graph keeps it).
+struct __align__(64) DsvTmaMap {
+  unsigned long long words[16];
+};
+
 // The ring's barriers: full[s] then empty[s], 8 bytes each, after the slots.
 template <class C>
 DSV4_INLINE unsigned ffg_full(unsigned smem, int s) {

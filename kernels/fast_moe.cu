@@ -163,16 +163,15 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 // The pipeline. Producer warps fill a ring of FMOE_TC_SLOTS slots, one slot per (stage, plane) item in the
 // consumers' order: the plane's chunks of the block's experts by 1-D bulk copies (TMA without a tensor map),
 // stored by fmoe_gate_planes_kernel exactly as the swizzled layout the descriptors read, and x's 64 rows of
-// the stage as f32 (FMOE_TC_X_TMA below: two 2-D TMA boxes; 64 1-D bulk copies of a row each had taken ~2.5 µs a
-// slot, the TMA unit's rate for small copies, not the bytes). x's rows are read as loaded:
+// the stage as f32 (256 bytes a row, at a padded stride) by 16-byte cp.async (64 bulk copies of a row each
+// took ~2.5 µs a slot: the TMA unit's rate for small copies, not the bytes). x's rows are read as loaded:
 // each consumer thread converts its own A fragment to BF16 in registers (no shared-memory round trip, no
 // barrier between the warpgroups), so neither the gate nor x is converted in the block's loop (the kernel
 // before converted the f32 gate into its three planes in every token block, every stage: 127 µs at 4096
 // tokens, ~8x its floor). With xq, x's act_quant is made here too (fmoe_tc_quant_stage). Requires D % 64 == 0,
 // D / 64 <= FMOE_TC_MAX_STAGES.
-// Two consumer warpgroups, then FMOE_TC_PRODUCERS producer warps (without FMOE_TC_X_TMA 16 of x's rows each: with
-// one producer warp its address arithmetic and copies, ~300 instructions an item, set the pace, ~1 µs an item;
-// with it one thread issues every copy and the other warps only join the cluster barriers).
+// Two consumer warpgroups, then FMOE_TC_PRODUCERS producer warps (16 of x's rows each: with one producer warp
+// its address arithmetic and copies, ~300 instructions an item, set the pace, ~1 µs an item).
 // FMOE_TC_PROBE (a bench probe, wrong outputs: `dsv4 bench moe --defines FMOE_TC_PROBE=N`, read its
 // moe_norm_route lines): bit 0 set, the producers copy no x rows (the ring's x is what shared memory held); bit 1,
 // no gate chunks; bit 2, the consumers wait for each slot and release it without reading it (no fragments, no
@@ -183,17 +182,6 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 #ifndef FMOE_TC_PROBE
 #define FMOE_TC_PROBE 0
 #endif
-// FMOE_TC_X_TMA 1 (the default): x's 64 rows of a stage come as two TMA boxes of 32 floats x 64 rows in the
-// 128-byte swizzle (FMOE_TC_X_BOX each; the tensor map `x_map`, which the host encodes over this call's x,
-// fast_moe.rs tc_x_map; rows past T read as zeros, computed and never stored), issued with the gate's bulk copy
-// by one producer thread. 0: four producer warps copy them by 16-byte cp.async, 1024 copies a stage, at a padded
-// row stride (FMOE_TC_X_ROW) that kept the fragment loads free of bank conflicts, as the swizzle does now.
-// Whether the copies' count bounds the kernel: FMOE_TC_PROBE above; this form measured: not yet (fifty-sixth
-// session, built without a device).
-#ifndef FMOE_TC_X_TMA
-#define FMOE_TC_X_TMA 1
-#endif
-#define FMOE_TC_X_BOX (FMOE_TC_TOKENS * 128)  // one TMA box of x: 64 rows of 32 floats
 #define FMOE_TC_THREADS (256 + 32 * FMOE_TC_PRODUCERS)
 static_assert(FMOE_TC_PRODUCERS * 16 == FMOE_TC_TOKENS, "fmoe_logits_tc_kernel: 16 rows of x a producer warp");
 #define FMOE_TC_BLOCK_EXPERTS (2 * FMOE_TC_WG_EXPERTS)
@@ -210,7 +198,6 @@ static_assert(FMOE_TC_WG_EXPERTS == 64, "fmoe_logits_tc_kernel: N = 64");
 static_assert(FMOE_TC_BLOCK_EXPERTS % FMOE_GATE_TILE == 0 && 256 % FMOE_TC_BLOCK_EXPERTS == 0,
               "fmoe_logits_tc_kernel: a block's experts are whole chunks of a 256-expert group");
 static_assert(FMOE_TC_X_BYTES % 1024 == 0 && FMOE_TC_SLOT % 1024 == 0, "fmoe_logits_tc_kernel: 1024-byte aligned tiles");
-static_assert(2 * FMOE_TC_X_BOX <= FMOE_TC_X_BYTES, "fmoe_logits_tc_kernel: x's two TMA boxes fit x's part of a slot");
 static_assert(FMOE_TC_SLOTS * FMOE_TC_SLOT + 4 * FMOE_TC_MAX_STAGES + 16 * FMOE_TC_SLOTS <= FMOE_TC_SMEM_BYTES,
               "fmoe_logits_tc_kernel: shared memory layout exceeds FMOE_TC_SMEM_BYTES");
 
@@ -296,27 +283,6 @@ DSV4_INLINE void fmoe_tc_store_scores(const float (&logit)[FMOE_TC_WG_EXPERTS / 
   }
 }
 
-// The producers' item n: waits until its ring slot n % FMOE_TC_SLOTS is free (the consumers released the item
-// FMOE_TC_SLOTS before it), then gives the slot's full barrier and its shared-space address (smem0: the ring's).
-DSV4_INLINE void fmoe_tc_claim_slot(int n, unsigned smem0, unsigned full0, unsigned empty0, unsigned& full,
-                                    unsigned& dst) {
-  const int slot = n % FMOE_TC_SLOTS;
-  full = full0 + 8 * slot;
-  dst = smem0 + slot * FMOE_TC_SLOT;
-  mbar_wait(empty0 + 8 * slot, ((n / FMOE_TC_SLOTS) & 1) ^ 1);  // a fresh barrier's parity 1 is complete
-}
-
-// The byte offset in a ring slot of x's value k (0 .. 63 of the stage) of the tile's row r (0 .. 63): FMOE_TC_X_TMA,
-// box k / 32, row r's 128 bytes, its 16-byte chunk (k % 32) / 4 at chunk ^ (r % 8) (the 128-byte swizzle); else
-// row r at the padded stride.
-DSV4_INLINE unsigned fmoe_tc_x_at(int r, int k) {
-#if FMOE_TC_X_TMA
-  return (unsigned)((k >> 5) * FMOE_TC_X_BOX + r * 128 + ((((k & 31) >> 2) ^ (r & 7)) << 4) + 4 * (k & 3));
-#else
-  return (unsigned)(r * FMOE_TC_X_ROW + 4 * k);
-#endif
-}
-
 // x's act_quant inside the tensor-core router (fmoe_logits_tc with xq): fmoe_quant_x_store's codes and scales,
 // made from the x rows the block's ring holds already, so that fmoe_select_kernel no longer reads x (its f32 rows
 // were read twice, by the logits and by the selection: 268 MB each at 16384 tokens). The tile's 64 rows are shared
@@ -345,7 +311,7 @@ DSV4_INLINE void fmoe_tc_quant_stage(const unsigned char* slot, int s, int t0, i
     const int u = h + 8 * i, r = q * R + u;
     const bool live = u < R && r < FMOE_TC_TOKENS;  // uniform over the half-warp
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (live) v = *reinterpret_cast<const float4*>(slot + fmoe_tc_x_at(r, 4 * l));
+    if (live) v = *reinterpret_cast<const float4*>(slot + r * FMOE_TC_X_ROW + 16 * l);
     float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
     if (!odd) {
       st.v[i] = v;
@@ -380,7 +346,7 @@ DSV4_INLINE void fmoe_tc_quant_stage(const unsigned char* slot, int s, int t0, i
 // D/64 - 1 (D/(64 ks) - 1 + ks - 1), so the bound above holds.
 template <bool SPLIT>
 DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsigned char* planes, int scoring,
-                                float* scores, int halves, unsigned char* xq, float* xs, const DsvTmaMap* x_map) {
+                                float* scores, int halves, unsigned char* xq, float* xs) {
   extern __shared__ __align__(1024) unsigned char fmoe_tc_smem[];
   if ((smem_addr(fmoe_tc_smem) & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned tiles
   const int S = D / 64, nt = fmoe_gate_tiles(E);
@@ -400,8 +366,7 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
   }
   if (threadIdx.x == 0) {
     for (int i = 0; i < FMOE_TC_SLOTS; ++i) {
-      // The producer thread's arrive_expect_tx (then the copies' bytes), and without FMOE_TC_X_TMA x's lanes.
-      mbar_init(full0 + 8 * i, FMOE_TC_X_TMA ? 1 : 1 + 32 * FMOE_TC_PRODUCERS);
+      mbar_init(full0 + 8 * i, 1 + 32 * FMOE_TC_PRODUCERS);  // the gate's arrive_expect_tx (then its bytes), x's lanes
       mbar_init(empty0 + 8 * i, 8);     // one arrival a consumer warp
     }
     fence_mbar_init();
@@ -409,37 +374,9 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
   __syncthreads();
 
   if (warp >= 8) {  // producer warp pw: item n = (stage, plane) into slot n % FMOE_TC_SLOTS
-    const int pw = warp - 8;
-#if FMOE_TC_X_TMA
-    // One thread: the gate's chunks by bulk copies and x's two boxes by TMA, on the slot's full barrier.
-    if (pw == 0 && lane == 0) {
-      constexpr unsigned bytes = ((FMOE_TC_PROBE & 2) ? 0u : FMOE_TC_CHUNKS * FMOE_GATE_CHUNK) +
-                                 ((FMOE_TC_PROBE & 1) ? 0u : 2u * FMOE_TC_X_BOX);
-      int n = 0;
-      for (int s = s_begin; s < s_end; ++s) {
-        for (int p = low[s] ? 2 : 0; p >= 0; --p, ++n) {
-          unsigned full, dst;
-          fmoe_tc_claim_slot(n, smem_addr(fmoe_tc_smem), full0, empty0, full, dst);
-          if (bytes == 0u) {
-            mbar_arrive(full);
-            continue;
-          }
-          mbar_arrive_expect_tx(full, bytes);
-          if (!(FMOE_TC_PROBE & 2))
-            for (int c = 0; c < FMOE_TC_CHUNKS; ++c)
-              bulk_load(dst + FMOE_TC_X_BYTES + c * FMOE_GATE_CHUNK, planes + fmoe_gate_chunk_at(p, et0 + c, s, nt, S),
-                        FMOE_GATE_CHUNK, full);
-          if (!(FMOE_TC_PROBE & 1))
-            for (int h = 0; h < 2; ++h) tma_load_2d(dst + h * FMOE_TC_X_BOX, x_map, 64 * s + 32 * h, t0, full);
-        }
-      }
-    }
-    __syncwarp();  // (the warp converged again before any cluster barrier below)
-    (void)x;
-#else
     // x's rows 16 pw .. 16 pw + 15 by 16-byte copies, half a warp a row: lane's row 16 pw + 2i + lane / 16 (rows
     // past T repeat the last row: computed, never stored), bytes 16 (lane % 16) .. of its 256 in the stage.
-    (void)x_map;
+    const int pw = warp - 8;
     const float* src[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
@@ -448,8 +385,9 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
     int n = 0;
     for (int s = s_begin; s < s_end; ++s) {
       for (int p = low[s] ? 2 : 0; p >= 0; --p, ++n) {
-        unsigned full, dst;
-        fmoe_tc_claim_slot(n, smem_addr(fmoe_tc_smem), full0, empty0, full, dst);
+        const int slot = n % FMOE_TC_SLOTS;
+        const unsigned full = full0 + 8 * slot, dst = smem_addr(fmoe_tc_smem + slot * FMOE_TC_SLOT);
+        mbar_wait(empty0 + 8 * slot, ((n / FMOE_TC_SLOTS) & 1) ^ 1);  // a fresh barrier's parity 1 is complete
         if (pw == 0 && lane == 0) {
           if (FMOE_TC_PROBE & 2) {
             mbar_arrive(full);
@@ -467,7 +405,6 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
         cp_async_mbar_arrive(full);  // once this lane's copies have landed
       }
     }
-#endif
     // SPLIT: the cluster's two barriers below (every thread of every block arrives at each).
     if (SPLIT) {
       cluster_sync();
@@ -499,27 +436,14 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
         if (lane == 0) mbar_arrive(empty0 + 8 * slot);
         continue;
       }
-      // The A fragments of the stage's four k16 steps: a[q][2h + i] = x[r0 + 8i][16q + 8h + 2t, + 1] as bf16x2
-      // (fmoe_tc_x_at; with the swizzle, row r0 + 8i's chunk 4(q % 2) + 2h + t / 2 sits at that ^ g, g = r0 % 8: the
-      // thread's g ^ (t / 2) XORed with the step's 4(q % 2) + 2h).
+      // The A fragments of the stage's four k16 steps: a[q][2h + i] = x[r0 + 8i][16q + 8h + 2t, + 1] as bf16x2.
       unsigned a[4][4];
-#if FMOE_TC_X_TMA
-      const unsigned xa = smem_addr(sl) + r0 * 128 + 8 * (t & 1);
-      const int gx = g ^ (t >> 1);
-#else
       const unsigned xa = smem_addr(sl) + r0 * FMOE_TC_X_ROW + 8 * t;
-#endif
 #pragma unroll
       for (int q = 0; q < 4; ++q)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-#if FMOE_TC_X_TMA
-          const unsigned at =
-              xa + (q >> 1) * FMOE_TC_X_BOX + (j & 1) * 8 * 128 + ((unsigned)((4 * (q & 1) + 2 * (j >> 1)) ^ gx) << 4);
-#else
-          const unsigned at = xa + (j & 1) * 8 * FMOE_TC_X_ROW + 4 * (16 * q + 8 * (j >> 1));
-#endif
-          const uint2 v = lds_u64(at);
+          const uint2 v = lds_u64(xa + (j & 1) * 8 * FMOE_TC_X_ROW + 4 * (16 * q + 8 * (j >> 1)));
           a[q][j] = pack_bf16x2(__uint_as_float(v.x), __uint_as_float(v.y));
         }
       const unsigned long long b = wgmma_desc_sw128(sl + FMOE_TC_X_BYTES + wg * FMOE_TC_WG_EXPERTS * 128);
@@ -571,20 +495,18 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
 
 extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
     fmoe_logits_tc_kernel(const float* x, int T, int D, int E, const unsigned char* planes, int scoring,
-                          float* scores, int halves, unsigned char* xq, float* xs,
-                          const __grid_constant__ DsvTmaMap x_map) {
+                          float* scores, int halves, unsigned char* xq, float* xs) {
   dsv4_pdl_begin();
-  fmoe_logits_tc<false>(x, T, D, E, planes, scoring, scores, halves, xq, xs, &x_map);
+  fmoe_logits_tc<false>(x, T, D, E, planes, scoring, scores, halves, xq, xs);
 }
 
 // The K split above, launched in clusters of (ks, 1, 1) blocks along x (grid.x = ks · the expert blocks). Requires
 // (D / 64) % ks == 0, and with xq (D / 64 / ks) % 2 == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
     fmoe_logits_tc_split_kernel(const float* x, int T, int D, int E, const unsigned char* planes, int scoring,
-                                float* scores, int halves, unsigned char* xq, float* xs,
-                                const __grid_constant__ DsvTmaMap x_map) {
+                                float* scores, int halves, unsigned char* xq, float* xs) {
   dsv4_pdl_begin();
-  fmoe_logits_tc<true>(x, T, D, E, planes, scoring, scores, halves, xq, xs, &x_map);
+  fmoe_logits_tc<true>(x, T, D, E, planes, scoring, scores, halves, xq, xs);
 }
 
 // One warp per token t (steps 1-3: fmoe_select_token, fast_moe_route.cuh):

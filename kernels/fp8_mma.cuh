@@ -345,13 +345,6 @@ DSV4_INLINE void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [
 // Waits for all of this thread's cp.async copies.
 DSV4_INLINE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// A CUtensorMap as the host encoded it (cuTensorMapEncodeTiled), passed by value as a __grid_constant__
-// parameter: its address in the parameter space is what TMA reads (no copy to global memory, so a map made
-// for this call's operand needs no device write before the launch, and a captured graph keeps it).
-struct __align__(64) DsvTmaMap {
-  unsigned long long words[16];
-};
-
 // TMA: the box at element coordinates (x, y) of the 2-D tensor map at generic address `map` (global
 // memory, 64-byte aligned) into shared-space address `dst`; completes its bytes on mbarrier `bar`.
 DSV4_INLINE void tma_load_2d(unsigned dst, const void* map, int x, int y, unsigned bar) {

@@ -156,13 +156,6 @@ fn shared_first_env() -> Option<&'static Env> {
     variant_env(&ENV, "FMOE_SPREAD_SHARED=0")
 }
 
-/// The same kernels compiled with FMOE_TC_X_TMA=0 (kernels/fast_moe.cu: the tensor-core routers'
-/// producers copy x's rows by 16-byte cp.async at a padded stride, as before the TMA boxes).
-fn x_by_cp_async_env() -> Option<&'static Env> {
-    static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
-    variant_env(&ENV, "FMOE_TC_X_TMA=0")
-}
-
 /// The kernels compiled with `define`, once per `lock`. The registry owns the compiled modules, so
 /// it lives as long as the kernels taken from it.
 fn variant_env(lock: &'static OnceLock<(Registry, Env)>, define: &str) -> Option<&'static Env> {
@@ -1521,102 +1514,6 @@ fn grouped_logit_warps_give_the_single_expert_warps_bits() {
             );
             assert!(one_x == grouped_x, "{case}: x's codes differ");
             println!("{case}: grouped logit warps give the same bits");
-        }
-    }
-}
-
-/// The tensor-core routers copy x by TMA boxes in the 128-byte swizzle (the default) and by
-/// cp.async at a padded stride (FMOE_TC_X_TMA=0) with the same bits: scores, x's codes and scales
-/// (which they make where `RouterPath::quantises_x`), the selection's ids and weights; on every
-/// tensor-core router, partial token tiles, 1-4 expert blocks (64, 256, 384 experts: each block's
-/// warpgroups quantise 32, 16 or 11 of a tile's rows) and a gate of f32 values (three planes a
-/// stage). A wrong swizzle, box or row past T shows here before the layer's tests.
-#[test]
-fn tensor_routers_read_x_by_tma_with_the_cp_async_forms_bits() {
-    let (Some(e), Some(v)) = (env(), x_by_cp_async_env()) else {
-        return;
-    };
-    let mut rng = Rng::from_env("tensor_routers_read_x_by_tma_with_the_cp_async_forms_bits");
-    let stream = OwnedStream::new(e.ctx).unwrap();
-    let s = stream.borrow();
-    let shape = |d, experts, k| MoeShape {
-        d,
-        i: 128,
-        experts,
-        k,
-        vocab: 1024,
-        limit: 1.5,
-    };
-    let routers = [
-        RouterPath::Tensor,
-        RouterPath::TensorSplit,
-        RouterPath::TensorPair,
-    ];
-    for (sh, gate) in [
-        (shape(4096, 256, 6), Gate::Bf16),
-        (shape(1024, 64, 4), Gate::Bf16),
-        (shape(1024, 384, 6), Gate::F32),
-    ] {
-        let mut l = SyntheticMoe::new(e.ctx, s, sh, rng.u64()).unwrap();
-        if gate == Gate::F32 {
-            gate_to_f32_values(e, &mut l, &mut rng, s);
-        }
-        l.derive_fast(e.ctx, &e.fast, s).unwrap();
-        let (d, ne, k) = (sh.d, sh.experts, sh.k);
-        for t in [fast_moe::TC_MIN_TOKENS, 333, 1100] {
-            let (x, tokens) = inputs(&mut rng, &sh, t);
-            let b = batch(e, &sh, t, &x, &tokens, s);
-            let fl = l.fast_layer(Routing::TopK, b.tokens);
-            let path = GemmPath::for_tokens(t);
-            for router in routers {
-                if !(d / 64).is_multiple_of(router.stage_split()) {
-                    continue;
-                }
-                let run = |env: &Env| {
-                    {
-                        let _g = e.ctx.enter().unwrap();
-                        for p in [b.ws.logits, b.ws.xq, b.ws.xs, b.ws.weights] {
-                            arena::memset_async(p, 0xff, s).unwrap(); // NaN poison
-                        }
-                    }
-                    env.fast
-                        .route_on(e.ctx, &fl, b.x, t, &b.ws, router, path, false, s)
-                        .unwrap();
-                    (
-                        get::<u32>(e.ctx, b.ws.logits, t * ne, s),
-                        get::<u8>(e.ctx, b.ws.xq, t * d, s),
-                        get::<u32>(e.ctx, b.ws.xs, t * d / 128, s),
-                        get::<i32>(e.ctx, b.ws.ids, t * k, s),
-                        get::<u32>(e.ctx, b.ws.weights, t * k, s),
-                    )
-                };
-                let case = format!("D {d}, E {ne}, {gate:?} gate, T = {t}, {router:?}");
-                let tma = run(e);
-                let cp = run(v);
-                assert!(
-                    tma.0.iter().all(|&w| f32::from_bits(w).is_finite()),
-                    "{case}: a score left unwritten"
-                );
-                assert!(
-                    tma.1.iter().all(|&c| c & 0x7f != 0x7f) && tma.2.iter().all(|&w| w != u32::MAX),
-                    "{case}: an x code or scale left unwritten (or NaN)"
-                );
-                let diff = tma.0.iter().zip(&cp.0).position(|(a, b)| a != b);
-                assert!(
-                    diff.is_none(),
-                    "{case}: score {diff:?} differs between TMA and cp.async ({:?} / {:?})",
-                    diff.map(|i| f32::from_bits(tma.0[i])),
-                    diff.map(|i| f32::from_bits(cp.0[i])),
-                );
-                let xd = tma.1.iter().zip(&cp.1).position(|(a, b)| a != b);
-                assert!(xd.is_none(), "{case}: x's code {xd:?} differs");
-                assert!(tma.2 == cp.2, "{case}: x's scales differ");
-                assert!(
-                    tma.3 == cp.3 && tma.4 == cp.4,
-                    "{case}: the selection differs"
-                );
-                println!("{case}: x by TMA gives the cp.async form's bits");
-            }
         }
     }
 }

@@ -231,7 +231,7 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
     if !nvrtc_or_skip() {
         return;
     }
-    let variants: [(&KernelSource, &str); 31] = [
+    let variants: [(&KernelSource, &str); 30] = [
         (&fast_attention::SOURCE, "FA_DECODE_FAST=0"),
         (&fast_attention::SOURCE, "FA_FETCH_FAST=0"),
         (&fast_attention::SOURCE, "FA_CL_BATCH=1"),
@@ -242,7 +242,6 @@ fn bench_variants_compile_and_keep_wgmma_asynchronous() {
         (&fast_moe::SOURCE, "FMOE_TC_PROBE=1"),
         (&fast_moe::SOURCE, "FMOE_TC_PROBE=2"),
         (&fast_moe::SOURCE, "FMOE_TC_PROBE=4"),
-        (&fast_moe::SOURCE, "FMOE_TC_X_TMA=0"),
         (&fast_moe_gemm::SOURCE, "FMOE_POLL_ACQUIRE=0"),
         (&fast_moe_gemm::SOURCE, "FMOE_ROUTER_HOLD=0"),
         (&fast_moe_gemm::SOURCE, "FMOE_TRACE=1"),

@@ -41,8 +41,7 @@ use super::moe::{self, Moe, MoePlan, RouterParams, Selection};
 use super::norm_rope::{RMSNORM_ROWS_THREADS, RmsnormBlock, register_block};
 use super::{need, to_i32};
 use crate::backend::Elem;
-use crate::cuda::decl::TmaMapParam;
-use crate::cuda::stream::{BorrowedStream, TMA_MAP_SLOTS, TmaMap};
+use crate::cuda::stream::BorrowedStream;
 use crate::cuda::{Context, DevicePtr};
 use crate::error::{Error, Result, Status};
 use crate::weights::format::StorageFormat;
@@ -94,21 +93,6 @@ const _: () = assert!(
     TC_SMEM_BYTES <= 227 * 1024 && TC_SLOTS >= 2,
     "an sm_90 block takes at most 227 KiB; the ring needs two slots"
 );
-
-/// The tensor map over `t` rows of `d` f32 at `x` by which the tensor-core router's producer
-/// copies x (kernels/fast_moe.cu FMOE_TC_X_TMA): boxes of 32 floats x [`TC_TOKENS`] rows in the
-/// 128-byte swizzle, rows past `t` read as zeros. Host work only (no device access): encoded for
-/// each call, passed by value, kept by a captured graph with its launch.
-pub fn tc_x_map(x: DevicePtr, t: usize, d: usize) -> Result<TmaMap> {
-    let boxd = [32, TC_TOKENS as u32];
-    let f32s = fast_moe_gemm::TensorElem::F32;
-    let bytes = fast_moe_gemm::encode_2d(x.addr(), f32s, [d, t], boxd, true)?;
-    let mut words = [0u64; TMA_MAP_SLOTS];
-    for (w, b) in words.iter_mut().zip(bytes.chunks_exact(8)) {
-        *w = u64::from_ne_bytes(b.try_into().expect("8 bytes"));
-    }
-    Ok(TmaMap(words))
-}
 
 /// Bytes of a layer's derived gate planes (`fmoe_gate_planes_kernel`, kernels/fast_moe.cu): the
 /// f32 gate `[E, D]` split exactly into three BF16 planes, in chunks of [`GATE_TILE`] experts x 64
@@ -303,13 +287,12 @@ crate::kernel_family! {
         halves: bool, xq: *mut u8, xs: *mut f32,
     );
     /// The same on the BF16 tensor cores (x's values BF16), from the derived gate planes; x's
-    /// FP8 quantisation from the rows its ring holds (none without `xq`). `x_map`: [`tc_x_map`]
-    /// over this call's x.
+    /// FP8 quantisation from the rows its ring holds (none without `xq`).
     #[smem(TC_SMEM_BYTES as u32)]
     #[pdl(true)]
     fn fmoe_logits_tc_kernel(
         x: *const f32, t: i32, d: i32, e: i32, planes: *const u8, scoring: i32, scores: *mut f32,
-        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>, x_map: TmaMapParam,
+        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>,
     );
     /// The same with D's stages split over the blocks of a cluster ([`RouterPath::TensorSplit`],
     /// [`RouterPath::TensorPair`]: the cluster's size is the split); with `xq` each block's
@@ -318,7 +301,7 @@ crate::kernel_family! {
     #[pdl(true)]
     fn fmoe_logits_tc_split_kernel(
         x: *const f32, t: i32, d: i32, e: i32, planes: *const u8, scoring: i32, scores: *mut f32,
-        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>, x_map: TmaMapParam,
+        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>,
     );
     /// Builds the derived gate planes ([`gate_planes_bytes`]) from the f32 gate.
     fn fmoe_gate_planes_kernel(gate: *const f32, e: i32, d: i32, planes: *mut u8);
@@ -951,7 +934,6 @@ impl FastMoe {
             let grid = (blocks as u32, t.div_ceil(TC_TOKENS) as u32, 1);
             let (threads, smem) = (TC_THREADS as u32, TC_SMEM_BYTES as u32);
             let quantise = router.quantises_x(d) && !x_made;
-            let x_map = tc_x_map(x, t, d)?;
             // Both kernels take the same arguments.
             macro_rules! args {
                 ($kernel:ident) => {
@@ -966,7 +948,6 @@ impl FastMoe {
                         halves: path.halves_order(),
                         xq: quantise.then_some(ws.xq),
                         xs: quantise.then_some(ws.xs),
-                        x_map,
                     }
                 };
             }
