@@ -3,7 +3,7 @@
 // [fmoe_norm_x_kernel: the input's norm with x's FP8 quantisation, where the fast set runs the norm here] ->
 // fmoe_logits_kernel or fmoe_logits_grouped_kernel (+ FP8 quantisation of x, if not made), or
 // fmoe_logits_tc_split_kernel from fast_moe::TC_MIN_TOKENS (its stages split over a cluster), fmoe_logits_tc_kernel
-// from 2049 tokens (both + x's quantisation where a rank's stages are whole 128-blocks, if not made) ->
+// from 2049 tokens (and from 160 where D/64 is odd) ->
 // fmoe_select_kernel (+ x's quantisation after the latter, if not made) -> moe_plan_kernel or the wide plan
 // (moe.cu, with tile_rows = the GEMM path's tokens per item) -> the expert GEMMs (fast_moe_gemm.cu,
 // fast_moe_wide.cu) -> fmoe_combine_kernel. f32 arithmetic (and
@@ -168,17 +168,20 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 // each consumer thread converts its own A fragment to BF16 in registers (no shared-memory round trip, no
 // barrier between the warpgroups), so neither the gate nor x is converted in the block's loop (the kernel
 // before converted the f32 gate into its three planes in every token block, every stage: 127 µs at 4096
-// tokens, ~8x its floor). With xq, x's act_quant is made here too (fmoe_tc_quant_stage). Requires D % 64 == 0,
+// tokens, ~8x its floor). x's act_quant is not made here but by fmoe_select_kernel. Requires D % 64 == 0,
 // D / 64 <= FMOE_TC_MAX_STAGES.
 // Two consumer warpgroups, then FMOE_TC_PRODUCERS producer warps (16 of x's rows each: with one producer warp
 // its address arithmetic and copies, ~300 instructions an item, set the pace, ~1 µs an item).
 // FMOE_TC_PROBE (a bench probe, wrong outputs: `dsv4 bench moe --defines FMOE_TC_PROBE=N`, read its
 // moe_norm_route lines): bit 0 set, the producers copy no x rows (the ring's x is what shared memory held); bit 1,
 // no gate chunks; bit 2, the consumers wait for each slot and release it without reading it (no fragments, no
-// wgmmas, no x codes). The same ring, barriers and items otherwise. Against the default, which of the x stream,
-// the gate stream and the consumers' chain sets the ~1250 SM cycles a stage a block takes (fifty-first session,
-// ncu at 2048 tokens; the same at 4096 with twice the blocks, so not L2's aggregate rate). The probed logits are
+// wgmmas). The same ring, barriers and items otherwise. Against the default, which of the x stream, the gate
+// stream and the consumers' chain sets the ~1250 SM cycles a stage a block takes (fifty-first session, ncu at
+// 2048 tokens; the same at 4096 with twice the blocks, so not L2's aggregate rate). The probed logits are
 // garbage, so the selection routes every token to the lowest experts: the probed layer's own lines mean nothing.
+// Measured once, on a build (reverted) whose consumers also made x's FP8 codes and whose x came by TMA: router
+// chain at 4096 tokens 164.4 µs, without x copies 169.8, without the consumers' work 99.7, so there the
+// consumers set the pace (H100, fifty-sixth session); on this kernel not yet.
 #ifndef FMOE_TC_PROBE
 #define FMOE_TC_PROBE 0
 #endif
@@ -283,56 +286,6 @@ DSV4_INLINE void fmoe_tc_store_scores(const float (&logit)[FMOE_TC_WG_EXPERTS / 
   }
 }
 
-// x's act_quant inside the tensor-core router (fmoe_logits_tc with xq): fmoe_quant_x_store's codes and scales,
-// made from the x rows the block's ring holds already, so that fmoe_select_kernel no longer reads x (its f32 rows
-// were read twice, by the logits and by the selection: 268 MB each at 16384 tokens). The tile's 64 rows are shared
-// out over the G = 2 · (expert blocks) consumer warpgroups that read the tile (of one rank: SPLIT, each rank
-// quantises its own stages, whose count must be even so that no 128-block straddles two ranks): warpgroup q takes
-// rows q·R .. q·R + R - 1 (R = ceil(64 / G); G <= 8 at 512 experts or fewer, so at most FMOE_TC_QUANT_ROUNDS rows a
-// half-warp), half-warp h of it rows h, h + 8, .. of those. A stage holds half of a 128-block's k: lane l of a
-// half-warp reads the stage's values 4l .. 4l + 3 of its row, which are values 4L .. 4L + 3 of the block with L =
-// 16·(s % 2) + l, lane L's of fmoe_quant_x_store's warp. At an even stage the lane keeps them and their largest
-// |x|; at the odd one it joins its largest over both stages with its half-warp's (the block's 128 values: the same
-// maximum as warp_max's, fmaxf in any order), then stores both stages' codes and, lane 0, the scale. Done
-// between a stage's wgmma commit and its wait, while the slot is still held. Requires D % 128 == 0.
-#define FMOE_TC_QUANT_ROUNDS 4
-struct FmoeTcQuant {
-  float4 v[FMOE_TC_QUANT_ROUNDS];  // the even stage's values of each round's row
-  float m[FMOE_TC_QUANT_ROUNDS];   // and their largest |x|
-};
-
-DSV4_INLINE void fmoe_tc_quant_stage(const unsigned char* slot, int s, int t0, int T, int D, int q, int G, bool halves,
-                                     unsigned char* xq, float* xs, FmoeTcQuant& st) {
-  const int R = (FMOE_TC_TOKENS + G - 1) / G, l = threadIdx.x & 15, h = (threadIdx.x & 127) >> 4;
-  const bool odd = (s & 1) != 0;
-#pragma unroll
-  for (int i = 0; i < FMOE_TC_QUANT_ROUNDS; ++i) {
-    if (8 * i >= R) break;  // uniform over the block
-    const int u = h + 8 * i, r = q * R + u;
-    const bool live = u < R && r < FMOE_TC_TOKENS;  // uniform over the half-warp
-    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (live) v = *reinterpret_cast<const float4*>(slot + r * FMOE_TC_X_ROW + 16 * l);
-    float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-    if (!odd) {
-      st.v[i] = v;
-      st.m[i] = m;
-      continue;
-    }
-    m = fmaxf(m, st.m[i]);
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));  // within the half-warp
-    if (live && t0 + r < T) {
-      const long long t = t0 + r;
-      const int b = s >> 1;
-      const float sc = fmoe_x_scale(m), inv = 1.0f / sc;
-      unsigned char* blk = xq + t * D + b * 128;
-      fmoe_x_put(fmoe_x_codes4(st.v[i], inv), l, blk, halves);
-      fmoe_x_put(fmoe_x_codes4(v, inv), 16 + l, blk, halves);
-      if (l == 0) xs[t * (D / 128) + b] = sc;
-    }
-  }
-}
-
 // The K split (fmoe_logits_tc_split_kernel): a cluster of ks = cluster_blocks() blocks shares one tile of tokens
 // and experts, block r (its rank) taking stages r·S/ks .. (r+1)·S/ks - 1, so a few tokens' logits run on ks
 // times the blocks. At 320-1023 tokens the unsplit kernel has 10-32 blocks of 64 stages each, ~45 µs whatever the
@@ -346,7 +299,7 @@ DSV4_INLINE void fmoe_tc_quant_stage(const unsigned char* slot, int s, int t0, i
 // D/64 - 1 (D/(64 ks) - 1 + ks - 1), so the bound above holds.
 template <bool SPLIT>
 DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsigned char* planes, int scoring,
-                                float* scores, int halves, unsigned char* xq, float* xs) {
+                                float* scores) {
   extern __shared__ __align__(1024) unsigned char fmoe_tc_smem[];
   if ((smem_addr(fmoe_tc_smem) & 1023u) != 0) __trap();  // the swizzle addressing needs 1024-byte aligned tiles
   const int S = D / 64, nt = fmoe_gate_tiles(E);
@@ -418,10 +371,6 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
   float d[FMOE_TC_WG_EXPERTS / 2], logit[FMOE_TC_WG_EXPERTS / 2];
 #pragma unroll
   for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) d[v] = 0.0f, logit[v] = 0.0f;
-  // x's act_quant (xq given): this warpgroup's share of the tile's rows (fmoe_tc_quant_stage), q of G.
-  const int eblocks = SPLIT ? (int)gridDim.x / ks : (int)gridDim.x;
-  const int quant_q = 2 * (SPLIT ? (int)blockIdx.x / ks : (int)blockIdx.x) + wg, quant_g = 2 * eblocks;
-  FmoeTcQuant quant;
   int n = 0;
 #pragma unroll 1
   for (int s = s_begin; s < s_end; ++s) {
@@ -451,8 +400,6 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
 #pragma unroll
       for (int q = 0; q < 4; ++q) fmoe_tc_wgmma(d, a[q], b + 2 * q, p == top && q == 0 ? 0 : 1);
       wgmma_commit();
-      if (xq != nullptr && p == 0)  // x's codes while the wgmmas run (the slot's x is the same for every plane)
-        fmoe_tc_quant_stage(sl, s, t0, T, D, quant_q, quant_g, halves != 0, xq, xs, quant);
       wgmma_wait<0>();
       wgmma_fence_operand(d);
       __syncwarp();
@@ -495,18 +442,18 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
 
 extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
     fmoe_logits_tc_kernel(const float* x, int T, int D, int E, const unsigned char* planes, int scoring,
-                          float* scores, int halves, unsigned char* xq, float* xs) {
+                          float* scores) {
   dsv4_pdl_begin();
-  fmoe_logits_tc<false>(x, T, D, E, planes, scoring, scores, halves, xq, xs);
+  fmoe_logits_tc<false>(x, T, D, E, planes, scoring, scores);
 }
 
 // The K split above, launched in clusters of (ks, 1, 1) blocks along x (grid.x = ks · the expert blocks). Requires
-// (D / 64) % ks == 0, and with xq (D / 64 / ks) % 2 == 0.
+// (D / 64) % ks == 0.
 extern "C" __global__ void __launch_bounds__(FMOE_TC_THREADS, 1)
     fmoe_logits_tc_split_kernel(const float* x, int T, int D, int E, const unsigned char* planes, int scoring,
-                                float* scores, int halves, unsigned char* xq, float* xs) {
+                                float* scores) {
   dsv4_pdl_begin();
-  fmoe_logits_tc<true>(x, T, D, E, planes, scoring, scores, halves, xq, xs);
+  fmoe_logits_tc<true>(x, T, D, E, planes, scoring, scores);
 }
 
 // One warp per token t (steps 1-3: fmoe_select_token, fast_moe_route.cuh):

@@ -44,26 +44,8 @@ DSV4_INLINE unsigned fmoe_x_code(float v, float inv) {
   return c & 0xffu;
 }
 
-// The codes of four values (fmoe_x_codes2) as bytes 0..3 of one word.
-DSV4_INLINE unsigned fmoe_x_codes4(float4 v, float inv) {
-  return fmoe_x_codes2(v.x, v.y, inv) | (fmoe_x_codes2(v.z, v.w, inv) << 16);
-}
-
-// Stores the codes word of values 4L .. 4L + 3 of a 128-block (c as bytes 0..3: fmoe_x_codes4) at their places in
-// the block's 128 bytes at blk, in the order of the GEMMs that read them (fp8_mma.cuh): values 4L + c are physical
-// k 8·t8 + 4·(L % 2) + c of the L / 8-th 32-block (t8 = L % 8 / 2).
-DSV4_INLINE void fmoe_x_put(unsigned codes, int L, unsigned char* blk, bool halves) {
-  unsigned char* at = blk + 32 * (L >> 3) + 4 * ((L & 7) >> 1);
-  if (halves) {  // positions 4·t8 + 16·(L % 2) + c: one word
-    *reinterpret_cast<unsigned*>(at + 16 * (L & 1)) = codes;
-  } else {  // c = 0, 2 are even elements (positions 4·t8 + 2·(L % 2) + 0, 1), c = 1, 3 odd ones (+ 16)
-    *reinterpret_cast<unsigned short*>(at + 2 * (L & 1)) = (unsigned short)__byte_perm(codes, 0u, 0x0020u);
-    *reinterpret_cast<unsigned short*>(at + 2 * (L & 1) + 16) = (unsigned short)__byte_perm(codes, 0u, 0x0031u);
-  }
-}
-
 // x's official act_quant of 128-block b of token t, by one warp whose lane holds the block's values 4·lane ..
-// 4·lane + 3 in v: the e4m3 codes into xq[t][d] in the order of the GEMMs that read them (fmoe_x_put: the
+// 4·lane + 3 in v: the e4m3 codes into xq[t][d] in the order of the GEMMs that read them (fp8_mma.cuh: the
 // halves order for the prefill path's, `halves`, else the fragment order), the block's scale into xs[t][b]
 // (value x scale bit-identical to act_quant_kernel).
 DSV4_INLINE void fmoe_quant_x_store(float4 v, long long t, int D, int b, bool halves, unsigned char* xq, float* xs) {
@@ -71,7 +53,16 @@ DSV4_INLINE void fmoe_quant_x_store(float4 v, long long t, int D, int b, bool ha
   const float amax = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
   const float s = fmoe_x_scale(amax);
   const float inv = 1.0f / s;
-  fmoe_x_put(fmoe_x_codes4(v, inv), lane, xq + t * D + b * 128, halves);
+  // Codes c = 0..3 of the lane's values as bytes 0..3 of one word.
+  const unsigned codes = fmoe_x_codes2(v.x, v.y, inv) | (fmoe_x_codes2(v.z, v.w, inv) << 16);
+  // This lane holds physical k 8·t8 + 4·(lane % 2) + c of the lane / 8-th 32-block (t8 = lane % 8 / 2).
+  unsigned char* blk = xq + t * D + b * 128 + 32 * (lane >> 3) + 4 * ((lane & 7) >> 1);
+  if (halves) {  // positions 4·t8 + 16·(lane % 2) + c: one word
+    *reinterpret_cast<unsigned*>(blk + 16 * (lane & 1)) = codes;
+  } else {  // c = 0, 2 are even elements (positions 4·t8 + 2·(lane % 2) + 0, 1), c = 1, 3 odd ones (+ 16)
+    *reinterpret_cast<unsigned short*>(blk + 2 * (lane & 1)) = (unsigned short)__byte_perm(codes, 0u, 0x0020u);
+    *reinterpret_cast<unsigned short*>(blk + 2 * (lane & 1) + 16) = (unsigned short)__byte_perm(codes, 0u, 0x0031u);
+  }
   if (lane == 0) xs[t * (D / 128) + b] = s;
 }
 

@@ -3,10 +3,9 @@
 //!
 //! 1. `fmoe_logits_kernel` (few tokens: f32 dot products) or `fmoe_logits_tc_kernel` (many: BF16
 //!    tensor cores on x's BF16 values and the gate split exactly into three BF16 planes, a derived
-//!    tensor): router logits in f32 and their scores, and x quantized to FP8 per 128 (the
-//!    tensor-core router where [`RouterPath::quantises_x`]);
+//!    tensor): router logits in f32 and their scores, and (the first) x quantized to FP8 per 128;
 //! 2. `fmoe_select_kernel`: scores, top-k or hash selection, weights (and x's quantisation after
-//!    a tensor-core router that does not make it);
+//!    the tensor-core router);
 //! 3. `moe_plan_kernel` (which on the fused decode path also clears that launch's synchronisation
 //!    words), or from [`WIDE_PLAN_MIN_TOKENS`] (the prefill path's batches) the wide plan's three
 //!    launches (the moe family): assignments grouped by expert into tiles of the GEMM path's
@@ -150,8 +149,8 @@ pub const TC_PAIR_SPLIT: usize = 2;
 /// / 1685.1, 2560 1909.7 / 1917.3, 3072 2037.3 / 2037.6.
 pub const TC_PAIR_MAX_TOKENS: usize = 2048;
 
-/// Which kernel computes the router's logits (and x's quantisation: `Few` always, a tensor-core
-/// router where [`RouterPath::quantises_x`], else `fmoe_select_kernel` after it).
+/// Which kernel computes the router's logits (and, `Few`, x's quantisation; after a tensor-core
+/// router, `fmoe_select_kernel` makes it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RouterPath {
     /// `fmoe_logits_kernel`: 8 tokens a block, every block streams its experts' gate rows.
@@ -185,14 +184,6 @@ impl RouterPath {
         } else {
             RouterPath::Tensor
         }
-    }
-
-    /// Whether this router's logits kernel makes x's FP8 codes for `d`-wide rows itself, so the
-    /// selection reads no x: the tensor-core routers, where each block's 64-k stages are whole
-    /// 128-blocks (fmoe_tc_quant_stage, kernels/fast_moe.cu). The few-token router always
-    /// quantises x in its own kernel ([`FastMoe::logits_few`]).
-    pub fn quantises_x(self, d: usize) -> bool {
-        self.tensor_cores() && (d / 64 / self.stage_split()).is_multiple_of(2)
     }
 
     /// The blocks of a cluster that split a tensor-core tile's stages (1: not split).
@@ -286,22 +277,18 @@ crate::kernel_family! {
         x: *mut f32, rows: i32, dim: i32, weight: Option<*const f32>, eps: f32, round_out: bool,
         halves: bool, xq: *mut u8, xs: *mut f32,
     );
-    /// The same on the BF16 tensor cores (x's values BF16), from the derived gate planes; x's
-    /// FP8 quantisation from the rows its ring holds (none without `xq`).
+    /// The same on the BF16 tensor cores (x's values BF16), from the derived gate planes.
     #[smem(TC_SMEM_BYTES as u32)]
     #[pdl(true)]
     fn fmoe_logits_tc_kernel(
         x: *const f32, t: i32, d: i32, e: i32, planes: *const u8, scoring: i32, scores: *mut f32,
-        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>,
     );
     /// The same with D's stages split over the blocks of a cluster ([`RouterPath::TensorSplit`],
-    /// [`RouterPath::TensorPair`]: the cluster's size is the split); with `xq` each block's
-    /// stages must be whole 128-blocks ([`RouterPath::quantises_x`]).
+    /// [`RouterPath::TensorPair`]: the cluster's size is the split).
     #[smem(TC_SMEM_BYTES as u32)]
     #[pdl(true)]
     fn fmoe_logits_tc_split_kernel(
         x: *const f32, t: i32, d: i32, e: i32, planes: *const u8, scoring: i32, scores: *mut f32,
-        halves: bool, xq: Option<*mut u8>, xs: Option<*mut f32>,
     );
     /// Builds the derived gate planes ([`gate_planes_bytes`]) from the f32 gate.
     fn fmoe_gate_planes_kernel(gate: *const f32, e: i32, d: i32, planes: *mut u8);
@@ -933,7 +920,6 @@ impl FastMoe {
             let blocks = e.div_ceil(2 * TC_WG_EXPERTS) * ks;
             let grid = (blocks as u32, t.div_ceil(TC_TOKENS) as u32, 1);
             let (threads, smem) = (TC_THREADS as u32, TC_SMEM_BYTES as u32);
-            let quantise = router.quantises_x(d) && !x_made;
             // Both kernels take the same arguments.
             macro_rules! args {
                 ($kernel:ident) => {
@@ -945,9 +931,6 @@ impl FastMoe {
                         planes: layer.gate_planes,
                         scoring,
                         scores: ws.logits,
-                        halves: path.halves_order(),
-                        xq: quantise.then_some(ws.xq),
-                        xs: quantise.then_some(ws.xs),
                     }
                 };
             }
@@ -986,7 +969,7 @@ impl FastMoe {
                 route_scale: r.route_scale,
                 ids: ws.ids,
                 weights: ws.weights,
-                x: (router.tensor_cores() && !router.quantises_x(d) && !x_made).then_some(x),
+                x: (router.tensor_cores() && !x_made).then_some(x),
                 d: d32,
                 halves: path.halves_order(),
                 xq: ws.xq,
@@ -1201,17 +1184,5 @@ mod tests {
         ]
         .map(RouterPath::stage_split);
         assert_eq!(splits, [1, 1, TC_KSPLIT, TC_PAIR_SPLIT]);
-    }
-
-    #[test]
-    fn a_tensor_router_quantises_x_where_each_blocks_stages_are_whole_128_blocks() {
-        use RouterPath::*;
-        // Flash: 64 stages, 16 a block split in four, 32 in two.
-        let flash = [Few, Tensor, TensorSplit, TensorPair].map(|r| r.quantises_x(4096));
-        assert_eq!(flash, [false, true, true, true]);
-        // D = 384: 6 stages, 3 a block of a pair (a 128-block would straddle the two).
-        assert!(Tensor.quantises_x(384) && !TensorPair.quantises_x(384));
-        // D = 640: 10 stages, 5 a block of a pair.
-        assert!(Tensor.quantises_x(640) && !TensorPair.quantises_x(640));
     }
 }
