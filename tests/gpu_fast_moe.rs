@@ -473,8 +473,7 @@ fn fast(
     {
         // Every run writes every output: NaN poison first, so a work item that skipped its
         // epilogue shows (the second of two runs would otherwise find the first's values), and
-        // so do x's codes or scales that the kernel meant to make them (the router's or the
-        // selection's) left out.
+        // so do x's codes or scales that the router or the selection left unwritten.
         let _g = ctx.enter().unwrap();
         for p in [b.ws.xq, b.ws.xs, b.ws.hq, b.ws.hs, b.ws.y, b.out] {
             arena::memset_async(p, 0xff, s).unwrap();
