@@ -185,6 +185,11 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 #ifndef FMOE_TC_PROBE
 #define FMOE_TC_PROBE 0
 #endif
+// FMOE_TC_ONE_BANK=1 (a diagnostic variant, for gpu_fast_moe's bit test and A/B): every block runs the one-bank
+// consumer loop, as every block did before the banked loop below.
+#ifndef FMOE_TC_ONE_BANK
+#define FMOE_TC_ONE_BANK 0
+#endif
 #define FMOE_TC_THREADS (256 + 32 * FMOE_TC_PRODUCERS)
 static_assert(FMOE_TC_PRODUCERS * 16 == FMOE_TC_TOKENS, "fmoe_logits_tc_kernel: 16 rows of x a producer warp");
 #define FMOE_TC_BLOCK_EXPERTS (2 * FMOE_TC_WG_EXPERTS)
@@ -286,6 +291,14 @@ DSV4_INLINE void fmoe_tc_store_scores(const float (&logit)[FMOE_TC_WG_EXPERTS / 
   }
 }
 
+// Keeps a wgmma's A fragments live up to here (placed after its wait), so the compiler gives no value made
+// before this point their registers while that wgmma may still read them (to the C++ an asm's inputs are dead
+// once it is issued: the fifty-first session's FMOE_TC_OVERLAP wrote the next fragments into them).
+DSV4_INLINE void fmoe_tc_keep(const unsigned (&a)[4][4]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) asm volatile("" ::"r"(a[q][0]), "r"(a[q][1]), "r"(a[q][2]), "r"(a[q][3]) : "memory");
+}
+
 // The K split (fmoe_logits_tc_split_kernel): a cluster of ks = cluster_blocks() blocks shares one tile of tokens
 // and experts, block r (its rank) taking stages r·S/ks .. (r+1)·S/ks - 1, so a few tokens' logits run on ks
 // times the blocks. At 320-1023 tokens the unsplit kernel has 10-32 blocks of 64 stages each, ~45 µs whatever the
@@ -312,10 +325,12 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
   unsigned* low = reinterpret_cast<unsigned*>(fmoe_tc_smem + FMOE_TC_SLOTS * FMOE_TC_SLOT);
   const unsigned full0 = smem_addr(low + FMOE_TC_MAX_STAGES), empty0 = full0 + 8 * FMOE_TC_SLOTS;
   const unsigned* low_words = reinterpret_cast<const unsigned*>(planes + fmoe_gate_chunk_at(3, 0, 0, nt, S));
+  unsigned any_low = 0u;  // some stage of this block multiplies lo planes
   for (int s = threadIdx.x; s < S; s += FMOE_TC_THREADS) {
     unsigned f = 0u;
     for (int et = 0; et < nt; ++et) f |= low_words[et * S + s];
     low[s] = f;
+    if (s >= s_begin && s < s_end) any_low |= f;
   }
   if (threadIdx.x == 0) {
     for (int i = 0; i < FMOE_TC_SLOTS; ++i) {
@@ -324,7 +339,9 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
     }
     fence_mbar_init();
   }
-  __syncthreads();
+  // The banked consumer loop below takes a block whose stages are one item each (no lo planes: a BF16 gate) and
+  // even in number; any other runs one bank, waited on each item. A choice from the weights and the shape.
+  const bool banked = !__syncthreads_or(any_low != 0u) && ((s_end - s_begin) & 1) == 0 && !FMOE_TC_ONE_BANK;
 
   if (warp >= 8) {  // producer warp pw: item n = (stage, plane) into slot n % FMOE_TC_SLOTS
     // x's rows 16 pw .. 16 pw + 15 by 16-byte copies, half a warp a row: lane's row 16 pw + 2i + lane / 16 (rows
@@ -368,45 +385,85 @@ DSV4_INLINE void fmoe_logits_tc(const float* x, int T, int D, int E, const unsig
 
   // Consumer warpgroup wg: rows r0 = 16 (warp % 4) + g and r0 + 8 of the tokens, its FMOE_TC_WG_EXPERTS experts.
   const int wg = warp >> 2, g = lane >> 2, t = lane & 3, r0 = 16 * (warp & 3) + g;
-  float d[FMOE_TC_WG_EXPERTS / 2], logit[FMOE_TC_WG_EXPERTS / 2];
+  const unsigned xa0 = smem_addr(fmoe_tc_smem) + r0 * FMOE_TC_X_ROW + 8 * t;
+  const unsigned long long b0 = wgmma_desc_sw128(fmoe_tc_smem + FMOE_TC_X_BYTES + wg * FMOE_TC_WG_EXPERTS * 128);
+  float logit[FMOE_TC_WG_EXPERTS / 2];
 #pragma unroll
-  for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) d[v] = 0.0f, logit[v] = 0.0f;
-  int n = 0;
-#pragma unroll 1
-  for (int s = s_begin; s < s_end; ++s) {
-    const int top = low[s] ? 2 : 0;
-#pragma unroll 1
-    for (int p = top; p >= 0; --p, ++n) {
-      const int slot = n % FMOE_TC_SLOTS;
-      const unsigned char* sl = fmoe_tc_smem + slot * FMOE_TC_SLOT;
-      mbar_wait(full0 + 8 * slot, (n / FMOE_TC_SLOTS) & 1);
-      if (FMOE_TC_PROBE & 4) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * slot);
-        continue;
+  for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) logit[v] = 0.0f;
+  int n = 0;  // items taken
+  // Waits for item n's slot, builds the A fragments of its four k16 steps from its x (a[q][2h + i] = x[r0 +
+  // 8i][16q + 8h + 2t, + 1] as bf16x2) and issues its wgmmas into d (from zero at the stage's first plane),
+  // one commit group. Returns the slot.
+  auto issue = [&](float(&d)[FMOE_TC_WG_EXPERTS / 2], unsigned(&a)[4][4], bool first) {
+    const int slot = n % FMOE_TC_SLOTS;
+    mbar_wait(full0 + 8 * slot, (n / FMOE_TC_SLOTS) & 1);
+    ++n;
+    if (FMOE_TC_PROBE & 4) return slot;
+    const unsigned xa = xa0 + slot * FMOE_TC_SLOT;
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint2 v = lds_u64(xa + (j & 1) * 8 * FMOE_TC_X_ROW + 4 * (16 * q + 8 * (j >> 1)));
+        a[q][j] = pack_bf16x2(__uint_as_float(v.x), __uint_as_float(v.y));
       }
-      // The A fragments of the stage's four k16 steps: a[q][2h + i] = x[r0 + 8i][16q + 8h + 2t, + 1] as bf16x2.
-      unsigned a[4][4];
-      const unsigned xa = smem_addr(sl) + r0 * FMOE_TC_X_ROW + 8 * t;
+    const unsigned long long b = b0 + ((unsigned long long)(slot * FMOE_TC_SLOT) >> 4);
+    wgmma_fence();
 #pragma unroll
-      for (int q = 0; q < 4; ++q)
+    for (int q = 0; q < 4; ++q) fmoe_tc_wgmma(d, a[q], b + 2 * q, first && q == 0 ? 0 : 1);
+    wgmma_commit();
+    return slot;
+  };
+  auto release = [&](int slot) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * slot);  // the slot's x and gate are read
+  };
+  if (banked) {
+    // Stages in pairs, two banks: stage s's sums in d[0] from fragments a[0], stage s + 1's in d[1] from a[1].
+    // Stage s + 1's fragments are built while stage s's wgmmas run, and stage s's sums join the logits (and its
+    // slot is released) while stage s + 1's run. The same products, stage sums and k order as the one-bank loop:
+    // the same bits. Each pair ends with nothing in flight: with a group left pending across the loop's back edge
+    // ptxas could not tell which group a wait<1> leaves and serialised every wgmma (C7514; and C7518 where the
+    // last stage's bank was picked by a branch).
+    float d[2][FMOE_TC_WG_EXPERTS / 2];
+    unsigned a[2][4][4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint2 v = lds_u64(xa + (j & 1) * 8 * FMOE_TC_X_ROW + 4 * (16 * q + 8 * (j >> 1)));
-          a[q][j] = pack_bf16x2(__uint_as_float(v.x), __uint_as_float(v.y));
-        }
-      const unsigned long long b = wgmma_desc_sw128(sl + FMOE_TC_X_BYTES + wg * FMOE_TC_WG_EXPERTS * 128);
-      wgmma_fence();
+    for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) d[0][v] = d[1][v] = 0.0f;
+#pragma unroll 1
+    for (int s = s_begin; s < s_end; s += 2) {
+      const int slot0 = issue(d[0], a[0], true);
+      const int slot1 = issue(d[1], a[1], true);
+      wgmma_wait<1>();  // stage s's group done, s + 1's pending
+      wgmma_fence_operand(d[0]);
+      fmoe_tc_keep(a[0]);  // (a[1] was built after a[0]'s wgmmas were issued: other registers)
+      release(slot0);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) fmoe_tc_wgmma(d, a[q], b + 2 * q, p == top && q == 0 ? 0 : 1);
-      wgmma_commit();
+      for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) logit[v] += d[0][v];
       wgmma_wait<0>();
-      wgmma_fence_operand(d);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty0 + 8 * slot);  // the slot's x and gate are read
-      if (p == 0) {  // the stage's sums join the logits
+      wgmma_fence_operand(d[1]);
+      release(slot1);
 #pragma unroll
-        for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) logit[v] += d[v];
+      for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) logit[v] += d[1][v];
+    }
+  } else {
+    // One bank: each item's wgmmas waited on before the next (a stage's planes lo2, lo, hi chain in d).
+    float d[FMOE_TC_WG_EXPERTS / 2];
+    unsigned a[4][4];
+#pragma unroll
+    for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) d[v] = 0.0f;
+#pragma unroll 1
+    for (int s = s_begin; s < s_end; ++s) {
+      const int top = low[s] ? 2 : 0;
+#pragma unroll 1
+      for (int p = top; p >= 0; --p) {
+        const int slot = issue(d, a, p == top);
+        wgmma_wait<0>();
+        wgmma_fence_operand(d);
+        release(slot);
+        if (p == 0) {  // the stage's sums join the logits
+#pragma unroll
+          for (int v = 0; v < FMOE_TC_WG_EXPERTS / 2; ++v) logit[v] += d[v];
+        }
       }
     }
   }

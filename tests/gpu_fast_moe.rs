@@ -156,6 +156,13 @@ fn shared_first_env() -> Option<&'static Env> {
     variant_env(&ENV, "FMOE_SPREAD_SHARED=0")
 }
 
+/// The same kernels compiled with the diagnostic variant FMOE_TC_ONE_BANK=1 (kernels/fast_moe.cu: the
+/// tensor-core router's consumers wait on each stage's wgmmas, as before the banked loop).
+fn one_bank_env() -> Option<&'static Env> {
+    static ENV: OnceLock<(Registry, Env)> = OnceLock::new();
+    variant_env(&ENV, "FMOE_TC_ONE_BANK=1")
+}
+
 /// The kernels compiled with `define`, once per `lock`. The registry owns the compiled modules, so
 /// it lives as long as the kernels taken from it.
 fn variant_env(lock: &'static OnceLock<(Registry, Env)>, define: &str) -> Option<&'static Env> {
@@ -1159,6 +1166,68 @@ fn run_variant_cases(e: &'static Env, cases: &[(usize, Routing)]) {
     let flash = MoeShape::FLASH;
     run_cases_on(e, flash, Scales::Bytes, Gate::Bf16, Paths::Auto, cases);
     run_cases_on(e, SMALL, Scales::Bytes, Gate::Bf16, Paths::Auto, cases);
+}
+
+/// The tensor-core router's logits, banked (the default: two stages' wgmmas in flight, a BF16
+/// gate) and one-bank (FMOE_TC_ONE_BANK=1, each stage waited on): the same bits, on every
+/// tensor-core router at Flash shapes (64 stages a block unsplit, 16 split, 32 paired), with a
+/// partial last token tile, and with a gate of f32 values (whose lo planes send every block to the
+/// one-bank loop in both builds).
+#[test]
+fn banked_tensor_router_gives_the_one_bank_bits() {
+    let Some(e) = env() else {
+        return;
+    };
+    let Some(one_bank) = one_bank_env() else {
+        return;
+    };
+    let mut rng = Rng::from_env("banked_tensor_router_gives_the_one_bank_bits");
+    let stream = OwnedStream::new(e.ctx).unwrap();
+    let s = stream.borrow();
+    let sh = MoeShape::FLASH;
+    let mut l = SyntheticMoe::new(e.ctx, s, sh, rng.u64()).unwrap();
+    l.derive_fast(e.ctx, &e.fast, s).unwrap();
+    let (d, ne) = (sh.d, sh.experts);
+    for gate in [Gate::Bf16, Gate::F32] {
+        if gate == Gate::F32 {
+            gate_to_f32_values(e, &mut l, &mut rng, s);
+            l.derive_fast(e.ctx, &e.fast, s).unwrap();
+        }
+        for (t, router) in [
+            (fast_moe::TC_MIN_TOKENS + 5, RouterPath::Tensor),
+            (300, RouterPath::TensorSplit),
+            (1500, RouterPath::TensorPair),
+            (fast_moe::TC_PAIR_MAX_TOKENS + 70, RouterPath::Tensor),
+        ] {
+            let (x, tokens) = inputs(&mut rng, &sh, t);
+            let b = batch(e, &sh, t, &x, &tokens, s);
+            let fl = l.fast_layer(Routing::TopK, b.tokens);
+            let run = |env: &Env| {
+                {
+                    let _g = e.ctx.enter().unwrap();
+                    arena::memset_async(b.ws.logits, 0xff, s).unwrap(); // NaN poison
+                }
+                env.fast
+                    .route_on(e.ctx, &fl, b.x, t, &b.ws, router, GemmPath::Prefill, false, s)
+                    .unwrap();
+                get::<u32>(e.ctx, b.ws.logits, t * ne, s)
+            };
+            let case = format!("{gate:?} gate, {router:?}, T = {t}");
+            let (banked, one) = (run(e), run(one_bank));
+            assert!(
+                banked.iter().all(|&v| f32::from_bits(v).is_finite()),
+                "{case}: a score left unwritten"
+            );
+            let diff = banked.iter().zip(&one).position(|(a, b)| a != b);
+            assert!(
+                diff.is_none(),
+                "{case}: score {diff:?} differs, banked {:?} / one bank {:?}",
+                diff.map(|i| f32::from_bits(banked[i])),
+                diff.map(|i| f32::from_bits(one[i])),
+            );
+            println!("{case}: the banked router gives the one-bank bits ({d} wide)");
+        }
+    }
 }
 
 /// The small shape's paths (see [`SMALL`]), from one token to many tiles per expert.
