@@ -36,6 +36,12 @@ DSV4_INLINE int fmoe_x_pos(int k, bool halves) {
 // gate rows, and a prefill's selection no longer reads x. Requires dim % 128 == 0 and dim <= VALS * blockDim (the
 // wrapper checks). Grid-stride over rows. (128 registers on the rows kernel's block, two blocks an SM as
 // rmsnorm_rows_kernel; with a code's address made at each j it took 157.)
+//
+// The rows kernel (THREADS > 0, a prefill's rows, grid-stride) reads each row from a copy in shared memory that
+// 16-byte cp.async made while the block worked on the row before (`ahead`, two rows): its rows' loads no longer
+// wait on DRAM at the start of each row, which left a block's row chain (loads, the f64 sum's barrier, the amax
+// barrier, the codes) latency-bound at two blocks an SM. The same values, so the same bits. (Requires x's rows
+// 16-byte aligned: dim % 128 == 0 and x from the arena.)
 template <int VALS, int THREADS>
 DSV4_INLINE void fmoe_norm_x(float* x, int rows, int dim, const float* weight, float eps, int round_out, int halves,
                              unsigned char* xq, float* xs) {
@@ -44,9 +50,26 @@ DSV4_INLINE void fmoe_norm_x(float* x, int rows, int dim, const float* weight, f
   // THREADS: the block's threads where a compile-time constant (the rows kernel's), else 0 (blockDim.x).
   const int nthreads = THREADS > 0 ? THREADS : (int)blockDim.x;
   const int tid = threadIdx.x;
-  for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+  constexpr bool AHEAD = THREADS > 0;
+  __shared__ __align__(16) float ahead[AHEAD ? 2 : 1][AHEAD ? VALS * THREADS : 4];
+  // Copies row r (its 16-byte units, a thread's every nthreads-th) into ahead[buf], one commit group.
+  auto fetch = [&](int r, int buf) {
+    if (r < rows)
+      for (int c = tid; c < dim / 4; c += nthreads)
+        cp_async_16(smem_addr(&ahead[buf][4 * c]), x + (long long)r * dim + 4 * c);
+    cp_async_commit();  // (empty past the last row: the groups stay one a row)
+  };
+  if (AHEAD) fetch(blockIdx.x, 0);
+  int buf = 0;
+  for (int r = blockIdx.x; r < rows; r += gridDim.x, buf ^= 1) {
+    if (AHEAD) {
+      fetch(r + gridDim.x, buf ^ 1);  // ahead[buf ^ 1] was last read before the previous row's final barrier
+      cp_async_wait<1>();              // this thread's copies of row r have landed
+      __syncthreads();                 // and every thread's
+    }
     float o[VALS];
-    rmsnorm_row_in_registers<VALS>(x + (long long)r * dim, dim, weight, eps, round_out, scratch, o);
+    rmsnorm_row_in_registers<VALS>(x + (long long)r * dim, dim, weight, eps, round_out, scratch, o,
+                                   AHEAD ? ahead[buf] : nullptr);
     norm_row_warp_amax<VALS>(o, dim, nthreads, warp_amax);
     // Value i = tid + j * nthreads is k = tid % 128 of block i / 128 = tid / 128 + j * nthreads / 128 (nthreads %
     // 128 == 0): the same place in its block at every j, so a row's two bases, then a constant step a j.

@@ -9,15 +9,17 @@
 // One row of a row-per-block RMSNorm: a row of at most VALS * blockDim.x values, thread values
 // i = threadIdx.x + j * blockDim.x (the strided loop's order), all loads issued before the first use; every
 // thread of the block must call (the f64 sum is a block reduction). Writes the row in place and leaves the
-// written values in `out` (out[j] for value i; 0 past dim) for callers that use them again.
+// written values in `out` (out[j] for value i; 0 past dim) for callers that use them again. `src`, if given,
+// holds the row's values to read (a copy in shared memory: fmoe_norm_x's prefetch), else `row` itself.
 template <int VALS>
 DSV4_INLINE void rmsnorm_row_in_registers(float* row, int dim, const float* weight, float eps, int round_out,
-                                          double* scratch, float (&out)[VALS]) {
+                                          double* scratch, float (&out)[VALS], const float* src = nullptr) {
+  const float* in = src != nullptr ? src : row;
   float v[VALS], w[VALS];
 #pragma unroll
   for (int j = 0; j < VALS; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
-    v[j] = i < dim ? row[i] : 0.0f;
+    v[j] = i < dim ? in[i] : 0.0f;
     w[j] = weight != nullptr && i < dim ? weight[i] : 1.0f;
   }
   double acc = 0.0;  // the strided loop's per-thread order: i, i + blockDim.x, ...

@@ -1208,7 +1208,17 @@ fn banked_tensor_router_gives_the_one_bank_bits() {
                     arena::memset_async(b.ws.logits, 0xff, s).unwrap(); // NaN poison
                 }
                 env.fast
-                    .route_on(e.ctx, &fl, b.x, t, &b.ws, router, GemmPath::Prefill, false, s)
+                    .route_on(
+                        e.ctx,
+                        &fl,
+                        b.x,
+                        t,
+                        &b.ws,
+                        router,
+                        GemmPath::Prefill,
+                        false,
+                        s,
+                    )
                     .unwrap();
                 get::<u32>(e.ctx, b.ws.logits, t * ne, s)
             };
@@ -1423,7 +1433,8 @@ fn the_fast_set_reports_which_moe_layers_run_the_fast_kernels() {
 /// writes the normed rows `NormRope::rmsnorm` writes and the codes and scales the router kernels
 /// make of them (`route_on` without `x_made`: `fmoe_logits_kernel` at few tokens,
 /// `fmoe_select_kernel` behind the tensor-core router), byte for byte, in both code orders, on
-/// both of the norm's blocks (a row a 256- or 1024-thread block; the rows kernel's from 256 rows),
+/// both of the norm's blocks (a row a 256- or 1024-thread block; the rows kernel's from 256 rows,
+/// two blocks an SM each taking every grid-th row, the next one copied ahead: up to 6 rows a block),
 /// at a width of 384 and at Flash's 4096 (few small experts: only the router runs), with a zero
 /// row; and the routers, told the codes are made, leave them and route as before.
 #[test]
@@ -1463,6 +1474,7 @@ fn norm_x_gives_the_norms_rows_and_the_routers_codes() {
             300,
             fast_moe::TC_MIN_TOKENS + 76,
             fast_moe_wide::MIN_TOKENS + 76,
+            1500,
         ] {
             assert!(fast_moe::norm_x_covers(t, d), "d {d}, T={t}");
             let (mut x, tokens) = inputs(&mut rng, &sh, t);

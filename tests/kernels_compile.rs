@@ -211,7 +211,9 @@ fn check_wgmma_asynchronous(what: &str, log: &str) {
     }
     let serialized: Vec<&str> = log
         .lines()
-        .filter(|l| l.contains("instructions are serialized") || l.contains("C7511") || l.contains("C7514"))
+        .filter(|l| {
+            l.contains("instructions are serialized") || l.contains("C7511") || l.contains("C7514")
+        })
         .collect();
     println!("{what}: {} wgmma serialisation notes", serialized.len());
     assert!(

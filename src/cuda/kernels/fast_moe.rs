@@ -686,8 +686,11 @@ pub fn norm_x_covers(t: usize, d: usize) -> bool {
     norm_x_block(t, d).is_some()
 }
 
-/// Most blocks of an `fmoe_norm_x*` launch (a block a row, grid-stride beyond).
+/// Most blocks of an `fmoe_norm_x_kernel` launch (a block a row, grid-stride beyond).
 const NORM_X_MAX_BLOCKS: usize = 1 << 20;
+/// `fmoe_norm_x_rows_kernel` blocks an SM: as many as its registers let an SM hold (128 a
+/// thread, 256 threads), so the launch is one wave of blocks that each prefetch their rows.
+const NORM_X_ROWS_BLOCKS_PER_SM: usize = 2;
 
 /// The fast MoE: routing + combine kernels, the GEMMs, and the moe family's plan.
 pub struct FastMoe {
@@ -826,6 +829,11 @@ impl FastMoe {
         let (rows, dim) = (to_i32(K, "rows", t)?, to_i32(K, "dim", d)?);
         let _g = ctx.enter()?;
         let grid = t.min(NORM_X_MAX_BLOCKS) as u32;
+        // The rows kernel prefetches each block's next rows while it works on one
+        // (kernels/fast_moe.cu fmoe_norm_x): as many blocks as the SMs hold at once, each taking
+        // every grid-th row.
+        let rows_grid =
+            t.min(NORM_X_ROWS_BLOCKS_PER_SM * ctx.info().multiprocessors.max(1) as usize) as u32;
         let (halves, xq, xs) = (path.halves_order(), ws.xq, ws.xs);
         let (weight, eps, round_out) = (norm.weight, norm.eps, norm.round_out);
         match block {
@@ -844,7 +852,7 @@ impl FastMoe {
                 let threads = RMSNORM_ROWS_THREADS as u32;
                 self.route
                     .norm_x_rows
-                    .launch(grid, threads, 0, stream, args)
+                    .launch(rows_grid, threads, 0, stream, args)
             }
             RmsnormBlock::Row { threads, .. } => {
                 let args = fmoe_norm_x_kernel::Args {
