@@ -204,7 +204,9 @@ extern "C" __global__ void __launch_bounds__(FMOE_LOGIT_WARPS * 32)
 // garbage, so the selection routes every token to the lowest experts: the probed layer's own lines mean nothing.
 // Measured once, on a build (reverted) whose consumers also made x's FP8 codes and whose x came by TMA: router
 // chain at 4096 tokens 164.4 µs, without x copies 169.8, without the consumers' work 99.7, so there the
-// consumers set the pace (H100, fifty-sixth session); on this kernel not yet.
+// consumers set the pace (H100, fifty-sixth session). On the banked loop below (fifty-seventh session, H100):
+// chain 139.1 µs at 4096 tokens and 531.8 at 16384, without the consumers' work 140.0 and 518.4: they no longer
+// set the pace (the one-bank loop: 140.9 and 539.7).
 #ifndef FMOE_TC_PROBE
 #define FMOE_TC_PROBE 0
 #endif

@@ -368,6 +368,10 @@ fn moe_input_norm_fits(s: &Step) -> bool {
 /// µs layer; why those counts is not understood yet). At one token the added work lengthens the
 /// norm's one block where the router's four quantising blocks had overlapped the others' gate
 /// rows; at 4096 rows the rows block's longer chain costs more than the selection's read of x.
+/// With the rows kernel copying each next row ahead and the banked tensor-core router (fifty-seventh
+/// session): 1024 58.7 / 57.7, 4096 150.0 / 139.1, 16384 582.1 / 531.8 (before 59.8 / 60.2, 157.8
+/// / 141.5, 643.2 / 547.0): at 1024 the router making the codes is now 1 µs ahead; the range is
+/// not re-swept.
 fn norm_x_tokens(t: usize) -> bool {
     (8..=1024).contains(&t)
 }
