@@ -829,7 +829,7 @@ impl FastMoe {
         let (rows, dim) = (to_i32(K, "rows", t)?, to_i32(K, "dim", d)?);
         let _g = ctx.enter()?;
         let grid = t.min(NORM_X_MAX_BLOCKS) as u32;
-        // The rows kernel prefetches each block's next rows while it works on one
+        // The rows kernel copies each block's next row ahead while it works on one
         // (kernels/fast_moe.cu fmoe_norm_x): as many blocks as the SMs hold at once, each taking
         // every grid-th row.
         let rows_grid =
