@@ -41,7 +41,7 @@ DSV4_INLINE int fmoe_x_pos(int k, bool halves) {
 // 16-byte cp.async made while the block worked on the row before (`ahead`, two rows): its rows' loads no longer
 // wait on DRAM at the start of each row, which left a block's row chain (loads, the f64 sum's barrier, the amax
 // barrier, the codes) latency-bound at two blocks an SM. The same values, so the same bits. (Requires x's rows
-// 16-byte aligned: dim % 128 == 0 and x from the arena.)
+// 16-byte aligned: dim % 128 == 0, and x's address, which the wrapper checks.)
 template <int VALS, int THREADS>
 DSV4_INLINE void fmoe_norm_x(float* x, int rows, int dim, const float* weight, float eps, int round_out, int halves,
                              unsigned char* xq, float* xs) {

@@ -821,6 +821,13 @@ impl FastMoe {
             return Err(internal(format!("{K}: {t} rows of {d}")));
         };
         need(K, "x", x, t * d * 4)?;
+        if block == RmsnormBlock::Rows && !x.addr().is_multiple_of(16) {
+            // The rows kernel copies its rows ahead by 16-byte cp.async.
+            return Err(internal(format!(
+                "{K}: x at {:#x} is not 16-byte aligned",
+                x.addr()
+            )));
+        }
         if let Some(w) = norm.weight {
             need(K, "weight", w, d * 4)?;
         }
