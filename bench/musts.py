@@ -18,6 +18,10 @@ data.
 - Issue 11 (`bench: moe`): decode B <= 256 at >= 75% of HBM on touched-expert bytes, prefill
   B >= 4096 at >= 50% of the FP8 peak, each batch size's fastest path in the file (the path the
   fast set's crossover should pick); >= 4x torch `_grouped_mm` at B >= 64 and >= 20x at B <= 8.
+  Each torch case also gets its ceiling ("at_floor"): PyTorch's time over the layer's floor (its
+  touched bytes at the in-run HBM ceiling or its FLOPs at the in-run FP8 peak), the ratio a layer
+  at 100% of the roofline would reach. Below the must's ratio no kernel can meet it; above, the
+  must asks threshold / at_floor of the roofline ("asks").
 - Issue 12 (`bench: dense`, `bench: attn`): decode projections (T = 1, the gemv with its
   operands made inside it, as the fast set runs them) >= 75% of HBM on weight bytes; the head at
   T = 1 >= 85%; prefill projections (the file's largest T, >= 2048; whole calls as the fast set
@@ -95,16 +99,26 @@ def load(paths):
 
 
 def newest(rows):
-    """rows: (key, value, label, file) in file order (load's). Per GPU (GPUS), the rows of that
-    GPU's last file that has any, by key (a key twice in that file: its last):
-    {gpu: {key: (value, label, file)}}."""
+    """rows: (key, value, label, file[, at_floor]) in file order (load's). Per GPU (GPUS), the
+    rows of that GPU's last file that has any, by key (a key twice in that file: its last):
+    {gpu: {key: (value, label, file, at_floor or None)}}."""
     last = {}
     for row in rows:
         last[GPUS.get(row[3], "unknown")] = row[3]
     return {
-        gpu: {key: (value, label, path) for key, value, label, path in rows if path == file}
+        gpu: {row[0]: (row[1], row[2], row[3], row[4] if len(row) > 4 else None)
+              for row in rows if row[3] == file}
         for gpu, file in last.items()
     }
+
+
+def torch_at_floor(c):
+    """The speedup over PyTorch a layer at its floor would have (`torch_grouped_mm_us` over
+    `floor_us`, the bench's roofline time from the run's own ceilings), or None."""
+    t, f = c.get("torch_grouped_mm_us"), c.get("floor_us")
+    if not isinstance(t, (int, float)) or not isinstance(f, (int, float)) or f <= 0:
+        return None
+    return t / f
 
 
 def moe_rows(cases):
@@ -125,10 +139,11 @@ def moe_rows(cases):
         if b >= 4096 and "fraction_of_fp8_peak" in c:
             prefill.append(((b, routing), c["fraction_of_fp8_peak"], label, path))
         if "speedup_vs_torch" in c:
+            cap = torch_at_floor(c)
             if b >= 64:
-                torch_hi.append(((b, routing), c["speedup_vs_torch"], label, path))
+                torch_hi.append(((b, routing), c["speedup_vs_torch"], label, path, cap))
             if b <= 8:
-                torch_lo.append(((b, routing), c["speedup_vs_torch"], label, path))
+                torch_lo.append(((b, routing), c["speedup_vs_torch"], label, path, cap))
     return {
         "11 decode >= 75% HBM (B <= 256)": newest(decode),
         "11 prefill >= 50% FP8 peak (B >= 4096)": newest(prefill),
@@ -222,11 +237,14 @@ def standing(paths):
     for must, threshold in MUSTS.items():
         by_gpu = {}
         for gpu, rows in sorted(found.get(must, {}).items()):
-            listed = [
-                {"case": label, "value": round(value, 3), "met": value >= threshold, "file": path,
-                 "gpu": gpu}
-                for key, (value, label, path) in sorted(rows.items(), key=lambda kv: str(kv[0]))
-            ]
+            listed = []
+            for key, (value, label, path, cap) in sorted(rows.items(), key=lambda kv: str(kv[0])):
+                row = {"case": label, "value": round(value, 3), "met": value >= threshold,
+                       "file": path, "gpu": gpu}
+                if cap is not None:
+                    row["at_floor"] = round(cap, 3)
+                    row["asks"] = round(threshold / cap, 3)
+                listed.append(row)
             by_gpu[gpu] = {"met": bool(listed) and all(r["met"] for r in listed), "cases": listed}
         out[must] = {
             "threshold": threshold,
@@ -253,7 +271,11 @@ def main(argv):
             print(f"  {gpu}: {'MET' if g['met'] else 'not met'}")
             for row in g["cases"]:
                 mark = "ok " if row["met"] else "-- "
-                print(f"    {mark}{row['value']:>8}  {row['case']}  [{row['file']}]")
+                reach = ""
+                if "at_floor" in row:
+                    reach = (f"  (at its floor {row['at_floor']}x: beyond any kernel)" if row["asks"] > 1
+                             else f"  (at its floor {row['at_floor']}x: asks {row['asks']:.0%} of the roofline)")
+                print(f"    {mark}{row['value']:>8}  {row['case']}  [{row['file']}]{reach}")
     return 0
 
 

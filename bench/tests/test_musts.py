@@ -44,6 +44,20 @@ def test_moe_takes_each_batch_size_fastest_path_and_the_newest_run(tmp_path):
     assert musts.standing([old])["11 decode >= 75% HBM (B <= 256)"]["met"]
 
 
+def test_torch_cases_state_what_a_layer_at_its_floor_would_reach(tmp_path):
+    at = dict(moe(8, "decode", 230.0, 0.87, torch=5.7), torch_grouped_mm_us=1340.0, floor_us=200.0)
+    hi = dict(moe(16384, "prefill", 8555.0, 0.13, fp8=0.48, torch=2.55), torch_grouped_mm_us=21780.0,
+              floor_us=4140.0)
+    bare = moe(64, "decode", 900.0, 0.95, torch=4.4)  # a file without the floor: no ceiling stated
+    f = write(tmp_path, "t.json", [at, hi, bare])
+    r = musts.standing([f])
+    lo = r["11 >= 20x torch (B <= 8)"]["cases"][0]
+    assert lo["at_floor"] == 6.7 and lo["asks"] == round(20 / 6.7, 3) and lo["asks"] > 1
+    by_b = {c["case"].split(" ")[2]: c for c in r["11 >= 4x torch (B >= 64)"]["cases"]}
+    assert by_b["16384"]["asks"] == round(4 / (21780.0 / 4140.0), 3)
+    assert "at_floor" not in by_b["64"] and by_b["64"]["met"]
+
+
 def test_each_gpu_is_judged_on_its_own_newest_run(tmp_path):
     h200 = write(tmp_path, "a.json", [moe(8, "decode", 200.0, 0.72)])
     h100 = write(tmp_path, "b.json", [moe(8, "decode", 240.0, 0.85)], gpu="NVIDIA H100 80GB HBM3")
