@@ -20,8 +20,9 @@ data.
   fast set's crossover should pick); >= 4x torch `_grouped_mm` at B >= 64 and >= 20x at B <= 8.
   Each torch case also gets its ceiling ("at_floor"): PyTorch's time over the layer's floor (its
   touched bytes at the in-run HBM ceiling or its FLOPs at the in-run FP8 peak), the ratio a layer
-  at 100% of the roofline would reach. Below the must's ratio no kernel can meet it; above, the
-  must asks threshold / at_floor of the roofline ("asks").
+  at 100% of the roofline would reach. Where it is below the must's ratio, no kernel running at
+  the measured ceilings meets the must; above, the must asks threshold / at_floor of the roofline
+  ("asks").
 - Issue 12 (`bench: dense`, `bench: attn`): decode projections (T = 1, the gemv with its
   operands made inside it, as the fast set runs them) >= 75% of HBM on weight bytes; the head at
   T = 1 >= 85%; prefill projections (the file's largest T, >= 2048; whole calls as the fast set
@@ -273,7 +274,7 @@ def main(argv):
                 mark = "ok " if row["met"] else "-- "
                 reach = ""
                 if "at_floor" in row:
-                    reach = (f"  (at its floor {row['at_floor']}x: beyond any kernel)" if row["asks"] > 1
+                    reach = (f"  (at its floor {row['at_floor']}x: beyond the roofline)" if row["asks"] > 1
                              else f"  (at its floor {row['at_floor']}x: asks {row['asks']:.0%} of the roofline)")
                 print(f"    {mark}{row['value']:>8}  {row['case']}  [{row['file']}]{reach}")
     return 0
