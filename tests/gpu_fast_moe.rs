@@ -532,6 +532,24 @@ fn fast(
 
 // ------------------------------------------------------------------------------ checks
 
+/// Two runs' f32 outputs (as bits) are the same bit for bit, and the first left none unwritten
+/// (the buffers are NaN-poisoned before each run): `what` names an output, `a` and `b` each run.
+fn assert_same_f32_bits(case: &str, what: &str, a: (&str, &[u32]), b: (&str, &[u32])) {
+    assert!(
+        a.1.iter().all(|&v| f32::from_bits(v).is_finite()),
+        "{case}: a {what} left unwritten"
+    );
+    let diff = a.1.iter().zip(b.1).position(|(x, y)| x != y);
+    assert!(
+        diff.is_none(),
+        "{case}: {what} {diff:?} differs, {} {:?} / {} {:?}",
+        a.0,
+        diff.map(|i| f32::from_bits(a.1[i])),
+        b.0,
+        diff.map(|i| f32::from_bits(b.1[i])),
+    );
+}
+
 fn sorted(v: &[i32]) -> Vec<i32> {
     let mut v = v.to_vec();
     v.sort();
@@ -1224,17 +1242,7 @@ fn banked_tensor_router_gives_the_one_bank_bits() {
             };
             let case = format!("{gate:?} gate, {router:?}, T = {t}");
             let (banked, one) = (run(e), run(one_bank));
-            assert!(
-                banked.iter().all(|&v| f32::from_bits(v).is_finite()),
-                "{case}: a score left unwritten"
-            );
-            let diff = banked.iter().zip(&one).position(|(a, b)| a != b);
-            assert!(
-                diff.is_none(),
-                "{case}: score {diff:?} differs, banked {:?} / one bank {:?}",
-                diff.map(|i| f32::from_bits(banked[i])),
-                diff.map(|i| f32::from_bits(one[i])),
-            );
+            assert_same_f32_bits(&case, "score", ("banked", &banked), ("one bank", &one));
             println!("{case}: the banked router gives the one-bank bits ({d} wide)");
         }
     }
@@ -1581,16 +1589,11 @@ fn grouped_logit_warps_give_the_single_expert_warps_bits() {
             let case = format!("D {d}, E {ne}, T = {t}");
             let (one, one_x) = run(1);
             let (grouped, grouped_x) = run(fast_moe::LOGIT_GROUP);
-            assert!(
-                one.iter().all(|&v| f32::from_bits(v).is_finite()),
-                "{case}: a logit left unwritten"
-            );
-            let diff = one.iter().zip(&grouped).position(|(a, b)| a != b);
-            assert!(
-                diff.is_none(),
-                "{case}: grouped warps' logit {diff:?} differs ({:?} / {:?})",
-                diff.map(|i| f32::from_bits(one[i])),
-                diff.map(|i| f32::from_bits(grouped[i])),
+            assert_same_f32_bits(
+                &case,
+                "logit",
+                ("one expert a warp", &one),
+                ("grouped", &grouped),
             );
             assert!(one_x == grouped_x, "{case}: x's codes differ");
             println!("{case}: grouped logit warps give the same bits");
